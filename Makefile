@@ -1,0 +1,31 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= conf/dev.yaml
+
+.PHONY: run test bench deps system-deps clean
+
+$(STAMP): setup.cfg setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+deps: $(STAMP)
+
+system-deps:
+	scripts/ensure-system-deps.sh
+
+run: deps
+	$(VENV)/bin/replicator run -c $(CONFIG)
+
+test: deps system-deps
+	$(PY) scripts/run-tests.py $(TESTS)
+
+bench: deps system-deps
+	$(PY) scripts/bench/run.py
+
+clean:
+	rm -rf $(VENV) _trial_temp* build *.egg-info

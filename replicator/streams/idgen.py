@@ -1,0 +1,326 @@
+"""Stream ID tracking for single- and multi-writer streams.
+
+A :class:`StreamIdGenerator` does not hand out IDs itself: IDs come from the
+stream's database sequence (or, on SQLite, an in-process counter), inside the
+writer's transaction.  The generator tracks what is *reserved but not yet
+completed* for each local writer, and the positions learned from writers
+running in other instances, so that no reader is ever told a position past an
+unfinished ID.
+
+Definitions (``seeds/streams.md``), which every method keeps:
+
+* ``Known`` is every ID this generator has heard of: the start positions,
+  every reserved ID (completed or not) and every token passed to
+  :meth:`advance`.
+* The **linear** token is the largest ``x`` in ``Known`` such that every ID
+  reserved by a local writer at or below ``x`` has completed and ``x`` is at
+  most the position of every remote writer (a remote writer may have
+  reservations we cannot see above its position).
+* The **per-writer** token of a local writer ``W`` is the largest ``x`` among
+  ``W``'s start, ``W``'s reserved IDs and the linear token such that every ID
+  ``W`` reserved at or below ``x`` has completed.  An idle writer therefore
+  follows the linear token, never past another writer's unfinished ID.  The
+  per-writer token of a remote writer is the largest position it announced.
+* Both are monotonic.  A rollback is a completion (a fact with no rows).
+
+Reservations are registered from the database thread that called ``nextval``
+(:meth:`begin_reservation` before the call, :meth:`reserved` after it), so that
+a position learned meanwhile can never carry the tokens past an ID the
+sequence has already handed out.  Completions and advances run on the reactor
+thread; listeners are called there.
+
+Every operation is O(log n) in the number of in-flight IDs (amortized).
+"""
+
+import heapq
+import threading
+from typing import Callable, Dict, Iterable, List, Optional, Set
+
+Listener = Callable[[str, int, int], None]
+
+
+class UnknownWriter(KeyError):
+    """A writer name that is not one of the stream's configured writers."""
+
+
+class _WriterState:
+    """In-flight bookkeeping of one local writer.
+
+    ``position`` is the largest of the writer's own IDs (or its start) below
+    which nothing of the writer is unfinished.  ``inflight`` is a min-heap
+    with lazy deletion (``live`` holds what is still unfinished); ``blocked``
+    holds completed IDs above the smallest unfinished one.
+    """
+
+    __slots__ = ("position", "inflight", "live", "blocked")
+
+    def __init__(self, position: int):
+        self.position = position
+        self.inflight: List[int] = []
+        self.live: Set[int] = set()
+        self.blocked: List[int] = []
+
+    def add(self, stream_id: int) -> None:
+        if stream_id in self.live:
+            raise ValueError(f"stream ID {stream_id} reserved twice")
+        self.live.add(stream_id)
+        heapq.heappush(self.inflight, stream_id)
+
+    def finish(self, stream_id: int) -> bool:
+        """Mark ``stream_id`` complete; True if ``position`` moved."""
+        live = self.live
+        try:
+            live.remove(stream_id)
+        except KeyError:
+            raise ValueError(f"stream ID {stream_id} is not in flight") from None
+        inflight = self.inflight
+        while inflight and inflight[0] not in live:
+            heapq.heappop(inflight)
+        floor = inflight[0] if inflight else None
+        if floor is not None and stream_id > floor:
+            heapq.heappush(self.blocked, stream_id)
+            return False
+        best = stream_id
+        blocked = self.blocked
+        while blocked and (floor is None or blocked[0] < floor):
+            best = heapq.heappop(blocked)
+        if best > self.position:
+            self.position = best
+            return True
+        return False
+
+
+class StreamIdGenerator:
+    """Per-writer and linear positions of one stream, as seen by one instance.
+
+    ``positions`` gives the start position of every writer of the stream
+    (local and remote); ``local_writers`` names the ones that write through
+    this generator.  At start nothing is in flight.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        positions: Dict[str, int],
+        local_writers: Iterable[str],
+        call_from_thread: Optional[Callable] = None,
+    ):
+        self.name = name
+        local = list(local_writers)
+        for w in local:
+            if w not in positions:
+                raise UnknownWriter(w)
+        self._local: Dict[str, _WriterState] = {
+            w: _WriterState(positions[w]) for w in local
+        }
+        self._remote: Dict[str, int] = {
+            w: p for w, p in positions.items() if w not in self._local
+        }
+        self._lock = threading.Lock()
+        self._call_from_thread = call_from_thread
+        self._listeners: List[Listener] = []
+
+        # The local part of the linear token: all local reservations at or
+        # below it are complete.  Same structure as a writer's state, over
+        # every local writer together.
+        self._all = _WriterState(max(positions.values(), default=0))
+        self._max_known = self._all.position
+        self._pending = 0
+        self._dirty = False
+        self._linear = self._compute_linear()
+        self._tokens: Dict[str, int] = {}
+        self._tokens = self._current_tokens()
+
+    # ----------------------------------------------------------- listeners
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(writer, old, new)`` whenever a writer's token moves."""
+        self._listeners.append(listener)
+
+    # ---------------------------------------------------------- reservation
+    def begin_reservation(self) -> None:
+        """Announce that a ``nextval`` is about to run (any thread).
+
+        Until the matching :meth:`reserved` or :meth:`abort_reservation`, no
+        token moves: the ID being reserved is not known yet.
+        """
+        with self._lock:
+            self._pending += 1
+
+    def abort_reservation(self) -> None:
+        """The ``nextval`` announced by :meth:`begin_reservation` failed."""
+        with self._lock:
+            self._pending -= 1
+            wake = self._pending == 0 and self._dirty
+        if wake:
+            self._wake()
+
+    def reserved(self, writer: str, stream_ids: Iterable[int], pending: bool = True) -> None:
+        """Register IDs a local writer got from the sequence (any thread).
+
+        ``pending`` says whether :meth:`begin_reservation` was called first.
+        """
+        state = self._local.get(writer)
+        if state is None:
+            raise UnknownWriter(writer)
+        with self._lock:
+            try:
+                for stream_id in stream_ids:
+                    if stream_id <= state.position:
+                        raise ValueError(
+                            f"stream {self.name}: reserved ID {stream_id} is not "
+                            f"above {writer}'s position {state.position}"
+                        )
+                    state.add(stream_id)
+                    self._all.add(stream_id)
+                    if stream_id > self._max_known:
+                        self._max_known = stream_id
+            finally:
+                if pending:
+                    self._pending -= 1
+                wake = self._pending == 0 and self._dirty
+        if wake:
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._call_from_thread is not None:
+            self._call_from_thread(self._recompute)
+        else:
+            self._recompute()
+
+    # ----------------------------------------------------------- completion
+    def complete(self, writer: str, stream_id: int) -> None:
+        """Mark a reserved ID complete, committed or rolled back."""
+        state = self._local.get(writer)
+        if state is None:
+            raise UnknownWriter(writer)
+        with self._lock:
+            if stream_id not in state.live:
+                raise ValueError(
+                    f"stream {self.name}: ID {stream_id} of {writer} is not in flight"
+                )
+            state.finish(stream_id)
+            self._all.finish(stream_id)
+        self._recompute()
+
+    def complete_many(self, writer: str, stream_ids: Iterable[int]) -> None:
+        state = self._local.get(writer)
+        if state is None:
+            raise UnknownWriter(writer)
+        with self._lock:
+            for stream_id in stream_ids:
+                state.finish(stream_id)
+                self._all.finish(stream_id)
+        self._recompute()
+
+    def advance(self, writer: str, token: int) -> None:
+        """A remote writer has completed everything up to ``token``."""
+        if writer in self._local:
+            raise ValueError(
+                f"stream {self.name}: {writer} writes here; its position is not learned"
+            )
+        if writer not in self._remote:
+            raise UnknownWriter(writer)
+        with self._lock:
+            if token <= self._remote[writer]:
+                return
+            self._remote[writer] = token
+            if token > self._max_known:
+                self._max_known = token
+            all_ = self._all
+            if token > all_.position:
+                heapq.heappush(all_.blocked, token)
+                floor = all_.inflight[0] if all_.inflight else None
+                best = all_.position
+                while all_.blocked and (floor is None or all_.blocked[0] < floor):
+                    best = heapq.heappop(all_.blocked)
+                all_.position = best
+        self._recompute()
+
+    # ------------------------------------------------------------- reading
+    def _compute_linear(self) -> int:
+        linear = self._all.position
+        if self._remote:
+            linear = min(linear, min(self._remote.values()))
+        return linear
+
+    def _current_tokens(self) -> Dict[str, int]:
+        linear = self._linear
+        tokens = {w: (s.position if s.position > linear else linear) for w, s in self._local.items()}
+        tokens.update(self._remote)
+        return tokens
+
+    def _recompute(self) -> None:
+        with self._lock:
+            if self._pending:
+                self._dirty = True
+                return
+            self._dirty = False
+            linear = self._compute_linear()
+            if linear > self._linear:
+                self._linear = linear
+            new = self._current_tokens()
+            old = self._tokens
+            self._tokens = new
+        if self._listeners:
+            for writer, token in new.items():
+                before = old.get(writer)
+                if before is not None and token != before:
+                    for listener in self._listeners:
+                        listener(writer, before, token)
+
+    def get_current_token(self, writer: str) -> int:
+        """The per-writer current token."""
+        try:
+            return self._tokens[writer]
+        except KeyError:
+            raise UnknownWriter(writer) from None
+
+    def get_linear_token(self) -> int:
+        """The linear current token: the minimum over all writers."""
+        return self._linear
+
+    def get_max_token(self) -> int:
+        """The largest per-writer current token."""
+        return max(self._tokens.values())
+
+    def get_positions(self) -> Dict[str, int]:
+        """Per-writer current tokens of every writer (a copy)."""
+        return dict(self._tokens)
+
+    def get_max_known(self) -> int:
+        """The largest ID reserved here or learned from another writer."""
+        return self._max_known
+
+    def in_flight(self, writer: Optional[str] = None) -> int:
+        """How many IDs are reserved and unfinished (for one local writer or all)."""
+        if writer is None:
+            return len(self._all.live)
+        state = self._local.get(writer)
+        return len(state.live) if state is not None else 0
+
+    def prospective_token(self, writer: str, completing: List[int]) -> int:
+        """A lower bound of the writer's token once ``completing`` is done.
+
+        Taken inside the writing transaction, for persisting: it never claims
+        an ID that is still unfinished afterwards.  O(log n).
+        """
+        state = self._local[writer]
+        with self._lock:
+            bound = max(state.position, self._linear)
+            live = state.live
+            if len(live) == len(completing):
+                return max(bound, max(completing))
+            inflight = state.inflight
+            while inflight and inflight[0] not in live:
+                heapq.heappop(inflight)
+            if inflight and inflight[0] in completing:
+                bound = max(bound, inflight[0])
+            return bound
+
+    @property
+    def local_writers(self) -> List[str]:
+        return list(self._local)
+
+    @property
+    def writers(self) -> List[str]:
+        return list(self._tokens)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the tests and the exporter need, only when one
+# is missing: a real redis-server, PostgreSQL server binaries, the JDBC drivers
+# Spark reads through, and Java.
+set -euo pipefail
+
+need=()
+have_cmd() { command -v "$1" >/dev/null 2>&1; }
+have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+
+have_cmd redis-server || need+=(redis-server)
+{ have_cmd initdb || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; } || need+=(postgresql)
+have_pkg libpostgresql-jdbc-java || need+=(libpostgresql-jdbc-java)
+have_pkg libxerial-sqlite-jdbc-java || need+=(libxerial-sqlite-jdbc-java)
+have_cmd java || need+=(default-jre-headless)
+have_cmd systemd-analyze || need+=(systemd)
+
+if [ ${#need[@]} -eq 0 ]; then
+    exit 0
+fi
+echo "installing Debian packages: ${need[*]}"
+if [ "$(id -u)" -ne 0 ]; then
+    echo "error: need root to apt-get install ${need[*]}" >&2
+    exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
