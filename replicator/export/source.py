@@ -1,0 +1,307 @@
+"""Where the exporter's rows come from: JDBC for the bulk, DB-API for bounds.
+
+The rows of a stream's backing table are read by Spark's JDBC source in
+``numPartitions`` parallel range partitions over the ID column, always through
+a subquery bounded to ``[floor, upper]`` (Spark's partition predicates alone do
+not bound the first and last partition).  Every read yields exactly three
+columns, whatever the table looks like:
+
+* ``id``     -- the stream ID (bigint);
+* ``writer`` -- the writer instance (string; the stream's only writer when
+  the table has no writer column);
+* ``ts``     -- the row's timestamp in milliseconds since the epoch (bigint,
+  NULL for a stream without a timestamp column or a NULL cell).
+
+The small queries (persisted positions, ID bounds, the first ID at or after a
+time) run on the driver through psycopg2 / sqlite3: they return one row and
+need no Spark job.
+
+JDBC drivers are Debian's (``libpostgresql-jdbc-java``,
+``libxerial-sqlite-jdbc-java``), found under ``/usr/share/java`` at run time;
+``--jdbc-jar`` or ``REPLICATOR_JDBC_JAR`` override the search.
+"""
+
+import glob
+import os
+import sqlite3
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from urllib.parse import quote
+
+from ..config import DatabaseConfig, StreamConfig
+
+#: Smaller than every stream ID: the exclusive lower bound of a first export.
+MIN_TOKEN = -(2 ** 63)
+
+JAR_CANDIDATES = {
+    "postgres": ("/usr/share/java/postgresql.jar", "/usr/share/java/postgresql-*.jar"),
+    "sqlite": ("/usr/share/java/sqlite-jdbc.jar", "/usr/share/java/xerial-sqlite-jdbc.jar",
+               "/usr/share/java/xerial-sqlite-jdbc-*.jar", "/usr/share/java/sqlite-jdbc-*.jar"),
+}
+JAR_PACKAGES = {"postgres": "libpostgresql-jdbc-java", "sqlite": "libxerial-sqlite-jdbc-java"}
+DRIVERS = {"postgres": "org.postgresql.Driver", "sqlite": "org.sqlite.JDBC"}
+
+
+class SourceError(RuntimeError):
+    """The source cannot be read as configured (driver, DSN, tables): one line."""
+
+
+# ------------------------------------------------------------------ drivers
+def find_jdbc_jar(engine: str, override: Optional[str] = None) -> str:
+    """The path of the JDBC driver jar for ``engine``; SourceError if none.
+
+    ``override`` (``--jdbc-jar``) or ``$REPLICATOR_JDBC_JAR`` wins when given;
+    it must exist.
+    """
+    override = override or os.environ.get("REPLICATOR_JDBC_JAR")
+    if override:
+        if not os.path.isfile(override):
+            raise SourceError(f"JDBC driver jar {override} does not exist")
+        return override
+    for pattern in JAR_CANDIDATES[engine]:
+        for path in sorted(glob.glob(pattern)):
+            if os.path.isfile(path):
+                return os.path.realpath(path)
+    raise SourceError(
+        f"no {engine} JDBC driver found in /usr/share/java: install the Debian package "
+        f"{JAR_PACKAGES[engine]} (make test / make run do) or give --jdbc-jar PATH"
+    )
+
+
+@dataclass(frozen=True)
+class JdbcTarget:
+    """A JDBC URL plus the connection properties Spark passes to the driver."""
+
+    url: str
+    properties: Dict[str, str]
+
+
+def parse_dsn(dsn: str) -> Dict[str, str]:
+    """libpq key/value DSN or postgresql:// URI -> its keywords."""
+    from psycopg2.extensions import parse_dsn as _parse
+
+    try:
+        return dict(_parse(dsn))
+    except Exception as e:  # psycopg2.ProgrammingError
+        raise SourceError(f"database.postgres: not a valid DSN: {str(e).strip()}") from None
+
+
+def jdbc_target(db: DatabaseConfig) -> JdbcTarget:
+    """How Spark's JDBC source reaches ``db``."""
+    if db.engine == "sqlite":
+        path = os.path.abspath(db.path)
+        if not os.path.exists(path):
+            raise SourceError(f"database.sqlite: {path} does not exist")
+        return JdbcTarget(f"jdbc:sqlite:{path}", {"driver": DRIVERS["sqlite"]})
+    params = parse_dsn(db.dsn)
+    host = params.get("host") or params.get("hostaddr") or "localhost"
+    if "," in host:
+        host = host.split(",")[0]
+    if host.startswith("/"):
+        raise SourceError(
+            "database.postgres: the JDBC driver cannot use a Unix socket "
+            f"(host={host}); give host=127.0.0.1 or a host name"
+        )
+    port = (params.get("port") or "5432").split(",")[0]
+    user = params.get("user") or os.environ.get("PGUSER") or _login_name()
+    dbname = params.get("dbname") or os.environ.get("PGDATABASE") or user
+    host_part = f"[{host}]" if ":" in host else host
+    url = f"jdbc:postgresql://{host_part}:{port}/{quote(dbname, safe='')}"
+    props = {"driver": DRIVERS["postgres"], "user": user}
+    password = params.get("password") or os.environ.get("PGPASSWORD")
+    if password:
+        props["password"] = password
+    for key in ("sslmode", "sslrootcert", "sslcert", "sslkey", "application_name"):
+        if params.get(key):
+            props[key] = params[key]
+    props.setdefault("ApplicationName", params.get("application_name") or "replicator-export")
+    return JdbcTarget(url, props)
+
+
+def _login_name() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+# --------------------------------------------------------------- metadata
+def linear_position(positions: Dict[str, int], writers: Sequence[str]) -> int:
+    """The stream's linear persisted position: the minimum over its writers.
+
+    A configured writer with no row in ``stream_positions`` has persisted
+    nothing we can trust, so it counts as 0 (and holds the stream there).
+    Rows of instances that are not configured writers are ignored.
+    """
+    return min(positions.get(w, 0) for w in writers)
+
+
+@dataclass(frozen=True)
+class RangeBounds:
+    """What the rows with ``lower < id <= upper`` look like (one query).
+
+    ``min_id``/``max_id`` are None when the range holds no row; ``min_ts`` is
+    the smallest non-NULL timestamp, ``has_null_ts`` whether some row lacks
+    one (always true for a stream without a timestamp column).
+    """
+
+    min_id: Optional[int]
+    max_id: Optional[int]
+    min_ts: Optional[int]
+    has_null_ts: bool
+
+
+class Metadata:
+    """A plain DB-API connection for the exporter's one-row queries.
+
+    Opened read-only where the engine allows it; every query is its own
+    short statement (autocommit), so nothing holds a snapshot or a lock.
+    """
+
+    def __init__(self, db: DatabaseConfig):
+        self.engine = db.engine
+        if db.engine == "sqlite":
+            path = os.path.abspath(db.path)
+            if not os.path.exists(path):
+                raise SourceError(f"database.sqlite: {path} does not exist")
+            self.conn = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True,
+                                        isolation_level=None)
+            self.conn.execute("PRAGMA busy_timeout=5000")
+        else:
+            import psycopg2
+
+            try:
+                self.conn = psycopg2.connect(db.dsn, application_name="replicator-export")
+            except psycopg2.Error as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise SourceError(f"cannot connect to PostgreSQL: {first}") from None
+            self.conn.autocommit = True
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def _one(self, sql: str, args: Tuple = ()) -> Tuple:
+        if self.engine == "sqlite":
+            sql = sql.replace("%s", "?")
+        cur = self.conn.cursor()
+        try:
+            cur.execute(sql, args)
+            return cur.fetchone()
+        except Exception as e:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SourceError(f"query failed: {text}") from None
+        finally:
+            cur.close()
+
+    def _all(self, sql: str, args: Tuple = ()) -> List[Tuple]:
+        if self.engine == "sqlite":
+            sql = sql.replace("%s", "?")
+        cur = self.conn.cursor()
+        try:
+            cur.execute(sql, args)
+            return cur.fetchall()
+        except Exception as e:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SourceError(f"query failed: {text}") from None
+        finally:
+            cur.close()
+
+    def positions(self, stream_name: str) -> Dict[str, int]:
+        """Persisted position of every instance listed for the stream."""
+        rows = self._all(
+            "SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s",
+            (stream_name,),
+        )
+        return {name: int(pos) for name, pos in rows}
+
+    def bounds(self, stream: StreamConfig, lower: int, upper: int) -> RangeBounds:
+        """ID and timestamp bounds of the rows with ``lower < id <= upper``."""
+        idc = stream.id_column
+        if stream.timestamp_column:
+            ts = stream.timestamp_column
+            row = self._one(
+                f"SELECT MIN({idc}), MAX({idc}), MIN({ts}), "
+                f"MAX(CASE WHEN {ts} IS NULL THEN 1 ELSE 0 END) "
+                f"FROM {stream.table} WHERE {idc} > %s AND {idc} <= %s",
+                (lower, upper),
+            )
+            return RangeBounds(_int(row[0]), _int(row[1]), _int(row[2]), bool(row[3]))
+        row = self._one(
+            f"SELECT MIN({idc}), MAX({idc}) FROM {stream.table} "
+            f"WHERE {idc} > %s AND {idc} <= %s",
+            (lower, upper),
+        )
+        return RangeBounds(_int(row[0]), _int(row[1]), None, row[0] is not None)
+
+    def first_id_at(self, stream: StreamConfig, lower: int, upper: int, ms: int,
+                    null_counts: bool) -> Optional[int]:
+        """Smallest ID in ``(lower, upper]`` of a row timed at or after ``ms``.
+
+        ``null_counts``: a row without a timestamp counts as timed after
+        ``ms`` (its fact is timed by the export run, which is later).
+        """
+        idc, ts = stream.id_column, stream.timestamp_column
+        cond = f"{ts} >= %s" + (f" OR {ts} IS NULL" if null_counts else "")
+        row = self._one(
+            f"SELECT MIN({idc}) FROM {stream.table} "
+            f"WHERE {idc} > %s AND {idc} <= %s AND ({cond})",
+            (lower, upper, ms),
+        )
+        return _int(row[0])
+
+
+def _int(value) -> Optional[int]:
+    return None if value is None else int(value)
+
+
+# --------------------------------------------------------------------- reads
+def row_query(stream: StreamConfig, floor: int, upper: int) -> str:
+    """The bounded subquery one stream's JDBC read runs (partitioned by Spark)."""
+    cols = [f"{stream.id_column} AS id"]
+    if stream.writer_column:
+        cols.append(f"{stream.writer_column} AS writer")
+    if stream.timestamp_column:
+        cols.append(f"{stream.timestamp_column} AS ts")
+    return (
+        f"(SELECT {', '.join(cols)} FROM {stream.table} "
+        f"WHERE {stream.id_column} >= {int(floor)} AND {stream.id_column} <= {int(upper)}) "
+        f"AS export_rows"
+    )
+
+
+def read_rows(spark, target: JdbcTarget, stream: StreamConfig, floor: int, upper: int,
+              partitions: int, fetch_size: int = 10000):
+    """DataFrame ``(id, writer, ts)`` of the rows with ``floor <= id <= upper``.
+
+    ``floor`` and ``upper`` should be IDs found in the data (the bounds
+    query), so Spark's ``numPartitions`` strides split real rows evenly.
+    """
+    from pyspark.sql import functions as F
+
+    schema = ["id BIGINT"]
+    if stream.writer_column:
+        schema.append("writer STRING")
+    if stream.timestamp_column:
+        schema.append("ts BIGINT")
+    reader = (
+        spark.read.format("jdbc")
+        .option("url", target.url)
+        .option("dbtable", row_query(stream, floor, upper))
+        .option("customSchema", ", ".join(schema))
+        .option("fetchsize", str(fetch_size))
+    )
+    for key, value in target.properties.items():
+        reader = reader.option(key, value)
+    partitions = max(1, int(partitions))
+    if upper > floor and partitions > 1:
+        reader = (
+            reader.option("partitionColumn", "id")
+            .option("lowerBound", str(int(floor)))
+            .option("upperBound", str(int(upper) + 1))
+            .option("numPartitions", str(partitions))
+        )
+    df = reader.load()
+    if not stream.writer_column:
+        df = df.withColumn("writer", F.lit(stream.writers[0]))
+    if not stream.timestamp_column:
+        df = df.withColumn("ts", F.lit(None).cast("long"))
+    return df.select("id", "writer", "ts")
