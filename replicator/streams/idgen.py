@@ -66,28 +66,34 @@ class _WriterState:
         self.live.add(stream_id)
         heapq.heappush(self.inflight, stream_id)
 
-    def finish(self, stream_id: int) -> bool:
-        """Mark ``stream_id`` complete; True if ``position`` moved."""
-        live = self.live
+    def finish(self, stream_id: int) -> None:
+        """Mark ``stream_id`` complete; :meth:`settle` moves ``position``."""
         try:
-            live.remove(stream_id)
+            self.live.remove(stream_id)
         except KeyError:
             raise ValueError(f"stream ID {stream_id} is not in flight") from None
+        heapq.heappush(self.blocked, stream_id)
+
+    def learn(self, token: int) -> None:
+        """``token`` is known and not in flight (a remote writer's position)."""
+        if token > self.position:
+            heapq.heappush(self.blocked, token)
+
+    def settle(self) -> None:
+        """Move ``position`` up to the largest known ID below the unfinished ones."""
+        blocked = self.blocked
+        if not blocked:
+            return
+        live = self.live
         inflight = self.inflight
         while inflight and inflight[0] not in live:
             heapq.heappop(inflight)
         floor = inflight[0] if inflight else None
-        if floor is not None and stream_id > floor:
-            heapq.heappush(self.blocked, stream_id)
-            return False
-        best = stream_id
-        blocked = self.blocked
+        best = self.position
         while blocked and (floor is None or blocked[0] < floor):
             best = heapq.heappop(blocked)
         if best > self.position:
             self.position = best
-            return True
-        return False
 
 
 class StreamIdGenerator:
@@ -226,14 +232,7 @@ class StreamIdGenerator:
             self._remote[writer] = token
             if token > self._max_known:
                 self._max_known = token
-            all_ = self._all
-            if token > all_.position:
-                heapq.heappush(all_.blocked, token)
-                floor = all_.inflight[0] if all_.inflight else None
-                best = all_.position
-                while all_.blocked and (floor is None or all_.blocked[0] < floor):
-                    best = heapq.heappop(all_.blocked)
-                all_.position = best
+            self._all.learn(token)
         self._recompute()
 
     # ------------------------------------------------------------- reading
@@ -255,6 +254,9 @@ class StreamIdGenerator:
                 self._dirty = True
                 return
             self._dirty = False
+            for state in self._local.values():
+                state.settle()
+            self._all.settle()
             linear = self._compute_linear()
             if linear > self._linear:
                 self._linear = linear
@@ -307,6 +309,9 @@ class StreamIdGenerator:
         state = self._local[writer]
         with self._lock:
             bound = max(state.position, self._linear)
+            if self._pending:
+                # Another reservation is under way: its ID is not known yet.
+                return bound
             live = state.live
             if len(live) == len(completing):
                 return max(bound, max(completing))

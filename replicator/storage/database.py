@@ -1,0 +1,81 @@
+"""The database handle: an adbapi connection pool over psycopg2 or sqlite3.
+
+Every blocking call runs in the pool's threads, never on the reactor thread.
+SQL is written once with ``%s`` placeholders; :meth:`Database.sql` turns it
+into sqlite3's ``?`` style.  ``GREATEST`` is spelled by :attr:`Database.greatest`
+(``MAX`` on SQLite).
+"""
+
+import os
+from functools import lru_cache
+
+from twisted.enterprise import adbapi
+from twisted.logger import Logger
+
+from ..config import DatabaseConfig
+
+log = Logger()
+
+
+def _sqlite_open(conn) -> None:
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=5000")
+
+
+def _postgres_open(conn) -> None:
+    # Stream writes are short transactions; READ COMMITTED is what the
+    # position bookkeeping assumes.
+    conn.set_session(isolation_level="READ COMMITTED")
+
+
+@lru_cache(maxsize=1024)
+def _qmark(text: str) -> str:
+    return text.replace("%s", "?")
+
+
+class Database:
+    """A pool of connections to the configured database.
+
+    ``engine`` is ``postgres`` or ``sqlite``.  SQLite uses exactly one
+    connection: the embedded default is a single-process database.
+    """
+
+    def __init__(self, config: DatabaseConfig):
+        self.config = config
+        self.engine = config.engine
+        if self.engine == "sqlite":
+            directory = os.path.dirname(os.path.abspath(config.path))
+            os.makedirs(directory, exist_ok=True)
+            self.pool = adbapi.ConnectionPool(
+                "sqlite3", config.path, check_same_thread=False,
+                cp_min=1, cp_max=1, cp_openfun=_sqlite_open, cp_noisy=False,
+            )
+            self.greatest = "MAX"
+        else:
+            self.pool = adbapi.ConnectionPool(
+                "psycopg2", config.dsn, cp_min=config.pool_min, cp_max=config.pool_max,
+                cp_openfun=_postgres_open, cp_reconnect=True, cp_noisy=False,
+            )
+            self.greatest = "GREATEST"
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.engine == "postgres"
+
+    def sql(self, text: str) -> str:
+        """``text`` in this engine's placeholder style."""
+        return text if self.engine == "postgres" else _qmark(text)
+
+    def runInteraction(self, fn, *args, **kwargs):
+        """Run ``fn(txn, ...)`` in one transaction in a pool thread."""
+        return self.pool.runInteraction(fn, *args, **kwargs)
+
+    def runQuery(self, text: str, *args):
+        return self.pool.runQuery(self.sql(text), *args)
+
+    def runOperation(self, text: str, *args):
+        return self.pool.runOperation(self.sql(text), *args)
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,127 @@
+"""Tables and sequences the streams live in, and the checks made at startup.
+
+``stream_positions`` holds, per (stream, writer instance), a persisted
+position: every fact of that writer at or below it is committed and final.
+A stream's backing table holds its ID column, its writer column (if any) and
+its row columns; several rows may share one ID (a multi-row fact).
+
+All functions here take a DB-API cursor and run in a pool thread.
+"""
+
+from typing import Dict, List, Optional
+
+from ..config import ConfigError, StreamConfig
+
+POSITIONS_DDL = """
+CREATE TABLE IF NOT EXISTS stream_positions (
+    stream_name TEXT NOT NULL,
+    instance_name TEXT NOT NULL,
+    stream_id BIGINT NOT NULL,
+    PRIMARY KEY (stream_name, instance_name)
+)
+"""
+
+PG_TYPES = {"text": "TEXT", "bigint": "BIGINT", "boolean": "BOOLEAN", "json": "JSONB"}
+SQLITE_TYPES = {"text": "TEXT", "bigint": "INTEGER", "boolean": "INTEGER", "json": "TEXT"}
+
+
+def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
+    """Statements creating the stream's table, indexes and sequence if missing."""
+    types = PG_TYPES if postgres else SQLITE_TYPES
+    cols = [f"{stream.id_column} BIGINT NOT NULL"]
+    if stream.writer_column:
+        cols.append(f"{stream.writer_column} TEXT NOT NULL")
+    for c in stream.columns:
+        cols.append(f"{c.name} {types[c.type]}{'' if c.nullable else ' NOT NULL'}")
+    statements = []
+    if postgres:
+        statements.append(f"CREATE SEQUENCE IF NOT EXISTS {stream.sequence}")
+    statements.append(f"CREATE TABLE IF NOT EXISTS {stream.table} ({', '.join(cols)})")
+    if stream.writer_column:
+        statements.append(
+            f"CREATE INDEX IF NOT EXISTS {stream.table}_writer_id "
+            f"ON {stream.table} ({stream.writer_column}, {stream.id_column})"
+        )
+    statements.append(
+        f"CREATE INDEX IF NOT EXISTS {stream.table}_id ON {stream.table} ({stream.id_column})"
+    )
+    return statements
+
+
+def table_columns(txn, table: str, postgres: bool) -> Optional[List[str]]:
+    """Column names of ``table``, or None if it does not exist."""
+    if postgres:
+        txn.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_schema = current_schema() AND table_name = %s",
+            (table,),
+        )
+        names = [r[0] for r in txn.fetchall()]
+    else:
+        txn.execute(f"PRAGMA table_info({table})")
+        names = [r[1] for r in txn.fetchall()]
+    return names or None
+
+
+def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool) -> None:
+    """Every configured column exists; otherwise a ConfigError naming it."""
+    existing = table_columns(txn, stream.table, postgres)
+    if existing is None:
+        raise ConfigError(f"{key}.table", f"table {stream.table!r} does not exist (create: false)")
+    wanted = [(f"{key}.id_column", stream.id_column)]
+    if stream.writer_column:
+        wanted.append((f"{key}.writer_column", stream.writer_column))
+    wanted += [(f"{key}.columns[{i}]", c.name) for i, c in enumerate(stream.columns)]
+    for where, name in wanted:
+        if name not in existing:
+            raise ConfigError(where, f"unknown column {name!r} in table {stream.table!r}")
+
+
+def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str]) -> None:
+    """Create what is missing and check what exists."""
+    txn.execute(POSITIONS_DDL)
+    for stream in streams:
+        if stream.create:
+            for statement in table_ddl(stream, postgres):
+                txn.execute(statement)
+        check_stream_table(txn, stream, keys[stream.name], postgres)
+        if postgres and not stream.create:
+            txn.execute("SELECT to_regclass(%s)", (stream.sequence,))
+            if txn.fetchone()[0] is None:
+                raise ConfigError(f"{keys[stream.name]}.sequence",
+                                  f"sequence {stream.sequence!r} does not exist")
+
+
+def persisted_positions(txn, stream_name: str, sql) -> Dict[str, int]:
+    txn.execute(
+        sql("SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s"),
+        (stream_name,),
+    )
+    return {name: int(pos) for name, pos in txn.fetchall()}
+
+
+def table_max_per_writer(txn, stream: StreamConfig) -> Dict[str, int]:
+    if stream.writer_column:
+        txn.execute(
+            f"SELECT {stream.writer_column}, MAX({stream.id_column}) FROM {stream.table} "
+            f"GROUP BY {stream.writer_column}"
+        )
+        return {w: int(m) for w, m in txn.fetchall()}
+    txn.execute(f"SELECT MAX({stream.id_column}) FROM {stream.table}")
+    (m,) = txn.fetchone()
+    return {stream.writers[0]: int(m)} if m is not None else {}
+
+
+def upsert_position_sql(greatest: str) -> str:
+    return (
+        "INSERT INTO stream_positions (stream_name, instance_name, stream_id) "
+        "VALUES (%s, %s, %s) ON CONFLICT (stream_name, instance_name) DO UPDATE "
+        f"SET stream_id = {greatest}(stream_positions.stream_id, excluded.stream_id)"
+    )
+
+
+def sequence_value(txn, sequence: str) -> int:
+    """The last value ``nextval`` handed out (PostgreSQL)."""
+    txn.execute(f"SELECT last_value, is_called FROM {sequence}")
+    last, called = txn.fetchone()
+    return int(last) if called else int(last) - 1

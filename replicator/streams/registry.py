@@ -1,0 +1,78 @@
+"""All streams of one instance, by name, loaded together at startup."""
+
+from typing import Dict, Iterator, Optional, Sequence
+
+from twisted.internet import reactor
+
+from .. import metrics
+from ..config import StreamConfig
+from ..storage import schema
+from ..storage.database import Database
+from .stream import Stream
+
+
+class UnknownStream(KeyError):
+    pass
+
+
+class StreamRegistry:
+    """The streams this instance knows, in config order.
+
+    :meth:`start` creates missing tables (for streams with ``create``),
+    checks the configured columns exist, and loads every stream's positions
+    in one transaction.
+    """
+
+    def __init__(self, db: Database, instance_name: str, streams: Sequence[StreamConfig],
+                 key_prefix: str = "streams", call_from_thread=None):
+        self.db = db
+        self.instance_name = instance_name
+        if call_from_thread is None:
+            call_from_thread = reactor.callFromThread
+        self._streams: Dict[str, Stream] = {
+            s.name: Stream(s, db, instance_name, call_from_thread=call_from_thread)
+            for s in streams
+        }
+        self._keys = {s.name: f"{key_prefix}[{i}]" for i, s in enumerate(streams)}
+
+    async def start(self) -> None:
+        await self.db.runInteraction(self._start_txn)
+
+    def _start_txn(self, txn) -> None:
+        streams = [s.config for s in self._streams.values()]
+        schema.ensure_schema(txn, streams, self.db.is_postgres, self._keys)
+        for stream in self._streams.values():
+            stream.load(txn)
+
+    async def stop(self) -> None:
+        for stream in self._streams.values():
+            await stream.flush_positions()
+
+    def get(self, name: str) -> Stream:
+        try:
+            return self._streams[name]
+        except KeyError:
+            raise UnknownStream(name) from None
+
+    def find(self, name: str) -> Optional[Stream]:
+        return self._streams.get(name)
+
+    def __iter__(self) -> Iterator[Stream]:
+        return iter(self._streams.values())
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._streams
+
+    def refresh_metrics(self) -> None:
+        """Set the position and in-flight gauges from live state."""
+        for stream in self._streams.values():
+            gen = stream.id_gen
+            if gen is None:
+                continue
+            for writer, token in gen.get_positions().items():
+                metrics.STREAM_POSITION.labels(stream.name, writer).set(token)
+            metrics.STREAM_LINEAR_POSITION.labels(stream.name).set(gen.get_linear_token())
+            metrics.IN_FLIGHT.labels(stream.name).set(gen.in_flight())

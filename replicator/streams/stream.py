@@ -1,0 +1,344 @@
+"""A stream as one instance sees it: its table, its writers, its positions.
+
+Writing a fact (:meth:`Stream.writer`, :meth:`Stream.write_facts`) reserves
+its ID from the sequence inside the writing transaction, inserts the fact's
+rows (any number, all sharing the ID), persists the writer's position in
+``stream_positions`` in the same transaction, commits or rolls back, and then
+marks the ID complete either way.  The ID generator is told about the
+reservation before the transaction can commit, so no position ever passes an
+ID whose rows could still appear.
+
+Reading (:meth:`Stream.updates_since`) returns the rows of one writer between
+two tokens in ascending token order; it is what both the RDATA fan-out and a
+reader's catch-up use.
+"""
+
+import itertools
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from .. import metrics
+from ..config import StreamConfig
+from ..storage import schema
+from ..storage.database import Database
+from .idgen import StreamIdGenerator
+from .rows import check_rows, db_params, reader
+
+log = Logger()
+
+Update = Tuple[int, list]
+TxnHook = Callable[[Any, int], None]
+
+
+class Fact:
+    """One fact being written: rows added in the ``async with`` block.
+
+    ``also(fn)`` adds blocking work ``fn(txn, stream_id)`` to the same
+    transaction (e.g. the application's own tables).  ``stream_id`` is set
+    once the block has committed.  An exception in the block writes nothing
+    and reserves nothing; a failure while writing rolls back and completes
+    the reserved ID as a fact with no rows.
+    """
+
+    def __init__(self, stream: "Stream", writer: str):
+        self._stream = stream
+        self.writer = writer
+        self.rows: List[list] = []
+        self._hooks: List[TxnHook] = []
+        self.stream_id: Optional[int] = None
+
+    def add_row(self, row: Sequence[Any]) -> None:
+        self.rows.append(list(row))
+
+    def add_rows(self, rows) -> None:
+        self.rows.extend(list(r) for r in rows)
+
+    def also(self, fn: TxnHook) -> None:
+        self._hooks.append(fn)
+
+    async def __aenter__(self) -> "Fact":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            return False
+        (self.stream_id,) = await self._stream.write_facts(
+            [self.rows], writer=self.writer, hooks=self._hooks
+        )
+        return False
+
+
+class Stream:
+    """One stream: config, database, ID generator, and the local writer(s).
+
+    Call :meth:`load` (in a DB thread, via the registry) before use.
+    """
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        db: Database,
+        instance_name: str,
+        local_writers: Optional[Sequence[str]] = None,
+        call_from_thread: Optional[Callable] = None,
+        persist_delay: float = 0.2,
+        clock=None,
+    ):
+        self.config = config
+        self.name = config.name
+        self.db = db
+        self.instance_name = instance_name
+        if local_writers is None:
+            local_writers = [instance_name] if instance_name in config.writers else []
+        self.local_writers = list(local_writers)
+        self.id_gen: Optional[StreamIdGenerator] = None
+        self._call_from_thread = call_from_thread
+        self._counter = None  # SQLite: in-process sequence
+        self._shape = reader(config.columns, db.is_postgres)
+        self._columns = config.columns
+        self._persist_delay = persist_delay
+        self._persist_call = None
+        self._persisting: Optional[defer.Deferred] = None
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self._clock = clock
+        self._build_sql()
+
+    # ------------------------------------------------------------- startup
+    def _build_sql(self) -> None:
+        c = self.config
+        sql = self.db.sql
+        cols = [c.id_column] + ([c.writer_column] if c.writer_column else []) + c.column_names
+        self._insert_cols = ", ".join(cols)
+        marks = ["%s"] * (2 if c.writer_column else 1)
+        for column in c.columns:
+            marks.append("%s::jsonb" if column.type == "json" and self.db.is_postgres else "%s")
+        self._row_marks = "(" + ", ".join(marks) + ")"
+        self._insert_one = sql(f"INSERT INTO {c.table} ({self._insert_cols}) VALUES {self._row_marks}")
+        self._upsert = sql(schema.upsert_position_sql(self.db.greatest))
+        order = "ctid" if self.db.is_postgres else "rowid"
+        where = f"{c.writer_column} = %s AND " if c.writer_column else ""
+        select = f"SELECT {c.id_column}, {', '.join(c.column_names)} FROM {c.table}"
+        self._select_range = sql(
+            f"{select} WHERE {where}{c.id_column} > %s AND {c.id_column} <= %s "
+            f"ORDER BY {c.id_column}, {order} LIMIT %s"
+        )
+        self._select_one = sql(
+            f"{select} WHERE {where}{c.id_column} = %s ORDER BY {order}"
+        )
+        self._nextval = f"SELECT nextval('{c.sequence}')"
+        self._nextval_many = (
+            f"SELECT nextval('{c.sequence}') FROM generate_series(1, %s)"
+        )
+
+    def load(self, txn) -> None:
+        """Positions from the database; nothing is in flight (pool thread).
+
+        A local writer starts at the larger of its persisted position and its
+        largest ID in the table; a writer with neither starts at the stream's
+        smallest persisted position (never ahead of facts other writers may
+        still have in flight).  A sequence behind the table is moved forward,
+        with a warning.
+        """
+        c = self.config
+        persisted = schema.persisted_positions(txn, self.name, self.db.sql)
+        table_max = schema.table_max_per_writer(txn, c)
+        known = [persisted[w] for w in c.writers if w in persisted]
+        floor = min(known) if known else 0
+        positions = {}
+        for w in c.writers:
+            if w in self.local_writers:
+                candidates = [p for p in (persisted.get(w), table_max.get(w)) if p is not None]
+                positions[w] = max(candidates) if candidates else floor
+            else:
+                positions[w] = persisted.get(w, floor)
+        top = max([0, *table_max.values(), *persisted.values()])
+        if self.db.is_postgres:
+            current = schema.sequence_value(txn, c.sequence)
+            if current < top:
+                txn.execute("SELECT setval(%s, %s)", (c.sequence, top))
+                log.warn(
+                    "stream {stream}: sequence {seq} was at {current}, behind the "
+                    "table's {top}; moved it to {top}",
+                    stream=self.name, seq=c.sequence, current=current, top=top,
+                )
+        else:
+            self._counter = itertools.count(top + 1)
+        self.id_gen = StreamIdGenerator(
+            self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
+        )
+        self.id_gen.add_listener(self._on_advance)
+
+    # ------------------------------------------------------------- writing
+    def writer(self, writer: Optional[str] = None) -> Fact:
+        """``async with stream.writer() as fact: fact.add_row([...])``."""
+        return Fact(self, self._writer(writer))
+
+    def _writer(self, writer: Optional[str]) -> str:
+        writer = writer or self.instance_name
+        if writer not in self.local_writers:
+            raise ValueError(f"stream {self.name}: {writer} is not a writer here")
+        return writer
+
+    async def write_fact(self, rows, writer: Optional[str] = None) -> int:
+        (stream_id,) = await self.write_facts([rows], writer)
+        return stream_id
+
+    async def write_facts(
+        self, facts: Sequence[Sequence[Any]], writer: Optional[str] = None,
+        hooks: Sequence[TxnHook] = (),
+    ) -> List[int]:
+        """Write several facts in one transaction; IDs reserved in one round trip.
+
+        ``facts`` is a list of facts, each a list of rows (possibly empty).
+        Returns the facts' stream IDs in order.
+        """
+        writer = self._writer(writer)
+        columns = self._columns
+        checked = [[db_params(columns, r) for r in check_rows(columns, rows)] for rows in facts]
+        reserved: List[int] = []
+        started = time.monotonic()
+        try:
+            ids = await self.db.runInteraction(self._write_txn, writer, checked, hooks, reserved)
+        except BaseException:
+            if reserved:
+                self.id_gen.complete_many(writer, reserved)
+                metrics.FACTS_ROLLED_BACK.labels(self.name).inc(len(reserved))
+            raise
+        self.id_gen.complete_many(writer, ids)
+        metrics.FACTS_WRITTEN.labels(self.name).inc(len(ids))
+        metrics.WRITE_LATENCY.labels(self.name).observe(time.monotonic() - started)
+        return ids
+
+    def _reserve(self, txn, writer: str, n: int, reserved: List[int]) -> List[int]:
+        gen = self.id_gen
+        if self._counter is not None:
+            ids = [next(self._counter) for _ in range(n)]
+            reserved.extend(ids)
+            gen.reserved(writer, ids, pending=False)
+            return ids
+        gen.begin_reservation()
+        try:
+            if n == 1:
+                txn.execute(self._nextval)
+                ids = [txn.fetchone()[0]]
+            else:
+                txn.execute(self._nextval_many, (n,))
+                ids = sorted(r[0] for r in txn.fetchall())
+        except BaseException:
+            gen.abort_reservation()
+            raise
+        reserved.extend(ids)
+        gen.reserved(writer, ids)
+        return ids
+
+    def _write_txn(self, txn, writer, facts, hooks, reserved) -> List[int]:
+        ids = self._reserve(txn, writer, len(facts), reserved)
+        with_writer = self.config.writer_column is not None
+        params: List[Any] = []
+        count = 0
+        for stream_id, rows in zip(ids, facts):
+            for row in rows:
+                params.append(stream_id)
+                if with_writer:
+                    params.append(writer)
+                params.extend(row)
+                count += 1
+        for hook in hooks:
+            for stream_id in ids:
+                hook(txn, stream_id)
+        position = self.id_gen.prospective_token(writer, ids)
+        position_params = (self.name, writer, position)
+        if self.db.is_postgres:
+            statements = []
+            if count:
+                statements.append(
+                    f"INSERT INTO {self.config.table} ({self._insert_cols}) VALUES "
+                    + ", ".join([self._row_marks] * count)
+                )
+            statements.append(self._upsert)
+            txn.execute("; ".join(statements), params + list(position_params))
+        else:
+            if count:
+                width = len(params) // count
+                txn.executemany(
+                    self._insert_one,
+                    [params[i:i + width] for i in range(0, len(params), width)],
+                )
+            txn.execute(self._upsert, position_params)
+        return ids
+
+    # ------------------------------------------------------------- reading
+    async def updates_since(
+        self, writer: str, from_token: int, to_token: int, limit: int = 1000
+    ) -> Tuple[List[Update], int, bool]:
+        """Rows of ``writer`` with ``from_token < token <= to_token``.
+
+        Returns ``(updates, upto_token, limited)``: ``(token, row)`` pairs in
+        ascending token order, every fact whole; ``upto_token`` is the token
+        reached (``to_token`` unless ``limited``).  A single fact with more
+        rows than ``limit`` is returned whole.
+        """
+        if to_token <= from_token:
+            return [], to_token, False
+        return await self.db.runInteraction(
+            self._updates_txn, writer, from_token, to_token, max(1, limit)
+        )
+
+    def _updates_txn(self, txn, writer, from_token, to_token, limit):
+        prefix = (writer,) if self.config.writer_column else ()
+        txn.execute(self._select_range, prefix + (from_token, to_token, limit + 1))
+        rows = txn.fetchall()
+        limited = len(rows) > limit
+        if limited:
+            last = rows[limit - 1][0]
+            if rows[limit][0] == last:
+                kept = [r for r in rows[:limit] if r[0] != last]
+                if not kept:
+                    txn.execute(self._select_one, prefix + (last,))
+                    kept = txn.fetchall()
+                rows = kept
+            else:
+                rows = rows[:limit]
+            upto = rows[-1][0]
+        else:
+            upto = to_token
+        shape = self._shape
+        if shape is None:
+            updates = [(r[0], list(r[1:])) for r in rows]
+        else:
+            updates = [(r[0], shape(r[1:])) for r in rows]
+        return updates, upto, limited
+
+    # ---------------------------------------------------------- persisting
+    def _on_advance(self, writer: str, old: int, new: int) -> None:
+        if writer in self.local_writers and self._persist_call is None:
+            self._persist_call = self._clock.callLater(self._persist_delay, self._persist_now)
+
+    def _persist_now(self) -> defer.Deferred:
+        self._persist_call = None
+        positions = [(self.name, w, self.id_gen.get_current_token(w)) for w in self.local_writers]
+
+        def txn_fn(txn):
+            for p in positions:
+                txn.execute(self._upsert, p)
+
+        d = self.db.runInteraction(txn_fn)
+        d.addErrback(lambda f: log.failure("stream {stream}: persisting positions failed",
+                                           f, stream=self.name))
+        self._persisting = d
+        return d
+
+    async def flush_positions(self) -> None:
+        """Persist local writers' current tokens now (at shutdown)."""
+        if self._persist_call is not None and self._persist_call.active():
+            self._persist_call.cancel()
+        if self.id_gen is not None and self.local_writers:
+            await self._persist_now()
+
+    # ----------------------------------------------------------- shortcuts
+    def current_token(self, writer: Optional[str] = None) -> int:
+        return self.id_gen.get_current_token(writer or self.instance_name)

@@ -1,0 +1,241 @@
+"""The ID generator against the definitions of seeds/streams.md."""
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine, invariant, precondition, rule,
+)
+from twisted.trial.unittest import SynchronousTestCase
+
+from replicator.streams.idgen import StreamIdGenerator, UnknownWriter
+
+
+class SeedExampleTests(SynchronousTestCase):
+    """The worked example of seeds/streams.md, replayed step by step."""
+
+    def test_example_table(self):
+        gen = StreamIdGenerator("s", {"master": 1}, ["master"])
+        seen = []
+        gen.add_listener(lambda w, old, new: seen.append((w, old, new)))
+        steps = [
+            ("reserve", 2, 1), ("reserve", 3, 1), ("complete", 3, 1),
+            ("complete", 2, 3), ("reserve", 4, 3), ("reserve", 5, 3),
+            ("reserve", 6, 3), ("complete", 5, 3), ("complete", 4, 5),
+            ("complete", 6, 6),
+        ]
+        self.assertEqual(gen.get_current_token("master"), 1)
+        for action, stream_id, expected in steps:
+            if action == "reserve":
+                gen.reserved("master", [stream_id], pending=False)
+            else:
+                gen.complete("master", stream_id)
+            self.assertEqual(
+                (gen.get_current_token("master"), gen.get_linear_token()),
+                (expected, expected), f"after {action} {stream_id}",
+            )
+        self.assertEqual(seen, [("master", 1, 3), ("master", 3, 5), ("master", 5, 6)])
+        self.assertEqual(gen.in_flight(), 0)
+
+    def test_rollback_is_completion(self):
+        gen = StreamIdGenerator("s", {"m": 10}, ["m"])
+        gen.reserved("m", [11, 12], pending=False)
+        gen.complete("m", 12)
+        gen.complete("m", 11)  # rolled back: no rows, still complete
+        self.assertEqual(gen.get_current_token("m"), 12)
+
+    def test_idle_writer_follows_linear_not_past_inflight(self):
+        gen = StreamIdGenerator("s", {"a": 0, "b": 0}, ["a", "b"])
+        gen.reserved("a", [1], pending=False)
+        gen.reserved("b", [2], pending=False)
+        gen.complete("b", 2)
+        # b is idle but a's 1 is unfinished: nobody may claim 1.
+        self.assertEqual(gen.get_positions(), {"a": 0, "b": 2})
+        self.assertEqual(gen.get_linear_token(), 0)
+        gen.complete("a", 1)
+        self.assertEqual(gen.get_linear_token(), 2)
+        self.assertEqual(gen.get_positions(), {"a": 2, "b": 2})
+        self.assertEqual(gen.get_max_token(), 2)
+
+    def test_remote_writer_bounds_linear(self):
+        gen = StreamIdGenerator("s", {"a": 0, "r": 0}, ["a"])
+        gen.reserved("a", [1, 3], pending=False)
+        gen.complete_many("a", [1, 3])
+        self.assertEqual(gen.get_current_token("a"), 3)
+        self.assertEqual(gen.get_linear_token(), 0)
+        gen.advance("r", 2)
+        self.assertEqual(gen.get_linear_token(), 2)
+        gen.advance("r", 1)  # stale: ignored
+        self.assertEqual(gen.get_current_token("r"), 2)
+        gen.advance("r", 5)
+        # Nothing local is unfinished below 5 and r is at 5: an idle local
+        # writer follows the linear token.
+        self.assertEqual(gen.get_linear_token(), 5)
+        self.assertEqual(gen.get_positions(), {"a": 5, "r": 5})
+
+    def test_two_instances_agree_after_exchanging_positions(self):
+        one = StreamIdGenerator("s", {"a": 0, "b": 0}, ["a"])
+        two = StreamIdGenerator("s", {"a": 0, "b": 0}, ["b"])
+        one.reserved("a", [1, 2, 3], pending=False)
+        two.reserved("b", [4], pending=False)
+        one.complete_many("a", [1, 2, 3])
+        two.complete("b", 4)
+        for _ in range(2):
+            two.advance("a", one.get_current_token("a"))
+            one.advance("b", two.get_current_token("b"))
+        self.assertEqual(one.get_linear_token(), 4)
+        self.assertEqual(two.get_linear_token(), 4)
+
+    def test_pending_reservation_freezes_positions(self):
+        gen = StreamIdGenerator("s", {"a": 0, "r": 0}, ["a"])
+        gen.begin_reservation()  # nextval under way: it will return 1
+        gen.advance("r", 2)      # meanwhile r took 2 and completed it
+        self.assertEqual(gen.get_linear_token(), 0)
+        gen.reserved("a", [1])
+        self.assertEqual(gen.get_linear_token(), 0)
+        self.assertEqual(gen.get_current_token("a"), 0)
+        gen.complete("a", 1)
+        self.assertEqual(gen.get_linear_token(), 2)
+
+    def test_misuse_is_refused(self):
+        gen = StreamIdGenerator("s", {"a": 5, "r": 0}, ["a"])
+        self.assertRaises(ValueError, gen.reserved, "a", [5], False)
+        self.assertRaises(ValueError, gen.complete, "a", 9)
+        self.assertRaises(ValueError, gen.advance, "a", 9)
+        self.assertRaises(UnknownWriter, gen.advance, "x", 9)
+        self.assertRaises(UnknownWriter, gen.get_current_token, "x")
+        gen.reserved("a", [6], pending=False)
+        self.assertRaises(ValueError, gen.reserved, "a", [6], False)
+
+
+LOCAL = ["w1", "w2", "w3"]
+REMOTE = ["r1", "r2"]
+
+
+class GeneratorMachine(RuleBasedStateMachine):
+    """Random interleavings checked against a direct model of the definitions."""
+
+    def __init__(self):
+        super().__init__()
+        self.counter = 0  # the shared sequence
+        self.start = {w: 0 for w in LOCAL + REMOTE}
+        self.gen = StreamIdGenerator("s", dict(self.start), LOCAL)
+        self.reserved = {w: set() for w in LOCAL}
+        self.done = {w: set() for w in LOCAL}
+        self.remote = {w: 0 for w in REMOTE}
+        self.advanced = set()
+        self.pending = []  # (writer, id): nextval returned, not yet registered
+        self.last = (0, dict(self.gen.get_positions()))
+
+    # ----------------------------------------------------------- model
+    def known(self):
+        k = set(self.start.values()) | self.advanced
+        for w in LOCAL:
+            k |= self.reserved[w]
+        return k
+
+    def unfinished(self, writers=LOCAL):
+        out = set()
+        for w in writers:
+            out |= self.reserved[w] - self.done[w]
+        for w, i in self.pending:
+            if w in writers:
+                out.add(i)
+        return out
+
+    def model_linear(self):
+        floor = min(self.unfinished(), default=None)
+        bound = min(self.remote.values())
+        return max(x for x in self.known()
+                   if (floor is None or x < floor) and x <= bound)
+
+    def model_current(self, writer):
+        linear = self.model_linear()
+        floor = min(self.unfinished([writer]), default=None)
+        own = {self.start[writer], linear} | self.reserved[writer]
+        return max(x for x in own if floor is None or x < floor)
+
+    # ----------------------------------------------------------- rules
+    @rule(writer=st.sampled_from(LOCAL), n=st.integers(1, 4))
+    def reserve(self, writer, n):
+        ids = list(range(self.counter + 1, self.counter + n + 1))
+        self.counter += n
+        self.gen.reserved(writer, ids, pending=False)
+        self.reserved[writer].update(ids)
+
+    @rule(writer=st.sampled_from(LOCAL), data=st.data())
+    def complete(self, writer, data):
+        todo = sorted(self.reserved[writer] - self.done[writer])
+        if not todo:
+            return
+        stream_id = data.draw(st.sampled_from(todo))
+        self.gen.complete(writer, stream_id)
+        self.done[writer].add(stream_id)
+
+    @rule(writer=st.sampled_from(LOCAL), data=st.data())
+    def rollback_many(self, writer, data):
+        todo = sorted(self.reserved[writer] - self.done[writer])
+        if not todo:
+            return
+        ids = data.draw(st.lists(st.sampled_from(todo), min_size=1, unique=True))
+        self.gen.complete_many(writer, ids)
+        self.done[writer].update(ids)
+
+    @rule(writer=st.sampled_from(REMOTE), taken=st.integers(0, 3), data=st.data())
+    def advance(self, writer, taken, data):
+        # The remote writer takes IDs from the shared sequence, finishes some.
+        self.counter += taken
+        token = data.draw(st.integers(self.remote[writer], self.counter))
+        self.gen.advance(writer, token)
+        self.remote[writer] = max(self.remote[writer], token)
+        self.advanced.add(token)
+
+    @precondition(lambda self: len(self.pending) < 3)
+    @rule(writer=st.sampled_from(LOCAL))
+    def begin_pending(self, writer):
+        self.counter += 1
+        self.gen.begin_reservation()
+        self.pending.append((writer, self.counter))
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def finish_pending(self, data):
+        writer, stream_id = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        self.gen.reserved(writer, [stream_id])
+        self.reserved[writer].add(stream_id)
+
+    # ----------------------------------------------------------- checks
+    @invariant()
+    def matches_model(self):
+        gen = self.gen
+        linear = gen.get_linear_token()
+        positions = gen.get_positions()
+        prev_linear, prev_positions = self.last
+        assert linear >= prev_linear, (linear, prev_linear)
+        for w, p in positions.items():
+            assert p >= prev_positions[w], (w, p, prev_positions[w])
+        self.last = (linear, positions)
+        unfinished = self.unfinished()
+        assert all(linear < i for i in unfinished), (linear, unfinished)
+        for w in LOCAL:
+            own = self.unfinished([w])
+            assert all(positions[w] < i for i in own), (w, positions[w], own)
+        if self.pending:
+            # A reservation under way freezes positions: never ahead.
+            assert linear <= self.model_linear()
+            for w in LOCAL:
+                assert positions[w] <= self.model_current(w)
+            return
+        assert linear == self.model_linear(), (linear, self.model_linear())
+        for w in LOCAL:
+            assert positions[w] == self.model_current(w), (w, positions[w], self.model_current(w))
+        for w in REMOTE:
+            assert positions[w] == self.remote[w]
+        assert gen.get_max_token() == max(positions.values())
+        assert gen.in_flight() == len(unfinished)
+
+
+class GeneratorStateTests(SynchronousTestCase):
+    def test_against_model(self):
+        machine = settings(max_examples=150, stateful_step_count=60, deadline=None)(
+            GeneratorMachine
+        )
+        machine.TestCase().runTest()

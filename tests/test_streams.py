@@ -1,0 +1,325 @@
+"""Streams on real databases: writing facts, reading updates, restarts.
+
+The same suite runs on SQLite (the embedded default) and on a real
+PostgreSQL started by the tests; PostgreSQL adds concurrent writers and two
+instances writing one multi-writer stream.
+"""
+
+import os
+import random
+import tempfile
+
+import psycopg2
+from twisted.internet import defer, reactor, task
+from twisted.trial.unittest import TestCase
+
+from replicator.config import ConfigError, parse_database, parse_streams
+from replicator.storage.database import Database
+from replicator.streams.registry import StreamRegistry
+from replicator.streams.rows import RowError
+from tests.servers import PostgresServer
+
+STREAMS = [
+    {
+        "name": "caches", "table": "cache_stream",
+        "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"invalidation_ts": "bigint"}],
+        "writers": ["master", "worker1"],
+    },
+    {
+        "name": "flags", "table": "flag_stream", "writer_column": None,
+        "columns": [{"user_id": "text"}, {"enabled": "boolean"}, {"extra": "json"}],
+        "writers": ["master"],
+    },
+]
+
+
+def sleep(seconds):
+    return task.deferLater(reactor, seconds, lambda: None)
+
+
+class StreamSuite:
+    """Tests shared by both engines; subclasses say how to get a database."""
+
+    def database_config(self):
+        raise NotImplementedError
+
+    def raw_rows(self, sql):
+        raise NotImplementedError
+
+    async def registry(self, instance="master", streams=STREAMS):
+        db = Database(self.db_config)
+        self.addCleanup(db.close)
+        registry = StreamRegistry(db, instance, parse_streams(streams))
+        await registry.start()
+        self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))
+        return registry
+
+    def setUp(self):
+        self.db_config = self.database_config()
+
+    def test_write_and_read(self):
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            async with caches.writer() as fact:
+                fact.add_row(["get_user", ["@a:hs"], 1000])
+            self.assertEqual(fact.stream_id, 1)
+            ids = await caches.write_facts([
+                [["f", None, 1], ["g", {"k": [1, "x y"]}, 2]],
+                [],                       # a fact with no rows
+                [["h", ["é", "\n"], 3]],
+            ])
+            self.assertEqual(ids, [2, 3, 4])
+            self.assertEqual(caches.current_token(), 4)
+            updates, upto, limited = await caches.updates_since("master", 0, 4)
+            self.assertEqual(updates, [
+                (1, ["get_user", ["@a:hs"], 1000]),
+                (2, ["f", None, 1]), (2, ["g", {"k": [1, "x y"]}, 2]),
+                (4, ["h", ["é", "\n"], 3]),
+            ])
+            self.assertEqual((upto, limited), (4, False))
+            self.assertEqual(await caches.updates_since("worker1", 0, 4), ([], 4, False))
+            self.assertEqual(await caches.updates_since("master", 4, 4), ([], 4, False))
+
+            flags = reg.get("flags")
+            await flags.write_fact([["@u:hs", True, {"a": None}], ["@v:hs", False, []]])
+            updates, _, _ = await flags.updates_since("master", 0, 10)
+            self.assertEqual(updates, [(1, ["@u:hs", True, {"a": None}]),
+                                       (1, ["@v:hs", False, []])])
+        return defer.ensureDeferred(go())
+
+    def test_limit_never_splits_a_fact(self):
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            await caches.write_facts([
+                [["a", None, 1]],
+                [["b", None, 1], ["b", None, 2], ["b", None, 3]],
+                [["c", None, 1]],
+            ])
+            updates, upto, limited = await caches.updates_since("master", 0, 3, limit=2)
+            self.assertEqual([t for t, _ in updates], [1])
+            self.assertEqual((upto, limited), (1, True))
+            # A fact bigger than the limit comes whole.
+            updates, upto, limited = await caches.updates_since("master", 1, 3, limit=2)
+            self.assertEqual([t for t, _ in updates], [2, 2, 2])
+            self.assertEqual((upto, limited), (2, True))
+            updates, upto, limited = await caches.updates_since("master", 2, 3, limit=2)
+            self.assertEqual([t for t, _ in updates], [3])
+            self.assertEqual((upto, limited), (3, False))
+        return defer.ensureDeferred(go())
+
+    def test_failed_write_rolls_back_and_completes(self):
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            await caches.write_fact([["a", None, 1]])
+
+            def boom(txn, stream_id):
+                raise RuntimeError("application failure")
+
+            with self.assertRaises(RuntimeError):
+                async with caches.writer() as fact:
+                    fact.add_row(["lost", None, 1])
+                    fact.also(boom)
+            await caches.write_fact([["c", None, 3]])
+            self.assertEqual(caches.current_token(), 3)
+            self.assertEqual(caches.id_gen.in_flight(), 0)
+            updates, _, _ = await caches.updates_since("master", 0, 3)
+            self.assertEqual(updates, [(1, ["a", None, 1]), (3, ["c", None, 3])])
+            # An exception in the block itself reserves nothing.
+            with self.assertRaises(KeyError):
+                async with caches.writer() as fact:
+                    fact.add_row(["never", None, 1])
+                    raise KeyError("x")
+            self.assertEqual(await caches.write_fact([]), 4)
+        return defer.ensureDeferred(go())
+
+    def test_bad_rows_are_refused_before_reserving(self):
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            for bad in (["a", None], ["a", None, "x"], [None, None, 1], ["a", None, True], "row"):
+                with self.assertRaises(RowError):
+                    await caches.write_fact([bad])
+            with self.assertRaises(ValueError):
+                await caches.write_fact([["a", None, 1]], writer="worker1")
+            self.assertEqual(caches.current_token(), 0)
+            self.assertEqual(await caches.write_fact([["a", None, 1]]), 1)
+        return defer.ensureDeferred(go())
+
+    def test_restart_recovers_positions(self):
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            for i in range(5):
+                await caches.write_fact([["a", None, i]] * (i % 3))
+            await reg.stop()
+            reg2 = await self.registry()
+            again = reg2.get("caches")
+            self.assertEqual(again.current_token(), 5)
+            self.assertEqual(again.id_gen.in_flight(), 0)
+            self.assertEqual(await again.write_fact([["b", None, 9]]), 6)
+            persisted = self.raw_rows(
+                "SELECT instance_name, stream_id FROM stream_positions "
+                "WHERE stream_name = 'caches'")
+            self.assertEqual(dict(persisted)["master"], 6)
+        return defer.ensureDeferred(go())
+
+    def test_positions_persist_in_the_writing_transaction(self):
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            await caches.write_fact([["a", None, 1]])
+            rows = self.raw_rows("SELECT stream_name, instance_name, stream_id FROM stream_positions")
+            self.assertIn(("caches", "master", 1), [tuple(r) for r in rows])
+        return defer.ensureDeferred(go())
+
+    def test_config_errors_name_the_key(self):
+        async def go():
+            with self.assertRaises(ConfigError) as e:
+                parse_streams(STREAMS + [dict(STREAMS[0], table="other")])
+            self.assertEqual(str(e.exception),
+                             "config: streams[2].name: duplicate stream 'caches' (also streams[0])")
+            with self.assertRaises(ConfigError) as e:
+                parse_streams([dict(STREAMS[1], writers=[])])
+            self.assertEqual(str(e.exception),
+                             "config: streams[0].writers: a stream needs at least one writer")
+            with self.assertRaises(ConfigError) as e:
+                parse_streams([dict(STREAMS[0], columns=[{"a": "float"}])])
+            self.assertIn("streams[0].columns[0].a: unknown type 'float'", str(e.exception))
+            await self.registry()  # creates the tables
+            bad = [dict(STREAMS[0], create=False,
+                        columns=STREAMS[0]["columns"] + [{"missing": "text"}])]
+            with self.assertRaises(ConfigError) as e:
+                await self.registry(streams=bad)
+            self.assertEqual(
+                str(e.exception),
+                "config: streams[0].columns[3]: unknown column 'missing' in table 'cache_stream'")
+        return defer.ensureDeferred(go())
+
+
+class SQLiteStreamTests(StreamSuite, TestCase):
+    def database_config(self):
+        self.tmp = tempfile.mkdtemp()
+        return parse_database({"sqlite": os.path.join(self.tmp, "streams.db")})
+
+    def raw_rows(self, sql):
+        import sqlite3
+        conn = sqlite3.connect(self.db_config.path)
+        try:
+            return conn.execute(sql).fetchall()
+        finally:
+            conn.close()
+
+
+class PostgresStreamTests(StreamSuite, TestCase):
+    timeout = 120
+
+    def database_config(self):
+        self.dsn = PostgresServer.shared().create_database()
+        return parse_database({"postgres": self.dsn, "pool_max": 6})
+
+    def raw_rows(self, sql):
+        conn = psycopg2.connect(self.dsn)
+        try:
+            cur = conn.cursor()
+            cur.execute(sql)
+            return cur.fetchall()
+        finally:
+            conn.close()
+
+    def test_sequence_behind_table_is_moved_forward(self):
+        async def go():
+            reg = await self.registry()
+            await reg.get("caches").write_facts([[["a", None, 1]]] * 3)
+            conn = psycopg2.connect(self.dsn)
+            conn.autocommit = True
+            conn.cursor().execute("SELECT setval('cache_stream_seq', 1)")
+            conn.close()
+            reg2 = await self.registry()
+            self.assertEqual(await reg2.get("caches").write_fact([["b", None, 1]]), 4)
+            self.flushLoggedErrors()
+        return defer.ensureDeferred(go())
+
+    def test_concurrent_writers(self):
+        """Many transactions at once on separate connections, some failing."""
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            rng = random.Random(7)
+            committed = {}
+            seen_tokens = []
+            caches.id_gen.add_listener(lambda w, old, new: seen_tokens.append((old, new)))
+
+            async def one(i):
+                rows = [[f"f{i}", [i, j], i] for j in range(rng.choice([0, 1, 1, 2, 5]))]
+                fail = rng.random() < 0.15
+                if rng.random() < 0.2:
+                    ids = await caches.write_facts([rows, rows[:1]])
+                    committed[ids[0]] = rows
+                    committed[ids[1]] = rows[:1]
+                    return
+
+                def maybe_fail(txn, stream_id):
+                    if fail:
+                        raise RuntimeError("rolled back")
+
+                try:
+                    async with caches.writer() as fact:
+                        fact.add_rows(rows)
+                        fact.also(maybe_fail)
+                    committed[fact.stream_id] = rows
+                except RuntimeError:
+                    pass
+
+            await defer.gatherResults(
+                [defer.ensureDeferred(one(i)) for i in range(300)], consumeErrors=True)
+            top = self.raw_rows("SELECT last_value FROM cache_stream_seq")[0][0]
+            self.assertEqual(caches.current_token(), top)
+            self.assertEqual(caches.id_gen.in_flight(), 0)
+            # Tokens only ever moved forward, one step after another.
+            for (o1, n1), (o2, n2) in zip(seen_tokens, seen_tokens[1:]):
+                self.assertEqual(n1, o2)
+                self.assertLess(o2, n2)
+            updates, upto, limited = await caches.updates_since("master", 0, top, limit=100000)
+            expected = [(t, row) for t in sorted(committed) for row in committed[t]]
+            self.assertEqual(sorted(updates), sorted(expected))
+            self.assertEqual([t for t, _ in updates], sorted(t for t, _ in updates))
+            self.assertEqual(len(updates), self.raw_rows("SELECT count(*) FROM cache_stream")[0][0])
+        return defer.ensureDeferred(go())
+
+    def test_two_instances_share_a_multi_writer_stream(self):
+        async def go():
+            master = (await self.registry("master")).get("caches")
+            worker = (await self.registry("worker1")).get("caches")
+            a = await master.write_facts([[["m", None, i]] for i in range(3)])
+            b = await worker.write_facts([[["w", None, i]] for i in range(2)])
+            c = await master.write_fact([["m", None, 9]])
+            self.assertEqual(a + b + [c], [1, 2, 3, 4, 5, 6])
+            self.assertEqual(master.id_gen.get_linear_token(), 0)
+            for _ in range(2):  # exchange positions both ways
+                worker.id_gen.advance("master", master.current_token("master"))
+                master.id_gen.advance("worker1", worker.current_token("worker1"))
+            self.assertEqual(master.id_gen.get_linear_token(), 6)
+            self.assertEqual(worker.id_gen.get_linear_token(), 6)
+            updates, _, _ = await master.updates_since("worker1", 0, 6)
+            self.assertEqual([t for t, _ in updates], [4, 5])
+            # A restarted worker resumes from its persisted position; an idle
+            # writer's position follows the linear token, which was 6.
+            await worker.flush_positions()
+            again = (await self.registry("worker1")).get("caches")
+            self.assertEqual(again.current_token("worker1"), 6)
+            self.assertEqual(again.current_token("master"), 6)
+            # A writer new to the stream starts at the smallest persisted
+            # position, never ahead of facts others may have in flight.
+            conn = psycopg2.connect(self.dsn)
+            conn.autocommit = True
+            conn.cursor().execute(
+                "UPDATE stream_positions SET stream_id = 3 WHERE instance_name = 'master'")
+            conn.close()
+            streams = [dict(STREAMS[0], writers=["master", "worker1", "worker2"])]
+            fresh = (await self.registry("worker2", streams=streams)).get("caches")
+            self.assertEqual(fresh.current_token("worker2"), 3)
+            self.assertEqual(fresh.id_gen.get_linear_token(), 3)
+        return defer.ensureDeferred(go())
