@@ -1,0 +1,152 @@
+"""``replicator-export``: export stream aggregates to Parquet with Spark.
+
+Runs as a console script (local Spark, ``--master`` default ``local[*]``) or
+under ``spark-submit`` (``spark-submit --jars /usr/share/java/postgresql.jar
+replicator/export/cli.py -c CONF -o OUT`` with the package installed; the
+master then comes from ``spark-submit``).  The output path must be
+a filesystem every executor and the driver share (the atomic commit is a
+POSIX rename).
+
+Progress goes to stderr, the summary table to stdout.  Exit status: 0 done
+(also when there was nothing new), 1 the export failed (the previous export
+stays current), 2 a configuration or usage mistake, 130 interrupted.
+"""
+
+import argparse
+import datetime
+import logging
+import re
+import sys
+from typing import List, Optional
+
+from replicator.config import ConfigError, load_yaml, parse_database, parse_streams
+
+log = logging.getLogger("replicator.export")
+
+
+def parse_time(text: str) -> int:
+    """``--since``/``--until``: ISO 8601 (UTC unless it says otherwise) or
+    integer milliseconds since the epoch -> milliseconds."""
+    text = text.strip()
+    if re.fullmatch(r"-?\d{10,}", text):
+        return int(text)
+    try:
+        value = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an ISO 8601 date/time (e.g. 2024-05-01 or "
+            "2024-05-01T12:00:00Z) nor epoch milliseconds") from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.timezone.utc)
+    return int(value.timestamp() * 1000)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="replicator-export",
+        description="Export per-stream aggregates (minute/hour buckets) of the streams' "
+                    "backing tables to Parquet, incrementally and atomically, with Spark.",
+    )
+    p.add_argument("-c", "--config", required=True, help="the instance's YAML configuration")
+    p.add_argument("-o", "--output", default="var/export",
+                   help="output directory (default: var/export); read OUTPUT/current/minute "
+                        "and OUTPUT/current/hour")
+    p.add_argument("--master", default=None,
+                   help="Spark master (default: local[*]; under spark-submit, its master)")
+    p.add_argument("--partitions", type=_positive, default=4,
+                   help="JDBC read partitions per stream, over the ID column (default: 4)")
+    p.add_argument("--shuffle-partitions", type=_positive, default=8,
+                   help="spark.sql.shuffle.partitions (default: 8)")
+    p.add_argument("--streams", action="append", default=None, metavar="NAME[,NAME...]",
+                   help="export only these streams (default: all configured)")
+    p.add_argument("--since", type=parse_time, default=None, metavar="TIME",
+                   help="on a stream's first export, start at its first fact timed at or "
+                        "after TIME (ISO 8601, UTC by default, or epoch ms)")
+    p.add_argument("--until", type=parse_time, default=None, metavar="TIME",
+                   help="export only up to (excluding) the first fact timed at or after TIME")
+    p.add_argument("--full", action="store_true",
+                   help="forget the selected streams' previous export and rebuild it")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw facts per minute per stream to this PNG file")
+    p.add_argument("--plot-hours", type=float, default=24.0,
+                   help="hours of data the plot shows (default: 24)")
+    p.add_argument("--jdbc-jar", default=None,
+                   help="JDBC driver jar (default: Debian's, from /usr/share/java)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr,
+        format="%(asctime)s replicator-export: %(message)s", datefmt="%H:%M:%S",
+    )
+    log.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    try:
+        doc = load_yaml(args.config)
+        if not isinstance(doc, dict):
+            raise ConfigError("file", f"{args.config} is not a mapping")
+        db = parse_database(doc.get("database"))
+        streams = parse_streams(doc.get("streams"))
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    names = None
+    if args.streams:
+        names = [n for item in args.streams for n in item.split(",") if n]
+        known = {s.name for s in streams}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            print(f"replicator-export: --streams: unknown stream(s) {', '.join(unknown)} "
+                  f"(configured: {', '.join(sorted(known)) or 'none'})", file=sys.stderr)
+            return 2
+    if not streams:
+        print("config: streams: no stream is configured", file=sys.stderr)
+        return 2
+    if args.since is not None and args.until is not None and args.since >= args.until:
+        print("replicator-export: --since must be before --until", file=sys.stderr)
+        return 2
+
+    from replicator.export.job import ExportOptions, format_summary, run_export
+    from replicator.export.source import SourceError
+    from replicator.export.state import StateError
+
+    options = ExportOptions(
+        output=args.output, master=args.master, partitions=args.partitions,
+        shuffle_partitions=args.shuffle_partitions, streams=names, since_ms=args.since,
+        until_ms=args.until, full=args.full, jdbc_jar=args.jdbc_jar, plot=args.plot,
+        plot_hours=args.plot_hours, progress_interval=0 if args.quiet else 2.0,
+    )
+    try:
+        result = run_export(db, streams, options)
+    except (SourceError, StateError) as e:
+        print(f"replicator-export: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("replicator-export: interrupted; the previous export is unchanged",
+              file=sys.stderr)
+        return 130
+    except Exception as e:  # Spark/JDBC failures: one line, the rest in the log
+        log.debug("export failed", exc_info=True)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"replicator-export: export failed ({type(e).__name__}): {first}; "
+              "the previous export is unchanged", file=sys.stderr)
+        return 1
+    print(format_summary(result))
+    return 0
+
+
+if __name__ == "__main__":  # spark-submit replicator/export/cli.py ...
+    sys.exit(main())
