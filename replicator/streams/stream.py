@@ -129,10 +129,9 @@ class Stream:
         self._select_one = sql(
             f"{select} WHERE {where}{c.id_column} = %s ORDER BY {order}"
         )
+        self._insert_head = f"INSERT INTO {c.table} ({self._insert_cols}) VALUES "
         self._nextval = f"SELECT nextval('{c.sequence}')"
-        self._nextval_many = (
-            f"SELECT nextval('{c.sequence}') FROM generate_series(1, %s)"
-        )
+        self._nextval_many = f"SELECT nextval('{c.sequence}') FROM generate_series(1, %s)"
 
     def load(self, txn) -> None:
         """Positions from the database; nothing is in flight (pool thread).
@@ -202,7 +201,8 @@ class Stream:
         reserved: List[int] = []
         started = time.monotonic()
         try:
-            ids = await self.db.runInteraction(self._write_txn, writer, checked, hooks, reserved)
+            write = self._write_postgres if self.db.is_postgres else self._write_sqlite
+            ids = await self.db.runInteraction(write, writer, checked, hooks, reserved)
         except BaseException:
             if reserved:
                 self.id_gen.complete_many(writer, reserved)
@@ -213,30 +213,27 @@ class Stream:
         metrics.WRITE_LATENCY.labels(self.name).observe(time.monotonic() - started)
         return ids
 
-    def _reserve(self, txn, writer: str, n: int, reserved: List[int]) -> List[int]:
+    def _write_postgres(self, txn, writer, facts, hooks, reserved) -> List[int]:
+        """``nextval`` (n of them, in order) in one round trip, then the rows
+        and the writer's position in one batch of statements; the pool commits.
+        """
         gen = self.id_gen
-        if self._counter is not None:
-            ids = [next(self._counter) for _ in range(n)]
-            reserved.extend(ids)
-            gen.reserved(writer, ids, pending=False)
-            return ids
         gen.begin_reservation()
         try:
-            if n == 1:
+            if len(facts) == 1:
                 txn.execute(self._nextval)
                 ids = [txn.fetchone()[0]]
             else:
-                txn.execute(self._nextval_many, (n,))
+                txn.execute(self._nextval_many, (len(facts),))
                 ids = sorted(r[0] for r in txn.fetchall())
         except BaseException:
             gen.abort_reservation()
             raise
         reserved.extend(ids)
         gen.reserved(writer, ids)
-        return ids
-
-    def _write_txn(self, txn, writer, facts, hooks, reserved) -> List[int]:
-        ids = self._reserve(txn, writer, len(facts), reserved)
+        for hook in hooks:
+            for stream_id in ids:
+                hook(txn, stream_id)
         with_writer = self.config.writer_column is not None
         params: List[Any] = []
         count = 0
@@ -247,28 +244,30 @@ class Stream:
                     params.append(writer)
                 params.extend(row)
                 count += 1
+        statements = []
+        if count:
+            statements.append(self._insert_head + ", ".join([self._row_marks] * count))
+        statements.append(self._upsert)
+        params += [self.name, writer, gen.prospective_token(writer, ids)]
+        txn.execute("; ".join(statements), params)
+        return ids
+
+    def _write_sqlite(self, txn, writer, facts, hooks, reserved) -> List[int]:
+        ids = [next(self._counter) for _ in facts]
+        reserved.extend(ids)
+        self.id_gen.reserved(writer, ids, pending=False)
+        with_writer = self.config.writer_column is not None
+        rows = []
+        for stream_id, fact_rows in zip(ids, facts):
+            for row in fact_rows:
+                rows.append([stream_id, writer, *row] if with_writer else [stream_id, *row])
+        if rows:
+            txn.executemany(self._insert_one, rows)
         for hook in hooks:
             for stream_id in ids:
                 hook(txn, stream_id)
         position = self.id_gen.prospective_token(writer, ids)
-        position_params = (self.name, writer, position)
-        if self.db.is_postgres:
-            statements = []
-            if count:
-                statements.append(
-                    f"INSERT INTO {self.config.table} ({self._insert_cols}) VALUES "
-                    + ", ".join([self._row_marks] * count)
-                )
-            statements.append(self._upsert)
-            txn.execute("; ".join(statements), params + list(position_params))
-        else:
-            if count:
-                width = len(params) // count
-                txn.executemany(
-                    self._insert_one,
-                    [params[i:i + width] for i in range(0, len(params), width)],
-                )
-            txn.execute(self._upsert, position_params)
+        txn.execute(self._upsert, (self.name, writer, position))
         return ids
 
     # ------------------------------------------------------------- reading

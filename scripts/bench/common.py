@@ -1,0 +1,34 @@
+"""Shared plumbing of the benchmarks: recording figures beside baselines."""
+
+import json
+import os
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "bench-results.jsonl")
+
+
+def record(name, value, unit, baseline, baseline_value, higher_is_better=True):
+    """Print one figure with its ratio to the baseline; append it as JSON."""
+    if baseline_value:
+        ratio = value / baseline_value if higher_is_better else baseline_value / value
+    else:
+        ratio = None
+    entry = {
+        "name": name, "value": round(value, 3), "unit": unit,
+        "baseline": baseline, "baseline_value": round(baseline_value, 3)
+        if baseline_value is not None else None,
+        "ratio": round(ratio, 3) if ratio is not None else None,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    shown = f"{ratio:.2f}x" if ratio is not None else "-"
+    print(f"{name:<40} {value:>14,.1f} {unit:<10} baseline {baseline} "
+          f"{baseline_value if baseline_value is not None else '-':>14,.1f}  ratio {shown}",
+          flush=True)
+    with open(RESULTS, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return entry
+
+
+def rate(count, seconds):
+    return count / seconds if seconds > 0 else float("inf")

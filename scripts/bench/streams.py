@@ -1,0 +1,143 @@
+"""Streams core benchmarks: ID tracking in process, writes on PostgreSQL.
+
+- ``idgen.reserve_complete.inflight_N``: reserve+complete pairs per second
+  with N IDs already in flight, completing in random order (no database);
+  baseline for N=1 is a bare dict insert+delete pair, for larger N the N=1
+  figure.
+- ``pg.write.single`` / ``pg.write.batched``: facts per second through a
+  Stream on a real PostgreSQL (durable: fsync on) against raw psycopg2 doing
+  the same statements on one connection.
+"""
+
+import random
+import time
+
+import psycopg2
+from twisted.internet import defer
+
+from common import rate, record
+from replicator.config import parse_database, parse_streams
+from replicator.storage.database import Database
+from replicator.streams.idgen import StreamIdGenerator
+from replicator.streams.registry import StreamRegistry
+
+PAIRS = 200_000
+
+
+def bench_idgen_inflight(inflight, pairs=PAIRS):
+    gen = StreamIdGenerator("bench", {"w": 0}, ["w"])
+    rng = random.Random(1)
+    live = list(range(1, inflight + 1))
+    gen.reserved("w", live, pending=False)
+    next_id = inflight + 1
+    order = [rng.random() for _ in range(pairs)]
+    reserved, complete = gen.reserved, gen.complete
+    start = time.perf_counter()
+    for r in order:
+        reserved("w", (next_id,), False)
+        live.append(next_id)
+        next_id += 1
+        i = int(r * len(live))
+        live[i], live[-1] = live[-1], live[i]
+        complete("w", live.pop())
+    return rate(pairs, time.perf_counter() - start)
+
+
+def bench_dict_pairs(pairs=PAIRS):
+    d = {}
+    start = time.perf_counter()
+    for i in range(pairs):
+        d[i] = True
+        del d[i]
+    return rate(pairs, time.perf_counter() - start)
+
+
+def run_idgen():
+    floor = bench_dict_pairs()
+    one = bench_idgen_inflight(1)
+    record("idgen.reserve_complete.inflight_1", one, "pairs/s", "dict insert+delete", floor)
+    for n in (100, 10_000):
+        value = bench_idgen_inflight(n)
+        record(f"idgen.reserve_complete.inflight_{n}", value, "pairs/s",
+               "idgen.reserve_complete.inflight_1", one)
+
+
+STREAM = {
+    "name": "bench", "table": "bench_stream",
+    "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
+    "writers": ["master"],
+}
+ROW = ["get_user_by_id", ["@user:example.com"], 1490197670513]
+
+
+def raw_single(dsn, n):
+    conn = psycopg2.connect(dsn)
+    cur = conn.cursor()
+    start = time.perf_counter()
+    for _ in range(n):
+        cur.execute("SELECT nextval('bench_stream_seq')")
+        (i,) = cur.fetchone()
+        cur.execute("INSERT INTO bench_stream VALUES (%s, %s, %s, %s::jsonb, %s)",
+                    (i, "raw", ROW[0], '["@user:example.com"]', ROW[2]))
+        conn.commit()
+    elapsed = time.perf_counter() - start
+    conn.close()
+    return rate(n, elapsed)
+
+
+def raw_batched(dsn, batches, size=100):
+    conn = psycopg2.connect(dsn)
+    cur = conn.cursor()
+    start = time.perf_counter()
+    for _ in range(batches):
+        cur.execute("SELECT nextval('bench_stream_seq') FROM generate_series(1, %s)", (size,))
+        ids = [r[0] for r in cur.fetchall()]
+        params = []
+        for i in ids:
+            params += [i, "raw", ROW[0], '["@user:example.com"]', ROW[2]]
+        cur.execute("INSERT INTO bench_stream VALUES "
+                    + ", ".join(["(%s, %s, %s, %s::jsonb, %s)"] * size), params)
+        conn.commit()
+    elapsed = time.perf_counter() - start
+    conn.close()
+    return rate(batches * size, elapsed)
+
+
+async def ours(registry, n, per_txn, window=8):
+    stream = registry.get("bench")
+    facts = [[ROW]] * per_txn
+    done = 0
+    start = time.perf_counter()
+
+    async def worker(count):
+        for _ in range(count):
+            if per_txn == 1:
+                await stream.write_fact([ROW])
+            else:
+                await stream.write_facts(facts)
+
+    per = n // window
+    await defer.gatherResults([defer.ensureDeferred(worker(per)) for _ in range(window)])
+    done = per * window * per_txn
+    return rate(done, time.perf_counter() - start)
+
+
+async def run_pg(dsn):
+    db = Database(parse_database({"postgres": dsn, "pool_min": 1, "pool_max": 1}))
+    registry = StreamRegistry(db, "master", parse_streams([STREAM]))
+    await registry.start()
+    try:
+        # Warm both paths up once.
+        raw_single(dsn, 200)
+        await ours(registry, 200, 1)
+        for _ in range(2):
+            base = raw_single(dsn, 3000)
+            value = await ours(registry, 3000, 1)
+        record("pg.write.single", value, "facts/s", "raw psycopg2 nextval+INSERT+commit", base)
+        base = raw_batched(dsn, 200)
+        value = await ours(registry, 200, 100)
+        record("pg.write.batched", value, "facts/s",
+               "raw psycopg2 100 nextval+INSERT+commit", base)
+    finally:
+        await registry.stop()
+        db.close()
