@@ -123,6 +123,11 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
     lower = state.token if state is not None else MIN_TOKEN
     plan = StreamPlan(stream, positions, position, state, lower, max(lower, position),
                       run_ms=run_ms)
+    missing = [w for w in stream.writers if w not in positions]
+    if missing:
+        plan.upper = lower
+        plan.note = f"no persisted position for {', '.join(missing)}"
+        return plan
     if position <= lower:
         plan.upper = lower
         plan.note = "nothing new"

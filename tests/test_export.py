@@ -1,0 +1,596 @@
+"""The Spark exporter on a real PostgreSQL (and SQLite), against plain Python.
+
+Every export here is compared, bucket by bucket and metric by metric, with
+:mod:`replicator.export.reference` fed the same rows by psycopg2 in ID order
+-- the rows at or below the linear persisted position, nothing else.  The
+generated streams have multi-row facts (up to 20 rows), rollbacks (gaps in
+the sequence, some of them real ROLLBACKs), two writers, facts across
+midnight, NULL timestamps, a late fact landing on an exported date, and one
+ID reserved by a transaction that is still open while the export runs.
+
+One SparkSession (``local[2]``) is shared by the module: the JVM takes
+seconds to start.  The killed-run test starts the CLI in a process of its
+own and SIGKILLs it in the middle of writing.
+"""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from twisted.trial.unittest import TestCase
+
+from replicator.config import parse_database, parse_streams
+from replicator.export.reference import GRANULARITIES, Aggregator
+from replicator.export.state import OutputStore, escape_partition_value
+from tests.servers import PostgresServer, unavailable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_MS = 1709337000000  # 2024-03-01T23:50:00Z: the facts cross midnight
+RUN1_MS = 1709380810000  # 2024-03-02T12:00:10Z
+RUN2_MS = RUN1_MS + 20_000  # same minute: the receipts bucket is merged
+
+STREAMS = [
+    {"name": "events", "table": "ev", "writers": ["w1", "w2"],
+     "columns": [{"body": "text"}, {"ts": "bigint?"}], "timestamp_column": "ts"},
+    {"name": "receipts/v2", "table": "rc", "writer_column": None, "writers": ["main"],
+     "columns": [{"data": "json"}]},
+]
+
+METRICS = ("facts", "rows", "multi_row_facts", "max_fact_rows", "size_1", "size_2",
+           "size_3_4", "size_5_8", "size_9_16", "size_17_up", "rollbacks", "first_token",
+           "last_token", "facts_per_s", "rows_per_s", "delay_ms_p50", "delay_ms_p95",
+           "delay_ms_p99", "date")
+
+_spark = None
+
+
+def shared_spark():
+    """The module's SparkSession, with both Debian JDBC drivers on it."""
+    global _spark
+    if _spark is None:
+        try:
+            import pyspark  # noqa: F401
+        except ImportError:
+            unavailable("pyspark is not installed (pip install -e '.[spark]')")
+        from replicator.export.job import spark_session
+        from replicator.export.source import SourceError, find_jdbc_jar
+
+        try:
+            jars = [find_jdbc_jar("postgres"), find_jdbc_jar("sqlite")]
+        except SourceError as e:
+            unavailable(str(e))
+        _spark = spark_session("local[2]", jars, shuffle_partitions=4)
+        _spark.conf.set("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
+    return _spark
+
+
+def export(db, configs, out, spark=None, **kw):
+    from replicator.export.job import ExportOptions, run_export
+
+    kw.setdefault("partitions", 3)
+    kw.setdefault("shuffle_partitions", 4)
+    kw.setdefault("progress_interval", 0)
+    return run_export(db, configs, ExportOptions(output=out, **kw),
+                      spark=spark or shared_spark())
+
+
+def read_export(out):
+    """{(stream, granularity, writer, bucket_ms): {metric: value}} of ``current``."""
+    from pyspark.sql import functions as F
+
+    spark = shared_spark()
+    result = {}
+    for granularity in GRANULARITIES:
+        path = os.path.join(out, "current", granularity)
+        if not any(e.startswith("stream=") for e in os.listdir(path)):
+            continue
+        df = spark.read.option("basePath", path).parquet(path)
+        for r in df.withColumn("bucket_ms", F.unix_millis("bucket_start")).collect():
+            d = r.asDict()
+            key = (d["stream"], granularity, d["writer"], d["bucket_ms"])
+            assert key not in result, f"bucket exported twice: {key}"
+            result[key] = {m: (str(d[m]) if m == "date" else d[m]) for m in METRICS}
+    return result
+
+
+def run1(_id):
+    return RUN1_MS
+
+
+def run2_after(token):
+    """Facts without a row time: timed by run 1 up to ``token``, then run 2."""
+    return lambda i: RUN1_MS if i <= token else RUN2_MS
+
+
+def reference(cur, stream, upper, observed=run1):
+    """The reference aggregates of ``stream``'s rows with ID <= upper."""
+    writer = stream.writer_column or f"'{stream.writers[0]}'"
+    ts = stream.timestamp_column or "NULL::bigint"
+    cur.execute(f"SELECT {stream.id_column}, {writer}, {ts} FROM {stream.table} "
+                f"WHERE {stream.id_column} <= %s ORDER BY 1", (upper,))
+    agg = Aggregator(len(stream.writers), stream.timestamp_column is not None, observed)
+    agg.feed(cur.fetchall())
+    return {(stream.name,) + key: value for key, value in agg.result().items()}
+
+
+class Generator:
+    """Deterministic stream rows: gaps, multi-row facts, writers, timestamps."""
+
+    SIZES = [1] * 80 + [2] * 6 + [3, 4, 5, 7, 8, 9, 12, 16, 17, 20]
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.t = BASE_MS
+
+    def facts(self, first, last, writers, gap=0.06, null_ts=0.02):
+        """[(id, writer, [ts, ...])] for IDs first..last, some rolled back."""
+        out = []
+        for id_ in range(first, last + 1):
+            if self.rng.random() < gap:
+                continue
+            self.t += self.rng.randint(0, 1400)
+            when = self.t - 7000 if self.rng.random() < 0.03 else self.t
+            n = self.rng.choice(self.SIZES)
+            stamps = [None if self.rng.random() < null_ts else when + k for k in range(n)]
+            out.append((id_, self.rng.choice(writers), stamps))
+        return out
+
+
+def insert_events(cur, facts):
+    from psycopg2.extras import execute_values
+
+    rows = [(i, w, f"body {i}/{k}", ts) for i, w, stamps in facts for k, ts in enumerate(stamps)]
+    execute_values(cur, "INSERT INTO ev (stream_id, instance_name, body, ts) VALUES %s", rows)
+
+
+def insert_receipts(cur, facts):
+    from psycopg2.extras import execute_values
+
+    rows = [(i, '{"k": %d}' % k) for i, _w, stamps in facts for k in range(len(stamps))]
+    execute_values(cur, "INSERT INTO rc (stream_id, data) VALUES %s", rows)
+
+
+def set_positions(cur, stream, **positions):
+    for writer, pos in positions.items():
+        cur.execute(
+            "INSERT INTO stream_positions VALUES (%s, %s, %s) ON CONFLICT (stream_name, "
+            "instance_name) DO UPDATE SET stream_id = excluded.stream_id", (stream, writer, pos))
+
+
+def tree_inodes(path):
+    out = {}
+    for dirpath, _d, files in os.walk(path):
+        for f in files:
+            full = os.path.join(dirpath, f)
+            out[os.path.relpath(full, path)] = os.stat(full).st_ino
+    return out
+
+
+class ExportTestBase(TestCase):
+    def setUp(self):
+        self.spark = shared_spark()
+        self.pg = PostgresServer.shared()
+        self.dsn = self.pg.create_database("export")
+        import psycopg2
+
+        self.conn = psycopg2.connect(self.dsn)
+        self.conn.autocommit = True
+        self.addCleanup(self.conn.close)
+        self.cur = self.conn.cursor()
+        self.cur.execute("CREATE TABLE stream_positions (stream_name TEXT NOT NULL, "
+                         "instance_name TEXT NOT NULL, stream_id BIGINT NOT NULL, "
+                         "PRIMARY KEY (stream_name, instance_name))")
+        self.cur.execute("CREATE SEQUENCE ev_seq")
+        self.cur.execute("CREATE TABLE ev (stream_id BIGINT NOT NULL, instance_name TEXT "
+                         "NOT NULL, body TEXT NOT NULL, ts BIGINT)")
+        self.cur.execute("CREATE INDEX ev_id ON ev (stream_id)")
+        self.cur.execute("CREATE SEQUENCE rc_seq")
+        self.cur.execute("CREATE TABLE rc (stream_id BIGINT NOT NULL, data JSONB NOT NULL)")
+        self.db = parse_database({"postgres": self.dsn})
+        self.streams = parse_streams(STREAMS)
+        self.events, self.receipts = self.streams
+        self.out = tempfile.mkdtemp(prefix="export-out-")
+        self.addCleanup(shutil.rmtree, self.out, True)
+
+    def assertMatches(self, got, want):
+        self.assertEqual(sorted(got), sorted(want))
+        for key in want:
+            for metric in METRICS:
+                g, w = got[key][metric], want[key][metric]
+                if isinstance(w, float) or isinstance(g, float):
+                    self.assertIsNotNone(g, (key, metric))
+                    self.assertAlmostEqual(g, w, delta=1e-6 * max(1.0, abs(w)),
+                                           msg=(key, metric))
+                else:
+                    self.assertEqual(g, w, (key, metric))
+
+    def load_phase1(self):
+        """events: facts 1..1200 final, 1201 in flight (w1), 1202..1250 by w2;
+        receipts: 1..300 written, position 280."""
+        gen = Generator(7)
+        self.ev1 = gen.facts(1, 1200, ["w1", "w2"])
+        insert_events(self.cur, self.ev1)
+        # A real rollback on the sequence, then the in-flight reservation.
+        self.cur.execute("SELECT setval('ev_seq', 1200)")
+        import psycopg2
+
+        self.inflight = psycopg2.connect(self.dsn)
+        self.addCleanup(self.inflight.close)
+        icur = self.inflight.cursor()
+        icur.execute("SELECT nextval('ev_seq')")
+        self.inflight_id = icur.fetchone()[0]
+        icur.execute("INSERT INTO ev VALUES (%s, 'w1', 'in flight', %s)",
+                     (self.inflight_id, BASE_MS + 10 ** 6))
+        self.ev1b = gen.facts(1202, 1250, ["w2"])
+        insert_events(self.cur, self.ev1b)
+        self.cur.execute("SELECT setval('ev_seq', 1250)")
+        set_positions(self.cur, "events", w1=1200, w2=1250, w3=5000)  # w3: not configured
+        self.rc1 = Generator(8).facts(1, 300, ["main"])
+        insert_receipts(self.cur, self.rc1)
+        set_positions(self.cur, "receipts/v2", main=280)
+        return gen
+
+
+class ExportTests(ExportTestBase):
+    def test_matches_reference_incremental_and_noop(self):
+        gen = self.load_phase1()
+        self.assertEqual(self.inflight_id, 1201)
+
+        # ---- run 1: only what is at or below the linear positions.
+        r1 = export(self.db, self.streams, self.out, now_ms=RUN1_MS)
+        self.assertTrue(r1.changed)
+        got = read_export(self.out)
+        want = reference(self.cur, self.events, 1200)
+        want.update(reference(self.cur, self.receipts, 280))
+        self.assertMatches(got, want)
+        self.assertTrue(any(k[2] == "" for k in got), "no rollback rows for the multi-writer")
+        self.assertTrue(any(v["size_17_up"] for v in got.values()))
+        self.assertTrue(any(v["rollbacks"] and k[2] == "main" for k, v in got.items()))
+        self.assertEqual({v["date"] for k, v in got.items() if k[0] == "events"},
+                         {"2024-03-01", "2024-03-02"})
+        self.assertLessEqual(max(v["last_token"] or 0 for k, v in got.items()
+                                 if k[0] == "events"), 1200)
+        self.assertLessEqual(max(v["last_token"] or 0 for k, v in got.items()
+                                 if k[0] == "receipts/v2"), 280)
+        state = OutputStore(self.out).load_state()
+        self.assertEqual(state.streams["events"].token, 1200)
+        self.assertEqual(state.streams["receipts/v2"].token, 280)
+        n_ev = len([f for f in self.ev1 if f[0] <= 1200])
+        self.assertEqual(state.streams["events"].facts, n_ev)
+        self.assertEqual(sum(v["facts"] for k, v in got.items() if k[:2] == ("events", "minute")),
+                         n_ev)
+        self.assertEqual({r.stream: r.facts for r in r1.reports},
+                         {"events": n_ev, "receipts/v2": len([f for f in self.rc1
+                                                               if f[0] <= 280])})
+        self.assertTrue(os.path.isdir(os.path.join(
+            self.out, "current", "minute", "stream=" + escape_partition_value("receipts/v2"))))
+
+        # ---- nothing new: no-op, not a single file touched.
+        link = os.readlink(os.path.join(self.out, "current"))
+        before = tree_inodes(os.path.join(self.out, "current"))
+        r_noop = export(self.db, self.streams, self.out, now_ms=RUN2_MS)
+        self.assertFalse(r_noop.changed)
+        self.assertEqual([r.facts for r in r_noop.reports], [0, 0])
+        self.assertEqual(os.readlink(os.path.join(self.out, "current")), link)
+        self.assertEqual(tree_inodes(os.path.join(self.out, "current")), before)
+
+        # ---- the in-flight fact completes, new facts (one late, real
+        # rollbacks), positions advance.
+        self.inflight.commit()
+        new = gen.facts(1251, 1400, ["w1", "w2"])
+        new.append((1401, "w1", [BASE_MS + 5000]))  # late: lands on 2024-03-01
+        insert_events(self.cur, new)
+        self.cur.execute("SELECT setval('ev_seq', 1401)")
+        for _ in range(2):  # reserved, written, rolled back: gaps 1402, 1403
+            self.cur.execute("BEGIN")
+            self.cur.execute("INSERT INTO ev VALUES (nextval('ev_seq'), 'w2', 'x', %s)",
+                             (BASE_MS,))
+            self.cur.execute("ROLLBACK")
+        self.cur.execute("INSERT INTO ev VALUES (nextval('ev_seq'), 'w2', 'last', %s)",
+                         (gen.t + 100,))
+        set_positions(self.cur, "events", w1=1404, w2=1404)
+        rc2 = Generator(9).facts(301, 320, ["main"])
+        insert_receipts(self.cur, rc2)
+        set_positions(self.cur, "receipts/v2", main=320)
+
+        r2 = export(self.db, self.streams, self.out, now_ms=RUN2_MS)
+        self.assertTrue(r2.changed)
+        got2 = read_export(self.out)
+        want2 = reference(self.cur, self.events, 1404, run2_after(1200))
+        want2.update(reference(self.cur, self.receipts, 320, run2_after(280)))
+        self.assertMatches(got2, want2)
+        # Exactly the new facts were added: 1201, 1202..1250's, the new ones, 1404.
+        self.cur.execute("SELECT count(DISTINCT stream_id) FROM ev WHERE stream_id > 1200 "
+                         "AND stream_id <= 1404")
+        added = self.cur.fetchone()[0]
+        self.assertEqual(added, 1 + len(self.ev1b) + len(new) + 1)
+        self.assertEqual({r.stream: r.facts for r in r2.reports},
+                         {"events": added, "receipts/v2": len([f for f in self.rc1
+                                                               if f[0] > 280]) + len(rc2)})
+        total = sum(v["facts"] for k, v in got2.items() if k[:2] == ("events", "minute"))
+        self.assertEqual(total, n_ev + added)
+        # Rollbacks are exactly the IDs with no row between the first fact and
+        # the position: the in-flight ID 1201 is a fact, 1402 and 1403 are not.
+        self.cur.execute("SELECT min(stream_id), count(DISTINCT stream_id) FROM ev "
+                         "WHERE stream_id <= 1404")
+        first, distinct = self.cur.fetchone()
+        self.assertEqual(
+            sum(v["rollbacks"] for k, v in got2.items() if k[:2] == ("events", "minute")),
+            1404 - first + 1 - distinct)
+        state2 = OutputStore(self.out).load_state()
+        self.assertEqual(state2.streams["events"].token, 1404)
+        self.assertEqual(
+            state2.streams["events"].rollbacks,
+            sum(v["rollbacks"] for k, v in got2.items() if k[:2] == ("events", "minute")))
+        # The receipts minute of run 1 and run 2 is one bucket, recomputed.
+        rc_minute = [v for k, v in got2.items() if k[:2] == ("receipts/v2", "minute")]
+        self.assertEqual(len(rc_minute), 1)
+        self.assertEqual(rc_minute[0]["facts"], len([f for f in self.rc1]) + len(rc2))
+
+    def test_nothing_past_persisted_position(self):
+        self.load_phase1()
+        # A writer missing from stream_positions holds its stream back.
+        self.cur.execute("DELETE FROM stream_positions WHERE instance_name = 'w2'")
+        r = export(self.db, self.streams, self.out, now_ms=RUN1_MS)
+        got = read_export(self.out)
+        self.assertEqual({k[0] for k in got}, {"receipts/v2"})
+        self.assertEqual([(x.stream, x.position, x.facts) for x in r.reports],
+                         [("events", 0, 0), ("receipts/v2", 280, len([f for f in self.rc1
+                                                                      if f[0] <= 280]))])
+        self.assertNotIn("events", OutputStore(self.out).load_state().streams)
+
+    def test_failed_run_keeps_previous_export(self):
+        from replicator.export import aggregate
+
+        self.load_phase1()
+        export(self.db, self.streams, self.out, now_ms=RUN1_MS)
+        link = os.readlink(os.path.join(self.out, "current"))
+        before = read_export(self.out)
+        self.inflight.commit()
+        set_positions(self.cur, "events", w1=1250)
+        set_positions(self.cur, "receipts/v2", main=300)
+        real = aggregate.write_partitions
+        calls = []
+
+        def failing(df, path):
+            calls.append(path)
+            real(df, path)
+            if len(calls) == 3:  # events written, receipts half-way
+                raise RuntimeError("disk full")
+
+        aggregate.write_partitions = failing
+        self.addCleanup(setattr, aggregate, "write_partitions", real)
+        with self.assertRaises(RuntimeError):
+            export(self.db, self.streams, self.out, now_ms=RUN2_MS)
+        self.assertEqual(len(calls), 3)
+        self.assertEqual(os.readlink(os.path.join(self.out, "current")), link)
+        self.assertEqual(read_export(self.out), before)
+        self.assertEqual(OutputStore(self.out).load_state().streams["events"].token, 1200)
+        self.assertEqual([e for e in os.listdir(self.out) if e.startswith(".staging")], [])
+        aggregate.write_partitions = real
+        export(self.db, self.streams, self.out, now_ms=RUN2_MS)
+        want = reference(self.cur, self.events, 1250, run2_after(1200))
+        want.update(reference(self.cur, self.receipts, 300, run2_after(280)))
+        self.assertMatches(read_export(self.out), want)
+
+    def test_killed_run_leaves_previous_export_readable(self):
+        self.load_phase1()
+        export(self.db, self.streams, self.out, now_ms=RUN1_MS)
+        link = os.readlink(os.path.join(self.out, "current"))
+        before = read_export(self.out)
+        self.inflight.commit()
+        set_positions(self.cur, "events", w1=1250)
+        set_positions(self.cur, "receipts/v2", main=300)
+        conf = os.path.join(self.out, "..", os.path.basename(self.out) + ".yaml")
+        conf = os.path.abspath(conf)
+        self.addCleanup(lambda: os.path.exists(conf) and os.unlink(conf))
+        import yaml
+
+        with open(conf, "w") as f:
+            yaml.safe_dump({"database": {"postgres": self.dsn}, "streams": STREAMS}, f)
+        env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "replicator.export.cli", "-c", conf, "-o", self.out,
+             "--master", "local[1]", "--shuffle-partitions", "4", "-q"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.addCleanup(lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
+        deadline = time.monotonic() + 120
+        killed_at = None
+        while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
+            for entry in os.listdir(self.out):
+                if entry.startswith(".staging-"):
+                    for dirpath, _d, files in os.walk(os.path.join(self.out, entry)):
+                        if "_temporary" not in dirpath and any(
+                                f.endswith(".parquet") for f in files):
+                            killed_at = dirpath
+            if killed_at is None:
+                time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0].decode(errors="replace")
+        self.assertIsNotNone(killed_at, f"no partition written before the end: {output}")
+        self.assertEqual(proc.returncode, -signal.SIGKILL)
+        # The dead run left a staging directory; current is the old export.
+        self.assertTrue([e for e in os.listdir(self.out) if e.startswith(".staging-")])
+        self.assertEqual(os.readlink(os.path.join(self.out, "current")), link)
+        self.assertEqual(read_export(self.out), before)
+        self.assertEqual(OutputStore(self.out).load_state().streams["events"].token, 1200)
+        # The next run cleans up and exports what the dead one did not.
+        r = export(self.db, self.streams, self.out, now_ms=RUN2_MS)
+        self.assertTrue(r.changed)
+        self.assertEqual([e for e in os.listdir(self.out) if e.startswith(".staging-")], [])
+        want = reference(self.cur, self.events, 1250, run2_after(1200))
+        want.update(reference(self.cur, self.receipts, 300, run2_after(280)))
+        self.assertMatches(read_export(self.out), want)
+
+    def test_until_since_streams_and_plot(self):
+        self.load_phase1()
+        midnight = 1709337600000  # 2024-03-02T00:00:00Z
+        r = export(self.db, self.streams, self.out, now_ms=RUN1_MS, until_ms=midnight,
+                   streams=["events"])
+        self.assertEqual([x.stream for x in r.reports], ["events"])
+        got = read_export(self.out)
+        self.assertEqual({k[0] for k in got}, {"events"})
+        token = OutputStore(self.out).load_state().streams["events"].token
+        # The prefix stops just before the first fact timed at/after midnight.
+        self.cur.execute("SELECT min(stream_id) FROM ev WHERE ts >= %s OR ts IS NULL",
+                         (midnight,))
+        self.assertEqual(token, self.cur.fetchone()[0] - 1)
+        self.assertMatches(got, reference(self.cur, self.events, token))
+        # Then the rest, and receipts, with a plot.
+        png = os.path.join(self.out, "..", os.path.basename(self.out) + ".png")
+        self.addCleanup(lambda: os.path.exists(png) and os.unlink(png))
+        export(self.db, self.streams, self.out, now_ms=RUN1_MS, plot=png)
+        want = reference(self.cur, self.events, 1200)
+        want.update(reference(self.cur, self.receipts, 280))
+        self.assertMatches(read_export(self.out), want)
+        with open(png, "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+        self.assertGreater(os.path.getsize(png), 5000)
+        # --since on a fresh output starts at the first fact timed at or after
+        # midnight (a prefix cut: a later fact timed before it still counts).
+        out2 = tempfile.mkdtemp(prefix="export-since-")
+        self.addCleanup(shutil.rmtree, out2, True)
+        export(self.db, self.streams, out2, now_ms=RUN1_MS, since_ms=midnight,
+               streams=["events"])
+        got = read_export(out2)
+        self.assertEqual(min(v["first_token"] for v in got.values()
+                             if v["first_token"] is not None), token + 1)
+        self.cur.execute("SELECT stream_id, instance_name, ts FROM ev WHERE stream_id > %s "
+                         "AND stream_id <= 1200 ORDER BY 1", (token,))
+        agg = Aggregator(2, True, run1).feed(self.cur.fetchall())
+        self.assertMatches(got, {("events",) + k: v for k, v in agg.result().items()})
+
+
+class SqliteExportTests(TestCase):
+    def test_sqlite_source(self):
+        import sqlite3
+
+        spark = shared_spark()
+        tmp = tempfile.mkdtemp(prefix="export-sqlite-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        path = os.path.join(tmp, "db.sqlite")
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE stream_positions (stream_name TEXT NOT NULL, instance_name "
+                     "TEXT NOT NULL, stream_id BIGINT NOT NULL, PRIMARY KEY (stream_name, "
+                     "instance_name))")
+        conn.execute("CREATE TABLE ev (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL, "
+                     "body TEXT NOT NULL, ts INTEGER)")
+        facts = Generator(3).facts(1, 400, ["w1", "w2"])
+        rows = [(i, w, "b", ts) for i, w, stamps in facts for ts in stamps]
+        conn.executemany("INSERT INTO ev VALUES (?, ?, ?, ?)", rows)
+        conn.executemany("INSERT INTO stream_positions VALUES ('events', ?, ?)",
+                         [("w1", 350), ("w2", 390)])
+        conn.commit()
+        conn.close()
+        db = parse_database({"sqlite": path})
+        streams = parse_streams(STREAMS[:1])
+        out = os.path.join(tmp, "out")
+        export(db, streams, out, spark=spark, now_ms=RUN1_MS)
+        agg = Aggregator(2, True, run1)
+        agg.feed(sorted(((i, w, ts) for i, w, _b, ts in rows if i <= 350), key=lambda r: r[0]))
+        want = {("events",) + k: v for k, v in agg.result().items()}
+        got = read_export(out)
+        self.assertEqual(sorted(got), sorted(want))
+        for key in want:
+            for metric in METRICS:
+                w, g = want[key][metric], got[key][metric]
+                if isinstance(w, float):
+                    self.assertAlmostEqual(g, w, delta=1e-6 * max(1.0, abs(w)))
+                else:
+                    self.assertEqual(g, w, (key, metric))
+
+
+class CliTests(TestCase):
+    """Argument and configuration errors: no Spark needed."""
+
+    def run_cli(self, *args):
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        proc = subprocess.run([sys.executable, "-m", "replicator.export.cli", *args],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        return proc.returncode, proc.stdout, proc.stderr
+
+    def write(self, text):
+        fd, path = tempfile.mkstemp(suffix=".yaml")
+        os.write(fd, text.encode())
+        os.close(fd)
+        self.addCleanup(os.unlink, path)
+        return path
+
+    def test_config_error_exits_2(self):
+        conf = self.write("database: {sqlite: /nonexistent/x.db}\nstreams:\n  - name: a\n")
+        rc, out, err = self.run_cli("-c", conf)
+        self.assertEqual(rc, 2)
+        self.assertEqual(err.strip().splitlines(), ["config: streams[0].table: missing"])
+
+    def test_unknown_stream_exits_2(self):
+        conf = self.write("database: {sqlite: /nonexistent/x.db}\nstreams:\n"
+                          "  - {name: a, table: t, writers: [m], columns: [{x: text}]}\n")
+        rc, _out, err = self.run_cli("-c", conf, "--streams", "a,b")
+        self.assertEqual(rc, 2)
+        self.assertIn("unknown stream(s) b", err)
+
+    def test_missing_database_exits_1(self):
+        conf = self.write("database: {sqlite: /nonexistent/x.db}\nstreams:\n"
+                          "  - {name: a, table: t, writers: [m], columns: [{x: text}]}\n")
+        out = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, out, True)
+        rc, _out, err = self.run_cli("-c", conf, "-o", out)
+        self.assertEqual(rc, 1)
+        self.assertIn("/nonexistent/x.db does not exist", err)
+
+    def test_missing_jdbc_jar_is_a_clear_error(self):
+        from replicator.export.source import SourceError, find_jdbc_jar
+
+        with self.assertRaises(SourceError) as e:
+            find_jdbc_jar("postgres", "/nonexistent/postgresql.jar")
+        self.assertIn("does not exist", str(e.exception))
+
+    def test_time_arguments(self):
+        from replicator.export.cli import parse_time
+
+        self.assertEqual(parse_time("2024-03-02"), 1709337600000)
+        self.assertEqual(parse_time("2024-03-02T01:00:00+01:00"), 1709337600000)
+        self.assertEqual(parse_time("1709337600000"), 1709337600000)
+
+
+class StateTests(TestCase):
+    def test_escape_like_spark(self):
+        self.assertEqual(escape_partition_value("receipts/v2"), "receipts%2Fv2")
+        self.assertEqual(escape_partition_value("a=b:c"), "a%3Db%3Ac")
+        self.assertEqual(escape_partition_value("plain-name_1.x"), "plain-name_1.x")
+
+    def test_commit_swaps_and_cleans(self):
+        from replicator.export.state import ExportState, StreamState
+
+        out = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, out, True)
+        store = OutputStore(out)
+        store.lock()
+        self.addCleanup(store.unlock)
+        other = OutputStore(out)
+        with self.assertRaises(Exception):
+            other.lock()
+        for n in range(1, 4):
+            staging = store.begin()
+            os.makedirs(staging.stream_dir("minute", "s") + "/date=2024-01-0%d" % n)
+            st = ExportState(streams={"s": StreamState(token=n)})
+            store.commit(staging, st)
+            self.assertEqual(store.load_state().streams["s"].token, n)
+        gens = sorted(e for e in os.listdir(out) if e.startswith("gen-"))
+        self.assertEqual(gens, ["gen-00000002", "gen-00000003"])
+        # A dead run's leftovers: a staging dir and a generation never linked.
+        os.makedirs(os.path.join(out, ".staging-1-dead/minute"))
+        os.makedirs(os.path.join(out, "gen-00000009"))
+        self.assertEqual(store.load_state().generation, 3)
+        staging = store.begin()
+        self.assertEqual(sorted(e for e in os.listdir(out) if not e.startswith(".lock")),
+                         sorted(["current", "gen-00000002", "gen-00000003",
+                                 os.path.basename(staging.path)]))
+        store.abort(staging)
