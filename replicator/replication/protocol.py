@@ -522,6 +522,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
     client named itself (``NAME``) — and only rows of that instance."""
 
     VALID_INBOUND = CLIENT_COMMANDS
+    is_client_side = False
 
     def __init__(self, handler: Any, server_name: str, **kwargs: Any):
         super().__init__(handler, **kwargs)
@@ -556,6 +557,7 @@ class ClientReplicationProtocol(ReplicationProtocol):
     if the server's ``SERVER`` name is not ``server_name``."""
 
     VALID_INBOUND = SERVER_COMMANDS
+    is_client_side = True
 
     def __init__(self, handler: Any, client_name: Optional[str], server_name: str, **kwargs: Any):
         super().__init__(handler, **kwargs)
