@@ -74,6 +74,9 @@ PING_INTERVAL = 5.0
 PING_TIMEOUT = 15.0
 #: Lines queued while the transport is paused before giving up on the peer.
 MAX_QUEUED_LINES = 10_000
+#: How long a connection closed for congestion may take to drain before it
+#: is aborted (seconds).
+CONGESTION_GRACE = 1.0
 
 # Why a connection ended, for metrics.
 CONGESTION = "congestion"
@@ -282,7 +285,10 @@ class ReplicationProtocol(LineOnlyReceiver):
                 pass
         transport.loseConnection()
         if self._connected and self._abort_call is None:
-            self._abort_call = self._clock.callLater(self._ping_timeout, self._abort)
+            # A congested peer is not reading: give it a short grace to take
+            # what is buffered (ending with the ERROR), then drop it.
+            grace = CONGESTION_GRACE if reason == CONGESTION else self._ping_timeout
+            self._abort_call = self._clock.callLater(grace, self._abort)
 
     def stop(self, reason_text: str = "server stopping") -> None:
         """Orderly shutdown: ``ERROR <reason_text>`` then close (``shutdown``)."""
