@@ -268,3 +268,253 @@ def load_yaml(path: str) -> Any:
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError("file", f"{path} is not valid YAML{where}: {problem}") from None
+
+
+# ------------------------------------------------------------- instance
+LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
+LOOPBACK = ("127.", "::1", "localhost")
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """Replication through Redis pub/sub instead of (or beside) TCP."""
+
+    endpoint: str
+    password: Optional[str] = None
+    dbid: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ReplicationConfig:
+    """How this instance joins replication.
+
+    ``listen``: endpoint string the master accepts workers on.
+    ``upstream``: endpoint string a worker connects to.
+    """
+
+    listen: Optional[str] = None
+    upstream: Optional[str] = None
+    redis: Optional[RedisConfig] = None
+    ping_interval: float = 5.0
+    ping_timeout: float = 15.0
+    max_queued_lines: int = 10_000
+    max_line_length: int = 16_384
+    fetch_limit: int = 1000
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP API: write facts, positions, health, metrics."""
+
+    listen: Optional[str] = None
+    secret: Optional[str] = field(default=None, repr=False)
+    metrics_listen: Optional[str] = None  # host:port served from its own thread
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """One consumer: ``type`` is a built-in name, an entry point name of the
+    ``replicator.consumers`` group, or a dotted path ``package.module:Class``."""
+
+    type: str
+    streams: Optional[Tuple[str, ...]] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """Everything one instance needs, validated."""
+
+    server_name: str
+    instance_name: str
+    database: DatabaseConfig
+    streams: Tuple[StreamConfig, ...]
+    replication: ReplicationConfig
+    http: HttpConfig
+    consumers: Tuple[ConsumerConfig, ...] = ()
+    log_level: str = "info"
+    path: Optional[str] = None
+
+    def writes(self, stream: StreamConfig) -> bool:
+        return self.instance_name in stream.writers
+
+
+def _number(section: Mapping, name: str, key: str, default: float, minimum: float) -> float:
+    path = f"{key}.{name}"
+    value = section.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(path, f"expected a number, got {_kind(value)}")
+    if value < minimum:
+        raise ConfigError(path, f"must be at least {minimum}, got {value}")
+    return float(value)
+
+
+def _endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[str]:
+    """An endpoint string, checked by Twisted's own parser."""
+    value = _str(section, name, key, None)
+    if value is None:
+        return None
+    from twisted.internet import endpoints, reactor
+
+    try:
+        if kind == "server":
+            endpoints.serverFromString(reactor, value)
+        else:
+            endpoints.clientFromString(reactor, value)
+    except Exception as e:  # Twisted raises several types for bad strings
+        detail = str(e) or type(e).__name__
+        raise ConfigError(f"{key}.{name}", f"cannot parse endpoint {value!r}: {detail}") from None
+    return value
+
+
+def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
+    if value is None:
+        return None
+    section = _mapping(value, key)
+    _no_unknown(section, ("endpoint", "password", "dbid"), key)
+    endpoint = _endpoint(section, "endpoint", key, "client")
+    if endpoint is None:
+        raise ConfigError(f"{key}.endpoint", "missing")
+    dbid = _int(section, "dbid", key, None) if "dbid" in section else None
+    return RedisConfig(endpoint, _str(section, "password", key, None), dbid)
+
+
+def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig:
+    section = _mapping(value if value is not None else {}, key)
+    _no_unknown(section, ("listen", "upstream", "redis", "ping_interval", "ping_timeout",
+                          "max_queued_lines", "max_line_length", "fetch_limit"), key)
+    ping_interval = _number(section, "ping_interval", key, 5.0, 0.1)
+    ping_timeout = _number(section, "ping_timeout", key, 15.0, 1.0)
+    if ping_timeout <= ping_interval:
+        raise ConfigError(f"{key}.ping_timeout",
+                          f"must be longer than ping_interval ({ping_interval:g}s)")
+    return ReplicationConfig(
+        listen=_endpoint(section, "listen", key, "server"),
+        upstream=_endpoint(section, "upstream", key, "client"),
+        redis=parse_redis(section.get("redis"), f"{key}.redis"),
+        ping_interval=ping_interval,
+        ping_timeout=ping_timeout,
+        max_queued_lines=_int(section, "max_queued_lines", key, 10_000, minimum=1),
+        max_line_length=_int(section, "max_line_length", key, 16_384, minimum=1024),
+        fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1),
+    )
+
+
+def _read_secret(path: str, key: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise ConfigError(key, f"cannot read secret file {path}: {e.strerror}") from None
+    if not secret:
+        raise ConfigError(key, f"secret file {path} is empty")
+    return secret
+
+
+HOST_PORT = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
+
+
+def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig:
+    section = _mapping(value if value is not None else {}, key)
+    _no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen"), key)
+    if "secret" in section and "secret_file" in section:
+        raise ConfigError(key, "give either secret or secret_file, not both")
+    secret = _str(section, "secret", key, None)
+    secret_file = _str(section, "secret_file", key, None)
+    if secret_file is not None:
+        import os
+
+        path = secret_file if os.path.isabs(secret_file) else os.path.join(base_dir, secret_file)
+        secret = _read_secret(path, f"{key}.secret_file")
+    if secret is not None and len(secret) < 16:
+        raise ConfigError(f"{key}.secret", "must be at least 16 characters")
+    listen = _endpoint(section, "listen", key, "server")
+    if listen is not None and secret is None:
+        raise ConfigError(f"{key}.secret", "missing: the write API always needs a secret "
+                                           "(secret or secret_file)")
+    metrics_listen = _str(section, "metrics_listen", key, None)
+    if metrics_listen is not None:
+        m = HOST_PORT.match(metrics_listen)
+        if not m or not 0 < int(m.group("port")) < 65536:
+            raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
+    return HttpConfig(listen=listen, secret=secret, metrics_listen=metrics_listen)
+
+
+def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[ConsumerConfig, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(key, f"expected a list, got {_kind(value)}")
+    out = []
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        section = _mapping(item, where)
+        type_ = _str(section, "type", where)
+        streams = None
+        if "streams" in section:
+            streams = _list(section, "streams", where)
+            for j, name in enumerate(streams):
+                if name not in stream_names:
+                    raise ConfigError(f"{where}.streams[{j}]", f"unknown stream {name!r}")
+            streams = tuple(streams)
+        options = {k: v for k, v in section.items() if k not in ("type", "streams")}
+        out.append(ConsumerConfig(type_, streams, options))
+    return tuple(out)
+
+
+INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replication", "http",
+                 "consumers", "log_level")
+
+
+def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
+    """A whole instance config from its parsed YAML document."""
+    import os
+
+    base_dir = os.path.dirname(os.path.abspath(path)) if path else "."
+    section = _mapping(doc, "") if doc is not None else {}
+    if not section:
+        raise ConfigError("file", "is empty")
+    _no_unknown(section, INSTANCE_KEYS, "")
+    server_name = _str(section, "server_name", "", pattern=WIRE_NAME, what="a name without spaces")
+    instance_name = _str(section, "instance_name", "", pattern=WIRE_NAME,
+                         what="a name without spaces")
+    database = parse_database(section.get("database"))
+    if database.engine == "sqlite" and not os.path.isabs(database.path):
+        database = DatabaseConfig("sqlite", path=os.path.join(base_dir, database.path),
+                                  pool_min=1, pool_max=1)
+    streams = parse_streams(section.get("streams"))
+    replication = parse_replication(section.get("replication"))
+    http = parse_http(section.get("http"), base_dir=base_dir)
+    consumers = parse_consumers(section.get("consumers"), {s.name for s in streams})
+    log_level = section.get("log_level", "info")
+    if log_level not in LOG_LEVELS:
+        raise ConfigError("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    if database.engine == "sqlite":
+        for i, stream in enumerate(streams):
+            others = [w for w in stream.writers if w != instance_name]
+            if others:
+                raise ConfigError(f"streams[{i}].writers",
+                                  f"{others[0]!r} cannot write an embedded SQLite database of "
+                                  f"{instance_name!r}: use PostgreSQL for several writers")
+    if replication.upstream and replication.listen:
+        raise ConfigError("replication.upstream", "an instance either listens (master) or "
+                                                  "connects upstream (worker), not both")
+    return InstanceConfig(
+        server_name=server_name, instance_name=instance_name, database=database,
+        streams=streams, replication=replication, http=http, consumers=consumers,
+        log_level=log_level, path=path,
+    )
+
+
+def load_config(path: str) -> InstanceConfig:
+    """Read and validate one instance's YAML file."""
+    return parse_instance(load_yaml(path), path)
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether a server endpoint string binds only to a loopback address."""
+    for part in endpoint.split(":"):
+        if part.startswith("interface="):
+            host = part[len("interface="):].strip("[]").replace("\\", "")
+            return host.startswith(LOOPBACK) or host == "::1"
+    return endpoint.startswith("unix:")
