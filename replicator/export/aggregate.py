@@ -9,8 +9,9 @@ test oracle), from a DataFrame ``(id, writer, ts)`` holding every row with
    (``observed`` ranges), dated in UTC;
 2. rollbacks: ``id - previous fact ID - 1``.  The previous fact is found by
    a lag over ID-range chunks (so the sort runs in parallel) patched at each
-   chunk's start with the previous chunk's largest ID, and at the range
-   start with ``prev`` (the fact before ``floor``, from the state);
+   chunk's start with the largest ID below the chunk (``chunk_prev``, found
+   by the planner with one index probe per chunk), and at the range start
+   with ``prev`` (the fact before ``floor``, from the state);
 3. keep facts dated ``from_date`` or later (the partitions being rewritten;
    the rows below them were read only to find previous IDs);
 4. delays: lag of the row time over (writer, date) in ID order;
@@ -18,7 +19,7 @@ test oracle), from a DataFrame ``(id, writer, ts)`` holding every row with
    stream the rollbacks form rows of their own with ``writer = ""``.
 
 The facts of step 1-4 are persisted once and feed both granularities and the
-small driver-side summaries (new dates for the state, totals).
+one small driver-side summary (dates; new dates for the state; totals).
 """
 
 import math
@@ -47,7 +48,10 @@ class AggregateInput:
     * ``from_date``: partitions from this UTC date on are rewritten;
     * ``single_writer``: rollbacks belong to the one writer;
     * ``has_timestamp``: the stream has a timestamp column (rates);
-    * ``chunks``: how many ID-range chunks the rollback lag runs in.
+    * ``chunk_len``/``chunk_prev``: the rollback lag runs per ID range
+      ``[floor + k * chunk_len, floor + (k + 1) * chunk_len)``;
+      ``chunk_prev[k]`` is the largest ID below chunk ``k`` that is at least
+      ``floor`` (None: use ``prev``).  See :func:`chunking`.
     """
 
     floor: int
@@ -59,7 +63,17 @@ class AggregateInput:
     from_date: str
     single_writer: bool
     has_timestamp: bool
-    chunks: int = 8
+    chunk_len: int = 1 << 62
+    chunk_prev: Dict[int, Optional[int]] = field(default_factory=dict)
+
+
+def chunking(floor: int, upper: int, chunks: int) -> Tuple[int, List[int]]:
+    """``(chunk_len, starts)``: ``[floor, upper]`` cut into ``chunks`` ID ranges;
+    ``starts`` are the first IDs of chunks 1.. (probe the largest ID below each)."""
+    chunks = max(1, int(chunks))
+    chunk_len = max(1, math.ceil((upper - floor + 1) / chunks))
+    starts = [floor + k * chunk_len for k in range(1, chunks) if floor + k * chunk_len <= upper]
+    return chunk_len, starts
 
 
 @dataclass
@@ -103,30 +117,24 @@ def build_facts(spark, rows, inp: AggregateInput):
         F.min("ts").alias("rowtime"),
     )
     time_ms = F.coalesce(F.col("rowtime"), _observed_expr(F, inp.observed, inp.default_ms))
-    chunks = max(1, int(inp.chunks))
-    span = max(1, inp.upper - inp.floor + 1)
-    chunk_len = max(1, math.ceil(span / chunks))
     facts = (
         facts.withColumn("time_ms", time_ms)
         .withColumn("date", F.date_format(F.timestamp_millis(F.col("time_ms")), "yyyy-MM-dd"))
-        .withColumn("chunk", F.floor((F.col("id") - F.lit(inp.floor)) / F.lit(chunk_len))
+        .withColumn("chunk", F.floor((F.col("id") - F.lit(inp.floor)) / F.lit(inp.chunk_len))
                     .cast("int"))
-        .persist(StorageLevel.MEMORY_AND_DISK)
     )
-    # Largest fact ID of each chunk, then each chunk's predecessor (driver).
-    maxima = sorted((r["chunk"], r["m"]) for r in
-                    facts.groupBy("chunk").agg(F.max("id").alias("m")).collect())
-    before = inp.prev
-    patch = []
-    for chunk, m in maxima:
-        if before is not None:
-            patch.append((chunk, before))
-        before = m
     chunk_prev = None
-    for chunk, p in patch:
+    for chunk, p in sorted(inp.chunk_prev.items()):
+        p = inp.prev if p is None else p
+        if p is None:
+            continue
         cond = F.col("chunk") == F.lit(chunk)
         chunk_prev = (F.when(cond, F.lit(int(p))) if chunk_prev is None
                       else chunk_prev.when(cond, F.lit(int(p))))
+    if inp.prev is not None:
+        start = F.col("chunk") == F.lit(0)
+        chunk_prev = (F.when(start, F.lit(int(inp.prev))) if chunk_prev is None
+                      else chunk_prev.when(start, F.lit(int(inp.prev))))
     chunk_prev = chunk_prev if chunk_prev is not None else F.lit(None).cast("long")
     by_chunk = Window.partitionBy("chunk").orderBy("id")
     prev_id = F.coalesce(F.lag("id").over(by_chunk), chunk_prev)
@@ -139,7 +147,7 @@ def build_facts(spark, rows, inp: AggregateInput):
     by_day = Window.partitionBy("writer", "date").orderBy("id")
     final = kept.withColumn("delay", F.col("rowtime") - F.lag("rowtime").over(by_day)).persist(
         StorageLevel.MEMORY_AND_DISK)
-    return facts, final
+    return final
 
 
 def _bucket_aggregates(F, facts, granularity: str, inp: AggregateInput):
@@ -199,25 +207,29 @@ def aggregate_stream(spark, rows, inp: AggregateInput) -> StreamAggregates:
     calls :meth:`StreamAggregates.unpersist`."""
     from pyspark.sql import functions as F
 
-    base, facts = build_facts(spark, rows, inp)
+    facts = build_facts(spark, rows, inp)
     result = StreamAggregates(
         minute=_bucket_aggregates(F, facts, "minute", inp),
         hour=_bucket_aggregates(F, facts, "hour", inp),
-        _cached=[facts, base],
+        _cached=[facts],
     )
-    new = facts.where(F.col("id") > F.lit(inp.new_above))
-    for r in new.groupBy("date").agg(
-            F.min("id").alias("first"),
-            F.min_by("prev_id", "id").alias("prev"),
-            F.count(F.lit(1)).alias("facts"),
-            F.sum("nrows").alias("rows"),
-            F.sum("rollbacks").alias("rollbacks")).collect():
+    is_new = F.col("id") > F.lit(inp.new_above)
+    new_id = F.when(is_new, F.col("id"))
+    for r in facts.groupBy("date").agg(
+            F.min(new_id).alias("first"),
+            F.min_by("prev_id", new_id).alias("prev"),
+            F.count(new_id).alias("facts"),
+            F.sum(F.when(is_new, F.col("nrows"))).alias("rows"),
+            F.sum(F.when(is_new, F.col("rollbacks"))).alias("rollbacks")).collect():
+        result.dates.append(r["date"])
+        if r["first"] is None:
+            continue
         result.new_dates[r["date"]] = (int(r["first"]),
                                        None if r["prev"] is None else int(r["prev"]))
         result.new_facts += int(r["facts"])
         result.new_rows += int(r["rows"])
         result.new_rollbacks += int(r["rollbacks"])
-    result.dates = sorted(r["date"] for r in facts.select("date").distinct().collect())
+    result.dates.sort()
     return result
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..config import DatabaseConfig, StreamConfig
+from .aggregate import chunking
 from .reference import utc_date
 from .source import (MIN_TOKEN, JdbcTarget, Metadata, RangeBounds, SourceError, find_jdbc_jar,
                      jdbc_target, linear_position, read_rows)
@@ -69,6 +70,8 @@ class StreamPlan:
     from_date: Optional[str] = None
     floor: Optional[int] = None
     prev: Optional[int] = None
+    chunk_len: int = 1
+    chunk_prev: Dict[int, Optional[int]] = field(default_factory=dict)
     note: str = ""
 
     @property
@@ -169,6 +172,12 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
         for date, (first, prev) in state.dates.items():
             if date >= plan.from_date and first < plan.floor:
                 plan.floor, plan.prev = first, prev
+    # The rollback lag runs per ID chunk; each chunk starts from the largest
+    # ID below it (an index probe each).
+    plan.chunk_len, starts = chunking(plan.floor, plan.bounds.max_id,
+                                      max(options.shuffle_partitions, options.partitions))
+    for k, start in enumerate(starts, 1):
+        plan.chunk_prev[k] = meta.max_id_below(stream, plan.floor, start)
     return plan
 
 
@@ -210,7 +219,8 @@ def _next_state(plan: StreamPlan, agg) -> StreamState:
 
 
 # ----------------------------------------------------------------- spark
-def spark_session(master: Optional[str], jars: Sequence[str], shuffle_partitions: int = 8):
+def spark_session(master: Optional[str], jars: Sequence[str], shuffle_partitions: int = 8,
+                  extra_conf: Optional[Dict[str, str]] = None):
     """The SparkSession of this process (created if needed).
 
     ``master`` None leaves the master to ``spark-submit`` when launched by
@@ -237,6 +247,8 @@ def spark_session(master: Optional[str], jars: Sequence[str], shuffle_partitions
         .config("spark.hadoop.mapreduce.fileoutputcommitter.marksuccessfuljobs", "false")
         .config("spark.ui.showConsoleProgress", "false")
     )
+    for key, value in (extra_conf or {}).items():
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
@@ -422,7 +434,7 @@ def _export_stream(spark, target: JdbcTarget, plan: StreamPlan, staging, new_sta
         observed=_observed_ranges(plan), default_ms=plan.run_ms, from_date=plan.from_date,
         single_writer=len(plan.stream.writers) == 1,
         has_timestamp=plan.stream.timestamp_column is not None,
-        chunks=max(options.shuffle_partitions, options.partitions),
+        chunk_len=plan.chunk_len, chunk_prev=plan.chunk_prev,
     )
     agg = aggregate_stream(spark, rows, inp)
     try:

@@ -232,6 +232,15 @@ class Metadata:
         )
         return RangeBounds(_int(row[0]), _int(row[1]), None, row[0] is not None)
 
+    def max_id_below(self, stream: StreamConfig, floor: int, bound: int) -> Optional[int]:
+        """Largest ID in ``[floor, bound)`` (an index probe), None if none."""
+        idc = stream.id_column
+        row = self._one(
+            f"SELECT MAX({idc}) FROM {stream.table} WHERE {idc} >= %s AND {idc} < %s",
+            (floor, bound),
+        )
+        return _int(row[0])
+
     def first_id_at(self, stream: StreamConfig, lower: int, upper: int, ms: int,
                     null_counts: bool) -> Optional[int]:
         """Smallest ID in ``(lower, upper]`` of a row timed at or after ``ms``.
