@@ -19,6 +19,8 @@ system-deps:
 	scripts/ensure-system-deps.sh
 
 run: deps
+	@mkdir -p var
+	@test -s var/http-secret || $(PY) -c "import secrets; print(secrets.token_urlsafe(32))" > var/http-secret
 	$(VENV)/bin/replicator run -c $(CONFIG)
 
 test: deps system-deps

@@ -468,9 +468,9 @@ INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replica
 
 def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     """A whole instance config from its parsed YAML document."""
-    import os
-
-    base_dir = os.path.dirname(os.path.abspath(path)) if path else "."
+    # Relative paths (SQLite file, secret file, consumer files) are relative
+    # to the working directory, as for the daemon's state directory.
+    base_dir = "."
     section = _mapping(doc, "") if doc is not None else {}
     if not section:
         raise ConfigError("file", "is empty")
@@ -479,9 +479,6 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     instance_name = _str(section, "instance_name", "", pattern=WIRE_NAME,
                          what="a name without spaces")
     database = parse_database(section.get("database"))
-    if database.engine == "sqlite" and not os.path.isabs(database.path):
-        database = DatabaseConfig("sqlite", path=os.path.join(base_dir, database.path),
-                                  pool_min=1, pool_max=1)
     streams = parse_streams(section.get("streams"))
     replication = parse_replication(section.get("replication"))
     http = parse_http(section.get("http"), base_dir=base_dir)

@@ -88,11 +88,18 @@ class _StateCollector:
         return []
 
 
-def set_collector(refresh) -> None:
+def set_collector(refresh) -> _StateCollector:
     """Run ``refresh()`` at every scrape (it sets gauges from live state)."""
     collector = _StateCollector(refresh)
     REGISTRY.register(collector)
     _collectors.append(collector)
+    return collector
+
+
+def remove_collector(collector: _StateCollector) -> None:
+    if collector in _collectors:
+        _collectors.remove(collector)
+        REGISTRY.unregister(collector)
 
 
 def clear_collectors() -> None:

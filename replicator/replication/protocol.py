@@ -565,7 +565,8 @@ class ClientReplicationProtocol(ReplicationProtocol):
     VALID_INBOUND = SERVER_COMMANDS
     is_client_side = True
 
-    def __init__(self, handler: Any, client_name: Optional[str], server_name: str, **kwargs: Any):
+    def __init__(self, handler: Any, client_name: Optional[str], server_name: Optional[str],
+                 **kwargs: Any):
         super().__init__(handler, **kwargs)
         self.client_name = client_name
         self.server_name = server_name
@@ -577,7 +578,7 @@ class ClientReplicationProtocol(ReplicationProtocol):
         self.send_command(ReplicateCommand())
 
     def _on_SERVER(self, cmd: ServerCommand) -> None:
-        if cmd.server_name != self.server_name:
+        if self.server_name is not None and cmd.server_name != self.server_name:
             self.log.error(
                 "Connected to {got!r} instead of {expected!r} at {conn}",
                 got=cmd.server_name,

@@ -43,6 +43,8 @@ class ConnectionSettings:
 class ReplicationServerFactory(Factory):
     """Builds a server protocol per accepted connection, all on one handler."""
 
+    noisy = False
+
     def __init__(self, handler, server_name: str, settings: ConnectionSettings = None,
                  clock=None):
         self.handler = handler
@@ -59,6 +61,8 @@ class ReplicationServerFactory(Factory):
 
 class ReplicationClientFactory(Factory):
     """Builds the client protocol for each (re)connection to the upstream."""
+
+    noisy = False
 
     def __init__(self, handler, client_name: str, server_name: str,
                  settings: ConnectionSettings = None, clock=None):

@@ -1,0 +1,242 @@
+"""``replicator run | tail | write | positions``.
+
+Exit codes: 0 fine, 1 a runtime failure (database unreachable, port in use,
+HTTP error), 2 a usage or configuration mistake (one line naming the key).
+"""
+
+import argparse
+import json
+import signal
+import sys
+import urllib.error
+import urllib.request
+from typing import Optional
+
+from twisted.internet import defer, task
+from twisted.logger import Logger
+
+from .config import ConfigError, load_config
+from .logs import start_logging
+
+log = Logger()
+
+
+def _fail(message: str, code: int) -> "NoReturn":  # noqa: F821
+    print(f"replicator: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _load(path: str):
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        _fail(str(e), 2)
+
+
+# ------------------------------------------------------------------ run
+def cmd_run(args) -> None:
+    config = _load(args.config)
+    start_logging(config.log_level)
+    from .service import Instance
+
+    try:
+        instance = Instance(config)
+    except ConfigError as e:
+        _fail(str(e), 2)
+
+    async def main(reactor):
+        try:
+            await instance.start()
+        except ConfigError as e:
+            print(f"replicator: {e}", file=sys.stderr, flush=True)
+            await instance.stop()
+            raise SystemExit(2)
+        except Exception as e:
+            log.failure("startup failed")
+            print(f"replicator: startup failed: {e}", file=sys.stderr, flush=True)
+            await instance.stop()
+            raise SystemExit(1)
+        # SIGTERM/SIGINT stop the reactor once; the orderly stop runs first.
+        reactor.addSystemEventTrigger(
+            "before", "shutdown", lambda: defer.ensureDeferred(instance.stop()))
+        stop_once(reactor)
+        await defer.Deferred()  # until the reactor stops
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+
+
+def stop_once(reactor) -> None:
+    """Make SIGTERM and SIGINT stop the reactor once; repeats are logged."""
+    state = {"stopping": False}
+
+    def stop():
+        if state["stopping"]:
+            log.info("already shutting down")
+            return
+        state["stopping"] = True
+        reactor.stop()
+
+    def on_signal(signum, frame):
+        log.info("received {sig}; shutting down", sig=signal.Signals(signum).name)
+        reactor.callFromThread(stop)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+# ----------------------------------------------------------------- tail
+def cmd_tail(args) -> None:
+    from twisted.internet import endpoints
+
+    from .replication.protocol import ClientReplicationProtocol
+    from .replication.tcp import ReplicationClientFactory
+
+    try:
+        from twisted.internet import reactor
+
+        endpoints.clientFromString(reactor, args.endpoint)
+    except Exception as e:
+        _fail(f"cannot parse endpoint {args.endpoint!r}: {e}", 2)
+
+    class Printer:
+        """Prints what the server sends, one command per line."""
+
+        def _print(self, cmd) -> None:
+            stream = getattr(cmd, "stream_name", None)
+            if args.stream and stream is not None and stream != args.stream:
+                return
+            if args.json:
+                fields = {k: getattr(cmd, k) for k in cmd.__dataclass_fields__}
+                print(json.dumps({"command": cmd.NAME, **fields}), flush=True)
+            else:
+                print(cmd.to_line().rstrip(" "), flush=True)
+
+        def __getattr__(self, name):
+            if name.startswith("on_"):
+                return lambda conn, cmd: self._print(cmd)
+            raise AttributeError(name)
+
+        def lost_connection(self, conn, reason):
+            print(f"# connection closed ({reason})", file=sys.stderr, flush=True)
+
+    printer = Printer()
+
+    async def main(reactor):
+        from twisted.application.internet import ClientService, backoffPolicy
+
+        factory = ReplicationClientFactory(printer, args.name, args.server_name)
+        service = ClientService(endpoints.clientFromString(reactor, args.endpoint), factory,
+                                retryPolicy=backoffPolicy(initialDelay=0.5, maxDelay=10))
+        service.startService()
+        reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
+        stop_once(reactor)
+        await defer.Deferred()  # until interrupted
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+
+
+# ------------------------------------------------------- HTTP commands
+def _http_base(config) -> str:
+    endpoint = config.http.listen
+    if not endpoint:
+        _fail("config: http.listen: missing (this command talks to the daemon's HTTP API)", 2)
+    parts = endpoint.split(":")
+    if parts[0] not in ("tcp", "tcp6") or len(parts) < 2:
+        _fail(f"config: http.listen: {endpoint!r} is not a tcp endpoint", 2)
+    port = parts[1]
+    host = "127.0.0.1"
+    for p in parts[2:]:
+        if p.startswith("interface="):
+            host = p.split("=", 1)[1].replace("\\", "")
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _request(url: str, method: str = "GET", body: Optional[bytes] = None,
+             secret: Optional[str] = None) -> dict:
+    request = urllib.request.Request(url, data=body, method=method)
+    request.add_header("Content-Type", "application/json")
+    if secret:
+        request.add_header("Authorization", f"Bearer {secret}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read()).get("error", e.reason)
+        except ValueError:
+            message = e.reason
+        _fail(f"{method} {url}: {e.code} {message}", 1)
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        _fail(f"cannot reach the daemon at {url}: {reason}", 1)
+
+
+def cmd_write(args) -> None:
+    config = _load(args.config)
+    rows = []
+    for i, text in enumerate(args.rows):
+        try:
+            rows.append(json.loads(text))
+        except ValueError as e:
+            _fail(f"row {i} is not JSON: {e}", 2)
+    base = _http_base(config)
+    answer = _request(f"{base}/_replicator/v1/streams/{args.stream}/facts", "POST",
+                      json.dumps({"rows": rows}).encode(), config.http.secret)
+    print(answer["stream_id"])
+
+
+def cmd_positions(args) -> None:
+    config = _load(args.config)
+    answer = _request(f"{_http_base(config)}/_replicator/v1/positions")
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return
+    print(f"{'stream':<20} {'writer':<16} {'position':>10} {'in_flight':>9} {'lag':>6}")
+    for stream, info in sorted(answer.get("streams", {}).items()):
+        for writer, w in sorted(info.get("writers", {}).items()):
+            in_flight = w.get("in_flight", "-") if w.get("local") else "-"
+            lag = w.get("lag", "-") if not w.get("local") else "-"
+            print(f"{stream:<20} {writer:<16} {w.get('position', '-')!s:>10} "
+                  f"{in_flight!s:>9} {lag!s:>6}")
+        print(f"{stream:<20} {'(linear)':<16} {info.get('linear', '-')!s:>10}")
+
+
+# ----------------------------------------------------------------- main
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replicator",
+                                description="Synapse-style stream replication daemon")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one instance in the foreground")
+    run.add_argument("-c", "--config", required=True, help="instance YAML file")
+    run.set_defaults(fn=cmd_run)
+    tail = sub.add_parser("tail", help="connect like a worker and print every command")
+    tail.add_argument("endpoint", help="e.g. tcp:host=127.0.0.1:port=9092")
+    tail.add_argument("--name", default="replicator-tail", help="NAME to send")
+    tail.add_argument("--server-name", default=None,
+                      help="expected SERVER name (default: accept any)")
+    tail.add_argument("--stream", help="only RDATA/POSITION of this stream")
+    tail.add_argument("--json", action="store_true", help="one JSON object per line")
+    tail.set_defaults(fn=cmd_tail)
+    write = sub.add_parser("write", help="write one fact through the HTTP API")
+    write.add_argument("-c", "--config", required=True)
+    write.add_argument("stream")
+    write.add_argument("rows", nargs="*", metavar="ROW_JSON", help="one JSON array per row")
+    write.set_defaults(fn=cmd_write)
+    positions = sub.add_parser("positions", help="print every (stream, writer) position")
+    positions.add_argument("-c", "--config", required=True)
+    positions.add_argument("--json", action="store_true")
+    positions.set_defaults(fn=cmd_positions)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

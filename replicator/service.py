@@ -1,0 +1,240 @@
+"""One running instance, built from its config: the services and their order.
+
+Start: database → streams (schema, positions) → handler → listeners and the
+upstream connection → HTTP → ``READY=1`` to systemd.  Stop (SIGTERM/SIGINT):
+``STOPPING=1`` → every peer told (servers send ``ERROR server stopping``,
+clients ``CLEAR_USER_SYNC``) → listeners closed → in-flight writes finish →
+positions persisted → consumers flushed → database closed.  Nothing
+committed is lost at any step.
+"""
+
+from typing import List, Optional, Tuple
+
+from twisted.application.service import MultiService, Service
+from twisted.internet import defer, endpoints
+from twisted.logger import Logger
+
+from . import metrics, sdnotify
+from .config import InstanceConfig, is_loopback_endpoint
+from .replication.handler import ReplicationHandler
+from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
+from .storage.database import Database
+from .streams.registry import StreamRegistry
+
+log = Logger()
+
+
+class ListeningService(Service):
+    """Listens on an endpoint string while running; ``listening`` fires
+    with the port once bound (or fails, e.g. address in use)."""
+
+    def __init__(self, reactor, endpoint: str, factory, what: str):
+        self._reactor = reactor
+        self.endpoint = endpoint
+        self.factory = factory
+        self.what = what
+        self.port = None
+        self.listening: Optional[defer.Deferred] = None
+
+    def startService(self):
+        super().startService()
+        d = endpoints.serverFromString(self._reactor, self.endpoint).listen(self.factory)
+
+        def bound(port):
+            self.port = port
+            host = port.getHost()
+            log.info("{what} listening on {host}:{port}", what=self.what,
+                     host=getattr(host, "host", host), port=getattr(host, "port", ""))
+            return port
+
+        self.listening = d.addCallback(bound)
+
+    def stopService(self):
+        super().stopService()
+        if self.port is not None:
+            port, self.port = self.port, None
+            return port.stopListening()
+        return None
+
+    @property
+    def bound_port(self) -> Optional[int]:
+        return self.port.getHost().port if self.port is not None else None
+
+
+class MetricsThread(Service):
+    """Serves /metrics from its own thread, so it answers while the reactor
+    is busy."""
+
+    def __init__(self, host_port: str):
+        host, _, port = host_port.rpartition(":")
+        self.host = host.strip("[]")
+        self.port = int(port)
+        self._server = None
+
+    def startService(self):
+        super().startService()
+        from prometheus_client import start_http_server
+
+        result = start_http_server(self.port, addr=self.host)
+        self._server = result[0] if isinstance(result, tuple) else None
+        if self._server is not None:
+            self.port = self._server.server_address[1]
+        log.info("metrics listening on {host}:{port} (own thread)", host=self.host, port=self.port)
+
+    def stopService(self):
+        super().stopService()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class Instance:
+    """A replicator instance: everything ``replicator run`` starts."""
+
+    def __init__(self, config: InstanceConfig, reactor=None):
+        if reactor is None:
+            from twisted.internet import reactor
+        self.reactor = reactor
+        self.config = config
+        self.db = Database(config.database)
+        self.registry = StreamRegistry(self.db, config.instance_name, config.streams)
+        self.consumers = self._load_consumers()
+        rep = config.replication
+        self.handler = ReplicationHandler(
+            self.registry, config.instance_name, config.server_name,
+            consumers=self.consumers, fetch_limit=rep.fetch_limit,
+            max_line_length=rep.max_line_length, clock=reactor,
+        )
+        self.settings = ConnectionSettings(
+            max_line_length=rep.max_line_length, ping_interval=rep.ping_interval,
+            ping_timeout=rep.ping_timeout, max_queued_lines=rep.max_queued_lines,
+        )
+        self.services = MultiService()
+        self.listeners: List[ListeningService] = []
+        self.upstream = None
+        self.redis = None
+        self.http = None
+        self._collector = None
+        self._stopped = False
+
+    def _load_consumers(self):
+        if not self.config.consumers:
+            return []
+        from .consumers import load_consumers
+
+        return load_consumers(self.config.consumers, ".")
+
+    @property
+    def is_worker(self) -> bool:
+        rep = self.config.replication
+        return bool(rep.upstream or rep.redis)
+
+    def replication_status(self) -> Tuple[bool, str]:
+        """Whether this instance's replication links are up (workers)."""
+        rep = self.config.replication
+        if rep.upstream:
+            up = any(c.is_client_side for c in self.handler.connections)
+            if not up:
+                return False, f"not connected to upstream {rep.upstream}"
+        if rep.redis and self.redis is not None and not self.redis.connected:
+            return False, f"not connected to redis {rep.redis.endpoint}"
+        return True, "connected"
+
+    # ------------------------------------------------------------- start
+    async def start(self) -> None:
+        config = self.config
+        await self.registry.start()
+        self.handler.start()
+        rep = config.replication
+        if rep.listen:
+            self._warn_exposed(rep.listen, "replication")
+            factory = ReplicationServerFactory(self.handler, config.server_name, self.settings)
+            self._listen(rep.listen, factory, "replication")
+        if rep.upstream:
+            self.upstream = upstream_service(
+                self.reactor, rep.upstream, self.handler, config.instance_name,
+                config.server_name, self.settings)
+            self.upstream.setServiceParent(self.services)
+        if rep.redis:
+            from .replication.redis import RedisReplication
+
+            self.redis = RedisReplication(self.reactor, rep.redis, self.handler,
+                                          config.server_name, config.instance_name)
+            self.redis.setServiceParent(self.services)
+        if config.http.listen:
+            from .http import HttpApi
+
+            self._warn_exposed(config.http.listen, "HTTP")
+            self.http = HttpApi(config=config, registry=self.registry, handler=self.handler,
+                                db=self.db, replication_status=self.replication_status)
+            self._listen(config.http.listen, self.http.site(), "HTTP")
+        if config.http.metrics_listen:
+            MetricsThread(config.http.metrics_listen).setServiceParent(self.services)
+        self._collector = metrics.set_collector(self.refresh_metrics)
+        self.services.startService()
+        await defer.gatherResults([s.listening for s in self.listeners], consumeErrors=True)
+        sdnotify.ready()
+        sdnotify.status(f"{config.instance_name}: {len(self.registry)} streams")
+        log.info("instance {name} of {server} ready", name=config.instance_name,
+                 server=config.server_name)
+
+    def _listen(self, endpoint: str, factory, what: str) -> None:
+        service = ListeningService(self.reactor, endpoint, factory, what)
+        service.setServiceParent(self.services)
+        self.listeners.append(service)
+
+    @staticmethod
+    def _warn_exposed(endpoint: str, what: str) -> None:
+        if endpoint.startswith(("ssl:", "unix:")) or is_loopback_endpoint(endpoint):
+            return
+        log.warn("{what} listener {endpoint} is plaintext on a non-loopback address: anyone "
+                 "who can reach it can {can}", what=what, endpoint=endpoint,
+                 can="read every replicated fact" if what == "replication"
+                 else "read positions and metrics (writes still need the secret)")
+
+    def port_of(self, what: str) -> Optional[int]:
+        for s in self.listeners:
+            if s.what == what:
+                return s.bound_port
+        return None
+
+    # -------------------------------------------------------------- stop
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        sdnotify.stopping()
+        log.info("instance {name} stopping", name=self.config.instance_name)
+        self.handler.stop("server stopping")
+        if self.services.running:
+            await self.services.stopService()
+        await self.registry.stop()
+        for consumer in self.consumers:
+            try:
+                await defer.maybeDeferred(consumer.close)
+            except Exception:
+                log.failure("closing consumer {c} failed", c=consumer)
+        if self._collector is not None:
+            metrics.remove_collector(self._collector)
+        self.db.close()
+        log.info("instance {name} stopped", name=self.config.instance_name)
+
+    # ----------------------------------------------------------- metrics
+    def refresh_metrics(self) -> None:
+        """Set live-state gauges; runs at scrape time, maybe in another thread."""
+        try:
+            self.registry.refresh_metrics()
+            for (stream, writer), lag in list(self.handler.reader_lag().items()):
+                metrics.READER_LAG.labels(stream, writer).set(lag)
+            for conn in list(self.handler.connections):
+                name = self.handler._conn_label(conn)
+                metrics.PENDING_COMMANDS.labels(name).set(getattr(conn, "queued", 0))
+                transport = getattr(conn, "transport", None)
+                size = 0
+                if transport is not None:
+                    size = len(getattr(transport, "dataBuffer", b"") or b"")
+                    size += getattr(transport, "_tempDataLen", 0)
+                metrics.TRANSPORT_BUFFER.labels(name).set(size)
+        except RuntimeError:
+            pass  # state changed under us; the next scrape sees it
