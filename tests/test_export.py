@@ -468,6 +468,46 @@ class ExportTests(ExportTestBase):
         self.assertMatches(got, {("events",) + k: v for k, v in agg.result().items()})
 
 
+    def test_cli_summary_and_plot(self):
+        import contextlib
+        import io
+
+        import yaml
+
+        from replicator.export.cli import main
+
+        self.load_phase1()
+        conf = os.path.join(self.out, "..", os.path.basename(self.out) + ".yaml")
+        png = conf[:-5] + ".png"
+        for path in (conf, png):
+            self.addCleanup(lambda p=path: os.path.exists(p) and os.unlink(p))
+        with open(conf, "w") as f:
+            yaml.safe_dump({"database": {"postgres": self.dsn}, "streams": STREAMS,
+                            "listen": {"ignored": True}}, f)
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            rc = main(["-c", conf, "-o", self.out, "-q", "--partitions", "2"])
+        self.assertEqual(rc, 0)
+        lines = stdout.getvalue().splitlines()
+        self.assertEqual(lines[0].split(), ["stream", "position", "exported", "facts", "rows",
+                                            "rollbacks", "dates", "seconds", "status"])
+        n_ev = len([f for f in self.ev1 if f[0] <= 1200])
+        ev = lines[2].split()
+        self.assertEqual(ev[:5], ["events", "1200", "(start,", "1200]", str(n_ev)])
+        self.assertEqual(ev[-1], "exported")
+        self.assertTrue(lines[3].startswith("receipts/v2"))
+        self.assertTrue(lines[-1].startswith("committed "))
+        # Nothing new: the export is unchanged, but the plot is still drawn.
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            rc = main(["-c", conf, "-o", self.out, "-q", "--plot", png])
+        self.assertEqual(rc, 0)
+        self.assertIn("nothing new: the export is unchanged", stdout.getvalue())
+        with open(png, "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+        self.assertIsNotNone(self.spark.sparkContext._jsc, "the shared session was stopped")
+
+
 class SqliteExportTests(TestCase):
     def test_sqlite_source(self):
         import sqlite3

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hours of data the plot shows (default: 24)")
     p.add_argument("--jdbc-jar", default=None,
                    help="JDBC driver jar (default: Debian's, from /usr/share/java)")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra Spark configuration, e.g. --conf spark.driver.memory=4g")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -119,6 +121,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("replicator-export: --since must be before --until", file=sys.stderr)
         return 2
 
+    spark_conf = {}
+    for item in args.conf:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            print(f"replicator-export: --conf {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        spark_conf[key.strip()] = value
+
     from replicator.export.job import ExportOptions, format_summary, run_export
     from replicator.export.source import SourceError
     from replicator.export.state import StateError
@@ -128,6 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shuffle_partitions=args.shuffle_partitions, streams=names, since_ms=args.since,
         until_ms=args.until, full=args.full, jdbc_jar=args.jdbc_jar, plot=args.plot,
         plot_hours=args.plot_hours, progress_interval=0 if args.quiet else 2.0,
+        spark_conf=spark_conf,
     )
     try:
         result = run_export(db, streams, options)

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import DatabaseConfig, StreamConfig
 from .aggregate import chunking
@@ -52,6 +52,7 @@ class ExportOptions:
     plot: Optional[str] = None
     plot_hours: float = 24.0
     progress_interval: float = 2.0
+    spark_conf: Dict[str, str] = field(default_factory=dict)  # --conf KEY=VALUE
     now_ms: Optional[int] = None  # the run's time (tests); default: the clock
 
 
@@ -323,14 +324,55 @@ def run_export(db: DatabaseConfig, streams: Sequence[StreamConfig], options: Exp
     started = time.monotonic()
     selected = select_streams(streams, options.streams)
     store = OutputStore(options.output)
+    sessions = _Sessions(spark, db, options)
     store.lock()
     try:
-        return _run_locked(db, selected, store, options, spark, started)
+        result = _run_locked(db, selected, store, options, sessions, started)
+        current = store.current_path()
+        if options.plot and current is not None:
+            from .plot import plot_facts_per_minute
+
+            path = plot_facts_per_minute(sessions.get(), os.path.join(current, "minute"),
+                                         options.plot, options.plot_hours)
+            log.info("plot %s", f"written to {path}" if path else "skipped: no data")
+        result.seconds = time.monotonic() - started
+        return result
     finally:
         store.unlock()
+        sessions.stop()
 
 
-def _run_locked(db, selected, store: OutputStore, options: ExportOptions, spark,
+class _Sessions:
+    """The SparkSession of a run: the caller's, or one started on first need
+    (and stopped at the end)."""
+
+    def __init__(self, spark, db: DatabaseConfig, options: ExportOptions):
+        self.spark = spark
+        self.db = db
+        self.options = options
+        self.own = False
+
+    def get(self):
+        if self.spark is None:
+            from pyspark.sql import SparkSession
+
+            self.spark = SparkSession.getActiveSession()  # e.g. a test's, a notebook's
+        if self.spark is None:
+            jar = find_jdbc_jar(self.db.engine, self.options.jdbc_jar)
+            log.info("starting Spark (%s)", self.options.master or "local[*]")
+            self.spark = spark_session(self.options.master, [jar],
+                                       self.options.shuffle_partitions, self.options.spark_conf)
+            self.own = True
+        _configure(self.spark, self.options.shuffle_partitions)
+        return self.spark
+
+    def stop(self) -> None:
+        if self.own and self.spark is not None:
+            self.spark.stop()
+            self.spark = None
+
+
+def _run_locked(db, selected, store: OutputStore, options: ExportOptions, sessions: _Sessions,
                 started: float) -> ExportResult:
     state = store.load_state()
     run_ms = options.now_ms if options.now_ms is not None else int(time.time() * 1000)
@@ -363,15 +405,8 @@ def _run_locked(db, selected, store: OutputStore, options: ExportOptions, spark,
                                 "nothing new") for p in plans]
         return ExportResult(reports, None, time.monotonic() - started)
 
-    own_spark = False
     target = jdbc_target(db)
-    if spark is None and any(p.has_facts for p in plans):
-        jar = find_jdbc_jar(db.engine, options.jdbc_jar)
-        log.info("starting Spark (%s)", options.master or "local[*]")
-        spark = spark_session(options.master, [jar], options.shuffle_partitions)
-        own_spark = True
-    if spark is not None:
-        _configure(spark, options.shuffle_partitions)
+    spark = sessions.get() if any(p.has_facts for p in plans) else None
     progress = Progress(spark, options.progress_interval).start() if spark is not None else None
     staging = store.begin()
     try:
@@ -394,15 +429,6 @@ def _run_locked(db, selected, store: OutputStore, options: ExportOptions, spark,
         if progress is not None:
             progress.stop()
     log.info("committed %s", generation)
-    if options.plot and spark is not None:
-        from .plot import plot_facts_per_minute
-
-        path = plot_facts_per_minute(spark, os.path.join(generation, "minute"), options.plot,
-                                     options.plot_hours)
-        if path:
-            log.info("plot written to %s", path)
-    if own_spark:
-        spark.stop()
     return ExportResult(reports, generation, time.monotonic() - started)
 
 

@@ -25,7 +25,7 @@ import glob
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote
 
 from ..config import DatabaseConfig, StreamConfig

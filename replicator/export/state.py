@@ -38,7 +38,7 @@ import shutil
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 STATE_FILE = "state.json"
 STATE_VERSION = 1

@@ -194,15 +194,17 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
         spark.sparkContext.setLogLevel("ERROR")
         jvm = time.perf_counter() - t0
         print(f"   SparkSession ({master}) started in {jvm:.1f}s (not counted)", flush=True)
-        # Warm-up (JIT, class loading, first JDBC connection): not counted.
-        pos, _rows = position_for(dsn, 50_000)
+        # Warm-up (JIT, class loading, first JDBC connection) at the smallest
+        # size: not counted.
+        warm = int(min(sizes) * 1_000_000)
+        pos, _rows = position_for(dsn, warm)
         set_position(dsn, pos)
         t0 = time.perf_counter()
         _s, out = spark_pass(spark, db, streams, pos)
         shutil.rmtree(out, ignore_errors=True)
         python_pass(dsn, pos)
-        print(f"   warm-up export of 50,000 rows: {time.perf_counter() - t0:.1f}s (not counted)",
-              flush=True)
+        print(f"   warm-up export of {warm:,} rows: {time.perf_counter() - t0:.1f}s "
+              "(not counted)", flush=True)
         for size in sizes:
             label = f"{size:g}m"
             pos, rows = position_for(dsn, int(size * 1_000_000))
