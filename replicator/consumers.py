@@ -8,11 +8,57 @@ a consumer that persists its positions sees no fact twice and misses none.
 
 Methods may return a Deferred or a coroutine: the reader waits for it
 before handing over the next fact of the same (stream, writer).
+
+Built-ins (also registered as entry points of the ``replicator.consumers``
+group, see :func:`load_consumers`):
+
+* :class:`JsonlConsumer` (``jsonl``) appends facts to a JSON-lines file and
+  resumes exactly from what is on disk.
+* :class:`LogConsumer` (``log``) logs one line per fact; always live.
+* :class:`MemoryConsumer` keeps facts in a list (tests, debugging).
+
+The JSON-lines file
+-------------------
+
+One compact JSON object per line, ``\n``-terminated, UTF-8, in the order
+facts arrived (ascending token per (stream, writer); keys interleave)::
+
+    {"stream":"caches","writer":"master","token":7,"rows":[["f",null,1]]}
+    {"stream":"caches","writer":"master","position":9}
+
+A *fact line* has ``token`` and ``rows`` (a list of rows, each a list in the
+stream's column order; possibly empty).  A *position line* has ``position``
+and no ``rows``: the writer had nothing more up to that token.  It is written
+at most once per (stream, writer) per flush, and only if the key advanced
+past its last fact; a reader of the file that only wants facts skips lines
+without ``"rows"``.  The position of a key is the largest ``token`` or
+``position`` of its lines.
+
+Lines are buffered and written in batches (one ``write`` + ``fsync`` per
+flush).  After a crash the file holds whole batches plus possibly a partial
+last line; on open the partial line is cut off and positions come from the
+complete lines, so the reader resumes exactly after the last line on disk.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import fcntl
+import importlib
+import json
+import os
+from importlib.metadata import entry_points
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import orjson
+from twisted.internet import defer
+from twisted.logger import Logger, LogLevel
+
+from .config import ConfigError, ConsumerConfig, _bool, _no_unknown, _number, _str
+
+log = Logger()
 
 Key = Tuple[str, str]  # (stream, writer)
+
+#: Entry point group third-party consumers register under.
+ENTRY_POINT_GROUP = "replicator.consumers"
 
 
 class Consumer:
@@ -58,3 +104,463 @@ class MemoryConsumer(Consumer):
 
     def on_position(self, stream, writer, token):
         self.position_by_key[(stream, writer)] = token
+
+
+# ------------------------------------------------------------------ jsonl
+class JsonlError(ValueError):
+    """The file cannot be used: a complete line that is not a fact or a
+    position, or another consumer holds the file."""
+
+
+def _encode(obj: dict) -> bytes:
+    try:
+        return orjson.dumps(obj) + b"\n"
+    except TypeError:
+        # orjson refuses integers beyond 64 bits, non-string keys and lone
+        # surrogates (JSON on the wire may carry "\ud800"): ASCII JSON then.
+        return json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
+
+
+def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict]]:
+    """``(key, token, obj)`` of one complete line of a JSON-lines file.
+
+    ``token`` is the fact's token or the position; a blank line gives
+    ``(None, None, None)``.  Raises ValueError for anything else.
+    """
+    if not line.strip():
+        return None, None, None
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        try:
+            obj = json.loads(line)  # what orjson does not read, like "\ud800"
+        except ValueError:
+            raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    stream, writer = obj.get("stream"), obj.get("writer")
+    if not isinstance(stream, str) or not isinstance(writer, str):
+        raise ValueError("no stream and writer")
+    if "rows" in obj:
+        token = obj.get("token")
+        if not isinstance(obj["rows"], list):
+            raise ValueError("rows is not a list")
+    else:
+        token = obj.get("position")
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise ValueError("no integer token or position")
+    return (stream, writer), token, obj
+
+
+class JsonlConsumer(Consumer):
+    """Appends facts to a JSON-lines file (format: see the module docstring).
+
+    Lines are buffered in memory and written with one ``write`` and one
+    ``fsync`` per batch: ``flush_interval`` seconds after the first line of
+    a batch (a ``callLater`` on ``clock``, the reactor by default), as soon as
+    the buffer holds ``max_buffer`` bytes, and in :meth:`close`.  ``on_facts``
+    returns None: the reader does not wait per fact.  Only when a flush has
+    failed (disk full, I/O error) and the buffer is full again does it return
+    a Deferred that fires once a retried flush succeeds, so memory stays
+    bounded while the disk is broken.
+
+    :meth:`positions` is what the file holds after the last successful flush
+    (with ``fsync=False``: written to the OS, which survives a killed process
+    but not a power loss).  Opening scans the whole file once to rebuild them;
+    a partial last line (a crash mid-write) is cut off with one log line.  A
+    fact at or below the key's last position (durable or buffered) is skipped
+    (it happens normally when another consumer makes the reader resume from
+    further back).  The file is locked (``flock``) while open: two consumers,
+    in one process or two, cannot share it.
+
+    The service must call :meth:`close` at shutdown, or the last
+    ``flush_interval`` of facts is not written (not lost: positions do not
+    include them, so they are fetched again on restart).
+    """
+
+    #: Delay before retrying a failed flush (seconds; at least flush_interval).
+    retry_delay = 1.0
+
+    def __init__(self, path: str, streams: Optional[Sequence[str]] = None,
+                 flush_interval: float = 0.05, fsync: bool = True, clock=None,
+                 max_buffer: int = 1 << 20):
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self.path = os.path.abspath(path)
+        self.streams = tuple(streams) if streams is not None else None
+        self.flush_interval = flush_interval
+        self.fsync = fsync
+        self.max_buffer = max_buffer
+        self._clock = clock
+        self._durable: Dict[Key, int] = {}  # in the file
+        self._last: Dict[Key, int] = {}  # in the file or the buffer
+        self._buffer: List[bytes] = []
+        self._buffered = 0
+        self._pending_positions: Dict[Key, int] = {}
+        self._timer = None
+        self._failed = False
+        self._waiters: List[defer.Deferred] = []
+        self._closed = False
+        self._fd: Optional[int] = None
+        self._size = 0  # bytes of whole lines in the file
+        #: Facts skipped because they were at or below the key's position.
+        self.skipped = 0
+        #: Successful flushes that wrote something.
+        self.flushes = 0
+        self._open()
+
+    # ------------------------------------------------------------ opening
+    def _open(self) -> None:
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, exist_ok=True)
+        created = not os.path.exists(self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise JsonlError(f"{self.path} is in use by another consumer") from None
+            lines, good, total = self._scan()
+            if total > good:
+                os.ftruncate(fd, good)
+                if self.fsync:
+                    os.fsync(fd)
+                log.warn("{path}: cut off a partial last line ({n} bytes at offset {offset}; "
+                         "a crash mid-write)", path=self.path, n=total - good, offset=good)
+            if created and self.fsync:
+                _fsync_directory(directory)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._size = good
+        self._last = dict(self._durable)
+        log.info("{path}: {lines} lines, positions of {keys} stream writers",
+                 path=self.path, lines=lines, keys=len(self._durable))
+
+    def _scan(self) -> Tuple[int, int, int]:
+        """Read the file once: ``(complete lines, their bytes, file size)``."""
+        good = 0
+        lines = 0
+        positions = self._durable
+        with open(self.path, "rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                lines += 1
+                try:
+                    key, token, _ = parse_line(line)
+                except ValueError as e:
+                    raise JsonlError(f"{self.path}: line {lines} (offset {good}) is not a fact "
+                                     f"or position: {e}") from None
+                if key is not None and token > positions.get(key, token - 1):
+                    positions[key] = token
+                good += len(line)
+            total = f.seek(0, os.SEEK_END)
+        return lines, good, total
+
+    # ------------------------------------------------------------ consumer
+    def positions(self) -> Dict[Key, int]:
+        return {key: token for key, token in self._durable.items()
+                if self.streams is None or key[0] in self.streams}
+
+    def on_facts(self, stream, writer, token, rows):
+        if self._closed:
+            log.debug("{path} is closed: fact {token} of {stream}/{writer} not written",
+                      path=self.path, token=token, stream=stream, writer=writer)
+            return None
+        key = (stream, writer)
+        last = self._last.get(key)
+        if last is not None and token <= last:
+            self.skipped += 1
+            log.debug("{path}: skipped fact {token} of {stream}/{writer}, at or below {last} "
+                      "({skipped} skipped)", path=self.path, token=token, stream=stream,
+                      writer=writer, last=last, skipped=self.skipped)
+            return None
+        line = _encode({"stream": stream, "writer": writer, "token": token, "rows": rows})
+        self._buffer.append(line)
+        self._buffered += len(line)
+        self._last[key] = token
+        self._pending_positions.pop(key, None)
+        if self._buffered >= self.max_buffer:
+            if not self._failed:
+                self.flush()
+            if self._failed and self._buffered >= self.max_buffer:
+                waiter = defer.Deferred()
+                self._waiters.append(waiter)
+                return waiter
+        if self._buffer:
+            self._schedule(self.flush_interval)
+        return None
+
+    def on_position(self, stream, writer, token):
+        if self._closed:
+            return None
+        key = (stream, writer)
+        last = self._last.get(key)
+        if last is not None and token <= last:
+            return None
+        self._last[key] = token
+        self._pending_positions[key] = token
+        self._schedule(self.flush_interval)
+        return None
+
+    def close(self):
+        if self._closed:
+            return None
+        self._closed = True
+        self._cancel_timer()
+        if not self.flush(retry=False):
+            log.error("{path}: {n} buffered lines could not be written at shutdown; they are "
+                      "fetched again on restart", path=self.path, n=len(self._buffer))
+        self._release_waiters()
+        os.close(self._fd)
+        self._fd = None
+        return None
+
+    # -------------------------------------------------------------- flushing
+    def _schedule(self, delay: float) -> None:
+        if self._timer is None and not self._closed:
+            self._timer = self._clock.callLater(delay, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            if self._timer.active():
+                self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.flush()
+
+    def pending_bytes(self) -> bytes:
+        """What the next flush writes: the buffered facts, then one position
+        line per key that advanced past its last fact."""
+        positions = [
+            _encode({"stream": s, "writer": w, "position": token})
+            for (s, w), token in self._pending_positions.items()
+        ]
+        return b"".join(self._buffer + positions)
+
+    def flush(self, retry: bool = True) -> bool:
+        """Write and fsync the buffer now; False (and a retry later) if that
+        failed, in which case the file is as before."""
+        self._cancel_timer()
+        if self._fd is None or not (self._buffer or self._pending_positions):
+            return True
+        data = self.pending_bytes()
+        try:
+            if self._failed:
+                os.ftruncate(self._fd, self._size)
+            view = memoryview(data)
+            offset = self._size
+            while view:
+                n = os.pwrite(self._fd, view, offset)
+                view = view[n:]
+                offset += n
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError:
+            log.failure("{path}: writing {n} bytes failed; retrying", path=self.path, n=len(data))
+            self._failed = True
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                pass  # truncated before the next attempt
+            if retry:
+                self._schedule(max(self.retry_delay, self.flush_interval))
+            return False
+        if self._failed:
+            log.info("{path}: writing works again", path=self.path)
+        self._failed = False
+        self._size += len(data)
+        self._buffer = []
+        self._buffered = 0
+        self._pending_positions = {}
+        self._durable = dict(self._last)
+        self.flushes += 1
+        self._release_waiters()
+        return True
+
+    def _release_waiters(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------- log
+LOG_LEVELS = {
+    "debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn,
+    "error": LogLevel.error, "critical": LogLevel.critical,
+}
+
+
+def preview(rows: List[list], limit: int = 200) -> str:
+    """Compact JSON of ``rows``, cut to ``limit`` characters (ending in …)."""
+    try:
+        text = orjson.dumps(rows).decode("utf-8")
+    except TypeError:
+        text = json.dumps(rows, separators=(",", ":"), ensure_ascii=False, default=repr)
+    if len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return text
+
+
+class LogConsumer(Consumer):
+    """Logs one line per fact: ``stream/writer token: N rows [preview]``.
+
+    Keeps nothing, so :meth:`positions` is empty (always live).  ``logger``
+    (tests) defaults to one in the ``replicator.consumers.log`` namespace.
+    """
+
+    def __init__(self, streams: Optional[Sequence[str]] = None, level: str = "info",
+                 logger: Optional[Logger] = None, preview_chars: int = 200):
+        if level not in LOG_LEVELS:
+            raise ValueError(f"level {level!r} is not one of {', '.join(LOG_LEVELS)}")
+        self.streams = tuple(streams) if streams is not None else None
+        self.level = LOG_LEVELS[level]
+        self.preview_chars = preview_chars
+        self.log = logger if logger is not None else Logger(namespace="replicator.consumers.log")
+
+    def on_facts(self, stream, writer, token, rows):
+        self.log.emit(self.level, "{stream}/{writer} {token}: {count} {noun} {preview}",
+                      stream=stream, writer=writer, token=token, count=len(rows),
+                      noun="row" if len(rows) == 1 else "rows",
+                      preview=preview(rows, self.preview_chars))
+
+
+# ---------------------------------------------------------------- loading
+def _build_jsonl(config: ConsumerConfig, base_dir: str, where: str) -> Consumer:
+    options = config.options
+    _no_unknown(options, ("path", "fsync", "flush_interval"), where)
+    path = _str(options, "path", where)
+    path = os.path.join(base_dir, path)  # an absolute path stays as it is
+    fsync = _bool(options, "fsync", where, True)
+    flush_interval = _number(options, "flush_interval", where, 0.05, 0.0)
+    try:
+        return JsonlConsumer(path, streams=config.streams, flush_interval=flush_interval,
+                             fsync=fsync)
+    except JsonlError as e:
+        raise ConfigError(f"{where}.path", str(e)) from None
+    except OSError as e:
+        raise ConfigError(f"{where}.path",
+                          f"cannot open {e.filename or path}: {e.strerror or e}") from None
+
+
+def _build_log(config: ConsumerConfig, base_dir: str, where: str) -> Consumer:
+    options = config.options
+    _no_unknown(options, ("level",), where)
+    level = _str(options, "level", where, "info")
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"{where}.level", f"{level!r} is not one of {', '.join(LOG_LEVELS)}")
+    return LogConsumer(streams=config.streams, level=level)
+
+
+BUILTINS: Dict[str, Callable[[ConsumerConfig, str, str], Consumer]] = {
+    "jsonl": _build_jsonl,
+    "log": _build_log,
+}
+CONSUMER_METHODS = ("positions", "on_facts", "on_position", "close")
+
+
+def _from_entry_point(name: str, where: str) -> Any:
+    """The object entry point ``name`` names, or None if there is none."""
+    matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not matches:
+        return None
+    try:
+        return matches[0].load()
+    except Exception as e:
+        raise ConfigError(f"{where}.type", f"entry point {name!r} ({matches[0].value}) cannot be "
+                                           f"loaded: {type(e).__name__}: {e}") from None
+
+
+def _from_dotted_path(path: str) -> Tuple[Any, Optional[str]]:
+    """``(object, None)`` for ``package.module:Name`` or ``package.module.Name``;
+    ``(None, reason)`` if that cannot be imported."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        return None, "not a dotted path package.module:Class"
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        return None, str(e)
+    except Exception as e:
+        return None, f"importing {module_name} raised {type(e).__name__}: {e}"
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            return None, f"{module_name} has no attribute {attr!r}"
+    return obj, None
+
+
+def _build_external(config: ConsumerConfig, where: str) -> Consumer:
+    name = config.type
+    factory = _from_entry_point(name, where)
+    if factory is None:
+        factory, reason = _from_dotted_path(name)
+        if factory is None:
+            raise ConfigError(f"{where}.type", f"unknown consumer {name!r} (not built in, no "
+                                               f"entry point, not importable: {reason})")
+    if not callable(factory):
+        raise ConfigError(f"{where}.type", f"{name!r} is not a class")
+    try:
+        consumer = factory(streams=config.streams, **config.options)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(where, f"cannot create {name}: {e}") from None
+    except Exception as e:
+        raise ConfigError(where, f"cannot create {name}: {type(e).__name__}: {e}") from None
+    missing = [m for m in CONSUMER_METHODS if not callable(getattr(consumer, m, None))]
+    if missing:
+        raise ConfigError(f"{where}.type",
+                          f"{name!r} made a {type(consumer).__name__}, which is not a consumer "
+                          f"(no {', '.join(missing)})")
+    if getattr(consumer, "streams", None) is None and (
+            config.streams is not None or not hasattr(consumer, "streams")):
+        consumer.streams = config.streams  # the reader filters by this attribute
+    return consumer
+
+
+def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str,
+                   key: str = "consumers") -> List[Consumer]:
+    """Consumers from their configs, in order.
+
+    ``type`` is a built-in (``jsonl``: options ``path`` (relative to
+    ``base_dir``), ``fsync``, ``flush_interval``; ``log``: option ``level``),
+    else an entry point of the ``replicator.consumers`` group, else a dotted
+    path ``package.module:Class``; such a class is called with ``streams=``
+    and the options as keyword arguments.  Every mistake is a ConfigError
+    naming ``<key>[i]`` or a key below it; consumers already built are closed
+    then.
+    """
+    built: List[Consumer] = []
+    try:
+        for i, config in enumerate(configs):
+            where = f"{key}[{i}]"
+            builtin = BUILTINS.get(config.type)
+            if builtin is not None:
+                built.append(builtin(config, base_dir, where))
+            else:
+                built.append(_build_external(config, where))
+    except BaseException:
+        for consumer in built:
+            try:
+                consumer.close()
+            except Exception:
+                log.failure("closing consumer {c} failed", c=consumer)
+        raise
+    return built

@@ -1,0 +1,833 @@
+"""Built-in consumers (JSON lines, log) and loading consumers from config."""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import EntryPoint
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.internet import defer, reactor, task
+from twisted.logger import Logger, LogLevel, formatEvent, globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from replicator import consumers
+from replicator.config import ConfigError, ConsumerConfig
+from replicator.consumers import (
+    Consumer, JsonlConsumer, JsonlError, LogConsumer, MemoryConsumer, load_consumers,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class RecordingConsumer(Consumer):
+    """A third-party style consumer: keeps its keyword arguments."""
+
+    def __init__(self, streams=None, **options):
+        self.streams = streams
+        self.options = options
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class StrictConsumer(Consumer):
+    def __init__(self, streams=None, colour="red"):
+        self.streams = streams
+        self.colour = colour
+
+
+class NoStreamsConsumer:
+    """Duck-typed, ignores ``streams``."""
+
+    def __init__(self, streams=None):
+        pass
+
+    def positions(self):
+        return {}
+
+    def on_facts(self, stream, writer, token, rows):
+        pass
+
+    def on_position(self, stream, writer, token):
+        pass
+
+    def close(self):
+        pass
+
+
+def temp_dir(case):
+    """A fresh absolute directory, removed after the test (whatever the cwd)."""
+    path = tempfile.mkdtemp(prefix="test_consumers.")
+    case.addCleanup(shutil.rmtree, path, True)
+    return path
+
+
+def read_lines(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    return [json.loads(line) for line in data.split(b"\n")[:-1]], data
+
+
+def crash(consumer):
+    """What kill -9 does to a consumer: the kernel closes its file (and its
+    lock); the buffer and any timer are gone."""
+    os.close(consumer._fd)
+    consumer._fd = None
+    consumer._closed = True
+    consumer._cancel_timer()
+
+
+class LogCapture:
+    def __init__(self, case):
+        self.events = []
+        globalLogPublisher.addObserver(self.events.append)
+        case.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+
+    def texts(self, level=None):
+        return [formatEvent(e) for e in self.events
+                if e.get("log_namespace") == "replicator.consumers"
+                and (level is None or e["log_level"] == level)]
+
+
+class JsonlTests(SynchronousTestCase):
+    def setUp(self):
+        self.dir = os.path.join(temp_dir(self), "d")
+        self.path = os.path.join(self.dir, "facts.jsonl")
+        self.clock = task.Clock()
+        self.fsyncs = 0
+        real_fsync = os.fsync
+
+        def counting_fsync(fd):
+            self.fsyncs += 1
+            real_fsync(fd)
+        self.patch(os, "fsync", counting_fsync)
+
+    def open(self, **kw):
+        consumer = JsonlConsumer(self.path, clock=self.clock, **kw)
+        self.addCleanup(consumer.close)
+        return consumer
+
+    def test_writes_exactly_the_expected_lines(self):
+        c = self.open()
+        self.assertIsNone(c.on_facts("caches", "master", 3, [["f", None, 1], ["g", {"k": [1]}, 2]]))
+        self.assertIsNone(c.on_facts("caches", "worker1", 1, []))
+        self.assertIsNone(c.on_facts("events", "master", 7, [["$é\n☃"]]))
+        self.assertIsNone(c.on_position("caches", "master", 5))
+        self.clock.advance(0.05)
+        with open(self.path, "rb") as f:
+            data = f.read()
+        self.assertEqual(data.decode("utf-8"), (
+            '{"stream":"caches","writer":"master","token":3,'
+            '"rows":[["f",null,1],["g",{"k":[1]},2]]}\n'
+            '{"stream":"caches","writer":"worker1","token":1,"rows":[]}\n'
+            '{"stream":"events","writer":"master","token":7,"rows":[["$é\\n☃"]]}\n'
+            '{"stream":"caches","writer":"master","position":5}\n'
+        ))
+        self.assertEqual(c.positions(), {
+            ("caches", "master"): 5, ("caches", "worker1"): 1, ("events", "master"): 7,
+        })
+
+    def test_what_orjson_refuses_is_written_as_ascii_json(self):
+        c = JsonlConsumer(self.path, clock=self.clock)
+        rows = [["\ud800 lone", 2 ** 70, {"1": None}]]
+        c.on_facts("caches", "master", 1, rows)
+        c.on_facts("caches", "master", 2, [["plain ☃"]])
+        c.close()
+        with open(self.path, "rb") as f:
+            self.assertEqual(f.read().decode("utf-8"), (
+                '{"stream":"caches","writer":"master","token":1,'
+                '"rows":[["\\ud800 lone",1180591620717411303424,{"1":null}]]}\n'
+                '{"stream":"caches","writer":"master","token":2,"rows":[["plain ☃"]]}\n'))
+        self.assertEqual(read_lines(self.path)[0][0]["rows"], rows)
+        self.assertEqual(self.open().positions(), {("caches", "master"): 2})
+
+    def test_nothing_is_durable_before_the_timer(self):
+        c = self.open()
+        c.on_facts("caches", "master", 1, [["a"]])
+        self.assertEqual(os.path.getsize(self.path), 0)
+        self.assertEqual(c.positions(), {})
+        self.clock.advance(0.04)
+        self.assertEqual(os.path.getsize(self.path), 0)
+        self.assertEqual(len(self.clock.getDelayedCalls()), 1)
+        self.clock.advance(0.01)
+        self.assertEqual(c.positions(), {("caches", "master"): 1})
+        self.assertEqual(len(read_lines(self.path)[0]), 1)
+        self.assertEqual(self.clock.getDelayedCalls(), [])  # no timer while idle
+
+    def test_one_fsync_per_batch(self):
+        c = self.open()
+        before = self.fsyncs
+        for token in range(1, 101):
+            c.on_facts("caches", "master", token, [[token]])
+            c.on_position("events", "master", token)
+        self.assertEqual(self.fsyncs, before)
+        self.clock.advance(0.05)
+        self.assertEqual(self.fsyncs, before + 1)
+        self.assertEqual(c.flushes, 1)
+        for token in range(101, 111):
+            c.on_facts("caches", "master", token, [[token]])
+        self.clock.advance(0.05)
+        self.assertEqual(self.fsyncs, before + 2)
+        self.assertEqual(c.flushes, 2)
+        self.clock.advance(10)  # idle: nothing more
+        self.assertEqual(self.fsyncs, before + 2)
+        lines, _ = read_lines(self.path)
+        self.assertEqual(len(lines), 100 + 1 + 10)  # one position line in the first batch
+        self.assertEqual(lines[100], {"stream": "events", "writer": "master", "position": 100})
+
+    def test_without_fsync_writes_but_does_not_sync(self):
+        c = self.open(fsync=False)
+        c.on_facts("caches", "master", 1, [])
+        self.clock.advance(0.05)
+        self.assertEqual(self.fsyncs, 0)
+        self.assertEqual(c.positions(), {("caches", "master"): 1})
+
+    def test_full_buffer_flushes_at_once(self):
+        c = self.open(max_buffer=300)
+        before = self.fsyncs
+        line = len(b'{"stream":"caches","writer":"master","token":1,"rows":[["xxxxxxxxxx"]]}\n')
+        n = 300 // line + 1
+        for token in range(1, n + 1):
+            self.assertIsNone(c.on_facts("caches", "master", token, [["x" * 10]]))
+        self.assertEqual(self.fsyncs, before + 1)
+        self.assertEqual(c.positions(), {("caches", "master"): n})
+        self.assertEqual(os.path.getsize(self.path), n * line)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_position_lines_once_per_key_per_flush(self):
+        c = self.open()
+        c.on_position("caches", "master", 2)
+        c.on_position("caches", "master", 4)
+        c.on_facts("caches", "worker1", 3, [[1]])
+        c.on_position("caches", "worker1", 6)
+        c.on_position("events", "master", 1)
+        c.on_facts("events", "master", 2, [[2]])  # supersedes the position 1
+        c.on_position("caches", "master", 3)  # below 4: ignored
+        self.clock.advance(0.05)
+        lines, _ = read_lines(self.path)
+        self.assertEqual(lines, [
+            {"stream": "caches", "writer": "worker1", "token": 3, "rows": [[1]]},
+            {"stream": "events", "writer": "master", "token": 2, "rows": [[2]]},
+            {"stream": "caches", "writer": "master", "position": 4},
+            {"stream": "caches", "writer": "worker1", "position": 6},
+        ])
+        self.assertEqual(c.positions(), {
+            ("caches", "master"): 4, ("caches", "worker1"): 6, ("events", "master"): 2,
+        })
+
+    def test_positions_survive_reopening(self):
+        c = JsonlConsumer(self.path, clock=self.clock)
+        c.on_facts("caches", "master", 1, [["a"]])
+        c.on_facts("caches", "master", 2, [["b"]])
+        c.on_position("caches", "worker1", 9)
+        c.close()  # flushes without the timer
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        c = self.open()
+        self.assertEqual(c.positions(), {("caches", "master"): 2, ("caches", "worker1"): 9})
+        c.on_facts("caches", "master", 3, [["c"]])
+        c.close()
+        lines, _ = read_lines(self.path)
+        self.assertEqual([line.get("token", line.get("position")) for line in lines], [1, 2, 9, 3])
+        self.assertEqual(JsonlConsumer(self.path, clock=self.clock).positions(),
+                         {("caches", "master"): 3, ("caches", "worker1"): 9})
+
+    def test_close_is_idempotent_and_later_facts_are_dropped(self):
+        c = JsonlConsumer(self.path, clock=self.clock)
+        c.on_facts("caches", "master", 1, [])
+        c.close()
+        c.close()
+        self.assertIsNone(c.on_facts("caches", "master", 2, []))
+        self.assertIsNone(c.on_position("caches", "master", 3))
+        self.assertEqual(len(read_lines(self.path)[0]), 1)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_partial_last_line_is_cut_off(self):
+        os.makedirs(self.dir)
+        complete = (b'{"stream":"caches","writer":"master","token":1,"rows":[]}\n'
+                    b'{"stream":"caches","writer":"master","token":2,"rows":[[1]]}\n')
+        partial = b'{"stream":"caches","writer":"master","tok'
+        with open(self.path, "wb") as f:
+            f.write(complete + partial)
+        logs = LogCapture(self)
+        c = self.open()
+        self.assertEqual(c.positions(), {("caches", "master"): 2})
+        with open(self.path, "rb") as f:
+            self.assertEqual(f.read(), complete)
+        warnings = logs.texts(LogLevel.warn)
+        self.assertEqual(warnings, [f"{self.path}: cut off a partial last line ({len(partial)} "
+                                    f"bytes at offset {len(complete)}; a crash mid-write)"])
+        c.on_facts("caches", "master", 3, [])
+        c.close()
+        lines, _ = read_lines(self.path)
+        self.assertEqual([line["token"] for line in lines], [1, 2, 3])
+
+    def test_no_warning_for_a_clean_file(self):
+        c = JsonlConsumer(self.path, clock=self.clock)
+        c.on_facts("caches", "master", 1, [])
+        c.close()
+        logs = LogCapture(self)
+        self.open()
+        self.assertEqual(logs.texts(LogLevel.warn), [])
+        self.assertEqual(logs.texts(LogLevel.info),
+                         [f"{self.path}: 1 lines, positions of 1 stream writers"])
+
+    def test_duplicates_are_skipped(self):
+        logs = LogCapture(self)
+        c = self.open()
+        c.on_facts("caches", "master", 5, [["a"]])
+        self.assertIsNone(c.on_facts("caches", "master", 5, [["again"]]))  # buffered
+        self.clock.advance(0.05)
+        self.assertIsNone(c.on_facts("caches", "master", 3, [["old"]]))  # durable
+        c.on_position("caches", "master", 8)
+        c.on_facts("caches", "master", 8, [["at the position"]])
+        c.on_facts("caches", "worker1", 5, [["other key"]])
+        self.assertEqual(c.skipped, 3)
+        c.close()
+        lines, _ = read_lines(self.path)
+        self.assertEqual(lines, [
+            {"stream": "caches", "writer": "master", "token": 5, "rows": [["a"]]},
+            {"stream": "caches", "writer": "worker1", "token": 5, "rows": [["other key"]]},
+            {"stream": "caches", "writer": "master", "position": 8},
+        ])
+        debug = [t for t in logs.texts(LogLevel.debug) if "skipped" in t]
+        self.assertEqual(debug[-1], f"{self.path}: skipped fact 8 of caches/master, at or "
+                                    f"below 8 (3 skipped)")
+        self.assertEqual(len(debug), 3)
+        # After reopening, what is on disk is skipped too.
+        c = self.open()
+        c.on_facts("caches", "master", 8, [])
+        c.on_facts("caches", "master", 9, [])
+        self.assertEqual(c.skipped, 1)
+
+    def test_crash_resumes_from_the_last_flush(self):
+        c = self.open()
+        for token in range(1, 6):
+            c.on_facts("caches", "master", token, [[token]])
+        c.on_position("caches", "worker1", 4)
+        self.clock.advance(0.05)
+        flushed, _ = read_lines(self.path)
+        for token in range(6, 9):
+            c.on_facts("caches", "master", token, [[token]])
+        c.on_facts("events", "master", 1, [])
+        crash(c)
+        with open(self.path, "ab") as f:
+            f.write(b'{"stream":"caches","writer":"master","token":6,"ro')
+        c = self.open()
+        self.assertEqual(c.positions(), {("caches", "master"): 5, ("caches", "worker1"): 4})
+        self.assertEqual(read_lines(self.path)[0], flushed)
+        # The reader resumes from 5: facts 6.. arrive again, exactly once in the file.
+        for token in range(6, 9):
+            c.on_facts("caches", "master", token, [[token]])
+        c.close()
+        tokens = [line["token"] for line in read_lines(self.path)[0] if "rows" in line]
+        self.assertEqual(tokens, [1, 2, 3, 4, 5, 6, 7, 8])
+
+    def test_crash_mid_write_keeps_complete_lines(self):
+        c = self.open()
+        c.on_facts("caches", "master", 1, [])
+        self.clock.advance(0.05)
+        for token in (2, 3, 4):
+            c.on_facts("caches", "master", token, [])
+        data = c.pending_bytes()
+        cut = data.index(b"\n", data.index(b"\n") + 1) + 10  # two lines and a bit
+        with open(self.path, "ab") as f:
+            f.write(data[:cut])
+        crash(c)
+        c = self.open()
+        self.assertEqual(c.positions(), {("caches", "master"): 3})
+
+    def test_kill_9(self):
+        """A real process killed mid-write: positions are the file's."""
+        script = (
+            "import os, signal, sys\n"
+            "from twisted.internet import task\n"
+            "from replicator.consumers import JsonlConsumer\n"
+            "clock = task.Clock()\n"
+            "c = JsonlConsumer(sys.argv[1], clock=clock)\n"
+            "for t in range(1, 51): c.on_facts('caches', 'master', t, [[t, 'x' * t]])\n"
+            "clock.advance(1)\n"
+            "for t in range(51, 61): c.on_facts('caches', 'master', t, [[t]])\n"
+            "data = c.pending_bytes()\n"
+            "cut = data[:len(data) // 2 + 3]\n"
+            "os.pwrite(c._fd, cut, os.fstat(c._fd).st_size)\n"
+            "print(cut.count(b'\\n'), flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n"
+        )
+        result = subprocess.run([sys.executable, "-c", script, self.path], cwd=ROOT,
+                                capture_output=True, timeout=60)
+        self.assertEqual(result.returncode, -signal.SIGKILL, result.stderr.decode())
+        complete = int(result.stdout)
+        self.assertEqual(complete, 5)
+        c = self.open()
+        self.assertEqual(c.positions(), {("caches", "master"): 50 + complete})
+        lines, data = read_lines(self.path)
+        self.assertTrue(data.endswith(b"\n"))
+        self.assertEqual([line["token"] for line in lines], list(range(1, 56)))
+
+    def test_a_corrupt_complete_line_is_refused(self):
+        os.makedirs(self.dir)
+        with open(self.path, "wb") as f:
+            f.write(b'{"stream":"caches","writer":"master","token":1,"rows":[]}\n'
+                    b'{"stream":"caches","writer":"master","rows":[]}\n')
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock)
+        self.assertEqual(str(e), f"{self.path}: line 2 (offset 58) is not a fact or position: "
+                                 f"no integer token or position")
+        with open(self.path, "wb") as f:
+            f.write(b"hello\n")
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock)
+        self.assertTrue(str(e).startswith(
+            f"{self.path}: line 1 (offset 0) is not a fact or position: not JSON ("), str(e))
+        # Refusing released the file: a good file opens afterwards.
+        with open(self.path, "wb") as f:
+            f.write(b"\n")
+        self.assertEqual(self.open().positions(), {})
+
+    def test_one_consumer_per_file(self):
+        self.open()
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock)
+        self.assertEqual(str(e), f"{self.path} is in use by another consumer")
+
+    def test_creates_the_directory(self):
+        self.path = os.path.join(self.dir, "a", "b", "facts.jsonl")
+        c = self.open()
+        self.assertTrue(os.path.isfile(self.path))
+        self.assertEqual(c.positions(), {})
+
+    def test_positions_only_of_its_streams(self):
+        c = JsonlConsumer(self.path, clock=self.clock)
+        c.on_facts("caches", "master", 1, [])
+        c.on_facts("events", "master", 2, [])
+        c.close()
+        self.assertEqual(self.open(streams=["events"]).positions(), {("events", "master"): 2})
+
+    def test_failed_write_is_rolled_back_and_retried(self):
+        c = self.open()
+        c.on_facts("caches", "master", 1, [])
+        self.clock.advance(0.05)
+        size = os.path.getsize(self.path)
+        real_pwrite = os.pwrite
+        failures = [1]
+
+        def flaky_pwrite(fd, data, offset):
+            if failures:
+                failures.pop()
+                real_pwrite(fd, bytes(data[:7]), offset)  # half a line reaches the file
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_pwrite(fd, data, offset)
+        self.patch(os, "pwrite", flaky_pwrite)
+        c.on_facts("caches", "master", 2, [[2]])
+        self.clock.advance(0.05)
+        self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)
+        self.assertEqual(os.path.getsize(self.path), size)
+        self.assertEqual(c.positions(), {("caches", "master"): 1})
+        c.on_facts("caches", "master", 3, [[3]])
+        self.clock.advance(c.retry_delay)
+        self.assertEqual(c.positions(), {("caches", "master"): 3})
+        self.assertEqual([line["token"] for line in read_lines(self.path)[0]], [1, 2, 3])
+
+    def test_backpressure_while_writes_fail(self):
+        c = self.open(max_buffer=150)  # a line is about 100 bytes
+        real_pwrite = os.pwrite
+        self.patch(os, "pwrite", lambda fd, data, offset: (_ for _ in ()).throw(
+            OSError(errno.EIO, "Input/output error")))
+        waits = [c.on_facts("caches", "master", token, [["x" * 40]]) for token in (1, 2, 3)]
+        self.assertIsNone(waits[0])
+        self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)  # once, then the retry timer
+        fired = []
+        for d in waits[1:]:
+            d.addCallback(fired.append)
+        self.assertEqual(fired, [])
+        self.clock.advance(c.retry_delay)  # still failing
+        self.assertEqual(fired, [])
+        self.flushLoggedErrors(OSError)
+        self.patch(os, "pwrite", real_pwrite)
+        self.clock.advance(c.retry_delay)
+        self.assertEqual(fired, [None, None])
+        self.assertEqual(c.positions(), {("caches", "master"): 3})
+
+
+class LogConsumerTests(SynchronousTestCase):
+    def consumer(self, **kw):
+        events = []
+        return LogConsumer(logger=Logger(namespace="test", observer=events.append), **kw), events
+
+    def test_one_line_per_fact(self):
+        c, events = self.consumer()
+        c.on_facts("caches", "master", 7, [["f", None, 1], ["g", {"k": "v"}, 2]])
+        c.on_facts("caches", "master", 8, [["h", None, 3]])
+        c.on_facts("events", "w1", 9, [])
+        c.on_position("caches", "master", 12)
+        self.assertEqual([formatEvent(e) for e in events], [
+            'caches/master 7: 2 rows [["f",null,1],["g",{"k":"v"},2]]',
+            'caches/master 8: 1 row [["h",null,3]]',
+            "events/w1 9: 0 rows []",
+        ])
+        self.assertEqual({e["log_level"] for e in events}, {LogLevel.info})
+        self.assertEqual(c.positions(), {})
+
+    def test_preview_is_truncated(self):
+        c, events = self.consumer(level="debug")
+        c.on_facts("caches", "master", 1, [["x" * 500]])
+        text = formatEvent(events[0])
+        preview = text[len("caches/master 1: 1 row "):]
+        self.assertEqual(len(preview), 200)
+        self.assertEqual(preview, '[["' + "x" * 196 + "…")
+        self.assertEqual(events[0]["log_level"], LogLevel.debug)
+
+    def test_unknown_level(self):
+        e = self.assertRaises(ValueError, LogConsumer, level="loud")
+        self.assertEqual(str(e), "level 'loud' is not one of debug, info, warn, error, critical")
+
+
+class LoadConsumersTests(SynchronousTestCase):
+    def setUp(self):
+        self.base = temp_dir(self)
+
+    def load(self, *configs):
+        built = load_consumers(configs, self.base)
+        for c in built:
+            self.addCleanup(c.close)
+        return built
+
+    def error(self, *configs):
+        return str(self.assertRaises(ConfigError, load_consumers, configs, self.base))
+
+    def test_builtins(self):
+        jsonl, log, default = self.load(
+            ConsumerConfig("jsonl", ("caches",), {"path": "out/facts.jsonl", "fsync": False,
+                                                  "flush_interval": 0.2}),
+            ConsumerConfig("log", None, {"level": "debug"}),
+            ConsumerConfig("jsonl", None, {"path": os.path.join(self.base, "abs.jsonl")}),
+        )
+        self.assertIsInstance(jsonl, JsonlConsumer)
+        self.assertEqual(jsonl.path, os.path.join(os.path.abspath(self.base), "out", "facts.jsonl"))
+        self.assertTrue(os.path.isfile(jsonl.path))
+        self.assertEqual((jsonl.streams, jsonl.fsync, jsonl.flush_interval),
+                         (("caches",), False, 0.2))
+        self.assertEqual((default.streams, default.fsync, default.flush_interval),
+                         (None, True, 0.05))
+        self.assertEqual(default.path, os.path.abspath(os.path.join(self.base, "abs.jsonl")))
+        self.assertIsInstance(log, LogConsumer)
+        self.assertEqual((log.level, log.streams), (LogLevel.debug, None))
+
+    def test_dotted_paths(self):
+        colon, dots = self.load(
+            ConsumerConfig("tests.test_consumers:RecordingConsumer", ("events",),
+                           {"url": "http://x", "n": 3}),
+            ConsumerConfig("tests.test_consumers.RecordingConsumer", None, {}),
+        )
+        self.assertIsInstance(colon, RecordingConsumer)
+        self.assertEqual((colon.streams, colon.options), (("events",), {"url": "http://x", "n": 3}))
+        self.assertIsInstance(dots, RecordingConsumer)
+        self.assertEqual((dots.streams, dots.options), (None, {}))
+
+    def test_entry_point(self):
+        seen = []
+
+        def fake_entry_points(group):
+            seen.append(group)
+            return [EntryPoint("rec", "tests.test_consumers:RecordingConsumer", group)]
+        self.patch(consumers, "entry_points", fake_entry_points)
+        (c,) = self.load(ConsumerConfig("rec", ("caches",), {"a": 1}))
+        self.assertIsInstance(c, RecordingConsumer)
+        self.assertEqual((c.streams, c.options), (("caches",), {"a": 1}))
+        self.assertEqual(seen, ["replicator.consumers"])
+
+    def test_broken_entry_point(self):
+        self.patch(consumers, "entry_points",
+                   lambda group: [EntryPoint("rec", "tests.test_consumers:Nope", group)])
+        self.assertEqual(self.error(ConsumerConfig("rec")), (
+            "config: consumers[0].type: entry point 'rec' (tests.test_consumers:Nope) cannot be "
+            "loaded: AttributeError: module 'tests.test_consumers' has no attribute 'Nope'"))
+
+    def test_streams_set_on_a_consumer_that_ignores_them(self):
+        (c,) = self.load(ConsumerConfig("tests.test_consumers:NoStreamsConsumer", ("caches",)))
+        self.assertEqual(c.streams, ("caches",))
+
+    def test_builtin_entry_points_declared(self):
+        import configparser
+
+        parser = configparser.ConfigParser()
+        parser.read(os.path.join(ROOT, "setup.cfg"))
+        declared = [line.split("=") for line in
+                    parser["options.entry_points"]["replicator.consumers"].split("\n") if line]
+        self.assertEqual({name.strip(): value.strip() for name, value in declared}, {
+            "jsonl": "replicator.consumers:JsonlConsumer",
+            "log": "replicator.consumers:LogConsumer",
+        })
+        for value in ("replicator.consumers:JsonlConsumer", "replicator.consumers:LogConsumer"):
+            self.assertTrue(issubclass(EntryPoint("x", value, "g").load(), Consumer))
+
+    def test_errors(self):
+        cases = [
+            ([ConsumerConfig("jsonl", None, {})], "config: consumers[0].path: missing"),
+            ([ConsumerConfig("log"), ConsumerConfig("x")],
+             "config: consumers[1].type: unknown consumer 'x' (not built in, no entry point, "
+             "not importable: not a dotted path package.module:Class)"),
+            ([ConsumerConfig("nope.mod:Thing")],
+             "config: consumers[0].type: unknown consumer 'nope.mod:Thing' (not built in, no "
+             "entry point, not importable: No module named 'nope')"),
+            ([ConsumerConfig("tests.test_consumers:Missing")],
+             "config: consumers[0].type: unknown consumer 'tests.test_consumers:Missing' (not "
+             "built in, no entry point, not importable: tests.test_consumers has no attribute "
+             "'Missing')"),
+            ([ConsumerConfig("jsonl", None, {"path": "f", "fsync": "yes"})],
+             "config: consumers[0].fsync: expected true or false, got str"),
+            ([ConsumerConfig("jsonl", None, {"path": "f", "flush_interval": "1s"})],
+             "config: consumers[0].flush_interval: expected a number, got str"),
+            ([ConsumerConfig("jsonl", None, {"path": "f", "flush_interval": -1})],
+             "config: consumers[0].flush_interval: must be at least 0.0, got -1"),
+            ([ConsumerConfig("jsonl", None, {"path": 3})],
+             "config: consumers[0].path: expected a non-empty string, got int"),
+            ([ConsumerConfig("jsonl", None, {"path": "f", "bogus": 1})],
+             "config: consumers[0].bogus: unknown key"),
+            ([ConsumerConfig("log", None, {"levle": "info"})],
+             "config: consumers[0].levle: unknown key"),
+            ([ConsumerConfig("log", None, {"level": "loud"})],
+             "config: consumers[0].level: 'loud' is not one of debug, info, warn, error, "
+             "critical"),
+            ([ConsumerConfig("log"), ConsumerConfig("tests.test_consumers:StrictConsumer", None,
+                                                    {"colour": "blue", "size": 3})],
+             "config: consumers[1]: cannot create tests.test_consumers:StrictConsumer: "
+             "StrictConsumer.__init__() got an unexpected keyword argument 'size'"),
+            ([ConsumerConfig("builtins:dict")],
+             "config: consumers[0].type: 'builtins:dict' made a dict, which is not a consumer "
+             "(no positions, on_facts, on_position, close)"),
+            ([ConsumerConfig("tests.test_consumers:ROOT")],
+             "config: consumers[0].type: 'tests.test_consumers:ROOT' is not a class"),
+        ]
+        for configs, expected in cases:
+            self.assertEqual(self.error(*configs), expected)
+
+    def test_file_problems_name_the_path(self):
+        with open(os.path.join(self.base, "file"), "w"):
+            pass
+        message = self.error(ConsumerConfig("jsonl", None, {"path": "file/facts.jsonl"}))
+        self.assertEqual(message, "config: consumers[0].path: cannot open "
+                                  f"{os.path.join(self.base, 'file')}: File exists")
+        with open(os.path.join(self.base, "bad.jsonl"), "wb") as f:
+            f.write(b"[1]\n")
+        path = os.path.join(os.path.abspath(self.base), "bad.jsonl")
+        self.assertEqual(self.error(ConsumerConfig("jsonl", None, {"path": "bad.jsonl"})),
+                         f"config: consumers[0].path: {path}: line 1 (offset 0) is not a fact or "
+                         f"position: not a JSON object")
+
+    def test_consumers_built_before_a_mistake_are_closed(self):
+        config = ConsumerConfig("jsonl", None, {"path": "facts.jsonl"})
+        self.error(config, ConsumerConfig("x"))
+        self.error(config, config)  # the second one finds the file locked
+        self.assertEqual(
+            self.error(config, config),
+            f"config: consumers[1].path: {os.path.join(os.path.abspath(self.base), 'facts.jsonl')}"
+            " is in use by another consumer")
+        (c,) = self.load(config)  # nothing left holding the file
+        self.assertEqual(c.positions(), {})
+
+    def test_memory_consumer_unchanged(self):
+        c = MemoryConsumer({("s", "w"): 3}, streams=["s"])
+        c.on_facts("s", "w", 4, [[1]])
+        self.assertEqual(c.positions(), {("s", "w"): 4})
+
+
+# ------------------------------------------------------------ property test
+KEYS = [("caches", "master"), ("caches", "worker1"), ("events", "master")]
+
+operation = st.one_of(
+    st.tuples(st.just("fact"), st.integers(0, 2), st.integers(-2, 3),
+              st.lists(st.lists(st.one_of(st.integers(-5, 5), st.text("ab\n", max_size=3)),
+                                max_size=2), max_size=2)),
+    st.tuples(st.just("position"), st.integers(0, 2), st.integers(-2, 3)),
+    st.tuples(st.just("flush")),
+)
+
+
+class CrashProperty(SynchronousTestCase):
+    @settings(max_examples=150, deadline=None)
+    @given(ops=st.lists(operation, max_size=40), cut=st.floats(0, 1),
+           garbage=st.binary(max_size=20).map(lambda b: b.replace(b"\n", b"")))
+    def test_reopening_after_a_crash(self, ops, cut, garbage):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "facts.jsonl")
+            clock = task.Clock()
+            c = JsonlConsumer(path, clock=clock, fsync=False)
+            last = {}  # model: per key, the last accepted token (buffered or durable)
+            accepted = []  # every accepted event, in order, for the replay
+            written = []  # lines flushed, in order
+            batch, batch_positions = [], {}
+            durable = {}
+            token_of = {}  # the offered token per key
+            for op in ops:
+                if op[0] == "flush":
+                    c.flush()
+                    written += batch + [{"stream": s, "writer": w, "position": t}
+                                        for (s, w), t in batch_positions.items()]
+                    batch, batch_positions = [], {}
+                    durable = dict(last)
+                    continue
+                key = KEYS[op[1]]
+                token = token_of.get(key, 0) + op[2]
+                token_of[key] = max(token, token_of.get(key, 0))
+                if op[0] == "fact":
+                    self.assertIsNone(c.on_facts(key[0], key[1], token, op[3]))
+                    if token > last.get(key, -10):
+                        last[key] = token
+                        accepted.append(("fact", key, token, op[3]))
+                        batch.append({"stream": key[0], "writer": key[1], "token": token,
+                                      "rows": op[3]})
+                        batch_positions.pop(key, None)
+                else:
+                    c.on_position(key[0], key[1], token)
+                    if token > last.get(key, -10):
+                        last[key] = token
+                        accepted.append(("position", key, token))
+                        batch_positions[key] = token
+                self.assertEqual(c.positions(), durable)
+
+            # Crash in the middle of writing the next batch, then garbage.
+            pending = c.pending_bytes()
+            expected_pending = b"".join(
+                json.dumps(line, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+                for line in batch + [{"stream": s, "writer": w, "position": t}
+                                     for (s, w), t in batch_positions.items()])
+            self.assertEqual(pending, expected_pending)
+            part = pending[:int(len(pending) * cut)]
+            crash(c)
+            with open(path, "ab") as f:
+                f.write(part + garbage)
+            survivors = [json.loads(line) for line in part.split(b"\n")[:-1]]
+            for line in survivors:
+                durable[(line["stream"], line["writer"])] = line.get("token", line.get("position"))
+
+            c = JsonlConsumer(path, clock=clock, fsync=False)
+            self.assertEqual(c.positions(), durable)
+            with open(path, "rb") as f:
+                data = f.read()
+            self.assertTrue(data == b"" or data.endswith(b"\n"))
+            self.assertEqual([json.loads(line) for line in data.splitlines()], written + survivors)
+
+            # The reader replays everything from the start: each fact lands once.
+            for event in accepted:
+                if event[0] == "fact":
+                    c.on_facts(event[1][0], event[1][1], event[2], event[3])
+                else:
+                    c.on_position(event[1][0], event[1][1], event[2])
+            c.close()
+            c = JsonlConsumer(path, clock=clock, fsync=False)
+            self.assertEqual(c.positions(), last)
+            c.close()
+            with open(path, "rb") as f:
+                lines = [json.loads(line) for line in f.read().splitlines()]
+            for key in KEYS:
+                facts = [(line["token"], line["rows"]) for line in lines
+                         if "rows" in line and (line["stream"], line["writer"]) == key]
+                self.assertEqual(facts, [(e[2], e[3]) for e in accepted
+                                         if e[0] == "fact" and e[1] == key])
+
+
+# ------------------------------------------------------------ with the reader
+class ReaderTests(TestCase):
+    """A JsonlConsumer behind a real ReplicationHandler (PostgreSQL): after a
+    crash the reader resumes from the file and each fact lands once."""
+
+    timeout = 60
+
+    def setUp(self):
+        from tests.servers import PostgresServer
+
+        self.dsn = PostgresServer.shared().create_database()
+        self.path = os.path.join(temp_dir(self), "facts.jsonl")
+
+    async def instance(self, name, consumers=()):
+        from replicator.config import parse_database, parse_streams
+        from replicator.replication.handler import ReplicationHandler
+        from replicator.storage.database import Database
+        from replicator.streams.registry import StreamRegistry
+
+        streams = parse_streams([
+            {"name": "caches", "table": "cache_stream",
+             "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
+             "writers": ["master", "worker1"]},
+        ])
+        db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
+        registry = StreamRegistry(db, name, streams)
+        await registry.start()
+        handler = ReplicationHandler(registry, name, "hs.test", consumers=consumers)
+        handler.start()
+
+        async def stop():
+            await registry.stop()
+            db.close()
+        return registry, handler, stop
+
+    @staticmethod
+    def connect(handler, data):
+        from twisted.internet.testing import StringTransport
+
+        from replicator.replication.protocol import ClientReplicationProtocol
+
+        proto = ClientReplicationProtocol(handler, "worker1", "hs.test", clock=task.Clock())
+        proto.makeConnection(StringTransport())
+        proto.dataReceived(data)
+        return proto
+
+    @staticmethod
+    async def until(predicate, timeout=10.0):
+        waited = 0.0
+        while not predicate():
+            if waited > timeout:
+                raise AssertionError("condition not reached")
+            await task.deferLater(reactor, 0.005, lambda: None)
+            waited += 0.005
+
+    def test_resume_after_a_crash(self):
+        async def go():
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "wb") as f:  # "from the beginning"
+                f.write(b'{"stream":"caches","writer":"master","position":0}\n')
+            master_reg, _, stop_master = await self.instance("master")
+            self.addCleanup(lambda: defer.ensureDeferred(stop_master()))
+            caches = master_reg.get("caches")
+            await caches.write_facts([[["a", None, 1], ["b", None, 1]], [], [["c", None, 3]]])
+
+            clock = task.Clock()
+            jsonl = JsonlConsumer(self.path, clock=clock)
+            _, worker, stop_worker = await self.instance("worker1", [jsonl])
+            proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 3 3\n")
+            await self.until(lambda: worker.reader_positions()[("caches", "master")] == 3)
+            await self.until(worker.idle)
+            clock.advance(1)
+            self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
+            # Two more facts arrive live; the worker dies before they are flushed.
+            await caches.write_facts([[["d", None, 4]], [["e", None, 5]]])
+            proto.dataReceived(b'RDATA caches master 4 ["d",null,4]\n'
+                               b'RDATA caches master 5 ["e",null,5]\n')
+            await self.until(lambda: worker.reader_positions()[("caches", "master")] == 5)
+            crash(jsonl)
+            proto.connectionLost(None)
+            await stop_worker()
+
+            jsonl = JsonlConsumer(self.path, clock=clock)
+            self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
+            _, worker, stop_worker = await self.instance("worker1", [jsonl])
+            proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 5 5\n"
+                                         b'RDATA caches master 5 ["e",null,5]\n')
+            await self.until(lambda: worker.reader_positions()[("caches", "master")] == 5)
+            await self.until(worker.idle)
+            proto.connectionLost(None)
+            jsonl.close()
+            await stop_worker()
+            lines, _ = read_lines(self.path)
+            self.assertEqual([(line["token"], line["rows"]) for line in lines if "rows" in line], [
+                (1, [["a", None, 1], ["b", None, 1]]),
+                (3, [["c", None, 3]]),
+                (4, [["d", None, 4]]),
+                (5, [["e", None, 5]]),
+            ])
+        return defer.ensureDeferred(go())
