@@ -332,6 +332,32 @@ class ExportTests(ExportTestBase):
         self.assertEqual(len(rc_minute), 1)
         self.assertEqual(rc_minute[0]["facts"], len([f for f in self.rc1]) + len(rc2))
 
+    def test_late_fact_on_a_date_first_exported_by_an_earlier_run(self):
+        """Run 2 opens 2024-03-03 (after rollbacks); run 3 brings a late fact for
+        it: the date is re-aggregated from its first fact, whose predecessor
+        (for the rollback count) comes from the state."""
+        gen = self.load_phase1()
+        export(self.db, self.streams, self.out, now_ms=RUN1_MS, streams=["events"])
+        self.inflight.commit()
+        day3 = 1709424000000  # 2024-03-03T00:00:00Z
+        gen.t = day3 + 3_600_000
+        facts = gen.facts(1260, 1300, ["w1", "w2"])  # 1251..1259 rolled back
+        insert_events(self.cur, facts)
+        set_positions(self.cur, "events", w1=1300, w2=1300)
+        export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"])
+        state = OutputStore(self.out).load_state().streams["events"]
+        self.cur.execute("SELECT max(stream_id) FROM ev WHERE stream_id < 1260")
+        self.assertEqual(state.dates["2024-03-03"], [facts[0][0], self.cur.fetchone()[0]])
+        late = [(1305, "w2", [day3 + 60_000, day3 + 60_001])]  # 1301..1304 rolled back
+        insert_events(self.cur, late)
+        set_positions(self.cur, "events", w1=1305, w2=1305)
+        r = export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"])
+        self.assertEqual((r.reports[0].facts, r.reports[0].rows, r.reports[0].rollbacks),
+                         (1, 2, 1305 - facts[-1][0] - 1))
+        self.assertEqual(r.reports[0].dates, ["2024-03-03"])
+        self.assertMatches(read_export(self.out),
+                           reference(self.cur, self.events, 1305, run2_after(1200)))
+
     def test_nothing_past_persisted_position(self):
         self.load_phase1()
         # A writer missing from stream_positions holds its stream back.
