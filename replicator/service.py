@@ -209,6 +209,7 @@ class Instance:
         self.handler.stop("server stopping")
         if self.services.running:
             await self.services.stopService()
+        await self.handler.drain()
         await self.registry.stop()
         for consumer in self.consumers:
             try:

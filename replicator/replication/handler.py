@@ -28,7 +28,7 @@ import time
 from collections import deque
 from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
-from twisted.internet import defer
+from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from .. import metrics
@@ -108,6 +108,7 @@ class ReplicationHandler:
         self._announced: Dict[Key, int] = {}
         self._relayed: Dict[Key, int] = {}
         self._fanout_running: Set[Key] = set()
+        self._retries: Dict[tuple, Any] = {}  # pending retry calls, one per job
         self._readers: Dict[Key, _Reader] = {}
         self._started = False
         self._stopping = False
@@ -189,7 +190,11 @@ class ReplicationHandler:
                    replicating_only: bool = True) -> None:
         for conn, state in list(self.connections.items()):
             if conn is not exclude and (state.replicating or not replicating_only):
-                conn.send_lines(lines, name)
+                try:
+                    conn.send_lines(lines, name)
+                except Exception:
+                    # One broken connection must not hold up the others.
+                    log.failure("Sending {name} to {conn} failed", name=name, conn=conn)
 
     # ------------------------------------------------------------- fan-out
     def _schedule_fanout(self, stream: Stream, writer: str) -> None:
@@ -214,11 +219,14 @@ class ReplicationHandler:
         except Exception:
             log.failure("Fan-out of {stream}/{writer} failed; retrying in {delay}s",
                         stream=stream.name, writer=writer, delay=self.retry_delay)
-            self._clock.callLater(self.retry_delay, self._retry_fanout, stream, writer)
+            if key not in self._retries:
+                self._retries[key] = self._clock.callLater(
+                    self.retry_delay, self._retry_fanout, stream, writer)
         finally:
             self._fanout_running.discard(key)
 
     def _retry_fanout(self, stream: Stream, writer: str) -> None:
+        self._retries.pop((stream.name, writer), None)
         self._schedule_fanout(stream, writer)
 
     def send_updates(self, stream_name: str, writer: str, prev: int,
@@ -249,11 +257,16 @@ class ReplicationHandler:
         if state is None:
             return
         lines = []
+        # A hub (TCP server) answers for every writer it knows; a peer on a
+        # bus (Redis) only for its own writers: the others answer themselves.
+        hub = not conn.is_client_side
         for stream in self.registry:
             for writer in stream.config.writers:
                 key = (stream.name, writer)
                 if key in self._announced:
                     token = self._announced[key]
+                elif not hub:
+                    continue
                 else:
                     token = max(self._relayed.get(key, 0),
                                 stream.id_gen.get_current_token(writer))
@@ -366,11 +379,14 @@ class ReplicationHandler:
                 item = reader.queue[0]
                 try:
                     await self._apply(stream, writer, reader, item)
+                except _Stopping:
+                    return
                 except Exception:
                     log.failure("Processing {kind} of {stream}/{writer} failed; retrying in "
                                 "{delay}s", kind=item[0], stream=key[0], writer=writer,
                                 delay=self.retry_delay)
-                    self._clock.callLater(self.retry_delay, self._resume, key)
+                    self._retries[key + ("reader",)] = self._clock.callLater(
+                        self.retry_delay, self._resume, key)
                     return
                 reader.queue.popleft()
         finally:
@@ -379,6 +395,7 @@ class ReplicationHandler:
             metrics.READER_LAG.labels(*key).set(max(0, reader.seen - (reader.position or 0)))
 
     def _resume(self, key: Key) -> None:
+        self._retries.pop(key + ("reader",), None)
         reader = self._readers[key]
         reader.busy = False
         if reader.queue:
@@ -430,6 +447,8 @@ class ReplicationHandler:
         return [c for c in self.consumers if c.streams is None or stream_name in c.streams]
 
     async def _deliver(self, stream_name: str, writer: str, token: int, rows: List[list]) -> None:
+        if self._stopping:
+            raise _Stopping()
         for consumer in self._consumers_for(stream_name):
             await _maybe_await(consumer.on_facts(stream_name, writer, token, rows))
 
@@ -442,6 +461,14 @@ class ReplicationHandler:
     def announced_positions(self) -> Dict[Key, int]:
         return dict(self._announced)
 
+    async def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until no fan-out or reader work is running (at shutdown)."""
+        waited = 0.0
+        while not self.idle() and waited < timeout:
+            await task.deferLater(self._clock, 0.01, lambda: None)
+            waited += 0.01
+        return self.idle()
+
     def idle(self) -> bool:
         """Nothing queued for any reader and no fan-out running."""
         return not self._fanout_running and not any(
@@ -452,10 +479,18 @@ class ReplicationHandler:
         """Tell every peer we are going: servers send ERROR, clients send
         CLEAR_USER_SYNC, then every connection closes."""
         self._stopping = True
+        for call in self._retries.values():
+            if call.active():
+                call.cancel()
+        self._retries.clear()
         for conn in list(self.connections):
             if conn.is_client_side:
                 conn.send_command(ClearUserSyncCommand(self.instance_name))
             conn.stop(reason)
+
+
+class _Stopping(Exception):
+    """Raised inside reader work once the handler is stopping."""
 
 
 def _group(updates: List[Tuple[int, list]]):

@@ -1,0 +1,297 @@
+"""Replication over Redis pub/sub, on Synapse's wire (PROTOCOL.md, "Redis
+transport"), driven by the same handler as TCP.
+
+Every instance PUBLISHes its command lines on the channel ``<server_name>``
+(USER_IP on ``<server_name>/USER_IP``) and SUBSCRIBEs to both.  There is no
+hub: RDATA/POSITION go straight to every reader.
+
+Two connections (a subscriber and a publisher), each kept by its own
+``ClientService`` with backoff that never gives up — not after a refused
+connection, a timeout, or a failed AUTH/SELECT (txredisapi's own factories
+stop retrying then; ours do not).  Each connection is PINGed every
+``ping_interval`` seconds and replaced when a PING is not answered within
+``ping_timeout``.
+
+The handler sees one logical connection, registered only while both Redis
+connections are up and the subscription is confirmed.  On every
+registration it announces this instance's own writers' positions (nobody
+else will ask) and then sends REPLICATE, whose POSITION answers make it
+catch up from the database on whatever was published while it was away.
+Its own echoes (RDATA/POSITION/USER_SYNC naming this instance) are dropped;
+lines it cannot parse, or for streams and commands it does not know (a real
+Synapse publishes many on the same channel), are ignored with a debug log
+and a counter.
+"""
+
+from typing import List, Optional
+
+import txredisapi
+from twisted.application.internet import ClientService
+from twisted.application.service import MultiService
+from twisted.internet import defer, endpoints, task
+from twisted.internet.protocol import Factory
+from twisted.logger import Logger
+
+from .. import metrics
+from ..config import RedisConfig
+from .commands import CommandParseError, ReplicateCommand, parse_line
+
+log = Logger()
+
+NAME = "redis"
+OWN_INSTANCE_FIELDS = {"RDATA": "instance_name", "POSITION": "instance_name",
+                       "USER_SYNC": "instance_id", "CLEAR_USER_SYNC": "instance_id",
+                       "FEDERATION_ACK": "instance_name"}
+
+
+class _RedisFactory(Factory):
+    """Builds txredisapi protocols for our ClientService.
+
+    Provides the hooks txredisapi's protocol calls on its factory, without
+    ever giving up: a failed AUTH/SELECT closes the connection and the
+    service tries again after its backoff.
+    """
+
+    noisy = False
+    isLazy = False
+
+    def __init__(self, protocol_class, config: RedisConfig, owner, role: str):
+        self.protocol_class = protocol_class
+        self.config = config
+        self.owner = owner
+        self.role = role
+
+    def buildProtocol(self, addr):
+        p = self.protocol_class(password=self.config.password, dbid=self.config.dbid,
+                                replyTimeout=None)
+        p.factory = self
+        return p
+
+    def stopTrying(self):
+        """txredisapi asks us to stop after an AUTH/SELECT failure: we don't."""
+
+    def connectionError(self, why: str):
+        self.owner.last_error = why
+        log.error("redis {role} connection: {why}; retrying", role=self.role, why=why)
+
+
+class _Subscriber(txredisapi.SubscriberProtocol):
+    def messageReceived(self, pattern, channel, message):
+        self.factory.owner.message_received(self, channel, message)
+
+    def connectionLost(self, why):
+        self.factory.owner.link_lost(self)
+        super().connectionLost(why)
+
+
+class _Publisher(txredisapi.RedisProtocol):
+    def connectionLost(self, why):
+        self.factory.owner.link_lost(self)
+        super().connectionLost(why)
+
+
+class RedisConnection:
+    """What the handler sees as one connection: publishes lines."""
+
+    is_client_side = True  # no relaying: every instance hears every line
+    name = NAME
+    metrics_name = NAME
+    queued = 0
+    transport = None
+    answers_for_remote_writers = False
+
+    def __init__(self, owner: "RedisReplication"):
+        self._owner = owner
+        self.closed = False
+
+    def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
+        if self.closed:
+            return False
+        self._owner.publish_lines(lines)
+        metrics.COMMANDS_OUT.labels(command_name, NAME).inc(len(lines))
+        return True
+
+    def send_command(self, cmd) -> bool:
+        return self.send_lines([(cmd.to_line() + "\n").encode("utf-8")], cmd.NAME)
+
+    def stop(self, reason_text: str = "server stopping") -> None:
+        self.closed = True
+
+
+class RedisReplication(MultiService):
+    """Joins replication through Redis; ``connected`` tells whether it is in."""
+
+    def __init__(self, reactor, config: RedisConfig, handler, server_name: str,
+                 instance_name: str, ping_interval: float = 10.0, ping_timeout: float = 5.0,
+                 initial_delay: float = 0.5, max_delay: float = 30.0):
+        super().__init__()
+        self.reactor = reactor
+        self.config = config
+        self.handler = handler
+        self.channel = server_name
+        self.user_ip_channel = f"{server_name}/USER_IP"
+        self.instance_name = instance_name
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
+        self.last_error: Optional[str] = None
+        self.subscriber: Optional[_Subscriber] = None
+        self.publisher: Optional[_Publisher] = None
+        self.conn: Optional[RedisConnection] = None
+        self._subscribed = False
+
+        def policy(attempt):
+            return min(initial_delay * (2 ** min(attempt - 1, 30)), max_delay)
+
+        endpoint = endpoints.clientFromString(reactor, config.endpoint)
+        self._sub_service = ClientService(
+            endpoint, _RedisFactory(_Subscriber, config, self, "subscriber"),
+            retryPolicy=policy, prepareConnection=self._prepare_subscriber)
+        self._pub_service = ClientService(
+            endpoint, _RedisFactory(_Publisher, config, self, "publisher"),
+            retryPolicy=policy, prepareConnection=self._prepare_publisher)
+        self._sub_service.setServiceParent(self)
+        self._pub_service.setServiceParent(self)
+        self._pinger = task.LoopingCall(self._ping)
+        self._pinger.clock = reactor
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None
+
+    # ---------------------------------------------------------- lifecycle
+    def startService(self):
+        super().startService()
+        self._pinger.start(self.ping_interval, now=False)
+
+    def stopService(self):
+        if self._pinger.running:
+            self._pinger.stop()
+        self._unregister("shutdown")
+        return super().stopService()
+
+    async def _ready(self, protocol) -> None:
+        """Wait for AUTH/SELECT to succeed; a failure closes the connection."""
+        await protocol.whenConnected()
+
+    @staticmethod
+    def _unwrap(protocol):
+        # ClientService hands prepareConnection a proxy of the protocol.
+        return getattr(protocol, "_protocol", protocol)
+
+    def _prepare_subscriber(self, protocol):
+        protocol = self._unwrap(protocol)
+
+        async def prepare():
+            await self._ready(protocol)
+            await protocol.subscribe([self.channel, self.user_ip_channel])
+            self.subscriber = protocol
+            self._subscribed = True
+            log.info("redis: subscribed to {channel}", channel=self.channel)
+            self._maybe_register()
+        return defer.ensureDeferred(prepare())
+
+    def _prepare_publisher(self, protocol):
+        protocol = self._unwrap(protocol)
+
+        async def prepare():
+            await self._ready(protocol)
+            self.publisher = protocol
+            log.info("redis: publisher connected to {endpoint}", endpoint=self.config.endpoint)
+            self._maybe_register()
+        return defer.ensureDeferred(prepare())
+
+    def _maybe_register(self) -> None:
+        if self.conn is not None or not self._subscribed or self.publisher is None:
+            return
+        self.last_error = None
+        self.conn = RedisConnection(self)
+        # The handler announces our writers' positions; then ask the others.
+        self.handler.new_connection(self.conn)
+        self.conn.send_command(ReplicateCommand())
+
+    def _unregister(self, reason: str) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.closed = True
+            self.handler.lost_connection(conn, reason)
+
+    def link_lost(self, protocol) -> None:
+        if protocol is self.subscriber:
+            self.subscriber = None
+            self._subscribed = False
+        elif protocol is self.publisher:
+            self.publisher = None
+        else:
+            return
+        log.warn("redis: connection lost; reconnecting")
+        self._unregister("connection_lost")
+
+    # ------------------------------------------------------------ traffic
+    def publish_lines(self, lines: List[bytes]) -> None:
+        """PUBLISH each line; lines for a lost publisher are dropped (the
+        facts are in the database, and the reconnect re-announces)."""
+        publisher = self.publisher
+        if publisher is None or not publisher.connected:
+            return
+        for line in lines:
+            text = line.decode("utf-8").rstrip("\n")
+            channel = self.user_ip_channel if text.startswith("USER_IP ") else self.channel
+            try:
+                d = publisher.publish(channel, text)
+            except txredisapi.ConnectionError:
+                return
+            d.addErrback(self._publish_failed)
+
+    def _publish_failed(self, failure) -> None:
+        # The facts are in the database: after the reconnect our POSITIONs
+        # make every reader catch up.
+        log.warn("redis: publish failed: {error}", error=failure.getErrorMessage())
+
+    def message_received(self, protocol, channel, message) -> None:
+        conn = self.conn
+        if conn is None or protocol is not self.subscriber:
+            # Not registered yet (REPLICATE will catch us up), or buffered
+            # data of a subscriber already replaced: its lines belong to a
+            # connection that is gone (a half batch must not leak over).
+            return
+        if isinstance(message, bytes):
+            message = message.decode("utf-8", "replace")
+        try:
+            cmd = parse_line(message.rstrip("\r\n"))
+        except CommandParseError as e:
+            metrics.COMMANDS_DROPPED.labels("unknown", "unparsable").inc()
+            log.debug("redis: ignoring line {line!r}: {error}", line=message[:80], error=str(e))
+            return
+        field = OWN_INSTANCE_FIELDS.get(cmd.NAME)
+        if field is not None and getattr(cmd, field) == self.instance_name:
+            return  # our own echo
+        method = getattr(self.handler, "on_" + cmd.NAME, None)
+        if method is None:
+            metrics.COMMANDS_DROPPED.labels(cmd.NAME, "ignored").inc()
+            return
+        metrics.COMMANDS_IN.labels(cmd.NAME, NAME).inc()
+        try:
+            method(conn, cmd)
+        except Exception:
+            log.failure("redis: handling {name} failed", name=cmd.NAME)
+
+    # ---------------------------------------------------------- keepalive
+    def _ping(self) -> None:
+        for protocol in (self.subscriber, self.publisher):
+            if protocol is not None:
+                self._ping_one(protocol)
+
+    def _ping_one(self, protocol) -> None:
+        try:
+            d = protocol.ping()
+        except txredisapi.ConnectionError:
+            return  # going away; connectionLost does the rest
+        d.addTimeout(self.ping_timeout, self.reactor)
+
+        def failed(failure):
+            log.warn("redis: PING failed ({error}); replacing the connection",
+                     error=failure.getErrorMessage())
+            if protocol.transport is not None:
+                protocol.transport.abortConnection()
+
+        d.addErrback(failed)

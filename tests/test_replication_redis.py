@@ -1,0 +1,231 @@
+"""Replication over a real redis-server and a real PostgreSQL: two writers of
+one multi-writer stream and a reader, through a Redis crash and a reader
+restart; position-only advances; foreign traffic."""
+
+import random
+import socket
+
+import psycopg2
+from twisted.internet import defer, reactor, task
+from twisted.trial.unittest import TestCase
+
+from replicator import metrics
+from replicator.config import RedisConfig, parse_database, parse_streams
+from replicator.consumers import MemoryConsumer
+from replicator.replication.handler import ReplicationHandler
+from replicator.replication.redis import RedisReplication
+from replicator.storage.database import Database
+from replicator.streams.registry import StreamRegistry
+from tests.servers import PostgresServer, RedisServer
+
+STREAMS = parse_streams([
+    {"name": "caches", "table": "cache_stream",
+     "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
+     "writers": ["w1", "w2"]},
+])
+KEYS = [("caches", "w1"), ("caches", "w2")]
+
+
+def sleep(seconds):
+    return task.deferLater(reactor, seconds, lambda: None)
+
+
+async def until(predicate, timeout=60.0, step=0.02):
+    waited = 0.0
+    while not predicate():
+        if waited > timeout:
+            raise AssertionError("condition not reached in time")
+        await sleep(step)
+        waited += step
+
+
+def publish_raw(port, channel, message, password=None):
+    """PUBLISH with a plain client, as a foreign Synapse process would."""
+    def bulk(s):
+        b = s.encode()
+        return b"$%d\r\n%s\r\n" % (len(b), b)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        if password:
+            s.sendall(b"*2\r\n" + bulk("AUTH") + bulk(password))
+            s.recv(100)
+        s.sendall(b"*3\r\n" + bulk("PUBLISH") + bulk(channel) + bulk(message))
+        s.recv(100)
+
+
+class Node:
+    """One instance joined through Redis."""
+
+    def __init__(self, test, dsn, name, redis, consumer=None):
+        self.test, self.dsn, self.name, self.redis = test, dsn, name, redis
+        self.consumer = consumer
+
+    async def start(self):
+        self.db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
+        self.registry = StreamRegistry(self.db, self.name, STREAMS)
+        await self.registry.start()
+        consumers = [self.consumer] if self.consumer is not None else []
+        self.handler = ReplicationHandler(self.registry, self.name, "hs.test", consumers)
+        self.handler.start()
+        self.link = RedisReplication(
+            reactor, RedisConfig(self.redis.endpoint, self.redis.password), self.handler,
+            "hs.test", self.name, ping_interval=0.5, ping_timeout=0.5,
+            initial_delay=0.05, max_delay=0.3)
+        self.link.startService()
+        self.test.addCleanup(self.stop)
+        return self
+
+    async def stop(self):
+        if getattr(self, "stopped", False):
+            return
+        self.stopped = True
+        self.handler.stop()
+        await self.link.stopService()
+        await self.handler.drain()
+        await self.registry.stop()
+        self.db.close()
+
+
+def table_facts(dsn):
+    conn = psycopg2.connect(dsn)
+    cur = conn.cursor()
+    cur.execute("SELECT stream_id, instance_name, cache_func, keys, ts FROM cache_stream "
+                "ORDER BY stream_id, ctid")
+    facts = {k: [] for k in KEYS}
+    for stream_id, writer, *row in cur.fetchall():
+        entries = facts[("caches", writer)]
+        if entries and entries[-1][0] == stream_id:
+            entries[-1][1].append(row)
+        else:
+            entries.append((stream_id, [row]))
+    conn.close()
+    return facts
+
+
+class RedisReplicationTests(TestCase):
+    timeout = 300
+
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database()
+        self.redis = RedisServer(password="redis-test-secret")
+        self.addCleanup(self.redis.stop)
+
+    def test_multi_writer_through_crash_and_restart(self):
+        async def go():
+            rng = random.Random(99)
+            w1 = await Node(self, self.dsn, "w1", self.redis).start()
+            w2 = await Node(self, self.dsn, "w2", self.redis).start()
+            log = []
+            consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
+            reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
+            await until(lambda: all(n.link.connected for n in (w1, w2, reader)))
+
+            target = 10_000
+            written = {"n": 0}
+
+            async def writer_loop(node):
+                stream = node.registry.get("caches")
+                while written["n"] < target:
+                    facts = [[[f"f{written['n'] + j}", rng.choice([None, ["@k:hs"]]), j]
+                              for _ in range(rng.choice([0, 1, 1, 2, 3]))]
+                             for j in range(rng.randint(1, 25))]
+                    if rng.random() < 0.1:
+                        def boom(txn, stream_id):
+                            raise RuntimeError("rollback")
+                        try:
+                            async with stream.writer() as fact:
+                                fact.add_rows(facts[0])
+                                fact.also(boom)
+                        except RuntimeError:
+                            pass
+                        continue
+                    await stream.write_facts(facts)
+                    written["n"] += len(facts)
+                    await sleep(0)
+
+            async def chaos():
+                nonlocal reader, consumer
+                await until(lambda: written["n"] > 2500)
+                self.redis.kill()
+                await until(lambda: not reader.link.connected, timeout=10)
+                await sleep(0.3)  # writes go on without Redis
+                self.redis.start()
+                await until(lambda: written["n"] > 6000)
+                # Restart the reader: its consumer resumes from what it handled.
+                await reader.stop()
+                log.extend(consumer.facts)
+                consumer = MemoryConsumer(positions=consumer.positions())
+                reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
+
+            await defer.gatherResults([
+                defer.ensureDeferred(writer_loop(w1)),
+                defer.ensureDeferred(writer_loop(w2)),
+                defer.ensureDeferred(chaos()),
+            ])
+
+            def caught_up():
+                positions = reader.handler.reader_positions()
+                return all(positions[("caches", w.name)] is not None and
+                           positions[("caches", w.name)] >=
+                           w.registry.get("caches").id_gen.get_current_token(w.name)
+                           for w in (w1, w2))
+
+            await until(caught_up, timeout=120)
+            log.extend(consumer.facts)
+            expected = table_facts(self.dsn)
+            got = {k: [] for k in KEYS}
+            for stream, writer, token, rows in log:
+                got[(stream, writer)].append((token, rows))
+            for key in KEYS:
+                self.assertEqual(len(got[key]), len(expected[key]), key)
+                self.assertEqual(got[key], expected[key], key)
+            # Both writers know each other and agree on the linear position.
+            for w in (w1, w2):
+                await until(lambda: w1.registry.get("caches").id_gen.get_linear_token() ==
+                            w2.registry.get("caches").id_gen.get_linear_token())
+            linear = reader.registry.get("caches").id_gen.get_linear_token()
+            self.assertEqual(linear, min(reader.handler.reader_positions().values()))
+        return defer.ensureDeferred(go())
+
+    def test_position_only_advance_and_foreign_traffic(self):
+        async def go():
+            w1 = await Node(self, self.dsn, "w1", self.redis).start()
+            consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
+            reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
+            await until(lambda: w1.link.connected and reader.link.connected)
+            stream = w1.registry.get("caches")
+            await stream.write_fact([["a", None, 1]])
+            await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 1)
+
+            def boom(txn, stream_id):
+                raise RuntimeError("rolled back")
+
+            with self.assertRaises(RuntimeError):
+                async with stream.writer() as fact:
+                    fact.add_row(["never", None, 1])
+                    fact.also(boom)
+            # Reserved and rolled back: readers move by POSITION alone.
+            await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 2)
+            self.assertEqual(len(consumer.facts), 1)
+
+            ignored = metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get()
+            unknown_before = metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get()
+            for line in ('RDATA events master 5 ["$ev:hs","!room:hs","m.room.message",null]',
+                         "POSITION typing master 1 2",
+                         "FOO bar baz",
+                         "USER_SYNC synapse1 @u:hs None start 1000",
+                         'RDATA caches w1 batch ["half",null,1]'):
+                publish_raw(self.redis.port, "hs.test", line, self.redis.password)
+            await stream.write_fact([["b", None, 2]])
+            await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 3)
+            # Both instances in this process hear each foreign line once.
+            self.assertEqual(metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get(),
+                             ignored + 2)
+            self.assertEqual(
+                metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get(),
+                unknown_before + 2)
+            self.assertEqual(reader.handler.user_syncs, {"synapse1": {("@u:hs", None): 1000}})
+            # A foreign line claiming to be w1's batch row joins w1's next fact,
+            # as in Synapse: the wire carries no proof of origin.
+            self.assertEqual([t for _, _, t, _ in consumer.facts], [1, 3])
+            self.assertTrue(reader.link.connected)
+        return defer.ensureDeferred(go())
