@@ -295,6 +295,7 @@ class ReplicationConfig:
     listen: Optional[str] = None
     upstream: Optional[str] = None
     redis: Optional[RedisConfig] = None
+    client_ca: Optional[str] = None  # ssl: listener: require client certs from this CA
     ping_interval: float = 5.0
     ping_timeout: float = 15.0
     max_queued_lines: int = 10_000
@@ -381,15 +382,31 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
 
 def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig:
     section = _mapping(value if value is not None else {}, key)
-    _no_unknown(section, ("listen", "upstream", "redis", "ping_interval", "ping_timeout",
-                          "max_queued_lines", "max_line_length", "fetch_limit"), key)
+    _no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
+                          "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit"),
+                key)
     ping_interval = _number(section, "ping_interval", key, 5.0, 0.1)
     ping_timeout = _number(section, "ping_timeout", key, 15.0, 1.0)
     if ping_timeout <= ping_interval:
         raise ConfigError(f"{key}.ping_timeout",
                           f"must be longer than ping_interval ({ping_interval:g}s)")
+    listen = _endpoint(section, "listen", key, "server")
+    client_ca = _str(section, "client_ca", key, None)
+    if client_ca is not None:
+        if listen is None or not listen.startswith("ssl:"):
+            raise ConfigError(f"{key}.client_ca", "needs an ssl: listener in replication.listen")
+        from .tls import load_ca_certificates, server_endpoint
+
+        try:
+            load_ca_certificates(client_ca)
+            from twisted.internet import reactor
+
+            server_endpoint(reactor, listen, client_ca)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}.client_ca", str(e)) from None
     return ReplicationConfig(
-        listen=_endpoint(section, "listen", key, "server"),
+        listen=listen,
+        client_ca=client_ca,
         upstream=_endpoint(section, "upstream", key, "client"),
         redis=parse_redis(section.get("redis"), f"{key}.redis"),
         ping_interval=ping_interval,

@@ -11,7 +11,7 @@ committed is lost at any step.
 from typing import List, Optional, Tuple
 
 from twisted.application.service import MultiService, Service
-from twisted.internet import defer, endpoints
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from . import metrics, sdnotify
@@ -19,6 +19,7 @@ from .config import InstanceConfig, is_loopback_endpoint
 from .replication.handler import ReplicationHandler
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
 from .storage.database import Database
+from .tls import server_endpoint
 from .streams.registry import StreamRegistry
 
 log = Logger()
@@ -28,9 +29,10 @@ class ListeningService(Service):
     """Listens on an endpoint string while running; ``listening`` fires
     with the port once bound (or fails, e.g. address in use)."""
 
-    def __init__(self, reactor, endpoint: str, factory, what: str):
+    def __init__(self, reactor, endpoint: str, factory, what: str, client_ca: str = None):
         self._reactor = reactor
         self.endpoint = endpoint
+        self.client_ca = client_ca
         self.factory = factory
         self.what = what
         self.port = None
@@ -38,7 +40,7 @@ class ListeningService(Service):
 
     def startService(self):
         super().startService()
-        d = endpoints.serverFromString(self._reactor, self.endpoint).listen(self.factory)
+        d = server_endpoint(self._reactor, self.endpoint, self.client_ca).listen(self.factory)
 
         def bound(port):
             self.port = port
@@ -150,7 +152,7 @@ class Instance:
         if rep.listen:
             self._warn_exposed(rep.listen, "replication")
             factory = ReplicationServerFactory(self.handler, config.server_name, self.settings)
-            self._listen(rep.listen, factory, "replication")
+            self._listen(rep.listen, factory, "replication", rep.client_ca)
         if rep.upstream:
             self.upstream = upstream_service(
                 self.reactor, rep.upstream, self.handler, config.instance_name,
@@ -179,8 +181,8 @@ class Instance:
         log.info("instance {name} of {server} ready", name=config.instance_name,
                  server=config.server_name)
 
-    def _listen(self, endpoint: str, factory, what: str) -> None:
-        service = ListeningService(self.reactor, endpoint, factory, what)
+    def _listen(self, endpoint: str, factory, what: str, client_ca: str = None) -> None:
+        service = ListeningService(self.reactor, endpoint, factory, what, client_ca)
         service.setServiceParent(self.services)
         self.listeners.append(service)
 

@@ -156,7 +156,12 @@ class PostgresServer:
     def stop(self):
         proc = getattr(self, "proc", None)
         if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # fast shutdown
+            # Fast shutdown; signal the whole group (runuser does not pass
+            # signals on to postgres).
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:

@@ -1,0 +1,66 @@
+"""TLS listeners that require client certificates.
+
+Twisted's ``ssl:`` endpoint string covers a server's key and certificate but
+not a CA for client certificates; :func:`server_endpoint` adds that: with
+``client_ca`` every client must present a certificate signed by that CA, or
+the TLS handshake fails before a single command is read.  Clients use the
+``tls:`` endpoint string (hostname verification, ``trustRoots``, their own
+``certificate`` and ``privateKey``).
+"""
+
+import re
+from typing import Dict, List, Tuple
+
+from twisted.internet import endpoints, ssl
+from twisted.python.filepath import FilePath
+
+_SPLIT = re.compile(r"(?<!\\):")
+
+
+def _parse(endpoint: str) -> Tuple[List[str], Dict[str, str]]:
+    parts = [p.replace("\\:", ":") for p in _SPLIT.split(endpoint)]
+    args, kwargs = [], {}
+    for part in parts[1:]:
+        if "=" in part:
+            key, value = part.split("=", 1)
+            kwargs[key] = value
+        else:
+            args.append(part)
+    return args, kwargs
+
+
+def load_ca_certificates(path: str) -> List[ssl.Certificate]:
+    """Every PEM certificate in ``path``."""
+    text = FilePath(path).getContent().decode("ascii", "replace")
+    pems = re.findall(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", text, re.S)
+    if not pems:
+        raise ValueError(f"{path} holds no PEM certificate")
+    return [ssl.Certificate.loadPEM(p.encode()) for p in pems]
+
+
+def server_endpoint(reactor, endpoint: str, client_ca: str = None):
+    """A server endpoint from its string; ``ssl:`` with ``client_ca``
+    requires client certificates signed by that CA."""
+    if client_ca is None:
+        return endpoints.serverFromString(reactor, endpoint)
+    if not endpoint.startswith("ssl:"):
+        raise ValueError("client_ca needs an ssl: listener")
+    args, kw = _parse(endpoint)
+    port = int(kw.pop("port", args[0] if args else 0))
+    private_key = kw.pop("privateKey", "server.pem")
+    cert_key = kw.pop("certKey", private_key)
+    interface = kw.pop("interface", "")
+    backlog = int(kw.pop("backlog", 50))
+    chain = kw.pop("extraCertChain", None)
+    if kw:
+        raise ValueError(f"unsupported ssl: option {sorted(kw)[0]!r} with client_ca")
+    cert = ssl.PrivateCertificate.loadPEM(
+        FilePath(cert_key).getContent() + b"\n" + FilePath(private_key).getContent())
+    extra = [c.original for c in load_ca_certificates(chain)] if chain else None
+    options = ssl.CertificateOptions(
+        privateKey=cert.privateKey.original, certificate=cert.original,
+        extraCertChain=extra, verify=True, requireCertificate=True,
+        caCerts=[c.original for c in load_ca_certificates(client_ca)],
+    )
+    return endpoints.SSL4ServerEndpoint(reactor, port, options, backlog=backlog,
+                                        interface=interface)
