@@ -1,0 +1,718 @@
+"""The HTTP API of one instance (twisted.web): write facts, positions, health,
+metrics, and the master's USER_SYNC / FEDERATION_ACK / USER_IP bookkeeping.
+
+Routes (every JSON answer is one line followed by ``\\n``; errors are
+``{"error": "..."}``):
+
+``POST /_replicator/v1/streams/{stream}/facts``
+    Body ``{"rows": [[...], ...]}``, header ``Authorization: Bearer <secret>``.
+    Writes one fact (every row shares its stream ID; ``[]`` is a fact without
+    rows, a position-only advance) as this instance's writer of the stream and
+    answers ``{"stream_id": N}`` after the commit.  Everything is checked
+    before anything is written, in this order: 401 (no or malformed
+    Authorization; with ``WWW-Authenticate: Bearer``), 403 (wrong secret,
+    compared in constant time), 413 (body over ``max_body_size``; declared
+    beyond four times that, or sent with ``Expect: 100-continue``, it is
+    answered before the body is read, and the connection closed), 404
+    (unknown stream), 409 (this instance is not a writer of the stream), 400
+    (not JSON, not ``{"rows": [list, ...]}``, a row that does not fit the
+    stream's columns, or whose RDATA line could never be replicated because it
+    exceeds ``replication.max_line_length``).  503 when the database write
+    fails (logged with its traceback; the answer is generic) or the streams
+    are not loaded yet.
+``GET /_replicator/v1/positions``
+    Per stream its linear token and, per writer, its position; local writers
+    add ``in_flight`` and ``announced``, remote ones ``reader_position`` and
+    ``lag``.
+``GET /_replicator/v1/federation_acks``
+    ``{"acks": {instance: token}}``.
+``GET /_replicator/v1/user_syncs`` (secret required: user IDs are personal)
+    ``{"user_syncs": {instance: [{user_id, device_id, last_sync_ms}, ...]}}``.
+``GET /_replicator/v1/user_ips`` (secret required: IP addresses are personal)
+    ``{"user_ips": [{user_id, device_id, ip, user_agent, last_seen}, ...]}``.
+``GET /health``
+    200 ``{"status": "ok", ...summary}`` once ``SELECT 1`` answers within
+    ``db_timeout`` and, on a worker, replication is connected and caught up;
+    otherwise 503 ``{"status": "unhealthy", "reason": "..."}`` with the first
+    problem found.
+``GET /metrics``
+    Prometheus text format, generated in a thread.
+
+Any other path is 404, any other method 405 (with ``Allow``; HEAD goes with
+GET), and an unexpected exception a logged 500 with a generic message.  The
+secret is never written into an answer or a log line: error texts and logged
+fields pass through :meth:`HttpApi._redact`, the access log has neither
+headers nor query strings.
+"""
+
+import hmac
+import io
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+from urllib.parse import unquote
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_latest
+from twisted.internet import defer, threads
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import server
+from twisted.web.resource import Resource
+
+from .config import InstanceConfig
+from .replication.commands import encode_json
+from .streams.rows import RowError, check_rows
+
+log = Logger(namespace="replicator.http")
+access_log = Logger(namespace="replicator.http.access")
+
+API_PREFIX = "/_replicator/v1"
+MAX_BODY_SIZE = 1 << 20
+#: A body declared or sent beyond this is answered at once and the connection
+#: closed; up to it an oversized body is read and thrown away so that the
+#: client gets its 413 (closing on unread data makes the kernel reset the
+#: connection, and the client would see that instead).
+DRAIN_FACTOR = 4
+DB_TIMEOUT = 2.0
+#: Bodies above this are parsed and checked in a thread, not on the reactor.
+THREAD_PARSE_SIZE = 64 * 1024
+#: The RDATA line estimate assumes a token of this many digits.
+TOKEN_DIGITS = 20
+JSON_TYPE = b"application/json"
+
+# Defined here, not in replicator/metrics.py (owned elsewhere): refreshed at
+# scrape time from the handler's bookkeeping.
+USER_SYNCS = Gauge(
+    "replicator_user_syncs", "Users syncing per instance (USER_SYNC bookkeeping)", ["instance"]
+)
+FEDERATION_ACK_POSITION = Gauge(
+    "replicator_federation_ack_position",
+    "Federation stream position acknowledged per instance (FEDERATION_ACK)", ["instance"],
+)
+
+
+class HttpError(Exception):
+    """An answer other than success: status, one-line message, extra headers."""
+
+    #: The key the message goes under in the JSON answer.
+    key = "error"
+    #: Other members of the JSON answer.
+    extra: Dict[str, Any] = {}
+
+    def __init__(self, code: int, message: str, headers: Optional[Dict[bytes, bytes]] = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+
+
+class _Response:
+    """A successful answer that is not JSON (metrics)."""
+
+    def __init__(self, body: bytes, content_type: bytes):
+        self.body = body
+        self.content_type = content_type
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def _contains_nul(value: Any) -> bool:
+    """Whether a decoded JSON value has a NUL in a string or key (iterative:
+    JSON may nest deeper than Python's recursion limit)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                return True
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if "\x00" in k:
+                    return True
+                stack.append(item)
+    return False
+
+
+def parse_fact_body(body: bytes, columns, line_prefix: int, max_line_length: int) -> List[list]:
+    """The rows of a facts request body, checked; raises :class:`HttpError` 400.
+
+    ``line_prefix`` is the length of ``RDATA <stream> <writer> <token> `` with
+    the longest token: a row whose line would exceed ``max_line_length``
+    could never be replicated.  Pure and thread-safe.
+    """
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise HttpError(400, f"invalid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise HttpError(400, 'expected a JSON object {"rows": [[...], ...]}, '
+                             f"got {_json_type(doc)}")
+    for key in doc:
+        if key != "rows":
+            raise HttpError(400, f"unexpected key {_excerpt(key)}: the body is "
+                                 '{"rows": [[...], ...]} and nothing else')
+    if "rows" not in doc:
+        raise HttpError(400, 'missing "rows": the body is {"rows": [[...], ...]}')
+    rows = doc["rows"]
+    if not isinstance(rows, list):
+        raise HttpError(400, f'"rows" must be an array of rows, got {_json_type(rows)}')
+    try:
+        rows = check_rows(columns, rows)
+    except RowError as e:
+        raise HttpError(400, str(e)) from None
+    json_columns = [(i, c.name) for i, c in enumerate(columns) if c.type == "json"]
+    room = max_line_length - line_prefix
+    for n, row in enumerate(rows):
+        for i, name in json_columns:
+            if _contains_nul(row[i]):
+                raise HttpError(400, f"row {n}: column {name!r} contains a NUL character")
+        try:
+            size = len(encode_json(row))
+        except (TypeError, ValueError):
+            raise HttpError(400, f"row {n}: not encodable as JSON") from None
+        if size > room:
+            raise HttpError(
+                400, f"row {n}: its RDATA line would be {line_prefix + size} bytes, more than "
+                     f"replication.max_line_length ({max_line_length}): it could never be "
+                     "replicated")
+    return rows
+
+
+# ------------------------------------------------------------- twisted.web
+class _Request(server.Request):
+    """A request that never holds more than the site's body limit in memory.
+
+    An oversized body is read and dropped (``too_large`` set) up to the drain
+    limit; beyond it, or when the client waits for ``100 Continue``, the 413
+    is written at once and the connection closed.
+    """
+
+    too_large = False
+    _received = 0
+    _rejected = False
+    started = None
+
+    def _limits(self) -> Tuple[int, int]:
+        site = getattr(self.channel, "site", None)
+        limit = getattr(site, "max_body_size", MAX_BODY_SIZE)
+        return limit, limit * DRAIN_FACTOR
+
+    def gotLength(self, length):
+        self.started = time.monotonic()
+        self.content = io.BytesIO()
+        limit, drain = self._limits()
+        if length is not None and length > limit:
+            self.too_large = True
+            expect = self.requestHeaders.getRawHeaders(b"expect") or [b""]
+            if length > drain or expect[0].lower() == b"100-continue":
+                self._reject_now()
+
+    def handleContentChunk(self, data):
+        if self._rejected:
+            return
+        self._received += len(data)
+        limit, drain = self._limits()
+        if self._received > drain:
+            self._reject_now()
+        elif self._received > limit:
+            if not self.too_large:
+                self.too_large = True
+                self.content = io.BytesIO()
+        elif not self.too_large:
+            self.content.write(data)
+
+    def _reject_now(self) -> None:
+        """Answer 413 before the body and close (no further request is parsed
+        on a channel while this one's body is read, so nothing is reordered)."""
+        self._rejected = True
+        self.requestHeaders.removeHeader(b"expect")  # no 100 Continue after this
+        site = getattr(self.channel, "site", None)
+        limit, _ = self._limits()
+        body = _error_body(f"request body larger than {limit} bytes")
+        head = (b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+        try:
+            self.channel.transport.write(head + body)
+            self.channel.loseConnection()
+        except Exception:
+            log.failure("Rejecting an oversized request failed")
+        api = getattr(site, "api", None)
+        if api is not None:
+            # The request line is still the channel's: the request gets it
+            # only once its body is complete.
+            api.log_access(self, code=413, length=len(body),
+                           method=getattr(self.channel, "_command", None),
+                           path=getattr(self.channel, "_path", b"-").split(b"?")[0])
+
+    def process(self):
+        if self._rejected:
+            return  # answered already; the connection is closing
+        if self.started is None:
+            self.started = time.monotonic()
+        super().process()
+
+
+class _Site(server.Site):
+    requestFactory = _Request
+    noisy = False
+
+    def __init__(self, root, api: "HttpApi", max_body_size: int, timeout: float):
+        super().__init__(root, timeout=timeout)
+        self.api = api
+        self.max_body_size = max_body_size
+
+    def log(self, request):
+        self.api.log_access(request)
+
+
+def _error_body(message: str) -> bytes:
+    return encode_json({"error": message}) + b"\n"
+
+
+class _Root(Resource):
+    isLeaf = True
+
+    def __init__(self, api: "HttpApi"):
+        super().__init__()
+        self._api = api
+
+    def render(self, request):
+        return self._api.render(request)
+
+
+# ------------------------------------------------------------------- the API
+Route = Callable[..., Any]
+
+
+class HttpApi:
+    """The HTTP API of one instance.
+
+    ``replication_status()`` returns ``(connected, detail)``; it decides
+    health on a worker (an instance with ``replication.upstream`` or
+    ``replication.redis``) and is only reported on a master.
+    """
+
+    def __init__(self, *, config: InstanceConfig, registry, handler, db,
+                 replication_status: Callable[[], Tuple[bool, str]],
+                 max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
+                 idle_timeout: float = 60.0, clock=None):
+        self.config = config
+        self.registry = registry
+        self.handler = handler
+        self.db = db
+        self.replication_status = replication_status
+        self.instance_name = config.instance_name
+        self.max_body_size = max_body_size
+        self.db_timeout = db_timeout
+        self.idle_timeout = idle_timeout
+        self.is_worker = bool(config.replication.upstream or config.replication.redis)
+        secret = config.http.secret
+        self._secret: Optional[bytes] = secret.encode("utf-8") if secret else None
+        # Strings never to show: the HTTP secret, and the Redis password
+        # which a replication status detail might carry.
+        self._hidden = [s for s in (secret, getattr(config.replication.redis, "password", None))
+                        if s]
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self._clock = clock
+        self._db_probe: Optional[defer.Deferred] = None
+        self._db_waiters: List[defer.Deferred] = []
+        self._root = _Root(self)
+
+    # --------------------------------------------------------------- public
+    def resource(self) -> Resource:
+        """The root resource (every route; works under a plain Site too)."""
+        return self._root
+
+    def site(self) -> server.Site:
+        """A Site with the body limit and a one-line access log."""
+        return _Site(self._root, self, self.max_body_size, self.idle_timeout)
+
+    def refresh_metrics(self) -> None:
+        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler.
+
+        Works on snapshots, so it may also run in a scrape thread (e.g. via
+        ``metrics.set_collector``)."""
+        syncs = {instance: len(users)
+                 for instance, users in list(self.handler.user_syncs.items())}
+        acks = dict(self.handler.federation_acks)
+        for gauge, values in ((USER_SYNCS, syncs), (FEDERATION_ACK_POSITION, acks)):
+            for metric in gauge.collect():
+                for sample in metric.samples:
+                    instance = sample.labels.get("instance")
+                    if instance is not None and instance not in values:
+                        try:
+                            gauge.remove(instance)
+                        except KeyError:
+                            pass
+            for instance, value in values.items():
+                gauge.labels(instance).set(value)
+
+    # ---------------------------------------------------------- rendering
+    def _routes(self, path: bytes) -> Tuple[Dict[bytes, Route], tuple]:
+        """The methods of ``path`` and the route's arguments; 404 if none."""
+        if path == b"/health":
+            return {b"GET": self._health}, ()
+        if path == b"/metrics":
+            return {b"GET": self._metrics}, ()
+        prefix = API_PREFIX.encode() + b"/"
+        if path.startswith(prefix):
+            rest = path[len(prefix):]
+            simple = {
+                b"positions": self._positions,
+                b"user_syncs": self._user_syncs,
+                b"federation_acks": self._federation_acks,
+                b"user_ips": self._user_ips,
+            }
+            if rest in simple:
+                return {b"GET": simple[rest]}, ()
+            parts = rest.split(b"/")
+            if len(parts) == 3 and parts[0] == b"streams" and parts[2] == b"facts" and parts[1]:
+                try:
+                    name = unquote(parts[1].decode("ascii"), errors="strict")
+                except (UnicodeDecodeError, ValueError):
+                    name = None
+                return {b"POST": self._post_facts}, (name,)
+        raise HttpError(404, "no such endpoint")
+
+    def render(self, request) -> int:
+        """Dispatch; the answer is always written later (NOT_DONE_YET)."""
+        request.setHeader(b"server", b"replicator")
+        gone: List[Any] = []
+        request.notifyFinish().addErrback(gone.append)
+        try:
+            routes, args = self._routes(request.path)
+            method = request.method
+            fn = routes.get(b"GET" if method == b"HEAD" else method)
+            if fn is None:
+                allowed = sorted(routes) + ([b"HEAD"] if b"GET" in routes else [])
+                raise HttpError(405, f"method {method.decode('ascii', 'replace')[:40]} "
+                                     "not allowed",
+                                {b"allow": b", ".join(allowed)})
+            d = defer.ensureDeferred(fn(request, *args))
+        except Exception:
+            d = defer.fail()
+        d.addCallbacks(lambda result: self._answer(request, gone, 200, result),
+                       lambda f: self._failed(request, gone, f))
+        d.addErrback(lambda f: self._log_failure("Answering {path} failed", f,
+                                                 path=self._log_path(request)))
+        return server.NOT_DONE_YET
+
+    def _failed(self, request, gone, failure) -> None:
+        if failure.check(HttpError):
+            e = failure.value
+            self._answer(request, gone, e.code, {**e.extra, e.key: self._redact(e.message)},
+                         e.headers)
+            return
+        self._log_failure("Unexpected error answering {method} {path}", failure,
+                          method=self._redact(request.method.decode("ascii", "replace"))[:20],
+                          path=self._log_path(request))
+        self._answer(request, gone, 500, {"error": "internal error"})
+
+    def _answer(self, request, gone, code: int, result, headers=None) -> None:
+        if gone or request.finished:
+            if gone:
+                self.log_access(request, code=code, note="client gone")
+            return
+        if isinstance(result, _Response):
+            body, content_type = result.body, result.content_type
+        else:
+            try:
+                body = encode_json(result) + b"\n"
+            except (TypeError, ValueError):
+                self._log_failure("Cannot encode the answer to {path}", Failure(),
+                                  path=self._log_path(request))
+                code, body = 500, _error_body("internal error")
+            content_type = JSON_TYPE
+        request.setResponseCode(code)
+        request.setHeader(b"content-type", content_type)
+        request.setHeader(b"content-length", b"%d" % len(body))
+        request.setHeader(b"cache-control", b"no-store")
+        request.setHeader(b"x-content-type-options", b"nosniff")
+        for name, value in (headers or {}).items():
+            request.setHeader(name, value)
+        request.write(body)
+        request.finish()
+
+    # ------------------------------------------------------------- helpers
+    def _redact(self, text: str) -> str:
+        """One line, without the secret (or the Redis password)."""
+        text = " ".join(str(text).splitlines())
+        for hidden in self._hidden:
+            text = text.replace(hidden, "[redacted]")
+        return text[:2000]
+
+    def _log_failure(self, fmt: str, failure: Failure, **fields) -> None:
+        """``log.failure``, unless the traceback text would show a hidden
+        string: then the redacted traceback is logged as text instead."""
+        text = failure.getTraceback()
+        if any(hidden in text for hidden in self._hidden):
+            log.error(fmt + "\n{traceback}", traceback=self._redact_lines(text), **fields)
+        else:
+            log.failure(fmt, failure, **fields)
+
+    def _redact_lines(self, text: str) -> str:
+        for hidden in self._hidden:
+            text = text.replace(hidden, "[redacted]")
+        return text
+
+    def _log_path(self, request) -> str:
+        return self._clean_path(request.path)
+
+    def _clean_path(self, raw: bytes) -> str:
+        path = self._redact(raw.decode("ascii", "backslashreplace"))
+        return path if len(path) <= 200 else path[:200] + "..."
+
+    def log_access(self, request, code: Optional[int] = None, note: str = "",
+                   length: Optional[int] = None, method: Optional[bytes] = None,
+                   path: Optional[bytes] = None) -> None:
+        """One line per request: client, method, path (no query), status,
+        bytes, duration.  No header is ever logged."""
+        try:
+            addr = request.getClientAddress()
+            client = getattr(addr, "host", None) or "-"
+        except Exception:
+            client = "-"
+        started = getattr(request, "started", None)
+        ms = (time.monotonic() - started) * 1000 if started is not None else 0.0
+        method = method if method is not None else request.method
+        method = self._redact(method.decode("ascii", "backslashreplace"))[:20] \
+            if isinstance(method, bytes) else "-"
+        path = path if path is not None else getattr(request, "path", None)
+        path = self._clean_path(path) if isinstance(path, bytes) else "-"
+        access_log.info(
+            '{client} "{method} {path}" {code} {length} {duration_ms:.1f}ms{note}',
+            client=client, method=method, path=path,
+            code=code if code is not None else request.code,
+            length=length if length is not None else getattr(request, "sentLength", 0),
+            duration_ms=ms, note=f" ({note})" if note else "",
+        )
+
+    def _authorize(self, request) -> None:
+        challenge = {b"www-authenticate": b'Bearer realm="replicator"'}
+        values = request.requestHeaders.getRawHeaders(b"authorization")
+        if not values:
+            raise HttpError(401, "missing Authorization header: expected 'Bearer <secret>'",
+                            challenge)
+        scheme, _, token = values[0].strip().partition(b" ")
+        token = token.strip()
+        if len(values) != 1 or scheme.lower() != b"bearer" or not token:
+            raise HttpError(401, "malformed Authorization header: expected 'Bearer <secret>'",
+                            challenge)
+        if self._secret is None:
+            raise HttpError(403, "no http secret is configured on this instance")
+        if not hmac.compare_digest(token, self._secret):
+            raise HttpError(403, "wrong secret")
+
+    @staticmethod
+    def _too_large(request, limit: int) -> bool:
+        flag = getattr(request, "too_large", None)
+        if flag is not None:
+            return flag
+        content = request.content  # a plain twisted Request: measure it
+        if content is None:
+            return False
+        position = content.tell()
+        size = content.seek(0, 2)
+        content.seek(position)
+        return size > limit
+
+    # ---------------------------------------------------------------- routes
+    async def _post_facts(self, request, name: Optional[str]):
+        self._authorize(request)
+        if self._too_large(request, self.max_body_size):
+            raise HttpError(413, f"request body larger than {self.max_body_size} bytes")
+        if name is None:
+            raise HttpError(404, "unknown stream: the name is not percent-encoded UTF-8")
+        stream = self.registry.find(name)
+        if stream is None:
+            raise HttpError(404, f"unknown stream {_excerpt(name)}")
+        writer = self.instance_name
+        if writer not in stream.local_writers:
+            raise HttpError(409, f"not a writer of stream {stream.name} on this instance "
+                                 f"({writer})")
+        if stream.id_gen is None:
+            raise HttpError(503, f"stream {stream.name} is not loaded yet")
+        request.content.seek(0)
+        body = request.content.read()
+        max_line = self.config.replication.max_line_length
+        prefix = (len(b"RDATA ") + len(stream.name.encode()) + 1 + len(writer.encode()) + 1
+                  + TOKEN_DIGITS + 1)
+        columns = stream.config.columns
+        if len(body) > THREAD_PARSE_SIZE:
+            rows = await threads.deferToThread(parse_fact_body, body, columns, prefix, max_line)
+        else:
+            rows = parse_fact_body(body, columns, prefix, max_line)
+        try:
+            stream_id = await stream.write_fact(rows, writer=writer)
+        except RowError as e:  # checked above; kept for safety
+            raise HttpError(400, str(e)) from None
+        except Exception:
+            self._log_failure("Writing a fact of {stream} failed", Failure(),
+                              stream=stream.name)
+            raise HttpError(503, "database write failed") from None
+        return {"stream_id": stream_id}
+
+    async def _positions(self, request):
+        handler = self.handler
+        announced = handler.announced_positions()
+        readers = handler.reader_positions()
+        lags = handler.reader_lag()
+        streams = {}
+        for stream in self.registry:
+            gen = stream.id_gen
+            if gen is None:
+                streams[stream.name] = {"linear": None, "writers": {}}
+                continue
+            positions = gen.get_positions()
+            writers = {}
+            for writer in stream.config.writers:
+                key = (stream.name, writer)
+                local = writer in stream.local_writers
+                entry: Dict[str, Any] = {"position": positions.get(writer), "local": local}
+                if local:
+                    entry["in_flight"] = gen.in_flight(writer)
+                    entry["announced"] = announced.get(key)
+                else:
+                    entry["reader_position"] = readers.get(key)
+                    entry["lag"] = lags.get(key, 0)
+                writers[writer] = entry
+            streams[stream.name] = {"linear": gen.get_linear_token(), "writers": writers}
+        return {"instance": self.instance_name, "streams": streams}
+
+    async def _user_syncs(self, request):
+        self._authorize(request)
+        out = {}
+        for instance, users in sorted(self.handler.user_syncs.items()):
+            out[instance] = [
+                {"user_id": user, "device_id": device, "last_sync_ms": ms}
+                for (user, device), ms in sorted(users.items(), key=lambda i: (i[0][0],
+                                                                               i[0][1] or ""))
+            ]
+        return {"user_syncs": out}
+
+    async def _federation_acks(self, request):
+        return {"acks": dict(sorted(self.handler.federation_acks.items()))}
+
+    async def _user_ips(self, request):
+        self._authorize(request)
+        out = []
+        for (user, device), seen in sorted(self.handler.user_ips.items(),
+                                           key=lambda i: (i[0][0], i[0][1] or "")):
+            out.append({"user_id": user, "device_id": device, "ip": seen.get("ip"),
+                        "user_agent": seen.get("user_agent"), "last_seen": seen.get("last_seen")})
+        return {"user_ips": out}
+
+    async def _metrics(self, request):
+        self.refresh_metrics()
+        refresh = getattr(self.registry, "refresh_metrics", None)
+        if refresh is not None:
+            refresh()
+        text = await threads.deferToThread(generate_latest, REGISTRY)
+        return _Response(text, CONTENT_TYPE_LATEST.encode("ascii"))
+
+    # ---------------------------------------------------------------- health
+    def check_database(self) -> defer.Deferred:
+        """Fires with None if ``SELECT 1`` answers within ``db_timeout``, else
+        with the reason.  At most one probe runs at a time: a hung database
+        ties up one pool thread, not one per health check."""
+        waiter: defer.Deferred = defer.Deferred(
+            lambda d: self._db_waiters.remove(d) if d in self._db_waiters else None)
+        self._db_waiters.append(waiter)
+        if self._db_probe is None:
+            try:
+                probe = self.db.runQuery("SELECT 1")
+            except Exception:  # e.g. a pool already closed
+                probe = defer.fail()
+            self._db_probe = probe
+            probe.addBoth(self._db_probe_done)
+        waiter.addTimeout(self.db_timeout, self._clock)
+
+        def reason(f):
+            if f.check(defer.TimeoutError):
+                return f"database unreachable: no answer within {self.db_timeout:g}s"
+            log.warn("Health check: the database is unreachable: {error}",
+                     error=self._redact(f.getErrorMessage()))
+            return f"database unreachable: {f.type.__name__}"
+
+        waiter.addCallbacks(lambda _: None, reason)
+        return waiter
+
+    def _db_probe_done(self, result) -> None:
+        self._db_probe = None
+        waiters, self._db_waiters = self._db_waiters, []
+        for waiter in waiters:
+            if isinstance(result, Failure):
+                waiter.errback(result)
+            else:
+                waiter.callback(None)
+        return None
+
+    def _replication(self) -> Tuple[bool, str]:
+        try:
+            connected, detail = self.replication_status()
+            return bool(connected), self._redact(str(detail))
+        except Exception:
+            self._log_failure("replication_status() failed", Failure())
+            return False, "replication status unavailable"
+
+    def _replication_problem(self, connected: bool, detail: str) -> Optional[str]:
+        if not connected:
+            return f"replication not connected: {detail}"
+        lags = self.handler.reader_lag()
+        for (stream, writer), lag in sorted(lags.items()):
+            if lag:
+                return f"stream {stream}/{writer} lagging by {lag}"
+        if not self.handler.idle():
+            return "replication catching up (work queued)"
+        return None
+
+    async def _health(self, request):
+        problem = await self.check_database()
+        if problem is None:
+            unloaded = [s.name for s in self.registry if s.id_gen is None]
+            if unloaded:
+                problem = f"streams not loaded: {', '.join(unloaded)}"
+        connected, detail = self._replication()
+        if problem is None and self.is_worker:
+            problem = self._replication_problem(connected, detail)
+        if problem is not None:
+            raise _Unhealthy(problem)
+        return {
+            "status": "ok",
+            "instance": self.instance_name,
+            "role": "worker" if self.is_worker else "master",
+            "replication": {"connected": connected, "detail": detail},
+            "connections": len(self.handler.connections),
+            "positions": {s.name: s.id_gen.get_positions() for s in self.registry},
+        }
+
+
+class _Unhealthy(HttpError):
+    """503 ``{"status": "unhealthy", "reason": "..."}``."""
+
+    key = "reason"
+    extra = {"status": "unhealthy"}
+
+    def __init__(self, reason: str):
+        super().__init__(503, reason)
