@@ -1,0 +1,193 @@
+"""TLS replication with a throwaway CA made by the test: client certificates
+required by the master, hostname verification by the worker."""
+
+import datetime
+import os
+import socket
+import ssl as stdlib_ssl
+import tempfile
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from twisted.internet import defer, reactor, task
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+
+from replicator.config import ConfigError, parse_replication
+from replicator.consumers import MemoryConsumer
+from replicator.replication.handler import ReplicationHandler
+from replicator.replication.tcp import ReplicationServerFactory, upstream_service
+from replicator.tls import server_endpoint
+from tests.servers import free_port
+
+
+def _key():
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _cert(subject_cn, key, issuer_cert=None, issuer_key=None, ca=False, san=None):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)])
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_cert.subject if issuer_cert else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if san:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(n) for n in san]), critical=False)
+    return builder.sign(issuer_key or key, hashes.SHA256())
+
+
+def _write(path, *objs):
+    with open(path, "wb") as f:
+        for obj in objs:
+            if isinstance(obj, x509.Certificate):
+                f.write(obj.public_bytes(serialization.Encoding.PEM))
+            else:
+                f.write(obj.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+
+
+def make_pki(directory):
+    """A CA, a server certificate for localhost, a client certificate, and a
+    stranger's certificate from another CA; returns their paths."""
+    ca_key = _key()
+    ca = _cert("replicator test CA", ca_key, ca=True)
+    other_key = _key()
+    other_ca = _cert("someone else's CA", other_key, ca=True)
+    paths = {}
+    for name, cn, issuer, issuer_key, san in (
+        ("server", "localhost", ca, ca_key, ["localhost"]),
+        ("client", "worker1", ca, ca_key, None),
+        ("stranger", "worker9", other_ca, other_key, None),
+    ):
+        key = _key()
+        cert = _cert(cn, key, issuer, issuer_key, san=san)
+        paths[f"{name}.key"] = os.path.join(directory, f"{name}.key")
+        paths[f"{name}.crt"] = os.path.join(directory, f"{name}.crt")
+        _write(paths[f"{name}.key"], key)
+        _write(paths[f"{name}.crt"], cert)
+    os.makedirs(os.path.join(directory, "trust"))
+    paths["ca.crt"] = os.path.join(directory, "trust", "ca.pem")
+    _write(paths["ca.crt"], ca)
+    paths["trust"] = os.path.join(directory, "trust")
+    return paths
+
+
+class TlsTests(TestCase):
+    timeout = 60
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.pki = make_pki(self.tmp)
+        self.port = free_port()
+        self.listen = (f"ssl:{self.port}:interface=127.0.0.1:privateKey={self.pki['server.key']}"
+                       f":certKey={self.pki['server.crt']}")
+
+    def test_config_checks_client_ca(self):
+        with self.assertRaises(ConfigError) as e:
+            parse_replication({"listen": "tcp:9092", "client_ca": self.pki["ca.crt"]})
+        self.assertEqual(str(e.exception),
+                         "config: replication.client_ca: needs an ssl: listener in "
+                         "replication.listen")
+        with self.assertRaises(ConfigError) as e:
+            parse_replication({"listen": self.listen, "client_ca": "/nonexistent/ca.pem"})
+        self.assertIn("config: replication.client_ca:", str(e.exception))
+        config = parse_replication({"listen": self.listen, "client_ca": self.pki["ca.crt"]})
+        self.assertEqual(config.client_ca, self.pki["ca.crt"])
+
+    def _raw_tls(self, cert=None, key=None):
+        """A plain TLS client; returns what the server sent, or the error."""
+        context = stdlib_ssl.create_default_context(cafile=self.pki["ca.crt"])
+        if cert:
+            context.load_cert_chain(cert, key)
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=5) as raw:
+                with context.wrap_socket(raw, server_hostname="localhost") as s:
+                    s.sendall(b"NAME probe\nREPLICATE\n")
+                    data = b""
+                    while b"POSITION" not in data:
+                        chunk = s.recv(4096)
+                        if not chunk:
+                            break
+                        data += chunk
+                    return data
+        except (stdlib_ssl.SSLError, OSError) as e:
+            return e
+
+    def test_client_certificates_required_and_hostname_verified(self):
+        async def go():
+            from replicator.config import parse_database, parse_streams
+            from replicator.storage.database import Database
+            from replicator.streams.registry import StreamRegistry
+            from tests.servers import PostgresServer
+
+            dsn = PostgresServer.shared().create_database()
+            streams = parse_streams([{"name": "caches", "table": "cache_stream",
+                                      "columns": [{"f": "text"}], "writers": ["master"]}])
+
+            async def instance(name, consumers=()):
+                db = Database(parse_database({"postgres": dsn}))
+                self.addCleanup(db.close)
+                registry = StreamRegistry(db, name, streams)
+                await registry.start()
+                self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))
+                handler = ReplicationHandler(registry, name, "localhost", consumers)
+                handler.start()
+                return registry, handler
+
+            registry, master = await instance("master")
+            port = await server_endpoint(reactor, self.listen, self.pki["ca.crt"]).listen(
+                ReplicationServerFactory(master, "localhost"))
+            self.addCleanup(port.stopListening)
+
+            # A client with a certificate from our CA gets the handshake.
+            good = await deferToThread(self._raw_tls, self.pki["client.crt"],
+                                       self.pki["client.key"])
+            self.assertIsInstance(good, bytes, good)
+            self.assertTrue(good.startswith(b"SERVER localhost\n"), good)
+            self.assertIn(b"POSITION caches master 0 0", good)
+            # No certificate, or one from another CA: refused before any command.
+            for cert, key in ((None, None), (self.pki["stranger.crt"], self.pki["stranger.key"])):
+                bad = await deferToThread(self._raw_tls, cert, key)
+                self.assertFalse(isinstance(bad, bytes) and b"SERVER" in bad, bad)
+
+            # Our own worker over tls: with hostname verification replicates.
+            consumer = MemoryConsumer(positions={("caches", "master"): 0})
+            _, worker = await instance("worker1", [consumer])
+            upstream = (f"tls:localhost:{self.port}:trustRoots={self.pki['trust']}"
+                        f":certificate={self.pki['client.crt']}:privateKey={self.pki['client.key']}")
+            client = upstream_service(reactor, upstream, worker, "worker1", "localhost",
+                                      initial_delay=0.05, max_delay=0.2)
+            client.startService()
+            self.addCleanup(client.stopService)
+            await registry.get("caches").write_fact([["over tls"]])
+            for _ in range(500):
+                if consumer.facts:
+                    break
+                await task.deferLater(reactor, 0.01, lambda: None)
+            self.assertEqual(consumer.facts, [("caches", "master", 1, [["over tls"]])])
+            worker.stop()
+            # A name the certificate does not carry is refused by the worker.
+            consumer2 = MemoryConsumer(positions={("caches", "master"): 0})
+            _, worker2 = await instance("worker2", [consumer2])
+            wrong = (f"tls:127.0.0.1:{self.port}:trustRoots={self.pki['trust']}"
+                     f":certificate={self.pki['client.crt']}:privateKey={self.pki['client.key']}")
+            client2 = upstream_service(reactor, wrong, worker2, "worker2", "localhost",
+                                       initial_delay=0.05, max_delay=0.2)
+            client2.startService()
+            self.addCleanup(client2.stopService)
+            await task.deferLater(reactor, 1.0, lambda: None)
+            self.assertEqual(worker2.connections, {})
+            self.assertEqual(consumer2.facts, [])
+            self.flushLoggedErrors()
+        return defer.ensureDeferred(go())
