@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import unquote
 
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from twisted.internet import defer, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -60,6 +60,7 @@ from twisted.web import server
 from twisted.web.resource import Resource
 
 from .config import InstanceConfig
+from .metrics import FEDERATION_ACK_POSITION, USER_SYNCS
 from .replication.commands import encode_json
 from .streams.rows import RowError, check_rows
 
@@ -79,17 +80,6 @@ THREAD_PARSE_SIZE = 64 * 1024
 #: The RDATA line estimate assumes a token of this many digits.
 TOKEN_DIGITS = 20
 JSON_TYPE = b"application/json"
-
-# Defined here, not in replicator/metrics.py (owned elsewhere): refreshed at
-# scrape time from the handler's bookkeeping.
-USER_SYNCS = Gauge(
-    "replicator_user_syncs", "Users syncing per instance (USER_SYNC bookkeeping)", ["instance"]
-)
-FEDERATION_ACK_POSITION = Gauge(
-    "replicator_federation_ack_position",
-    "Federation stream position acknowledged per instance (FEDERATION_ACK)", ["instance"],
-)
-
 
 class HttpError(Exception):
     """An answer other than success: status, one-line message, extra headers."""
@@ -351,8 +341,8 @@ class HttpApi:
     def refresh_metrics(self) -> None:
         """Set the USER_SYNC / FEDERATION_ACK gauges from the handler.
 
-        Works on snapshots, so it may also run in a scrape thread (e.g. via
-        ``metrics.set_collector``)."""
+        Works on snapshots, so it may also run in a scrape thread (it is
+        registered with ``metrics.add_refresher``)."""
         syncs = {instance: len(users)
                  for instance, users in list(self.handler.user_syncs.items())}
         acks = dict(self.handler.federation_acks)

@@ -3,8 +3,8 @@
 Hot paths count per batch, never per line.  Names follow Prometheus
 conventions: counters end in ``_total``, durations are ``_seconds``, sizes
 ``_bytes``.  Gauges that describe live state (positions, in-flight IDs, lag,
-connections) are refreshed from that state by :func:`set_collector` at scrape
-time where keeping them current on every change would cost the hot path.
+queues) are set from that state by refreshers (:func:`add_refresher`) right
+before each scrape, instead of on every change on the hot path.
 """
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -24,14 +24,15 @@ WRITE_LATENCY = Histogram(
 )
 STREAM_POSITION = Gauge(
     "replicator_stream_position", "Current token per stream and writer, as this instance knows it",
-    ["stream", "writer"],
+    ["stream", "writer"], registry=None,
 )
 STREAM_LINEAR_POSITION = Gauge(
     "replicator_stream_linear_position", "Linear (minimum over writers) token per stream",
-    ["stream"],
+    ["stream"], registry=None,
 )
 IN_FLIGHT = Gauge(
-    "replicator_stream_in_flight_ids", "Stream IDs reserved and not yet completed", ["stream"]
+    "replicator_stream_in_flight_ids", "Stream IDs reserved and not yet completed", ["stream"],
+    registry=None,
 )
 
 # ---------------------------------------------------------- replication
@@ -50,17 +51,19 @@ COMMANDS_DROPPED = Counter(
     ["command", "reason"],
 )
 PENDING_COMMANDS = Gauge(
-    "replicator_pending_commands", "Commands queued while the connection is paused", ["name"]
+    "replicator_pending_commands", "Commands queued while the connection is paused", ["name"],
+    registry=None,
 )
 TRANSPORT_BUFFER = Gauge(
-    "replicator_transport_buffer_bytes", "Bytes in the transport's write buffer", ["name"]
+    "replicator_transport_buffer_bytes", "Bytes in the transport's write buffer", ["name"],
+    registry=None,
 )
 DISCONNECTS = Counter(
     "replicator_disconnects_total", "Replication disconnects by reason", ["reason"]
 )
 READER_LAG = Gauge(
     "replicator_reader_lag", "Writer's announced token minus this reader's token",
-    ["stream", "writer"],
+    ["stream", "writer"], registry=None,
 )
 CATCHUP_FETCHES = Counter(
     "replicator_catchup_fetches_total", "Out-of-band fetches to fill a position gap", ["stream"]
@@ -74,34 +77,45 @@ FANOUT_LATENCY = Histogram(
     buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1),
 )
 
-_collectors = []
+USER_SYNCS = Gauge(
+    "replicator_user_syncs", "Users syncing per instance (USER_SYNC bookkeeping)", ["instance"],
+    registry=None,
+)
+FEDERATION_ACK_POSITION = Gauge(
+    "replicator_federation_ack_position",
+    "Federation stream position acknowledged per instance (FEDERATION_ACK)", ["instance"],
+    registry=None,
+)
+
+# Gauges of live state, set by refreshers right before each scrape and
+# exported by the collector below (so a scrape never sees stale values).
+LIVE_GAUGES = (STREAM_POSITION, STREAM_LINEAR_POSITION, IN_FLIGHT, PENDING_COMMANDS,
+               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION)
+_refreshers = []
 
 
-class _StateCollector:
-    """Refreshes live-state gauges right before each scrape."""
-
-    def __init__(self, refresh):
-        self._refresh = refresh
+class _LiveState:
+    """Runs every refresher, then reports the live gauges; scrapes may come
+    from another thread, so refreshers work on snapshots."""
 
     def collect(self):
-        self._refresh()
-        return []
+        for refresh in list(_refreshers):
+            try:
+                refresh()
+            except Exception:  # state changed under us: the next scrape sees it
+                pass
+        for gauge in LIVE_GAUGES:
+            yield from gauge.collect()
 
 
-def set_collector(refresh) -> _StateCollector:
-    """Run ``refresh()`` at every scrape (it sets gauges from live state)."""
-    collector = _StateCollector(refresh)
-    REGISTRY.register(collector)
-    _collectors.append(collector)
-    return collector
+REGISTRY.register(_LiveState())
 
 
-def remove_collector(collector: _StateCollector) -> None:
-    if collector in _collectors:
-        _collectors.remove(collector)
-        REGISTRY.unregister(collector)
+def add_refresher(refresh) -> None:
+    """Call ``refresh()`` (it sets live gauges) before every scrape."""
+    _refreshers.append(refresh)
 
 
-def clear_collectors() -> None:
-    while _collectors:
-        REGISTRY.unregister(_collectors.pop())
+def remove_refresher(refresh) -> None:
+    if refresh in _refreshers:
+        _refreshers.remove(refresh)

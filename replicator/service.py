@@ -117,7 +117,6 @@ class Instance:
         self.upstream = None
         self.redis = None
         self.http = None
-        self._collector = None
         self._stopped = False
 
     def _load_consumers(self):
@@ -173,7 +172,9 @@ class Instance:
             self._listen(config.http.listen, self.http.site(), "HTTP")
         if config.http.metrics_listen:
             MetricsThread(config.http.metrics_listen).setServiceParent(self.services)
-        self._collector = metrics.set_collector(self.refresh_metrics)
+        metrics.add_refresher(self.refresh_metrics)
+        if self.http is not None:
+            metrics.add_refresher(self.http.refresh_metrics)
         self.services.startService()
         await defer.gatherResults([s.listening for s in self.listeners], consumeErrors=True)
         sdnotify.ready()
@@ -218,8 +219,9 @@ class Instance:
                 await defer.maybeDeferred(consumer.close)
             except Exception:
                 log.failure("closing consumer {c} failed", c=consumer)
-        if self._collector is not None:
-            metrics.remove_collector(self._collector)
+        metrics.remove_refresher(self.refresh_metrics)
+        if self.http is not None:
+            metrics.remove_refresher(self.http.refresh_metrics)
         self.db.close()
         log.info("instance {name} stopped", name=self.config.instance_name)
 

@@ -1,0 +1,319 @@
+"""The CLI end to end, on real processes: config errors, run / write / tail /
+positions, a clean SIGTERM, the jsonl consumer across kill -9, and a master
+with two workers over TCP on PostgreSQL with every metric present and moving."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import psycopg2
+import yaml
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.servers import PostgresServer, free_port
+
+PY = sys.executable
+SECRET = "test-secret-0123456789"
+CACHES = {
+    "name": "caches", "table": "cache_invalidation_stream",
+    "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"invalidation_ts": "bigint"}],
+    "writers": ["master"],
+}
+
+
+def cli(*args, timeout=60, cwd=None):
+    return subprocess.run([PY, "-m", "replicator.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+
+
+def http(url, data=None, secret=None):
+    request = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+    if secret:
+        request.add_header("Authorization", f"Bearer {secret}")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.status, response.read()
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout}s")
+        time.sleep(0.05)
+
+
+class Daemon:
+    """A `replicator run` process with its own config in a temp dir."""
+
+    def __init__(self, test, config: dict, name="daemon"):
+        self.test = test
+        self.dir = tempfile.mkdtemp(prefix=f"replicator-{name}-")
+        self.path = os.path.join(self.dir, f"{name}.yaml")
+        self.config = config
+        with open(self.path, "w") as f:
+            yaml.safe_dump(config, f)
+        self.proc = None
+        self.log_path = os.path.join(self.dir, "out.log")
+
+    def start(self):
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([PY, "-m", "replicator.cli", "run", "-c", self.path],
+                                     cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT)
+        self.test.addCleanup(self.kill)
+        base = self.http_base
+        wait_for(lambda: http(base + "/_replicator/v1/positions")[0] == 200,
+                 what=f"{self.path} answering")
+        return self
+
+    @property
+    def http_base(self):
+        return "http://127.0.0.1:%s" % self.config["http"]["listen"].split(":")[1]
+
+    def output(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+
+
+def base_config(name, http_port, streams, **extra):
+    config = {
+        "server_name": "hs.test", "instance_name": name, "log_level": "info",
+        "http": {"listen": f"tcp:{http_port}:interface=127.0.0.1", "secret": SECRET},
+        "streams": streams,
+    }
+    config.update(extra)
+    return config
+
+
+class ConfigErrorTests(SynchronousTestCase):
+    CASES = [
+        ({"bogus": 1}, "config: bogus: unknown key"),
+        ({"replication": {"ping_timeout": "soon"}},
+         "config: replication.ping_timeout: expected a number, got str"),
+        ({"consumers": [{"type": "log", "streams": ["nope"]}]},
+         "config: consumers[0].streams[0]: unknown stream 'nope'"),
+        ({"http": {"listen": "tcp:0", "secret_file": "/nonexistent/secret"}},
+         "config: http.secret_file: cannot read secret file /nonexistent/secret: "
+         "No such file or directory"),
+        ({"replication": {"listen": "tcp:notaport"}},
+         "config: replication.listen: cannot parse endpoint 'tcp:notaport': invalid literal "
+         "for int() with base 10: 'notaport'"),
+        ({"streams": [dict(CACHES, columns=[{"x": "float"}])]},
+         "config: streams[0].columns[0].x: unknown type 'float' (one of text, bigint, "
+         "boolean, json, '?' for nullable)"),
+    ]
+
+    def test_each_mistake_is_one_line_and_exit_2(self):
+        tmp = tempfile.mkdtemp()
+        for i, (change, message) in enumerate(self.CASES):
+            config = {"server_name": "hs", "instance_name": "master",
+                      "database": {"sqlite": "x.db"}, "streams": [CACHES]}
+            config.update(change)
+            path = os.path.join(tmp, f"c{i}.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(config, f)
+            result = cli("run", "-c", path, cwd=tmp)
+            self.assertEqual(result.returncode, 2, (message, result.stderr))
+            self.assertEqual(result.stderr, f"replicator: {message}\n")
+            self.assertEqual(result.stdout, "")
+        # Nothing listened, nothing was created.
+        self.assertFalse(os.path.exists(os.path.join(tmp, "x.db")))
+
+    def test_unreadable_and_malformed_files(self):
+        result = cli("run", "-c", "/nonexistent.yaml")
+        self.assertEqual((result.returncode, result.stderr),
+                         (2, "replicator: config: file: cannot read /nonexistent.yaml: "
+                             "No such file or directory\n"))
+        tmp = tempfile.mkdtemp()
+        path = os.path.join(tmp, "bad.yaml")
+        with open(path, "w") as f:
+            f.write("server_name: [unclosed\n")
+        result = cli("run", "-c", path)
+        self.assertEqual(result.returncode, 2)
+        self.assertTrue(result.stderr.startswith(f"replicator: config: file: {path} is not "
+                                                 "valid YAML at line"), result.stderr)
+        self.assertEqual(result.stderr.count("\n"), 1)
+
+
+class EmbeddedDaemonTests(SynchronousTestCase):
+    def test_run_write_tail_positions_and_clean_shutdown(self):
+        rep_port, http_port = free_port(), free_port()
+        config = base_config("master", http_port, [CACHES],
+                             database={"sqlite": "state.db"},
+                             replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"})
+        daemon = Daemon(self, config).start()
+        tail = subprocess.Popen(
+            [PY, "-m", "replicator.cli", "tail", f"tcp:host=127.0.0.1:port={rep_port}",
+             "--name", "tailer"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.addCleanup(lambda: tail.poll() is None and tail.kill())
+        assert tail.stdout is not None
+        lines = [tail.stdout.readline().strip() for _ in range(3)]
+        self.assertEqual(lines[0], "SERVER hs.test")
+        self.assertTrue(lines[1].startswith("PING "))
+        self.assertEqual(lines[2], "POSITION caches master 0 0")
+
+        written = cli("write", "-c", daemon.path, "caches", '["get_user", ["@a:hs"], 1000]',
+                      '["get_user", null, 1001]', cwd=daemon.dir)
+        self.assertEqual((written.returncode, written.stdout), (0, "1\n"), written.stderr)
+        self.assertEqual(tail.stdout.readline().strip(),
+                         'RDATA caches master batch ["get_user",["@a:hs"],1000]')
+        self.assertEqual(tail.stdout.readline().strip(),
+                         'RDATA caches master 1 ["get_user",null,1001]')
+
+        bad = cli("write", "-c", daemon.path, "caches", '["only one column"]', cwd=daemon.dir)
+        self.assertEqual(bad.returncode, 1)
+        self.assertIn("400", bad.stderr)
+
+        positions = cli("positions", "-c", daemon.path, cwd=daemon.dir)
+        self.assertEqual(positions.returncode, 0, positions.stderr)
+        rows = [line.split() for line in positions.stdout.splitlines()[1:]]
+        self.assertIn(["caches", "master", "1", "0", "-"], rows)
+
+        daemon.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(daemon.proc.wait(30), 0)
+        rest = ""
+        while "ERROR" not in rest:
+            line = tail.stdout.readline()
+            if not line:
+                break
+            rest += line
+        self.assertIn("ERROR server stopping", rest)
+        tail.send_signal(signal.SIGTERM)
+        self.assertEqual(tail.wait(10), 0)
+        out = daemon.output()
+        self.assertIn("instance master stopped", out)
+        self.assertNotIn(SECRET, out)
+
+
+class PostgresClusterTests(SynchronousTestCase):
+    """Master + two workers on PostgreSQL, the way systemd runs them."""
+
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database()
+
+    def cluster_configs(self, rep_port):
+        streams = [dict(CACHES, writers=["master", "worker1"]),
+                   {"name": "account_data", "table": "account_data_stream",
+                    "columns": [{"user_id": "text"}, {"room_id": "text?"}, {"data_type": "text"}],
+                    "writers": ["master"]}]
+        master = base_config("master", free_port(), streams,
+                             database={"postgres": self.dsn},
+                             replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"})
+        master["http"]["metrics_listen"] = f"127.0.0.1:{free_port()}"
+        workers = []
+        for name in ("worker1", "worker2"):
+            w = base_config(name, free_port(), streams, database={"postgres": self.dsn},
+                            replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}"},
+                            consumers=[{"type": "jsonl", "path": f"facts-{name}.jsonl"}])
+            w["http"]["metrics_listen"] = f"127.0.0.1:{free_port()}"
+            workers.append(w)
+        return master, workers
+
+    def table_facts(self):
+        conn = psycopg2.connect(self.dsn)
+        cur = conn.cursor()
+        facts = {}
+        for stream, table, cols in (("caches", "cache_invalidation_stream",
+                                     "cache_func, keys, invalidation_ts"),
+                                    ("account_data", "account_data_stream",
+                                     "user_id, room_id, data_type")):
+            cur.execute(f"SELECT stream_id, instance_name, {cols} FROM {table} "
+                        "ORDER BY stream_id, ctid")
+            for stream_id, writer, *row in cur.fetchall():
+                entries = facts.setdefault((stream, writer), [])
+                if entries and entries[-1][0] == stream_id:
+                    entries[-1][1].append(row)
+                else:
+                    entries.append((stream_id, [row]))
+        conn.close()
+        return facts
+
+    @staticmethod
+    def jsonl_facts(path, skip_writer):
+        facts = {}
+        with open(path) as f:
+            for line in f:
+                entry = json.loads(line)
+                if "rows" in entry:
+                    key = (entry["stream"], entry["writer"])
+                    facts.setdefault(key, []).append((entry["token"], entry["rows"]))
+        return facts
+
+    def write(self, daemon, stream, rows):
+        status, body = http(f"{daemon.http_base}/_replicator/v1/streams/{stream}/facts",
+                            json.dumps({"rows": rows}).encode(), SECRET)
+        return json.loads(body)["stream_id"]
+
+    def test_master_two_workers_kill_9_and_metrics(self):
+        rep_port = free_port()
+        master_cfg, worker_cfgs = self.cluster_configs(rep_port)
+        master = Daemon(self, master_cfg, "master").start()
+        w1 = Daemon(self, worker_cfgs[0], "worker1").start()
+        w2 = Daemon(self, worker_cfgs[1], "worker2").start()
+        metrics_before = http(f"http://{master_cfg['http']['metrics_listen']}/metrics")[1].decode()
+
+        for i in range(60):
+            self.write(master, "caches", [[f"f{i}", [f"@u{i}:hs"], i]] * (i % 3))
+            self.write(master, "account_data", [[f"@u{i}:hs", None, "m.push_rules"]])
+            self.write(w1, "caches", [[f"w{i}", None, i]])
+            if i == 20:
+                w2.kill(signal.SIGKILL)  # crash mid-stream
+            if i == 40:
+                w2.start()
+        # Everything committed reaches both workers' jsonl files, once, in order.
+        expected = self.table_facts()
+
+        def caught_up(daemon, own):
+            got = self.jsonl_facts(os.path.join(daemon.dir, f"facts-{own}.jsonl"), own)
+            want = {k: v for k, v in expected.items() if k[1] != own}
+            return got == want
+
+        wait_for(lambda: caught_up(w1, "worker1"), 60, "worker1 caught up")
+        wait_for(lambda: caught_up(w2, "worker2"), 60, "worker2 caught up")
+        self.assertEqual(len(expected[("caches", "worker1")]), 60)
+
+        # Health: all up and caught up.
+        for d in (master, w1, w2):
+            self.assertEqual(http(d.http_base + "/health")[0], 200)
+
+        metrics_after = http(f"http://{master_cfg['http']['metrics_listen']}/metrics")[1].decode()
+        for name in ("replicator_connections", "replicator_commands_received_total",
+                     "replicator_commands_sent_total", "replicator_pending_commands",
+                     "replicator_transport_buffer_bytes", "replicator_disconnects_total",
+                     "replicator_stream_position", "replicator_stream_in_flight_ids",
+                     "replicator_reader_lag", "replicator_catchup_fetches_total",
+                     "replicator_catchup_rows_total", "replicator_facts_written_total",
+                     "replicator_write_latency_seconds_bucket",
+                     "replicator_fanout_latency_seconds_bucket"):
+            self.assertIn(name, metrics_after, name)
+
+        def value(text, prefix):
+            for line in text.splitlines():
+                if line.startswith(prefix):
+                    return float(line.rsplit(" ", 1)[1])
+            return 0.0
+
+        self.assertEqual(value(metrics_after, 'replicator_facts_written_total{stream="caches"}'),
+                         60)  # facts without rows (i % 3 == 0) count too
+        self.assertGreater(value(metrics_after, 'replicator_stream_position{stream="caches",'
+                                                'writer="worker1"}'), 0)
+        self.assertGreater(value(metrics_after, "replicator_disconnects_total"), 0)
+        self.assertGreater(value(metrics_after, "replicator_fanout_latency_seconds_count"),
+                           value(metrics_before, "replicator_fanout_latency_seconds_count"))
+        for d in (master, w1, w2):
+            d.kill(signal.SIGTERM)
+            self.assertEqual(d.proc.returncode, 0, d.output()[-2000:])
