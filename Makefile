@@ -2,18 +2,25 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 CONFIG ?= conf/dev.yaml
 
-.PHONY: run test bench deps system-deps clean
+.PHONY: run test bench deps test-deps system-deps clean
 
-$(STAMP): setup.cfg setup.py
+# The daemon alone (make run) ...
+$(VENV)/.installed-run: setup.cfg setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,spark]'
-	touch $(STAMP)
+	$(PY) -m pip install --quiet -e .
+	touch $@
 
-deps: $(STAMP)
+# ... and with what the tests and the exporter need (make test, make bench).
+$(VENV)/.installed-test: $(VENV)/.installed-run
+	$(PY) -m pip install --quiet -e '.[test,spark]'
+	touch $@
+
+deps: $(VENV)/.installed-run
+
+test-deps: $(VENV)/.installed-test system-deps
 
 system-deps:
 	scripts/ensure-system-deps.sh
@@ -23,11 +30,11 @@ run: deps
 	@test -s var/http-secret || $(PY) -c "import secrets; print(secrets.token_urlsafe(32))" > var/http-secret
 	$(VENV)/bin/replicator run -c $(CONFIG)
 
-test: deps system-deps
+test: test-deps
 	$(PY) scripts/run-tests.py $(TESTS)
 
-bench: deps system-deps
-	$(PY) scripts/bench/run.py
+bench: test-deps
+	$(PY) scripts/bench/run.py $(BENCH)
 
 clean:
 	rm -rf $(VENV) _trial_temp* build *.egg-info

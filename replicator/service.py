@@ -232,14 +232,21 @@ class Instance:
             self.registry.refresh_metrics()
             for (stream, writer), lag in list(self.handler.reader_lag().items()):
                 metrics.READER_LAG.labels(stream, writer).set(lag)
+            pending: dict = {}
+            buffered: dict = {}
             for conn in list(self.handler.connections):
-                name = self.handler._conn_label(conn)
-                metrics.PENDING_COMMANDS.labels(name).set(getattr(conn, "queued", 0))
+                name = self.handler.conn_label(conn)
+                pending[name] = pending.get(name, 0) + getattr(conn, "queued", 0)
                 transport = getattr(conn, "transport", None)
                 size = 0
                 if transport is not None:
                     size = len(getattr(transport, "dataBuffer", b"") or b"")
                     size += getattr(transport, "_tempDataLen", 0)
-                metrics.TRANSPORT_BUFFER.labels(name).set(size)
+                buffered[name] = buffered.get(name, 0) + size
+            for gauge, values in ((metrics.PENDING_COMMANDS, pending),
+                                  (metrics.TRANSPORT_BUFFER, buffered)):
+                gauge.clear()
+                for name, value in values.items():
+                    gauge.labels(name).set(value)
         except RuntimeError:
             pass  # state changed under us; the next scrape sees it

@@ -226,3 +226,22 @@ class HandlerTests(TestCase):
             a.connectionLost(None)  # expires with the connection
             self.assertEqual(handler.user_syncs, {})
         return defer.ensureDeferred(go())
+
+    def test_connection_metrics_are_labelled_by_name(self):
+        from replicator import metrics
+
+        def gauge(name):
+            return metrics.CONNECTIONS.labels(name)._value.get()
+
+        async def go():
+            _, handler = await self.instance("master")
+            unnamed, named = gauge("unnamed"), gauge("worker7")
+            proto, _ = self.server_conn(handler)
+            self.assertEqual(gauge("unnamed"), unnamed + 1)
+            proto.dataReceived(b"NAME worker7\nPING 1\n")
+            self.assertEqual((gauge("unnamed"), gauge("worker7")), (unnamed, named + 1))
+            self.assertEqual(
+                metrics.COMMANDS_IN.labels("PING", "worker7")._value.get() >= 1, True)
+            proto.connectionLost(None)
+            self.assertEqual((gauge("unnamed"), gauge("worker7")), (unnamed, named))
+        return defer.ensureDeferred(go())

@@ -53,15 +53,15 @@ class _ConnState:
     """What the handler keeps per connection."""
 
     __slots__ = ("replicating", "connected", "batches", "relay_batches", "user_sync_instances",
-                 "accepts_relay")
+                 "label")
 
-    def __init__(self, replicating: bool):
+    def __init__(self, replicating: bool, label: str):
         self.replicating = replicating  # receives fan-out
+        self.label = label  # metrics label: the peer's NAME, "unnamed", "upstream", "redis"
         self.connected: Set[Key] = set()  # keys with a POSITION seen here
         self.batches: Dict[Key, List[list]] = {}
         self.relay_batches: Dict[Key, List[bytes]] = {}
         self.user_sync_instances: Set[str] = set()
-        self.accepts_relay = True
 
 
 class _Reader:
@@ -145,8 +145,9 @@ class ReplicationHandler:
     # ---------------------------------------------------------- connections
     def new_connection(self, conn) -> None:
         client_side = conn.is_client_side
-        self.connections[conn] = _ConnState(replicating=client_side)
-        metrics.CONNECTIONS.labels(self._conn_label(conn)).inc()
+        label = getattr(conn, "metrics_name", None) or ("upstream" if client_side else "unnamed")
+        self.connections[conn] = _ConnState(replicating=client_side, label=label)
+        metrics.CONNECTIONS.labels(label).inc()
         if client_side:
             # Nobody asks a client for its positions: announce them.
             lines = [
@@ -161,22 +162,31 @@ class ReplicationHandler:
         metrics.DISCONNECTS.labels(reason).inc()
         if state is None:
             return
-        metrics.CONNECTIONS.labels(self._conn_label(conn)).dec()
+        metrics.CONNECTIONS.labels(state.label).dec()
         for instance in state.user_sync_instances:
             self.user_syncs.pop(instance, None)
         # A partial batch dies with its connection.
         state.batches.clear()
         state.relay_batches.clear()
 
-    @staticmethod
-    def _conn_label(conn) -> str:
-        return getattr(conn, "metrics_name", None) or getattr(conn, "name", "unknown")
+    def conn_label(self, conn) -> str:
+        """The connection's metrics label (bounded: names, not addresses)."""
+        state = self.connections.get(conn)
+        return state.label if state is not None else "unnamed"
+
+    def on_NAME(self, conn, cmd) -> None:
+        state = self.connections.get(conn)
+        if state is None or state.label == cmd.client_name:
+            return
+        metrics.CONNECTIONS.labels(state.label).dec()
+        state.label = cmd.client_name
+        metrics.CONNECTIONS.labels(state.label).inc()
 
     def count_inbound(self, conn, name: str) -> None:
-        metrics.COMMANDS_IN.labels(name, self._conn_label(conn)).inc()
+        metrics.COMMANDS_IN.labels(name, self.conn_label(conn)).inc()
 
     def count_outbound(self, conn, name: str, n: int) -> None:
-        metrics.COMMANDS_OUT.labels(name, self._conn_label(conn)).inc(n)
+        metrics.COMMANDS_OUT.labels(name, self.conn_label(conn)).inc(n)
 
     def count_dropped(self, conn, name: str, n: int) -> None:
         metrics.COMMANDS_DROPPED.labels(name, "too_long").inc(n)
