@@ -229,3 +229,60 @@ class RedisReplicationTests(TestCase):
             self.assertEqual([t for _, _, t, _ in consumer.facts], [1, 3])
             self.assertTrue(reader.link.connected)
         return defer.ensureDeferred(go())
+
+
+class RedisFailureModeTests(TestCase):
+    """The ways Synapse's users lose Redis replication, each made impossible."""
+
+    timeout = 120
+
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database()
+        self.redis = RedisServer(password="the-right-password")
+        self.addCleanup(self.redis.stop)
+
+    def test_auth_failure_never_stops_reconnecting(self):
+        async def go():
+            node = Node(self, self.dsn, "w1", self.redis)
+            node.redis = type("WrongPassword", (), {"endpoint": self.redis.endpoint,
+                                                    "password": "a-wrong-password"})()
+            await node.start()
+            await sleep(1.0)  # several refused AUTHs
+            self.assertFalse(node.link.connected)
+            self.assertIn("auth", (node.link.last_error or "").lower())
+            # The operator fixes the server side; the link comes back by itself.
+            with socket.create_connection(("127.0.0.1", self.redis.port)) as s:
+                def bulk(t):
+                    b = t.encode()
+                    return b"$%d\r\n%s\r\n" % (len(b), b)
+                s.sendall(b"*2\r\n" + bulk("AUTH") + bulk("the-right-password"))
+                s.recv(100)
+                s.sendall(b"*4\r\n" + bulk("CONFIG") + bulk("SET") + bulk("requirepass")
+                          + bulk("a-wrong-password"))
+                self.assertEqual(s.recv(100), b"+OK\r\n")
+            await until(lambda: node.link.connected, timeout=10)
+            self.assertIsNone(node.link.last_error)
+            self.flushLoggedErrors()
+        return defer.ensureDeferred(go())
+
+    def test_dead_socket_is_noticed_by_ping_and_replaced(self):
+        async def go():
+            import os
+            import signal as sig
+
+            consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
+            writer = await Node(self, self.dsn, "w1", self.redis).start()
+            reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
+            await until(lambda: writer.link.connected and reader.link.connected)
+            os.kill(self.redis.proc.pid, sig.SIGSTOP)  # alive but silent
+            try:
+                # ping every 0.5 s, 0.5 s to answer: noticed within seconds.
+                await until(lambda: not reader.link.connected, timeout=10)
+                await writer.registry.get("caches").write_fact([["while frozen", None, 1]])
+            finally:
+                os.kill(self.redis.proc.pid, sig.SIGCONT)
+            await until(lambda: reader.link.connected, timeout=20)
+            await until(lambda: consumer.facts, timeout=20)
+            self.assertEqual(consumer.facts, [("caches", "w1", 1, [["while frozen", None, 1]])])
+            self.flushLoggedErrors()
+        return defer.ensureDeferred(go())

@@ -170,8 +170,15 @@ class RedisReplication(MultiService):
         return super().stopService()
 
     async def _ready(self, protocol) -> None:
-        """Wait for AUTH/SELECT to succeed; a failure closes the connection."""
-        await protocol.whenConnected()
+        """Wait for AUTH/SELECT to succeed.  A failure closes the connection;
+        failing here too makes ClientService try again after its backoff
+        (instead of waiting forever for a connection that is gone)."""
+        ready = defer.DeferredList([protocol.whenConnected(), protocol.whenDisconnected()],
+                                   fireOnOneCallback=True, consumeErrors=True)
+        ready.addTimeout(self.ping_timeout * 4, self.reactor)
+        _, which = await ready
+        if which != 0:
+            raise txredisapi.ConnectionError("closed before it was ready (AUTH or SELECT failed)")
 
     @staticmethod
     def _unwrap(protocol):
