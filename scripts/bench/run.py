@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """`make bench`: every benchmark, each figure beside its same-run baseline."""
 
+import argparse
 import os
 import sys
 
@@ -11,18 +12,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from twisted.internet import defer, task  # noqa: E402
 
 import streams  # noqa: E402
+import tcp  # noqa: E402
 from tests.servers import PostgresServer  # noqa: E402
 
 
-async def main(reactor):
-    print("== streams core")
-    streams.run_idgen()
+SECTIONS = ("streams", "tcp")
+
+
+async def main(reactor, argv):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run, of {', '.join(SECTIONS)}")
+    only = p.parse_args(argv).only.split(",")
     pg = PostgresServer(fsync=True)
     try:
-        await streams.run_pg(pg.create_database("bench"))
+        if "streams" in only:
+            print("== streams core")
+            streams.run_idgen()
+            await streams.run_pg(pg.create_database("bench"))
+        if "tcp" in only:
+            print("== TCP replication")
+            await tcp.run(pg.create_database("tcpbench"))
     finally:
         pg.stop()
 
 
 if __name__ == "__main__":
-    task.react(lambda reactor: defer.ensureDeferred(main(reactor)))
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor, sys.argv[1:])))

@@ -1,0 +1,854 @@
+"""TCP replication benchmarks: the second part of ``make bench``.
+
+Every figure is measured against a baseline from the same run and appended
+to ``bench-results.jsonl`` by :func:`common.record`.
+
+Readers are separate processes (``reader.py``): plain sockets multiplexed
+with ``selectors``, counting RDATA lines or noting when each arrived.  On a
+2-core machine 50 reader processes would measure the scheduler, so one
+process holds up to ``PER_PROCESS`` connections (50 clients = 5 processes x
+10 sockets); every connection is a real client that sends NAME + REPLICATE
+and receives every row.
+
+``tcp.rdata.1client`` / ``.10clients`` / ``.50clients``
+    Rows per second delivered to each client.  The server is this process:
+    a :class:`ReplicationHandler` (on a started registry whose stream is
+    never written) behind a :class:`ReplicationServerFactory`.  Its fan-out
+    entry point ``send_updates`` is fed ``(token, row)`` pairs already in
+    memory (as ``updates_since`` returns them), ``CHUNK`` rows per call, so
+    encoding (orjson, once for every connection), framing, metrics and the
+    per-connection writes are the real path.  Between chunks the feeder
+    yields to the reactor, and waits while any connection is paused
+    (transport buffer over 64 KiB), so nothing queues past the bound and no
+    client is dropped.  Baseline: a plain Twisted protocol (streaming
+    producer, same pacing rule) that answers REPLICATE and gets the same
+    lines, pre-encoded, with ``transport.writeSequence`` in the same chunks:
+    the ceiling of anything that writes through Twisted.  Rate = rows /
+    (last row at the slowest client - first write).
+``tcp.latency.50clients.p50_ms`` / ``.p99_ms``
+    Facts written through the Stream on PostgreSQL (fsync on) at a steady
+    ``LAT_RATE`` facts/s, 50 clients: a 5 ms timer issues the facts due by
+    the wall clock, all of one tick in one ``write_facts`` transaction
+    (about 10 facts, 200 commits/s: single-fact commits at 2,000/s saturate
+    this machine's fsync and the pool, so the queue in front of the
+    database, not replication, would be measured; ``LAT_FACTS_PER_TXN=1``
+    in the environment measures that anyway).  A fact's commit time is
+    stamped when its write completes on the reactor thread
+    (``complete_many`` of the stream's ID generator, right after the commit
+    returned, just before the position advances and the fan-out is
+    scheduled); its arrival is the reader's ``time.time()`` at the ``recv``
+    that completed the line.  So the figure is the replication path: the
+    fan-out's read of the rows (``updates_since`` through the pool),
+    encoding, the writes to 50 sockets, the reader's wake-up.  Percentiles
+    over every (client, fact) pair after the first ``LAT_WARMUP`` s.
+    Baseline: the same readers fed by a plain Twisted writer, pre-encoded
+    lines pushed the moment the same timer fires (the floor of TCP plus
+    reader wake-up on this machine).
+``e2e.facts_per_s``
+    ``E2E_LOOPS`` concurrent ``write_fact`` loops (one fact per
+    transaction) on a pool of ``E2E_LOOPS + 1`` connections (one left for
+    the fan-out's reads), fsync on, 10 clients; facts / time from the first
+    write to the fan-out having written the last fact (plus the time it took
+    to reach the slowest client).  Baseline: raw psycopg2 ``nextval`` +
+    ``INSERT`` + commit in ``E2E_LOOPS`` threads on as many connections.
+    ``E2E_SECONDS`` each, in ``E2E_SLICES`` alternating slices (raw, ours,
+    ours, raw): the fsync rate of a shared 2-core machine drifts by 2x
+    within a minute, and slices keep the ratio honest.
+``tcp.congestion.rss_mb`` / ``.close_s``
+    One healthy client is fed at full rate (in memory, as above), then a
+    client connects that sends REPLICATE and never reads (4 KiB receive
+    buffer).  Defaults: ``max_queued_lines`` 10,000 and the protocol's
+    congestion grace.  rss_mb = peak VmRSS of this process until the
+    sleeper is gone minus the peak while feeding the healthy client alone;
+    close_s = first ``pauseProducing`` of the sleeper -> its
+    ``connectionLost`` (Twisted pauses a producer whenever its buffer passes
+    64 KiB, so that is within the first chunk after the sleeper joined).
+    Not counted by either: the kernel's socket buffers of the sleeper
+    (``tcp_wmem``, up to 4 MiB here), which hold what the transport handed
+    over.  No meaningful baseline exists: the baseline is the target
+    (8 MB, 1 s); lower is better.
+
+Run alone: ``python scripts/bench/tcp.py [--only rdata,latency,e2e,congestion]
+[--profile]`` (``--profile`` prints a cProfile of the server side of the
+phases run).
+"""
+
+import contextlib
+import cProfile
+import gc
+import json
+import os
+import pstats
+import resource
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if os.path.dirname(os.path.dirname(HERE)) not in sys.path:  # run alone
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+import psycopg2  # noqa: E402
+from twisted.internet import defer, endpoints, protocol, reactor, task, threads
+from twisted.internet.interfaces import IPushProducer
+from zope.interface import implementer
+
+from common import record
+from replicator.config import parse_database, parse_streams
+from replicator.replication.commands import encode_rdata_lines
+from replicator.replication.handler import ReplicationHandler
+from replicator.replication.tcp import ReplicationServerFactory
+from replicator.storage.database import Database
+from replicator.streams.registry import StreamRegistry
+
+READER = os.path.join(HERE, "reader.py")
+
+SERVER_NAME = "bench"
+WRITER = "master"
+COLUMNS = [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}]
+STREAMS = parse_streams([
+    {"name": "caches", "table": "tcp_caches", "columns": COLUMNS, "writers": [WRITER]},
+    {"name": "latency", "table": "tcp_latency", "columns": COLUMNS, "writers": [WRITER]},
+    {"name": "e2e", "table": "tcp_e2e", "columns": COLUMNS, "writers": [WRITER]},
+])
+
+PER_PROCESS = 10
+CHUNK = 1000
+#: Rows in memory (cycled through) and rows sent per run: clients ->
+#: (ours, baseline), about a second or two each.
+RDATA_DATA_ROWS = 1_000_000
+RDATA_ROWS = {1: (3_000_000, 8_000_000), 10: (1_000_000, 1_500_000), 50: (300_000, 300_000)}
+LAT_CLIENTS = 50
+LAT_RATE = 2000
+LAT_SECONDS = 10.0
+LAT_BASELINE_SECONDS = 5.0
+LAT_WARMUP = 1.0
+LAT_TICK = 0.005
+#: Facts per transaction: 0 = all facts due at a tick in one transaction.
+LAT_FACTS_PER_TXN = int(os.environ.get("LAT_FACTS_PER_TXN", "0"))
+E2E_CLIENTS = 10
+E2E_LOOPS = 4
+E2E_SECONDS = 10.0
+E2E_SLICES = 4
+CONGESTION_WARM = 1.0
+
+PROFILE = None  # a cProfile.Profile when profiling
+
+
+def row(i):
+    return ["get_user_by_id", ["@user%d:example.com" % (i % 10_000)], 1490197670513 + i]
+
+
+def tick():
+    """One trip through the reactor."""
+    return task.deferLater(reactor, 0, lambda: None)
+
+
+def sleep(seconds):
+    return task.deferLater(reactor, seconds, lambda: None)
+
+
+async def until(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        await sleep(0.01)
+
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def cpu_seconds():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class profiled:
+    """Profile the server side while the block runs, if profiling."""
+
+    def __enter__(self):
+        if PROFILE is not None:
+            PROFILE.enable()
+
+    def __exit__(self, *exc):
+        if PROFILE is not None:
+            PROFILE.disable()
+
+
+# ------------------------------------------------------------------ readers
+
+class ReaderProcess(protocol.ProcessProtocol):
+    """One reader.py child; ``result`` fires with its JSON report."""
+
+    def __init__(self):
+        self.out = []
+        self.result = defer.Deferred()
+
+    def outReceived(self, data):
+        self.out.append(data)
+
+    def expect(self, n):
+        self.transport.write(b"%d\n" % n)
+
+    def finish(self):
+        """Stop now with what was seen (harmless once it has ended)."""
+        try:
+            self.transport.closeStdin()
+        except Exception:
+            pass
+
+    def processEnded(self, reason):
+        lines = [l for l in b"".join(self.out).decode().splitlines() if l.strip()]
+        if not lines:
+            self.result.errback(RuntimeError(f"reader produced no report: {reason.value}"))
+        else:
+            self.result.callback(json.loads(lines[-1]))
+
+
+_spawned = []
+
+
+def finish_readers():
+    """Tell every reader still running to stop (after a failure)."""
+    while _spawned:
+        _spawned.pop().finish()
+
+
+def spawn_readers(port, clients, mode="count", timeout=120.0, name="bench", per=PER_PROCESS):
+    procs = []
+    k = 0
+    while clients > 0:
+        n = min(per, clients)
+        proc = ReaderProcess()
+        args = [sys.executable, READER, "--port", str(port), "--sockets", str(n),
+                "--mode", mode, "--name", f"{name}{k}", "--timeout", str(timeout)]
+        reactor.spawnProcess(proc, sys.executable, args, env=os.environ,
+                             childFDs={0: "w", 1: "r", 2: 2})
+        procs.append(proc)
+        _spawned.append(proc)
+        clients -= n
+        k += 1
+    return procs
+
+
+async def collect(procs):
+    results = await defer.gatherResults([p.result for p in procs], consumeErrors=True)
+    return results
+
+
+def arrivals_done(results, expect):
+    """(time the last row reached the slowest client, problems)."""
+    problems = []
+    last = 0.0
+    for r in results:
+        for count, at, closed in zip(r["counts"], r["last_at"], r["closed"]):
+            if count != expect:
+                problems.append(f"client got {count} of {expect} rows"
+                                + (" (closed)" if closed else ""))
+            last = max(last, at)
+        if r["timeout"]:
+            problems.append("reader timed out")
+    return last, problems
+
+
+# ------------------------------------------------------------------ servers
+
+class OurServer:
+    """The real server path: handler + ReplicationServerFactory on loopback."""
+
+    def __init__(self, registry, settings=None):
+        self.handler = ReplicationHandler(registry, WRITER, SERVER_NAME)
+        self.handler.start()
+        self.factory = ReplicationServerFactory(self.handler, SERVER_NAME, settings)
+
+    async def listen(self):
+        ep = endpoints.serverFromString(reactor, "tcp:0:interface=127.0.0.1:backlog=256")
+        self.listening = await ep.listen(self.factory)
+        self.port = self.listening.getHost().port
+        return self
+
+    def clients(self):
+        return [c for c, s in self.handler.connections.items() if s.replicating]
+
+    def busy(self):
+        return any(c.paused for c in self.handler.connections)
+
+    async def stop(self):
+        self.handler.stop("benchmark over")
+        await self.listening.stopListening()
+        await until(lambda: not self.handler.connections, 10, "connections to close")
+
+
+@implementer(IPushProducer)
+class PlainProtocol(protocol.Protocol):
+    """The baseline: answers REPLICATE by joining the clients, then only
+    ever gets ``transport.writeSequence`` of pre-encoded lines."""
+
+    paused = False
+
+    def connectionMade(self):
+        self.transport.setTcpNoDelay(True)
+        self.transport.registerProducer(self, True)
+        self.transport.write(b"SERVER %s\n" % SERVER_NAME.encode())
+        self.buffer = b""
+
+    def dataReceived(self, data):
+        if self in self.factory.clients:
+            return
+        self.buffer += data
+        if b"REPLICATE" in self.buffer:
+            self.factory.clients.append(self)
+
+    def connectionLost(self, reason):
+        if self in self.factory.clients:
+            self.factory.clients.remove(self)
+
+    def pauseProducing(self):
+        self.paused = True
+
+    def resumeProducing(self):
+        self.paused = False
+
+    def stopProducing(self):
+        pass
+
+
+class PlainServer(protocol.Factory):
+    protocol = PlainProtocol
+
+    def __init__(self):
+        self.clients = []
+
+    async def listen(self):
+        ep = endpoints.serverFromString(reactor, "tcp:0:interface=127.0.0.1:backlog=256")
+        self.listening = await ep.listen(self)
+        self.port = self.listening.getHost().port
+        return self
+
+    def busy(self):
+        return any(c.paused for c in self.clients)
+
+    def send(self, lines):
+        for c in self.clients:
+            c.transport.writeSequence(lines)
+
+    async def stop(self):
+        for c in list(self.clients):
+            c.transport.loseConnection()
+        await self.listening.stopListening()
+
+
+# ------------------------------------------------------------------ rdata
+
+class RdataData:
+    """Rows in memory as ``updates_since`` returns them, chunked, and the
+    same lines pre-encoded for the baseline."""
+
+    def __init__(self, rows):
+        pool = [row(i) for i in range(10_000)]
+        self.chunks = []
+        self.lines = []
+        prev = 0
+        for start in range(0, rows, CHUNK):
+            updates = [(t, pool[t % 10_000]) for t in range(start + 1, min(rows, start + CHUNK) + 1)]
+            upto = updates[-1][0]
+            self.chunks.append((prev, updates, upto))
+            self.lines.append(list(encode_rdata_lines("caches", WRITER, updates)))
+            prev = upto
+        self.bytes_per_line = sum(map(len, self.lines[0])) / len(self.lines[0])
+
+
+async def feed(n_chunks, send, busy, stop=None):
+    """Send chunks 0..n-1, yielding to the reactor after each and waiting
+    while ``busy()`` (some connection paused)."""
+    for i in range(n_chunks):
+        if stop is not None and stop():
+            return i
+        send(i)
+        await tick()
+        while busy():
+            await tick()
+    return n_chunks
+
+
+async def rdata_run(server, data, clients, rows, ours):
+    procs = spawn_readers(server.port, clients, "count", timeout=120.0)
+    if ours:
+        await until(lambda: len(server.clients()) == clients, 30, "clients")
+        handler = server.handler
+
+        def send(i):
+            prev, updates, upto = data.chunks[i % len(data.chunks)]
+            handler.send_updates("caches", WRITER, prev, updates, upto)
+    else:
+        await until(lambda: len(server.clients) == clients, 30, "clients")
+
+        def send(i):
+            server.send(data.lines[i % len(data.lines)])
+    await sleep(0.2)  # handshakes flushed, readers idle
+    for p in procs:
+        p.expect(rows)
+    n_chunks = rows // CHUNK
+    gc.collect()
+    cpu0 = cpu_seconds()
+    start = time.time()
+    with profiled() if ours else contextlib.nullcontext():
+        await feed(n_chunks, send, server.busy)
+    fed = time.time()
+    cpu = cpu_seconds() - cpu0
+    results = await collect(procs)
+    last, problems = arrivals_done(results, rows)
+    if problems:
+        raise RuntimeError(f"rdata {clients} clients ({'ours' if ours else 'plain'}): "
+                           f"{problems[:3]}")
+    elapsed = last - start
+    print(f"    {'ours ' if ours else 'plain'} {clients:>2} clients: {rows:,} rows in "
+          f"{elapsed:.2f}s (fed in {fed - start:.2f}s, server CPU {cpu:.2f}s = "
+          f"{cpu / rows / clients * 1e6:.2f} us/row/client)", flush=True)
+    return rows / elapsed
+
+
+async def run_rdata(registry):
+    data = RdataData(RDATA_DATA_ROWS)
+    gc.collect()
+    gc.freeze()
+    try:
+        print(f"  rdata: {data.bytes_per_line:.0f} bytes per RDATA line, {CHUNK} rows per call")
+        for clients, (rows, base_rows) in RDATA_ROWS.items():
+            plain = await PlainServer().listen()
+            try:
+                base = await rdata_run(plain, data, clients, base_rows, ours=False)
+            finally:
+                await plain.stop()
+            ours = await OurServer(registry).listen()
+            try:
+                value = await rdata_run(ours, data, clients, rows, ours=True)
+            finally:
+                await ours.stop()
+            name = "tcp.rdata.1client" if clients == 1 else f"tcp.rdata.{clients}clients"
+            record(name, value, "rows/s", "plain Twisted writeSequence of pre-encoded lines",
+                   base)
+    finally:
+        gc.unfreeze()
+        del data
+        gc.collect()
+
+
+# ------------------------------------------------------------------ latency
+
+def percentile(sorted_values, p):
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, int(round(p / 100.0 * (len(sorted_values) - 1)))))
+    return sorted_values[k]
+
+
+def delays_ms(results, commit_at, since):
+    """Arrival - commit in ms for every (client, fact) committed after
+    ``since``, sorted; and how many arrivals were missing."""
+    out = []
+    expected = [t for t, at in commit_at.items() if at >= since]
+    missing = 0
+    for r in results:
+        for toks, ats in zip(r["tokens"], r["at"]):
+            got = 0
+            for t, at in zip(toks, ats):
+                c = commit_at.get(t)
+                if c is not None and c >= since:
+                    out.append((at - c) * 1000.0)
+                    got += 1
+            missing += len(expected) - got
+    out.sort()
+    return out, missing
+
+
+class Pacer:
+    """Calls ``issue(n)`` every ``LAT_TICK`` with the number of facts due so
+    that ``LAT_RATE`` facts/s are issued, steadily, for ``seconds``."""
+
+    def __init__(self, issue, seconds):
+        self.issue = issue
+        self.seconds = seconds
+        self.issued = 0
+
+    async def run(self):
+        self.start = time.monotonic()
+        loop = task.LoopingCall(self._tick)
+        self.loop = loop
+        await loop.start(LAT_TICK, now=True)
+        return self.issued
+
+    def _tick(self):
+        elapsed = time.monotonic() - self.start
+        if elapsed >= self.seconds:
+            self.loop.stop()
+            return
+        due = int(elapsed * LAT_RATE) + 1 - self.issued
+        if due > 0:
+            self.issue(due)
+            self.issued += due
+
+
+async def latency_ours(registry):
+    server = await OurServer(registry).listen()
+    stream = registry.get("latency")
+    gen = stream.id_gen
+    commit_at = {}
+    original = gen.complete_many
+
+    def stamped(writer, ids):
+        now = time.time()
+        for i in ids:
+            commit_at[i] = now
+        return original(writer, ids)
+
+    gen.complete_many = stamped
+    # Where the time goes: the write itself, and commit -> lines handed to
+    # every transport (the fan-out's read of the rows and the encoding).
+    sent_at = {}
+    handler = server.handler
+    send_updates = handler.send_updates
+
+    def send_stamped(stream_name, writer, prev, updates, upto):
+        send_updates(stream_name, writer, prev, updates, upto)
+        now = time.time()
+        for t, _ in updates:
+            sent_at[t] = now
+
+    handler.send_updates = send_stamped
+    write_s = []
+
+    async def timed_write(facts):
+        t0 = time.monotonic()
+        if len(facts) == 1:
+            await stream.write_fact(facts[0])
+        else:
+            await stream.write_facts(facts)
+        write_s.append(time.monotonic() - t0)
+
+    procs = spawn_readers(server.port, LAT_CLIENTS, "latency", timeout=LAT_SECONDS + 60)
+    try:
+        await until(lambda: len(server.clients()) == LAT_CLIENTS, 30, "clients")
+        await sleep(0.2)
+        writes = []
+        n = [0]
+
+        def issue(count):
+            facts = [[row(n[0] + k)] for k in range(1, count + 1)]
+            n[0] += count
+            if LAT_FACTS_PER_TXN:
+                for k in range(0, count, LAT_FACTS_PER_TXN):
+                    writes.append(defer.ensureDeferred(timed_write(facts[k:k + LAT_FACTS_PER_TXN])))
+            else:
+                writes.append(defer.ensureDeferred(timed_write(facts)))
+
+        gc.collect()
+        cpu0 = cpu_seconds()
+        start = time.time()
+        with profiled():
+            issued = await Pacer(issue, LAT_SECONDS).run()
+            await defer.gatherResults(writes, consumeErrors=True)
+            written = time.time()
+            for p in procs:
+                p.expect(issued)
+            results = await collect(procs)
+        cpu = cpu_seconds() - cpu0
+    finally:
+        gen.complete_many = original
+        await server.stop()
+    delays, missing = delays_ms(results, commit_at, start + LAT_WARMUP)
+    if missing:
+        raise RuntimeError(f"latency (ours): {missing} (client, fact) arrivals missing")
+    print(f"    ours : {issued:,} facts in {written - start:.1f}s "
+          f"({issued / (written - start):,.0f}/s) to {LAT_CLIENTS} clients, "
+          f"{len(delays):,} arrivals timed; p50 {percentile(delays, 50):.2f} ms, "
+          f"p99 {percentile(delays, 99):.2f} ms, max {delays[-1]:.1f} ms; "
+          f"server CPU {cpu / (written - start) * 100:.0f}%", flush=True)
+    write_ms = sorted(w * 1000.0 for w in write_s)
+    to_send = sorted((sent_at[t] - c) * 1000.0 for t, c in commit_at.items()
+                     if c >= start + LAT_WARMUP and t in sent_at)
+    print(f"           write_fact itself p50 {percentile(write_ms, 50):.2f} ms, p99 "
+          f"{percentile(write_ms, 99):.2f} ms; commit -> handed to the transports p50 "
+          f"{percentile(to_send, 50):.2f} ms, p99 {percentile(to_send, 99):.2f} ms", flush=True)
+    return delays
+
+
+async def latency_plain():
+    server = await PlainServer().listen()
+    total = int(LAT_BASELINE_SECONDS * LAT_RATE) + 100
+    lines = [encode_rdata_lines("latency", WRITER, [(t, row(t))])[0] for t in range(1, total + 1)]
+    commit_at = {}
+    procs = spawn_readers(server.port, LAT_CLIENTS, "latency", timeout=LAT_BASELINE_SECONDS + 60)
+    try:
+        await until(lambda: len(server.clients) == LAT_CLIENTS, 30, "clients")
+        await sleep(0.2)
+        n = [0]
+
+        def issue(count):
+            batch = lines[n[0]:n[0] + count]
+            now = time.time()
+            for t in range(n[0] + 1, n[0] + count + 1):
+                commit_at[t] = now
+            n[0] += count
+            server.send(batch)
+
+        start = time.time()
+        issued = await Pacer(issue, LAT_BASELINE_SECONDS).run()
+        for p in procs:
+            p.expect(issued)
+        results = await collect(procs)
+    finally:
+        await server.stop()
+    delays, missing = delays_ms(results, commit_at, start + LAT_WARMUP)
+    if missing:
+        raise RuntimeError(f"latency (plain): {missing} (client, fact) arrivals missing")
+    print(f"    plain: {issued:,} lines to {LAT_CLIENTS} clients; p50 "
+          f"{percentile(delays, 50):.2f} ms, p99 {percentile(delays, 99):.2f} ms, "
+          f"max {delays[-1]:.1f} ms", flush=True)
+    return delays
+
+
+async def run_latency(registry):
+    print(f"  latency: {LAT_RATE:,} facts/s, {LAT_CLIENTS} clients, "
+          f"first {LAT_WARMUP:.0f}s not counted")
+    base = await latency_plain()
+    ours = await latency_ours(registry)
+    what = "plain Twisted writer pushing pre-encoded lines on the same timer"
+    for p in (50, 99):
+        record(f"tcp.latency.{LAT_CLIENTS}clients.p{p}_ms", percentile(ours, p), "ms", what,
+               percentile(base, p), higher_is_better=False)
+
+
+# ------------------------------------------------------------------ e2e
+
+def raw_e2e(dsn, seconds, loops):
+    """(facts, seconds) of raw psycopg2 nextval + INSERT + commit on
+    ``loops`` connections in as many threads (connecting is not timed)."""
+    counts = [0] * loops
+    barrier = threading.Barrier(loops + 1)
+    stop_at = [0.0]
+
+    def worker(k):
+        conn = psycopg2.connect(dsn)
+        cur = conn.cursor()
+        barrier.wait()
+        n = 0
+        while time.monotonic() < stop_at[0]:
+            cur.execute("SELECT nextval('tcp_e2e_seq')")
+            (i,) = cur.fetchone()
+            cur.execute("INSERT INTO tcp_e2e VALUES (%s, %s, %s, %s::jsonb, %s)",
+                        (i, "raw", "get_user_by_id", '["@user:example.com"]', i))
+            conn.commit()
+            n += 1
+        counts[k] = n
+        conn.close()
+
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(loops)]
+    for w in workers:
+        w.start()
+    stop_at[0] = time.monotonic() + 1e9
+    barrier.wait()
+    start = time.monotonic()
+    stop_at[0] = start + seconds
+    for w in workers:
+        w.join()
+    return sum(counts), time.monotonic() - start
+
+
+async def ours_e2e_slice(server, stream, seconds, written):
+    """``E2E_LOOPS`` write_fact loops for ``seconds``, then until the
+    fan-out has written every fact to every connection; returns the time."""
+    async def loop(end):
+        while time.monotonic() < end:
+            await stream.write_fact([row(written[0])])
+            written[0] += 1
+
+    key = ("e2e", WRITER)
+    start = time.time()
+    end = time.monotonic() + seconds
+    await defer.gatherResults([defer.ensureDeferred(loop(end)) for _ in range(E2E_LOOPS)],
+                              consumeErrors=True)
+    await until(lambda: server.handler.announced_positions()[key]
+                >= stream.id_gen.get_current_token(WRITER), 30, "the fan-out")
+    return start, time.time()
+
+
+async def run_e2e(registry, dsn):
+    """Slices of raw and ours alternate (ABBA) so that both see the same
+    disk: the fsync rate of a shared machine drifts by 2x within a minute."""
+    print(f"  e2e: {E2E_LOOPS} writers, {E2E_CLIENTS} clients, {E2E_SECONDS:.0f}s each "
+          f"in {E2E_SLICES} alternating slices, fsync on")
+    server = await OurServer(registry).listen()
+    stream = registry.get("e2e")
+    procs = spawn_readers(server.port, E2E_CLIENTS, "count", timeout=3 * E2E_SECONDS + 120)
+    slice_s = 2 * E2E_SECONDS / E2E_SLICES
+    raw_facts = raw_s = ours_s = 0.0
+    written = [0]
+    try:
+        await until(lambda: len(server.clients()) == E2E_CLIENTS, 30, "clients")
+        await sleep(0.2)
+        cpu = 0.0
+        for i in range(E2E_SLICES):
+            if (i % 4) in (0, 3):
+                n, s = await threads.deferToThread(raw_e2e, dsn, slice_s, E2E_LOOPS)
+                raw_facts += n
+                raw_s += s
+            else:
+                cpu0 = cpu_seconds()
+                with profiled():
+                    start, done = await ours_e2e_slice(server, stream, slice_s, written)
+                cpu += cpu_seconds() - cpu0
+                ours_s += done - start
+        for p in procs:
+            p.expect(written[0])
+        results = await collect(procs)
+    finally:
+        await server.stop()
+    last, problems = arrivals_done(results, written[0])
+    if problems:
+        raise RuntimeError(f"e2e: {problems[:3]}")
+    # The last slice's facts were all handed to the transports at ``done``;
+    # add the time they took to reach the slowest client.
+    tail = max(0.0, last - done)
+    ours_s += tail
+    base = raw_facts / raw_s
+    value = written[0] / ours_s
+    print(f"    raw psycopg2: {raw_facts:,.0f} facts in {raw_s:.1f}s; ours: {written[0]:,} facts "
+          f"committed and delivered to {E2E_CLIENTS} clients in {ours_s:.1f}s (last "
+          f"arrival {tail * 1000:.1f} ms after the fan-out wrote it); server CPU "
+          f"{cpu / ours_s * 100:.0f}%", flush=True)
+    record("e2e.facts_per_s", value, "facts/s",
+           f"raw psycopg2 nextval+INSERT+commit on {E2E_LOOPS} connections", base)
+
+
+# ------------------------------------------------------------------ congestion
+
+async def run_congestion(registry):
+    data = RdataData(200_000)
+    gc.collect()
+    server = await OurServer(registry).listen()
+    handler = server.handler
+    healthy = spawn_readers(server.port, 1, "count", timeout=60.0, name="healthy")
+    sleeper = None
+    fed = [0]
+    try:
+        await until(lambda: len(server.clients()) == 1, 30, "the healthy client")
+        (good,) = server.clients()
+        n_chunks = len(data.chunks)
+
+        def send(i):
+            prev, updates, upto = data.chunks[i % n_chunks]
+            handler.send_updates("caches", WRITER, prev, updates, upto)
+            fed[0] += len(updates)
+
+        def busy():
+            return good.paused  # the sleeper is not waited for
+
+        # Full rate with the healthy client alone: the reference level.
+        peak = [rss_mb()]
+        end = time.monotonic() + CONGESTION_WARM
+
+        def sampled_busy():
+            peak[0] = max(peak[0], rss_mb())
+            return busy()
+
+        await feed(10 ** 9, send, sampled_busy, stop=lambda: time.monotonic() > end)
+        before = peak[0]
+
+        events = {}
+        sleeper = spawn_readers(server.port, 1, "sleep", name="sleeper")[0]
+        await until(lambda: len(server.clients()) == 2, 30, "the sleeper")
+        (conn,) = [c for c in server.clients() if c is not good]
+
+        def hook(name, method):
+            def wrapped(*args):
+                events.setdefault(name, time.monotonic())
+                return method(*args)
+            setattr(conn, name, wrapped)
+
+        hook("pauseProducing", conn.pauseProducing)
+        hook("close", conn.close)
+        hook("connectionLost", conn.connectionLost)
+        events["replicating"] = time.monotonic()
+        peak = [before]
+        end = time.monotonic() + 10.0
+        await feed(10 ** 9, send, sampled_busy,
+                   stop=lambda: "connectionLost" in events or time.monotonic() > end)
+        peak_during = peak[0]
+        for p in healthy:
+            p.expect(fed[0])
+        results = await collect(healthy)
+        _, problems = arrivals_done(results, fed[0])
+    finally:
+        if sleeper is not None:
+            sleeper.finish()
+        await server.stop()
+    if "connectionLost" not in events:
+        raise RuntimeError("congestion: the client that never reads was not dropped in 10 s")
+    close_s = events["connectionLost"] - events["pauseProducing"]
+    grown = peak_during - before
+    print(f"    {conn.close_reason}: dropped {close_s:.3f}s after its first pause "
+          f"({events['connectionLost'] - events['replicating']:.3f}s after it joined, "
+          f"{events['connectionLost'] - events.get('close', float('nan')):.3f}s after the "
+          f"queue overflowed); RSS "
+          f"{before:.1f} -> {peak_during:.1f} MB; healthy client got {fed[0]:,} rows"
+          + (f" PROBLEMS {problems[:3]}" if problems else ""), flush=True)
+    record("tcp.congestion.rss_mb", max(grown, 0.001), "MB", "target", 8.0,
+           higher_is_better=False)
+    record("tcp.congestion.close_s", close_s, "s", "target", 1.0, higher_is_better=False)
+
+
+# ------------------------------------------------------------------ driver
+
+PHASES = ("rdata", "latency", "e2e", "congestion")
+
+
+async def run(dsn, only=PHASES):
+    """Every TCP figure, on the PostgreSQL database ``dsn`` (fsync on)."""
+    db = Database(parse_database({"postgres": dsn, "pool_min": 1, "pool_max": E2E_LOOPS + 1}))
+    registry = StreamRegistry(db, WRITER, STREAMS)
+    await registry.start()
+    try:
+        if "rdata" in only:
+            await run_rdata(registry)
+        if "latency" in only:
+            await run_latency(registry)
+        if "e2e" in only:
+            await run_e2e(registry, dsn)
+        if "congestion" in only:
+            await run_congestion(registry)
+    finally:
+        finish_readers()
+        await registry.stop()
+        db.close()
+
+
+async def main(reactor_, argv):
+    import argparse
+
+    global PROFILE
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default=",".join(PHASES))
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    if args.profile:
+        PROFILE = cProfile.Profile()
+    from tests.servers import PostgresServer
+
+    pg = PostgresServer(fsync=True)
+    try:
+        await run(pg.create_database("tcpbench"), args.only.split(","))
+    finally:
+        pg.stop()
+    if PROFILE is not None:
+        pstats.Stats(PROFILE).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    task.react(lambda r: defer.ensureDeferred(main(r, sys.argv[1:])))
