@@ -301,6 +301,7 @@ class ReplicationConfig:
     max_queued_lines: int = 10_000
     max_line_length: int = 16_384
     fetch_limit: int = 1000
+    fanout_interval: float = 0.003
 
 
 @dataclass(frozen=True)
@@ -383,8 +384,8 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
 def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig:
     section = _mapping(value if value is not None else {}, key)
     _no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
-                          "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit"),
-                key)
+                          "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit",
+                          "fanout_interval"), key)
     ping_interval = _number(section, "ping_interval", key, 5.0, 0.1)
     ping_timeout = _number(section, "ping_timeout", key, 15.0, 1.0)
     if ping_timeout <= ping_interval:
@@ -414,6 +415,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         max_queued_lines=_int(section, "max_queued_lines", key, 10_000, minimum=1),
         max_line_length=_int(section, "max_line_length", key, 16_384, minimum=1024),
         fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1),
+        fanout_interval=_number(section, "fanout_interval", key, 0.003, 0.0),
     )
 
 

@@ -107,6 +107,7 @@ class Instance:
             self.registry, config.instance_name, config.server_name,
             consumers=self.consumers, fetch_limit=rep.fetch_limit,
             max_line_length=rep.max_line_length, clock=reactor,
+            fanout_interval=rep.fanout_interval,
         )
         self.settings = ConnectionSettings(
             max_line_length=rep.max_line_length, ping_interval=rep.ping_interval,

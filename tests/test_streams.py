@@ -334,3 +334,46 @@ class PostgresStreamTests(StreamSuite, TestCase):
             self.assertEqual(fresh.current_token("worker2"), 3)
             self.assertEqual(fresh.id_gen.get_linear_token(), 3)
         return defer.ensureDeferred(go())
+
+
+class RecentFactsTests(TestCase):
+    """The fan-out reads just-written facts from memory; it must say exactly
+    what the table says (values, order, limits), and fall back when it can't."""
+
+    timeout = 120
+    setUp = StreamSuite.setUp
+    registry = StreamSuite.registry
+    database_config = PostgresStreamTests.database_config
+
+    def test_memory_answers_like_the_table(self):
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            await caches.write_facts([
+                [["a", {"z": 1, "a": [True, None]}, 1]],
+                [["b", None, 1], ["b", None, 2], ["b", None, 3]],
+                [],
+                [["d", ["é"], 4]],
+            ])
+
+            def boom(txn, stream_id):
+                raise RuntimeError("rolled back")
+            with self.assertRaises(RuntimeError):
+                async with caches.writer() as fact:
+                    fact.add_row(["lost", None, 0])
+                    fact.also(boom)
+            top = caches.current_token()
+            self.assertEqual(top, 5)
+            for start, limit in ((0, 1000), (0, 2), (1, 2), (1, 3), (2, 1)):
+                from_memory = caches._recent_updates("master", start, top, limit)
+                from_table = caches.db.runInteraction(
+                    caches._updates_txn, "master", start, top, limit)
+                self.assertIsNotNone(from_memory)
+                self.assertEqual(from_memory, await from_table, (start, limit))
+            caches.forget("master", 3)
+            self.assertIsNone(caches._recent_updates("master", 0, top, 100))
+            self.assertEqual(caches._recent_updates("master", 3, top, 100),
+                             ([(4, ["d", ["é"], 4])], 5, False))
+            # Beyond what has completed, only the table can answer.
+            self.assertIsNone(caches._recent_updates("master", 3, top + 1, 100))
+        return defer.ensureDeferred(go())

@@ -15,7 +15,7 @@ reader's catch-up use.
 
 import itertools
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -100,6 +100,10 @@ class Stream:
         self._shape = reader(config.columns, db.is_postgres)
         self._columns = config.columns
         self._persist_delay = persist_delay
+        # Facts completed by local writers, kept until fanned out: the
+        # fan-out reads them from here instead of back from the database.
+        self._recent: Dict[str, Dict[int, List[list]]] = {}
+        self._recent_floor: Dict[str, int] = {}
         self._persist_call = None
         self._persisting: Optional[defer.Deferred] = None
         if clock is None:
@@ -170,6 +174,9 @@ class Stream:
             self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
         )
         self.id_gen.add_listener(self._on_advance)
+        for w in self.local_writers:
+            self._recent[w] = {}
+            self._recent_floor[w] = positions[w]
 
     # ------------------------------------------------------------- writing
     def writer(self, writer: Optional[str] = None) -> Fact:
@@ -197,7 +204,8 @@ class Stream:
         """
         writer = self._writer(writer)
         columns = self._columns
-        checked = [[db_params(columns, r) for r in check_rows(columns, rows)] for rows in facts]
+        wire = [check_rows(columns, rows) for rows in facts]
+        checked = [[db_params(columns, r) for r in rows] for rows in wire]
         reserved: List[int] = []
         started = time.monotonic()
         try:
@@ -205,9 +213,11 @@ class Stream:
             ids = await self.db.runInteraction(write, writer, checked, hooks, reserved)
         except BaseException:
             if reserved:
+                self._remember(writer, reserved, None)
                 self.id_gen.complete_many(writer, reserved)
                 metrics.FACTS_ROLLED_BACK.labels(self.name).inc(len(reserved))
             raise
+        self._remember(writer, ids, wire)
         self.id_gen.complete_many(writer, ids)
         metrics.FACTS_WRITTEN.labels(self.name).inc(len(ids))
         metrics.WRITE_LATENCY.labels(self.name).observe(time.monotonic() - started)
@@ -247,10 +257,19 @@ class Stream:
         statements = []
         if count:
             statements.append(self._insert_head + ", ".join([self._row_marks] * count))
-        statements.append(self._upsert)
-        params += [self.name, writer, gen.prospective_token(writer, ids)]
-        txn.execute("; ".join(statements), params)
+        if self._persist_in_transaction(writer, ids):
+            statements.append(self._upsert)
+            params += [self.name, writer, gen.prospective_token(writer, ids)]
+        if statements:
+            txn.execute("; ".join(statements), params)
         return ids
+
+    def _persist_in_transaction(self, writer: str, ids: List[int]) -> bool:
+        """Persist the position with the fact unless other writes of this
+        writer are in flight: they would queue on the position row's lock
+        until each commit.  Then the background persist, which follows every
+        advance, writes it (the table only ever holds a lower bound)."""
+        return self.id_gen.in_flight(writer) == len(ids)
 
     def _write_sqlite(self, txn, writer, facts, hooks, reserved) -> List[int]:
         ids = [next(self._counter) for _ in facts]
@@ -270,6 +289,47 @@ class Stream:
         txn.execute(self._upsert, (self.name, writer, position))
         return ids
 
+    # ------------------------------------------------------ recent facts
+    RECENT_MAX = 50_000
+
+    def _remember(self, writer: str, ids: List[int], wire: Optional[List[List[list]]]) -> None:
+        recent = self._recent[writer]
+        if wire is None:
+            for stream_id in ids:
+                recent[stream_id] = []  # rolled back: a fact with no rows
+        else:
+            for stream_id, rows in zip(ids, wire):
+                recent[stream_id] = rows
+        if len(recent) > self.RECENT_MAX:
+            keep = sorted(recent)[len(recent) // 2:]
+            self.forget(writer, keep[0] - 1)
+
+    def forget(self, writer: str, upto: int) -> None:
+        """Facts of ``writer`` up to ``upto`` were fanned out: drop them."""
+        recent = self._recent.get(writer)
+        if recent is None or upto <= self._recent_floor[writer]:
+            return
+        for stream_id in [i for i in recent if i <= upto]:
+            del recent[stream_id]
+        self._recent_floor[writer] = upto
+
+    def _recent_updates(self, writer, from_token, to_token, limit):
+        """``updates_since`` from memory, or None if memory cannot answer."""
+        recent = self._recent.get(writer)
+        if recent is None or from_token < self._recent_floor[writer] \
+                or to_token > self.id_gen.get_current_token(writer):
+            return None
+        updates: List[Update] = []
+        upto = to_token
+        limited = False
+        for stream_id in sorted(i for i in recent if from_token < i <= to_token):
+            rows = recent[stream_id]
+            if updates and len(updates) + len(rows) > limit:
+                upto, limited = updates[-1][0], True
+                break
+            updates.extend((stream_id, row) for row in rows)
+        return updates, upto, limited
+
     # ------------------------------------------------------------- reading
     async def updates_since(
         self, writer: str, from_token: int, to_token: int, limit: int = 1000
@@ -283,6 +343,9 @@ class Stream:
         """
         if to_token <= from_token:
             return [], to_token, False
+        answer = self._recent_updates(writer, from_token, to_token, max(1, limit))
+        if answer is not None:
+            return answer
         return await self.db.runInteraction(
             self._updates_txn, writer, from_token, to_token, max(1, limit)
         )
