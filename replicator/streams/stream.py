@@ -102,6 +102,9 @@ class Stream:
         self._persist_delay = persist_delay
         # Facts completed by local writers, kept until fanned out: the
         # fan-out reads them from here instead of back from the database.
+        self._facts_written = metrics.FACTS_WRITTEN.labels(self.name)
+        self._facts_rolled_back = metrics.FACTS_ROLLED_BACK.labels(self.name)
+        self._write_latency = metrics.WRITE_LATENCY.labels(self.name)
         self._recent: Dict[str, Dict[int, List[list]]] = {}
         self._recent_floor: Dict[str, int] = {}
         self._persist_call = None
@@ -215,12 +218,12 @@ class Stream:
             if reserved:
                 self._remember(writer, reserved, None)
                 self.id_gen.complete_many(writer, reserved)
-                metrics.FACTS_ROLLED_BACK.labels(self.name).inc(len(reserved))
+                self._facts_rolled_back.inc(len(reserved))
             raise
         self._remember(writer, ids, wire)
         self.id_gen.complete_many(writer, ids)
-        metrics.FACTS_WRITTEN.labels(self.name).inc(len(ids))
-        metrics.WRITE_LATENCY.labels(self.name).observe(time.monotonic() - started)
+        self._facts_written.inc(len(ids))
+        self._write_latency.observe(time.monotonic() - started)
         return ids
 
     def _write_postgres(self, txn, writer, facts, hooks, reserved) -> List[int]:
