@@ -10,7 +10,7 @@ import signal
 import sys
 import urllib.error
 import urllib.request
-from typing import Optional
+from typing import NoReturn, Optional
 
 from twisted.internet import defer, task
 from twisted.logger import Logger
@@ -21,7 +21,7 @@ from .logs import start_logging
 log = Logger()
 
 
-def _fail(message: str, code: int) -> "NoReturn":  # noqa: F821
+def _fail(message: str, code: int) -> NoReturn:
     print(f"replicator: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -88,7 +88,6 @@ def stop_once(reactor) -> None:
 def cmd_tail(args) -> None:
     from twisted.internet import endpoints
 
-    from .replication.protocol import ClientReplicationProtocol
     from .replication.tcp import ReplicationClientFactory
 
     try:

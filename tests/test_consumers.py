@@ -12,7 +12,7 @@ from importlib.metadata import EntryPoint
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, task
 from twisted.logger import Logger, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -21,6 +21,7 @@ from replicator.config import ConfigError, ConsumerConfig
 from replicator.consumers import (
     Consumer, JsonlConsumer, JsonlError, LogConsumer, MemoryConsumer, load_consumers,
 )
+from tests.support import until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -777,15 +778,6 @@ class ReaderTests(TestCase):
         proto.dataReceived(data)
         return proto
 
-    @staticmethod
-    async def until(predicate, timeout=10.0):
-        waited = 0.0
-        while not predicate():
-            if waited > timeout:
-                raise AssertionError("condition not reached")
-            await task.deferLater(reactor, 0.005, lambda: None)
-            waited += 0.005
-
     def test_resume_after_a_crash(self):
         async def go():
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -800,15 +792,15 @@ class ReaderTests(TestCase):
             jsonl = JsonlConsumer(self.path, clock=clock)
             _, worker, stop_worker = await self.instance("worker1", [jsonl])
             proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 3 3\n")
-            await self.until(lambda: worker.reader_positions()[("caches", "master")] == 3)
-            await self.until(worker.idle)
+            await until(lambda: worker.reader_positions()[("caches", "master")] == 3)
+            await until(worker.idle)
             clock.advance(1)
             self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
             # Two more facts arrive live; the worker dies before they are flushed.
             await caches.write_facts([[["d", None, 4]], [["e", None, 5]]])
             proto.dataReceived(b'RDATA caches master 4 ["d",null,4]\n'
                                b'RDATA caches master 5 ["e",null,5]\n')
-            await self.until(lambda: worker.reader_positions()[("caches", "master")] == 5)
+            await until(lambda: worker.reader_positions()[("caches", "master")] == 5)
             crash(jsonl)
             proto.connectionLost(None)
             await stop_worker()
@@ -818,8 +810,8 @@ class ReaderTests(TestCase):
             _, worker, stop_worker = await self.instance("worker1", [jsonl])
             proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 5 5\n"
                                          b'RDATA caches master 5 ["e",null,5]\n')
-            await self.until(lambda: worker.reader_positions()[("caches", "master")] == 5)
-            await self.until(worker.idle)
+            await until(lambda: worker.reader_positions()[("caches", "master")] == 5)
+            await until(worker.idle)
             proto.connectionLost(None)
             jsonl.close()
             await stop_worker()

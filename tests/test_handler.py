@@ -1,6 +1,6 @@
 """The replication handler on StringTransport, with streams on a real PostgreSQL."""
 
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, task
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
 
@@ -13,6 +13,7 @@ from replicator.replication.protocol import (
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer
+from tests.support import until
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -21,16 +22,6 @@ STREAMS = parse_streams([
     {"name": "events", "table": "event_stream",
      "columns": [{"event_id": "text"}], "writers": ["master"]},
 ])
-
-
-async def until(predicate, timeout=10.0):
-    """Let the reactor run (DB threads, callbacks) until ``predicate()``."""
-    waited = 0.0
-    while not predicate():
-        if waited > timeout:
-            raise AssertionError("condition not reached")
-        await task.deferLater(reactor, 0.005, lambda: None)
-        waited += 0.005
 
 
 def lines(transport):

@@ -32,6 +32,7 @@ from replicator.replication.protocol import (
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer
+from tests.support import until
 
 SECRET = "Hunter2-correct-horse-battery-staple"
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -53,15 +54,6 @@ def instance_config(name, dsn, replication=None, **overrides):
         "http": {"listen": "tcp:0:interface=127.0.0.1", "secret": SECRET},
         **overrides,
     })
-
-
-async def until(predicate, timeout=10.0):
-    waited = 0.0
-    while not predicate():
-        if waited > timeout:
-            raise AssertionError("condition not reached")
-        await task.deferLater(reactor, 0.005, lambda: None)
-        waited += 0.005
 
 
 @implementer(IBodyProducer)

@@ -1,0 +1,56 @@
+"""Helpers shared by the tests: waiting on the real reactor, and reading
+what the backing tables hold, fact by fact."""
+
+import psycopg2
+from twisted.internet import reactor, task
+
+
+def sleep(seconds: float):
+    return task.deferLater(reactor, seconds, lambda: None)
+
+
+async def until(predicate, timeout: float = 10.0, step: float = 0.005) -> None:
+    """Let the reactor run (DB threads, sockets, callbacks) until ``predicate()``."""
+    waited = 0.0
+    while not predicate():
+        if waited > timeout:
+            raise AssertionError("condition not reached in time")
+        await sleep(step)
+        waited += step
+
+
+def table_facts(dsn: str, tables) -> dict:
+    """Every fact per (stream, writer) from the tables, in token order, rows
+    in insertion order: ``{(stream, writer): [(token, [row, ...]), ...]}``.
+
+    ``tables`` is ``[(stream, table, "col1, col2, ...")]``; the tables have
+    ``stream_id`` and ``instance_name`` columns.
+    """
+    conn = psycopg2.connect(dsn)
+    try:
+        cur = conn.cursor()
+        facts: dict = {}
+        for stream, table, cols in tables:
+            cur.execute(f"SELECT stream_id, instance_name, {cols} FROM {table} "
+                        "ORDER BY stream_id, ctid")
+            for stream_id, writer, *row in cur.fetchall():
+                entries = facts.setdefault((stream, writer), [])
+                if entries and entries[-1][0] == stream_id:
+                    entries[-1][1].append(row)
+                else:
+                    entries.append((stream_id, [row]))
+        return facts
+    finally:
+        conn.close()
+
+
+def as_sets(facts: dict) -> dict:
+    """The same facts with each fact's rows in a canonical order: a fact is
+    its set of rows (the order within one is the table's physical order on
+    catch-up and the writer's order when fanned out from memory)."""
+    import json
+
+    def key(row):
+        return json.dumps(row, sort_keys=True)
+
+    return {k: [(token, sorted(rows, key=key)) for token, rows in v] for k, v in facts.items()}
