@@ -13,6 +13,7 @@ from twisted.enterprise import adbapi
 from twisted.logger import Logger
 
 from ..config import DatabaseConfig
+from .transactions import TransactionQueue
 
 log = Logger()
 
@@ -58,6 +59,10 @@ class Database:
                 cp_openfun=_postgres_open, cp_reconnect=True, cp_noisy=False,
             )
             self.greatest = "GREATEST"
+        # Writes: one transaction each, several per thread hop; one
+        # connection stays free for reads when the pool has more than one.
+        workers = config.pool_max - 1 if config.pool_max > 1 else 1
+        self.transactions = TransactionQueue(self.pool, workers)
 
     @property
     def is_postgres(self) -> bool:

@@ -212,8 +212,12 @@ class Stream:
         reserved: List[int] = []
         started = time.monotonic()
         try:
-            write = self._write_postgres if self.db.is_postgres else self._write_sqlite
-            ids = await self.db.runInteraction(write, writer, checked, hooks, reserved)
+            if self.db.is_postgres:
+                ids = await self.db.transactions.run(
+                    self._write_postgres, writer, checked, hooks, reserved)
+            else:
+                ids = await self.db.runInteraction(
+                    self._write_sqlite, writer, checked, hooks, reserved)
         except BaseException:
             if reserved:
                 self._remember(writer, reserved, None)

@@ -1,0 +1,96 @@
+"""Many short, independent transactions with few thread hops.
+
+Each job is its own transaction on a pooled connection, committed or rolled
+back on its own, exactly as ``runInteraction`` would run it; but a pool
+thread that picks up a job keeps taking queued jobs (up to ``per_hop``)
+before it hands the results back to the reactor together.  Under load the
+cost of the reactor/thread hand-off is paid once per batch of transactions
+instead of once per transaction; when idle, a job goes out at once.
+
+Blocking calls happen only in the pool's threads.  Results are delivered in
+the order the jobs were taken.
+"""
+
+from collections import deque
+from typing import Any, Callable, Deque, List
+
+from twisted.internet import defer
+from twisted.python.failure import Failure
+
+_PENDING = object()
+
+
+class _Job:
+    __slots__ = ("fn", "args", "result", "failure", "deferred")
+
+    def __init__(self, fn, args):
+        self.fn = fn
+        self.args = args
+        self.result: Any = _PENDING
+        self.failure = None
+        self.deferred = defer.Deferred()
+
+
+class TransactionQueue:
+    """Runs ``fn(cursor, *args)`` transactions on at most ``workers`` pooled
+    connections at a time."""
+
+    def __init__(self, pool, workers: int = 1, per_hop: int = 32):
+        self._pool = pool
+        self._workers = max(1, workers)
+        self._per_hop = per_hop
+        self._jobs: Deque[_Job] = deque()  # append/popleft are thread-safe
+        self._busy = 0
+
+    def run(self, fn: Callable, *args) -> defer.Deferred:
+        job = _Job(fn, args)
+        self._jobs.append(job)
+        self._kick()
+        return job.deferred
+
+    def _kick(self) -> None:
+        while self._busy < self._workers and self._jobs:
+            self._busy += 1
+            taken: List[_Job] = []
+            d = self._pool.runWithConnection(self._work, taken)
+            d.addBoth(self._done, taken)
+
+    def _work(self, conn, taken: List[_Job]) -> None:
+        """In a pool thread: one transaction per job until none is queued."""
+        for _ in range(self._per_hop):
+            try:
+                job = self._jobs.popleft()
+            except IndexError:
+                return
+            taken.append(job)
+            cursor = conn.cursor()
+            try:
+                job.result = job.fn(cursor, *job.args)
+                conn.commit()
+            except BaseException:
+                job.result = _PENDING
+                job.failure = Failure()
+                # A broken connection raises here: the pool reconnects and
+                # the jobs still queued go to the next hop.
+                conn.rollback()
+            finally:
+                try:
+                    cursor.close()
+                except Exception:
+                    pass
+
+    def _done(self, outcome, taken: List[_Job]) -> None:
+        self._busy -= 1
+        hop_failure = outcome if isinstance(outcome, Failure) else None
+        for job in taken:
+            if job.failure is not None:
+                job.deferred.errback(job.failure)
+            elif job.result is _PENDING:
+                job.deferred.errback(hop_failure or RuntimeError("transaction not run"))
+            else:
+                job.deferred.callback(job.result)
+        self._kick()
+
+    @property
+    def queued(self) -> int:
+        return len(self._jobs)
