@@ -11,12 +11,13 @@ import tempfile
 
 import psycopg2
 from twisted.internet import defer, reactor, task
-from twisted.trial.unittest import TestCase
+from hypothesis import given, settings, strategies as st
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator.config import ConfigError, parse_database, parse_streams
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
-from replicator.streams.rows import RowError
+from replicator.streams.rows import RowCodec, RowError, check_rows, db_params
 from tests.servers import PostgresServer
 
 STREAMS = [
@@ -377,3 +378,35 @@ class RecentFactsTests(TestCase):
             # Beyond what has completed, only the table can answer.
             self.assertIsNone(caches._recent_updates("master", 3, top + 1, 100))
         return defer.ensureDeferred(go())
+
+
+class RowCodecTests(SynchronousTestCase):
+    """The one-pass codec agrees with the general checks on every row."""
+
+    COLUMNS = parse_streams([dict(STREAMS[0], columns=[
+        {"t": "text"}, {"n": "bigint?"}, {"b": "boolean"}, {"j": "json?"}])])[0].columns
+
+    @given(st.lists(st.lists(st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.text(max_size=5),
+        st.lists(st.integers(), max_size=2), st.floats(allow_nan=False)), min_size=3, max_size=5),
+        max_size=4))
+    @settings(max_examples=300, deadline=None)
+    def test_same_verdict_and_values_as_check_rows(self, rows):
+        codec = RowCodec(self.COLUMNS)
+        try:
+            expected = [check_rows(self.COLUMNS, [r])[0] for r in rows]
+        except RowError:
+            expected = None
+        if expected is None:
+            with self.assertRaises(RowError):
+                codec.prepare([rows])
+            return
+        wire, params = codec.prepare([rows])
+        self.assertEqual(wire, [expected])
+        self.assertEqual(params, [[db_params(self.COLUMNS, r) for r in expected]])
+
+    def test_messages_name_the_row(self):
+        codec = RowCodec(self.COLUMNS)
+        with self.assertRaises(RowError) as e:
+            codec.prepare([[["a", 1, True, None], ["b", "x", True, None]]])
+        self.assertEqual(str(e.exception), "row 1: column 'n' expects bigint, got str")

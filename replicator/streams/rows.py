@@ -85,3 +85,67 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
         return row
 
     return shape
+
+
+class RowCodec:
+    """A stream's rows checked and converted in one pass (the write path).
+
+    Same rules and messages as :func:`check_rows` and :func:`db_params`;
+    the common case (exact types) is checked inline, anything else takes
+    the general path, which raises the precise :class:`RowError`.
+    """
+
+    _EXACT = {"text": str, "bigint": int, "boolean": bool}
+
+    def __init__(self, columns: Sequence[ColumnConfig]):
+        self.columns = list(columns)
+        self.width = len(self.columns)
+        self._typed = [(i, self._EXACT[c.type], c.nullable, c.type == "text")
+                       for i, c in enumerate(self.columns) if c.type != "json"]
+        self._json = [(i, c.nullable) for i, c in enumerate(self.columns) if c.type == "json"]
+
+    def _check(self, row, n: int) -> None:
+        try:
+            check_rows(self.columns, [row])
+        except RowError as e:
+            raise RowError(f"row {n}{str(e)[len('row 0'):]}") from None
+
+    def prepare(self, facts) -> "tuple[List[List[list]], List[List[list]]]":
+        """``(wire, params)``: per fact, its rows as wire values and as
+        statement parameters (JSON columns as JSON text)."""
+        width = self.width
+        typed = self._typed
+        json_cols = self._json
+        dumps = orjson.dumps
+        wire_facts, param_facts = [], []
+        for rows in facts:
+            wire_rows, param_rows = [], []
+            for n, row in enumerate(rows):
+                if type(row) is not list and type(row) is not tuple or len(row) != width:
+                    self._check(row, n)  # raises the precise error
+                ok = True
+                for i, kind, nullable, text in typed:
+                    v = row[i]
+                    if v is None:
+                        if not nullable:
+                            ok = False
+                            break
+                    elif type(v) is not kind or (text and "\x00" in v) or (
+                            kind is int and not -(2**63) <= v < 2**63):
+                        ok = False
+                        break
+                if not ok:
+                    self._check(row, n)  # subclasses of the exact types pass
+                for i, nullable in json_cols:
+                    if row[i] is None and not nullable:
+                        self._check(row, n)
+                wire = list(row)
+                params = wire.copy()
+                for i, _ in json_cols:
+                    if params[i] is not None:
+                        params[i] = dumps(params[i]).decode()
+                wire_rows.append(wire)
+                param_rows.append(params)
+            wire_facts.append(wire_rows)
+            param_facts.append(param_rows)
+        return wire_facts, param_facts

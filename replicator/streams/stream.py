@@ -25,7 +25,7 @@ from ..config import StreamConfig
 from ..storage import schema
 from ..storage.database import Database
 from .idgen import StreamIdGenerator
-from .rows import check_rows, db_params, reader
+from .rows import RowCodec, reader
 
 log = Logger()
 
@@ -99,6 +99,7 @@ class Stream:
         self._counter = None  # SQLite: in-process sequence
         self._shape = reader(config.columns, db.is_postgres)
         self._columns = config.columns
+        self._codec = RowCodec(config.columns)
         self._persist_delay = persist_delay
         # Facts completed by local writers, kept until fanned out: the
         # fan-out reads them from here instead of back from the database.
@@ -206,9 +207,7 @@ class Stream:
         Returns the facts' stream IDs in order.
         """
         writer = self._writer(writer)
-        columns = self._columns
-        wire = [check_rows(columns, rows) for rows in facts]
-        checked = [[db_params(columns, r) for r in rows] for rows in wire]
+        wire, checked = self._codec.prepare(facts)
         reserved: List[int] = []
         started = time.monotonic()
         try:
