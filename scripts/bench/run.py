@@ -11,12 +11,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from twisted.internet import defer, task  # noqa: E402
 
+import redis_bench  # noqa: E402
 import streams  # noqa: E402
 import tcp  # noqa: E402
 from tests.servers import PostgresServer  # noqa: E402
 
 
-SECTIONS = ("streams", "tcp")
+SECTIONS = ("streams", "tcp", "redis")
 
 
 async def main(reactor, argv):
@@ -33,6 +34,9 @@ async def main(reactor, argv):
         if "tcp" in only:
             print("== TCP replication")
             await tcp.run(pg.create_database("tcpbench"))
+        if "redis" in only:
+            print("== Redis replication")
+            await redis_bench.run(pg.create_database("redisbench"))
     finally:
         pg.stop()
 
