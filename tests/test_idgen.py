@@ -106,136 +106,142 @@ class SeedExampleTests(SynchronousTestCase):
         self.assertRaises(ValueError, gen.reserved, "a", [6], False)
 
 
-LOCAL = ["w1", "w2", "w3"]
-REMOTE = ["r1", "r2"]
+def machine_for(LOCAL, REMOTE):
+    class GeneratorMachine(RuleBasedStateMachine):
+        """Random interleavings checked against a direct model of the definitions."""
 
+        def __init__(self):
+            super().__init__()
+            self.counter = 0  # the shared sequence
+            self.start = {w: 0 for w in LOCAL + REMOTE}
+            self.gen = StreamIdGenerator("s", dict(self.start), LOCAL)
+            self.reserved = {w: set() for w in LOCAL}
+            self.done = {w: set() for w in LOCAL}
+            self.remote = {w: 0 for w in REMOTE}
+            self.advanced = set()
+            self.pending = []  # (writer, id): nextval returned, not yet registered
+            self.last = (0, dict(self.gen.get_positions()))
 
-class GeneratorMachine(RuleBasedStateMachine):
-    """Random interleavings checked against a direct model of the definitions."""
-
-    def __init__(self):
-        super().__init__()
-        self.counter = 0  # the shared sequence
-        self.start = {w: 0 for w in LOCAL + REMOTE}
-        self.gen = StreamIdGenerator("s", dict(self.start), LOCAL)
-        self.reserved = {w: set() for w in LOCAL}
-        self.done = {w: set() for w in LOCAL}
-        self.remote = {w: 0 for w in REMOTE}
-        self.advanced = set()
-        self.pending = []  # (writer, id): nextval returned, not yet registered
-        self.last = (0, dict(self.gen.get_positions()))
-
-    # ----------------------------------------------------------- model
-    def known(self):
-        k = set(self.start.values()) | self.advanced
-        for w in LOCAL:
-            k |= self.reserved[w]
-        return k
-
-    def unfinished(self, writers=LOCAL):
-        out = set()
-        for w in writers:
-            out |= self.reserved[w] - self.done[w]
-        for w, i in self.pending:
-            if w in writers:
-                out.add(i)
-        return out
-
-    def model_linear(self):
-        floor = min(self.unfinished(), default=None)
-        bound = min(self.remote.values())
-        return max(x for x in self.known()
-                   if (floor is None or x < floor) and x <= bound)
-
-    def model_current(self, writer):
-        linear = self.model_linear()
-        floor = min(self.unfinished([writer]), default=None)
-        own = {self.start[writer], linear} | self.reserved[writer]
-        return max(x for x in own if floor is None or x < floor)
-
-    # ----------------------------------------------------------- rules
-    @rule(writer=st.sampled_from(LOCAL), n=st.integers(1, 4))
-    def reserve(self, writer, n):
-        ids = list(range(self.counter + 1, self.counter + n + 1))
-        self.counter += n
-        self.gen.reserved(writer, ids, pending=False)
-        self.reserved[writer].update(ids)
-
-    @rule(writer=st.sampled_from(LOCAL), data=st.data())
-    def complete(self, writer, data):
-        todo = sorted(self.reserved[writer] - self.done[writer])
-        if not todo:
-            return
-        stream_id = data.draw(st.sampled_from(todo))
-        self.gen.complete(writer, stream_id)
-        self.done[writer].add(stream_id)
-
-    @rule(writer=st.sampled_from(LOCAL), data=st.data())
-    def rollback_many(self, writer, data):
-        todo = sorted(self.reserved[writer] - self.done[writer])
-        if not todo:
-            return
-        ids = data.draw(st.lists(st.sampled_from(todo), min_size=1, unique=True))
-        self.gen.complete_many(writer, ids)
-        self.done[writer].update(ids)
-
-    @rule(writer=st.sampled_from(REMOTE), taken=st.integers(0, 3), data=st.data())
-    def advance(self, writer, taken, data):
-        # The remote writer takes IDs from the shared sequence, finishes some.
-        self.counter += taken
-        token = data.draw(st.integers(self.remote[writer], self.counter))
-        self.gen.advance(writer, token)
-        self.remote[writer] = max(self.remote[writer], token)
-        self.advanced.add(token)
-
-    @precondition(lambda self: len(self.pending) < 3)
-    @rule(writer=st.sampled_from(LOCAL))
-    def begin_pending(self, writer):
-        self.counter += 1
-        self.gen.begin_reservation()
-        self.pending.append((writer, self.counter))
-
-    @precondition(lambda self: self.pending)
-    @rule(data=st.data())
-    def finish_pending(self, data):
-        writer, stream_id = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
-        self.gen.reserved(writer, [stream_id])
-        self.reserved[writer].add(stream_id)
-
-    # ----------------------------------------------------------- checks
-    @invariant()
-    def matches_model(self):
-        gen = self.gen
-        linear = gen.get_linear_token()
-        positions = gen.get_positions()
-        prev_linear, prev_positions = self.last
-        assert linear >= prev_linear, (linear, prev_linear)
-        for w, p in positions.items():
-            assert p >= prev_positions[w], (w, p, prev_positions[w])
-        self.last = (linear, positions)
-        unfinished = self.unfinished()
-        assert all(linear < i for i in unfinished), (linear, unfinished)
-        for w in LOCAL:
-            own = self.unfinished([w])
-            assert all(positions[w] < i for i in own), (w, positions[w], own)
-        if self.pending:
-            # A reservation under way freezes positions: never ahead.
-            assert linear <= self.model_linear()
+        # ----------------------------------------------------------- model
+        def known(self):
+            k = set(self.start.values()) | self.advanced
             for w in LOCAL:
-                assert positions[w] <= self.model_current(w)
-            return
-        assert linear == self.model_linear(), (linear, self.model_linear())
-        for w in LOCAL:
-            assert positions[w] == self.model_current(w), (w, positions[w], self.model_current(w))
-        for w in REMOTE:
-            assert positions[w] == self.remote[w]
-        assert gen.get_max_token() == max(positions.values())
-        assert gen.in_flight() == len(unfinished)
+                k |= self.reserved[w]
+            return k
+
+        def unfinished(self, writers=LOCAL):
+            out = set()
+            for w in writers:
+                out |= self.reserved[w] - self.done[w]
+            for w, i in self.pending:
+                if w in writers:
+                    out.add(i)
+            return out
+
+        def model_linear(self):
+            floor = min(self.unfinished(), default=None)
+            bound = min(self.remote.values(), default=float("inf"))
+            return max(x for x in self.known()
+                       if (floor is None or x < floor) and x <= bound)
+
+        def model_current(self, writer):
+            linear = self.model_linear()
+            floor = min(self.unfinished([writer]), default=None)
+            own = {self.start[writer], linear} | self.reserved[writer]
+            return max(x for x in own if floor is None or x < floor)
+
+        # ----------------------------------------------------------- rules
+        @rule(writer=st.sampled_from(LOCAL), n=st.integers(1, 4))
+        def reserve(self, writer, n):
+            ids = list(range(self.counter + 1, self.counter + n + 1))
+            self.counter += n
+            self.gen.reserved(writer, ids, pending=False)
+            self.reserved[writer].update(ids)
+
+        @rule(writer=st.sampled_from(LOCAL), data=st.data())
+        def complete(self, writer, data):
+            todo = sorted(self.reserved[writer] - self.done[writer])
+            if not todo:
+                return
+            stream_id = data.draw(st.sampled_from(todo))
+            self.gen.complete(writer, stream_id)
+            self.done[writer].add(stream_id)
+
+        @rule(writer=st.sampled_from(LOCAL), data=st.data())
+        def rollback_many(self, writer, data):
+            todo = sorted(self.reserved[writer] - self.done[writer])
+            if not todo:
+                return
+            ids = data.draw(st.lists(st.sampled_from(todo), min_size=1, unique=True))
+            self.gen.complete_many(writer, ids)
+            self.done[writer].update(ids)
+
+        @precondition(lambda self: bool(REMOTE))
+        @rule(writer=st.sampled_from(REMOTE or ["-"]), taken=st.integers(0, 3), data=st.data())
+        def advance(self, writer, taken, data):
+            # The remote writer takes IDs from the shared sequence, finishes some.
+            self.counter += taken
+            token = data.draw(st.integers(self.remote[writer], self.counter))
+            self.gen.advance(writer, token)
+            self.remote[writer] = max(self.remote[writer], token)
+            self.advanced.add(token)
+
+        @precondition(lambda self: len(self.pending) < 3)
+        @rule(writer=st.sampled_from(LOCAL))
+        def begin_pending(self, writer):
+            self.counter += 1
+            self.gen.begin_reservation()
+            self.pending.append((writer, self.counter))
+
+        @precondition(lambda self: self.pending)
+        @rule(data=st.data())
+        def finish_pending(self, data):
+            writer, stream_id = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+            self.gen.reserved(writer, [stream_id])
+            self.reserved[writer].add(stream_id)
+
+        # ----------------------------------------------------------- checks
+        @invariant()
+        def matches_model(self):
+            gen = self.gen
+            linear = gen.get_linear_token()
+            positions = gen.get_positions()
+            prev_linear, prev_positions = self.last
+            assert linear >= prev_linear, (linear, prev_linear)
+            for w, p in positions.items():
+                assert p >= prev_positions[w], (w, p, prev_positions[w])
+            self.last = (linear, positions)
+            unfinished = self.unfinished()
+            assert all(linear < i for i in unfinished), (linear, unfinished)
+            for w in LOCAL:
+                own = self.unfinished([w])
+                assert all(positions[w] < i for i in own), (w, positions[w], own)
+            if self.pending:
+                # A reservation under way freezes positions: never ahead.
+                assert linear <= self.model_linear()
+                for w in LOCAL:
+                    assert positions[w] <= self.model_current(w)
+                return
+            assert linear == self.model_linear(), (linear, self.model_linear())
+            for w in LOCAL:
+                assert positions[w] == self.model_current(w), (w, positions[w], self.model_current(w))
+            for w in REMOTE:
+                assert positions[w] == self.remote[w]
+            assert gen.get_max_token() == max(positions.values())
+            assert gen.in_flight() == len(unfinished)
+
+    return GeneratorMachine
 
 
 class GeneratorStateTests(SynchronousTestCase):
-    def test_against_model(self):
+    def check(self, local, remote):
         machine = settings(max_examples=150, stateful_step_count=60, deadline=None)(
-            GeneratorMachine
+            machine_for(local, remote)
         )
         machine.TestCase().runTest()
+
+    def test_several_local_and_remote_writers(self):
+        self.check(["w1", "w2", "w3"], ["r1", "r2"])
+
+    def test_one_writer_alone(self):
+        self.check(["w1"], [])

@@ -130,6 +130,12 @@ class StreamIdGenerator:
         # below it are complete.  Same structure as a writer's state, over
         # every local writer together.
         self._all = _WriterState(max(positions.values(), default=0))
+        # One local writer and nobody else: its state is the whole state.
+        if len(self._local) == 1 and not self._remote:
+            (only,) = self._local.values()
+            only.position = self._all.position
+            self._all = only
+        self._shared = len(self._local) == 1 and self._all is next(iter(self._local.values()))
         self._max_known = self._all.position
         self._pending = 0
         self._dirty = False
@@ -177,7 +183,8 @@ class StreamIdGenerator:
                             f"above {writer}'s position {state.position}"
                         )
                     state.add(stream_id)
-                    self._all.add(stream_id)
+                    if not self._shared:
+                        self._all.add(stream_id)
                     if stream_id > self._max_known:
                         self._max_known = stream_id
             finally:
@@ -205,7 +212,8 @@ class StreamIdGenerator:
                     f"stream {self.name}: ID {stream_id} of {writer} is not in flight"
                 )
             state.finish(stream_id)
-            self._all.finish(stream_id)
+            if not self._shared:
+                self._all.finish(stream_id)
         self._recompute()
 
     def complete_many(self, writer: str, stream_ids: Iterable[int]) -> None:
@@ -213,9 +221,11 @@ class StreamIdGenerator:
         if state is None:
             raise UnknownWriter(writer)
         with self._lock:
+            shared = self._shared
             for stream_id in stream_ids:
                 state.finish(stream_id)
-                self._all.finish(stream_id)
+                if not shared:
+                    self._all.finish(stream_id)
         self._recompute()
 
     def advance(self, writer: str, token: int) -> None:
@@ -256,7 +266,8 @@ class StreamIdGenerator:
             self._dirty = False
             for state in self._local.values():
                 state.settle()
-            self._all.settle()
+            if not self._shared:
+                self._all.settle()
             linear = self._compute_linear()
             if linear > self._linear:
                 self._linear = linear
