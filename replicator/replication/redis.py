@@ -31,6 +31,7 @@ from twisted.application.service import MultiService
 from twisted.internet import defer, endpoints, task
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from .. import metrics
 from ..config import RedisConfig
@@ -76,6 +77,12 @@ class _RedisFactory(Factory):
 
 
 class _Subscriber(txredisapi.SubscriberProtocol):
+    last_data = 0.0
+
+    def dataReceived(self, data, *args):
+        self.last_data = self.factory.owner.reactor.seconds()
+        return super().dataReceived(data, *args)
+
     def messageReceived(self, pattern, channel, message):
         self.factory.owner.message_received(self, channel, message)
 
@@ -85,6 +92,12 @@ class _Subscriber(txredisapi.SubscriberProtocol):
 
 
 class _Publisher(txredisapi.RedisProtocol):
+    last_data = 0.0
+
+    def dataReceived(self, data, *args):
+        self.last_data = self.factory.owner.reactor.seconds()
+        return super().dataReceived(data, *args)
+
     def connectionLost(self, why):
         self.factory.owner.link_lost(self)
         super().connectionLost(why)
@@ -130,6 +143,8 @@ class RedisReplication(MultiService):
         self.handler = handler
         self.channel = server_name
         self.user_ip_channel = f"{server_name}/USER_IP"
+        self._channel = self.channel.encode("utf-8")
+        self._user_ip_channel = self.user_ip_channel.encode("utf-8")
         self.instance_name = instance_name
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
@@ -138,6 +153,9 @@ class RedisReplication(MultiService):
         self.publisher: Optional[_Publisher] = None
         self.conn: Optional[RedisConnection] = None
         self._subscribed = False
+        self._own_prefixes = tuple(
+            f"{name} {stream.name} {instance_name} "
+            for stream in handler.registry for name in ("RDATA", "POSITION"))
 
         def policy(attempt):
             return min(initial_delay * (2 ** min(attempt - 1, 30)), max_delay)
@@ -235,24 +253,33 @@ class RedisReplication(MultiService):
 
     # ------------------------------------------------------------ traffic
     def publish_lines(self, lines: List[bytes]) -> None:
-        """PUBLISH each line; lines for a lost publisher are dropped (the
-        facts are in the database, and the reconnect re-announces)."""
+        """PUBLISH each line, all in one write (one reply awaited per line).
+
+        Lines for a lost publisher are dropped: the facts are in the
+        database, and the reconnect re-announces our positions."""
         publisher = self.publisher
-        if publisher is None or not publisher.connected:
+        if publisher is None or not publisher.connected or publisher.transport is None:
             return
+        commands = []
         for line in lines:
-            text = line.decode("utf-8").rstrip("\n")
-            channel = self.user_ip_channel if text.startswith("USER_IP ") else self.channel
-            try:
-                d = publisher.publish(channel, text)
-            except txredisapi.ConnectionError:
-                return
-            d.addErrback(self._publish_failed)
+            payload = line[:-1] if line.endswith(b"\n") else line
+            channel = self._user_ip_channel if payload.startswith(b"USER_IP ") else self._channel
+            commands.append(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+                            % (len(channel), channel, len(payload), payload))
+        publisher.transport.write(b"".join(commands))
+        for _ in commands:
+            publisher.replyQueue.get().addCallbacks(self._published, self._publish_failed)
+
+    def _published(self, reply) -> None:
+        # txredisapi hands over error replies and a lost connection as values.
+        if isinstance(reply, Exception):
+            self._publish_failed(Failure(reply))
 
     def _publish_failed(self, failure) -> None:
         # The facts are in the database: after the reconnect our POSITIONs
         # make every reader catch up.
-        log.warn("redis: publish failed: {error}", error=failure.getErrorMessage())
+        metrics.COMMANDS_DROPPED.labels("PUBLISH", "failed").inc()
+        log.debug("redis: publish failed: {error}", error=failure.getErrorMessage())
 
     def message_received(self, protocol, channel, message) -> None:
         conn = self.conn
@@ -263,6 +290,8 @@ class RedisReplication(MultiService):
             return
         if isinstance(message, bytes):
             message = message.decode("utf-8", "replace")
+        if message.startswith(self._own_prefixes):
+            return  # our own RDATA/POSITION, echoed: not even parsed
         try:
             cmd = parse_line(message.rstrip("\r\n"))
         except CommandParseError as e:
@@ -296,6 +325,8 @@ class RedisReplication(MultiService):
         d.addTimeout(self.ping_timeout, self.reactor)
 
         def failed(failure):
+            if self.reactor.seconds() - protocol.last_data < self.ping_timeout:
+                return  # busy, not dead: the answer waits behind data still arriving
             log.warn("redis: PING failed ({error}); replacing the connection",
                      error=failure.getErrorMessage())
             if protocol.transport is not None:
