@@ -11,13 +11,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from twisted.internet import defer, task  # noqa: E402
 
+import export  # noqa: E402
 import redis_bench  # noqa: E402
 import streams  # noqa: E402
 import tcp  # noqa: E402
 from tests.servers import PostgresServer  # noqa: E402
 
 
-SECTIONS = ("streams", "tcp", "redis")
+SECTIONS = ("streams", "tcp", "redis", "export")
 
 
 async def main(reactor, argv):
@@ -39,6 +40,9 @@ async def main(reactor, argv):
             await redis_bench.run(pg.create_database("redisbench"))
     finally:
         pg.stop()
+    if "export" in only:
+        # Blocking (Spark drives itself); its own PostgreSQL, 2M rows.
+        export.main()
 
 
 if __name__ == "__main__":
