@@ -70,3 +70,18 @@ class TransactionQueueTests(TestCase):
             self.assertTrue({100, 103, 104} <= set(self.rows()))
             self.flushLoggedErrors()
         return defer.ensureDeferred(go())
+
+    def test_an_unreachable_database_fails_the_queued_jobs(self):
+        async def go():
+            server = PostgresServer()
+            self.addCleanup(server.stop)
+            db = Database(parse_database({"postgres": server.create_database(), "pool_max": 2}))
+            self.addCleanup(db.close)
+            await db.runQuery("SELECT 1")
+            server.stop()
+            outcomes = await defer.DeferredList(
+                [db.transactions.run(self.insert, n) for n in range(5)], consumeErrors=True)
+            self.assertEqual([ok for ok, _ in outcomes], [False] * 5)
+            self.assertEqual(db.transactions.queued, 0)
+            self.flushLoggedErrors()
+        return defer.ensureDeferred(go())

@@ -82,6 +82,11 @@ class TransactionQueue:
     def _done(self, outcome, taken: List[_Job]) -> None:
         self._busy -= 1
         hop_failure = outcome if isinstance(outcome, Failure) else None
+        if hop_failure is not None and not taken:
+            # No connection could be had: every job waiting now would meet
+            # the same fate; fail them instead of spinning on the pool.
+            while self._jobs:
+                taken.append(self._jobs.popleft())
         for job in taken:
             if job.failure is not None:
                 job.deferred.errback(job.failure)
