@@ -3,8 +3,9 @@
 Writing a fact (:meth:`Stream.writer`, :meth:`Stream.write_facts`) reserves
 its ID from the sequence inside the writing transaction, inserts the fact's
 rows (any number, all sharing the ID), persists the writer's position in
-``stream_positions`` in the same transaction, commits or rolls back, and then
-marks the ID complete either way.  The ID generator is told about the
+``stream_positions`` in the same transaction (unless other writes of that
+writer are in flight: then right after, in the background), commits or rolls
+back, and then marks the ID complete either way.  The ID generator is told about the
 reservation before the transaction can commit, so no position ever passes an
 ID whose rows could still appear.
 
@@ -98,16 +99,16 @@ class Stream:
         self._call_from_thread = call_from_thread
         self._counter = None  # SQLite: in-process sequence
         self._shape = reader(config.columns, db.is_postgres)
-        self._columns = config.columns
         self._codec = RowCodec(config.columns)
         self._persist_delay = persist_delay
-        # Facts completed by local writers, kept until fanned out: the
-        # fan-out reads them from here instead of back from the database.
         self._facts_written = metrics.FACTS_WRITTEN.labels(self.name)
         self._facts_rolled_back = metrics.FACTS_ROLLED_BACK.labels(self.name)
         self._write_latency = metrics.WRITE_LATENCY.labels(self.name)
+        # Facts completed by local writers, kept until fanned out: the
+        # fan-out reads them from here instead of back from the database.
         self._recent: Dict[str, Dict[int, List[list]]] = {}
         self._recent_floor: Dict[str, int] = {}
+        self._recent_unknown: Dict[str, set] = {}  # failed writes: ask the table
         self._persist_call = None
         self._persisting: Optional[defer.Deferred] = None
         if clock is None:
@@ -181,6 +182,7 @@ class Stream:
         for w in self.local_writers:
             self._recent[w] = {}
             self._recent_floor[w] = positions[w]
+            self._recent_unknown[w] = set()
 
     # ------------------------------------------------------------- writing
     def writer(self, writer: Optional[str] = None) -> Fact:
@@ -301,8 +303,9 @@ class Stream:
     def _remember(self, writer: str, ids: List[int], wire: Optional[List[List[list]]]) -> None:
         recent = self._recent[writer]
         if wire is None:
-            for stream_id in ids:
-                recent[stream_id] = []  # rolled back: a fact with no rows
+            # A failed write: rolled back, or (connection lost during COMMIT)
+            # perhaps committed after all. Only the table knows.
+            self._recent_unknown[writer].update(ids)
         else:
             for stream_id, rows in zip(ids, wire):
                 recent[stream_id] = rows
@@ -317,13 +320,17 @@ class Stream:
             return
         for stream_id in [i for i in recent if i <= upto]:
             del recent[stream_id]
+        unknown = self._recent_unknown[writer]
+        if unknown:
+            unknown.difference_update([i for i in unknown if i <= upto])
         self._recent_floor[writer] = upto
 
     def _recent_updates(self, writer, from_token, to_token, limit):
         """``updates_since`` from memory, or None if memory cannot answer."""
         recent = self._recent.get(writer)
         if recent is None or from_token < self._recent_floor[writer] \
-                or to_token > self.id_gen.get_current_token(writer):
+                or to_token > self.id_gen.get_current_token(writer) \
+                or any(from_token < i <= to_token for i in self._recent_unknown[writer]):
             return None
         updates: List[Update] = []
         upto = to_token
