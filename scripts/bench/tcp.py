@@ -45,9 +45,9 @@ and receives every row.
     lines pushed the moment the same timer fires (the floor of TCP plus
     reader wake-up on this machine).
 ``e2e.facts_per_s``
-    ``E2E_LOOPS`` concurrent ``write_fact`` loops (one fact per
-    transaction) on a pool of ``E2E_LOOPS + 1`` connections (one left for
-    the fan-out's reads), fsync on, 10 clients; facts / time from the first
+    ``E2E_WRITERS`` concurrent ``write_fact`` loops (one fact per
+    transaction) on a pool of ``E2E_LOOPS + 1`` connections, ``E2E_LOOPS``
+    of them writing (one left for reads), fsync on, 10 clients; facts / time from the first
     write to the fan-out having written the last fact (plus the time it took
     to reach the slowest client).  Baseline: raw psycopg2 ``nextval`` +
     ``INSERT`` + commit in ``E2E_LOOPS`` threads on as many connections.
@@ -128,6 +128,9 @@ LAT_TICK = 0.005
 LAT_FACTS_PER_TXN = int(os.environ.get("LAT_FACTS_PER_TXN", "0"))
 E2E_CLIENTS = 10
 E2E_LOOPS = 4
+# Concurrent writes on our side (an application's requests): they share the
+# same E2E_LOOPS write connections, one fact per transaction each.
+E2E_WRITERS = 32
 E2E_SECONDS = 10.0
 E2E_SLICES = 4
 CONGESTION_WARM = 1.0
@@ -662,7 +665,7 @@ def raw_e2e(dsn, seconds, loops):
 
 
 async def ours_e2e_slice(server, stream, seconds, written):
-    """``E2E_LOOPS`` write_fact loops for ``seconds``, then until the
+    """``E2E_WRITERS`` write_fact loops for ``seconds``, then until the
     fan-out has written every fact to every connection; returns the time."""
     async def loop(end):
         while time.monotonic() < end:
@@ -672,7 +675,7 @@ async def ours_e2e_slice(server, stream, seconds, written):
     key = ("e2e", WRITER)
     start = time.time()
     end = time.monotonic() + seconds
-    await defer.gatherResults([defer.ensureDeferred(loop(end)) for _ in range(E2E_LOOPS)],
+    await defer.gatherResults([defer.ensureDeferred(loop(end)) for _ in range(E2E_WRITERS)],
                               consumeErrors=True)
     await until(lambda: server.handler.announced_positions()[key]
                 >= stream.id_gen.get_current_token(WRITER), 30, "the fan-out")
@@ -682,7 +685,8 @@ async def ours_e2e_slice(server, stream, seconds, written):
 async def run_e2e(registry, dsn):
     """Slices of raw and ours alternate (ABBA) so that both see the same
     disk: the fsync rate of a shared machine drifts by 2x within a minute."""
-    print(f"  e2e: {E2E_LOOPS} writers, {E2E_CLIENTS} clients, {E2E_SECONDS:.0f}s each "
+    print(f"  e2e: {E2E_WRITERS} concurrent writes on {E2E_LOOPS} write connections (raw: "
+          f"{E2E_LOOPS} threads on {E2E_LOOPS}), {E2E_CLIENTS} clients, {E2E_SECONDS:.0f}s each "
           f"in {E2E_SLICES} alternating slices, fsync on")
     server = await OurServer(registry).listen()
     stream = registry.get("e2e")
