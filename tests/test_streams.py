@@ -350,6 +350,7 @@ class RecentFactsTests(TestCase):
         async def go():
             reg = await self.registry()
             caches = reg.get("caches")
+            caches.keep_recent_facts()  # as the replication handler does
             await caches.write_facts([
                 [["a", {"z": 1, "a": [True, None]}, 1]],
                 [["b", None, 1], ["b", None, 2], ["b", None, 3]],
@@ -383,6 +384,10 @@ class RecentFactsTests(TestCase):
             caches.forget("master", 5)
             # Beyond what has completed, only the table can answer.
             self.assertIsNone(caches._recent_updates("master", 5, 6, 100))
+            # Nobody fanning out: nothing is kept.
+            caches.keep_recent = False
+            await caches.write_fact([["e", None, 5]])
+            self.assertEqual(caches._recent["master"], {})
         return defer.ensureDeferred(go())
 
 

@@ -136,6 +136,7 @@ class ReplicationHandler:
                 key = (stream.name, writer)
                 if writer in stream.local_writers:
                     self._announced[key] = gen.get_current_token(writer)
+                    stream.keep_recent_facts()
                 else:
                     known = [p[key] for p in consumer_positions if key in p]
                     self._readers[key] = _Reader(min(known) if known else None)

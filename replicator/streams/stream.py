@@ -299,8 +299,21 @@ class Stream:
 
     # ------------------------------------------------------ recent facts
     RECENT_MAX = 50_000
+    keep_recent = False
+
+    def keep_recent_facts(self) -> None:
+        """Keep completed facts in memory until :meth:`forget` (called by
+        whoever fans them out: the replication handler); from now on, so
+        memory only ever answers for what it saw complete."""
+        for w in self.local_writers:
+            self._recent[w].clear()
+            self._recent_unknown[w].clear()
+            self._recent_floor[w] = self.id_gen.get_current_token(w)
+        self.keep_recent = True
 
     def _remember(self, writer: str, ids: List[int], wire: Optional[List[List[list]]]) -> None:
+        if not self.keep_recent:
+            return
         recent = self._recent[writer]
         if wire is None:
             # A failed write: rolled back, or (connection lost during COMMIT)
@@ -328,7 +341,7 @@ class Stream:
     def _recent_updates(self, writer, from_token, to_token, limit):
         """``updates_since`` from memory, or None if memory cannot answer."""
         recent = self._recent.get(writer)
-        if recent is None or from_token < self._recent_floor[writer] \
+        if recent is None or not self.keep_recent or from_token < self._recent_floor[writer] \
                 or to_token > self.id_gen.get_current_token(writer) \
                 or any(from_token < i <= to_token for i in self._recent_unknown[writer]):
             return None
