@@ -305,7 +305,7 @@ class HttpApi:
     def __init__(self, *, config: InstanceConfig, registry, handler, db,
                  replication_status: Callable[[], Tuple[bool, str]],
                  max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
-                 idle_timeout: float = 60.0, clock=None):
+                 idle_timeout: float = 60.0, lag_grace: float = 10.0, clock=None):
         self.config = config
         self.registry = registry
         self.handler = handler
@@ -314,6 +314,11 @@ class HttpApi:
         self.instance_name = config.instance_name
         self.max_body_size = max_body_size
         self.db_timeout = db_timeout
+        # A worker under steady load lags briefly all the time; it is
+        # unhealthy once a stream has lagged (or work stayed queued) for
+        # longer than this.
+        self.lag_grace = lag_grace
+        self._behind_since: Dict[Any, float] = {}
         self.idle_timeout = idle_timeout
         self.is_worker = bool(config.replication.upstream or config.replication.redis)
         secret = config.http.secret
@@ -669,12 +674,18 @@ class HttpApi:
     def _replication_problem(self, connected: bool, detail: str) -> Optional[str]:
         if not connected:
             return f"replication not connected: {detail}"
-        lags = self.handler.reader_lag()
-        for (stream, writer), lag in sorted(lags.items()):
-            if lag:
-                return f"stream {stream}/{writer} lagging by {lag}"
+        now = self._clock.seconds()
+        behind = {key: f"stream {key[0]}/{key[1]} lagging by {lag}"
+                  for key, lag in self.handler.reader_lag().items() if lag}
         if not self.handler.idle():
-            return "replication catching up (work queued)"
+            behind["work"] = "replication catching up (work queued)"
+        since = self._behind_since
+        for key in [k for k in since if k not in behind]:
+            del since[key]
+        for key in sorted(behind, key=str):
+            started = since.setdefault(key, now)
+            if now - started >= self.lag_grace:
+                return f"{behind[key]} for {now - started:.0f}s"
         return None
 
     async def _health(self, request):
