@@ -32,3 +32,35 @@ def record(name, value, unit, baseline, baseline_value, higher_is_better=True):
 
 def rate(count, seconds):
     return count / seconds if seconds > 0 else float("inf")
+
+
+def stamp_commits(gen) -> dict:
+    """``{stream_id: time.time()}`` of each ID's completion (right after its
+    commit), filled in as the generator completes IDs."""
+    stamps = {}
+    original = gen.complete_many
+
+    def stamped(writer, ids):
+        now = time.time()
+        for i in ids:
+            stamps[i] = now
+        return original(writer, ids)
+
+    gen.complete_many = stamped
+    return stamps
+
+
+def stamp_sends(handler) -> dict:
+    """``{token: time.time()}`` of each fact's lines being handed to every
+    transport by the handler's fan-out."""
+    stamps = {}
+    send_updates = handler.send_updates
+
+    def stamped(stream_name, writer, prev, updates, upto):
+        send_updates(stream_name, writer, prev, updates, upto)
+        now = time.time()
+        for t, _ in updates:
+            stamps[t] = now
+
+    handler.send_updates = stamped
+    return stamps

@@ -240,7 +240,7 @@ if __name__ == "__main__" and "--reader" in sys.argv:
 from twisted.internet import defer, reactor, task, threads  # noqa: E402
 
 import tcp  # noqa: E402
-from common import record  # noqa: E402
+from common import record, stamp_commits, stamp_sends  # noqa: E402
 from replicator.config import RedisConfig, parse_database, parse_streams  # noqa: E402
 from replicator.replication.commands import encode_rdata_lines  # noqa: E402
 from replicator.replication.handler import ReplicationHandler  # noqa: E402
@@ -560,28 +560,8 @@ async def e2e_ours(writer, port, redis_pid):
 
 async def latency_ours(writer, port):
     stream = writer.registry.get("latency")
-    gen = stream.id_gen
-    commit_at = {}
-    original = gen.complete_many
-
-    def stamped(w, ids):
-        now = time.time()
-        for i in ids:
-            commit_at[i] = now
-        return original(w, ids)
-
-    gen.complete_many = stamped
-    sent_at = {}
-    handler = writer.handler
-    send_updates = handler.send_updates
-
-    def send_stamped(stream_name, w, prev, updates, upto):
-        send_updates(stream_name, w, prev, updates, upto)
-        now = time.time()
-        for t, _ in updates:
-            sent_at[t] = now
-
-    handler.send_updates = send_stamped
+    commit_at = stamp_commits(stream.id_gen)
+    sent_at = stamp_sends(writer.handler)
     write_s = []
 
     async def timed_write(facts):
@@ -616,8 +596,8 @@ async def latency_ours(writer, port):
             results = await tcp.collect(procs)
         cpu = cpu_seconds() - cpu0
     finally:
-        gen.complete_many = original
-        del handler.send_updates
+        del stream.id_gen.complete_many  # the stamping wrappers
+        del writer.handler.send_updates
     if writer.losses:
         print(f"    the writer's Redis link was lost: "
               f"{[(round(t - start, 2), role) for t, role in writer.losses]}", flush=True)

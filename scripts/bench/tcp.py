@@ -93,7 +93,7 @@ from twisted.internet import defer, endpoints, protocol, reactor, task, threads
 from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
-from common import record
+from common import record, stamp_commits, stamp_sends
 from replicator.config import parse_database, parse_streams
 from replicator.replication.commands import encode_rdata_lines
 from replicator.replication.handler import ReplicationHandler
@@ -501,30 +501,10 @@ class Pacer:
 async def latency_ours(registry):
     server = await OurServer(registry).listen()
     stream = registry.get("latency")
-    gen = stream.id_gen
-    commit_at = {}
-    original = gen.complete_many
-
-    def stamped(writer, ids):
-        now = time.time()
-        for i in ids:
-            commit_at[i] = now
-        return original(writer, ids)
-
-    gen.complete_many = stamped
     # Where the time goes: the write itself, and commit -> lines handed to
     # every transport (the fan-out's read of the rows and the encoding).
-    sent_at = {}
-    handler = server.handler
-    send_updates = handler.send_updates
-
-    def send_stamped(stream_name, writer, prev, updates, upto):
-        send_updates(stream_name, writer, prev, updates, upto)
-        now = time.time()
-        for t, _ in updates:
-            sent_at[t] = now
-
-    handler.send_updates = send_stamped
+    commit_at = stamp_commits(stream.id_gen)
+    sent_at = stamp_sends(server.handler)
     write_s = []
 
     async def timed_write(facts):
@@ -563,7 +543,7 @@ async def latency_ours(registry):
             results = await collect(procs)
         cpu = cpu_seconds() - cpu0
     finally:
-        gen.complete_many = original
+        del stream.id_gen.complete_many  # the stamping wrapper
         await server.stop()
     delays, missing = delays_ms(results, commit_at, start + LAT_WARMUP)
     if missing:
