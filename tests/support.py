@@ -54,3 +54,30 @@ def as_sets(facts: dict) -> dict:
         return json.dumps(row, sort_keys=True)
 
     return {k: [(token, sorted(rows, key=key)) for token, rows in v] for k, v in facts.items()}
+
+
+async def write_randomly(stream, rng, written: dict, target: int, make_row,
+                         row_counts=(0, 1, 1, 2, 3), max_facts: int = 20,
+                         rollback_share: float = 0.1, pause: bool = False) -> None:
+    """Write random facts through ``stream`` until ``written["n"] >= target``:
+    1 to ``max_facts`` facts per transaction, each of ``rng.choice(row_counts)``
+    rows made by ``make_row(n, j)``; a ``rollback_share`` of the writes fail
+    inside the transaction (a reserved ID completed without rows)."""
+    def boom(txn, stream_id):
+        raise RuntimeError("rollback")
+
+    while written["n"] < target:
+        facts = [[make_row(written["n"] + j, j) for _ in range(rng.choice(row_counts))]
+                 for j in range(rng.randint(1, max_facts))]
+        if rng.random() < rollback_share:
+            try:
+                async with stream.writer() as fact:
+                    fact.add_rows(facts[0])
+                    fact.also(boom)
+            except RuntimeError:
+                pass
+            continue
+        await stream.write_facts(facts)
+        written["n"] += len(facts)
+        if pause:
+            await sleep(0)

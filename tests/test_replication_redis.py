@@ -16,7 +16,7 @@ from replicator.replication.redis import RedisReplication
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer, RedisServer
-from tests.support import as_sets, sleep, table_facts, until
+from tests.support import as_sets, sleep, table_facts, until, write_randomly
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -97,24 +97,10 @@ class RedisReplicationTests(TestCase):
             written = {"n": 0}
 
             async def writer_loop(node):
-                stream = node.registry.get("caches")
-                while written["n"] < target:
-                    facts = [[[f"f{written['n'] + j}", rng.choice([None, ["@k:hs"]]), j]
-                              for _ in range(rng.choice([0, 1, 1, 2, 3]))]
-                             for j in range(rng.randint(1, 25))]
-                    if rng.random() < 0.1:
-                        def boom(txn, stream_id):
-                            raise RuntimeError("rollback")
-                        try:
-                            async with stream.writer() as fact:
-                                fact.add_rows(facts[0])
-                                fact.also(boom)
-                        except RuntimeError:
-                            pass
-                        continue
-                    await stream.write_facts(facts)
-                    written["n"] += len(facts)
-                    await sleep(0)
+                await write_randomly(
+                    node.registry.get("caches"), rng, written, target,
+                    lambda n, j: [f"f{n}", rng.choice([None, ["@k:hs"]]), j],
+                    max_facts=25, pause=True)
 
             async def chaos():
                 nonlocal reader, consumer

@@ -18,7 +18,7 @@ from replicator.replication.tcp import (
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer
-from tests.support import as_sets, sleep, table_facts, until
+from tests.support import as_sets, sleep, table_facts, until, write_randomly
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -116,23 +116,9 @@ class TcpReplicationTests(TestCase):
                 return [f"$ev{i}", {"body": "x " * rng.randint(0, 5), "n": i}]
 
             async def writer_loop(instance, stream_name):
-                stream = instance.registry.get(stream_name)
-                while written["n"] < target:
-                    facts = [[row_for(stream_name, written["n"] + j)
-                              for _ in range(rng.choice([0, 1, 1, 1, 2, 4]))]
-                             for j in range(rng.randint(1, 20))]
-                    if rng.random() < 0.1:
-                        def boom(txn, stream_id):
-                            raise RuntimeError("rollback")
-                        try:
-                            async with stream.writer() as fact:
-                                fact.add_rows(facts[0])
-                                fact.also(boom)
-                        except RuntimeError:
-                            pass
-                        continue
-                    await stream.write_facts(facts)
-                    written["n"] += len(facts)
+                await write_randomly(
+                    instance.registry.get(stream_name), rng, written, target,
+                    lambda n, j: row_for(stream_name, n), row_counts=(0, 1, 1, 1, 2, 4))
 
             async def chaos():
                 while written["n"] < target:
