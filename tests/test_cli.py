@@ -303,3 +303,29 @@ class PostgresClusterTests(SynchronousTestCase):
         for d in (master, w1, w2):
             d.kill(signal.SIGTERM)
             self.assertEqual(d.proc.returncode, 0, d.output()[-2000:])
+
+
+class ExampleConfigTests(SynchronousTestCase):
+    """The shipped examples stay valid (secret files pointed at a temp file)."""
+
+    def test_examples_parse(self):
+        from replicator.config import load_config
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        tmp = tempfile.mkdtemp()
+        secret = os.path.join(tmp, "secret")
+        with open(secret, "w") as f:
+            f.write("example-secret-0123456789\n")
+        names = {}
+        for name in ("dev.yaml", "master.yaml", "worker.yaml"):
+            with open(os.path.join(root, "conf", name)) as f:
+                doc = yaml.safe_load(f)
+            doc["http"]["secret_file"] = secret
+            path = os.path.join(tmp, name)
+            with open(path, "w") as f:
+                yaml.safe_dump(doc, f)
+            config = load_config(path)
+            names[name] = (config.instance_name, [s.name for s in config.streams])
+        self.assertEqual(names["dev.yaml"], ("master", ["caches", "account_data", "presence"]))
+        self.assertEqual(names["master.yaml"], ("master", ["caches", "account_data"]))
+        self.assertEqual(names["worker.yaml"], ("worker1", ["caches", "account_data"]))
