@@ -64,3 +64,28 @@ def stamp_sends(handler) -> dict:
 
     handler.send_updates = stamped
     return stamps
+
+
+async def standalone_main(module, dbname: str, argv) -> None:
+    """``python scripts/bench/X.py [--only A,B] [--profile]`` for a bench
+    module with ``PHASES``, ``PROFILE`` and ``async run(dsn, only)``: its
+    own durable PostgreSQL, and a cProfile of the measured parts if asked."""
+    import argparse
+    import cProfile
+    import pstats
+
+    from tests.servers import PostgresServer
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default=",".join(module.PHASES))
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    if args.profile:
+        module.PROFILE = cProfile.Profile()
+    pg = PostgresServer(fsync=True)
+    try:
+        await module.run(pg.create_database(dbname), args.only.split(","))
+    finally:
+        pg.stop()
+    if module.PROFILE is not None:
+        pstats.Stats(module.PROFILE).sort_stats("tottime").print_stats(30)

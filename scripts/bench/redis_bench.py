@@ -61,11 +61,9 @@ phases: the writer).
 """
 
 import argparse
-import cProfile
 import gc
 import json
 import os
-import pstats
 import re
 import resource
 import selectors
@@ -240,7 +238,7 @@ if __name__ == "__main__" and "--reader" in sys.argv:
 from twisted.internet import defer, reactor, task, threads  # noqa: E402
 
 import tcp  # noqa: E402
-from common import record, stamp_commits, stamp_sends  # noqa: E402
+from common import record, stamp_commits, stamp_sends, standalone_main  # noqa: E402
 from replicator.config import RedisConfig, parse_database, parse_streams  # noqa: E402
 from replicator.replication.commands import encode_rdata_lines  # noqa: E402
 from replicator.replication.handler import ReplicationHandler  # noqa: E402
@@ -674,24 +672,6 @@ async def run(dsn, only=PHASES):
         redis.stop()
 
 
-async def main(reactor_, argv):
-    global PROFILE
-    p = argparse.ArgumentParser()
-    p.add_argument("--only", default=",".join(PHASES))
-    p.add_argument("--profile", action="store_true")
-    args = p.parse_args(argv)
-    if args.profile:
-        PROFILE = cProfile.Profile()
-    from tests.servers import PostgresServer
-
-    pg = PostgresServer(fsync=True)
-    try:
-        await run(pg.create_database("redisbench"), args.only.split(","))
-    finally:
-        pg.stop()
-    if PROFILE is not None:
-        pstats.Stats(PROFILE).sort_stats("tottime").print_stats(30)
-
-
 if __name__ == "__main__":
-    task.react(lambda r: defer.ensureDeferred(main(r, sys.argv[1:])))
+    task.react(lambda r: defer.ensureDeferred(
+        standalone_main(sys.modules[__name__], "redisbench", sys.argv[1:])))

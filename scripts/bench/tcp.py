@@ -74,11 +74,9 @@ phases run).
 """
 
 import contextlib
-import cProfile
 import gc
 import json
 import os
-import pstats
 import resource
 import sys
 import threading
@@ -93,7 +91,7 @@ from twisted.internet import defer, endpoints, protocol, reactor, task, threads
 from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
-from common import record, stamp_commits, stamp_sends
+from common import record, stamp_commits, stamp_sends, standalone_main
 from replicator.config import parse_database, parse_streams
 from replicator.replication.commands import encode_rdata_lines
 from replicator.replication.handler import ReplicationHandler
@@ -813,26 +811,6 @@ async def run(dsn, only=PHASES):
         db.close()
 
 
-async def main(reactor_, argv):
-    import argparse
-
-    global PROFILE
-    p = argparse.ArgumentParser()
-    p.add_argument("--only", default=",".join(PHASES))
-    p.add_argument("--profile", action="store_true")
-    args = p.parse_args(argv)
-    if args.profile:
-        PROFILE = cProfile.Profile()
-    from tests.servers import PostgresServer
-
-    pg = PostgresServer(fsync=True)
-    try:
-        await run(pg.create_database("tcpbench"), args.only.split(","))
-    finally:
-        pg.stop()
-    if PROFILE is not None:
-        pstats.Stats(PROFILE).sort_stats("tottime").print_stats(30)
-
-
 if __name__ == "__main__":
-    task.react(lambda r: defer.ensureDeferred(main(r, sys.argv[1:])))
+    task.react(lambda r: defer.ensureDeferred(
+        standalone_main(sys.modules[__name__], "tcpbench", sys.argv[1:])))
