@@ -668,6 +668,7 @@ class OutboundTests(SynchronousTestCase):
                 "shutdown",
                 "remote_error",
                 "connection_lost",
+                "refused",
             },
         )
 
