@@ -22,7 +22,7 @@ from twisted.internet import defer
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
-from . import metrics, sdnotify
+from . import files, metrics, sdnotify
 from .config import InstanceConfig, is_loopback_endpoint
 from .replication.handler import ReplicationHandler
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
@@ -218,6 +218,7 @@ class Instance:
     # ------------------------------------------------------------- start
     async def start(self) -> None:
         config = self.config
+        files.warn_if_exposed(config.http.secret_file, "http.secret_file")
         await self._check_database()
         await self.registry.start()
         self.handler.start()
