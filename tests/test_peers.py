@@ -208,12 +208,13 @@ class ConfigTests(SynchronousTestCase):
         self.assertEqual((config.max_user_syncs, config.max_user_ips, config.max_federation_acks,
                           config.bookkeeping_max_age), (100_000, 100_000, 1_000, 86_400.0))
         self.assertEqual(self.error({"max_user_ips": 0}),
-                         "config: replication.max_user_ips: must be at least 1, got 0")
+                         "config: replication.max_user_ips: must be an integer from 1 to "
+                         "10000000, got 0")
         self.assertEqual(self.error({"max_user_syncs": 10**12}),
-                         "config: replication.max_user_syncs: must be at most 10000000, got "
-                         "1000000000000")
+                         "config: replication.max_user_syncs: must be an integer from 1 to "
+                         "10000000, got 1000000000000")
         self.assertEqual(self.error({"bookkeeping_max_age": float("inf")}),
-                         "config: replication.bookkeeping_max_age: must be at most 31536000.0, "
-                         "got inf")
+                         "config: replication.bookkeeping_max_age: must be a number from 60 to "
+                         "3.1536e+07, got inf")
         self.assertIn("replication.bookkeeping_max_age",
                       self.error({"bookkeeping_max_age": float("nan")}))
