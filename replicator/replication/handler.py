@@ -115,6 +115,7 @@ class ReplicationHandler:
         self._fanout_timers: Dict[Key, Any] = {}
         self._last_fanout: Dict[Key, float] = {}
         self._readers: Dict[Key, _Reader] = {}
+        self._heard: Set[Key] = set()  # read keys a POSITION or RDATA arrived for
         self._started = False
         self._stopping = False
         # USER_SYNC / FEDERATION_ACK / USER_IP bookkeeping (master side).
@@ -328,6 +329,7 @@ class ReplicationHandler:
             metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream").inc()
             log.debug("Ignoring RDATA for {key} (not a stream writer we read)", key=key)
             return
+        self._heard.add(key)
         if not conn.is_client_side:
             # From a writer client: relay whole facts to everyone else.
             pending = state.relay_batches.setdefault(key, [])
@@ -357,6 +359,7 @@ class ReplicationHandler:
             if key not in self._announced:
                 metrics.COMMANDS_DROPPED.labels("POSITION", "unknown_stream").inc()
             return
+        self._heard.add(key)
         if not conn.is_client_side:
             self._relayed[key] = max(self._relayed.get(key, 0), cmd.new_token)
             self._broadcast([(cmd.to_line() + "\n").encode("utf-8")], "POSITION", exclude=conn)
@@ -498,6 +501,11 @@ class ReplicationHandler:
 
     def reader_positions(self) -> Dict[Key, Optional[int]]:
         return {key: r.position for key, r in self._readers.items()}
+
+    def reader_heard(self) -> Set[Key]:
+        """The (stream, writer) keys read here that a POSITION or RDATA has
+        arrived for since start (from any connection)."""
+        return set(self._heard)
 
     def reader_lag(self) -> Dict[Key, int]:
         return {key: max(0, r.seen - (r.position or 0)) for key, r in self._readers.items()}
