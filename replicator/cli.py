@@ -201,7 +201,8 @@ def cmd_write(args) -> None:
 
 def cmd_positions(args) -> None:
     config = _load(args.config)
-    answer = _request(f"{_http_base(config)}/_replicator/v1/positions")
+    answer = _request(f"{_http_base(config)}/_replicator/v1/positions",
+                      secret=config.http.secret)
     if args.json:
         print(json.dumps(answer, indent=2))
         return
