@@ -423,6 +423,14 @@ class ReplicationConfig:
     max_line_length: int = 16_384
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
+    # Who may connect (README, "Security model"); None: anyone.
+    allowed_peers: Optional[Tuple[str, ...]] = None
+    allowed_networks: Optional[Tuple[str, ...]] = None
+    # Bounds of the USER_SYNC / USER_IP / FEDERATION_ACK bookkeeping.
+    max_user_syncs: int = 100_000
+    max_user_ips: int = 100_000
+    max_federation_acks: int = 1_000
+    bookkeeping_max_age: float = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -528,11 +536,47 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
     return RedisConfig(endpoint, _str(section, "password", key, None), dbid)
 
 
+def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:
+    if section.get("allowed_peers") is None:
+        return None
+    names = _list(section, "allowed_peers", key)
+    if not names:
+        raise ConfigError(f"{key}.allowed_peers", "an empty list would refuse every peer")
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not WIRE_NAME.fullmatch(name):
+            raise ConfigError(f"{key}.allowed_peers[{i}]", f"{name!r} is not an instance name")
+    return tuple(names)
+
+
+def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
+                      ) -> Optional[Tuple[str, ...]]:
+    if section.get("allowed_networks") is None:
+        return None
+    import ipaddress
+
+    networks = _list(section, "allowed_networks", key)
+    if not networks:
+        raise ConfigError(f"{key}.allowed_networks", "an empty list would refuse every peer")
+    for i, network in enumerate(networks):
+        path = f"{key}.allowed_networks[{i}]"
+        if not isinstance(network, str):
+            raise ConfigError(path, f"expected a network like 10.0.0.0/8, got {_kind(network)}")
+        try:
+            ipaddress.ip_network(network)
+        except ValueError as e:
+            raise ConfigError(path, str(e).replace("\n", " ")) from None
+    if listen is not None and not listen.startswith(("tcp", "ssl")):
+        raise ConfigError(f"{key}.allowed_networks", "needs a tcp: or ssl: listener")
+    return tuple(networks)
+
+
 def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig:
     section = _mapping(value if value is not None else {}, key)
     _no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
                           "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit",
-                          "fanout_interval"), key)
+                          "fanout_interval", "allowed_peers", "allowed_networks",
+                          "max_user_syncs", "max_user_ips", "max_federation_acks",
+                          "bookkeeping_max_age"), key)
     ping_interval = _number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
     ping_timeout = _number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
@@ -566,6 +610,15 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1, maximum=100_000),
         fanout_interval=_number(section, "fanout_interval", key, 0.003, minimum=0,
                                 maximum=1),
+        allowed_peers=_allowed_peers(section, key),
+        allowed_networks=_allowed_networks(section, key, listen),
+        max_user_syncs=_int(section, "max_user_syncs", key, 100_000, minimum=1,
+                            maximum=10_000_000),
+        max_user_ips=_int(section, "max_user_ips", key, 100_000, minimum=1, maximum=10_000_000),
+        max_federation_acks=_int(section, "max_federation_acks", key, 1_000, minimum=1,
+                                 maximum=100_000),
+        bookkeeping_max_age=_number(section, "bookkeeping_max_age", key, 86_400.0,
+                                    minimum=60, maximum=31_536_000),
     )
 
 

@@ -26,6 +26,7 @@ from . import files, metrics, sdnotify
 from .config import InstanceConfig, is_loopback_endpoint
 from .health import HealthMonitor
 from .replication.handler import ReplicationHandler
+from .replication.peers import local_names, policy_from_config
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
 from .storage.database import Database
 from .tls import server_endpoint
@@ -227,7 +228,9 @@ class Instance:
         rep = config.replication
         if rep.listen:
             self._warn_exposed(rep.listen, "replication")
-            factory = ReplicationServerFactory(self.handler, config.server_name, self.settings)
+            policy = policy_from_config(rep, local_names(self.handler))
+            factory = ReplicationServerFactory(self.handler, config.server_name, self.settings,
+                                               policy=policy)
             self._listen(rep.listen, factory, "replication", rep.client_ca,
                          key="replication.listen")
         if rep.upstream:
