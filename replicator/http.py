@@ -38,7 +38,7 @@ Prometheus.
     ``{"user_ips": [{user_id, device_id, ip, user_agent, last_seen}, ...]}``.
 ``GET /health``
     200 ``{"status": "ok", ...summary}`` once ``SELECT 1`` answers within
-    ``db_timeout`` and, on a worker, replication is connected and caught up;
+    ``db_timeout`` and replication is keeping up (see :mod:`replicator.health`);
     otherwise 503 ``{"status": "unhealthy", "reason": "..."}`` with the first
     problem found.
 ``GET /metrics``
@@ -320,7 +320,8 @@ class HttpApi:
     def __init__(self, *, config: InstanceConfig, registry, handler, db,
                  replication_status: Callable[[], Tuple[bool, str]],
                  max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
-                 idle_timeout: float = 60.0, lag_grace: float = 10.0, clock=None):
+                 idle_timeout: float = 60.0, lag_grace: float = 10.0, clock=None,
+                 health=None):
         self.config = config
         self.registry = registry
         self.handler = handler
@@ -329,11 +330,6 @@ class HttpApi:
         self.instance_name = config.instance_name
         self.max_body_size = max_body_size
         self.db_timeout = db_timeout
-        # A worker under steady load lags briefly all the time; it is
-        # unhealthy once a stream has lagged (or work stayed queued) for
-        # longer than this.
-        self.lag_grace = lag_grace
-        self._behind_since: Dict[Any, float] = {}
         self.idle_timeout = idle_timeout
         self.is_worker = bool(config.replication.upstream or config.replication.redis)
         secret = config.http.secret
@@ -345,6 +341,12 @@ class HttpApi:
         if clock is None:
             from twisted.internet import reactor as clock
         self._clock = clock
+        if health is None:  # replication problems only (no periodic database check)
+            from .health import HealthMonitor
+
+            health = HealthMonitor(registry=registry, handler=handler, db=db, clock=clock,
+                                   lag_grace=lag_grace, expect_upstream=self.is_worker)
+        self.health = health
         self._db_probe: Optional[defer.Deferred] = None
         self._db_waiters: List[defer.Deferred] = []
         self._root = _Root(self)
@@ -689,21 +691,7 @@ class HttpApi:
             return False, "replication status unavailable"
 
     def _replication_problem(self, connected: bool, detail: str) -> Optional[str]:
-        if not connected:
-            return f"replication not connected: {detail}"
-        now = self._clock.seconds()
-        behind = {key: f"stream {key[0]}/{key[1]} lagging by {lag}"
-                  for key, lag in self.handler.reader_lag().items() if lag}
-        if not self.handler.idle():
-            behind["work"] = "replication catching up (work queued)"
-        since = self._behind_since
-        for key in [k for k in since if k not in behind]:
-            del since[key]
-        for key in sorted(behind, key=str):
-            started = since.setdefault(key, now)
-            if now - started >= self.lag_grace:
-                return f"{behind[key]} for {now - started:.0f}s"
-        return None
+        return self.health.problem(connected, detail)
 
     async def _health(self, request):
         problem = await self.check_database()
@@ -712,7 +700,7 @@ class HttpApi:
             if unloaded:
                 problem = f"streams not loaded: {', '.join(unloaded)}"
         connected, detail = self._replication()
-        if problem is None and self.is_worker:
+        if problem is None:
             problem = self._replication_problem(connected, detail)
         if problem is not None:
             raise _Unhealthy(problem)
