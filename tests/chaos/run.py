@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -35,7 +36,29 @@ QUIESCENCE_TIMEOUT = 90.0
 HEALTH_TIMEOUT = 30.0
 PLANTS = {"drop-rdata": {"type": "tests.chaos.planted:DroppingJsonlConsumer",
                          "drop_every": 100}}
-LOG_ERROR_MARKERS = ("Unhandled Error", "CRITICAL", "Traceback")
+LEVELS = ("ERROR ", "CRITICAL ")
+EXCEPTION = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Transition)"
+                       r"(?::\s.*|$))")
+
+
+def logged_errors(text: str) -> List[str]:
+    """One summary per ERROR/CRITICAL event of a daemon's log: its first
+    words and the exception it ended with, if any (tracebacks follow on
+    indented lines, or inline for Twisted's legacy "Unhandled Error")."""
+    events: List[List[str]] = []
+    for line in text.splitlines():
+        if line.startswith(LEVELS):
+            events.append([line, ""])
+        elif line.startswith("    ") and events:
+            m = EXCEPTION.search(line.strip())
+            if m:
+                events[-1][1] = m.group(1)
+        else:
+            continue
+        m = EXCEPTION.findall(events[-1][0]) if not events[-1][1] else None
+        if m:
+            events[-1][1] = m[-1]
+    return [f"{head[:70]} -> {exc[:120]}" if exc else head[:120] for head, exc in events]
 
 
 def read_table(dsn: str) -> Dict[tuple, Dict[int, list]]:
@@ -277,9 +300,8 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
 
         log_errors = defaultdict(int)
         for instance in instances.values():
-            for line in instance.log_text().splitlines():
-                if any(m in line for m in LOG_ERROR_MARKERS):
-                    log_errors[line.split("]", 1)[-1].strip()[:160]] += 1
+            for event in logged_errors(instance.log_text()):
+                log_errors[event] += 1
         outcomes = defaultdict(int)
         for w in writes:
             outcomes[w["outcome"]] += 1

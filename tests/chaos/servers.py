@@ -45,26 +45,33 @@ class PgCluster:
         self.start()
 
     def _run(self, tool, *args, timeout=120):
+        # Output to a file, never a pipe: the postmaster pg_ctl starts would
+        # inherit the pipe and keep it open.
         cmd = self._as_user + [os.path.join(self.bindir, tool), *args]
-        try:
-            return subprocess.run(cmd, check=True, capture_output=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL)
-        except subprocess.CalledProcessError as e:
-            raise RuntimeError(f"{tool} {' '.join(args)} failed: "
-                               f"{e.stderr.decode(errors='replace').strip()}") from None
+        out_path = os.path.join(self.tmp, f"{tool}.out")
+        with open(out_path, "wb") as out:
+            code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                                  stdin=subprocess.DEVNULL).returncode
+        if code:
+            with open(out_path, "rb") as f:
+                detail = f.read().decode(errors="replace").strip()
+            raise RuntimeError(f"{tool} {' '.join(args)} failed: {detail}")
+
+    def _options(self) -> str:
+        return (f"-p {self.port} -c listen_addresses=127.0.0.1 "
+                f"-c unix_socket_directories={self.tmp} -c max_connections=200 "
+                "-c fsync=off -c full_page_writes=off")
 
     def start(self):
-        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
-                   f"-c unix_socket_directories={self.tmp} -c max_connections=200 "
-                   "-c fsync=off -c full_page_writes=off")
-        self._run("pg_ctl", "-D", self.datadir, "-l", self.logfile, "-o", options, "-w",
-                  "-t", "60", "start")
+        self._run("pg_ctl", "-D", self.datadir, "-l", self.logfile, "-o", self._options(),
+                  "-w", "-t", "60", "start")
         self.wait_ready()
 
     def restart(self, mode: str = "immediate"):
         """``pg_ctl restart -m MODE``: ``immediate`` is a crash (no checkpoint,
         backends killed, recovery on start), ``fast`` an orderly restart."""
-        self._run("pg_ctl", "-D", self.datadir, "-m", mode, "-w", "-t", "60", "restart")
+        self._run("pg_ctl", "-D", self.datadir, "-l", self.logfile, "-o", self._options(),
+                  "-m", mode, "-w", "-t", "60", "restart")
         self.wait_ready()
 
     def stop(self, mode: str = "fast"):
