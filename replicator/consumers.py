@@ -51,6 +51,7 @@ import orjson
 from twisted.internet import defer
 from twisted.logger import Logger, LogLevel
 
+from . import files
 from .config import ConfigError, ConsumerConfig, _bool, _no_unknown, _number, _str
 
 log = Logger()
@@ -212,9 +213,9 @@ class JsonlConsumer(Consumer):
     # ------------------------------------------------------------ opening
     def _open(self) -> None:
         directory = os.path.dirname(self.path)
-        os.makedirs(directory, exist_ok=True)
+        files.make_directory(directory)
         created = not os.path.exists(self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, files.DATA_MODE)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -444,7 +445,7 @@ def _build_jsonl(config: ConsumerConfig, base_dir: str, where: str) -> Consumer:
     path = _str(options, "path", where)
     path = os.path.join(base_dir, path)  # an absolute path stays as it is
     fsync = _bool(options, "fsync", where, True)
-    flush_interval = _number(options, "flush_interval", where, 0.05, 0.0)
+    flush_interval = _number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
     try:
         return JsonlConsumer(path, streams=config.streams, flush_interval=flush_interval,
                              fsync=fsync)

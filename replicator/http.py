@@ -20,11 +20,16 @@ Routes (every JSON answer is one line followed by ``\\n``; errors are
     exceeds ``replication.max_line_length``).  503 when the database write
     fails (logged with its traceback; the answer is generic) or the streams
     are not loaded yet.
-``GET /_replicator/v1/positions``
+Reading the instance's state needs the same secret as writing (401/403 as
+above): positions and the master's bookkeeping tell who runs what and who
+is online.  ``/health`` and ``/metrics`` stay open for probes and
+Prometheus.
+
+``GET /_replicator/v1/positions`` (secret required)
     Per stream its linear token and, per writer, its position; local writers
     add ``in_flight`` and ``announced``, remote ones ``reader_position`` and
     ``lag``.
-``GET /_replicator/v1/federation_acks``
+``GET /_replicator/v1/federation_acks`` (secret required)
     ``{"acks": {instance: token}}``.
 ``GET /_replicator/v1/user_syncs`` (secret required: user IDs are personal)
     ``{"user_syncs": {instance: [{user_id, device_id, last_sync_ms}, ...]}}``.
@@ -569,6 +574,7 @@ class HttpApi:
         return {"stream_id": stream_id}
 
     async def _positions(self, request):
+        self._authorize(request)
         handler = self.handler
         announced = handler.announced_positions()
         readers = handler.reader_positions()
@@ -607,6 +613,7 @@ class HttpApi:
         return {"user_syncs": out}
 
     async def _federation_acks(self, request):
+        self._authorize(request)
         return {"acks": dict(sorted(self.handler.federation_acks.items()))}
 
     async def _user_ips(self, request):
