@@ -148,14 +148,14 @@ def run(scenario, transport, seed, duration, **kwargs):
 
 
 class SliceTests(SynchronousTestCase):
-    """A short seeded slice of ``make chaos`` (fixed seeds, 15 s of faults
+    """A short seeded slice of ``make chaos`` (fixed seeds, 12 s of faults
     each), limited to scenarios that pass reliably on main."""
 
     SLICE = [("crash", "tcp", 101), ("net", "tcp", 102), ("pause", "redis", 103)]
 
     def test_slice(self):
         for scenario, transport, seed in self.SLICE:
-            result, out = run(scenario, transport, seed, 15.0)
+            result, out = run(scenario, transport, seed, 12.0)
             self.assertGreater(result["faults"], 0, out)
             self.assertGreater(result["outcomes"].get("acked", 0), 100, out)
             self.assertTrue(result["quiescent"], out)

@@ -31,7 +31,14 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default="chaos-results.jsonl",
                         help="append one JSON line per run here ('' for none)")
     parser.add_argument("--keep", action="store_true", help="keep every run's directory")
+    parser.add_argument("--daemon-path", metavar="DIR",
+                        help="run the daemons' replicator package from DIR (e.g. an older "
+                             "commit from git archive) to check the suite catches its defects")
     args = parser.parse_args(argv)
+    if args.daemon_path:
+        from .cluster import Instance
+
+        Instance.daemon_path = os.path.abspath(args.daemon_path)
 
     scenarios = [s for s in args.scenario.split(",") if s]
     transports = [t for t in args.transport.split(",") if t]

@@ -17,6 +17,7 @@ front of the master's listener.  Redis: every instance talks to
 ``ping_timeout`` 3 s keep pauses "past the ping timeout" short.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -73,6 +74,12 @@ class Instance:
         with open(self.path, "w") as f:
             yaml.safe_dump(config, f)
         self.log_path = os.path.join(self.dir, "out.log")
+        # Position 0 for every key it reads: the consumer has history from
+        # the start, so it must get every fact (a consumer without history
+        # starts live, at the first POSITION it hears, by design).
+        with open(self.facts_path, "w") as f:
+            for stream, writer in read_keys(name):
+                f.write(json.dumps({"stream": stream, "writer": writer, "position": 0}) + "\n")
         self.proc: Optional[subprocess.Popen] = None
         self.paused = False
         self.expected_down = False  # killed or stopped by us
@@ -87,12 +94,17 @@ class Instance:
     def http_base(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    #: Source tree the daemons import ``replicator`` from before this
+    #: checkout's (``--daemon-path``: e.g. an older commit, to see whether
+    #: the suite catches a defect that commit has).
+    daemon_path: Optional[str] = None
+
     def start(self, env: Optional[Dict[str, str]] = None):
         self.note_exit()
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         environ = dict(os.environ, PYTHONUNBUFFERED="1")
-        environ["PYTHONPATH"] = root + (os.pathsep + environ["PYTHONPATH"]
-                                        if environ.get("PYTHONPATH") else "")
+        paths = [p for p in (self.daemon_path, root, environ.get("PYTHONPATH")) if p]
+        environ["PYTHONPATH"] = os.pathsep.join(paths)
         environ.update(env or {})
         with open(self.log_path, "ab") as log:
             log.write(f"==== chaos: start #{self.starts + 1}\n".encode())

@@ -22,7 +22,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from .clients import http_request
-from .cluster import STREAMS, TABLES
+from .cluster import SECRET, STREAMS, TABLES
 
 Key = Tuple[str, str]
 
@@ -61,7 +61,8 @@ class Observer:
                 return
             try:
                 status, body = await http_request(instance.http_port, "GET",
-                                                  "/_replicator/v1/positions", timeout=1.0)
+                                                  "/_replicator/v1/positions", secret=SECRET,
+                                                  timeout=1.0)
             except (OSError, asyncio.TimeoutError, ValueError, IndexError):
                 return
             if status != 200:

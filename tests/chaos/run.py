@@ -24,8 +24,8 @@ from tests.servers import RedisServer, free_port
 
 from . import checker
 from .clients import Writer, http_request, row_tag
-from .cluster import (INSTANCES, STREAMS, TABLES, WRITE_TARGETS, Instance, build_configs,
-                      make_base_dir, read_keys)
+from .cluster import (INSTANCES, SECRET, STREAMS, TABLES, WRITE_TARGETS, Instance,
+                      build_configs, make_base_dir, read_keys)
 from .nemesis import Nemesis, make_schedule
 from .observer import Observer
 from .proxy import Proxy
@@ -137,7 +137,8 @@ async def wait_answering(instance: Instance, timeout: float = 60.0) -> bool:
         if instance.running() and not instance.paused:
             try:
                 status, _ = await http_request(instance.http_port, "GET",
-                                               "/_replicator/v1/positions", timeout=2)
+                                               "/_replicator/v1/positions", secret=SECRET,
+                                               timeout=2)
                 if status == 200:
                     return True
             except (OSError, asyncio.TimeoutError, ValueError, IndexError):
