@@ -423,6 +423,14 @@ class ReplicationConfig:
     max_line_length: int = 16_384
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
+    # Who may connect (README, "Security model"); None: anyone.
+    allowed_peers: Optional[Tuple[str, ...]] = None
+    allowed_networks: Optional[Tuple[str, ...]] = None
+    # Bounds of the USER_SYNC / USER_IP / FEDERATION_ACK bookkeeping.
+    max_user_syncs: int = 100_000
+    max_user_ips: int = 100_000
+    max_federation_acks: int = 1_000
+    bookkeeping_max_age: float = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -433,6 +441,17 @@ class HttpConfig:
     secret: Optional[str] = field(default=None, repr=False)
     metrics_listen: Optional[str] = None  # host:port served from its own thread
     secret_file: Optional[str] = None  # where the secret was read from, if from a file
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """What ``/health`` tolerates: a lag, an unreceived committed fact or a
+    writer never heard of is a problem once it has lasted ``lag_grace``
+    seconds; the database is asked for unreceived facts every
+    ``check_interval`` seconds."""
+
+    lag_grace: float = 10.0
+    check_interval: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -457,6 +476,7 @@ class InstanceConfig:
     http: HttpConfig
     consumers: Tuple[ConsumerConfig, ...] = ()
     log_level: str = "info"
+    health: HealthConfig = HealthConfig()
     path: Optional[str] = None
 
     def writes(self, stream: StreamConfig) -> bool:
@@ -516,11 +536,47 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
     return RedisConfig(endpoint, _str(section, "password", key, None), dbid)
 
 
+def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:
+    if section.get("allowed_peers") is None:
+        return None
+    names = _list(section, "allowed_peers", key)
+    if not names:
+        raise ConfigError(f"{key}.allowed_peers", "an empty list would refuse every peer")
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not WIRE_NAME.fullmatch(name):
+            raise ConfigError(f"{key}.allowed_peers[{i}]", f"{name!r} is not an instance name")
+    return tuple(names)
+
+
+def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
+                      ) -> Optional[Tuple[str, ...]]:
+    if section.get("allowed_networks") is None:
+        return None
+    import ipaddress
+
+    networks = _list(section, "allowed_networks", key)
+    if not networks:
+        raise ConfigError(f"{key}.allowed_networks", "an empty list would refuse every peer")
+    for i, network in enumerate(networks):
+        path = f"{key}.allowed_networks[{i}]"
+        if not isinstance(network, str):
+            raise ConfigError(path, f"expected a network like 10.0.0.0/8, got {_kind(network)}")
+        try:
+            ipaddress.ip_network(network)
+        except ValueError as e:
+            raise ConfigError(path, str(e).replace("\n", " ")) from None
+    if listen is not None and not listen.startswith(("tcp", "ssl")):
+        raise ConfigError(f"{key}.allowed_networks", "needs a tcp: or ssl: listener")
+    return tuple(networks)
+
+
 def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig:
     section = _mapping(value if value is not None else {}, key)
     _no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
                           "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit",
-                          "fanout_interval"), key)
+                          "fanout_interval", "allowed_peers", "allowed_networks",
+                          "max_user_syncs", "max_user_ips", "max_federation_acks",
+                          "bookkeeping_max_age"), key)
     ping_interval = _number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
     ping_timeout = _number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
@@ -554,6 +610,15 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1, maximum=100_000),
         fanout_interval=_number(section, "fanout_interval", key, 0.003, minimum=0,
                                 maximum=1),
+        allowed_peers=_allowed_peers(section, key),
+        allowed_networks=_allowed_networks(section, key, listen),
+        max_user_syncs=_int(section, "max_user_syncs", key, 100_000, minimum=1,
+                            maximum=10_000_000),
+        max_user_ips=_int(section, "max_user_ips", key, 100_000, minimum=1, maximum=10_000_000),
+        max_federation_acks=_int(section, "max_federation_acks", key, 1_000, minimum=1,
+                                 maximum=100_000),
+        bookkeeping_max_age=_number(section, "bookkeeping_max_age", key, 86_400.0,
+                                    minimum=60, maximum=31_536_000),
     )
 
 
@@ -599,6 +664,15 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
                       secret_file=secret_file)
 
 
+def parse_health(value: Any, key: str = "health") -> HealthConfig:
+    section = _mapping(value if value is not None else {}, key)
+    _no_unknown(section, ("lag_grace", "check_interval"), key)
+    return HealthConfig(
+        lag_grace=_number(section, "lag_grace", key, 10.0, minimum=0.0, maximum=3600.0),
+        check_interval=_number(section, "check_interval", key, 5.0, minimum=0.1,
+                               maximum=3600.0))
+
+
 def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[ConsumerConfig, ...]:
     if value is None:
         return ()
@@ -622,7 +696,7 @@ def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[C
 
 
 INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replication", "http",
-                 "consumers", "log_level")
+                 "consumers", "log_level", "health")
 
 
 def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
@@ -642,6 +716,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     replication = parse_replication(section.get("replication"))
     http = parse_http(section.get("http"), base_dir=base_dir)
     consumers = parse_consumers(section.get("consumers"), {s.name for s in streams})
+    health = parse_health(section.get("health"))
     log_level = section.get("log_level", "info")
     if log_level not in LOG_LEVELS:
         raise ConfigError("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
@@ -658,7 +733,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     return InstanceConfig(
         server_name=server_name, instance_name=instance_name, database=database,
         streams=streams, replication=replication, http=http, consumers=consumers,
-        log_level=log_level, path=path,
+        log_level=log_level, path=path, health=health,
     )
 
 

@@ -65,6 +65,16 @@ READER_LAG = Gauge(
     "replicator_reader_lag", "Writer's announced token minus this reader's token",
     ["stream", "writer"], registry=None,
 )
+UNRECEIVED_FACTS = Gauge(
+    "replicator_unreceived_facts",
+    "Facts of a remote writer committed in the database above this reader's position "
+    "(last check; capped at 10000)", ["stream", "writer"],
+)
+UNRECEIVED_AGE = Gauge(
+    "replicator_unreceived_age_seconds",
+    "How long the oldest committed fact above this reader's position has gone unreceived "
+    "(last check)", ["stream", "writer"],
+)
 CATCHUP_FETCHES = Counter(
     "replicator_catchup_fetches_total", "Out-of-band fetches to fill a position gap", ["stream"]
 )

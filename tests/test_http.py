@@ -323,7 +323,8 @@ class HttpApiTests(HttpTestCase):
                 (b'{"rows": [["a", null, "1"]]}', "row 0: column 'ts' expects bigint, got str"),
                 (b'{"rows": [["a", null, true]]}', "row 0: column 'ts' expects bigint, got bool"),
                 (b'{"rows": [["a", null, 9223372036854775808]]}',
-                 "row 0: column 'ts' expects bigint, got int"),
+                 "row 0: column 'ts' expects bigint, got a number out of its range "
+                 "(-2^63 to 2^63-1)"),
                 (b'{"rows": [["a", null, null]]}', "row 0: column 'ts' may not be null"),
                 (b'{"rows": [["a\\u0000b", null, 1]]}',
                  "row 0: column 'cache_func' contains a NUL character"),

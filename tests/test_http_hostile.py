@@ -42,3 +42,50 @@ class AccessTests(HttpTestCase):
             self.assertEqual(response.code, 200)
             self.assertIn(b"replicator_", text)
         return defer.ensureDeferred(go())
+
+
+class BadBodyTests(HttpTestCase):
+    def test_deeply_nested_json_is_the_clients_fault(self):
+        async def go():
+            await self.start()
+            before = self.snapshot()
+            for depth in (101, 300, 1000):
+                nested = "[" * depth + "]" * depth
+                body = b'{"rows": [["f", ' + nested.encode() + b", 1]]}"
+                code, answer = await self.post("caches", None, raw=body)
+                self.assertEqual((code, answer), (400, {
+                    "error": "row 0: column 'keys' is nested deeper than 100 levels"}), depth)
+            # Deeper than any JSON parser here goes: still a 400.
+            nested = "[" * 5000 + "]" * 5000
+            code, answer = await self.post("caches", None,
+                                           raw=b'{"rows": [["f", ' + nested.encode() + b", 1]]}")
+            self.assertEqual(code, 400)
+            self.assertTrue(answer["error"].startswith("invalid JSON: "), answer)
+            self.assertEqual(self.snapshot(), before)
+            self.assertEqual(await self.count(), 0)
+            # 100 levels is fine.
+            nested = [[]]
+            for _ in range(98):
+                nested = [nested]
+            code, answer = await self.post("caches", {"rows": [["f", nested, 1]]})
+            self.assertEqual((code, answer), (200, {"stream_id": 1}))
+            self.assertEqual(self.flushLoggedErrors(), [])
+        return defer.ensureDeferred(go())
+
+    def test_an_integer_out_of_the_bigint_range_says_so(self):
+        async def go():
+            await self.start()
+            for number in (b"1" + b"0" * 29, b"-" + b"9" * 30, b"%d" % 2 ** 63,
+                           b"%d" % (2 ** 64 - 1), b"%d" % (-(2 ** 63) - 1), b"1e30"):
+                body = b'{"rows": [["f", null, ' + number + b"]]}"
+                code, answer = await self.post("caches", None, raw=body)
+                self.assertEqual((code, answer), (400, {
+                    "error": "row 0: column 'ts' expects bigint, got a number out of its "
+                             "range (-2^63 to 2^63-1)"}), number)
+            code, answer = await self.post("caches", None, raw=b'{"rows": [["f", null, 1.5]]}')
+            self.assertEqual((code, answer), (400, {
+                "error": "row 0: column 'ts' expects bigint, got float"}))
+            for number in (2 ** 63 - 1, -(2 ** 63)):
+                code, answer = await self.post("caches", {"rows": [["f", None, number]]})
+                self.assertEqual(code, 200, answer)
+        return defer.ensureDeferred(go())
