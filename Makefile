@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= conf/dev.yaml
 
-.PHONY: run test bench deps test-deps system-deps clean
+.PHONY: run test bench fuzz deps test-deps system-deps clean
 
 # The daemon alone (make run) ...
 $(VENV)/.installed-run: setup.cfg setup.py
@@ -41,6 +41,10 @@ test: test-deps
 
 bench: test-deps
 	$(PY) scripts/bench/run.py $(BENCH)
+
+# The adversarial suite at full size (FUZZ="--phases 1,5 --scale 0.1 --seed 3" for less).
+fuzz: test-deps
+	$(PY) -m tests.fuzz $(FUZZ)
 
 clean:
 	rm -rf $(VENV) _trial_temp* build *.egg-info
