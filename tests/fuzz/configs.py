@@ -243,12 +243,14 @@ def run_phase(seed: int, count: int, threads: int = 2) -> PhaseResult:
     counter = {"n": 0}
 
     def worker(k):
-        rng = random.Random(seed * 104729 + k)
         while True:
             with lock:
-                if counter["n"] >= count:
+                i = counter["n"]
+                if i >= count:
                     return
                 counter["n"] += 1
+            # One generator per config: the same inputs whatever the threads do.
+            rng = random.Random(seed * 1_000_003 + i)
             directory = tempfile.mkdtemp(prefix="fuzz-config-")
             try:
                 config = base_config(directory)

@@ -146,13 +146,15 @@ def run_phase(seed: int, connections: int, threads: int = 3, honest_streams=("ca
         counter = {"n": 0}
 
         def worker(k: int) -> None:
-            rng = random.Random(seed * 1000 + k)
             while True:
                 with lock:
-                    if counter["n"] >= connections:
+                    i = counter["n"]
+                    if i >= connections:
                         return
                     counter["n"] += 1
-                _fuzz_connection(daemon.rep_port, rng, result, lock)
+                # One generator per connection: the same inputs whatever the threads do.
+                _fuzz_connection(daemon.rep_port, random.Random(seed * 1_000_003 + i), result,
+                                 lock)
 
         workers = [threading.Thread(target=worker, args=(k,), daemon=True)
                    for k in range(threads)]
