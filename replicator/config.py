@@ -68,6 +68,9 @@ class ColumnConfig:
     name: str
     type: str  # one of COLUMN_TYPES
     nullable: bool = False
+    # A json column stored as JSON text in a TEXT column (Synapse's tables;
+    # presets only): decoded when read.
+    json_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class StreamConfig:
     writers: Tuple[str, ...]
     timestamp_column: Optional[str] = None
     create: bool = True
+    preset: Optional[str] = None  # e.g. "synapse/caches": a Synapse stream, read-only
 
     @property
     def column_names(self) -> List[str]:
@@ -265,13 +269,48 @@ def parse_column(value: Any, key: str) -> ColumnConfig:
 
 STREAM_KEYS = (
     "name", "table", "id_column", "writer_column", "columns", "sequence",
-    "writers", "timestamp_column", "create",
+    "writers", "timestamp_column", "create", "preset",
 )
+#: What a preset fills in (and a config with ``preset:`` may not give).
+PRESET_KEYS = ("table", "id_column", "writer_column", "columns", "sequence", "create")
+
+
+def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset]:
+    """The stream section with its preset's layout filled in; the preset's
+    name; the columns stored as JSON text."""
+    from . import synapse
+
+    preset = _str(section, "preset", key)
+    path = f"{key}.preset"
+    kind, _, name = preset.partition("/")
+    if kind != "synapse" or not name:
+        raise ConfigError(path, f"unknown preset {preset!r} (presets: "
+                                f"{', '.join('synapse/' + n for n in synapse.PRESETS)})")
+    if name in synapse.REFUSED:
+        raise ConfigError(path, f"Synapse's {name!r} stream {synapse.REFUSED[name]}")
+    layout = synapse.PRESETS.get(name)
+    if layout is None:
+        raise ConfigError(path, f"unknown preset {preset!r} (presets: "
+                                f"{', '.join('synapse/' + n for n in synapse.PRESETS)})")
+    for given in PRESET_KEYS:
+        if given in section:
+            raise ConfigError(f"{key}.{given}", f"comes from the preset {preset!r} "
+                                                f"(Synapse's own table): remove it")
+    if section.get("name", name) != name:
+        raise ConfigError(f"{key}.name", f"a {preset!r} stream is named {name!r} on the wire")
+    filled = dict(section)
+    filled.update({k: v for k, v in layout.items() if k != "json_text"})
+    filled["name"] = name
+    filled.setdefault("writers", [synapse.MAIN_PROCESS])
+    return filled, preset, layout["json_text"]
 
 
 def parse_stream(value: Any, key: str) -> StreamConfig:
     section = _mapping(value, key)
     _no_unknown(section, STREAM_KEYS, key)
+    preset, json_text = None, frozenset()
+    if "preset" in section:
+        section, preset, json_text = _apply_preset(section, key)
     name = _str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")
     table = _str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
     _sql_name(table, f"{key}.table")
@@ -294,6 +333,9 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         parse_column(c, f"{key}.columns[{i}]")
         for i, c in enumerate(_list(section, "columns", key))
     )
+    if json_text:
+        columns = tuple(ColumnConfig(c.name, c.type, c.nullable, c.name in json_text)
+                        for c in columns)
     if not columns:
         raise ConfigError(f"{key}.columns", "a stream needs at least one row column")
     # Unquoted SQL names fold case.
@@ -311,6 +353,9 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     if len(set(writers)) != len(writers):
         raise ConfigError(f"{key}.writers", "a writer is listed twice")
     if writer_column is None and len(writers) != 1:
+        if preset is not None:
+            raise ConfigError(f"{key}.writers", f"Synapse's {preset!r} table has no writer "
+                                                f"column: give one writer")
         raise ConfigError(f"{key}.writer_column",
                           "a stream with several writers needs a writer column")
     timestamp_column = _str(section, "timestamp_column", key, None)
@@ -325,7 +370,9 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     return StreamConfig(
         name=name, table=table, id_column=id_column, writer_column=writer_column,
         columns=columns, sequence=sequence, writers=tuple(writers),
-        timestamp_column=timestamp_column, create=_bool(section, "create", key, True),
+        timestamp_column=timestamp_column,
+        create=False if preset is not None else _bool(section, "create", key, True),
+        preset=preset,
     )
 
 
@@ -471,6 +518,20 @@ class ConsumerConfig:
 
 
 @dataclass(frozen=True)
+class SynapseConfig:
+    """A Synapse shares this deployment (README, "Beside Synapse").
+
+    ``server_name``: Synapse's; its Redis channel is ``<server_name>``.
+    ``database``/``redis``: its database DSN and Redis endpoint, the
+    defaults of ``database.postgres`` and ``replication.redis``.
+    """
+
+    server_name: str
+    database: Optional[str] = None
+    redis: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class InstanceConfig:
     """Everything one instance needs, validated."""
 
@@ -484,6 +545,7 @@ class InstanceConfig:
     log_level: str = "info"
     health: HealthConfig = HealthConfig()
     path: Optional[str] = None
+    synapse: Optional[SynapseConfig] = None
 
     def writes(self, stream: StreamConfig) -> bool:
         return self.instance_name in stream.writers
@@ -708,7 +770,39 @@ def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[C
 
 
 INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replication", "http",
-                 "consumers", "log_level", "health")
+                 "consumers", "log_level", "health", "synapse")
+
+
+def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
+    if value is None:
+        return None
+    section = _mapping(value, key)
+    _no_unknown(section, ("server_name", "database", "redis"), key)
+    server_name = _str(section, "server_name", key, pattern=WIRE_NAME,
+                       what="a name without spaces")
+    database = _str(section, "database", key, None)
+    if database is not None:
+        _check_dsn(database, f"{key}.database")
+    redis = _endpoint(section, "redis", key, "client")
+    return SynapseConfig(server_name, database, redis)
+
+
+def _check_synapse_streams(streams, instance_name: str,
+                           synapse_config: Optional[SynapseConfig]) -> None:
+    """No local writer of a Synapse stream: of a preset stream always, of
+    any stream named like one of Synapse's when a Synapse shares the
+    deployment (its ID generators and sync tokens would take our IDs)."""
+    from . import synapse
+
+    for i, stream in enumerate(streams):
+        if instance_name not in stream.writers:
+            continue
+        if stream.preset is not None or (synapse_config is not None
+                                         and stream.name in synapse.STREAM_NAMES):
+            raise ConfigError(f"streams[{i}].writers",
+                              f"{stream.name!r} is Synapse's stream: replicator may read it, "
+                              f"never write it (remove {instance_name!r}, or name the stream "
+                              f"otherwise)")
 
 
 def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
@@ -723,9 +817,18 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     server_name = _str(section, "server_name", "", pattern=WIRE_NAME, what="a name without spaces")
     instance_name = _str(section, "instance_name", "", pattern=WIRE_NAME,
                          what="a name without spaces")
-    database = parse_database(section.get("database"))
+    synapse_config = parse_synapse(section.get("synapse"))
+    database_section = section.get("database")
+    if database_section is None and synapse_config is not None and synapse_config.database:
+        database_section = {"postgres": synapse_config.database}
+    database = parse_database(database_section)
     streams = parse_streams(section.get("streams"))
-    replication = parse_replication(section.get("replication"))
+    _check_synapse_streams(streams, instance_name, synapse_config)
+    replication_section = section.get("replication")
+    if synapse_config is not None and synapse_config.redis:
+        replication_section = dict(_mapping(replication_section or {}, "replication"))
+        replication_section.setdefault("redis", {"endpoint": synapse_config.redis})
+    replication = parse_replication(replication_section)
     http = parse_http(section.get("http"), base_dir=base_dir)
     consumers = parse_consumers(section.get("consumers"), {s.name for s in streams})
     health = parse_health(section.get("health"))
@@ -745,7 +848,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     return InstanceConfig(
         server_name=server_name, instance_name=instance_name, database=database,
         streams=streams, replication=replication, http=http, consumers=consumers,
-        log_level=log_level, path=path, health=health,
+        log_level=log_level, path=path, health=health, synapse=synapse_config,
     )
 
 

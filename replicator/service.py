@@ -241,8 +241,9 @@ class Instance:
         if rep.redis:
             from .replication.redis import RedisReplication
 
-            self.redis = RedisReplication(self.reactor, rep.redis, self.handler,
-                                          config.server_name, config.instance_name)
+            self.redis = RedisReplication(
+                self.reactor, rep.redis, self.handler, config.server_name, config.instance_name,
+                synapse_server_name=config.synapse.server_name if config.synapse else None)
             self.redis.setServiceParent(self.services)
         self.health = HealthMonitor(
             registry=self.registry, handler=self.handler, db=self.db, clock=self.reactor,

@@ -19,6 +19,24 @@ async def until(predicate, timeout: float = 10.0, step: float = 0.005) -> None:
         waited += step
 
 
+def create_stream_tables(dsn: str, streams) -> None:
+    """Create the streams' tables and sequences in a PostgreSQL database, as
+    their writers do at start: for tests that start an instance which only
+    reads some of them (a reader never creates anything)."""
+    from replicator.storage import schema
+
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    try:
+        cur = conn.cursor()
+        cur.execute(schema.POSITIONS_DDL)
+        for stream in streams:
+            for statement in schema.table_ddl(stream, True):
+                cur.execute(statement)
+    finally:
+        conn.close()
+
+
 def table_facts(dsn: str, tables) -> dict:
     """Every fact per (stream, writer) from the tables, in token order, rows
     in insertion order: ``{(stream, writer): [(token, [row, ...]), ...]}``.

@@ -184,6 +184,7 @@ class HandlerTests(TestCase):
     def test_partial_batch_dies_with_its_connection(self):
         async def go():
             consumer = MemoryConsumer(positions={("caches", "master"): 0})
+            await self.instance("master")  # creates the tables worker1 only reads
             _, worker = await self.instance("worker1", [consumer])
             proto = ClientReplicationProtocol(worker, "worker1", "hs.test", clock=task.Clock())
             proto.makeConnection(StringTransport())

@@ -11,6 +11,7 @@ import time
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
+import psycopg2
 from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.internet.testing import StringTransport
 from twisted.logger import formatEvent, globalLogPublisher
@@ -32,7 +33,7 @@ from replicator.replication.protocol import (
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer
-from tests.support import until
+from tests.support import create_stream_tables, until
 
 SECRET = "Hunter2-correct-horse-battery-staple"
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -160,9 +161,14 @@ class HttpTestCase(TestCase):
 
     async def start(self, name="master", dsn=None, replication=None, consumers=(),
                     stop_registry=True, config_overrides=None, **api_kw):
-        if not config_overrides:
-            dsn = dsn or PostgresServer.shared().create_database()
+        if not config_overrides and dsn is None:
+            dsn = PostgresServer.shared().create_database()
         config = instance_config(name, dsn, replication, **(config_overrides or {}))
+        if config.database.engine == "postgres":
+            try:  # the tables of the streams other instances write
+                create_stream_tables(config.database.dsn, config.streams)
+            except psycopg2.OperationalError:
+                pass  # a database that is down on purpose
         db = Database(config.database)
         self.addCleanup(db.close)
         registry = StreamRegistry(db, name, config.streams)

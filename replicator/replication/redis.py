@@ -21,6 +21,16 @@ Its own echoes (RDATA/POSITION/USER_SYNC naming this instance) are dropped;
 lines it cannot parse, or for streams and commands it does not know (a real
 Synapse publishes many on the same channel), are ignored with a debug log
 and a counter.
+
+Beside a Synapse (``synapse_server_name``), Synapse's channel is Synapse's:
+we publish nothing there but one REPLICATE per registration (to hear its
+positions; Synapse's own workers do the same), we answer none of its
+REPLICATEs, and our own lines go to ``<server_name>/replicator`` (USER_IP to
+``<server_name>/replicator/USER_IP``), which Synapse never subscribes to.
+Every instance subscribes to its own channels and to Synapse's, reading
+Synapse's facts from there.  (A POSITION for a stream Synapse does not know
+breaks Synapse's subscription; a writer of a stream it has enters its ID
+generators: neither can happen on a channel it does not read.)
 """
 
 from typing import List, Optional
@@ -40,6 +50,8 @@ from .commands import CommandParseError, ReplicateCommand, parse_line
 log = Logger()
 
 NAME = "redis"
+#: Our channel beside a Synapse: ``<server_name>`` + this.
+OWN_CHANNEL_SUFFIX = "/replicator"
 OWN_INSTANCE_FIELDS = {"RDATA": "instance_name", "POSITION": "instance_name",
                        "USER_SYNC": "instance_id", "CLEAR_USER_SYNC": "instance_id",
                        "FEDERATION_ACK": "instance_name"}
@@ -136,13 +148,20 @@ class RedisReplication(MultiService):
 
     def __init__(self, reactor, config: RedisConfig, handler, server_name: str,
                  instance_name: str, ping_interval: float = 10.0, ping_timeout: float = 5.0,
-                 initial_delay: float = 0.5, max_delay: float = 30.0):
+                 initial_delay: float = 0.5, max_delay: float = 30.0,
+                 synapse_server_name: Optional[str] = None):
         super().__init__()
         self.reactor = reactor
         self.config = config
         self.handler = handler
-        self.channel = server_name
-        self.user_ip_channel = f"{server_name}/USER_IP"
+        self.synapse_channel = synapse_server_name
+        if synapse_server_name is None:
+            self.channel = server_name
+        else:
+            self.channel = server_name + OWN_CHANNEL_SUFFIX
+            if self.channel in (synapse_server_name, synapse_server_name + "/USER_IP"):
+                raise ValueError(f"channel {self.channel!r} is Synapse's")
+        self.user_ip_channel = f"{self.channel}/USER_IP"
         self._channel = self.channel.encode("utf-8")
         self._user_ip_channel = self.user_ip_channel.encode("utf-8")
         self.instance_name = instance_name
@@ -208,7 +227,10 @@ class RedisReplication(MultiService):
 
         async def prepare():
             await self._ready(protocol)
-            await protocol.subscribe([self.channel, self.user_ip_channel])
+            channels = [self.channel, self.user_ip_channel]
+            if self.synapse_channel is not None:
+                channels.append(self.synapse_channel)
+            await protocol.subscribe(channels)
             self.subscriber = protocol
             self._subscribed = True
             log.info("redis: subscribed to {channel}", channel=self.channel)
@@ -233,6 +255,10 @@ class RedisReplication(MultiService):
         # The handler announces our writers' positions; then ask the others.
         self.handler.new_connection(self.conn)
         self.conn.send_command(ReplicateCommand())
+        if self.synapse_channel is not None:
+            # Synapse answers with its positions: readers of its streams
+            # catch up on what they missed.  The only line we put there.
+            self.publish_lines([b"REPLICATE\n"], channel=self.synapse_channel.encode("utf-8"))
 
     def _unregister(self, reason: str) -> None:
         conn, self.conn = self.conn, None
@@ -252,8 +278,9 @@ class RedisReplication(MultiService):
         self._unregister("connection_lost")
 
     # ------------------------------------------------------------ traffic
-    def publish_lines(self, lines: List[bytes]) -> None:
-        """PUBLISH each line, all in one write (one reply awaited per line).
+    def publish_lines(self, lines: List[bytes], channel: Optional[bytes] = None) -> None:
+        """PUBLISH each line, all in one write (one reply awaited per line),
+        on our channel (USER_IP on ours for it) unless ``channel`` is given.
 
         Lines for a lost publisher are dropped: the facts are in the
         database, and the reconnect re-announces our positions."""
@@ -263,9 +290,10 @@ class RedisReplication(MultiService):
         commands = []
         for line in lines:
             payload = line[:-1] if line.endswith(b"\n") else line
-            channel = self._user_ip_channel if payload.startswith(b"USER_IP ") else self._channel
+            to = channel or (self._user_ip_channel if payload.startswith(b"USER_IP ")
+                             else self._channel)
             commands.append(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-                            % (len(channel), channel, len(payload), payload))
+                            % (len(to), to, len(payload), payload))
         publisher.transport.write(b"".join(commands))
         for _ in commands:
             publisher.replyQueue.get().addCallbacks(self._published, self._publish_failed)
@@ -298,6 +326,13 @@ class RedisReplication(MultiService):
             metrics.COMMANDS_DROPPED.labels("unknown", "unparsable").inc()
             log.debug("redis: ignoring line {line!r}: {error}", line=message[:80], error=str(e))
             return
+        if cmd.NAME == "REPLICATE" and self.synapse_channel is not None:
+            if isinstance(channel, bytes):
+                channel = channel.decode("utf-8", "replace")
+            if channel == self.synapse_channel:
+                # Synapse's (or its workers'): we own nothing it may ask for.
+                metrics.COMMANDS_DROPPED.labels(cmd.NAME, "synapse_channel").inc()
+                return
         field = OWN_INSTANCE_FIELDS.get(cmd.NAME)
         if field is not None and getattr(cmd, field) == self.instance_name:
             return  # our own echo

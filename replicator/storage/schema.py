@@ -8,7 +8,7 @@ its row columns; several rows may share one ID (a multi-row fact).
 All functions here take a DB-API cursor and run in a pool thread.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from ..config import ConfigError, StreamConfig
 
@@ -63,11 +63,14 @@ def table_columns(txn, table: str, postgres: bool) -> Optional[List[str]]:
     return names or None
 
 
-def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool) -> None:
+def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool,
+                       written: bool = True) -> None:
     """Every configured column exists; otherwise a ConfigError naming it."""
     existing = table_columns(txn, stream.table, postgres)
     if existing is None:
-        raise ConfigError(f"{key}.table", f"table {stream.table!r} does not exist (create: false)")
+        why = ("create: false" if written else
+               "this instance only reads the stream; its writer creates the table")
+        raise ConfigError(f"{key}.table", f"table {stream.table!r} does not exist ({why})")
     wanted = [(f"{key}.id_column", stream.id_column)]
     if stream.writer_column:
         wanted.append((f"{key}.writer_column", stream.writer_column))
@@ -77,19 +80,36 @@ def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool) -> N
             raise ConfigError(where, f"unknown column {name!r} in table {stream.table!r}")
 
 
-def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str]) -> None:
-    """Create what is missing and check what exists."""
-    txn.execute(POSITIONS_DDL)
+def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
+                  written: Optional[Set[str]] = None) -> bool:
+    """Create what is missing and check what exists.
+
+    ``written``: names of the streams with a local writer (default: all).
+    Only those are ever created (``create``); a stream this instance only
+    reads gets no DDL at all, not even ``stream_positions`` when no stream
+    is written here: its tables may be another program's (Synapse's).
+    Returns whether ``stream_positions`` exists.
+    """
+    if written is None:
+        written = {s.name for s in streams}
+    if any(s.name in written for s in streams):
+        txn.execute(POSITIONS_DDL)
+        has_positions = True
+    else:
+        has_positions = table_columns(txn, "stream_positions", postgres) is not None
     for stream in streams:
-        if stream.create:
+        ours = stream.name in written
+        created = ours and stream.create
+        if created:
             for statement in table_ddl(stream, postgres):
                 txn.execute(statement)
-        check_stream_table(txn, stream, keys[stream.name], postgres)
-        if postgres and not stream.create:
+        check_stream_table(txn, stream, keys[stream.name], postgres, ours)
+        if postgres and not created:
             txn.execute("SELECT to_regclass(%s)", (stream.sequence,))
             if txn.fetchone()[0] is None:
                 raise ConfigError(f"{keys[stream.name]}.sequence",
                                   f"sequence {stream.sequence!r} does not exist")
+    return has_positions
 
 
 def persisted_positions(txn, stream_name: str, sql) -> Dict[str, int]:

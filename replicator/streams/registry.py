@@ -18,7 +18,8 @@ class UnknownStream(KeyError):
 class StreamRegistry:
     """The streams this instance knows, in config order.
 
-    :meth:`start` creates missing tables (for streams with ``create``),
+    :meth:`start` creates missing tables (for streams with ``create`` that
+    are written here: a stream only read here gets no DDL and no writes),
     checks the configured columns exist, and loads every stream's positions
     in one transaction.
     """
@@ -40,9 +41,11 @@ class StreamRegistry:
 
     def _start_txn(self, txn) -> None:
         streams = [s.config for s in self._streams.values()]
-        schema.ensure_schema(txn, streams, self.db.is_postgres, self._keys)
+        written = {s.name for s in self._streams.values() if s.local_writers}
+        has_positions = schema.ensure_schema(txn, streams, self.db.is_postgres, self._keys,
+                                             written)
         for stream in self._streams.values():
-            stream.load(txn)
+            stream.load(txn, has_positions)
 
     async def stop(self) -> None:
         for stream in self._streams.values():

@@ -77,8 +77,8 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
     """
     fixes = []
     for i, column in enumerate(columns):
-        if column.type == "json" and not postgres:
-            fixes.append((i, orjson.loads))
+        if column.type == "json" and (column.json_text or not postgres):
+            fixes.append((i, _json_text if postgres else orjson.loads))
         elif column.type == "boolean" and not postgres:
             fixes.append((i, bool))
     if not fixes:
@@ -92,6 +92,12 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
         return row
 
     return shape
+
+
+def _json_text(value):
+    """JSON kept in a TEXT column (e.g. Synapse's ``receipts_linearized.data``);
+    PostgreSQL hands JSON columns over decoded already."""
+    return orjson.loads(value) if isinstance(value, str) else value
 
 
 class RowCodec:

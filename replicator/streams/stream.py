@@ -151,17 +151,19 @@ class Stream:
         self._nextval = f"SELECT nextval('{c.sequence}')"
         self._nextval_many = f"SELECT nextval('{c.sequence}') FROM generate_series(1, %s)"
 
-    def load(self, txn) -> None:
+    def load(self, txn, has_positions: bool = True) -> None:
         """Positions from the database; nothing is in flight (pool thread).
 
         A local writer starts at the larger of its persisted position and its
         largest ID in the table; a writer with neither starts at the stream's
         smallest persisted position (never ahead of facts other writers may
         still have in flight).  A sequence behind the table is moved forward,
-        with a warning.
+        with a warning, only by an instance that writes the stream: a stream
+        only read here is never written to (nor its sequence moved).
         """
         c = self.config
-        persisted = schema.persisted_positions(txn, self.name, self.db.sql)
+        persisted = (schema.persisted_positions(txn, self.name, self.db.sql)
+                     if has_positions else {})
         table_max = schema.table_max_per_writer(txn, c)
         known = [persisted[w] for w in c.writers if w in persisted]
         floor = min(known) if known else 0
@@ -173,7 +175,7 @@ class Stream:
             else:
                 positions[w] = persisted.get(w, floor)
         top = max([0, *table_max.values(), *persisted.values()])
-        if self.db.is_postgres:
+        if self.db.is_postgres and self.local_writers:
             current = schema.sequence_value(txn, c.sequence)
             if current < top:
                 txn.execute("SELECT setval(%s, %s)", (c.sequence, top))

@@ -1,0 +1,371 @@
+"""Beside a Synapse: what replicator may never do to it (issue 12).
+
+* A stream this instance only reads gets no DDL and no writes: its table and
+  sequence belong to someone else (Synapse, or another replicator).
+* With a ``synapse:`` section, a local writer of a stream Synapse owns is a
+  config error, and our own streams travel on a Redis channel of our own:
+  nothing we publish reaches Synapse's channel, and Synapse's REPLICATE gets
+  no answer from us, while Synapse's facts still reach our consumers.
+* Presets fill in Synapse's tables; streams held in its memory are refused.
+"""
+
+import socket
+
+import psycopg2
+from twisted.internet import reactor
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from replicator import synapse
+from replicator.config import ConfigError, parse_database, parse_instance, parse_streams
+from replicator.consumers import MemoryConsumer
+from replicator.replication.handler import ReplicationHandler
+from replicator.replication.redis import RedisReplication
+from replicator.storage.database import Database
+from replicator.streams.registry import StreamRegistry
+from tests.servers import PostgresServer, RedisServer
+from tests.support import until
+
+# Synapse's own cache invalidation table, as its schema creates it.
+SYNAPSE_CACHES_DDL = [
+    "CREATE SEQUENCE cache_invalidation_stream_seq",
+    "CREATE TABLE cache_invalidation_stream_by_instance (stream_id BIGINT NOT NULL, "
+    "instance_name TEXT NOT NULL, cache_func TEXT NOT NULL, keys TEXT[], "
+    "invalidation_ts BIGINT)",
+    "CREATE UNIQUE INDEX cache_invalidation_stream_by_instance_id "
+    "ON cache_invalidation_stream_by_instance(stream_id)",
+    "CREATE TABLE stream_positions (stream_name TEXT NOT NULL, instance_name TEXT NOT NULL, "
+    "stream_id BIGINT NOT NULL)",
+    "CREATE UNIQUE INDEX stream_positions_idx ON stream_positions(stream_name, instance_name)",
+]
+
+READER = {"name": "caches", "table": "cache_invalidation_stream_by_instance",
+          "sequence": "cache_invalidation_stream_seq",
+          "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"invalidation_ts": "bigint?"}],
+          "writers": ["master"]}
+
+
+def instance_doc(**extra):
+    doc = {"server_name": "example.org", "instance_name": "app1",
+           "database": {"postgres": "dbname=x"},
+           "streams": [{"name": "app_events", "table": "app_events",
+                        "columns": [{"body": "text"}], "writers": ["app1"]}]}
+    doc.update(extra)
+    return doc
+
+
+class SynapseSectionConfigTests(SynchronousTestCase):
+    def assertKey(self, doc, key, *words):
+        with self.assertRaises(ConfigError) as cm:
+            parse_instance(doc)
+        self.assertEqual(cm.exception.key, key, str(cm.exception))
+        for word in words:
+            self.assertIn(word, str(cm.exception))
+        self.assertNotIn("\n", str(cm.exception))
+
+    def test_the_section_is_parsed(self):
+        config = parse_instance(instance_doc(synapse={
+            "server_name": "matrix.example.org", "database": "dbname=synapse",
+            "redis": "tcp:127.0.0.1:6379"}))
+        self.assertEqual(config.synapse.server_name, "matrix.example.org")
+        self.assertEqual(config.synapse.database, "dbname=synapse")
+        self.assertEqual(config.synapse.redis, "tcp:127.0.0.1:6379")
+        self.assertIsNone(parse_instance(instance_doc()).synapse)
+
+    def test_section_errors_name_the_key(self):
+        self.assertKey(instance_doc(synapse={}), "synapse.server_name", "missing")
+        self.assertKey(instance_doc(synapse={"server_name": "a b"}), "synapse.server_name")
+        self.assertKey(instance_doc(synapse={"server_name": "hs", "x": 1}), "synapse.x")
+        self.assertKey(instance_doc(synapse={"server_name": "hs", "redis": "nope:"}),
+                       "synapse.redis")
+
+    def test_writing_a_synapse_stream_is_refused(self):
+        for name in ("caches", "account_data", "presence", "receipts", "events",
+                     "un_partial_stated_room", "thread_subscriptions"):
+            doc = instance_doc(synapse={"server_name": "example.org"})
+            doc["streams"].append({"name": name, "table": "t_" + name,
+                                   "columns": [{"x": "text"}], "writers": ["master", "app1"]})
+            self.assertKey(doc, "streams[1].writers", repr(name), "Synapse")
+
+    def test_reading_a_synapse_stream_is_allowed(self):
+        doc = instance_doc(synapse={"server_name": "example.org"})
+        doc["streams"].append(dict(READER))
+        config = parse_instance(doc)
+        self.assertFalse(config.writes(config.streams[1]))
+
+    def test_our_instance_cannot_take_a_synapse_writer_name(self):
+        doc = instance_doc(synapse={"server_name": "example.org"}, instance_name="master")
+        doc["streams"][0]["writers"] = ["master"]
+        doc["streams"].append(dict(READER))
+        self.assertKey(doc, "streams[1].writers", "'caches'")
+
+    def test_the_stream_names_match_synapse(self):
+        # Synapse 1.163.2's stream names (synapse/replication/tcp/streams).
+        for name in ("events", "backfill", "presence", "presence_federation", "typing",
+                     "receipts", "push_rules", "pushers", "caches", "device_lists",
+                     "to_device", "federation", "account_data", "un_partial_stated_room",
+                     "un_partial_stated_event", "thread_subscriptions", "profile_updates",
+                     "sticky_events", "quarantined_media"):
+            self.assertIn(name, synapse.STREAM_NAMES)
+
+
+class PresetTests(SynchronousTestCase):
+    def test_a_reader_needs_three_lines(self):
+        (stream,) = parse_streams([{"preset": "synapse/caches"}])
+        self.assertEqual(stream.name, "caches")
+        self.assertEqual(stream.table, "cache_invalidation_stream_by_instance")
+        self.assertEqual(stream.id_column, "stream_id")
+        self.assertEqual(stream.writer_column, "instance_name")
+        self.assertEqual(stream.sequence, "cache_invalidation_stream_seq")
+        self.assertEqual([(c.name, c.type, c.nullable) for c in stream.columns],
+                         [("cache_func", "text", False), ("keys", "json", True),
+                          ("invalidation_ts", "bigint", True)])
+        self.assertEqual(stream.writers, ("master",))
+        self.assertFalse(stream.create)
+
+    def test_presets(self):
+        for preset in synapse.PRESETS:
+            (stream,) = parse_streams([{"preset": "synapse/" + preset}])
+            self.assertEqual(stream.name, preset)
+            self.assertEqual(stream.writers, ("master",))
+        (receipts,) = parse_streams([{"preset": "synapse/receipts",
+                                      "writers": ["master", "receipts1"]}])
+        self.assertEqual(receipts.writers, ("master", "receipts1"))
+        self.assertTrue(receipts.columns[-1].json_text)
+
+    def assertKey(self, streams, key, *words):
+        with self.assertRaises(ConfigError) as cm:
+            parse_streams(streams)
+        self.assertEqual(cm.exception.key, key, str(cm.exception))
+        for word in words:
+            self.assertIn(word, str(cm.exception))
+
+    def test_streams_not_in_one_table_are_refused_with_the_reason(self):
+        self.assertKey([{"preset": "synapse/typing"}], "streams[0].preset", "memory")
+        self.assertKey([{"preset": "synapse/federation"}], "streams[0].preset", "memory")
+        self.assertKey([{"preset": "synapse/events"}], "streams[0].preset", "table")
+        self.assertKey([{"preset": "synapse/nonsense"}], "streams[0].preset", "unknown")
+        self.assertKey([{"preset": "caches"}], "streams[0].preset", "unknown")
+
+    def test_a_preset_owns_the_table_layout(self):
+        self.assertKey([{"preset": "synapse/caches", "table": "x"}], "streams[0].table",
+                       "preset")
+        self.assertKey([{"preset": "synapse/caches", "name": "other"}], "streams[0].name",
+                       "'caches'")
+        self.assertKey([{"preset": "synapse/caches", "create": True}], "streams[0].create")
+
+    def test_a_preset_stream_has_no_local_writer(self):
+        doc = instance_doc()
+        doc["streams"].append({"preset": "synapse/caches", "writers": ["master", "app1"]})
+        with self.assertRaises(ConfigError) as cm:
+            parse_instance(doc)
+        self.assertEqual(cm.exception.key, "streams[1].writers")
+
+    def test_single_writer_tables_take_one_writer(self):
+        self.assertKey([{"preset": "synapse/push_rules", "writers": ["master", "w1"]}],
+                       "streams[0].writers", "one writer")
+
+
+def _pg(dsn, statements=(), query=None):
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    try:
+        cur = conn.cursor()
+        for s in statements:
+            cur.execute(s)
+        if query is not None:
+            cur.execute(query)
+            return cur.fetchall()
+    finally:
+        conn.close()
+
+
+SNAPSHOT = ("SELECT relname, relkind FROM pg_class c JOIN pg_namespace n "
+            "ON n.oid = c.relnamespace WHERE n.nspname = 'public' ORDER BY 1")
+
+
+class ReadOnlyStreamTests(TestCase):
+    """A stream with no local writer: no DDL, no setval, no position rows."""
+
+    timeout = 120
+
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database("synro")
+
+    async def start(self, streams, instance="reader"):
+        db = Database(parse_database({"postgres": self.dsn, "pool_max": 2}))
+        self.addCleanup(db.close)
+        registry = StreamRegistry(db, instance, parse_streams(streams))
+        await registry.start()
+        return registry
+
+    def state(self):
+        return (_pg(self.dsn, query=SNAPSHOT),
+                _pg(self.dsn, query="SELECT last_value, is_called FROM "
+                                    "cache_invalidation_stream_seq"),
+                _pg(self.dsn, query="SELECT * FROM stream_positions ORDER BY 1, 2"))
+
+    async def test_a_reader_changes_nothing_in_synapse_s_database(self):
+        _pg(self.dsn, SYNAPSE_CACHES_DDL + [
+            # The table is ahead of the sequence (as after a restore): a
+            # writer would move the sequence; a reader must not.
+            "INSERT INTO cache_invalidation_stream_by_instance VALUES "
+            "(7, 'master', 'get_user', '{@a:hs}', 1)",
+            "INSERT INTO stream_positions VALUES ('caches', 'master', 7)"])
+        before = self.state()
+        for create in (True, False):
+            registry = await self.start([dict(READER, create=create)])
+            stream = registry.get("caches")
+            self.assertEqual(stream.current_token("master"), 7)
+            await registry.stop()
+        self.assertEqual(self.state(), before)
+
+    async def test_a_reader_of_a_missing_table_is_one_config_line(self):
+        _pg(self.dsn, ["CREATE SEQUENCE cache_invalidation_stream_seq"])
+        before = _pg(self.dsn, query=SNAPSHOT)
+        with self.assertRaises(ConfigError) as cm:
+            await self.start([READER])
+        self.assertEqual(cm.exception.key, "streams[0].table")
+        self.assertIn("cache_invalidation_stream_by_instance", str(cm.exception))
+        self.assertEqual(_pg(self.dsn, query=SNAPSHOT), before)
+
+    async def test_a_reader_of_a_missing_sequence_is_one_config_line(self):
+        _pg(self.dsn, SYNAPSE_CACHES_DDL[1:])
+        before = _pg(self.dsn, query=SNAPSHOT)
+        with self.assertRaises(ConfigError) as cm:
+            await self.start([READER])
+        self.assertEqual(cm.exception.key, "streams[0].sequence")
+        self.assertEqual(_pg(self.dsn, query=SNAPSHOT), before)
+
+    async def test_a_writer_still_creates_its_stream(self):
+        registry = await self.start([{"name": "app", "table": "app_stream",
+                                      "columns": [{"body": "text"}], "writers": ["reader"]}])
+        await registry.get("app").write_fact([["hello"]])
+        await registry.stop()
+        names = {name for name, _ in _pg(self.dsn, query=SNAPSHOT)}
+        self.assertTrue({"app_stream", "app_stream_seq", "stream_positions"} <= names)
+
+
+# ------------------------------------------------------------------ redis
+def redis_call(port, *args):
+    """One command on a plain Redis connection; the raw reply."""
+    def bulk(s):
+        b = s.encode() if isinstance(s, str) else s
+        return b"$%d\r\n%s\r\n" % (len(b), b)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"*%d\r\n" % len(args) + b"".join(bulk(a) for a in args))
+        return s.recv(65536)
+
+
+class ChannelRecorder:
+    """A plain Redis subscriber on one channel, as Synapse subscribes: keeps
+    every message published there."""
+
+    def __init__(self, port, channels):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        parts = [b"SUBSCRIBE"] + [c.encode() for c in channels]
+        self.sock.sendall(b"*%d\r\n" % len(parts)
+                          + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts))
+        self.buffer = b""
+        self.sock.setblocking(False)
+
+    def messages(self):
+        try:
+            while True:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    break
+                self.buffer += chunk
+        except BlockingIOError:
+            pass
+        # Good enough for tests: messages are "$n\r\n<payload>\r\n" after
+        # "message" and the channel name.
+        out = []
+        for part in self.buffer.split(b"$7\r\nmessage\r\n")[1:]:
+            lines = part.split(b"\r\n")
+            out.append((lines[1].decode(), lines[3].decode()))
+        return out
+
+    def close(self):
+        self.sock.close()
+
+
+OWN = {"name": "app_events", "table": "app_events", "columns": [{"body": "text"}],
+       "writers": ["app1"]}
+
+
+def tokens(consumer, stream, writer):
+    return [t for s, w, t, _ in consumer.facts if (s, w) == (stream, writer)]
+
+
+class SynapseChannelTests(TestCase):
+    """Two replicator instances and a stand-in for Synapse's channel traffic."""
+
+    timeout = 120
+
+    def setUp(self):
+        self.redis = RedisServer.shared()
+        self.dsn = PostgresServer.shared().create_database("synch")
+        _pg(self.dsn, SYNAPSE_CACHES_DDL)
+
+    async def node(self, name, consumer):
+        db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
+        registry = StreamRegistry(db, name, parse_streams([OWN, READER]))
+        await registry.start()
+        handler = ReplicationHandler(registry, name, "example.org", [consumer])
+        handler.start()
+        link = RedisReplication(
+            reactor, self.redis_config(), handler, "example.org", name,
+            ping_interval=0.5, ping_timeout=2, initial_delay=0.05, max_delay=0.3,
+            synapse_server_name="example.org")
+
+        async def stop():
+            handler.stop()
+            await link.stopService()
+            await handler.drain()
+            await registry.stop()
+            db.close()
+        link.startService()
+        self.addCleanup(stop)
+        await until(lambda: link.connected, timeout=30)
+        return registry, link
+
+    def redis_config(self):
+        from replicator.config import RedisConfig
+        return RedisConfig(self.redis.endpoint, self.redis.password)
+
+    async def test_synapse_hears_nothing_from_us_and_we_hear_synapse(self):
+        synapse_side = ChannelRecorder(self.redis.port, ["example.org", "example.org/USER_IP"])
+        self.addCleanup(synapse_side.close)
+        c1, c2 = MemoryConsumer(), MemoryConsumer()
+        r1, link1 = await self.node("app1", c1)
+        r2, link2 = await self.node("app2", c2)
+        self.assertNotEqual(link1.channel, "example.org")
+        # Our own stream between our instances.
+        for i in range(20):
+            await r1.get("app_events").write_fact([[f"m{i}"]])
+        await until(lambda: len(tokens(c2, "app_events", "app1")) == 20, timeout=30)
+        # Synapse asks everyone on its channel for positions; its own facts
+        # arrive there.
+        _pg(self.dsn, ["INSERT INTO cache_invalidation_stream_by_instance VALUES "
+                       "(1, 'master', 'get_user', '{@a:hs}', 1)"])
+        redis_call(self.redis.port, "PUBLISH", "example.org", "REPLICATE ")
+        # What Synapse answers to a REPLICATE, then a new fact of its own.
+        redis_call(self.redis.port, "PUBLISH", "example.org", "POSITION caches master 0 0")
+        redis_call(self.redis.port, "PUBLISH", "example.org",
+                   'RDATA caches master 1 ["get_user",["@a:hs"],1]')
+        for consumer in (c1, c2):
+            await until(lambda: tokens(consumer, "caches", "master"), timeout=30)
+        # A last write of ours, then a round trip on Synapse's channel: what
+        # we would have answered is out by now.
+        await r1.get("app_events").write_fact([["last"]])
+        await until(lambda: len(tokens(c2, "app_events", "app1")) == 21, timeout=30)
+        redis_call(self.redis.port, "PUBLISH", "example.org", "PING marker")
+        await until(lambda: any(m == "PING marker" for _, m in synapse_side.messages()),
+                    timeout=30)
+        ours = [m for _, m in synapse_side.messages()
+                if m not in ("REPLICATE ", "PING marker", "POSITION caches master 0 0")
+                and not m.startswith("RDATA caches master")]
+        # We asked Synapse for its positions (REPLICATE), and nothing else.
+        self.assertEqual(set(ours), {"REPLICATE"})
+        self.assertEqual(tokens(c1, "caches", "master"), [1])
+        self.assertEqual(tokens(c2, "caches", "master"), [1])
