@@ -444,6 +444,17 @@ class HttpConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """What ``/health`` tolerates: a lag, an unreceived committed fact or a
+    writer never heard of is a problem once it has lasted ``lag_grace``
+    seconds; the database is asked for unreceived facts every
+    ``check_interval`` seconds."""
+
+    lag_grace: float = 10.0
+    check_interval: float = 5.0
+
+
+@dataclass(frozen=True)
 class ConsumerConfig:
     """One consumer: ``type`` is a built-in name, an entry point name of the
     ``replicator.consumers`` group, or a dotted path ``package.module:Class``."""
@@ -465,6 +476,7 @@ class InstanceConfig:
     http: HttpConfig
     consumers: Tuple[ConsumerConfig, ...] = ()
     log_level: str = "info"
+    health: HealthConfig = HealthConfig()
     path: Optional[str] = None
 
     def writes(self, stream: StreamConfig) -> bool:
@@ -652,6 +664,15 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
                       secret_file=secret_file)
 
 
+def parse_health(value: Any, key: str = "health") -> HealthConfig:
+    section = _mapping(value if value is not None else {}, key)
+    _no_unknown(section, ("lag_grace", "check_interval"), key)
+    return HealthConfig(
+        lag_grace=_number(section, "lag_grace", key, 10.0, minimum=0.0, maximum=3600.0),
+        check_interval=_number(section, "check_interval", key, 5.0, minimum=0.1,
+                               maximum=3600.0))
+
+
 def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[ConsumerConfig, ...]:
     if value is None:
         return ()
@@ -675,7 +696,7 @@ def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[C
 
 
 INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replication", "http",
-                 "consumers", "log_level")
+                 "consumers", "log_level", "health")
 
 
 def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
@@ -695,6 +716,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     replication = parse_replication(section.get("replication"))
     http = parse_http(section.get("http"), base_dir=base_dir)
     consumers = parse_consumers(section.get("consumers"), {s.name for s in streams})
+    health = parse_health(section.get("health"))
     log_level = section.get("log_level", "info")
     if log_level not in LOG_LEVELS:
         raise ConfigError("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
@@ -711,7 +733,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     return InstanceConfig(
         server_name=server_name, instance_name=instance_name, database=database,
         streams=streams, replication=replication, http=http, consumers=consumers,
-        log_level=log_level, path=path,
+        log_level=log_level, path=path, health=health,
     )
 
 

@@ -24,6 +24,7 @@ from twisted.logger import Logger
 
 from . import files, metrics, sdnotify
 from .config import InstanceConfig, is_loopback_endpoint
+from .health import HealthMonitor
 from .replication.handler import ReplicationHandler
 from .replication.peers import local_names, policy_from_config
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
@@ -194,6 +195,7 @@ class Instance:
         self.upstream = None
         self.redis = None
         self.http = None
+        self.health: Optional[HealthMonitor] = None
         self._stopped = False
 
     def _load_consumers(self):
@@ -245,12 +247,18 @@ class Instance:
             self.redis = RedisReplication(self.reactor, rep.redis, self.handler,
                                           config.server_name, config.instance_name)
             self.redis.setServiceParent(self.services)
+        self.health = HealthMonitor(
+            registry=self.registry, handler=self.handler, db=self.db, clock=self.reactor,
+            lag_grace=config.health.lag_grace, check_interval=config.health.check_interval,
+            expect_upstream=self.is_worker)
+        self.health.setServiceParent(self.services)
         if config.http.listen:
             from .http import HttpApi
 
             self._warn_exposed(config.http.listen, "HTTP")
             self.http = HttpApi(config=config, registry=self.registry, handler=self.handler,
-                                db=self.db, replication_status=self.replication_status)
+                                db=self.db, replication_status=self.replication_status,
+                                health=self.health)
             self._listen(config.http.listen, self.http.site(), "HTTP", key="http.listen")
         if config.http.metrics_listen:
             metrics_thread = MetricsThread(config.http.metrics_listen)

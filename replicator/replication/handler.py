@@ -102,6 +102,7 @@ class ReplicationHandler:
             clock, self.known_names, max_user_syncs=max_user_syncs, max_user_ips=max_user_ips,
             max_federation_acks=max_federation_acks, max_age=bookkeeping_max_age)
         self._readers: Dict[Key, Reader] = {}
+        self._heard: Set[Key] = set()  # read keys a POSITION or RDATA arrived for
         self._started = False
         self._stopping = False
         self.listeners: List[Any] = []  # objects with optional on_<NAME>(conn, cmd)
@@ -269,6 +270,7 @@ class ReplicationHandler:
             metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream").inc()
             log.debug("Ignoring RDATA for {key} (not a stream writer we read)", key=key)
             return
+        self._heard.add(key)
         if not conn.is_client_side:
             # From a writer client: relay whole facts to everyone else.
             self.relay.rdata(conn, key, cmd)
@@ -283,6 +285,7 @@ class ReplicationHandler:
             if key not in self.fanout.announced:
                 metrics.COMMANDS_DROPPED.labels("POSITION", "unknown_stream").inc()
             return
+        self._heard.add(key)
         if not conn.is_client_side:
             self.relay.position(conn, key, cmd)
         reader.position_line(conn, cmd.prev_token, cmd.new_token)
@@ -356,6 +359,11 @@ class ReplicationHandler:
 
     def reader_positions(self) -> Dict[Key, Optional[int]]:
         return {key: r.position for key, r in self._readers.items()}
+
+    def reader_heard(self) -> Set[Key]:
+        """The (stream, writer) keys read here that a POSITION or RDATA has
+        arrived for since start (from any connection)."""
+        return set(self._heard)
 
     def reader_lag(self) -> Dict[Key, int]:
         return {key: r.lag for key, r in self._readers.items()}
