@@ -81,6 +81,16 @@ CATCHUP_FETCHES = Counter(
 CATCHUP_ROWS = Counter(
     "replicator_catchup_rows_total", "Rows fetched out of band to fill position gaps", ["stream"]
 )
+SEQUENCE_MOVED = Counter(
+    "replicator_sequence_moved_total",
+    "Times a stream's sequence was found behind known positions on a new database "
+    "connection (e.g. after a PostgreSQL crash) and moved past them", ["stream"]
+)
+FOREIGN_FACTS = Counter(
+    "replicator_foreign_facts_total",
+    "Facts found in a single-writer stream's table under IDs this instance never "
+    "reserved (written by SQL, not through replicator); delivered from the table", ["stream"]
+)
 FANOUT_LATENCY = Histogram(
     "replicator_fanout_latency_seconds",
     "From a writer's token advancing to its rows being written to every connection",
