@@ -17,7 +17,7 @@ from twisted.internet import defer, task, threads
 from twisted.logger import globalLogBeginner, textFileLogObserver
 
 from . import configs, httpfuzz, lines, peers, sockets
-from .known import unknown
+from .known import stale, unknown
 from .results import Results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,6 +79,9 @@ def main(argv=None) -> None:
               f"new findings: {len(new)}")
         for f in new:
             print(f"  NEW [{f.phase}] {f.kind}: {f.signature}")
+        for phase, kind, pattern, why in stale(results.phases):
+            print(f"  not seen: [{phase}] {kind} ({why[:70]}): fixed? then remove it from "
+                  "tests/fuzz/known.py")
         print(f"\n{sum(p.total_inputs for p in results.phases)} inputs, {found} findings "
               f"in {time.monotonic() - started:.0f}s (seed {args.seed}); "
               f"appended to {os.path.relpath(args.output)}")

@@ -52,3 +52,16 @@ def is_known(finding: Finding) -> bool:
 
 def unknown(findings) -> List[Finding]:
     return [f for f in findings if not is_known(f)]
+
+
+def stale(phases) -> list:
+    """Entries of phases that ran but matched no finding (fixed since?)."""
+    out = []
+    for entry in KNOWN_OPEN:
+        phase, kind, pattern, _ = entry
+        ran = [p for p in phases if re.fullmatch(phase, p.phase)]
+        if ran and not any(re.fullmatch(phase, f.phase) and f.kind == kind
+                           and re.fullmatch(pattern, f.signature)
+                           for p in ran for f in p.findings.values()):
+            out.append(entry)
+    return out
