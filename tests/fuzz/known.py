@@ -16,8 +16,6 @@ KNOWN_OPEN = [
      "issue 11 item 1: a peer's POSITION moves the local writers' tokens past the sequence"),
     ("3-peers", "position_poisoning", r".*",
      "issue 11 item 1: a peer's POSITION above the stream's sequence moves tokens"),
-    ("3-peers", "bookkeeping_overwritten", r".*",
-     "issue 11 item 3: any connection changes another instance's USER_SYNC/FEDERATION_ACK"),
     ("3-peers", "relay_sent_bad_line", r".*",
      "issue 11 item 4: a relayed LOCK_RELEASED is re-encoded with ASCII escapes past "
      "max_line_length"),
