@@ -136,6 +136,25 @@ class StreamSuite:
             self.assertEqual(await caches.write_fact([]), 4)
         return defer.ensureDeferred(go())
 
+    def test_sequence_value_is_the_last_id_handed_out(self):
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            self.assertEqual(await caches.sequence_value(), 0)
+            await caches.write_facts([[["a", None, 1]], []])
+
+            def boom(txn, stream_id):
+                raise RuntimeError("application failure")
+
+            with self.assertRaises(RuntimeError):
+                async with caches.writer() as fact:
+                    fact.add_row(["lost", None, 1])
+                    fact.also(boom)
+            # A rolled-back ID was handed out all the same.
+            self.assertEqual(await caches.sequence_value(), 3)
+            self.assertEqual(await reg.get("flags").sequence_value(), 0)
+        return defer.ensureDeferred(go())
+
     def test_bad_rows_are_refused_before_reserving(self):
         async def go():
             reg = await self.registry()
@@ -298,6 +317,15 @@ class PostgresStreamTests(StreamSuite, TestCase):
             self.assertEqual(sorted(updates), sorted(expected))
             self.assertEqual([t for t, _ in updates], sorted(t for t, _ in updates))
             self.assertEqual(len(updates), self.raw_rows("SELECT count(*) FROM cache_stream")[0][0])
+        return defer.ensureDeferred(go())
+
+    def test_sequence_value_sees_other_instances_writes(self):
+        async def go():
+            master = (await self.registry("master")).get("caches")
+            worker = (await self.registry("worker1")).get("caches")
+            await worker.write_facts([[["w", None, i]] for i in range(4)])
+            self.assertEqual(master.id_gen.get_max_known(), 0)
+            self.assertEqual(await master.sequence_value(), 4)
         return defer.ensureDeferred(go())
 
     def test_two_instances_share_a_multi_writer_stream(self):
