@@ -25,10 +25,16 @@ test-deps: $(VENV)/.installed-test system-deps
 system-deps:
 	scripts/ensure-system-deps.sh
 
-run: deps
-	@mkdir -p var
-	@test -s var/http-secret || $(PY) -c "import secrets; print(secrets.token_urlsafe(32))" > var/http-secret
+run: deps var/http-secret
 	$(VENV)/bin/replicator run -c $(CONFIG)
+
+# The write API's secret: made once, readable by its owner only (0600; an
+# older world-readable one is made private).
+.PHONY: var/http-secret
+var/http-secret:
+	@mkdir -p var
+	@test -s $@ || (umask 077 && $(PY) -c "import secrets; print(secrets.token_urlsafe(32))" > $@)
+	@chmod 600 $@
 
 test: test-deps
 	$(PY) scripts/run-tests.py $(TESTS)

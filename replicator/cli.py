@@ -15,6 +15,7 @@ from typing import NoReturn, Optional
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
+from . import files
 from .config import ConfigError, load_config
 from .logs import start_logging
 
@@ -35,6 +36,9 @@ def _load(path: str):
 
 # ------------------------------------------------------------------ run
 def cmd_run(args) -> None:
+    # Whatever the daemon creates (database, output, directories) is
+    # private to its user and group: data 0640, directories 0750.
+    files.restrict_umask()
     config = _load(args.config)
     start_logging(config.log_level)
     from .service import Instance

@@ -311,6 +311,7 @@ class HttpConfig:
     listen: Optional[str] = None
     secret: Optional[str] = field(default=None, repr=False)
     metrics_listen: Optional[str] = None  # host:port served from its own thread
+    secret_file: Optional[str] = None  # where the secret was read from, if from a file
 
 
 @dataclass(frozen=True)
@@ -445,6 +446,7 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
 
         path = secret_file if os.path.isabs(secret_file) else os.path.join(base_dir, secret_file)
         secret = _read_secret(path, f"{key}.secret_file")
+        secret_file = path
     if secret is not None and len(secret) < 16:
         raise ConfigError(f"{key}.secret", "must be at least 16 characters")
     listen = _endpoint(section, "listen", key, "server")
@@ -456,7 +458,8 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
         m = HOST_PORT.match(metrics_listen)
         if not m or not 0 < int(m.group("port")) < 65536:
             raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
-    return HttpConfig(listen=listen, secret=secret, metrics_listen=metrics_listen)
+    return HttpConfig(listen=listen, secret=secret, metrics_listen=metrics_listen,
+                      secret_file=secret_file)
 
 
 def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[ConsumerConfig, ...]:

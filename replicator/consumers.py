@@ -51,6 +51,7 @@ import orjson
 from twisted.internet import defer
 from twisted.logger import Logger, LogLevel
 
+from . import files
 from .config import ConfigError, ConsumerConfig, _bool, _no_unknown, _number, _str
 
 log = Logger()
@@ -212,9 +213,9 @@ class JsonlConsumer(Consumer):
     # ------------------------------------------------------------ opening
     def _open(self) -> None:
         directory = os.path.dirname(self.path)
-        os.makedirs(directory, exist_ok=True)
+        files.make_directory(directory)
         created = not os.path.exists(self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, files.DATA_MODE)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

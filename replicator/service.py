@@ -14,7 +14,7 @@ from twisted.application.service import MultiService, Service
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from . import metrics, sdnotify
+from . import files, metrics, sdnotify
 from .config import InstanceConfig, is_loopback_endpoint
 from .replication.handler import ReplicationHandler
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
@@ -146,6 +146,7 @@ class Instance:
     # ------------------------------------------------------------- start
     async def start(self) -> None:
         config = self.config
+        files.warn_if_exposed(config.http.secret_file, "http.secret_file")
         await self.registry.start()
         self.handler.start()
         rep = config.replication

@@ -44,7 +44,8 @@ names = st.text(
 free_text = st.text(alphabet=st.characters(blacklist_characters="\n", blacklist_categories=("Cs",)), max_size=40)
 nonempty_text = free_text.filter(bool)
 any_text = st.text(max_size=20)  # inside JSON: newlines, spaces, anything
-tokens = st.integers()
+# Stream tokens and other integer fields: 63-bit, never negative.
+tokens = st.integers(min_value=0, max_value=2**63 - 1)
 json_values = st.recursive(
     st.none()
     | st.booleans()
@@ -315,6 +316,38 @@ class MalformedTests(SynchronousTestCase):
             with self.assertRaises(CommandParseError) as cm:
                 parse_line(line)
             self.assertEqual(str(cm.exception), expected)
+
+    def test_huge_numbers_in_every_integer_field_are_parse_errors(self):
+        # Python refuses int() of more than 4,300 digits with a ValueError:
+        # that must never escape as anything but a CommandParseError.
+        huge = "9" * 5000
+        lines = [
+            f"RDATA caches master {huge} []",
+            f"POSITION caches master {huge} 1",
+            f"POSITION caches master 1 {huge}",
+            f"USER_SYNC w @u:hs None start {huge}",
+            f"FEDERATION_ACK w {huge}",
+            f"USER_IP @u:hs [\"t\",\"ip\",\"ua\",null,{huge}]",
+            f"RDATA caches master 1 [{huge}]",
+        ]
+        for line in lines:
+            with self.assertRaises(CommandParseError, msg=line[:40]) as cm:
+                parse_line(line)
+            self.assertLess(len(str(cm.exception)), 400)
+
+    def test_integer_fields_are_63_bit_and_not_negative(self):
+        top = 2**63 - 1
+        self.assertEqual(parse_line(f"POSITION s w 0 {top}").new_token, top)
+        self.assertEqual(parse_line(f"RDATA s w {top} []").token, top)
+        for value in (str(2**63), "-1", "-0", "+1", "0x10", "1_000", "١٢"):
+            for line in (f"POSITION s w 1 {value}", f"RDATA s w {value} []",
+                         f"FEDERATION_ACK w {value}", f"USER_SYNC w @u None end {value}"):
+                with self.assertRaises(CommandParseError, msg=line):
+                    parse_line(line)
+        with self.assertRaises(CommandParseError) as cm:
+            parse_line(f"POSITION s w 1 {2**63}")
+        self.assertEqual(str(cm.exception),
+                         "POSITION: new_token is out of range (0 to 2**63-1): '9223372036854775808'")
 
     @given(st.text(max_size=60))
     def test_arbitrary_text_parses_or_raises_parse_error(self, line):

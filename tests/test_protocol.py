@@ -1,5 +1,7 @@
 """Tests for replicator.replication.protocol on StringTransport and a Clock."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -687,3 +689,134 @@ class OutboundTests(SynchronousTestCase):
         proto.resumeProducing()
         self.assertEqual(transport.value(), b"PING a\n")
         self.assertEqual(handler.dropped, [("PING", 1)])
+
+
+class CapturedLogs:
+    """Every log event published while in use, formatted as the daemon's
+    observer writes it (one line each)."""
+
+    def __init__(self):
+        self.events = []
+
+    def __enter__(self):
+        from twisted.logger import globalLogPublisher
+
+        globalLogPublisher.addObserver(self.events.append)
+        return self
+
+    def __exit__(self, *exc):
+        from twisted.logger import globalLogPublisher
+
+        globalLogPublisher.removeObserver(self.events.append)
+
+    def lines(self):
+        from twisted.logger import formatEvent
+
+        return [formatEvent(e) for e in self.events]
+
+
+class HostileInputTests(SynchronousTestCase):
+    """Whatever a peer sends: ERROR + close and one log line, never a
+    traceback; peer text in logs has its control characters escaped."""
+
+    def test_huge_number_is_error_and_close_with_one_log_line(self):
+        fields = [
+            b"FEDERATION_ACK w " + b"1" * 5000,
+            b"USER_SYNC w @u None start " + b"7" * 4301,
+        ]
+        for line in fields:
+            proto, transport, clock, handler = make_server()
+            transport.clear()
+            with CapturedLogs() as logs:
+                proto.dataReceived(line + b"\nREPLICATE\n")
+            self.assertTrue(transport.value().startswith(b"ERROR failed to parse line: "), line[:30])
+            self.assertEqual(transport.value().count(b"\n"), 1)
+            self.assertTrue(transport.disconnecting)
+            self.assertEqual(proto.close_reason, "parse_error")
+            self.assertEqual(handler.commands(), [])
+            failures = [e for e in logs.events if "log_failure" in e]
+            self.assertEqual(failures, [])
+            self.assertEqual(len(logs.events), 1, logs.lines())
+            self.assertIn("failed to parse line", logs.lines()[0])
+        self.assertEqual(self.flushLoggedErrors(), [])
+
+    def test_huge_token_on_the_client_side(self):
+        proto, transport, clock, handler = make_client()
+        transport.clear()
+        proto.dataReceived(b"SERVER hs.example\nRDATA events master " + b"9" * 4400 + b" []\n")
+        self.assertTrue(transport.value().startswith(b"ERROR failed to parse line: RDATA: token "))
+        self.assertEqual(proto.close_reason, "parse_error")
+        self.assertEqual(self.flushLoggedErrors(), [])
+
+    CONTROL = b"a\x00b\rc\x1b[31md\x7fe\xc2\x85f\xe2\x80\xaeg"
+
+    def assertEscaped(self, lines):
+        text = "\n".join(lines)
+        for bad in ("\x00", "\r", "\x1b", "\x7f", "\x85", "\u202e"):
+            self.assertNotIn(bad, text)
+        self.assertIn("a\\x00b\\rc\\x1b[31md\\x7fe\\x85f\\u202eg", text)
+
+    def test_peer_name_is_logged_escaped(self):
+        proto, transport, clock, handler = make_server()
+        with CapturedLogs() as logs:
+            proto.dataReceived(b"NAME " + self.CONTROL + b"\n")
+            proto.close("shutdown", "bye")
+        self.assertEscaped(logs.lines())
+        self.assertIn("a\\x00b", repr(proto))
+
+    def test_peer_error_is_logged_escaped(self):
+        proto, transport, clock, handler = make_client()
+        with CapturedLogs() as logs:
+            proto.dataReceived(b"ERROR " + self.CONTROL + b"\n")
+        self.assertEscaped(logs.lines())
+
+    def test_wrong_remote_is_logged_escaped(self):
+        proto, transport, clock, handler = make_client()
+        with CapturedLogs() as logs:
+            proto.dataReceived(b"SERVER " + self.CONTROL + b"\n")
+        self.assertEqual(proto.close_reason, "wrong_remote")
+        self.assertEscaped(logs.lines())
+
+
+class FramingPropertyTests(SynchronousTestCase):
+    """However the byte stream is cut into reads, the same commands come
+    out in the same order."""
+
+    LINES = [
+        b"NAME worker1",
+        b"PING 1490197665500",
+        b"REPLICATE ",
+        b"USER_SYNC worker1 @alice:hs DEV start 1490197665500\r",
+        b"FEDERATION_ACK worker1 42",
+        b'USER_IP @alice:hs ["tok","10.0.0.1","ua \\u00e9 \xc3\xa9",null,17]',
+        b"",
+        b'LOCK_RELEASED ["worker1","lock","k\\n\xe2\x82\xac"]',
+        b"CLEAR_USER_SYNC worker1",
+        b"   ",
+        b"REMOTE_SERVER_UP other.example",
+        b"NEW_ACTIVE_TASK t1",
+        b"CANCEL_TASK t1",
+    ]
+
+    @settings(max_examples=300)
+    @given(
+        st.lists(st.sampled_from(LINES), min_size=1, max_size=40),
+        st.lists(st.integers(min_value=0, max_value=2000), max_size=30),
+    )
+    def test_random_splits_give_the_same_commands(self, lines, cuts):
+        data = b"".join(line + b"\n" for line in lines)
+        whole, _, _, whole_handler = make_server()
+        whole.dataReceived(data)
+        split, transport, _, split_handler = make_server()
+        offsets = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+        for start, end in zip(offsets, offsets[1:]):
+            split.dataReceived(data[start:end])
+        self.assertEqual(split_handler.commands(), whole_handler.commands())
+        expected = len([line for line in lines if line.strip()])
+        self.assertEqual(len(split_handler.commands()), expected)
+        self.assertFalse(transport.disconnecting)
+        # A byte at a time, too.
+        single, _, _, single_handler = make_server()
+        for i in range(len(data)):
+            single.dataReceived(data[i:i + 1])
+        self.assertEqual(single_handler.commands(), whole_handler.commands())

@@ -49,11 +49,21 @@ def _excerpt(text: str) -> str:
     return repr(text)
 
 
+#: The largest stream token or other integer field: a 63-bit integer, as
+#: in a PostgreSQL ``bigint`` sequence.
+MAX_INTEGER = 2**63 - 1
+_MAX_DIGITS = len(str(MAX_INTEGER))
+
+
 def _parse_int(text: str, what: str) -> int:
-    """A decimal integer, optional leading ``-``, ASCII digits only."""
-    digits = text[1:] if text[:1] == "-" else text
-    if not (digits.isascii() and digits.isdigit()):
+    """A decimal integer from 0 to :data:`MAX_INTEGER`, ASCII digits only
+    (no sign).  The length is checked before conversion, so a number of any
+    size is a :class:`CommandParseError`, never Python's ``ValueError`` for
+    over-long integer strings."""
+    if not (text.isascii() and text.isdigit()):
         raise CommandParseError(f"{what} is not an integer: {_excerpt(text)}")
+    if len(text) > _MAX_DIGITS or int(text) > MAX_INTEGER:
+        raise CommandParseError(f"{what} is out of range (0 to 2**63-1): {_excerpt(text)}")
     return int(text)
 
 

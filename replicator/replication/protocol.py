@@ -53,6 +53,7 @@ from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from ..logs import printable
 from .commands import (
     CLIENT_COMMANDS,
     CLIENT_WRITER_COMMANDS,
@@ -248,9 +249,13 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     # ------------------------------------------------------------ closing
 
-    def close(self, reason: str, error_text: Optional[str] = None) -> None:
+    def close(self, reason: str, error_text: Optional[str] = None,
+              log_text: Optional[str] = None) -> None:
         """Close the connection, first writing ``ERROR <error_text>`` if
         given (straight to the transport, past any queue).
+
+        One log line says so: at info level, or, when the peer is at fault
+        and ``log_text`` says how, that text at warn level.
 
         ``reason`` is one of :data:`CLOSE_REASONS`.  Queued lines are
         discarded.  If the transport has not closed ``ping_timeout`` seconds
@@ -270,12 +275,20 @@ class ReplicationProtocol(LineOnlyReceiver):
             transport.write(data)
             self._last_sent = self._clock.seconds()
             self._call_hook("count_outbound", self, "ERROR", 1)
-        self.log.info(
-            "Closing replication connection {conn} ({why}): {text}",
-            conn=self,
-            why=reason,
-            text=error_text or "",
-        )
+        if log_text is None:
+            self.log.info(
+                "Closing replication connection {conn} ({why}): {text}",
+                conn=self,
+                why=reason,
+                text=printable(error_text or ""),
+            )
+        else:
+            self.log.warn(
+                "Closing replication connection {conn} ({why}): {text}",
+                conn=self,
+                why=reason,
+                text=printable(log_text),
+            )
         # With a streaming producer registered, a paused transport that has
         # drained would resume us instead of finishing the close.
         if getattr(transport, "producer", self) is self:
@@ -324,10 +337,8 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     def lineLengthExceeded(self, line: bytes) -> None:
         self._buffer = b""
-        self.log.warn(
-            "Line of {n} bytes from {conn} exceeds {max}", n=len(line), conn=self, max=self.MAX_LENGTH
-        )
-        self.close(LINE_TOO_LONG, "Line length exceeded")
+        self.close(LINE_TOO_LONG, "Line length exceeded",
+                   log_text=f"line of {len(line)} bytes exceeds {self.MAX_LENGTH}")
 
     def lineReceived(self, line: bytes) -> None:
         """Handle one line (no ``\\n``; one trailing ``\\r`` is stripped)."""
@@ -339,14 +350,20 @@ class ReplicationProtocol(LineOnlyReceiver):
             return
         try:
             cmd = parse_line(line.decode("utf-8"))
-        except (CommandParseError, UnicodeDecodeError) as e:
-            self.log.warn("Failed to parse line from {conn}: {error}", conn=self, error=str(e))
-            self.close(PARSE_ERROR, "failed to parse line: " + _one_line(e))
+        except Exception as e:
+            # CommandParseError and UnicodeDecodeError are expected; anything
+            # else is a parser bug, and still the peer's line that caused it:
+            # the same ERROR and close, one log line, no traceback.
+            if isinstance(e, (CommandParseError, UnicodeDecodeError)):
+                text = "failed to parse line: " + _one_line(e)
+            else:
+                text = "failed to parse line: " + type(e).__name__
+            self.close(PARSE_ERROR, text, log_text=text + " ({0} bytes)".format(len(line)))
             return
         name = cmd.NAME
         if name not in self.VALID_INBOUND and not self._may_write(cmd):
-            self.log.warn("Invalid command {name} from {conn}", name=name, conn=self)
-            self.close(INVALID_COMMAND, "invalid command: " + name)
+            self.close(INVALID_COMMAND, "invalid command: " + name,
+                       log_text="invalid command " + name)
             return
         if self._count_inbound is not None:
             self._call(self._count_inbound, self, name)
@@ -371,7 +388,8 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     def _on_ERROR(self, cmd: ErrorCommand) -> None:
         self._remote_error = True
-        self.log.warn("Remote {conn} reported an error: {text}", conn=self, text=cmd.message)
+        self.log.warn("Remote {conn} reported an error: {text}", conn=self,
+                      text=printable(cmd.message))
 
     # ------------------------------------------------------------ outbound
 
@@ -541,8 +559,10 @@ class ServerReplicationProtocol(ReplicationProtocol):
 
     def _on_NAME(self, cmd: NameCommand) -> None:
         self._peer_instance = cmd.client_name
-        self.log.info("Replication connection {peer} is {name}", peer=self.name, name=cmd.client_name)
-        self.name = cmd.client_name
+        name = printable(cmd.client_name, 64)
+        self.log.info("Replication connection {peer} is {name}", peer=self.name, name=name)
+        # For logs only (metrics and checks use instance_name).
+        self.name = name
 
     def _may_write(self, cmd: Command) -> bool:
         if cmd.NAME not in CLIENT_WRITER_COMMANDS or self._client_may_write is None:
@@ -580,12 +600,12 @@ class ClientReplicationProtocol(ReplicationProtocol):
     def _on_SERVER(self, cmd: ServerCommand) -> None:
         if self.server_name is not None and cmd.server_name != self.server_name:
             self.log.error(
-                "Connected to {got!r} instead of {expected!r} at {conn}",
-                got=cmd.server_name,
-                expected=self.server_name,
+                "Connected to {got} instead of {expected} at {conn}",
+                got=printable(cmd.server_name),
+                expected=printable(self.server_name),
                 conn=self,
             )
             self.close(WRONG_REMOTE, "Wrong remote")
             return
         self._peer_instance = cmd.server_name
-        self.name = cmd.server_name
+        self.name = printable(cmd.server_name, 64)

@@ -12,6 +12,7 @@ from functools import lru_cache
 from twisted.enterprise import adbapi
 from twisted.logger import Logger
 
+from .. import files
 from ..config import DatabaseConfig
 from .transactions import TransactionQueue
 
@@ -46,8 +47,10 @@ class Database:
         self.config = config
         self.engine = config.engine
         if self.engine == "sqlite":
-            directory = os.path.dirname(os.path.abspath(config.path))
-            os.makedirs(directory, exist_ok=True)
+            # Data files are 0640 (SQLite gives its -wal and -shm files the
+            # database file's mode).
+            files.make_directory(os.path.dirname(os.path.abspath(config.path)))
+            files.create_data_file(config.path)
             self.pool = adbapi.ConnectionPool(
                 "sqlite3", config.path, check_same_thread=False,
                 cp_min=1, cp_max=1, cp_openfun=_sqlite_open, cp_noisy=False,
