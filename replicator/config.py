@@ -302,6 +302,8 @@ class ReplicationConfig:
     max_line_length: int = 16_384
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
+    max_batch_rows: int = 10_000  # rows of one fact received as a batch
+    max_batch_bytes: int = 16 << 20  # bytes of the lines of one partial batch
 
 
 @dataclass(frozen=True)
@@ -386,7 +388,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
     section = _mapping(value if value is not None else {}, key)
     _no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
                           "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit",
-                          "fanout_interval"), key)
+                          "fanout_interval", "max_batch_rows", "max_batch_bytes"), key)
     ping_interval = _number(section, "ping_interval", key, 5.0, 0.1)
     ping_timeout = _number(section, "ping_timeout", key, 15.0, 1.0)
     if ping_timeout <= ping_interval:
@@ -406,6 +408,14 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
             server_endpoint(reactor, listen, client_ca)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}.client_ca", str(e)) from None
+    max_line_length = _int(section, "max_line_length", key, 16_384, minimum=1024)
+    max_batch_rows = _at_most(_int(section, "max_batch_rows", key, 10_000, minimum=1),
+                              1_000_000, f"{key}.max_batch_rows")
+    max_batch_bytes = _at_most(_int(section, "max_batch_bytes", key, 16 << 20, minimum=65536),
+                               1 << 30, f"{key}.max_batch_bytes")
+    if max_batch_bytes <= max_line_length:
+        raise ConfigError(f"{key}.max_batch_bytes",
+                          f"must be larger than max_line_length ({max_line_length})")
     return ReplicationConfig(
         listen=listen,
         client_ca=client_ca,
@@ -414,10 +424,18 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
         max_queued_lines=_int(section, "max_queued_lines", key, 10_000, minimum=1),
-        max_line_length=_int(section, "max_line_length", key, 16_384, minimum=1024),
+        max_line_length=max_line_length,
         fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1),
         fanout_interval=_number(section, "fanout_interval", key, 0.003, 0.0),
+        max_batch_rows=max_batch_rows,
+        max_batch_bytes=max_batch_bytes,
     )
+
+
+def _at_most(value: int, maximum: int, path: str) -> int:
+    if value > maximum:
+        raise ConfigError(path, f"must be at most {maximum}, got {value}")
+    return value
 
 
 def _read_secret(path: str, key: str) -> str:

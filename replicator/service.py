@@ -107,7 +107,8 @@ class Instance:
             self.registry, config.instance_name, config.server_name,
             consumers=self.consumers, fetch_limit=rep.fetch_limit,
             max_line_length=rep.max_line_length, clock=reactor,
-            fanout_interval=rep.fanout_interval,
+            fanout_interval=rep.fanout_interval, max_batch_rows=rep.max_batch_rows,
+            max_batch_bytes=rep.max_batch_bytes,
         )
         self.settings = ConnectionSettings(
             max_line_length=rep.max_line_length, ping_interval=rep.ping_interval,

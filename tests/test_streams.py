@@ -17,7 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from replicator.config import ConfigError, parse_database, parse_streams
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
-from replicator.streams.rows import RowCodec, RowError, check_rows, db_params
+from replicator.streams.rows import RowCodec, RowError, WireRowCheck, check_rows, db_params
 from tests.servers import PostgresServer
 
 STREAMS = [
@@ -443,6 +443,31 @@ class RowCodecTests(SynchronousTestCase):
         wire, params = codec.prepare([rows])
         self.assertEqual(wire, [expected])
         self.assertEqual(params, [[db_params(self.COLUMNS, r) for r in expected]])
+
+    @given(st.lists(st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.text(max_size=5),
+        st.lists(st.integers(), max_size=2), st.floats(allow_nan=False)), min_size=3, max_size=5))
+    @settings(max_examples=500, deadline=None)
+    def test_wire_check_agrees_with_check_rows(self, row):
+        """A received row fits iff it could have been written, except that a
+        boolean may also be 0 or 1 (as Synapse sends them)."""
+        check = WireRowCheck(self.COLUMNS)
+        try:
+            check_rows(self.COLUMNS, [row])
+            writable = True
+        except RowError:
+            writable = False
+        lenient = list(row)
+        if len(row) == 4 and type(row[2]) is int and row[2] in (0, 1):
+            lenient[2] = bool(row[2])
+            try:
+                check_rows(self.COLUMNS, [lenient])
+                writable = True
+            except RowError:
+                pass
+        problem = check.check(row)
+        self.assertEqual(problem is None, writable, (row, problem))
+        self.assertEqual(check.check(tuple(row)), "expected a list of 4 values")
 
     def test_messages_name_the_row(self):
         codec = RowCodec(self.COLUMNS)
