@@ -16,15 +16,21 @@ Routes (every JSON answer is one line followed by ``\\n``; errors are
     answered before the body is read, and the connection closed), 404
     (unknown stream), 409 (this instance is not a writer of the stream), 400
     (not JSON, not ``{"rows": [list, ...]}``, a row that does not fit the
-    stream's columns, or whose RDATA line could never be replicated because it
-    exceeds ``replication.max_line_length``).  503 when the database write
+    stream's columns, a ``json`` value nested deeper than 100 levels, an
+    integer outside the bigint range, or whose RDATA line could never be
+    replicated because it exceeds ``replication.max_line_length``).  503 when the database write
     fails (logged with its traceback; the answer is generic) or the streams
     are not loaded yet.
-``GET /_replicator/v1/positions``
+Reading the instance's state needs the same secret as writing (401/403 as
+above): positions and the master's bookkeeping tell who runs what and who
+is online.  ``/health`` and ``/metrics`` stay open for probes and
+Prometheus.
+
+``GET /_replicator/v1/positions`` (secret required)
     Per stream its linear token and, per writer, its position; local writers
     add ``in_flight`` and ``announced``, remote ones ``reader_position`` and
     ``lag``.
-``GET /_replicator/v1/federation_acks``
+``GET /_replicator/v1/federation_acks`` (secret required)
     ``{"acks": {instance: token}}``.
 ``GET /_replicator/v1/user_syncs`` (secret required: user IDs are personal)
     ``{"user_syncs": {instance: [{user_id, device_id, last_sync_ms}, ...]}}``.
@@ -32,7 +38,7 @@ Routes (every JSON answer is one line followed by ``\\n``; errors are
     ``{"user_ips": [{user_id, device_id, ip, user_agent, last_seen}, ...]}``.
 ``GET /health``
     200 ``{"status": "ok", ...summary}`` once ``SELECT 1`` answers within
-    ``db_timeout`` and, on a worker, replication is connected and caught up;
+    ``db_timeout`` and replication is keeping up (see :mod:`replicator.health`);
     otherwise 503 ``{"status": "unhealthy", "reason": "..."}`` with the first
     problem found.
 ``GET /metrics``
@@ -77,6 +83,9 @@ DRAIN_FACTOR = 4
 DB_TIMEOUT = 2.0
 #: Bodies above this are parsed and checked in a thread, not on the reactor.
 THREAD_PARSE_SIZE = 64 * 1024
+#: A ``json`` column value may nest arrays and objects this deep (the value
+#: itself is level 1); deeper is a 400.
+MAX_JSON_DEPTH = 100
 #: The RDATA line estimate assumes a token of this many digits.
 TOKEN_DIGITS = 20
 JSON_TYPE = b"application/json"
@@ -124,23 +133,28 @@ def _excerpt(text: str, limit: int = 60) -> str:
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
-def _contains_nul(value: Any) -> bool:
-    """Whether a decoded JSON value has a NUL in a string or key (iterative:
-    JSON may nest deeper than Python's recursion limit)."""
-    stack = [value]
+def _json_problem(value: Any) -> Optional[str]:
+    """What makes a decoded JSON column value unfit to store and replicate:
+    a NUL in a string or key, or nesting deeper than :data:`MAX_JSON_DEPTH`
+    (encoders and peers' decoders recurse).  Iterative, so any depth the
+    body parser accepted is checked without recursion."""
+    stack = [(value, 1)]
     while stack:
-        v = stack.pop()
+        v, depth = stack.pop()
         if isinstance(v, str):
             if "\x00" in v:
-                return True
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            for k, item in v.items():
-                if "\x00" in k:
-                    return True
-                stack.append(item)
-    return False
+                return "contains a NUL character"
+        elif isinstance(v, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                return f"is nested deeper than {MAX_JSON_DEPTH} levels"
+            if isinstance(v, list):
+                stack.extend((item, depth + 1) for item in v)
+            else:
+                for k, item in v.items():
+                    if "\x00" in k:
+                        return "contains a NUL character"
+                    stack.append((item, depth + 1))
+    return None
 
 
 def parse_fact_body(body: bytes, columns, line_prefix: int, max_line_length: int) -> List[list]:
@@ -174,8 +188,9 @@ def parse_fact_body(body: bytes, columns, line_prefix: int, max_line_length: int
     room = max_line_length - line_prefix
     for n, row in enumerate(rows):
         for i, name in json_columns:
-            if _contains_nul(row[i]):
-                raise HttpError(400, f"row {n}: column {name!r} contains a NUL character")
+            problem = _json_problem(row[i])
+            if problem is not None:
+                raise HttpError(400, f"row {n}: column {name!r} {problem}")
         try:
             size = len(encode_json(row))
         except (TypeError, ValueError):
@@ -305,7 +320,8 @@ class HttpApi:
     def __init__(self, *, config: InstanceConfig, registry, handler, db,
                  replication_status: Callable[[], Tuple[bool, str]],
                  max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
-                 idle_timeout: float = 60.0, lag_grace: float = 10.0, clock=None):
+                 idle_timeout: float = 60.0, lag_grace: float = 10.0, clock=None,
+                 health=None):
         self.config = config
         self.registry = registry
         self.handler = handler
@@ -314,11 +330,6 @@ class HttpApi:
         self.instance_name = config.instance_name
         self.max_body_size = max_body_size
         self.db_timeout = db_timeout
-        # A worker under steady load lags briefly all the time; it is
-        # unhealthy once a stream has lagged (or work stayed queued) for
-        # longer than this.
-        self.lag_grace = lag_grace
-        self._behind_since: Dict[Any, float] = {}
         self.idle_timeout = idle_timeout
         self.is_worker = bool(config.replication.upstream or config.replication.redis)
         secret = config.http.secret
@@ -330,6 +341,12 @@ class HttpApi:
         if clock is None:
             from twisted.internet import reactor as clock
         self._clock = clock
+        if health is None:  # replication problems only (no periodic database check)
+            from .health import HealthMonitor
+
+            health = HealthMonitor(registry=registry, handler=handler, db=db, clock=clock,
+                                   lag_grace=lag_grace, expect_upstream=self.is_worker)
+        self.health = health
         self._db_probe: Optional[defer.Deferred] = None
         self._db_waiters: List[defer.Deferred] = []
         self._root = _Root(self)
@@ -569,6 +586,7 @@ class HttpApi:
         return {"stream_id": stream_id}
 
     async def _positions(self, request):
+        self._authorize(request)
         handler = self.handler
         announced = handler.announced_positions()
         readers = handler.reader_positions()
@@ -607,6 +625,7 @@ class HttpApi:
         return {"user_syncs": out}
 
     async def _federation_acks(self, request):
+        self._authorize(request)
         return {"acks": dict(sorted(self.handler.federation_acks.items()))}
 
     async def _user_ips(self, request):
@@ -672,21 +691,7 @@ class HttpApi:
             return False, "replication status unavailable"
 
     def _replication_problem(self, connected: bool, detail: str) -> Optional[str]:
-        if not connected:
-            return f"replication not connected: {detail}"
-        now = self._clock.seconds()
-        behind = {key: f"stream {key[0]}/{key[1]} lagging by {lag}"
-                  for key, lag in self.handler.reader_lag().items() if lag}
-        if not self.handler.idle():
-            behind["work"] = "replication catching up (work queued)"
-        since = self._behind_since
-        for key in [k for k in since if k not in behind]:
-            del since[key]
-        for key in sorted(behind, key=str):
-            started = since.setdefault(key, now)
-            if now - started >= self.lag_grace:
-                return f"{behind[key]} for {now - started:.0f}s"
-        return None
+        return self.health.problem(connected, detail)
 
     async def _health(self, request):
         problem = await self.check_database()
@@ -695,7 +700,7 @@ class HttpApi:
             if unloaded:
                 problem = f"streams not loaded: {', '.join(unloaded)}"
         connected, detail = self._replication()
-        if problem is None and self.is_worker:
+        if problem is None:
             problem = self._replication_problem(connected, detail)
         if problem is not None:
             raise _Unhealthy(problem)

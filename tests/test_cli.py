@@ -71,7 +71,7 @@ class Daemon:
                                      cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT)
         self.test.addCleanup(self.kill)
         base = self.http_base
-        wait_for(lambda: http(base + "/_replicator/v1/positions")[0] == 200,
+        wait_for(lambda: http(base + "/_replicator/v1/positions", secret=SECRET)[0] == 200,
                  what=f"{self.path} answering")
         return self
 

@@ -670,6 +670,7 @@ class OutboundTests(SynchronousTestCase):
                 "shutdown",
                 "remote_error",
                 "connection_lost",
+                "refused",
             },
         )
 

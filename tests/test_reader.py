@@ -139,6 +139,16 @@ class ReaderMachine(RuleBasedStateMachine):
             line = self.pipe.pop(0)[0]
             self.send_line(line)
 
+    @rule(lost=st.integers(0, 8))
+    def writer_link_drops(self, lost):
+        """Redis: the writer's link dropped (the reader's did not); lines it
+        had not published yet are lost, even in the middle of a fact. Back,
+        it announces its position on the same channel."""
+        keep = max(0, len(self.pipe) - lost)
+        del self.pipe[keep:]
+        self.queue_chunk([encode_position_line(STREAM, WRITER, self.announced, self.announced)],
+                         self.announced)
+
     @rule(data=st.data())
     def reader_reconnects(self, data):
         """The reader's link dropped: what was on the way is lost, mid-fact
@@ -233,3 +243,20 @@ class ReaderStateTests(SynchronousTestCase):
             machine.TestCase().runTest()
         finally:
             self.flushLoggedErrors(ReadFailed)
+
+
+class PartialBatchTests(SynchronousTestCase):
+    """Defect 1, the case seen on Redis, step by step."""
+
+    def test_writer_position_ends_its_partial_batch(self):
+        table = {1: [["a", 1], ["b", 1]], 2: [["c", 2]]}
+        delivered = []
+        reader = Reader(STREAM, WRITER, 0, clock=Clock(), fetch_limit=10,
+                        source=lambda w, f, t, n: defer.succeed(updates_since(table, f, t, n)),
+                        deliver=lambda token, rows: delivered.append((token, rows)))
+        conn = Conn(1)
+        reader.position_line(conn, 0, 0)
+        reader.rdata(conn, None, ["a", 1])  # "RDATA s w batch a"; then the writer's link drops
+        reader.position_line(conn, 1, 1)    # back, it re-announces its position
+        reader.rdata(conn, 2, ["c", 2])
+        self.assertEqual(delivered, [(1, [["a", 1], ["b", 1]]), (2, [["c", 2]])])

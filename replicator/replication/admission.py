@@ -161,6 +161,10 @@ class Admission:
             return False
         if cmd.NAME == "RDATA":
             gate.batches.pop(key, None)
+        else:
+            # A POSITION ends every open batch of its writer (see .reader).
+            for other in self._gates.values():
+                other.batches.pop(key, None)
         self._call_accept(conn, key, cmd, line)
         return True
 
@@ -254,9 +258,9 @@ class Admission:
         if gate is not None:
             gate.batches.pop(key, None)
 
-    def waiting(self) -> int:
-        """Connections whose commands wait for a read of a sequence."""
-        return sum(1 for g in self._gates.values() if g.waiting)
+    def idle(self) -> bool:
+        """No connection's commands wait for a read of a sequence."""
+        return not any(g.waiting for g in self._gates.values())
 
     def stop(self) -> None:
         self._stopping = True

@@ -102,6 +102,7 @@ class ReplicationHandler:
         self._refusals_logged: Dict[Any, Set[str]] = {}  # conns that cannot be closed
         self.bookkeeping = Bookkeeping()
         self._readers: Dict[Key, Reader] = {}
+        self._heard: Set[Key] = set()  # read keys a POSITION or RDATA arrived for
         self._started = False
         self._stopping = False
         self.listeners: List[Any] = []  # objects with optional on_<NAME>(conn, cmd)
@@ -292,6 +293,7 @@ class ReplicationHandler:
         """An RDATA/POSITION that :mod:`.admission` let through."""
         if conn not in self.connections:
             return
+        self._heard.add(key)
         reader = self._readers[key]
         relay = not conn.is_client_side  # from a writer client: to everyone else
         if cmd.NAME == "RDATA":
@@ -322,6 +324,7 @@ class ReplicationHandler:
             logged.add(reason)
             log.warn("Refused from {conn}: {text} (further refusals of this kind are only "
                      "counted: replicator_inbound_refused_total)", conn=conn, text=text)
+
     def on_USER_SYNC(self, conn, cmd) -> None:
         self.bookkeeping.user_sync(conn, cmd, track=conn in self.connections)
         self._notify(conn, cmd)
@@ -375,6 +378,11 @@ class ReplicationHandler:
     def reader_positions(self) -> Dict[Key, Optional[int]]:
         return {key: r.position for key, r in self._readers.items()}
 
+    def reader_heard(self) -> Set[Key]:
+        """The (stream, writer) keys read here that a POSITION or RDATA has
+        arrived for since start (from any connection)."""
+        return set(self._heard)
+
     def reader_lag(self) -> Dict[Key, int]:
         return {key: r.lag for key, r in self._readers.items()}
 
@@ -390,8 +398,10 @@ class ReplicationHandler:
         return self.idle()
 
     def idle(self) -> bool:
-        """Nothing queued for any reader and no fan-out running."""
-        return self.fanout.idle() and all(r.idle() for r in self._readers.values())
+        """Nothing queued for any reader, no claim waiting for a check, and
+        no fan-out running."""
+        return self.fanout.idle() and self.admission.idle() and all(
+            r.idle() for r in self._readers.values())
 
     # ------------------------------------------------------------- shutdown
     def stop(self, reason: str = "server stopping") -> None:

@@ -10,6 +10,8 @@ Invariants:
 
 * RDATA rows without a token (``batch``) are collected per connection until
   the row with the token ends the fact; a fact is only ever handed on whole.
+  A POSITION of the writer ends any batch of it that is still open (the
+  writer never sends one inside a fact: the rest was lost on the way).
 * Lines of a connection count only once a POSITION of the writer arrived on
   it (before that, what the POSITION covers is fetched from the table).
 * Commands are processed one at a time, in arrival order, across
@@ -101,7 +103,14 @@ class Reader:
         self._enqueue(("rdata", token, rows))
 
     def position_line(self, conn, prev: int, new: int) -> None:
-        """A POSITION of the writer from ``conn``."""
+        """A POSITION of the writer from ``conn``.
+
+        The writer sends a POSITION only between facts: a batch of it still
+        open here (on any connection) lost its end on the way and is
+        discarded; if that fact was committed, the POSITION covers it and it
+        comes back whole through catch-up (or as RDATA again).
+        """
+        self._batches.clear()
         self._connected.add(conn)
         if new > self.seen:
             self.seen = new

@@ -15,6 +15,7 @@ from twisted.internet import endpoints
 from twisted.internet.protocol import Factory
 
 from .commands import MAX_LINE_LENGTH
+from .peers import PeerPolicy, local_names
 from .protocol import (
     MAX_QUEUED_LINES,
     PING_INTERVAL,
@@ -41,20 +42,28 @@ class ConnectionSettings:
 
 
 class ReplicationServerFactory(Factory):
-    """Builds a server protocol per accepted connection, all on one handler."""
+    """Builds a server protocol per accepted connection, all on one handler.
+
+    ``policy`` says who may connect and which names peers may take; by
+    default no peer may take the name of the handler's instance (nor of a
+    writer local to it)."""
 
     noisy = False
 
     def __init__(self, handler, server_name: str, settings: ConnectionSettings = None,
-                 clock=None):
+                 clock=None, policy: PeerPolicy = None):
         self.handler = handler
         self.server_name = server_name
         self.settings = settings or ConnectionSettings()
         self.clock = clock
+        if policy is None:
+            policy = PeerPolicy(reserved=local_names(handler))
+        self.policy = policy
 
     def buildProtocol(self, addr):
         p = ServerReplicationProtocol(
-            self.handler, self.server_name, clock=self.clock, **self.settings.kwargs())
+            self.handler, self.server_name, policy=self.policy, clock=self.clock,
+            **self.settings.kwargs())
         p.factory = self
         return p
 

@@ -15,6 +15,7 @@ reader's catch-up use.
 """
 
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from twisted.internet import defer
@@ -110,6 +111,9 @@ class Stream:
         self._recent_unknown: Dict[str, set] = {}  # failed writes: ask the table
         self._persist_call = None
         self._persisting: Optional[defer.Deferred] = None
+        # Database connections whose sequence check ran (see
+        # _sequence_past_positions); a reconnect makes a new connection.
+        self._sequence_checked: "weakref.WeakSet" = weakref.WeakSet()
         if clock is None:
             from twisted.internet import reactor as clock
         self._clock = clock
@@ -235,6 +239,10 @@ class Stream:
         and the writer's position in one batch of statements; the pool commits.
         """
         gen = self.id_gen
+        connection = txn.connection
+        if connection not in self._sequence_checked:
+            self._sequence_past_positions(txn)
+            self._sequence_checked.add(connection)
         gen.begin_reservation()
         try:
             if len(facts) == 1:
@@ -246,8 +254,9 @@ class Stream:
         except BaseException:
             gen.abort_reservation()
             raise
-        reserved.extend(ids)
+        # Only IDs the generator accepted are ours to complete if this fails.
         gen.reserved(writer, ids)
+        reserved.extend(ids)
         for hook in hooks:
             for stream_id in ids:
                 hook(txn, stream_id)
@@ -271,6 +280,35 @@ class Stream:
             txn.execute("; ".join(statements), params)
         return ids
 
+    #: Above this many values behind, the sequence is moved with ``setval``
+    #: instead of by taking values (which never moves it backwards).
+    SEQUENCE_CATCH_UP_MAX = 100_000
+
+    def _sequence_past_positions(self, txn) -> None:
+        """Before the first ``nextval`` on a database connection: move the
+        sequence past every ID this instance knows (its writers' positions
+        included), never backwards.
+
+        PostgreSQL can hand out again, after a crash restart, a value that
+        went to a transaction which never committed; our writer may already
+        have announced a position past it.  Every connection after a
+        reconnect is a new one, so this runs before any write after a
+        crash (as the check at startup does).
+        """
+        floor = self.id_gen.get_max_known()
+        current = schema.sequence_value(txn, self.config.sequence)
+        if current >= floor:
+            return
+        if floor - current <= self.SEQUENCE_CATCH_UP_MAX:
+            txn.execute(f"SELECT max(nextval('{self.config.sequence}')) "
+                        "FROM generate_series(1, %s)", (floor - current,))
+        else:
+            txn.execute("SELECT setval(%s, %s)", (self.config.sequence, floor))
+        metrics.SEQUENCE_MOVED.labels(self.name).inc()
+        log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
+                 "positions (up to {floor}) on a new database connection; moved it past",
+                 stream=self.name, seq=self.config.sequence, current=current, floor=floor)
+
     def _persist_in_transaction(self, writer: str, ids: List[int]) -> bool:
         """Persist the position with the fact unless other writes of this
         writer are in flight: they would queue on the position row's lock
@@ -282,8 +320,8 @@ class Stream:
         first = self._sqlite_last + 1
         ids = list(range(first, first + len(facts)))
         self._sqlite_last = first + len(facts) - 1  # consumed even if this rolls back
-        reserved.extend(ids)
         self.id_gen.reserved(writer, ids, pending=False)
+        reserved.extend(ids)
         with_writer = self.config.writer_column is not None
         rows = []
         for stream_id, fact_rows in zip(ids, facts):
