@@ -93,6 +93,11 @@ SEQUENCE_MOVED = Counter(
     "Times a stream's sequence was found behind known positions on a new database "
     "connection (e.g. after a PostgreSQL crash) and moved past them", ["stream"]
 )
+FOREIGN_FACTS = Counter(
+    "replicator_foreign_facts_total",
+    "Facts found in a single-writer stream's table under IDs this instance never "
+    "reserved (written by SQL, not through replicator); delivered from the table", ["stream"]
+)
 FANOUT_LATENCY = Histogram(
     "replicator_fanout_latency_seconds",
     "From a writer's token advancing to its rows being written to every connection",

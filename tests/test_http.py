@@ -655,15 +655,15 @@ class HttpApiTests(HttpTestCase):
             self.assertEqual((response.code, answer), (200, {"user_syncs": {"worker1": [
                 {"user_id": "@u:hs", "device_id": "DEV", "last_sync_ms": 1000},
                 {"user_id": "@v:hs", "device_id": None, "last_sync_ms": 1001},
-            ]}}))
+            ]}, "next": None}))
             response, answer = await self.json("GET", "/_replicator/v1/federation_acks",
                                                headers=AUTH)
             self.assertEqual((response.code, answer),
-                             (200, {"acks": {"worker1": 57, "worker2": 3}}))
+                             (200, {"acks": {"worker1": 57, "worker2": 3}, "next": None}))
             response, answer = await self.json("GET", "/_replicator/v1/user_ips", headers=AUTH)
             self.assertEqual((response.code, answer), (200, {"user_ips": [
                 {"user_id": "@u:hs", "device_id": "DEV", "ip": "10.0.0.1",
-                 "user_agent": "Element/1.0", "last_seen": 1234}]}))
+                 "user_agent": "Element/1.0", "last_seen": 1234}], "next": None}))
             self.assertNotIn("tok", orjson.dumps(answer).decode())
             response, text = await self.call("GET", "/metrics")
             self.assertIn(b'replicator_user_syncs{instance="worker1"} 2.0\n', text)
@@ -672,7 +672,7 @@ class HttpApiTests(HttpTestCase):
             # The syncs expire with the connection, and so does the series.
             proto.connectionLost(None)
             response, answer = await self.json("GET", "/_replicator/v1/user_syncs", headers=AUTH)
-            self.assertEqual(answer, {"user_syncs": {}})
+            self.assertEqual(answer, {"user_syncs": {}, "next": None})
             response, text = await self.call("GET", "/metrics")
             self.assertNotIn(b"replicator_user_syncs{", text)
             self.assertIn(b'replicator_federation_ack_position{instance="worker1"} 57.0\n', text)
