@@ -12,15 +12,8 @@ from .results import Finding
 
 # (phase, kind, signature regex, why it is excluded)
 KNOWN_OPEN = [
-    ("1-lines", "position_poisoned", r".*",
-     "issue 11 item 1: a peer's POSITION moves the local writers' tokens past the sequence"),
-    ("3-peers", "position_poisoning", r".*",
-     "issue 11 item 1: a peer's POSITION above the stream's sequence moves tokens"),
     ("3-peers", "bookkeeping_overwritten", r".*",
      "issue 11 item 3: any connection changes another instance's USER_SYNC/FEDERATION_ACK"),
-    ("3-peers", "relay_sent_bad_line", r".*",
-     "issue 11 item 4: a relayed LOCK_RELEASED is re-encoded with ASCII escapes past "
-     "max_line_length"),
     ("4-http", "non_json_error", r"status 4\d\d",
      "issue 11 item 13: malformed HTTP gets twisted.web's bare 400 (or 405 for `POST *`) "
      "with an empty body"),
