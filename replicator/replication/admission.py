@@ -162,9 +162,9 @@ class Admission:
         if cmd.NAME == "RDATA":
             gate.batches.pop(key, None)
         else:
-            # A POSITION ends every open batch of its writer (see .reader).
-            for other in self._gates.values():
-                other.batches.pop(key, None)
+            # A POSITION ends its writer's open batch on this connection
+            # (see .reader).
+            gate.batches.pop(key, None)
         self._call_accept(conn, key, cmd, line)
         return True
 

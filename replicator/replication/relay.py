@@ -8,8 +8,8 @@ Invariants:
 * Only whole facts are relayed: ``batch`` rows wait, per (connection,
   stream, writer), for the row that carries the token, then the fact's
   lines go out in one call.  A partial batch dies with its connection, and
-  with a POSITION of the same writer (sent only between facts: the rest of
-  the batch was lost on the writer's side).
+  with a POSITION of the same writer on that connection (sent only between
+  facts: the rest of the batch was lost on the writer's side).
 * ``relayed`` per (stream, writer) is the largest token passed on; the
   server's REPLICATE answer for such a writer is never below it.
 * What is relayed is the bytes received, never a re-encoding (a re-encoded
@@ -42,8 +42,7 @@ class Relay:
 
     def position(self, conn, key: Key, new_token: int, line: bytes) -> None:
         """A POSITION line (wire bytes) of a writer client on ``conn``."""
-        for batches in self._batches.values():
-            batches.pop(key, None)
+        self._batches.get(conn, {}).pop(key, None)
         self.relayed[key] = max(self.relayed.get(key, 0), new_token)
         self._broadcast([line], "POSITION", exclude=conn)
 

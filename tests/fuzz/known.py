@@ -12,8 +12,6 @@ from .results import Finding
 
 # (phase, kind, signature regex, why it is excluded)
 KNOWN_OPEN = [
-    ("3-peers", "bookkeeping_overwritten", r".*",
-     "issue 11 item 3: any connection changes another instance's USER_SYNC/FEDERATION_ACK"),
     ("4-http", "non_json_error", r"status 4\d\d",
      "issue 11 item 13: malformed HTTP gets twisted.web's bare 400 (or 405 for `POST *`) "
      "with an empty body"),
