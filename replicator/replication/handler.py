@@ -80,8 +80,8 @@ class ReplicationHandler:
         max_batch_rows: int = MAX_BATCH_ROWS,
         max_batch_bytes: int = MAX_BATCH_BYTES,
         known_names: Iterable[str] = (),
-        max_user_syncs: int = 100_000,
-        max_user_ips: int = 100_000,
+        max_user_syncs: int = 50_000,
+        max_user_ips: int = 20_000,
         max_federation_acks: int = 1_000,
         bookkeeping_max_age: float = 86_400.0,
     ):
