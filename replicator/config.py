@@ -9,6 +9,7 @@ streams.  Sections are parsed by small functions that take a mapping and the
 key path it came from.
 """
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -108,7 +109,8 @@ def _str(section: Mapping, name: str, key: str, default: Any = ..., pattern=None
     return value
 
 
-def _int(section: Mapping, name: str, key: str, default: Any = ..., minimum: int = 0) -> int:
+def _int(section: Mapping, name: str, key: str, default: Any = ..., minimum: int = 0,
+         maximum: Optional[int] = None) -> int:
     path = f"{key}.{name}" if key else name
     if name not in section:
         if default is ...:
@@ -119,6 +121,8 @@ def _int(section: Mapping, name: str, key: str, default: Any = ..., minimum: int
         raise ConfigError(path, f"expected an integer, got {_kind(value)}")
     if value < minimum:
         raise ConfigError(path, f"must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(path, f"must be at most {maximum}, got {value}")
     return value
 
 
@@ -299,7 +303,12 @@ class ReplicationConfig:
     ping_interval: float = 5.0
     ping_timeout: float = 15.0
     max_queued_lines: int = 10_000
+    max_queued_bytes: int = 16 * 1024 * 1024
     max_line_length: int = 16_384
+    idle_timeout: float = 60.0
+    max_connections: int = 256
+    reconnect_initial_delay: float = 0.5
+    reconnect_max_delay: float = 30.0
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
 
@@ -342,13 +351,18 @@ class InstanceConfig:
         return self.instance_name in stream.writers
 
 
-def _number(section: Mapping, name: str, key: str, default: float, minimum: float) -> float:
+def _number(section: Mapping, name: str, key: str, default: float, minimum: float,
+            maximum: Optional[float] = None) -> float:
     path = f"{key}.{name}"
     value = section.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(path, f"expected a number, got {_kind(value)}")
+    if not math.isfinite(value):
+        raise ConfigError(path, f"expected a finite number, got {value}")
     if value < minimum:
         raise ConfigError(path, f"must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(path, f"must be at most {maximum}, got {value}")
     return float(value)
 
 
@@ -386,7 +400,9 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
     section = _mapping(value if value is not None else {}, key)
     _no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
                           "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit",
-                          "fanout_interval"), key)
+                          "fanout_interval", "max_queued_bytes", "idle_timeout",
+                          "max_connections", "reconnect_initial_delay",
+                          "reconnect_max_delay"), key)
     ping_interval = _number(section, "ping_interval", key, 5.0, 0.1)
     ping_timeout = _number(section, "ping_timeout", key, 15.0, 1.0)
     if ping_timeout <= ping_interval:
@@ -406,6 +422,17 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
             server_endpoint(reactor, listen, client_ca)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}.client_ca", str(e)) from None
+    max_line_length = _int(section, "max_line_length", key, 16_384, minimum=1024)
+    max_queued_bytes = _int(section, "max_queued_bytes", key, 16 * 1024 * 1024,
+                            minimum=64 * 1024, maximum=2**31)
+    if max_queued_bytes <= max_line_length:
+        raise ConfigError(f"{key}.max_queued_bytes",
+                          f"must be more than max_line_length ({max_line_length})")
+    initial_delay = _number(section, "reconnect_initial_delay", key, 0.5, 0.01, 60.0)
+    max_delay = _number(section, "reconnect_max_delay", key, 30.0, 0.01, 3600.0)
+    if max_delay < initial_delay:
+        raise ConfigError(f"{key}.reconnect_max_delay",
+                          f"must be at least reconnect_initial_delay ({initial_delay:g}s)")
     return ReplicationConfig(
         listen=listen,
         client_ca=client_ca,
@@ -414,7 +441,12 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
         max_queued_lines=_int(section, "max_queued_lines", key, 10_000, minimum=1),
-        max_line_length=_int(section, "max_line_length", key, 16_384, minimum=1024),
+        max_line_length=max_line_length,
+        max_queued_bytes=max_queued_bytes,
+        idle_timeout=_number(section, "idle_timeout", key, 60.0, 1.0, 86400.0),
+        max_connections=_int(section, "max_connections", key, 256, minimum=1, maximum=65536),
+        reconnect_initial_delay=initial_delay,
+        reconnect_max_delay=max_delay,
         fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1),
         fanout_interval=_number(section, "fanout_interval", key, 0.003, 0.0),
     )

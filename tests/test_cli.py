@@ -115,6 +115,16 @@ class ConfigErrorTests(SynchronousTestCase):
         ({"streams": [dict(CACHES, columns=[{"x": "float"}])]},
          "config: streams[0].columns[0].x: unknown type 'float' (one of text, bigint, "
          "boolean, json, '?' for nullable)"),
+        ({"replication": {"max_queued_bytes": 1000}},
+         "config: replication.max_queued_bytes: must be at least 65536, got 1000"),
+        ({"replication": {"idle_timeout": float("nan")}},
+         "config: replication.idle_timeout: expected a finite number, got nan"),
+        ({"replication": {"max_connections": 0}},
+         "config: replication.max_connections: must be at least 1, got 0"),
+        ({"replication": {"max_connections": 10**9}},
+         "config: replication.max_connections: must be at most 65536, got 1000000000"),
+        ({"replication": {"reconnect_initial_delay": 5, "reconnect_max_delay": 1}},
+         "config: replication.reconnect_max_delay: must be at least reconnect_initial_delay (5s)"),
     ]
 
     def test_each_mistake_is_one_line_and_exit_2(self):
