@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= conf/dev.yaml
 
-.PHONY: run test bench deps test-deps system-deps clean
+.PHONY: run test bench chaos deps test-deps system-deps clean
 
 # The daemon alone (make run) ...
 $(VENV)/.installed-run: setup.cfg setup.py
@@ -41,6 +41,14 @@ test: test-deps
 
 bench: test-deps
 	$(PY) scripts/bench/run.py $(BENCH)
+
+# The fault suite (tests/chaos): every scenario x transport, 3 fresh seeds each.
+# Narrow or replay with SCENARIO=crash,net TRANSPORT=tcp SEED=n SEEDS=n DURATION=s PLANT=drop-rdata.
+chaos: test-deps
+	$(PY) -m tests.chaos $(if $(SCENARIO),--scenario $(SCENARIO)) \
+	  $(if $(TRANSPORT),--transport $(TRANSPORT)) $(if $(SEED),--seed $(SEED)) \
+	  $(if $(SEEDS),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) \
+	  $(if $(PLANT),--plant $(PLANT))
 
 clean:
 	rm -rf $(VENV) _trial_temp* build *.egg-info

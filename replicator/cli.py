@@ -41,23 +41,30 @@ def cmd_run(args) -> None:
     files.restrict_umask()
     config = _load(args.config)
     start_logging(config.log_level)
-    from .service import Instance
+    from .service import Instance, StartupError
 
     try:
         instance = Instance(config)
     except ConfigError as e:
         _fail(str(e), 2)
+    except StartupError as e:
+        _fail(str(e), e.code)
 
     async def main(reactor):
         try:
             await instance.start()
-        except ConfigError as e:
+        except (ConfigError, StartupError) as e:
+            # An expected failure: one line on stderr (and in the log), no
+            # traceback.
+            code = 2 if isinstance(e, ConfigError) else e.code
+            log.error("startup failed: {error}", error=str(e))
             print(f"replicator: {e}", file=sys.stderr, flush=True)
             await instance.stop()
-            raise SystemExit(2)
+            raise SystemExit(code)
         except Exception as e:
             log.failure("startup failed")
-            print(f"replicator: startup failed: {e}", file=sys.stderr, flush=True)
+            text = " ".join(str(e).split())[:500] or type(e).__name__
+            print(f"replicator: startup failed: {text}", file=sys.stderr, flush=True)
             await instance.stop()
             raise SystemExit(1)
         # SIGTERM/SIGINT stop the reactor once; the orderly stop runs first.
@@ -194,7 +201,8 @@ def cmd_write(args) -> None:
 
 def cmd_positions(args) -> None:
     config = _load(args.config)
-    answer = _request(f"{_http_base(config)}/_replicator/v1/positions")
+    answer = _request(f"{_http_base(config)}/_replicator/v1/positions",
+                      secret=config.http.secret)
     if args.json:
         print(json.dumps(answer, indent=2))
         return

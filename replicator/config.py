@@ -4,6 +4,15 @@ Every mistake is reported as one :class:`ConfigError` whose text names the key
 (as a dotted path, e.g. ``streams[1].columns[0]``) and the problem; the CLI
 prints that line and exits with code 2 before anything listens.
 
+Invariants every parser here keeps (new keys must too):
+
+- a name is checked with ``fullmatch`` (``$`` in ``re.match`` accepts a
+  trailing newline, which would split a line on the wire);
+- every number has a range: integers through :func:`_int`, other numbers
+  through :func:`_number`, both with a ``minimum`` and a ``maximum``
+  (NaN and infinities are never in range);
+- an error message is one line: values and unknown keys appear as ``repr``.
+
 This module holds the parts every component shares: the database and the
 streams.  Sections are parsed by small functions that take a mapping and the
 key path it came from.
@@ -16,9 +25,30 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
-IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-# Stream and instance names travel as single words on the wire.
-WIRE_NAME = re.compile(r"^[^\s]{1,200}$")
+# Always used with fullmatch.
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+# Stream and instance names travel as single words on the wire: no space,
+# no control character.
+WIRE_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,200}")
+#: Words PostgreSQL or SQLite refuse as an unquoted table, column or
+#: sequence name (checked against both: CREATE, INSERT, SELECT ... GROUP BY).
+#: Table and column names are written into SQL unquoted, so these are refused.
+SQL_KEYWORDS = frozenset("""
+    add all alter analyse analyze and any array as asc asymmetric authorization
+    autoincrement between binary both case cast check collate collation column
+    commit concurrently constraint create cross current_catalog current_date
+    current_role current_schema current_time current_timestamp current_user
+    default deferrable delete desc distinct do drop else end escape except
+    exists false fetch for foreign freeze from full grant group having if ilike
+    in index initially inner insert intersect into is isnull join lateral
+    leading left like limit localtime localtimestamp natural not nothing
+    notnull null offset on only or order outer overlaps placing primary raise
+    references returning right select session_user set similar some symmetric
+    table tablesample then to trailing transaction true union unique update
+    user using values variadic verbose when where window with
+""".split())
+#: The table the replicator keeps positions in.
+POSITIONS_TABLE = "stream_positions"
 COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 
 
@@ -87,11 +117,26 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
+def _key_name(name: Any) -> str:
+    """A key as it may appear in a message: itself if it is a plain word,
+    else its repr (one line whatever it holds)."""
+    if isinstance(name, str) and IDENTIFIER.fullmatch(name):
+        return name
+    return repr(name)
+
+
 def _no_unknown(section: Mapping, allowed, key: str) -> None:
     for name in section:
         if name not in allowed:
             prefix = f"{key}." if key else ""
-            raise ConfigError(f"{prefix}{name}", "unknown key")
+            raise ConfigError(f"{prefix}{_key_name(name)}", "unknown key")
+
+
+def _sql_name(value: str, path: str) -> str:
+    """An unquoted SQL identifier: valid, and no keyword of either engine."""
+    if value.lower() in SQL_KEYWORDS:
+        raise ConfigError(path, f"{value!r} is an SQL keyword")
+    return value
 
 
 def _str(section: Mapping, name: str, key: str, default: Any = ..., pattern=None,
@@ -104,13 +149,15 @@ def _str(section: Mapping, name: str, key: str, default: Any = ..., pattern=None
     value = section[name]
     if not isinstance(value, str) or not value:
         raise ConfigError(path, f"expected a non-empty string, got {_kind(value)}")
-    if pattern is not None and not pattern.match(value):
+    if pattern is not None and not pattern.fullmatch(value):
         raise ConfigError(path, f"{value!r} is not {what or 'valid'}")
     return value
 
 
-def _int(section: Mapping, name: str, key: str, default: Any = ..., minimum: int = 0,
-         maximum: Optional[int] = None) -> int:
+def _int(section: Mapping, name: str, key: str, default: Any = ..., *, minimum: int,
+         maximum: int) -> int:
+    """An integer in ``[minimum, maximum]`` (both required: every number has
+    a range)."""
     path = f"{key}.{name}" if key else name
     if name not in section:
         if default is ...:
@@ -119,11 +166,23 @@ def _int(section: Mapping, name: str, key: str, default: Any = ..., minimum: int
     value = section[name]
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(path, f"expected an integer, got {_kind(value)}")
-    if value < minimum:
-        raise ConfigError(path, f"must be at least {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(path, f"must be at most {maximum}, got {value}")
+    if not minimum <= value <= maximum:
+        raise ConfigError(path, f"must be an integer from {minimum} to {maximum}, "
+                                f"got {value}")
     return value
+
+
+def _number(section: Mapping, name: str, key: str, default: float, *, minimum: float,
+            maximum: float) -> float:
+    """A finite number (int or float) in ``[minimum, maximum]``."""
+    path = f"{key}.{name}" if key else name
+    value = section.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(path, f"expected a number, got {_kind(value)}")
+    if not (math.isfinite(value) and minimum <= value <= maximum):
+        raise ConfigError(path, f"must be a number from {minimum:g} to {maximum:g}, "
+                                f"got {value}")
+    return float(value)
 
 
 def _bool(section: Mapping, name: str, key: str, default: bool) -> bool:
@@ -147,13 +206,17 @@ def _list(section: Mapping, name: str, key: str, default: Any = ...) -> list:
 
 
 # ---------------------------------------------------------------- sections
+#: Database connections (each one a pool thread and a server process).
+MAX_POOL = 100
+
+
 def parse_database(value: Any, key: str = "database") -> DatabaseConfig:
     section = _mapping(value, key)
     if "sqlite" in section and "postgres" in section:
         raise ConfigError(key, "give either sqlite or postgres, not both")
     _no_unknown(section, ("sqlite", "postgres", "pool_min", "pool_max"), key)
-    pool_min = _int(section, "pool_min", key, 1, minimum=1)
-    pool_max = _int(section, "pool_max", key, 5, minimum=1)
+    pool_min = _int(section, "pool_min", key, 1, minimum=1, maximum=MAX_POOL)
+    pool_max = _int(section, "pool_max", key, 5, minimum=1, maximum=MAX_POOL)
     if pool_max < pool_min:
         raise ConfigError(f"{key}.pool_max", f"must be at least pool_min ({pool_min})")
     if "sqlite" in section:
@@ -161,16 +224,33 @@ def parse_database(value: Any, key: str = "database") -> DatabaseConfig:
         return DatabaseConfig("sqlite", path=path, pool_min=1, pool_max=1)
     if "postgres" in section:
         dsn = _str(section, "postgres", key)
+        _check_dsn(dsn, f"{key}.postgres")
         return DatabaseConfig("postgres", dsn=dsn, pool_min=pool_min, pool_max=pool_max)
     raise ConfigError(key, "missing: give sqlite: PATH or postgres: DSN")
+
+
+def _check_dsn(dsn: str, path: str) -> None:
+    """A libpq connection string libpq can parse (its text is never quoted
+    back: it may hold a password)."""
+    try:
+        import psycopg2
+        from psycopg2.extensions import parse_dsn
+    except ImportError:  # checked when connecting instead
+        return
+    try:
+        parse_dsn(dsn)
+    except psycopg2.Error:
+        raise ConfigError(path, "is not a valid connection string (key=value pairs or a "
+                                "postgresql:// URI)") from None
 
 
 def parse_column(value: Any, key: str) -> ColumnConfig:
     if not isinstance(value, Mapping) or len(value) != 1:
         raise ConfigError(key, "expected one 'name: type' pair")
     (name, type_), = value.items()
-    if not isinstance(name, str) or not IDENTIFIER.match(name):
+    if not isinstance(name, str) or not IDENTIFIER.fullmatch(name):
         raise ConfigError(key, f"{name!r} is not a valid column name")
+    _sql_name(name, key)
     if not isinstance(type_, str):
         raise ConfigError(f"{key}.{name}", f"expected a type name, got {_kind(type_)}")
     nullable = type_.endswith("?")
@@ -194,28 +274,39 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     _no_unknown(section, STREAM_KEYS, key)
     name = _str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")
     table = _str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
+    _sql_name(table, f"{key}.table")
+    if table.lower() == POSITIONS_TABLE:
+        raise ConfigError(f"{key}.table", f"{table!r} is the replicator's own table")
     id_column = _str(section, "id_column", key, "stream_id", IDENTIFIER, "an SQL identifier")
+    _sql_name(id_column, f"{key}.id_column")
     writer_column = _str(section, "writer_column", key, "instance_name", IDENTIFIER,
                          "an SQL identifier")
     if "writer_column" in section and section["writer_column"] is None:
         writer_column = None
+    if writer_column is not None:
+        _sql_name(writer_column, f"{key}.writer_column")
+        if writer_column.lower() == id_column.lower():
+            raise ConfigError(f"{key}.writer_column",
+                              f"must differ from id_column ({id_column!r})")
     sequence = _str(section, "sequence", key, f"{table}_seq", IDENTIFIER, "an SQL identifier")
+    _sql_name(sequence, f"{key}.sequence")
     columns = tuple(
         parse_column(c, f"{key}.columns[{i}]")
         for i, c in enumerate(_list(section, "columns", key))
     )
     if not columns:
         raise ConfigError(f"{key}.columns", "a stream needs at least one row column")
-    seen = {id_column, writer_column}
+    # Unquoted SQL names fold case.
+    seen = {id_column.lower(), (writer_column or "").lower()}
     for i, column in enumerate(columns):
-        if column.name in seen:
+        if column.name.lower() in seen:
             raise ConfigError(f"{key}.columns[{i}]", f"column {column.name!r} is declared twice")
-        seen.add(column.name)
+        seen.add(column.name.lower())
     writers = _list(section, "writers", key)
     if not writers:
         raise ConfigError(f"{key}.writers", "a stream needs at least one writer")
     for i, writer in enumerate(writers):
-        if not isinstance(writer, str) or not WIRE_NAME.match(writer):
+        if not isinstance(writer, str) or not WIRE_NAME.fullmatch(writer):
             raise ConfigError(f"{key}.writers[{i}]", f"{writer!r} is not an instance name")
     if len(set(writers)) != len(writers):
         raise ConfigError(f"{key}.writers", "a writer is listed twice")
@@ -245,28 +336,54 @@ def parse_streams(value: Any, key: str = "streams") -> Tuple[StreamConfig, ...]:
         raise ConfigError(key, f"expected a list, got {_kind(value)}")
     streams = []
     names: Dict[str, int] = {}
-    tables: Dict[str, int] = {}
+    # Tables and sequences share one namespace in PostgreSQL; unquoted
+    # names fold case.
+    relations: Dict[str, str] = {}
     for i, item in enumerate(value):
         stream = parse_stream(item, f"{key}[{i}]")
         if stream.name in names:
             raise ConfigError(f"{key}[{i}].name",
                               f"duplicate stream {stream.name!r} (also {key}[{names[stream.name]}])")
-        if stream.table in tables:
+        table, sequence = stream.table.lower(), stream.sequence.lower()
+        if table in relations:
+            other = relations[table]
             raise ConfigError(f"{key}[{i}].table",
-                              f"table {stream.table!r} already backs {key}[{tables[stream.table]}]")
+                              f"table {stream.table!r} already backs {other.rsplit('.', 1)[0]}"
+                              if other.endswith(".table") else
+                              f"{stream.table!r} is also a sequence ({other})")
+        relations[table] = f"{key}[{i}].table"
+        if sequence in relations:
+            other = relations[sequence]
+            raise ConfigError(f"{key}[{i}].sequence",
+                              f"{stream.sequence!r} is also a table ({other})"
+                              if other.endswith(".table") else
+                              f"sequence {stream.sequence!r} is also used by {other}")
+        relations[sequence] = f"{key}[{i}].sequence"
         names[stream.name] = i
-        tables[stream.table] = i
         streams.append(stream)
     return tuple(streams)
+
+
+#: A config is a few kilobytes; this bounds what a wrong path could make us read.
+MAX_CONFIG_SIZE = 1 << 20
 
 
 def load_yaml(path: str) -> Any:
     """Read a YAML file; unreadable or malformed files are ConfigErrors."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_SIZE + 1)
     except OSError as e:
         raise ConfigError("file", f"cannot read {path}: {e.strerror}") from None
+    if len(data) > MAX_CONFIG_SIZE:
+        raise ConfigError("file", f"{path} is larger than {MAX_CONFIG_SIZE} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError("file", f"{path} is not UTF-8 text: byte 0x{data[e.start]:02x} at "
+                                  f"offset {e.start}") from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -311,6 +428,14 @@ class ReplicationConfig:
     reconnect_max_delay: float = 30.0
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
+    # Who may connect (README, "Security model"); None: anyone.
+    allowed_peers: Optional[Tuple[str, ...]] = None
+    allowed_networks: Optional[Tuple[str, ...]] = None
+    # Bounds of the USER_SYNC / USER_IP / FEDERATION_ACK bookkeeping.
+    max_user_syncs: int = 100_000
+    max_user_ips: int = 100_000
+    max_federation_acks: int = 1_000
+    bookkeeping_max_age: float = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -321,6 +446,17 @@ class HttpConfig:
     secret: Optional[str] = field(default=None, repr=False)
     metrics_listen: Optional[str] = None  # host:port served from its own thread
     secret_file: Optional[str] = None  # where the secret was read from, if from a file
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """What ``/health`` tolerates: a lag, an unreceived committed fact or a
+    writer never heard of is a problem once it has lasted ``lag_grace``
+    seconds; the database is asked for unreceived facts every
+    ``check_interval`` seconds."""
+
+    lag_grace: float = 10.0
+    check_interval: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -345,25 +481,11 @@ class InstanceConfig:
     http: HttpConfig
     consumers: Tuple[ConsumerConfig, ...] = ()
     log_level: str = "info"
+    health: HealthConfig = HealthConfig()
     path: Optional[str] = None
 
     def writes(self, stream: StreamConfig) -> bool:
         return self.instance_name in stream.writers
-
-
-def _number(section: Mapping, name: str, key: str, default: float, minimum: float,
-            maximum: Optional[float] = None) -> float:
-    path = f"{key}.{name}"
-    value = section.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(path, f"expected a number, got {_kind(value)}")
-    if not math.isfinite(value):
-        raise ConfigError(path, f"expected a finite number, got {value}")
-    if value < minimum:
-        raise ConfigError(path, f"must be at least {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(path, f"must be at most {maximum}, got {value}")
-    return float(value)
 
 
 def _endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[str]:
@@ -373,15 +495,38 @@ def _endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[str]
         return None
     from twisted.internet import endpoints, reactor
 
+    path = f"{key}.{name}"
     try:
         if kind == "server":
-            endpoints.serverFromString(reactor, value)
+            parsed = endpoints.serverFromString(reactor, value)
         else:
-            endpoints.clientFromString(reactor, value)
+            parsed = endpoints.clientFromString(reactor, value)
     except Exception as e:  # Twisted raises several types for bad strings
-        detail = str(e) or type(e).__name__
-        raise ConfigError(f"{key}.{name}", f"cannot parse endpoint {value!r}: {detail}") from None
+        detail = " ".join((str(e) or type(e).__name__).split())
+        raise ConfigError(path, f"cannot parse endpoint {value!r}: {detail}") from None
+    _check_endpoint(parsed, path)
     return value
+
+
+def _check_endpoint(parsed, path: str) -> None:
+    """What Twisted's parser lets through but no listen or connect could use:
+    a port out of range, an interface that is not an IP address, an absurd
+    backlog.  (The endpoint classes keep these as attributes; an endpoint
+    type without them is not checked further.)"""
+    import ipaddress
+
+    port = getattr(parsed, "_port", None)
+    if isinstance(port, int) and not 0 <= port <= 65535:
+        raise ConfigError(path, f"port {port} is not from 0 to 65535")
+    interface = getattr(parsed, "_interface", None)
+    if isinstance(interface, str) and interface:
+        try:
+            ipaddress.ip_address(interface.strip("[]"))
+        except ValueError:
+            raise ConfigError(path, f"interface {interface!r} is not an IP address") from None
+    backlog = getattr(parsed, "_backlog", None)
+    if isinstance(backlog, int) and not 1 <= backlog <= 65535:
+        raise ConfigError(path, f"backlog {backlog} is not from 1 to 65535")
 
 
 def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
@@ -392,19 +537,55 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
     endpoint = _endpoint(section, "endpoint", key, "client")
     if endpoint is None:
         raise ConfigError(f"{key}.endpoint", "missing")
-    dbid = _int(section, "dbid", key, None) if "dbid" in section else None
+    dbid = _int(section, "dbid", key, None, minimum=0, maximum=65535)
     return RedisConfig(endpoint, _str(section, "password", key, None), dbid)
+
+
+def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:
+    if section.get("allowed_peers") is None:
+        return None
+    names = _list(section, "allowed_peers", key)
+    if not names:
+        raise ConfigError(f"{key}.allowed_peers", "an empty list would refuse every peer")
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not WIRE_NAME.fullmatch(name):
+            raise ConfigError(f"{key}.allowed_peers[{i}]", f"{name!r} is not an instance name")
+    return tuple(names)
+
+
+def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
+                      ) -> Optional[Tuple[str, ...]]:
+    if section.get("allowed_networks") is None:
+        return None
+    import ipaddress
+
+    networks = _list(section, "allowed_networks", key)
+    if not networks:
+        raise ConfigError(f"{key}.allowed_networks", "an empty list would refuse every peer")
+    for i, network in enumerate(networks):
+        path = f"{key}.allowed_networks[{i}]"
+        if not isinstance(network, str):
+            raise ConfigError(path, f"expected a network like 10.0.0.0/8, got {_kind(network)}")
+        try:
+            ipaddress.ip_network(network)
+        except ValueError as e:
+            raise ConfigError(path, str(e).replace("\n", " ")) from None
+    if listen is not None and not listen.startswith(("tcp", "ssl")):
+        raise ConfigError(f"{key}.allowed_networks", "needs a tcp: or ssl: listener")
+    return tuple(networks)
 
 
 def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig:
     section = _mapping(value if value is not None else {}, key)
     _no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
                           "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit",
-                          "fanout_interval", "max_queued_bytes", "idle_timeout",
+                          "fanout_interval", "allowed_peers", "allowed_networks",
+                          "max_user_syncs", "max_user_ips", "max_federation_acks",
+                          "bookkeeping_max_age", "max_queued_bytes", "idle_timeout",
                           "max_connections", "reconnect_initial_delay",
                           "reconnect_max_delay"), key)
-    ping_interval = _number(section, "ping_interval", key, 5.0, 0.1)
-    ping_timeout = _number(section, "ping_timeout", key, 15.0, 1.0)
+    ping_interval = _number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
+    ping_timeout = _number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
         raise ConfigError(f"{key}.ping_timeout",
                           f"must be longer than ping_interval ({ping_interval:g}s)")
@@ -422,14 +603,16 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
             server_endpoint(reactor, listen, client_ca)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}.client_ca", str(e)) from None
-    max_line_length = _int(section, "max_line_length", key, 16_384, minimum=1024)
-    max_queued_bytes = _int(section, "max_queued_bytes", key, 16 * 1024 * 1024,
-                            minimum=64 * 1024, maximum=2**31)
+    max_line_length = _int(section, "max_line_length", key, 16_384, minimum=1024,
+                           maximum=16 << 20)
+    max_queued_bytes = _int(section, "max_queued_bytes", key, 16 << 20, minimum=64 << 10,
+                            maximum=2 << 30)
     if max_queued_bytes <= max_line_length:
         raise ConfigError(f"{key}.max_queued_bytes",
                           f"must be more than max_line_length ({max_line_length})")
-    initial_delay = _number(section, "reconnect_initial_delay", key, 0.5, 0.01, 60.0)
-    max_delay = _number(section, "reconnect_max_delay", key, 30.0, 0.01, 3600.0)
+    initial_delay = _number(section, "reconnect_initial_delay", key, 0.5, minimum=0.01,
+                            maximum=60)
+    max_delay = _number(section, "reconnect_max_delay", key, 30.0, minimum=0.01, maximum=3600)
     if max_delay < initial_delay:
         raise ConfigError(f"{key}.reconnect_max_delay",
                           f"must be at least reconnect_initial_delay ({initial_delay:g}s)")
@@ -440,15 +623,26 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         redis=parse_redis(section.get("redis"), f"{key}.redis"),
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
-        max_queued_lines=_int(section, "max_queued_lines", key, 10_000, minimum=1),
+        max_queued_lines=_int(section, "max_queued_lines", key, 10_000, minimum=1,
+                              maximum=10_000_000),
         max_line_length=max_line_length,
         max_queued_bytes=max_queued_bytes,
-        idle_timeout=_number(section, "idle_timeout", key, 60.0, 1.0, 86400.0),
-        max_connections=_int(section, "max_connections", key, 256, minimum=1, maximum=65536),
+        idle_timeout=_number(section, "idle_timeout", key, 60.0, minimum=1, maximum=86_400),
+        max_connections=_int(section, "max_connections", key, 256, minimum=1, maximum=65_536),
         reconnect_initial_delay=initial_delay,
         reconnect_max_delay=max_delay,
-        fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1),
-        fanout_interval=_number(section, "fanout_interval", key, 0.003, 0.0),
+        fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1, maximum=100_000),
+        fanout_interval=_number(section, "fanout_interval", key, 0.003, minimum=0,
+                                maximum=1),
+        allowed_peers=_allowed_peers(section, key),
+        allowed_networks=_allowed_networks(section, key, listen),
+        max_user_syncs=_int(section, "max_user_syncs", key, 100_000, minimum=1,
+                            maximum=10_000_000),
+        max_user_ips=_int(section, "max_user_ips", key, 100_000, minimum=1, maximum=10_000_000),
+        max_federation_acks=_int(section, "max_federation_acks", key, 1_000, minimum=1,
+                                 maximum=100_000),
+        bookkeeping_max_age=_number(section, "bookkeeping_max_age", key, 86_400.0,
+                                    minimum=60, maximum=31_536_000),
     )
 
 
@@ -463,7 +657,7 @@ def _read_secret(path: str, key: str) -> str:
     return secret
 
 
-HOST_PORT = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
+HOST_PORT = re.compile(r"(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})")
 
 
 def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig:
@@ -487,11 +681,20 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
                                            "(secret or secret_file)")
     metrics_listen = _str(section, "metrics_listen", key, None)
     if metrics_listen is not None:
-        m = HOST_PORT.match(metrics_listen)
+        m = HOST_PORT.fullmatch(metrics_listen)
         if not m or not 0 < int(m.group("port")) < 65536:
             raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
     return HttpConfig(listen=listen, secret=secret, metrics_listen=metrics_listen,
                       secret_file=secret_file)
+
+
+def parse_health(value: Any, key: str = "health") -> HealthConfig:
+    section = _mapping(value if value is not None else {}, key)
+    _no_unknown(section, ("lag_grace", "check_interval"), key)
+    return HealthConfig(
+        lag_grace=_number(section, "lag_grace", key, 10.0, minimum=0.0, maximum=3600.0),
+        check_interval=_number(section, "check_interval", key, 5.0, minimum=0.1,
+                               maximum=3600.0))
 
 
 def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[ConsumerConfig, ...]:
@@ -508,7 +711,7 @@ def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[C
         if "streams" in section:
             streams = _list(section, "streams", where)
             for j, name in enumerate(streams):
-                if name not in stream_names:
+                if not isinstance(name, str) or name not in stream_names:
                     raise ConfigError(f"{where}.streams[{j}]", f"unknown stream {name!r}")
             streams = tuple(streams)
         options = {k: v for k, v in section.items() if k not in ("type", "streams")}
@@ -517,7 +720,7 @@ def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[C
 
 
 INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replication", "http",
-                 "consumers", "log_level")
+                 "consumers", "log_level", "health")
 
 
 def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
@@ -537,6 +740,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     replication = parse_replication(section.get("replication"))
     http = parse_http(section.get("http"), base_dir=base_dir)
     consumers = parse_consumers(section.get("consumers"), {s.name for s in streams})
+    health = parse_health(section.get("health"))
     log_level = section.get("log_level", "info")
     if log_level not in LOG_LEVELS:
         raise ConfigError("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
@@ -553,7 +757,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     return InstanceConfig(
         server_name=server_name, instance_name=instance_name, database=database,
         streams=streams, replication=replication, http=http, consumers=consumers,
-        log_level=log_level, path=path,
+        log_level=log_level, path=path, health=health,
     )
 
 

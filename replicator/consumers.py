@@ -445,7 +445,7 @@ def _build_jsonl(config: ConsumerConfig, base_dir: str, where: str) -> Consumer:
     path = _str(options, "path", where)
     path = os.path.join(base_dir, path)  # an absolute path stays as it is
     fsync = _bool(options, "fsync", where, True)
-    flush_interval = _number(options, "flush_interval", where, 0.05, 0.0)
+    flush_interval = _number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
     try:
         return JsonlConsumer(path, streams=config.streams, flush_interval=flush_interval,
                              fsync=fsync)

@@ -16,27 +16,40 @@ Routes (every JSON answer is one line followed by ``\\n``; errors are
     answered before the body is read, and the connection closed), 404
     (unknown stream), 409 (this instance is not a writer of the stream), 400
     (not JSON, not ``{"rows": [list, ...]}``, a row that does not fit the
-    stream's columns, or whose RDATA line could never be replicated because it
-    exceeds ``replication.max_line_length``).  503 when the database write
+    stream's columns, a ``json`` value nested deeper than 100 levels, an
+    integer outside the bigint range, or whose RDATA line could never be
+    replicated because it exceeds ``replication.max_line_length``).  503 when the database write
     fails (logged with its traceback; the answer is generic) or the streams
     are not loaded yet.
-``GET /_replicator/v1/positions``
+Reading the instance's state needs the same secret as writing (401/403 as
+above): positions and the master's bookkeeping tell who runs what and who
+is online.  ``/health`` and ``/metrics`` stay open for probes and
+Prometheus.
+
+``GET /_replicator/v1/positions`` (secret required)
     Per stream its linear token and, per writer, its position; local writers
     add ``in_flight`` and ``announced``, remote ones ``reader_position`` and
     ``lag``.
-``GET /_replicator/v1/federation_acks``
-    ``{"acks": {instance: token}}``.
+``GET /_replicator/v1/federation_acks`` (secret required)
+    ``{"acks": {instance: token}, "next": cursor}``.
 ``GET /_replicator/v1/user_syncs`` (secret required: user IDs are personal)
-    ``{"user_syncs": {instance: [{user_id, device_id, last_sync_ms}, ...]}}``.
+    ``{"user_syncs": {instance: [{user_id, device_id, last_sync_ms}, ...]},
+    "next": cursor}``.
 ``GET /_replicator/v1/user_ips`` (secret required: IP addresses are personal)
-    ``{"user_ips": [{user_id, device_id, ip, user_agent, last_seen}, ...]}``.
+    ``{"user_ips": [{user_id, device_id, ip, user_agent, last_seen}, ...],
+    "next": cursor}``.
+
+    These three are paged (:mod:`replicator.pages`): ``?limit=N`` entries
+    (1000 unless given, at most 10000) in key order, from the cursor
+    ``?from=`` a previous page's ``next`` gave; ``next`` is null on the
+    last page.  Each page is built and encoded in a thread.
 ``GET /health``
     200 ``{"status": "ok", ...summary}`` once ``SELECT 1`` answers within
-    ``db_timeout`` and, on a worker, replication is connected and caught up;
+    ``db_timeout`` and replication is keeping up (see :mod:`replicator.health`);
     otherwise 503 ``{"status": "unhealthy", "reason": "..."}`` with the first
     problem found.
 ``GET /metrics``
-    Prometheus text format, generated in a thread.
+    Prometheus text format, refreshed and generated in a thread.
 
 Any other path is 404, any other method 405 (with ``Allow``; HEAD goes with
 GET), and an unexpected exception a logged 500 with a generic message.  The
@@ -59,6 +72,7 @@ from twisted.python.failure import Failure
 from twisted.web import server
 from twisted.web.resource import Resource
 
+from . import pages
 from .config import InstanceConfig
 from .metrics import FEDERATION_ACK_POSITION, USER_SYNCS
 from .replication.commands import encode_json
@@ -77,6 +91,9 @@ DRAIN_FACTOR = 4
 DB_TIMEOUT = 2.0
 #: Bodies above this are parsed and checked in a thread, not on the reactor.
 THREAD_PARSE_SIZE = 64 * 1024
+#: A ``json`` column value may nest arrays and objects this deep (the value
+#: itself is level 1); deeper is a 400.
+MAX_JSON_DEPTH = 100
 #: The RDATA line estimate assumes a token of this many digits.
 TOKEN_DIGITS = 20
 JSON_TYPE = b"application/json"
@@ -124,23 +141,28 @@ def _excerpt(text: str, limit: int = 60) -> str:
     return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
-def _contains_nul(value: Any) -> bool:
-    """Whether a decoded JSON value has a NUL in a string or key (iterative:
-    JSON may nest deeper than Python's recursion limit)."""
-    stack = [value]
+def _json_problem(value: Any) -> Optional[str]:
+    """What makes a decoded JSON column value unfit to store and replicate:
+    a NUL in a string or key, or nesting deeper than :data:`MAX_JSON_DEPTH`
+    (encoders and peers' decoders recurse).  Iterative, so any depth the
+    body parser accepted is checked without recursion."""
+    stack = [(value, 1)]
     while stack:
-        v = stack.pop()
+        v, depth = stack.pop()
         if isinstance(v, str):
             if "\x00" in v:
-                return True
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            for k, item in v.items():
-                if "\x00" in k:
-                    return True
-                stack.append(item)
-    return False
+                return "contains a NUL character"
+        elif isinstance(v, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                return f"is nested deeper than {MAX_JSON_DEPTH} levels"
+            if isinstance(v, list):
+                stack.extend((item, depth + 1) for item in v)
+            else:
+                for k, item in v.items():
+                    if "\x00" in k:
+                        return "contains a NUL character"
+                    stack.append((item, depth + 1))
+    return None
 
 
 def parse_fact_body(body: bytes, columns, line_prefix: int, max_line_length: int) -> List[list]:
@@ -174,8 +196,9 @@ def parse_fact_body(body: bytes, columns, line_prefix: int, max_line_length: int
     room = max_line_length - line_prefix
     for n, row in enumerate(rows):
         for i, name in json_columns:
-            if _contains_nul(row[i]):
-                raise HttpError(400, f"row {n}: column {name!r} contains a NUL character")
+            problem = _json_problem(row[i])
+            if problem is not None:
+                raise HttpError(400, f"row {n}: column {name!r} {problem}")
         try:
             size = len(encode_json(row))
         except (TypeError, ValueError):
@@ -305,7 +328,8 @@ class HttpApi:
     def __init__(self, *, config: InstanceConfig, registry, handler, db,
                  replication_status: Callable[[], Tuple[bool, str]],
                  max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
-                 idle_timeout: float = 60.0, lag_grace: float = 10.0, clock=None):
+                 idle_timeout: float = 60.0, lag_grace: float = 10.0, clock=None,
+                 health=None):
         self.config = config
         self.registry = registry
         self.handler = handler
@@ -314,11 +338,6 @@ class HttpApi:
         self.instance_name = config.instance_name
         self.max_body_size = max_body_size
         self.db_timeout = db_timeout
-        # A worker under steady load lags briefly all the time; it is
-        # unhealthy once a stream has lagged (or work stayed queued) for
-        # longer than this.
-        self.lag_grace = lag_grace
-        self._behind_since: Dict[Any, float] = {}
         self.idle_timeout = idle_timeout
         self.is_worker = bool(config.replication.upstream or config.replication.redis)
         secret = config.http.secret
@@ -330,6 +349,12 @@ class HttpApi:
         if clock is None:
             from twisted.internet import reactor as clock
         self._clock = clock
+        if health is None:  # replication problems only (no periodic database check)
+            from .health import HealthMonitor
+
+            health = HealthMonitor(registry=registry, handler=handler, db=db, clock=clock,
+                                   lag_grace=lag_grace, expect_upstream=self.is_worker)
+        self.health = health
         self._db_probe: Optional[defer.Deferred] = None
         self._db_waiters: List[defer.Deferred] = []
         self._root = _Root(self)
@@ -569,6 +594,7 @@ class HttpApi:
         return {"stream_id": stream_id}
 
     async def _positions(self, request):
+        self._authorize(request)
         handler = self.handler
         announced = handler.announced_positions()
         readers = handler.reader_positions()
@@ -595,35 +621,68 @@ class HttpApi:
             streams[stream.name] = {"linear": gen.get_linear_token(), "writers": writers}
         return {"instance": self.instance_name, "streams": streams}
 
-    async def _user_syncs(self, request):
+    # The bookkeeping tables are paged and each page is built in a thread
+    # (see replicator.pages): the handler's tables are only read there, by
+    # C-level copies, never iterated on the reactor.
+    async def _page(self, request, keys, lookup, render, width: int) -> _Response:
         self._authorize(request)
-        out = {}
-        for instance, users in sorted(self.handler.user_syncs.items()):
-            out[instance] = [
-                {"user_id": user, "device_id": device, "last_sync_ms": ms}
-                for (user, device), ms in sorted(users.items(), key=lambda i: (i[0][0],
-                                                                               i[0][1] or ""))
-            ]
-        return {"user_syncs": out}
+        try:
+            limit, cursor = pages.page_args(request.args)
+            body = await threads.deferToThread(pages.build_page, keys, lookup, render, limit,
+                                               cursor, width)
+        except pages.PageError as e:
+            raise HttpError(400, str(e)) from None
+        return _Response(body, JSON_TYPE)
+
+    async def _user_syncs(self, request):
+        handler = self.handler
+
+        def keys():
+            return [(instance, user, device)
+                    for instance, users in list(handler.user_syncs.items())
+                    for (user, device) in list(users)]
+
+        def lookup(key):
+            return handler.user_syncs.get(key[0], {}).get(key[1:])
+
+        def render(entries):
+            out: Dict[str, list] = {}
+            for (instance, user, device), ms in entries:
+                out.setdefault(instance, []).append(
+                    {"user_id": user, "device_id": device, "last_sync_ms": ms})
+            return {"user_syncs": out}
+
+        return await self._page(request, keys, lookup, render, 3)
 
     async def _federation_acks(self, request):
-        return {"acks": dict(sorted(self.handler.federation_acks.items()))}
+        acks = self.handler.federation_acks
+        return await self._page(
+            request, lambda: [(instance,) for instance in list(acks)],
+            lambda key: acks.get(key[0]),
+            lambda entries: {"acks": {key[0]: token for key, token in entries}}, 1)
 
     async def _user_ips(self, request):
-        self._authorize(request)
-        out = []
-        for (user, device), seen in sorted(self.handler.user_ips.items(),
-                                           key=lambda i: (i[0][0], i[0][1] or "")):
-            out.append({"user_id": user, "device_id": device, "ip": seen.get("ip"),
-                        "user_agent": seen.get("user_agent"), "last_seen": seen.get("last_seen")})
-        return {"user_ips": out}
+        handler = self.handler
 
-    async def _metrics(self, request):
+        def render(entries):
+            return {"user_ips": [
+                {"user_id": user, "device_id": device, "ip": seen.get("ip"),
+                 "user_agent": seen.get("user_agent"), "last_seen": seen.get("last_seen")}
+                for (user, device), seen in entries]}
+
+        return await self._page(request, lambda: list(handler.user_ips),
+                                lambda key: handler.user_ips.get(key), render, 2)
+
+    def _metrics_text(self) -> bytes:
+        """Runs in a thread: the refreshers work on snapshots."""
         self.refresh_metrics()
         refresh = getattr(self.registry, "refresh_metrics", None)
         if refresh is not None:
             refresh()
-        text = await threads.deferToThread(generate_latest, REGISTRY)
+        return generate_latest(REGISTRY)
+
+    async def _metrics(self, request):
+        text = await threads.deferToThread(self._metrics_text)
         return _Response(text, CONTENT_TYPE_LATEST.encode("ascii"))
 
     # ---------------------------------------------------------------- health
@@ -672,21 +731,7 @@ class HttpApi:
             return False, "replication status unavailable"
 
     def _replication_problem(self, connected: bool, detail: str) -> Optional[str]:
-        if not connected:
-            return f"replication not connected: {detail}"
-        now = self._clock.seconds()
-        behind = {key: f"stream {key[0]}/{key[1]} lagging by {lag}"
-                  for key, lag in self.handler.reader_lag().items() if lag}
-        if not self.handler.idle():
-            behind["work"] = "replication catching up (work queued)"
-        since = self._behind_since
-        for key in [k for k in since if k not in behind]:
-            del since[key]
-        for key in sorted(behind, key=str):
-            started = since.setdefault(key, now)
-            if now - started >= self.lag_grace:
-                return f"{behind[key]} for {now - started:.0f}s"
-        return None
+        return self.health.problem(connected, detail)
 
     async def _health(self, request):
         problem = await self.check_database()
@@ -695,7 +740,7 @@ class HttpApi:
             if unloaded:
                 problem = f"streams not loaded: {', '.join(unloaded)}"
         connected, detail = self._replication()
-        if problem is None and self.is_worker:
+        if problem is None:
             problem = self._replication_problem(connected, detail)
         if problem is not None:
             raise _Unhealthy(problem)

@@ -73,11 +73,31 @@ READER_LAG = Gauge(
     "replicator_reader_lag", "Writer's announced token minus this reader's token",
     ["stream", "writer"], registry=None,
 )
+UNRECEIVED_FACTS = Gauge(
+    "replicator_unreceived_facts",
+    "Facts of a remote writer committed in the database above this reader's position "
+    "(last check; capped at 10000)", ["stream", "writer"],
+)
+UNRECEIVED_AGE = Gauge(
+    "replicator_unreceived_age_seconds",
+    "How long the oldest committed fact above this reader's position has gone unreceived "
+    "(last check)", ["stream", "writer"],
+)
 CATCHUP_FETCHES = Counter(
     "replicator_catchup_fetches_total", "Out-of-band fetches to fill a position gap", ["stream"]
 )
 CATCHUP_ROWS = Counter(
     "replicator_catchup_rows_total", "Rows fetched out of band to fill position gaps", ["stream"]
+)
+SEQUENCE_MOVED = Counter(
+    "replicator_sequence_moved_total",
+    "Times a stream's sequence was found behind known positions on a new database "
+    "connection (e.g. after a PostgreSQL crash) and moved past them", ["stream"]
+)
+FOREIGN_FACTS = Counter(
+    "replicator_foreign_facts_total",
+    "Facts found in a single-writer stream's table under IDs this instance never "
+    "reserved (written by SQL, not through replicator); delivered from the table", ["stream"]
 )
 FANOUT_LATENCY = Histogram(
     "replicator_fanout_latency_seconds",

@@ -6,17 +6,27 @@ upstream connection → HTTP → ``READY=1`` to systemd.  Stop (SIGTERM/SIGINT):
 clients ``CLEAR_USER_SYNC``) → listeners closed → in-flight writes finish →
 positions persisted → consumers flushed → database closed.  Nothing
 committed is lost at any step.
+
+A start that fails for a reason outside the config file (a port in use, the
+database unreachable) raises :class:`StartupError`: one line naming the key
+whose resource failed, for the CLI to print (exit 1).
 """
 
+import errno
+import os
+import re
 from typing import List, Optional, Tuple
 
 from twisted.application.service import MultiService, Service
 from twisted.internet import defer
+from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
 from . import files, metrics, sdnotify
 from .config import InstanceConfig, is_loopback_endpoint
+from .health import HealthMonitor
 from .replication.handler import ReplicationHandler
+from .replication.peers import local_names, policy_from_config
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
 from .storage.database import Database
 from .tls import server_endpoint
@@ -25,12 +35,51 @@ from .streams.registry import StreamRegistry
 log = Logger()
 
 
+class StartupError(Exception):
+    """Startup failed at runtime: ``key`` names the config key whose resource
+    failed (``http.listen``, ``database.postgres``), ``problem`` says what,
+    in one line.  ``code`` is the exit code (1: not a config mistake)."""
+
+    def __init__(self, key: str, problem: str, code: int = 1):
+        problem = " ".join(str(problem).split())
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+        self.problem = problem
+        self.code = code
+
+
+def _os_reason(error: BaseException) -> str:
+    """``address already in use`` for an OSError, else its one-line text."""
+    code = getattr(error, "errno", None)
+    if isinstance(code, int) and code in errno.errorcode:
+        text = os.strerror(code)
+        return text[:1].lower() + text[1:]
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _hide_password(text: str, dsn: Optional[str]) -> str:
+    """``text`` without the password of ``dsn`` (``password=...`` or the
+    ``user:password@`` of a URI), should a driver message quote the DSN."""
+    if not dsn:
+        return text
+    secrets = re.findall(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", dsn)
+    secrets += re.findall(r"://[^:/@\s]*:([^@\s]+)@", dsn)
+    for secret in secrets:
+        for form in (secret, secret.strip("'")):
+            if form:
+                text = text.replace(form, "[redacted]")
+    return text
+
+
 class ListeningService(Service):
     """Listens on an endpoint string while running; ``listening`` fires
-    with the port once bound (or fails, e.g. address in use)."""
+    with the port once bound, or fails with :class:`StartupError` naming
+    ``key`` (e.g. address in use)."""
 
-    def __init__(self, reactor, endpoint: str, factory, what: str, client_ca: str = None):
+    def __init__(self, reactor, endpoint: str, factory, what: str, client_ca: str = None,
+                 key: str = "listen"):
         self._reactor = reactor
+        self.key = key
         self.endpoint = endpoint
         self.client_ca = client_ca
         self.factory = factory
@@ -49,7 +98,16 @@ class ListeningService(Service):
                      host=getattr(host, "host", host), port=getattr(host, "port", ""))
             return port
 
-        self.listening = d.addCallback(bound)
+        def failed(f):
+            error = f.value
+            if f.check(CannotListenError):
+                error = error.socketError
+            elif not f.check(OSError):
+                return f
+            raise StartupError(self.key, f"cannot listen on {self.endpoint}: "
+                                         f"{_os_reason(error)}")
+
+        self.listening = d.addCallbacks(bound, failed)
 
     def stopService(self):
         super().stopService()
@@ -65,19 +123,30 @@ class ListeningService(Service):
 
 class MetricsThread(Service):
     """Serves /metrics from its own thread, so it answers while the reactor
-    is busy."""
+    is busy.  ``listening`` fires once bound, or fails with
+    :class:`StartupError` (``http.metrics_listen``)."""
+
+    key = "http.metrics_listen"
 
     def __init__(self, host_port: str):
+        self.host_port = host_port
         host, _, port = host_port.rpartition(":")
         self.host = host.strip("[]")
         self.port = int(port)
         self._server = None
+        self.listening: Optional[defer.Deferred] = None
 
     def startService(self):
         super().startService()
         from prometheus_client import start_http_server
 
-        result = start_http_server(self.port, addr=self.host)
+        try:
+            result = start_http_server(self.port, addr=self.host)
+        except OSError as e:
+            self.listening = defer.fail(StartupError(
+                self.key, f"cannot listen on {self.host_port}: {_os_reason(e)}"))
+            return
+        self.listening = defer.succeed(None)
         self._server = result[0] if isinstance(result, tuple) else None
         if self._server is not None:
             self.port = self._server.server_address[1]
@@ -99,7 +168,11 @@ class Instance:
             from twisted.internet import reactor
         self.reactor = reactor
         self.config = config
-        self.db = Database(config.database)
+        try:
+            self.db = Database(config.database)
+        except OSError as e:  # the SQLite file's directory
+            raise StartupError(f"database.{config.database.engine}",
+                               f"cannot create {config.database.path}: {_os_reason(e)}") from None
         self.registry = StreamRegistry(self.db, config.instance_name, config.streams)
         self.consumers = self._load_consumers()
         rep = config.replication
@@ -116,9 +189,11 @@ class Instance:
         )
         self.services = MultiService()
         self.listeners: List[ListeningService] = []
+        self._binding: list = []  # what must bind for the start to succeed
         self.upstream = None
         self.redis = None
         self.http = None
+        self.health: Optional[HealthMonitor] = None
         self._stopped = False
 
     def _load_consumers(self):
@@ -150,14 +225,17 @@ class Instance:
     async def start(self) -> None:
         config = self.config
         files.warn_if_exposed(config.http.secret_file, "http.secret_file")
+        await self._check_database()
         await self.registry.start()
         self.handler.start()
         rep = config.replication
         if rep.listen:
             self._warn_exposed(rep.listen, "replication")
+            policy = policy_from_config(rep, local_names(self.handler))
             factory = ReplicationServerFactory(self.handler, config.server_name, self.settings,
-                                               max_connections=rep.max_connections)
-            self._listen(rep.listen, factory, "replication", rep.client_ca)
+                                               policy=policy, max_connections=rep.max_connections)
+            self._listen(rep.listen, factory, "replication", rep.client_ca,
+                         key="replication.listen")
         if rep.upstream:
             self.upstream = upstream_service(
                 self.reactor, rep.upstream, self.handler, config.instance_name,
@@ -172,29 +250,59 @@ class Instance:
                                           initial_delay=rep.reconnect_initial_delay,
                                           max_delay=rep.reconnect_max_delay)
             self.redis.setServiceParent(self.services)
+        self.health = HealthMonitor(
+            registry=self.registry, handler=self.handler, db=self.db, clock=self.reactor,
+            lag_grace=config.health.lag_grace, check_interval=config.health.check_interval,
+            expect_upstream=self.is_worker)
+        self.health.setServiceParent(self.services)
         if config.http.listen:
             from .http import HttpApi
 
             self._warn_exposed(config.http.listen, "HTTP")
             self.http = HttpApi(config=config, registry=self.registry, handler=self.handler,
-                                db=self.db, replication_status=self.replication_status)
-            self._listen(config.http.listen, self.http.site(), "HTTP")
+                                db=self.db, replication_status=self.replication_status,
+                                health=self.health)
+            self._listen(config.http.listen, self.http.site(), "HTTP", key="http.listen")
         if config.http.metrics_listen:
-            MetricsThread(config.http.metrics_listen).setServiceParent(self.services)
+            metrics_thread = MetricsThread(config.http.metrics_listen)
+            metrics_thread.setServiceParent(self.services)
+            self._binding.append(metrics_thread)
         metrics.add_refresher(self.refresh_metrics)
         if self.http is not None:
             metrics.add_refresher(self.http.refresh_metrics)
         self.services.startService()
-        await defer.gatherResults([s.listening for s in self.listeners], consumeErrors=True)
+        # One by one, so that the first failure is raised as itself (not
+        # wrapped in a FirstError); the others are consumed.
+        failure = None
+        for service in self._binding:
+            try:
+                await service.listening
+            except Exception as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
         sdnotify.ready()
         sdnotify.status(f"{config.instance_name}: {len(self.registry)} streams")
         log.info("instance {name} of {server} ready", name=config.instance_name,
                  server=config.server_name)
 
-    def _listen(self, endpoint: str, factory, what: str, client_ca: str = None) -> None:
-        service = ListeningService(self.reactor, endpoint, factory, what, client_ca)
+    def _listen(self, endpoint: str, factory, what: str, client_ca: str = None,
+                key: str = "listen") -> None:
+        service = ListeningService(self.reactor, endpoint, factory, what, client_ca, key)
         service.setServiceParent(self.services)
         self.listeners.append(service)
+        self._binding.append(service)
+
+    async def _check_database(self) -> None:
+        """One query before anything else: an unreachable database is one
+        line naming ``database.<engine>``, not a traceback."""
+        db = self.config.database
+        key = f"database.{db.engine}"
+        try:
+            await self.db.runQuery("SELECT 1")
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise StartupError(key, "cannot connect: " + _hide_password(first, db.dsn)) from None
 
     @staticmethod
     def _warn_exposed(endpoint: str, what: str) -> None:

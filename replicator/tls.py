@@ -6,10 +6,14 @@ not a CA for client certificates; :func:`server_endpoint` adds that: with
 the TLS handshake fails before a single command is read.  Clients use the
 ``tls:`` endpoint string (hostname verification, ``trustRoots``, their own
 ``certificate`` and ``privateKey``).
+
+:func:`certificate_names` tells which instance names a connected client's
+certificate vouches for (its CN and DNS subject alternative names), so that
+the replication server can bind a peer's ``NAME`` to its certificate.
 """
 
 import re
-from typing import Dict, List, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from twisted.internet import endpoints, ssl
 from twisted.python.filepath import FilePath
@@ -64,3 +68,34 @@ def server_endpoint(reactor, endpoint: str, client_ca: str = None):
     )
     return endpoints.SSL4ServerEndpoint(reactor, port, options, backlog=backlog,
                                         interface=interface)
+
+
+def certificate_names(transport) -> Optional[FrozenSet[str]]:
+    """The names the peer's verified TLS certificate carries: its subject's
+    common names and its DNS subject alternative names.
+
+    None when the transport is not TLS or the peer presented no certificate
+    (with ``client_ca`` the handshake already refused such a peer).
+    """
+    get = getattr(transport, "getPeerCertificate", None)
+    if get is None:
+        return None
+    try:
+        peer = get()
+    except Exception:  # not (yet) a TLS connection
+        return None
+    if peer is None:
+        return None
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    cert = peer.to_cryptography() if hasattr(peer, "to_cryptography") else peer
+    names = {a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+             if isinstance(a.value, str)}
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except (x509.ExtensionNotFound, ValueError):  # none, or one we cannot read
+        pass
+    else:
+        names.update(san.value.get_values_for_type(x509.DNSName))
+    return frozenset(names)

@@ -102,9 +102,14 @@ class PostgresServer:
         if not fsync:
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off",
                      "-c", "full_page_writes=off"]
+        self._args = args
         self._log = open(os.path.join(self.tmp, "postgres.log"), "wb")
+        self._spawn()
+        atexit.register(self.stop)
+
+    def _spawn(self):
         self.proc = subprocess.Popen(
-            self._user_cmd + args, stdout=self._log, stderr=subprocess.STDOUT,
+            self._user_cmd + self._args, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         try:
@@ -112,7 +117,15 @@ class PostgresServer:
         except Exception:
             self.stop()
             raise
-        atexit.register(self.stop)
+
+    def crash_restart(self):
+        """``pg_ctl restart -m immediate``, keeping the server our child: an
+        immediate stop (no checkpoint: recovery at start, as after a crash),
+        then the same server again on the same port.  Blocking."""
+        self._run([os.path.join(self.bindir, "pg_ctl"), "stop", "-D", self.datadir,
+                   "-m", "immediate", "-w"])
+        self.proc.wait(30)
+        self._spawn()
 
     def _run(self, cmd):
         try:

@@ -71,7 +71,7 @@ class Daemon:
                                      cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT)
         self.test.addCleanup(self.kill)
         base = self.http_base
-        wait_for(lambda: http(base + "/_replicator/v1/positions")[0] == 200,
+        wait_for(lambda: http(base + "/_replicator/v1/positions", secret=SECRET)[0] == 200,
                  what=f"{self.path} answering")
         return self
 
@@ -116,13 +116,15 @@ class ConfigErrorTests(SynchronousTestCase):
          "config: streams[0].columns[0].x: unknown type 'float' (one of text, bigint, "
          "boolean, json, '?' for nullable)"),
         ({"replication": {"max_queued_bytes": 1000}},
-         "config: replication.max_queued_bytes: must be at least 65536, got 1000"),
+         "config: replication.max_queued_bytes: must be an integer from 65536 to 2147483648, "
+         "got 1000"),
         ({"replication": {"idle_timeout": float("nan")}},
-         "config: replication.idle_timeout: expected a finite number, got nan"),
+         "config: replication.idle_timeout: must be a number from 1 to 86400, got nan"),
         ({"replication": {"max_connections": 0}},
-         "config: replication.max_connections: must be at least 1, got 0"),
+         "config: replication.max_connections: must be an integer from 1 to 65536, got 0"),
         ({"replication": {"max_connections": 10**9}},
-         "config: replication.max_connections: must be at most 65536, got 1000000000"),
+         "config: replication.max_connections: must be an integer from 1 to 65536, "
+         "got 1000000000"),
         ({"replication": {"reconnect_initial_delay": 5, "reconnect_max_delay": 1}},
          "config: replication.reconnect_max_delay: must be at least reconnect_initial_delay (5s)"),
     ]

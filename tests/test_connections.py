@@ -126,7 +126,11 @@ class ListenerCapTests(TestCase):
 
     def test_connections_over_the_cap_get_an_error_and_are_closed(self):
         async def go():
-            factory = ReplicationServerFactory(object(), "hs.test", max_connections=2)
+            class Handler:
+                instance_name = "master"
+                registry = ()
+
+            factory = ReplicationServerFactory(Handler(), "hs.test", max_connections=2)
             port = await listen(self, factory)
             refused = metrics.CONNECTIONS_REFUSED.labels("max_connections")
             before = refused._value.get()

@@ -584,7 +584,7 @@ class LoadConsumersTests(SynchronousTestCase):
             ([ConsumerConfig("jsonl", None, {"path": "f", "flush_interval": "1s"})],
              "config: consumers[0].flush_interval: expected a number, got str"),
             ([ConsumerConfig("jsonl", None, {"path": "f", "flush_interval": -1})],
-             "config: consumers[0].flush_interval: must be at least 0.0, got -1"),
+             "config: consumers[0].flush_interval: must be a number from 0 to 60, got -1"),
             ([ConsumerConfig("jsonl", None, {"path": 3})],
              "config: consumers[0].path: expected a non-empty string, got int"),
             ([ConsumerConfig("jsonl", None, {"path": "f", "bogus": 1})],

@@ -130,7 +130,9 @@ def stop_postgres(server: PostgresServer) -> None:
     server.stop()
 
 
-class HttpApiTests(TestCase):
+class HttpTestCase(TestCase):
+    """An API on a real socket and the helpers to call it (no tests)."""
+
     timeout = 120
 
     def setUp(self):
@@ -218,6 +220,9 @@ class HttpApiTests(TestCase):
         return {s.name: (s.id_gen.get_positions(), s.id_gen.get_linear_token(),
                          s.id_gen.in_flight()) for s in self.registry}
 
+
+
+class HttpApiTests(HttpTestCase):
     # ---------------------------------------------------------------- writes
     def test_write_fact_is_committed_and_readable(self):
         async def go():
@@ -318,7 +323,8 @@ class HttpApiTests(TestCase):
                 (b'{"rows": [["a", null, "1"]]}', "row 0: column 'ts' expects bigint, got str"),
                 (b'{"rows": [["a", null, true]]}', "row 0: column 'ts' expects bigint, got bool"),
                 (b'{"rows": [["a", null, 9223372036854775808]]}',
-                 "row 0: column 'ts' expects bigint, got int"),
+                 "row 0: column 'ts' expects bigint, got a number out of its range "
+                 "(-2^63 to 2^63-1)"),
                 (b'{"rows": [["a", null, null]]}', "row 0: column 'ts' may not be null"),
                 (b'{"rows": [["a\\u0000b", null, 1]]}',
                  "row 0: column 'cache_func' contains a NUL character"),
@@ -393,7 +399,7 @@ class HttpApiTests(TestCase):
             await endpoints.connectProtocol(
                 endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", self.port), garbage)
             self.assertTrue((await garbage.closed).startswith(b"HTTP/1.1 400"))
-            response, answer = await self.json("GET", "/_replicator/v1/positions")
+            response, answer = await self.json("GET", "/_replicator/v1/positions", headers=AUTH)
             self.assertEqual(answer["streams"]["caches"]["writers"]["master"]["position"], 1)
         return defer.ensureDeferred(go())
 
@@ -451,7 +457,7 @@ class HttpApiTests(TestCase):
             self.assertEqual(await self.count(), 0)
             self.assertEqual(await self.count("event_stream"), 0)
             # HEAD goes with GET: headers, no body.
-            response, data = await self.call("HEAD", "/_replicator/v1/positions")
+            response, data = await self.call("HEAD", "/_replicator/v1/positions", headers=AUTH)
             self.assertEqual((response.code, data), (200, b""))
         return defer.ensureDeferred(go())
 
@@ -522,7 +528,7 @@ class HttpApiTests(TestCase):
             self.assertIsNotNone(failures[0].get("log_failure"))
             self.flushLoggedErrors()
             # The reactor was never blocked: other requests are answered.
-            response, _ = await self.json("GET", "/_replicator/v1/positions")
+            response, _ = await self.json("GET", "/_replicator/v1/positions", headers=AUTH)
             self.assertEqual(response.code, 200)
         return defer.ensureDeferred(go())
 
@@ -558,7 +564,7 @@ class HttpApiTests(TestCase):
             await self.post("caches", {"rows": []})
             await until(self.handler.idle)
             await until(lambda: self.handler.announced_positions()[("caches", "master")] == 2)
-            response, answer = await self.json("GET", "/_replicator/v1/positions")
+            response, answer = await self.json("GET", "/_replicator/v1/positions", headers=AUTH)
             self.assertEqual(response.code, 200)
             self.assertEqual(answer, {"instance": "master", "streams": {
                 "caches": {"linear": 0, "writers": {
@@ -646,14 +652,15 @@ class HttpApiTests(TestCase):
             self.assertEqual((response.code, answer), (200, {"user_syncs": {"worker1": [
                 {"user_id": "@u:hs", "device_id": "DEV", "last_sync_ms": 1000},
                 {"user_id": "@v:hs", "device_id": None, "last_sync_ms": 1001},
-            ]}}))
-            response, answer = await self.json("GET", "/_replicator/v1/federation_acks")
+            ]}, "next": None}))
+            response, answer = await self.json("GET", "/_replicator/v1/federation_acks",
+                                               headers=AUTH)
             self.assertEqual((response.code, answer),
-                             (200, {"acks": {"worker1": 57, "worker2": 3}}))
+                             (200, {"acks": {"worker1": 57, "worker2": 3}, "next": None}))
             response, answer = await self.json("GET", "/_replicator/v1/user_ips", headers=AUTH)
             self.assertEqual((response.code, answer), (200, {"user_ips": [
                 {"user_id": "@u:hs", "device_id": "DEV", "ip": "10.0.0.1",
-                 "user_agent": "Element/1.0", "last_seen": 1234}]}))
+                 "user_agent": "Element/1.0", "last_seen": 1234}], "next": None}))
             self.assertNotIn("tok", orjson.dumps(answer).decode())
             response, text = await self.call("GET", "/metrics")
             self.assertIn(b'replicator_user_syncs{instance="worker1"} 2.0\n', text)
@@ -662,7 +669,7 @@ class HttpApiTests(TestCase):
             # The syncs expire with the connection, and so does the series.
             proto.connectionLost(None)
             response, answer = await self.json("GET", "/_replicator/v1/user_syncs", headers=AUTH)
-            self.assertEqual(answer, {"user_syncs": {}})
+            self.assertEqual(answer, {"user_syncs": {}, "next": None})
             response, text = await self.call("GET", "/metrics")
             self.assertNotIn(b"replicator_user_syncs{", text)
             self.assertIn(b'replicator_federation_ack_position{instance="worker1"} 57.0\n', text)
@@ -691,7 +698,7 @@ class HttpApiTests(TestCase):
                 raise RuntimeError("boom")
 
             self.handler.announced_positions = boom
-            response, answer = await self.json("GET", "/_replicator/v1/positions")
+            response, answer = await self.json("GET", "/_replicator/v1/positions", headers=AUTH)
             self.assertEqual((response.code, answer), (500, {"error": "internal error"}))
             self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
 
@@ -699,7 +706,7 @@ class HttpApiTests(TestCase):
                 raise RuntimeError(f"boom {SECRET}")
 
             self.handler.announced_positions = leaky
-            response, answer = await self.json("GET", "/_replicator/v1/positions")
+            response, answer = await self.json("GET", "/_replicator/v1/positions", headers=AUTH)
             self.assertEqual((response.code, answer), (500, {"error": "internal error"}))
             logged = [formatEvent(e) for e in self.events
                       if "Unexpected error answering GET" in formatEvent(e)]
@@ -708,6 +715,6 @@ class HttpApiTests(TestCase):
             self.assertIn("Traceback", logged[1])
             # The daemon goes on.
             del self.handler.announced_positions
-            response, _ = await self.json("GET", "/_replicator/v1/positions")
+            response, _ = await self.json("GET", "/_replicator/v1/positions", headers=AUTH)
             self.assertEqual(response.code, 200)
         return defer.ensureDeferred(go())

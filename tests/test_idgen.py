@@ -200,6 +200,25 @@ def machine_for(LOCAL, REMOTE):
             self.gen.reserved(writer, [stream_id])
             self.reserved[writer].add(stream_id)
 
+        @rule(writer=st.sampled_from(LOCAL), data=st.data())
+        def prospective(self, writer, data):
+            """What a writing transaction persists in ``stream_positions``
+            for the IDs it is about to complete: never at or above an ID of
+            the writer still unfinished afterwards (a reservation under way
+            included), never above the writer's token once they are done."""
+            todo = sorted(self.reserved[writer] - self.done[writer])
+            if not todo:
+                return
+            ids = data.draw(st.lists(st.sampled_from(todo), min_size=1, unique=True))
+            token = self.gen.prospective_token(writer, ids)
+            after = self.unfinished([writer]) - set(ids)
+            assert all(token < i for i in after), (token, after)
+            self.done[writer].update(ids)
+            try:
+                assert token <= self.model_current(writer), (token, self.model_current(writer))
+            finally:
+                self.done[writer].difference_update(ids)
+
         # ----------------------------------------------------------- checks
         @invariant()
         def matches_model(self):

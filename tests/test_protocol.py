@@ -784,6 +784,7 @@ class OutboundTests(SynchronousTestCase):
                 "remote_error",
                 "connection_lost",
                 "idle_timeout",
+                "refused",
             },
         )
 

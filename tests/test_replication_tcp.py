@@ -175,7 +175,8 @@ class TcpReplicationTests(TestCase):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.sendall(b"NAME sleeper\nREPLICATE\n")
             self.addCleanup(sock.close)
-            await until(lambda: len(master.handler.connections) == 2)
+            # Connected is not yet named: wait for its NAME.
+            await until(lambda: any(c.name == "sleeper" for c in master.handler.connections))
             sleeper = [c for c in master.handler.connections if c.name == "sleeper"][0]
             before = metrics.DISCONNECTS.labels("congestion")._value.get()
             stream = master.registry.get("events")

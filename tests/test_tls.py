@@ -69,6 +69,8 @@ def make_pki(directory):
         ("server", "localhost", ca, ca_key, ["localhost"]),
         ("client", "worker1", ca, ca_key, None),
         ("stranger", "worker9", other_ca, other_key, None),
+        ("intruder", "worker9", ca, ca_key, None),
+        ("alias", "host.example", ca, ca_key, ["worker2"]),
     ):
         key = _key()
         cert = _cert(cn, key, issuer, issuer_key, san=san)
@@ -105,17 +107,18 @@ class TlsTests(TestCase):
         config = parse_replication({"listen": self.listen, "client_ca": self.pki["ca.crt"]})
         self.assertEqual(config.client_ca, self.pki["ca.crt"])
 
-    def _raw_tls(self, cert=None, key=None):
-        """A plain TLS client; returns what the server sent, or the error."""
+    def _raw_tls(self, cert=None, key=None, send=b"NAME probe\nREPLICATE\n", until=b"POSITION"):
+        """A plain TLS client; returns what the server sent, up to ``until``
+        or the close, or the error."""
         context = stdlib_ssl.create_default_context(cafile=self.pki["ca.crt"])
         if cert:
             context.load_cert_chain(cert, key)
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=5) as raw:
                 with context.wrap_socket(raw, server_hostname="localhost") as s:
-                    s.sendall(b"NAME probe\nREPLICATE\n")
+                    s.sendall(send)
                     data = b""
-                    while b"POSITION" not in data:
+                    while until not in data:
                         chunk = s.recv(4096)
                         if not chunk:
                             break
@@ -176,7 +179,10 @@ class TlsTests(TestCase):
                     break
                 await task.deferLater(reactor, 0.01, lambda: None)
             self.assertEqual(consumer.facts, [("caches", "master", 1, [["over tls"]])])
+            # As an instance stops: peers told, then the upstream service
+            # stopped before it can reconnect.
             worker.stop()
+            await client.stopService()
             # A name the certificate does not carry is refused by the worker.
             consumer2 = MemoryConsumer(positions={("caches", "master"): 0})
             _, worker2 = await instance("worker2", [consumer2])
@@ -190,4 +196,72 @@ class TlsTests(TestCase):
             self.assertEqual(worker2.connections, {})
             self.assertEqual(consumer2.facts, [])
             self.flushLoggedErrors()
+        return defer.ensureDeferred(go())
+
+    def test_name_is_bound_to_the_client_certificate(self):
+        """With client_ca, a peer is the name its certificate carries: a
+        certificate for worker1 cannot say NAME master or NAME worker2, and a
+        certificate for worker9 cannot pose as the writer worker1 to get
+        forged RDATA relayed to the readers or delivered."""
+        async def go():
+            from replicator.config import parse_database, parse_streams
+            from replicator.replication.peers import local_names, policy_from_config
+            from replicator.replication.protocol import ServerReplicationProtocol
+            from replicator.storage.database import Database
+            from replicator.streams.registry import StreamRegistry
+            from tests.servers import PostgresServer
+            from twisted.internet.testing import StringTransport
+
+            dsn = PostgresServer.shared().create_database()
+            streams = parse_streams([{"name": "caches", "table": "cache_stream",
+                                      "columns": [{"f": "text"}],
+                                      "writers": ["master", "worker1"]}])
+            db = Database(parse_database({"postgres": dsn}))
+            self.addCleanup(db.close)
+            registry = StreamRegistry(db, "master", streams)
+            await registry.start()
+            self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))
+            consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+            master = ReplicationHandler(registry, "master", "localhost", [consumer])
+            master.start()
+            config = parse_replication({"listen": self.listen, "client_ca": self.pki["ca.crt"]})
+            policy = policy_from_config(config, local_names(master))
+            port = await server_endpoint(reactor, self.listen, self.pki["ca.crt"]).listen(
+                ReplicationServerFactory(master, "localhost", policy=policy))
+            self.addCleanup(port.stopListening)
+            # An honest reader of the master.
+            reader = ServerReplicationProtocol(master, "localhost", policy=policy,
+                                               clock=task.Clock())
+            reader_transport = StringTransport()
+            reader.makeConnection(reader_transport)
+            reader.dataReceived(b"REPLICATE\n")
+            self.addCleanup(reader.connectionLost, None)
+
+            def exchange(who, send):
+                return deferToThread(self._raw_tls, self.pki[f"{who}.crt"],
+                                     self.pki[f"{who}.key"], send, b"\x00")
+
+            for who, name, error in (
+                    ("client", b"master", b"ERROR NAME is taken by the server\n"),
+                    ("client", b"worker2", b"ERROR NAME does not match the client certificate\n"),
+                    ("intruder", b"worker1",
+                     b"ERROR NAME does not match the client certificate\n")):
+                got = await exchange(who, b"NAME " + name + b"\nPOSITION caches worker1 0 1\n"
+                                     b'RDATA caches worker1 1 ["forged"]\n'
+                                     b"POSITION caches worker1 1 1\n")
+                self.assertIsInstance(got, bytes, repr(got))
+                self.assertTrue(got.endswith(error), (who, name, got))
+            # The names a certificate carries are accepted: CN and DNS SAN.
+            for who, name in (("client", b"worker1"), ("alias", b"worker2")):
+                got = await deferToThread(self._raw_tls, self.pki[f"{who}.crt"],
+                                          self.pki[f"{who}.key"],
+                                          b"NAME " + name + b"\nREPLICATE\n")
+                self.assertIsInstance(got, bytes, repr(got))
+                self.assertIn(b"POSITION caches master 0 0", got)
+                self.assertNotIn(b"ERROR", got)
+            await task.deferLater(reactor, 0.05, lambda: None)
+            relayed = [line for line in reader_transport.value().splitlines()
+                       if b"worker1" in line]
+            self.assertEqual(relayed, [b"POSITION caches worker1 0 0"])
+            self.assertEqual(consumer.facts, [])
         return defer.ensureDeferred(go())

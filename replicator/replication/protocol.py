@@ -68,6 +68,8 @@ from .commands import (
     ServerCommand,
     parse_line,
 )
+from ..tls import certificate_names
+from .peers import PeerPolicy
 
 #: Send a PING when nothing else was written for this long (seconds).
 PING_INTERVAL = 5.0
@@ -96,6 +98,8 @@ LINE_TOO_LONG = "line_too_long"
 SHUTDOWN = "shutdown"
 REMOTE_ERROR = "remote_error"
 CONNECTION_LOST = "connection_lost"
+#: The peer's address or NAME is not allowed (:mod:`.peers`).
+REFUSED = "refused"
 
 CLOSE_REASONS = frozenset(
     {
@@ -109,6 +113,7 @@ CLOSE_REASONS = frozenset(
         SHUTDOWN,
         REMOTE_ERROR,
         CONNECTION_LOST,
+        REFUSED,
     }
 )
 
@@ -143,6 +148,10 @@ class ReplicationProtocol(LineOnlyReceiver):
     on_lost: Optional[Callable[[Any], None]] = None
     #: Command names the peer may send.
     VALID_INBOUND: FrozenSet[str] = frozenset()
+    #: Commands accepted from a peer that must name itself before anything else.
+    BEFORE_NAME: FrozenSet[str] = frozenset({"PING", "NAME", "ERROR"})
+    #: Whether the peer must send NAME before any other command.
+    name_required = False
 
     log = Logger()
 
@@ -173,6 +182,7 @@ class ReplicationProtocol(LineOnlyReceiver):
         self._remote_error = False
         self._closing = False
         self._connected = False
+        self._registered = False  # we are the transport's producer
         self._paused = False
         self._queue: Deque[bytes] = deque()
         self._queued_bytes = 0
@@ -246,7 +256,12 @@ class ReplicationProtocol(LineOnlyReceiver):
                 set_no_delay(True)
             except Exception:
                 self.log.failure("Could not set TCP_NODELAY on {conn}", conn=self)
+        refusal = self._refusal(host)
+        if refusal is not None:
+            self.close(REFUSED, refusal, log_text=refusal)
+            return
         self.transport.registerProducer(self, True)
+        self._registered = True
         self.log.info("Replication connection {conn} made", conn=self)
         self._send_handshake()
         self._ping_call = self._clock.callLater(self._ping_interval, self._ping_due)
@@ -289,6 +304,10 @@ class ReplicationProtocol(LineOnlyReceiver):
     def _clear_queue(self) -> None:
         self._queue.clear()
         self._queued_bytes = 0
+
+    def _refusal(self, host: Optional[str]) -> Optional[str]:
+        """Why a peer at ``host`` may not connect at all (None: it may)."""
+        return None
 
     def _ping_line(self) -> PingCommand:
         return PingCommand(str(int(self._clock.seconds() * 1000)))
@@ -336,8 +355,10 @@ class ReplicationProtocol(LineOnlyReceiver):
                 text=printable(log_text),
             )
         # With a streaming producer registered, a paused transport that has
-        # drained would resume us instead of finishing the close.
-        if getattr(transport, "producer", self) is self:
+        # drained would resume us instead of finishing the close; TLS does
+        # not even start its shutdown while a producer is registered.
+        if self._registered:
+            self._registered = False
             try:
                 transport.unregisterProducer()
             except Exception:
@@ -410,6 +431,9 @@ class ReplicationProtocol(LineOnlyReceiver):
         if name not in self.VALID_INBOUND and not self._may_write(cmd):
             self.close(INVALID_COMMAND, "invalid command: " + name,
                        log_text="invalid command " + name)
+            return
+        if self.name_required and self._peer_instance is None and name not in self.BEFORE_NAME:
+            self.close(REFUSED, "NAME required", log_text=f"{name} before NAME")
             return
         self._last_command = self._clock.seconds()
         if self._count_inbound is not None:
@@ -612,21 +636,37 @@ class ServerReplicationProtocol(ReplicationProtocol):
     """The accepting side: sends ``SERVER <server_name>`` and ``PING`` on
     connect, accepts client commands, and RDATA/POSITION from a client only
     for streams ``handler.client_may_write`` allows for the instance the
-    client named itself (``NAME``) — and only rows of that instance."""
+    client named itself (``NAME``) — and only rows of that instance.
+
+    ``policy`` (:class:`.peers.PeerPolicy`) decides which addresses may
+    connect and which names a client may take; a refusal is ``ERROR`` and a
+    close (reason ``refused``).  A client's name is set once."""
 
     VALID_INBOUND = CLIENT_COMMANDS
     is_client_side = False
 
-    def __init__(self, handler: Any, server_name: str, **kwargs: Any):
+    def __init__(self, handler: Any, server_name: str, policy: Optional[PeerPolicy] = None,
+                 **kwargs: Any):
         super().__init__(handler, **kwargs)
         self.server_name = server_name
+        self.policy = policy if policy is not None else PeerPolicy()
+        self.name_required = self.policy.name_required
         self._client_may_write = getattr(handler, "client_may_write", None)
+
+    def _refusal(self, host: Optional[str]) -> Optional[str]:
+        return self.policy.check_address(host)
 
     def _send_handshake(self) -> None:
         self.send_command(ServerCommand(self.server_name))
         self.send_command(self._ping_line())
 
     def _on_NAME(self, cmd: NameCommand) -> None:
+        cert_names = certificate_names(self.transport) if self.policy.certificate_names else None
+        refusal = self.policy.check_name(cmd.client_name, self._peer_instance, cert_names)
+        if refusal is not None:
+            self.close(REFUSED, refusal,
+                       log_text=f"NAME {printable(cmd.client_name, 64)} refused: {refusal}")
+            return
         self._peer_instance = cmd.client_name
         name = printable(cmd.client_name, 64)
         self.log.info("Replication connection {peer} is {name}", peer=self.name, name=name)

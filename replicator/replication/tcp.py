@@ -24,6 +24,7 @@ from twisted.logger import Logger
 from .. import metrics
 from ..backoff import Backoff
 from .commands import MAX_LINE_LENGTH
+from .peers import PeerPolicy, local_names
 from .protocol import (
     IDLE_TIMEOUT,
     MAX_QUEUED_BYTES,
@@ -70,12 +71,17 @@ class _Refuse(Protocol):
 
 class ReplicationServerFactory(Factory):
     """Builds a server protocol per accepted connection, all on one handler,
-    at most ``max_connections`` at a time (``live`` holds them)."""
+    at most ``max_connections`` at a time (``live`` holds them).
+
+    ``policy`` says who may connect and which names peers may take; by
+    default no peer may take the name of the handler's instance (nor of a
+    writer local to it)."""
 
     noisy = False
 
     def __init__(self, handler, server_name: str, settings: ConnectionSettings = None,
-                 clock=None, max_connections: int = MAX_CONNECTIONS):
+                 clock=None, policy: PeerPolicy = None,
+                 max_connections: int = MAX_CONNECTIONS):
         self.handler = handler
         self.server_name = server_name
         self.settings = settings or ConnectionSettings()
@@ -83,6 +89,9 @@ class ReplicationServerFactory(Factory):
         self.max_connections = max_connections
         self.live: Set[ServerReplicationProtocol] = set()
         self._refusing = False
+        if policy is None:
+            policy = PeerPolicy(reserved=local_names(handler))
+        self.policy = policy
 
     def buildProtocol(self, addr):
         if len(self.live) >= self.max_connections:
@@ -94,7 +103,8 @@ class ReplicationServerFactory(Factory):
                          "refusing more", n=self.max_connections)
             return _Refuse()
         p = ServerReplicationProtocol(
-            self.handler, self.server_name, clock=self.clock, **self.settings.kwargs())
+            self.handler, self.server_name, policy=self.policy, clock=self.clock,
+            **self.settings.kwargs())
         p.factory = self
         p.on_lost = self._lost
         self.live.add(p)

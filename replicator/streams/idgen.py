@@ -170,18 +170,28 @@ class StreamIdGenerator:
         """Register IDs a local writer got from the sequence (any thread).
 
         ``pending`` says whether :meth:`begin_reservation` was called first.
+        All or nothing: an ID at or below the writer's position (a sequence
+        that went back, e.g. PostgreSQL after a crash) or already in flight
+        raises ``ValueError`` and registers none of them.
         """
         state = self._local.get(writer)
         if state is None:
             raise UnknownWriter(writer)
+        stream_ids = list(stream_ids)
         with self._lock:
             try:
+                # All or nothing: a refused ID leaves none of them in flight.
                 for stream_id in stream_ids:
                     if stream_id <= state.position:
                         raise ValueError(
                             f"stream {self.name}: reserved ID {stream_id} is not "
                             f"above {writer}'s position {state.position}"
                         )
+                    if stream_id in state.live:
+                        raise ValueError(f"stream ID {stream_id} reserved twice")
+                if len(set(stream_ids)) != len(stream_ids):
+                    raise ValueError(f"stream {self.name}: an ID is reserved twice in {stream_ids}")
+                for stream_id in stream_ids:
                     state.add(stream_id)
                     if not self._shared:
                         self._all.add(stream_id)

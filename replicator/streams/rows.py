@@ -32,7 +32,14 @@ def _check_value(column: ColumnConfig, value: Any, where: str) -> None:
     else:  # json
         ok = True
     if not ok:
-        raise RowError(f"{where}: column {column.name!r} expects {t}, got {type(value).__name__}")
+        got = type(value).__name__
+        # JSON parsers give a float for an integer beyond 64 bits (rounded:
+        # -2^63-1 becomes -2^63.0, so a float is out of range from 2^63 on).
+        if t == "bigint" and not isinstance(value, bool) and (
+                (isinstance(value, int) and not -(2**63) <= value < 2**63)
+                or (isinstance(value, float) and not abs(value) < 2**63)):
+            got = "a number out of its range (-2^63 to 2^63-1)"
+        raise RowError(f"{where}: column {column.name!r} expects {t}, got {got}")
     if t == "text" and "\x00" in value:
         raise RowError(f"{where}: column {column.name!r} contains a NUL character")
 

@@ -16,6 +16,7 @@ reader's catch-up use.
 
 import itertools
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from twisted.internet import defer
@@ -111,6 +112,14 @@ class Stream:
         self._recent_unknown: Dict[str, set] = {}  # failed writes: ask the table
         self._persist_call = None
         self._persisting: Optional[defer.Deferred] = None
+        # One writer, and it writes here: every ID of the sequence is ours,
+        # so one we never reserved is a fact written behind our back.
+        self._sole_writer = len(config.writers) == 1 and self.local_writers == list(config.writers)
+        self._foreign_facts = metrics.FOREIGN_FACTS.labels(self.name)
+        self._foreign_burst: set = set()  # writers in a burst of foreign facts (logged)
+        # Database connections whose sequence check ran (see
+        # _sequence_past_positions); a reconnect makes a new connection.
+        self._sequence_checked: "weakref.WeakSet" = weakref.WeakSet()
         if clock is None:
             from twisted.internet import reactor as clock
         self._clock = clock
@@ -236,6 +245,10 @@ class Stream:
         and the writer's position in one batch of statements; the pool commits.
         """
         gen = self.id_gen
+        connection = txn.connection
+        if connection not in self._sequence_checked:
+            self._sequence_past_positions(txn)
+            self._sequence_checked.add(connection)
         gen.begin_reservation()
         try:
             if len(facts) == 1:
@@ -247,8 +260,9 @@ class Stream:
         except BaseException:
             gen.abort_reservation()
             raise
-        reserved.extend(ids)
+        # Only IDs the generator accepted are ours to complete if this fails.
         gen.reserved(writer, ids)
+        reserved.extend(ids)
         for hook in hooks:
             for stream_id in ids:
                 hook(txn, stream_id)
@@ -272,6 +286,35 @@ class Stream:
             txn.execute("; ".join(statements), params)
         return ids
 
+    #: Above this many values behind, the sequence is moved with ``setval``
+    #: instead of by taking values (which never moves it backwards).
+    SEQUENCE_CATCH_UP_MAX = 100_000
+
+    def _sequence_past_positions(self, txn) -> None:
+        """Before the first ``nextval`` on a database connection: move the
+        sequence past every ID this instance knows (its writers' positions
+        included), never backwards.
+
+        PostgreSQL can hand out again, after a crash restart, a value that
+        went to a transaction which never committed; our writer may already
+        have announced a position past it.  Every connection after a
+        reconnect is a new one, so this runs before any write after a
+        crash (as the check at startup does).
+        """
+        floor = self.id_gen.get_max_known()
+        current = schema.sequence_value(txn, self.config.sequence)
+        if current >= floor:
+            return
+        if floor - current <= self.SEQUENCE_CATCH_UP_MAX:
+            txn.execute(f"SELECT max(nextval('{self.config.sequence}')) "
+                        "FROM generate_series(1, %s)", (floor - current,))
+        else:
+            txn.execute("SELECT setval(%s, %s)", (self.config.sequence, floor))
+        metrics.SEQUENCE_MOVED.labels(self.name).inc()
+        log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
+                 "positions (up to {floor}) on a new database connection; moved it past",
+                 stream=self.name, seq=self.config.sequence, current=current, floor=floor)
+
     def _persist_in_transaction(self, writer: str, ids: List[int]) -> bool:
         """Persist the position with the fact unless other writes of this
         writer are in flight: they would queue on the position row's lock
@@ -281,8 +324,8 @@ class Stream:
 
     def _write_sqlite(self, txn, writer, facts, hooks, reserved) -> List[int]:
         ids = [next(self._counter) for _ in facts]
-        reserved.extend(ids)
         self.id_gen.reserved(writer, ids, pending=False)
+        reserved.extend(ids)
         with_writer = self.config.writer_column is not None
         rows = []
         for stream_id, fact_rows in zip(ids, facts):
@@ -345,10 +388,13 @@ class Stream:
                 or to_token > self.id_gen.get_current_token(writer) \
                 or any(from_token < i <= to_token for i in self._recent_unknown[writer]):
             return None
+        ids = sorted(i for i in recent if from_token < i <= to_token)
+        if self._sole_writer and len(ids) < to_token - from_token:
+            return None  # an ID we never reserved: foreign, only the table knows
         updates: List[Update] = []
         upto = to_token
         limited = False
-        for stream_id in sorted(i for i in recent if from_token < i <= to_token):
+        for stream_id in ids:
             rows = recent[stream_id]
             if updates and len(updates) + len(rows) > limit:
                 upto, limited = updates[-1][0], True
@@ -371,10 +417,35 @@ class Stream:
             return [], to_token, False
         answer = self._recent_updates(writer, from_token, to_token, max(1, limit))
         if answer is not None:
+            if writer in self._foreign_burst:
+                self._foreign_burst.discard(writer)
             return answer
-        return await self.db.runInteraction(
+        answer = await self.db.runInteraction(
             self._updates_txn, writer, from_token, to_token, max(1, limit)
         )
+        self._check_foreign(writer, from_token, answer[0])
+        return answer
+
+    def _check_foreign(self, writer: str, from_token: int, updates: List[Update]) -> None:
+        """Report facts of the sole (local) writer under IDs this instance
+        never reserved: written behind its back (e.g. by SQL).  They are
+        delivered like any other; one log line per burst, and a metric."""
+        recent = self._recent.get(writer)
+        if not self._sole_writer or recent is None or not self.keep_recent \
+                or from_token < self._recent_floor[writer]:
+            return
+        unknown = self._recent_unknown[writer]
+        foreign = sorted({t for t, _ in updates if t not in recent and t not in unknown})
+        if not foreign:
+            self._foreign_burst.discard(writer)
+            return
+        self._foreign_facts.inc(len(foreign))
+        if writer not in self._foreign_burst:
+            self._foreign_burst.add(writer)
+            log.warn("stream {stream}: facts written without going through replicator "
+                     "(IDs from {first}, {n} so far); delivered from the table. Writes must "
+                     "go through the library or the HTTP API: others can be passed over "
+                     "while uncommitted", stream=self.name, first=foreign[0], n=len(foreign))
 
     def _updates_txn(self, txn, writer, from_token, to_token, limit):
         prefix = (writer,) if self.config.writer_column else ()

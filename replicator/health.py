@@ -1,0 +1,264 @@
+"""What ``/health`` says about replication, beyond "the database answers".
+
+A :class:`HealthMonitor` per instance decides whether this instance's
+readers are getting the facts they should, and says which (stream, writer)
+is not.  Its problems, in the order they are reported:
+
+1. *not connected* (a worker): a replication link is down.
+2. *committed, not received* (any instance that reads): readers share the
+   writers' database, so every ``check_interval`` seconds one indexed query
+   per (stream, remote writer) in the pool (never on the reactor thread)
+   asks for that writer's committed facts above this reader's position.  A
+   fact that is committed and not received is normal for a moment (in
+   flight, or waiting behind an earlier ID of its writer); once one has
+   stayed unreceived for ``lag_grace`` seconds it is a problem:
+   ``stream S: writer W has N committed facts not received for T s``.  This
+   catches a writer whose own link is silently dead while it keeps writing.
+3. *lagging* (a worker): a stream's reader lagged behind what its writer
+   announced, or reader work stayed queued, for ``lag_grace`` seconds.
+4. *never announced* (a worker): a configured remote writer of a stream
+   from which no POSITION or RDATA has arrived ``lag_grace`` seconds after
+   start (a writer that is down, or a hub that does not know it).
+
+Invariants: a problem is reported only once its condition has lasted the
+grace (no flapping under load); the query counts committed rows only (a
+plain ``SELECT`` sees nothing uncommitted) and at most ``COUNT_LIMIT``
+facts per writer, so a reader far behind costs one bounded index scan; one
+check runs at a time.  The gauges ``replicator_unreceived_facts`` and
+``replicator_unreceived_age_seconds`` carry the last check's figures.
+"""
+
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from twisted.application.service import Service
+from twisted.internet import defer, task
+from twisted.logger import Logger
+
+from . import metrics
+
+log = Logger(namespace="replicator.health")
+
+Key = Tuple[str, str]  # (stream, writer)
+
+#: Facts counted per (stream, writer) and check at most; more show as "N+".
+COUNT_LIMIT = 10_000
+#: Observations kept per key (a staircase of "first seen" times).
+MAX_OBSERVATIONS = 64
+
+
+class _Unreceived:
+    """What the checks saw of one (stream, remote writer).
+
+    ``observations`` are ``(time, stream ID)`` pairs: at ``time`` the
+    writer's committed fact ``stream ID`` was above this reader's position.
+    Since a reader receives a writer's facts in ID order, the fact is still
+    unreceived for as long as the reader's position stays below its ID.
+    """
+
+    __slots__ = ("observations", "count", "capped")
+
+    def __init__(self) -> None:
+        self.observations: Deque[Tuple[float, int]] = deque()
+        self.count = 0
+        self.capped = False
+
+    def prune(self, position: int) -> None:
+        """Forget the facts received (at or below ``position``)."""
+        if any(stream_id <= position for _, stream_id in self.observations):
+            self.observations = deque(o for o in self.observations if o[1] > position)
+
+    def observe(self, now: float, lowest: int) -> None:
+        if self.observations and self.observations[-1][1] == lowest:
+            return  # the same fact still unreceived: keep its first sighting
+        self.observations.append((now, lowest))
+        if len(self.observations) > MAX_OBSERVATIONS:
+            # Keep the oldest (the age) and the newest; a dropped middle
+            # sighting can only make a later age smaller, never a false alarm.
+            del self.observations[1]
+
+    def oldest(self) -> Optional[float]:
+        return self.observations[0][0] if self.observations else None
+
+
+class HealthMonitor(Service):
+    """Replication health of one instance (see the module docstring).
+
+    ``expect_upstream`` is True on a worker (an instance with an upstream or
+    Redis): only there do link, lag and never-announced problems count; the
+    committed-not-received check runs on every instance that reads.
+    """
+
+    def __init__(self, *, registry, handler, db, clock=None, lag_grace: float = 10.0,
+                 check_interval: float = 5.0, expect_upstream: bool = False):
+        self.registry = registry
+        self.handler = handler
+        self.db = db
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self._clock = clock
+        self.lag_grace = lag_grace
+        self.check_interval = check_interval
+        self.expect_upstream = expect_upstream
+        self._behind_since: Dict[Any, float] = {}
+        self._unreceived: Dict[Key, _Unreceived] = {}
+        self._started_at = clock.seconds()
+        self._loop: Optional[task.LoopingCall] = None
+        self._checking: Optional[defer.Deferred] = None
+        self._check_failed = False
+
+    # ------------------------------------------------------------ service
+    def startService(self) -> None:
+        super().startService()
+        self._started_at = self._clock.seconds()
+        self._loop = task.LoopingCall(self.check_unreceived)
+        self._loop.clock = self._clock
+        self._loop.start(self.check_interval, now=True)
+
+    def stopService(self):
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        self._loop = None
+        return self._checking
+
+    # -------------------------------------------------------------- check
+    def _remote_keys(self) -> List[Tuple[Any, str, int]]:
+        """``(stream, writer, reader position)`` of every remote writer this
+        instance has a position for (no position yet: nothing is expected)."""
+        positions = self.handler.reader_positions()
+        out = []
+        for stream in self.registry:
+            for writer in stream.config.writers:
+                if writer in stream.local_writers:
+                    continue
+                position = positions.get((stream.name, writer))
+                if position is not None:
+                    out.append((stream, writer, position))
+        return out
+
+    def check_unreceived(self) -> defer.Deferred:
+        """Ask the database once for committed facts above each reader's
+        position; fires when done (never fails).  A check still running is
+        not started twice."""
+        if self._checking is not None:
+            return self._checking
+        keys = self._remote_keys()
+        if not keys:
+            return defer.succeed(None)
+        queries = [(stream.name, writer, self._query(stream.config),
+                    ((writer,) if stream.config.writer_column else ()) + (position,))
+                   for stream, writer, position in keys]
+        started = self._clock.seconds()
+        d = self.db.runInteraction(_count_unreceived, queries)
+        self._checking = d
+
+        def done(results):
+            self._checking = None
+            if self._check_failed:
+                log.info("Checking for unreceived facts works again")
+                self._check_failed = False
+            self._record(started, results)
+
+        def failed(f):
+            self._checking = None
+            if not self._check_failed:
+                log.warn("Checking for unreceived facts failed: {error}",
+                         error=f.getErrorMessage()[:300])
+                self._check_failed = True
+
+        d.addCallbacks(done, failed)
+        return d
+
+    def _query(self, config) -> str:
+        where = f"{config.writer_column} = %s AND " if config.writer_column else ""
+        return self.db.sql(
+            f"SELECT MIN({config.id_column}), COUNT(DISTINCT {config.id_column}) FROM "
+            f"(SELECT {config.id_column} FROM {config.table} WHERE {where}"
+            f"{config.id_column} > %s ORDER BY {config.id_column} LIMIT %s) AS unreceived")
+
+    def _record(self, started: float, results: Dict[Key, Tuple[Optional[int], int]]) -> None:
+        positions = self.handler.reader_positions()
+        for key, (lowest, count) in results.items():
+            state = self._unreceived.setdefault(key, _Unreceived())
+            state.count = count
+            state.capped = count > COUNT_LIMIT
+            if lowest is not None:
+                state.observe(started, lowest)
+            state.prune(positions.get(key) or 0)
+        for key in [k for k in self._unreceived if k not in results]:
+            del self._unreceived[key]  # no position any more
+        now = self._clock.seconds()
+        for (stream, writer), state in self._unreceived.items():
+            oldest = state.oldest()
+            metrics.UNRECEIVED_FACTS.labels(stream, writer).set(
+                min(state.count, COUNT_LIMIT) if oldest is not None else 0)
+            metrics.UNRECEIVED_AGE.labels(stream, writer).set(
+                now - oldest if oldest is not None else 0)
+
+    # ------------------------------------------------------------ verdict
+    def unreceived_problem(self) -> Optional[str]:
+        """The first (stream, writer) with a committed fact unreceived for
+        ``lag_grace`` seconds, as one line; else None."""
+        now = self._clock.seconds()
+        positions = self.handler.reader_positions()
+        for key in sorted(self._unreceived):
+            state = self._unreceived[key]
+            state.prune(positions.get(key) or 0)
+            oldest = state.oldest()
+            if oldest is not None and now - oldest >= self.lag_grace:
+                count = f"{COUNT_LIMIT}+" if state.capped else str(state.count)
+                noun = "fact" if count == "1" else "facts"
+                return (f"stream {key[0]}: writer {key[1]} has {count} committed {noun} "
+                        f"not received for {now - oldest:.0f}s")
+        return None
+
+    def lag_problem(self) -> Optional[str]:
+        """A stream that lagged (or work that stayed queued) for the grace."""
+        now = self._clock.seconds()
+        behind = {key: f"stream {key[0]}/{key[1]} lagging by {lag}"
+                  for key, lag in self.handler.reader_lag().items() if lag}
+        if not self.handler.idle():
+            behind["work"] = "replication catching up (work queued)"
+        since = self._behind_since
+        for key in [k for k in since if k not in behind]:
+            del since[key]
+        for key in sorted(behind, key=str):
+            started = since.setdefault(key, now)
+            if now - started >= self.lag_grace:
+                return f"{behind[key]} for {now - started:.0f}s"
+        return None
+
+    def silent_problem(self) -> Optional[str]:
+        """A configured remote writer never heard of after the grace."""
+        waited = self._clock.seconds() - self._started_at
+        if waited < self.lag_grace:
+            return None
+        heard = self.handler.reader_heard()
+        for stream in self.registry:
+            for writer in stream.config.writers:
+                if writer not in stream.local_writers and (stream.name, writer) not in heard:
+                    return (f"stream {stream.name}: writer {writer} never announced anything "
+                            f"in {waited:.0f}s")
+        return None
+
+    def problem(self, connected: bool, detail: str) -> Optional[str]:
+        """The first replication problem, or None.  ``connected`` and
+        ``detail`` are the replication links' status."""
+        if self.expect_upstream and not connected:
+            return f"replication not connected: {detail}"
+        problem = self.unreceived_problem()
+        if problem is None and self.expect_upstream:
+            problem = self.lag_problem() or self.silent_problem()
+        return problem
+
+
+def _count_unreceived(txn, queries) -> Dict[Key, Tuple[Optional[int], int]]:
+    """Per (stream, writer): the lowest committed stream ID above the
+    reader's position and how many there are (up to ``COUNT_LIMIT + 1``)."""
+    out = {}
+    for stream, writer, sql, params in queries:
+        txn.execute(sql, params + (COUNT_LIMIT + 1,))
+        lowest, count = txn.fetchone()
+        out[(stream, writer)] = (int(lowest) if lowest is not None else None, int(count or 0))
+    return out

@@ -1,0 +1,147 @@
+"""Fan-out: the writer side of replication.
+
+For each (stream, writer) written by this instance, the rows between the
+last token announced and the writer's current token are read with
+``updates_since``, encoded once, and the same bytes are handed to every
+replicating connection.
+
+Invariants:
+
+* Rows sharing a token form one ``batch`` run written in one call, so no
+  connection ever gets half of a fact from us.
+* An advance without rows is a POSITION.
+* ``announced`` only moves after the lines were written, and REPLICATE is
+  answered with ``announced``: a new connection never misses a fact.
+* One fan-out runs per (stream, writer) at a time; under load advances
+  coalesce (at most one fan-out per ``fanout_interval``), when idle a fact
+  goes out at once.
+"""
+
+import time
+from typing import Any, Callable, Dict, List, Set, Tuple
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from .. import metrics
+from ..streams.stream import Stream
+from .commands import encode_position_line, encode_rdata_lines
+
+log = Logger()
+
+Key = Tuple[str, str]
+Broadcast = Callable[[List[bytes], str], None]
+SendUpdates = Callable[[str, str, int, List[Tuple[int, list]], int], None]
+
+
+class Fanout:
+    """Announces the facts of this instance's writers.
+
+    ``broadcast(lines, name)`` writes lines to every replicating connection.
+    ``send`` is what a fan-out calls to write ``(prev, upto]`` (by default
+    :meth:`send_updates`; the handler routes it through its own
+    ``send_updates`` so it can be observed).
+    """
+
+    def __init__(self, broadcast: Broadcast, clock, fetch_limit: int = 1000,
+                 max_line_length: int = 0, retry_delay: float = 1.0,
+                 fanout_interval: float = 0.003, send: SendUpdates = None):
+        self._broadcast = broadcast
+        self._clock = clock
+        self.fetch_limit = fetch_limit
+        self.max_line_length = max_line_length
+        self.retry_delay = retry_delay
+        self.fanout_interval = fanout_interval
+        self._send = send if send is not None else self.send_updates
+        self.announced: Dict[Key, int] = {}
+        self._running: Set[Key] = set()
+        self._timers: Dict[Key, Any] = {}
+        self._retries: Dict[Key, Any] = {}
+        self._last: Dict[Key, float] = {}
+        self._stopping = False
+
+    def add_writer(self, stream: Stream, writer: str) -> None:
+        """Start announcing ``writer`` of ``stream`` (a local writer) from
+        its current token; call before anything is written."""
+        self.announced[(stream.name, writer)] = stream.id_gen.get_current_token(writer)
+        stream.keep_recent_facts()
+
+    def advanced(self, stream: Stream, writer: str) -> None:
+        """A local writer's token moved: fan out now or soon."""
+        key = (stream.name, writer)
+        if key in self._running or key in self._timers or self._stopping:
+            return
+        wait = self._last.get(key, -1e9) + self.fanout_interval - self._clock.seconds()
+        if wait > 0:
+            self._timers[key] = self._clock.callLater(wait, self._start, stream, writer, key)
+        else:
+            self._start(stream, writer, key)
+
+    def _start(self, stream: Stream, writer: str, key: Key) -> None:
+        self._timers.pop(key, None)
+        if key in self._running or self._stopping:
+            return
+        self._running.add(key)
+        self._last[key] = self._clock.seconds()
+        defer.ensureDeferred(self._run(stream, writer, key))
+
+    async def _run(self, stream: Stream, writer: str, key: Key) -> None:
+        try:
+            while not self._stopping:
+                target = stream.id_gen.get_current_token(writer)
+                announced = self.announced[key]
+                if target <= announced:
+                    return
+                started = time.monotonic()
+                updates, upto, _ = await stream.updates_since(
+                    writer, announced, target, self.fetch_limit)
+                self._send(stream.name, writer, announced, updates, upto)
+                stream.forget(writer, upto)
+                metrics.FANOUT_LATENCY.observe(time.monotonic() - started)
+        except Exception:
+            log.failure("Fan-out of {stream}/{writer} failed; retrying in {delay}s",
+                        stream=stream.name, writer=writer, delay=self.retry_delay)
+            if key not in self._retries:
+                self._retries[key] = self._clock.callLater(
+                    self.retry_delay, self._retry, stream, writer)
+        finally:
+            self._running.discard(key)
+
+    def _retry(self, stream: Stream, writer: str) -> None:
+        self._retries.pop((stream.name, writer), None)
+        self.advanced(stream, writer)
+
+    def send_updates(self, stream_name: str, writer: str, prev: int,
+                     updates: List[Tuple[int, list]], upto: int) -> None:
+        """Write rows ``(prev, upto]`` of a local writer to every connection.
+
+        ``updates`` are ``(token, row)`` pairs in ascending token order.
+        """
+        key = (stream_name, writer)
+        if updates:
+            lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
+            if lines.dropped:
+                metrics.COMMANDS_DROPPED.labels("RDATA", "too_long").inc(lines.dropped)
+                log.error("{n} rows of {stream}/{writer} exceed the line length; not sent",
+                          n=lines.dropped, stream=stream_name, writer=writer)
+            if lines:
+                self._broadcast(lines, "RDATA")
+            last = updates[-1][0]
+        else:
+            last = prev
+        if upto > last:
+            self._broadcast([encode_position_line(stream_name, writer, last, upto)], "POSITION")
+        self.announced[key] = upto
+
+    def idle(self) -> bool:
+        """No fan-out running or scheduled."""
+        return not self._running and not self._timers
+
+    def stop(self) -> None:
+        """No more fan-outs; pending ones are cancelled."""
+        self._stopping = True
+        for call in list(self._retries.values()) + list(self._timers.values()):
+            if call.active():
+                call.cancel()
+        self._retries.clear()
+        self._timers.clear()

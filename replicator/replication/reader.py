@@ -1,0 +1,234 @@
+"""The reader pipeline of one (stream, writer) written by another instance.
+
+A :class:`Reader` turns the RDATA and POSITION lines of one writer, as they
+arrive on any connection, into facts handed to ``deliver`` exactly once, in
+token order, whole.  It needs no database: the rows of a gap come from the
+injected ``source`` (``Stream.updates_since`` in the daemon), and retries
+run on the injected clock.
+
+Invariants:
+
+* RDATA rows without a token (``batch``) are collected per connection until
+  the row with the token ends the fact; a fact is only ever handed on whole.
+  A POSITION of the writer ends any batch of it that is still open (the
+  writer never sends one inside a fact: the rest was lost on the way).
+* Lines of a connection count only once a POSITION of the writer arrived on
+  it (before that, what the POSITION covers is fetched from the table).
+* Commands are processed one at a time, in arrival order, across
+  connections.  A POSITION whose ``prev`` is above the reader's position
+  means facts were missed: they are read from ``source`` (in pages of
+  ``fetch_limit`` rows, never splitting a fact) before anything later.
+* A fact at or below the position is dropped; ``position`` only grows.
+* A failure (of ``source`` or ``deliver``) stops the pipeline where it is;
+  it resumes with the same command after ``retry_delay``.
+"""
+
+from collections import deque
+from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Set, Tuple
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from .. import metrics
+
+log = Logger()
+
+Update = Tuple[int, list]
+#: ``source(writer, from_token, to_token, limit)`` -> ``(updates, upto, limited)``
+Source = Callable[[str, int, int, int], Awaitable[Tuple[List[Update], int, bool]]]
+
+
+class Stopping(Exception):
+    """Raised inside reader work once the reader is stopping."""
+
+
+class Reader:
+    """Reader state and pipeline of one (stream, writer).
+
+    ``position`` is the token up to which every fact was handed on (None:
+    nothing known yet; the first POSITION sets it without catching up).
+    ``seen`` is the largest token the writer was heard to announce.
+
+    Injected: ``source`` reads rows of a gap; ``deliver(token, rows)``
+    hands on one fact (may return a Deferred/awaitable);
+    ``reached(token)`` is called, awaited, after a POSITION moved the
+    position; ``advanced(token)`` after every move of the position
+    (synchronous: the ID generator).
+    """
+
+    def __init__(
+        self,
+        stream_name: str,
+        writer: str,
+        position: Optional[int],
+        source: Source,
+        deliver: Callable[[int, List[list]], Any],
+        clock,
+        reached: Optional[Callable[[int], Any]] = None,
+        advanced: Optional[Callable[[int], None]] = None,
+        fetch_limit: int = 1000,
+        retry_delay: float = 1.0,
+    ):
+        self.stream_name = stream_name
+        self.writer = writer
+        self.position = position
+        self.seen = position or 0  # largest token the writer announced
+        self._source = source
+        self._deliver = deliver
+        self._reached = reached
+        self._advanced = advanced
+        self._clock = clock
+        self.fetch_limit = fetch_limit
+        self.retry_delay = retry_delay
+        self.queue: Deque[tuple] = deque()
+        self.busy = False
+        self._batches: Dict[Any, List[list]] = {}  # conn -> rows of the fact under way
+        self._connected: Set[Any] = set()  # connections with a POSITION seen
+        self._retry = None
+        self._stopping = False
+        self._lag = metrics.READER_LAG.labels(stream_name, writer)
+
+    # ------------------------------------------------------------ lines in
+    def rdata(self, conn, token: Optional[int], row: list) -> None:
+        """One RDATA row from ``conn``; ``token`` None for a ``batch`` row."""
+        if token is None:
+            self._batches.setdefault(conn, []).append(row)
+            return
+        rows = self._batches.pop(conn, [])
+        rows.append(row)
+        if token > self.seen:
+            self.seen = token
+        if conn not in self._connected:
+            return  # the POSITION that follows makes us catch up
+        self._enqueue(("rdata", token, rows))
+
+    def position_line(self, conn, prev: int, new: int) -> None:
+        """A POSITION of the writer from ``conn``.
+
+        The writer sends a POSITION only between facts: a batch of it still
+        open here (on any connection) lost its end on the way and is
+        discarded; if that fact was committed, the POSITION covers it and it
+        comes back whole through catch-up (or as RDATA again).
+        """
+        self._batches.clear()
+        self._connected.add(conn)
+        if new > self.seen:
+            self.seen = new
+        self._enqueue(("position", prev, new))
+
+    def connection_lost(self, conn) -> None:
+        """A partial batch dies with its connection."""
+        self._batches.pop(conn, None)
+        self._connected.discard(conn)
+
+    # ------------------------------------------------------------ pipeline
+    def _enqueue(self, item: tuple) -> None:
+        self.queue.append(item)
+        if not self.busy:
+            self.busy = True
+            defer.ensureDeferred(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            while self.queue and not self._stopping:
+                item = self.queue[0]
+                try:
+                    await self._apply(item)
+                except Stopping:
+                    return
+                except Exception:
+                    log.failure("Processing {kind} of {stream}/{writer} failed; retrying in "
+                                "{delay}s", kind=item[0], stream=self.stream_name,
+                                writer=self.writer, delay=self.retry_delay)
+                    self._retry = self._clock.callLater(self.retry_delay, self._resume)
+                    return
+                self.queue.popleft()
+        finally:
+            if not self.queue or self._stopping:
+                self.busy = False
+            self._lag.set(self.lag)
+
+    def _resume(self) -> None:
+        self._retry = None
+        self.busy = False
+        if self.queue and not self._stopping:
+            self.busy = True
+            defer.ensureDeferred(self._drain())
+
+    async def _apply(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "rdata":
+            _, token, rows = item
+            if self.position is not None and token <= self.position:
+                return  # already handled
+            await self._hand_on(token, rows)
+            self._advance(token)
+            return
+        _, prev, new = item
+        position = self.position
+        if position is None or prev <= position <= new:
+            pass
+        elif position > new:
+            return  # stale
+        else:
+            await self._catch_up(position, new)
+        if self.position is None or new > self.position:
+            self._advance(new)
+            if self._reached is not None:
+                await _maybe_await(self._reached(new))
+
+    async def _catch_up(self, since: int, until: int) -> None:
+        metrics.CATCHUP_FETCHES.labels(self.stream_name).inc()
+        log.info("Catching up {stream}/{writer} from {since} to {until}",
+                 stream=self.stream_name, writer=self.writer, since=since, until=until)
+        while since < until:
+            updates, upto, _ = await self._source(self.writer, since, until, self.fetch_limit)
+            metrics.CATCHUP_ROWS.labels(self.stream_name).inc(len(updates))
+            for token, rows in group(updates):
+                await self._hand_on(token, rows)
+                self._advance(token)
+            since = upto
+
+    async def _hand_on(self, token: int, rows: List[list]) -> None:
+        if self._stopping:
+            raise Stopping()
+        await _maybe_await(self._deliver(token, rows))
+
+    def _advance(self, token: int) -> None:
+        self.position = token
+        if self._advanced is not None:
+            self._advanced(token)
+
+    # -------------------------------------------------------------- state
+    @property
+    def lag(self) -> int:
+        return max(0, self.seen - (self.position or 0))
+
+    def idle(self) -> bool:
+        return not self.busy and not self.queue
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        self._retry = None
+
+
+def group(updates: List[Update]):
+    """``(token, rows)`` per fact from ``(token, row)`` pairs."""
+    current = None
+    rows: List[list] = []
+    for token, row in updates:
+        if token != current and rows:
+            yield current, rows
+            rows = []
+        current = token
+        rows.append(row)
+    if rows:
+        yield current, rows
+
+
+async def _maybe_await(result):
+    if isinstance(result, defer.Deferred) or hasattr(result, "__await__"):
+        return await result
+    return result

@@ -1,0 +1,180 @@
+"""The invariants of a run, checked over plain data once it is quiescent.
+
+Per instance and (stream, writer) it reads (its JSON-lines file):
+
+* ``lost``        a fact in the table that never reached the consumer;
+* ``duplicated``  a token delivered twice;
+* ``reordered``   a token delivered after a larger one;
+* ``split``       a delivered fact whose rows are not exactly the table's
+                  rows of that ID (a fact is the multiset of its rows);
+* ``phantom``     a delivered fact with rows the table does not have at all.
+
+Per write request (the clients' records):
+
+* ``history``     an acked write not in the table whole with its acked ID and
+                  writer; a failed or timed-out write partly there, or split
+                  over IDs; one ID holding rows of two requests; rows no
+                  request sent.
+
+Per claim (see :mod:`tests.chaos.observer`):
+
+* ``claim``       a position claimed before every fact at or below it had
+                  committed.
+
+And of the processes: ``exit`` (a daemon died without being killed) and
+``health`` (``/health`` not 200 on a healed, quiescent cluster).
+
+Every function here is pure: data in, ``Violations`` out.
+"""
+
+import json
+from collections import Counter, defaultdict
+from typing import Dict, Iterable, List, Tuple
+
+Key = Tuple[str, str]
+KINDS = ("lost", "duplicated", "reordered", "split", "phantom", "history", "claim", "exit",
+         "health")
+EXAMPLES_PER_KIND = 5
+
+
+def canonical(rows: Iterable[list]) -> List[str]:
+    return sorted(json.dumps(r, sort_keys=True, separators=(",", ":")) for r in rows)
+
+
+class Violations:
+    """Counts per kind and a few examples each (with their evidence)."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.examples: Dict[str, List[str]] = defaultdict(list)
+
+    def add(self, kind: str, detail: str):
+        assert kind in KINDS, kind
+        self.counts[kind] += 1
+        if len(self.examples[kind]) < EXAMPLES_PER_KIND:
+            self.examples[kind].append(detail)
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def as_dict(self) -> dict:
+        return {kind: self.counts.get(kind, 0) for kind in KINDS}
+
+
+def file_facts(lines: Iterable[dict]) -> Dict[Key, List[Tuple[int, list]]]:
+    """Fact lines of a JSON-lines file per key, in file order."""
+    facts: Dict[Key, List[Tuple[int, list]]] = defaultdict(list)
+    for entry in lines:
+        if "rows" in entry:
+            facts[(entry["stream"], entry["writer"])].append((entry["token"], entry["rows"]))
+    return facts
+
+
+def check_deliveries(v: Violations, instance: str, keys: Iterable[Key],
+                     delivered: Dict[Key, List[Tuple[int, list]]],
+                     table: Dict[Key, Dict[int, list]]):
+    keys = list(keys)
+    for key in delivered:
+        if key not in keys:
+            v.add("phantom", f"{instance}: facts of {key[0]}/{key[1]}, a writer it hosts "
+                             f"itself: {delivered[key][:3]}")
+    for key in keys:
+        want = table.get(key, {})
+        got = delivered.get(key, [])
+        seen = set()
+        top = 0
+        for token, rows in got:
+            where = f"{instance}: {key[0]}/{key[1]} token {token}"
+            if token in seen:
+                v.add("duplicated", f"{where} delivered again")
+                continue
+            seen.add(token)
+            if token < top:
+                v.add("reordered", f"{where} delivered after {top}")
+            top = max(top, token)
+            if token not in want:
+                if rows:
+                    v.add("phantom", f"{where}: {rows[:3]} not in the table")
+            elif canonical(rows) != canonical(want[token]):
+                v.add("split", f"{where}: delivered {len(rows)} rows {rows[:4]}, "
+                               f"table has {len(want[token])} rows {want[token][:4]}")
+        for token in sorted(set(want) - seen):
+            v.add("lost", f"{instance}: {key[0]}/{key[1]} token {token} "
+                          f"({len(want[token])} rows) never delivered")
+
+
+def check_writes(v: Violations, writes: List[dict], table: Dict[Key, Dict[int, list]],
+                 tag_of):
+    """``tag_of(row)``: the request tag of a table row (``client.n``)."""
+    by_tag: Dict[str, List[Tuple[Key, int, list]]] = defaultdict(list)
+    tags_at: Dict[Tuple[Key, int], set] = defaultdict(set)
+    for key, facts in table.items():
+        for stream_id, rows in facts.items():
+            for row in rows:
+                tag = tag_of(row)
+                by_tag[tag].append((key, stream_id, row))
+                tags_at[(key[0], stream_id)].add(tag)
+    for (stream, stream_id), tags in tags_at.items():
+        if len(tags) > 1:
+            v.add("history", f"{stream} ID {stream_id} holds rows of {len(tags)} requests: "
+                             f"{sorted(tags)[:4]}")
+    sent = set()
+    for w in writes:
+        tag = f"{w['client']}.{w['n']}"
+        sent.add(tag)
+        key = (w["stream"], w["instance"])
+        found = by_tag.get(tag, [])
+        what = (f"{w['outcome']} write {tag} ({len(w['rows'])} rows) to {w['instance']} "
+                f"{w['stream']}" + (f" acked ID {w['stream_id']}" if "stream_id" in w else ""))
+        ids = {stream_id for _, stream_id, _ in found}
+        whole = (canonical(r for _, _, r in found) == canonical(w["rows"]) and len(ids) <= 1
+                 and all(k == key for k, _, _ in found))
+        if w["outcome"] == "acked":
+            if not whole or (found and ids != {w["stream_id"]}):
+                v.add("history", f"{what}: table has {len(found)} rows at IDs {sorted(ids)}")
+            elif not w["rows"] and w["stream_id"] in table.get(key, {}):
+                v.add("history", f"{what}: the acked ID holds rows "
+                                 f"{table[key][w['stream_id']][:3]}")
+        elif found and not whole:
+            v.add("history", f"{what}: partly in the table ({len(found)} rows at IDs "
+                             f"{sorted(ids)})")
+    for tag, found in by_tag.items():
+        if tag not in sent:
+            v.add("history", f"rows of request {tag} that was never sent: {found[:2]}")
+
+
+def check_claims(v: Violations, first_seen: Dict[Key, Dict[int, int]],
+                 claims: Dict[Key, List[Tuple[int, int, str]]], snapshot_times: List[float],
+                 final_index: int):
+    """A fact first seen in snapshot ``f`` (``final_index`` if only at the
+    end) must not be at or below any claim attributed to a snapshot ``< f``."""
+    for key, facts in first_seen.items():
+        made = sorted(claims.get(key, []))
+        if not made:
+            continue
+        # prefix maximum of claimed positions by snapshot index
+        best: List[Tuple[int, int, str]] = []  # (snapshot index, max position, evidence)
+        for k, position, evidence in made:
+            if best and best[-1][1] >= position:
+                best.append((k, best[-1][1], best[-1][2]))
+            else:
+                best.append((k, position, evidence))
+        indexes = [b[0] for b in best]
+        import bisect
+
+        for stream_id, f in facts.items():
+            i = bisect.bisect_left(indexes, f) - 1  # last claim with index < f
+            if i >= 0 and best[i][1] >= stream_id:
+                seen_at = snapshot_times[f] if f < len(snapshot_times) else "the end"
+                v.add("claim", f"{key[0]}/{key[1]} fact {stream_id} first committed by "
+                               f"snapshot {f} (t={seen_at}), but {best[i][2]} "
+                               f"(attributed to snapshot {best[i][0]})")
+
+
+def check_processes(v: Violations, exits: Dict[str, List[int]], health: Dict[str, tuple]):
+    for name, codes in exits.items():
+        for code in codes:
+            v.add("exit", f"{name} exited by itself with status {code}")
+    for name, (status, reason) in health.items():
+        if status != 200:
+            v.add("health", f"{name} /health {status} on a healed, quiescent cluster: {reason}")

@@ -1,0 +1,379 @@
+"""One chaos run end to end, and the result table.
+
+:func:`run_once` starts everything (PostgreSQL, ``redis-server`` for the
+Redis transport, proxies, master and two workers), lets the clients write
+while the nemesis injects the seeded schedule, heals, waits for quiescence
+(every consumer file holds what the tables hold, or a deadline), takes the
+last observations, checks, and returns one result row (also appended to the
+results file as one JSON line).  A run's directory (configs, logs, consumer
+files, the clients' records) is kept when something was violated.
+"""
+
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+from tests.servers import RedisServer, free_port
+
+from . import checker
+from .clients import Writer, http_request, row_tag
+from .cluster import (INSTANCES, SECRET, STREAMS, TABLES, WRITE_TARGETS, Instance,
+                      build_configs, make_base_dir, read_keys)
+from .nemesis import Nemesis, make_schedule
+from .observer import Observer
+from .proxy import Proxy
+from .servers import PgCluster
+
+CLIENTS_PER_TARGET = 2
+QUIESCENCE_TIMEOUT = 90.0
+HEALTH_TIMEOUT = 30.0
+PLANTS = {"drop-rdata": {"type": "tests.chaos.planted:DroppingJsonlConsumer",
+                         "drop_every": 100}}
+LEVELS = ("ERROR ", "CRITICAL ")
+EXCEPTION = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Transition)"
+                       r"(?::\s.*|$))")
+
+
+def logged_errors(text: str) -> List[str]:
+    """One summary per ERROR/CRITICAL event of a daemon's log: its first
+    words and the exception it ended with, if any (tracebacks follow on
+    indented lines, or inline for Twisted's legacy "Unhandled Error")."""
+    events: List[List[str]] = []
+    for line in text.splitlines():
+        if line.startswith(LEVELS):
+            events.append([line, ""])
+        elif line.startswith("    ") and events:
+            m = EXCEPTION.search(line.strip())
+            if m:
+                events[-1][1] = m.group(1)
+        else:
+            continue
+        m = EXCEPTION.findall(events[-1][0]) if not events[-1][1] else None
+        if m:
+            events[-1][1] = m[-1]
+    return [f"{head[:70]} -> {exc[:120]}" if exc else head[:120] for head, exc in events]
+
+
+def read_table(dsn: str) -> Dict[tuple, Dict[int, list]]:
+    """``{(stream, writer): {id: [row, ...]}}`` of every stream's table."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn, connect_timeout=5)
+    try:
+        cur = conn.cursor()
+        facts: Dict[tuple, Dict[int, list]] = {}
+        for stream in STREAMS:
+            table, writer_column, cols = TABLES[stream["name"]]
+            if writer_column:
+                cur.execute(f"SELECT stream_id, {writer_column}, {cols} FROM {table} "
+                            "ORDER BY stream_id, ctid")
+                for stream_id, writer, *row in cur.fetchall():
+                    facts.setdefault((stream["name"], writer), {}).setdefault(
+                        stream_id, []).append(row)
+            else:
+                writer = stream["writers"][0]
+                cur.execute(f"SELECT stream_id, {cols} FROM {table} ORDER BY stream_id, ctid")
+                for stream_id, *row in cur.fetchall():
+                    facts.setdefault((stream["name"], writer), {}).setdefault(
+                        stream_id, []).append(row)
+        return facts
+    finally:
+        conn.close()
+
+
+def read_jsonl(path: str) -> List[dict]:
+    """Every complete line of a consumer file (a partial last line is ignored)."""
+    out = []
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.endswith(b"\n") and line.strip():
+                    out.append(json.loads(line))
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def caught_up(instance: Instance, table) -> str:
+    """``"match"``: the consumer file holds exactly the table's facts;
+    ``"passed"``: it differs, but its position of every key is at or past
+    the table's last fact (what is missing is never coming); else ``""``."""
+    lines = read_jsonl(instance.facts_path)
+    delivered = checker.file_facts(lines)
+    positions: Dict[tuple, int] = {}
+    for entry in lines:
+        key = (entry["stream"], entry["writer"])
+        token = entry.get("token", entry.get("position", 0))
+        positions[key] = max(positions.get(key, 0), token)
+    state = "match"
+    for key in read_keys(instance.name):
+        want = {t: checker.canonical(rows) for t, rows in table.get(key, {}).items()}
+        got = {t: checker.canonical(rows) for t, rows in delivered.get(key, [])}
+        if want != got:
+            if positions.get(key, 0) < max(want, default=0):
+                return ""
+            state = "passed"
+    return state
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        return ""
+
+
+async def wait_answering(instance: Instance, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if instance.running() and not instance.paused:
+            try:
+                status, _ = await http_request(instance.http_port, "GET",
+                                               "/_replicator/v1/positions", secret=SECRET,
+                                               timeout=2)
+                if status == 200:
+                    return True
+            except (OSError, asyncio.TimeoutError, ValueError, IndexError):
+                pass
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def supervise(instances: Dict[str, Instance], say, stop: asyncio.Event):
+    """Restart an instance that exited by itself (as systemd would), after
+    recording the exit and the last lines of its log."""
+    while not stop.is_set():
+        for instance in instances.values():
+            if not instance.expected_down and instance.proc is not None \
+                    and instance.proc.poll() is not None:
+                instance.note_exit()
+                tail = instance.log_text().strip().splitlines()[-3:]
+                say(f"  {instance.name} exited by itself ({instance.proc.returncode}): "
+                    f"{' | '.join(tail)}")
+                await asyncio.sleep(1.0)
+                instance.start()
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_once(scenario: str, transport: str, seed: int, duration: float = 30.0,
+                   plant: Optional[str] = None, results_path: Optional[str] = None,
+                   keep: bool = False, say=print,
+                   quiescence_timeout: float = QUIESCENCE_TIMEOUT) -> dict:
+    started = time.monotonic()
+    schedule = make_schedule(scenario, transport, seed, duration)
+    say(f"== chaos {scenario}/{transport} seed={seed} duration={duration}s"
+        + (f" plant={plant}" if plant else "")
+        + f" (replay: make chaos SCENARIO={scenario} TRANSPORT={transport} SEED={seed}"
+        + (f" DURATION={duration:g}" if duration != 30 else "") + ")")
+    for fault in schedule:
+        say("  planned " + fault.describe())
+    base = make_base_dir()
+    pg = redis = None
+    proxies: Dict[str, Proxy] = {}
+    instances: Dict[str, Instance] = {}
+    writes: List[dict] = []
+    result: dict = {}
+    stop_supervisor = asyncio.Event()
+    try:
+        pg = await asyncio.to_thread(PgCluster)
+        dsn = await asyncio.to_thread(pg.create_database, "chaos")
+        rng = random.Random(f"{seed}/proxy")
+        if transport == "tcp":
+            master_port = free_port()
+            for name in ("worker1", "worker2"):
+                proxies[name] = await Proxy(name, master_port, random.Random(rng.random())).start()
+        else:
+            master_port = None
+            redis = await asyncio.to_thread(RedisServer)
+            for name in INSTANCES:
+                proxies[name] = await Proxy(name, redis.port, random.Random(rng.random())).start()
+        configs = build_configs(transport, dsn, master_port,
+                                {n: p.port for n, p in proxies.items()},
+                                PLANTS[plant] if plant else None)
+        for name in INSTANCES:
+            instances[name] = Instance(name, base, configs[name])
+        for name in INSTANCES:  # the master creates the tables first
+            instances[name].start()
+            if not await wait_answering(instances[name]):
+                raise RuntimeError(f"{name} did not start: {instances[name].log_text()[-2000:]}")
+
+        observer = Observer(dsn, instances)
+        observer_task = asyncio.ensure_future(observer.run())
+        supervisor_task = asyncio.ensure_future(supervise(instances, say, stop_supervisor))
+        writers = []
+        client_rng = random.Random(f"{seed}/clients")
+        for instance_name, stream in WRITE_TARGETS:
+            for i in range(CLIENTS_PER_TARGET):
+                tag = f"{instance_name}-{stream}-{i}"
+                writers.append(Writer(tag, instances[instance_name], stream,
+                                      random.Random(client_rng.random()), writes))
+        writer_tasks = [asyncio.ensure_future(w.run()) for w in writers]
+        await asyncio.sleep(1.0)
+
+        nemesis = Nemesis(schedule, instances, proxies, pg, redis, say)
+        await nemesis.run()
+        remaining = duration - (time.monotonic() - nemesis.t0)
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+
+        # Heal: every fault heals itself; make sure, then let writes settle.
+        for proxy in proxies.values():
+            proxy.heal()
+        for instance in instances.values():
+            instance.resume()
+        say(f"  healed after {time.monotonic() - nemesis.t0:.1f}s; stopping the clients")
+        for w in writers:
+            w.stopping = True
+        await asyncio.gather(*writer_tasks)
+
+        quiet_started = time.monotonic()
+        quiescent = False
+        passed = 0
+        while time.monotonic() - quiet_started < quiescence_timeout:
+            try:
+                table = await asyncio.to_thread(read_table, dsn)
+                states = {caught_up(i, table) for i in instances.values()}
+            except Exception:
+                states = {""}
+            if states == {"match"}:
+                quiescent = True
+                break
+            passed = passed + 1 if "" not in states else 0
+            if passed >= 5:  # every reader is past the end: the rest is not coming
+                quiescent = True
+                break
+            await asyncio.sleep(1.0)
+        quiescence_s = time.monotonic() - quiet_started
+        say(f"  quiescent={quiescent} after {quiescence_s:.1f}s")
+        observer.stopping = True
+        await observer_task
+        await observer.final()
+
+        health = {}
+        deadline = time.monotonic() + HEALTH_TIMEOUT
+        for instance in instances.values():
+            status, reason = None, "no answer"
+            while True:
+                try:
+                    status, body = await http_request(instance.http_port, "GET", "/health",
+                                                      timeout=2)
+                    reason = json.loads(body).get("reason", "")
+                except (OSError, asyncio.TimeoutError, ValueError, IndexError) as e:
+                    status, reason = None, f"{type(e).__name__}: {e}"
+                if status == 200 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
+            health[instance.name] = (status, reason)
+
+        stop_supervisor.set()
+        await supervisor_task
+        exit_codes = {name: i.terminate() for name, i in instances.items()}
+        observer.close()
+
+        table = await asyncio.to_thread(read_table, dsn)
+        final_index = len(observer.snapshots)
+        for key, facts in table.items():
+            seen = observer.first_seen.setdefault(key, {})
+            for stream_id in facts:
+                seen.setdefault(stream_id, final_index)
+
+        v = checker.Violations()
+        for instance in instances.values():
+            delivered = checker.file_facts(read_jsonl(instance.facts_path))
+            checker.check_deliveries(v, instance.name, read_keys(instance.name), delivered,
+                                     table)
+        checker.check_writes(v, writes, table, row_tag)
+        checker.check_claims(v, observer.first_seen, observer.claims, observer.snapshots,
+                             final_index)
+        checker.check_processes(v, {n: i.unexpected_exits for n, i in instances.items()},
+                                health)
+
+        log_errors = defaultdict(int)
+        for instance in instances.values():
+            for event in logged_errors(instance.log_text()):
+                log_errors[event] += 1
+        outcomes = defaultdict(int)
+        for w in writes:
+            outcomes[w["outcome"]] += 1
+        result = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commit": git_commit(), "scenario": scenario, "transport": transport,
+            "seed": seed, "duration": duration, "plant": plant,
+            "faults": sum(nemesis.injected.values()), "faults_by_kind": nemesis.injected,
+            "writes": len(writes), "outcomes": dict(outcomes),
+            "facts": sum(len(f) for f in table.values()),
+            "rows": sum(len(r) for f in table.values() for r in f.values()),
+            "claims_checked": sum(len(c) for c in observer.claims.values()),
+            "snapshots": len(observer.snapshots),
+            "quiescent": quiescent, "quiescence_s": round(quiescence_s, 1),
+            "violations": v.as_dict(), "examples": dict(v.examples),
+            "exit_codes": exit_codes,
+            "log_errors": dict(sorted(log_errors.items(), key=lambda kv: -kv[1])[:10]),
+            "elapsed_s": round(time.monotonic() - started, 1),
+        }
+        say(f"  {result['writes']} writes {dict(outcomes)}, {result['facts']} facts, "
+            f"{result['faults']} faults, {result['claims_checked']} claims, "
+            f"violations {v.total()}: "
+            + ", ".join(f"{k}={n}" for k, n in v.as_dict().items() if n))
+        for line, n in result["log_errors"].items():
+            say(f"    logged {n}x: {line}")
+        for kind, examples in v.examples.items():
+            for example in examples:
+                say(f"    {kind}: {example}")
+        if v.total() or keep:
+            result["dir"] = base
+            with open(os.path.join(base, "writes.jsonl"), "w") as f:
+                for w in writes:
+                    f.write(json.dumps(w) + "\n")
+            say(f"  kept {base}")
+        if results_path:
+            with open(results_path, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        return result
+    finally:
+        stop_supervisor.set()
+        for instance in instances.values():
+            if instance.running():
+                instance.expected_down = True
+                instance.resume()
+                instance.proc.kill()
+                instance.proc.wait()
+        for proxy in proxies.values():
+            await proxy.close()
+        if redis is not None:
+            await asyncio.to_thread(redis.stop)
+        if pg is not None:
+            await asyncio.to_thread(pg.destroy)
+        if not result.get("dir") and not keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def summary_table(results: List[dict]) -> str:
+    """One line per (scenario, transport): runs, faults, writes, violations by kind."""
+    groups: Dict[tuple, List[dict]] = defaultdict(list)
+    for r in results:
+        groups[(r["scenario"], r["transport"], r.get("plant"))].append(r)
+    kinds = checker.KINDS
+    head = ["scenario", "transport", "runs", "seeds", "faults", "writes", "acked"] + list(kinds)
+    rows = [head]
+    for (scenario, transport, plant), rs in groups.items():
+        name = scenario + (f"+{plant}" if plant else "")
+        rows.append([name, transport, str(len(rs)), ",".join(str(r["seed"]) for r in rs),
+                     str(sum(r["faults"] for r in rs)), str(sum(r["writes"] for r in rs)),
+                     str(sum(r["outcomes"].get("acked", 0) for r in rs))]
+                    + [str(sum(r["violations"][k] for r in rs)) for k in kinds])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""The fault suite (tests.chaos): its checker on crafted data, its seeded
+schedules, and a short seeded slice of real runs (the full suite is
+``make chaos``), including one with a planted defect that must be caught."""
+
+import asyncio
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.chaos import checker
+from tests.chaos.clients import make_rows, row_tag
+from tests.chaos.nemesis import SCENARIOS, make_schedule
+
+CACHES_M = ("caches", "master")
+CACHES_W = ("caches", "worker1")
+
+
+def write(tag, n, instance, stream, rows, outcome, stream_id=None):
+    record = {"client": tag, "n": n, "instance": instance, "stream": stream, "rows": rows,
+              "outcome": outcome}
+    if stream_id is not None:
+        record["stream_id"] = stream_id
+    return record
+
+
+class CheckerTests(SynchronousTestCase):
+    """Each kind of violation is found, and a clean history has none."""
+
+    def setUp(self):
+        self.a = make_rows("caches", "m", 1, 2)  # two rows, one fact
+        self.b = make_rows("caches", "m", 2, 1)
+        self.c = make_rows("caches", "w", 1, 1)
+        self.table = {CACHES_M: {3: self.a, 5: self.b}, CACHES_W: {4: self.c}}
+
+    def deliveries(self, delivered, keys=(CACHES_M,)):
+        v = checker.Violations()
+        checker.check_deliveries(v, "worker2", keys, delivered, self.table)
+        return v.as_dict()
+
+    def only(self, **counts):
+        out = dict.fromkeys(checker.KINDS, 0)
+        out.update(counts)
+        return out
+
+    def test_clean_deliveries(self):
+        # Rows of a fact may come in any order: a fact is a set of rows.
+        got = {CACHES_M: [(3, list(reversed(self.a))), (5, self.b)]}
+        self.assertEqual(self.deliveries(got), self.only())
+
+    def test_lost_duplicated_reordered_split_phantom(self):
+        self.assertEqual(self.deliveries({CACHES_M: [(5, self.b)]}), self.only(lost=1))
+        self.assertEqual(self.deliveries({CACHES_M: [(3, self.a), (3, self.a), (5, self.b)]}),
+                         self.only(duplicated=1))
+        self.assertEqual(self.deliveries({CACHES_M: [(5, self.b), (3, self.a)]}),
+                         self.only(reordered=1))
+        self.assertEqual(self.deliveries({CACHES_M: [(3, self.a[:1]), (5, self.b)]}),
+                         self.only(split=1))
+        # Rows of fact 3 leaking into fact 5 (a half-published batch).
+        self.assertEqual(self.deliveries({CACHES_M: [(3, self.a[:1]),
+                                                     (5, self.a[1:] + self.b)]}),
+                         self.only(split=2))
+        self.assertEqual(self.deliveries({CACHES_M: [(3, self.a), (4, self.c), (5, self.b)]}),
+                         self.only(phantom=1))
+        # A reader given facts of a writer it hosts itself.
+        self.assertEqual(self.deliveries({CACHES_M: [(3, self.a), (5, self.b)],
+                                          CACHES_W: [(4, self.c)]}), self.only(phantom=1))
+
+    def history(self, writes):
+        v = checker.Violations()
+        checker.check_writes(v, writes, self.table, row_tag)
+        return v
+
+    def test_clean_history(self):
+        writes = [write("m", 1, "master", "caches", self.a, "acked", 3),
+                  write("m", 2, "master", "caches", self.b, "timeout"),
+                  write("w", 1, "worker1", "caches", self.c, "failed"),
+                  write("m", 3, "master", "caches", [], "acked", 6),
+                  write("m", 4, "master", "caches", make_rows("caches", "m", 4, 2), "failed")]
+        self.assertEqual(self.history(writes).total(), 0)
+
+    def test_history_violations(self):
+        base = [write("m", 2, "master", "caches", self.b, "acked", 5),
+                write("w", 1, "worker1", "caches", self.c, "acked", 4)]
+        cases = [
+            # acked with another ID
+            [write("m", 1, "master", "caches", self.a, "acked", 4)],
+            # acked, not in the table
+            [write("m", 1, "master", "caches", self.a, "acked", 3),
+             write("m", 9, "master", "caches", make_rows("caches", "m", 9, 1), "acked", 9)],
+            # acked empty fact whose ID holds rows
+            [write("m", 1, "master", "caches", self.a, "acked", 3),
+             write("m", 8, "master", "caches", [], "acked", 3)],
+        ]
+        for extra in cases:
+            self.assertEqual(self.history(base + extra).counts["history"], 1, extra)
+        # A timed-out write partly there.
+        self.table[CACHES_M][3] = self.a[:1]
+        self.assertEqual(self.history(base + [write("m", 1, "master", "caches", self.a,
+                                                    "timeout")]).counts["history"], 1)
+        # Rows no request sent, and one ID holding rows of two requests.
+        self.table[CACHES_M][3] = self.a + self.b
+        v = self.history([write("m", 1, "master", "caches", self.a, "acked", 3)]
+                         + base[1:])
+        self.assertEqual(v.counts["history"], 2)  # ID 3 mixed; m.2's rows never sent
+
+    def test_claims(self):
+        first_seen = {CACHES_M: {3: 0, 5: 2, 7: 4}}
+        # Position 5 claimed before snapshot 1, fact 5 not committed until snapshot 2.
+        claims = {CACHES_M: [(0, 3, "ok"), (1, 5, "early claim"), (4, 7, "ok")]}
+        v = checker.Violations()
+        checker.check_claims(v, first_seen, claims, [0.0, 0.1, 0.2, 0.3, 0.4], 5)
+        self.assertEqual(v.counts["claim"], 1)
+        self.assertIn("early claim", v.examples["claim"][0])
+        # Claimed in the same round as the snapshot that first saw it: fine.
+        v = checker.Violations()
+        checker.check_claims(v, first_seen, {CACHES_M: [(2, 5, "ok"), (4, 7, "ok")]},
+                             [0.0, 0.1, 0.2, 0.3, 0.4], 5)
+        self.assertEqual(v.total(), 0)
+
+    def test_processes(self):
+        v = checker.Violations()
+        checker.check_processes(v, {"master": [1], "worker1": []},
+                                {"master": (200, ""), "worker1": (503, "lagging")})
+        self.assertEqual((v.counts["exit"], v.counts["health"]), (1, 1))
+
+
+class ScheduleTests(SynchronousTestCase):
+    def test_same_seed_same_schedule(self):
+        for scenario in SCENARIOS:
+            for transport in ("tcp", "redis"):
+                a = make_schedule(scenario, transport, 42, 30)
+                self.assertEqual(a, make_schedule(scenario, transport, 42, 30))
+                self.assertNotEqual(a, make_schedule(scenario, transport, 43, 30))
+                self.assertTrue(a and all(0 < f.at < 30 for f in a))
+        kinds = {f.kind for f in make_schedule("all", "redis", 7, 300)}
+        self.assertEqual(kinds, {"kill9", "redis_restart", "pause", "cut", "partition",
+                                 "stall", "slow_cut", "pg_restart_immediate",
+                                 "pg_restart_fast", "pg_down"})
+        self.assertEqual(make_schedule("none", "tcp", 1, 30), [])
+
+
+def run(scenario, transport, seed, duration, **kwargs):
+    from tests.chaos.run import run_once
+
+    lines = []
+    result = asyncio.run(run_once(scenario, transport, seed, duration, say=lines.append,
+                                  **kwargs))
+    return result, "\n".join(lines)
+
+
+class SliceTests(SynchronousTestCase):
+    """A short seeded slice of ``make chaos`` (fixed seeds, 12 s of faults
+    each), limited to scenarios that pass reliably on main."""
+
+    SLICE = [("crash", "tcp", 101), ("net", "tcp", 102), ("pause", "redis", 103)]
+
+    def test_slice(self):
+        for scenario, transport, seed in self.SLICE:
+            result, out = run(scenario, transport, seed, 12.0)
+            self.assertGreater(result["faults"], 0, out)
+            self.assertGreater(result["outcomes"].get("acked", 0), 100, out)
+            self.assertTrue(result["quiescent"], out)
+            self.assertEqual(result["violations"], dict.fromkeys(checker.KINDS, 0), out)
+
+    def test_planted_defect_is_caught(self):
+        """Every 100th row dropped at the readers: facts lost or split, and
+        nothing else blamed."""
+        result, out = run("none", "tcp", 104, 8.0, plant="drop-rdata",
+                          quiescence_timeout=30.0)
+        violations = result["violations"]
+        self.assertGreater(violations["lost"] + violations["split"], 0, out)
+        self.assertEqual({k: n for k, n in violations.items() if n and k not in
+                          ("lost", "split")}, {}, out)
+        import shutil
+
+        shutil.rmtree(result["dir"], ignore_errors=True)

@@ -1,0 +1,395 @@
+"""What /health says about replication: committed facts a reader has not
+received, writers never heard of, on a real PostgreSQL.
+
+The monitor's verdicts are checked on a Clock with a real handler and real
+tables; then whole instances (``service.Instance``) over real TCP and a real
+redis-server, with a proxy in the middle that stops relaying while the
+sockets stay open (a link that is silently dead).
+"""
+
+import re
+import uuid
+
+import orjson
+from prometheus_client import REGISTRY
+from twisted.internet import defer, endpoints, protocol, reactor, task
+from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import TestCase
+from twisted.web.client import Agent, HTTPConnectionPool, readBody
+
+from replicator.config import parse_database, parse_instance, parse_streams
+from replicator.consumers import MemoryConsumer
+from replicator.health import HealthMonitor
+from replicator.replication.handler import ReplicationHandler
+from replicator.replication.protocol import ClientReplicationProtocol
+from replicator.service import Instance
+from replicator.storage.database import Database
+from replicator.streams.registry import StreamRegistry
+from tests.servers import PostgresServer, RedisServer
+from tests.support import until
+
+SECRET = "health-test-secret-0123456789"
+STREAM_DEFS = [
+    {"name": "caches", "table": "cache_stream",
+     "columns": [{"cache_func": "text"}, {"ts": "bigint"}], "writers": ["master"]},
+    {"name": "events", "table": "event_stream",
+     "columns": [{"event_id": "text"}], "writers": ["master", "worker2"]},
+]
+STREAMS = parse_streams(STREAM_DEFS)
+
+
+def unreceived_metric(stream, writer):
+    return REGISTRY.get_sample_value("replicator_unreceived_facts",
+                                     {"stream": stream, "writer": writer})
+
+
+class Side:
+    """Registry and handler of one instance in this process."""
+
+    def __init__(self, test, dsn, name, consumers=()):
+        self.test, self.dsn, self.name, self.consumers = test, dsn, name, consumers
+
+    async def start(self):
+        self.db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
+        self.test.addCleanup(self.db.close)
+        self.registry = StreamRegistry(self.db, self.name, STREAMS)
+        await self.registry.start()
+        self.test.addCleanup(lambda: defer.ensureDeferred(self.registry.stop()))
+        self.handler = ReplicationHandler(self.registry, self.name, "hs.test", self.consumers)
+        self.handler.start()
+        self.test.addCleanup(lambda: defer.ensureDeferred(until(self.handler.idle)))
+        return self
+
+    def upstream(self, lines: bytes) -> ClientReplicationProtocol:
+        """A connection from upstream that has sent ``lines``."""
+        proto = ClientReplicationProtocol(self.handler, self.name, "hs.test", clock=task.Clock())
+        proto.makeConnection(StringTransport())
+        self.test.addCleanup(proto.connectionLost, None)
+        proto.dataReceived(b"SERVER hs.test\n" + lines)
+        return proto
+
+
+class HealthMonitorTests(TestCase):
+    """The verdicts, on a Clock: the grace counts, a fact that arrives in
+    time is never a problem, recovery clears it."""
+
+    timeout = 120
+
+    async def setup(self):
+        dsn = PostgresServer.shared().create_database()
+        self.master = await Side(self, dsn, "master").start()
+        self.consumer = MemoryConsumer()
+        self.worker = await Side(self, dsn, "worker1", [self.consumer]).start()
+        self.clock = task.Clock()
+        self.monitor = HealthMonitor(registry=self.worker.registry, handler=self.worker.handler,
+                                     db=self.worker.db, clock=self.clock, lag_grace=10.0,
+                                     expect_upstream=True)
+
+    async def write(self, n, stream="caches"):
+        s = self.master.registry.get(stream)
+        row = (lambda i: [f"f{i}", i]) if stream == "caches" else (lambda i: [f"e{i}"])
+        return [await s.write_fact([row(i)]) for i in range(n)]
+
+    def test_committed_facts_not_received_for_the_grace_are_a_problem(self):
+        async def go():
+            await self.setup()
+            link = self.worker.upstream(b"POSITION caches master 0 0\n"
+                                        b"POSITION events master 0 0\n"
+                                        b"POSITION events worker2 0 0\n")
+            await until(self.worker.handler.idle)
+            await self.monitor.check_unreceived()
+            self.assertIsNone(self.monitor.problem(True, "connected"))
+            self.assertEqual(unreceived_metric("caches", "master"), 0)
+            # The master commits 3 facts; this reader is told nothing.
+            await self.write(3)
+            await self.monitor.check_unreceived()
+            self.assertEqual(unreceived_metric("caches", "master"), 3)
+            self.clock.advance(9)
+            await self.monitor.check_unreceived()
+            self.assertIsNone(self.monitor.problem(True, "connected"))
+            self.clock.advance(1)
+            self.assertEqual(self.monitor.problem(True, "connected"),
+                             "stream caches: writer master has 3 committed facts not received "
+                             "for 10s")
+            # More facts meanwhile: the age is the oldest one's.
+            await self.write(2)
+            self.clock.advance(5)
+            await self.monitor.check_unreceived()
+            self.assertEqual(self.monitor.problem(True, "connected"),
+                             "stream caches: writer master has 5 committed facts not received "
+                             "for 15s")
+            self.assertEqual(REGISTRY.get_sample_value(
+                "replicator_unreceived_age_seconds", {"stream": "caches", "writer": "master"}),
+                15)
+            # Told at last: the reader catches up from the table, healthy at once.
+            link.dataReceived(b"POSITION caches master 5 5\n")
+            await until(self.worker.handler.idle)
+            self.assertEqual([f[2] for f in self.consumer.facts], [1, 2, 3, 4, 5])
+            self.assertIsNone(self.monitor.problem(True, "connected"))
+            await self.monitor.check_unreceived()
+            self.assertEqual(unreceived_metric("caches", "master"), 0)
+            self.assertIsNone(self.monitor.problem(True, "connected"))
+            # Its other streams' writers are checked the same way.
+            await self.write(1, "events")
+            await self.monitor.check_unreceived()
+            self.clock.advance(10)
+            self.assertEqual(self.monitor.problem(True, "connected"),
+                             "stream events: writer master has 1 committed fact not received "
+                             "for 10s")
+        return defer.ensureDeferred(go())
+
+    def test_facts_received_within_the_grace_are_never_a_problem(self):
+        async def go():
+            await self.setup()
+            link = self.worker.upstream(b"POSITION caches master 0 0\n"
+                                        b"POSITION events master 0 0\n"
+                                        b"POSITION events worker2 0 0\n")
+            # Every check sees facts not yet received, each arriving within
+            # the grace: steady load, never unhealthy.
+            for round_ in range(6):
+                tokens = await self.write(2)
+                await self.monitor.check_unreceived()
+                self.clock.advance(6)
+                self.assertIsNone(self.monitor.problem(True, "connected"), round_)
+                link.dataReceived(b"POSITION caches master %d %d\n" % (tokens[-1], tokens[-1]))
+                await until(self.worker.handler.idle)
+                self.clock.advance(6)
+                self.assertIsNone(self.monitor.problem(True, "connected"), round_)
+            self.assertEqual(len(self.consumer.facts), 12)
+        return defer.ensureDeferred(go())
+
+    def test_a_writer_never_heard_of_is_a_problem_after_the_grace(self):
+        async def go():
+            await self.setup()
+            self.monitor.startService()
+            self.addCleanup(self.monitor.stopService)
+            link = self.worker.upstream(b"POSITION caches master 0 0\n"
+                                        b"POSITION events master 0 0\n")
+            await until(self.worker.handler.idle)
+            self.clock.advance(9.5)
+            self.assertIsNone(self.monitor.problem(True, "connected"))
+            self.clock.advance(0.5)
+            self.assertEqual(self.monitor.problem(True, "connected"),
+                             "stream events: writer worker2 never announced anything in 10s")
+            # A link that is down is named first.
+            self.assertEqual(self.monitor.problem(False, "connecting"),
+                             "replication not connected: connecting")
+            link.dataReceived(b"POSITION events worker2 0 0\n")
+            self.assertIsNone(self.monitor.problem(True, "connected"))
+        return defer.ensureDeferred(go())
+
+    def test_a_master_reports_unreceived_facts_but_not_silent_workers(self):
+        async def go():
+            await self.setup()
+            monitor = HealthMonitor(registry=self.master.registry, handler=self.master.handler,
+                                    db=self.master.db, clock=self.clock, lag_grace=10.0)
+            self.clock.advance(60)
+            await monitor.check_unreceived()
+            self.assertIsNone(monitor.problem(False, "no worker connected"))
+            # worker2 connected once, then its link went silent while it wrote.
+            self.master.upstream(b"POSITION events worker2 0 0\n")
+            await until(self.master.handler.idle)
+            worker2 = await Side(self, self.master.dsn, "worker2").start()
+            await worker2.registry.get("events").write_fact([["w2"]])
+            await monitor.check_unreceived()
+            self.clock.advance(10)
+            self.assertEqual(monitor.problem(False, "no worker connected"),
+                             "stream events: writer worker2 has 1 committed fact not received "
+                             "for 10s")
+        return defer.ensureDeferred(go())
+
+
+# ------------------------------------------------------------ whole instances
+class _Side(protocol.Protocol):
+    """One end of a proxied connection."""
+
+    def __init__(self, proxy):
+        self.proxy = proxy
+        self.peer = None
+        self.held = []
+
+    def dataReceived(self, data):
+        if self.proxy.paused or self.peer is None or self.peer.transport is None:
+            self.held.append(data)
+        else:
+            self.peer.transport.write(data)
+
+    def flush(self):
+        if self.held and self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.write(b"".join(self.held))
+            self.held = []
+
+    def connectionLost(self, reason=None):
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.loseConnection()
+
+
+class Proxy(protocol.Factory):
+    """A loopback TCP proxy that can stop relaying with every socket left
+    open (what a silently dead link looks like) and start again."""
+
+    def __init__(self, port: int):
+        self.target = port
+        self.paused = False
+        self.sides = []
+
+    def buildProtocol(self, addr):
+        inbound = _Side(self)
+        self.sides.append(inbound)
+
+        def connected(outbound):
+            inbound.peer, outbound.peer = outbound, inbound
+            self.sides.append(outbound)
+            if not self.paused:
+                inbound.flush()
+            return outbound
+
+        def failed(f):
+            if inbound.transport is not None:
+                inbound.transport.loseConnection()
+
+        endpoints.connectProtocol(
+            endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", self.target), _Side(self)
+        ).addCallbacks(connected, failed)
+        return inbound
+
+    async def listen(self, test) -> int:
+        port = await endpoints.TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(self)
+        test.addCleanup(port.stopListening)
+        test.addCleanup(self.close)
+        return port.getHost().port
+
+    def pause(self):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
+        for side in list(self.sides):
+            side.flush()
+
+    def close(self):
+        for side in self.sides:
+            if side.transport is not None:
+                side.transport.abortConnection()
+
+
+class HealthEndToEndTests(TestCase):
+    timeout = 180
+
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database()
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        self.agent = Agent(reactor, pool=pool)
+        self.addCleanup(pool.closeCachedConnections)
+
+    async def instance(self, name, replication, streams=STREAM_DEFS, http=False,
+                       server_name="hs.test"):
+        doc = {
+            "server_name": server_name, "instance_name": name,
+            "database": {"postgres": self.dsn, "pool_max": 3},
+            "streams": streams, "replication": replication,
+            "health": {"lag_grace": 1, "check_interval": 0.1},
+        }
+        if http:
+            doc["http"] = {"listen": "tcp:0:interface=127.0.0.1", "secret": SECRET}
+        instance = Instance(parse_instance(doc), reactor)
+        self.addCleanup(lambda: defer.ensureDeferred(instance.stop()))
+        await instance.start()
+        return instance
+
+    async def health(self, instance):
+        url = f"http://127.0.0.1:{instance.port_of('HTTP')}/health".encode()
+        response = await self.agent.request(b"GET", url)
+        return response.code, orjson.loads(await readBody(response))
+
+    async def until_health(self, instance, predicate, timeout=60.0):
+        """Poll /health until ``predicate(code, answer)``; the last answer."""
+        seen = []
+
+        async def check():
+            seen.append(await self.health(instance))
+            return predicate(*seen[-1])
+
+        waited = 0.0
+        while not await check():
+            if waited > timeout:
+                raise AssertionError(f"/health never matched; last {seen[-1]}")
+            await task.deferLater(reactor, 0.1, lambda: None)
+            waited += 0.1
+        return seen[-1]
+
+    def test_tcp_reader_with_a_silent_upstream_link(self):
+        """The worker's link to the master stops carrying bytes, never
+        closing (long ping timeout): the master's committed facts are named
+        after the grace, and the worker is healthy again once they arrive."""
+        async def go():
+            master = await self.instance(
+                "master", {"listen": "tcp:0:interface=127.0.0.1", "ping_timeout": 600},
+                streams=[dict(d, writers=["master"]) for d in STREAM_DEFS])
+            proxy = Proxy(master.port_of("replication"))
+            proxy_port = await proxy.listen(self)
+            worker = await self.instance(
+                "worker1", {"upstream": f"tcp:host=127.0.0.1:port={proxy_port}",
+                            "ping_interval": 1, "ping_timeout": 600},
+                streams=[dict(d, writers=["master"]) for d in STREAM_DEFS], http=True)
+            await self.until_health(worker, lambda code, _: code == 200)
+            caches = master.registry.get("caches")
+            for i in range(3):
+                await caches.write_fact([[f"before{i}", i]])
+            await until(lambda: worker.handler.reader_positions()[("caches", "master")] == 3)
+            proxy.pause()
+            for i in range(20):
+                await caches.write_fact([[f"unseen{i}", i]])
+            code, answer = await self.until_health(worker, lambda code, _: code == 503)
+            self.assertEqual(answer["status"], "unhealthy")
+            self.assertRegex(answer["reason"], r"^stream caches: writer master has 20 committed "
+                                               r"facts not received for \d+s$")
+            self.assertTrue(worker.redis is None and worker.replication_status()[0])
+            self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 3)
+            proxy.resume()
+            await self.until_health(worker, lambda code, _: code == 200)
+            self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 23)
+        return defer.ensureDeferred(go())
+
+    def test_redis_writer_with_a_silent_link_and_a_writer_never_started(self):
+        """On Redis the master's own link stops carrying bytes while it keeps
+        writing: its reader names it; worker2 (configured, never started)
+        is named once the master is fine again, and then not any more."""
+        async def go():
+            redis = RedisServer.shared()
+            server_name = f"hs-{uuid.uuid4().hex[:8]}"
+            proxy = Proxy(redis.port)
+            proxy_port = await proxy.listen(self)
+            master = await self.instance(
+                "master", {"redis": {"endpoint": f"tcp:host=127.0.0.1:port={proxy_port}"}},
+                server_name=server_name)
+            worker = await self.instance(
+                "worker1", {"redis": {"endpoint": redis.endpoint}}, http=True,
+                server_name=server_name)
+            await until(lambda: master.redis.connected and worker.redis.connected,
+                        timeout=30)
+            events = master.registry.get("events")
+            await events.write_fact([["seen"]])
+            await until(lambda: worker.handler.reader_positions()[("events", "master")] == 1,
+                        timeout=30)
+            proxy.pause()
+            for i in range(30):
+                await events.write_fact([[f"unseen{i}"]])
+            code, answer = await self.until_health(
+                worker, lambda code, answer: "writer master" in answer.get("reason", ""))
+            self.assertEqual(code, 503)
+            self.assertRegex(answer["reason"], r"^stream events: writer master has 30 "
+                                               r"committed facts not received for \d+s$")
+            proxy.resume()
+            code, answer = await self.until_health(
+                worker, lambda code, answer: "writer master" not in answer.get("reason", ""))
+            self.assertEqual(worker.handler.reader_positions()[("events", "master")], 31)
+            self.assertEqual((code, answer), (503, {
+                "status": "unhealthy", "reason": answer["reason"]}))
+            self.assertTrue(re.fullmatch(r"stream events: writer worker2 never announced "
+                                         r"anything in \d+s", answer["reason"]), answer)
+            worker2 = await self.instance(
+                "worker2", {"redis": {"endpoint": redis.endpoint}}, server_name=server_name)
+            await self.until_health(worker, lambda code, _: code == 200)
+            self.assertTrue(worker2.redis.connected)
+        return defer.ensureDeferred(go())

@@ -1,0 +1,262 @@
+"""The reader pipeline of one (stream, writer), without a database.
+
+A hypothesis state machine plays a writer (its table, the lines it sends,
+links that drop) against one :class:`Reader` whose catch-up source reads
+the model's table, and checks what reaches the consumer: every fact exactly
+once, in token order, whole; gaps caught up; nothing at or below the
+position delivered again.
+"""
+
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine, invariant, precondition, rule,
+)
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from replicator.replication.commands import encode_position_line, encode_rdata_lines, parse_line
+from replicator.replication.reader import Reader
+
+STREAM, WRITER = "s", "w"
+RETRY = 1.0
+
+
+class ReadFailed(Exception):
+    pass
+
+
+def updates_since(table, from_token, to_token, limit):
+    """What ``Stream.updates_since`` answers: rows of ``(from, to]`` in token
+    order, at most ``limit`` rows unless one fact alone has more, facts whole."""
+    updates = []
+    upto = to_token
+    limited = False
+    for token in sorted(t for t in table if from_token < t <= to_token):
+        rows = table[token]
+        if updates and len(updates) + len(rows) > limit:
+            upto, limited = updates[-1][0], True
+            break
+        updates.extend((token, list(row)) for row in rows)
+    return updates, upto, limited
+
+
+class Conn:
+    """A connection as the reader sees it: only its identity matters."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __repr__(self):
+        return f"<conn {self.n}>"
+
+
+class ReaderMachine(RuleBasedStateMachine):
+    """The writer's side is a model: ``table`` (token -> rows, committed),
+    ``announced`` (what its fan-out has sent), and ``pipe``, the lines on
+    their way to the reader as chunks written in one call each
+    ``(lines, announced_after)``.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.clock = Clock()
+        self.table = {}
+        self.last_id = 0  # the sequence
+        self.announced = 0
+        # [(line, announced_before, announced_after, starts, ends)]; a link
+        # starts with the writer's position (the answer to REPLICATE).
+        self.pipe = [(encode_position_line(STREAM, WRITER, 0, 0), 0, 0, True, True)]
+        self.conns = 0
+        self.conn = self.new_conn()
+        self.delivered = []  # (token, rows) as the consumer got them
+        self.fail_reads = 0
+        self.async_reads = False
+        self.pending_reads = []  # (deferred, args)
+        self.reader = self.make_reader(0)
+
+    # ----------------------------------------------------------- plumbing
+    def new_conn(self):
+        self.conns += 1
+        return Conn(self.conns)
+
+    def make_reader(self, position):
+        return Reader(STREAM, WRITER, position, source=self.source, deliver=self.deliver,
+                      clock=self.clock, fetch_limit=3, retry_delay=RETRY)
+
+    def source(self, writer, from_token, to_token, limit):
+        assert writer == WRITER
+        if self.fail_reads:
+            self.fail_reads -= 1
+            return defer.fail(ReadFailed("database went away"))
+        if self.async_reads:
+            d = defer.Deferred()
+            self.pending_reads.append((d, (from_token, to_token, limit)))
+            return d
+        return defer.succeed(updates_since(self.table, from_token, to_token, limit))
+
+    def deliver(self, token, rows):
+        self.delivered.append((token, rows))
+
+    def queue_chunk(self, lines, before):
+        """Lines written in one call; ``before``: announced before them."""
+        for i, line in enumerate(lines):
+            self.pipe.append((line, before, self.announced, i == 0, i == len(lines) - 1))
+
+    def send_line(self, line):
+        cmd = parse_line(line.decode().rstrip("\n"))
+        if cmd.NAME == "RDATA":
+            self.reader.rdata(self.conn, cmd.token, cmd.row)
+        else:
+            self.reader.position_line(self.conn, cmd.prev_token, cmd.new_token)
+
+    # ------------------------------------------------------------ writer
+    @rule(rows=st.integers(1, 5), skipped=st.integers(0, 2))
+    def write_fact(self, rows, skipped):
+        """A fact committed and fanned out: its RDATA lines in one chunk.
+        ``skipped`` IDs went to other writers (no rows of this writer)."""
+        self.last_id += skipped + 1
+        token = self.last_id
+        fact = [[f"r{token}.{i}", token] for i in range(rows)]
+        self.table[token] = fact
+        prev = self.announced
+        self.announced = token
+        self.queue_chunk(list(encode_rdata_lines(STREAM, WRITER, [(token, r) for r in fact])),
+                         prev)
+
+    @rule(empty=st.integers(1, 3))
+    def empty_advance(self, empty):
+        """Rolled-back or other writers' IDs: a POSITION with a gap."""
+        prev = self.announced
+        self.last_id += empty
+        self.announced = self.last_id
+        self.queue_chunk([encode_position_line(STREAM, WRITER, prev, self.announced)], prev)
+
+    @precondition(lambda self: self.pipe)
+    @rule(n=st.integers(1, 8))
+    def transmit(self, n):
+        for _ in range(min(n, len(self.pipe))):
+            line = self.pipe.pop(0)[0]
+            self.send_line(line)
+
+    @rule(lost=st.integers(0, 8))
+    def writer_link_drops(self, lost):
+        """Redis: the writer's link dropped (the reader's did not); lines it
+        had not published yet are lost, even in the middle of a fact. Back,
+        it announces its position on the same channel."""
+        keep = max(0, len(self.pipe) - lost)
+        del self.pipe[keep:]
+        self.queue_chunk([encode_position_line(STREAM, WRITER, self.announced, self.announced)],
+                         self.announced)
+
+    @rule(data=st.data())
+    def reader_reconnects(self, data):
+        """The reader's link dropped: what was on the way is lost, mid-fact
+        or not; on the new link lines published meanwhile (whole chunks) may
+        arrive before the answer to REPLICATE, the writer's position then."""
+        self.reader.connection_lost(self.conn)
+        self.conn = self.new_conn()
+        boundaries = [i + 1 for i, entry in enumerate(self.pipe) if entry[4]]
+        if not self.pipe or self.pipe[0][3]:
+            boundaries.insert(0, 0)
+        if not boundaries:  # the head of the pipe is the tail of a chunk: lost
+            boundaries = [len(self.pipe)]
+        start = data.draw(st.sampled_from(boundaries))
+        answer = data.draw(st.sampled_from([b for b in boundaries if b >= start]))
+        if answer:
+            announced = self.pipe[answer - 1][2]
+        elif self.pipe:
+            announced = self.pipe[0][1]
+        else:
+            announced = self.announced
+        line = encode_position_line(STREAM, WRITER, announced, announced)
+        self.pipe = self.pipe[start:answer] + [(line, announced, announced, True, True)] \
+            + self.pipe[answer:]
+
+    @rule()
+    def reader_restarts(self):
+        """The reader process restarts from its consumer's position."""
+        self.reader.stop()
+        self.reader = self.make_reader(self.reader.position)
+        self.conn = self.new_conn()
+        self.pipe = [(encode_position_line(STREAM, WRITER, self.announced, self.announced),
+                      self.announced, self.announced, True, True)]
+
+    # ------------------------------------------------------ catch-up reads
+    @rule(n=st.integers(1, 3))
+    def reads_fail(self, n):
+        self.fail_reads = n
+
+    @rule(on=st.booleans())
+    def reads_take_time(self, on):
+        self.async_reads = on
+
+    @precondition(lambda self: self.pending_reads)
+    @rule(ok=st.booleans())
+    def read_returns(self, ok):
+        d, (since, until, limit) = self.pending_reads.pop(0)
+        if ok:
+            d.callback(updates_since(self.table, since, until, limit))
+        else:
+            d.errback(ReadFailed("connection lost during the read"))
+
+    @rule()
+    def time_passes(self):
+        self.clock.advance(RETRY)
+
+    # ------------------------------------------------------------ checks
+    @invariant()
+    def exactly_once_in_order_whole(self):
+        tokens = [t for t, _ in self.delivered]
+        assert tokens == sorted(set(tokens)), tokens
+        for token, rows in self.delivered:
+            assert rows == self.table[token], (token, rows, self.table[token])
+        if self.reader.position is not None and tokens:
+            assert tokens[-1] <= self.reader.position
+
+    @rule()
+    def settle(self):
+        """Links heal and reads work: the reader gets to the writer's
+        position with every fact of the table, once each."""
+        self.fail_reads = 0
+        self.async_reads = False
+        while self.pipe or self.pending_reads or not self.reader.idle():
+            self.transmit(len(self.pipe))
+            for d, (since, until, limit) in self.pending_reads:
+                d.callback(updates_since(self.table, since, until, limit))
+            self.pending_reads = []
+            self.clock.advance(RETRY)
+        self.exactly_once_in_order_whole()
+        assert self.reader.position == self.announced, (self.reader.position, self.announced)
+        assert [t for t, _ in self.delivered] == sorted(self.table), (
+            [t for t, _ in self.delivered], sorted(self.table))
+
+    def teardown(self):
+        self.settle()
+
+
+class ReaderStateTests(SynchronousTestCase):
+    def test_reader_against_model(self):
+        machine = settings(max_examples=300, stateful_step_count=50, deadline=None)(
+            ReaderMachine)
+        try:
+            machine.TestCase().runTest()
+        finally:
+            self.flushLoggedErrors(ReadFailed)
+
+
+class PartialBatchTests(SynchronousTestCase):
+    """Defect 1, the case seen on Redis, step by step."""
+
+    def test_writer_position_ends_its_partial_batch(self):
+        table = {1: [["a", 1], ["b", 1]], 2: [["c", 2]]}
+        delivered = []
+        reader = Reader(STREAM, WRITER, 0, clock=Clock(), fetch_limit=10,
+                        source=lambda w, f, t, n: defer.succeed(updates_since(table, f, t, n)),
+                        deliver=lambda token, rows: delivered.append((token, rows)))
+        conn = Conn(1)
+        reader.position_line(conn, 0, 0)
+        reader.rdata(conn, None, ["a", 1])  # "RDATA s w batch a"; then the writer's link drops
+        reader.position_line(conn, 1, 1)    # back, it re-announces its position
+        reader.rdata(conn, 2, ["c", 2])
+        self.assertEqual(delivered, [(1, [["a", 1], ["b", 1]]), (2, [["c", 2]])])
