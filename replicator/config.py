@@ -446,6 +446,12 @@ class HttpConfig:
     secret: Optional[str] = field(default=None, repr=False)
     metrics_listen: Optional[str] = None  # host:port served from its own thread
     secret_file: Optional[str] = None  # where the secret was read from, if from a file
+    # A request's headers must arrive within header_timeout seconds of its
+    # first byte (or of the connection opening), its body within
+    # body_timeout of its headers; at most max_connections at once.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 256
 
 
 @dataclass(frozen=True)
@@ -662,7 +668,8 @@ HOST_PORT = re.compile(r"(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})")
 
 def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig:
     section = _mapping(value if value is not None else {}, key)
-    _no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen"), key)
+    _no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
+                          "body_timeout", "max_connections"), key)
     if "secret" in section and "secret_file" in section:
         raise ConfigError(key, "give either secret or secret_file, not both")
     secret = _str(section, "secret", key, None)
@@ -684,8 +691,13 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
         m = HOST_PORT.fullmatch(metrics_listen)
         if not m or not 0 < int(m.group("port")) < 65536:
             raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
-    return HttpConfig(listen=listen, secret=secret, metrics_listen=metrics_listen,
-                      secret_file=secret_file)
+    return HttpConfig(
+        listen=listen, secret=secret, metrics_listen=metrics_listen, secret_file=secret_file,
+        header_timeout=_number(section, "header_timeout", key, 10.0, minimum=0.1, maximum=3600),
+        body_timeout=_number(section, "body_timeout", key, 30.0, minimum=0.1, maximum=3600),
+        max_connections=_int(section, "max_connections", key, 256, minimum=1,
+                             maximum=100_000),
+    )
 
 
 def parse_health(value: Any, key: str = "health") -> HealthConfig:

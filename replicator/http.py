@@ -74,7 +74,7 @@ from twisted.web.resource import Resource
 
 from . import pages
 from .config import InstanceConfig
-from .metrics import FEDERATION_ACK_POSITION, USER_SYNCS
+from .http_channel import Busy, Channel
 from .replication.commands import encode_json
 from .streams.rows import RowError, check_rows
 
@@ -286,13 +286,30 @@ class _Request(server.Request):
 
 
 class _Site(server.Site):
+    """The API's site: its channels have deadlines and JSON refusals
+    (:mod:`replicator.http_channel`), and at most ``max_connections`` are
+    open at once."""
+
     requestFactory = _Request
+    protocol = Channel
     noisy = False
 
     def __init__(self, root, api: "HttpApi", max_body_size: int, timeout: float):
         super().__init__(root, timeout=timeout)
         self.api = api
         self.max_body_size = max_body_size
+
+    def buildProtocol(self, addr):
+        api = self.api
+        if api.open_connections >= api.max_connections:
+            busy = Busy(api, api.max_connections, self.reactor)
+            busy.factory = self
+            return busy
+        channel = super().buildProtocol(addr)
+        channel.header_timeout = api.header_timeout
+        channel.body_timeout = api.body_timeout
+        channel.api = api
+        return channel
 
     def log(self, request):
         self.api.log_access(request)
@@ -339,6 +356,11 @@ class HttpApi:
         self.max_body_size = max_body_size
         self.db_timeout = db_timeout
         self.idle_timeout = idle_timeout
+        self.header_timeout = config.http.header_timeout
+        self.body_timeout = config.http.body_timeout
+        self.max_connections = config.http.max_connections
+        #: HTTP connections open now (counted by the channels).
+        self.open_connections = 0
         self.is_worker = bool(config.replication.upstream or config.replication.redis)
         secret = config.http.secret
         self._secret: Optional[bytes] = secret.encode("utf-8") if secret else None
@@ -369,24 +391,13 @@ class HttpApi:
         return _Site(self._root, self, self.max_body_size, self.idle_timeout)
 
     def refresh_metrics(self) -> None:
-        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler.
-
-        Works on snapshots, so it may also run in a scrape thread (it is
-        registered with ``metrics.add_refresher``)."""
-        syncs = {instance: len(users)
-                 for instance, users in list(self.handler.user_syncs.items())}
-        acks = dict(self.handler.federation_acks)
-        for gauge, values in ((USER_SYNCS, syncs), (FEDERATION_ACK_POSITION, acks)):
-            for metric in gauge.collect():
-                for sample in metric.samples:
-                    instance = sample.labels.get("instance")
-                    if instance is not None and instance not in values:
-                        try:
-                            gauge.remove(instance)
-                        except KeyError:
-                            pass
-            for instance, value in values.items():
-                gauge.labels(instance).set(value)
+        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler's
+        bookkeeping (labelled only by configured names; from snapshots, so
+        it may also run in a scrape thread: it is registered with
+        ``metrics.add_refresher``)."""
+        refresh = getattr(self.handler, "refresh_metrics", None)
+        if refresh is not None:
+            refresh()
 
     # ---------------------------------------------------------- rendering
     def _routes(self, path: bytes) -> Tuple[Dict[bytes, Route], tuple]:
@@ -527,6 +538,21 @@ class HttpApi:
             length=length if length is not None else getattr(request, "sentLength", 0),
             duration_ms=ms, note=f" ({note})" if note else "",
         )
+
+    def log_refusal(self, transport, code: int, length: int, message: str,
+                    method: Optional[bytes], path: Optional[bytes]) -> None:
+        """The access line of a request refused by the channel (malformed,
+        too slow, over the connection cap)."""
+        try:
+            client = getattr(transport.getPeer(), "host", None) or "-"
+        except Exception:
+            client = "-"
+        method_text = self._redact(method.decode("ascii", "backslashreplace"))[:20] \
+            if isinstance(method, bytes) else "-"
+        path_text = self._clean_path(path.split(b"?")[0]) if isinstance(path, bytes) else "-"
+        access_log.info('{client} "{method} {path}" {code} {length} 0.0ms ({note})',
+                        client=client, method=method_text, path=path_text, code=code,
+                        length=length, duration_ms=0.0, note=message)
 
     def _authorize(self, request) -> None:
         challenge = {b"www-authenticate": b'Bearer realm="replicator"'}
