@@ -1,6 +1,6 @@
 """Tests for replicator.backoff: the one reconnect policy."""
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -25,6 +25,7 @@ class BackoffTests(SynchronousTestCase):
         b = Backoff(1, 8, jitter=0.25, rng=lambda: 1.0)
         self.assertEqual([b() for _ in range(5)], [0.75, 1.5, 3, 6, 6])
 
+    @settings(deadline=None)
     @given(st.lists(st.floats(min_value=0, max_value=1), min_size=1, max_size=80))
     def test_every_delay_is_longer_until_the_cap(self, randoms):
         it = iter(randoms)

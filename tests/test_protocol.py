@@ -913,7 +913,7 @@ class FramingPropertyTests(SynchronousTestCase):
         b"CANCEL_TASK t1",
     ]
 
-    @settings(max_examples=300)
+    @settings(max_examples=300, deadline=None)
     @given(
         st.lists(st.sampled_from(LINES), min_size=1, max_size=40),
         st.lists(st.integers(min_value=0, max_value=2000), max_size=30),
