@@ -127,6 +127,12 @@ class ConfigErrorTests(SynchronousTestCase):
          "got 1000000000"),
         ({"replication": {"reconnect_initial_delay": 5, "reconnect_max_delay": 1}},
          "config: replication.reconnect_max_delay: must be at least reconnect_initial_delay (5s)"),
+        ({"replication": {"allowed_networks": ["10.0.0.1/8"]}},
+         "config: replication.allowed_networks[0]: 10.0.0.1/8 has host bits set"),
+        ({"replication": {"allowed_peers": ["worker 1"]}},
+         "config: replication.allowed_peers[0]: 'worker 1' is not an instance name"),
+        ({"replication": {"max_user_ips": 1e30}},
+         "config: replication.max_user_ips: expected an integer, got float"),
     ]
 
     def test_each_mistake_is_one_line_and_exit_2(self):
