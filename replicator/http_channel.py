@@ -76,6 +76,7 @@ class Channel(HTTPChannel):
     api = None  # the HttpApi: counts connections, logs refusals
 
     _why: Optional[Tuple[int, str]] = None
+    _tail = b""
     _deadline = None
     _closer = None
     refused = False
@@ -99,9 +100,29 @@ class Channel(HTTPChannel):
     def dataReceived(self, data):
         if self.refused:
             return  # drained
-        if self._deadline is None and not self._handlingRequest and self.line_mode:
-            self._start_deadline("headers", self.header_timeout)
+        if not self._handlingRequest and self.line_mode:
+            if self._deadline is None:
+                self._start_deadline("headers", self.header_timeout)
+            if self._bare_lf(data):
+                # twisted.web splits lines on CRLF only: a request with bare
+                # LFs would wait for its deadline.
+                self._refuse(400, "header lines must end with CRLF")
+                return
         super().dataReceived(data)
+
+    def _bare_lf(self, data: bytes) -> bool:
+        """Whether the header part of ``data`` (with the last bytes seen
+        before it) has an LF not preceded by CR."""
+        text = self._tail + data
+        end = text.find(b"\r\n\r\n")
+        head = text if end < 0 else text[:end]
+        self._tail = b"" if end >= 0 else text[-3:]
+        i = head.find(b"\n")
+        while i >= 0:
+            if i == 0 or head[i - 1] != 0x0D:
+                return True
+            i = head.find(b"\n", i + 1)
+        return False
 
     def lineReceived(self, line):
         if self.refused:

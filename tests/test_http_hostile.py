@@ -364,6 +364,9 @@ class MalformedRequestTests(HttpTestCase):
         (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Name: v\r\n\r\n", 400,
          "invalid header name"),
         (b"GARBAGE\r\n\r\n", 400, "malformed request line"),
+        (b"GET /health HTTP/1.1\n\n", 400, "header lines must end with CRLF"),
+        (b"GET /health HTTP/1.1\r\nHost: x\nX-A: b\r\n\r\n", 400,
+         "header lines must end with CRLF"),
         (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: v\r\n" * 501 + b"\r\n", 431,
          "more than 500 header lines"),
         (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: " + b"v" * 8000 + b"\r\n"
@@ -381,9 +384,24 @@ class MalformedRequestTests(HttpTestCase):
                 client = await ClientConnection.open(self, RawClient(request))
                 received = await client.closed
                 self.assertEqual(parse_answer(self, received, code), {"error": error}, error)
+            # Twisted answers "*" itself (405, no body); here it is a path
+            # like any other.
+            client = await ClientConnection.open(self, RawClient(
+                b"GET * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+            head, _, body = (await client.closed).partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 404 "), head)
+            self.assertEqual(orjson.loads(body), {"error": "no such endpoint"})
+            # A body may hold bare LFs.
+            body = b'{"rows":\n[]}'
+            client = await ClientConnection.open(self, RawClient(
+                b"POST /_replicator/v1/streams/caches/facts HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + SECRET.encode() + b"\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body))
+            head, _, body = (await client.closed).partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 200 "), head)
             # The server goes on.
             response, _ = await self.json("GET", "/health")
             self.assertEqual(response.code, 200)
             refusals = [line for line in self.access_lines() if '" 4' in line]
-            self.assertEqual(len(refusals), len(self.CASES))
+            self.assertEqual(len(refusals), len(self.CASES) + 1)
         return defer.ensureDeferred(go())
