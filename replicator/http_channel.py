@@ -113,11 +113,13 @@ class Channel(HTTPChannel):
     def _bare_lf(self, data: bytes) -> bool:
         """Whether the header part of ``data`` (with the last bytes seen
         before it) has an LF not preceded by CR."""
-        text = self._tail + data
+        tail = self._tail
+        text = tail + data
         end = text.find(b"\r\n\r\n")
         head = text if end < 0 else text[:end]
         self._tail = b"" if end >= 0 else text[-3:]
-        i = head.find(b"\n")
+        # Only the LFs of the new data: the tail's were checked before.
+        i = head.find(b"\n", len(tail))
         while i >= 0:
             if i == 0 or head[i - 1] != 0x0D:
                 return True

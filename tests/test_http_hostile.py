@@ -7,7 +7,9 @@ import threading
 import orjson
 from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import SynchronousTestCase
 
+from replicator.http_channel import Channel
 from replicator.replication.protocol import ServerReplicationProtocol
 from tests.servers import PostgresServer
 from tests.support import until
@@ -405,3 +407,21 @@ class MalformedRequestTests(HttpTestCase):
             refusals = [line for line in self.access_lines() if '" 4' in line]
             self.assertEqual(len(refusals), len(self.CASES) + 1)
         return defer.ensureDeferred(go())
+
+
+class BareLineFeedTests(SynchronousTestCase):
+    """The bare-LF check sees a request the same however it is split."""
+
+    def feed(self, request: bytes, cuts) -> bool:
+        channel = Channel()
+        bounds = [0, *cuts, len(request)]
+        return any([channel._bare_lf(request[a:b]) for a, b in zip(bounds, bounds[1:])])
+
+    def test_every_split(self):
+        good = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n{\n}"
+        bad = b"GET / HTTP/1.1\r\nA: b\nC: d\r\n\r\n"
+        for request, expected in ((good, False), (bad, True)):
+            for i in range(1, len(request)):
+                for j in range(i, len(request), 3):
+                    self.assertEqual(self.feed(request, [i, j]), expected, (request, i, j))
+            self.assertEqual(self.feed(request, list(range(1, len(request)))), expected)
