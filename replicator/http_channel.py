@@ -76,7 +76,7 @@ class Channel(HTTPChannel):
     api = None  # the HttpApi: counts connections, logs refusals
 
     _why: Optional[Tuple[int, str]] = None
-    _tail = b""
+    _tail: Optional[bytes] = b""  # None: this request's headers are complete
     _deadline = None
     _closer = None
     refused = False
@@ -112,12 +112,16 @@ class Channel(HTTPChannel):
 
     def _bare_lf(self, data: bytes) -> bool:
         """Whether the header part of ``data`` (with the last bytes seen
-        before it) has an LF not preceded by CR."""
+        before it) has an LF not preceded by CR.  Once the end of the
+        headers is seen, nothing more is checked until the request is
+        complete (a body may hold anything)."""
         tail = self._tail
+        if tail is None:
+            return False
         text = tail + data
         end = text.find(b"\r\n\r\n")
         head = text if end < 0 else text[:end]
-        self._tail = b"" if end >= 0 else text[-3:]
+        self._tail = None if end >= 0 else text[-3:]
         # Only the LFs of the new data: the tail's were checked before.
         i = head.find(b"\n", len(tail))
         while i >= 0:
@@ -147,6 +151,7 @@ class Channel(HTTPChannel):
 
     def allContentReceived(self):
         self._cancel_deadline()
+        self._tail = b""  # the next request's headers are checked afresh
         super().allContentReceived()
 
     def rawDataReceived(self, data):
