@@ -229,15 +229,20 @@ class HandlerTests(TestCase):
 
         async def go():
             _, handler = await self.instance("master")
-            unnamed, named = gauge("unnamed"), gauge("worker7")
+            unnamed, named, other = gauge("unnamed"), gauge("worker1"), gauge("other")
             proto, _ = self.server_conn(handler)
             self.assertEqual(gauge("unnamed"), unnamed + 1)
-            proto.dataReceived(b"NAME worker7\nPING 1\n")
-            self.assertEqual((gauge("unnamed"), gauge("worker7")), (unnamed, named + 1))
+            proto.dataReceived(b"NAME worker1\nPING 1\n")
+            self.assertEqual((gauge("unnamed"), gauge("worker1")), (unnamed, named + 1))
             self.assertEqual(
-                metrics.COMMANDS_IN.labels("PING", "worker7")._value.get() >= 1, True)
+                metrics.COMMANDS_IN.labels("PING", "worker1")._value.get() >= 1, True)
+            # A name the configuration does not know is "other".
+            stranger, _ = self.server_conn(handler, "worker7")
+            self.assertEqual(gauge("other"), other + 1)
             proto.connectionLost(None)
-            self.assertEqual((gauge("unnamed"), gauge("worker7")), (unnamed, named))
+            stranger.connectionLost(None)
+            self.assertEqual((gauge("unnamed"), gauge("worker1"), gauge("other")),
+                             (unnamed, named, other))
         return defer.ensureDeferred(go())
 
     def test_facts_written_behind_our_back_are_delivered_and_reported(self):

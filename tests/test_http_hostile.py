@@ -126,9 +126,13 @@ class BigAnswerTests(HttpTestCase):
             lines.append(b'USER_IP @u%05d:hs ["tok", "10.0.%d.%d", "UA", "D%d", %d]\n'
                          % (i, i // 256, i % 256, i % 2, 1000 + i))
             lines.append(b"USER_SYNC worker1 @u%05d:hs D start %d\n" % (i, 1000 + i))
-            if i < 50:
-                lines.append(b"FEDERATION_ACK fed%03d %d\n" % (i, i))
         proto.dataReceived(b"".join(lines))
+        # Each instance acks on its own connection (no one acks for another).
+        for i in range(min(users, 50)):
+            fed = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+            fed.makeConnection(StringTransport())
+            self.addCleanup(fed.connectionLost, None)
+            fed.dataReceived(b"NAME fed%03d\nFEDERATION_ACK fed%03d %d\n" % (i, i, i))
         return proto
 
     def test_user_ips_pages_visit_every_entry_once_in_order(self):

@@ -176,7 +176,7 @@ class Stream:
         if self.db.is_postgres:
             current = schema.sequence_value(txn, c.sequence)
             if current < top:
-                txn.execute("SELECT setval(%s, %s)", (c.sequence, top))
+                self._move_sequence(txn, current, top)
                 log.warn(
                     "stream {stream}: sequence {seq} was at {current}, behind the "
                     "table's {top}; moved it to {top}",
@@ -305,15 +305,22 @@ class Stream:
         current = schema.sequence_value(txn, self.config.sequence)
         if current >= floor:
             return
+        self._move_sequence(txn, current, floor)
+        metrics.SEQUENCE_MOVED.labels(self.name).inc()
+        log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
+                 "positions (up to {floor}) on a new database connection; moved it past",
+                 stream=self.name, seq=self.config.sequence, current=current, floor=floor)
+
+    def _move_sequence(self, txn, current: int, floor: int) -> None:
+        """Move the sequence from ``current`` to at least ``floor`` by taking
+        values, which never moves it backwards even if other connections
+        take values meanwhile (``setval`` could); ``setval`` only for a gap
+        above ``SEQUENCE_CATCH_UP_MAX``."""
         if floor - current <= self.SEQUENCE_CATCH_UP_MAX:
             txn.execute(f"SELECT max(nextval('{self.config.sequence}')) "
                         "FROM generate_series(1, %s)", (floor - current,))
         else:
             txn.execute("SELECT setval(%s, %s)", (self.config.sequence, floor))
-        metrics.SEQUENCE_MOVED.labels(self.name).inc()
-        log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
-                 "positions (up to {floor}) on a new database connection; moved it past",
-                 stream=self.name, seq=self.config.sequence, current=current, floor=floor)
 
     def _persist_in_transaction(self, writer: str, ids: List[int]) -> bool:
         """Persist the position with the fact unless other writes of this

@@ -10,14 +10,21 @@ from typing import List
 
 from .results import Finding
 
-# (phase, kind, signature regex, why it is excluded)
+# (phase regex, kind, signature regex, why it is excluded)
 KNOWN_OPEN = [
     ("1-lines", "position_poisoned", r".*",
      "issue 11 item 1: a peer's POSITION moves the local writers' tokens past the sequence"),
+    ("1-lines", "bad_row_delivered", r".*",
+     "issue 11 item 12: a worker delivers upstream rows that do not fit the stream"),
+    ("2-sockets-pg", "honest_reader_lost_facts", r"caches: .*",
+     "issue 11 item 1: fuzzers naming themselves worker1 claim caches positions far ahead; "
+     "the master's caches facts then never reach readers"),
+    ("2-sockets.*", "daemon_critical",
+     r"TypeError: str is not valid UTF-8: surrogates not allowed at pages.py:build_page",
+     "found by this suite: a USER_IP whose JSON holds a lone surrogate (\\ud800) makes "
+     "GET /_replicator/v1/user_ips answer 500 with a traceback (orjson refuses the str)"),
     ("3-peers", "position_poisoning", r".*",
      "issue 11 item 1: a peer's POSITION above the stream's sequence moves tokens"),
-    ("3-peers", "bookkeeping_overwritten", r".*",
-     "issue 11 item 3: any connection changes another instance's USER_SYNC/FEDERATION_ACK"),
     ("3-peers", "relay_sent_bad_line", r".*",
      "issue 11 item 4: a relayed LOCK_RELEASED is re-encoded with ASCII escapes past "
      "max_line_length"),
@@ -38,10 +45,23 @@ KNOWN_OPEN = [
 
 
 def is_known(finding: Finding) -> bool:
-    return any(finding.phase == phase and finding.kind == kind
+    return any(re.fullmatch(phase, finding.phase) and finding.kind == kind
                and re.fullmatch(pattern, finding.signature)
                for phase, kind, pattern, _ in KNOWN_OPEN)
 
 
 def unknown(findings) -> List[Finding]:
     return [f for f in findings if not is_known(f)]
+
+
+def stale(phases) -> list:
+    """Entries of phases that ran but matched no finding (fixed since?)."""
+    out = []
+    for entry in KNOWN_OPEN:
+        phase, kind, pattern, _ = entry
+        ran = [p for p in phases if re.fullmatch(phase, p.phase)]
+        if ran and not any(re.fullmatch(phase, f.phase) and f.kind == kind
+                           and re.fullmatch(pattern, f.signature)
+                           for p in ran for f in p.findings.values()):
+            out.append(entry)
+    return out

@@ -57,7 +57,9 @@ SERVER_PREFIXES = [
     [], ["NAME worker1"], ["NAME worker1", "REPLICATE"], ["NAME reader-x", "REPLICATE"],
     ["REPLICATE"], ["NAME worker1", "PING 1"],
 ]
-CLIENT_PREFIXES = [["SERVER hs.test"], ["SERVER hs.test", "PING 1"]]
+CLIENT_PREFIXES = [["SERVER hs.test"], ["SERVER hs.test", "PING 1"],
+                   # Readers of these keys on this connection: RDATA is delivered.
+                   ["SERVER hs.test", "POSITION caches master 0 0", "POSITION events master 0 0"]]
 
 
 class LogCapture:

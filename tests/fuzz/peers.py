@@ -169,6 +169,124 @@ def impersonate_writer(daemon, result) -> None:
     reader.stop()
 
 
+def _refused(peer: Peer) -> bool:
+    return bool(peer.errors()) and peer.closed
+
+
+def rename(daemon, result) -> None:
+    """A connection names itself once; the server's own name is never a peer's."""
+    for variant, lines in (("second_name", "NAME worker1\nNAME worker2\n"),
+                           ("own_name", "NAME master\nREPLICATE\n")):
+        peer = Peer(daemon.rep_port, lines)
+        peer.drain(1.0)
+        result.tried(f"rename.{variant}")
+        if not _refused(peer):
+            result.found("identity", f"{variant} not refused with ERROR + close", "rename",
+                         repr(lines), show(peer.received[-200:]))
+        peer.close()
+
+
+def allow_lists(directory, result) -> None:
+    """``allowed_peers`` and ``allowed_networks`` in a daemon of their own."""
+    d = Daemon(os.path.join(directory, "allow"), allowed_peers=["worker1"])
+    os.makedirs(d.dir)
+    try:
+        d.start()
+        for variant, lines, refused in (
+                ("anonymous_reader", "REPLICATE\n", True),
+                ("unlisted_name", "NAME evil\nREPLICATE\n", True),
+                ("listed_name", "NAME worker1\nREPLICATE\n", False)):
+            peer = Peer(d.rep_port, lines)
+            peer.drain(1.0)
+            result.tried(f"allow_lists.{variant}")
+            if _refused(peer) != refused:
+                result.found("identity", f"allowed_peers: {variant} "
+                             f"{'accepted' if refused else 'refused'}", "allow_lists",
+                             repr(lines), show(peer.received[-200:]))
+            peer.close()
+        d.stop()
+        _check_daemon(result, d, None)
+    finally:
+        d.kill()
+    d = Daemon(os.path.join(directory, "networks"), allowed_networks=["10.0.0.0/8"])
+    os.makedirs(d.dir)
+    try:
+        d.start()
+        peer = Peer(d.rep_port, "NAME worker1\nREPLICATE\n")
+        peer.drain(1.0)
+        result.tried("allow_lists.network")
+        if not _refused(peer) or b"SERVER" in peer.received:
+            result.found("identity", "allowed_networks: a peer from elsewhere got in",
+                         "allow_lists", "127.0.0.1 not in 10.0.0.0/8",
+                         show(peer.received[-200:]))
+        peer.close()
+        d.stop()
+        _check_daemon(result, d, None)
+    finally:
+        d.kill()
+
+
+def tls_identity(directory, dsn, result) -> None:
+    """With ``client_ca``, NAME is the certificate's: a worker1 certificate
+    saying NAME master, another certificate of the CA saying NAME worker1,
+    and a certificate of another CA are all refused."""
+    import ssl
+
+    from tests.test_tls import make_pki
+
+    pki_dir = os.path.join(directory, "pki")
+    os.makedirs(pki_dir)
+    pki = make_pki(pki_dir)
+    port = free_port()
+    listen = (f"ssl:{port}:interface=127.0.0.1:privateKey={pki['server.key']}"
+              f":certKey={pki['server.crt']}")
+    d = Daemon(os.path.join(directory, "tls"), dsn, client_ca=pki["ca.crt"])
+    os.makedirs(d.dir)
+    d.rep_port = port
+    d.config["replication"]["listen"] = listen
+
+    def exchange(who, lines):
+        context = ssl.create_default_context(cafile=pki["ca.crt"])
+        context.load_cert_chain(pki[f"{who}.crt"], pki[f"{who}.key"])
+        data = b""
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                with context.wrap_socket(raw, server_hostname="localhost") as s:
+                    s.sendall(lines.encode())
+                    s.settimeout(2)
+                    while True:
+                        chunk = s.recv(4096)
+                        if not chunk:
+                            break
+                        data += chunk
+        except (ssl.SSLError, OSError) as e:
+            return data, e
+        return data, None
+
+    try:
+        d.start()
+        attack = ('POSITION caches worker1 0 1\nRDATA caches worker1 1 ["forged",null,1]\n'
+                  "POSITION caches worker1 1 1\n")
+        for who, name, accepted in (("client", "master", False), ("client", "worker2", False),
+                                    ("intruder", "worker1", False),
+                                    ("stranger", "worker1", False),
+                                    ("client", "worker1", True)):
+            lines = f"NAME {name}\n" + ("REPLICATE\n" if accepted else attack)
+            data, error = exchange(who, lines)
+            result.tried(f"tls_identity.{who}_as_{name}")
+            got_in = b"POSITION caches master" in data or (
+                not accepted and error is None and not data.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+                .startswith(b"ERROR"))
+            if got_in != accepted:
+                result.found("identity", f"client_ca: {who} certificate as NAME {name} "
+                             f"{'accepted' if got_in else 'refused'}", "tls_identity",
+                             repr(lines), f"{show(data[-200:])} {error!r}")
+        d.stop()
+        _check_daemon(result, d, None)
+    finally:
+        d.kill()
+
+
 def bookkeeping(daemon, result) -> None:
     owner = Peer(daemon.rep_port, "NAME worker1\nUSER_SYNC worker1 @real:hs.test D start 1\n"
                                   "FEDERATION_ACK worker1 5\n")
@@ -304,7 +422,10 @@ def poison_worker(directory, dsn, result) -> None:
             result.found(kind, line, "poison_worker", "")
 
 
-ATTACKS = [impersonate_master, impersonate_writer, bookkeeping, relay_long_line, poison_master]
+ATTACKS = [impersonate_master, impersonate_writer, rename, bookkeeping, relay_long_line,
+           poison_master]
+#: Attacks that start daemons of their own (make fuzz only).
+EXTRA = [allow_lists, tls_identity, poison_worker]
 
 
 def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
@@ -315,7 +436,7 @@ def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
     try:
         daemon.start()
         for attack in attacks or ATTACKS:
-            if attack is not poison_worker:
+            if attack not in EXTRA:
                 attack(daemon, result)
         if not daemon.alive():
             result.found("daemon_died", f"exit {daemon.proc.returncode}", "-", "")
@@ -323,7 +444,12 @@ def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
         if code not in (0, None) or code is None:
             result.found("unclean_stop", f"exit {code}", "-", "")
         _check_daemon(result, daemon, None)
-        if attacks is None or poison_worker in attacks:
+        attacks = attacks or ATTACKS
+        if allow_lists in attacks:
+            allow_lists(directory, result)
+        if tls_identity in attacks:
+            tls_identity(directory, dsn_factory(), result)
+        if poison_worker in attacks:
             worker_dir = os.path.join(directory, "worker")
             os.makedirs(worker_dir)
             poison_worker(worker_dir, dsn_factory(), result)
