@@ -429,8 +429,8 @@ class ReplicationConfig:
     allowed_peers: Optional[Tuple[str, ...]] = None
     allowed_networks: Optional[Tuple[str, ...]] = None
     # Bounds of the USER_SYNC / USER_IP / FEDERATION_ACK bookkeeping.
-    max_user_syncs: int = 100_000
-    max_user_ips: int = 100_000
+    max_user_syncs: int = 50_000
+    max_user_ips: int = 20_000
     max_federation_acks: int = 1_000
     bookkeeping_max_age: float = 86_400.0
 
@@ -620,9 +620,9 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                                 maximum=1),
         allowed_peers=_allowed_peers(section, key),
         allowed_networks=_allowed_networks(section, key, listen),
-        max_user_syncs=_int(section, "max_user_syncs", key, 100_000, minimum=1,
+        max_user_syncs=_int(section, "max_user_syncs", key, 50_000, minimum=1,
                             maximum=10_000_000),
-        max_user_ips=_int(section, "max_user_ips", key, 100_000, minimum=1, maximum=10_000_000),
+        max_user_ips=_int(section, "max_user_ips", key, 20_000, minimum=1, maximum=10_000_000),
         max_federation_acks=_int(section, "max_federation_acks", key, 1_000, minimum=1,
                                  maximum=100_000),
         bookkeeping_max_age=_number(section, "bookkeeping_max_age", key, 86_400.0,
