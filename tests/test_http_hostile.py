@@ -2,6 +2,7 @@
 sockets: who may read what, answers built off the reactor, slow clients,
 malformed requests, absurd bodies.  Every refusal is a JSON 4xx/5xx."""
 
+import json
 import threading
 
 import orjson
@@ -429,3 +430,22 @@ class BareLineFeedTests(SynchronousTestCase):
                 for j in range(i, len(request), 3):
                     self.assertEqual(self.feed(request, [i, j]), expected, (request, i, j))
             self.assertEqual(self.feed(request, list(range(1, len(request)))), expected)
+
+
+class SurrogateTests(HttpTestCase):
+    def test_a_lone_surrogate_in_the_bookkeeping_is_still_answered(self):
+        async def go():
+            await self.start()
+            proto = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+            proto.makeConnection(StringTransport())
+            self.addCleanup(proto.connectionLost, None)
+            proto.dataReceived(b'NAME worker1\nUSER_IP @u:hs ["t", "10.0.0.1", "UA\\ud800", '
+                               b'"D", 5]\n')
+            # The answer escapes it (\ud800: JSON's grammar allows it; orjson's
+            # strict parser would not, the standard library's does).
+            response, data = await self.call("GET", "/_replicator/v1/user_ips",
+                                             headers=AUTH)
+            self.assertEqual((response.code, json.loads(data)), (200, {"user_ips": [
+                {"user_id": "@u:hs", "device_id": "D", "ip": "10.0.0.1",
+                 "user_agent": "UA\ud800", "last_seen": 5}], "next": None}))
+        return defer.ensureDeferred(go())
