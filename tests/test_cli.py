@@ -115,6 +115,12 @@ class ConfigErrorTests(SynchronousTestCase):
         ({"streams": [dict(CACHES, columns=[{"x": "float"}])]},
          "config: streams[0].columns[0].x: unknown type 'float' (one of text, bigint, "
          "boolean, json, '?' for nullable)"),
+        ({"replication": {"allowed_networks": ["10.0.0.1/8"]}},
+         "config: replication.allowed_networks[0]: 10.0.0.1/8 has host bits set"),
+        ({"replication": {"allowed_peers": ["worker 1"]}},
+         "config: replication.allowed_peers[0]: 'worker 1' is not an instance name"),
+        ({"replication": {"max_user_ips": 1e30}},
+         "config: replication.max_user_ips: expected an integer, got float"),
     ]
 
     def test_each_mistake_is_one_line_and_exit_2(self):
