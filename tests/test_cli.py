@@ -115,6 +115,18 @@ class ConfigErrorTests(SynchronousTestCase):
         ({"streams": [dict(CACHES, columns=[{"x": "float"}])]},
          "config: streams[0].columns[0].x: unknown type 'float' (one of text, bigint, "
          "boolean, json, '?' for nullable)"),
+        ({"replication": {"max_queued_bytes": 1000}},
+         "config: replication.max_queued_bytes: must be an integer from 65536 to 2147483648, "
+         "got 1000"),
+        ({"replication": {"idle_timeout": float("nan")}},
+         "config: replication.idle_timeout: must be a number from 1 to 86400, got nan"),
+        ({"replication": {"max_connections": 0}},
+         "config: replication.max_connections: must be an integer from 1 to 65536, got 0"),
+        ({"replication": {"max_connections": 10**9}},
+         "config: replication.max_connections: must be an integer from 1 to 65536, "
+         "got 1000000000"),
+        ({"replication": {"reconnect_initial_delay": 5, "reconnect_max_delay": 1}},
+         "config: replication.reconnect_max_delay: must be at least reconnect_initial_delay (5s)"),
         ({"replication": {"allowed_networks": ["10.0.0.1/8"]}},
          "config: replication.allowed_networks[0]: 10.0.0.1/8 has host bits set"),
         ({"replication": {"allowed_peers": ["worker 1"]}},
