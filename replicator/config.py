@@ -384,6 +384,8 @@ def load_yaml(path: str) -> Any:
                                   f"offset {e.start}") from None
     try:
         return yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError("file", f"{path} nests too deeply to be a config") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

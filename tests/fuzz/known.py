@@ -16,6 +16,8 @@ KNOWN_OPEN = [
      r"TypeError: str is not valid UTF-8: surrogates not allowed at pages.py:build_page",
      "found by this suite: a USER_IP whose JSON holds a lone surrogate (\\ud800) makes "
      "GET /_replicator/v1/user_ips answer 500 with a traceback (orjson refuses the str)"),
+    ("3-peers", "queue_unbounded_in_bytes", r".*",
+     "issue 11 item 7: lines queued for a reader that does not read are bounded in count only"),
     ("5-configs", "traceback", r"RecursionError: maximum recursion depth exceeded.*"
      r"|unfinished traceback in yaml/.*",
      "found by this suite: a config with a YAML value nested ~900+ deep makes the YAML "
