@@ -173,3 +173,90 @@ class SliceTests(SynchronousTestCase):
         import shutil
 
         shutil.rmtree(result["dir"], ignore_errors=True)
+
+
+class ProxyTests(SynchronousTestCase):
+    """The proxy's faults, on real loopback sockets (an echo server behind it)."""
+
+    def run_async(self, body):
+        async def main():
+            from tests.chaos.proxy import Proxy
+
+            async def echo(reader, writer):
+                try:
+                    while True:
+                        data = await reader.read(65536)
+                        if not data:
+                            break
+                        writer.write(data)
+                        await writer.drain()
+                except ConnectionError:
+                    pass
+                finally:
+                    writer.close()
+
+            server = await asyncio.start_server(echo, "127.0.0.1", 0)
+            proxy = await Proxy("p", server.sockets[0].getsockname()[1]).start()
+            try:
+                await asyncio.wait_for(body(proxy), 30)
+            finally:
+                await proxy.close()
+                server.close()
+        asyncio.run(main())
+
+    def test_pass_and_cut(self):
+        async def body(proxy):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"hello\n")
+            self.assertEqual(await reader.readline(), b"hello\n")
+            self.assertEqual(proxy.cut(), 1)
+            self.assertEqual(await reader.read(), b"")  # closed
+            # New connections pass again.
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"again\n")
+            self.assertEqual(await reader.readline(), b"again\n")
+            writer.close()
+        self.run_async(body)
+
+    def test_stall_holds_bytes_until_it_ends(self):
+        async def body(proxy):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            stall = asyncio.ensure_future(proxy.stall(60))
+            await asyncio.sleep(0)
+            writer.write(b"held\n")
+            with self.assertRaises(asyncio.TimeoutError):
+                await asyncio.wait_for(reader.readline(), 0.3)
+            stall.cancel()  # ends the stall early
+            self.assertEqual(await reader.readline(), b"held\n")
+            writer.close()
+        self.run_async(body)
+
+    def test_slow_cut_trickles_then_cuts(self):
+        async def body(proxy):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            slow = asyncio.ensure_future(proxy.slow_cut(60))
+            await asyncio.sleep(0)
+            writer.write(b"x" * 64)
+            chunks = []
+            while sum(map(len, chunks)) < 64:
+                chunks.append(await reader.read(64))
+            self.assertGreater(len(chunks), 1)  # it came in pieces
+            self.assertTrue(all(len(c) <= 8 for c in chunks), chunks)
+            slow.cancel()  # ends it: the connection is cut
+            self.assertEqual(await reader.read(), b"")
+        self.run_async(body)
+
+    def test_partition_blackholes_new_connections(self):
+        async def body(proxy):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"up\n")
+            self.assertEqual(await reader.readline(), b"up\n")
+            part = asyncio.ensure_future(proxy.partition(60))
+            self.assertEqual(await reader.read(), b"")  # the existing one is cut
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"lost?\n")
+            with self.assertRaises(asyncio.TimeoutError):
+                await asyncio.wait_for(reader.readline(), 0.3)
+            part.cancel()  # healed: the blackholed connection is cut too
+            self.assertEqual(await reader.read(), b"")
+        self.run_async(body)

@@ -319,6 +319,8 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             "quiescent": quiescent, "quiescence_s": round(quiescence_s, 1),
             "violations": v.as_dict(), "examples": dict(v.examples),
             "exit_codes": exit_codes,
+            "startup_db_exits": {n: i.startup_db_exits for n, i in instances.items()
+                                 if i.startup_db_exits},
             "log_errors": dict(sorted(log_errors.items(), key=lambda kv: -kv[1])[:10]),
             "elapsed_s": round(time.monotonic() - started, 1),
         }
