@@ -58,7 +58,8 @@ def logged_errors(text: str) -> List[str]:
         m = EXCEPTION.findall(events[-1][0]) if not events[-1][1] else None
         if m:
             events[-1][1] = m[-1]
-    return [f"{head[:70]} -> {exc[:120]}" if exc else head[:120] for head, exc in events]
+    out = [f"{head[:70]} -> {exc[:120]}" if exc else head[:120] for head, exc in events]
+    return [re.sub(r"\d+", "N", line) for line in out]  # ports, IDs: one summary per kind
 
 
 def read_table(dsn: str) -> Dict[tuple, Dict[int, list]]:
