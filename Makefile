@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= conf/dev.yaml
 
-.PHONY: run test bench chaos deps test-deps system-deps clean
+.PHONY: run test bench chaos fuzz deps test-deps system-deps clean
 
 # The daemon alone (make run) ...
 $(VENV)/.installed-run: setup.cfg setup.py
@@ -49,6 +49,10 @@ chaos: test-deps
 	  $(if $(TRANSPORT),--transport $(TRANSPORT)) $(if $(SEED),--seed $(SEED)) \
 	  $(if $(SEEDS),--seeds $(SEEDS)) $(if $(DURATION),--duration $(DURATION)) \
 	  $(if $(PLANT),--plant $(PLANT))
+
+# The adversarial suite at full size (FUZZ="--phases 1,5 --scale 0.1 --seed 3" for less).
+fuzz: test-deps
+	$(PY) -m tests.fuzz $(FUZZ)
 
 clean:
 	rm -rf $(VENV) _trial_temp* build *.egg-info

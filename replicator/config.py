@@ -427,8 +427,8 @@ class ReplicationConfig:
     allowed_peers: Optional[Tuple[str, ...]] = None
     allowed_networks: Optional[Tuple[str, ...]] = None
     # Bounds of the USER_SYNC / USER_IP / FEDERATION_ACK bookkeeping.
-    max_user_syncs: int = 100_000
-    max_user_ips: int = 100_000
+    max_user_syncs: int = 50_000
+    max_user_ips: int = 20_000
     max_federation_acks: int = 1_000
     bookkeeping_max_age: float = 86_400.0
 
@@ -441,6 +441,12 @@ class HttpConfig:
     secret: Optional[str] = field(default=None, repr=False)
     metrics_listen: Optional[str] = None  # host:port served from its own thread
     secret_file: Optional[str] = None  # where the secret was read from, if from a file
+    # A request's headers must arrive within header_timeout seconds of its
+    # first byte (or of the connection opening), its body within
+    # body_timeout of its headers; at most max_connections at once.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 256
 
 
 @dataclass(frozen=True)
@@ -612,9 +618,9 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                                 maximum=1),
         allowed_peers=_allowed_peers(section, key),
         allowed_networks=_allowed_networks(section, key, listen),
-        max_user_syncs=_int(section, "max_user_syncs", key, 100_000, minimum=1,
+        max_user_syncs=_int(section, "max_user_syncs", key, 50_000, minimum=1,
                             maximum=10_000_000),
-        max_user_ips=_int(section, "max_user_ips", key, 100_000, minimum=1, maximum=10_000_000),
+        max_user_ips=_int(section, "max_user_ips", key, 20_000, minimum=1, maximum=10_000_000),
         max_federation_acks=_int(section, "max_federation_acks", key, 1_000, minimum=1,
                                  maximum=100_000),
         bookkeeping_max_age=_number(section, "bookkeeping_max_age", key, 86_400.0,
@@ -638,7 +644,8 @@ HOST_PORT = re.compile(r"(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})")
 
 def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig:
     section = _mapping(value if value is not None else {}, key)
-    _no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen"), key)
+    _no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
+                          "body_timeout", "max_connections"), key)
     if "secret" in section and "secret_file" in section:
         raise ConfigError(key, "give either secret or secret_file, not both")
     secret = _str(section, "secret", key, None)
@@ -660,8 +667,13 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
         m = HOST_PORT.fullmatch(metrics_listen)
         if not m or not 0 < int(m.group("port")) < 65536:
             raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
-    return HttpConfig(listen=listen, secret=secret, metrics_listen=metrics_listen,
-                      secret_file=secret_file)
+    return HttpConfig(
+        listen=listen, secret=secret, metrics_listen=metrics_listen, secret_file=secret_file,
+        header_timeout=_number(section, "header_timeout", key, 10.0, minimum=0.1, maximum=3600),
+        body_timeout=_number(section, "body_timeout", key, 30.0, minimum=0.1, maximum=3600),
+        max_connections=_int(section, "max_connections", key, 256, minimum=1,
+                             maximum=100_000),
+    )
 
 
 def parse_health(value: Any, key: str = "health") -> HealthConfig:

@@ -31,18 +31,25 @@ Prometheus.
     add ``in_flight`` and ``announced``, remote ones ``reader_position`` and
     ``lag``.
 ``GET /_replicator/v1/federation_acks`` (secret required)
-    ``{"acks": {instance: token}}``.
+    ``{"acks": {instance: token}, "next": cursor}``.
 ``GET /_replicator/v1/user_syncs`` (secret required: user IDs are personal)
-    ``{"user_syncs": {instance: [{user_id, device_id, last_sync_ms}, ...]}}``.
+    ``{"user_syncs": {instance: [{user_id, device_id, last_sync_ms}, ...]},
+    "next": cursor}``.
 ``GET /_replicator/v1/user_ips`` (secret required: IP addresses are personal)
-    ``{"user_ips": [{user_id, device_id, ip, user_agent, last_seen}, ...]}``.
+    ``{"user_ips": [{user_id, device_id, ip, user_agent, last_seen}, ...],
+    "next": cursor}``.
+
+    These three are paged (:mod:`replicator.pages`): ``?limit=N`` entries
+    (1000 unless given, at most 10000) in key order, from the cursor
+    ``?from=`` a previous page's ``next`` gave; ``next`` is null on the
+    last page.  Each page is built and encoded in a thread.
 ``GET /health``
     200 ``{"status": "ok", ...summary}`` once ``SELECT 1`` answers within
     ``db_timeout`` and replication is keeping up (see :mod:`replicator.health`);
     otherwise 503 ``{"status": "unhealthy", "reason": "..."}`` with the first
     problem found.
 ``GET /metrics``
-    Prometheus text format, generated in a thread.
+    Prometheus text format, refreshed and generated in a thread.
 
 Any other path is 404, any other method 405 (with ``Allow``; HEAD goes with
 GET), and an unexpected exception a logged 500 with a generic message.  The
@@ -65,8 +72,9 @@ from twisted.python.failure import Failure
 from twisted.web import server
 from twisted.web.resource import Resource
 
+from . import pages
 from .config import InstanceConfig
-from .metrics import FEDERATION_ACK_POSITION, USER_SYNCS
+from .http_channel import Busy, Channel
 from .replication.commands import encode_json
 from .streams.rows import RowError, check_rows
 
@@ -278,13 +286,30 @@ class _Request(server.Request):
 
 
 class _Site(server.Site):
+    """The API's site: its channels have deadlines and JSON refusals
+    (:mod:`replicator.http_channel`), and at most ``max_connections`` are
+    open at once."""
+
     requestFactory = _Request
+    protocol = Channel
     noisy = False
 
     def __init__(self, root, api: "HttpApi", max_body_size: int, timeout: float):
         super().__init__(root, timeout=timeout)
         self.api = api
         self.max_body_size = max_body_size
+
+    def buildProtocol(self, addr):
+        api = self.api
+        if api.open_connections >= api.max_connections:
+            busy = Busy(api, api.max_connections, self.reactor)
+            busy.factory = self
+            return busy
+        channel = super().buildProtocol(addr)
+        channel.header_timeout = api.header_timeout
+        channel.body_timeout = api.body_timeout
+        channel.api = api
+        return channel
 
     def log(self, request):
         self.api.log_access(request)
@@ -331,6 +356,11 @@ class HttpApi:
         self.max_body_size = max_body_size
         self.db_timeout = db_timeout
         self.idle_timeout = idle_timeout
+        self.header_timeout = config.http.header_timeout
+        self.body_timeout = config.http.body_timeout
+        self.max_connections = config.http.max_connections
+        #: HTTP connections open now (counted by the channels).
+        self.open_connections = 0
         self.is_worker = bool(config.replication.upstream or config.replication.redis)
         secret = config.http.secret
         self._secret: Optional[bytes] = secret.encode("utf-8") if secret else None
@@ -361,24 +391,13 @@ class HttpApi:
         return _Site(self._root, self, self.max_body_size, self.idle_timeout)
 
     def refresh_metrics(self) -> None:
-        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler.
-
-        Works on snapshots, so it may also run in a scrape thread (it is
-        registered with ``metrics.add_refresher``)."""
-        syncs = {instance: len(users)
-                 for instance, users in list(self.handler.user_syncs.items())}
-        acks = dict(self.handler.federation_acks)
-        for gauge, values in ((USER_SYNCS, syncs), (FEDERATION_ACK_POSITION, acks)):
-            for metric in gauge.collect():
-                for sample in metric.samples:
-                    instance = sample.labels.get("instance")
-                    if instance is not None and instance not in values:
-                        try:
-                            gauge.remove(instance)
-                        except KeyError:
-                            pass
-            for instance, value in values.items():
-                gauge.labels(instance).set(value)
+        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler's
+        bookkeeping (labelled only by configured names; from snapshots, so
+        it may also run in a scrape thread: it is registered with
+        ``metrics.add_refresher``)."""
+        refresh = getattr(self.handler, "refresh_metrics", None)
+        if refresh is not None:
+            refresh()
 
     # ---------------------------------------------------------- rendering
     def _routes(self, path: bytes) -> Tuple[Dict[bytes, Route], tuple]:
@@ -520,6 +539,21 @@ class HttpApi:
             duration_ms=ms, note=f" ({note})" if note else "",
         )
 
+    def log_refusal(self, transport, code: int, length: int, message: str,
+                    method: Optional[bytes], path: Optional[bytes]) -> None:
+        """The access line of a request refused by the channel (malformed,
+        too slow, over the connection cap)."""
+        try:
+            client = getattr(transport.getPeer(), "host", None) or "-"
+        except Exception:
+            client = "-"
+        method_text = self._redact(method.decode("ascii", "backslashreplace"))[:20] \
+            if isinstance(method, bytes) else "-"
+        path_text = self._clean_path(path.split(b"?")[0]) if isinstance(path, bytes) else "-"
+        access_log.info('{client} "{method} {path}" {code} {length} 0.0ms ({note})',
+                        client=client, method=method_text, path=path_text, code=code,
+                        length=length, duration_ms=0.0, note=message)
+
     def _authorize(self, request) -> None:
         challenge = {b"www-authenticate": b'Bearer realm="replicator"'}
         values = request.requestHeaders.getRawHeaders(b"authorization")
@@ -613,36 +647,68 @@ class HttpApi:
             streams[stream.name] = {"linear": gen.get_linear_token(), "writers": writers}
         return {"instance": self.instance_name, "streams": streams}
 
-    async def _user_syncs(self, request):
+    # The bookkeeping tables are paged and each page is built in a thread
+    # (see replicator.pages): the handler's tables are only read there, by
+    # C-level copies, never iterated on the reactor.
+    async def _page(self, request, keys, lookup, render, width: int) -> _Response:
         self._authorize(request)
-        out = {}
-        for instance, users in sorted(self.handler.user_syncs.items()):
-            out[instance] = [
-                {"user_id": user, "device_id": device, "last_sync_ms": ms}
-                for (user, device), ms in sorted(users.items(), key=lambda i: (i[0][0],
-                                                                               i[0][1] or ""))
-            ]
-        return {"user_syncs": out}
+        try:
+            limit, cursor = pages.page_args(request.args)
+            body = await threads.deferToThread(pages.build_page, keys, lookup, render, limit,
+                                               cursor, width)
+        except pages.PageError as e:
+            raise HttpError(400, str(e)) from None
+        return _Response(body, JSON_TYPE)
+
+    async def _user_syncs(self, request):
+        handler = self.handler
+
+        def keys():
+            return [(instance, user, device)
+                    for instance, users in list(handler.user_syncs.items())
+                    for (user, device) in list(users)]
+
+        def lookup(key):
+            return handler.user_syncs.get(key[0], {}).get(key[1:])
+
+        def render(entries):
+            out: Dict[str, list] = {}
+            for (instance, user, device), ms in entries:
+                out.setdefault(instance, []).append(
+                    {"user_id": user, "device_id": device, "last_sync_ms": ms})
+            return {"user_syncs": out}
+
+        return await self._page(request, keys, lookup, render, 3)
 
     async def _federation_acks(self, request):
-        self._authorize(request)
-        return {"acks": dict(sorted(self.handler.federation_acks.items()))}
+        acks = self.handler.federation_acks
+        return await self._page(
+            request, lambda: [(instance,) for instance in list(acks)],
+            lambda key: acks.get(key[0]),
+            lambda entries: {"acks": {key[0]: token for key, token in entries}}, 1)
 
     async def _user_ips(self, request):
-        self._authorize(request)
-        out = []
-        for (user, device), seen in sorted(self.handler.user_ips.items(),
-                                           key=lambda i: (i[0][0], i[0][1] or "")):
-            out.append({"user_id": user, "device_id": device, "ip": seen.get("ip"),
-                        "user_agent": seen.get("user_agent"), "last_seen": seen.get("last_seen")})
-        return {"user_ips": out}
+        handler = self.handler
 
-    async def _metrics(self, request):
+        def render(entries):
+            return {"user_ips": [
+                {"user_id": user, "device_id": device, "ip": seen.get("ip"),
+                 "user_agent": seen.get("user_agent"), "last_seen": seen.get("last_seen")}
+                for (user, device), seen in entries]}
+
+        return await self._page(request, lambda: list(handler.user_ips),
+                                lambda key: handler.user_ips.get(key), render, 2)
+
+    def _metrics_text(self) -> bytes:
+        """Runs in a thread: the refreshers work on snapshots."""
         self.refresh_metrics()
         refresh = getattr(self.registry, "refresh_metrics", None)
         if refresh is not None:
             refresh()
-        text = await threads.deferToThread(generate_latest, REGISTRY)
+        return generate_latest(REGISTRY)
+
+    async def _metrics(self, request):
+        text = await threads.deferToThread(self._metrics_text)
         return _Response(text, CONTENT_TYPE_LATEST.encode("ascii"))
 
     # ---------------------------------------------------------------- health

@@ -36,6 +36,8 @@ IN_FLIGHT = Gauge(
 )
 
 # ---------------------------------------------------------- replication
+# "name" labels are bounded: a peer's NAME only if the configuration knows
+# it (replication.peers.metrics_label), else "other".
 CONNECTIONS = Gauge(
     "replicator_connections", "Open replication connections", ["name"]
 )
@@ -86,12 +88,26 @@ SEQUENCE_MOVED = Counter(
     "Times a stream's sequence was found behind known positions on a new database "
     "connection (e.g. after a PostgreSQL crash) and moved past them", ["stream"]
 )
+FOREIGN_FACTS = Counter(
+    "replicator_foreign_facts_total",
+    "Facts found in a single-writer stream's table under IDs this instance never "
+    "reserved (written by SQL, not through replicator); delivered from the table", ["stream"]
+)
 FANOUT_LATENCY = Histogram(
     "replicator_fanout_latency_seconds",
     "From a writer's token advancing to its rows being written to every connection",
     buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1),
 )
 
+BOOKKEEPING_EVICTED = Counter(
+    "replicator_bookkeeping_evicted_total",
+    "USER_SYNC / USER_IP / FEDERATION_ACK entries dropped to make room (table full)", ["table"],
+)
+BOOKKEEPING_EXPIRED = Counter(
+    "replicator_bookkeeping_expired_total",
+    "USER_IP / FEDERATION_ACK entries dropped for age (bookkeeping_max_age)", ["table"],
+)
+# Labelled by instance names the configuration knows; any other is "other".
 USER_SYNCS = Gauge(
     "replicator_user_syncs", "Users syncing per instance (USER_SYNC bookkeeping)", ["instance"],
     registry=None,

@@ -180,7 +180,10 @@ class Instance:
             self.registry, config.instance_name, config.server_name,
             consumers=self.consumers, fetch_limit=rep.fetch_limit,
             max_line_length=rep.max_line_length, clock=reactor,
-            fanout_interval=rep.fanout_interval,
+            fanout_interval=rep.fanout_interval, known_names=rep.allowed_peers or (),
+            max_user_syncs=rep.max_user_syncs, max_user_ips=rep.max_user_ips,
+            max_federation_acks=rep.max_federation_acks,
+            bookkeeping_max_age=rep.bookkeeping_max_age,
         )
         self.settings = ConnectionSettings(
             max_line_length=rep.max_line_length, ping_interval=rep.ping_interval,

@@ -49,6 +49,31 @@ METRICS = ("facts", "rows", "multi_row_facts", "max_fact_rows", "size_1", "size_
 _spark = None
 
 
+#: Runs the exporter's CLI (arguments after ``-c``), stopping the process with
+#: SIGSTOP once its first partition is written.
+STOP_AFTER_FIRST_PARTITION = """
+import os, signal, sys
+from replicator.export import aggregate
+real = aggregate.write_partitions
+def write_then_stop(df, path):
+    real(df, path)
+    os.kill(os.getpid(), signal.SIGSTOP)
+aggregate.write_partitions = write_then_stop
+from replicator.export.cli import main
+sys.argv[0] = "replicator-export"
+sys.exit(main())
+"""
+
+
+def _process_state(pid):
+    """The state letter of a process (``T`` when stopped), or None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def shared_spark():
     """The module's SparkSession, with both Debian JDBC drivers on it."""
     global _spark
@@ -420,27 +445,27 @@ class ExportTests(ExportTestBase):
         with open(conf, "w") as f:
             yaml.safe_dump({"database": {"postgres": self.dsn}, "streams": STREAMS}, f)
         env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYTHONPATH=ROOT)
+        # The exporter stops itself (SIGSTOP) right after its first partition
+        # is written, so the kill lands mid-run whatever the machine's load.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "replicator.export.cli", "-c", conf, "-o", self.out,
+            [sys.executable, "-c", STOP_AFTER_FIRST_PARTITION, "-c", conf, "-o", self.out,
              "--master", "local[1]", "--shuffle-partitions", "4", "-q"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         self.addCleanup(lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
-        deadline = time.monotonic() + 120
-        killed_at = None
-        while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
-            for entry in os.listdir(self.out):
-                if entry.startswith(".staging-"):
-                    for dirpath, _d, files in os.walk(os.path.join(self.out, entry)):
-                        if "_temporary" not in dirpath and any(
-                                f.endswith(".parquet") for f in files):
-                            killed_at = dirpath
-            if killed_at is None:
-                time.sleep(0.01)
+        deadline = time.monotonic() + 600  # JVM start and a partition, on a busy machine
+        while time.monotonic() < deadline and proc.poll() is None \
+                and _process_state(proc.pid) != "T":
+            time.sleep(0.05)
+        stopped = proc.poll() is None and _process_state(proc.pid) == "T"
+        killed_at = [os.path.join(d, f) for e in os.listdir(self.out) if e.startswith(".staging-")
+                     for d, _s, files in os.walk(os.path.join(self.out, e))
+                     if "_temporary" not in d for f in files if f.endswith(".parquet")]
         os.killpg(proc.pid, signal.SIGKILL)
         output = proc.communicate()[0].decode(errors="replace")
-        self.assertIsNotNone(killed_at, f"no partition written before the end: {output}")
+        self.assertTrue(stopped, f"the exporter never stopped after a partition (exit {proc.returncode}): {output}")
+        self.assertTrue(killed_at, "no partition in the staging directory")
         self.assertEqual(proc.returncode, -signal.SIGKILL)
         # The dead run left a staging directory; current is the old export.
         self.assertTrue([e for e in os.listdir(self.out) if e.startswith(".staging-")])

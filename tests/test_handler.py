@@ -1,5 +1,6 @@
 """The replication handler on StringTransport, with streams on a real PostgreSQL."""
 
+import psycopg2
 from twisted.internet import defer, task
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
@@ -228,13 +229,68 @@ class HandlerTests(TestCase):
 
         async def go():
             _, handler = await self.instance("master")
-            unnamed, named = gauge("unnamed"), gauge("worker7")
+            unnamed, named, other = gauge("unnamed"), gauge("worker1"), gauge("other")
             proto, _ = self.server_conn(handler)
             self.assertEqual(gauge("unnamed"), unnamed + 1)
-            proto.dataReceived(b"NAME worker7\nPING 1\n")
-            self.assertEqual((gauge("unnamed"), gauge("worker7")), (unnamed, named + 1))
+            proto.dataReceived(b"NAME worker1\nPING 1\n")
+            self.assertEqual((gauge("unnamed"), gauge("worker1")), (unnamed, named + 1))
             self.assertEqual(
-                metrics.COMMANDS_IN.labels("PING", "worker7")._value.get() >= 1, True)
+                metrics.COMMANDS_IN.labels("PING", "worker1")._value.get() >= 1, True)
+            # A name the configuration does not know is "other".
+            stranger, _ = self.server_conn(handler, "worker7")
+            self.assertEqual(gauge("other"), other + 1)
             proto.connectionLost(None)
-            self.assertEqual((gauge("unnamed"), gauge("worker7")), (unnamed, named))
+            stranger.connectionLost(None)
+            self.assertEqual((gauge("unnamed"), gauge("worker1"), gauge("other")),
+                             (unnamed, named, other))
+        return defer.ensureDeferred(go())
+
+    def test_facts_written_behind_our_back_are_delivered_and_reported(self):
+        """Rows inserted by SQL (IDs from the sequence) into a single-writer
+        stream: the fan-out reads them from the table, sends them in order
+        with ours, counts them and logs one line for the burst."""
+        from twisted.logger import globalLogPublisher
+
+        from replicator import metrics
+
+        def foreign_count():
+            return metrics.FOREIGN_FACTS.labels("events")._value.get()
+
+        async def go():
+            registry, handler = await self.instance("master")
+            proto, tr = self.server_conn(handler)
+            proto.dataReceived(b"REPLICATE\n")
+            events = registry.get("events")
+            await events.write_fact([["$ours1"]])
+            await until(lambda: handler.idle() and b"$ours1" in tr.value())
+            tr.clear()
+            logged = []
+            observer = logged.append
+            globalLogPublisher.addObserver(observer)
+            self.addCleanup(globalLogPublisher.removeObserver, observer)
+            before = foreign_count()
+            conn = psycopg2.connect(self.dsn)
+            conn.autocommit = True
+            cur = conn.cursor()
+            cur.execute("INSERT INTO event_stream (stream_id, instance_name, event_id) "
+                        "VALUES (nextval('event_stream_seq'), 'master', '$sql1')")
+            cur.execute("INSERT INTO event_stream (stream_id, instance_name, event_id) "
+                        "SELECT id, 'master', e FROM (SELECT nextval('event_stream_seq') AS id) s, "
+                        "(VALUES ('$sql2a'), ('$sql2b')) AS r(e)")
+            cur.execute("SELECT nextval('event_stream_seq')")  # taken, never used
+            cur.execute("INSERT INTO event_stream (stream_id, instance_name, event_id) "
+                        "VALUES (nextval('event_stream_seq'), 'master', '$sql3')")
+            conn.close()
+            await events.write_fact([["$ours2"]])
+            await until(lambda: handler.idle() and b"$ours2" in tr.value())
+            self.assertEqual(lines(tr), [
+                'RDATA events master 2 ["$sql1"]',
+                'RDATA events master batch ["$sql2a"]',
+                'RDATA events master 3 ["$sql2b"]',
+                'RDATA events master 5 ["$sql3"]',
+                'RDATA events master 6 ["$ours2"]',
+            ])
+            self.assertEqual(foreign_count() - before, 3)
+            reports = [e for e in logged if "written without" in str(e.get("log_format", ""))]
+            self.assertEqual(len(reports), 1)
         return defer.ensureDeferred(go())

@@ -642,8 +642,12 @@ class HttpApiTests(HttpTestCase):
                 b"USER_SYNC worker1 @u:hs DEV start 1000\n"
                 b"USER_SYNC worker1 @v:hs None start 1001\n"
                 b"FEDERATION_ACK worker1 57\n"
-                b"FEDERATION_ACK worker2 3\n"
                 b'USER_IP @u:hs ["tok", "10.0.0.1", "Element/1.0", "DEV", 1234]\n')
+            # Each instance acks for itself, on its own connection.
+            proto2 = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+            proto2.makeConnection(StringTransport())
+            self.addCleanup(proto2.connectionLost, None)
+            proto2.dataReceived(b"NAME worker2\nFEDERATION_ACK worker2 3\n")
             for path in ("/_replicator/v1/user_syncs", "/_replicator/v1/user_ips"):
                 response, answer = await self.json("GET", path)
                 self.assertEqual((response.code, answer), (401, {
@@ -652,24 +656,26 @@ class HttpApiTests(HttpTestCase):
             self.assertEqual((response.code, answer), (200, {"user_syncs": {"worker1": [
                 {"user_id": "@u:hs", "device_id": "DEV", "last_sync_ms": 1000},
                 {"user_id": "@v:hs", "device_id": None, "last_sync_ms": 1001},
-            ]}}))
+            ]}, "next": None}))
             response, answer = await self.json("GET", "/_replicator/v1/federation_acks",
                                                headers=AUTH)
             self.assertEqual((response.code, answer),
-                             (200, {"acks": {"worker1": 57, "worker2": 3}}))
+                             (200, {"acks": {"worker1": 57, "worker2": 3}, "next": None}))
             response, answer = await self.json("GET", "/_replicator/v1/user_ips", headers=AUTH)
             self.assertEqual((response.code, answer), (200, {"user_ips": [
                 {"user_id": "@u:hs", "device_id": "DEV", "ip": "10.0.0.1",
-                 "user_agent": "Element/1.0", "last_seen": 1234}]}))
+                 "user_agent": "Element/1.0", "last_seen": 1234}], "next": None}))
             self.assertNotIn("tok", orjson.dumps(answer).decode())
             response, text = await self.call("GET", "/metrics")
             self.assertIn(b'replicator_user_syncs{instance="worker1"} 2.0\n', text)
             self.assertIn(b'replicator_federation_ack_position{instance="worker1"} 57.0\n', text)
-            self.assertIn(b'replicator_federation_ack_position{instance="worker2"} 3.0\n', text)
+            # worker2 is no configured name: labelled "other".
+            self.assertIn(b'replicator_federation_ack_position{instance="other"} 3.0\n', text)
+            self.assertNotIn(b'instance="worker2"', text)
             # The syncs expire with the connection, and so does the series.
             proto.connectionLost(None)
             response, answer = await self.json("GET", "/_replicator/v1/user_syncs", headers=AUTH)
-            self.assertEqual(answer, {"user_syncs": {}})
+            self.assertEqual(answer, {"user_syncs": {}, "next": None})
             response, text = await self.call("GET", "/metrics")
             self.assertNotIn(b"replicator_user_syncs{", text)
             self.assertIn(b'replicator_federation_ack_position{instance="worker1"} 57.0\n', text)

@@ -2,12 +2,16 @@
 sockets: who may read what, answers built off the reactor, slow clients,
 malformed requests, absurd bodies.  Every refusal is a JSON 4xx/5xx."""
 
+import threading
+
 import orjson
-from twisted.internet import defer, task
+from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.internet.testing import StringTransport
 
 from replicator.replication.protocol import ServerReplicationProtocol
-from tests.test_http import AUTH, SECRET, HttpTestCase
+from tests.servers import PostgresServer
+from tests.support import until
+from tests.test_http import AUTH, SECRET, HttpTestCase, RawClient
 
 READ_PATHS = ("/_replicator/v1/positions", "/_replicator/v1/federation_acks",
               "/_replicator/v1/user_syncs", "/_replicator/v1/user_ips")
@@ -34,7 +38,7 @@ class AccessTests(HttpTestCase):
                 self.assertEqual(response.code, 200, path)
             response, answer = await self.json("GET", "/_replicator/v1/federation_acks",
                                                headers=AUTH)
-            self.assertEqual(answer, {"acks": {"worker1": 57}})
+            self.assertEqual(answer, {"acks": {"worker1": 57}, "next": None})
             # Health and metrics stay open (probes and Prometheus).
             response, _ = await self.json("GET", "/health")
             self.assertEqual(response.code, 200)
@@ -88,4 +92,302 @@ class BadBodyTests(HttpTestCase):
             for number in (2 ** 63 - 1, -(2 ** 63)):
                 code, answer = await self.post("caches", {"rows": [["f", None, number]]})
                 self.assertEqual(code, 200, answer)
+        return defer.ensureDeferred(go())
+
+
+class Watched(dict):
+    """A bookkeeping table that notes which thread lists its keys."""
+
+    def __init__(self, data, seen):
+        super().__init__(data)
+        self.seen = seen
+
+    def __iter__(self):
+        self.seen.append(threading.get_ident())
+        return super().__iter__()
+
+    def items(self):
+        self.seen.append(threading.get_ident())
+        return super().items()
+
+
+class BigAnswerTests(HttpTestCase):
+    """Big answers are paged and built in a thread: the reactor thread only
+    dispatches and writes."""
+
+    async def flood(self, users=2500):
+        proto = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+        proto.makeConnection(StringTransport())
+        self.addCleanup(proto.connectionLost, None)
+        lines = [b"NAME worker1\n"]
+        for i in range(users):
+            lines.append(b'USER_IP @u%05d:hs ["tok", "10.0.%d.%d", "UA", "D%d", %d]\n'
+                         % (i, i // 256, i % 256, i % 2, 1000 + i))
+            lines.append(b"USER_SYNC worker1 @u%05d:hs D start %d\n" % (i, 1000 + i))
+        proto.dataReceived(b"".join(lines))
+        # Each instance acks on its own connection (no one acks for another).
+        for i in range(min(users, 50)):
+            fed = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+            fed.makeConnection(StringTransport())
+            self.addCleanup(fed.connectionLost, None)
+            fed.dataReceived(b"NAME fed%03d\nFEDERATION_ACK fed%03d %d\n" % (i, i, i))
+        return proto
+
+    def test_user_ips_pages_visit_every_entry_once_in_order(self):
+        async def go():
+            await self.start()
+            await self.flood()
+            path = "/_replicator/v1/user_ips"
+            response, answer = await self.json("GET", path, headers=AUTH)
+            self.assertEqual(response.code, 200)
+            self.assertEqual(len(answer["user_ips"]), 1000)  # the default page
+            seen, cursor, pages = [], None, 0
+            while True:
+                query = "?limit=700" + (f"&from={cursor}" if cursor else "")
+                response, answer = await self.json("GET", path + query, headers=AUTH)
+                self.assertEqual(response.code, 200)
+                pages += 1
+                seen += [(e["user_id"], e["device_id"]) for e in answer["user_ips"]]
+                cursor = answer["next"]
+                if cursor is None:
+                    break
+            self.assertEqual(pages, 4)
+            self.assertEqual(seen, sorted(seen))
+            self.assertEqual(seen, [("@u%05d:hs" % i, "D%d" % (i % 2)) for i in range(2500)])
+            # The bookkeeping of the other tables pages the same way.
+            response, answer = await self.json(
+                "GET", "/_replicator/v1/user_syncs?limit=2000", headers=AUTH)
+            self.assertEqual(len(answer["user_syncs"]["worker1"]), 2000)
+            response, rest = await self.json(
+                "GET", "/_replicator/v1/user_syncs?from=" + answer["next"], headers=AUTH)
+            self.assertEqual(len(rest["user_syncs"]["worker1"]), 500)
+            self.assertIsNone(rest["next"])
+            self.assertEqual(rest["user_syncs"]["worker1"][0], {
+                "user_id": "@u02000:hs", "device_id": "D", "last_sync_ms": 3000})
+            response, answer = await self.json(
+                "GET", "/_replicator/v1/federation_acks?limit=40", headers=AUTH)
+            self.assertEqual(list(answer["acks"]), ["fed%03d" % i for i in range(40)])
+            response, answer = await self.json(
+                "GET", "/_replicator/v1/federation_acks?from=" + answer["next"], headers=AUTH)
+            self.assertEqual(answer, {"acks": {"fed%03d" % i: i for i in range(40, 50)},
+                                      "next": None})
+        return defer.ensureDeferred(go())
+
+    def test_bad_page_arguments_are_400(self):
+        async def go():
+            await self.start()
+            for query, error in [
+                    ("limit=0", "limit must be an integer from 1 to 10000"),
+                    ("limit=10001", "limit must be an integer from 1 to 10000"),
+                    ("limit=-1", "limit must be an integer from 1 to 10000"),
+                    ("limit=" + "9" * 400, "limit must be an integer from 1 to 10000"),
+                    ("from=bm90IGpzb24", "from is not a cursor from a previous page's next"),
+                    ("from=WzEsMl0", "from is not a cursor from a previous page's next"),
+                    ("from=%ff%fe", "from is not a cursor from a previous page's next"),
+                    ("from=" + "A" * 5000, "from is not a cursor from a previous page's next")]:
+                for path in ("user_ips", "user_syncs", "federation_acks"):
+                    response, answer = await self.json(
+                        "GET", f"/_replicator/v1/{path}?{query}", headers=AUTH)
+                    self.assertEqual((response.code, answer), (400, {"error": error}),
+                                     (path, query))
+        return defer.ensureDeferred(go())
+
+    def test_answers_are_built_off_the_reactor_thread(self):
+        async def go():
+            await self.start()
+            await self.flood(10)
+            reactor_thread = threading.get_ident()
+            seen = []
+            books = self.handler.bookkeeping
+            books.user_ips = Watched(books.user_ips, seen)
+            books.user_syncs = Watched(books.user_syncs, seen)
+            books.federation_acks = Watched(books.federation_acks, seen)
+            for path in ("user_ips", "user_syncs", "federation_acks"):
+                del seen[:]
+                response, answer = await self.json("GET", f"/_replicator/v1/{path}",
+                                                   headers=AUTH)
+                self.assertEqual(response.code, 200)
+                self.assertTrue(seen, path)
+                self.assertNotIn(reactor_thread, seen, path)
+            # /metrics on the HTTP listener: its refresh and its text too.
+            refreshed = []
+            refresh = self.api.refresh_metrics
+
+            def watched_refresh():
+                refreshed.append(threading.get_ident())
+                refresh()
+
+            self.api.refresh_metrics = watched_refresh
+            response, text = await self.call("GET", "/metrics")
+            self.assertEqual(response.code, 200)
+            self.assertIn(b'replicator_user_syncs{instance="worker1"} 10.0\n', text)
+            self.assertTrue(refreshed)
+            self.assertNotIn(reactor_thread, refreshed)
+        return defer.ensureDeferred(go())
+
+
+class SlowClient(protocol.Protocol):
+    """Sends ``head`` at once, then one byte of ``drip`` at a time every
+    ``interval`` seconds until the server closes; keeps what comes back."""
+
+    def __init__(self, head: bytes, drip: bytes = b"", interval: float = 0.2):
+        self.head, self.drip, self.interval = head, drip, interval
+        self.received = b""
+        self.closed = defer.Deferred()
+        self._call = None
+
+    def connectionMade(self):
+        self.transport.write(self.head)
+        self._next()
+
+    def _next(self):
+        if self.drip:
+            byte, self.drip = self.drip[:1], self.drip[1:]
+            self.transport.write(byte)
+            self._call = reactor.callLater(self.interval, self._next)
+
+    def dataReceived(self, data):
+        self.received += data
+
+    def connectionLost(self, reason):
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self.closed.callback(self.received)
+
+
+def parse_answer(test, received: bytes, code: int) -> dict:
+    """The one JSON answer of a refused request: status, type, body."""
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    test.assertTrue(lines[0].startswith(b"HTTP/1.1 %d " % code), received[:300])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    test.assertEqual(headers.get(b"content-type"), b"application/json", received[:300])
+    test.assertEqual(headers.get(b"connection"), b"close")
+    test.assertEqual(int(headers[b"content-length"]), len(body))
+    test.assertTrue(body.endswith(b"\n"))
+    return orjson.loads(body)
+
+
+class ClientConnection:
+    """Connect a protocol to the API's port over loopback."""
+
+    @staticmethod
+    async def open(test, proto):
+        await endpoints.connectProtocol(
+            endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", test.port), proto)
+        test.addCleanup(lambda: proto.transport.abortConnection()
+                        if proto.transport.connected else None)
+        return proto
+
+
+class SlowClientTests(HttpTestCase):
+    """Slowloris: headers and bodies have deadlines; connections are capped."""
+
+    async def start_limited(self, **http):
+        await self.start(dsn=PostgresServer.shared().create_database(), config_overrides={
+            "http": {"listen": "tcp:0:interface=127.0.0.1", "secret": SECRET, **http}})
+
+    def test_headers_sent_a_byte_at_a_time_meet_a_deadline(self):
+        async def go():
+            await self.start_limited(header_timeout=1)
+            # Far more bytes than the deadline lets through: the server must
+            # close first, whatever the machine's speed.
+            client = await ClientConnection.open(
+                self, SlowClient(b"GET /health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 600))
+            received = await client.closed
+            self.assertTrue(client.drip, "the server never closed the connection")
+            self.assertEqual(parse_answer(self, received, 408), {
+                "error": "request headers not received within 1s"})
+        return defer.ensureDeferred(go())
+
+    def test_a_body_sent_a_byte_at_a_time_meets_a_deadline(self):
+        async def go():
+            await self.start_limited(body_timeout=1)
+            body = b'{"rows": [' + b" " * 600 + b"]}"
+            client = await ClientConnection.open(self, SlowClient(
+                b"POST /_replicator/v1/streams/caches/facts HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + SECRET.encode() + b"\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body), body))
+            received = await client.closed
+            self.assertTrue(client.drip, "the server never closed the connection")
+            self.assertEqual(parse_answer(self, received, 408), {
+                "error": "request body not received within 1s"})
+            self.assertEqual(await self.count(), 0)
+        return defer.ensureDeferred(go())
+
+    def test_connections_over_the_cap_get_a_json_503(self):
+        async def go():
+            await self.start_limited(max_connections=3, header_timeout=3600)
+            held = []
+            for _ in range(3):
+                client = await ClientConnection.open(
+                    self, SlowClient(b"GET /health HTTP/1.1\r\n"))
+                held.append(client)
+            # The server has counted them once a request over a fourth
+            # connection is refused.
+            refused = await ClientConnection.open(
+                self, SlowClient(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+            received = await refused.closed
+            self.assertEqual(parse_answer(self, received, 503), {
+                "error": "too many HTTP connections (3): try again later"})
+            # Those held are still served, and once they go, others are.
+            held[0].transport.write(b"Host: x\r\n\r\n")
+            await until(lambda: b"\r\n\r\n" in held[0].received)
+            self.assertTrue(held[0].received.startswith(b"HTTP/1.1 200 "), held[0].received)
+            for client in held:
+                client.transport.loseConnection()
+            for client in held:
+                await client.closed
+            await until(lambda: self.api.open_connections == 0)
+            response, answer = await self.json("GET", "/health")
+            self.assertEqual(response.code, 200)
+        return defer.ensureDeferred(go())
+
+
+class MalformedRequestTests(HttpTestCase):
+    """What twisted.web answers with a bare 400 or a silent close is a JSON
+    4xx like every other error."""
+
+    CASES = [
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400,
+         "invalid Content-Length header"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
+         400, "more than one Content-Length or Transfer-Encoding header"),
+        (b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+         b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400,
+         "more than one Content-Length or Transfer-Encoding header"),
+        (b"POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 400,
+         "unsupported Transfer-Encoding (only chunked)"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400,
+         "a header value contains NUL, CR or LF"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400,
+         "malformed header line"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Name: v\r\n\r\n", 400,
+         "invalid header name"),
+        (b"GARBAGE\r\n\r\n", 400, "malformed request line"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: v\r\n" * 501 + b"\r\n", 431,
+         "more than 500 header lines"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: " + b"v" * 8000 + b"\r\n"
+         + b"X-I: " + b"v" * 9000 + b"\r\n\r\n", 431, "request headers larger than 16384 bytes"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"v" * 100_000 + b"\r\n\r\n", 431,
+         "request headers larger than 16384 bytes"),
+        (b"POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400,
+         "malformed chunked body"),
+    ]
+
+    def test_each_is_a_json_4xx(self):
+        async def go():
+            await self.start()
+            for request, code, error in self.CASES:
+                client = await ClientConnection.open(self, RawClient(request))
+                received = await client.closed
+                self.assertEqual(parse_answer(self, received, code), {"error": error}, error)
+            # The server goes on.
+            response, _ = await self.json("GET", "/health")
+            self.assertEqual(response.code, 200)
+            refusals = [line for line in self.access_lines() if '" 4' in line]
+            self.assertEqual(len(refusals), len(self.CASES))
         return defer.ensureDeferred(go())

@@ -40,14 +40,15 @@ class Instance:
         self.consumer = None
         self.client = None
 
-    async def start(self, consumer_keys=()):
+    async def start(self, consumer_keys=(), fetch_limit=1000):
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
         self.test.addCleanup(db.close)
         self.registry = StreamRegistry(db, self.name, STREAMS)
         await self.registry.start()
         self.test.addCleanup(lambda: defer.ensureDeferred(self.registry.stop()))
         self.consumer = MemoryConsumer(positions={k: 0 for k in consumer_keys})
-        self.handler = ReplicationHandler(self.registry, self.name, "hs.test", [self.consumer])
+        self.handler = ReplicationHandler(self.registry, self.name, "hs.test", [self.consumer],
+                                          fetch_limit=fetch_limit)
         self.handler.start()
         return self
 
@@ -160,6 +161,64 @@ class TcpReplicationTests(TestCase):
                     self.assertEqual(as_sets({key: got.get(key, [])}), as_sets({key: expected[key]}),
                                      f"{inst.name} {key}")
             self.assertGreater(metrics.CATCHUP_FETCHES.labels("caches")._value.get(), 0)
+        return defer.ensureDeferred(go())
+
+    def test_reader_starting_far_behind_gets_every_fact_whole(self):
+        """A reader that starts 6,000 facts behind while the writers go on:
+        catch-up in small pages (multi-row facts straddle page ends), live
+        RDATA batches arriving meanwhile, its link cut during catch-up."""
+        async def go():
+            rng = random.Random(99)
+            master = await Instance(self, self.dsn, "master").start([("caches", "worker1")])
+            await master.listen()
+            writer = await Instance(self, self.dsn, "worker1").start([("caches", "master"),
+                                                                      ("events", "master")])
+            writer.connect(master.port)
+            written = {"n": 0}
+
+            def row_for(stream, i, j):
+                if stream == "caches":
+                    return [f"func{i}.{j}", rng.choice([None, [f"@u{i}:hs"] * rng.randint(1, 30)]), i]
+                return [f"$ev{i}.{j}", {"body": "x" * rng.randint(0, 3000), "n": i}]
+
+            async def writers(target):
+                await defer.gatherResults([
+                    defer.ensureDeferred(write_randomly(
+                        inst.registry.get(name), rng, written, target,
+                        lambda n, j, name=name: row_for(name, n, j),
+                        row_counts=(0, 1, 2, 3, 7, 12), max_facts=8))
+                    for inst, name in ((master, "caches"), (master, "events"),
+                                       (writer, "caches"))])
+
+            await writers(6000)
+            reader = await Instance(self, self.dsn, "worker2").start(
+                [k for k in KEYS], fetch_limit=5)
+            reader.connect(master.port)
+
+            async def cuts():
+                for _ in range(4):
+                    await sleep(rng.uniform(0.1, 0.4))
+                    reader.drop_connection()
+
+            await defer.gatherResults([defer.ensureDeferred(writers(9000)),
+                                       defer.ensureDeferred(cuts())])
+
+            def writer_token(key):
+                owner = writer if key[1] == "worker1" else master
+                return owner.registry.get(key[0]).id_gen.get_current_token(key[1])
+
+            await until(lambda: all(
+                (reader.handler.reader_positions()[k] or 0) >= writer_token(k) for k in KEYS),
+                timeout=180)
+            expected = {k: [] for k in KEYS}
+            expected.update(table_facts(self.dsn, TABLES))
+            self.assertGreater(sum(len(v) for v in expected.values()), 6000)
+            got = consumed(reader)
+            for key in KEYS:
+                self.assertEqual([t for t, _ in got.get(key, [])], [t for t, _ in expected[key]],
+                                 key)
+                self.assertEqual(as_sets({key: got.get(key, [])}), as_sets({key: expected[key]}),
+                                 key)
         return defer.ensureDeferred(go())
 
     def test_client_that_never_reads_is_dropped(self):

@@ -32,6 +32,8 @@ from .commands import (
     encode_position_line,
 )
 from .fanout import Fanout
+from .peers import metrics_label
+from .protocol import REFUSED
 from .reader import Reader
 from .relay import Relay
 
@@ -70,6 +72,11 @@ class ReplicationHandler:
         clock=None,
         retry_delay: float = 1.0,
         fanout_interval: float = 0.003,
+        known_names: Iterable[str] = (),
+        max_user_syncs: int = 50_000,
+        max_user_ips: int = 20_000,
+        max_federation_acks: int = 1_000,
+        bookkeeping_max_age: float = 86_400.0,
     ):
         self.registry = registry
         self.instance_name = instance_name
@@ -88,7 +95,12 @@ class ReplicationHandler:
             retry_delay=retry_delay, fanout_interval=fanout_interval,
             send=lambda *args: self.send_updates(*args))
         self.relay = Relay(self._broadcast)
-        self.bookkeeping = Bookkeeping()
+        # Names the configuration knows: metrics are labelled only by these.
+        self.known_names = frozenset(known_names) | {instance_name} | {
+            writer for stream in registry for writer in stream.config.writers}
+        self.bookkeeping = Bookkeeping(
+            clock, self.known_names, max_user_syncs=max_user_syncs, max_user_ips=max_user_ips,
+            max_federation_acks=max_federation_acks, max_age=bookkeeping_max_age)
         self._readers: Dict[Key, Reader] = {}
         self._heard: Set[Key] = set()  # read keys a POSITION or RDATA arrived for
         self._started = False
@@ -172,10 +184,14 @@ class ReplicationHandler:
 
     def on_NAME(self, conn, cmd) -> None:
         state = self.connections.get(conn)
-        if state is None or state.label == cmd.client_name:
+        if state is None:
+            return
+        self.bookkeeping.named(conn, cmd.client_name)
+        label = metrics_label(cmd.client_name, self.known_names)
+        if state.label == label:
             return
         metrics.CONNECTIONS.labels(state.label).dec()
-        state.label = cmd.client_name
+        state.label = label
         state.counters.clear()
         metrics.CONNECTIONS.labels(state.label).inc()
 
@@ -275,20 +291,36 @@ class ReplicationHandler:
         reader.position_line(conn, cmd.prev_token, cmd.new_token)
 
     def on_USER_SYNC(self, conn, cmd) -> None:
-        self.bookkeeping.user_sync(conn, cmd, track=conn in self.connections)
-        self._notify(conn, cmd)
+        if not self._refused(conn, cmd, self.bookkeeping.user_sync(
+                conn, cmd, track=conn in self.connections)):
+            self._notify(conn, cmd)
 
     def on_CLEAR_USER_SYNC(self, conn, cmd) -> None:
-        self.bookkeeping.clear_user_sync(conn, cmd)
-        self._notify(conn, cmd)
+        if not self._refused(conn, cmd, self.bookkeeping.clear_user_sync(conn, cmd)):
+            self._notify(conn, cmd)
 
     def on_FEDERATION_ACK(self, conn, cmd) -> None:
-        self.bookkeeping.federation_ack(conn, cmd)
-        self._notify(conn, cmd)
+        if not self._refused(conn, cmd, self.bookkeeping.federation_ack(conn, cmd)):
+            self._notify(conn, cmd)
 
     def on_USER_IP(self, conn, cmd) -> None:
-        self.bookkeeping.user_ip(conn, cmd)
-        self._notify(conn, cmd)
+        if not self._refused(conn, cmd, self.bookkeeping.user_ip(conn, cmd)):
+            self._notify(conn, cmd)
+
+    def on_PING(self, conn, cmd) -> None:
+        # Every peer PINGs every few seconds: old bookkeeping goes meanwhile.
+        self.bookkeeping.expire()
+
+    def _refused(self, conn, cmd, why: Optional[str]) -> bool:
+        """If ``why``: the peer may not do ``cmd``; ``ERROR why`` and close."""
+        if why is None:
+            return False
+        metrics.COMMANDS_DROPPED.labels(cmd.NAME, "refused").inc()
+        log.warn("Refusing {command} from {conn}: {why}", command=cmd.NAME, conn=conn, why=why)
+        close = getattr(conn, "close", None)
+        if close is not None:
+            close(REFUSED, why)
+        return True
 
     def _relay(self, conn, cmd) -> None:
         if not conn.is_client_side:
@@ -305,6 +337,10 @@ class ReplicationHandler:
                 method(conn, cmd)
 
     # ---------------------------------------------------------- bookkeeping
+    def refresh_metrics(self) -> None:
+        """Set the bookkeeping gauges (from snapshots: any thread)."""
+        self.bookkeeping.refresh_metrics()
+
     @property
     def user_syncs(self):
         return self.bookkeeping.user_syncs

@@ -10,8 +10,8 @@ Invariants:
 
 * RDATA rows without a token (``batch``) are collected per connection until
   the row with the token ends the fact; a fact is only ever handed on whole.
-  A POSITION of the writer ends any batch of it that is still open (the
-  writer never sends one inside a fact: the rest was lost on the way).
+  A POSITION of the writer ends its batch still open on that connection
+  (the writer never sends one inside a fact: the rest was lost on the way).
 * Lines of a connection count only once a POSITION of the writer arrived on
   it (before that, what the POSITION covers is fetched from the table).
 * Commands are processed one at a time, in arrival order, across
@@ -106,11 +106,13 @@ class Reader:
         """A POSITION of the writer from ``conn``.
 
         The writer sends a POSITION only between facts: a batch of it still
-        open here (on any connection) lost its end on the way and is
-        discarded; if that fact was committed, the POSITION covers it and it
-        comes back whole through catch-up (or as RDATA again).
+        open on this connection lost its end on the way and is discarded; if
+        that fact was committed, the POSITION covers it and it comes back
+        whole through catch-up.  (A batch open on another connection is left
+        to that connection: lines still arriving there late complete it, and
+        whatever it completes at or below the position is dropped.)
         """
-        self._batches.clear()
+        self._batches.pop(conn, None)
         self._connected.add(conn)
         if new > self.seen:
             self.seen = new

@@ -8,8 +8,8 @@ Invariants:
 * Only whole facts are relayed: ``batch`` rows wait, per (connection,
   stream, writer), for the row that carries the token, then the fact's
   lines go out in one call.  A partial batch dies with its connection, and
-  with a POSITION of the same writer (sent only between facts: the rest of
-  the batch was lost on the writer's side).
+  with a POSITION of the same writer on that connection (sent only between
+  facts: the rest of the batch was lost on the writer's side).
 * ``relayed`` per (stream, writer) is the largest token passed on; the
   server's REPLICATE answer for such a writer is never below it.
 """
@@ -38,8 +38,7 @@ class Relay:
 
     def position(self, conn, key: Key, cmd) -> None:
         """A POSITION line of a writer client on ``conn``."""
-        for batches in self._batches.values():
-            batches.pop(key, None)
+        self._batches.get(conn, {}).pop(key, None)
         self.relayed[key] = max(self.relayed.get(key, 0), cmd.new_token)
         self._broadcast([(cmd.to_line() + "\n").encode("utf-8")], "POSITION", exclude=conn)
 

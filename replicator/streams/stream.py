@@ -112,6 +112,11 @@ class Stream:
         self._recent_unknown: Dict[str, set] = {}  # failed writes: ask the table
         self._persist_call = None
         self._persisting: Optional[defer.Deferred] = None
+        # One writer, and it writes here: every ID of the sequence is ours,
+        # so one we never reserved is a fact written behind our back.
+        self._sole_writer = len(config.writers) == 1 and self.local_writers == list(config.writers)
+        self._foreign_facts = metrics.FOREIGN_FACTS.labels(self.name)
+        self._foreign_burst: set = set()  # writers in a burst of foreign facts (logged)
         # Database connections whose sequence check ran (see
         # _sequence_past_positions); a reconnect makes a new connection.
         self._sequence_checked: "weakref.WeakSet" = weakref.WeakSet()
@@ -171,7 +176,7 @@ class Stream:
         if self.db.is_postgres:
             current = schema.sequence_value(txn, c.sequence)
             if current < top:
-                txn.execute("SELECT setval(%s, %s)", (c.sequence, top))
+                self._move_sequence(txn, current, top)
                 log.warn(
                     "stream {stream}: sequence {seq} was at {current}, behind the "
                     "table's {top}; moved it to {top}",
@@ -300,15 +305,22 @@ class Stream:
         current = schema.sequence_value(txn, self.config.sequence)
         if current >= floor:
             return
+        self._move_sequence(txn, current, floor)
+        metrics.SEQUENCE_MOVED.labels(self.name).inc()
+        log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
+                 "positions (up to {floor}) on a new database connection; moved it past",
+                 stream=self.name, seq=self.config.sequence, current=current, floor=floor)
+
+    def _move_sequence(self, txn, current: int, floor: int) -> None:
+        """Move the sequence from ``current`` to at least ``floor`` by taking
+        values, which never moves it backwards even if other connections
+        take values meanwhile (``setval`` could); ``setval`` only for a gap
+        above ``SEQUENCE_CATCH_UP_MAX``."""
         if floor - current <= self.SEQUENCE_CATCH_UP_MAX:
             txn.execute(f"SELECT max(nextval('{self.config.sequence}')) "
                         "FROM generate_series(1, %s)", (floor - current,))
         else:
             txn.execute("SELECT setval(%s, %s)", (self.config.sequence, floor))
-        metrics.SEQUENCE_MOVED.labels(self.name).inc()
-        log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
-                 "positions (up to {floor}) on a new database connection; moved it past",
-                 stream=self.name, seq=self.config.sequence, current=current, floor=floor)
 
     def _persist_in_transaction(self, writer: str, ids: List[int]) -> bool:
         """Persist the position with the fact unless other writes of this
@@ -383,10 +395,13 @@ class Stream:
                 or to_token > self.id_gen.get_current_token(writer) \
                 or any(from_token < i <= to_token for i in self._recent_unknown[writer]):
             return None
+        ids = sorted(i for i in recent if from_token < i <= to_token)
+        if self._sole_writer and len(ids) < to_token - from_token:
+            return None  # an ID we never reserved: foreign, only the table knows
         updates: List[Update] = []
         upto = to_token
         limited = False
-        for stream_id in sorted(i for i in recent if from_token < i <= to_token):
+        for stream_id in ids:
             rows = recent[stream_id]
             if updates and len(updates) + len(rows) > limit:
                 upto, limited = updates[-1][0], True
@@ -409,10 +424,35 @@ class Stream:
             return [], to_token, False
         answer = self._recent_updates(writer, from_token, to_token, max(1, limit))
         if answer is not None:
+            if writer in self._foreign_burst:
+                self._foreign_burst.discard(writer)
             return answer
-        return await self.db.runInteraction(
+        answer = await self.db.runInteraction(
             self._updates_txn, writer, from_token, to_token, max(1, limit)
         )
+        self._check_foreign(writer, from_token, answer[0])
+        return answer
+
+    def _check_foreign(self, writer: str, from_token: int, updates: List[Update]) -> None:
+        """Report facts of the sole (local) writer under IDs this instance
+        never reserved: written behind its back (e.g. by SQL).  They are
+        delivered like any other; one log line per burst, and a metric."""
+        recent = self._recent.get(writer)
+        if not self._sole_writer or recent is None or not self.keep_recent \
+                or from_token < self._recent_floor[writer]:
+            return
+        unknown = self._recent_unknown[writer]
+        foreign = sorted({t for t, _ in updates if t not in recent and t not in unknown})
+        if not foreign:
+            self._foreign_burst.discard(writer)
+            return
+        self._foreign_facts.inc(len(foreign))
+        if writer not in self._foreign_burst:
+            self._foreign_burst.add(writer)
+            log.warn("stream {stream}: facts written without going through replicator "
+                     "(IDs from {first}, {n} so far); delivered from the table. Writes must "
+                     "go through the library or the HTTP API: others can be passed over "
+                     "while uncommitted", stream=self.name, first=foreign[0], n=len(foreign))
 
     def _updates_txn(self, txn, writer, from_token, to_token, limit):
         prefix = (writer,) if self.config.writer_column else ()

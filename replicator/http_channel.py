@@ -1,0 +1,213 @@
+"""One HTTP connection of the API: deadlines, a connection cap, and a JSON
+answer to every request twisted.web refuses.
+
+* A request's headers must arrive within ``header_timeout`` seconds of its
+  first byte (or of the connection opening), its body within
+  ``body_timeout`` seconds of its headers: a client sending a byte every few
+  seconds (slowloris) resets twisted.web's idle timeout forever, not these.
+  Past a deadline: ``408`` and close.
+* At most ``max_connections`` connections at once; one more is answered
+  ``503`` and closed before anything of it is parsed.
+* A malformed request (bad ``Content-Length``, two framing headers, a NUL in
+  a header, too many or too large headers, a bad request line or chunk) is
+  ``400`` or ``431`` with ``{"error": "..."}`` naming the problem, and closed.
+
+Every refusal is one JSON line with ``Connection: close``; the connection is
+half-closed after it and unread input discarded for a moment (closing with
+unread input would make the kernel reset the connection and the client
+could lose the answer), then closed.  Invariant: once refused, nothing more
+of the connection is parsed.
+"""
+
+import re
+from typing import Optional, Tuple
+
+from twisted.internet import protocol
+from twisted.logger import Logger
+from twisted.web.http import HTTPChannel
+
+from .replication.commands import encode_json
+
+log = Logger(namespace="replicator.http")
+
+#: How long a refused connection is drained before it is closed.
+DRAIN_TIME = 2.0
+REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+           503: b"Service Unavailable"}
+# RFC 9110 token characters: what a header name may be made of.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def refusal(code: int, message: str, extra: bytes = b"") -> bytes:
+    """The whole answer of a refusal: status line, headers, one JSON line."""
+    body = encode_json({"error": message}) + b"\n"
+    return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            b"Cache-Control: no-store\r\nConnection: close\r\n%s\r\n"
+            % (code, REASONS.get(code, b"Error"), len(body), extra)) + body
+
+
+def _close_after_answer(transport, clock, drain_time: float):
+    """Half-close (the client reads the answer and sees the end), then close
+    after ``drain_time``; returns the delayed call."""
+    try:
+        transport.loseWriteConnection()
+    except (AttributeError, NotImplementedError):
+        transport.loseConnection()
+    return clock.callLater(drain_time, transport.loseConnection)
+
+
+class Channel(HTTPChannel):
+    """twisted.web's HTTP/1.1 channel with deadlines and JSON refusals.
+
+    Why a subclass: twisted.web answers a malformed request in one private
+    method (``_respondToBadRequestAndDisconnect``, a bare ``400`` with no
+    body) and closes without a word on an overlong line
+    (``LineReceiver.lineLengthExceeded``); neither has a public hook.  The
+    deadlines need the points where a request starts (``dataReceived``), its
+    headers end (``allHeadersReceived``) and its body ends
+    (``allContentReceived``), which only the channel sees.  Everything else
+    is twisted.web's own parsing: the overrides say *why* a request is
+    refused (``_why``, set before each parsing step that may refuse) and
+    answer instead of Twisted.
+    """
+
+    header_timeout = 10.0
+    body_timeout = 30.0
+    api = None  # the HttpApi: counts connections, logs refusals
+
+    _why: Optional[Tuple[int, str]] = None
+    _deadline = None
+    _closer = None
+    refused = False
+
+    # ------------------------------------------------------------ events
+    def connectionMade(self):
+        super().connectionMade()
+        if self.api is not None:
+            self.api.open_connections += 1
+        self._start_deadline("headers", self.header_timeout)
+
+    def connectionLost(self, reason):
+        if self.api is not None:
+            self.api.open_connections -= 1
+            self.api = None
+        self._cancel_deadline()
+        if self._closer is not None and self._closer.active():
+            self._closer.cancel()
+        super().connectionLost(reason)
+
+    def dataReceived(self, data):
+        if self.refused:
+            return  # drained
+        if self._deadline is None and not self._handlingRequest and self.line_mode:
+            self._start_deadline("headers", self.header_timeout)
+        super().dataReceived(data)
+
+    def lineReceived(self, line):
+        if self.refused:
+            return
+        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            self._why = (431, f"request headers larger than {self.totalHeadersSize} bytes")
+        else:
+            self._why = (400, "malformed request line")
+        super().lineReceived(line)
+
+    def headerReceived(self, line):
+        self._why = self._header_problem(line)
+        return super().headerReceived(line)
+
+    def allHeadersReceived(self):
+        self._cancel_deadline()
+        super().allHeadersReceived()
+        if self.length != 0 and not self.refused:
+            self._start_deadline("body", self.body_timeout)
+
+    def allContentReceived(self):
+        self._cancel_deadline()
+        super().allContentReceived()
+
+    def rawDataReceived(self, data):
+        if self.refused:
+            return
+        self._why = (400, "malformed chunked body")
+        super().rawDataReceived(data)
+
+    def lineLengthExceeded(self, line):
+        self._refuse(431, f"request headers larger than {self.MAX_LENGTH} bytes")
+
+    def _respondToBadRequestAndDisconnect(self):
+        code, message = self._why or (400, "malformed HTTP request")
+        self._refuse(code, message)
+
+    # ----------------------------------------------------------- helpers
+    def _header_problem(self, line: bytes) -> Tuple[int, str]:
+        """Why twisted.web would refuse this header line, should it."""
+        name, sep, value = line.partition(b":")
+        if not sep:
+            return 400, "malformed header line"
+        if not _TOKEN.fullmatch(name):
+            return 400, "invalid header name"
+        value = value.strip(b" \t")
+        if len(value.translate(None, b"\x00\r\n")) != len(value):
+            return 400, "a header value contains NUL, CR or LF"
+        lower = name.lower()
+        if lower in (b"content-length", b"transfer-encoding"):
+            if lower == b"content-length" and not value.isdigit():
+                return 400, "invalid Content-Length header"
+            if lower == b"transfer-encoding" and value.lower() not in (b"chunked",
+                                                                       b"identity"):
+                return 400, "unsupported Transfer-Encoding (only chunked)"
+            if self._transferDecoder is not None:
+                return 400, "more than one Content-Length or Transfer-Encoding header"
+        if self._receivedHeaderCount + 1 > self.maxHeaders:
+            return 431, f"more than {self.maxHeaders} header lines"
+        return 400, "malformed header line"
+
+    def _start_deadline(self, what: str, seconds: float) -> None:
+        self._cancel_deadline()
+        self._deadline = self.callLater(
+            seconds, self._refuse, 408, f"request {what} not received within {seconds:g}s")
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            if self._deadline.active():
+                self._deadline.cancel()
+            self._deadline = None
+
+    def _refuse(self, code: int, message: str) -> None:
+        """Answer ``code`` with ``message``, parse nothing more, close."""
+        if self.refused:
+            return
+        self.refused = True
+        self._cancel_deadline()
+        self.setTimeout(None)
+        answer = refusal(code, message)
+        self.transport.write(answer)
+        self._closer = _close_after_answer(self.transport, self, DRAIN_TIME)
+        if self.api is not None:
+            self.api.log_refusal(self.transport, code, len(answer), message,
+                                 getattr(self, "_command", None), getattr(self, "_path", None))
+
+
+class Busy(protocol.Protocol):
+    """A connection over the cap: a JSON 503, drained, closed."""
+
+    def __init__(self, api, limit: int, clock):
+        self.api = api
+        self.limit = limit
+        self.clock = clock
+        self._closer = None
+
+    def connectionMade(self):
+        message = f"too many HTTP connections ({self.limit}): try again later"
+        answer = refusal(503, message, b"Retry-After: 1\r\n")
+        self.transport.write(answer)
+        self._closer = _close_after_answer(self.transport, self.clock, DRAIN_TIME)
+        self.api.log_refusal(self.transport, 503, len(answer), message, None, None)
+
+    def dataReceived(self, data):
+        pass  # drained
+
+    def connectionLost(self, reason):
+        if self._closer is not None and self._closer.active():
+            self._closer.cancel()

@@ -1,0 +1,459 @@
+"""Phase 3: forged peers against a running master on PostgreSQL (stream
+``caches`` written by ``master`` and ``worker1``, ``events`` by ``master``),
+the attacks of issue 11 items 1-4, each beside an honest reader:
+
+* ``poison_master``: ``NAME worker1`` + ``POSITION caches worker1 777 2^62``;
+  the master's next ``caches`` fact must still reach the reader and the
+  master's own token must not move to 2^62.
+* ``poison_worker``: a forged upstream tells a worker ``POSITION events
+  master 0 2^70``; the real fact 1 in the table must still reach the
+  worker's consumer (after the claim is refused and a truthful upstream
+  answers).
+* ``impersonate_master``: ``NAME master`` + RDATA for ``master``: refused,
+  never relayed.
+* ``impersonate_writer``: a peer that merely says ``NAME worker1`` gets its
+  RDATA relayed (no identity check without TLS/allow-list: reported as a
+  figure, not a finding, since the fix is a setting).
+* ``bookkeeping``: another connection's ``CLEAR_USER_SYNC worker1``,
+  ``USER_SYNC worker1 ...`` and ``FEDERATION_ACK worker1`` must not change
+  worker1's state; which bookkeeping endpoints answer without the secret is
+  reported.
+* ``relay_long_line``: a 12 KB ``LOCK_RELEASED`` with non-ASCII text and a
+  lone surrogate: the honest reader stays connected and gets no line over
+  the limit.
+"""
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from typing import List, Optional
+
+import yaml
+
+from tests.servers import free_port
+
+from . import inputs
+from .daemon import (
+    ROOT, SECRET, Daemon, HonestReader, http_get, log_problems, wait_for,
+)
+from .results import PhaseResult, show
+from .sockets import _check_daemon
+
+BIG = 2 ** 62
+
+
+class Peer:
+    """A raw replication connection: send lines, collect what comes back."""
+
+    def __init__(self, port: int, lines: str = ""):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.received = b""
+        self.closed = False
+        if lines:
+            self.send(lines)
+
+    def send(self, text) -> None:
+        data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+        try:
+            self.sock.sendall(data)
+        except OSError:
+            self.closed = True
+
+    def drain(self, seconds: float = 0.5) -> bytes:
+        deadline = time.monotonic() + seconds
+        while not self.closed and time.monotonic() < deadline:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(1 << 16)
+            except socket.timeout:
+                break
+            except OSError:
+                self.closed = True
+                break
+            if not data:
+                self.closed = True
+                break
+            self.received += data
+        return self.received
+
+    def errors(self) -> List[bytes]:
+        return [l for l in self.received.split(b"\n") if l.startswith(b"ERROR")]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _positions(daemon: Daemon) -> dict:
+    status, body = http_get(daemon.http_port, "/_replicator/v1/positions", SECRET)
+    return json.loads(body)["streams"]
+
+
+def _write(daemon: Daemon, stream: str, rows) -> int:
+    """One fact through the HTTP API; its stream ID."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.http_port, timeout=30)
+    try:
+        conn.request("POST", f"/_replicator/v1/streams/{stream}/facts",
+                     body=json.dumps({"rows": rows}).encode(),
+                     headers={"Authorization": f"Bearer {SECRET}"})
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise AssertionError(f"write failed: {response.status} {body!r}")
+    return json.loads(body)["stream_id"]
+
+
+def poison_master(daemon, result) -> None:
+    reader = HonestReader(daemon.rep_port)
+    reader.start()
+    reader.connected.wait(10)
+    attack = f"NAME worker1\nPOSITION caches worker1 777 {BIG}\n"
+    peer = Peer(daemon.rep_port, attack)
+    peer.drain(1.0)
+    result.tried("poison_master")
+    token = _write(daemon, "caches", [["poison-probe", None, 1]])
+    try:
+        wait_for(lambda: token in reader.facts.get(("caches", "master"), {})
+                 or reader.disconnected, 10, "fact after poisoning")
+        if reader.disconnected:
+            raise AssertionError(reader.disconnected)
+    except AssertionError:
+        result.found("position_poisoning", "master fact never reached the reader", "poison_master",
+                     repr(attack), f"fact {token}; reader positions "
+                     f"{ {f'{s}/{w}': p for (s, w), p in reader.positions.items()} }")
+    master = _positions(daemon)["caches"]["writers"]["master"]["position"]
+    if master is not None and master >= BIG:
+        result.found("position_poisoning", "master's own token moved by a peer's claim",
+                     "poison_master", repr(attack), f"caches/master position {master}")
+    result.figure("poison_master.peer_refused", bool(peer.errors()) and peer.closed)
+    peer.close()
+    reader.stop()
+
+
+def impersonate_master(daemon, result) -> None:
+    reader = HonestReader(daemon.rep_port)
+    reader.start()
+    reader.connected.wait(10)
+    attack = 'NAME master\nRDATA caches master 999999 ["forged",null,1]\n'
+    peer = Peer(daemon.rep_port, attack)
+    peer.drain(1.0)
+    result.tried("impersonate_master")
+    if 999999 in reader.facts.get(("caches", "master"), {}):
+        result.found("impersonation", "RDATA as master relayed", "impersonate_master",
+                     repr(attack))
+    if not (peer.errors() and peer.closed):
+        result.found("impersonation", "RDATA as master not refused with ERROR + close",
+                     "impersonate_master", repr(attack), show(peer.received[-200:]))
+    peer.close()
+    reader.stop()
+
+
+def impersonate_writer(daemon, result) -> None:
+    reader = HonestReader(daemon.rep_port)
+    reader.start()
+    reader.connected.wait(10)
+    attack = 'NAME worker1\nRDATA caches worker1 3 ["forged",null,1]\n'
+    peer = Peer(daemon.rep_port, attack)
+    peer.drain(1.0)
+    result.tried("impersonate_writer")
+    relayed = 3 in reader.facts.get(("caches", "worker1"), {})
+    result.figure("impersonate_writer.relayed_without_identity_check", relayed)
+    peer.close()
+    reader.stop()
+
+
+def _refused(peer: Peer) -> bool:
+    return bool(peer.errors()) and peer.closed
+
+
+def rename(daemon, result) -> None:
+    """A connection names itself once; the server's own name is never a peer's."""
+    for variant, lines in (("second_name", "NAME worker1\nNAME worker2\n"),
+                           ("own_name", "NAME master\nREPLICATE\n")):
+        peer = Peer(daemon.rep_port, lines)
+        peer.drain(1.0)
+        result.tried(f"rename.{variant}")
+        if not _refused(peer):
+            result.found("identity", f"{variant} not refused with ERROR + close", "rename",
+                         repr(lines), show(peer.received[-200:]))
+        peer.close()
+
+
+def allow_lists(directory, result) -> None:
+    """``allowed_peers`` and ``allowed_networks`` in a daemon of their own."""
+    d = Daemon(os.path.join(directory, "allow"), allowed_peers=["worker1"])
+    os.makedirs(d.dir)
+    try:
+        d.start()
+        for variant, lines, refused in (
+                ("anonymous_reader", "REPLICATE\n", True),
+                ("unlisted_name", "NAME evil\nREPLICATE\n", True),
+                ("listed_name", "NAME worker1\nREPLICATE\n", False)):
+            peer = Peer(d.rep_port, lines)
+            peer.drain(1.0)
+            result.tried(f"allow_lists.{variant}")
+            if _refused(peer) != refused:
+                result.found("identity", f"allowed_peers: {variant} "
+                             f"{'accepted' if refused else 'refused'}", "allow_lists",
+                             repr(lines), show(peer.received[-200:]))
+            peer.close()
+        d.stop()
+        _check_daemon(result, d, None)
+    finally:
+        d.kill()
+    d = Daemon(os.path.join(directory, "networks"), allowed_networks=["10.0.0.0/8"])
+    os.makedirs(d.dir)
+    try:
+        d.start()
+        peer = Peer(d.rep_port, "NAME worker1\nREPLICATE\n")
+        peer.drain(1.0)
+        result.tried("allow_lists.network")
+        if not _refused(peer) or b"SERVER" in peer.received:
+            result.found("identity", "allowed_networks: a peer from elsewhere got in",
+                         "allow_lists", "127.0.0.1 not in 10.0.0.0/8",
+                         show(peer.received[-200:]))
+        peer.close()
+        d.stop()
+        _check_daemon(result, d, None)
+    finally:
+        d.kill()
+
+
+def tls_identity(directory, dsn, result) -> None:
+    """With ``client_ca``, NAME is the certificate's: a worker1 certificate
+    saying NAME master, another certificate of the CA saying NAME worker1,
+    and a certificate of another CA are all refused."""
+    import ssl
+
+    from tests.test_tls import make_pki
+
+    pki_dir = os.path.join(directory, "pki")
+    os.makedirs(pki_dir)
+    pki = make_pki(pki_dir)
+    port = free_port()
+    listen = (f"ssl:{port}:interface=127.0.0.1:privateKey={pki['server.key']}"
+              f":certKey={pki['server.crt']}")
+    d = Daemon(os.path.join(directory, "tls"), dsn, client_ca=pki["ca.crt"])
+    os.makedirs(d.dir)
+    d.rep_port = port
+    d.config["replication"]["listen"] = listen
+
+    def exchange(who, lines):
+        context = ssl.create_default_context(cafile=pki["ca.crt"])
+        context.load_cert_chain(pki[f"{who}.crt"], pki[f"{who}.key"])
+        data = b""
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                with context.wrap_socket(raw, server_hostname="localhost") as s:
+                    s.sendall(lines.encode())
+                    s.settimeout(2)
+                    while True:
+                        chunk = s.recv(4096)
+                        if not chunk:
+                            break
+                        data += chunk
+        except (ssl.SSLError, OSError) as e:
+            return data, e
+        return data, None
+
+    try:
+        d.start()
+        attack = ('POSITION caches worker1 0 1\nRDATA caches worker1 1 ["forged",null,1]\n'
+                  "POSITION caches worker1 1 1\n")
+        for who, name, accepted in (("client", "master", False), ("client", "worker2", False),
+                                    ("intruder", "worker1", False),
+                                    ("stranger", "worker1", False),
+                                    ("client", "worker1", True)):
+            lines = f"NAME {name}\n" + ("REPLICATE\n" if accepted else attack)
+            data, error = exchange(who, lines)
+            result.tried(f"tls_identity.{who}_as_{name}")
+            got_in = b"POSITION caches master" in data or (
+                not accepted and error is None and not data.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+                .startswith(b"ERROR"))
+            if got_in != accepted:
+                result.found("identity", f"client_ca: {who} certificate as NAME {name} "
+                             f"{'accepted' if got_in else 'refused'}", "tls_identity",
+                             repr(lines), f"{show(data[-200:])} {error!r}")
+        d.stop()
+        _check_daemon(result, d, None)
+    finally:
+        d.kill()
+
+
+def bookkeeping(daemon, result) -> None:
+    owner = Peer(daemon.rep_port, "NAME worker1\nUSER_SYNC worker1 @real:hs.test D start 1\n"
+                                  "FEDERATION_ACK worker1 5\n")
+    owner.drain(0.5)
+    attacks = [
+        ("clear_other", "CLEAR_USER_SYNC worker1\n",
+         lambda s, a: any(u["user_id"] == "@real:hs.test" for u in s.get("worker1", []))),
+        ("sync_as_other", "USER_SYNC worker1 @forged:hs.test D start 1\n",
+         lambda s, a: not any(u["user_id"] == "@forged:hs.test" for u in s.get("worker1", []))),
+        ("ack_as_other", "FEDERATION_ACK worker1 999\n", lambda s, a: a.get("worker1") != 999),
+    ]
+    for name, line, ok in attacks:
+        evil = Peer(daemon.rep_port, "NAME evil\n" + line)
+        evil.drain(0.5)
+        result.tried(f"bookkeeping.{name}")
+        syncs = json.loads(http_get(daemon.http_port, "/_replicator/v1/user_syncs",
+                                    SECRET)[1])["user_syncs"]
+        acks = json.loads(http_get(daemon.http_port, "/_replicator/v1/federation_acks",
+                                   SECRET)[1])["acks"]
+        if not ok(syncs, acks):
+            result.found("bookkeeping_overwritten", name, "bookkeeping", repr(line),
+                         f"user_syncs {syncs}; acks {acks}")
+        evil.close()
+    owner.close()
+    open_paths = []
+    for path in ("/_replicator/v1/positions", "/_replicator/v1/user_syncs",
+                 "/_replicator/v1/user_ips", "/_replicator/v1/federation_acks"):
+        if http_get(daemon.http_port, path)[0] == 200:
+            open_paths.append(path.rsplit("/", 1)[1])
+    result.figure("bookkeeping.answer_without_secret", open_paths)
+
+
+def relay_long_line(daemon, result) -> None:
+    reader = HonestReader(daemon.rep_port)
+    reader.start()
+    reader.connected.wait(10)
+    for variant, key in (("cjk", "中" * 4000 + "\\ud800"), ("latin", "é" * 6000 + "\\udc80"),
+                         ("ascii", "a" * 12000 + "\\ud800")):
+        line = f'LOCK_RELEASED ["worker1","purge","{key}"]\n'
+        peer = Peer(daemon.rep_port, "NAME worker1\n" + line)
+        peer.drain(1.0)
+        result.tried(f"relay_long_line.{variant}")
+        if reader.disconnected:
+            result.found("relay_disconnects_others", variant, "relay_long_line",
+                         show(line.encode()), f"reader: {reader.disconnected}, "
+                         f"errors {reader.errors[:2]}")
+            break
+        for bad in reader.bad_lines:
+            result.found("relay_sent_bad_line", variant, "relay_long_line",
+                         show(line.encode()), show(bad))
+        reader.bad_lines.clear()
+        peer.close()
+    reader.stop()
+
+
+def poison_worker(directory, dsn, result) -> None:
+    """A forged upstream claims ``events/master`` is at 2^70."""
+    import psycopg2
+
+    upstream = socket.socket()
+    upstream.bind(("127.0.0.1", 0))
+    upstream.listen(5)
+    port = upstream.getsockname()[1]
+    http_port = free_port()
+    config = {
+        "server_name": inputs.SERVER_NAME, "instance_name": "worker1", "log_level": "info",
+        "database": {"postgres": dsn},
+        "replication": {"upstream": f"tcp:host=127.0.0.1:port={port}"},
+        "http": {"listen": f"tcp:{http_port}:interface=127.0.0.1", "secret": SECRET},
+        "streams": inputs.STREAMS,
+        "consumers": [{"type": "jsonl", "path": "facts.jsonl"}],
+    }
+    path = os.path.join(directory, "worker1.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    import subprocess
+    import sys
+
+    log_path = os.path.join(directory, "worker.log")
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "replicator.cli", "run", "-c", path],
+                                cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        upstream.settimeout(60)
+        conn, _ = upstream.accept()
+        # The real fact 1 of events/master, committed in the shared database.
+        db = psycopg2.connect(dsn)
+        with db, db.cursor() as cur:
+            cur.execute("SELECT nextval('event_stream_seq')")
+            token = cur.fetchone()[0]
+            cur.execute("INSERT INTO event_stream (stream_id, instance_name, event_id, n, ok) "
+                        "VALUES (%s, 'master', '$real', NULL, true)", (token,))
+        db.close()
+        attack = f"SERVER {inputs.SERVER_NAME}\nPOSITION events master 0 {2 ** 70}\n"
+        conn.sendall(attack.encode())
+        result.tried("poison_worker")
+        time.sleep(1.0)
+        conn.close()
+        # A truthful upstream from now on.
+        upstream.settimeout(30)
+        try:
+            conn2, _ = upstream.accept()
+            conn2.sendall(f"SERVER {inputs.SERVER_NAME}\nPOSITION events master 0 {token}\n"
+                          .encode())
+        except socket.timeout:
+            conn2 = None
+        facts_path = os.path.join(directory, "facts.jsonl")
+
+        def delivered():
+            if not os.path.exists(facts_path):
+                return False
+            with open(facts_path, "rb") as f:
+                return b"$real" in f.read()
+
+        try:
+            wait_for(delivered, 15, "fact 1 delivered to the worker's consumer")
+        except AssertionError:
+            result.found("position_poisoning", "worker: real fact never delivered after an "
+                         "upstream claimed 2^70", "poison_worker", repr(attack),
+                         f"fact {token} of events/master in the table")
+        if conn2 is not None:
+            conn2.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except Exception:
+            proc.kill()
+        upstream.close()
+    with open(log_path, "rb") as f:
+        for kind, line in log_problems(f.read().decode("utf-8", "replace")):
+            result.found(kind, line, "poison_worker", "")
+
+
+ATTACKS = [impersonate_master, impersonate_writer, rename, bookkeeping, relay_long_line,
+           poison_master]
+#: Attacks that start daemons of their own (make fuzz only).
+EXTRA = [allow_lists, tls_identity, poison_worker]
+
+
+def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
+    """``dsn_factory()`` gives a fresh PostgreSQL database's DSN."""
+    result = PhaseResult("3-peers")
+    directory = tempfile.mkdtemp(prefix="fuzz-peers-")
+    daemon = Daemon(directory, dsn_factory())
+    try:
+        daemon.start()
+        for attack in attacks or ATTACKS:
+            if attack not in EXTRA:
+                attack(daemon, result)
+        if not daemon.alive():
+            result.found("daemon_died", f"exit {daemon.proc.returncode}", "-", "")
+        code = daemon.stop()
+        if code not in (0, None) or code is None:
+            result.found("unclean_stop", f"exit {code}", "-", "")
+        _check_daemon(result, daemon, None)
+        attacks = attacks or ATTACKS
+        if allow_lists in attacks:
+            allow_lists(directory, result)
+        if tls_identity in attacks:
+            tls_identity(directory, dsn_factory(), result)
+        if poison_worker in attacks:
+            worker_dir = os.path.join(directory, "worker")
+            os.makedirs(worker_dir)
+            poison_worker(worker_dir, dsn_factory(), result)
+    finally:
+        daemon.kill()
+        shutil.rmtree(directory, ignore_errors=True)
+    return result.done()
