@@ -148,14 +148,14 @@ def run(scenario, transport, seed, duration, **kwargs):
 
 
 class SliceTests(SynchronousTestCase):
-    """A short seeded slice of ``make chaos`` (fixed seeds, 12 s of faults
+    """A short seeded slice of ``make chaos`` (fixed seeds, 10 s of faults
     each), limited to scenarios that pass reliably on main."""
 
     SLICE = [("crash", "tcp", 101), ("net", "tcp", 102), ("pause", "redis", 103)]
 
     def test_slice(self):
         for scenario, transport, seed in self.SLICE:
-            result, out = run(scenario, transport, seed, 12.0)
+            result, out = run(scenario, transport, seed, 10.0)
             self.assertGreater(result["faults"], 0, out)
             self.assertGreater(result["outcomes"].get("acked", 0), 100, out)
             self.assertTrue(result["quiescent"], out)
@@ -164,7 +164,7 @@ class SliceTests(SynchronousTestCase):
     def test_planted_defect_is_caught(self):
         """Every 100th row dropped at the readers: facts lost or split, and
         nothing else blamed."""
-        result, out = run("none", "tcp", 104, 8.0, plant="drop-rdata",
+        result, out = run("none", "tcp", 104, 6.0, plant="drop-rdata",
                           quiescence_timeout=30.0)
         violations = result["violations"]
         self.assertGreater(violations["lost"] + violations["split"], 0, out)
