@@ -25,6 +25,10 @@ KNOWN_OPEN = [
     ("3-peers", "relay_sent_bad_line", r".*",
      "issue 11 item 4: a relayed LOCK_RELEASED is re-encoded with ASCII escapes past "
      "max_line_length"),
+    ("3-peers", "batch_uncapped", r".*",
+     "issue 11 item 5: a writer peer's unfinished batch is not capped (20 MB held)"),
+    ("3-peers", "queue_unbounded_in_bytes", r".*",
+     "issue 11 item 7: lines queued for a reader that does not read are bounded in count only"),
     ("5-configs", "traceback", r"RecursionError: maximum recursion depth exceeded.*"
      r"|unfinished traceback in yaml/.*",
      "found by this suite: a config with a YAML value nested ~900+ deep makes the YAML "
