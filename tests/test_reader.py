@@ -245,8 +245,8 @@ class ReaderStateTests(SynchronousTestCase):
             self.flushLoggedErrors(ReadFailed)
 
 
-class PartialBatchTests(SynchronousTestCase):
-    """Defect 1, the case seen on Redis, step by step."""
+class ReaderTests(SynchronousTestCase):
+    """Cases step by step."""
 
     def test_writer_position_ends_its_partial_batch(self):
         table = {1: [["a", 1], ["b", 1]], 2: [["c", 2]]}
@@ -260,3 +260,20 @@ class PartialBatchTests(SynchronousTestCase):
         reader.position_line(conn, 1, 1)    # back, it re-announces its position
         reader.rdata(conn, 2, ["c", 2])
         self.assertEqual(delivered, [(1, [["a", 1], ["b", 1]]), (2, [["c", 2]])])
+
+    def test_stopped_reader_is_idle_once_its_work_in_hand_ends(self):
+        """At shutdown the handler waits for readers to be idle: what is
+        still queued will not run, so only the work in hand counts."""
+        pending = []
+        reader = Reader(STREAM, WRITER, 0, clock=Clock(), fetch_limit=10,
+                        source=lambda *args: pending.append(defer.Deferred()) or pending[-1],
+                        deliver=lambda token, rows: None)
+        conn = Conn(1)
+        reader.position_line(conn, 5, 5)  # catch-up: the read is under way
+        reader.position_line(conn, 6, 6)
+        self.assertFalse(reader.idle())
+        reader.stop()
+        self.assertFalse(reader.idle())
+        pending[0].callback(([(3, ["c", 3])], 5, False))
+        self.assertTrue(reader.idle())
+        self.assertEqual(reader.position, 0)  # nothing handed on after stop
