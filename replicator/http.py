@@ -282,6 +282,13 @@ class _Request(server.Request):
             return  # answered already; the connection is closing
         if self.started is None:
             self.started = time.monotonic()
+        if self.path == b"*":
+            # twisted.web answers "*" itself (a bodiless 405); to the API it
+            # is a path like any other (a JSON 404).
+            self.site = self.channel.site
+            self.prepath, self.postpath = [], []
+            self.render(self.site.resource)
+            return
         super().process()
 
 

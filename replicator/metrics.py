@@ -63,6 +63,14 @@ TRANSPORT_BUFFER = Gauge(
 DISCONNECTS = Counter(
     "replicator_disconnects_total", "Replication disconnects by reason", ["reason"]
 )
+CONNECTIONS_REFUSED = Counter(
+    "replicator_connections_refused_total",
+    "Replication connections refused at accept (ERROR and close), by reason", ["reason"]
+)
+RECONNECT_DELAY = Gauge(
+    "replicator_reconnect_delay_seconds",
+    "Last reconnect wait of an outgoing link (0 once a connection proved healthy)", ["link"]
+)
 READER_LAG = Gauge(
     "replicator_reader_lag", "Writer's announced token minus this reader's token",
     ["stream", "writer"], registry=None,

@@ -188,6 +188,7 @@ class Instance:
         self.settings = ConnectionSettings(
             max_line_length=rep.max_line_length, ping_interval=rep.ping_interval,
             ping_timeout=rep.ping_timeout, max_queued_lines=rep.max_queued_lines,
+            max_queued_bytes=rep.max_queued_bytes, idle_timeout=rep.idle_timeout,
         )
         self.services = MultiService()
         self.listeners: List[ListeningService] = []
@@ -214,8 +215,10 @@ class Instance:
         """Whether this instance's replication links are up (workers)."""
         rep = self.config.replication
         if rep.upstream:
-            up = any(c.is_client_side for c in self.handler.connections)
-            if not up:
+            # Connected means the upstream answered the handshake on a link
+            # still up (a silent one is timed out after ping_timeout); an
+            # accepted socket alone says nothing.
+            if self.upstream is None or not self.upstream.connected:
                 return False, f"not connected to upstream {rep.upstream}"
         if rep.redis and self.redis is not None and not self.redis.connected:
             return False, f"not connected to redis {rep.redis.endpoint}"
@@ -233,19 +236,22 @@ class Instance:
             self._warn_exposed(rep.listen, "replication")
             policy = policy_from_config(rep, local_names(self.handler))
             factory = ReplicationServerFactory(self.handler, config.server_name, self.settings,
-                                               policy=policy)
+                                               policy=policy, max_connections=rep.max_connections)
             self._listen(rep.listen, factory, "replication", rep.client_ca,
                          key="replication.listen")
         if rep.upstream:
             self.upstream = upstream_service(
                 self.reactor, rep.upstream, self.handler, config.instance_name,
-                config.server_name, self.settings)
+                config.server_name, self.settings, initial_delay=rep.reconnect_initial_delay,
+                max_delay=rep.reconnect_max_delay)
             self.upstream.setServiceParent(self.services)
         if rep.redis:
             from .replication.redis import RedisReplication
 
             self.redis = RedisReplication(self.reactor, rep.redis, self.handler,
-                                          config.server_name, config.instance_name)
+                                          config.server_name, config.instance_name,
+                                          initial_delay=rep.reconnect_initial_delay,
+                                          max_delay=rep.reconnect_max_delay)
             self.redis.setServiceParent(self.services)
         self.health = HealthMonitor(
             registry=self.registry, handler=self.handler, db=self.db, clock=self.reactor,

@@ -73,8 +73,8 @@ class ReplicationHandler:
         retry_delay: float = 1.0,
         fanout_interval: float = 0.003,
         known_names: Iterable[str] = (),
-        max_user_syncs: int = 100_000,
-        max_user_ips: int = 100_000,
+        max_user_syncs: int = 50_000,
+        max_user_ips: int = 20_000,
         max_federation_acks: int = 1_000,
         bookkeeping_max_age: float = 86_400.0,
     ):

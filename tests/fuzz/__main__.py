@@ -58,7 +58,7 @@ def main(argv=None) -> None:
             _print(results.add(peers.run_phase(args.seed, server.create_database,
                                                peers.ATTACKS + peers.EXTRA)))
         if "4" in phases:
-            _print(results.add(httpfuzz.run_phase(args.seed, n["http"])))
+            _print(results.add(httpfuzz.run_phase(args.seed, n["http"], slow=True)))
         if "5" in phases:
             _print(results.add(configs.run_phase(args.seed, n["configs"], threads=CONFIG_THREADS)))
 
