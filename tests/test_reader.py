@@ -263,9 +263,9 @@ class HubReaderMachine(ReaderMachine):
     def send_line(self, line):
         cmd = parse_line(line.decode().rstrip("\n"))
         if cmd.NAME == "RDATA":
-            self.relay.rdata(self.hub_conn, (STREAM, WRITER), cmd)
+            self.relay.rdata(self.hub_conn, (STREAM, WRITER), cmd.token, line)
         else:
-            self.relay.position(self.hub_conn, (STREAM, WRITER), cmd)
+            self.relay.position(self.hub_conn, (STREAM, WRITER), cmd.new_token, line)
 
     def hub_answer(self):
         token = self.relay.relayed.get((STREAM, WRITER), 0)
