@@ -52,6 +52,13 @@ COMMANDS_DROPPED = Counter(
     "Outbound commands never written (line too long) or inbound ones ignored (unknown)",
     ["command", "reason"],
 )
+INBOUND_REFUSED = Counter(
+    "replicator_inbound_refused_total",
+    "RDATA/POSITION of a peer refused and never acted on: a token beyond the stream's "
+    "sequence (beyond_sequence), a row that does not fit the stream (bad_row), a partial "
+    "batch over its bounds (batch_too_large)",
+    ["stream", "reason"],
+)
 PENDING_COMMANDS = Gauge(
     "replicator_pending_commands", "Commands queued while the connection is paused", ["name"],
     registry=None,

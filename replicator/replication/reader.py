@@ -118,6 +118,14 @@ class Reader:
             self.seen = new
         self._enqueue(("position", prev, new))
 
+    def drop_batch(self, conn) -> None:
+        """Forget the partial batch of ``conn`` (its next row was refused)."""
+        self._batches.pop(conn, None)
+
+    def partial_rows(self, conn) -> int:
+        """Rows of ``conn`` waiting for the row that ends their fact."""
+        return len(self._batches.get(conn, ()))
+
     def connection_lost(self, conn) -> None:
         """A partial batch dies with its connection."""
         self._batches.pop(conn, None)

@@ -12,21 +12,10 @@ from .results import Finding
 
 # (phase regex, kind, signature regex, why it is excluded)
 KNOWN_OPEN = [
-    ("1-lines", "position_poisoned", r".*",
-     "issue 11 item 1: a peer's POSITION moves the local writers' tokens past the sequence"),
-    ("1-lines", "bad_row_delivered", r".*",
-     "issue 11 item 12: a worker delivers upstream rows that do not fit the stream"),
     ("2-sockets.*", "daemon_critical",
      r"TypeError: str is not valid UTF-8: surrogates not allowed at pages.py:build_page",
      "found by this suite: a USER_IP whose JSON holds a lone surrogate (\\ud800) makes "
      "GET /_replicator/v1/user_ips answer 500 with a traceback (orjson refuses the str)"),
-    ("3-peers", "position_poisoning", r".*",
-     "issue 11 item 1: a peer's POSITION above the stream's sequence moves tokens"),
-    ("3-peers", "relay_sent_bad_line", r".*",
-     "issue 11 item 4: a relayed LOCK_RELEASED is re-encoded with ASCII escapes past "
-     "max_line_length"),
-    ("3-peers", "batch_uncapped", r".*",
-     "issue 11 item 5: a writer peer's unfinished batch is not capped (20 MB held)"),
     ("3-peers", "queue_unbounded_in_bytes", r".*",
      "issue 11 item 7: lines queued for a reader that does not read are bounded in count only"),
     ("5-configs", "traceback", r"RecursionError: maximum recursion depth exceeded.*"
