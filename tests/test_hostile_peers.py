@@ -520,3 +520,44 @@ class RedisPoisoningTests(_Base):
             self.assertEqual(reader.reader_positions()[("caches", "worker1")], 0)
             self.assertTrue(m_link.connected and r_link.connected)
         return defer.ensureDeferred(go())
+
+
+class OwnFanoutTests(_Base):
+    """What we send is never a line or batch the receiver must reject: a fact
+    too big for a peer's bounds goes out as ``POSITION t t`` and readers read
+    it from the table, whole."""
+
+    def test_a_fact_beyond_the_bounds_is_announced_by_position(self):
+        async def go():
+            registry, master = await self.instance("master", max_batch_rows=3,
+                                                   max_line_length=1024)
+            honest, ht = self.server_conn(master, "worker2", replicate=True)
+            consumer = MemoryConsumer(positions={("caches", "master"): 0})
+            _, worker = await self.instance("worker2", [consumer], max_batch_rows=3,
+                                            max_line_length=1024)
+            proto, _ = self.client_conn(worker, "worker2")
+            proto.dataReceived(b"POSITION caches master 0 0\n")
+            caches = registry.get("caches")
+            small = await caches.write_fact([["a", None, 1], ["b", None, 1], ["c", None, 1]])
+            big = await caches.write_fact([["r%d" % i, None, i] for i in range(4)])
+            long = await caches.write_fact([["x" * 2000, None, 1]])
+            after = await caches.write_fact([["d", None, 1]])
+            await until(lambda: master.idle() and b"RDATA caches master %d " % after
+                        in ht.value())
+            self.assertEqual(lines(ht), [
+                'RDATA caches master batch ["a",null,1]',
+                'RDATA caches master batch ["b",null,1]',
+                'RDATA caches master %d ["c",null,1]' % small,
+                "POSITION caches master %d %d" % (big, big),
+                "POSITION caches master %d %d" % (long, long),
+                'RDATA caches master %d ["d",null,1]' % after,
+            ])
+            # A reader fed those lines gets every fact whole, the big ones
+            # from the table.
+            proto.dataReceived(ht.value())
+            await until(lambda: len(consumer.facts) == 4)
+            self.assertEqual([(t, len(rows)) for _, _, t, rows in consumer.facts],
+                             [(small, 3), (big, 4), (long, 1), (after, 1)])
+            self.assertEqual(consumer.facts[2][3], [["x" * 2000, None, 1]])
+            self.assertIsNone(proto.close_reason)
+        return defer.ensureDeferred(go())

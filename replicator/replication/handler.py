@@ -100,7 +100,8 @@ class ReplicationHandler:
         self.fanout = Fanout(
             self._broadcast, clock, fetch_limit=fetch_limit, max_line_length=max_line_length,
             retry_delay=retry_delay, fanout_interval=fanout_interval,
-            send=lambda *args: self.send_updates(*args))
+            send=lambda *args: self.send_updates(*args), max_batch_rows=max_batch_rows,
+            max_batch_bytes=max_batch_bytes)
         self.relay = Relay(self._broadcast)
         self.admission = Admission(
             registry, self._admitted, self._inadmissible, clock, max_batch_rows=max_batch_rows,

@@ -215,7 +215,9 @@ class Reader:
         return max(0, self.seen - (self.position or 0))
 
     def idle(self) -> bool:
-        return not self.busy and not self.queue
+        """Nothing in hand and nothing queued (once stopped, what is queued
+        will not run: only the work in hand counts)."""
+        return not self.busy and (not self.queue or self._stopping)
 
     def stop(self) -> None:
         self._stopping = True
