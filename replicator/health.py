@@ -188,6 +188,11 @@ class HealthMonitor(Service):
             state.prune(positions.get(key) or 0)
         for key in [k for k in self._unreceived if k not in results]:
             del self._unreceived[key]  # no position any more
+            for gauge in (metrics.UNRECEIVED_FACTS, metrics.UNRECEIVED_AGE):
+                try:
+                    gauge.remove(*key)
+                except KeyError:
+                    pass
         now = self._clock.seconds()
         for (stream, writer), state in self._unreceived.items():
             oldest = state.oldest()

@@ -75,7 +75,6 @@ from twisted.web.resource import Resource
 from . import pages
 from .config import InstanceConfig
 from .http_channel import Busy, Channel
-from .metrics import FEDERATION_ACK_POSITION, USER_SYNCS
 from .replication.commands import encode_json
 from .streams.rows import RowError, check_rows
 
@@ -283,6 +282,13 @@ class _Request(server.Request):
             return  # answered already; the connection is closing
         if self.started is None:
             self.started = time.monotonic()
+        if self.path == b"*":
+            # twisted.web answers "*" itself (a bodiless 405); to the API it
+            # is a path like any other (a JSON 404).
+            self.site = self.channel.site
+            self.prepath, self.postpath = [], []
+            self.render(self.site.resource)
+            return
         super().process()
 
 
@@ -392,24 +398,13 @@ class HttpApi:
         return _Site(self._root, self, self.max_body_size, self.idle_timeout)
 
     def refresh_metrics(self) -> None:
-        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler.
-
-        Works on snapshots, so it may also run in a scrape thread (it is
-        registered with ``metrics.add_refresher``)."""
-        syncs = {instance: len(users)
-                 for instance, users in list(self.handler.user_syncs.items())}
-        acks = dict(self.handler.federation_acks)
-        for gauge, values in ((USER_SYNCS, syncs), (FEDERATION_ACK_POSITION, acks)):
-            for metric in gauge.collect():
-                for sample in metric.samples:
-                    instance = sample.labels.get("instance")
-                    if instance is not None and instance not in values:
-                        try:
-                            gauge.remove(instance)
-                        except KeyError:
-                            pass
-            for instance, value in values.items():
-                gauge.labels(instance).set(value)
+        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler's
+        bookkeeping (labelled only by configured names; from snapshots, so
+        it may also run in a scrape thread: it is registered with
+        ``metrics.add_refresher``)."""
+        refresh = getattr(self.handler, "refresh_metrics", None)
+        if refresh is not None:
+            refresh()
 
     # ---------------------------------------------------------- rendering
     def _routes(self, path: bytes) -> Tuple[Dict[bytes, Route], tuple]:

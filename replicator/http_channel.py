@@ -76,6 +76,7 @@ class Channel(HTTPChannel):
     api = None  # the HttpApi: counts connections, logs refusals
 
     _why: Optional[Tuple[int, str]] = None
+    _tail: Optional[bytes] = b""  # None: this request's headers are complete
     _deadline = None
     _closer = None
     refused = False
@@ -99,9 +100,35 @@ class Channel(HTTPChannel):
     def dataReceived(self, data):
         if self.refused:
             return  # drained
-        if self._deadline is None and not self._handlingRequest and self.line_mode:
-            self._start_deadline("headers", self.header_timeout)
+        if not self._handlingRequest and self.line_mode:
+            if self._deadline is None:
+                self._start_deadline("headers", self.header_timeout)
+            if self._bare_lf(data):
+                # twisted.web splits lines on CRLF only: a request with bare
+                # LFs would wait for its deadline.
+                self._refuse(400, "header lines must end with CRLF")
+                return
         super().dataReceived(data)
+
+    def _bare_lf(self, data: bytes) -> bool:
+        """Whether the header part of ``data`` (with the last bytes seen
+        before it) has an LF not preceded by CR.  Once the end of the
+        headers is seen, nothing more is checked until the request is
+        complete (a body may hold anything)."""
+        tail = self._tail
+        if tail is None:
+            return False
+        text = tail + data
+        end = text.find(b"\r\n\r\n")
+        head = text if end < 0 else text[:end]
+        self._tail = None if end >= 0 else text[-3:]
+        # Only the LFs of the new data: the tail's were checked before.
+        i = head.find(b"\n", len(tail))
+        while i >= 0:
+            if i == 0 or head[i - 1] != 0x0D:
+                return True
+            i = head.find(b"\n", i + 1)
+        return False
 
     def lineReceived(self, line):
         if self.refused:
@@ -124,6 +151,7 @@ class Channel(HTTPChannel):
 
     def allContentReceived(self):
         self._cancel_deadline()
+        self._tail = b""  # the next request's headers are checked afresh
         super().allContentReceived()
 
     def rawDataReceived(self, data):

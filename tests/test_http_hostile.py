@@ -2,12 +2,15 @@
 sockets: who may read what, answers built off the reactor, slow clients,
 malformed requests, absurd bodies.  Every refusal is a JSON 4xx/5xx."""
 
+import json
 import threading
 
 import orjson
 from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import SynchronousTestCase
 
+from replicator.http_channel import Channel
 from replicator.replication.protocol import ServerReplicationProtocol
 from tests.servers import PostgresServer
 from tests.support import until
@@ -124,9 +127,13 @@ class BigAnswerTests(HttpTestCase):
             lines.append(b'USER_IP @u%05d:hs ["tok", "10.0.%d.%d", "UA", "D%d", %d]\n'
                          % (i, i // 256, i % 256, i % 2, 1000 + i))
             lines.append(b"USER_SYNC worker1 @u%05d:hs D start %d\n" % (i, 1000 + i))
-            if i < 50:
-                lines.append(b"FEDERATION_ACK fed%03d %d\n" % (i, i))
         proto.dataReceived(b"".join(lines))
+        # Each instance acks on its own connection (no one acks for another).
+        for i in range(min(users, 50)):
+            fed = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+            fed.makeConnection(StringTransport())
+            self.addCleanup(fed.connectionLost, None)
+            fed.dataReceived(b"NAME fed%03d\nFEDERATION_ACK fed%03d %d\n" % (i, i, i))
         return proto
 
     def test_user_ips_pages_visit_every_entry_once_in_order(self):
@@ -364,6 +371,9 @@ class MalformedRequestTests(HttpTestCase):
         (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Name: v\r\n\r\n", 400,
          "invalid header name"),
         (b"GARBAGE\r\n\r\n", 400, "malformed request line"),
+        (b"GET /health HTTP/1.1\n\n", 400, "header lines must end with CRLF"),
+        (b"GET /health HTTP/1.1\r\nHost: x\nX-A: b\r\n\r\n", 400,
+         "header lines must end with CRLF"),
         (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: v\r\n" * 501 + b"\r\n", 431,
          "more than 500 header lines"),
         (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: " + b"v" * 8000 + b"\r\n"
@@ -381,9 +391,61 @@ class MalformedRequestTests(HttpTestCase):
                 client = await ClientConnection.open(self, RawClient(request))
                 received = await client.closed
                 self.assertEqual(parse_answer(self, received, code), {"error": error}, error)
+            # Twisted answers "*" itself (405, no body); here it is a path
+            # like any other.
+            client = await ClientConnection.open(self, RawClient(
+                b"GET * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+            head, _, body = (await client.closed).partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 404 "), head)
+            self.assertEqual(orjson.loads(body), {"error": "no such endpoint"})
+            # A body may hold bare LFs.
+            body = b'{"rows":\n[]}'
+            client = await ClientConnection.open(self, RawClient(
+                b"POST /_replicator/v1/streams/caches/facts HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + SECRET.encode() + b"\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body))
+            head, _, body = (await client.closed).partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 200 "), head)
             # The server goes on.
             response, _ = await self.json("GET", "/health")
             self.assertEqual(response.code, 200)
             refusals = [line for line in self.access_lines() if '" 4' in line]
-            self.assertEqual(len(refusals), len(self.CASES))
+            self.assertEqual(len(refusals), len(self.CASES) + 1)
+        return defer.ensureDeferred(go())
+
+
+class BareLineFeedTests(SynchronousTestCase):
+    """The bare-LF check sees a request the same however it is split."""
+
+    def feed(self, request: bytes, cuts) -> bool:
+        channel = Channel()
+        bounds = [0, *cuts, len(request)]
+        return any([channel._bare_lf(request[a:b]) for a, b in zip(bounds, bounds[1:])])
+
+    def test_every_split(self):
+        good = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n{\n}"
+        bad = b"GET / HTTP/1.1\r\nA: b\nC: d\r\n\r\n"
+        for request, expected in ((good, False), (bad, True)):
+            for i in range(1, len(request)):
+                for j in range(i, len(request), 3):
+                    self.assertEqual(self.feed(request, [i, j]), expected, (request, i, j))
+            self.assertEqual(self.feed(request, list(range(1, len(request)))), expected)
+
+
+class SurrogateTests(HttpTestCase):
+    def test_a_lone_surrogate_in_the_bookkeeping_is_still_answered(self):
+        async def go():
+            await self.start()
+            proto = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+            proto.makeConnection(StringTransport())
+            self.addCleanup(proto.connectionLost, None)
+            proto.dataReceived(b'NAME worker1\nUSER_IP @u:hs ["t", "10.0.0.1", "UA\\ud800", '
+                               b'"D", 5]\n')
+            # The answer escapes it (\ud800: JSON's grammar allows it; orjson's
+            # strict parser would not, the standard library's does).
+            response, data = await self.call("GET", "/_replicator/v1/user_ips",
+                                             headers=AUTH)
+            self.assertEqual((response.code, json.loads(data)), (200, {"user_ips": [
+                {"user_id": "@u:hs", "device_id": "D", "ip": "10.0.0.1",
+                 "user_agent": "UA\ud800", "last_seen": 5}], "next": None}))
         return defer.ensureDeferred(go())
