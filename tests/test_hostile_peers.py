@@ -28,7 +28,7 @@ from replicator.replication.tcp import ReplicationServerFactory, upstream_servic
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer, RedisServer
-from tests.support import sleep, until
+from tests.support import create_stream_tables, sleep, until
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -83,6 +83,8 @@ class _Base(TestCase):
 
     def setUp(self):
         self.dsn = PostgresServer.shared().create_database()
+        # What the writers create (an instance that only reads creates nothing).
+        create_stream_tables(self.dsn, STREAMS)
 
     async def instance(self, name, consumers=(), **kwargs):
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))

@@ -183,7 +183,7 @@ class Stream:
                     "table's {top}; moved it to {top}",
                     stream=self.name, seq=c.sequence, current=current, top=top,
                 )
-        else:
+        elif not self.db.is_postgres:
             self._sqlite_last = top
         self.id_gen = StreamIdGenerator(
             self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
