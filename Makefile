@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= conf/dev.yaml
 
-.PHONY: run test bench chaos fuzz deps test-deps system-deps clean
+.PHONY: run test bench chaos fuzz interop synapse-deps deps test-deps system-deps clean
 
 # The daemon alone (make run) ...
 $(VENV)/.installed-run: setup.cfg setup.py
@@ -54,5 +54,19 @@ chaos: test-deps
 fuzz: test-deps
 	$(PY) -m tests.fuzz $(FUZZ)
 
+# The live interop suite beside a real Synapse (tests/interop): Synapse runs
+# from its own virtualenv, as a peer process (AGPL: none of its code is ours).
+SYNAPSE_VENV := .venv-synapse
+SYNAPSE_VERSION := 1.163.2
+$(SYNAPSE_VENV)/.installed-$(SYNAPSE_VERSION):
+	test -x $(SYNAPSE_VENV)/bin/python || $(PYTHON) -m venv $(SYNAPSE_VENV)
+	$(SYNAPSE_VENV)/bin/python -m pip install --quiet 'matrix-synapse[redis,postgres]==$(SYNAPSE_VERSION)'
+	touch $@
+
+synapse-deps: $(SYNAPSE_VENV)/.installed-$(SYNAPSE_VERSION)
+
+interop: test-deps synapse-deps
+	SYNAPSE_PYTHON=$(SYNAPSE_VENV)/bin/python $(PY) -m tests.interop
+
 clean:
-	rm -rf $(VENV) _trial_temp* build *.egg-info
+	rm -rf $(VENV) $(SYNAPSE_VENV) _trial_temp* build *.egg-info

@@ -357,7 +357,7 @@ class ExampleConfigTests(SynchronousTestCase):
         with open(secret, "w") as f:
             f.write("example-secret-0123456789\n")
         names = {}
-        for name in ("dev.yaml", "master.yaml", "worker.yaml"):
+        for name in ("dev.yaml", "master.yaml", "worker.yaml", "synapse-reader.yaml"):
             with open(os.path.join(root, "conf", name)) as f:
                 doc = yaml.safe_load(f)
             doc["http"]["secret_file"] = secret
@@ -369,3 +369,5 @@ class ExampleConfigTests(SynchronousTestCase):
         self.assertEqual(names["dev.yaml"], ("master", ["caches", "account_data", "presence"]))
         self.assertEqual(names["master.yaml"], ("master", ["caches", "account_data"]))
         self.assertEqual(names["worker.yaml"], ("worker1", ["caches", "account_data"]))
+        self.assertEqual(names["synapse-reader.yaml"],
+                         ("app1", ["caches", "presence", "receipts", "push_rules", "app_events"]))
