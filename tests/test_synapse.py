@@ -236,6 +236,23 @@ class ReadOnlyStreamTests(TestCase):
         self.assertEqual(cm.exception.key, "streams[0].sequence")
         self.assertEqual(_pg(self.dsn, query=SNAPSHOT), before)
 
+    async def test_a_preset_reads_json_kept_as_text(self):
+        # receipts_linearized as Synapse's schema has it: data is TEXT.
+        _pg(self.dsn, [
+            "CREATE SEQUENCE receipts_sequence",
+            "CREATE TABLE receipts_linearized (stream_id BIGINT NOT NULL, room_id TEXT NOT NULL, "
+            "receipt_type TEXT NOT NULL, user_id TEXT NOT NULL, event_id TEXT NOT NULL, "
+            "thread_id TEXT, event_stream_ordering BIGINT, data TEXT NOT NULL, "
+            "instance_name TEXT)",
+            "INSERT INTO receipts_linearized VALUES (nextval('receipts_sequence'), '!r:hs', "
+            "'m.read', '@u:hs', '$e', NULL, 3, '{\"ts\": 5}', 'master')"])
+        before = _pg(self.dsn, query=SNAPSHOT)
+        registry = await self.start([{"preset": "synapse/receipts"}])
+        updates, upto, _ = await registry.get("receipts").updates_since("master", 0, 1)
+        self.assertEqual(updates, [(1, ["!r:hs", "m.read", "@u:hs", "$e", None, {"ts": 5}])])
+        await registry.stop()
+        self.assertEqual(_pg(self.dsn, query=SNAPSHOT), before)
+
     async def test_a_writer_still_creates_its_stream(self):
         registry = await self.start([{"name": "app", "table": "app_stream",
                                       "columns": [{"body": "text"}], "writers": ["reader"]}])
