@@ -159,14 +159,17 @@ class BigAnswerTests(HttpTestCase):
             self.assertEqual(seen, [("@u%05d:hs" % i, "D%d" % (i % 2)) for i in range(2500)])
             # The bookkeeping of the other tables pages the same way.
             response, answer = await self.json(
-                "GET", "/_replicator/v1/user_syncs?limit=2000", headers=AUTH)
-            self.assertEqual(len(answer["user_syncs"]["worker1"]), 2000)
+                "GET", "/_replicator/v1/user_syncs?limit=1000", headers=AUTH)
+            self.assertEqual(len(answer["user_syncs"]["worker1"]), 1000)
             response, rest = await self.json(
                 "GET", "/_replicator/v1/user_syncs?from=" + answer["next"], headers=AUTH)
+            self.assertEqual(len(rest["user_syncs"]["worker1"]), 1000)
+            self.assertEqual(rest["user_syncs"]["worker1"][0], {
+                "user_id": "@u01000:hs", "device_id": "D", "last_sync_ms": 2000})
+            response, rest = await self.json(
+                "GET", "/_replicator/v1/user_syncs?from=" + rest["next"], headers=AUTH)
             self.assertEqual(len(rest["user_syncs"]["worker1"]), 500)
             self.assertIsNone(rest["next"])
-            self.assertEqual(rest["user_syncs"]["worker1"][0], {
-                "user_id": "@u02000:hs", "device_id": "D", "last_sync_ms": 3000})
             response, answer = await self.json(
                 "GET", "/_replicator/v1/federation_acks?limit=40", headers=AUTH)
             self.assertEqual(list(answer["acks"]), ["fed%03d" % i for i in range(40)])
@@ -180,10 +183,10 @@ class BigAnswerTests(HttpTestCase):
         async def go():
             await self.start()
             for query, error in [
-                    ("limit=0", "limit must be an integer from 1 to 10000"),
-                    ("limit=10001", "limit must be an integer from 1 to 10000"),
-                    ("limit=-1", "limit must be an integer from 1 to 10000"),
-                    ("limit=" + "9" * 400, "limit must be an integer from 1 to 10000"),
+                    ("limit=0", "limit must be an integer from 1 to 1000"),
+                    ("limit=1001", "limit must be an integer from 1 to 1000"),
+                    ("limit=-1", "limit must be an integer from 1 to 1000"),
+                    ("limit=" + "9" * 400, "limit must be an integer from 1 to 1000"),
                     ("from=bm90IGpzb24", "from is not a cursor from a previous page's next"),
                     ("from=WzEsMl0", "from is not a cursor from a previous page's next"),
                     ("from=%ff%fe", "from is not a cursor from a previous page's next"),
