@@ -3,10 +3,11 @@ sockets: who may read what, answers built off the reactor, slow clients,
 malformed requests, absurd bodies.  Every refusal is a JSON 4xx/5xx."""
 
 import json
+import socket
 import threading
 
 import orjson
-from twisted.internet import defer, endpoints, protocol, reactor, task
+from twisted.internet import defer, endpoints, protocol, reactor, task, threads
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -451,4 +452,47 @@ class SurrogateTests(HttpTestCase):
             self.assertEqual((response.code, json.loads(data)), (200, {"user_ips": [
                 {"user_id": "@u:hs", "device_id": "D", "ip": "10.0.0.1",
                  "user_agent": "UA\ud800", "last_seen": 5}], "next": None}))
+        return defer.ensureDeferred(go())
+
+
+class TlsRefusalTests(HttpTestCase):
+    """Over TLS too, a refused request gets its JSON answer (the half-close
+    after it goes through the TLS layer)."""
+
+    def test_malformed_and_slow_over_tls(self):
+        async def go():
+            import ssl
+            import tempfile
+
+            from tests.test_tls import make_pki
+
+            pki = make_pki(tempfile.mkdtemp())
+            listen = (f"ssl:0:interface=127.0.0.1:privateKey={pki['server.key']}"
+                      f":certKey={pki['server.crt']}")
+            await self.start(dsn=PostgresServer.shared().create_database(), config_overrides={
+                "http": {"listen": listen, "secret": SECRET, "header_timeout": 1}})
+            context = ssl.create_default_context(cafile=pki["ca.crt"])
+
+            def exchange(data: bytes) -> bytes:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=30) as raw:
+                    with context.wrap_socket(raw, server_hostname="localhost") as s:
+                        s.sendall(data)
+                        received = b""
+                        while True:
+                            try:
+                                chunk = s.recv(65536)
+                            except ssl.SSLError:
+                                break
+                            if not chunk:
+                                break
+                            received += chunk
+                        return received
+
+            received = await threads.deferToThread(
+                exchange, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+            self.assertEqual(parse_answer(self, received, 400),
+                             {"error": "invalid Content-Length header"})
+            received = await threads.deferToThread(exchange, b"GET /health HTTP/1.1\r\n")
+            self.assertEqual(parse_answer(self, received, 408),
+                             {"error": "request headers not received within 1s"})
         return defer.ensureDeferred(go())
