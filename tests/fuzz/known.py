@@ -12,17 +12,6 @@ from .results import Finding
 
 # (phase regex, kind, signature regex, why it is excluded)
 KNOWN_OPEN = [
-    ("1-lines", "position_poisoned", r".*",
-     "issue 11 item 1: a peer's POSITION moves the local writers' tokens past the sequence"),
-    ("1-lines", "bad_row_delivered", r".*",
-     "issue 11 item 12: a worker delivers upstream rows that do not fit the stream"),
-    ("3-peers", "position_poisoning", r".*",
-     "issue 11 item 1: a peer's POSITION above the stream's sequence moves tokens"),
-    ("3-peers", "relay_sent_bad_line", r".*",
-     "issue 11 item 4: a relayed LOCK_RELEASED is re-encoded with ASCII escapes past "
-     "max_line_length"),
-    ("3-peers", "batch_uncapped", r".*",
-     "issue 11 item 5: a writer peer's unfinished batch is not capped (20 MB held)"),
     ("3-peers", "queue_unbounded_in_bytes", r".*",
      "issue 11 item 7: lines queued for a reader that does not read are bounded in count only"),
 ]
