@@ -40,7 +40,7 @@ Prometheus.
     "next": cursor}``.
 
     These three are paged (:mod:`replicator.pages`): ``?limit=N`` entries
-    (1000 unless given, at most 10000) in key order, from the cursor
+    (at most 1000, the default) in key order, from the cursor
     ``?from=`` a previous page's ``next`` gave; ``next`` is null on the
     last page.  Each page is built and encoded in a thread.
 ``GET /health``
