@@ -52,6 +52,19 @@ COMMANDS_DROPPED = Counter(
     "Outbound commands never written (line too long) or inbound ones ignored (unknown)",
     ["command", "reason"],
 )
+FACTS_BY_POSITION = Counter(
+    "replicator_facts_announced_by_position_total",
+    "Local facts too big for one batch or line (max_batch_rows, max_batch_bytes, "
+    "max_line_length), announced as POSITION t t: readers read them from the table",
+    ["stream"],
+)
+INBOUND_REFUSED = Counter(
+    "replicator_inbound_refused_total",
+    "RDATA/POSITION of a peer refused and never acted on: a token beyond the stream's "
+    "sequence (beyond_sequence), a row that does not fit the stream (bad_row), a partial "
+    "batch over its bounds (batch_too_large)",
+    ["stream", "reason"],
+)
 PENDING_COMMANDS = Gauge(
     "replicator_pending_commands", "Commands queued while the connection is paused", ["name"],
     registry=None,
@@ -62,6 +75,14 @@ TRANSPORT_BUFFER = Gauge(
 )
 DISCONNECTS = Counter(
     "replicator_disconnects_total", "Replication disconnects by reason", ["reason"]
+)
+CONNECTIONS_REFUSED = Counter(
+    "replicator_connections_refused_total",
+    "Replication connections refused at accept (ERROR and close), by reason", ["reason"]
+)
+RECONNECT_DELAY = Gauge(
+    "replicator_reconnect_delay_seconds",
+    "Last reconnect wait of an outgoing link (0 once a connection proved healthy)", ["link"]
 )
 READER_LAG = Gauge(
     "replicator_reader_lag", "Writer's announced token minus this reader's token",
