@@ -300,6 +300,8 @@ class Instance:
             metrics_thread.setServiceParent(self.services)
             self._binding.append(metrics_thread)
         metrics.add_refresher(self.refresh_metrics)
+        self._healthy_refresher = self.health.healthy_refresher(self.replication_status)
+        metrics.add_refresher(self._healthy_refresher)
         if self.http is not None:
             metrics.add_refresher(self.http.refresh_metrics)
         self.services.startService()
@@ -377,6 +379,8 @@ class Instance:
             except Exception:
                 log.failure("closing consumer {c} failed", c=consumer)
         metrics.remove_refresher(self.refresh_metrics)
+        if getattr(self, "_healthy_refresher", None) is not None:
+            metrics.remove_refresher(self._healthy_refresher)
         if self.http is not None:
             metrics.remove_refresher(self.http.refresh_metrics)
         self.db.close()
