@@ -139,10 +139,17 @@ FEDERATION_ACK_POSITION = Gauge(
     registry=None,
 )
 
+HEALTHY = Gauge(
+    "replicator_healthy",
+    "1 while this instance's /health replication verdict is OK (streams loaded, replication "
+    "links up and keeping up, the unreceived-facts check answering), else 0; set at scrape "
+    "time", registry=None,
+)
+
 # Gauges of live state, set by refreshers right before each scrape and
 # exported by the collector below (so a scrape never sees stale values).
 LIVE_GAUGES = (STREAM_POSITION, STREAM_LINEAR_POSITION, IN_FLIGHT, PENDING_COMMANDS,
-               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION)
+               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION, HEALTHY)
 _refreshers = []
 
 
