@@ -37,6 +37,23 @@ def create_stream_tables(dsn: str, streams) -> None:
         conn.close()
 
 
+def create_sqlite_stream_tables(path: str, streams) -> None:
+    """:func:`create_stream_tables` for a SQLite file."""
+    import sqlite3
+
+    from replicator.storage import schema
+
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute(schema.POSITIONS_DDL)
+        for stream in streams:
+            for statement in schema.table_ddl(stream, False):
+                conn.execute(statement)
+        conn.commit()
+    finally:
+        conn.close()
+
+
 def table_facts(dsn: str, tables) -> dict:
     """Every fact per (stream, writer) from the tables, in token order, rows
     in insertion order: ``{(stream, writer): [(token, [row, ...]), ...]}``.

@@ -20,7 +20,9 @@ import time
 from collections import defaultdict
 from typing import Dict, List, Optional
 
+from replicator.config import parse_streams
 from tests.servers import RedisServer, free_port
+from tests.support import create_stream_tables
 
 from . import checker
 from .clients import Writer, http_request, row_tag
@@ -189,6 +191,9 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
     try:
         pg = await asyncio.to_thread(PgCluster)
         dsn = await asyncio.to_thread(pg.create_database, "chaos")
+        # Every stream's table, as its writers create them: an instance that
+        # only reads a stream creates nothing, and any may start first.
+        await asyncio.to_thread(create_stream_tables, dsn, parse_streams(STREAMS))
         rng = random.Random(f"{seed}/proxy")
         if transport == "tcp":
             master_port = free_port()

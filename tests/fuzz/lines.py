@@ -47,6 +47,7 @@ from replicator.replication.protocol import (
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from replicator.streams.rows import RowError, check_rows
+from tests.support import create_sqlite_stream_tables
 
 from . import inputs
 from .results import PhaseResult, show
@@ -159,7 +160,10 @@ class LinesFuzzer:
         self.registries = {}
         self.handlers = {}
         for name in ("master", "worker1"):
-            db = Database(parse_database({"sqlite": os.path.join(directory, f"{name}.db")}))
+            path = os.path.join(directory, f"{name}.db")
+            # The tables of the streams others write (a reader creates none).
+            create_sqlite_stream_tables(path, streams)
+            db = Database(parse_database({"sqlite": path}))
             registry = StreamRegistry(db, name, streams)
             await registry.start()
             self.registries[name] = (db, registry)
