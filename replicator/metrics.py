@@ -41,6 +41,10 @@ IN_FLIGHT = Gauge(
 CONNECTIONS = Gauge(
     "replicator_connections", "Open replication connections", ["name"]
 )
+BACKGROUND_FAILURES = Counter(
+    "replicator_background_failures_total",
+    "Background tasks (fan-out, reader pipelines) that ended with an exception", ["task"],
+)
 COMMANDS_IN = Counter(
     "replicator_commands_received_total", "Commands received", ["command", "name"]
 )

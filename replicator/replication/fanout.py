@@ -26,10 +26,10 @@ Invariants:
 import time
 from typing import Any, Callable, Dict, List, Set, Tuple
 
-from twisted.internet import defer
 from twisted.logger import Logger
 
 from .. import metrics
+from ..background import Background
 from ..streams.stream import Stream
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS
 from .commands import encode_position_line, encode_rdata_lines
@@ -54,8 +54,10 @@ class Fanout:
     def __init__(self, broadcast: Broadcast, clock, fetch_limit: int = 1000,
                  max_line_length: int = 0, retry_delay: float = 1.0,
                  fanout_interval: float = 0.003, send: SendUpdates = None,
-                 max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES):
+                 max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
+                 background: Background = None):
         self._broadcast = broadcast
+        self._background = background if background is not None else Background()
         self._clock = clock
         self.fetch_limit = fetch_limit
         self.max_line_length = max_line_length
@@ -94,7 +96,7 @@ class Fanout:
             return
         self._running.add(key)
         self._last[key] = self._clock.seconds()
-        defer.ensureDeferred(self._run(stream, writer, key))
+        self._background.run("fanout", self._run(stream, writer, key))
 
     async def _run(self, stream: Stream, writer: str, key: Key) -> None:
         try:

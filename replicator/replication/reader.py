@@ -30,6 +30,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from .. import metrics
+from ..background import Background
 
 log = Logger()
 
@@ -68,8 +69,10 @@ class Reader:
         advanced: Optional[Callable[[int], None]] = None,
         fetch_limit: int = 1000,
         retry_delay: float = 1.0,
+        background: Optional[Background] = None,
     ):
         self.stream_name = stream_name
+        self._background = background if background is not None else Background()
         self.writer = writer
         self.position = position
         self.seen = position or 0  # largest token the writer announced
@@ -136,7 +139,7 @@ class Reader:
         self.queue.append(item)
         if not self.busy:
             self.busy = True
-            defer.ensureDeferred(self._drain())
+            self._background.run("reader", self._drain())
 
     async def _drain(self) -> None:
         try:
@@ -163,7 +166,7 @@ class Reader:
         self.busy = False
         if self.queue and not self._stopping:
             self.busy = True
-            defer.ensureDeferred(self._drain())
+            self._background.run("reader", self._drain())
 
     async def _apply(self, item: tuple) -> None:
         kind = item[0]
