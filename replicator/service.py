@@ -23,7 +23,8 @@ from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
 from . import files, metrics, sdnotify
-from .config import InstanceConfig, is_loopback_endpoint
+from .config import InstanceConfig
+from .endpoint_strings import is_loopback
 from .health import HealthMonitor
 from .replication.handler import ReplicationHandler
 from .replication.peers import local_names, policy_from_config
@@ -347,7 +348,7 @@ class Instance:
 
     @staticmethod
     def _warn_exposed(endpoint: str, what: str) -> None:
-        if endpoint.startswith(("ssl:", "unix:")) or is_loopback_endpoint(endpoint):
+        if endpoint.startswith("ssl:") or is_loopback(endpoint):
             return
         log.warn("{what} listener {endpoint} is plaintext on a non-loopback address: anyone "
                  "who can reach it can {can}", what=what, endpoint=endpoint,
