@@ -297,9 +297,14 @@ class OperationsPathTests(TestCase):
             return True
 
         until(received, "every write at every other instance")
+        # The consumers append in a thread: their files follow soon after.
         for reader in ("worker1", "worker2"):
             path = os.path.join(self.tmp, "var", reader, f"facts-{reader}.jsonl")
-            with open(path) as f:
-                text = f.read()
-            for writer in tokens:
-                self.assertEqual(f'"from-{writer}"' in text, writer != reader, (reader, writer))
+
+            def consumed():
+                with open(path) as f:
+                    text = f.read()
+                return all(f'"from-{w}"' in text for w in tokens if w != reader) and text
+
+            text = until(consumed, f"{reader}'s consumer file has the others' facts")
+            self.assertNotIn(f'"from-{reader}"', text)
