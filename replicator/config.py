@@ -395,7 +395,6 @@ def load_yaml(path: str) -> Any:
 
 # ------------------------------------------------------------- instance
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
-LOOPBACK = ("127.", "::1", "localhost")
 
 
 @dataclass(frozen=True)
@@ -430,6 +429,8 @@ class ReplicationConfig:
     reconnect_max_delay: float = 30.0
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
+    max_batch_rows: int = 10_000  # rows of one fact received as a batch
+    max_batch_bytes: int = 16 << 20  # bytes of the lines of one partial batch
     # Who may connect (README, "Security model"); None: anyone.
     allowed_peers: Optional[Tuple[str, ...]] = None
     allowed_networks: Optional[Tuple[str, ...]] = None
@@ -591,7 +592,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                           "max_user_syncs", "max_user_ips", "max_federation_acks",
                           "bookkeeping_max_age", "max_queued_bytes", "idle_timeout",
                           "max_connections", "reconnect_initial_delay",
-                          "reconnect_max_delay"), key)
+                          "reconnect_max_delay", "max_batch_rows", "max_batch_bytes"), key)
     ping_interval = _number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
     ping_timeout = _number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
@@ -613,6 +614,13 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
             raise ConfigError(f"{key}.client_ca", str(e)) from None
     max_line_length = _int(section, "max_line_length", key, 16_384, minimum=1024,
                            maximum=16 << 20)
+    max_batch_rows = _int(section, "max_batch_rows", key, 10_000, minimum=1,
+                          maximum=1_000_000)
+    max_batch_bytes = _int(section, "max_batch_bytes", key, 16 << 20, minimum=65536,
+                           maximum=1 << 30)
+    if max_batch_bytes <= max_line_length:
+        raise ConfigError(f"{key}.max_batch_bytes",
+                          f"must be larger than max_line_length ({max_line_length})")
     max_queued_bytes = _int(section, "max_queued_bytes", key, 16 << 20, minimum=64 << 10,
                             maximum=2 << 30)
     if max_queued_bytes <= max_line_length:
@@ -651,6 +659,8 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                                  maximum=100_000),
         bookkeeping_max_age=_number(section, "bookkeeping_max_age", key, 86_400.0,
                                     minimum=60, maximum=31_536_000),
+        max_batch_rows=max_batch_rows,
+        max_batch_bytes=max_batch_bytes,
     )
 
 
@@ -778,12 +788,3 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
 def load_config(path: str) -> InstanceConfig:
     """Read and validate one instance's YAML file."""
     return parse_instance(load_yaml(path), path)
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """Whether a server endpoint string binds only to a loopback address."""
-    for part in endpoint.split(":"):
-        if part.startswith("interface="):
-            host = part[len("interface="):].strip("[]").replace("\\", "")
-            return host.startswith(LOOPBACK) or host == "::1"
-    return endpoint.startswith("unix:")

@@ -23,12 +23,10 @@ import re
 from typing import Optional, Tuple
 
 from twisted.internet import protocol
-from twisted.logger import Logger
+from twisted.internet.interfaces import ISSLTransport
 from twisted.web.http import HTTPChannel
 
 from .replication.commands import encode_json
-
-log = Logger(namespace="replicator.http")
 
 #: How long a refused connection is drained before it is closed.
 DRAIN_TIME = 2.0
@@ -46,14 +44,19 @@ def refusal(code: int, message: str, extra: bytes = b"") -> bytes:
             % (code, REASONS.get(code, b"Error"), len(body), extra)) + body
 
 
-def _close_after_answer(transport, clock, drain_time: float):
+def _close_after_answer(transport, clock, drain_time: float, close):
     """Half-close (the client reads the answer and sees the end), then close
-    after ``drain_time``; returns the delayed call."""
-    try:
-        transport.loseWriteConnection()
-    except (AttributeError, NotImplementedError):
-        transport.loseConnection()
-    return clock.callLater(drain_time, transport.loseConnection)
+    after ``drain_time`` with ``close`` (the channel's own, which first
+    unregisters it as the transport's producer); returns the delayed call.  Over TLS there is no
+    half-close (Twisted's TLS layer loses the answer and then fails on the
+    peer's next bytes): the connection is closed after ``drain_time``, and a
+    client that reads the answer (``Connection: close``) closes first."""
+    if not ISSLTransport.providedBy(transport):
+        try:
+            transport.loseWriteConnection()
+        except (AttributeError, NotImplementedError):
+            transport.loseConnection()
+    return clock.callLater(drain_time, close)
 
 
 class Channel(HTTPChannel):
@@ -211,7 +214,8 @@ class Channel(HTTPChannel):
         self.setTimeout(None)
         answer = refusal(code, message)
         self.transport.write(answer)
-        self._closer = _close_after_answer(self.transport, self, DRAIN_TIME)
+        self._closer = _close_after_answer(self.transport, self, DRAIN_TIME,
+                                           self.loseConnection)
         if self.api is not None:
             self.api.log_refusal(self.transport, code, len(answer), message,
                                  getattr(self, "_command", None), getattr(self, "_path", None))
@@ -230,7 +234,8 @@ class Busy(protocol.Protocol):
         message = f"too many HTTP connections ({self.limit}): try again later"
         answer = refusal(503, message, b"Retry-After: 1\r\n")
         self.transport.write(answer)
-        self._closer = _close_after_answer(self.transport, self.clock, DRAIN_TIME)
+        self._closer = _close_after_answer(self.transport, self.clock, DRAIN_TIME,
+                                           self.transport.loseConnection)
         self.api.log_refusal(self.transport, 503, len(answer), message, None, None)
 
     def dataReceived(self, data):

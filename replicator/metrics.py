@@ -52,6 +52,19 @@ COMMANDS_DROPPED = Counter(
     "Outbound commands never written (line too long) or inbound ones ignored (unknown)",
     ["command", "reason"],
 )
+FACTS_BY_POSITION = Counter(
+    "replicator_facts_announced_by_position_total",
+    "Local facts too big for one batch or line (max_batch_rows, max_batch_bytes, "
+    "max_line_length), announced as POSITION t t: readers read them from the table",
+    ["stream"],
+)
+INBOUND_REFUSED = Counter(
+    "replicator_inbound_refused_total",
+    "RDATA/POSITION of a peer refused and never acted on: a token beyond the stream's "
+    "sequence (beyond_sequence), a row that does not fit the stream (bad_row), a partial "
+    "batch over its bounds (batch_too_large)",
+    ["stream", "reason"],
+)
 PENDING_COMMANDS = Gauge(
     "replicator_pending_commands", "Commands queued while the connection is paused", ["name"],
     registry=None,
@@ -126,10 +139,17 @@ FEDERATION_ACK_POSITION = Gauge(
     registry=None,
 )
 
+HEALTHY = Gauge(
+    "replicator_healthy",
+    "1 while this instance's /health replication verdict is OK (streams loaded, replication "
+    "links up and keeping up, the unreceived-facts check answering), else 0; set at scrape "
+    "time", registry=None,
+)
+
 # Gauges of live state, set by refreshers right before each scrape and
 # exported by the collector below (so a scrape never sees stale values).
 LIVE_GAUGES = (STREAM_POSITION, STREAM_LINEAR_POSITION, IN_FLIGHT, PENDING_COMMANDS,
-               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION)
+               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION, HEALTHY)
 _refreshers = []
 
 

@@ -156,6 +156,33 @@ class ListenerCapTests(TestCase):
         return defer.ensureDeferred(go())
 
 
+class FdBudgetTests(TestCase):
+    def config(self, **replication):
+        return parse_instance({
+            "server_name": "hs.test", "instance_name": "master",
+            "database": {"sqlite": "unused.sqlite"},
+            "replication": dict({"listen": "tcp:0:interface=127.0.0.1"}, **replication),
+            "http": {"listen": "tcp:0:interface=127.0.0.1", "secret": "s" * 16},
+        })
+
+    def test_caps_within_the_limit(self):
+        from replicator.service import fd_budget_problem
+
+        self.assertIsNone(fd_budget_problem(self.config(), 1024))
+        self.assertIsNone(fd_budget_problem(self.config(max_connections=5000), -1))
+
+    def test_caps_over_the_limit_name_the_keys(self):
+        from replicator.service import fd_budget_problem
+
+        # The default caps (256 + 256) and the rest (64 + 1) under a 128-fd limit.
+        problem = fd_budget_problem(self.config(), 128)
+        self.assertEqual(problem, "replication.max_connections + http.max_connections and 65 "
+                                  "descriptors for the rest need 577 file descriptors, over the "
+                                  "process limit of 128 (ulimit -n, LimitNOFILE=): lower the "
+                                  "caps or raise the limit")
+        self.assertIsNone(fd_budget_problem(self.config(max_connections=32), 1024))
+
+
 class TcpBackoffTests(TestCase):
     timeout = 60
 
