@@ -4,7 +4,8 @@ The test reads the page and runs what it says: the SQL block (role and
 database), the ``pg_hba.conf`` line (with the test's loopback address), the
 secret commands (``/etc/replicator`` moved to a temp dir; ``chown`` dropped
 when there is no ``replicator`` user), the openssl commands (certificates
-whose CN and SAN are the instance names, signed by the CA).  It then builds
+whose CN and SAN are the instance names, signed by the CA; a master and a
+worker with the page's TLS keys then replicate over TLS).  It then builds
 the three configurations from ``conf/master.yaml`` and ``conf/worker.yaml``
 with the edits the page's table lists and nothing else (checked key by key;
 the examples' ports are mapped to free loopback ports), starts master,
@@ -237,16 +238,23 @@ class OperationsPathTests(TestCase):
         return "http://127.0.0.1:" + doc["http"]["listen"].split(":")[1]
 
     # ------------------------------------------------------------ the path
-    def test_tls_commands_make_certificates_named_after_instances(self):
+    def test_tls_master_and_worker_with_the_documented_certificates(self):
+        """The page's openssl commands (the master's host name: ``localhost``,
+        the name this test's worker dials), files installed where it says,
+        its TLS keys in the shipped examples: the worker connects, and
+        writes cross both ways."""
         if shutil.which("openssl") is None:
             unavailable("openssl not found")
-        subprocess.run(["bash", "-euo", "pipefail", "-c", doc_block("tls")], cwd=self.tmp,
-                       check=True, capture_output=True)
-        tls = os.path.join(self.tmp, "tls")
+        script = doc_block("tls")
+        self.assertEqual(script.count("master.example.com"), 1)
+        subprocess.run(["bash", "-euo", "pipefail", "-c",
+                        script.replace("master.example.com", "localhost")],
+                       cwd=self.tmp, check=True, capture_output=True)
+        made = os.path.join(self.tmp, "tls")
         for name in ("master", "worker1", "worker2"):
-            crt = os.path.join(tls, f"{name}.crt")
+            crt = os.path.join(made, f"{name}.crt")
             verify = subprocess.run(["openssl", "verify", "-CAfile",
-                                     os.path.join(tls, "ca.crt"), crt],
+                                     os.path.join(made, "ca.crt"), crt],
                                     capture_output=True, text=True)
             self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
             text = subprocess.run(["openssl", "x509", "-in", crt, "-noout", "-subject",
@@ -254,6 +262,59 @@ class OperationsPathTests(TestCase):
                                   capture_output=True, text=True, check=True).stdout
             self.assertRegex(text, rf"subject=\s*CN\s*=\s*{name}\n")
             self.assertIn(f"DNS:{name}", text)
+        # Installed as the page says.
+        secret_file = self.make_secret()
+        etc = os.path.dirname(secret_file)
+        tls = os.path.join(etc, "tls")
+        os.makedirs(os.path.join(tls, "ca"))
+        for name in ("ca.crt", "master.crt", "master.key", "worker1.crt", "worker1.key"):
+            shutil.copy(os.path.join(made, name), tls)
+        shutil.copy(os.path.join(made, "ca.crt"), os.path.join(tls, "ca", "ca.pem"))
+        ports = {port: free_port() for port in range(9092, 9097)}
+
+        def edit(text: str) -> str:
+            text = re.sub(r"\b(909[2-6])\b", lambda m: str(ports[int(m.group(1))]), text)
+            return text.replace("/etc/replicator", etc).replace("master.example.com",
+                                                                "localhost")
+
+        dsn = self.pg.create_database()
+        docs = {}
+        for name, example, step in (("master", "master.yaml", "tls-master"),
+                                    ("worker1", "worker.yaml", "tls-worker")):
+            with open(os.path.join(ROOT, "conf", example)) as f:
+                doc = yaml.safe_load(f)
+            doc["database"]["postgres"] = dsn
+            doc["http"]["secret_file"] = secret_file
+            doc["http"]["listen"] = edit(doc["http"]["listen"])
+            doc["http"]["metrics_listen"] = edit(doc["http"]["metrics_listen"])
+            doc["replication"].update(yaml.safe_load(edit(doc_block(step)))["replication"])
+            docs[name] = doc
+        # Tests listen on loopback only.
+        docs["master"]["replication"]["listen"] += ":interface=127.0.0.1"
+        with open(secret_file) as f:
+            secret = f.read().strip()
+        bases = {"master": self.start("master", docs["master"])}
+        until(lambda: http(bases["master"] + "/health")[0] == 200, "master healthy")
+        bases["worker1"] = self.start("worker1", docs["worker1"])
+        until(lambda: http(bases["worker1"] + "/health")[0] == 200, "worker1 healthy")
+        code, answer = http(bases["master"] + "/health")
+        self.assertEqual((code, answer["connections"]), (200, 1))
+        tokens = {}
+        for name, base in bases.items():
+            code, answer = http(f"{base}/_replicator/v1/streams/caches/facts", secret,
+                                {"rows": [[f"tls-{name}", None, 1]]})
+            self.assertEqual(code, 200, answer)
+            tokens[name] = answer["stream_id"]
+
+        def received():
+            for reader, writer in (("master", "worker1"), ("worker1", "master")):
+                _, positions = http(f"{bases[reader]}/_replicator/v1/positions", secret)
+                entry = positions["streams"]["caches"]["writers"][writer]
+                if (entry["reader_position"] or 0) < tokens[writer]:
+                    return None
+            return True
+
+        until(received, "writes across the TLS link")
 
     def test_master_and_two_workers_from_the_examples(self):
         dsn = self.create_role_and_database()
