@@ -86,7 +86,8 @@ CONNECTIONS_REFUSED = Counter(
 )
 RECONNECT_DELAY = Gauge(
     "replicator_reconnect_delay_seconds",
-    "Last reconnect wait of an outgoing link (0 once a connection proved healthy)", ["link"]
+    "Last reconnect wait of an outgoing link, or retry wait of a fan-out or reader "
+    "during a database outage (0 once healthy again)", ["link"]
 )
 READER_LAG = Gauge(
     "replicator_reader_lag", "Writer's announced token minus this reader's token",
