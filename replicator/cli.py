@@ -17,7 +17,7 @@ from twisted.logger import Logger
 
 from . import files
 from .config import ConfigError, load_config
-from .logs import start_logging
+from .logs import printable, start_logging
 
 log = Logger()
 
@@ -99,7 +99,7 @@ def stop_once(reactor) -> None:
 def cmd_tail(args) -> None:
     from twisted.internet import endpoints
 
-    from .replication.tcp import ReplicationClientFactory
+    from .replication.tcp import upstream_service
 
     try:
         from twisted.internet import reactor
@@ -119,7 +119,8 @@ def cmd_tail(args) -> None:
                 fields = {k: getattr(cmd, k) for k in cmd.__dataclass_fields__}
                 print(json.dumps({"command": cmd.NAME, **fields}), flush=True)
             else:
-                print(cmd.to_line().rstrip(" "), flush=True)
+                # Peer text to a terminal: control characters escaped.
+                print(printable(cmd.to_line().rstrip(" "), limit=None), flush=True)
 
         def __getattr__(self, name):
             if name.startswith("on_"):
@@ -132,11 +133,8 @@ def cmd_tail(args) -> None:
     printer = Printer()
 
     async def main(reactor):
-        from twisted.application.internet import ClientService, backoffPolicy
-
-        factory = ReplicationClientFactory(printer, args.name, args.server_name)
-        service = ClientService(endpoints.clientFromString(reactor, args.endpoint), factory,
-                                retryPolicy=backoffPolicy(initialDelay=0.5, maxDelay=10))
+        service = upstream_service(reactor, args.endpoint, printer, args.name,
+                                   args.server_name, initial_delay=0.5, max_delay=10)
         service.startService()
         reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
         stop_once(reactor)

@@ -384,6 +384,8 @@ def load_yaml(path: str) -> Any:
                                   f"offset {e.start}") from None
     try:
         return yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError("file", f"{path} nests too deeply to be a config") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -428,6 +430,8 @@ class ReplicationConfig:
     reconnect_max_delay: float = 30.0
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
+    max_batch_rows: int = 10_000  # rows of one fact received as a batch
+    max_batch_bytes: int = 16 << 20  # bytes of the lines of one partial batch
     # Who may connect (README, "Security model"); None: anyone.
     allowed_peers: Optional[Tuple[str, ...]] = None
     allowed_networks: Optional[Tuple[str, ...]] = None
@@ -589,7 +593,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                           "max_user_syncs", "max_user_ips", "max_federation_acks",
                           "bookkeeping_max_age", "max_queued_bytes", "idle_timeout",
                           "max_connections", "reconnect_initial_delay",
-                          "reconnect_max_delay"), key)
+                          "reconnect_max_delay", "max_batch_rows", "max_batch_bytes"), key)
     ping_interval = _number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
     ping_timeout = _number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
@@ -611,6 +615,13 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
             raise ConfigError(f"{key}.client_ca", str(e)) from None
     max_line_length = _int(section, "max_line_length", key, 16_384, minimum=1024,
                            maximum=16 << 20)
+    max_batch_rows = _int(section, "max_batch_rows", key, 10_000, minimum=1,
+                          maximum=1_000_000)
+    max_batch_bytes = _int(section, "max_batch_bytes", key, 16 << 20, minimum=65536,
+                           maximum=1 << 30)
+    if max_batch_bytes <= max_line_length:
+        raise ConfigError(f"{key}.max_batch_bytes",
+                          f"must be larger than max_line_length ({max_line_length})")
     max_queued_bytes = _int(section, "max_queued_bytes", key, 16 << 20, minimum=64 << 10,
                             maximum=2 << 30)
     if max_queued_bytes <= max_line_length:
@@ -649,6 +660,8 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                                  maximum=100_000),
         bookkeeping_max_age=_number(section, "bookkeeping_max_age", key, 86_400.0,
                                     minimum=60, maximum=31_536_000),
+        max_batch_rows=max_batch_rows,
+        max_batch_bytes=max_batch_bytes,
     )
 
 

@@ -40,7 +40,7 @@ Prometheus.
     "next": cursor}``.
 
     These three are paged (:mod:`replicator.pages`): ``?limit=N`` entries
-    (1000 unless given, at most 10000) in key order, from the cursor
+    (at most 1000, the default) in key order, from the cursor
     ``?from=`` a previous page's ``next`` gave; ``next`` is null on the
     last page.  Each page is built and encoded in a thread.
 ``GET /health``
@@ -282,6 +282,13 @@ class _Request(server.Request):
             return  # answered already; the connection is closing
         if self.started is None:
             self.started = time.monotonic()
+        if self.path == b"*":
+            # twisted.web answers "*" itself (a bodiless 405); to the API it
+            # is a path like any other (a JSON 404).
+            self.site = self.channel.site
+            self.prepath, self.postpath = [], []
+            self.render(self.site.resource)
+            return
         super().process()
 
 

@@ -52,6 +52,19 @@ COMMANDS_DROPPED = Counter(
     "Outbound commands never written (line too long) or inbound ones ignored (unknown)",
     ["command", "reason"],
 )
+FACTS_BY_POSITION = Counter(
+    "replicator_facts_announced_by_position_total",
+    "Local facts too big for one batch or line (max_batch_rows, max_batch_bytes, "
+    "max_line_length), announced as POSITION t t: readers read them from the table",
+    ["stream"],
+)
+INBOUND_REFUSED = Counter(
+    "replicator_inbound_refused_total",
+    "RDATA/POSITION of a peer refused and never acted on: a token beyond the stream's "
+    "sequence (beyond_sequence), a row that does not fit the stream (bad_row), a partial "
+    "batch over its bounds (batch_too_large)",
+    ["stream", "reason"],
+)
 PENDING_COMMANDS = Gauge(
     "replicator_pending_commands", "Commands queued while the connection is paused", ["name"],
     registry=None,

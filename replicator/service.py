@@ -160,6 +160,32 @@ class MetricsThread(Service):
             self._server = None
 
 
+#: File descriptors an instance needs besides its connections: database
+#: pool, log and consumer files, listeners, Redis, the metrics thread.
+FD_RESERVE = 64
+
+
+def fd_budget_problem(config: InstanceConfig, soft_limit: int) -> Optional[str]:
+    """Why the connection caps do not fit the process's file-descriptor
+    limit (``RLIMIT_NOFILE`` soft limit), or None.  Past the limit, new
+    sockets and files fail: /health, writes and the database with them."""
+    if soft_limit < 0:  # RLIM_INFINITY
+        return None
+    needed = FD_RESERVE + config.database.pool_max
+    keys = []
+    if config.replication.listen:
+        needed += config.replication.max_connections
+        keys.append("replication.max_connections")
+    if config.http.listen:
+        needed += config.http.max_connections
+        keys.append("http.max_connections")
+    if needed <= soft_limit or not keys:
+        return None
+    return (f"{' + '.join(keys)} and {FD_RESERVE + config.database.pool_max} descriptors "
+            f"for the rest need {needed} file descriptors, over the process limit of "
+            f"{soft_limit} (ulimit -n, LimitNOFILE=): lower the caps or raise the limit")
+
+
 class Instance:
     """A replicator instance: everything ``replicator run`` starts."""
 
@@ -180,7 +206,8 @@ class Instance:
             self.registry, config.instance_name, config.server_name,
             consumers=self.consumers, fetch_limit=rep.fetch_limit,
             max_line_length=rep.max_line_length, clock=reactor,
-            fanout_interval=rep.fanout_interval, known_names=rep.allowed_peers or (),
+            fanout_interval=rep.fanout_interval, max_batch_rows=rep.max_batch_rows,
+            max_batch_bytes=rep.max_batch_bytes, known_names=rep.allowed_peers or (),
             max_user_syncs=rep.max_user_syncs, max_user_ips=rep.max_user_ips,
             max_federation_acks=rep.max_federation_acks,
             bookkeeping_max_age=rep.bookkeeping_max_age,
@@ -232,6 +259,7 @@ class Instance:
         await self.registry.start()
         self.handler.start()
         rep = config.replication
+        self._warn_fd_budget()
         if rep.listen:
             self._warn_exposed(rep.listen, "replication")
             policy = policy_from_config(rep, local_names(self.handler))
@@ -306,6 +334,14 @@ class Instance:
         except Exception as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise StartupError(key, "cannot connect: " + _hide_password(first, db.dsn)) from None
+
+    def _warn_fd_budget(self) -> None:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        problem = fd_budget_problem(self.config, soft)
+        if problem is not None:
+            log.warn("{problem}", problem=problem)
 
     @staticmethod
     def _warn_exposed(endpoint: str, what: str) -> None:

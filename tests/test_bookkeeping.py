@@ -128,6 +128,16 @@ class OwnershipTests(SynchronousTestCase):
         again.dataReceived(b"CLEAR_USER_SYNC AbCdE\n")
         self.assertEqual(h.user_syncs, {})
         self.assertFalse(transport.disconnecting)
+        # An ID claimed before a peer of that NAME came is that peer's now.
+        early, early_transport = peers.connect("synapse4")
+        early.dataReceived(b"USER_SYNC synapse5 @e:hs None start 1\n")
+        self.assertEqual(early_transport.value(), b"")
+        late, late_transport = peers.connect("synapse5")
+        early.dataReceived(b"CLEAR_USER_SYNC synapse5\n")
+        self.assertRefused(early, early_transport, "CLEAR_USER_SYNC for another instance")
+        late.dataReceived(b"USER_SYNC synapse5 @f:hs None start 2\n")
+        self.assertEqual(late_transport.value(), b"")
+        self.assertEqual(h.user_syncs["synapse5"], {("@e:hs", None): 1, ("@f:hs", None): 2})
         # One connection cannot claim IDs without end (it still owns AbCdE).
         for i in range(15):
             again.dataReceived(f"USER_SYNC id{i} @u:hs None start 1\n".encode())
@@ -211,3 +221,159 @@ class MetricsTests(SynchronousTestCase):
         # The newest 1,000 acks (max_federation_acks) are kept.
         self.assertEqual(len(h.federation_acks), 1_000)
         self.assertEqual(metrics.FEDERATION_ACK_POSITION.labels("other")._value.get(), 4_999)
+
+
+class _Conn:
+    """A server-side connection as the bookkeeping sees it."""
+
+    is_client_side = False
+
+    def __init__(self, name):
+        self.instance_name = name
+
+    def __repr__(self):
+        return f"<conn {self.instance_name}>"
+
+
+def bookkeeping_machine():
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+    from replicator.replication.bookkeeping import Bookkeeping
+    from replicator.replication.commands import (
+        ClearUserSyncCommand, FederationAckCommand, UserIpCommand, UserSyncCommand,
+    )
+
+    KNOWN = frozenset({"master", "worker1"})
+    NAMES = st.sampled_from(["worker1", "s1", "s2", "master", None])
+    IDS = st.sampled_from(["worker1", "master", "s1", "s2", "AbC", "XyZ"])
+    USERS = st.sampled_from(["@a:hs", "@b:hs", "@c:hs", "@d:hs"])
+    CAPS = dict(max_user_syncs=6, max_user_ips=5, max_federation_acks=3, max_age=100.0)
+
+    class BookkeepingMachine(RuleBasedStateMachine):
+        """Random peers against the rules: a refused command changes
+        nothing, an accepted one is one the rules allow, tables stay bounded
+        and consistent, and a connection's IDs go with it."""
+
+        def __init__(self):
+            super().__init__()
+            self.clock = Clock()
+            self.books = Bookkeeping(self.clock, KNOWN, **CAPS)
+            self.live = []
+
+        def tables(self):
+            b = self.books
+            return ({i: dict(u) for i, u in b.user_syncs.items()}, dict(b.federation_acks))
+
+        def others_named(self, conn, name):
+            return any(c is not conn and c.instance_name == name for c in self.live)
+
+        def may_change(self, conn, instance):
+            """The rule of the module docstring, from the outside."""
+            if instance == conn.instance_name:
+                return True
+            if instance in KNOWN or self.others_named(conn, instance):
+                return False
+            owner = self.books._owners.get(instance)
+            return owner is None or owner is conn or (
+                conn.instance_name is not None and owner.instance_name == conn.instance_name)
+
+        @rule(name=NAMES)
+        def connect(self, name):
+            if name in ("master",):
+                return  # the protocol refuses this NAME before the bookkeeping sees it
+            conn = _Conn(name)
+            self.live.append(conn)
+            if name is not None:
+                self.books.named(conn, name)
+
+        @precondition(lambda self: self.live)
+        @rule(data=st.data())
+        def lose(self, data):
+            conn = data.draw(st.sampled_from(self.live))
+            owned = {i for i, c in self.books._owners.items() if c is conn}
+            self.live.remove(conn)
+            self.books.connection_lost(conn)
+            for instance in owned:
+                assert instance not in self.books.user_syncs
+
+        @precondition(lambda self: self.live)
+        @rule(data=st.data(), instance=IDS, user=USERS, syncing=st.booleans(),
+              clear=st.booleans())
+        def user_sync(self, data, instance, user, syncing, clear):
+            conn = data.draw(st.sampled_from(self.live))
+            allowed = self.may_change(conn, instance)
+            full = len(self.books._owned.get(conn, ())) >= 16
+            before = self.tables()
+            if clear:
+                why = self.books.clear_user_sync(conn, ClearUserSyncCommand(instance))
+            else:
+                why = self.books.user_sync(conn, UserSyncCommand(
+                    instance, user, None, syncing, 1))
+            if why is not None:
+                assert self.tables() == before, why
+                assert not allowed or full, (conn, instance, why)
+                return
+            assert allowed, (conn, instance)
+            assert self.books._owners[instance] is conn
+            syncs = self.books.user_syncs.get(instance, {})
+            if clear:
+                assert instance not in self.books.user_syncs
+            elif syncing:
+                assert (user, None) in syncs
+            else:
+                assert (user, None) not in syncs
+
+        @precondition(lambda self: self.live)
+        @rule(data=st.data(), instance=IDS, token=st.integers(0, 100))
+        def federation_ack(self, data, instance, token):
+            conn = data.draw(st.sampled_from(self.live))
+            before = self.tables()
+            why = self.books.federation_ack(conn, FederationAckCommand(instance, token))
+            if instance == conn.instance_name:
+                assert why is None and self.books.federation_acks[instance] == token
+            else:
+                assert why is not None and self.tables() == before
+
+        @rule(user=USERS, device=st.sampled_from(["D1", "D2"]))
+        def user_ip(self, user, device):
+            self.books.user_ip(None, UserIpCommand(user, "tok", "10.0.0.1", "UA", device, 1))
+            assert self.books.user_ips[(user, device)]["ip"] == "10.0.0.1"
+
+        @rule(seconds=st.sampled_from([1.0, 50.0, 101.0]))
+        def time_passes(self, seconds):
+            self.clock.advance(seconds)
+            self.books.expire()
+            limit = self.clock.seconds() - CAPS["max_age"]
+            assert all(t >= limit for t in self.books._ip_times.values())
+            assert all(t >= limit for t in self.books._ack_times.values())
+
+        @invariant()
+        def bounded_and_consistent(self):
+            b = self.books
+            assert len(b._sync_order) <= CAPS["max_user_syncs"]
+            assert len(b.user_ips) <= CAPS["max_user_ips"]
+            assert len(b.federation_acks) <= CAPS["max_federation_acks"]
+            assert set(b._sync_order) == {(i, u) for i, users in b.user_syncs.items()
+                                          for u in users}
+            assert all(b.user_syncs.values())  # no empty instance left behind
+            assert set(b._ip_times) == set(b.user_ips)
+            assert set(b._ack_times) == set(b.federation_acks)
+            for instance, owner in b._owners.items():
+                assert owner in self.live and instance in b._owned[owner]
+            for conn, owned in b._owned.items():
+                assert len(owned) <= 16
+                assert all(b._owners.get(i) is conn for i in owned)
+            # Every ID with users syncing is owned by a live connection.
+            assert set(b.user_syncs) <= set(b._owners)
+
+    return BookkeepingMachine
+
+
+class BookkeepingStateTests(SynchronousTestCase):
+    def test_random_peers_keep_the_rules(self):
+        from hypothesis import settings
+
+        machine = settings(max_examples=150, stateful_step_count=50, deadline=None)(
+            bookkeeping_machine())
+        machine.TestCase().runTest()

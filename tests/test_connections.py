@@ -156,6 +156,33 @@ class ListenerCapTests(TestCase):
         return defer.ensureDeferred(go())
 
 
+class FdBudgetTests(TestCase):
+    def config(self, **replication):
+        return parse_instance({
+            "server_name": "hs.test", "instance_name": "master",
+            "database": {"sqlite": "unused.sqlite"},
+            "replication": dict({"listen": "tcp:0:interface=127.0.0.1"}, **replication),
+            "http": {"listen": "tcp:0:interface=127.0.0.1", "secret": "s" * 16},
+        })
+
+    def test_caps_within_the_limit(self):
+        from replicator.service import fd_budget_problem
+
+        self.assertIsNone(fd_budget_problem(self.config(), 1024))
+        self.assertIsNone(fd_budget_problem(self.config(max_connections=5000), -1))
+
+    def test_caps_over_the_limit_name_the_keys(self):
+        from replicator.service import fd_budget_problem
+
+        # The default caps (256 + 256) and the rest (64 + 1) under a 128-fd limit.
+        problem = fd_budget_problem(self.config(), 128)
+        self.assertEqual(problem, "replication.max_connections + http.max_connections and 65 "
+                                  "descriptors for the rest need 577 file descriptors, over the "
+                                  "process limit of 128 (ulimit -n, LimitNOFILE=): lower the "
+                                  "caps or raise the limit")
+        self.assertIsNone(fd_budget_problem(self.config(max_connections=32), 1024))
+
+
 class TcpBackoffTests(TestCase):
     timeout = 60
 
@@ -293,4 +320,51 @@ class RedisLinkTests(TestCase):
             await link.stopService()
             await until(lambda: all(p.lost for p in peer.protocols))
             self.assertFalse(link.connected)
+        return defer.ensureDeferred(go())
+
+
+class RedisHealthyResetTests(TestCase):
+    """On a real redis-server: failures while it is down make the delays
+    grow; coming back resets nothing until the links were ready and up for
+    ping_interval."""
+
+    timeout = 120
+
+    def test_backoff_resets_only_after_ready_and_a_ping_interval(self):
+        from tests.servers import RedisServer
+
+        async def go():
+            redis = RedisServer()
+            self.addCleanup(redis.stop)
+            clock = Clock()
+
+            class Handler:
+                registry = ()
+
+                def new_connection(self, conn):
+                    pass
+
+                def lost_connection(self, conn, reason):
+                    pass
+
+            link = RedisReplication(reactor, RedisConfig(redis.endpoint), Handler(), "hs.test",
+                                    "w1", ping_interval=1.0, ping_timeout=0.5,
+                                    initial_delay=0.5, max_delay=30, clock=clock)
+            link.startService()
+            self.addCleanup(link.stopService)
+            backoffs = (link.sub_backoff, link.pub_backoff)
+            await until(lambda: link.connected, timeout=30)
+            redis.kill()
+            for n in range(1, 5):
+                await until(lambda: all(b.failures == n for b in backoffs), timeout=30)
+                if n < 4:
+                    clock.advance(max(b.last_delay for b in backoffs))
+            self.assertFalse(link.connected)
+            redis.start()
+            clock.advance(max(b.last_delay for b in backoffs))
+            await until(lambda: link.connected, timeout=30)
+            # Connected and subscribed, but not yet proven: no reset.
+            self.assertEqual([b.failures for b in backoffs], [4, 4])
+            clock.advance(1.0)
+            self.assertEqual([b.failures for b in backoffs], [0, 0])
         return defer.ensureDeferred(go())

@@ -607,6 +607,9 @@ class HttpApiTests(HttpTestCase):
                 "reason": "replication not connected: connecting to 127.0.0.1:9 "
                           "(password [redacted])"}))
             self.status = (True, "connected")
+            # The master wrote up to 12 (a claim beyond the sequence is refused).
+            await self.db.runOperation("SELECT setval(%s, 12)",
+                                       (self.registry.get("caches").config.sequence,))
             proto = ClientReplicationProtocol(self.handler, "worker1", "hs.test",
                                               clock=task.Clock())
             proto.makeConnection(StringTransport())

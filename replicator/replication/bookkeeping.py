@@ -108,13 +108,15 @@ class Bookkeeping:
         making sure ``conn`` owns it."""
         name = _name(conn)
         owner = self._owners.get(instance)
-        if owner is conn:
-            return None
         if instance != name:
+            # A name is its connection's, even if another claimed it first.
             if instance in self.known_names or instance in self._named:
                 return NOT_YOURS.format(command=command)
-            if owner is not None and (name is None or _name(owner) != name):
+            if owner is not None and owner is not conn and (
+                    name is None or _name(owner) != name):
                 return NOT_YOURS.format(command=command)
+        if owner is conn:
+            return None
         owned = self._owned.setdefault(conn, set())
         if len(owned) >= MAX_IDS_PER_CONNECTION:
             return "too many instance IDs"

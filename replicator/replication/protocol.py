@@ -21,6 +21,8 @@ the command is ignored.  ``conn`` is the protocol instance.
     For every valid inbound command, e.g. ``on_REPLICATE``, ``on_RDATA``,
     ``on_POSITION``, ``on_USER_SYNC``.  ``PING``, ``NAME``, ``SERVER`` and
     ``ERROR`` are handled by the protocol first and then passed on too.
+    Meanwhile ``conn.current_line`` holds the line's bytes as received
+    (without ``\n`` and a trailing ``\r``): what a relay passes on.
 ``client_may_write(stream_name, instance_name) -> bool``
     Server side: may the client instance send RDATA/POSITION for that
     stream (is it a configured writer)?  Missing means no.
@@ -177,6 +179,8 @@ class ReplicationProtocol(LineOnlyReceiver):
         self._idle_timeout = idle_timeout
 
         self.name = "unconnected"
+        #: The inbound line being dispatched (bytes, no newline).
+        self.current_line: Optional[bytes] = None
         self.close_reason: Optional[str] = None
         self._peer_instance: Optional[str] = None
         self._remote_error = False
@@ -445,7 +449,11 @@ class ReplicationProtocol(LineOnlyReceiver):
                 return
         method = self._dispatch.get(name)
         if method is not None:
-            self._call(method, self, cmd)
+            self.current_line = line
+            try:
+                self._call(method, self, cmd)
+            finally:
+                self.current_line = None
 
     def _may_write(self, cmd: Command) -> bool:
         """Whether the peer may send this otherwise invalid command (only

@@ -118,6 +118,14 @@ class Reader:
             self.seen = new
         self._enqueue(("position", prev, new))
 
+    def drop_batch(self, conn) -> None:
+        """Forget the partial batch of ``conn`` (its next row was refused)."""
+        self._batches.pop(conn, None)
+
+    def partial_rows(self, conn) -> int:
+        """Rows of ``conn`` waiting for the row that ends their fact."""
+        return len(self._batches.get(conn, ()))
+
     def connection_lost(self, conn) -> None:
         """A partial batch dies with its connection."""
         self._batches.pop(conn, None)
@@ -207,7 +215,9 @@ class Reader:
         return max(0, self.seen - (self.position or 0))
 
     def idle(self) -> bool:
-        return not self.busy and not self.queue
+        """Nothing in hand and nothing queued (once stopped, what is queued
+        will not run: only the work in hand counts)."""
+        return not self.busy and (not self.queue or self._stopping)
 
     def stop(self) -> None:
         self._stopping = True

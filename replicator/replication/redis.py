@@ -142,6 +142,19 @@ class RedisConnection:
     def __init__(self, owner: "RedisReplication"):
         self._owner = owner
         self.closed = False
+        #: The message being dispatched (bytes, no newline).
+        self.current_line: Optional[bytes] = None
+
+    def pause_reading(self) -> None:
+        """Stop reading the subscription (while a claim is checked)."""
+        subscriber = self._owner.subscriber
+        if subscriber is not None and subscriber.transport is not None:
+            subscriber.transport.pauseProducing()
+
+    def resume_reading(self) -> None:
+        subscriber = self._owner.subscriber
+        if subscriber is not None and subscriber.transport is not None:
+            subscriber.transport.resumeProducing()
 
     def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
         if self.closed:
@@ -352,10 +365,13 @@ class RedisReplication(MultiService):
             metrics.COMMANDS_DROPPED.labels(cmd.NAME, "ignored").inc()
             return
         metrics.COMMANDS_IN.labels(cmd.NAME, NAME).inc()
+        conn.current_line = message.rstrip("\r\n").encode("utf-8", "surrogatepass")
         try:
             method(conn, cmd)
         except Exception:
             log.failure("redis: handling {name} failed", name=cmd.NAME)
+        finally:
+            conn.current_line = None
 
     # ---------------------------------------------------------- keepalive
     def _ping(self) -> None:

@@ -14,7 +14,6 @@ two tokens in ascending token order; it is what both the RDATA fan-out and a
 reader's catch-up use.
 """
 
-import itertools
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -98,7 +97,7 @@ class Stream:
         self.local_writers = list(local_writers)
         self.id_gen: Optional[StreamIdGenerator] = None
         self._call_from_thread = call_from_thread
-        self._counter = None  # SQLite: in-process sequence
+        self._sqlite_last = 0  # SQLite: the in-process sequence's last value
         self._shape = reader(config.columns, db.is_postgres)
         self._codec = RowCodec(config.columns)
         self._persist_delay = persist_delay
@@ -183,7 +182,7 @@ class Stream:
                     stream=self.name, seq=c.sequence, current=current, top=top,
                 )
         else:
-            self._counter = itertools.count(top + 1)
+            self._sqlite_last = top
         self.id_gen = StreamIdGenerator(
             self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
         )
@@ -330,7 +329,9 @@ class Stream:
         return self.id_gen.in_flight(writer) == len(ids)
 
     def _write_sqlite(self, txn, writer, facts, hooks, reserved) -> List[int]:
-        ids = [next(self._counter) for _ in facts]
+        first = self._sqlite_last + 1
+        ids = list(range(first, first + len(facts)))
+        self._sqlite_last = first + len(facts) - 1  # consumed even if this rolls back
         self.id_gen.reserved(writer, ids, pending=False)
         reserved.extend(ids)
         with_writer = self.config.writer_column is not None
@@ -504,6 +505,19 @@ class Stream:
             self._persist_call.cancel()
         if self.id_gen is not None and self.local_writers:
             await self._persist_now()
+
+    # ------------------------------------------------------------ sequence
+    async def sequence_value(self) -> int:
+        """The largest ID the stream's sequence has handed out, read now.
+
+        No fact of any writer, in this process or another sharing the
+        database, can have a larger ID: a peer claiming a larger token is
+        lying.  PostgreSQL: read in a pool thread (never on the reactor);
+        SQLite: the in-process counter (every writer is in this process).
+        """
+        if not self.db.is_postgres:
+            return self._sqlite_last
+        return await self.db.runInteraction(schema.sequence_value, self.config.sequence)
 
     # ----------------------------------------------------------- shortcuts
     def current_token(self, writer: Optional[str] = None) -> int:

@@ -12,29 +12,8 @@ from .results import Finding
 
 # (phase regex, kind, signature regex, why it is excluded)
 KNOWN_OPEN = [
-    ("1-lines", "position_poisoned", r".*",
-     "issue 11 item 1: a peer's POSITION moves the local writers' tokens past the sequence"),
-    ("1-lines", "bad_row_delivered", r".*",
-     "issue 11 item 12: a worker delivers upstream rows that do not fit the stream"),
-    ("2-sockets.*", "daemon_critical",
-     r"TypeError: str is not valid UTF-8: surrogates not allowed at pages.py:build_page",
-     "found by this suite: a USER_IP whose JSON holds a lone surrogate (\\ud800) makes "
-     "GET /_replicator/v1/user_ips answer 500 with a traceback (orjson refuses the str)"),
-    ("3-peers", "position_poisoning", r".*",
-     "issue 11 item 1: a peer's POSITION above the stream's sequence moves tokens"),
-    ("3-peers", "relay_sent_bad_line", r".*",
-     "issue 11 item 4: a relayed LOCK_RELEASED is re-encoded with ASCII escapes past "
-     "max_line_length"),
-    ("3-peers", "batch_uncapped", r".*",
-     "issue 11 item 5: a writer peer's unfinished batch is not capped (20 MB held)"),
     ("3-peers", "queue_unbounded_in_bytes", r".*",
      "issue 11 item 7: lines queued for a reader that does not read are bounded in count only"),
-    ("5-configs", "traceback", r"RecursionError: maximum recursion depth exceeded.*"
-     r"|unfinished traceback in yaml/.*",
-     "found by this suite: a config with a YAML value nested ~900+ deep makes the YAML "
-     "parser recurse out: a 3,000-line traceback, exit 1, after 3-12 s"),
-    ("5-configs", "neither_ready_nor_exited", r"deep nesting: .*",
-     "found by this suite: the same deeply nested YAML, on a loaded machine"),
 ]
 
 

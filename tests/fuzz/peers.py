@@ -6,7 +6,7 @@ the attacks of issue 11 items 1-4, each beside an honest reader:
   the master's next ``caches`` fact must still reach the reader and the
   master's own token must not move to 2^62.
 * ``poison_worker``: a forged upstream tells a worker ``POSITION events
-  master 0 2^70``; the real fact 1 in the table must still reach the
+  master 0 2^62``; the real fact 1 in the table must still reach the
   worker's consumer (after the claim is refused and a truthful upstream
   answers).
 * ``impersonate_master``: ``NAME master`` + RDATA for ``master``: refused,
@@ -418,7 +418,9 @@ def slow_readers(daemon, result, facts: int = 240, rows: int = 40, row_kb: int =
 
 
 def poison_worker(directory, dsn, result) -> None:
-    """A forged upstream claims ``events/master`` is at 2^70."""
+    """A forged upstream claims ``events/master`` is at 2^62 (2^70 is a parse
+    error since integers are bounded).  The worker's consumer is new: the
+    first POSITION places it (at 0), the lie comes after."""
     import psycopg2
 
     upstream = socket.socket()
@@ -456,7 +458,8 @@ def poison_worker(directory, dsn, result) -> None:
             cur.execute("INSERT INTO event_stream (stream_id, instance_name, event_id, n, ok) "
                         "VALUES (%s, 'master', '$real', NULL, true)", (token,))
         db.close()
-        attack = f"SERVER {inputs.SERVER_NAME}\nPOSITION events master 0 {2 ** 70}\n"
+        attack = (f"SERVER {inputs.SERVER_NAME}\nPOSITION events master 0 0\n"
+                  f"POSITION events master 0 {2 ** 62}\n")
         conn.sendall(attack.encode())
         result.tried("poison_worker")
         time.sleep(1.0)
@@ -465,8 +468,10 @@ def poison_worker(directory, dsn, result) -> None:
         upstream.settimeout(30)
         try:
             conn2, _ = upstream.accept()
-            conn2.sendall(f"SERVER {inputs.SERVER_NAME}\nPOSITION events master 0 {token}\n"
-                          .encode())
+            # As a REPLICATE answer: (prev, new] = (token, token], nothing
+            # unsent; the reader's gap from 0 to token is caught up.
+            conn2.sendall(f"SERVER {inputs.SERVER_NAME}\n"
+                          f"POSITION events master {token} {token}\n".encode())
         except socket.timeout:
             conn2 = None
         facts_path = os.path.join(directory, "facts.jsonl")
@@ -481,7 +486,7 @@ def poison_worker(directory, dsn, result) -> None:
             wait_for(delivered, 15, "fact 1 delivered to the worker's consumer")
         except AssertionError:
             result.found("position_poisoning", "worker: real fact never delivered after an "
-                         "upstream claimed 2^70", "poison_worker", repr(attack),
+                         "upstream claimed 2^62", "poison_worker", repr(attack),
                          f"fact {token} of events/master in the table")
         if conn2 is not None:
             conn2.close()
