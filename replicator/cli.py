@@ -17,6 +17,7 @@ from twisted.logger import Logger
 
 from . import files
 from .config import ConfigError, load_config
+from .endpoint_strings import http_url
 from .logs import printable, start_logging
 
 log = Logger()
@@ -148,19 +149,10 @@ def _http_base(config) -> str:
     endpoint = config.http.listen
     if not endpoint:
         _fail("config: http.listen: missing (this command talks to the daemon's HTTP API)", 2)
-    parts = endpoint.split(":")
-    if parts[0] not in ("tcp", "tcp6") or len(parts) < 2:
-        _fail(f"config: http.listen: {endpoint!r} is not a tcp endpoint", 2)
-    port = parts[1]
-    host = "127.0.0.1"
-    for p in parts[2:]:
-        if p.startswith("interface="):
-            host = p.split("=", 1)[1].replace("\\", "")
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
+    try:
+        return http_url(endpoint)
+    except ValueError as e:
+        _fail(f"config: http.listen: {e}", 2)
 
 
 def _request(url: str, method: str = "GET", body: Optional[bytes] = None,

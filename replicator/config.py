@@ -395,7 +395,6 @@ def load_yaml(path: str) -> Any:
 
 # ------------------------------------------------------------- instance
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
-LOOPBACK = ("127.", "::1", "localhost")
 
 
 @dataclass(frozen=True)
@@ -789,12 +788,3 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
 def load_config(path: str) -> InstanceConfig:
     """Read and validate one instance's YAML file."""
     return parse_instance(load_yaml(path), path)
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """Whether a server endpoint string binds only to a loopback address."""
-    for part in endpoint.split(":"):
-        if part.startswith("interface="):
-            host = part[len("interface="):].strip("[]").replace("\\", "")
-            return host.startswith(LOOPBACK) or host == "::1"
-    return endpoint.startswith("unix:")

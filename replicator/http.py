@@ -56,6 +56,11 @@ GET), and an unexpected exception a logged 500 with a generic message.  The
 secret is never written into an answer or a log line: error texts and logged
 fields pass through :meth:`HttpApi._redact`, the access log has neither
 headers nor query strings.
+
+Before any of this, each connection's channel (:mod:`replicator.http_channel`)
+enforces ``http.header_timeout``, ``http.body_timeout`` and
+``http.max_connections`` and answers a request twisted.web cannot parse
+with a JSON 400/431 (408 past a deadline, 503 over the cap).
 """
 
 import hmac

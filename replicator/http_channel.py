@@ -24,12 +24,9 @@ from typing import Optional, Tuple
 
 from twisted.internet import protocol
 from twisted.internet.interfaces import ISSLTransport
-from twisted.logger import Logger
 from twisted.web.http import HTTPChannel
 
 from .replication.commands import encode_json
-
-log = Logger(namespace="replicator.http")
 
 #: How long a refused connection is drained before it is closed.
 DRAIN_TIME = 2.0

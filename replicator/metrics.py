@@ -41,6 +41,10 @@ IN_FLIGHT = Gauge(
 CONNECTIONS = Gauge(
     "replicator_connections", "Open replication connections", ["name"]
 )
+BACKGROUND_FAILURES = Counter(
+    "replicator_background_failures_total",
+    "Background tasks (fan-out, reader pipelines) that ended with an exception", ["task"],
+)
 COMMANDS_IN = Counter(
     "replicator_commands_received_total", "Commands received", ["command", "name"]
 )
@@ -82,7 +86,8 @@ CONNECTIONS_REFUSED = Counter(
 )
 RECONNECT_DELAY = Gauge(
     "replicator_reconnect_delay_seconds",
-    "Last reconnect wait of an outgoing link (0 once a connection proved healthy)", ["link"]
+    "Last reconnect wait of an outgoing link, or retry wait of a fan-out or reader "
+    "during a database outage (0 once healthy again)", ["link"]
 )
 READER_LAG = Gauge(
     "replicator_reader_lag", "Writer's announced token minus this reader's token",
@@ -139,10 +144,17 @@ FEDERATION_ACK_POSITION = Gauge(
     registry=None,
 )
 
+HEALTHY = Gauge(
+    "replicator_healthy",
+    "1 while this instance's /health replication verdict is OK (streams loaded, replication "
+    "links up and keeping up, the unreceived-facts check answering), else 0; set at scrape "
+    "time", registry=None,
+)
+
 # Gauges of live state, set by refreshers right before each scrape and
 # exported by the collector below (so a scrape never sees stale values).
 LIVE_GAUGES = (STREAM_POSITION, STREAM_LINEAR_POSITION, IN_FLIGHT, PENDING_COMMANDS,
-               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION)
+               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION, HEALTHY)
 _refreshers = []
 
 

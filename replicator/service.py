@@ -23,7 +23,8 @@ from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
 from . import files, metrics, sdnotify
-from .config import InstanceConfig, is_loopback_endpoint
+from .config import InstanceConfig
+from .endpoint_strings import is_loopback
 from .health import HealthMonitor
 from .replication.handler import ReplicationHandler
 from .replication.peers import local_names, policy_from_config
@@ -299,6 +300,8 @@ class Instance:
             metrics_thread.setServiceParent(self.services)
             self._binding.append(metrics_thread)
         metrics.add_refresher(self.refresh_metrics)
+        self._healthy_refresher = self.health.healthy_refresher(self.replication_status)
+        metrics.add_refresher(self._healthy_refresher)
         if self.http is not None:
             metrics.add_refresher(self.http.refresh_metrics)
         self.services.startService()
@@ -345,7 +348,7 @@ class Instance:
 
     @staticmethod
     def _warn_exposed(endpoint: str, what: str) -> None:
-        if endpoint.startswith(("ssl:", "unix:")) or is_loopback_endpoint(endpoint):
+        if endpoint.startswith("ssl:") or is_loopback(endpoint):
             return
         log.warn("{what} listener {endpoint} is plaintext on a non-loopback address: anyone "
                  "who can reach it can {can}", what=what, endpoint=endpoint,
@@ -376,6 +379,8 @@ class Instance:
             except Exception:
                 log.failure("closing consumer {c} failed", c=consumer)
         metrics.remove_refresher(self.refresh_metrics)
+        if getattr(self, "_healthy_refresher", None) is not None:
+            metrics.remove_refresher(self._healthy_refresher)
         if self.http is not None:
             metrics.remove_refresher(self.http.refresh_metrics)
         self.db.close()

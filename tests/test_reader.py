@@ -115,18 +115,22 @@ class ReaderMachine(RuleBasedStateMachine):
             self.reader.position_line(self.conn, cmd.prev_token, cmd.new_token)
 
     # ------------------------------------------------------------ writer
-    @rule(rows=st.integers(1, 5), skipped=st.integers(0, 2))
-    def write_fact(self, rows, skipped):
+    @rule(rows=st.integers(1, 5), skipped=st.integers(0, 2), too_big=st.booleans())
+    def write_fact(self, rows, skipped, too_big):
         """A fact committed and fanned out: its RDATA lines in one chunk.
-        ``skipped`` IDs went to other writers (no rows of this writer)."""
+        ``skipped`` IDs went to other writers (no rows of this writer); a
+        fact ``too_big`` for one batch goes out as ``POSITION t t``."""
         self.last_id += skipped + 1
         token = self.last_id
         fact = [[f"r{token}.{i}", token] for i in range(rows)]
         self.table[token] = fact
         prev = self.announced
         self.announced = token
-        self.queue_chunk(list(encode_rdata_lines(STREAM, WRITER, [(token, r) for r in fact])),
-                         prev)
+        if too_big:
+            lines = [encode_position_line(STREAM, WRITER, token, token)]
+        else:
+            lines = list(encode_rdata_lines(STREAM, WRITER, [(token, r) for r in fact]))
+        self.queue_chunk(lines, prev)
 
     @rule(empty=st.integers(1, 3))
     def empty_advance(self, empty):
