@@ -30,7 +30,7 @@ from twisted.logger import Logger
 
 from .. import metrics
 from ..background import Background
-from ..backoff import MAX_DELAY, Backoff
+from ..backoff import Outage
 from ..streams.stream import Stream
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS
 from .commands import encode_position_line, encode_rdata_lines
@@ -71,7 +71,7 @@ class Fanout:
         self._running: Set[Key] = set()
         self._timers: Dict[Key, Any] = {}
         self._retries: Dict[Key, Any] = {}
-        self._outages: Dict[Key, Backoff] = {}  # keys whose last fetch failed
+        self._outages: Dict[Key, Outage] = {}
         self._last: Dict[Key, float] = {}
         self._stopping = False
 
@@ -110,31 +110,22 @@ class Fanout:
                 started = time.monotonic()
                 updates, upto, _ = await stream.updates_since(
                     writer, announced, target, self.fetch_limit)
-                self._recovered(key)
+                self._outage(key).succeeded()
                 self._send(stream.name, writer, announced, updates, upto)
                 stream.forget(writer, upto)
                 metrics.FANOUT_LATENCY.observe(time.monotonic() - started)
         except Exception as e:
-            backoff = self._outages.get(key)
-            if backoff is None:
-                backoff = self._outages[key] = Backoff(
-                    self.retry_delay, max(self.retry_delay, MAX_DELAY),
-                    name=f"fanout {stream.name}/{writer}")
-                log.warn("Fan-out of {stream}/{writer} failed, an outage ({error}); retrying "
-                         "with backoff", stream=stream.name, writer=writer,
-                         error=f"{type(e).__name__}: {e}")
+            delay = self._outage(key).failed(e)
             if key not in self._retries:
-                self._retries[key] = self._clock.callLater(
-                    backoff.delay(), self._retry, stream, writer)
+                self._retries[key] = self._clock.callLater(delay, self._retry, stream, writer)
         finally:
             self._running.discard(key)
 
-    def _recovered(self, key: Key) -> None:
-        backoff = self._outages.pop(key, None)
-        if backoff is not None:
-            log.info("Fan-out of {stream}/{writer}: outage over after {n} failed attempts",
-                     stream=key[0], writer=key[1], n=backoff.failures)
-            backoff.reset()
+    def _outage(self, key: Key) -> Outage:
+        outage = self._outages.get(key)
+        if outage is None:
+            outage = self._outages[key] = Outage(f"fan-out {key[0]}/{key[1]}", self.retry_delay)
+        return outage
 
     def _retry(self, stream: Stream, writer: str) -> None:
         self._retries.pop((stream.name, writer), None)

@@ -33,7 +33,7 @@ from twisted.logger import Logger
 
 from .. import metrics
 from ..background import Background
-from ..backoff import MAX_DELAY, Backoff
+from ..backoff import Outage
 
 log = Logger()
 
@@ -91,7 +91,7 @@ class Reader:
         self._batches: Dict[Any, List[list]] = {}  # conn -> rows of the fact under way
         self._connected: Set[Any] = set()  # connections with a POSITION seen
         self._retry = None
-        self._outage: Optional[Backoff] = None  # set while the source fails
+        self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
         self._stopping = False
         self._lag = metrics.READER_LAG.labels(stream_name, writer)
 
@@ -154,22 +154,9 @@ class Reader:
                 except Stopping:
                     return
                 except Exception as e:
-                    if self._outage is None:
-                        self._outage = Backoff(
-                            self.retry_delay, max(self.retry_delay, MAX_DELAY),
-                            name=f"reader {self.stream_name}/{self.writer}")
-                        log.warn("Processing {kind} of {stream}/{writer} failed, an outage "
-                                 "({error}); retrying with backoff", kind=item[0],
-                                 stream=self.stream_name, writer=self.writer,
-                                 error=f"{type(e).__name__}: {e}")
-                    self._retry = self._clock.callLater(self._outage.delay(), self._resume)
+                    self._retry = self._clock.callLater(self._outage.failed(e), self._resume)
                     return
-                if self._outage is not None:
-                    log.info("{stream}/{writer}: outage over after {n} failed attempts",
-                             stream=self.stream_name, writer=self.writer,
-                             n=self._outage.failures)
-                    self._outage.reset()
-                    self._outage = None
+                self._outage.succeeded()
                 self.queue.popleft()
         finally:
             if not self.queue or self._stopping:
