@@ -209,6 +209,11 @@ class ReplicationProtocol(LineOnlyReceiver):
         """Lines waiting for the transport to resume."""
         return len(self._queue)
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of the lines waiting (at most ``max_queued_lines`` lines)."""
+        return sum(map(len, list(self._queue)))
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
