@@ -91,10 +91,22 @@ class ReplicationClientFactory(Factory):
 
 def upstream_service(reactor, endpoint: str, handler, client_name: str, server_name: str,
                      settings: ConnectionSettings = None, initial_delay: float = 0.5,
-                     max_delay: float = 30.0) -> ClientService:
-    """A service that keeps one connection to the upstream server, forever."""
+                     max_delay: float = 30.0, wrap_endpoint=None,
+                     on_retry=None) -> ClientService:
+    """A service that keeps one connection to the upstream server, forever.
+
+    ``wrap_endpoint(endpoint)`` may wrap the parsed endpoint (e.g. to report
+    each attempt); ``on_retry(attempt, delay)`` is told every retry delay."""
     factory = ReplicationClientFactory(handler, client_name, server_name, settings)
-    return ClientService(
-        endpoints.clientFromString(reactor, endpoint), factory,
-        retryPolicy=backoffPolicy(initialDelay=initial_delay, maxDelay=max_delay),
-    )
+    client = endpoints.clientFromString(reactor, endpoint)
+    if wrap_endpoint is not None:
+        client = wrap_endpoint(client)
+    policy = backoffPolicy(initialDelay=initial_delay, maxDelay=max_delay)
+    if on_retry is not None:
+        inner = policy
+
+        def policy(attempt: int) -> float:
+            delay = inner(attempt)
+            on_retry(attempt, delay)
+            return delay
+    return ClientService(client, factory, retryPolicy=policy)
