@@ -118,7 +118,7 @@ class StatusRecorder(Service):
 def _kind(problem: str) -> str:
     """A problem without its figures: "lagging by 3 for 10s" and "lagging
     by 4 for 15s" are one problem going on."""
-    return re.sub(r"\d+", "N", problem)
+    return re.sub(r"\d+", "N", problem).replace(" facts ", " fact ")
 
 
 def _role(conn) -> str:

@@ -51,6 +51,13 @@ class RecorderTests(SynchronousTestCase):
         self.clock.advance(5)
         self.assertEqual(list(self.recorder.problems),
                          [(10.0, "stream caches/w1 lagging by 4 for 15s")])
+        self.problem = "stream caches: writer w1 has 1 committed fact not received for 2s"
+        self.clock.advance(5)
+        self.problem = "stream caches: writer w1 has 5 committed facts not received for 7s"
+        self.clock.advance(5)
+        self.assertEqual(list(self.recorder.problems)[-1], (
+            20.0, "stream caches: writer w1 has 5 committed facts not received for 7s"))
+        self.recorder.problems.pop()
         self.problem = None
         self.clock.advance(5)
         self.problem = "stream caches/w1 lagging by 3 for 10s"
