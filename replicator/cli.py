@@ -18,7 +18,8 @@ from twisted.logger import Logger
 
 from . import files
 from .config import ConfigError, load_config
-from .logs import start_logging
+from .endpoint_strings import http_url
+from .logs import printable, start_logging
 
 log = Logger()
 
@@ -100,6 +101,8 @@ def stop_once(reactor) -> None:
 def cmd_tail(args) -> None:
     from twisted.internet import endpoints
 
+    from .replication.tcp import upstream_service
+
     try:
         from twisted.internet import reactor
 
@@ -119,7 +122,8 @@ def cmd_tail(args) -> None:
                 fields = {f.name: getattr(cmd, f.name) for f in dataclasses.fields(cmd)}
                 print(json.dumps({"command": cmd.NAME, **fields}), flush=True)
             else:
-                print(cmd.to_line().rstrip(" "), flush=True)
+                # Peer text to a terminal: control characters escaped.
+                print(printable(cmd.to_line().rstrip(" "), limit=None), flush=True)
 
         def __getattr__(self, name):
             if name.startswith("on_"):
@@ -132,8 +136,6 @@ def cmd_tail(args) -> None:
     printer = Printer()
 
     async def main(reactor):
-        from .replication.tcp import upstream_service
-
         talking = []
 
         def wrap(endpoint):
@@ -199,19 +201,10 @@ def _http_base(config) -> str:
     endpoint = config.http.listen
     if not endpoint:
         _fail("config: http.listen: missing (this command talks to the daemon's HTTP API)", 2)
-    parts = endpoint.split(":")
-    if parts[0] not in ("tcp", "tcp6") or len(parts) < 2:
-        _fail(f"config: http.listen: {endpoint!r} is not a tcp endpoint", 2)
-    port = parts[1]
-    host = "127.0.0.1"
-    for p in parts[2:]:
-        if p.startswith("interface="):
-            host = p.split("=", 1)[1].replace("\\", "")
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
+    try:
+        return http_url(endpoint)
+    except ValueError as e:
+        _fail(f"config: http.listen: {e}", 2)
 
 
 def _request(url: str, method: str = "GET", body: Optional[bytes] = None,

@@ -384,6 +384,8 @@ def load_yaml(path: str) -> Any:
                                   f"offset {e.start}") from None
     try:
         return yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError("file", f"{path} nests too deeply to be a config") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -393,7 +395,6 @@ def load_yaml(path: str) -> Any:
 
 # ------------------------------------------------------------- instance
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
-LOOPBACK = ("127.", "::1", "localhost")
 
 
 @dataclass(frozen=True)
@@ -420,15 +421,22 @@ class ReplicationConfig:
     ping_interval: float = 5.0
     ping_timeout: float = 15.0
     max_queued_lines: int = 10_000
+    max_queued_bytes: int = 16 * 1024 * 1024
     max_line_length: int = 16_384
+    idle_timeout: float = 60.0
+    max_connections: int = 256
+    reconnect_initial_delay: float = 0.5
+    reconnect_max_delay: float = 30.0
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
+    max_batch_rows: int = 10_000  # rows of one fact received as a batch
+    max_batch_bytes: int = 16 << 20  # bytes of the lines of one partial batch
     # Who may connect (README, "Security model"); None: anyone.
     allowed_peers: Optional[Tuple[str, ...]] = None
     allowed_networks: Optional[Tuple[str, ...]] = None
     # Bounds of the USER_SYNC / USER_IP / FEDERATION_ACK bookkeeping.
-    max_user_syncs: int = 100_000
-    max_user_ips: int = 100_000
+    max_user_syncs: int = 50_000
+    max_user_ips: int = 20_000
     max_federation_acks: int = 1_000
     bookkeeping_max_age: float = 86_400.0
 
@@ -582,7 +590,9 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                           "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit",
                           "fanout_interval", "allowed_peers", "allowed_networks",
                           "max_user_syncs", "max_user_ips", "max_federation_acks",
-                          "bookkeeping_max_age"), key)
+                          "bookkeeping_max_age", "max_queued_bytes", "idle_timeout",
+                          "max_connections", "reconnect_initial_delay",
+                          "reconnect_max_delay", "max_batch_rows", "max_batch_bytes"), key)
     ping_interval = _number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
     ping_timeout = _number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
@@ -602,6 +612,26 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
             server_endpoint(reactor, listen, client_ca)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}.client_ca", str(e)) from None
+    max_line_length = _int(section, "max_line_length", key, 16_384, minimum=1024,
+                           maximum=16 << 20)
+    max_batch_rows = _int(section, "max_batch_rows", key, 10_000, minimum=1,
+                          maximum=1_000_000)
+    max_batch_bytes = _int(section, "max_batch_bytes", key, 16 << 20, minimum=65536,
+                           maximum=1 << 30)
+    if max_batch_bytes <= max_line_length:
+        raise ConfigError(f"{key}.max_batch_bytes",
+                          f"must be larger than max_line_length ({max_line_length})")
+    max_queued_bytes = _int(section, "max_queued_bytes", key, 16 << 20, minimum=64 << 10,
+                            maximum=2 << 30)
+    if max_queued_bytes <= max_line_length:
+        raise ConfigError(f"{key}.max_queued_bytes",
+                          f"must be more than max_line_length ({max_line_length})")
+    initial_delay = _number(section, "reconnect_initial_delay", key, 0.5, minimum=0.01,
+                            maximum=60)
+    max_delay = _number(section, "reconnect_max_delay", key, 30.0, minimum=0.01, maximum=3600)
+    if max_delay < initial_delay:
+        raise ConfigError(f"{key}.reconnect_max_delay",
+                          f"must be at least reconnect_initial_delay ({initial_delay:g}s)")
     return ReplicationConfig(
         listen=listen,
         client_ca=client_ca,
@@ -611,20 +641,26 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         ping_timeout=ping_timeout,
         max_queued_lines=_int(section, "max_queued_lines", key, 10_000, minimum=1,
                               maximum=10_000_000),
-        max_line_length=_int(section, "max_line_length", key, 16_384, minimum=1024,
-                             maximum=16 << 20),
+        max_line_length=max_line_length,
+        max_queued_bytes=max_queued_bytes,
+        idle_timeout=_number(section, "idle_timeout", key, 60.0, minimum=1, maximum=86_400),
+        max_connections=_int(section, "max_connections", key, 256, minimum=1, maximum=65_536),
+        reconnect_initial_delay=initial_delay,
+        reconnect_max_delay=max_delay,
         fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1, maximum=100_000),
         fanout_interval=_number(section, "fanout_interval", key, 0.003, minimum=0,
                                 maximum=1),
         allowed_peers=_allowed_peers(section, key),
         allowed_networks=_allowed_networks(section, key, listen),
-        max_user_syncs=_int(section, "max_user_syncs", key, 100_000, minimum=1,
+        max_user_syncs=_int(section, "max_user_syncs", key, 50_000, minimum=1,
                             maximum=10_000_000),
-        max_user_ips=_int(section, "max_user_ips", key, 100_000, minimum=1, maximum=10_000_000),
+        max_user_ips=_int(section, "max_user_ips", key, 20_000, minimum=1, maximum=10_000_000),
         max_federation_acks=_int(section, "max_federation_acks", key, 1_000, minimum=1,
                                  maximum=100_000),
         bookkeeping_max_age=_number(section, "bookkeeping_max_age", key, 86_400.0,
                                     minimum=60, maximum=31_536_000),
+        max_batch_rows=max_batch_rows,
+        max_batch_bytes=max_batch_bytes,
     )
 
 
@@ -752,12 +788,3 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
 def load_config(path: str) -> InstanceConfig:
     """Read and validate one instance's YAML file."""
     return parse_instance(load_yaml(path), path)
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """Whether a server endpoint string binds only to a loopback address."""
-    for part in endpoint.split(":"):
-        if part.startswith("interface="):
-            host = part[len("interface="):].strip("[]").replace("\\", "")
-            return host.startswith(LOOPBACK) or host == "::1"
-    return endpoint.startswith("unix:")

@@ -35,7 +35,7 @@ without ``"rows"``.  The position of a key is the largest ``token`` or
 ``position`` of its lines.
 
 Lines are buffered and written in batches (one ``write`` + ``fsync`` per
-flush).  After a crash the file holds whole batches plus possibly a partial
+flush) by a thread of the file's own, never on the reactor thread.  After a crash the file holds whole batches plus possibly a partial
 last line; on open the partial line is cut off and positions come from the
 complete lines, so the reader resumes exactly after the last line on disk.
 """
@@ -44,12 +44,15 @@ import fcntl
 import importlib
 import json
 import os
+import queue
+import threading
 from importlib.metadata import entry_points
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
 from twisted.internet import defer
 from twisted.logger import Logger, LogLevel
+from twisted.python.failure import Failure
 
 from . import files
 from .config import ConfigError, ConsumerConfig, _bool, _no_unknown, _number, _str
@@ -153,17 +156,95 @@ def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict
     return (stream, writer), token, obj
 
 
+class FileThread:
+    """One thread that runs the I/O jobs of one file, one at a time, in the
+    order given; each job's result (or failure) comes back on the reactor
+    thread through the Deferred :meth:`run` returned.
+
+    The thread starts with the first job and is a daemon: a process that
+    exits without :meth:`stop` does not wait for it (what it had not written
+    is not in the file's positions, so it is fetched again).
+    """
+
+    def __init__(self, name: str, reactor=None):
+        if reactor is None:
+            from twisted.internet import reactor
+        self.name = name
+        self._reactor = reactor
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def run(self, fn: Callable, *args) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+            self._thread.start()
+        self._jobs.put((fn, args, d))
+        return d
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, d = job
+            try:
+                result = fn(*args)
+            except BaseException:
+                self._reactor.callFromThread(d.errback, Failure())
+            else:
+                self._reactor.callFromThread(d.callback, result)
+
+    def stop(self) -> None:
+        """Let the thread end once the jobs given so far are done."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
+
+def run_inline(fn: Callable, *args) -> defer.Deferred:
+    """Run an I/O job on the calling thread (tests on a Clock, scripts)."""
+    return defer.maybeDeferred(fn, *args)
+
+
+def _append(fd: int, size: int, data: bytes, truncate_first: bool, fsync: bool) -> None:
+    """Write ``data`` at offset ``size`` and fsync (the writer thread).  On
+    any error the file is cut back to ``size`` (if it can be) and the error
+    raised: the file never keeps part of a batch."""
+    try:
+        if truncate_first:
+            os.ftruncate(fd, size)
+        view = memoryview(data)
+        offset = size
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view = view[n:]
+            offset += n
+        if fsync:
+            os.fsync(fd)
+    except OSError:
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            pass  # truncated before the next attempt
+        raise
+
+
 class JsonlConsumer(Consumer):
     """Appends facts to a JSON-lines file (format: see the module docstring).
 
     Lines are buffered in memory and written with one ``write`` and one
     ``fsync`` per batch: ``flush_interval`` seconds after the first line of
     a batch (a ``callLater`` on ``clock``, the reactor by default), as soon as
-    the buffer holds ``max_buffer`` bytes, and in :meth:`close`.  ``on_facts``
-    returns None: the reader does not wait per fact.  Only when a flush has
-    failed (disk full, I/O error) and the buffer is full again does it return
-    a Deferred that fires once a retried flush succeeds, so memory stays
-    bounded while the disk is broken.
+    the buffer holds ``max_buffer`` bytes, and in :meth:`close`.  The writes
+    and fsyncs run on a thread of this file's own (:class:`FileThread`; or
+    whatever ``run_io`` runs a job with), never on the reactor thread, one
+    batch at a time and in order; lines that arrive meanwhile form the next
+    batch.  ``on_facts`` returns None: the reader does not wait per fact.
+    Only when the buffer is full and cannot be handed to the writer (a batch
+    is still being written, or the last one failed: disk full, I/O error)
+    does it return a Deferred, which fires once a batch has been written, so
+    memory stays bounded while the disk is slow or broken.
 
     :meth:`positions` is what the file holds after the last successful flush
     (with ``fsync=False``: written to the OS, which survives a killed process
@@ -174,9 +255,10 @@ class JsonlConsumer(Consumer):
     further back).  The file is locked (``flock``) while open: two consumers,
     in one process or two, cannot share it.
 
-    The service must call :meth:`close` at shutdown, or the last
-    ``flush_interval`` of facts is not written (not lost: positions do not
-    include them, so they are fetched again on restart).
+    The service must call :meth:`close` (and wait for its Deferred) at
+    shutdown, or the last ``flush_interval`` of facts is not written (not
+    lost: positions do not include them, so they are fetched again on
+    restart).
     """
 
     #: Delay before retrying a failed flush (seconds; at least flush_interval).
@@ -184,7 +266,8 @@ class JsonlConsumer(Consumer):
 
     def __init__(self, path: str, streams: Optional[Sequence[str]] = None,
                  flush_interval: float = 0.05, fsync: bool = True, clock=None,
-                 max_buffer: int = 1 << 20):
+                 max_buffer: int = 1 << 20,
+                 run_io: Optional[Callable[..., defer.Deferred]] = None):
         if clock is None:
             from twisted.internet import reactor as clock
         self.path = os.path.abspath(path)
@@ -193,15 +276,24 @@ class JsonlConsumer(Consumer):
         self.fsync = fsync
         self.max_buffer = max_buffer
         self._clock = clock
+        self._thread: Optional[FileThread] = None
+        if run_io is None:
+            self._thread = FileThread(f"jsonl {os.path.basename(self.path)}")
+            run_io = self._thread.run
+        self._run_io = run_io
         self._durable: Dict[Key, int] = {}  # in the file
-        self._last: Dict[Key, int] = {}  # in the file or the buffer
+        self._last: Dict[Key, int] = {}  # in the file, being written, or buffered
         self._buffer: List[bytes] = []
-        self._buffered = 0
+        self._buffered = 0  # bytes of the buffer and of _unwritten
         self._pending_positions: Dict[Key, int] = {}
+        self._unwritten = b""  # a failed batch: written before anything newer
+        self._writing: Optional[defer.Deferred] = None  # the batch in the writer's hands
+        self._again: List[defer.Deferred] = []  # flush() calls made meanwhile
         self._timer = None
         self._failed = False
         self._waiters: List[defer.Deferred] = []
         self._closed = False
+        self._closing: Optional[defer.Deferred] = None
         self._fd: Optional[int] = None
         self._size = 0  # bytes of whole lines in the file
         #: Facts skipped because they were at or below the key's position.
@@ -284,10 +376,11 @@ class JsonlConsumer(Consumer):
         self._last[key] = token
         self._pending_positions.pop(key, None)
         if self._buffered >= self.max_buffer:
-            if not self._failed:
+            if self._writing is None and not self._failed:
                 self.flush()
-            if self._failed and self._buffered >= self.max_buffer:
-                waiter = defer.Deferred()
+            if self._buffered >= self.max_buffer:
+                # The writer is busy or the disk is failing: wait for it.
+                waiter: defer.Deferred = defer.Deferred()
                 self._waiters.append(waiter)
                 return waiter
         if self._buffer:
@@ -306,18 +399,33 @@ class JsonlConsumer(Consumer):
         self._schedule(self.flush_interval)
         return None
 
-    def close(self):
-        if self._closed:
-            return None
+    def close(self) -> defer.Deferred:
+        """Write what is buffered, then release the file; fires when done
+        (at once with an inline ``run_io``).  Later calls return the same."""
+        if self._closing is not None:
+            return self._closing
         self._closed = True
         self._cancel_timer()
-        if not self.flush(retry=False):
-            log.error("{path}: {n} buffered lines could not be written at shutdown; they are "
-                      "fetched again on restart", path=self.path, n=len(self._buffer))
+        self._closing = defer.ensureDeferred(self._close())
+        return self._closing
+
+    async def _close(self) -> None:
+        while self._writing is not None:
+            await self._wait_written()
+        if not await self._write(retry=False):
+            log.error("{path}: {n} buffered bytes could not be written at shutdown; they are "
+                      "fetched again on restart", path=self.path, n=self._buffered)
         self._release_waiters()
-        os.close(self._fd)
-        self._fd = None
-        return None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        if self._thread is not None:
+            self._thread.stop()
+
+    def _wait_written(self) -> defer.Deferred:
+        d: defer.Deferred = defer.Deferred()
+        self._again.append(d)
+        return d
 
     # -------------------------------------------------------------- flushing
     def _schedule(self, delay: float) -> None:
@@ -335,55 +443,76 @@ class JsonlConsumer(Consumer):
         self.flush()
 
     def pending_bytes(self) -> bytes:
-        """What the next flush writes: the buffered facts, then one position
-        line per key that advanced past its last fact."""
+        """What the next flush writes: a failed batch, the buffered facts,
+        then one position line per key that advanced past its last fact."""
         positions = [
             _encode({"stream": s, "writer": w, "position": token})
             for (s, w), token in self._pending_positions.items()
         ]
-        return b"".join(self._buffer + positions)
+        return self._unwritten + b"".join(self._buffer + positions)
 
-    def flush(self, retry: bool = True) -> bool:
-        """Write and fsync the buffer now; False (and a retry later) if that
-        failed, in which case the file is as before."""
+    def flush(self, retry: bool = True) -> defer.Deferred:
+        """Hand what is buffered to the writer now.  Fires with True once it
+        is in the file (and fsynced), False if that failed: then the file is
+        as before and, with ``retry``, a retry is scheduled.  While a batch
+        is being written, the buffer goes once that one is done."""
         self._cancel_timer()
-        if self._fd is None or not (self._buffer or self._pending_positions):
+        if self._writing is not None:
+            return self._wait_written()
+        return defer.ensureDeferred(self._write(retry))
+
+    async def _write(self, retry: bool) -> bool:
+        """Write one batch: everything buffered so far (one at a time)."""
+        if self._fd is None or not (self._unwritten or self._buffer or self._pending_positions):
             return True
         data = self.pending_bytes()
+        target = dict(self._last)  # the positions once this batch is in the file
+        truncate_first = self._failed
+        self._buffer, self._buffered = [], 0
+        self._pending_positions, self._unwritten = {}, b""
+        self._writing = writing = self._run_io(
+            _append, self._fd, self._size, data, truncate_first, self.fsync)
         try:
-            if self._failed:
-                os.ftruncate(self._fd, self._size)
-            view = memoryview(data)
-            offset = self._size
-            while view:
-                n = os.pwrite(self._fd, view, offset)
-                view = view[n:]
-                offset += n
-            if self.fsync:
-                os.fsync(self._fd)
-        except OSError:
+            await writing
+        except Exception:
             log.failure("{path}: writing {n} bytes failed; retrying", path=self.path, n=len(data))
             self._failed = True
-            try:
-                os.ftruncate(self._fd, self._size)
-            except OSError:
-                pass  # truncated before the next attempt
-            if retry:
+            self._unwritten = data
+            self._buffered += len(data)
+            ok = False
+            if retry and not self._closed:
                 self._schedule(max(self.retry_delay, self.flush_interval))
-            return False
-        if self._failed:
-            log.info("{path}: writing works again", path=self.path)
-        self._failed = False
-        self._size += len(data)
-        self._buffer = []
-        self._buffered = 0
-        self._pending_positions = {}
-        self._durable = dict(self._last)
-        self.flushes += 1
-        self._release_waiters()
-        return True
+        else:
+            if self._failed:
+                log.info("{path}: writing works again", path=self.path)
+            self._failed = False
+            self._size += len(data)
+            self._durable = target
+            self.flushes += 1
+            ok = True
+        finally:
+            self._writing = None
+        again, self._again = self._again, []
+        if ok and not self._closed and (again or self._buffered >= self.max_buffer):
+            # Asked for meanwhile, or the buffer filled up: the next batch now.
+            result = defer.ensureDeferred(self._write(retry))
+
+            def answer(written, waiting=again):
+                for d in waiting:
+                    d.callback(written is True)
+            result.addBoth(answer)
+        else:
+            for d in again:
+                d.callback(ok)
+        if ok:
+            self._release_waiters()
+            if self._buffer or self._pending_positions:
+                self._schedule(self.flush_interval)
+        return ok
 
     def _release_waiters(self) -> None:
+        if self._buffered >= self.max_buffer and not self._closed:
+            return  # still full: the batch being written releases them
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             waiter.callback(None)

@@ -25,15 +25,18 @@ grace (no flapping under load); the query counts committed rows only (a
 plain ``SELECT`` sees nothing uncommitted) and at most ``COUNT_LIMIT``
 facts per writer, so a reader far behind costs one bounded index scan; one
 check runs at a time.  The gauges ``replicator_unreceived_facts`` and
-``replicator_unreceived_age_seconds`` carry the last check's figures.
+``replicator_unreceived_age_seconds`` carry the last check's figures;
+``replicator_healthy`` the verdict at scrape time (:meth:`HealthMonitor.healthy`).
 """
 
+import threading
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from twisted.application.service import Service
 from twisted.internet import defer, task
 from twisted.logger import Logger
+from twisted.python import threadable
 
 from . import metrics
 
@@ -43,6 +46,8 @@ Key = Tuple[str, str]  # (stream, writer)
 
 #: Facts counted per (stream, writer) and check at most; more show as "N+".
 COUNT_LIMIT = 10_000
+#: A scrape waits this long for the reactor to give the health verdict.
+VERDICT_WAIT = 2.0
 #: Observations kept per key (a staircase of "first seen" times).
 MAX_OBSERVATIONS = 64
 
@@ -188,6 +193,11 @@ class HealthMonitor(Service):
             state.prune(positions.get(key) or 0)
         for key in [k for k in self._unreceived if k not in results]:
             del self._unreceived[key]  # no position any more
+            for gauge in (metrics.UNRECEIVED_FACTS, metrics.UNRECEIVED_AGE):
+                try:
+                    gauge.remove(*key)
+                except KeyError:
+                    pass
         now = self._clock.seconds()
         for (stream, writer), state in self._unreceived.items():
             oldest = state.oldest()
@@ -251,6 +261,47 @@ class HealthMonitor(Service):
         if problem is None and self.expect_upstream:
             problem = self.lag_problem() or self.silent_problem()
         return problem
+
+
+    def healthy(self, connected: bool, detail: str) -> bool:
+        """The verdict ``/health`` gives, without its database probe: every
+        stream loaded, the last unreceived-facts check answered, and no
+        replication :meth:`problem`.  Cheap (no I/O)."""
+        if any(stream.id_gen is None for stream in self.registry):
+            return False
+        return not self._check_failed and self.problem(connected, detail) is None
+
+    def healthy_refresher(self, replication_status):
+        """A metrics refresher (:func:`metrics.add_refresher`) that sets
+        ``replicator_healthy`` from :meth:`healthy`.  Scrapes run in a
+        thread; the verdict reads and updates reactor-owned state, so it is
+        computed on the reactor thread, waiting at most ``VERDICT_WAIT``
+        seconds: a reactor that does not answer in that time is unhealthy."""
+        def verdict() -> bool:
+            return self.healthy(*replication_status())
+
+        def refresh() -> None:
+            if threadable.isInIOThread():
+                metrics.HEALTHY.set(1 if verdict() else 0)
+                return
+            answer: list = []
+            done = threading.Event()
+
+            def on_reactor():
+                try:
+                    answer.append(verdict())
+                finally:
+                    done.set()
+
+            call = getattr(self._clock, "callFromThread", None)
+            if call is None:
+                from twisted.internet import reactor
+                call = reactor.callFromThread
+            call(on_reactor)
+            done.wait(VERDICT_WAIT)
+            metrics.HEALTHY.set(1 if answer and answer[0] else 0)
+
+        return refresh
 
 
 def _count_unreceived(txn, queries) -> Dict[Key, Tuple[Optional[int], int]]:

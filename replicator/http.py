@@ -40,7 +40,7 @@ Prometheus.
     "next": cursor}``.
 
     These three are paged (:mod:`replicator.pages`): ``?limit=N`` entries
-    (1000 unless given, at most 10000) in key order, from the cursor
+    (at most 1000, the default) in key order, from the cursor
     ``?from=`` a previous page's ``next`` gave; ``next`` is null on the
     last page.  Each page is built and encoded in a thread.
 ``GET /health``
@@ -62,6 +62,11 @@ GET), and an unexpected exception a logged 500 with a generic message.  The
 secret is never written into an answer or a log line: error texts and logged
 fields pass through :meth:`HttpApi._redact`, the access log has neither
 headers nor query strings.
+
+Before any of this, each connection's channel (:mod:`replicator.http_channel`)
+enforces ``http.header_timeout``, ``http.body_timeout`` and
+``http.max_connections`` and answers a request twisted.web cannot parse
+with a JSON 400/431 (408 past a deadline, 503 over the cap).
 """
 
 import hmac
@@ -81,7 +86,6 @@ from twisted.web.resource import Resource
 from . import pages
 from .config import InstanceConfig
 from .http_channel import Busy, Channel
-from .metrics import FEDERATION_ACK_POSITION, USER_SYNCS
 from .replication.commands import encode_json
 from .status import CSP, SCRIPT, STYLE, StatusRecorder, render_html, snapshot
 from .streams.rows import RowError, check_rows
@@ -292,6 +296,13 @@ class _Request(server.Request):
             return  # answered already; the connection is closing
         if self.started is None:
             self.started = time.monotonic()
+        if self.path == b"*":
+            # twisted.web answers "*" itself (a bodiless 405); to the API it
+            # is a path like any other (a JSON 404).
+            self.site = self.channel.site
+            self.prepath, self.postpath = [], []
+            self.render(self.site.resource)
+            return
         super().process()
 
 
@@ -404,24 +415,13 @@ class HttpApi:
         return _Site(self._root, self, self.max_body_size, self.idle_timeout)
 
     def refresh_metrics(self) -> None:
-        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler.
-
-        Works on snapshots, so it may also run in a scrape thread (it is
-        registered with ``metrics.add_refresher``)."""
-        syncs = {instance: len(users)
-                 for instance, users in list(self.handler.user_syncs.items())}
-        acks = dict(self.handler.federation_acks)
-        for gauge, values in ((USER_SYNCS, syncs), (FEDERATION_ACK_POSITION, acks)):
-            for metric in gauge.collect():
-                for sample in metric.samples:
-                    instance = sample.labels.get("instance")
-                    if instance is not None and instance not in values:
-                        try:
-                            gauge.remove(instance)
-                        except KeyError:
-                            pass
-            for instance, value in values.items():
-                gauge.labels(instance).set(value)
+        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler's
+        bookkeeping (labelled only by configured names; from snapshots, so
+        it may also run in a scrape thread: it is registered with
+        ``metrics.add_refresher``)."""
+        refresh = getattr(self.handler, "refresh_metrics", None)
+        if refresh is not None:
+            refresh()
 
     # ---------------------------------------------------------- rendering
     def _routes(self, path: bytes) -> Tuple[Dict[bytes, Route], tuple]:

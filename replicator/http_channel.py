@@ -23,12 +23,10 @@ import re
 from typing import Optional, Tuple
 
 from twisted.internet import protocol
-from twisted.logger import Logger
+from twisted.internet.interfaces import ISSLTransport
 from twisted.web.http import HTTPChannel
 
 from .replication.commands import encode_json
-
-log = Logger(namespace="replicator.http")
 
 #: How long a refused connection is drained before it is closed.
 DRAIN_TIME = 2.0
@@ -46,14 +44,19 @@ def refusal(code: int, message: str, extra: bytes = b"") -> bytes:
             % (code, REASONS.get(code, b"Error"), len(body), extra)) + body
 
 
-def _close_after_answer(transport, clock, drain_time: float):
+def _close_after_answer(transport, clock, drain_time: float, close):
     """Half-close (the client reads the answer and sees the end), then close
-    after ``drain_time``; returns the delayed call."""
-    try:
-        transport.loseWriteConnection()
-    except (AttributeError, NotImplementedError):
-        transport.loseConnection()
-    return clock.callLater(drain_time, transport.loseConnection)
+    after ``drain_time`` with ``close`` (the channel's own, which first
+    unregisters it as the transport's producer); returns the delayed call.  Over TLS there is no
+    half-close (Twisted's TLS layer loses the answer and then fails on the
+    peer's next bytes): the connection is closed after ``drain_time``, and a
+    client that reads the answer (``Connection: close``) closes first."""
+    if not ISSLTransport.providedBy(transport):
+        try:
+            transport.loseWriteConnection()
+        except (AttributeError, NotImplementedError):
+            transport.loseConnection()
+    return clock.callLater(drain_time, close)
 
 
 class Channel(HTTPChannel):
@@ -76,6 +79,7 @@ class Channel(HTTPChannel):
     api = None  # the HttpApi: counts connections, logs refusals
 
     _why: Optional[Tuple[int, str]] = None
+    _tail: Optional[bytes] = b""  # None: this request's headers are complete
     _deadline = None
     _closer = None
     refused = False
@@ -99,9 +103,35 @@ class Channel(HTTPChannel):
     def dataReceived(self, data):
         if self.refused:
             return  # drained
-        if self._deadline is None and not self._handlingRequest and self.line_mode:
-            self._start_deadline("headers", self.header_timeout)
+        if not self._handlingRequest and self.line_mode:
+            if self._deadline is None:
+                self._start_deadline("headers", self.header_timeout)
+            if self._bare_lf(data):
+                # twisted.web splits lines on CRLF only: a request with bare
+                # LFs would wait for its deadline.
+                self._refuse(400, "header lines must end with CRLF")
+                return
         super().dataReceived(data)
+
+    def _bare_lf(self, data: bytes) -> bool:
+        """Whether the header part of ``data`` (with the last bytes seen
+        before it) has an LF not preceded by CR.  Once the end of the
+        headers is seen, nothing more is checked until the request is
+        complete (a body may hold anything)."""
+        tail = self._tail
+        if tail is None:
+            return False
+        text = tail + data
+        end = text.find(b"\r\n\r\n")
+        head = text if end < 0 else text[:end]
+        self._tail = None if end >= 0 else text[-3:]
+        # Only the LFs of the new data: the tail's were checked before.
+        i = head.find(b"\n", len(tail))
+        while i >= 0:
+            if i == 0 or head[i - 1] != 0x0D:
+                return True
+            i = head.find(b"\n", i + 1)
+        return False
 
     def lineReceived(self, line):
         if self.refused:
@@ -124,6 +154,7 @@ class Channel(HTTPChannel):
 
     def allContentReceived(self):
         self._cancel_deadline()
+        self._tail = b""  # the next request's headers are checked afresh
         super().allContentReceived()
 
     def rawDataReceived(self, data):
@@ -183,7 +214,8 @@ class Channel(HTTPChannel):
         self.setTimeout(None)
         answer = refusal(code, message)
         self.transport.write(answer)
-        self._closer = _close_after_answer(self.transport, self, DRAIN_TIME)
+        self._closer = _close_after_answer(self.transport, self, DRAIN_TIME,
+                                           self.loseConnection)
         if self.api is not None:
             self.api.log_refusal(self.transport, code, len(answer), message,
                                  getattr(self, "_command", None), getattr(self, "_path", None))
@@ -202,7 +234,8 @@ class Busy(protocol.Protocol):
         message = f"too many HTTP connections ({self.limit}): try again later"
         answer = refusal(503, message, b"Retry-After: 1\r\n")
         self.transport.write(answer)
-        self._closer = _close_after_answer(self.transport, self.clock, DRAIN_TIME)
+        self._closer = _close_after_answer(self.transport, self.clock, DRAIN_TIME,
+                                           self.transport.loseConnection)
         self.api.log_refusal(self.transport, 503, len(answer), message, None, None)
 
     def dataReceived(self, data):

@@ -36,6 +36,8 @@ IN_FLIGHT = Gauge(
 )
 
 # ---------------------------------------------------------- replication
+# "name" labels are bounded: a peer's NAME only if the configuration knows
+# it (replication.peers.metrics_label), else "other".
 CONNECTIONS = Gauge(
     "replicator_connections", "Open replication connections", ["name"]
 )
@@ -50,6 +52,19 @@ COMMANDS_DROPPED = Counter(
     "Outbound commands never written (line too long) or inbound ones ignored (unknown)",
     ["command", "reason"],
 )
+FACTS_BY_POSITION = Counter(
+    "replicator_facts_announced_by_position_total",
+    "Local facts too big for one batch or line (max_batch_rows, max_batch_bytes, "
+    "max_line_length), announced as POSITION t t: readers read them from the table",
+    ["stream"],
+)
+INBOUND_REFUSED = Counter(
+    "replicator_inbound_refused_total",
+    "RDATA/POSITION of a peer refused and never acted on: a token beyond the stream's "
+    "sequence (beyond_sequence), a row that does not fit the stream (bad_row), a partial "
+    "batch over its bounds (batch_too_large)",
+    ["stream", "reason"],
+)
 PENDING_COMMANDS = Gauge(
     "replicator_pending_commands", "Commands queued while the connection is paused", ["name"],
     registry=None,
@@ -60,6 +75,14 @@ TRANSPORT_BUFFER = Gauge(
 )
 DISCONNECTS = Counter(
     "replicator_disconnects_total", "Replication disconnects by reason", ["reason"]
+)
+CONNECTIONS_REFUSED = Counter(
+    "replicator_connections_refused_total",
+    "Replication connections refused at accept (ERROR and close), by reason", ["reason"]
+)
+RECONNECT_DELAY = Gauge(
+    "replicator_reconnect_delay_seconds",
+    "Last reconnect wait of an outgoing link (0 once a connection proved healthy)", ["link"]
 )
 READER_LAG = Gauge(
     "replicator_reader_lag", "Writer's announced token minus this reader's token",
@@ -97,6 +120,15 @@ FANOUT_LATENCY = Histogram(
     buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1),
 )
 
+BOOKKEEPING_EVICTED = Counter(
+    "replicator_bookkeeping_evicted_total",
+    "USER_SYNC / USER_IP / FEDERATION_ACK entries dropped to make room (table full)", ["table"],
+)
+BOOKKEEPING_EXPIRED = Counter(
+    "replicator_bookkeeping_expired_total",
+    "USER_IP / FEDERATION_ACK entries dropped for age (bookkeeping_max_age)", ["table"],
+)
+# Labelled by instance names the configuration knows; any other is "other".
 USER_SYNCS = Gauge(
     "replicator_user_syncs", "Users syncing per instance (USER_SYNC bookkeeping)", ["instance"],
     registry=None,
@@ -107,10 +139,17 @@ FEDERATION_ACK_POSITION = Gauge(
     registry=None,
 )
 
+HEALTHY = Gauge(
+    "replicator_healthy",
+    "1 while this instance's /health replication verdict is OK (streams loaded, replication "
+    "links up and keeping up, the unreceived-facts check answering), else 0; set at scrape "
+    "time", registry=None,
+)
+
 # Gauges of live state, set by refreshers right before each scrape and
 # exported by the collector below (so a scrape never sees stale values).
 LIVE_GAUGES = (STREAM_POSITION, STREAM_LINEAR_POSITION, IN_FLIGHT, PENDING_COMMANDS,
-               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION)
+               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION, HEALTHY)
 _refreshers = []
 
 

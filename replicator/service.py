@@ -23,7 +23,8 @@ from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
 from . import files, metrics, sdnotify
-from .config import InstanceConfig, is_loopback_endpoint
+from .config import InstanceConfig
+from .endpoint_strings import is_loopback
 from .health import HealthMonitor
 from .replication.handler import ReplicationHandler
 from .replication.peers import local_names, policy_from_config
@@ -160,6 +161,32 @@ class MetricsThread(Service):
             self._server = None
 
 
+#: File descriptors an instance needs besides its connections: database
+#: pool, log and consumer files, listeners, Redis, the metrics thread.
+FD_RESERVE = 64
+
+
+def fd_budget_problem(config: InstanceConfig, soft_limit: int) -> Optional[str]:
+    """Why the connection caps do not fit the process's file-descriptor
+    limit (``RLIMIT_NOFILE`` soft limit), or None.  Past the limit, new
+    sockets and files fail: /health, writes and the database with them."""
+    if soft_limit < 0:  # RLIM_INFINITY
+        return None
+    needed = FD_RESERVE + config.database.pool_max
+    keys = []
+    if config.replication.listen:
+        needed += config.replication.max_connections
+        keys.append("replication.max_connections")
+    if config.http.listen:
+        needed += config.http.max_connections
+        keys.append("http.max_connections")
+    if needed <= soft_limit or not keys:
+        return None
+    return (f"{' + '.join(keys)} and {FD_RESERVE + config.database.pool_max} descriptors "
+            f"for the rest need {needed} file descriptors, over the process limit of "
+            f"{soft_limit} (ulimit -n, LimitNOFILE=): lower the caps or raise the limit")
+
+
 class Instance:
     """A replicator instance: everything ``replicator run`` starts."""
 
@@ -180,11 +207,16 @@ class Instance:
             self.registry, config.instance_name, config.server_name,
             consumers=self.consumers, fetch_limit=rep.fetch_limit,
             max_line_length=rep.max_line_length, clock=reactor,
-            fanout_interval=rep.fanout_interval,
+            fanout_interval=rep.fanout_interval, max_batch_rows=rep.max_batch_rows,
+            max_batch_bytes=rep.max_batch_bytes, known_names=rep.allowed_peers or (),
+            max_user_syncs=rep.max_user_syncs, max_user_ips=rep.max_user_ips,
+            max_federation_acks=rep.max_federation_acks,
+            bookkeeping_max_age=rep.bookkeeping_max_age,
         )
         self.settings = ConnectionSettings(
             max_line_length=rep.max_line_length, ping_interval=rep.ping_interval,
             ping_timeout=rep.ping_timeout, max_queued_lines=rep.max_queued_lines,
+            max_queued_bytes=rep.max_queued_bytes, idle_timeout=rep.idle_timeout,
         )
         self.services = MultiService()
         self.listeners: List[ListeningService] = []
@@ -211,8 +243,10 @@ class Instance:
         """Whether this instance's replication links are up (workers)."""
         rep = self.config.replication
         if rep.upstream:
-            up = any(c.is_client_side for c in self.handler.connections)
-            if not up:
+            # Connected means the upstream answered the handshake on a link
+            # still up (a silent one is timed out after ping_timeout); an
+            # accepted socket alone says nothing.
+            if self.upstream is None or not self.upstream.connected:
                 return False, f"not connected to upstream {rep.upstream}"
         if rep.redis and self.redis is not None and not self.redis.connected:
             return False, f"not connected to redis {rep.redis.endpoint}"
@@ -226,23 +260,27 @@ class Instance:
         await self.registry.start()
         self.handler.start()
         rep = config.replication
+        self._warn_fd_budget()
         if rep.listen:
             self._warn_exposed(rep.listen, "replication")
             policy = policy_from_config(rep, local_names(self.handler))
             factory = ReplicationServerFactory(self.handler, config.server_name, self.settings,
-                                               policy=policy)
+                                               policy=policy, max_connections=rep.max_connections)
             self._listen(rep.listen, factory, "replication", rep.client_ca,
                          key="replication.listen")
         if rep.upstream:
             self.upstream = upstream_service(
                 self.reactor, rep.upstream, self.handler, config.instance_name,
-                config.server_name, self.settings)
+                config.server_name, self.settings, initial_delay=rep.reconnect_initial_delay,
+                max_delay=rep.reconnect_max_delay)
             self.upstream.setServiceParent(self.services)
         if rep.redis:
             from .replication.redis import RedisReplication
 
             self.redis = RedisReplication(self.reactor, rep.redis, self.handler,
-                                          config.server_name, config.instance_name)
+                                          config.server_name, config.instance_name,
+                                          initial_delay=rep.reconnect_initial_delay,
+                                          max_delay=rep.reconnect_max_delay)
             self.redis.setServiceParent(self.services)
         self.health = HealthMonitor(
             registry=self.registry, handler=self.handler, db=self.db, clock=self.reactor,
@@ -267,6 +305,8 @@ class Instance:
             metrics_thread.setServiceParent(self.services)
             self._binding.append(metrics_thread)
         metrics.add_refresher(self.refresh_metrics)
+        self._healthy_refresher = self.health.healthy_refresher(self.replication_status)
+        metrics.add_refresher(self._healthy_refresher)
         if self.http is not None:
             metrics.add_refresher(self.http.refresh_metrics)
         self.services.startService()
@@ -303,9 +343,17 @@ class Instance:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise StartupError(key, "cannot connect: " + _hide_password(first, db.dsn)) from None
 
+    def _warn_fd_budget(self) -> None:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        problem = fd_budget_problem(self.config, soft)
+        if problem is not None:
+            log.warn("{problem}", problem=problem)
+
     @staticmethod
     def _warn_exposed(endpoint: str, what: str) -> None:
-        if endpoint.startswith(("ssl:", "unix:")) or is_loopback_endpoint(endpoint):
+        if endpoint.startswith("ssl:") or is_loopback(endpoint):
             return
         log.warn("{what} listener {endpoint} is plaintext on a non-loopback address: anyone "
                  "who can reach it can {can}", what=what, endpoint=endpoint,
@@ -336,6 +384,8 @@ class Instance:
             except Exception:
                 log.failure("closing consumer {c} failed", c=consumer)
         metrics.remove_refresher(self.refresh_metrics)
+        if getattr(self, "_healthy_refresher", None) is not None:
+            metrics.remove_refresher(self._healthy_refresher)
         if self.http is not None:
             metrics.remove_refresher(self.http.refresh_metrics)
         self.db.close()

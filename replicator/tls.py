@@ -13,25 +13,12 @@ the replication server can bind a peer's ``NAME`` to its certificate.
 """
 
 import re
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import FrozenSet, List, Optional
 
 from twisted.internet import endpoints, ssl
 from twisted.python.filepath import FilePath
 
-_SPLIT = re.compile(r"(?<!\\):")
-
-
-def _parse(endpoint: str) -> Tuple[List[str], Dict[str, str]]:
-    parts = [p.replace("\\:", ":") for p in _SPLIT.split(endpoint)]
-    args, kwargs = [], {}
-    for part in parts[1:]:
-        if "=" in part:
-            key, value = part.split("=", 1)
-            kwargs[key] = value
-        else:
-            args.append(part)
-    return args, kwargs
-
+from .endpoint_strings import parse
 
 def load_ca_certificates(path: str) -> List[ssl.Certificate]:
     """Every PEM certificate in ``path``."""
@@ -49,7 +36,7 @@ def server_endpoint(reactor, endpoint: str, client_ca: str = None):
         return endpoints.serverFromString(reactor, endpoint)
     if not endpoint.startswith("ssl:"):
         raise ValueError("client_ca needs an ssl: listener")
-    args, kw = _parse(endpoint)
+    _, args, kw = parse(endpoint)
     port = int(kw.pop("port", args[0] if args else 0))
     private_key = kw.pop("privateKey", "server.pem")
     cert_key = kw.pop("certKey", private_key)

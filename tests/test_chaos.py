@@ -148,14 +148,14 @@ def run(scenario, transport, seed, duration, **kwargs):
 
 
 class SliceTests(SynchronousTestCase):
-    """A short seeded slice of ``make chaos`` (fixed seeds, 12 s of faults
+    """A short seeded slice of ``make chaos`` (fixed seeds, 10 s of faults
     each), limited to scenarios that pass reliably on main."""
 
     SLICE = [("crash", "tcp", 101), ("net", "tcp", 102), ("pause", "redis", 103)]
 
     def test_slice(self):
         for scenario, transport, seed in self.SLICE:
-            result, out = run(scenario, transport, seed, 12.0)
+            result, out = run(scenario, transport, seed, 10.0)
             self.assertGreater(result["faults"], 0, out)
             self.assertGreater(result["outcomes"].get("acked", 0), 100, out)
             self.assertTrue(result["quiescent"], out)
@@ -164,7 +164,7 @@ class SliceTests(SynchronousTestCase):
     def test_planted_defect_is_caught(self):
         """Every 100th row dropped at the readers: facts lost or split, and
         nothing else blamed."""
-        result, out = run("none", "tcp", 104, 8.0, plant="drop-rdata",
+        result, out = run("none", "tcp", 104, 6.0, plant="drop-rdata",
                           quiescence_timeout=30.0)
         violations = result["violations"]
         self.assertGreater(violations["lost"] + violations["split"], 0, out)
@@ -173,3 +173,90 @@ class SliceTests(SynchronousTestCase):
         import shutil
 
         shutil.rmtree(result["dir"], ignore_errors=True)
+
+
+class ProxyTests(SynchronousTestCase):
+    """The proxy's faults, on real loopback sockets (an echo server behind it)."""
+
+    def run_async(self, body):
+        async def main():
+            from tests.chaos.proxy import Proxy
+
+            async def echo(reader, writer):
+                try:
+                    while True:
+                        data = await reader.read(65536)
+                        if not data:
+                            break
+                        writer.write(data)
+                        await writer.drain()
+                except ConnectionError:
+                    pass
+                finally:
+                    writer.close()
+
+            server = await asyncio.start_server(echo, "127.0.0.1", 0)
+            proxy = await Proxy("p", server.sockets[0].getsockname()[1]).start()
+            try:
+                await asyncio.wait_for(body(proxy), 30)
+            finally:
+                await proxy.close()
+                server.close()
+        asyncio.run(main())
+
+    def test_pass_and_cut(self):
+        async def body(proxy):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"hello\n")
+            self.assertEqual(await reader.readline(), b"hello\n")
+            self.assertEqual(proxy.cut(), 1)
+            self.assertEqual(await reader.read(), b"")  # closed
+            # New connections pass again.
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"again\n")
+            self.assertEqual(await reader.readline(), b"again\n")
+            writer.close()
+        self.run_async(body)
+
+    def test_stall_holds_bytes_until_it_ends(self):
+        async def body(proxy):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            stall = asyncio.ensure_future(proxy.stall(60))
+            await asyncio.sleep(0)
+            writer.write(b"held\n")
+            with self.assertRaises(asyncio.TimeoutError):
+                await asyncio.wait_for(reader.readline(), 0.3)
+            stall.cancel()  # ends the stall early
+            self.assertEqual(await reader.readline(), b"held\n")
+            writer.close()
+        self.run_async(body)
+
+    def test_slow_cut_trickles_then_cuts(self):
+        async def body(proxy):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            slow = asyncio.ensure_future(proxy.slow_cut(60))
+            await asyncio.sleep(0)
+            writer.write(b"x" * 64)
+            chunks = []
+            while sum(map(len, chunks)) < 64:
+                chunks.append(await reader.read(64))
+            self.assertGreater(len(chunks), 1)  # it came in pieces
+            self.assertTrue(all(len(c) <= 8 for c in chunks), chunks)
+            slow.cancel()  # ends it: the connection is cut
+            self.assertEqual(await reader.read(), b"")
+        self.run_async(body)
+
+    def test_partition_blackholes_new_connections(self):
+        async def body(proxy):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"up\n")
+            self.assertEqual(await reader.readline(), b"up\n")
+            part = asyncio.ensure_future(proxy.partition(60))
+            self.assertEqual(await reader.read(), b"")  # the existing one is cut
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"lost?\n")
+            with self.assertRaises(asyncio.TimeoutError):
+                await asyncio.wait_for(reader.readline(), 0.3)
+            part.cancel()  # healed: the blackholed connection is cut too
+            self.assertEqual(await reader.read(), b"")
+        self.run_async(body)

@@ -115,6 +115,24 @@ class ConfigErrorTests(SynchronousTestCase):
         ({"streams": [dict(CACHES, columns=[{"x": "float"}])]},
          "config: streams[0].columns[0].x: unknown type 'float' (one of text, bigint, "
          "boolean, json, '?' for nullable)"),
+        ({"replication": {"max_queued_bytes": 1000}},
+         "config: replication.max_queued_bytes: must be an integer from 65536 to 2147483648, "
+         "got 1000"),
+        ({"replication": {"idle_timeout": float("nan")}},
+         "config: replication.idle_timeout: must be a number from 1 to 86400, got nan"),
+        ({"replication": {"max_connections": 0}},
+         "config: replication.max_connections: must be an integer from 1 to 65536, got 0"),
+        ({"replication": {"max_connections": 10**9}},
+         "config: replication.max_connections: must be an integer from 1 to 65536, "
+         "got 1000000000"),
+        ({"replication": {"reconnect_initial_delay": 5, "reconnect_max_delay": 1}},
+         "config: replication.reconnect_max_delay: must be at least reconnect_initial_delay (5s)"),
+        ({"replication": {"allowed_networks": ["10.0.0.1/8"]}},
+         "config: replication.allowed_networks[0]: 10.0.0.1/8 has host bits set"),
+        ({"replication": {"allowed_peers": ["worker 1"]}},
+         "config: replication.allowed_peers[0]: 'worker 1' is not an instance name"),
+        ({"replication": {"max_user_ips": 1e30}},
+         "config: replication.max_user_ips: expected an integer, got float"),
     ]
 
     def test_each_mistake_is_one_line_and_exit_2(self):
@@ -147,6 +165,28 @@ class ConfigErrorTests(SynchronousTestCase):
         self.assertTrue(result.stderr.startswith(f"replicator: config: file: {path} is not "
                                                  "valid YAML at line"), result.stderr)
         self.assertEqual(result.stderr.count("\n"), 1)
+
+
+class TailTests(SynchronousTestCase):
+    def test_peer_text_is_printed_with_control_characters_escaped(self):
+        import socket
+
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        self.addCleanup(listener.close)
+        port = listener.getsockname()[1]
+        tail = subprocess.Popen(
+            [PY, "-m", "replicator.cli", "tail", f"tcp:host=127.0.0.1:port={port}",
+             "--server-name", "hs.test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        self.addCleanup(lambda: tail.poll() is None and tail.kill())
+        listener.settimeout(30)
+        conn, _ = listener.accept()
+        self.addCleanup(conn.close)
+        conn.sendall(b"SERVER hs.test\nERROR a\x1b[2Jb\x00c\rd\n")
+        lines = [tail.stdout.readline().rstrip("\n") for _ in range(2)]
+        self.assertEqual(lines, ["SERVER hs.test", "ERROR a\\x1b[2Jb\\x00c\\rd"])
 
 
 class EmbeddedDaemonTests(SynchronousTestCase):

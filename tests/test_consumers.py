@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from importlib.metadata import EntryPoint
 
 from hypothesis import given, settings
@@ -19,7 +20,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from replicator import consumers
 from replicator.config import ConfigError, ConsumerConfig
 from replicator.consumers import (
-    Consumer, JsonlConsumer, JsonlError, LogConsumer, MemoryConsumer, load_consumers,
+    Consumer, JsonlConsumer, JsonlError, LogConsumer, MemoryConsumer, load_consumers, run_inline,
 )
 from tests.support import until
 
@@ -111,7 +112,7 @@ class JsonlTests(SynchronousTestCase):
         self.patch(os, "fsync", counting_fsync)
 
     def open(self, **kw):
-        consumer = JsonlConsumer(self.path, clock=self.clock, **kw)
+        consumer = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline, **kw)
         self.addCleanup(consumer.close)
         return consumer
 
@@ -136,7 +137,7 @@ class JsonlTests(SynchronousTestCase):
         })
 
     def test_what_orjson_refuses_is_written_as_ascii_json(self):
-        c = JsonlConsumer(self.path, clock=self.clock)
+        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
         rows = [["\ud800 lone", 2 ** 70, {"1": None}]]
         c.on_facts("caches", "master", 1, rows)
         c.on_facts("caches", "master", 2, [["plain ☃"]])
@@ -224,7 +225,7 @@ class JsonlTests(SynchronousTestCase):
         })
 
     def test_positions_survive_reopening(self):
-        c = JsonlConsumer(self.path, clock=self.clock)
+        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
         c.on_facts("caches", "master", 1, [["a"]])
         c.on_facts("caches", "master", 2, [["b"]])
         c.on_position("caches", "worker1", 9)
@@ -236,11 +237,11 @@ class JsonlTests(SynchronousTestCase):
         c.close()
         lines, _ = read_lines(self.path)
         self.assertEqual([line.get("token", line.get("position")) for line in lines], [1, 2, 9, 3])
-        self.assertEqual(JsonlConsumer(self.path, clock=self.clock).positions(),
-                         {("caches", "master"): 3, ("caches", "worker1"): 9})
+        reopened = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
+        self.assertEqual(reopened.positions(), {("caches", "master"): 3, ("caches", "worker1"): 9})
 
     def test_close_is_idempotent_and_later_facts_are_dropped(self):
-        c = JsonlConsumer(self.path, clock=self.clock)
+        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
         c.on_facts("caches", "master", 1, [])
         c.close()
         c.close()
@@ -270,7 +271,7 @@ class JsonlTests(SynchronousTestCase):
         self.assertEqual([line["token"] for line in lines], [1, 2, 3])
 
     def test_no_warning_for_a_clean_file(self):
-        c = JsonlConsumer(self.path, clock=self.clock)
+        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
         c.on_facts("caches", "master", 1, [])
         c.close()
         logs = LogCapture(self)
@@ -349,9 +350,9 @@ class JsonlTests(SynchronousTestCase):
         script = (
             "import os, signal, sys\n"
             "from twisted.internet import task\n"
-            "from replicator.consumers import JsonlConsumer\n"
+            "from replicator.consumers import JsonlConsumer, run_inline\n"
             "clock = task.Clock()\n"
-            "c = JsonlConsumer(sys.argv[1], clock=clock)\n"
+            "c = JsonlConsumer(sys.argv[1], clock=clock, run_io=run_inline)\n"
             "for t in range(1, 51): c.on_facts('caches', 'master', t, [[t, 'x' * t]])\n"
             "clock.advance(1)\n"
             "for t in range(51, 61): c.on_facts('caches', 'master', t, [[t]])\n"
@@ -402,7 +403,7 @@ class JsonlTests(SynchronousTestCase):
         self.assertEqual(c.positions(), {})
 
     def test_positions_only_of_its_streams(self):
-        c = JsonlConsumer(self.path, clock=self.clock)
+        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
         c.on_facts("caches", "master", 1, [])
         c.on_facts("events", "master", 2, [])
         c.close()
@@ -452,6 +453,128 @@ class JsonlTests(SynchronousTestCase):
         self.clock.advance(c.retry_delay)
         self.assertEqual(fired, [None, None])
         self.assertEqual(c.positions(), {("caches", "master"): 3})
+
+
+class SlowFsync:
+    """A test-only fsync that blocks until released (or 20 s pass), counting
+    how often a LoopingCall on the reactor ticked while it was blocked."""
+
+    def __init__(self, case):
+        self.release = threading.Event()
+        self.ticks = 0
+        self.calls = 0
+        self.blocked = 0
+        self.ticks_while_blocked = []
+        real_fsync = os.fsync
+
+        def slow_fsync(fd):
+            self.calls += 1
+            self.blocked += 1
+            before = self.ticks
+            self.release.wait(20)
+            self.ticks_while_blocked.append(self.ticks - before)
+            self.blocked -= 1
+            real_fsync(fd)
+        case.patch(os, "fsync", slow_fsync)
+        case.addCleanup(self.release.set)
+        ticker = task.LoopingCall(self.tick)
+        ticker.start(0.005)
+        case.addCleanup(ticker.stop)
+
+    def tick(self):
+        self.ticks += 1
+
+
+class JsonlThreadTests(TestCase):
+    """The file's writes and fsyncs run on a thread of its own: the reactor
+    keeps running while they are slow."""
+
+    timeout = 120
+
+    def setUp(self):
+        self.path = os.path.join(temp_dir(self), "facts.jsonl")
+
+    def open(self, **kw):
+        consumer = JsonlConsumer(self.path, **kw)
+        self.addCleanup(consumer.close)
+        return consumer
+
+    def test_a_slow_fsync_never_stalls_the_reactor(self):
+        async def go():
+            c = self.open(flush_interval=0.01)  # opening may fsync (a new file)
+            slow = SlowFsync(self)
+            self.assertIsNone(c.on_facts("caches", "master", 1, [["a"]]))
+            await until(lambda: slow.blocked == 1, timeout=30)
+            # The reactor keeps running while fsync is stuck in the writer.
+            ticks = slow.ticks
+            await until(lambda: slow.ticks >= ticks + 5, timeout=30)
+            self.assertEqual(c.positions(), {})  # not durable before its fsync returns
+            slow.release.set()
+            await until(lambda: c.positions() == {("caches", "master"): 1}, timeout=30)
+            self.assertGreaterEqual(slow.ticks_while_blocked[0], 5)
+            self.assertEqual(read_lines(self.path)[0], [
+                {"stream": "caches", "writer": "master", "token": 1, "rows": [["a"]]}])
+        return defer.ensureDeferred(go())
+
+    def test_back_pressure_only_when_the_buffer_is_full_while_a_batch_is_written(self):
+        async def go():
+            c = self.open(max_buffer=300)
+            slow = SlowFsync(self)
+            answers = []
+            token = 0
+            while not answers or answers[-1] is None:
+                token += 1
+                answers.append(c.on_facts("caches", "master", token, [["x" * 40]]))
+                if token == 1:
+                    self.assertEqual(slow.calls, 0)
+                self.assertLess(token, 100)
+            # A full buffer went to the writer at once, the reader did not
+            # wait for it; a second full buffer while it is being written waits.
+            await until(lambda: slow.blocked == 1, timeout=30)
+            first_batch = 300 // len(_line(1)) + 1
+            self.assertEqual(answers[:-1], [None] * (token - 1))
+            self.assertEqual(token, 2 * first_batch)
+            waiting = answers[-1]
+            self.assertFalse(waiting.called)
+            self.assertEqual(c.positions(), {})
+            slow.release.set()
+            await waiting
+            await until(lambda: c.positions() == {("caches", "master"): token}, timeout=30)
+            self.assertEqual(slow.calls, 2)
+            for more in range(token + 1, token + 4):
+                self.assertIsNone(c.on_facts("caches", "master", more, [["x" * 40]]))
+            await c.close()
+            lines, _ = read_lines(self.path)
+            self.assertEqual([line["token"] for line in lines], list(range(1, token + 4)))
+        return defer.ensureDeferred(go())
+
+    def test_close_waits_for_the_batch_being_written_then_writes_the_rest(self):
+        async def go():
+            c = self.open(flush_interval=0.01)  # opening may fsync (a new file)
+            slow = SlowFsync(self)
+            c.on_facts("caches", "master", 1, [["a"]])
+            await until(lambda: slow.blocked == 1, timeout=30)
+            c.on_facts("caches", "master", 2, [["b"]])
+            c.on_position("caches", "worker1", 7)
+            closing = c.close()
+            self.assertFalse(closing.called)
+            slow.release.set()
+            await closing
+            self.assertIs(c.close(), closing)
+            self.assertEqual(c.positions(), {("caches", "master"): 2, ("caches", "worker1"): 7})
+            lines, _ = read_lines(self.path)
+            self.assertEqual([line.get("token", line.get("position")) for line in lines],
+                             [1, 2, 7])
+            # The file is released: it opens again.
+            reopened = JsonlConsumer(self.path, run_io=run_inline)
+            self.assertEqual(reopened.positions(), c.positions())
+            reopened.close()
+        return defer.ensureDeferred(go())
+
+
+def _line(token):
+    return (json.dumps({"stream": "caches", "writer": "master", "token": token,
+                        "rows": [["x" * 40]]}, separators=(",", ":")) + "\n").encode()
 
 
 class LogConsumerTests(SynchronousTestCase):
@@ -657,7 +780,7 @@ class CrashProperty(SynchronousTestCase):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "facts.jsonl")
             clock = task.Clock()
-            c = JsonlConsumer(path, clock=clock, fsync=False)
+            c = JsonlConsumer(path, clock=clock, fsync=False, run_io=run_inline)
             last = {}  # model: per key, the last accepted token (buffered or durable)
             accepted = []  # every accepted event, in order, for the replay
             written = []  # lines flushed, in order
@@ -706,7 +829,7 @@ class CrashProperty(SynchronousTestCase):
             for line in survivors:
                 durable[(line["stream"], line["writer"])] = line.get("token", line.get("position"))
 
-            c = JsonlConsumer(path, clock=clock, fsync=False)
+            c = JsonlConsumer(path, clock=clock, fsync=False, run_io=run_inline)
             self.assertEqual(c.positions(), durable)
             with open(path, "rb") as f:
                 data = f.read()
@@ -720,7 +843,7 @@ class CrashProperty(SynchronousTestCase):
                 else:
                     c.on_position(event[1][0], event[1][1], event[2])
             c.close()
-            c = JsonlConsumer(path, clock=clock, fsync=False)
+            c = JsonlConsumer(path, clock=clock, fsync=False, run_io=run_inline)
             self.assertEqual(c.positions(), last)
             c.close()
             with open(path, "rb") as f:
@@ -794,8 +917,8 @@ class ReaderTests(TestCase):
             proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 3 3\n")
             await until(lambda: worker.reader_positions()[("caches", "master")] == 3)
             await until(worker.idle)
-            clock.advance(1)
-            self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
+            clock.advance(1)  # written by the file's own thread
+            await until(lambda: jsonl.positions() == {("caches", "master"): 3})
             # Two more facts arrive live; the worker dies before they are flushed.
             await caches.write_facts([[["d", None, 4]], [["e", None, 5]]])
             proto.dataReceived(b'RDATA caches master 4 ["d",null,4]\n'
@@ -813,7 +936,7 @@ class ReaderTests(TestCase):
             await until(lambda: worker.reader_positions()[("caches", "master")] == 5)
             await until(worker.idle)
             proto.connectionLost(None)
-            jsonl.close()
+            await jsonl.close()
             await stop_worker()
             lines, _ = read_lines(self.path)
             self.assertEqual([(line["token"], line["rows"]) for line in lines if "rows" in line], [

@@ -35,9 +35,9 @@ class ProtocolLinesSlice(TestCase):
 
     def test_every_line_is_dispatched_or_error_and_close(self):
         async def go():
-            result = await lines.run_phase(SEED, 1500)
+            result = await lines.run_phase(SEED, 1200)
             self.flushLoggedErrors()  # reported through the result, with the input
-            _assert_clean(self, result, 3000)
+            _assert_clean(self, result, 2400)
         return defer.ensureDeferred(go())
 
 
@@ -54,8 +54,8 @@ class DaemonSlice(SynchronousTestCase):
         _assert_clean(self, result, 100)
 
     def test_mutated_configs(self):
-        result = configs.run_phase(SEED, 12)
-        _assert_clean(self, result, 12)
+        result = configs.run_phase(SEED, 10)
+        _assert_clean(self, result, 10)
 
 
 class ForgedPeersSlice(SynchronousTestCase):

@@ -25,6 +25,17 @@ STREAMS = parse_streams([
 ])
 
 
+def set_sequence(dsn, sequence, value):
+    """What another writer sharing the database would have done: without it,
+    a claimed token above the sequence is refused as impossible."""
+    conn = psycopg2.connect(dsn)
+    try:
+        conn.autocommit = True
+        conn.cursor().execute("SELECT setval(%s, %s)", (sequence, value))
+    finally:
+        conn.close()
+
+
 def lines(transport):
     return transport.value().decode().splitlines()
 
@@ -120,6 +131,7 @@ class HandlerTests(TestCase):
         async def go():
             consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
             registry, handler = await self.instance("master", [consumer])
+            set_sequence(self.dsn, "cache_stream_seq", 4)  # worker1 wrote up to 4
             other, ot = self.server_conn(handler, "worker2")
             other.dataReceived(b"REPLICATE\n")
             ot.clear()
@@ -169,7 +181,7 @@ class HandlerTests(TestCase):
             self.assertEqual(lines(tr)[2:], ["REPLICATE ", "POSITION caches worker1 3 3"])
             proto.dataReceived(
                 b"SERVER hs.test\n"
-                b'RDATA caches master 9 ["early",null,0]\n'  # not connected yet: dropped
+                b'RDATA caches master 2 ["early",null,0]\n'  # not connected yet: dropped
                 b"POSITION caches master 3 3\n"
                 b'RDATA caches master 3 ["c",null,2]\n')      # duplicate of the catch-up
             await until(lambda: worker.reader_positions()[("caches", "master")] == 3)
@@ -185,6 +197,7 @@ class HandlerTests(TestCase):
         async def go():
             consumer = MemoryConsumer(positions={("caches", "master"): 0})
             _, worker = await self.instance("worker1", [consumer])
+            set_sequence(self.dsn, "cache_stream_seq", 1)  # the master wrote fact 1
             proto = ClientReplicationProtocol(worker, "worker1", "hs.test", clock=task.Clock())
             proto.makeConnection(StringTransport())
             proto.dataReceived(b"SERVER hs.test\nPOSITION caches master 0 0\n"
@@ -229,15 +242,20 @@ class HandlerTests(TestCase):
 
         async def go():
             _, handler = await self.instance("master")
-            unnamed, named = gauge("unnamed"), gauge("worker7")
+            unnamed, named, other = gauge("unnamed"), gauge("worker1"), gauge("other")
             proto, _ = self.server_conn(handler)
             self.assertEqual(gauge("unnamed"), unnamed + 1)
-            proto.dataReceived(b"NAME worker7\nPING 1\n")
-            self.assertEqual((gauge("unnamed"), gauge("worker7")), (unnamed, named + 1))
+            proto.dataReceived(b"NAME worker1\nPING 1\n")
+            self.assertEqual((gauge("unnamed"), gauge("worker1")), (unnamed, named + 1))
             self.assertEqual(
-                metrics.COMMANDS_IN.labels("PING", "worker7")._value.get() >= 1, True)
+                metrics.COMMANDS_IN.labels("PING", "worker1")._value.get() >= 1, True)
+            # A name the configuration does not know is "other".
+            stranger, _ = self.server_conn(handler, "worker7")
+            self.assertEqual(gauge("other"), other + 1)
             proto.connectionLost(None)
-            self.assertEqual((gauge("unnamed"), gauge("worker7")), (unnamed, named))
+            stranger.connectionLost(None)
+            self.assertEqual((gauge("unnamed"), gauge("worker1"), gauge("other")),
+                             (unnamed, named, other))
         return defer.ensureDeferred(go())
 
     def test_facts_written_behind_our_back_are_delivered_and_reported(self):

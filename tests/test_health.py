@@ -17,6 +17,7 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
 
+from replicator import metrics
 from replicator.config import parse_database, parse_instance, parse_streams
 from replicator.consumers import MemoryConsumer
 from replicator.health import HealthMonitor
@@ -176,6 +177,31 @@ class HealthMonitorTests(TestCase):
                              "replication not connected: connecting")
             link.dataReceived(b"POSITION events worker2 0 0\n")
             self.assertIsNone(self.monitor.problem(True, "connected"))
+        return defer.ensureDeferred(go())
+
+    def test_the_healthy_gauge_follows_the_verdict_at_scrape_time(self):
+        """``replicator_healthy`` (what the alert on /health failing reads)
+        is 1 while the replication verdict is OK, 0 as soon as it is not,
+        and set at scrape time (collecting the registry runs the refresher)."""
+        async def go():
+            await self.setup()
+            status = [(True, "connected")]
+            refresh = self.monitor.healthy_refresher(lambda: status[0])
+            metrics.add_refresher(refresh)
+            self.addCleanup(metrics.remove_refresher, refresh)
+            self.worker.upstream(b"POSITION caches master 0 0\n"
+                                 b"POSITION events master 0 0\n"
+                                 b"POSITION events worker2 0 0\n")
+            await until(self.worker.handler.idle)
+            self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 1)
+            status[0] = (False, "connecting")
+            self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 0)
+            status[0] = (True, "connected")
+            self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 1)
+            await self.write(2)
+            await self.monitor.check_unreceived()
+            self.clock.advance(10)
+            self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 0)
         return defer.ensureDeferred(go())
 
     def test_a_master_reports_unreceived_facts_but_not_silent_workers(self):

@@ -608,6 +608,9 @@ class HttpApiTests(HttpTestCase):
                 "reason": "replication not connected: connecting to 127.0.0.1:9 "
                           "(password [redacted])"}))
             self.status = (True, "connected")
+            # The master wrote up to 12 (a claim beyond the sequence is refused).
+            await self.db.runOperation("SELECT setval(%s, 12)",
+                                       (self.registry.get("caches").config.sequence,))
             proto = ClientReplicationProtocol(self.handler, "worker1", "hs.test",
                                               clock=task.Clock())
             proto.makeConnection(StringTransport())
@@ -643,8 +646,12 @@ class HttpApiTests(HttpTestCase):
                 b"USER_SYNC worker1 @u:hs DEV start 1000\n"
                 b"USER_SYNC worker1 @v:hs None start 1001\n"
                 b"FEDERATION_ACK worker1 57\n"
-                b"FEDERATION_ACK worker2 3\n"
                 b'USER_IP @u:hs ["tok", "10.0.0.1", "Element/1.0", "DEV", 1234]\n')
+            # Each instance acks for itself, on its own connection.
+            proto2 = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+            proto2.makeConnection(StringTransport())
+            self.addCleanup(proto2.connectionLost, None)
+            proto2.dataReceived(b"NAME worker2\nFEDERATION_ACK worker2 3\n")
             for path in ("/_replicator/v1/user_syncs", "/_replicator/v1/user_ips"):
                 response, answer = await self.json("GET", path)
                 self.assertEqual((response.code, answer), (401, {
@@ -666,7 +673,9 @@ class HttpApiTests(HttpTestCase):
             response, text = await self.call("GET", "/metrics")
             self.assertIn(b'replicator_user_syncs{instance="worker1"} 2.0\n', text)
             self.assertIn(b'replicator_federation_ack_position{instance="worker1"} 57.0\n', text)
-            self.assertIn(b'replicator_federation_ack_position{instance="worker2"} 3.0\n', text)
+            # worker2 is no configured name: labelled "other".
+            self.assertIn(b'replicator_federation_ack_position{instance="other"} 3.0\n', text)
+            self.assertNotIn(b'instance="worker2"', text)
             # The syncs expire with the connection, and so does the series.
             proto.connectionLost(None)
             response, answer = await self.json("GET", "/_replicator/v1/user_syncs", headers=AUTH)

@@ -2,12 +2,16 @@
 sockets: who may read what, answers built off the reactor, slow clients,
 malformed requests, absurd bodies.  Every refusal is a JSON 4xx/5xx."""
 
+import json
+import socket
 import threading
 
 import orjson
-from twisted.internet import defer, endpoints, protocol, reactor, task
+from twisted.internet import defer, endpoints, protocol, reactor, task, threads
 from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import SynchronousTestCase
 
+from replicator.http_channel import Channel
 from replicator.replication.protocol import ServerReplicationProtocol
 from tests.servers import PostgresServer
 from tests.support import until
@@ -124,9 +128,13 @@ class BigAnswerTests(HttpTestCase):
             lines.append(b'USER_IP @u%05d:hs ["tok", "10.0.%d.%d", "UA", "D%d", %d]\n'
                          % (i, i // 256, i % 256, i % 2, 1000 + i))
             lines.append(b"USER_SYNC worker1 @u%05d:hs D start %d\n" % (i, 1000 + i))
-            if i < 50:
-                lines.append(b"FEDERATION_ACK fed%03d %d\n" % (i, i))
         proto.dataReceived(b"".join(lines))
+        # Each instance acks on its own connection (no one acks for another).
+        for i in range(min(users, 50)):
+            fed = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+            fed.makeConnection(StringTransport())
+            self.addCleanup(fed.connectionLost, None)
+            fed.dataReceived(b"NAME fed%03d\nFEDERATION_ACK fed%03d %d\n" % (i, i, i))
         return proto
 
     def test_user_ips_pages_visit_every_entry_once_in_order(self):
@@ -152,14 +160,17 @@ class BigAnswerTests(HttpTestCase):
             self.assertEqual(seen, [("@u%05d:hs" % i, "D%d" % (i % 2)) for i in range(2500)])
             # The bookkeeping of the other tables pages the same way.
             response, answer = await self.json(
-                "GET", "/_replicator/v1/user_syncs?limit=2000", headers=AUTH)
-            self.assertEqual(len(answer["user_syncs"]["worker1"]), 2000)
+                "GET", "/_replicator/v1/user_syncs?limit=1000", headers=AUTH)
+            self.assertEqual(len(answer["user_syncs"]["worker1"]), 1000)
             response, rest = await self.json(
                 "GET", "/_replicator/v1/user_syncs?from=" + answer["next"], headers=AUTH)
+            self.assertEqual(len(rest["user_syncs"]["worker1"]), 1000)
+            self.assertEqual(rest["user_syncs"]["worker1"][0], {
+                "user_id": "@u01000:hs", "device_id": "D", "last_sync_ms": 2000})
+            response, rest = await self.json(
+                "GET", "/_replicator/v1/user_syncs?from=" + rest["next"], headers=AUTH)
             self.assertEqual(len(rest["user_syncs"]["worker1"]), 500)
             self.assertIsNone(rest["next"])
-            self.assertEqual(rest["user_syncs"]["worker1"][0], {
-                "user_id": "@u02000:hs", "device_id": "D", "last_sync_ms": 3000})
             response, answer = await self.json(
                 "GET", "/_replicator/v1/federation_acks?limit=40", headers=AUTH)
             self.assertEqual(list(answer["acks"]), ["fed%03d" % i for i in range(40)])
@@ -173,10 +184,10 @@ class BigAnswerTests(HttpTestCase):
         async def go():
             await self.start()
             for query, error in [
-                    ("limit=0", "limit must be an integer from 1 to 10000"),
-                    ("limit=10001", "limit must be an integer from 1 to 10000"),
-                    ("limit=-1", "limit must be an integer from 1 to 10000"),
-                    ("limit=" + "9" * 400, "limit must be an integer from 1 to 10000"),
+                    ("limit=0", "limit must be an integer from 1 to 1000"),
+                    ("limit=1001", "limit must be an integer from 1 to 1000"),
+                    ("limit=-1", "limit must be an integer from 1 to 1000"),
+                    ("limit=" + "9" * 400, "limit must be an integer from 1 to 1000"),
                     ("from=bm90IGpzb24", "from is not a cursor from a previous page's next"),
                     ("from=WzEsMl0", "from is not a cursor from a previous page's next"),
                     ("from=%ff%fe", "from is not a cursor from a previous page's next"),
@@ -364,6 +375,9 @@ class MalformedRequestTests(HttpTestCase):
         (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Name: v\r\n\r\n", 400,
          "invalid header name"),
         (b"GARBAGE\r\n\r\n", 400, "malformed request line"),
+        (b"GET /health HTTP/1.1\n\n", 400, "header lines must end with CRLF"),
+        (b"GET /health HTTP/1.1\r\nHost: x\nX-A: b\r\n\r\n", 400,
+         "header lines must end with CRLF"),
         (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: v\r\n" * 501 + b"\r\n", 431,
          "more than 500 header lines"),
         (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: " + b"v" * 8000 + b"\r\n"
@@ -381,9 +395,104 @@ class MalformedRequestTests(HttpTestCase):
                 client = await ClientConnection.open(self, RawClient(request))
                 received = await client.closed
                 self.assertEqual(parse_answer(self, received, code), {"error": error}, error)
+            # Twisted answers "*" itself (405, no body); here it is a path
+            # like any other.
+            client = await ClientConnection.open(self, RawClient(
+                b"GET * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+            head, _, body = (await client.closed).partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 404 "), head)
+            self.assertEqual(orjson.loads(body), {"error": "no such endpoint"})
+            # A body may hold bare LFs.
+            body = b'{"rows":\n[]}'
+            client = await ClientConnection.open(self, RawClient(
+                b"POST /_replicator/v1/streams/caches/facts HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + SECRET.encode() + b"\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body))
+            head, _, body = (await client.closed).partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 200 "), head)
             # The server goes on.
             response, _ = await self.json("GET", "/health")
             self.assertEqual(response.code, 200)
             refusals = [line for line in self.access_lines() if '" 4' in line]
-            self.assertEqual(len(refusals), len(self.CASES))
+            self.assertEqual(len(refusals), len(self.CASES) + 1)
+        return defer.ensureDeferred(go())
+
+
+class BareLineFeedTests(SynchronousTestCase):
+    """The bare-LF check sees a request the same however it is split."""
+
+    def feed(self, request: bytes, cuts) -> bool:
+        channel = Channel()
+        bounds = [0, *cuts, len(request)]
+        return any([channel._bare_lf(request[a:b]) for a, b in zip(bounds, bounds[1:])])
+
+    def test_every_split(self):
+        good = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n{\n}"
+        bad = b"GET / HTTP/1.1\r\nA: b\nC: d\r\n\r\n"
+        for request, expected in ((good, False), (bad, True)):
+            for i in range(1, len(request)):
+                for j in range(i, len(request), 3):
+                    self.assertEqual(self.feed(request, [i, j]), expected, (request, i, j))
+            self.assertEqual(self.feed(request, list(range(1, len(request)))), expected)
+
+
+class SurrogateTests(HttpTestCase):
+    def test_a_lone_surrogate_in_the_bookkeeping_is_still_answered(self):
+        async def go():
+            await self.start()
+            proto = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+            proto.makeConnection(StringTransport())
+            self.addCleanup(proto.connectionLost, None)
+            proto.dataReceived(b'NAME worker1\nUSER_IP @u:hs ["t", "10.0.0.1", "UA\\ud800", '
+                               b'"D", 5]\n')
+            # The answer escapes it (\ud800: JSON's grammar allows it; orjson's
+            # strict parser would not, the standard library's does).
+            response, data = await self.call("GET", "/_replicator/v1/user_ips",
+                                             headers=AUTH)
+            self.assertEqual((response.code, json.loads(data)), (200, {"user_ips": [
+                {"user_id": "@u:hs", "device_id": "D", "ip": "10.0.0.1",
+                 "user_agent": "UA\ud800", "last_seen": 5}], "next": None}))
+        return defer.ensureDeferred(go())
+
+
+class TlsRefusalTests(HttpTestCase):
+    """Over TLS too, a refused request gets its JSON answer (the half-close
+    after it goes through the TLS layer)."""
+
+    def test_malformed_and_slow_over_tls(self):
+        async def go():
+            import ssl
+            import tempfile
+
+            from tests.test_tls import make_pki
+
+            pki = make_pki(tempfile.mkdtemp())
+            listen = (f"ssl:0:interface=127.0.0.1:privateKey={pki['server.key']}"
+                      f":certKey={pki['server.crt']}")
+            await self.start(dsn=PostgresServer.shared().create_database(), config_overrides={
+                "http": {"listen": listen, "secret": SECRET, "header_timeout": 1}})
+            context = ssl.create_default_context(cafile=pki["ca.crt"])
+
+            def exchange(data: bytes) -> bytes:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=30) as raw:
+                    with context.wrap_socket(raw, server_hostname="localhost") as s:
+                        s.sendall(data)
+                        received = b""
+                        while True:
+                            try:
+                                chunk = s.recv(65536)
+                            except ssl.SSLError:
+                                break
+                            if not chunk:
+                                break
+                            received += chunk
+                        return received
+
+            received = await threads.deferToThread(
+                exchange, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+            self.assertEqual(parse_answer(self, received, 400),
+                             {"error": "invalid Content-Length header"})
+            received = await threads.deferToThread(exchange, b"GET /health HTTP/1.1\r\n")
+            self.assertEqual(parse_answer(self, received, 408),
+                             {"error": "request headers not received within 1s"})
         return defer.ensureDeferred(go())

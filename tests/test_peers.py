@@ -206,7 +206,7 @@ class ConfigTests(SynchronousTestCase):
     def test_bookkeeping_bounds(self):
         config = parse_replication({})
         self.assertEqual((config.max_user_syncs, config.max_user_ips, config.max_federation_acks,
-                          config.bookkeeping_max_age), (100_000, 100_000, 1_000, 86_400.0))
+                          config.bookkeeping_max_age), (50_000, 20_000, 1_000, 86_400.0))
         self.assertEqual(self.error({"max_user_ips": 0}),
                          "config: replication.max_user_ips: must be an integer from 1 to "
                          "10000000, got 0")

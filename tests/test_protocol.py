@@ -401,7 +401,7 @@ class KeepaliveTests(SynchronousTestCase):
         self.assertEqual(self.pings(transport), [b"PING 1490197677500"])
 
     def test_no_ping_while_output_flows(self):
-        proto, transport, clock, handler = make_server()
+        proto, transport, clock, handler = make_server(idle_timeout=1000)
         transport.clear()
         for i in range(60):
             clock.advance(1)
@@ -412,21 +412,72 @@ class KeepaliveTests(SynchronousTestCase):
         self.assertEqual(len(self.pings(transport)), 1)
 
     def test_ping_cadence_when_idle(self):
-        proto, transport, clock, handler = make_client()
+        proto, transport, clock, handler = make_client(ping_timeout=1000)
         transport.clear()
         clock.pump([1] * 60)
         self.assertEqual(len(self.pings(transport)), 12)
 
-    def test_peer_that_never_pings_is_never_timed_out(self):
+    def test_netcat_peer_that_never_pings_stays_while_it_sends_commands(self):
         proto, transport, clock, handler = make_server()
         proto.dataReceived(b"NAME netcat-user\nREPLICATE\n")
-        clock.pump([60] * 180)  # three hours of silence
+        for _ in range(100):  # well over an hour, a command every 59 s
+            clock.advance(59)
+            proto.dataReceived(b"REPLICATE\n")
         self.assertFalse(transport.disconnecting)
         self.assertIsNone(proto.close_reason)
         self.assertNotIn(b"ERROR", transport.value())
 
-    def test_timeout_after_the_peer_pinged(self):
+    def test_server_closes_a_peer_that_sent_no_command_for_the_idle_timeout(self):
         proto, transport, clock, handler = make_server()
+        proto.dataReceived(b"NAME quiet\nREPLICATE\n")
+        transport.clear()
+        clock.pump([1] * 59 + [0.9])
+        self.assertFalse(transport.disconnecting)
+        clock.advance(0.1)
+        self.assertTrue(transport.value().endswith(b"ERROR idle timeout\n"))
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(proto.close_reason, "idle_timeout")
+        lose(proto)
+        self.assertEqual(handler.events[-1], ("lost_connection", "idle_timeout"))
+
+    def test_server_closes_a_peer_that_never_sent_anything(self):
+        proto, transport, clock, handler = make_server(idle_timeout=30)
+        clock.advance(29.9)
+        self.assertFalse(transport.disconnecting)
+        clock.advance(0.1)
+        self.assertEqual(proto.close_reason, "idle_timeout")
+
+    def test_bytes_without_a_complete_command_do_not_keep_a_peer(self):
+        # A byte every few seconds, never a whole line (slowloris).
+        proto, transport, clock, handler = make_server()
+        for _ in range(12):
+            clock.advance(5)
+            proto.dataReceived(b"R")
+        self.assertEqual(proto.close_reason, "idle_timeout")
+
+    def test_client_times_out_a_silent_upstream(self):
+        # The server sends SERVER and PING at once; one that sends nothing
+        # at all is dead from the client's point of view.
+        proto, transport, clock, handler = make_client()
+        transport.clear()
+        clock.pump([1] * 14 + [0.9])
+        self.assertFalse(transport.disconnecting)
+        clock.advance(0.1)
+        self.assertTrue(transport.value().endswith(b"ERROR ping timeout\n"))
+        self.assertEqual(proto.close_reason, "ping_timeout")
+
+    def test_client_times_out_an_upstream_that_stops_talking(self):
+        proto, transport, clock, handler = make_client()
+        proto.dataReceived(b"SERVER hs.example\n")
+        clock.advance(10)
+        proto.dataReceived(b"POSITION events master 1 1\n")
+        clock.advance(14.9)
+        self.assertFalse(transport.disconnecting)
+        clock.advance(0.1)
+        self.assertEqual(proto.close_reason, "ping_timeout")
+
+    def test_timeout_after_the_peer_pinged(self):
+        proto, transport, clock, handler = make_server(idle_timeout=1000)
         clock.advance(100)
         proto.dataReceived(b"PING 1\n")
         transport.clear()
@@ -452,6 +503,13 @@ class KeepaliveTests(SynchronousTestCase):
         clock.advance(14.9)
         self.assertFalse(transport.disconnecting)
         clock.advance(0.1)
+        self.assertEqual(proto.close_reason, "ping_timeout")
+
+    def test_first_ping_brings_the_deadline_forward(self):
+        proto, transport, clock, handler = make_server()
+        clock.advance(1)
+        proto.dataReceived(b"PING 1\n")
+        clock.advance(15.9)
         self.assertEqual(proto.close_reason, "ping_timeout")
 
     def test_configurable_timeout(self):
@@ -485,6 +543,38 @@ class KeepaliveTests(SynchronousTestCase):
         self.assertEqual(clock.getDelayedCalls(), [])
         self.assertEqual([e for e in handler.events if e[0] == "lost_connection"], [("lost_connection", "shutdown")])
 
+    def test_client_reports_healthy_after_handshake_and_a_ping_interval(self):
+        healthy = []
+        proto, transport, clock, handler = make_client(on_healthy=lambda: healthy.append(clock.seconds()))
+        self.assertFalse(proto.established)
+        clock.advance(3)
+        proto.dataReceived(b"SERVER hs.example\nPING 1\n")
+        self.assertTrue(proto.established)
+        clock.advance(4.9)
+        self.assertEqual(healthy, [])
+        clock.advance(0.1)
+        self.assertEqual(healthy, [T0 + 8])
+        clock.pump([1] * 30)
+        self.assertEqual(len(healthy), 1)
+
+    def test_client_that_dies_early_is_never_healthy(self):
+        healthy = []
+        proto, transport, clock, handler = make_client(on_healthy=lambda: healthy.append(1))
+        proto.dataReceived(b"SERVER hs.example\n")
+        clock.advance(4)
+        lose(proto)
+        self.assertFalse(proto.established)
+        clock.advance(100)
+        self.assertEqual(healthy, [])
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_wrong_remote_is_never_established(self):
+        healthy = []
+        proto, transport, clock, handler = make_client(on_healthy=lambda: healthy.append(1))
+        proto.dataReceived(b"SERVER other\n")
+        clock.advance(10)
+        self.assertEqual((proto.established, healthy), (False, []))
+
     def test_connection_lost_cancels_timers(self):
         proto, transport, clock, handler = make_server()
         proto.dataReceived(b"PING 1\n")
@@ -495,6 +585,29 @@ class KeepaliveTests(SynchronousTestCase):
 
 
 class CongestionTests(SynchronousTestCase):
+    def test_queued_bytes_are_bounded_too(self):
+        proto, transport, clock, handler = make_server(max_queued_bytes=1000)
+        transport.clear()
+        proto.pauseProducing()
+        line = b"RDATA s w 1 [\"" + b"x" * 383 + b"\"]\n"  # 400 bytes
+        self.assertTrue(proto.send_lines([line, line]))
+        self.assertEqual(proto.queued_bytes, 800)
+        # A 400-byte line would make 1,200 bytes: too many, though only 3 lines.
+        self.assertFalse(proto.send_lines([line]))
+        self.assertEqual(transport.value(), b"ERROR Failed to keep up\n")
+        self.assertEqual(proto.close_reason, "congestion")
+        self.assertEqual((proto.queued, proto.queued_bytes), (0, 0))
+
+    def test_drained_bytes_no_longer_count(self):
+        proto, transport, clock, handler = make_server(max_queued_bytes=1000)
+        line = b"RDATA s w 1 [\"" + b"x" * 383 + b"\"]\n"
+        for _ in range(10):
+            proto.pauseProducing()
+            self.assertTrue(proto.send_lines([line, line]))
+            proto.resumeProducing()
+            self.assertEqual(proto.queued_bytes, 0)
+        self.assertIsNone(proto.close_reason)
+
     def test_pause_queue_and_disconnect_exactly_at_the_bound(self):
         proto, transport, clock, handler = make_server(max_queued_lines=10)
         transport.clear()
@@ -587,7 +700,7 @@ class CongestionTests(SynchronousTestCase):
         self.assertEqual(transport.value(), b"".join(lines))
 
     def test_no_ping_while_paused(self):
-        proto, transport, clock, handler = make_server()
+        proto, transport, clock, handler = make_server(idle_timeout=1000)
         proto.pauseProducing()
         clock.pump([1] * 60)
         self.assertEqual(proto.queued, 0)
@@ -670,6 +783,7 @@ class OutboundTests(SynchronousTestCase):
                 "shutdown",
                 "remote_error",
                 "connection_lost",
+                "idle_timeout",
                 "refused",
             },
         )
@@ -799,7 +913,7 @@ class FramingPropertyTests(SynchronousTestCase):
         b"CANCEL_TASK t1",
     ]
 
-    @settings(max_examples=300)
+    @settings(max_examples=300, deadline=None)
     @given(
         st.lists(st.sampled_from(LINES), min_size=1, max_size=40),
         st.lists(st.integers(min_value=0, max_value=2000), max_size=30),

@@ -9,7 +9,7 @@ position delivered again.
 
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, invariant, precondition, rule,
+    RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test,
 )
 from twisted.internet import defer
 from twisted.internet.task import Clock
@@ -17,6 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.replication.commands import encode_position_line, encode_rdata_lines, parse_line
 from replicator.replication.reader import Reader
+from replicator.replication.relay import Relay
 
 STREAM, WRITER = "s", "w"
 RETRY = 1.0
@@ -104,6 +105,9 @@ class ReaderMachine(RuleBasedStateMachine):
             self.pipe.append((line, before, self.announced, i == 0, i == len(lines) - 1))
 
     def send_line(self, line):
+        self.to_reader(line)
+
+    def to_reader(self, line):
         cmd = parse_line(line.decode().rstrip("\n"))
         if cmd.NAME == "RDATA":
             self.reader.rdata(self.conn, cmd.token, cmd.row)
@@ -111,18 +115,22 @@ class ReaderMachine(RuleBasedStateMachine):
             self.reader.position_line(self.conn, cmd.prev_token, cmd.new_token)
 
     # ------------------------------------------------------------ writer
-    @rule(rows=st.integers(1, 5), skipped=st.integers(0, 2))
-    def write_fact(self, rows, skipped):
+    @rule(rows=st.integers(1, 5), skipped=st.integers(0, 2), too_big=st.booleans())
+    def write_fact(self, rows, skipped, too_big):
         """A fact committed and fanned out: its RDATA lines in one chunk.
-        ``skipped`` IDs went to other writers (no rows of this writer)."""
+        ``skipped`` IDs went to other writers (no rows of this writer); a
+        fact ``too_big`` for one batch goes out as ``POSITION t t``."""
         self.last_id += skipped + 1
         token = self.last_id
         fact = [[f"r{token}.{i}", token] for i in range(rows)]
         self.table[token] = fact
         prev = self.announced
         self.announced = token
-        self.queue_chunk(list(encode_rdata_lines(STREAM, WRITER, [(token, r) for r in fact])),
-                         prev)
+        if too_big:
+            lines = [encode_position_line(STREAM, WRITER, token, token)]
+        else:
+            lines = list(encode_rdata_lines(STREAM, WRITER, [(token, r) for r in fact]))
+        self.queue_chunk(lines, prev)
 
     @rule(empty=st.integers(1, 3))
     def empty_advance(self, empty):
@@ -220,8 +228,9 @@ class ReaderMachine(RuleBasedStateMachine):
         position with every fact of the table, once each."""
         self.fail_reads = 0
         self.async_reads = False
-        while self.pipe or self.pending_reads or not self.reader.idle():
+        while self.pipe or self.pending_reads or not self.reader.idle() or self.in_transit():
             self.transmit(len(self.pipe))
+            self.flush_transit()
             for d, (since, until, limit) in self.pending_reads:
                 d.callback(updates_since(self.table, since, until, limit))
             self.pending_reads = []
@@ -231,22 +240,98 @@ class ReaderMachine(RuleBasedStateMachine):
         assert [t for t, _ in self.delivered] == sorted(self.table), (
             [t for t, _ in self.delivered], sorted(self.table))
 
+    def in_transit(self):
+        return False
+
+    def flush_transit(self):
+        pass
+
     def teardown(self):
         self.settle()
 
 
+class HubReaderMachine(ReaderMachine):
+    """The same writer behind a TCP hub: its lines go to a :class:`Relay`
+    on the hub's connection from the writer; what the relay passes on, and
+    the hub's answer to REPLICATE (``relayed``), go to the reader."""
+
+    def __init__(self):
+        self.down = []  # lines from the hub to the reader
+        self.relay = Relay(lambda lines, name, exclude=None: self.down.extend(lines))
+        self.hub_conns = 0
+        self.hub_conn = "w0"
+        super().__init__()
+        # The reader's link starts with the hub's answer to REPLICATE.
+        self.down.append(encode_position_line(STREAM, WRITER, 0, 0))
+
+    def send_line(self, line):
+        cmd = parse_line(line.decode().rstrip("\n"))
+        if cmd.NAME == "RDATA":
+            self.relay.rdata(self.hub_conn, (STREAM, WRITER), cmd.token, line)
+        else:
+            self.relay.position(self.hub_conn, (STREAM, WRITER), cmd.new_token, line)
+
+    def hub_answer(self):
+        token = self.relay.relayed.get((STREAM, WRITER), 0)
+        return encode_position_line(STREAM, WRITER, token, token)
+
+    @precondition(lambda self: self.down)
+    @rule(n=st.integers(1, 8))
+    def hub_transmits(self, n):
+        for _ in range(min(n, len(self.down))):
+            self.to_reader(self.down.pop(0))
+
+    @rule(arrived=st.integers(0, 8))
+    def writer_link_drops(self, arrived):
+        """TCP: the writer's link to the hub dropped; what was on the way
+        arrived up to some point (mid-fact or not), the rest is lost. The
+        writer connects again and announces its position."""
+        self.transmit(arrived)
+        self.relay.connection_lost(self.hub_conn)
+        self.hub_conns += 1
+        self.hub_conn = f"w{self.hub_conns}"
+        line = encode_position_line(STREAM, WRITER, self.announced, self.announced)
+        self.pipe = [(line, self.announced, self.announced, True, True)]
+
+    @rule()
+    def reader_reconnects(self):
+        """The reader's link to the hub dropped: what was on the way is
+        lost; on the new link the hub answers REPLICATE first."""
+        self.reader.connection_lost(self.conn)
+        self.conn = self.new_conn()
+        self.down = [self.hub_answer()]
+
+    @rule()
+    def reader_restarts(self):
+        self.reader.stop()
+        self.reader = self.make_reader(self.reader.position)
+        self.conn = self.new_conn()
+        self.down = [self.hub_answer()]
+
+    def in_transit(self):
+        return bool(self.down)
+
+    def flush_transit(self):
+        self.hub_transmits(len(self.down))
+
+
 class ReaderStateTests(SynchronousTestCase):
-    def test_reader_against_model(self):
-        machine = settings(max_examples=300, stateful_step_count=50, deadline=None)(
-            ReaderMachine)
+    def check(self, machine):
         try:
-            machine.TestCase().runTest()
+            run_state_machine_as_test(machine, settings=settings(
+                max_examples=300, stateful_step_count=50, deadline=None))
         finally:
             self.flushLoggedErrors(ReadFailed)
 
+    def test_reader_against_model(self):
+        self.check(ReaderMachine)
 
-class PartialBatchTests(SynchronousTestCase):
-    """Defect 1, the case seen on Redis, step by step."""
+    def test_reader_behind_a_hub_against_model(self):
+        self.check(HubReaderMachine)
+
+
+class ReaderTests(SynchronousTestCase):
+    """Cases step by step."""
 
     def test_writer_position_ends_its_partial_batch(self):
         table = {1: [["a", 1], ["b", 1]], 2: [["c", 2]]}
@@ -260,3 +345,20 @@ class PartialBatchTests(SynchronousTestCase):
         reader.position_line(conn, 1, 1)    # back, it re-announces its position
         reader.rdata(conn, 2, ["c", 2])
         self.assertEqual(delivered, [(1, [["a", 1], ["b", 1]]), (2, [["c", 2]])])
+
+    def test_stopped_reader_is_idle_once_its_work_in_hand_ends(self):
+        """At shutdown the handler waits for readers to be idle: what is
+        still queued will not run, so only the work in hand counts."""
+        pending = []
+        reader = Reader(STREAM, WRITER, 0, clock=Clock(), fetch_limit=10,
+                        source=lambda *args: pending.append(defer.Deferred()) or pending[-1],
+                        deliver=lambda token, rows: None)
+        conn = Conn(1)
+        reader.position_line(conn, 5, 5)  # catch-up: the read is under way
+        reader.position_line(conn, 6, 6)
+        self.assertFalse(reader.idle())
+        reader.stop()
+        self.assertFalse(reader.idle())
+        pending[0].callback(([(3, ["c", 3])], 5, False))
+        self.assertTrue(reader.idle())
+        self.assertEqual(reader.position, 0)  # nothing handed on after stop

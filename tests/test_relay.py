@@ -15,10 +15,11 @@ class RelayTests(SynchronousTestCase):
     def feed(self, conn, line):
         cmd = parse_line(line)
         key = (cmd.stream_name, cmd.instance_name)
+        wire = line.encode() + b"\n"  # what is relayed is the line received
         if cmd.NAME == "RDATA":
-            self.relay.rdata(conn, key, cmd)
+            self.relay.rdata(conn, key, cmd.token, wire)
         else:
-            self.relay.position(conn, key, cmd)
+            self.relay.position(conn, key, cmd.new_token, wire)
 
     def test_whole_facts_only(self):
         self.feed("w1", 'RDATA s w1 batch ["a"]')

@@ -114,6 +114,15 @@ class ConfigMistakeTests(SynchronousTestCase):
                              (2, f"replicator: {message}\n", ""), message)
         self.assertFalse(os.path.exists(os.path.join(tmp, "x.db")))
 
+    def test_a_file_nested_too_deep(self):
+        tmp = tempfile.mkdtemp()
+        path = os.path.join(tmp, "deep.yaml")
+        with open(path, "wb") as f:
+            f.write(b"server_name: hs\nx: " + b"[" * 5000 + b"]" * 5000 + b"\n")
+        result = cli("run", "-c", path, cwd=tmp)
+        self.assertEqual((result.returncode, result.stderr), (2, (
+            f"replicator: config: file: {path} nests too deeply to be a config\n")))
+
     def test_a_file_that_is_not_utf8(self):
         tmp = tempfile.mkdtemp()
         path = os.path.join(tmp, "latin1.yaml")

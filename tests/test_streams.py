@@ -5,7 +5,6 @@ PostgreSQL started by the tests; PostgreSQL adds concurrent writers and two
 instances writing one multi-writer stream.
 """
 
-import itertools
 import os
 import random
 import tempfile
@@ -18,7 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from replicator.config import ConfigError, parse_database, parse_streams
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
-from replicator.streams.rows import RowCodec, RowError, check_rows, db_params
+from replicator.streams.rows import RowCodec, RowError, WireRowCheck, check_rows, db_params
 from tests.servers import PostgresServer
 
 STREAMS = [
@@ -137,6 +136,25 @@ class StreamSuite:
             self.assertEqual(await caches.write_fact([]), 4)
         return defer.ensureDeferred(go())
 
+    def test_sequence_value_is_the_last_id_handed_out(self):
+        async def go():
+            reg = await self.registry()
+            caches = reg.get("caches")
+            self.assertEqual(await caches.sequence_value(), 0)
+            await caches.write_facts([[["a", None, 1]], []])
+
+            def boom(txn, stream_id):
+                raise RuntimeError("application failure")
+
+            with self.assertRaises(RuntimeError):
+                async with caches.writer() as fact:
+                    fact.add_row(["lost", None, 1])
+                    fact.also(boom)
+            # A rolled-back ID was handed out all the same.
+            self.assertEqual(await caches.sequence_value(), 3)
+            self.assertEqual(await reg.get("flags").sequence_value(), 0)
+        return defer.ensureDeferred(go())
+
     def test_bad_rows_are_refused_before_reserving(self):
         async def go():
             reg = await self.registry()
@@ -233,7 +251,7 @@ class SQLiteStreamTests(StreamSuite, TestCase):
             reg = await self.registry()
             caches = reg.get("caches")
             await caches.write_facts([[["a", None, 1]]] * 3)
-            caches._counter = itertools.count(3)  # the sequence went back
+            caches._sqlite_last = 2  # the sequence went back
             with self.assertRaises(ValueError) as e:
                 await caches.write_fact([["b", None, 1]])
             self.assertEqual(str(e.exception),
@@ -319,6 +337,15 @@ class PostgresStreamTests(StreamSuite, TestCase):
             self.assertEqual(sorted(updates), sorted(expected))
             self.assertEqual([t for t, _ in updates], sorted(t for t, _ in updates))
             self.assertEqual(len(updates), self.raw_rows("SELECT count(*) FROM cache_stream")[0][0])
+        return defer.ensureDeferred(go())
+
+    def test_sequence_value_sees_other_instances_writes(self):
+        async def go():
+            master = (await self.registry("master")).get("caches")
+            worker = (await self.registry("worker1")).get("caches")
+            await worker.write_facts([[["w", None, i]] for i in range(4)])
+            self.assertEqual(master.id_gen.get_max_known(), 0)
+            self.assertEqual(await master.sequence_value(), 4)
         return defer.ensureDeferred(go())
 
     def test_two_instances_share_a_multi_writer_stream(self):
@@ -436,6 +463,31 @@ class RowCodecTests(SynchronousTestCase):
         wire, params = codec.prepare([rows])
         self.assertEqual(wire, [expected])
         self.assertEqual(params, [[db_params(self.COLUMNS, r) for r in expected]])
+
+    @given(st.lists(st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.text(max_size=5),
+        st.lists(st.integers(), max_size=2), st.floats(allow_nan=False)), min_size=3, max_size=5))
+    @settings(max_examples=500, deadline=None)
+    def test_wire_check_agrees_with_check_rows(self, row):
+        """A received row fits iff it could have been written, except that a
+        boolean may also be 0 or 1 (as Synapse sends them)."""
+        check = WireRowCheck(self.COLUMNS)
+        try:
+            check_rows(self.COLUMNS, [row])
+            writable = True
+        except RowError:
+            writable = False
+        lenient = list(row)
+        if len(row) == 4 and type(row[2]) is int and row[2] in (0, 1):
+            lenient[2] = bool(row[2])
+            try:
+                check_rows(self.COLUMNS, [lenient])
+                writable = True
+            except RowError:
+                pass
+        problem = check.check(row)
+        self.assertEqual(problem is None, writable, (row, problem))
+        self.assertEqual(check.check(tuple(row)), "expected a list of 4 values")
 
     def test_messages_name_the_row(self):
         codec = RowCodec(self.COLUMNS)

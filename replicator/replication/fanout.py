@@ -10,6 +10,12 @@ Invariants:
 * Rows sharing a token form one ``batch`` run written in one call, so no
   connection ever gets half of a fact from us.
 * An advance without rows is a POSITION.
+* Nothing a receiver must reject is sent: a fact with more rows than
+  ``max_batch_rows``, batch lines over ``max_batch_bytes``, or a row whose
+  line would exceed ``max_line_length`` goes out as ``POSITION t t`` (its
+  token, nothing unsent up to it): a reader whose position is below reads
+  the fact from the table, whole, before anything later.  Counted in
+  ``replicator_facts_announced_by_position_total``.
 * ``announced`` only moves after the lines were written, and REPLICATE is
   answered with ``announced``: a new connection never misses a fact.
 * One fan-out runs per (stream, writer) at a time; under load advances
@@ -25,7 +31,9 @@ from twisted.logger import Logger
 
 from .. import metrics
 from ..streams.stream import Stream
+from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS
 from .commands import encode_position_line, encode_rdata_lines
+from .reader import group
 
 log = Logger()
 
@@ -45,13 +53,16 @@ class Fanout:
 
     def __init__(self, broadcast: Broadcast, clock, fetch_limit: int = 1000,
                  max_line_length: int = 0, retry_delay: float = 1.0,
-                 fanout_interval: float = 0.003, send: SendUpdates = None):
+                 fanout_interval: float = 0.003, send: SendUpdates = None,
+                 max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES):
         self._broadcast = broadcast
         self._clock = clock
         self.fetch_limit = fetch_limit
         self.max_line_length = max_line_length
         self.retry_delay = retry_delay
         self.fanout_interval = fanout_interval
+        self.max_batch_rows = max_batch_rows
+        self.max_batch_bytes = max_batch_bytes
         self._send = send if send is not None else self.send_updates
         self.announced: Dict[Key, int] = {}
         self._running: Set[Key] = set()
@@ -120,10 +131,9 @@ class Fanout:
         key = (stream_name, writer)
         if updates:
             lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
-            if lines.dropped:
-                metrics.COMMANDS_DROPPED.labels("RDATA", "too_long").inc(lines.dropped)
-                log.error("{n} rows of {stream}/{writer} exceed the line length; not sent",
-                          n=lines.dropped, stream=stream_name, writer=writer)
+            if lines.dropped or len(updates) >= self.max_batch_rows \
+                    or sum(map(len, lines)) > self.max_batch_bytes:
+                lines = self._within_bounds(stream_name, writer, updates)
             if lines:
                 self._broadcast(lines, "RDATA")
             last = updates[-1][0]
@@ -132,6 +142,25 @@ class Fanout:
         if upto > last:
             self._broadcast([encode_position_line(stream_name, writer, last, upto)], "POSITION")
         self.announced[key] = upto
+
+    def _within_bounds(self, stream_name: str, writer: str,
+                       updates: List[Tuple[int, list]]) -> List[bytes]:
+        """The lines of ``updates``, fact by fact, each fact too big for a
+        receiver replaced by ``POSITION t t``."""
+        out: List[bytes] = []
+        for token, rows in group(updates):
+            lines = encode_rdata_lines(stream_name, writer, [(token, r) for r in rows],
+                                       self.max_line_length)
+            if lines.dropped or len(rows) > self.max_batch_rows \
+                    or sum(map(len, lines[:-1])) > self.max_batch_bytes:
+                metrics.FACTS_BY_POSITION.labels(stream_name).inc()
+                log.warn("Fact {token} of {stream}/{writer} ({n} rows) is too big for one "
+                         "batch or line; announced by POSITION, readers read it from the table",
+                         token=token, stream=stream_name, writer=writer, n=len(rows))
+                out.append(encode_position_line(stream_name, writer, token, token))
+            else:
+                out.extend(lines)
+        return out
 
     def idle(self) -> bool:
         """No fan-out running or scheduled."""

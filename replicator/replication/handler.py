@@ -3,6 +3,9 @@
 One handler per instance.  It keeps the connections (labels, metrics, who
 receives fan-out) and dispatches commands to the parts that do the work:
 
+* :mod:`.admission` — what a peer's RDATA/POSITION must satisfy before
+  anything acts on them (tokens within the stream's sequence, rows that fit
+  the stream, bounded partial batches);
 * :mod:`.fanout` — the writer side: facts of this instance's writers as
   RDATA/POSITION to every connection;
 * :mod:`.reader` — per (stream, writer) written elsewhere: exactly once, in
@@ -12,7 +15,8 @@ receives fan-out) and dispatches commands to the parts that do the work:
 
 The interface the protocols use: ``new_connection``, ``lost_connection``,
 ``count_*``, ``client_may_write`` and one ``on_<NAME>(conn, cmd)`` per
-command handled.
+command handled.  Relayed lines are the bytes received
+(``conn.current_line``), never a re-encoding.
 """
 
 from collections import deque
@@ -25,6 +29,7 @@ from .. import metrics
 from ..consumers import Consumer
 from ..streams.registry import StreamRegistry
 from ..streams.stream import Stream
+from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
 from .bookkeeping import Bookkeeping
 from .commands import (
     MAX_LINE_LENGTH,
@@ -33,6 +38,8 @@ from .commands import (
     encode_position_line,
 )
 from .fanout import Fanout
+from .peers import metrics_label
+from .protocol import INVALID_COMMAND, REFUSED
 from .reader import Reader
 from .relay import Relay
 
@@ -74,6 +81,13 @@ class ReplicationHandler:
         clock=None,
         retry_delay: float = 1.0,
         fanout_interval: float = 0.003,
+        max_batch_rows: int = MAX_BATCH_ROWS,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+        known_names: Iterable[str] = (),
+        max_user_syncs: int = 50_000,
+        max_user_ips: int = 20_000,
+        max_federation_acks: int = 1_000,
+        bookkeeping_max_age: float = 86_400.0,
     ):
         self.registry = registry
         self.instance_name = instance_name
@@ -93,9 +107,19 @@ class ReplicationHandler:
         self.fanout = Fanout(
             self._broadcast, clock, fetch_limit=fetch_limit, max_line_length=max_line_length,
             retry_delay=retry_delay, fanout_interval=fanout_interval,
-            send=lambda *args: self.send_updates(*args))
+            send=lambda *args: self.send_updates(*args), max_batch_rows=max_batch_rows,
+            max_batch_bytes=max_batch_bytes)
         self.relay = Relay(self._broadcast)
-        self.bookkeeping = Bookkeeping()
+        self.admission = Admission(
+            registry, self._admitted, self._inadmissible, clock, max_batch_rows=max_batch_rows,
+            max_batch_bytes=max_batch_bytes, retry_delay=retry_delay)
+        self._refusals_logged: Dict[Any, Set[str]] = {}  # conns that cannot be closed
+        # Names the configuration knows: metrics are labelled only by these.
+        self.known_names = frozenset(known_names) | {instance_name} | {
+            writer for stream in registry for writer in stream.config.writers}
+        self.bookkeeping = Bookkeeping(
+            clock, self.known_names, max_user_syncs=max_user_syncs, max_user_ips=max_user_ips,
+            max_federation_acks=max_federation_acks, max_age=bookkeeping_max_age)
         self._readers: Dict[Key, Reader] = {}
         self._heard: Set[Key] = set()  # read keys a POSITION or RDATA arrived for
         self._started = False
@@ -171,10 +195,20 @@ class ReplicationHandler:
             (self._clock.seconds(), str(peer)[:200], peer_address(conn), str(reason)[:200]))
         metrics.CONNECTIONS.labels(state.label).dec()
         self.bookkeeping.connection_lost(conn)
-        # A partial batch dies with its connection.
+        self._refusals_logged.pop(conn, None)
+        self._drop_partial(conn)
+
+    def _drop_partial(self, conn) -> None:
+        """A partial batch dies with its connection (or its refusal)."""
+        self.admission.connection_lost(conn)
         self.relay.connection_lost(conn)
         for reader in self._readers.values():
             reader.connection_lost(conn)
+
+    def partial_batch_rows(self, conn) -> int:
+        """Rows of ``conn`` held in partial batches (reader and relay)."""
+        return self.relay.partial_rows(conn) + sum(
+            r.partial_rows(conn) for r in self._readers.values())
 
     def conn_label(self, conn) -> str:
         """The connection's metrics label (bounded: names, not addresses)."""
@@ -183,10 +217,14 @@ class ReplicationHandler:
 
     def on_NAME(self, conn, cmd) -> None:
         state = self.connections.get(conn)
-        if state is None or state.label == cmd.client_name:
+        if state is None:
+            return
+        self.bookkeeping.named(conn, cmd.client_name)
+        label = metrics_label(cmd.client_name, self.known_names)
+        if state.label == label:
             return
         metrics.CONNECTIONS.labels(state.label).dec()
-        state.label = cmd.client_name
+        state.label = label
         state.counters.clear()
         metrics.CONNECTIONS.labels(state.label).inc()
 
@@ -265,11 +303,7 @@ class ReplicationHandler:
             metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream").inc()
             log.debug("Ignoring RDATA for {key} (not a stream writer we read)", key=key)
             return
-        self._heard.add(key)
-        if not conn.is_client_side:
-            # From a writer client: relay whole facts to everyone else.
-            self.relay.rdata(conn, key, cmd)
-        reader.rdata(conn, cmd.token, cmd.row)
+        self.admission.offer(conn, self.registry.get(key[0]), key, cmd, _wire_line(conn, cmd))
 
     def on_POSITION(self, conn, cmd: PositionCommand) -> None:
         if conn not in self.connections:
@@ -280,31 +314,83 @@ class ReplicationHandler:
             if key not in self.fanout.announced:
                 metrics.COMMANDS_DROPPED.labels("POSITION", "unknown_stream").inc()
             return
+        self.admission.offer(conn, self.registry.get(key[0]), key, cmd, _wire_line(conn, cmd))
+
+    def _admitted(self, conn, key: Key, cmd, line: Optional[bytes]) -> None:
+        """An RDATA/POSITION that :mod:`.admission` let through."""
+        if conn not in self.connections:
+            return
         self._heard.add(key)
-        if not conn.is_client_side:
-            self.relay.position(conn, key, cmd)
-        reader.position_line(conn, cmd.prev_token, cmd.new_token)
+        reader = self._readers[key]
+        relay = not conn.is_client_side  # from a writer client: to everyone else
+        if cmd.NAME == "RDATA":
+            if relay and line is not None:
+                self.relay.rdata(conn, key, cmd.token, line)
+            reader.rdata(conn, cmd.token, cmd.row)
+        else:
+            if relay and line is not None:
+                self.relay.position(conn, key, cmd.new_token, line)
+            reader.position_line(conn, cmd.prev_token, cmd.new_token)
+
+    def _inadmissible(self, conn, key: Key, reason: str, text: str) -> None:
+        """A peer's RDATA/POSITION that cannot be true: counted, never acted
+        on.  A TCP peer is closed with ``ERROR`` (one log line) and what it
+        held is dropped.  On Redis there is no one peer to close: the line
+        is dropped with that writer's partial batch, logged the first time
+        per reason and counted every time."""
+        metrics.INBOUND_REFUSED.labels(key[0], reason).inc()
+        close = getattr(conn, "close", None)
+        if close is not None:
+            close(INVALID_COMMAND, text, log_text=text)
+            self._drop_partial(conn)
+            return
+        self.relay.drop_batch(conn, key)
+        self._readers[key].drop_batch(conn)
+        logged = self._refusals_logged.setdefault(conn, set())
+        if reason not in logged:
+            logged.add(reason)
+            log.warn("Refused from {conn}: {text} (further refusals of this kind are only "
+                     "counted: replicator_inbound_refused_total)", conn=conn, text=text)
 
     def on_USER_SYNC(self, conn, cmd) -> None:
-        self.bookkeeping.user_sync(conn, cmd, track=conn in self.connections)
-        self._notify(conn, cmd)
+        if not self._refused(conn, cmd, self.bookkeeping.user_sync(
+                conn, cmd, track=conn in self.connections)):
+            self._notify(conn, cmd)
 
     def on_CLEAR_USER_SYNC(self, conn, cmd) -> None:
-        self.bookkeeping.clear_user_sync(conn, cmd)
-        self._notify(conn, cmd)
+        if not self._refused(conn, cmd, self.bookkeeping.clear_user_sync(conn, cmd)):
+            self._notify(conn, cmd)
 
     def on_FEDERATION_ACK(self, conn, cmd) -> None:
-        self.bookkeeping.federation_ack(conn, cmd)
-        self._notify(conn, cmd)
+        if not self._refused(conn, cmd, self.bookkeeping.federation_ack(conn, cmd)):
+            self._notify(conn, cmd)
 
     def on_USER_IP(self, conn, cmd) -> None:
-        self.bookkeeping.user_ip(conn, cmd)
-        self._notify(conn, cmd)
+        if not self._refused(conn, cmd, self.bookkeeping.user_ip(conn, cmd)):
+            self._notify(conn, cmd)
+
+    def on_PING(self, conn, cmd) -> None:
+        # Every peer PINGs every few seconds: old bookkeeping goes meanwhile.
+        self.bookkeeping.expire()
+
+    def _refused(self, conn, cmd, why: Optional[str]) -> bool:
+        """If ``why``: the peer may not do ``cmd``; ``ERROR why`` and close."""
+        if why is None:
+            return False
+        metrics.COMMANDS_DROPPED.labels(cmd.NAME, "refused").inc()
+        log.warn("Refusing {command} from {conn}: {why}", command=cmd.NAME, conn=conn, why=why)
+        close = getattr(conn, "close", None)
+        if close is not None:
+            close(REFUSED, why)
+        return True
 
     def _relay(self, conn, cmd) -> None:
         if not conn.is_client_side:
-            self._broadcast([(cmd.to_line() + "\n").encode("utf-8")], cmd.NAME, exclude=conn,
-                            replicating_only=False)
+            line = _wire_line(conn, cmd)
+            if line is None or len(line) > self.max_line_length + 1:
+                metrics.COMMANDS_DROPPED.labels(cmd.NAME, "too_long").inc()
+            else:
+                self._broadcast([line], cmd.NAME, exclude=conn, replicating_only=False)
         self._notify(conn, cmd)
 
     on_REMOTE_SERVER_UP = on_LOCK_RELEASED = on_NEW_ACTIVE_TASK = on_CANCEL_TASK = _relay
@@ -316,6 +402,10 @@ class ReplicationHandler:
                 method(conn, cmd)
 
     # ---------------------------------------------------------- bookkeeping
+    def refresh_metrics(self) -> None:
+        """Set the bookkeeping gauges (from snapshots: any thread)."""
+        self.bookkeeping.refresh_metrics()
+
     @property
     def user_syncs(self):
         return self.bookkeeping.user_syncs
@@ -355,8 +445,10 @@ class ReplicationHandler:
         return self.idle()
 
     def idle(self) -> bool:
-        """Nothing queued for any reader and no fan-out running."""
-        return self.fanout.idle() and all(r.idle() for r in self._readers.values())
+        """Nothing queued for any reader, no claim waiting for a check, and
+        no fan-out running."""
+        return self.fanout.idle() and self.admission.idle() and all(
+            r.idle() for r in self._readers.values())
 
     # ------------------------------------------------------------- shutdown
     def stop(self, reason: str = "server stopping") -> None:
@@ -364,6 +456,7 @@ class ReplicationHandler:
         CLEAR_USER_SYNC, then every connection closes."""
         self._stopping = True
         self.fanout.stop()
+        self.admission.stop()
         for reader in self._readers.values():
             reader.stop()
         for conn in list(self.connections):
@@ -380,6 +473,19 @@ def peer_address(conn) -> Optional[str]:
         return None
     host, port = getattr(peer, "host", None), getattr(peer, "port", None)
     return f"{host}:{port}" if host is not None else None
+
+
+def _wire_line(conn, cmd) -> Optional[bytes]:
+    """The line as received (newline included): ``conn.current_line`` while
+    the command is dispatched.  Without it, the command re-encoded, or None
+    if it cannot be encoded as UTF-8 (a lone surrogate)."""
+    line = getattr(conn, "current_line", None)
+    if line is not None:
+        return line + b"\n"
+    try:
+        return (cmd.to_line() + "\n").encode("utf-8")
+    except (UnicodeEncodeError, TypeError, ValueError):
+        return None
 
 
 async def _maybe_await(result):

@@ -21,6 +21,8 @@ the command is ignored.  ``conn`` is the protocol instance.
     For every valid inbound command, e.g. ``on_REPLICATE``, ``on_RDATA``,
     ``on_POSITION``, ``on_USER_SYNC``.  ``PING``, ``NAME``, ``SERVER`` and
     ``ERROR`` are handled by the protocol first and then passed on too.
+    Meanwhile ``conn.current_line`` holds the line's bytes as received
+    (without ``\n`` and a trailing ``\r``): what a relay passes on.
 ``client_may_write(stream_name, instance_name) -> bool``
     Server side: may the client instance send RDATA/POSITION for that
     stream (is it a configured writer)?  Missing means no.
@@ -73,10 +75,16 @@ from .peers import PeerPolicy
 
 #: Send a PING when nothing else was written for this long (seconds).
 PING_INTERVAL = 5.0
-#: Close a peer that sent a PING once and then was silent this long (seconds).
+#: Close a peer silent this long (seconds): an upstream server from connect
+#: on (it sends SERVER and PING at once), a client once it has PINGed.
 PING_TIMEOUT = 15.0
+#: Server side: close a client that never PINGs (netcat) once it has sent no
+#: command for this long (seconds).
+IDLE_TIMEOUT = 60.0
 #: Lines queued while the transport is paused before giving up on the peer.
 MAX_QUEUED_LINES = 10_000
+#: Bytes queued while the transport is paused before giving up on the peer.
+MAX_QUEUED_BYTES = 16 * 1024 * 1024
 #: How long a connection closed for congestion may take to drain before it
 #: is aborted (seconds).
 CONGESTION_GRACE = 1.0
@@ -84,6 +92,7 @@ CONGESTION_GRACE = 1.0
 # Why a connection ended, for metrics.
 CONGESTION = "congestion"
 PING_TIMEOUT_REASON = "ping_timeout"
+IDLE_TIMEOUT_REASON = "idle_timeout"
 PARSE_ERROR = "parse_error"
 WRONG_REMOTE = "wrong_remote"
 INVALID_COMMAND = "invalid_command"
@@ -98,6 +107,7 @@ CLOSE_REASONS = frozenset(
     {
         CONGESTION,
         PING_TIMEOUT_REASON,
+        IDLE_TIMEOUT_REASON,
         PARSE_ERROR,
         WRONG_REMOTE,
         INVALID_COMMAND,
@@ -135,6 +145,9 @@ class ReplicationProtocol(LineOnlyReceiver):
     """
 
     delimiter = b"\n"
+    is_client_side = False
+    #: Called with the protocol once the connection is gone.
+    on_lost: Optional[Callable[[Any], None]] = None
     #: Command names the peer may send.
     VALID_INBOUND: FrozenSet[str] = frozenset()
     #: Commands accepted from a peer that must name itself before anything else.
@@ -153,6 +166,8 @@ class ReplicationProtocol(LineOnlyReceiver):
         ping_interval: float = PING_INTERVAL,
         ping_timeout: float = PING_TIMEOUT,
         max_queued_lines: int = MAX_QUEUED_LINES,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+        idle_timeout: float = IDLE_TIMEOUT,
     ):
         self.handler = handler
         self._clock = clock if clock is not None else _default_clock()
@@ -160,8 +175,12 @@ class ReplicationProtocol(LineOnlyReceiver):
         self._ping_interval = ping_interval
         self._ping_timeout = ping_timeout
         self._max_queued = max_queued_lines
+        self._max_queued_bytes = max_queued_bytes
+        self._idle_timeout = idle_timeout
 
         self.name = "unconnected"
+        #: The inbound line being dispatched (bytes, no newline).
+        self.current_line: Optional[bytes] = None
         self.close_reason: Optional[str] = None
         self._peer_instance: Optional[str] = None
         self._remote_error = False
@@ -170,9 +189,12 @@ class ReplicationProtocol(LineOnlyReceiver):
         self._registered = False  # we are the transport's producer
         self._paused = False
         self._queue: Deque[bytes] = deque()
+        self._queued_bytes = 0
         self._peer_pinged = False
+        self._established = False
         self._last_sent = 0.0
         self._last_received = 0.0
+        self._last_command = 0.0
         self._ping_call: Optional[IDelayedCall] = None
         self._timeout_call: Optional[IDelayedCall] = None
         self._abort_call: Optional[IDelayedCall] = None
@@ -211,8 +233,14 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     @property
     def queued_bytes(self) -> int:
-        """Bytes of the lines waiting (at most ``max_queued_lines`` lines)."""
-        return sum(map(len, list(self._queue)))
+        """Bytes of the lines waiting for the transport to resume."""
+        return self._queued_bytes
+
+    @property
+    def established(self) -> bool:
+        """Whether the handshake is done and the connection not closing: on
+        a client, the right server named itself (``SERVER``)."""
+        return self._established and not self._closing
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
@@ -222,7 +250,7 @@ class ReplicationProtocol(LineOnlyReceiver):
     def connectionMade(self) -> None:
         self._connected = True
         now = self._clock.seconds()
-        self._last_sent = self._last_received = now
+        self._last_sent = self._last_received = self._last_command = now
         peer = self.transport.getPeer()
         host, port = getattr(peer, "host", None), getattr(peer, "port", None)
         self.name = f"{host}:{port}" if host is not None else str(peer)
@@ -234,24 +262,25 @@ class ReplicationProtocol(LineOnlyReceiver):
                 self.log.failure("Could not set TCP_NODELAY on {conn}", conn=self)
         refusal = self._refusal(host)
         if refusal is not None:
-            self.log.warn("Refusing replication connection {conn}: {why}", conn=self, why=refusal)
-            self.close(REFUSED, refusal)
+            self.close(REFUSED, refusal, log_text=refusal)
             return
         self.transport.registerProducer(self, True)
         self._registered = True
         self.log.info("Replication connection {conn} made", conn=self)
         self._send_handshake()
         self._ping_call = self._clock.callLater(self._ping_interval, self._ping_due)
+        self._timeout_call = self._clock.callLater(self._silence_limit(), self._timeout_due)
         self._call_hook("new_connection", self)
 
     def connectionLost(self, reason: Optional[Failure] = None) -> None:
         self._connected = False
         self._closing = True
-        self._queue.clear()
-        for call in (self._ping_call, self._timeout_call, self._abort_call):
+        self._clear_queue()
+        for call in self._timers():
             if call is not None and call.active():
                 call.cancel()
         self._ping_call = self._timeout_call = self._abort_call = None
+        self._connection_ended()
         if self.close_reason is None:
             self.close_reason = REMOTE_ERROR if self._remote_error else CONNECTION_LOST
         self.log.info(
@@ -264,6 +293,21 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     def _send_handshake(self) -> None:
         raise NotImplementedError
+
+    def _timers(self) -> List[Optional[IDelayedCall]]:
+        return [self._ping_call, self._timeout_call, self._abort_call]
+
+    def _connection_ended(self) -> None:
+        """Once, from :meth:`connectionLost`: tells ``on_lost`` (set by a
+        factory that counts its connections)."""
+        on_lost = self.on_lost
+        if on_lost is not None:
+            self.on_lost = None
+            self._call(on_lost, self)
+
+    def _clear_queue(self) -> None:
+        self._queue.clear()
+        self._queued_bytes = 0
 
     def _refusal(self, host: Optional[str]) -> Optional[str]:
         """Why a peer at ``host`` may not connect at all (None: it may)."""
@@ -290,7 +334,7 @@ class ReplicationProtocol(LineOnlyReceiver):
             return
         self._closing = True
         self.close_reason = reason
-        self._queue.clear()
+        self._clear_queue()
         transport = self.transport
         if transport is None or not self._connected:
             return
@@ -393,9 +437,9 @@ class ReplicationProtocol(LineOnlyReceiver):
                        log_text="invalid command " + name)
             return
         if self.name_required and self._peer_instance is None and name not in self.BEFORE_NAME:
-            self.log.warn("{name} before NAME from {conn}", name=name, conn=self)
-            self.close(REFUSED, "NAME required")
+            self.close(REFUSED, "NAME required", log_text=f"{name} before NAME")
             return
+        self._last_command = self._clock.seconds()
         if self._count_inbound is not None:
             self._call(self._count_inbound, self, name)
         own = self._own.get(name)
@@ -405,7 +449,11 @@ class ReplicationProtocol(LineOnlyReceiver):
                 return
         method = self._dispatch.get(name)
         if method is not None:
-            self._call(method, self, cmd)
+            self.current_line = line
+            try:
+                self._call(method, self, cmd)
+            finally:
+                self.current_line = None
 
     def _may_write(self, cmd: Command) -> bool:
         """Whether the peer may send this otherwise invalid command (only
@@ -414,8 +462,11 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     def _on_PING(self, cmd: PingCommand) -> None:
         if not self._peer_pinged:
+            # From now on the ping timeout applies: move the timer to it.
             self._peer_pinged = True
-            self._timeout_call = self._clock.callLater(self._ping_timeout, self._timeout_due)
+            if self._timeout_call is not None and self._timeout_call.active():
+                self._timeout_call.cancel()
+            self._timeout_call = self._clock.callLater(self._silence_limit(), self._timeout_due)
 
     def _on_ERROR(self, cmd: ErrorCommand) -> None:
         self._remote_error = True
@@ -473,15 +524,17 @@ class ReplicationProtocol(LineOnlyReceiver):
     def _write(self, lines: List[bytes], name: str) -> bool:
         if self._paused:
             queue = self._queue
-            if len(queue) + len(lines) > self._max_queued:
-                self.log.error(
-                    "Replication connection {conn} failed to keep up: {n} lines queued; disconnecting",
-                    conn=self,
-                    n=len(queue),
+            size = sum(map(len, lines))
+            if (len(queue) + len(lines) > self._max_queued
+                    or self._queued_bytes + size > self._max_queued_bytes):
+                self.close(
+                    CONGESTION, "Failed to keep up",
+                    log_text=f"failed to keep up: {len(queue)} lines, {self._queued_bytes} "
+                             f"bytes queued",
                 )
-                self.close(CONGESTION, "Failed to keep up")
                 return False
             queue.extend(lines)
+            self._queued_bytes += size
         elif len(lines) == 1:
             self.transport.write(lines[0])
         else:
@@ -508,12 +561,13 @@ class ReplicationProtocol(LineOnlyReceiver):
         while queue and not self._paused and not self._closing:
             n = min(len(queue), _DRAIN_CHUNK)
             chunk = [queue.popleft() for _ in range(n)]
+            self._queued_bytes -= sum(map(len, chunk))
             self.transport.writeSequence(chunk)
             self._last_sent = self._clock.seconds()
 
     def stopProducing(self) -> None:
         """The transport is going away: drop what is queued."""
-        self._queue.clear()
+        self._clear_queue()
         self._closing = True
 
     # ------------------------------------------------------------ keepalive
@@ -532,19 +586,35 @@ class ReplicationProtocol(LineOnlyReceiver):
         if not self._closing:
             self._ping_call = self._clock.callLater(due - now, self._ping_due)
 
+    def _silence_limit(self) -> float:
+        """Seconds from now until the peer counts as gone."""
+        return self._deadline()[0] - self._clock.seconds()
+
+    def _deadline(self):
+        """When the peer counts as gone, and the close reason then.
+
+        The ping timeout (any bytes count as a sign of life) applies on the
+        client side from connect, and on the server side once the client
+        has PINGed.  Until then a server-side connection must bring a whole
+        command every ``idle_timeout`` seconds: netcat-safe, but an idle or
+        byte-dribbling socket does not stay forever."""
+        if self.is_client_side or self._peer_pinged:
+            return self._last_received + self._ping_timeout, PING_TIMEOUT_REASON
+        return self._last_command + self._idle_timeout, IDLE_TIMEOUT_REASON
+
     def _timeout_due(self) -> None:
         self._timeout_call = None
         if self._closing:
             return
         now = self._clock.seconds()
-        due = self._last_received + self._ping_timeout
+        due, why = self._deadline()
         if now + _EPSILON >= due:
-            self.log.warn(
-                "Replication connection {conn} silent for {s:.1f}s; closing",
-                conn=self,
-                s=now - self._last_received,
-            )
-            self.close(PING_TIMEOUT_REASON, "ping timeout")
+            if why == PING_TIMEOUT_REASON:
+                silent = now - self._last_received
+                self.close(why, "ping timeout", log_text=f"silent for {silent:.1f}s")
+            else:
+                silent = now - self._last_command
+                self.close(why, "idle timeout", log_text=f"no command for {silent:.1f}s")
         else:
             self._timeout_call = self._clock.callLater(due - now, self._timeout_due)
 
@@ -602,9 +672,8 @@ class ServerReplicationProtocol(ReplicationProtocol):
         cert_names = certificate_names(self.transport) if self.policy.certificate_names else None
         refusal = self.policy.check_name(cmd.client_name, self._peer_instance, cert_names)
         if refusal is not None:
-            self.log.warn("Refusing NAME {name!r} from {conn}: {why}", name=cmd.client_name,
-                          conn=self, why=refusal)
-            self.close(REFUSED, refusal)
+            self.close(REFUSED, refusal,
+                       log_text=f"NAME {printable(cmd.client_name, 64)} refused: {refusal}")
             return
         self._peer_instance = cmd.client_name
         name = printable(cmd.client_name, 64)
@@ -628,16 +697,38 @@ class ServerReplicationProtocol(ReplicationProtocol):
 class ClientReplicationProtocol(ReplicationProtocol):
     """The connecting side: sends ``NAME`` (if ``client_name`` is set),
     ``PING`` and ``REPLICATE`` on connect; closes with ``ERROR Wrong remote``
-    if the server's ``SERVER`` name is not ``server_name``."""
+    if the server's ``SERVER`` name is not ``server_name``.
+
+    The ping timeout runs from connect (a server sends SERVER and PING at
+    once, so a silent one is dead).  ``on_healthy()`` is called once, when
+    the handshake is done and the connection has stayed up for
+    ``ping_interval`` seconds since: the reconnect backoff resets only then.
+    """
 
     VALID_INBOUND = SERVER_COMMANDS
     is_client_side = True
 
     def __init__(self, handler: Any, client_name: Optional[str], server_name: Optional[str],
-                 **kwargs: Any):
+                 on_healthy: Optional[Callable[[], None]] = None, **kwargs: Any):
         super().__init__(handler, **kwargs)
         self.client_name = client_name
         self.server_name = server_name
+        self._on_healthy = on_healthy
+        self._healthy_call: Optional[IDelayedCall] = None
+
+    def _timers(self) -> List[Optional[IDelayedCall]]:
+        return super()._timers() + [self._healthy_call]
+
+    def _connection_ended(self) -> None:
+        self._healthy_call = None
+        super()._connection_ended()
+
+    def _healthy_due(self) -> None:
+        """Handshake done and alive for ``ping_interval``: the connection
+        has proven healthy (the reconnect backoff may start over)."""
+        self._healthy_call = None
+        if self.established and self._on_healthy is not None:
+            self._call(self._on_healthy)
 
     def _send_handshake(self) -> None:
         if self.client_name:
@@ -657,3 +748,6 @@ class ClientReplicationProtocol(ReplicationProtocol):
             return
         self._peer_instance = cmd.server_name
         self.name = printable(cmd.server_name, 64)
+        if not self._established:
+            self._established = True
+            self._healthy_call = self._clock.callLater(self._ping_interval, self._healthy_due)

@@ -10,8 +10,8 @@ Invariants:
 
 * RDATA rows without a token (``batch``) are collected per connection until
   the row with the token ends the fact; a fact is only ever handed on whole.
-  A POSITION of the writer ends any batch of it that is still open (the
-  writer never sends one inside a fact: the rest was lost on the way).
+  A POSITION of the writer ends its batch still open on that connection
+  (the writer never sends one inside a fact: the rest was lost on the way).
 * Lines of a connection count only once a POSITION of the writer arrived on
   it (before that, what the POSITION covers is fetched from the table).
 * Commands are processed one at a time, in arrival order, across
@@ -106,15 +106,25 @@ class Reader:
         """A POSITION of the writer from ``conn``.
 
         The writer sends a POSITION only between facts: a batch of it still
-        open here (on any connection) lost its end on the way and is
-        discarded; if that fact was committed, the POSITION covers it and it
-        comes back whole through catch-up (or as RDATA again).
+        open on this connection lost its end on the way and is discarded; if
+        that fact was committed, the POSITION covers it and it comes back
+        whole through catch-up.  (A batch open on another connection is left
+        to that connection: lines still arriving there late complete it, and
+        whatever it completes at or below the position is dropped.)
         """
-        self._batches.clear()
+        self._batches.pop(conn, None)
         self._connected.add(conn)
         if new > self.seen:
             self.seen = new
         self._enqueue(("position", prev, new))
+
+    def drop_batch(self, conn) -> None:
+        """Forget the partial batch of ``conn`` (its next row was refused)."""
+        self._batches.pop(conn, None)
+
+    def partial_rows(self, conn) -> int:
+        """Rows of ``conn`` waiting for the row that ends their fact."""
+        return len(self._batches.get(conn, ()))
 
     def connection_lost(self, conn) -> None:
         """A partial batch dies with its connection."""
@@ -205,7 +215,9 @@ class Reader:
         return max(0, self.seen - (self.position or 0))
 
     def idle(self) -> bool:
-        return not self.busy and not self.queue
+        """Nothing in hand and nothing queued (once stopped, what is queued
+        will not run: only the work in hand counts)."""
+        return not self.busy and (not self.queue or self._stopping)
 
     def stop(self) -> None:
         self._stopping = True

@@ -6,11 +6,24 @@ Every instance PUBLISHes its command lines on the channel ``<server_name>``
 hub: RDATA/POSITION go straight to every reader.
 
 Two connections (a subscriber and a publisher), each kept by its own
-``ClientService`` with backoff that never gives up — not after a refused
-connection, a timeout, or a failed AUTH/SELECT (txredisapi's own factories
-stop retrying then; ours do not).  Each connection is PINGed every
+``ClientService`` with the project's :class:`~replicator.backoff.Backoff`
+(jittered, so that instances do not come back in lockstep after a Redis
+restart), which never gives up — not after a refused connection, a
+timeout, or a failed AUTH/SELECT (txredisapi's own factories stop retrying
+then; ours do not) — and starts over only once a connection was ready and
+stayed up for ``ping_interval``.  Each connection is PINGed every
 ``ping_interval`` seconds and replaced when a PING is not answered within
 ``ping_timeout``.
+
+``ClientService`` sees a Redis connection as up from the TCP connect on:
+getting it ready (AUTH/SELECT, SUBSCRIBE) is our own business, outside
+``ClientService``'s ``prepareConnection``.  A connection lost while that
+step was pending would otherwise give ``ClientService`` a disconnect in a
+state that has no transition for it (automat ``NoTransition`` in
+``Connecting``, ``Waiting`` or ``Stopped``, logged as Unhandled Error): the
+failed step fails the attempt from inside ``connectionLost`` and the
+disconnect follows.  Here a lost connection cancels its readiness step,
+and ``ClientService`` only ever sees connect, disconnect and stop.
 
 The handler sees one logical connection, registered only while both Redis
 connections are up and the subscription is confirmed.  On every
@@ -34,8 +47,10 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .. import metrics
+from ..backoff import Backoff
 from ..config import RedisConfig
-from .commands import CommandParseError, ReplicateCommand, parse_line
+from ..logs import printable
+from .commands import ReplicateCommand, parse_line
 
 log = Logger()
 
@@ -76,31 +91,42 @@ class _RedisFactory(Factory):
         log.error("redis {role} connection: {why}; retrying", role=self.role, why=why)
 
 
-class _Subscriber(txredisapi.SubscriberProtocol):
+class _Link:
+    """What both our protocols add to txredisapi's: the time of the last
+    bytes received, and the owner told of connect and loss (loss first, so
+    that the readiness step is cancelled before txredisapi fails what was
+    pending)."""
+
     last_data = 0.0
+    lost = False
+    readying: Optional[defer.Deferred] = None
+    healthy_call = None
 
     def dataReceived(self, data, *args):
-        self.last_data = self.factory.owner.reactor.seconds()
+        self.last_data = self.factory.owner.clock.seconds()
         return super().dataReceived(data, *args)
+
+    def connectionMade(self):
+        self.last_data = self.factory.owner.clock.seconds()
+        result = super().connectionMade()  # AUTH/SELECT, in the background
+        self.factory.owner.link_made(self)
+        return result
+
+    def connectionLost(self, why):
+        self.lost = True
+        self.factory.owner.link_lost(self)
+        super().connectionLost(why)
+
+
+class _Subscriber(_Link, txredisapi.SubscriberProtocol):
+    role = "subscriber"
 
     def messageReceived(self, pattern, channel, message):
         self.factory.owner.message_received(self, channel, message)
 
-    def connectionLost(self, why):
-        self.factory.owner.link_lost(self)
-        super().connectionLost(why)
 
-
-class _Publisher(txredisapi.RedisProtocol):
-    last_data = 0.0
-
-    def dataReceived(self, data, *args):
-        self.last_data = self.factory.owner.reactor.seconds()
-        return super().dataReceived(data, *args)
-
-    def connectionLost(self, why):
-        self.factory.owner.link_lost(self)
-        super().connectionLost(why)
+class _Publisher(_Link, txredisapi.RedisProtocol):
+    role = "publisher"
 
 
 class RedisConnection:
@@ -116,6 +142,19 @@ class RedisConnection:
     def __init__(self, owner: "RedisReplication"):
         self._owner = owner
         self.closed = False
+        #: The message being dispatched (bytes, no newline).
+        self.current_line: Optional[bytes] = None
+
+    def pause_reading(self) -> None:
+        """Stop reading the subscription (while a claim is checked)."""
+        subscriber = self._owner.subscriber
+        if subscriber is not None and subscriber.transport is not None:
+            subscriber.transport.pauseProducing()
+
+    def resume_reading(self) -> None:
+        subscriber = self._owner.subscriber
+        if subscriber is not None and subscriber.transport is not None:
+            subscriber.transport.resumeProducing()
 
     def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
         if self.closed:
@@ -136,9 +175,11 @@ class RedisReplication(MultiService):
 
     def __init__(self, reactor, config: RedisConfig, handler, server_name: str,
                  instance_name: str, ping_interval: float = 10.0, ping_timeout: float = 5.0,
-                 initial_delay: float = 0.5, max_delay: float = 30.0):
+                 initial_delay: float = 0.5, max_delay: float = 30.0, clock=None):
         super().__init__()
         self.reactor = reactor
+        #: Times pings, readiness, health and reconnect delays (default: reactor).
+        self.clock = clock if clock is not None else reactor
         self.config = config
         self.handler = handler
         self.channel = server_name
@@ -157,20 +198,19 @@ class RedisReplication(MultiService):
             f"{name} {stream.name} {instance_name} "
             for stream in handler.registry for name in ("RDATA", "POSITION"))
 
-        def policy(attempt):
-            return min(initial_delay * (2 ** min(attempt - 1, 30)), max_delay)
-
+        self.sub_backoff = Backoff(initial_delay, max_delay, name="redis-subscriber")
+        self.pub_backoff = Backoff(initial_delay, max_delay, name="redis-publisher")
         endpoint = endpoints.clientFromString(reactor, config.endpoint)
         self._sub_service = ClientService(
             endpoint, _RedisFactory(_Subscriber, config, self, "subscriber"),
-            retryPolicy=policy, prepareConnection=self._prepare_subscriber)
+            retryPolicy=self.sub_backoff, clock=self.clock)
         self._pub_service = ClientService(
             endpoint, _RedisFactory(_Publisher, config, self, "publisher"),
-            retryPolicy=policy, prepareConnection=self._prepare_publisher)
+            retryPolicy=self.pub_backoff, clock=self.clock)
         self._sub_service.setServiceParent(self)
         self._pub_service.setServiceParent(self)
         self._pinger = task.LoopingCall(self._ping)
-        self._pinger.clock = reactor
+        self._pinger.clock = self.clock
 
     @property
     def connected(self) -> bool:
@@ -187,43 +227,55 @@ class RedisReplication(MultiService):
         self._unregister("shutdown")
         return super().stopService()
 
-    async def _ready(self, protocol) -> None:
-        """Wait for AUTH/SELECT to succeed.  A failure closes the connection;
-        failing here too makes ClientService try again after its backoff
-        (instead of waiting forever for a connection that is gone)."""
-        ready = defer.DeferredList([protocol.whenConnected(), protocol.whenDisconnected()],
-                                   fireOnOneCallback=True, consumeErrors=True)
-        ready.addTimeout(self.ping_timeout * 4, self.reactor)
-        _, which = await ready
-        if which != 0:
-            raise txredisapi.ConnectionError("closed before it was ready (AUTH or SELECT failed)")
+    # ---------------------------------------------------------- readiness
+    def link_made(self, protocol) -> None:
+        """A TCP connection is up (ClientService counts it as connected):
+        get it ready in the background.  Failing that, close it; the
+        disconnect makes ClientService try again after its backoff."""
+        d = defer.ensureDeferred(self._get_ready(protocol))
+        protocol.readying = d
+        d.addErrback(self._not_ready, protocol)
 
-    @staticmethod
-    def _unwrap(protocol):
-        # ClientService hands prepareConnection a proxy of the protocol.
-        return getattr(protocol, "_protocol", protocol)
-
-    def _prepare_subscriber(self, protocol):
-        protocol = self._unwrap(protocol)
-
-        async def prepare():
-            await self._ready(protocol)
-            await protocol.subscribe([self.channel, self.user_ip_channel])
+    async def _get_ready(self, protocol) -> None:
+        # AUTH and SELECT succeeded (a failure closes the connection, and
+        # link_lost cancels this).
+        ready = protocol.whenConnected()
+        ready.addTimeout(self.ping_timeout * 4, self.clock)
+        await ready
+        if protocol.role == "subscriber":
+            subscribed = protocol.subscribe([self.channel, self.user_ip_channel])
+            subscribed.addTimeout(self.ping_timeout * 4, self.clock)
+            await subscribed
+        protocol.readying = None
+        if protocol.role == "subscriber":
             self.subscriber = protocol
             self._subscribed = True
             log.info("redis: subscribed to {channel}", channel=self.channel)
-            self._maybe_register()
-        return defer.ensureDeferred(prepare())
-
-    def _prepare_publisher(self, protocol):
-        protocol = self._unwrap(protocol)
-
-        async def prepare():
-            await self._ready(protocol)
+        else:
             self.publisher = protocol
             log.info("redis: publisher connected to {endpoint}", endpoint=self.config.endpoint)
-            self._maybe_register()
-        return defer.ensureDeferred(prepare())
+        protocol.healthy_call = self.clock.callLater(self.ping_interval, self._healthy, protocol)
+        self._maybe_register()
+
+    def _not_ready(self, failure, protocol) -> None:
+        protocol.readying = None
+        if protocol.lost:
+            return  # link_lost cancelled us; nothing more to do
+        self.last_error = self.last_error or failure.getErrorMessage()
+        log.warn("redis {role} connection not ready ({error}); reconnecting",
+                 role=protocol.role, error=printable(failure.getErrorMessage()))
+        if protocol.transport is not None:
+            protocol.transport.abortConnection()
+
+    def _healthy(self, protocol) -> None:
+        """Ready and up for ``ping_interval``: the backoff starts over."""
+        protocol.healthy_call = None
+        if protocol.lost:
+            return
+        if protocol is self.subscriber:
+            self.sub_backoff.reset()
+        elif protocol is self.publisher:
+            self.pub_backoff.reset()
 
     def _maybe_register(self) -> None:
         if self.conn is not None or not self._subscribed or self.publisher is None:
@@ -241,6 +293,12 @@ class RedisReplication(MultiService):
             self.handler.lost_connection(conn, reason)
 
     def link_lost(self, protocol) -> None:
+        readying, protocol.readying = protocol.readying, None
+        if readying is not None and not readying.called:
+            readying.cancel()
+        call, protocol.healthy_call = protocol.healthy_call, None
+        if call is not None and call.active():
+            call.cancel()
         if protocol is self.subscriber:
             self.subscriber = None
             self._subscribed = False
@@ -294,9 +352,10 @@ class RedisReplication(MultiService):
             return  # our own RDATA/POSITION, echoed: not even parsed
         try:
             cmd = parse_line(message.rstrip("\r\n"))
-        except CommandParseError as e:
+        except Exception as e:  # CommandParseError; anything else is a parser bug
             metrics.COMMANDS_DROPPED.labels("unknown", "unparsable").inc()
-            log.debug("redis: ignoring line {line!r}: {error}", line=message[:80], error=str(e))
+            log.debug("redis: ignoring line {line}: {error}", line=printable(message, 80),
+                      error=printable(str(e) or type(e).__name__))
             return
         field = OWN_INSTANCE_FIELDS.get(cmd.NAME)
         if field is not None and getattr(cmd, field) == self.instance_name:
@@ -306,10 +365,13 @@ class RedisReplication(MultiService):
             metrics.COMMANDS_DROPPED.labels(cmd.NAME, "ignored").inc()
             return
         metrics.COMMANDS_IN.labels(cmd.NAME, NAME).inc()
+        conn.current_line = message.rstrip("\r\n").encode("utf-8", "surrogatepass")
         try:
             method(conn, cmd)
         except Exception:
             log.failure("redis: handling {name} failed", name=cmd.NAME)
+        finally:
+            conn.current_line = None
 
     # ---------------------------------------------------------- keepalive
     def _ping(self) -> None:
@@ -322,10 +384,10 @@ class RedisReplication(MultiService):
             d = protocol.ping()
         except txredisapi.ConnectionError:
             return  # going away; connectionLost does the rest
-        d.addTimeout(self.ping_timeout, self.reactor)
+        d.addTimeout(self.ping_timeout, self.clock)
 
         def failed(failure):
-            if self.reactor.seconds() - protocol.last_data < self.ping_timeout:
+            if self.clock.seconds() - protocol.last_data < self.ping_timeout:
                 return  # busy, not dead: the answer waits behind data still arriving
             log.warn("redis: PING failed ({error}); replacing the connection",
                      error=failure.getErrorMessage())

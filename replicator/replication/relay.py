@@ -8,13 +8,16 @@ Invariants:
 * Only whole facts are relayed: ``batch`` rows wait, per (connection,
   stream, writer), for the row that carries the token, then the fact's
   lines go out in one call.  A partial batch dies with its connection, and
-  with a POSITION of the same writer (sent only between facts: the rest of
-  the batch was lost on the writer's side).
+  with a POSITION of the same writer on that connection (sent only between
+  facts: the rest of the batch was lost on the writer's side).
 * ``relayed`` per (stream, writer) is the largest token passed on; the
   server's REPLICATE answer for such a writer is never below it.
+* What is relayed is the bytes received, never a re-encoding (a re-encoded
+  line may be longer than the receivers accept); lines come here only once
+  :mod:`.admission` admitted them.
 """
 
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 Key = Tuple[str, str]
 
@@ -27,21 +30,29 @@ class Relay:
         self.relayed: Dict[Key, int] = {}
         self._batches: Dict[Any, Dict[Key, List[bytes]]] = {}  # conn -> key -> lines
 
-    def rdata(self, conn, key: Key, cmd) -> None:
-        """An RDATA line of a writer client on ``conn``."""
+    def rdata(self, conn, key: Key, token: Optional[int], line: bytes) -> None:
+        """An RDATA line (its wire bytes, newline included) of a writer
+        client on ``conn``; ``token`` None for a ``batch`` row."""
         pending = self._batches.setdefault(conn, {}).setdefault(key, [])
-        pending.append((cmd.to_line() + "\n").encode("utf-8"))
-        if cmd.token is not None:
+        pending.append(line)
+        if token is not None:
             del self._batches[conn][key]
-            self.relayed[key] = max(self.relayed.get(key, 0), cmd.token)
+            self.relayed[key] = max(self.relayed.get(key, 0), token)
             self._broadcast(pending, "RDATA", exclude=conn)
 
-    def position(self, conn, key: Key, cmd) -> None:
-        """A POSITION line of a writer client on ``conn``."""
-        for batches in self._batches.values():
-            batches.pop(key, None)
-        self.relayed[key] = max(self.relayed.get(key, 0), cmd.new_token)
-        self._broadcast([(cmd.to_line() + "\n").encode("utf-8")], "POSITION", exclude=conn)
+    def position(self, conn, key: Key, new_token: int, line: bytes) -> None:
+        """A POSITION line (wire bytes) of a writer client on ``conn``."""
+        self._batches.get(conn, {}).pop(key, None)
+        self.relayed[key] = max(self.relayed.get(key, 0), new_token)
+        self._broadcast([line], "POSITION", exclude=conn)
+
+    def drop_batch(self, conn, key: Key) -> None:
+        """Forget the partial batch of ``key`` on ``conn`` (refused)."""
+        self._batches.get(conn, {}).pop(key, None)
+
+    def partial_rows(self, conn) -> int:
+        """Rows waiting in partial batches of ``conn``."""
+        return sum(len(lines) for lines in self._batches.get(conn, {}).values())
 
     def connection_lost(self, conn) -> None:
         self._batches.pop(conn, None)

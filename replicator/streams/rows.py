@@ -60,6 +60,54 @@ def check_rows(columns: Sequence[ColumnConfig], rows: Sequence[Any]) -> List[lis
     return out
 
 
+class WireRowCheck:
+    """Checks a row received from a peer (RDATA) against the stream's layout.
+
+    ``check(row)`` returns None when the row fits, else a short reason.
+    The rules of :func:`check_rows` (arity, types, ``bigint`` in 64 bits,
+    no NUL in text, ``null`` only where nullable), except that a
+    ``boolean`` may also come as the integer 0 or 1: Synapse writes some
+    booleans so.  What fits is handed on as received.
+    """
+
+    _EXACT = {"text": str, "bigint": int, "boolean": bool, "json": None}
+
+    def __init__(self, columns: Sequence[ColumnConfig]):
+        self.columns = list(columns)
+        self.width = len(self.columns)
+        self._fast = [(i, self._EXACT[c.type], c.nullable) for i, c in enumerate(self.columns)]
+
+    def check(self, row: Any) -> Optional[str]:
+        if type(row) is not list:
+            return f"expected a list of {self.width} values"
+        if len(row) != self.width:
+            return f"expected {self.width} values, got {len(row)}"
+        for i, kind, nullable in self._fast:
+            v = row[i]
+            if v is None:
+                if nullable:
+                    continue
+            elif kind is None:
+                continue
+            elif type(v) is kind and (kind is not str or "\x00" not in v) and (
+                    kind is not int or -(2**63) <= v < 2**63):
+                continue
+            problem = self._slow(i, v)
+            if problem is not None:
+                return problem
+        return None
+
+    def _slow(self, i: int, value: Any) -> Optional[str]:
+        column = self.columns[i]
+        if column.type == "boolean" and type(value) is int and value in (0, 1):
+            return None
+        try:
+            _check_value(column, value, "row")
+        except RowError as e:
+            return str(e)[len("row: "):]
+        return None
+
+
 def db_params(columns: Sequence[ColumnConfig], row: Sequence[Any]) -> List[Any]:
     """A checked row as statement parameters (JSON columns as JSON text)."""
     params = list(row)

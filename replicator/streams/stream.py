@@ -14,7 +14,6 @@ two tokens in ascending token order; it is what both the RDATA fan-out and a
 reader's catch-up use.
 """
 
-import itertools
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -98,7 +97,7 @@ class Stream:
         self.local_writers = list(local_writers)
         self.id_gen: Optional[StreamIdGenerator] = None
         self._call_from_thread = call_from_thread
-        self._counter = None  # SQLite: in-process sequence
+        self._sqlite_last = 0  # SQLite: the in-process sequence's last value
         self._shape = reader(config.columns, db.is_postgres)
         self._codec = RowCodec(config.columns)
         self._persist_delay = persist_delay
@@ -176,14 +175,14 @@ class Stream:
         if self.db.is_postgres:
             current = schema.sequence_value(txn, c.sequence)
             if current < top:
-                txn.execute("SELECT setval(%s, %s)", (c.sequence, top))
+                self._move_sequence(txn, current, top)
                 log.warn(
                     "stream {stream}: sequence {seq} was at {current}, behind the "
                     "table's {top}; moved it to {top}",
                     stream=self.name, seq=c.sequence, current=current, top=top,
                 )
         else:
-            self._counter = itertools.count(top + 1)
+            self._sqlite_last = top
         self.id_gen = StreamIdGenerator(
             self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
         )
@@ -305,15 +304,22 @@ class Stream:
         current = schema.sequence_value(txn, self.config.sequence)
         if current >= floor:
             return
+        self._move_sequence(txn, current, floor)
+        metrics.SEQUENCE_MOVED.labels(self.name).inc()
+        log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
+                 "positions (up to {floor}) on a new database connection; moved it past",
+                 stream=self.name, seq=self.config.sequence, current=current, floor=floor)
+
+    def _move_sequence(self, txn, current: int, floor: int) -> None:
+        """Move the sequence from ``current`` to at least ``floor`` by taking
+        values, which never moves it backwards even if other connections
+        take values meanwhile (``setval`` could); ``setval`` only for a gap
+        above ``SEQUENCE_CATCH_UP_MAX``."""
         if floor - current <= self.SEQUENCE_CATCH_UP_MAX:
             txn.execute(f"SELECT max(nextval('{self.config.sequence}')) "
                         "FROM generate_series(1, %s)", (floor - current,))
         else:
             txn.execute("SELECT setval(%s, %s)", (self.config.sequence, floor))
-        metrics.SEQUENCE_MOVED.labels(self.name).inc()
-        log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
-                 "positions (up to {floor}) on a new database connection; moved it past",
-                 stream=self.name, seq=self.config.sequence, current=current, floor=floor)
 
     def _persist_in_transaction(self, writer: str, ids: List[int]) -> bool:
         """Persist the position with the fact unless other writes of this
@@ -323,7 +329,9 @@ class Stream:
         return self.id_gen.in_flight(writer) == len(ids)
 
     def _write_sqlite(self, txn, writer, facts, hooks, reserved) -> List[int]:
-        ids = [next(self._counter) for _ in facts]
+        first = self._sqlite_last + 1
+        ids = list(range(first, first + len(facts)))
+        self._sqlite_last = first + len(facts) - 1  # consumed even if this rolls back
         self.id_gen.reserved(writer, ids, pending=False)
         reserved.extend(ids)
         with_writer = self.config.writer_column is not None
@@ -497,6 +505,19 @@ class Stream:
             self._persist_call.cancel()
         if self.id_gen is not None and self.local_writers:
             await self._persist_now()
+
+    # ------------------------------------------------------------ sequence
+    async def sequence_value(self) -> int:
+        """The largest ID the stream's sequence has handed out, read now.
+
+        No fact of any writer, in this process or another sharing the
+        database, can have a larger ID: a peer claiming a larger token is
+        lying.  PostgreSQL: read in a pool thread (never on the reactor);
+        SQLite: the in-process counter (every writer is in this process).
+        """
+        if not self.db.is_postgres:
+            return self._sqlite_last
+        return await self.db.runInteraction(schema.sequence_value, self.config.sequence)
 
     # ----------------------------------------------------------- shortcuts
     def current_token(self, writer: Optional[str] = None) -> int:

@@ -58,7 +58,8 @@ def logged_errors(text: str) -> List[str]:
         m = EXCEPTION.findall(events[-1][0]) if not events[-1][1] else None
         if m:
             events[-1][1] = m[-1]
-    return [f"{head[:70]} -> {exc[:120]}" if exc else head[:120] for head, exc in events]
+    out = [f"{head[:70]} -> {exc[:120]}" if exc else head[:120] for head, exc in events]
+    return [re.sub(r"\d+", "N", line) for line in out]  # ports, IDs: one summary per kind
 
 
 def read_table(dsn: str) -> Dict[tuple, Dict[int, list]]:
@@ -319,6 +320,8 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             "quiescent": quiescent, "quiescence_s": round(quiescence_s, 1),
             "violations": v.as_dict(), "examples": dict(v.examples),
             "exit_codes": exit_codes,
+            "startup_db_exits": {n: i.startup_db_exits for n, i in instances.items()
+                                 if i.startup_db_exits},
             "log_errors": dict(sorted(log_errors.items(), key=lambda kv: -kv[1])[:10]),
             "elapsed_s": round(time.monotonic() - started, 1),
         }

@@ -39,7 +39,7 @@ ONE_LINE_RUNTIME = re.compile(r"replicator: (config: )?[a-z_]+[\w.\[\]]*: [^\n]+
 #: What the daemon logs once it is up (then it gets SIGTERM).
 READY = re.compile(rb"^INFO service: instance .* ready$", re.M)
 #: Seconds a mutated config gets to exit or become ready.
-STARTUP_LIMIT = 30.0
+STARTUP_LIMIT = 60.0
 
 _VALUES: List[Tuple[Any, bool]] = [  # (value, must be refused wherever a number goes)
     (None, False), (True, False), (False, False), (0, False), (-1, False), (1, False),
@@ -201,12 +201,18 @@ def _judge(result, family, description, data, must_refuse, code, stdout, stderr,
         text = stderr if "Traceback" in stderr else stdout
         last = [l.strip() for l in text.splitlines()
                 if re.match(r"\s*[\w.]+(Error|Exception|Exit|Failure)\b", l)][-1:]
-        result.found("traceback", _generic(last[0] if last else "?"), family, repro,
-                     text[-400:])
+        if last:
+            signature = _generic(last[0])
+        else:  # cut off at the deadline: name the innermost frame
+            frames = re.findall(r'File "[^"]*/(?:site-packages|replicator)/([^"]+)", line \d+, '
+                                r"in (\w+)", text)
+            signature = "unfinished traceback" + (f" in {frames[-1][0]}:{frames[-1][1]}"
+                                                  if frames else "")
+        result.found("traceback", signature, family, repro, text[-400:])
         return
     if not running and code is not None and code < 0:
-        result.found("neither_ready_nor_exited", f"in {STARTUP_LIMIT:.0f}s", family, repro,
-                     stdout[-300:])
+        result.found("neither_ready_nor_exited", f"{description[:40]}: not in "
+                     f"{STARTUP_LIMIT:.0f}s", family, repro, (stdout + stderr)[-300:])
         return
     if running:
         if code != 0:

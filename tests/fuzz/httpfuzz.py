@@ -14,6 +14,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from typing import Optional, Tuple
 
 from .daemon import SECRET, Daemon, HonestReader, HonestWriter
@@ -165,7 +166,7 @@ FAMILIES = {
 }
 
 
-def _send(port: int, data: bytes, timeout: float = 5.0) -> Tuple[Optional[int], dict, bytes, str]:
+def _send(port: int, data: bytes, timeout: float = 15.0) -> Tuple[Optional[int], dict, bytes, str]:
     """(status, headers, body, note); status None if no answer came."""
     received = b""
     note = ""
@@ -232,7 +233,51 @@ def _unchunk(body: bytes) -> bytes:
     return out
 
 
-def run_phase(seed: int, requests: int, threads: int = 2, families=None) -> PhaseResult:
+def slowloris(port: int, result: PhaseResult, connections: int = 40,
+              seconds: float = 25.0) -> None:
+    """Connections sending one header byte every 0.5 s, never finishing: each
+    must be answered (408) and closed by the header deadline (10 s), not
+    held (issue 11 item 8)."""
+    import select
+
+    socks = []
+    for _ in range(connections):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        s.setblocking(False)
+        socks.append(s)
+    result.tried("slowloris", connections)
+    answers = {}
+    deadline = time.monotonic() + seconds
+    open_socks = set(socks)
+    while open_socks and time.monotonic() < deadline:
+        for s in list(open_socks):
+            try:
+                s.send(b"a")
+            except OSError:
+                open_socks.discard(s)
+        ready, _, _ = select.select(list(open_socks), [], [], 0.5)
+        for s in ready:
+            try:
+                data = s.recv(4096)
+            except OSError:
+                data = b""
+            answers[s] = answers.get(s, b"") + data
+            if not data:
+                open_socks.discard(s)
+    statuses = sorted({a.split(b" ", 2)[1].decode("ascii", "replace") for a in answers.values()
+                       if a.startswith(b"HTTP/")})
+    result.figure("slowloris_answers", statuses)
+    if open_socks:
+        result.found("slowloris_held", f"{len(open_socks)} of {connections} connections still "
+                     f"open after {seconds:.0f}s", "slowloris",
+                     "b'GET /health HTTP/1.1\\r\\nX-Slow: ' + one byte every 0.5 s")
+    for s in socks:
+        s.close()
+
+
+def run_phase(seed: int, requests: int, threads: int = 2, families=None,
+              slow: bool = False) -> PhaseResult:
     result = PhaseResult("4-http")
     directory = tempfile.mkdtemp(prefix="fuzz-http-")
     daemon = Daemon(directory)
@@ -268,6 +313,8 @@ def run_phase(seed: int, requests: int, threads: int = 2, families=None) -> Phas
             w.start()
         for w in workers:
             w.join()
+        if slow:
+            slowloris(daemon.http_port, result)
         writer.stop()
         wait_caught_up(result, reader, writer, os.path.join(directory, "state.db"), None)
         alive = daemon.alive()

@@ -57,7 +57,9 @@ SERVER_PREFIXES = [
     [], ["NAME worker1"], ["NAME worker1", "REPLICATE"], ["NAME reader-x", "REPLICATE"],
     ["REPLICATE"], ["NAME worker1", "PING 1"],
 ]
-CLIENT_PREFIXES = [["SERVER hs.test"], ["SERVER hs.test", "PING 1"]]
+CLIENT_PREFIXES = [["SERVER hs.test"], ["SERVER hs.test", "PING 1"],
+                   # Readers of these keys on this connection: RDATA is delivered.
+                   ["SERVER hs.test", "POSITION caches master 0 0", "POSITION events master 0 0"]]
 
 
 class LogCapture:
@@ -286,6 +288,10 @@ class LinesFuzzer:
             self._feed(side, proto, transport, family, data)
             if rng.random() < 0.2:
                 self.clock.advance(rng.choice([0.001, 0.01, 1.0, 6.0]))
+            if bystander is not None and not bystander._closing:
+                # An honest reader PINGs (one that never does is closed
+                # after idle_timeout without a command).
+                bystander.dataReceived(b"PING 1\n")
             self._check_logs(family, data)
             if bystander is not None and seen >= 0:
                 seen = self._check_bystander(bystander, btr, seen, family, data)

@@ -6,7 +6,7 @@ the attacks of issue 11 items 1-4, each beside an honest reader:
   the master's next ``caches`` fact must still reach the reader and the
   master's own token must not move to 2^62.
 * ``poison_worker``: a forged upstream tells a worker ``POSITION events
-  master 0 2^70``; the real fact 1 in the table must still reach the
+  master 0 2^62``; the real fact 1 in the table must still reach the
   worker's consumer (after the claim is refused and a truthful upstream
   answers).
 * ``impersonate_master``: ``NAME master`` + RDATA for ``master``: refused,
@@ -52,16 +52,18 @@ class Peer:
     def __init__(self, port: int, lines: str = ""):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         self.received = b""
-        self.closed = False
+        self.closed = False  # nothing more comes from the server
+        self.send_failed = False
         if lines:
             self.send(lines)
 
     def send(self, text) -> None:
         data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+        self.sock.settimeout(60)
         try:
             self.sock.sendall(data)
         except OSError:
-            self.closed = True
+            self.send_failed = True
 
     def drain(self, seconds: float = 0.5) -> bytes:
         deadline = time.monotonic() + seconds
@@ -169,6 +171,124 @@ def impersonate_writer(daemon, result) -> None:
     reader.stop()
 
 
+def _refused(peer: Peer) -> bool:
+    return bool(peer.errors()) and peer.closed
+
+
+def rename(daemon, result) -> None:
+    """A connection names itself once; the server's own name is never a peer's."""
+    for variant, lines in (("second_name", "NAME worker1\nNAME worker2\n"),
+                           ("own_name", "NAME master\nREPLICATE\n")):
+        peer = Peer(daemon.rep_port, lines)
+        peer.drain(1.0)
+        result.tried(f"rename.{variant}")
+        if not _refused(peer):
+            result.found("identity", f"{variant} not refused with ERROR + close", "rename",
+                         repr(lines), show(peer.received[-200:]))
+        peer.close()
+
+
+def allow_lists(directory, result) -> None:
+    """``allowed_peers`` and ``allowed_networks`` in a daemon of their own."""
+    d = Daemon(os.path.join(directory, "allow"), allowed_peers=["worker1"])
+    os.makedirs(d.dir)
+    try:
+        d.start()
+        for variant, lines, refused in (
+                ("anonymous_reader", "REPLICATE\n", True),
+                ("unlisted_name", "NAME evil\nREPLICATE\n", True),
+                ("listed_name", "NAME worker1\nREPLICATE\n", False)):
+            peer = Peer(d.rep_port, lines)
+            peer.drain(1.0)
+            result.tried(f"allow_lists.{variant}")
+            if _refused(peer) != refused:
+                result.found("identity", f"allowed_peers: {variant} "
+                             f"{'accepted' if refused else 'refused'}", "allow_lists",
+                             repr(lines), show(peer.received[-200:]))
+            peer.close()
+        d.stop()
+        _check_daemon(result, d, None)
+    finally:
+        d.kill()
+    d = Daemon(os.path.join(directory, "networks"), allowed_networks=["10.0.0.0/8"])
+    os.makedirs(d.dir)
+    try:
+        d.start()
+        peer = Peer(d.rep_port, "NAME worker1\nREPLICATE\n")
+        peer.drain(1.0)
+        result.tried("allow_lists.network")
+        if not _refused(peer) or b"SERVER" in peer.received:
+            result.found("identity", "allowed_networks: a peer from elsewhere got in",
+                         "allow_lists", "127.0.0.1 not in 10.0.0.0/8",
+                         show(peer.received[-200:]))
+        peer.close()
+        d.stop()
+        _check_daemon(result, d, None)
+    finally:
+        d.kill()
+
+
+def tls_identity(directory, dsn, result) -> None:
+    """With ``client_ca``, NAME is the certificate's: a worker1 certificate
+    saying NAME master, another certificate of the CA saying NAME worker1,
+    and a certificate of another CA are all refused."""
+    import ssl
+
+    from tests.test_tls import make_pki
+
+    pki_dir = os.path.join(directory, "pki")
+    os.makedirs(pki_dir)
+    pki = make_pki(pki_dir)
+    port = free_port()
+    listen = (f"ssl:{port}:interface=127.0.0.1:privateKey={pki['server.key']}"
+              f":certKey={pki['server.crt']}")
+    d = Daemon(os.path.join(directory, "tls"), dsn, client_ca=pki["ca.crt"])
+    os.makedirs(d.dir)
+    d.rep_port = port
+    d.config["replication"]["listen"] = listen
+
+    def exchange(who, lines):
+        context = ssl.create_default_context(cafile=pki["ca.crt"])
+        context.load_cert_chain(pki[f"{who}.crt"], pki[f"{who}.key"])
+        data = b""
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                with context.wrap_socket(raw, server_hostname="localhost") as s:
+                    s.sendall(lines.encode())
+                    s.settimeout(2)
+                    while True:
+                        chunk = s.recv(4096)
+                        if not chunk:
+                            break
+                        data += chunk
+        except (ssl.SSLError, OSError) as e:
+            return data, e
+        return data, None
+
+    try:
+        d.start()
+        attack = ('POSITION caches worker1 0 1\nRDATA caches worker1 1 ["forged",null,1]\n'
+                  "POSITION caches worker1 1 1\n")
+        for who, name, accepted in (("client", "master", False), ("client", "worker2", False),
+                                    ("intruder", "worker1", False),
+                                    ("stranger", "worker1", False),
+                                    ("client", "worker1", True)):
+            lines = f"NAME {name}\n" + ("REPLICATE\n" if accepted else attack)
+            data, error = exchange(who, lines)
+            result.tried(f"tls_identity.{who}_as_{name}")
+            got_in = b"POSITION caches master" in data or (
+                not accepted and error is None and not data.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+                .startswith(b"ERROR"))
+            if got_in != accepted:
+                result.found("identity", f"client_ca: {who} certificate as NAME {name} "
+                             f"{'accepted' if got_in else 'refused'}", "tls_identity",
+                             repr(lines), f"{show(data[-200:])} {error!r}")
+        d.stop()
+        _check_daemon(result, d, None)
+    finally:
+        d.kill()
+
+
 def bookkeeping(daemon, result) -> None:
     owner = Peer(daemon.rep_port, "NAME worker1\nUSER_SYNC worker1 @real:hs.test D start 1\n"
                                   "FEDERATION_ACK worker1 5\n")
@@ -224,8 +344,83 @@ def relay_long_line(daemon, result) -> None:
     reader.stop()
 
 
+def batch_flood(daemon, result, lines: int = 20_000) -> None:
+    """A writer peer sends 20,000 ``batch`` lines of 1 KB and never ends the
+    fact: the partial batch must be capped (ERROR + close) and the memory
+    it took given back (issue 11 item 5)."""
+    rss0 = daemon.rss_kb()
+    peer = Peer(daemon.rep_port, "NAME worker1\n")
+    row = '["' + "x" * 1000 + '",null,1]'
+    chunk = "".join(f"RDATA caches worker1 batch {row}\n" for _ in range(500)).encode()
+    sent = 0
+    peak = rss0
+    while sent < lines and not peer.closed and not peer.send_failed:
+        peer.send(chunk)
+        sent += 500
+        if sent % 5000 == 0:
+            peak = max(peak, daemon.rss_kb())
+            peer.drain(0.01)
+    peer.drain(2.0)
+    peak = max(peak, daemon.rss_kb())
+    result.tried("batch_flood", sent)
+    result.figure("batch_flood.rss_kb_before_peak", f"{rss0} -> {peak}")
+    result.figure("batch_flood.answer", show(peer.received[-120:]))
+    if not peer.errors():
+        result.found("batch_uncapped", f"{sent} batch lines of 1 KB accepted without ERROR",
+                     "batch_flood", f"NAME worker1 + {lines} x RDATA caches worker1 batch "
+                     "<1 KB row>", f"RSS {rss0} -> {peak} KB")
+    peer.close()
+
+
+def slow_readers(daemon, result, facts: int = 240, rows: int = 40, row_kb: int = 15) -> None:
+    """Three connections that REPLICATE and never read while facts of 40
+    rows of 15 KB are written: 9,600 lines (under ``max_queued_lines``) of
+    144 MB wait for them.  The bound must hold in bytes too (dropped with
+    ``Failed to keep up``), not only in lines (issue 11 item 7)."""
+    import http.client
+
+    rss0 = daemon.rss_kb()
+    slow = []
+    for i in range(3):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", daemon.rep_port))
+        s.sendall(f"NAME slow{i}\nREPLICATE\n".encode())
+        slow.append(s)
+    body = json.dumps({"rows": [["s" * (row_kb * 1024), None, k] for k in range(rows)]}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.http_port, timeout=60)
+    peak = rss0
+    for n in range(facts):
+        conn.request("POST", "/_replicator/v1/streams/caches/facts", body=body,
+                     headers={"Authorization": f"Bearer {SECRET}"})
+        response = conn.getresponse()
+        response.read()
+        if response.status != 200:
+            result.found("slow_readers_write_failed", f"status {response.status}",
+                         "slow_readers", "")
+            break
+        if n % 20 == 0:
+            peak = max(peak, daemon.rss_kb())
+    conn.close()
+    time.sleep(1.0)
+    peak = max(peak, daemon.rss_kb())
+    result.tried("slow_readers", facts * rows)
+    result.figure("slow_readers.rss_kb_before_peak", f"{rss0} -> {peak}")
+    queued_mb = facts * rows * row_kb / 1024
+    if peak - rss0 > 100 * 1024:
+        result.found("queue_unbounded_in_bytes", f"RSS grew {(peak - rss0) // 1024} MB with "
+                     "readers that never read", "slow_readers",
+                     f"3 x (NAME slowN, REPLICATE, never read) + {facts} facts of {rows} rows "
+                     f"of {row_kb} KB", f"{queued_mb:.0f} MB of lines queued, "
+                     f"{facts * rows} lines < max_queued_lines")
+    for s in slow:
+        s.close()
+
+
 def poison_worker(directory, dsn, result) -> None:
-    """A forged upstream claims ``events/master`` is at 2^70."""
+    """A forged upstream claims ``events/master`` is at 2^62 (2^70 is a parse
+    error since integers are bounded).  The worker's consumer is new: the
+    first POSITION places it (at 0), the lie comes after."""
     import psycopg2
 
     upstream = socket.socket()
@@ -263,7 +458,8 @@ def poison_worker(directory, dsn, result) -> None:
             cur.execute("INSERT INTO event_stream (stream_id, instance_name, event_id, n, ok) "
                         "VALUES (%s, 'master', '$real', NULL, true)", (token,))
         db.close()
-        attack = f"SERVER {inputs.SERVER_NAME}\nPOSITION events master 0 {2 ** 70}\n"
+        attack = (f"SERVER {inputs.SERVER_NAME}\nPOSITION events master 0 0\n"
+                  f"POSITION events master 0 {2 ** 62}\n")
         conn.sendall(attack.encode())
         result.tried("poison_worker")
         time.sleep(1.0)
@@ -272,8 +468,10 @@ def poison_worker(directory, dsn, result) -> None:
         upstream.settimeout(30)
         try:
             conn2, _ = upstream.accept()
-            conn2.sendall(f"SERVER {inputs.SERVER_NAME}\nPOSITION events master 0 {token}\n"
-                          .encode())
+            # As a REPLICATE answer: (prev, new] = (token, token], nothing
+            # unsent; the reader's gap from 0 to token is caught up.
+            conn2.sendall(f"SERVER {inputs.SERVER_NAME}\n"
+                          f"POSITION events master {token} {token}\n".encode())
         except socket.timeout:
             conn2 = None
         facts_path = os.path.join(directory, "facts.jsonl")
@@ -288,7 +486,7 @@ def poison_worker(directory, dsn, result) -> None:
             wait_for(delivered, 15, "fact 1 delivered to the worker's consumer")
         except AssertionError:
             result.found("position_poisoning", "worker: real fact never delivered after an "
-                         "upstream claimed 2^70", "poison_worker", repr(attack),
+                         "upstream claimed 2^62", "poison_worker", repr(attack),
                          f"fact {token} of events/master in the table")
         if conn2 is not None:
             conn2.close()
@@ -304,7 +502,10 @@ def poison_worker(directory, dsn, result) -> None:
             result.found(kind, line, "poison_worker", "")
 
 
-ATTACKS = [impersonate_master, impersonate_writer, bookkeeping, relay_long_line, poison_master]
+ATTACKS = [impersonate_master, impersonate_writer, rename, bookkeeping, relay_long_line,
+           poison_master]
+#: Attacks that start daemons of their own (make fuzz only).
+EXTRA = [allow_lists, tls_identity, poison_worker, batch_flood, slow_readers]
 
 
 def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
@@ -315,15 +516,31 @@ def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
     try:
         daemon.start()
         for attack in attacks or ATTACKS:
-            if attack is not poison_worker:
+            if attack not in EXTRA:
                 attack(daemon, result)
+        for attack in (batch_flood, slow_readers):  # each on a daemon of its own
+            if attack in (attacks or ATTACKS):
+                own = Daemon(os.path.join(directory, attack.__name__), dsn_factory())
+                os.makedirs(own.dir)
+                try:
+                    own.start()
+                    attack(own, result)
+                    own.stop()
+                    _check_daemon(result, own, None)
+                finally:
+                    own.kill()
         if not daemon.alive():
             result.found("daemon_died", f"exit {daemon.proc.returncode}", "-", "")
         code = daemon.stop()
         if code not in (0, None) or code is None:
             result.found("unclean_stop", f"exit {code}", "-", "")
         _check_daemon(result, daemon, None)
-        if attacks is None or poison_worker in attacks:
+        attacks = attacks or ATTACKS
+        if allow_lists in attacks:
+            allow_lists(directory, result)
+        if tls_identity in attacks:
+            tls_identity(directory, dsn_factory(), result)
+        if poison_worker in attacks:
             worker_dir = os.path.join(directory, "worker")
             os.makedirs(worker_dir)
             poison_worker(worker_dir, dsn_factory(), result)

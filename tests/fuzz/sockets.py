@@ -11,6 +11,7 @@ traceback and no critical event, stays alive, stops cleanly (exit 0) on
 SIGTERM, its RSS grows boundedly, and its reactor never stalls over 100 ms.
 """
 
+import json
 import os
 import random
 import shutil
@@ -32,6 +33,10 @@ from .results import PhaseResult, show
 STALL_LIMIT = 0.1
 #: RSS growth (KB) over the phase that counts as unbounded.
 RSS_LIMIT_KB = 100 * 1024
+#: Small bookkeeping caps (issue 11 item 5), so that the flood family reaches them.
+CAPS = {"max_user_ips": 300, "max_user_syncs": 300, "max_federation_acks": 50}
+#: Prometheus series (lines) beyond which /metrics counts as unbounded.
+METRICS_LIMIT = 3000
 
 
 class Prober(threading.Thread):
@@ -129,9 +134,9 @@ def _fuzz_connection(port: int, rng: random.Random, result: PhaseResult, lock) -
 
 def run_phase(seed: int, connections: int, threads: int = 3, honest_streams=("caches", "events"),
               postgres_dsn: Optional[str] = None, keep_dir: bool = False) -> PhaseResult:
-    result = PhaseResult("2-sockets")
+    result = PhaseResult("2-sockets-pg" if postgres_dsn else "2-sockets")
     directory = tempfile.mkdtemp(prefix="fuzz-sockets-")
-    daemon = Daemon(directory, postgres_dsn)
+    daemon = Daemon(directory, postgres_dsn, **CAPS)
     try:
         daemon.start()
         rss0 = daemon.rss_kb()
@@ -169,6 +174,7 @@ def run_phase(seed: int, connections: int, threads: int = 3, honest_streams=("ca
         result.figure("honest_facts_written", sum(len(v) for v in writer.written.values()))
         wait_caught_up(result, reader, writer, os.path.join(directory, "state.db"),
                        postgres_dsn)
+        _check_bounds(result, daemon)
         rss1 = daemon.rss_kb()
         result.figure("rss_kb_before_after", f"{rss0} -> {rss1}")
         if rss1 - rss0 > RSS_LIMIT_KB:
@@ -188,6 +194,29 @@ def run_phase(seed: int, connections: int, threads: int = 3, honest_streams=("ca
         if not keep_dir:
             shutil.rmtree(directory, ignore_errors=True)
     return result.done()
+
+
+def _check_bounds(result, daemon: Daemon) -> None:
+    """Bookkeeping within its caps, /metrics within a bounded number of series."""
+    for path, key, cap in (("user_ips", "user_ips", CAPS["max_user_ips"]),
+                           ("federation_acks", "acks", CAPS["max_federation_acks"])):
+        status, body = http_get(daemon.http_port, f"/_replicator/v1/{path}", SECRET, timeout=30)
+        n = len(json.loads(body)[key]) if status == 200 else -1
+        result.figure(f"{path}_kept", n)
+        if n > cap:
+            result.found("bookkeeping_over_cap", f"{path}: {n} > {cap}", "flood", "")
+    status, body = http_get(daemon.http_port, "/_replicator/v1/user_syncs", SECRET, timeout=30)
+    if status == 200:
+        n = sum(len(v) for v in json.loads(body)["user_syncs"].values())
+        result.figure("user_syncs_kept", n)
+        if n > CAPS["max_user_syncs"]:
+            result.found("bookkeeping_over_cap", f"user_syncs: {n} > {CAPS['max_user_syncs']}",
+                         "flood", "")
+    status, body = http_get(daemon.http_port, "/metrics", timeout=30)
+    series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+    result.figure("metrics_series", series)
+    if series > METRICS_LIMIT:
+        result.found("metrics_unbounded", f"{series} series", "-", "")
 
 
 def wait_caught_up(result, reader, writer, db_path, dsn) -> None:

@@ -1,0 +1,81 @@
+"""The one reconnect backoff policy of the project, for every outgoing link
+(the TCP upstream and both Redis connections).
+
+A :class:`Backoff` is a ``ClientService`` ``retryPolicy`` that keeps its own
+count of consecutive failures instead of trusting the attempt number
+``ClientService`` passes in: that one starts over on every accepted
+connection, so an upstream that accepts and closes at once would be retried
+at the initial delay forever (a reconnect storm).  Here the count goes back
+to zero only when the owner calls :meth:`Backoff.reset`, which it does once
+a connection has proven healthy (its handshake done and alive for
+``ping_interval``).
+
+Each delay is ``min(initial * factor**(n-1), maximum)`` for the ``n``-th
+failure in a row, shortened by a random fraction of at most ``jitter`` so
+that many instances that lost the same server (a Redis restart) do not all
+come back in the same instant.  With ``factor >= 2`` and ``jitter < 0.5``
+every delay is longer than the one before until the maximum is reached;
+no delay is ever longer than ``maximum`` nor shorter than
+``initial * (1 - jitter)``.
+"""
+
+import random
+from typing import Callable, Optional
+
+from twisted.logger import Logger
+
+from . import metrics
+
+log = Logger()
+
+#: Defaults shared by every link (seconds).
+INITIAL_DELAY = 0.5
+MAX_DELAY = 30.0
+FACTOR = 2.0
+JITTER = 0.25
+
+
+class Backoff:
+    """Exponential backoff with jitter and an explicit reset; one instance
+    per reconnecting link (it holds that link's failure count)."""
+
+    def __init__(self, initial: float = INITIAL_DELAY, maximum: float = MAX_DELAY,
+                 factor: float = FACTOR, jitter: float = JITTER,
+                 rng: Optional[Callable[[], float]] = None, name: str = "link"):
+        if not 0 < initial <= maximum:
+            raise ValueError("need 0 < initial <= maximum")
+        if factor < 1 or not 0 <= jitter < 1:
+            raise ValueError("need factor >= 1 and 0 <= jitter < 1")
+        self.initial = initial
+        self.maximum = maximum
+        self.factor = factor
+        self.jitter = jitter
+        self.name = name
+        self._random = rng if rng is not None else random.random
+        #: Failed attempts and lost connections since the last reset.
+        self.failures = 0
+        #: The last delay chosen (0 before any).
+        self.last_delay = 0.0
+        metrics.RECONNECT_DELAY.labels(name).set(0)
+
+    def delay(self) -> float:
+        """Count one more failure and return the wait before the next try."""
+        self.failures += 1
+        exponent = min(self.failures - 1, 64)
+        base = min(self.initial * self.factor ** exponent, self.maximum)
+        wait = base * (1.0 - self.jitter * self._random())
+        metrics.RECONNECT_DELAY.labels(self.name).set(wait)
+        self.last_delay = wait
+        return wait
+
+    def __call__(self, attempt: int = 0) -> float:
+        """``ClientService``'s ``retryPolicy``: ``attempt`` is ignored."""
+        return self.delay()
+
+    def reset(self) -> None:
+        """A connection proved healthy: the next failure waits ``initial``."""
+        if self.failures:
+            log.debug("{name}: connection healthy; backoff reset after {n} failures",
+                      name=self.name, n=self.failures)
+        self.failures = 0
+        metrics.RECONNECT_DELAY.labels(self.name).set(0)

@@ -1,0 +1,291 @@
+"""Admission: what a peer's RDATA and POSITION must satisfy before anything
+acts on them (the relay, the reader, the ID generator).
+
+Nothing on the wire proves a claim, but a claim can be bounded by what can
+be true.  Readers share the writers' database, so:
+
+* A token above the stream's sequence is a lie: no writer can have a fact
+  with an ID the sequence never handed out.  The bound is the larger of the
+  last value read from the sequence and the largest ID this instance knows
+  (its own reservations, positions already admitted); a claim above it
+  waits for a fresh read of the sequence (in a pool thread, never on the
+  reactor), one *started after the claim arrived*, and is refused if it is
+  still above.  Reads are shared by every claim of the stream waiting then.
+* A row must fit the stream's layout (:class:`..streams.rows.WireRowCheck`).
+* A partial batch (``batch`` rows waiting for the row with the token) holds
+  fewer than ``max_batch_rows`` rows and at most ``max_batch_bytes`` bytes
+  of lines.
+
+Invariants:
+
+* Per connection, RDATA and POSITION are admitted in arrival order: while a
+  claim waits for a read, later RDATA/POSITION of that connection wait
+  behind it and the connection stops reading (so what waits is bounded by
+  one read's worth of data).
+* A refused command reaches neither ``accept`` nor anything else: it moves
+  no token, local or remote, and is never relayed.  ``refuse`` decides what
+  happens to the peer (the handler closes a TCP peer with ``ERROR``; on
+  Redis it drops the command and the writer's partial batch).
+* What a connection holds here is dropped when it is lost or refused.
+"""
+
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Tuple
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from ..streams.rows import WireRowCheck
+
+log = Logger()
+
+Key = Tuple[str, str]
+
+#: Reasons of a refusal (the ``reason`` label of the metric).
+BEYOND_SEQUENCE = "beyond_sequence"
+BAD_ROW = "bad_row"
+BATCH_TOO_LARGE = "batch_too_large"
+
+MAX_BATCH_ROWS = 10_000
+MAX_BATCH_BYTES = 16 << 20
+
+#: ``accept(conn, key, cmd, line)`` / ``refuse(conn, key, reason, text)``
+Accept = Callable[[Any, Key, Any, bytes], None]
+Refuse = Callable[[Any, Key, str, str], None]
+
+
+class _Gate:
+    """One connection's admission state."""
+
+    __slots__ = ("held", "waiting", "batches")
+
+    def __init__(self):
+        # Commands waiting behind a claim: (key, stream, cmd, line, needed read).
+        self.held: Deque[tuple] = deque()
+        self.waiting = False
+        self.batches: Dict[Key, List[int]] = {}  # key -> [rows, bytes] of the partial batch
+
+
+class _Sequence:
+    """What is known of one stream's sequence."""
+
+    __slots__ = ("value", "started", "finished", "reading", "waiters")
+
+    def __init__(self):
+        self.value = 0
+        self.started = 0  # reads started so far
+        self.finished = 0  # the number of the last read that answered
+        self.reading = False
+        self.waiters: List[Any] = []  # connections waiting for a read
+
+
+class Admission:
+    """Admits or refuses the RDATA/POSITION lines of every connection.
+
+    ``registry`` gives each stream (its layout, ID generator and
+    ``sequence_value``).  Admitted commands go to ``accept``, refused ones
+    to ``refuse``, both in each connection's arrival order.
+    """
+
+    def __init__(self, registry, accept: Accept, refuse: Refuse, clock,
+                 max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
+                 retry_delay: float = 1.0):
+        self.registry = registry
+        self._accept = accept
+        self._refuse = refuse
+        self._clock = clock
+        self.max_batch_rows = max_batch_rows
+        self.max_batch_bytes = max_batch_bytes
+        self.retry_delay = retry_delay
+        self._gates: Dict[Any, _Gate] = {}
+        self._sequences: Dict[str, _Sequence] = {}
+        self._checks: Dict[str, WireRowCheck] = {}
+        self._retries: Dict[str, Any] = {}
+        self._stopping = False
+
+    # ------------------------------------------------------------ lines in
+    def offer(self, conn, stream, key: Key, cmd, line: bytes) -> None:
+        """An RDATA or POSITION of ``key`` from ``conn`` (``line``: its wire
+        bytes, newline included)."""
+        gate = self._gates.get(conn)
+        if gate is None:
+            gate = self._gates[conn] = _Gate()
+        if gate.waiting:
+            gate.held.append((key, stream, cmd, line, 0))
+            return
+        self._admit(conn, gate, key, stream, cmd, line, 0)
+
+    def _admit(self, conn, gate: _Gate, key: Key, stream, cmd, line: bytes,
+               needed: int) -> bool:
+        """Admit, refuse or hold one command; False once the gate waits."""
+        if cmd.NAME == "RDATA":
+            check = self._checks.get(stream.name)
+            if check is None:
+                check = self._checks[stream.name] = WireRowCheck(stream.config.columns)
+            problem = check.check(cmd.row)
+            if problem is not None:
+                self._refused(conn, gate, key, BAD_ROW,
+                              f"RDATA row of {key[0]}/{key[1]} does not fit the stream: "
+                              f"{problem}")
+                return True
+            if cmd.token is None:
+                held = gate.batches.get(key)
+                if held is None:
+                    held = gate.batches[key] = [0, 0]
+                held[0] += 1
+                held[1] += len(line) if line is not None else 0
+                if held[0] >= self.max_batch_rows or held[1] > self.max_batch_bytes:
+                    self._refused(conn, gate, key, BATCH_TOO_LARGE,
+                                  f"batch of {key[0]}/{key[1]} too large: {held[0]} rows, "
+                                  f"{held[1]} bytes (a fact has at most {self.max_batch_rows} "
+                                  f"rows, its batch lines {self.max_batch_bytes} bytes)")
+                    return True
+                self._call_accept(conn, key, cmd, line)
+                return True
+            token = cmd.token
+        else:
+            token = max(cmd.prev_token, cmd.new_token)
+        sequence = self._sequence(stream.name)
+        if token > max(sequence.value, stream.id_gen.get_max_known()):
+            if needed and sequence.finished >= needed:
+                # A read started after the claim arrived says it is a lie.
+                self._refused(conn, gate, key, BEYOND_SEQUENCE,
+                              f"{cmd.NAME} token {token} of {key[0]}/{key[1]} is beyond "
+                              f"the stream's sequence ({sequence.value})")
+                return True
+            gate.waiting = True
+            gate.held.appendleft((key, stream, cmd, line, needed or sequence.started + 1))
+            _pause(conn)
+            sequence.waiters.append(conn)
+            self._read(stream, sequence)
+            return False
+        if cmd.NAME == "RDATA":
+            gate.batches.pop(key, None)
+        else:
+            # A POSITION ends its writer's open batch on this connection
+            # (see .reader).
+            gate.batches.pop(key, None)
+        self._call_accept(conn, key, cmd, line)
+        return True
+
+    def _call_accept(self, conn, key: Key, cmd, line: bytes) -> None:
+        try:
+            self._accept(conn, key, cmd, line)
+        except Exception:
+            # A bug in processing one command is no reason to stall the
+            # connection's later ones.
+            log.failure("Processing {name} of {stream}/{writer} failed", name=cmd.NAME,
+                        stream=key[0], writer=key[1])
+
+    def _refused(self, conn, gate: _Gate, key: Key, reason: str, text: str) -> None:
+        gate.batches.pop(key, None)
+        self._refuse(conn, key, reason, text)
+
+    # ------------------------------------------------------------ sequence
+    def _sequence(self, name: str) -> _Sequence:
+        sequence = self._sequences.get(name)
+        if sequence is None:
+            sequence = self._sequences[name] = _Sequence()
+        return sequence
+
+    def _read(self, stream, sequence: _Sequence) -> None:
+        if sequence.reading or self._stopping or stream.name in self._retries:
+            return
+        sequence.reading = True
+        sequence.started += 1
+        number = sequence.started
+        d = defer.ensureDeferred(stream.sequence_value())
+        d.addCallbacks(self._read_done, self._read_failed,
+                       callbackArgs=(stream, sequence, number),
+                       errbackArgs=(stream, sequence))
+
+    def _read_done(self, value: int, stream, sequence: _Sequence, number: int) -> None:
+        sequence.reading = False
+        sequence.finished = number
+        if value > sequence.value:
+            sequence.value = value
+        self._wake(sequence)
+        if sequence.waiters:
+            # Claims that arrived after this read started need another.
+            self._read(stream, sequence)
+
+    def _read_failed(self, failure, stream, sequence: _Sequence) -> None:
+        sequence.reading = False
+        if self._stopping:
+            return
+        log.failure("Reading the sequence of {stream} failed; claims above {value} wait; "
+                    "retrying in {delay}s", failure, stream=stream.name, value=sequence.value,
+                    delay=self.retry_delay)
+        self._retries[stream.name] = self._clock.callLater(
+            self.retry_delay, self._retry_read, stream, sequence)
+
+    def _retry_read(self, stream, sequence: _Sequence) -> None:
+        self._retries.pop(stream.name, None)
+        if sequence.waiters:
+            self._read(stream, sequence)
+
+    def _wake(self, sequence: _Sequence) -> None:
+        waiters, sequence.waiters = sequence.waiters, []
+        for conn in waiters:
+            gate = self._gates.get(conn)
+            if gate is None or not gate.waiting:
+                continue
+            gate.waiting = False
+            self._release(conn, gate)
+
+    def _release(self, conn, gate: _Gate) -> None:
+        """Go on with what a connection holds, in order, until it is empty or
+        a claim waits again."""
+        held = gate.held
+        while held and self._gates.get(conn) is gate:
+            key, stream, cmd, line, needed = held.popleft()
+            if not self._admit(conn, gate, key, stream, cmd, line, needed):
+                return
+        if self._gates.get(conn) is gate:
+            _resume(conn)
+
+    # ------------------------------------------------------------ lifecycle
+    def connection_lost(self, conn) -> None:
+        """Drop whatever the connection holds (it may be refused or gone)."""
+        gate = self._gates.pop(conn, None)
+        if gate is not None:
+            gate.held.clear()
+            gate.batches.clear()
+
+    def forget_batch(self, conn, key: Key) -> None:
+        """The partial batch of ``key`` on ``conn`` was dropped elsewhere."""
+        gate = self._gates.get(conn)
+        if gate is not None:
+            gate.batches.pop(key, None)
+
+    def idle(self) -> bool:
+        """No connection's commands wait for a read of a sequence."""
+        return not any(g.waiting for g in self._gates.values())
+
+    def stop(self) -> None:
+        self._stopping = True
+        for call in self._retries.values():
+            if call.active():
+                call.cancel()
+        self._retries.clear()
+
+
+def _pause(conn) -> None:
+    """Stop reading from the connection while its claims wait."""
+    pause = getattr(conn, "pause_reading", None)
+    if pause is not None:
+        pause()
+        return
+    transport = getattr(conn, "transport", None)
+    if transport is not None and not getattr(transport, "disconnecting", False):
+        transport.pauseProducing()
+
+
+def _resume(conn) -> None:
+    resume = getattr(conn, "resume_reading", None)
+    if resume is not None:
+        resume()
+        return
+    transport = getattr(conn, "transport", None)
+    if transport is not None and not getattr(transport, "disconnecting", False):
+        transport.resumeProducing()
