@@ -26,6 +26,7 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from .. import metrics
+from ..background import Background
 from ..consumers import Consumer
 from ..streams.registry import StreamRegistry
 from ..streams.stream import Stream
@@ -104,11 +105,12 @@ class ReplicationHandler:
         #: The last disconnects, newest last: ``(time, peer, address, reason)``.
         self.recent_disconnects: Deque[Tuple[float, str, Optional[str], str]] = deque(
             maxlen=MAX_RECENT_DISCONNECTS)
+        self.background = Background()  # fan-outs and reader pipelines running
         self.fanout = Fanout(
             self._broadcast, clock, fetch_limit=fetch_limit, max_line_length=max_line_length,
             retry_delay=retry_delay, fanout_interval=fanout_interval,
             send=lambda *args: self.send_updates(*args), max_batch_rows=max_batch_rows,
-            max_batch_bytes=max_batch_bytes)
+            max_batch_bytes=max_batch_bytes, background=self.background)
         self.relay = Relay(self._broadcast)
         self.admission = Admission(
             registry, self._admitted, self._inadmissible, clock, max_batch_rows=max_batch_rows,
@@ -161,7 +163,8 @@ class ReplicationHandler:
 
         return Reader(name, writer, position, source=stream.updates_since, deliver=deliver,
                       reached=reached, advanced=advanced, clock=self._clock,
-                      fetch_limit=self.fetch_limit, retry_delay=self.retry_delay)
+                      fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
+                      background=self.background)
 
     def _make_advance_listener(self, stream: Stream):
         def advanced(writer: str, old: int, new: int) -> None:
@@ -437,11 +440,17 @@ class ReplicationHandler:
         return dict(self.fanout.announced)
 
     async def drain(self, timeout: float = 10.0) -> bool:
-        """Wait until no fan-out or reader work is running (at shutdown)."""
-        waited = 0.0
-        while not self.idle() and waited < timeout:
-            await task.deferLater(self._clock, 0.01, lambda: None)
-            waited += 0.01
+        """Wait until no fan-out or reader work is running or scheduled (at
+        shutdown), at most ``timeout`` seconds on the clock; whether it is so."""
+        deadline = self._clock.seconds() + timeout
+        while not self.idle():
+            left = deadline - self._clock.seconds()
+            if left <= 0:
+                break
+            if self.background.running:
+                await self.background.wait(self._clock, left)
+            else:  # only timers (a fan-out interval, a sequence read): look again soon
+                await task.deferLater(self._clock, min(left, 0.01), lambda: None)
         return self.idle()
 
     def idle(self) -> bool:
