@@ -493,9 +493,6 @@ class InstanceConfig:
     health: HealthConfig = HealthConfig()
     path: Optional[str] = None
 
-    def writes(self, stream: StreamConfig) -> bool:
-        return self.instance_name in stream.writers
-
 
 def _endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[str]:
     """An endpoint string, checked by Twisted's own parser."""
@@ -751,7 +748,6 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     """A whole instance config from its parsed YAML document."""
     # Relative paths (SQLite file, secret file, consumer files) are relative
     # to the working directory, as for the daemon's state directory.
-    base_dir = "."
     section = _mapping(doc, "") if doc is not None else {}
     if not section:
         raise ConfigError("file", "is empty")
@@ -762,7 +758,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     database = parse_database(section.get("database"))
     streams = parse_streams(section.get("streams"))
     replication = parse_replication(section.get("replication"))
-    http = parse_http(section.get("http"), base_dir=base_dir)
+    http = parse_http(section.get("http"))
     consumers = parse_consumers(section.get("consumers"), {s.name for s in streams})
     health = parse_health(section.get("health"))
     log_level = section.get("log_level", "info")

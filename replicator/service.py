@@ -200,7 +200,8 @@ class Instance:
         except OSError as e:  # the SQLite file's directory
             raise StartupError(f"database.{config.database.engine}",
                                f"cannot create {config.database.path}: {_os_reason(e)}") from None
-        self.registry = StreamRegistry(self.db, config.instance_name, config.streams)
+        self.registry = StreamRegistry(self.db, config.instance_name, config.streams,
+                                       reactor=reactor)
         self.consumers = self._load_consumers()
         rep = config.replication
         self.handler = ReplicationHandler(

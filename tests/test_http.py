@@ -243,7 +243,7 @@ class HttpApiTests(HttpTestCase):
             code, answer = await self.post("caches", {"rows": []})
             self.assertEqual((code, answer), (200, {"stream_id": 2}))
             self.assertEqual(await self.count(), 2)
-            self.assertEqual(caches.current_token("master"), 2)
+            self.assertEqual(caches.id_gen.get_current_token("master"), 2)
             # The stream name is percent-decoded.
             code, answer = await self.post("cach%65s", {"rows": [["b", None, 3]]})
             self.assertEqual((code, answer), (200, {"stream_id": 3}))
@@ -420,7 +420,7 @@ class HttpApiTests(HttpTestCase):
                 "row 1: its RDATA line would be 16385 bytes, more than "
                 "replication.max_line_length (16384): it could never be replicated")})
             self.assertEqual(await self.count(), 1)
-            self.assertEqual(self.registry.get("caches").current_token("master"), 1)
+            self.assertEqual(self.registry.get("caches").id_gen.get_current_token("master"), 1)
         return defer.ensureDeferred(go())
 
     def test_routing_errors(self):

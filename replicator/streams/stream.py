@@ -518,7 +518,3 @@ class Stream:
         if not self.db.is_postgres:
             return self._sqlite_last
         return await self.db.runInteraction(schema.sequence_value, self.config.sequence)
-
-    # ----------------------------------------------------------- shortcuts
-    def current_token(self, writer: Optional[str] = None) -> int:
-        return self.id_gen.get_current_token(writer or self.instance_name)
