@@ -79,3 +79,37 @@ class Backoff:
                       name=self.name, n=self.failures)
         self.failures = 0
         metrics.RECONNECT_DELAY.labels(self.name).set(0)
+
+
+class Outage:
+    """Retries of one piece of work against the database (a fan-out, a
+    reader's pipeline) while it keeps failing.
+
+    :meth:`failed` returns the wait before the next try (this module's
+    policy, starting at ``initial``) and logs one warning when an outage
+    starts; :meth:`succeeded` logs one line when it ends.  Nothing is logged
+    per retry, so an outage of any length costs two log lines per task.
+    """
+
+    def __init__(self, what: str, initial: float):
+        self.what = what
+        self.initial = initial
+        self._backoff: Optional[Backoff] = None
+
+    @property
+    def ongoing(self) -> bool:
+        return self._backoff is not None
+
+    def failed(self, error: BaseException) -> float:
+        if self._backoff is None:
+            self._backoff = Backoff(self.initial, max(self.initial, MAX_DELAY), name=self.what)
+            log.warn("{what} failed, an outage ({error}); retrying with backoff",
+                     what=self.what, error=f"{type(error).__name__}: {error}")
+        return self._backoff.delay()
+
+    def succeeded(self) -> None:
+        if self._backoff is not None:
+            log.info("{what}: outage over after {n} failed attempts",
+                     what=self.what, n=self._backoff.failures)
+            self._backoff.reset()
+            self._backoff = None

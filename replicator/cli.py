@@ -5,6 +5,7 @@ HTTP error), 2 a usage or configuration mistake (one line naming the key).
 """
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -117,7 +118,8 @@ def cmd_tail(args) -> None:
             if args.stream and stream is not None and stream != args.stream:
                 return
             if args.json:
-                fields = {k: getattr(cmd, k) for k in cmd.__dataclass_fields__}
+                # dataclasses.fields leaves out the NAME class variable.
+                fields = {f.name: getattr(cmd, f.name) for f in dataclasses.fields(cmd)}
                 print(json.dumps({"command": cmd.NAME, **fields}), flush=True)
             else:
                 # Peer text to a terminal: control characters escaped.
@@ -129,19 +131,69 @@ def cmd_tail(args) -> None:
             raise AttributeError(name)
 
         def lost_connection(self, conn, reason):
-            print(f"# connection closed ({reason})", file=sys.stderr, flush=True)
+            say(f"# connection closed ({reason})")
 
     printer = Printer()
 
     async def main(reactor):
+        talking = []
+
+        def wrap(endpoint):
+            talking.append(_TalkingEndpoint(endpoint, args.endpoint, say))
+            return talking[0]
+
         service = upstream_service(reactor, args.endpoint, printer, args.name,
-                                   args.server_name, initial_delay=0.5, max_delay=10)
+                                   args.server_name, max_delay=10.0, wrap_endpoint=wrap,
+                                   on_retry=lambda attempt, delay: talking[0].retry_in(
+                                       attempt, delay))
         service.startService()
         reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
         stop_once(reactor)
         await defer.Deferred()  # until interrupted
 
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+
+
+def say(text: str) -> None:
+    """One progress line of ``tail`` on stderr (stdout carries commands)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+class _TalkingEndpoint:
+    """A client endpoint that says on stderr when it connects and why a
+    connection attempt failed, and which retry is next."""
+
+    def __init__(self, endpoint, description: str, out):
+        self._endpoint = endpoint
+        self._description = description
+        self._out = out
+        self._attempts = 0
+        self._failure = None
+
+    def connect(self, factory):
+        suffix = f" (retry {self._attempts})" if self._attempts else ""
+        self._out(f"# connecting to {self._description}{suffix}")
+        self._attempts += 1
+        d = self._endpoint.connect(factory)
+
+        def failed(f):
+            self._failure = f.getErrorMessage().strip().splitlines()[0] if \
+                f.getErrorMessage().strip() else f.type.__name__
+            return f
+
+        def connected(protocol):
+            self._attempts = 0
+            self._failure = None
+            return protocol
+
+        d.addCallbacks(connected, failed)
+        return d
+
+    def retry_in(self, attempt: int, delay: float) -> None:
+        what = f"cannot connect to {self._description}: {self._failure}" if self._failure \
+            else f"connection to {self._description} lost"
+        self._attempts = attempt
+        self._out(f"# {what}; retry {attempt} in {delay:.1f}s")
 
 
 # ------------------------------------------------------- HTTP commands

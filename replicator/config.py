@@ -555,9 +555,6 @@ class InstanceConfig:
     path: Optional[str] = None
     synapse: Optional[SynapseConfig] = None
 
-    def writes(self, stream: StreamConfig) -> bool:
-        return self.instance_name in stream.writers
-
 
 def _endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[str]:
     """An endpoint string, checked by Twisted's own parser."""
@@ -845,7 +842,6 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     """A whole instance config from its parsed YAML document."""
     # Relative paths (SQLite file, secret file, consumer files) are relative
     # to the working directory, as for the daemon's state directory.
-    base_dir = "."
     section = _mapping(doc, "") if doc is not None else {}
     if not section:
         raise ConfigError("file", "is empty")
@@ -865,7 +861,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
         replication_section = dict(_mapping(replication_section or {}, "replication"))
         replication_section.setdefault("redis", {"endpoint": synapse_config.redis})
     replication = parse_replication(replication_section)
-    http = parse_http(section.get("http"), base_dir=base_dir)
+    http = parse_http(section.get("http"))
     consumers = parse_consumers(section.get("consumers"), {s.name for s in streams})
     health = parse_health(section.get("health"))
     log_level = section.get("log_level", "info")

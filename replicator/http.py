@@ -50,6 +50,12 @@ Prometheus.
     problem found.
 ``GET /metrics``
     Prometheus text format, refreshed and generated in a thread.
+``GET /`` (no secret)
+    The status page (:mod:`replicator.status`): HTML under a strict
+    Content-Security-Policy, refreshed by ``/status.js`` (with
+    ``/status.css``) from ``GET /status.json``, which returns exactly what
+    the page shows: positions, lag with its last 15 minutes, in-flight IDs,
+    connections, recent disconnects and health problems; nothing secret.
 
 Any other path is 404, any other method 405 (with ``Allow``; HEAD goes with
 GET), and an unexpected exception a logged 500 with a generic message.  The
@@ -81,6 +87,7 @@ from . import pages
 from .config import InstanceConfig
 from .http_channel import Busy, Channel
 from .replication.commands import encode_json
+from .status import CSP, SCRIPT, STYLE, StatusRecorder, render_html, snapshot
 from .streams.rows import RowError, check_rows
 
 log = Logger(namespace="replicator.http")
@@ -119,11 +126,13 @@ class HttpError(Exception):
 
 
 class _Response:
-    """A successful answer that is not JSON (metrics)."""
+    """A successful answer that is not JSON (metrics, the status page)."""
 
-    def __init__(self, body: bytes, content_type: bytes):
+    def __init__(self, body: bytes, content_type: bytes,
+                 headers: Optional[Dict[bytes, bytes]] = None):
         self.body = body
         self.content_type = content_type
+        self.headers = headers or {}
 
 
 def _json_type(value: Any) -> str:
@@ -358,7 +367,7 @@ class HttpApi:
                  replication_status: Callable[[], Tuple[bool, str]],
                  max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
                  idle_timeout: float = 60.0, lag_grace: float = 10.0, clock=None,
-                 health=None):
+                 health=None, status=None):
         self.config = config
         self.registry = registry
         self.handler = handler
@@ -389,6 +398,9 @@ class HttpApi:
             health = HealthMonitor(registry=registry, handler=handler, db=db, clock=clock,
                                    lag_grace=lag_grace, expect_upstream=self.is_worker)
         self.health = health
+        if status is None:  # no lag history unless a started recorder is given
+            status = StatusRecorder(handler=handler, problem=self.current_problem, clock=clock)
+        self.status = status
         self._db_probe: Optional[defer.Deferred] = None
         self._db_waiters: List[defer.Deferred] = []
         self._root = _Root(self)
@@ -416,6 +428,8 @@ class HttpApi:
         """The methods of ``path`` and the route's arguments; 404 if none."""
         if path == b"/health":
             return {b"GET": self._health}, ()
+        if path in (b"/", b"/status.json", b"/status.js", b"/status.css"):
+            return {b"GET": self._status}, ()
         if path == b"/metrics":
             return {b"GET": self._metrics}, ()
         prefix = API_PREFIX.encode() + b"/"
@@ -479,6 +493,7 @@ class HttpApi:
             return
         if isinstance(result, _Response):
             body, content_type = result.body, result.content_type
+            headers = {**result.headers, **(headers or {})}
         else:
             try:
                 body = encode_json(result) + b"\n"
@@ -530,7 +545,8 @@ class HttpApi:
                    length: Optional[int] = None, method: Optional[bytes] = None,
                    path: Optional[bytes] = None) -> None:
         """One line per request: client, method, path (no query), status,
-        bytes, duration.  No header is ever logged."""
+        bytes, duration; at DEBUG for a success, at INFO for a 4xx/5xx.  No
+        header is ever logged."""
         try:
             addr = request.getClientAddress()
             client = getattr(addr, "host", None) or "-"
@@ -543,10 +559,14 @@ class HttpApi:
             if isinstance(method, bytes) else "-"
         path = path if path is not None else getattr(request, "path", None)
         path = self._clean_path(path) if isinstance(path, bytes) else "-"
-        access_log.info(
+        code = code if code is not None else request.code
+        # Successes at DEBUG (a write per request would flood the log at
+        # INFO); refusals and errors at INFO.
+        emit = access_log.info if not isinstance(code, int) or code >= 400 else access_log.debug
+        emit(
             '{client} "{method} {path}" {code} {length} {duration_ms:.1f}ms{note}',
             client=client, method=method, path=path,
-            code=code if code is not None else request.code,
+            code=code,
             length=length if length is not None else getattr(request, "sentLength", 0),
             duration_ms=ms, note=f" ({note})" if note else "",
         )
@@ -710,6 +730,37 @@ class HttpApi:
 
         return await self._page(request, lambda: list(handler.user_ips),
                                 lambda key: handler.user_ips.get(key), render, 2)
+
+    # ---------------------------------------------------------- status page
+    def current_problem(self) -> Optional[str]:
+        """The first replication problem ``/health`` would give (streams not
+        loaded, link, unreceived, lag), without the database probe; None if
+        there is none."""
+        unloaded = [s.name for s in self.registry if s.id_gen is None]
+        if unloaded:
+            return f"streams not loaded: {', '.join(unloaded)}"
+        return self._replication_problem(*self._replication())
+
+    def status_snapshot(self) -> Dict[str, Any]:
+        """What the status page shows (``/status.json``): no secret needed."""
+        return snapshot(instance=self.instance_name,
+                        role="worker" if self.is_worker else "master",
+                        registry=self.registry, handler=self.handler, recorder=self.status,
+                        problem=self.current_problem(), clock=self._clock,
+                        redact=self._redact)
+
+    async def _status(self, request):
+        path = request.path
+        if path == b"/status.js":
+            return _Response(SCRIPT, b"text/javascript; charset=utf-8")
+        if path == b"/status.css":
+            return _Response(STYLE, b"text/css; charset=utf-8")
+        snap = self.status_snapshot()
+        if path == b"/status.json":
+            return snap
+        return _Response(render_html(snap), b"text/html; charset=utf-8",
+                         {b"content-security-policy": CSP, b"referrer-policy": b"no-referrer",
+                          b"x-frame-options": b"DENY"})
 
     def _metrics_text(self) -> bytes:
         """Runs in a thread: the refreshers work on snapshots."""

@@ -41,6 +41,10 @@ IN_FLIGHT = Gauge(
 CONNECTIONS = Gauge(
     "replicator_connections", "Open replication connections", ["name"]
 )
+BACKGROUND_FAILURES = Counter(
+    "replicator_background_failures_total",
+    "Background tasks (fan-out, reader pipelines) that ended with an exception", ["task"],
+)
 COMMANDS_IN = Counter(
     "replicator_commands_received_total", "Commands received", ["command", "name"]
 )
@@ -82,7 +86,8 @@ CONNECTIONS_REFUSED = Counter(
 )
 RECONNECT_DELAY = Gauge(
     "replicator_reconnect_delay_seconds",
-    "Last reconnect wait of an outgoing link (0 once a connection proved healthy)", ["link"]
+    "Last reconnect wait of an outgoing link, or retry wait of a fan-out or reader "
+    "during a database outage (0 once healthy again)", ["link"]
 )
 READER_LAG = Gauge(
     "replicator_reader_lag", "Writer's announced token minus this reader's token",

@@ -200,7 +200,8 @@ class Instance:
         except OSError as e:  # the SQLite file's directory
             raise StartupError(f"database.{config.database.engine}",
                                f"cannot create {config.database.path}: {_os_reason(e)}") from None
-        self.registry = StreamRegistry(self.db, config.instance_name, config.streams)
+        self.registry = StreamRegistry(self.db, config.instance_name, config.streams,
+                                       reactor=reactor)
         self.consumers = self._load_consumers()
         rep = config.replication
         self.handler = ReplicationHandler(
@@ -291,9 +292,14 @@ class Instance:
             from .http import HttpApi
 
             self._warn_exposed(config.http.listen, "HTTP")
+            from .status import StatusRecorder
+
+            recorder = StatusRecorder(handler=self.handler, clock=self.reactor,
+                                      problem=lambda: self.http.current_problem())
             self.http = HttpApi(config=config, registry=self.registry, handler=self.handler,
                                 db=self.db, replication_status=self.replication_status,
-                                health=self.health)
+                                health=self.health, status=recorder)
+            recorder.setServiceParent(self.services)
             self._listen(config.http.listen, self.http.site(), "HTTP", key="http.listen")
         if config.http.metrics_listen:
             metrics_thread = MetricsThread(config.http.metrics_listen)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and the exporter need, only when one
 # is missing: a real redis-server, PostgreSQL server binaries, the JDBC drivers
-# Spark reads through, Java, and Prometheus (promtool) for the alert rules.
+# Spark reads through, Java, Prometheus (promtool) for the alert rules, and
+# chromium (headless, for the status page test).
 set -euo pipefail
 
 need=()
@@ -15,6 +16,7 @@ have_pkg libxerial-sqlite-jdbc-java || need+=(libxerial-sqlite-jdbc-java)
 have_cmd java || need+=(default-jre-headless)
 have_cmd systemd-analyze || need+=(systemd)
 { have_cmd promtool && have_cmd prometheus; } || need+=(prometheus)
+have_cmd chromium || need+=(chromium)  # the status page's browser test
 
 if [ ${#need[@]} -eq 0 ]; then
     exit 0

@@ -119,8 +119,9 @@ class CheckerTests(SynchronousTestCase):
     def test_processes(self):
         v = checker.Violations()
         checker.check_processes(v, {"master": [1], "worker1": []},
-                                {"master": (200, ""), "worker1": (503, "lagging")})
-        self.assertEqual((v.counts["exit"], v.counts["health"]), (1, 1))
+                                {"master": (200, ""), "worker1": (503, "lagging")},
+                                {"master": 0, "worker1": -9, "worker2": None})
+        self.assertEqual((v.counts["exit"], v.counts["health"]), (2, 1))
 
 
 class ScheduleTests(SynchronousTestCase):

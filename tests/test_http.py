@@ -249,7 +249,7 @@ class HttpApiTests(HttpTestCase):
             code, answer = await self.post("caches", {"rows": []})
             self.assertEqual((code, answer), (200, {"stream_id": 2}))
             self.assertEqual(await self.count(), 2)
-            self.assertEqual(caches.current_token("master"), 2)
+            self.assertEqual(caches.id_gen.get_current_token("master"), 2)
             # The stream name is percent-decoded.
             code, answer = await self.post("cach%65s", {"rows": [["b", None, 3]]})
             self.assertEqual((code, answer), (200, {"stream_id": 3}))
@@ -426,7 +426,7 @@ class HttpApiTests(HttpTestCase):
                 "row 1: its RDATA line would be 16385 bytes, more than "
                 "replication.max_line_length (16384): it could never be replicated")})
             self.assertEqual(await self.count(), 1)
-            self.assertEqual(self.registry.get("caches").current_token("master"), 1)
+            self.assertEqual(self.registry.get("caches").id_gen.get_current_token("master"), 1)
         return defer.ensureDeferred(go())
 
     def test_routing_errors(self):
@@ -448,7 +448,8 @@ class HttpApiTests(HttpTestCase):
                  [b"GET, HEAD"]),
                 ("DELETE", "/_replicator/v1/positions", 405,
                  {"error": "method DELETE not allowed"}, [b"GET, HEAD"]),
-                ("GET", "/", 404, {"error": "no such endpoint"}, None),
+                ("POST", "/", 405, {"error": "method POST not allowed"}, [b"GET, HEAD"]),
+                ("GET", "/index.html", 404, {"error": "no such endpoint"}, None),
                 ("GET", "/health/", 404, {"error": "no such endpoint"}, None),
                 ("GET", "/_replicator/v1/streams/caches", 404, {"error": "no such endpoint"},
                  None),

@@ -408,16 +408,20 @@ class LiveTests(TestCase):
         try:
             self.worker.write(5, "unseen")
 
-            def firing():
+            def firing(name="ReplicatorFactsNotReceived"):
                 return [a for a in self.prometheus.api("alerts")["alerts"]
-                        if a["labels"]["alertname"] == "ReplicatorFactsNotReceived"
-                        and a["state"] == "firing"]
+                        if a["labels"]["alertname"] == name and a["state"] == "firing"]
 
             alerts = until(firing, "ReplicatorFactsNotReceived firing")
             self.assertEqual([(a["labels"]["instance"], a["labels"]["stream"],
                                a["labels"]["writer"]) for a in alerts],
                              [(self.master.target, "caches", "worker1")])
             self.assertEqual(alerts[0]["labels"]["severity"], "critical")
+            # The master's /health fails for the same reason: replicator_healthy.
+            unhealthy = until(lambda: [a for a in firing("ReplicatorUnhealthy")
+                                       if a["labels"]["instance"] == self.master.target],
+                              "ReplicatorUnhealthy firing for the master")
+            self.assertEqual(len(unhealthy), 1)
         finally:
             self.proxy.heal()
         until(lambda: not firing(), "ReplicatorFactsNotReceived resolved")

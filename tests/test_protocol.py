@@ -20,7 +20,6 @@ from replicator.replication.commands import (
     encode_rdata_lines,
 )
 from replicator.replication.protocol import (
-    CLOSE_REASONS,
     ClientReplicationProtocol,
     ServerReplicationProtocol,
 )
@@ -769,24 +768,6 @@ class OutboundTests(SynchronousTestCase):
         lose(proto)
         self.assertEqual(proto.close_reason, "remote_error")
         self.assertEqual(handler.events[-1], ("lost_connection", "remote_error"))
-
-    def test_reasons_are_the_documented_ones(self):
-        self.assertEqual(
-            CLOSE_REASONS,
-            {
-                "congestion",
-                "ping_timeout",
-                "parse_error",
-                "wrong_remote",
-                "invalid_command",
-                "line_too_long",
-                "shutdown",
-                "remote_error",
-                "connection_lost",
-                "idle_timeout",
-                "refused",
-            },
-        )
 
     def test_nothing_is_dispatched_after_close(self):
         proto, transport, clock, handler = make_server()

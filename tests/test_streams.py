@@ -9,6 +9,7 @@ import os
 import random
 import tempfile
 
+import orjson
 import psycopg2
 from twisted.internet import defer, reactor, task, threads
 from hypothesis import given, settings, strategies as st
@@ -17,7 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from replicator.config import ConfigError, parse_database, parse_streams
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
-from replicator.streams.rows import RowCodec, RowError, WireRowCheck, check_rows, db_params
+from replicator.streams.rows import RowCodec, RowError, WireRowCheck, check_rows
 from tests.servers import PostgresServer
 
 STREAMS = [
@@ -32,6 +33,16 @@ STREAMS = [
         "writers": ["master"],
     },
 ]
+
+
+def db_params(columns, row):
+    """The reference a row's statement parameters are checked against: the
+    row as given, JSON columns as JSON text."""
+    params = list(row)
+    for i, column in enumerate(columns):
+        if column.type == "json" and params[i] is not None:
+            params[i] = orjson.dumps(params[i]).decode()
+    return params
 
 
 def sleep(seconds):
@@ -71,7 +82,7 @@ class StreamSuite:
                 [["h", ["é", "\n"], 3]],
             ])
             self.assertEqual(ids, [2, 3, 4])
-            self.assertEqual(caches.current_token(), 4)
+            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 4)
             updates, upto, limited = await caches.updates_since("master", 0, 4)
             self.assertEqual(updates, [
                 (1, ["get_user", ["@a:hs"], 1000]),
@@ -124,7 +135,7 @@ class StreamSuite:
                     fact.add_row(["lost", None, 1])
                     fact.also(boom)
             await caches.write_fact([["c", None, 3]])
-            self.assertEqual(caches.current_token(), 3)
+            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 3)
             self.assertEqual(caches.id_gen.in_flight(), 0)
             updates, _, _ = await caches.updates_since("master", 0, 3)
             self.assertEqual(updates, [(1, ["a", None, 1]), (3, ["c", None, 3])])
@@ -164,7 +175,7 @@ class StreamSuite:
                     await caches.write_fact([bad])
             with self.assertRaises(ValueError):
                 await caches.write_fact([["a", None, 1]], writer="worker1")
-            self.assertEqual(caches.current_token(), 0)
+            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 0)
             self.assertEqual(await caches.write_fact([["a", None, 1]]), 1)
         return defer.ensureDeferred(go())
 
@@ -177,7 +188,7 @@ class StreamSuite:
             await reg.stop()
             reg2 = await self.registry()
             again = reg2.get("caches")
-            self.assertEqual(again.current_token(), 5)
+            self.assertEqual(again.id_gen.get_current_token(again.instance_name), 5)
             self.assertEqual(again.id_gen.in_flight(), 0)
             self.assertEqual(await again.write_fact([["b", None, 9]]), 6)
             await again.flush_positions()
@@ -259,7 +270,7 @@ class SQLiteStreamTests(StreamSuite, TestCase):
             self.assertEqual(caches.id_gen.in_flight(), 0)
             self.assertEqual(self.raw_rows("SELECT count(*) FROM cache_stream"), [(3,)])
             self.assertEqual(await caches.write_fact([["c", None, 1]]), 4)
-            self.assertEqual(caches.current_token(), 4)
+            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 4)
         return defer.ensureDeferred(go())
 
 
@@ -326,7 +337,7 @@ class PostgresStreamTests(StreamSuite, TestCase):
             await defer.gatherResults(
                 [defer.ensureDeferred(one(i)) for i in range(300)], consumeErrors=True)
             top = self.raw_rows("SELECT last_value FROM cache_stream_seq")[0][0]
-            self.assertEqual(caches.current_token(), top)
+            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), top)
             self.assertEqual(caches.id_gen.in_flight(), 0)
             # Tokens only ever moved forward, one step after another.
             for (o1, n1), (o2, n2) in zip(seen_tokens, seen_tokens[1:]):
@@ -358,8 +369,8 @@ class PostgresStreamTests(StreamSuite, TestCase):
             self.assertEqual(a + b + [c], [1, 2, 3, 4, 5, 6])
             self.assertEqual(master.id_gen.get_linear_token(), 0)
             for _ in range(2):  # exchange positions both ways
-                worker.id_gen.advance("master", master.current_token("master"))
-                master.id_gen.advance("worker1", worker.current_token("worker1"))
+                worker.id_gen.advance("master", master.id_gen.get_current_token("master"))
+                master.id_gen.advance("worker1", worker.id_gen.get_current_token("worker1"))
             self.assertEqual(master.id_gen.get_linear_token(), 6)
             self.assertEqual(worker.id_gen.get_linear_token(), 6)
             updates, _, _ = await master.updates_since("worker1", 0, 6)
@@ -369,8 +380,8 @@ class PostgresStreamTests(StreamSuite, TestCase):
             await worker.flush_positions()
             await master.flush_positions()
             again = (await self.registry("worker1")).get("caches")
-            self.assertEqual(again.current_token("worker1"), 6)
-            self.assertEqual(again.current_token("master"), 6)
+            self.assertEqual(again.id_gen.get_current_token("worker1"), 6)
+            self.assertEqual(again.id_gen.get_current_token("master"), 6)
             # A writer new to the stream starts at the smallest persisted
             # position, never ahead of facts others may have in flight.
             conn = psycopg2.connect(self.dsn)
@@ -380,7 +391,7 @@ class PostgresStreamTests(StreamSuite, TestCase):
             conn.close()
             streams = [dict(STREAMS[0], writers=["master", "worker1", "worker2"])]
             fresh = (await self.registry("worker2", streams=streams)).get("caches")
-            self.assertEqual(fresh.current_token("worker2"), 3)
+            self.assertEqual(fresh.id_gen.get_current_token("worker2"), 3)
             self.assertEqual(fresh.id_gen.get_linear_token(), 3)
         return defer.ensureDeferred(go())
 
@@ -412,7 +423,7 @@ class RecentFactsTests(TestCase):
                 async with caches.writer() as fact:
                     fact.add_row(["lost", None, 0])
                     fact.also(boom)
-            top = caches.current_token()
+            top = caches.id_gen.get_current_token(caches.instance_name)
             self.assertEqual(top, 5)
             # A failed write may have committed (a lost COMMIT answer): only
             # the table can say; memory answers only ranges without one.
@@ -550,7 +561,7 @@ class PostgresCrashTests(TestCase):
             with self.assertRaises(Exception) as e:
                 await write
             self.assertNotIsInstance(e.exception, ValueError)
-            position = caches.current_token()
+            position = caches.id_gen.get_current_token(caches.instance_name)
             self.assertEqual(position, 4)  # the rolled-back 4 completed
             # The crash did send the sequence back (what this test is about).
             self.assertEqual(self.sql("SELECT last_value FROM cache_stream_seq"), [(3,)])
@@ -566,7 +577,7 @@ class PostgresCrashTests(TestCase):
             self.flushLoggedErrors()
             self.assertGreater(new_id, position)
             self.assertEqual(caches.id_gen.in_flight(), 0)
-            self.assertEqual(caches.current_token(), new_id)
+            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), new_id)
             self.assertEqual(
                 self.sql("SELECT stream_id, cache_func FROM cache_stream ORDER BY stream_id"),
                 [(1, "a"), (2, "a"), (3, "a"), (new_id, "after")])

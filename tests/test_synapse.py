@@ -90,7 +90,7 @@ class SynapseSectionConfigTests(SynchronousTestCase):
         doc = instance_doc(synapse={"server_name": "example.org"})
         doc["streams"].append(dict(READER))
         config = parse_instance(doc)
-        self.assertFalse(config.writes(config.streams[1]))
+        self.assertNotIn(config.instance_name, config.streams[1].writers)
 
     def test_our_instance_cannot_take_a_synapse_writer_name(self):
         doc = instance_doc(synapse={"server_name": "example.org"}, instance_name="master")

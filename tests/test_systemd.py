@@ -80,12 +80,6 @@ class UnitContentTests(TestCase):
             service = dict(_settings(text, "Service"))
             self.assertEqual(service["Type"], "notify", name)
             self.assertEqual(service["NotifyAccess"], "main", name)
-            self.assertEqual(service["KillSignal"], "SIGTERM", name)
-            self.assertEqual(service["TimeoutStopSec"], "45", name)
-            self.assertEqual(service["Restart"], "on-failure", name)
-            self.assertEqual(service["User"], "replicator", name)
-            self.assertEqual(service["StateDirectory"], "replicator", name)
-            self.assertEqual(service["Environment"], "PYTHONUNBUFFERED=1", name)
             self.assertNotIn("WatchdogSec", service, name)  # the daemon sends no WATCHDOG=1
             self.assertEqual(_values(text, "Unit", "PartOf"), ["replicator.target"], name)
             self.assertEqual(_values(text, "Install", "WantedBy"), ["replicator.target"], name)
@@ -93,14 +87,6 @@ class UnitContentTests(TestCase):
                 self.assertIn(unit, _values(text, "Unit", "After"), name)
             self.assertEqual(_values(text, "Unit", "Wants"), ["network-online.target"], name)
             self.assertEqual(_values(text, "Unit", "Requires"), [], name)
-
-    def test_exec_start(self):
-        master = dict(_settings(_read("replicator-master.service"), "Service"))
-        worker = dict(_settings(_read("replicator-worker@.service"), "Service"))
-        self.assertEqual(master["ExecStart"],
-                         f"{INSTALLED_BINARY} run -c /etc/replicator/master.yaml")
-        self.assertEqual(worker["ExecStart"],
-                         f"{INSTALLED_BINARY} run -c /etc/replicator/%i.yaml")
 
     def test_worker_orders_after_master_without_pulling_it_in(self):
         text = _read("replicator-worker@.service")

@@ -23,6 +23,12 @@ from replicator.config import ConfigError, load_yaml, parse_database, parse_stre
 
 log = logging.getLogger("replicator.export")
 
+#: The one line printed (exit 1) when PySpark is not installed.
+SPARK_MISSING = ("replicator-export: PySpark is not installed: install the spark extra "
+                 "(pip install -e '.[spark]' in the checkout, e.g. .venv/bin/pip install -e "
+                 "'.[spark]'; make test-deps does it) and Java 17 (apt-get install "
+                 "default-jre-headless)")
+
 
 def parse_time(text: str) -> int:
     """``--since``/``--until``: ISO 8601 (UTC unless it says otherwise) or
@@ -48,6 +54,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
     return value
 
 
@@ -84,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JDBC driver jar (default: Debian's, from /usr/share/java)")
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Spark configuration, e.g. --conf spark.driver.memory=4g")
+    p.add_argument("--keep", type=_non_negative, default=1, metavar="N",
+                   help="previous generations kept beside the current one, for readers "
+                        "still in them (default: 1; older ones are removed after a commit)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -129,6 +148,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         spark_conf[key.strip()] = value
 
+    try:
+        import pyspark.sql  # noqa: F401
+    except ImportError:
+        print(SPARK_MISSING, file=sys.stderr)
+        return 1
+
     from replicator.export.job import ExportOptions, format_summary, run_export
     from replicator.export.source import SourceError
     from replicator.export.state import StateError
@@ -138,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shuffle_partitions=args.shuffle_partitions, streams=names, since_ms=args.since,
         until_ms=args.until, full=args.full, jdbc_jar=args.jdbc_jar, plot=args.plot,
         plot_hours=args.plot_hours, progress_interval=0 if args.quiet else 2.0,
-        spark_conf=spark_conf,
+        spark_conf=spark_conf, keep_previous=args.keep,
     )
     try:
         result = run_export(db, streams, options)

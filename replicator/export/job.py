@@ -54,6 +54,7 @@ class ExportOptions:
     progress_interval: float = 2.0
     spark_conf: Dict[str, str] = field(default_factory=dict)  # --conf KEY=VALUE
     now_ms: Optional[int] = None  # the run's time (tests); default: the clock
+    keep_previous: int = 1  # generations kept below the current one (--keep)
 
 
 @dataclass
@@ -323,7 +324,7 @@ def run_export(db: DatabaseConfig, streams: Sequence[StreamConfig], options: Exp
     """
     started = time.monotonic()
     selected = select_streams(streams, options.streams)
-    store = OutputStore(options.output)
+    store = OutputStore(options.output, keep_previous=options.keep_previous)
     sessions = _Sessions(spark, db, options)
     store.lock()
     try:
@@ -332,8 +333,10 @@ def run_export(db: DatabaseConfig, streams: Sequence[StreamConfig], options: Exp
         if options.plot and current is not None:
             from .plot import plot_facts_per_minute
 
-            path = plot_facts_per_minute(sessions.get(), os.path.join(current, "minute"),
-                                         options.plot, options.plot_hours)
+            path = plot_facts_per_minute(
+                sessions.get(), os.path.join(current, "minute"), options.plot,
+                options.plot_hours, timed=[s.name for s in streams if s.timestamp_column],
+                now_ms=options.now_ms)
             log.info("plot %s", f"written to {path}" if path else "skipped: no data")
         result.seconds = time.monotonic() - started
         return result

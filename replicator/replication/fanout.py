@@ -26,10 +26,11 @@ Invariants:
 import time
 from typing import Any, Callable, Dict, List, Set, Tuple
 
-from twisted.internet import defer
 from twisted.logger import Logger
 
 from .. import metrics
+from ..background import Background
+from ..backoff import Outage
 from ..streams.stream import Stream
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS
 from .commands import encode_position_line, encode_rdata_lines
@@ -54,8 +55,10 @@ class Fanout:
     def __init__(self, broadcast: Broadcast, clock, fetch_limit: int = 1000,
                  max_line_length: int = 0, retry_delay: float = 1.0,
                  fanout_interval: float = 0.003, send: SendUpdates = None,
-                 max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES):
+                 max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
+                 background: Background = None):
         self._broadcast = broadcast
+        self._background = background if background is not None else Background()
         self._clock = clock
         self.fetch_limit = fetch_limit
         self.max_line_length = max_line_length
@@ -68,6 +71,7 @@ class Fanout:
         self._running: Set[Key] = set()
         self._timers: Dict[Key, Any] = {}
         self._retries: Dict[Key, Any] = {}
+        self._outages: Dict[Key, Outage] = {}
         self._last: Dict[Key, float] = {}
         self._stopping = False
 
@@ -94,7 +98,7 @@ class Fanout:
             return
         self._running.add(key)
         self._last[key] = self._clock.seconds()
-        defer.ensureDeferred(self._run(stream, writer, key))
+        self._background.run("fanout", self._run(stream, writer, key))
 
     async def _run(self, stream: Stream, writer: str, key: Key) -> None:
         try:
@@ -106,17 +110,22 @@ class Fanout:
                 started = time.monotonic()
                 updates, upto, _ = await stream.updates_since(
                     writer, announced, target, self.fetch_limit)
+                self._outage(key).succeeded()
                 self._send(stream.name, writer, announced, updates, upto)
                 stream.forget(writer, upto)
                 metrics.FANOUT_LATENCY.observe(time.monotonic() - started)
-        except Exception:
-            log.failure("Fan-out of {stream}/{writer} failed; retrying in {delay}s",
-                        stream=stream.name, writer=writer, delay=self.retry_delay)
+        except Exception as e:
+            delay = self._outage(key).failed(e)
             if key not in self._retries:
-                self._retries[key] = self._clock.callLater(
-                    self.retry_delay, self._retry, stream, writer)
+                self._retries[key] = self._clock.callLater(delay, self._retry, stream, writer)
         finally:
             self._running.discard(key)
+
+    def _outage(self, key: Key) -> Outage:
+        outage = self._outages.get(key)
+        if outage is None:
+            outage = self._outages[key] = Outage(f"fan-out {key[0]}/{key[1]}", self.retry_delay)
+        return outage
 
     def _retry(self, stream: Stream, writer: str) -> None:
         self._retries.pop((stream.name, writer), None)

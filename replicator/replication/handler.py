@@ -19,12 +19,14 @@ command handled.  Relayed lines are the bytes received
 (``conn.current_line``), never a re-encoding.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from collections import deque
+from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from .. import metrics
+from ..background import Background
 from ..consumers import Consumer
 from ..streams.registry import StreamRegistry
 from ..streams.stream import Stream
@@ -45,18 +47,21 @@ from .relay import Relay
 log = Logger()
 
 Key = Tuple[str, str]
+#: Disconnects remembered for the status page.
+MAX_RECENT_DISCONNECTS = 20
 RELAYED_COMMANDS = ("REMOTE_SERVER_UP", "LOCK_RELEASED", "NEW_ACTIVE_TASK", "CANCEL_TASK")
 
 
 class _ConnState:
     """What the handler keeps per connection."""
 
-    __slots__ = ("replicating", "label", "counters")
+    __slots__ = ("replicating", "label", "counters", "since")
 
-    def __init__(self, replicating: bool, label: str):
+    def __init__(self, replicating: bool, label: str, since: float = 0.0):
         self.replicating = replicating  # receives fan-out
         self.label = label  # metrics label: the peer's NAME, "unnamed", "upstream", "redis"
         self.counters: Dict[tuple, Any] = {}  # (direction, command) -> metric child
+        self.since = since  # when the connection was made (clock seconds)
 
 
 class ReplicationHandler:
@@ -97,11 +102,15 @@ class ReplicationHandler:
             from twisted.internet import reactor as clock
         self._clock = clock
         self.connections: Dict[Any, _ConnState] = {}
+        #: The last disconnects, newest last: ``(time, peer, address, reason)``.
+        self.recent_disconnects: Deque[Tuple[float, str, Optional[str], str]] = deque(
+            maxlen=MAX_RECENT_DISCONNECTS)
+        self.background = Background()  # fan-outs and reader pipelines running
         self.fanout = Fanout(
             self._broadcast, clock, fetch_limit=fetch_limit, max_line_length=max_line_length,
             retry_delay=retry_delay, fanout_interval=fanout_interval,
             send=lambda *args: self.send_updates(*args), max_batch_rows=max_batch_rows,
-            max_batch_bytes=max_batch_bytes)
+            max_batch_bytes=max_batch_bytes, background=self.background)
         self.relay = Relay(self._broadcast)
         self.admission = Admission(
             registry, self._admitted, self._inadmissible, clock, max_batch_rows=max_batch_rows,
@@ -154,7 +163,8 @@ class ReplicationHandler:
 
         return Reader(name, writer, position, source=stream.updates_since, deliver=deliver,
                       reached=reached, advanced=advanced, clock=self._clock,
-                      fetch_limit=self.fetch_limit, retry_delay=self.retry_delay)
+                      fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
+                      background=self.background)
 
     def _make_advance_listener(self, stream: Stream):
         def advanced(writer: str, old: int, new: int) -> None:
@@ -166,7 +176,8 @@ class ReplicationHandler:
     def new_connection(self, conn) -> None:
         client_side = conn.is_client_side
         label = getattr(conn, "metrics_name", None) or ("upstream" if client_side else "unnamed")
-        self.connections[conn] = _ConnState(replicating=client_side, label=label)
+        self.connections[conn] = _ConnState(replicating=client_side, label=label,
+                                            since=self._clock.seconds())
         metrics.CONNECTIONS.labels(label).inc()
         if client_side:
             # Nobody asks a client for its positions: announce them.
@@ -182,6 +193,9 @@ class ReplicationHandler:
         metrics.DISCONNECTS.labels(reason).inc()
         if state is None:
             return
+        peer = getattr(conn, "instance_name", None) or state.label
+        self.recent_disconnects.append(
+            (self._clock.seconds(), str(peer)[:200], peer_address(conn), str(reason)[:200]))
         metrics.CONNECTIONS.labels(state.label).dec()
         self.bookkeeping.connection_lost(conn)
         self._refusals_logged.pop(conn, None)
@@ -426,11 +440,17 @@ class ReplicationHandler:
         return dict(self.fanout.announced)
 
     async def drain(self, timeout: float = 10.0) -> bool:
-        """Wait until no fan-out or reader work is running (at shutdown)."""
-        waited = 0.0
-        while not self.idle() and waited < timeout:
-            await task.deferLater(self._clock, 0.01, lambda: None)
-            waited += 0.01
+        """Wait until no fan-out or reader work is running or scheduled (at
+        shutdown), at most ``timeout`` seconds on the clock; whether it is so."""
+        deadline = self._clock.seconds() + timeout
+        while not self.idle():
+            left = deadline - self._clock.seconds()
+            if left <= 0:
+                break
+            if self.background.running:
+                await self.background.wait(self._clock, left)
+            else:  # only timers (a fan-out interval, a sequence read): look again soon
+                await task.deferLater(self._clock, min(left, 0.01), lambda: None)
         return self.idle()
 
     def idle(self) -> bool:
@@ -452,6 +472,16 @@ class ReplicationHandler:
             if conn.is_client_side:
                 conn.send_command(ClearUserSyncCommand(self.instance_name))
             conn.stop(reason)
+
+
+def peer_address(conn) -> Optional[str]:
+    """``host:port`` of a connection's peer, if it has one."""
+    try:
+        peer = conn.transport.getPeer()
+    except Exception:
+        return None
+    host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+    return f"{host}:{port}" if host is not None else None
 
 
 def _wire_line(conn, cmd) -> Optional[bytes]:

@@ -20,7 +20,9 @@ Invariants:
   ``fetch_limit`` rows, never splitting a fact) before anything later.
 * A fact at or below the position is dropped; ``position`` only grows.
 * A failure (of ``source`` or ``deliver``) stops the pipeline where it is;
-  it resumes with the same command after ``retry_delay``.
+  it resumes with the same command after a delay from the project's backoff
+  policy (``retry_delay``, doubling up to 30 s); one log line when such an
+  outage starts, one when it ends.
 """
 
 from collections import deque
@@ -30,6 +32,8 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from .. import metrics
+from ..background import Background
+from ..backoff import Outage
 
 log = Logger()
 
@@ -68,8 +72,10 @@ class Reader:
         advanced: Optional[Callable[[int], None]] = None,
         fetch_limit: int = 1000,
         retry_delay: float = 1.0,
+        background: Optional[Background] = None,
     ):
         self.stream_name = stream_name
+        self._background = background if background is not None else Background()
         self.writer = writer
         self.position = position
         self.seen = position or 0  # largest token the writer announced
@@ -85,6 +91,7 @@ class Reader:
         self._batches: Dict[Any, List[list]] = {}  # conn -> rows of the fact under way
         self._connected: Set[Any] = set()  # connections with a POSITION seen
         self._retry = None
+        self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
         self._stopping = False
         self._lag = metrics.READER_LAG.labels(stream_name, writer)
 
@@ -136,7 +143,7 @@ class Reader:
         self.queue.append(item)
         if not self.busy:
             self.busy = True
-            defer.ensureDeferred(self._drain())
+            self._background.run("reader", self._drain())
 
     async def _drain(self) -> None:
         try:
@@ -146,12 +153,10 @@ class Reader:
                     await self._apply(item)
                 except Stopping:
                     return
-                except Exception:
-                    log.failure("Processing {kind} of {stream}/{writer} failed; retrying in "
-                                "{delay}s", kind=item[0], stream=self.stream_name,
-                                writer=self.writer, delay=self.retry_delay)
-                    self._retry = self._clock.callLater(self.retry_delay, self._resume)
+                except Exception as e:
+                    self._retry = self._clock.callLater(self._outage.failed(e), self._resume)
                     return
+                self._outage.succeeded()
                 self.queue.popleft()
         finally:
             if not self.queue or self._stopping:
@@ -163,7 +168,7 @@ class Reader:
         self.busy = False
         if self.queue and not self._stopping:
             self.busy = True
-            defer.ensureDeferred(self._drain())
+            self._background.run("reader", self._drain())
 
     async def _apply(self, item: tuple) -> None:
         kind = item[0]

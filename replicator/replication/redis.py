@@ -149,7 +149,6 @@ class RedisConnection:
     metrics_name = NAME
     queued = 0
     transport = None
-    answers_for_remote_writers = False
 
     def __init__(self, owner: "RedisReplication"):
         self._owner = owner

@@ -154,8 +154,14 @@ class UpstreamService(ClientService):
     ``ping_timeout``)."""
 
     def __init__(self, endpoint, factory: ReplicationClientFactory, backoff: Backoff,
-                 clock=None):
-        super().__init__(endpoint, factory, retryPolicy=backoff, clock=clock)
+                 clock=None, on_retry=None):
+        policy = backoff
+        if on_retry is not None:
+            def policy(attempt: int) -> float:
+                delay = backoff(attempt)
+                on_retry(backoff.failures, delay)
+                return delay
+        super().__init__(endpoint, factory, retryPolicy=policy, clock=clock)
         self.replication_factory = factory
         self.backoff = backoff
 
@@ -166,14 +172,19 @@ class UpstreamService(ClientService):
 
 def upstream_service(reactor, endpoint: str, handler, client_name: str, server_name: str,
                      settings: ConnectionSettings = None, initial_delay: float = 0.5,
-                     max_delay: float = 30.0, clock=None) -> UpstreamService:
+                     max_delay: float = 30.0, clock=None, wrap_endpoint=None,
+                     on_retry=None) -> UpstreamService:
     """A service that keeps one connection to the upstream server, forever.
 
     ``reactor`` makes the connections; ``clock`` (default: the reactor)
-    times the protocol and the reconnect delays."""
+    times the protocol and the reconnect delays.  ``wrap_endpoint(endpoint)``
+    may wrap the parsed endpoint (e.g. to report each attempt);
+    ``on_retry(failures, delay)`` is told every reconnect delay."""
     clock = clock if clock is not None else reactor
     backoff = Backoff(initial_delay, max_delay, name="upstream")
     factory = ReplicationClientFactory(handler, client_name, server_name, settings,
                                        clock=clock, backoff=backoff)
-    return UpstreamService(endpoints.clientFromString(reactor, endpoint), factory, backoff,
-                           clock=clock)
+    client = endpoints.clientFromString(reactor, endpoint)
+    if wrap_endpoint is not None:
+        client = wrap_endpoint(client)
+    return UpstreamService(client, factory, backoff, clock=clock, on_retry=on_retry)

@@ -321,6 +321,11 @@ class StreamIdGenerator:
         state = self._local.get(writer)
         return len(state.live) if state is not None else 0
 
+    def in_flight_ids(self, writer: str, limit: int = 10) -> List[int]:
+        """The lowest ``limit`` IDs a local writer has reserved and not finished."""
+        state = self._local.get(writer)
+        return heapq.nsmallest(limit, state.live) if state is not None else []
+
     def prospective_token(self, writer: str, completing: List[int]) -> int:
         """A lower bound of the writer's token once ``completing`` is done.
 

@@ -2,8 +2,6 @@
 
 from typing import Dict, Iterator, Optional, Sequence
 
-from twisted.internet import reactor
-
 from .. import metrics
 from ..config import StreamConfig
 from ..storage import schema
@@ -25,13 +23,16 @@ class StreamRegistry:
     """
 
     def __init__(self, db: Database, instance_name: str, streams: Sequence[StreamConfig],
-                 key_prefix: str = "streams", call_from_thread=None):
+                 key_prefix: str = "streams", call_from_thread=None, reactor=None):
         self.db = db
         self.instance_name = instance_name
+        if reactor is None:  # tests that build a registry on their own
+            from twisted.internet import reactor
         if call_from_thread is None:
             call_from_thread = reactor.callFromThread
         self._streams: Dict[str, Stream] = {
-            s.name: Stream(s, db, instance_name, call_from_thread=call_from_thread)
+            s.name: Stream(s, db, instance_name, call_from_thread=call_from_thread,
+                           clock=reactor)
             for s in streams
         }
         self._keys = {s.name: f"{key_prefix}[{i}]" for i, s in enumerate(streams)}

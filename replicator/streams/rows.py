@@ -108,15 +108,6 @@ class WireRowCheck:
         return None
 
 
-def db_params(columns: Sequence[ColumnConfig], row: Sequence[Any]) -> List[Any]:
-    """A checked row as statement parameters (JSON columns as JSON text)."""
-    params = list(row)
-    for i, column in enumerate(columns):
-        if column.type == "json" and params[i] is not None:
-            params[i] = orjson.dumps(params[i]).decode()
-    return params
-
-
 def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[tuple], list]]:
     """A function shaping a database row (row columns only) into a wire row.
 
@@ -151,7 +142,7 @@ def _json_text(value):
 class RowCodec:
     """A stream's rows checked and converted in one pass (the write path).
 
-    Same rules and messages as :func:`check_rows` and :func:`db_params`;
+    Same rules and messages as :func:`check_rows`, JSON columns as JSON text;
     the common case (exact types) is checked inline, anything else takes
     the general path, which raises the precise :class:`RowError`.
     """

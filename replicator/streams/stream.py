@@ -86,7 +86,8 @@ class Stream:
         local_writers: Optional[Sequence[str]] = None,
         call_from_thread: Optional[Callable] = None,
         persist_delay: float = 0.2,
-        clock=None,
+        *,
+        clock,
     ):
         self.config = config
         self.name = config.name
@@ -119,9 +120,7 @@ class Stream:
         # Database connections whose sequence check ran (see
         # _sequence_past_positions); a reconnect makes a new connection.
         self._sequence_checked: "weakref.WeakSet" = weakref.WeakSet()
-        if clock is None:
-            from twisted.internet import reactor as clock
-        self._clock = clock
+        self._clock = clock  # the instance's reactor, from the registry
         self._build_sql()
 
     # ------------------------------------------------------------- startup
@@ -520,7 +519,3 @@ class Stream:
         if not self.db.is_postgres:
             return self._sqlite_last
         return await self.db.runInteraction(schema.sequence_value, self.config.sequence)
-
-    # ----------------------------------------------------------- shortcuts
-    def current_token(self, writer: Optional[str] = None) -> int:
-        return self.id_gen.get_current_token(writer or self.instance_name)

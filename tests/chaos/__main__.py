@@ -34,7 +34,15 @@ def main(argv=None) -> int:
     parser.add_argument("--daemon-path", metavar="DIR",
                         help="run the daemons' replicator package from DIR (e.g. an older "
                              "commit from git archive) to check the suite catches its defects")
+    parser.add_argument("--summarize", metavar="FILE",
+                        help="print the result table of a results file and exit")
     args = parser.parse_args(argv)
+    if args.summarize:
+        import json
+
+        with open(args.summarize) as f:
+            print(summary_table([json.loads(line) for line in f if line.strip()]))
+        return 0
     if args.daemon_path:
         from .cluster import Instance
 

@@ -21,7 +21,8 @@ Per claim (see :mod:`tests.chaos.observer`):
 * ``claim``       a position claimed before every fact at or below it had
                   committed.
 
-And of the processes: ``exit`` (a daemon died without being killed) and
+And of the processes: ``exit`` (a daemon died without being killed, or
+did not exit 0 on SIGTERM at the end) and
 ``health`` (``/health`` not 200 on a healed, quiescent cluster).
 
 Every function here is pure: data in, ``Violations`` out.
@@ -171,10 +172,14 @@ def check_claims(v: Violations, first_seen: Dict[Key, Dict[int, int]],
                                f"(attributed to snapshot {best[i][0]})")
 
 
-def check_processes(v: Violations, exits: Dict[str, List[int]], health: Dict[str, tuple]):
+def check_processes(v: Violations, exits: Dict[str, List[int]], health: Dict[str, tuple],
+                    stop_codes: Dict[str, int] = None):
     for name, codes in exits.items():
         for code in codes:
             v.add("exit", f"{name} exited by itself with status {code}")
+    for name, code in (stop_codes or {}).items():
+        if code not in (0, None):
+            v.add("exit", f"{name} did not stop cleanly on SIGTERM (status {code})")
     for name, (status, reason) in health.items():
         if status != 200:
             v.add("health", f"{name} /health {status} on a healed, quiescent cluster: {reason}")

@@ -14,7 +14,8 @@ directory), which receives the facts of every writer it does not host.
 TCP: the workers' ``upstream`` is a :class:`~tests.chaos.proxy.Proxy` in
 front of the master's listener.  Redis: every instance talks to
 ``redis-server`` through a proxy of its own.  ``ping_interval`` 1 s and
-``ping_timeout`` 3 s keep pauses "past the ping timeout" short.
+``ping_timeout`` 3 s keep pauses "past the ping timeout" short;
+``fetch_limit`` 100 makes catch-ups cross many page boundaries.
 """
 
 import json
@@ -34,6 +35,9 @@ SERVER_NAME = "chaos.test"
 PING_INTERVAL = 1
 PING_TIMEOUT = 3
 INSTANCES = ("master", "worker1", "worker2")
+#: Rows per catch-up read: small, so catch-ups cross many page boundaries
+#: (a multi-row fact must never be cut at one).
+FETCH_LIMIT = 100
 
 STREAMS = [
     {"name": "caches", "table": "cache_invalidation_stream",
@@ -182,7 +186,8 @@ def build_configs(transport: str, dsn: str, master_port: int, link_ports: Dict[s
     replication link goes through (TCP: workers only; Redis: all three)."""
     configs = {}
     for name in INSTANCES:
-        replication = {"ping_interval": PING_INTERVAL, "ping_timeout": PING_TIMEOUT}
+        replication = {"ping_interval": PING_INTERVAL, "ping_timeout": PING_TIMEOUT,
+                       "fetch_limit": FETCH_LIMIT}
         if transport == "tcp":
             if name == "master":
                 replication["listen"] = f"tcp:{master_port}:interface=127.0.0.1"

@@ -303,7 +303,7 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
         checker.check_claims(v, observer.first_seen, observer.claims, observer.snapshots,
                              final_index)
         checker.check_processes(v, {n: i.unexpected_exits for n, i in instances.items()},
-                                health)
+                                health, exit_codes)
 
         log_errors = defaultdict(int)
         for instance in instances.values():

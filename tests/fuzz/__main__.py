@@ -11,10 +11,14 @@ temporary directory like the tests do.
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 from twisted.internet import defer, task, threads
-from twisted.logger import globalLogBeginner, textFileLogObserver
+from twisted.logger import (
+    FilteringLogObserver, LogLevel, LogLevelFilterPredicate, globalLogBeginner,
+    textFileLogObserver,
+)
 
 from . import configs, httpfuzz, lines, peers, sockets
 from .known import stale, unknown
@@ -37,9 +41,10 @@ def main(argv=None) -> None:
     phases = set(args.phases.split(","))
     n = {k: max(1, int(v * args.scale)) for k, v in FULL.items()}
     results = Results(args.seed)
-    log_path = os.path.join(ROOT, "_trial_temp", "fuzz.log")
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    # Not under _trial_temp: trial refuses to reuse a directory it did not make.
+    log_path = os.path.join(tempfile.mkdtemp(prefix="fuzz-log-"), "fuzz.log")
     log_file = open(log_path, "a")
+    print(f"in-process log events: {log_path}", flush=True)
 
     def pg():
         from tests.servers import PostgresServer
@@ -65,8 +70,10 @@ def main(argv=None) -> None:
     async def run(reactor):
         # The in-process phase logs through the global publisher: keep it in
         # a file so that the table stays readable.
-        globalLogBeginner.beginLoggingTo([textFileLogObserver(log_file)],
-                                         redirectStandardIO=False)
+        predicate = LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)
+        globalLogBeginner.beginLoggingTo(
+            [FilteringLogObserver(textFileLogObserver(log_file), [predicate])],
+            redirectStandardIO=False)
         if "1" in phases:
             _print(results.add(await lines.run_phase(args.seed, n["lines"] // 2)))
         await threads.deferToThread(blocking_phases)

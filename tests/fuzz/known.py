@@ -12,8 +12,6 @@ from .results import Finding
 
 # (phase regex, kind, signature regex, why it is excluded)
 KNOWN_OPEN = [
-    ("3-peers", "queue_unbounded_in_bytes", r".*",
-     "issue 11 item 7: lines queued for a reader that does not read are bounded in count only"),
 ]
 
 

@@ -13,6 +13,7 @@ SIGTERM, its RSS grows boundedly, and its reactor never stalls over 100 ms.
 
 import json
 import os
+import re
 import random
 import shutil
 import socket
@@ -271,6 +272,15 @@ def _check_honest(result, reader, writer, db_path, dsn) -> None:
 def _check_daemon(result, daemon: Daemon, prober: Optional[Prober]) -> None:
     for kind, line in log_problems(daemon.output()):
         result.found(kind, line, "-", "", "")
+    # Peer text is escaped in logs (issue 11 item 14): no raw control character.
+    with open(daemon.log_path, "rb") as f:
+        for line in f:
+            m = re.search(rb"[\x00-\x08\x0b-\x1f\x7f]", line.rstrip(b"\n"))
+            if m:
+                words = line.split(b" ", 3)
+                result.found("log_control_chars", " ".join(w.decode("utf-8", "replace")
+                                                          for w in words[:2]), "-", "",
+                             show(line[:200]))
     stalls = daemon.stalls()
     busy = [(late, cpu) for late, cpu in stalls if cpu >= STALL_LIMIT]
     result.figure("reactor_stalls_over_100ms", len(stalls))

@@ -1,0 +1,474 @@
+"""The status page: what an operator on call looks at first.
+
+``GET /`` on the HTTP listener is a server-rendered HTML page; ``/status.js``
+refreshes it every few seconds from ``GET /status.json``, which returns
+exactly what the page shows (and nothing else).  Neither needs the HTTP
+secret, so neither shows anything secret: stream and writer names,
+positions, lag, connection peers (names and addresses) and the reasons
+``/health`` gives.  No row content, no bookkeeping tables, no secret.
+
+Parts:
+
+* :class:`StatusRecorder` — a service that samples every reader's lag each
+  ``interval`` seconds on the injected clock into a bounded ring per
+  (stream, writer) covering ``window`` seconds, and remembers the health
+  problems seen (a bounded ring of ``(since, latest reason)``: a problem
+  that goes on with other figures updates its entry).
+* :func:`snapshot` — the page's content as a JSON-able dict.
+* :func:`render_html` — the page (every value HTML-escaped: peer names come
+  from the wire).  :data:`SCRIPT` and :data:`STYLE` are served as files, so
+  the Content-Security-Policy allows no inline script or style at all.
+
+Invariants: memory is bounded (``window / interval`` samples per configured
+key, :data:`MAX_PROBLEMS` problems; the handler keeps its own bounded ring
+of disconnects); nothing here blocks or touches the database.
+"""
+
+import html
+import re
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from twisted.application.service import Service
+from twisted.internet import task
+from twisted.logger import Logger
+
+from .replication.handler import peer_address
+
+log = Logger(namespace="replicator.status")
+
+#: Sampling interval and the sparkline's window, in seconds.
+SAMPLE_INTERVAL = 5.0
+WINDOW = 15 * 60.0
+#: Health problems remembered.
+MAX_PROBLEMS = 20
+#: In-flight IDs listed per writer (the count is always given).
+MAX_IN_FLIGHT_SHOWN = 10
+
+#: The page's Content-Security-Policy: nothing inline, nothing external.
+CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+       b"connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+Key = Tuple[str, str]
+
+
+class StatusRecorder(Service):
+    """Samples reader lag and health problems for the status page.
+
+    ``problem()`` returns the current health problem (a line) or None.
+    """
+
+    def __init__(self, *, handler, problem: Callable[[], Optional[str]], clock=None,
+                 interval: float = SAMPLE_INTERVAL, window: float = WINDOW):
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self._clock = clock
+        self.handler = handler
+        self._problem = problem
+        self.interval = interval
+        self.window = window
+        self._size = max(1, int(window // interval) + 1)
+        self.lag: Dict[Key, Deque[Tuple[float, int]]] = {}
+        self.problems: Deque[Tuple[float, str]] = deque(maxlen=MAX_PROBLEMS)
+        self.current_problem: Optional[str] = None
+        self._loop: Optional[task.LoopingCall] = None
+
+    def startService(self) -> None:
+        super().startService()
+        self._loop = task.LoopingCall(self.sample)
+        self._loop.clock = self._clock
+        self._loop.start(self.interval, now=True)
+
+    def stopService(self):
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        self._loop = None
+
+    def sample(self) -> None:
+        """One sample of every reader's lag and of the health verdict."""
+        now = self._clock.seconds()
+        for key, lag in self.handler.reader_lag().items():
+            ring = self.lag.get(key)
+            if ring is None:
+                ring = self.lag[key] = deque(maxlen=self._size)
+            ring.append((now, lag))
+        try:
+            problem = self._problem()
+        except Exception:
+            log.failure("Computing the health verdict failed")
+            problem = "health verdict unavailable"
+        if problem is not None:
+            last = self.problems[-1] if self.problems else None
+            if last is not None and self.current_problem is not None \
+                    and _kind(last[1]) == _kind(problem):
+                self.problems[-1] = (last[0], problem)  # the same problem, still going
+            else:
+                self.problems.append((now, problem))
+        self.current_problem = problem
+
+    def history(self, key: Key) -> List[List[float]]:
+        """``[[time, lag], ...]`` of the last ``window`` seconds, oldest first."""
+        ring = self.lag.get(key, ())
+        since = self._clock.seconds() - self.window
+        return [[t, lag] for t, lag in ring if t >= since]
+
+
+def _kind(problem: str) -> str:
+    """A problem without its figures: "lagging by 3 for 10s" and "lagging
+    by 4 for 15s" are one problem going on."""
+    return re.sub(r"\d+", "N", problem).replace(" facts ", " fact ")
+
+
+def _role(conn) -> str:
+    if getattr(conn, "metrics_name", None) == "redis":
+        return "redis"
+    return "upstream" if conn.is_client_side else "client"
+
+
+def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRecorder,
+             problem: Optional[str], clock, redact: Callable[[str], str]) -> Dict[str, Any]:
+    """What the page shows, as a JSON-able dict (see the README).
+    ``problem`` is the current health problem (None: healthy)."""
+    announced = handler.announced_positions()
+    readers = handler.reader_positions()
+    lags = handler.reader_lag()
+    streams = []
+    for stream in registry:
+        gen = stream.id_gen
+        writers = []
+        for writer in stream.config.writers:
+            key = (stream.name, writer)
+            local = writer in stream.local_writers
+            entry: Dict[str, Any] = {
+                "writer": writer, "local": local,
+                "position": gen.get_positions().get(writer) if gen is not None else None,
+            }
+            if local:
+                ids = gen.in_flight_ids(writer, MAX_IN_FLIGHT_SHOWN) if gen is not None else []
+                entry["in_flight"] = gen.in_flight(writer) if gen is not None else 0
+                entry["in_flight_ids"] = ids
+                entry["announced"] = announced.get(key)
+                entry["verdict"] = "loading" if gen is None else "ok"
+            else:
+                lag = lags.get(key, 0)
+                entry["reader_position"] = readers.get(key)
+                entry["lag"] = lag
+                entry["lag_history"] = recorder.history(key)
+                mentioned = problem is not None and (
+                    f"stream {stream.name}/{writer} " in problem
+                    or f"stream {stream.name}: writer {writer} " in problem)
+                if gen is None:
+                    verdict = "loading"
+                elif readers.get(key) is None:
+                    verdict = "not heard yet"
+                elif lag:
+                    verdict = f"behind by {lag}"
+                else:
+                    verdict = "ok"
+                entry["verdict"] = f"unhealthy: {verdict}" if mentioned else verdict
+            writers.append(entry)
+        streams.append({"name": stream.name,
+                        "linear": gen.get_linear_token() if gen is not None else None,
+                        "writers": writers})
+    connections = []
+    for conn, state in list(handler.connections.items()):
+        connections.append({
+            "peer": redact(str(getattr(conn, "instance_name", None) or state.label)),
+            "address": peer_address(conn),
+            "role": _role(conn),
+            "queued_lines": int(getattr(conn, "queued", 0) or 0),
+            "queued_bytes": int(getattr(conn, "queued_bytes", 0) or 0),
+            "connected_since": state.since,
+        })
+    connections.sort(key=lambda c: (c["role"], c["peer"], c["address"] or ""))
+    return {
+        "instance": instance,
+        "role": role,
+        "now": clock.seconds(),
+        "healthy": problem is None,
+        "problem": redact(problem) if problem is not None else None,
+        "problems": [{"at": t, "reason": redact(r)} for t, r in reversed(recorder.problems)],
+        "streams": streams,
+        "connections": connections,
+        "disconnects": [{"at": d[0], "peer": redact(d[1]), "address": d[2], "reason": d[3]}
+                        for d in reversed(handler.recent_disconnects)],
+        "window": recorder.window,
+    }
+
+
+# ------------------------------------------------------------------ HTML
+def _e(value: Any) -> str:
+    return html.escape("-" if value is None else str(value), quote=True)
+
+
+def _when(t: Optional[float]) -> str:
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def sparkline(history: List[List[float]], now: float, window: float) -> str:
+    """An inline SVG polyline of ``[[time, lag], ...]`` over ``window``
+    seconds ending at ``now`` (120 x 24 units; a flat line when no lag)."""
+    width, height = 120.0, 24.0
+    top = max([lag for _, lag in history] + [1])
+    points = " ".join(
+        f"{max(0.0, width - (now - t) / window * width):.1f},"
+        f"{height - 1 - (lag / top) * (height - 2):.1f}" for t, lag in history)
+    return (f'<svg class="spark" viewBox="0 0 120 24" width="120" height="24" role="img" '
+            f'aria-label="lag over the last {window / 60:.0f} minutes, max {top}">'
+            f'<line class="axis" x1="0" y1="23.5" x2="120" y2="23.5" stroke="#cccccc"/>'
+            f'<polyline fill="none" stroke="currentColor" stroke-width="1.5" '
+            f'points="{points}"/></svg>')
+
+
+def _writer_rows(snap: Dict[str, Any]) -> str:
+    rows = []
+    for stream in snap["streams"]:
+        for w in stream["writers"]:
+            if w["local"]:
+                ids = ", ".join(str(i) for i in w["in_flight_ids"])
+                more = w["in_flight"] - len(w["in_flight_ids"])
+                flight = f"{w['in_flight']}" + (f" ({ids}{', …' if more > 0 else ''})"
+                                                 if ids else "")
+                lag_cell, reader = "-", "-"
+            else:
+                flight = "-"
+                reader = _e(w["reader_position"])
+                lag_cell = (f'<span class="lag">{_e(w["lag"])}</span>'
+                            + sparkline(w["lag_history"], snap["now"], snap["window"]))
+            cls = "ok" if w["verdict"] == "ok" else "bad"
+            rows.append(
+                f'<tr><td data-label="stream">{_e(stream["name"])}</td>'
+                f'<td data-label="writer">{_e(w["writer"])}'
+                f'{" (local)" if w["local"] else ""}</td>'
+                f'<td data-label="position" class="num">{_e(w["position"])}</td>'
+                f'<td data-label="linear" class="num">{_e(stream["linear"])}</td>'
+                f'<td data-label="in flight">{_e(flight)}</td>'
+                f'<td data-label="reader" class="num">{reader}</td>'
+                f'<td data-label="lag (15 min)">{lag_cell}</td>'
+                f'<td data-label="verdict" class="{cls}">{_e(w["verdict"])}</td></tr>')
+    return "".join(rows) or '<tr><td colspan="8">no streams</td></tr>'
+
+
+def _connection_rows(snap: Dict[str, Any]) -> str:
+    rows = [
+        f'<tr><td data-label="peer">{_e(c["peer"])}</td>'
+        f'<td data-label="address">{_e(c["address"])}</td>'
+        f'<td data-label="role">{_e(c["role"])}</td>'
+        f'<td data-label="queued lines" class="num">{_e(c["queued_lines"])}</td>'
+        f'<td data-label="queued bytes" class="num">{_e(c["queued_bytes"])}</td>'
+        f'<td data-label="connected since">{_e(_when(c["connected_since"]))}</td></tr>'
+        for c in snap["connections"]]
+    return "".join(rows) or '<tr><td colspan="6">no replication connections</td></tr>'
+
+
+def _disconnect_rows(snap: Dict[str, Any]) -> str:
+    rows = [
+        f'<tr><td data-label="at">{_e(_when(d["at"]))}</td>'
+        f'<td data-label="peer">{_e(d["peer"])}</td>'
+        f'<td data-label="address">{_e(d["address"])}</td>'
+        f'<td data-label="reason">{_e(d["reason"])}</td></tr>'
+        for d in snap["disconnects"]]
+    return "".join(rows) or '<tr><td colspan="4">none since start</td></tr>'
+
+
+def _problem_rows(snap: Dict[str, Any]) -> str:
+    rows = [f'<li><time>since {_e(_when(p["at"]))}</time> {_e(p["reason"])}</li>'
+            for p in snap["problems"]]
+    return "".join(rows) or "<li>none since start</li>"
+
+
+def render_html(snap: Dict[str, Any]) -> bytes:
+    verdict = "healthy" if snap["healthy"] else f"unhealthy: {snap['problem']}"
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>replicator {_e(snap["instance"])}</title>
+<link rel="stylesheet" href="/status.css">
+<script src="/status.js" defer></script>
+</head><body>
+<header><h1>replicator <span id="instance">{_e(snap["instance"])}</span>
+<small id="role">{_e(snap["role"])}</small></h1>
+<p id="verdict" class="{'ok' if snap['healthy'] else 'bad'}">{_e(verdict)}</p>
+<p class="muted">as of <span id="updated">{_e(_when(snap["now"]))}</span>
+<span id="refresh">(server-rendered)</span></p></header>
+<main>
+<section><h2>Streams and writers</h2>
+<table id="writers"><thead><tr><th>stream</th><th>writer</th><th>position</th><th>linear</th>
+<th>in flight</th><th>reader</th><th>lag (15 min)</th><th>verdict</th></tr></thead>
+<tbody>{_writer_rows(snap)}</tbody></table></section>
+<section><h2>Connections</h2>
+<table id="connections"><thead><tr><th>peer</th><th>address</th><th>role</th>
+<th>queued lines</th><th>queued bytes</th><th>connected since</th></tr></thead>
+<tbody>{_connection_rows(snap)}</tbody></table></section>
+<section><h2>Recent disconnects</h2>
+<table id="disconnects"><thead><tr><th>at</th><th>peer</th><th>address</th><th>reason</th>
+</tr></thead><tbody>{_disconnect_rows(snap)}</tbody></table></section>
+<section><h2>Recent problems</h2><ul id="problems">{_problem_rows(snap)}</ul></section>
+</main></body></html>
+"""
+    return page.encode("utf-8")
+
+
+STYLE = b"""
+body{font:14px/1.4 system-ui,sans-serif;margin:0 auto;padding:12px;max-width:1400px;color:#222}
+h1{font-size:20px;margin:4px 0}h1 small{font-weight:normal;color:#666;margin-left:8px}
+h2{font-size:16px;margin:18px 0 6px}
+table{border-collapse:collapse;width:100%}
+th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #ddd;vertical-align:middle}
+th{background:#f3f3f3}.num{text-align:right;font-variant-numeric:tabular-nums}
+.ok{color:#176f2c}.bad{color:#b00020;font-weight:bold}.muted{color:#666;margin:0}
+#verdict{font-size:16px;margin:4px 0}.spark{vertical-align:middle;margin-left:6px;color:#1f5fbf}
+.lag{display:inline-block;min-width:3em;text-align:right}
+ul{padding-left:18px}time{color:#666;margin-right:6px}
+@media (max-width:700px){
+ thead{display:none}table,tbody,tr,td{display:block;width:auto}
+ tr{border:1px solid #ddd;margin:0 0 8px;padding:4px}
+ td,td.num{border:none;padding:2px 4px;text-align:left}
+ td[data-label]:not([data-label=""])::before{content:attr(data-label) ": ";color:#666}
+}
+"""
+
+SCRIPT = b"""'use strict';
+// Refreshes the status page from /status.json (no secret needed); builds
+// every cell with textContent, never HTML from data.
+(function () {
+  var SVG = 'http://www.w3.org/2000/svg';
+  function when(t) {
+    return t == null ? '-' : new Date(t * 1000).toISOString().slice(0, 19).replace('T', ' ') + ' UTC';
+  }
+  function txt(v) { return v == null ? '-' : String(v); }
+  function cell(tr, label, value, cls) {
+    var td = document.createElement('td');
+    if (label) { td.setAttribute('data-label', label); }
+    if (cls) { td.className = cls; }
+    if (value instanceof Node) { td.appendChild(value); } else { td.textContent = txt(value); }
+    tr.appendChild(td);
+    return td;
+  }
+  function spark(history, now, win) {
+    var top = 1;
+    history.forEach(function (p) { if (p[1] > top) { top = p[1]; } });
+    var svg = document.createElementNS(SVG, 'svg');
+    svg.setAttribute('class', 'spark');
+    svg.setAttribute('viewBox', '0 0 120 24');
+    svg.setAttribute('width', '120');
+    svg.setAttribute('height', '24');
+    svg.setAttribute('role', 'img');
+    svg.setAttribute('aria-label', 'lag over the last ' + Math.round(win / 60) + ' minutes, max ' + top);
+    var axis = document.createElementNS(SVG, 'line');
+    [['class', 'axis'], ['x1', '0'], ['y1', '23.5'], ['x2', '120'], ['y2', '23.5'],
+     ['stroke', '#cccccc']].forEach(function (a) { axis.setAttribute(a[0], a[1]); });
+    svg.appendChild(axis);
+    var line = document.createElementNS(SVG, 'polyline');
+    line.setAttribute('fill', 'none');
+    line.setAttribute('stroke', 'currentColor');
+    line.setAttribute('stroke-width', '1.5');
+    line.setAttribute('points', history.map(function (p) {
+      var x = Math.max(0, 120 - (now - p[0]) / win * 120);
+      return x.toFixed(1) + ',' + (23 - p[1] / top * 22).toFixed(1);
+    }).join(' '));
+    svg.appendChild(line);
+    return svg;
+  }
+  function fill(id, rows, empty, cols) {
+    var body = document.querySelector('#' + id + ' tbody');
+    var out = document.createDocumentFragment();
+    rows.forEach(function (r) { out.appendChild(r); });
+    if (!rows.length) {
+      var tr = document.createElement('tr');
+      var td = cell(tr, '', empty);
+      td.setAttribute('colspan', String(cols));
+      out.appendChild(tr);
+    }
+    body.replaceChildren(out);
+  }
+  function render(s) {
+    document.getElementById('instance').textContent = s.instance;
+    document.getElementById('role').textContent = s.role;
+    var v = document.getElementById('verdict');
+    v.textContent = s.healthy ? 'healthy' : 'unhealthy: ' + s.problem;
+    v.className = s.healthy ? 'ok' : 'bad';
+    document.getElementById('updated').textContent = when(s.now);
+    var rows = [];
+    s.streams.forEach(function (st) {
+      st.writers.forEach(function (w) {
+        var tr = document.createElement('tr');
+        cell(tr, 'stream', st.name);
+        cell(tr, 'writer', w.writer + (w.local ? ' (local)' : ''));
+        cell(tr, 'position', w.position, 'num');
+        cell(tr, 'linear', st.linear, 'num');
+        if (w.local) {
+          var ids = w.in_flight_ids.join(', ');
+          var more = w.in_flight > w.in_flight_ids.length ? ', \\u2026' : '';
+          cell(tr, 'in flight', w.in_flight + (ids ? ' (' + ids + more + ')' : ''));
+          cell(tr, 'reader', null, 'num');
+          cell(tr, 'lag (15 min)', null);
+        } else {
+          cell(tr, 'in flight', null);
+          cell(tr, 'reader', w.reader_position, 'num');
+          var box = document.createElement('span');
+          var n = document.createElement('span');
+          n.className = 'lag';
+          n.textContent = txt(w.lag);
+          box.appendChild(n);
+          box.appendChild(spark(w.lag_history, s.now, s.window));
+          cell(tr, 'lag (15 min)', box);
+        }
+        cell(tr, 'verdict', w.verdict, w.verdict === 'ok' ? 'ok' : 'bad');
+        rows.push(tr);
+      });
+    });
+    fill('writers', rows, 'no streams', 8);
+    fill('connections', s.connections.map(function (c) {
+      var tr = document.createElement('tr');
+      cell(tr, 'peer', c.peer);
+      cell(tr, 'address', c.address);
+      cell(tr, 'role', c.role);
+      cell(tr, 'queued lines', c.queued_lines, 'num');
+      cell(tr, 'queued bytes', c.queued_bytes, 'num');
+      cell(tr, 'connected since', when(c.connected_since));
+      return tr;
+    }), 'no replication connections', 6);
+    fill('disconnects', s.disconnects.map(function (d) {
+      var tr = document.createElement('tr');
+      cell(tr, 'at', when(d.at));
+      cell(tr, 'peer', d.peer);
+      cell(tr, 'address', d.address);
+      cell(tr, 'reason', d.reason);
+      return tr;
+    }), 'none since start', 4);
+    var list = document.getElementById('problems');
+    var items = document.createDocumentFragment();
+    s.problems.forEach(function (p) {
+      var li = document.createElement('li');
+      var t = document.createElement('time');
+      t.textContent = 'since ' + when(p.at);
+      li.appendChild(t);
+      li.appendChild(document.createTextNode(' ' + p.reason));
+      items.appendChild(li);
+    });
+    if (!s.problems.length) {
+      var li = document.createElement('li');
+      li.textContent = 'none since start';
+      items.appendChild(li);
+    }
+    list.replaceChildren(items);
+    document.getElementById('refresh').textContent = '(refreshed)';
+    document.body.setAttribute('data-refreshed', String(s.now));
+  }
+  function refresh() {
+    fetch('/status.json', {cache: 'no-store'}).then(function (r) {
+      if (!r.ok) { throw new Error('HTTP ' + r.status); }
+      return r.json();
+    }).then(render).catch(function (e) {
+      document.getElementById('refresh').textContent = '(refresh failed: ' + e.message + ')';
+    });
+  }
+  refresh();
+  setInterval(refresh, 5000);
+})();
+"""

@@ -1,0 +1,371 @@
+"""docs/operations.md, followed step by step on a real PostgreSQL.
+
+The test reads the page and runs what it says: the SQL block (role and
+database), the ``pg_hba.conf`` line (with the test's loopback address), the
+secret commands (``/etc/replicator`` moved to a temp dir; ``chown`` dropped
+when there is no ``replicator`` user), the openssl commands (certificates
+whose CN and SAN are the instance names, signed by the CA; a master and a
+worker with the page's TLS keys then replicate over TLS).  It then builds
+the three configurations from ``conf/master.yaml`` and ``conf/worker.yaml``
+with the edits the page's table lists and nothing else (checked key by key;
+the examples' ports are mapped to free loopback ports), starts master,
+worker1 and worker2 as ``replicator run`` processes, expects the ``/health``
+answers the page describes, and writes on each writer: every write reaches
+every other instance (positions API, and the workers' consumer files).
+"""
+
+import copy
+import json
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import psycopg2
+import yaml
+from twisted.trial.unittest import TestCase
+
+from replicator.config import parse_streams
+from tests.servers import PostgresServer, free_port, unavailable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, "docs", "operations.md")
+DEADLINE = 90.0
+
+
+def doc_block(step: str) -> str:
+    """The fenced block right after ``<!-- step: NAME -->`` in the page."""
+    with open(DOC) as f:
+        text = f.read()
+    match = re.search(r"<!-- step: %s -->\n```[a-z]*\n(.*?)```" % re.escape(step), text, re.S)
+    assert match, f"docs/operations.md has no step {step!r}"
+    return match.group(1)
+
+
+def flatten(doc, prefix="") -> dict:
+    """``{"a.b[0].c": value}`` for every leaf of a YAML document."""
+    out = {}
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            out.update(flatten(value, f"{prefix}[{i}]"))
+    else:
+        out[prefix] = doc
+    return out
+
+
+def changed_keys(before: dict, after: dict) -> set:
+    a, b = flatten(before), flatten(after)
+    return {k for k in a.keys() | b.keys() if a.get(k, object()) != b.get(k, object())}
+
+
+def http(url: str, secret: str = None, body: dict = None):
+    request = urllib.request.Request(url, data=json.dumps(body).encode() if body else None)
+    if secret:
+        request.add_header("Authorization", f"Bearer {secret}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def until(predicate, what: str, timeout: float = DEADLINE):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except OSError as e:
+            last = e
+        else:
+            if last:
+                return last
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not reached in {timeout}s (last: {last!r})")
+
+
+class OperationsPathTests(TestCase):
+    timeout = 300
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="replicator-ops-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        # A cluster of its own: the page creates a cluster-wide role and
+        # edits pg_hba.conf.
+        self.pg = PostgresServer()
+        self.addCleanup(self.pg.stop)
+        self.procs = []
+        self.addCleanup(self.stop_all)
+
+    def stop_all(self):
+        for proc, log in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            log.close()
+
+    # ------------------------------------------------------------ steps
+    def create_role_and_database(self) -> str:
+        conn = psycopg2.connect(self.pg.dsn("postgres"))
+        conn.autocommit = True
+        try:
+            for statement in filter(None, (s.strip() for s in doc_block("sql").split(";"))):
+                conn.cursor().execute(statement)
+        finally:
+            conn.close()
+        password = re.search(r"PASSWORD '([^']+)'", doc_block("sql")).group(1)
+        # The page's pg_hba.conf line, for this test's loopback address,
+        # first (the test cluster trusts everyone after it).
+        lines = [l for l in doc_block("pg_hba").splitlines() if l and not l.startswith("#")]
+        self.assertEqual(len(lines), 1, lines)
+        line = lines[0].replace("10.0.0.0/24", "127.0.0.1/32")
+        hba = os.path.join(self.pg.datadir, "pg_hba.conf")
+        with open(hba) as f:
+            rest = f.read()
+        with open(hba, "w") as f:
+            f.write(line + "\n" + rest)
+        conn = psycopg2.connect(self.pg.dsn("postgres"))
+        conn.autocommit = True
+        try:
+            conn.cursor().execute("SELECT pg_reload_conf()")
+        finally:
+            conn.close()
+        dsn = f"host=127.0.0.1 port={self.pg.port} user=replicator dbname=replicator"
+
+        def rejects_no_password():
+            try:
+                psycopg2.connect(dsn).close()
+            except psycopg2.OperationalError as e:
+                return "password" in str(e)
+            return False
+
+        until(rejects_no_password, "pg_hba.conf line in force")
+        conn = psycopg2.connect(f"{dsn} password={password}")
+        conn.close()
+        return f"{dsn} password={password}"
+
+    def make_secret(self) -> str:
+        etc = os.path.join(self.tmp, "etc", "replicator")
+        script = doc_block("secret").replace("/etc/replicator", etc)
+        try:
+            pwd.getpwnam("replicator")
+        except KeyError:
+            kept = [l for l in script.splitlines() if not l.startswith("chown ")]
+            self.assertEqual(len(kept), len(script.splitlines()) - 1)
+            script = "\n".join(kept) + "\n"
+        os.makedirs(os.path.dirname(etc), exist_ok=True)
+        subprocess.run(["bash", "-euo", "pipefail", "-c", script], check=True)
+        path = os.path.join(etc, "http-secret")
+        self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+        with open(path) as f:
+            secret = f.read().strip()
+        self.assertGreaterEqual(len(secret), 16)
+        return path
+
+    def configs(self, dsn: str, secret_file: str) -> dict:
+        with open(os.path.join(ROOT, "conf", "master.yaml")) as f:
+            master_example = yaml.safe_load(f)
+        with open(os.path.join(ROOT, "conf", "worker.yaml")) as f:
+            worker_example = yaml.safe_load(f)
+        ports = {port: free_port() for port in range(9092, 9099)}
+
+        def port(text: str) -> str:
+            return re.sub(r"\b(909[2-8])\b", lambda m: str(ports[int(m.group(1))]), text)
+
+        def common(doc):
+            doc["database"]["postgres"] = dsn
+            doc["http"]["secret_file"] = secret_file
+            doc["http"]["listen"] = port(doc["http"]["listen"])
+            doc["http"]["metrics_listen"] = port(doc["http"]["metrics_listen"])
+            caches = next(s for s in doc["streams"] if s["name"] == "caches")
+            caches["writers"] = caches["writers"] + ["worker2"]
+            return doc
+
+        master = common(copy.deepcopy(master_example))
+        master["replication"]["listen"] = port(master["replication"]["listen"])
+        worker1 = common(copy.deepcopy(worker_example))
+        worker1["replication"]["upstream"] = port(worker1["replication"]["upstream"])
+        worker2 = common(copy.deepcopy(worker_example))
+        worker2["replication"]["upstream"] = port(worker2["replication"]["upstream"])
+        worker2["instance_name"] = "worker2"
+        worker2["http"]["listen"] = f"tcp:{ports[9097]}:interface=127.0.0.1"
+        worker2["http"]["metrics_listen"] = f"127.0.0.1:{ports[9098]}"
+        worker2["consumers"][0]["path"] = "facts-worker2.jsonl"
+        # Only the page's edits (its table), key by key.
+        caches_writers = {f"streams[0].writers[{len(master_example['streams'][0]['writers'])}]"}
+        shared = {"database.postgres", "http.secret_file", "http.listen",
+                  "http.metrics_listen"} | caches_writers
+        self.assertEqual(changed_keys(master_example, master),
+                         shared | {"replication.listen"})
+        self.assertEqual(changed_keys(worker_example, worker1),
+                         shared | {"replication.upstream"})
+        self.assertEqual(changed_keys(worker_example, worker2),
+                         shared | {"replication.upstream", "instance_name",
+                                   "consumers[0].path"})
+        for doc in (worker1, worker2):
+            self.assertEqual(doc["server_name"], master["server_name"])
+            # The same declarations (the master's spells out the defaults).
+            self.assertEqual(parse_streams(doc["streams"]), parse_streams(master["streams"]))
+        return {"master": master, "worker1": worker1, "worker2": worker2}
+
+    def start(self, name: str, doc: dict) -> str:
+        state = os.path.join(self.tmp, "var", name)  # its state directory
+        os.makedirs(state)
+        path = os.path.join(self.tmp, f"{name}.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(doc, f)
+        log = open(os.path.join(state, "out.log"), "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
+                                              if p))
+        proc = subprocess.Popen([sys.executable, "-m", "replicator.cli", "run", "-c", path],
+                                cwd=state, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
+        self.procs.append((proc, log))
+        return "http://127.0.0.1:" + doc["http"]["listen"].split(":")[1]
+
+    # ------------------------------------------------------------ the path
+    def test_tls_master_and_worker_with_the_documented_certificates(self):
+        """The page's openssl commands (the master's host name: ``localhost``,
+        the name this test's worker dials), files installed where it says,
+        its TLS keys in the shipped examples: the worker connects, and
+        writes cross both ways."""
+        if shutil.which("openssl") is None:
+            unavailable("openssl not found")
+        script = doc_block("tls")
+        self.assertEqual(script.count("master.example.com"), 1)
+        subprocess.run(["bash", "-euo", "pipefail", "-c",
+                        script.replace("master.example.com", "localhost")],
+                       cwd=self.tmp, check=True, capture_output=True)
+        made = os.path.join(self.tmp, "tls")
+        for name in ("master", "worker1", "worker2"):
+            crt = os.path.join(made, f"{name}.crt")
+            verify = subprocess.run(["openssl", "verify", "-CAfile",
+                                     os.path.join(made, "ca.crt"), crt],
+                                    capture_output=True, text=True)
+            self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+            text = subprocess.run(["openssl", "x509", "-in", crt, "-noout", "-subject",
+                                   "-ext", "subjectAltName"],
+                                  capture_output=True, text=True, check=True).stdout
+            self.assertRegex(text, rf"subject=\s*CN\s*=\s*{name}\n")
+            self.assertIn(f"DNS:{name}", text)
+        # Installed as the page says.
+        secret_file = self.make_secret()
+        etc = os.path.dirname(secret_file)
+        tls = os.path.join(etc, "tls")
+        os.makedirs(os.path.join(tls, "ca"))
+        for name in ("ca.crt", "master.crt", "master.key", "worker1.crt", "worker1.key"):
+            shutil.copy(os.path.join(made, name), tls)
+        shutil.copy(os.path.join(made, "ca.crt"), os.path.join(tls, "ca", "ca.pem"))
+        ports = {port: free_port() for port in range(9092, 9097)}
+
+        def edit(text: str) -> str:
+            text = re.sub(r"\b(909[2-6])\b", lambda m: str(ports[int(m.group(1))]), text)
+            return text.replace("/etc/replicator", etc).replace("master.example.com",
+                                                                "localhost")
+
+        dsn = self.pg.create_database()
+        docs = {}
+        for name, example, step in (("master", "master.yaml", "tls-master"),
+                                    ("worker1", "worker.yaml", "tls-worker")):
+            with open(os.path.join(ROOT, "conf", example)) as f:
+                doc = yaml.safe_load(f)
+            doc["database"]["postgres"] = dsn
+            doc["http"]["secret_file"] = secret_file
+            doc["http"]["listen"] = edit(doc["http"]["listen"])
+            doc["http"]["metrics_listen"] = edit(doc["http"]["metrics_listen"])
+            doc["replication"].update(yaml.safe_load(edit(doc_block(step)))["replication"])
+            docs[name] = doc
+        # Tests listen on loopback only.
+        docs["master"]["replication"]["listen"] += ":interface=127.0.0.1"
+        with open(secret_file) as f:
+            secret = f.read().strip()
+        bases = {"master": self.start("master", docs["master"])}
+        until(lambda: http(bases["master"] + "/health")[0] == 200, "master healthy")
+        bases["worker1"] = self.start("worker1", docs["worker1"])
+        until(lambda: http(bases["worker1"] + "/health")[0] == 200, "worker1 healthy")
+        code, answer = http(bases["master"] + "/health")
+        self.assertEqual((code, answer["connections"]), (200, 1))
+        tokens = {}
+        for name, base in bases.items():
+            code, answer = http(f"{base}/_replicator/v1/streams/caches/facts", secret,
+                                {"rows": [[f"tls-{name}", None, 1]]})
+            self.assertEqual(code, 200, answer)
+            tokens[name] = answer["stream_id"]
+
+        def received():
+            for reader, writer in (("master", "worker1"), ("worker1", "master")):
+                _, positions = http(f"{bases[reader]}/_replicator/v1/positions", secret)
+                entry = positions["streams"]["caches"]["writers"][writer]
+                if (entry["reader_position"] or 0) < tokens[writer]:
+                    return None
+            return True
+
+        until(received, "writes across the TLS link")
+
+    def test_master_and_two_workers_from_the_examples(self):
+        dsn = self.create_role_and_database()
+        secret_file = self.make_secret()
+        with open(secret_file) as f:
+            secret = f.read().strip()
+        configs = self.configs(dsn, secret_file)
+        # The master first (it creates the tables), then the workers.
+        bases = {"master": self.start("master", configs["master"])}
+        until(lambda: http(bases["master"] + "/health")[0] == 200, "master healthy")
+        for name in ("worker1", "worker2"):
+            bases[name] = self.start(name, configs[name])
+
+        def all_healthy():
+            answers = {n: http(b + "/health") for n, b in bases.items()}
+            if all(code == 200 for code, _ in answers.values()) and \
+                    answers["master"][1]["connections"] == 2:
+                return answers
+            return None
+
+        answers = until(all_healthy, "/health 200 everywhere")
+        for name, (_, answer) in answers.items():
+            self.assertEqual((answer["status"], answer["instance"], answer["role"],
+                              answer["replication"]["connected"]),
+                             ("ok", name, "master" if name == "master" else "worker", True))
+        # A write on each writer reaches every other instance.
+        tokens = {}
+        for name, base in bases.items():
+            code, answer = http(f"{base}/_replicator/v1/streams/caches/facts", secret,
+                                {"rows": [[f"from-{name}", [f"@{name}:example.com"], 1]]})
+            self.assertEqual(code, 200, answer)
+            tokens[name] = answer["stream_id"]
+
+        def received():
+            for reader, base in bases.items():
+                code, positions = http(f"{base}/_replicator/v1/positions", secret)
+                writers = positions["streams"]["caches"]["writers"]
+                for writer, token in tokens.items():
+                    if writer != reader and (writers[writer]["reader_position"] or 0) < token:
+                        return None
+            return True
+
+        until(received, "every write at every other instance")
+        # The consumers append in a thread: their files follow soon after.
+        for reader in ("worker1", "worker2"):
+            path = os.path.join(self.tmp, "var", reader, f"facts-{reader}.jsonl")
+
+            def consumed():
+                with open(path) as f:
+                    text = f.read()
+                return all(f'"from-{w}"' in text for w in tokens if w != reader) and text
+
+            text = until(consumed, f"{reader}'s consumer file has the others' facts")
+            self.assertNotIn(f'"from-{reader}"', text)

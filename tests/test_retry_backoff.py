@@ -1,0 +1,95 @@
+"""A database outage seen by the fan-out and by a reader: retries back off
+(the project's policy) and the log has one line when it starts and one when
+it ends, not a traceback per key per retry."""
+
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.logger import globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase
+
+from replicator.replication.fanout import Fanout
+from replicator.replication.reader import Reader
+
+
+class Conn:
+    name = "peer"
+
+
+class Outage:
+    """A source that fails ``failures`` times, then answers."""
+
+    def __init__(self, failures):
+        self.failures = failures
+        self.attempts = 0
+
+    def __call__(self, writer, since, until, limit):
+        self.attempts += 1
+        if self.attempts <= self.failures:
+            return defer.fail(ConnectionError("database down"))
+        return defer.succeed(([], until, False))
+
+
+class _IdGen:
+    token = 0
+
+    def get_current_token(self, writer):
+        return self.token
+
+
+class _Stream:
+    name = "caches"
+
+    def __init__(self, source):
+        self.id_gen = _IdGen()
+        self.updates_since = source
+
+    def keep_recent_facts(self):
+        pass
+
+    def forget(self, writer, upto):
+        pass
+
+
+class RetryTests(SynchronousTestCase):
+    def setUp(self):
+        self.clock = Clock()
+        self.events = []
+        globalLogPublisher.addObserver(self.events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+
+    def outage_lines(self):
+        return [e for e in self.events if "outage" in e.get("log_format", "")
+                or e.get("log_failure") is not None]
+
+    def run_for(self, seconds):
+        for _ in range(int(seconds * 10)):
+            self.clock.advance(0.1)
+
+    def check(self, outage, done):
+        self.run_for(10)
+        # 1 s, then 2 s, 4 s, ... (less a jitter of at most a quarter): at
+        # most 5 attempts in 10 s, where a fixed 1 s delay makes 11.
+        self.assertLessEqual(outage.attempts, 5)
+        self.assertGreaterEqual(outage.attempts, 3)
+        outage.failures = 0
+        self.run_for(30)
+        self.assertTrue(done())
+        lines = self.outage_lines()
+        self.assertEqual([e["log_level"].name for e in lines], ["warn", "info"])
+
+    def test_reader(self):
+        outage = Outage(1000)
+        reader = Reader("caches", "worker1", 0, source=outage, clock=self.clock,
+                        deliver=lambda token, rows: None, retry_delay=1.0)
+        reader.position_line(Conn(), 5, 5)
+        self.check(outage, lambda: reader.position == 5)
+
+    def test_fanout(self):
+        outage = Outage(1000)
+        sent = []
+        stream = _Stream(outage)
+        fanout = Fanout(lambda lines, name: sent.extend(lines), self.clock, retry_delay=1.0)
+        fanout.add_writer(stream, "master")
+        stream.id_gen.token = 5
+        fanout.advanced(stream, "master")
+        self.check(outage, lambda: fanout.announced[("caches", "master")] == 5)

@@ -1,0 +1,234 @@
+"""The status page in a real browser: headless Chromium loads ``GET /`` from
+a running worker (a real ``replicator run`` on PostgreSQL) after writes on
+two writers, with a reader held back by a stuck consumer.  The DOM after the
+page's script refreshed it is checked against the positions API, and
+screenshots (desktop and phone width) are saved under ``_trial_temp``.
+
+With CI=true a missing ``chromium`` is a failure, never a skip.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+from html.parser import HTMLParser
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.servers import PostgresServer, free_port, unavailable
+from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli, http, wait_for
+
+ACCOUNT_DATA = {
+    "name": "account_data", "table": "account_data_stream",
+    "columns": [{"user_id": "text"}, {"room_id": "text?"}, {"data_type": "text"}],
+    "writers": ["worker1"],
+}
+
+#: A consumer that takes the first fact and then never finishes one: its
+#: reader falls behind for good (a slow or wedged consumer).
+STUCK_CONSUMER = '''
+from twisted.internet import defer
+from replicator.consumers import Consumer
+
+
+class Stuck(Consumer):
+    def __init__(self, streams=None):
+        self.streams = streams
+        self.taken = 0
+
+    def on_facts(self, stream, writer, token, rows):
+        self.taken += 1
+        if self.taken > 1:
+            return defer.Deferred()  # never fires
+'''
+
+
+def chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        unavailable("chromium (Debian package chromium; scripts/ensure-system-deps.sh "
+                    "installs it)")
+    return path
+
+
+def run_chromium(*args, timeout=180):
+    profile = tempfile.mkdtemp(prefix="chromium-profile-")
+    try:
+        return subprocess.run(
+            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", f"--user-data-dir={profile}", *args],
+            capture_output=True, text=True, timeout=timeout)
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+class _Cells(HTMLParser):
+    """The text of every ``<td data-label=...>`` per table row, by table id,
+    and the body's attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = {}
+        self.body = {}
+        self.texts = {}
+        self._table = None
+        self._row = None
+        self._cell = None
+        self._id = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "body":
+            self.body = attrs
+        elif tag == "table":
+            self._table = self.tables.setdefault(attrs.get("id"), [])
+        elif tag == "tr" and self._table is not None:
+            self._row = {}
+        elif tag == "td" and self._row is not None:
+            self._cell = attrs.get("data-label", "")
+            self._row[self._cell] = ""
+        if "id" in attrs and tag in ("span", "p", "small", "ul"):
+            self._id = attrs["id"]
+            self.texts[self._id] = ""
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            if self._row:
+                self._table.append(self._row)
+            self._row = None
+        elif tag == "table":
+            self._table = None
+        elif tag in ("span", "p", "small", "ul"):
+            self._id = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._row[self._cell] += data
+        if self._id is not None:
+            self.texts[self._id] += data
+
+
+def get(url, secret=None):
+    request = urllib.request.Request(url)
+    if secret:
+        request.add_header("Authorization", f"Bearer {secret}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+class StatusPageBrowserTests(SynchronousTestCase):
+    def test_page_in_chromium_matches_the_positions_api(self):
+        chromium()
+        dsn = PostgresServer.shared().create_database()
+        rep_port = free_port()
+        streams = [dict(CACHES, writers=["master"]), ACCOUNT_DATA]
+        master = base_config("master", free_port(), streams, database={"postgres": dsn},
+                             replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"})
+        worker = base_config(
+            "worker1", free_port(), streams, database={"postgres": dsn},
+            replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}"},
+            health={"lag_grace": 1, "check_interval": 1},
+            consumers=[{"type": "stuck:Stuck", "streams": ["caches"]}])
+        master_d = Daemon(self, master, "master").start()
+        worker_d = Daemon(self, worker, "worker1")
+        with open(os.path.join(worker_d.dir, "stuck.py"), "w") as f:
+            f.write(STUCK_CONSUMER)
+        worker_d.start()
+        base = worker_d.http_base
+
+        def positions():
+            return json.loads(http(base + "/_replicator/v1/positions", secret=SECRET)[1])
+
+        wait_for(lambda: positions()["streams"]["caches"]["writers"]["master"]
+                 ["reader_position"] is not None, 60, "worker1 hearing the master")
+        for i in range(6):
+            written = cli("write", "-c", master_d.path, "caches",
+                          json.dumps(["get_user", [f"@u{i}:hs"], 1000 + i]), cwd=master_d.dir)
+            self.assertEqual(written.returncode, 0, written.stderr)
+        for i in range(3):
+            written = cli("write", "-c", worker_d.path, "account_data",
+                          json.dumps([f"@u{i}:hs", None, "m.push_rules"]), cwd=worker_d.dir)
+            self.assertEqual(written.returncode, 0, written.stderr)
+
+        def lagging():
+            w = positions()["streams"]["caches"]["writers"]["master"]
+            return w["position"] is not None and w["lag"] == 5
+
+        wait_for(lagging, 60, "the stuck reader 5 facts behind")
+
+        # The page and its JSON need no secret and show none.
+        def sampled():
+            code, _, body = get(base + "/status.json")
+            snap = json.loads(body)
+            history = snap["streams"][0]["writers"][0]["lag_history"]
+            return (code == 200 and not snap["healthy"]
+                    and sum(1 for _, lag in history if lag == 5) >= 2)
+
+        wait_for(sampled, 60, "two lag samples and an unhealthy verdict")
+        code, headers, page = get(base + "/")
+        self.assertEqual(code, 200)
+        self.assertEqual(headers["Content-Type"], "text/html; charset=utf-8")
+        csp = headers["Content-Security-Policy"]
+        self.assertIn("default-src 'none'", csp)
+        self.assertIn("script-src 'self'", csp)
+        self.assertNotIn("unsafe-inline", csp)
+        for path in ("/", "/status.json", "/status.js", "/status.css"):
+            self.assertNotIn(SECRET.encode(), get(base + path)[2])
+        self.assertEqual(get(base + "/_replicator/v1/positions")[0], 401)
+
+        # The DOM once the script refreshed it, against the positions API.
+        dumped = run_chromium("--virtual-time-budget=10000", "--dump-dom", base + "/")
+        self.assertEqual(dumped.returncode, 0, dumped.stderr[-2000:])
+        dom = _Cells()
+        dom.feed(dumped.stdout)
+        self.assertIn("data-refreshed", dom.body, dumped.stdout[:3000])
+        self.assertEqual(dom.texts["refresh"], "(refreshed)")
+        self.assertEqual(dom.texts["instance"], "worker1")
+        self.assertTrue(dom.texts["verdict"].startswith("unhealthy: "), dom.texts)
+        api = positions()
+        rows = {(r["stream"], r["writer"]): r for r in dom.tables["writers"]}
+        expected = set()
+        for stream, entry in api["streams"].items():
+            for writer, w in entry["writers"].items():
+                label = writer + (" (local)" if w["local"] else "")
+                expected.add((stream, label))
+                row = rows[(stream, label)]
+                self.assertEqual(row["position"], str(w["position"]), row)
+                self.assertEqual(row["linear"], str(entry["linear"]), row)
+                if w["local"]:
+                    self.assertEqual(row["in flight"], str(w["in_flight"]), row)
+                    self.assertEqual(row["verdict"], "ok")
+                else:
+                    self.assertEqual(row["reader"], str(w["reader_position"]), row)
+                    self.assertEqual(row["lag (15 min)"], str(w["lag"]), row)
+                    self.assertEqual(row["verdict"], "unhealthy: behind by 5")
+        self.assertEqual(set(rows), expected)
+        self.assertEqual(api["streams"]["account_data"]["writers"]["worker1"]["position"], 3)
+        self.assertIn("<polyline", dumped.stdout)
+        [conn] = dom.tables["connections"]
+        self.assertEqual((conn["peer"], conn["role"]), ("hs.test", "upstream"))  # its SERVER name
+        self.assertEqual(conn["address"], f"127.0.0.1:{rep_port}")
+        self.assertIn("stream caches: writer master has 5 committed facts not received",
+                      dom.texts["problems"])
+
+        # Screenshots, desktop and phone width: artifacts of this test run.
+        for name, size in (("status-page.png", "1280,720"),
+                           ("status-page-phone.png", "390,1400")):
+            path = os.path.abspath(name)
+            shot = run_chromium(f"--window-size={size}", "--virtual-time-budget=10000",
+                                "--hide-scrollbars", f"--screenshot={path}", base + "/")
+            self.assertEqual(shot.returncode, 0, shot.stderr[-2000:])
+            with open(path, "rb") as f:
+                head = f.read(24)
+            self.assertEqual(head[:8], b"\x89PNG\r\n\x1a\n")
+            width = int.from_bytes(head[16:20], "big")
+            self.assertEqual(width, int(size.split(",")[0]))
