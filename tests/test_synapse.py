@@ -215,7 +215,7 @@ class ReadOnlyStreamTests(TestCase):
         for create in (True, False):
             registry = await self.start([dict(READER, create=create)])
             stream = registry.get("caches")
-            self.assertEqual(stream.current_token("master"), 7)
+            self.assertEqual(stream.id_gen.get_current_token("master"), 7)
             await registry.stop()
         self.assertEqual(self.state(), before)
 
