@@ -1,6 +1,6 @@
 """The replication commands: parsing and serializing single lines.
 
-Every command of ``PROTOCOL.md`` is a small immutable class with
+Every command of ``docs/protocol.md`` is a small immutable class with
 
 * ``NAME``: the word that starts its line;
 * ``from_line(rest)``: build it from the text after ``NAME + " "`` (raises
@@ -504,7 +504,7 @@ ALL_COMMANDS: Tuple[Type[Command], ...] = (
 
 COMMANDS_BY_NAME: Dict[str, Type[Command]] = {cls.NAME: cls for cls in ALL_COMMANDS}
 
-#: Names the server may send (PROTOCOL.md "dir" column contains S).
+#: Names the server may send (docs/protocol.md, "from" column: S).
 SERVER_COMMANDS = frozenset(
     {
         "SERVER",
@@ -519,7 +519,7 @@ SERVER_COMMANDS = frozenset(
     }
 )
 
-#: Names a client may send (PROTOCOL.md "dir" column contains C).
+#: Names a client may send (docs/protocol.md, "from" column: C).
 CLIENT_COMMANDS = frozenset(
     {
         "ERROR",

@@ -1,5 +1,5 @@
-"""Replication over Redis pub/sub, on Synapse's wire (PROTOCOL.md, "Redis
-transport"), driven by the same handler as TCP.
+"""Replication over Redis pub/sub, on Synapse's wire (docs/protocol.md, section
+"Redis"), driven by the same handler as TCP.
 
 Every instance PUBLISHes its command lines on the channel ``<server_name>``
 (USER_IP on ``<server_name>/USER_IP``) and SUBSCRIBEs to both.  There is no

@@ -7,7 +7,7 @@ completed* for each local writer, and the positions learned from writers
 running in other instances, so that no reader is ever told a position past an
 unfinished ID.
 
-Definitions (``seeds/streams.md``), which every method keeps:
+Definitions (``docs/streams.md``), which every method keeps:
 
 * ``Known`` is every ID this generator has heard of: the start positions,
   every reserved ID (completed or not) and every token passed to
