@@ -71,8 +71,17 @@ class Daemon:
                                      cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT)
         self.test.addCleanup(self.kill)
         base = self.http_base
-        wait_for(lambda: http(base + "/_replicator/v1/positions", secret=SECRET)[0] == 200,
-                 what=f"{self.path} answering")
+
+        def answering():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.path} exited with {self.proc.returncode}")
+            return http(base + "/_replicator/v1/positions", secret=SECRET)[0] == 200
+
+        try:
+            # Generous: a loaded 2-core machine can take tens of seconds.
+            wait_for(answering, timeout=90.0, what=f"{self.path} answering")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; its output: {self.output()[-2000:]}") from None
         return self
 
     @property

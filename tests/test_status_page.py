@@ -18,7 +18,9 @@ from html.parser import HTMLParser
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from replicator.config import parse_streams
 from tests.servers import PostgresServer, free_port, unavailable
+from tests.support import create_stream_tables
 from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli, http, wait_for
 
 ACCOUNT_DATA = {
@@ -138,6 +140,9 @@ class StatusPageBrowserTests(SynchronousTestCase):
             replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}"},
             health={"lag_grace": 1, "check_interval": 1},
             consumers=[{"type": "stuck:Stuck", "streams": ["caches"]}])
+        # worker1 writes account_data; the master, which only reads it,
+        # creates nothing: the writer's table exists first.
+        create_stream_tables(dsn, parse_streams(streams))
         master_d = Daemon(self, master, "master").start()
         worker_d = Daemon(self, worker, "worker1")
         with open(os.path.join(worker_d.dir, "stuck.py"), "w") as f:
