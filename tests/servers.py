@@ -29,6 +29,21 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def wait_for(predicate, timeout=30.0, what="condition"):
+    """Poll ``predicate`` (OSError counts as not yet) until true or
+    ``timeout`` seconds have passed (then AssertionError naming ``what``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout}s")
+        time.sleep(0.05)
+
+
 def unavailable(what: str):
     """Skip locally, fail in CI."""
     if in_ci():

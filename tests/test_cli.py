@@ -14,7 +14,7 @@ import urllib.request
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.servers import PostgresServer, free_port
+from tests.servers import PostgresServer, free_port, wait_for
 from tests.support import as_sets, table_facts
 
 PY = sys.executable
@@ -37,19 +37,6 @@ def http(url, data=None, secret=None):
         request.add_header("Authorization", f"Bearer {secret}")
     with urllib.request.urlopen(request, timeout=10) as response:
         return response.status, response.read()
-
-
-def wait_for(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout}s")
-        time.sleep(0.05)
 
 
 class Daemon:

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 import yaml
 
-from tests.servers import free_port
+from tests.servers import free_port, wait_for
 
 from . import inputs
 
@@ -41,19 +41,6 @@ TABLES = {
     "caches": ("cache_stream", ["cache_func", "keys", "ts"], ["text", "json", "bigint"]),
     "events": ("event_stream", ["event_id", "n", "ok"], ["text", "bigint", "boolean"]),
 }
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout}s")
-        time.sleep(0.05)
 
 
 def http_get(port: int, path: str, secret: Optional[str] = None,
