@@ -183,7 +183,10 @@ class ProxyTests(SynchronousTestCase):
         async def main():
             from tests.chaos.proxy import Proxy
 
+            echoes = set()
+
             async def echo(reader, writer):
+                echoes.add(asyncio.current_task())
                 try:
                     while True:
                         data = await reader.read(65536)
@@ -203,6 +206,10 @@ class ProxyTests(SynchronousTestCase):
             finally:
                 await proxy.close()
                 server.close()
+                # Let each echo see its connection end, rather than be
+                # cancelled by the loop's shutdown (reported as unhandled).
+                if echoes:
+                    await asyncio.wait(echoes, timeout=5)
         asyncio.run(main())
 
     def test_pass_and_cut(self):

@@ -57,6 +57,7 @@ class Proxy:
         self._trickle = False
         self._rng = rng or random.Random(0)
         self.connections = 0
+        self._handlers: Set[asyncio.Task] = set()
 
     async def start(self, port: int = 0):
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
@@ -70,6 +71,11 @@ class Proxy:
         self.heal()
         for link in list(self.links):
             link.abort()
+        # Each connection's task ends by itself once its link is aborted; one
+        # left running would be cancelled by the loop's shutdown instead, which
+        # asyncio reports as an unhandled exception.
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=5)
 
     # ------------------------------------------------------------ faults
     def cut(self) -> int:
@@ -112,6 +118,9 @@ class Proxy:
 
     # ------------------------------------------------------------ plumbing
     async def _accept(self, reader, writer):
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
         self.connections += 1
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
