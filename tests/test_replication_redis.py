@@ -6,6 +6,7 @@ import random
 import socket
 import types
 
+from prometheus_client import REGISTRY
 from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
@@ -208,8 +209,15 @@ class RedisFailureModeTests(TestCase):
             node = Node(self, self.dsn, "w1", self.redis)
             node.redis = type("WrongPassword", (), {"endpoint": self.redis.endpoint,
                                                     "password": "a-wrong-password"})()
+            def refused(link):
+                return REGISTRY.get_sample_value("replicator_redis_auth_refused_total",
+                                                 {"link": link}) or 0
+
+            before = {link: refused(link) for link in ("subscriber", "publisher")}
             await node.start()
-            await sleep(1.0)  # several refused AUTHs
+            # Several refused AUTHs, counted per link.
+            await until(lambda: all(refused(link) >= before[link] + 3 for link in before),
+                        timeout=30)
             self.assertFalse(node.link.connected)
             self.assertIn("auth", (node.link.last_error or "").lower())
             # The operator fixes the server side; the link comes back by itself.
