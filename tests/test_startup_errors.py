@@ -7,12 +7,17 @@ traceback, never a silent start with an absurd value.
 """
 
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
 
 import yaml
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.internet import reactor
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from replicator.config import parse_instance
+from replicator.service import Instance, StartupError
 
 from tests.servers import free_port
 from tests.test_cli import CACHES, SECRET, cli
@@ -173,3 +178,70 @@ class RuntimeFailureTests(SynchronousTestCase):
             f'"127.0.0.1", port {port} failed: Connection refused'), result.stderr)
         self.assertNotIn("hidden-pw", result.stderr + result.stdout)
         self.assertNotIn("Traceback", result.stdout)
+
+
+class InstanceStartFailureTests(TestCase):
+    """``Instance.start`` failing in process: one StartupError naming the key
+    (exit code 1), and after ``stop`` nothing of it is left: no listener
+    (its port binds again), no open database pool, no timer on the reactor
+    beyond those there before."""
+
+    def instance(self, **change):
+        tmp = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, tmp, True)
+        config = base(database={"sqlite": os.path.join(tmp, "x.db")}, **change)
+        return Instance(parse_instance(config), reactor)
+
+    async def assert_start_fails(self, instance, message):
+        before = set(reactor.getDelayedCalls())
+        try:
+            await instance.start()
+        except StartupError as e:
+            self.assertEqual((str(e), e.code), (message, 1))
+        else:
+            self.fail("start did not fail")
+        finally:
+            await instance.stop()
+        self.assertFalse(instance.services.running)
+        self.assertFalse(instance.db.pool.running)
+        # Timers of the instance are gone (a stopped pool's or the logger's
+        # may fire once more: only ours are counted).
+        left = [c for c in reactor.getDelayedCalls() if c not in before and c.active()
+                and "replicator" in repr(c.func)]
+        self.assertEqual(left, [])
+
+    async def test_port_in_use(self):
+        replication_port = free_port()
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            port = held.getsockname()[1]
+            instance = self.instance(
+                replication={"listen": f"tcp:{replication_port}:interface=127.0.0.1"},
+                http={"listen": f"tcp:{port}:interface=127.0.0.1", "secret": SECRET})
+            await self.assert_start_fails(
+                instance, f"http.listen: cannot listen on tcp:{port}:interface=127.0.0.1: "
+                          "address already in use")
+        # The replication listener that did bind is closed again.
+        with socket.socket() as again:
+            again.bind(("127.0.0.1", replication_port))
+
+    async def test_database_unreachable(self):
+        port = free_port()
+        instance = Instance(parse_instance(base(database={
+            "postgres": f"host=127.0.0.1 port={port} dbname=x user=x password=hidden-pw "
+                        "connect_timeout=5"})), reactor)
+        before = set(reactor.getDelayedCalls())
+        with self.assertRaises(StartupError) as caught:
+            await instance.start()
+        await instance.stop()
+        e = caught.exception
+        self.assertEqual((e.key, e.code), ("database.postgres", 1))
+        self.assertTrue(e.problem.startswith(
+            "cannot connect: connection to server at "
+            f'"127.0.0.1", port {port} failed: Connection refused'), e.problem)
+        self.assertNotIn("hidden-pw", str(e))
+        self.assertFalse(instance.db.pool.running)
+        self.assertEqual([c for c in reactor.getDelayedCalls()
+                          if c not in before and c.active() and "replicator" in repr(c.func)],
+                         [])
