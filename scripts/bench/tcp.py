@@ -632,6 +632,7 @@ class TailWatch:
         self.gc_pauses = []
         self.lags = []
         self.deferred = []
+        self.advances = []  # (time.time(), the writer's position then)
         self.fanout = fanout
 
     def _gc(self, phase, info):
@@ -658,6 +659,7 @@ class TailWatch:
             def watched(stream, writer):
                 key = (stream.name, writer)
                 had = key in fanout._timers
+                self.advances.append((time.time(), stream.id_gen.get_current_token(writer)))
                 advanced(stream, writer)
                 call = fanout._timers.get(key)
                 if call is not None and not had:
@@ -670,6 +672,19 @@ class TailWatch:
         self._loop.stop()
         if self.fanout is not None:
             del self.fanout.advanced
+
+    def position_delays_ms(self, commit_at, since):
+        """Sorted ms from a fact's commit to the writer's position first
+        covering it: the wait for earlier facts still in flight on other
+        connections (a position never passes an uncommitted fact)."""
+        out = []
+        facts = sorted((t, c) for t, c in commit_at.items() if c >= since)
+        k = 0
+        for at, token in self.advances:
+            while k < len(facts) and facts[k][0] <= token:
+                out.append(max(0.0, at - facts[k][1]) * 1000.0)
+                k += 1
+        return sorted(out)
 
     def report(self, seconds):
         lags = sorted(x * 1000.0 for x in self.lags)
@@ -758,6 +773,10 @@ async def latency_ours(registry):
     print(f"           write_fact itself p50 {percentile(write_ms, 50):.2f} ms, p99 "
           f"{percentile(write_ms, 99):.2f} ms; commit -> handed to the transports p50 "
           f"{percentile(to_send, 50):.2f} ms, p99 {percentile(to_send, 99):.2f} ms", flush=True)
+    to_position = watch.position_delays_ms(commit_at, start + LAT_WARMUP)
+    print(f"           commit -> the position covers it (earlier facts in flight) p50 "
+          f"{percentile(to_position, 50):.2f} ms, p99 {percentile(to_position, 99):.2f} ms",
+          flush=True)
     print(f"           {watch.report(written - start)} (fan-out interval "
           f"{server.handler.fanout.fanout_interval * 1000:g} ms, GIL switch interval "
           f"{float(LAT_SWITCH_INTERVAL or switch) * 1000:g} ms"
