@@ -10,12 +10,13 @@ reader's position; once it reaches ``--target`` the instance is stopped
 (its JSON-lines consumer flushed) and one JSON line is printed::
 
     {"seconds": <first catch-up fetch -> position reached>, "stall_max_ms": ...,
-     "ticks": n, "rss_start_kb": ..., "rss_peak_kb": ..., "pages": ...}
+     "stall_p99_ms": ..., "gc_max_ms": <longest garbage collection>, "ticks": n, "rss_start_kb": ..., "rss_peak_kb": ..., "pages": ...}
 
 ``--profile PATH`` writes a cProfile of the catch-up (``pstats`` format).
 """
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -78,7 +79,15 @@ async def main(reactor, args):
     reader = instance.handler._readers[key]
     count_pages(reader)
     done = defer.Deferred()
-    state = {"last": time.monotonic(), "worst": 0.0, "ticks": 0, "ended": None}
+    state = {"last": time.monotonic(), "worst": 0.0, "ticks": 0, "ended": None,
+             "late": [], "gc_worst": 0.0, "gc_at": None}
+
+    def gc_timer(phase, info):  # the longest garbage collection, a cause of stalls
+        if phase == "start":
+            state["gc_at"] = time.monotonic()
+        elif state["gc_at"] is not None and started and state["ended"] is None:
+            state["gc_worst"] = max(state["gc_worst"], time.monotonic() - state["gc_at"])
+    gc.callbacks.append(gc_timer)
 
     def tick():
         now = time.monotonic()
@@ -87,6 +96,7 @@ async def main(reactor, args):
         state["ticks"] += 1
         if started and state["ended"] is None:
             state["worst"] = max(state["worst"], late)
+            state["late"].append(late)
             if (reader.position or 0) >= args.target:
                 state["ended"] = now
                 if profile is not None:
@@ -109,6 +119,8 @@ async def main(reactor, args):
         profile.dump_stats(args.profile)
     print(json.dumps({
         "seconds": state["ended"] - started[0], "stall_max_ms": state["worst"] * 1000,
+        "stall_p99_ms": sorted(state["late"])[int(0.99 * (len(state["late"]) - 1))] * 1000
+        if state["late"] else 0.0, "gc_max_ms": state["gc_worst"] * 1000,
         "ticks": state["ticks"], "rss_start_kb": rss_start,
         "rss_peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "pages": pages[0], "position": reader.position,
