@@ -234,7 +234,7 @@ class Instance:
             return []
         from .consumers import load_consumers
 
-        return load_consumers(self.config.consumers, ".")
+        return load_consumers(self.config.consumers, ".", self.reactor)
 
     @property
     def is_worker(self) -> bool:

@@ -98,8 +98,8 @@ class ReplicationHandler:
         self.max_line_length = max_line_length
         self.retry_delay = retry_delay
         self.fanout_interval = fanout_interval
-        if clock is None:
-            from twisted.internet import reactor as clock
+        if clock is None:  # the registry's reactor, which its streams use
+            clock = registry.reactor
         self._clock = clock
         self.connections: Dict[Any, _ConnState] = {}
         #: The last disconnects, newest last: ``(time, peer, address, reason)``.
