@@ -17,7 +17,7 @@ from twisted.internet import defer, task
 from twisted.logger import Logger, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from replicator import consumers
+from replicator.consumers import loading as consumer_loading
 from replicator.config import ConfigError, ConsumerConfig
 from replicator.consumers import (
     Consumer, JsonlConsumer, JsonlError, LogConsumer, MemoryConsumer, load_consumers, run_inline,
@@ -658,14 +658,14 @@ class LoadConsumersTests(SynchronousTestCase):
         def fake_entry_points(group):
             seen.append(group)
             return [EntryPoint("rec", "tests.test_consumers:RecordingConsumer", group)]
-        self.patch(consumers, "entry_points", fake_entry_points)
+        self.patch(consumer_loading, "entry_points", fake_entry_points)
         (c,) = self.load(ConsumerConfig("rec", ("caches",), {"a": 1}))
         self.assertIsInstance(c, RecordingConsumer)
         self.assertEqual((c.streams, c.options), (("caches",), {"a": 1}))
         self.assertEqual(seen, ["replicator.consumers"])
 
     def test_broken_entry_point(self):
-        self.patch(consumers, "entry_points",
+        self.patch(consumer_loading, "entry_points",
                    lambda group: [EntryPoint("rec", "tests.test_consumers:Nope", group)])
         self.assertEqual(self.error(ConsumerConfig("rec")), (
             "config: consumers[0].type: entry point 'rec' (tests.test_consumers:Nope) cannot be "
