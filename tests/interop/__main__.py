@@ -23,7 +23,9 @@ read Synapse's preset streams, ``app1`` writes a stream of its own that
     like Synapse's caches, receipts and push_rules in a database of its own)
     -> Synapse's generic worker speaking Synapse's TCP client protocol:
     200+ facts, every RDATA counted, parsed and applied by Synapse's handler
-    (its tokens for ``tcphub`` reach ours), one connection, no ERROR.
+    (its tokens for ``tcphub`` reach ours), one connection, no ERROR;
+(g) ``replicator-export`` of the presets on Synapse's live database stops
+    at Synapse's persisted positions (``stream_positions``).
 
 Synapse 1.163.2 refuses TCP replication in its config, so for (e) and (f)
 its processes are started by ``synapse_peer.py`` (run with Synapse's
@@ -577,6 +579,47 @@ def tcp_to_synapse(synapse, traffic, pg, workdir, venv_bin, nodes):
         "one connection throughout, no ERROR in its log")
 
 
+def export_presets(node, dsn, workdir, venv_bin):
+    """(g) ``replicator-export`` of the presets on Synapse's live database
+    stops at Synapse's persisted positions (its ``stream_positions`` rows,
+    named after its ID generators), never at a fact it has not persisted."""
+    from replicator.config import parse_streams
+
+    out = os.path.join(workdir, "export")
+    before = positions_by_name(dsn)
+    started = time.monotonic()
+    done = subprocess.run([os.path.join(venv_bin, "replicator-export"), "-c", node.config,
+                           "-o", out, "--master", "local[2]", "-q"],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise Failed(f"(g) replicator-export exited {done.returncode}: {done.stderr[-500:]}")
+    after = positions_by_name(dsn)
+    with open(os.path.join(out, "current", "state.json")) as f:
+        state = json.load(f)["streams"]
+    got = []
+    for config in parse_streams([{"preset": f"synapse/{p}"} for p in PRESETS]):
+        key = config.positions_key
+        token = state.get(config.name, {}).get("token")
+        if key not in before:
+            # Nothing persisted by Synapse: nothing may be exported.
+            if token is not None and token > 0:
+                raise Failed(f"(g) {config.name}: exported up to {token} with no persisted "
+                             f"position of Synapse's")
+            got.append(f"{config.name} nothing (no {key} row)")
+            continue
+        if not (before[key] <= token <= after[key]):
+            raise Failed(f"(g) {config.name}: exported up to {token}, Synapse's persisted "
+                         f"{key} position was {before[key]}..{after[key]}")
+        top = table_rows(dsn, config.name)
+        got.append(f"{config.name} up to {token} ({key}; its table reaches {max(top)})")
+    log(f"(g) replicator-export on Synapse's database in {time.monotonic() - started:.0f}s: "
+        + "; ".join(got) + ": each bound = Synapse's persisted position")
+
+
+def positions_by_name(dsn):
+    return {name: pos for name, writer, pos in synapse_positions(dsn) if writer == "master"}
+
+
 def row(stream, traffic, i):
     """A row of ``stream`` in Synapse's RDATA layout (the presets')."""
     user = f"@user0:{SERVER_NAME}"
@@ -702,6 +745,7 @@ def main() -> int:
             f"{','.join(subscribers_before)}) never reconnected")
         tcp_from_synapse(synapse, traffic, app3, dsn)
         tcp_to_synapse(synapse, traffic, pg, workdir, venv_bin, nodes)
+        export_presets(app1, dsn, workdir, venv_bin)
 
         for node in nodes:
             node.stop()
