@@ -21,9 +21,7 @@ class FileThread:
     is not in the file's positions, so it is fetched again).
     """
 
-    def __init__(self, name: str, reactor=None):
-        if reactor is None:
-            from twisted.internet import reactor
+    def __init__(self, name: str, reactor):
         self.name = name
         self._reactor = reactor
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()

@@ -92,7 +92,7 @@ class JsonlConsumer(Consumer):
 
     Lines are buffered in memory and written with one ``write`` and one
     ``fsync`` per batch: ``flush_interval`` seconds after the first line of
-    a batch (a ``callLater`` on ``clock``, the reactor by default), as soon as
+    a batch (a ``callLater`` on ``clock``, by default ``reactor``), as soon as
     the buffer holds ``max_buffer`` bytes, and in :meth:`close`.  The writes
     and fsyncs run on a thread of this file's own (:class:`FileThread`; or
     whatever ``run_io`` runs a job with), never on the reactor thread, one
@@ -112,6 +112,9 @@ class JsonlConsumer(Consumer):
     further back).  The file is locked (``flock``) while open: two consumers,
     in one process or two, cannot share it.
 
+    ``reactor`` runs the file's own thread (:class:`FileThread`); it may be
+    left out when ``run_io`` and ``clock`` are given.
+
     The service must call :meth:`close` (and wait for its Deferred) at
     shutdown, or the last ``flush_interval`` of facts is not written (not
     lost: positions do not include them, so they are fetched again on
@@ -124,9 +127,11 @@ class JsonlConsumer(Consumer):
     def __init__(self, path: str, streams: Optional[Sequence[str]] = None,
                  flush_interval: float = 0.05, fsync: bool = True, clock=None,
                  max_buffer: int = 1 << 20,
-                 run_io: Optional[Callable[..., defer.Deferred]] = None):
+                 run_io: Optional[Callable[..., defer.Deferred]] = None, reactor=None):
         if clock is None:
-            from twisted.internet import reactor as clock
+            clock = reactor
+        if clock is None or (run_io is None and reactor is None):
+            raise TypeError("JsonlConsumer needs its reactor (or a clock and run_io)")
         self.path = os.path.abspath(path)
         self.streams = tuple(streams) if streams is not None else None
         self.flush_interval = flush_interval
@@ -135,7 +140,7 @@ class JsonlConsumer(Consumer):
         self._clock = clock
         self._thread: Optional[FileThread] = None
         if run_io is None:
-            self._thread = FileThread(f"jsonl {os.path.basename(self.path)}")
+            self._thread = FileThread(f"jsonl {os.path.basename(self.path)}", reactor)
             run_io = self._thread.run
         self._run_io = run_io
         self._durable: Dict[Key, int] = {}  # in the file
@@ -237,6 +242,39 @@ class JsonlConsumer(Consumer):
                 self.flush()
             if self._buffered >= self.max_buffer:
                 # The writer is busy or the disk is failing: wait for it.
+                waiter: defer.Deferred = defer.Deferred()
+                self._waiters.append(waiter)
+                return waiter
+        if self._buffer:
+            self._schedule(self.flush_interval)
+        return None
+
+    def on_facts_many(self, stream, writer, facts):
+        """``on_facts`` for ``(token, rows)`` facts in token order (a page of a
+        catch-up), in one pass.  The buffer may go past ``max_buffer`` by one
+        page; a Deferred is returned, as by ``on_facts``, when it is full."""
+        if self._closed or not facts:
+            return None
+        key = (stream, writer)
+        last = self._last.get(key)
+        lines = []
+        for token, rows in facts:
+            if last is not None and token <= last:
+                self.skipped += 1
+                continue
+            lines.append(_encode({"stream": stream, "writer": writer, "token": token,
+                                  "rows": rows}))
+            last = token
+        if not lines:
+            return None
+        self._buffer.extend(lines)
+        self._buffered += sum(map(len, lines))
+        self._last[key] = last
+        self._pending_positions.pop(key, None)
+        if self._buffered >= self.max_buffer:
+            if self._writing is None and not self._failed:
+                self.flush()
+            if self._buffered >= self.max_buffer:
                 waiter: defer.Deferred = defer.Deferred()
                 self._waiters.append(waiter)
                 return waiter
@@ -383,7 +421,7 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def build(config: ConsumerConfig, base_dir: str, where: str) -> Consumer:
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
     """A :class:`JsonlConsumer` from its config (options ``path``, relative
     to ``base_dir``; ``fsync``; ``flush_interval``)."""
     options = config.options
@@ -394,7 +432,7 @@ def build(config: ConsumerConfig, base_dir: str, where: str) -> Consumer:
     flush_interval = get_number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
     try:
         return JsonlConsumer(path, streams=config.streams, flush_interval=flush_interval,
-                             fsync=fsync)
+                             fsync=fsync, reactor=reactor)
     except JsonlError as e:
         raise ConfigError(f"{where}.path", str(e)) from None
     except OSError as e:

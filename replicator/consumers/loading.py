@@ -16,7 +16,7 @@ log = Logger(namespace="replicator.consumers")
 #: Entry point group third-party consumers register under.
 ENTRY_POINT_GROUP = "replicator.consumers"
 
-BUILTINS: Dict[str, Callable[[ConsumerConfig, str, str], Consumer]] = {
+BUILTINS: Dict[str, Callable[[ConsumerConfig, str, str, Any], Consumer]] = {
     "jsonl": jsonl.build,
     "log": log_consumer.build,
 }
@@ -87,7 +87,7 @@ def _build_external(config: ConsumerConfig, where: str) -> Consumer:
     return consumer
 
 
-def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str,
+def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor,
                    key: str = "consumers") -> List[Consumer]:
     """Consumers from their configs, in order.
 
@@ -105,7 +105,7 @@ def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str,
             where = f"{key}[{i}]"
             builtin = BUILTINS.get(config.type)
             if builtin is not None:
-                built.append(builtin(config, base_dir, where))
+                built.append(builtin(config, base_dir, where, reactor))
             else:
                 built.append(_build_external(config, where))
     except BaseException:

@@ -49,7 +49,7 @@ class LogConsumer(Consumer):
                       preview=preview(rows, self.preview_chars))
 
 
-def build(config: ConsumerConfig, base_dir: str, where: str) -> Consumer:
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
     """A :class:`LogConsumer` from its config (option ``level``)."""
     options = config.options
     no_unknown(options, ("level",), where)
