@@ -91,6 +91,14 @@ class StreamConfig:
     timestamp_column: Optional[str] = None
     create: bool = True
     preset: Optional[str] = None  # e.g. "synapse/caches": a Synapse stream, read-only
+    # The stream_name of its rows in stream_positions when it is not ``name``
+    # (Synapse's presets: its ID generator's name, e.g. "presence_stream").
+    positions_name: Optional[str] = None
+
+    @property
+    def positions_key(self) -> str:
+        """The ``stream_name`` of this stream's ``stream_positions`` rows."""
+        return self.positions_name or self.name
 
     @property
     def column_names(self) -> List[str]:
@@ -281,7 +289,7 @@ STREAM_KEYS = (
 PRESET_KEYS = ("table", "id_column", "writer_column", "columns", "sequence", "create")
 
 
-def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset]:
+def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset, Optional[str]]:
     """The stream section with its preset's layout filled in; the preset's
     name; the columns stored as JSON text."""
     from . import synapse
@@ -305,18 +313,18 @@ def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset]:
     if section.get("name", name) != name:
         raise ConfigError(f"{key}.name", f"a {preset!r} stream is named {name!r} on the wire")
     filled = dict(section)
-    filled.update({k: v for k, v in layout.items() if k != "json_text"})
+    filled.update({k: v for k, v in layout.items() if k not in ("json_text", "positions_name")})
     filled["name"] = name
     filled.setdefault("writers", [synapse.MAIN_PROCESS])
-    return filled, preset, layout["json_text"]
+    return filled, preset, layout["json_text"], layout["positions_name"]
 
 
 def parse_stream(value: Any, key: str) -> StreamConfig:
     section = _mapping(value, key)
     no_unknown(section, STREAM_KEYS, key)
-    preset, json_text = None, frozenset()
+    preset, json_text, positions_name = None, frozenset(), None
     if "preset" in section:
-        section, preset, json_text = _apply_preset(section, key)
+        section, preset, json_text, positions_name = _apply_preset(section, key)
     name = get_str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")
     table = get_str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
     _sql_name(table, f"{key}.table")
@@ -379,7 +387,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         columns=columns, sequence=sequence, writers=tuple(writers),
         timestamp_column=timestamp_column,
         create=False if preset is not None else get_bool(section, "create", key, True),
-        preset=preset,
+        preset=preset, positions_name=positions_name,
     )
 
 

@@ -191,6 +191,27 @@ class JsonlTests(SynchronousTestCase):
         self.assertEqual(self.fsyncs, 0)
         self.assertEqual(c.positions(), {("caches", "master"): 1})
 
+    def test_a_page_of_facts_is_written_like_one_by_one(self):
+        """``on_facts_many`` (a catch-up page): the same lines as ``on_facts``
+        per fact, what the file has skipped, and back-pressure once full."""
+        c = self.open(max_buffer=300)
+        c.on_facts("caches", "master", 2, [["b"]])
+        self.assertIsNone(c.on_facts_many("caches", "master", [
+            (1, [["old"]]), (2, [["again"]]), (3, [["c"], ["d"]]), (4, [])]))
+        self.assertEqual(c.skipped, 2)
+        self.clock.advance(0.05)
+        lines, _ = read_lines(self.path)
+        self.assertEqual(lines, [
+            {"stream": "caches", "writer": "master", "token": 2, "rows": [["b"]]},
+            {"stream": "caches", "writer": "master", "token": 3, "rows": [["c"], ["d"]]},
+            {"stream": "caches", "writer": "master", "token": 4, "rows": []},
+        ])
+        self.assertEqual(c.positions(), {("caches", "master"): 4})
+        self.assertIsNone(c.on_facts_many("caches", "master", []))
+        big = [(t, [["x" * 50]]) for t in range(5, 15)]
+        self.assertIsNone(c.on_facts_many("caches", "master", big))  # written at once
+        self.assertEqual(c.positions(), {("caches", "master"): 14})
+
     def test_full_buffer_flushes_at_once(self):
         c = self.open(max_buffer=300)
         before = self.fsyncs

@@ -251,6 +251,39 @@ class JsonlConsumer(Consumer):
             self._schedule(self.flush_interval)
         return None
 
+    def on_facts_many(self, stream, writer, facts):
+        """``on_facts`` for ``(token, rows)`` facts in token order (a page of a
+        catch-up), in one pass.  The buffer may go past ``max_buffer`` by one
+        page; a Deferred is returned, as by ``on_facts``, when it is full."""
+        if self._closed or not facts:
+            return None
+        key = (stream, writer)
+        last = self._last.get(key)
+        lines = []
+        for token, rows in facts:
+            if last is not None and token <= last:
+                self.skipped += 1
+                continue
+            lines.append(_encode({"stream": stream, "writer": writer, "token": token,
+                                  "rows": rows}))
+            last = token
+        if not lines:
+            return None
+        self._buffer.extend(lines)
+        self._buffered += sum(map(len, lines))
+        self._last[key] = last
+        self._pending_positions.pop(key, None)
+        if self._buffered >= self.max_buffer:
+            if self._writing is None and not self._failed:
+                self.flush()
+            if self._buffered >= self.max_buffer:
+                waiter: defer.Deferred = defer.Deferred()
+                self._waiters.append(waiter)
+                return waiter
+        if self._buffer:
+            self._schedule(self.flush_interval)
+        return None
+
     def on_position(self, stream, writer, token):
         if self._closed:
             return None
