@@ -298,7 +298,7 @@ class Instance:
                                       problem=lambda: self.http.current_problem())
             self.http = HttpApi(config=config, registry=self.registry, handler=self.handler,
                                 db=self.db, replication_status=self.replication_status,
-                                health=self.health, status=recorder)
+                                clock=self.reactor, health=self.health, status=recorder)
             recorder.setServiceParent(self.services)
             self._listen(config.http.listen, self.http.site(), "HTTP", key="http.listen")
         if config.http.metrics_listen:

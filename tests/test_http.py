@@ -180,7 +180,8 @@ class HttpTestCase(TestCase):
         handler.start()
         self.addCleanup(lambda: defer.ensureDeferred(until(handler.idle)))
         api = HttpApi(config=config, registry=registry, handler=handler, db=db,
-                      replication_status=lambda: self.status, **api_kw)
+                      replication_status=lambda: self.status,
+                      **{"clock": reactor, **api_kw})
         port = await endpoints.serverFromString(reactor, config.http.listen).listen(api.site())
         self.addCleanup(port.stopListening)
         self.port = port.getHost().port
@@ -376,14 +377,14 @@ class HttpApiTests(HttpTestCase):
             await self.start()
             caches = self.registry.get("caches")
             gate, entered = defer.Deferred(), []
-            original = caches.write_fact
+            original = caches.write_prepared
 
-            async def slow_write(rows, writer=None):
-                entered.append(rows)
+            async def slow_write(prepared, hooks=()):
+                entered.append(prepared)
                 await gate
-                return await original(rows, writer)
+                return await original(prepared, hooks)
 
-            caches.write_fact = slow_write
+            caches.write_prepared = slow_write
             body = b'{"rows": [["kept", null, 7]]}'
             client = RawClient(
                 b"POST " + FACTS.format("caches").encode() + b" HTTP/1.1\r\nHost: x\r\n"

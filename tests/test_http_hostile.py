@@ -11,7 +11,7 @@ from twisted.internet import defer, endpoints, protocol, reactor, task, threads
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.http_channel import Channel
+from replicator.http.channel import Channel
 from replicator.replication.protocol import ServerReplicationProtocol
 from tests.servers import PostgresServer
 from tests.support import until

@@ -6,11 +6,16 @@ carrying real JSON values: ``bigint`` an integer, ``boolean`` true/false,
 ``null`` only where the column is nullable.
 """
 
+import json
 from typing import Any, Callable, List, Optional, Sequence
 
 import orjson
 
 from ..config import ColumnConfig
+
+#: A ``json`` column value may nest arrays and objects this deep (the value
+#: itself is level 1); deeper is refused (encoders and peers' decoders recurse).
+MAX_JSON_DEPTH = 100
 
 
 class RowError(ValueError):
@@ -108,6 +113,39 @@ class WireRowCheck:
         return None
 
 
+def json_problem(value: Any) -> Optional[str]:
+    """What makes a decoded ``json`` column value unfit to store and
+    replicate: a NUL in a string or key, or nesting deeper than
+    :data:`MAX_JSON_DEPTH`.  Iterative, so any depth a parser accepted is
+    checked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                return "contains a NUL character"
+        elif isinstance(v, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                return f"is nested deeper than {MAX_JSON_DEPTH} levels"
+            if isinstance(v, list):
+                stack.extend((item, depth + 1) for item in v)
+            else:
+                for k, item in v.items():
+                    if "\x00" in k:
+                        return "contains a NUL character"
+                    stack.append((item, depth + 1))
+    return None
+
+
+def _encoded_size(row: list) -> int:
+    """The size of ``row`` as the wire encodes it (orjson, or the standard
+    library for what orjson refuses, e.g. integers beyond 64 bits)."""
+    try:
+        return len(orjson.dumps(row))
+    except TypeError:
+        return len(json.dumps(row, separators=(",", ":"), allow_nan=False))
+
+
 def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[tuple], list]]:
     """A function shaping a database row (row columns only) into a wire row.
 
@@ -140,11 +178,15 @@ def _json_text(value):
 
 
 class RowCodec:
-    """A stream's rows checked and converted in one pass (the write path).
+    """A stream's rows checked and converted in one pass (the write path):
+    the one check every written row goes through.
 
-    Same rules and messages as :func:`check_rows`, JSON columns as JSON text;
-    the common case (exact types) is checked inline, anything else takes
-    the general path, which raises the precise :class:`RowError`.
+    Same rules and messages as :func:`check_rows`, plus: a ``json`` value
+    passes :func:`json_problem`, and, when a line limit is given, the row's
+    RDATA line fits in it (a longer one could never be replicated).  JSON
+    columns come out as JSON text.  The common case (exact types) is checked
+    inline, anything else takes the general path, which raises the precise
+    :class:`RowError`.  Pure: may run in a thread.
     """
 
     _EXACT = {"text": str, "bigint": int, "boolean": bool}
@@ -162,9 +204,16 @@ class RowCodec:
         except RowError as e:
             raise RowError(f"row {n}{str(e)[len('row 0'):]}") from None
 
-    def prepare(self, facts) -> "tuple[List[List[list]], List[List[list]]]":
+    def prepare(self, facts, line_prefix: int = 0, max_line_length: Optional[int] = None
+                ) -> "tuple[List[List[list]], List[List[list]]]":
         """``(wire, params)``: per fact, its rows as wire values and as
-        statement parameters (JSON columns as JSON text)."""
+        statement parameters (JSON columns as JSON text).
+
+        With ``max_line_length``, ``line_prefix`` is the length of ``RDATA
+        <stream> <writer> <token> `` with the longest token, and a row whose
+        line would be longer is a :class:`RowError`."""
+        room = None if max_line_length is None else max_line_length - line_prefix
+        columns = self.columns
         width = self.width
         typed = self._typed
         json_cols = self._json
@@ -189,8 +238,24 @@ class RowCodec:
                 if not ok:
                     self._check(row, n)  # subclasses of the exact types pass
                 for i, nullable in json_cols:
-                    if row[i] is None and not nullable:
-                        self._check(row, n)
+                    value = row[i]
+                    if value is None:
+                        if not nullable:
+                            self._check(row, n)
+                    else:
+                        problem = json_problem(value)
+                        if problem is not None:
+                            raise RowError(f"row {n}: column {columns[i].name!r} {problem}")
+                if room is not None:
+                    try:
+                        size = _encoded_size(row if type(row) is list else list(row))
+                    except (TypeError, ValueError):
+                        raise RowError(f"row {n}: not encodable as JSON") from None
+                    if size > room:
+                        raise RowError(
+                            f"row {n}: its RDATA line would be {line_prefix + size} bytes, "
+                            f"more than replication.max_line_length ({max_line_length}): it "
+                            "could never be replicated")
                 wire = list(row)
                 params = wire.copy()
                 for i, _ in json_cols:

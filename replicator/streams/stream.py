@@ -16,7 +16,7 @@ reader's catch-up use.
 
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -36,6 +36,16 @@ Update = Tuple[int, list]
 #: Facts in one write transaction at most (``database.write_group_max``).
 DEFAULT_GROUP_MAX = 256
 TxnHook = Callable[[Any, int], None]
+#: An RDATA line's length is estimated with a token of this many digits.
+TOKEN_DIGITS = 20
+
+
+class PreparedFacts(NamedTuple):
+    """Facts checked by :meth:`Stream.prepare`, ready to write."""
+
+    writer: str
+    wire: List[List[list]]
+    params: List[List[list]]
 
 
 class Fact:
@@ -231,8 +241,24 @@ class Stream:
         one transaction (group commit, :mod:`.group`); each still succeeds
         or fails alone.
         """
+        return await self.write_prepared(self.prepare(facts, writer), hooks)
+
+    def prepare(self, facts: Sequence[Sequence[Any]], writer: Optional[str] = None,
+                max_line_length: Optional[int] = None) -> "PreparedFacts":
+        """``facts`` checked (:class:`RowError` if a row does not fit; with
+        ``max_line_length``, also if its RDATA line would be longer) and
+        converted for :meth:`write_prepared`.  Pure: may run in a thread."""
         writer = self._writer(writer)
-        wire, checked = self._codec.prepare(facts)
+        prefix = (len(b"RDATA ") + len(self.name.encode()) + 1 + len(writer.encode()) + 1
+                  + TOKEN_DIGITS + 1)
+        wire, checked = self._codec.prepare(facts, prefix, max_line_length)
+        return PreparedFacts(writer, wire, checked)
+
+    async def write_prepared(self, prepared: "PreparedFacts",
+                             hooks: Sequence[TxnHook] = ()) -> List[int]:
+        """Write facts :meth:`prepare` checked, in one transaction (see
+        :meth:`write_facts`), or together with other waiting writes."""
+        writer, wire, checked = prepared
         write = Write(checked, wire, list(hooks), time.monotonic())
         return await self._groups[writer].submit(write)
 

@@ -26,22 +26,28 @@ from twisted.internet import protocol
 from twisted.internet.interfaces import ISSLTransport
 from twisted.web.http import HTTPChannel
 
-from .replication.commands import encode_json
+from ..replication.commands import encode_json
 
 #: How long a refused connection is drained before it is closed.
 DRAIN_TIME = 2.0
-REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
-           503: b"Service Unavailable"}
+REASONS = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Request Entity Too Large",
+           431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 # RFC 9110 token characters: what a header name may be made of.
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
-def refusal(code: int, message: str, extra: bytes = b"") -> bytes:
-    """The whole answer of a refusal: status line, headers, one JSON line."""
-    body = encode_json({"error": message}) + b"\n"
+def error_body(message: str) -> bytes:
+    """The body of every error answer: one JSON line."""
+    return encode_json({"error": message}) + b"\n"
+
+
+def refusal(code: int, message: str, extra: bytes = b"") -> Tuple[bytes, int]:
+    """The whole answer of a refusal (status line, headers, one JSON line)
+    and the length of its body."""
+    body = error_body(message)
     return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
             b"Cache-Control: no-store\r\nConnection: close\r\n%s\r\n"
-            % (code, REASONS.get(code, b"Error"), len(body), extra)) + body
+            % (code, REASONS.get(code, b"Error"), len(body), extra)) + body, len(body)
 
 
 def _close_after_answer(transport, clock, drain_time: float, close):
@@ -83,6 +89,9 @@ class Channel(HTTPChannel):
     _deadline = None
     _closer = None
     refused = False
+    #: Method and path of the request being received, from its request line
+    #: (for the access line of a refusal).
+    _request_line: Tuple[Optional[bytes], Optional[bytes]] = (None, None)
 
     # ------------------------------------------------------------ events
     def connectionMade(self):
@@ -109,7 +118,7 @@ class Channel(HTTPChannel):
             if self._bare_lf(data):
                 # twisted.web splits lines on CRLF only: a request with bare
                 # LFs would wait for its deadline.
-                self._refuse(400, "header lines must end with CRLF")
+                self.refuse(400, "header lines must end with CRLF")
                 return
         super().dataReceived(data)
 
@@ -136,6 +145,9 @@ class Channel(HTTPChannel):
     def lineReceived(self, line):
         if self.refused:
             return
+        if self._request_line[0] is None and line:
+            method, _, rest = line.partition(b" ")
+            self._request_line = (method, rest.partition(b" ")[0] or None)
         if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
             self._why = (431, f"request headers larger than {self.totalHeadersSize} bytes")
         else:
@@ -155,6 +167,7 @@ class Channel(HTTPChannel):
     def allContentReceived(self):
         self._cancel_deadline()
         self._tail = b""  # the next request's headers are checked afresh
+        self._request_line = (None, None)
         super().allContentReceived()
 
     def rawDataReceived(self, data):
@@ -164,11 +177,11 @@ class Channel(HTTPChannel):
         super().rawDataReceived(data)
 
     def lineLengthExceeded(self, line):
-        self._refuse(431, f"request headers larger than {self.MAX_LENGTH} bytes")
+        self.refuse(431, f"request headers larger than {self.MAX_LENGTH} bytes")
 
     def _respondToBadRequestAndDisconnect(self):
         code, message = self._why or (400, "malformed HTTP request")
-        self._refuse(code, message)
+        self.refuse(code, message)
 
     # ----------------------------------------------------------- helpers
     def _header_problem(self, line: bytes) -> Tuple[int, str]:
@@ -197,7 +210,7 @@ class Channel(HTTPChannel):
     def _start_deadline(self, what: str, seconds: float) -> None:
         self._cancel_deadline()
         self._deadline = self.callLater(
-            seconds, self._refuse, 408, f"request {what} not received within {seconds:g}s")
+            seconds, self.refuse, 408, f"request {what} not received within {seconds:g}s")
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:
@@ -205,20 +218,20 @@ class Channel(HTTPChannel):
                 self._deadline.cancel()
             self._deadline = None
 
-    def _refuse(self, code: int, message: str) -> None:
+    def refuse(self, code: int, message: str) -> None:
         """Answer ``code`` with ``message``, parse nothing more, close."""
         if self.refused:
             return
         self.refused = True
         self._cancel_deadline()
         self.setTimeout(None)
-        answer = refusal(code, message)
+        answer, length = refusal(code, message)
         self.transport.write(answer)
         self._closer = _close_after_answer(self.transport, self, DRAIN_TIME,
                                            self.loseConnection)
         if self.api is not None:
-            self.api.log_refusal(self.transport, code, len(answer), message,
-                                 getattr(self, "_command", None), getattr(self, "_path", None))
+            method, path = self._request_line
+            self.api.log_refusal(self.transport, code, length, message, method, path)
 
 
 class Busy(protocol.Protocol):
@@ -232,11 +245,11 @@ class Busy(protocol.Protocol):
 
     def connectionMade(self):
         message = f"too many HTTP connections ({self.limit}): try again later"
-        answer = refusal(503, message, b"Retry-After: 1\r\n")
+        answer, length = refusal(503, message, b"Retry-After: 1\r\n")
         self.transport.write(answer)
         self._closer = _close_after_answer(self.transport, self.clock, DRAIN_TIME,
                                            self.transport.loseConnection)
-        self.api.log_refusal(self.transport, 503, len(answer), message, None, None)
+        self.api.log_refusal(self.transport, 503, length, message, None, None)
 
     def dataReceived(self, data):
         pass  # drained

@@ -1,0 +1,262 @@
+"""The HTTP API of one instance: the routes, dispatch, and the answers.
+
+The routes, their secrets and their status codes are listed in the README
+("HTTP API"); each group lives in its own module: the stream API
+(:mod:`.streams`), the master's bookkeeping (:mod:`.bookkeeping`), the health
+probe (:mod:`.health`); the status page and ``/metrics`` are here.  Every
+JSON answer is one line followed by ``\\n``; errors are ``{"error": "..."}``.
+Any other path is 404, any other method 405 (with ``Allow``; HEAD goes with
+GET), and an unexpected exception a logged 500 with a generic message.  The
+secret is never written into an answer or a log line (:class:`.site.Redactor`).
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+from urllib.parse import unquote
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from twisted.internet import defer, threads
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import server
+from twisted.web.resource import Resource
+
+from ..config import InstanceConfig
+from ..replication.commands import encode_json
+from ..status import CSP, SCRIPT, STYLE, StatusRecorder, render_html, snapshot
+from .answers import JSON_TYPE, HttpError, Response
+from .bookkeeping import BookkeepingRoutes
+from .channel import error_body
+from .health import DB_TIMEOUT, HealthRoute
+from .site import MAX_BODY_SIZE, AccessLog, Redactor, Site
+from .streams import StreamRoutes
+
+log = Logger(namespace="replicator.http")
+
+API_PREFIX = "/_replicator/v1"
+
+Route = Callable[..., Any]
+
+
+class _Root(Resource):
+    isLeaf = True
+
+    def __init__(self, api: "HttpApi"):
+        super().__init__()
+        self._api = api
+
+    def render(self, request):
+        return self._api.render(request)
+
+
+class HttpApi:
+    """The HTTP API of one instance.
+
+    ``replication_status()`` returns ``(connected, detail)``; it decides
+    health on a worker (an instance with ``replication.upstream`` or
+    ``replication.redis``) and is only reported on a master.  ``health`` is
+    the instance's :class:`replicator.health.HealthMonitor` (by default one
+    that is not started: replication problems only); ``status`` its
+    :class:`replicator.status.StatusRecorder` (by default one not started:
+    no lag history).
+    """
+
+    def __init__(self, *, config: InstanceConfig, registry, handler, db,
+                 replication_status: Callable[[], Tuple[bool, str]], clock,
+                 max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
+                 idle_timeout: float = 60.0, lag_grace: float = 10.0,
+                 health=None, status=None):
+        self.config = config
+        self.registry = registry
+        self.handler = handler
+        self.instance_name = config.instance_name
+        self.max_body_size = max_body_size
+        self.idle_timeout = idle_timeout
+        self.header_timeout = config.http.header_timeout
+        self.body_timeout = config.http.body_timeout
+        self.max_connections = config.http.max_connections
+        #: HTTP connections open now (counted by the channels).
+        self.open_connections = 0
+        self.is_worker = bool(config.replication.upstream or config.replication.redis)
+        secret = config.http.secret
+        secret_bytes = secret.encode("utf-8") if secret else None
+        # Strings never to show: the HTTP secret, and the Redis password
+        # which a replication status detail might carry.
+        self.redact = Redactor([secret, getattr(config.replication.redis, "password", None)])
+        self.access = AccessLog(self.redact)
+        self._clock = clock
+        if health is None:
+            from ..health import HealthMonitor
+
+            health = HealthMonitor(registry=registry, handler=handler, db=db, clock=clock,
+                                   lag_grace=lag_grace, expect_upstream=self.is_worker)
+        self.health = HealthRoute(
+            instance_name=self.instance_name, is_worker=self.is_worker, registry=registry,
+            handler=handler, db=db, monitor=health, replication_status=replication_status,
+            redact=self.redact, db_timeout=db_timeout, clock=clock)
+        if status is None:
+            status = StatusRecorder(handler=handler, problem=self.current_problem, clock=clock)
+        self.status = status
+        self.streams = StreamRoutes(
+            instance_name=self.instance_name, registry=registry, handler=handler,
+            secret=secret_bytes, max_body_size=max_body_size,
+            max_line_length=config.replication.max_line_length, redact=self.redact)
+        self.bookkeeping = BookkeepingRoutes(handler, secret_bytes)
+        self._root = _Root(self)
+
+    # --------------------------------------------------------------- public
+    def resource(self) -> Resource:
+        """The root resource (every route; works under a plain Site too)."""
+        return self._root
+
+    def site(self) -> server.Site:
+        """A Site with the body limit, deadlines and a one-line access log."""
+        return Site(self._root, self, self.max_body_size, self.idle_timeout, self._clock)
+
+    def refresh_metrics(self) -> None:
+        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler's
+        bookkeeping (labelled only by configured names; from snapshots, so
+        it may also run in a scrape thread: it is registered with
+        ``metrics.add_refresher``)."""
+        refresh = getattr(self.handler, "refresh_metrics", None)
+        if refresh is not None:
+            refresh()
+
+    def log_access(self, request, code: Optional[int] = None, note: str = "") -> None:
+        """The access line of a request (see :class:`.site.AccessLog`)."""
+        self.access.request(request, code, note)
+
+    def log_refusal(self, transport, code: int, length: int, message: str,
+                    method: Optional[bytes], path: Optional[bytes]) -> None:
+        """The access line of a request the channel refused."""
+        self.access.refusal(transport, code, length, message, method, path)
+
+    def check_database(self) -> defer.Deferred:
+        """See :meth:`.health.HealthRoute.check_database`."""
+        return self.health.check_database()
+
+    def current_problem(self) -> Optional[str]:
+        """See :meth:`.health.HealthRoute.current_problem`."""
+        return self.health.current_problem()
+
+    # ---------------------------------------------------------- rendering
+    def _routes(self, path: bytes) -> Tuple[Dict[bytes, Route], tuple]:
+        """The methods of ``path`` and the route's arguments; 404 if none."""
+        if path == b"/health":
+            return {b"GET": self.health.get}, ()
+        if path in (b"/", b"/status.json", b"/status.js", b"/status.css"):
+            return {b"GET": self._status}, ()
+        if path == b"/metrics":
+            return {b"GET": self._metrics}, ()
+        prefix = API_PREFIX.encode() + b"/"
+        if path.startswith(prefix):
+            rest = path[len(prefix):]
+            simple = {
+                b"positions": self.streams.positions,
+                b"user_syncs": self.bookkeeping.user_syncs,
+                b"federation_acks": self.bookkeeping.federation_acks,
+                b"user_ips": self.bookkeeping.user_ips,
+            }
+            if rest in simple:
+                return {b"GET": simple[rest]}, ()
+            parts = rest.split(b"/")
+            if len(parts) == 3 and parts[0] == b"streams" and parts[2] == b"facts" and parts[1]:
+                try:
+                    name = unquote(parts[1].decode("ascii"), errors="strict")
+                except (UnicodeDecodeError, ValueError):
+                    name = None
+                return {b"POST": self.streams.post_facts}, (name,)
+        raise HttpError(404, "no such endpoint")
+
+    def render(self, request) -> int:
+        """Dispatch; the answer is always written later (NOT_DONE_YET)."""
+        request.setHeader(b"server", b"replicator")
+        gone: List[Any] = []
+        request.notifyFinish().addErrback(gone.append)
+        try:
+            routes, args = self._routes(request.path)
+            method = request.method
+            fn = routes.get(b"GET" if method == b"HEAD" else method)
+            if fn is None:
+                allowed = sorted(routes) + ([b"HEAD"] if b"GET" in routes else [])
+                raise HttpError(405, f"method {method.decode('ascii', 'replace')[:40]} "
+                                     "not allowed",
+                                {b"allow": b", ".join(allowed)})
+            d = defer.ensureDeferred(fn(request, *args))
+        except Exception:
+            d = defer.fail()
+        d.addCallbacks(lambda result: self._answer(request, gone, 200, result),
+                       lambda f: self._failed(request, gone, f))
+        d.addErrback(lambda f: self.redact.log_failure("Answering {path} failed", f,
+                                                       path=self.redact.path(request.path)))
+        return server.NOT_DONE_YET
+
+    def _failed(self, request, gone, failure) -> None:
+        if failure.check(HttpError):
+            e = failure.value
+            self._answer(request, gone, e.code, {**e.extra, e.key: self.redact(e.message)},
+                         e.headers)
+            return
+        self.redact.log_failure("Unexpected error answering {method} {path}", failure,
+                                method=self.redact.method(request.method),
+                                path=self.redact.path(request.path))
+        self._answer(request, gone, 500, {"error": "internal error"})
+
+    def _answer(self, request, gone, code: int, result, headers=None) -> None:
+        if gone or request.finished:
+            if gone:
+                self.log_access(request, code=code, note="client gone")
+            return
+        if isinstance(result, Response):
+            body, content_type = result.body, result.content_type
+            headers = {**result.headers, **(headers or {})}
+        else:
+            try:
+                body = encode_json(result) + b"\n"
+            except (TypeError, ValueError):
+                self.redact.log_failure("Cannot encode the answer to {path}", Failure(),
+                                        path=self.redact.path(request.path))
+                code, body = 500, error_body("internal error")
+            content_type = JSON_TYPE
+        request.setResponseCode(code)
+        request.setHeader(b"content-type", content_type)
+        request.setHeader(b"content-length", b"%d" % len(body))
+        request.setHeader(b"cache-control", b"no-store")
+        request.setHeader(b"x-content-type-options", b"nosniff")
+        for name, value in (headers or {}).items():
+            request.setHeader(name, value)
+        request.write(body)
+        request.finish()
+
+    # ------------------------------------------------ status page, metrics
+    def status_snapshot(self) -> Dict[str, Any]:
+        """What the status page shows (``/status.json``): no secret needed."""
+        return snapshot(instance=self.instance_name,
+                        role="worker" if self.is_worker else "master",
+                        registry=self.registry, handler=self.handler, recorder=self.status,
+                        problem=self.current_problem(), clock=self._clock,
+                        redact=self.redact)
+
+    async def _status(self, request):
+        path = request.path
+        if path == b"/status.js":
+            return Response(SCRIPT, b"text/javascript; charset=utf-8")
+        if path == b"/status.css":
+            return Response(STYLE, b"text/css; charset=utf-8")
+        snap = self.status_snapshot()
+        if path == b"/status.json":
+            return snap
+        return Response(render_html(snap), b"text/html; charset=utf-8",
+                        {b"content-security-policy": CSP, b"referrer-policy": b"no-referrer",
+                         b"x-frame-options": b"DENY"})
+
+    def _metrics_text(self) -> bytes:
+        """Runs in a thread: the refreshers work on snapshots."""
+        self.refresh_metrics()
+        refresh = getattr(self.registry, "refresh_metrics", None)
+        if refresh is not None:
+            refresh()
+        return generate_latest(REGISTRY)
+
+    async def _metrics(self, request):
+        text = await threads.deferToThread(self._metrics_text)
+        return Response(text, CONTENT_TYPE_LATEST.encode("ascii"))

@@ -1,0 +1,213 @@
+"""The API's twisted.web site: request body limits, the access log, and
+redaction of what must never be shown.
+
+* A request never holds more than ``max_body_size`` bytes of body in memory:
+  an oversized body is read and dropped up to :data:`DRAIN_FACTOR` times the
+  limit (the route answers 413); beyond that, or when the client waits for
+  ``100 Continue``, the channel refuses it at once (413, closed).
+* One access line per request: client, method, path (no query), status,
+  bytes, duration; never a header.
+* The HTTP secret (and the Redis password a replication detail might carry)
+  is replaced by ``[redacted]`` in every answer and log line.
+"""
+
+import io
+import time
+from typing import Optional, Sequence, Tuple
+
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import server
+
+from .channel import Busy, Channel
+
+log = Logger(namespace="replicator.http")
+access_log = Logger(namespace="replicator.http.access")
+
+MAX_BODY_SIZE = 1 << 20
+#: A body declared or sent beyond this many times the limit is refused at
+#: once and the connection closed; up to it an oversized body is read and
+#: thrown away so that the client gets its 413 (closing on unread data makes
+#: the kernel reset the connection, and the client would see that instead).
+DRAIN_FACTOR = 4
+
+
+class Redactor:
+    """Removes hidden strings (the secret, the Redis password) from text
+    shown in answers and logs."""
+
+    def __init__(self, hidden: Sequence[Optional[str]]):
+        self._hidden = [s for s in hidden if s]
+
+    def __call__(self, text: str) -> str:
+        """One line, without a hidden string, at most 2000 characters."""
+        text = " ".join(str(text).splitlines())
+        for hidden in self._hidden:
+            text = text.replace(hidden, "[redacted]")
+        return text[:2000]
+
+    def lines(self, text: str) -> str:
+        """``text`` without a hidden string, its lines kept."""
+        for hidden in self._hidden:
+            text = text.replace(hidden, "[redacted]")
+        return text
+
+    def log_failure(self, fmt: str, failure: Failure, **fields) -> None:
+        """``log.failure``, unless the traceback text would show a hidden
+        string: then the redacted traceback is logged as text instead."""
+        text = failure.getTraceback()
+        if any(hidden in text for hidden in self._hidden):
+            log.error(fmt + "\n{traceback}", traceback=self.lines(text), **fields)
+        else:
+            log.failure(fmt, failure, **fields)
+
+    def path(self, raw: bytes) -> str:
+        """A request path fit for a log line."""
+        path = self(raw.decode("ascii", "backslashreplace"))
+        return path if len(path) <= 200 else path[:200] + "..."
+
+    def method(self, raw) -> str:
+        return self(raw.decode("ascii", "backslashreplace"))[:20] \
+            if isinstance(raw, bytes) else "-"
+
+
+class AccessLog:
+    """The access log: one line per request, at DEBUG for a success (a
+    write per request would flood the log at INFO), at INFO for a refusal
+    or error."""
+
+    def __init__(self, redact: Redactor):
+        self.redact = redact
+
+    def request(self, request, code: Optional[int] = None, note: str = "") -> None:
+        """The line of a request twisted.web parsed."""
+        try:
+            addr = request.getClientAddress()
+            client = getattr(addr, "host", None) or "-"
+        except Exception:
+            client = "-"
+        started = getattr(request, "started", None)
+        ms = (time.monotonic() - started) * 1000 if started is not None else 0.0
+        path = getattr(request, "path", None)
+        code = code if code is not None else request.code
+        emit = access_log.info if not isinstance(code, int) or code >= 400 else access_log.debug
+        emit('{client} "{method} {path}" {code} {length} {duration_ms:.1f}ms{note}',
+             client=client, method=self.redact.method(request.method),
+             path=self.redact.path(path) if isinstance(path, bytes) else "-",
+             code=code, length=getattr(request, "sentLength", 0),
+             duration_ms=ms, note=f" ({note})" if note else "")
+
+    def refusal(self, transport, code: int, length: int, message: str,
+                method: Optional[bytes], path: Optional[bytes]) -> None:
+        """The line of a request the channel refused (malformed, too large,
+        too slow, over the connection cap); ``length`` is the body's."""
+        try:
+            client = getattr(transport.getPeer(), "host", None) or "-"
+        except Exception:
+            client = "-"
+        path_text = self.redact.path(path.split(b"?")[0]) if isinstance(path, bytes) else "-"
+        access_log.info('{client} "{method} {path}" {code} {length} 0.0ms ({note})',
+                        client=client, method=self.redact.method(method), path=path_text,
+                        code=code, length=length, duration_ms=0.0, note=message)
+
+
+class Request(server.Request):
+    """A request that never holds more than the site's body limit in memory
+    (``too_large`` is set when its body was over it)."""
+
+    too_large = False
+    _received = 0
+    started = None
+
+    def _limits(self) -> Tuple[int, int]:
+        site = getattr(self.channel, "site", None)
+        limit = getattr(site, "max_body_size", MAX_BODY_SIZE)
+        return limit, limit * DRAIN_FACTOR
+
+    def _refuse(self, limit: int) -> None:
+        """413 before the body, by the channel (which closes)."""
+        self.requestHeaders.removeHeader(b"expect")  # no 100 Continue after this
+        self.channel.refuse(413, f"request body larger than {limit} bytes")
+
+    def gotLength(self, length):
+        self.started = time.monotonic()
+        self.content = io.BytesIO()
+        limit, drain = self._limits()
+        if length is not None and length > limit:
+            self.too_large = True
+            expect = self.requestHeaders.getRawHeaders(b"expect") or [b""]
+            if length > drain or expect[0].lower() == b"100-continue":
+                self._refuse(limit)
+
+    def handleContentChunk(self, data):
+        if self.channel.refused:
+            return
+        self._received += len(data)
+        limit, drain = self._limits()
+        if self._received > drain:
+            self._refuse(limit)
+        elif self._received > limit:
+            if not self.too_large:
+                self.too_large = True
+                self.content = io.BytesIO()
+        elif not self.too_large:
+            self.content.write(data)
+
+    def process(self):
+        if self.channel.refused:
+            return  # answered already; the connection is closing
+        if self.started is None:
+            self.started = time.monotonic()
+        if self.path == b"*":
+            # twisted.web answers "*" itself (a bodiless 405); to the API it
+            # is a path like any other (a JSON 404).
+            self.site = self.channel.site
+            self.prepath, self.postpath = [], []
+            self.render(self.site.resource)
+            return
+        super().process()
+
+
+class Site(server.Site):
+    """The API's site: its channels have deadlines and JSON refusals
+    (:mod:`replicator.http.channel`), and at most ``max_connections`` are
+    open at once."""
+
+    requestFactory = Request
+    protocol = Channel
+    noisy = False
+
+    def __init__(self, root, api, max_body_size: int, timeout: float, reactor):
+        super().__init__(root, timeout=timeout, reactor=reactor)
+        self.api = api
+        self.max_body_size = max_body_size
+
+    def buildProtocol(self, addr):
+        api = self.api
+        if api.open_connections >= api.max_connections:
+            busy = Busy(api, api.max_connections, self.reactor)
+            busy.factory = self
+            return busy
+        channel = super().buildProtocol(addr)
+        channel.header_timeout = api.header_timeout
+        channel.body_timeout = api.body_timeout
+        channel.api = api
+        return channel
+
+    def log(self, request):
+        self.api.log_access(request)
+
+
+def too_large(request, limit: int) -> bool:
+    """Whether ``request``'s body was over ``limit`` (measured, under a
+    plain twisted.web Site)."""
+    flag = getattr(request, "too_large", None)
+    if flag is not None:
+        return flag
+    content = request.content
+    if content is None:
+        return False
+    position = content.tell()
+    size = content.seek(0, 2)
+    content.seek(position)
+    return size > limit

@@ -1,0 +1,142 @@
+"""The stream API: ``POST .../streams/{stream}/facts`` (write one fact) and
+``GET .../positions`` (every stream's positions), both behind the secret.
+
+A facts body is parsed here (JSON, ``{"rows": [list, ...]}`` and nothing
+else); its rows are checked once, by the stream's row codec
+(:meth:`replicator.streams.stream.Stream.prepare`), which also refuses a row
+whose RDATA line could never be replicated.  Everything is checked before
+anything is written, in this order: 401 (no or malformed Authorization),
+403 (wrong secret), 413 (body over the limit), 404 (unknown stream), 409
+(not a writer of it here), 400 (body or rows); 503 when the streams are not
+loaded yet or the database write fails (logged; the answer is generic).
+"""
+
+from typing import Any, Dict, Optional
+
+import orjson
+from twisted.internet import threads
+from twisted.python.failure import Failure
+
+from ..streams.rows import RowError
+from .answers import HttpError, authorize, excerpt
+from .site import Redactor, too_large
+
+#: Bodies above this are parsed and checked in a thread, not on the reactor.
+THREAD_PARSE_SIZE = 64 * 1024
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def parse_fact_body(body: bytes) -> list:
+    """The rows of a facts request body (not yet checked against the
+    stream); raises :class:`HttpError` 400.  Pure and thread-safe."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise HttpError(400, f"invalid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise HttpError(400, 'expected a JSON object {"rows": [[...], ...]}, '
+                             f"got {_json_type(doc)}")
+    for key in doc:
+        if key != "rows":
+            raise HttpError(400, f"unexpected key {excerpt(key)}: the body is "
+                                 '{"rows": [[...], ...]} and nothing else')
+    if "rows" not in doc:
+        raise HttpError(400, 'missing "rows": the body is {"rows": [[...], ...]}')
+    rows = doc["rows"]
+    if not isinstance(rows, list):
+        raise HttpError(400, f'"rows" must be an array of rows, got {_json_type(rows)}')
+    return rows
+
+
+def _parse_and_prepare(stream, body: bytes, writer: str, max_line_length: int):
+    try:
+        return stream.prepare([parse_fact_body(body)], writer, max_line_length)
+    except RowError as e:
+        raise HttpError(400, str(e)) from None
+
+
+class StreamRoutes:
+    """Writing facts and reading positions."""
+
+    def __init__(self, *, instance_name: str, registry, handler, secret: Optional[bytes],
+                 max_body_size: int, max_line_length: int, redact: Redactor):
+        self.instance_name = instance_name
+        self.registry = registry
+        self.handler = handler
+        self._secret = secret
+        self.max_body_size = max_body_size
+        self.max_line_length = max_line_length
+        self.redact = redact
+
+    async def post_facts(self, request, name: Optional[str]):
+        authorize(request, self._secret)
+        if too_large(request, self.max_body_size):
+            raise HttpError(413, f"request body larger than {self.max_body_size} bytes")
+        if name is None:
+            raise HttpError(404, "unknown stream: the name is not percent-encoded UTF-8")
+        stream = self.registry.find(name)
+        if stream is None:
+            raise HttpError(404, f"unknown stream {excerpt(name)}")
+        writer = self.instance_name
+        if writer not in stream.local_writers:
+            raise HttpError(409, f"not a writer of stream {stream.name} on this instance "
+                                 f"({writer})")
+        if stream.id_gen is None:
+            raise HttpError(503, f"stream {stream.name} is not loaded yet")
+        request.content.seek(0)
+        body = request.content.read()
+        if len(body) > THREAD_PARSE_SIZE:
+            prepared = await threads.deferToThread(
+                _parse_and_prepare, stream, body, writer, self.max_line_length)
+        else:
+            prepared = _parse_and_prepare(stream, body, writer, self.max_line_length)
+        try:
+            (stream_id,) = await stream.write_prepared(prepared)
+        except Exception:
+            self.redact.log_failure("Writing a fact of {stream} failed", Failure(),
+                                    stream=stream.name)
+            raise HttpError(503, "database write failed") from None
+        return {"stream_id": stream_id}
+
+    async def positions(self, request):
+        authorize(request, self._secret)
+        handler = self.handler
+        announced = handler.announced_positions()
+        readers = handler.reader_positions()
+        lags = handler.reader_lag()
+        streams = {}
+        for stream in self.registry:
+            gen = stream.id_gen
+            if gen is None:
+                streams[stream.name] = {"linear": None, "writers": {}}
+                continue
+            positions = gen.get_positions()
+            writers = {}
+            for writer in stream.config.writers:
+                key = (stream.name, writer)
+                local = writer in stream.local_writers
+                entry: Dict[str, Any] = {"position": positions.get(writer), "local": local}
+                if local:
+                    entry["in_flight"] = gen.in_flight(writer)
+                    entry["announced"] = announced.get(key)
+                else:
+                    entry["reader_position"] = readers.get(key)
+                    entry["lag"] = lags.get(key, 0)
+                writers[writer] = entry
+            streams[stream.name] = {"linear": gen.get_linear_token(), "writers": writers}
+        return {"instance": self.instance_name, "streams": streams}
