@@ -39,8 +39,10 @@ var/http-secret:
 test: test-deps
 	$(PY) scripts/run-tests.py $(TESTS)
 
-bench: test-deps
-	$(PY) scripts/bench/run.py $(BENCH)
+# Synapse's own server protocol is a baseline of the TCP figures: it runs
+# from the interop virtualenv, in a process of its own (AGPL: only run).
+bench: test-deps synapse-deps
+	SYNAPSE_PYTHON=$(SYNAPSE_VENV)/bin/python $(PY) scripts/bench/run.py $(BENCH)
 
 # The fault suite (tests/chaos): every scenario x transport, 3 fresh seeds each.
 # Narrow or replay with SCENARIO=crash,net TRANSPORT=tcp SEED=n SEEDS=n DURATION=s PLANT=drop-rdata.

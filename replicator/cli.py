@@ -103,13 +103,6 @@ def cmd_tail(args) -> None:
 
     from .replication.tcp import upstream_service
 
-    try:
-        from twisted.internet import reactor
-
-        endpoints.clientFromString(reactor, args.endpoint)
-    except Exception as e:
-        _fail(f"cannot parse endpoint {args.endpoint!r}: {e}", 2)
-
     class Printer:
         """Prints what the server sends, one command per line."""
 
@@ -136,6 +129,10 @@ def cmd_tail(args) -> None:
     printer = Printer()
 
     async def main(reactor):
+        try:
+            endpoints.clientFromString(reactor, args.endpoint)
+        except Exception as e:
+            _fail(f"cannot parse endpoint {args.endpoint!r}: {e}", 2)  # react exits with 2
         talking = []
 
         def wrap(endpoint):

@@ -91,6 +91,14 @@ class StreamConfig:
     timestamp_column: Optional[str] = None
     create: bool = True
     preset: Optional[str] = None  # e.g. "synapse/caches": a Synapse stream, read-only
+    # The stream_name of its rows in stream_positions when it is not ``name``
+    # (Synapse's presets: its ID generator's name, e.g. "presence_stream").
+    positions_name: Optional[str] = None
+
+    @property
+    def positions_key(self) -> str:
+        """The ``stream_name`` of this stream's ``stream_positions`` rows."""
+        return self.positions_name or self.name
 
     @property
     def column_names(self) -> List[str]:
@@ -130,7 +138,9 @@ def _key_name(name: Any) -> str:
     return repr(name)
 
 
-def _no_unknown(section: Mapping, allowed, key: str) -> None:
+def no_unknown(section: Mapping, allowed, key: str) -> None:
+    """A ConfigError naming the first key of ``section`` not in ``allowed``
+    (``key`` is the section's own path, "" at the top)."""
     for name in section:
         if name not in allowed:
             prefix = f"{key}." if key else ""
@@ -144,8 +154,11 @@ def _sql_name(value: str, path: str) -> str:
     return value
 
 
-def _str(section: Mapping, name: str, key: str, default: Any = ..., pattern=None,
-         what: str = "") -> Any:
+def get_str(section: Mapping, name: str, key: str, default: Any = ..., pattern=None,
+            what: str = "") -> Any:
+    """``section[name]``: a non-empty string (matching ``pattern``, which
+    ``what`` describes), else ``default``; missing without a default is a
+    ConfigError naming ``key.name``."""
     path = f"{key}.{name}" if key else name
     if name not in section or section[name] is None:
         if default is ...:
@@ -177,8 +190,8 @@ def _int(section: Mapping, name: str, key: str, default: Any = ..., *, minimum: 
     return value
 
 
-def _number(section: Mapping, name: str, key: str, default: float, *, minimum: float,
-            maximum: float) -> float:
+def get_number(section: Mapping, name: str, key: str, default: float, *, minimum: float,
+               maximum: float) -> float:
     """A finite number (int or float) in ``[minimum, maximum]``."""
     path = f"{key}.{name}" if key else name
     value = section.get(name, default)
@@ -190,7 +203,8 @@ def _number(section: Mapping, name: str, key: str, default: float, *, minimum: f
     return float(value)
 
 
-def _bool(section: Mapping, name: str, key: str, default: bool) -> bool:
+def get_bool(section: Mapping, name: str, key: str, default: bool) -> bool:
+    """``section[name]`` as a YAML boolean (``default`` if missing)."""
     path = f"{key}.{name}" if key else name
     value = section.get(name, default)
     if not isinstance(value, bool):
@@ -221,18 +235,18 @@ def parse_database(value: Any, key: str = "database") -> DatabaseConfig:
     section = _mapping(value, key)
     if "sqlite" in section and "postgres" in section:
         raise ConfigError(key, "give either sqlite or postgres, not both")
-    _no_unknown(section, ("sqlite", "postgres", "pool_min", "pool_max", "write_group_max"), key)
+    no_unknown(section, ("sqlite", "postgres", "pool_min", "pool_max", "write_group_max"), key)
     pool_min = _int(section, "pool_min", key, 1, minimum=1, maximum=MAX_POOL)
     pool_max = _int(section, "pool_max", key, 5, minimum=1, maximum=MAX_POOL)
     group = _int(section, "write_group_max", key, 256, minimum=1, maximum=MAX_WRITE_GROUP)
     if pool_max < pool_min:
         raise ConfigError(f"{key}.pool_max", f"must be at least pool_min ({pool_min})")
     if "sqlite" in section:
-        path = _str(section, "sqlite", key)
+        path = get_str(section, "sqlite", key)
         return DatabaseConfig("sqlite", path=path, pool_min=1, pool_max=1,
                               write_group_max=group)
     if "postgres" in section:
-        dsn = _str(section, "postgres", key)
+        dsn = get_str(section, "postgres", key)
         _check_dsn(dsn, f"{key}.postgres")
         return DatabaseConfig("postgres", dsn=dsn, pool_min=pool_min, pool_max=pool_max,
                               write_group_max=group)
@@ -281,12 +295,12 @@ STREAM_KEYS = (
 PRESET_KEYS = ("table", "id_column", "writer_column", "columns", "sequence", "create")
 
 
-def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset]:
+def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset, Optional[str]]:
     """The stream section with its preset's layout filled in; the preset's
     name; the columns stored as JSON text."""
     from . import synapse
 
-    preset = _str(section, "preset", key)
+    preset = get_str(section, "preset", key)
     path = f"{key}.preset"
     kind, _, name = preset.partition("/")
     if kind != "synapse" or not name:
@@ -305,26 +319,26 @@ def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset]:
     if section.get("name", name) != name:
         raise ConfigError(f"{key}.name", f"a {preset!r} stream is named {name!r} on the wire")
     filled = dict(section)
-    filled.update({k: v for k, v in layout.items() if k != "json_text"})
+    filled.update({k: v for k, v in layout.items() if k not in ("json_text", "positions_name")})
     filled["name"] = name
     filled.setdefault("writers", [synapse.MAIN_PROCESS])
-    return filled, preset, layout["json_text"]
+    return filled, preset, layout["json_text"], layout["positions_name"]
 
 
 def parse_stream(value: Any, key: str) -> StreamConfig:
     section = _mapping(value, key)
-    _no_unknown(section, STREAM_KEYS, key)
-    preset, json_text = None, frozenset()
+    no_unknown(section, STREAM_KEYS, key)
+    preset, json_text, positions_name = None, frozenset(), None
     if "preset" in section:
-        section, preset, json_text = _apply_preset(section, key)
-    name = _str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")
-    table = _str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
+        section, preset, json_text, positions_name = _apply_preset(section, key)
+    name = get_str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")
+    table = get_str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
     _sql_name(table, f"{key}.table")
     if table.lower() == POSITIONS_TABLE:
         raise ConfigError(f"{key}.table", f"{table!r} is the replicator's own table")
-    id_column = _str(section, "id_column", key, "stream_id", IDENTIFIER, "an SQL identifier")
+    id_column = get_str(section, "id_column", key, "stream_id", IDENTIFIER, "an SQL identifier")
     _sql_name(id_column, f"{key}.id_column")
-    writer_column = _str(section, "writer_column", key, "instance_name", IDENTIFIER,
+    writer_column = get_str(section, "writer_column", key, "instance_name", IDENTIFIER,
                          "an SQL identifier")
     if "writer_column" in section and section["writer_column"] is None:
         writer_column = None
@@ -333,7 +347,8 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         if writer_column.lower() == id_column.lower():
             raise ConfigError(f"{key}.writer_column",
                               f"must differ from id_column ({id_column!r})")
-    sequence = _str(section, "sequence", key, f"{table}_seq", IDENTIFIER, "an SQL identifier")
+    sequence = get_str(section, "sequence", key, f"{table}_seq", IDENTIFIER,
+                       "an SQL identifier")
     _sql_name(sequence, f"{key}.sequence")
     columns = tuple(
         parse_column(c, f"{key}.columns[{i}]")
@@ -364,7 +379,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
                                                 f"column: give one writer")
         raise ConfigError(f"{key}.writer_column",
                           "a stream with several writers needs a writer column")
-    timestamp_column = _str(section, "timestamp_column", key, None)
+    timestamp_column = get_str(section, "timestamp_column", key, None)
     if timestamp_column is not None:
         match = [c for c in columns if c.name == timestamp_column]
         if not match:
@@ -377,8 +392,8 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         name=name, table=table, id_column=id_column, writer_column=writer_column,
         columns=columns, sequence=sequence, writers=tuple(writers),
         timestamp_column=timestamp_column,
-        create=False if preset is not None else _bool(section, "create", key, True),
-        preset=preset,
+        create=False if preset is not None else get_bool(section, "create", key, True),
+        preset=preset, positions_name=positions_name,
     )
 
 
@@ -564,7 +579,7 @@ class InstanceConfig:
 
 def _endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[str]:
     """An endpoint string, checked by Twisted's own parser."""
-    value = _str(section, name, key, None)
+    value = get_str(section, name, key, None)
     if value is None:
         return None
     from twisted.internet import endpoints, reactor
@@ -607,12 +622,12 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
     if value is None:
         return None
     section = _mapping(value, key)
-    _no_unknown(section, ("endpoint", "password", "dbid"), key)
+    no_unknown(section, ("endpoint", "password", "dbid"), key)
     endpoint = _endpoint(section, "endpoint", key, "client")
     if endpoint is None:
         raise ConfigError(f"{key}.endpoint", "missing")
     dbid = _int(section, "dbid", key, None, minimum=0, maximum=65535)
-    return RedisConfig(endpoint, _str(section, "password", key, None), dbid)
+    return RedisConfig(endpoint, get_str(section, "password", key, None), dbid)
 
 
 def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:
@@ -651,20 +666,20 @@ def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
 
 def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig:
     section = _mapping(value if value is not None else {}, key)
-    _no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
+    no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
                           "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit",
                           "fanout_interval", "allowed_peers", "allowed_networks",
                           "max_user_syncs", "max_user_ips", "max_federation_acks",
                           "bookkeeping_max_age", "max_queued_bytes", "idle_timeout",
                           "max_connections", "reconnect_initial_delay",
                           "reconnect_max_delay", "max_batch_rows", "max_batch_bytes"), key)
-    ping_interval = _number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
-    ping_timeout = _number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
+    ping_interval = get_number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
+    ping_timeout = get_number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
         raise ConfigError(f"{key}.ping_timeout",
                           f"must be longer than ping_interval ({ping_interval:g}s)")
     listen = _endpoint(section, "listen", key, "server")
-    client_ca = _str(section, "client_ca", key, None)
+    client_ca = get_str(section, "client_ca", key, None)
     if client_ca is not None:
         if listen is None or not listen.startswith("ssl:"):
             raise ConfigError(f"{key}.client_ca", "needs an ssl: listener in replication.listen")
@@ -691,9 +706,10 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
     if max_queued_bytes <= max_line_length:
         raise ConfigError(f"{key}.max_queued_bytes",
                           f"must be more than max_line_length ({max_line_length})")
-    initial_delay = _number(section, "reconnect_initial_delay", key, 0.5, minimum=0.01,
+    initial_delay = get_number(section, "reconnect_initial_delay", key, 0.5, minimum=0.01,
                             maximum=60)
-    max_delay = _number(section, "reconnect_max_delay", key, 30.0, minimum=0.01, maximum=3600)
+    max_delay = get_number(section, "reconnect_max_delay", key, 30.0, minimum=0.01,
+                           maximum=3600)
     if max_delay < initial_delay:
         raise ConfigError(f"{key}.reconnect_max_delay",
                           f"must be at least reconnect_initial_delay ({initial_delay:g}s)")
@@ -708,12 +724,12 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                               maximum=10_000_000),
         max_line_length=max_line_length,
         max_queued_bytes=max_queued_bytes,
-        idle_timeout=_number(section, "idle_timeout", key, 60.0, minimum=1, maximum=86_400),
+        idle_timeout=get_number(section, "idle_timeout", key, 60.0, minimum=1, maximum=86_400),
         max_connections=_int(section, "max_connections", key, 256, minimum=1, maximum=65_536),
         reconnect_initial_delay=initial_delay,
         reconnect_max_delay=max_delay,
         fetch_limit=_int(section, "fetch_limit", key, 1000, minimum=1, maximum=100_000),
-        fanout_interval=_number(section, "fanout_interval", key, 0.003, minimum=0,
+        fanout_interval=get_number(section, "fanout_interval", key, 0.003, minimum=0,
                                 maximum=1),
         allowed_peers=_allowed_peers(section, key),
         allowed_networks=_allowed_networks(section, key, listen),
@@ -722,7 +738,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         max_user_ips=_int(section, "max_user_ips", key, 20_000, minimum=1, maximum=10_000_000),
         max_federation_acks=_int(section, "max_federation_acks", key, 1_000, minimum=1,
                                  maximum=100_000),
-        bookkeeping_max_age=_number(section, "bookkeeping_max_age", key, 86_400.0,
+        bookkeeping_max_age=get_number(section, "bookkeeping_max_age", key, 86_400.0,
                                     minimum=60, maximum=31_536_000),
         max_batch_rows=max_batch_rows,
         max_batch_bytes=max_batch_bytes,
@@ -745,12 +761,12 @@ HOST_PORT = re.compile(r"(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})")
 
 def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig:
     section = _mapping(value if value is not None else {}, key)
-    _no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
+    no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
                           "body_timeout", "max_connections"), key)
     if "secret" in section and "secret_file" in section:
         raise ConfigError(key, "give either secret or secret_file, not both")
-    secret = _str(section, "secret", key, None)
-    secret_file = _str(section, "secret_file", key, None)
+    secret = get_str(section, "secret", key, None)
+    secret_file = get_str(section, "secret_file", key, None)
     if secret_file is not None:
         import os
 
@@ -763,15 +779,16 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
     if listen is not None and secret is None:
         raise ConfigError(f"{key}.secret", "missing: the write API always needs a secret "
                                            "(secret or secret_file)")
-    metrics_listen = _str(section, "metrics_listen", key, None)
+    metrics_listen = get_str(section, "metrics_listen", key, None)
     if metrics_listen is not None:
         m = HOST_PORT.fullmatch(metrics_listen)
         if not m or not 0 < int(m.group("port")) < 65536:
             raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
     return HttpConfig(
         listen=listen, secret=secret, metrics_listen=metrics_listen, secret_file=secret_file,
-        header_timeout=_number(section, "header_timeout", key, 10.0, minimum=0.1, maximum=3600),
-        body_timeout=_number(section, "body_timeout", key, 30.0, minimum=0.1, maximum=3600),
+        header_timeout=get_number(section, "header_timeout", key, 10.0, minimum=0.1,
+                                  maximum=3600),
+        body_timeout=get_number(section, "body_timeout", key, 30.0, minimum=0.1, maximum=3600),
         max_connections=_int(section, "max_connections", key, 256, minimum=1,
                              maximum=100_000),
     )
@@ -779,10 +796,10 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
 
 def parse_health(value: Any, key: str = "health") -> HealthConfig:
     section = _mapping(value if value is not None else {}, key)
-    _no_unknown(section, ("lag_grace", "check_interval"), key)
+    no_unknown(section, ("lag_grace", "check_interval"), key)
     return HealthConfig(
-        lag_grace=_number(section, "lag_grace", key, 10.0, minimum=0.0, maximum=3600.0),
-        check_interval=_number(section, "check_interval", key, 5.0, minimum=0.1,
+        lag_grace=get_number(section, "lag_grace", key, 10.0, minimum=0.0, maximum=3600.0),
+        check_interval=get_number(section, "check_interval", key, 5.0, minimum=0.1,
                                maximum=3600.0))
 
 
@@ -795,7 +812,7 @@ def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[C
     for i, item in enumerate(value):
         where = f"{key}[{i}]"
         section = _mapping(item, where)
-        type_ = _str(section, "type", where)
+        type_ = get_str(section, "type", where)
         streams = None
         if "streams" in section:
             streams = _list(section, "streams", where)
@@ -816,10 +833,10 @@ def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
     if value is None:
         return None
     section = _mapping(value, key)
-    _no_unknown(section, ("server_name", "database", "redis"), key)
-    server_name = _str(section, "server_name", key, pattern=WIRE_NAME,
+    no_unknown(section, ("server_name", "database", "redis"), key)
+    server_name = get_str(section, "server_name", key, pattern=WIRE_NAME,
                        what="a name without spaces")
-    database = _str(section, "database", key, None)
+    database = get_str(section, "database", key, None)
     if database is not None:
         _check_dsn(database, f"{key}.database")
     redis = _endpoint(section, "redis", key, "client")
@@ -851,9 +868,10 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     section = _mapping(doc, "") if doc is not None else {}
     if not section:
         raise ConfigError("file", "is empty")
-    _no_unknown(section, INSTANCE_KEYS, "")
-    server_name = _str(section, "server_name", "", pattern=WIRE_NAME, what="a name without spaces")
-    instance_name = _str(section, "instance_name", "", pattern=WIRE_NAME,
+    no_unknown(section, INSTANCE_KEYS, "")
+    server_name = get_str(section, "server_name", "", pattern=WIRE_NAME,
+                          what="a name without spaces")
+    instance_name = get_str(section, "instance_name", "", pattern=WIRE_NAME,
                          what="a name without spaces")
     synapse_config = parse_synapse(section.get("synapse"))
     database_section = section.get("database")

@@ -94,13 +94,11 @@ class HealthMonitor(Service):
     committed-not-received check runs on every instance that reads.
     """
 
-    def __init__(self, *, registry, handler, db, clock=None, lag_grace: float = 10.0,
+    def __init__(self, *, registry, handler, db, clock, lag_grace: float = 10.0,
                  check_interval: float = 5.0, expect_upstream: bool = False):
         self.registry = registry
         self.handler = handler
         self.db = db
-        if clock is None:
-            from twisted.internet import reactor as clock
         self._clock = clock
         self.lag_grace = lag_grace
         self.check_interval = check_interval
@@ -293,11 +291,8 @@ class HealthMonitor(Service):
                 finally:
                     done.set()
 
-            call = getattr(self._clock, "callFromThread", None)
-            if call is None:
-                from twisted.internet import reactor
-                call = reactor.callFromThread
-            call(on_reactor)
+            # The registry's reactor: the clock may be a test's Clock.
+            self.registry.reactor.callFromThread(on_reactor)
             done.wait(VERDICT_WAIT)
             metrics.HEALTHY.set(1 if answer and answer[0] else 0)
 

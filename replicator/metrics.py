@@ -86,6 +86,11 @@ TRANSPORT_BUFFER = Gauge(
 DISCONNECTS = Counter(
     "replicator_disconnects_total", "Replication disconnects by reason", ["reason"]
 )
+REDIS_AUTH_REFUSED = Counter(
+    "replicator_redis_auth_refused_total",
+    "AUTH/SELECT of a Redis link not accepted (a wrong password, or the connection closed "
+    "before the answer); the link retries with backoff", ["link"]
+)
 CONNECTIONS_REFUSED = Counter(
     "replicator_connections_refused_total",
     "Replication connections refused at accept (ERROR and close), by reason", ["reason"]

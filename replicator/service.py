@@ -13,6 +13,7 @@ whose resource failed, for the CLI to print (exit 1).
 """
 
 import errno
+import gc
 import os
 import re
 from typing import List, Optional, Tuple
@@ -233,7 +234,7 @@ class Instance:
             return []
         from .consumers import load_consumers
 
-        return load_consumers(self.config.consumers, ".")
+        return load_consumers(self.config.consumers, ".", self.reactor)
 
     @property
     def is_worker(self) -> bool:
@@ -321,6 +322,10 @@ class Instance:
                 failure = failure or e
         if failure is not None:
             raise failure
+        # What startup made (modules, config, streams) lives as long as the
+        # process: out of the collector's reach, a full collection walks only
+        # what came since, so it stays short (it stalls the reactor).
+        gc.freeze()
         sdnotify.ready()
         sdnotify.status(f"{config.instance_name}: {len(self.registry)} streams")
         log.info("instance {name} of {server} ready", name=config.instance_name,

@@ -59,10 +59,8 @@ class StatusRecorder(Service):
     ``problem()`` returns the current health problem (a line) or None.
     """
 
-    def __init__(self, *, handler, problem: Callable[[], Optional[str]], clock=None,
+    def __init__(self, *, handler, problem: Callable[[], Optional[str]], clock,
                  interval: float = SAMPLE_INTERVAL, window: float = WINDOW):
-        if clock is None:
-            from twisted.internet import reactor as clock
         self._clock = clock
         self.handler = handler
         self._problem = problem

@@ -32,16 +32,19 @@ MAIN_PROCESS = "master"
 
 
 def _preset(table: str, sequence: str, columns, writer_column: Optional[str] = "instance_name",
-            json_text=()) -> Dict:
+            json_text=(), positions_name: Optional[str] = None) -> Dict:
     return {"table": table, "id_column": "stream_id", "writer_column": writer_column,
             "sequence": sequence, "columns": [dict([c]) for c in columns],
-            "json_text": frozenset(json_text)}
+            "json_text": frozenset(json_text), "positions_name": positions_name}
 
 
 #: ``synapse/<name>`` → the stream's layout.  ``columns`` are the fields of
 #: Synapse's RDATA row for that stream, in wire order, as they are stored;
 #: ``json_text`` names columns Synapse keeps as JSON in a TEXT column (sent
-#: decoded on the wire).  ``presence`` and ``push_rules`` have an
+#: decoded on the wire).  ``positions_name`` is the ``stream_name`` under
+#: which Synapse's ID generator persists its positions in ``stream_positions``
+#: (its generator's name, not always the stream's; None: the stream's): the
+#: exporter's bound.  ``presence`` and ``push_rules`` have an
 #: ``instance_name`` column, but Synapse reads their facts without it (rows
 #: from before it was added hold NULL): here too, with one writer.
 PRESETS: Dict[str, Dict] = {
@@ -53,7 +56,7 @@ PRESETS: Dict[str, Dict] = {
         [("user_id", "text"), ("state", "text"), ("last_active_ts", "bigint"),
          ("last_federation_update_ts", "bigint"), ("last_user_sync_ts", "bigint"),
          ("status_msg", "text?"), ("currently_active", "boolean")],
-        writer_column=None),
+        writer_column=None, positions_name="presence_stream"),
     "receipts": _preset(
         "receipts_linearized", "receipts_sequence",
         [("room_id", "text"), ("receipt_type", "text"), ("user_id", "text"),
@@ -61,13 +64,14 @@ PRESETS: Dict[str, Dict] = {
         json_text=("data",)),
     "push_rules": _preset(
         "push_rules_stream", "push_rules_stream_sequence", [("user_id", "text")],
-        writer_column=None),
+        writer_column=None, positions_name="push_rules_stream"),
     "un_partial_stated_room": _preset(
         "un_partial_stated_room_stream", "un_partial_stated_room_stream_sequence",
-        [("room_id", "text")]),
+        [("room_id", "text")], positions_name="un_partial_stated_room_stream"),
     "un_partial_stated_event": _preset(
         "un_partial_stated_event_stream", "un_partial_stated_event_stream_sequence",
-        [("event_id", "text"), ("rejection_status_changed", "boolean")]),
+        [("event_id", "text"), ("rejection_status_changed", "boolean")],
+        positions_name="un_partial_stated_event_stream"),
 }
 
 _MEMORY = ("is held in Synapse's memory, not in a table: it cannot be caught up after "

@@ -28,7 +28,9 @@ from replicator.replication.commands import (
     UserIpCommand,
     UserSyncCommand,
     encode_position_line,
+    _encode_rdata_lines_each,
     encode_rdata_lines,
+    joined,
     parse_line,
 )
 
@@ -452,3 +454,53 @@ class EncodeRdataLinesTests(SynchronousTestCase):
         # Exactly one numeric line per distinct token, batch lines otherwise.
         numeric = [parse_line(line[:-1].decode()).token for line in lines]
         self.assertEqual([t for t in numeric if t is not None], sorted({t for t, _ in updates}))
+
+
+# Rows as the fan-out gets them: JSON values, sometimes one orjson refuses
+# (a set, an integer over 64 bits) or one too long for a small line limit.
+_row_values = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
+    st.text(max_size=30), st.just(float("nan")), st.frozensets(st.integers(), max_size=2),
+)
+
+
+@st.composite
+def _updates(draw):
+    token = draw(st.integers(min_value=-5, max_value=10 ** 12))
+    out = []
+    for _ in range(draw(st.integers(min_value=0, max_value=12))):
+        token += draw(st.sampled_from([0, 0, 1, 7]))
+        out.append((token, draw(st.lists(_row_values, max_size=3))))
+    return out
+
+
+class EncodeFastPathTests(SynchronousTestCase):
+    """The comprehension fast path of encode_rdata_lines gives exactly the
+    bytes (and drop count) of the row-by-row encoder it falls back to."""
+
+    @settings(max_examples=400, deadline=None)
+    @given(_updates(), st.one_of(st.just(10 ** 6), st.integers(min_value=10, max_value=120)))
+    def test_same_bytes_as_row_by_row(self, updates, limit):
+        fast = encode_rdata_lines("caches", "master", updates, max_line_length=limit)
+        each = _encode_rdata_lines_each("caches", "master", updates, max_line_length=limit)
+        self.assertEqual(list(fast), list(each))
+        self.assertEqual(fast.dropped, each.dropped)
+        self.assertEqual(joined(fast), b"".join(each))
+
+    def test_batches_without_fallback(self):
+        updates = [(5, ["a"]), (5, ["b"]), (6, ["c"]), (7, ["d"]), (7, ["e"])]
+        self.assertEqual(
+            b"".join(encode_rdata_lines("s", "w", updates)),
+            b'RDATA s w batch ["a"]\nRDATA s w 5 ["b"]\nRDATA s w 6 ["c"]\n'
+            b'RDATA s w batch ["d"]\nRDATA s w 7 ["e"]\n')
+
+    def test_joined_once(self):
+        lines = encode_rdata_lines("s", "w", [(1, ["a"]), (2, ["b"])])
+        self.assertIs(joined(lines), joined(lines))
+        self.assertEqual(joined(lines), b'RDATA s w 1 ["a"]\nRDATA s w 2 ["b"]\n')
+        self.assertEqual(joined([b"x\n"]), b"x\n")
+        self.assertEqual(joined([b"x\n", b"y\n"]), b"x\ny\n")
+
+    def test_accepts_an_iterator(self):
+        lines = encode_rdata_lines("s", "w", iter([(1, ["a"]), (1, ["b"])]))
+        self.assertEqual(list(lines), [b'RDATA s w batch ["a"]\n', b'RDATA s w 1 ["b"]\n'])

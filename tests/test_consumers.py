@@ -13,11 +13,11 @@ from importlib.metadata import EntryPoint
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from twisted.internet import defer, task
+from twisted.internet import defer, reactor, task
 from twisted.logger import Logger, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from replicator import consumers
+from replicator.consumers import loading as consumer_loading
 from replicator.config import ConfigError, ConsumerConfig
 from replicator.consumers import (
     Consumer, JsonlConsumer, JsonlError, LogConsumer, MemoryConsumer, load_consumers, run_inline,
@@ -190,6 +190,27 @@ class JsonlTests(SynchronousTestCase):
         self.clock.advance(0.05)
         self.assertEqual(self.fsyncs, 0)
         self.assertEqual(c.positions(), {("caches", "master"): 1})
+
+    def test_a_page_of_facts_is_written_like_one_by_one(self):
+        """``on_facts_many`` (a catch-up page): the same lines as ``on_facts``
+        per fact, what the file has skipped, and back-pressure once full."""
+        c = self.open(max_buffer=300)
+        c.on_facts("caches", "master", 2, [["b"]])
+        self.assertIsNone(c.on_facts_many("caches", "master", [
+            (1, [["old"]]), (2, [["again"]]), (3, [["c"], ["d"]]), (4, [])]))
+        self.assertEqual(c.skipped, 2)
+        self.clock.advance(0.05)
+        lines, _ = read_lines(self.path)
+        self.assertEqual(lines, [
+            {"stream": "caches", "writer": "master", "token": 2, "rows": [["b"]]},
+            {"stream": "caches", "writer": "master", "token": 3, "rows": [["c"], ["d"]]},
+            {"stream": "caches", "writer": "master", "token": 4, "rows": []},
+        ])
+        self.assertEqual(c.positions(), {("caches", "master"): 4})
+        self.assertIsNone(c.on_facts_many("caches", "master", []))
+        big = [(t, [["x" * 50]]) for t in range(5, 15)]
+        self.assertIsNone(c.on_facts_many("caches", "master", big))  # written at once
+        self.assertEqual(c.positions(), {("caches", "master"): 14})
 
     def test_full_buffer_flushes_at_once(self):
         c = self.open(max_buffer=300)
@@ -378,12 +399,14 @@ class JsonlTests(SynchronousTestCase):
         with open(self.path, "wb") as f:
             f.write(b'{"stream":"caches","writer":"master","token":1,"rows":[]}\n'
                     b'{"stream":"caches","writer":"master","rows":[]}\n')
-        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock)
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock,
+                               run_io=run_inline)
         self.assertEqual(str(e), f"{self.path}: line 2 (offset 58) is not a fact or position: "
                                  f"no integer token or position")
         with open(self.path, "wb") as f:
             f.write(b"hello\n")
-        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock)
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock,
+                               run_io=run_inline)
         self.assertTrue(str(e).startswith(
             f"{self.path}: line 1 (offset 0) is not a fact or position: not JSON ("), str(e))
         # Refusing released the file: a good file opens afterwards.
@@ -393,7 +416,8 @@ class JsonlTests(SynchronousTestCase):
 
     def test_one_consumer_per_file(self):
         self.open()
-        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock)
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock,
+                               run_io=run_inline)
         self.assertEqual(str(e), f"{self.path} is in use by another consumer")
 
     def test_creates_the_directory(self):
@@ -495,7 +519,7 @@ class JsonlThreadTests(TestCase):
         self.path = os.path.join(temp_dir(self), "facts.jsonl")
 
     def open(self, **kw):
-        consumer = JsonlConsumer(self.path, **kw)
+        consumer = JsonlConsumer(self.path, reactor=reactor, **kw)
         self.addCleanup(consumer.close)
         return consumer
 
@@ -566,7 +590,7 @@ class JsonlThreadTests(TestCase):
             self.assertEqual([line.get("token", line.get("position")) for line in lines],
                              [1, 2, 7])
             # The file is released: it opens again.
-            reopened = JsonlConsumer(self.path, run_io=run_inline)
+            reopened = JsonlConsumer(self.path, run_io=run_inline, clock=task.Clock())
             self.assertEqual(reopened.positions(), c.positions())
             reopened.close()
         return defer.ensureDeferred(go())
@@ -615,13 +639,14 @@ class LoadConsumersTests(SynchronousTestCase):
         self.base = temp_dir(self)
 
     def load(self, *configs):
-        built = load_consumers(configs, self.base)
+        built = load_consumers(configs, self.base, reactor)
         for c in built:
             self.addCleanup(c.close)
         return built
 
     def error(self, *configs):
-        return str(self.assertRaises(ConfigError, load_consumers, configs, self.base))
+        return str(self.assertRaises(ConfigError, load_consumers, configs, self.base,
+                                       reactor))
 
     def test_builtins(self):
         jsonl, log, default = self.load(
@@ -658,14 +683,14 @@ class LoadConsumersTests(SynchronousTestCase):
         def fake_entry_points(group):
             seen.append(group)
             return [EntryPoint("rec", "tests.test_consumers:RecordingConsumer", group)]
-        self.patch(consumers, "entry_points", fake_entry_points)
+        self.patch(consumer_loading, "entry_points", fake_entry_points)
         (c,) = self.load(ConsumerConfig("rec", ("caches",), {"a": 1}))
         self.assertIsInstance(c, RecordingConsumer)
         self.assertEqual((c.streams, c.options), (("caches",), {"a": 1}))
         self.assertEqual(seen, ["replicator.consumers"])
 
     def test_broken_entry_point(self):
-        self.patch(consumers, "entry_points",
+        self.patch(consumer_loading, "entry_points",
                    lambda group: [EntryPoint("rec", "tests.test_consumers:Nope", group)])
         self.assertEqual(self.error(ConsumerConfig("rec")), (
             "config: consumers[0].type: entry point 'rec' (tests.test_consumers:Nope) cannot be "
@@ -912,7 +937,7 @@ class ReaderTests(TestCase):
             await caches.write_facts([[["a", None, 1], ["b", None, 1]], [], [["c", None, 3]]])
 
             clock = task.Clock()
-            jsonl = JsonlConsumer(self.path, clock=clock)
+            jsonl = JsonlConsumer(self.path, clock=clock, reactor=reactor)
             _, worker, stop_worker = await self.instance("worker1", [jsonl])
             proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 3 3\n")
             await until(lambda: worker.reader_positions()[("caches", "master")] == 3)
@@ -928,7 +953,7 @@ class ReaderTests(TestCase):
             proto.connectionLost(None)
             await stop_worker()
 
-            jsonl = JsonlConsumer(self.path, clock=clock)
+            jsonl = JsonlConsumer(self.path, clock=clock, reactor=reactor)
             self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
             _, worker, stop_worker = await self.instance("worker1", [jsonl])
             proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 5 5\n"

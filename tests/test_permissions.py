@@ -9,7 +9,7 @@ import sys
 import tempfile
 
 from twisted.logger import formatEvent, globalLogPublisher
-from twisted.internet import defer
+from twisted.internet import defer, reactor
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator import files
@@ -81,7 +81,7 @@ class CreatedFileModeTests(UmaskMixin, SynchronousTestCase):
     def test_jsonl_output_is_0640(self):
         self.loose_umask()
         path = os.path.join(self.tmpdir(), "out", "facts.jsonl")
-        consumer = JsonlConsumer(path, fsync=False)
+        consumer = JsonlConsumer(path, fsync=False, reactor=reactor)
         consumer.close()
         self.assertEqual(mode(path), 0o640)
         self.assertEqual(mode(os.path.dirname(path)), 0o750)

@@ -315,6 +315,21 @@ class HubReaderMachine(ReaderMachine):
         self.hub_transmits(len(self.down))
 
 
+class PagedReaderMachine(ReaderMachine):
+    """The same, with a consumer that takes catch-up pages whole (and skips
+    facts it has, as the JSON-lines consumer does)."""
+
+    def make_reader(self, position):
+        return Reader(STREAM, WRITER, position, source=self.source, deliver=self.deliver,
+                      deliver_many=self.deliver_many, clock=self.clock, fetch_limit=3,
+                      retry_delay=RETRY)
+
+    def deliver_many(self, facts):
+        for token, rows in facts:
+            if not self.delivered or token > self.delivered[-1][0]:
+                self.delivered.append((token, rows))
+
+
 class ReaderStateTests(SynchronousTestCase):
     def check(self, machine):
         try:
@@ -328,6 +343,9 @@ class ReaderStateTests(SynchronousTestCase):
 
     def test_reader_behind_a_hub_against_model(self):
         self.check(HubReaderMachine)
+
+    def test_reader_taking_pages_against_model(self):
+        self.check(PagedReaderMachine)
 
 
 class ReaderTests(SynchronousTestCase):
@@ -362,3 +380,25 @@ class ReaderTests(SynchronousTestCase):
         pending[0].callback(([(3, ["c", 3])], 5, False))
         self.assertTrue(reader.idle())
         self.assertEqual(reader.position, 0)  # nothing handed on after stop
+
+    def test_catch_up_yields_to_the_reactor_between_pages(self):
+        """A long catch-up hands on one page, then lets the reactor run (PINGs,
+        /health) before the next, even when the next page is already in hand
+        (read ahead, or a source that answers at once)."""
+        table = {t: [[f"r{t}", t]] + ([[f"r{t}b", t]] if t % 3 == 0 else []) for t in range(1, 10)}
+        delivered = []
+        clock = Clock()
+        reader = Reader(STREAM, WRITER, 0, clock=clock, fetch_limit=4,
+                        source=lambda w, f, t, n: defer.succeed(updates_since(table, f, t, n)),
+                        deliver=lambda token, rows: delivered.append((token, rows)))
+        reader.position_line(Conn(1), 9, 9)
+        pages = [[t for t, _ in delivered]]
+        while not reader.idle():
+            self.assertTrue(clock.calls, "a pause between pages")
+            call = clock.calls.pop(0)  # one turn of the reactor
+            call.called = 1
+            call.func(*call.args, **call.kw)
+            pages.append([t for t, _ in delivered][sum(map(len, pages)):])
+        self.assertEqual(pages, [[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+        self.assertEqual(delivered, sorted(table.items()))
+        self.assertEqual(reader.position, 9)

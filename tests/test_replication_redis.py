@@ -4,7 +4,9 @@ restart; position-only advances; foreign traffic."""
 
 import random
 import socket
+import types
 
+from prometheus_client import REGISTRY
 from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
@@ -207,8 +209,15 @@ class RedisFailureModeTests(TestCase):
             node = Node(self, self.dsn, "w1", self.redis)
             node.redis = type("WrongPassword", (), {"endpoint": self.redis.endpoint,
                                                     "password": "a-wrong-password"})()
+            def refused(link):
+                return REGISTRY.get_sample_value("replicator_redis_auth_refused_total",
+                                                 {"link": link}) or 0
+
+            before = {link: refused(link) for link in ("subscriber", "publisher")}
             await node.start()
-            await sleep(1.0)  # several refused AUTHs
+            # Several refused AUTHs, counted per link.
+            await until(lambda: all(refused(link) >= before[link] + 3 for link in before),
+                        timeout=30)
             self.assertFalse(node.link.connected)
             self.assertIn("auth", (node.link.last_error or "").lower())
             # The operator fixes the server side; the link comes back by itself.
@@ -245,3 +254,65 @@ class RedisFailureModeTests(TestCase):
             await until(lambda: consumer.facts, timeout=20)
             self.assertEqual(consumer.facts, [("caches", "w1", 1, [["while frozen", None, 1]])])
         return defer.ensureDeferred(go())
+
+
+class _Stream:
+    def __init__(self, name):
+        self.name = name
+
+
+class _RecordingHandler:
+    """Records what the Redis link hands on (a handler has an on_<NAME>
+    method per command it takes)."""
+
+    def __init__(self, streams):
+        self.registry = [_Stream(name) for name in streams]
+        self.received = []
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda conn, cmd: self.received.append(cmd.to_line())
+        raise AttributeError(name)
+
+
+class EchoFilterTests(TestCase):
+    """Redis pub/sub delivers our own publications back to us: what names
+    this instance (its RDATA, POSITION, USER_SYNC, CLEAR_USER_SYNC,
+    FEDERATION_ACK) is dropped, anything else of the same kinds is handed to
+    the handler, in order."""
+
+    def test_our_own_lines_are_not_delivered_back(self):
+        from twisted.internet import task
+
+        handler = _RecordingHandler(["caches", "events"])
+        link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
+                                handler, "hs.test", "worker1")
+        link.conn, link.subscriber = types.SimpleNamespace(current_line=None), object()
+        own = [
+            'RDATA caches worker1 5 ["a",null,1]',
+            "POSITION events worker1 4 7",
+            "USER_SYNC worker1 @u:hs.test DEV start 1000",
+            "CLEAR_USER_SYNC worker1",
+            "FEDERATION_ACK worker1 9",
+            # A stream we do not know, naming us: no prefix of ours, still ours.
+            "POSITION other worker1 1 2",
+        ]
+        others = [
+            'RDATA caches worker2 5 ["a",null,1]',
+            "POSITION events master 4 7",
+            "USER_SYNC worker2 @u:hs.test DEV start 1000",
+            "CLEAR_USER_SYNC worker11",
+            "FEDERATION_ACK master 9",
+        ]
+        for line in own + others:
+            link.message_received(link.subscriber, b"hs.test", (line + "\n").encode())
+        self.assertEqual(handler.received, [
+            'RDATA caches worker2 5 ["a",null,1]',
+            "POSITION events master 4 7",
+            "USER_SYNC worker2 @u:hs.test DEV start 1000",
+            "CLEAR_USER_SYNC worker11",
+            "FEDERATION_ACK master 9",
+        ])
+        # A subscriber that is not the current one delivers nothing.
+        link.message_received(object(), b"hs.test", b"POSITION events master 7 8\n")
+        self.assertEqual(len(handler.received), 5)

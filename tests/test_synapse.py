@@ -386,3 +386,143 @@ class SynapseChannelTests(TestCase):
         self.assertEqual(set(ours), {"REPLICATE"})
         self.assertEqual(tokens(c1, "caches", "master"), [1])
         self.assertEqual(tokens(c2, "caches", "master"), [1])
+
+
+# ------------------------------------------------------- Synapse's row parser
+#: What Synapse 1.163.2 takes from an RDATA line of these streams (its
+#: documented row types; it builds ``RowType(*row)``, so the arity must be
+#: exact): per field the JSON types it accepts.  Checked live by ``make
+#: interop`` (f); this is the always-run check without Synapse.
+SYNAPSE_ROWS = {
+    "caches": [(str,), (list, type(None)), (int, type(None))],
+    "receipts": [(str,), (str,), (str,), (str,), (str, type(None)), (dict,)],
+    "push_rules": [(str,)],
+    "presence": [(str,), (str,), (int,), (int,), (int,), (str, type(None)), (bool,)],
+}
+
+
+def parse_like_synapse(line: bytes):
+    """An RDATA line as Synapse's parser reads it: ``RDATA stream instance
+    token row_json``, the token decimal or ``batch``, the row a JSON array
+    of exactly its row type's fields, each of a type that field takes."""
+    import json
+
+    assert line.endswith(b"\n") and b"\n" not in line[:-1], line
+    name, stream, instance, token, row_json = line[:-1].decode("utf-8").split(" ", 4)
+    assert name == "RDATA", line
+    assert token == "batch" or int(token) > 0, line
+    row = json.loads(row_json)
+    spec = SYNAPSE_ROWS[stream]
+    assert isinstance(row, list) and len(row) == len(spec), (stream, row)
+    for value, types in zip(row, spec):
+        # bool is an int in Python: an int field must not get true/false.
+        ok = type(value) in types or (dict in types and isinstance(value, dict))
+        assert ok, (stream, value, types)
+    return stream, instance, token, row
+
+
+class SynapseRowLayoutTests(TestCase):
+    """Our server's RDATA of streams laid out like Synapse's (a writer of
+    ours, as in ``make interop`` (f)) is what Synapse's row parser takes."""
+
+    timeout = 120
+
+    async def test_our_rdata_parses_as_synapse_rows(self):
+        dsn = PostgresServer.shared().create_database("synrows")
+        db = Database(parse_database({"postgres": dsn, "pool_max": 2}))
+        self.addCleanup(db.close)
+        streams = [{"name": name, "table": f"our_{name}",
+                    "columns": [dict(c) for c in synapse.PRESETS[name]["columns"]],
+                    "writers": ["app1"]} for name in SYNAPSE_ROWS]
+        registry = StreamRegistry(db, "app1", parse_streams(streams))
+        await registry.start()
+        self.addCleanup(registry.stop)
+        facts = {
+            "caches": [[["get_user_by_id", ["@a:hs"], 1700000000000]],
+                       [["get_users_in_room", None, None], ["get_user_by_id", ["@b:hs"], 1]]],
+            "receipts": [[["!r:hs", "m.read", "@a:hs", "$e", None, {"ts": 5}]],
+                         [["!r:hs", "m.read.private", "@b:hs", "$f", "main", {}]]],
+            "push_rules": [[["@a:hs"]], [["@b:hs"]]],
+            "presence": [[["@a:hs", "online", 1, 2, 3, "hi", True]],
+                         [["@b:hs", "offline", 4, 5, 6, None, False]]],
+        }
+        from replicator.replication.commands import encode_rdata_lines
+
+        for name, rows_of_facts in facts.items():
+            stream = registry.get(name)
+            for rows in rows_of_facts:
+                await stream.write_fact(rows)
+            top = stream.id_gen.get_current_token("app1")
+            updates, _, _ = await stream.updates_since("app1", 0, top)
+            lines = list(encode_rdata_lines(name, "app1", updates))
+            parsed = [parse_like_synapse(line) for line in lines]
+            self.assertEqual([row for _, _, _, row in parsed],
+                             [row for rows in rows_of_facts for row in rows])
+            self.assertEqual([t for _, _, t, _ in parsed][-1], str(top))
+
+    def test_the_check_refuses_what_synapse_would(self):
+        for line in (b'RDATA presence m 1 ["@a:hs","online",1,2,3,null,1]\n',  # 1 for a bool
+                     b'RDATA push_rules m 1 ["@a:hs",2]\n',  # one field too many
+                     b'RDATA caches m 1 ["f",["k"],true]\n'):  # bool for an int
+            with self.assertRaises(AssertionError):
+                parse_like_synapse(line)
+
+
+# ------------------------------------------------- export of a preset stream
+#: Synapse's tables of four presets and its stream_positions, as its schema
+#: has them; Synapse names its persisted positions after its ID generators
+#: ("presence_stream", "push_rules_stream"), not always after the stream.
+SYNAPSE_EXPORT_DDL = SYNAPSE_CACHES_DDL + [
+    "CREATE SEQUENCE receipts_sequence",
+    "CREATE TABLE receipts_linearized (stream_id BIGINT NOT NULL, room_id TEXT NOT NULL, "
+    "receipt_type TEXT NOT NULL, user_id TEXT NOT NULL, event_id TEXT NOT NULL, "
+    "thread_id TEXT, event_stream_ordering BIGINT, data TEXT NOT NULL, instance_name TEXT)",
+    "CREATE SEQUENCE presence_stream_sequence",
+    "CREATE TABLE presence_stream (stream_id BIGINT, user_id TEXT, state TEXT, "
+    "last_active_ts BIGINT, last_federation_update_ts BIGINT, last_user_sync_ts BIGINT, "
+    "status_msg TEXT, currently_active BOOLEAN, instance_name TEXT)",
+    "CREATE SEQUENCE push_rules_stream_sequence",
+    "CREATE TABLE push_rules_stream (stream_id BIGINT NOT NULL, event_stream_ordering "
+    "BIGINT NOT NULL, user_id TEXT NOT NULL, rule_id TEXT NOT NULL, op TEXT NOT NULL, "
+    "priority_class SMALLINT, priority INTEGER, conditions TEXT, actions TEXT, "
+    "instance_name TEXT)",
+]
+
+
+class PresetExportBoundTests(TestCase):
+    """``replicator-export`` on a preset stream stops at Synapse's persisted
+    position: a fact above it (in flight, or committed but not yet persisted
+    by Synapse's writer) is never exported."""
+
+    timeout = 120
+
+    def test_the_bound_is_synapse_s_persisted_position(self):
+        from replicator.export.job import ExportOptions, plan_stream
+        from replicator.export.source import MIN_TOKEN, Metadata
+
+        dsn = PostgresServer.shared().create_database("synexp")
+        inserts = []
+        for i in range(1, 21):
+            inserts.append(f"INSERT INTO presence_stream VALUES ({i}, '@u{i}:hs', 'online', "
+                           f"1, 2, 3, NULL, true, 'master')")
+            inserts.append(f"INSERT INTO push_rules_stream VALUES ({i}, 1, '@u{i}:hs', 'r', "
+                           f"'ADD', 1, 1, '[]', '[]', 'master')")
+            inserts.append(f"INSERT INTO receipts_linearized VALUES ({i}, '!r:hs', 'm.read', "
+                           f"'@u{i}:hs', '$e', NULL, 1, '{{}}', 'master')")
+            inserts.append(f"INSERT INTO cache_invalidation_stream_by_instance VALUES "
+                           f"({i}, 'master', 'get_user_by_id', '{{@u{i}:hs}}', 1)")
+        _pg(dsn, SYNAPSE_EXPORT_DDL + inserts + [
+            "INSERT INTO stream_positions VALUES ('presence_stream', 'master', 16), "
+            "('push_rules_stream', 'master', 10), ('receipts', 'master', 12)"])
+        streams = parse_streams([{"preset": f"synapse/{p}"} for p in
+                                 ("presence", "push_rules", "receipts", "caches")])
+        meta = Metadata(parse_database({"postgres": dsn}))
+        self.addCleanup(meta.close)
+        upper = {}
+        for stream in streams:
+            plan = plan_stream(meta, stream, None, ExportOptions(output="unused"), 0)
+            upper[stream.name] = plan.upper
+        # caches: Synapse persists no position for a one-process deployment:
+        # nothing is known persisted, nothing is exported.
+        self.assertEqual(upper, {"presence": 16, "push_rules": 10, "receipts": 12,
+                                 "caches": MIN_TOKEN})

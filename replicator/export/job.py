@@ -121,7 +121,7 @@ def layout_of(stream: StreamConfig) -> Dict[str, Optional[str]]:
 # ------------------------------------------------------------------ plan
 def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamState],
                 options: ExportOptions, run_ms: int) -> StreamPlan:
-    positions = meta.positions(stream.name)
+    positions = meta.positions(stream.positions_key)
     position = linear_position(positions, stream.writers)
     if state is not None and state.observed:
         run_ms = max(run_ms, max(ms for _lo, _hi, ms in state.observed))

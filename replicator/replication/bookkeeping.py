@@ -62,11 +62,9 @@ class Bookkeeping:
     them as an instance ID, and metrics are labelled only by them.
     """
 
-    def __init__(self, clock=None, known_names=frozenset(), max_user_syncs: int = 50_000,
+    def __init__(self, clock, known_names=frozenset(), max_user_syncs: int = 50_000,
                  max_user_ips: int = 20_000, max_federation_acks: int = 1_000,
                  max_age: float = 86_400.0):
-        if clock is None:
-            from twisted.internet import reactor as clock
         self._clock = clock
         self.known_names = frozenset(known_names)
         self.max_user_syncs = max_user_syncs

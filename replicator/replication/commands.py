@@ -568,19 +568,39 @@ def parse_line(line: str) -> Command:
 class EncodedLines(list):
     """Wire lines (each ending in ``b"\\n"``) plus ``dropped``: how many rows
     were left out because their line would exceed the maximum length or they
-    are not JSON-serializable.  The caller logs and counts those."""
+    are not JSON-serializable.  The caller logs and counts those.
 
-    __slots__ = ("dropped",)
+    :func:`joined` concatenates the lines once and keeps the result, so a
+    fan-out hands the same bytes object to every connection.  Invariant:
+    the list is not changed once it was joined (it is built, then only
+    read)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    __slots__ = ("dropped", "_joined")
+
+    def __init__(self, lines: Iterable[bytes] = ()) -> None:
+        super().__init__(lines)
         self.dropped = 0
+        self._joined: Optional[bytes] = None
+
+
+def joined(lines: Sequence[bytes]) -> bytes:
+    """The concatenation of ``lines``: what one ``transport.write`` sends
+    instead of a ``writeSequence`` of them (whose cost grows with the number
+    of lines, per connection).  Computed once per :class:`EncodedLines`."""
+    if type(lines) is EncodedLines:
+        data = lines._joined
+        if data is None:
+            data = lines._joined = b"".join(lines)
+        return data
+    if len(lines) == 1:
+        return lines[0]
+    return b"".join(lines)
 
 
 def encode_rdata_lines(
     stream_name: str,
     instance_name: str,
-    updates: Iterable[Tuple[int, Sequence[Any]]],
+    updates: Sequence[Tuple[int, Sequence[Any]]],
     max_line_length: int = MAX_LINE_LENGTH,
 ) -> EncodedLines:
     """Encode ``(token, row)`` pairs as RDATA wire lines, once for all
@@ -589,14 +609,54 @@ def encode_rdata_lines(
     ``updates`` is in ascending token order; consecutive pairs with the same
     token form a batch: every line of it but the last carries ``batch``, the
     last one the token.  Each row is encoded once (orjson) and concatenated
-    with a prefix built once per call (and once per token).
+    with a prefix.
 
     A row whose line would be longer than ``max_line_length`` bytes (newline
     excluded) is dropped and counted in the result's ``dropped``; the batch
     it belonged to still ends with a numeric line if any of its rows remain.
     The bound is checked against the longer of ``batch`` and the token, so a
     row within a few bytes of the limit may be dropped even as a batch line.
+
+    Fast path: every line built in one comprehension, and the bound checked
+    on the longest line, conservatively (with the widest difference between
+    the token's and ``batch``'s prefix added).  If a row might be dropped or
+    orjson refuses a row, the rows are encoded one by one instead
+    (:func:`_encode_rdata_lines_each`): the same bytes either way.
     """
+    if not isinstance(updates, (list, tuple)):
+        updates = list(updates)
+    if not updates:
+        return EncodedLines()
+    prefix = b"RDATA " + stream_name.encode() + b" " + instance_name.encode() + b" "
+    batch_prefix = prefix + b"batch "
+    dumps = orjson.dumps
+    newline = orjson.OPT_APPEND_NEWLINE
+    following = [t for t, _ in updates]
+    following.append(None)
+    try:
+        lines = EncodedLines([
+            (batch_prefix if token == following[i] else b"%s%d " % (prefix, token))
+            + dumps(row, option=newline)
+            for i, (token, row) in enumerate(updates, 1)
+        ])
+    except TypeError:
+        return _encode_rdata_lines_each(stream_name, instance_name, updates, max_line_length)
+    # A line's prefix is the token's or "batch"'s; the row-by-row bound uses
+    # the longer of the two, which differ by at most this much.
+    slack = max(len(b"batch "), len(b"%d " % max(abs(following[0]), abs(updates[-1][0]))) + 1)
+    if max(map(len, lines)) + slack > max_line_length + 1:
+        return _encode_rdata_lines_each(stream_name, instance_name, updates, max_line_length)
+    return lines
+
+
+def _encode_rdata_lines_each(
+    stream_name: str,
+    instance_name: str,
+    updates: Iterable[Tuple[int, Sequence[Any]]],
+    max_line_length: int = MAX_LINE_LENGTH,
+) -> EncodedLines:
+    """:func:`encode_rdata_lines` row by row: drops the rows whose line
+    would be too long and the rows orjson and the JSON fallback refuse."""
     prefix = b"RDATA " + stream_name.encode() + b" " + instance_name.encode() + b" "
     batch_prefix = prefix + b"batch "
     out = EncodedLines()

@@ -2,8 +2,9 @@
 
 For each (stream, writer) written by this instance, the rows between the
 last token announced and the writer's current token are read with
-``updates_since``, encoded once, and the same bytes are handed to every
-replicating connection.
+``updates_since``, encoded once and joined once (one bytes object per
+fan-out, see :func:`.commands.joined`), and the same bytes are handed to
+every replicating connection in one ``transport.write`` each.
 
 Invariants:
 
@@ -33,7 +34,7 @@ from ..background import Background
 from ..backoff import Outage
 from ..streams.stream import Stream
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS
-from .commands import encode_position_line, encode_rdata_lines
+from .commands import EncodedLines, encode_position_line, encode_rdata_lines, joined
 from .reader import group
 
 log = Logger()
@@ -141,7 +142,7 @@ class Fanout:
         if updates:
             lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
             if lines.dropped or len(updates) >= self.max_batch_rows \
-                    or sum(map(len, lines)) > self.max_batch_bytes:
+                    or len(joined(lines)) > self.max_batch_bytes:
                 lines = self._within_bounds(stream_name, writer, updates)
             if lines:
                 self._broadcast(lines, "RDATA")
@@ -156,7 +157,7 @@ class Fanout:
                        updates: List[Tuple[int, list]]) -> List[bytes]:
         """The lines of ``updates``, fact by fact, each fact too big for a
         receiver replaced by ``POSITION t t``."""
-        out: List[bytes] = []
+        out = EncodedLines()
         for token, rows in group(updates):
             lines = encode_rdata_lines(stream_name, writer, [(token, r) for r in rows],
                                        self.max_line_length)

@@ -98,8 +98,8 @@ class ReplicationHandler:
         self.max_line_length = max_line_length
         self.retry_delay = retry_delay
         self.fanout_interval = fanout_interval
-        if clock is None:
-            from twisted.internet import reactor as clock
+        if clock is None:  # the registry's reactor, which its streams use
+            clock = registry.reactor
         self._clock = clock
         self.connections: Dict[Any, _ConnState] = {}
         #: The last disconnects, newest last: ``(time, peer, address, reason)``.
@@ -149,9 +149,16 @@ class ReplicationHandler:
     def _make_reader(self, stream: Stream, writer: str, position: Optional[int]) -> Reader:
         name = stream.name
 
-        async def deliver(token: int, rows: List[list]) -> None:
-            for consumer in self._consumers_for(name):
-                await _maybe_await(consumer.on_facts(name, writer, token, rows))
+        def deliver(token: int, rows: List[list]):
+            # Synchronous while every consumer is (a catch-up hands on many
+            # facts a page): a coroutine only once one returns something to wait on.
+            consumers = self._consumers_for(name)
+            for i, consumer in enumerate(consumers):
+                result = consumer.on_facts(name, writer, token, rows)
+                if result is not None:
+                    return defer.ensureDeferred(
+                        _deliver_rest(result, consumers[i + 1:], name, writer, token, rows))
+            return None
 
         async def reached(token: int) -> None:
             for consumer in self._consumers_for(name):
@@ -161,7 +168,16 @@ class ReplicationHandler:
             if writer not in stream.local_writers:
                 stream.id_gen.advance(writer, token)
 
+        batch_consumers = self._consumers_for(name)
+        deliver_many = None
+        if all(hasattr(c, "on_facts_many") for c in batch_consumers):
+            # Every consumer takes a page at once (and skips what it has,
+            # so a page handed on again after a failure is no duplicate).
+            def deliver_many(facts: List[Tuple[int, List[list]]]):
+                return _deliver_pages(batch_consumers, name, writer, facts)
+
         return Reader(name, writer, position, source=stream.updates_since, deliver=deliver,
+                      deliver_many=deliver_many,
                       reached=reached, advanced=advanced, clock=self._clock,
                       fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
                       background=self.background)
@@ -495,6 +511,29 @@ def _wire_line(conn, cmd) -> Optional[bytes]:
         return (cmd.to_line() + "\n").encode("utf-8")
     except (UnicodeEncodeError, TypeError, ValueError):
         return None
+
+
+def _deliver_pages(consumers, name, writer, facts):
+    """A page of facts to every consumer in turn; a Deferred if one waits."""
+    for i, consumer in enumerate(consumers):
+        result = consumer.on_facts_many(name, writer, facts)
+        if result is not None:
+            return defer.ensureDeferred(_pages_rest(result, consumers[i + 1:], name, writer,
+                                                    facts))
+    return None
+
+
+async def _pages_rest(result, consumers, name, writer, facts) -> None:
+    await _maybe_await(result)
+    for consumer in consumers:
+        await _maybe_await(consumer.on_facts_many(name, writer, facts))
+
+
+async def _deliver_rest(result, consumers, name, writer, token, rows) -> None:
+    """Wait for a consumer's answer, then hand the fact to the ones after it."""
+    await _maybe_await(result)
+    for consumer in consumers:
+        await _maybe_await(consumer.on_facts(name, writer, token, rows))
 
 
 async def _maybe_await(result):

@@ -68,6 +68,7 @@ from .commands import (
     PingCommand,
     ReplicateCommand,
     ServerCommand,
+    joined,
     parse_line,
 )
 from ..tls import certificate_names
@@ -122,7 +123,7 @@ CLOSE_REASONS = frozenset(
 # Handler methods resolved once per connection.
 _HOOKS = ("new_connection", "lost_connection", "count_inbound", "count_outbound", "count_dropped")
 
-# How many queued lines resumeProducing hands to one writeSequence call, so
+# How many queued lines resumeProducing hands to one write call, so
 # that a transport pausing us again mid-drain is noticed.
 _DRAIN_CHUNK = 512
 
@@ -499,8 +500,10 @@ class ReplicationProtocol(LineOnlyReceiver):
     def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
         """Write pre-encoded lines (each ending in ``b"\\n"``, built by
         :func:`.commands.encode_rdata_lines` / ``encode_position_line`` with
-        this connection's maximum line length) in one ``writeSequence``;
-        queued while paused, each line counting toward the bound.
+        this connection's maximum line length) in one ``transport.write`` of
+        their concatenation (see :func:`.commands.joined`; nothing else can
+        come between them); queued while paused, each line counting toward
+        the bound.
 
         The lines are trusted: no length or newline check is made here.
         Counted as one ``count_outbound(conn, command_name, len(lines))``.
@@ -535,10 +538,11 @@ class ReplicationProtocol(LineOnlyReceiver):
                 return False
             queue.extend(lines)
             self._queued_bytes += size
-        elif len(lines) == 1:
-            self.transport.write(lines[0])
         else:
-            self.transport.writeSequence(lines)
+            # One write of the joined lines: writeSequence would check and
+            # measure every line in Python, per connection; an EncodedLines
+            # is joined once for all connections.
+            self.transport.write(joined(lines))
         self._last_sent = self._clock.seconds()
         if self._count_outbound is not None:
             self._call(self._count_outbound, self, name, len(lines))
@@ -561,8 +565,9 @@ class ReplicationProtocol(LineOnlyReceiver):
         while queue and not self._paused and not self._closing:
             n = min(len(queue), _DRAIN_CHUNK)
             chunk = [queue.popleft() for _ in range(n)]
-            self._queued_bytes -= sum(map(len, chunk))
-            self.transport.writeSequence(chunk)
+            data = b"".join(chunk)
+            self._queued_bytes -= len(data)
+            self.transport.write(data)
             self._last_sent = self._clock.seconds()
 
     def stopProducing(self) -> None:

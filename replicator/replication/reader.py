@@ -17,7 +17,9 @@ Invariants:
 * Commands are processed one at a time, in arrival order, across
   connections.  A POSITION whose ``prev`` is above the reader's position
   means facts were missed: they are read from ``source`` (in pages of
-  ``fetch_limit`` rows, never splitting a fact) before anything later.
+  ``fetch_limit`` rows, never splitting a fact; the next page read while
+  one is handed on, the reactor let run between pages) before anything
+  later.
 * A fact at or below the position is dropped; ``position`` only grows.
 * A failure (of ``source`` or ``deliver``) stops the pipeline where it is;
   it resumes with the same command after a delay from the project's backoff
@@ -28,7 +30,7 @@ Invariants:
 from collections import deque
 from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Set, Tuple
 
-from twisted.internet import defer
+from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from .. import metrics
@@ -56,8 +58,12 @@ class Reader:
     Injected: ``source`` reads rows of a gap; ``deliver(token, rows)``
     hands on one fact (may return a Deferred/awaitable);
     ``reached(token)`` is called, awaited, after a POSITION moved the
-    position; ``advanced(token)`` after every move of the position
-    (synchronous: the ID generator).
+    position; ``advanced(token)`` after every move of the position, or
+    once per page during catch-up (synchronous: the ID generator).
+    ``deliver_many(facts)``, if given, takes a whole catch-up page of
+    ``(token, rows)`` facts at once; if it fails the page is handed on
+    again, so it must skip facts it already has (as the JSON-lines
+    consumer does).
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class Reader:
         source: Source,
         deliver: Callable[[int, List[list]], Any],
         clock,
+        deliver_many: Optional[Callable[[List[Tuple[int, List[list]]]], Any]] = None,
         reached: Optional[Callable[[int], Any]] = None,
         advanced: Optional[Callable[[int], None]] = None,
         fetch_limit: int = 1000,
@@ -81,6 +88,7 @@ class Reader:
         self.seen = position or 0  # largest token the writer announced
         self._source = source
         self._deliver = deliver
+        self._deliver_many = deliver_many
         self._reached = reached
         self._advanced = advanced
         self._clock = clock
@@ -193,16 +201,62 @@ class Reader:
                 await _maybe_await(self._reached(new))
 
     async def _catch_up(self, since: int, until: int) -> None:
+        """Hand on the facts of ``(since, until]`` from ``source``, page by page.
+
+        The next page is read (in the database pool) while this one is
+        handed on: at most two pages are in hand.  Between pages the reactor
+        runs (a ``callLater(0)`` when the next page is already there), so a
+        long catch-up never holds it for more than one page.  The position
+        moves with every fact; ``advanced`` is told once per page (and where
+        a page stopped, if it failed)."""
         metrics.CATCHUP_FETCHES.labels(self.stream_name).inc()
         log.info("Catching up {stream}/{writer} from {since} to {until}",
                  stream=self.stream_name, writer=self.writer, since=since, until=until)
-        while since < until:
-            updates, upto, _ = await self._source(self.writer, since, until, self.fetch_limit)
-            metrics.CATCHUP_ROWS.labels(self.stream_name).inc(len(updates))
+        rows_counter = metrics.CATCHUP_ROWS.labels(self.stream_name)
+        pending = self._read(since, until)
+        first = True
+        try:
+            while since < until:
+                if pending.called and not first:
+                    await task.deferLater(self._clock, 0, lambda: None)
+                updates, upto, _ = await pending
+                first = False
+                pending = self._read(upto, until) if upto < until else None
+                rows_counter.inc(len(updates))
+                await self._hand_on_page(updates)
+                since = upto
+        finally:
+            if pending is not None:
+                pending.addErrback(lambda _: None)  # read ahead, not needed any more
+
+    def _read(self, since: int, until: int) -> defer.Deferred:
+        return defer.maybeDeferred(self._source, self.writer, since, until, self.fetch_limit
+                                   ).addCallback(_resolved)
+
+    async def _hand_on_page(self, updates: List[Update]) -> None:
+        if self._deliver_many is not None:
+            facts = list(group(updates))
+            if self._stopping:
+                raise Stopping()
+            result = self._deliver_many(facts)
+            if result is not None:
+                await _maybe_await(result)
+            if facts:
+                self._advance(facts[-1][0])
+            return
+        deliver = self._deliver
+        last = None
+        try:
             for token, rows in group(updates):
-                await self._hand_on(token, rows)
-                self._advance(token)
-            since = upto
+                if self._stopping:
+                    raise Stopping()
+                result = deliver(token, rows)
+                if result is not None:
+                    await _maybe_await(result)
+                self.position = last = token
+        finally:
+            if last is not None and self._advanced is not None:
+                self._advanced(last)
 
     async def _hand_on(self, token: int, rows: List[list]) -> None:
         if self._stopping:
@@ -243,6 +297,13 @@ def group(updates: List[Update]):
         rows.append(row)
     if rows:
         yield current, rows
+
+
+def _resolved(result):
+    """A source may be an ``async def``: its coroutine, run to its value."""
+    if hasattr(result, "__await__") and not isinstance(result, defer.Deferred):
+        return defer.ensureDeferred(result)
+    return result
 
 
 async def _maybe_await(result):

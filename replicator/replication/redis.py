@@ -99,6 +99,9 @@ class _RedisFactory(Factory):
         """txredisapi asks us to stop after an AUTH/SELECT failure: we don't."""
 
     def connectionError(self, why: str):
+        """txredisapi's word that AUTH or SELECT failed (it closes the
+        connection): counted, logged, retried."""
+        metrics.REDIS_AUTH_REFUSED.labels(self.role).inc()
         self.owner.last_error = why
         log.error("redis {role} connection: {why}; retrying", role=self.role, why=why)
 

@@ -28,6 +28,8 @@ class StreamRegistry:
         self.instance_name = instance_name
         if reactor is None:  # tests that build a registry on their own
             from twisted.internet import reactor
+        #: The reactor every stream (and the handler over them) runs on.
+        self.reactor = reactor
         if call_from_thread is None:
             call_from_thread = reactor.callFromThread
         self._streams: Dict[str, Stream] = {

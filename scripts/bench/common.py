@@ -21,13 +21,21 @@ def record(name, value, unit, baseline, baseline_value, higher_is_better=True):
         "ratio": round(ratio, 3) if ratio is not None else None,
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    shown = f"{ratio:.2f}x" if ratio is not None else "-"
-    print(f"{name:<40} {value:>14,.1f} {unit:<10} baseline {baseline} "
-          f"{baseline_value if baseline_value is not None else '-':>14,.1f}  ratio {shown}",
-          flush=True)
+    print(line_of(entry), flush=True)
     with open(RESULTS, "a") as f:
         f.write(json.dumps(entry) + "\n")
     return entry
+
+
+def line_of(entry: dict) -> str:
+    """One figure as ``make bench`` prints it: value, baseline, ratio."""
+    shown = f"{entry['ratio']:.2f}x" if entry["ratio"] is not None else "-"
+    if entry["baseline"] is None:
+        against = "(no baseline)"
+    else:
+        against = f"baseline {entry['baseline']} {entry['baseline_value']:,.1f}"
+    return (f"{entry['name']:<40} {entry['value']:>14,.1f} {entry['unit']:<10} "
+            f"{against}  ratio {shown}")
 
 
 def rate(count, seconds):

@@ -194,6 +194,8 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
         spark.sparkContext.setLogLevel("ERROR")
         jvm = time.perf_counter() - t0
         print(f"   SparkSession ({master}) started in {jvm:.1f}s (not counted)", flush=True)
+        entries.append(record("export.jvm_start_s", jvm, "s", None, None,
+                              higher_is_better=False))
         # Warm-up (JIT, class loading, first JDBC connection) at the smallest
         # size: not counted.
         warm = int(min(sizes) * 1_000_000)

@@ -1,5 +1,15 @@
 #!/usr/bin/env python3
-"""`make bench`: every benchmark, each figure beside its same-run baseline."""
+"""`make bench`: every benchmark, each figure beside its same-run baseline.
+
+Every figure is printed with its baseline and ratio and appended to
+``bench-results.jsonl`` (``common.record``); ``scripts/bench/table.py``
+turns the last run into the README's performance table.
+
+Sections run in the order of ``SECTIONS``; each is one entry (name, title,
+``async fn(pg, args)``) so that benchmarks can be added side by side.
+``make bench BENCH="--only catchup,export"`` runs some; ``BENCH=--big``
+adds the large sizes (export at 10 M rows).
+"""
 
 import argparse
 import os
@@ -11,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from twisted.internet import defer, task  # noqa: E402
 
+import catchup  # noqa: E402
 import export  # noqa: E402
 import redis_bench  # noqa: E402
 import streams  # noqa: E402
@@ -18,31 +29,57 @@ import tcp  # noqa: E402
 from tests.servers import PostgresServer  # noqa: E402
 
 
-SECTIONS = ("streams", "tcp", "redis", "export")
+async def _streams(pg, args):
+    streams.run_idgen()
+    await streams.run_pg(pg.create_database("bench"))
+
+
+async def _tcp(pg, args):
+    await tcp.run(pg.create_database("tcpbench"))
+
+
+async def _redis(pg, args):
+    await redis_bench.run(pg.create_database("redisbench"))
+
+
+async def _catchup(pg, args):
+    await catchup.run(pg.create_database("catchupbench"))
+
+
+async def _export(pg, args):
+    # Blocking (Spark drives itself, from the main thread), with its own PostgreSQL.
+    export.main((0.5, 1.0, 2.0) + ((10.0,) if args.big else ()))
+
+
+SECTIONS = [
+    ("streams", "streams core", _streams),
+    ("tcp", "TCP replication", _tcp),
+    ("redis", "Redis replication", _redis),
+    ("catchup", "catch-up of a reader 1,000,000 facts behind", _catchup),
+    ("export", "Spark export against a plain-Python pass", _export),
+]
 
 
 async def main(reactor, argv):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--only", default=",".join(SECTIONS),
-                   help=f"comma-separated sections to run, of {', '.join(SECTIONS)}")
-    only = p.parse_args(argv).only.split(",")
+    names = [name for name, _, _ in SECTIONS]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(names),
+                   help=f"comma-separated sections to run, of {', '.join(names)}")
+    p.add_argument("--big", action="store_true",
+                   help="also the large sizes (export: 10 M rows; takes long, ~5 GB of disk)")
+    args = p.parse_args(argv)
+    only = args.only.split(",")
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        p.error(f"unknown sections: {', '.join(unknown)}")
     pg = PostgresServer(fsync=True)
     try:
-        if "streams" in only:
-            print("== streams core")
-            streams.run_idgen()
-            await streams.run_pg(pg.create_database("bench"))
-        if "tcp" in only:
-            print("== TCP replication")
-            await tcp.run(pg.create_database("tcpbench"))
-        if "redis" in only:
-            print("== Redis replication")
-            await redis_bench.run(pg.create_database("redisbench"))
+        for name, title, run in SECTIONS:
+            if name in only:
+                print(f"== {title}", flush=True)
+                await run(pg, args)
     finally:
         pg.stop()
-    if "export" in only:
-        # Blocking (Spark drives itself); its own PostgreSQL, 2M rows.
-        export.main()
 
 
 if __name__ == "__main__":

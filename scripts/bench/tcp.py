@@ -24,7 +24,16 @@ and receives every row.
     producer, same pacing rule) that answers REPLICATE and gets the same
     lines, pre-encoded, with ``transport.writeSequence`` in the same chunks:
     the ceiling of anything that writes through Twisted.  Rate = rows /
-    (last row at the slowest client - first write).
+    (last row at the slowest client - first write).  ``RDATA_ROUNDS``
+    rounds (default 3) alternate plain, ours and Synapse; medians recorded.
+``tcp.rdata.1client.vs_synapse`` / ``.10clients.vs_synapse`` / ``.50clients.vs_synapse``
+    The same figure of ours against Synapse's own
+    ``ServerReplicationStreamProtocol`` (``synapse_server.py``, run by the
+    Python of the Synapse virtualenv, ``SYNAPSE_PYTHON`` or
+    ``.venv-synapse``; skipped without it): the same rows, the same pump
+    (CHUNK rows, one reactor trip, wait while a connection is paused), the
+    same reader processes; one ``RdataCommand`` per row handed to every
+    connection's ``send_command``, as Synapse's command handler does.
 ``tcp.latency.50clients.p50_ms`` / ``.p99_ms``
     Facts written through the Stream on PostgreSQL (fsync on) at a steady
     ``LAT_RATE`` facts/s, 50 clients: a 5 ms timer issues the facts due by
@@ -96,6 +105,7 @@ from twisted.internet import defer, endpoints, protocol, reactor, task, threads
 from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
+from benchrows import row  # the rows Synapse's protocol gets too
 from common import record, stamp_commits, stamp_sends, standalone_main
 from replicator.config import parse_database, parse_streams
 from replicator.replication.commands import encode_rdata_lines
@@ -105,6 +115,8 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 
 READER = os.path.join(HERE, "reader.py")
+SYNAPSE_SERVER = os.path.join(HERE, "synapse_server.py")
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 SERVER_NAME = "bench"
 WRITER = "master"
@@ -121,6 +133,11 @@ CHUNK = 1000
 #: (ours, baseline), about a second or two each.
 RDATA_DATA_ROWS = 1_000_000
 RDATA_ROWS = {1: (3_000_000, 8_000_000), 10: (1_000_000, 1_500_000), 50: (300_000, 300_000)}
+#: Rows sent through Synapse's protocol (5-20x slower: about as long).
+SYNAPSE_ROWS = {1: 400_000, 10: 60_000, 50: 12_000}
+#: Rounds of (plain, ours, Synapse) per client count; medians are recorded
+#: (a shared 2-core machine drifts between rounds).
+RDATA_ROUNDS = int(os.environ.get("RDATA_ROUNDS", "3"))
 LAT_CLIENTS = 50
 LAT_RATE = 2000
 LAT_SECONDS = 10.0
@@ -139,10 +156,6 @@ E2E_SLICES = 4
 CONGESTION_WARM = 1.0
 
 PROFILE = None  # a cProfile.Profile when profiling
-
-
-def row(i):
-    return ["get_user_by_id", ["@user%d:example.com" % (i % 10_000)], 1490197670513 + i]
 
 
 def tick():
@@ -420,26 +433,125 @@ async def rdata_run(server, data, clients, rows, ours):
     return rows / elapsed
 
 
+class SynapseServer(protocol.ProcessProtocol):
+    """``synapse_server.py`` under the Synapse virtualenv's Python: Synapse's
+    ``ServerReplicationStreamProtocol`` in a process of its own, driven over
+    its stdin/stdout (one JSON object per line)."""
+
+    def __init__(self, python):
+        self.python = python
+        self.buffer = b""
+        self.replies = []
+        self.waiting = None
+        self.ended = defer.Deferred()
+
+    async def start(self):
+        reactor.spawnProcess(self, self.python, [self.python, SYNAPSE_SERVER], env=os.environ,
+                             childFDs={0: "w", 1: "r", 2: 2})
+        self.port = (await self.reply())["port"]
+        return self
+
+    def outReceived(self, data):
+        self.buffer += data
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            if line.strip():
+                self.replies.append(json.loads(line))
+        if self.replies and self.waiting is not None:
+            d, self.waiting = self.waiting, None
+            d.callback(self.replies.pop(0))
+
+    def processEnded(self, reason):
+        if self.waiting is not None:
+            d, self.waiting = self.waiting, None
+            d.errback(RuntimeError(f"synapse_server.py ended: {reason.value}"))
+        self.ended.callback(None)
+
+    def reply(self):
+        if self.replies:
+            return defer.succeed(self.replies.pop(0))
+        self.waiting = defer.Deferred()
+        return self.waiting
+
+    async def ask(self, line):
+        self.transport.write(line.encode() + b"\n")
+        return await self.reply()
+
+    async def stop(self):
+        self.transport.closeStdin()
+        await self.ended
+
+
+async def rdata_run_synapse(server, clients, rows):
+    procs = spawn_readers(server.port, clients, "count", timeout=300.0)
+    await server.ask(f"wait {clients}")
+    await sleep(0.2)  # handshakes flushed, readers idle
+    for p in procs:
+        p.expect(rows)
+    fed = await server.ask(f"run {rows} {CHUNK}")
+    results = await collect(procs)
+    await server.ask("close")
+    last, problems = arrivals_done(results, rows)
+    if problems:
+        raise RuntimeError(f"rdata {clients} clients (Synapse): {problems[:3]}")
+    elapsed = last - fed["start"]
+    print(f"    synapse {clients:>2} clients: {rows:,} rows in {elapsed:.2f}s (fed in "
+          f"{fed['fed'] - fed['start']:.2f}s, its CPU {fed['cpu']:.2f}s = "
+          f"{fed['cpu'] / rows / clients * 1e6:.2f} us/row/client)", flush=True)
+    return rows / elapsed
+
+
+def synapse_python():
+    """The Synapse virtualenv's Python, or None (then no Synapse figures)."""
+    python = os.environ.get("SYNAPSE_PYTHON") or os.path.join(ROOT, ".venv-synapse", "bin",
+                                                              "python")
+    return python if os.access(python, os.X_OK) else None
+
+
+def median(values):
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 async def run_rdata(registry):
     data = RdataData(RDATA_DATA_ROWS)
+    python = synapse_python()
     gc.collect()
     gc.freeze()
     try:
-        print(f"  rdata: {data.bytes_per_line:.0f} bytes per RDATA line, {CHUNK} rows per call")
+        print(f"  rdata: {data.bytes_per_line:.0f} bytes per RDATA line, {CHUNK} rows per call, "
+              f"{RDATA_ROUNDS} alternating rounds (plain, ours"
+              + (", Synapse" if python else "; no Synapse virtualenv: `make synapse-deps`")
+              + "), medians")
         for clients, (rows, base_rows) in RDATA_ROWS.items():
-            plain = await PlainServer().listen()
-            try:
-                base = await rdata_run(plain, data, clients, base_rows, ours=False)
-            finally:
-                await plain.stop()
-            ours = await OurServer(registry).listen()
-            try:
-                value = await rdata_run(ours, data, clients, rows, ours=True)
-            finally:
-                await ours.stop()
+            rates = {"plain": [], "ours": [], "synapse": []}
+            for _ in range(RDATA_ROUNDS):
+                plain = await PlainServer().listen()
+                try:
+                    rates["plain"].append(
+                        await rdata_run(plain, data, clients, base_rows, ours=False))
+                finally:
+                    await plain.stop()
+                ours = await OurServer(registry).listen()
+                try:
+                    rates["ours"].append(await rdata_run(ours, data, clients, rows, ours=True))
+                finally:
+                    await ours.stop()
+                if python:
+                    synapse = await SynapseServer(python).start()
+                    try:
+                        rates["synapse"].append(
+                            await rdata_run_synapse(synapse, clients, SYNAPSE_ROWS[clients]))
+                    finally:
+                        await synapse.stop()
             name = "tcp.rdata.1client" if clients == 1 else f"tcp.rdata.{clients}clients"
+            value = median(rates["ours"])
             record(name, value, "rows/s", "plain Twisted writeSequence of pre-encoded lines",
-                   base)
+                   median(rates["plain"]))
+            if python:
+                record(name + ".vs_synapse", value, "rows/s",
+                       "Synapse's ServerReplicationStreamProtocol", median(rates["synapse"]))
     finally:
         gc.unfreeze()
         del data

@@ -10,12 +10,15 @@ daemons find the package through ``PYTHONPATH``.  Never used outside the
 fault suite.
 """
 
+from twisted.internet import reactor
+
 from replicator.consumers import JsonlConsumer
 
 
 class DroppingJsonlConsumer(JsonlConsumer):
     def __init__(self, path, streams=None, fsync=True, flush_interval=0.05, drop_every=100):
-        super().__init__(path, streams=streams, fsync=fsync, flush_interval=flush_interval)
+        super().__init__(path, streams=streams, fsync=fsync, flush_interval=flush_interval,
+                         reactor=reactor)
         self.drop_every = int(drop_every)
         self.rows_seen = 0
 

@@ -15,7 +15,21 @@ read Synapse's preset streams, ``app1`` writes a stream of its own that
     (same Redis client id throughout) while we published;
 (c) while only we write, Synapse's sync token and its ``stream_positions``
     rows do not move;
-(d) our own stream replicated between our instances, exactly once, in order.
+(d) our own stream replicated between our instances, exactly once, in order;
+(e) over TCP, Synapse's own replication server -> ``app3`` (a reader whose
+    upstream is Synapse's main process): 200+ facts of the presets, each
+    once, in order, rows equal to Synapse's tables, positions equal to its;
+(f) over TCP, our server (``tcphub``, writing streams named and laid out
+    like Synapse's caches, receipts and push_rules in a database of its own)
+    -> Synapse's generic worker speaking Synapse's TCP client protocol:
+    200+ facts, every RDATA counted, parsed and applied by Synapse's handler
+    (its tokens for ``tcphub`` reach ours), one connection, no ERROR;
+(g) ``replicator-export`` of the presets on Synapse's live database stops
+    at Synapse's persisted positions (``stream_positions``).
+
+Synapse 1.163.2 refuses TCP replication in its config, so for (e) and (f)
+its processes are started by ``synapse_peer.py`` (run with Synapse's
+interpreter), which calls Synapse's entry points and adds only the TCP link.
 
 Exit status 0 when every check passed, 1 otherwise.  Synapse is run as a
 peer process; none of its code is imported here.
@@ -38,6 +52,7 @@ import psycopg2
 
 from tests.servers import PostgresServer, RedisServer, free_port, wait_for_port
 
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "synapse_peer.py")
 SERVER_NAME = "interop.test"
 SECRET = "interop-registration-secret"
 HTTP_SECRET = "interop-http-secret-0123456789"
@@ -148,6 +163,7 @@ class Synapse:
         self.dir = os.path.join(workdir, "synapse")
         os.makedirs(os.path.join(self.dir, "media"))
         self.port = free_port()
+        self.tcp_port = free_port()  # Synapse's TCP replication server (check e)
         self.base = f"http://127.0.0.1:{self.port}"
         self.config = os.path.join(self.dir, "homeserver.yaml")
         with open(self.config, "w") as f:
@@ -164,8 +180,8 @@ class Synapse:
                         "--generate-keys"], check=True, cwd=self.dir,
                        stdout=subprocess.DEVNULL)
         self.out = open(os.path.join(self.dir, "stdout.log"), "wb")
-        self.proc = subprocess.Popen([self.python, "-m", "synapse.app.homeserver", "-c",
-                                      self.config], cwd=self.dir, stdout=self.out,
+        self.proc = subprocess.Popen([self.python, PEER, "master", self.config,
+                                      str(self.tcp_port)], cwd=self.dir, stdout=self.out,
                                      stderr=subprocess.STDOUT)
 
         def up():
@@ -196,16 +212,73 @@ class Synapse:
                                        "admin": False, "mac": mac.hexdigest()})
         return answer["access_token"]
 
-    def errors(self):
-        with open(self.log_path, errors="replace") as f:
+    def errors(self, path=None):
+        with open(path or self.log_path, errors="replace") as f:
             return [line.rstrip() for line in f if " - ERROR - " in line
                     or " - CRITICAL - " in line]
+
+
+WORKER = """\
+worker_app: synapse.app.generic_worker
+worker_name: {name}
+worker_log_config: {dir}/worker-log.yaml
+worker_pid_file: {dir}/worker.pid
+instance_map:
+  main: {{host: 127.0.0.1, port: {main_port}}}
+redis:
+  enabled: false
+"""
+
+
+class SynapseWorker:
+    """Synapse's generic worker whose replication is Synapse's TCP client
+    protocol, connected to one of our TCP servers (tests/interop/synapse_peer.py)."""
+
+    def __init__(self, synapse, workdir, port, writer, name="synapse_tcp_worker"):
+        self.s = synapse
+        self.dir = os.path.join(workdir, name)
+        os.makedirs(self.dir)
+        with open(synapse.config) as f:
+            shared = f.read()
+        self.config = os.path.join(self.dir, "worker.yaml")
+        with open(self.config, "w") as f:
+            f.write(shared.replace("\nredis:\n  enabled: true", "\nold_redis:\n  enabled: true")
+                    + WORKER.format(name=name, dir=self.dir, main_port=synapse.port))
+        with open(os.path.join(self.dir, "worker-log.yaml"), "w") as f:
+            f.write(LOG_YAML.format(dir=self.dir).replace("homeserver.log", "worker.log"))
+        self.log_path = os.path.join(self.dir, "worker.log")
+        self.status_path = os.path.join(self.dir, "status.json")
+        self.port, self.writer = port, writer
+        self.proc = None
+
+    def start(self):
+        self.out = open(os.path.join(self.dir, "stdout.log"), "wb")
+        self.proc = subprocess.Popen([self.s.python, PEER, "worker", self.config, "127.0.0.1",
+                                      str(self.port), self.status_path, self.writer],
+                                     cwd=self.dir, stdout=self.out, stderr=subprocess.STDOUT)
+
+    def status(self):
+        if self.proc.poll() is not None:
+            raise Failed(f"Synapse's worker exited with {self.proc.returncode}; see {self.dir}")
+        try:
+            with open(self.status_path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def log_lines(self, text):
+        with open(self.log_path, errors="replace") as f:
+            return [line.rstrip() for line in f if text in line]
+
+    def stop(self):
+        Synapse.stop(self)
 
 
 class Replicator:
     """One replicator instance, run as ``replicator run``."""
 
-    def __init__(self, name, workdir, dsn, redis, streams, venv_bin):
+    def __init__(self, name, workdir, dsn, redis, streams, venv_bin, replication=None,
+                 synapse=True):
         self.name = name
         self.dir = os.path.join(workdir, name)
         os.makedirs(self.dir, exist_ok=True)
@@ -214,14 +287,15 @@ class Replicator:
         self.config = os.path.join(self.dir, "replicator.yaml")
         doc = {
             "server_name": SERVER_NAME, "instance_name": name,
-            "synapse": {"server_name": SERVER_NAME},
             "database": {"postgres": dsn, "pool_max": 4},
-            "replication": {"redis": {"endpoint": redis.endpoint}},
+            "replication": replication or {"redis": {"endpoint": redis.endpoint}},
             "http": {"listen": f"tcp:{self.http_port}:interface=127.0.0.1",
                      "secret": HTTP_SECRET},
             "streams": streams,
             "consumers": [{"type": "jsonl", "path": self.facts_path}],
         }
+        if synapse:
+            doc["synapse"] = {"server_name": SERVER_NAME}
         with open(self.config, "w") as f:
             json.dump(doc, f, indent=1)  # JSON is YAML
         self.binary = os.path.join(venv_bin, "replicator")
@@ -397,6 +471,168 @@ class Traffic:
                        token=token)["next_batch"]
 
 
+# ------------------------------------------------------------------- TCP
+WORKERS = []  # Synapse workers started (stopped by PID at the end)
+TCP_FACTS = 70  # facts per stream our server sends Synapse's worker
+# Not presence: Synapse catches up a presence writer other than itself over
+# HTTP from that writer's instance_map entry, which replicator does not serve.
+TCP_STREAMS = ("caches", "receipts", "push_rules")
+
+
+def tcp_from_synapse(synapse, traffic, app3, dsn):
+    """(e) Synapse's TCP replication server -> our reader: every fact of the
+    presets in Synapse's tables reached app3 once, in order, equal, and its
+    positions reached Synapse's; 200+ facts."""
+    def received():
+        facts = app3.facts()
+        return sum(len(facts.get((p, "master"), [])) for p in PRESETS)
+    rounds = 0
+    while received() < 200 and rounds < 40:
+        traffic.round()
+        rounds += 1
+        time.sleep(0.5)
+    counts = {}
+    for p in PRESETS:
+        table = table_rows(dsn, p)
+        top = max(table) if table else 0
+        wait(lambda: app3.read()[1].get((p, "master"), 0) >= top,
+             f"app3 to reach {p} {top} over TCP", timeout=60)
+        facts, reached, first = app3.read()
+        got = facts.get((p, "master"), [])
+        check_exactly_once(f"app3 {p}", got, table_rows(dsn, p),
+                           since=first.get((p, "master"), 0))
+        if reached[(p, "master")] != top:
+            raise Failed(f"(e) app3's {p} position {reached[(p, 'master')]} != Synapse's {top}")
+        counts[p] = (len(got), top)
+    total = sum(n for n, _ in counts.values())
+    if total < 200:
+        raise Failed(f"(e) only {total} facts reached app3 over TCP")
+    errors = synapse.errors()
+    if errors:
+        raise Failed(f"(e) Synapse logged {len(errors)} ERROR lines, first: {errors[0]}")
+    log(f"(e) Synapse's TCP replication server -> app3: {total} facts ("
+        + ", ".join(f"{p} {n} up to {top}" for p, (n, top) in counts.items())
+        + f"; {rounds} more rounds of traffic), each once, in order, rows equal to Synapse's "
+        f"tables, app3's positions = Synapse's; Synapse logged no ERROR")
+
+
+def tcp_to_synapse(synapse, traffic, pg, workdir, venv_bin, nodes):
+    """(f) our TCP server -> Synapse's generic worker (Synapse's TCP client
+    protocol): our rows of the preset streams' layouts are parsed and
+    applied by Synapse's own handler; its tokens reach ours; no error."""
+    conn = psycopg2.connect(pg.dsn("postgres"))
+    conn.autocommit = True
+    conn.cursor().execute("CREATE DATABASE replicator_tcp")
+    conn.close()
+    dsn = pg.dsn("replicator_tcp")
+    # Tokens above Synapse's own (its worker takes a new writer to start at
+    # Synapse's persisted position): our sequences start at 1,000,000.
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    for p in TCP_STREAMS:
+        conn.cursor().execute(f"CREATE SEQUENCE tcp_{p}_seq START 1000000")
+    conn.close()
+    from replicator.synapse import PRESETS as LAYOUTS
+
+    streams = [{"name": p, "table": f"tcp_{p}", "sequence": f"tcp_{p}_seq",
+                "columns": [dict(c) for c in LAYOUTS[p]["columns"]], "writers": ["tcphub"]}
+               for p in TCP_STREAMS]
+    port = free_port()
+    hub = Replicator("tcphub", workdir, dsn, None, streams, venv_bin, synapse=False,
+                     replication={"listen": f"tcp:{port}:interface=127.0.0.1"})
+    nodes.append(hub)
+    hub.start()
+    worker = SynapseWorker(synapse, workdir, port, "tcphub")
+    WORKERS.append(worker)
+    worker.start()
+    # Synapse's worker is connected once its handler took our POSITIONs.
+    tokened = TCP_STREAMS
+    first = {p: hub.write(p, [row(p, traffic, 0)]) for p in TCP_STREAMS}
+
+    def tokens():
+        status = worker.status() or {}
+        return {p: status.get(p, {}).get("token", 0) for p in tokened}
+    wait(lambda: all(tokens()[p] >= first[p] for p in tokened),
+         "Synapse's worker to connect and take our positions", timeout=180, step=0.5)
+    last = {}
+    for i in range(1, TCP_FACTS + 1):
+        for p in TCP_STREAMS:
+            last[p] = hub.write(p, [row(p, traffic, i)])
+    wait(lambda: tokens() == {p: last[p] for p in tokened}
+         and all(worker.status()[p]["rdata"] >= TCP_FACTS for p in TCP_STREAMS),
+         "Synapse's worker to take our RDATA up to our last tokens", timeout=120, step=0.5)
+    status = worker.status()
+    rdata = {p: status[p]["rdata"] for p in TCP_STREAMS}
+    short = {p: n for p, n in rdata.items() if n != TCP_FACTS}
+    if short:
+        raise Failed(f"(f) Synapse's worker counted too few RDATA lines: {short}")
+    errors = synapse.errors(worker.log_path)
+    if errors:
+        raise Failed(f"(f) Synapse's worker logged {len(errors)} ERROR lines, first: {errors[0]}")
+    connects = worker.log_lines("Connection established")
+    if len(connects) != 1:
+        raise Failed(f"(f) Synapse's worker connected {len(connects)} times (expected once)")
+    log(f"(f) our TCP server -> Synapse's worker (its TCP client protocol): "
+        f"{TCP_FACTS * len(TCP_STREAMS)} facts ("
+        + ", ".join(f"{p} up to {last[p]}, {rdata[p]} RDATA" for p in TCP_STREAMS)
+        + "), each parsed and applied by Synapse's handler (its tokens for tcphub = ours), "
+        "one connection throughout, no ERROR in its log")
+
+
+def export_presets(node, dsn, workdir, venv_bin):
+    """(g) ``replicator-export`` of the presets on Synapse's live database
+    stops at Synapse's persisted positions (its ``stream_positions`` rows,
+    named after its ID generators), never at a fact it has not persisted."""
+    from replicator.config import parse_streams
+
+    out = os.path.join(workdir, "export")
+    before = positions_by_name(dsn)
+    started = time.monotonic()
+    done = subprocess.run([os.path.join(venv_bin, "replicator-export"), "-c", node.config,
+                           "-o", out, "--master", "local[2]", "-q"],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise Failed(f"(g) replicator-export exited {done.returncode}: {done.stderr[-500:]}")
+    after = positions_by_name(dsn)
+    with open(os.path.join(out, "current", "state.json")) as f:
+        state = json.load(f)["streams"]
+    got = []
+    for config in parse_streams([{"preset": f"synapse/{p}"} for p in PRESETS]):
+        key = config.positions_key
+        token = state.get(config.name, {}).get("token")
+        if key not in before:
+            # Nothing persisted by Synapse: nothing may be exported.
+            if token is not None and token > 0:
+                raise Failed(f"(g) {config.name}: exported up to {token} with no persisted "
+                             f"position of Synapse's")
+            got.append(f"{config.name} nothing (no {key} row)")
+            continue
+        if not (before[key] <= token <= after[key]):
+            raise Failed(f"(g) {config.name}: exported up to {token}, Synapse's persisted "
+                         f"{key} position was {before[key]}..{after[key]}")
+        top = table_rows(dsn, config.name)
+        got.append(f"{config.name} up to {token} ({key}; its table reaches {max(top)})")
+    log(f"(g) replicator-export on Synapse's database in {time.monotonic() - started:.0f}s: "
+        + "; ".join(got) + ": each bound = Synapse's persisted position")
+
+
+def positions_by_name(dsn):
+    return {name: pos for name, writer, pos in synapse_positions(dsn) if writer == "master"}
+
+
+def row(stream, traffic, i):
+    """A row of ``stream`` in Synapse's RDATA layout (the presets')."""
+    user = f"@user0:{SERVER_NAME}"
+    now = int(time.time() * 1000)
+    if stream == "caches":
+        return ["get_user_by_id", [f"@tcp{i}:{SERVER_NAME}"], now]
+    if stream == "receipts":
+        return [traffic.room, "m.read", user, f"$tcp{i}", None, {"ts": now}]
+    if stream == "presence":
+        return [user, "online", now, now, now, f"tcp {i}", True]
+    return [user]
+
+
 # ------------------------------------------------------------------- main
 def main() -> int:
     python = os.path.abspath(os.environ.get("SYNAPSE_PYTHON", ".venv-synapse/bin/python"))
@@ -435,6 +671,14 @@ def main() -> int:
         app1, app2 = nodes
         log("replicator app1, app2 up (readers of "
             + ", ".join(f"synapse/{p}" for p in PRESETS) + "; app1 writes app_events)")
+        # (e) a reader whose upstream is Synapse's own TCP replication server.
+        app3 = Replicator("app3", workdir, dsn, redis,
+                          [{"preset": f"synapse/{p}"} for p in PRESETS], venv_bin,
+                          replication={"upstream": f"tcp:host=127.0.0.1:port={synapse.tcp_port}"})
+        nodes.append(app3)
+        app3.start()
+        log(f"replicator app3 up, reading the presets from Synapse's TCP replication server "
+            f":{synapse.tcp_port}")
         # Traffic of both sides, with a restart of app2 in the middle.
         written = []
         for r in range(6):
@@ -499,6 +743,10 @@ def main() -> int:
                          f"{subscribers_before} -> {subscribers_after}")
         log(f"(b) Synapse logged no ERROR; its Redis subscription (client "
             f"{','.join(subscribers_before)}) never reconnected")
+        tcp_from_synapse(synapse, traffic, app3, dsn)
+        tcp_to_synapse(synapse, traffic, pg, workdir, venv_bin, nodes)
+        export_presets(app1, dsn, workdir, venv_bin)
+
         for node in nodes:
             node.stop()
         ok = True
@@ -514,6 +762,8 @@ def main() -> int:
                 node.stop()
             except Failed:
                 pass
+        for worker in WORKERS:
+            worker.stop()
         if synapse is not None:
             synapse.stop()
         if redis is not None:

@@ -1,21 +1,5 @@
-"""What a reader does with facts: the consumer interface and the built-ins.
-
-A consumer receives every committed fact of the streams it reads exactly
-once, in ascending token order per (stream, writer), each multi-row fact
-whole.  It reports what it has *durably* handled through
-:meth:`Consumer.positions`; after a restart the reader resumes from there, so
-a consumer that persists its positions sees no fact twice and misses none.
-
-Methods may return a Deferred or a coroutine: the reader waits for it
-before handing over the next fact of the same (stream, writer).
-
-Built-ins (also registered as entry points of the ``replicator.consumers``
-group, see :func:`load_consumers`):
-
-* :class:`JsonlConsumer` (``jsonl``) appends facts to a JSON-lines file and
-  resumes exactly from what is on disk.
-* :class:`LogConsumer` (``log``) logs one line per fact; always live.
-* :class:`MemoryConsumer` keeps facts in a list (tests, debugging).
+"""The ``jsonl`` consumer: facts appended to a JSON-lines file, resumed
+exactly from what is on disk.
 
 The JSON-lines file
 -------------------
@@ -41,76 +25,23 @@ complete lines, so the reader resumes exactly after the last line on disk.
 """
 
 import fcntl
-import importlib
 import json
 import os
-import queue
-import threading
-from importlib.metadata import entry_points
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
 from twisted.internet import defer
-from twisted.logger import Logger, LogLevel
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from . import files
-from .config import ConfigError, ConsumerConfig, _bool, _no_unknown, _number, _str
+from .. import files
+from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_str, no_unknown
+from .base import Consumer, Key
+from .file_thread import FileThread, append_at
 
-log = Logger()
-
-Key = Tuple[str, str]  # (stream, writer)
-
-#: Entry point group third-party consumers register under.
-ENTRY_POINT_GROUP = "replicator.consumers"
+log = Logger(namespace="replicator.consumers")
 
 
-class Consumer:
-    """Base class: override what you need."""
-
-    #: Streams this consumer wants (None: all streams the reader knows).
-    streams: Optional[Sequence[str]] = None
-
-    def positions(self) -> Dict[Key, int]:
-        """Positions durably handled, per (stream, writer).
-
-        A key that is missing means "no history": the reader starts from
-        the position the writer announces (live), or from an earlier
-        consumer's position if another consumer has one.
-        """
-        return {}
-
-    def on_facts(self, stream: str, writer: str, token: int, rows: List[list]):
-        """One fact: all rows sharing ``token`` (possibly none)."""
-
-    def on_position(self, stream: str, writer: str, token: int):
-        """The writer has nothing more up to ``token`` (no rows)."""
-
-    def close(self):
-        """Flush and release resources at shutdown."""
-
-
-class MemoryConsumer(Consumer):
-    """Keeps every fact in a list, in arrival order (tests, debugging)."""
-
-    def __init__(self, positions: Optional[Dict[Key, int]] = None,
-                 streams: Optional[Sequence[str]] = None):
-        self.facts: List[Tuple[str, str, int, List[list]]] = []
-        self.position_by_key: Dict[Key, int] = dict(positions or {})
-        self.streams = streams
-
-    def positions(self) -> Dict[Key, int]:
-        return dict(self.position_by_key)
-
-    def on_facts(self, stream, writer, token, rows):
-        self.facts.append((stream, writer, token, rows))
-        self.position_by_key[(stream, writer)] = token
-
-    def on_position(self, stream, writer, token):
-        self.position_by_key[(stream, writer)] = token
-
-
-# ------------------------------------------------------------------ jsonl
 class JsonlError(ValueError):
     """The file cannot be used: a complete line that is not a fact or a
     position, or another consumer holds the file."""
@@ -156,86 +87,12 @@ def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict
     return (stream, writer), token, obj
 
 
-class FileThread:
-    """One thread that runs the I/O jobs of one file, one at a time, in the
-    order given; each job's result (or failure) comes back on the reactor
-    thread through the Deferred :meth:`run` returned.
-
-    The thread starts with the first job and is a daemon: a process that
-    exits without :meth:`stop` does not wait for it (what it had not written
-    is not in the file's positions, so it is fetched again).
-    """
-
-    def __init__(self, name: str, reactor=None):
-        if reactor is None:
-            from twisted.internet import reactor
-        self.name = name
-        self._reactor = reactor
-        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-
-    def run(self, fn: Callable, *args) -> defer.Deferred:
-        d: defer.Deferred = defer.Deferred()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
-            self._thread.start()
-        self._jobs.put((fn, args, d))
-        return d
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, args, d = job
-            try:
-                result = fn(*args)
-            except BaseException:
-                self._reactor.callFromThread(d.errback, Failure())
-            else:
-                self._reactor.callFromThread(d.callback, result)
-
-    def stop(self) -> None:
-        """Let the thread end once the jobs given so far are done."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread = None
-
-
-def run_inline(fn: Callable, *args) -> defer.Deferred:
-    """Run an I/O job on the calling thread (tests on a Clock, scripts)."""
-    return defer.maybeDeferred(fn, *args)
-
-
-def _append(fd: int, size: int, data: bytes, truncate_first: bool, fsync: bool) -> None:
-    """Write ``data`` at offset ``size`` and fsync (the writer thread).  On
-    any error the file is cut back to ``size`` (if it can be) and the error
-    raised: the file never keeps part of a batch."""
-    try:
-        if truncate_first:
-            os.ftruncate(fd, size)
-        view = memoryview(data)
-        offset = size
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view = view[n:]
-            offset += n
-        if fsync:
-            os.fsync(fd)
-    except OSError:
-        try:
-            os.ftruncate(fd, size)
-        except OSError:
-            pass  # truncated before the next attempt
-        raise
-
-
 class JsonlConsumer(Consumer):
     """Appends facts to a JSON-lines file (format: see the module docstring).
 
     Lines are buffered in memory and written with one ``write`` and one
     ``fsync`` per batch: ``flush_interval`` seconds after the first line of
-    a batch (a ``callLater`` on ``clock``, the reactor by default), as soon as
+    a batch (a ``callLater`` on ``clock``, by default ``reactor``), as soon as
     the buffer holds ``max_buffer`` bytes, and in :meth:`close`.  The writes
     and fsyncs run on a thread of this file's own (:class:`FileThread`; or
     whatever ``run_io`` runs a job with), never on the reactor thread, one
@@ -255,6 +112,9 @@ class JsonlConsumer(Consumer):
     further back).  The file is locked (``flock``) while open: two consumers,
     in one process or two, cannot share it.
 
+    ``reactor`` runs the file's own thread (:class:`FileThread`); it may be
+    left out when ``run_io`` and ``clock`` are given.
+
     The service must call :meth:`close` (and wait for its Deferred) at
     shutdown, or the last ``flush_interval`` of facts is not written (not
     lost: positions do not include them, so they are fetched again on
@@ -267,9 +127,11 @@ class JsonlConsumer(Consumer):
     def __init__(self, path: str, streams: Optional[Sequence[str]] = None,
                  flush_interval: float = 0.05, fsync: bool = True, clock=None,
                  max_buffer: int = 1 << 20,
-                 run_io: Optional[Callable[..., defer.Deferred]] = None):
+                 run_io: Optional[Callable[..., defer.Deferred]] = None, reactor=None):
         if clock is None:
-            from twisted.internet import reactor as clock
+            clock = reactor
+        if clock is None or (run_io is None and reactor is None):
+            raise TypeError("JsonlConsumer needs its reactor (or a clock and run_io)")
         self.path = os.path.abspath(path)
         self.streams = tuple(streams) if streams is not None else None
         self.flush_interval = flush_interval
@@ -278,7 +140,7 @@ class JsonlConsumer(Consumer):
         self._clock = clock
         self._thread: Optional[FileThread] = None
         if run_io is None:
-            self._thread = FileThread(f"jsonl {os.path.basename(self.path)}")
+            self._thread = FileThread(f"jsonl {os.path.basename(self.path)}", reactor)
             run_io = self._thread.run
         self._run_io = run_io
         self._durable: Dict[Key, int] = {}  # in the file
@@ -387,6 +249,39 @@ class JsonlConsumer(Consumer):
             self._schedule(self.flush_interval)
         return None
 
+    def on_facts_many(self, stream, writer, facts):
+        """``on_facts`` for ``(token, rows)`` facts in token order (a page of a
+        catch-up), in one pass.  The buffer may go past ``max_buffer`` by one
+        page; a Deferred is returned, as by ``on_facts``, when it is full."""
+        if self._closed or not facts:
+            return None
+        key = (stream, writer)
+        last = self._last.get(key)
+        lines = []
+        for token, rows in facts:
+            if last is not None and token <= last:
+                self.skipped += 1
+                continue
+            lines.append(_encode({"stream": stream, "writer": writer, "token": token,
+                                  "rows": rows}))
+            last = token
+        if not lines:
+            return None
+        self._buffer.extend(lines)
+        self._buffered += sum(map(len, lines))
+        self._last[key] = last
+        self._pending_positions.pop(key, None)
+        if self._buffered >= self.max_buffer:
+            if self._writing is None and not self._failed:
+                self.flush()
+            if self._buffered >= self.max_buffer:
+                waiter: defer.Deferred = defer.Deferred()
+                self._waiters.append(waiter)
+                return waiter
+        if self._buffer:
+            self._schedule(self.flush_interval)
+        return None
+
     def on_position(self, stream, writer, token):
         if self._closed:
             return None
@@ -471,7 +366,7 @@ class JsonlConsumer(Consumer):
         self._buffer, self._buffered = [], 0
         self._pending_positions, self._unwritten = {}, b""
         self._writing = writing = self._run_io(
-            _append, self._fd, self._size, data, truncate_first, self.fsync)
+            append_at, self._fd, self._size, data, truncate_first, self.fsync)
         try:
             await writing
         except Exception:
@@ -526,171 +421,20 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-# -------------------------------------------------------------------- log
-LOG_LEVELS = {
-    "debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn,
-    "error": LogLevel.error, "critical": LogLevel.critical,
-}
-
-
-def preview(rows: List[list], limit: int = 200) -> str:
-    """Compact JSON of ``rows``, cut to ``limit`` characters (ending in …)."""
-    try:
-        text = orjson.dumps(rows).decode("utf-8")
-    except TypeError:
-        text = json.dumps(rows, separators=(",", ":"), ensure_ascii=False, default=repr)
-    if len(text) > limit:
-        text = text[:limit - 1] + "…"
-    return text
-
-
-class LogConsumer(Consumer):
-    """Logs one line per fact: ``stream/writer token: N rows [preview]``.
-
-    Keeps nothing, so :meth:`positions` is empty (always live).  ``logger``
-    (tests) defaults to one in the ``replicator.consumers.log`` namespace.
-    """
-
-    def __init__(self, streams: Optional[Sequence[str]] = None, level: str = "info",
-                 logger: Optional[Logger] = None, preview_chars: int = 200):
-        if level not in LOG_LEVELS:
-            raise ValueError(f"level {level!r} is not one of {', '.join(LOG_LEVELS)}")
-        self.streams = tuple(streams) if streams is not None else None
-        self.level = LOG_LEVELS[level]
-        self.preview_chars = preview_chars
-        self.log = logger if logger is not None else Logger(namespace="replicator.consumers.log")
-
-    def on_facts(self, stream, writer, token, rows):
-        self.log.emit(self.level, "{stream}/{writer} {token}: {count} {noun} {preview}",
-                      stream=stream, writer=writer, token=token, count=len(rows),
-                      noun="row" if len(rows) == 1 else "rows",
-                      preview=preview(rows, self.preview_chars))
-
-
-# ---------------------------------------------------------------- loading
-def _build_jsonl(config: ConsumerConfig, base_dir: str, where: str) -> Consumer:
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
+    """A :class:`JsonlConsumer` from its config (options ``path``, relative
+    to ``base_dir``; ``fsync``; ``flush_interval``)."""
     options = config.options
-    _no_unknown(options, ("path", "fsync", "flush_interval"), where)
-    path = _str(options, "path", where)
+    no_unknown(options, ("path", "fsync", "flush_interval"), where)
+    path = get_str(options, "path", where)
     path = os.path.join(base_dir, path)  # an absolute path stays as it is
-    fsync = _bool(options, "fsync", where, True)
-    flush_interval = _number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
+    fsync = get_bool(options, "fsync", where, True)
+    flush_interval = get_number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
     try:
         return JsonlConsumer(path, streams=config.streams, flush_interval=flush_interval,
-                             fsync=fsync)
+                             fsync=fsync, reactor=reactor)
     except JsonlError as e:
         raise ConfigError(f"{where}.path", str(e)) from None
     except OSError as e:
         raise ConfigError(f"{where}.path",
                           f"cannot open {e.filename or path}: {e.strerror or e}") from None
-
-
-def _build_log(config: ConsumerConfig, base_dir: str, where: str) -> Consumer:
-    options = config.options
-    _no_unknown(options, ("level",), where)
-    level = _str(options, "level", where, "info")
-    if level not in LOG_LEVELS:
-        raise ConfigError(f"{where}.level", f"{level!r} is not one of {', '.join(LOG_LEVELS)}")
-    return LogConsumer(streams=config.streams, level=level)
-
-
-BUILTINS: Dict[str, Callable[[ConsumerConfig, str, str], Consumer]] = {
-    "jsonl": _build_jsonl,
-    "log": _build_log,
-}
-CONSUMER_METHODS = ("positions", "on_facts", "on_position", "close")
-
-
-def _from_entry_point(name: str, where: str) -> Any:
-    """The object entry point ``name`` names, or None if there is none."""
-    matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-    if not matches:
-        return None
-    try:
-        return matches[0].load()
-    except Exception as e:
-        raise ConfigError(f"{where}.type", f"entry point {name!r} ({matches[0].value}) cannot be "
-                                           f"loaded: {type(e).__name__}: {e}") from None
-
-
-def _from_dotted_path(path: str) -> Tuple[Any, Optional[str]]:
-    """``(object, None)`` for ``package.module:Name`` or ``package.module.Name``;
-    ``(None, reason)`` if that cannot be imported."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        return None, "not a dotted path package.module:Class"
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        return None, str(e)
-    except Exception as e:
-        return None, f"importing {module_name} raised {type(e).__name__}: {e}"
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            return None, f"{module_name} has no attribute {attr!r}"
-    return obj, None
-
-
-def _build_external(config: ConsumerConfig, where: str) -> Consumer:
-    name = config.type
-    factory = _from_entry_point(name, where)
-    if factory is None:
-        factory, reason = _from_dotted_path(name)
-        if factory is None:
-            raise ConfigError(f"{where}.type", f"unknown consumer {name!r} (not built in, no "
-                                               f"entry point, not importable: {reason})")
-    if not callable(factory):
-        raise ConfigError(f"{where}.type", f"{name!r} is not a class")
-    try:
-        consumer = factory(streams=config.streams, **config.options)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(where, f"cannot create {name}: {e}") from None
-    except Exception as e:
-        raise ConfigError(where, f"cannot create {name}: {type(e).__name__}: {e}") from None
-    missing = [m for m in CONSUMER_METHODS if not callable(getattr(consumer, m, None))]
-    if missing:
-        raise ConfigError(f"{where}.type",
-                          f"{name!r} made a {type(consumer).__name__}, which is not a consumer "
-                          f"(no {', '.join(missing)})")
-    if getattr(consumer, "streams", None) is None and (
-            config.streams is not None or not hasattr(consumer, "streams")):
-        consumer.streams = config.streams  # the reader filters by this attribute
-    return consumer
-
-
-def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str,
-                   key: str = "consumers") -> List[Consumer]:
-    """Consumers from their configs, in order.
-
-    ``type`` is a built-in (``jsonl``: options ``path`` (relative to
-    ``base_dir``), ``fsync``, ``flush_interval``; ``log``: option ``level``),
-    else an entry point of the ``replicator.consumers`` group, else a dotted
-    path ``package.module:Class``; such a class is called with ``streams=``
-    and the options as keyword arguments.  Every mistake is a ConfigError
-    naming ``<key>[i]`` or a key below it; consumers already built are closed
-    then.
-    """
-    built: List[Consumer] = []
-    try:
-        for i, config in enumerate(configs):
-            where = f"{key}[{i}]"
-            builtin = BUILTINS.get(config.type)
-            if builtin is not None:
-                built.append(builtin(config, base_dir, where))
-            else:
-                built.append(_build_external(config, where))
-    except BaseException:
-        for consumer in built:
-            try:
-                consumer.close()
-            except Exception:
-                log.failure("closing consumer {c} failed", c=consumer)
-        raise
-    return built

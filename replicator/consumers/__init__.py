@@ -1,0 +1,34 @@
+"""What a reader does with facts: the consumer interface and the built-ins.
+
+A consumer receives every committed fact of the streams it reads exactly
+once, in ascending token order per (stream, writer), each multi-row fact
+whole.  It reports what it has *durably* handled through
+:meth:`Consumer.positions`; after a restart the reader resumes from there, so
+a consumer that persists its positions sees no fact twice and misses none.
+
+Methods may return a Deferred or a coroutine: the reader waits for it
+before handing over the next fact of the same (stream, writer).
+
+Built-ins (also registered as entry points of the ``replicator.consumers``
+group, see :func:`load_consumers`), one module each:
+
+* :class:`JsonlConsumer` (``jsonl``) appends facts to a JSON-lines file and
+  resumes exactly from what is on disk.
+* :class:`LogConsumer` (``log``) logs one line per fact; always live.
+* :class:`MemoryConsumer` keeps facts in a list (tests, debugging).
+
+:mod:`.base` holds the interface, :mod:`.loading` builds consumers from the
+configuration (built-ins, entry points, dotted paths).
+
+The JSON-lines format is described in :mod:`.jsonl`.
+"""
+
+from .base import Consumer, Key, MemoryConsumer
+from .file_thread import FileThread, run_inline
+from .jsonl import JsonlConsumer, JsonlError, parse_line
+from .loading import ENTRY_POINT_GROUP, load_consumers
+from .log import LogConsumer, preview
+
+__all__ = ["Consumer", "Key", "MemoryConsumer", "FileThread", "JsonlConsumer", "JsonlError",
+           "parse_line", "run_inline", "ENTRY_POINT_GROUP", "load_consumers", "LogConsumer",
+           "preview"]

@@ -1,0 +1,52 @@
+"""The consumer interface (see :mod:`replicator.consumers` for its contract)
+and the in-memory consumer."""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+Key = Tuple[str, str]  # (stream, writer)
+
+
+class Consumer:
+    """Base class: override what you need."""
+
+    #: Streams this consumer wants (None: all streams the reader knows).
+    streams: Optional[Sequence[str]] = None
+
+    def positions(self) -> Dict[Key, int]:
+        """Positions durably handled, per (stream, writer).
+
+        A key that is missing means "no history": the reader starts from
+        the position the writer announces (live), or from an earlier
+        consumer's position if another consumer has one.
+        """
+        return {}
+
+    def on_facts(self, stream: str, writer: str, token: int, rows: List[list]):
+        """One fact: all rows sharing ``token`` (possibly none)."""
+
+    def on_position(self, stream: str, writer: str, token: int):
+        """The writer has nothing more up to ``token`` (no rows)."""
+
+    def close(self):
+        """Flush and release resources at shutdown."""
+
+
+class MemoryConsumer(Consumer):
+    """Keeps every fact in a list, in arrival order (tests, debugging)."""
+
+    def __init__(self, positions: Optional[Dict[Key, int]] = None,
+                 streams: Optional[Sequence[str]] = None):
+        self.facts: List[Tuple[str, str, int, List[list]]] = []
+        self.position_by_key: Dict[Key, int] = dict(positions or {})
+        self.streams = streams
+
+    def positions(self) -> Dict[Key, int]:
+        return dict(self.position_by_key)
+
+    def on_facts(self, stream, writer, token, rows):
+        self.facts.append((stream, writer, token, rows))
+        self.position_by_key[(stream, writer)] = token
+
+    def on_position(self, stream, writer, token):
+        self.position_by_key[(stream, writer)] = token
+

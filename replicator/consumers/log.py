@@ -1,0 +1,59 @@
+"""The ``log`` consumer: one log line per fact; keeps nothing (always live)."""
+
+import json
+from typing import List, Optional, Sequence
+
+import orjson
+from twisted.logger import Logger, LogLevel
+
+from ..config import ConfigError, ConsumerConfig, get_str, no_unknown
+from .base import Consumer
+
+LOG_LEVELS = {
+    "debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn,
+    "error": LogLevel.error, "critical": LogLevel.critical,
+}
+
+
+def preview(rows: List[list], limit: int = 200) -> str:
+    """Compact JSON of ``rows``, cut to ``limit`` characters (ending in …)."""
+    try:
+        text = orjson.dumps(rows).decode("utf-8")
+    except TypeError:
+        text = json.dumps(rows, separators=(",", ":"), ensure_ascii=False, default=repr)
+    if len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return text
+
+
+class LogConsumer(Consumer):
+    """Logs one line per fact: ``stream/writer token: N rows [preview]``.
+
+    Keeps nothing, so :meth:`positions` is empty (always live).  ``logger``
+    (tests) defaults to one in the ``replicator.consumers.log`` namespace.
+    """
+
+    def __init__(self, streams: Optional[Sequence[str]] = None, level: str = "info",
+                 logger: Optional[Logger] = None, preview_chars: int = 200):
+        if level not in LOG_LEVELS:
+            raise ValueError(f"level {level!r} is not one of {', '.join(LOG_LEVELS)}")
+        self.streams = tuple(streams) if streams is not None else None
+        self.level = LOG_LEVELS[level]
+        self.preview_chars = preview_chars
+        self.log = logger if logger is not None else Logger(namespace="replicator.consumers.log")
+
+    def on_facts(self, stream, writer, token, rows):
+        self.log.emit(self.level, "{stream}/{writer} {token}: {count} {noun} {preview}",
+                      stream=stream, writer=writer, token=token, count=len(rows),
+                      noun="row" if len(rows) == 1 else "rows",
+                      preview=preview(rows, self.preview_chars))
+
+
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
+    """A :class:`LogConsumer` from its config (option ``level``)."""
+    options = config.options
+    no_unknown(options, ("level",), where)
+    level = get_str(options, "level", where, "info")
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"{where}.level", f"{level!r} is not one of {', '.join(LOG_LEVELS)}")
+    return LogConsumer(streams=config.streams, level=level)
