@@ -52,7 +52,12 @@ and receives every row.
     over every (client, fact) pair after the first ``LAT_WARMUP`` s.
     Baseline: the same readers fed by a plain Twisted writer, pre-encoded
     lines pushed the moment the same timer fires (the floor of TCP plus
-    reader wake-up on this machine).
+    reader wake-up on this machine).  Both runs also print where a tail
+    can come from in this process (:class:`TailWatch`): garbage-collection
+    pauses, how late a 1 ms reactor timer fires, and fan-outs deferred by
+    the coalescing interval.  Variants (environment): ``LAT_GC_FREEZE=1``
+    (``gc.freeze()`` first), ``LAT_FANOUT_INTERVAL=s``,
+    ``LAT_SWITCH_INTERVAL=s`` (the GIL's), ``LAT_FACTS_PER_TXN=n``.
 ``e2e.facts_per_s``, ``e2e.write.p50_ms`` / ``.p99_ms``
     ``E2E_WRITERS`` concurrent ``write_fact`` loops (one fact per call;
     waiting calls go together into one transaction: group commit) on a
@@ -146,6 +151,14 @@ LAT_WARMUP = 1.0
 LAT_TICK = 0.005
 #: Facts per transaction: 0 = all facts due at a tick in one transaction.
 LAT_FACTS_PER_TXN = int(os.environ.get("LAT_FACTS_PER_TXN", "0"))
+#: Variants to find where the tail comes from (defaults: as the daemon runs):
+#: the fan-out's coalescing interval (s) and the interpreter's GIL switch
+#: interval (s) while ours runs.
+LAT_FANOUT_INTERVAL = os.environ.get("LAT_FANOUT_INTERVAL")
+LAT_SWITCH_INTERVAL = os.environ.get("LAT_SWITCH_INTERVAL")
+#: LAT_GC_FREEZE=1: gc.freeze() before ours runs (what a daemon could do once
+#: started: the objects of its start are never walked by a collection again).
+LAT_GC_FREEZE = os.environ.get("LAT_GC_FREEZE") == "1"
 E2E_CLIENTS = 10
 E2E_LOOPS = 4
 # Concurrent writes on our side (an application's requests): they share the
@@ -613,8 +626,88 @@ class Pacer:
             self.issued += due
 
 
+class TailWatch:
+    """Where a latency tail can come from in this process, while a run
+    lasts: garbage collections (count, total and longest pause), how late
+    a 1 ms reactor timer fires (the reactor thread busy or waiting for the
+    GIL), and, for ours, how many fan-outs the coalescing timer deferred
+    and for how long."""
+
+    def __init__(self, fanout=None):
+        self.gc_pauses = []
+        self.lags = []
+        self.deferred = []
+        self.advances = []  # (time.time(), the writer's position then)
+        self.fanout = fanout
+
+    def _gc(self, phase, info):
+        if phase == "start":
+            self._gc_at = time.perf_counter()
+        elif hasattr(self, "_gc_at"):
+            self.gc_pauses.append(time.perf_counter() - self._gc_at)
+
+    def _tick(self):
+        now = time.perf_counter()
+        if self._due is not None:
+            self.lags.append(now - self._due)
+        self._due = now + 0.001
+
+    def start(self):
+        gc.callbacks.append(self._gc)
+        self._due = None
+        self._loop = task.LoopingCall(self._tick)
+        self._loop.start(0.001)
+        fanout = self.fanout
+        if fanout is not None:
+            advanced = fanout.advanced
+
+            def watched(stream, writer):
+                key = (stream.name, writer)
+                had = key in fanout._timers
+                self.advances.append((time.time(), stream.id_gen.get_current_token(writer)))
+                advanced(stream, writer)
+                call = fanout._timers.get(key)
+                if call is not None and not had:
+                    self.deferred.append(call.getTime() - fanout._clock.seconds())
+
+            fanout.advanced = watched
+
+    def stop(self):
+        gc.callbacks.remove(self._gc)
+        self._loop.stop()
+        if self.fanout is not None:
+            del self.fanout.advanced
+
+    def position_delays_ms(self, commit_at, since):
+        """Sorted ms from a fact's commit to the writer's position first
+        covering it: the wait for earlier facts still in flight on other
+        connections (a position never passes an uncommitted fact)."""
+        out = []
+        facts = sorted((t, c) for t, c in commit_at.items() if c >= since)
+        k = 0
+        for at, token in self.advances:
+            while k < len(facts) and facts[k][0] <= token:
+                out.append(max(0.0, at - facts[k][1]) * 1000.0)
+                k += 1
+        return sorted(out)
+
+    def report(self, seconds):
+        lags = sorted(x * 1000.0 for x in self.lags)
+        text = (f"gc {len(self.gc_pauses)} pauses, {sum(self.gc_pauses) * 1000:.1f} ms in all, "
+                f"longest {max(self.gc_pauses, default=0) * 1000:.2f} ms; 1 ms timer late p50 "
+                f"{percentile(lags, 50):.2f} ms, p99 {percentile(lags, 99):.2f} ms, max "
+                f"{lags[-1] if lags else float('nan'):.1f} ms")
+        if self.fanout is not None:
+            text += (f"; fan-outs deferred by coalescing: {len(self.deferred)} "
+                     f"({len(self.deferred) / seconds:.0f}/s), wait p50 "
+                     f"{percentile(sorted(self.deferred), 50) * 1000:.2f} ms")
+        return text
+
+
 async def latency_ours(registry):
     server = await OurServer(registry).listen()
+    if LAT_FANOUT_INTERVAL is not None:
+        server.handler.fanout.fanout_interval = float(LAT_FANOUT_INTERVAL)
     stream = registry.get("latency")
     # Where the time goes: the write itself, and commit -> lines handed to
     # every transport (the fan-out's read of the rows and the encoding).
@@ -647,17 +740,28 @@ async def latency_ours(registry):
                 writes.append(defer.ensureDeferred(timed_write(facts)))
 
         gc.collect()
+        if LAT_GC_FREEZE:
+            gc.freeze()
+        watch = TailWatch(server.handler.fanout)
+        switch = sys.getswitchinterval()
+        if LAT_SWITCH_INTERVAL is not None:
+            sys.setswitchinterval(float(LAT_SWITCH_INTERVAL))
         cpu0 = cpu_seconds()
         start = time.time()
+        watch.start()
         with profiled():
             issued = await Pacer(issue, LAT_SECONDS).run()
             await defer.gatherResults(writes, consumeErrors=True)
             written = time.time()
+            watch.stop()
             for p in procs:
                 p.expect(issued)
             results = await collect(procs)
         cpu = cpu_seconds() - cpu0
     finally:
+        if LAT_GC_FREEZE:
+            gc.unfreeze()
+        sys.setswitchinterval(switch)
         del stream.id_gen.complete_many  # the stamping wrapper
         await server.stop()
     delays, missing = delays_ms(results, commit_at, start + LAT_WARMUP)
@@ -674,6 +778,14 @@ async def latency_ours(registry):
     print(f"           write_fact itself p50 {percentile(write_ms, 50):.2f} ms, p99 "
           f"{percentile(write_ms, 99):.2f} ms; commit -> handed to the transports p50 "
           f"{percentile(to_send, 50):.2f} ms, p99 {percentile(to_send, 99):.2f} ms", flush=True)
+    to_position = watch.position_delays_ms(commit_at, start + LAT_WARMUP)
+    print(f"           commit -> the position covers it (earlier facts in flight) p50 "
+          f"{percentile(to_position, 50):.2f} ms, p99 {percentile(to_position, 99):.2f} ms",
+          flush=True)
+    print(f"           {watch.report(written - start)} (fan-out interval "
+          f"{server.handler.fanout.fanout_interval * 1000:g} ms, GIL switch interval "
+          f"{float(LAT_SWITCH_INTERVAL or switch) * 1000:g} ms"
+          + (", gc frozen" if LAT_GC_FREEZE else "") + ")", flush=True)
     return delays
 
 
@@ -696,8 +808,11 @@ async def latency_plain():
             n[0] += count
             server.send(batch)
 
+        watch = TailWatch()
         start = time.time()
+        watch.start()
         issued = await Pacer(issue, LAT_BASELINE_SECONDS).run()
+        watch.stop()
         for p in procs:
             p.expect(issued)
         results = await collect(procs)
@@ -709,6 +824,7 @@ async def latency_plain():
     print(f"    plain: {issued:,} lines to {LAT_CLIENTS} clients; p50 "
           f"{percentile(delays, 50):.2f} ms, p99 {percentile(delays, 99):.2f} ms, "
           f"max {delays[-1]:.1f} ms", flush=True)
+    print(f"           {watch.report(LAT_BASELINE_SECONDS)}", flush=True)
     return delays
 
 
