@@ -114,6 +114,7 @@ class DatabaseConfig:
     dsn: Optional[str] = None  # postgres
     pool_min: int = 1
     pool_max: int = 5
+    write_group_max: int = 256  # facts per write transaction (group commit)
 
 
 # ---------------------------------------------------------------- helpers
@@ -226,24 +227,29 @@ def _list(section: Mapping, name: str, key: str, default: Any = ...) -> list:
 # ---------------------------------------------------------------- sections
 #: Database connections (each one a pool thread and a server process).
 MAX_POOL = 100
+#: Facts in one group-commit transaction (its INSERT's parameters grow with it).
+MAX_WRITE_GROUP = 10_000
 
 
 def parse_database(value: Any, key: str = "database") -> DatabaseConfig:
     section = _mapping(value, key)
     if "sqlite" in section and "postgres" in section:
         raise ConfigError(key, "give either sqlite or postgres, not both")
-    no_unknown(section, ("sqlite", "postgres", "pool_min", "pool_max"), key)
+    no_unknown(section, ("sqlite", "postgres", "pool_min", "pool_max", "write_group_max"), key)
     pool_min = _int(section, "pool_min", key, 1, minimum=1, maximum=MAX_POOL)
     pool_max = _int(section, "pool_max", key, 5, minimum=1, maximum=MAX_POOL)
+    group = _int(section, "write_group_max", key, 256, minimum=1, maximum=MAX_WRITE_GROUP)
     if pool_max < pool_min:
         raise ConfigError(f"{key}.pool_max", f"must be at least pool_min ({pool_min})")
     if "sqlite" in section:
         path = get_str(section, "sqlite", key)
-        return DatabaseConfig("sqlite", path=path, pool_min=1, pool_max=1)
+        return DatabaseConfig("sqlite", path=path, pool_min=1, pool_max=1,
+                              write_group_max=group)
     if "postgres" in section:
         dsn = get_str(section, "postgres", key)
         _check_dsn(dsn, f"{key}.postgres")
-        return DatabaseConfig("postgres", dsn=dsn, pool_min=pool_min, pool_max=pool_max)
+        return DatabaseConfig("postgres", dsn=dsn, pool_min=pool_min, pool_max=pool_max,
+                              write_group_max=group)
     raise ConfigError(key, "missing: give sqlite: PATH or postgres: DSN")
 
 

@@ -22,6 +22,12 @@ WRITE_LATENCY = Histogram(
     "From the start of a write to its completion (reserve, insert, commit)", ["stream"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+WRITE_GROUP_SIZE = Histogram(
+    "replicator_write_group_size",
+    "Facts per write transaction: concurrent writes of a writer go together (group commit); "
+    "a failed group's writes retried alone count again, as groups of their own", ["stream"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
+)
 STREAM_POSITION = Gauge(
     "replicator_stream_position", "Current token per stream and writer, as this instance knows it",
     ["stream", "writer"], registry=None,

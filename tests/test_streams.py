@@ -7,10 +7,13 @@ instances writing one multi-writer stream.
 
 import os
 import random
+import sqlite3
 import tempfile
+import threading
 
 import orjson
 import psycopg2
+from prometheus_client import REGISTRY
 from twisted.enterprise import adbapi
 from twisted.internet import defer, reactor, task, threads
 from hypothesis import given, settings, strategies as st
@@ -59,8 +62,17 @@ class StreamSuite:
     def raw_rows(self, sql):
         raise NotImplementedError
 
-    async def registry(self, instance="master", streams=STREAMS):
-        db = Database(self.db_config)
+    def one_connection_config(self, group_max):
+        """This database with one write connection and ``write_group_max``."""
+        raise NotImplementedError
+
+    def add_check(self):
+        """Make the database refuse cache_stream rows with a negative
+        invalidation_ts (a constraint the row checks know nothing of)."""
+        raise NotImplementedError
+
+    async def registry(self, instance="master", streams=STREAMS, config=None):
+        db = Database(config or self.db_config)
         self.addCleanup(db.close)
         registry = StreamRegistry(db, instance, parse_streams(streams))
         await registry.start()
@@ -241,13 +253,131 @@ class StreamSuite:
         return defer.ensureDeferred(go())
 
 
+    # ------------------------------------------------------- group commit
+    async def held_write(self, caches):
+        """A write whose transaction holds the one write connection until
+        the returned ``release`` is called; returns (its Deferred, release)."""
+        entered, release = threading.Event(), threading.Event()
+        self.addCleanup(release.set)
+
+        def hold(txn, stream_id):
+            entered.set()
+            release.wait(60)
+
+        first = defer.ensureDeferred(caches.write_facts([[["held", None, 0]]], hooks=[hold]))
+        self.assertTrue(await threads.deferToThread(entered.wait, 60))
+        return first, release.set
+
+    @staticmethod
+    def group_sizes(le=None):
+        """(count, sum) of the caches stream's group-size histogram, or the
+        count of its bucket ``le``."""
+        def sample(name, **labels):
+            return REGISTRY.get_sample_value(name, {"stream": "caches", **labels}) or 0.0
+        if le is not None:
+            return sample("replicator_write_group_size_bucket", le=le)
+        return (sample("replicator_write_group_size_count"),
+                sample("replicator_write_group_size_sum"))
+
+    def test_waiting_writes_go_together_into_the_next_transaction(self):
+        async def go():
+            reg = await self.registry(config=self.one_connection_config(256))
+            caches = reg.get("caches")
+            count0, sum0 = self.group_sizes()
+            one0 = self.group_sizes(le="1.0")
+            first, release = await self.held_write(caches)
+            waiting = [defer.ensureDeferred(caches.write_fact([[f"w{i}", None, i]]))
+                       for i in range(9)]
+            release()
+            self.assertEqual(await first, [1])
+            self.assertEqual(await defer.gatherResults(waiting), list(range(2, 11)))
+            # One transaction for the held write, one for the nine.
+            self.assertEqual(self.group_sizes(), (count0 + 2, sum0 + 10))
+            self.assertEqual(self.group_sizes(le="1.0"), one0 + 1)
+            self.assertEqual(caches.id_gen.get_current_token("master"), 10)
+            updates, _, _ = await caches.updates_since("master", 0, 10)
+            self.assertEqual(updates, [(1, ["held", None, 0])]
+                             + [(i + 2, [f"w{i}", None, i]) for i in range(9)])
+        return defer.ensureDeferred(go())
+
+    def test_group_size_is_bounded(self):
+        async def go():
+            reg = await self.registry(config=self.one_connection_config(4))
+            caches = reg.get("caches")
+            count0, sum0 = self.group_sizes()
+            two0, four0 = self.group_sizes(le="2.0"), self.group_sizes(le="4.0")
+            first, release = await self.held_write(caches)
+            waiting = [defer.ensureDeferred(caches.write_fact([[f"w{i}", None, i]]))
+                       for i in range(10)]
+            release()
+            await first
+            self.assertEqual(await defer.gatherResults(waiting), list(range(2, 12)))
+            # 1 (held), then 4, 4, 2: never more than write_group_max.
+            self.assertEqual(self.group_sizes(), (count0 + 4, sum0 + 11))
+            self.assertEqual(self.group_sizes(le="4.0"), four0 + 4)
+            self.assertEqual(self.group_sizes(le="2.0"), two0 + 2)
+            self.assertEqual(caches.id_gen.in_flight(), 0)
+        return defer.ensureDeferred(go())
+
+    def test_a_bad_fact_fails_alone_in_its_group(self):
+        """The group's transaction fails on one fact's row; its writes are
+        retried one by one: only that one gets the error, the others commit,
+        and readers get every committed fact in order, nothing in flight."""
+        async def go():
+            reg = await self.registry(config=self.one_connection_config(256))
+            caches = reg.get("caches")
+            self.add_check()
+            count0, sum0 = self.group_sizes()
+            first, release = await self.held_write(caches)
+            values = [1, 2, -3, 4, 5]
+            waiting = [defer.ensureDeferred(caches.write_fact([[f"w{v}", None, v]]))
+                       for v in values]
+            release()
+            await first
+            results = await defer.DeferredList(waiting, consumeErrors=True)
+            committed = {}
+            for v, (ok, result) in zip(values, results):
+                if v < 0:
+                    self.assertFalse(ok)
+                    result.trap(psycopg2.IntegrityError, sqlite3.IntegrityError)
+                else:
+                    self.assertTrue(ok, result)
+                    committed[result] = [[f"w{v}", None, v]]
+            self.assertEqual(len(committed), 4)
+            # The held write, the group of five (failed), five alone.
+            self.assertEqual(self.group_sizes(), (count0 + 7, sum0 + 11))
+            top = await caches.sequence_value()
+            self.assertEqual(top, 11)
+            self.assertEqual(caches.id_gen.get_current_token("master"), top)
+            self.assertEqual(caches.id_gen.in_flight(), 0)
+            updates, _, _ = await caches.updates_since("master", 1, top)
+            self.assertEqual(updates, [(t, row) for t in sorted(committed)
+                                       for row in committed[t]])
+            self.assertEqual(self.raw_rows("SELECT count(*) FROM cache_stream"), [(5,)])
+            # The writer goes on.
+            self.assertEqual(await caches.write_fact([["after", None, 6]]), 12)
+        return defer.ensureDeferred(go())
+
+
 class SQLiteStreamTests(StreamSuite, TestCase):
     def database_config(self):
         self.tmp = tempfile.mkdtemp()
         return parse_database({"sqlite": os.path.join(self.tmp, "streams.db")})
 
+    def one_connection_config(self, group_max):
+        return parse_database({"sqlite": self.db_config.path, "write_group_max": group_max})
+
+    def add_check(self):
+        conn = sqlite3.connect(self.db_config.path)
+        try:
+            conn.execute("CREATE TRIGGER nonnegative BEFORE INSERT ON cache_stream "
+                         "WHEN NEW.invalidation_ts < 0 "
+                         "BEGIN SELECT RAISE(ABORT, 'negative invalidation_ts'); END")
+            conn.commit()
+        finally:
+            conn.close()
+
     def raw_rows(self, sql):
-        import sqlite3
         conn = sqlite3.connect(self.db_config.path)
         try:
             return conn.execute(sql).fetchall()
@@ -281,6 +411,20 @@ class PostgresStreamTests(StreamSuite, TestCase):
     def database_config(self):
         self.dsn = PostgresServer.shared().create_database()
         return parse_database({"postgres": self.dsn, "pool_max": 6})
+
+    def one_connection_config(self, group_max):
+        # pool_max 2: one connection writes, one is left for reads.
+        return parse_database({"postgres": self.dsn, "pool_max": 2,
+                               "write_group_max": group_max})
+
+    def add_check(self):
+        conn = psycopg2.connect(self.dsn)
+        try:
+            conn.cursor().execute("ALTER TABLE cache_stream ADD CONSTRAINT nonnegative "
+                                  "CHECK (invalidation_ts >= 0)")
+            conn.commit()
+        finally:
+            conn.close()
 
     def raw_rows(self, sql):
         conn = psycopg2.connect(self.dsn)

@@ -20,17 +20,21 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from .. import metrics
 from ..config import StreamConfig
 from ..storage import schema
 from ..storage.database import Database
+from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
 from .rows import RowCodec, reader
 
 log = Logger()
 
 Update = Tuple[int, list]
+#: Facts in one write transaction at most (``database.write_group_max``).
+DEFAULT_GROUP_MAX = 256
 TxnHook = Callable[[Any, int], None]
 #: An RDATA line's length is estimated with a token of this many digits.
 TOKEN_DIGITS = 20
@@ -115,6 +119,9 @@ class Stream:
         self._facts_written = metrics.FACTS_WRITTEN.labels(self.name)
         self._facts_rolled_back = metrics.FACTS_ROLLED_BACK.labels(self.name)
         self._write_latency = metrics.WRITE_LATENCY.labels(self.name)
+        self._group_size = metrics.WRITE_GROUP_SIZE.labels(self.name)
+        self._group_max = getattr(db.config, "write_group_max", DEFAULT_GROUP_MAX)
+        self._groups: Dict[str, WriteGroups] = {}
         # Facts completed by local writers, kept until fanned out: the
         # fan-out reads them from here instead of back from the database.
         self._recent: Dict[str, Dict[int, List[list]]] = {}
@@ -199,6 +206,10 @@ class Stream:
         )
         self.id_gen.add_listener(self._on_advance)
         for w in self.local_writers:
+            self._groups[w] = WriteGroups(
+                lambda group, w=w: self._run_group(w, group),
+                lambda group, outcome, w=w: self._group_done(w, group, outcome),
+                self._group_max)
             self._recent[w] = {}
             self._recent_floor[w] = positions[w]
             self._recent_unknown[w] = set()
@@ -225,7 +236,10 @@ class Stream:
         """Write several facts in one transaction; IDs reserved in one round trip.
 
         ``facts`` is a list of facts, each a list of rows (possibly empty).
-        Returns the facts' stream IDs in order.
+        Returns the facts' stream IDs in order.  Concurrent writes of the
+        same writer that wait for a database connection go together into
+        one transaction (group commit, :mod:`.group`); each still succeeds
+        or fails alone.
         """
         return await self.write_prepared(self.prepare(facts, writer), hooks)
 
@@ -243,30 +257,65 @@ class Stream:
     async def write_prepared(self, prepared: "PreparedFacts",
                              hooks: Sequence[TxnHook] = ()) -> List[int]:
         """Write facts :meth:`prepare` checked, in one transaction (see
-        :meth:`write_facts`)."""
+        :meth:`write_facts`), or together with other waiting writes."""
         writer, wire, checked = prepared
-        reserved: List[int] = []
-        started = time.monotonic()
+        write = Write(checked, wire, list(hooks), time.monotonic())
+        return await self._groups[writer].submit(write)
+
+    def _run_group(self, writer: str, group: Group) -> defer.Deferred:
+        """Start the transaction that takes ``group``'s writes (reactor thread)."""
+        if self.db.is_postgres:
+            return self.db.transactions.run(self._write_group, writer, group)
+        return self.db.runInteraction(self._write_group, writer, group)
+
+    def _write_group(self, txn, writer: str, group: Group) -> None:
+        """In a pool thread: take the waiting writes and write them all.
+
+        A failure before the commit is raised as :class:`StatementFailed`
+        (nothing of the group committed: its writes may be retried alone).
+        """
+        writes = self._groups[writer].take(group)
+        if not writes:
+            return
+        self._group_size.observe(sum(len(w.facts) for w in writes))
         try:
             if self.db.is_postgres:
-                ids = await self.db.transactions.run(
-                    self._write_postgres, writer, checked, hooks, reserved)
+                self._write_postgres(txn, writer, writes, group.reserved)
             else:
-                ids = await self.db.runInteraction(
-                    self._write_sqlite, writer, checked, hooks, reserved)
+                self._write_sqlite(txn, writer, writes, group.reserved)
         except BaseException:
-            if reserved:
-                self._remember(writer, reserved, None)
-                self.id_gen.complete_many(writer, reserved)
-                self._facts_rolled_back.inc(len(reserved))
-            raise
-        self._remember(writer, ids, wire)
-        self.id_gen.complete_many(writer, ids)
-        self._facts_written.inc(len(ids))
-        self._write_latency.observe(time.monotonic() - started)
-        return ids
+            raise StatementFailed(Failure())
 
-    def _write_postgres(self, txn, writer, facts, hooks, reserved) -> List[int]:
+    def _group_done(self, writer: str, group: Group, outcome) -> None:
+        """Reactor thread: complete the group's IDs and answer its writes."""
+        gen = self.id_gen
+        if not isinstance(outcome, Failure):
+            now = time.monotonic()
+            for w in group.writes:
+                self._remember(writer, w.ids, w.wire)
+            if group.reserved:
+                gen.complete_many(writer, group.reserved)
+                self._facts_written.inc(len(group.reserved))
+            for w in group.writes:
+                self._write_latency.observe(now - w.started)
+                w.deferred.callback(w.ids)
+            return
+        if group.reserved:
+            # Rolled back (or, with the connection lost while committing,
+            # perhaps committed): only the table knows; readers never wait.
+            self._remember(writer, group.reserved, None)
+            gen.complete_many(writer, group.reserved)
+            self._facts_rolled_back.inc(len(group.reserved))
+        in_statements = outcome.check(StatementFailed) is not None
+        if in_statements and len(group.writes) > 1:
+            for w in group.writes:
+                self._groups[writer].retry_alone(w)
+            return
+        cause = outcome.value.failure if in_statements else outcome
+        for w in group.writes:
+            w.deferred.errback(cause)
+
+    def _write_postgres(self, txn, writer, writes, reserved) -> List[int]:
         """``nextval`` (n of them, in order) in one round trip, then the rows
         and the writer's position in one batch of statements; the pool commits.
         """
@@ -275,13 +324,14 @@ class Stream:
         if connection not in self._sequence_checked:
             self._sequence_past_positions(txn)
             self._sequence_checked.add(connection)
+        n = sum(len(w.facts) for w in writes)
         gen.begin_reservation()
         try:
-            if len(facts) == 1:
+            if n == 1:
                 txn.execute(self._nextval)
                 ids = [txn.fetchone()[0]]
             else:
-                txn.execute(self._nextval_many, (len(facts),))
+                txn.execute(self._nextval_many, (n,))
                 ids = sorted(r[0] for r in txn.fetchall())
         except BaseException:
             gen.abort_reservation()
@@ -289,19 +339,18 @@ class Stream:
         # Only IDs the generator accepted are ours to complete if this fails.
         gen.reserved(writer, ids)
         reserved.extend(ids)
-        for hook in hooks:
-            for stream_id in ids:
-                hook(txn, stream_id)
+        self._hand_out(txn, writes, ids)
         with_writer = self.config.writer_column is not None
         params: List[Any] = []
         count = 0
-        for stream_id, rows in zip(ids, facts):
-            for row in rows:
-                params.append(stream_id)
-                if with_writer:
-                    params.append(writer)
-                params.extend(row)
-                count += 1
+        for w in writes:
+            for stream_id, rows in zip(w.ids, w.facts):
+                for row in rows:
+                    params.append(stream_id)
+                    if with_writer:
+                        params.append(writer)
+                    params.extend(row)
+                    count += 1
         statements = []
         if count:
             statements.append(self._insert_head + ", ".join([self._row_marks] * count))
@@ -311,6 +360,17 @@ class Stream:
         if statements:
             txn.execute("; ".join(statements), params)
         return ids
+
+    @staticmethod
+    def _hand_out(txn, writes, ids) -> None:
+        """Give each write its IDs (in arrival order) and run its hooks."""
+        i = 0
+        for w in writes:
+            w.ids = ids[i:i + len(w.facts)]
+            i += len(w.facts)
+            for hook in w.hooks:
+                for stream_id in w.ids:
+                    hook(txn, stream_id)
 
     #: Above this many values behind, the sequence is moved with ``setval``
     #: instead of by taking values (which never moves it backwards).
@@ -355,22 +415,25 @@ class Stream:
         advance, writes it (the table only ever holds a lower bound)."""
         return self.id_gen.in_flight(writer) == len(ids)
 
-    def _write_sqlite(self, txn, writer, facts, hooks, reserved) -> List[int]:
+    def _write_sqlite(self, txn, writer, writes, reserved) -> List[int]:
+        n = sum(len(w.facts) for w in writes)
         first = self._sqlite_last + 1
-        ids = list(range(first, first + len(facts)))
-        self._sqlite_last = first + len(facts) - 1  # consumed even if this rolls back
+        ids = list(range(first, first + n))
+        self._sqlite_last = first + n - 1  # consumed even if this rolls back
         self.id_gen.reserved(writer, ids, pending=False)
         reserved.extend(ids)
         with_writer = self.config.writer_column is not None
         rows = []
-        for stream_id, fact_rows in zip(ids, facts):
-            for row in fact_rows:
-                rows.append([stream_id, writer, *row] if with_writer else [stream_id, *row])
+        i = 0
+        for w in writes:
+            for fact_rows in w.facts:
+                stream_id = ids[i]
+                i += 1
+                for row in fact_rows:
+                    rows.append([stream_id, writer, *row] if with_writer else [stream_id, *row])
         if rows:
             txn.executemany(self._insert_one, rows)
-        for hook in hooks:
-            for stream_id in ids:
-                hook(txn, stream_id)
+        self._hand_out(txn, writes, ids)
         position = self.id_gen.prospective_token(writer, ids)
         txn.execute(self._upsert, (self.name, writer, position))
         return ids

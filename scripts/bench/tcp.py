@@ -58,13 +58,18 @@ and receives every row.
     the coalescing interval.  Variants (environment): ``LAT_GC_FREEZE=1``
     (``gc.freeze()`` first), ``LAT_FANOUT_INTERVAL=s``,
     ``LAT_SWITCH_INTERVAL=s`` (the GIL's), ``LAT_FACTS_PER_TXN=n``.
-``e2e.facts_per_s``
-    ``E2E_WRITERS`` concurrent ``write_fact`` loops (one fact per
-    transaction) on a pool of ``E2E_LOOPS + 1`` connections, ``E2E_LOOPS``
-    of them writing (one left for reads), fsync on, 10 clients; facts / time from the first
+``e2e.facts_per_s``, ``e2e.write.p50_ms`` / ``.p99_ms``
+    ``E2E_WRITERS`` concurrent ``write_fact`` loops (one fact per call;
+    waiting calls go together into one transaction: group commit) on a
+    pool of ``E2E_LOOPS + 1`` connections, ``E2E_LOOPS`` of them writing
+    (one left for reads), fsync on, 10 clients; facts / time from the first
     write to the fan-out having written the last fact (plus the time it took
     to reach the slowest client).  Baseline: raw psycopg2 ``nextval`` +
-    ``INSERT`` + commit in ``E2E_LOOPS`` threads on as many connections.
+    ``INSERT`` + commit, one fact per transaction, in ``E2E_WRITERS``
+    threads sharing ``E2E_LOOPS`` connections (a thread takes a free one
+    per transaction).  Latency: one write's call to its answer (ours: on
+    the reactor; raw: from wanting a connection to the commit), p50/p99 over
+    every write of the slices.
     ``E2E_SECONDS`` each, in ``E2E_SLICES`` alternating slices (raw, ours,
     ours, raw): the fsync rate of a shared 2-core machine drifts by 2x
     within a minute, and slices keep the ratio honest.
@@ -836,29 +841,47 @@ async def run_latency(registry):
 
 # ------------------------------------------------------------------ e2e
 
-def raw_e2e(dsn, seconds, loops):
-    """(facts, seconds) of raw psycopg2 nextval + INSERT + commit on
-    ``loops`` connections in as many threads (connecting is not timed)."""
-    counts = [0] * loops
-    barrier = threading.Barrier(loops + 1)
+def raw_e2e(dsn, seconds, loops, writers=None):
+    """(facts, seconds, latencies in s) of raw psycopg2 nextval + INSERT +
+    commit, one fact per transaction: ``writers`` threads (default
+    ``E2E_WRITERS``) share ``loops`` connections, each taking a free one per
+    transaction (connecting is not timed).  A latency runs from a writer
+    wanting to write (before waiting for a connection) to its commit."""
+    import queue
+
+    writers = writers or E2E_WRITERS
+    conns = queue.SimpleQueue()
+    opened = [psycopg2.connect(dsn) for _ in range(loops)]
+    for c in opened:
+        conns.put(c)
+    counts = [0] * writers
+    latencies = [[] for _ in range(writers)]
+    barrier = threading.Barrier(writers + 1)
     stop_at = [0.0]
 
     def worker(k):
-        conn = psycopg2.connect(dsn)
-        cur = conn.cursor()
         barrier.wait()
         n = 0
-        while time.monotonic() < stop_at[0]:
-            cur.execute("SELECT nextval('tcp_e2e_seq')")
-            (i,) = cur.fetchone()
-            cur.execute("INSERT INTO tcp_e2e VALUES (%s, %s, %s, %s::jsonb, %s)",
-                        (i, "raw", "get_user_by_id", '["@user:example.com"]', i))
-            conn.commit()
+        lat = latencies[k]
+        while True:
+            t0 = time.monotonic()
+            if t0 >= stop_at[0]:
+                break
+            conn = conns.get()
+            try:
+                cur = conn.cursor()
+                cur.execute("SELECT nextval('tcp_e2e_seq')")
+                (i,) = cur.fetchone()
+                cur.execute("INSERT INTO tcp_e2e VALUES (%s, %s, %s, %s::jsonb, %s)",
+                            (i, "raw", "get_user_by_id", '["@user:example.com"]', i))
+                conn.commit()
+            finally:
+                conns.put(conn)
+            lat.append(time.monotonic() - t0)
             n += 1
         counts[k] = n
-        conn.close()
 
-    workers = [threading.Thread(target=worker, args=(k,)) for k in range(loops)]
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(writers)]
     for w in workers:
         w.start()
     stop_at[0] = time.monotonic() + 1e9
@@ -867,15 +890,24 @@ def raw_e2e(dsn, seconds, loops):
     stop_at[0] = start + seconds
     for w in workers:
         w.join()
-    return sum(counts), time.monotonic() - start
+    elapsed = time.monotonic() - start
+    for c in opened:
+        c.close()
+    return sum(counts), elapsed, [x for lat in latencies for x in lat]
 
 
-async def ours_e2e_slice(server, stream, seconds, written):
+async def ours_e2e_slice(server, stream, seconds, written, latencies):
     """``E2E_WRITERS`` write_fact loops for ``seconds``, then until the
-    fan-out has written every fact to every connection; returns the time."""
+    fan-out has written every fact to every connection; returns the time.
+    Each write's latency (call to answer, on the reactor) goes to
+    ``latencies``."""
     async def loop(end):
-        while time.monotonic() < end:
+        while True:
+            t0 = time.monotonic()
+            if t0 >= end:
+                break
             await stream.write_fact([row(written[0])])
+            latencies.append(time.monotonic() - t0)
             written[0] += 1
 
     key = ("e2e", WRITER)
@@ -888,31 +920,44 @@ async def ours_e2e_slice(server, stream, seconds, written):
     return start, time.time()
 
 
+def group_sizes(stream_name):
+    """(transactions, facts) of the write-group histogram so far."""
+    from prometheus_client import REGISTRY
+    labels = {"stream": stream_name}
+    return (REGISTRY.get_sample_value("replicator_write_group_size_count", labels) or 0.0,
+            REGISTRY.get_sample_value("replicator_write_group_size_sum", labels) or 0.0)
+
+
 async def run_e2e(registry, dsn):
     """Slices of raw and ours alternate (ABBA) so that both see the same
     disk: the fsync rate of a shared machine drifts by 2x within a minute."""
     print(f"  e2e: {E2E_WRITERS} concurrent writes on {E2E_LOOPS} write connections (raw: "
-          f"{E2E_LOOPS} threads on {E2E_LOOPS}), {E2E_CLIENTS} clients, {E2E_SECONDS:.0f}s each "
-          f"in {E2E_SLICES} alternating slices, fsync on")
+          f"{E2E_WRITERS} threads sharing {E2E_LOOPS} connections, one fact per transaction), "
+          f"{E2E_CLIENTS} clients, {E2E_SECONDS:.0f}s each in {E2E_SLICES} alternating slices, "
+          "fsync on")
     server = await OurServer(registry).listen()
     stream = registry.get("e2e")
     procs = spawn_readers(server.port, E2E_CLIENTS, "count", timeout=3 * E2E_SECONDS + 120)
     slice_s = 2 * E2E_SECONDS / E2E_SLICES
     raw_facts = raw_s = ours_s = 0.0
+    raw_lat, ours_lat = [], []
     written = [0]
+    groups0 = group_sizes("e2e")
     try:
         await until(lambda: len(server.clients()) == E2E_CLIENTS, 30, "clients")
         await sleep(0.2)
         cpu = 0.0
         for i in range(E2E_SLICES):
             if (i % 4) in (0, 3):
-                n, s = await threads.deferToThread(raw_e2e, dsn, slice_s, E2E_LOOPS)
+                n, s, lat = await threads.deferToThread(raw_e2e, dsn, slice_s, E2E_LOOPS)
                 raw_facts += n
                 raw_s += s
+                raw_lat += lat
             else:
                 cpu0 = cpu_seconds()
                 with profiled():
-                    start, done = await ours_e2e_slice(server, stream, slice_s, written)
+                    start, done = await ours_e2e_slice(server, stream, slice_s, written,
+                                                       ours_lat)
                 cpu += cpu_seconds() - cpu0
                 ours_s += done - start
         for p in procs:
@@ -929,12 +974,20 @@ async def run_e2e(registry, dsn):
     ours_s += tail
     base = raw_facts / raw_s
     value = written[0] / ours_s
+    txns, facts = (b - a for a, b in zip(groups0, group_sizes("e2e")))
     print(f"    raw psycopg2: {raw_facts:,.0f} facts in {raw_s:.1f}s; ours: {written[0]:,} facts "
           f"committed and delivered to {E2E_CLIENTS} clients in {ours_s:.1f}s (last "
           f"arrival {tail * 1000:.1f} ms after the fan-out wrote it); server CPU "
-          f"{cpu / ours_s * 100:.0f}%", flush=True)
-    record("e2e.facts_per_s", value, "facts/s",
-           f"raw psycopg2 nextval+INSERT+commit on {E2E_LOOPS} connections", base)
+          f"{cpu / ours_s * 100:.0f}%; {txns:,.0f} write transactions, "
+          f"{facts / txns if txns else float('nan'):.1f} facts each on average "
+          "(group commit)", flush=True)
+    what = f"raw psycopg2 nextval+INSERT+commit, {E2E_WRITERS} threads on {E2E_LOOPS} connections"
+    record("e2e.facts_per_s", value, "facts/s", what, base)
+    raw_lat.sort()
+    ours_lat.sort()
+    for p in (50, 99):
+        record(f"e2e.write.p{p}_ms", percentile(ours_lat, p) * 1000, "ms", what,
+               percentile(raw_lat, p) * 1000, higher_is_better=False)
 
 
 # ------------------------------------------------------------------ congestion
