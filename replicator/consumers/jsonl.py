@@ -235,21 +235,7 @@ class JsonlConsumer(Consumer):
                       writer=writer, last=last, skipped=self.skipped)
             return None
         line = _encode({"stream": stream, "writer": writer, "token": token, "rows": rows})
-        self._buffer.append(line)
-        self._buffered += len(line)
-        self._last[key] = token
-        self._pending_positions.pop(key, None)
-        if self._buffered >= self.max_buffer:
-            if self._writing is None and not self._failed:
-                self.flush()
-            if self._buffered >= self.max_buffer:
-                # The writer is busy or the disk is failing: wait for it.
-                waiter: defer.Deferred = defer.Deferred()
-                self._waiters.append(waiter)
-                return waiter
-        if self._buffer:
-            self._schedule(self.flush_interval)
-        return None
+        return self._append(key, [line], token)
 
     def on_facts_many(self, stream, writer, facts):
         """``on_facts`` for ``(token, rows)`` facts in token order (a page of a
@@ -269,6 +255,11 @@ class JsonlConsumer(Consumer):
             last = token
         if not lines:
             return None
+        return self._append(key, lines, last)
+
+    def _append(self, key, lines, last) -> Optional[defer.Deferred]:
+        """Buffer ``lines`` of ``key`` (the last one's token: ``last``); a
+        Deferred to wait on when the buffer is full, else None."""
         self._buffer.extend(lines)
         self._buffered += sum(map(len, lines))
         self._last[key] = last
@@ -277,6 +268,7 @@ class JsonlConsumer(Consumer):
             if self._writing is None and not self._failed:
                 self.flush()
             if self._buffered >= self.max_buffer:
+                # The writer is busy or the disk is failing: wait for it.
                 waiter: defer.Deferred = defer.Deferred()
                 self._waiters.append(waiter)
                 return waiter
