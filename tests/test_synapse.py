@@ -219,6 +219,18 @@ class ReadOnlyStreamTests(TestCase):
             await registry.stop()
         self.assertEqual(self.state(), before)
 
+    async def test_a_reader_starts_at_synapse_s_persisted_positions(self):
+        """Synapse keeps presence's and push_rules' positions under its ID
+        generators' names: a reader of the presets starts there, not at 0."""
+        _pg(self.dsn, SYNAPSE_EXPORT_DDL + [
+            "INSERT INTO stream_positions VALUES ('presence_stream', 'master', 16), "
+            "('push_rules_stream', 'master', 10), ('receipts', 'master', 12)"])
+        registry = await self.start([{"preset": f"synapse/{p}"} for p in
+                                     ("presence", "push_rules", "receipts")])
+        self.addCleanup(registry.stop)
+        self.assertEqual({s.name: s.id_gen.get_current_token("master") for s in registry},
+                         {"presence": 16, "push_rules": 10, "receipts": 12})
+
     async def test_a_reader_of_a_missing_table_is_one_config_line(self):
         _pg(self.dsn, ["CREATE SEQUENCE cache_invalidation_stream_seq"])
         before = _pg(self.dsn, query=SNAPSHOT)

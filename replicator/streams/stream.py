@@ -177,7 +177,7 @@ class Stream:
         only read here is never written to (nor its sequence moved).
         """
         c = self.config
-        persisted = (schema.persisted_positions(txn, self.name, self.db.sql)
+        persisted = (schema.persisted_positions(txn, c.positions_key, self.db.sql)
                      if has_positions else {})
         table_max = schema.table_max_per_writer(txn, c)
         known = [persisted[w] for w in c.writers if w in persisted]
