@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 
@@ -218,6 +219,9 @@ class RedisServer:
         self.password = password
         self.tmp = tempfile.mkdtemp(prefix="replicator-redis-")
         self.proc = None
+        self._procs = []  # every process started, so that stop() ends them all
+        self._lock = threading.Lock()
+        self._stopped = False
         self.start()
         atexit.register(self.stop)
 
@@ -229,9 +233,14 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self._log = open(os.path.join(self.tmp, "redis.log"), "ab")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        with self._lock:
+            if self._stopped:
+                # E.g. a fault injector's restart racing the end of its run.
+                raise RuntimeError("redis-server: start() after stop()")
+            with open(os.path.join(self.tmp, "redis.log"), "ab") as log:
+                self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+            self._procs.append(self.proc)
         wait_for_port(self.port)
 
     def kill(self):
@@ -241,14 +250,20 @@ class RedisServer:
             self.proc.wait()
 
     def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True) if self.proc is None or self.proc.poll() is not None else None
+        """End every process this server started (by PID), then its files;
+        no start() after this."""
+        with self._lock:
+            self._stopped = True
+            procs = list(self._procs)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     @property
     def endpoint(self) -> str:

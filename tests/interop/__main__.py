@@ -645,7 +645,6 @@ def main() -> int:
     try:
         pg = PostgresServer()
         redis = RedisServer()
-        redis.start()
         conn = psycopg2.connect(pg.dsn("postgres"))
         conn.autocommit = True
         conn.cursor().execute("CREATE DATABASE synapse ENCODING 'UTF8' LC_COLLATE 'C' "
