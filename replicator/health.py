@@ -269,8 +269,8 @@ class HealthMonitor(Service):
             return False
         return not self._check_failed and self.problem(connected, detail) is None
 
-    def healthy_refresher(self, replication_status):
-        """A metrics refresher (:func:`metrics.add_refresher`) that sets
+    def healthy_source(self, replication_status) -> "metrics.Source":
+        """A live metrics source (:func:`metrics.add_source`) giving
         ``replicator_healthy`` from :meth:`healthy`.  Scrapes run in a
         thread; the verdict reads and updates reactor-owned state, so it is
         computed on the reactor thread, waiting at most ``VERDICT_WAIT``
@@ -278,10 +278,9 @@ class HealthMonitor(Service):
         def verdict() -> bool:
             return self.healthy(*replication_status())
 
-        def refresh() -> None:
+        def source() -> List[metrics.Sample]:
             if threadable.isInIOThread():
-                metrics.HEALTHY.set(1 if verdict() else 0)
-                return
+                return [(metrics.HEALTHY, (), 1 if verdict() else 0)]
             answer: list = []
             done = threading.Event()
 
@@ -294,9 +293,9 @@ class HealthMonitor(Service):
             # The registry's reactor: the clock may be a test's Clock.
             self.registry.reactor.callFromThread(on_reactor)
             done.wait(VERDICT_WAIT)
-            metrics.HEALTHY.set(1 if answer and answer[0] else 0)
+            return [(metrics.HEALTHY, (), 1 if answer and answer[0] else 0)]
 
-        return refresh
+        return source
 
 
 def _count_unreceived(txn, queries) -> Dict[Key, Tuple[Optional[int], int]]:

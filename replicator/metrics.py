@@ -3,11 +3,19 @@
 Hot paths count per batch, never per line.  Names follow Prometheus
 conventions: counters end in ``_total``, durations are ``_seconds``, sizes
 ``_bytes``.  Gauges that describe live state (positions, in-flight IDs, lag,
-queues) are set from that state by refreshers (:func:`add_refresher`) right
-before each scrape, instead of on every change on the hot path.
+queues, the health verdict) are never set on the hot path: they are
+:class:`LiveGauge` definitions whose series the sources registered with
+:func:`add_source` give at each scrape, from one snapshot.
 """
 
+import threading
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from twisted.logger import Logger
+
+log = Logger(namespace="replicator.metrics")
 
 # ------------------------------------------------------------- streams
 FACTS_WRITTEN = Counter(
@@ -27,18 +35,6 @@ WRITE_GROUP_SIZE = Histogram(
     "Facts per write transaction: concurrent writes of a writer go together (group commit); "
     "a failed group's writes retried alone count again, as groups of their own", ["stream"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
-)
-STREAM_POSITION = Gauge(
-    "replicator_stream_position", "Current token per stream and writer, as this instance knows it",
-    ["stream", "writer"], registry=None,
-)
-STREAM_LINEAR_POSITION = Gauge(
-    "replicator_stream_linear_position", "Linear (minimum over writers) token per stream",
-    ["stream"], registry=None,
-)
-IN_FLIGHT = Gauge(
-    "replicator_stream_in_flight_ids", "Stream IDs reserved and not yet completed", ["stream"],
-    registry=None,
 )
 
 # ---------------------------------------------------------- replication
@@ -75,14 +71,6 @@ INBOUND_REFUSED = Counter(
     "batch over its bounds (batch_too_large)",
     ["stream", "reason"],
 )
-PENDING_COMMANDS = Gauge(
-    "replicator_pending_commands", "Commands queued while the connection is paused", ["name"],
-    registry=None,
-)
-TRANSPORT_BUFFER = Gauge(
-    "replicator_transport_buffer_bytes", "Bytes in the transport's write buffer", ["name"],
-    registry=None,
-)
 DISCONNECTS = Counter(
     "replicator_disconnects_total", "Replication disconnects by reason", ["reason"]
 )
@@ -99,10 +87,6 @@ RECONNECT_DELAY = Gauge(
     "replicator_reconnect_delay_seconds",
     "Last reconnect wait of an outgoing link, or retry wait of a fan-out or reader "
     "during a database outage (0 once healthy again)", ["link"]
-)
-READER_LAG = Gauge(
-    "replicator_reader_lag", "Writer's announced token minus this reader's token",
-    ["stream", "writer"], registry=None,
 )
 UNRECEIVED_FACTS = Gauge(
     "replicator_unreceived_facts",
@@ -144,53 +128,127 @@ BOOKKEEPING_EXPIRED = Counter(
     "replicator_bookkeeping_expired_total",
     "USER_IP / FEDERATION_ACK entries dropped for age (bookkeeping_max_age)", ["table"],
 )
-# Labelled by instance names the configuration knows; any other is "other".
-USER_SYNCS = Gauge(
-    "replicator_user_syncs", "Users syncing per instance (USER_SYNC bookkeeping)", ["instance"],
-    registry=None,
-)
-FEDERATION_ACK_POSITION = Gauge(
-    "replicator_federation_ack_position",
-    "Federation stream position acknowledged per instance (FEDERATION_ACK)", ["instance"],
-    registry=None,
-)
 
-HEALTHY = Gauge(
+
+# ----------------------------------------------------------- live state
+class LiveGauge:
+    """A gauge of live state (a position, a queue, a verdict).  Never set:
+    its series are the samples the sources give at each scrape
+    (:class:`LiveCollector`), so a series that is gone is gone at once."""
+
+    __slots__ = ("name", "documentation", "labelnames")
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()):
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+
+    def family(self, values: Dict[Tuple[str, ...], float]) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in values.items():
+            family.add_metric(labels, value)
+        return family
+
+    def __repr__(self) -> str:
+        return f"<LiveGauge {self.name}>"
+
+
+STREAM_POSITION = LiveGauge(
+    "replicator_stream_position", "Current token per stream and writer, as this instance knows it",
+    ["stream", "writer"])
+STREAM_LINEAR_POSITION = LiveGauge(
+    "replicator_stream_linear_position", "Linear (minimum over writers) token per stream",
+    ["stream"])
+IN_FLIGHT = LiveGauge(
+    "replicator_stream_in_flight_ids", "Stream IDs reserved and not yet completed", ["stream"])
+PENDING_COMMANDS = LiveGauge(
+    "replicator_pending_commands", "Commands queued while the connection is paused", ["name"])
+TRANSPORT_BUFFER = LiveGauge(
+    "replicator_transport_buffer_bytes", "Bytes in the transport's write buffer", ["name"])
+READER_LAG = LiveGauge(
+    "replicator_reader_lag", "Writer's announced token minus this reader's token",
+    ["stream", "writer"])
+# Labelled by instance names the configuration knows; any other is "other".
+USER_SYNCS = LiveGauge(
+    "replicator_user_syncs", "Users syncing per instance (USER_SYNC bookkeeping)", ["instance"])
+FEDERATION_ACK_POSITION = LiveGauge(
+    "replicator_federation_ack_position",
+    "Federation stream position acknowledged per instance (FEDERATION_ACK)", ["instance"])
+HEALTHY = LiveGauge(
     "replicator_healthy",
     "1 while this instance's /health replication verdict is OK (streams loaded, replication "
     "links up and keeping up, the unreceived-facts check answering), else 0; set at scrape "
-    "time", registry=None,
-)
-
-# Gauges of live state, set by refreshers right before each scrape and
-# exported by the collector below (so a scrape never sees stale values).
+    "time")
 LIVE_GAUGES = (STREAM_POSITION, STREAM_LINEAR_POSITION, IN_FLIGHT, PENDING_COMMANDS,
                TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION, HEALTHY)
-_refreshers = []
+
+#: One live sample: the gauge, its label values, the value.
+Sample = Tuple[LiveGauge, Tuple[str, ...], float]
+#: A source of live samples: called once per scrape, in the scrape's thread.
+Source = Callable[[], Iterable[Sample]]
+#: Tries of a source whose state changed size while it read it.
+SOURCE_TRIES = 3
 
 
-class _LiveState:
-    """Runs every refresher, then reports the live gauges; scrapes may come
-    from another thread, so refreshers work on snapshots."""
+class LiveCollector:
+    """The live gauges, built from one snapshot per scrape.
 
-    def collect(self):
-        for refresh in list(_refreshers):
-            try:
-                refresh()
-            except Exception:  # state changed under us: the next scrape sees it
-                pass
-        for gauge in LIVE_GAUGES:
-            yield from gauge.collect()
+    Each scrape calls every source once; a source returns its samples from
+    one snapshot of its state.  The metric families are built afresh from
+    what the sources returned and nothing is kept between scrapes, so
+    scrapes from several threads (the metrics thread, ``/metrics`` on the
+    HTTP listener) never see each other's work half done.  A label set
+    given twice (two instances in one process) is reported once, the later
+    source's value.  A source that fails gives nothing for that scrape and
+    logs why.
+    """
+
+    def __init__(self) -> None:
+        self._sources: List[Source] = []
+        self._lock = threading.Lock()
+
+    def add(self, source: Source) -> None:
+        with self._lock:
+            self._sources.append(source)
+
+    def remove(self, source: Source) -> None:
+        with self._lock:
+            if source in self._sources:
+                self._sources.remove(source)
+
+    def describe(self) -> List[GaugeMetricFamily]:
+        return [gauge.family({}) for gauge in LIVE_GAUGES]
+
+    def collect(self) -> List[GaugeMetricFamily]:
+        with self._lock:
+            sources = list(self._sources)
+        values: Dict[LiveGauge, Dict[Tuple[str, ...], float]] = {g: {} for g in LIVE_GAUGES}
+        for source in sources:
+            for gauge, labels, value in _read(source):
+                values[gauge][tuple(labels)] = value
+        return [gauge.family(values[gauge]) for gauge in LIVE_GAUGES]
 
 
-REGISTRY.register(_LiveState())
+def _read(source: Source) -> List[Sample]:
+    """The samples of one source, read whole (a source read while its state
+    changed size is read again)."""
+    for attempt in range(SOURCE_TRIES):
+        try:
+            return list(source())
+        except RuntimeError:  # "changed size during iteration"
+            if attempt + 1 < SOURCE_TRIES:
+                continue
+            log.failure("Live metrics source {source} failed", source=source)
+        except Exception:
+            log.failure("Live metrics source {source} failed", source=source)
+            break
+    return []
 
 
-def add_refresher(refresh) -> None:
-    """Call ``refresh()`` (it sets live gauges) before every scrape."""
-    _refreshers.append(refresh)
+LIVE = LiveCollector()
+REGISTRY.register(LIVE)
+#: Give a source's samples at every scrape / stop giving them.
+add_source = LIVE.add
+remove_source = LIVE.remove
 
 
-def remove_refresher(refresh) -> None:
-    if refresh in _refreshers:
-        _refreshers.remove(refresh)

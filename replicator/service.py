@@ -27,6 +27,7 @@ from . import files, metrics, sdnotify
 from .config import InstanceConfig
 from .endpoint_strings import is_loopback
 from .health import HealthMonitor
+from .instance_metrics import InstanceMetrics
 from .replication.handler import ReplicationHandler
 from .replication.peers import local_names, policy_from_config
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
@@ -227,6 +228,7 @@ class Instance:
         self.redis = None
         self.http = None
         self.health: Optional[HealthMonitor] = None
+        self.live_metrics: Optional[InstanceMetrics] = None
         self._stopped = False
 
     def _load_consumers(self):
@@ -306,11 +308,10 @@ class Instance:
             metrics_thread = MetricsThread(config.http.metrics_listen)
             metrics_thread.setServiceParent(self.services)
             self._binding.append(metrics_thread)
-        metrics.add_refresher(self.refresh_metrics)
-        self._healthy_refresher = self.health.healthy_refresher(self.replication_status)
-        metrics.add_refresher(self._healthy_refresher)
-        if self.http is not None:
-            metrics.add_refresher(self.http.refresh_metrics)
+        self.live_metrics = InstanceMetrics(
+            registry=self.registry, handler=self.handler,
+            healthy=self.health.healthy_source(self.replication_status))
+        metrics.add_source(self.live_metrics)
         self.services.startService()
         # One by one, so that the first failure is raised as itself (not
         # wrapped in a FirstError); the others are consumed.
@@ -389,36 +390,7 @@ class Instance:
                 await defer.maybeDeferred(consumer.close)
             except Exception:
                 log.failure("closing consumer {c} failed", c=consumer)
-        metrics.remove_refresher(self.refresh_metrics)
-        if getattr(self, "_healthy_refresher", None) is not None:
-            metrics.remove_refresher(self._healthy_refresher)
-        if self.http is not None:
-            metrics.remove_refresher(self.http.refresh_metrics)
+        if self.live_metrics is not None:
+            metrics.remove_source(self.live_metrics)
         self.db.close()
         log.info("instance {name} stopped", name=self.config.instance_name)
-
-    # ----------------------------------------------------------- metrics
-    def refresh_metrics(self) -> None:
-        """Set live-state gauges; runs at scrape time, maybe in another thread."""
-        try:
-            self.registry.refresh_metrics()
-            for (stream, writer), lag in list(self.handler.reader_lag().items()):
-                metrics.READER_LAG.labels(stream, writer).set(lag)
-            pending: dict = {}
-            buffered: dict = {}
-            for conn in list(self.handler.connections):
-                name = self.handler.conn_label(conn)
-                pending[name] = pending.get(name, 0) + getattr(conn, "queued", 0)
-                transport = getattr(conn, "transport", None)
-                size = 0
-                if transport is not None:
-                    size = len(getattr(transport, "dataBuffer", b"") or b"")
-                    size += getattr(transport, "_tempDataLen", 0)
-                buffered[name] = buffered.get(name, 0) + size
-            for gauge, values in ((metrics.PENDING_COMMANDS, pending),
-                                  (metrics.TRANSPORT_BUFFER, buffered)):
-                gauge.clear()
-                for name, value in values.items():
-                    gauge.labels(name).set(value)
-        except RuntimeError:
-            pass  # state changed under us; the next scrape sees it

@@ -206,7 +206,8 @@ class MetricsTests(SynchronousTestCase):
     def test_thousands_of_names_give_a_bounded_number_of_series(self):
         h, _ = handler()
         peers = Peers(self, h)
-        h.refresh_metrics()
+        metrics.add_source(h.bookkeeping.metric_samples)
+        self.addCleanup(metrics.remove_source, h.bookkeeping.metric_samples)
         before = self.labels()
         for i in range(5_000):
             proto, _ = peers.connect()
@@ -214,13 +215,14 @@ class MetricsTests(SynchronousTestCase):
                                b"FEDERATION_ACK w%d %d\n" % (i, i, i, i))
             if i % 2:
                 proto.connectionLost(None)
-        h.refresh_metrics()
         labels = self.labels()
         self.assertLessEqual(labels - before, {"other", "unnamed"})
-        self.assertEqual(metrics.USER_SYNCS.labels("other")._value.get(), 2_500)
+        self.assertEqual(REGISTRY.get_sample_value("replicator_user_syncs",
+                                                   {"instance": "other"}), 2_500)
         # The newest 1,000 acks (max_federation_acks) are kept.
         self.assertEqual(len(h.federation_acks), 1_000)
-        self.assertEqual(metrics.FEDERATION_ACK_POSITION.labels("other")._value.get(), 4_999)
+        self.assertEqual(REGISTRY.get_sample_value(
+            "replicator_federation_ack_position", {"instance": "other"}), 4_999)
 
 
 class _Conn:

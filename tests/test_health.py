@@ -182,13 +182,13 @@ class HealthMonitorTests(TestCase):
     def test_the_healthy_gauge_follows_the_verdict_at_scrape_time(self):
         """``replicator_healthy`` (what the alert on /health failing reads)
         is 1 while the replication verdict is OK, 0 as soon as it is not,
-        and set at scrape time (collecting the registry runs the refresher)."""
+        and set at scrape time (collecting the registry runs its source)."""
         async def go():
             await self.setup()
             status = [(True, "connected")]
-            refresh = self.monitor.healthy_refresher(lambda: status[0])
-            metrics.add_refresher(refresh)
-            self.addCleanup(metrics.remove_refresher, refresh)
+            source = self.monitor.healthy_source(lambda: status[0])
+            metrics.add_source(source)
+            self.addCleanup(metrics.remove_source, source)
             self.worker.upstream(b"POSITION caches master 0 0\n"
                                  b"POSITION events master 0 0\n"
                                  b"POSITION events worker2 0 0\n")

@@ -11,6 +11,7 @@ from twisted.internet import defer, endpoints, protocol, reactor, task, threads
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
+from replicator import metrics
 from replicator.http.channel import Channel
 from replicator.replication.protocol import ServerReplicationProtocol
 from tests.servers import PostgresServer
@@ -216,15 +217,16 @@ class BigAnswerTests(HttpTestCase):
                 self.assertEqual(response.code, 200)
                 self.assertTrue(seen, path)
                 self.assertNotIn(reactor_thread, seen, path)
-            # /metrics on the HTTP listener: its refresh and its text too.
+            # /metrics on the HTTP listener: its live samples (the
+            # bookkeeping's, as an instance registers them) and its text too.
             refreshed = []
-            refresh = self.api.refresh_metrics
 
-            def watched_refresh():
+            def watched_samples():
                 refreshed.append(threading.get_ident())
-                refresh()
+                return books.metric_samples()
 
-            self.api.refresh_metrics = watched_refresh
+            metrics.add_source(watched_samples)
+            self.addCleanup(metrics.remove_source, watched_samples)
             response, text = await self.call("GET", "/metrics")
             self.assertEqual(response.code, 200)
             self.assertIn(b'replicator_user_syncs{instance="worker1"} 10.0\n', text)

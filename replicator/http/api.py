@@ -112,15 +112,6 @@ class HttpApi:
         """A Site with the body limit, deadlines and a one-line access log."""
         return Site(self._root, self, self.max_body_size, self.idle_timeout, self._clock)
 
-    def refresh_metrics(self) -> None:
-        """Set the USER_SYNC / FEDERATION_ACK gauges from the handler's
-        bookkeeping (labelled only by configured names; from snapshots, so
-        it may also run in a scrape thread: it is registered with
-        ``metrics.add_refresher``)."""
-        refresh = getattr(self.handler, "refresh_metrics", None)
-        if refresh is not None:
-            refresh()
-
     def log_access(self, request, code: Optional[int] = None, note: str = "") -> None:
         """The access line of a request (see :class:`.site.AccessLog`)."""
         self.access.request(request, code, note)
@@ -249,14 +240,7 @@ class HttpApi:
                         {b"content-security-policy": CSP, b"referrer-policy": b"no-referrer",
                          b"x-frame-options": b"DENY"})
 
-    def _metrics_text(self) -> bytes:
-        """Runs in a thread: the refreshers work on snapshots."""
-        self.refresh_metrics()
-        refresh = getattr(self.registry, "refresh_metrics", None)
-        if refresh is not None:
-            refresh()
-        return generate_latest(REGISTRY)
-
     async def _metrics(self, request):
-        text = await threads.deferToThread(self._metrics_text)
+        # In a thread: the live metrics' sources read snapshots.
+        text = await threads.deferToThread(generate_latest, REGISTRY)
         return Response(text, CONTENT_TYPE_LATEST.encode("ascii"))

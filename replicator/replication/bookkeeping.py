@@ -33,11 +33,11 @@ FEDERATION_ACK entries not updated for ``max_age`` seconds are dropped
 (checked on every update and every PING).  Each table's order is its update
 order, so both checks cost O(1) per entry dropped.
 
-Everything runs on the reactor thread except :meth:`refresh_metrics`, which
+Everything runs on the reactor thread except :meth:`metric_samples`, which
 only reads snapshots.
 """
 
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from twisted.logger import Logger
 
@@ -229,10 +229,10 @@ class Bookkeeping:
             return instance
         return metrics_label(_name(self._owners.get(instance)), self.known_names)
 
-    def refresh_metrics(self) -> None:
-        """Set the USER_SYNC / FEDERATION_ACK gauges, one series per known
-        name plus ``other`` (syncs summed, the highest ack).  Reads
-        snapshots only: it may run in a scrape thread."""
+    def metric_samples(self) -> List[metrics.Sample]:
+        """The USER_SYNC / FEDERATION_ACK gauges' samples, one series per
+        known name plus ``other`` (syncs summed, the highest ack).  Reads
+        snapshots only: it may run in a scrape thread (a metrics source)."""
         syncs: Dict[str, int] = {}
         for instance, users in list(self.user_syncs.items()):
             label = self.label(instance)
@@ -245,11 +245,8 @@ class Bookkeeping:
                 continue  # expired, not yet dropped
             label = metrics_label(instance, self.known_names)
             acks[label] = max(acks.get(label, token), token)
-        for gauge, values in ((metrics.USER_SYNCS, syncs),
-                              (metrics.FEDERATION_ACK_POSITION, acks)):
-            gauge.clear()
-            for label, value in values.items():
-                gauge.labels(label).set(value)
+        return ([(metrics.USER_SYNCS, (label,), n) for label, n in syncs.items()]
+                + [(metrics.FEDERATION_ACK_POSITION, (label,), t) for label, t in acks.items()])
 
 
 def _name(conn) -> Optional[str]:

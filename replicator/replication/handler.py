@@ -421,10 +421,6 @@ class ReplicationHandler:
                 method(conn, cmd)
 
     # ---------------------------------------------------------- bookkeeping
-    def refresh_metrics(self) -> None:
-        """Set the bookkeeping gauges (from snapshots: any thread)."""
-        self.bookkeeping.refresh_metrics()
-
     @property
     def user_syncs(self):
         return self.bookkeeping.user_syncs

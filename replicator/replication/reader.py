@@ -101,7 +101,6 @@ class Reader:
         self._retry = None
         self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
         self._stopping = False
-        self._lag = metrics.READER_LAG.labels(stream_name, writer)
 
     # ------------------------------------------------------------ lines in
     def rdata(self, conn, token: Optional[int], row: list) -> None:
@@ -169,7 +168,6 @@ class Reader:
         finally:
             if not self.queue or self._stopping:
                 self.busy = False
-            self._lag.set(self.lag)
 
     def _resume(self) -> None:
         self._retry = None

@@ -2,7 +2,6 @@
 
 from typing import Dict, Iterator, Optional, Sequence
 
-from .. import metrics
 from ..config import StreamConfig
 from ..storage import schema
 from ..storage.database import Database
@@ -71,14 +70,3 @@ class StreamRegistry:
 
     def __contains__(self, name: str) -> bool:
         return name in self._streams
-
-    def refresh_metrics(self) -> None:
-        """Set the position and in-flight gauges from live state."""
-        for stream in self._streams.values():
-            gen = stream.id_gen
-            if gen is None:
-                continue
-            for writer, token in gen.get_positions().items():
-                metrics.STREAM_POSITION.labels(stream.name, writer).set(token)
-            metrics.STREAM_LINEAR_POSITION.labels(stream.name).set(gen.get_linear_token())
-            metrics.IN_FLIGHT.labels(stream.name).set(gen.in_flight())
