@@ -22,7 +22,8 @@ from twisted.web.resource import Resource
 
 from ..config import InstanceConfig
 from ..replication.commands import encode_json
-from ..status import CSP, SCRIPT, STYLE, StatusRecorder, render_html, snapshot
+from ..status import StatusRecorder, snapshot
+from ..status_page import CSP, SCRIPT, STYLE, render_html
 from .answers import JSON_TYPE, HttpError, Response
 from .bookkeeping import BookkeepingRoutes
 from .channel import error_body
