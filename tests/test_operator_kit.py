@@ -101,7 +101,8 @@ def declared_names() -> set:
     suffixes = {"counter": ("_total",), "gauge": ("",),
                 "histogram": ("_bucket", "_sum", "_count")}
     return {m._name + suffix for m in vars(metrics).values()
-            if isinstance(m, MetricWrapperBase) for suffix in suffixes[m._type]}
+            if isinstance(m, MetricWrapperBase) for suffix in suffixes[m._type]} | {
+        m.name for m in vars(metrics).values() if isinstance(m, metrics.LiveGauge)}
 
 
 def metric_names(expr: str) -> set:
