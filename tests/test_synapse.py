@@ -16,7 +16,8 @@ from twisted.internet import reactor
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator import synapse
-from replicator.config import ConfigError, parse_database, parse_instance, parse_streams
+from replicator.config import (ConfigError, parse_database, parse_instance, parse_streams,
+                               validate)
 from replicator.consumers import MemoryConsumer
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.redis import RedisReplication
@@ -56,7 +57,7 @@ def instance_doc(**extra):
 class SynapseSectionConfigTests(SynchronousTestCase):
     def assertKey(self, doc, key, *words):
         with self.assertRaises(ConfigError) as cm:
-            parse_instance(doc)
+            validate(parse_instance(doc), reactor)  # what the CLI runs
         self.assertEqual(cm.exception.key, key, str(cm.exception))
         for word in words:
             self.assertIn(word, str(cm.exception))

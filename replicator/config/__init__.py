@@ -14,7 +14,13 @@ The package, one job a module:
 - :mod:`.endpoints`: endpoint strings;
 - :mod:`.replication`: the ``replication`` section;
 - :mod:`.instance`: the file, ``http``/``health``/``consumers``/``synapse``
-  and the checks across sections.
+  and the checks across sections;
+- :mod:`.validate`: what needs files or Twisted (TLS files, the secret
+  file, every endpoint built once), run by the CLI after parsing.
+
+Parsing is pure: it imports no reactor, reads no file but the YAML one and
+builds no endpoint (endpoints stay strings; the instance builds them with
+its own reactor).
 
 Everything a caller needs is importable from here.
 """
@@ -27,6 +33,7 @@ from .model import (COLUMN_TYPES, LOG_LEVELS, POSITIONS_TABLE, ColumnConfig, Con
                     DatabaseConfig, HealthConfig, HttpConfig, InstanceConfig, RedisConfig,
                     ReplicationConfig, StreamConfig, SynapseConfig)
 from .replication import parse_redis, parse_replication
+from .validate import read_secret, validate, validate_http, validate_replication
 from .streams import MAX_POOL, MAX_WRITE_GROUP, parse_column, parse_database, parse_stream, \
     parse_streams
 
@@ -38,5 +45,6 @@ __all__ = [
     "ColumnConfig", "ConsumerConfig", "DatabaseConfig", "HealthConfig", "HttpConfig",
     "InstanceConfig", "RedisConfig", "ReplicationConfig", "StreamConfig", "SynapseConfig",
     "parse_redis", "parse_replication", "MAX_POOL", "MAX_WRITE_GROUP", "parse_column",
-    "parse_database", "parse_stream", "parse_streams",
+    "parse_database", "parse_stream", "parse_streams", "read_secret", "validate",
+    "validate_http", "validate_replication",
 ]

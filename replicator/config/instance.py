@@ -1,12 +1,13 @@
 """A whole instance's file: reading the YAML, the ``http``, ``health``,
 ``consumers`` and ``synapse`` sections, and the checks across sections."""
 
+import os
 import re
 from typing import Any, Optional, Tuple
 
 import yaml
 
-from .endpoints import _endpoint
+from .endpoints import get_endpoint
 from .fields import (WIRE_NAME, ConfigError, as_mapping, get_int, get_list, get_number,
                      get_str, kind_of, no_unknown)
 from .model import (LOG_LEVELS, ConsumerConfig, HealthConfig, HttpConfig, InstanceConfig,
@@ -44,21 +45,16 @@ def load_yaml(path: str) -> Any:
 
 
 
-def _read_secret(path: str, key: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            secret = f.read().strip()
-    except OSError as e:
-        raise ConfigError(key, f"cannot read secret file {path}: {e.strerror}") from None
-    if not secret:
-        raise ConfigError(key, f"secret file {path} is empty")
-    return secret
-
-
 HOST_PORT = re.compile(r"(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})")
 
 
-def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig:
+#: The shortest secret accepted (inline, or read from secret_file by validate()).
+MIN_SECRET = 16
+
+
+def parse_http(value: Any, key: str = "http") -> HttpConfig:
+    """The ``http`` section; a ``secret_file`` is only named here (relative
+    to the working directory): :func:`.validate.validate` reads it."""
     section = as_mapping(value if value is not None else {}, key)
     no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
                           "body_timeout", "max_connections"), key)
@@ -66,16 +62,12 @@ def parse_http(value: Any, key: str = "http", base_dir: str = ".") -> HttpConfig
         raise ConfigError(key, "give either secret or secret_file, not both")
     secret = get_str(section, "secret", key, None)
     secret_file = get_str(section, "secret_file", key, None)
-    if secret_file is not None:
-        import os
-
-        path = secret_file if os.path.isabs(secret_file) else os.path.join(base_dir, secret_file)
-        secret = _read_secret(path, f"{key}.secret_file")
-        secret_file = path
-    if secret is not None and len(secret) < 16:
-        raise ConfigError(f"{key}.secret", "must be at least 16 characters")
-    listen = _endpoint(section, "listen", key, "server")
-    if listen is not None and secret is None:
+    if secret_file is not None and not os.path.isabs(secret_file):
+        secret_file = os.path.join(".", secret_file)
+    if secret is not None and len(secret) < MIN_SECRET:
+        raise ConfigError(f"{key}.secret", f"must be at least {MIN_SECRET} characters")
+    listen = get_endpoint(section, "listen", key, "server")
+    if listen is not None and secret is None and secret_file is None:
         raise ConfigError(f"{key}.secret", "missing: the write API always needs a secret "
                                            "(secret or secret_file)")
     metrics_listen = get_str(section, "metrics_listen", key, None)
@@ -138,7 +130,7 @@ def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
     database = get_str(section, "database", key, None)
     if database is not None:
         _check_dsn(database, f"{key}.database")
-    redis = _endpoint(section, "redis", key, "client")
+    redis = get_endpoint(section, "redis", key, "client")
     return SynapseConfig(server_name, database, redis)
 
 

@@ -3,7 +3,7 @@ connect."""
 
 from typing import Any, Mapping, Optional, Tuple
 
-from .endpoints import _endpoint
+from .endpoints import get_endpoint
 from .fields import (WIRE_NAME, ConfigError, as_mapping, get_int, get_list, get_number,
                      get_str, kind_of, no_unknown)
 from .model import RedisConfig, ReplicationConfig
@@ -14,7 +14,7 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
         return None
     section = as_mapping(value, key)
     no_unknown(section, ("endpoint", "password", "dbid"), key)
-    endpoint = _endpoint(section, "endpoint", key, "client")
+    endpoint = get_endpoint(section, "endpoint", key, "client")
     if endpoint is None:
         raise ConfigError(f"{key}.endpoint", "missing")
     dbid = get_int(section, "dbid", key, None, minimum=0, maximum=65535)
@@ -69,20 +69,11 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
     if ping_timeout <= ping_interval:
         raise ConfigError(f"{key}.ping_timeout",
                           f"must be longer than ping_interval ({ping_interval:g}s)")
-    listen = _endpoint(section, "listen", key, "server")
+    listen = get_endpoint(section, "listen", key, "server")
     client_ca = get_str(section, "client_ca", key, None)
-    if client_ca is not None:
-        if listen is None or not listen.startswith("ssl:"):
-            raise ConfigError(f"{key}.client_ca", "needs an ssl: listener in replication.listen")
-        from ..tls import load_ca_certificates, server_endpoint
-
-        try:
-            load_ca_certificates(client_ca)
-            from twisted.internet import reactor
-
-            server_endpoint(reactor, listen, client_ca)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{key}.client_ca", str(e)) from None
+    # Its file is read in validate().
+    if client_ca is not None and (listen is None or not listen.startswith("ssl:")):
+        raise ConfigError(f"{key}.client_ca", "needs an ssl: listener in replication.listen")
     max_line_length = get_int(section, "max_line_length", key, 16_384, minimum=1024,
                            maximum=16 << 20)
     max_batch_rows = get_int(section, "max_batch_rows", key, 10_000, minimum=1,
@@ -107,7 +98,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
     return ReplicationConfig(
         listen=listen,
         client_ca=client_ca,
-        upstream=_endpoint(section, "upstream", key, "client"),
+        upstream=get_endpoint(section, "upstream", key, "client"),
         redis=parse_redis(section.get("redis"), f"{key}.redis"),
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
