@@ -185,3 +185,15 @@ class CliValidatesTests(SynchronousTestCase):
                          (2, "replicator: config: http.secret_file: secret file ./secret is "
                              "not UTF-8 text\n"))
         self.assertFalse(os.path.exists(os.path.join(tmp, "x.db")))
+
+
+class InstanceNeedsValidatedConfigTests(SynchronousTestCase):
+    def test_an_unread_secret_file_is_refused(self):
+        from replicator.service import Instance
+
+        config = parse_instance(doc(http={"listen": "tcp:0:interface=127.0.0.1",
+                                          "secret_file": "/nonexistent/secret"}))
+        with self.assertRaises(ConfigError) as raised:
+            Instance(config, reactor)
+        self.assertEqual(str(raised.exception), "config: http.secret_file: not read yet: "
+                                                "validate() the config first")
