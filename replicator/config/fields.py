@@ -9,7 +9,7 @@ range); a message is one line (values and unknown keys appear as ``repr``).
 
 import math
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Tuple
 
 # Always used with fullmatch.
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -86,7 +86,7 @@ def get_str(section: Mapping, name: str, key: str, default: Any = ..., pattern=N
     """``section[name]``: a non-empty string (matching ``pattern``, which
     ``what`` describes), else ``default``; missing without a default is a
     ConfigError naming ``key.name``."""
-    path = f"{key}.{name}" if key else name
+    path = _path(key, name)
     if name not in section or section[name] is None:
         if default is ...:
             raise ConfigError(path, "missing")
@@ -103,12 +103,9 @@ def get_int(section: Mapping, name: str, key: str, default: Any = ..., *, minimu
          maximum: int) -> int:
     """An integer in ``[minimum, maximum]`` (both required: every number has
     a range)."""
-    path = f"{key}.{name}" if key else name
-    if name not in section:
-        if default is ...:
-            raise ConfigError(path, "missing")
+    if not _given(section, name, key, default):
         return default
-    value = section[name]
+    path, value = _path(key, name), section[name]
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(path, f"expected an integer, got {kind_of(value)}")
     if not minimum <= value <= maximum:
@@ -120,7 +117,7 @@ def get_int(section: Mapping, name: str, key: str, default: Any = ..., *, minimu
 def get_number(section: Mapping, name: str, key: str, default: float, *, minimum: float,
                maximum: float) -> float:
     """A finite number (int or float) in ``[minimum, maximum]``."""
-    path = f"{key}.{name}" if key else name
+    path = _path(key, name)
     value = section.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(path, f"expected a number, got {kind_of(value)}")
@@ -132,21 +129,47 @@ def get_number(section: Mapping, name: str, key: str, default: float, *, minimum
 
 def get_bool(section: Mapping, name: str, key: str, default: bool) -> bool:
     """``section[name]`` as a YAML boolean (``default`` if missing)."""
-    path = f"{key}.{name}" if key else name
+    path = _path(key, name)
     value = section.get(name, default)
     if not isinstance(value, bool):
         raise ConfigError(path, f"expected true or false, got {kind_of(value)}")
     return value
 
 
-def get_list(section: Mapping, name: str, key: str, default: Any = ...) -> list:
-    path = f"{key}.{name}" if key else name
-    if name not in section:
-        if default is ...:
-            raise ConfigError(path, "missing")
+def get_list(section: Mapping, name: str, key: str, default: Any = ...,
+             empty: Optional[str] = None) -> list:
+    """``section[name]``: a list (with ``empty``, a non-empty one: ``empty``
+    says why none is wrong)."""
+    if not _given(section, name, key, default):
         return default
-    value = section[name]
+    path, value = _path(key, name), section[name]
     if not isinstance(value, list):
         raise ConfigError(path, f"expected a list, got {kind_of(value)}")
+    if empty is not None and not value:
+        raise ConfigError(path, empty)
     return value
 
+
+def get_names(section: Mapping, name: str, key: str, empty: str) -> Tuple[str, ...]:
+    """``section[name]``: a non-empty list of instance names (as they travel
+    on the wire)."""
+    names = get_list(section, name, key, empty=empty)
+    for i, item in enumerate(names):
+        if not isinstance(item, str) or not WIRE_NAME.fullmatch(item):
+            raise ConfigError(f"{_path(key, name)}[{i}]", f"{item!r} is not an instance name")
+    return tuple(names)
+
+
+def _path(key: str, name: str) -> str:
+    """The dotted path of ``name`` in the section at ``key``."""
+    return f"{key}.{name}" if key else name
+
+
+def _given(section: Mapping, name: str, key: str, default: Any) -> bool:
+    """Whether ``section`` has ``name``; missing without a default (``...``)
+    is a ConfigError."""
+    if name in section:
+        return True
+    if default is ...:
+        raise ConfigError(_path(key, name), "missing")
+    return False

@@ -4,8 +4,8 @@ connect."""
 from typing import Any, Mapping, Optional, Tuple
 
 from .endpoints import get_endpoint
-from .fields import (WIRE_NAME, ConfigError, as_mapping, get_int, get_list, get_number,
-                     get_str, kind_of, no_unknown)
+from .fields import (ConfigError, as_mapping, get_int, get_list, get_names,
+                     get_number, get_str, kind_of, no_unknown)
 from .model import RedisConfig, ReplicationConfig
 
 
@@ -24,13 +24,7 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
 def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:
     if section.get("allowed_peers") is None:
         return None
-    names = get_list(section, "allowed_peers", key)
-    if not names:
-        raise ConfigError(f"{key}.allowed_peers", "an empty list would refuse every peer")
-    for i, name in enumerate(names):
-        if not isinstance(name, str) or not WIRE_NAME.fullmatch(name):
-            raise ConfigError(f"{key}.allowed_peers[{i}]", f"{name!r} is not an instance name")
-    return tuple(names)
+    return get_names(section, "allowed_peers", key, "an empty list would refuse every peer")
 
 
 def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
@@ -39,9 +33,8 @@ def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
         return None
     import ipaddress
 
-    networks = get_list(section, "allowed_networks", key)
-    if not networks:
-        raise ConfigError(f"{key}.allowed_networks", "an empty list would refuse every peer")
+    networks = get_list(section, "allowed_networks", key,
+                        empty="an empty list would refuse every peer")
     for i, network in enumerate(networks):
         path = f"{key}.allowed_networks[{i}]"
         if not isinstance(network, str):

@@ -4,7 +4,7 @@ component shares."""
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .fields import (IDENTIFIER, WIRE_NAME, ConfigError, as_mapping, get_bool, get_int,
-                     get_list, get_str, kind_of, no_unknown, sql_name)
+                     get_list, get_names, get_str, kind_of, no_unknown, sql_name)
 from .model import COLUMN_TYPES, POSITIONS_TABLE, ColumnConfig, DatabaseConfig, StreamConfig
 
 #: Database connections (each one a pool thread and a server process).
@@ -147,12 +147,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         if column.name.lower() in seen:
             raise ConfigError(f"{key}.columns[{i}]", f"column {column.name!r} is declared twice")
         seen.add(column.name.lower())
-    writers = get_list(section, "writers", key)
-    if not writers:
-        raise ConfigError(f"{key}.writers", "a stream needs at least one writer")
-    for i, writer in enumerate(writers):
-        if not isinstance(writer, str) or not WIRE_NAME.fullmatch(writer):
-            raise ConfigError(f"{key}.writers[{i}]", f"{writer!r} is not an instance name")
+    writers = get_names(section, "writers", key, "a stream needs at least one writer")
     if len(set(writers)) != len(writers):
         raise ConfigError(f"{key}.writers", "a writer is listed twice")
     if writer_column is None and len(writers) != 1:
@@ -194,21 +189,25 @@ def parse_streams(value: Any, key: str = "streams") -> Tuple[StreamConfig, ...]:
         if stream.name in names:
             raise ConfigError(f"{key}[{i}].name",
                               f"duplicate stream {stream.name!r} (also {key}[{names[stream.name]}])")
-        table, sequence = stream.table.lower(), stream.sequence.lower()
-        if table in relations:
-            other = relations[table]
-            raise ConfigError(f"{key}[{i}].table",
-                              f"table {stream.table!r} already backs {other.rsplit('.', 1)[0]}"
-                              if other.endswith(".table") else
-                              f"{stream.table!r} is also a sequence ({other})")
-        relations[table] = f"{key}[{i}].table"
-        if sequence in relations:
-            other = relations[sequence]
-            raise ConfigError(f"{key}[{i}].sequence",
-                              f"{stream.sequence!r} is also a table ({other})"
-                              if other.endswith(".table") else
-                              f"sequence {stream.sequence!r} is also used by {other}")
-        relations[sequence] = f"{key}[{i}].sequence"
+        _claim(relations, stream.table, f"{key}[{i}].table")
+        _claim(relations, stream.sequence, f"{key}[{i}].sequence")
         names[stream.name] = i
         streams.append(stream)
     return tuple(streams)
+
+
+def _claim(relations: Dict[str, str], name: str, path: str) -> None:
+    """Record that the table or sequence ``name`` is the one at ``path``
+    (``streams[i].table`` or ``.sequence``); a ConfigError if another
+    stream's table or sequence has that name already."""
+    other = relations.get(name.lower())
+    if other is not None:
+        other_is_table = other.endswith(".table")
+        if path.endswith(".table"):
+            problem = (f"table {name!r} already backs {other.rsplit('.', 1)[0]}"
+                       if other_is_table else f"{name!r} is also a sequence ({other})")
+        else:
+            problem = (f"{name!r} is also a table ({other})" if other_is_table
+                       else f"sequence {name!r} is also used by {other}")
+        raise ConfigError(path, problem)
+    relations[name.lower()] = path
