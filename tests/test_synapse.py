@@ -195,7 +195,7 @@ class ReadOnlyStreamTests(TestCase):
     async def start(self, streams, instance="reader"):
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 2}))
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, instance, parse_streams(streams))
+        registry = StreamRegistry(db, instance, parse_streams(streams), reactor=reactor)
         await registry.start()
         return registry
 
@@ -339,7 +339,7 @@ class SynapseChannelTests(TestCase):
 
     async def node(self, name, consumer):
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        registry = StreamRegistry(db, name, parse_streams([OWN, READER]))
+        registry = StreamRegistry(db, name, parse_streams([OWN, READER]), reactor=reactor)
         await registry.start()
         handler = ReplicationHandler(registry, name, "example.org", [consumer])
         handler.start()
@@ -447,7 +447,7 @@ class SynapseRowLayoutTests(TestCase):
         streams = [{"name": name, "table": f"our_{name}",
                     "columns": [dict(c) for c in synapse.PRESETS[name]["columns"]],
                     "writers": ["app1"]} for name in SYNAPSE_ROWS]
-        registry = StreamRegistry(db, "app1", parse_streams(streams))
+        registry = StreamRegistry(db, "app1", parse_streams(streams), reactor=reactor)
         await registry.start()
         self.addCleanup(registry.stop)
         facts = {

@@ -142,7 +142,7 @@ class TlsTests(TestCase):
         async def instance(name, consumers=()):
             db = Database(parse_database({"postgres": dsn}))
             self.addCleanup(db.close)
-            registry = StreamRegistry(db, name, streams)
+            registry = StreamRegistry(db, name, streams, reactor=reactor)
             await registry.start()
             self.addCleanup(registry.stop)
             handler = ReplicationHandler(registry, name, "localhost", consumers)
@@ -219,7 +219,7 @@ class TlsTests(TestCase):
                                   "writers": ["master", "worker1"]}])
         db = Database(parse_database({"postgres": dsn}))
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, "master", streams)
+        registry = StreamRegistry(db, "master", streams, reactor=reactor)
         await registry.start()
         self.addCleanup(registry.stop)
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
