@@ -187,6 +187,25 @@ class CliValidatesTests(SynchronousTestCase):
         self.assertFalse(os.path.exists(os.path.join(tmp, "x.db")))
 
 
+    def test_a_missing_tls_key_is_one_line_and_exit_2(self):
+        import yaml
+
+        from tests.test_cli import cli
+
+        tmp = tempfile.mkdtemp()
+        listen = "ssl:0:interface=127.0.0.1:privateKey=missing.key:certKey=missing.crt"
+        with open(os.path.join(tmp, "c.yaml"), "w") as f:
+            yaml.safe_dump(doc(replication={"listen": listen}), f)
+        result = cli("run", "-c", "c.yaml", cwd=tmp)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertEqual(result.stderr.count("\n"), 1, result.stderr)
+        self.assertTrue(result.stderr.startswith(
+            f"replicator: config: replication.listen: cannot parse endpoint {listen!r}: "),
+            result.stderr)
+        self.assertIn("missing.crt", result.stderr)
+        self.assertEqual(os.listdir(tmp), ["c.yaml"])
+
+
 class InstanceNeedsValidatedConfigTests(SynchronousTestCase):
     def test_an_unread_secret_file_is_refused(self):
         from replicator.service import Instance
