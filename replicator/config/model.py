@@ -115,9 +115,10 @@ class HttpConfig:
     """The HTTP API: write facts, positions, health, metrics."""
 
     listen: Optional[str] = None
+    # With secret_file, None until validate() has read it.
     secret: Optional[str] = field(default=None, repr=False)
     metrics_listen: Optional[str] = None  # host:port served from its own thread
-    secret_file: Optional[str] = None  # where the secret was read from, if from a file
+    secret_file: Optional[str] = None  # the file validate() reads the secret from
     # A request's headers must arrive within header_timeout seconds of its
     # first byte (or of the connection opening), its body within
     # body_timeout of its headers; at most max_connections at once.
