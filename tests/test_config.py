@@ -216,3 +216,32 @@ class InstanceNeedsValidatedConfigTests(SynchronousTestCase):
             Instance(config, reactor)
         self.assertEqual(str(raised.exception), "config: http.secret_file: not read yet: "
                                                 "validate() the config first")
+
+
+class PathTests(SynchronousTestCase):
+    """A path with a NUL byte can name no file: refused when parsed, one
+    line naming the key (found by the config fuzzer: a traceback before)."""
+
+    def test_nul_bytes_in_paths(self):
+        cases = [
+            ({"database": {"sqlite": "a\x00b"}},
+             "config: database.sqlite: 'a\\x00b' is not a file path (it holds a NUL byte)"),
+            ({"http": {"listen": "tcp:0", "secret_file": "s\x00"}},
+             "config: http.secret_file: 's\\x00' is not a file path (it holds a NUL byte)"),
+            ({"replication": {"listen": "ssl:0:privateKey=k.pem", "client_ca": "\x00ca"}},
+             "config: replication.client_ca: '\\x00ca' is not a file path (it holds a NUL "
+             "byte)"),
+        ]
+        for change, message in cases:
+            with self.assertRaises(ConfigError, msg=message) as raised:
+                parse_instance(doc(**change))
+            self.assertEqual(str(raised.exception), message)
+
+    def test_nul_byte_in_a_jsonl_consumer_path(self):
+        from replicator.config import ConsumerConfig
+        from replicator.consumers import load_consumers
+
+        with self.assertRaises(ConfigError) as raised:
+            load_consumers([ConsumerConfig("jsonl", None, {"path": "a\x00b"})], ".", reactor)
+        self.assertEqual(str(raised.exception), "config: consumers[0].path: 'a\\x00b' is not "
+                                                "a file path (it holds a NUL byte)")

@@ -99,6 +99,16 @@ def get_str(section: Mapping, name: str, key: str, default: Any = ..., pattern=N
     return value
 
 
+def get_path(section: Mapping, name: str, key: str, default: Any = ...) -> Any:
+    """``section[name]``: a file path (a non-empty string without a NUL byte,
+    which no file name can hold); the file itself is not looked at."""
+    value = get_str(section, name, key, default)
+    if isinstance(value, str) and "\x00" in value:
+        raise ConfigError(_path(key, name), f"{value!r} is not a file path (it holds a NUL "
+                                            f"byte)")
+    return value
+
+
 def get_int(section: Mapping, name: str, key: str, default: Any = ..., *, minimum: int,
          maximum: int) -> int:
     """An integer in ``[minimum, maximum]`` (both required: every number has

@@ -9,7 +9,7 @@ import yaml
 
 from .endpoints import get_endpoint
 from .fields import (WIRE_NAME, ConfigError, as_mapping, get_int, get_list, get_number,
-                     get_str, kind_of, no_unknown)
+                     get_path, get_str, kind_of, no_unknown)
 from .model import (LOG_LEVELS, ConsumerConfig, HealthConfig, HttpConfig, InstanceConfig,
                     SynapseConfig)
 from .replication import parse_replication
@@ -61,7 +61,7 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     if "secret" in section and "secret_file" in section:
         raise ConfigError(key, "give either secret or secret_file, not both")
     secret = get_str(section, "secret", key, None)
-    secret_file = get_str(section, "secret_file", key, None)
+    secret_file = get_path(section, "secret_file", key, None)
     if secret_file is not None and not os.path.isabs(secret_file):
         secret_file = os.path.join(".", secret_file)
     if secret is not None and len(secret) < MIN_SECRET:

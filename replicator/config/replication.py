@@ -5,7 +5,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from .endpoints import get_endpoint
 from .fields import (ConfigError, as_mapping, get_int, get_list, get_names,
-                     get_number, get_str, kind_of, no_unknown)
+                     get_number, get_path, get_str, kind_of, no_unknown)
 from .model import RedisConfig, ReplicationConfig
 
 
@@ -63,7 +63,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         raise ConfigError(f"{key}.ping_timeout",
                           f"must be longer than ping_interval ({ping_interval:g}s)")
     listen = get_endpoint(section, "listen", key, "server")
-    client_ca = get_str(section, "client_ca", key, None)
+    client_ca = get_path(section, "client_ca", key, None)
     # Its file is read in validate().
     if client_ca is not None and (listen is None or not listen.startswith("ssl:")):
         raise ConfigError(f"{key}.client_ca", "needs an ssl: listener in replication.listen")

@@ -4,7 +4,7 @@ component shares."""
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .fields import (IDENTIFIER, WIRE_NAME, ConfigError, as_mapping, get_bool, get_int,
-                     get_list, get_names, get_str, kind_of, no_unknown, sql_name)
+                     get_list, get_names, get_path, get_str, kind_of, no_unknown, sql_name)
 from .model import COLUMN_TYPES, POSITIONS_TABLE, ColumnConfig, DatabaseConfig, StreamConfig
 
 #: Database connections (each one a pool thread and a server process).
@@ -24,7 +24,7 @@ def parse_database(value: Any, key: str = "database") -> DatabaseConfig:
     if pool_max < pool_min:
         raise ConfigError(f"{key}.pool_max", f"must be at least pool_min ({pool_min})")
     if "sqlite" in section:
-        path = get_str(section, "sqlite", key)
+        path = get_path(section, "sqlite", key)
         return DatabaseConfig("sqlite", path=path, pool_min=1, pool_max=1,
                               write_group_max=group)
     if "postgres" in section:
