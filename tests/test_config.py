@@ -237,6 +237,17 @@ class PathTests(SynchronousTestCase):
                 parse_instance(doc(**change))
             self.assertEqual(str(raised.exception), message)
 
+    def test_nul_byte_in_an_endpoint(self):
+        for change, key in (({"replication": {"listen": "unix:/tmp/a\x00b"}},
+                             "replication.listen"),
+                            ({"replication": {"upstream": "tcp:host\x00:9092"}},
+                             "replication.upstream")):
+            with self.assertRaises(ConfigError) as raised:
+                parse_instance(doc(**change))
+            self.assertEqual(raised.exception.key, key)
+            self.assertTrue(str(raised.exception).endswith(": it holds a NUL byte"),
+                            str(raised.exception))
+
     def test_nul_byte_in_a_jsonl_consumer_path(self):
         from replicator.config import ConsumerConfig
         from replicator.consumers import load_consumers

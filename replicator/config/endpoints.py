@@ -31,6 +31,8 @@ def get_endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[s
         return None
     path = f"{key}.{name}"
     try:
+        if "\x00" in value:  # no host, port or path can hold one
+            raise ValueError("it holds a NUL byte")
         parsed = parse(value)
         if kind == "server":
             _check_server(parsed)
