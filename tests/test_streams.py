@@ -74,7 +74,7 @@ class StreamSuite:
     async def registry(self, instance="master", streams=STREAMS, config=None):
         db = Database(config or self.db_config)
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, instance, parse_streams(streams))
+        registry = StreamRegistry(db, instance, parse_streams(streams), reactor=reactor)
         await registry.start()
         self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))
         return registry
