@@ -916,7 +916,7 @@ class ReaderTests(TestCase):
              "writers": ["master", "worker1"]},
         ])
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        registry = StreamRegistry(db, name, streams)
+        registry = StreamRegistry(db, name, streams, reactor=reactor)
         await registry.start()
         handler = ReplicationHandler(registry, name, "hs.test", consumers=consumers)
         handler.start()

@@ -37,7 +37,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .. import files
-from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_str, no_unknown
+from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_path, no_unknown
 from ..jsontext import encode_json_line
 from .base import Consumer, Key
 from .file_thread import FileThread, append_at
@@ -412,7 +412,7 @@ def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consume
     to ``base_dir``; ``fsync``; ``flush_interval``)."""
     options = config.options
     no_unknown(options, ("path", "fsync", "flush_interval"), where)
-    path = get_str(options, "path", where)
+    path = get_path(options, "path", where)
     path = os.path.join(base_dir, path)  # an absolute path stays as it is
     fsync = get_bool(options, "fsync", where, True)
     flush_interval = get_number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
