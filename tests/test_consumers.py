@@ -150,6 +150,17 @@ class JsonlTests(SynchronousTestCase):
         self.assertEqual(read_lines(self.path)[0][0]["rows"], rows)
         self.assertEqual(self.open().positions(), {("caches", "master"): 2})
 
+    def test_nan_and_infinity_are_refused_not_written_as_null(self):
+        c = self.open()
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            self.assertRaises(ValueError, c.on_facts, "caches", "master", 1, [["a", bad]])
+            self.assertRaises(ValueError, c.on_facts_many, "caches", "master",
+                              [(1, [[{"x": [bad]}]])])
+        c.on_facts("caches", "master", 2, [["a", None, 0.5]])
+        c.close()
+        self.assertEqual([(line["token"], line["rows"]) for line in read_lines(self.path)[0]],
+                         [(2, [["a", None, 0.5]])])
+
     def test_nothing_is_durable_before_the_timer(self):
         c = self.open()
         c.on_facts("caches", "master", 1, [["a"]])
@@ -905,7 +916,7 @@ class ReaderTests(TestCase):
              "writers": ["master", "worker1"]},
         ])
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        registry = StreamRegistry(db, name, streams)
+        registry = StreamRegistry(db, name, streams, reactor=reactor)
         await registry.start()
         handler = ReplicationHandler(registry, name, "hs.test", consumers=consumers)
         handler.start()

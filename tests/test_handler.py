@@ -1,7 +1,7 @@
 """The replication handler on StringTransport, with streams on a real PostgreSQL."""
 
 import psycopg2
-from twisted.internet import task
+from twisted.internet import reactor, task
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
 
@@ -49,7 +49,7 @@ class HandlerTests(TestCase):
     async def instance(self, name, consumers=()):
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, name, STREAMS)
+        registry = StreamRegistry(db, name, STREAMS, reactor=reactor)
         await registry.start()
         self.addCleanup(registry.stop)
         handler = ReplicationHandler(registry, name, "hs.test", consumers=consumers)

@@ -74,7 +74,7 @@ class StreamSuite:
     async def registry(self, instance="master", streams=STREAMS, config=None):
         db = Database(config or self.db_config)
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, instance, parse_streams(streams))
+        registry = StreamRegistry(db, instance, parse_streams(streams), reactor=reactor)
         await registry.start()
         self.addCleanup(registry.stop)
         return registry
@@ -370,7 +370,7 @@ class SQLiteStreamTests(StreamSuite, TestCase):
         reg = await self.registry()
         caches = reg.get("caches")
         await caches.write_facts([[["a", None, 1]]] * 3)
-        caches._sqlite_last = 2  # the sequence went back
+        caches._txn.sqlite_last = 2  # the sequence went back
         with self.assertRaises(ValueError) as e:
             await caches.write_fact([["b", None, 1]])
         self.assertEqual(str(e.exception),
@@ -556,9 +556,9 @@ class RecentFactsTests(TestCase):
         # Beyond what has completed, only the table can answer.
         self.assertIsNone(caches._recent_updates("master", 5, 6, 100))
         # Nobody fanning out: nothing is kept.
-        caches.keep_recent = False
+        caches.recent.active = False
         await caches.write_fact([["e", None, 5]])
-        self.assertEqual(caches._recent["master"], {})
+        self.assertEqual(caches.recent.facts["master"], {})
 
 
 class RowCodecTests(SynchronousTestCase):

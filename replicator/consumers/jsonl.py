@@ -37,7 +37,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .. import files
-from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_str, no_unknown
+from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_path, no_unknown
+from ..jsontext import encode_json_line
 from .base import Consumer, Key
 from .file_thread import FileThread, append_at
 
@@ -47,15 +48,6 @@ log = Logger(namespace="replicator.consumers")
 class JsonlError(ValueError):
     """The file cannot be used: a complete line that is not a fact or a
     position, or another consumer holds the file."""
-
-
-def _encode(obj: dict) -> bytes:
-    try:
-        return orjson.dumps(obj) + b"\n"
-    except TypeError:
-        # orjson refuses integers beyond 64 bits, non-string keys and lone
-        # surrogates (JSON on the wire may carry "\ud800"): ASCII JSON then.
-        return json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
 
 
 def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict]]:
@@ -234,7 +226,7 @@ class JsonlConsumer(Consumer):
                       "({skipped} skipped)", path=self.path, token=token, stream=stream,
                       writer=writer, last=last, skipped=self.skipped)
             return None
-        line = _encode({"stream": stream, "writer": writer, "token": token, "rows": rows})
+        line = encode_json_line({"stream": stream, "writer": writer, "token": token, "rows": rows})
         return self._append(key, [line], token)
 
     def on_facts_many(self, stream, writer, facts):
@@ -250,7 +242,7 @@ class JsonlConsumer(Consumer):
             if last is not None and token <= last:
                 self.skipped += 1
                 continue
-            lines.append(_encode({"stream": stream, "writer": writer, "token": token,
+            lines.append(encode_json_line({"stream": stream, "writer": writer, "token": token,
                                   "rows": rows}))
             last = token
         if not lines:
@@ -335,7 +327,7 @@ class JsonlConsumer(Consumer):
         """What the next flush writes: a failed batch, the buffered facts,
         then one position line per key that advanced past its last fact."""
         positions = [
-            _encode({"stream": s, "writer": w, "position": token})
+            encode_json_line({"stream": s, "writer": w, "position": token})
             for (s, w), token in self._pending_positions.items()
         ]
         return self._unwritten + b"".join(self._buffer + positions)
@@ -420,7 +412,7 @@ def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consume
     to ``base_dir``; ``fsync``; ``flush_interval``)."""
     options = config.options
     no_unknown(options, ("path", "fsync", "flush_interval"), where)
-    path = get_str(options, "path", where)
+    path = get_path(options, "path", where)
     path = os.path.join(base_dir, path)  # an absolute path stays as it is
     fsync = get_bool(options, "fsync", where, True)
     flush_interval = get_number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)

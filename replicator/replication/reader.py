@@ -198,7 +198,7 @@ class Reader:
         if self.position is None or new > self.position:
             self._advance(new)
             if self._reached is not None:
-                await _maybe_await(self._reached(new))
+                await maybe_await(self._reached(new))
 
     async def _catch_up(self, since: int, until: int) -> None:
         """Hand on the facts of ``(since, until]`` from ``source``, page by page.
@@ -240,7 +240,7 @@ class Reader:
                 raise Stopping()
             result = self._deliver_many(facts)
             if result is not None:
-                await _maybe_await(result)
+                await maybe_await(result)
             if facts:
                 self._advance(facts[-1][0])
             return
@@ -252,7 +252,7 @@ class Reader:
                     raise Stopping()
                 result = deliver(token, rows)
                 if result is not None:
-                    await _maybe_await(result)
+                    await maybe_await(result)
                 self.position = last = token
         finally:
             if last is not None and self._advanced is not None:
@@ -261,7 +261,7 @@ class Reader:
     async def _hand_on(self, token: int, rows: List[list]) -> None:
         if self._stopping:
             raise Stopping()
-        await _maybe_await(self._deliver(token, rows))
+        await maybe_await(self._deliver(token, rows))
 
     def _advance(self, token: int) -> None:
         self.position = token
@@ -306,7 +306,8 @@ def _resolved(result):
     return result
 
 
-async def _maybe_await(result):
+async def maybe_await(result):
+    """``result``, awaited first if it is a Deferred or an awaitable."""
     if isinstance(result, defer.Deferred) or hasattr(result, "__await__"):
         return await result
     return result
