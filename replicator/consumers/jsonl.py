@@ -86,7 +86,7 @@ class JsonlConsumer(Consumer):
 
     Lines are buffered in memory and written with one ``write`` and one
     ``fsync`` per batch: ``flush_interval`` seconds after the first line of
-    a batch (a ``callLater`` on ``clock``, by default ``reactor``), as soon as
+    a batch (a ``callLater`` on ``reactor``), as soon as
     the buffer holds ``max_buffer`` bytes, and in :meth:`close`.  The writes
     and fsyncs run on a thread of this file's own (:class:`FileThread`; or
     whatever ``run_io`` runs a job with), never on the reactor thread, one
@@ -106,8 +106,9 @@ class JsonlConsumer(Consumer):
     further back).  The file is locked (``flock``) while open: two consumers,
     in one process or two, cannot share it.
 
-    ``reactor`` runs the file's own thread (:class:`FileThread`); it may be
-    left out when ``run_io`` and ``clock`` are given.
+    ``reactor`` (required) times the flushes and runs the file's own thread
+    (:class:`FileThread`); with ``run_io`` (tests: I/O inline) a ``Clock``
+    will do.
 
     The service must call :meth:`close` (and wait for its Deferred) at
     shutdown, or the last ``flush_interval`` of facts is not written (not
@@ -118,14 +119,10 @@ class JsonlConsumer(Consumer):
     #: Delay before retrying a failed flush (seconds; at least flush_interval).
     retry_delay = 1.0
 
-    def __init__(self, path: str, streams: Optional[Sequence[str]] = None,
-                 flush_interval: float = 0.05, fsync: bool = True, clock=None,
-                 max_buffer: int = 1 << 20,
-                 run_io: Optional[Callable[..., defer.Deferred]] = None, reactor=None):
-        if clock is None:
-            clock = reactor
-        if clock is None or (run_io is None and reactor is None):
-            raise TypeError("JsonlConsumer needs its reactor (or a clock and run_io)")
+    def __init__(self, path: str, reactor, *, streams: Optional[Sequence[str]] = None,
+                 flush_interval: float = 0.05, fsync: bool = True, max_buffer: int = 1 << 20,
+                 run_io: Optional[Callable[..., defer.Deferred]] = None):
+        clock = reactor
         self.path = os.path.abspath(path)
         self.streams = tuple(streams) if streams is not None else None
         self.flush_interval = flush_interval
@@ -417,8 +414,8 @@ def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consume
     fsync = get_bool(options, "fsync", where, True)
     flush_interval = get_number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
     try:
-        return JsonlConsumer(path, streams=config.streams, flush_interval=flush_interval,
-                             fsync=fsync, reactor=reactor)
+        return JsonlConsumer(path, reactor, streams=config.streams,
+                             flush_interval=flush_interval, fsync=fsync)
     except JsonlError as e:
         raise ConfigError(f"{where}.path", str(e)) from None
     except OSError as e:
