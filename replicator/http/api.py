@@ -21,7 +21,7 @@ from twisted.web import server
 from twisted.web.resource import Resource
 
 from ..config import InstanceConfig
-from ..replication.commands import encode_json
+from ..jsontext import encode_json
 from ..status import StatusRecorder, snapshot
 from ..status_page import CSP, SCRIPT, STYLE, render_html
 from .answers import JSON_TYPE, HttpError, Response
