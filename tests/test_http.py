@@ -23,9 +23,11 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
+from replicator import metrics
 from replicator.config import parse_instance
 from replicator.consumers import MemoryConsumer
 from replicator.http import HttpApi
+from replicator.instance_metrics import InstanceMetrics
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.protocol import (
     ClientReplicationProtocol, ServerReplicationProtocol,
@@ -184,6 +186,10 @@ class HttpTestCase(TestCase):
                       **{"clock": reactor, **api_kw})
         port = await endpoints.serverFromString(reactor, config.http.listen).listen(api.site())
         self.addCleanup(port.stopListening)
+        # The live metrics an instance gives (positions, bookkeeping, ...).
+        live = InstanceMetrics(registry=registry, handler=handler)
+        metrics.add_source(live)
+        self.addCleanup(metrics.remove_source, live)
         self.port = port.getHost().port
         self.db, self.registry, self.handler, self.api = db, registry, handler, api
         return api
