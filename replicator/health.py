@@ -33,8 +33,8 @@ import threading
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from twisted.application.service import Service
-from twisted.internet import defer, task
+from twisted.application.internet import TimerService
+from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python import threadable
 
@@ -86,7 +86,7 @@ class _Unreceived:
         return self.observations[0][0] if self.observations else None
 
 
-class HealthMonitor(Service):
+class HealthMonitor(TimerService):
     """Replication health of one instance (see the module docstring).
 
     ``expect_upstream`` is True on a worker (an instance with an upstream or
@@ -106,24 +106,17 @@ class HealthMonitor(Service):
         self._behind_since: Dict[Any, float] = {}
         self._unreceived: Dict[Key, _Unreceived] = {}
         self._started_at = clock.seconds()
-        self._loop: Optional[task.LoopingCall] = None
         self._checking: Optional[defer.Deferred] = None
         self._check_failed = False
+        # Checks every check_interval while running; stopping waits for the
+        # check under way.
+        super().__init__(check_interval, self.check_unreceived)
+        self.clock = clock
 
     # ------------------------------------------------------------ service
     def startService(self) -> None:
-        super().startService()
         self._started_at = self._clock.seconds()
-        self._loop = task.LoopingCall(self.check_unreceived)
-        self._loop.clock = self._clock
-        self._loop.start(self.check_interval, now=True)
-
-    def stopService(self):
-        super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
-        return self._checking
+        super().startService()
 
     # -------------------------------------------------------------- check
     def _remote_keys(self) -> List[Tuple[Any, str, int]]:

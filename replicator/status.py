@@ -27,8 +27,7 @@ import re
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from twisted.application.service import Service
-from twisted.internet import task
+from twisted.application.internet import TimerService
 from twisted.logger import Logger
 
 from .replication.handler import peer_address
@@ -46,8 +45,9 @@ MAX_IN_FLIGHT_SHOWN = 10
 Key = Tuple[str, str]
 
 
-class StatusRecorder(Service):
-    """Samples reader lag and health problems for the status page.
+class StatusRecorder(TimerService):
+    """Samples reader lag and health problems for the status page, every
+    ``interval`` seconds while running (from its start on).
 
     ``problem()`` returns the current health problem (a line) or None.
     """
@@ -63,19 +63,8 @@ class StatusRecorder(Service):
         self.lag: Dict[Key, Deque[Tuple[float, int]]] = {}
         self.problems: Deque[Tuple[float, str]] = deque(maxlen=MAX_PROBLEMS)
         self.current_problem: Optional[str] = None
-        self._loop: Optional[task.LoopingCall] = None
-
-    def startService(self) -> None:
-        super().startService()
-        self._loop = task.LoopingCall(self.sample)
-        self._loop.clock = self._clock
-        self._loop.start(self.interval, now=True)
-
-    def stopService(self):
-        super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
+        super().__init__(interval, self.sample)
+        self.clock = clock
 
     def sample(self) -> None:
         """One sample of every reader's lag and of the health verdict."""
