@@ -112,7 +112,7 @@ class JsonlTests(SynchronousTestCase):
         self.patch(os, "fsync", counting_fsync)
 
     def open(self, **kw):
-        consumer = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline, **kw)
+        consumer = JsonlConsumer(self.path, self.clock, run_io=run_inline, **kw)
         self.addCleanup(consumer.close)
         return consumer
 
@@ -137,7 +137,7 @@ class JsonlTests(SynchronousTestCase):
         })
 
     def test_what_orjson_refuses_is_written_as_ascii_json(self):
-        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
+        c = JsonlConsumer(self.path, self.clock, run_io=run_inline)
         rows = [["\ud800 lone", 2 ** 70, {"1": None}]]
         c.on_facts("caches", "master", 1, rows)
         c.on_facts("caches", "master", 2, [["plain ☃"]])
@@ -149,6 +149,17 @@ class JsonlTests(SynchronousTestCase):
                 '{"stream":"caches","writer":"master","token":2,"rows":[["plain ☃"]]}\n'))
         self.assertEqual(read_lines(self.path)[0][0]["rows"], rows)
         self.assertEqual(self.open().positions(), {("caches", "master"): 2})
+
+    def test_nan_and_infinity_are_refused_not_written_as_null(self):
+        c = self.open()
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            self.assertRaises(ValueError, c.on_facts, "caches", "master", 1, [["a", bad]])
+            self.assertRaises(ValueError, c.on_facts_many, "caches", "master",
+                              [(1, [[{"x": [bad]}]])])
+        c.on_facts("caches", "master", 2, [["a", None, 0.5]])
+        c.close()
+        self.assertEqual([(line["token"], line["rows"]) for line in read_lines(self.path)[0]],
+                         [(2, [["a", None, 0.5]])])
 
     def test_nothing_is_durable_before_the_timer(self):
         c = self.open()
@@ -246,7 +257,7 @@ class JsonlTests(SynchronousTestCase):
         })
 
     def test_positions_survive_reopening(self):
-        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
+        c = JsonlConsumer(self.path, self.clock, run_io=run_inline)
         c.on_facts("caches", "master", 1, [["a"]])
         c.on_facts("caches", "master", 2, [["b"]])
         c.on_position("caches", "worker1", 9)
@@ -258,11 +269,11 @@ class JsonlTests(SynchronousTestCase):
         c.close()
         lines, _ = read_lines(self.path)
         self.assertEqual([line.get("token", line.get("position")) for line in lines], [1, 2, 9, 3])
-        reopened = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
+        reopened = JsonlConsumer(self.path, self.clock, run_io=run_inline)
         self.assertEqual(reopened.positions(), {("caches", "master"): 3, ("caches", "worker1"): 9})
 
     def test_close_is_idempotent_and_later_facts_are_dropped(self):
-        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
+        c = JsonlConsumer(self.path, self.clock, run_io=run_inline)
         c.on_facts("caches", "master", 1, [])
         c.close()
         c.close()
@@ -292,7 +303,7 @@ class JsonlTests(SynchronousTestCase):
         self.assertEqual([line["token"] for line in lines], [1, 2, 3])
 
     def test_no_warning_for_a_clean_file(self):
-        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
+        c = JsonlConsumer(self.path, self.clock, run_io=run_inline)
         c.on_facts("caches", "master", 1, [])
         c.close()
         logs = LogCapture(self)
@@ -373,7 +384,7 @@ class JsonlTests(SynchronousTestCase):
             "from twisted.internet import task\n"
             "from replicator.consumers import JsonlConsumer, run_inline\n"
             "clock = task.Clock()\n"
-            "c = JsonlConsumer(sys.argv[1], clock=clock, run_io=run_inline)\n"
+            "c = JsonlConsumer(sys.argv[1], clock, run_io=run_inline)\n"
             "for t in range(1, 51): c.on_facts('caches', 'master', t, [[t, 'x' * t]])\n"
             "clock.advance(1)\n"
             "for t in range(51, 61): c.on_facts('caches', 'master', t, [[t]])\n"
@@ -399,13 +410,13 @@ class JsonlTests(SynchronousTestCase):
         with open(self.path, "wb") as f:
             f.write(b'{"stream":"caches","writer":"master","token":1,"rows":[]}\n'
                     b'{"stream":"caches","writer":"master","rows":[]}\n')
-        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock,
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, self.clock,
                                run_io=run_inline)
         self.assertEqual(str(e), f"{self.path}: line 2 (offset 58) is not a fact or position: "
                                  f"no integer token or position")
         with open(self.path, "wb") as f:
             f.write(b"hello\n")
-        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock,
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, self.clock,
                                run_io=run_inline)
         self.assertTrue(str(e).startswith(
             f"{self.path}: line 1 (offset 0) is not a fact or position: not JSON ("), str(e))
@@ -416,7 +427,7 @@ class JsonlTests(SynchronousTestCase):
 
     def test_one_consumer_per_file(self):
         self.open()
-        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, clock=self.clock,
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, self.clock,
                                run_io=run_inline)
         self.assertEqual(str(e), f"{self.path} is in use by another consumer")
 
@@ -427,7 +438,7 @@ class JsonlTests(SynchronousTestCase):
         self.assertEqual(c.positions(), {})
 
     def test_positions_only_of_its_streams(self):
-        c = JsonlConsumer(self.path, clock=self.clock, run_io=run_inline)
+        c = JsonlConsumer(self.path, self.clock, run_io=run_inline)
         c.on_facts("caches", "master", 1, [])
         c.on_facts("events", "master", 2, [])
         c.close()
@@ -519,7 +530,7 @@ class JsonlThreadTests(TestCase):
         self.path = os.path.join(temp_dir(self), "facts.jsonl")
 
     def open(self, **kw):
-        consumer = JsonlConsumer(self.path, reactor=reactor, **kw)
+        consumer = JsonlConsumer(self.path, reactor, **kw)
         self.addCleanup(consumer.close)
         return consumer
 
@@ -590,7 +601,7 @@ class JsonlThreadTests(TestCase):
             self.assertEqual([line.get("token", line.get("position")) for line in lines],
                              [1, 2, 7])
             # The file is released: it opens again.
-            reopened = JsonlConsumer(self.path, run_io=run_inline, clock=task.Clock())
+            reopened = JsonlConsumer(self.path, task.Clock(), run_io=run_inline)
             self.assertEqual(reopened.positions(), c.positions())
             reopened.close()
         return defer.ensureDeferred(go())
@@ -805,7 +816,7 @@ class CrashProperty(SynchronousTestCase):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "facts.jsonl")
             clock = task.Clock()
-            c = JsonlConsumer(path, clock=clock, fsync=False, run_io=run_inline)
+            c = JsonlConsumer(path, clock, fsync=False, run_io=run_inline)
             last = {}  # model: per key, the last accepted token (buffered or durable)
             accepted = []  # every accepted event, in order, for the replay
             written = []  # lines flushed, in order
@@ -854,7 +865,7 @@ class CrashProperty(SynchronousTestCase):
             for line in survivors:
                 durable[(line["stream"], line["writer"])] = line.get("token", line.get("position"))
 
-            c = JsonlConsumer(path, clock=clock, fsync=False, run_io=run_inline)
+            c = JsonlConsumer(path, clock, fsync=False, run_io=run_inline)
             self.assertEqual(c.positions(), durable)
             with open(path, "rb") as f:
                 data = f.read()
@@ -868,7 +879,7 @@ class CrashProperty(SynchronousTestCase):
                 else:
                     c.on_position(event[1][0], event[1][1], event[2])
             c.close()
-            c = JsonlConsumer(path, clock=clock, fsync=False, run_io=run_inline)
+            c = JsonlConsumer(path, clock, fsync=False, run_io=run_inline)
             self.assertEqual(c.positions(), last)
             c.close()
             with open(path, "rb") as f:
@@ -905,7 +916,7 @@ class ReaderTests(TestCase):
              "writers": ["master", "worker1"]},
         ])
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        registry = StreamRegistry(db, name, streams)
+        registry = StreamRegistry(db, name, streams, reactor=reactor)
         await registry.start()
         handler = ReplicationHandler(registry, name, "hs.test", consumers=consumers)
         handler.start()
@@ -936,13 +947,13 @@ class ReaderTests(TestCase):
             caches = master_reg.get("caches")
             await caches.write_facts([[["a", None, 1], ["b", None, 1]], [], [["c", None, 3]]])
 
-            clock = task.Clock()
-            jsonl = JsonlConsumer(self.path, clock=clock, reactor=reactor)
+            # Flushed only when asked (the timer never fires in the test).
+            jsonl = JsonlConsumer(self.path, reactor, flush_interval=3600)
             _, worker, stop_worker = await self.instance("worker1", [jsonl])
             proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 3 3\n")
             await until(lambda: worker.reader_positions()[("caches", "master")] == 3)
             await until(worker.idle)
-            clock.advance(1)  # written by the file's own thread
+            jsonl.flush()  # written by the file's own thread
             await until(lambda: jsonl.positions() == {("caches", "master"): 3})
             # Two more facts arrive live; the worker dies before they are flushed.
             await caches.write_facts([[["d", None, 4]], [["e", None, 5]]])
@@ -953,7 +964,7 @@ class ReaderTests(TestCase):
             proto.connectionLost(None)
             await stop_worker()
 
-            jsonl = JsonlConsumer(self.path, clock=clock, reactor=reactor)
+            jsonl = JsonlConsumer(self.path, reactor, flush_interval=3600)
             self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
             _, worker, stop_worker = await self.instance("worker1", [jsonl])
             proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 5 5\n"

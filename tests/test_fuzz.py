@@ -7,7 +7,6 @@ Timing is not asserted here (the project's rule for ``make test``): the
 reactor-stall monitor runs and reports, but only ``make fuzz`` fails on it.
 """
 
-from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from tests.fuzz import configs, httpfuzz, lines, peers, sockets
@@ -33,12 +32,10 @@ class ProtocolLinesSlice(TestCase):
 
     timeout = 300
 
-    def test_every_line_is_dispatched_or_error_and_close(self):
-        async def go():
-            result = await lines.run_phase(SEED, 1200)
-            self.flushLoggedErrors()  # reported through the result, with the input
-            _assert_clean(self, result, 2400)
-        return defer.ensureDeferred(go())
+    async def test_every_line_is_dispatched_or_error_and_close(self):
+        result = await lines.run_phase(SEED, 1200)
+        self.flushLoggedErrors()  # reported through the result, with the input
+        _assert_clean(self, result, 2400)
 
 
 class DaemonSlice(SynchronousTestCase):

@@ -53,7 +53,7 @@ class Side:
     async def start(self):
         self.db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
         self.test.addCleanup(self.db.close)
-        self.registry = StreamRegistry(self.db, self.name, STREAMS)
+        self.registry = StreamRegistry(self.db, self.name, STREAMS, reactor=reactor)
         await self.registry.start()
         self.test.addCleanup(lambda: defer.ensureDeferred(self.registry.stop()))
         self.handler = ReplicationHandler(self.registry, self.name, "hs.test", self.consumers)

@@ -89,7 +89,7 @@ class _Base(TestCase):
     async def instance(self, name, consumers=(), **kwargs):
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, name, STREAMS)
+        registry = StreamRegistry(db, name, STREAMS, reactor=reactor)
         await registry.start()
         self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))
         handler = ReplicationHandler(registry, name, "hs.test", consumers=consumers, **kwargs)

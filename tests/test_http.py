@@ -171,7 +171,7 @@ class HttpTestCase(TestCase):
                 pass  # a database that is down on purpose
         db = Database(config.database)
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, name, config.streams)
+        registry = StreamRegistry(db, name, config.streams, reactor=reactor)
         await registry.start()
         if stop_registry:
             self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))

@@ -9,7 +9,7 @@ import sys
 import tempfile
 
 from twisted.logger import formatEvent, globalLogPublisher
-from twisted.internet import defer, reactor
+from twisted.internet import reactor
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator import files
@@ -98,19 +98,17 @@ class CreatedFileModeTests(UmaskMixin, SynchronousTestCase):
 
 
 class SqliteFileModeTests(UmaskMixin, TestCase):
-    def test_sqlite_database_and_its_wal_are_0640(self):
+    async def test_sqlite_database_and_its_wal_are_0640(self):
         self.loose_umask()
         path = os.path.join(self.tmpdir(), "state", "replicator.db")
         db = Database(parse_database({"sqlite": path}))
         self.addCleanup(db.close)
 
-        async def go():
-            await db.runOperation("CREATE TABLE t (x INTEGER)")
-            await db.runOperation("INSERT INTO t VALUES (1)")
-            self.assertEqual(mode(path), 0o640)
-            self.assertEqual(mode(path + "-wal"), 0o640)
-            self.assertEqual(mode(os.path.dirname(path)), 0o750)
-        return defer.ensureDeferred(go())
+        await db.runOperation("CREATE TABLE t (x INTEGER)")
+        await db.runOperation("INSERT INTO t VALUES (1)")
+        self.assertEqual(mode(path), 0o640)
+        self.assertEqual(mode(path + "-wal"), 0o640)
+        self.assertEqual(mode(os.path.dirname(path)), 0o750)
 
 
 class SecretFileWarningTests(UmaskMixin, SynchronousTestCase):

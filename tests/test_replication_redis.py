@@ -50,7 +50,7 @@ class Node:
 
     async def start(self):
         self.db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        self.registry = StreamRegistry(self.db, self.name, STREAMS)
+        self.registry = StreamRegistry(self.db, self.name, STREAMS, reactor=reactor)
         await self.registry.start()
         consumers = [self.consumer] if self.consumer is not None else []
         self.handler = ReplicationHandler(self.registry, self.name, "hs.test", consumers)

@@ -43,7 +43,7 @@ class Instance:
     async def start(self, consumer_keys=(), fetch_limit=1000):
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
         self.test.addCleanup(db.close)
-        self.registry = StreamRegistry(db, self.name, STREAMS)
+        self.registry = StreamRegistry(db, self.name, STREAMS, reactor=reactor)
         await self.registry.start()
         self.test.addCleanup(lambda: defer.ensureDeferred(self.registry.stop()))
         self.consumer = MemoryConsumer(positions={k: 0 for k in consumer_keys})

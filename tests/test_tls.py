@@ -11,11 +11,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from twisted.internet import defer, reactor, task
+from twisted.internet import reactor, task
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
-from replicator.config import ConfigError, parse_replication
+from replicator.config import ConfigError, parse_replication, validate_replication
 from replicator.consumers import MemoryConsumer
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.tcp import ReplicationServerFactory, upstream_service
@@ -101,10 +101,12 @@ class TlsTests(TestCase):
         self.assertEqual(str(e.exception),
                          "config: replication.client_ca: needs an ssl: listener in "
                          "replication.listen")
+        missing = parse_replication({"listen": self.listen, "client_ca": "/nonexistent/ca.pem"})
         with self.assertRaises(ConfigError) as e:
-            parse_replication({"listen": self.listen, "client_ca": "/nonexistent/ca.pem"})
+            validate_replication(missing, reactor)
         self.assertIn("config: replication.client_ca:", str(e.exception))
         config = parse_replication({"listen": self.listen, "client_ca": self.pki["ca.crt"]})
+        validate_replication(config, reactor)
         self.assertEqual(config.client_ca, self.pki["ca.crt"])
 
     def _raw_tls(self, cert=None, key=None, send=b"NAME probe\nREPLICATE\n", until=b"POSITION"):
@@ -127,143 +129,139 @@ class TlsTests(TestCase):
         except (stdlib_ssl.SSLError, OSError) as e:
             return e
 
-    def test_client_certificates_required_and_hostname_verified(self):
-        async def go():
-            from replicator.config import parse_database, parse_streams
-            from replicator.storage.database import Database
-            from replicator.streams.registry import StreamRegistry
-            from tests.servers import PostgresServer
+    async def test_client_certificates_required_and_hostname_verified(self):
+        from replicator.config import parse_database, parse_streams
+        from replicator.storage.database import Database
+        from replicator.streams.registry import StreamRegistry
+        from tests.servers import PostgresServer
 
-            dsn = PostgresServer.shared().create_database()
-            streams = parse_streams([{"name": "caches", "table": "cache_stream",
-                                      "columns": [{"f": "text"}], "writers": ["master"]}])
+        dsn = PostgresServer.shared().create_database()
+        streams = parse_streams([{"name": "caches", "table": "cache_stream",
+                                  "columns": [{"f": "text"}], "writers": ["master"]}])
 
-            async def instance(name, consumers=()):
-                db = Database(parse_database({"postgres": dsn}))
-                self.addCleanup(db.close)
-                registry = StreamRegistry(db, name, streams)
-                await registry.start()
-                self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))
-                handler = ReplicationHandler(registry, name, "localhost", consumers)
-                handler.start()
-                return registry, handler
+        async def instance(name, consumers=()):
+            db = Database(parse_database({"postgres": dsn}))
+            self.addCleanup(db.close)
+            registry = StreamRegistry(db, name, streams, reactor=reactor)
+            await registry.start()
+            self.addCleanup(registry.stop)
+            handler = ReplicationHandler(registry, name, "localhost", consumers)
+            handler.start()
+            return registry, handler
 
-            registry, master = await instance("master")
-            port = await server_endpoint(reactor, self.listen, self.pki["ca.crt"]).listen(
-                ReplicationServerFactory(master, "localhost"))
-            self.addCleanup(port.stopListening)
+        registry, master = await instance("master")
+        port = await server_endpoint(reactor, self.listen, self.pki["ca.crt"]).listen(
+            ReplicationServerFactory(master, "localhost"))
+        self.addCleanup(port.stopListening)
 
-            # A client with a certificate from our CA gets the handshake.
-            good = await deferToThread(self._raw_tls, self.pki["client.crt"],
-                                       self.pki["client.key"])
-            self.assertIsInstance(good, bytes, good)
-            self.assertTrue(good.startswith(b"SERVER localhost\n"), good)
-            self.assertIn(b"POSITION caches master 0 0", good)
-            # No certificate, or one from another CA: refused before any command.
-            for cert, key in ((None, None), (self.pki["stranger.crt"], self.pki["stranger.key"])):
-                bad = await deferToThread(self._raw_tls, cert, key)
-                self.assertFalse(isinstance(bad, bytes) and b"SERVER" in bad, bad)
+        # A client with a certificate from our CA gets the handshake.
+        good = await deferToThread(self._raw_tls, self.pki["client.crt"],
+                                   self.pki["client.key"])
+        self.assertIsInstance(good, bytes, good)
+        self.assertTrue(good.startswith(b"SERVER localhost\n"), good)
+        self.assertIn(b"POSITION caches master 0 0", good)
+        # No certificate, or one from another CA: refused before any command.
+        for cert, key in ((None, None), (self.pki["stranger.crt"], self.pki["stranger.key"])):
+            bad = await deferToThread(self._raw_tls, cert, key)
+            self.assertFalse(isinstance(bad, bytes) and b"SERVER" in bad, bad)
 
-            # Our own worker over tls: with hostname verification replicates.
-            consumer = MemoryConsumer(positions={("caches", "master"): 0})
-            _, worker = await instance("worker1", [consumer])
-            upstream = (f"tls:localhost:{self.port}:trustRoots={self.pki['trust']}"
-                        f":certificate={self.pki['client.crt']}:privateKey={self.pki['client.key']}")
-            client = upstream_service(reactor, upstream, worker, "worker1", "localhost",
-                                      initial_delay=0.05, max_delay=0.2)
-            client.startService()
-            self.addCleanup(client.stopService)
-            await registry.get("caches").write_fact([["over tls"]])
-            for _ in range(500):
-                if consumer.facts:
-                    break
-                await task.deferLater(reactor, 0.01, lambda: None)
-            self.assertEqual(consumer.facts, [("caches", "master", 1, [["over tls"]])])
-            # As an instance stops: peers told, then the upstream service
-            # stopped before it can reconnect.
-            worker.stop()
-            await client.stopService()
-            # A name the certificate does not carry is refused by the worker.
-            consumer2 = MemoryConsumer(positions={("caches", "master"): 0})
-            _, worker2 = await instance("worker2", [consumer2])
-            wrong = (f"tls:127.0.0.1:{self.port}:trustRoots={self.pki['trust']}"
-                     f":certificate={self.pki['client.crt']}:privateKey={self.pki['client.key']}")
-            client2 = upstream_service(reactor, wrong, worker2, "worker2", "localhost",
-                                       initial_delay=0.05, max_delay=0.2)
-            client2.startService()
-            self.addCleanup(client2.stopService)
-            await task.deferLater(reactor, 1.0, lambda: None)
-            # A TLS client's protocol is connected before the handshake: an
-            # attempt may be under way, but none ever heard the server.
-            self.assertEqual([c for c in worker2.connections if c.instance_name is not None], [])
-            self.assertEqual(consumer2.facts, [])
-            self.flushLoggedErrors()
-        return defer.ensureDeferred(go())
+        # Our own worker over tls: with hostname verification replicates.
+        consumer = MemoryConsumer(positions={("caches", "master"): 0})
+        _, worker = await instance("worker1", [consumer])
+        upstream = (f"tls:localhost:{self.port}:trustRoots={self.pki['trust']}"
+                    f":certificate={self.pki['client.crt']}:privateKey={self.pki['client.key']}")
+        client = upstream_service(reactor, upstream, worker, "worker1", "localhost",
+                                  initial_delay=0.05, max_delay=0.2)
+        client.startService()
+        self.addCleanup(client.stopService)
+        await registry.get("caches").write_fact([["over tls"]])
+        for _ in range(500):
+            if consumer.facts:
+                break
+            await task.deferLater(reactor, 0.01, lambda: None)
+        self.assertEqual(consumer.facts, [("caches", "master", 1, [["over tls"]])])
+        # As an instance stops: peers told, then the upstream service
+        # stopped before it can reconnect.
+        worker.stop()
+        await client.stopService()
+        # A name the certificate does not carry is refused by the worker.
+        consumer2 = MemoryConsumer(positions={("caches", "master"): 0})
+        _, worker2 = await instance("worker2", [consumer2])
+        wrong = (f"tls:127.0.0.1:{self.port}:trustRoots={self.pki['trust']}"
+                 f":certificate={self.pki['client.crt']}:privateKey={self.pki['client.key']}")
+        client2 = upstream_service(reactor, wrong, worker2, "worker2", "localhost",
+                                   initial_delay=0.05, max_delay=0.2)
+        client2.startService()
+        self.addCleanup(client2.stopService)
+        await task.deferLater(reactor, 1.0, lambda: None)
+        # A TLS client's protocol is connected before the handshake: an
+        # attempt may be under way, but none ever heard the server.
+        self.assertEqual([c for c in worker2.connections if c.instance_name is not None], [])
+        self.assertEqual(consumer2.facts, [])
+        self.flushLoggedErrors()
 
-    def test_name_is_bound_to_the_client_certificate(self):
+    async def test_name_is_bound_to_the_client_certificate(self):
         """With client_ca, a peer is the name its certificate carries: a
         certificate for worker1 cannot say NAME master or NAME worker2, and a
         certificate for worker9 cannot pose as the writer worker1 to get
         forged RDATA relayed to the readers or delivered."""
-        async def go():
-            from replicator.config import parse_database, parse_streams
-            from replicator.replication.peers import local_names, policy_from_config
-            from replicator.replication.protocol import ServerReplicationProtocol
-            from replicator.storage.database import Database
-            from replicator.streams.registry import StreamRegistry
-            from tests.servers import PostgresServer
-            from twisted.internet.testing import StringTransport
+        from replicator.config import parse_database, parse_streams
+        from replicator.replication.peers import local_names, policy_from_config
+        from replicator.replication.protocol import ServerReplicationProtocol
+        from replicator.storage.database import Database
+        from replicator.streams.registry import StreamRegistry
+        from tests.servers import PostgresServer
+        from twisted.internet.testing import StringTransport
 
-            dsn = PostgresServer.shared().create_database()
-            streams = parse_streams([{"name": "caches", "table": "cache_stream",
-                                      "columns": [{"f": "text"}],
-                                      "writers": ["master", "worker1"]}])
-            db = Database(parse_database({"postgres": dsn}))
-            self.addCleanup(db.close)
-            registry = StreamRegistry(db, "master", streams)
-            await registry.start()
-            self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))
-            consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-            master = ReplicationHandler(registry, "master", "localhost", [consumer])
-            master.start()
-            config = parse_replication({"listen": self.listen, "client_ca": self.pki["ca.crt"]})
-            policy = policy_from_config(config, local_names(master))
-            port = await server_endpoint(reactor, self.listen, self.pki["ca.crt"]).listen(
-                ReplicationServerFactory(master, "localhost", policy=policy))
-            self.addCleanup(port.stopListening)
-            # An honest reader of the master.
-            reader = ServerReplicationProtocol(master, "localhost", policy=policy,
-                                               clock=task.Clock())
-            reader_transport = StringTransport()
-            reader.makeConnection(reader_transport)
-            reader.dataReceived(b"REPLICATE\n")
-            self.addCleanup(reader.connectionLost, None)
+        dsn = PostgresServer.shared().create_database()
+        streams = parse_streams([{"name": "caches", "table": "cache_stream",
+                                  "columns": [{"f": "text"}],
+                                  "writers": ["master", "worker1"]}])
+        db = Database(parse_database({"postgres": dsn}))
+        self.addCleanup(db.close)
+        registry = StreamRegistry(db, "master", streams, reactor=reactor)
+        await registry.start()
+        self.addCleanup(registry.stop)
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        master = ReplicationHandler(registry, "master", "localhost", [consumer])
+        master.start()
+        config = parse_replication({"listen": self.listen, "client_ca": self.pki["ca.crt"]})
+        policy = policy_from_config(config, local_names(master))
+        port = await server_endpoint(reactor, self.listen, self.pki["ca.crt"]).listen(
+            ReplicationServerFactory(master, "localhost", policy=policy))
+        self.addCleanup(port.stopListening)
+        # An honest reader of the master.
+        reader = ServerReplicationProtocol(master, "localhost", policy=policy,
+                                           clock=task.Clock())
+        reader_transport = StringTransport()
+        reader.makeConnection(reader_transport)
+        reader.dataReceived(b"REPLICATE\n")
+        self.addCleanup(reader.connectionLost, None)
 
-            def exchange(who, send):
-                return deferToThread(self._raw_tls, self.pki[f"{who}.crt"],
-                                     self.pki[f"{who}.key"], send, b"\x00")
+        def exchange(who, send):
+            return deferToThread(self._raw_tls, self.pki[f"{who}.crt"],
+                                 self.pki[f"{who}.key"], send, b"\x00")
 
-            for who, name, error in (
-                    ("client", b"master", b"ERROR NAME is taken by the server\n"),
-                    ("client", b"worker2", b"ERROR NAME does not match the client certificate\n"),
-                    ("intruder", b"worker1",
-                     b"ERROR NAME does not match the client certificate\n")):
-                got = await exchange(who, b"NAME " + name + b"\nPOSITION caches worker1 0 1\n"
-                                     b'RDATA caches worker1 1 ["forged"]\n'
-                                     b"POSITION caches worker1 1 1\n")
-                self.assertIsInstance(got, bytes, repr(got))
-                self.assertTrue(got.endswith(error), (who, name, got))
-            # The names a certificate carries are accepted: CN and DNS SAN.
-            for who, name in (("client", b"worker1"), ("alias", b"worker2")):
-                got = await deferToThread(self._raw_tls, self.pki[f"{who}.crt"],
-                                          self.pki[f"{who}.key"],
-                                          b"NAME " + name + b"\nREPLICATE\n")
-                self.assertIsInstance(got, bytes, repr(got))
-                self.assertIn(b"POSITION caches master 0 0", got)
-                self.assertNotIn(b"ERROR", got)
-            await task.deferLater(reactor, 0.05, lambda: None)
-            relayed = [line for line in reader_transport.value().splitlines()
-                       if b"worker1" in line]
-            self.assertEqual(relayed, [b"POSITION caches worker1 0 0"])
-            self.assertEqual(consumer.facts, [])
-        return defer.ensureDeferred(go())
+        for who, name, error in (
+                ("client", b"master", b"ERROR NAME is taken by the server\n"),
+                ("client", b"worker2", b"ERROR NAME does not match the client certificate\n"),
+                ("intruder", b"worker1",
+                 b"ERROR NAME does not match the client certificate\n")):
+            got = await exchange(who, b"NAME " + name + b"\nPOSITION caches worker1 0 1\n"
+                                 b'RDATA caches worker1 1 ["forged"]\n'
+                                 b"POSITION caches worker1 1 1\n")
+            self.assertIsInstance(got, bytes, repr(got))
+            self.assertTrue(got.endswith(error), (who, name, got))
+        # The names a certificate carries are accepted: CN and DNS SAN.
+        for who, name in (("client", b"worker1"), ("alias", b"worker2")):
+            got = await deferToThread(self._raw_tls, self.pki[f"{who}.crt"],
+                                      self.pki[f"{who}.key"],
+                                      b"NAME " + name + b"\nREPLICATE\n")
+            self.assertIsInstance(got, bytes, repr(got))
+            self.assertIn(b"POSITION caches master 0 0", got)
+            self.assertNotIn(b"ERROR", got)
+        await task.deferLater(reactor, 0.05, lambda: None)
+        relayed = [line for line in reader_transport.value().splitlines()
+                   if b"worker1" in line]
+        self.assertEqual(relayed, [b"POSITION caches worker1 0 0"])
+        self.assertEqual(consumer.facts, [])

@@ -36,52 +36,46 @@ class TransactionQueueTests(TestCase):
             cursor.execute("INSERT INTO t VALUES (%s)", (n,))  # duplicate key: rolls back
         return n * 10
 
-    def test_each_job_commits_or_rolls_back_alone(self):
-        async def go():
-            queue = self.db.transactions
-            results = await defer.DeferredList(
-                [queue.run(self.insert, n) for n in range(40)], consumeErrors=True)
-            ok = [(n, r[1]) for n, r in enumerate(results) if r[0]]
-            failed = [n for n, r in enumerate(results) if not r[0]]
-            self.assertEqual(failed, [n for n in range(40) if n % 7 == 3])
-            self.assertEqual(ok, [(n, n * 10) for n in range(40) if n % 7 != 3])
-            self.assertEqual(self.rows(), [n for n in range(40) if n % 7 != 3])
-            self.assertEqual(queue.queued, 0)
-        return defer.ensureDeferred(go())
+    async def test_each_job_commits_or_rolls_back_alone(self):
+        queue = self.db.transactions
+        results = await defer.DeferredList(
+            [queue.run(self.insert, n) for n in range(40)], consumeErrors=True)
+        ok = [(n, r[1]) for n, r in enumerate(results) if r[0]]
+        failed = [n for n, r in enumerate(results) if not r[0]]
+        self.assertEqual(failed, [n for n in range(40) if n % 7 == 3])
+        self.assertEqual(ok, [(n, n * 10) for n in range(40) if n % 7 != 3])
+        self.assertEqual(self.rows(), [n for n in range(40) if n % 7 != 3])
+        self.assertEqual(queue.queued, 0)
 
-    def test_a_broken_connection_fails_only_its_jobs(self):
-        async def go():
-            queue = self.db.transactions
-            await queue.run(self.insert, 100)
+    async def test_a_broken_connection_fails_only_its_jobs(self):
+        queue = self.db.transactions
+        await queue.run(self.insert, 100)
 
-            def kill_own_backend(cursor, n):
-                cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        def kill_own_backend(cursor, n):
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
 
-            outcomes = await defer.DeferredList(
-                [queue.run(kill_own_backend, 0)] + [queue.run(self.insert, n) for n in (101, 102)],
-                consumeErrors=True)
-            self.assertFalse(outcomes[0][0])
-            # Jobs after the broken one either ran on a fresh connection or
-            # failed with it; none is lost silently, and the queue goes on.
-            for n in (103, 104):
-                self.assertEqual(await queue.run(self.insert, n), n * 10)
-            done = {101, 102} & set(self.rows())
-            self.assertEqual(done, {n for (ok, _), n in zip(outcomes[1:], (101, 102)) if ok})
-            self.assertTrue({100, 103, 104} <= set(self.rows()))
-            self.flushLoggedErrors()
-        return defer.ensureDeferred(go())
+        outcomes = await defer.DeferredList(
+            [queue.run(kill_own_backend, 0)] + [queue.run(self.insert, n) for n in (101, 102)],
+            consumeErrors=True)
+        self.assertFalse(outcomes[0][0])
+        # Jobs after the broken one either ran on a fresh connection or
+        # failed with it; none is lost silently, and the queue goes on.
+        for n in (103, 104):
+            self.assertEqual(await queue.run(self.insert, n), n * 10)
+        done = {101, 102} & set(self.rows())
+        self.assertEqual(done, {n for (ok, _), n in zip(outcomes[1:], (101, 102)) if ok})
+        self.assertTrue({100, 103, 104} <= set(self.rows()))
+        self.flushLoggedErrors()
 
-    def test_an_unreachable_database_fails_the_queued_jobs(self):
-        async def go():
-            server = PostgresServer()
-            self.addCleanup(server.stop)
-            db = Database(parse_database({"postgres": server.create_database(), "pool_max": 2}))
-            self.addCleanup(db.close)
-            await db.runQuery("SELECT 1")
-            server.stop()
-            outcomes = await defer.DeferredList(
-                [db.transactions.run(self.insert, n) for n in range(5)], consumeErrors=True)
-            self.assertEqual([ok for ok, _ in outcomes], [False] * 5)
-            self.assertEqual(db.transactions.queued, 0)
-            self.flushLoggedErrors()
-        return defer.ensureDeferred(go())
+    async def test_an_unreachable_database_fails_the_queued_jobs(self):
+        server = PostgresServer()
+        self.addCleanup(server.stop)
+        db = Database(parse_database({"postgres": server.create_database(), "pool_max": 2}))
+        self.addCleanup(db.close)
+        await db.runQuery("SELECT 1")
+        server.stop()
+        outcomes = await defer.DeferredList(
+            [db.transactions.run(self.insert, n) for n in range(5)], consumeErrors=True)
+        self.assertEqual([ok for ok, _ in outcomes], [False] * 5)
+        self.assertEqual(db.transactions.queued, 0)
+        self.flushLoggedErrors()

@@ -10,7 +10,10 @@ receives fan-out) and dispatches commands to the parts that do the work:
   RDATA/POSITION to every connection;
 * :mod:`.reader` — per (stream, writer) written elsewhere: exactly once, in
   order, whole facts to the consumers, gaps caught up from the table;
+* :mod:`.delivery` — a reader's facts and positions to the consumers;
 * :mod:`.relay` — on a TCP server, writer clients' facts to everyone else;
+* :mod:`.connections` — the open connections, their metrics labels, the
+  last disconnects, and writing lines to many of them;
 * :mod:`.bookkeeping` — USER_SYNC, CLEAR_USER_SYNC, FEDERATION_ACK, USER_IP.
 
 The interface the protocols use: ``new_connection``, ``lost_connection``,
@@ -19,10 +22,9 @@ command handled.  Relayed lines are the bytes received
 (``conn.current_line``), never a re-encoding.
 """
 
-from collections import deque
-from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from twisted.internet import defer, task
+from twisted.internet import task
 from twisted.logger import Logger
 
 from .. import metrics
@@ -38,6 +40,9 @@ from .commands import (
     PositionCommand,
     encode_position_line,
 )
+from .connections import Connections
+from .connections import peer_address  # noqa: F401  (status page)
+from .delivery import make_reader
 from .fanout import Fanout
 from .peers import metrics_label
 from .protocol import INVALID_COMMAND, REFUSED
@@ -47,21 +52,7 @@ from .relay import Relay
 log = Logger()
 
 Key = Tuple[str, str]
-#: Disconnects remembered for the status page.
-MAX_RECENT_DISCONNECTS = 20
 RELAYED_COMMANDS = ("REMOTE_SERVER_UP", "LOCK_RELEASED", "NEW_ACTIVE_TASK", "CANCEL_TASK")
-
-
-class _ConnState:
-    """What the handler keeps per connection."""
-
-    __slots__ = ("replicating", "label", "counters", "since")
-
-    def __init__(self, replicating: bool, label: str, since: float = 0.0):
-        self.replicating = replicating  # receives fan-out
-        self.label = label  # metrics label: the peer's NAME, "unnamed", "upstream", "redis"
-        self.counters: Dict[tuple, Any] = {}  # (direction, command) -> metric child
-        self.since = since  # when the connection was made (clock seconds)
 
 
 class ReplicationHandler:
@@ -101,10 +92,8 @@ class ReplicationHandler:
         if clock is None:  # the registry's reactor, which its streams use
             clock = registry.reactor
         self._clock = clock
-        self.connections: Dict[Any, _ConnState] = {}
-        #: The last disconnects, newest last: ``(time, peer, address, reason)``.
-        self.recent_disconnects: Deque[Tuple[float, str, Optional[str], str]] = deque(
-            maxlen=MAX_RECENT_DISCONNECTS)
+        self.connections = Connections(clock)
+        self._broadcast = self.connections.broadcast
         self.background = Background()  # fan-outs and reader pipelines running
         self.fanout = Fanout(
             self._broadcast, clock, fetch_limit=fetch_limit, max_line_length=max_line_length,
@@ -147,40 +136,9 @@ class ReplicationHandler:
             stream.id_gen.add_listener(self._make_advance_listener(stream))
 
     def _make_reader(self, stream: Stream, writer: str, position: Optional[int]) -> Reader:
-        name = stream.name
-
-        def deliver(token: int, rows: List[list]):
-            # Synchronous while every consumer is (a catch-up hands on many
-            # facts a page): a coroutine only once one returns something to wait on.
-            consumers = self._consumers_for(name)
-            for i, consumer in enumerate(consumers):
-                result = consumer.on_facts(name, writer, token, rows)
-                if result is not None:
-                    return defer.ensureDeferred(
-                        _deliver_rest(result, consumers[i + 1:], name, writer, token, rows))
-            return None
-
-        async def reached(token: int) -> None:
-            for consumer in self._consumers_for(name):
-                await _maybe_await(consumer.on_position(name, writer, token))
-
-        def advanced(token: int) -> None:
-            if writer not in stream.local_writers:
-                stream.id_gen.advance(writer, token)
-
-        batch_consumers = self._consumers_for(name)
-        deliver_many = None
-        if all(hasattr(c, "on_facts_many") for c in batch_consumers):
-            # Every consumer takes a page at once (and skips what it has,
-            # so a page handed on again after a failure is no duplicate).
-            def deliver_many(facts: List[Tuple[int, List[list]]]):
-                return _deliver_pages(batch_consumers, name, writer, facts)
-
-        return Reader(name, writer, position, source=stream.updates_since, deliver=deliver,
-                      deliver_many=deliver_many,
-                      reached=reached, advanced=advanced, clock=self._clock,
-                      fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
-                      background=self.background)
+        return make_reader(stream, writer, position, self.consumers, clock=self._clock,
+                           fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
+                           background=self.background)
 
     def _make_advance_listener(self, stream: Stream):
         def advanced(writer: str, old: int, new: int) -> None:
@@ -192,9 +150,7 @@ class ReplicationHandler:
     def new_connection(self, conn) -> None:
         client_side = conn.is_client_side
         label = getattr(conn, "metrics_name", None) or ("upstream" if client_side else "unnamed")
-        self.connections[conn] = _ConnState(replicating=client_side, label=label,
-                                            since=self._clock.seconds())
-        metrics.CONNECTIONS.labels(label).inc()
+        self.connections.add(conn, replicating=client_side, label=label)
         if client_side:
             # Nobody asks a client for its positions: announce them.
             lines = [
@@ -205,14 +161,8 @@ class ReplicationHandler:
                 conn.send_lines(lines, "POSITION")
 
     def lost_connection(self, conn, reason: str) -> None:
-        state = self.connections.pop(conn, None)
-        metrics.DISCONNECTS.labels(reason).inc()
-        if state is None:
+        if self.connections.remove(conn, reason) is None:
             return
-        peer = getattr(conn, "instance_name", None) or state.label
-        self.recent_disconnects.append(
-            (self._clock.seconds(), str(peer)[:200], peer_address(conn), str(reason)[:200]))
-        metrics.CONNECTIONS.labels(state.label).dec()
         self.bookkeeping.connection_lost(conn)
         self._refusals_logged.pop(conn, None)
         self._drop_partial(conn)
@@ -229,39 +179,26 @@ class ReplicationHandler:
         return self.relay.partial_rows(conn) + sum(
             r.partial_rows(conn) for r in self._readers.values())
 
+    @property
+    def recent_disconnects(self):
+        """The last disconnects, newest last: ``(time, peer, address, reason)``."""
+        return self.connections.recent_disconnects
+
     def conn_label(self, conn) -> str:
         """The connection's metrics label (bounded: names, not addresses)."""
-        state = self.connections.get(conn)
-        return state.label if state is not None else "unnamed"
+        return self.connections.label(conn)
 
     def on_NAME(self, conn, cmd) -> None:
-        state = self.connections.get(conn)
-        if state is None:
+        if conn not in self.connections:
             return
         self.bookkeeping.named(conn, cmd.client_name)
-        label = metrics_label(cmd.client_name, self.known_names)
-        if state.label == label:
-            return
-        metrics.CONNECTIONS.labels(state.label).dec()
-        state.label = label
-        state.counters.clear()
-        metrics.CONNECTIONS.labels(state.label).inc()
-
-    def _counter(self, conn, metric, name: str):
-        state = self.connections.get(conn)
-        if state is None:
-            return metric.labels(name, "unnamed")
-        key = (metric, name)
-        child = state.counters.get(key)
-        if child is None:
-            child = state.counters[key] = metric.labels(name, state.label)
-        return child
+        self.connections.relabel(conn, metrics_label(cmd.client_name, self.known_names))
 
     def count_inbound(self, conn, name: str) -> None:
-        self._counter(conn, metrics.COMMANDS_IN, name).inc()
+        self.connections.counter(conn, metrics.COMMANDS_IN, name).inc()
 
     def count_outbound(self, conn, name: str, n: int) -> None:
-        self._counter(conn, metrics.COMMANDS_OUT, name).inc(n)
+        self.connections.counter(conn, metrics.COMMANDS_OUT, name).inc(n)
 
     def count_dropped(self, conn, name: str, n: int) -> None:
         metrics.COMMANDS_DROPPED.labels(name, "too_long").inc(n)
@@ -270,16 +207,6 @@ class ReplicationHandler:
         stream = self.registry.find(stream_name)
         return stream is not None and instance_name in stream.config.writers \
             and instance_name not in stream.local_writers
-
-    def _broadcast(self, lines: List[bytes], name: str, exclude=None,
-                   replicating_only: bool = True) -> None:
-        for conn, state in list(self.connections.items()):
-            if conn is not exclude and (state.replicating or not replicating_only):
-                try:
-                    conn.send_lines(lines, name)
-                except Exception:
-                    # One broken connection must not hold up the others.
-                    log.failure("Sending {name} to {conn} failed", name=name, conn=conn)
 
     # ------------------------------------------------------------- fan-out
     def send_updates(self, stream_name: str, writer: str, prev: int,
@@ -438,9 +365,6 @@ class ReplicationHandler:
         return self.bookkeeping.user_ips
 
     # -------------------------------------------------------------- state
-    def _consumers_for(self, stream_name: str):
-        return [c for c in self.consumers if c.streams is None or stream_name in c.streams]
-
     def reader_positions(self) -> Dict[Key, Optional[int]]:
         return {key: r.position for key, r in self._readers.items()}
 
@@ -490,16 +414,6 @@ class ReplicationHandler:
             conn.stop(reason)
 
 
-def peer_address(conn) -> Optional[str]:
-    """``host:port`` of a connection's peer, if it has one."""
-    try:
-        peer = conn.transport.getPeer()
-    except Exception:
-        return None
-    host, port = getattr(peer, "host", None), getattr(peer, "port", None)
-    return f"{host}:{port}" if host is not None else None
-
-
 def _wire_line(conn, cmd) -> Optional[bytes]:
     """The line as received (newline included): ``conn.current_line`` while
     the command is dispatched.  Without it, the command re-encoded, or None
@@ -512,31 +426,3 @@ def _wire_line(conn, cmd) -> Optional[bytes]:
     except (UnicodeEncodeError, TypeError, ValueError):
         return None
 
-
-def _deliver_pages(consumers, name, writer, facts):
-    """A page of facts to every consumer in turn; a Deferred if one waits."""
-    for i, consumer in enumerate(consumers):
-        result = consumer.on_facts_many(name, writer, facts)
-        if result is not None:
-            return defer.ensureDeferred(_pages_rest(result, consumers[i + 1:], name, writer,
-                                                    facts))
-    return None
-
-
-async def _pages_rest(result, consumers, name, writer, facts) -> None:
-    await _maybe_await(result)
-    for consumer in consumers:
-        await _maybe_await(consumer.on_facts_many(name, writer, facts))
-
-
-async def _deliver_rest(result, consumers, name, writer, token, rows) -> None:
-    """Wait for a consumer's answer, then hand the fact to the ones after it."""
-    await _maybe_await(result)
-    for consumer in consumers:
-        await _maybe_await(consumer.on_facts(name, writer, token, rows))
-
-
-async def _maybe_await(result):
-    if isinstance(result, defer.Deferred) or hasattr(result, "__await__"):
-        return await result
-    return result
