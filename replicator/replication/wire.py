@@ -12,7 +12,9 @@ from typing import Any, Iterable, Optional, Sequence, Tuple
 
 import orjson
 
-from ..jsontext import any_non_finite, encode_json_line
+from ..jsontext import any_non_finite, encode_json_line, non_finite
+
+_dumps = orjson.dumps
 
 #: Default maximum length of one line in bytes, without the ``\n``.
 MAX_LINE_LENGTH = 16384
@@ -70,18 +72,26 @@ def encode_rdata_lines(
     The bound is checked against the longer of ``batch`` and the token, so a
     row within a few bytes of the limit may be dropped even as a batch line.
 
-    Fast path: every line built in one comprehension, and the bound checked
-    on the longest line, conservatively (with the widest difference between
-    the token's and ``batch``'s prefix added).  If a row might be dropped,
-    orjson refuses a row or a row holds ``NaN``/``Infinity`` (which orjson
-    would write as ``null``), the rows are encoded one by one instead
-    (:func:`_encode_rdata_lines_each`): the same bytes either way.
+    Fast paths, the same bytes as row by row: first all rows in one orjson
+    call (:func:`_encode_at_once`); if that cannot be used, every line built
+    in one comprehension, and the bound checked on the longest line,
+    conservatively (with the widest difference between the token's and
+    ``batch``'s prefix added).  If a row might be dropped, orjson refuses a
+    row or a row holds ``NaN``/``Infinity`` (which orjson would write as
+    ``null``), the rows are encoded one by one
+    (:func:`_encode_rdata_lines_each`).
     """
     if not isinstance(updates, (list, tuple)):
         updates = list(updates)
     if not updates:
         return EncodedLines()
     prefix = b"RDATA " + stream_name.encode() + b" " + instance_name.encode() + b" "
+    tokens, rows = zip(*updates)
+    data = _encode_at_once(prefix, tokens, rows, max_line_length)
+    if data is not None:
+        lines = EncodedLines(data.splitlines(True))
+        lines._joined = data
+        return lines
     batch_prefix = prefix + b"batch "
     dumps = orjson.dumps
     newline = orjson.OPT_APPEND_NEWLINE
@@ -104,6 +114,59 @@ def encode_rdata_lines(
     if max(map(len, lines)) + slack > max_line_length + 1:
         return _encode_rdata_lines_each(stream_name, instance_name, updates, max_line_length)
     return lines
+
+
+_ARRAYS = frozenset({list, tuple})
+
+
+def _encode_at_once(prefix: bytes, tokens: Tuple[int, ...], rows: Tuple[Any, ...],
+                    max_line_length: int) -> Optional[bytes]:
+    """The joined RDATA lines of ``rows`` from ONE orjson call, or None
+    where that does not apply (then the caller encodes row by row).
+
+    orjson writes the list of rows as ``[[r1],[r2],...]``: its inside split
+    at ``],[`` gives each row's JSON without its brackets, exactly when the
+    split yields one part per row (every boundary between two rows is one
+    ``],[``, which cannot overlap another; one more part means a row holds
+    ``],[`` itself: None).  Then one bytes ``%`` formatting writes every line
+    (prefix, token or ``batch``, ``[``, row, ``]``, newline).  None too when
+    a row is not a list or tuple, orjson refuses a row, a row holds
+    ``NaN``/``Infinity``, the prefix holds a ``\r`` (lines are split at
+    line ends afterwards), or the longest row might not fit in
+    ``max_line_length`` with the longest token.
+    """
+    if not set(map(type, rows)) <= _ARRAYS or b"\r" in prefix:
+        return None
+    try:
+        data = _dumps(rows)
+    except TypeError:
+        return None
+    n = len(rows)
+    contents = data[2:-2].split(b"],[")
+    if len(contents) != n:
+        return None
+    if b"null" in data and any(map(non_finite, rows)):
+        return None
+    widest = max(len(b"%d" % tokens[0]), len(b"%d" % tokens[-1]), len(b"batch"))
+    if len(prefix) + widest + 3 + max(map(len, contents)) > max_line_length:
+        return None
+    prefix = prefix.replace(b"%", b"%%")
+    numeric = prefix + b"%d [%s]\n"
+    if len(set(tokens)) == n:  # no batch
+        args: list = [None] * (2 * n)
+        args[0::2] = tokens
+        args[1::2] = contents
+        return numeric * n % tuple(args)
+    batch = prefix + b"batch [%s]\n"
+    formats, args = [], []
+    for token, following, content in zip(tokens, tokens[1:] + (None,), contents):
+        if token == following:
+            formats.append(batch)
+        else:
+            formats.append(numeric)
+            args.append(token)
+        args.append(content)
+    return b"".join(formats) % tuple(args)
 
 
 def _encode_rdata_lines_each(
