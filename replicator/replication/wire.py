@@ -8,7 +8,8 @@ lines are exactly those of ``RdataCommand``/``PositionCommand.to_line()``
 and ``NaN``/``Infinity`` refused (such a row is dropped and counted).
 """
 
-from typing import Any, Iterable, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Iterable, List, Optional, Tuple
 
 import orjson
 
@@ -20,22 +21,68 @@ _dumps = orjson.dumps
 MAX_LINE_LENGTH = 16384
 
 
-class EncodedLines(list):
+class EncodedLines(Sequence):
     """Wire lines (each ending in ``b"\\n"``) plus ``dropped``: how many rows
     were left out because their line would exceed the maximum length or they
     are not JSON-serializable.  The caller logs and counts those.
 
     :func:`joined` concatenates the lines once and keeps the result, so a
-    fan-out hands the same bytes object to every connection.  Invariant:
-    the list is not changed once it was joined (it is built, then only
-    read)."""
+    fan-out hands the same bytes object to every connection.  Lines encoded
+    all at once are kept only joined (:meth:`of_joined`) and split into
+    lines the first time anything reads them one by one (a paused
+    connection queueing them, a Redis publisher): a fan-out to connections
+    that are all writing never splits them.  ``len()`` is known without
+    splitting.  Appending drops the joined bytes (built, then only read)."""
 
-    __slots__ = ("dropped", "_joined")
+    __slots__ = ("dropped", "_lines", "_joined", "_count")
 
     def __init__(self, lines: Iterable[bytes] = ()) -> None:
-        super().__init__(lines)
-        self.dropped = 0
+        self._lines: Optional[List[bytes]] = list(lines)
+        self._count = len(self._lines)
         self._joined: Optional[bytes] = None
+        self.dropped = 0
+
+    @classmethod
+    def of_joined(cls, data: bytes, count: int) -> "EncodedLines":
+        """``count`` lines given joined (no ``\\r`` in them: they are split
+        at line ends when read one by one)."""
+        self = cls()
+        self._lines, self._count, self._joined = None, count, data
+        return self
+
+    def _list(self) -> List[bytes]:
+        lines = self._lines
+        if lines is None:
+            lines = self._lines = self._joined.splitlines(True)
+        return lines
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        return self._list()[index]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (EncodedLines, list)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"EncodedLines({list(self)!r}, dropped={self.dropped})"
+
+    def append(self, line: bytes) -> None:
+        self._list().append(line)
+        self._count += 1
+        self._joined = None
+
+    def extend(self, lines: Iterable[bytes]) -> None:
+        mine = self._list()
+        mine.extend(lines)
+        self._count = len(mine)
+        self._joined = None
 
 
 def joined(lines: Sequence[bytes]) -> bytes:
@@ -45,7 +92,7 @@ def joined(lines: Sequence[bytes]) -> bytes:
     if type(lines) is EncodedLines:
         data = lines._joined
         if data is None:
-            data = lines._joined = b"".join(lines)
+            data = lines._joined = b"".join(lines._list())
         return data
     if len(lines) == 1:
         return lines[0]
@@ -89,9 +136,7 @@ def encode_rdata_lines(
     tokens, rows = zip(*updates)
     data = _encode_at_once(prefix, tokens, rows, max_line_length)
     if data is not None:
-        lines = EncodedLines(data.splitlines(True))
-        lines._joined = data
-        return lines
+        return EncodedLines.of_joined(data, len(rows))
     batch_prefix = prefix + b"batch "
     dumps = orjson.dumps
     newline = orjson.OPT_APPEND_NEWLINE
