@@ -130,6 +130,64 @@ class StreamSuite:
         self.assertEqual([t for t, _ in updates], [3])
         self.assertEqual((upto, limited), (3, False))
 
+    async def test_pages_of_facts_say_what_the_table_holds(self):
+        """``facts_since`` (the catch-up's pages, whole facts) and
+        ``updates_since`` (rows) read from the table agree with what was
+        written, for every start and limit: values exactly (nested JSON,
+        64-bit integers, floats, escapes), facts whole, the same page ends."""
+        plain = {"name": "plain", "table": "plain_stream", "writers": ["master"],
+                 "columns": [{"body": "text"}, {"n": "bigint?"}, {"ok": "boolean?"}]}
+        reg = await self.registry(streams=STREAMS + [plain])
+        caches, flags = reg.get("caches"), reg.get("flags")
+        written = [
+            [["a", {"big": 2**62, "neg": -(2**63), "f": 1.5, "n": [None, True, {}]}, 2**63 - 1]],
+            [["b\"\\", ["é", "\u2028", "\x01", "\n", "😀"], -(2**63)],
+             ["b2", None, 0], ["b3", [[[]]], 7]],
+            [],
+            [["d", "a string", 1], ["d2", 12345678901234, 2]],
+            [["e", 0.1, 3]],
+            [["f1", None, 4], ["f2", None, 5], ["f3", None, 6], ["f4", None, 7]],
+            [["g", False, 8]],
+        ]
+        ids = await caches.write_facts(written)
+        facts = [(t, rows) for t, rows in zip(ids, written) if rows]
+        top = ids[-1]
+        await flags.write_facts([[["@u:hs", True, {"x": [1, 2]}], ["@v:hs", False, []]],
+                                 [["@w:hs", True, "s"]]])
+
+        def expect(facts, start, to, limit):
+            inside = [(t, rows) for t, rows in facts if start < t <= to]
+            taken, count = [], 0
+            for t, rows in inside:
+                if taken and count + len(rows) > limit:
+                    break
+                taken.append((t, rows))
+                count += len(rows)
+            limited = sum(len(rows) for _, rows in inside) > limit
+            return taken, (taken[-1][0] if limited else to), limited
+
+        for start in range(top + 1):
+            for limit in range(1, 8):
+                want = expect(facts, start, top, limit)
+                got = await caches.facts_since("master", start, top, limit)
+                self.assertEqual(got, want, (start, limit))
+                rows = await caches.updates_since("master", start, top, limit)
+                self.assertEqual(rows, ([(t, r) for t, rs in want[0] for r in rs],
+                                        want[1], want[2]), (start, limit))
+        self.assertEqual(await caches.facts_since("worker1", 0, top), ([], top, False))
+        self.assertEqual(await caches.facts_since("master", top, top), ([], top, False))
+        self.assertEqual(await flags.facts_since("master", 0, 5, 2), (
+            [(1, [["@u:hs", True, {"x": [1, 2]}], ["@v:hs", False, []]])], 1, True))
+        self.assertEqual(await flags.facts_since("master", 1, 5), (
+            [(2, [["@w:hs", True, "s"]])], 5, False))
+        # Without JSON columns (decoded another way on PostgreSQL).
+        plain_facts = [[["q\"\\\x01é😀\u2028", 2**63 - 1, True], ["", -(2**63), None]],
+                       [["x", None, False]], [["y", 0, True], ["z", 1, None], ["w", 2, False]]]
+        plain_ids = await reg.get("plain").write_facts(plain_facts)
+        for limit in (1, 2, 3, 6):
+            self.assertEqual(await reg.get("plain").facts_since("master", 0, 3, limit),
+                             expect(list(zip(plain_ids, plain_facts)), 0, 3, limit), limit)
+
     async def test_failed_write_rolls_back_and_completes(self):
         reg = await self.registry()
         caches = reg.get("caches")

@@ -33,7 +33,7 @@ from ..storage import schema
 from ..storage.database import Database
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
-from .pages import Page, PageQuery
+from .pages import FactPage, Page, PageQuery, group
 from .recent import RecentFacts
 from .rows import RowCodec
 from .writes import PreparedFacts, TxnHook, WriteTransaction
@@ -316,14 +316,34 @@ class Stream:
         answer = await self.db.runInteraction(
             self._updates_txn, writer, from_token, to_token, max(1, limit)
         )
-        self._check_foreign(writer, from_token, answer[0])
+        self._check_foreign(writer, from_token, [t for t, _ in answer[0]])
         return answer
 
-    def _check_foreign(self, writer: str, from_token: int, updates: List[Update]) -> None:
+    async def facts_since(
+        self, writer: str, from_token: int, to_token: int, limit: int = 1000
+    ) -> FactPage:
+        """:meth:`updates_since` as whole facts: ``(facts, upto_token,
+        limited)``, ``facts`` being ``(token, rows)`` in token order (a
+        reader's catch-up pages)."""
+        if to_token <= from_token:
+            return [], to_token, False
+        answer = self._recent_updates(writer, from_token, to_token, max(1, limit))
+        if answer is not None:
+            if writer in self._foreign_burst:
+                self._foreign_burst.discard(writer)
+            updates, upto, limited = answer
+            return group(updates), upto, limited
+        answer = await self.db.runInteraction(
+            self._pages.read_facts, writer, from_token, to_token, max(1, limit)
+        )
+        self._check_foreign(writer, from_token, [t for t, _ in answer[0]])
+        return answer
+
+    def _check_foreign(self, writer: str, from_token: int, tokens: List[int]) -> None:
         """Report facts of the sole (local) writer under IDs this instance
         never reserved: written behind its back (e.g. by SQL).  They are
         delivered like any other; one log line per burst, and a metric."""
-        foreign = self.recent.foreign(writer, from_token, (t for t, _ in updates))
+        foreign = self.recent.foreign(writer, from_token, tokens)
         if foreign is None:
             return
         if not foreign:
