@@ -17,7 +17,7 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from . import files
-from .config import ConfigError, load_config
+from .config import ConfigError, load_config, validate
 from .endpoint_strings import http_url
 from .logs import printable, start_logging
 
@@ -30,8 +30,12 @@ def _fail(message: str, code: int) -> NoReturn:
 
 
 def _load(path: str):
+    """The config at ``path``, parsed and validated (its files read) with
+    the process's reactor; a mistake is one line and exit 2."""
+    from twisted.internet import reactor
+
     try:
-        return load_config(path)
+        return validate(load_config(path), reactor)
     except ConfigError as e:
         _fail(str(e), 2)
 
@@ -43,10 +47,12 @@ def cmd_run(args) -> None:
     files.restrict_umask()
     config = _load(args.config)
     start_logging(config.log_level)
+    from twisted.internet import reactor
+
     from .service import Instance, StartupError
 
     try:
-        instance = Instance(config)
+        instance = Instance(config, reactor)
     except ConfigError as e:
         _fail(str(e), 2)
     except StartupError as e:

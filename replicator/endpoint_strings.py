@@ -2,18 +2,19 @@
 listener binds (the loopback warning at startup) and which URL reaches it
 (the CLI's HTTP commands).
 
-This is the one parser for them.  It follows Twisted's grammar: fields are
-separated by unescaped ``:``; ``\\:`` is a literal colon (``interface=\\:\\:1``);
-a field with ``=`` is a keyword argument, any other one positional, so
-``tcp:9092`` and ``tcp:port=9092`` name the same port.  Checking that a
-string is valid stays with Twisted (``serverFromString`` in config parsing).
+This is the one parser for them (config parsing checks endpoint strings
+with it too).  It follows Twisted's grammar: fields are separated by
+unescaped ``:``; a backslash makes the next character literal
+(``interface=\\:\\:1``); the first unescaped ``=`` of a field makes it a
+keyword argument, any other field is positional, so ``tcp:9092`` and
+``tcp:port=9092`` name the same port.  Building the endpoint (which reads
+TLS files) stays with Twisted, in :func:`replicator.config.validate` and
+where the instance listens or connects.
 """
 
 import ipaddress
-import re
 from typing import Dict, List, NamedTuple
 
-_SPLIT = re.compile(r"(?<!\\):")
 _WILDCARDS = ("", "0.0.0.0", "::")
 
 
@@ -26,16 +27,30 @@ class Endpoint(NamedTuple):
 
 
 def parse(endpoint: str) -> Endpoint:
-    """Split ``endpoint`` the way Twisted's endpoint parser does."""
-    kind, *fields = [p.replace("\\:", ":") for p in _SPLIT.split(endpoint)]
+    """Split ``endpoint`` the way Twisted's endpoint parser does; ValueError
+    if it ends in a lone backslash."""
+    fields: List[List[str]] = [[""]]
+    chars = iter(endpoint)
+    for char in chars:
+        if char == "\\":
+            escaped = next(chars, None)
+            if escaped is None:
+                raise ValueError(f"{endpoint!r} ends in a lone backslash")
+            fields[-1][-1] += escaped
+        elif char == ":":
+            fields.append([""])
+        elif char == "=" and len(fields[-1]) == 1:
+            fields[-1].append("")
+        else:
+            fields[-1][-1] += char
     args, kwargs = [], {}
     for field in fields:
-        if "=" in field:
-            key, value = field.split("=", 1)
-            kwargs[key] = value
+        if len(field) == 1:
+            args.append(field[0])
         else:
-            args.append(field)
-    return Endpoint(kind, args, kwargs)
+            kwargs[field[0]] = field[1]
+    # Twisted's type is the first positional field.
+    return Endpoint(args[0] if args else "", args[1:], kwargs)
 
 
 def _host(parsed: Endpoint) -> str:

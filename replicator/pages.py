@@ -20,7 +20,7 @@ import heapq
 import json
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .replication.commands import encode_json
+from .jsontext import encode_json
 
 #: Entries per page unless ``limit`` says otherwise, and the most it may say.
 #: The bound keeps each C-level step (the final sort of a page, its

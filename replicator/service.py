@@ -12,115 +12,28 @@ database unreachable) raises :class:`StartupError`: one line naming the key
 whose resource failed, for the CLI to print (exit 1).
 """
 
-import errno
 import gc
-import os
-import re
 from typing import List, Optional, Tuple
 
 from twisted.application.service import MultiService, Service
 from twisted.internet import defer
-from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
 from . import files, metrics, sdnotify
-from .config import InstanceConfig
+from .config import ConfigError, InstanceConfig
 from .endpoint_strings import is_loopback
 from .health import HealthMonitor
+from .listening import ListeningService
 from .replication.handler import ReplicationHandler
 from .replication.peers import local_names, policy_from_config
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
+from .startup import StartupError, fd_budget_problem, hide_password, os_reason
 from .storage.database import Database
-from .tls import server_endpoint
 from .streams.registry import StreamRegistry
 
+__all__ = ["Instance", "MetricsThread", "StartupError", "fd_budget_problem"]
+
 log = Logger()
-
-
-class StartupError(Exception):
-    """Startup failed at runtime: ``key`` names the config key whose resource
-    failed (``http.listen``, ``database.postgres``), ``problem`` says what,
-    in one line.  ``code`` is the exit code (1: not a config mistake)."""
-
-    def __init__(self, key: str, problem: str, code: int = 1):
-        problem = " ".join(str(problem).split())
-        super().__init__(f"{key}: {problem}")
-        self.key = key
-        self.problem = problem
-        self.code = code
-
-
-def _os_reason(error: BaseException) -> str:
-    """``address already in use`` for an OSError, else its one-line text."""
-    code = getattr(error, "errno", None)
-    if isinstance(code, int) and code in errno.errorcode:
-        text = os.strerror(code)
-        return text[:1].lower() + text[1:]
-    return " ".join(str(error).split()) or type(error).__name__
-
-
-def _hide_password(text: str, dsn: Optional[str]) -> str:
-    """``text`` without the password of ``dsn`` (``password=...`` or the
-    ``user:password@`` of a URI), should a driver message quote the DSN."""
-    if not dsn:
-        return text
-    secrets = re.findall(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", dsn)
-    secrets += re.findall(r"://[^:/@\s]*:([^@\s]+)@", dsn)
-    for secret in secrets:
-        for form in (secret, secret.strip("'")):
-            if form:
-                text = text.replace(form, "[redacted]")
-    return text
-
-
-class ListeningService(Service):
-    """Listens on an endpoint string while running; ``listening`` fires
-    with the port once bound, or fails with :class:`StartupError` naming
-    ``key`` (e.g. address in use)."""
-
-    def __init__(self, reactor, endpoint: str, factory, what: str, client_ca: str = None,
-                 key: str = "listen"):
-        self._reactor = reactor
-        self.key = key
-        self.endpoint = endpoint
-        self.client_ca = client_ca
-        self.factory = factory
-        self.what = what
-        self.port = None
-        self.listening: Optional[defer.Deferred] = None
-
-    def startService(self):
-        super().startService()
-        d = server_endpoint(self._reactor, self.endpoint, self.client_ca).listen(self.factory)
-
-        def bound(port):
-            self.port = port
-            host = port.getHost()
-            log.info("{what} listening on {host}:{port}", what=self.what,
-                     host=getattr(host, "host", host), port=getattr(host, "port", ""))
-            return port
-
-        def failed(f):
-            error = f.value
-            if f.check(CannotListenError):
-                error = error.socketError
-            elif not f.check(OSError):
-                return f
-            raise StartupError(self.key, f"cannot listen on {self.endpoint}: "
-                                         f"{_os_reason(error)}")
-
-        self.listening = d.addCallbacks(bound, failed)
-
-    def stopService(self):
-        super().stopService()
-        if self.port is not None:
-            port, self.port = self.port, None
-            return port.stopListening()
-        return None
-
-    @property
-    def bound_port(self) -> Optional[int]:
-        return self.port.getHost().port if self.port is not None else None
 
 
 class MetricsThread(Service):
@@ -146,7 +59,7 @@ class MetricsThread(Service):
             result = start_http_server(self.port, addr=self.host)
         except OSError as e:
             self.listening = defer.fail(StartupError(
-                self.key, f"cannot listen on {self.host_port}: {_os_reason(e)}"))
+                self.key, f"cannot listen on {self.host_port}: {os_reason(e)}"))
             return
         self.listening = defer.succeed(None)
         self._server = result[0] if isinstance(result, tuple) else None
@@ -162,45 +75,22 @@ class MetricsThread(Service):
             self._server = None
 
 
-#: File descriptors an instance needs besides its connections: database
-#: pool, log and consumer files, listeners, Redis, the metrics thread.
-FD_RESERVE = 64
-
-
-def fd_budget_problem(config: InstanceConfig, soft_limit: int) -> Optional[str]:
-    """Why the connection caps do not fit the process's file-descriptor
-    limit (``RLIMIT_NOFILE`` soft limit), or None.  Past the limit, new
-    sockets and files fail: /health, writes and the database with them."""
-    if soft_limit < 0:  # RLIM_INFINITY
-        return None
-    needed = FD_RESERVE + config.database.pool_max
-    keys = []
-    if config.replication.listen:
-        needed += config.replication.max_connections
-        keys.append("replication.max_connections")
-    if config.http.listen:
-        needed += config.http.max_connections
-        keys.append("http.max_connections")
-    if needed <= soft_limit or not keys:
-        return None
-    return (f"{' + '.join(keys)} and {FD_RESERVE + config.database.pool_max} descriptors "
-            f"for the rest need {needed} file descriptors, over the process limit of "
-            f"{soft_limit} (ulimit -n, LimitNOFILE=): lower the caps or raise the limit")
-
-
 class Instance:
     """A replicator instance: everything ``replicator run`` starts."""
 
-    def __init__(self, config: InstanceConfig, reactor=None):
-        if reactor is None:
-            from twisted.internet import reactor
+    def __init__(self, config: InstanceConfig, reactor):
+        """``config`` parsed and validated (:func:`replicator.config.validate`
+        reads the secret file); every endpoint, timer and thread hop of the
+        instance uses ``reactor``."""
+        if config.http.secret_file is not None and config.http.secret is None:
+            raise ConfigError("http.secret_file", "not read yet: validate() the config first")
         self.reactor = reactor
         self.config = config
         try:
             self.db = Database(config.database)
         except OSError as e:  # the SQLite file's directory
             raise StartupError(f"database.{config.database.engine}",
-                               f"cannot create {config.database.path}: {_os_reason(e)}") from None
+                               f"cannot create {config.database.path}: {os_reason(e)}") from None
         self.registry = StreamRegistry(self.db, config.instance_name, config.streams,
                                        reactor=reactor)
         self.consumers = self._load_consumers()
@@ -348,7 +238,7 @@ class Instance:
             await self.db.runQuery("SELECT 1")
         except Exception as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise StartupError(key, "cannot connect: " + _hide_password(first, db.dsn)) from None
+            raise StartupError(key, "cannot connect: " + hide_password(first, db.dsn)) from None
 
     def _warn_fd_budget(self) -> None:
         import resource

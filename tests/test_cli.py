@@ -345,7 +345,9 @@ class ExampleConfigTests(SynchronousTestCase):
     """The shipped examples stay valid (secret files pointed at a temp file)."""
 
     def test_examples_parse(self):
-        from replicator.config import load_config
+        from twisted.internet import reactor
+
+        from replicator.config import load_config, validate
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         tmp = tempfile.mkdtemp()
@@ -360,7 +362,8 @@ class ExampleConfigTests(SynchronousTestCase):
             path = os.path.join(tmp, name)
             with open(path, "w") as f:
                 yaml.safe_dump(doc, f)
-            config = load_config(path)
+            config = validate(load_config(path), reactor)
+            self.assertEqual(config.http.secret, "example-secret-0123456789")
             names[name] = (config.instance_name, [s.name for s in config.streams])
         self.assertEqual(names["dev.yaml"], ("master", ["caches", "account_data", "presence"]))
         self.assertEqual(names["master.yaml"], ("master", ["caches", "account_data"]))

@@ -27,6 +27,7 @@ from replicator.replication.commands import (
     ServerCommand,
     UserIpCommand,
     UserSyncCommand,
+    encode_json,
     encode_position_line,
     _encode_rdata_lines_each,
     encode_rdata_lines,
@@ -504,3 +505,29 @@ class EncodeFastPathTests(SynchronousTestCase):
     def test_accepts_an_iterator(self):
         lines = encode_rdata_lines("s", "w", iter([(1, ["a"]), (1, ["b"])]))
         self.assertEqual(list(lines), [b'RDATA s w batch ["a"]\n', b'RDATA s w 1 ["b"]\n'])
+
+
+class NonFiniteTests(SynchronousTestCase):
+    """NaN and the infinities are refused on encoding, as on decoding:
+    orjson alone would write them as ``null``, a different value."""
+
+    VALUES = [float("nan"), float("inf"), float("-inf")]
+
+    def test_encode_json_refuses_them_anywhere(self):
+        for bad in self.VALUES:
+            for value in (bad, [1, bad], {"a": [None, {"b": bad}]}, [2**70, bad], ("t", bad)):
+                self.assertRaises(ValueError, encode_json, value)
+        self.assertEqual(encode_json([None, 1.5, {"a": None}]), b'[null,1.5,{"a":null}]')
+
+    def test_command_lines_refuse_them(self):
+        for bad in self.VALUES:
+            self.assertRaises(ValueError, RdataCommand("s", "w", 1, [None, bad]).to_line)
+
+    def test_rdata_rows_holding_them_are_dropped(self):
+        updates = [(1, ["a", None]), (1, [float("nan")]), (2, [{"x": float("inf")}]),
+                   (3, [None, 0.5])]
+        for encode in (encode_rdata_lines, _encode_rdata_lines_each):
+            lines = encode("s", "w", updates)
+            self.assertEqual(list(lines), [b'RDATA s w 1 ["a",null]\n',
+                                           b'RDATA s w 3 [null,0.5]\n'])
+            self.assertEqual(lines.dropped, 2)

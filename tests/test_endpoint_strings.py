@@ -4,10 +4,12 @@ keyword forms Twisted accepts."""
 
 from types import SimpleNamespace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator import cli
+from replicator import cli, endpoint_strings
 from replicator.service import Instance
 
 
@@ -55,3 +57,25 @@ class LoopbackWarningTests(SynchronousTestCase):
         for endpoint in ("tcp:9092", "tcp:9092:interface=0.0.0.0", r"tcp6:9092:interface=\:\:",
                          "tcp:9092:interface=192.0.2.1"):
             self.assertEqual(len(self.warnings_for(endpoint)), 1, endpoint)
+
+
+class ParseAgreesWithTwistedTests(SynchronousTestCase):
+    """``parse`` splits a string exactly as Twisted's own parser does, so the
+    address checked at startup is the one Twisted binds."""
+
+    @settings(max_examples=500, deadline=None)
+    @given(st.text(alphabet="tcp6:=\\ab1.", min_size=1, max_size=30))
+    def test_same_fields_as_twisted(self, text):
+        from twisted.internet.endpoints import _parse
+
+        try:
+            args, kwargs = _parse(text)
+        except RuntimeError:  # a trailing lone backslash
+            self.assertRaises(ValueError, endpoint_strings.parse, text)
+            return
+        parsed = endpoint_strings.parse(text)
+        self.assertEqual(parsed, (args[0] if args else "", args[1:], kwargs))
+
+    def test_escaped_equals_and_backslash(self):
+        self.assertEqual(endpoint_strings.parse(r"unix:/run/a\=b\\c:mode=660"),
+                         ("unix", ["/run/a=b\\c"], {"mode": "660"}))

@@ -28,18 +28,20 @@ class ReadFailed(Exception):
 
 
 def updates_since(table, from_token, to_token, limit):
-    """What ``Stream.updates_since`` answers: rows of ``(from, to]`` in token
+    """What ``Stream.facts_since`` answers: facts of ``(from, to]`` in token
     order, at most ``limit`` rows unless one fact alone has more, facts whole."""
-    updates = []
+    facts = []
+    count = 0
     upto = to_token
     limited = False
     for token in sorted(t for t in table if from_token < t <= to_token):
         rows = table[token]
-        if updates and len(updates) + len(rows) > limit:
-            upto, limited = updates[-1][0], True
+        if facts and count + len(rows) > limit:
+            upto, limited = facts[-1][0], True
             break
-        updates.extend((token, list(row)) for row in rows)
-    return updates, upto, limited
+        facts.append((token, [list(row) for row in rows]))
+        count += len(rows)
+    return facts, upto, limited
 
 
 class Conn:
@@ -377,7 +379,7 @@ class ReaderTests(SynchronousTestCase):
         self.assertFalse(reader.idle())
         reader.stop()
         self.assertFalse(reader.idle())
-        pending[0].callback(([(3, ["c", 3])], 5, False))
+        pending[0].callback(([(3, [["c", 3]])], 5, False))
         self.assertTrue(reader.idle())
         self.assertEqual(reader.position, 0)  # nothing handed on after stop
 

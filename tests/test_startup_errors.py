@@ -226,6 +226,15 @@ class InstanceStartFailureTests(TestCase):
         with socket.socket() as again:
             again.bind(("127.0.0.1", replication_port))
 
+    async def test_endpoint_that_cannot_listen(self):
+        """An endpoint string that parses and validates but names a socket in
+        a directory that does not exist."""
+        path = os.path.join(tempfile.mkdtemp(), "missing", "replication.sock")
+        instance = self.instance(replication={"listen": f"unix:{path}"})
+        await self.assert_start_fails(
+            instance, f"replication.listen: cannot listen on unix:{path}: "
+                      "no such file or directory")
+
     async def test_database_unreachable(self):
         port = free_port()
         instance = Instance(parse_instance(base(database={

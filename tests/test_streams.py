@@ -74,183 +74,225 @@ class StreamSuite:
     async def registry(self, instance="master", streams=STREAMS, config=None):
         db = Database(config or self.db_config)
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, instance, parse_streams(streams))
+        registry = StreamRegistry(db, instance, parse_streams(streams), reactor=reactor)
         await registry.start()
-        self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))
+        self.addCleanup(registry.stop)
         return registry
 
     def setUp(self):
         self.db_config = self.database_config()
 
-    def test_write_and_read(self):
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
+    async def test_write_and_read(self):
+        reg = await self.registry()
+        caches = reg.get("caches")
+        async with caches.writer() as fact:
+            fact.add_row(["get_user", ["@a:hs"], 1000])
+        self.assertEqual(fact.stream_id, 1)
+        ids = await caches.write_facts([
+            [["f", None, 1], ["g", {"k": [1, "x y"]}, 2]],
+            [],                       # a fact with no rows
+            [["h", ["é", "\n"], 3]],
+        ])
+        self.assertEqual(ids, [2, 3, 4])
+        self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 4)
+        updates, upto, limited = await caches.updates_since("master", 0, 4)
+        self.assertEqual(updates, [
+            (1, ["get_user", ["@a:hs"], 1000]),
+            (2, ["f", None, 1]), (2, ["g", {"k": [1, "x y"]}, 2]),
+            (4, ["h", ["é", "\n"], 3]),
+        ])
+        self.assertEqual((upto, limited), (4, False))
+        self.assertEqual(await caches.updates_since("worker1", 0, 4), ([], 4, False))
+        self.assertEqual(await caches.updates_since("master", 4, 4), ([], 4, False))
+
+        flags = reg.get("flags")
+        await flags.write_fact([["@u:hs", True, {"a": None}], ["@v:hs", False, []]])
+        updates, _, _ = await flags.updates_since("master", 0, 10)
+        self.assertEqual(updates, [(1, ["@u:hs", True, {"a": None}]),
+                                   (1, ["@v:hs", False, []])])
+
+    async def test_limit_never_splits_a_fact(self):
+        reg = await self.registry()
+        caches = reg.get("caches")
+        await caches.write_facts([
+            [["a", None, 1]],
+            [["b", None, 1], ["b", None, 2], ["b", None, 3]],
+            [["c", None, 1]],
+        ])
+        updates, upto, limited = await caches.updates_since("master", 0, 3, limit=2)
+        self.assertEqual([t for t, _ in updates], [1])
+        self.assertEqual((upto, limited), (1, True))
+        # A fact bigger than the limit comes whole.
+        updates, upto, limited = await caches.updates_since("master", 1, 3, limit=2)
+        self.assertEqual([t for t, _ in updates], [2, 2, 2])
+        self.assertEqual((upto, limited), (2, True))
+        updates, upto, limited = await caches.updates_since("master", 2, 3, limit=2)
+        self.assertEqual([t for t, _ in updates], [3])
+        self.assertEqual((upto, limited), (3, False))
+
+    async def test_pages_of_facts_say_what_the_table_holds(self):
+        """``facts_since`` (the catch-up's pages, whole facts) and
+        ``updates_since`` (rows) read from the table agree with what was
+        written, for every start and limit: values exactly (nested JSON,
+        64-bit integers, floats, escapes), facts whole, the same page ends."""
+        plain = {"name": "plain", "table": "plain_stream", "writers": ["master"],
+                 "columns": [{"body": "text"}, {"n": "bigint?"}, {"ok": "boolean?"}]}
+        reg = await self.registry(streams=STREAMS + [plain])
+        caches, flags = reg.get("caches"), reg.get("flags")
+        written = [
+            [["a", {"big": 2**62, "neg": -(2**63), "f": 1.5, "n": [None, True, {}]}, 2**63 - 1]],
+            [["b\"\\", ["é", "\u2028", "\x01", "\n", "😀"], -(2**63)],
+             ["b2", None, 0], ["b3", [[[]]], 7]],
+            [],
+            [["d", "a string", 1], ["d2", 12345678901234, 2]],
+            [["e", 0.1, 3]],
+            [["f1", None, 4], ["f2", None, 5], ["f3", None, 6], ["f4", None, 7]],
+            [["g", False, 8]],
+        ]
+        ids = await caches.write_facts(written)
+        facts = [(t, rows) for t, rows in zip(ids, written) if rows]
+        top = ids[-1]
+        await flags.write_facts([[["@u:hs", True, {"x": [1, 2]}], ["@v:hs", False, []]],
+                                 [["@w:hs", True, "s"]]])
+
+        def expect(facts, start, to, limit):
+            inside = [(t, rows) for t, rows in facts if start < t <= to]
+            taken, count = [], 0
+            for t, rows in inside:
+                if taken and count + len(rows) > limit:
+                    break
+                taken.append((t, rows))
+                count += len(rows)
+            limited = sum(len(rows) for _, rows in inside) > limit
+            return taken, (taken[-1][0] if limited else to), limited
+
+        for start in range(top + 1):
+            for limit in range(1, 8):
+                want = expect(facts, start, top, limit)
+                got = await caches.facts_since("master", start, top, limit)
+                self.assertEqual(got, want, (start, limit))
+                rows = await caches.updates_since("master", start, top, limit)
+                self.assertEqual(rows, ([(t, r) for t, rs in want[0] for r in rs],
+                                        want[1], want[2]), (start, limit))
+        self.assertEqual(await caches.facts_since("worker1", 0, top), ([], top, False))
+        self.assertEqual(await caches.facts_since("master", top, top), ([], top, False))
+        self.assertEqual(await flags.facts_since("master", 0, 5, 2), (
+            [(1, [["@u:hs", True, {"x": [1, 2]}], ["@v:hs", False, []]])], 1, True))
+        self.assertEqual(await flags.facts_since("master", 1, 5), (
+            [(2, [["@w:hs", True, "s"]])], 5, False))
+        # Without JSON columns (decoded another way on PostgreSQL).
+        plain_facts = [[["q\"\\\x01é😀\u2028", 2**63 - 1, True], ["", -(2**63), None]],
+                       [["x", None, False]], [["y", 0, True], ["z", 1, None], ["w", 2, False]]]
+        plain_ids = await reg.get("plain").write_facts(plain_facts)
+        for limit in (1, 2, 3, 6):
+            self.assertEqual(await reg.get("plain").facts_since("master", 0, 3, limit),
+                             expect(list(zip(plain_ids, plain_facts)), 0, 3, limit), limit)
+
+    async def test_failed_write_rolls_back_and_completes(self):
+        reg = await self.registry()
+        caches = reg.get("caches")
+        await caches.write_fact([["a", None, 1]])
+
+        def boom(txn, stream_id):
+            raise RuntimeError("application failure")
+
+        with self.assertRaises(RuntimeError):
             async with caches.writer() as fact:
-                fact.add_row(["get_user", ["@a:hs"], 1000])
-            self.assertEqual(fact.stream_id, 1)
-            ids = await caches.write_facts([
-                [["f", None, 1], ["g", {"k": [1, "x y"]}, 2]],
-                [],                       # a fact with no rows
-                [["h", ["é", "\n"], 3]],
-            ])
-            self.assertEqual(ids, [2, 3, 4])
-            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 4)
-            updates, upto, limited = await caches.updates_since("master", 0, 4)
-            self.assertEqual(updates, [
-                (1, ["get_user", ["@a:hs"], 1000]),
-                (2, ["f", None, 1]), (2, ["g", {"k": [1, "x y"]}, 2]),
-                (4, ["h", ["é", "\n"], 3]),
-            ])
-            self.assertEqual((upto, limited), (4, False))
-            self.assertEqual(await caches.updates_since("worker1", 0, 4), ([], 4, False))
-            self.assertEqual(await caches.updates_since("master", 4, 4), ([], 4, False))
+                fact.add_row(["lost", None, 1])
+                fact.also(boom)
+        await caches.write_fact([["c", None, 3]])
+        self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 3)
+        self.assertEqual(caches.id_gen.in_flight(), 0)
+        updates, _, _ = await caches.updates_since("master", 0, 3)
+        self.assertEqual(updates, [(1, ["a", None, 1]), (3, ["c", None, 3])])
+        # An exception in the block itself reserves nothing.
+        with self.assertRaises(KeyError):
+            async with caches.writer() as fact:
+                fact.add_row(["never", None, 1])
+                raise KeyError("x")
+        self.assertEqual(await caches.write_fact([]), 4)
 
-            flags = reg.get("flags")
-            await flags.write_fact([["@u:hs", True, {"a": None}], ["@v:hs", False, []]])
-            updates, _, _ = await flags.updates_since("master", 0, 10)
-            self.assertEqual(updates, [(1, ["@u:hs", True, {"a": None}]),
-                                       (1, ["@v:hs", False, []])])
-        return defer.ensureDeferred(go())
+    async def test_sequence_value_is_the_last_id_handed_out(self):
+        reg = await self.registry()
+        caches = reg.get("caches")
+        self.assertEqual(await caches.sequence_value(), 0)
+        await caches.write_facts([[["a", None, 1]], []])
 
-    def test_limit_never_splits_a_fact(self):
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
-            await caches.write_facts([
-                [["a", None, 1]],
-                [["b", None, 1], ["b", None, 2], ["b", None, 3]],
-                [["c", None, 1]],
-            ])
-            updates, upto, limited = await caches.updates_since("master", 0, 3, limit=2)
-            self.assertEqual([t for t, _ in updates], [1])
-            self.assertEqual((upto, limited), (1, True))
-            # A fact bigger than the limit comes whole.
-            updates, upto, limited = await caches.updates_since("master", 1, 3, limit=2)
-            self.assertEqual([t for t, _ in updates], [2, 2, 2])
-            self.assertEqual((upto, limited), (2, True))
-            updates, upto, limited = await caches.updates_since("master", 2, 3, limit=2)
-            self.assertEqual([t for t, _ in updates], [3])
-            self.assertEqual((upto, limited), (3, False))
-        return defer.ensureDeferred(go())
+        def boom(txn, stream_id):
+            raise RuntimeError("application failure")
 
-    def test_failed_write_rolls_back_and_completes(self):
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
-            await caches.write_fact([["a", None, 1]])
+        with self.assertRaises(RuntimeError):
+            async with caches.writer() as fact:
+                fact.add_row(["lost", None, 1])
+                fact.also(boom)
+        # A rolled-back ID was handed out all the same.
+        self.assertEqual(await caches.sequence_value(), 3)
+        self.assertEqual(await reg.get("flags").sequence_value(), 0)
 
-            def boom(txn, stream_id):
-                raise RuntimeError("application failure")
+    async def test_bad_rows_are_refused_before_reserving(self):
+        reg = await self.registry()
+        caches = reg.get("caches")
+        for bad in (["a", None], ["a", None, "x"], [None, None, 1], ["a", None, True], "row"):
+            with self.assertRaises(RowError):
+                await caches.write_fact([bad])
+        with self.assertRaises(ValueError):
+            await caches.write_fact([["a", None, 1]], writer="worker1")
+        self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 0)
+        self.assertEqual(await caches.write_fact([["a", None, 1]]), 1)
 
-            with self.assertRaises(RuntimeError):
-                async with caches.writer() as fact:
-                    fact.add_row(["lost", None, 1])
-                    fact.also(boom)
-            await caches.write_fact([["c", None, 3]])
-            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 3)
-            self.assertEqual(caches.id_gen.in_flight(), 0)
-            updates, _, _ = await caches.updates_since("master", 0, 3)
-            self.assertEqual(updates, [(1, ["a", None, 1]), (3, ["c", None, 3])])
-            # An exception in the block itself reserves nothing.
-            with self.assertRaises(KeyError):
-                async with caches.writer() as fact:
-                    fact.add_row(["never", None, 1])
-                    raise KeyError("x")
-            self.assertEqual(await caches.write_fact([]), 4)
-        return defer.ensureDeferred(go())
+    async def test_restart_recovers_positions(self):
+        reg = await self.registry()
+        caches = reg.get("caches")
+        for i in range(5):
+            await caches.write_fact([["a", None, i]] * (i % 3))
+        await reg.stop()
+        reg2 = await self.registry()
+        again = reg2.get("caches")
+        self.assertEqual(again.id_gen.get_current_token(again.instance_name), 5)
+        self.assertEqual(again.id_gen.in_flight(), 0)
+        self.assertEqual(await again.write_fact([["b", None, 9]]), 6)
+        await again.flush_positions()
+        persisted = self.raw_rows(
+            "SELECT instance_name, stream_id FROM stream_positions "
+            "WHERE stream_name = 'caches'")
+        self.assertEqual(dict(persisted)["master"], 6)
 
-    def test_sequence_value_is_the_last_id_handed_out(self):
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
-            self.assertEqual(await caches.sequence_value(), 0)
-            await caches.write_facts([[["a", None, 1]], []])
+    async def test_positions_persist_in_the_writing_transaction(self):
+        reg = await self.registry()
+        caches = reg.get("caches")
+        await caches.write_fact([["a", None, 1]])
+        await caches.write_fact([["b", None, 1]])
 
-            def boom(txn, stream_id):
-                raise RuntimeError("application failure")
-
-            with self.assertRaises(RuntimeError):
-                async with caches.writer() as fact:
-                    fact.add_row(["lost", None, 1])
-                    fact.also(boom)
-            # A rolled-back ID was handed out all the same.
-            self.assertEqual(await caches.sequence_value(), 3)
-            self.assertEqual(await reg.get("flags").sequence_value(), 0)
-        return defer.ensureDeferred(go())
-
-    def test_bad_rows_are_refused_before_reserving(self):
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
-            for bad in (["a", None], ["a", None, "x"], [None, None, 1], ["a", None, True], "row"):
-                with self.assertRaises(RowError):
-                    await caches.write_fact([bad])
-            with self.assertRaises(ValueError):
-                await caches.write_fact([["a", None, 1]], writer="worker1")
-            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 0)
-            self.assertEqual(await caches.write_fact([["a", None, 1]]), 1)
-        return defer.ensureDeferred(go())
-
-    def test_restart_recovers_positions(self):
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
-            for i in range(5):
-                await caches.write_fact([["a", None, i]] * (i % 3))
-            await reg.stop()
-            reg2 = await self.registry()
-            again = reg2.get("caches")
-            self.assertEqual(again.id_gen.get_current_token(again.instance_name), 5)
-            self.assertEqual(again.id_gen.in_flight(), 0)
-            self.assertEqual(await again.write_fact([["b", None, 9]]), 6)
-            await again.flush_positions()
-            persisted = self.raw_rows(
+        def persisted():
+            return dict((r[0], r[1]) for r in self.raw_rows(
                 "SELECT instance_name, stream_id FROM stream_positions "
-                "WHERE stream_name = 'caches'")
-            self.assertEqual(dict(persisted)["master"], 6)
-        return defer.ensureDeferred(go())
+                "WHERE stream_name = 'caches'"))["master"]
 
-    def test_positions_persist_in_the_writing_transaction(self):
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
-            await caches.write_fact([["a", None, 1]])
-            await caches.write_fact([["b", None, 1]])
+        # Written with the fact: a lower bound, never past the current token.
+        self.assertIn(persisted(), (1, 2))
+        await caches.flush_positions()
+        self.assertEqual(persisted(), 2)
 
-            def persisted():
-                return dict((r[0], r[1]) for r in self.raw_rows(
-                    "SELECT instance_name, stream_id FROM stream_positions "
-                    "WHERE stream_name = 'caches'"))["master"]
-
-            # Written with the fact: a lower bound, never past the current token.
-            self.assertIn(persisted(), (1, 2))
-            await caches.flush_positions()
-            self.assertEqual(persisted(), 2)
-        return defer.ensureDeferred(go())
-
-    def test_config_errors_name_the_key(self):
-        async def go():
-            with self.assertRaises(ConfigError) as e:
-                parse_streams(STREAMS + [dict(STREAMS[0], table="other")])
-            self.assertEqual(str(e.exception),
-                             "config: streams[2].name: duplicate stream 'caches' (also streams[0])")
-            with self.assertRaises(ConfigError) as e:
-                parse_streams([dict(STREAMS[1], writers=[])])
-            self.assertEqual(str(e.exception),
-                             "config: streams[0].writers: a stream needs at least one writer")
-            with self.assertRaises(ConfigError) as e:
-                parse_streams([dict(STREAMS[0], columns=[{"a": "float"}])])
-            self.assertIn("streams[0].columns[0].a: unknown type 'float'", str(e.exception))
-            await self.registry()  # creates the tables
-            bad = [dict(STREAMS[0], create=False,
-                        columns=STREAMS[0]["columns"] + [{"missing": "text"}])]
-            with self.assertRaises(ConfigError) as e:
-                await self.registry(streams=bad)
-            self.assertEqual(
-                str(e.exception),
-                "config: streams[0].columns[3]: unknown column 'missing' in table 'cache_stream'")
-        return defer.ensureDeferred(go())
+    async def test_config_errors_name_the_key(self):
+        with self.assertRaises(ConfigError) as e:
+            parse_streams(STREAMS + [dict(STREAMS[0], table="other")])
+        self.assertEqual(str(e.exception),
+                         "config: streams[2].name: duplicate stream 'caches' (also streams[0])")
+        with self.assertRaises(ConfigError) as e:
+            parse_streams([dict(STREAMS[1], writers=[])])
+        self.assertEqual(str(e.exception),
+                         "config: streams[0].writers: a stream needs at least one writer")
+        with self.assertRaises(ConfigError) as e:
+            parse_streams([dict(STREAMS[0], columns=[{"a": "float"}])])
+        self.assertIn("streams[0].columns[0].a: unknown type 'float'", str(e.exception))
+        await self.registry()  # creates the tables
+        bad = [dict(STREAMS[0], create=False,
+                    columns=STREAMS[0]["columns"] + [{"missing": "text"}])]
+        with self.assertRaises(ConfigError) as e:
+            await self.registry(streams=bad)
+        self.assertEqual(
+            str(e.exception),
+            "config: streams[0].columns[3]: unknown column 'missing' in table 'cache_stream'")
 
 
     # ------------------------------------------------------- group commit
@@ -279,84 +321,78 @@ class StreamSuite:
         return (sample("replicator_write_group_size_count"),
                 sample("replicator_write_group_size_sum"))
 
-    def test_waiting_writes_go_together_into_the_next_transaction(self):
-        async def go():
-            reg = await self.registry(config=self.one_connection_config(256))
-            caches = reg.get("caches")
-            count0, sum0 = self.group_sizes()
-            one0 = self.group_sizes(le="1.0")
-            first, release = await self.held_write(caches)
-            waiting = [defer.ensureDeferred(caches.write_fact([[f"w{i}", None, i]]))
-                       for i in range(9)]
-            release()
-            self.assertEqual(await first, [1])
-            self.assertEqual(await defer.gatherResults(waiting), list(range(2, 11)))
-            # One transaction for the held write, one for the nine.
-            self.assertEqual(self.group_sizes(), (count0 + 2, sum0 + 10))
-            self.assertEqual(self.group_sizes(le="1.0"), one0 + 1)
-            self.assertEqual(caches.id_gen.get_current_token("master"), 10)
-            updates, _, _ = await caches.updates_since("master", 0, 10)
-            self.assertEqual(updates, [(1, ["held", None, 0])]
-                             + [(i + 2, [f"w{i}", None, i]) for i in range(9)])
-        return defer.ensureDeferred(go())
+    async def test_waiting_writes_go_together_into_the_next_transaction(self):
+        reg = await self.registry(config=self.one_connection_config(256))
+        caches = reg.get("caches")
+        count0, sum0 = self.group_sizes()
+        one0 = self.group_sizes(le="1.0")
+        first, release = await self.held_write(caches)
+        waiting = [defer.ensureDeferred(caches.write_fact([[f"w{i}", None, i]]))
+                   for i in range(9)]
+        release()
+        self.assertEqual(await first, [1])
+        self.assertEqual(await defer.gatherResults(waiting), list(range(2, 11)))
+        # One transaction for the held write, one for the nine.
+        self.assertEqual(self.group_sizes(), (count0 + 2, sum0 + 10))
+        self.assertEqual(self.group_sizes(le="1.0"), one0 + 1)
+        self.assertEqual(caches.id_gen.get_current_token("master"), 10)
+        updates, _, _ = await caches.updates_since("master", 0, 10)
+        self.assertEqual(updates, [(1, ["held", None, 0])]
+                         + [(i + 2, [f"w{i}", None, i]) for i in range(9)])
 
-    def test_group_size_is_bounded(self):
-        async def go():
-            reg = await self.registry(config=self.one_connection_config(4))
-            caches = reg.get("caches")
-            count0, sum0 = self.group_sizes()
-            two0, four0 = self.group_sizes(le="2.0"), self.group_sizes(le="4.0")
-            first, release = await self.held_write(caches)
-            waiting = [defer.ensureDeferred(caches.write_fact([[f"w{i}", None, i]]))
-                       for i in range(10)]
-            release()
-            await first
-            self.assertEqual(await defer.gatherResults(waiting), list(range(2, 12)))
-            # 1 (held), then 4, 4, 2: never more than write_group_max.
-            self.assertEqual(self.group_sizes(), (count0 + 4, sum0 + 11))
-            self.assertEqual(self.group_sizes(le="4.0"), four0 + 4)
-            self.assertEqual(self.group_sizes(le="2.0"), two0 + 2)
-            self.assertEqual(caches.id_gen.in_flight(), 0)
-        return defer.ensureDeferred(go())
+    async def test_group_size_is_bounded(self):
+        reg = await self.registry(config=self.one_connection_config(4))
+        caches = reg.get("caches")
+        count0, sum0 = self.group_sizes()
+        two0, four0 = self.group_sizes(le="2.0"), self.group_sizes(le="4.0")
+        first, release = await self.held_write(caches)
+        waiting = [defer.ensureDeferred(caches.write_fact([[f"w{i}", None, i]]))
+                   for i in range(10)]
+        release()
+        await first
+        self.assertEqual(await defer.gatherResults(waiting), list(range(2, 12)))
+        # 1 (held), then 4, 4, 2: never more than write_group_max.
+        self.assertEqual(self.group_sizes(), (count0 + 4, sum0 + 11))
+        self.assertEqual(self.group_sizes(le="4.0"), four0 + 4)
+        self.assertEqual(self.group_sizes(le="2.0"), two0 + 2)
+        self.assertEqual(caches.id_gen.in_flight(), 0)
 
-    def test_a_bad_fact_fails_alone_in_its_group(self):
+    async def test_a_bad_fact_fails_alone_in_its_group(self):
         """The group's transaction fails on one fact's row; its writes are
         retried one by one: only that one gets the error, the others commit,
         and readers get every committed fact in order, nothing in flight."""
-        async def go():
-            reg = await self.registry(config=self.one_connection_config(256))
-            caches = reg.get("caches")
-            self.add_check()
-            count0, sum0 = self.group_sizes()
-            first, release = await self.held_write(caches)
-            values = [1, 2, -3, 4, 5]
-            waiting = [defer.ensureDeferred(caches.write_fact([[f"w{v}", None, v]]))
-                       for v in values]
-            release()
-            await first
-            results = await defer.DeferredList(waiting, consumeErrors=True)
-            committed = {}
-            for v, (ok, result) in zip(values, results):
-                if v < 0:
-                    self.assertFalse(ok)
-                    result.trap(psycopg2.IntegrityError, sqlite3.IntegrityError)
-                else:
-                    self.assertTrue(ok, result)
-                    committed[result] = [[f"w{v}", None, v]]
-            self.assertEqual(len(committed), 4)
-            # The held write, the group of five (failed), five alone.
-            self.assertEqual(self.group_sizes(), (count0 + 7, sum0 + 11))
-            top = await caches.sequence_value()
-            self.assertEqual(top, 11)
-            self.assertEqual(caches.id_gen.get_current_token("master"), top)
-            self.assertEqual(caches.id_gen.in_flight(), 0)
-            updates, _, _ = await caches.updates_since("master", 1, top)
-            self.assertEqual(updates, [(t, row) for t in sorted(committed)
-                                       for row in committed[t]])
-            self.assertEqual(self.raw_rows("SELECT count(*) FROM cache_stream"), [(5,)])
-            # The writer goes on.
-            self.assertEqual(await caches.write_fact([["after", None, 6]]), 12)
-        return defer.ensureDeferred(go())
+        reg = await self.registry(config=self.one_connection_config(256))
+        caches = reg.get("caches")
+        self.add_check()
+        count0, sum0 = self.group_sizes()
+        first, release = await self.held_write(caches)
+        values = [1, 2, -3, 4, 5]
+        waiting = [defer.ensureDeferred(caches.write_fact([[f"w{v}", None, v]]))
+                   for v in values]
+        release()
+        await first
+        results = await defer.DeferredList(waiting, consumeErrors=True)
+        committed = {}
+        for v, (ok, result) in zip(values, results):
+            if v < 0:
+                self.assertFalse(ok)
+                result.trap(psycopg2.IntegrityError, sqlite3.IntegrityError)
+            else:
+                self.assertTrue(ok, result)
+                committed[result] = [[f"w{v}", None, v]]
+        self.assertEqual(len(committed), 4)
+        # The held write, the group of five (failed), five alone.
+        self.assertEqual(self.group_sizes(), (count0 + 7, sum0 + 11))
+        top = await caches.sequence_value()
+        self.assertEqual(top, 11)
+        self.assertEqual(caches.id_gen.get_current_token("master"), top)
+        self.assertEqual(caches.id_gen.in_flight(), 0)
+        updates, _, _ = await caches.updates_since("master", 1, top)
+        self.assertEqual(updates, [(t, row) for t in sorted(committed)
+                                   for row in committed[t]])
+        self.assertEqual(self.raw_rows("SELECT count(*) FROM cache_stream"), [(5,)])
+        # The writer goes on.
+        self.assertEqual(await caches.write_fact([["after", None, 6]]), 12)
 
 
 class SQLiteStreamTests(StreamSuite, TestCase):
@@ -385,24 +421,22 @@ class SQLiteStreamTests(StreamSuite, TestCase):
             conn.close()
 
 
-    def test_reissued_id_fails_with_its_own_error(self):
+    async def test_reissued_id_fails_with_its_own_error(self):
         """An ID handed out again (PostgreSQL's sequence after a crash) is
         refused with an error that says so; nothing stays in flight and
         nothing commits at or below the writer's position."""
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
-            await caches.write_facts([[["a", None, 1]]] * 3)
-            caches._sqlite_last = 2  # the sequence went back
-            with self.assertRaises(ValueError) as e:
-                await caches.write_fact([["b", None, 1]])
-            self.assertEqual(str(e.exception),
-                             "stream caches: reserved ID 3 is not above master's position 3")
-            self.assertEqual(caches.id_gen.in_flight(), 0)
-            self.assertEqual(self.raw_rows("SELECT count(*) FROM cache_stream"), [(3,)])
-            self.assertEqual(await caches.write_fact([["c", None, 1]]), 4)
-            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 4)
-        return defer.ensureDeferred(go())
+        reg = await self.registry()
+        caches = reg.get("caches")
+        await caches.write_facts([[["a", None, 1]]] * 3)
+        caches._txn.sqlite_last = 2  # the sequence went back
+        with self.assertRaises(ValueError) as e:
+            await caches.write_fact([["b", None, 1]])
+        self.assertEqual(str(e.exception),
+                         "stream caches: reserved ID 3 is not above master's position 3")
+        self.assertEqual(caches.id_gen.in_flight(), 0)
+        self.assertEqual(self.raw_rows("SELECT count(*) FROM cache_stream"), [(3,)])
+        self.assertEqual(await caches.write_fact([["c", None, 1]]), 4)
+        self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), 4)
 
 
 class PostgresStreamTests(StreamSuite, TestCase):
@@ -435,110 +469,102 @@ class PostgresStreamTests(StreamSuite, TestCase):
         finally:
             conn.close()
 
-    def test_sequence_behind_table_is_moved_forward(self):
-        async def go():
-            reg = await self.registry()
-            await reg.get("caches").write_facts([[["a", None, 1]]] * 3)
-            conn = psycopg2.connect(self.dsn)
-            conn.autocommit = True
-            conn.cursor().execute("SELECT setval('cache_stream_seq', 1)")
-            conn.close()
-            reg2 = await self.registry()
-            self.assertEqual(await reg2.get("caches").write_fact([["b", None, 1]]), 4)
-            self.flushLoggedErrors()
-        return defer.ensureDeferred(go())
+    async def test_sequence_behind_table_is_moved_forward(self):
+        reg = await self.registry()
+        await reg.get("caches").write_facts([[["a", None, 1]]] * 3)
+        conn = psycopg2.connect(self.dsn)
+        conn.autocommit = True
+        conn.cursor().execute("SELECT setval('cache_stream_seq', 1)")
+        conn.close()
+        reg2 = await self.registry()
+        self.assertEqual(await reg2.get("caches").write_fact([["b", None, 1]]), 4)
+        self.flushLoggedErrors()
 
-    def test_concurrent_writers(self):
+    async def test_concurrent_writers(self):
         """Many transactions at once on separate connections, some failing."""
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
-            rng = random.Random(7)
-            committed = {}
-            seen_tokens = []
-            caches.id_gen.add_listener(lambda w, old, new: seen_tokens.append((old, new)))
+        reg = await self.registry()
+        caches = reg.get("caches")
+        rng = random.Random(7)
+        committed = {}
+        seen_tokens = []
+        caches.id_gen.add_listener(lambda w, old, new: seen_tokens.append((old, new)))
 
-            async def one(i):
-                rows = [[f"f{i}", [i, j], i] for j in range(rng.choice([0, 1, 1, 2, 5]))]
-                fail = rng.random() < 0.15
-                if rng.random() < 0.2:
-                    ids = await caches.write_facts([rows, rows[:1]])
-                    committed[ids[0]] = rows
-                    committed[ids[1]] = rows[:1]
-                    return
+        async def one(i):
+            rows = [[f"f{i}", [i, j], i] for j in range(rng.choice([0, 1, 1, 2, 5]))]
+            fail = rng.random() < 0.15
+            if rng.random() < 0.2:
+                ids = await caches.write_facts([rows, rows[:1]])
+                committed[ids[0]] = rows
+                committed[ids[1]] = rows[:1]
+                return
 
-                def maybe_fail(txn, stream_id):
-                    if fail:
-                        raise RuntimeError("rolled back")
+            def maybe_fail(txn, stream_id):
+                if fail:
+                    raise RuntimeError("rolled back")
 
-                try:
-                    async with caches.writer() as fact:
-                        fact.add_rows(rows)
-                        fact.also(maybe_fail)
-                    committed[fact.stream_id] = rows
-                except RuntimeError:
-                    pass
+            try:
+                async with caches.writer() as fact:
+                    fact.add_rows(rows)
+                    fact.also(maybe_fail)
+                committed[fact.stream_id] = rows
+            except RuntimeError:
+                pass
 
-            await defer.gatherResults(
-                [defer.ensureDeferred(one(i)) for i in range(300)], consumeErrors=True)
-            top = self.raw_rows("SELECT last_value FROM cache_stream_seq")[0][0]
-            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), top)
-            self.assertEqual(caches.id_gen.in_flight(), 0)
-            # Tokens only ever moved forward, one step after another.
-            for (o1, n1), (o2, n2) in zip(seen_tokens, seen_tokens[1:]):
-                self.assertEqual(n1, o2)
-                self.assertLess(o2, n2)
-            updates, upto, limited = await caches.updates_since("master", 0, top, limit=100000)
-            expected = [(t, row) for t in sorted(committed) for row in committed[t]]
-            self.assertEqual(sorted(updates), sorted(expected))
-            self.assertEqual([t for t, _ in updates], sorted(t for t, _ in updates))
-            self.assertEqual(len(updates), self.raw_rows("SELECT count(*) FROM cache_stream")[0][0])
-        return defer.ensureDeferred(go())
+        await defer.gatherResults(
+            [defer.ensureDeferred(one(i)) for i in range(300)], consumeErrors=True)
+        top = self.raw_rows("SELECT last_value FROM cache_stream_seq")[0][0]
+        self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), top)
+        self.assertEqual(caches.id_gen.in_flight(), 0)
+        # Tokens only ever moved forward, one step after another.
+        for (o1, n1), (o2, n2) in zip(seen_tokens, seen_tokens[1:]):
+            self.assertEqual(n1, o2)
+            self.assertLess(o2, n2)
+        updates, upto, limited = await caches.updates_since("master", 0, top, limit=100000)
+        expected = [(t, row) for t in sorted(committed) for row in committed[t]]
+        self.assertEqual(sorted(updates), sorted(expected))
+        self.assertEqual([t for t, _ in updates], sorted(t for t, _ in updates))
+        self.assertEqual(len(updates), self.raw_rows("SELECT count(*) FROM cache_stream")[0][0])
 
-    def test_sequence_value_sees_other_instances_writes(self):
-        async def go():
-            master = (await self.registry("master")).get("caches")
-            worker = (await self.registry("worker1")).get("caches")
-            await worker.write_facts([[["w", None, i]] for i in range(4)])
-            self.assertEqual(master.id_gen.get_max_known(), 0)
-            self.assertEqual(await master.sequence_value(), 4)
-        return defer.ensureDeferred(go())
+    async def test_sequence_value_sees_other_instances_writes(self):
+        master = (await self.registry("master")).get("caches")
+        worker = (await self.registry("worker1")).get("caches")
+        await worker.write_facts([[["w", None, i]] for i in range(4)])
+        self.assertEqual(master.id_gen.get_max_known(), 0)
+        self.assertEqual(await master.sequence_value(), 4)
 
-    def test_two_instances_share_a_multi_writer_stream(self):
-        async def go():
-            master = (await self.registry("master")).get("caches")
-            worker = (await self.registry("worker1")).get("caches")
-            a = await master.write_facts([[["m", None, i]] for i in range(3)])
-            b = await worker.write_facts([[["w", None, i]] for i in range(2)])
-            c = await master.write_fact([["m", None, 9]])
-            self.assertEqual(a + b + [c], [1, 2, 3, 4, 5, 6])
-            self.assertEqual(master.id_gen.get_linear_token(), 0)
-            for _ in range(2):  # exchange positions both ways
-                worker.id_gen.advance("master", master.id_gen.get_current_token("master"))
-                master.id_gen.advance("worker1", worker.id_gen.get_current_token("worker1"))
-            self.assertEqual(master.id_gen.get_linear_token(), 6)
-            self.assertEqual(worker.id_gen.get_linear_token(), 6)
-            updates, _, _ = await master.updates_since("worker1", 0, 6)
-            self.assertEqual([t for t, _ in updates], [4, 5])
-            # A restarted worker resumes from its persisted position; an idle
-            # writer's position follows the linear token, which was 6.
-            await worker.flush_positions()
-            await master.flush_positions()
-            again = (await self.registry("worker1")).get("caches")
-            self.assertEqual(again.id_gen.get_current_token("worker1"), 6)
-            self.assertEqual(again.id_gen.get_current_token("master"), 6)
-            # A writer new to the stream starts at the smallest persisted
-            # position, never ahead of facts others may have in flight.
-            conn = psycopg2.connect(self.dsn)
-            conn.autocommit = True
-            conn.cursor().execute(
-                "UPDATE stream_positions SET stream_id = 3 WHERE instance_name = 'master'")
-            conn.close()
-            streams = [dict(STREAMS[0], writers=["master", "worker1", "worker2"])]
-            fresh = (await self.registry("worker2", streams=streams)).get("caches")
-            self.assertEqual(fresh.id_gen.get_current_token("worker2"), 3)
-            self.assertEqual(fresh.id_gen.get_linear_token(), 3)
-        return defer.ensureDeferred(go())
+    async def test_two_instances_share_a_multi_writer_stream(self):
+        master = (await self.registry("master")).get("caches")
+        worker = (await self.registry("worker1")).get("caches")
+        a = await master.write_facts([[["m", None, i]] for i in range(3)])
+        b = await worker.write_facts([[["w", None, i]] for i in range(2)])
+        c = await master.write_fact([["m", None, 9]])
+        self.assertEqual(a + b + [c], [1, 2, 3, 4, 5, 6])
+        self.assertEqual(master.id_gen.get_linear_token(), 0)
+        for _ in range(2):  # exchange positions both ways
+            worker.id_gen.advance("master", master.id_gen.get_current_token("master"))
+            master.id_gen.advance("worker1", worker.id_gen.get_current_token("worker1"))
+        self.assertEqual(master.id_gen.get_linear_token(), 6)
+        self.assertEqual(worker.id_gen.get_linear_token(), 6)
+        updates, _, _ = await master.updates_since("worker1", 0, 6)
+        self.assertEqual([t for t, _ in updates], [4, 5])
+        # A restarted worker resumes from its persisted position; an idle
+        # writer's position follows the linear token, which was 6.
+        await worker.flush_positions()
+        await master.flush_positions()
+        again = (await self.registry("worker1")).get("caches")
+        self.assertEqual(again.id_gen.get_current_token("worker1"), 6)
+        self.assertEqual(again.id_gen.get_current_token("master"), 6)
+        # A writer new to the stream starts at the smallest persisted
+        # position, never ahead of facts others may have in flight.
+        conn = psycopg2.connect(self.dsn)
+        conn.autocommit = True
+        conn.cursor().execute(
+            "UPDATE stream_positions SET stream_id = 3 WHERE instance_name = 'master'")
+        conn.close()
+        streams = [dict(STREAMS[0], writers=["master", "worker1", "worker2"])]
+        fresh = (await self.registry("worker2", streams=streams)).get("caches")
+        self.assertEqual(fresh.id_gen.get_current_token("worker2"), 3)
+        self.assertEqual(fresh.id_gen.get_linear_token(), 3)
 
 
 class RecentFactsTests(TestCase):
@@ -550,49 +576,47 @@ class RecentFactsTests(TestCase):
     registry = StreamSuite.registry
     database_config = PostgresStreamTests.database_config
 
-    def test_memory_answers_like_the_table(self):
-        async def go():
-            reg = await self.registry()
-            caches = reg.get("caches")
-            caches.keep_recent_facts()  # as the replication handler does
-            await caches.write_facts([
-                [["a", {"z": 1, "a": [True, None]}, 1]],
-                [["b", None, 1], ["b", None, 2], ["b", None, 3]],
-                [],
-                [["d", ["é"], 4]],
-            ])
+    async def test_memory_answers_like_the_table(self):
+        reg = await self.registry()
+        caches = reg.get("caches")
+        caches.keep_recent_facts()  # as the replication handler does
+        await caches.write_facts([
+            [["a", {"z": 1, "a": [True, None]}, 1]],
+            [["b", None, 1], ["b", None, 2], ["b", None, 3]],
+            [],
+            [["d", ["é"], 4]],
+        ])
 
-            def boom(txn, stream_id):
-                raise RuntimeError("rolled back")
-            with self.assertRaises(RuntimeError):
-                async with caches.writer() as fact:
-                    fact.add_row(["lost", None, 0])
-                    fact.also(boom)
-            top = caches.id_gen.get_current_token(caches.instance_name)
-            self.assertEqual(top, 5)
-            # A failed write may have committed (a lost COMMIT answer): only
-            # the table can say; memory answers only ranges without one.
-            self.assertIsNone(caches._recent_updates("master", 0, top, 1000))
-            self.assertIsNotNone(caches._recent_updates("master", 0, 4, 1000))
-            top = 4
-            for start, limit in ((0, 1000), (0, 2), (1, 2), (1, 3), (2, 1)):
-                from_memory = caches._recent_updates("master", start, top, limit)
-                from_table = caches.db.runInteraction(
-                    caches._updates_txn, "master", start, top, limit)
-                self.assertIsNotNone(from_memory)
-                self.assertEqual(from_memory, await from_table, (start, limit))
-            caches.forget("master", 3)
-            self.assertIsNone(caches._recent_updates("master", 0, top, 100))
-            self.assertEqual(caches._recent_updates("master", 3, top, 100),
-                             ([(4, ["d", ["é"], 4])], 4, False))
-            caches.forget("master", 5)
-            # Beyond what has completed, only the table can answer.
-            self.assertIsNone(caches._recent_updates("master", 5, 6, 100))
-            # Nobody fanning out: nothing is kept.
-            caches.keep_recent = False
-            await caches.write_fact([["e", None, 5]])
-            self.assertEqual(caches._recent["master"], {})
-        return defer.ensureDeferred(go())
+        def boom(txn, stream_id):
+            raise RuntimeError("rolled back")
+        with self.assertRaises(RuntimeError):
+            async with caches.writer() as fact:
+                fact.add_row(["lost", None, 0])
+                fact.also(boom)
+        top = caches.id_gen.get_current_token(caches.instance_name)
+        self.assertEqual(top, 5)
+        # A failed write may have committed (a lost COMMIT answer): only
+        # the table can say; memory answers only ranges without one.
+        self.assertIsNone(caches._recent_updates("master", 0, top, 1000))
+        self.assertIsNotNone(caches._recent_updates("master", 0, 4, 1000))
+        top = 4
+        for start, limit in ((0, 1000), (0, 2), (1, 2), (1, 3), (2, 1)):
+            from_memory = caches._recent_updates("master", start, top, limit)
+            from_table = caches.db.runInteraction(
+                caches._updates_txn, "master", start, top, limit)
+            self.assertIsNotNone(from_memory)
+            self.assertEqual(from_memory, await from_table, (start, limit))
+        caches.forget("master", 3)
+        self.assertIsNone(caches._recent_updates("master", 0, top, 100))
+        self.assertEqual(caches._recent_updates("master", 3, top, 100),
+                         ([(4, ["d", ["é"], 4])], 4, False))
+        caches.forget("master", 5)
+        # Beyond what has completed, only the table can answer.
+        self.assertIsNone(caches._recent_updates("master", 5, 6, 100))
+        # Nobody fanning out: nothing is kept.
+        caches.recent.active = False
+        await caches.write_fact([["e", None, 5]])
+        self.assertEqual(caches.recent.facts["master"], {})
 
 
 class RowCodecTests(SynchronousTestCase):
@@ -676,65 +700,63 @@ class PostgresCrashTests(TestCase):
         finally:
             conn.close()
 
-    def test_sequence_handing_out_an_id_again_after_a_crash(self):
+    async def test_sequence_handing_out_an_id_again_after_a_crash(self):
         """The crash loses the sequence's advance for a transaction that
         never committed, and PostgreSQL hands that ID out again; our writer
         had already moved its position past it (the rolled-back write
         completed).  The next writes must neither fail for it nor commit
         at or below the position."""
-        async def go():
-            caches = (await self.registry()).get("caches")
-            await caches.write_facts([[["a", None, i]] for i in range(3)])
+        caches = (await self.registry()).get("caches")
+        await caches.write_facts([[["a", None, i]] for i in range(3)])
+        await caches.flush_positions()
+        # The next nextval is WAL-logged afresh after a checkpoint; no
+        # commit flushes that record before the crash.
+        self.sql("CHECKPOINT")
+
+        def stall(txn, stream_id):
+            txn.execute("SELECT pg_sleep(60)")
+
+        async def stalled_write():
+            async with caches.writer() as fact:
+                fact.add_row(["lost", None, 0])
+                fact.also(stall)
+
+        write = defer.ensureDeferred(stalled_write())
+        while not self.sql("SELECT 1 FROM pg_stat_activity WHERE query LIKE '%pg_sleep(60)%' "
+                           "AND pid <> pg_backend_pid()"):
+            await sleep(0.02)
+        await threads.deferToThread(self.server.crash_restart)
+        with self.assertRaises(Exception) as e:
+            await write
+        self.assertNotIsInstance(e.exception, ValueError)
+        position = caches.id_gen.get_current_token(caches.instance_name)
+        self.assertEqual(position, 4)  # the rolled-back 4 completed
+        # The crash did send the sequence back (what this test is about).
+        self.assertEqual(self.sql("SELECT last_value FROM cache_stream_seq"), [(3,)])
+        new_id = None
+        for _ in range(20):  # pooled connections die one use at a time
+            try:
+                new_id = await caches.write_fact([["after", None, 1]])
+                break
+            except ValueError:
+                raise
+            except Exception:
+                await sleep(0.1)
+        self.flushLoggedErrors()
+        self.assertGreater(new_id, position)
+        self.assertEqual(caches.id_gen.in_flight(), 0)
+        self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), new_id)
+        self.assertEqual(
+            self.sql("SELECT stream_id, cache_func FROM cache_stream ORDER BY stream_id"),
+            [(1, "a"), (2, "a"), (3, "a"), (new_id, "after")])
+        # The position persisted after the crash is the new one.  The
+        # background persist may meet a pooled connection the crash
+        # killed (logged, and done again on the next flush).
+        query = ("SELECT stream_id FROM stream_positions WHERE stream_name = 'caches' "
+                 f"AND instance_name = '{caches.instance_name}'")
+        for _ in range(20):
             await caches.flush_positions()
-            # The next nextval is WAL-logged afresh after a checkpoint; no
-            # commit flushes that record before the crash.
-            self.sql("CHECKPOINT")
-
-            def stall(txn, stream_id):
-                txn.execute("SELECT pg_sleep(60)")
-
-            async def stalled_write():
-                async with caches.writer() as fact:
-                    fact.add_row(["lost", None, 0])
-                    fact.also(stall)
-
-            write = defer.ensureDeferred(stalled_write())
-            while not self.sql("SELECT 1 FROM pg_stat_activity WHERE query LIKE '%pg_sleep(60)%' "
-                               "AND pid <> pg_backend_pid()"):
-                await sleep(0.02)
-            await threads.deferToThread(self.server.crash_restart)
-            with self.assertRaises(Exception) as e:
-                await write
-            self.assertNotIsInstance(e.exception, ValueError)
-            position = caches.id_gen.get_current_token(caches.instance_name)
-            self.assertEqual(position, 4)  # the rolled-back 4 completed
-            # The crash did send the sequence back (what this test is about).
-            self.assertEqual(self.sql("SELECT last_value FROM cache_stream_seq"), [(3,)])
-            new_id = None
-            for _ in range(20):  # pooled connections die one use at a time
-                try:
-                    new_id = await caches.write_fact([["after", None, 1]])
-                    break
-                except ValueError:
-                    raise
-                except Exception:
-                    await sleep(0.1)
-            self.flushLoggedErrors()
-            self.assertGreater(new_id, position)
-            self.assertEqual(caches.id_gen.in_flight(), 0)
-            self.assertEqual(caches.id_gen.get_current_token(caches.instance_name), new_id)
-            self.assertEqual(
-                self.sql("SELECT stream_id, cache_func FROM cache_stream ORDER BY stream_id"),
-                [(1, "a"), (2, "a"), (3, "a"), (new_id, "after")])
-            # The position persisted after the crash is the new one.  The
-            # background persist may meet a pooled connection the crash
-            # killed (logged, and done again on the next flush).
-            query = ("SELECT stream_id FROM stream_positions WHERE stream_name = 'caches' "
-                     f"AND instance_name = '{caches.instance_name}'")
-            for _ in range(20):
-                await caches.flush_positions()
-                if self.sql(query) == [(new_id,)]:
-                    break
-            self.assertEqual(self.sql(query), [(new_id,)])
-            self.flushLoggedErrors(psycopg2.Error, adbapi.ConnectionLost)
-        return defer.ensureDeferred(go())
+            if self.sql(query) == [(new_id,)]:
+                break
+        self.assertEqual(self.sql(query), [(new_id,)])
+        self.flushLoggedErrors(psycopg2.Error, adbapi.ConnectionLost)

@@ -16,7 +16,8 @@ from twisted.internet import reactor
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator import synapse
-from replicator.config import ConfigError, parse_database, parse_instance, parse_streams
+from replicator.config import (ConfigError, parse_database, parse_instance, parse_streams,
+                               validate)
 from replicator.consumers import MemoryConsumer
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.redis import RedisReplication
@@ -56,7 +57,7 @@ def instance_doc(**extra):
 class SynapseSectionConfigTests(SynchronousTestCase):
     def assertKey(self, doc, key, *words):
         with self.assertRaises(ConfigError) as cm:
-            parse_instance(doc)
+            validate(parse_instance(doc), reactor)  # what the CLI runs
         self.assertEqual(cm.exception.key, key, str(cm.exception))
         for word in words:
             self.assertIn(word, str(cm.exception))
@@ -194,7 +195,7 @@ class ReadOnlyStreamTests(TestCase):
     async def start(self, streams, instance="reader"):
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 2}))
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, instance, parse_streams(streams))
+        registry = StreamRegistry(db, instance, parse_streams(streams), reactor=reactor)
         await registry.start()
         return registry
 
@@ -338,7 +339,7 @@ class SynapseChannelTests(TestCase):
 
     async def node(self, name, consumer):
         db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        registry = StreamRegistry(db, name, parse_streams([OWN, READER]))
+        registry = StreamRegistry(db, name, parse_streams([OWN, READER]), reactor=reactor)
         await registry.start()
         handler = ReplicationHandler(registry, name, "example.org", [consumer])
         handler.start()
@@ -446,7 +447,7 @@ class SynapseRowLayoutTests(TestCase):
         streams = [{"name": name, "table": f"our_{name}",
                     "columns": [dict(c) for c in synapse.PRESETS[name]["columns"]],
                     "writers": ["app1"]} for name in SYNAPSE_ROWS]
-        registry = StreamRegistry(db, "app1", parse_streams(streams))
+        registry = StreamRegistry(db, "app1", parse_streams(streams), reactor=reactor)
         await registry.start()
         self.addCleanup(registry.stop)
         facts = {

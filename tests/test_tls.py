@@ -15,7 +15,7 @@ from twisted.internet import reactor, task
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
-from replicator.config import ConfigError, parse_replication
+from replicator.config import ConfigError, parse_replication, validate_replication
 from replicator.consumers import MemoryConsumer
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.tcp import ReplicationServerFactory, upstream_service
@@ -101,10 +101,12 @@ class TlsTests(TestCase):
         self.assertEqual(str(e.exception),
                          "config: replication.client_ca: needs an ssl: listener in "
                          "replication.listen")
+        missing = parse_replication({"listen": self.listen, "client_ca": "/nonexistent/ca.pem"})
         with self.assertRaises(ConfigError) as e:
-            parse_replication({"listen": self.listen, "client_ca": "/nonexistent/ca.pem"})
+            validate_replication(missing, reactor)
         self.assertIn("config: replication.client_ca:", str(e.exception))
         config = parse_replication({"listen": self.listen, "client_ca": self.pki["ca.crt"]})
+        validate_replication(config, reactor)
         self.assertEqual(config.client_ca, self.pki["ca.crt"])
 
     def _raw_tls(self, cert=None, key=None, send=b"NAME probe\nREPLICATE\n", until=b"POSITION"):
@@ -140,7 +142,7 @@ class TlsTests(TestCase):
         async def instance(name, consumers=()):
             db = Database(parse_database({"postgres": dsn}))
             self.addCleanup(db.close)
-            registry = StreamRegistry(db, name, streams)
+            registry = StreamRegistry(db, name, streams, reactor=reactor)
             await registry.start()
             self.addCleanup(registry.stop)
             handler = ReplicationHandler(registry, name, "localhost", consumers)
@@ -217,7 +219,7 @@ class TlsTests(TestCase):
                                   "writers": ["master", "worker1"]}])
         db = Database(parse_database({"postgres": dsn}))
         self.addCleanup(db.close)
-        registry = StreamRegistry(db, "master", streams)
+        registry = StreamRegistry(db, "master", streams, reactor=reactor)
         await registry.start()
         self.addCleanup(registry.stop)
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})

@@ -37,7 +37,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .. import files
-from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_str, no_unknown
+from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_path, no_unknown
+from ..jsontext import encode_json_line
 from .base import Consumer, Key
 from .file_thread import FileThread, append_at
 
@@ -47,15 +48,6 @@ log = Logger(namespace="replicator.consumers")
 class JsonlError(ValueError):
     """The file cannot be used: a complete line that is not a fact or a
     position, or another consumer holds the file."""
-
-
-def _encode(obj: dict) -> bytes:
-    try:
-        return orjson.dumps(obj) + b"\n"
-    except TypeError:
-        # orjson refuses integers beyond 64 bits, non-string keys and lone
-        # surrogates (JSON on the wire may carry "\ud800"): ASCII JSON then.
-        return json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
 
 
 def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict]]:
@@ -94,7 +86,7 @@ class JsonlConsumer(Consumer):
 
     Lines are buffered in memory and written with one ``write`` and one
     ``fsync`` per batch: ``flush_interval`` seconds after the first line of
-    a batch (a ``callLater`` on ``clock``, by default ``reactor``), as soon as
+    a batch (a ``callLater`` on ``reactor``), as soon as
     the buffer holds ``max_buffer`` bytes, and in :meth:`close`.  The writes
     and fsyncs run on a thread of this file's own (:class:`FileThread`; or
     whatever ``run_io`` runs a job with), never on the reactor thread, one
@@ -114,8 +106,9 @@ class JsonlConsumer(Consumer):
     further back).  The file is locked (``flock``) while open: two consumers,
     in one process or two, cannot share it.
 
-    ``reactor`` runs the file's own thread (:class:`FileThread`); it may be
-    left out when ``run_io`` and ``clock`` are given.
+    ``reactor`` (required) times the flushes and runs the file's own thread
+    (:class:`FileThread`); with ``run_io`` (tests: I/O inline) a ``Clock``
+    will do.
 
     The service must call :meth:`close` (and wait for its Deferred) at
     shutdown, or the last ``flush_interval`` of facts is not written (not
@@ -126,14 +119,10 @@ class JsonlConsumer(Consumer):
     #: Delay before retrying a failed flush (seconds; at least flush_interval).
     retry_delay = 1.0
 
-    def __init__(self, path: str, streams: Optional[Sequence[str]] = None,
-                 flush_interval: float = 0.05, fsync: bool = True, clock=None,
-                 max_buffer: int = 1 << 20,
-                 run_io: Optional[Callable[..., defer.Deferred]] = None, reactor=None):
-        if clock is None:
-            clock = reactor
-        if clock is None or (run_io is None and reactor is None):
-            raise TypeError("JsonlConsumer needs its reactor (or a clock and run_io)")
+    def __init__(self, path: str, reactor, *, streams: Optional[Sequence[str]] = None,
+                 flush_interval: float = 0.05, fsync: bool = True, max_buffer: int = 1 << 20,
+                 run_io: Optional[Callable[..., defer.Deferred]] = None):
+        clock = reactor
         self.path = os.path.abspath(path)
         self.streams = tuple(streams) if streams is not None else None
         self.flush_interval = flush_interval
@@ -234,7 +223,7 @@ class JsonlConsumer(Consumer):
                       "({skipped} skipped)", path=self.path, token=token, stream=stream,
                       writer=writer, last=last, skipped=self.skipped)
             return None
-        line = _encode({"stream": stream, "writer": writer, "token": token, "rows": rows})
+        line = encode_json_line({"stream": stream, "writer": writer, "token": token, "rows": rows})
         return self._append(key, [line], token)
 
     def on_facts_many(self, stream, writer, facts):
@@ -250,7 +239,7 @@ class JsonlConsumer(Consumer):
             if last is not None and token <= last:
                 self.skipped += 1
                 continue
-            lines.append(_encode({"stream": stream, "writer": writer, "token": token,
+            lines.append(encode_json_line({"stream": stream, "writer": writer, "token": token,
                                   "rows": rows}))
             last = token
         if not lines:
@@ -335,7 +324,7 @@ class JsonlConsumer(Consumer):
         """What the next flush writes: a failed batch, the buffered facts,
         then one position line per key that advanced past its last fact."""
         positions = [
-            _encode({"stream": s, "writer": w, "position": token})
+            encode_json_line({"stream": s, "writer": w, "position": token})
             for (s, w), token in self._pending_positions.items()
         ]
         return self._unwritten + b"".join(self._buffer + positions)
@@ -420,13 +409,13 @@ def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consume
     to ``base_dir``; ``fsync``; ``flush_interval``)."""
     options = config.options
     no_unknown(options, ("path", "fsync", "flush_interval"), where)
-    path = get_str(options, "path", where)
+    path = get_path(options, "path", where)
     path = os.path.join(base_dir, path)  # an absolute path stays as it is
     fsync = get_bool(options, "fsync", where, True)
     flush_interval = get_number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
     try:
-        return JsonlConsumer(path, streams=config.streams, flush_interval=flush_interval,
-                             fsync=fsync, reactor=reactor)
+        return JsonlConsumer(path, reactor, streams=config.streams,
+                             flush_interval=flush_interval, fsync=fsync)
     except JsonlError as e:
         raise ConfigError(f"{where}.path", str(e)) from None
     except OSError as e:

@@ -1,12 +1,11 @@
 """The ``log`` consumer: one log line per fact; keeps nothing (always live)."""
 
-import json
 from typing import List, Optional, Sequence
 
-import orjson
 from twisted.logger import Logger, LogLevel
 
 from ..config import ConfigError, ConsumerConfig, get_str, no_unknown
+from ..jsontext import preview_json
 from .base import Consumer
 
 LOG_LEVELS = {
@@ -17,10 +16,7 @@ LOG_LEVELS = {
 
 def preview(rows: List[list], limit: int = 200) -> str:
     """Compact JSON of ``rows``, cut to ``limit`` characters (ending in …)."""
-    try:
-        text = orjson.dumps(rows).decode("utf-8")
-    except TypeError:
-        text = json.dumps(rows, separators=(",", ":"), ensure_ascii=False, default=repr)
+    text = preview_json(rows)
     if len(text) > limit:
         text = text[:limit - 1] + "…"
     return text

@@ -21,7 +21,7 @@ from twisted.web import server
 from twisted.web.resource import Resource
 
 from ..config import InstanceConfig
-from ..replication.commands import encode_json
+from ..jsontext import encode_json
 from ..status import CSP, SCRIPT, STYLE, StatusRecorder, render_html, snapshot
 from .answers import JSON_TYPE, HttpError, Response
 from .bookkeeping import BookkeepingRoutes

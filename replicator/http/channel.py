@@ -26,7 +26,7 @@ from twisted.internet import protocol
 from twisted.internet.interfaces import ISSLTransport
 from twisted.web.http import HTTPChannel
 
-from ..replication.commands import encode_json
+from ..jsontext import encode_json
 
 #: How long a refused connection is drained before it is closed.
 DRAIN_TIME = 2.0

@@ -64,7 +64,7 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
         return _deliver_page(takers, name, writer, facts)
 
     pages = all(hasattr(c, "on_facts_many") for c in takers)
-    return Reader(name, writer, position, source=stream.updates_since, deliver=deliver,
+    return Reader(name, writer, position, source=stream.facts_since, deliver=deliver,
                   deliver_many=deliver_many if pages else None, reached=reached, advanced=advanced, clock=clock,
                   fetch_limit=fetch_limit, retry_delay=retry_delay, background=background)
 

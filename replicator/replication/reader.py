@@ -3,7 +3,7 @@
 A :class:`Reader` turns the RDATA and POSITION lines of one writer, as they
 arrive on any connection, into facts handed to ``deliver`` exactly once, in
 token order, whole.  It needs no database: the rows of a gap come from the
-injected ``source`` (``Stream.updates_since`` in the daemon), and retries
+injected ``source`` (``Stream.facts_since`` in the daemon), and retries
 run on the injected clock.
 
 Invariants:
@@ -36,12 +36,14 @@ from twisted.logger import Logger
 from .. import metrics
 from ..background import Background
 from ..backoff import Outage
+from ..streams.pages import group  # noqa: F401 (the fan-out's, too)
 
 log = Logger()
 
-Update = Tuple[int, list]
-#: ``source(writer, from_token, to_token, limit)`` -> ``(updates, upto, limited)``
-Source = Callable[[str, int, int, int], Awaitable[Tuple[List[Update], int, bool]]]
+Fact = Tuple[int, List[list]]
+#: ``source(writer, from_token, to_token, limit)`` -> ``(facts, upto, limited)``:
+#: ``(token, rows)`` facts, whole, in token order (``Stream.facts_since``)
+Source = Callable[[str, int, int, int], Awaitable[Tuple[List[Fact], int, bool]]]
 
 
 class Stopping(Exception):
@@ -55,7 +57,7 @@ class Reader:
     nothing known yet; the first POSITION sets it without catching up).
     ``seen`` is the largest token the writer was heard to announce.
 
-    Injected: ``source`` reads rows of a gap; ``deliver(token, rows)``
+    Injected: ``source`` reads the facts of a gap, a page at a time; ``deliver(token, rows)``
     hands on one fact (may return a Deferred/awaitable);
     ``reached(token)`` is called, awaited, after a POSITION moved the
     position; ``advanced(token)`` after every move of the position, or
@@ -219,11 +221,11 @@ class Reader:
             while since < until:
                 if pending.called and not first:
                     await task.deferLater(self._clock, 0, lambda: None)
-                updates, upto, _ = await pending
+                facts, upto, _ = await pending
                 first = False
                 pending = self._read(upto, until) if upto < until else None
-                rows_counter.inc(len(updates))
-                await self._hand_on_page(updates)
+                rows_counter.inc(sum(len(rows) for _, rows in facts))
+                await self._hand_on_page(facts)
                 since = upto
         finally:
             if pending is not None:
@@ -233,9 +235,8 @@ class Reader:
         return defer.maybeDeferred(self._source, self.writer, since, until, self.fetch_limit
                                    ).addCallback(_resolved)
 
-    async def _hand_on_page(self, updates: List[Update]) -> None:
+    async def _hand_on_page(self, facts: List[Fact]) -> None:
         if self._deliver_many is not None:
-            facts = list(group(updates))
             if self._stopping:
                 raise Stopping()
             result = self._deliver_many(facts)
@@ -247,7 +248,7 @@ class Reader:
         deliver = self._deliver
         last = None
         try:
-            for token, rows in group(updates):
+            for token, rows in facts:
                 if self._stopping:
                     raise Stopping()
                 result = deliver(token, rows)
@@ -283,20 +284,6 @@ class Reader:
         if self._retry is not None and self._retry.active():
             self._retry.cancel()
         self._retry = None
-
-
-def group(updates: List[Update]):
-    """``(token, rows)`` per fact from ``(token, row)`` pairs."""
-    current = None
-    rows: List[list] = []
-    for token, row in updates:
-        if token != current and rows:
-            yield current, rows
-            rows = []
-        current = token
-        rows.append(row)
-    if rows:
-        yield current, rows
 
 
 def _resolved(result):

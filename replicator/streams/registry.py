@@ -23,11 +23,9 @@ class StreamRegistry:
     """
 
     def __init__(self, db: Database, instance_name: str, streams: Sequence[StreamConfig],
-                 key_prefix: str = "streams", call_from_thread=None, reactor=None):
+                 key_prefix: str = "streams", call_from_thread=None, *, reactor):
         self.db = db
         self.instance_name = instance_name
-        if reactor is None:  # tests that build a registry on their own
-            from twisted.internet import reactor
         #: The reactor every stream (and the handler over them) runs on.
         self.reactor = reactor
         if call_from_thread is None:

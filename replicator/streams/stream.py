@@ -12,11 +12,16 @@ ID whose rows could still appear.
 Reading (:meth:`Stream.updates_since`) returns the rows of one writer between
 two tokens in ascending token order; it is what both the RDATA fan-out and a
 reader's catch-up use.
+
+This module ties the parts together on the reactor thread: who goes into
+which transaction (:mod:`.group`), the transaction's statements
+(:mod:`.writes`), the ID generator (:mod:`.idgen`), facts kept in memory
+for the fan-out (:mod:`.recent`), pages read back from the table
+(:mod:`.pages`), and persisting positions in the background.
 """
 
 import time
-import weakref
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -28,24 +33,18 @@ from ..storage import schema
 from ..storage.database import Database
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
-from .rows import RowCodec, reader
+from .pages import FactPage, Page, PageQuery, group
+from .recent import RecentFacts
+from .rows import RowCodec
+from .writes import PreparedFacts, TxnHook, WriteTransaction
 
 log = Logger()
 
 Update = Tuple[int, list]
 #: Facts in one write transaction at most (``database.write_group_max``).
 DEFAULT_GROUP_MAX = 256
-TxnHook = Callable[[Any, int], None]
 #: An RDATA line's length is estimated with a token of this many digits.
 TOKEN_DIGITS = 20
-
-
-class PreparedFacts(NamedTuple):
-    """Facts checked by :meth:`Stream.prepare`, ready to write."""
-
-    writer: str
-    wire: List[List[list]]
-    params: List[List[list]]
 
 
 class Fact:
@@ -112,8 +111,8 @@ class Stream:
         self.local_writers = list(local_writers)
         self.id_gen: Optional[StreamIdGenerator] = None
         self._call_from_thread = call_from_thread
-        self._sqlite_last = 0  # SQLite: the in-process sequence's last value
-        self._shape = reader(config.columns, db.is_postgres)
+        self._txn = WriteTransaction(config, db)
+        self._pages = PageQuery(config, db)
         self._codec = RowCodec(config.columns)
         self._persist_delay = persist_delay
         self._facts_written = metrics.FACTS_WRITTEN.labels(self.name)
@@ -122,50 +121,19 @@ class Stream:
         self._group_size = metrics.WRITE_GROUP_SIZE.labels(self.name)
         self._group_max = getattr(db.config, "write_group_max", DEFAULT_GROUP_MAX)
         self._groups: Dict[str, WriteGroups] = {}
-        # Facts completed by local writers, kept until fanned out: the
-        # fan-out reads them from here instead of back from the database.
-        self._recent: Dict[str, Dict[int, List[list]]] = {}
-        self._recent_floor: Dict[str, int] = {}
-        self._recent_unknown: Dict[str, set] = {}  # failed writes: ask the table
-        self._persist_call = None
-        self._persisting: Optional[defer.Deferred] = None
         # One writer, and it writes here: every ID of the sequence is ours,
         # so one we never reserved is a fact written behind our back.
-        self._sole_writer = len(config.writers) == 1 and self.local_writers == list(config.writers)
+        sole_writer = len(config.writers) == 1 and self.local_writers == list(config.writers)
+        # Facts completed by local writers, kept until fanned out: the
+        # fan-out reads them from here instead of back from the database.
+        self.recent = RecentFacts(self.local_writers, sole_writer)
+        self._persist_call = None
+        self._persisting: Optional[defer.Deferred] = None
         self._foreign_facts = metrics.FOREIGN_FACTS.labels(self.name)
         self._foreign_burst: set = set()  # writers in a burst of foreign facts (logged)
-        # Database connections whose sequence check ran (see
-        # _sequence_past_positions); a reconnect makes a new connection.
-        self._sequence_checked: "weakref.WeakSet" = weakref.WeakSet()
         self._clock = clock  # the instance's reactor, from the registry
-        self._build_sql()
 
     # ------------------------------------------------------------- startup
-    def _build_sql(self) -> None:
-        c = self.config
-        sql = self.db.sql
-        cols = [c.id_column] + ([c.writer_column] if c.writer_column else []) + c.column_names
-        self._insert_cols = ", ".join(cols)
-        marks = ["%s"] * (2 if c.writer_column else 1)
-        for column in c.columns:
-            marks.append("%s::jsonb" if column.type == "json" and self.db.is_postgres else "%s")
-        self._row_marks = "(" + ", ".join(marks) + ")"
-        self._insert_one = sql(f"INSERT INTO {c.table} ({self._insert_cols}) VALUES {self._row_marks}")
-        self._upsert = sql(schema.upsert_position_sql(self.db.greatest))
-        order = "ctid" if self.db.is_postgres else "rowid"
-        where = f"{c.writer_column} = %s AND " if c.writer_column else ""
-        select = f"SELECT {c.id_column}, {', '.join(c.column_names)} FROM {c.table}"
-        self._select_range = sql(
-            f"{select} WHERE {where}{c.id_column} > %s AND {c.id_column} <= %s "
-            f"ORDER BY {c.id_column}, {order} LIMIT %s"
-        )
-        self._select_one = sql(
-            f"{select} WHERE {where}{c.id_column} = %s ORDER BY {order}"
-        )
-        self._insert_head = f"INSERT INTO {c.table} ({self._insert_cols}) VALUES "
-        self._nextval = f"SELECT nextval('{c.sequence}')"
-        self._nextval_many = f"SELECT nextval('{c.sequence}') FROM generate_series(1, %s)"
-
     def load(self, txn, has_positions: bool = True) -> None:
         """Positions from the database; nothing is in flight (pool thread).
 
@@ -193,14 +161,14 @@ class Stream:
         if self.db.is_postgres and self.local_writers:
             current = schema.sequence_value(txn, c.sequence)
             if current < top:
-                self._move_sequence(txn, current, top)
+                self._txn.move_sequence(txn, current, top)
                 log.warn(
                     "stream {stream}: sequence {seq} was at {current}, behind the "
                     "table's {top}; moved it to {top}",
                     stream=self.name, seq=c.sequence, current=current, top=top,
                 )
         elif not self.db.is_postgres:
-            self._sqlite_last = top
+            self._txn.sqlite_last = top
         self.id_gen = StreamIdGenerator(
             self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
         )
@@ -210,9 +178,6 @@ class Stream:
                 lambda group, w=w: self._run_group(w, group),
                 lambda group, outcome, w=w: self._group_done(w, group, outcome),
                 self._group_max)
-            self._recent[w] = {}
-            self._recent_floor[w] = positions[w]
-            self._recent_unknown[w] = set()
 
     # ------------------------------------------------------------- writing
     def writer(self, writer: Optional[str] = None) -> Fact:
@@ -279,10 +244,7 @@ class Stream:
             return
         self._group_size.observe(sum(len(w.facts) for w in writes))
         try:
-            if self.db.is_postgres:
-                self._write_postgres(txn, writer, writes, group.reserved)
-            else:
-                self._write_sqlite(txn, writer, writes, group.reserved)
+            self._txn.write(txn, self.id_gen, writer, writes, group.reserved)
         except BaseException:
             raise StatementFailed(Failure())
 
@@ -292,7 +254,7 @@ class Stream:
         if not isinstance(outcome, Failure):
             now = time.monotonic()
             for w in group.writes:
-                self._remember(writer, w.ids, w.wire)
+                self.recent.remember(writer, w.ids, w.wire)
             if group.reserved:
                 gen.complete_many(writer, group.reserved)
                 self._facts_written.inc(len(group.reserved))
@@ -303,7 +265,7 @@ class Stream:
         if group.reserved:
             # Rolled back (or, with the connection lost while committing,
             # perhaps committed): only the table knows; readers never wait.
-            self._remember(writer, group.reserved, None)
+            self.recent.remember(writer, group.reserved, None)
             gen.complete_many(writer, group.reserved)
             self._facts_rolled_back.inc(len(group.reserved))
         in_statements = outcome.check(StatementFailed) is not None
@@ -315,190 +277,23 @@ class Stream:
         for w in group.writes:
             w.deferred.errback(cause)
 
-    def _write_postgres(self, txn, writer, writes, reserved) -> List[int]:
-        """``nextval`` (n of them, in order) in one round trip, then the rows
-        and the writer's position in one batch of statements; the pool commits.
-        """
-        gen = self.id_gen
-        connection = txn.connection
-        if connection not in self._sequence_checked:
-            self._sequence_past_positions(txn)
-            self._sequence_checked.add(connection)
-        n = sum(len(w.facts) for w in writes)
-        gen.begin_reservation()
-        try:
-            if n == 1:
-                txn.execute(self._nextval)
-                ids = [txn.fetchone()[0]]
-            else:
-                txn.execute(self._nextval_many, (n,))
-                ids = sorted(r[0] for r in txn.fetchall())
-        except BaseException:
-            gen.abort_reservation()
-            raise
-        # Only IDs the generator accepted are ours to complete if this fails.
-        gen.reserved(writer, ids)
-        reserved.extend(ids)
-        self._hand_out(txn, writes, ids)
-        with_writer = self.config.writer_column is not None
-        params: List[Any] = []
-        count = 0
-        for w in writes:
-            for stream_id, rows in zip(w.ids, w.facts):
-                for row in rows:
-                    params.append(stream_id)
-                    if with_writer:
-                        params.append(writer)
-                    params.extend(row)
-                    count += 1
-        statements = []
-        if count:
-            statements.append(self._insert_head + ", ".join([self._row_marks] * count))
-        if self._persist_in_transaction(writer, ids):
-            statements.append(self._upsert)
-            params += [self.name, writer, gen.prospective_token(writer, ids)]
-        if statements:
-            txn.execute("; ".join(statements), params)
-        return ids
-
-    @staticmethod
-    def _hand_out(txn, writes, ids) -> None:
-        """Give each write its IDs (in arrival order) and run its hooks."""
-        i = 0
-        for w in writes:
-            w.ids = ids[i:i + len(w.facts)]
-            i += len(w.facts)
-            for hook in w.hooks:
-                for stream_id in w.ids:
-                    hook(txn, stream_id)
-
-    #: Above this many values behind, the sequence is moved with ``setval``
-    #: instead of by taking values (which never moves it backwards).
-    SEQUENCE_CATCH_UP_MAX = 100_000
-
-    def _sequence_past_positions(self, txn) -> None:
-        """Before the first ``nextval`` on a database connection: move the
-        sequence past every ID this instance knows (its writers' positions
-        included), never backwards.
-
-        PostgreSQL can hand out again, after a crash restart, a value that
-        went to a transaction which never committed; our writer may already
-        have announced a position past it.  Every connection after a
-        reconnect is a new one, so this runs before any write after a
-        crash (as the check at startup does).
-        """
-        floor = self.id_gen.get_max_known()
-        current = schema.sequence_value(txn, self.config.sequence)
-        if current >= floor:
-            return
-        self._move_sequence(txn, current, floor)
-        metrics.SEQUENCE_MOVED.labels(self.name).inc()
-        log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
-                 "positions (up to {floor}) on a new database connection; moved it past",
-                 stream=self.name, seq=self.config.sequence, current=current, floor=floor)
-
-    def _move_sequence(self, txn, current: int, floor: int) -> None:
-        """Move the sequence from ``current`` to at least ``floor`` by taking
-        values, which never moves it backwards even if other connections
-        take values meanwhile (``setval`` could); ``setval`` only for a gap
-        above ``SEQUENCE_CATCH_UP_MAX``."""
-        if floor - current <= self.SEQUENCE_CATCH_UP_MAX:
-            txn.execute(f"SELECT max(nextval('{self.config.sequence}')) "
-                        "FROM generate_series(1, %s)", (floor - current,))
-        else:
-            txn.execute("SELECT setval(%s, %s)", (self.config.sequence, floor))
-
-    def _persist_in_transaction(self, writer: str, ids: List[int]) -> bool:
-        """Persist the position with the fact unless other writes of this
-        writer are in flight: they would queue on the position row's lock
-        until each commit.  Then the background persist, which follows every
-        advance, writes it (the table only ever holds a lower bound)."""
-        return self.id_gen.in_flight(writer) == len(ids)
-
-    def _write_sqlite(self, txn, writer, writes, reserved) -> List[int]:
-        n = sum(len(w.facts) for w in writes)
-        first = self._sqlite_last + 1
-        ids = list(range(first, first + n))
-        self._sqlite_last = first + n - 1  # consumed even if this rolls back
-        self.id_gen.reserved(writer, ids, pending=False)
-        reserved.extend(ids)
-        with_writer = self.config.writer_column is not None
-        rows = []
-        i = 0
-        for w in writes:
-            for fact_rows in w.facts:
-                stream_id = ids[i]
-                i += 1
-                for row in fact_rows:
-                    rows.append([stream_id, writer, *row] if with_writer else [stream_id, *row])
-        if rows:
-            txn.executemany(self._insert_one, rows)
-        self._hand_out(txn, writes, ids)
-        position = self.id_gen.prospective_token(writer, ids)
-        txn.execute(self._upsert, (self.name, writer, position))
-        return ids
-
     # ------------------------------------------------------ recent facts
-    RECENT_MAX = 50_000
-    keep_recent = False
-
     def keep_recent_facts(self) -> None:
         """Keep completed facts in memory until :meth:`forget` (called by
         whoever fans them out: the replication handler); from now on, so
         memory only ever answers for what it saw complete."""
-        for w in self.local_writers:
-            self._recent[w].clear()
-            self._recent_unknown[w].clear()
-            self._recent_floor[w] = self.id_gen.get_current_token(w)
-        self.keep_recent = True
-
-    def _remember(self, writer: str, ids: List[int], wire: Optional[List[List[list]]]) -> None:
-        if not self.keep_recent:
-            return
-        recent = self._recent[writer]
-        if wire is None:
-            # A failed write: rolled back, or (connection lost during COMMIT)
-            # perhaps committed after all. Only the table knows.
-            self._recent_unknown[writer].update(ids)
-        else:
-            for stream_id, rows in zip(ids, wire):
-                recent[stream_id] = rows
-        if len(recent) > self.RECENT_MAX:
-            keep = sorted(recent)[len(recent) // 2:]
-            self.forget(writer, keep[0] - 1)
+        self.recent.start({w: self.id_gen.get_current_token(w) for w in self.local_writers})
 
     def forget(self, writer: str, upto: int) -> None:
         """Facts of ``writer`` up to ``upto`` were fanned out: drop them."""
-        recent = self._recent.get(writer)
-        if recent is None or upto <= self._recent_floor[writer]:
-            return
-        for stream_id in [i for i in recent if i <= upto]:
-            del recent[stream_id]
-        unknown = self._recent_unknown[writer]
-        if unknown:
-            unknown.difference_update([i for i in unknown if i <= upto])
-        self._recent_floor[writer] = upto
+        self.recent.forget(writer, upto)
 
-    def _recent_updates(self, writer, from_token, to_token, limit):
+    def _recent_updates(self, writer, from_token, to_token, limit) -> Optional[Page]:
         """``updates_since`` from memory, or None if memory cannot answer."""
-        recent = self._recent.get(writer)
-        if recent is None or not self.keep_recent or from_token < self._recent_floor[writer] \
-                or to_token > self.id_gen.get_current_token(writer) \
-                or any(from_token < i <= to_token for i in self._recent_unknown[writer]):
+        if writer not in self.local_writers:
             return None
-        ids = sorted(i for i in recent if from_token < i <= to_token)
-        if self._sole_writer and len(ids) < to_token - from_token:
-            return None  # an ID we never reserved: foreign, only the table knows
-        updates: List[Update] = []
-        upto = to_token
-        limited = False
-        for stream_id in ids:
-            rows = recent[stream_id]
-            if updates and len(updates) + len(rows) > limit:
-                upto, limited = updates[-1][0], True
-                break
-            updates.extend((stream_id, row) for row in rows)
-        return updates, upto, limited
+        return self.recent.updates(writer, from_token, to_token, limit,
+                                   self.id_gen.get_current_token(writer))
 
     # ------------------------------------------------------------- reading
     async def updates_since(
@@ -521,19 +316,36 @@ class Stream:
         answer = await self.db.runInteraction(
             self._updates_txn, writer, from_token, to_token, max(1, limit)
         )
-        self._check_foreign(writer, from_token, answer[0])
+        self._check_foreign(writer, from_token, [t for t, _ in answer[0]])
         return answer
 
-    def _check_foreign(self, writer: str, from_token: int, updates: List[Update]) -> None:
+    async def facts_since(
+        self, writer: str, from_token: int, to_token: int, limit: int = 1000
+    ) -> FactPage:
+        """:meth:`updates_since` as whole facts: ``(facts, upto_token,
+        limited)``, ``facts`` being ``(token, rows)`` in token order (a
+        reader's catch-up pages)."""
+        if to_token <= from_token:
+            return [], to_token, False
+        answer = self._recent_updates(writer, from_token, to_token, max(1, limit))
+        if answer is not None:
+            if writer in self._foreign_burst:
+                self._foreign_burst.discard(writer)
+            updates, upto, limited = answer
+            return group(updates), upto, limited
+        answer = await self.db.runInteraction(
+            self._pages.read_facts, writer, from_token, to_token, max(1, limit)
+        )
+        self._check_foreign(writer, from_token, [t for t, _ in answer[0]])
+        return answer
+
+    def _check_foreign(self, writer: str, from_token: int, tokens: List[int]) -> None:
         """Report facts of the sole (local) writer under IDs this instance
         never reserved: written behind its back (e.g. by SQL).  They are
         delivered like any other; one log line per burst, and a metric."""
-        recent = self._recent.get(writer)
-        if not self._sole_writer or recent is None or not self.keep_recent \
-                or from_token < self._recent_floor[writer]:
+        foreign = self.recent.foreign(writer, from_token, tokens)
+        if foreign is None:
             return
-        unknown = self._recent_unknown[writer]
-        foreign = sorted({t for t, _ in updates if t not in recent and t not in unknown})
         if not foreign:
             self._foreign_burst.discard(writer)
             return
@@ -545,30 +357,8 @@ class Stream:
                      "go through the library or the HTTP API: others can be passed over "
                      "while uncommitted", stream=self.name, first=foreign[0], n=len(foreign))
 
-    def _updates_txn(self, txn, writer, from_token, to_token, limit):
-        prefix = (writer,) if self.config.writer_column else ()
-        txn.execute(self._select_range, prefix + (from_token, to_token, limit + 1))
-        rows = txn.fetchall()
-        limited = len(rows) > limit
-        if limited:
-            last = rows[limit - 1][0]
-            if rows[limit][0] == last:
-                kept = [r for r in rows[:limit] if r[0] != last]
-                if not kept:
-                    txn.execute(self._select_one, prefix + (last,))
-                    kept = txn.fetchall()
-                rows = kept
-            else:
-                rows = rows[:limit]
-            upto = rows[-1][0]
-        else:
-            upto = to_token
-        shape = self._shape
-        if shape is None:
-            updates = [(r[0], list(r[1:])) for r in rows]
-        else:
-            updates = [(r[0], shape(r[1:])) for r in rows]
-        return updates, upto, limited
+    def _updates_txn(self, txn, writer, from_token, to_token, limit) -> Page:
+        return self._pages.read(txn, writer, from_token, to_token, limit)
 
     # ---------------------------------------------------------- persisting
     def _on_advance(self, writer: str, old: int, new: int) -> None:
@@ -581,7 +371,7 @@ class Stream:
 
         def txn_fn(txn):
             for p in positions:
-                txn.execute(self._upsert, p)
+                txn.execute(self._txn.upsert, p)
 
         d = self.db.runInteraction(txn_fn)
         d.addErrback(lambda f: log.failure("stream {stream}: persisting positions failed",
@@ -606,5 +396,5 @@ class Stream:
         SQLite: the in-process counter (every writer is in this process).
         """
         if not self.db.is_postgres:
-            return self._sqlite_last
+            return self._txn.sqlite_last
         return await self.db.runInteraction(schema.sequence_value, self.config.sequence)

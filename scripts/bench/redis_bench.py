@@ -426,7 +426,7 @@ class Writer:
     async def start(self):
         self.db = Database(parse_database({"postgres": self.dsn, "pool_min": 1,
                                            "pool_max": E2E_LOOPS + 1}))
-        self.registry = StreamRegistry(self.db, WRITER, STREAMS)
+        self.registry = StreamRegistry(self.db, WRITER, STREAMS, reactor=reactor)
         await self.registry.start()
         self.handler = ReplicationHandler(self.registry, WRITER, SERVER_NAME)
         self.handler.start()
@@ -494,7 +494,7 @@ async def writes_alone(dsn, seconds):
     """The same loops on a registry of their own (same database), with no
     handler and no Redis: what the write path alone does now (facts/s)."""
     db = Database(parse_database({"postgres": dsn, "pool_min": 1, "pool_max": E2E_LOOPS}))
-    registry = StreamRegistry(db, WRITER, ALONE)
+    registry = StreamRegistry(db, WRITER, ALONE, reactor=reactor)
     await registry.start()
     try:
         written, txns = [0], [0]

@@ -15,7 +15,7 @@ import random
 import time
 
 import psycopg2
-from twisted.internet import defer
+from twisted.internet import defer, reactor
 
 from common import rate, record
 from replicator.config import parse_database, parse_streams
@@ -138,7 +138,7 @@ async def alternating(raw, ours_fn, n):
 
 async def run_pg(dsn):
     db = Database(parse_database({"postgres": dsn, "pool_min": 1, "pool_max": 1}))
-    registry = StreamRegistry(db, "master", parse_streams([STREAM]))
+    registry = StreamRegistry(db, "master", parse_streams([STREAM]), reactor=reactor)
     await registry.start()
     try:
         # Warm both paths up once.

@@ -1075,7 +1075,7 @@ PHASES = ("rdata", "latency", "e2e", "congestion")
 async def run(dsn, only=PHASES):
     """Every TCP figure, on the PostgreSQL database ``dsn`` (fsync on)."""
     db = Database(parse_database({"postgres": dsn, "pool_min": 1, "pool_max": E2E_LOOPS + 1}))
-    registry = StreamRegistry(db, WRITER, STREAMS)
+    registry = StreamRegistry(db, WRITER, STREAMS, reactor=reactor)
     await registry.start()
     try:
         if "rdata" in only:

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from typing import List, Optional
 
-from twisted.internet import defer
+from twisted.internet import defer, reactor
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -164,7 +164,7 @@ class LinesFuzzer:
             # The tables of the streams others write (a reader creates none).
             create_sqlite_stream_tables(path, streams)
             db = Database(parse_database({"sqlite": path}))
-            registry = StreamRegistry(db, name, streams)
+            registry = StreamRegistry(db, name, streams, reactor=reactor)
             await registry.start()
             self.registries[name] = (db, registry)
         self.consumer = CheckingConsumer(self.columns)

@@ -1,0 +1,179 @@
+"""The typed configuration: frozen dataclasses, one per section, built only
+by the parsers of this package (their values are already checked)."""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+#: The table the replicator keeps positions in.
+POSITIONS_TABLE = "stream_positions"
+COLUMN_TYPES = ("text", "bigint", "boolean", "json")
+LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
+
+
+@dataclass(frozen=True)
+class ColumnConfig:
+    """One column of a stream's RDATA row, in wire order."""
+
+    name: str
+    type: str  # one of COLUMN_TYPES
+    nullable: bool = False
+    # A json column stored as JSON text in a TEXT column (Synapse's tables;
+    # presets only): decoded when read.
+    json_text: bool = False
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """A stream: its backing table and who writes it.
+
+    ``writer_column`` is None for a table without one (then the stream must
+    have exactly one writer).  ``sequence`` defaults to ``<table>_seq``.
+    """
+
+    name: str
+    table: str
+    id_column: str
+    writer_column: Optional[str]
+    columns: Tuple[ColumnConfig, ...]
+    sequence: str
+    writers: Tuple[str, ...]
+    timestamp_column: Optional[str] = None
+    create: bool = True
+    preset: Optional[str] = None  # e.g. "synapse/caches": a Synapse stream, read-only
+    # The stream_name of its rows in stream_positions when it is not ``name``
+    # (Synapse's presets: its ID generator's name, e.g. "presence_stream").
+    positions_name: Optional[str] = None
+
+    @property
+    def positions_key(self) -> str:
+        """The ``stream_name`` of this stream's ``stream_positions`` rows."""
+        return self.positions_name or self.name
+
+    @property
+    def column_names(self) -> List[str]:
+        return [c.name for c in self.columns]
+
+
+@dataclass(frozen=True)
+class DatabaseConfig:
+    """Where the streams live: ``engine`` is ``sqlite`` or ``postgres``."""
+
+    engine: str
+    path: Optional[str] = None  # sqlite
+    dsn: Optional[str] = None  # postgres
+    pool_min: int = 1
+    pool_max: int = 5
+    write_group_max: int = 256  # facts per write transaction (group commit)
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """Replication through Redis pub/sub instead of (or beside) TCP."""
+
+    endpoint: str
+    password: Optional[str] = None
+    dbid: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ReplicationConfig:
+    """How this instance joins replication.
+
+    ``listen``: endpoint string the master accepts workers on.
+    ``upstream``: endpoint string a worker connects to.
+    """
+
+    listen: Optional[str] = None
+    upstream: Optional[str] = None
+    redis: Optional[RedisConfig] = None
+    client_ca: Optional[str] = None  # ssl: listener: require client certs from this CA
+    ping_interval: float = 5.0
+    ping_timeout: float = 15.0
+    max_queued_lines: int = 10_000
+    max_queued_bytes: int = 16 * 1024 * 1024
+    max_line_length: int = 16_384
+    idle_timeout: float = 60.0
+    max_connections: int = 256
+    reconnect_initial_delay: float = 0.5
+    reconnect_max_delay: float = 30.0
+    fetch_limit: int = 1000
+    fanout_interval: float = 0.003
+    max_batch_rows: int = 10_000  # rows of one fact received as a batch
+    max_batch_bytes: int = 16 << 20  # bytes of the lines of one partial batch
+    # Who may connect (README, "Security model"); None: anyone.
+    allowed_peers: Optional[Tuple[str, ...]] = None
+    allowed_networks: Optional[Tuple[str, ...]] = None
+    # Bounds of the USER_SYNC / USER_IP / FEDERATION_ACK bookkeeping.
+    max_user_syncs: int = 50_000
+    max_user_ips: int = 20_000
+    max_federation_acks: int = 1_000
+    bookkeeping_max_age: float = 86_400.0
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """The HTTP API: write facts, positions, health, metrics."""
+
+    listen: Optional[str] = None
+    # With secret_file, None until validate() has read it.
+    secret: Optional[str] = field(default=None, repr=False)
+    metrics_listen: Optional[str] = None  # host:port served from its own thread
+    secret_file: Optional[str] = None  # the file validate() reads the secret from
+    # A request's headers must arrive within header_timeout seconds of its
+    # first byte (or of the connection opening), its body within
+    # body_timeout of its headers; at most max_connections at once.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 256
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """What ``/health`` tolerates: a lag, an unreceived committed fact or a
+    writer never heard of is a problem once it has lasted ``lag_grace``
+    seconds; the database is asked for unreceived facts every
+    ``check_interval`` seconds."""
+
+    lag_grace: float = 10.0
+    check_interval: float = 5.0
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """One consumer: ``type`` is a built-in name, an entry point name of the
+    ``replicator.consumers`` group, or a dotted path ``package.module:Class``."""
+
+    type: str
+    streams: Optional[Tuple[str, ...]] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SynapseConfig:
+    """A Synapse shares this deployment (README, "Beside Synapse").
+
+    ``server_name``: Synapse's; its Redis channel is ``<server_name>``.
+    ``database``/``redis``: its database DSN and Redis endpoint, the
+    defaults of ``database.postgres`` and ``replication.redis``.
+    """
+
+    server_name: str
+    database: Optional[str] = None
+    redis: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """Everything one instance needs, validated."""
+
+    server_name: str
+    instance_name: str
+    database: DatabaseConfig
+    streams: Tuple[StreamConfig, ...]
+    replication: ReplicationConfig
+    http: HttpConfig
+    consumers: Tuple[ConsumerConfig, ...] = ()
+    log_level: str = "info"
+    health: HealthConfig = HealthConfig()
+    path: Optional[str] = None
+    synapse: Optional[SynapseConfig] = None

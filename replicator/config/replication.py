@@ -1,0 +1,120 @@
+"""The ``replication`` section: listeners, upstream, Redis, limits, who may
+connect."""
+
+from typing import Any, Mapping, Optional, Tuple
+
+from .endpoints import get_endpoint
+from .fields import (ConfigError, as_mapping, get_int, get_list, get_names,
+                     get_number, get_path, get_str, kind_of, no_unknown)
+from .model import RedisConfig, ReplicationConfig
+
+
+def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
+    if value is None:
+        return None
+    section = as_mapping(value, key)
+    no_unknown(section, ("endpoint", "password", "dbid"), key)
+    endpoint = get_endpoint(section, "endpoint", key, "client")
+    if endpoint is None:
+        raise ConfigError(f"{key}.endpoint", "missing")
+    dbid = get_int(section, "dbid", key, None, minimum=0, maximum=65535)
+    return RedisConfig(endpoint, get_str(section, "password", key, None), dbid)
+
+
+def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:
+    if section.get("allowed_peers") is None:
+        return None
+    return get_names(section, "allowed_peers", key, "an empty list would refuse every peer")
+
+
+def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
+                      ) -> Optional[Tuple[str, ...]]:
+    if section.get("allowed_networks") is None:
+        return None
+    import ipaddress
+
+    networks = get_list(section, "allowed_networks", key,
+                        empty="an empty list would refuse every peer")
+    for i, network in enumerate(networks):
+        path = f"{key}.allowed_networks[{i}]"
+        if not isinstance(network, str):
+            raise ConfigError(path, f"expected a network like 10.0.0.0/8, got {kind_of(network)}")
+        try:
+            ipaddress.ip_network(network)
+        except ValueError as e:
+            raise ConfigError(path, str(e).replace("\n", " ")) from None
+    if listen is not None and not listen.startswith(("tcp", "ssl")):
+        raise ConfigError(f"{key}.allowed_networks", "needs a tcp: or ssl: listener")
+    return tuple(networks)
+
+
+def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig:
+    section = as_mapping(value if value is not None else {}, key)
+    no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
+                          "ping_timeout", "max_queued_lines", "max_line_length", "fetch_limit",
+                          "fanout_interval", "allowed_peers", "allowed_networks",
+                          "max_user_syncs", "max_user_ips", "max_federation_acks",
+                          "bookkeeping_max_age", "max_queued_bytes", "idle_timeout",
+                          "max_connections", "reconnect_initial_delay",
+                          "reconnect_max_delay", "max_batch_rows", "max_batch_bytes"), key)
+    ping_interval = get_number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
+    ping_timeout = get_number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
+    if ping_timeout <= ping_interval:
+        raise ConfigError(f"{key}.ping_timeout",
+                          f"must be longer than ping_interval ({ping_interval:g}s)")
+    listen = get_endpoint(section, "listen", key, "server")
+    client_ca = get_path(section, "client_ca", key, None)
+    # Its file is read in validate().
+    if client_ca is not None and (listen is None or not listen.startswith("ssl:")):
+        raise ConfigError(f"{key}.client_ca", "needs an ssl: listener in replication.listen")
+    max_line_length = get_int(section, "max_line_length", key, 16_384, minimum=1024,
+                           maximum=16 << 20)
+    max_batch_rows = get_int(section, "max_batch_rows", key, 10_000, minimum=1,
+                          maximum=1_000_000)
+    max_batch_bytes = get_int(section, "max_batch_bytes", key, 16 << 20, minimum=65536,
+                           maximum=1 << 30)
+    if max_batch_bytes <= max_line_length:
+        raise ConfigError(f"{key}.max_batch_bytes",
+                          f"must be larger than max_line_length ({max_line_length})")
+    max_queued_bytes = get_int(section, "max_queued_bytes", key, 16 << 20, minimum=64 << 10,
+                            maximum=2 << 30)
+    if max_queued_bytes <= max_line_length:
+        raise ConfigError(f"{key}.max_queued_bytes",
+                          f"must be more than max_line_length ({max_line_length})")
+    initial_delay = get_number(section, "reconnect_initial_delay", key, 0.5, minimum=0.01,
+                            maximum=60)
+    max_delay = get_number(section, "reconnect_max_delay", key, 30.0, minimum=0.01,
+                           maximum=3600)
+    if max_delay < initial_delay:
+        raise ConfigError(f"{key}.reconnect_max_delay",
+                          f"must be at least reconnect_initial_delay ({initial_delay:g}s)")
+    return ReplicationConfig(
+        listen=listen,
+        client_ca=client_ca,
+        upstream=get_endpoint(section, "upstream", key, "client"),
+        redis=parse_redis(section.get("redis"), f"{key}.redis"),
+        ping_interval=ping_interval,
+        ping_timeout=ping_timeout,
+        max_queued_lines=get_int(section, "max_queued_lines", key, 10_000, minimum=1,
+                              maximum=10_000_000),
+        max_line_length=max_line_length,
+        max_queued_bytes=max_queued_bytes,
+        idle_timeout=get_number(section, "idle_timeout", key, 60.0, minimum=1, maximum=86_400),
+        max_connections=get_int(section, "max_connections", key, 256, minimum=1, maximum=65_536),
+        reconnect_initial_delay=initial_delay,
+        reconnect_max_delay=max_delay,
+        fetch_limit=get_int(section, "fetch_limit", key, 1000, minimum=1, maximum=100_000),
+        fanout_interval=get_number(section, "fanout_interval", key, 0.003, minimum=0,
+                                maximum=1),
+        allowed_peers=_allowed_peers(section, key),
+        allowed_networks=_allowed_networks(section, key, listen),
+        max_user_syncs=get_int(section, "max_user_syncs", key, 50_000, minimum=1,
+                            maximum=10_000_000),
+        max_user_ips=get_int(section, "max_user_ips", key, 20_000, minimum=1, maximum=10_000_000),
+        max_federation_acks=get_int(section, "max_federation_acks", key, 1_000, minimum=1,
+                                 maximum=100_000),
+        bookkeeping_max_age=get_number(section, "bookkeeping_max_age", key, 86_400.0,
+                                    minimum=60, maximum=31_536_000),
+        max_batch_rows=max_batch_rows,
+        max_batch_bytes=max_batch_bytes,
+    )

@@ -1,0 +1,213 @@
+"""The ``database`` and ``streams`` sections (and Synapse presets): what every
+component shares."""
+
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from .fields import (IDENTIFIER, WIRE_NAME, ConfigError, as_mapping, get_bool, get_int,
+                     get_list, get_names, get_path, get_str, kind_of, no_unknown, sql_name)
+from .model import COLUMN_TYPES, POSITIONS_TABLE, ColumnConfig, DatabaseConfig, StreamConfig
+
+#: Database connections (each one a pool thread and a server process).
+MAX_POOL = 100
+#: Facts in one group-commit transaction (its INSERT's parameters grow with it).
+MAX_WRITE_GROUP = 10_000
+
+
+def parse_database(value: Any, key: str = "database") -> DatabaseConfig:
+    section = as_mapping(value, key)
+    if "sqlite" in section and "postgres" in section:
+        raise ConfigError(key, "give either sqlite or postgres, not both")
+    no_unknown(section, ("sqlite", "postgres", "pool_min", "pool_max", "write_group_max"), key)
+    pool_min = get_int(section, "pool_min", key, 1, minimum=1, maximum=MAX_POOL)
+    pool_max = get_int(section, "pool_max", key, 5, minimum=1, maximum=MAX_POOL)
+    group = get_int(section, "write_group_max", key, 256, minimum=1, maximum=MAX_WRITE_GROUP)
+    if pool_max < pool_min:
+        raise ConfigError(f"{key}.pool_max", f"must be at least pool_min ({pool_min})")
+    if "sqlite" in section:
+        path = get_path(section, "sqlite", key)
+        return DatabaseConfig("sqlite", path=path, pool_min=1, pool_max=1,
+                              write_group_max=group)
+    if "postgres" in section:
+        dsn = get_str(section, "postgres", key)
+        _check_dsn(dsn, f"{key}.postgres")
+        return DatabaseConfig("postgres", dsn=dsn, pool_min=pool_min, pool_max=pool_max,
+                              write_group_max=group)
+    raise ConfigError(key, "missing: give sqlite: PATH or postgres: DSN")
+
+
+def _check_dsn(dsn: str, path: str) -> None:
+    """A libpq connection string libpq can parse (its text is never quoted
+    back: it may hold a password)."""
+    try:
+        import psycopg2
+        from psycopg2.extensions import parse_dsn
+    except ImportError:  # checked when connecting instead
+        return
+    try:
+        parse_dsn(dsn)
+    except psycopg2.Error:
+        raise ConfigError(path, "is not a valid connection string (key=value pairs or a "
+                                "postgresql:// URI)") from None
+
+
+def parse_column(value: Any, key: str) -> ColumnConfig:
+    if not isinstance(value, Mapping) or len(value) != 1:
+        raise ConfigError(key, "expected one 'name: type' pair")
+    (name, type_), = value.items()
+    if not isinstance(name, str) or not IDENTIFIER.fullmatch(name):
+        raise ConfigError(key, f"{name!r} is not a valid column name")
+    sql_name(name, key)
+    if not isinstance(type_, str):
+        raise ConfigError(f"{key}.{name}", f"expected a type name, got {kind_of(type_)}")
+    nullable = type_.endswith("?")
+    base = type_[:-1] if nullable else type_
+    if base not in COLUMN_TYPES:
+        raise ConfigError(
+            f"{key}.{name}",
+            f"unknown type {type_!r} (one of {', '.join(COLUMN_TYPES)}, '?' for nullable)",
+        )
+    return ColumnConfig(name, base, nullable)
+
+
+STREAM_KEYS = (
+    "name", "table", "id_column", "writer_column", "columns", "sequence",
+    "writers", "timestamp_column", "create", "preset",
+)
+#: What a preset fills in (and a config with ``preset:`` may not give).
+PRESET_KEYS = ("table", "id_column", "writer_column", "columns", "sequence", "create")
+
+
+def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset, Optional[str]]:
+    """The stream section with its preset's layout filled in; the preset's
+    name; the columns stored as JSON text."""
+    from .. import synapse
+
+    preset = get_str(section, "preset", key)
+    path = f"{key}.preset"
+    kind, _, name = preset.partition("/")
+    if kind != "synapse" or not name:
+        raise ConfigError(path, f"unknown preset {preset!r} (presets: "
+                                f"{', '.join('synapse/' + n for n in synapse.PRESETS)})")
+    if name in synapse.REFUSED:
+        raise ConfigError(path, f"Synapse's {name!r} stream {synapse.REFUSED[name]}")
+    layout = synapse.PRESETS.get(name)
+    if layout is None:
+        raise ConfigError(path, f"unknown preset {preset!r} (presets: "
+                                f"{', '.join('synapse/' + n for n in synapse.PRESETS)})")
+    for given in PRESET_KEYS:
+        if given in section:
+            raise ConfigError(f"{key}.{given}", f"comes from the preset {preset!r} "
+                                                f"(Synapse's own table): remove it")
+    if section.get("name", name) != name:
+        raise ConfigError(f"{key}.name", f"a {preset!r} stream is named {name!r} on the wire")
+    filled = dict(section)
+    filled.update({k: v for k, v in layout.items() if k not in ("json_text", "positions_name")})
+    filled["name"] = name
+    filled.setdefault("writers", [synapse.MAIN_PROCESS])
+    return filled, preset, layout["json_text"], layout["positions_name"]
+
+
+def parse_stream(value: Any, key: str) -> StreamConfig:
+    section = as_mapping(value, key)
+    no_unknown(section, STREAM_KEYS, key)
+    preset, json_text, positions_name = None, frozenset(), None
+    if "preset" in section:
+        section, preset, json_text, positions_name = _apply_preset(section, key)
+    name = get_str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")
+    table = get_str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
+    sql_name(table, f"{key}.table")
+    if table.lower() == POSITIONS_TABLE:
+        raise ConfigError(f"{key}.table", f"{table!r} is the replicator's own table")
+    id_column = get_str(section, "id_column", key, "stream_id", IDENTIFIER, "an SQL identifier")
+    sql_name(id_column, f"{key}.id_column")
+    writer_column = get_str(section, "writer_column", key, "instance_name", IDENTIFIER,
+                         "an SQL identifier")
+    if "writer_column" in section and section["writer_column"] is None:
+        writer_column = None
+    if writer_column is not None:
+        sql_name(writer_column, f"{key}.writer_column")
+        if writer_column.lower() == id_column.lower():
+            raise ConfigError(f"{key}.writer_column",
+                              f"must differ from id_column ({id_column!r})")
+    sequence = get_str(section, "sequence", key, f"{table}_seq", IDENTIFIER,
+                       "an SQL identifier")
+    sql_name(sequence, f"{key}.sequence")
+    columns = tuple(
+        parse_column(c, f"{key}.columns[{i}]")
+        for i, c in enumerate(get_list(section, "columns", key))
+    )
+    if json_text:
+        columns = tuple(ColumnConfig(c.name, c.type, c.nullable, c.name in json_text)
+                        for c in columns)
+    if not columns:
+        raise ConfigError(f"{key}.columns", "a stream needs at least one row column")
+    # Unquoted SQL names fold case.
+    seen = {id_column.lower(), (writer_column or "").lower()}
+    for i, column in enumerate(columns):
+        if column.name.lower() in seen:
+            raise ConfigError(f"{key}.columns[{i}]", f"column {column.name!r} is declared twice")
+        seen.add(column.name.lower())
+    writers = get_names(section, "writers", key, "a stream needs at least one writer")
+    if len(set(writers)) != len(writers):
+        raise ConfigError(f"{key}.writers", "a writer is listed twice")
+    if writer_column is None and len(writers) != 1:
+        if preset is not None:
+            raise ConfigError(f"{key}.writers", f"Synapse's {preset!r} table has no writer "
+                                                f"column: give one writer")
+        raise ConfigError(f"{key}.writer_column",
+                          "a stream with several writers needs a writer column")
+    timestamp_column = get_str(section, "timestamp_column", key, None)
+    if timestamp_column is not None:
+        match = [c for c in columns if c.name == timestamp_column]
+        if not match:
+            raise ConfigError(f"{key}.timestamp_column",
+                              f"unknown column {timestamp_column!r}")
+        if match[0].type != "bigint":
+            raise ConfigError(f"{key}.timestamp_column",
+                              "must name a bigint column (milliseconds since the epoch)")
+    return StreamConfig(
+        name=name, table=table, id_column=id_column, writer_column=writer_column,
+        columns=columns, sequence=sequence, writers=tuple(writers),
+        timestamp_column=timestamp_column,
+        create=False if preset is not None else get_bool(section, "create", key, True),
+        preset=preset, positions_name=positions_name,
+    )
+
+
+def parse_streams(value: Any, key: str = "streams") -> Tuple[StreamConfig, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(key, f"expected a list, got {kind_of(value)}")
+    streams = []
+    names: Dict[str, int] = {}
+    # Tables and sequences share one namespace in PostgreSQL; unquoted
+    # names fold case.
+    relations: Dict[str, str] = {}
+    for i, item in enumerate(value):
+        stream = parse_stream(item, f"{key}[{i}]")
+        if stream.name in names:
+            raise ConfigError(f"{key}[{i}].name",
+                              f"duplicate stream {stream.name!r} (also {key}[{names[stream.name]}])")
+        _claim(relations, stream.table, f"{key}[{i}].table")
+        _claim(relations, stream.sequence, f"{key}[{i}].sequence")
+        names[stream.name] = i
+        streams.append(stream)
+    return tuple(streams)
+
+
+def _claim(relations: Dict[str, str], name: str, path: str) -> None:
+    """Record that the table or sequence ``name`` is the one at ``path``
+    (``streams[i].table`` or ``.sequence``); a ConfigError if another
+    stream's table or sequence has that name already."""
+    other = relations.get(name.lower())
+    if other is not None:
+        other_is_table = other.endswith(".table")
+        if path.endswith(".table"):
+            problem = (f"table {name!r} already backs {other.rsplit('.', 1)[0]}"
+                       if other_is_table else f"{name!r} is also a sequence ({other})")
+        else:
+            problem = (f"{name!r} is also a table ({other})" if other_is_table
+                       else f"sequence {name!r} is also used by {other}")
+        raise ConfigError(path, problem)
+    relations[name.lower()] = path

@@ -1,0 +1,85 @@
+"""The checks of a parsed config that need files or Twisted: run by the CLI
+after parsing, before anything starts.
+
+Parsing (:func:`.instance.parse_instance`) is pure: it checks syntax and
+keeps endpoint strings.  :func:`validate` builds every endpoint once with
+the reactor it is given (Twisted reads an ``ssl:`` listener's key and
+certificate, a ``tls:`` client's trust roots, a plugin checks its own
+fields), loads ``replication.client_ca``, and reads ``http.secret_file``.
+Each mistake is one :class:`ConfigError` naming the key, as in parsing.
+The endpoints built here are thrown away: the instance builds its own.
+"""
+
+import dataclasses
+from typing import Optional
+
+from twisted.internet import endpoints
+
+from .fields import ConfigError
+from .instance import MIN_SECRET
+from .model import HttpConfig, InstanceConfig, ReplicationConfig
+
+
+def validate(config: InstanceConfig, reactor) -> InstanceConfig:
+    """``config`` checked against its files, with the secret read from
+    ``http.secret_file`` (the one change: every other value is as parsed)."""
+    if config.synapse is not None and config.synapse.redis:
+        _build(reactor, config.synapse.redis, "synapse.redis", "client")
+    validate_replication(config.replication, reactor)
+    http = validate_http(config.http, reactor)
+    return config if http is config.http else dataclasses.replace(config, http=http)
+
+
+def validate_replication(rep: ReplicationConfig, reactor, key: str = "replication") -> None:
+    """The listener (with its client CA), the upstream and Redis endpoints."""
+    if rep.client_ca is not None:
+        from ..tls import load_ca_certificates, server_endpoint
+
+        try:
+            load_ca_certificates(rep.client_ca)
+            server_endpoint(reactor, rep.listen, rep.client_ca)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}.client_ca", " ".join(str(e).split())) from None
+    elif rep.listen is not None:
+        _build(reactor, rep.listen, f"{key}.listen", "server")
+    if rep.upstream is not None:
+        _build(reactor, rep.upstream, f"{key}.upstream", "client")
+    if rep.redis is not None:
+        _build(reactor, rep.redis.endpoint, f"{key}.redis.endpoint", "client")
+
+
+def validate_http(http: HttpConfig, reactor, key: str = "http") -> HttpConfig:
+    """The listener, and the secret read from ``secret_file``."""
+    if http.listen is not None:
+        _build(reactor, http.listen, f"{key}.listen", "server")
+    if http.secret_file is None:
+        return http
+    secret = read_secret(http.secret_file, f"{key}.secret_file")
+    if len(secret) < MIN_SECRET:
+        raise ConfigError(f"{key}.secret", f"must be at least {MIN_SECRET} characters")
+    return dataclasses.replace(http, secret=secret)
+
+
+def read_secret(path: str, key: str) -> str:
+    """The stripped text of a secret file; unreadable or empty is a ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise ConfigError(key, f"cannot read secret file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(key, f"secret file {path} is not UTF-8 text") from None
+    if not secret:
+        raise ConfigError(key, f"secret file {path} is empty")
+    return secret
+
+
+def _build(reactor, value: str, path: str, kind: str) -> Optional[object]:
+    """Let Twisted build the endpoint ``value`` (and read its files)."""
+    try:
+        if kind == "server":
+            return endpoints.serverFromString(reactor, value)
+        return endpoints.clientFromString(reactor, value)
+    except Exception as e:  # Twisted raises several types for bad strings and files
+        detail = " ".join((str(e) or type(e).__name__).split())
+        raise ConfigError(path, f"cannot parse endpoint {value!r}: {detail}") from None

@@ -1,0 +1,92 @@
+"""The fields of a command line: splitting, integers, names, JSON.
+
+What every command class parses its line with.  Everything malformed is a
+:class:`CommandParseError` whose text is short and on one line (values
+quoted and cut), never Python's own error for an odd input (over-long
+integer strings, deep JSON).  JSON of peer input is decoded by the standard
+library, so integers of any size round-trip exactly, and ``NaN``,
+``Infinity`` and out-of-range floats are refused (the encoder,
+:mod:`replicator.jsontext`, refuses them too).
+"""
+
+import json
+import math
+from typing import Any, List
+
+_EXCERPT = 80
+
+
+class CommandParseError(Exception):
+    """A line that is not a valid command.
+
+    ``str()`` is a short, single-line description (values quoted and cut to
+    a few dozen characters) meant to follow ``ERROR failed to parse line: ``.
+    """
+
+
+def excerpt(text: str) -> str:
+    if len(text) > _EXCERPT:
+        return repr(text[:_EXCERPT]) + "..."
+    return repr(text)
+
+
+#: The largest stream token or other integer field: a 63-bit integer, as
+#: in a PostgreSQL ``bigint`` sequence.
+MAX_INTEGER = 2**63 - 1
+_MAX_DIGITS = len(str(MAX_INTEGER))
+
+
+def parse_int(text: str, what: str) -> int:
+    """A decimal integer from 0 to :data:`MAX_INTEGER`, ASCII digits only
+    (no sign).  The length is checked before conversion, so a number of any
+    size is a :class:`CommandParseError`, never Python's ``ValueError`` for
+    over-long integer strings."""
+    if not (text.isascii() and text.isdigit()):
+        raise CommandParseError(f"{what} is not an integer: {excerpt(text)}")
+    if len(text) > _MAX_DIGITS or int(text) > MAX_INTEGER:
+        raise CommandParseError(f"{what} is out of range (0 to 2**63-1): {excerpt(text)}")
+    return int(text)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range: {text[:_EXCERPT]}")
+    return value
+
+
+_decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_parse_float)
+
+
+def decode_json(text: str, what: str) -> Any:
+    """Decode one JSON value of a command, or raise :class:`CommandParseError`."""
+    try:
+        return _decoder.decode(text)
+    except (ValueError, RecursionError) as e:
+        # JSONDecodeError is a ValueError; its message is short and one line.
+        raise CommandParseError(f"invalid JSON in {what}: {excerpt(str(e))}") from None
+
+
+def split_fields(rest: str, count: int, fields: str) -> List[str]:
+    """Split ``rest`` into exactly ``count`` space-separated fields; the last
+    one keeps any further spaces."""
+    parts = rest.split(" ", count - 1)
+    if len(parts) != count:
+        raise CommandParseError(f"expected {fields}, got {len(parts)} field(s)")
+    return parts
+
+
+def need(value: str, what: str) -> str:
+    if not value:
+        raise CommandParseError(f"empty {what}")
+    return value
+
+
+def need_str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise CommandParseError(f"{what} is not a string")
+    return value

@@ -1,0 +1,103 @@
+"""Facts completed by a stream's local writers, kept until fanned out.
+
+The RDATA fan-out of a writer's new facts reads them from here instead of
+back from the database.  Memory answers a range only when it is sure to
+hold every fact of it:
+
+* it was switched on (:meth:`RecentFacts.start`) before the range's first
+  ID, and nothing below the range was forgotten yet;
+* no ID of the range belongs to a failed write (rolled back, or perhaps
+  committed after a lost COMMIT: only the table knows);
+* for a stream whose only writer is local, no ID of the range is missing
+  (an ID this instance never reserved is a fact written behind its back).
+
+Otherwise :meth:`RecentFacts.updates` says ``None`` and the caller reads
+the table.  Memory is bounded: past ``MAX`` facts of a writer, the older
+half is forgotten.
+"""
+
+from typing import Dict, Iterable, List, Optional, Tuple
+
+Update = Tuple[int, list]
+
+
+class RecentFacts:
+    """Per local writer: completed facts (ID → wire rows) above a floor."""
+
+    #: Facts kept per writer at most; past it the older half is dropped.
+    MAX = 50_000
+
+    def __init__(self, writers: Iterable[str], sole_writer: bool):
+        self.active = False
+        self._sole_writer = sole_writer
+        self.facts: Dict[str, Dict[int, List[list]]] = {w: {} for w in writers}
+        self._floor: Dict[str, int] = {w: 0 for w in self.facts}
+        self._unknown: Dict[str, set] = {w: set() for w in self.facts}
+
+    def start(self, floors: Dict[str, int]) -> None:
+        """Keep facts from now on, above each writer's current token
+        ``floors[w]``: memory only answers for what it saw complete."""
+        for w in self.facts:
+            self.facts[w].clear()
+            self._unknown[w].clear()
+            self._floor[w] = floors[w]
+        self.active = True
+
+    def remember(self, writer: str, ids: List[int], wire: Optional[List[List[list]]]) -> None:
+        """Facts ``ids`` completed (``wire``: their rows) or failed (None)."""
+        if not self.active:
+            return
+        recent = self.facts[writer]
+        if wire is None:
+            self._unknown[writer].update(ids)
+        else:
+            for stream_id, rows in zip(ids, wire):
+                recent[stream_id] = rows
+        if len(recent) > self.MAX:
+            keep = sorted(recent)[len(recent) // 2:]
+            self.forget(writer, keep[0] - 1)
+
+    def forget(self, writer: str, upto: int) -> None:
+        """Facts of ``writer`` up to ``upto`` were fanned out: drop them."""
+        recent = self.facts.get(writer)
+        if recent is None or upto <= self._floor[writer]:
+            return
+        for stream_id in [i for i in recent if i <= upto]:
+            del recent[stream_id]
+        unknown = self._unknown[writer]
+        if unknown:
+            unknown.difference_update([i for i in unknown if i <= upto])
+        self._floor[writer] = upto
+
+    def updates(self, writer: str, from_token: int, to_token: int, limit: int,
+                current_token: int) -> Optional[Tuple[List[Update], int, bool]]:
+        """``updates_since`` from memory, or None if memory cannot answer."""
+        recent = self.facts.get(writer)
+        if recent is None or not self.active or from_token < self._floor[writer] \
+                or to_token > current_token \
+                or any(from_token < i <= to_token for i in self._unknown[writer]):
+            return None
+        ids = sorted(i for i in recent if from_token < i <= to_token)
+        if self._sole_writer and len(ids) < to_token - from_token:
+            return None  # an ID we never reserved: foreign, only the table knows
+        updates: List[Update] = []
+        upto = to_token
+        limited = False
+        for stream_id in ids:
+            rows = recent[stream_id]
+            if updates and len(updates) + len(rows) > limit:
+                upto, limited = updates[-1][0], True
+                break
+            updates.extend((stream_id, row) for row in rows)
+        return updates, upto, limited
+
+    def foreign(self, writer: str, from_token: int, tokens: Iterable[int]) -> Optional[List[int]]:
+        """Of ``tokens`` read from the table above ``from_token``, those of
+        the sole local writer that this instance never wrote (sorted); None
+        when memory cannot tell."""
+        recent = self.facts.get(writer)
+        if not self._sole_writer or recent is None or not self.active \
+                or from_token < self._floor[writer]:
+            return None
+        unknown = self._unknown[writer]
+        return sorted({t for t in tokens if t not in recent and t not in unknown})
