@@ -282,7 +282,7 @@ class OurServer:
     def __init__(self, registry, settings=None):
         self.handler = ReplicationHandler(registry, WRITER, SERVER_NAME)
         self.handler.start()
-        self.factory = ReplicationServerFactory(self.handler, SERVER_NAME, settings)
+        self.factory = ReplicationServerFactory(self.handler, SERVER_NAME, settings, clock=reactor)
 
     async def listen(self):
         ep = endpoints.serverFromString(reactor, "tcp:0:interface=127.0.0.1:backlog=256")
