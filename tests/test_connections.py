@@ -149,7 +149,8 @@ class ListenerCapTests(TestCase):
             instance_name = "master"
             registry = ()
 
-        factory = ReplicationServerFactory(Handler(), "hs.test", max_connections=2)
+        factory = ReplicationServerFactory(Handler(), "hs.test", clock=reactor,
+                                           max_connections=2)
         port = await listen(self, factory)
         refused = metrics.CONNECTIONS_REFUSED.labels("max_connections")
         before = refused._value.get()

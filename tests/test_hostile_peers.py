@@ -379,7 +379,7 @@ class TcpIntegrationTests(_Base):
     timeout = 120
 
     async def listen(self, handler):
-        factory = ReplicationServerFactory(handler, "hs.test")
+        factory = ReplicationServerFactory(handler, "hs.test", clock=reactor)
         port = await endpoints.serverFromString(
             reactor, "tcp:0:interface=127.0.0.1").listen(factory)
         self.addCleanup(port.stopListening)

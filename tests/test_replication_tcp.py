@@ -53,7 +53,7 @@ class Instance:
         return self
 
     def listen(self, settings=None):
-        factory = ReplicationServerFactory(self.handler, "hs.test", settings)
+        factory = ReplicationServerFactory(self.handler, "hs.test", settings, clock=reactor)
         d = endpoints.serverFromString(reactor, "tcp:0:interface=127.0.0.1").listen(factory)
 
         def listening(port):
@@ -301,3 +301,58 @@ class TcpReplicationTests(TestCase):
         self.assertEqual(end, "eof", (len(data), data[-60:]))
         self.assertTrue(data.endswith(b"ERROR Failed to keep up\n"), data[-100:])
         self.assertEqual(data.count(b"ERROR"), 1)
+
+
+class _OffsetReactor:
+    """The global reactor, but its clock reads ``OFFSET`` seconds ahead:
+    whatever is timed on this object, not on the global reactor, shows it."""
+
+    OFFSET = 10_000_000.0
+
+    def __getattr__(self, name):
+        return getattr(reactor, name)
+
+    def seconds(self):
+        return reactor.seconds() + self.OFFSET
+
+
+class InstanceReactorTests(TestCase):
+    async def test_accepted_connections_run_on_the_instances_reactor(self):
+        """The listener's protocols time themselves on the reactor the
+        instance was given (its clock is in the PING of the handshake),
+        never on the global one."""
+        import tempfile
+
+        from replicator.config import parse_instance
+        from replicator.service import Instance
+
+        tmp = tempfile.mkdtemp()
+        config = parse_instance({
+            "server_name": "hs.test", "instance_name": "master",
+            "database": {"sqlite": f"{tmp}/master.sqlite"},
+            "replication": {"listen": "tcp:0:interface=127.0.0.1"},
+        })
+        clock = _OffsetReactor()
+        instance = Instance(config, clock)
+        await instance.start()
+        self.addCleanup(lambda: defer.ensureDeferred(instance.stop()))
+        port = instance.listeners[0].port.getHost().port
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.addCleanup(sock.close)
+        sock.setblocking(False)
+        data = b""
+
+        def handshake():
+            nonlocal data
+            try:
+                data += sock.recv(4096)
+            except BlockingIOError:
+                pass
+            return data.count(b"\n") >= 2
+
+        await until(handshake)
+        server, ping = data.split(b"\n")[:2]
+        self.assertEqual(server, b"SERVER hs.test")
+        self.assertTrue(ping.startswith(b"PING "), ping)
+        sent = int(ping[5:]) / 1000
+        self.assertLess(abs(sent - clock.seconds()), 600, (sent, clock.seconds()))

@@ -44,8 +44,8 @@ from .connections import Connections
 from .connections import peer_address  # noqa: F401  (status page)
 from .delivery import make_reader
 from .fanout import Fanout
+from .link import INVALID_COMMAND, REFUSED
 from .peers import metrics_label
-from .protocol import INVALID_COMMAND, REFUSED
 from .reader import Reader
 from .relay import Relay
 
