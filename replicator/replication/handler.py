@@ -20,6 +20,10 @@ The interface the protocols use: ``new_connection``, ``lost_connection``,
 ``count_*``, ``client_may_write`` and one ``on_<NAME>(conn, cmd)`` per
 command handled.  Relayed lines are the bytes received
 (``conn.current_line``), never a re-encoding.
+
+(A little over 400 lines, for one job: it is the one surface the
+protocols call, one short ``on_<NAME>`` per command; every part with
+state of its own is in one of the modules above.)
 """
 
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
