@@ -153,7 +153,7 @@ class ReplicationHandler:
     # ---------------------------------------------------------- connections
     def new_connection(self, conn) -> None:
         client_side = conn.is_client_side
-        label = getattr(conn, "metrics_name", None) or ("upstream" if client_side else "unnamed")
+        label = "unnamed" if conn.role == "client" else conn.role  # named at its NAME
         self.connections.add(conn, replicating=client_side, label=label)
         if client_side:
             # Nobody asks a client for its positions: announce them.

@@ -104,7 +104,8 @@ class LineConnection(Protocol):
         self._max_queued_bytes = max_queued_bytes
         self._idle_timeout = idle_timeout
 
-        self.name = "unconnected"
+        #: The peer's address ("host:port"), once connected.
+        self.address = "unconnected"
         self.close_reason: Optional[str] = None
         self._buffer = b""  # inbound bytes after the last newline
         self._closing = False
@@ -142,6 +143,12 @@ class LineConnection(Protocol):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+    @property
+    def name(self) -> str:
+        """How logs show the peer: its address (a protocol that learns the
+        peer's name shows that instead)."""
+        return self.address
 
     def _start_timers(self) -> None:
         """Keepalive and timeout, from the connection on."""

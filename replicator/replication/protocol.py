@@ -111,9 +111,26 @@ class ReplicationProtocol(LineConnection):
 
     @property
     def instance_name(self) -> Optional[str]:
-        """The name the peer gave itself: a client's ``NAME`` (server side)
-        or the server's ``SERVER`` name (client side); None until received."""
+        """The peer's one name: the name it gave itself, a client's ``NAME``
+        (server side) or the server's ``SERVER`` name (client side); None
+        until received.  Checks use it as received; :attr:`name` is its
+        printable form for logs, and the metrics label is derived from it
+        (:func:`.peers.metrics_label`, bounded)."""
         return self._peer_instance
+
+    @property
+    def name(self) -> str:
+        """The peer for logs: :attr:`instance_name` made printable, or its
+        address before it named itself."""
+        if self._peer_instance is None:
+            return self.address
+        return printable(self._peer_instance, 64)
+
+    @property
+    def role(self) -> str:
+        """``"upstream"`` (we connected to it) or ``"client"`` (it connected
+        to us)."""
+        return "upstream" if self.is_client_side else "client"
 
     @property
     def established(self) -> bool:
@@ -129,7 +146,7 @@ class ReplicationProtocol(LineConnection):
         self._last_sent = self._last_received = self._last_command = now
         peer = self.transport.getPeer()
         host, port = getattr(peer, "host", None), getattr(peer, "port", None)
-        self.name = f"{host}:{port}" if host is not None else str(peer)
+        self.address = f"{host}:{port}" if host is not None else str(peer)
         set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
         if set_no_delay is not None:
             try:
@@ -278,10 +295,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
                        log_text=f"NAME {printable(cmd.client_name, 64)} refused: {refusal}")
             return
         self._peer_instance = cmd.client_name
-        name = printable(cmd.client_name, 64)
-        self.log.info("Replication connection {peer} is {name}", peer=self.name, name=name)
-        # For logs only (metrics and checks use instance_name).
-        self.name = name
+        self.log.info("Replication connection {peer} is {name}", peer=self.address, name=self.name)
 
     def _may_write(self, cmd: Command) -> bool:
         if cmd.NAME not in CLIENT_WRITER_COMMANDS or self._client_may_write is None:
@@ -349,7 +363,6 @@ class ClientReplicationProtocol(ReplicationProtocol):
             self.close(WRONG_REMOTE, "Wrong remote")
             return
         self._peer_instance = cmd.server_name
-        self.name = printable(cmd.server_name, 64)
         if not self._established:
             self._established = True
             self._healthy_call = self._clock.callLater(self._ping_interval, self._healthy_due)

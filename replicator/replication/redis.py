@@ -152,8 +152,9 @@ class RedisConnection:
     """What the handler sees as one connection: publishes lines."""
 
     is_client_side = True  # no relaying: every instance hears every line
-    name = NAME
-    metrics_name = NAME
+    name = NAME  # for logs
+    role = NAME  # the metrics label and the status page's role
+    instance_name = None  # no one peer: every instance on the channel
     queued = 0
     transport = None
 
