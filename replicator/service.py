@@ -159,7 +159,8 @@ class Instance:
             self._warn_exposed(rep.listen, "replication")
             policy = policy_from_config(rep, local_names(self.handler))
             factory = ReplicationServerFactory(self.handler, config.server_name, self.settings,
-                                               policy=policy, max_connections=rep.max_connections)
+                                               clock=self.reactor, policy=policy,
+                                               max_connections=rep.max_connections)
             self._listen(rep.listen, factory, "replication", rep.client_ca,
                          key="replication.listen")
         if rep.upstream:

@@ -101,10 +101,6 @@ def _kind(problem: str) -> str:
     return re.sub(r"\d+", "N", problem).replace(" facts ", " fact ")
 
 
-def _role(conn) -> str:
-    if getattr(conn, "metrics_name", None) == "redis":
-        return "redis"
-    return "upstream" if conn.is_client_side else "client"
 
 
 def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRecorder,
@@ -157,7 +153,7 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
         connections.append({
             "peer": redact(str(getattr(conn, "instance_name", None) or state.label)),
             "address": peer_address(conn),
-            "role": _role(conn),
+            "role": conn.role,
             "queued_lines": int(getattr(conn, "queued", 0) or 0),
             "queued_bytes": int(getattr(conn, "queued_bytes", 0) or 0),
             "connected_since": state.since,

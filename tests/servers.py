@@ -84,11 +84,18 @@ class PostgresServer:
 
     Runs as the ``postgres`` user when started as root (PostgreSQL refuses
     root).  Durability is off (``fsync=off``): these clusters hold test data.
+    ``synchronous_commit`` follows ``fsync`` unless given: the fault suite
+    keeps it on, because with it off an immediate shutdown loses commits that
+    were already acknowledged (PostgreSQL's configured behaviour, not ours).
+
+    ``postgres`` is this process's child in a session of its own; ``halt``
+    (``pg_ctl stop -m MODE``), ``start`` and ``restart`` keep port and data,
+    ``stop`` ends it and deletes them (also at interpreter exit).
     """
 
     _shared = None
 
-    def __init__(self, fsync: bool = False):
+    def __init__(self, fsync: bool = False, synchronous_commit=None):
         bindir = _pg_bindir()
         if bindir is None:
             unavailable("PostgreSQL server binaries (initdb) not found")
@@ -116,8 +123,9 @@ class PostgresServer:
             "-c", "max_connections=200", "-c", "shared_buffers=128MB",
         ]
         if not fsync:
-            args += ["-c", "fsync=off", "-c", "synchronous_commit=off",
-                     "-c", "full_page_writes=off"]
+            args += ["-c", "fsync=off", "-c", "full_page_writes=off"]
+        if not (fsync if synchronous_commit is None else synchronous_commit):
+            args += ["-c", "synchronous_commit=off"]
         self._args = args
         self._log = open(os.path.join(self.tmp, "postgres.log"), "wb")
         self._spawn()
@@ -134,14 +142,27 @@ class PostgresServer:
             self.stop()
             raise
 
-    def crash_restart(self):
-        """``pg_ctl restart -m immediate``, keeping the server our child: an
-        immediate stop (no checkpoint: recovery at start, as after a crash),
-        then the same server again on the same port.  Blocking."""
-        self._run([os.path.join(self.bindir, "pg_ctl"), "stop", "-D", self.datadir,
-                   "-m", "immediate", "-w"])
-        self.proc.wait(30)
+    def halt(self, mode: str = "fast"):
+        """``pg_ctl stop -m MODE``; port and data are kept for :meth:`start`.
+        ``immediate`` is a crash (no checkpoint: recovery at the next start),
+        ``fast`` an orderly shutdown.  Blocking; nothing if not running."""
+        if self.proc.poll() is None:
+            self._run([os.path.join(self.bindir, "pg_ctl"), "stop", "-D", self.datadir,
+                       "-m", mode, "-w", "-t", "60"])
+            self.proc.wait(60)
+
+    def start(self):
+        """The same server again, on the same port, after :meth:`halt`."""
         self._spawn()
+
+    def restart(self, mode: str = "immediate"):
+        """``pg_ctl restart -m MODE``, keeping the server our child."""
+        self.halt(mode)
+        self._spawn()
+
+    def crash_restart(self):
+        """An immediate stop (as after a crash), then the same server again."""
+        self.restart("immediate")
 
     def _run(self, cmd):
         try:
@@ -151,7 +172,7 @@ class PostgresServer:
                 f"{cmd[0]} failed: {e.stderr.decode(errors='replace').strip()}"
             ) from None
 
-    def _wait_ready(self, timeout: float = 30.0):
+    def _wait_ready(self, timeout: float = 60.0):
         import psycopg2
 
         deadline = time.monotonic() + timeout

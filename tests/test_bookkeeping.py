@@ -45,7 +45,7 @@ class Peers:
 
     def __init__(self, test, handler):
         # The factory's default policy: nobody takes the master's name.
-        self.policy = ReplicationServerFactory(handler, "hs.test").policy
+        self.policy = ReplicationServerFactory(handler, "hs.test", clock=Clock()).policy
         self.handler = handler
         self.test = test
 

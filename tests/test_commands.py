@@ -1,10 +1,12 @@
 """Tests for replicator.replication.commands: wire format, round trips,
 malformed input, and the RDATA fan-out encoder."""
 
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
+from replicator.replication.wire import _encode_at_once
 from replicator.replication.commands import (
     ALL_COMMANDS,
     CLIENT_COMMANDS,
@@ -531,3 +533,36 @@ class NonFiniteTests(SynchronousTestCase):
             self.assertEqual(list(lines), [b'RDATA s w 1 ["a",null]\n',
                                            b'RDATA s w 3 [null,0.5]\n'])
             self.assertEqual(lines.dropped, 2)
+
+
+class EncodeAtOnceTests(SynchronousTestCase):
+    """All rows in one orjson call give exactly the row-by-row bytes, or
+    decline (None) and leave it to the other paths."""
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.text(min_size=1, max_size=5).filter(lambda s: " " not in s and "\n" not in s),
+           _updates(), st.one_of(st.just(10 ** 6), st.integers(min_value=10, max_value=120)))
+    def test_same_bytes_as_row_by_row_or_declines(self, stream, updates, limit):
+        each = _encode_rdata_lines_each(stream, "w", updates, max_line_length=limit)
+        if updates:
+            prefix = b"RDATA " + stream.encode() + b" w "
+            tokens, rows = zip(*updates)
+            data = _encode_at_once(prefix, tokens, rows, limit)
+            if data is not None:
+                self.assertEqual(data, b"".join(each))
+                self.assertEqual(each.dropped, 0)
+        lines = encode_rdata_lines(stream, "w", updates, max_line_length=limit)
+        self.assertEqual(list(lines), list(each))
+        self.assertEqual(joined(lines), b"".join(each))
+
+    def test_used_for_plain_rows_and_batches(self):
+        updates = [(5, ["a", [1], None]), (5, []), (6, ["%d %s"]), (7, [{"k": [2]}])]
+        data = _encode_at_once(b"RDATA s%% w ", *zip(*updates), 1000)
+        self.assertEqual(data, b'RDATA s%% w batch ["a",[1],null]\nRDATA s%% w 5 []\n'
+                               b'RDATA s%% w 6 ["%d %s"]\nRDATA s%% w 7 [{"k":[2]}]\n')
+
+    def test_declines_when_a_row_holds_the_separator(self):
+        for row in (["],["], [[1], [2]]):
+            self.assertIsNone(_encode_at_once(b"RDATA s w ", (1,), (row,), 1000))
+            self.assertEqual(list(encode_rdata_lines("s", "w", [(1, row)])),
+                             [b"RDATA s w 1 " + orjson.dumps(row) + b"\n"])

@@ -10,7 +10,7 @@ anything.
 
 import tempfile
 
-from twisted.internet import defer, endpoints, reactor
+from twisted.internet import endpoints, reactor
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
@@ -78,51 +78,47 @@ def only_call(clock):
 class SilentUpstreamTests(TestCase):
     timeout = 60
 
-    def test_silent_upstream_is_not_connected_and_is_dropped(self):
-        async def go():
-            peer = Peer("silent")
-            port = await listen(self, peer)
-            settings = ConnectionSettings(ping_interval=0.2, ping_timeout=1.0)
-            service = upstream_service(reactor, f"tcp:host=127.0.0.1:port={port}", object(),
-                                       "worker1", "hs.test", settings, initial_delay=30)
-            service.startService()
-            self.addCleanup(service.stopService)
-            await until(lambda: peer.protocols and service.replication_factory.current)
-            self.assertFalse(service.connected)
-            # The client times the silent server out and says why.
-            await until(lambda: peer.protocols[0].lost, timeout=30)
-            self.assertTrue(peer.protocols[0].data.startswith(b"NAME worker1\nPING "))
-            self.assertTrue(peer.protocols[0].data.endswith(b"ERROR ping timeout\n"))
-            self.assertEqual(service.replication_factory.current.close_reason, "ping_timeout")
-            self.assertFalse(service.connected)
-        return defer.ensureDeferred(go())
+    async def test_silent_upstream_is_not_connected_and_is_dropped(self):
+        peer = Peer("silent")
+        port = await listen(self, peer)
+        settings = ConnectionSettings(ping_interval=0.2, ping_timeout=1.0)
+        service = upstream_service(reactor, f"tcp:host=127.0.0.1:port={port}", object(),
+                                   "worker1", "hs.test", settings, initial_delay=30)
+        service.startService()
+        self.addCleanup(service.stopService)
+        await until(lambda: peer.protocols and service.replication_factory.current)
+        self.assertFalse(service.connected)
+        # The client times the silent server out and says why.
+        await until(lambda: peer.protocols[0].lost, timeout=30)
+        self.assertTrue(peer.protocols[0].data.startswith(b"NAME worker1\nPING "))
+        self.assertTrue(peer.protocols[0].data.endswith(b"ERROR ping timeout\n"))
+        self.assertEqual(service.replication_factory.current.close_reason, "ping_timeout")
+        self.assertFalse(service.connected)
 
-    def test_health_of_a_worker_whose_upstream_is_silent(self):
+    async def test_health_of_a_worker_whose_upstream_is_silent(self):
         """What /health reads: not connected while the upstream has not
         answered the handshake, though the socket is up."""
         from replicator.service import Instance
 
-        async def go():
-            peer = Peer("silent")
-            port = await listen(self, peer)
-            tmp = tempfile.mkdtemp()
-            config = parse_instance({
-                "server_name": "hs.test", "instance_name": "worker1",
-                "database": {"sqlite": f"{tmp}/worker1.sqlite"},
-                "replication": {"upstream": f"tcp:host=127.0.0.1:port={port}"},
-            })
-            instance = Instance(config, reactor)
-            await instance.start()
-            self.addCleanup(lambda: defer.ensureDeferred(instance.stop()))
-            await until(lambda: peer.protocols and instance.handler.connections)
-            connected, detail = instance.replication_status()
-            self.assertFalse(connected)
-            self.assertIn("not connected to upstream", detail)
-        return defer.ensureDeferred(go())
+        peer = Peer("silent")
+        port = await listen(self, peer)
+        tmp = tempfile.mkdtemp()
+        config = parse_instance({
+            "server_name": "hs.test", "instance_name": "worker1",
+            "database": {"sqlite": f"{tmp}/worker1.sqlite"},
+            "replication": {"upstream": f"tcp:host=127.0.0.1:port={port}"},
+        })
+        instance = Instance(config, reactor)
+        await instance.start()
+        self.addCleanup(instance.stop)
+        await until(lambda: peer.protocols and instance.handler.connections)
+        connected, detail = instance.replication_status()
+        self.assertFalse(connected)
+        self.assertIn("not connected to upstream", detail)
 
 
 class StartupGarbageTests(TestCase):
-    def test_startup_objects_are_out_of_the_collectors_reach(self):
+    async def test_startup_objects_are_out_of_the_collectors_reach(self):
         """A full garbage collection walks every tracked object while the
         reactor waits: what startup made (and keeps for the process's life)
         is frozen once started, so a long catch-up's collections stay short."""
@@ -130,56 +126,53 @@ class StartupGarbageTests(TestCase):
 
         from replicator.service import Instance
 
-        async def go():
-            gc.unfreeze()
-            self.addCleanup(gc.unfreeze)
-            tmp = tempfile.mkdtemp()
-            config = parse_instance({
-                "server_name": "hs.test", "instance_name": "master",
-                "database": {"sqlite": f"{tmp}/master.sqlite"},
-                "streams": [{"name": "s", "table": "s_stream", "writers": ["master"],
-                             "columns": [{"v": "text"}]}],
-            })
-            instance = Instance(config, reactor)
-            await instance.start()
-            self.addCleanup(lambda: defer.ensureDeferred(instance.stop()))
-            self.assertGreater(gc.get_freeze_count(), 0)
-        return defer.ensureDeferred(go())
+        gc.unfreeze()
+        self.addCleanup(gc.unfreeze)
+        tmp = tempfile.mkdtemp()
+        config = parse_instance({
+            "server_name": "hs.test", "instance_name": "master",
+            "database": {"sqlite": f"{tmp}/master.sqlite"},
+            "streams": [{"name": "s", "table": "s_stream", "writers": ["master"],
+                         "columns": [{"v": "text"}]}],
+        })
+        instance = Instance(config, reactor)
+        await instance.start()
+        self.addCleanup(instance.stop)
+        self.assertGreater(gc.get_freeze_count(), 0)
 
 
 class ListenerCapTests(TestCase):
     timeout = 60
 
-    def test_connections_over_the_cap_get_an_error_and_are_closed(self):
-        async def go():
-            class Handler:
-                instance_name = "master"
-                registry = ()
+    async def test_connections_over_the_cap_get_an_error_and_are_closed(self):
+        class Handler:
+            instance_name = "master"
+            registry = ()
 
-            factory = ReplicationServerFactory(Handler(), "hs.test", max_connections=2)
-            port = await listen(self, factory)
-            refused = metrics.CONNECTIONS_REFUSED.labels("max_connections")
-            before = refused._value.get()
-            first = await connect(port)
-            second = await connect(port)
-            third = await connect(port)
-            await until(lambda: third.lost)
-            self.assertEqual(third.data, b"ERROR too many connections\n")
-            await until(lambda: first.data and second.data)
-            self.assertTrue(first.data.startswith(b"SERVER hs.test\nPING "))
-            self.assertFalse(first.lost or second.lost)
-            self.assertEqual(len(factory.live), 2)
-            self.assertEqual(refused._value.get() - before, 1)
-            # A slot freed is a slot to take again.
-            first.transport.loseConnection()
-            await until(lambda: len(factory.live) == 1)
-            fourth = await connect(port)
-            await until(lambda: fourth.data)
-            self.assertTrue(fourth.data.startswith(b"SERVER hs.test\n"))
-            for p in (second, fourth):
-                p.transport.loseConnection()
-            await until(lambda: not factory.live)
-        return defer.ensureDeferred(go())
+        factory = ReplicationServerFactory(Handler(), "hs.test", clock=reactor,
+                                           max_connections=2)
+        port = await listen(self, factory)
+        refused = metrics.CONNECTIONS_REFUSED.labels("max_connections")
+        before = refused._value.get()
+        first = await connect(port)
+        second = await connect(port)
+        third = await connect(port)
+        await until(lambda: third.lost)
+        self.assertEqual(third.data, b"ERROR too many connections\n")
+        await until(lambda: first.data and second.data)
+        self.assertTrue(first.data.startswith(b"SERVER hs.test\nPING "))
+        self.assertFalse(first.lost or second.lost)
+        self.assertEqual(len(factory.live), 2)
+        self.assertEqual(refused._value.get() - before, 1)
+        # A slot freed is a slot to take again.
+        first.transport.loseConnection()
+        await until(lambda: len(factory.live) == 1)
+        fourth = await connect(port)
+        await until(lambda: fourth.data)
+        self.assertTrue(fourth.data.startswith(b"SERVER hs.test\n"))
+        for p in (second, fourth):
+            p.transport.loseConnection()
+        await until(lambda: not factory.live)
 
 
 class FdBudgetTests(TestCase):
@@ -230,44 +223,40 @@ class TcpBackoffTests(TestCase):
         clock.advance(delay)
         return delay
 
-    def test_upstream_that_accepts_and_closes_sees_growing_delays(self):
-        async def go():
-            peer = Peer("close")
-            service, clock = await self.start(peer, initial_delay=0.5, max_delay=30)
-            delays = []
-            for n in range(1, 8):
-                delays.append(await self.next_delay(service, clock, n))
-            self.assertEqual(len(peer.protocols), 7)
-            self.assertEqual(delays, sorted(set(delays)), delays)  # strictly growing
-            self.assertGreaterEqual(delays[0], 0.375)
-            self.assertGreaterEqual(delays[5], 0.5 * 2**5 * 0.75)
-            self.assertLessEqual(max(delays), 30)
-        return defer.ensureDeferred(go())
+    async def test_upstream_that_accepts_and_closes_sees_growing_delays(self):
+        peer = Peer("close")
+        service, clock = await self.start(peer, initial_delay=0.5, max_delay=30)
+        delays = []
+        for n in range(1, 8):
+            delays.append(await self.next_delay(service, clock, n))
+        self.assertEqual(len(peer.protocols), 7)
+        self.assertEqual(delays, sorted(set(delays)), delays)  # strictly growing
+        self.assertGreaterEqual(delays[0], 0.375)
+        self.assertGreaterEqual(delays[5], 0.5 * 2**5 * 0.75)
+        self.assertLessEqual(max(delays), 30)
 
-    def test_backoff_resets_only_after_a_healthy_connection(self):
-        async def go():
-            peer = Peer("close")
-            settings = ConnectionSettings(ping_interval=5.0, ping_timeout=15.0)
-            service, clock = await self.start(peer, settings=settings, initial_delay=0.5,
-                                              max_delay=30)
-            for n in range(1, 4):
-                await self.next_delay(service, clock, n)
-            # Now the server answers the handshake, but closes before a
-            # ping interval has passed: not healthy yet.
-            peer.mode = "talk"
-            await until(lambda: len(peer.protocols) == 4 and service.connected)
-            clock.advance(4.9)
-            peer.protocols[-1].transport.loseConnection()
-            delay = await self.next_delay(service, clock, 4)
-            self.assertGreaterEqual(delay, 0.5 * 2**3 * 0.75)
-            # This time it stays for a ping interval: the backoff starts over.
-            await until(lambda: len(peer.protocols) == 5 and service.connected)
-            clock.advance(5.0)
-            self.assertEqual(service.backoff.failures, 0)
-            peer.protocols[-1].transport.loseConnection()
-            delay = await self.next_delay(service, clock, 1)
-            self.assertLessEqual(delay, 0.5)
-        return defer.ensureDeferred(go())
+    async def test_backoff_resets_only_after_a_healthy_connection(self):
+        peer = Peer("close")
+        settings = ConnectionSettings(ping_interval=5.0, ping_timeout=15.0)
+        service, clock = await self.start(peer, settings=settings, initial_delay=0.5,
+                                          max_delay=30)
+        for n in range(1, 4):
+            await self.next_delay(service, clock, n)
+        # Now the server answers the handshake, but closes before a
+        # ping interval has passed: not healthy yet.
+        peer.mode = "talk"
+        await until(lambda: len(peer.protocols) == 4 and service.connected)
+        clock.advance(4.9)
+        peer.protocols[-1].transport.loseConnection()
+        delay = await self.next_delay(service, clock, 4)
+        self.assertGreaterEqual(delay, 0.5 * 2**3 * 0.75)
+        # This time it stays for a ping interval: the backoff starts over.
+        await until(lambda: len(peer.protocols) == 5 and service.connected)
+        clock.advance(5.0)
+        self.assertEqual(service.backoff.failures, 0)
+        peer.protocols[-1].transport.loseConnection()
+        delay = await self.next_delay(service, clock, 1)
+        self.assertLessEqual(delay, 0.5)
 
 
 class RedisLinkTests(TestCase):
@@ -297,56 +286,50 @@ class RedisLinkTests(TestCase):
         self.addCleanup(link.stopService)
         return link, clock
 
-    def test_redis_that_accepts_and_closes_sees_growing_delays(self):
-        async def go():
-            peer = Peer("close")
-            link, clock = await self.start(peer)
-            delays = {"subscriber": [], "publisher": []}
-            backoffs = {"subscriber": link.sub_backoff, "publisher": link.pub_backoff}
-            for n in range(1, 8):
-                await until(lambda: all(b.failures == n for b in backoffs.values())
-                            and all(p.lost for p in peer.protocols))
-                for role, backoff in backoffs.items():
-                    delays[role].append(backoff.last_delay)
-                clock.advance(max(b.last_delay for b in backoffs.values()))
-            self.assertEqual(len(peer.protocols), 14)
-            for role, chosen in delays.items():
-                self.assertEqual(chosen, sorted(set(chosen)), role)  # strictly growing
-                self.assertGreaterEqual(chosen[5], 0.5 * 2**5 * 0.75)
-            # Jitter: the two links do not come back in lockstep.
-            self.assertNotEqual(delays["subscriber"], delays["publisher"])
-            self.assertFalse(link.connected)
-        return defer.ensureDeferred(go())
+    async def test_redis_that_accepts_and_closes_sees_growing_delays(self):
+        peer = Peer("close")
+        link, clock = await self.start(peer)
+        delays = {"subscriber": [], "publisher": []}
+        backoffs = {"subscriber": link.sub_backoff, "publisher": link.pub_backoff}
+        for n in range(1, 8):
+            await until(lambda: all(b.failures == n for b in backoffs.values())
+                        and all(p.lost for p in peer.protocols))
+            for role, backoff in backoffs.items():
+                delays[role].append(backoff.last_delay)
+            clock.advance(max(b.last_delay for b in backoffs.values()))
+        self.assertEqual(len(peer.protocols), 14)
+        for role, chosen in delays.items():
+            self.assertEqual(chosen, sorted(set(chosen)), role)  # strictly growing
+            self.assertGreaterEqual(chosen[5], 0.5 * 2**5 * 0.75)
+        # Jitter: the two links do not come back in lockstep.
+        self.assertNotEqual(delays["subscriber"], delays["publisher"])
+        self.assertFalse(link.connected)
 
-    def test_connection_lost_before_ready_is_retried_without_a_state_error(self):
+    async def test_connection_lost_before_ready_is_retried_without_a_state_error(self):
         """AUTH is answered by a closed connection: the link is retried
         with backoff, and ClientService never sees an event it has no
         transition for (automat NoTransition logged as Unhandled Error)."""
-        async def go():
-            peer = Peer("close-on-data")
-            link, clock = await self.start(peer, password="secret-password")
-            for n in range(1, 4):
-                await until(lambda: link.sub_backoff.failures >= n
-                            and link.pub_backoff.failures >= n)
-                await until(lambda: all(p.lost for p in peer.protocols))
-                clock.advance(60)
-            self.assertTrue(all(p.data.startswith(b"*2\r\n$4\r\nAUTH\r\n") for p in peer.protocols))
-            self.assertGreaterEqual(len(peer.protocols), 6)
-            self.assertFalse(link.connected)
-        return defer.ensureDeferred(go())
+        peer = Peer("close-on-data")
+        link, clock = await self.start(peer, password="secret-password")
+        for n in range(1, 4):
+            await until(lambda: link.sub_backoff.failures >= n
+                        and link.pub_backoff.failures >= n)
+            await until(lambda: all(p.lost for p in peer.protocols))
+            clock.advance(60)
+        self.assertTrue(all(p.data.startswith(b"*2\r\n$4\r\nAUTH\r\n") for p in peer.protocols))
+        self.assertGreaterEqual(len(peer.protocols), 6)
+        self.assertFalse(link.connected)
 
-    def test_stop_while_a_connection_is_getting_ready(self):
+    async def test_stop_while_a_connection_is_getting_ready(self):
         """Stopped while AUTH is unanswered: the connection is closed by the
         stop, and its end is no error."""
-        async def go():
-            peer = Peer("silent")
-            link, clock = await self.start(peer, password="secret-password")
-            await until(lambda: len(peer.protocols) == 2
-                        and all(p.data for p in peer.protocols))
-            await link.stopService()
-            await until(lambda: all(p.lost for p in peer.protocols))
-            self.assertFalse(link.connected)
-        return defer.ensureDeferred(go())
+        peer = Peer("silent")
+        link, clock = await self.start(peer, password="secret-password")
+        await until(lambda: len(peer.protocols) == 2
+                    and all(p.data for p in peer.protocols))
+        await link.stopService()
+        await until(lambda: all(p.lost for p in peer.protocols))
+        self.assertFalse(link.connected)
 
 
 class RedisHealthyResetTests(TestCase):
@@ -356,41 +339,39 @@ class RedisHealthyResetTests(TestCase):
 
     timeout = 120
 
-    def test_backoff_resets_only_after_ready_and_a_ping_interval(self):
+    async def test_backoff_resets_only_after_ready_and_a_ping_interval(self):
         from tests.servers import RedisServer
 
-        async def go():
-            redis = RedisServer()
-            self.addCleanup(redis.stop)
-            clock = Clock()
+        redis = RedisServer()
+        self.addCleanup(redis.stop)
+        clock = Clock()
 
-            class Handler:
-                registry = ()
+        class Handler:
+            registry = ()
 
-                def new_connection(self, conn):
-                    pass
+            def new_connection(self, conn):
+                pass
 
-                def lost_connection(self, conn, reason):
-                    pass
+            def lost_connection(self, conn, reason):
+                pass
 
-            link = RedisReplication(reactor, RedisConfig(redis.endpoint), Handler(), "hs.test",
-                                    "w1", ping_interval=1.0, ping_timeout=0.5,
-                                    initial_delay=0.5, max_delay=30, clock=clock)
-            link.startService()
-            self.addCleanup(link.stopService)
-            backoffs = (link.sub_backoff, link.pub_backoff)
-            await until(lambda: link.connected, timeout=30)
-            redis.kill()
-            for n in range(1, 5):
-                await until(lambda: all(b.failures == n for b in backoffs), timeout=30)
-                if n < 4:
-                    clock.advance(max(b.last_delay for b in backoffs))
-            self.assertFalse(link.connected)
-            redis.start()
-            clock.advance(max(b.last_delay for b in backoffs))
-            await until(lambda: link.connected, timeout=30)
-            # Connected and subscribed, but not yet proven: no reset.
-            self.assertEqual([b.failures for b in backoffs], [4, 4])
-            clock.advance(1.0)
-            self.assertEqual([b.failures for b in backoffs], [0, 0])
-        return defer.ensureDeferred(go())
+        link = RedisReplication(reactor, RedisConfig(redis.endpoint), Handler(), "hs.test",
+                                "w1", ping_interval=1.0, ping_timeout=0.5,
+                                initial_delay=0.5, max_delay=30, clock=clock)
+        link.startService()
+        self.addCleanup(link.stopService)
+        backoffs = (link.sub_backoff, link.pub_backoff)
+        await until(lambda: link.connected, timeout=30)
+        redis.kill()
+        for n in range(1, 5):
+            await until(lambda: all(b.failures == n for b in backoffs), timeout=30)
+            if n < 4:
+                clock.advance(max(b.last_delay for b in backoffs))
+        self.assertFalse(link.connected)
+        redis.start()
+        clock.advance(max(b.last_delay for b in backoffs))
+        await until(lambda: link.connected, timeout=30)
+        # Connected and subscribed, but not yet proven: no reset.
+        self.assertEqual([b.failures for b in backoffs], [4, 4])
+        clock.advance(1.0)
+        self.assertEqual([b.failures for b in backoffs], [0, 0])

@@ -13,7 +13,7 @@ from importlib.metadata import EntryPoint
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from twisted.internet import defer, reactor, task
+from twisted.internet import reactor, task
 from twisted.logger import Logger, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -534,77 +534,71 @@ class JsonlThreadTests(TestCase):
         self.addCleanup(consumer.close)
         return consumer
 
-    def test_a_slow_fsync_never_stalls_the_reactor(self):
-        async def go():
-            c = self.open(flush_interval=0.01)  # opening may fsync (a new file)
-            slow = SlowFsync(self)
-            self.assertIsNone(c.on_facts("caches", "master", 1, [["a"]]))
-            await until(lambda: slow.blocked == 1, timeout=30)
-            # The reactor keeps running while fsync is stuck in the writer.
-            ticks = slow.ticks
-            await until(lambda: slow.ticks >= ticks + 5, timeout=30)
-            self.assertEqual(c.positions(), {})  # not durable before its fsync returns
-            slow.release.set()
-            await until(lambda: c.positions() == {("caches", "master"): 1}, timeout=30)
-            self.assertGreaterEqual(slow.ticks_while_blocked[0], 5)
-            self.assertEqual(read_lines(self.path)[0], [
-                {"stream": "caches", "writer": "master", "token": 1, "rows": [["a"]]}])
-        return defer.ensureDeferred(go())
+    async def test_a_slow_fsync_never_stalls_the_reactor(self):
+        c = self.open(flush_interval=0.01)  # opening may fsync (a new file)
+        slow = SlowFsync(self)
+        self.assertIsNone(c.on_facts("caches", "master", 1, [["a"]]))
+        await until(lambda: slow.blocked == 1, timeout=30)
+        # The reactor keeps running while fsync is stuck in the writer.
+        ticks = slow.ticks
+        await until(lambda: slow.ticks >= ticks + 5, timeout=30)
+        self.assertEqual(c.positions(), {})  # not durable before its fsync returns
+        slow.release.set()
+        await until(lambda: c.positions() == {("caches", "master"): 1}, timeout=30)
+        self.assertGreaterEqual(slow.ticks_while_blocked[0], 5)
+        self.assertEqual(read_lines(self.path)[0], [
+            {"stream": "caches", "writer": "master", "token": 1, "rows": [["a"]]}])
 
-    def test_back_pressure_only_when_the_buffer_is_full_while_a_batch_is_written(self):
-        async def go():
-            c = self.open(max_buffer=300)
-            slow = SlowFsync(self)
-            answers = []
-            token = 0
-            while not answers or answers[-1] is None:
-                token += 1
-                answers.append(c.on_facts("caches", "master", token, [["x" * 40]]))
-                if token == 1:
-                    self.assertEqual(slow.calls, 0)
-                self.assertLess(token, 100)
-            # A full buffer went to the writer at once, the reader did not
-            # wait for it; a second full buffer while it is being written waits.
-            await until(lambda: slow.blocked == 1, timeout=30)
-            first_batch = 300 // len(_line(1)) + 1
-            self.assertEqual(answers[:-1], [None] * (token - 1))
-            self.assertEqual(token, 2 * first_batch)
-            waiting = answers[-1]
-            self.assertFalse(waiting.called)
-            self.assertEqual(c.positions(), {})
-            slow.release.set()
-            await waiting
-            await until(lambda: c.positions() == {("caches", "master"): token}, timeout=30)
-            self.assertEqual(slow.calls, 2)
-            for more in range(token + 1, token + 4):
-                self.assertIsNone(c.on_facts("caches", "master", more, [["x" * 40]]))
-            await c.close()
-            lines, _ = read_lines(self.path)
-            self.assertEqual([line["token"] for line in lines], list(range(1, token + 4)))
-        return defer.ensureDeferred(go())
+    async def test_back_pressure_only_when_the_buffer_is_full_while_a_batch_is_written(self):
+        c = self.open(max_buffer=300)
+        slow = SlowFsync(self)
+        answers = []
+        token = 0
+        while not answers or answers[-1] is None:
+            token += 1
+            answers.append(c.on_facts("caches", "master", token, [["x" * 40]]))
+            if token == 1:
+                self.assertEqual(slow.calls, 0)
+            self.assertLess(token, 100)
+        # A full buffer went to the writer at once, the reader did not
+        # wait for it; a second full buffer while it is being written waits.
+        await until(lambda: slow.blocked == 1, timeout=30)
+        first_batch = 300 // len(_line(1)) + 1
+        self.assertEqual(answers[:-1], [None] * (token - 1))
+        self.assertEqual(token, 2 * first_batch)
+        waiting = answers[-1]
+        self.assertFalse(waiting.called)
+        self.assertEqual(c.positions(), {})
+        slow.release.set()
+        await waiting
+        await until(lambda: c.positions() == {("caches", "master"): token}, timeout=30)
+        self.assertEqual(slow.calls, 2)
+        for more in range(token + 1, token + 4):
+            self.assertIsNone(c.on_facts("caches", "master", more, [["x" * 40]]))
+        await c.close()
+        lines, _ = read_lines(self.path)
+        self.assertEqual([line["token"] for line in lines], list(range(1, token + 4)))
 
-    def test_close_waits_for_the_batch_being_written_then_writes_the_rest(self):
-        async def go():
-            c = self.open(flush_interval=0.01)  # opening may fsync (a new file)
-            slow = SlowFsync(self)
-            c.on_facts("caches", "master", 1, [["a"]])
-            await until(lambda: slow.blocked == 1, timeout=30)
-            c.on_facts("caches", "master", 2, [["b"]])
-            c.on_position("caches", "worker1", 7)
-            closing = c.close()
-            self.assertFalse(closing.called)
-            slow.release.set()
-            await closing
-            self.assertIs(c.close(), closing)
-            self.assertEqual(c.positions(), {("caches", "master"): 2, ("caches", "worker1"): 7})
-            lines, _ = read_lines(self.path)
-            self.assertEqual([line.get("token", line.get("position")) for line in lines],
-                             [1, 2, 7])
-            # The file is released: it opens again.
-            reopened = JsonlConsumer(self.path, task.Clock(), run_io=run_inline)
-            self.assertEqual(reopened.positions(), c.positions())
-            reopened.close()
-        return defer.ensureDeferred(go())
+    async def test_close_waits_for_the_batch_being_written_then_writes_the_rest(self):
+        c = self.open(flush_interval=0.01)  # opening may fsync (a new file)
+        slow = SlowFsync(self)
+        c.on_facts("caches", "master", 1, [["a"]])
+        await until(lambda: slow.blocked == 1, timeout=30)
+        c.on_facts("caches", "master", 2, [["b"]])
+        c.on_position("caches", "worker1", 7)
+        closing = c.close()
+        self.assertFalse(closing.called)
+        slow.release.set()
+        await closing
+        self.assertIs(c.close(), closing)
+        self.assertEqual(c.positions(), {("caches", "master"): 2, ("caches", "worker1"): 7})
+        lines, _ = read_lines(self.path)
+        self.assertEqual([line.get("token", line.get("position")) for line in lines],
+                         [1, 2, 7])
+        # The file is released: it opens again.
+        reopened = JsonlConsumer(self.path, task.Clock(), run_io=run_inline)
+        self.assertEqual(reopened.positions(), c.positions())
+        reopened.close()
 
 
 def _line(token):
@@ -937,48 +931,46 @@ class ReaderTests(TestCase):
         proto.dataReceived(data)
         return proto
 
-    def test_resume_after_a_crash(self):
-        async def go():
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path, "wb") as f:  # "from the beginning"
-                f.write(b'{"stream":"caches","writer":"master","position":0}\n')
-            master_reg, _, stop_master = await self.instance("master")
-            self.addCleanup(lambda: defer.ensureDeferred(stop_master()))
-            caches = master_reg.get("caches")
-            await caches.write_facts([[["a", None, 1], ["b", None, 1]], [], [["c", None, 3]]])
+    async def test_resume_after_a_crash(self):
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "wb") as f:  # "from the beginning"
+            f.write(b'{"stream":"caches","writer":"master","position":0}\n')
+        master_reg, _, stop_master = await self.instance("master")
+        self.addCleanup(stop_master)
+        caches = master_reg.get("caches")
+        await caches.write_facts([[["a", None, 1], ["b", None, 1]], [], [["c", None, 3]]])
 
-            # Flushed only when asked (the timer never fires in the test).
-            jsonl = JsonlConsumer(self.path, reactor, flush_interval=3600)
-            _, worker, stop_worker = await self.instance("worker1", [jsonl])
-            proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 3 3\n")
-            await until(lambda: worker.reader_positions()[("caches", "master")] == 3)
-            await until(worker.idle)
-            jsonl.flush()  # written by the file's own thread
-            await until(lambda: jsonl.positions() == {("caches", "master"): 3})
-            # Two more facts arrive live; the worker dies before they are flushed.
-            await caches.write_facts([[["d", None, 4]], [["e", None, 5]]])
-            proto.dataReceived(b'RDATA caches master 4 ["d",null,4]\n'
-                               b'RDATA caches master 5 ["e",null,5]\n')
-            await until(lambda: worker.reader_positions()[("caches", "master")] == 5)
-            crash(jsonl)
-            proto.connectionLost(None)
-            await stop_worker()
+        # Flushed only when asked (the timer never fires in the test).
+        jsonl = JsonlConsumer(self.path, reactor, flush_interval=3600)
+        _, worker, stop_worker = await self.instance("worker1", [jsonl])
+        proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 3 3\n")
+        await until(lambda: worker.reader_positions()[("caches", "master")] == 3)
+        await until(worker.idle)
+        jsonl.flush()  # written by the file's own thread
+        await until(lambda: jsonl.positions() == {("caches", "master"): 3})
+        # Two more facts arrive live; the worker dies before they are flushed.
+        await caches.write_facts([[["d", None, 4]], [["e", None, 5]]])
+        proto.dataReceived(b'RDATA caches master 4 ["d",null,4]\n'
+                           b'RDATA caches master 5 ["e",null,5]\n')
+        await until(lambda: worker.reader_positions()[("caches", "master")] == 5)
+        crash(jsonl)
+        proto.connectionLost(None)
+        await stop_worker()
 
-            jsonl = JsonlConsumer(self.path, reactor, flush_interval=3600)
-            self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
-            _, worker, stop_worker = await self.instance("worker1", [jsonl])
-            proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 5 5\n"
-                                         b'RDATA caches master 5 ["e",null,5]\n')
-            await until(lambda: worker.reader_positions()[("caches", "master")] == 5)
-            await until(worker.idle)
-            proto.connectionLost(None)
-            await jsonl.close()
-            await stop_worker()
-            lines, _ = read_lines(self.path)
-            self.assertEqual([(line["token"], line["rows"]) for line in lines if "rows" in line], [
-                (1, [["a", None, 1], ["b", None, 1]]),
-                (3, [["c", None, 3]]),
-                (4, [["d", None, 4]]),
-                (5, [["e", None, 5]]),
-            ])
-        return defer.ensureDeferred(go())
+        jsonl = JsonlConsumer(self.path, reactor, flush_interval=3600)
+        self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
+        _, worker, stop_worker = await self.instance("worker1", [jsonl])
+        proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 5 5\n"
+                                     b'RDATA caches master 5 ["e",null,5]\n')
+        await until(lambda: worker.reader_positions()[("caches", "master")] == 5)
+        await until(worker.idle)
+        proto.connectionLost(None)
+        await jsonl.close()
+        await stop_worker()
+        lines, _ = read_lines(self.path)
+        self.assertEqual([(line["token"], line["rows"]) for line in lines if "rows" in line], [
+            (1, [["a", None, 1], ["b", None, 1]]),
+            (3, [["c", None, 3]]),
+            (4, [["d", None, 4]]),
+            (5, [["e", None, 5]]),
+        ])

@@ -82,7 +82,7 @@ def shared_spark():
             import pyspark  # noqa: F401
         except ImportError:
             unavailable("pyspark is not installed (pip install -e '.[spark]')")
-        from replicator.export.job import spark_session
+        from replicator.export.spark import spark_session
         from replicator.export.source import SourceError, find_jdbc_jar
 
         try:

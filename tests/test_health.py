@@ -12,7 +12,7 @@ import uuid
 
 import orjson
 from prometheus_client import REGISTRY
-from twisted.internet import defer, endpoints, protocol, reactor, task
+from twisted.internet import endpoints, protocol, reactor, task
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
@@ -55,10 +55,10 @@ class Side:
         self.test.addCleanup(self.db.close)
         self.registry = StreamRegistry(self.db, self.name, STREAMS, reactor=reactor)
         await self.registry.start()
-        self.test.addCleanup(lambda: defer.ensureDeferred(self.registry.stop()))
+        self.test.addCleanup(self.registry.stop)
         self.handler = ReplicationHandler(self.registry, self.name, "hs.test", self.consumers)
         self.handler.start()
-        self.test.addCleanup(lambda: defer.ensureDeferred(until(self.handler.idle)))
+        self.test.addCleanup(until, self.handler.idle)
         return self
 
     def upstream(self, lines: bytes) -> ClientReplicationProtocol:
@@ -91,138 +91,128 @@ class HealthMonitorTests(TestCase):
         row = (lambda i: [f"f{i}", i]) if stream == "caches" else (lambda i: [f"e{i}"])
         return [await s.write_fact([row(i)]) for i in range(n)]
 
-    def test_committed_facts_not_received_for_the_grace_are_a_problem(self):
-        async def go():
-            await self.setup()
-            link = self.worker.upstream(b"POSITION caches master 0 0\n"
-                                        b"POSITION events master 0 0\n"
-                                        b"POSITION events worker2 0 0\n")
-            await until(self.worker.handler.idle)
-            await self.monitor.check_unreceived()
-            self.assertIsNone(self.monitor.problem(True, "connected"))
-            self.assertEqual(unreceived_metric("caches", "master"), 0)
-            # The master commits 3 facts; this reader is told nothing.
-            await self.write(3)
-            await self.monitor.check_unreceived()
-            self.assertEqual(unreceived_metric("caches", "master"), 3)
-            self.clock.advance(9)
-            await self.monitor.check_unreceived()
-            self.assertIsNone(self.monitor.problem(True, "connected"))
-            self.clock.advance(1)
-            self.assertEqual(self.monitor.problem(True, "connected"),
-                             "stream caches: writer master has 3 committed facts not received "
-                             "for 10s")
-            # More facts meanwhile: the age is the oldest one's.
-            await self.write(2)
-            self.clock.advance(5)
-            await self.monitor.check_unreceived()
-            self.assertEqual(self.monitor.problem(True, "connected"),
-                             "stream caches: writer master has 5 committed facts not received "
-                             "for 15s")
-            self.assertEqual(REGISTRY.get_sample_value(
-                "replicator_unreceived_age_seconds", {"stream": "caches", "writer": "master"}),
-                15)
-            # Told at last: the reader catches up from the table, healthy at once.
-            link.dataReceived(b"POSITION caches master 5 5\n")
-            await until(self.worker.handler.idle)
-            self.assertEqual([f[2] for f in self.consumer.facts], [1, 2, 3, 4, 5])
-            self.assertIsNone(self.monitor.problem(True, "connected"))
-            await self.monitor.check_unreceived()
-            self.assertEqual(unreceived_metric("caches", "master"), 0)
-            self.assertIsNone(self.monitor.problem(True, "connected"))
-            # Its other streams' writers are checked the same way.
-            await self.write(1, "events")
-            await self.monitor.check_unreceived()
-            self.clock.advance(10)
-            self.assertEqual(self.monitor.problem(True, "connected"),
-                             "stream events: writer master has 1 committed fact not received "
-                             "for 10s")
-        return defer.ensureDeferred(go())
+    async def test_committed_facts_not_received_for_the_grace_are_a_problem(self):
+        await self.setup()
+        link = self.worker.upstream(b"POSITION caches master 0 0\n"
+                                    b"POSITION events master 0 0\n"
+                                    b"POSITION events worker2 0 0\n")
+        await until(self.worker.handler.idle)
+        await self.monitor.check_unreceived()
+        self.assertIsNone(self.monitor.problem(True, "connected"))
+        self.assertEqual(unreceived_metric("caches", "master"), 0)
+        # The master commits 3 facts; this reader is told nothing.
+        await self.write(3)
+        await self.monitor.check_unreceived()
+        self.assertEqual(unreceived_metric("caches", "master"), 3)
+        self.clock.advance(9)
+        await self.monitor.check_unreceived()
+        self.assertIsNone(self.monitor.problem(True, "connected"))
+        self.clock.advance(1)
+        self.assertEqual(self.monitor.problem(True, "connected"),
+                         "stream caches: writer master has 3 committed facts not received "
+                         "for 10s")
+        # More facts meanwhile: the age is the oldest one's.
+        await self.write(2)
+        self.clock.advance(5)
+        await self.monitor.check_unreceived()
+        self.assertEqual(self.monitor.problem(True, "connected"),
+                         "stream caches: writer master has 5 committed facts not received "
+                         "for 15s")
+        self.assertEqual(REGISTRY.get_sample_value(
+            "replicator_unreceived_age_seconds", {"stream": "caches", "writer": "master"}),
+            15)
+        # Told at last: the reader catches up from the table, healthy at once.
+        link.dataReceived(b"POSITION caches master 5 5\n")
+        await until(self.worker.handler.idle)
+        self.assertEqual([f[2] for f in self.consumer.facts], [1, 2, 3, 4, 5])
+        self.assertIsNone(self.monitor.problem(True, "connected"))
+        await self.monitor.check_unreceived()
+        self.assertEqual(unreceived_metric("caches", "master"), 0)
+        self.assertIsNone(self.monitor.problem(True, "connected"))
+        # Its other streams' writers are checked the same way.
+        await self.write(1, "events")
+        await self.monitor.check_unreceived()
+        self.clock.advance(10)
+        self.assertEqual(self.monitor.problem(True, "connected"),
+                         "stream events: writer master has 1 committed fact not received "
+                         "for 10s")
 
-    def test_facts_received_within_the_grace_are_never_a_problem(self):
-        async def go():
-            await self.setup()
-            link = self.worker.upstream(b"POSITION caches master 0 0\n"
-                                        b"POSITION events master 0 0\n"
-                                        b"POSITION events worker2 0 0\n")
-            # Every check sees facts not yet received, each arriving within
-            # the grace: steady load, never unhealthy.
-            for round_ in range(6):
-                tokens = await self.write(2)
-                await self.monitor.check_unreceived()
-                self.clock.advance(6)
-                self.assertIsNone(self.monitor.problem(True, "connected"), round_)
-                link.dataReceived(b"POSITION caches master %d %d\n" % (tokens[-1], tokens[-1]))
-                await until(self.worker.handler.idle)
-                self.clock.advance(6)
-                self.assertIsNone(self.monitor.problem(True, "connected"), round_)
-            self.assertEqual(len(self.consumer.facts), 12)
-        return defer.ensureDeferred(go())
-
-    def test_a_writer_never_heard_of_is_a_problem_after_the_grace(self):
-        async def go():
-            await self.setup()
-            self.monitor.startService()
-            self.addCleanup(self.monitor.stopService)
-            link = self.worker.upstream(b"POSITION caches master 0 0\n"
-                                        b"POSITION events master 0 0\n")
+    async def test_facts_received_within_the_grace_are_never_a_problem(self):
+        await self.setup()
+        link = self.worker.upstream(b"POSITION caches master 0 0\n"
+                                    b"POSITION events master 0 0\n"
+                                    b"POSITION events worker2 0 0\n")
+        # Every check sees facts not yet received, each arriving within
+        # the grace: steady load, never unhealthy.
+        for round_ in range(6):
+            tokens = await self.write(2)
+            await self.monitor.check_unreceived()
+            self.clock.advance(6)
+            self.assertIsNone(self.monitor.problem(True, "connected"), round_)
+            link.dataReceived(b"POSITION caches master %d %d\n" % (tokens[-1], tokens[-1]))
             await until(self.worker.handler.idle)
-            self.clock.advance(9.5)
-            self.assertIsNone(self.monitor.problem(True, "connected"))
-            self.clock.advance(0.5)
-            self.assertEqual(self.monitor.problem(True, "connected"),
-                             "stream events: writer worker2 never announced anything in 10s")
-            # A link that is down is named first.
-            self.assertEqual(self.monitor.problem(False, "connecting"),
-                             "replication not connected: connecting")
-            link.dataReceived(b"POSITION events worker2 0 0\n")
-            self.assertIsNone(self.monitor.problem(True, "connected"))
-        return defer.ensureDeferred(go())
+            self.clock.advance(6)
+            self.assertIsNone(self.monitor.problem(True, "connected"), round_)
+        self.assertEqual(len(self.consumer.facts), 12)
 
-    def test_the_healthy_gauge_follows_the_verdict_at_scrape_time(self):
+    async def test_a_writer_never_heard_of_is_a_problem_after_the_grace(self):
+        await self.setup()
+        self.monitor.startService()
+        self.addCleanup(self.monitor.stopService)
+        link = self.worker.upstream(b"POSITION caches master 0 0\n"
+                                    b"POSITION events master 0 0\n")
+        await until(self.worker.handler.idle)
+        self.clock.advance(9.5)
+        self.assertIsNone(self.monitor.problem(True, "connected"))
+        self.clock.advance(0.5)
+        self.assertEqual(self.monitor.problem(True, "connected"),
+                         "stream events: writer worker2 never announced anything in 10s")
+        # A link that is down is named first.
+        self.assertEqual(self.monitor.problem(False, "connecting"),
+                         "replication not connected: connecting")
+        link.dataReceived(b"POSITION events worker2 0 0\n")
+        self.assertIsNone(self.monitor.problem(True, "connected"))
+
+    async def test_the_healthy_gauge_follows_the_verdict_at_scrape_time(self):
         """``replicator_healthy`` (what the alert on /health failing reads)
         is 1 while the replication verdict is OK, 0 as soon as it is not,
         and set at scrape time (collecting the registry runs its source)."""
-        async def go():
-            await self.setup()
-            status = [(True, "connected")]
-            source = self.monitor.healthy_source(lambda: status[0])
-            metrics.add_source(source)
-            self.addCleanup(metrics.remove_source, source)
-            self.worker.upstream(b"POSITION caches master 0 0\n"
-                                 b"POSITION events master 0 0\n"
-                                 b"POSITION events worker2 0 0\n")
-            await until(self.worker.handler.idle)
-            self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 1)
-            status[0] = (False, "connecting")
-            self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 0)
-            status[0] = (True, "connected")
-            self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 1)
-            await self.write(2)
-            await self.monitor.check_unreceived()
-            self.clock.advance(10)
-            self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 0)
-        return defer.ensureDeferred(go())
+        await self.setup()
+        status = [(True, "connected")]
+        source = self.monitor.healthy_source(lambda: status[0])
+        metrics.add_source(source)
+        self.addCleanup(metrics.remove_source, source)
+        self.worker.upstream(b"POSITION caches master 0 0\n"
+                             b"POSITION events master 0 0\n"
+                             b"POSITION events worker2 0 0\n")
+        await until(self.worker.handler.idle)
+        self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 1)
+        status[0] = (False, "connecting")
+        self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 0)
+        status[0] = (True, "connected")
+        self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 1)
+        await self.write(2)
+        await self.monitor.check_unreceived()
+        self.clock.advance(10)
+        self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 0)
 
-    def test_a_master_reports_unreceived_facts_but_not_silent_workers(self):
-        async def go():
-            await self.setup()
-            monitor = HealthMonitor(registry=self.master.registry, handler=self.master.handler,
-                                    db=self.master.db, clock=self.clock, lag_grace=10.0)
-            self.clock.advance(60)
-            await monitor.check_unreceived()
-            self.assertIsNone(monitor.problem(False, "no worker connected"))
-            # worker2 connected once, then its link went silent while it wrote.
-            self.master.upstream(b"POSITION events worker2 0 0\n")
-            await until(self.master.handler.idle)
-            worker2 = await Side(self, self.master.dsn, "worker2").start()
-            await worker2.registry.get("events").write_fact([["w2"]])
-            await monitor.check_unreceived()
-            self.clock.advance(10)
-            self.assertEqual(monitor.problem(False, "no worker connected"),
-                             "stream events: writer worker2 has 1 committed fact not received "
-                             "for 10s")
-        return defer.ensureDeferred(go())
+    async def test_a_master_reports_unreceived_facts_but_not_silent_workers(self):
+        await self.setup()
+        monitor = HealthMonitor(registry=self.master.registry, handler=self.master.handler,
+                                db=self.master.db, clock=self.clock, lag_grace=10.0)
+        self.clock.advance(60)
+        await monitor.check_unreceived()
+        self.assertIsNone(monitor.problem(False, "no worker connected"))
+        # worker2 connected once, then its link went silent while it wrote.
+        self.master.upstream(b"POSITION events worker2 0 0\n")
+        await until(self.master.handler.idle)
+        worker2 = await Side(self, self.master.dsn, "worker2").start()
+        await worker2.registry.get("events").write_fact([["w2"]])
+        await monitor.check_unreceived()
+        self.clock.advance(10)
+        self.assertEqual(monitor.problem(False, "no worker connected"),
+                         "stream events: writer worker2 has 1 committed fact not received "
+                         "for 10s")
 
 
 # ------------------------------------------------------------ whole instances
@@ -319,7 +309,7 @@ class HealthEndToEndTests(TestCase):
         if http:
             doc["http"] = {"listen": "tcp:0:interface=127.0.0.1", "secret": SECRET}
         instance = Instance(parse_instance(doc), reactor)
-        self.addCleanup(lambda: defer.ensureDeferred(instance.stop()))
+        self.addCleanup(instance.stop)
         await instance.start()
         return instance
 
@@ -344,78 +334,74 @@ class HealthEndToEndTests(TestCase):
             waited += 0.1
         return seen[-1]
 
-    def test_tcp_reader_with_a_silent_upstream_link(self):
+    async def test_tcp_reader_with_a_silent_upstream_link(self):
         """The worker's link to the master stops carrying bytes, never
         closing (long ping timeout): the master's committed facts are named
         after the grace, and the worker is healthy again once they arrive."""
-        async def go():
-            master = await self.instance(
-                "master", {"listen": "tcp:0:interface=127.0.0.1", "ping_timeout": 600},
-                streams=[dict(d, writers=["master"]) for d in STREAM_DEFS])
-            proxy = Proxy(master.port_of("replication"))
-            proxy_port = await proxy.listen(self)
-            worker = await self.instance(
-                "worker1", {"upstream": f"tcp:host=127.0.0.1:port={proxy_port}",
-                            "ping_interval": 1, "ping_timeout": 600},
-                streams=[dict(d, writers=["master"]) for d in STREAM_DEFS], http=True)
-            await self.until_health(worker, lambda code, _: code == 200)
-            caches = master.registry.get("caches")
-            for i in range(3):
-                await caches.write_fact([[f"before{i}", i]])
-            await until(lambda: worker.handler.reader_positions()[("caches", "master")] == 3)
-            proxy.pause()
-            for i in range(20):
-                await caches.write_fact([[f"unseen{i}", i]])
-            code, answer = await self.until_health(worker, lambda code, _: code == 503)
-            self.assertEqual(answer["status"], "unhealthy")
-            self.assertRegex(answer["reason"], r"^stream caches: writer master has 20 committed "
-                                               r"facts not received for \d+s$")
-            self.assertTrue(worker.redis is None and worker.replication_status()[0])
-            self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 3)
-            proxy.resume()
-            await self.until_health(worker, lambda code, _: code == 200)
-            self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 23)
-        return defer.ensureDeferred(go())
+        master = await self.instance(
+            "master", {"listen": "tcp:0:interface=127.0.0.1", "ping_timeout": 600},
+            streams=[dict(d, writers=["master"]) for d in STREAM_DEFS])
+        proxy = Proxy(master.port_of("replication"))
+        proxy_port = await proxy.listen(self)
+        worker = await self.instance(
+            "worker1", {"upstream": f"tcp:host=127.0.0.1:port={proxy_port}",
+                        "ping_interval": 1, "ping_timeout": 600},
+            streams=[dict(d, writers=["master"]) for d in STREAM_DEFS], http=True)
+        await self.until_health(worker, lambda code, _: code == 200)
+        caches = master.registry.get("caches")
+        for i in range(3):
+            await caches.write_fact([[f"before{i}", i]])
+        await until(lambda: worker.handler.reader_positions()[("caches", "master")] == 3)
+        proxy.pause()
+        for i in range(20):
+            await caches.write_fact([[f"unseen{i}", i]])
+        code, answer = await self.until_health(worker, lambda code, _: code == 503)
+        self.assertEqual(answer["status"], "unhealthy")
+        self.assertRegex(answer["reason"], r"^stream caches: writer master has 20 committed "
+                                           r"facts not received for \d+s$")
+        self.assertTrue(worker.redis is None and worker.replication_status()[0])
+        self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 3)
+        proxy.resume()
+        await self.until_health(worker, lambda code, _: code == 200)
+        self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 23)
 
-    def test_redis_writer_with_a_silent_link_and_a_writer_never_started(self):
+    async def test_redis_writer_with_a_silent_link_and_a_writer_never_started(self):
         """On Redis the master's own link stops carrying bytes while it keeps
         writing: its reader names it; worker2 (configured, never started)
         is named once the master is fine again, and then not any more."""
-        async def go():
-            redis = RedisServer.shared()
-            server_name = f"hs-{uuid.uuid4().hex[:8]}"
-            proxy = Proxy(redis.port)
-            proxy_port = await proxy.listen(self)
-            master = await self.instance(
-                "master", {"redis": {"endpoint": f"tcp:host=127.0.0.1:port={proxy_port}"}},
-                server_name=server_name)
-            worker = await self.instance(
-                "worker1", {"redis": {"endpoint": redis.endpoint}}, http=True,
-                server_name=server_name)
-            await until(lambda: master.redis.connected and worker.redis.connected,
-                        timeout=30)
-            events = master.registry.get("events")
-            await events.write_fact([["seen"]])
-            await until(lambda: worker.handler.reader_positions()[("events", "master")] == 1,
-                        timeout=30)
-            proxy.pause()
-            for i in range(30):
-                await events.write_fact([[f"unseen{i}"]])
-            code, answer = await self.until_health(
-                worker, lambda code, answer: "writer master" in answer.get("reason", ""))
-            self.assertEqual(code, 503)
-            self.assertRegex(answer["reason"], r"^stream events: writer master has 30 "
-                                               r"committed facts not received for \d+s$")
-            proxy.resume()
-            code, answer = await self.until_health(
-                worker, lambda code, answer: "writer master" not in answer.get("reason", ""))
-            self.assertEqual(worker.handler.reader_positions()[("events", "master")], 31)
-            self.assertEqual((code, answer), (503, {
-                "status": "unhealthy", "reason": answer["reason"]}))
-            self.assertTrue(re.fullmatch(r"stream events: writer worker2 never announced "
-                                         r"anything in \d+s", answer["reason"]), answer)
-            worker2 = await self.instance(
-                "worker2", {"redis": {"endpoint": redis.endpoint}}, server_name=server_name)
-            await self.until_health(worker, lambda code, _: code == 200)
-            self.assertTrue(worker2.redis.connected)
-        return defer.ensureDeferred(go())
+        redis = RedisServer.shared()
+        server_name = f"hs-{uuid.uuid4().hex[:8]}"
+        proxy = Proxy(redis.port)
+        proxy_port = await proxy.listen(self)
+        master = await self.instance(
+            "master", {"redis": {"endpoint": f"tcp:host=127.0.0.1:port={proxy_port}"}},
+            server_name=server_name)
+        worker = await self.instance(
+            "worker1", {"redis": {"endpoint": redis.endpoint}}, http=True,
+            server_name=server_name)
+        await until(lambda: master.redis.connected and worker.redis.connected,
+                    timeout=30)
+        events = master.registry.get("events")
+        await events.write_fact([["seen"]])
+        await until(lambda: worker.handler.reader_positions()[("events", "master")] == 1,
+                    timeout=30)
+        proxy.pause()
+        for i in range(30):
+            await events.write_fact([[f"unseen{i}"]])
+        code, answer = await self.until_health(
+            worker, lambda code, answer: "writer master" in answer.get("reason", ""))
+        self.assertEqual(code, 503)
+        self.assertRegex(answer["reason"], r"^stream events: writer master has 30 "
+                                           r"committed facts not received for \d+s$")
+        proxy.resume()
+        code, answer = await self.until_health(
+            worker, lambda code, answer: "writer master" not in answer.get("reason", ""))
+        self.assertEqual(worker.handler.reader_positions()[("events", "master")], 31)
+        self.assertEqual((code, answer), (503, {
+            "status": "unhealthy", "reason": answer["reason"]}))
+        self.assertTrue(re.fullmatch(r"stream events: writer worker2 never announced "
+                                     r"anything in \d+s", answer["reason"]), answer)
+        worker2 = await self.instance(
+            "worker2", {"redis": {"endpoint": redis.endpoint}}, server_name=server_name)
+        await self.until_health(worker, lambda code, _: code == 200)
+        self.assertTrue(worker2.redis.connected)

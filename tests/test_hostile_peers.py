@@ -10,7 +10,7 @@ integration tests use real loopback sockets and a real redis-server.
 import socket
 
 import psycopg2
-from twisted.internet import defer, endpoints, reactor, task
+from twisted.internet import endpoints, reactor, task
 from twisted.internet.testing import StringTransport
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
@@ -91,7 +91,7 @@ class _Base(TestCase):
         self.addCleanup(db.close)
         registry = StreamRegistry(db, name, STREAMS, reactor=reactor)
         await registry.start()
-        self.addCleanup(lambda: defer.ensureDeferred(registry.stop()))
+        self.addCleanup(registry.stop)
         handler = ReplicationHandler(registry, name, "hs.test", consumers=consumers, **kwargs)
         handler.start()
         return registry, handler
@@ -121,263 +121,243 @@ class _Base(TestCase):
 class PositionPoisoningTests(_Base):
     """Item 1: a claim beyond the stream's sequence is refused and moves nothing."""
 
-    def test_writer_client_cannot_push_the_masters_token(self):
-        async def go():
-            consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-            registry, handler = await self.instance("master", [consumer])
-            caches = registry.get("caches")
-            await caches.write_fact([["before", None, 1]])
-            await until(handler.idle)
-            honest, ht = self.server_conn(handler, "worker2", replicate=True)
-            before = refused("caches", "beyond_sequence")
-            liar, lt = self.server_conn(handler, "worker1")
-            liar.dataReceived(b"POSITION caches worker1 777 %d\n" % BIG)
-            await settle(lambda: liar.close_reason is not None)
-            self.assertEqual(liar.close_reason, "invalid_command")
-            self.assertTrue(lines(lt)[-1].startswith("ERROR "), lines(lt))
-            self.assertIn("beyond", lines(lt)[-1])
-            self.assertEqual(refused("caches", "beyond_sequence"), before + 1)
-            gen = caches.id_gen
-            self.assertEqual(gen.get_positions(), {"master": 1, "worker1": 0})
-            self.assertEqual(handler.reader_positions()[("caches", "worker1")], 0)
-            self.assertEqual([l for l in lines(ht) if "worker1" in l], [])  # never relayed
-            # The master's next fact reaches the honest reader, and what is
-            # persisted is what is true.
-            ht.clear()
-            await caches.write_fact([["after", None, 2]])
-            await until(lambda: b"RDATA caches master 2 " in ht.value())
-            self.assertEqual(lines(ht), ['RDATA caches master 2 ["after",null,2]'])
-            await caches.flush_positions()
-            table = positions_table(self.dsn)
-            self.assertEqual(table[("caches", "master")], 2)
-            self.assertLess(max(table.values()), 100)
-            # A REPLICATE never answers with the claim either.
-            ht.clear()
-            honest.dataReceived(b"REPLICATE\n")
-            self.assertIn("POSITION caches worker1 0 0", lines(ht))
-        return defer.ensureDeferred(go())
+    async def test_writer_client_cannot_push_the_masters_token(self):
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        registry, handler = await self.instance("master", [consumer])
+        caches = registry.get("caches")
+        await caches.write_fact([["before", None, 1]])
+        await until(handler.idle)
+        honest, ht = self.server_conn(handler, "worker2", replicate=True)
+        before = refused("caches", "beyond_sequence")
+        liar, lt = self.server_conn(handler, "worker1")
+        liar.dataReceived(b"POSITION caches worker1 777 %d\n" % BIG)
+        await settle(lambda: liar.close_reason is not None)
+        self.assertEqual(liar.close_reason, "invalid_command")
+        self.assertTrue(lines(lt)[-1].startswith("ERROR "), lines(lt))
+        self.assertIn("beyond", lines(lt)[-1])
+        self.assertEqual(refused("caches", "beyond_sequence"), before + 1)
+        gen = caches.id_gen
+        self.assertEqual(gen.get_positions(), {"master": 1, "worker1": 0})
+        self.assertEqual(handler.reader_positions()[("caches", "worker1")], 0)
+        self.assertEqual([l for l in lines(ht) if "worker1" in l], [])  # never relayed
+        # The master's next fact reaches the honest reader, and what is
+        # persisted is what is true.
+        ht.clear()
+        await caches.write_fact([["after", None, 2]])
+        await until(lambda: b"RDATA caches master 2 " in ht.value())
+        self.assertEqual(lines(ht), ['RDATA caches master 2 ["after",null,2]'])
+        await caches.flush_positions()
+        table = positions_table(self.dsn)
+        self.assertEqual(table[("caches", "master")], 2)
+        self.assertLess(max(table.values()), 100)
+        # A REPLICATE never answers with the claim either.
+        ht.clear()
+        honest.dataReceived(b"REPLICATE\n")
+        self.assertIn("POSITION caches worker1 0 0", lines(ht))
 
-    def test_rdata_token_beyond_the_sequence_is_refused(self):
-        async def go():
-            consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-            registry, handler = await self.instance("master", [consumer])
-            honest, ht = self.server_conn(handler, "worker2", replicate=True)
-            liar, lt = self.server_conn(handler, "worker1")
-            liar.dataReceived(b"POSITION caches worker1 0 0\n"
-                              b'RDATA caches worker1 batch ["a",null,1]\n'
-                              b'RDATA caches worker1 %d ["b",null,1]\n'
-                              b'RDATA caches worker1 1 ["c",null,1]\n' % BIG)
-            await settle(lambda: liar.close_reason is not None)
-            self.assertTrue(lines(lt)[-1].startswith("ERROR "), lines(lt))
-            await until(handler.idle)
-            self.assertEqual(consumer.facts, [])
-            self.assertEqual(registry.get("caches").id_gen.get_positions(),
-                             {"master": 0, "worker1": 0})
-            # Only the POSITION that was true before the lie went on.
-            self.assertEqual([l for l in lines(ht) if "worker1" in l],
-                             ["POSITION caches worker1 0 0"])
-        return defer.ensureDeferred(go())
+    async def test_rdata_token_beyond_the_sequence_is_refused(self):
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        registry, handler = await self.instance("master", [consumer])
+        honest, ht = self.server_conn(handler, "worker2", replicate=True)
+        liar, lt = self.server_conn(handler, "worker1")
+        liar.dataReceived(b"POSITION caches worker1 0 0\n"
+                          b'RDATA caches worker1 batch ["a",null,1]\n'
+                          b'RDATA caches worker1 %d ["b",null,1]\n'
+                          b'RDATA caches worker1 1 ["c",null,1]\n' % BIG)
+        await settle(lambda: liar.close_reason is not None)
+        self.assertTrue(lines(lt)[-1].startswith("ERROR "), lines(lt))
+        await until(handler.idle)
+        self.assertEqual(consumer.facts, [])
+        self.assertEqual(registry.get("caches").id_gen.get_positions(),
+                         {"master": 0, "worker1": 0})
+        # Only the POSITION that was true before the lie went on.
+        self.assertEqual([l for l in lines(ht) if "worker1" in l],
+                         ["POSITION caches worker1 0 0"])
 
-    def test_honest_claims_above_what_was_seen_are_checked_in_order(self):
-        async def go():
-            consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-            registry, handler = await self.instance("master", [consumer])
-            w_registry, _ = await self.instance("worker1")
-            # worker1 really writes: the shared sequence moves.
-            wc = w_registry.get("caches")
-            t1 = await wc.write_fact([["a", None, 1], ["b", None, 1]])
-            t2 = await wc.write_fact([])
-            t3 = await wc.write_fact([["c", None, 3]])
-            honest, ht = self.server_conn(handler, "worker2", replicate=True)
-            worker, wt = self.server_conn(handler, "worker1")
-            sent = (b"POSITION caches worker1 0 0\n"
-                    b'RDATA caches worker1 batch ["a",null,1]\n'
-                    b'RDATA caches worker1 %d ["b",null,1]\n'
-                    b"POSITION caches worker1 %d %d\n"
-                    b'RDATA caches worker1 %d ["c",null,3]\n' % (t1, t1, t2, t3))
-            worker.dataReceived(sent)
-            await until(lambda: len(consumer.facts) == 2)
-            self.assertIsNone(worker.close_reason)
-            self.assertEqual(consumer.facts, [
-                ("caches", "worker1", t1, [["a", None, 1], ["b", None, 1]]),
-                ("caches", "worker1", t3, [["c", None, 3]]),
-            ])
-            self.assertEqual([l for l in lines(ht) if "worker1" in l],
-                             sent.decode().splitlines())
-            self.assertEqual(registry.get("caches").id_gen.get_current_token("worker1"), t3)
-        return defer.ensureDeferred(go())
+    async def test_honest_claims_above_what_was_seen_are_checked_in_order(self):
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        registry, handler = await self.instance("master", [consumer])
+        w_registry, _ = await self.instance("worker1")
+        # worker1 really writes: the shared sequence moves.
+        wc = w_registry.get("caches")
+        t1 = await wc.write_fact([["a", None, 1], ["b", None, 1]])
+        t2 = await wc.write_fact([])
+        t3 = await wc.write_fact([["c", None, 3]])
+        honest, ht = self.server_conn(handler, "worker2", replicate=True)
+        worker, wt = self.server_conn(handler, "worker1")
+        sent = (b"POSITION caches worker1 0 0\n"
+                b'RDATA caches worker1 batch ["a",null,1]\n'
+                b'RDATA caches worker1 %d ["b",null,1]\n'
+                b"POSITION caches worker1 %d %d\n"
+                b'RDATA caches worker1 %d ["c",null,3]\n' % (t1, t1, t2, t3))
+        worker.dataReceived(sent)
+        await until(lambda: len(consumer.facts) == 2)
+        self.assertIsNone(worker.close_reason)
+        self.assertEqual(consumer.facts, [
+            ("caches", "worker1", t1, [["a", None, 1], ["b", None, 1]]),
+            ("caches", "worker1", t3, [["c", None, 3]]),
+        ])
+        self.assertEqual([l for l in lines(ht) if "worker1" in l],
+                         sent.decode().splitlines())
+        self.assertEqual(registry.get("caches").id_gen.get_current_token("worker1"), t3)
 
-    def test_upstream_cannot_push_a_workers_token(self):
-        async def go():
-            consumer = MemoryConsumer(positions={("events", "master"): 0})
-            m_registry, _ = await self.instance("master")
-            registry, worker = await self.instance("worker1", [consumer])
-            before = refused("events", "beyond_sequence")
-            for claim in (b"%d" % BIG, b"%d" % 2 ** 70):
-                proto, tr = self.client_conn(worker, "worker1")
-                proto.dataReceived(b"POSITION events master 0 " + claim + b"\n")
-                await settle(lambda: proto.close_reason is not None)
-                self.assertIsNotNone(proto.close_reason)
-                self.assertTrue(lines(tr)[-1].startswith("ERROR "), lines(tr))
-                proto.connectionLost(None)
-            self.assertGreaterEqual(refused("events", "beyond_sequence"), before + 1)
-            self.assertEqual(registry.get("events").id_gen.get_current_token("master"), 0)
-            self.assertEqual(worker.reader_positions()[("events", "master")], 0)
-            # The master's real fact 1 still reaches the worker's consumer.
-            token = await m_registry.get("events").write_fact([["$e1", True]])
+    async def test_upstream_cannot_push_a_workers_token(self):
+        consumer = MemoryConsumer(positions={("events", "master"): 0})
+        m_registry, _ = await self.instance("master")
+        registry, worker = await self.instance("worker1", [consumer])
+        before = refused("events", "beyond_sequence")
+        for claim in (b"%d" % BIG, b"%d" % 2 ** 70):
             proto, tr = self.client_conn(worker, "worker1")
-            proto.dataReceived(b"POSITION events master 0 0\n"
-                               b'RDATA events master %d ["$e1",true]\n' % token)
-            await until(lambda: consumer.facts)
-            self.assertEqual(consumer.facts, [("events", "master", token, [["$e1", True]])])
-            self.assertIsNone(proto.close_reason)
-        return defer.ensureDeferred(go())
+            proto.dataReceived(b"POSITION events master 0 " + claim + b"\n")
+            await settle(lambda: proto.close_reason is not None)
+            self.assertIsNotNone(proto.close_reason)
+            self.assertTrue(lines(tr)[-1].startswith("ERROR "), lines(tr))
+            proto.connectionLost(None)
+        self.assertGreaterEqual(refused("events", "beyond_sequence"), before + 1)
+        self.assertEqual(registry.get("events").id_gen.get_current_token("master"), 0)
+        self.assertEqual(worker.reader_positions()[("events", "master")], 0)
+        # The master's real fact 1 still reaches the worker's consumer.
+        token = await m_registry.get("events").write_fact([["$e1", True]])
+        proto, tr = self.client_conn(worker, "worker1")
+        proto.dataReceived(b"POSITION events master 0 0\n"
+                           b'RDATA events master %d ["$e1",true]\n' % token)
+        await until(lambda: consumer.facts)
+        self.assertEqual(consumer.facts, [("events", "master", token, [["$e1", True]])])
+        self.assertIsNone(proto.close_reason)
 
 
 class RelayTests(_Base):
     """Item 4: relayed lines are the bytes received, never a re-encoding."""
 
-    def test_lock_released_with_a_lone_surrogate_is_relayed_as_received(self):
-        async def go():
-            _, handler = await self.instance("master")
-            honest, ht = self.server_conn(handler, "worker2", replicate=True)
-            other, ot = self.server_conn(handler, "worker3")  # not replicating
-            sender, st = self.server_conn(handler, "worker1")
-            key = "\u20ac" * 4000 + "\\ud800"
-            line = ('LOCK_RELEASED ["worker1","lock","%s"]' % key).encode()
-            self.assertLess(len(line), 16384)
-            sender.dataReceived(line + b"\r\n"
-                                + b"REMOTE_SERVER_UP  other.hs\n"
-                                + b"NEW_ACTIVE_TASK t1\n")
-            for t in (ht, ot):
-                self.assertEqual(t.value(), line + b"\nREMOTE_SERVER_UP  other.hs\n"
-                                 b"NEW_ACTIVE_TASK t1\n")
-            for p in (honest, other, sender):
-                self.assertIsNone(p.close_reason)
-        return defer.ensureDeferred(go())
+    async def test_lock_released_with_a_lone_surrogate_is_relayed_as_received(self):
+        _, handler = await self.instance("master")
+        honest, ht = self.server_conn(handler, "worker2", replicate=True)
+        other, ot = self.server_conn(handler, "worker3")  # not replicating
+        sender, st = self.server_conn(handler, "worker1")
+        key = "\u20ac" * 4000 + "\\ud800"
+        line = ('LOCK_RELEASED ["worker1","lock","%s"]' % key).encode()
+        self.assertLess(len(line), 16384)
+        sender.dataReceived(line + b"\r\n"
+                            + b"REMOTE_SERVER_UP  other.hs\n"
+                            + b"NEW_ACTIVE_TASK t1\n")
+        for t in (ht, ot):
+            self.assertEqual(t.value(), line + b"\nREMOTE_SERVER_UP  other.hs\n"
+                             b"NEW_ACTIVE_TASK t1\n")
+        for p in (honest, other, sender):
+            self.assertIsNone(p.close_reason)
 
-    def test_position_and_rdata_are_relayed_as_received(self):
-        async def go():
-            registry, handler = await self.instance("master")
-            set_sequence(self.dsn, "cache_stream_seq", 10)
-            honest, ht = self.server_conn(handler, "worker2", replicate=True)
-            sender, _ = self.server_conn(handler, "worker1")
-            sent = (b'POSITION caches worker1 00 0\n'
-                    b'RDATA caches worker1 3 ["\\u20ac \\ud800", {"z": 1, "a": [1.50]}, 7]\n')
-            sender.dataReceived(sent)
-            await until(lambda: b"RDATA" in ht.value())
-            self.assertEqual(b"".join(l + b"\n" for l in ht.value().splitlines()
-                                      if b"worker1" in l), sent)
-        return defer.ensureDeferred(go())
+    async def test_position_and_rdata_are_relayed_as_received(self):
+        registry, handler = await self.instance("master")
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        honest, ht = self.server_conn(handler, "worker2", replicate=True)
+        sender, _ = self.server_conn(handler, "worker1")
+        sent = (b'POSITION caches worker1 00 0\n'
+                b'RDATA caches worker1 3 ["\\u20ac \\ud800", {"z": 1, "a": [1.50]}, 7]\n')
+        sender.dataReceived(sent)
+        await until(lambda: b"RDATA" in ht.value())
+        self.assertEqual(b"".join(l + b"\n" for l in ht.value().splitlines()
+                                  if b"worker1" in l), sent)
 
 
 class RowCheckTests(_Base):
     """Item 12: rows that do not fit the stream are never delivered."""
 
-    def test_writer_client_rows_are_checked(self):
-        async def go():
-            consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-            _, handler = await self.instance("master", [consumer])
-            set_sequence(self.dsn, "cache_stream_seq", 10)
-            honest, ht = self.server_conn(handler, "worker2", replicate=True)
-            for bad in (b'["a",null]', b'["a",null,"12"]', b'["a",null,1,2]', b'[null,null,1]',
-                        b'["a",null,9223372036854775808]', b'["a\\u0000",null,1]'):
-                before = refused("caches", "bad_row")
-                events = []
-                globalLogPublisher.addObserver(events.append)
-                try:
-                    p, t = self.server_conn(handler, "worker1")
-                    p.dataReceived(b"POSITION caches worker1 0 0\n"
-                                   b"RDATA caches worker1 batch " + bad + b"\n"
-                                   b"RDATA caches worker1 batch " + bad + b"\n"
-                                   b"RDATA caches worker1 2 " + bad + b"\n")
-                finally:
-                    globalLogPublisher.removeObserver(events)
-                self.assertEqual(p.close_reason, "invalid_command", bad)
-                self.assertTrue(lines(t)[-1].startswith("ERROR "), lines(t))
-                self.assertEqual(refused("caches", "bad_row"), before + 1, bad)
-                self.assertEqual(
-                    len([e for e in events if "does not fit" in formatEvent(e)]), 1, bad)
-                p.connectionLost(None)
-            await until(handler.idle)
-            self.assertEqual(consumer.facts, [])
-            self.assertEqual([l for l in lines(ht) if l.startswith("RDATA")], [])
-            # A good row after all that is delivered.
-            p, t = self.server_conn(handler, "worker1")
-            p.dataReceived(b'POSITION caches worker1 0 0\nRDATA caches worker1 2 ["a",{"x":[1]},-5]\n')
-            await until(lambda: consumer.facts)
-            self.assertEqual(consumer.facts, [("caches", "worker1", 2, [["a", {"x": [1]}, -5]])])
-        return defer.ensureDeferred(go())
+    async def test_writer_client_rows_are_checked(self):
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        _, handler = await self.instance("master", [consumer])
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        honest, ht = self.server_conn(handler, "worker2", replicate=True)
+        for bad in (b'["a",null]', b'["a",null,"12"]', b'["a",null,1,2]', b'[null,null,1]',
+                    b'["a",null,9223372036854775808]', b'["a\\u0000",null,1]'):
+            before = refused("caches", "bad_row")
+            events = []
+            globalLogPublisher.addObserver(events.append)
+            try:
+                p, t = self.server_conn(handler, "worker1")
+                p.dataReceived(b"POSITION caches worker1 0 0\n"
+                               b"RDATA caches worker1 batch " + bad + b"\n"
+                               b"RDATA caches worker1 batch " + bad + b"\n"
+                               b"RDATA caches worker1 2 " + bad + b"\n")
+            finally:
+                globalLogPublisher.removeObserver(events)
+            self.assertEqual(p.close_reason, "invalid_command", bad)
+            self.assertTrue(lines(t)[-1].startswith("ERROR "), lines(t))
+            self.assertEqual(refused("caches", "bad_row"), before + 1, bad)
+            self.assertEqual(
+                len([e for e in events if "does not fit" in formatEvent(e)]), 1, bad)
+            p.connectionLost(None)
+        await until(handler.idle)
+        self.assertEqual(consumer.facts, [])
+        self.assertEqual([l for l in lines(ht) if l.startswith("RDATA")], [])
+        # A good row after all that is delivered.
+        p, t = self.server_conn(handler, "worker1")
+        p.dataReceived(b'POSITION caches worker1 0 0\nRDATA caches worker1 2 ["a",{"x":[1]},-5]\n')
+        await until(lambda: consumer.facts)
+        self.assertEqual(consumer.facts, [("caches", "worker1", 2, [["a", {"x": [1]}, -5]])])
 
-    def test_upstream_rows_are_checked(self):
-        async def go():
-            consumer = MemoryConsumer(positions={("events", "master"): 0})
-            _, worker = await self.instance("worker1", [consumer])
-            set_sequence(self.dsn, "event_stream_seq", 10)
-            proto, tr = self.client_conn(worker, "worker1")
-            proto.dataReceived(b"POSITION events master 0 0\n"
-                               b'RDATA events master 1 [5, true]\n'
-                               b'RDATA events master 2 ["$ok", true]\n')
-            self.assertEqual(proto.close_reason, "invalid_command")
-            self.assertTrue(lines(tr)[-1].startswith("ERROR "), lines(tr))
-            await until(worker.idle)
-            self.assertEqual(consumer.facts, [])
-            proto, tr = self.client_conn(worker, "worker1")
-            proto.dataReceived(b"POSITION events master 0 0\n"
-                               b'RDATA events master 1 ["$a", 1]\n'
-                               b'RDATA events master 2 ["$b", false]\n')
-            await until(lambda: len(consumer.facts) == 2)
-            self.assertIsNone(proto.close_reason)
-            self.assertEqual(consumer.facts, [("events", "master", 1, [["$a", 1]]),
-                                              ("events", "master", 2, [["$b", False]])])
-        return defer.ensureDeferred(go())
+    async def test_upstream_rows_are_checked(self):
+        consumer = MemoryConsumer(positions={("events", "master"): 0})
+        _, worker = await self.instance("worker1", [consumer])
+        set_sequence(self.dsn, "event_stream_seq", 10)
+        proto, tr = self.client_conn(worker, "worker1")
+        proto.dataReceived(b"POSITION events master 0 0\n"
+                           b'RDATA events master 1 [5, true]\n'
+                           b'RDATA events master 2 ["$ok", true]\n')
+        self.assertEqual(proto.close_reason, "invalid_command")
+        self.assertTrue(lines(tr)[-1].startswith("ERROR "), lines(tr))
+        await until(worker.idle)
+        self.assertEqual(consumer.facts, [])
+        proto, tr = self.client_conn(worker, "worker1")
+        proto.dataReceived(b"POSITION events master 0 0\n"
+                           b'RDATA events master 1 ["$a", 1]\n'
+                           b'RDATA events master 2 ["$b", false]\n')
+        await until(lambda: len(consumer.facts) == 2)
+        self.assertIsNone(proto.close_reason)
+        self.assertEqual(consumer.facts, [("events", "master", 1, [["$a", 1]]),
+                                          ("events", "master", 2, [["$b", False]])])
 
 
 class PartialBatchTests(_Base):
     """Item 5 (part): a partial batch is bounded in rows and bytes."""
 
-    def test_batch_over_the_row_bound_closes(self):
-        async def go():
-            consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-            _, handler = await self.instance("master", [consumer], max_batch_rows=100,
-                                             max_batch_bytes=1 << 20)
-            set_sequence(self.dsn, "cache_stream_seq", 10)
-            honest, ht = self.server_conn(handler, "worker2", replicate=True)
-            p, t = self.server_conn(handler, "worker1")
-            row = b'RDATA caches worker1 batch ["r",null,1]\n'
-            # A whole fact of exactly the bound is fine.
-            p.dataReceived(b"POSITION caches worker1 0 0\n" + row * 99
-                           + b'RDATA caches worker1 1 ["r",null,1]\n')
-            await until(lambda: consumer.facts)
-            self.assertEqual(len(consumer.facts[0][3]), 100)
-            # A partial batch may hold at most 99 rows: its closing line
-            # makes the fact's 100th.
-            before = refused("caches", "batch_too_large")
-            p.dataReceived(row * 99)
-            self.assertIsNone(p.close_reason)
-            p.dataReceived(row)
-            self.assertEqual(p.close_reason, "invalid_command")
-            self.assertTrue(lines(t)[-1].startswith("ERROR "), lines(t))
-            self.assertEqual(refused("caches", "batch_too_large"), before + 1)
-            self.assertEqual(handler.partial_batch_rows(p), 0)
-            p.connectionLost(None)
-            self.assertNotIn(p, handler.connections)
-            self.assertEqual(len(consumer.facts), 1)
-            self.assertEqual(ht.value().count(b"RDATA"), 100)  # the whole fact only
-        return defer.ensureDeferred(go())
+    async def test_batch_over_the_row_bound_closes(self):
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        _, handler = await self.instance("master", [consumer], max_batch_rows=100,
+                                         max_batch_bytes=1 << 20)
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        honest, ht = self.server_conn(handler, "worker2", replicate=True)
+        p, t = self.server_conn(handler, "worker1")
+        row = b'RDATA caches worker1 batch ["r",null,1]\n'
+        # A whole fact of exactly the bound is fine.
+        p.dataReceived(b"POSITION caches worker1 0 0\n" + row * 99
+                       + b'RDATA caches worker1 1 ["r",null,1]\n')
+        await until(lambda: consumer.facts)
+        self.assertEqual(len(consumer.facts[0][3]), 100)
+        # A partial batch may hold at most 99 rows: its closing line
+        # makes the fact's 100th.
+        before = refused("caches", "batch_too_large")
+        p.dataReceived(row * 99)
+        self.assertIsNone(p.close_reason)
+        p.dataReceived(row)
+        self.assertEqual(p.close_reason, "invalid_command")
+        self.assertTrue(lines(t)[-1].startswith("ERROR "), lines(t))
+        self.assertEqual(refused("caches", "batch_too_large"), before + 1)
+        self.assertEqual(handler.partial_batch_rows(p), 0)
+        p.connectionLost(None)
+        self.assertNotIn(p, handler.connections)
+        self.assertEqual(len(consumer.facts), 1)
+        self.assertEqual(ht.value().count(b"RDATA"), 100)  # the whole fact only
 
-    def test_batch_over_the_byte_bound_closes(self):
-        async def go():
-            _, handler = await self.instance("master", max_batch_bytes=100_000)
-            set_sequence(self.dsn, "cache_stream_seq", 10)
-            p, t = self.server_conn(handler, "worker1")
-            row = b'RDATA caches worker1 batch ["' + b"x" * 1000 + b'",null,1]\n'
-            p.dataReceived(b"POSITION caches worker1 0 0\n" + row * 90)
-            self.assertIsNone(p.close_reason)
-            p.dataReceived(row * 10)
-            self.assertEqual(p.close_reason, "invalid_command")
-            self.assertTrue(lines(t)[-1].startswith("ERROR "), lines(t))
-        return defer.ensureDeferred(go())
+    async def test_batch_over_the_byte_bound_closes(self):
+        _, handler = await self.instance("master", max_batch_bytes=100_000)
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        p, t = self.server_conn(handler, "worker1")
+        row = b'RDATA caches worker1 batch ["' + b"x" * 1000 + b'",null,1]\n'
+        p.dataReceived(b"POSITION caches worker1 0 0\n" + row * 90)
+        self.assertIsNone(p.close_reason)
+        p.dataReceived(row * 10)
+        self.assertEqual(p.close_reason, "invalid_command")
+        self.assertTrue(lines(t)[-1].startswith("ERROR "), lines(t))
 
     def test_bounds_are_configured_with_ranges(self):
         config = parse_replication({})
@@ -399,7 +379,7 @@ class TcpIntegrationTests(_Base):
     timeout = 120
 
     async def listen(self, handler):
-        factory = ReplicationServerFactory(handler, "hs.test")
+        factory = ReplicationServerFactory(handler, "hs.test", clock=reactor)
         port = await endpoints.serverFromString(
             reactor, "tcp:0:interface=127.0.0.1").listen(factory)
         self.addCleanup(port.stopListening)
@@ -422,52 +402,50 @@ class TcpIntegrationTests(_Base):
         sock.sendall(b"NAME %s\n" % name.encode())
         return sock
 
-    def test_poisoning_and_an_oversized_relay_harm_no_honest_worker(self):
-        async def go():
-            registry, master = await self.instance("master")
-            port = await self.listen(master)
-            consumer = MemoryConsumer(positions={("caches", "master"): 0,
-                                                 ("caches", "worker1"): 0})
-            locks = []
+    async def test_poisoning_and_an_oversized_relay_harm_no_honest_worker(self):
+        registry, master = await self.instance("master")
+        port = await self.listen(master)
+        consumer = MemoryConsumer(positions={("caches", "master"): 0,
+                                             ("caches", "worker1"): 0})
+        locks = []
 
-            class Locks:
-                def on_LOCK_RELEASED(self, conn, cmd):
-                    locks.append(cmd)
+        class Locks:
+            def on_LOCK_RELEASED(self, conn, cmd):
+                locks.append(cmd)
 
-            _, worker2 = await self.instance("worker2", [consumer])
-            worker2.listeners.append(Locks())
-            self.connect(worker2, "worker2", port)
-            await until(lambda: len(master.connections) == 1 and worker2.connections)
-            honest_conn = next(iter(worker2.connections))
+        _, worker2 = await self.instance("worker2", [consumer])
+        worker2.listeners.append(Locks())
+        self.connect(worker2, "worker2", port)
+        await until(lambda: len(master.connections) == 1 and worker2.connections)
+        honest_conn = next(iter(worker2.connections))
 
-            liar = self.raw_peer(port, "worker1")
-            liar.sendall(b"POSITION caches worker1 777 %d\n" % BIG)
-            key = "\u20ac" * 4000 + "\\ud800"
-            liar2 = self.raw_peer(port, "worker3")
-            liar2.sendall(('LOCK_RELEASED ["w","lock","%s"]\n' % key).encode())
-            await until(lambda: locks)
-            self.assertEqual(locks[0].lock_key, "\u20ac" * 4000 + "\ud800")
+        liar = self.raw_peer(port, "worker1")
+        liar.sendall(b"POSITION caches worker1 777 %d\n" % BIG)
+        key = "\u20ac" * 4000 + "\\ud800"
+        liar2 = self.raw_peer(port, "worker3")
+        liar2.sendall(('LOCK_RELEASED ["w","lock","%s"]\n' % key).encode())
+        await until(lambda: locks)
+        self.assertEqual(locks[0].lock_key, "\u20ac" * 4000 + "\ud800")
 
-            liar.setblocking(False)
-            got = []
+        liar.setblocking(False)
+        got = []
 
-            def liar_told():
-                try:
-                    got.append(liar.recv(65536))
-                except BlockingIOError:
-                    pass
-                return b"ERROR " in b"".join(got)
+        def liar_told():
+            try:
+                got.append(liar.recv(65536))
+            except BlockingIOError:
+                pass
+            return b"ERROR " in b"".join(got)
 
-            await settle(liar_told, timeout=10)
-            self.assertIn(b"ERROR ", b"".join(got))
+        await settle(liar_told, timeout=10)
+        self.assertIn(b"ERROR ", b"".join(got))
 
-            token = await registry.get("caches").write_fact([["real", None, 1]])
-            await until(lambda: consumer.facts)
-            self.assertEqual(consumer.facts, [("caches", "master", token, [["real", None, 1]])])
-            self.assertEqual(registry.get("caches").id_gen.get_current_token("master"), token)
-            self.assertIs(next(iter(worker2.connections)), honest_conn)
-            self.assertIsNone(honest_conn.close_reason)
-        return defer.ensureDeferred(go())
+        token = await registry.get("caches").write_fact([["real", None, 1]])
+        await until(lambda: consumer.facts)
+        self.assertEqual(consumer.facts, [("caches", "master", token, [["real", None, 1]])])
+        self.assertEqual(registry.get("caches").id_gen.get_current_token("master"), token)
+        self.assertIs(next(iter(worker2.connections)), honest_conn)
+        self.assertIsNone(honest_conn.close_reason)
 
 
 class RedisPoisoningTests(_Base):
@@ -492,36 +470,34 @@ class RedisPoisoningTests(_Base):
             handler.stop()
             await link.stopService()
             await handler.drain()
-        self.addCleanup(lambda: defer.ensureDeferred(stop()))
+        self.addCleanup(stop)
         return registry, handler, link
 
     def publish(self, message):
         from tests.test_replication_redis import publish_raw
         publish_raw(self.redis.port, "hs.test", message)
 
-    def test_forged_claims_are_dropped_and_counted(self):
-        async def go():
-            m_registry, master, m_link = await self.node("master")
-            consumer = MemoryConsumer(positions={("caches", "master"): 0,
-                                                 ("caches", "worker1"): 0})
-            _, reader, r_link = await self.node("worker2", [consumer])
-            await until(lambda: m_link.connected and r_link.connected)
-            before = refused("caches", "beyond_sequence")
-            bad_before = refused("caches", "bad_row")
-            self.publish("POSITION caches worker1 777 %d" % BIG)
-            self.publish('RDATA caches worker1 %d ["x",null,1]' % BIG)
-            self.publish('RDATA caches worker1 1 ["x",null,"not a number"]')
-            # Both instances hear both lies.
-            await until(lambda: refused("caches", "beyond_sequence") == before + 4)
-            await until(lambda: refused("caches", "bad_row") == bad_before + 2)
-            self.assertEqual(m_registry.get("caches").id_gen.get_positions(),
-                             {"master": 0, "worker1": 0})
-            token = await m_registry.get("caches").write_fact([["real", None, 1]])
-            await until(lambda: consumer.facts)
-            self.assertEqual(consumer.facts, [("caches", "master", token, [["real", None, 1]])])
-            self.assertEqual(reader.reader_positions()[("caches", "worker1")], 0)
-            self.assertTrue(m_link.connected and r_link.connected)
-        return defer.ensureDeferred(go())
+    async def test_forged_claims_are_dropped_and_counted(self):
+        m_registry, master, m_link = await self.node("master")
+        consumer = MemoryConsumer(positions={("caches", "master"): 0,
+                                             ("caches", "worker1"): 0})
+        _, reader, r_link = await self.node("worker2", [consumer])
+        await until(lambda: m_link.connected and r_link.connected)
+        before = refused("caches", "beyond_sequence")
+        bad_before = refused("caches", "bad_row")
+        self.publish("POSITION caches worker1 777 %d" % BIG)
+        self.publish('RDATA caches worker1 %d ["x",null,1]' % BIG)
+        self.publish('RDATA caches worker1 1 ["x",null,"not a number"]')
+        # Both instances hear both lies.
+        await until(lambda: refused("caches", "beyond_sequence") == before + 4)
+        await until(lambda: refused("caches", "bad_row") == bad_before + 2)
+        self.assertEqual(m_registry.get("caches").id_gen.get_positions(),
+                         {"master": 0, "worker1": 0})
+        token = await m_registry.get("caches").write_fact([["real", None, 1]])
+        await until(lambda: consumer.facts)
+        self.assertEqual(consumer.facts, [("caches", "master", token, [["real", None, 1]])])
+        self.assertEqual(reader.reader_positions()[("caches", "worker1")], 0)
+        self.assertTrue(m_link.connected and r_link.connected)
 
 
 class OwnFanoutTests(_Base):
@@ -529,37 +505,35 @@ class OwnFanoutTests(_Base):
     too big for a peer's bounds goes out as ``POSITION t t`` and readers read
     it from the table, whole."""
 
-    def test_a_fact_beyond_the_bounds_is_announced_by_position(self):
-        async def go():
-            registry, master = await self.instance("master", max_batch_rows=3,
-                                                   max_line_length=1024)
-            honest, ht = self.server_conn(master, "worker2", replicate=True)
-            consumer = MemoryConsumer(positions={("caches", "master"): 0})
-            _, worker = await self.instance("worker2", [consumer], max_batch_rows=3,
-                                            max_line_length=1024)
-            proto, _ = self.client_conn(worker, "worker2")
-            proto.dataReceived(b"POSITION caches master 0 0\n")
-            caches = registry.get("caches")
-            small = await caches.write_fact([["a", None, 1], ["b", None, 1], ["c", None, 1]])
-            big = await caches.write_fact([["r%d" % i, None, i] for i in range(4)])
-            long = await caches.write_fact([["x" * 2000, None, 1]])
-            after = await caches.write_fact([["d", None, 1]])
-            await until(lambda: master.idle() and b"RDATA caches master %d " % after
-                        in ht.value())
-            self.assertEqual(lines(ht), [
-                'RDATA caches master batch ["a",null,1]',
-                'RDATA caches master batch ["b",null,1]',
-                'RDATA caches master %d ["c",null,1]' % small,
-                "POSITION caches master %d %d" % (big, big),
-                "POSITION caches master %d %d" % (long, long),
-                'RDATA caches master %d ["d",null,1]' % after,
-            ])
-            # A reader fed those lines gets every fact whole, the big ones
-            # from the table.
-            proto.dataReceived(ht.value())
-            await until(lambda: len(consumer.facts) == 4)
-            self.assertEqual([(t, len(rows)) for _, _, t, rows in consumer.facts],
-                             [(small, 3), (big, 4), (long, 1), (after, 1)])
-            self.assertEqual(consumer.facts[2][3], [["x" * 2000, None, 1]])
-            self.assertIsNone(proto.close_reason)
-        return defer.ensureDeferred(go())
+    async def test_a_fact_beyond_the_bounds_is_announced_by_position(self):
+        registry, master = await self.instance("master", max_batch_rows=3,
+                                               max_line_length=1024)
+        honest, ht = self.server_conn(master, "worker2", replicate=True)
+        consumer = MemoryConsumer(positions={("caches", "master"): 0})
+        _, worker = await self.instance("worker2", [consumer], max_batch_rows=3,
+                                        max_line_length=1024)
+        proto, _ = self.client_conn(worker, "worker2")
+        proto.dataReceived(b"POSITION caches master 0 0\n")
+        caches = registry.get("caches")
+        small = await caches.write_fact([["a", None, 1], ["b", None, 1], ["c", None, 1]])
+        big = await caches.write_fact([["r%d" % i, None, i] for i in range(4)])
+        long = await caches.write_fact([["x" * 2000, None, 1]])
+        after = await caches.write_fact([["d", None, 1]])
+        await until(lambda: master.idle() and b"RDATA caches master %d " % after
+                    in ht.value())
+        self.assertEqual(lines(ht), [
+            'RDATA caches master batch ["a",null,1]',
+            'RDATA caches master batch ["b",null,1]',
+            'RDATA caches master %d ["c",null,1]' % small,
+            "POSITION caches master %d %d" % (big, big),
+            "POSITION caches master %d %d" % (long, long),
+            'RDATA caches master %d ["d",null,1]' % after,
+        ])
+        # A reader fed those lines gets every fact whole, the big ones
+        # from the table.
+        proto.dataReceived(ht.value())
+        await until(lambda: len(consumer.facts) == 4)
+        self.assertEqual([(t, len(rows)) for _, _, t, rows in consumer.facts],
+                         [(small, 3), (big, 4), (long, 1), (after, 1)])
+        self.assertEqual(consumer.facts[2][3], [["x" * 2000, None, 1]])
+        self.assertIsNone(proto.close_reason)

@@ -23,81 +23,75 @@ READ_PATHS = ("/_replicator/v1/positions", "/_replicator/v1/federation_acks",
 
 
 class AccessTests(HttpTestCase):
-    def test_bookkeeping_and_positions_need_the_secret(self):
-        async def go():
-            await self.start()
-            proto = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
-            proto.makeConnection(StringTransport())
-            self.addCleanup(proto.connectionLost, None)
-            proto.dataReceived(b"NAME worker1\nFEDERATION_ACK worker1 57\n")
-            for path in READ_PATHS:
-                response, answer = await self.json("GET", path)
-                self.assertEqual((response.code, answer), (401, {
-                    "error": "missing Authorization header: expected 'Bearer <secret>'"}), path)
-                self.assertEqual(response.headers.getRawHeaders(b"www-authenticate"),
-                                 [b'Bearer realm="replicator"'])
-                response, answer = await self.json(
-                    "GET", path, headers={"Authorization": "Bearer " + "x" * len(SECRET)})
-                self.assertEqual((response.code, answer), (403, {"error": "wrong secret"}), path)
-                response, answer = await self.json("GET", path, headers=AUTH)
-                self.assertEqual(response.code, 200, path)
-            response, answer = await self.json("GET", "/_replicator/v1/federation_acks",
-                                               headers=AUTH)
-            self.assertEqual(answer, {"acks": {"worker1": 57}, "next": None})
-            # Health and metrics stay open (probes and Prometheus).
-            response, _ = await self.json("GET", "/health")
-            self.assertEqual(response.code, 200)
-            response, text = await self.call("GET", "/metrics")
-            self.assertEqual(response.code, 200)
-            self.assertIn(b"replicator_", text)
-        return defer.ensureDeferred(go())
+    async def test_bookkeeping_and_positions_need_the_secret(self):
+        await self.start()
+        proto = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+        proto.makeConnection(StringTransport())
+        self.addCleanup(proto.connectionLost, None)
+        proto.dataReceived(b"NAME worker1\nFEDERATION_ACK worker1 57\n")
+        for path in READ_PATHS:
+            response, answer = await self.json("GET", path)
+            self.assertEqual((response.code, answer), (401, {
+                "error": "missing Authorization header: expected 'Bearer <secret>'"}), path)
+            self.assertEqual(response.headers.getRawHeaders(b"www-authenticate"),
+                             [b'Bearer realm="replicator"'])
+            response, answer = await self.json(
+                "GET", path, headers={"Authorization": "Bearer " + "x" * len(SECRET)})
+            self.assertEqual((response.code, answer), (403, {"error": "wrong secret"}), path)
+            response, answer = await self.json("GET", path, headers=AUTH)
+            self.assertEqual(response.code, 200, path)
+        response, answer = await self.json("GET", "/_replicator/v1/federation_acks",
+                                           headers=AUTH)
+        self.assertEqual(answer, {"acks": {"worker1": 57}, "next": None})
+        # Health and metrics stay open (probes and Prometheus).
+        response, _ = await self.json("GET", "/health")
+        self.assertEqual(response.code, 200)
+        response, text = await self.call("GET", "/metrics")
+        self.assertEqual(response.code, 200)
+        self.assertIn(b"replicator_", text)
 
 
 class BadBodyTests(HttpTestCase):
-    def test_deeply_nested_json_is_the_clients_fault(self):
-        async def go():
-            await self.start()
-            before = self.snapshot()
-            for depth in (101, 300, 1000):
-                nested = "[" * depth + "]" * depth
-                body = b'{"rows": [["f", ' + nested.encode() + b", 1]]}"
-                code, answer = await self.post("caches", None, raw=body)
-                self.assertEqual((code, answer), (400, {
-                    "error": "row 0: column 'keys' is nested deeper than 100 levels"}), depth)
-            # Deeper than any JSON parser here goes: still a 400.
-            nested = "[" * 5000 + "]" * 5000
-            code, answer = await self.post("caches", None,
-                                           raw=b'{"rows": [["f", ' + nested.encode() + b", 1]]}")
-            self.assertEqual(code, 400)
-            self.assertTrue(answer["error"].startswith("invalid JSON: "), answer)
-            self.assertEqual(self.snapshot(), before)
-            self.assertEqual(await self.count(), 0)
-            # 100 levels is fine.
-            nested = [[]]
-            for _ in range(98):
-                nested = [nested]
-            code, answer = await self.post("caches", {"rows": [["f", nested, 1]]})
-            self.assertEqual((code, answer), (200, {"stream_id": 1}))
-            self.assertEqual(self.flushLoggedErrors(), [])
-        return defer.ensureDeferred(go())
-
-    def test_an_integer_out_of_the_bigint_range_says_so(self):
-        async def go():
-            await self.start()
-            for number in (b"1" + b"0" * 29, b"-" + b"9" * 30, b"%d" % 2 ** 63,
-                           b"%d" % (2 ** 64 - 1), b"%d" % (-(2 ** 63) - 1), b"1e30"):
-                body = b'{"rows": [["f", null, ' + number + b"]]}"
-                code, answer = await self.post("caches", None, raw=body)
-                self.assertEqual((code, answer), (400, {
-                    "error": "row 0: column 'ts' expects bigint, got a number out of its "
-                             "range (-2^63 to 2^63-1)"}), number)
-            code, answer = await self.post("caches", None, raw=b'{"rows": [["f", null, 1.5]]}')
+    async def test_deeply_nested_json_is_the_clients_fault(self):
+        await self.start()
+        before = self.snapshot()
+        for depth in (101, 300, 1000):
+            nested = "[" * depth + "]" * depth
+            body = b'{"rows": [["f", ' + nested.encode() + b", 1]]}"
+            code, answer = await self.post("caches", None, raw=body)
             self.assertEqual((code, answer), (400, {
-                "error": "row 0: column 'ts' expects bigint, got float"}))
-            for number in (2 ** 63 - 1, -(2 ** 63)):
-                code, answer = await self.post("caches", {"rows": [["f", None, number]]})
-                self.assertEqual(code, 200, answer)
-        return defer.ensureDeferred(go())
+                "error": "row 0: column 'keys' is nested deeper than 100 levels"}), depth)
+        # Deeper than any JSON parser here goes: still a 400.
+        nested = "[" * 5000 + "]" * 5000
+        code, answer = await self.post("caches", None,
+                                       raw=b'{"rows": [["f", ' + nested.encode() + b", 1]]}")
+        self.assertEqual(code, 400)
+        self.assertTrue(answer["error"].startswith("invalid JSON: "), answer)
+        self.assertEqual(self.snapshot(), before)
+        self.assertEqual(await self.count(), 0)
+        # 100 levels is fine.
+        nested = [[]]
+        for _ in range(98):
+            nested = [nested]
+        code, answer = await self.post("caches", {"rows": [["f", nested, 1]]})
+        self.assertEqual((code, answer), (200, {"stream_id": 1}))
+        self.assertEqual(self.flushLoggedErrors(), [])
+
+    async def test_an_integer_out_of_the_bigint_range_says_so(self):
+        await self.start()
+        for number in (b"1" + b"0" * 29, b"-" + b"9" * 30, b"%d" % 2 ** 63,
+                       b"%d" % (2 ** 64 - 1), b"%d" % (-(2 ** 63) - 1), b"1e30"):
+            body = b'{"rows": [["f", null, ' + number + b"]]}"
+            code, answer = await self.post("caches", None, raw=body)
+            self.assertEqual((code, answer), (400, {
+                "error": "row 0: column 'ts' expects bigint, got a number out of its "
+                         "range (-2^63 to 2^63-1)"}), number)
+        code, answer = await self.post("caches", None, raw=b'{"rows": [["f", null, 1.5]]}')
+        self.assertEqual((code, answer), (400, {
+            "error": "row 0: column 'ts' expects bigint, got float"}))
+        for number in (2 ** 63 - 1, -(2 ** 63)):
+            code, answer = await self.post("caches", {"rows": [["f", None, number]]})
+            self.assertEqual(code, 200, answer)
 
 
 class Watched(dict):
@@ -138,101 +132,95 @@ class BigAnswerTests(HttpTestCase):
             fed.dataReceived(b"NAME fed%03d\nFEDERATION_ACK fed%03d %d\n" % (i, i, i))
         return proto
 
-    def test_user_ips_pages_visit_every_entry_once_in_order(self):
-        async def go():
-            await self.start()
-            await self.flood()
-            path = "/_replicator/v1/user_ips"
-            response, answer = await self.json("GET", path, headers=AUTH)
+    async def test_user_ips_pages_visit_every_entry_once_in_order(self):
+        await self.start()
+        await self.flood()
+        path = "/_replicator/v1/user_ips"
+        response, answer = await self.json("GET", path, headers=AUTH)
+        self.assertEqual(response.code, 200)
+        self.assertEqual(len(answer["user_ips"]), 1000)  # the default page
+        seen, cursor, pages = [], None, 0
+        while True:
+            query = "?limit=700" + (f"&from={cursor}" if cursor else "")
+            response, answer = await self.json("GET", path + query, headers=AUTH)
             self.assertEqual(response.code, 200)
-            self.assertEqual(len(answer["user_ips"]), 1000)  # the default page
-            seen, cursor, pages = [], None, 0
-            while True:
-                query = "?limit=700" + (f"&from={cursor}" if cursor else "")
-                response, answer = await self.json("GET", path + query, headers=AUTH)
-                self.assertEqual(response.code, 200)
-                pages += 1
-                seen += [(e["user_id"], e["device_id"]) for e in answer["user_ips"]]
-                cursor = answer["next"]
-                if cursor is None:
-                    break
-            self.assertEqual(pages, 4)
-            self.assertEqual(seen, sorted(seen))
-            self.assertEqual(seen, [("@u%05d:hs" % i, "D%d" % (i % 2)) for i in range(2500)])
-            # The bookkeeping of the other tables pages the same way.
-            response, answer = await self.json(
-                "GET", "/_replicator/v1/user_syncs?limit=1000", headers=AUTH)
-            self.assertEqual(len(answer["user_syncs"]["worker1"]), 1000)
-            response, rest = await self.json(
-                "GET", "/_replicator/v1/user_syncs?from=" + answer["next"], headers=AUTH)
-            self.assertEqual(len(rest["user_syncs"]["worker1"]), 1000)
-            self.assertEqual(rest["user_syncs"]["worker1"][0], {
-                "user_id": "@u01000:hs", "device_id": "D", "last_sync_ms": 2000})
-            response, rest = await self.json(
-                "GET", "/_replicator/v1/user_syncs?from=" + rest["next"], headers=AUTH)
-            self.assertEqual(len(rest["user_syncs"]["worker1"]), 500)
-            self.assertIsNone(rest["next"])
-            response, answer = await self.json(
-                "GET", "/_replicator/v1/federation_acks?limit=40", headers=AUTH)
-            self.assertEqual(list(answer["acks"]), ["fed%03d" % i for i in range(40)])
-            response, answer = await self.json(
-                "GET", "/_replicator/v1/federation_acks?from=" + answer["next"], headers=AUTH)
-            self.assertEqual(answer, {"acks": {"fed%03d" % i: i for i in range(40, 50)},
-                                      "next": None})
-        return defer.ensureDeferred(go())
+            pages += 1
+            seen += [(e["user_id"], e["device_id"]) for e in answer["user_ips"]]
+            cursor = answer["next"]
+            if cursor is None:
+                break
+        self.assertEqual(pages, 4)
+        self.assertEqual(seen, sorted(seen))
+        self.assertEqual(seen, [("@u%05d:hs" % i, "D%d" % (i % 2)) for i in range(2500)])
+        # The bookkeeping of the other tables pages the same way.
+        response, answer = await self.json(
+            "GET", "/_replicator/v1/user_syncs?limit=1000", headers=AUTH)
+        self.assertEqual(len(answer["user_syncs"]["worker1"]), 1000)
+        response, rest = await self.json(
+            "GET", "/_replicator/v1/user_syncs?from=" + answer["next"], headers=AUTH)
+        self.assertEqual(len(rest["user_syncs"]["worker1"]), 1000)
+        self.assertEqual(rest["user_syncs"]["worker1"][0], {
+            "user_id": "@u01000:hs", "device_id": "D", "last_sync_ms": 2000})
+        response, rest = await self.json(
+            "GET", "/_replicator/v1/user_syncs?from=" + rest["next"], headers=AUTH)
+        self.assertEqual(len(rest["user_syncs"]["worker1"]), 500)
+        self.assertIsNone(rest["next"])
+        response, answer = await self.json(
+            "GET", "/_replicator/v1/federation_acks?limit=40", headers=AUTH)
+        self.assertEqual(list(answer["acks"]), ["fed%03d" % i for i in range(40)])
+        response, answer = await self.json(
+            "GET", "/_replicator/v1/federation_acks?from=" + answer["next"], headers=AUTH)
+        self.assertEqual(answer, {"acks": {"fed%03d" % i: i for i in range(40, 50)},
+                                  "next": None})
 
-    def test_bad_page_arguments_are_400(self):
-        async def go():
-            await self.start()
-            for query, error in [
-                    ("limit=0", "limit must be an integer from 1 to 1000"),
-                    ("limit=1001", "limit must be an integer from 1 to 1000"),
-                    ("limit=-1", "limit must be an integer from 1 to 1000"),
-                    ("limit=" + "9" * 400, "limit must be an integer from 1 to 1000"),
-                    ("from=bm90IGpzb24", "from is not a cursor from a previous page's next"),
-                    ("from=WzEsMl0", "from is not a cursor from a previous page's next"),
-                    ("from=%ff%fe", "from is not a cursor from a previous page's next"),
-                    ("from=" + "A" * 5000, "from is not a cursor from a previous page's next")]:
-                for path in ("user_ips", "user_syncs", "federation_acks"):
-                    response, answer = await self.json(
-                        "GET", f"/_replicator/v1/{path}?{query}", headers=AUTH)
-                    self.assertEqual((response.code, answer), (400, {"error": error}),
-                                     (path, query))
-        return defer.ensureDeferred(go())
-
-    def test_answers_are_built_off_the_reactor_thread(self):
-        async def go():
-            await self.start()
-            await self.flood(10)
-            reactor_thread = threading.get_ident()
-            seen = []
-            books = self.handler.bookkeeping
-            books.user_ips = Watched(books.user_ips, seen)
-            books.user_syncs = Watched(books.user_syncs, seen)
-            books.federation_acks = Watched(books.federation_acks, seen)
+    async def test_bad_page_arguments_are_400(self):
+        await self.start()
+        for query, error in [
+                ("limit=0", "limit must be an integer from 1 to 1000"),
+                ("limit=1001", "limit must be an integer from 1 to 1000"),
+                ("limit=-1", "limit must be an integer from 1 to 1000"),
+                ("limit=" + "9" * 400, "limit must be an integer from 1 to 1000"),
+                ("from=bm90IGpzb24", "from is not a cursor from a previous page's next"),
+                ("from=WzEsMl0", "from is not a cursor from a previous page's next"),
+                ("from=%ff%fe", "from is not a cursor from a previous page's next"),
+                ("from=" + "A" * 5000, "from is not a cursor from a previous page's next")]:
             for path in ("user_ips", "user_syncs", "federation_acks"):
-                del seen[:]
-                response, answer = await self.json("GET", f"/_replicator/v1/{path}",
-                                                   headers=AUTH)
-                self.assertEqual(response.code, 200)
-                self.assertTrue(seen, path)
-                self.assertNotIn(reactor_thread, seen, path)
-            # /metrics on the HTTP listener: its live samples (the
-            # bookkeeping's, as an instance registers them) and its text too.
-            refreshed = []
+                response, answer = await self.json(
+                    "GET", f"/_replicator/v1/{path}?{query}", headers=AUTH)
+                self.assertEqual((response.code, answer), (400, {"error": error}),
+                                 (path, query))
 
-            def watched_samples():
-                refreshed.append(threading.get_ident())
-                return books.metric_samples()
-
-            metrics.add_source(watched_samples)
-            self.addCleanup(metrics.remove_source, watched_samples)
-            response, text = await self.call("GET", "/metrics")
+    async def test_answers_are_built_off_the_reactor_thread(self):
+        await self.start()
+        await self.flood(10)
+        reactor_thread = threading.get_ident()
+        seen = []
+        books = self.handler.bookkeeping
+        books.user_ips = Watched(books.user_ips, seen)
+        books.user_syncs = Watched(books.user_syncs, seen)
+        books.federation_acks = Watched(books.federation_acks, seen)
+        for path in ("user_ips", "user_syncs", "federation_acks"):
+            del seen[:]
+            response, answer = await self.json("GET", f"/_replicator/v1/{path}",
+                                               headers=AUTH)
             self.assertEqual(response.code, 200)
-            self.assertIn(b'replicator_user_syncs{instance="worker1"} 10.0\n', text)
-            self.assertTrue(refreshed)
-            self.assertNotIn(reactor_thread, refreshed)
-        return defer.ensureDeferred(go())
+            self.assertTrue(seen, path)
+            self.assertNotIn(reactor_thread, seen, path)
+        # /metrics on the HTTP listener: its live samples (the
+        # bookkeeping's, as an instance registers them) and its text too.
+        refreshed = []
+
+        def watched_samples():
+            refreshed.append(threading.get_ident())
+            return books.metric_samples()
+
+        metrics.add_source(watched_samples)
+        self.addCleanup(metrics.remove_source, watched_samples)
+        response, text = await self.call("GET", "/metrics")
+        self.assertEqual(response.code, 200)
+        self.assertIn(b'replicator_user_syncs{instance="worker1"} 10.0\n', text)
+        self.assertTrue(refreshed)
+        self.assertNotIn(reactor_thread, refreshed)
 
 
 class SlowClient(protocol.Protocol):
@@ -299,61 +287,55 @@ class SlowClientTests(HttpTestCase):
         await self.start(dsn=PostgresServer.shared().create_database(), config_overrides={
             "http": {"listen": "tcp:0:interface=127.0.0.1", "secret": SECRET, **http}})
 
-    def test_headers_sent_a_byte_at_a_time_meet_a_deadline(self):
-        async def go():
-            await self.start_limited(header_timeout=1)
-            # Far more bytes than the deadline lets through: the server must
-            # close first, whatever the machine's speed.
+    async def test_headers_sent_a_byte_at_a_time_meet_a_deadline(self):
+        await self.start_limited(header_timeout=1)
+        # Far more bytes than the deadline lets through: the server must
+        # close first, whatever the machine's speed.
+        client = await ClientConnection.open(
+            self, SlowClient(b"GET /health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 600))
+        received = await client.closed
+        self.assertTrue(client.drip, "the server never closed the connection")
+        self.assertEqual(parse_answer(self, received, 408), {
+            "error": "request headers not received within 1s"})
+
+    async def test_a_body_sent_a_byte_at_a_time_meets_a_deadline(self):
+        await self.start_limited(body_timeout=1)
+        body = b'{"rows": [' + b" " * 600 + b"]}"
+        client = await ClientConnection.open(self, SlowClient(
+            b"POST /_replicator/v1/streams/caches/facts HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + SECRET.encode() + b"\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body), body))
+        received = await client.closed
+        self.assertTrue(client.drip, "the server never closed the connection")
+        self.assertEqual(parse_answer(self, received, 408), {
+            "error": "request body not received within 1s"})
+        self.assertEqual(await self.count(), 0)
+
+    async def test_connections_over_the_cap_get_a_json_503(self):
+        await self.start_limited(max_connections=3, header_timeout=3600)
+        held = []
+        for _ in range(3):
             client = await ClientConnection.open(
-                self, SlowClient(b"GET /health HTTP/1.1\r\n", b"X-Slow: " + b"a" * 600))
-            received = await client.closed
-            self.assertTrue(client.drip, "the server never closed the connection")
-            self.assertEqual(parse_answer(self, received, 408), {
-                "error": "request headers not received within 1s"})
-        return defer.ensureDeferred(go())
-
-    def test_a_body_sent_a_byte_at_a_time_meets_a_deadline(self):
-        async def go():
-            await self.start_limited(body_timeout=1)
-            body = b'{"rows": [' + b" " * 600 + b"]}"
-            client = await ClientConnection.open(self, SlowClient(
-                b"POST /_replicator/v1/streams/caches/facts HTTP/1.1\r\nHost: x\r\n"
-                b"Authorization: Bearer " + SECRET.encode() + b"\r\n"
-                b"Content-Length: %d\r\n\r\n" % len(body), body))
-            received = await client.closed
-            self.assertTrue(client.drip, "the server never closed the connection")
-            self.assertEqual(parse_answer(self, received, 408), {
-                "error": "request body not received within 1s"})
-            self.assertEqual(await self.count(), 0)
-        return defer.ensureDeferred(go())
-
-    def test_connections_over_the_cap_get_a_json_503(self):
-        async def go():
-            await self.start_limited(max_connections=3, header_timeout=3600)
-            held = []
-            for _ in range(3):
-                client = await ClientConnection.open(
-                    self, SlowClient(b"GET /health HTTP/1.1\r\n"))
-                held.append(client)
-            # The server has counted them once a request over a fourth
-            # connection is refused.
-            refused = await ClientConnection.open(
-                self, SlowClient(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
-            received = await refused.closed
-            self.assertEqual(parse_answer(self, received, 503), {
-                "error": "too many HTTP connections (3): try again later"})
-            # Those held are still served, and once they go, others are.
-            held[0].transport.write(b"Host: x\r\n\r\n")
-            await until(lambda: b"\r\n\r\n" in held[0].received)
-            self.assertTrue(held[0].received.startswith(b"HTTP/1.1 200 "), held[0].received)
-            for client in held:
-                client.transport.loseConnection()
-            for client in held:
-                await client.closed
-            await until(lambda: self.api.open_connections == 0)
-            response, answer = await self.json("GET", "/health")
-            self.assertEqual(response.code, 200)
-        return defer.ensureDeferred(go())
+                self, SlowClient(b"GET /health HTTP/1.1\r\n"))
+            held.append(client)
+        # The server has counted them once a request over a fourth
+        # connection is refused.
+        refused = await ClientConnection.open(
+            self, SlowClient(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+        received = await refused.closed
+        self.assertEqual(parse_answer(self, received, 503), {
+            "error": "too many HTTP connections (3): try again later"})
+        # Those held are still served, and once they go, others are.
+        held[0].transport.write(b"Host: x\r\n\r\n")
+        await until(lambda: b"\r\n\r\n" in held[0].received)
+        self.assertTrue(held[0].received.startswith(b"HTTP/1.1 200 "), held[0].received)
+        for client in held:
+            client.transport.loseConnection()
+        for client in held:
+            await client.closed
+        await until(lambda: self.api.open_connections == 0)
+        response, answer = await self.json("GET", "/health")
+        self.assertEqual(response.code, 200)
 
 
 class MalformedRequestTests(HttpTestCase):
@@ -390,34 +372,32 @@ class MalformedRequestTests(HttpTestCase):
          "malformed chunked body"),
     ]
 
-    def test_each_is_a_json_4xx(self):
-        async def go():
-            await self.start()
-            for request, code, error in self.CASES:
-                client = await ClientConnection.open(self, RawClient(request))
-                received = await client.closed
-                self.assertEqual(parse_answer(self, received, code), {"error": error}, error)
-            # Twisted answers "*" itself (405, no body); here it is a path
-            # like any other.
-            client = await ClientConnection.open(self, RawClient(
-                b"GET * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
-            head, _, body = (await client.closed).partition(b"\r\n\r\n")
-            self.assertTrue(head.startswith(b"HTTP/1.1 404 "), head)
-            self.assertEqual(orjson.loads(body), {"error": "no such endpoint"})
-            # A body may hold bare LFs.
-            body = b'{"rows":\n[]}'
-            client = await ClientConnection.open(self, RawClient(
-                b"POST /_replicator/v1/streams/caches/facts HTTP/1.1\r\nHost: x\r\n"
-                b"Authorization: Bearer " + SECRET.encode() + b"\r\nConnection: close\r\n"
-                b"Content-Length: %d\r\n\r\n" % len(body) + body))
-            head, _, body = (await client.closed).partition(b"\r\n\r\n")
-            self.assertTrue(head.startswith(b"HTTP/1.1 200 "), head)
-            # The server goes on.
-            response, _ = await self.json("GET", "/health")
-            self.assertEqual(response.code, 200)
-            refusals = [line for line in self.access_lines() if '" 4' in line]
-            self.assertEqual(len(refusals), len(self.CASES) + 1)
-        return defer.ensureDeferred(go())
+    async def test_each_is_a_json_4xx(self):
+        await self.start()
+        for request, code, error in self.CASES:
+            client = await ClientConnection.open(self, RawClient(request))
+            received = await client.closed
+            self.assertEqual(parse_answer(self, received, code), {"error": error}, error)
+        # Twisted answers "*" itself (405, no body); here it is a path
+        # like any other.
+        client = await ClientConnection.open(self, RawClient(
+            b"GET * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+        head, _, body = (await client.closed).partition(b"\r\n\r\n")
+        self.assertTrue(head.startswith(b"HTTP/1.1 404 "), head)
+        self.assertEqual(orjson.loads(body), {"error": "no such endpoint"})
+        # A body may hold bare LFs.
+        body = b'{"rows":\n[]}'
+        client = await ClientConnection.open(self, RawClient(
+            b"POST /_replicator/v1/streams/caches/facts HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + SECRET.encode() + b"\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body))
+        head, _, body = (await client.closed).partition(b"\r\n\r\n")
+        self.assertTrue(head.startswith(b"HTTP/1.1 200 "), head)
+        # The server goes on.
+        response, _ = await self.json("GET", "/health")
+        self.assertEqual(response.code, 200)
+        refusals = [line for line in self.access_lines() if '" 4' in line]
+        self.assertEqual(len(refusals), len(self.CASES) + 1)
 
 
 class BareLineFeedTests(SynchronousTestCase):
@@ -439,62 +419,58 @@ class BareLineFeedTests(SynchronousTestCase):
 
 
 class SurrogateTests(HttpTestCase):
-    def test_a_lone_surrogate_in_the_bookkeeping_is_still_answered(self):
-        async def go():
-            await self.start()
-            proto = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
-            proto.makeConnection(StringTransport())
-            self.addCleanup(proto.connectionLost, None)
-            proto.dataReceived(b'NAME worker1\nUSER_IP @u:hs ["t", "10.0.0.1", "UA\\ud800", '
-                               b'"D", 5]\n')
-            # The answer escapes it (\ud800: JSON's grammar allows it; orjson's
-            # strict parser would not, the standard library's does).
-            response, data = await self.call("GET", "/_replicator/v1/user_ips",
-                                             headers=AUTH)
-            self.assertEqual((response.code, json.loads(data)), (200, {"user_ips": [
-                {"user_id": "@u:hs", "device_id": "D", "ip": "10.0.0.1",
-                 "user_agent": "UA\ud800", "last_seen": 5}], "next": None}))
-        return defer.ensureDeferred(go())
+    async def test_a_lone_surrogate_in_the_bookkeeping_is_still_answered(self):
+        await self.start()
+        proto = ServerReplicationProtocol(self.handler, "hs.test", clock=task.Clock())
+        proto.makeConnection(StringTransport())
+        self.addCleanup(proto.connectionLost, None)
+        proto.dataReceived(b'NAME worker1\nUSER_IP @u:hs ["t", "10.0.0.1", "UA\\ud800", '
+                           b'"D", 5]\n')
+        # The answer escapes it (\ud800: JSON's grammar allows it; orjson's
+        # strict parser would not, the standard library's does).
+        response, data = await self.call("GET", "/_replicator/v1/user_ips",
+                                         headers=AUTH)
+        self.assertEqual((response.code, json.loads(data)), (200, {"user_ips": [
+            {"user_id": "@u:hs", "device_id": "D", "ip": "10.0.0.1",
+             "user_agent": "UA\ud800", "last_seen": 5}], "next": None}))
 
 
 class TlsRefusalTests(HttpTestCase):
     """Over TLS too, a refused request gets its JSON answer (the half-close
     after it goes through the TLS layer)."""
 
-    def test_malformed_and_slow_over_tls(self):
-        async def go():
-            import ssl
-            import tempfile
+    async def test_malformed_and_slow_over_tls(self):
+        import ssl
+        import tempfile
 
-            from tests.test_tls import make_pki
+        from tests.test_tls import make_pki
 
-            pki = make_pki(tempfile.mkdtemp())
-            listen = (f"ssl:0:interface=127.0.0.1:privateKey={pki['server.key']}"
-                      f":certKey={pki['server.crt']}")
-            await self.start(dsn=PostgresServer.shared().create_database(), config_overrides={
-                "http": {"listen": listen, "secret": SECRET, "header_timeout": 1}})
-            context = ssl.create_default_context(cafile=pki["ca.crt"])
+        pki = make_pki(tempfile.mkdtemp())
+        listen = (f"ssl:0:interface=127.0.0.1:privateKey={pki['server.key']}"
+                  f":certKey={pki['server.crt']}")
+        await self.start(dsn=PostgresServer.shared().create_database(), config_overrides={
+            "http": {"listen": listen, "secret": SECRET, "header_timeout": 1}})
+        context = ssl.create_default_context(cafile=pki["ca.crt"])
 
-            def exchange(data: bytes) -> bytes:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=30) as raw:
-                    with context.wrap_socket(raw, server_hostname="localhost") as s:
-                        s.sendall(data)
-                        received = b""
-                        while True:
-                            try:
-                                chunk = s.recv(65536)
-                            except ssl.SSLError:
-                                break
-                            if not chunk:
-                                break
-                            received += chunk
-                        return received
+        def exchange(data: bytes) -> bytes:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=30) as raw:
+                with context.wrap_socket(raw, server_hostname="localhost") as s:
+                    s.sendall(data)
+                    received = b""
+                    while True:
+                        try:
+                            chunk = s.recv(65536)
+                        except ssl.SSLError:
+                            break
+                        if not chunk:
+                            break
+                        received += chunk
+                    return received
 
-            received = await threads.deferToThread(
-                exchange, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
-            self.assertEqual(parse_answer(self, received, 400),
-                             {"error": "invalid Content-Length header"})
-            received = await threads.deferToThread(exchange, b"GET /health HTTP/1.1\r\n")
-            self.assertEqual(parse_answer(self, received, 408),
-                             {"error": "request headers not received within 1s"})
-        return defer.ensureDeferred(go())
+        received = await threads.deferToThread(
+            exchange, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+        self.assertEqual(parse_answer(self, received, 400),
+                         {"error": "invalid Content-Length header"})
+        received = await threads.deferToThread(exchange, b"GET /health HTTP/1.1\r\n")
+        self.assertEqual(parse_answer(self, received, 408),
+                         {"error": "request headers not received within 1s"})

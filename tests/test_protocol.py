@@ -782,12 +782,12 @@ class OutboundTests(SynchronousTestCase):
         proto.lineReceived(b"REPLICATE")
         self.assertEqual(handler.commands(), [])
 
-    def test_send_line_goes_through_the_queue(self):
+    def test_send_command_goes_through_the_queue(self):
         proto, transport, clock, handler = make_server(max_line_length=50)
         transport.clear()
         proto.pauseProducing()
-        self.assertTrue(proto.sendLine(b"PING a"))
-        self.assertFalse(proto.sendLine(b"PING " + b"x" * 50))
+        self.assertTrue(proto.send_command(PingCommand("a")))
+        self.assertFalse(proto.send_command(PingCommand("x" * 50)))
         self.assertEqual((transport.value(), proto.queued), (b"", 1))
         proto.resumeProducing()
         self.assertEqual(transport.value(), b"PING a\n")

@@ -85,113 +85,109 @@ class RedisReplicationTests(TestCase):
         self.redis = RedisServer(password="redis-test-secret")
         self.addCleanup(self.redis.stop)
 
-    def test_multi_writer_through_crash_and_restart(self):
-        async def go():
-            rng = random.Random(99)
-            w1 = await Node(self, self.dsn, "w1", self.redis).start()
-            w2 = await Node(self, self.dsn, "w2", self.redis).start()
-            log = []
-            consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
-            reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
-            await until(lambda: all(n.link.connected for n in (w1, w2, reader)))
+    async def test_multi_writer_through_crash_and_restart(self):
+        rng = random.Random(99)
+        w1 = await Node(self, self.dsn, "w1", self.redis).start()
+        w2 = await Node(self, self.dsn, "w2", self.redis).start()
+        log = []
+        consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
+        reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
+        await until(lambda: all(n.link.connected for n in (w1, w2, reader)))
 
-            target = 10_000
-            written = {"n": 0}
+        target = 10_000
+        written = {"n": 0}
 
-            async def writer_loop(node):
-                await write_randomly(
-                    node.registry.get("caches"), rng, written, target,
-                    lambda n, j: [f"f{n}", rng.choice([None, ["@k:hs"]]), j],
-                    max_facts=25, pause=True)
+        async def writer_loop(node):
+            await write_randomly(
+                node.registry.get("caches"), rng, written, target,
+                lambda n, j: [f"f{n}", rng.choice([None, ["@k:hs"]]), j],
+                max_facts=25, pause=True)
 
-            async def chaos():
-                nonlocal reader, consumer
-                await until(lambda: written["n"] > 2500)
-                self.redis.kill()
-                await until(lambda: not reader.link.connected, timeout=10)
-                await sleep(0.3)  # writes go on without Redis
-                self.redis.start()
-                await until(lambda: written["n"] > 6000)
-                # Restart the reader: its consumer resumes from what it handled.
-                await reader.stop()
-                log.extend(consumer.facts)
-                consumer = MemoryConsumer(positions=consumer.positions())
-                reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
-
-            await defer.gatherResults([
-                defer.ensureDeferred(writer_loop(w1)),
-                defer.ensureDeferred(writer_loop(w2)),
-                defer.ensureDeferred(chaos()),
-            ])
-
-            def caught_up():
-                positions = reader.handler.reader_positions()
-                return all(positions[("caches", w.name)] is not None and
-                           positions[("caches", w.name)] >=
-                           w.registry.get("caches").id_gen.get_current_token(w.name)
-                           for w in (w1, w2))
-
-            await until(caught_up, timeout=120)
+        async def chaos():
+            nonlocal reader, consumer
+            await until(lambda: written["n"] > 2500)
+            self.redis.kill()
+            await until(lambda: not reader.link.connected, timeout=10)
+            await sleep(0.3)  # writes go on without Redis
+            self.redis.start()
+            await until(lambda: written["n"] > 6000)
+            # Restart the reader: its consumer resumes from what it handled.
+            await reader.stop()
             log.extend(consumer.facts)
-            expected = {k: [] for k in KEYS}
-            expected.update(table_facts(self.dsn, TABLES))
-            got = {k: [] for k in KEYS}
-            for stream, writer, token, rows in log:
-                got[(stream, writer)].append((token, rows))
-            for key in KEYS:
-                self.assertEqual(len(got[key]), len(expected[key]), key)
-                self.assertEqual(as_sets({key: got[key]}), as_sets({key: expected[key]}), key)
-            # Both writers know each other and agree on the linear position.
-            for w in (w1, w2):
-                await until(lambda: w1.registry.get("caches").id_gen.get_linear_token() ==
-                            w2.registry.get("caches").id_gen.get_linear_token())
-            linear = reader.registry.get("caches").id_gen.get_linear_token()
-            self.assertEqual(linear, min(reader.handler.reader_positions().values()))
-        return defer.ensureDeferred(go())
-
-    def test_position_only_advance_and_foreign_traffic(self):
-        async def go():
-            w1 = await Node(self, self.dsn, "w1", self.redis).start()
-            consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
+            consumer = MemoryConsumer(positions=consumer.positions())
             reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
-            await until(lambda: w1.link.connected and reader.link.connected)
-            stream = w1.registry.get("caches")
-            await stream.write_fact([["a", None, 1]])
-            await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 1)
 
-            def boom(txn, stream_id):
-                raise RuntimeError("rolled back")
+        await defer.gatherResults([
+            defer.ensureDeferred(writer_loop(w1)),
+            defer.ensureDeferred(writer_loop(w2)),
+            defer.ensureDeferred(chaos()),
+        ])
 
-            with self.assertRaises(RuntimeError):
-                async with stream.writer() as fact:
-                    fact.add_row(["never", None, 1])
-                    fact.also(boom)
-            # Reserved and rolled back: readers move by POSITION alone.
-            await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 2)
-            self.assertEqual(len(consumer.facts), 1)
+        def caught_up():
+            positions = reader.handler.reader_positions()
+            return all(positions[("caches", w.name)] is not None and
+                       positions[("caches", w.name)] >=
+                       w.registry.get("caches").id_gen.get_current_token(w.name)
+                       for w in (w1, w2))
 
-            ignored = metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get()
-            unknown_before = metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get()
-            for line in ('RDATA events master 5 ["$ev:hs","!room:hs","m.room.message",null]',
-                         "POSITION typing master 1 2",
-                         "FOO bar baz",
-                         "USER_SYNC synapse1 @u:hs None start 1000",
-                         'RDATA caches w1 batch ["half",null,1]'):
-                publish_raw(self.redis.port, "hs.test", line, self.redis.password)
-            await stream.write_fact([["b", None, 2]])
-            await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 3)
-            # Both instances in this process hear each foreign line once.
-            self.assertEqual(metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get(),
-                             ignored + 2)
-            self.assertEqual(
-                metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get(),
-                unknown_before + 2)
-            self.assertEqual(reader.handler.user_syncs, {"synapse1": {("@u:hs", None): 1000}})
-            # A foreign line claiming to be w1's batch row joins w1's next fact,
-            # as in Synapse: the wire carries no proof of origin.
-            self.assertEqual([t for _, _, t, _ in consumer.facts], [1, 3])
-            self.assertTrue(reader.link.connected)
-        return defer.ensureDeferred(go())
+        await until(caught_up, timeout=120)
+        log.extend(consumer.facts)
+        expected = {k: [] for k in KEYS}
+        expected.update(table_facts(self.dsn, TABLES))
+        got = {k: [] for k in KEYS}
+        for stream, writer, token, rows in log:
+            got[(stream, writer)].append((token, rows))
+        for key in KEYS:
+            self.assertEqual(len(got[key]), len(expected[key]), key)
+            self.assertEqual(as_sets({key: got[key]}), as_sets({key: expected[key]}), key)
+        # Both writers know each other and agree on the linear position.
+        for w in (w1, w2):
+            await until(lambda: w1.registry.get("caches").id_gen.get_linear_token() ==
+                        w2.registry.get("caches").id_gen.get_linear_token())
+        linear = reader.registry.get("caches").id_gen.get_linear_token()
+        self.assertEqual(linear, min(reader.handler.reader_positions().values()))
+
+    async def test_position_only_advance_and_foreign_traffic(self):
+        w1 = await Node(self, self.dsn, "w1", self.redis).start()
+        consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
+        reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
+        await until(lambda: w1.link.connected and reader.link.connected)
+        stream = w1.registry.get("caches")
+        await stream.write_fact([["a", None, 1]])
+        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 1)
+
+        def boom(txn, stream_id):
+            raise RuntimeError("rolled back")
+
+        with self.assertRaises(RuntimeError):
+            async with stream.writer() as fact:
+                fact.add_row(["never", None, 1])
+                fact.also(boom)
+        # Reserved and rolled back: readers move by POSITION alone.
+        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 2)
+        self.assertEqual(len(consumer.facts), 1)
+
+        ignored = metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get()
+        unknown_before = metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get()
+        for line in ('RDATA events master 5 ["$ev:hs","!room:hs","m.room.message",null]',
+                     "POSITION typing master 1 2",
+                     "FOO bar baz",
+                     "USER_SYNC synapse1 @u:hs None start 1000",
+                     'RDATA caches w1 batch ["half",null,1]'):
+            publish_raw(self.redis.port, "hs.test", line, self.redis.password)
+        await stream.write_fact([["b", None, 2]])
+        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 3)
+        # Both instances in this process hear each foreign line once.
+        self.assertEqual(metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get(),
+                         ignored + 2)
+        self.assertEqual(
+            metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get(),
+            unknown_before + 2)
+        self.assertEqual(reader.handler.user_syncs, {"synapse1": {("@u:hs", None): 1000}})
+        # A foreign line claiming to be w1's batch row joins w1's next fact,
+        # as in Synapse: the wire carries no proof of origin.
+        self.assertEqual([t for _, _, t, _ in consumer.facts], [1, 3])
+        self.assertTrue(reader.link.connected)
 
 
 class RedisFailureModeTests(TestCase):
@@ -204,56 +200,52 @@ class RedisFailureModeTests(TestCase):
         self.redis = RedisServer(password="the-right-password")
         self.addCleanup(self.redis.stop)
 
-    def test_auth_failure_never_stops_reconnecting(self):
-        async def go():
-            node = Node(self, self.dsn, "w1", self.redis)
-            node.redis = type("WrongPassword", (), {"endpoint": self.redis.endpoint,
-                                                    "password": "a-wrong-password"})()
-            def refused(link):
-                return REGISTRY.get_sample_value("replicator_redis_auth_refused_total",
-                                                 {"link": link}) or 0
+    async def test_auth_failure_never_stops_reconnecting(self):
+        node = Node(self, self.dsn, "w1", self.redis)
+        node.redis = type("WrongPassword", (), {"endpoint": self.redis.endpoint,
+                                                "password": "a-wrong-password"})()
+        def refused(link):
+            return REGISTRY.get_sample_value("replicator_redis_auth_refused_total",
+                                             {"link": link}) or 0
 
-            before = {link: refused(link) for link in ("subscriber", "publisher")}
-            await node.start()
-            # Several refused AUTHs, counted per link.
-            await until(lambda: all(refused(link) >= before[link] + 3 for link in before),
-                        timeout=30)
-            self.assertFalse(node.link.connected)
-            self.assertIn("auth", (node.link.last_error or "").lower())
-            # The operator fixes the server side; the link comes back by itself.
-            with socket.create_connection(("127.0.0.1", self.redis.port)) as s:
-                def bulk(t):
-                    b = t.encode()
-                    return b"$%d\r\n%s\r\n" % (len(b), b)
-                s.sendall(b"*2\r\n" + bulk("AUTH") + bulk("the-right-password"))
-                s.recv(100)
-                s.sendall(b"*4\r\n" + bulk("CONFIG") + bulk("SET") + bulk("requirepass")
-                          + bulk("a-wrong-password"))
-                self.assertEqual(s.recv(100), b"+OK\r\n")
-            await until(lambda: node.link.connected, timeout=10)
-            self.assertIsNone(node.link.last_error)
-        return defer.ensureDeferred(go())
+        before = {link: refused(link) for link in ("subscriber", "publisher")}
+        await node.start()
+        # Several refused AUTHs, counted per link.
+        await until(lambda: all(refused(link) >= before[link] + 3 for link in before),
+                    timeout=30)
+        self.assertFalse(node.link.connected)
+        self.assertIn("auth", (node.link.last_error or "").lower())
+        # The operator fixes the server side; the link comes back by itself.
+        with socket.create_connection(("127.0.0.1", self.redis.port)) as s:
+            def bulk(t):
+                b = t.encode()
+                return b"$%d\r\n%s\r\n" % (len(b), b)
+            s.sendall(b"*2\r\n" + bulk("AUTH") + bulk("the-right-password"))
+            s.recv(100)
+            s.sendall(b"*4\r\n" + bulk("CONFIG") + bulk("SET") + bulk("requirepass")
+                      + bulk("a-wrong-password"))
+            self.assertEqual(s.recv(100), b"+OK\r\n")
+        await until(lambda: node.link.connected, timeout=10)
+        self.assertIsNone(node.link.last_error)
 
-    def test_dead_socket_is_noticed_by_ping_and_replaced(self):
-        async def go():
-            import os
-            import signal as sig
+    async def test_dead_socket_is_noticed_by_ping_and_replaced(self):
+        import os
+        import signal as sig
 
-            consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
-            writer = await Node(self, self.dsn, "w1", self.redis).start()
-            reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
-            await until(lambda: writer.link.connected and reader.link.connected)
-            os.kill(self.redis.proc.pid, sig.SIGSTOP)  # alive but silent
-            try:
-                # ping every 0.5 s, 0.5 s to answer: noticed within seconds.
-                await until(lambda: not reader.link.connected, timeout=10)
-                await writer.registry.get("caches").write_fact([["while frozen", None, 1]])
-            finally:
-                os.kill(self.redis.proc.pid, sig.SIGCONT)
-            await until(lambda: reader.link.connected, timeout=20)
-            await until(lambda: consumer.facts, timeout=20)
-            self.assertEqual(consumer.facts, [("caches", "w1", 1, [["while frozen", None, 1]])])
-        return defer.ensureDeferred(go())
+        consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
+        writer = await Node(self, self.dsn, "w1", self.redis).start()
+        reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
+        await until(lambda: writer.link.connected and reader.link.connected)
+        os.kill(self.redis.proc.pid, sig.SIGSTOP)  # alive but silent
+        try:
+            # ping every 0.5 s, 0.5 s to answer: noticed within seconds.
+            await until(lambda: not reader.link.connected, timeout=10)
+            await writer.registry.get("caches").write_fact([["while frozen", None, 1]])
+        finally:
+            os.kill(self.redis.proc.pid, sig.SIGCONT)
+        await until(lambda: reader.link.connected, timeout=20)
+        await until(lambda: consumer.facts, timeout=20)
+        self.assertEqual(consumer.facts, [("caches", "w1", 1, [["while frozen", None, 1]])])
 
 
 class _Stream:

@@ -603,7 +603,7 @@ class RecentFactsTests(TestCase):
         for start, limit in ((0, 1000), (0, 2), (1, 2), (1, 3), (2, 1)):
             from_memory = caches._recent_updates("master", start, top, limit)
             from_table = caches.db.runInteraction(
-                caches._updates_txn, "master", start, top, limit)
+                caches._pages.read, "master", start, top, limit)
             self.assertIsNotNone(from_memory)
             self.assertEqual(from_memory, await from_table, (start, limit))
         caches.forget("master", 3)

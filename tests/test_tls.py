@@ -151,7 +151,7 @@ class TlsTests(TestCase):
 
         registry, master = await instance("master")
         port = await server_endpoint(reactor, self.listen, self.pki["ca.crt"]).listen(
-            ReplicationServerFactory(master, "localhost"))
+            ReplicationServerFactory(master, "localhost", clock=reactor))
         self.addCleanup(port.stopListening)
 
         # A client with a certificate from our CA gets the handshake.
@@ -228,7 +228,7 @@ class TlsTests(TestCase):
         config = parse_replication({"listen": self.listen, "client_ca": self.pki["ca.crt"]})
         policy = policy_from_config(config, local_names(master))
         port = await server_endpoint(reactor, self.listen, self.pki["ca.crt"]).listen(
-            ReplicationServerFactory(master, "localhost", policy=policy))
+            ReplicationServerFactory(master, "localhost", clock=reactor, policy=policy))
         self.addCleanup(port.stopListening)
         # An honest reader of the master.
         reader = ServerReplicationProtocol(master, "localhost", policy=policy,

@@ -17,7 +17,9 @@ Modules:
   of the output directory;
 * :mod:`.aggregate` -- the Spark aggregation;
 * :mod:`.reference` -- the same aggregation in plain Python (tests, bench);
-* :mod:`.job`       -- planning and running one export;
+* :mod:`.plan`      -- planning one stream's run (range, dates, next state);
+* :mod:`.spark`     -- the SparkSession and the settings a run needs;
+* :mod:`.job`       -- running one export;
 * :mod:`.plot`      -- the optional facts-per-minute PNG;
 * :mod:`.cli`       -- the console script.
 

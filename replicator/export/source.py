@@ -179,31 +179,25 @@ class Metadata:
     def close(self) -> None:
         self.conn.close()
 
-    def _one(self, sql: str, args: Tuple = ()) -> Tuple:
+    def _query(self, sql: str, args: Tuple, fetch):
+        """``fetch(cursor)`` after running ``sql``; a failure is one SourceError line."""
         if self.engine == "sqlite":
             sql = sql.replace("%s", "?")
         cur = self.conn.cursor()
         try:
             cur.execute(sql, args)
-            return cur.fetchone()
+            return fetch(cur)
         except Exception as e:
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise SourceError(f"query failed: {text}") from None
         finally:
             cur.close()
 
+    def _one(self, sql: str, args: Tuple = ()) -> Tuple:
+        return self._query(sql, args, lambda cur: cur.fetchone())
+
     def _all(self, sql: str, args: Tuple = ()) -> List[Tuple]:
-        if self.engine == "sqlite":
-            sql = sql.replace("%s", "?")
-        cur = self.conn.cursor()
-        try:
-            cur.execute(sql, args)
-            return cur.fetchall()
-        except Exception as e:
-            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise SourceError(f"query failed: {text}") from None
-        finally:
-            cur.close()
+        return self._query(sql, args, lambda cur: cur.fetchall())
 
     def positions(self, stream_name: str) -> Dict[str, int]:
         """Persisted position of every instance listed for the stream."""

@@ -272,20 +272,20 @@ class Admission:
 
 def _pause(conn) -> None:
     """Stop reading from the connection while its claims wait."""
-    pause = getattr(conn, "pause_reading", None)
-    if pause is not None:
-        pause()
-        return
-    transport = getattr(conn, "transport", None)
-    if transport is not None and not getattr(transport, "disconnecting", False):
-        transport.pauseProducing()
+    _reading(conn, "pause_reading", "pauseProducing")
 
 
 def _resume(conn) -> None:
-    resume = getattr(conn, "resume_reading", None)
-    if resume is not None:
-        resume()
+    _reading(conn, "resume_reading", "resumeProducing")
+
+
+def _reading(conn, own: str, producer: str) -> None:
+    """Call the connection's own ``own`` method if it has one (a Redis link),
+    else its transport's ``producer`` method unless it is closing."""
+    method = getattr(conn, own, None)
+    if method is not None:
+        method()
         return
     transport = getattr(conn, "transport", None)
     if transport is not None and not getattr(transport, "disconnecting", False):
-        transport.resumeProducing()
+        getattr(transport, producer)()

@@ -20,6 +20,10 @@ The interface the protocols use: ``new_connection``, ``lost_connection``,
 ``count_*``, ``client_may_write`` and one ``on_<NAME>(conn, cmd)`` per
 command handled.  Relayed lines are the bytes received
 (``conn.current_line``), never a re-encoding.
+
+(A little over 400 lines, for one job: it is the one surface the
+protocols call, one short ``on_<NAME>`` per command; every part with
+state of its own is in one of the modules above.)
 """
 
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -44,8 +48,8 @@ from .connections import Connections
 from .connections import peer_address  # noqa: F401  (status page)
 from .delivery import make_reader
 from .fanout import Fanout
+from .link import INVALID_COMMAND, REFUSED
 from .peers import metrics_label
-from .protocol import INVALID_COMMAND, REFUSED
 from .reader import Reader
 from .relay import Relay
 
@@ -149,7 +153,7 @@ class ReplicationHandler:
     # ---------------------------------------------------------- connections
     def new_connection(self, conn) -> None:
         client_side = conn.is_client_side
-        label = getattr(conn, "metrics_name", None) or ("upstream" if client_side else "unnamed")
+        label = "unnamed" if conn.role == "client" else conn.role  # named at its NAME
         self.connections.add(conn, replicating=client_side, label=label)
         if client_side:
             # Nobody asks a client for its positions: announce them.

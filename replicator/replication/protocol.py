@@ -1,10 +1,11 @@
-"""The replication line protocol over TCP: framing, handshake, keepalive,
-direction checks and congestion control.
+"""The replication line protocol over TCP: handshake, identity, direction
+checks and dispatch of commands to the handler.
 
 One protocol instance is one connection.  It knows nothing about streams or
 positions; it parses lines into commands (:mod:`.commands`), checks that the
 peer may send them, and hands them to a *handler*, which is shared by all
-connections of an instance and does the real work.
+connections of an instance and does the real work.  Framing, the outbound
+queue, keepalive and closing are :class:`.link.LineConnection`'s.
 
 Handler interface
 -----------------
@@ -41,25 +42,20 @@ command is no reason to punish the peer (a handler that must not go on after
 its own failure calls :meth:`ReplicationProtocol.close`).
 
 Invariants: nothing the peer sends raises out of :meth:`lineReceived`; a
-line longer than ``max_line_length`` is never written; outbound order is
-the order of the ``send_*`` calls; once the connection is closing nothing
-more is written or dispatched.
+command the peer may not send (direction, writer, NAME first) is never
+dispatched: ``ERROR`` and close.  (Those of :mod:`.link` hold too.)
 """
 
-from collections import deque
-from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
-from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
-from twisted.logger import Logger
-from twisted.protocols.basic import LineOnlyReceiver
+from twisted.internet.interfaces import IDelayedCall
 from twisted.python.failure import Failure
-from zope.interface import implementer
 
 from ..logs import printable
+from ..tls import certificate_names
 from .commands import (
     CLIENT_COMMANDS,
     CLIENT_WRITER_COMMANDS,
-    MAX_LINE_LENGTH,
     SERVER_COMMANDS,
     Command,
     CommandParseError,
@@ -68,85 +64,23 @@ from .commands import (
     PingCommand,
     ReplicateCommand,
     ServerCommand,
-    joined,
     parse_line,
 )
-from ..tls import certificate_names
+from .link import (
+    CONNECTION_LOST,
+    INVALID_COMMAND,
+    PARSE_ERROR,
+    REFUSED,
+    REMOTE_ERROR,
+    WRONG_REMOTE,
+    LineConnection,
+)
 from .peers import PeerPolicy
 
-#: Send a PING when nothing else was written for this long (seconds).
-PING_INTERVAL = 5.0
-#: Close a peer silent this long (seconds): an upstream server from connect
-#: on (it sends SERVER and PING at once), a client once it has PINGed.
-PING_TIMEOUT = 15.0
-#: Server side: close a client that never PINGs (netcat) once it has sent no
-#: command for this long (seconds).
-IDLE_TIMEOUT = 60.0
-#: Lines queued while the transport is paused before giving up on the peer.
-MAX_QUEUED_LINES = 10_000
-#: Bytes queued while the transport is paused before giving up on the peer.
-MAX_QUEUED_BYTES = 16 * 1024 * 1024
-#: How long a connection closed for congestion may take to drain before it
-#: is aborted (seconds).
-CONGESTION_GRACE = 1.0
 
-# Why a connection ended, for metrics.
-CONGESTION = "congestion"
-PING_TIMEOUT_REASON = "ping_timeout"
-IDLE_TIMEOUT_REASON = "idle_timeout"
-PARSE_ERROR = "parse_error"
-WRONG_REMOTE = "wrong_remote"
-INVALID_COMMAND = "invalid_command"
-LINE_TOO_LONG = "line_too_long"
-SHUTDOWN = "shutdown"
-REMOTE_ERROR = "remote_error"
-CONNECTION_LOST = "connection_lost"
-#: The peer's address or NAME is not allowed (:mod:`.peers`).
-REFUSED = "refused"
+class ReplicationProtocol(LineConnection):
+    """Common part of both sides; use a subclass."""
 
-CLOSE_REASONS = frozenset(
-    {
-        CONGESTION,
-        PING_TIMEOUT_REASON,
-        IDLE_TIMEOUT_REASON,
-        PARSE_ERROR,
-        WRONG_REMOTE,
-        INVALID_COMMAND,
-        LINE_TOO_LONG,
-        SHUTDOWN,
-        REMOTE_ERROR,
-        CONNECTION_LOST,
-        REFUSED,
-    }
-)
-
-# Handler methods resolved once per connection.
-_HOOKS = ("new_connection", "lost_connection", "count_inbound", "count_outbound", "count_dropped")
-
-# How many queued lines resumeProducing hands to one write call, so
-# that a transport pausing us again mid-drain is noticed.
-_DRAIN_CHUNK = 512
-
-_EPSILON = 1e-6
-
-
-def _default_clock() -> IReactorTime:
-    from twisted.internet import reactor
-
-    return reactor  # type: ignore[return-value]
-
-
-@implementer(IPushProducer)
-class ReplicationProtocol(LineOnlyReceiver):
-    """Common part of both sides; use a subclass.
-
-    ``close_reason`` is None while the connection is up and becomes one of
-    :data:`CLOSE_REASONS` when we start closing it or it is lost (the first
-    reason wins).
-    """
-
-    delimiter = b"\n"
-    is_client_side = False
     #: Called with the protocol once the connection is gone.
     on_lost: Optional[Callable[[Any], None]] = None
     #: Command names the peer may send.
@@ -156,55 +90,14 @@ class ReplicationProtocol(LineOnlyReceiver):
     #: Whether the peer must send NAME before any other command.
     name_required = False
 
-    log = Logger()
-
-    def __init__(
-        self,
-        handler: Any,
-        *,
-        clock: Optional[IReactorTime] = None,
-        max_line_length: int = MAX_LINE_LENGTH,
-        ping_interval: float = PING_INTERVAL,
-        ping_timeout: float = PING_TIMEOUT,
-        max_queued_lines: int = MAX_QUEUED_LINES,
-        max_queued_bytes: int = MAX_QUEUED_BYTES,
-        idle_timeout: float = IDLE_TIMEOUT,
-    ):
-        self.handler = handler
-        self._clock = clock if clock is not None else _default_clock()
-        self.MAX_LENGTH = max_line_length
-        self._ping_interval = ping_interval
-        self._ping_timeout = ping_timeout
-        self._max_queued = max_queued_lines
-        self._max_queued_bytes = max_queued_bytes
-        self._idle_timeout = idle_timeout
-
-        self.name = "unconnected"
+    def __init__(self, handler: Any, **kwargs: Any):
+        super().__init__(handler, **kwargs)
         #: The inbound line being dispatched (bytes, no newline).
         self.current_line: Optional[bytes] = None
-        self.close_reason: Optional[str] = None
         self._peer_instance: Optional[str] = None
         self._remote_error = False
-        self._closing = False
-        self._connected = False
-        self._registered = False  # we are the transport's producer
-        self._paused = False
-        self._queue: Deque[bytes] = deque()
-        self._queued_bytes = 0
-        self._peer_pinged = False
         self._established = False
-        self._last_sent = 0.0
-        self._last_received = 0.0
-        self._last_command = 0.0
-        self._ping_call: Optional[IDelayedCall] = None
-        self._timeout_call: Optional[IDelayedCall] = None
-        self._abort_call: Optional[IDelayedCall] = None
-
-        self._hooks: Dict[str, Optional[Callable[..., Any]]] = {
-            hook: getattr(handler, hook, None) for hook in _HOOKS
-        }
         self._count_inbound = self._hooks["count_inbound"]
-        self._count_outbound = self._hooks["count_outbound"]
         names = self.VALID_INBOUND | CLIENT_WRITER_COMMANDS
         self._dispatch: Dict[str, Optional[Callable[..., Any]]] = {
             name: getattr(handler, "on_" + name, None) for name in names
@@ -218,33 +111,32 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     @property
     def instance_name(self) -> Optional[str]:
-        """The name the peer gave itself: a client's ``NAME`` (server side)
-        or the server's ``SERVER`` name (client side); None until received."""
+        """The peer's one name: the name it gave itself, a client's ``NAME``
+        (server side) or the server's ``SERVER`` name (client side); None
+        until received.  Checks use it as received; :attr:`name` is its
+        printable form for logs, and the metrics label is derived from it
+        (:func:`.peers.metrics_label`, bounded)."""
         return self._peer_instance
 
     @property
-    def paused(self) -> bool:
-        """Whether the transport asked us to stop writing."""
-        return self._paused
+    def name(self) -> str:
+        """The peer for logs: :attr:`instance_name` made printable, or its
+        address before it named itself."""
+        if self._peer_instance is None:
+            return self.address
+        return printable(self._peer_instance, 64)
 
     @property
-    def queued(self) -> int:
-        """Lines waiting for the transport to resume."""
-        return len(self._queue)
-
-    @property
-    def queued_bytes(self) -> int:
-        """Bytes of the lines waiting for the transport to resume."""
-        return self._queued_bytes
+    def role(self) -> str:
+        """``"upstream"`` (we connected to it) or ``"client"`` (it connected
+        to us)."""
+        return "upstream" if self.is_client_side else "client"
 
     @property
     def established(self) -> bool:
         """Whether the handshake is done and the connection not closing: on
         a client, the right server named itself (``SERVER``)."""
         return self._established and not self._closing
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name}>"
 
     # ------------------------------------------------------------ connection
 
@@ -254,7 +146,7 @@ class ReplicationProtocol(LineOnlyReceiver):
         self._last_sent = self._last_received = self._last_command = now
         peer = self.transport.getPeer()
         host, port = getattr(peer, "host", None), getattr(peer, "port", None)
-        self.name = f"{host}:{port}" if host is not None else str(peer)
+        self.address = f"{host}:{port}" if host is not None else str(peer)
         set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
         if set_no_delay is not None:
             try:
@@ -269,18 +161,14 @@ class ReplicationProtocol(LineOnlyReceiver):
         self._registered = True
         self.log.info("Replication connection {conn} made", conn=self)
         self._send_handshake()
-        self._ping_call = self._clock.callLater(self._ping_interval, self._ping_due)
-        self._timeout_call = self._clock.callLater(self._silence_limit(), self._timeout_due)
+        self._start_timers()
         self._call_hook("new_connection", self)
 
     def connectionLost(self, reason: Optional[Failure] = None) -> None:
         self._connected = False
         self._closing = True
         self._clear_queue()
-        for call in self._timers():
-            if call is not None and call.active():
-                call.cancel()
-        self._ping_call = self._timeout_call = self._abort_call = None
+        self._stop_timers()
         self._connection_ended()
         if self.close_reason is None:
             self.close_reason = REMOTE_ERROR if self._remote_error else CONNECTION_LOST
@@ -295,9 +183,6 @@ class ReplicationProtocol(LineOnlyReceiver):
     def _send_handshake(self) -> None:
         raise NotImplementedError
 
-    def _timers(self) -> List[Optional[IDelayedCall]]:
-        return [self._ping_call, self._timeout_call, self._abort_call]
-
     def _connection_ended(self) -> None:
         """Once, from :meth:`connectionLost`: tells ``on_lost`` (set by a
         factory that counts its connections)."""
@@ -306,111 +191,11 @@ class ReplicationProtocol(LineOnlyReceiver):
             self.on_lost = None
             self._call(on_lost, self)
 
-    def _clear_queue(self) -> None:
-        self._queue.clear()
-        self._queued_bytes = 0
-
     def _refusal(self, host: Optional[str]) -> Optional[str]:
         """Why a peer at ``host`` may not connect at all (None: it may)."""
         return None
 
-    def _ping_line(self) -> PingCommand:
-        return PingCommand(str(int(self._clock.seconds() * 1000)))
-
-    # ------------------------------------------------------------ closing
-
-    def close(self, reason: str, error_text: Optional[str] = None,
-              log_text: Optional[str] = None) -> None:
-        """Close the connection, first writing ``ERROR <error_text>`` if
-        given (straight to the transport, past any queue).
-
-        One log line says so: at info level, or, when the peer is at fault
-        and ``log_text`` says how, that text at warn level.
-
-        ``reason`` is one of :data:`CLOSE_REASONS`.  Queued lines are
-        discarded.  If the transport has not closed ``ping_timeout`` seconds
-        later, it is aborted.  Idempotent: later calls do nothing.
-        """
-        if self._closing:
-            return
-        self._closing = True
-        self.close_reason = reason
-        self._clear_queue()
-        transport = self.transport
-        if transport is None or not self._connected:
-            return
-        if error_text is not None:
-            data = ErrorCommand(error_text).to_line().encode("utf-8", "replace")
-            data = data[: self.MAX_LENGTH].replace(b"\n", b" ") + b"\n"
-            transport.write(data)
-            self._last_sent = self._clock.seconds()
-            self._call_hook("count_outbound", self, "ERROR", 1)
-        if log_text is None:
-            self.log.info(
-                "Closing replication connection {conn} ({why}): {text}",
-                conn=self,
-                why=reason,
-                text=printable(error_text or ""),
-            )
-        else:
-            self.log.warn(
-                "Closing replication connection {conn} ({why}): {text}",
-                conn=self,
-                why=reason,
-                text=printable(log_text),
-            )
-        # With a streaming producer registered, a paused transport that has
-        # drained would resume us instead of finishing the close; TLS does
-        # not even start its shutdown while a producer is registered.
-        if self._registered:
-            self._registered = False
-            try:
-                transport.unregisterProducer()
-            except Exception:
-                pass
-        transport.loseConnection()
-        if self._connected and self._abort_call is None:
-            # A congested peer is not reading: give it a short grace to take
-            # what is buffered (ending with the ERROR), then drop it.
-            grace = CONGESTION_GRACE if reason == CONGESTION else self._ping_timeout
-            self._abort_call = self._clock.callLater(grace, self._abort)
-
-    def stop(self, reason_text: str = "server stopping") -> None:
-        """Orderly shutdown: ``ERROR <reason_text>`` then close (``shutdown``)."""
-        self.close(SHUTDOWN, reason_text)
-
-    def _abort(self) -> None:
-        self._abort_call = None
-        if self._connected:
-            self.log.warn("Replication connection {conn} did not close; aborting", conn=self)
-            self.transport.abortConnection()
-
     # ------------------------------------------------------------ inbound
-
-    def dataReceived(self, data: bytes) -> None:
-        """Split into lines like LineOnlyReceiver, but measure a line without
-        its trailing ``\\r`` against the maximum, and note the time: any
-        bytes from the peer count as a sign of life."""
-        self._last_received = self._clock.seconds()
-        if self._buffer:
-            data = self._buffer + data
-        lines = data.split(b"\n")
-        self._buffer = lines.pop()
-        limit = self.MAX_LENGTH
-        for line in lines:
-            if self._closing or self.transport.disconnecting:
-                return
-            if len(line) > limit and (len(line) > limit + 1 or line[-1:] != b"\r"):
-                self.lineLengthExceeded(line)
-                return
-            self.lineReceived(line)
-        if len(self._buffer) > limit + 1 and not self._closing:
-            self.lineLengthExceeded(self._buffer)
-
-    def lineLengthExceeded(self, line: bytes) -> None:
-        self._buffer = b""
-        self.close(LINE_TOO_LONG, "Line length exceeded",
-                   log_text=f"line of {len(line)} bytes exceeds {self.MAX_LENGTH}")
 
     def lineReceived(self, line: bytes) -> None:
         """Handle one line (no ``\\n``; one trailing ``\\r`` is stripped)."""
@@ -463,183 +248,12 @@ class ReplicationProtocol(LineOnlyReceiver):
 
     def _on_PING(self, cmd: PingCommand) -> None:
         if not self._peer_pinged:
-            # From now on the ping timeout applies: move the timer to it.
-            self._peer_pinged = True
-            if self._timeout_call is not None and self._timeout_call.active():
-                self._timeout_call.cancel()
-            self._timeout_call = self._clock.callLater(self._silence_limit(), self._timeout_due)
+            self._peer_pinged_first()
 
     def _on_ERROR(self, cmd: ErrorCommand) -> None:
         self._remote_error = True
         self.log.warn("Remote {conn} reported an error: {text}", conn=self,
                       text=printable(cmd.message))
-
-    # ------------------------------------------------------------ outbound
-
-    def send_command(self, cmd: Command) -> bool:
-        """Write (or queue, while paused) one command.
-
-        Returns False if it was not written: the connection is closing, or
-        the line is over-long or contains a newline (logged and counted as
-        dropped).
-        """
-        if self._closing:
-            return False
-        data = cmd.to_line().encode("utf-8")
-        if len(data) > self.MAX_LENGTH or b"\n" in data:
-            self.log.error(
-                "Dropping {name} of {n} bytes for {conn}: over-long or contains a newline",
-                name=cmd.NAME,
-                n=len(data),
-                conn=self,
-            )
-            self._call_hook("count_dropped", self, cmd.NAME, 1)
-            return False
-        return self._write([data + b"\n"], cmd.NAME)
-
-    def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
-        """Write pre-encoded lines (each ending in ``b"\\n"``, built by
-        :func:`.commands.encode_rdata_lines` / ``encode_position_line`` with
-        this connection's maximum line length) in one ``transport.write`` of
-        their concatenation (see :func:`.commands.joined`; nothing else can
-        come between them); queued while paused, each line counting toward
-        the bound.
-
-        The lines are trusted: no length or newline check is made here.
-        Counted as one ``count_outbound(conn, command_name, len(lines))``.
-        Returns False if nothing was written (closing, or congestion).
-        """
-        if self._closing or not lines:
-            return False
-        return self._write(lines, command_name)
-
-    def sendLine(self, line: bytes) -> bool:  # type: ignore[override]
-        """LineOnlyReceiver's API, routed through the queue and the checks
-        of :meth:`send_command` (``line`` without its newline)."""
-        name = line.split(b" ", 1)[0].decode("ascii", "replace")
-        if self._closing:
-            return False
-        if len(line) > self.MAX_LENGTH or b"\n" in line:
-            self._call_hook("count_dropped", self, name, 1)
-            return False
-        return self._write([line + b"\n"], name)
-
-    def _write(self, lines: List[bytes], name: str) -> bool:
-        if self._paused:
-            queue = self._queue
-            size = sum(map(len, lines))
-            if (len(queue) + len(lines) > self._max_queued
-                    or self._queued_bytes + size > self._max_queued_bytes):
-                self.close(
-                    CONGESTION, "Failed to keep up",
-                    log_text=f"failed to keep up: {len(queue)} lines, {self._queued_bytes} "
-                             f"bytes queued",
-                )
-                return False
-            queue.extend(lines)
-            self._queued_bytes += size
-        else:
-            # One write of the joined lines: writeSequence would check and
-            # measure every line in Python, per connection; an EncodedLines
-            # is joined once for all connections.
-            self.transport.write(joined(lines))
-        self._last_sent = self._clock.seconds()
-        if self._count_outbound is not None:
-            self._call(self._count_outbound, self, name, len(lines))
-        return True
-
-    # ------------------------------------------------------------ IPushProducer
-
-    def pauseProducing(self) -> None:
-        """The transport's buffer is full: queue from now on."""
-        if not self._closing:
-            self._paused = True
-
-    def resumeProducing(self) -> None:
-        """Drain the queue in order, in chunks, until it is empty or the
-        transport pauses us again."""
-        if self._closing:
-            return
-        self._paused = False
-        queue = self._queue
-        while queue and not self._paused and not self._closing:
-            n = min(len(queue), _DRAIN_CHUNK)
-            chunk = [queue.popleft() for _ in range(n)]
-            data = b"".join(chunk)
-            self._queued_bytes -= len(data)
-            self.transport.write(data)
-            self._last_sent = self._clock.seconds()
-
-    def stopProducing(self) -> None:
-        """The transport is going away: drop what is queued."""
-        self._clear_queue()
-        self._closing = True
-
-    # ------------------------------------------------------------ keepalive
-
-    def _ping_due(self) -> None:
-        self._ping_call = None
-        if self._closing:
-            return
-        now = self._clock.seconds()
-        due = self._last_sent + self._ping_interval
-        if now + _EPSILON >= due:
-            if not self._paused:
-                # A paused peer is not reading; a PING would only queue.
-                self.send_command(self._ping_line())
-            due = now + self._ping_interval
-        if not self._closing:
-            self._ping_call = self._clock.callLater(due - now, self._ping_due)
-
-    def _silence_limit(self) -> float:
-        """Seconds from now until the peer counts as gone."""
-        return self._deadline()[0] - self._clock.seconds()
-
-    def _deadline(self):
-        """When the peer counts as gone, and the close reason then.
-
-        The ping timeout (any bytes count as a sign of life) applies on the
-        client side from connect, and on the server side once the client
-        has PINGed.  Until then a server-side connection must bring a whole
-        command every ``idle_timeout`` seconds: netcat-safe, but an idle or
-        byte-dribbling socket does not stay forever."""
-        if self.is_client_side or self._peer_pinged:
-            return self._last_received + self._ping_timeout, PING_TIMEOUT_REASON
-        return self._last_command + self._idle_timeout, IDLE_TIMEOUT_REASON
-
-    def _timeout_due(self) -> None:
-        self._timeout_call = None
-        if self._closing:
-            return
-        now = self._clock.seconds()
-        due, why = self._deadline()
-        if now + _EPSILON >= due:
-            if why == PING_TIMEOUT_REASON:
-                silent = now - self._last_received
-                self.close(why, "ping timeout", log_text=f"silent for {silent:.1f}s")
-            else:
-                silent = now - self._last_command
-                self.close(why, "idle timeout", log_text=f"no command for {silent:.1f}s")
-        else:
-            self._timeout_call = self._clock.callLater(due - now, self._timeout_due)
-
-    # ------------------------------------------------------------ handler calls
-
-    def _call_hook(self, hook: str, *args: Any) -> None:
-        method = self._hooks[hook]
-        if method is not None:
-            self._call(method, *args)
-
-    def _call(self, method: Callable[..., Any], *args: Any) -> None:
-        try:
-            method(*args)
-        except Exception:
-            self.log.failure(
-                "Replication handler {method} failed on {conn}",
-                method=getattr(method, "__name__", repr(method)),
-                conn=self,
-            )
-
 
 def _one_line(error: Exception) -> str:
     return str(error).replace("\n", " ").replace("\r", " ")
@@ -681,10 +295,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
                        log_text=f"NAME {printable(cmd.client_name, 64)} refused: {refusal}")
             return
         self._peer_instance = cmd.client_name
-        name = printable(cmd.client_name, 64)
-        self.log.info("Replication connection {peer} is {name}", peer=self.name, name=name)
-        # For logs only (metrics and checks use instance_name).
-        self.name = name
+        self.log.info("Replication connection {peer} is {name}", peer=self.address, name=self.name)
 
     def _may_write(self, cmd: Command) -> bool:
         if cmd.NAME not in CLIENT_WRITER_COMMANDS or self._client_may_write is None:
@@ -752,7 +363,6 @@ class ClientReplicationProtocol(ReplicationProtocol):
             self.close(WRONG_REMOTE, "Wrong remote")
             return
         self._peer_instance = cmd.server_name
-        self.name = printable(cmd.server_name, 64)
         if not self._established:
             self._established = True
             self._healthy_call = self._clock.callLater(self._ping_interval, self._healthy_due)

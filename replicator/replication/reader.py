@@ -87,7 +87,7 @@ class Reader:
         self._background = background if background is not None else Background()
         self.writer = writer
         self.position = position
-        self.seen = position or 0  # largest token the writer announced
+        self.announced = position or 0  # largest token the writer announced
         self._source = source
         self._deliver = deliver
         self._deliver_many = deliver_many
@@ -99,7 +99,7 @@ class Reader:
         self.queue: Deque[tuple] = deque()
         self.busy = False
         self._batches: Dict[Any, List[list]] = {}  # conn -> rows of the fact under way
-        self._connected: Set[Any] = set()  # connections with a POSITION seen
+        self._positioned: Set[Any] = set()  # connections with a POSITION seen
         self._retry = None
         self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
         self._stopping = False
@@ -112,9 +112,9 @@ class Reader:
             return
         rows = self._batches.pop(conn, [])
         rows.append(row)
-        if token > self.seen:
-            self.seen = token
-        if conn not in self._connected:
+        if token > self.announced:
+            self.announced = token
+        if conn not in self._positioned:
             return  # the POSITION that follows makes us catch up
         self._enqueue(("rdata", token, rows))
 
@@ -129,9 +129,9 @@ class Reader:
         whatever it completes at or below the position is dropped.)
         """
         self._batches.pop(conn, None)
-        self._connected.add(conn)
-        if new > self.seen:
-            self.seen = new
+        self._positioned.add(conn)
+        if new > self.announced:
+            self.announced = new
         self._enqueue(("position", prev, new))
 
     def drop_batch(self, conn) -> None:
@@ -145,7 +145,7 @@ class Reader:
     def connection_lost(self, conn) -> None:
         """A partial batch dies with its connection."""
         self._batches.pop(conn, None)
-        self._connected.discard(conn)
+        self._positioned.discard(conn)
 
     # ------------------------------------------------------------ pipeline
     def _enqueue(self, item: tuple) -> None:
@@ -270,7 +270,7 @@ class Reader:
     # -------------------------------------------------------------- state
     @property
     def lag(self) -> int:
-        return max(0, self.seen - (self.position or 0))
+        return max(0, self.announced - (self.position or 0))
 
     def idle(self) -> bool:
         """Nothing in hand and nothing queued (once stopped, what is queued

@@ -44,6 +44,10 @@ Every instance subscribes to its own channels and to Synapse's, reading
 Synapse's facts from there.  (A POSITION for a stream Synapse does not know
 breaks Synapse's subscription; a writer of a stream it has enters its ID
 generators: neither can happen on a channel it does not read.)
+
+(A little over 400 lines, for one job: the two Redis links, their
+readiness step and the logical connection the handler sees change
+together; the command wire format itself is in :mod:`.commands`.)
 """
 
 from typing import List, Optional
@@ -148,8 +152,9 @@ class RedisConnection:
     """What the handler sees as one connection: publishes lines."""
 
     is_client_side = True  # no relaying: every instance hears every line
-    name = NAME
-    metrics_name = NAME
+    name = NAME  # for logs
+    role = NAME  # the metrics label and the status page's role
+    instance_name = None  # no one peer: every instance on the channel
     queued = 0
     transport = None
 

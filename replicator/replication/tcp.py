@@ -25,15 +25,8 @@ from .. import metrics
 from ..backoff import Backoff
 from .commands import MAX_LINE_LENGTH
 from .peers import PeerPolicy, local_names
-from .protocol import (
-    IDLE_TIMEOUT,
-    MAX_QUEUED_BYTES,
-    MAX_QUEUED_LINES,
-    PING_INTERVAL,
-    PING_TIMEOUT,
-    ClientReplicationProtocol,
-    ServerReplicationProtocol,
-)
+from .link import IDLE_TIMEOUT, MAX_QUEUED_BYTES, MAX_QUEUED_LINES, PING_INTERVAL, PING_TIMEOUT
+from .protocol import ClientReplicationProtocol, ServerReplicationProtocol
 
 log = Logger()
 
@@ -71,7 +64,8 @@ class _Refuse(Protocol):
 
 class ReplicationServerFactory(Factory):
     """Builds a server protocol per accepted connection, all on one handler,
-    at most ``max_connections`` at a time (``live`` holds them).
+    at most ``max_connections`` at a time (``live`` holds them), each timed
+    on ``clock`` (the instance's reactor).
 
     ``policy`` says who may connect and which names peers may take; by
     default no peer may take the name of the handler's instance (nor of a
@@ -79,9 +73,8 @@ class ReplicationServerFactory(Factory):
 
     noisy = False
 
-    def __init__(self, handler, server_name: str, settings: ConnectionSettings = None,
-                 clock=None, policy: PeerPolicy = None,
-                 max_connections: int = MAX_CONNECTIONS):
+    def __init__(self, handler, server_name: str, settings: ConnectionSettings = None, *,
+                 clock, policy: PeerPolicy = None, max_connections: int = MAX_CONNECTIONS):
         self.handler = handler
         self.server_name = server_name
         self.settings = settings or ConnectionSettings()
@@ -122,7 +115,7 @@ class ReplicationClientFactory(Factory):
     noisy = False
 
     def __init__(self, handler, client_name: str, server_name: str,
-                 settings: ConnectionSettings = None, clock=None,
+                 settings: ConnectionSettings = None, *, clock,
                  backoff: Optional[Backoff] = None):
         self.handler = handler
         self.client_name = client_name
@@ -153,8 +146,8 @@ class UpstreamService(ClientService):
     was accepted but stays silent is not connected, and is closed after
     ``ping_timeout``)."""
 
-    def __init__(self, endpoint, factory: ReplicationClientFactory, backoff: Backoff,
-                 clock=None, on_retry=None):
+    def __init__(self, endpoint, factory: ReplicationClientFactory, backoff: Backoff, *,
+                 clock, on_retry=None):
         policy = backoff
         if on_retry is not None:
             def policy(attempt: int) -> float:

@@ -306,18 +306,7 @@ class Stream:
         reached (``to_token`` unless ``limited``).  A single fact with more
         rows than ``limit`` is returned whole.
         """
-        if to_token <= from_token:
-            return [], to_token, False
-        answer = self._recent_updates(writer, from_token, to_token, max(1, limit))
-        if answer is not None:
-            if writer in self._foreign_burst:
-                self._foreign_burst.discard(writer)
-            return answer
-        answer = await self.db.runInteraction(
-            self._updates_txn, writer, from_token, to_token, max(1, limit)
-        )
-        self._check_foreign(writer, from_token, [t for t, _ in answer[0]])
-        return answer
+        return await self._page(self._pages.read, writer, from_token, to_token, limit)
 
     async def facts_since(
         self, writer: str, from_token: int, to_token: int, limit: int = 1000
@@ -325,17 +314,20 @@ class Stream:
         """:meth:`updates_since` as whole facts: ``(facts, upto_token,
         limited)``, ``facts`` being ``(token, rows)`` in token order (a
         reader's catch-up pages)."""
+        return await self._page(self._pages.read_facts, writer, from_token, to_token, limit)
+
+    async def _page(self, read, writer: str, from_token: int, to_token: int, limit: int):
+        """One page from memory if it can answer, else by ``read`` in a pool thread."""
         if to_token <= from_token:
             return [], to_token, False
-        answer = self._recent_updates(writer, from_token, to_token, max(1, limit))
+        limit = max(1, limit)
+        answer = self._recent_updates(writer, from_token, to_token, limit)
         if answer is not None:
-            if writer in self._foreign_burst:
-                self._foreign_burst.discard(writer)
-            updates, upto, limited = answer
-            return group(updates), upto, limited
-        answer = await self.db.runInteraction(
-            self._pages.read_facts, writer, from_token, to_token, max(1, limit)
-        )
+            self._foreign_burst.discard(writer)
+            if read == self._pages.read_facts:
+                answer = group(answer[0]), answer[1], answer[2]
+            return answer
+        answer = await self.db.runInteraction(read, writer, from_token, to_token, limit)
         self._check_foreign(writer, from_token, [t for t, _ in answer[0]])
         return answer
 
@@ -356,9 +348,6 @@ class Stream:
                      "(IDs from {first}, {n} so far); delivered from the table. Writes must "
                      "go through the library or the HTTP API: others can be passed over "
                      "while uncommitted", stream=self.name, first=foreign[0], n=len(foreign))
-
-    def _updates_txn(self, txn, writer, from_token, to_token, limit) -> Page:
-        return self._pages.read(txn, writer, from_token, to_token, limit)
 
     # ---------------------------------------------------------- persisting
     def _on_advance(self, writer: str, old: int, new: int) -> None:

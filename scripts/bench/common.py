@@ -1,11 +1,87 @@
-"""Shared plumbing of the benchmarks: recording figures beside baselines."""
+"""Shared plumbing of the benchmarks: recording figures beside baselines,
+latency percentiles and their report lines, CPU time, profiling."""
 
 import json
 import os
+import resource
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "bench-results.jsonl")
+
+
+#: The cProfile.Profile of a standalone run with ``--profile``, else None.
+PROFILE = None
+
+
+class profiled:
+    """Profile this process while the block runs, when profiling."""
+
+    def __enter__(self):
+        if PROFILE is not None:
+            PROFILE.enable()
+
+    def __exit__(self, *exc):
+        if PROFILE is not None:
+            PROFILE.disable()
+
+
+def cpu_seconds():
+    """User + system CPU time of this process, in seconds."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def median(values):
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def percentile(sorted_values, p):
+    """The ``p``-th percentile (nearest rank) of sorted values; NaN if none."""
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, int(round(p / 100.0 * (len(sorted_values) - 1)))))
+    return sorted_values[k]
+
+
+def delays_ms(results, commit_at, since):
+    """Arrival - commit in ms for every (client, fact) committed after
+    ``since``, sorted; and how many arrivals were missing.  ``results`` are
+    the readers' JSON results (``tokens`` and ``at`` per connection)."""
+    out = []
+    expected = [t for t, at in commit_at.items() if at >= since]
+    missing = 0
+    for r in results:
+        for toks, ats in zip(r["tokens"], r["at"]):
+            got = 0
+            for t, at in zip(toks, ats):
+                c = commit_at.get(t)
+                if c is not None and c >= since:
+                    out.append((at - c) * 1000.0)
+                    got += 1
+            missing += len(expected) - got
+    out.sort()
+    return out, missing
+
+
+def spread(delays):
+    """``p50 .. ms, p99 .. ms, max .. ms`` of sorted delays in ms."""
+    return (f"p50 {percentile(delays, 50):.2f} ms, p99 {percentile(delays, 99):.2f} ms, "
+            f"max {delays[-1]:.1f} ms")
+
+
+def write_path_report(write_s, commit_at, sent_at, since, what, handed_to):
+    """The line after ours' latency: ``what`` (the write call) p50/p99, and
+    commit -> handed to ``handed_to`` p50/p99, for facts committed after
+    ``since``."""
+    write_ms = sorted(w * 1000.0 for w in write_s)
+    to_send = sorted((sent_at[t] - c) * 1000.0 for t, c in commit_at.items()
+                     if c >= since and t in sent_at)
+    return (f"           {what} itself p50 {percentile(write_ms, 50):.2f} ms, p99 "
+            f"{percentile(write_ms, 99):.2f} ms; commit -> handed to {handed_to} p50 "
+            f"{percentile(to_send, 50):.2f} ms, p99 {percentile(to_send, 99):.2f} ms")
 
 
 def record(name, value, unit, baseline, baseline_value, higher_is_better=True):
@@ -76,8 +152,10 @@ def stamp_sends(handler) -> dict:
 
 async def standalone_main(module, dbname: str, argv) -> None:
     """``python scripts/bench/X.py [--only A,B] [--profile]`` for a bench
-    module with ``PHASES``, ``PROFILE`` and ``async run(dsn, only)``: its
-    own durable PostgreSQL, and a cProfile of the measured parts if asked."""
+    module with ``PHASES`` and ``async run(dsn, only)``: its own durable
+    PostgreSQL, and a cProfile of the parts it runs :class:`profiled` if
+    asked."""
+    global PROFILE
     import argparse
     import cProfile
     import pstats
@@ -89,11 +167,11 @@ async def standalone_main(module, dbname: str, argv) -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     if args.profile:
-        module.PROFILE = cProfile.Profile()
+        PROFILE = cProfile.Profile()
     pg = PostgresServer(fsync=True)
     try:
         await module.run(pg.create_database(dbname), args.only.split(","))
     finally:
         pg.stop()
-    if module.PROFILE is not None:
-        pstats.Stats(module.PROFILE).sort_stats("tottime").print_stats(30)
+    if PROFILE is not None:
+        pstats.Stats(PROFILE).sort_stats("tottime").print_stats(30)

@@ -172,7 +172,7 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
     """Run the export benchmark; returns the entries recorded."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from replicator.config import parse_database, parse_streams
-    from replicator.export.job import spark_session
+    from replicator.export.spark import spark_session
     from replicator.export.source import find_jdbc_jar
     from tests.servers import PostgresServer
 

@@ -33,13 +33,12 @@ Closing stdin early ends the run at once with what has been seen.
 import argparse
 import json
 import os
+import resource
 import selectors
 import socket
 import sys
 import time
 
-PATTERN = b"\nRDATA "
-TAIL = len(PATTERN) - 1
 BUFFER = 1 << 20
 
 
@@ -63,9 +62,24 @@ def sleep_mode(args):
 
 
 def run(args):
-    latency = args.mode == "latency"
-    n = args.sockets
-    socks = [connect(args, i, None) for i in range(n)]
+    socks = [connect(args, i, None) for i in range(args.sockets)]
+    result = read_loop(socks, args.mode == "latency", args.expect, args.timeout)
+    for s in socks:
+        s.close()
+    emit(result)
+
+
+def read_loop(socks, latency, expect, timeout, separator=b"\n"):
+    """Read ``socks`` (connected, handshake sent) until each saw ``expect``
+    RDATA lines or closed, stdin closed, or ``timeout`` s passed; the result
+    dict of the module docstring (plus ``cpu``: this process's CPU seconds).
+
+    RDATA lines are found after ``separator`` (``b"\r\n"`` inside a Redis
+    RESP stream, where every payload is one line).  In latency mode a
+    ``batch`` line counts but has no token to time."""
+    pattern = separator + b"RDATA "
+    tail_len = len(pattern) - 1
+    n = len(socks)
     counts = [0] * n
     last_at = [0.0] * n
     closed = [False] * n
@@ -73,7 +87,6 @@ def run(args):
     leftovers = [b""] * n
     tokens = [[] for _ in range(n)]
     arrivals = [[] for _ in range(n)]
-    expect = args.expect
     sel = selectors.DefaultSelector()
     for i, s in enumerate(socks):
         s.setblocking(False)
@@ -83,7 +96,7 @@ def run(args):
     stdin_text = b""
     buf = bytearray(BUFFER)
     view = memoryview(buf)
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + timeout
     timed_out = False
     stop = False
 
@@ -125,44 +138,50 @@ def run(args):
             now = time.time()
             if latency:
                 data = leftovers[i] + view[:got].tobytes()
-                lines = data.split(b"\n")
+                lines = data.split(separator)
                 leftovers[i] = lines.pop()
                 tok, arr = tokens[i], arrivals[i]
                 seen = 0
                 for line in lines:
                     if line.startswith(b"RDATA "):
-                        tok.append(int(line.split(b" ", 4)[3]))
+                        field = line.split(b" ", 4)[3]
+                        if field != b"batch":
+                            tok.append(int(field))
+                            arr.append(now)
                         seen += 1
                 if seen:
-                    arr.extend([now] * seen)
                     counts[i] += seen
                     last_at[i] = now
                 continue
-            seen = buf.count(PATTERN, 0, got)
-            head = view[: min(TAIL, got)].tobytes()
+            seen = buf.count(pattern, 0, got)
+            head = view[: min(tail_len, got)].tobytes()
             tail = tails[i]
             if tail:
-                seen += (tail + head).count(PATTERN)
-            if got >= TAIL:
-                tails[i] = view[got - TAIL : got].tobytes()
+                seen += (tail + head).count(pattern)
+            if got >= tail_len:
+                tails[i] = view[got - tail_len : got].tobytes()
             else:
-                tails[i] = (tail + head)[-TAIL:]
+                tails[i] = (tail + head)[-tail_len:]
             if seen:
                 counts[i] += seen
                 last_at[i] = now
 
+    ru = resource.getrusage(resource.RUSAGE_SELF)
     result = {"counts": counts, "last_at": last_at, "closed": closed, "timeout": timed_out,
-              "expect": expect}
+              "expect": expect, "cpu": ru.ru_utime + ru.ru_stime}
     if latency:
         result["tokens"] = tokens
         result["at"] = arrivals
+    return result
+
+
+def emit(result):
+    """Print the result as one JSON line for the benchmark."""
     try:
         sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
     except BrokenPipeError:  # the benchmark is gone
         pass
-    for s in socks:
-        s.close()
 
 
 def main():

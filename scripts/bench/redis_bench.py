@@ -65,11 +65,11 @@ import gc
 import json
 import os
 import re
-import resource
-import selectors
 import socket
 import sys
 import time
+
+import reader  # the reader loop, shared with the TCP readers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -89,8 +89,6 @@ RAW_BATCH = 1000
 RAW_POOL = 100  # distinct pre-encoded batches, cycled through
 LAT_WARMUP = 1.0
 LAT_SECONDS = 8.0
-
-PROFILE = None
 
 
 # ------------------------------------------------------------------ RESP
@@ -137,10 +135,6 @@ def numsub(port, channel):
 
 # ------------------------------------------------------------------ reader process
 
-PATTERN = b"\r\nRDATA "
-TAIL = len(PATTERN) - 1
-
-
 def reader_main(argv):
     """One subscriber: prints one JSON line (the format of reader.py's)."""
     p = argparse.ArgumentParser()
@@ -150,82 +144,15 @@ def reader_main(argv):
     p.add_argument("--mode", choices=("count", "latency"), default="count")
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
-    latency = args.mode == "latency"
     sock = socket.create_connection(("127.0.0.1", args.port))
     sock.sendall(resp("SUBSCRIBE", args.channel))
     confirm = b""
     while not confirm.endswith(b":1\r\n"):
         confirm += sock.recv(4096)
-    sock.setblocking(False)
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ, 0)
-    stdin = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
-    sel.register(stdin, selectors.EVENT_READ, -1)
-    count, last_at, closed, timed_out, stop = 0, 0.0, False, False, False
-    tokens, arrivals = [], []
-    expect, stdin_text, tail, leftover = None, b"", b"", b""
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    deadline = time.monotonic() + args.timeout
-    while not stop and not closed and (expect is None or count < expect):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            timed_out = True
-            break
-        for key, _ in sel.select(min(remaining, 1.0)):
-            if key.data < 0:
-                data = os.read(stdin.fileno(), 4096)
-                if not data:
-                    stop = True
-                    break
-                stdin_text += data
-                *lines, stdin_text = stdin_text.split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        expect = int(line)
-                continue
-            try:
-                got = sock.recv_into(buf)
-            except BlockingIOError:
-                continue
-            except ConnectionError:
-                got = 0
-            if not got:
-                closed = True
-                break
-            now = time.time()
-            if latency:
-                parts = (leftover + view[:got].tobytes()).split(b"\r\n")
-                leftover = parts.pop()
-                seen = 0
-                for part in parts:
-                    if part.startswith(b"RDATA "):
-                        field = part.split(b" ", 4)[3]
-                        if field != b"batch":
-                            tokens.append(int(field))
-                            arrivals.append(now)
-                        seen += 1
-            else:
-                seen = buf.count(PATTERN, 0, got)
-                head = view[: min(TAIL, got)].tobytes()
-                if tail:
-                    seen += (tail + head).count(PATTERN)
-                tail = view[got - TAIL: got].tobytes() if got >= TAIL else (tail + head)[-TAIL:]
-            if seen:
-                count += seen
-                last_at = now
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    result = {"counts": [count], "last_at": [last_at], "closed": [closed],
-              "timeout": timed_out, "expect": expect, "cpu": ru.ru_utime + ru.ru_stime}
-    if latency:
-        result["tokens"] = [tokens]
-        result["at"] = [arrivals]
-    try:
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
-    except BrokenPipeError:
-        pass
+    result = reader.read_loop([sock], args.mode == "latency", None, args.timeout,
+                              separator=b"\r\n")
     sock.close()
+    reader.emit(result)
 
 
 if __name__ == "__main__" and "--reader" in sys.argv:
@@ -238,7 +165,9 @@ if __name__ == "__main__" and "--reader" in sys.argv:
 from twisted.internet import defer, reactor, task, threads  # noqa: E402
 
 import tcp  # noqa: E402
-from common import record, stamp_commits, stamp_sends, standalone_main  # noqa: E402
+from common import (  # noqa: E402
+    cpu_seconds, delays_ms, percentile, profiled, record, spread, stamp_commits, stamp_sends,
+    standalone_main, write_path_report)
 from replicator.config import RedisConfig, parse_database, parse_streams  # noqa: E402
 from replicator.replication.commands import encode_rdata_lines  # noqa: E402
 from replicator.replication.handler import ReplicationHandler  # noqa: E402
@@ -257,18 +186,6 @@ ALONE = parse_streams([
 row = tcp.row
 sleep = tcp.sleep
 until = tcp.until
-percentile = tcp.percentile
-cpu_seconds = tcp.cpu_seconds
-
-
-class profiled:
-    def __enter__(self):
-        if PROFILE is not None:
-            PROFILE.enable()
-
-    def __exit__(self, *exc):
-        if PROFILE is not None:
-            PROFILE.disable()
 
 
 def proc_cpu(pid):
@@ -395,11 +312,10 @@ async def latency_raw(port):
         results = await tcp.collect(procs)
     finally:
         sock.close()
-    delays, missing = tcp.delays_ms(results, commit_at, start + LAT_WARMUP)
+    delays, missing = delays_ms(results, commit_at, start + LAT_WARMUP)
     if missing:
         raise RuntimeError(f"latency (raw): {missing} (reader, line) arrivals missing")
-    print(f"    raw  : {issued:,} lines to {READERS} readers; p50 {percentile(delays, 50):.2f} ms, "
-          f"p99 {percentile(delays, 99):.2f} ms, max {delays[-1]:.1f} ms", flush=True)
+    print(f"    raw  : {issued:,} lines to {READERS} readers; {spread(delays)}", flush=True)
     return delays
 
 
@@ -599,7 +515,7 @@ async def latency_ours(writer, port):
     if writer.losses:
         print(f"    the writer's Redis link was lost: "
               f"{[(round(t - start, 2), role) for t, role in writer.losses]}", flush=True)
-    delays, missing = tcp.delays_ms(results, commit_at, start + LAT_WARMUP)
+    delays, missing = delays_ms(results, commit_at, start + LAT_WARMUP)
     if missing:
         got = set(results[0]["tokens"][0])
         lost = sorted(t for t in commit_at if t not in got)
@@ -609,15 +525,9 @@ async def latency_ours(writer, port):
                            f"{lost[-3:]}; link lost {writer.losses}")
     print(f"    ours : {issued:,} facts in {written - start:.1f}s "
           f"({issued / (written - start):,.0f}/s) to {READERS} readers, "
-          f"{len(delays):,} arrivals timed; p50 {percentile(delays, 50):.2f} ms, "
-          f"p99 {percentile(delays, 99):.2f} ms, max {delays[-1]:.1f} ms; "
-          f"writer CPU {cpu / (written - start) * 100:.0f}%", flush=True)
-    write_ms = sorted(w * 1000.0 for w in write_s)
-    to_send = sorted((sent_at[t] - c) * 1000.0 for t, c in commit_at.items()
-                     if c >= start + LAT_WARMUP and t in sent_at)
-    print(f"           write_facts itself p50 {percentile(write_ms, 50):.2f} ms, p99 "
-          f"{percentile(write_ms, 99):.2f} ms; commit -> handed to the publisher p50 "
-          f"{percentile(to_send, 50):.2f} ms, p99 {percentile(to_send, 99):.2f} ms", flush=True)
+          f"{len(delays):,} arrivals timed; {spread(delays)}; writer CPU {cpu / (written - start) * 100:.0f}%", flush=True)
+    print(write_path_report(write_s, commit_at, sent_at, start + LAT_WARMUP, "write_facts",
+                            "the publisher"), flush=True)
     return delays
 
 

@@ -26,6 +26,7 @@ and receives every row.
     the ceiling of anything that writes through Twisted.  Rate = rows /
     (last row at the slowest client - first write).  ``RDATA_ROUNDS``
     rounds (default 3) alternate plain, ours and Synapse; medians recorded.
+    ``RDATA_CLIENTS=1`` (or ``1,50``...) runs only those client counts.
 ``tcp.rdata.1client.vs_synapse`` / ``.10clients.vs_synapse`` / ``.50clients.vs_synapse``
     The same figure of ours against Synapse's own
     ``ServerReplicationStreamProtocol`` (``synapse_server.py``, run by the
@@ -96,7 +97,6 @@ import contextlib
 import gc
 import json
 import os
-import resource
 import sys
 import threading
 import time
@@ -111,7 +111,9 @@ from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
 from benchrows import row  # the rows Synapse's protocol gets too
-from common import record, stamp_commits, stamp_sends, standalone_main
+from common import (  # noqa: F401 (percentile, delays_ms, cpu_seconds: redis_bench's too)
+    cpu_seconds, delays_ms, median, percentile, profiled, record, spread, stamp_commits,
+    stamp_sends, standalone_main, write_path_report)
 from replicator.config import parse_database, parse_streams
 from replicator.replication.commands import encode_rdata_lines
 from replicator.replication.handler import ReplicationHandler
@@ -143,6 +145,8 @@ SYNAPSE_ROWS = {1: 400_000, 10: 60_000, 50: 12_000}
 #: Rounds of (plain, ours, Synapse) per client count; medians are recorded
 #: (a shared 2-core machine drifts between rounds).
 RDATA_ROUNDS = int(os.environ.get("RDATA_ROUNDS", "3"))
+#: Client counts to run (default all of RDATA_ROWS), e.g. RDATA_CLIENTS=1.
+RDATA_CLIENTS = [int(c) for c in os.environ.get("RDATA_CLIENTS", "").split(",") if c]
 LAT_CLIENTS = 50
 LAT_RATE = 2000
 LAT_SECONDS = 10.0
@@ -168,8 +172,6 @@ E2E_SECONDS = 10.0
 E2E_SLICES = 4
 CONGESTION_WARM = 1.0
 
-PROFILE = None  # a cProfile.Profile when profiling
-
 
 def tick():
     """One trip through the reactor."""
@@ -194,23 +196,6 @@ def rss_mb():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024.0
     return 0.0
-
-
-def cpu_seconds():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-class profiled:
-    """Profile the server side while the block runs, if profiling."""
-
-    def __enter__(self):
-        if PROFILE is not None:
-            PROFILE.enable()
-
-    def __exit__(self, *exc):
-        if PROFILE is not None:
-            PROFILE.disable()
 
 
 # ------------------------------------------------------------------ readers
@@ -297,7 +282,7 @@ class OurServer:
     def __init__(self, registry, settings=None):
         self.handler = ReplicationHandler(registry, WRITER, SERVER_NAME)
         self.handler.start()
-        self.factory = ReplicationServerFactory(self.handler, SERVER_NAME, settings)
+        self.factory = ReplicationServerFactory(self.handler, SERVER_NAME, settings, clock=reactor)
 
     async def listen(self):
         ep = endpoints.serverFromString(reactor, "tcp:0:interface=127.0.0.1:backlog=256")
@@ -521,12 +506,6 @@ def synapse_python():
     return python if os.access(python, os.X_OK) else None
 
 
-def median(values):
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 async def run_rdata(registry):
     data = RdataData(RDATA_DATA_ROWS)
     python = synapse_python()
@@ -538,6 +517,8 @@ async def run_rdata(registry):
               + (", Synapse" if python else "; no Synapse virtualenv: `make synapse-deps`")
               + "), medians")
         for clients, (rows, base_rows) in RDATA_ROWS.items():
+            if RDATA_CLIENTS and clients not in RDATA_CLIENTS:
+                continue
             rates = {"plain": [], "ours": [], "synapse": []}
             for _ in range(RDATA_ROUNDS):
                 plain = await PlainServer().listen()
@@ -572,32 +553,6 @@ async def run_rdata(registry):
 
 
 # ------------------------------------------------------------------ latency
-
-def percentile(sorted_values, p):
-    if not sorted_values:
-        return float("nan")
-    k = min(len(sorted_values) - 1, max(0, int(round(p / 100.0 * (len(sorted_values) - 1)))))
-    return sorted_values[k]
-
-
-def delays_ms(results, commit_at, since):
-    """Arrival - commit in ms for every (client, fact) committed after
-    ``since``, sorted; and how many arrivals were missing."""
-    out = []
-    expected = [t for t, at in commit_at.items() if at >= since]
-    missing = 0
-    for r in results:
-        for toks, ats in zip(r["tokens"], r["at"]):
-            got = 0
-            for t, at in zip(toks, ats):
-                c = commit_at.get(t)
-                if c is not None and c >= since:
-                    out.append((at - c) * 1000.0)
-                    got += 1
-            missing += len(expected) - got
-    out.sort()
-    return out, missing
-
 
 class Pacer:
     """Calls ``issue(n)`` every ``LAT_TICK`` with the number of facts due so
@@ -769,15 +724,9 @@ async def latency_ours(registry):
         raise RuntimeError(f"latency (ours): {missing} (client, fact) arrivals missing")
     print(f"    ours : {issued:,} facts in {written - start:.1f}s "
           f"({issued / (written - start):,.0f}/s) to {LAT_CLIENTS} clients, "
-          f"{len(delays):,} arrivals timed; p50 {percentile(delays, 50):.2f} ms, "
-          f"p99 {percentile(delays, 99):.2f} ms, max {delays[-1]:.1f} ms; "
-          f"server CPU {cpu / (written - start) * 100:.0f}%", flush=True)
-    write_ms = sorted(w * 1000.0 for w in write_s)
-    to_send = sorted((sent_at[t] - c) * 1000.0 for t, c in commit_at.items()
-                     if c >= start + LAT_WARMUP and t in sent_at)
-    print(f"           write_fact itself p50 {percentile(write_ms, 50):.2f} ms, p99 "
-          f"{percentile(write_ms, 99):.2f} ms; commit -> handed to the transports p50 "
-          f"{percentile(to_send, 50):.2f} ms, p99 {percentile(to_send, 99):.2f} ms", flush=True)
+          f"{len(delays):,} arrivals timed; {spread(delays)}; server CPU {cpu / (written - start) * 100:.0f}%", flush=True)
+    print(write_path_report(write_s, commit_at, sent_at, start + LAT_WARMUP, "write_fact",
+                            "the transports"), flush=True)
     to_position = watch.position_delays_ms(commit_at, start + LAT_WARMUP)
     print(f"           commit -> the position covers it (earlier facts in flight) p50 "
           f"{percentile(to_position, 50):.2f} ms, p99 {percentile(to_position, 99):.2f} ms",
@@ -821,9 +770,8 @@ async def latency_plain():
     delays, missing = delays_ms(results, commit_at, start + LAT_WARMUP)
     if missing:
         raise RuntimeError(f"latency (plain): {missing} (client, fact) arrivals missing")
-    print(f"    plain: {issued:,} lines to {LAT_CLIENTS} clients; p50 "
-          f"{percentile(delays, 50):.2f} ms, p99 {percentile(delays, 99):.2f} ms, "
-          f"max {delays[-1]:.1f} ms", flush=True)
+    print(f"    plain: {issued:,} lines to {LAT_CLIENTS} clients; {spread(delays)}",
+          flush=True)
     print(f"           {watch.report(LAT_BASELINE_SECONDS)}", flush=True)
     return delays
 

@@ -151,7 +151,7 @@ class Nemesis:
         elif kind == "pg_restart_fast":
             await asyncio.to_thread(self.pg.restart, "fast")
         elif kind == "pg_down":
-            await asyncio.to_thread(self.pg.stop, "immediate")
+            await asyncio.to_thread(self.pg.halt, "immediate")
             await asyncio.sleep(seconds)
             await asyncio.to_thread(self.pg.start)
         elif kind == "redis_restart":

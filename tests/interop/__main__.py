@@ -141,6 +141,21 @@ def wait(predicate, what, timeout=90.0, step=0.1):
         time.sleep(step)
 
 
+def stop_process(proc, grace=30.0):
+    """Stop a process this run started: SIGTERM, up to ``grace`` seconds to
+    exit, then SIGKILL. Returns its exit status, or None if there was no
+    process or it had already ended (nothing was stopped)."""
+    if proc is None or proc.poll() is not None:
+        return None
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return proc.returncode
+
+
 # ------------------------------------------------------------------ HTTP
 def request(method, url, body=None, token=None, timeout=30):
     data = json.dumps(body).encode() if body is not None else None
@@ -195,13 +210,7 @@ class Synapse:
         wait(up, "Synapse to answer /health", timeout=180, step=0.3)
 
     def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def register(self, user):
         url = f"{self.base}/_synapse/admin/v1/register"
@@ -317,15 +326,9 @@ class Replicator:
             return False
 
     def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            if self.proc.returncode != 0:
-                raise Failed(f"{self.name} stopped with {self.proc.returncode}")
+        code = stop_process(self.proc)
+        if code not in (None, 0):
+            raise Failed(f"{self.name} stopped with {code}")
 
     def write(self, stream, rows):
         url = f"http://127.0.0.1:{self.http_port}/_replicator/v1/streams/{stream}/facts"

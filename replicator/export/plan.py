@@ -1,0 +1,171 @@
+"""Planning one stream's export: which range to read, which dates to rewrite.
+
+For every selected stream, on the driver with one-row queries only:
+
+1. **Range**: the linear persisted position ``L`` (minimum over the
+   configured writers; a missing writer counts as 0), the range
+   ``(token, upper]`` with ``upper = L`` (or less with ``--until``), and the
+   ID/time bounds of its rows.  Nothing above ``L`` is ever read, so a fact
+   still in flight -- or an ID below it that could still complete on
+   another writer -- is never exported, half-written or skipped.
+2. **Re-aggregation range**: the partitions rewritten are the dates from the
+   earliest date among the new facts on (a late fact can land on a date
+   already exported); they are read from the first fact of the earliest such
+   date, known from the state, so every bucket written is complete.
+
+:func:`next_state` is the stream's state after the run commits.
+"""
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+from ..config import StreamConfig
+from .aggregate import chunking
+from .reference import utc_date
+from .source import MIN_TOKEN, Metadata, RangeBounds, linear_position
+from .state import StreamState, now_iso
+
+if TYPE_CHECKING:
+    from .job import ExportOptions
+
+
+@dataclass
+class StreamPlan:
+    """What one stream's run will do (see the module docstring)."""
+
+    stream: StreamConfig
+    positions: Dict[str, int]
+    position: int
+    state: Optional[StreamState]
+    lower: int  # exclusive: the previous token (MIN_TOKEN on a first export)
+    upper: int  # inclusive: the token this run advances to
+    bounds: Optional[RangeBounds] = None
+    run_ms: int = 0
+    from_date: Optional[str] = None
+    floor: Optional[int] = None
+    prev: Optional[int] = None
+    chunk_len: int = 1
+    chunk_prev: Dict[int, Optional[int]] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def advances(self) -> bool:
+        return self.upper > self.lower
+
+    @property
+    def has_facts(self) -> bool:
+        return self.bounds is not None and self.bounds.min_id is not None
+
+
+def layout_of(stream: StreamConfig) -> Dict[str, Optional[str]]:
+    return {"table": stream.table, "id_column": stream.id_column,
+            "writer_column": stream.writer_column,
+            "timestamp_column": stream.timestamp_column}
+
+
+def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamState],
+                options: "ExportOptions", run_ms: int) -> StreamPlan:
+    """What ``stream``'s run will read and write (steps 1 and 2 above).
+
+    Only one-row queries on ``meta``; ``state`` is the stream's previous
+    export (None: a first export or ``--full``); ``run_ms`` the run's time.
+    """
+    positions = meta.positions(stream.positions_key)
+    position = linear_position(positions, stream.writers)
+    if state is not None and state.observed:
+        run_ms = max(run_ms, max(ms for _lo, _hi, ms in state.observed))
+    lower = state.token if state is not None else MIN_TOKEN
+    plan = StreamPlan(stream, positions, position, state, lower, max(lower, position),
+                      run_ms=run_ms)
+    missing = [w for w in stream.writers if w not in positions]
+    if missing:
+        plan.upper = lower
+        plan.note = f"no persisted position for {', '.join(missing)}"
+        return plan
+    if position <= lower:
+        plan.upper = lower
+        plan.note = "nothing new"
+        return plan
+    ts = stream.timestamp_column
+    since, until = options.since_ms, options.until_ms
+    if ts is None:
+        # Facts are timed by this run: the window applies to the run's time.
+        if (until is not None and run_ms >= until) or (since is not None and run_ms < since):
+            plan.upper = lower
+            plan.note = "outside --since/--until (timed by the export run)"
+            return plan
+    else:
+        if until is not None:
+            hit = meta.first_id_at(stream, lower, plan.upper, until, null_counts=run_ms >= until)
+            if hit is not None:
+                plan.upper = hit - 1
+        if state is None and since is not None:
+            hit = meta.first_id_at(stream, lower, plan.upper, since, null_counts=run_ms >= since)
+            plan.lower = plan.upper if hit is None else hit - 1
+            lower = plan.lower
+    if plan.upper <= lower:
+        plan.upper = lower
+        plan.note = "nothing new" if until is None else "nothing before --until"
+        return plan
+    plan.bounds = meta.bounds(stream, lower, plan.upper)
+    if not plan.has_facts:
+        plan.note = "no facts (rollbacks only)"
+        return plan
+    dates = []
+    if plan.bounds.min_ts is not None:
+        dates.append(utc_date(plan.bounds.min_ts))
+    if plan.bounds.has_null_ts:
+        dates.append(utc_date(run_ms))
+    plan.from_date = min(dates)
+    plan.floor = plan.bounds.min_id
+    plan.prev = state.last_fact if state is not None and lower == state.token else None
+    if state is not None:
+        for date, (first, prev) in state.dates.items():
+            if date >= plan.from_date and first < plan.floor:
+                plan.floor, plan.prev = first, prev
+    # The rollback lag runs per ID chunk; each chunk starts from the largest
+    # ID below it (an index probe each).
+    plan.chunk_len, starts = chunking(plan.floor, plan.bounds.max_id,
+                                      max(options.shuffle_partitions, options.partitions))
+    for k, start in enumerate(starts, 1):
+        plan.chunk_prev[k] = meta.max_id_below(stream, plan.floor, start)
+    return plan
+
+
+def observed_ranges(plan: StreamPlan) -> List[Tuple[int, int, int]]:
+    """Observed-time ranges relevant to the read range, this run's included."""
+    ranges = []
+    if plan.state is not None:
+        ranges = [tuple(r) for r in plan.state.observed if r[1] >= plan.floor]
+    if plan.bounds.has_null_ts:
+        ranges.append((plan.lower, plan.upper, plan.run_ms))
+    return ranges
+
+
+def next_state(plan: StreamPlan, agg) -> StreamState:
+    """The stream's state once ``plan`` is committed (``agg``: the run's
+    :class:`.aggregate.StreamAggregates`, None when no fact was read)."""
+    stream = plan.stream
+    old = plan.state
+    st = StreamState(token=plan.upper, layout=layout_of(stream))
+    if old is not None:
+        st.last_fact, st.dates = old.last_fact, dict(old.dates)
+        st.observed = [list(r) for r in old.observed]
+        st.facts, st.rows, st.rollbacks = old.facts, old.rows, old.rollbacks
+    st.updated_at = now_iso()
+    if agg is None:
+        return st
+    st.last_fact = plan.bounds.max_id
+    for date, (first, prev) in agg.new_dates.items():
+        st.dates.setdefault(date, [first, prev])
+    st.facts += agg.new_facts
+    st.rows += agg.new_rows
+    st.rollbacks += agg.new_rollbacks
+    if plan.bounds.has_null_ts:
+        st.observed.append([plan.lower, plan.upper, plan.run_ms])
+    if stream.timestamp_column is None and st.observed:
+        # Runs only move forward in time: an untimestamped stream re-aggregates
+        # at most the latest run's date, so older ranges are never needed.
+        latest = utc_date(st.observed[-1][2])
+        st.observed = [r for r in st.observed if utc_date(r[2]) == latest]
+    return st

@@ -1,0 +1,146 @@
+"""The SparkSession an export runs on, and its progress lines.
+
+Settings come in two kinds:
+
+* **session settings** (master, ``spark.jars``, the UI, the output
+  committer) only take effect when the session is created:
+  :func:`spark_session` gives them to the builder;
+* **run settings** (:data:`RUN_SETTINGS`: UTC session time zone, shuffle
+  partitions, Parquet timestamp type) are SQL runtime settings the
+  aggregation depends on: :func:`configure` sets them once per run, on a
+  session we started (right after it starts, after any ``--conf``, so the
+  run's own values win) or on one we were given (a test's, a notebook's).
+"""
+
+import logging
+import os
+import threading
+from typing import Dict, Optional, Sequence
+
+from ..config import DatabaseConfig
+from .source import find_jdbc_jar
+
+log = logging.getLogger("replicator.export")
+
+
+def run_settings(shuffle_partitions: int) -> Dict[str, str]:
+    """The SQL runtime settings every export run needs."""
+    return {
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.shuffle.partitions": str(shuffle_partitions),
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    }
+
+
+def configure(spark, shuffle_partitions: int) -> None:
+    """Apply :func:`run_settings` to ``spark``."""
+    for key, value in run_settings(shuffle_partitions).items():
+        spark.conf.set(key, value)
+
+
+def spark_session(master: Optional[str], jars: Sequence[str], shuffle_partitions: int = 8,
+                  extra_conf: Optional[Dict[str, str]] = None):
+    """The SparkSession of this process (created if needed), configured for a run.
+
+    ``master`` None leaves the master to ``spark-submit`` when launched by
+    it, else ``local[*]``.  The JDBC jars go on ``spark.jars`` (local mode
+    needs nothing else; on a cluster give them to ``spark-submit --jars``).
+    ``extra_conf`` (``--conf``) goes to the builder; the run settings are
+    applied after it.
+    """
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName("replicator-export")
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+    if master:
+        builder = builder.master(master)
+    elif not submitted:
+        builder = builder.master("local[*]")
+    if jars:
+        builder = builder.config("spark.jars", ",".join(jars))
+    if not submitted:
+        builder = builder.config("spark.ui.enabled", "false")
+    builder = (
+        builder.config("spark.hadoop.mapreduce.fileoutputcommitter.marksuccessfuljobs", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+    )
+    for key, value in (extra_conf or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    configure(spark, shuffle_partitions)
+    return spark
+
+
+class RunSession:
+    """The SparkSession of one run: the caller's (or the process's active
+    one), configured once for the run; or one started on first need with the
+    run's options, and stopped at the end."""
+
+    def __init__(self, spark, db: DatabaseConfig, options):
+        self.spark = spark
+        self.db = db
+        self.options = options
+        self.own = False
+        self._configured = False
+
+    def get(self):
+        if self.spark is None:
+            from pyspark.sql import SparkSession
+
+            self.spark = SparkSession.getActiveSession()  # e.g. a test's, a notebook's
+        if self.spark is None:
+            jar = find_jdbc_jar(self.db.engine, self.options.jdbc_jar)
+            log.info("starting Spark (%s)", self.options.master or "local[*]")
+            self.spark = spark_session(self.options.master, [jar],
+                                       self.options.shuffle_partitions, self.options.spark_conf)
+            self.own = self._configured = True
+        if not self._configured:
+            configure(self.spark, self.options.shuffle_partitions)
+            self._configured = True
+        return self.spark
+
+    def stop(self) -> None:
+        if self.own and self.spark is not None:
+            self.spark.stop()
+            self.spark = None
+
+
+class Progress:
+    """Prints the running Spark stages of the current stream every few seconds."""
+
+    def __init__(self, spark, interval: float):
+        self.sc = spark.sparkContext
+        self.interval = interval
+        self.stream = ""
+        self._stop = threading.Event()
+        self._thread = None
+        self._last = None
+
+    def start(self) -> "Progress":
+        if self.interval > 0:
+            self._thread = threading.Thread(target=self._run, name="export-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        tracker = self.sc.statusTracker()
+        while not self._stop.wait(self.interval):
+            try:
+                parts = []
+                for sid in sorted(tracker.getActiveStageIds()):
+                    info = tracker.getStageInfo(sid)
+                    if info is not None:
+                        parts.append(f"stage {sid} {info.numCompletedTasks}/{info.numTasks}")
+            except Exception:  # the context is stopping
+                return
+            line = ", ".join(parts)
+            if line and line != self._last:
+                log.info("[%s] %s tasks done", self.stream, line)
+            self._last = line
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
