@@ -21,7 +21,6 @@ from typing import Any, Iterable
 import orjson
 
 _dumps = orjson.dumps
-_NEWLINE = orjson.OPT_APPEND_NEWLINE
 _SCALARS = frozenset({str, int, bool, type(None)})
 
 
@@ -65,6 +64,8 @@ def encode_json(value: Any) -> bytes:
 
     Raises ``ValueError`` for ``NaN``/``±Infinity`` and ``TypeError`` (or
     ``ValueError``, e.g. a circular reference) for what is not JSON.
+    The result is orjson's own output buffer (about 4 KB however short):
+    for immediate use or concatenation, not to be kept by the thousand.
     """
     try:
         data = _dumps(value)
@@ -76,14 +77,13 @@ def encode_json(value: Any) -> bytes:
 
 
 def encode_json_line(value: Any) -> bytes:
-    """:func:`encode_json` followed by ``b"\\n"``."""
-    try:
-        data = _dumps(value, option=_NEWLINE)
-    except TypeError:
-        return _fallback(value) + b"\n"
-    if b"null" in data and non_finite(value):
-        raise NonFiniteError()
-    return data
+    """:func:`encode_json` followed by ``b"\\n"``.
+
+    Never orjson's ``OPT_APPEND_NEWLINE``: with it orjson returns its whole
+    output buffer (about 4 KB, whatever the length), and lines are kept (a
+    JSON-lines consumer buffers a catch-up page until its flush); the
+    concatenation makes a bytes object of the line's own size."""
+    return encode_json(value) + b"\n"
 
 
 def any_non_finite(values: Iterable[Any], encoded: bytes) -> bool:
