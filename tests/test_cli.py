@@ -205,10 +205,17 @@ class EmbeddedDaemonTests(SynchronousTestCase):
         written = cli("write", "-c", daemon.path, "caches", '["get_user", ["@a:hs"], 1000]',
                       '["get_user", null, 1001]', cwd=daemon.dir)
         self.assertEqual((written.returncode, written.stdout), (0, "1\n"), written.stderr)
-        self.assertEqual(tail.stdout.readline().strip(),
-                         'RDATA caches master batch ["get_user",["@a:hs"],1000]')
-        self.assertEqual(tail.stdout.readline().strip(),
-                         'RDATA caches master 1 ["get_user",null,1001]')
+
+        def next_command() -> str:
+            # The server's keepalive PING may come between any two lines
+            # (the write above can take seconds on a loaded machine).
+            line = tail.stdout.readline().strip()
+            while line.startswith("PING "):
+                line = tail.stdout.readline().strip()
+            return line
+
+        self.assertEqual(next_command(), 'RDATA caches master batch ["get_user",["@a:hs"],1000]')
+        self.assertEqual(next_command(), 'RDATA caches master 1 ["get_user",null,1001]')
 
         bad = cli("write", "-c", daemon.path, "caches", '["only one column"]', cwd=daemon.dir)
         self.assertEqual(bad.returncode, 1)
