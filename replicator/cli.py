@@ -5,7 +5,6 @@ HTTP error), 2 a usage or configuration mistake (one line naming the key).
 """
 
 import argparse
-import dataclasses
 import json
 import signal
 import sys
@@ -117,9 +116,7 @@ def cmd_tail(args) -> None:
             if args.stream and stream is not None and stream != args.stream:
                 return
             if args.json:
-                # dataclasses.fields leaves out the NAME class variable.
-                fields = {f.name: getattr(cmd, f.name) for f in dataclasses.fields(cmd)}
-                print(json.dumps({"command": cmd.NAME, **fields}), flush=True)
+                print(json.dumps({"command": cmd.NAME, **cmd.fields()}), flush=True)
             else:
                 # Peer text to a terminal: control characters escaped.
                 print(printable(cmd.to_line().rstrip(" "), limit=None), flush=True)

@@ -566,3 +566,19 @@ class EncodeAtOnceTests(SynchronousTestCase):
             self.assertIsNone(_encode_at_once(b"RDATA s w ", (1,), (row,), 1000))
             self.assertEqual(list(encode_rdata_lines("s", "w", [(1, row)])),
                              [b"RDATA s w 1 " + orjson.dumps(row) + b"\n"])
+
+
+class FieldsTests(SynchronousTestCase):
+    """``fields()`` names a command's arguments as the protocol does (what
+    ``tail --json`` prints), for the text-only commands too."""
+
+    def test_fields_are_named_as_on_the_wire(self):
+        from replicator.replication.commands import (
+            NameCommand, PingCommand, PositionCommand, ServerCommand)
+
+        self.assertEqual(ServerCommand("hs.test").fields(), {"server_name": "hs.test"})
+        self.assertEqual(NameCommand("worker1").fields(), {"client_name": "worker1"})
+        self.assertEqual(PingCommand("123").fields(), {"data": "123"})
+        self.assertEqual(PositionCommand("caches", "master", 1, 2).fields(),
+                         {"stream_name": "caches", "instance_name": "master",
+                          "prev_token": 1, "new_token": 2})

@@ -21,6 +21,7 @@ The RDATA fan-out does not go through the classes: it writes the bytes of
 :mod:`.wire` (re-exported here), built once per fact for every connection.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
@@ -45,6 +46,10 @@ class Command:
     def to_line(self) -> str:
         raise NotImplementedError
 
+    def fields(self) -> Dict[str, Any]:
+        """The command's arguments by their protocol names (``tail --json``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
 
 # ---------------------------------------------------------------- text only
 
@@ -68,9 +73,20 @@ class TextCommand(Command):
     def to_line(self) -> str:
         return self.NAME + " " + self.text
 
+    def fields(self) -> Dict[str, Any]:
+        # The subclass's alias is the argument's name (server_name, data...).
+        for klass in type(self).__mro__:
+            for name, value in vars(klass).items():
+                if isinstance(value, property) and value.fget is _TEXT:
+                    return {name: self.text}
+        return {"text": self.text}
+
+
+_TEXT = attrgetter("text")
+
 
 def _alias(doc: str) -> property:
-    return property(attrgetter("text"), doc=doc)
+    return property(_TEXT, doc=doc)
 
 
 class ServerCommand(TextCommand):
