@@ -675,6 +675,19 @@ class RowCodecTests(SynchronousTestCase):
             codec.prepare([[["a", 1, True, None], ["b", "x", True, None]]])
         self.assertEqual(str(e.exception), "row 1: column 'n' expects bigint, got str")
 
+    def test_nan_and_infinity_in_a_json_column_are_refused(self):
+        # JSON cannot carry them; stored, they would become null (a
+        # different value) in the table and on the wire.
+        codec = RowCodec(self.COLUMNS)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for value in (bad, [1, {"a": [bad]}]):
+                with self.assertRaises(RowError) as e:
+                    codec.prepare([[["a", 1, True, value]]])
+                self.assertEqual(str(e.exception),
+                                 "row 0: column 'j' holds NaN or Infinity, which JSON cannot carry")
+        _, params = codec.prepare([[["a", 1, True, {"f": 1.5}]]])
+        self.assertEqual(params, [[["a", 1, True, '{"f":1.5}']]])
+
 
 class PostgresCrashTests(TestCase):
     """A PostgreSQL crash restart (``pg_ctl restart -m immediate``) under a

@@ -115,8 +115,9 @@ class WireRowCheck:
 
 def json_problem(value: Any) -> Optional[str]:
     """What makes a decoded ``json`` column value unfit to store and
-    replicate: a NUL in a string or key, or nesting deeper than
-    :data:`MAX_JSON_DEPTH`.  Iterative, so any depth a parser accepted is
+    replicate: a NUL in a string or key, nesting deeper than
+    :data:`MAX_JSON_DEPTH`, or NaN/±Infinity (JSON cannot carry them: they
+    would become ``null``).  Iterative, so any depth a parser accepted is
     checked without recursion."""
     stack = [(value, 1)]
     while stack:
@@ -124,6 +125,9 @@ def json_problem(value: Any) -> Optional[str]:
         if isinstance(v, str):
             if "\x00" in v:
                 return "contains a NUL character"
+        elif isinstance(v, float):
+            if v - v != 0.0:  # NaN - NaN and inf - inf are NaN
+                return "holds NaN or Infinity, which JSON cannot carry"
         elif isinstance(v, (list, dict)):
             if depth > MAX_JSON_DEPTH:
                 return f"is nested deeper than {MAX_JSON_DEPTH} levels"
