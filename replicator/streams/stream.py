@@ -21,7 +21,8 @@ for the fan-out (:mod:`.recent`), pages read back from the table
 """
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from operator import itemgetter
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -45,6 +46,7 @@ Update = Tuple[int, list]
 DEFAULT_GROUP_MAX = 256
 #: An RDATA line's length is estimated with a token of this many digits.
 TOKEN_DIGITS = 20
+_token_of = itemgetter(0)
 
 
 class Fact:
@@ -328,13 +330,15 @@ class Stream:
                 answer = group(answer[0]), answer[1], answer[2]
             return answer
         answer = await self.db.runInteraction(read, writer, from_token, to_token, limit)
-        self._check_foreign(writer, from_token, [t for t, _ in answer[0]])
+        self._check_foreign(writer, from_token, map(_token_of, answer[0]))
         return answer
 
-    def _check_foreign(self, writer: str, from_token: int, tokens: List[int]) -> None:
+    def _check_foreign(self, writer: str, from_token: int, tokens: Iterable[int]) -> None:
         """Report facts of the sole (local) writer under IDs this instance
         never reserved: written behind its back (e.g. by SQL).  They are
-        delivered like any other; one log line per burst, and a metric."""
+        delivered like any other; one log line per burst, and a metric.
+        (``tokens`` is read only when memory can tell: a reader of another
+        instance's writer does not walk its catch-up pages.)"""
         foreign = self.recent.foreign(writer, from_token, tokens)
         if foreign is None:
             return
