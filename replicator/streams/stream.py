@@ -35,6 +35,7 @@ from ..storage.database import Database
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
 from .pages import FactPage, Page, PageQuery, group
+from .readahead import ReadAhead
 from .recent import RecentFacts
 from .rows import RowCodec
 from .writes import PreparedFacts, TxnHook, WriteTransaction
@@ -115,6 +116,11 @@ class Stream:
         self._call_from_thread = call_from_thread
         self._txn = WriteTransaction(config, db)
         self._pages = PageQuery(config, db)
+        # Catch-up pages of other instances' writers read ahead (PostgreSQL:
+        # a run holds a pool connection; SQLite has one for everything).
+        self._read_ahead = (ReadAhead(db, self._pages.read_facts, call_from_thread)
+                            if call_from_thread is not None and db.is_postgres
+                            and db.config.pool_max > 1 else None)
         self._codec = RowCodec(config.columns)
         self._persist_delay = persist_delay
         self._facts_written = metrics.FACTS_WRITTEN.labels(self.name)
@@ -316,6 +322,10 @@ class Stream:
         """:meth:`updates_since` as whole facts: ``(facts, upto_token,
         limited)``, ``facts`` being ``(token, rows)`` in token order (a
         reader's catch-up pages)."""
+        if self._read_ahead is not None and writer not in self.local_writers \
+                and to_token > from_token:
+            # Memory answers for local writers only: the table it is.
+            return await self._read_ahead.page(writer, from_token, to_token, max(1, limit))
         return await self._page(self._pages.read_facts, writer, from_token, to_token, limit)
 
     async def _page(self, read, writer: str, from_token: int, to_token: int, limit: int):
