@@ -521,6 +521,32 @@ class PostgresStreamTests(StreamSuite, TestCase):
         page = await caches.facts_since("master", 20, ids[-1], 2)
         self.assertEqual([t for t, _ in page[0]], [21, 22])
 
+    async def test_read_ahead_after_its_connection_died(self):
+        """A run whose connection dies (a server restart, a cut link) fails
+        the request waiting for it, quietly (no unhandled error); the next
+        request reads on a new connection."""
+        master = (await self.registry()).get("caches")
+        ids = await master.write_facts([[[f"f{i}", None, i]] for i in range(1, 30)])
+        caches = (await self.registry(instance="reader")).get("caches")
+        page = await caches.facts_since("master", 0, ids[-1], 2)
+        self.assertEqual(page[1], 2)
+        conn = psycopg2.connect(self.dsn)
+        conn.autocommit = True
+        cursor = conn.cursor()
+        cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       "WHERE pid <> pg_backend_pid() AND datname = current_database() "
+                       "AND query LIKE %s", ("%FROM cache_stream WHERE%ctid LIMIT%",))
+        self.assertEqual(cursor.fetchall(), [(True,)])  # the reader's connection
+        conn.close()
+        since, failures = 2, 0
+        while since < ids[-1]:
+            try:
+                since = (await caches.facts_since("master", since, ids[-1], 2))[1]
+            except psycopg2.Error:
+                failures += 1
+                self.assertLess(failures, 10)
+        self.assertEqual(since, ids[-1])
+
     def one_connection_config(self, group_max):
         # pool_max 2: one connection writes, one is left for reads.
         return parse_database({"postgres": self.dsn, "pool_max": 2,
