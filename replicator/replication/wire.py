@@ -178,13 +178,13 @@ def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
     where that does not apply (then the caller encodes row by row).
 
     orjson writes tokens and rows alternately, separated by a fragment it
-    copies as it is (``\x00``, which its own output never holds), so
-    ``t1,\x00,[r1],\x00,t2,...``: orjson formats the integers (several
-    times faster than ``%d``), and one split at ``,\x00,`` gives every
+    copies as it is (``\\x00``, which its own output never holds), so
+    ``t1,\\x00,[r1],\\x00,t2,...``: orjson formats the integers (several
+    times faster than ``%d``), and one split at ``,\\x00,`` gives every
     token's and row's JSON, whatever the rows hold.  A batch line's token
     is the fragment ``batch``.  One join with the prefix, space and newline
     pieces writes the lines.  None when orjson refuses a token or row, a
-    row holds ``NaN``/``Infinity``, the prefix holds a ``\r`` (lines are
+    row holds ``NaN``/``Infinity``, the prefix holds a ``\\r`` (lines are
     split at line ends afterwards), or a row's line might not fit in
     ``max_line_length`` with the longest token.
     """
