@@ -32,6 +32,23 @@ def stream_samples(registry) -> List[metrics.Sample]:
     return out
 
 
+def unsent_bytes(transport) -> int:
+    """Bytes written to ``transport`` that have not reached the kernel.
+
+    Twisted has no public call for this, so it reads the write buffer of
+    its file-descriptor transports: ``dataBuffer`` from ``offset`` on (what
+    a partial send left) plus ``_tempDataLen`` (writes not yet joined into
+    it).  A TLS transport hands these attribute lookups on to the TCP
+    connection underneath, so there it counts ciphertext.  Anything else
+    (a test transport, a closed connection) counts 0.
+    """
+    buffered = getattr(transport, "dataBuffer", None)
+    if not isinstance(buffered, bytes):
+        return 0
+    return (len(buffered) - getattr(transport, "offset", 0)
+            + getattr(transport, "_tempDataLen", 0))
+
+
 def connection_samples(handler) -> List[metrics.Sample]:
     """Reader lag, and per peer label the queued commands and unsent bytes
     of its connections (summed)."""
@@ -42,12 +59,7 @@ def connection_samples(handler) -> List[metrics.Sample]:
     for conn in list(handler.connections):
         name = handler.conn_label(conn)
         pending[name] = pending.get(name, 0) + getattr(conn, "queued", 0)
-        transport = getattr(conn, "transport", None)
-        size = 0
-        if transport is not None:
-            size = len(getattr(transport, "dataBuffer", b"") or b"")
-            size += getattr(transport, "_tempDataLen", 0)
-        unsent[name] = unsent.get(name, 0) + size
+        unsent[name] = unsent.get(name, 0) + unsent_bytes(getattr(conn, "transport", None))
     out.extend((metrics.PENDING_COMMANDS, (name,), n) for name, n in pending.items())
     out.extend((metrics.TRANSPORT_BUFFER, (name,), n) for name, n in unsent.items())
     return out

@@ -31,6 +31,35 @@ def _postgres_open(conn) -> None:
     conn.set_session(isolation_level="READ COMMITTED")
 
 
+class _PooledConnection(adbapi.Connection):
+    """A pooled PostgreSQL connection that is dropped quietly when it dies.
+
+    adbapi logs a failed rollback (the connection died under the
+    transaction: a server restart, a cut link) as an error with its
+    traceback, twice per transaction.  Here it is one warning; the
+    connection leaves the pool and the next transaction opens a new one.
+    The transaction's own error still reaches its caller.
+    """
+
+    def rollback(self):
+        try:
+            self._connection.rollback()
+            cursor = self._connection.cursor()
+            cursor.execute(self._pool.good_sql)
+            cursor.close()
+            self._connection.commit()
+            return
+        except Exception as e:
+            text = str(e).strip().splitlines()
+            log.warn("Database connection lost ({error}); the next transaction opens a new one",
+                     error=text[0] if text else type(e).__name__)
+        self._pool.disconnect(self._connection)
+
+
+class _PostgresPool(adbapi.ConnectionPool):
+    connectionFactory = _PooledConnection
+
+
 @lru_cache(maxsize=1024)
 def _qmark(text: str) -> str:
     return text.replace("%s", "?")
@@ -57,7 +86,7 @@ class Database:
             )
             self.greatest = "MAX"
         else:
-            self.pool = adbapi.ConnectionPool(
+            self.pool = _PostgresPool(
                 "psycopg2", config.dsn, cp_min=config.pool_min, cp_max=config.pool_max,
                 cp_openfun=_postgres_open, cp_reconnect=True, cp_noisy=False,
             )

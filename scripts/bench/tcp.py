@@ -978,9 +978,9 @@ async def run_congestion(registry):
         (conn,) = [c for c in server.clients() if c is not good]
 
         def hook(name, method):
-            def wrapped(*args):
+            def wrapped(*args, **kwargs):
                 events.setdefault(name, time.monotonic())
-                return method(*args)
+                return method(*args, **kwargs)
             setattr(conn, name, wrapped)
 
         hook("pauseProducing", conn.pauseProducing)
