@@ -561,11 +561,28 @@ class EncodeAtOnceTests(SynchronousTestCase):
         self.assertEqual(data, b'RDATA s%% w batch ["a",[1],null]\nRDATA s%% w 5 []\n'
                                b'RDATA s%% w 6 ["%d %s"]\nRDATA s%% w 7 [{"k":[2]}]\n')
 
-    def test_declines_when_a_row_holds_the_separator(self):
-        for row in (["],["], [[1], [2]]):
-            self.assertIsNone(_encode_at_once(b"RDATA s w ", (1,), (row,), 1000))
-            self.assertEqual(list(encode_rdata_lines("s", "w", [(1, row)])),
-                             [b"RDATA s w 1 " + orjson.dumps(row) + b"\n"])
+    def test_any_row_content_in_one_call(self):
+        # Rows holding what splits JSON arrays (``],[``), or that are not
+        # arrays, need no row-by-row path.
+        rows = (["],["], [[1], [2]], {"k": [[3], [4]]}, "x", [], ["\x00", ",\x00,"])
+        tokens = tuple(range(1, len(rows) + 1))
+        data = _encode_at_once(b"RDATA s w ", tokens, rows, 1000)
+        self.assertEqual(data, b"".join(b"RDATA s w %d " % t + orjson.dumps(r) + b"\n"
+                                        for t, r in zip(tokens, rows)))
+
+    def test_long_rows_within_the_limit_in_one_call(self):
+        # Many rows, some close to the limit: the cheap window check or the
+        # exact one keeps them; one byte more declines.
+        limit = 2000
+        room = limit - len(b"RDATA s w batch ") - len(b'[""]')
+        for sizes in ([10] * 300, [room] * 20, [10] * 100 + [room] + [10] * 100):
+            rows = tuple(["x" * size] for size in sizes)
+            tokens = tuple(range(1, len(rows) + 1))
+            data = _encode_at_once(b"RDATA s w ", tokens, rows, limit)
+            self.assertEqual(data, b"".join(_encode_rdata_lines_each(
+                "s", "w", list(zip(tokens, rows)), max_line_length=limit)))
+            longer = rows[:-1] + (["x" * (room + 1)],)
+            self.assertIsNone(_encode_at_once(b"RDATA s w ", tokens, longer, limit))
 
 
 class FieldsTests(SynchronousTestCase):

@@ -22,6 +22,8 @@ from replicator.config import ConfigError, ConsumerConfig
 from replicator.consumers import (
     Consumer, JsonlConsumer, JsonlError, LogConsumer, MemoryConsumer, load_consumers, run_inline,
 )
+from replicator.consumers.jsonl import fact_lines_at_once
+from replicator.jsontext import encode_json_line
 from tests.support import until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -974,3 +976,58 @@ class ReaderTests(TestCase):
             (4, [["d", None, 4]]),
             (5, [["e", None, 5]]),
         ])
+
+
+# ------------------------------------ a catch-up page encoded at once
+def lines_one_by_one(stream, writer, facts):
+    return b"".join(encode_json_line({"stream": stream, "writer": writer, "token": token,
+                                      "rows": rows}) for token, rows in facts)
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+              st.text("ab]],[[ \"\\%é", max_size=6)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.text("k]],[[", max_size=3), inner, max_size=2)),
+    max_leaves=8)
+rows_of = st.lists(st.one_of(st.lists(json_values, max_size=3), json_values), max_size=3)
+
+
+class FactLinesAtOnceTests(SynchronousTestCase):
+    """``fact_lines_at_once``: the same bytes as one ``encode_json_line`` per
+    fact, or None (then the consumer encodes fact by fact)."""
+
+    @settings(max_examples=400, deadline=None)
+    @given(names=st.tuples(st.text("ab%\"é\\", min_size=1, max_size=3),
+                           st.text("ab%\"", min_size=1, max_size=3)),
+           facts=st.lists(rows_of, min_size=1, max_size=6))
+    def test_same_lines_as_one_by_one(self, names, facts):
+        stream, writer = names
+        facts = [(token, rows) for token, rows in enumerate(facts, 1)]
+        data = fact_lines_at_once(stream, writer, facts)
+        try:
+            expected = lines_one_by_one(stream, writer, facts)
+        except (TypeError, ValueError):
+            self.assertIsNone(data)  # the caller's fact-by-fact pass raises
+            return
+        self.assertIn(data, (None, expected))
+
+    def test_the_common_page_is_encoded_at_once(self):
+        facts = [(t, [["fact %d" % t, t, None, True, {"k": [1, "é"]}]] * (1 + t % 3))
+                 for t in range(1, 1001)]
+        self.assertEqual(fact_lines_at_once("caches", "master", facts),
+                         lines_one_by_one("caches", "master", facts))
+        self.assertEqual(fact_lines_at_once("c%s", 'w"', facts[:2]),
+                         lines_one_by_one("c%s", 'w"', facts[:2]))
+
+    def test_what_the_split_cannot_tell_is_left_to_one_by_one(self):
+        for facts in (
+            [(1, [["a]],[[b"]]), (2, [["c"]])],  # the separator inside a string
+            [(1, [[[1]], [[2]]]), (2, [["c"]])],  # ... between nested arrays
+            [(1, []), (2, [["c"]])],  # a fact without rows
+            [(1, ["s"]), (2, [[[1]], [[2]]])],  # a row that is not an array
+            [(1, [[2**64]])],  # beyond orjson's integers
+            [(1, [[float("nan")]])],  # refused by the fallback
+            [(True, [[1]])],  # a token that is not an int
+        ):
+            self.assertIsNone(fact_lines_at_once("s", "w", facts), facts)

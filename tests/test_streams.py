@@ -188,6 +188,50 @@ class StreamSuite:
             self.assertEqual(await reg.get("plain").facts_since("master", 0, 3, limit),
                              expect(list(zip(plain_ids, plain_facts)), 0, 3, limit), limit)
 
+    async def test_catch_up_pages_of_another_instances_writer(self):
+        """A reader's pages of another instance's writer (read ahead on
+        PostgreSQL): page after page, or from anywhere, with any limit, the
+        same pages as one read each; facts written meanwhile are seen."""
+        master = (await self.registry()).get("caches")
+        written = [[[f"f{i}", None, i]] * (1 + i % 4) for i in range(1, 40)]
+        ids = await master.write_facts(written)
+        facts = list(zip(ids, written))
+        caches = (await self.registry(instance="reader")).get("caches")
+
+        def expect(start, to, limit):
+            taken, count = [], 0
+            inside = [(t, rows) for t, rows in facts if start < t <= to]
+            for t, rows in inside:
+                if taken and count + len(rows) > limit:
+                    break
+                taken.append((t, rows))
+                count += len(rows)
+            limited = sum(len(rows) for _, rows in inside) > limit
+            return taken, (taken[-1][0] if limited else to), limited
+
+        async def catch_up(start, to, limit):
+            pages = []
+            while start < to:
+                page = await caches.facts_since("master", start, to, limit)
+                self.assertEqual(page, expect(start, to, limit), (start, to, limit))
+                pages.append(page)
+                start = page[1]
+            return pages
+
+        top = ids[-1]
+        for limit in (1, 3, 5, 1000):
+            pages = await catch_up(0, top, limit)
+            self.assertEqual([f for page in pages for f in page[0]], facts)
+        for start in (0, 7, 3, 20, 19, 38):  # jumps: a new run each
+            self.assertEqual(await caches.facts_since("master", start, top, 4),
+                             expect(start, top, 4))
+        await catch_up(0, 10, 2)  # the run stops halfway ...
+        await sleep(0.5)  # ... and ends, waiting for a reader that went away
+        await catch_up(10, top, 2)
+        more = await master.write_facts([[["late", None, 1]], [["later", None, 2]]])
+        facts.extend(zip(more, [[["late", None, 1]], [["later", None, 2]]]))
+        await catch_up(top, more[-1], 1)
+
     async def test_failed_write_rolls_back_and_completes(self):
         reg = await self.registry()
         caches = reg.get("caches")
@@ -445,6 +489,37 @@ class PostgresStreamTests(StreamSuite, TestCase):
     def database_config(self):
         self.dsn = PostgresServer.shared().create_database()
         return parse_database({"postgres": self.dsn, "pool_max": 6})
+
+    async def test_read_ahead_is_bounded_and_hands_on_a_failed_read(self):
+        """The pages of a run: at most ``ahead`` read beyond what was asked
+        for; a run nobody asks from ends (its connection given back); a read
+        that fails fails the request it was for, and the next request reads
+        again."""
+        master = (await self.registry()).get("caches")
+        ids = await master.write_facts([[[f"f{i}", None, i]] for i in range(1, 30)])
+        caches = (await self.registry(instance="reader")).get("caches")
+        ahead = caches._read_ahead
+        self.assertIsNotNone(ahead)
+        reads = []
+        real_read = ahead._read
+
+        def read(cursor, writer, since, until, limit):
+            reads.append(since)
+            if since == 20 and reads.count(20) == 1:
+                raise psycopg2.OperationalError("the read of page 20 fails")
+            return real_read(cursor, writer, since, until, limit)
+        ahead._read = read
+        page = await caches.facts_since("master", 0, ids[-1], 2)
+        self.assertEqual((page[1], page[2]), (2, True))
+        await sleep(ahead.wait * 3)  # the run waits for the reader, then ends
+        self.assertEqual(reads, [0, 2, 4])  # the page asked for and `ahead` more
+        since = 2
+        while since < 20:
+            since = (await caches.facts_since("master", since, ids[-1], 2))[1]
+        with self.assertRaises(psycopg2.OperationalError):
+            await caches.facts_since("master", 20, ids[-1], 2)
+        page = await caches.facts_since("master", 20, ids[-1], 2)
+        self.assertEqual([t for t, _ in page[0]], [21, 22])
 
     def one_connection_config(self, group_max):
         # pool_max 2: one connection writes, one is left for reads.

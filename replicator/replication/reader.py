@@ -28,6 +28,7 @@ Invariants:
 """
 
 from collections import deque
+from operator import itemgetter
 from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from twisted.internet import defer, task
@@ -205,8 +206,10 @@ class Reader:
 
         The next page is read (in the database pool) while this one is
         handed on: at most two pages are in hand.  Between pages the reactor
-        runs (a ``callLater(0)`` when the next page is already there), so a
-        long catch-up never holds it for more than one page.  The position
+        runs (a ``callLater(0)`` when the next page is already there, once
+        the read of the one after it is under way: the pool thread never
+        waits for that turn), so a long catch-up never holds it for more than
+        one page.  The position
         moves with every fact; ``advanced`` is told once per page (and where
         a page stopped, if it failed)."""
         metrics.CATCHUP_FETCHES.labels(self.stream_name).inc()
@@ -217,12 +220,14 @@ class Reader:
         first = True
         try:
             while since < until:
-                if pending.called and not first:
-                    await task.deferLater(self._clock, 0, lambda: None)
+                ready = pending.called
                 facts, upto, _ = await pending
-                first = False
                 pending = self._read(upto, until) if upto < until else None
-                rows_counter.inc(sum(len(rows) for _, rows in facts))
+                if ready and not first:
+                    # The reactor runs between pages, the next one being read meanwhile.
+                    await task.deferLater(self._clock, 0, lambda: None)
+                first = False
+                rows_counter.inc(sum(map(len, map(_rows_of, facts))))
                 await self._hand_on_page(facts)
                 since = upto
         finally:
@@ -282,6 +287,9 @@ class Reader:
         if self._retry is not None and self._retry.active():
             self._retry.cancel()
         self._retry = None
+
+
+_rows_of = itemgetter(1)
 
 
 def _resolved(result):

@@ -9,6 +9,7 @@ and ``NaN``/``Infinity`` refused (such a row is dropped and counted).
 """
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any, Iterable, List, Optional, Tuple
 
 import orjson
@@ -133,10 +134,10 @@ def encode_rdata_lines(
     if not updates:
         return EncodedLines()
     prefix = b"RDATA " + stream_name.encode() + b" " + instance_name.encode() + b" "
-    tokens, rows = zip(*updates)
-    data = _encode_at_once(prefix, tokens, rows, max_line_length)
+    data = _encode_at_once(prefix, list(map(_first, updates)), list(map(_second, updates)),
+                           max_line_length)
     if data is not None:
-        return EncodedLines.of_joined(data, len(rows))
+        return EncodedLines.of_joined(data, len(updates))
     batch_prefix = prefix + b"batch "
     dumps = orjson.dumps
     newline = orjson.OPT_APPEND_NEWLINE
@@ -161,57 +162,89 @@ def encode_rdata_lines(
     return lines
 
 
-_ARRAYS = frozenset({list, tuple})
+#: Between the elements given to orjson by :func:`_encode_at_once`: bytes
+#: orjson never writes itself (it escapes control characters in strings).
+_SEPARATOR = orjson.Fragment(b"\x00")
+_SPLIT = b",\x00,"
+#: A batch line's token field, written by orjson as it is.
+_BATCH = orjson.Fragment(b"batch")
+_first = itemgetter(0)
+_second = itemgetter(1)
 
 
-def _encode_at_once(prefix: bytes, tokens: Tuple[int, ...], rows: Tuple[Any, ...],
+def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
                     max_line_length: int) -> Optional[bytes]:
     """The joined RDATA lines of ``rows`` from ONE orjson call, or None
     where that does not apply (then the caller encodes row by row).
 
-    orjson writes the list of rows as ``[[r1],[r2],...]``: its inside split
-    at ``],[`` gives each row's JSON without its brackets, exactly when the
-    split yields one part per row (every boundary between two rows is one
-    ``],[``, which cannot overlap another; one more part means a row holds
-    ``],[`` itself: None).  Then one bytes ``%`` formatting writes every line
-    (prefix, token or ``batch``, ``[``, row, ``]``, newline).  None too when
-    a row is not a list or tuple, orjson refuses a row, a row holds
-    ``NaN``/``Infinity``, the prefix holds a ``\r`` (lines are split at
-    line ends afterwards), or the longest row might not fit in
+    orjson writes tokens and rows alternately, separated by a fragment it
+    copies as it is (``\\x00``, which its own output never holds), so
+    ``t1,\\x00,[r1],\\x00,t2,...``: orjson formats the integers (several
+    times faster than ``%d``), and one split at ``,\\x00,`` gives every
+    token's and row's JSON, whatever the rows hold.  A batch line's token
+    is the fragment ``batch``.  One join with the prefix, space and newline
+    pieces writes the lines.  None when orjson refuses a token or row, a
+    row holds ``NaN``/``Infinity``, the prefix holds a ``\\r`` (lines are
+    split at line ends afterwards), or a row's line might not fit in
     ``max_line_length`` with the longest token.
     """
-    if not set(map(type, rows)) <= _ARRAYS or b"\r" in prefix:
-        return None
-    try:
-        data = _dumps(rows)
-    except TypeError:
-        return None
     n = len(rows)
-    contents = data[2:-2].split(b"],[")
-    if len(contents) != n:
+    if b"\r" in prefix or not n:
+        return None
+    if len(set(tokens)) == n:  # no batch
+        marks = tokens
+    else:
+        marks = list(tokens)
+        for i in range(n - 1):
+            if tokens[i] == tokens[i + 1]:
+                marks[i] = _BATCH
+    items: list = [None, _SEPARATOR] * (2 * n)
+    items[0::4] = marks
+    items[2::4] = rows
+    del items[-1]
+    try:
+        data = _dumps(items)
+    except TypeError:
         return None
     if b"null" in data and any(map(non_finite, rows)):
         return None
     widest = max(len(b"%d" % tokens[0]), len(b"%d" % tokens[-1]), len(b"batch"))
-    if len(prefix) + widest + 3 + max(map(len, contents)) > max_line_length:
+    room = max_line_length - len(prefix) - widest - 1  # for a row's JSON
+    pieces = data.split(_SPLIT)
+    if len(pieces) != 2 * n:  # a row holds a fragment (never from a table)
         return None
-    prefix = prefix.replace(b"%", b"%%")
-    numeric = prefix + b"%d [%s]\n"
-    if len(set(tokens)) == n:  # no batch
-        args: list = [None] * (2 * n)
-        args[0::2] = tokens
-        args[1::2] = contents
-        return numeric * n % tuple(args)
-    batch = prefix + b"batch [%s]\n"
-    formats, args = [], []
-    for token, following, content in zip(tokens, tokens[1:] + (None,), contents):
-        if token == following:
-            formats.append(batch)
-        else:
-            formats.append(numeric)
-            args.append(token)
-        args.append(content)
-    return b"".join(formats) % tuple(args)
+    pieces[0] = pieces[0][1:]
+    pieces[-1] = pieces[-1][:-1]
+    if not _gaps_within(data, room) and max(map(len, pieces[1::2])) > room:
+        return None
+    out: list = [b"\n" + prefix, None, b" ", None] * n
+    out[0] = prefix
+    out[1::2] = pieces
+    out.append(b"\n")
+    return b"".join(out)
+
+
+def _gaps_within(data: bytes, bound: int) -> bool:
+    """Whether, cheaply, every run of ``data`` between two separators
+    (:data:`_SPLIT`), or before the first or after the last, is at most
+    ``bound`` bytes long; False only means "not shown this way".
+
+    Looks for a separator in every window of ``(bound + 1) // 2`` bytes up
+    to the last one (then two consecutive ones are at most ``bound`` apart):
+    a few searches, where measuring every piece would cost one call per
+    row."""
+    half = (bound + 1) // 2
+    if half < 256:
+        return False
+    last = data.rfind(_SPLIT)
+    if last < 0 or len(data) - last - len(_SPLIT) > bound:
+        return False
+    find = data.find
+    stop = half + len(_SPLIT) - 1
+    for k in range(0, last, half):
+        if find(_SPLIT, k, k + stop) < 0:
+            return False
+    return True
 
 
 def _encode_rdata_lines_each(

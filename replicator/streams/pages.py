@@ -77,15 +77,19 @@ class PageQuery:
         rows, upto, limited = self._select(txn, writer, from_token, to_token, limit)
         shape = self._shape
         facts: List[Fact] = []
+        append = facts.append
         current = None
         fact_rows: List[list] = []
+        if shape is None:
+            shape = list
         for r in rows:
             token = r[0]
             if token != current:
-                fact_rows = []
-                facts.append((token, fact_rows))
+                fact_rows = [shape(r[1:])]
+                append((token, fact_rows))
                 current = token
-            fact_rows.append(list(r[1:]) if shape is None else shape(r[1:]))
+            else:
+                fact_rows.append(shape(r[1:]))
         return facts, upto, limited
 
     def _select(self, txn, writer: str, from_token: int, to_token: int, limit: int):

@@ -21,7 +21,8 @@ for the fan-out (:mod:`.recent`), pages read back from the table
 """
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from operator import itemgetter
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -34,6 +35,7 @@ from ..storage.database import Database
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
 from .pages import FactPage, Page, PageQuery, group
+from .readahead import ReadAhead
 from .recent import RecentFacts
 from .rows import RowCodec
 from .writes import PreparedFacts, TxnHook, WriteTransaction
@@ -45,6 +47,7 @@ Update = Tuple[int, list]
 DEFAULT_GROUP_MAX = 256
 #: An RDATA line's length is estimated with a token of this many digits.
 TOKEN_DIGITS = 20
+_token_of = itemgetter(0)
 
 
 class Fact:
@@ -113,6 +116,11 @@ class Stream:
         self._call_from_thread = call_from_thread
         self._txn = WriteTransaction(config, db)
         self._pages = PageQuery(config, db)
+        # Catch-up pages of other instances' writers read ahead (PostgreSQL:
+        # a run holds a pool connection; SQLite has one for everything).
+        self._read_ahead = (ReadAhead(db, self._pages.read_facts, call_from_thread)
+                            if call_from_thread is not None and db.is_postgres
+                            and db.config.pool_max > 1 else None)
         self._codec = RowCodec(config.columns)
         self._persist_delay = persist_delay
         self._facts_written = metrics.FACTS_WRITTEN.labels(self.name)
@@ -314,6 +322,10 @@ class Stream:
         """:meth:`updates_since` as whole facts: ``(facts, upto_token,
         limited)``, ``facts`` being ``(token, rows)`` in token order (a
         reader's catch-up pages)."""
+        if self._read_ahead is not None and writer not in self.local_writers \
+                and to_token > from_token:
+            # Memory answers for local writers only: the table it is.
+            return await self._read_ahead.page(writer, from_token, to_token, max(1, limit))
         return await self._page(self._pages.read_facts, writer, from_token, to_token, limit)
 
     async def _page(self, read, writer: str, from_token: int, to_token: int, limit: int):
@@ -328,13 +340,15 @@ class Stream:
                 answer = group(answer[0]), answer[1], answer[2]
             return answer
         answer = await self.db.runInteraction(read, writer, from_token, to_token, limit)
-        self._check_foreign(writer, from_token, [t for t, _ in answer[0]])
+        self._check_foreign(writer, from_token, map(_token_of, answer[0]))
         return answer
 
-    def _check_foreign(self, writer: str, from_token: int, tokens: List[int]) -> None:
+    def _check_foreign(self, writer: str, from_token: int, tokens: Iterable[int]) -> None:
         """Report facts of the sole (local) writer under IDs this instance
         never reserved: written behind its back (e.g. by SQL).  They are
-        delivered like any other; one log line per burst, and a metric."""
+        delivered like any other; one log line per burst, and a metric.
+        (``tokens`` is read only when memory can tell: a reader of another
+        instance's writer does not walk its catch-up pages.)"""
         foreign = self.recent.foreign(writer, from_token, tokens)
         if foreign is None:
             return

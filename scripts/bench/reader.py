@@ -69,14 +69,16 @@ def run(args):
     emit(result)
 
 
-def read_loop(socks, latency, expect, timeout, separator=b"\n"):
+def read_loop(socks, latency, expect, timeout, separator=b"\n", initial=None):
     """Read ``socks`` (connected, handshake sent) until each saw ``expect``
     RDATA lines or closed, stdin closed, or ``timeout`` s passed; the result
     dict of the module docstring (plus ``cpu``: this process's CPU seconds).
 
     RDATA lines are found after ``separator`` (``b"\r\n"`` inside a Redis
     RESP stream, where every payload is one line).  In latency mode a
-    ``batch`` line counts but has no token to time."""
+    ``batch`` line counts but has no token to time.  ``initial[i]``: bytes
+    of ``socks[i]`` already received (what came with a subscription's
+    confirmation), taken as the first ``recv``."""
     pattern = separator + b"RDATA "
     tail_len = len(pattern) - 1
     n = len(socks)
@@ -104,6 +106,19 @@ def read_loop(socks, latency, expect, timeout, separator=b"\n"):
         if expect is None:
             return False
         return all(closed[i] or counts[i] >= expect for i in range(n))
+
+    for i, data in enumerate(initial or ()):
+        if not data:
+            continue
+        now = time.time()
+        if latency:
+            leftovers[i] = data  # whole lines in it are read with the next recv
+            continue
+        seen = data.count(pattern)
+        tails[i] = data[-tail_len:]
+        if seen:
+            counts[i] += seen
+            last_at[i] = now
 
     while not stop and not done():
         remaining = deadline - time.monotonic()

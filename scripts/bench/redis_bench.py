@@ -144,13 +144,20 @@ def reader_main(argv):
     p.add_argument("--mode", choices=("count", "latency"), default="count")
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
-    sock = socket.create_connection(("127.0.0.1", args.port))
+    sock = socket.create_connection(("127.0.0.1", args.port), timeout=args.timeout)
     sock.sendall(resp("SUBSCRIBE", args.channel))
+    # The confirmation may come in one recv with the first messages
+    # published (the bench publishes as soon as Redis counts us): what
+    # follows it is the start of the stream.
     confirm = b""
-    while not confirm.endswith(b":1\r\n"):
-        confirm += sock.recv(4096)
+    while b":1\r\n" not in confirm:
+        data = sock.recv(4096)
+        if not data:
+            raise SystemExit("redis closed the connection before confirming SUBSCRIBE")
+        confirm += data
+    rest = confirm.split(b":1\r\n", 1)[1]
     result = reader.read_loop([sock], args.mode == "latency", None, args.timeout,
-                              separator=b"\r\n")
+                              separator=b"\r\n", initial=[rest])
     sock.close()
     reader.emit(result)
 

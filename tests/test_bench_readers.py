@@ -1,0 +1,113 @@
+"""The benchmarks' reader processes count what they were sent, on real servers.
+
+A benchmark whose reader misses or waits for lines hangs ``make bench`` or
+reports wrong figures, so the reader of the Redis benchmarks is run here as
+``make bench`` runs it, against a real redis-server.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+from twisted.trial.unittest import TestCase
+
+from tests.servers import RedisServer, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REDIS_BENCH = os.path.join(ROOT, "scripts", "bench", "redis_bench.py")
+
+
+def resp(*args):
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        a = a.encode() if isinstance(a, str) else a
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def command(port, *args):
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(resp(*args))
+        return s.recv(4096)
+
+
+class HoldingRelay:
+    """A loopback TCP relay to a real server that passes the client's bytes
+    on at once and holds the server's until :meth:`release`, then sends
+    them in one write."""
+
+    def __init__(self, port):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream_port = port
+        self.held = b""
+        self.released = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        client, _ = self.listener.accept()
+        server = socket.create_connection(("127.0.0.1", self.upstream_port))
+        threading.Thread(target=self._pass_on, args=(client, server), daemon=True).start()
+        server.settimeout(0.05)
+        while not self.released.is_set():
+            try:
+                data = server.recv(65536)
+            except socket.timeout:
+                continue
+            if not data:
+                break
+            self.held += data
+        client.sendall(self.held)
+        server.settimeout(None)
+        self._pass_on(server, client)
+
+    @staticmethod
+    def _pass_on(src, dst):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def release(self):
+        self.released.set()
+
+
+class RedisReaderTests(TestCase):
+    timeout = 60
+
+    def test_messages_arriving_with_the_subscription_confirmation_count(self):
+        """The confirmation of SUBSCRIBE and the first messages published
+        can reach the reader in one ``recv`` (the bench publishes as soon as
+        Redis counts the subscriber).  The reader used to wait for a read
+        ending with the confirmation, forever, and hung ``make bench``."""
+        redis = RedisServer.shared()
+        relay = HoldingRelay(redis.port)
+        self.addCleanup(relay.listener.close)
+        channel = "bench-readers-test"
+        proc = subprocess.Popen(
+            [sys.executable, REDIS_BENCH, "--reader", "--port", str(relay.port),
+             "--channel", channel, "--mode", "count", "--timeout", "20"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
+        wait_for(lambda: command(redis.port, "PUBSUB", "NUMSUB", channel).endswith(b":1\r\n"),
+                 timeout=20, what="the reader's subscription")
+        for token in range(1, 6):
+            command(redis.port, "PUBLISH", channel, f"RDATA s w {token} [\"row\"]")
+        # The confirmation and the five messages reach the reader in one write.
+        wait_for(lambda: relay.held.count(b"RDATA") == 5, timeout=20, what="the messages")
+        relay.release()
+        try:
+            out, _ = proc.communicate(b"5\n", timeout=20)
+        except subprocess.TimeoutExpired:
+            self.fail("the reader never took the messages that came with its confirmation")
+        result = json.loads(out.decode().strip().splitlines()[-1])
+        self.assertEqual(result["counts"], [5])
+        self.assertFalse(result["timeout"])
