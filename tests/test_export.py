@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest
 
 from twisted.trial.unittest import TestCase
 
@@ -568,6 +569,43 @@ class ExportTests(ExportTestBase):
         self.assertIsNotNone(self.spark.sparkContext._jsc, "the shared session was stopped")
 
 
+#: Writers whose byte-wise order (Spark's, Python's) is not a linguistic
+#: collation's order: "Zed" < "alice" < "zoë" < "Ärne" byte-wise, but
+#: "alice" < "Ärne" < "Zed" < "zoë" in ICU's root collation.
+COLLATION_WRITERS = ["alice", "Zed", "zoë", "Ärne"]
+
+
+def collation_facts():
+    """Facts whose rows have different writers: (id, [(writer, ts), ...])."""
+    out = []
+    for i in range(1, 61):
+        names = [COLLATION_WRITERS[(i + k) % 4] for k in range(1 + i % 4)]
+        out.append((i, [(w, BASE_MS + 1000 * i + k) for k, w in enumerate(names)]))
+    return out
+
+
+class CollationTests(ExportTestBase):
+    def test_fact_writer_is_bytewise_smallest_under_any_collation(self):
+        """A fact's writer is its smallest writer value in byte-wise order,
+        even when the writer column has a linguistic collation."""
+        self.cur.execute("SELECT 1 FROM pg_collation WHERE collname = 'und-x-icu'")
+        if self.cur.fetchone() is None:
+            raise unittest.SkipTest("PostgreSQL has no ICU collation here")
+        self.cur.execute('CREATE TABLE cw (stream_id BIGINT NOT NULL, instance_name TEXT '
+                         'COLLATE "und-x-icu" NOT NULL, ts BIGINT)')
+        rows = [(i, w, ts) for i, stamps in collation_facts() for w, ts in stamps]
+        from psycopg2.extras import execute_values
+
+        execute_values(self.cur, "INSERT INTO cw VALUES %s", rows)
+        streams = parse_streams([{"name": "cw", "table": "cw", "writers": COLLATION_WRITERS,
+                                  "columns": [{"ts": "bigint?"}], "timestamp_column": "ts"}])
+        set_positions(self.cur, "cw", **{w: 60 for w in COLLATION_WRITERS})
+        export(self.db, streams, self.out, now_ms=RUN1_MS)
+        got = read_export(self.out)
+        want = {("cw",) + k: v for k, v in Aggregator(4, True, run1).feed(rows).result().items()}
+        self.assertMatches(got, want)
+
+
 class SqliteExportTests(TestCase):
     def test_sqlite_source(self):
         import sqlite3
@@ -605,6 +643,37 @@ class SqliteExportTests(TestCase):
                     self.assertAlmostEqual(g, w, delta=1e-6 * max(1.0, abs(w)))
                 else:
                     self.assertEqual(g, w, (key, metric))
+
+
+    def test_fact_writer_is_bytewise_smallest_under_nocase(self):
+        """The same with SQLite and a ``COLLATE NOCASE`` writer column."""
+        import sqlite3
+
+        tmp = tempfile.mkdtemp(prefix="export-sqlite-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        path = os.path.join(tmp, "db.sqlite")
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE stream_positions (stream_name TEXT NOT NULL, instance_name "
+                     "TEXT NOT NULL, stream_id BIGINT NOT NULL, PRIMARY KEY (stream_name, "
+                     "instance_name))")
+        conn.execute("CREATE TABLE cw (stream_id BIGINT NOT NULL, instance_name TEXT "
+                     "COLLATE NOCASE NOT NULL, ts INTEGER)")
+        rows = [(i, w, ts) for i, stamps in collation_facts() for w, ts in stamps]
+        conn.executemany("INSERT INTO cw VALUES (?, ?, ?)", rows)
+        conn.executemany("INSERT INTO stream_positions VALUES ('cw', ?, 60)",
+                         [(w,) for w in COLLATION_WRITERS])
+        conn.commit()
+        conn.close()
+        streams = parse_streams([{"name": "cw", "table": "cw", "writers": COLLATION_WRITERS,
+                                  "columns": [{"ts": "bigint?"}], "timestamp_column": "ts"}])
+        out = os.path.join(tmp, "out")
+        export(parse_database({"sqlite": path}), streams, out, now_ms=RUN1_MS)
+        got = read_export(out)
+        want = {("cw",) + k: v for k, v in Aggregator(4, True, run1).feed(rows).result().items()}
+        self.assertEqual(sorted(got), sorted(want))
+        for key in want:
+            self.assertEqual({m: got[key][m] for m in ("facts", "rows", "first_token")},
+                             {m: want[key][m] for m in ("facts", "rows", "first_token")}, key)
 
 
 class CliTests(TestCase):

@@ -1,30 +1,33 @@
-"""The Spark aggregation of one stream's rows into minute and hour buckets.
+"""The Spark aggregation of one stream's facts into minute and hour buckets.
 
 It computes exactly the definitions of :mod:`.reference` (which is the
-test oracle), from a DataFrame ``(id, writer, ts)`` holding every row with
-``floor <= id <= upper``:
+test oracle), from the facts :func:`.source.read_facts` reads: one row per
+fact with ``floor <= id <= upper`` (the database grouped the rows per ID),
+one partition per ID chunk ``[floor + k * chunk_len, floor + (k + 1) *
+chunk_len)``, each fact with its time and its two lags within its chunk
+(the previous fact; the previous fact of its writer and UTC day), so Spark
+neither shuffles nor sorts the facts:
 
-1. rows -> facts (group by ID: row count, smallest writer, smallest
-   non-NULL timestamp), timed by the row time or the export run
-   (``observed`` ranges), dated in UTC;
-2. rollbacks: ``id - previous fact ID - 1``.  The previous fact is found by
-   a lag over ID-range chunks (so the sort runs in parallel) patched at each
-   chunk's start with the largest ID below the chunk (``chunk_prev``, found
-   by the planner with one index probe per chunk), and at the range start
-   with ``prev`` (the fact before ``floor``, from the state);
+1. facts are dated in UTC from their time (the row time, or the export run:
+   ``observed`` ranges);
+2. rollbacks: ``id - previous fact ID - 1``; a chunk's first fact takes as
+   previous the largest ID below the chunk (``chunk_prev``, found by the
+   planner with one index probe per chunk), and at the range start ``prev``
+   (the fact before ``floor``, from the state);
 3. keep facts dated ``from_date`` or later (the partitions being rewritten;
-   the rows below them were read only to find previous IDs);
-4. delays: lag of the row time over (writer, date) in ID order;
+   the rows below them were read only to find previous IDs); persisted;
+4. one small job over them per (chunk, writer, date): the row time of each
+   group's last fact (a later chunk's first fact of that writer and date
+   takes it as its previous row time: delays are the row time minus the
+   previous one) and the driver-side summary (dates; new dates for the
+   state; totals);
 5. group by (date, writer, bucket) for each granularity; on a multi-writer
    stream the rollbacks form rows of their own with ``writer = ""``.
-
-The facts of step 1-4 are persisted once and feed both granularities and the
-one small driver-side summary (dates; new dates for the state; totals).
 """
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .reference import GRANULARITIES, PERCENTILES, SIZE_BINS
 
@@ -37,33 +40,25 @@ OUTPUT_COLUMNS = (
 
 @dataclass
 class AggregateInput:
-    """What the Spark job needs besides the rows.
+    """What the Spark job needs besides the facts.
 
-    * ``floor``/``upper``: the ID range read (``upper`` = largest row ID);
     * ``new_above``: facts with a larger ID are new in this run (the
       previous token);
-    * ``prev``: the fact ID just below ``floor`` (None at the stream start);
-    * ``observed``: ``(lo, hi, ms)`` ranges timing facts without a row time;
-      ``default_ms`` times any not covered (this run);
+    * ``prev``: the fact ID just below the range read (None at the stream
+      start);
     * ``from_date``: partitions from this UTC date on are rewritten;
     * ``single_writer``: rollbacks belong to the one writer;
     * ``has_timestamp``: the stream has a timestamp column (rates);
-    * ``chunk_len``/``chunk_prev``: the rollback lag runs per ID range
-      ``[floor + k * chunk_len, floor + (k + 1) * chunk_len)``;
-      ``chunk_prev[k]`` is the largest ID below chunk ``k`` that is at least
-      ``floor`` (None: use ``prev``).  See :func:`chunking`.
+    * ``chunk_prev``: the facts are read and lagged per ID chunk
+      (:func:`chunking`); ``chunk_prev[k]`` is the largest ID below chunk
+      ``k`` that is in the range read (None: use ``prev``).
     """
 
-    floor: int
-    upper: int
     new_above: int
     prev: Optional[int]
-    observed: Sequence[Tuple[int, int, int]]
-    default_ms: int
     from_date: str
     single_writer: bool
     has_timestamp: bool
-    chunk_len: int = 1 << 62
     chunk_prev: Dict[int, Optional[int]] = field(default_factory=dict)
 
 
@@ -95,34 +90,9 @@ class StreamAggregates:
         self._cached.clear()
 
 
-def _observed_expr(F, observed, default_ms):
-    expr = None
-    for lo, hi, ms in observed:
-        cond = (F.col("id") > F.lit(int(lo))) & (F.col("id") <= F.lit(int(hi)))
-        expr = F.when(cond, F.lit(int(ms))) if expr is None else expr.when(cond, F.lit(int(ms)))
-    if expr is None:
-        return F.lit(int(default_ms))
-    return expr.otherwise(F.lit(int(default_ms)))
-
-
-def build_facts(spark, rows, inp: AggregateInput):
-    """Facts of the rows with time, date, rollbacks and delay (persisted)."""
-    from pyspark import StorageLevel
-    from pyspark.sql import functions as F
-    from pyspark.sql.window import Window
-
-    facts = rows.groupBy("id").agg(
-        F.count(F.lit(1)).alias("nrows"),
-        F.min("writer").alias("writer"),
-        F.min("ts").alias("rowtime"),
-    )
-    time_ms = F.coalesce(F.col("rowtime"), _observed_expr(F, inp.observed, inp.default_ms))
-    facts = (
-        facts.withColumn("time_ms", time_ms)
-        .withColumn("date", F.date_format(F.timestamp_millis(F.col("time_ms")), "yyyy-MM-dd"))
-        .withColumn("chunk", F.floor((F.col("id") - F.lit(inp.floor)) / F.lit(inp.chunk_len))
-                    .cast("int"))
-    )
+def _chunk_prev_expr(F, inp: AggregateInput):
+    """The fact before each chunk's first fact: ``chunk_prev``, ``prev`` at
+    the range start (NULL: none)."""
     chunk_prev = None
     for chunk, p in sorted(inp.chunk_prev.items()):
         p = inp.prev if p is None else p
@@ -135,19 +105,59 @@ def build_facts(spark, rows, inp: AggregateInput):
         start = F.col("chunk") == F.lit(0)
         chunk_prev = (F.when(start, F.lit(int(inp.prev))) if chunk_prev is None
                       else chunk_prev.when(start, F.lit(int(inp.prev))))
-    chunk_prev = chunk_prev if chunk_prev is not None else F.lit(None).cast("long")
-    by_chunk = Window.partitionBy("chunk").orderBy("id")
-    prev_id = F.coalesce(F.lag("id").over(by_chunk), chunk_prev)
-    with_prev = facts.withColumn("prev_id", prev_id).withColumn(
-        "rollbacks",
-        F.when(F.col("prev_id").isNull(), F.lit(0).cast("long"))
-        .otherwise(F.col("id") - F.col("prev_id") - F.lit(1)),
+    return chunk_prev if chunk_prev is not None else F.lit(None).cast("long")
+
+
+def build_facts(spark, facts, inp: AggregateInput):
+    """The facts with date and rollbacks, from ``from_date`` on (persisted;
+    the delays need :func:`day_starts` first)."""
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    prev_id = F.coalesce(F.col("chunk_prev_id"), _chunk_prev_expr(F, inp))
+    return (
+        facts.withColumn("date", F.date_format(F.timestamp_millis(F.col("time_ms")),
+                                               "yyyy-MM-dd"))
+        .withColumn("prev_id", prev_id)
+        .withColumn("rollbacks", F.when(F.col("prev_id").isNull(), F.lit(0).cast("long"))
+                    .otherwise(F.col("id") - F.col("prev_id") - F.lit(1)))
+        .where(F.col("date") >= F.lit(inp.from_date))
+        .persist(StorageLevel.MEMORY_AND_DISK)
     )
-    kept = with_prev.where(F.col("date") >= F.lit(inp.from_date))
-    by_day = Window.partitionBy("writer", "date").orderBy("id")
-    final = kept.withColumn("delay", F.col("rowtime") - F.lag("rowtime").over(by_day)).persist(
-        StorageLevel.MEMORY_AND_DISK)
-    return final
+
+
+def day_starts(groups):
+    """``{(chunk, writer, date): rowtime}``: for every (chunk, writer, date)
+    group after the first of its (writer, date), the row time (maybe None) of
+    that writer's last fact of the date in the chunks before it.
+
+    ``groups``: ``(chunk, writer, date, last_rowtime)`` of every group
+    (``last_rowtime``: the row time of its largest ID).
+    """
+    out = {}
+    last = {}
+    for chunk, writer, date, rowtime in sorted(groups, key=lambda g: g[0]):
+        key = (writer, date)
+        if key in last:
+            out[(chunk, writer, date)] = last[key]
+        last[key] = rowtime
+    return out
+
+
+def with_delays(spark, facts, starts):
+    """``facts`` with ``delay``: the row time minus the previous row time of
+    the same writer and date in ID order (the database's lag within a chunk,
+    ``starts`` (:func:`day_starts`) for a chunk's first fact of a day)."""
+    from pyspark.sql import functions as F
+
+    schema = "chunk INT, writer STRING, date STRING, start_rowtime BIGINT, started BOOLEAN"
+    rows = [(c, w, d, t, True) for (c, w, d), t in sorted(starts.items())]
+    patch = spark.createDataFrame(rows, schema)
+    joined = facts.join(F.broadcast(patch), ["chunk", "writer", "date"], "left")
+    delay = (F.when(F.col("day_prev_id").isNotNull(),
+                    F.col("rowtime") - F.col("day_prev_rowtime"))
+             .when(F.col("started"), F.col("rowtime") - F.col("start_rowtime")))
+    return joined.withColumn("delay", delay)
 
 
 def _bucket_aggregates(F, facts, granularity: str, inp: AggregateInput):
@@ -202,34 +212,46 @@ def _bucket_aggregates(F, facts, granularity: str, inp: AggregateInput):
     return out.select(*OUTPUT_COLUMNS)
 
 
-def aggregate_stream(spark, rows, inp: AggregateInput) -> StreamAggregates:
-    """Aggregate one stream; the caller writes ``minute``/``hour`` and then
-    calls :meth:`StreamAggregates.unpersist`."""
+def aggregate_stream(spark, facts, inp: AggregateInput) -> StreamAggregates:
+    """Aggregate one stream's facts (:func:`.source.read_facts`); the caller
+    writes ``minute``/``hour`` and then calls :meth:`StreamAggregates.unpersist`.
+
+    One job over the persisted facts collects per (chunk, writer, date) what
+    the driver needs: the delays' chunk starts and the run's summary.
+    """
     from pyspark.sql import functions as F
 
-    facts = build_facts(spark, rows, inp)
+    cached = build_facts(spark, facts, inp)
+    is_new = F.col("id") > F.lit(inp.new_above)
+    new_id = F.when(is_new, F.col("id"))
+    groups = cached.groupBy("chunk", "writer", "date").agg(
+        F.max(F.struct("id", "rowtime")).getField("rowtime").alias("last_rowtime"),
+        F.min(new_id).alias("first"),
+        F.min_by("prev_id", new_id).alias("prev"),
+        F.count(new_id).alias("facts"),
+        F.sum(F.when(is_new, F.col("nrows"))).alias("rows"),
+        F.sum(F.when(is_new, F.col("rollbacks"))).alias("rollbacks")).collect()
+    facts = with_delays(spark, cached, day_starts(
+        (r["chunk"], r["writer"], r["date"], r["last_rowtime"]) for r in groups))
     result = StreamAggregates(
         minute=_bucket_aggregates(F, facts, "minute", inp),
         hour=_bucket_aggregates(F, facts, "hour", inp),
-        _cached=[facts],
+        _cached=[cached],
     )
-    is_new = F.col("id") > F.lit(inp.new_above)
-    new_id = F.when(is_new, F.col("id"))
-    for r in facts.groupBy("date").agg(
-            F.min(new_id).alias("first"),
-            F.min_by("prev_id", new_id).alias("prev"),
-            F.count(new_id).alias("facts"),
-            F.sum(F.when(is_new, F.col("nrows"))).alias("rows"),
-            F.sum(F.when(is_new, F.col("rollbacks"))).alias("rollbacks")).collect():
-        result.dates.append(r["date"])
+    firsts = {}
+    for r in groups:
+        date = r["date"]
         if r["first"] is None:
+            firsts.setdefault(date, None)
             continue
-        result.new_dates[r["date"]] = (int(r["first"]),
-                                       None if r["prev"] is None else int(r["prev"]))
+        first = firsts.get(date)
+        if first is None or r["first"] < first[0]:
+            firsts[date] = (int(r["first"]), None if r["prev"] is None else int(r["prev"]))
         result.new_facts += int(r["facts"])
         result.new_rows += int(r["rows"])
         result.new_rollbacks += int(r["rollbacks"])
-    result.dates.sort()
+    result.dates = sorted(firsts)
+    result.new_dates = {d: f for d, f in firsts.items() if f is not None}
     return result
 
 

@@ -4,10 +4,10 @@ One run, for every selected stream:
 
 1. **Plan** (:mod:`.plan`, driver, one-row queries): the range up to the
    linear persisted position and the date partitions to rewrite.
-2. **Spark** (:mod:`.spark` for the session): JDBC read in ``partitions`` ID
-   ranges, aggregation (:mod:`.aggregate`), Parquet per (stream, date) into
-   the staging generation; the other partitions are hard-linked from the
-   current one.
+2. **Spark** (:mod:`.spark` for the session): JDBC read of the facts
+   (grouped by the database) in ``partitions`` ID ranges, aggregation
+   (:mod:`.aggregate`), Parquet per (stream, date) into the staging
+   generation; the other partitions are hard-linked from the current one.
 3. **Commit** (:mod:`.state`): state and Parquet appear together, atomically;
    a run with nothing new for any stream commits nothing at all.
 """
@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..config import DatabaseConfig, StreamConfig
 from .plan import StreamPlan, layout_of, next_state, observed_ranges, plan_stream
-from .source import MIN_TOKEN, JdbcTarget, Metadata, SourceError, jdbc_target, read_rows
+from .source import MIN_TOKEN, JdbcTarget, Metadata, SourceError, jdbc_target, read_facts
 from .spark import Progress, RunSession
 from .state import ExportState, OutputStore, StateError
 
@@ -199,16 +199,14 @@ def _export_stream(spark, target: JdbcTarget, plan: StreamPlan, staging, new_sta
         report.seconds = time.monotonic() - t0
         return report
     spark.sparkContext.setJobDescription(f"export {name}")
-    rows = read_rows(spark, target, plan.stream, plan.floor, plan.bounds.max_id,
-                     options.partitions)
+    facts = read_facts(spark, target, plan.stream, plan.floor, plan.bounds.max_id,
+                       plan.chunk_len, observed_ranges(plan), plan.run_ms)
     inp = AggregateInput(
-        floor=plan.floor, upper=plan.bounds.max_id, new_above=plan.lower, prev=plan.prev,
-        observed=observed_ranges(plan), default_ms=plan.run_ms, from_date=plan.from_date,
+        new_above=plan.lower, prev=plan.prev, from_date=plan.from_date,
         single_writer=len(plan.stream.writers) == 1,
-        has_timestamp=plan.stream.timestamp_column is not None,
-        chunk_len=plan.chunk_len, chunk_prev=plan.chunk_prev,
+        has_timestamp=plan.stream.timestamp_column is not None, chunk_prev=plan.chunk_prev,
     )
-    agg = aggregate_stream(spark, rows, inp)
+    agg = aggregate_stream(spark, facts, inp)
     try:
         log.info("[%s] %d new facts (%d rows, %d rollbacks); rewriting %d date partition(s) "
                  "from %s", name, agg.new_facts, agg.new_rows, agg.new_rollbacks,

@@ -123,10 +123,9 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
         for date, (first, prev) in state.dates.items():
             if date >= plan.from_date and first < plan.floor:
                 plan.floor, plan.prev = first, prev
-    # The rollback lag runs per ID chunk; each chunk starts from the largest
-    # ID below it (an index probe each).
-    plan.chunk_len, starts = chunking(plan.floor, plan.bounds.max_id,
-                                      max(options.shuffle_partitions, options.partitions))
+    # The read partitions are ID chunks; the lags run within each, and each
+    # chunk starts from the largest ID below it (an index probe each).
+    plan.chunk_len, starts = chunking(plan.floor, plan.bounds.max_id, options.partitions)
     for k, start in enumerate(starts, 1):
         plan.chunk_prev[k] = meta.max_id_below(stream, plan.floor, start)
     return plan

@@ -1,16 +1,19 @@
 """Where the exporter's rows come from: JDBC for the bulk, DB-API for bounds.
 
-The rows of a stream's backing table are read by Spark's JDBC source in
+The facts of a stream's backing table are read by Spark's JDBC source in
 ``numPartitions`` parallel range partitions over the ID column, always through
 a subquery bounded to ``[floor, upper]`` (Spark's partition predicates alone do
-not bound the first and last partition).  Every read yields exactly three
+not bound the first and last partition) that groups the rows per ID in the
+database, so the rows never cross to Spark.  Every read yields exactly four
 columns, whatever the table looks like:
 
-* ``id``     -- the stream ID (bigint);
-* ``writer`` -- the writer instance (string; the stream's only writer when
-  the table has no writer column);
-* ``ts``     -- the row's timestamp in milliseconds since the epoch (bigint,
-  NULL for a stream without a timestamp column or a NULL cell).
+* ``id``      -- the stream ID (bigint);
+* ``nrows``   -- how many rows the fact has (bigint);
+* ``writer``  -- the smallest writer value of its rows in byte-wise order
+  (string; the stream's only writer when the table has no writer column);
+* ``rowtime`` -- the smallest non-NULL timestamp of its rows, milliseconds
+  since the epoch (bigint; NULL for a stream without a timestamp column or
+  a fact whose timestamps are all NULL).
 
 The small queries (persisted positions, ID bounds, the first ID at or after a
 time) run on the driver through psycopg2 / sqlite3: they return one row and
@@ -70,10 +73,12 @@ def find_jdbc_jar(engine: str, override: Optional[str] = None) -> str:
 
 @dataclass(frozen=True)
 class JdbcTarget:
-    """A JDBC URL plus the connection properties Spark passes to the driver."""
+    """A JDBC URL plus the connection properties Spark passes to the driver,
+    and the engine (``sqlite``/``postgres``) behind it."""
 
     url: str
     properties: Dict[str, str]
+    engine: str
 
 
 def parse_dsn(dsn: str) -> Dict[str, str]:
@@ -92,7 +97,7 @@ def jdbc_target(db: DatabaseConfig) -> JdbcTarget:
         path = os.path.abspath(db.path)
         if not os.path.exists(path):
             raise SourceError(f"database.sqlite: {path} does not exist")
-        return JdbcTarget(f"jdbc:sqlite:{path}", {"driver": DRIVERS["sqlite"]})
+        return JdbcTarget(f"jdbc:sqlite:{path}", {"driver": DRIVERS["sqlite"]}, "sqlite")
     params = parse_dsn(db.dsn)
     host = params.get("host") or params.get("hostaddr") or "localhost"
     if "," in host:
@@ -115,7 +120,7 @@ def jdbc_target(db: DatabaseConfig) -> JdbcTarget:
         if params.get(key):
             props[key] = params[key]
     props.setdefault("ApplicationName", params.get("application_name") or "replicator-export")
-    return JdbcTarget(url, props)
+    return JdbcTarget(url, props, "postgres")
 
 
 def _login_name() -> str:
@@ -257,54 +262,106 @@ def _int(value) -> Optional[int]:
 
 
 # --------------------------------------------------------------------- reads
-def row_query(stream: StreamConfig, floor: int, upper: int) -> str:
-    """The bounded subquery one stream's JDBC read runs (partitioned by Spark)."""
-    cols = [f"{stream.id_column} AS id"]
-    if stream.writer_column:
-        cols.append(f"{stream.writer_column} AS writer")
+#: How the database compares writer names inside MIN(): byte-wise, as Spark
+#: and Python compare strings (a fact's writer is its smallest writer value,
+#: whatever the database's or the column's collation).
+BYTEWISE_COLLATION = {"postgres": 'COLLATE "C"', "sqlite": "COLLATE BINARY"}
+
+
+def chunk_ranges(floor: int, upper: int, chunk_len: int) -> List[Tuple[int, int]]:
+    """The ID ranges ``[lo, hi]`` of the chunks ``0, 1, ...`` of ``[floor, upper]``
+    (``[floor + k * chunk_len, floor + (k + 1) * chunk_len)``, see
+    :func:`.aggregate.chunking`)."""
+    out = []
+    lo = floor
+    while lo <= upper:
+        out.append((lo, min(upper, lo + chunk_len - 1)))
+        lo += chunk_len
+    return out
+
+
+def _time_sql(stream: StreamConfig, observed: Sequence[Tuple[int, int, int]],
+              default_ms: int) -> str:
+    """A fact's time (:mod:`.reference`): its row time, else the export run
+    that first exported it (``observed`` ``(lo, hi, ms)``: ``lo < id <= hi``;
+    the first matching range wins; ``default_ms`` when none does)."""
+    idc = stream.id_column
+    run = "".join(f"WHEN {idc} > {int(lo)} AND {idc} <= {int(hi)} THEN {int(ms)} "
+                  for lo, hi, ms in observed)
+    run = f"CASE {run}ELSE {int(default_ms)} END" if run else str(int(default_ms))
+    run = f"CAST({run} AS BIGINT)"
     if stream.timestamp_column:
-        cols.append(f"{stream.timestamp_column} AS ts")
-    return (
-        f"(SELECT {', '.join(cols)} FROM {stream.table} "
-        f"WHERE {stream.id_column} >= {int(floor)} AND {stream.id_column} <= {int(upper)}) "
-        f"AS export_rows"
-    )
+        return f"COALESCE(MIN({stream.timestamp_column}), {run})"
+    return run
 
 
-def read_rows(spark, target: JdbcTarget, stream: StreamConfig, floor: int, upper: int,
-              partitions: int, fetch_size: int = 10000):
-    """DataFrame ``(id, writer, ts)`` of the rows with ``floor <= id <= upper``.
+def fact_query(stream: StreamConfig, engine: str, floor: int, upper: int, chunk_len: int,
+               observed: Sequence[Tuple[int, int, int]], default_ms: int) -> str:
+    """The bounded subquery one stream's JDBC read runs, one ID chunk per
+    partition (``WHERE chunk = k``).
 
-    ``floor`` and ``upper`` should be IDs found in the data (the bounds
-    query), so Spark's ``numPartitions`` strides split real rows evenly.
+    The database groups the rows per ID (see :mod:`.reference`'s facts):
+    one row per fact with its row count, smallest writer (byte-wise), row
+    time and time.  Each chunk is a ``UNION ALL`` arm of its own with the
+    chunk number as a constant, so a partition's predicate leaves only its
+    arm to run (PostgreSQL prunes the others; an engine that does not still
+    returns the right rows), and each arm reads one ID range through the
+    index.  Within its chunk an arm also finds, in ID order, the previous
+    fact (``chunk_prev_id``) and the previous fact of the same writer and
+    UTC day (``day_prev_id``, ``day_prev_rowtime``): the two lags of the
+    aggregation, patched at chunk starts by :mod:`.aggregate`.
+    """
+    idc = stream.id_column
+    cols = [f"{idc} AS id", "COUNT(*) AS nrows"]
+    if stream.writer_column:
+        cols.append(f"MIN({stream.writer_column} {BYTEWISE_COLLATION[engine]}) AS writer")
+    else:
+        cols.append("CAST(NULL AS VARCHAR(1)) AS writer")
+    if stream.timestamp_column:
+        cols.append(f"MIN({stream.timestamp_column}) AS rowtime")
+    else:
+        cols.append("CAST(NULL AS BIGINT) AS rowtime")
+    cols.append(f"{_time_sql(stream, observed, default_ms)} AS time_ms")
+    day = "(g.time_ms - (((g.time_ms % 86400000) + 86400000) % 86400000)) / 86400000"
+    by_day = f"PARTITION BY g.writer, {day} ORDER BY g.id"
+    arms = []
+    for k, (lo, hi) in enumerate(chunk_ranges(floor, upper, chunk_len)):
+        # Nested so that the chunk constant is outside the window functions
+        # (a predicate on it prunes the arm), and the ID-order lag runs on
+        # the GROUP BY's output order before the one sort by writer and day.
+        arms.append(
+            f"SELECT {k} AS chunk, d.* FROM ("
+            f"SELECT g.*, LAG(g.id) OVER ({by_day}) AS day_prev_id, "
+            f"LAG(g.rowtime) OVER ({by_day}) AS day_prev_rowtime FROM ("
+            f"SELECT f.*, LAG(f.id) OVER (ORDER BY f.id) AS chunk_prev_id FROM ("
+            f"SELECT {', '.join(cols)} FROM {stream.table} "
+            f"WHERE {idc} >= {int(lo)} AND {idc} <= {int(hi)} GROUP BY {idc}"
+            f") AS f) AS g) AS d"
+        )
+    return f"({' UNION ALL '.join(arms)}) AS export_facts"
+
+
+#: The columns of a read (:func:`read_facts`).
+FACT_SCHEMA = ("chunk INT, id BIGINT, nrows BIGINT, writer STRING, rowtime BIGINT, "
+               "time_ms BIGINT, chunk_prev_id BIGINT, day_prev_id BIGINT, "
+               "day_prev_rowtime BIGINT")
+
+
+def read_facts(spark, target: JdbcTarget, stream: StreamConfig, floor: int, upper: int,
+               chunk_len: int, observed: Sequence[Tuple[int, int, int]], default_ms: int,
+               fetch_size: int = 10000):
+    """DataFrame of the facts with ``floor <= id <= upper``, one row each, in
+    one partition per ID chunk (:func:`fact_query`; columns :data:`FACT_SCHEMA`).
     """
     from pyspark.sql import functions as F
 
-    schema = ["id BIGINT"]
-    if stream.writer_column:
-        schema.append("writer STRING")
-    if stream.timestamp_column:
-        schema.append("ts BIGINT")
-    reader = (
-        spark.read.format("jdbc")
-        .option("url", target.url)
-        .option("dbtable", row_query(stream, floor, upper))
-        .option("customSchema", ", ".join(schema))
-        .option("fetchsize", str(fetch_size))
-    )
-    for key, value in target.properties.items():
-        reader = reader.option(key, value)
-    partitions = max(1, int(partitions))
-    if upper > floor and partitions > 1:
-        reader = (
-            reader.option("partitionColumn", "id")
-            .option("lowerBound", str(int(floor)))
-            .option("upperBound", str(int(upper) + 1))
-            .option("numPartitions", str(partitions))
-        )
-    df = reader.load()
+    chunks = len(chunk_ranges(floor, upper, chunk_len))
+    props = dict(target.properties)
+    props.update(customSchema=FACT_SCHEMA, fetchsize=str(fetch_size))
+    df = spark.read.jdbc(
+        target.url, fact_query(stream, target.engine, floor, upper, chunk_len, observed,
+                               default_ms),
+        predicates=[f"chunk = {k}" for k in range(chunks)], properties=props)
     if not stream.writer_column:
         df = df.withColumn("writer", F.lit(stream.writers[0]))
-    if not stream.timestamp_column:
-        df = df.withColumn("ts", F.lit(None).cast("long"))
-    return df.select("id", "writer", "ts")
+    return df
