@@ -347,6 +347,10 @@ FACT_SCHEMA = ("chunk INT, id BIGINT, nrows BIGINT, writer STRING, rowtime BIGIN
                "day_prev_rowtime BIGINT")
 
 
+#: ``work_mem`` of the export's PostgreSQL sessions.
+SORT_MEMORY = "64MB"
+
+
 def read_facts(spark, target: JdbcTarget, stream: StreamConfig, floor: int, upper: int,
                chunk_len: int, observed: Sequence[Tuple[int, int, int]], default_ms: int,
                fetch_size: int = 10000):
@@ -358,6 +362,11 @@ def read_facts(spark, target: JdbcTarget, stream: StreamConfig, floor: int, uppe
     chunks = len(chunk_ranges(floor, upper, chunk_len))
     props = dict(target.properties)
     props.update(customSchema=FACT_SCHEMA, fetchsize=str(fetch_size))
+    if target.engine == "postgres":
+        # Each chunk's sort by (writer, day, ID) spilled to disk at the
+        # default 4 MB (23 MB for 500,000 rows: 2.1-2.5 s a chunk, 1.7 s
+        # in memory).  Per export connection, one per running task.
+        props["sessionInitStatement"] = f"SET work_mem = '{SORT_MEMORY}'"
     df = spark.read.jdbc(
         target.url, fact_query(stream, target.engine, floor, upper, chunk_len, observed,
                                default_ms),
