@@ -111,3 +111,24 @@ class RedisReaderTests(TestCase):
         result = json.loads(out.decode().strip().splitlines()[-1])
         self.assertEqual(result["counts"], [5])
         self.assertFalse(result["timeout"])
+
+
+class CatchupReaderTests(TestCase):
+
+    def test_peak_rss_is_the_processs_own(self):
+        """The catch-up reader reports its own peak memory.  Its process is
+        started by the bench process, which is large by then (the TCP and
+        Redis sections' data): ``ru_maxrss`` survives fork and exec, so
+        every round reported the parent's peak (688 MB) instead of the
+        reader's (67 MB)."""
+        ballast = bytearray(300 * 1024 * 1024)  # this process's peak: over 300 MB
+        for i in range(0, len(ballast), 4096):
+            ballast[i] = 1  # touched, so resident
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); import catchup_reader; "
+                "print(catchup_reader.peak_rss_kb())")
+        out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "scripts", "bench")],
+                             stdout=subprocess.PIPE, check=True, timeout=60).stdout
+        del ballast
+        peak_kb = int(out)
+        self.assertGreater(peak_kb, 1024)  # a Python with Twisted imported: some MB
+        self.assertLess(peak_kb, 200 * 1024)
