@@ -606,18 +606,25 @@ class CollationTests(ExportTestBase):
         self.assertMatches(got, want)
 
 
+
+def sqlite_with_positions(path):
+    """A new SQLite database at ``path`` with the ``stream_positions`` table."""
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE stream_positions (stream_name TEXT NOT NULL, instance_name "
+                 "TEXT NOT NULL, stream_id BIGINT NOT NULL, PRIMARY KEY (stream_name, "
+                 "instance_name))")
+    return conn
+
+
 class SqliteExportTests(TestCase):
     def test_sqlite_source(self):
-        import sqlite3
-
         spark = shared_spark()
         tmp = tempfile.mkdtemp(prefix="export-sqlite-")
         self.addCleanup(shutil.rmtree, tmp, True)
         path = os.path.join(tmp, "db.sqlite")
-        conn = sqlite3.connect(path)
-        conn.execute("CREATE TABLE stream_positions (stream_name TEXT NOT NULL, instance_name "
-                     "TEXT NOT NULL, stream_id BIGINT NOT NULL, PRIMARY KEY (stream_name, "
-                     "instance_name))")
+        conn = sqlite_with_positions(path)
         conn.execute("CREATE TABLE ev (stream_id BIGINT NOT NULL, instance_name TEXT NOT NULL, "
                      "body TEXT NOT NULL, ts INTEGER)")
         facts = Generator(3).facts(1, 400, ["w1", "w2"])
@@ -644,18 +651,12 @@ class SqliteExportTests(TestCase):
                 else:
                     self.assertEqual(g, w, (key, metric))
 
-
     def test_fact_writer_is_bytewise_smallest_under_nocase(self):
         """The same with SQLite and a ``COLLATE NOCASE`` writer column."""
-        import sqlite3
-
         tmp = tempfile.mkdtemp(prefix="export-sqlite-")
         self.addCleanup(shutil.rmtree, tmp, True)
         path = os.path.join(tmp, "db.sqlite")
-        conn = sqlite3.connect(path)
-        conn.execute("CREATE TABLE stream_positions (stream_name TEXT NOT NULL, instance_name "
-                     "TEXT NOT NULL, stream_id BIGINT NOT NULL, PRIMARY KEY (stream_name, "
-                     "instance_name))")
+        conn = sqlite_with_positions(path)
         conn.execute("CREATE TABLE cw (stream_id BIGINT NOT NULL, instance_name TEXT "
                      "COLLATE NOCASE NOT NULL, ts INTEGER)")
         rows = [(i, w, ts) for i, stamps in collation_facts() for w, ts in stamps]

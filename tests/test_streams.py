@@ -53,6 +53,20 @@ def sleep(seconds):
     return task.deferLater(reactor, seconds, lambda: None)
 
 
+
+def expected_page(facts, start, to, limit):
+    """The page ``(facts, upto, limited)`` of ``(token, rows)`` facts with
+    ``start < token <= to``: whole facts up to ``limit`` rows (at least one)."""
+    inside = [(t, rows) for t, rows in facts if start < t <= to]
+    taken, count = [], 0
+    for t, rows in inside:
+        if taken and count + len(rows) > limit:
+            break
+        taken.append((t, rows))
+        count += len(rows)
+    limited = sum(len(rows) for _, rows in inside) > limit
+    return taken, (taken[-1][0] if limited else to), limited
+
 class StreamSuite:
     """Tests shared by both engines; subclasses say how to get a database."""
 
@@ -155,20 +169,9 @@ class StreamSuite:
         await flags.write_facts([[["@u:hs", True, {"x": [1, 2]}], ["@v:hs", False, []]],
                                  [["@w:hs", True, "s"]]])
 
-        def expect(facts, start, to, limit):
-            inside = [(t, rows) for t, rows in facts if start < t <= to]
-            taken, count = [], 0
-            for t, rows in inside:
-                if taken and count + len(rows) > limit:
-                    break
-                taken.append((t, rows))
-                count += len(rows)
-            limited = sum(len(rows) for _, rows in inside) > limit
-            return taken, (taken[-1][0] if limited else to), limited
-
         for start in range(top + 1):
             for limit in range(1, 8):
-                want = expect(facts, start, top, limit)
+                want = expected_page(facts, start, top, limit)
                 got = await caches.facts_since("master", start, top, limit)
                 self.assertEqual(got, want, (start, limit))
                 rows = await caches.updates_since("master", start, top, limit)
@@ -186,7 +189,7 @@ class StreamSuite:
         plain_ids = await reg.get("plain").write_facts(plain_facts)
         for limit in (1, 2, 3, 6):
             self.assertEqual(await reg.get("plain").facts_since("master", 0, 3, limit),
-                             expect(list(zip(plain_ids, plain_facts)), 0, 3, limit), limit)
+                             expected_page(list(zip(plain_ids, plain_facts)), 0, 3, limit), limit)
 
     async def test_catch_up_pages_of_another_instances_writer(self):
         """A reader's pages of another instance's writer (read ahead on
@@ -199,15 +202,7 @@ class StreamSuite:
         caches = (await self.registry(instance="reader")).get("caches")
 
         def expect(start, to, limit):
-            taken, count = [], 0
-            inside = [(t, rows) for t, rows in facts if start < t <= to]
-            for t, rows in inside:
-                if taken and count + len(rows) > limit:
-                    break
-                taken.append((t, rows))
-                count += len(rows)
-            limited = sum(len(rows) for _, rows in inside) > limit
-            return taken, (taken[-1][0] if limited else to), limited
+            return expected_page(facts, start, to, limit)
 
         async def catch_up(start, to, limit):
             pages = []
