@@ -197,11 +197,13 @@ class Admission:
             total = self._writers[key] = [0, 0, 0]
         size = len(line) if line is not None else 0
         decoded = decoded_size(line) if line is not None else 0
-        for counts in (held[1], total):
-            counts[0] += 1
-            counts[1] += size
-            counts[2] += decoded
-        rows, size, decoded = total
+        counts = held[1]
+        counts[0] += 1
+        counts[1] += size
+        counts[2] += decoded
+        rows = total[0] = total[0] + 1
+        size = total[1] = total[1] + size
+        decoded = total[2] = total[2] + decoded
         if rows >= self.max_batch_rows or size > self.max_batch_bytes \
                 or decoded > DECODED_FACTOR * self.max_batch_bytes:
             return (f"batch of {key[0]}/{key[1]} too large: {rows} rows, {size} bytes, "
