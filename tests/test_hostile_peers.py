@@ -23,7 +23,8 @@ from replicator.replication.handler import ReplicationHandler
 from replicator.replication.protocol import (
     ClientReplicationProtocol, ServerReplicationProtocol,
 )
-from replicator.replication.redis import RedisReplication
+from replicator.replication.commands import parse_line
+from replicator.replication.redis import RedisConnection, RedisReplication
 from replicator.replication.tcp import ReplicationServerFactory, upstream_service
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
@@ -372,6 +373,182 @@ class PartialBatchTests(_Base):
             self.assertIn(next(iter(bad)), str(e.exception))
 
 
+class _Bus:
+    """A Redis link's owner, as far as the handler's connection needs one."""
+
+    subscriber = None
+
+    def publish_lines(self, lines, channel=None):
+        pass
+
+
+def bus_conn(handler):
+    """The one connection a Redis subscription is to the handler."""
+    conn = RedisConnection(_Bus())
+    handler.new_connection(conn)
+    return conn
+
+
+def hear(handler, conn, text):
+    """One message from the channel, as :class:`RedisReplication` dispatches it."""
+    cmd = parse_line(text)
+    conn.current_line = text.encode("utf-8")
+    try:
+        getattr(handler, "on_" + cmd.NAME)(conn, cmd)
+    finally:
+        conn.current_line = None
+
+
+#: A row cheap on the wire and dear once parsed: 530 empty lists in its
+#: ``json`` column (about 1.6 KB of line, about 40 KB of Python objects).
+AMPLIFIED_ROW = b'["amp",[' + b",".join([b"[]"] * 530) + b'],1]'
+
+
+class BatchMemoryTests(_Base):
+    """Issue 20 item 4: what a peer can make us hold for a partial batch is
+    bounded by what it costs in memory, per writer across connections."""
+
+    async def test_partial_batch_is_held_at_about_its_wire_size(self):
+        import gc
+        import tracemalloc
+
+        _, handler = await self.instance("master")
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        honest, ht = self.server_conn(handler, "worker2", replicate=True)
+        p, t = self.server_conn(handler, "worker1")
+        p.dataReceived(b"POSITION caches worker1 0 0\n")
+        data = b"RDATA caches worker1 batch " + AMPLIFIED_ROW + b"\n"
+        gc.collect()
+        tracemalloc.start()
+        self.addCleanup(tracemalloc.stop)
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(400):
+            p.dataReceived(data)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        wire = 400 * len(data)
+        self.assertIsNone(p.close_reason)
+        self.assertLessEqual(held, 3 * wire, f"{held} bytes held for {wire} bytes of lines")
+        # The batch still completes into the whole fact, relayed as received.
+        p.dataReceived(b'RDATA caches worker1 1 ["end",null,1]\n')
+        await until(lambda: handler.partial_batch_rows(p) == 0)
+        self.assertEqual(ht.value().count(data), 400)
+
+    async def test_completed_batch_parses_within_a_bound(self):
+        """A batch whose rows would take, once parsed, far more than
+        ``max_batch_bytes`` is refused before it completes, though its
+        lines are well under the bound."""
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        _, handler = await self.instance("master", [consumer], max_batch_bytes=1 << 20)
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        p, t = self.server_conn(handler, "worker1")
+        data = b"RDATA caches worker1 batch " + AMPLIFIED_ROW + b"\n"
+        before = refused("caches", "batch_too_large")
+        # 300 lines: 0.5 MB of lines (under the bound), ~12 MB once parsed.
+        p.dataReceived(b"POSITION caches worker1 0 0\n" + data * 300
+                       + b'RDATA caches worker1 1 ["end",null,1]\n')
+        self.assertEqual(p.close_reason, "invalid_command")
+        self.assertIn("too large", lines(t)[-1])
+        self.assertEqual(refused("caches", "batch_too_large"), before + 1)
+        await settle(lambda: consumer.facts, 0.2)
+        self.assertEqual(consumer.facts, [])
+
+    async def test_batch_bounds_hold_per_writer_across_connections(self):
+        """Two connections of one writer (an old one not yet timed out and
+        its replacement, or a Redis subscription and a TCP link) share the
+        writer's bound: a fact has at most ``max_batch_rows`` rows wherever
+        its lines come from."""
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        _, handler = await self.instance("master", [consumer], max_batch_rows=100)
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        one, two = bus_conn(handler), bus_conn(handler)
+        self.addCleanup(handler.lost_connection, one, "test")
+        self.addCleanup(handler.lost_connection, two, "test")
+        row = 'RDATA caches worker1 batch ["r",null,1]'
+        for conn in (one, two):
+            hear(handler, conn, "POSITION caches worker1 0 0")
+        for _ in range(60):
+            hear(handler, one, row)
+        before = refused("caches", "batch_too_large")
+        for _ in range(39):
+            hear(handler, two, row)
+        self.assertEqual(refused("caches", "batch_too_large"), before)
+        hear(handler, two, row)  # the writer's 100th partial row
+        self.assertEqual(refused("caches", "batch_too_large"), before + 1)
+        self.assertEqual(handler.partial_batch_rows(two), 0)
+        self.assertEqual(handler.partial_batch_rows(one), 60)
+        # What one held still completes; two's rows are gone with the refusal.
+        hear(handler, one, 'RDATA caches worker1 1 ["end",null,1]')
+        await until(lambda: consumer.facts)
+        self.assertEqual(len(consumer.facts[0][3]), 61)
+
+
+class StaleBatchTests(_Base):
+    """Issue 20 item 1, the reader's half: on Redis every writer's lines
+    reach a reader on its one subscription; a batch left open by late bytes
+    of a replaced publisher link must not join the writer's next fact.  A
+    batch is legitimate only while its writer has sent nothing but batch
+    lines of that stream since it opened (a writer sends a fact's lines in
+    one go: ours in one MULTI/EXEC, Synapse in one loop)."""
+
+    async def reader_on_bus(self):
+        consumer = MemoryConsumer(positions={("caches", "master"): 0,
+                                             ("events", "master"): 0})
+        _, handler = await self.instance("worker2", [consumer])
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        set_sequence(self.dsn, "event_stream_seq", 10)
+        conn = bus_conn(handler)
+        self.addCleanup(handler.lost_connection, conn, "test")
+        return consumer, handler, conn
+
+    async def test_position_of_the_writer_ends_its_stale_batch(self):
+        """The sequence of the issue."""
+        consumer, handler, conn = await self.reader_on_bus()
+        hear(handler, conn, "POSITION caches master 0 0")
+        hear(handler, conn, 'RDATA caches master batch ["A",null,1]')
+        hear(handler, conn, "POSITION caches master 1 1")  # re-announced from a new link
+        hear(handler, conn, 'RDATA caches master 2 ["C",null,2]')
+        await until(lambda: consumer.facts)
+        self.assertEqual(consumer.facts, [("caches", "master", 2, [["C", None, 2]])])
+
+    async def test_any_other_line_of_the_writer_ends_its_stale_batch(self):
+        consumer, handler, conn = await self.reader_on_bus()
+        for stream in ("caches", "events"):
+            hear(handler, conn, f"POSITION {stream} master 0 0")
+        for between in ('RDATA events master 1 ["$e1",null]',
+                        'RDATA events master batch ["$e2",null]',
+                        "POSITION events master 2 2"):
+            consumer.facts.clear()
+            hear(handler, conn, 'RDATA caches master batch ["A",null,1]')  # a late half
+            hear(handler, conn, between)
+            if "batch" in between:
+                hear(handler, conn, 'RDATA events master 2 ["$e2b",null]')
+            token = handler.reader_positions()[("caches", "master")] + 1
+            hear(handler, conn, f'RDATA caches master {token} ["C",null,2]')
+            await until(lambda: handler.idle() and any(
+                f[0] == "caches" for f in consumer.facts))
+            self.assertEqual([f for f in consumer.facts if f[0] == "caches"],
+                             [("caches", "master", token, [["C", None, 2]])], between)
+
+    async def test_batch_lines_of_other_writers_leave_it_open(self):
+        """Other writers' lines interleave on the channel (Synapse's
+        processes publish independently): the batch stays whole."""
+        consumer, handler, conn = await self.reader_on_bus()
+        hear(handler, conn, "POSITION caches master 0 0")
+        hear(handler, conn, "POSITION caches worker1 0 0")
+        hear(handler, conn, 'RDATA caches master batch ["A",null,1]')
+        hear(handler, conn, 'RDATA caches worker1 batch ["x",null,1]')
+        hear(handler, conn, "POSITION events synapse1 0 3")
+        hear(handler, conn, 'RDATA caches master batch ["B",null,1]')
+        hear(handler, conn, 'RDATA caches worker1 2 ["y",null,1]')
+        hear(handler, conn, 'RDATA caches master 1 ["C",null,1]')
+        await until(lambda: len(consumer.facts) == 2)
+        self.assertEqual(sorted(consumer.facts), [
+            ("caches", "master", 1, [["A", None, 1], ["B", None, 1], ["C", None, 1]]),
+            ("caches", "worker1", 2, [["x", None, 1], ["y", None, 1]])])
+
+
 class TcpIntegrationTests(_Base):
     """The same attacks over real loopback sockets: the honest worker beside
     the liar loses nothing and stays connected."""
@@ -537,3 +714,17 @@ class OwnFanoutTests(_Base):
                          [(small, 3), (big, 4), (long, 1), (after, 1)])
         self.assertEqual(consumer.facts[2][3], [["x" * 2000, None, 1]])
         self.assertIsNone(proto.close_reason)
+
+    async def test_a_fact_dear_once_decoded_is_announced_by_position(self):
+        """Under ``max_batch_bytes`` on the wire, over what a reader accepts
+        once decoded (issue 20 item 4): the writer does not send it either."""
+        registry, master = await self.instance("master", max_batch_bytes=1 << 20)
+        honest, ht = self.server_conn(master, "worker2", replicate=True)
+        keys = [[]] * 530
+        caches = registry.get("caches")
+        dear = await caches.write_fact([["r%d" % i, keys, i] for i in range(300)])
+        cheap = await caches.write_fact([["r%d" % i, keys, i] for i in range(3)])
+        await until(lambda: master.idle() and b"RDATA caches master %d " % cheap
+                    in ht.value())
+        self.assertEqual(lines(ht)[0], "POSITION caches master %d %d" % (dear, dear))
+        self.assertEqual(len(lines(ht)), 4)

@@ -99,7 +99,7 @@ class ReplicationConfig:
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
     max_batch_rows: int = 10_000  # rows of one fact received as a batch
-    max_batch_bytes: int = 16 << 20  # bytes of the lines of one partial batch
+    max_batch_bytes: int = 16 << 20  # bytes of a writer's partial batches (4x once decoded)
     # Who may connect (README, "Security model"); None: anyone.
     allowed_peers: Optional[Tuple[str, ...]] = None
     allowed_networks: Optional[Tuple[str, ...]] = None

@@ -12,9 +12,20 @@ be true.  Readers share the writers' database, so:
   reactor), one *started after the claim arrived*, and is refused if it is
   still above.  Reads are shared by every claim of the stream waiting then.
 * A row must fit the stream's layout (:class:`..streams.rows.WireRowCheck`).
-* A partial batch (``batch`` rows waiting for the row with the token) holds
-  fewer than ``max_batch_rows`` rows and at most ``max_batch_bytes`` bytes
-  of lines.
+* A writer's partial batches (``batch`` rows waiting for the row with the
+  token), on all connections together, hold fewer than ``max_batch_rows``
+  rows, at most ``max_batch_bytes`` bytes of lines, and rows that take at
+  most ``DECODED_FACTOR * max_batch_bytes`` bytes once decoded
+  (:func:`.fields.decoded_size`, an over-estimate: what a fact costs in
+  memory, not on the wire, when it completes and is parsed).  The rows of
+  a partial batch are kept as their lines (see :mod:`.reader`), so what a
+  peer makes us hold is about what it sent.
+* A partial batch is legitimate only while its writer has sent nothing on
+  that connection but ``batch`` lines of that stream since it opened (a
+  writer sends a fact's lines in one go): any other RDATA or POSITION of
+  the writer there ends it as stale (``stale``), e.g. the late half of a
+  fact from a replaced Redis link, which must not join the writer's next
+  fact.
 
 Invariants:
 
@@ -30,12 +41,13 @@ Invariants:
 """
 
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from twisted.internet import defer
 from twisted.logger import Logger
 
 from ..streams.rows import WireRowCheck
+from .fields import decoded_size
 
 log = Logger()
 
@@ -48,10 +60,15 @@ BATCH_TOO_LARGE = "batch_too_large"
 
 MAX_BATCH_ROWS = 10_000
 MAX_BATCH_BYTES = 16 << 20
+#: A partial batch's rows may take this many times ``max_batch_bytes`` once
+#: decoded (estimated): a legitimate row takes 5 to 10 times its line.
+DECODED_FACTOR = 4
 
-#: ``accept(conn, key, cmd, line)`` / ``refuse(conn, key, reason, text)``
+#: ``accept(conn, key, cmd, line)`` / ``refuse(conn, key, reason, text)`` /
+#: ``stale(conn, key)``
 Accept = Callable[[Any, Key, Any, bytes], None]
 Refuse = Callable[[Any, Key, str, str], None]
+Stale = Callable[[Any, Key], None]
 
 
 class _Gate:
@@ -63,7 +80,8 @@ class _Gate:
         # Commands waiting behind a claim: (key, stream, cmd, line, needed read).
         self.held: Deque[tuple] = deque()
         self.waiting = False
-        self.batches: Dict[Key, List[int]] = {}  # key -> [rows, bytes] of the partial batch
+        # writer -> (stream, [rows, bytes, decoded]) of its partial batch here
+        self.batches: Dict[str, Tuple[str, List[int]]] = {}
 
 
 class _Sequence:
@@ -89,15 +107,18 @@ class Admission:
 
     def __init__(self, registry, accept: Accept, refuse: Refuse, clock,
                  max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 retry_delay: float = 1.0):
+                 retry_delay: float = 1.0, stale: Optional[Stale] = None):
         self.registry = registry
         self._accept = accept
         self._refuse = refuse
+        self._stale = stale
         self._clock = clock
         self.max_batch_rows = max_batch_rows
         self.max_batch_bytes = max_batch_bytes
         self.retry_delay = retry_delay
         self._gates: Dict[Any, _Gate] = {}
+        # writer key -> [rows, bytes, decoded] of its partial batches, all connections
+        self._writers: Dict[Key, List[int]] = {}
         self._sequences: Dict[str, _Sequence] = {}
         self._checks: Dict[str, WireRowCheck] = {}
         self._retries: Dict[str, Any] = {}
@@ -118,7 +139,14 @@ class Admission:
     def _admit(self, conn, gate: _Gate, key: Key, stream, cmd, line: bytes,
                needed: int) -> bool:
         """Admit, refuse or hold one command; False once the gate waits."""
-        if cmd.NAME == "RDATA":
+        rdata = cmd.NAME == "RDATA"
+        open_batch = gate.batches.get(key[1])
+        if open_batch is not None and not (rdata and open_batch[0] == key[0]):
+            # Any other line of the writer: its batch here lost its end.
+            self._end_batch(gate, key[1])
+            if self._stale is not None:
+                self._stale(conn, (open_batch[0], key[1]))
+        if rdata:
             check = self._checks.get(stream.name)
             if check is None:
                 check = self._checks[stream.name] = WireRowCheck(stream.config.columns)
@@ -129,16 +157,9 @@ class Admission:
                               f"{problem}")
                 return True
             if cmd.token is None:
-                held = gate.batches.get(key)
-                if held is None:
-                    held = gate.batches[key] = [0, 0]
-                held[0] += 1
-                held[1] += len(line) if line is not None else 0
-                if held[0] >= self.max_batch_rows or held[1] > self.max_batch_bytes:
-                    self._refused(conn, gate, key, BATCH_TOO_LARGE,
-                                  f"batch of {key[0]}/{key[1]} too large: {held[0]} rows, "
-                                  f"{held[1]} bytes (a fact has at most {self.max_batch_rows} "
-                                  f"rows, its batch lines {self.max_batch_bytes} bytes)")
+                too_large = self._add_to_batch(gate, key, line)
+                if too_large is not None:
+                    self._refused(conn, gate, key, BATCH_TOO_LARGE, too_large)
                     return True
                 self._call_accept(conn, key, cmd, line)
                 return True
@@ -159,14 +180,51 @@ class Admission:
             sequence.waiters.append(conn)
             self._read(stream, sequence)
             return False
-        if cmd.NAME == "RDATA":
-            gate.batches.pop(key, None)
-        else:
-            # A POSITION ends its writer's open batch on this connection
-            # (see .reader).
-            gate.batches.pop(key, None)
+        # The row with the token ends the batch; a POSITION ended it above.
+        self._end_batch(gate, key[1])
         self._call_accept(conn, key, cmd, line)
         return True
+
+    def _add_to_batch(self, gate: _Gate, key: Key, line: Optional[bytes]) -> Optional[str]:
+        """Count one ``batch`` line of ``key`` on ``gate``'s connection, for
+        the connection and for the writer; why the writer's partial batches
+        are now too large, or None."""
+        held = gate.batches.get(key[1])
+        if held is None:
+            held = gate.batches[key[1]] = (key[0], [0, 0, 0])
+        total = self._writers.get(key)
+        if total is None:
+            total = self._writers[key] = [0, 0, 0]
+        size = len(line) if line is not None else 0
+        decoded = decoded_size(line) if line is not None else 0
+        counts = held[1]
+        counts[0] += 1
+        counts[1] += size
+        counts[2] += decoded
+        rows = total[0] = total[0] + 1
+        size = total[1] = total[1] + size
+        decoded = total[2] = total[2] + decoded
+        if rows >= self.max_batch_rows or size > self.max_batch_bytes \
+                or decoded > DECODED_FACTOR * self.max_batch_bytes:
+            return (f"batch of {key[0]}/{key[1]} too large: {rows} rows, {size} bytes, "
+                    f"about {decoded} bytes decoded (a fact has at most {self.max_batch_rows} "
+                    f"rows, its batch lines {self.max_batch_bytes} bytes, "
+                    f"{DECODED_FACTOR * self.max_batch_bytes} bytes decoded)")
+        return None
+
+    def _end_batch(self, gate: _Gate, writer: str) -> None:
+        """The partial batch of ``writer`` on ``gate``'s connection is over
+        (completed, stale, refused or gone): the writer's tally forgets it."""
+        ended = gate.batches.pop(writer, None)
+        if ended is None:
+            return
+        key = (ended[0], writer)
+        total = self._writers.get(key)
+        if total is not None:
+            for i, n in enumerate(ended[1]):
+                total[i] -= n
+            if total[0] <= 0:
+                del self._writers[key]
 
     def _call_accept(self, conn, key: Key, cmd, line: bytes) -> None:
         try:
@@ -178,7 +236,7 @@ class Admission:
                         stream=key[0], writer=key[1])
 
     def _refused(self, conn, gate: _Gate, key: Key, reason: str, text: str) -> None:
-        gate.batches.pop(key, None)
+        self._end_batch(gate, key[1])
         self._refuse(conn, key, reason, text)
 
     # ------------------------------------------------------------ sequence
@@ -250,13 +308,14 @@ class Admission:
         gate = self._gates.pop(conn, None)
         if gate is not None:
             gate.held.clear()
-            gate.batches.clear()
+            for writer in list(gate.batches):
+                self._end_batch(gate, writer)
 
     def forget_batch(self, conn, key: Key) -> None:
         """The partial batch of ``key`` on ``conn`` was dropped elsewhere."""
         gate = self._gates.get(conn)
-        if gate is not None:
-            gate.batches.pop(key, None)
+        if gate is not None and gate.batches.get(key[1], ("",))[0] == key[0]:
+            self._end_batch(gate, key[1])
 
     def idle(self) -> bool:
         """No connection's commands wait for a read of a sequence."""

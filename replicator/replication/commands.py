@@ -242,6 +242,13 @@ class PositionCommand(Command):
             self.stream_name, self.instance_name, self.prev_token, self.new_token)
 
 
+def rdata_row(line: bytes) -> list:
+    """The row of an RDATA line already parsed once (its wire bytes, with
+    or without the newline): a partial batch is kept as its lines and its
+    rows decoded only when the fact is handed on."""
+    return decode_json(line.split(b" ", 4)[4].decode("utf-8", "surrogatepass"), "row")
+
+
 # ---------------------------------------------------------------- client state
 
 

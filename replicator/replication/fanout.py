@@ -12,7 +12,8 @@ Invariants:
   connection ever gets half of a fact from us.
 * An advance without rows is a POSITION.
 * Nothing a receiver must reject is sent: a fact with more rows than
-  ``max_batch_rows``, batch lines over ``max_batch_bytes``, or a row whose
+  ``max_batch_rows``, batch lines over ``max_batch_bytes`` (or over
+  ``DECODED_FACTOR`` times it once decoded, :mod:`.admission`), or a row whose
   line would exceed ``max_line_length`` goes out as ``POSITION t t`` (its
   token, nothing unsent up to it): a reader whose position is below reads
   the fact from the table, whole, before anything later.  Counted in
@@ -33,8 +34,9 @@ from .. import metrics
 from ..background import Background
 from ..backoff import Outage
 from ..streams.stream import Stream
-from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS
+from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
 from .commands import EncodedLines, encode_position_line, encode_rdata_lines, joined
+from .fields import MAX_DECODED_PER_BYTE, decoded_size
 from .reader import group
 
 log = Logger()
@@ -141,8 +143,9 @@ class Fanout:
         key = (stream_name, writer)
         if updates:
             lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
+            size = len(joined(lines))
             if lines.dropped or len(updates) >= self.max_batch_rows \
-                    or len(joined(lines)) > self.max_batch_bytes:
+                    or size > self.max_batch_bytes or self._too_dear(joined(lines), size):
                 lines = self._within_bounds(stream_name, writer, updates)
             if lines:
                 self._broadcast(lines, "RDATA")
@@ -161,8 +164,9 @@ class Fanout:
         for token, rows in group(updates):
             lines = encode_rdata_lines(stream_name, writer, [(token, r) for r in rows],
                                        self.max_line_length)
+            batch = b"".join(lines[:-1])
             if lines.dropped or len(rows) > self.max_batch_rows \
-                    or sum(map(len, lines[:-1])) > self.max_batch_bytes:
+                    or len(batch) > self.max_batch_bytes or self._too_dear(batch, len(batch)):
                 metrics.FACTS_BY_POSITION.labels(stream_name).inc()
                 log.warn("Fact {token} of {stream}/{writer} ({n} rows) is too big for one "
                          "batch or line; announced by POSITION, readers read it from the table",
@@ -171,6 +175,13 @@ class Fanout:
             else:
                 out.extend(lines)
         return out
+
+    def _too_dear(self, data: bytes, size: int) -> bool:
+        """Whether lines of ``size`` bytes would take a receiver more than
+        ``DECODED_FACTOR * max_batch_bytes`` once decoded (counted only when
+        they could: the fast path stays a length check)."""
+        bound = DECODED_FACTOR * self.max_batch_bytes
+        return size * MAX_DECODED_PER_BYTE > bound and decoded_size(data) > bound
 
     def idle(self) -> bool:
         """No fan-out running or scheduled."""

@@ -107,7 +107,7 @@ class ReplicationHandler:
         self.relay = Relay(self._broadcast)
         self.admission = Admission(
             registry, self._admitted, self._inadmissible, clock, max_batch_rows=max_batch_rows,
-            max_batch_bytes=max_batch_bytes, retry_delay=retry_delay)
+            max_batch_bytes=max_batch_bytes, retry_delay=retry_delay, stale=self._stale_batch)
         self._refusals_logged: Dict[Any, Set[str]] = {}  # conns that cannot be closed
         # Names the configuration knows: metrics are labelled only by these.
         self.known_names = frozenset(known_names) | {instance_name} | {
@@ -276,11 +276,24 @@ class ReplicationHandler:
         if cmd.NAME == "RDATA":
             if relay and line is not None:
                 self.relay.rdata(conn, key, cmd.token, line)
-            reader.rdata(conn, cmd.token, cmd.row)
+            if cmd.token is None and line is not None:
+                # A partial batch is held as its lines (the relay's bytes,
+                # shared): parsed, a row can take 20 times its line.
+                reader.rdata(conn, None, line)
+            else:
+                reader.rdata(conn, cmd.token, cmd.row)
         else:
             if relay and line is not None:
                 self.relay.position(conn, key, cmd.new_token, line)
             reader.position_line(conn, cmd.prev_token, cmd.new_token)
+
+    def _stale_batch(self, conn, key: Key) -> None:
+        """A later line of the writer on ``conn`` shows that its partial
+        batch of ``key`` there lost its end (:mod:`.admission`)."""
+        self.relay.drop_batch(conn, key)
+        reader = self._readers.get(key)
+        if reader is not None:
+            reader.drop_batch(conn)
 
     def _inadmissible(self, conn, key: Key, reason: str, text: str) -> None:
         """A peer's RDATA/POSITION that cannot be true: counted, never acted

@@ -11,7 +11,14 @@ Invariants:
 * RDATA rows without a token (``batch``) are collected per connection until
   the row with the token ends the fact; a fact is only ever handed on whole.
   A POSITION of the writer ends its batch still open on that connection
-  (the writer never sends one inside a fact: the rest was lost on the way).
+  (the writer never sends one inside a fact: the rest was lost on the way);
+  so does any other line of the writer there (the handler's
+  :mod:`.admission` tells: ``drop_batch``).
+* A ``batch`` row may come as its RDATA line (bytes, parsed once already):
+  it is kept so, and decoded (:func:`.commands.rdata_row`) only when its
+  fact is handed on, one fact at a time; a fact at or below the position
+  is dropped without being decoded.  A parsed row can take 20 times the
+  memory of its line: what a partial batch holds is about its wire size.
 * Lines of a connection count only once a POSITION of the writer arrived on
   it (before that, what the POSITION covers is fetched from the table).
 * Commands are processed one at a time, in arrival order, across
@@ -38,6 +45,7 @@ from .. import metrics
 from ..background import Background
 from ..backoff import Outage
 from ..streams.pages import group  # noqa: F401 (the fan-out's, too)
+from .commands import rdata_row
 
 log = Logger()
 
@@ -99,15 +107,16 @@ class Reader:
         self.retry_delay = retry_delay
         self.queue: Deque[tuple] = deque()
         self.busy = False
-        self._batches: Dict[Any, List[list]] = {}  # conn -> rows of the fact under way
+        self._batches: Dict[Any, list] = {}  # conn -> rows (or lines) of the fact under way
         self._positioned: Set[Any] = set()  # connections with a POSITION seen
         self._retry = None
         self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
         self._stopping = False
 
     # ------------------------------------------------------------ lines in
-    def rdata(self, conn, token: Optional[int], row: list) -> None:
-        """One RDATA row from ``conn``; ``token`` None for a ``batch`` row."""
+    def rdata(self, conn, token: Optional[int], row: Any) -> None:
+        """One RDATA row from ``conn``; ``token`` None for a ``batch`` row,
+        which may be its line (bytes) rather than the decoded row."""
         if token is None:
             self._batches.setdefault(conn, []).append(row)
             return
@@ -185,6 +194,8 @@ class Reader:
             _, token, rows = item
             if self.position is not None and token <= self.position:
                 return  # already handled
+            if len(rows) > 1:
+                rows = [rdata_row(row) if type(row) is bytes else row for row in rows]
             await self._hand_on(token, rows)
             self._advance(token)
             return

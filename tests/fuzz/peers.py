@@ -18,6 +18,9 @@ the attacks of issue 11 items 1-4, each beside an honest reader:
   ``USER_SYNC worker1 ...`` and ``FEDERATION_ACK worker1`` must not change
   worker1's state; which bookkeeping endpoints answer without the secret is
   reported.
+* ``batch_amplification``: ``batch`` lines cheap on the wire, dear in
+  memory, from one and then three connections named ``worker1``: RSS may
+  grow by at most 3 times what was sent (issue 20 item 4).
 * ``relay_long_line``: a 12 KB ``LOCK_RELEASED`` with non-ASCII text and a
   lone surrogate: the honest reader stays connected and gets no line over
   the limit.
@@ -372,6 +375,49 @@ def batch_flood(daemon, result, lines: int = 20_000) -> None:
     peer.close()
 
 
+def batch_amplification(daemon, result, lines: int = 9_900, peers=(1, 3)) -> None:
+    """A peer named as a configured writer sends ``batch`` lines cheap on the
+    wire and dear in memory (a ``json`` column of 530 empty lists: 1.6 KB of
+    line, some 40 KB once parsed), under both batch bounds (rows, bytes),
+    and never ends the fact; then the same from three connections at once.
+    What we hold must be about what was sent, not 25 times it (issue 20
+    item 4): RSS may grow by at most 3 times the wire size."""
+    row = '["amp",[' + ",".join(["[]"] * 530) + '],1]'
+    line = f"RDATA caches worker1 batch {row}\n".encode()
+    for count in peers:
+        rss0 = daemon.rss_kb()
+        conns = [Peer(daemon.rep_port, "NAME worker1\n") for _ in range(count)]
+        chunk = line * 100
+        sent = 0
+        peak = rss0
+        while sent < lines:
+            for peer in conns:
+                if not peer.closed and not peer.send_failed:
+                    peer.send(chunk)
+            sent += 100
+            if sent % 1000 == 0:
+                peak = max(peak, daemon.rss_kb())
+                for peer in conns:
+                    peer.drain(0.01)
+        for peer in conns:
+            peer.drain(1.0)
+        peak = max(peak, daemon.rss_kb())
+        wire_kb = count * sent * len(line) // 1024
+        variant = f"batch_amplification.{count}conn"
+        result.tried(variant, count * sent)
+        result.figure(f"{variant}.rss_kb_before_peak", f"{rss0} -> {peak} ({wire_kb} KB sent)")
+        result.figure(f"{variant}.refused", sum(1 for p in conns if p.errors()))
+        if peak - rss0 > 3 * wire_kb:
+            result.found("batch_amplified", f"RSS grew {(peak - rss0) // 1024} MB for "
+                         f"{wire_kb // 1024} MB of batch lines on {count} connection(s)",
+                         "batch_amplification", f"{count} x (NAME worker1 + {lines} x RDATA "
+                         "caches worker1 batch <530 empty lists>)",
+                         f"RSS {rss0} -> {peak} KB")
+        for peer in conns:
+            peer.close()
+        time.sleep(0.5)
+
+
 def slow_readers(daemon, result, facts: int = 240, rows: int = 40, row_kb: int = 15) -> None:
     """Three connections that REPLICATE and never read while facts of 40
     rows of 15 KB are written: 9,600 lines (under ``max_queued_lines``) of
@@ -505,7 +551,8 @@ def poison_worker(directory, dsn, result) -> None:
 ATTACKS = [impersonate_master, impersonate_writer, rename, bookkeeping, relay_long_line,
            poison_master]
 #: Attacks that start daemons of their own (make fuzz only).
-EXTRA = [allow_lists, tls_identity, poison_worker, batch_flood, slow_readers]
+EXTRA = [allow_lists, tls_identity, poison_worker, batch_flood, slow_readers,
+         batch_amplification]
 
 
 def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
@@ -518,7 +565,7 @@ def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
         for attack in attacks or ATTACKS:
             if attack not in EXTRA:
                 attack(daemon, result)
-        for attack in (batch_flood, slow_readers):  # each on a daemon of its own
+        for attack in (batch_flood, slow_readers, batch_amplification):  # own daemons
             if attack in (attacks or ATTACKS):
                 own = Daemon(os.path.join(directory, attack.__name__), dsn_factory())
                 os.makedirs(own.dir)
