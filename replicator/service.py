@@ -251,12 +251,15 @@ class Instance:
 
     @staticmethod
     def _warn_exposed(endpoint: str, what: str) -> None:
-        if endpoint.startswith("ssl:") or is_loopback(endpoint):
+        # A public replication listener without a gate never gets here
+        # unless replication.insecure_public_listener says so (config).
+        if endpoint.startswith(("ssl:", "tls:")) or is_loopback(endpoint):
             return
         log.warn("{what} listener {endpoint} is plaintext on a non-loopback address: anyone "
                  "who can reach it can {can}", what=what, endpoint=endpoint,
                  can="read every replicated fact" if what == "replication"
-                 else "read positions and metrics (writes still need the secret)")
+                 else "read positions and metrics, and anyone on the path can read the "
+                      "Bearer secret that writes send")
 
     def port_of(self, what: str) -> Optional[int]:
         for s in self.listeners:

@@ -29,6 +29,23 @@ def load_ca_certificates(path: str) -> List[ssl.Certificate]:
     return [ssl.Certificate.loadPEM(p.encode()) for p in pems]
 
 
+def check_pem_directory(path: str) -> None:
+    """What a ``tls:`` listener needs from its directory: ``*.pem`` files
+    holding a private key and a certificate (Twisted's listener reads the
+    directory when a client connects, and without them every handshake
+    fails).  ValueError saying what is missing."""
+    directory = FilePath(path)
+    if not directory.isdir():
+        raise ValueError(f"{path} is not a directory (a tls: listener reads its *.pem files)")
+    text = "".join(child.getContent().decode("ascii", "replace")
+                   for child in directory.children()
+                   if child.basename().endswith(".pem") and child.isfile())
+    if not re.search(r"-----BEGIN [A-Z ]*PRIVATE KEY-----", text):
+        raise ValueError(f"no private key in the *.pem files of {path}")
+    if "-----BEGIN CERTIFICATE-----" not in text:
+        raise ValueError(f"no certificate in the *.pem files of {path}")
+
+
 def server_endpoint(reactor, endpoint: str, client_ca: str = None):
     """A server endpoint from its string; ``ssl:`` with ``client_ca``
     requires client certificates signed by that CA."""

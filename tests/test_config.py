@@ -84,7 +84,8 @@ class PureParsingTests(SynchronousTestCase):
         for listen in ("tcp:9092", "tcp:port=9092:interface=127.0.0.1",
                        r"tcp6:9092:interface=\:\:1", "unix:/run/replicator.sock",
                        "ssl:9092:privateKey=k.pem:certKey=c.pem", "systemd:domain=INET:index=0"):
-            config = parse_instance(doc(replication={"listen": listen}))
+            config = parse_instance(doc(replication={"listen": listen,
+                                                     "insecure_public_listener": True}))
             self.assertEqual(config.replication.listen, listen)
         for upstream in ("tcp:127.0.0.1:9092", "tcp:host=127.0.0.1:port=9092",
                          "tls:localhost:9092:trustRoots=/etc/ca", "unix:path=/run/r.sock"):
@@ -149,7 +150,8 @@ class ValidateTests(SynchronousTestCase):
         """Endpoint types parsing does not know (a plugin's, say) are left to
         Twisted, in validate."""
         self.assertEqual(
-            self.check({"replication": {"listen": "nonsense:9092"}}),
+            self.check({"replication": {"listen": "nonsense:9092",
+                                        "insecure_public_listener": True}}),
             "config: replication.listen: cannot parse endpoint 'nonsense:9092': Unknown "
             "endpoint type: 'nonsense'")
         self.assertEqual(
@@ -157,7 +159,8 @@ class ValidateTests(SynchronousTestCase):
             "config: replication.redis.endpoint: cannot parse endpoint 'tcp6:9092': Unknown "
             "endpoint type: 'tcp6'")
         self.assertEqual(
-            self.check({"replication": {"listen": "tcp:9092:bogus=1"}}),
+            self.check({"replication": {"listen": "tcp:9092:bogus=1",
+                                        "insecure_public_listener": True}}),
             "config: replication.listen: cannot parse endpoint 'tcp:9092:bogus=1': "
             "_parseTCP() got an unexpected keyword argument 'bogus'")
 
@@ -256,3 +259,112 @@ class PathTests(SynchronousTestCase):
             load_consumers([ConsumerConfig("jsonl", None, {"path": "a\x00b"})], ".", reactor)
         self.assertEqual(str(raised.exception), "config: consumers[0].path: 'a\\x00b' is not "
                                                 "a file path (it holds a NUL byte)")
+
+
+class SecureByDefaultTests(SynchronousTestCase):
+    """A listener is never left to Twisted's defaults (port 443 on every
+    interface, ``server.pem`` in the working directory), and a replication
+    listener that anyone could reach needs a gate (``client_ca`` or
+    ``allowed_networks``) or the operator's explicit opt-in."""
+
+    def message(self, **change) -> str:
+        with self.assertRaises(ConfigError) as raised:
+            parse_instance(doc(**change))
+        message = str(raised.exception)
+        self.assertNotIn("\n", message)
+        return message
+
+    def test_a_listener_without_its_port(self):
+        for listen in ("tcp:", "tcp:interface=127.0.0.1", r"tcp6:interface=\:\:1",
+                       "ssl:interface=127.0.0.1:privateKey=k.pem",
+                       "tls:/etc/replicator/tls:interface=127.0.0.1"):
+            for section, extra in (("replication", {}), ("http", {"secret": SECRET})):
+                self.assertEqual(
+                    self.message(**{section: dict(extra, listen=listen)}),
+                    f"config: {section}.listen: cannot parse endpoint {listen!r}: no port")
+
+    def test_a_tls_listener_without_its_key_and_certificate(self):
+        for listen in ("tls:", "tls:9092", "tls::9092:interface=127.0.0.1",
+                       "tls:port=9092:interface=127.0.0.1"):
+            message = self.message(replication={"listen": listen})
+            self.assertTrue(message.startswith("config: replication.listen: "), message)
+            self.assertIn("directory", message)
+        for listen in ("ssl:9092:interface=127.0.0.1", "ssl:9092:interface=127.0.0.1:certKey=c"):
+            for section, extra in (("replication", {}), ("http", {"secret": SECRET})):
+                self.assertEqual(
+                    self.message(**{section: dict(extra, listen=listen)}),
+                    f"config: {section}.listen: an ssl: listener needs privateKey= (its key "
+                    "file; certKey= too if the certificate is in another file)")
+
+    def test_a_tls_listener_with_its_directory_and_port(self):
+        for listen in ("tls:/etc/replicator/tls:9092:interface=127.0.0.1",
+                       "tls:path=/etc/replicator/tls:port=9092:interface=127.0.0.1"):
+            config = parse_instance(doc(replication={"listen": listen}))
+            self.assertEqual(config.replication.listen, listen)
+
+    def test_a_public_replication_listener_needs_a_gate_or_an_opt_in(self):
+        key = "ssl:9092:privateKey=k.pem"
+        public = ("tcp:9092", "tcp:9092:interface=0.0.0.0", "tcp:9092:interface=192.0.2.7",
+                  r"tcp6:9092:interface=\:\:", "tcp6:9092", f"{key}",
+                  "tls:/etc/replicator/tls:9092", "systemd:domain=INET:index=0")
+        for listen in public:
+            self.assertEqual(
+                self.message(replication={"listen": listen}),
+                "config: replication.listen: listens beyond loopback with neither client_ca "
+                "nor allowed_networks, so anyone who reaches it reads every fact: bind it to "
+                "127.0.0.1, set client_ca or allowed_networks, or set "
+                "replication.insecure_public_listener: true")
+        gated = [{"listen": "tcp:9092", "allowed_networks": ["10.0.0.0/8"]},
+                 {"listen": key, "allowed_networks": ["10.0.0.0/8"]},
+                 {"listen": key, "client_ca": "ca.pem"}]
+        gated += [{"listen": listen, "insecure_public_listener": True} for listen in public]
+        local = ["tcp:9092:interface=127.0.0.1", r"tcp6:9092:interface=\:\:1",
+                 "unix:/run/replicator.sock", f"{key}:interface=127.0.0.2"]
+        gated += [{"listen": listen} for listen in local]
+        for replication in gated:
+            config = parse_instance(doc(replication=replication))
+            self.assertEqual(config.replication.listen, replication["listen"])
+        self.assertEqual(
+            self.message(replication={"listen": "tcp:9092", "insecure_public_listener": "yes"}),
+            "config: replication.insecure_public_listener: expected true or false, got str")
+
+    def test_the_opt_in_is_off_by_default(self):
+        config = parse_instance(doc(replication={"listen": "tcp:9092:interface=127.0.0.1"}))
+        self.assertFalse(config.replication.insecure_public_listener)
+
+
+class TlsDirectoryTests(SynchronousTestCase):
+    """A ``tls:`` listener's directory must hold a key and a certificate:
+    Twisted's listener would otherwise accept connections it can never
+    complete a handshake on."""
+
+    def check(self, path: str) -> str:
+        listen = f"tls:{path}:9092:interface=127.0.0.1"
+        config = parse_instance(doc(replication={"listen": listen}))
+        with self.assertRaises(ConfigError) as raised:
+            validate(config, reactor)
+        message = str(raised.exception)
+        self.assertTrue(message.startswith(
+            f"config: replication.listen: cannot parse endpoint {listen!r}: "), message)
+        return message
+
+    def test_an_empty_or_missing_directory(self):
+        empty = tempfile.mkdtemp()
+        self.assertTrue(self.check(empty).endswith(f"no private key in the *.pem files of {empty}"))
+        self.assertTrue(self.check("/nonexistent/tls").endswith(
+            "/nonexistent/tls is not a directory (a tls: listener reads its *.pem files)"))
+
+    def test_a_key_without_its_certificate_and_then_with_it(self):
+        import shutil
+
+        from tests.test_tls import make_pki
+
+        pki = make_pki(tempfile.mkdtemp())
+        directory = tempfile.mkdtemp()
+        shutil.copy(pki["server.key"], os.path.join(directory, "server.pem"))
+        self.assertTrue(self.check(directory).endswith(
+            f"no certificate in the *.pem files of {directory}"))
+        shutil.copy(pki["server.crt"], os.path.join(directory, "server-cert.pem"))
+        listen = f"tls:{directory}:9092:interface=127.0.0.1"
+        config = parse_instance(doc(replication={"listen": listen}))
+        self.assertEqual(validate(config, reactor), config)

@@ -103,6 +103,20 @@ class ConfigMistakeTests(SynchronousTestCase):
          "config: http.listen: port 70000 is not from 0 to 65535"),
         (base(replication={"listen": "tcp:9092:interface=not-an-address"}),
          "config: replication.listen: interface 'not-an-address' is not an IP address"),
+        # Secure by default: no port 443, no server.pem, no open door.
+        (base(replication={"listen": "tls:"}),
+         "config: replication.listen: a tls: listener needs the directory of its PEM files "
+         "(private key and certificate) first: tls:DIRECTORY:PORT"),
+        (base(http={"listen": "tcp:interface=127.0.0.1", "secret": SECRET}),
+         "config: http.listen: cannot parse endpoint 'tcp:interface=127.0.0.1': no port"),
+        (base(http={"listen": "ssl:9093:interface=127.0.0.1", "secret": SECRET}),
+         "config: http.listen: an ssl: listener needs privateKey= (its key file; certKey= "
+         "too if the certificate is in another file)"),
+        (base(replication={"listen": "tcp:9092"}),
+         "config: replication.listen: listens beyond loopback with neither client_ca nor "
+         "allowed_networks, so anyone who reaches it reads every fact: bind it to 127.0.0.1, "
+         "set client_ca or allowed_networks, or set replication.insecure_public_listener: "
+         "true"),
     ]
 
     def test_each_mistake_is_one_line_and_exit_2(self):

@@ -3,12 +3,16 @@
 Parsing keeps the *string*: the instance builds its endpoints with its own
 reactor when it listens or connects.  Here the string is split with the
 project's one parser (:mod:`replicator.endpoint_strings`) and, for the types
-users write (``tcp``, ``tcp6``, ``ssl``, ``unix`` listeners; ``tcp``, ``ssl``,
-``tls``, ``unix`` clients), its fields are checked as Twisted would coerce
-them, plus what Twisted lets through but no listen or connect could use: a
-port out of range, an interface that is not an IP address, an absurd
-backlog.  Anything else (a plugin's type, an unknown keyword, a TLS file)
-is Twisted's to judge, in :func:`replicator.config.validate`.
+users write (``tcp``, ``tcp6``, ``ssl``, ``tls``, ``unix`` listeners; ``tcp``,
+``ssl``, ``tls``, ``unix`` clients), its fields are checked as Twisted would
+coerce them, plus what Twisted lets through but no listen or connect could
+use: a port out of range, an interface that is not an IP address, an absurd
+backlog.  A listener never falls back on Twisted's defaults: its port is
+written out (``tls:`` would listen on 443), and so are its TLS files (an
+``ssl:`` listener's ``privateKey``, which Twisted would look for as
+``server.pem`` in the working directory; a ``tls:`` listener's directory of
+PEM files).  Anything else (a plugin's type, an unknown keyword, what a TLS
+file holds) is Twisted's to judge, in :func:`replicator.config.validate`.
 """
 
 import ipaddress
@@ -19,6 +23,9 @@ from .fields import ConfigError, get_str
 
 #: Server types with a port (positional or ``port=``), an interface and a backlog.
 _PORT_SERVERS = ("tcp", "tcp6", "ssl")
+#: What an ``ssl:`` listener without its key is told.
+NO_PRIVATE_KEY = ("an ssl: listener needs privateKey= (its key file; certKey= too if the "
+                  "certificate is in another file)")
 #: Client types with a host and a port (positional or keywords).
 _PORT_CLIENTS = ("tcp", "ssl", "tls")
 
@@ -55,20 +62,35 @@ def _one_line(error: BaseException) -> str:
 
 def _check_server(parsed: Endpoint) -> None:
     if parsed.kind in _PORT_SERVERS:
-        port = parsed.kwargs.get("port", parsed.args[0] if parsed.args else None)
-        _port(port)
-        interface = parsed.kwargs.get("interface", "")
-        if interface:
-            try:
-                ipaddress.ip_address(interface.strip("[]"))
-            except ValueError:
-                raise _Unusable(f"interface {interface!r} is not an IP address") from None
-        _backlog(parsed)
+        _port(parsed.kwargs.get("port", parsed.args[0] if parsed.args else None))
+        _interface_and_backlog(parsed)
+        if parsed.kind == "ssl" and not parsed.kwargs.get("privateKey"):
+            raise _Unusable(NO_PRIVATE_KEY)
+    elif parsed.kind == "tls":
+        # Twisted's tls:PATH:PORT, an SNI listener serving the PEM files
+        # in the directory PATH.
+        args = list(parsed.args)
+        path = parsed.kwargs.get("path", args.pop(0) if args else "")
+        if not path or path.isdigit():
+            raise _Unusable("a tls: listener needs the directory of its PEM files (private "
+                            "key and certificate) first: tls:DIRECTORY:PORT")
+        _port(parsed.kwargs.get("port", args[0] if args else None))
+        _interface_and_backlog(parsed)
     elif parsed.kind == "unix":
         if not parsed.kwargs.get("address", parsed.args[0] if parsed.args else ""):
             raise ValueError("no socket path")
         int(parsed.kwargs.get("mode", "666"), 8)
         _backlog(parsed)
+
+
+def _interface_and_backlog(parsed: Endpoint) -> None:
+    interface = parsed.kwargs.get("interface", "")
+    if interface:
+        try:
+            ipaddress.ip_address(interface.strip("[]"))
+        except ValueError:
+            raise _Unusable(f"interface {interface!r} is not an IP address") from None
+    _backlog(parsed)
 
 
 def _check_client(parsed: Endpoint) -> None:
@@ -92,7 +114,7 @@ def _check_client(parsed: Endpoint) -> None:
 
 
 def _port(text: Optional[str]) -> None:
-    if text is None:
+    if not text:
         raise ValueError("no port")
     port = int(text)
     if not 0 <= port <= 65535:

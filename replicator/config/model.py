@@ -103,6 +103,9 @@ class ReplicationConfig:
     # Who may connect (README, "Security model"); None: anyone.
     allowed_peers: Optional[Tuple[str, ...]] = None
     allowed_networks: Optional[Tuple[str, ...]] = None
+    # A listener beyond loopback without client_ca or allowed_networks starts
+    # only with this (README, "Security model").
+    insecure_public_listener: bool = False
     # Bounds of the USER_SYNC / USER_IP / FEDERATION_ACK bookkeeping.
     max_user_syncs: int = 50_000
     max_user_ips: int = 20_000

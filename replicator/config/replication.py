@@ -3,8 +3,9 @@ connect."""
 
 from typing import Any, Mapping, Optional, Tuple
 
+from ..endpoint_strings import is_loopback
 from .endpoints import get_endpoint
-from .fields import (ConfigError, as_mapping, get_int, get_list, get_names,
+from .fields import (ConfigError, as_mapping, get_bool, get_int, get_list, get_names,
                      get_number, get_path, get_str, kind_of, no_unknown)
 from .model import RedisConfig, ReplicationConfig
 
@@ -48,6 +49,22 @@ def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
     return tuple(networks)
 
 
+def _protected(listen: Optional[str], client_ca: Optional[str],
+               allowed_networks: Optional[Tuple[str, ...]], opted_in: bool, key: str) -> None:
+    """Refuse a listener beyond loopback that anyone could use (Redis's
+    protected mode): without ``client_ca`` or ``allowed_networks`` every
+    peer that reaches it reads every fact, unless the operator says so."""
+    if listen is None or opted_in or client_ca is not None or allowed_networks is not None:
+        return
+    if is_loopback(listen):
+        return
+    raise ConfigError(f"{key}.listen",
+                      "listens beyond loopback with neither client_ca nor allowed_networks, so "
+                      "anyone who reaches it reads every fact: bind it to 127.0.0.1, set "
+                      f"client_ca or allowed_networks, or set {key}.insecure_public_listener: "
+                      "true")
+
+
 def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig:
     section = as_mapping(value if value is not None else {}, key)
     no_unknown(section, ("listen", "upstream", "redis", "client_ca", "ping_interval",
@@ -56,7 +73,8 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                           "max_user_syncs", "max_user_ips", "max_federation_acks",
                           "bookkeeping_max_age", "max_queued_bytes", "idle_timeout",
                           "max_connections", "reconnect_initial_delay",
-                          "reconnect_max_delay", "max_batch_rows", "max_batch_bytes"), key)
+                          "reconnect_max_delay", "max_batch_rows", "max_batch_bytes",
+                          "insecure_public_listener"), key)
     ping_interval = get_number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
     ping_timeout = get_number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
@@ -67,6 +85,9 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
     # Its file is read in validate().
     if client_ca is not None and (listen is None or not listen.startswith("ssl:")):
         raise ConfigError(f"{key}.client_ca", "needs an ssl: listener in replication.listen")
+    allowed_networks = _allowed_networks(section, key, listen)
+    insecure_public_listener = get_bool(section, "insecure_public_listener", key, False)
+    _protected(listen, client_ca, allowed_networks, insecure_public_listener, key)
     max_line_length = get_int(section, "max_line_length", key, 16_384, minimum=1024,
                            maximum=16 << 20)
     max_batch_rows = get_int(section, "max_batch_rows", key, 10_000, minimum=1,
@@ -107,7 +128,8 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         fanout_interval=get_number(section, "fanout_interval", key, 0.003, minimum=0,
                                 maximum=1),
         allowed_peers=_allowed_peers(section, key),
-        allowed_networks=_allowed_networks(section, key, listen),
+        allowed_networks=allowed_networks,
+        insecure_public_listener=insecure_public_listener,
         max_user_syncs=get_int(section, "max_user_syncs", key, 50_000, minimum=1,
                             maximum=10_000_000),
         max_user_ips=get_int(section, "max_user_ips", key, 20_000, minimum=1, maximum=10_000_000),

@@ -15,6 +15,7 @@ from typing import Optional
 
 from twisted.internet import endpoints
 
+from ..endpoint_strings import parse
 from .fields import ConfigError
 from .instance import MIN_SECRET
 from .model import HttpConfig, InstanceConfig, ReplicationConfig
@@ -75,9 +76,15 @@ def read_secret(path: str, key: str) -> str:
 
 
 def _build(reactor, value: str, path: str, kind: str) -> Optional[object]:
-    """Let Twisted build the endpoint ``value`` (and read its files)."""
+    """Let Twisted build the endpoint ``value`` (and read its files); a
+    ``tls:`` listener's directory must hold its key and certificate."""
     try:
         if kind == "server":
+            parsed = parse(value)
+            if parsed.kind == "tls":
+                from ..tls import check_pem_directory
+
+                check_pem_directory(parsed.kwargs.get("path", parsed.args[0]))
             return endpoints.serverFromString(reactor, value)
         return endpoints.clientFromString(reactor, value)
     except Exception as e:  # Twisted raises several types for bad strings and files

@@ -7,7 +7,9 @@ into sqlite3's ``?`` style.  ``GREATEST`` is spelled by :attr:`Database.greatest
 """
 
 import os
+import select
 from functools import lru_cache
+from typing import Optional
 
 from twisted.enterprise import adbapi
 from twisted.logger import Logger
@@ -37,11 +39,15 @@ class _PooledConnection(adbapi.Connection):
     adbapi logs a failed rollback (the connection died under the
     transaction: a server restart, a cut link) as an error with its
     traceback, twice per transaction.  Here it is one warning; the
-    connection leaves the pool and the next transaction opens a new one.
+    connection leaves the pool and the next transaction on this wrapper
+    (:class:`.TransactionQueue` runs several per wrapper) opens a new one:
+    :meth:`cursor` reconnects, :meth:`commit` has nothing left to commit.
     The transaction's own error still reaches its caller.
     """
 
     def rollback(self):
+        if self._connection is None:  # already dropped
+            return
         try:
             self._connection.rollback()
             cursor = self._connection.cursor()
@@ -50,14 +56,68 @@ class _PooledConnection(adbapi.Connection):
             self._connection.commit()
             return
         except Exception as e:
-            text = str(e).strip().splitlines()
             log.warn("Database connection lost ({error}); the next transaction opens a new one",
-                     error=text[0] if text else type(e).__name__)
+                     error=_first_line(e))
         self._pool.disconnect(self._connection)
+        self._connection = None
+
+    def cursor(self):
+        if self._connection is None:
+            self._connection = self._pool.connect()
+        return self._connection.cursor()
+
+    def commit(self):
+        if self._connection is not None:
+            self._connection.commit()
 
 
 class _PostgresPool(adbapi.ConnectionPool):
+    """Hands out a thread's connection only if it is not known to be dead.
+
+    A connection that sat idle in the pool while the server restarted is
+    closed at the other end; used as it is, it fails the next transaction
+    that never had a chance.  Before a connection is reused, its socket is
+    polled (no round trip): an idle connection has nothing to read, so
+    anything readable (the server's goodbye, or end of file) is checked
+    with one query, and a dead connection is replaced, with one warning.
+    A connection that dies without a word (a cut link) still fails the
+    transaction that meets it, and :class:`_PooledConnection` drops it.
+    """
+
     connectionFactory = _PooledConnection
+
+    def connect(self):
+        conn = self.connections.get(self.threadID())
+        if conn is not None:
+            problem = _dead(conn)
+            if problem is not None:
+                log.warn("Database connection lost ({error}); opening a new one",
+                         error=problem)
+                self.disconnect(conn)
+        return super().connect()
+
+
+def _dead(conn) -> Optional[str]:
+    """Why an idle psycopg2 connection is dead, or None if it seems alive."""
+    if conn.closed:
+        return "closed"
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    if not poller.poll(0):
+        return None
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SELECT 1")
+        cursor.close()
+        conn.rollback()
+    except Exception as e:
+        return _first_line(e)
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 @lru_cache(maxsize=1024)

@@ -70,8 +70,11 @@ class TransactionQueue:
             except BaseException:
                 job.result = _PENDING
                 job.failure = Failure()
-                # A broken connection raises here: the pool reconnects and
-                # the jobs still queued go to the next hop.
+                # A connection that died under the job is dropped here
+                # (quietly, on PostgreSQL); the next job's cursor() opens a
+                # new one, so no queued job is failed without being tried.
+                # Where rollback raises instead, the hop ends and the jobs
+                # still queued go to the next one.
                 conn.rollback()
             finally:
                 try:

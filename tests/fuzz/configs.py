@@ -3,7 +3,8 @@
 Each mutation starts from a shipped example (``conf/dev.yaml``, with its
 ports moved to free loopback ports and its secret file in the run's
 directory) and changes one thing: a key removed, renamed or added, a value
-of another type or out of range, a name with a newline, or the file's bytes
+of another type or out of range, a name with a newline, a listener left to
+Twisted's defaults or open beyond loopback, or the file's bytes
 (another encoding, invalid UTF-8, YAML tags, anchors, deep nesting,
 truncation).  The daemon is given a few seconds: it must either exit 2 with
 exactly one stderr line ``replicator: config: <key>: ...``, or keep running
@@ -50,6 +51,12 @@ _VALUES: List[Tuple[Any, bool]] = [  # (value, must be refused wherever a number
     ({"a": 1}, False), ("tcp:0", False), ("tcp:notaport", False), ("ssl:0", False),
     ("unix:/nonexistent/dir/sock", False), ("/nonexistent/file", False), ("select", False),
 ]
+#: Listeners that must never start: Twisted's defaults (port 443 for tls:,
+#: server.pem for ssl:), no port, and (replication only) a listener beyond
+#: loopback without client_ca or allowed_networks.
+_INSECURE_LISTENS = ["tls:", "tls:0", "tcp:", "tcp:interface=127.0.0.1",
+                     "ssl:0:interface=127.0.0.1", "ssl:interface=127.0.0.1:privateKey=k.pem"]
+_PUBLIC_LISTENS = ["tcp:0", "tcp:0:interface=0.0.0.0", r"tcp6:0:interface=\:\:", "tcp6:0"]
 _BAD_NAMES = ["localhost\n", "caches\n", "a b", "a\x00b", "\x1b[31m", "a\rb", "\t", "x\u2028y"]
 _SQL_WORDS = ["select", "order", "table", "user", "group", "from"]
 _NAME_KEYS = {"server_name", "instance_name", "name", "table", "id_column", "writer_column",
@@ -94,7 +101,13 @@ def mutate_tree(rng: random.Random, config: dict) -> Tuple[dict, str, bool]:
     parent, key = _get(config, path[:-1]), path[-1]
     old = parent[key]
     where = ".".join(str(p) for p in path)
-    op = rng.randrange(8)
+    op = rng.randrange(9)
+    if op == 8:
+        section = rng.choice(["replication", "http"])
+        if isinstance(config.get(section), dict):
+            choices = _INSECURE_LISTENS + (_PUBLIC_LISTENS if section == "replication" else [])
+            config[section]["listen"] = rng.choice(choices)
+            return config, f"{section}.listen = {config[section]['listen']!r}", True
     if op == 0:
         del parent[key]
         return config, f"delete {where}", False
