@@ -6,6 +6,7 @@ HTTP error), 2 a usage or configuration mistake (one line naming the key).
 
 import argparse
 import json
+import os
 import signal
 import sys
 import urllib.error
@@ -26,6 +27,27 @@ log = Logger()
 def _fail(message: str, code: int) -> NoReturn:
     print(f"replicator: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def _out(text: str) -> None:
+    """One line to standard output, flushed; a reader that went away
+    (``| head``) ends the command quietly with exit 0."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _reader_gone()
+        sys.exit(0)
+
+
+def _reader_gone() -> None:
+    """Standard output's reader closed the pipe: whatever is still
+    buffered, and every later write, goes to /dev/null, so that neither
+    the next line nor Python's flush at exit raises again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 def _load(path: str):
@@ -108,18 +130,27 @@ def cmd_tail(args) -> None:
 
     from .replication.tcp import upstream_service
 
+    #: Fires when standard output's reader goes: tail then ends, exit 0.
+    reader_gone = defer.Deferred()
+
     class Printer:
         """Prints what the server sends, one command per line."""
 
         def _print(self, cmd) -> None:
             stream = getattr(cmd, "stream_name", None)
-            if args.stream and stream is not None and stream != args.stream:
+            if reader_gone.called or (args.stream and stream is not None
+                                      and stream != args.stream):
                 return
             if args.json:
-                print(json.dumps({"command": cmd.NAME, **cmd.fields()}), flush=True)
+                text = json.dumps({"command": cmd.NAME, **cmd.fields()})
             else:
                 # Peer text to a terminal: control characters escaped.
-                print(printable(cmd.to_line().rstrip(" "), limit=None), flush=True)
+                text = printable(cmd.to_line().rstrip(" "), limit=None)
+            try:
+                print(text, flush=True)
+            except BrokenPipeError:
+                _reader_gone()
+                reader_gone.callback(None)
 
         def __getattr__(self, name):
             if name.startswith("on_"):
@@ -149,7 +180,7 @@ def cmd_tail(args) -> None:
         service.startService()
         reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
         stop_once(reactor)
-        await defer.Deferred()  # until interrupted
+        await reader_gone  # or until interrupted
 
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
 
@@ -238,7 +269,7 @@ def cmd_write(args) -> None:
     base = _http_base(config)
     answer = _request(f"{base}/_replicator/v1/streams/{args.stream}/facts", "POST",
                       json.dumps({"rows": rows}).encode(), config.http.secret)
-    print(answer["stream_id"])
+    _out(str(answer["stream_id"]))
 
 
 def cmd_positions(args) -> None:
@@ -246,16 +277,16 @@ def cmd_positions(args) -> None:
     answer = _request(f"{_http_base(config)}/_replicator/v1/positions",
                       secret=config.http.secret)
     if args.json:
-        print(json.dumps(answer, indent=2))
+        _out(json.dumps(answer, indent=2))
         return
-    print(f"{'stream':<20} {'writer':<16} {'position':>10} {'in_flight':>9} {'lag':>6}")
+    _out(f"{'stream':<20} {'writer':<16} {'position':>10} {'in_flight':>9} {'lag':>6}")
     for stream, info in sorted(answer.get("streams", {}).items()):
         for writer, w in sorted(info.get("writers", {}).items()):
             in_flight = w.get("in_flight", "-") if w.get("local") else "-"
             lag = w.get("lag", "-") if not w.get("local") else "-"
-            print(f"{stream:<20} {writer:<16} {w.get('position', '-')!s:>10} "
-                  f"{in_flight!s:>9} {lag!s:>6}")
-        print(f"{stream:<20} {'(linear)':<16} {info.get('linear', '-')!s:>10}")
+            _out(f"{stream:<20} {writer:<16} {w.get('position', '-')!s:>10} "
+                 f"{in_flight!s:>9} {lag!s:>6}")
+        _out(f"{stream:<20} {'(linear)':<16} {info.get('linear', '-')!s:>10}")
 
 
 # ----------------------------------------------------------------- main
