@@ -7,6 +7,7 @@ HTTP error), 2 a usage or configuration mistake (one line naming the key).
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import urllib.error
@@ -166,7 +167,12 @@ def cmd_tail(args) -> None:
         try:
             endpoints.clientFromString(reactor, args.endpoint)
         except Exception as e:
-            _fail(f"cannot parse endpoint {args.endpoint!r}: {e}", 2)  # react exits with 2
+            plain = _host_port(args.endpoint)
+            if plain is None:
+                _fail(f"tail: cannot parse endpoint {args.endpoint!r}: {e} (write HOST:PORT, "
+                      "e.g. 127.0.0.1:9092, or an endpoint string, e.g. "
+                      "tcp:host=127.0.0.1:port=9092)", 2)  # react exits with 2
+            args.endpoint = plain
         talking = []
 
         def wrap(endpoint):
@@ -183,6 +189,19 @@ def cmd_tail(args) -> None:
         await reader_gone  # or until interrupted
 
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+
+
+def _host_port(text: str) -> Optional[str]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as a ``tcp:`` client endpoint
+    string, or None if ``text`` is not of that form."""
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([A-Za-z0-9.-]+):(\d{1,5})", text)
+    if m is None:
+        return None
+    host = m.group(1) or m.group(3)
+    port = m.group(2) or m.group(4)
+    if host in ("tcp", "tcp6", "tls", "ssl", "unix") or not 0 < int(port) < 65536:
+        return None
+    return "tcp:host=%s:port=%s" % (host.replace(":", "\\:"), port)
 
 
 def say(text: str) -> None:
@@ -260,6 +279,12 @@ def _request(url: str, method: str = "GET", body: Optional[bytes] = None,
 
 def cmd_write(args) -> None:
     config = _load(args.config)
+    names = [stream.name for stream in config.streams]
+    if args.stream not in names:
+        _fail(f"write: unknown stream {args.stream!r} (this config has: {', '.join(names)})", 2)
+    if not args.rows and not args.empty:
+        _fail("write: no rows given (one JSON array per row; a fact with no rows still "
+              "takes a stream ID: pass --empty to write one)", 2)
     rows = []
     for i, text in enumerate(args.rows):
         try:
@@ -298,7 +323,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("-c", "--config", required=True, help="instance YAML file")
     run.set_defaults(fn=cmd_run)
     tail = sub.add_parser("tail", help="connect like a worker and print every command")
-    tail.add_argument("endpoint", help="e.g. tcp:host=127.0.0.1:port=9092")
+    tail.add_argument("endpoint", help="HOST:PORT, or an endpoint string such as "
+                      "tcp:host=127.0.0.1:port=9092 or tls:...")
     tail.add_argument("--name", default="replicator-tail", help="NAME to send")
     tail.add_argument("--server-name", default=None,
                       help="expected SERVER name (default: accept any)")
@@ -309,6 +335,8 @@ def parser() -> argparse.ArgumentParser:
     write.add_argument("-c", "--config", required=True)
     write.add_argument("stream")
     write.add_argument("rows", nargs="*", metavar="ROW_JSON", help="one JSON array per row")
+    write.add_argument("--empty", action="store_true",
+                       help="write a fact with no rows (it still takes a stream ID)")
     write.set_defaults(fn=cmd_write)
     positions = sub.add_parser("positions", help="print every (stream, writer) position")
     positions.add_argument("-c", "--config", required=True)

@@ -98,6 +98,9 @@ def base_config(name, http_port, streams, **extra):
 class ConfigErrorTests(SynchronousTestCase):
     CASES = [
         ({"bogus": 1}, "config: bogus: unknown key"),
+        ({"http": {"lisen": "tcp:0"}}, "config: http.lisen: unknown key (did you mean 'listen'?)"),
+        ({"replication": {"ping_intervall": 5}},
+         "config: replication.ping_intervall: unknown key (did you mean 'ping_interval'?)"),
         ({"replication": {"ping_timeout": "soon"}},
          "config: replication.ping_timeout: expected a number, got str"),
         ({"consumers": [{"type": "log", "streams": ["nope"]}]},
