@@ -84,10 +84,9 @@ def cmd_run(args) -> None:
         try:
             await instance.start()
         except (ConfigError, StartupError) as e:
-            # An expected failure: one line on stderr (and in the log), no
-            # traceback.
+            # An expected failure: one line on stderr (which is the log's
+            # destination too, under systemd), no traceback.
             code = 2 if isinstance(e, ConfigError) else e.code
-            log.error("startup failed: {error}", error=str(e))
             print(f"replicator: {e}", file=sys.stderr, flush=True)
             await instance.stop()
             raise SystemExit(code)
