@@ -17,7 +17,7 @@ from typing import NoReturn, Optional
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from . import files
+from . import __version__, files
 from .config import ConfigError, load_config, validate
 from .endpoint_strings import http_url
 from .logs import printable, start_logging
@@ -317,6 +317,7 @@ def cmd_positions(args) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replicator",
                                 description="Synapse-style stream replication daemon")
+    p.add_argument("--version", action="version", version=f"replicator {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one instance in the foreground")
     run.add_argument("-c", "--config", required=True, help="instance YAML file")

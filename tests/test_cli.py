@@ -380,3 +380,26 @@ class ExampleConfigTests(SynchronousTestCase):
         self.assertEqual(names["worker.yaml"], ("worker1", ["caches", "account_data"]))
         self.assertEqual(names["synapse-reader.yaml"],
                          ("app1", ["caches", "presence", "receipts", "push_rules", "app_events"]))
+
+
+class VersionTests(SynchronousTestCase):
+    """Which version is running: ``--version``, the build-info metric, and
+    the one place it is written (packaging reads the same)."""
+
+    def test_version_flag(self):
+        import replicator
+
+        result = cli("--version")
+        self.assertEqual((result.returncode, result.stdout),
+                         (0, f"replicator {replicator.__version__}\n"))
+
+    def test_build_info_metric(self):
+        import platform
+
+        from prometheus_client import REGISTRY
+
+        import replicator
+
+        self.assertEqual(REGISTRY.get_sample_value("replicator_build_info", {
+            "version": replicator.__version__, "python": platform.python_version(),
+            "twisted": __import__("twisted").__version__}), 1.0)
