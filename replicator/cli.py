@@ -1,4 +1,4 @@
-"""``replicator run | tail | write | positions``.
+"""``replicator run | check | tail | write | positions``.
 
 Exit codes: 0 fine, 1 a runtime failure (database unreachable, port in use,
 HTTP error), 2 a usage or configuration mistake (one line naming the key).
@@ -313,6 +313,25 @@ def cmd_positions(args) -> None:
         _out(f"{stream:<20} {'(linear)':<16} {info.get('linear', '-')!s:>10}")
 
 
+# ---------------------------------------------------------------- check
+def cmd_check(args) -> None:
+    """Exit 0 with one "config ok" line, or 2 with one line naming the key
+    of the first problem: every check a start makes, nothing changed."""
+    config = _load(args.config)
+    from .checking import check_instance
+    from .service import StartupError
+
+    async def main(reactor):
+        try:
+            summary = await check_instance(config)
+        except (ConfigError, StartupError) as e:
+            print(f"replicator: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        _out(f"replicator: {summary}")
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+
+
 # ----------------------------------------------------------------- main
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replicator",
@@ -322,6 +341,10 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one instance in the foreground")
     run.add_argument("-c", "--config", required=True, help="instance YAML file")
     run.set_defaults(fn=cmd_run)
+    check = sub.add_parser("check", help="check a config as a start would, changing nothing "
+                           "(exit 0, or 2 and one line naming the key)")
+    check.add_argument("-c", "--config", required=True, help="instance YAML file")
+    check.set_defaults(fn=cmd_check)
     tail = sub.add_parser("tail", help="connect like a worker and print every command")
     tail.add_argument("endpoint", help="HOST:PORT, or an endpoint string such as "
                       "tcp:host=127.0.0.1:port=9092 or tls:...")
