@@ -1,4 +1,4 @@
-"""``replicator run | tail | write | positions``.
+"""``replicator run | check | tail | write | positions``.
 
 Exit codes: 0 fine, 1 a runtime failure (database unreachable, port in use,
 HTTP error), 2 a usage or configuration mistake (one line naming the key).
@@ -6,6 +6,8 @@ HTTP error), 2 a usage or configuration mistake (one line naming the key).
 
 import argparse
 import json
+import os
+import re
 import signal
 import sys
 import urllib.error
@@ -15,7 +17,7 @@ from typing import NoReturn, Optional
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from . import files
+from . import __version__, files
 from .config import ConfigError, load_config, validate
 from .endpoint_strings import http_url
 from .logs import printable, start_logging
@@ -26,6 +28,27 @@ log = Logger()
 def _fail(message: str, code: int) -> NoReturn:
     print(f"replicator: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def _out(text: str) -> None:
+    """One line to standard output, flushed; a reader that went away
+    (``| head``) ends the command quietly with exit 0."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _reader_gone()
+        sys.exit(0)
+
+
+def _reader_gone() -> None:
+    """Standard output's reader closed the pipe: whatever is still
+    buffered, and every later write, goes to /dev/null, so that neither
+    the next line nor Python's flush at exit raises again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 def _load(path: str):
@@ -61,10 +84,9 @@ def cmd_run(args) -> None:
         try:
             await instance.start()
         except (ConfigError, StartupError) as e:
-            # An expected failure: one line on stderr (and in the log), no
-            # traceback.
+            # An expected failure: one line on stderr (which is the log's
+            # destination too, under systemd), no traceback.
             code = 2 if isinstance(e, ConfigError) else e.code
-            log.error("startup failed: {error}", error=str(e))
             print(f"replicator: {e}", file=sys.stderr, flush=True)
             await instance.stop()
             raise SystemExit(code)
@@ -108,18 +130,27 @@ def cmd_tail(args) -> None:
 
     from .replication.tcp import upstream_service
 
+    #: Fires when standard output's reader goes: tail then ends, exit 0.
+    reader_gone = defer.Deferred()
+
     class Printer:
         """Prints what the server sends, one command per line."""
 
         def _print(self, cmd) -> None:
             stream = getattr(cmd, "stream_name", None)
-            if args.stream and stream is not None and stream != args.stream:
+            if reader_gone.called or (args.stream and stream is not None
+                                      and stream != args.stream):
                 return
             if args.json:
-                print(json.dumps({"command": cmd.NAME, **cmd.fields()}), flush=True)
+                text = json.dumps({"command": cmd.NAME, **cmd.fields()})
             else:
                 # Peer text to a terminal: control characters escaped.
-                print(printable(cmd.to_line().rstrip(" "), limit=None), flush=True)
+                text = printable(cmd.to_line().rstrip(" "), limit=None)
+            try:
+                print(text, flush=True)
+            except BrokenPipeError:
+                _reader_gone()
+                reader_gone.callback(None)
 
         def __getattr__(self, name):
             if name.startswith("on_"):
@@ -135,7 +166,12 @@ def cmd_tail(args) -> None:
         try:
             endpoints.clientFromString(reactor, args.endpoint)
         except Exception as e:
-            _fail(f"cannot parse endpoint {args.endpoint!r}: {e}", 2)  # react exits with 2
+            plain = _host_port(args.endpoint)
+            if plain is None:
+                _fail(f"tail: cannot parse endpoint {args.endpoint!r}: {e} (write HOST:PORT, "
+                      "e.g. 127.0.0.1:9092, or an endpoint string, e.g. "
+                      "tcp:host=127.0.0.1:port=9092)", 2)  # react exits with 2
+            args.endpoint = plain
         talking = []
 
         def wrap(endpoint):
@@ -149,9 +185,22 @@ def cmd_tail(args) -> None:
         service.startService()
         reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
         stop_once(reactor)
-        await defer.Deferred()  # until interrupted
+        await reader_gone  # or until interrupted
 
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+
+
+def _host_port(text: str) -> Optional[str]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as a ``tcp:`` client endpoint
+    string, or None if ``text`` is not of that form."""
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([A-Za-z0-9.-]+):(\d{1,5})", text)
+    if m is None:
+        return None
+    host = m.group(1) or m.group(3)
+    port = m.group(2) or m.group(4)
+    if host in ("tcp", "tcp6", "tls", "ssl", "unix") or not 0 < int(port) < 65536:
+        return None
+    return "tcp:host=%s:port=%s" % (host.replace(":", "\\:"), port)
 
 
 def say(text: str) -> None:
@@ -229,6 +278,12 @@ def _request(url: str, method: str = "GET", body: Optional[bytes] = None,
 
 def cmd_write(args) -> None:
     config = _load(args.config)
+    names = [stream.name for stream in config.streams]
+    if args.stream not in names:
+        _fail(f"write: unknown stream {args.stream!r} (this config has: {', '.join(names)})", 2)
+    if not args.rows and not args.empty:
+        _fail("write: no rows given (one JSON array per row; a fact with no rows still "
+              "takes a stream ID: pass --empty to write one)", 2)
     rows = []
     for i, text in enumerate(args.rows):
         try:
@@ -238,7 +293,7 @@ def cmd_write(args) -> None:
     base = _http_base(config)
     answer = _request(f"{base}/_replicator/v1/streams/{args.stream}/facts", "POST",
                       json.dumps({"rows": rows}).encode(), config.http.secret)
-    print(answer["stream_id"])
+    _out(str(answer["stream_id"]))
 
 
 def cmd_positions(args) -> None:
@@ -246,28 +301,53 @@ def cmd_positions(args) -> None:
     answer = _request(f"{_http_base(config)}/_replicator/v1/positions",
                       secret=config.http.secret)
     if args.json:
-        print(json.dumps(answer, indent=2))
+        _out(json.dumps(answer, indent=2))
         return
-    print(f"{'stream':<20} {'writer':<16} {'position':>10} {'in_flight':>9} {'lag':>6}")
+    _out(f"{'stream':<20} {'writer':<16} {'position':>10} {'in_flight':>9} {'lag':>6}")
     for stream, info in sorted(answer.get("streams", {}).items()):
         for writer, w in sorted(info.get("writers", {}).items()):
             in_flight = w.get("in_flight", "-") if w.get("local") else "-"
             lag = w.get("lag", "-") if not w.get("local") else "-"
-            print(f"{stream:<20} {writer:<16} {w.get('position', '-')!s:>10} "
-                  f"{in_flight!s:>9} {lag!s:>6}")
-        print(f"{stream:<20} {'(linear)':<16} {info.get('linear', '-')!s:>10}")
+            _out(f"{stream:<20} {writer:<16} {w.get('position', '-')!s:>10} "
+                 f"{in_flight!s:>9} {lag!s:>6}")
+        _out(f"{stream:<20} {'(linear)':<16} {info.get('linear', '-')!s:>10}")
+
+
+# ---------------------------------------------------------------- check
+def cmd_check(args) -> None:
+    """Exit 0 with one "config ok" line, or 2 with one line naming the key
+    of the first problem: every check a start makes, nothing changed."""
+    config = _load(args.config)
+    from .checking import check_instance
+    from .service import StartupError
+
+    async def main(reactor):
+        try:
+            summary = await check_instance(config)
+        except (ConfigError, StartupError) as e:
+            print(f"replicator: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        _out(f"replicator: {summary}")
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
 
 
 # ----------------------------------------------------------------- main
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replicator",
                                 description="Synapse-style stream replication daemon")
+    p.add_argument("--version", action="version", version=f"replicator {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one instance in the foreground")
     run.add_argument("-c", "--config", required=True, help="instance YAML file")
     run.set_defaults(fn=cmd_run)
+    check = sub.add_parser("check", help="check a config as a start would, changing nothing "
+                           "(exit 0, or 2 and one line naming the key)")
+    check.add_argument("-c", "--config", required=True, help="instance YAML file")
+    check.set_defaults(fn=cmd_check)
     tail = sub.add_parser("tail", help="connect like a worker and print every command")
-    tail.add_argument("endpoint", help="e.g. tcp:host=127.0.0.1:port=9092")
+    tail.add_argument("endpoint", help="HOST:PORT, or an endpoint string such as "
+                      "tcp:host=127.0.0.1:port=9092 or tls:...")
     tail.add_argument("--name", default="replicator-tail", help="NAME to send")
     tail.add_argument("--server-name", default=None,
                       help="expected SERVER name (default: accept any)")
@@ -278,6 +358,8 @@ def parser() -> argparse.ArgumentParser:
     write.add_argument("-c", "--config", required=True)
     write.add_argument("stream")
     write.add_argument("rows", nargs="*", metavar="ROW_JSON", help="one JSON array per row")
+    write.add_argument("--empty", action="store_true",
+                       help="write a fact with no rows (it still takes a stream ID)")
     write.set_defaults(fn=cmd_write)
     positions = sub.add_parser("positions", help="print every (stream, writer) position")
     positions.add_argument("-c", "--config", required=True)

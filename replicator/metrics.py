@@ -17,6 +17,25 @@ from twisted.logger import Logger
 
 log = Logger(namespace="replicator.metrics")
 
+# ---------------------------------------------------------------- build
+BUILD_INFO = Gauge(
+    "replicator_build_info", "Always 1; the labels say which build is running",
+    ["version", "python", "twisted"],
+)
+
+
+def _record_build() -> None:
+    import platform
+
+    import twisted
+
+    from . import __version__
+
+    BUILD_INFO.labels(__version__, platform.python_version(), twisted.__version__).set(1)
+
+
+_record_build()
+
 # ------------------------------------------------------------- streams
 FACTS_WRITTEN = Counter(
     "replicator_facts_written_total", "Facts committed by local writers", ["stream"]

@@ -120,6 +120,8 @@ class Instance:
         self.health: Optional[HealthMonitor] = None
         self.live_metrics: Optional[InstanceMetrics] = None
         self._stopped = False
+        #: Whether start() completed.
+        self._started = False
 
     def _load_consumers(self):
         if not self.config.consumers:
@@ -218,6 +220,7 @@ class Instance:
         # process: out of the collector's reach, a full collection walks only
         # what came since, so it stays short (it stalls the reactor).
         gc.freeze()
+        self._started = True
         sdnotify.ready()
         sdnotify.status(f"{config.instance_name}: {len(self.registry)} streams")
         log.info("instance {name} of {server} ready", name=config.instance_name,
@@ -273,7 +276,10 @@ class Instance:
             return
         self._stopped = True
         sdnotify.stopping()
-        log.info("instance {name} stopping", name=self.config.instance_name)
+        # An instance that never started (its startup failed and said why
+        # in one line) stops without saying so.
+        said = log.info if self._started else log.debug
+        said("instance {name} stopping", name=self.config.instance_name)
         self.handler.stop("server stopping")
         if self.services.running:
             await self.services.stopService()
@@ -287,4 +293,4 @@ class Instance:
         if self.live_metrics is not None:
             metrics.remove_source(self.live_metrics)
         self.db.close()
-        log.info("instance {name} stopped", name=self.config.instance_name)
+        said("instance {name} stopped", name=self.config.instance_name)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from twisted.application.internet import TimerService
 from twisted.logger import Logger
 
+from . import __version__
 from .replication.handler import peer_address
 
 log = Logger(namespace="replicator.status")
@@ -162,6 +163,7 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
     return {
         "instance": instance,
         "role": role,
+        "version": __version__,
         "now": clock.seconds(),
         "healthy": problem is None,
         "problem": redact(problem) if problem is not None else None,

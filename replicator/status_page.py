@@ -110,7 +110,8 @@ def render_html(snap: Dict[str, Any]) -> bytes:
 <script src="/status.js" defer></script>
 </head><body>
 <header><h1>replicator <span id="instance">{_e(snap["instance"])}</span>
-<small id="role">{_e(snap["role"])}</small></h1>
+<small id="role">{_e(snap["role"])}</small>
+<small id="version">{_e(snap.get("version", ""))}</small></h1>
 <p id="verdict" class="{'ok' if snap['healthy'] else 'bad'}">{_e(verdict)}</p>
 <p class="muted">as of <span id="updated">{_e(_when(snap["now"]))}</span>
 <span id="refresh">(server-rendered)</span></p></header>

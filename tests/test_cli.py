@@ -98,6 +98,9 @@ def base_config(name, http_port, streams, **extra):
 class ConfigErrorTests(SynchronousTestCase):
     CASES = [
         ({"bogus": 1}, "config: bogus: unknown key"),
+        ({"http": {"lisen": "tcp:0"}}, "config: http.lisen: unknown key (did you mean 'listen'?)"),
+        ({"replication": {"ping_intervall": 5}},
+         "config: replication.ping_intervall: unknown key (did you mean 'ping_interval'?)"),
         ({"replication": {"ping_timeout": "soon"}},
          "config: replication.ping_timeout: expected a number, got str"),
         ({"consumers": [{"type": "log", "streams": ["nope"]}]},
@@ -377,3 +380,26 @@ class ExampleConfigTests(SynchronousTestCase):
         self.assertEqual(names["worker.yaml"], ("worker1", ["caches", "account_data"]))
         self.assertEqual(names["synapse-reader.yaml"],
                          ("app1", ["caches", "presence", "receipts", "push_rules", "app_events"]))
+
+
+class VersionTests(SynchronousTestCase):
+    """Which version is running: ``--version``, the build-info metric, and
+    the one place it is written (packaging reads the same)."""
+
+    def test_version_flag(self):
+        import replicator
+
+        result = cli("--version")
+        self.assertEqual((result.returncode, result.stdout),
+                         (0, f"replicator {replicator.__version__}\n"))
+
+    def test_build_info_metric(self):
+        import platform
+
+        from prometheus_client import REGISTRY
+
+        import replicator
+
+        self.assertEqual(REGISTRY.get_sample_value("replicator_build_info", {
+            "version": replicator.__version__, "python": platform.python_version(),
+            "twisted": __import__("twisted").__version__}), 1.0)

@@ -745,7 +745,7 @@ class LoadConsumersTests(SynchronousTestCase):
             ([ConsumerConfig("jsonl", None, {"path": "f", "bogus": 1})],
              "config: consumers[0].bogus: unknown key"),
             ([ConsumerConfig("log", None, {"levle": "info"})],
-             "config: consumers[0].levle: unknown key"),
+             "config: consumers[0].levle: unknown key (did you mean 'level'?)"),
             ([ConsumerConfig("log", None, {"level": "loud"})],
              "config: consumers[0].level: 'loud' is not one of debug, info, warn, error, "
              "critical"),

@@ -69,6 +69,47 @@ class TailTests(SynchronousTestCase):
         self.assertEqual(first, {"command": "SERVER", "server_name": "hs.test"})
 
 
+    def test_host_port_is_taken_as_a_tcp_endpoint(self):
+        rep_port, http_port = free_port(), free_port()
+        config = base_config("master", http_port, [CACHES], database={"sqlite": "s.db"},
+                             replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"})
+        Daemon(self, config).start()
+        proc = self.tail(f"127.0.0.1:{rep_port}")
+        self.assertEqual(read_lines(proc.stdout, 1), ["SERVER hs.test"])
+
+    def test_an_unparsable_endpoint_says_how_to_write_one(self):
+        result = subprocess.run([PY, "-m", "replicator.cli", "tail", "tcp:9092"],
+                                capture_output=True, text=True, timeout=60)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertEqual(result.stderr.count("\n"), 1, result.stderr)
+        self.assertIn("HOST:PORT", result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
+
+
+class WriteMistakeTests(SynchronousTestCase):
+    """``replicator write`` mistakes are usage errors: exit 2, one line,
+    nothing written (no stream ID used)."""
+
+    def test_forgotten_rows_and_unknown_streams(self):
+        http_port = free_port()
+        config = base_config("master", http_port, [CACHES], database={"sqlite": "s.db"})
+        daemon = Daemon(self, config).start()
+        forgot = cli("write", "-c", daemon.path, "caches", cwd=daemon.dir)
+        self.assertEqual((forgot.returncode, forgot.stdout), (2, ""), forgot.stderr)
+        self.assertIn("--empty", forgot.stderr)
+        self.assertEqual(forgot.stderr.count("\n"), 1, forgot.stderr)
+        unknown = cli("write", "-c", daemon.path, "cachez", '["f", null, 1]', cwd=daemon.dir)
+        self.assertEqual(unknown.returncode, 2, unknown.stderr)
+        self.assertEqual(unknown.stderr,
+                         "replicator: write: unknown stream 'cachez' (this config has: caches)\n")
+        # Nothing above took an ID: the first fact written is 1; --empty
+        # writes a fact with no rows on purpose.
+        written = cli("write", "-c", daemon.path, "caches", '["f", null, 1]', cwd=daemon.dir)
+        self.assertEqual((written.returncode, written.stdout), (0, "1\n"), written.stderr)
+        empty = cli("write", "-c", daemon.path, "caches", "--empty", cwd=daemon.dir)
+        self.assertEqual((empty.returncode, empty.stdout), (0, "2\n"), empty.stderr)
+
+
 class AccessLogTests(SynchronousTestCase):
     def test_writes_log_no_access_line_at_info_but_refusals_do(self):
         http_port = free_port()

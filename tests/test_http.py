@@ -23,6 +23,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
+import replicator
 from replicator import metrics
 from replicator.config import parse_instance
 from replicator.consumers import MemoryConsumer
@@ -579,6 +580,7 @@ class HttpApiTests(HttpTestCase):
         self.assertEqual(response.code, 200)
         self.assertEqual(answer, {
             "status": "ok", "instance": "master", "role": "master",
+            "version": replicator.__version__,
             "replication": {"connected": False, "detail": "no worker connected"},
             "connections": 0,
             "positions": {"caches": {"master": 1, "worker1": 0}, "events": {"worker1": 0}},

@@ -166,6 +166,11 @@ class RuntimeFailureTests(SynchronousTestCase):
         self.assertEqual((result.returncode, result.stderr), (1, f"replicator: {message}\n"))
         self.assertNotIn("Traceback", result.stdout)
         self.assertNotIn("FirstError", result.stdout)
+        # Said once (a terminal shows the log and stderr together), with no
+        # shutdown lines for an instance that never started.
+        self.assertNotIn(message, result.stdout)
+        self.assertNotIn("stopping", result.stdout)
+        self.assertNotIn("stopped", result.stdout)
 
     def test_port_in_use(self):
         with socket.socket() as held:

@@ -7,6 +7,7 @@ Invariants (new getters must keep them): a name is checked with
 range); a message is one line (values and unknown keys appear as ``repr``).
 """
 
+import difflib
 import math
 import re
 from typing import Any, Mapping, Optional, Tuple
@@ -67,11 +68,22 @@ def _key_name(name: Any) -> str:
 
 def no_unknown(section: Mapping, allowed, key: str) -> None:
     """A ConfigError naming the first key of ``section`` not in ``allowed``
-    (``key`` is the section's own path, "" at the top)."""
+    (``key`` is the section's own path, "" at the top), with the allowed
+    key it probably meant when one is close (a typo: ``levle``)."""
     for name in section:
         if name not in allowed:
             prefix = f"{key}." if key else ""
-            raise ConfigError(f"{prefix}{_key_name(name)}", "unknown key")
+            raise ConfigError(f"{prefix}{_key_name(name)}", "unknown key" + _meant(name, allowed))
+
+
+def _meant(name: Any, allowed) -> str:
+    """`` (did you mean 'x'?)`` for the one allowed key closest to
+    ``name``, or "" when none is close."""
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, sorted(a for a in allowed if isinstance(a, str)),
+                                      n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def sql_name(value: str, path: str) -> str:

@@ -12,6 +12,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from .. import __version__
 from .answers import HttpError
 from .site import Redactor
 
@@ -122,6 +123,7 @@ class HealthRoute:
             "status": "ok",
             "instance": self.instance_name,
             "role": "worker" if self.is_worker else "master",
+            "version": __version__,
             "replication": {"connected": connected, "detail": detail},
             "connections": len(self.handler.connections),
             "positions": {s.name: s.id_gen.get_positions() for s in self.registry},

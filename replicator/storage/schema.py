@@ -81,7 +81,7 @@ def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool,
 
 
 def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
-                  written: Optional[Set[str]] = None) -> bool:
+                  written: Optional[Set[str]] = None, dry_run: bool = False) -> bool:
     """Create what is missing and check what exists.
 
     ``written``: names of the streams with a local writer (default: all).
@@ -89,18 +89,25 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
     reads gets no DDL at all, not even ``stream_positions`` when no stream
     is written here: its tables may be another program's (Synapse's).
     Returns whether ``stream_positions`` exists.
+
+    ``dry_run`` (``replicator check``) runs no DDL and changes nothing: it
+    checks what exists, and takes what would be created as fine.
     """
     if written is None:
         written = {s.name for s in streams}
     if any(s.name in written for s in streams):
-        txn.execute(POSITIONS_DDL)
+        if not dry_run:
+            txn.execute(POSITIONS_DDL)
         has_positions = True
     else:
         has_positions = table_columns(txn, "stream_positions", postgres) is not None
     for stream in streams:
         ours = stream.name in written
         created = ours and stream.create
-        if created:
+        if created and dry_run:
+            if table_columns(txn, stream.table, postgres) is None:
+                continue  # start would create it
+        elif created:
             for statement in table_ddl(stream, postgres):
                 txn.execute(statement)
         check_stream_table(txn, stream, keys[stream.name], postgres, ours)

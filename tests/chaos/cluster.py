@@ -133,7 +133,7 @@ class Instance:
         crash of the daemon itself."""
         if self.proc is not None and self.proc.poll() is not None and not self.expected_down:
             this_start = self.log_text().rsplit("==== chaos: start", 1)[-1]
-            if self.proc.returncode == 1 and "startup failed: database" in this_start:
+            if self.proc.returncode == 1 and "replicator: database." in this_start:
                 self.startup_db_exits += 1
             else:
                 self.unexpected_exits.append(self.proc.returncode)

@@ -1,0 +1,48 @@
+"""``replicator check -c FILE``: everything a start would check, changing
+nothing (like ``nginx -t``), so that a unit's ``ExecReload=`` or an operator
+can try a file before it is used.
+
+Checked: the file itself and every key (parsing), what needs files or
+Twisted (:func:`replicator.config.validate`: endpoints built once, TLS keys
+and trust roots, ``client_ca``, ``secret_file``), the database reachable,
+and its tables as the streams declare them (a table this instance would
+create may be missing; one that exists must have every configured column;
+a read-only stream's table and sequence must exist).  Not checked: whether
+the listen ports are free (the running daemon holds them).
+
+A SQLite database file that does not exist yet is not created: start will.
+"""
+
+import os
+
+from .config.model import InstanceConfig
+from .startup import StartupError, hide_password
+from .storage import schema
+from .storage.database import Database
+
+
+async def check_instance(config: InstanceConfig) -> str:
+    """The summary line of a config that passes; ConfigError naming the
+    key of the first problem otherwise (StartupError for an unreachable
+    database)."""
+    db_config = config.database
+    key = f"database.{db_config.engine}"
+    if db_config.engine == "sqlite" and not os.path.exists(db_config.path):
+        return (f"config ok: instance {config.instance_name}, {len(config.streams)} streams; "
+                f"{db_config.path} does not exist yet (start creates it)")
+    db = Database(db_config)
+    try:
+        try:
+            await db.runQuery("SELECT 1")
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise StartupError(key, "cannot connect: " + hide_password(first, db_config.dsn)) \
+                from None
+        keys = {s.name: f"streams[{i}]" for i, s in enumerate(config.streams)}
+        written = {s.name for s in config.streams if config.instance_name in s.writers}
+        await db.runInteraction(schema.ensure_schema, list(config.streams), db.is_postgres,
+                                keys, written, True)
+    finally:
+        db.close()
+    return (f"config ok: instance {config.instance_name}, {len(config.streams)} streams; "
+            f"database reachable, tables as declared")

@@ -1,0 +1,86 @@
+"""``replicator check -c FILE`` over real processes: exit 0 and one line for
+a file a start would accept, exit 2 and one line naming the key for one it
+would refuse, and nothing changed in the database either way."""
+
+import os
+import tempfile
+
+import psycopg2
+import yaml
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.servers import PostgresServer, free_port
+from tests.test_cli import CACHES, SECRET, cli
+
+
+class CheckTests(SynchronousTestCase):
+    def write(self, config: dict) -> str:
+        directory = tempfile.mkdtemp(prefix="replicator-check-")
+        path = os.path.join(directory, "c.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        return path
+
+    def config(self, database: dict, **extra) -> dict:
+        config = {"server_name": "hs.test", "instance_name": "master",
+                  "database": database,
+                  "http": {"listen": f"tcp:{free_port()}:interface=127.0.0.1", "secret": SECRET},
+                  "streams": [CACHES]}
+        config.update(extra)
+        return config
+
+    def check(self, path):
+        return cli("check", "-c", path, cwd=os.path.dirname(path))
+
+    def assert_refused(self, result, start: str):
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertEqual(result.stderr.count("\n"), 1, result.stderr)
+        self.assertTrue(result.stderr.startswith(f"replicator: {start}"), result.stderr)
+        self.assertNotIn("Traceback", result.stderr + result.stdout)
+
+    def test_sqlite_file_not_created(self):
+        path = self.write(self.config({"sqlite": "state.db"}))
+        result = self.check(path)
+        self.assertEqual((result.returncode, result.stderr), (0, ""))
+        self.assertTrue(result.stdout.startswith("replicator: config ok: instance master"),
+                        result.stdout)
+        self.assertFalse(os.path.exists(os.path.join(os.path.dirname(path), "state.db")))
+
+    def test_config_mistakes(self):
+        self.assert_refused(self.check(self.write(self.config({"sqlite": "s.db"}, bogus=1))),
+                            "config: bogus: unknown key")
+        tls = self.config({"sqlite": "s.db"}, replication={
+            "listen": f"ssl:{free_port()}:interface=127.0.0.1:privateKey=/nonexistent.key:"
+                      "certKey=/nonexistent.crt"})
+        self.assert_refused(self.check(self.write(tls)), "config: replication.listen")
+
+    def test_postgres(self):
+        server = PostgresServer.shared()
+        dsn = server.dsn(server.create_database("check"))
+        # A fresh database: start would create the tables; check creates nothing.
+        result = self.check(self.write(self.config({"postgres": dsn})))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("database reachable", result.stdout)
+        with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM information_schema.tables "
+                        "WHERE table_schema = current_schema()")
+            self.assertEqual(cur.fetchone()[0], 0)
+            # A table that lacks a configured column is what start refuses.
+            cur.execute("CREATE TABLE cache_invalidation_stream (stream_id bigint, "
+                        "instance_name text, cache_func text, invalidation_ts bigint)")
+        conn.close()
+        self.assert_refused(self.check(self.write(self.config({"postgres": dsn}))),
+                            "config: streams[0].columns[1]: unknown column 'keys'")
+        # A stream this instance only reads: its table must exist already.
+        reader = dict(CACHES, name="events", table="events_stream", writers=["worker1"])
+        self.assert_refused(
+            self.check(self.write(self.config({"postgres": dsn}, streams=[reader]))),
+            "config: streams[0].table: table 'events_stream' does not exist")
+
+    def test_unreachable_database(self):
+        port = free_port()
+        result = self.check(self.write(self.config({
+            "postgres": f"host=127.0.0.1 port={port} dbname=x user=x password=hidden-pw "
+                        "connect_timeout=5"})))
+        self.assert_refused(result, "database.postgres: cannot connect")
+        self.assertNotIn("hidden-pw", result.stderr)
