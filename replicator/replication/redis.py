@@ -45,7 +45,14 @@ Synapse's facts from there.  (A POSITION for a stream Synapse does not know
 breaks Synapse's subscription; a writer of a stream it has enters its ID
 generators: neither can happen on a channel it does not read.)
 
-(A little over 400 lines, for one job: the two Redis links, their
+Without that section a Synapse may still be on our channel (an operator
+pointed us at its Redis and forgot the section): :mod:`.synapse_watch`
+tells it apart, and once it was seen we publish nothing more there
+(``synapse_seen``, a health problem).  To see it before harming it, every
+registration asks first (REPLICATE) and holds our own lines for
+``synapse_probe`` seconds, and every REPLICATE is answered that late.
+
+(A little under 500 lines, for one job: the two Redis links, their
 readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
 """
