@@ -276,3 +276,79 @@ class HealthReasonTests(SynchronousTestCase):
         self.assertIsNone(monitor.problem(True, "connected"))
         reasons[0] = "Synapse is on redis channel example.org"
         self.assertEqual(monitor.problem(True, "connected"), reasons[0])
+
+
+class _Handler:
+    """What the Redis link calls on its handler, recorded."""
+
+    def __init__(self, link_lines):
+        self.registry = [types.SimpleNamespace(name="app_events")]
+        self.link_lines = link_lines
+        self.answered = 0
+
+    def new_connection(self, conn):
+        conn.send_lines([b"POSITION app_events app1 5 5\n"], "POSITION")
+
+    def lost_connection(self, conn, reason):
+        pass
+
+    def on_REPLICATE(self, conn, cmd):
+        self.answered += 1
+        conn.send_lines([b"POSITION app_events app1 6 6\n"], "POSITION")
+
+    def on_POSITION(self, conn, cmd):
+        pass
+
+
+class HoldTests(SynchronousTestCase):
+    """In memory: a registration without the ``synapse:`` section publishes
+    REPLICATE alone, keeps our lines for ``synapse_probe`` seconds, then
+    publishes them in order and answers; a Synapse seen meanwhile gets
+    none of them."""
+
+    def setUp(self):
+        self.clock = task.Clock()
+        self.published = []
+        self.handler = _Handler(self.published)
+        self.link = RedisReplication(self.clock, RedisConfig("tcp:host=127.0.0.1:port=1"),
+                                     self.handler, CHANNEL, "app1", clock=self.clock)
+        self.link.publish_lines = lambda lines, channel=None: self.published.extend(lines)
+        self.link._subscribed, self.link.publisher = True, object()
+        self.link.subscriber = object()
+        self.link._maybe_register()
+
+    def hear(self, line):
+        self.link.message_received(self.link.subscriber, CHANNEL.encode(), line.encode())
+
+    def test_asks_first_then_publishes_what_it_held_in_order(self):
+        self.link.conn.send_lines([b"RDATA app_events app1 6 [\"x\"]\n"])
+        self.hear("REPLICATE ")  # our own echo: one answer for all
+        self.assertEqual(self.published, [b"REPLICATE \n"])
+        self.clock.advance(1.0)
+        self.assertEqual(self.published, [
+            b"REPLICATE \n", b"POSITION app_events app1 5 5\n",
+            b"RDATA app_events app1 6 [\"x\"]\n", b"POSITION app_events app1 6 6\n"])
+        self.assertEqual(self.handler.answered, 1)
+        # Later REPLICATEs are answered late too, live lines go out at once.
+        self.hear("REPLICATE ")
+        self.link.conn.send_lines([b"RDATA app_events app1 7 [\"y\"]\n"])
+        self.assertEqual(self.handler.answered, 1)
+        self.clock.advance(1.0)
+        self.assertEqual(self.handler.answered, 2)
+
+    def test_a_synapse_seen_while_holding_gets_nothing(self):
+        self.link.conn.send_lines([b"RDATA app_events app1 6 [\"x\"]\n"])
+        self.hear("POSITION typing master 3 3")
+        self.clock.advance(5.0)
+        self.assertEqual(self.published, [b"REPLICATE \n"])
+        self.assertEqual(self.handler.answered, 0)
+        self.assertIn("POSITION typing master", self.link.synapse_seen)
+
+    def test_too_much_held_is_dropped_and_the_answer_announces(self):
+        from replicator.replication.redis import HOLD_MAX_LINES
+
+        self.link.conn.send_lines([b"RDATA app_events app1 batch [\"x\"]\n"] * HOLD_MAX_LINES)
+        self.link.conn.send_lines([b"RDATA app_events app1 6 [\"x\"]\n"])
+        self.clock.advance(1.0)
+        self.assertEqual(self.published,
+                         [b"REPLICATE \n", b"POSITION app_events app1 6 6\n"])

@@ -369,16 +369,18 @@ class RedisReplication(MultiService):
     def hold(self, lines: List[bytes], command_name: str) -> bool:
         """While registering without the ``synapse:`` section, keep our
         lines (but REPLICATE) for :meth:`_answer`; True if kept.  Bounded:
-        past ``HOLD_MAX_LINES`` all are dropped (counted), as for a lost
-        publisher, and the announcement makes readers catch up."""
+        past ``HOLD_MAX_LINES`` these and all later ones until the answer
+        are dropped (counted), as for a lost publisher, and the answer's
+        positions make readers catch up from the tables (a later fact
+        published after a dropped one would leave a reader a gap)."""
         held = self._held
         if held is None or command_name == "REPLICATE":
             return False
         if self._held_count + len(lines) > HOLD_MAX_LINES:
             metrics.COMMANDS_DROPPED.labels(command_name, "synapse_probe").inc(
-                self._held_count + len(lines))
+                len(lines) + sum(len(h) for h in held))
             held.clear()
-            self._held_count = 0
+            self._held_count = HOLD_MAX_LINES  # full until the answer
             return True
         held.append(lines)
         self._held_count += len(lines)
