@@ -113,7 +113,8 @@ class SynapseStandIn:
 
     def stop(self) -> None:
         self._stop = True
-        self.thread.join(5) if self.thread.is_alive() else None
+        if self.thread.is_alive():
+            self.thread.join(5)
         self.sub.close()
         self.pub.close()
 
