@@ -4,6 +4,10 @@ A :class:`HealthMonitor` per instance decides whether this instance's
 readers are getting the facts they should, and says which (stream, writer)
 is not.  Its problems, in the order they are reported:
 
+0. a *standing condition* (``conditions``): e.g. a Synapse seen on this
+   instance's Redis channel, which stops it publishing there
+   (:mod:`replicator.replication.synapse_watch`); reported at once and
+   until a restart.
 1. *not connected* (a worker): a replication link is down.
 2. *committed, not received* (any instance that reads): readers share the
    writers' database, so every ``check_interval`` seconds one indexed query
@@ -31,7 +35,7 @@ check runs at a time.  The gauges ``replicator_unreceived_facts`` and
 
 import threading
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from twisted.application.internet import TimerService
 from twisted.internet import defer
@@ -95,8 +99,11 @@ class HealthMonitor(TimerService):
     """
 
     def __init__(self, *, registry, handler, db, clock, lag_grace: float = 10.0,
-                 check_interval: float = 5.0, expect_upstream: bool = False):
+                 check_interval: float = 5.0, expect_upstream: bool = False,
+                 conditions: Sequence[Callable[[], Optional[str]]] = ()):
         self.registry = registry
+        #: Each returns a problem that holds until a restart, or None.
+        self.conditions = list(conditions)
         self.handler = handler
         self.db = db
         self._clock = clock
@@ -246,6 +253,10 @@ class HealthMonitor(TimerService):
     def problem(self, connected: bool, detail: str) -> Optional[str]:
         """The first replication problem, or None.  ``connected`` and
         ``detail`` are the replication links' status."""
+        for condition in self.conditions:
+            problem = condition()
+            if problem is not None:
+                return problem
         if self.expect_upstream and not connected:
             return f"replication not connected: {detail}"
         problem = self.unreceived_problem()

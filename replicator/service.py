@@ -148,6 +148,11 @@ class Instance:
             return False, f"not connected to redis {rep.redis.endpoint}"
         return True, "connected"
 
+    def _synapse_seen(self) -> Optional[str]:
+        """A Synapse on our Redis channel without the ``synapse:`` section
+        (this instance stopped publishing there), as a health problem."""
+        return self.redis.synapse_seen if self.redis is not None else None
+
     # ------------------------------------------------------------- start
     async def start(self) -> None:
         config = self.config
@@ -182,7 +187,7 @@ class Instance:
         self.health = HealthMonitor(
             registry=self.registry, handler=self.handler, db=self.db, clock=self.reactor,
             lag_grace=config.health.lag_grace, check_interval=config.health.check_interval,
-            expect_upstream=self.is_worker)
+            expect_upstream=self.is_worker, conditions=[self._synapse_seen])
         self.health.setServiceParent(self.services)
         if config.http.listen:
             from .http import HttpApi

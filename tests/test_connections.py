@@ -355,6 +355,9 @@ class RedisHealthyResetTests(TestCase):
             def lost_connection(self, conn, reason):
                 pass
 
+            def on_REPLICATE(self, conn, cmd):
+                pass
+
         link = RedisReplication(reactor, RedisConfig(redis.endpoint), Handler(), "hs.test",
                                 "w1", ping_interval=1.0, ping_timeout=0.5,
                                 initial_delay=0.5, max_delay=30, clock=clock)

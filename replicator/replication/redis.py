@@ -45,7 +45,14 @@ Synapse's facts from there.  (A POSITION for a stream Synapse does not know
 breaks Synapse's subscription; a writer of a stream it has enters its ID
 generators: neither can happen on a channel it does not read.)
 
-(A little over 400 lines, for one job: the two Redis links, their
+Without that section a Synapse may still be on our channel (an operator
+pointed us at its Redis and forgot the section): :mod:`.synapse_watch`
+tells it apart, and once it was seen we publish nothing more there
+(``synapse_seen``, a health problem).  To see it before harming it, every
+registration asks first (REPLICATE) and holds our own lines for
+``synapse_probe`` seconds, and every REPLICATE is answered that late.
+
+(A little under 500 lines, for one job: the two Redis links, their
 readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
 """
@@ -65,6 +72,7 @@ from ..backoff import Backoff
 from ..config import RedisConfig
 from ..logs import printable
 from .commands import ReplicateCommand, parse_line
+from .synapse_watch import SynapseWatch
 
 log = Logger()
 
@@ -74,6 +82,12 @@ OWN_CHANNEL_SUFFIX = "/replicator"
 OWN_INSTANCE_FIELDS = {"RDATA": "instance_name", "POSITION": "instance_name",
                        "USER_SYNC": "instance_id", "CLEAR_USER_SYNC": "instance_id",
                        "FEDERATION_ACK": "instance_name"}
+#: Without the ``synapse:`` section, how long a REPLICATE's answer (and, on
+#: registration, our own announcements) waits for a Synapse to show itself.
+SYNAPSE_PROBE = 1.0
+#: Lines held that long at most; past that they are dropped, and the
+#: positions announced at the end make readers catch up from the tables.
+HOLD_MAX_LINES = 10_000
 
 
 class _RedisFactory(Factory):
@@ -178,6 +192,8 @@ class RedisConnection:
     def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
         if self.closed:
             return False
+        if self._owner.hold(lines, command_name):
+            return True
         self._owner.publish_lines(lines)
         metrics.COMMANDS_OUT.labels(command_name, NAME).inc(len(lines))
         return True
@@ -195,7 +211,8 @@ class RedisReplication(MultiService):
     def __init__(self, reactor, config: RedisConfig, handler, server_name: str,
                  instance_name: str, ping_interval: float = 10.0, ping_timeout: float = 5.0,
                  initial_delay: float = 0.5, max_delay: float = 30.0, clock=None,
-                 synapse_server_name: Optional[str] = None):
+                 synapse_server_name: Optional[str] = None,
+                 synapse_probe: float = SYNAPSE_PROBE):
         super().__init__()
         self.reactor = reactor
         #: Times pings, readiness, health and reconnect delays (default: reactor).
@@ -220,6 +237,14 @@ class RedisReplication(MultiService):
         self.publisher: Optional[_Publisher] = None
         self.conn: Optional[RedisConnection] = None
         self._subscribed = False
+        #: Without the section, what tells a Synapse on our channel apart.
+        self.watch = (SynapseWatch(self.channel, [s.name for s in handler.registry])
+                      if synapse_server_name is None else None)
+        self.synapse_probe = synapse_probe
+        #: While asking before announcing: our lines but REPLICATE, in order.
+        self._held: Optional[List[List[bytes]]] = None
+        self._held_count = 0
+        self._answer_call = None
         self._own_prefixes = tuple(
             f"{name} {stream.name} {instance_name} "
             for stream in handler.registry for name in ("RDATA", "POSITION"))
@@ -241,6 +266,12 @@ class RedisReplication(MultiService):
     @property
     def connected(self) -> bool:
         return self.conn is not None
+
+    @property
+    def synapse_seen(self) -> Optional[str]:
+        """Why this instance no longer publishes (a Synapse on its channel,
+        see :mod:`.synapse_watch`), for ``/health``; None while it does."""
+        return self.watch.evidence if self.watch is not None else None
 
     # ---------------------------------------------------------- lifecycle
     def startService(self):
@@ -311,6 +342,10 @@ class RedisReplication(MultiService):
             return
         self.last_error = None
         self.conn = RedisConnection(self)
+        if self.watch is not None:
+            # Ask first; announce once no Synapse answered (_answer).
+            self._held, self._held_count = [], 0
+            self._answer_later(self.conn)
         # The handler announces our writers' positions; then ask the others.
         self.handler.new_connection(self.conn)
         self.conn.send_command(ReplicateCommand())
@@ -319,7 +354,61 @@ class RedisReplication(MultiService):
             # catch up on what they missed.  The only line we put there.
             self.publish_lines([b"REPLICATE\n"], channel=self.synapse_channel.encode("utf-8"))
 
+    def _answer_later(self, conn) -> None:
+        """Answer REPLICATE ``synapse_probe`` seconds from now (one answer
+        for every REPLICATE until then), unless a Synapse showed up: it
+        answers a REPLICATE within a round trip, and announces its own
+        positions right after its own."""
+        if self._answer_call is None:
+            self._answer_call = self.clock.callLater(self.synapse_probe, self._answer, conn)
+
+    @property
+    def holding(self) -> bool:
+        return self._held is not None
+
+    def hold(self, lines: List[bytes], command_name: str) -> bool:
+        """While registering without the ``synapse:`` section, keep our
+        lines (but REPLICATE) for :meth:`_answer`; True if kept.  Bounded:
+        past ``HOLD_MAX_LINES`` these and all later ones until the answer
+        are dropped (counted), as for a lost publisher, and the answer's
+        positions make readers catch up from the tables (a later fact
+        published after a dropped one would leave a reader a gap)."""
+        held = self._held
+        if held is None or command_name == "REPLICATE":
+            return False
+        if self._held_count + len(lines) > HOLD_MAX_LINES:
+            metrics.COMMANDS_DROPPED.labels(command_name, "synapse_probe").inc(
+                len(lines) + sum(len(h) for h in held))
+            held.clear()
+            self._held_count = HOLD_MAX_LINES  # full until the answer
+            return True
+        held.append(lines)
+        self._held_count += len(lines)
+        return True
+
+    def _answer(self, conn) -> None:
+        self._answer_call = None
+        held, self._held = self._held, None
+        if conn is not self.conn or self.synapse_seen is not None:
+            return
+        for lines in held or ():
+            self.publish_lines(lines)
+        self.handler.on_REPLICATE(conn, ReplicateCommand())
+
+    def _stop_publishing(self, evidence: str) -> None:
+        """A Synapse is on our channel: nothing more goes there (until a
+        restart with the ``synapse:`` section); said once."""
+        call, self._answer_call = self._answer_call, None
+        if call is not None and call.active():
+            call.cancel()
+        self._held = None
+        log.error("redis: {evidence}", evidence=evidence, instance=self.instance_name)
+
     def _unregister(self, reason: str) -> None:
+        call, self._answer_call = self._answer_call, None
+        if call is not None and call.active():
+            call.cancel()
+        self._held = None
         conn, self.conn = self.conn, None
         if conn is not None:
             conn.closed = True
@@ -348,7 +437,11 @@ class RedisReplication(MultiService):
         on our channel (USER_IP on ours for it) unless ``channel`` is given.
 
         Lines for a lost publisher are dropped: the facts are in the
-        database, and the reconnect re-announces our positions."""
+        database, and the reconnect re-announces our positions.  Nothing is
+        published once a Synapse was seen on our channel."""
+        if self.synapse_seen is not None:
+            metrics.COMMANDS_DROPPED.labels("PUBLISH", "synapse_seen").inc(len(lines))
+            return
         publisher = self.publisher
         if publisher is None or not publisher.connected or publisher.transport is None:
             return
@@ -392,6 +485,13 @@ class RedisReplication(MultiService):
             log.debug("redis: ignoring line {line}: {error}", line=printable(message, 80),
                       error=printable(str(e) or type(e).__name__))
             return
+        if self.watch is not None:
+            evidence = self.watch.observe(cmd)
+            if evidence is not None:
+                self._stop_publishing(evidence)
+            if cmd.NAME == "REPLICATE":
+                self._answer_later(conn)  # unless a Synapse shows up first
+                return
         if cmd.NAME == "REPLICATE" and self.synapse_channel is not None:
             if isinstance(channel, bytes):
                 channel = channel.decode("utf-8", "replace")

@@ -25,7 +25,11 @@ read Synapse's preset streams, ``app1`` writes a stream of its own that
     200+ facts, every RDATA counted, parsed and applied by Synapse's handler
     (its tokens for ``tcphub`` reach ours), one connection, no ERROR;
 (g) ``replicator-export`` of the presets on Synapse's live database stops
-    at Synapse's persisted positions (``stream_positions``).
+    at Synapse's persisted positions (``stream_positions``);
+(h) an instance *without* the ``synapse:`` section (``app4``, writing a
+    stream of its own on Synapse's channel) sees Synapse there before it
+    announces anything: ``/health`` says to add the section, and Synapse
+    logs no ERROR and keeps its Redis subscription while ``app4`` writes.
 
 Synapse 1.163.2 refuses TCP replication in its config, so for (e) and (f)
 its processes are started by ``synapse_peer.py`` (run with Synapse's
@@ -330,6 +334,15 @@ class Replicator:
         if code not in (None, 0):
             raise Failed(f"{self.name} stopped with {code}")
 
+    def health(self):
+        """``(status, body)`` of ``GET /health``."""
+        url = f"http://127.0.0.1:{self.http_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
     def write(self, stream, rows):
         url = f"http://127.0.0.1:{self.http_port}/_replicator/v1/streams/{stream}/facts"
         return request("POST", url, {"rows": rows}, token=HTTP_SECRET)["stream_id"]
@@ -619,6 +632,41 @@ def export_presets(node, dsn, workdir, venv_bin):
         + "; ".join(got) + ": each bound = Synapse's persisted position")
 
 
+def undeclared_synapse(synapse, redis, dsn, workdir, venv_bin, nodes, subscribers_before):
+    """(h) An instance that forgot the ``synapse:`` section publishes on
+    Synapse's channel: it must see Synapse before harming it."""
+    own = {"name": "app_undeclared", "table": "app_undeclared", "columns": [{"body": "text"}],
+           "writers": ["app4"]}
+    app4 = Replicator("app4", workdir, dsn, redis, [own], venv_bin, synapse=False)
+    nodes.append(app4)
+    errors_before = len(synapse.errors())
+    app4.start()
+
+    def told():
+        status, body = app4.health()
+        return status == 503 and "`synapse:`" in body.get("reason", "") and body
+    body = wait(told, "app4's /health to name the synapse: section", timeout=60)
+    for i in range(20):
+        app4.write("app_undeclared", [[f"u{i}"]])
+    time.sleep(2)  # what app4 would have published has reached Synapse by now
+    errors = synapse.errors()[errors_before:]
+    if errors:
+        raise Failed(f"(h) Synapse logged {len(errors)} ERROR lines, first: {errors[0]}")
+    subscribers_after = synapse_subscribers(redis.port)
+    if not set(subscribers_before) <= set(subscribers_after):
+        raise Failed(f"(h) Synapse's Redis subscription reconnected: "
+                     f"{subscribers_before} -> {subscribers_after}")
+    with open(os.path.join(app4.dir, "stdout.log"), errors="replace") as f:
+        told_lines = [line for line in f if "`synapse:`" in line]
+    if len(told_lines) != 1:
+        raise Failed(f"(h) app4 logged {len(told_lines)} lines naming `synapse:`")
+    app4.stop()
+    nodes.remove(app4)
+    log(f"(h) app4 without the synapse: section saw Synapse on its channel: /health 503 "
+        f"({body['reason'][:70]}...), one log line; 20 facts of app4, Synapse logged no "
+        f"ERROR and kept its Redis subscription")
+
+
 def positions_by_name(dsn):
     return {name: pos for name, writer, pos in synapse_positions(dsn) if writer == "master"}
 
@@ -745,6 +793,7 @@ def main() -> int:
                          f"{subscribers_before} -> {subscribers_after}")
         log(f"(b) Synapse logged no ERROR; its Redis subscription (client "
             f"{','.join(subscribers_before)}) never reconnected")
+        undeclared_synapse(synapse, redis, dsn, workdir, venv_bin, nodes, subscribers_before)
         tcp_from_synapse(synapse, traffic, app3, dsn)
         tcp_to_synapse(synapse, traffic, pg, workdir, venv_bin, nodes)
         export_presets(app1, dsn, workdir, venv_bin)
