@@ -69,8 +69,8 @@ class WriterWatch:
         self.hub = hub
         self.via = via
         self._started_at = clock.seconds()
-        #: stream -> (linear token, when it was first seen there)
-        self._linear: Dict[str, Tuple[int, float]] = {}
+        #: stream -> (linear token, since when it is held there; None: not held)
+        self._linear: Dict[str, Tuple[int, Optional[float]]] = {}
 
     # -------------------------------------------------------------- links
     def _connections(self) -> Dict[str, float]:
@@ -121,16 +121,18 @@ class WriterWatch:
 
     # -------------------------------------------------------------- linear
     def observe(self) -> None:
-        """Note where each stream's linear token is (reactor thread)."""
+        """Note where each stream's linear token is and since when it is
+        held below the largest ID known (reactor thread)."""
         now = self._clock.seconds()
         for stream in self.registry:
             gen = stream.id_gen
             if gen is None:
                 continue
             linear = gen.get_linear_token()
+            held = linear < gen.get_max_known()
             seen = self._linear.get(stream.name)
-            if seen is None or seen[0] != linear:
-                self._linear[stream.name] = (linear, now)
+            if seen is None or seen[0] != linear or (seen[1] is None) == held:
+                self._linear[stream.name] = (linear, now if held else None)
 
     def held_for(self, stream) -> Optional[float]:
         """Seconds the linear token of ``stream`` has stayed below the
@@ -142,7 +144,7 @@ class WriterWatch:
         if linear >= gen.get_max_known():
             return None
         seen = self._linear.get(stream.name)
-        if seen is None or seen[0] != linear:
+        if seen is None or seen[0] != linear or seen[1] is None:
             return 0.0
         return self._clock.seconds() - seen[1]
 

@@ -10,6 +10,7 @@ With CI=true a missing ``chromium`` is a failure, never a skip.
 """
 
 import base64
+import fcntl
 import json
 import os
 import shutil
@@ -37,15 +38,19 @@ class Browser:
         self._from_child, from_child_w = os.pipe()
 
         def fds():
-            os.dup2(to_child_r, 3)
-            os.dup2(from_child_w, 4)
+            # Above 4 first (either end may be 3 or 4 already), then 3 and
+            # 4, inheritable (dup2 onto itself would keep close-on-exec).
+            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_child_r, from_child_w)]
+            for target, fd in zip((3, 4), high):
+                os.dup2(fd, target)
+                os.set_inheritable(target, True)
 
         self.proc = subprocess.Popen(
             [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--disable-background-networking", "--disable-component-update",
              "--disable-sync", "--hide-scrollbars", f"--window-size={width},{height}",
              f"--user-data-dir={self._profile}", "--remote-debugging-pipe", "about:blank"],
-            preexec_fn=fds, pass_fds=(to_child_r, from_child_w),
+            preexec_fn=fds, pass_fds=(3, 4),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_child_r)
         os.close(from_child_w)

@@ -154,7 +154,8 @@ class OperatorViewTests(SynchronousTestCase):
         pages = {}
         for name, d in (("worker1", w1), ("master", master)):
             browser.open(d.http_base + "/")
-            browser.wait("document.body.getAttribute('data-refreshed')", 60, f"{name}'s page")
+            browser.wait(f"location.href === {json.dumps(d.http_base + '/')} && document.body "
+                         "&& document.body.getAttribute('data-refreshed')", 60, f"{name}'s page")
             pages[name] = browser.evaluate(READ_PAGE)
             browser.screenshot(os.path.join(shots, f"status-{name}.png"))
         page = pages["master"]
