@@ -4,7 +4,7 @@ API and the metrics say about the *other* instances' writers.
 
 What an instance can know depends on where it stands:
 
-* the **hub** (a TCP master: ``replication.listen``) has one connection per
+* the **hub** (a TCP master: ``replication.listen``, no Redis) has one connection per
   worker, named by its ``NAME``: a remote writer is *connected* while a
   connection of that name is open (since it opened), else *disconnected*
   since its last connection closed, or *never connected* since start.
@@ -12,8 +12,10 @@ What an instance can know depends on where it stands:
   **Redis** peer through the bus: there is no connection per writer, and a
   writer does not announce itself on a timer (it speaks when it writes, or
   when its position moves), so ``connected`` is unknown (null) and what is
-  known is when it was **last heard** (its last POSITION or RDATA).  A
-  writer that is down shows there by holding the linear token.
+  known is when it was **last heard** (its last POSITION or RDATA; on a
+  TCP worker that includes the hub's answer to REPLICATE, which names every
+  writer the hub knows).  A writer that is down shows there by holding the
+  linear token.
 
 The **linear token** of a stream is held below the largest ID known by
 the remote writers whose position is the linear token, and by the lowest
@@ -51,7 +53,9 @@ def duration(seconds: float) -> str:
 def writer_watch(config, registry, handler, clock) -> "WriterWatch":
     """The :class:`WriterWatch` of an instance of ``config``."""
     rep = config.replication
-    return WriterWatch(registry=registry, handler=handler, clock=clock, hub=bool(rep.listen),
+    # A hub's writers connect to it; beside Redis they may be on the bus instead.
+    return WriterWatch(registry=registry, handler=handler, clock=clock,
+                       hub=bool(rep.listen) and not rep.redis,
                        via="upstream" if rep.upstream else "redis" if rep.redis else None)
 
 
