@@ -303,14 +303,17 @@ def cmd_positions(args) -> None:
     if args.json:
         _out(json.dumps(answer, indent=2))
         return
-    _out(f"{'stream':<20} {'writer':<16} {'position':>10} {'in_flight':>9} {'lag':>6}")
+    _out(f"{'stream':<20} {'writer':<16} {'position':>10} {'in_flight':>9} {'lag':>6}  link")
     for stream, info in sorted(answer.get("streams", {}).items()):
         for writer, w in sorted(info.get("writers", {}).items()):
             in_flight = w.get("in_flight", "-") if w.get("local") else "-"
             lag = w.get("lag", "-") if not w.get("local") else "-"
+            link = "(local)" if w.get("local") else w.get("link", "-")
             _out(f"{stream:<20} {writer:<16} {w.get('position', '-')!s:>10} "
-                 f"{in_flight!s:>9} {lag!s:>6}")
-        _out(f"{stream:<20} {'(linear)':<16} {info.get('linear', '-')!s:>10}")
+                 f"{in_flight!s:>9} {lag!s:>6}  {link}")
+        holder = info.get("linear_holder")
+        held = f"  {holder['text']}" if holder else ""
+        _out(f"{stream:<20} {'(linear)':<16} {info.get('linear', '-')!s:>10}{held}")
 
 
 # ---------------------------------------------------------------- check

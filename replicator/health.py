@@ -24,6 +24,14 @@ is not.  Its problems, in the order they are reported:
    from which no POSITION or RDATA has arrived ``lag_grace`` seconds after
    start (a writer that is down, or a hub that does not know it).
 
+Every check gives :class:`Finding` s (what, which stream and writer, the
+banner's line, the row's verdict, whether it fails ``/health``):
+:meth:`HealthMonitor.findings` is the one list the banner, the rows of the
+status page and ``/health`` (its first finding that fails health) all come
+from.  A :class:`replicator.writers.WriterWatch`, when given, adds the
+writers' findings (a writer down, a linear token held): warnings that show
+on the page and never fail ``/health`` (this instance still serves).
+
 Invariants: a problem is reported only once its condition has lasted the
 grace (no flapping under load); the query counts committed rows only (a
 plain ``SELECT`` sees nothing uncommitted) and at most ``COUNT_LIMIT``
@@ -35,7 +43,7 @@ check runs at a time.  The gauges ``replicator_unreceived_facts`` and
 
 import threading
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from twisted.application.internet import TimerService
 from twisted.internet import defer
@@ -54,6 +62,31 @@ COUNT_LIMIT = 10_000
 VERDICT_WAIT = 2.0
 #: Observations kept per key (a staircase of "first seen" times).
 MAX_OBSERVATIONS = 64
+
+
+class Finding(NamedTuple):
+    """One thing found wrong.  ``kind`` says which check (``link``,
+    ``condition``, ``unloaded``, ``unreceived``, ``lagging``, ``work``,
+    ``never_announced``, ``writer_down``, ``linear_held``); ``stream`` and
+    ``writer`` what it is about (None: every stream of that writer, or the
+    whole instance); ``text`` the banner's line; ``verdict`` the row's;
+    ``fails_health`` whether ``/health`` answers 503 for it.  The identity of
+    a finding that goes on is ``(kind, stream, writer)``."""
+
+    kind: str
+    stream: Optional[str]
+    writer: Optional[str]
+    text: str
+    verdict: str
+    fails_health: bool = True
+
+    @property
+    def key(self) -> Tuple[str, Optional[str], Optional[str]]:
+        return (self.kind, self.stream, self.writer)
+
+    def about(self, stream: str, writer: str) -> bool:
+        """Whether this finding is about the row (stream, writer)."""
+        return self.writer == writer and self.stream in (None, stream)
 
 
 class _Unreceived:
@@ -100,7 +133,7 @@ class HealthMonitor(TimerService):
 
     def __init__(self, *, registry, handler, db, clock, lag_grace: float = 10.0,
                  check_interval: float = 5.0, expect_upstream: bool = False,
-                 conditions: Sequence[Callable[[], Optional[str]]] = ()):
+                 conditions: Sequence[Callable[[], Optional[str]]] = (), writers=None):
         self.registry = registry
         #: Each returns a problem that holds until a restart, or None.
         self.conditions = list(conditions)
@@ -110,6 +143,7 @@ class HealthMonitor(TimerService):
         self.lag_grace = lag_grace
         self.check_interval = check_interval
         self.expect_upstream = expect_upstream
+        self.writers = writers  # a WriterWatch, or None
         self._behind_since: Dict[Any, float] = {}
         self._unreceived: Dict[Key, _Unreceived] = {}
         self._started_at = clock.seconds()
@@ -146,6 +180,8 @@ class HealthMonitor(TimerService):
         not started twice."""
         if self._checking is not None:
             return self._checking
+        if self.writers is not None:
+            self.writers.observe()
         keys = self._remote_keys()
         if not keys:
             return defer.succeed(None)
@@ -205,11 +241,12 @@ class HealthMonitor(TimerService):
                 now - oldest if oldest is not None else 0)
 
     # ------------------------------------------------------------ verdict
-    def unreceived_problem(self) -> Optional[str]:
-        """The first (stream, writer) with a committed fact unreceived for
-        ``lag_grace`` seconds, as one line; else None."""
+    def _unreceived_findings(self) -> List[Finding]:
+        """Every (stream, writer) with a committed fact unreceived for
+        ``lag_grace`` seconds."""
         now = self._clock.seconds()
         positions = self.handler.reader_positions()
+        out = []
         for key in sorted(self._unreceived):
             state = self._unreceived[key]
             state.prune(positions.get(key) or 0)
@@ -217,53 +254,87 @@ class HealthMonitor(TimerService):
             if oldest is not None and now - oldest >= self.lag_grace:
                 count = f"{COUNT_LIMIT}+" if state.capped else str(state.count)
                 noun = "fact" if count == "1" else "facts"
-                return (f"stream {key[0]}: writer {key[1]} has {count} committed {noun} "
-                        f"not received for {now - oldest:.0f}s")
-        return None
+                what = f"{count} committed {noun} not received for {now - oldest:.0f}s"
+                out.append(Finding("unreceived", key[0], key[1],
+                                   f"stream {key[0]}: writer {key[1]} has {what}", what))
+        return out
 
-    def lag_problem(self) -> Optional[str]:
-        """A stream that lagged (or work that stayed queued) for the grace."""
+    def _lag_findings(self) -> List[Finding]:
+        """Streams that lagged (or work that stayed queued) for the grace."""
         now = self._clock.seconds()
-        behind = {key: f"stream {key[0]}/{key[1]} lagging by {lag}"
-                  for key, lag in self.handler.reader_lag().items() if lag}
+        behind = {key: lag for key, lag in self.handler.reader_lag().items() if lag}
         if not self.handler.idle():
-            behind["work"] = "replication catching up (work queued)"
+            behind["work"] = None
         since = self._behind_since
         for key in [k for k in since if k not in behind]:
             del since[key]
+        out = []
         for key in sorted(behind, key=str):
             started = since.setdefault(key, now)
-            if now - started >= self.lag_grace:
-                return f"{behind[key]} for {now - started:.0f}s"
-        return None
+            if now - started < self.lag_grace:
+                continue
+            for_ = f"for {now - started:.0f}s"
+            if key == "work":
+                out.append(Finding("work", None, None,
+                                   f"replication catching up (work queued) {for_}", "", True))
+            else:
+                what = f"lagging by {behind[key]} {for_}"
+                out.append(Finding("lagging", key[0], key[1],
+                                   f"stream {key[0]}/{key[1]} {what}", what))
+        return out
 
-    def silent_problem(self) -> Optional[str]:
-        """A configured remote writer never heard of after the grace."""
+    def _silent_findings(self) -> List[Finding]:
+        """Configured remote writers never heard of after the grace."""
         waited = self._clock.seconds() - self._started_at
         if waited < self.lag_grace:
-            return None
+            return []
         heard = self.handler.reader_heard()
+        out = []
         for stream in self.registry:
             for writer in stream.config.writers:
                 if writer not in stream.local_writers and (stream.name, writer) not in heard:
-                    return (f"stream {stream.name}: writer {writer} never announced anything "
-                            f"in {waited:.0f}s")
-        return None
+                    what = f"never announced anything in {waited:.0f}s"
+                    out.append(Finding("never_announced", stream.name, writer,
+                                       f"stream {stream.name}: writer {writer} {what}", what))
+        return out
+
+    def unreceived_problem(self) -> Optional[str]:
+        """The first (stream, writer) with a committed fact unreceived for
+        ``lag_grace`` seconds, as one line; else None."""
+        return _first_text(self._unreceived_findings())
+
+    def lag_problem(self) -> Optional[str]:
+        """A stream that lagged (or work that stayed queued) for the grace."""
+        return _first_text(self._lag_findings())
+
+    def silent_problem(self) -> Optional[str]:
+        """A configured remote writer never heard of after the grace."""
+        return _first_text(self._silent_findings())
+
+    def findings(self, connected: bool, detail: str) -> List[Finding]:
+        """Everything found, in the order ``/health`` reports it: the link
+        (where one is expected), unreceived facts, lag and queued work and
+        writers never heard (where a link is expected), then the writers'
+        warnings.  ``connected`` and ``detail`` are the links' status."""
+        out: List[Finding] = []
+        for condition in self.conditions:
+            text = condition()
+            if text is not None:
+                out.append(Finding("condition", None, None, text, ""))
+        if self.expect_upstream and not connected:
+            out.append(Finding("link", None, None, f"replication not connected: {detail}", ""))
+        out += self._unreceived_findings()
+        if self.expect_upstream:
+            out += self._lag_findings()
+            out += self._silent_findings()
+        if self.writers is not None:
+            out += self.writers.findings(self.lag_grace)
+        return out
 
     def problem(self, connected: bool, detail: str) -> Optional[str]:
-        """The first replication problem, or None.  ``connected`` and
-        ``detail`` are the replication links' status."""
-        for condition in self.conditions:
-            problem = condition()
-            if problem is not None:
-                return problem
-        if self.expect_upstream and not connected:
-            return f"replication not connected: {detail}"
-        problem = self.unreceived_problem()
-        if problem is None and self.expect_upstream:
-            problem = self.lag_problem() or self.silent_problem()
-        return problem
-
+        """The first replication problem that fails ``/health``, or None.
+        ``connected`` and ``detail`` are the replication links' status."""
+        return _first_text(self.findings(connected, detail))
 
     def healthy(self, connected: bool, detail: str) -> bool:
         """The verdict ``/health`` gives, without its database probe: every
@@ -300,6 +371,14 @@ class HealthMonitor(TimerService):
             return [(metrics.HEALTHY, (), 1 if answer and answer[0] else 0)]
 
         return source
+
+
+def _first_text(findings: List[Finding]) -> Optional[str]:
+    """The line of the first finding that fails health, or None."""
+    for finding in findings:
+        if finding.fails_health:
+            return finding.text
+    return None
 
 
 def _count_unreceived(txn, queries) -> Dict[Key, Tuple[Optional[int], int]]:

@@ -4,7 +4,9 @@ At each scrape, in the scrape's thread, :class:`InstanceMetrics` reads the
 instance's live state once and returns it as samples: every loaded stream's
 positions, linear token and in-flight IDs; each reader's lag; per peer
 label, the commands queued while its connection is paused and the bytes
-its transport has not sent; the master's bookkeeping; the health verdict.
+its transport has not sent; the master's bookkeeping; the writers' links
+and how long each linear token has been held (:mod:`.writers`); the health
+verdict.
 
 Invariants: nothing here is written on the hot path or kept between
 scrapes; reactor-owned collections are read through one-step snapshots
@@ -73,15 +75,18 @@ class InstanceMetrics:
     """
 
     def __init__(self, *, registry, handler,
-                 healthy: Optional[Callable[[], List[metrics.Sample]]] = None):
+                 healthy: Optional[Callable[[], List[metrics.Sample]]] = None, writers=None):
         self.registry = registry
         self.handler = handler
         self.healthy = healthy
+        self.writers = writers  # a WriterWatch: writers' links, linear tokens held
 
     def __call__(self) -> List[metrics.Sample]:
         samples = stream_samples(self.registry)
         samples += connection_samples(self.handler)
         samples += self.handler.bookkeeping.metric_samples()
+        if self.writers is not None:
+            samples += self.writers.metric_samples()
         if self.healthy is not None:
             samples += self.healthy()
         return samples

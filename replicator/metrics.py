@@ -198,8 +198,21 @@ HEALTHY = LiveGauge(
     "1 while this instance's /health replication verdict is OK (streams loaded, replication "
     "links up and keeping up, the unreceived-facts check answering), else 0; set at scrape "
     "time")
+WRITER_CONNECTED = LiveGauge(
+    "replicator_writer_connected",
+    "On a TCP master (hub): 1 while a connection of this remote writer is open, else 0 "
+    "(disconnected or never connected); absent where writers do not connect here", ["writer"])
+WRITER_HEARD_AGE = LiveGauge(
+    "replicator_writer_heard_age_seconds",
+    "Seconds since the last POSITION or RDATA of this remote writer of the stream arrived; "
+    "absent until one did", ["stream", "writer"])
+LINEAR_HELD = LiveGauge(
+    "replicator_linear_held_seconds",
+    "Seconds the stream's linear token has stayed below the largest ID known (0: not held); "
+    "the status page and the positions API name what holds it", ["stream"])
 LIVE_GAUGES = (STREAM_POSITION, STREAM_LINEAR_POSITION, IN_FLIGHT, PENDING_COMMANDS,
-               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION, HEALTHY)
+               TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION, HEALTHY,
+               WRITER_CONNECTED, WRITER_HEARD_AGE, LINEAR_HELD)
 
 #: One live sample: the gauge, its label values, the value.
 Sample = Tuple[LiveGauge, Tuple[str, ...], float]

@@ -26,11 +26,13 @@ from .health import HealthMonitor
 from .instance_metrics import InstanceMetrics
 from .listening import ListeningService
 from .replication.handler import ReplicationHandler
+from .roles import has_replication_link, role
 from .replication.peers import local_names, policy_from_config
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
 from .startup import StartupError, fd_budget_problem, hide_password, os_reason
 from .storage.database import Database
 from .streams.registry import StreamRegistry
+from .writers import writer_watch
 
 __all__ = ["Instance", "MetricsThread", "StartupError", "fd_budget_problem"]
 
@@ -118,6 +120,7 @@ class Instance:
         self.redis = None
         self.http = None
         self.health: Optional[HealthMonitor] = None
+        self.writers = None  # WriterWatch, made at start
         self.live_metrics: Optional[InstanceMetrics] = None
         self._stopped = False
         #: Whether start() completed.
@@ -132,8 +135,14 @@ class Instance:
 
     @property
     def is_worker(self) -> bool:
-        rep = self.config.replication
-        return bool(rep.upstream or rep.redis)
+        """Whether health counts a replication link of this instance's own
+        (:func:`replicator.roles.has_replication_link`)."""
+        return has_replication_link(self.config)
+
+    @property
+    def role(self) -> str:
+        """``master`` or ``worker`` (:func:`replicator.roles.role`)."""
+        return role(self.config)
 
     def replication_status(self) -> Tuple[bool, str]:
         """Whether this instance's replication links are up (workers)."""
@@ -184,10 +193,12 @@ class Instance:
                 initial_delay=rep.reconnect_initial_delay, max_delay=rep.reconnect_max_delay,
                 synapse_server_name=config.synapse.server_name if config.synapse else None)
             self.redis.setServiceParent(self.services)
+        self.writers = writer_watch(config, self.registry, self.handler, self.reactor)
         self.health = HealthMonitor(
             registry=self.registry, handler=self.handler, db=self.db, clock=self.reactor,
             lag_grace=config.health.lag_grace, check_interval=config.health.check_interval,
-            expect_upstream=self.is_worker, conditions=[self._synapse_seen])
+            expect_upstream=self.is_worker, conditions=[self._synapse_seen],
+            writers=self.writers)
         self.health.setServiceParent(self.services)
         if config.http.listen:
             from .http import HttpApi
@@ -196,10 +207,11 @@ class Instance:
             from .status import StatusRecorder
 
             recorder = StatusRecorder(handler=self.handler, clock=self.reactor,
-                                      problem=lambda: self.http.current_problem())
+                                      findings=lambda: self.http.current_findings())
             self.http = HttpApi(config=config, registry=self.registry, handler=self.handler,
                                 db=self.db, replication_status=self.replication_status,
-                                clock=self.reactor, health=self.health, status=recorder)
+                                clock=self.reactor, health=self.health, status=recorder,
+                                writers=self.writers)
             recorder.setServiceParent(self.services)
             self._listen(config.http.listen, self.http.site(), "HTTP", key="http.listen")
         if config.http.metrics_listen:
@@ -208,7 +220,7 @@ class Instance:
             self._binding.append(metrics_thread)
         self.live_metrics = InstanceMetrics(
             registry=self.registry, handler=self.handler,
-            healthy=self.health.healthy_source(self.replication_status))
+            healthy=self.health.healthy_source(self.replication_status), writers=self.writers)
         metrics.add_source(self.live_metrics)
         self.services.startService()
         # One by one, so that the first failure is raised as itself (not
@@ -227,7 +239,7 @@ class Instance:
         gc.freeze()
         self._started = True
         sdnotify.ready()
-        sdnotify.status(f"{config.instance_name}: {len(self.registry)} streams")
+        sdnotify.status(f"{config.instance_name} ({self.role}): {len(self.registry)} streams")
         log.info("instance {name} of {server} ready", name=config.instance_name,
                  server=config.server_name)
 

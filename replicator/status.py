@@ -12,8 +12,9 @@ Parts:
 * :class:`StatusRecorder` — a service that samples every reader's lag each
   ``interval`` seconds on the injected clock into a bounded ring per
   (stream, writer) covering ``window`` seconds, and remembers the health
-  problems seen (a bounded ring of ``(since, latest reason)``: a problem
-  that goes on with other figures updates its entry).
+  findings seen (a bounded ring of :class:`Problem`: from, to or ongoing,
+  the latest line; a finding that goes on with other figures updates its
+  entry).
 * :func:`snapshot` — the page's content as a JSON-able dict.
 * :mod:`.status_page` — the page rendered from it, its stylesheet and its
   script.
@@ -23,7 +24,6 @@ key, :data:`MAX_PROBLEMS` problems; the handler keeps its own bounded ring
 of disconnects); nothing here blocks or touches the database.
 """
 
-import re
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
@@ -31,6 +31,7 @@ from twisted.application.internet import TimerService
 from twisted.logger import Logger
 
 from . import __version__
+from .health import Finding
 from .replication.handler import peer_address
 
 log = Logger(namespace="replicator.status")
@@ -46,29 +47,49 @@ MAX_IN_FLIGHT_SHOWN = 10
 Key = Tuple[str, str]
 
 
+class Problem:
+    """One entry of "Recent problems": a finding from ``since`` to
+    ``until`` (None: ongoing), with its latest line."""
+
+    __slots__ = ("key", "since", "until", "reason", "fails_health")
+
+    def __init__(self, key, since: float, reason: str, fails_health: bool):
+        self.key = key
+        self.since = since
+        self.until: Optional[float] = None
+        self.reason = reason
+        self.fails_health = fails_health
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"at": self.since, "until": self.until, "reason": self.reason,
+                "fails_health": self.fails_health}
+
+
 class StatusRecorder(TimerService):
-    """Samples reader lag and health problems for the status page, every
+    """Samples reader lag and the health findings for the status page, every
     ``interval`` seconds while running (from its start on).
 
-    ``problem()`` returns the current health problem (a line) or None.
+    ``findings()`` returns the current :class:`replicator.health.Finding` s.
+    A finding is one problem for as long as its ``(kind, stream, writer)``
+    is found at every sample; it ends at the first sample without it.
     """
 
-    def __init__(self, *, handler, problem: Callable[[], Optional[str]], clock,
+    def __init__(self, *, handler, findings: Callable[[], List[Finding]], clock,
                  interval: float = SAMPLE_INTERVAL, window: float = WINDOW):
         self._clock = clock
         self.handler = handler
-        self._problem = problem
+        self._findings = findings
         self.interval = interval
         self.window = window
         self._size = max(1, int(window // interval) + 1)
         self.lag: Dict[Key, Deque[Tuple[float, int]]] = {}
-        self.problems: Deque[Tuple[float, str]] = deque(maxlen=MAX_PROBLEMS)
-        self.current_problem: Optional[str] = None
+        self.problems: Deque[Problem] = deque(maxlen=MAX_PROBLEMS)
+        self._ongoing: Dict[Any, Problem] = {}
         super().__init__(interval, self.sample)
         self.clock = clock
 
     def sample(self) -> None:
-        """One sample of every reader's lag and of the health verdict."""
+        """One sample of every reader's lag and of the health findings."""
         now = self._clock.seconds()
         for key, lag in self.handler.reader_lag().items():
             ring = self.lag.get(key)
@@ -76,18 +97,24 @@ class StatusRecorder(TimerService):
                 ring = self.lag[key] = deque(maxlen=self._size)
             ring.append((now, lag))
         try:
-            problem = self._problem()
+            found = self._findings()
         except Exception:
-            log.failure("Computing the health verdict failed")
-            problem = "health verdict unavailable"
-        if problem is not None:
-            last = self.problems[-1] if self.problems else None
-            if last is not None and self.current_problem is not None \
-                    and _kind(last[1]) == _kind(problem):
-                self.problems[-1] = (last[0], problem)  # the same problem, still going
+            log.failure("Computing the health findings failed")
+            found = [Finding("verdict", None, None, "health verdict unavailable", "")]
+        seen = set()
+        for finding in found:
+            if finding.key in seen:
+                continue
+            seen.add(finding.key)
+            entry = self._ongoing.get(finding.key)
+            if entry is not None and entry in self.problems:
+                entry.reason = finding.text  # the same problem, still going
             else:
-                self.problems.append((now, problem))
-        self.current_problem = problem
+                entry = self._ongoing[finding.key] = Problem(
+                    finding.key, now, finding.text, finding.fails_health)
+                self.problems.append(entry)
+        for key in [k for k in self._ongoing if k not in seen]:
+            self._ongoing.pop(key).until = now
 
     def history(self, key: Key) -> List[List[float]]:
         """``[[time, lag], ...]`` of the last ``window`` seconds, oldest first."""
@@ -96,25 +123,34 @@ class StatusRecorder(TimerService):
         return [[t, lag] for t, lag in ring if t >= since]
 
 
-def _kind(problem: str) -> str:
-    """A problem without its figures: "lagging by 3 for 10s" and "lagging
-    by 4 for 15s" are one problem going on."""
-    return re.sub(r"\d+", "N", problem).replace(" facts ", " fact ")
-
-
+def row_verdict(findings: List[Finding], stream: str, writer: str, fallback: str
+                ) -> Tuple[str, str]:
+    """A row's verdict and its level (``ok``, ``warn``: a finding that does
+    not fail health, ``bad``): the findings about the row, the same ones the
+    banner gives, else ``fallback`` (level ``ok``)."""
+    about = [f for f in findings if f.about(stream, writer)]
+    if not about:
+        return fallback, "ok"
+    verdict = "; ".join(dict.fromkeys(f.verdict or f.text for f in about))
+    return verdict, "bad" if any(f.fails_health for f in about) else "warn"
 
 
 def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRecorder,
-             problem: Optional[str], clock, redact: Callable[[str], str]) -> Dict[str, Any]:
+             findings: List[Finding], clock, redact: Callable[[str], str],
+             writers=None) -> Dict[str, Any]:
     """What the page shows, as a JSON-able dict (see the README).
-    ``problem`` is the current health problem (None: healthy)."""
+    ``findings`` are the current health findings (the banner and every
+    row's verdict come from them); ``writers`` the instance's
+    :class:`replicator.writers.WriterWatch` (links, linear holders)."""
     announced = handler.announced_positions()
     readers = handler.reader_positions()
     lags = handler.reader_lag()
+    failing = [f for f in findings if f.fails_health]
+    warnings = [f for f in findings if not f.fails_health]
     streams = []
     for stream in registry:
         gen = stream.id_gen
-        writers = []
+        writer_rows = []
         for writer in stream.config.writers:
             key = (stream.name, writer)
             local = writer in stream.local_writers
@@ -127,28 +163,32 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
                 entry["in_flight"] = gen.in_flight(writer) if gen is not None else 0
                 entry["in_flight_ids"] = ids
                 entry["announced"] = announced.get(key)
-                entry["verdict"] = "loading" if gen is None else "ok"
+                fallback = "loading" if gen is None else "ok"
             else:
                 lag = lags.get(key, 0)
                 entry["reader_position"] = readers.get(key)
                 entry["lag"] = lag
                 entry["lag_history"] = recorder.history(key)
-                mentioned = problem is not None and (
-                    f"stream {stream.name}/{writer} " in problem
-                    or f"stream {stream.name}: writer {writer} " in problem)
+                if writers is not None:
+                    entry["link"] = writers.link(writer, stream.name)
                 if gen is None:
-                    verdict = "loading"
+                    fallback = "loading"
                 elif readers.get(key) is None:
-                    verdict = "not heard yet"
+                    fallback = "not heard yet"
                 elif lag:
-                    verdict = f"behind by {lag}"
+                    fallback = f"behind by {lag}"
                 else:
-                    verdict = "ok"
-                entry["verdict"] = f"unhealthy: {verdict}" if mentioned else verdict
-            writers.append(entry)
+                    fallback = "ok"
+            entry["verdict"], entry["level"] = row_verdict(
+                findings, stream.name, writer, fallback)
+            entry["verdict"] = redact(entry["verdict"])
+            writer_rows.append(entry)
+        holder = writers.linear_holder(stream) if writers is not None and gen is not None \
+            else None
         streams.append({"name": stream.name,
                         "linear": gen.get_linear_token() if gen is not None else None,
-                        "writers": writers})
+                        "linear_holder": holder,
+                        "writers": writer_rows})
     connections = []
     for conn, state in list(handler.connections.items()):
         connections.append({
@@ -165,9 +205,14 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
         "role": role,
         "version": __version__,
         "now": clock.seconds(),
-        "healthy": problem is None,
-        "problem": redact(problem) if problem is not None else None,
-        "problems": [{"at": t, "reason": redact(r)} for t, r in reversed(recorder.problems)],
+        "healthy": not failing,
+        "problem": redact(failing[0].text) if failing else None,
+        "warning": redact(warnings[0].text) if warnings else None,
+        "findings": [{"kind": f.kind, "stream": f.stream, "writer": f.writer,
+                      "text": redact(f.text), "fails_health": f.fails_health}
+                     for f in findings],
+        "problems": [dict(p.as_dict(), reason=redact(p.reason))
+                     for p in reversed(recorder.problems)],
         "streams": streams,
         "connections": connections,
         "disconnects": [{"at": d[0], "peer": redact(d[1]), "address": d[2], "reason": d[3]}

@@ -52,6 +52,36 @@ def _rows(rows: List[List[str]], empty: str, columns: int) -> str:
     return out or f'<tr><td colspan="{columns}">{empty}</td></tr>'
 
 
+def linear_text(stream: Dict[str, Any]) -> str:
+    """The linear cell: the token, and what holds it if anything does."""
+    holder = stream.get("linear_holder")
+    if stream["linear"] is None or not holder:
+        return "-" if stream["linear"] is None else str(stream["linear"])
+    return f"{stream['linear']} (held by {holder['by']}, for {holder['held']})"
+
+
+def link_text(w: Dict[str, Any]) -> str:
+    """The link cell of a remote writer: its state (connected, since when,
+    or when last heard where connections are not known)."""
+    link = w.get("link")
+    if w["local"] or not link:
+        return "-"
+    text = link["text"]
+    if link["connected"] is not None:
+        age = link["heard_age"]
+        text += "; never heard" if age is None else f"; last heard {_age(age)} ago"
+    return text
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _writer_cells(stream: Dict[str, Any], w: Dict[str, Any], now: float,
                   window: float) -> List[str]:
     if w["local"]:
@@ -66,17 +96,18 @@ def _writer_cells(stream: Dict[str, Any], w: Dict[str, Any], now: float,
                     + sparkline(w["lag_history"], now, window))
     return [_cell("stream", _e(stream["name"])),
             _cell("writer", _e(w["writer"]) + (" (local)" if w["local"] else "")),
+            _cell("link", _e(link_text(w))),
             _cell("position", _e(w["position"]), "num"),
-            _cell("linear", _e(stream["linear"]), "num"),
+            _cell("linear", _e(linear_text(stream)), "num"),
             _cell("in flight", _e(flight)),
             _cell("reader", reader, "num"),
             _cell("lag (15 min)", lag_cell),
-            _cell("verdict", _e(w["verdict"]), "ok" if w["verdict"] == "ok" else "bad")]
+            _cell("verdict", _e(w["verdict"]), w.get("level", "ok"))]
 
 
 def _writer_rows(snap: Dict[str, Any]) -> str:
     return _rows([_writer_cells(stream, w, snap["now"], snap["window"])
-                  for stream in snap["streams"] for w in stream["writers"]], "no streams", 8)
+                  for stream in snap["streams"] for w in stream["writers"]], "no streams", 9)
 
 
 def _connection_rows(snap: Dict[str, Any]) -> str:
@@ -94,14 +125,37 @@ def _disconnect_rows(snap: Dict[str, Any]) -> str:
                   for d in snap["disconnects"]], "none since start", 4)
 
 
+def period(at: float, until: Optional[float]) -> str:
+    """``2026-11-25 19:14:29 – 19:14:40 UTC`` (the end's date only if it
+    differs), or ``2026-11-25 19:14:29 UTC – ongoing``."""
+    if until is None:
+        return f"{_when(at)} – ongoing"
+    start = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))
+    end = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(until))
+    if end[:10] == start[:10]:
+        end = end[11:]
+    return f"{start} – {end}"
+
+
 def _problem_rows(snap: Dict[str, Any]) -> str:
-    rows = [f'<li><time>since {_e(_when(p["at"]))}</time> {_e(p["reason"])}</li>'
+    rows = [f'<li><time>{_e(period(p["at"], p.get("until")))}</time> {_e(p["reason"])}</li>'
             for p in snap["problems"]]
     return "".join(rows) or "<li>none since start</li>"
 
 
+def banner(snap: Dict[str, Any]) -> tuple:
+    """The verdict line and its class: ``unhealthy: …`` (``bad``, what
+    ``/health`` answers 503 for), ``warning: …`` (``warn``: a writer down,
+    a linear token held; ``/health`` still 200) or ``healthy`` (``ok``)."""
+    if not snap["healthy"]:
+        return f"unhealthy: {snap['problem']}", "bad"
+    if snap.get("warning"):
+        return f"warning: {snap['warning']}", "warn"
+    return "healthy", "ok"
+
+
 def render_html(snap: Dict[str, Any]) -> bytes:
-    verdict = "healthy" if snap["healthy"] else f"unhealthy: {snap['problem']}"
+    verdict, verdict_class = banner(snap)
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -112,12 +166,12 @@ def render_html(snap: Dict[str, Any]) -> bytes:
 <header><h1>replicator <span id="instance">{_e(snap["instance"])}</span>
 <small id="role">{_e(snap["role"])}</small>
 <small id="version">{_e(snap.get("version", ""))}</small></h1>
-<p id="verdict" class="{'ok' if snap['healthy'] else 'bad'}">{_e(verdict)}</p>
+<p id="verdict" class="{verdict_class}">{_e(verdict)}</p>
 <p class="muted">as of <span id="updated">{_e(_when(snap["now"]))}</span>
 <span id="refresh">(server-rendered)</span></p></header>
 <main>
 <section><h2>Streams and writers</h2>
-<table id="writers"><thead><tr><th>stream</th><th>writer</th><th>position</th><th>linear</th>
+<table id="writers"><thead><tr><th>stream</th><th>writer</th><th>link</th><th>position</th><th>linear</th>
 <th>in flight</th><th>reader</th><th>lag (15 min)</th><th>verdict</th></tr></thead>
 <tbody>{_writer_rows(snap)}</tbody></table></section>
 <section><h2>Connections</h2>
@@ -140,7 +194,10 @@ h2{font-size:16px;margin:18px 0 6px}
 table{border-collapse:collapse;width:100%}
 th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #ddd;vertical-align:middle}
 th{background:#f3f3f3}.num{text-align:right;font-variant-numeric:tabular-nums}
-.ok{color:#176f2c}.bad{color:#b00020;font-weight:bold}.muted{color:#666;margin:0}
+.ok{color:#176f2c}.bad{color:#b00020;font-weight:bold}.warn{color:#8a5300;font-weight:bold}
+.muted{color:#666;margin:0}
+#verdict.stale{color:#fff;background:#222;padding:6px 10px;font-weight:bold;font-size:18px}
+body.stale main{opacity:.45}
 #verdict{font-size:16px;margin:4px 0}.spark{vertical-align:middle;margin-left:6px;color:#1f5fbf}
 .lag{display:inline-block;min-width:3em;text-align:right}
 ul{padding-left:18px}time{color:#666;margin-right:6px}
@@ -161,6 +218,31 @@ SCRIPT = b"""'use strict';
     return t == null ? '-' : new Date(t * 1000).toISOString().slice(0, 19).replace('T', ' ') + ' UTC';
   }
   function txt(v) { return v == null ? '-' : String(v); }
+  function age(t) {
+    t = Math.max(0, Math.floor(t));
+    if (t < 60) { return t + 's'; }
+    if (t < 3600) { return Math.floor(t / 60) + 'm' + String(t % 60).padStart(2, '0') + 's'; }
+    return Math.floor(t / 3600) + 'h' + String(Math.floor(t % 3600 / 60)).padStart(2, '0') + 'm';
+  }
+  function period(at, until) {
+    if (until == null) { return when(at) + ' \u2013 ongoing'; }
+    var start = when(at).slice(0, 19), end = when(until);
+    return start + ' \u2013 ' + (end.slice(0, 10) === start.slice(0, 10) ? end.slice(11) : end);
+  }
+  function linearText(st) {
+    var h = st.linear_holder;
+    if (st.linear == null || !h) { return txt(st.linear); }
+    return st.linear + ' (held by ' + h.by + ', for ' + h.held + ')';
+  }
+  function linkText(w) {
+    var l = w.link;
+    if (w.local || !l) { return '-'; }
+    var text = l.text;
+    if (l.connected != null) {
+      text += l.heard_age == null ? '; never heard' : '; last heard ' + age(l.heard_age) + ' ago';
+    }
+    return text;
+  }
   function cell(tr, label, value, cls) {
     var td = document.createElement('td');
     if (label) { td.setAttribute('data-label', label); }
@@ -210,8 +292,17 @@ SCRIPT = b"""'use strict';
     document.getElementById('instance').textContent = s.instance;
     document.getElementById('role').textContent = s.role;
     var v = document.getElementById('verdict');
-    v.textContent = s.healthy ? 'healthy' : 'unhealthy: ' + s.problem;
-    v.className = s.healthy ? 'ok' : 'bad';
+    if (!s.healthy) {
+      v.textContent = 'unhealthy: ' + s.problem;
+      v.className = 'bad';
+    } else if (s.warning) {
+      v.textContent = 'warning: ' + s.warning;
+      v.className = 'warn';
+    } else {
+      v.textContent = 'healthy';
+      v.className = 'ok';
+    }
+    document.body.classList.remove('stale');
     document.getElementById('updated').textContent = when(s.now);
     var rows = [];
     s.streams.forEach(function (st) {
@@ -219,8 +310,9 @@ SCRIPT = b"""'use strict';
         var tr = document.createElement('tr');
         cell(tr, 'stream', st.name);
         cell(tr, 'writer', w.writer + (w.local ? ' (local)' : ''));
+        cell(tr, 'link', linkText(w));
         cell(tr, 'position', w.position, 'num');
-        cell(tr, 'linear', st.linear, 'num');
+        cell(tr, 'linear', linearText(st), 'num');
         if (w.local) {
           var ids = w.in_flight_ids.join(', ');
           var more = w.in_flight > w.in_flight_ids.length ? ', \\u2026' : '';
@@ -238,11 +330,11 @@ SCRIPT = b"""'use strict';
           box.appendChild(spark(w.lag_history, s.now, s.window));
           cell(tr, 'lag (15 min)', box);
         }
-        cell(tr, 'verdict', w.verdict, w.verdict === 'ok' ? 'ok' : 'bad');
+        cell(tr, 'verdict', w.verdict, w.level || 'ok');
         rows.push(tr);
       });
     });
-    fill('writers', rows, 'no streams', 8);
+    fill('writers', rows, 'no streams', 9);
     fill('connections', s.connections.map(function (c) {
       var tr = document.createElement('tr');
       cell(tr, 'peer', c.peer);
@@ -266,7 +358,7 @@ SCRIPT = b"""'use strict';
     s.problems.forEach(function (p) {
       var li = document.createElement('li');
       var t = document.createElement('time');
-      t.textContent = 'since ' + when(p.at);
+      t.textContent = period(p.at, p.until);
       li.appendChild(t);
       li.appendChild(document.createTextNode(' ' + p.reason));
       items.appendChild(li);
@@ -280,13 +372,36 @@ SCRIPT = b"""'use strict';
     document.getElementById('refresh').textContent = '(refreshed)';
     document.body.setAttribute('data-refreshed', String(s.now));
   }
+  // After STALE_AFTER refreshes failed in a row, the page says that what it
+  // shows is stale, and since when (the last answer, on this browser's clock).
+  var STALE_AFTER = 2;
+  var failures = 0;
+  var lastAnswer = Date.now() / 1000;  // the page itself was just served
+  function failed(e) {
+    failures += 1;
+    var why = '(refresh failed ' + failures + ' time' + (failures > 1 ? 's' : '') +
+      ' in a row: ' + e.message + ')';
+    document.getElementById('refresh').textContent = why;
+    if (failures >= STALE_AFTER) {
+      var v = document.getElementById('verdict');
+      v.textContent = 'STALE: no answer from this daemon since ' + when(lastAnswer) +
+        ' (' + age(Date.now() / 1000 - lastAnswer) + ' ago): everything below is as of then ' +
+        'and may no longer be true; last error: ' + e.message;
+      v.className = 'stale';
+      document.body.classList.add('stale');
+      document.body.setAttribute('data-stale-since', String(lastAnswer));
+    }
+  }
   function refresh() {
     fetch('/status.json', {cache: 'no-store'}).then(function (r) {
       if (!r.ok) { throw new Error('HTTP ' + r.status); }
       return r.json();
-    }).then(render).catch(function (e) {
-      document.getElementById('refresh').textContent = '(refresh failed: ' + e.message + ')';
-    });
+    }).then(function (s) {
+      failures = 0;
+      lastAnswer = Date.now() / 1000;
+      document.body.removeAttribute('data-stale-since');
+      render(s);
+    }).catch(failed);
   }
   refresh();
   setInterval(refresh, 5000);

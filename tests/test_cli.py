@@ -227,7 +227,7 @@ class EmbeddedDaemonTests(SynchronousTestCase):
         positions = cli("positions", "-c", daemon.path, cwd=daemon.dir)
         self.assertEqual(positions.returncode, 0, positions.stderr)
         rows = [line.split() for line in positions.stdout.splitlines()[1:]]
-        self.assertIn(["caches", "master", "1", "0", "-"], rows)
+        self.assertIn(["caches", "master", "1", "0", "-", "(local)"], rows)
 
         daemon.proc.send_signal(signal.SIGTERM)
         self.assertEqual(daemon.proc.wait(30), 0)

@@ -560,15 +560,25 @@ class HttpApiTests(HttpTestCase):
         await until(lambda: self.handler.announced_positions()[("caches", "master")] == 2)
         response, answer = await self.json("GET", "/_replicator/v1/positions", headers=AUTH)
         self.assertEqual(response.code, 200)
+        # worker1, never heard, holds the linear token of caches at 0.
+        holder = answer["streams"]["caches"].pop("linear_holder")
+        self.assertEqual((holder["linear"], holder["writers"], holder["in_flight"]),
+                         (0, ["worker1"], None))
+        self.assertRegex(holder["text"], r"^linear held at 0 by worker1: never heard \(up \d+s\)"
+                                         r", for \d+s$")
+        self.assertIsNone(answer["streams"]["events"].pop("linear_holder"))  # at the top
+        for stream in answer["streams"].values():
+            link = stream["writers"]["worker1"].pop("link")
+            self.assertRegex(link, r"^never heard \(up \d+s\)$")
         self.assertEqual(answer, {"instance": "master", "streams": {
             "caches": {"linear": 0, "writers": {
                 "master": {"position": 2, "local": True, "in_flight": 0, "announced": 2},
                 "worker1": {"position": 0, "local": False, "reader_position": None,
-                            "lag": 0},
+                            "lag": 0, "connected": None, "since": None, "heard_age": None},
             }},
             "events": {"linear": 0, "writers": {
                 "worker1": {"position": 0, "local": False, "reader_position": None,
-                            "lag": 0},
+                            "lag": 0, "connected": None, "since": None, "heard_age": None},
             }},
         }})
 

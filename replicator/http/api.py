@@ -21,9 +21,12 @@ from twisted.web import server
 from twisted.web.resource import Resource
 
 from ..config import InstanceConfig
+from ..health import Finding
 from ..jsontext import encode_json
+from ..roles import has_replication_link, role
 from ..status import StatusRecorder, snapshot
 from ..status_page import CSP, SCRIPT, STYLE, render_html
+from ..writers import writer_watch
 from .answers import JSON_TYPE, HttpError, Response
 from .bookkeeping import BookkeepingRoutes
 from .channel import error_body
@@ -53,8 +56,11 @@ class HttpApi:
     """The HTTP API of one instance.
 
     ``replication_status()`` returns ``(connected, detail)``; it decides
-    health on a worker (an instance with ``replication.upstream`` or
-    ``replication.redis``) and is only reported on a master.  ``health`` is
+    health on an instance with a link of its own (``replication.upstream``
+    or ``replication.redis``: :func:`replicator.roles.has_replication_link`)
+    and is only reported on a TCP master.  Its role (``master``/``worker``)
+    is :func:`replicator.roles.role`.  ``writers`` is its
+    :class:`replicator.writers.WriterWatch` (by default a new one).  ``health`` is
     the instance's :class:`replicator.health.HealthMonitor` (by default one
     that is not started: replication problems only); ``status`` its
     :class:`replicator.status.StatusRecorder` (by default one not started:
@@ -65,7 +71,7 @@ class HttpApi:
                  replication_status: Callable[[], Tuple[bool, str]], clock,
                  max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
                  idle_timeout: float = 60.0, lag_grace: float = 10.0,
-                 health=None, status=None):
+                 health=None, status=None, writers=None):
         self.config = config
         self.registry = registry
         self.handler = handler
@@ -77,7 +83,8 @@ class HttpApi:
         self.max_connections = config.http.max_connections
         #: HTTP connections open now (counted by the channels).
         self.open_connections = 0
-        self.is_worker = bool(config.replication.upstream or config.replication.redis)
+        self.role = role(config)
+        self.is_worker = has_replication_link(config)  # health counts the link and lag
         secret = config.http.secret
         secret_bytes = secret.encode("utf-8") if secret else None
         # Strings never to show: the HTTP secret, and the Redis password
@@ -85,22 +92,27 @@ class HttpApi:
         self.redact = Redactor([secret, getattr(config.replication.redis, "password", None)])
         self.access = AccessLog(self.redact)
         self._clock = clock
+        if writers is None:
+            writers = writer_watch(config, registry, handler, clock)
+        self.writers = writers
         if health is None:
             from ..health import HealthMonitor
 
             health = HealthMonitor(registry=registry, handler=handler, db=db, clock=clock,
-                                   lag_grace=lag_grace, expect_upstream=self.is_worker)
+                                   lag_grace=lag_grace, expect_upstream=self.is_worker,
+                                   writers=writers)
         self.health = HealthRoute(
-            instance_name=self.instance_name, is_worker=self.is_worker, registry=registry,
+            instance_name=self.instance_name, role=self.role, registry=registry,
             handler=handler, db=db, monitor=health, replication_status=replication_status,
             redact=self.redact, db_timeout=db_timeout, clock=clock)
         if status is None:
-            status = StatusRecorder(handler=handler, problem=self.current_problem, clock=clock)
+            status = StatusRecorder(handler=handler, findings=self.current_findings, clock=clock)
         self.status = status
         self.streams = StreamRoutes(
             instance_name=self.instance_name, registry=registry, handler=handler,
             secret=secret_bytes, max_body_size=max_body_size,
-            max_line_length=config.replication.max_line_length, redact=self.redact)
+            max_line_length=config.replication.max_line_length, redact=self.redact,
+            writers=writers)
         self.bookkeeping = BookkeepingRoutes(handler, secret_bytes)
         self._root = _Root(self)
 
@@ -129,6 +141,10 @@ class HttpApi:
     def current_problem(self) -> Optional[str]:
         """See :meth:`.health.HealthRoute.current_problem`."""
         return self.health.current_problem()
+
+    def current_findings(self) -> List[Finding]:
+        """See :meth:`.health.HealthRoute.current_findings`."""
+        return self.health.current_findings()
 
     # ---------------------------------------------------------- rendering
     def _routes(self, path: bytes) -> Tuple[Dict[bytes, Route], tuple]:
@@ -222,11 +238,10 @@ class HttpApi:
     # ------------------------------------------------ status page, metrics
     def status_snapshot(self) -> Dict[str, Any]:
         """What the status page shows (``/status.json``): no secret needed."""
-        return snapshot(instance=self.instance_name,
-                        role="worker" if self.is_worker else "master",
+        return snapshot(instance=self.instance_name, role=self.role,
                         registry=self.registry, handler=self.handler, recorder=self.status,
-                        problem=self.current_problem(), clock=self._clock,
-                        redact=self.redact)
+                        findings=self.current_findings(), clock=self._clock,
+                        redact=self.redact, writers=self.writers)
 
     async def _status(self, request):
         path = request.path

@@ -13,6 +13,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .. import __version__
+from ..health import Finding
 from .answers import HttpError
 from .site import Redactor
 
@@ -40,11 +41,11 @@ class HealthRoute:
     thread, not one per health check).
     """
 
-    def __init__(self, *, instance_name: str, is_worker: bool, registry, handler, db, monitor,
+    def __init__(self, *, instance_name: str, role: str, registry, handler, db, monitor,
                  replication_status: Callable[[], Tuple[bool, str]], redact: Redactor,
                  db_timeout: float, clock):
         self.instance_name = instance_name
-        self.is_worker = is_worker
+        self.role = role  # replicator.roles.role(config)
         self.registry = registry
         self.handler = handler
         self.db = db
@@ -110,6 +111,14 @@ class HealthRoute:
         there is none."""
         return self._unloaded() or self.monitor.problem(*self.replication())
 
+    def current_findings(self) -> List[Finding]:
+        """Every finding (:meth:`.HealthMonitor.findings`), streams not
+        loaded first: what the status page shows, banner and rows.  The
+        first that fails health is :meth:`current_problem`."""
+        unloaded = self._unloaded()
+        first = [Finding("unloaded", None, None, unloaded, "")] if unloaded else []
+        return first + self.monitor.findings(*self.replication())
+
     async def get(self, request):
         problem = await self.check_database()
         if problem is None:
@@ -122,7 +131,7 @@ class HealthRoute:
         return {
             "status": "ok",
             "instance": self.instance_name,
-            "role": "worker" if self.is_worker else "master",
+            "role": self.role,
             "version": __version__,
             "replication": {"connected": connected, "detail": detail},
             "connections": len(self.handler.connections),

@@ -74,7 +74,7 @@ class StreamRoutes:
     """Writing facts and reading positions."""
 
     def __init__(self, *, instance_name: str, registry, handler, secret: Optional[bytes],
-                 max_body_size: int, max_line_length: int, redact: Redactor):
+                 max_body_size: int, max_line_length: int, redact: Redactor, writers=None):
         self.instance_name = instance_name
         self.registry = registry
         self.handler = handler
@@ -82,6 +82,7 @@ class StreamRoutes:
         self.max_body_size = max_body_size
         self.max_line_length = max_line_length
         self.redact = redact
+        self.writers = writers  # a WriterWatch: links and linear holders, or None
 
     async def post_facts(self, request, name: Optional[str]):
         authorize(request, self._secret)
@@ -137,6 +138,12 @@ class StreamRoutes:
                 else:
                     entry["reader_position"] = readers.get(key)
                     entry["lag"] = lags.get(key, 0)
+                    if self.writers is not None:
+                        link = self.writers.link(writer, stream.name)
+                        entry.update(connected=link["connected"], since=link["since"],
+                                     heard_age=link["heard_age"], link=link["text"])
                 writers[writer] = entry
-            streams[stream.name] = {"linear": gen.get_linear_token(), "writers": writers}
+            holder = self.writers.linear_holder(stream) if self.writers is not None else None
+            streams[stream.name] = {"linear": gen.get_linear_token(), "linear_holder": holder,
+                                    "writers": writers}
         return {"instance": self.instance_name, "streams": streams}

@@ -25,6 +25,8 @@ log = Logger()
 
 #: Disconnects remembered for the status page.
 MAX_RECENT_DISCONNECTS = 20
+#: Peer names whose last disconnect time is kept (the oldest go first).
+MAX_LOST_NAMES = 1024
 
 
 class ConnState:
@@ -51,6 +53,8 @@ class Connections:
         #: The last disconnects, newest last: ``(time, peer, address, reason)``.
         self.recent_disconnects: Deque[Tuple[float, str, Optional[str], str]] = deque(
             maxlen=MAX_RECENT_DISCONNECTS)
+        #: When the last connection of each named peer closed (newest last).
+        self.last_lost: Dict[str, float] = {}
 
     def __contains__(self, conn) -> bool:
         return conn in self._states
@@ -81,6 +85,12 @@ class Connections:
         if state is None:
             return None
         peer = getattr(conn, "instance_name", None) or state.label
+        name = getattr(conn, "instance_name", None)
+        if name is not None and not getattr(conn, "is_client_side", True):
+            self.last_lost.pop(name, None)
+            self.last_lost[name] = self._clock.seconds()
+            if len(self.last_lost) > MAX_LOST_NAMES:
+                del self.last_lost[next(iter(self.last_lost))]
         self.recent_disconnects.append(
             (self._clock.seconds(), str(peer)[:200], peer_address(conn), str(reason)[:200]))
         metrics.CONNECTIONS.labels(state.label).dec()

@@ -116,7 +116,7 @@ class ReplicationHandler:
             clock, self.known_names, max_user_syncs=max_user_syncs, max_user_ips=max_user_ips,
             max_federation_acks=max_federation_acks, max_age=bookkeeping_max_age)
         self._readers: Dict[Key, Reader] = {}
-        self._heard: Set[Key] = set()  # read keys a POSITION or RDATA arrived for
+        self._heard: Dict[Key, float] = {}  # read key -> when its last POSITION/RDATA came
         self._started = False
         self._stopping = False
         self.listeners: List[Any] = []  # objects with optional on_<NAME>(conn, cmd)
@@ -270,7 +270,7 @@ class ReplicationHandler:
         """An RDATA/POSITION that :mod:`.admission` let through."""
         if conn not in self.connections:
             return
-        self._heard.add(key)
+        self._heard[key] = self._clock.seconds()
         reader = self._readers[key]
         relay = not conn.is_client_side  # from a writer client: to everyone else
         if cmd.NAME == "RDATA":
@@ -385,6 +385,11 @@ class ReplicationHandler:
         """The (stream, writer) keys read here that a POSITION or RDATA has
         arrived for since start (from any connection)."""
         return set(self._heard)
+
+    def reader_heard_at(self) -> Dict[Key, float]:
+        """When the last POSITION or RDATA of each read key arrived (clock
+        seconds; a key never heard is absent)."""
+        return dict(self._heard)
 
     def reader_lag(self) -> Dict[Key, int]:
         return {key: r.lag for key, r in self._readers.items()}
