@@ -137,7 +137,7 @@ class RoleTests(SynchronousTestCase):
     def test_one_definition_per_transport(self):
         redis = {"endpoint": "tcp:host=127.0.0.1:port=6379"}
         cases = [
-            (config(listen="tcp:9092"), "master", False),
+            (config(listen="tcp:9092:interface=127.0.0.1"), "master", False),
             (config(upstream="tcp:host=127.0.0.1:port=9092"), "worker", True),
             (config("master", redis=redis), "master", True),
             (config("worker1", redis=redis), "worker", True),
