@@ -121,6 +121,7 @@ def machine_for(LOCAL, REMOTE):
             self.advanced = set()
             self.pending = []  # (writer, id): nextval returned, not yet registered
             self.last = (0, dict(self.gen.get_positions()))
+            self.idle_floor = {w: 0 for w in LOCAL}
 
         # ----------------------------------------------------------- model
         def known(self):
@@ -147,8 +148,21 @@ def machine_for(LOCAL, REMOTE):
         def model_current(self, writer):
             linear = self.model_linear()
             floor = min(self.unfinished([writer]), default=None)
-            own = {self.start[writer], linear} | self.reserved[writer]
+            own = {self.start[writer], linear, self.idle_floor[writer]} | self.reserved[writer]
             return max(x for x in own if floor is None or x < floor)
+
+        def note_idle(self):
+            """An idle writer (nothing in flight, no reservation under way)
+            is at least at the largest finished ID: its next ID comes from
+            the sequence, above every known one."""
+            if self.pending:
+                return
+            finished = set(self.start.values()) | self.advanced
+            for w in LOCAL:
+                finished |= self.done[w]
+            for w in LOCAL:
+                if not self.unfinished([w]):
+                    self.idle_floor[w] = max(finished)
 
         # ----------------------------------------------------------- rules
         @rule(writer=st.sampled_from(LOCAL), n=st.integers(1, 4))
@@ -222,6 +236,7 @@ def machine_for(LOCAL, REMOTE):
         # ----------------------------------------------------------- checks
         @invariant()
         def matches_model(self):
+            self.note_idle()
             gen = self.gen
             linear = gen.get_linear_token()
             positions = gen.get_positions()
