@@ -650,8 +650,9 @@ class PostgresStreamTests(StreamSuite, TestCase):
         again = (await self.registry("worker1")).get("caches")
         self.assertEqual(again.id_gen.get_current_token("worker1"), 6)
         self.assertEqual(again.id_gen.get_current_token("master"), 6)
-        # A writer new to the stream starts at the smallest persisted
-        # position, never ahead of facts others may have in flight.
+        # A writer new to the stream has nothing in flight: it is idle, at
+        # the largest persisted position; the linear token stays at the
+        # smallest, never ahead of facts others may have in flight.
         conn = psycopg2.connect(self.dsn)
         conn.autocommit = True
         conn.cursor().execute(
@@ -659,7 +660,7 @@ class PostgresStreamTests(StreamSuite, TestCase):
         conn.close()
         streams = [dict(STREAMS[0], writers=["master", "worker1", "worker2"])]
         fresh = (await self.registry("worker2", streams=streams)).get("caches")
-        self.assertEqual(fresh.id_gen.get_current_token("worker2"), 3)
+        self.assertEqual(fresh.id_gen.get_current_token("worker2"), 6)
         self.assertEqual(fresh.id_gen.get_linear_token(), 3)
 
 

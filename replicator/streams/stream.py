@@ -146,9 +146,11 @@ class Stream:
         """Positions from the database; nothing is in flight (pool thread).
 
         A local writer starts at the larger of its persisted position and its
-        largest ID in the table; a writer with neither starts at the stream's
-        smallest persisted position (never ahead of facts other writers may
-        still have in flight).  A sequence behind the table is moved forward,
+        largest ID in the table; a remote writer with neither starts at the
+        stream's smallest persisted position (never ahead of facts it may
+        still have in flight).  Nothing local is in flight yet, so the ID
+        generator then moves every local writer, idle, to the largest of
+        these (:mod:`.idgen`).  A sequence behind the table is moved forward,
         with a warning, only by an instance that writes the stream: a stream
         only read here is never written to (nor its sequence moved).
         """
