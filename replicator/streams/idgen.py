@@ -47,6 +47,15 @@ the same way, to the largest ID they have seen allocated).  It is safe:
   below that ID (here ``_all`` keeps the local ones; a remote writer's
   announced position stays below its own reservations).
 
+No read of the sequence is needed (nor made): the largest finished ID is
+where the busiest writer's last fact is, all an idle writer must reach; a
+read would have to be fenced against this instance's own reservations
+racing with it.  What it relies on: the sequence hands every session
+values above all it handed out before (PostgreSQL's default ``CACHE 1``,
+what ``create`` makes), and one that went back (a crash restart) is moved
+past every known ID on each new connection before any ``nextval``
+(:meth:`.writes.WriteTransaction.sequence_past_positions`).
+
 Reservations are registered from the database thread that called ``nextval``
 (:meth:`begin_reservation` before the call, :meth:`reserved` after it), so that
 a position learned meanwhile can never carry the tokens past an ID the
