@@ -116,6 +116,24 @@ class CheckerTests(SynchronousTestCase):
                              [0.0, 0.1, 0.2, 0.3, 0.4], 5)
         self.assertEqual(v.total(), 0)
 
+    def test_frozen(self):
+        writers = {"caches": ["master", "worker1", "worker2"]}
+        at_last = {("caches", w): 7 for w in writers["caches"]}
+        v = checker.Violations()
+        checker.check_frozen(v, {"caches": 7}, {("master", "caches"): 7,
+                                                ("worker1", "caches"): 9}, at_last, writers)
+        self.assertEqual(v.total(), 0)
+        # An idle writer's row behind, a linear token behind, an instance
+        # that did not answer, and a writer with no row at all.
+        v = checker.Violations()
+        checker.check_frozen(v, {"caches": 7},
+                             {("master", "caches"): 5, ("worker1", "caches"): None},
+                             {**at_last, ("caches", "worker1"): 6}, writers)
+        self.assertEqual(v.counts["frozen"], 3)
+        v = checker.Violations()
+        checker.check_frozen(v, {"caches": 7}, {}, {("caches", "master"): 7}, writers)
+        self.assertEqual(v.counts["frozen"], 2)
+
     def test_processes(self):
         v = checker.Violations()
         checker.check_processes(v, {"master": [1], "worker1": []},

@@ -121,6 +121,7 @@ def machine_for(LOCAL, REMOTE):
             self.advanced = set()
             self.pending = []  # (writer, id): nextval returned, not yet registered
             self.last = (0, dict(self.gen.get_positions()))
+            self.idle_floor = {w: 0 for w in LOCAL}
 
         # ----------------------------------------------------------- model
         def known(self):
@@ -147,8 +148,21 @@ def machine_for(LOCAL, REMOTE):
         def model_current(self, writer):
             linear = self.model_linear()
             floor = min(self.unfinished([writer]), default=None)
-            own = {self.start[writer], linear} | self.reserved[writer]
+            own = {self.start[writer], linear, self.idle_floor[writer]} | self.reserved[writer]
             return max(x for x in own if floor is None or x < floor)
+
+        def note_idle(self):
+            """An idle writer (nothing in flight, no reservation under way)
+            is at least at the largest finished ID: its next ID comes from
+            the sequence, above every known one."""
+            if self.pending:
+                return
+            finished = set(self.start.values()) | self.advanced
+            for w in LOCAL:
+                finished |= self.done[w]
+            for w in LOCAL:
+                if not self.unfinished([w]):
+                    self.idle_floor[w] = max(finished)
 
         # ----------------------------------------------------------- rules
         @rule(writer=st.sampled_from(LOCAL), n=st.integers(1, 4))
@@ -222,6 +236,7 @@ def machine_for(LOCAL, REMOTE):
         # ----------------------------------------------------------- checks
         @invariant()
         def matches_model(self):
+            self.note_idle()
             gen = self.gen
             linear = gen.get_linear_token()
             positions = gen.get_positions()
@@ -252,6 +267,124 @@ def machine_for(LOCAL, REMOTE):
     return GeneratorMachine
 
 
+def cluster_machine(INSTANCES):
+    """Several instances, each with its own generator over its local writers,
+    all taking IDs from one shared sequence; a writer's token reaches the
+    other instances when its instance announces it (any delay, in order).
+
+    What is checked, on every instance, after every step: the linear token
+    never passes an unfinished ID of any writer (remote reservations
+    included, which that instance cannot see), nor a writer's token one of
+    its own.  Once every writer is idle and the instances have exchanged
+    positions (the idle-advance step), every linear token and every
+    writer's token is the highest finished ID: idle writers do not hold
+    each other in place."""
+    OWNER = {w: inst for inst, writers in INSTANCES.items() for w in writers}
+    WRITERS = sorted(OWNER)
+
+    class ClusterMachine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.counter = 0  # the shared sequence
+            self.gens = {inst: StreamIdGenerator("s", {w: 0 for w in WRITERS}, writers)
+                         for inst, writers in INSTANCES.items()}
+            self.reserved = {w: set() for w in WRITERS}
+            self.done = {w: set() for w in WRITERS}
+            self.pending = {inst: [] for inst in INSTANCES}  # (writer, id) of a nextval under way
+            self.last = {inst: (0, dict(g.get_positions())) for inst, g in self.gens.items()}
+
+        def unfinished(self, writers=WRITERS):
+            out = set()
+            for w in writers:
+                out |= self.reserved[w] - self.done[w]
+            for entries in self.pending.values():
+                out |= {i for w, i in entries if w in writers}
+            return out
+
+        def token(self, writer):
+            return self.gens[OWNER[writer]].get_current_token(writer)
+
+        @rule(writer=st.sampled_from(WRITERS), n=st.integers(1, 3))
+        def reserve(self, writer, n):
+            ids = list(range(self.counter + 1, self.counter + n + 1))
+            self.counter += n
+            self.gens[OWNER[writer]].reserved(writer, ids, pending=False)
+            self.reserved[writer].update(ids)
+
+        @precondition(lambda self: sum(map(len, self.pending.values())) < 3)
+        @rule(writer=st.sampled_from(WRITERS))
+        def begin_pending(self, writer):
+            self.counter += 1
+            inst = OWNER[writer]
+            self.gens[inst].begin_reservation()
+            self.pending[inst].append((writer, self.counter))
+
+        @precondition(lambda self: any(self.pending.values()))
+        @rule(data=st.data())
+        def finish_pending(self, data):
+            inst = data.draw(st.sampled_from(sorted(i for i, p in self.pending.items() if p)))
+            writer, stream_id = self.pending[inst].pop(0)
+            self.gens[inst].reserved(writer, [stream_id])
+            self.reserved[writer].add(stream_id)
+
+        @rule(writer=st.sampled_from(WRITERS), data=st.data())
+        def complete(self, writer, data):
+            todo = sorted(self.reserved[writer] - self.done[writer])
+            if not todo:
+                return
+            stream_id = data.draw(st.sampled_from(todo))
+            self.gens[OWNER[writer]].complete(writer, stream_id)
+            self.done[writer].add(stream_id)
+
+        @rule(writer=st.sampled_from(WRITERS), to=st.sampled_from(sorted(INSTANCES)))
+        def announce(self, writer, to):
+            if OWNER[writer] != to:
+                self.gens[to].advance(writer, self.token(writer))
+
+        @rule(data=st.data())
+        def idle_everywhere(self, data):
+            """Every writer finishes what it has in flight (in any order) and
+            writes nothing more: after a few rounds of announcements every
+            instance is at the highest finished ID."""
+            for inst, entries in self.pending.items():
+                while entries:
+                    writer, stream_id = entries.pop(0)
+                    self.gens[inst].reserved(writer, [stream_id])
+                    self.reserved[writer].add(stream_id)
+            todo = sorted((w, i) for w in WRITERS for i in self.reserved[w] - self.done[w])
+            for writer, stream_id in data.draw(st.permutations(todo)):
+                self.gens[OWNER[writer]].complete(writer, stream_id)
+                self.done[writer].add(stream_id)
+            for _ in range(len(INSTANCES) + 1):
+                for writer in WRITERS:
+                    for inst in INSTANCES:
+                        if OWNER[writer] != inst:
+                            self.gens[inst].advance(writer, self.token(writer))
+            top = max(max(ids, default=0) for ids in self.done.values())
+            for inst, gen in self.gens.items():
+                assert gen.get_linear_token() == top, (inst, gen.get_linear_token(), top)
+                assert gen.get_positions() == {w: top for w in WRITERS}, (
+                    inst, gen.get_positions(), top)
+
+        @invariant()
+        def never_past_unfinished(self):
+            unfinished = self.unfinished()
+            for inst, gen in self.gens.items():
+                linear = gen.get_linear_token()
+                positions = gen.get_positions()
+                prev_linear, prev_positions = self.last[inst]
+                assert linear >= prev_linear, (inst, linear, prev_linear)
+                for w, p in positions.items():
+                    assert p >= prev_positions[w], (inst, w, p, prev_positions[w])
+                self.last[inst] = (linear, positions)
+                assert all(linear < i for i in unfinished), (inst, linear, unfinished)
+                for w in WRITERS:
+                    own = self.unfinished([w])
+                    assert all(positions[w] < i for i in own), (inst, w, positions[w], own)
+
+    return ClusterMachine
+
+
 class GeneratorStateTests(SynchronousTestCase):
     def check(self, local, remote):
         machine = settings(max_examples=150, stateful_step_count=60, deadline=None)(
@@ -264,3 +397,18 @@ class GeneratorStateTests(SynchronousTestCase):
 
     def test_one_writer_alone(self):
         self.check(["w1"], [])
+
+    def check_cluster(self, instances):
+        machine = settings(max_examples=150, stateful_step_count=60, deadline=None)(
+            cluster_machine(instances)
+        )
+        machine.TestCase().runTest()
+
+    def test_three_instances_two_of_them_idle_at_times(self):
+        """Master, worker1, worker2 writing one stream (issue: two idle
+        writers held each other, and so the linear token, in place)."""
+        self.check_cluster({"master": ["master"], "worker1": ["worker1"],
+                            "worker2": ["worker2"]})
+
+    def test_instances_with_several_local_writers(self):
+        self.check_cluster({"one": ["a", "b"], "two": ["c"], "three": ["d"]})

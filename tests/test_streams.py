@@ -24,6 +24,7 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from replicator.streams.rows import RowCodec, RowError, WireRowCheck, check_rows
 from tests.servers import PostgresServer
+from tests.support import sleep
 
 STREAMS = [
     {
@@ -650,8 +651,9 @@ class PostgresStreamTests(StreamSuite, TestCase):
         again = (await self.registry("worker1")).get("caches")
         self.assertEqual(again.id_gen.get_current_token("worker1"), 6)
         self.assertEqual(again.id_gen.get_current_token("master"), 6)
-        # A writer new to the stream starts at the smallest persisted
-        # position, never ahead of facts others may have in flight.
+        # A writer new to the stream has nothing in flight: it is idle, at
+        # the largest persisted position; the linear token stays at the
+        # smallest, never ahead of facts others may have in flight.
         conn = psycopg2.connect(self.dsn)
         conn.autocommit = True
         conn.cursor().execute(
@@ -659,8 +661,28 @@ class PostgresStreamTests(StreamSuite, TestCase):
         conn.close()
         streams = [dict(STREAMS[0], writers=["master", "worker1", "worker2"])]
         fresh = (await self.registry("worker2", streams=streams)).get("caches")
-        self.assertEqual(fresh.id_gen.get_current_token("worker2"), 3)
+        self.assertEqual(fresh.id_gen.get_current_token("worker2"), 6)
         self.assertEqual(fresh.id_gen.get_linear_token(), 3)
+
+    async def test_writer_starting_ahead_of_its_row_persists_it(self):
+        """An idle writer starts at the largest persisted position, ahead of
+        its own row (here: none yet); that start is persisted without any
+        write or advance, or the export's bound (the smallest row) stays
+        behind until the writer next moves."""
+        master = (await self.registry("master")).get("caches")
+        await master.write_facts([[["m", None, i]] for i in range(3)])
+        await master.flush_positions()
+        worker = (await self.registry("worker1")).get("caches")
+        self.assertEqual(worker.id_gen.get_current_token("worker1"), 3)
+        rows = None
+        deadline = reactor.seconds() + 30
+        while rows != [("worker1", 3)]:
+            self.assertLess(reactor.seconds(), deadline, f"worker1's row: {rows}")
+            await sleep(0.05)
+            rows = await worker.db.runQuery(
+                "SELECT instance_name, stream_id FROM stream_positions "
+                "WHERE stream_name = 'caches' AND instance_name = 'worker1'")
+            rows = [tuple(r) for r in rows]
 
 
 class RecentFactsTests(TestCase):

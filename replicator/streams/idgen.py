@@ -18,10 +18,43 @@ Definitions (``docs/streams.md``), which every method keeps:
   reservations we cannot see above its position).
 * The **per-writer** token of a local writer ``W`` is the largest ``x`` among
   ``W``'s start, ``W``'s reserved IDs and the linear token such that every ID
-  ``W`` reserved at or below ``x`` has completed.  An idle writer therefore
-  follows the linear token, never past another writer's unfinished ID.  The
-  per-writer token of a remote writer is the largest position it announced.
+  ``W`` reserved at or below ``x`` has completed; and, once ``W`` is *idle*
+  (nothing of it in flight, no ``nextval`` under way here), at least the
+  largest *finished* ID of ``Known`` (a start, a completed reservation, a
+  remote writer's position).  The per-writer token of a remote writer is the
+  largest position it announced.
 * Both are monotonic.  A rollback is a completion (a fact with no rows).
+
+Why an idle writer moves to the largest finished ID.  Otherwise an idle writer
+could only follow the linear token, and with two idle writers (in different
+instances) each one's position bounds the other's linear token: neither
+ever moves, and the stream's linear token stays where the last write of
+either left it, however far the busy writer goes (Synapse's writers move
+the same way, to the largest ID they have seen allocated).  It is safe:
+
+* For ``W`` itself: a per-writer token only speaks of ``W``'s facts, and
+  none is unfinished.  Every known ID was handed out by the sequence (a
+  peer's position above the sequence is refused on admission), so the
+  next ``nextval`` for ``W`` returns more than any of them (it runs after
+  ``begin_reservation``, which stops every token until the ID is
+  registered: an ID handed out while a position is learned is never
+  passed).
+* For everyone else: the token may pass unfinished IDs of *other* writers,
+  local or remote, even IDs we do not know of (another instance's
+  reservations are invisible until it announces a position past them).
+  No linear token is harmed: a linear token is the minimum over all
+  writers, and the writer owning an unfinished ID has its own position
+  below that ID (here ``_all`` keeps the local ones; a remote writer's
+  announced position stays below its own reservations).
+
+No read of the sequence is needed (nor made): the largest finished ID is
+where the busiest writer's last fact is, all an idle writer must reach; a
+read would have to be fenced against this instance's own reservations
+racing with it.  What it relies on: the sequence hands every session
+values above all it handed out before (PostgreSQL's default ``CACHE 1``,
+what ``create`` makes), and one that went back (a crash restart) is moved
+past every known ID on each new connection before any ``nextval``
+(:meth:`.writes.WriteTransaction.sequence_past_positions`).
 
 Reservations are registered from the database thread that called ``nextval``
 (:meth:`begin_reservation` before the call, :meth:`reserved` after it), so that
@@ -137,8 +170,10 @@ class StreamIdGenerator:
             self._all = only
         self._shared = len(self._local) == 1 and self._all is next(iter(self._local.values()))
         self._max_known = self._all.position
+        self._max_done = self._max_known  # the largest finished ID of Known
         self._pending = 0
         self._dirty = False
+        self._advance_idle()
         self._linear = self._compute_linear()
         self._tokens: Dict[str, int] = {}
         self._tokens = self._current_tokens()
@@ -224,6 +259,8 @@ class StreamIdGenerator:
             state.finish(stream_id)
             if not self._shared:
                 self._all.finish(stream_id)
+            if stream_id > self._max_done:
+                self._max_done = stream_id
         self._recompute()
 
     def complete_many(self, writer: str, stream_ids: Iterable[int]) -> None:
@@ -236,6 +273,8 @@ class StreamIdGenerator:
                 state.finish(stream_id)
                 if not shared:
                     self._all.finish(stream_id)
+                if stream_id > self._max_done:
+                    self._max_done = stream_id
         self._recompute()
 
     def advance(self, writer: str, token: int) -> None:
@@ -252,6 +291,8 @@ class StreamIdGenerator:
             self._remote[writer] = token
             if token > self._max_known:
                 self._max_known = token
+            if token > self._max_done:
+                self._max_done = token
             self._all.learn(token)
         self._recompute()
 
@@ -278,6 +319,7 @@ class StreamIdGenerator:
                 state.settle()
             if not self._shared:
                 self._all.settle()
+            self._advance_idle()
             linear = self._compute_linear()
             if linear > self._linear:
                 self._linear = linear
@@ -290,6 +332,14 @@ class StreamIdGenerator:
                 if before is not None and token != before:
                     for listener in self._listeners:
                         listener(writer, before, token)
+
+    def _advance_idle(self) -> None:
+        """Idle local writers to the largest finished ID (module docstring);
+        under the lock, with no reservation under way."""
+        top = self._max_done
+        for state in self._local.values():
+            if state.position < top and not state.live:
+                state.position = top
 
     def get_current_token(self, writer: str) -> int:
         """The per-writer current token."""

@@ -38,6 +38,8 @@ class StreamRegistry:
 
     async def start(self) -> None:
         await self.db.runInteraction(self._start_txn)
+        for stream in self._streams.values():
+            stream.started()
 
     def _start_txn(self, txn) -> None:
         streams = [s.config for s in self._streams.values()]

@@ -137,6 +137,7 @@ class Stream:
         self.recent = RecentFacts(self.local_writers, sole_writer)
         self._persist_call = None
         self._persisting: Optional[defer.Deferred] = None
+        self._loaded: Dict[str, Optional[int]] = {}  # local writers' rows at load
         self._foreign_facts = metrics.FOREIGN_FACTS.labels(self.name)
         self._foreign_burst: set = set()  # writers in a burst of foreign facts (logged)
         self._clock = clock  # the instance's reactor, from the registry
@@ -146,9 +147,11 @@ class Stream:
         """Positions from the database; nothing is in flight (pool thread).
 
         A local writer starts at the larger of its persisted position and its
-        largest ID in the table; a writer with neither starts at the stream's
-        smallest persisted position (never ahead of facts other writers may
-        still have in flight).  A sequence behind the table is moved forward,
+        largest ID in the table; a remote writer with neither starts at the
+        stream's smallest persisted position (never ahead of facts it may
+        still have in flight).  Nothing local is in flight yet, so the ID
+        generator then moves every local writer, idle, to the largest of
+        these (:mod:`.idgen`).  A sequence behind the table is moved forward,
         with a warning, only by an instance that writes the stream: a stream
         only read here is never written to (nor its sequence moved).
         """
@@ -181,6 +184,7 @@ class Stream:
             self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
         )
         self.id_gen.add_listener(self._on_advance)
+        self._loaded = {w: persisted.get(w) for w in self.local_writers}
         for w in self.local_writers:
             self._groups[w] = WriteGroups(
                 lambda group, w=w: self._run_group(w, group),
@@ -364,6 +368,16 @@ class Stream:
                      "while uncommitted", stream=self.name, first=foreign[0], n=len(foreign))
 
     # ---------------------------------------------------------- persisting
+    def started(self) -> None:
+        """After :meth:`load`, on the reactor thread: a local writer that
+        starts ahead of its row in ``stream_positions`` (an idle writer
+        moved to the largest position, or a writer with no row yet) has it
+        persisted, as after any advance; otherwise the row would wait for
+        the writer's next advance, holding the export's bound back."""
+        if any(p is None or self.id_gen.get_current_token(w) > p
+               for w, p in self._loaded.items()):
+            self._on_advance(self.local_writers[0], 0, 0)
+
     def _on_advance(self, writer: str, old: int, new: int) -> None:
         if writer in self.local_writers and self._persist_call is None:
             self._persist_call = self._clock.callLater(self._persist_delay, self._persist_now)

@@ -124,10 +124,13 @@ class WriteTransaction:
 
     def _write_sqlite(self, txn, gen, writer, writes, reserved) -> List[int]:
         n = sum(len(w.facts) for w in writes)
+        # As for nextval: no token moves (an idle writer's included) while
+        # an ID is taken and not yet registered.
+        gen.begin_reservation()
         first = self.sqlite_last + 1
         ids = list(range(first, first + n))
         self.sqlite_last = first + n - 1  # consumed even if this rolls back
-        gen.reserved(writer, ids, pending=False)
+        gen.reserved(writer, ids)
         reserved.extend(ids)
         with_writer = self.config.writer_column is not None
         rows = []

@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
     parser.add_argument("--scenario", default=",".join(SCENARIOS),
                         help=f"comma-separated, of {', '.join(SCENARIOS)}, none "
-                             "(default: all five)")
+                             "(default: all of them)")
     parser.add_argument("--transport", default="tcp,redis", help="tcp, redis or both")
     parser.add_argument("--seed", type=int, action="append",
                         help="replay this seed (repeatable); default: fresh seeds")

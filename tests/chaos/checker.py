@@ -21,6 +21,13 @@ Per claim (see :mod:`tests.chaos.observer`):
 * ``claim``       a position claimed before every fact at or below it had
                   committed.
 
+Once quiescent, per stream:
+
+* ``frozen``      a linear token (an instance's positions API) or a writer's
+                  row in ``stream_positions`` still below the stream's last
+                  fact a few seconds after quiescence (e.g. idle writers
+                  holding each other, and the linear token, in place).
+
 And of the processes: ``exit`` (a daemon died without being killed, or
 did not exit 0 on SIGTERM at the end) and
 ``health`` (``/health`` not 200 on a healed, quiescent cluster).
@@ -30,11 +37,11 @@ Every function here is pure: data in, ``Violations`` out.
 
 import json
 from collections import Counter, defaultdict
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 Key = Tuple[str, str]
-KINDS = ("lost", "duplicated", "reordered", "split", "phantom", "history", "claim", "exit",
-         "health")
+KINDS = ("lost", "duplicated", "reordered", "split", "phantom", "history", "claim", "frozen",
+         "exit", "health")
 EXAMPLES_PER_KIND = 5
 
 
@@ -170,6 +177,27 @@ def check_claims(v: Violations, first_seen: Dict[Key, Dict[int, int]],
                 v.add("claim", f"{key[0]}/{key[1]} fact {stream_id} first committed by "
                                f"snapshot {f} (t={seen_at}), but {best[i][2]} "
                                f"(attributed to snapshot {best[i][0]})")
+
+
+def check_frozen(v: Violations, last_fact: Dict[str, int],
+                 linear: Dict[Tuple[str, str], Optional[int]],
+                 persisted: Dict[Key, int], writers: Dict[str, List[str]]):
+    """Every linear token (``(instance, stream)`` -> what its positions API
+    said, None without an answer) and every configured writer's persisted
+    position (``(stream, writer)`` -> ``stream_positions``, absent: none)
+    at or past its stream's last fact (``last_fact``: the largest ID in its
+    table)."""
+    for (instance, stream), token in sorted(linear.items()):
+        last = last_fact.get(stream, 0)
+        if token is None or token < last:
+            v.add("frozen", f"{instance}: {stream} linear token {token}, last fact {last}")
+    for stream, names in sorted(writers.items()):
+        last = last_fact.get(stream, 0)
+        for writer in names:
+            position = persisted.get((stream, writer))
+            if position is None or position < last:
+                v.add("frozen", f"stream_positions {stream}/{writer}={position}, "
+                                f"last fact {last}")
 
 
 def check_processes(v: Violations, exits: Dict[str, List[int]], health: Dict[str, tuple],

@@ -8,6 +8,10 @@ PostgreSQL database.  Streams:
   by ``worker2``, so over TCP its facts travel worker2 -> master -> worker1
   (the relay path).
 
+The ``idle`` scenario gives ``caches`` a third writer, worker2, and only the
+master's clients write it: worker1 and worker2 are its writers and stay idle
+the whole run (:func:`streams_for`, :func:`write_targets_for`).
+
 Every instance has one consumer, a JSON-lines file (``facts.jsonl`` in its
 directory), which receives the facts of every writer it does not host.
 
@@ -60,9 +64,23 @@ def writers_of(stream: str) -> List[str]:
     return next(s["writers"] for s in STREAMS if s["name"] == stream)
 
 
-def read_keys(instance: str):
+def streams_for(scenario: str) -> List[dict]:
+    """The streams of a run: ``idle`` makes ``caches`` a three-writer stream."""
+    if scenario != "idle":
+        return STREAMS
+    return [dict(s, writers=list(INSTANCES)) if s["name"] == "caches" else s for s in STREAMS]
+
+
+def write_targets_for(scenario: str):
+    """What the clients write: in ``idle`` only the master writes ``caches``."""
+    if scenario != "idle":
+        return WRITE_TARGETS
+    return [(i, s) for i, s in WRITE_TARGETS if s != "caches" or i == "master"]
+
+
+def read_keys(instance: str, streams: List[dict] = STREAMS):
     """The (stream, writer) keys ``instance`` reads (every writer it does not host)."""
-    return [(s["name"], w) for s in STREAMS for w in s["writers"] if w != instance]
+    return [(s["name"], w) for s in streams for w in s["writers"] if w != instance]
 
 
 class Instance:
@@ -82,7 +100,7 @@ class Instance:
         # the start, so it must get every fact (a consumer without history
         # starts live, at the first POSITION it hears, by design).
         with open(self.facts_path, "w") as f:
-            for stream, writer in read_keys(name):
+            for stream, writer in read_keys(name, config["streams"]):
                 f.write(json.dumps({"stream": stream, "writer": writer, "position": 0}) + "\n")
         self.proc: Optional[subprocess.Popen] = None
         self.paused = False
@@ -181,7 +199,8 @@ class Instance:
 
 
 def build_configs(transport: str, dsn: str, master_port: int, link_ports: Dict[str, int],
-                  consumer: Optional[dict] = None) -> Dict[str, dict]:
+                  consumer: Optional[dict] = None,
+                  streams: List[dict] = STREAMS) -> Dict[str, dict]:
     """Config per instance.  ``link_ports``: the proxy port each instance's
     replication link goes through (TCP: workers only; Redis: all three)."""
     configs = {}
@@ -200,7 +219,7 @@ def build_configs(transport: str, dsn: str, master_port: int, link_ports: Dict[s
             "database": {"postgres": dsn, "pool_min": 1, "pool_max": 4},
             "replication": replication,
             "http": {"listen": f"tcp:{free_port()}:interface=127.0.0.1", "secret": SECRET},
-            "streams": STREAMS,
+            "streams": streams,
             "consumers": [dict(consumer or {"type": "jsonl"}, path="facts.jsonl", fsync=False)],
         }
     return configs

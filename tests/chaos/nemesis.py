@@ -18,6 +18,8 @@ Scenarios:
 * ``pg``     ``pg_ctl restart -m immediate`` (a crash), ``-m fast``, and
   PostgreSQL down for 1-4 s;
 * ``all``    all of the above in two lanes;
+* ``idle``   ``caches`` with three writers of which two never write
+  (:mod:`.cluster`), under crash and net faults in one lane;
 * ``none``   no faults (a baseline, and what the planted-defect test uses).
 """
 
@@ -29,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 
 from .cluster import INSTANCES, PING_TIMEOUT
 
-SCENARIOS = ("crash", "pause", "net", "pg", "all")
+SCENARIOS = ("crash", "pause", "net", "pg", "all", "idle")
 
 
 @dataclass
@@ -79,7 +81,7 @@ def make_schedule(scenario: str, transport: str, seed: int, duration: float) -> 
     if scenario == "none":
         return []
     lanes = {"crash": [["crash"]], "pause": [["pause"]], "net": [["net"]], "pg": [["pg"]],
-             "all": [["crash", "pause"], ["net", "pg"]]}[scenario]
+             "all": [["crash", "pause"], ["net", "pg"]], "idle": [["crash", "net"]]}[scenario]
     faults = []
     for lane, pools in enumerate(lanes):
         rng = random.Random(f"{seed}/{scenario}/{transport}/{lane}")

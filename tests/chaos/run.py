@@ -26,14 +26,17 @@ from tests.support import create_stream_tables
 
 from . import checker
 from .clients import Writer, http_request, row_tag
-from .cluster import (INSTANCES, SECRET, STREAMS, TABLES, WRITE_TARGETS, Instance,
-                      build_configs, make_base_dir, read_keys)
+from .cluster import (INSTANCES, SECRET, STREAMS, TABLES, Instance, build_configs,
+                      make_base_dir, read_keys, streams_for, write_targets_for)
 from .nemesis import Nemesis, make_schedule
 from .observer import Observer
 from .proxy import Proxy
 
 CLIENTS_PER_TARGET = 2
 QUIESCENCE_TIMEOUT = 90.0
+#: After quiescence, every linear token and persisted position is at the
+#: last fact within this long (a few ping intervals) or is ``frozen``.
+FROZEN_TIMEOUT = 10.0
 HEALTH_TIMEOUT = 30.0
 PLANTS = {"drop-rdata": {"type": "tests.chaos.planted:DroppingJsonlConsumer",
                          "drop_every": 100}}
@@ -115,7 +118,7 @@ def caught_up(instance: Instance, table) -> str:
         token = entry.get("token", entry.get("position", 0))
         positions[key] = max(positions.get(key, 0), token)
     state = "match"
-    for key in read_keys(instance.name):
+    for key in read_keys(instance.name, instance.config["streams"]):
         want = {t: checker.canonical(rows) for t, rows in table.get(key, {}).items()}
         got = {t: checker.canonical(rows) for t, rows in delivered.get(key, [])}
         if want != got:
@@ -147,6 +150,59 @@ async def wait_answering(instance: Instance, timeout: float = 60.0) -> bool:
                 pass
         await asyncio.sleep(0.1)
     return False
+
+
+def read_positions(dsn: str) -> Dict[tuple, int]:
+    """``{(stream, writer): position}`` of ``stream_positions``."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn, connect_timeout=5)
+    try:
+        cur = conn.cursor()
+        cur.execute("SELECT stream_name, instance_name, stream_id FROM stream_positions")
+        return {(stream, writer): int(p) for stream, writer, p in cur.fetchall()}
+    finally:
+        conn.close()
+
+
+async def wait_unfrozen(instances: Dict[str, Instance], dsn: str, streams: List[dict],
+                        timeout: float = FROZEN_TIMEOUT) -> checker.Violations:
+    """Poll until every instance's linear token and every writer's
+    persisted position of each stream reach the stream's last fact (with no
+    write meanwhile: the clients have stopped), or ``timeout``; the
+    ``frozen`` violations of the last poll."""
+    writers = {s["name"]: s["writers"] for s in streams}
+    deadline = time.monotonic() + timeout
+    while True:
+        v = checker.Violations()
+        try:
+            table = await asyncio.to_thread(read_table, dsn)
+            persisted = await asyncio.to_thread(read_positions, dsn)
+        except Exception as e:
+            table, persisted = None, {}
+            v.add("frozen", f"tables not readable: {type(e).__name__}: {e}")
+        if table is not None:
+            last = {}
+            for (stream, _), facts in table.items():
+                last[stream] = max([last.get(stream, 0), *facts])
+            linear = {}
+            for instance in instances.values():
+                for stream in writers:
+                    linear[(instance.name, stream)] = None
+                try:
+                    status, body = await http_request(
+                        instance.http_port, "GET", "/_replicator/v1/positions",
+                        secret=SECRET, timeout=2)
+                    if status == 200:
+                        for stream, entry in json.loads(body)["streams"].items():
+                            if stream in writers:
+                                linear[(instance.name, stream)] = entry.get("linear")
+                except (OSError, asyncio.TimeoutError, ValueError, IndexError, KeyError):
+                    pass
+            checker.check_frozen(v, last, linear, persisted, writers)
+        if not v.total() or time.monotonic() > deadline:
+            return v
+        await asyncio.sleep(0.2)
 
 
 async def supervise(instances: Dict[str, Instance], say, stop: asyncio.Event):
@@ -195,7 +251,8 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
         dsn = await asyncio.to_thread(pg.create_database, "chaos")
         # Every stream's table, as its writers create them: an instance that
         # only reads a stream creates nothing, and any may start first.
-        await asyncio.to_thread(create_stream_tables, dsn, parse_streams(STREAMS))
+        streams = streams_for(scenario)
+        await asyncio.to_thread(create_stream_tables, dsn, parse_streams(streams))
         rng = random.Random(f"{seed}/proxy")
         if transport == "tcp":
             master_port = free_port()
@@ -208,7 +265,7 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
                 proxies[name] = await Proxy(name, redis.port, random.Random(rng.random())).start()
         configs = build_configs(transport, dsn, master_port,
                                 {n: p.port for n, p in proxies.items()},
-                                PLANTS[plant] if plant else None)
+                                PLANTS[plant] if plant else None, streams)
         for name in INSTANCES:
             instances[name] = Instance(name, base, configs[name])
         for name in INSTANCES:  # the master creates the tables first
@@ -221,7 +278,7 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
         supervisor_task = asyncio.ensure_future(supervise(instances, say, stop_supervisor))
         writers = []
         client_rng = random.Random(f"{seed}/clients")
-        for instance_name, stream in WRITE_TARGETS:
+        for instance_name, stream in write_targets_for(scenario):
             for i in range(CLIENTS_PER_TARGET):
                 tag = f"{instance_name}-{stream}-{i}"
                 writers.append(Writer(tag, instances[instance_name], stream,
@@ -264,6 +321,7 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             await asyncio.sleep(1.0)
         quiescence_s = time.monotonic() - quiet_started
         say(f"  quiescent={quiescent} after {quiescence_s:.1f}s")
+        frozen = await wait_unfrozen(instances, dsn, streams)
         observer.stopping = True
         await observer_task
         await observer.final()
@@ -299,11 +357,14 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
         v = checker.Violations()
         for instance in instances.values():
             delivered = checker.file_facts(read_jsonl(instance.facts_path))
-            checker.check_deliveries(v, instance.name, read_keys(instance.name), delivered,
-                                     table)
+            checker.check_deliveries(v, instance.name, read_keys(instance.name, streams),
+                                     delivered, table)
         checker.check_writes(v, writes, table, row_tag)
         checker.check_claims(v, observer.first_seen, observer.claims, observer.snapshots,
                              final_index)
+        v.counts.update(frozen.counts)
+        for kind, examples in frozen.examples.items():
+            v.examples[kind].extend(examples)
         checker.check_processes(v, {n: i.unexpected_exits for n, i in instances.items()},
                                 health, exit_codes)
 
