@@ -308,3 +308,30 @@ class EchoFilterTests(TestCase):
         # A subscriber that is not the current one delivers nothing.
         link.message_received(object(), b"hs.test", b"POSITION events master 7 8\n")
         self.assertEqual(len(handler.received), 5)
+
+
+class ConfiguredKeepaliveTests(TestCase):
+    """``replication.ping_interval`` and ``ping_timeout`` govern the Redis
+    links too, not only TCP's (the instance used to build its Redis links
+    with the class defaults, 10 s and 5 s, whatever the config said)."""
+
+    async def test_the_instance_builds_its_redis_links_with_the_configured_keepalive(self):
+        from replicator.config import parse_instance
+        from replicator.service import Instance
+        from tests.servers import free_port
+
+        doc = {"server_name": "hs.test", "instance_name": "w1",
+               "database": {"sqlite": self.mktemp() + ".db"},
+               "streams": [{"name": "caches", "table": "cache_stream",
+                            "columns": [{"cache_func": "text"}], "writers": ["w1"]}],
+               # Nothing listens there: the links keep trying, which is all
+               # this test needs.
+               "replication": {"redis": {"endpoint": f"tcp:host=127.0.0.1:port={free_port()}"},
+                               "ping_interval": 2, "ping_timeout": 7}}
+        instance = Instance(parse_instance(doc), reactor)
+        self.addCleanup(instance.stop)
+        await instance.start()
+        link = instance.redis
+        self.assertEqual((link.ping_interval, link.ping_timeout), (2, 7))
+        # The keepalive timer runs at that interval.
+        self.assertEqual(link._pinger.interval, 2)
