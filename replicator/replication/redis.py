@@ -3,7 +3,9 @@
 
 Every instance PUBLISHes its command lines on the channel ``<server_name>``
 (USER_IP on ``<server_name>/USER_IP``) and SUBSCRIBEs to both.  There is no
-hub: RDATA/POSITION go straight to every reader.
+hub: RDATA/POSITION go straight to every reader.  The lines of one write
+(one fan-out) go inside one ``MULTI`` ... ``EXEC``: they reach the channel
+all or nothing (:meth:`RedisReplication.publish_lines`).
 
 Two connections (a subscriber and a publisher), each kept by its own
 ``ClientService`` with the project's :class:`~replicator.backoff.Backoff`
