@@ -190,6 +190,7 @@ class Instance:
 
             self.redis = RedisReplication(
                 self.reactor, rep.redis, self.handler, config.server_name, config.instance_name,
+                ping_interval=rep.ping_interval, ping_timeout=rep.ping_timeout,
                 initial_delay=rep.reconnect_initial_delay, max_delay=rep.reconnect_max_delay,
                 synapse_server_name=config.synapse.server_name if config.synapse else None)
             self.redis.setServiceParent(self.services)

@@ -152,8 +152,11 @@ class ScheduleTests(SynchronousTestCase):
                 self.assertTrue(a and all(0 < f.at < 30 for f in a))
         kinds = {f.kind for f in make_schedule("all", "redis", 7, 300)}
         self.assertEqual(kinds, {"kill9", "redis_restart", "pause", "cut", "partition",
-                                 "stall", "slow_cut", "pg_restart_immediate",
+                                 "stall", "slow_cut", "hold_release", "pg_restart_immediate",
                                  "pg_restart_fast", "pg_down"})
+        # Hold-release is a Redis fault: over TCP the held link's bytes would
+        # reach a master that dropped the connection they came on.
+        self.assertNotIn("hold_release", {f.kind for f in make_schedule("net", "tcp", 7, 300)})
         self.assertEqual(make_schedule("none", "tcp", 1, 30), [])
 
 
@@ -286,3 +289,41 @@ class ProxyTests(SynchronousTestCase):
             part.cancel()  # healed: the blackholed connection is cut too
             self.assertEqual(await reader.read(), b"")
         self.run_async(body)
+
+    def test_hold_release_forwards_a_prefix_late_after_the_client_is_gone(self):
+        async def main():
+            from tests.chaos.proxy import Proxy
+
+            received = asyncio.Queue()
+
+            async def record(reader, writer):  # what each connection sent, at its end
+                received.put_nowait(await reader.read())
+                writer.close()
+
+            async def until(predicate):
+                while not predicate():
+                    await asyncio.sleep(0.01)
+
+            server = await asyncio.start_server(record, "127.0.0.1", 0)
+            proxy = await Proxy("p", server.sockets[0].getsockname()[1]).start()
+            try:
+                _, old = await asyncio.open_connection("127.0.0.1", proxy.port)
+                await asyncio.wait_for(until(lambda: proxy.links), 10)
+                self.assertEqual(proxy.hold(), 1)
+                (link,) = proxy.links
+                old.write(b"one\ntwo\n")
+                await asyncio.wait_for(until(lambda: link.held == b"one\ntwo\n"), 10)
+                old.transport.abort()  # the client gives up on the link
+                await asyncio.wait_for(until(lambda: link.client_gone), 10)
+                # Its replacement passes at once...
+                _, new = await asyncio.open_connection("127.0.0.1", proxy.port)
+                new.write(b"new\n")
+                new.close()
+                self.assertEqual(await asyncio.wait_for(received.get(), 10), b"new\n")
+                # ...and only then does the old link's prefix arrive.
+                self.assertEqual(await proxy.release(lambda held: held.index(b"\n") + 1), 4)
+                self.assertEqual(await asyncio.wait_for(received.get(), 10), b"one\n")
+            finally:
+                await proxy.close()
+                server.close()
+        asyncio.run(main())

@@ -2,12 +2,16 @@
 one multi-writer stream and a reader, through a Redis crash and a reader
 restart; position-only advances; foreign traffic."""
 
+import asyncio
 import random
 import socket
+import threading
 import types
 
 from prometheus_client import REGISTRY
-from twisted.internet import defer, reactor
+from twisted.internet import defer, reactor, threads
+from twisted.internet.error import ConnectionDone
+from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
 from replicator import metrics
@@ -44,9 +48,10 @@ def publish_raw(port, channel, message, password=None):
 class Node:
     """One instance joined through Redis."""
 
-    def __init__(self, test, dsn, name, redis, consumer=None):
+    def __init__(self, test, dsn, name, redis, consumer=None, endpoint=None):
         self.test, self.dsn, self.name, self.redis = test, dsn, name, redis
         self.consumer = consumer
+        self.endpoint = endpoint or redis.endpoint  # e.g. through a proxy
 
     async def start(self):
         self.db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
@@ -56,7 +61,7 @@ class Node:
         self.handler = ReplicationHandler(self.registry, self.name, "hs.test", consumers)
         self.handler.start()
         self.link = RedisReplication(
-            reactor, RedisConfig(self.redis.endpoint, self.redis.password), self.handler,
+            reactor, RedisConfig(self.endpoint, self.redis.password), self.handler,
             "hs.test", self.name, ping_interval=0.5, ping_timeout=0.5,
             initial_delay=0.05, max_delay=0.3)
         self.link.startService()
@@ -192,6 +197,117 @@ class RedisReplicationTests(TestCase):
         self.assertTrue(reader.link.connected)
 
 
+def redis_clients(port, password):
+    """How many clients ``redis-server`` has, this one included."""
+    def bulk(s):
+        b = s.encode()
+        return b"$%d\r\n%s\r\n" % (len(b), b)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"*2\r\n" + bulk("AUTH") + bulk(password) + b"*2\r\n" + bulk("INFO")
+                  + bulk("clients"))
+        data = b""
+        while b"connected_clients:" not in data or not data.endswith(b"\r\n\r\n"):
+            data += s.recv(65536)
+    return int(data.split(b"connected_clients:")[1].split(b"\r\n")[0])
+
+
+class LoopProxy:
+    """The chaos suite's proxy (:class:`tests.chaos.proxy.Proxy`), run on an
+    asyncio loop in a thread of its own and driven from the reactor."""
+
+    def __init__(self, target_port):
+        from tests.chaos.proxy import Proxy
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.proxy = Proxy("writer", target_port)
+
+    def call(self, fn):
+        """``fn()`` (a coroutine function or a plain one) on the proxy's
+        loop; a Deferred of its result."""
+        async def go():
+            result = fn()
+            return await result if asyncio.iscoroutine(result) else result
+        future = asyncio.run_coroutine_threadsafe(go(), self.loop)
+        return threads.deferToThread(future.result, 30)
+
+    async def stop(self):
+        await self.call(self.proxy.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        await threads.deferToThread(self.thread.join, 10)
+        self.loop.close()
+
+
+class LateBytesTests(TestCase):
+    """A writer's Redis link stalls with part of a fact on it, is replaced
+    after its ping timeout, and the stalled bytes reach Redis late: they must
+    never join the writer's next fact at the readers."""
+
+    timeout = 120
+
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database()
+        self.redis = RedisServer(password="redis-test-secret")
+        self.addCleanup(self.redis.stop)
+
+    async def test_a_replaced_links_late_bytes_never_join_the_next_fact(self):
+        link = LoopProxy(self.redis.port)
+        self.addCleanup(link.stop)
+        await link.call(link.proxy.start)
+        writer = await Node(self, self.dsn, "w1", self.redis,
+                            endpoint=f"tcp:host=127.0.0.1:port={link.proxy.port}").start()
+        consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
+        reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
+        # The writer has announced POSITION caches w1 0 0.
+        await until(lambda: writer.link.connected and reader.link.connected)
+        old_publisher = writer.link.publisher
+
+        # Fact 1 = {A, B} goes out on links that hold every byte.
+        self.assertEqual(await link.call(link.proxy.hold), 2)
+        caches = writer.registry.get("caches")
+        await caches.write_fact([["A", None, 1], ["B", None, 1]])
+
+        def held():
+            return b"".join(bytes(x.held) for x in link.proxy.links if x.held is not None)
+
+        async def holding(needle):
+            while needle not in await link.call(held):
+                await sleep(0.01)
+        await holding(b"RDATA caches w1 batch")
+
+        # No PING answered: the links are replaced, the new ones pass, and the
+        # writer re-announces POSITION caches w1 1 1: the reader reads fact 1
+        # from the table.
+        await until(lambda: writer.link.connected and writer.link.publisher is not None
+                    and writer.link.publisher is not old_publisher, timeout=30)
+        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 1,
+                    timeout=30)
+
+        # Then the old link's first line reaches Redis, and the old link
+        # closes: the prefix up to the end of the first PUBLISH of a batch line.
+        def through_first_batch_line(data):
+            at = data.find(b"RDATA caches w1 batch")
+            return 0 if at < 0 else data.index(b"\r\n", at) + 2
+
+        clients = await threads.deferToThread(redis_clients, self.redis.port,
+                                              self.redis.password)
+        await link.call(lambda: link.proxy.release(through_first_batch_line))
+        # Redis has run what it got once it has dropped both old links.
+        while await threads.deferToThread(redis_clients, self.redis.port,
+                                          self.redis.password) > clients - 2:
+            await sleep(0.01)
+
+        # Fact 2 = {C}.
+        await caches.write_fact([["C", None, 2]])
+        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 2,
+                    timeout=30)
+        self.assertEqual(consumer.facts, [
+            ("caches", "w1", 1, [["A", None, 1], ["B", None, 1]]),
+            ("caches", "w1", 2, [["C", None, 2]]),
+        ])
+
+
 class RedisFailureModeTests(TestCase):
     """The ways Synapse's users lose Redis replication, each made impossible."""
 
@@ -310,3 +426,99 @@ class EchoFilterTests(TestCase):
         # A subscriber that is not the current one delivers nothing.
         link.message_received(object(), b"hs.test", b"POSITION events master 7 8\n")
         self.assertEqual(len(handler.received), 5)
+
+
+class ConfiguredKeepaliveTests(TestCase):
+    """``replication.ping_interval`` and ``ping_timeout`` govern the Redis
+    links too, not only TCP's (the instance used to build its Redis links
+    with the class defaults, 10 s and 5 s, whatever the config said)."""
+
+    async def test_the_instance_builds_its_redis_links_with_the_configured_keepalive(self):
+        from replicator.config import parse_instance
+        from replicator.service import Instance
+        from tests.servers import free_port
+
+        doc = {"server_name": "hs.test", "instance_name": "w1",
+               "database": {"sqlite": self.mktemp() + ".db"},
+               "streams": [{"name": "caches", "table": "cache_stream",
+                            "columns": [{"cache_func": "text"}], "writers": ["w1"]}],
+               # Nothing listens there: the links keep trying, which is all
+               # this test needs.
+               "replication": {"redis": {"endpoint": f"tcp:host=127.0.0.1:port={free_port()}"},
+                               "ping_interval": 2, "ping_timeout": 7}}
+        instance = Instance(parse_instance(doc), reactor)
+        self.addCleanup(instance.stop)
+        await instance.start()
+        link = instance.redis
+        self.assertEqual((link.ping_interval, link.ping_timeout), (2, 7))
+        # The keepalive timer runs at that interval.
+        self.assertEqual(link._pinger.interval, 2)
+
+
+class PublishBlockTests(TestCase):
+    """The lines of one write reach the channel all or nothing: several are
+    PUBLISHed inside MULTI ... EXEC, and the replies stay matched to their
+    commands (MULTI's +OK, a +QUEUED per PUBLISH, EXEC's list), whatever
+    EXEC answers or if the link goes."""
+
+    def setUp(self):
+        from twisted.internet import task
+        from twisted.internet.testing import StringTransport
+
+        from replicator.replication.redis import _Publisher, _RedisFactory
+
+        self.link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
+                                     _RecordingHandler(["caches"]), "hs.test", "w1")
+        config = RedisConfig("tcp:host=127.0.0.1:port=1")
+        self.publisher = _RedisFactory(_Publisher, config, self.link,
+                                       "publisher").buildProtocol(None)
+        self.transport = StringTransport()
+        self.publisher.makeConnection(self.transport)
+        self.assertIs(self.link.publisher, self.publisher)  # ready: no AUTH, no SELECT
+
+    def dropped(self):
+        return metrics.COMMANDS_DROPPED.labels("PUBLISH", "failed")._value.get()
+
+    def publish(self, *lines):
+        self.transport.clear()
+        self.link.publish_lines([line.encode() + b"\n" for line in lines])
+        return self.transport.value()
+
+    def test_several_lines_go_in_one_block_and_its_replies_are_accounted_for(self):
+        def publish_command(payload):
+            return b"*3\r\n$7\r\nPUBLISH\r\n$7\r\nhs.test\r\n$%d\r\n%s\r\n" % (
+                len(payload), payload)
+        batch = b'RDATA caches w1 batch ["A",null,1]'
+        last = b'RDATA caches w1 1 ["B",null,1]'
+        self.assertEqual(self.publish(batch.decode(), last.decode()),
+                         b"*1\r\n$5\r\nMULTI\r\n" + publish_command(batch)
+                         + publish_command(last) + b"*1\r\n$4\r\nEXEC\r\n")
+        before = self.dropped()
+        self.publisher.dataReceived(b"+OK\r\n+QUEUED\r\n+QUEUED\r\n*2\r\n:1\r\n:1\r\n")
+        self.assertEqual(self.dropped(), before)
+        self.assertEqual(self.publisher.replyQueue.waiting, [])
+        # The next reply is the next command's: a PING's.
+        pong = self.publisher.ping()
+        self.publisher.dataReceived(b"+PONG\r\n")
+        self.assertEqual(self.successResultOf(pong), "PONG")
+        # One line is one PUBLISH, atomic by itself.
+        self.assertEqual(self.publish("POSITION caches w1 1 1"),
+                         publish_command(b"POSITION caches w1 1 1"))
+        self.publisher.dataReceived(b":1\r\n")
+        self.assertEqual((self.dropped(), self.publisher.replyQueue.waiting), (before, []))
+
+    def test_a_block_that_did_not_run_counts_its_lines_as_dropped(self):
+        before = self.dropped()
+        self.publish("RDATA caches w1 batch x", "RDATA caches w1 1 y")
+        self.publisher.dataReceived(
+            b"+OK\r\n-ERR refused\r\n+QUEUED\r\n"
+            b"-EXECABORT Transaction discarded because of previous errors.\r\n")
+        self.assertEqual(self.dropped(), before + 2)
+        self.assertEqual(self.publisher.replyQueue.waiting, [])
+        # A block whose link goes before EXEC answers: Redis ran it or not,
+        # we cannot know; the reconnect's POSITIONs cover it either way.
+        self.publish("RDATA caches w1 batch x", "RDATA caches w1 batch y", "RDATA caches w1 2 z")
+        self.publisher.dataReceived(b"+OK\r\n+QUEUED\r\n")
+        self.publisher.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(self.dropped(), before + 5)
+        self.assertIsNone(self.link.publisher)

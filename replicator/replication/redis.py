@@ -3,7 +3,9 @@
 
 Every instance PUBLISHes its command lines on the channel ``<server_name>``
 (USER_IP on ``<server_name>/USER_IP``) and SUBSCRIBEs to both.  There is no
-hub: RDATA/POSITION go straight to every reader.
+hub: RDATA/POSITION go straight to every reader.  The lines of one write
+(one fan-out) go inside one ``MULTI`` ... ``EXEC``: they reach the channel
+all or nothing (:meth:`RedisReplication.publish_lines`).
 
 Two connections (a subscriber and a publisher), each kept by its own
 ``ClientService`` with the project's :class:`~replicator.backoff.Backoff`
@@ -79,6 +81,9 @@ log = Logger()
 NAME = "redis"
 #: Our channel beside a Synapse: ``<server_name>`` + this.
 OWN_CHANNEL_SUFFIX = "/replicator"
+#: What brackets the PUBLISHes of one write of several lines.
+MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+EXEC = b"*1\r\n$4\r\nEXEC\r\n"
 OWN_INSTANCE_FIELDS = {"RDATA": "instance_name", "POSITION": "instance_name",
                        "USER_SYNC": "instance_id", "CLEAR_USER_SYNC": "instance_id",
                        "FEDERATION_ACK": "instance_name"}
@@ -433,11 +438,22 @@ class RedisReplication(MultiService):
 
     # ------------------------------------------------------------ traffic
     def publish_lines(self, lines: List[bytes], channel: Optional[bytes] = None) -> None:
-        """PUBLISH each line, all in one write (one reply awaited per line),
-        on our channel (USER_IP on ours for it) unless ``channel`` is given.
+        """PUBLISH each line on our channel (USER_IP on ours for it) unless
+        ``channel`` is given, all in one write; more than one line inside
+        ``MULTI`` ... ``EXEC``.
 
-        Lines for a lost publisher are dropped: the facts are in the
-        database, and the reconnect re-announces our positions.  Nothing is
+        So the lines of one call (one fan-out: whole facts, a ``batch`` run
+        and its last line together) reach the channel all or nothing, and
+        no other client's lines come between them: Redis runs a MULTI block
+        at its EXEC, at once, and drops it unrun when the connection closes
+        before EXEC arrives.  Without it, a link that stalled mid-fact and
+        was replaced could deliver the start of a fact late, after our new
+        link re-announced our positions, and the readers would join those
+        rows to our next fact.
+
+        Lines for a lost publisher are dropped, and so are those of a block
+        whose EXEC fails or never answers (a lost link): the facts are in
+        the database, and the reconnect re-announces our positions.  Nothing is
         published once a Synapse was seen on our channel."""
         if self.synapse_seen is not None:
             metrics.COMMANDS_DROPPED.labels("PUBLISH", "synapse_seen").inc(len(lines))
@@ -452,19 +468,39 @@ class RedisReplication(MultiService):
                              else self._channel)
             commands.append(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
                             % (len(to), to, len(payload), payload))
-        publisher.transport.write(b"".join(commands))
-        for _ in commands:
-            publisher.replyQueue.get().addCallbacks(self._published, self._publish_failed)
+        replies = publisher.replyQueue
+        if len(commands) == 1:
+            publisher.transport.write(commands[0])
+            replies.get().addCallbacks(self._published, self._publish_failed,
+                                       callbackArgs=(publisher, 1), errbackArgs=(1,))
+            return
+        publisher.transport.write(b"".join([MULTI] + commands + [EXEC]))
+        # One reply per command, in order: +OK for MULTI and +QUEUED for each
+        # PUBLISH (a refused one makes EXEC fail), then EXEC's, which says
+        # whether the block ran.
+        for _ in range(len(commands) + 1):
+            replies.get()
+        replies.get().addCallbacks(self._published, self._publish_failed,
+                                   callbackArgs=(publisher, len(commands)),
+                                   errbackArgs=(len(commands),))
 
-    def _published(self, reply) -> None:
-        # txredisapi hands over error replies and a lost connection as values.
-        if isinstance(reply, Exception):
-            self._publish_failed(Failure(reply))
+    def _published(self, reply, publisher, count: int) -> None:
+        # txredisapi hands over error replies and a lost connection as values;
+        # EXEC's answer is a list (one subscriber count per PUBLISH).
+        if isinstance(reply, list):
+            # txredisapi counts QUEUED replies for its own MULTI, which this
+            # connection never uses: keep its counter at rest.
+            publisher.transactions = 0
+            failed = [r for r in reply if isinstance(r, Exception)]
+            if failed:
+                self._publish_failed(Failure(failed[0]), len(failed))
+        elif isinstance(reply, Exception):
+            self._publish_failed(Failure(reply), count)
 
-    def _publish_failed(self, failure) -> None:
+    def _publish_failed(self, failure, count: int = 1) -> None:
         # The facts are in the database: after the reconnect our POSITIONs
         # make every reader catch up.
-        metrics.COMMANDS_DROPPED.labels("PUBLISH", "failed").inc()
+        metrics.COMMANDS_DROPPED.labels("PUBLISH", "failed").inc(count)
         log.debug("redis: publish failed: {error}", error=failure.getErrorMessage())
 
     def message_received(self, protocol, channel, message) -> None:

@@ -15,6 +15,8 @@ Scenarios:
 * ``pause``  SIGSTOP of any instance for 1-3 s past the ping timeout, SIGCONT;
 * ``net``    on any replication link's proxy: cut, partition (1-5 s),
   stall (0.5 s to past the ping timeout), slow-cut (0.5-3 s of trickle, then cut);
+  Redis also hold-release: a writer's link held past the ping timeout, a
+  random prefix of its bytes let go once the new link is up;
 * ``pg``     ``pg_ctl restart -m immediate`` (a crash), ``-m fast``, and
   PostgreSQL down for 1-4 s;
 * ``all``    all of the above in two lanes;
@@ -29,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from .cluster import INSTANCES, PING_TIMEOUT
+from .cluster import INSTANCES, PING_INTERVAL, PING_TIMEOUT
 
 SCENARIOS = ("crash", "pause", "net", "pg", "all", "idle")
 
@@ -65,10 +67,17 @@ def _draw(rng: random.Random, pool: str, transport: str):
         return "pause", rng.choice(INSTANCES), PING_TIMEOUT + rng.uniform(1, 3)
     if pool == "net":
         link = rng.choice(_links(transport))
-        kind = rng.choice(("cut", "partition", "stall", "slow_cut"))
+        kinds = ("cut", "partition", "stall", "slow_cut")
+        if transport == "redis":
+            # Every instance writes: each link is a writer's.  Twice the odds
+            # of the others: a random cut lands right after a fact's first
+            # lines about one time in three.
+            kinds += ("hold_release", "hold_release")
+        kind = rng.choice(kinds)
         seconds = {"cut": 0.0, "partition": rng.uniform(1, 5),
                    "stall": rng.uniform(0.5, PING_TIMEOUT + 2),
-                   "slow_cut": rng.uniform(0.5, 3)}[kind]
+                   "slow_cut": rng.uniform(0.5, 3),
+                   "hold_release": PING_INTERVAL + PING_TIMEOUT + rng.uniform(0.5, 2)}[kind]
         return kind, link, seconds
     if pool == "pg":
         kind = rng.choice(("pg_restart_immediate", "pg_restart_immediate", "pg_restart_fast",
@@ -148,6 +157,8 @@ class Nemesis:
             await self.proxies[fault.target].stall(seconds)
         elif kind == "slow_cut":
             await self.proxies[fault.target].slow_cut(seconds)
+        elif kind == "hold_release":
+            await self.proxies[fault.target].hold_release(seconds)
         elif kind == "pg_restart_immediate":
             await asyncio.to_thread(self.pg.restart, "immediate")
         elif kind == "pg_restart_fast":

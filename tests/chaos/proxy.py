@@ -12,13 +12,22 @@ Faults act on all current connections of the proxy:
   ``seconds`` (bytes wait in the proxy and the kernel), then resumes.
 * :meth:`Proxy.slow_cut` forwards a few bytes every few milliseconds for
   ``seconds``, then aborts the connections.
+* :meth:`Proxy.hold_release` holds what the clients of the current
+  connections send (read, not forwarded; the upstream side stays open when
+  a client goes away) for ``seconds`` and until each such client has gone
+  and come back on a new connection (its link replaced after a ping
+  timeout); then it forwards a prefix of the held bytes, cut at a random
+  offset (a link that dies mid-stream delivers part of what was sent, late),
+  and closes the upstream side.  :meth:`Proxy.hold` and :meth:`Proxy.release`
+  are its two halves, for tests that choose the moment and the cut.
 
 Only loopback addresses are used.  The proxy never changes a byte.
 """
 
 import asyncio
 import random
-from typing import Optional, Set
+import time
+from typing import Callable, Optional, Set
 
 CHUNK = 65536
 
@@ -31,6 +40,9 @@ class _Link:
         self.writers = (client_writer, upstream_writer)
         self.blackholed = blackholed
         self.closed = False
+        #: What the client sent while held (None: not held).
+        self.held: Optional[bytearray] = None
+        self.client_gone = False
 
     def abort(self):
         if not self.closed:
@@ -111,6 +123,53 @@ class Proxy:
             self._trickle = False
             self.cut()
 
+    def hold(self) -> int:
+        """Hold what the clients of the current connections send, from now
+        until :meth:`release`; the number of connections held."""
+        links = [link for link in self.links if not link.closed and link.held is None]
+        for link in links:
+            link.held = bytearray()
+        return len(links)
+
+    async def release(self, cut: Optional[Callable[[bytes], int]] = None) -> int:
+        """Forward ``held[:cut(held)]`` (default: a random offset) of every
+        held connection upstream, close its upstream side (Redis runs the
+        complete commands of that prefix and drops the rest) and abort its
+        client side; the number of bytes forwarded."""
+        forwarded = 0
+        for link in [link for link in self.links if link.held is not None and not link.closed]:
+            held = bytes(link.held)
+            n = cut(held) if cut is not None else self._rng.randint(0, len(held))
+            upstream = link.writers[1]
+            try:
+                upstream.write(held[:n])
+                await upstream.drain()
+                upstream.close()  # after the prefix, not a reset that could discard it
+                await upstream.wait_closed()
+            except (OSError, ConnectionError):
+                pass
+            forwarded += n
+            link.abort()
+        return forwarded
+
+    async def hold_release(self, seconds: float, settle: float = 1.0, limit: float = 30.0):
+        """:meth:`hold` for ``seconds``, and then until every held client
+        has gone and as many new connections came (at most ``limit`` more
+        seconds), ``settle`` more for the new links to say who they are;
+        then :meth:`release` a random prefix."""
+        before = self.connections
+        held = self.hold()
+        try:
+            await asyncio.sleep(seconds)
+            deadline = time.monotonic() + limit
+            while time.monotonic() < deadline and not (
+                    self.connections >= before + held
+                    and all(link.client_gone for link in self.links if link.held is not None)):
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(settle)
+        finally:
+            await self.release()
+
     def heal(self):
         self._partitioned = False
         self._trickle = False
@@ -130,20 +189,24 @@ class Proxy:
         link = _Link(self, writer, up_writer, blackholed=self._partitioned)
         self.links.add(link)
         try:
-            await asyncio.gather(self._pump(link, reader, up_writer),
-                                 self._pump(link, up_reader, writer))
+            await asyncio.gather(self._pump(link, reader, up_writer, upstream=True),
+                                 self._pump(link, up_reader, writer, upstream=False))
         finally:
             link.abort()
             self.links.discard(link)
 
-    async def _pump(self, link: _Link, reader, writer):
+    async def _pump(self, link: _Link, reader, writer, upstream: bool):
         try:
             while not link.closed:
                 data = await reader.read(CHUNK)
                 if not data:
                     break
-                while not link.closed and (link.blackholed or not self._running.is_set()):
-                    if link.blackholed:
+                if upstream and link.held is not None:
+                    link.held += data
+                    continue
+                while not link.closed and (link.blackholed or link.held is not None
+                                           or not self._running.is_set()):
+                    if link.blackholed or link.held is not None:
                         await asyncio.sleep(0.05)
                     else:
                         await self._running.wait()
@@ -160,4 +223,7 @@ class Proxy:
         except (OSError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            link.abort()
+            if upstream and link.held is not None and not link.closed:
+                link.client_gone = True  # the upstream side waits for the release
+            else:
+                link.abort()
