@@ -16,6 +16,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
 
 from replicator.http.site import Site
 from replicator.replication.tcp import ReplicationServerFactory
@@ -93,9 +94,18 @@ class ReplicationListenerTests(SynchronousTestCase):
 
 
 class _Health(Resource):
+    """``/health`` answers at once; ``/slow`` never (until told)."""
+
     isLeaf = True
 
+    def __init__(self):
+        super().__init__()
+        self.slow = []
+
     def render_GET(self, request):
+        if request.path == b"/slow":
+            self.slow.append(request)
+            return NOT_DONE_YET
         return b'{"healthy": true}\n'
 
 
@@ -125,7 +135,8 @@ class HttpSiteTests(SynchronousTestCase):
 
     def site(self, **limits):
         self.api = _Api(**limits)
-        return Site(_Health(), self.api, 1 << 20, 60, self.clock)
+        self.root = _Health()
+        return Site(self.root, self.api, 1 << 20, 60, self.clock)
 
     def connect(self, site):
         self.port += 1
@@ -143,6 +154,24 @@ class HttpSiteTests(SynchronousTestCase):
         # The oldest silent connection made room, with a 503 of its own.
         self.assertTrue(silent[0][1].value().startswith(b"HTTP/1.1 503 "))
         self.assertEqual(sum(not t.disconnecting for _, t in silent), 3)
+
+    def test_requests_being_answered_are_never_closed_to_make_room(self):
+        site = self.site(max_connections=2)
+        busy = [self.connect(site) for _ in range(2)]
+        for channel, _ in busy:
+            channel.dataReceived(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        refused, transport = self.connect(site)
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 503 "), transport.value())
+        self.assertIn(b"too many HTTP connections (2)", transport.value())
+        self.assertFalse(any(t.disconnecting for _, t in busy))
+        # Once answered, a connection is idle again: it makes room.
+        self.root.slow[0].write(b"{}")
+        self.root.slow[0].finish()
+        probe, transport = self.connect(site)
+        probe.dataReceived(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 200 "), transport.value())
+        self.assertTrue(busy[0][1].disconnecting)
+        self.assertFalse(busy[1][1].disconnecting)
 
     def test_connections_are_capped_per_address(self):
         site = self.site()
@@ -194,6 +223,7 @@ class LockoutTests(TestCase):
         status, body = http_get(self.daemon.http_port, "/health")
         # The health endpoint's own answer, not the connection cap's.
         self.assertNotIn(b"too many HTTP connections", body)
-        self.assertIn(b'"healthy"', body)
+        self.assertEqual(status, 200, body)
+        self.assertIn(b'"status":"ok"', body)
         status, body = http_get(self.daemon.http_port, "/_replicator/v1/positions", SECRET)
         self.assertEqual(status, 200, body)
