@@ -227,3 +227,40 @@ class LockoutTests(TestCase):
         self.assertIn(b'"status":"ok"', body)
         status, body = http_get(self.daemon.http_port, "/_replicator/v1/positions", SECRET)
         self.assertEqual(status, 200, body)
+
+
+class ConfigTests(SynchronousTestCase):
+    def error(self, parse, section):
+        from replicator.config import ConfigError
+
+        with self.assertRaises(ConfigError) as e:
+            parse(section)
+        self.assertNotIn("\n", str(e.exception))
+        return str(e.exception)
+
+    def test_replication_keys(self):
+        from replicator.config import parse_replication
+
+        config = parse_replication({})
+        self.assertEqual((config.max_connections_per_address, config.max_unidentified,
+                          config.identify_timeout), (32, 64, 10.0))
+        self.assertEqual(parse_replication({"max_connections": 8}).max_connections_per_address,
+                         8)
+        self.assertEqual(self.error(parse_replication, {"max_connections_per_address": 300}),
+                         "config: replication.max_connections_per_address: must be an integer "
+                         "from 1 to 256, got 300")
+        self.assertEqual(self.error(parse_replication, {"max_unidentified": 0}),
+                         "config: replication.max_unidentified: must be an integer from 1 to "
+                         "65536, got 0")
+        self.assertIn("config: replication.identify_timeout: ",
+                      self.error(parse_replication, {"identify_timeout": "soon"}))
+
+    def test_http_key(self):
+        from replicator.config.instance import parse_http
+
+        base = {"listen": "tcp:0:interface=127.0.0.1", "secret": "s" * 16}
+        self.assertEqual(parse_http(base).max_connections_per_address, 32)
+        self.assertEqual(self.error(parse_http, dict(base, max_connections=10,
+                                                     max_connections_per_address=11)),
+                         "config: http.max_connections_per_address: must be an integer from 1 "
+                         "to 10, got 11")
