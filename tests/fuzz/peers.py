@@ -445,6 +445,12 @@ def poison_worker(directory, dsn, result) -> None:
     path = os.path.join(directory, "worker1.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
+    # The master (not started here) would have created the tables worker1
+    # only reads: a reader refuses to start without them.
+    from replicator.config.streams import parse_streams
+    from tests.support import create_stream_tables
+
+    create_stream_tables(dsn, parse_streams(inputs.STREAMS))
     import subprocess
     import sys
 
