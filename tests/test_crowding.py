@@ -118,7 +118,7 @@ class _Api:
     def __init__(self, **limits):
         self.open_connections = 0
         self.max_connections = limits.get("max_connections", 256)
-        self.max_connections_per_address = limits.get("max_connections_per_address", 32)
+        self.max_connections_per_address = limits.get("max_connections_per_address", 64)
         self.refusals = []
 
     def log_refusal(self, transport, code, length, message, method, path):
@@ -175,10 +175,10 @@ class HttpSiteTests(SynchronousTestCase):
 
     def test_connections_are_capped_per_address(self):
         site = self.site()
-        silent = [self.connect(site) for _ in range(40)]
+        silent = [self.connect(site) for _ in range(70)]
         open_ = [t for _, t in silent if not t.disconnecting]
-        self.assertEqual(len(open_), 32)
-        self.assertEqual(open_, [t for _, t in silent[8:]])
+        self.assertEqual(len(open_), 64)
+        self.assertEqual(open_, [t for _, t in silent[6:]])
 
 
 class LockoutTests(TestCase):
@@ -259,7 +259,7 @@ class ConfigTests(SynchronousTestCase):
         from replicator.config.instance import parse_http
 
         base = {"listen": "tcp:0:interface=127.0.0.1", "secret": "s" * 16}
-        self.assertEqual(parse_http(base).max_connections_per_address, 32)
+        self.assertEqual(parse_http(base).max_connections_per_address, 64)
         self.assertEqual(self.error(parse_http, dict(base, max_connections=10,
                                                      max_connections_per_address=11)),
                          "config: http.max_connections_per_address: must be an integer from 1 "

@@ -84,7 +84,7 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
         body_timeout=get_number(section, "body_timeout", key, 30.0, minimum=0.1, maximum=3600),
         max_connections=max_connections,
         max_connections_per_address=get_int(section, "max_connections_per_address", key,
-                                            min(32, max_connections),
+                                            min(64, max_connections),
                                             minimum=1, maximum=max_connections),
     )
 

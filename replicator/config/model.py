@@ -128,7 +128,7 @@ class HttpConfig:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_connections: int = 256
-    max_connections_per_address: int = 32
+    max_connections_per_address: int = 64
 
 
 @dataclass(frozen=True)
