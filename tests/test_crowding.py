@@ -173,6 +173,18 @@ class HttpSiteTests(SynchronousTestCase):
         self.assertTrue(busy[0][1].disconnecting)
         self.assertFalse(busy[1][1].disconnecting)
 
+    def test_no_cap_per_address_without_an_ip_address(self):
+        from twisted.internet.address import UNIXAddress
+
+        site = self.site()
+        channels = []
+        for _ in range(70):
+            channel = site.buildProtocol(UNIXAddress(None))
+            transport = StringTransport()
+            channel.makeConnection(transport)
+            channels.append(transport)
+        self.assertFalse(any(t.disconnecting for t in channels))
+
     def test_connections_are_capped_per_address(self):
         site = self.site()
         silent = [self.connect(site) for _ in range(70)]

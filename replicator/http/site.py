@@ -197,7 +197,8 @@ class Site(server.Site):
         if len(self.crowd) >= api.max_connections and not self._make_room(...):
             return self._busy(f"too many HTTP connections ({api.max_connections}): "
                               "try again later")
-        if self.crowd.count(host) >= per_address and not self._make_room(host):
+        if host is not None and self.crowd.count(host) >= per_address \
+                and not self._make_room(host):
             return self._busy(f"too many HTTP connections from {host} ({per_address}): "
                               "try again later")
         channel = super().buildProtocol(addr)

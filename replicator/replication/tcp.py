@@ -26,7 +26,7 @@ nor use up the process's file descriptors):
   Known names are counted in no cap (there are as many as the config says).
 * Other identified connections (readers under names the config does not
   know, anonymous readers): at most ``max_connections`` in all and
-  ``max_connections_per_address`` from one address; one more is answered
+  ``max_connections_per_address`` from one IP address; one more is answered
   ``ERROR too many connections`` (``... from <address>``) and closed.
 
 So at most ``max_unidentified + max_connections`` + the known names are open.
@@ -153,7 +153,8 @@ class ReplicationServerFactory(Factory):
         if self.crowd.identified >= self.max_connections:
             self._refused("max_connections", "max_connections", self.max_connections)
             return "too many connections"
-        if self.crowd.identified_count(host) >= self.max_connections_per_address:
+        if host is not None and \
+                self.crowd.identified_count(host) >= self.max_connections_per_address:
             self._refused("max_connections_per_address", "max_connections_per_address",
                           self.max_connections_per_address)
             return f"too many connections from {host}"
