@@ -51,6 +51,13 @@ class Crowd:
         """Identified connections counted from ``host``."""
         return self._identified_per_host[host]
 
+    def host(self, conn) -> Optional[str]:
+        """The address ``conn`` came from (None: not an IP peer, or gone)."""
+        for table in (self._unidentified, self._identified, self._exempt):
+            if conn in table:
+                return table[conn]
+        return None
+
     def __contains__(self, conn) -> bool:
         return conn in self._unidentified or conn in self._identified or conn in self._exempt
 

@@ -60,6 +60,8 @@ MAX_CONNECTIONS_PER_ADDRESS = 32
 MAX_UNIDENTIFIED = 64
 #: Default seconds a connection has to send NAME (or REPLICATE).
 IDENTIFY_TIMEOUT = 10.0
+#: At most one warning per cap this often (seconds).
+WARN_INTERVAL = 60.0
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class ReplicationServerFactory(Factory):
         self.live: Set[ServerReplicationProtocol] = set()
         self.crowd = Crowd()
         self.holders: Dict[str, ServerReplicationProtocol] = {}
-        self._warned: Set[str] = set()  # caps warned about, until a connection closes
+        self._warned: Dict[str, float] = {}  # cap -> when last warned about
         if policy is None:
             policy = PeerPolicy(reserved=local_names(handler))
         self.policy = policy
@@ -122,7 +124,7 @@ class ReplicationServerFactory(Factory):
         while self.crowd.unidentified >= self.max_unidentified:
             oldest = self.crowd.oldest_unidentified()
             self.crowd.leave(oldest)
-            self._refused("max_unidentified", "max_unidentified", self.max_unidentified)
+            self._refused("max_unidentified", self.max_unidentified)
             oldest.close(REFUSED, "too many unidentified connections")
         p = ServerReplicationProtocol(
             self.handler, self.server_name, policy=self.policy, clock=self.clock,
@@ -148,27 +150,29 @@ class ReplicationServerFactory(Factory):
             self.holders[name] = conn
             self.crowd.identify(conn, exempt=True)
             return None
-        host = getattr(conn.transport.getPeer(), "host", None)
+        host = self.crowd.host(conn)
         self.crowd.leave(conn)
         if self.crowd.identified >= self.max_connections:
-            self._refused("max_connections", "max_connections", self.max_connections)
+            self._refused("max_connections", self.max_connections)
             return "too many connections"
         if host is not None and \
                 self.crowd.identified_count(host) >= self.max_connections_per_address:
-            self._refused("max_connections_per_address", "max_connections_per_address",
-                          self.max_connections_per_address)
+            self._refused("max_connections_per_address", self.max_connections_per_address)
             return f"too many connections from {host}"
         self.crowd.arrive(conn, host)
         self.crowd.identify(conn)
         return None
 
-    def _refused(self, reason: str, key: str, n: int) -> None:
-        metrics.CONNECTIONS_REFUSED.labels(reason).inc()
-        if key not in self._warned:
-            # Once per burst: until a connection closes again.
-            self._warned.add(key)
+    def _refused(self, key: str, n: int) -> None:
+        """A connection refused or closed for the cap ``key`` (of ``n``):
+        counted; a warning at most once a minute per cap."""
+        metrics.CONNECTIONS_REFUSED.labels(key).inc()
+        now = self.clock.seconds()
+        if now - self._warned.get(key, -WARN_INTERVAL) >= WARN_INTERVAL:
+            self._warned[key] = now
             log.warn("Replication listener at its {key} ({n}): refusing or closing "
-                     "connections", key=key, n=n)
+                     "connections (counted in replicator_connections_refused_total)",
+                     key=key, n=n)
 
     def _lost(self, protocol) -> None:
         self.live.discard(protocol)
@@ -176,7 +180,6 @@ class ReplicationServerFactory(Factory):
         name = protocol.instance_name
         if name is not None and self.holders.get(name) is protocol:
             del self.holders[name]
-        self._warned.clear()
 
 
 class ReplicationClientFactory(Factory):
