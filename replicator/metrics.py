@@ -100,7 +100,7 @@ REDIS_AUTH_REFUSED = Counter(
 )
 CONNECTIONS_REFUSED = Counter(
     "replicator_connections_refused_total",
-    "Replication connections refused at accept (ERROR and close), by reason", ["reason"]
+    "Replication connections refused or closed to make room (ERROR and close), by reason", ["reason"]
 )
 RECONNECT_DELAY = Gauge(
     "replicator_reconnect_delay_seconds",

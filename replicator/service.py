@@ -176,7 +176,11 @@ class Instance:
             policy = policy_from_config(rep, local_names(self.handler))
             factory = ReplicationServerFactory(self.handler, config.server_name, self.settings,
                                                clock=self.reactor, policy=policy,
-                                               max_connections=rep.max_connections)
+                                               max_connections=rep.max_connections,
+                                               max_connections_per_address=(
+                                                   rep.max_connections_per_address),
+                                               max_unidentified=rep.max_unidentified,
+                                               identify_timeout=rep.identify_timeout)
             self._listen(rep.listen, factory, "replication", rep.client_ca,
                          key="replication.listen")
         if rep.upstream:

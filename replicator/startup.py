@@ -60,8 +60,8 @@ def fd_budget_problem(config: InstanceConfig, soft_limit: int) -> Optional[str]:
     needed = FD_RESERVE + config.database.pool_max
     keys = []
     if config.replication.listen:
-        needed += config.replication.max_connections
-        keys.append("replication.max_connections")
+        needed += config.replication.max_connections + config.replication.max_unidentified
+        keys += ["replication.max_connections", "replication.max_unidentified"]
     if config.http.listen:
         needed += config.http.max_connections
         keys.append("http.max_connections")

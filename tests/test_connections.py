@@ -144,7 +144,7 @@ class StartupGarbageTests(TestCase):
 class ListenerCapTests(TestCase):
     timeout = 60
 
-    async def test_connections_over_the_cap_get_an_error_and_are_closed(self):
+    async def test_readers_over_the_cap_get_an_error_and_are_closed(self):
         class Handler:
             instance_name = "master"
             registry = ()
@@ -157,8 +157,11 @@ class ListenerCapTests(TestCase):
         first = await connect(port)
         second = await connect(port)
         third = await connect(port)
+        for n, p in enumerate((first, second, third)):
+            p.transport.write(b"NAME reader%d\nREPLICATE\n" % n)
+            await until(lambda: factory.crowd.identified == min(n + 1, 2) and p.data)
         await until(lambda: third.lost)
-        self.assertEqual(third.data, b"ERROR too many connections\n")
+        self.assertTrue(third.data.endswith(b"ERROR too many connections\n"), third.data)
         await until(lambda: first.data and second.data)
         self.assertTrue(first.data.startswith(b"SERVER hs.test\nPING "))
         self.assertFalse(first.lost or second.lost)
@@ -168,8 +171,10 @@ class ListenerCapTests(TestCase):
         first.transport.loseConnection()
         await until(lambda: len(factory.live) == 1)
         fourth = await connect(port)
+        fourth.transport.write(b"NAME reader4\nREPLICATE\n")
         await until(lambda: fourth.data)
         self.assertTrue(fourth.data.startswith(b"SERVER hs.test\n"))
+        self.assertFalse(fourth.lost)
         for p in (second, fourth):
             p.transport.loseConnection()
         await until(lambda: not factory.live)
@@ -193,10 +198,11 @@ class FdBudgetTests(TestCase):
     def test_caps_over_the_limit_name_the_keys(self):
         from replicator.service import fd_budget_problem
 
-        # The default caps (256 + 256) and the rest (64 + 1) under a 128-fd limit.
+        # The default caps (256 + 64 + 256) and the rest (64 + 1) under a 128-fd limit.
         problem = fd_budget_problem(self.config(), 128)
-        self.assertEqual(problem, "replication.max_connections + http.max_connections and 65 "
-                                  "descriptors for the rest need 577 file descriptors, over the "
+        self.assertEqual(problem, "replication.max_connections + replication.max_unidentified + "
+                                  "http.max_connections and 65 "
+                                  "descriptors for the rest need 641 file descriptors, over the "
                                   "process limit of 128 (ulimit -n, LimitNOFILE=): lower the "
                                   "caps or raise the limit")
         self.assertIsNone(fd_budget_problem(self.config(max_connections=32), 1024))

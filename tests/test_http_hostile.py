@@ -311,27 +311,30 @@ class SlowClientTests(HttpTestCase):
             "error": "request body not received within 1s"})
         self.assertEqual(await self.count(), 0)
 
-    async def test_connections_over_the_cap_get_a_json_503(self):
+    async def test_a_newcomer_over_the_cap_closes_the_oldest_idle_connection(self):
         await self.start_limited(max_connections=3, header_timeout=3600)
         held = []
         for _ in range(3):
             client = await ClientConnection.open(
                 self, SlowClient(b"GET /health HTTP/1.1\r\n"))
             held.append(client)
-        # The server has counted them once a request over a fourth
-        # connection is refused.
-        refused = await ClientConnection.open(
+        await until(lambda: self.api.open_connections == 3)
+        # A fourth gets in: the oldest half-sent request makes room, with a
+        # JSON 503 saying why.
+        newcomer = await ClientConnection.open(
             self, SlowClient(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
-        received = await refused.closed
+        received = await held[0].closed
         self.assertEqual(parse_answer(self, received, 503), {
-            "error": "too many HTTP connections (3): try again later"})
-        # Those held are still served, and once they go, others are.
-        held[0].transport.write(b"Host: x\r\n\r\n")
-        await until(lambda: b"\r\n\r\n" in held[0].received)
-        self.assertTrue(held[0].received.startswith(b"HTTP/1.1 200 "), held[0].received)
-        for client in held:
+            "error": "too many HTTP connections: closing the oldest idle one"})
+        await until(lambda: b"\r\n\r\n" in newcomer.received)
+        self.assertTrue(newcomer.received.startswith(b"HTTP/1.1 200 "), newcomer.received)
+        # Those left are still served.
+        held[1].transport.write(b"Host: x\r\n\r\n")
+        await until(lambda: b"\r\n\r\n" in held[1].received)
+        self.assertTrue(held[1].received.startswith(b"HTTP/1.1 200 "), held[1].received)
+        for client in held[1:] + [newcomer]:
             client.transport.loseConnection()
-        for client in held:
+        for client in held[1:] + [newcomer]:
             await client.closed
         await until(lambda: self.api.open_connections == 0)
         response, answer = await self.json("GET", "/health")

@@ -32,6 +32,7 @@ class MasterHandler(RecordingHandler):
 
     instance_name = "master"
     registry = [_Stream(["master"])]
+    known_names = frozenset({"master", "worker1"})
 
     def __init__(self):
         super().__init__(writers=[("caches", "worker1")])
@@ -173,6 +174,81 @@ class NameTests(SynchronousTestCase):
         known = frozenset({"master", "worker1"})
         self.assertEqual([metrics_label(n, known) for n in ("worker1", "worker99", None)],
                          ["worker1", OTHER, OTHER])
+
+
+class OneConnectionPerNameTests(SynchronousTestCase):
+    """A configured writer's NAME is held by one live connection at a time
+    (issue 20 item 3): a second connection borrowing it while the first
+    lives could hide that writer's facts with a POSITION of its own."""
+
+    def listener(self, policy=None):
+        self.handler = MasterHandler()
+        self.clock = Clock()
+        self.factory = ReplicationServerFactory(self.handler, "hs.example", clock=self.clock,
+                                                policy=policy)
+
+    def connect(self, port):
+        address = IPv4Address("TCP", "127.0.0.1", port)
+        proto = self.factory.buildProtocol(address)
+        transport = StringTransport(peerAddress=address)
+        proto.makeConnection(transport)
+        transport.clear()
+        return proto, transport
+
+    def check_borrowed_name_refused(self):
+        real, real_t = self.connect(4001)
+        real.dataReceived(b"NAME worker1\nPING 1\n")
+        self.assertFalse(real_t.disconnecting)
+        borrower, borrower_t = self.connect(4002)
+        borrower.dataReceived(b"NAME worker1\nPOSITION caches worker1 0 2\n")
+        self.assertEqual(borrower_t.value(),
+                         b"ERROR NAME worker1 is held by a live connection\n")
+        self.assertTrue(borrower_t.disconnecting)
+        self.assertEqual(borrower.close_reason, "refused")
+        self.assertIsNone(borrower.instance_name)
+        self.assertNotIn("POSITION", [e[0] for e in self.handler.commands()])
+        # The holder is PINGed at once: a peer host that restarted answers
+        # a reset, which ends the stale connection without waiting for the
+        # ping timeout.
+        self.assertTrue(real_t.value().startswith(b"PING "), real_t.value())
+        self.assertFalse(real_t.disconnecting)
+        borrower.connectionLost(None)
+        # Once the holder is gone (closed, or timed out), the name is free.
+        real.connectionLost(None)
+        back, back_t = self.connect(4003)
+        back.dataReceived(b"NAME worker1\nPOSITION caches worker1 0 1\n")
+        self.assertEqual(back_t.value(), b"")
+        self.assertEqual(back.instance_name, "worker1")
+        self.assertEqual([e[0] for e in self.handler.commands()][-1], "POSITION")
+
+    def test_a_writers_name_is_held_by_one_live_connection(self):
+        self.listener()
+        self.check_borrowed_name_refused()
+
+    def test_also_with_allowed_peers(self):
+        self.listener(PeerPolicy(reserved=frozenset({"master"}),
+                                 allowed_peers=frozenset({"worker1", "reader"})))
+        self.check_borrowed_name_refused()
+
+    def test_the_holder_timing_out_frees_the_name(self):
+        self.listener()
+        real, real_t = self.connect(4001)
+        real.dataReceived(b"NAME worker1\nPING 1\n")
+        # A half-open link: nothing more arrives; the ping timeout closes it.
+        self.clock.advance(real._ping_timeout + 0.1)
+        self.assertEqual(real.close_reason, "ping_timeout")
+        real.connectionLost(None)
+        back, back_t = self.connect(4002)
+        back.dataReceived(b"NAME worker1\n")
+        self.assertEqual(back.instance_name, "worker1")
+        self.assertFalse(back_t.disconnecting)
+
+    def test_names_the_configuration_does_not_know_may_repeat(self):
+        self.listener()
+        for port in (4001, 4002):
+            proto, transport = self.connect(port)
+            proto.dataReceived(b"NAME some-reader\nREPLICATE\n")
+            self.assertFalse(transport.disconnecting)
 
 
 class ConfigTests(SynchronousTestCase):

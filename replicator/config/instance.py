@@ -57,7 +57,8 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     to the working directory): :func:`.validate.validate` reads it."""
     section = as_mapping(value if value is not None else {}, key)
     no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
-                          "body_timeout", "max_connections"), key)
+                          "body_timeout", "max_connections", "max_connections_per_address"),
+               key)
     if "secret" in section and "secret_file" in section:
         raise ConfigError(key, "give either secret or secret_file, not both")
     secret = get_str(section, "secret", key, None)
@@ -75,13 +76,16 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
         m = HOST_PORT.fullmatch(metrics_listen)
         if not m or not 0 < int(m.group("port")) < 65536:
             raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
+    max_connections = get_int(section, "max_connections", key, 256, minimum=1, maximum=100_000)
     return HttpConfig(
         listen=listen, secret=secret, metrics_listen=metrics_listen, secret_file=secret_file,
         header_timeout=get_number(section, "header_timeout", key, 10.0, minimum=0.1,
                                   maximum=3600),
         body_timeout=get_number(section, "body_timeout", key, 30.0, minimum=0.1, maximum=3600),
-        max_connections=get_int(section, "max_connections", key, 256, minimum=1,
-                             maximum=100_000),
+        max_connections=max_connections,
+        max_connections_per_address=get_int(section, "max_connections_per_address", key,
+                                            min(64, max_connections),
+                                            minimum=1, maximum=max_connections),
     )
 
 

@@ -93,7 +93,10 @@ class ReplicationConfig:
     max_queued_bytes: int = 16 * 1024 * 1024
     max_line_length: int = 16_384
     idle_timeout: float = 60.0
-    max_connections: int = 256
+    max_connections: int = 256  # identified peers the config does not name
+    max_connections_per_address: int = 32  # of those, from one address
+    max_unidentified: int = 64  # connections that have not sent NAME yet
+    identify_timeout: float = 10.0  # seconds a connection has to send NAME
     reconnect_initial_delay: float = 0.5
     reconnect_max_delay: float = 30.0
     fetch_limit: int = 1000
@@ -128,6 +131,7 @@ class HttpConfig:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_connections: int = 256
+    max_connections_per_address: int = 64
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                           "fanout_interval", "allowed_peers", "allowed_networks",
                           "max_user_syncs", "max_user_ips", "max_federation_acks",
                           "bookkeeping_max_age", "max_queued_bytes", "idle_timeout",
-                          "max_connections", "reconnect_initial_delay",
+                          "max_connections", "max_connections_per_address",
+                          "max_unidentified", "identify_timeout", "reconnect_initial_delay",
                           "reconnect_max_delay", "max_batch_rows", "max_batch_bytes",
                           "insecure_public_listener"), key)
     ping_interval = get_number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
@@ -109,6 +110,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
     if max_delay < initial_delay:
         raise ConfigError(f"{key}.reconnect_max_delay",
                           f"must be at least reconnect_initial_delay ({initial_delay:g}s)")
+    max_connections = get_int(section, "max_connections", key, 256, minimum=1, maximum=65_536)
     return ReplicationConfig(
         listen=listen,
         client_ca=client_ca,
@@ -121,7 +123,14 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         max_line_length=max_line_length,
         max_queued_bytes=max_queued_bytes,
         idle_timeout=get_number(section, "idle_timeout", key, 60.0, minimum=1, maximum=86_400),
-        max_connections=get_int(section, "max_connections", key, 256, minimum=1, maximum=65_536),
+        max_connections=max_connections,
+        max_connections_per_address=get_int(section, "max_connections_per_address", key,
+                                            min(32, max_connections),
+                                            minimum=1, maximum=max_connections),
+        max_unidentified=get_int(section, "max_unidentified", key, 64, minimum=1,
+                                 maximum=65_536),
+        identify_timeout=get_number(section, "identify_timeout", key, 10.0, minimum=0.1,
+                                    maximum=3600),
         reconnect_initial_delay=initial_delay,
         reconnect_max_delay=max_delay,
         fetch_limit=get_int(section, "fetch_limit", key, 1000, minimum=1, maximum=100_000),

@@ -81,6 +81,7 @@ class HttpApi:
         self.header_timeout = config.http.header_timeout
         self.body_timeout = config.http.body_timeout
         self.max_connections = config.http.max_connections
+        self.max_connections_per_address = config.http.max_connections_per_address
         #: HTTP connections open now (counted by the channels).
         self.open_connections = 0
         self.role = role(config)

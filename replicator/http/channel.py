@@ -6,8 +6,13 @@ answer to every request twisted.web refuses.
   ``body_timeout`` seconds of its headers: a client sending a byte every few
   seconds (slowloris) resets twisted.web's idle timeout forever, not these.
   Past a deadline: ``408`` and close.
-* At most ``max_connections`` connections at once; one more is answered
-  ``503`` and closed before anything of it is parsed.
+* At most ``max_connections`` connections at once, ``max_connections_per_address``
+  from one address (:class:`.site.Site` decides): a connection with no
+  request being answered (silent, half a request, idle between requests)
+  is *unidentified* and closed to make room for a newcomer, the oldest
+  first (``503``, or quietly when idle after an answer); only when every
+  connection has a request being answered is a newcomer answered ``503``
+  and closed before anything of it is parsed.
 * A malformed request (bad ``Content-Length``, two framing headers, a NUL in
   a header, too many or too large headers, a bad request line or chunk) is
   ``400`` or ``431`` with ``{"error": "..."}`` naming the problem, and closed.
@@ -88,6 +93,7 @@ class Channel(HTTPChannel):
     _tail: Optional[bytes] = b""  # None: this request's headers are complete
     _deadline = None
     _closer = None
+    _served = False  # answered a request before
     refused = False
     #: Method and path of the request being received, from its request line
     #: (for the access line of a refusal).
@@ -101,6 +107,9 @@ class Channel(HTTPChannel):
         self._start_deadline("headers", self.header_timeout)
 
     def connectionLost(self, reason):
+        crowd = getattr(self.site, "crowd", None)
+        if crowd is not None:
+            crowd.leave(self)
         if self.api is not None:
             self.api.open_connections -= 1
             self.api = None
@@ -165,10 +174,21 @@ class Channel(HTTPChannel):
             self._start_deadline("body", self.body_timeout)
 
     def allContentReceived(self):
+        crowd = getattr(self.site, "crowd", None)
+        if crowd is not None:
+            crowd.identify(self)  # a whole request: not to be closed to make room
+        self._served = True
         self._cancel_deadline()
         self._tail = b""  # the next request's headers are checked afresh
         self._request_line = (None, None)
         super().allContentReceived()
+
+    def requestDone(self, request):
+        crowd = getattr(self.site, "crowd", None)
+        if crowd is not None and not self.refused:
+            # Answered: idle (or the next pipelined request identifies it again).
+            crowd.unidentify(self)
+        super().requestDone(request)
 
     def rawDataReceived(self, data):
         if self.refused:
@@ -218,6 +238,19 @@ class Channel(HTTPChannel):
                 self._deadline.cancel()
             self._deadline = None
 
+    def evict(self, message: str) -> None:
+        """Close to make room for a newcomer: quietly when idle after an
+        answer (clients retry on a closed keep-alive connection), else with
+        ``503`` and ``message``."""
+        if self.refused:
+            return
+        if self._served and self._deadline is None and not self._handlingRequest:
+            self.refused = True
+            self.setTimeout(None)
+            self.transport.loseConnection()
+            return
+        self.refuse(503, message)
+
     def refuse(self, code: int, message: str) -> None:
         """Answer ``code`` with ``message``, parse nothing more, close."""
         if self.refused:
@@ -237,14 +270,14 @@ class Channel(HTTPChannel):
 class Busy(protocol.Protocol):
     """A connection over the cap: a JSON 503, drained, closed."""
 
-    def __init__(self, api, limit: int, clock):
+    def __init__(self, api, message: str, clock):
         self.api = api
-        self.limit = limit
+        self.message = message
         self.clock = clock
         self._closer = None
 
     def connectionMade(self):
-        message = f"too many HTTP connections ({self.limit}): try again later"
+        message = self.message
         answer, length = refusal(503, message, b"Retry-After: 1\r\n")
         self.transport.write(answer)
         self._closer = _close_after_answer(self.transport, self.clock, DRAIN_TIME,

@@ -19,6 +19,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import server
 
+from ..crowd import Crowd
 from .channel import Busy, Channel
 
 log = Logger(namespace="replicator.http")
@@ -170,8 +171,14 @@ class Request(server.Request):
 
 class Site(server.Site):
     """The API's site: its channels have deadlines and JSON refusals
-    (:mod:`replicator.http.channel`), and at most ``max_connections`` are
-    open at once."""
+    (:mod:`replicator.http.channel`); at most ``api.max_connections`` are
+    open at once and ``api.max_connections_per_address`` from one address.
+
+    A newcomer over a cap closes the oldest connection that has no request
+    being answered (of its address, for the per-address cap): silent
+    sockets and slow requests can never keep a health check or a write out.
+    Only when every connection has a request being answered is the
+    newcomer refused (503).  ``crowd`` keeps the books."""
 
     requestFactory = Request
     protocol = Channel
@@ -181,18 +188,40 @@ class Site(server.Site):
         super().__init__(root, timeout=timeout, reactor=reactor)
         self.api = api
         self.max_body_size = max_body_size
+        self.crowd = Crowd()
 
     def buildProtocol(self, addr):
         api = self.api
-        if api.open_connections >= api.max_connections:
-            busy = Busy(api, api.max_connections, self.reactor)
-            busy.factory = self
-            return busy
+        host = getattr(addr, "host", None)
+        per_address = getattr(api, "max_connections_per_address", api.max_connections)
+        if len(self.crowd) >= api.max_connections and not self._make_room(...):
+            return self._busy(f"too many HTTP connections ({api.max_connections}): "
+                              "try again later")
+        if host is not None and self.crowd.count(host) >= per_address \
+                and not self._make_room(host):
+            return self._busy(f"too many HTTP connections from {host} ({per_address}): "
+                              "try again later")
         channel = super().buildProtocol(addr)
+        self.crowd.arrive(channel, host)
         channel.header_timeout = api.header_timeout
         channel.body_timeout = api.body_timeout
         channel.api = api
         return channel
+
+    def _make_room(self, host) -> bool:
+        """Close the oldest connection without a request being answered (from
+        ``host`` unless ``...``); whether there was one."""
+        oldest = self.crowd.oldest_unidentified(host)
+        if oldest is None:
+            return False
+        self.crowd.leave(oldest)
+        oldest.evict("too many HTTP connections: closing the oldest idle one")
+        return True
+
+    def _busy(self, message: str) -> Busy:
+        busy = Busy(self.api, message, self.reactor)
+        busy.factory = self
+        return busy
 
     def log(self, request):
         self.api.log_access(request)

@@ -47,6 +47,8 @@ CONGESTION_GRACE = 1.0
 CONGESTION = "congestion"
 PING_TIMEOUT_REASON = "ping_timeout"
 IDLE_TIMEOUT_REASON = "idle_timeout"
+#: Server side: no NAME (nor REPLICATE) within ``identify_timeout``.
+IDENTIFY_TIMEOUT_REASON = "identify_timeout"
 PARSE_ERROR = "parse_error"
 WRONG_REMOTE = "wrong_remote"
 INVALID_COMMAND = "invalid_command"
@@ -58,8 +60,9 @@ CONNECTION_LOST = "connection_lost"
 REFUSED = "refused"
 
 CLOSE_REASONS = frozenset({
-    CONGESTION, PING_TIMEOUT_REASON, IDLE_TIMEOUT_REASON, PARSE_ERROR, WRONG_REMOTE,
-    INVALID_COMMAND, LINE_TOO_LONG, SHUTDOWN, REMOTE_ERROR, CONNECTION_LOST, REFUSED,
+    CONGESTION, PING_TIMEOUT_REASON, IDLE_TIMEOUT_REASON, IDENTIFY_TIMEOUT_REASON, PARSE_ERROR,
+    WRONG_REMOTE, INVALID_COMMAND, LINE_TOO_LONG, SHUTDOWN, REMOTE_ERROR, CONNECTION_LOST,
+    REFUSED,
 })
 
 # Handler methods resolved once per connection.
@@ -225,6 +228,14 @@ class LineConnection(Protocol):
             # what is buffered (ending with the ERROR), then drop it.
             grace = CONGESTION_GRACE if reason == CONGESTION else self._ping_timeout
             self._abort_call = self._clock.callLater(grace, self._abort)
+
+    def poke(self) -> None:
+        """Write a PING now (unless closing or paused): if the peer's host
+        has forgotten the connection (it restarted), it answers with a
+        reset, and the connection ends without waiting for the ping
+        timeout."""
+        if not self._closing and not self._paused and self._connected:
+            self.send_command(self._ping_line())
 
     def stop(self, reason_text: str = "server stopping") -> None:
         """Orderly shutdown: ``ERROR <reason_text>`` then close (``shutdown``)."""

@@ -68,6 +68,7 @@ from .commands import (
 )
 from .link import (
     CONNECTION_LOST,
+    IDENTIFY_TIMEOUT_REASON,
     INVALID_COMMAND,
     PARSE_ERROR,
     REFUSED,
@@ -267,18 +268,67 @@ class ServerReplicationProtocol(ReplicationProtocol):
 
     ``policy`` (:class:`.peers.PeerPolicy`) decides which addresses may
     connect and which names a client may take; a refusal is ``ERROR`` and a
-    close (reason ``refused``).  A client's name is set once."""
+    close (reason ``refused``).  A client's name is set once.
+
+    A client *identifies* itself with ``NAME`` (or, an anonymous reader,
+    with ``REPLICATE`` before any ``NAME``).  ``identify(conn, name)``
+    (given by the listener: one live connection per known name, caps per
+    address) is asked then, ``name`` None for an anonymous reader; a text
+    it returns is the refusal.  With ``identify_timeout``, a client that
+    has not identified itself within that many seconds of connecting is
+    closed (``identify_timeout``)."""
 
     VALID_INBOUND = CLIENT_COMMANDS
     is_client_side = False
 
     def __init__(self, handler: Any, server_name: str, policy: Optional[PeerPolicy] = None,
-                 **kwargs: Any):
+                 identify: Optional[Callable[[Any, Optional[str]], Optional[str]]] = None,
+                 identify_timeout: Optional[float] = None, **kwargs: Any):
         super().__init__(handler, **kwargs)
         self.server_name = server_name
         self.policy = policy if policy is not None else PeerPolicy()
         self.name_required = self.policy.name_required
         self._client_may_write = getattr(handler, "client_may_write", None)
+        self._identify = identify
+        self._identify_timeout = identify_timeout
+        self._identify_call: Optional[IDelayedCall] = None
+        #: Whether the client identified itself (NAME, or REPLICATE first).
+        self.identified = False
+
+    def _timers(self) -> List[Optional[IDelayedCall]]:
+        return super()._timers() + [self._identify_call]
+
+    def _start_timers(self) -> None:
+        super()._start_timers()
+        if self._identify_timeout is not None:
+            self._identify_call = self._clock.callLater(self._identify_timeout,
+                                                        self._identify_due)
+
+    def _connection_ended(self) -> None:
+        self._identify_call = None
+        super()._connection_ended()
+
+    def _identify_due(self) -> None:
+        self._identify_call = None
+        if not self.identified:
+            text = f"NAME not received within {self._identify_timeout:g}s"
+            self.close(IDENTIFY_TIMEOUT_REASON, text)
+
+    def _identified(self, name: Optional[str]) -> Optional[str]:
+        """The client identified itself as ``name`` (None: anonymous); the
+        listener's refusal, if any."""
+        self.identified = True
+        if self._identify_call is not None:
+            if self._identify_call.active():
+                self._identify_call.cancel()
+            self._identify_call = None
+        if self._identify is None:
+            return None
+        try:
+            return self._identify(self, name)
+        except Exception:
+            self.log.failure("identify failed on {conn}", conn=self)
+            return None
 
     def _refusal(self, host: Optional[str]) -> Optional[str]:
         return self.policy.check_address(host)
@@ -290,12 +340,21 @@ class ServerReplicationProtocol(ReplicationProtocol):
     def _on_NAME(self, cmd: NameCommand) -> None:
         cert_names = certificate_names(self.transport) if self.policy.certificate_names else None
         refusal = self.policy.check_name(cmd.client_name, self._peer_instance, cert_names)
+        if refusal is None and self._peer_instance is None:
+            refusal = self._identified(cmd.client_name)
         if refusal is not None:
             self.close(REFUSED, refusal,
                        log_text=f"NAME {printable(cmd.client_name, 64)} refused: {refusal}")
             return
         self._peer_instance = cmd.client_name
         self.log.info("Replication connection {peer} is {name}", peer=self.address, name=self.name)
+
+    def _on_REPLICATE(self, cmd: ReplicateCommand) -> None:
+        if self.identified:
+            return
+        refusal = self._identified(None)
+        if refusal is not None:
+            self.close(REFUSED, refusal, log_text=f"anonymous reader refused: {refusal}")
 
     def _may_write(self, cmd: Command) -> bool:
         if cmd.NAME not in CLIENT_WRITER_COMMANDS or self._client_may_write is None:

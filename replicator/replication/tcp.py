@@ -8,30 +8,60 @@ connection has proven healthy, and, on every connection, sends NAME, PING
 and REPLICATE (the protocol) and its own writers' POSITIONs (the handler),
 so it resumes from its positions.
 
-The listener holds at most ``max_connections`` connections at once: one
-more is answered ``ERROR too many connections`` and closed at once, and
-counted, so idle sockets cannot use up the process's file descriptors.
+Who the listener lets in (so that idle sockets never lock a real peer out,
+nor use up the process's file descriptors):
+
+* Every connection is accepted, *unidentified* until it sends ``NAME`` (or
+  ``REPLICATE`` first: an anonymous reader).  At most ``max_unidentified``
+  are unidentified at once: a new connection closes the oldest
+  unidentified one (``ERROR too many unidentified connections``), and one
+  still unidentified ``identify_timeout`` seconds after connecting is
+  closed (``ERROR NAME not received within ...``).  A peer that sends its
+  NAME as it connects (ours and Synapse's do) always gets in.
+* A known name (a configured writer, this instance's ``allowed_peers``) is
+  held by one live connection at a time: a second connection giving it is
+  refused (``ERROR NAME <name> is held by a live connection``) and the
+  holder is PINGed at once, so a holder whose peer host restarted is reset
+  and the name freed; a half-open holder is freed by its ping timeout.
+  Known names are counted in no cap (there are as many as the config says).
+* Other identified connections (readers under names the config does not
+  know, anonymous readers): at most ``max_connections`` in all and
+  ``max_connections_per_address`` from one IP address; one more is answered
+  ``ERROR too many connections`` (``... from <address>``) and closed.
+
+So at most ``max_unidentified + max_connections`` + the known names are open.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Set
+from typing import Dict, Optional, Set
 
 from twisted.application.internet import ClientService
 from twisted.internet import endpoints
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
 from .. import metrics
 from ..backoff import Backoff
+from ..crowd import Crowd
 from .commands import MAX_LINE_LENGTH
 from .peers import PeerPolicy, local_names
-from .link import IDLE_TIMEOUT, MAX_QUEUED_BYTES, MAX_QUEUED_LINES, PING_INTERVAL, PING_TIMEOUT
+from .link import (
+    IDLE_TIMEOUT, MAX_QUEUED_BYTES, MAX_QUEUED_LINES, PING_INTERVAL, PING_TIMEOUT, REFUSED,
+)
 from .protocol import ClientReplicationProtocol, ServerReplicationProtocol
 
 log = Logger()
 
-#: Default cap on a listener's concurrent connections.
+#: Default cap on a listener's identified connections (known names aside).
 MAX_CONNECTIONS = 256
+#: Default cap on the identified connections from one address (known names aside).
+MAX_CONNECTIONS_PER_ADDRESS = 32
+#: Default cap on the connections that have not sent NAME yet.
+MAX_UNIDENTIFIED = 64
+#: Default seconds a connection has to send NAME (or REPLICATE).
+IDENTIFY_TIMEOUT = 10.0
+#: At most one warning per cap this often (seconds).
+WARN_INTERVAL = 60.0
 
 
 @dataclass(frozen=True)
@@ -54,58 +84,102 @@ class ConnectionSettings:
         )
 
 
-class _Refuse(Protocol):
-    """Answers one connection over the cap: ``ERROR`` and close."""
-
-    def connectionMade(self):
-        self.transport.write(b"ERROR too many connections\n")
-        self.transport.loseConnection()
-
-
 class ReplicationServerFactory(Factory):
     """Builds a server protocol per accepted connection, all on one handler,
-    at most ``max_connections`` at a time (``live`` holds them), each timed
-    on ``clock`` (the instance's reactor).
+    each timed on ``clock`` (the instance's reactor), and lets them in as
+    the module docstring says (``live`` holds them all, ``crowd`` counts
+    them, ``holders`` says which connection holds each known name).
 
     ``policy`` says who may connect and which names peers may take; by
     default no peer may take the name of the handler's instance (nor of a
-    writer local to it)."""
+    writer local to it).  The known names are the handler's
+    ``known_names`` and the policy's ``allowed_peers``."""
 
     noisy = False
 
     def __init__(self, handler, server_name: str, settings: ConnectionSettings = None, *,
-                 clock, policy: PeerPolicy = None, max_connections: int = MAX_CONNECTIONS):
+                 clock, policy: PeerPolicy = None, max_connections: int = MAX_CONNECTIONS,
+                 max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+                 max_unidentified: int = MAX_UNIDENTIFIED,
+                 identify_timeout: float = IDENTIFY_TIMEOUT):
         self.handler = handler
         self.server_name = server_name
         self.settings = settings or ConnectionSettings()
         self.clock = clock
         self.max_connections = max_connections
+        self.max_connections_per_address = max_connections_per_address
+        self.max_unidentified = max_unidentified
+        self.identify_timeout = identify_timeout
         self.live: Set[ServerReplicationProtocol] = set()
-        self._refusing = False
+        self.crowd = Crowd()
+        self.holders: Dict[str, ServerReplicationProtocol] = {}
+        self._warned: Dict[str, float] = {}  # cap -> when last warned about
         if policy is None:
             policy = PeerPolicy(reserved=local_names(handler))
         self.policy = policy
+        self.known_names = (frozenset(getattr(handler, "known_names", ()))
+                            | (policy.allowed_peers or frozenset())) - policy.reserved
 
     def buildProtocol(self, addr):
-        if len(self.live) >= self.max_connections:
-            metrics.CONNECTIONS_REFUSED.labels("max_connections").inc()
-            if not self._refusing:
-                # Once per burst: until a connection closes again.
-                self._refusing = True
-                log.warn("Replication listener at its {n} connections (max_connections): "
-                         "refusing more", n=self.max_connections)
-            return _Refuse()
+        while self.crowd.unidentified >= self.max_unidentified:
+            oldest = self.crowd.oldest_unidentified()
+            self.crowd.leave(oldest)
+            self._refused("max_unidentified", self.max_unidentified)
+            oldest.close(REFUSED, "too many unidentified connections")
         p = ServerReplicationProtocol(
             self.handler, self.server_name, policy=self.policy, clock=self.clock,
+            identify=self._identify, identify_timeout=self.identify_timeout,
             **self.settings.kwargs())
         p.factory = self
         p.on_lost = self._lost
         self.live.add(p)
+        self.crowd.arrive(p, getattr(addr, "host", None))
         return p
+
+    def _identify(self, conn, name: Optional[str]) -> Optional[str]:
+        """``conn`` gave ``name`` (None: an anonymous reader): the refusal,
+        or None once it is counted where it belongs."""
+        if conn not in self.crowd:
+            return "too many unidentified connections"  # made room for another
+        if name is not None and name in self.known_names:
+            holder = self.holders.get(name)
+            if holder is not None and holder is not conn and holder.close_reason is None:
+                metrics.CONNECTIONS_REFUSED.labels("name_held").inc()
+                holder.poke()
+                return f"NAME {name} is held by a live connection"
+            self.holders[name] = conn
+            self.crowd.identify(conn, exempt=True)
+            return None
+        host = self.crowd.host(conn)
+        self.crowd.leave(conn)
+        if self.crowd.identified >= self.max_connections:
+            self._refused("max_connections", self.max_connections)
+            return "too many connections"
+        if host is not None and \
+                self.crowd.identified_count(host) >= self.max_connections_per_address:
+            self._refused("max_connections_per_address", self.max_connections_per_address)
+            return f"too many connections from {host}"
+        self.crowd.arrive(conn, host)
+        self.crowd.identify(conn)
+        return None
+
+    def _refused(self, key: str, n: int) -> None:
+        """A connection refused or closed for the cap ``key`` (of ``n``):
+        counted; a warning at most once a minute per cap."""
+        metrics.CONNECTIONS_REFUSED.labels(key).inc()
+        now = self.clock.seconds()
+        if now - self._warned.get(key, -WARN_INTERVAL) >= WARN_INTERVAL:
+            self._warned[key] = now
+            log.warn("Replication listener at its {key} ({n}): refusing or closing "
+                     "connections (counted in replicator_connections_refused_total)",
+                     key=key, n=n)
 
     def _lost(self, protocol) -> None:
         self.live.discard(protocol)
-        self._refusing = False
+        self.crowd.leave(protocol)
+        name = protocol.instance_name
+        if name is not None and self.holders.get(name) is protocol:
+            del self.holders[name]
 
 
 class ReplicationClientFactory(Factory):

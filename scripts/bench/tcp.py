@@ -286,7 +286,9 @@ class OurServer:
     def __init__(self, registry, settings=None):
         self.handler = ReplicationHandler(registry, WRITER, SERVER_NAME)
         self.handler.start()
-        self.factory = ReplicationServerFactory(self.handler, SERVER_NAME, settings, clock=reactor)
+        # Every reader comes from loopback under a name of its own.
+        self.factory = ReplicationServerFactory(self.handler, SERVER_NAME, settings, clock=reactor,
+                                                max_connections_per_address=256)
 
     async def listen(self):
         ep = endpoints.serverFromString(reactor, "tcp:0:interface=127.0.0.1:backlog=256")

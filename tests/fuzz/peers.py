@@ -21,6 +21,12 @@ the attacks of issue 11 items 1-4, each beside an honest reader:
 * ``batch_amplification``: ``batch`` lines cheap on the wire, dear in
   memory, from one and then three connections named ``worker1``: RSS may
   grow by at most 3 times what was sent (issue 20 item 4).
+* ``borrowed_name``: while the real ``worker1`` is connected and its next
+  ``caches`` fact is still uncommitted, a second connection says ``NAME
+  worker1`` and ``POSITION caches worker1 <p> <t>`` past that fact
+  (issue 20 item 3): it must be refused, no reader and not the master may
+  be moved past the fact, and the fact must reach the reader once worker1
+  sends it.
 * ``relay_long_line``: a 12 KB ``LOCK_RELEASED`` with non-ASCII text and a
   lone surrogate: the honest reader stays connected and gets no line over
   the limit.
@@ -485,6 +491,12 @@ def poison_worker(directory, dsn, result) -> None:
     path = os.path.join(directory, "worker1.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
+    # The master (not started here) would have created the tables worker1
+    # only reads: a reader refuses to start without them.
+    from replicator.config.streams import parse_streams
+    from tests.support import create_stream_tables
+
+    create_stream_tables(dsn, parse_streams(inputs.STREAMS))
     import subprocess
     import sys
 
@@ -548,8 +560,67 @@ def poison_worker(directory, dsn, result) -> None:
             result.found(kind, line, "poison_worker", "")
 
 
+def borrowed_name(daemon, result) -> None:
+    """A second connection borrows the live worker1's NAME to hide its
+    uncommitted fact (see the module docstring)."""
+    import psycopg2
+
+    key = ("caches", "worker1")
+    reader = HonestReader(daemon.rep_port)
+    reader.start()
+    reader.connected.wait(10)
+    real = Peer(daemon.rep_port, "NAME worker1\nPING 1\nREPLICATE\n")
+    real.drain(0.5)
+    db = psycopg2.connect(daemon.config["database"]["postgres"])
+    db.autocommit = True
+    try:
+        with db.cursor() as cur:  # worker1's next fact: its ID taken, not yet committed
+            cur.execute("SELECT nextval('cache_stream_seq')")
+            token = cur.fetchone()[0]
+        prev = reader.positions.get(key, 0)
+        attack = f"NAME worker1\nPING 1\nPOSITION caches worker1 {prev} {token}\n"
+        borrower = Peer(daemon.rep_port, attack)
+        borrower.drain(1.0)
+        result.tried("borrowed_name")
+
+        def master_at():
+            writer = _positions(daemon)["caches"]["writers"].get("worker1") or {}
+            return writer.get("position") or 0
+
+        try:
+            wait_for(lambda: reader.positions.get(key, 0) >= token or master_at() >= token, 3,
+                     "worker1 moved past its uncommitted fact")
+            result.found("borrowed_name", "a second connection as worker1 moved worker1 past "
+                         "its uncommitted fact", "borrowed_name", repr(attack),
+                         f"fact {token} uncommitted; reader at {reader.positions.get(key)}, "
+                         f"master at {master_at()}")
+        except AssertionError:
+            pass
+        result.figure("borrowed_name.borrower_refused", _refused(borrower))
+        borrower.close()
+        # worker1 commits its fact and sends it.
+        row = ["borrowed-probe", None, 1]
+        with db.cursor() as cur:
+            cur.execute("INSERT INTO cache_stream (stream_id, instance_name, cache_func, keys, "
+                        "ts) VALUES (%s, 'worker1', %s, NULL, 1)", (token, row[0]))
+        real.send(f"PING 2\nRDATA caches worker1 {token} {json.dumps(row)}\n")
+        real.drain(0.5)
+        if real.closed or real.errors():
+            result.found("borrowed_name", "the real worker1 was refused", "borrowed_name",
+                         repr(attack), show(real.received[-200:]))
+        try:
+            wait_for(lambda: token in reader.facts.get(key, {}), 10, "worker1's fact")
+        except AssertionError:
+            result.found("borrowed_name", "worker1's fact never reached the reader",
+                         "borrowed_name", repr(attack), f"fact {token}")
+    finally:
+        db.close()
+        real.close()
+        reader.stop()
+
+
 ATTACKS = [impersonate_master, impersonate_writer, rename, bookkeeping, relay_long_line,
-           poison_master]
+           poison_master, borrowed_name]
 #: Attacks that start daemons of their own (make fuzz only).
 EXTRA = [allow_lists, tls_identity, poison_worker, batch_flood, slow_readers,
          batch_amplification]
