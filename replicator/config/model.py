@@ -4,6 +4,8 @@ by the parsers of this package (their values are already checked)."""
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
+
 #: The table the replicator keeps positions in.
 POSITIONS_TABLE = "stream_positions"
 COLUMN_TYPES = ("text", "bigint", "boolean", "json")
@@ -94,8 +96,8 @@ class ReplicationConfig:
     max_line_length: int = 16_384
     idle_timeout: float = 60.0
     max_connections: int = 256
-    reconnect_initial_delay: float = 0.5
-    reconnect_max_delay: float = 30.0
+    reconnect_initial_delay: float = RECONNECT_INITIAL_DELAY
+    reconnect_max_delay: float = RECONNECT_MAX_DELAY
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
     max_batch_rows: int = 10_000  # rows of one fact received as a batch
