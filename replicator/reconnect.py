@@ -80,7 +80,7 @@ def failure_reason(failure: Failure) -> str:
     if failure.check(error.TimeoutError, TimeoutError, defer.TimeoutError):
         return "timed out"
     if failure.check(error.DNSLookupError):
-        text = str(value).split(":")[-1].strip() or "DNS lookup failed"
+        text = str(value).split(":")[-1].strip().rstrip(".") or "DNS lookup failed"
         return f"DNS lookup failed: {printable(text, 100)}"
     tls = _tls_reason(value)
     if tls is not None:
