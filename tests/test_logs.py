@@ -5,6 +5,7 @@ import io
 from twisted.logger import LogLevel
 from twisted.trial.unittest import SynchronousTestCase
 
+from replicator.logformat import formatter
 from replicator.logs import _observer, printable
 
 
@@ -27,7 +28,7 @@ class PrintableTests(SynchronousTestCase):
 class ObserverTests(SynchronousTestCase):
     def test_every_event_is_one_escaped_line(self):
         out = io.StringIO()
-        observe = _observer(out)
+        observe = _observer(out, formatter("text", with_time=False))
         observe({"log_format": "peer said {text}", "text": "a\rb\x1b[2Jc\nd",
                  "log_level": LogLevel.warn, "log_namespace": "replicator.replication.x"})
         self.assertEqual(out.getvalue(), "WARN replication.x: peer said a\\rb\\x1b[2Jc d\n")

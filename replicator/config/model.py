@@ -10,6 +10,8 @@ from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
 POSITIONS_TABLE = "stream_positions"
 COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
+#: ``log_format``: see :mod:`replicator.logformat`.
+LOG_FORMATS = ("text", "logfmt", "json")
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,7 @@ class InstanceConfig:
     http: HttpConfig
     consumers: Tuple[ConsumerConfig, ...] = ()
     log_level: str = "info"
+    log_format: str = "text"
     health: HealthConfig = HealthConfig()
     path: Optional[str] = None
     synapse: Optional[SynapseConfig] = None
