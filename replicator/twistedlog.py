@@ -20,7 +20,7 @@ _REPEATS = re.compile(
     r"|Starting factory .*"               # Factory.doStart of a noisy factory
     r"|Stopping factory .*"
     r"|Main loop terminated\.?"           # reactor.run's end
-    r"|Scheduling retry \d+ to connect .*"  # ClientService (ours is silenced at the source)
+    r"|Scheduling retry \S+ to connect .*"  # ClientService (ours is silenced at the source)
     r"|Log opened\.?)$", re.S)
 
 
