@@ -27,6 +27,8 @@ from twisted.python.failure import Failure
 from .logs import printable
 
 FORMATS = ("text", "logfmt", "json")
+#: The local time a ``text`` line starts with outside journald.
+TEXT_TIME = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} ")
 
 #: Keys of an event that are not its fields: Twisted's own (``log_*``) and
 #: those of a legacy ``twisted.python.log`` event.
@@ -153,6 +155,12 @@ def json_line(event) -> str:
     if tb is not None:
         record["traceback"] = tb
     return json.dumps(record, ensure_ascii=True, allow_nan=False, default=str) + "\n"
+
+
+def without_time(line: str) -> str:
+    """A ``text`` line without its leading time, if it has one (for what
+    reads the log: ``LEVEL system: message`` either way)."""
+    return TEXT_TIME.sub("", line, count=1)
 
 
 def formatter(name: str, with_time: bool = True) -> Callable[[dict], str]:

@@ -158,3 +158,21 @@ class AccessLineTests(SynchronousTestCase):
         line = formatEvent(events[-1])
         self.assertIn(' 400 0 ', line)
         self.assertIn("(invalid JSON: \\x1b[2J" + "y" * (ERROR_TEXT_LIMIT - 18) + "...)", line)
+
+
+class LogReadersTests(SynchronousTestCase):
+    """The fault and adversarial suites read daemon logs: a text line's
+    time (outside journald) must not hide a critical event from them."""
+
+    LOG = ("2026-11-25 20:42:37.187 INFO replication: listening on 127.0.0.1:9092\n"
+           "2026-11-25 20:42:38.001 CRITICAL replication.protocol: handler failed\n"
+           "    Traceback (most recent call last):\n"
+           "    ValueError: boom\n")
+
+    def test_fuzz_and_chaos_see_through_the_time(self):
+        from tests.chaos.run import logged_errors
+        from tests.fuzz.daemon import log_problems
+
+        self.assertEqual([kind for kind, _ in log_problems(self.LOG)], ["daemon_critical"])
+        self.assertEqual(logged_errors(self.LOG),
+                         ["CRITICAL replication.protocol: handler failed -> ValueError: boom"])
