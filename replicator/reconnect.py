@@ -131,6 +131,8 @@ class ReconnectingService(ClientService):
                  lost_reason: Optional[Callable[[], Optional[str]]] = None,
                  on_retry: Optional[Callable[[int, float], None]] = None,
                  prepareConnection=None):
+        if clock is None:
+            from twisted.internet import reactor as clock
         self._attempts = _RememberingEndpoint(endpoint)
         super().__init__(self._attempts, factory, retryPolicy=self._retry, clock=clock,
                          prepareConnection=prepareConnection)

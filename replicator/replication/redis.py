@@ -165,6 +165,10 @@ class RedisConnection:
         #: The message being dispatched (bytes, no newline).
         self.current_line: Optional[bytes] = None
 
+    def __str__(self) -> str:
+        """How log lines name it: ``redis channel <channel>``."""
+        return f"redis channel {printable(self._owner.channel, 100)}"
+
     def pause_reading(self) -> None:
         """Stop reading the subscription (while a claim is checked)."""
         subscriber = self._owner.subscriber
