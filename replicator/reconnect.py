@@ -11,7 +11,8 @@ an unrounded delay)::
 what the link is, where it goes, why the last attempt ended (the failed
 connect's reason, else what the owner says about the connection it lost),
 the number of this retry in the current outage (the backoff's failures
-since the link last proved healthy: 1, 2, 3...) and the wait, rounded.
+since the link last proved healthy: 1, 2, 3...) and the wait, rounded to
+a tenth of a second (a hundredth below that).
 Reasons are in our words: ``connection refused``, ``timed out``, ``TLS:
 <what the handshake said>``, ``closed by peer``, ``closed by peer: ERROR
 <its text>``, ``DNS lookup of <host> failed``.
@@ -164,7 +165,7 @@ class ReconnectingService(ClientService):
             more = "; further retries logged once a minute" if retry == LOUD_RETRIES else ""
             log.warn("{what} {where}: {reason}; retry {retry} in {delay} s{more}",
                      what=self.what, where=self.where, reason=self.reason(), retry=retry,
-                     delay=round(delay, 1), more=more)
+                     delay=round(delay, 1 if delay >= 0.1 else 2), more=more)
         if self._on_retry is not None:
             self._on_retry(retry, delay)
         return delay

@@ -6,7 +6,7 @@ from twisted.internet import defer, error, task
 from twisted.internet.testing import StringTransport
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from replicator.config import parse_replication
@@ -74,6 +74,17 @@ class RetryLineTests(SynchronousTestCase):
         self.assertTrue(all(len(str(d)) <= 3 for d in delays), delays)  # one decimal
         self.assertIn("upstream 127.0.0.1:9092: timed out; retry 1 in ", self.lines()[0])
         self.assertEqual(service.backoff.failures, len(delays))
+
+    def test_short_delays_keep_two_decimals(self):
+        service = upstream_service(self.clock, "tcp:host=127.0.0.1:port=9092", object(),
+                                   "worker1", "hs.test", initial_delay=0.05, max_delay=0.05,
+                                   clock=self.clock, wrap_endpoint=lambda _: Endpoint(
+                                       Failure(error.ConnectionRefusedError())))
+        service.backoff.jitter = 0.0
+        service.startService()
+        self.addCleanup(service.stopService)
+        self.assertEqual(self.lines(),
+                         ["upstream 127.0.0.1:9092: connection refused; retry 1 in 0.05 s"])
 
     def test_twisteds_own_retry_line_is_silenced(self):
         self.service(Endpoint(Failure(error.ConnectionRefusedError())))
@@ -150,3 +161,41 @@ class DefaultsTests(SynchronousTestCase):
         self.assertEqual(parse_replication({}).reconnect_max_delay, RECONNECT_MAX_DELAY)
         self.assertEqual(parse_replication({}).reconnect_initial_delay, RECONNECT_INITIAL_DELAY)
         self.assertEqual(Backoff().maximum, RECONNECT_MAX_DELAY)
+
+
+class RedisRetryLineTests(TestCase):
+    """Both Redis links say why they retry: a refused AUTH, then a Redis
+    server that is gone."""
+
+    timeout = 120
+
+    async def test_auth_refusal_and_a_dead_server(self):
+        from tests.servers import PostgresServer, RedisServer
+        from tests.support import until
+        from tests.test_replication_redis import Node
+
+        events = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        redis = RedisServer(password="the-right-password")
+        self.addCleanup(redis.stop)
+        node = Node(self, PostgresServer.shared().create_database(), "w1", redis)
+        node.redis = type("WrongPassword", (), {"endpoint": redis.endpoint,
+                                                "password": "a-wrong-password"})()
+        await node.start()
+
+        def retries(what):
+            return [formatEvent(e) for e in events
+                    if "retry" in e and e.get("what") == f"redis {what}"]
+
+        await until(lambda: len(retries("subscriber")) >= 2 and len(retries("publisher")) >= 2,
+                    timeout=30)
+        where = f"127.0.0.1:{redis.port}"
+        for what in ("subscriber", "publisher"):
+            for line in retries(what)[:2]:
+                self.assertRegex(line, rf"^redis {what} {where}: \S.*; retry \d+ in \d+\.\d+ s$")
+            self.assertIn("password", retries(what)[0].lower())  # the server's refusal
+        redis.kill()
+        await until(lambda: any("connection refused" in line for line in retries("subscriber")),
+                    timeout=30)
+        await node.stop()
