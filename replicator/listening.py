@@ -12,7 +12,6 @@ from .startup import StartupError, os_reason
 from .tls import server_endpoint
 
 
-
 class ListeningService(Service):
     """Listens on an endpoint string while running; ``listening`` fires
     with the port once bound, or fails with :class:`StartupError` naming

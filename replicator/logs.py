@@ -9,7 +9,8 @@ import re
 import sys
 from typing import Callable
 
-from twisted.logger import FilteringLogObserver, LogLevel, LogLevelFilterPredicate, globalLogBeginner
+from twisted.logger import (FilteringLogObserver, LogLevel, LogLevelFilterPredicate,
+                            globalLogBeginner)
 
 
 # C0 and C1 controls, DEL, line/paragraph separators and the bidirectional
