@@ -28,9 +28,16 @@ from . import metrics
 
 log = Logger()
 
-#: Defaults shared by every link (seconds).
-INITIAL_DELAY = 0.5
-MAX_DELAY = 30.0
+#: Defaults of every outgoing link (seconds): the first wait, and the cap,
+#: one that suits a peer on the local network: a link is back within this
+#: of its peer's return.  With the jitter, a link whose peer stays away
+#: tries at most once per ``(1 - JITTER) * RECONNECT_MAX_DELAY`` seconds,
+#: a load no server notices (the configuration's
+#: ``replication.reconnect_initial_delay`` and ``reconnect_max_delay``).
+RECONNECT_INITIAL_DELAY = 0.5
+RECONNECT_MAX_DELAY = 2.0
+#: The cap of the retries of work against the database (:class:`Outage`).
+OUTAGE_MAX_DELAY = 30.0
 FACTOR = 2.0
 JITTER = 0.25
 
@@ -39,7 +46,8 @@ class Backoff:
     """Exponential backoff with jitter and an explicit reset; one instance
     per reconnecting link (it holds that link's failure count)."""
 
-    def __init__(self, initial: float = INITIAL_DELAY, maximum: float = MAX_DELAY,
+    def __init__(self, initial: float = RECONNECT_INITIAL_DELAY,
+                 maximum: float = RECONNECT_MAX_DELAY,
                  factor: float = FACTOR, jitter: float = JITTER,
                  rng: Optional[Callable[[], float]] = None, name: str = "link"):
         if not 0 < initial <= maximum:
@@ -102,7 +110,8 @@ class Outage:
 
     def failed(self, error: BaseException) -> float:
         if self._backoff is None:
-            self._backoff = Backoff(self.initial, max(self.initial, MAX_DELAY), name=self.what)
+            self._backoff = Backoff(self.initial, max(self.initial, OUTAGE_MAX_DELAY),
+                                    name=self.what)
             log.warn("{what} failed, an outage ({error}); retrying with backoff",
                      what=self.what, error=f"{type(error).__name__}: {error}")
         return self._backoff.delay()

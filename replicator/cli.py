@@ -68,7 +68,7 @@ def cmd_run(args) -> None:
     # private to its user and group: data 0640, directories 0750.
     files.restrict_umask()
     config = _load(args.config)
-    start_logging(config.log_level)
+    start_logging(config.log_level, config.log_format)
     from twisted.internet import reactor
 
     from .service import Instance, StartupError

@@ -90,3 +90,22 @@ def http_url(endpoint: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{int(port)}"
+
+
+def client_address(endpoint: str) -> str:
+    """Where a client endpoint string connects, for log lines: ``host:port``
+    (``[v6]:port``) for ``tcp:``, ``tcp6:``, ``ssl:``, ``tls:`` and ``host:``
+    endpoints, the path for ``unix:``, else the string itself."""
+    try:
+        parsed = parse(endpoint)
+    except ValueError:
+        return endpoint
+    if parsed.kind == "unix":
+        return parsed.kwargs.get("path", parsed.args[0] if parsed.args else endpoint)
+    host = parsed.kwargs.get("host", parsed.args[0] if parsed.args else "")
+    port = parsed.kwargs.get("port", parsed.args[1] if len(parsed.args) > 1 else "")
+    if not host or not port:
+        return endpoint
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{port}"

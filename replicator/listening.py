@@ -11,8 +11,6 @@ from twisted.logger import Logger
 from .startup import StartupError, os_reason
 from .tls import server_endpoint
 
-log = Logger()
-
 
 class ListeningService(Service):
     """Listens on an endpoint string while running; ``listening`` fires
@@ -29,6 +27,8 @@ class ListeningService(Service):
         self.what = what
         self.port = None
         self.listening: Optional[defer.Deferred] = None
+        #: Lines say ``replication: listening on 127.0.0.1:9092``.
+        self.log = Logger(namespace=f"replicator.{what.lower()}")
 
     def startService(self):
         super().startService()
@@ -36,9 +36,7 @@ class ListeningService(Service):
 
         def bound(port):
             self.port = port
-            host = port.getHost()
-            log.info("{what} listening on {host}:{port}", what=self.what,
-                     host=getattr(host, "host", host), port=getattr(host, "port", ""))
+            self.log.info("listening on {address}", address=self.address)
             return port
 
         def failed(f):
@@ -55,9 +53,23 @@ class ListeningService(Service):
     def stopService(self):
         super().stopService()
         if self.port is not None:
+            address = self.address
             port, self.port = self.port, None
-            return port.stopListening()
+            return defer.maybeDeferred(port.stopListening).addBoth(
+                lambda result: self.log.info("stopped listening on {address}", address=address)
+                or result)
         return None
+
+    @property
+    def address(self) -> str:
+        """Where the listener is bound: ``host:port`` (``[v6]:port``), or the
+        socket's path."""
+        host = self.port.getHost()
+        name, port = getattr(host, "host", None), getattr(host, "port", None)
+        if name is None or port is None:
+            path = getattr(host, "name", None) or "?"
+            return path.decode("utf-8", "replace") if isinstance(path, bytes) else str(path)
+        return f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
 
     @property
     def bound_port(self) -> Optional[int]:

@@ -1,16 +1,16 @@
-"""Logging to stdout, one line per event (journald adds the time).
-
-Format: ``LEVEL namespace: message``; a failure's traceback follows on
-indented lines so journald keeps it with its event.
+"""Logging to stdout, one line per event, in the configured ``log_format``
+(:mod:`replicator.logformat`), without Twisted's lines that repeat ours
+(:mod:`replicator.twistedlog`); and :func:`printable`, for every piece of
+untrusted text that goes into a log event.
 """
 
+import os
 import re
 import sys
+from typing import Callable
 
-from twisted.logger import (
-    FilteringLogObserver, LogLevel, LogLevelFilterPredicate, formatEvent,
-    globalLogBeginner,
-)
+from twisted.logger import (FilteringLogObserver, LogLevel, LogLevelFilterPredicate,
+                            globalLogBeginner)
 
 
 # C0 and C1 controls, DEL, line/paragraph separators and the bidirectional
@@ -48,30 +48,50 @@ def printable(text, limit: int = 200) -> str:
     return text + "..." if cut else text
 
 
-def _observer(stream):
+def under_journald(stream, environ) -> bool:
+    """Whether ``stream`` is journald's: systemd sets ``JOURNAL_STREAM`` to
+    the ``device:inode`` of the stream it connected stdout to (a stream
+    redirected elsewhere by hand, or a child's, is not journald's)."""
+    value = environ.get("JOURNAL_STREAM")
+    if not value:
+        return False
+    try:
+        device, inode = (int(part) for part in value.split(":"))
+        stat = os.fstat(stream.fileno())
+    except (ValueError, OSError, AttributeError):
+        return True  # set, but not checkable: trust it
+    return (stat.st_dev, stat.st_ino) == (device, inode)
+
+
+def _observer(stream, line: Callable[[dict], str]):
+    """Writes each event kept by :func:`.twistedlog.keep` as ``line(event)``."""
+    from .twistedlog import keep
+
     def observe(event):
-        level = event.get("log_level", LogLevel.info).name.upper()
-        namespace = event.get("log_namespace", "-")
-        if namespace.startswith("replicator."):
-            namespace = namespace[len("replicator."):]
-        # Messages are one line; whatever slipped into one unescaped is
-        # escaped here as a last line of defence.
-        text = printable(formatEvent(event).replace("\n", " "), limit=None)
-        failure = event.get("log_failure")
-        line = f"{level} {namespace}: {text}\n"
-        if failure is not None:
-            tb = failure.getTraceback().rstrip("\n").replace("\n", "\n    ")
-            line += f"    {tb}\n"
+        if not keep(event):
+            return
         try:
-            stream.write(line)
+            text = line(event)
+        except Exception as e:  # a field that cannot be shown: say so
+            text = f"ERROR logs: cannot format an event: {printable(e)}\n"
+        try:
+            stream.write(text)
             stream.flush()
         except (OSError, ValueError):
             pass
     return observe
 
 
-def start_logging(level: str = "info", stream=None) -> None:
-    """Send every event at ``level`` or above to ``stream`` (stdout)."""
+def start_logging(level: str = "info", log_format: str = "text", stream=None,
+                  environ=None) -> None:
+    """Send every event at ``level`` or above to ``stream`` (stdout) as
+    ``log_format`` lines (:mod:`replicator.logformat`): ``text`` lines carry
+    the time unless journald (which adds its own) reads ``stream``."""
+    from .logformat import formatter
+
+    stream = stream or sys.stdout
+    environ = os.environ if environ is None else environ
+    line = formatter(log_format, with_time=not under_journald(stream, environ))
     predicate = LogLevelFilterPredicate(defaultLogLevel=LogLevel.levelWithName(level))
-    observer = FilteringLogObserver(_observer(stream or sys.stdout), [predicate])
+    observer = FilteringLogObserver(_observer(stream, line), [predicate])
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)

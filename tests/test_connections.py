@@ -83,7 +83,8 @@ class SilentUpstreamTests(TestCase):
         port = await listen(self, peer)
         settings = ConnectionSettings(ping_interval=0.2, ping_timeout=1.0)
         service = upstream_service(reactor, f"tcp:host=127.0.0.1:port={port}", object(),
-                                   "worker1", "hs.test", settings, initial_delay=30)
+                                   "worker1", "hs.test", settings, initial_delay=30,
+                                   max_delay=30)
         service.startService()
         self.addCleanup(service.stopService)
         await until(lambda: peer.protocols and service.replication_factory.current)

@@ -1,11 +1,23 @@
-"""Tests for replicator.logs: one line per event, control characters escaped."""
+"""Tests for replicator.logs, .logformat and .twistedlog: one line per event in each
+format, control characters escaped, no object reprs, Twisted's repeats dropped."""
 
 import io
+import json
+import os
+import tempfile
 
-from twisted.logger import LogLevel
+from twisted.internet import task
+from twisted.internet.address import IPv4Address
+from twisted.logger import LogLevel, formatEvent, globalLogPublisher
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.test.requesthelper import DummyRequest
 
-from replicator.logs import _observer, printable
+from replicator.http.site import ERROR_TEXT_LIMIT, AccessLog, Redactor
+from replicator.logformat import clean, formatter
+from replicator.logs import _observer, printable, under_journald
+from replicator.replication.protocol import ServerReplicationProtocol
+from replicator.twistedlog import keep
 
 
 class PrintableTests(SynchronousTestCase):
@@ -27,7 +39,140 @@ class PrintableTests(SynchronousTestCase):
 class ObserverTests(SynchronousTestCase):
     def test_every_event_is_one_escaped_line(self):
         out = io.StringIO()
-        observe = _observer(out)
+        observe = _observer(out, formatter("text", with_time=False))
         observe({"log_format": "peer said {text}", "text": "a\rb\x1b[2Jc\nd",
                  "log_level": LogLevel.warn, "log_namespace": "replicator.replication.x"})
         self.assertEqual(out.getvalue(), "WARN replication.x: peer said a\\rb\\x1b[2Jc d\n")
+
+
+class FormatTests(SynchronousTestCase):
+    """The three line formats of :mod:`replicator.logformat`, in memory."""
+
+    EVENT = {"log_format": "peer {conn} said {text}", "conn": "worker1 (127.0.0.1:5)",
+             "text": 'a "b"\x1b', "n": 3, "ok": True, "none": None, "nan": float("nan"),
+             "addr": IPv4Address("TCP", "127.0.0.1", 9092), "log_level": LogLevel.warn,
+             "log_namespace": "replicator.replication.protocol.ServerReplicationProtocol",
+             "log_time": 1795639211.4523}
+
+    def test_text_with_and_without_time(self):
+        with_time = formatter("text", with_time=True)(self.EVENT)
+        self.assertRegex(with_time, r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.452 WARN "
+                                    r"replication\.protocol: peer worker1 \(127\.0\.0\.1:5\) "
+                                    r'said a "b"\\x1b\n$')
+        self.assertEqual(formatter("text", with_time=False)(self.EVENT),
+                         'WARN replication.protocol: peer worker1 (127.0.0.1:5) said a "b"\\x1b\n')
+
+    def test_logfmt(self):
+        line = formatter("logfmt")(self.EVENT)
+        self.assertTrue(line.endswith("\n") and "\n" not in line[:-1])
+        self.assertRegex(line, r"^time=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.452[+-]\d\d:\d\d "
+                               r"level=warn system=replication\.protocol ")
+        self.assertIn(r' msg="peer worker1 (127.0.0.1:5) said a \"b\"\\x1b" ', line)
+        self.assertIn(' conn="worker1 (127.0.0.1:5)" ', line)
+        self.assertIn(" n=3 ok=true none= nan=nan addr=127.0.0.1:9092", line)
+
+    def test_json(self):
+        record = json.loads(formatter("json")(self.EVENT))
+        self.assertEqual(record["level"], "warn")
+        self.assertEqual(record["system"], "replication.protocol")
+        self.assertEqual(record["message"], 'peer worker1 (127.0.0.1:5) said a "b"\\x1b')
+        self.assertEqual((record["n"], record["ok"], record["none"], record["nan"],
+                          record["addr"]), (3, True, None, "nan", "127.0.0.1:9092"))
+        self.assertRegex(record["time"], r"T\d\d:\d\d:\d\d\.452[+-]\d\d:\d\d$")
+        self.assertNotIn("log_namespace", record)
+
+    def test_a_failure_stays_with_its_event(self):
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            failure = Failure()
+        event = {"log_format": "boom", "log_failure": failure, "log_level": LogLevel.critical,
+                 "log_namespace": "replicator.x", "log_time": 0}
+        text = formatter("text", with_time=False)(event)
+        self.assertTrue(text.startswith("CRITICAL x: boom\n    Traceback"), text)
+        self.assertTrue(all(line.startswith("    ") for line in text.splitlines()[1:]))
+        self.assertIn("ZeroDivisionError", json.loads(formatter("json")(event))["traceback"])
+        self.assertEqual(len(formatter("logfmt")(event).splitlines()), 1)
+
+    def test_no_object_reprs(self):
+        self.assertEqual(clean("to IPv6Address(type='TCP', host='::1', port=9092, flowInfo=0, "
+                               "scopeID=0) via <twisted.internet.endpoints.TCP4ClientEndpoint "
+                               "object at 0x7f54ff7ef050>"), "to [::1]:9092 via TCP4ClientEndpoint")
+        server = ServerReplicationProtocol(object(), "hs.test", clock=task.Clock())
+        server.address = "127.0.0.1:56162"
+        self.assertEqual(formatEvent({"log_format": "{conn}", "conn": server}),
+                         "127.0.0.1:56162")
+        server._peer_instance = "worker1"
+        self.assertEqual(formatEvent({"log_format": "{conn}", "conn": server}),
+                         "worker1 (127.0.0.1:56162)")
+
+
+class TwistedLinesTests(SynchronousTestCase):
+    def legacy(self, text, **extra):
+        return {"log_namespace": "log_legacy", "log_format": "{log_text}", "log_text": text,
+                "log_level": LogLevel.info, "system": "-", **extra}
+
+    def test_twisteds_repeats_are_dropped(self):
+        for text in ("ReplicationServerFactory starting on 9092", "Site starting on 9093",
+                     "(TCP Port 9092 Closed)", "Starting factory <Factory object at 0x1>",
+                     "Stopping factory <Factory object at 0x1>"):
+            self.assertFalse(keep(self.legacy(text)), text)
+        self.assertFalse(keep({"log_namespace": "twisted.internet.base",
+                               "log_format": "Main loop terminated.",
+                               "log_level": LogLevel.info}))
+        self.assertFalse(keep({"log_namespace": "replicator.replication.tcp.UpstreamService",
+                               "log_format": "Scheduling retry {attempt} to connect {endpoint} "
+                                             "in {delay} seconds.",
+                               "log_level": LogLevel.info}))
+
+    def test_the_rest_is_kept(self):
+        self.assertTrue(keep(self.legacy("Unhandled error in Deferred:", isError=1)))
+        self.assertTrue(keep({"log_namespace": "twisted.web", "log_format": "oops",
+                              "log_failure": Failure(ValueError("x"))}))
+        self.assertTrue(keep({"log_namespace": "replicator.listening",
+                              "log_format": "listening on {address}"}))
+        self.assertEqual(formatter("text", False)(self.legacy("something new")),
+                         "INFO twisted: something new\n")
+
+
+class JournaldTests(SynchronousTestCase):
+    def test_journal_stream_names_the_stream(self):
+        with tempfile.TemporaryFile("w") as stream, tempfile.TemporaryFile("w") as other:
+            st = os.fstat(stream.fileno())
+            mine = {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+            self.assertTrue(under_journald(stream, mine))
+            self.assertFalse(under_journald(other, mine))  # inherited, redirected elsewhere
+            self.assertFalse(under_journald(stream, {}))
+            self.assertTrue(under_journald(io.StringIO(), mine))  # cannot check: trust it
+
+
+class AccessLineTests(SynchronousTestCase):
+    def test_an_error_answer_says_why(self):
+        events = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        request = DummyRequest([b"x"])
+        request.path, request.method, request.code = b"/x", b"POST", 400
+        request.error_text = "invalid JSON: \x1b[2J" + "y" * 300
+        AccessLog(Redactor([])).request(request)
+        line = formatEvent(events[-1])
+        self.assertIn(' 400 0 ', line)
+        self.assertIn("(invalid JSON: \\x1b[2J" + "y" * (ERROR_TEXT_LIMIT - 18) + "...)", line)
+
+
+class LogReadersTests(SynchronousTestCase):
+    """The fault and adversarial suites read daemon logs: a text line's
+    time (outside journald) must not hide a critical event from them."""
+
+    LOG = ("2026-11-25 20:42:37.187 INFO replication: listening on 127.0.0.1:9092\n"
+           "2026-11-25 20:42:38.001 CRITICAL replication.protocol: handler failed\n"
+           "    Traceback (most recent call last):\n"
+           "    ValueError: boom\n")
+
+    def test_fuzz_and_chaos_see_through_the_time(self):
+        from tests.chaos.run import logged_errors
+        from tests.fuzz.daemon import log_problems
+
+        self.assertEqual([kind for kind, _ in log_problems(self.LOG)], ["daemon_critical"])
+        self.assertEqual(logged_errors(self.LOG),
+                         ["CRITICAL replication.protocol: handler failed -> ValueError: boom"])

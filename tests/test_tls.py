@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from twisted.internet import reactor, task
 from twisted.internet.threads import deferToThread
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from replicator.config import ConfigError, parse_replication, validate_replication
@@ -189,11 +190,20 @@ class TlsTests(TestCase):
         _, worker2 = await instance("worker2", [consumer2])
         wrong = (f"tls:127.0.0.1:{self.port}:trustRoots={self.pki['trust']}"
                  f":certificate={self.pki['client.crt']}:privateKey={self.pki['client.key']}")
+        events = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
         client2 = upstream_service(reactor, wrong, worker2, "worker2", "localhost",
                                    initial_delay=0.05, max_delay=0.2)
         client2.startService()
         self.addCleanup(client2.stopService)
         await task.deferLater(reactor, 1.0, lambda: None)
+        # Each retry says why, in a few words: what the TLS handshake said.
+        retries = [formatEvent(e) for e in events if "retry" in e]
+        self.assertTrue(retries)
+        for line in retries:
+            self.assertRegex(line, rf"^upstream 127\.0\.0\.1:{self.port}: TLS: "
+                                   r"the certificate is not for 127\.0\.0\.1; retry \d+ in ")
         # A TLS client's protocol is connected before the handshake: an
         # attempt may be under way, but none ever heard the server.
         self.assertEqual([c for c in worker2.connections if c.instance_name is not None], [])

@@ -10,8 +10,8 @@ import yaml
 from .endpoints import get_endpoint
 from .fields import (WIRE_NAME, ConfigError, as_mapping, get_int, get_list, get_number,
                      get_path, get_str, kind_of, no_unknown)
-from .model import (LOG_LEVELS, ConsumerConfig, HealthConfig, HttpConfig, InstanceConfig,
-                    SynapseConfig)
+from .model import (LOG_FORMATS, LOG_LEVELS, ConsumerConfig, HealthConfig, HttpConfig,
+                    InstanceConfig, SynapseConfig)
 from .replication import parse_replication
 from .streams import _check_dsn, parse_database, parse_streams
 
@@ -121,7 +121,7 @@ def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[C
 
 
 INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replication", "http",
-                 "consumers", "log_level", "health", "synapse")
+                 "consumers", "log_level", "log_format", "health", "synapse")
 
 
 def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
@@ -186,6 +186,10 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     log_level = section.get("log_level", "info")
     if log_level not in LOG_LEVELS:
         raise ConfigError("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    log_format = section.get("log_format", "text")
+    if not isinstance(log_format, str) or log_format not in LOG_FORMATS:
+        raise ConfigError("log_format",
+                          f"{log_format!r} is not one of {', '.join(LOG_FORMATS)}")
     if database.engine == "sqlite":
         for i, stream in enumerate(streams):
             others = [w for w in stream.writers if w != instance_name]
@@ -199,7 +203,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     return InstanceConfig(
         server_name=server_name, instance_name=instance_name, database=database,
         streams=streams, replication=replication, http=http, consumers=consumers,
-        log_level=log_level, path=path, health=health, synapse=synapse_config,
+        log_level=log_level, log_format=log_format, path=path, health=health, synapse=synapse_config,
     )
 
 

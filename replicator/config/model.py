@@ -4,10 +4,14 @@ by the parsers of this package (their values are already checked)."""
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
+
 #: The table the replicator keeps positions in.
 POSITIONS_TABLE = "stream_positions"
 COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
+#: ``log_format``: see :mod:`replicator.logformat`.
+LOG_FORMATS = ("text", "logfmt", "json")
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,8 @@ class ReplicationConfig:
     max_connections_per_address: int = 32  # of those, from one address
     max_unidentified: int = 64  # connections that have not sent NAME yet
     identify_timeout: float = 10.0  # seconds a connection has to send NAME
-    reconnect_initial_delay: float = 0.5
-    reconnect_max_delay: float = 30.0
+    reconnect_initial_delay: float = RECONNECT_INITIAL_DELAY
+    reconnect_max_delay: float = RECONNECT_MAX_DELAY
     fetch_limit: int = 1000
     fanout_interval: float = 0.003
     max_batch_rows: int = 10_000  # rows of one fact received as a batch
@@ -181,6 +185,7 @@ class InstanceConfig:
     http: HttpConfig
     consumers: Tuple[ConsumerConfig, ...] = ()
     log_level: str = "info"
+    log_format: str = "text"
     health: HealthConfig = HealthConfig()
     path: Optional[str] = None
     synapse: Optional[SynapseConfig] = None

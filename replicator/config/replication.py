@@ -3,6 +3,7 @@ connect."""
 
 from typing import Any, Mapping, Optional, Tuple
 
+from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
 from ..endpoint_strings import is_loopback
 from .endpoints import get_endpoint
 from .fields import (ConfigError, as_mapping, get_bool, get_int, get_list, get_names,
@@ -103,10 +104,10 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
     if max_queued_bytes <= max_line_length:
         raise ConfigError(f"{key}.max_queued_bytes",
                           f"must be more than max_line_length ({max_line_length})")
-    initial_delay = get_number(section, "reconnect_initial_delay", key, 0.5, minimum=0.01,
-                            maximum=60)
-    max_delay = get_number(section, "reconnect_max_delay", key, 30.0, minimum=0.01,
-                           maximum=3600)
+    initial_delay = get_number(section, "reconnect_initial_delay", key,
+                               RECONNECT_INITIAL_DELAY, minimum=0.01, maximum=60)
+    max_delay = get_number(section, "reconnect_max_delay", key, RECONNECT_MAX_DELAY,
+                           minimum=0.01, maximum=3600)
     if max_delay < initial_delay:
         raise ConfigError(f"{key}.reconnect_max_delay",
                           f"must be at least reconnect_initial_delay ({initial_delay:g}s)")

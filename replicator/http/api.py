@@ -202,12 +202,14 @@ class HttpApi:
     def _failed(self, request, gone, failure) -> None:
         if failure.check(HttpError):
             e = failure.value
-            self._answer(request, gone, e.code, {**e.extra, e.key: self.redact(e.message)},
+            request.error_text = self.redact(e.message)  # for the access line
+            self._answer(request, gone, e.code, {**e.extra, e.key: request.error_text},
                          e.headers)
             return
         self.redact.log_failure("Unexpected error answering {method} {path}", failure,
                                 method=self.redact.method(request.method),
                                 path=self.redact.path(request.path))
+        request.error_text = "internal error"
         self._answer(request, gone, 500, {"error": "internal error"})
 
     def _answer(self, request, gone, code: int, result, headers=None) -> None:

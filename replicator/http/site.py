@@ -6,7 +6,8 @@ redaction of what must never be shown.
   limit (the route answers 413); beyond that, or when the client waits for
   ``100 Continue``, the channel refuses it at once (413, closed).
 * One access line per request: client, method, path (no query), status,
-  bytes, duration; never a header.
+  bytes, duration, and for an error the answer's message (cut to
+  :data:`ERROR_TEXT_LIMIT` characters, printable); never a header.
 * The HTTP secret (and the Redis password a replication detail might carry)
   is replaced by ``[redacted]`` in every answer and log line.
 """
@@ -20,6 +21,7 @@ from twisted.python.failure import Failure
 from twisted.web import server
 
 from ..crowd import Crowd
+from ..logs import printable
 from .channel import Busy, Channel
 
 log = Logger(namespace="replicator.http")
@@ -31,6 +33,8 @@ MAX_BODY_SIZE = 1 << 20
 #: thrown away so that the client gets its 413 (closing on unread data makes
 #: the kernel reset the connection, and the client would see that instead).
 DRAIN_FACTOR = 4
+#: How much of an error answer's message its access line shows.
+ERROR_TEXT_LIMIT = 120
 
 
 class Redactor:
@@ -91,12 +95,15 @@ class AccessLog:
         ms = (time.monotonic() - started) * 1000 if started is not None else 0.0
         path = getattr(request, "path", None)
         code = code if code is not None else request.code
+        error = getattr(request, "error_text", None)
+        error = printable(error, ERROR_TEXT_LIMIT) if error else None
+        notes = "; ".join(n for n in (note, error) if n)
         emit = access_log.info if not isinstance(code, int) or code >= 400 else access_log.debug
         emit('{client} "{method} {path}" {code} {length} {duration_ms:.1f}ms{note}',
              client=client, method=self.redact.method(request.method),
              path=self.redact.path(path) if isinstance(path, bytes) else "-",
              code=code, length=getattr(request, "sentLength", 0),
-             duration_ms=ms, note=f" ({note})" if note else "")
+             duration_ms=round(ms, 1), note=f" ({notes})" if notes else "", error=error)
 
     def refusal(self, transport, code: int, length: int, message: str,
                 method: Optional[bytes], path: Optional[bytes]) -> None:
@@ -109,7 +116,9 @@ class AccessLog:
         path_text = self.redact.path(path.split(b"?")[0]) if isinstance(path, bytes) else "-"
         access_log.info('{client} "{method} {path}" {code} {length} 0.0ms ({note})',
                         client=client, method=self.redact.method(method), path=path_text,
-                        code=code, length=length, duration_ms=0.0, note=message)
+                        code=code, length=length, duration_ms=0.0,
+                        note=printable(message, ERROR_TEXT_LIMIT),
+                        error=printable(message, ERROR_TEXT_LIMIT))
 
 
 class Request(server.Request):
@@ -119,6 +128,8 @@ class Request(server.Request):
     too_large = False
     _received = 0
     started = None
+    #: An error answer's message, for the access line.
+    error_text: Optional[str] = None
 
     def _limits(self) -> Tuple[int, int]:
         site = getattr(self.channel, "site", None)

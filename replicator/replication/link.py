@@ -147,6 +147,12 @@ class LineConnection(Protocol):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
+    def __str__(self) -> str:
+        """How a log line names the connection: the peer's name and address
+        (``worker1 (127.0.0.1:56162)``), or its address alone."""
+        name, address = self.name, self.address
+        return address if name == address else f"{name} ({address})"
+
     @property
     def name(self) -> str:
         """How logs show the peer: its address (a protocol that learns the

@@ -97,6 +97,10 @@ class ReplicationProtocol(LineConnection):
         self.current_line: Optional[bytes] = None
         self._peer_instance: Optional[str] = None
         self._remote_error = False
+        #: The text of the peer's ``ERROR``, and why the connection ended
+        #: (for the reconnect line: :mod:`replicator.reconnect`).
+        self.remote_error_text: Optional[str] = None
+        self.lost_failure: Optional[Failure] = None
         self._established = False
         self._count_inbound = self._hooks["count_inbound"]
         names = self.VALID_INBOUND | CLIENT_WRITER_COMMANDS
@@ -167,6 +171,7 @@ class ReplicationProtocol(LineConnection):
 
     def connectionLost(self, reason: Optional[Failure] = None) -> None:
         self._connected = False
+        self.lost_failure = reason
         self._closing = True
         self._clear_queue()
         self._stop_timers()
@@ -253,6 +258,7 @@ class ReplicationProtocol(LineConnection):
 
     def _on_ERROR(self, cmd: ErrorCommand) -> None:
         self._remote_error = True
+        self.remote_error_text = cmd.message
         self.log.warn("Remote {conn} reported an error: {text}", conn=self,
                       text=printable(cmd.message))
 

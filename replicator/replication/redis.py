@@ -62,7 +62,6 @@ together; the command wire format itself is in :mod:`.commands`.)
 from typing import List, Optional
 
 import txredisapi
-from twisted.application.internet import ClientService
 from twisted.application.service import MultiService
 from twisted.internet import defer, endpoints, task
 from twisted.internet.protocol import Factory
@@ -70,7 +69,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .. import metrics
-from ..backoff import Backoff
+from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
+from ..endpoint_strings import client_address
+from ..reconnect import ReconnectingService
 from ..config import RedisConfig
 from ..logs import printable
 from .commands import ReplicateCommand, parse_line
@@ -183,6 +184,10 @@ class RedisConnection:
         #: The message being dispatched (bytes, no newline).
         self.current_line: Optional[bytes] = None
 
+    def __str__(self) -> str:
+        """How log lines name it: ``redis channel <channel>``."""
+        return f"redis channel {printable(self._owner.channel, 100)}"
+
     def pause_reading(self) -> None:
         """Stop reading the subscription (while a claim is checked)."""
         subscriber = self._owner.subscriber
@@ -215,7 +220,8 @@ class RedisReplication(MultiService):
 
     def __init__(self, reactor, config: RedisConfig, handler, server_name: str,
                  instance_name: str, ping_interval: float = 10.0, ping_timeout: float = 5.0,
-                 initial_delay: float = 0.5, max_delay: float = 30.0, clock=None,
+                 initial_delay: float = RECONNECT_INITIAL_DELAY,
+                 max_delay: float = RECONNECT_MAX_DELAY, clock=None,
                  synapse_server_name: Optional[str] = None,
                  synapse_probe: float = SYNAPSE_PROBE):
         super().__init__()
@@ -257,12 +263,15 @@ class RedisReplication(MultiService):
         self.sub_backoff = Backoff(initial_delay, max_delay, name="redis-subscriber")
         self.pub_backoff = Backoff(initial_delay, max_delay, name="redis-publisher")
         endpoint = endpoints.clientFromString(reactor, config.endpoint)
-        self._sub_service = ClientService(
+        where = client_address(config.endpoint)
+        self._sub_service = ReconnectingService(
             endpoint, _RedisFactory(_Subscriber, config, self, "subscriber"),
-            retryPolicy=self.sub_backoff, clock=self.clock)
-        self._pub_service = ClientService(
+            self.sub_backoff, clock=self.clock, what="redis subscriber", where=where,
+            lost_reason=lambda: self.last_error)
+        self._pub_service = ReconnectingService(
             endpoint, _RedisFactory(_Publisher, config, self, "publisher"),
-            retryPolicy=self.pub_backoff, clock=self.clock)
+            self.pub_backoff, clock=self.clock, what="redis publisher", where=where,
+            lost_reason=lambda: self.last_error)
         self._sub_service.setServiceParent(self)
         self._pub_service.setServiceParent(self)
         self._pinger = task.LoopingCall(self._ping)

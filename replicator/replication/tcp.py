@@ -35,19 +35,20 @@ So at most ``max_unidentified + max_connections`` + the known names are open.
 from dataclasses import dataclass
 from typing import Dict, Optional, Set
 
-from twisted.application.internet import ClientService
 from twisted.internet import endpoints
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
 from .. import metrics
-from ..backoff import Backoff
+from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from ..crowd import Crowd
+from ..endpoint_strings import client_address
+from ..logs import printable
+from ..reconnect import ReconnectingService, failure_reason
 from .commands import MAX_LINE_LENGTH
 from .peers import PeerPolicy, local_names
-from .link import (
-    IDLE_TIMEOUT, MAX_QUEUED_BYTES, MAX_QUEUED_LINES, PING_INTERVAL, PING_TIMEOUT, REFUSED,
-)
+from .link import (CONNECTION_LOST, IDLE_TIMEOUT, MAX_QUEUED_BYTES, MAX_QUEUED_LINES,
+                   PING_INTERVAL, PING_TIMEOUT, REFUSED, REMOTE_ERROR)
 from .protocol import ClientReplicationProtocol, ServerReplicationProtocol
 
 log = Logger()
@@ -213,24 +214,33 @@ class ReplicationClientFactory(Factory):
         """Whether the upstream named itself and the link is still up."""
         return self.current is not None and self.current.established
 
+    def lost_reason(self) -> Optional[str]:
+        """Why the last connection ended, for the retry line: the peer's
+        ``ERROR``, our own close's reason, or what the transport said."""
+        p = self.current
+        if p is None:
+            return None
+        if p.remote_error_text is not None:
+            return f"closed by peer: ERROR {printable(p.remote_error_text, 200)}"
+        if p.close_reason not in (None, CONNECTION_LOST, REMOTE_ERROR):
+            return f"closed ({p.close_reason.replace('_', ' ')})"
+        if p.lost_failure is not None:
+            return failure_reason(p.lost_failure)
+        return None
 
-class UpstreamService(ClientService):
-    """Keeps one connection to the upstream server, forever.  ``connected``
+
+class UpstreamService(ReconnectingService):
+    """Keeps one connection to the upstream server, forever, logging each
+    retry with its reason (:mod:`replicator.reconnect`).  ``connected``
     is true only while the server has answered the handshake (a socket that
     was accepted but stays silent is not connected, and is closed after
     ``ping_timeout``)."""
 
     def __init__(self, endpoint, factory: ReplicationClientFactory, backoff: Backoff, *,
-                 clock, on_retry=None):
-        policy = backoff
-        if on_retry is not None:
-            def policy(attempt: int) -> float:
-                delay = backoff(attempt)
-                on_retry(backoff.failures, delay)
-                return delay
-        super().__init__(endpoint, factory, retryPolicy=policy, clock=clock)
+                 clock, where: str = "", on_retry=None):
+        super().__init__(endpoint, factory, backoff, clock=clock, what="upstream",
+                         where=where, lost_reason=factory.lost_reason, on_retry=on_retry)
         self.replication_factory = factory
-        self.backoff = backoff
 
     @property
     def connected(self) -> bool:
@@ -238,8 +248,9 @@ class UpstreamService(ClientService):
 
 
 def upstream_service(reactor, endpoint: str, handler, client_name: str, server_name: str,
-                     settings: ConnectionSettings = None, initial_delay: float = 0.5,
-                     max_delay: float = 30.0, clock=None, wrap_endpoint=None,
+                     settings: ConnectionSettings = None,
+                     initial_delay: float = RECONNECT_INITIAL_DELAY,
+                     max_delay: float = RECONNECT_MAX_DELAY, clock=None, wrap_endpoint=None,
                      on_retry=None) -> UpstreamService:
     """A service that keeps one connection to the upstream server, forever.
 
@@ -254,4 +265,5 @@ def upstream_service(reactor, endpoint: str, handler, client_name: str, server_n
     client = endpoints.clientFromString(reactor, endpoint)
     if wrap_endpoint is not None:
         client = wrap_endpoint(client)
-    return UpstreamService(client, factory, backoff, clock=clock, on_retry=on_retry)
+    return UpstreamService(client, factory, backoff, clock=clock,
+                           where=client_address(endpoint), on_retry=on_retry)

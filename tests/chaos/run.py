@@ -21,6 +21,7 @@ from collections import defaultdict
 from typing import Dict, List, Optional
 
 from replicator.config import parse_streams
+from replicator.logformat import without_time
 from tests.servers import PostgresServer, RedisServer, free_port
 from tests.support import create_stream_tables
 
@@ -51,6 +52,7 @@ def logged_errors(text: str) -> List[str]:
     indented lines, or inline for Twisted's legacy "Unhandled Error")."""
     events: List[List[str]] = []
     for line in text.splitlines():
+        line = without_time(line)
         if line.startswith(LEVELS):
             events.append([line, ""])
         elif line.startswith("    ") and events:

@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 import yaml
 
+from replicator.logformat import without_time
 from tests.servers import free_port, wait_for
 
 from . import inputs
@@ -161,7 +162,7 @@ def log_problems(text: str) -> List[Tuple[str, str]]:
     """(kind, summary) for every critical event and traceback in a daemon log
     (one line per event; a failure's traceback follows on indented lines)."""
     out = []
-    lines = text.splitlines()
+    lines = [without_time(line) for line in text.splitlines()]
     i = 0
     while i < len(lines):
         line = lines[i]
