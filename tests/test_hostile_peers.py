@@ -378,6 +378,9 @@ class _Bus:
 
     subscriber = None
 
+    def hold(self, lines, command_name):
+        return False  # no Synapse probe under way
+
     def publish_lines(self, lines, channel=None):
         pass
 

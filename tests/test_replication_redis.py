@@ -261,6 +261,9 @@ class LateBytesTests(TestCase):
         reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
         # The writer has announced POSITION caches w1 0 0.
         await until(lambda: writer.link.connected and reader.link.connected)
+        # Past the registration's probe for a Synapse (which keeps our lines
+        # in memory for synapse_probe): fact 1 goes out on the wire.
+        await until(lambda: not writer.link.holding)
         old_publisher = writer.link.publisher
 
         # Fact 1 = {A, B} goes out on links that hold every byte.
