@@ -11,6 +11,8 @@ import html
 import time
 from typing import Any, Dict, List, Optional
 
+from .writers import duration
+
 #: The page's Content-Security-Policy: nothing inline, nothing external.
 CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
        b"connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -69,17 +71,10 @@ def link_text(w: Dict[str, Any]) -> str:
     text = link["text"]
     if link["connected"] is not None:
         age = link["heard_age"]
-        text += "; never heard" if age is None else f"; last heard {_age(age)} ago"
+        text += "; never heard" if age is None else f"; last heard {duration(age)} ago"
     return text
 
 
-def _age(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _writer_cells(stream: Dict[str, Any], w: Dict[str, Any], now: float,
