@@ -99,6 +99,12 @@ class ConfigErrorTests(SynchronousTestCase):
     CASES = [
         ({"bogus": 1}, "config: bogus: unknown key"),
         ({"http": {"lisen": "tcp:0"}}, "config: http.lisen: unknown key (did you mean 'listen'?)"),
+        ({"replication": {"listen": "tcp:9092:interfac=127.0.0.1"}},
+         "config: replication.listen: a tcp: listener has no option 'interfac' (did you mean "
+         "'interface'?); its options: port, interface, backlog"),
+        ({"replication": {"upstream": "tcp:host=127.0.0.1:port=9092:timout=5"}},
+         "config: replication.upstream: a tcp: client has no option 'timout' (did you mean "
+         "'timeout'?); its options: host, port, timeout, bindAddress"),
         ({"replication": {"ping_intervall": 5}},
          "config: replication.ping_intervall: unknown key (did you mean 'ping_interval'?)"),
         ({"replication": {"ping_timeout": "soon"}},

@@ -161,8 +161,8 @@ class ValidateTests(SynchronousTestCase):
         self.assertEqual(
             self.check({"replication": {"listen": "tcp:9092:bogus=1",
                                         "insecure_public_listener": True}}),
-            "config: replication.listen: cannot parse endpoint 'tcp:9092:bogus=1': "
-            "_parseTCP() got an unexpected keyword argument 'bogus'")
+            "config: replication.listen: a tcp: listener has no option 'bogus'; its options: "
+            "port, interface, backlog")
 
     def test_a_valid_config_is_returned_as_it_is(self):
         config = parse_instance(doc(

@@ -19,7 +19,7 @@ import ipaddress
 from typing import Mapping, Optional
 
 from ..endpoint_strings import Endpoint, parse
-from .fields import ConfigError, get_str
+from .fields import ConfigError, did_you_mean, get_str
 
 #: Server types with a port (positional or ``port=``), an interface and a backlog.
 _PORT_SERVERS = ("tcp", "tcp6", "ssl")
@@ -60,7 +60,38 @@ def _one_line(error: BaseException) -> str:
     return " ".join((str(error) or type(error).__name__).split())
 
 
+#: The keyword options of the endpoint types an operator writes (Twisted's
+#: parsers' own keywords), to name a typo before Twisted's TypeError would.
+_SERVER_OPTIONS = {
+    "tcp": ("port", "interface", "backlog"),
+    "tcp6": ("port", "interface", "backlog"),
+    "ssl": ("port", "interface", "backlog", "privateKey", "certKey", "sslmethod",
+            "extraCertChain", "dhParameters"),
+    "unix": ("address", "mode", "backlog", "lockfile"),
+}
+_CLIENT_OPTIONS = {
+    "tcp": ("host", "port", "timeout", "bindAddress"),
+    "ssl": ("host", "port", "timeout", "bindAddress", "certKey", "privateKey", "caCertsDir"),
+    "tls": ("host", "port", "timeout", "bindAddress", "certificate", "privateKey",
+            "trustRoots", "endpoint"),
+    "unix": ("path", "timeout", "checkPID"),
+}
+
+
+def _known_options(parsed: Endpoint, options: dict, role: str) -> None:
+    """An option the endpoint's type does not have is named, with the
+    options it has (and the one probably meant)."""
+    known = options.get(parsed.kind)
+    if known is None:
+        return
+    for name in parsed.kwargs:
+        if name not in known:
+            raise _Unusable(f"a {parsed.kind}: {role} has no option {name!r}"
+                            f"{did_you_mean(name, known)}; its options: {', '.join(known)}")
+
+
 def _check_server(parsed: Endpoint) -> None:
+    _known_options(parsed, _SERVER_OPTIONS, "listener")
     if parsed.kind in _PORT_SERVERS:
         _port(parsed.kwargs.get("port", parsed.args[0] if parsed.args else None))
         _interface_and_backlog(parsed)
@@ -94,6 +125,7 @@ def _interface_and_backlog(parsed: Endpoint) -> None:
 
 
 def _check_client(parsed: Endpoint) -> None:
+    _known_options(parsed, _CLIENT_OPTIONS, "client")
     if parsed.kind in _PORT_CLIENTS:
         args, kwargs = parsed.args, parsed.kwargs
         if len(args) >= 2:

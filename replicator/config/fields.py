@@ -73,10 +73,10 @@ def no_unknown(section: Mapping, allowed, key: str) -> None:
     for name in section:
         if name not in allowed:
             prefix = f"{key}." if key else ""
-            raise ConfigError(f"{prefix}{_key_name(name)}", "unknown key" + _meant(name, allowed))
+            raise ConfigError(f"{prefix}{_key_name(name)}", "unknown key" + did_you_mean(name, allowed))
 
 
-def _meant(name: Any, allowed) -> str:
+def did_you_mean(name: Any, allowed) -> str:
     """`` (did you mean 'x'?)`` for the one allowed key closest to
     ``name``, or "" when none is close."""
     if not isinstance(name, str):
