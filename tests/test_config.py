@@ -158,11 +158,13 @@ class ValidateTests(SynchronousTestCase):
             self.check({"replication": {"redis": {"endpoint": "tcp6:9092"}}}),
             "config: replication.redis.endpoint: cannot parse endpoint 'tcp6:9092': Unknown "
             "endpoint type: 'tcp6'")
-        self.assertEqual(
-            self.check({"replication": {"listen": "tcp:9092:bogus=1",
-                                        "insecure_public_listener": True}}),
-            "config: replication.listen: a tcp: listener has no option 'bogus'; its options: "
-            "port, interface, backlog")
+        # An option of a type parsing knows is parsing's to name.
+        with self.assertRaises(ConfigError) as e:
+            parse_instance(doc(replication={"listen": "tcp:9092:bogus=1",
+                                            "insecure_public_listener": True}))
+        self.assertEqual(str(e.exception),
+                         "config: replication.listen: a tcp: listener has no option 'bogus'; "
+                         "its options: port, interface, backlog")
 
     def test_a_valid_config_is_returned_as_it_is(self):
         config = parse_instance(doc(
