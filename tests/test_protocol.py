@@ -433,7 +433,9 @@ class KeepaliveTests(SynchronousTestCase):
         clock.pump([1] * 59 + [0.9])
         self.assertFalse(transport.disconnecting)
         clock.advance(0.1)
-        self.assertTrue(transport.value().endswith(b"ERROR idle timeout\n"))
+        self.assertTrue(transport.value().endswith(
+            b"ERROR idle timeout: no command for 60s (send PING now and then to keep a quiet "
+            b"connection open)\n"), transport.value())
         self.assertTrue(transport.disconnecting)
         self.assertEqual(proto.close_reason, "idle_timeout")
         lose(proto)

@@ -405,7 +405,9 @@ class LineConnection(Protocol):
                 self.close(why, "ping timeout", log_text=f"silent for {silent:.1f}s")
             else:
                 silent = now - self._last_command
-                self.close(why, "idle timeout", log_text=f"no command for {silent:.1f}s")
+                self.close(why, f"idle timeout: no command for {self._idle_timeout:g}s "
+                                "(send PING now and then to keep a quiet connection open)",
+                           log_text=f"no command for {silent:.1f}s")
         else:
             self._timeout_call = self._clock.callLater(due - now, self._timeout_due)
 
