@@ -260,6 +260,26 @@ class RelayTests(_Base):
                                   if b"worker1" in l), sent)
 
 
+    async def test_rdata_before_the_writers_position_is_not_relayed(self):
+        """A fact the master itself does not take (RDATA on a connection
+        that has not announced the writer's position yet: the reader waits
+        for the POSITION and reads the table) is not passed on either:
+        found by a red team, a forged fact reached one worker's consumer and
+        not the master's."""
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        _, handler = await self.instance("master", consumers=[consumer])
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        honest, ht = self.server_conn(handler, "worker2", replicate=True)
+        forger, ft = self.server_conn(handler, "worker1")
+        forger.dataReceived(b'RDATA caches worker1 batch ["FORGED", null, 1]\n'
+                            b'RDATA caches worker1 3 ["FORGED2", null, 2]\n'
+                            b'POSITION caches worker1 3 3\n')
+        await until(lambda: b"POSITION caches worker1 3 3" in ht.value())
+        await until(lambda: handler.reader_positions()[("caches", "worker1")] == 3)
+        self.assertNotIn(b"FORGED", ht.value())
+        self.assertEqual(consumer.facts, [])
+
+
 class RowCheckTests(_Base):
     """Item 12: rows that do not fit the stream are never delivered."""
 

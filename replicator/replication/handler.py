@@ -274,7 +274,10 @@ class ReplicationHandler:
         reader = self._readers[key]
         relay = not conn.is_client_side  # from a writer client: to everyone else
         if cmd.NAME == "RDATA":
-            if relay and line is not None:
+            # Only what this instance takes is passed on: RDATA before the
+            # writer's POSITION on this connection is neither (the POSITION
+            # relayed next makes everyone read the table).
+            if relay and line is not None and reader.positioned(conn):
                 self.relay.rdata(conn, key, cmd.token, line)
             if cmd.token is None and line is not None:
                 # A partial batch is held as its lines (the relay's bytes,

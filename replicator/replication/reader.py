@@ -144,6 +144,11 @@ class Reader:
             self.announced = new
         self._enqueue(("position", prev, new))
 
+    def positioned(self, conn) -> bool:
+        """Whether ``conn`` announced the writer's position: RDATA before
+        that is not taken (the POSITION makes us read the table)."""
+        return conn in self._positioned
+
     def drop_batch(self, conn) -> None:
         """Forget the partial batch of ``conn`` (its next row was refused)."""
         self._batches.pop(conn, None)

@@ -14,7 +14,8 @@ Invariants:
   server's REPLICATE answer for such a writer is never below it.
 * What is relayed is the bytes received, never a re-encoding (a re-encoded
   line may be longer than the receivers accept); lines come here only once
-  :mod:`.admission` admitted them.
+  :mod:`.admission` admitted them, and RDATA only from a connection that
+  announced the writer's position (what this instance's reader takes).
 """
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
