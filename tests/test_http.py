@@ -178,6 +178,12 @@ class HttpTestCase(TestCase):
         await registry.start()
         if stop_registry:
             self.addCleanup(registry.stop)
+        else:
+            # Its database is down on purpose: a position persist still
+            # scheduled (e.g. the one start schedules) is not run.
+            self.addCleanup(lambda: [s._persist_call.cancel() for s in registry
+                                     if s._persist_call is not None
+                                     and s._persist_call.active()])
         handler = ReplicationHandler(registry, name, "hs.test", consumers=consumers,
                                      max_line_length=config.replication.max_line_length)
         handler.start()
