@@ -577,6 +577,28 @@ class PostgresStreamTests(StreamSuite, TestCase):
         self.assertEqual(await reg2.get("caches").write_fact([["b", None, 1]]), 4)
         self.flushLoggedErrors()
 
+    async def test_rows_of_writers_not_configured_are_not_positions(self):
+        """``stream_positions`` rows of instances the stream does not name
+        (another deployment sharing the database and the stream's name, a
+        writer long removed) move neither the sequence nor any token: a red
+        team saw a restart move a sequence to another deployment's
+        position."""
+        reg = await self.registry()
+        caches = reg.get("caches")
+        await caches.write_facts([[["a", None, 1]]] * 3)
+        await reg.stop()
+        conn = psycopg2.connect(self.dsn)
+        conn.autocommit = True
+        conn.cursor().execute("INSERT INTO stream_positions (stream_name, instance_name, "
+                              "stream_id) VALUES (%s, 'elsewhere', 500)",
+                              (caches.config.positions_key,))
+        conn.close()
+        reg2 = await self.registry()
+        caches2 = reg2.get("caches")
+        self.assertEqual(caches2.id_gen.get_current_token(caches2.instance_name), 3)
+        self.assertEqual(self.raw_rows("SELECT last_value FROM cache_stream_seq")[0][0], 3)
+        self.assertEqual(await caches2.write_fact([["b", None, 1]]), 4)
+
     async def test_concurrent_writers(self):
         """Many transactions at once on separate connections, some failing."""
         reg = await self.registry()

@@ -156,8 +156,13 @@ class Stream:
         only read here is never written to (nor its sequence moved).
         """
         c = self.config
-        persisted = (schema.persisted_positions(txn, c.positions_key, self.db.sql)
-                     if has_positions else {})
+        # Rows of instances the stream does not name (another deployment
+        # sharing the database and the stream's name, a writer removed
+        # long ago) are nobody's position here; the table's IDs bound the
+        # sequence whoever wrote them.
+        persisted = {w: p for w, p in (schema.persisted_positions(
+            txn, c.positions_key, self.db.sql) if has_positions else {}).items()
+            if w in c.writers}
         table_max = schema.table_max_per_writer(txn, c)
         known = [persisted[w] for w in c.writers if w in persisted]
         floor = min(known) if known else 0
@@ -175,7 +180,8 @@ class Stream:
                 self._txn.move_sequence(txn, current, top)
                 log.warn(
                     "stream {stream}: sequence {seq} was at {current}, behind the "
-                    "table's {top}; moved it to {top}",
+                    "largest position of its table and its writers' rows in "
+                    "stream_positions ({top}); moved it to {top}",
                     stream=self.name, seq=c.sequence, current=current, top=top,
                 )
         elif not self.db.is_postgres:
