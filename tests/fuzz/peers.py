@@ -569,7 +569,11 @@ def borrowed_name(daemon, result) -> None:
     reader = HonestReader(daemon.rep_port)
     reader.start()
     reader.connected.wait(10)
-    real = Peer(daemon.rep_port, "NAME worker1\nPING 1\nREPLICATE\n")
+    prev = reader.positions.get(key, 0)
+    # As a real writer does on connect: its name, then its position (RDATA
+    # on a connection that has not announced it is not taken, nor relayed).
+    real = Peer(daemon.rep_port, f"NAME worker1\nPING 1\nREPLICATE\n"
+                                 f"POSITION caches worker1 {prev} {prev}\n")
     real.drain(0.5)
     db = psycopg2.connect(daemon.config["database"]["postgres"])
     db.autocommit = True
@@ -577,7 +581,6 @@ def borrowed_name(daemon, result) -> None:
         with db.cursor() as cur:  # worker1's next fact: its ID taken, not yet committed
             cur.execute("SELECT nextval('cache_stream_seq')")
             token = cur.fetchone()[0]
-        prev = reader.positions.get(key, 0)
         attack = f"NAME worker1\nPING 1\nPOSITION caches worker1 {prev} {token}\n"
         borrower = Peer(daemon.rep_port, attack)
         borrower.drain(1.0)
