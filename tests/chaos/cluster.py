@@ -108,6 +108,9 @@ class Instance:
         self.starts = 0
         self.unexpected_exits: List[int] = []
         self.startup_db_exits = 0
+        #: A fault keeps it down (kill9 until its restart): not restarted
+        #: by the supervisor meanwhile.
+        self.held_down = False
 
     @property
     def facts_path(self) -> str:
@@ -123,6 +126,13 @@ class Instance:
     daemon_path: Optional[str] = None
 
     def start(self, env: Optional[Dict[str, str]] = None):
+        """Start the process, unless it runs already: the supervisor's
+        restart of an instance that exited by itself and a fault's restart
+        after its kill can both come (two processes of one instance were
+        seen, the second refused by the first's consumer file lock)."""
+        if self.running():
+            self.held_down = False
+            return
         self.note_exit()
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         environ = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -139,6 +149,7 @@ class Instance:
         self.starts += 1
         self.paused = False
         self.expected_down = False
+        self.held_down = False
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -159,6 +170,7 @@ class Instance:
 
     def kill9(self):
         self.note_exit()
+        self.held_down = True  # until the fault's own start()
         if self.running():
             self.expected_down = True
             self.proc.send_signal(signal.SIGKILL)

@@ -219,7 +219,8 @@ async def supervise(instances: Dict[str, Instance], say, stop: asyncio.Event):
                 say(f"  {instance.name} exited by itself ({instance.proc.returncode}): "
                     f"{' | '.join(tail)}")
                 await asyncio.sleep(1.0)
-                instance.start()
+                if not instance.held_down:  # else the fault restarts it
+                    instance.start()
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
         except asyncio.TimeoutError:
