@@ -32,7 +32,7 @@ from twisted.logger import Logger
 
 from . import __version__
 from .health import Finding
-from .replication.handler import peer_address
+from .replication.connections import peer_address
 
 log = Logger(namespace="replicator.status")
 

@@ -343,7 +343,6 @@ class PartialBatchTests(_Base):
         self.assertEqual(p.close_reason, "invalid_command")
         self.assertTrue(lines(t)[-1].startswith("ERROR "), lines(t))
         self.assertEqual(refused("caches", "batch_too_large"), before + 1)
-        self.assertEqual(handler.partial_batch_rows(p), 0)
         p.connectionLost(None)
         self.assertNotIn(p, handler.connections)
         self.assertEqual(len(consumer.facts), 1)
@@ -435,8 +434,7 @@ class BatchMemoryTests(_Base):
         self.assertLessEqual(held, 3 * wire, f"{held} bytes held for {wire} bytes of lines")
         # The batch still completes into the whole fact, relayed as received.
         p.dataReceived(b'RDATA caches worker1 1 ["end",null,1]\n')
-        await until(lambda: handler.partial_batch_rows(p) == 0)
-        self.assertEqual(ht.value().count(data), 400)
+        await until(lambda: ht.value().count(data) == 400)
 
     async def test_completed_batch_parses_within_a_bound(self):
         """A batch whose rows would take, once parsed, far more than
@@ -479,12 +477,11 @@ class BatchMemoryTests(_Base):
         self.assertEqual(refused("caches", "batch_too_large"), before)
         hear(handler, two, row)  # the writer's 100th partial row
         self.assertEqual(refused("caches", "batch_too_large"), before + 1)
-        self.assertEqual(handler.partial_batch_rows(two), 0)
-        self.assertEqual(handler.partial_batch_rows(one), 60)
         # What one held still completes; two's rows are gone with the refusal.
         hear(handler, one, 'RDATA caches worker1 1 ["end",null,1]')
-        await until(lambda: consumer.facts)
-        self.assertEqual(len(consumer.facts[0][3]), 61)
+        hear(handler, two, 'RDATA caches worker1 2 ["end",null,1]')
+        await until(lambda: len(consumer.facts) == 2)
+        self.assertEqual([len(fact[3]) for fact in consumer.facts], [61, 1])
 
 
 class StaleBatchTests(_Base):

@@ -15,7 +15,8 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.replication.commands import encode_position_line, encode_rdata_lines, parse_line
+from replicator.replication.commands import parse_line
+from replicator.replication.wire import encode_position_line, encode_rdata_lines
 from replicator.replication.reader import Reader
 from replicator.replication.relay import Relay
 

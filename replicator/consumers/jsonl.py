@@ -30,12 +30,11 @@ import fcntl
 import json
 import os
 from operator import itemgetter
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
 from twisted.internet import defer
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
 from .. import files
 from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_path, no_unknown

@@ -311,12 +311,6 @@ class Admission:
             for writer in list(gate.batches):
                 self._end_batch(gate, writer)
 
-    def forget_batch(self, conn, key: Key) -> None:
-        """The partial batch of ``key`` on ``conn`` was dropped elsewhere."""
-        gate = self._gates.get(conn)
-        if gate is not None and gate.batches.get(key[1], ("",))[0] == key[0]:
-            self._end_batch(gate, key[1])
-
     def idle(self) -> bool:
         """No connection's commands wait for a read of a sequence."""
         return not any(g.waiting for g in self._gates.values())

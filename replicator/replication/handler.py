@@ -38,14 +38,9 @@ from ..streams.registry import StreamRegistry
 from ..streams.stream import Stream
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
 from .bookkeeping import Bookkeeping
-from .commands import (
-    MAX_LINE_LENGTH,
-    ClearUserSyncCommand,
-    PositionCommand,
-    encode_position_line,
-)
+from .commands import ClearUserSyncCommand, PositionCommand
+from .wire import MAX_LINE_LENGTH, encode_position_line
 from .connections import Connections
-from .connections import peer_address  # noqa: F401  (status page)
 from .delivery import make_reader
 from .fanout import Fanout
 from .link import INVALID_COMMAND, REFUSED
@@ -56,7 +51,6 @@ from .relay import Relay
 log = Logger()
 
 Key = Tuple[str, str]
-RELAYED_COMMANDS = ("REMOTE_SERVER_UP", "LOCK_RELEASED", "NEW_ACTIVE_TASK", "CANCEL_TASK")
 
 
 class ReplicationHandler:
@@ -177,11 +171,6 @@ class ReplicationHandler:
         self.relay.connection_lost(conn)
         for reader in self._readers.values():
             reader.connection_lost(conn)
-
-    def partial_batch_rows(self, conn) -> int:
-        """Rows of ``conn`` held in partial batches (reader and relay)."""
-        return self.relay.partial_rows(conn) + sum(
-            r.partial_rows(conn) for r in self._readers.values())
 
     @property
     def recent_disconnects(self):

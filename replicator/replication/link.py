@@ -25,7 +25,8 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from ..logs import printable
-from .commands import MAX_LINE_LENGTH, Command, ErrorCommand, PingCommand, joined
+from .commands import Command, ErrorCommand, PingCommand
+from .wire import MAX_LINE_LENGTH, joined
 
 #: Send a PING when nothing else was written for this long (seconds).
 PING_INTERVAL = 5.0
@@ -301,9 +302,9 @@ class LineConnection(Protocol):
 
     def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
         """Write pre-encoded lines (each ending in ``b"\\n"``, built by
-        :func:`.commands.encode_rdata_lines` / ``encode_position_line`` with
+        :func:`.wire.encode_rdata_lines` / ``encode_position_line`` with
         this connection's maximum line length) in one ``transport.write`` of
-        their concatenation (see :func:`.commands.joined`; nothing else can
+        their concatenation (see :func:`.wire.joined`; nothing else can
         come between them); queued while paused, each line counting toward
         the bound.
 

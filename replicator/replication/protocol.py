@@ -58,7 +58,6 @@ from .commands import (
     CLIENT_WRITER_COMMANDS,
     SERVER_COMMANDS,
     Command,
-    CommandParseError,
     ErrorCommand,
     NameCommand,
     PingCommand,
@@ -66,6 +65,7 @@ from .commands import (
     ServerCommand,
     parse_line,
 )
+from .fields import CommandParseError
 from .link import (
     CONNECTION_LOST,
     IDENTIFY_TIMEOUT_REASON,

@@ -44,7 +44,6 @@ from twisted.logger import Logger
 from .. import metrics
 from ..background import Background
 from ..backoff import Outage
-from ..streams.pages import group  # noqa: F401 (the fan-out's, too)
 from .commands import rdata_row
 
 log = Logger()
@@ -147,10 +146,6 @@ class Reader:
     def drop_batch(self, conn) -> None:
         """Forget the partial batch of ``conn`` (its next row was refused)."""
         self._batches.pop(conn, None)
-
-    def partial_rows(self, conn) -> int:
-        """Rows of ``conn`` waiting for the row that ends their fact."""
-        return len(self._batches.get(conn, ()))
 
     def connection_lost(self, conn) -> None:
         """A partial batch dies with its connection."""

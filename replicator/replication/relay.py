@@ -50,9 +50,5 @@ class Relay:
         """Forget the partial batch of ``key`` on ``conn`` (refused)."""
         self._batches.get(conn, {}).pop(key, None)
 
-    def partial_rows(self, conn) -> int:
-        """Rows waiting in partial batches of ``conn``."""
-        return sum(len(lines) for lines in self._batches.get(conn, {}).values())
-
     def connection_lost(self, conn) -> None:
         self._batches.pop(conn, None)

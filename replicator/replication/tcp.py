@@ -45,7 +45,7 @@ from ..crowd import Crowd
 from ..endpoint_strings import client_address
 from ..logs import printable
 from ..reconnect import ReconnectingService, failure_reason
-from .commands import MAX_LINE_LENGTH
+from .wire import MAX_LINE_LENGTH
 from .peers import PeerPolicy, local_names
 from .link import (CONNECTION_LOST, IDLE_TIMEOUT, MAX_QUEUED_BYTES, MAX_QUEUED_LINES,
                    PING_INTERVAL, PING_TIMEOUT, REFUSED, REMOTE_ERROR)
