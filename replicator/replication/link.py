@@ -26,6 +26,7 @@ from zope.interface import implementer
 
 from ..logs import printable
 from .commands import Command, ErrorCommand, PingCommand
+from .interfaces import IReplicationHandler
 from .wire import MAX_LINE_LENGTH, joined
 
 #: Send a PING when nothing else was written for this long (seconds).
@@ -80,8 +81,8 @@ _EPSILON = 1e-6
 class LineConnection(Protocol):
     """Framing, outbound queue, keepalive and closing of one connection.
 
-    A subclass provides ``lineReceived(line)`` and may set
-    ``is_client_side`` (the ping timeout applies from connect) and call
+    A subclass provides ``lineReceived(line)``, sets ``accepted`` False on
+    the connecting side (the ping timeout applies from connect) and calls
     :meth:`_peer_pinged_first` when the peer first PINGs (it applies from
     then on).  ``handler`` hooks ``count_outbound``/``count_dropped`` (and
     the others of :data:`_HOOKS`, for the subclass) are optional.
@@ -91,11 +92,13 @@ class LineConnection(Protocol):
     reason wins).
     """
 
-    is_client_side = False
+    #: Whether the peer connected to us (see
+    #: :attr:`.interfaces.IReplicationConnection.accepted`).
+    accepted = True
 
     log = Logger()
 
-    def __init__(self, handler: Any, *, clock: IReactorTime,
+    def __init__(self, handler: IReplicationHandler, *, clock: IReactorTime,
                  max_line_length: int = MAX_LINE_LENGTH, ping_interval: float = PING_INTERVAL,
                  ping_timeout: float = PING_TIMEOUT, max_queued_lines: int = MAX_QUEUED_LINES,
                  max_queued_bytes: int = MAX_QUEUED_BYTES, idle_timeout: float = IDLE_TIMEOUT):
@@ -244,6 +247,18 @@ class LineConnection(Protocol):
         if not self._closing and not self._paused and self._connected:
             self.send_command(self._ping_line())
 
+    def pause_reading(self) -> None:
+        """Stop reading from the transport (unless it is going away)."""
+        transport = self.transport
+        if transport is not None and not transport.disconnecting:
+            transport.pauseProducing()
+
+    def resume_reading(self) -> None:
+        """Read from the transport again (unless it is going away)."""
+        transport = self.transport
+        if transport is not None and not transport.disconnecting:
+            transport.resumeProducing()
+
     def stop(self, reason_text: str = "server stopping") -> None:
         """Orderly shutdown: ``ERROR <reason_text>`` then close (``shutdown``)."""
         self.close(SHUTDOWN, reason_text)
@@ -390,7 +405,7 @@ class LineConnection(Protocol):
         has PINGed.  Until then a server-side connection must bring a whole
         command every ``idle_timeout`` seconds: netcat-safe, but an idle or
         byte-dribbling socket does not stay forever."""
-        if self.is_client_side or self._peer_pinged:
+        if not self.accepted or self._peer_pinged:
             return self._last_received + self._ping_timeout, PING_TIMEOUT_REASON
         return self._last_command + self._idle_timeout, IDLE_TIMEOUT_REASON
 

@@ -45,6 +45,7 @@ from .. import metrics
 from ..background import Background
 from ..backoff import Outage
 from .commands import rdata_row
+from .interfaces import IReplicationConnection
 
 log = Logger()
 
@@ -113,7 +114,7 @@ class Reader:
         self._stopping = False
 
     # ------------------------------------------------------------ lines in
-    def rdata(self, conn, token: Optional[int], row: Any) -> None:
+    def rdata(self, conn: IReplicationConnection, token: Optional[int], row: Any) -> None:
         """One RDATA row from ``conn``; ``token`` None for a ``batch`` row,
         which may be its line (bytes) rather than the decoded row."""
         if token is None:
@@ -127,7 +128,7 @@ class Reader:
             return  # the POSITION that follows makes us catch up
         self._enqueue(("rdata", token, rows))
 
-    def position_line(self, conn, prev: int, new: int) -> None:
+    def position_line(self, conn: IReplicationConnection, prev: int, new: int) -> None:
         """A POSITION of the writer from ``conn``.
 
         The writer sends a POSITION only between facts: a batch of it still
@@ -143,11 +144,11 @@ class Reader:
             self.announced = new
         self._enqueue(("position", prev, new))
 
-    def drop_batch(self, conn) -> None:
+    def drop_batch(self, conn: IReplicationConnection) -> None:
         """Forget the partial batch of ``conn`` (its next row was refused)."""
         self._batches.pop(conn, None)
 
-    def connection_lost(self, conn) -> None:
+    def connection_lost(self, conn: IReplicationConnection) -> None:
         """A partial batch dies with its connection."""
         self._batches.pop(conn, None)
         self._positioned.discard(conn)
