@@ -104,10 +104,6 @@ class Outage:
         self.initial = initial
         self._backoff: Optional[Backoff] = None
 
-    @property
-    def ongoing(self) -> bool:
-        return self._backoff is not None
-
     def failed(self, error: BaseException) -> float:
         if self._backoff is None:
             self._backoff = Backoff(self.initial, max(self.initial, OUTAGE_MAX_DELAY),

@@ -18,7 +18,6 @@ log = Logger()
 
 #: Bits the process never grants: nothing for others, no write for the group.
 UMASK = 0o027
-SECRET_MODE = 0o600
 DATA_MODE = 0o640
 DIRECTORY_MODE = 0o750
 

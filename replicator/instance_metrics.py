@@ -60,8 +60,8 @@ def connection_samples(handler) -> List[metrics.Sample]:
     unsent: Dict[str, int] = {}
     for conn in list(handler.connections):
         name = handler.conn_label(conn)
-        pending[name] = pending.get(name, 0) + getattr(conn, "queued", 0)
-        unsent[name] = unsent.get(name, 0) + unsent_bytes(getattr(conn, "transport", None))
+        pending[name] = pending.get(name, 0) + conn.queued
+        unsent[name] = unsent.get(name, 0) + unsent_bytes(conn.transport)
     out.extend((metrics.PENDING_COMMANDS, (name,), n) for name, n in pending.items())
     out.extend((metrics.TRANSPORT_BUFFER, (name,), n) for name, n in unsent.items())
     return out

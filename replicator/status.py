@@ -32,7 +32,7 @@ from twisted.logger import Logger
 
 from . import __version__
 from .health import Finding
-from .replication.handler import peer_address
+from .replication.connections import peer_address
 
 log = Logger(namespace="replicator.status")
 
@@ -192,11 +192,11 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
     connections = []
     for conn, state in list(handler.connections.items()):
         connections.append({
-            "peer": redact(str(getattr(conn, "instance_name", None) or state.label)),
+            "peer": redact(str(conn.instance_name or state.label)),
             "address": peer_address(conn),
             "role": conn.role,
-            "queued_lines": int(getattr(conn, "queued", 0) or 0),
-            "queued_bytes": int(getattr(conn, "queued_bytes", 0) or 0),
+            "queued_lines": int(conn.queued),
+            "queued_bytes": int(conn.queued_bytes),
             "connected_since": state.since,
         })
     connections.sort(key=lambda c: (c["role"], c["peer"], c["address"] or ""))

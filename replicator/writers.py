@@ -81,8 +81,8 @@ class WriterWatch:
         """Named peers connected to this hub: name -> connected since."""
         out: Dict[str, float] = {}
         for conn, state in list(self.handler.connections.items()):
-            name = getattr(conn, "instance_name", None)
-            if name is not None and not getattr(conn, "is_client_side", True):
+            name = conn.instance_name
+            if name is not None and conn.accepted:
                 out[name] = min(out.get(name, state.since), state.since)
         return out
 

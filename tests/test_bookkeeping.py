@@ -14,6 +14,7 @@ from replicator import metrics
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.protocol import ServerReplicationProtocol
 from replicator.replication.tcp import ReplicationServerFactory
+from tests.fakes import FakeConnection
 
 
 class FakeRegistry:
@@ -225,18 +226,6 @@ class MetricsTests(SynchronousTestCase):
             "replicator_federation_ack_position", {"instance": "other"}), 4_999)
 
 
-class _Conn:
-    """A server-side connection as the bookkeeping sees it."""
-
-    is_client_side = False
-
-    def __init__(self, name):
-        self.instance_name = name
-
-    def __repr__(self):
-        return f"<conn {self.instance_name}>"
-
-
 def bookkeeping_machine():
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -284,7 +273,7 @@ def bookkeeping_machine():
         def connect(self, name):
             if name in ("master",):
                 return  # the protocol refuses this NAME before the bookkeeping sees it
-            conn = _Conn(name)
+            conn = FakeConnection(name)  # a server-side connection
             self.live.append(conn)
             if name is not None:
                 self.books.named(conn, name)

@@ -15,7 +15,6 @@ from replicator.replication.commands import (
     SERVER_COMMANDS,
     CancelTaskCommand,
     ClearUserSyncCommand,
-    CommandParseError,
     ErrorCommand,
     FederationAckCommand,
     LockReleasedCommand,
@@ -29,12 +28,15 @@ from replicator.replication.commands import (
     ServerCommand,
     UserIpCommand,
     UserSyncCommand,
-    encode_json,
-    encode_position_line,
+    parse_line,
+)
+from replicator.jsontext import encode_json
+from replicator.replication.fields import CommandParseError
+from replicator.replication.wire import (
     _encode_rdata_lines_each,
+    encode_position_line,
     encode_rdata_lines,
     joined,
-    parse_line,
 )
 
 # ---------------------------------------------------------------- strategies

@@ -5,7 +5,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.replication.commands import (
+from replicator.replication.wire import (
     MAX_LINE_LENGTH,
     _encode_rdata_lines_each,
     encode_position_line,

@@ -28,6 +28,7 @@ from replicator.replication.redis import RedisConnection, RedisReplication
 from replicator.replication.tcp import ReplicationServerFactory, upstream_service
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
+from tests.fakes import FakeBus
 from tests.servers import PostgresServer, RedisServer
 from tests.support import create_stream_tables, sleep, until
 
@@ -363,7 +364,6 @@ class PartialBatchTests(_Base):
         self.assertEqual(p.close_reason, "invalid_command")
         self.assertTrue(lines(t)[-1].startswith("ERROR "), lines(t))
         self.assertEqual(refused("caches", "batch_too_large"), before + 1)
-        self.assertEqual(handler.partial_batch_rows(p), 0)
         p.connectionLost(None)
         self.assertNotIn(p, handler.connections)
         self.assertEqual(len(consumer.facts), 1)
@@ -393,21 +393,9 @@ class PartialBatchTests(_Base):
             self.assertIn(next(iter(bad)), str(e.exception))
 
 
-class _Bus:
-    """A Redis link's owner, as far as the handler's connection needs one."""
-
-    subscriber = None
-
-    def hold(self, lines, command_name):
-        return False  # no Synapse probe under way
-
-    def publish_lines(self, lines, channel=None):
-        pass
-
-
-def bus_conn(handler):
+def bus_conn(handler, kind=RedisConnection):
     """The one connection a Redis subscription is to the handler."""
-    conn = RedisConnection(_Bus())
+    conn = kind(FakeBus())
     handler.new_connection(conn)
     return conn
 
@@ -455,8 +443,7 @@ class BatchMemoryTests(_Base):
         self.assertLessEqual(held, 3 * wire, f"{held} bytes held for {wire} bytes of lines")
         # The batch still completes into the whole fact, relayed as received.
         p.dataReceived(b'RDATA caches worker1 1 ["end",null,1]\n')
-        await until(lambda: handler.partial_batch_rows(p) == 0)
-        self.assertEqual(ht.value().count(data), 400)
+        await until(lambda: ht.value().count(data) == 400)
 
     async def test_completed_batch_parses_within_a_bound(self):
         """A batch whose rows would take, once parsed, far more than
@@ -499,12 +486,11 @@ class BatchMemoryTests(_Base):
         self.assertEqual(refused("caches", "batch_too_large"), before)
         hear(handler, two, row)  # the writer's 100th partial row
         self.assertEqual(refused("caches", "batch_too_large"), before + 1)
-        self.assertEqual(handler.partial_batch_rows(two), 0)
-        self.assertEqual(handler.partial_batch_rows(one), 60)
         # What one held still completes; two's rows are gone with the refusal.
         hear(handler, one, 'RDATA caches worker1 1 ["end",null,1]')
-        await until(lambda: consumer.facts)
-        self.assertEqual(len(consumer.facts[0][3]), 61)
+        hear(handler, two, 'RDATA caches worker1 2 ["end",null,1]')
+        await until(lambda: len(consumer.facts) == 2)
+        self.assertEqual([len(fact[3]) for fact in consumer.facts], [61, 1])
 
 
 class StaleBatchTests(_Base):
@@ -570,6 +556,33 @@ class StaleBatchTests(_Base):
         self.assertEqual(sorted(consumer.facts), [
             ("caches", "master", 1, [["A", None, 1], ["B", None, 1], ["C", None, 1]]),
             ("caches", "worker1", 2, [["x", None, 1], ["y", None, 1]])])
+
+
+class BusRefusalTests(_Base):
+    """Issue 24 item 1: what a refusal does depends on what a connection
+    declares (one peer: ERROR and close), not on the methods it has."""
+
+    async def test_a_bus_with_a_close_method_is_still_not_closed(self):
+        closed = []
+
+        class ClosableBus(RedisConnection):
+            def close(self, *args, **kwargs):
+                closed.append(args)
+
+        consumer = MemoryConsumer(positions={("caches", "master"): 0})
+        _, handler = await self.instance("worker2", [consumer])
+        set_sequence(self.dsn, "cache_stream_seq", 10)
+        conn = bus_conn(handler, ClosableBus)
+        self.addCleanup(handler.lost_connection, conn, "test")
+        before = refused("caches", "beyond_sequence")
+        hear(handler, conn, "POSITION caches master 0 0")
+        hear(handler, conn, "POSITION caches master 777 %d" % BIG)
+        await until(lambda: refused("caches", "beyond_sequence") == before + 1)
+        self.assertEqual(closed, [])
+        # The bus goes on: the next honest fact arrives.
+        hear(handler, conn, 'RDATA caches master 1 ["real",null,1]')
+        await until(lambda: consumer.facts)
+        self.assertEqual(consumer.facts, [("caches", "master", 1, [["real", None, 1]])])
 
 
 class TcpIntegrationTests(_Base):

@@ -53,7 +53,6 @@ class SeedExampleTests(SynchronousTestCase):
         gen.complete("a", 1)
         self.assertEqual(gen.get_linear_token(), 2)
         self.assertEqual(gen.get_positions(), {"a": 2, "b": 2})
-        self.assertEqual(gen.get_max_token(), 2)
 
     def test_remote_writer_bounds_linear(self):
         gen = StreamIdGenerator("s", {"a": 0, "r": 0}, ["a"])
@@ -261,7 +260,6 @@ def machine_for(LOCAL, REMOTE):
                 assert positions[w] == self.model_current(w), (w, positions[w], self.model_current(w))
             for w in REMOTE:
                 assert positions[w] == self.remote[w]
-            assert gen.get_max_token() == max(positions.values())
             assert gen.in_flight() == len(unfinished)
 
     return GeneratorMachine

@@ -17,8 +17,8 @@ from replicator.replication.commands import (
     ReplicateCommand,
     ServerCommand,
     UserSyncCommand,
-    encode_rdata_lines,
 )
+from replicator.replication.wire import encode_rdata_lines
 from replicator.replication.protocol import (
     ClientReplicationProtocol,
     ServerReplicationProtocol,

@@ -15,9 +15,11 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.replication.commands import encode_position_line, encode_rdata_lines, parse_line
+from replicator.replication.commands import parse_line
+from replicator.replication.wire import encode_position_line, encode_rdata_lines
 from replicator.replication.reader import Reader
 from replicator.replication.relay import Relay
+from tests.fakes import FakeConnection
 
 STREAM, WRITER = "s", "w"
 RETRY = 1.0
@@ -44,14 +46,9 @@ def updates_since(table, from_token, to_token, limit):
     return facts, upto, limited
 
 
-class Conn:
+def Conn(n):
     """A connection as the reader sees it: only its identity matters."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __repr__(self):
-        return f"<conn {self.n}>"
+    return FakeConnection(f"conn{n}")
 
 
 class ReaderMachine(RuleBasedStateMachine):

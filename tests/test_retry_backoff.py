@@ -9,10 +9,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.replication.fanout import Fanout
 from replicator.replication.reader import Reader
-
-
-class Conn:
-    name = "peer"
+from tests.fakes import FakeConnection
 
 
 class Outage:
@@ -81,7 +78,7 @@ class RetryTests(SynchronousTestCase):
         outage = Outage(1000)
         reader = Reader("caches", "worker1", 0, source=outage, clock=self.clock,
                         deliver=lambda token, rows: None, retry_delay=1.0)
-        reader.position_line(Conn(), 5, 5)
+        reader.position_line(FakeConnection("peer"), 5, 5)
         self.check(outage, lambda: reader.position == 5)
 
     def test_fanout(self):

@@ -15,7 +15,7 @@ import orjson
 import psycopg2
 from prometheus_client import REGISTRY
 from twisted.enterprise import adbapi
-from twisted.internet import defer, reactor, task, threads
+from twisted.internet import defer, reactor, threads
 from hypothesis import given, settings, strategies as st
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -48,10 +48,6 @@ def db_params(columns, row):
         if column.type == "json" and params[i] is not None:
             params[i] = orjson.dumps(params[i]).decode()
     return params
-
-
-def sleep(seconds):
-    return task.deferLater(reactor, seconds, lambda: None)
 
 
 

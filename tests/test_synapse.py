@@ -459,7 +459,7 @@ class SynapseRowLayoutTests(TestCase):
             "presence": [[["@a:hs", "online", 1, 2, 3, "hi", True]],
                          [["@b:hs", "offline", 4, 5, 6, None, False]]],
         }
-        from replicator.replication.commands import encode_rdata_lines
+        from replicator.replication.wire import encode_rdata_lines
 
         for name, rows_of_facts in facts.items():
             stream = registry.get(name)

@@ -11,6 +11,7 @@ from replicator.config import parse_instance
 from replicator.replication.connections import Connections
 from replicator.streams.idgen import StreamIdGenerator
 from replicator.writers import WriterWatch
+from tests.fakes import FakeConnection
 
 STREAMS = [{"name": "caches", "table": "c", "columns": [{"x": "text"}],
             "writers": ["master", "worker2", "worker3"]}]
@@ -23,16 +24,6 @@ class Handler:
 
     def reader_heard_at(self):
         return dict(self.heard)
-
-
-class Peer:
-    """A server-side connection that named itself."""
-
-    is_client_side = False
-    role = "client"
-
-    def __init__(self, name):
-        self.instance_name = name
 
 
 def stream(gen):
@@ -55,7 +46,7 @@ class WriterWatchTests(SynchronousTestCase):
 
     def test_on_a_hub_a_writer_is_connected_disconnected_or_never_connected(self):
         watch = self.watch(hub=True)
-        peer = Peer("worker2")
+        peer = FakeConnection("worker2")  # it connected to us and named itself
         self.handler.connections.add(peer, replicating=True, label="worker2")
         self.handler.heard[("caches", "worker2")] = self.clock.seconds()
         self.clock.advance(3)

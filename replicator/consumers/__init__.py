@@ -17,18 +17,20 @@ group, see :func:`load_consumers`), one module each:
 * :class:`LogConsumer` (``log``) logs one line per fact; always live.
 * :class:`MemoryConsumer` keeps facts in a list (tests, debugging).
 
-:mod:`.base` holds the interface, :mod:`.loading` builds consumers from the
+:mod:`.base` holds the interface (:class:`IConsumer`; a consumer that
+also takes a catch-up page at once, ``on_facts_many``, declares
+:class:`IBatchConsumer`), :mod:`.loading` builds consumers from the
 configuration (built-ins, entry points, dotted paths).
 
 The JSON-lines format is described in :mod:`.jsonl`.
 """
 
-from .base import Consumer, Key, MemoryConsumer
+from .base import Consumer, IBatchConsumer, IConsumer, Key, MemoryConsumer
 from .file_thread import FileThread, run_inline
 from .jsonl import JsonlConsumer, JsonlError, parse_line
 from .loading import ENTRY_POINT_GROUP, load_consumers
 from .log import LogConsumer, preview
 
-__all__ = ["Consumer", "Key", "MemoryConsumer", "FileThread", "JsonlConsumer", "JsonlError",
-           "parse_line", "run_inline", "ENTRY_POINT_GROUP", "load_consumers", "LogConsumer",
-           "preview"]
+__all__ = ["Consumer", "IBatchConsumer", "IConsumer", "Key", "MemoryConsumer", "FileThread",
+           "JsonlConsumer", "JsonlError", "parse_line", "run_inline", "ENTRY_POINT_GROUP",
+           "load_consumers", "LogConsumer", "preview"]

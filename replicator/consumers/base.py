@@ -3,11 +3,44 @@ and the in-memory consumer."""
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from zope.interface import Attribute, Interface, implementer
+
 Key = Tuple[str, str]  # (stream, writer)
 
 
+class IConsumer(Interface):
+    """What a reader hands facts to (the contract: :mod:`replicator.consumers`).
+    Every method may return a Deferred or a coroutine: the reader waits for
+    it before the next fact of the same (stream, writer)."""
+
+    streams = Attribute("The streams wanted (a sequence of names), or None: all of them.")
+
+    def positions():
+        """Positions durably handled, per (stream, writer)."""
+
+    def on_facts(stream, writer, token, rows):
+        """One fact: all rows sharing ``token`` (possibly none)."""
+
+    def on_position(stream, writer, token):
+        """The writer has nothing more up to ``token`` (no rows)."""
+
+    def close():
+        """Flush and release resources at shutdown."""
+
+
+class IBatchConsumer(IConsumer):
+    """A consumer that also takes a page of facts at once (a reader catching
+    up): ``on_facts_many`` instead of one ``on_facts`` per fact.  A reader
+    hands pages only when every consumer of the stream declares this."""
+
+    def on_facts_many(stream, writer, facts):
+        """Facts in token order, each ``(token, rows)``, as one call."""
+
+
+@implementer(IConsumer)
 class Consumer:
-    """Base class: override what you need."""
+    """Base class: override what you need.  A subclass that implements
+    ``on_facts_many`` declares :class:`IBatchConsumer` too."""
 
     #: Streams this consumer wants (None: all streams the reader knows).
     streams: Optional[Sequence[str]] = None

@@ -30,17 +30,17 @@ import fcntl
 import json
 import os
 from operator import itemgetter
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
 from twisted.internet import defer
 from twisted.logger import Logger
-from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from .. import files
 from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_path, no_unknown
 from ..jsontext import any_non_finite, encode_json, encode_json_line
-from .base import Consumer, Key
+from .base import Consumer, IBatchConsumer, Key
 from .file_thread import FileThread, append_at
 
 log = Logger(namespace="replicator.consumers")
@@ -83,6 +83,7 @@ def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict
     return (stream, writer), token, obj
 
 
+@implementer(IBatchConsumer)
 class JsonlConsumer(Consumer):
     """Appends facts to a JSON-lines file (format: see the module docstring).
 

@@ -210,10 +210,3 @@ class Aggregator:
                 row[name] = percentile(b.delays, p)
             out[(granularity, writer, start)] = row
         return out
-
-
-def aggregate_rows(rows: Iterable[Tuple[int, str, Optional[int]]], writers: int,
-                   has_timestamp: bool, observed: Callable[[int], int] = lambda _id: 0
-                   ) -> Dict[Key, dict]:
-    """One-shot :class:`Aggregator` over ``rows`` (ascending ID order)."""
-    return Aggregator(writers, has_timestamp, observed).feed(rows).result()

@@ -48,6 +48,7 @@ from twisted.logger import Logger
 
 from ..streams.rows import WireRowCheck
 from .fields import decoded_size
+from .interfaces import IReplicationConnection
 
 log = Logger()
 
@@ -125,7 +126,7 @@ class Admission:
         self._stopping = False
 
     # ------------------------------------------------------------ lines in
-    def offer(self, conn, stream, key: Key, cmd, line: bytes) -> None:
+    def offer(self, conn: IReplicationConnection, stream, key: Key, cmd, line: bytes) -> None:
         """An RDATA or POSITION of ``key`` from ``conn`` (``line``: its wire
         bytes, newline included)."""
         gate = self._gates.get(conn)
@@ -136,8 +137,8 @@ class Admission:
             return
         self._admit(conn, gate, key, stream, cmd, line, 0)
 
-    def _admit(self, conn, gate: _Gate, key: Key, stream, cmd, line: bytes,
-               needed: int) -> bool:
+    def _admit(self, conn: IReplicationConnection, gate: _Gate, key: Key, stream, cmd,
+               line: bytes, needed: int) -> bool:
         """Admit, refuse or hold one command; False once the gate waits."""
         rdata = cmd.NAME == "RDATA"
         open_batch = gate.batches.get(key[1])
@@ -176,7 +177,7 @@ class Admission:
                 return True
             gate.waiting = True
             gate.held.appendleft((key, stream, cmd, line, needed or sequence.started + 1))
-            _pause(conn)
+            conn.pause_reading()  # while its claims wait
             sequence.waiters.append(conn)
             self._read(stream, sequence)
             return False
@@ -226,7 +227,7 @@ class Admission:
             if total[0] <= 0:
                 del self._writers[key]
 
-    def _call_accept(self, conn, key: Key, cmd, line: bytes) -> None:
+    def _call_accept(self, conn: IReplicationConnection, key: Key, cmd, line: bytes) -> None:
         try:
             self._accept(conn, key, cmd, line)
         except Exception:
@@ -235,7 +236,8 @@ class Admission:
             log.failure("Processing {name} of {stream}/{writer} failed", name=cmd.NAME,
                         stream=key[0], writer=key[1])
 
-    def _refused(self, conn, gate: _Gate, key: Key, reason: str, text: str) -> None:
+    def _refused(self, conn: IReplicationConnection, gate: _Gate, key: Key, reason: str,
+                 text: str) -> None:
         self._end_batch(gate, key[1])
         self._refuse(conn, key, reason, text)
 
@@ -291,7 +293,7 @@ class Admission:
             gate.waiting = False
             self._release(conn, gate)
 
-    def _release(self, conn, gate: _Gate) -> None:
+    def _release(self, conn: IReplicationConnection, gate: _Gate) -> None:
         """Go on with what a connection holds, in order, until it is empty or
         a claim waits again."""
         held = gate.held
@@ -300,22 +302,16 @@ class Admission:
             if not self._admit(conn, gate, key, stream, cmd, line, needed):
                 return
         if self._gates.get(conn) is gate:
-            _resume(conn)
+            conn.resume_reading()
 
     # ------------------------------------------------------------ lifecycle
-    def connection_lost(self, conn) -> None:
+    def connection_lost(self, conn: IReplicationConnection) -> None:
         """Drop whatever the connection holds (it may be refused or gone)."""
         gate = self._gates.pop(conn, None)
         if gate is not None:
             gate.held.clear()
             for writer in list(gate.batches):
                 self._end_batch(gate, writer)
-
-    def forget_batch(self, conn, key: Key) -> None:
-        """The partial batch of ``key`` on ``conn`` was dropped elsewhere."""
-        gate = self._gates.get(conn)
-        if gate is not None and gate.batches.get(key[1], ("",))[0] == key[0]:
-            self._end_batch(gate, key[1])
 
     def idle(self) -> bool:
         """No connection's commands wait for a read of a sequence."""
@@ -328,23 +324,3 @@ class Admission:
                 call.cancel()
         self._retries.clear()
 
-
-def _pause(conn) -> None:
-    """Stop reading from the connection while its claims wait."""
-    _reading(conn, "pause_reading", "pauseProducing")
-
-
-def _resume(conn) -> None:
-    _reading(conn, "resume_reading", "resumeProducing")
-
-
-def _reading(conn, own: str, producer: str) -> None:
-    """Call the connection's own ``own`` method if it has one (a Redis link),
-    else its transport's ``producer`` method unless it is closing."""
-    method = getattr(conn, own, None)
-    if method is not None:
-        method()
-        return
-    transport = getattr(conn, "transport", None)
-    if transport is not None and not getattr(transport, "disconnecting", False):
-        getattr(transport, producer)()

@@ -9,7 +9,7 @@ What other instances report is kept here for the HTTP API and the metrics:
 * ``federation_acks``: instance -> last acknowledged token.
 * ``user_ips``: (user_id, device_id) -> what USER_IP last said.
 
-Who may change what (connections accepted here; a client-side connection —
+Who may change what (connections accepted here; one we did not accept —
 the upstream, or Redis, where every publisher is trusted — is not checked):
 
 * ``FEDERATION_ACK <instance>`` only from the connection that named itself
@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from twisted.logger import Logger
 
 from .. import metrics
+from .interfaces import IReplicationConnection
 from .peers import metrics_label
 
 log = Logger()
@@ -83,11 +84,11 @@ class Bookkeeping:
         self._named: Dict[str, Set[Any]] = {}  # NAME -> live connections of that name
 
     # ------------------------------------------------------------ identity
-    def named(self, conn, name: str) -> None:
+    def named(self, conn: IReplicationConnection, name: str) -> None:
         """``conn`` named itself ``name`` (once: the protocol refuses renames)."""
         self._named.setdefault(name, set()).add(conn)
 
-    def connection_lost(self, conn) -> None:
+    def connection_lost(self, conn: IReplicationConnection) -> None:
         """The users syncing on ``conn``'s instance IDs are gone."""
         for instance in self._owned.pop(conn, ()):
             self._owners.pop(instance, None)
@@ -101,7 +102,7 @@ class Bookkeeping:
                     del self._named[name]
         self.expire()
 
-    def _claim(self, conn, instance: str, command: str) -> Optional[str]:
+    def _claim(self, conn: IReplicationConnection, instance: str, command: str) -> Optional[str]:
         """Why ``conn`` may not change ``instance``'s syncs, or None after
         making sure ``conn`` owns it."""
         name = _name(conn)
@@ -125,11 +126,11 @@ class Bookkeeping:
         return None
 
     # ------------------------------------------------------------ commands
-    def user_sync(self, conn, cmd, track: bool = True) -> Optional[str]:
+    def user_sync(self, conn: IReplicationConnection, cmd, track: bool = True) -> Optional[str]:
         """USER_SYNC; ``track``: ``conn`` is a live connection, whose IDs
         are checked and expire with it.  Returns why it was refused."""
         instance = cmd.instance_id
-        if track and not conn.is_client_side:
+        if track and conn.accepted:
             refusal = self._claim(conn, instance, "USER_SYNC")
             if refusal is not None:
                 return refusal
@@ -150,17 +151,17 @@ class Bookkeeping:
         self._sync_order[key] = None
         return None
 
-    def clear_user_sync(self, conn, cmd) -> Optional[str]:
-        if not conn.is_client_side:
+    def clear_user_sync(self, conn: IReplicationConnection, cmd) -> Optional[str]:
+        if conn.accepted:
             refusal = self._claim(conn, cmd.instance_id, "CLEAR_USER_SYNC")
             if refusal is not None:
                 return refusal
         self._clear(cmd.instance_id)
         return None
 
-    def federation_ack(self, conn, cmd) -> Optional[str]:
+    def federation_ack(self, conn: IReplicationConnection, cmd) -> Optional[str]:
         instance = cmd.instance_name
-        if not conn.is_client_side and instance != _name(conn):
+        if conn.accepted and instance != _name(conn):
             return NOT_YOURS.format(command="FEDERATION_ACK")
         now = self._clock.seconds()
         _put(self.federation_acks, self._ack_times, instance, cmd.token, now,
@@ -168,7 +169,7 @@ class Bookkeeping:
         self.expire(now)
         return None
 
-    def user_ip(self, conn, cmd) -> Optional[str]:
+    def user_ip(self, conn: IReplicationConnection, cmd) -> Optional[str]:
         now = self._clock.seconds()
         entry = {"access_token_seen": True, "ip": cmd.ip, "user_agent": cmd.user_agent,
                  "last_seen": cmd.last_seen}
@@ -211,10 +212,10 @@ class Bookkeeping:
 
     def _release(self, instance: str) -> None:
         """An ID without syncs stays owned by a checked connection (nobody
-        else may take it while that lives) but not by a client-side one
+        else may take it while that lives) but not by one we did not accept
         (whose IDs are unbounded in number)."""
         owner = self._owners.get(instance)
-        if owner is not None and owner.is_client_side:
+        if owner is not None and not owner.accepted:
             del self._owners[instance]
             owned = self._owned.get(owner)
             if owned is not None:
@@ -249,12 +250,12 @@ class Bookkeeping:
                 + [(metrics.FEDERATION_ACK_POSITION, (label,), t) for label, t in acks.items()])
 
 
-def _name(conn) -> Optional[str]:
-    """The NAME a connection gave itself (None: none, or not a server-side
-    connection)."""
-    if conn is None or conn.is_client_side:
+def _name(conn: Optional[IReplicationConnection]) -> Optional[str]:
+    """The NAME a connection gave itself (None: none, or not a connection
+    we accepted)."""
+    if conn is None or not conn.accepted:
         return None
-    return getattr(conn, "instance_name", None)
+    return conn.instance_name
 
 
 def _put(table: dict, times: dict, key, value, now: float, limit: int, name: str) -> None:

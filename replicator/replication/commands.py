@@ -18,20 +18,17 @@ exactly); ``NaN``/``Infinity`` are refused both ways, and out-of-range floats
 on reading.  The fields of a line are parsed by :mod:`.fields`.
 
 The RDATA fan-out does not go through the classes: it writes the bytes of
-:mod:`.wire` (re-exported here), built once per fact for every connection.
+:mod:`.wire`, built once per fact for every connection.
 """
 
 import dataclasses
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, Optional, Tuple, Type
 
 from ..jsontext import encode_json
 from .fields import (
     CommandParseError, decode_json, excerpt, need, need_str, parse_int, split_fields)
-from .wire import (  # noqa: F401 (the fan-out encoders, importable from here too)
-    MAX_LINE_LENGTH, EncodedLines, _encode_rdata_lines_each, encode_position_line,
-    encode_rdata_lines, joined)
 
 class Command:
     """Base of every command class."""

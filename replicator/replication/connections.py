@@ -20,6 +20,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 from twisted.logger import Logger
 
 from .. import metrics
+from .interfaces import IReplicationConnection
 
 log = Logger()
 
@@ -49,44 +50,44 @@ class Connections:
 
     def __init__(self, clock):
         self._clock = clock
-        self._states: Dict[Any, ConnState] = {}
+        self._states: Dict[IReplicationConnection, ConnState] = {}
         #: The last disconnects, newest last: ``(time, peer, address, reason)``.
         self.recent_disconnects: Deque[Tuple[float, str, Optional[str], str]] = deque(
             maxlen=MAX_RECENT_DISCONNECTS)
         #: When the last connection of each named peer closed (newest last).
         self.last_lost: Dict[str, float] = {}
 
-    def __contains__(self, conn) -> bool:
+    def __contains__(self, conn: IReplicationConnection) -> bool:
         return conn in self._states
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[IReplicationConnection]:
         return iter(self._states)
 
     def __len__(self) -> int:
         return len(self._states)
 
-    def get(self, conn) -> Optional[ConnState]:
+    def get(self, conn: IReplicationConnection) -> Optional[ConnState]:
         return self._states.get(conn)
 
     def items(self):
         return self._states.items()
 
-    def add(self, conn, replicating: bool, label: str) -> ConnState:
+    def add(self, conn: IReplicationConnection, replicating: bool, label: str) -> ConnState:
         """Start tracking ``conn``."""
         state = self._states[conn] = ConnState(replicating, label, self._clock.seconds())
         metrics.CONNECTIONS.labels(label).inc()
         return state
 
-    def remove(self, conn, reason: str) -> Optional[ConnState]:
+    def remove(self, conn: IReplicationConnection, reason: str) -> Optional[ConnState]:
         """Stop tracking ``conn``, lost for ``reason``; its state, None if
         it was not tracked."""
         state = self._states.pop(conn, None)
         metrics.DISCONNECTS.labels(reason).inc()
         if state is None:
             return None
-        peer = getattr(conn, "instance_name", None) or state.label
-        name = getattr(conn, "instance_name", None)
-        if name is not None and not getattr(conn, "is_client_side", True):
+        name = conn.instance_name
+        peer = name or state.label
+        if name is not None and conn.accepted:
             self.last_lost.pop(name, None)
             self.last_lost[name] = self._clock.seconds()
             if len(self.last_lost) > MAX_LOST_NAMES:
@@ -96,12 +97,12 @@ class Connections:
         metrics.CONNECTIONS.labels(state.label).dec()
         return state
 
-    def label(self, conn) -> str:
+    def label(self, conn: IReplicationConnection) -> str:
         """The connection's metrics label (bounded: names, not addresses)."""
         state = self._states.get(conn)
         return state.label if state is not None else "unnamed"
 
-    def relabel(self, conn, label: str) -> None:
+    def relabel(self, conn: IReplicationConnection, label: str) -> None:
         """Count ``conn`` under ``label`` from now on."""
         state = self._states.get(conn)
         if state is None or state.label == label:
@@ -111,7 +112,7 @@ class Connections:
         state.counters.clear()
         metrics.CONNECTIONS.labels(label).inc()
 
-    def counter(self, conn, metric, name: str):
+    def counter(self, conn: IReplicationConnection, metric, name: str):
         """The child of ``metric`` for command ``name`` on ``conn`` (cached
         per connection while its label holds)."""
         state = self._states.get(conn)
@@ -123,7 +124,8 @@ class Connections:
             child = state.counters[key] = metric.labels(name, state.label)
         return child
 
-    def broadcast(self, lines: List[bytes], name: str, exclude=None,
+    def broadcast(self, lines: List[bytes], name: str,
+                  exclude: Optional[IReplicationConnection] = None,
                   replicating_only: bool = True) -> None:
         """Write ``lines`` (of command ``name``) to every connection but
         ``exclude``; only to those receiving fan-out if ``replicating_only``."""
@@ -136,7 +138,7 @@ class Connections:
                     log.failure("Sending {name} to {conn} failed", name=name, conn=conn)
 
 
-def peer_address(conn) -> Optional[str]:
+def peer_address(conn: IReplicationConnection) -> Optional[str]:
     """``host:port`` of a connection's peer, if it has one."""
     try:
         peer = conn.transport.getPeer()

@@ -14,7 +14,8 @@ Invariants:
   page, so a coroutine is made only once a consumer returns something to
   wait on.
 * A catch-up page goes to the consumers as one call only if every one of
-  them takes pages (``on_facts_many``); such consumers skip facts they
+  them takes pages (declares :class:`~replicator.consumers.base.IBatchConsumer`:
+  ``on_facts_many``); such consumers skip facts they
   already have, so a page handed on again after a failure is no duplicate.
 """
 
@@ -24,6 +25,7 @@ from twisted.internet import defer
 
 from ..background import Background
 from ..consumers import Consumer
+from ..consumers.base import IBatchConsumer
 from ..streams.stream import Stream
 from .reader import Reader, maybe_await
 
@@ -63,7 +65,7 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
     def deliver_many(facts: List[Fact]):
         return _deliver_page(takers, name, writer, facts)
 
-    pages = all(hasattr(c, "on_facts_many") for c in takers)
+    pages = all(IBatchConsumer.providedBy(c) for c in takers)
     return Reader(name, writer, position, source=stream.facts_since, deliver=deliver,
                   deliver_many=deliver_many if pages else None, reached=reached, advanced=advanced, clock=clock,
                   fetch_limit=fetch_limit, retry_delay=retry_delay, background=background)

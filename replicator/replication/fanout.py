@@ -3,7 +3,7 @@
 For each (stream, writer) written by this instance, the rows between the
 last token announced and the writer's current token are read with
 ``updates_since``, encoded once and joined once (one bytes object per
-fan-out, see :func:`.commands.joined`), and the same bytes are handed to
+fan-out, see :func:`.wire.joined`), and the same bytes are handed to
 every replicating connection in one ``transport.write`` each.
 
 Invariants:
@@ -33,11 +33,11 @@ from twisted.logger import Logger
 from .. import metrics
 from ..background import Background
 from ..backoff import Outage
+from ..streams.pages import group
 from ..streams.stream import Stream
 from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
-from .commands import EncodedLines, encode_position_line, encode_rdata_lines, joined
 from .fields import MAX_DECODED_PER_BYTE, decoded_size
-from .reader import group
+from .wire import EncodedLines, encode_position_line, encode_rdata_lines, joined
 
 log = Logger()
 

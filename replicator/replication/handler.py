@@ -16,10 +16,11 @@ receives fan-out) and dispatches commands to the parts that do the work:
   last disconnects, and writing lines to many of them;
 * :mod:`.bookkeeping` — USER_SYNC, CLEAR_USER_SYNC, FEDERATION_ACK, USER_IP.
 
-The interface the protocols use: ``new_connection``, ``lost_connection``,
-``count_*``, ``client_may_write`` and one ``on_<NAME>(conn, cmd)`` per
-command handled.  Relayed lines are the bytes received
-(``conn.current_line``), never a re-encoding.
+The interface the transports use is :class:`.interfaces.IReplicationHandler`
+(``new_connection``, ``lost_connection``, ``count_*``, ``client_may_write``
+and one ``on_<NAME>(conn, cmd)`` per command handled); a connection is an
+:class:`.interfaces.IReplicationConnection`.  Relayed lines are the bytes
+received (``conn.current_line``), never a re-encoding.
 
 (A little over 400 lines, for one job: it is the one surface the
 protocols call, one short ``on_<NAME>`` per command; every part with
@@ -30,6 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from twisted.internet import task
 from twisted.logger import Logger
+from zope.interface import implementer
 
 from .. import metrics
 from ..background import Background
@@ -38,16 +40,12 @@ from ..streams.registry import StreamRegistry
 from ..streams.stream import Stream
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
 from .bookkeeping import Bookkeeping
-from .commands import (
-    MAX_LINE_LENGTH,
-    ClearUserSyncCommand,
-    PositionCommand,
-    encode_position_line,
-)
+from .commands import ClearUserSyncCommand, Command, PositionCommand
+from .wire import MAX_LINE_LENGTH, encode_position_line
 from .connections import Connections
-from .connections import peer_address  # noqa: F401  (status page)
 from .delivery import make_reader
 from .fanout import Fanout
+from .interfaces import IPeerConnection, IReplicationConnection, IReplicationHandler
 from .link import INVALID_COMMAND, REFUSED
 from .peers import metrics_label
 from .reader import Reader
@@ -56,9 +54,9 @@ from .relay import Relay
 log = Logger()
 
 Key = Tuple[str, str]
-RELAYED_COMMANDS = ("REMOTE_SERVER_UP", "LOCK_RELEASED", "NEW_ACTIVE_TASK", "CANCEL_TASK")
 
 
+@implementer(IReplicationHandler)
 class ReplicationHandler:
     """Replication logic of one instance; protocols call into it.
 
@@ -151,12 +149,12 @@ class ReplicationHandler:
         return advanced
 
     # ---------------------------------------------------------- connections
-    def new_connection(self, conn) -> None:
-        client_side = conn.is_client_side
+    def new_connection(self, conn: IReplicationConnection) -> None:
+        announce = not conn.accepted
         label = "unnamed" if conn.role == "client" else conn.role  # named at its NAME
-        self.connections.add(conn, replicating=client_side, label=label)
-        if client_side:
-            # Nobody asks a client for its positions: announce them.
+        self.connections.add(conn, replicating=announce, label=label)
+        if announce:
+            # Nobody asks an upstream or a bus for our positions: announce them.
             lines = [
                 encode_position_line(s, w, token, token)
                 for (s, w), token in self.fanout.announced.items()
@@ -164,47 +162,42 @@ class ReplicationHandler:
             if lines:
                 conn.send_lines(lines, "POSITION")
 
-    def lost_connection(self, conn, reason: str) -> None:
+    def lost_connection(self, conn: IReplicationConnection, reason: str) -> None:
         if self.connections.remove(conn, reason) is None:
             return
         self.bookkeeping.connection_lost(conn)
         self._refusals_logged.pop(conn, None)
         self._drop_partial(conn)
 
-    def _drop_partial(self, conn) -> None:
+    def _drop_partial(self, conn: IReplicationConnection) -> None:
         """A partial batch dies with its connection (or its refusal)."""
         self.admission.connection_lost(conn)
         self.relay.connection_lost(conn)
         for reader in self._readers.values():
             reader.connection_lost(conn)
 
-    def partial_batch_rows(self, conn) -> int:
-        """Rows of ``conn`` held in partial batches (reader and relay)."""
-        return self.relay.partial_rows(conn) + sum(
-            r.partial_rows(conn) for r in self._readers.values())
-
     @property
     def recent_disconnects(self):
         """The last disconnects, newest last: ``(time, peer, address, reason)``."""
         return self.connections.recent_disconnects
 
-    def conn_label(self, conn) -> str:
+    def conn_label(self, conn: IReplicationConnection) -> str:
         """The connection's metrics label (bounded: names, not addresses)."""
         return self.connections.label(conn)
 
-    def on_NAME(self, conn, cmd) -> None:
+    def on_NAME(self, conn: IReplicationConnection, cmd) -> None:
         if conn not in self.connections:
             return
         self.bookkeeping.named(conn, cmd.client_name)
         self.connections.relabel(conn, metrics_label(cmd.client_name, self.known_names))
 
-    def count_inbound(self, conn, name: str) -> None:
+    def count_inbound(self, conn: IReplicationConnection, name: str) -> None:
         self.connections.counter(conn, metrics.COMMANDS_IN, name).inc()
 
-    def count_outbound(self, conn, name: str, n: int) -> None:
+    def count_outbound(self, conn: IReplicationConnection, name: str, n: int) -> None:
         self.connections.counter(conn, metrics.COMMANDS_OUT, name).inc(n)
 
-    def count_dropped(self, conn, name: str, n: int) -> None:
+    def count_dropped(self, conn: IReplicationConnection, name: str, n: int) -> None:
         metrics.COMMANDS_DROPPED.labels(name, "too_long").inc(n)
 
     def client_may_write(self, stream_name: str, instance_name: str) -> bool:
@@ -220,7 +213,7 @@ class ReplicationHandler:
         self.fanout.send_updates(stream_name, writer, prev, updates, upto)
 
     # ----------------------------------------------------------- commands
-    def on_REPLICATE(self, conn, cmd) -> None:
+    def on_REPLICATE(self, conn: IReplicationConnection, cmd) -> None:
         state = self.connections.get(conn)
         if state is None:
             return
@@ -229,7 +222,7 @@ class ReplicationHandler:
         relayed = self.relay.relayed
         # A hub (TCP server) answers for every writer it knows; a peer on a
         # bus (Redis) only for its own writers: the others answer themselves.
-        hub = not conn.is_client_side
+        hub = conn.accepted
         for stream in self.registry:
             for writer in stream.config.writers:
                 key = (stream.name, writer)
@@ -244,7 +237,7 @@ class ReplicationHandler:
         if lines:
             conn.send_lines(lines, "POSITION")
 
-    def on_RDATA(self, conn, cmd) -> None:
+    def on_RDATA(self, conn: IReplicationConnection, cmd) -> None:
         if conn not in self.connections:
             return
         key = (cmd.stream_name, cmd.instance_name)
@@ -255,7 +248,7 @@ class ReplicationHandler:
             return
         self.admission.offer(conn, self.registry.get(key[0]), key, cmd, _wire_line(conn, cmd))
 
-    def on_POSITION(self, conn, cmd: PositionCommand) -> None:
+    def on_POSITION(self, conn: IReplicationConnection, cmd: PositionCommand) -> None:
         if conn not in self.connections:
             return
         key = (cmd.stream_name, cmd.instance_name)
@@ -266,13 +259,14 @@ class ReplicationHandler:
             return
         self.admission.offer(conn, self.registry.get(key[0]), key, cmd, _wire_line(conn, cmd))
 
-    def _admitted(self, conn, key: Key, cmd, line: Optional[bytes]) -> None:
+    def _admitted(self, conn: IReplicationConnection, key: Key, cmd: Command,
+                  line: Optional[bytes]) -> None:
         """An RDATA/POSITION that :mod:`.admission` let through."""
         if conn not in self.connections:
             return
         self._heard[key] = self._clock.seconds()
         reader = self._readers[key]
-        relay = not conn.is_client_side  # from a writer client: to everyone else
+        relay = conn.accepted  # from a writer client: to everyone else
         if cmd.NAME == "RDATA":
             # Only what this instance takes is passed on: RDATA before the
             # writer's POSITION on this connection is neither (the POSITION
@@ -290,7 +284,7 @@ class ReplicationHandler:
                 self.relay.position(conn, key, cmd.new_token, line)
             reader.position_line(conn, cmd.prev_token, cmd.new_token)
 
-    def _stale_batch(self, conn, key: Key) -> None:
+    def _stale_batch(self, conn: IReplicationConnection, key: Key) -> None:
         """A later line of the writer on ``conn`` shows that its partial
         batch of ``key`` there lost its end (:mod:`.admission`)."""
         self.relay.drop_batch(conn, key)
@@ -298,16 +292,17 @@ class ReplicationHandler:
         if reader is not None:
             reader.drop_batch(conn)
 
-    def _inadmissible(self, conn, key: Key, reason: str, text: str) -> None:
+    def _inadmissible(self, conn: IReplicationConnection, key: Key, reason: str,
+                      text: str) -> None:
         """A peer's RDATA/POSITION that cannot be true: counted, never acted
-        on.  A TCP peer is closed with ``ERROR`` (one log line) and what it
-        held is dropped.  On Redis there is no one peer to close: the line
-        is dropped with that writer's partial batch, logged the first time
-        per reason and counted every time."""
+        on.  One peer's connection (TCP: :class:`.interfaces.IPeerConnection`)
+        is closed with ``ERROR`` (one log line) and what it held is dropped.
+        On a bus (Redis) there is no one peer to close: the line is dropped
+        with that writer's partial batch, logged the first time per reason
+        and counted every time."""
         metrics.INBOUND_REFUSED.labels(key[0], reason).inc()
-        close = getattr(conn, "close", None)
-        if close is not None:
-            close(INVALID_COMMAND, text, log_text=text)
+        if IPeerConnection.providedBy(conn):
+            conn.close(INVALID_COMMAND, text, log_text=text)
             self._drop_partial(conn)
             return
         self.relay.drop_batch(conn, key)
@@ -318,40 +313,40 @@ class ReplicationHandler:
             log.warn("Refused from {conn}: {text} (further refusals of this kind are only "
                      "counted: replicator_inbound_refused_total)", conn=conn, text=text)
 
-    def on_USER_SYNC(self, conn, cmd) -> None:
+    def on_USER_SYNC(self, conn: IReplicationConnection, cmd) -> None:
         if not self._refused(conn, cmd, self.bookkeeping.user_sync(
                 conn, cmd, track=conn in self.connections)):
             self._notify(conn, cmd)
 
-    def on_CLEAR_USER_SYNC(self, conn, cmd) -> None:
+    def on_CLEAR_USER_SYNC(self, conn: IReplicationConnection, cmd) -> None:
         if not self._refused(conn, cmd, self.bookkeeping.clear_user_sync(conn, cmd)):
             self._notify(conn, cmd)
 
-    def on_FEDERATION_ACK(self, conn, cmd) -> None:
+    def on_FEDERATION_ACK(self, conn: IReplicationConnection, cmd) -> None:
         if not self._refused(conn, cmd, self.bookkeeping.federation_ack(conn, cmd)):
             self._notify(conn, cmd)
 
-    def on_USER_IP(self, conn, cmd) -> None:
+    def on_USER_IP(self, conn: IReplicationConnection, cmd) -> None:
         if not self._refused(conn, cmd, self.bookkeeping.user_ip(conn, cmd)):
             self._notify(conn, cmd)
 
-    def on_PING(self, conn, cmd) -> None:
+    def on_PING(self, conn: IReplicationConnection, cmd) -> None:
         # Every peer PINGs every few seconds: old bookkeeping goes meanwhile.
         self.bookkeeping.expire()
 
-    def _refused(self, conn, cmd, why: Optional[str]) -> bool:
-        """If ``why``: the peer may not do ``cmd``; ``ERROR why`` and close."""
+    def _refused(self, conn: IReplicationConnection, cmd, why: Optional[str]) -> bool:
+        """If ``why``: the peer may not do ``cmd``; ``ERROR why`` and close
+        (one peer's connection; a bus goes on: the command is dropped)."""
         if why is None:
             return False
         metrics.COMMANDS_DROPPED.labels(cmd.NAME, "refused").inc()
         log.warn("Refusing {command} from {conn}: {why}", command=cmd.NAME, conn=conn, why=why)
-        close = getattr(conn, "close", None)
-        if close is not None:
-            close(REFUSED, why)
+        if IPeerConnection.providedBy(conn):
+            conn.close(REFUSED, why)
         return True
 
-    def _relay(self, conn, cmd) -> None:
-        if not conn.is_client_side:
+    def _relay(self, conn: IReplicationConnection, cmd) -> None:
+        if conn.accepted:
             line = _wire_line(conn, cmd)
             if line is None or len(line) > self.max_line_length + 1:
                 metrics.COMMANDS_DROPPED.labels(cmd.NAME, "too_long").inc()
@@ -361,7 +356,7 @@ class ReplicationHandler:
 
     on_REMOTE_SERVER_UP = on_LOCK_RELEASED = on_NEW_ACTIVE_TASK = on_CANCEL_TASK = _relay
 
-    def _notify(self, conn, cmd) -> None:
+    def _notify(self, conn: IReplicationConnection, cmd) -> None:
         for listener in self.listeners:
             method = getattr(listener, "on_" + cmd.NAME, None)
             if method is not None:
@@ -430,16 +425,16 @@ class ReplicationHandler:
         for reader in self._readers.values():
             reader.stop()
         for conn in list(self.connections):
-            if conn.is_client_side:
+            if not conn.accepted:
                 conn.send_command(ClearUserSyncCommand(self.instance_name))
             conn.stop(reason)
 
 
-def _wire_line(conn, cmd) -> Optional[bytes]:
+def _wire_line(conn: IReplicationConnection, cmd: Command) -> Optional[bytes]:
     """The line as received (newline included): ``conn.current_line`` while
     the command is dispatched.  Without it, the command re-encoded, or None
     if it cannot be encoded as UTF-8 (a lone surrogate)."""
-    line = getattr(conn, "current_line", None)
+    line = conn.current_line
     if line is not None:
         return line + b"\n"
     try:

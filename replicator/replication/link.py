@@ -25,7 +25,9 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from ..logs import printable
-from .commands import MAX_LINE_LENGTH, Command, ErrorCommand, PingCommand, joined
+from .commands import Command, ErrorCommand, PingCommand
+from .interfaces import IReplicationHandler
+from .wire import MAX_LINE_LENGTH, joined
 
 #: Send a PING when nothing else was written for this long (seconds).
 PING_INTERVAL = 5.0
@@ -79,8 +81,8 @@ _EPSILON = 1e-6
 class LineConnection(Protocol):
     """Framing, outbound queue, keepalive and closing of one connection.
 
-    A subclass provides ``lineReceived(line)`` and may set
-    ``is_client_side`` (the ping timeout applies from connect) and call
+    A subclass provides ``lineReceived(line)``, sets ``accepted`` False on
+    the connecting side (the ping timeout applies from connect) and calls
     :meth:`_peer_pinged_first` when the peer first PINGs (it applies from
     then on).  ``handler`` hooks ``count_outbound``/``count_dropped`` (and
     the others of :data:`_HOOKS`, for the subclass) are optional.
@@ -90,11 +92,13 @@ class LineConnection(Protocol):
     reason wins).
     """
 
-    is_client_side = False
+    #: Whether the peer connected to us (see
+    #: :attr:`.interfaces.IReplicationConnection.accepted`).
+    accepted = True
 
     log = Logger()
 
-    def __init__(self, handler: Any, *, clock: IReactorTime,
+    def __init__(self, handler: IReplicationHandler, *, clock: IReactorTime,
                  max_line_length: int = MAX_LINE_LENGTH, ping_interval: float = PING_INTERVAL,
                  ping_timeout: float = PING_TIMEOUT, max_queued_lines: int = MAX_QUEUED_LINES,
                  max_queued_bytes: int = MAX_QUEUED_BYTES, idle_timeout: float = IDLE_TIMEOUT):
@@ -243,6 +247,18 @@ class LineConnection(Protocol):
         if not self._closing and not self._paused and self._connected:
             self.send_command(self._ping_line())
 
+    def pause_reading(self) -> None:
+        """Stop reading from the transport (unless it is going away)."""
+        transport = self.transport
+        if transport is not None and not transport.disconnecting:
+            transport.pauseProducing()
+
+    def resume_reading(self) -> None:
+        """Read from the transport again (unless it is going away)."""
+        transport = self.transport
+        if transport is not None and not transport.disconnecting:
+            transport.resumeProducing()
+
     def stop(self, reason_text: str = "server stopping") -> None:
         """Orderly shutdown: ``ERROR <reason_text>`` then close (``shutdown``)."""
         self.close(SHUTDOWN, reason_text)
@@ -301,9 +317,9 @@ class LineConnection(Protocol):
 
     def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
         """Write pre-encoded lines (each ending in ``b"\\n"``, built by
-        :func:`.commands.encode_rdata_lines` / ``encode_position_line`` with
+        :func:`.wire.encode_rdata_lines` / ``encode_position_line`` with
         this connection's maximum line length) in one ``transport.write`` of
-        their concatenation (see :func:`.commands.joined`; nothing else can
+        their concatenation (see :func:`.wire.joined`; nothing else can
         come between them); queued while paused, each line counting toward
         the bound.
 
@@ -389,7 +405,7 @@ class LineConnection(Protocol):
         has PINGed.  Until then a server-side connection must bring a whole
         command every ``idle_timeout`` seconds: netcat-safe, but an idle or
         byte-dribbling socket does not stay forever."""
-        if self.is_client_side or self._peer_pinged:
+        if not self.accepted or self._peer_pinged:
             return self._last_received + self._ping_timeout, PING_TIMEOUT_REASON
         return self._last_command + self._idle_timeout, IDLE_TIMEOUT_REASON
 

@@ -7,34 +7,11 @@ peer may send them, and hands them to a *handler*, which is shared by all
 connections of an instance and does the real work.  Framing, the outbound
 queue, keepalive and closing are :class:`.link.LineConnection`'s.
 
-Handler interface
------------------
-
-Every method is optional except where noted; a missing ``on_<NAME>`` means
-the command is ignored.  ``conn`` is the protocol instance.
-
-``new_connection(conn)``
-    After the handshake lines were sent (client: after ``REPLICATE``).
-``lost_connection(conn, reason: str)``
-    Once, when the connection is gone; ``reason`` is one of
-    :data:`CLOSE_REASONS` (also in ``conn.close_reason``).
-``on_<NAME>(conn, cmd)``
-    For every valid inbound command, e.g. ``on_REPLICATE``, ``on_RDATA``,
-    ``on_POSITION``, ``on_USER_SYNC``.  ``PING``, ``NAME``, ``SERVER`` and
-    ``ERROR`` are handled by the protocol first and then passed on too.
-    Meanwhile ``conn.current_line`` holds the line's bytes as received
-    (without ``\n`` and a trailing ``\r``): what a relay passes on.
-``client_may_write(stream_name, instance_name) -> bool``
-    Server side: may the client instance send RDATA/POSITION for that
-    stream (is it a configured writer)?  Missing means no.
-``count_inbound(conn, name)``
-    One inbound command was accepted (before dispatch).
-``count_outbound(conn, name, n)``
-    ``n`` lines of command ``name`` were written or queued: once per
-    :meth:`send_command` and once per :meth:`send_lines` batch.
-``count_dropped(conn, name, n)``
-    ``n`` outbound lines were never written because they are over-long or
-    contain a newline (a bug of whoever built them).
+The handler is a :class:`.interfaces.IReplicationHandler`: every hook is
+optional here (a missing ``on_<NAME>`` means the command is ignored, a
+missing ``client_may_write`` means no); ``conn`` is the protocol instance.
+While ``on_<NAME>`` runs, ``conn.current_line`` holds the line's bytes as
+received (without ``\n`` and a trailing ``\r``): what a relay passes on.
 
 An exception raised by a handler method is logged with its traceback and
 otherwise ignored: the connection stays up, since a bug in processing one
@@ -50,6 +27,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from ..logs import printable
 from ..tls import certificate_names
@@ -58,7 +36,6 @@ from .commands import (
     CLIENT_WRITER_COMMANDS,
     SERVER_COMMANDS,
     Command,
-    CommandParseError,
     ErrorCommand,
     NameCommand,
     PingCommand,
@@ -66,6 +43,8 @@ from .commands import (
     ServerCommand,
     parse_line,
 )
+from .fields import CommandParseError
+from .interfaces import IPeerConnection, IReplicationHandler
 from .link import (
     CONNECTION_LOST,
     IDENTIFY_TIMEOUT_REASON,
@@ -79,8 +58,10 @@ from .link import (
 from .peers import PeerPolicy
 
 
+@implementer(IPeerConnection)
 class ReplicationProtocol(LineConnection):
-    """Common part of both sides; use a subclass."""
+    """Common part of both sides; use a subclass.  One peer's connection
+    (:class:`.interfaces.IPeerConnection`)."""
 
     #: Called with the protocol once the connection is gone.
     on_lost: Optional[Callable[[Any], None]] = None
@@ -91,7 +72,7 @@ class ReplicationProtocol(LineConnection):
     #: Whether the peer must send NAME before any other command.
     name_required = False
 
-    def __init__(self, handler: Any, **kwargs: Any):
+    def __init__(self, handler: IReplicationHandler, **kwargs: Any):
         super().__init__(handler, **kwargs)
         #: The inbound line being dispatched (bytes, no newline).
         self.current_line: Optional[bytes] = None
@@ -135,7 +116,7 @@ class ReplicationProtocol(LineConnection):
     def role(self) -> str:
         """``"upstream"`` (we connected to it) or ``"client"`` (it connected
         to us)."""
-        return "upstream" if self.is_client_side else "client"
+        return "client" if self.accepted else "upstream"
 
     @property
     def established(self) -> bool:
@@ -285,9 +266,9 @@ class ServerReplicationProtocol(ReplicationProtocol):
     closed (``identify_timeout``)."""
 
     VALID_INBOUND = CLIENT_COMMANDS
-    is_client_side = False
+    accepted = True
 
-    def __init__(self, handler: Any, server_name: str, policy: Optional[PeerPolicy] = None,
+    def __init__(self, handler: IReplicationHandler, server_name: str, policy: Optional[PeerPolicy] = None,
                  identify: Optional[Callable[[Any, Optional[str]], Optional[str]]] = None,
                  identify_timeout: Optional[float] = None, **kwargs: Any):
         super().__init__(handler, **kwargs)
@@ -387,9 +368,9 @@ class ClientReplicationProtocol(ReplicationProtocol):
     """
 
     VALID_INBOUND = SERVER_COMMANDS
-    is_client_side = True
+    accepted = False
 
-    def __init__(self, handler: Any, client_name: Optional[str], server_name: Optional[str],
+    def __init__(self, handler: IReplicationHandler, client_name: Optional[str], server_name: Optional[str],
                  on_healthy: Optional[Callable[[], None]] = None, **kwargs: Any):
         super().__init__(handler, **kwargs)
         self.client_name = client_name

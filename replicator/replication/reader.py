@@ -44,8 +44,8 @@ from twisted.logger import Logger
 from .. import metrics
 from ..background import Background
 from ..backoff import Outage
-from ..streams.pages import group  # noqa: F401 (the fan-out's, too)
 from .commands import rdata_row
+from .interfaces import IReplicationConnection
 
 log = Logger()
 
@@ -114,7 +114,7 @@ class Reader:
         self._stopping = False
 
     # ------------------------------------------------------------ lines in
-    def rdata(self, conn, token: Optional[int], row: Any) -> None:
+    def rdata(self, conn: IReplicationConnection, token: Optional[int], row: Any) -> None:
         """One RDATA row from ``conn``; ``token`` None for a ``batch`` row,
         which may be its line (bytes) rather than the decoded row."""
         if token is None:
@@ -128,7 +128,7 @@ class Reader:
             return  # the POSITION that follows makes us catch up
         self._enqueue(("rdata", token, rows))
 
-    def position_line(self, conn, prev: int, new: int) -> None:
+    def position_line(self, conn: IReplicationConnection, prev: int, new: int) -> None:
         """A POSITION of the writer from ``conn``.
 
         The writer sends a POSITION only between facts: a batch of it still
@@ -144,20 +144,16 @@ class Reader:
             self.announced = new
         self._enqueue(("position", prev, new))
 
-    def positioned(self, conn) -> bool:
+    def positioned(self, conn: IReplicationConnection) -> bool:
         """Whether ``conn`` announced the writer's position: RDATA before
         that is not taken (the POSITION makes us read the table)."""
         return conn in self._positioned
 
-    def drop_batch(self, conn) -> None:
+    def drop_batch(self, conn: IReplicationConnection) -> None:
         """Forget the partial batch of ``conn`` (its next row was refused)."""
         self._batches.pop(conn, None)
 
-    def partial_rows(self, conn) -> int:
-        """Rows of ``conn`` waiting for the row that ends their fact."""
-        return len(self._batches.get(conn, ()))
-
-    def connection_lost(self, conn) -> None:
+    def connection_lost(self, conn: IReplicationConnection) -> None:
         """A partial batch dies with its connection."""
         self._batches.pop(conn, None)
         self._positioned.discard(conn)

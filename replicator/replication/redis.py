@@ -67,6 +67,7 @@ from twisted.internet import defer, endpoints, task
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from .. import metrics
 from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
@@ -74,7 +75,8 @@ from ..endpoint_strings import client_address
 from ..reconnect import ReconnectingService
 from ..config import RedisConfig
 from ..logs import printable
-from .commands import ReplicateCommand, parse_line
+from .commands import Command, ReplicateCommand, parse_line
+from .interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
 from .synapse_watch import SynapseWatch
 
 log = Logger()
@@ -107,7 +109,8 @@ class _RedisFactory(Factory):
     noisy = False
     isLazy = False
 
-    def __init__(self, protocol_class, config: RedisConfig, owner, role: str):
+    def __init__(self, protocol_class, config: RedisConfig, owner: "RedisReplication",
+                 role: str):
         self.protocol_class = protocol_class
         self.config = config
         self.owner = owner
@@ -168,17 +171,26 @@ class _Publisher(_Link, txredisapi.RedisProtocol):
     role = "publisher"
 
 
+@implementer(IReplicationConnection)
 class RedisConnection:
-    """What the handler sees as one connection: publishes lines."""
+    """What the handler sees as one connection: a bus, where every instance
+    hears every line.  Not an :class:`.interfaces.IPeerConnection`: there is
+    no one peer to refuse.  Its owner (an :class:`.interfaces.IRedisBus`)
+    has the links."""
 
-    is_client_side = True  # no relaying: every instance hears every line
+    #: Nobody connected to us: no relaying (every instance hears every
+    #: line), our positions announced as it comes, our own writers only.
+    accepted = False
     name = NAME  # for logs
     role = NAME  # the metrics label and the status page's role
     instance_name = None  # no one peer: every instance on the channel
+    #: Lines go to the publisher at once (dropped while it is away).
     queued = 0
+    queued_bytes = 0
+    #: No one transport: the subscriber and the publisher are the owner's.
     transport = None
 
-    def __init__(self, owner: "RedisReplication"):
+    def __init__(self, owner: IRedisBus):
         self._owner = owner
         self.closed = False
         #: The message being dispatched (bytes, no newline).
@@ -190,14 +202,10 @@ class RedisConnection:
 
     def pause_reading(self) -> None:
         """Stop reading the subscription (while a claim is checked)."""
-        subscriber = self._owner.subscriber
-        if subscriber is not None and subscriber.transport is not None:
-            subscriber.transport.pauseProducing()
+        self._owner.pause_reading()
 
     def resume_reading(self) -> None:
-        subscriber = self._owner.subscriber
-        if subscriber is not None and subscriber.transport is not None:
-            subscriber.transport.resumeProducing()
+        self._owner.resume_reading()
 
     def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
         if self.closed:
@@ -208,18 +216,20 @@ class RedisConnection:
         metrics.COMMANDS_OUT.labels(command_name, NAME).inc(len(lines))
         return True
 
-    def send_command(self, cmd) -> bool:
+    def send_command(self, cmd: Command) -> bool:
         return self.send_lines([(cmd.to_line() + "\n").encode("utf-8")], cmd.NAME)
 
     def stop(self, reason_text: str = "server stopping") -> None:
         self.closed = True
 
 
+@implementer(IRedisBus)
 class RedisReplication(MultiService):
     """Joins replication through Redis; ``connected`` tells whether it is in."""
 
-    def __init__(self, reactor, config: RedisConfig, handler, server_name: str,
-                 instance_name: str, ping_interval: float = 10.0, ping_timeout: float = 5.0,
+    def __init__(self, reactor, config: RedisConfig, handler: IReplicationHandler,
+                 server_name: str, instance_name: str, ping_interval: float = 10.0,
+                 ping_timeout: float = 5.0,
                  initial_delay: float = RECONNECT_INITIAL_DELAY,
                  max_delay: float = RECONNECT_MAX_DELAY, clock=None,
                  synapse_server_name: Optional[str] = None,
@@ -368,7 +378,7 @@ class RedisReplication(MultiService):
             # catch up on what they missed.  The only line we put there.
             self.publish_lines([b"REPLICATE\n"], channel=self.synapse_channel.encode("utf-8"))
 
-    def _answer_later(self, conn) -> None:
+    def _answer_later(self, conn: RedisConnection) -> None:
         """Answer REPLICATE ``synapse_probe`` seconds from now (one answer
         for every REPLICATE until then), unless a Synapse showed up: it
         answers a REPLICATE within a round trip, and announces its own
@@ -400,7 +410,7 @@ class RedisReplication(MultiService):
         self._held_count += len(lines)
         return True
 
-    def _answer(self, conn) -> None:
+    def _answer(self, conn: RedisConnection) -> None:
         self._answer_call = None
         held, self._held = self._held, None
         if conn is not self.conn or self.synapse_seen is not None:
@@ -446,6 +456,17 @@ class RedisReplication(MultiService):
         self._unregister("connection_lost")
 
     # ------------------------------------------------------------ traffic
+    def pause_reading(self) -> None:
+        """Stop reading the subscription (while a claim is checked)."""
+        subscriber = self.subscriber
+        if subscriber is not None and subscriber.transport is not None:
+            subscriber.transport.pauseProducing()
+
+    def resume_reading(self) -> None:
+        subscriber = self.subscriber
+        if subscriber is not None and subscriber.transport is not None:
+            subscriber.transport.resumeProducing()
+
     def publish_lines(self, lines: List[bytes], channel: Optional[bytes] = None) -> None:
         """PUBLISH each line on our channel (USER_IP on ours for it) unless
         ``channel`` is given, all in one write; more than one line inside

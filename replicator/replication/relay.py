@@ -20,6 +20,8 @@ Invariants:
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .interfaces import IReplicationConnection
+
 Key = Tuple[str, str]
 
 
@@ -31,7 +33,7 @@ class Relay:
         self.relayed: Dict[Key, int] = {}
         self._batches: Dict[Any, Dict[Key, List[bytes]]] = {}  # conn -> key -> lines
 
-    def rdata(self, conn, key: Key, token: Optional[int], line: bytes) -> None:
+    def rdata(self, conn: IReplicationConnection, key: Key, token: Optional[int], line: bytes) -> None:
         """An RDATA line (its wire bytes, newline included) of a writer
         client on ``conn``; ``token`` None for a ``batch`` row."""
         pending = self._batches.setdefault(conn, {}).setdefault(key, [])
@@ -41,19 +43,15 @@ class Relay:
             self.relayed[key] = max(self.relayed.get(key, 0), token)
             self._broadcast(pending, "RDATA", exclude=conn)
 
-    def position(self, conn, key: Key, new_token: int, line: bytes) -> None:
+    def position(self, conn: IReplicationConnection, key: Key, new_token: int, line: bytes) -> None:
         """A POSITION line (wire bytes) of a writer client on ``conn``."""
         self._batches.get(conn, {}).pop(key, None)
         self.relayed[key] = max(self.relayed.get(key, 0), new_token)
         self._broadcast([line], "POSITION", exclude=conn)
 
-    def drop_batch(self, conn, key: Key) -> None:
+    def drop_batch(self, conn: IReplicationConnection, key: Key) -> None:
         """Forget the partial batch of ``key`` on ``conn`` (refused)."""
         self._batches.get(conn, {}).pop(key, None)
 
-    def partial_rows(self, conn) -> int:
-        """Rows waiting in partial batches of ``conn``."""
-        return sum(len(lines) for lines in self._batches.get(conn, {}).values())
-
-    def connection_lost(self, conn) -> None:
+    def connection_lost(self, conn: IReplicationConnection) -> None:
         self._batches.pop(conn, None)

@@ -45,7 +45,8 @@ from ..crowd import Crowd
 from ..endpoint_strings import client_address
 from ..logs import printable
 from ..reconnect import ReconnectingService, failure_reason
-from .commands import MAX_LINE_LENGTH
+from .wire import MAX_LINE_LENGTH
+from .interfaces import IReplicationHandler
 from .peers import PeerPolicy, local_names
 from .link import (CONNECTION_LOST, IDLE_TIMEOUT, MAX_QUEUED_BYTES, MAX_QUEUED_LINES,
                    PING_INTERVAL, PING_TIMEOUT, REFUSED, REMOTE_ERROR)
@@ -98,7 +99,8 @@ class ReplicationServerFactory(Factory):
 
     noisy = False
 
-    def __init__(self, handler, server_name: str, settings: ConnectionSettings = None, *,
+    def __init__(self, handler: IReplicationHandler, server_name: str,
+                 settings: ConnectionSettings = None, *,
                  clock, policy: PeerPolicy = None, max_connections: int = MAX_CONNECTIONS,
                  max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                  max_unidentified: int = MAX_UNIDENTIFIED,
@@ -137,7 +139,7 @@ class ReplicationServerFactory(Factory):
         self.crowd.arrive(p, getattr(addr, "host", None))
         return p
 
-    def _identify(self, conn, name: Optional[str]) -> Optional[str]:
+    def _identify(self, conn: ServerReplicationProtocol, name: Optional[str]) -> Optional[str]:
         """``conn`` gave ``name`` (None: an anonymous reader): the refusal,
         or None once it is counted where it belongs."""
         if conn not in self.crowd:
@@ -189,7 +191,7 @@ class ReplicationClientFactory(Factory):
 
     noisy = False
 
-    def __init__(self, handler, client_name: str, server_name: str,
+    def __init__(self, handler: IReplicationHandler, client_name: str, server_name: str,
                  settings: ConnectionSettings = None, *, clock,
                  backoff: Optional[Backoff] = None):
         self.handler = handler
@@ -247,8 +249,8 @@ class UpstreamService(ReconnectingService):
         return self.replication_factory.connected
 
 
-def upstream_service(reactor, endpoint: str, handler, client_name: str, server_name: str,
-                     settings: ConnectionSettings = None,
+def upstream_service(reactor, endpoint: str, handler: IReplicationHandler, client_name: str,
+                     server_name: str, settings: ConnectionSettings = None,
                      initial_delay: float = RECONNECT_INITIAL_DELAY,
                      max_delay: float = RECONNECT_MAX_DELAY, clock=None, wrap_endpoint=None,
                      on_retry=None) -> UpstreamService:

@@ -352,10 +352,6 @@ class StreamIdGenerator:
         """The linear current token: the minimum over all writers."""
         return self._linear
 
-    def get_max_token(self) -> int:
-        """The largest per-writer current token."""
-        return max(self._tokens.values())
-
     def get_positions(self) -> Dict[str, int]:
         """Per-writer current tokens of every writer (a copy)."""
         return dict(self._tokens)

@@ -62,7 +62,6 @@ phases: the writer).
 
 import argparse
 import gc
-import json
 import os
 import re
 import socket
@@ -176,7 +175,7 @@ from common import (  # noqa: E402
     cpu_seconds, delays_ms, percentile, profiled, record, spread, stamp_commits, stamp_sends,
     standalone_main, write_path_report)
 from replicator.config import RedisConfig, parse_database, parse_streams  # noqa: E402
-from replicator.replication.commands import encode_rdata_lines  # noqa: E402
+from replicator.replication.wire import encode_rdata_lines  # noqa: E402
 from replicator.replication.handler import ReplicationHandler  # noqa: E402
 from replicator.replication.redis import RedisReplication  # noqa: E402
 from replicator.storage.database import Database  # noqa: E402

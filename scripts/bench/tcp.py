@@ -118,7 +118,7 @@ from common import (  # noqa: F401 (percentile, delays_ms, cpu_seconds: redis_be
     cpu_seconds, delays_ms, median, percentile, profiled, record, spread, stamp_commits,
     stamp_sends, standalone_main, write_path_report)
 from replicator.config import parse_database, parse_streams
-from replicator.replication.commands import encode_rdata_lines
+from replicator.replication.wire import encode_rdata_lines
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.tcp import ReplicationServerFactory
 from replicator.storage.database import Database

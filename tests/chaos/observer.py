@@ -19,7 +19,7 @@ with no false positives whatever the timing.
 import asyncio
 import json
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from .clients import http_request
 from .cluster import SECRET, STREAMS, TABLES

@@ -10,7 +10,6 @@ temporary directory like the tests do.
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 

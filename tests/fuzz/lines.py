@@ -38,8 +38,9 @@ from twisted.python.failure import Failure
 from replicator.config import parse_database, parse_streams
 from replicator.consumers import Consumer
 from replicator.replication.commands import (
-    CLIENT_COMMANDS, CLIENT_WRITER_COMMANDS, SERVER_COMMANDS, CommandParseError, parse_line,
+    CLIENT_COMMANDS, CLIENT_WRITER_COMMANDS, SERVER_COMMANDS, parse_line,
 )
+from replicator.replication.fields import CommandParseError
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.protocol import (
     ClientReplicationProtocol, ServerReplicationProtocol,

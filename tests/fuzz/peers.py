@@ -37,9 +37,8 @@ import os
 import shutil
 import socket
 import tempfile
-import threading
 import time
-from typing import List, Optional
+from typing import List
 
 import yaml
 

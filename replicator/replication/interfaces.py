@@ -1,0 +1,141 @@
+"""What the parts of replication require of each other, declared.
+
+The handler drives two transports: a TCP protocol of either side
+(:mod:`.protocol`) and the one logical connection of a Redis subscription
+(:class:`.redis.RedisConnection`).  Both provide
+:class:`IReplicationConnection`, and the handler relies on nothing else of
+a connection; what only one of them can do is a separate interface checked
+with ``providedBy`` (:class:`IPeerConnection`: refusing one peer), never
+told from the methods an object happens to have.  The protocols call into
+a :class:`IReplicationHandler`; a Redis connection publishes through its
+owner, a :class:`IRedisBus`.
+
+Tests check every implementation, and every test double standing in for
+one, with :func:`zope.interface.verify.verifyObject` (``tests/test_interfaces.py``).
+"""
+
+from zope.interface import Attribute, Interface
+
+
+class IReplicationConnection(Interface):
+    """One connection as the handler sees it: where fan-out goes, where
+    commands come from, and who they come from."""
+
+    name = Attribute("How log lines name the peer (str): its name, or its address before "
+                     "it named itself; a bus names its channel.")
+    role = Attribute('"client" (a peer connected to us over TCP), "upstream" (we connected '
+                     'to it over TCP) or "redis" (a bus): the metrics label until the peer '
+                     "names itself, and the role on the status page.")
+    instance_name = Attribute("The name the peer gave itself (NAME or SERVER), as received; "
+                              "None until it did, and always on a bus (no one peer).")
+    accepted = Attribute(
+        "True if the peer connected to us (TCP server side): this instance is its hub. "
+        "What it sends is relayed to the other connections, a REPLICATE from it is "
+        "answered for every writer known here, the instance IDs of its USER_SYNCs are "
+        "checked and die with it, and its disconnect counts for the writer watch. "
+        "False for an upstream and for a bus: nobody there asks for our positions, so "
+        "the handler announces them as the connection comes, sends fan-out from the "
+        "start, and says CLEAR_USER_SYNC before stopping; REPLICATE is answered only "
+        "for this instance's own writers (the others answer themselves).")
+    current_line = Attribute("The inbound line being dispatched (bytes, without the newline), "
+                             "None between lines: what a relay passes on, byte for byte.")
+    queued = Attribute("Lines written but waiting for the transport (int; the status page).")
+    queued_bytes = Attribute("Bytes of those lines (int).")
+    transport = Attribute("The byte transport underneath (its peer address and write buffer "
+                          "are shown and measured), or None where there is not one "
+                          "(a bus: its links are its owner's).")
+
+    def send_lines(lines, command_name="RDATA"):
+        """Write pre-encoded lines (each ending in ``\\n``, built by
+        :mod:`.wire`) together, nothing between them; ``command_name``
+        counts them.  Returns whether they were written (or kept to be):
+        False once the connection stops, or when dropped."""
+
+    def send_command(cmd):
+        """Write one command; whether it was written (see :meth:`send_lines`)."""
+
+    def pause_reading():
+        """Stop taking inbound lines until :meth:`resume_reading` (while a
+        claim the connection made is checked against the database); a
+        connection that is going away ignores it."""
+
+    def resume_reading():
+        """Take inbound lines again."""
+
+    def stop(reason_text="server stopping"):
+        """Orderly shutdown: nothing is sent after it (a TCP connection
+        first says ``ERROR <reason_text>``, then closes)."""
+
+
+class IPeerConnection(IReplicationConnection):
+    """A connection to one peer (TCP, either side): one that sent what
+    cannot be true is refused with ``ERROR`` and closed.
+
+    The handler checks this interface (``IPeerConnection.providedBy``); a
+    connection without it (a bus: every instance is on the other end) is
+    never closed for one line: the line is dropped and counted."""
+
+    close_reason = Attribute("None while up; why it ended, one of :data:`.link.CLOSE_REASONS`, "
+                             "from the moment it starts closing.")
+
+    def close(reason, error_text=None, log_text=None):
+        """Close, first writing ``ERROR <error_text>`` if given; one log line
+        (``log_text`` at warn level when the peer is at fault).  Idempotent."""
+
+
+class IRedisBus(Interface):
+    """What a :class:`.redis.RedisConnection` needs of its owner
+    (:class:`.redis.RedisReplication`): the links are the owner's."""
+
+    channel = Attribute("The channel our lines go to (str; log lines name it).")
+
+    def hold(lines, command_name):
+        """Whether the owner keeps ``lines`` back for now (registering beside
+        a possible Synapse, see :mod:`.synapse_watch`): then they are not
+        published now."""
+
+    def publish_lines(lines, channel=None):
+        """PUBLISH the lines, all in one write (one MULTI/EXEC when several)."""
+
+    def pause_reading():
+        """Stop reading the subscription."""
+
+    def resume_reading():
+        """Read the subscription again."""
+
+
+class IReplicationHandler(Interface):
+    """What the transports call: one per instance, shared by all its
+    connections (:class:`.handler.ReplicationHandler`).
+
+    Besides these, one ``on_<NAME>(conn, cmd)`` per command handled (a
+    command without one is ignored; ``PING``, ``NAME``, ``SERVER`` and
+    ``ERROR`` reach it after the protocol's own handling).  ``conn``
+    provides :class:`IReplicationConnection`.  An exception raised here is
+    logged by the caller and does not end the connection.  (A protocol
+    tolerates a handler that lacks some hooks, as its unit tests' doubles do.)"""
+
+    registry = Attribute("The streams (a :class:`~replicator.streams.registry.StreamRegistry`).")
+    known_names = Attribute("Instance names the configuration knows (frozenset of str).")
+
+    def new_connection(conn):
+        """``conn`` is up: after the handshake lines were sent (a TCP client:
+        after its ``REPLICATE``), a bus once subscribed and publishing."""
+
+    def lost_connection(conn, reason):
+        """``conn`` is gone, once; ``reason`` one of :data:`.link.CLOSE_REASONS`."""
+
+    def client_may_write(stream_name, instance_name):
+        """Server side: may client ``instance_name`` send RDATA/POSITION of
+        that stream (is it one of its writers, not local here)?"""
+
+    def count_inbound(conn, name):
+        """One inbound ``name`` command was accepted (before dispatch)."""
+
+    def count_outbound(conn, name, n):
+        """``n`` lines of command ``name`` were written or queued: once per
+        ``send_command`` and once per ``send_lines`` call."""
+
+    def count_dropped(conn, name, n):
+        """``n`` outbound lines were never written: over-long, or a newline
+        inside (a bug of whoever built them)."""
