@@ -129,15 +129,48 @@ class ReplicationHandler:
         self._started = True
         consumer_positions = [c.positions() for c in self.consumers]
         for stream in self.registry:
-            for writer in stream.config.writers:
-                key = (stream.name, writer)
-                if writer in stream.local_writers:
-                    self.fanout.add_writer(stream, writer)
-                else:
-                    known = [p[key] for p in consumer_positions if key in p]
-                    self._readers[key] = self._make_reader(
-                        stream, writer, min(known) if known else None)
-            stream.id_gen.add_listener(self._make_advance_listener(stream))
+            self._start_stream(stream, consumer_positions)
+
+    def _start_stream(self, stream: Stream, consumer_positions) -> None:
+        for writer in stream.config.writers:
+            if writer in stream.local_writers:
+                self.fanout.add_writer(stream, writer)
+            else:
+                self._add_reader(stream, writer, consumer_positions)
+        stream.id_gen.add_listener(self._make_advance_listener(stream))
+
+    def _add_reader(self, stream: Stream, writer: str, consumer_positions) -> None:
+        key = (stream.name, writer)
+        known = [p[key] for p in consumer_positions if key in p]
+        self._readers[key] = self._make_reader(stream, writer, min(known) if known else None)
+
+    # -------------------------------------------------------------- reload
+    def stream_added(self, stream: Stream) -> None:
+        """A stream new at a reload (already in the registry and loaded):
+        its local writers fanned out, the others read."""
+        self._start_stream(stream, [c.positions() for c in self.consumers])
+        self._know(stream.config.writers)
+
+    def writers_changed(self, stream: Stream, old_writers) -> None:
+        """``stream`` took a config whose other-instance writers differ from
+        ``old_writers``: a reader for each one added (from the consumers'
+        positions), the reader of each one dropped stopped."""
+        positions = [c.positions() for c in self.consumers]
+        for writer in stream.config.writers:
+            if writer not in old_writers and writer not in stream.local_writers:
+                self._add_reader(stream, writer, positions)
+        for writer in old_writers:
+            if writer not in stream.config.writers:
+                reader = self._readers.pop((stream.name, writer), None)
+                if reader is not None:
+                    reader.stop()
+                self._heard.pop((stream.name, writer), None)
+        self._know(stream.config.writers)
+
+    def _know(self, names) -> None:
+        """Names the configuration now knows label metrics too."""
+        self.known_names = self.known_names | frozenset(names)
+        self.bookkeeping.known_names = self.known_names
 
     def _make_reader(self, stream: Stream, writer: str, position: Optional[int]) -> Reader:
         return make_reader(stream, writer, position, self.consumers, clock=self._clock,
