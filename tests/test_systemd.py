@@ -116,8 +116,9 @@ class SystemdAnalyzeTests(TestCase):
         self.addCleanup(shutil.rmtree, self.dir, True)
         # `verify` checks that the binary of ExecStart= and ExecReload= exists
         # and is executable ("Command ... is not executable: No such file or
-        # directory", exit 1), and /opt/replicator is not installed here.  So the copies run
-        # a stand-in executable instead; nothing else in them changes.
+        # directory", exit 1), and /opt/replicator is not installed here.  So
+        # the copies run a stand-in executable instead; nothing else in them
+        # changes.
         self.binary = os.path.join(self.dir, "bin", "replicator")
         os.makedirs(os.path.dirname(self.binary))
         with open(self.binary, "w") as f:
