@@ -7,11 +7,12 @@ apply live, the running values everywhere else).  The instance applies the
 plan (:meth:`replicator.service.Instance.reload`).
 
 Live: ``log_level``, ``log_format``, ``health``,
-``replication.allowed_peers`` and ``replication.allowed_networks``, a new
-stream, and other instances' ``writers`` of a running stream.  Everything
-else that differs needs a restart and keeps its running value: the
-database, names, endpoints, the other ``replication`` and ``http`` keys,
-``synapse``, ``consumers``, TLS files, a stream removed, and a stream whose
+``replication.allowed_peers``, ``replication.allowed_networks`` and
+``replication.client_ca`` (with the ``ssl:`` listener's files, which every
+reload reads again), a new stream, and other instances' ``writers`` of a
+running stream.  Everything else that differs needs a restart and keeps its
+running value: the database, names, endpoints, the other ``replication`` and
+``http`` keys, ``synapse``, ``consumers``, a stream removed, and a stream whose
 columns, table or own writer changed (or which this instance writes alone:
 its ID generator has no room for another writer).
 """
@@ -23,7 +24,7 @@ from typing import List, Tuple
 from .config import InstanceConfig, StreamConfig
 
 #: ``replication`` keys a reload applies.
-LIVE_REPLICATION = ("allowed_peers", "allowed_networks")
+LIVE_REPLICATION = ("allowed_peers", "allowed_networks", "client_ca")
 
 
 @dataclass

@@ -322,15 +322,31 @@ class Instance:
                 log.error("reload: {error}; keeping the running config", error=e)
                 return
             p = plan(self.config, read)
+            failed = []
             for key in p.restart:
                 log.warn("reload: {key}: changed in the file; needs a restart; keeping the "
                          "running value", key=key)
-            failed = []
             if p.logging:
                 change_logging(p.config.log_level, p.config.log_format)
             if p.health and self.health is not None:
                 self.health.set_settings(p.config.health.lag_grace,
                                          p.config.health.check_interval)
+            tls = next((s.tls for s in self.listeners
+                        if s.what == "replication" and s.tls is not None), None)
+            if tls is not None:
+                try:
+                    read_tls = await threads.deferToThreadPool(
+                        self.reactor, self.reactor.getThreadPool(), tls.read,
+                        p.config.replication.client_ca)
+                except Exception as e:
+                    failed.append("replication.client_ca")
+                    p.config = dataclasses.replace(p.config, replication=dataclasses.replace(
+                        p.config.replication, client_ca=self.config.replication.client_ca))
+                    log.error("reload: replication.listen: cannot read the TLS files: {error}; "
+                              "keeping the running ones", error=_one_line(e))
+                else:
+                    if tls.take(read_tls) and "replication.client_ca" not in p.applied:
+                        p.applied.append("replication TLS files")
             if p.peers and self.replication_factory is not None:
                 policy = policy_from_config(p.config.replication, local_names(self.handler))
                 self.replication_factory.set_policy(policy)
