@@ -93,17 +93,28 @@ class ReloadClusterTests(SynchronousTestCase):
         disconnects = _metric(http(metrics_url)[1].decode(), "replicator_disconnects_total")
         made = master.output().count("Replication connection")
 
-        # (1) A new writer, worker2, of caches: both files edited, SIGHUP to both.
-        with_worker2 = [dict(CACHES, writers=["master", "worker1", "worker2"])]
+        # (1) A new writer, worker2, of caches, and a new stream the master
+        # writes: both files edited, SIGHUP to both.
+        with_worker2 = [dict(CACHES, writers=["master", "worker1", "worker2"]),
+                        {"name": "more", "table": "more_stream", "columns": [{"x": "text"}],
+                         "writers": ["master"]}]
         self.rewrite(master, streams=with_worker2, log_level="debug")
         self.rewrite(worker1, streams=with_worker2)
         line, _ = self.hup_and_wait(master, "reload: applied")
         self.assertIn("streams[0].writers", line)
+        self.assertIn("streams[1] (stream more)", line)
         self.assertIn("log_level", line)
         self.assertIn("needs restart: nothing", line)
         line, _ = self.hup_and_wait(worker1, "reload: applied")
         self.assertIn("streams[0].writers", line)
 
+        self.write(master, "more", [["new"]])  # its table was created at the reload
+        try:
+            wait_for(lambda: ("more", "master") in self.jsonl_writers(worker1, "worker1"), 60,
+                     "worker1 has the new stream's fact")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; master: {master.output()[-3000:]}; "
+                                 f"worker1: {worker1.output()[-3000:]}") from None
         worker2 = Daemon(self, worker_cfg("worker2", with_worker2), "worker2").start()
         self.write(worker2, "caches", [["w2", ["k"], 2]])
         wait_for(lambda: ("caches", "worker2") in self.jsonl_writers(worker1, "worker1"), 60,
