@@ -1,5 +1,8 @@
 """``replicator run | check | tail | write | positions``.
 
+``run`` stops cleanly on SIGTERM/SIGINT and re-reads its config on SIGHUP
+(:mod:`replicator.reload`: what applies live, what needs a restart).
+
 Exit codes: 0 fine, 1 a runtime failure (database unreachable, port in use,
 HTTP error), 2 a usage or configuration mistake (one line naming the key).
 """
@@ -80,7 +83,10 @@ def cmd_run(args) -> None:
     except StartupError as e:
         _fail(str(e), e.code)
 
+    config_path = os.path.abspath(args.config)
+
     async def main(reactor):
+        reload_on_hup(reactor, instance, config_path)
         try:
             await instance.start()
         except (ConfigError, StartupError) as e:
@@ -122,6 +128,20 @@ def stop_once(reactor) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
+
+def reload_on_hup(reactor, instance, path: str) -> None:
+    """Make SIGHUP re-read ``path`` and apply it (:meth:`.Instance.reload`)
+    instead of ending the process."""
+    def reload():
+        d = defer.ensureDeferred(instance.reload(path))
+        d.addErrback(lambda f: log.failure("reload failed", f))
+
+    def on_signal(signum, frame):
+        log.info("received SIGHUP; reloading {path}", path=path)
+        reactor.callFromThread(reload)
+
+    signal.signal(signal.SIGHUP, on_signal)
 
 
 # ----------------------------------------------------------------- tail

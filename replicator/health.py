@@ -154,6 +154,14 @@ class HealthMonitor(TimerService):
         super().__init__(check_interval, self.check_unreceived)
         self.clock = clock
 
+    def set_settings(self, lag_grace: float, check_interval: float) -> None:
+        """New ``health`` settings (a reload): the grace counts from now on,
+        the next check comes ``check_interval`` after the last one."""
+        self.lag_grace = lag_grace
+        self.check_interval = self.step = check_interval
+        if self._loop is not None:
+            self._loop.interval = check_interval
+
     # ------------------------------------------------------------ service
     def startService(self) -> None:
         self._started_at = self._clock.seconds()

@@ -9,7 +9,7 @@ from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
 from .startup import StartupError, os_reason
-from .tls import server_endpoint
+from .tls import listener
 
 
 class ListeningService(Service):
@@ -26,13 +26,15 @@ class ListeningService(Service):
         self.factory = factory
         self.what = what
         self.port = None
+        self.tls = None  # an ssl: listener's ReloadableTls, once started
         self.listening: Optional[defer.Deferred] = None
         #: Lines say ``replication: listening on 127.0.0.1:9092``.
         self.log = Logger(namespace=f"replicator.{what.lower()}")
 
     def startService(self):
         super().startService()
-        d = server_endpoint(self._reactor, self.endpoint, self.client_ca).listen(self.factory)
+        endpoint, self.tls = listener(self._reactor, self.endpoint, self.client_ca)
+        d = endpoint.listen(self.factory)
 
         def bound(port):
             self.port = port

@@ -91,7 +91,29 @@ def start_logging(level: str = "info", log_format: str = "text", stream=None,
 
     stream = stream or sys.stdout
     environ = os.environ if environ is None else environ
-    line = formatter(log_format, with_time=not under_journald(stream, environ))
+    with_time = not under_journald(stream, environ)
+    lines = {"line": formatter(log_format, with_time=with_time)}
     predicate = LogLevelFilterPredicate(defaultLogLevel=LogLevel.levelWithName(level))
-    observer = FilteringLogObserver(_observer(stream, line), [predicate])
+    observer = FilteringLogObserver(_observer(stream, lambda event: lines["line"](event)),
+                                    [predicate])
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+
+    def change(level: str, log_format: str) -> None:
+        predicate.setLogLevelForNamespace("", LogLevel.levelWithName(level))
+        lines["line"] = formatter(log_format, with_time=with_time)
+
+    _live["change"] = change
+
+
+#: How the logging :func:`start_logging` began is changed (a reload).
+_live: dict = {}
+
+
+def change_logging(level: str, log_format: str) -> bool:
+    """Log at ``level`` as ``log_format`` lines from now on (a reload);
+    False if :func:`start_logging` has not run in this process."""
+    change = _live.get("change")
+    if change is None:
+        return False
+    change(level, log_format)
+    return True

@@ -73,6 +73,11 @@ def ready() -> bool:
     return notify("READY=1")
 
 
+def reloading() -> bool:
+    """A reload of the config has begun; :func:`ready` says it ended."""
+    return notify("RELOADING=1")
+
+
 def stopping() -> bool:
     """A clean shutdown has begun (systemd shows the unit as deactivating)."""
     return notify("STOPPING=1")

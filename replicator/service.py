@@ -12,11 +12,12 @@ database unreachable) raises :class:`StartupError`: one line naming the key
 whose resource failed, for the CLI to print (exit 1).
 """
 
+import dataclasses
 import gc
 from typing import List, Optional, Tuple
 
 from twisted.application.service import MultiService, Service
-from twisted.internet import defer
+from twisted.internet import defer, threads
 from twisted.logger import Logger
 
 from . import files, metrics, sdnotify
@@ -122,6 +123,8 @@ class Instance:
         self.health: Optional[HealthMonitor] = None
         self.writers = None  # WriterWatch, made at start
         self.live_metrics: Optional[InstanceMetrics] = None
+        self.replication_factory = None  # the listener's, for a reload's peer policy
+        self._reloading = defer.DeferredLock()  # one reload at a time
         self._stopped = False
         #: Whether start() completed.
         self._started = False
@@ -183,6 +186,7 @@ class Instance:
                                                identify_timeout=rep.identify_timeout)
             self._listen(rep.listen, factory, "replication", rep.client_ca,
                          key="replication.listen")
+            self.replication_factory = factory
         if rep.upstream:
             self.upstream = upstream_service(
                 self.reactor, rep.upstream, self.handler, config.instance_name,
@@ -292,6 +296,93 @@ class Instance:
                 return s.bound_port
         return None
 
+    # ------------------------------------------------------------ reload
+    async def reload(self, path: str) -> None:
+        """Read ``path`` again (SIGHUP) and apply what can change live
+        (:mod:`replicator.reload`); one line per key that needs a restart,
+        one summary line.  An invalid file is one line naming the key, and
+        the instance keeps running on the config it has.  Connections that
+        stay valid are never dropped."""
+        await self._reloading.run(defer.ensureDeferred, self._reload(path))
+
+    async def _reload(self, path: str) -> None:
+        from .config import load_config, validate
+        from .logs import change_logging
+        from .reload import plan
+
+        if self._stopped or not self._started:
+            return
+        sdnotify.reloading()
+        try:
+            try:
+                read = await threads.deferToThreadPool(
+                    self.reactor, self.reactor.getThreadPool(),
+                    lambda: validate(load_config(path), self.reactor))
+            except ConfigError as e:
+                log.error("reload: {error}; keeping the running config", error=e)
+                return
+            p = plan(self.config, read)
+            failed = []
+            for key in p.restart:
+                log.warn("reload: {key}: changed in the file; needs a restart; keeping the "
+                         "running value", key=key)
+            if p.logging:
+                change_logging(p.config.log_level, p.config.log_format)
+            if p.health and self.health is not None:
+                self.health.set_settings(p.config.health.lag_grace,
+                                         p.config.health.check_interval)
+            tls = next((s.tls for s in self.listeners
+                        if s.what == "replication" and s.tls is not None), None)
+            if tls is not None:
+                try:
+                    read_tls = await threads.deferToThreadPool(
+                        self.reactor, self.reactor.getThreadPool(), tls.read,
+                        p.config.replication.client_ca)
+                except Exception as e:
+                    failed.append("replication.client_ca")
+                    p.config = dataclasses.replace(p.config, replication=dataclasses.replace(
+                        p.config.replication, client_ca=self.config.replication.client_ca))
+                    log.error("reload: replication.listen: cannot read the TLS files: {error}; "
+                              "keeping the running ones", error=_one_line(e))
+                else:
+                    if tls.take(read_tls) and "replication.client_ca" not in p.applied:
+                        p.applied.append("replication TLS files")
+            if p.peers and self.replication_factory is not None:
+                policy = policy_from_config(p.config.replication, local_names(self.handler))
+                self.replication_factory.set_policy(policy)
+            streams = {s.name: s for s in self.config.streams}
+            for key, stream_config in p.new_streams:
+                try:
+                    stream = await self.registry.add(stream_config, key)
+                except Exception as e:
+                    failed.append(key)
+                    streams.pop(stream_config.name, None)
+                    log.error("reload: {key}: cannot add stream {name}: {error}", key=key,
+                              name=stream_config.name, error=_one_line(e))
+                    continue
+                self.handler.stream_added(stream)
+                streams[stream_config.name] = stream_config
+            for key, stream_config in p.writers:
+                old_writers = self.registry.get(stream_config.name).config.writers
+                try:
+                    stream = await self.registry.change_writers(stream_config)
+                except Exception as e:
+                    failed.append(f"{key}.writers")
+                    log.error("reload: {key}.writers: cannot apply: {error}", key=key,
+                              error=_one_line(e))
+                    continue
+                self.handler.writers_changed(stream, old_writers)
+                streams[stream_config.name] = stream_config
+            self.config = dataclasses.replace(p.config, streams=tuple(
+                streams[s.name] for s in p.config.streams if s.name in streams))
+            applied = [k for k in p.applied if k not in failed
+                       and not any(k.startswith(f) for f in failed)]
+            log.info("reload: applied {applied}; needs restart: {restart}",
+                     applied=", ".join(applied) or "nothing",
+                     restart=", ".join(p.restart) or "nothing")
+        finally:
+            sdnotify.ready()
+
     # -------------------------------------------------------------- stop
     async def stop(self) -> None:
         if self._stopped:
@@ -316,3 +407,7 @@ class Instance:
             metrics.remove_source(self.live_metrics)
         self.db.close()
         said("instance {name} stopped", name=self.config.instance_name)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join((str(e) or type(e).__name__).split())[:300]

@@ -16,7 +16,9 @@ import re
 from typing import FrozenSet, List, Optional
 
 from twisted.internet import endpoints, ssl
+from twisted.internet.interfaces import IOpenSSLContextFactory
 from twisted.python.filepath import FilePath
+from zope.interface import implementer
 
 from .endpoint_strings import parse
 
@@ -46,32 +48,84 @@ def check_pem_directory(path: str) -> None:
         raise ValueError(f"no certificate in the *.pem files of {path}")
 
 
+#: The ``ssl:`` listener options :func:`server_endpoint` reads itself (a
+#: listener with another option is Twisted's, and its files are read once).
+SSL_OPTIONS = frozenset({"port", "interface", "backlog", "privateKey", "certKey",
+                         "extraCertChain"})
+
+
 def server_endpoint(reactor, endpoint: str, client_ca: str = None):
     """A server endpoint from its string; ``ssl:`` with ``client_ca``
     requires client certificates signed by that CA."""
-    if client_ca is None:
-        return endpoints.serverFromString(reactor, endpoint)
-    if not endpoint.startswith("ssl:"):
+    return listener(reactor, endpoint, client_ca)[0]
+
+
+def listener(reactor, endpoint: str, client_ca: str = None):
+    """``(endpoint, tls)``: the server endpoint of ``endpoint`` and, for an
+    ``ssl:`` listener, its :class:`ReloadableTls` (else None)."""
+    if client_ca is not None and not endpoint.startswith("ssl:"):
         raise ValueError("client_ca needs an ssl: listener")
+    if not endpoint.startswith("ssl:"):
+        return endpoints.serverFromString(reactor, endpoint), None
     _, args, kw = parse(endpoint)
+    if not set(kw) <= SSL_OPTIONS:
+        if client_ca is not None:
+            raise ValueError(f"unsupported ssl: option {sorted(set(kw) - SSL_OPTIONS)[0]!r} "
+                             "with client_ca")
+        return endpoints.serverFromString(reactor, endpoint), None
     port = int(kw.pop("port", args[0] if args else 0))
-    private_key = kw.pop("privateKey", "server.pem")
-    cert_key = kw.pop("certKey", private_key)
     interface = kw.pop("interface", "")
     backlog = int(kw.pop("backlog", 50))
-    chain = kw.pop("extraCertChain", None)
-    if kw:
-        raise ValueError(f"unsupported ssl: option {sorted(kw)[0]!r} with client_ca")
-    cert = ssl.PrivateCertificate.loadPEM(
-        FilePath(cert_key).getContent() + b"\n" + FilePath(private_key).getContent())
-    extra = [c.original for c in load_ca_certificates(chain)] if chain else None
-    options = ssl.CertificateOptions(
-        privateKey=cert.privateKey.original, certificate=cert.original,
-        extraCertChain=extra, verify=True, requireCertificate=True,
-        caCerts=[c.original for c in load_ca_certificates(client_ca)],
-    )
-    return endpoints.SSL4ServerEndpoint(reactor, port, options, backlog=backlog,
-                                        interface=interface)
+    tls = ReloadableTls(kw, client_ca)
+    return endpoints.SSL4ServerEndpoint(reactor, port, tls, backlog=backlog,
+                                        interface=interface), tls
+
+
+@implementer(IOpenSSLContextFactory)
+class ReloadableTls:
+    """The key, certificate (and chain) and client CA of an ``ssl:``
+    listener, which a reload reads again: every new connection takes the
+    context of the files read last, open connections keep theirs."""
+
+    def __init__(self, options: dict, client_ca: Optional[str]):
+        private_key = options.get("privateKey", "server.pem")
+        self._files = (private_key, options.get("certKey", private_key),
+                       options.get("extraCertChain"))
+        self.options, self._read = self.read(client_ca)
+        self.client_ca = client_ca
+
+    def read(self, client_ca: Optional[str]):
+        """``(CertificateOptions, the bytes read)`` from the files now
+        (blocking: a reload calls it in a thread)."""
+        private_key, cert_key, chain = self._files
+        key_bytes, cert_bytes = (FilePath(private_key).getContent(),
+                                 FilePath(cert_key).getContent())
+        cert = ssl.PrivateCertificate.loadPEM(cert_bytes + b"\n" + key_bytes)
+        read = [key_bytes, cert_bytes]
+        extra = None
+        if chain:
+            read.append(FilePath(chain).getContent())
+            extra = [c.original for c in load_ca_certificates(chain)]
+        verify = {}
+        if client_ca is not None:
+            read.append(FilePath(client_ca).getContent())
+            verify = dict(verify=True, requireCertificate=True,
+                          caCerts=[c.original for c in load_ca_certificates(client_ca)])
+        options = ssl.CertificateOptions(privateKey=cert.privateKey.original,
+                                         certificate=cert.original, extraCertChain=extra,
+                                         **verify)
+        return options, (client_ca, read)
+
+    def take(self, read) -> bool:
+        """Use what :meth:`read` returned from now on; whether it differs
+        from what was in use (reactor thread)."""
+        options, source = read
+        changed = source != self._read
+        self.options, self._read, self.client_ca = options, source, source[0]
+        return changed
+
+    def getContext(self):
+        return self.options.getContext()
 
 
 def certificate_names(transport) -> Optional[FrozenSet[str]]:

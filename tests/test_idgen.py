@@ -410,3 +410,31 @@ class GeneratorStateTests(SynchronousTestCase):
 
     def test_instances_with_several_local_writers(self):
         self.check_cluster({"one": ["a", "b"], "two": ["c"], "three": ["d"]})
+
+
+class ReloadWritersTests(SynchronousTestCase):
+    """Another instance's writer joins or leaves a running stream (a reload)."""
+
+    def test_a_joining_writer_holds_the_linear_token_until_it_advances(self):
+        gen = StreamIdGenerator("s", {"w1": 5, "r1": 5}, ["w1"])
+        with self.assertRaises(UnknownWriter):
+            gen.advance("r2", 7)
+        gen.add_remote("r2", 5)
+        gen.advance("r1", 10)
+        self.assertEqual(gen.get_linear_token(), 5)  # r2 is still at 5
+        gen.advance("r2", 12)
+        self.assertEqual(gen.get_current_token("r2"), 12)
+        self.assertEqual(gen.get_linear_token(), 10)
+
+    def test_a_leaving_writer_no_longer_holds_it(self):
+        gen = StreamIdGenerator("s", {"r1": 3, "r2": 3}, [])
+        gen.advance("r1", 9)
+        self.assertEqual(gen.get_linear_token(), 3)
+        gen.remove_remote("r2")
+        self.assertEqual(gen.get_linear_token(), 9)
+        self.assertEqual(gen.writers, ["r1"])
+
+    def test_a_stream_written_here_alone_takes_no_other_writer(self):
+        gen = StreamIdGenerator("s", {"w1": 5}, ["w1"])
+        with self.assertRaises(ValueError):
+            gen.add_remote("r1", 5)

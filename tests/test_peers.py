@@ -294,3 +294,35 @@ class ConfigTests(SynchronousTestCase):
                          "3.1536e+07, got inf")
         self.assertIn("replication.bookkeeping_max_age",
                       self.error({"bookkeeping_max_age": float("nan")}))
+
+
+class ReloadedPolicyTests(SynchronousTestCase):
+    """A reload's new policy (``ReplicationServerFactory.set_policy``): open
+    connections it allows stay untouched, the others get ``ERROR`` and close,
+    new connections are checked by it."""
+
+    def connect(self, factory, host, name):
+        proto = factory.buildProtocol(None)
+        transport = StringTransport(peerAddress=IPv4Address("TCP", host, 4000))
+        proto.makeConnection(transport)
+        proto.dataReceived(b"NAME " + name + b"\n")
+        transport.clear()
+        return proto, transport
+
+    def test_only_connections_no_longer_allowed_are_closed(self):
+        factory = ReplicationServerFactory(MasterHandler(), "hs.example", clock=Clock())
+        kept, kept_transport = self.connect(factory, "10.0.0.1", b"worker1")
+        named_out, named_out_transport = self.connect(factory, "10.0.0.2", b"worker2")
+        outside, outside_transport = self.connect(factory, "192.168.0.1", b"worker3")
+        policy = policy_from_config(parse_replication(
+            {"allowed_peers": ["worker1", "worker3"], "allowed_networks": ["10.0.0.0/8"]}),
+            {"master"})
+        self.assertEqual(factory.set_policy(policy), 2)
+        self.assertEqual(kept_transport.value(), b"")
+        self.assertFalse(kept_transport.disconnecting)
+        self.assertEqual(named_out_transport.value(), b"ERROR NAME not allowed\n")
+        self.assertEqual(outside_transport.value(), b"ERROR address not allowed\n")
+        self.assertEqual((named_out.close_reason, outside.close_reason), ("refused", "refused"))
+        # A new connection is checked by the new policy.
+        proto, transport = self.connect(factory, "10.0.0.3", b"worker9")
+        self.assertTrue(transport.disconnecting)

@@ -88,6 +88,13 @@ class UnitContentTests(TestCase):
             self.assertEqual(_values(text, "Unit", "Wants"), ["network-online.target"], name)
             self.assertEqual(_values(text, "Unit", "Requires"), [], name)
 
+    def test_reload_checks_the_file_then_sends_sighup(self):
+        for name, config in zip(SERVICES, ("/etc/replicator/master.yaml",
+                                           "/etc/replicator/%i.yaml")):
+            reloads = [v for k, v in _settings(_read(name), "Service") if k == "ExecReload"]
+            self.assertEqual(reloads, [f"{INSTALLED_BINARY} check -c {config}",
+                                       "/bin/kill -HUP $MAINPID"], name)
+
     def test_worker_orders_after_master_without_pulling_it_in(self):
         text = _read("replicator-worker@.service")
         self.assertIn("replicator-master.service", _values(text, "Unit", "After"))
@@ -107,10 +114,11 @@ class SystemdAnalyzeTests(TestCase):
         self.analyze = _systemd_analyze()
         self.dir = tempfile.mkdtemp(prefix="units-")
         self.addCleanup(shutil.rmtree, self.dir, True)
-        # `verify` checks that ExecStart's binary exists and is executable
-        # ("Command ... is not executable: No such file or directory", exit
-        # 1), and /opt/replicator is not installed here.  So the copies run
-        # a stand-in executable instead; nothing else in them changes.
+        # `verify` checks that the binary of ExecStart= and ExecReload= exists
+        # and is executable ("Command ... is not executable: No such file or
+        # directory", exit 1), and /opt/replicator is not installed here.  So
+        # the copies run a stand-in executable instead; nothing else in them
+        # changes.
         self.binary = os.path.join(self.dir, "bin", "replicator")
         os.makedirs(os.path.dirname(self.binary))
         with open(self.binary, "w") as f:
@@ -121,7 +129,9 @@ class SystemdAnalyzeTests(TestCase):
             if name in SERVICES:
                 self.assertIn(f"ExecStart={INSTALLED_BINARY} ", text)
             with open(os.path.join(self.dir, name), "w", encoding="utf-8") as f:
-                f.write(text.replace(f"ExecStart={INSTALLED_BINARY} ", f"ExecStart={self.binary} "))
+                for key in ("ExecStart", "ExecReload"):
+                    text = text.replace(f"{key}={INSTALLED_BINARY} ", f"{key}={self.binary} ")
+                f.write(text)
 
     def run_analyze(self, *args):
         return subprocess.run([self.analyze, *args], capture_output=True, text=True,
@@ -224,6 +234,8 @@ class SdNotifyTests(TestCase):
         self.assertEqual(sock.recv(4096), b"STATUS=streaming 3 streams to 2 workers")
         self.assertEqual(sdnotify.stopping(), True)
         self.assertEqual(sock.recv(4096), b"STOPPING=1")
+        self.assertEqual(sdnotify.reloading(), True)
+        self.assertEqual(sock.recv(4096), b"RELOADING=1")
         self.assertEqual(sdnotify.notify("RELOADING=1"), True)
         self.assertEqual(sock.recv(4096), b"RELOADING=1")
         self.assertEqual(self.warnings(), [])

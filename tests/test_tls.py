@@ -275,3 +275,66 @@ class TlsTests(TestCase):
                    if b"worker1" in line]
         self.assertEqual(relayed, [b"POSITION caches worker1 0 0"])
         self.assertEqual(consumer.facts, [])
+
+
+class ReloadedCertificateTests(TestCase):
+    """A reload reads an ``ssl:`` listener's files again: new connections get
+    the new certificate, an open connection keeps its own and stays open."""
+
+    timeout = 60
+
+    async def test_new_connections_use_the_new_certificate(self):
+        from replicator.listening import ListeningService
+        from tests.test_protocol import RecordingHandler
+
+        class Handler(RecordingHandler):
+            instance_name = "master"
+            registry = ()
+            known_names = frozenset({"master"})
+
+            def new_connection(self, conn):
+                self.events.append(("new_connection", conn.address))
+
+        tmp = tempfile.mkdtemp()
+        pki = make_pki(tmp)
+        port = free_port()
+        factory = ReplicationServerFactory(Handler(), "hs.example", clock=reactor)
+        service = ListeningService(
+            reactor, f"ssl:{port}:interface=127.0.0.1:privateKey={pki['server.key']}"
+                     f":certKey={pki['server.crt']}", factory, "replication")
+        service.startService()
+        await service.listening
+        self.addCleanup(service.stopService)
+        # The client only looks at which certificate it is shown.
+        context = stdlib_ssl.SSLContext(stdlib_ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.verify_mode = stdlib_ssl.CERT_NONE
+
+        def open_connection():
+            raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s = context.wrap_socket(raw, server_hostname="localhost")
+            s.recv(4096)  # SERVER hs.example
+            return s
+
+        def certificate_of_a_new_connection():
+            with open_connection() as s:
+                return s.getpeercert(binary_form=True)
+
+        first = await deferToThread(open_connection)
+        self.addCleanup(first.close)
+        before = first.getpeercert(binary_form=True)
+        # The certificate is renewed in place (a new key and certificate).
+        renewed = make_pki(tempfile.mkdtemp())
+        for name in ("server.key", "server.crt"):
+            with open(renewed[name], "rb") as src, open(pki[name], "wb") as dst:
+                dst.write(src.read())
+        self.assertEqual(await deferToThread(certificate_of_a_new_connection), before)
+        self.assertTrue(service.tls.take(await deferToThread(service.tls.read, None)))
+        after = await deferToThread(certificate_of_a_new_connection)
+        self.assertNotEqual(after, before)
+        # The open connection was never closed.
+        await deferToThread(first.sendall, b"PING 1\n")
+        await task.deferLater(reactor, 0.2, lambda: None)
+        opened = [p for p in factory.live if p.close_reason is None]
+        self.assertEqual(len(opened), 1)
+        self.assertEqual([e[0] for e in factory.handler.events].count("new_connection"), 3)

@@ -40,7 +40,7 @@ from ..streams.registry import StreamRegistry
 from ..streams.stream import Stream
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
 from .bookkeeping import Bookkeeping
-from .commands import ClearUserSyncCommand, Command, PositionCommand
+from .commands import ClearUserSyncCommand, Command, PositionCommand, ReplicateCommand
 from .wire import MAX_LINE_LENGTH, encode_position_line
 from .connections import Connections
 from .delivery import make_reader
@@ -127,15 +127,80 @@ class ReplicationHandler:
         self._started = True
         consumer_positions = [c.positions() for c in self.consumers]
         for stream in self.registry:
-            for writer in stream.config.writers:
-                key = (stream.name, writer)
-                if writer in stream.local_writers:
-                    self.fanout.add_writer(stream, writer)
-                else:
-                    known = [p[key] for p in consumer_positions if key in p]
-                    self._readers[key] = self._make_reader(
-                        stream, writer, min(known) if known else None)
-            stream.id_gen.add_listener(self._make_advance_listener(stream))
+            self._start_stream(stream, consumer_positions)
+
+    def _start_stream(self, stream: Stream, consumer_positions, reload: bool = False) -> None:
+        for writer in stream.config.writers:
+            if writer in stream.local_writers:
+                self.fanout.add_writer(stream, writer)
+            else:
+                self._add_reader(stream, writer, consumer_positions, reload)
+        stream.id_gen.add_listener(self._make_advance_listener(stream))
+
+    def _add_reader(self, stream: Stream, writer: str, consumer_positions,
+                    reload: bool = False) -> None:
+        """The reader of ``writer`` on ``stream``, from the consumers'
+        smallest position for it; without one, from where the writer's
+        first POSITION says at a start, and at a reload from its position
+        loaded from the table (the facts it wrote before this instance read
+        it are caught up, not skipped)."""
+        key = (stream.name, writer)
+        known = [p[key] for p in consumer_positions if key in p]
+        position = min(known) if known else (
+            stream.id_gen.get_current_token(writer) if reload else None)
+        self._readers[key] = self._make_reader(stream, writer, position)
+
+    # -------------------------------------------------------------- reload
+    def stream_added(self, stream: Stream) -> None:
+        """A stream new at a reload (already in the registry and loaded):
+        its local writers fanned out, the others read."""
+        self._start_stream(stream, [c.positions() for c in self.consumers], reload=True)
+        self._know(stream.config.writers)
+        self._announce(stream, stream.local_writers)
+        if any(w not in stream.local_writers for w in stream.config.writers):
+            self._ask_positions()
+
+    def writers_changed(self, stream: Stream, old_writers) -> None:
+        """``stream`` took a config whose other-instance writers differ from
+        ``old_writers``: a reader for each one added (from the consumers'
+        positions), the reader of each one dropped stopped."""
+        positions = [c.positions() for c in self.consumers]
+        added = [w for w in stream.config.writers
+                 if w not in old_writers and w not in stream.local_writers]
+        for writer in added:
+            self._add_reader(stream, writer, positions, reload=True)
+        if added:
+            self._ask_positions()
+        for writer in old_writers:
+            if writer not in stream.config.writers:
+                reader = self._readers.pop((stream.name, writer), None)
+                if reader is not None:
+                    reader.stop()
+                self._heard.pop((stream.name, writer), None)
+        self._know(stream.config.writers)
+
+    def _announce(self, stream: Stream, writers) -> None:
+        """POSITION of ``writers`` (local) to every connection receiving
+        fan-out: a peer's reader added at a reload starts from it."""
+        lines = [encode_position_line(stream.name, w, token, token)
+                 for w in writers
+                 for token in (self.fanout.announced.get((stream.name, w), 0),)]
+        if lines:
+            self._broadcast(lines, "POSITION")
+
+    def _ask_positions(self) -> None:
+        """``REPLICATE`` again on every connection this instance made (its
+        upstream, its Redis link): the answer's POSITIONs start the readers
+        a reload added.  Connections accepted here get POSITIONs from their
+        writers as those reload (:meth:`_announce`)."""
+        for conn in list(self.connections):
+            if not conn.accepted:
+                conn.send_command(ReplicateCommand())
+
+    def _know(self, names) -> None:
+        """Names the configuration now knows label metrics too."""
+        self.known_names = self.known_names | frozenset(names)
+        self.bookkeeping.known_names = self.known_names
 
     def _make_reader(self, stream: Stream, writer: str, position: Optional[int]) -> Reader:
         return make_reader(stream, writer, position, self.consumers, clock=self._clock,

@@ -320,6 +320,18 @@ class ServerReplicationProtocol(ReplicationProtocol):
     def _refusal(self, host: Optional[str]) -> Optional[str]:
         return self.policy.check_address(host)
 
+    def refusal_under(self, policy: PeerPolicy) -> Optional[str]:
+        """Why ``policy`` would refuse this open connection (its address, or
+        the NAME it gave), or None; later checks use ``policy``."""
+        self.policy = policy
+        peer = self.transport.getPeer() if self.transport is not None else None
+        refusal = policy.check_address(getattr(peer, "host", None))
+        if refusal is None and self._peer_instance is not None:
+            cert_names = (certificate_names(self.transport) if policy.certificate_names
+                          else None)
+            refusal = policy.check_name(self._peer_instance, None, cert_names)
+        return refusal
+
     def _send_handshake(self) -> None:
         self.send_command(ServerCommand(self.server_name))
         self.send_command(self._ping_line())

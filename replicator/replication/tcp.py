@@ -123,6 +123,22 @@ class ReplicationServerFactory(Factory):
         self.known_names = (frozenset(getattr(handler, "known_names", ()))
                             | (policy.allowed_peers or frozenset())) - policy.reserved
 
+    def set_policy(self, policy: PeerPolicy) -> int:
+        """Take ``policy`` (a reload): new connections are checked by it; an
+        open connection it would refuse (its address, or the NAME it gave)
+        is closed with ``ERROR <why>``, the others stay open untouched.
+        Returns how many were closed."""
+        self.policy = policy
+        self.known_names = (frozenset(getattr(self.handler, "known_names", ()))
+                            | (policy.allowed_peers or frozenset())) - policy.reserved
+        closed = 0
+        for conn in list(self.live):
+            refusal = conn.refusal_under(policy)
+            if refusal is not None:
+                closed += 1
+                conn.close(REFUSED, refusal, log_text=f"{refusal} (config reloaded)")
+        return closed
+
     def buildProtocol(self, addr):
         while self.crowd.unidentified >= self.max_unidentified:
             oldest = self.crowd.oldest_unidentified()

@@ -296,6 +296,29 @@ class StreamIdGenerator:
             self._all.learn(token)
         self._recompute()
 
+    # ------------------------------------------------------------- reload
+    def add_remote(self, writer: str, position: int) -> None:
+        """A writer of another instance joins the stream (a reload) at
+        ``position``; the linear token never moves back for it.  Refused
+        (ValueError) when this generator's one local writer is its whole
+        state: such a stream gains another writer only at a restart."""
+        with self._lock:
+            if writer in self._local or writer in self._remote:
+                return
+            if self._shared:
+                raise ValueError(f"stream {self.name}: written here alone")
+            self._remote[writer] = position
+            self._tokens = dict(self._tokens, **{writer: position})
+        self._recompute()
+
+    def remove_remote(self, writer: str) -> None:
+        """A writer of another instance leaves the stream (a reload): the
+        linear token no longer waits for it."""
+        with self._lock:
+            self._remote.pop(writer, None)
+            self._tokens.pop(writer, None)
+        self._recompute()
+
     # ------------------------------------------------------------- reading
     def _compute_linear(self) -> int:
         linear = self._all.position

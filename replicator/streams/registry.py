@@ -29,6 +29,7 @@ class StreamRegistry:
         self.reactor = reactor
         if call_from_thread is None:
             call_from_thread = reactor.callFromThread
+        self._call = call_from_thread
         self._streams: Dict[str, Stream] = {
             s.name: Stream(s, db, instance_name, call_from_thread=call_from_thread,
                            clock=reactor)
@@ -48,6 +49,34 @@ class StreamRegistry:
                                              written)
         for stream in self._streams.values():
             stream.load(txn, has_positions)
+
+    async def add(self, config: StreamConfig, key: str) -> Stream:
+        """A stream new at a reload: its table created if it is written
+        here (as at :meth:`start`), its positions loaded, then it is known."""
+        stream = Stream(config, self.db, self.instance_name, call_from_thread=self._call,
+                        clock=self.reactor)
+
+        def txn(txn) -> None:
+            written = {config.name} if stream.local_writers else set()
+            has_positions = schema.ensure_schema(txn, [config], self.db.is_postgres,
+                                                 {config.name: key}, written)
+            stream.load(txn, has_positions)
+
+        await self.db.runInteraction(txn)
+        self._streams[config.name] = stream
+        self._keys[config.name] = key
+        stream.started()
+        return stream
+
+    async def change_writers(self, config: StreamConfig) -> Stream:
+        """The running stream ``config.name`` takes ``config`` (other
+        instances' writers added or dropped: :meth:`.Stream.change_writers`)."""
+        stream = self.get(config.name)
+        joining = [w for w in config.writers if w not in stream.config.writers]
+        positions = (await self.db.runInteraction(stream.new_writer_positions, joining)
+                     if joining else {})
+        stream.change_writers(config, positions)
+        return stream
 
     async def stop(self) -> None:
         for stream in self._streams.values():

@@ -197,6 +197,31 @@ class Stream:
                 lambda group, outcome, w=w: self._group_done(w, group, outcome),
                 self._group_max)
 
+    # -------------------------------------------------------------- reload
+    def new_writer_positions(self, txn, writers: Sequence[str]) -> Dict[str, int]:
+        """Where each of ``writers`` (other instances', joining the stream
+        at a reload) starts, as :meth:`load` would start it: its persisted
+        position, else the stream's smallest persisted one (pool thread)."""
+        has_positions = schema.table_columns(txn, "stream_positions",
+                                             self.db.is_postgres) is not None
+        persisted = (schema.persisted_positions(txn, self.config.positions_key, self.db.sql)
+                     if has_positions else {})
+        known = [persisted[w] for w in self.config.writers if w in persisted]
+        floor = min(known) if known else 0
+        return {w: persisted.get(w, floor) for w in writers}
+
+    def change_writers(self, config: StreamConfig, positions: Dict[str, int]) -> None:
+        """Take ``config``, which differs from the running one only in other
+        instances' writers: the ones it adds start at ``positions``, the ones
+        it drops no longer hold the linear token back (reactor thread)."""
+        for w in self.config.writers:
+            if w not in config.writers and w not in self.local_writers:
+                self.id_gen.remove_remote(w)
+        for w in config.writers:
+            if w not in self.config.writers:
+                self.id_gen.add_remote(w, positions[w])
+        self.config = config
+
     # ------------------------------------------------------------- writing
     def writer(self, writer: Optional[str] = None) -> Fact:
         """``async with stream.writer() as fact: fact.add_row([...])``."""
