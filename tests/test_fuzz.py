@@ -7,6 +7,10 @@ Timing is not asserted here (the project's rule for ``make test``): the
 reactor-stall monitor runs and reports, but only ``make fuzz`` fails on it.
 """
 
+import shutil
+import tempfile
+
+import yaml
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from tests.fuzz import configs, httpfuzz, lines, peers, sockets
@@ -53,6 +57,18 @@ class DaemonSlice(SynchronousTestCase):
     def test_mutated_configs(self):
         result = configs.run_phase(SEED, 10)
         _assert_clean(self, result, 10)
+
+    def test_a_good_config_is_seen_running(self):
+        """The phase tells a daemon that got ready from one that exited:
+        its readiness line is found whatever the log's format (text lines
+        start with the time since log_format; the phase saw no daemon ready
+        any more and reported every good config as exit0_without_running)."""
+        directory = tempfile.mkdtemp(prefix="fuzz-config-ready-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        data = yaml.safe_dump(configs.base_config(directory)).encode()
+        code, stdout, stderr, running = configs._run(directory, data)
+        self.assertTrue(running, (code, stdout[-500:], stderr[-500:]))
+        self.assertEqual(code, 0, stderr[-500:])
 
 
 class ForgedPeersSlice(SynchronousTestCase):

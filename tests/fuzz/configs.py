@@ -38,7 +38,9 @@ ONE_LINE = re.compile(r"replicator: config: [^\s:][^:\n]*: [^\n]+\n")
 #: A runtime failure at startup (exit 1, README): one line naming the key.
 ONE_LINE_RUNTIME = re.compile(r"replicator: (config: )?[a-z_]+[\w.\[\]]*: [^\n]+\n")
 #: What the daemon logs once it is up (then it gets SIGTERM).
-READY = re.compile(rb"^INFO service: instance .* ready$", re.M)
+#: The readiness line, after the time that text lines start with.
+READY = re.compile(rb"^(?:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ )?INFO service: instance .* ready$",
+                   re.M)
 #: Seconds a mutated config gets to exit or become ready.
 STARTUP_LIMIT = 60.0
 
