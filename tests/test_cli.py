@@ -171,23 +171,30 @@ class ConfigErrorTests(SynchronousTestCase):
         self.assertEqual(result.stderr.count("\n"), 1)
 
 
+def tail_of_a_server(test, text=True):
+    """``replicator tail`` connected to a server socket of the test's own:
+    (the tail process, the accepted connection to write lines to)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    test.addCleanup(listener.close)
+    port = listener.getsockname()[1]
+    tail = subprocess.Popen(
+        [PY, "-m", "replicator.cli", "tail", f"tcp:host=127.0.0.1:port={port}",
+         "--server-name", "hs.test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=text)
+    test.addCleanup(lambda: tail.poll() is None and tail.kill())
+    listener.settimeout(30)
+    conn, _ = listener.accept()
+    test.addCleanup(conn.close)
+    return tail, conn
+
+
 class TailTests(SynchronousTestCase):
     def test_peer_text_is_printed_with_control_characters_escaped(self):
-        import socket
-
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        self.addCleanup(listener.close)
-        port = listener.getsockname()[1]
-        tail = subprocess.Popen(
-            [PY, "-m", "replicator.cli", "tail", f"tcp:host=127.0.0.1:port={port}",
-             "--server-name", "hs.test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
-        self.addCleanup(lambda: tail.poll() is None and tail.kill())
-        listener.settimeout(30)
-        conn, _ = listener.accept()
-        self.addCleanup(conn.close)
+        tail, conn = tail_of_a_server(self)
         conn.sendall(b"SERVER hs.test\nERROR a\x1b[2Jb\x00c\rd\n")
         lines = [tail.stdout.readline().rstrip("\n") for _ in range(2)]
         self.assertEqual(lines, ["SERVER hs.test", "ERROR a\\x1b[2Jb\\x00c\\rd"])

@@ -6,7 +6,6 @@ the command ends quietly with exit 0: no ``BrokenPipeError`` traceback, no
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,24 +14,15 @@ import threading
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.test_cli import tail_of_a_server
+
 PY = sys.executable
 SECRET = "test-secret-0123456789"
 
 
 class TailPipeTests(SynchronousTestCase):
     def test_tail_exits_quietly_when_its_reader_goes(self):
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        self.addCleanup(listener.close)
-        port = listener.getsockname()[1]
-        tail = subprocess.Popen(
-            [PY, "-m", "replicator.cli", "tail", f"tcp:host=127.0.0.1:port={port}",
-             "--server-name", "hs.test"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.addCleanup(lambda: tail.poll() is None and tail.kill())
-        listener.settimeout(30)
-        conn, _ = listener.accept()
-        self.addCleanup(conn.close)
+        tail, conn = tail_of_a_server(self, text=False)
         conn.sendall(b"SERVER hs.test\nPOSITION caches master 0 0\n")
         self.assertEqual(tail.stdout.readline(), b"SERVER hs.test\n")
         # The reader goes (head -1 exiting): every later line meets a closed pipe.

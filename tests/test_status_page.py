@@ -19,7 +19,8 @@ from html.parser import HTMLParser
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_streams
-from tests.servers import PostgresServer, free_port, unavailable
+from tests.cdp import chromium
+from tests.servers import PostgresServer, free_port
 from tests.support import create_stream_tables
 from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli, http, wait_for
 
@@ -46,14 +47,6 @@ class Stuck(Consumer):
         if self.taken > 1:
             return defer.Deferred()  # never fires
 '''
-
-
-def chromium() -> str:
-    path = shutil.which("chromium")
-    if path is None:
-        unavailable("chromium (Debian package chromium; scripts/ensure-system-deps.sh "
-                    "installs it)")
-    return path
 
 
 def run_chromium(*args, timeout=180):
