@@ -182,6 +182,12 @@ class Daemon:
         with urllib.request.urlopen(f"{self.base}/metrics", timeout=10) as response:
             return response.read().decode()
 
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of its log, for a failure message."""
+        with open(os.path.join(self.dir, "out.log"), "rb") as f:
+            text = f.read().decode("utf-8", "replace")
+        return f"--- {self.name}:\n" + "\n".join(text.splitlines()[-lines:])
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
@@ -368,6 +374,9 @@ class LiveTests(TestCase):
         self.master, self.worker = live.master, live.worker
         self.proxy, self.prometheus = live.proxy, live.prometheus
 
+    def logs(self) -> str:
+        return self.master.log_tail() + "\n" + self.worker.log_tail()
+
     def exported(self) -> set:
         return exported_names(self.master.metrics()) | exported_names(self.worker.metrics())
 
@@ -398,7 +407,8 @@ class LiveTests(TestCase):
         exported = self.exported() & declared_names()
         for title, expr in targets:
             missing = metric_names(expr) - exported
-            self.assertEqual(missing, set(), f"panel {title!r} names unexported metrics")
+            self.assertEqual(missing, set(), f"panel {title!r} names unexported metrics\n"
+                             + self.logs())
         for title, expr in targets:
             query = expr.replace("$__rate_interval", "1m").replace('"$instance"', '".+"')
             self.assertNotIn("$", query, title)
@@ -419,7 +429,7 @@ class LiveTests(TestCase):
             alerts = until(firing, "ReplicatorFactsNotReceived firing")
             self.assertEqual([(a["labels"]["instance"], a["labels"]["stream"],
                                a["labels"]["writer"]) for a in alerts],
-                             [(self.master.target, "caches", "worker1")])
+                             [(self.master.target, "caches", "worker1")], self.logs())
             self.assertEqual(alerts[0]["labels"]["severity"], "critical")
             # The master's /health fails for the same reason: replicator_healthy.
             unhealthy = until(lambda: [a for a in firing("ReplicatorUnhealthy")
