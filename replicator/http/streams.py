@@ -15,11 +15,14 @@ from typing import Any, Dict, Optional
 
 import orjson
 from twisted.internet import threads
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from ..streams.rows import RowError
 from .answers import HttpError, authorize, excerpt
 from .site import Redactor, too_large
+
+log = Logger()
 
 #: Bodies above this are parsed and checked in a thread, not on the reactor.
 THREAD_PARSE_SIZE = 64 * 1024
@@ -83,6 +86,8 @@ class StreamRoutes:
         self.max_line_length = max_line_length
         self.redact = redact
         self.writers = writers  # a WriterWatch: links and linear holders, or None
+        #: Writes failed per stream since its last success (an outage).
+        self._failing: Dict[str, int] = {}
 
     async def post_facts(self, request, name: Optional[str]):
         authorize(request, self._secret)
@@ -109,10 +114,25 @@ class StreamRoutes:
         try:
             (stream_id,) = await stream.write_prepared(prepared)
         except Exception:
-            self.redact.log_failure("Writing a fact of {stream} failed", Failure(),
-                                    stream=stream.name)
+            self._write_failed(stream.name, Failure())
             raise HttpError(503, "database write failed") from None
+        failed = self._failing.pop(stream.name, None)
+        if failed is not None:
+            log.info("writes of {stream} succeed again after {n} failed",
+                     stream=stream.name, n=failed)
         return {"stream_id": stream_id}
+
+    def _write_failed(self, stream: str, failure: Failure) -> None:
+        """The first failed write of a stream logs its traceback; the
+        others are counted until a write succeeds (one line then): an
+        outage is two log lines per stream, not one traceback a request.
+        Each request still answers 503."""
+        failed = self._failing.get(stream)
+        self._failing[stream] = (failed or 0) + 1
+        if failed is None:
+            self.redact.log_failure("Writing a fact of {stream} failed; further failures "
+                                    "are counted until a write succeeds", failure,
+                                    stream=stream)
 
     async def positions(self, request):
         authorize(request, self._secret)
