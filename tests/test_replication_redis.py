@@ -46,24 +46,29 @@ def publish_raw(port, channel, message, password=None):
 
 
 class Node:
-    """One instance joined through Redis."""
+    """One instance joined through Redis: its streams (default: this
+    module's) on PostgreSQL, a handler, the Redis link (fast keepalive and
+    backoff unless ``link_options`` say otherwise)."""
 
-    def __init__(self, test, dsn, name, redis, consumer=None, endpoint=None):
+    def __init__(self, test, dsn, name, redis, consumer=None, endpoint=None, *,
+                 streams=STREAMS, server_name="hs.test", **link_options):
         self.test, self.dsn, self.name, self.redis = test, dsn, name, redis
         self.consumer = consumer
         self.endpoint = endpoint or redis.endpoint  # e.g. through a proxy
+        self.streams, self.server_name = streams, server_name
+        self.link_options = {"ping_interval": 0.5, "ping_timeout": 0.5, "initial_delay": 0.05,
+                             "max_delay": 0.3, **link_options}
 
     async def start(self):
         self.db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        self.registry = StreamRegistry(self.db, self.name, STREAMS, reactor=reactor)
+        self.registry = StreamRegistry(self.db, self.name, self.streams, reactor=reactor)
         await self.registry.start()
         consumers = [self.consumer] if self.consumer is not None else []
-        self.handler = ReplicationHandler(self.registry, self.name, "hs.test", consumers)
+        self.handler = ReplicationHandler(self.registry, self.name, self.server_name, consumers)
         self.handler.start()
         self.link = RedisReplication(
             reactor, RedisConfig(self.endpoint, self.redis.password), self.handler,
-            "hs.test", self.name, ping_interval=0.5, ping_timeout=0.5,
-            initial_delay=0.05, max_delay=0.3)
+            self.server_name, self.name, **self.link_options)
         self.link.startService()
         self.test.addCleanup(self.stop)
         return self

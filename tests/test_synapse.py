@@ -19,12 +19,11 @@ from replicator import synapse
 from replicator.config import (ConfigError, parse_database, parse_instance, parse_streams,
                                validate)
 from replicator.consumers import MemoryConsumer
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.redis import RedisReplication
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer, RedisServer
 from tests.support import until
+from tests.test_replication_redis import Node
 
 # Synapse's own cache invalidation table, as its schema creates it.
 SYNAPSE_CACHES_DDL = [
@@ -338,30 +337,11 @@ class SynapseChannelTests(TestCase):
         _pg(self.dsn, SYNAPSE_CACHES_DDL)
 
     async def node(self, name, consumer):
-        db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        registry = StreamRegistry(db, name, parse_streams([OWN, READER]), reactor=reactor)
-        await registry.start()
-        handler = ReplicationHandler(registry, name, "example.org", [consumer])
-        handler.start()
-        link = RedisReplication(
-            reactor, self.redis_config(), handler, "example.org", name,
-            ping_interval=0.5, ping_timeout=2, initial_delay=0.05, max_delay=0.3,
-            synapse_server_name="example.org")
-
-        async def stop():
-            handler.stop()
-            await link.stopService()
-            await handler.drain()
-            await registry.stop()
-            db.close()
-        link.startService()
-        self.addCleanup(stop)
-        await until(lambda: link.connected, timeout=30)
-        return registry, link
-
-    def redis_config(self):
-        from replicator.config import RedisConfig
-        return RedisConfig(self.redis.endpoint, self.redis.password)
+        node = await Node(self, self.dsn, name, self.redis, consumer,
+                          streams=parse_streams([OWN, READER]), server_name="example.org",
+                          ping_timeout=2, synapse_server_name="example.org").start()
+        await until(lambda: node.link.connected, timeout=30)
+        return node.registry, node.link
 
     async def test_synapse_hears_nothing_from_us_and_we_hear_synapse(self):
         synapse_side = ChannelRecorder(self.redis.port, ["example.org", "example.org/USER_IP"])

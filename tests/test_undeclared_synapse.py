@@ -17,21 +17,18 @@ import socket
 import threading
 import types
 
-from twisted.internet import reactor
 from twisted.internet import task
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from replicator.config import RedisConfig, parse_database, parse_streams
+from replicator.config import RedisConfig, parse_streams
 from replicator.consumers import MemoryConsumer
 from replicator.health import HealthMonitor
 from replicator.replication.commands import parse_line
-from replicator.replication.handler import ReplicationHandler
 from replicator.replication.redis import RedisReplication
-from replicator.storage.database import Database
-from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer, RedisServer
 from tests.support import until
+from tests.test_replication_redis import Node
 from tests.test_synapse import (
     OWN, READER, SYNAPSE_CACHES_DDL, ChannelRecorder, _pg, redis_call, tokens)
 
@@ -155,24 +152,10 @@ class UndeclaredSynapseTests(TestCase):
     async def node(self, name, consumer):
         """An instance with our own stream and a reader of Synapse's caches
         (as a preset would give it), without the ``synapse:`` section."""
-        db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        registry = StreamRegistry(db, name, parse_streams([OWN, READER]), reactor=reactor)
-        await registry.start()
-        handler = ReplicationHandler(registry, name, CHANNEL, [consumer])
-        handler.start()
-        link = RedisReplication(
-            reactor, RedisConfig(self.redis.endpoint, self.redis.password), handler, CHANNEL,
-            name, ping_interval=0.5, ping_timeout=2, initial_delay=0.05, max_delay=0.3)
-
-        async def stop():
-            handler.stop()
-            await link.stopService()
-            await handler.drain()
-            await registry.stop()
-            db.close()
-        link.startService()
-        self.addCleanup(stop)
-        return registry, link
+        node = await Node(self, self.dsn, name, self.redis, consumer,
+                          streams=parse_streams([OWN, READER]), server_name=CHANNEL,
+                          ping_timeout=2).start()
+        return node.registry, node.link
 
     async def marker(self, text):
         """Publish ``PING text`` and wait until the recorder has it: every
