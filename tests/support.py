@@ -117,3 +117,15 @@ async def write_randomly(stream, rng, written: dict, target: int, make_row,
         written["n"] += len(facts)
         if pause:
             await sleep(0)
+
+
+def recv_until(sock, *needles: bytes) -> bytes:
+    """What a blocking socket receives until one of ``needles`` is in it
+    (or the peer closes): the bytes received."""
+    received = b""
+    while not any(needle in received for needle in needles):
+        data = sock.recv(65536)
+        if not data:
+            break
+        received += data
+    return received

@@ -21,6 +21,7 @@ from twisted.web.server import NOT_DONE_YET
 from replicator.http.site import Site
 from replicator.replication.tcp import ReplicationServerFactory
 from tests.servers import PostgresServer
+from tests.support import recv_until
 from tests.test_peers import MasterHandler
 
 
@@ -219,12 +220,7 @@ class LockoutTests(TestCase):
         worker = socket.create_connection(("127.0.0.1", self.daemon.rep_port), timeout=10)
         self.sockets.append(worker)
         worker.sendall(b"NAME worker1\nPING 1\nREPLICATE\n")
-        received = b""
-        while b"POSITION caches master" not in received and b"ERROR" not in received:
-            data = worker.recv(65536)
-            if not data:
-                break
-            received += data
+        received = recv_until(worker, b"POSITION caches master", b"ERROR")
         self.assertNotIn(b"ERROR", received)
         self.assertIn(b"POSITION caches master", received)
 

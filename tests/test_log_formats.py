@@ -21,6 +21,7 @@ import urllib.request
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.servers import free_port, wait_for
+from tests.support import recv_until
 from tests.test_cli import CACHES, PY, SECRET, Daemon, base_config
 
 #: What must never appear in a line.
@@ -65,12 +66,7 @@ class LogFormatTests(SynchronousTestCase):
         # A replication client: names itself, then goes.
         with socket.create_connection(("127.0.0.1", rep_port), timeout=10) as sock:
             sock.sendall(b"NAME logtester\nREPLICATE\n")
-            received = b""
-            while b"POSITION" not in received and b"ERROR" not in received:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                received += chunk
+            recv_until(sock, b"POSITION", b"ERROR")
         # A malformed body: 400, and the access line says why.
         request = urllib.request.Request(
             daemon.http_base + "/_replicator/v1/streams/caches/facts", data=b'{"rows": [1,',
