@@ -632,6 +632,18 @@ def export_presets(node, dsn, workdir, venv_bin):
         + "; ".join(got) + ": each bound = Synapse's persisted position")
 
 
+def synapse_unharmed(check: str, synapse, redis, subscribers_before, errors_before: int = 0):
+    """Synapse logged no ERROR line since ``errors_before`` and its Redis
+    subscription never reconnected (its clients then are a superset)."""
+    errors = synapse.errors()[errors_before:]
+    if errors:
+        raise Failed(f"{check} Synapse logged {len(errors)} ERROR lines, first: {errors[0]}")
+    subscribers_after = synapse_subscribers(redis.port)
+    if not set(subscribers_before) <= set(subscribers_after):
+        raise Failed(f"{check} Synapse's Redis subscription reconnected: "
+                     f"{subscribers_before} -> {subscribers_after}")
+
+
 def undeclared_synapse(synapse, redis, dsn, workdir, venv_bin, nodes, subscribers_before):
     """(h) An instance that forgot the ``synapse:`` section publishes on
     Synapse's channel: it must see Synapse before harming it."""
@@ -649,13 +661,7 @@ def undeclared_synapse(synapse, redis, dsn, workdir, venv_bin, nodes, subscriber
     for i in range(20):
         app4.write("app_undeclared", [[f"u{i}"]])
     time.sleep(2)  # what app4 would have published has reached Synapse by now
-    errors = synapse.errors()[errors_before:]
-    if errors:
-        raise Failed(f"(h) Synapse logged {len(errors)} ERROR lines, first: {errors[0]}")
-    subscribers_after = synapse_subscribers(redis.port)
-    if not set(subscribers_before) <= set(subscribers_after):
-        raise Failed(f"(h) Synapse's Redis subscription reconnected: "
-                     f"{subscribers_before} -> {subscribers_after}")
+    synapse_unharmed("(h)", synapse, redis, subscribers_before, errors_before)
     with open(os.path.join(app4.dir, "stdout.log"), errors="replace") as f:
         told_lines = [line for line in f if "`synapse:`" in line]
     if len(told_lines) != 1:
@@ -784,13 +790,7 @@ def main() -> int:
             f"{len(positions_after)} stream_positions rows unchanged")
 
         # (b) Synapse's log and Redis subscription.
-        errors = synapse.errors()
-        if errors:
-            raise Failed(f"(b) Synapse logged {len(errors)} ERROR lines, first: {errors[0]}")
-        subscribers_after = synapse_subscribers(redis.port)
-        if not set(subscribers_before) <= set(subscribers_after):
-            raise Failed(f"(b) Synapse's Redis subscription reconnected: "
-                         f"{subscribers_before} -> {subscribers_after}")
+        synapse_unharmed("(b)", synapse, redis, subscribers_before)
         log(f"(b) Synapse logged no ERROR; its Redis subscription (client "
             f"{','.join(subscribers_before)}) never reconnected")
         undeclared_synapse(synapse, redis, dsn, workdir, venv_bin, nodes, subscribers_before)
