@@ -120,8 +120,14 @@ class ReplicationServerFactory(Factory):
         if policy is None:
             policy = PeerPolicy(reserved=local_names(handler))
         self.policy = policy
-        self.known_names = (frozenset(getattr(handler, "known_names", ()))
-                            | (policy.allowed_peers or frozenset())) - policy.reserved
+
+    @property
+    def known_names(self) -> frozenset:
+        """The names one live connection at a time may hold: the handler's
+        (the configured writers; a reload adds to them) and the policy's
+        ``allowed_peers``, less this instance's own names."""
+        return (frozenset(getattr(self.handler, "known_names", ()))
+                | (self.policy.allowed_peers or frozenset())) - self.policy.reserved
 
     def set_policy(self, policy: PeerPolicy) -> int:
         """Take ``policy`` (a reload): new connections are checked by it; an
@@ -129,8 +135,6 @@ class ReplicationServerFactory(Factory):
         is closed with ``ERROR <why>``, the others stay open untouched.
         Returns how many were closed."""
         self.policy = policy
-        self.known_names = (frozenset(getattr(self.handler, "known_names", ()))
-                            | (policy.allowed_peers or frozenset())) - policy.reserved
         closed = 0
         for conn in list(self.live):
             refusal = conn.refusal_under(policy)
