@@ -22,6 +22,7 @@ from twisted.logger import Logger
 
 from . import files, metrics, sdnotify
 from .config import ConfigError, InstanceConfig
+from .config.fields import one_line
 from .endpoint_strings import is_loopback
 from .health import HealthMonitor
 from .instance_metrics import InstanceMetrics
@@ -343,7 +344,7 @@ class Instance:
                     p.config = dataclasses.replace(p.config, replication=dataclasses.replace(
                         p.config.replication, client_ca=self.config.replication.client_ca))
                     log.error("reload: replication.listen: cannot read the TLS files: {error}; "
-                              "keeping the running ones", error=_one_line(e))
+                              "keeping the running ones", error=one_line(e)[:300])
                 else:
                     if tls.take(read_tls) and "replication.client_ca" not in p.applied:
                         p.applied.append("replication TLS files")
@@ -358,7 +359,7 @@ class Instance:
                     failed.append(key)
                     streams.pop(stream_config.name, None)
                     log.error("reload: {key}: cannot add stream {name}: {error}", key=key,
-                              name=stream_config.name, error=_one_line(e))
+                              name=stream_config.name, error=one_line(e)[:300])
                     continue
                 self.handler.stream_added(stream)
                 streams[stream_config.name] = stream_config
@@ -369,7 +370,7 @@ class Instance:
                 except Exception as e:
                     failed.append(f"{key}.writers")
                     log.error("reload: {key}.writers: cannot apply: {error}", key=key,
-                              error=_one_line(e))
+                              error=one_line(e)[:300])
                     continue
                 self.handler.writers_changed(stream, old_writers)
                 streams[stream_config.name] = stream_config
@@ -407,7 +408,3 @@ class Instance:
             metrics.remove_source(self.live_metrics)
         self.db.close()
         said("instance {name} stopped", name=self.config.instance_name)
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join((str(e) or type(e).__name__).split())[:300]

@@ -19,7 +19,7 @@ import ipaddress
 from typing import Mapping, Optional
 
 from ..endpoint_strings import Endpoint, parse
-from .fields import ConfigError, did_you_mean, get_str
+from .fields import ConfigError, did_you_mean, get_str, one_line
 
 #: Server types with a port (positional or ``port=``), an interface and a backlog.
 _PORT_SERVERS = ("tcp", "tcp6", "ssl")
@@ -46,7 +46,7 @@ def get_endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[s
         else:
             _check_client(parsed)
     except ValueError as e:
-        raise ConfigError(path, f"cannot parse endpoint {value!r}: {_one_line(e)}") from None
+        raise ConfigError(path, f"cannot parse endpoint {value!r}: {one_line(e)}") from None
     except _Unusable as e:
         raise ConfigError(path, str(e)) from None
     return value
@@ -54,10 +54,6 @@ def get_endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[s
 
 class _Unusable(Exception):
     """A field Twisted would accept but no listen or connect could use."""
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join((str(error) or type(error).__name__).split())
 
 
 #: The keyword options of the endpoint types an operator writes (Twisted's

@@ -76,6 +76,11 @@ def no_unknown(section: Mapping, allowed, key: str) -> None:
             raise ConfigError(f"{prefix}{_key_name(name)}", "unknown key" + did_you_mean(name, allowed))
 
 
+def one_line(error: BaseException) -> str:
+    """An exception's text on one line (its type's name if it has none)."""
+    return " ".join((str(error) or type(error).__name__).split())
+
+
 def did_you_mean(name: Any, allowed) -> str:
     """`` (did you mean 'x'?)`` for the one allowed key closest to
     ``name``, or "" when none is close."""

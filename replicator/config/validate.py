@@ -16,7 +16,7 @@ from typing import Optional
 from twisted.internet import endpoints
 
 from ..endpoint_strings import parse
-from .fields import ConfigError
+from .fields import ConfigError, one_line
 from .instance import MIN_SECRET
 from .model import HttpConfig, InstanceConfig, ReplicationConfig
 
@@ -88,5 +88,4 @@ def _build(reactor, value: str, path: str, kind: str) -> Optional[object]:
             return endpoints.serverFromString(reactor, value)
         return endpoints.clientFromString(reactor, value)
     except Exception as e:  # Twisted raises several types for bad strings and files
-        detail = " ".join((str(e) or type(e).__name__).split())
-        raise ConfigError(path, f"cannot parse endpoint {value!r}: {detail}") from None
+        raise ConfigError(path, f"cannot parse endpoint {value!r}: {one_line(e)}") from None
