@@ -5,4 +5,4 @@
 page and the ``replicator_build_info`` metric.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
