@@ -74,7 +74,7 @@ class Bookkeeping:
         self.max_age = max_age
         self.user_syncs: Dict[str, Dict[User, int]] = {}
         self.federation_acks: Dict[str, int] = {}
-        self.user_ips: Dict[User, dict] = {}
+        self.user_ips: Dict[User, Dict[Any, Any]] = {}
         # Update order and time of each table's entries, oldest first.
         self._sync_order: Dict[Tuple[str, User], None] = {}
         self._ack_times: Dict[str, float] = {}
@@ -258,7 +258,7 @@ def _name(conn: Optional[IReplicationConnection]) -> Optional[str]:
     return conn.instance_name
 
 
-def _put(table: dict, times: dict, key, value, now: float, limit: int, name: str) -> None:
+def _put(table: Dict[Any, Any], times: Dict[Any, Any], key, value, now: float, limit: int, name: str) -> None:
     """Set ``table[key]`` as its newest entry, making room if full."""
     if times.pop(key, None) is None:
         while len(times) >= limit:

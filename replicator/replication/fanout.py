@@ -43,7 +43,7 @@ log = Logger()
 
 Key = Tuple[str, str]
 Broadcast = Callable[[List[bytes], str], None]
-SendUpdates = Callable[[str, str, int, List[Tuple[int, list]], int], None]
+SendUpdates = Callable[[str, str, int, List[Tuple[int, List[Any]]], int], None]
 
 
 class Fanout:
@@ -135,7 +135,7 @@ class Fanout:
         self.advanced(stream, writer)
 
     def send_updates(self, stream_name: str, writer: str, prev: int,
-                     updates: List[Tuple[int, list]], upto: int) -> None:
+                     updates: List[Tuple[int, List[Any]]], upto: int) -> None:
         """Write rows ``(prev, upto]`` of a local writer to every connection.
 
         ``updates`` are ``(token, row)`` pairs in ascending token order.
@@ -157,7 +157,7 @@ class Fanout:
         self.announced[key] = upto
 
     def _within_bounds(self, stream_name: str, writer: str,
-                       updates: List[Tuple[int, list]]) -> List[bytes]:
+                       updates: List[Tuple[int, List[Any]]]) -> List[bytes]:
         """The lines of ``updates``, fact by fact, each fact too big for a
         receiver replaced by ``POSITION t t``."""
         out = EncodedLines()

@@ -272,7 +272,7 @@ class ReplicationHandler:
 
     # ------------------------------------------------------------- fan-out
     def send_updates(self, stream_name: str, writer: str, prev: int,
-                     updates: List[Tuple[int, list]], upto: int) -> None:
+                     updates: List[Tuple[int, List[Any]]], upto: int) -> None:
         """Write rows ``(prev, upto]`` of a local writer to every connection
         (see :meth:`.Fanout.send_updates`)."""
         self.fanout.send_updates(stream_name, writer, prev, updates, upto)

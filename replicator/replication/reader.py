@@ -107,7 +107,7 @@ class Reader:
         self.retry_delay = retry_delay
         self.queue: Deque[tuple] = deque()
         self.busy = False
-        self._batches: Dict[Any, list] = {}  # conn -> rows (or lines) of the fact under way
+        self._batches: Dict[Any, List[Any]] = {}  # conn -> rows (or lines) of the fact under way
         self._positioned: Set[Any] = set()  # connections with a POSITION seen
         self._retry = None
         self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
@@ -159,7 +159,7 @@ class Reader:
         self._positioned.discard(conn)
 
     # ------------------------------------------------------------ pipeline
-    def _enqueue(self, item: tuple) -> None:
+    def _enqueue(self, item: Tuple[Any, ...]) -> None:
         self.queue.append(item)
         if not self.busy:
             self.busy = True
@@ -189,7 +189,7 @@ class Reader:
             self.busy = True
             self._background.run("reader", self._drain())
 
-    async def _apply(self, item: tuple) -> None:
+    async def _apply(self, item: Tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == "rdata":
             _, token, rows = item
@@ -246,7 +246,7 @@ class Reader:
             if pending is not None:
                 pending.addErrback(lambda _: None)  # read ahead, not needed any more
 
-    def _read(self, since: int, until: int) -> defer.Deferred:
+    def _read(self, since: int, until: int) -> defer.Deferred[Any]:
         return defer.maybeDeferred(self._source, self.writer, since, until, self.fetch_limit
                                    ).addCallback(_resolved)
 

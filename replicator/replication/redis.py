@@ -141,7 +141,7 @@ class _Link:
 
     last_data = 0.0
     lost = False
-    readying: Optional[defer.Deferred] = None
+    readying: Optional[defer.Deferred[Any]] = None
     healthy_call = None
 
     def dataReceived(self, data, *args):

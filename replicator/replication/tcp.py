@@ -78,7 +78,7 @@ class ConnectionSettings:
     max_queued_bytes: int = MAX_QUEUED_BYTES
     idle_timeout: float = IDLE_TIMEOUT
 
-    def kwargs(self) -> dict:
+    def kwargs(self) -> Dict[Any, Any]:
         return dict(
             max_line_length=self.max_line_length, ping_interval=self.ping_interval,
             ping_timeout=self.ping_timeout, max_queued_lines=self.max_queued_lines,

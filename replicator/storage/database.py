@@ -9,14 +9,18 @@ into sqlite3's ``?`` style.  ``GREATEST`` is spelled by :attr:`Database.greatest
 import os
 import select
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from twisted.enterprise import adbapi
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from .. import files
 from ..config import DatabaseConfig
 from .transactions import TransactionQueue
+
+#: A DB-API cursor, as a transaction function receives it (psycopg2 or sqlite3).
+Cursor = Any
 
 log = Logger()
 
@@ -164,14 +168,15 @@ class Database:
         """``text`` in this engine's placeholder style."""
         return text if self.engine == "postgres" else _qmark(text)
 
-    def runInteraction(self, fn, *args, **kwargs):
+    def runInteraction(self, fn: Callable[..., Any], *args: Any,
+                       **kwargs: Any) -> "defer.Deferred[Any]":
         """Run ``fn(txn, ...)`` in one transaction in a pool thread."""
         return self.pool.runInteraction(fn, *args, **kwargs)
 
-    def runQuery(self, text: str, *args):
+    def runQuery(self, text: str, *args: Any) -> "defer.Deferred[Any]":
         return self.pool.runQuery(self.sql(text), *args)
 
-    def runOperation(self, text: str, *args):
+    def runOperation(self, text: str, *args: Any) -> "defer.Deferred[Any]":
         return self.pool.runOperation(self.sql(text), *args)
 
     def close(self) -> None:

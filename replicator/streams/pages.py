@@ -21,7 +21,7 @@ from ..config import StreamConfig
 from ..storage.database import Database
 from .rows import reader
 
-Update = Tuple[int, list]
+Update = Tuple[int, List[Any]]
 Fact = Tuple[int, List[list]]
 Page = Tuple[List[Update], int, bool]
 FactPage = Tuple[List[Fact], int, bool]

@@ -28,7 +28,7 @@ Invariants:
 
 import threading
 from collections import deque
-from typing import Callable, Deque, Dict, Optional
+from typing import Callable, Deque, Dict, Optional, Tuple
 
 from twisted.internet import defer
 from twisted.python.failure import Failure
@@ -36,7 +36,7 @@ from twisted.python.failure import Failure
 from ..storage.database import Database
 
 #: ``read(cursor, writer, since, until, limit)`` -> ``(facts, upto, limited)``
-ReadPage = Callable[..., tuple]
+ReadPage = Callable[..., Tuple[Any, ...]]
 
 
 class _Run:
@@ -50,7 +50,7 @@ class _Run:
         self.slots = threading.Semaphore(ahead)
         self.stopped = False  # set by the reactor: the run reads nothing more
         self.pages: Deque[object] = deque()  # pages (or a Failure) read, not yet asked for
-        self.waiting: Optional[defer.Deferred] = None  # a request ahead of the pages
+        self.waiting: Optional[defer.Deferred[Any]] = None  # a request ahead of the pages
         self.ended = False  # the pool thread is done with this run
         self.failed = False  # a read failed (set by the pool thread)
 
@@ -67,7 +67,7 @@ class ReadAhead:
     its pages to the reactor thread.  One run at a time per writer.
     """
 
-    def __init__(self, db: Database, read: ReadPage, call_from_thread: Callable,
+    def __init__(self, db: Database, read: ReadPage, call_from_thread: Callable[..., Any],
                  run_pages: int = 16, ahead: int = 2, wait: float = 0.2):
         self._db = db
         self._read = read
@@ -77,7 +77,7 @@ class ReadAhead:
         self.wait = wait
         self._runs: Dict[str, _Run] = {}
 
-    def page(self, writer: str, since: int, until: int, limit: int) -> defer.Deferred:
+    def page(self, writer: str, since: int, until: int, limit: int) -> defer.Deferred[Any]:
         """The page ``(facts, upto, limited)`` of ``writer`` after ``since``."""
         run = self._runs.get(writer)
         if run is None or not run.expects(since, until, limit):
@@ -93,7 +93,7 @@ class ReadAhead:
         return run.waiting
 
     # ------------------------------------------------------------- reactor
-    def _take(self, run: _Run, item) -> defer.Deferred:
+    def _take(self, run: _Run, item) -> defer.Deferred[Any]:
         """``item`` as the answer to the request it was read for."""
         if isinstance(item, Failure):
             self._stop(run)

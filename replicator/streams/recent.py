@@ -16,9 +16,9 @@ the table.  Memory is bounded: past ``MAX`` facts of a writer, the older
 half is forgotten.
 """
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-Update = Tuple[int, list]
+Update = Tuple[int, List[Any]]
 
 
 class RecentFacts:
@@ -32,7 +32,7 @@ class RecentFacts:
         self._sole_writer = sole_writer
         self.facts: Dict[str, Dict[int, List[list]]] = {w: {} for w in writers}
         self._floor: Dict[str, int] = {w: 0 for w in self.facts}
-        self._unknown: Dict[str, set] = {w: set() for w in self.facts}
+        self._unknown: Dict[str, Set[Any]] = {w: set() for w in self.facts}
 
     def start(self, floors: Dict[str, int]) -> None:
         """Keep facts from now on, above each writer's current token

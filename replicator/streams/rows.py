@@ -141,7 +141,7 @@ def json_problem(value: Any) -> Optional[str]:
     return None
 
 
-def _encoded_size(row: list) -> int:
+def _encoded_size(row: List[Any]) -> int:
     """The size of ``row`` as the wire encodes it (orjson, or the standard
     library for what orjson refuses, e.g. integers beyond 64 bits)."""
     try:
@@ -150,7 +150,7 @@ def _encoded_size(row: list) -> int:
         return len(json.dumps(row, separators=(",", ":"), allow_nan=False))
 
 
-def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[tuple], list]]:
+def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[tuple], List[Any]]]:
     """A function shaping a database row (row columns only) into a wire row.
 
     None when the database already returns wire values (PostgreSQL decodes
@@ -165,7 +165,7 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
     if not fixes:
         return None
 
-    def shape(values) -> list:
+    def shape(values) -> List[Any]:
         row = list(values)
         for i, fn in fixes:
             if row[i] is not None:
