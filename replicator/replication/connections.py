@@ -36,7 +36,7 @@ class ConnState:
 
     __slots__ = ("replicating", "label", "counters", "since")
 
-    def __init__(self, replicating: bool, label: str, since: float = 0.0):
+    def __init__(self, replicating: bool, label: str, since: float = 0.0) -> None:
         self.replicating = replicating  # receives fan-out
         self.label = label  # metrics label: the peer's NAME, "unnamed", "upstream", "redis"
         self.counters: Dict[Tuple[Any, str], Any] = {}  # (metric, command) -> metric child

@@ -19,7 +19,7 @@ Invariants:
   already have, so a page handed on again after a failure is no duplicate.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from twisted.internet import defer
 
@@ -28,6 +28,7 @@ from ..consumers import Consumer
 from ..consumers.base import IBatchConsumer
 from ..streams.stream import Stream
 from .reader import Reader, maybe_await
+from twisted.internet.interfaces import IReactorTime
 
 Fact = Tuple[int, List[list]]
 
@@ -38,7 +39,7 @@ def consumers_for(consumers: Sequence[Consumer], stream_name: str) -> List[Consu
 
 
 def make_reader(stream: Stream, writer: str, position: Optional[int],
-                consumers: Sequence[Consumer], *, clock, fetch_limit: int,
+                consumers: Sequence[Consumer], *, clock: IReactorTime, fetch_limit: int,
                 retry_delay: float, background: Background) -> Reader:
     """The reader of ``writer``'s facts on ``stream`` from ``position``,
     handing them to those of ``consumers`` that take the stream, and moving
@@ -81,14 +82,14 @@ def _deliver_page(consumers: Sequence[Consumer], name: str, writer: str, facts: 
     return None
 
 
-async def _page_rest(result, consumers, name, writer, facts) -> None:
+async def _page_rest(result: Any, consumers: Sequence[Consumer], name: str, writer: str, facts: Any) -> None:
     """Wait for a consumer's answer, then hand the page to the ones after it."""
     await maybe_await(result)
     for consumer in consumers:
         await maybe_await(consumer.on_facts_many(name, writer, facts))
 
 
-async def _facts_rest(result, consumers, name, writer, token, rows) -> None:
+async def _facts_rest(result: Any, consumers: Sequence[Consumer], name: str, writer: str, token: int, rows: Sequence[Sequence[Any]]) -> None:
     """Wait for a consumer's answer, then hand the fact to the ones after it."""
     await maybe_await(result)
     for consumer in consumers:

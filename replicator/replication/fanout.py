@@ -38,6 +38,7 @@ from ..streams.stream import Stream
 from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
 from .fields import MAX_DECODED_PER_BYTE, decoded_size
 from .wire import EncodedLines, encode_position_line, encode_rdata_lines, joined
+from twisted.internet.interfaces import IReactorTime
 
 log = Logger()
 
@@ -55,11 +56,11 @@ class Fanout:
     ``send_updates`` so it can be observed).
     """
 
-    def __init__(self, broadcast: Broadcast, clock, fetch_limit: int = 1000,
+    def __init__(self, broadcast: Broadcast, clock: IReactorTime, fetch_limit: int = 1000,
                  max_line_length: int = 0, retry_delay: float = 1.0,
                  fanout_interval: float = 0.003, send: SendUpdates = None,
                  max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 background: Background = None):
+                 background: Background = None) -> None:
         self._broadcast = broadcast
         self._background = background if background is not None else Background()
         self._clock = clock

@@ -109,7 +109,7 @@ class LineConnection(Protocol):
     def __init__(self, handler: IReplicationHandler, *, clock: IReactorTime,
                  max_line_length: int = MAX_LINE_LENGTH, ping_interval: float = PING_INTERVAL,
                  ping_timeout: float = PING_TIMEOUT, max_queued_lines: int = MAX_QUEUED_LINES,
-                 max_queued_bytes: int = MAX_QUEUED_BYTES, idle_timeout: float = IDLE_TIMEOUT):
+                 max_queued_bytes: int = MAX_QUEUED_BYTES, idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.handler = handler
         self._clock = clock
         self.MAX_LENGTH = max_line_length

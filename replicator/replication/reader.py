@@ -46,6 +46,7 @@ from ..background import Background
 from ..backoff import Outage
 from .commands import rdata_row
 from .interfaces import IReplicationConnection
+from twisted.internet.interfaces import IReactorTime
 
 log = Logger()
 
@@ -84,14 +85,14 @@ class Reader:
         position: Optional[int],
         source: Source,
         deliver: Callable[[int, List[list]], Any],
-        clock,
+        clock: IReactorTime,
         deliver_many: Optional[Callable[[List[Tuple[int, List[list]]]], Any]] = None,
         reached: Optional[Callable[[int], Any]] = None,
         advanced: Optional[Callable[[int], None]] = None,
         fetch_limit: int = 1000,
         retry_delay: float = 1.0,
         background: Optional[Background] = None,
-    ):
+    ) -> None:
         self.stream_name = stream_name
         self._background = background if background is not None else Background()
         self.writer = writer
@@ -304,14 +305,14 @@ class Reader:
 _rows_of = itemgetter(1)
 
 
-def _resolved(result):
+def _resolved(result: Any):
     """A source may be an ``async def``: its coroutine, run to its value."""
     if hasattr(result, "__await__") and not isinstance(result, defer.Deferred):
         return defer.ensureDeferred(result)
     return result
 
 
-async def maybe_await(result):
+async def maybe_await(result: Any):
     """``result``, awaited first if it is a Deferred or an awaitable."""
     if isinstance(result, defer.Deferred) or hasattr(result, "__await__"):
         return await result

@@ -59,7 +59,7 @@ readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
 """
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import txredisapi
 from twisted.application.service import MultiService
@@ -78,6 +78,7 @@ from ..logs import printable
 from .commands import Command, ReplicateCommand, parse_line
 from .interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
 from .synapse_watch import SynapseWatch
+from twisted.internet.interfaces import IReactorTime
 
 log = Logger()
 
@@ -109,23 +110,23 @@ class _RedisFactory(Factory):
     noisy = False
     isLazy = False
 
-    def __init__(self, protocol_class, config: RedisConfig, owner: "RedisReplication",
-                 role: str):
+    def __init__(self, protocol_class: Any, config: RedisConfig, owner: "RedisReplication",
+                 role: str) -> None:
         self.protocol_class = protocol_class
         self.config = config
         self.owner = owner
         self.role = role
 
-    def buildProtocol(self, addr):
+    def buildProtocol(self, addr: Any):
         p = self.protocol_class(password=self.config.password, dbid=self.config.dbid,
                                 replyTimeout=None)
         p.factory = self
         return p
 
-    def stopTrying(self):
+    def stopTrying(self) -> None:
         """txredisapi asks us to stop after an AUTH/SELECT failure: we don't."""
 
-    def connectionError(self, why: str):
+    def connectionError(self, why: str) -> None:
         """txredisapi's word that AUTH or SELECT failed (it closes the
         connection): counted, logged, retried."""
         metrics.REDIS_AUTH_REFUSED.labels(self.role).inc()
@@ -144,7 +145,7 @@ class _Link:
     readying: Optional[defer.Deferred[Any]] = None
     healthy_call = None
 
-    def dataReceived(self, data, *args):
+    def dataReceived(self, data: bytes, *args: Any):
         self.last_data = self.factory.owner.clock.seconds()
         return super().dataReceived(data, *args)
 
@@ -154,7 +155,7 @@ class _Link:
         self.factory.owner.link_made(self)
         return result
 
-    def connectionLost(self, why):
+    def connectionLost(self, why: str) -> None:
         self.lost = True
         self.factory.owner.link_lost(self)
         super().connectionLost(why)
@@ -163,7 +164,7 @@ class _Link:
 class _Subscriber(_Link, txredisapi.SubscriberProtocol):
     role = "subscriber"
 
-    def messageReceived(self, pattern, channel, message):
+    def messageReceived(self, pattern: str, channel: str, message: Any) -> None:
         self.factory.owner.message_received(self, channel, message)
 
 
@@ -190,7 +191,7 @@ class RedisConnection:
     #: No one transport: the subscriber and the publisher are the owner's.
     transport = None
 
-    def __init__(self, owner: IRedisBus):
+    def __init__(self, owner: IRedisBus) -> None:
         self._owner = owner
         self.closed = False
         #: The message being dispatched (bytes, no newline).
@@ -227,13 +228,13 @@ class RedisConnection:
 class RedisReplication(MultiService):
     """Joins replication through Redis; ``connected`` tells whether it is in."""
 
-    def __init__(self, reactor, config: RedisConfig, handler: IReplicationHandler,
+    def __init__(self, reactor: Any, config: RedisConfig, handler: IReplicationHandler,
                  server_name: str, instance_name: str, ping_interval: float = 10.0,
                  ping_timeout: float = 5.0,
                  initial_delay: float = RECONNECT_INITIAL_DELAY,
-                 max_delay: float = RECONNECT_MAX_DELAY, clock=None,
+                 max_delay: float = RECONNECT_MAX_DELAY, clock: IReactorTime=None,
                  synapse_server_name: Optional[str] = None,
-                 synapse_probe: float = SYNAPSE_PROBE):
+                 synapse_probe: float = SYNAPSE_PROBE) -> None:
         super().__init__()
         self.reactor = reactor
         #: Times pings, readiness, health and reconnect delays (default: reactor).
@@ -298,7 +299,7 @@ class RedisReplication(MultiService):
         return self.watch.evidence if self.watch is not None else None
 
     # ---------------------------------------------------------- lifecycle
-    def startService(self):
+    def startService(self) -> None:
         super().startService()
         self._pinger.start(self.ping_interval, now=False)
 
@@ -309,7 +310,7 @@ class RedisReplication(MultiService):
         return super().stopService()
 
     # ---------------------------------------------------------- readiness
-    def link_made(self, protocol) -> None:
+    def link_made(self, protocol: Any) -> None:
         """A TCP connection is up (ClientService counts it as connected):
         get it ready in the background.  Failing that, close it; the
         disconnect makes ClientService try again after its backoff."""
@@ -317,7 +318,7 @@ class RedisReplication(MultiService):
         protocol.readying = d
         d.addErrback(self._not_ready, protocol)
 
-    async def _get_ready(self, protocol) -> None:
+    async def _get_ready(self, protocol: Any) -> None:
         # AUTH and SELECT succeeded (a failure closes the connection, and
         # link_lost cancels this).
         ready = protocol.whenConnected()
@@ -341,7 +342,7 @@ class RedisReplication(MultiService):
         protocol.healthy_call = self.clock.callLater(self.ping_interval, self._healthy, protocol)
         self._maybe_register()
 
-    def _not_ready(self, failure, protocol) -> None:
+    def _not_ready(self, failure: Failure, protocol: Any) -> None:
         protocol.readying = None
         if protocol.lost:
             return  # link_lost cancelled us; nothing more to do
@@ -351,7 +352,7 @@ class RedisReplication(MultiService):
         if protocol.transport is not None:
             protocol.transport.abortConnection()
 
-    def _healthy(self, protocol) -> None:
+    def _healthy(self, protocol: Any) -> None:
         """Ready and up for ``ping_interval``: the backoff starts over."""
         protocol.healthy_call = None
         if protocol.lost:
@@ -438,7 +439,7 @@ class RedisReplication(MultiService):
             conn.closed = True
             self.handler.lost_connection(conn, reason)
 
-    def link_lost(self, protocol) -> None:
+    def link_lost(self, protocol: Any) -> None:
         readying, protocol.readying = protocol.readying, None
         if readying is not None and not readying.called:
             readying.cancel()
@@ -514,7 +515,7 @@ class RedisReplication(MultiService):
                                    callbackArgs=(publisher, len(commands)),
                                    errbackArgs=(len(commands),))
 
-    def _published(self, reply, publisher, count: int) -> None:
+    def _published(self, reply: Any, publisher: Any, count: int) -> None:
         # txredisapi hands over error replies and a lost connection as values;
         # EXEC's answer is a list (one subscriber count per PUBLISH).
         if isinstance(reply, list):
@@ -527,13 +528,13 @@ class RedisReplication(MultiService):
         elif isinstance(reply, Exception):
             self._publish_failed(Failure(reply), count)
 
-    def _publish_failed(self, failure, count: int = 1) -> None:
+    def _publish_failed(self, failure: Failure, count: int = 1) -> None:
         # The facts are in the database: after the reconnect our POSITIONs
         # make every reader catch up.
         metrics.COMMANDS_DROPPED.labels("PUBLISH", "failed").inc(count)
         log.debug("redis: publish failed: {error}", error=failure.getErrorMessage())
 
-    def message_received(self, protocol, channel, message) -> None:
+    def message_received(self, protocol: Any, channel: str, message: Any) -> None:
         conn = self.conn
         if conn is None or protocol is not self.subscriber:
             # Not registered yet (REPLICATE will catch us up), or buffered
@@ -587,14 +588,14 @@ class RedisReplication(MultiService):
             if protocol is not None:
                 self._ping_one(protocol)
 
-    def _ping_one(self, protocol) -> None:
+    def _ping_one(self, protocol: Any) -> None:
         try:
             d = protocol.ping()
         except txredisapi.ConnectionError:
             return  # going away; connectionLost does the rest
         d.addTimeout(self.ping_timeout, self.clock)
 
-        def failed(failure):
+        def failed(failure: Failure) -> None:
             if self.clock.seconds() - protocol.last_data < self.ping_timeout:
                 return  # busy, not dead: the answer waits behind data still arriving
             log.warn("redis: PING failed ({error}); replacing the connection",

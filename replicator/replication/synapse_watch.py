@@ -40,7 +40,7 @@ class SynapseWatch:
     with the ``synapse:`` section).
     """
 
-    def __init__(self, channel: str, own_streams: Iterable[str]):
+    def __init__(self, channel: str, own_streams: Iterable[str]) -> None:
         self.channel = channel
         #: Synapse's streams no config of ours defines here.
         self.proving_streams = synapse.STREAM_NAMES - set(own_streams)

@@ -33,7 +33,7 @@ So at most ``max_unidentified + max_connections`` + the known names are open.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Set
+from typing import Any, Dict, Optional, Set
 
 from twisted.internet import endpoints
 from twisted.internet.protocol import Factory
@@ -51,6 +51,7 @@ from .peers import PeerPolicy, local_names
 from .link import (CONNECTION_LOST, IDLE_TIMEOUT, MAX_QUEUED_BYTES, MAX_QUEUED_LINES,
                    PING_INTERVAL, PING_TIMEOUT, REFUSED, REMOTE_ERROR)
 from .protocol import ClientReplicationProtocol, ServerReplicationProtocol
+from twisted.internet.interfaces import IReactorTime
 
 log = Logger()
 
@@ -101,10 +102,10 @@ class ReplicationServerFactory(Factory):
 
     def __init__(self, handler: IReplicationHandler, server_name: str,
                  settings: ConnectionSettings = None, *,
-                 clock, policy: PeerPolicy = None, max_connections: int = MAX_CONNECTIONS,
+                 clock: IReactorTime, policy: PeerPolicy = None, max_connections: int = MAX_CONNECTIONS,
                  max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                  max_unidentified: int = MAX_UNIDENTIFIED,
-                 identify_timeout: float = IDENTIFY_TIMEOUT):
+                 identify_timeout: float = IDENTIFY_TIMEOUT) -> None:
         self.handler = handler
         self.server_name = server_name
         self.settings = settings or ConnectionSettings()
@@ -143,7 +144,7 @@ class ReplicationServerFactory(Factory):
                 conn.close(REFUSED, refusal, log_text=f"{refusal} (config reloaded)")
         return closed
 
-    def buildProtocol(self, addr):
+    def buildProtocol(self, addr: Any):
         while self.crowd.unidentified >= self.max_unidentified:
             oldest = self.crowd.oldest_unidentified()
             self.crowd.leave(oldest)
@@ -197,7 +198,7 @@ class ReplicationServerFactory(Factory):
                      "connections (counted in replicator_connections_refused_total)",
                      key=key, n=n)
 
-    def _lost(self, protocol) -> None:
+    def _lost(self, protocol: Any) -> None:
         self.live.discard(protocol)
         self.crowd.leave(protocol)
         name = protocol.instance_name
@@ -212,8 +213,8 @@ class ReplicationClientFactory(Factory):
     noisy = False
 
     def __init__(self, handler: IReplicationHandler, client_name: str, server_name: str,
-                 settings: ConnectionSettings = None, *, clock,
-                 backoff: Optional[Backoff] = None):
+                 settings: ConnectionSettings = None, *, clock: IReactorTime,
+                 backoff: Optional[Backoff] = None) -> None:
         self.handler = handler
         self.client_name = client_name
         self.server_name = server_name
@@ -222,7 +223,7 @@ class ReplicationClientFactory(Factory):
         self.backoff = backoff
         self.current: Optional[ClientReplicationProtocol] = None
 
-    def buildProtocol(self, addr):
+    def buildProtocol(self, addr: Any):
         on_healthy = self.backoff.reset if self.backoff is not None else None
         p = ClientReplicationProtocol(
             self.handler, self.client_name, self.server_name, on_healthy=on_healthy,
@@ -258,8 +259,8 @@ class UpstreamService(ReconnectingService):
     was accepted but stays silent is not connected, and is closed after
     ``ping_timeout``)."""
 
-    def __init__(self, endpoint, factory: ReplicationClientFactory, backoff: Backoff, *,
-                 clock, where: str = "", on_retry=None):
+    def __init__(self, endpoint: Any, factory: ReplicationClientFactory, backoff: Backoff, *,
+                 clock: IReactorTime, where: str = "", on_retry: Any=None) -> None:
         super().__init__(endpoint, factory, backoff, clock=clock, what="upstream",
                          where=where, lost_reason=factory.lost_reason, on_retry=on_retry)
         self.replication_factory = factory
@@ -269,11 +270,11 @@ class UpstreamService(ReconnectingService):
         return self.replication_factory.connected
 
 
-def upstream_service(reactor, endpoint: str, handler: IReplicationHandler, client_name: str,
+def upstream_service(reactor: Any, endpoint: str, handler: IReplicationHandler, client_name: str,
                      server_name: str, settings: ConnectionSettings = None,
                      initial_delay: float = RECONNECT_INITIAL_DELAY,
-                     max_delay: float = RECONNECT_MAX_DELAY, clock=None, wrap_endpoint=None,
-                     on_retry=None) -> UpstreamService:
+                     max_delay: float = RECONNECT_MAX_DELAY, clock: IReactorTime=None, wrap_endpoint: Any=None,
+                     on_retry: Any=None) -> UpstreamService:
     """A service that keeps one connection to the upstream server, forever.
 
     ``reactor`` makes the connections; ``clock`` (default: the reactor)

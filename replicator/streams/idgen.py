@@ -87,7 +87,7 @@ class _WriterState:
 
     __slots__ = ("position", "inflight", "live", "blocked")
 
-    def __init__(self, position: int):
+    def __init__(self, position: int) -> None:
         self.position = position
         self.inflight: List[int] = []
         self.live: Set[int] = set()
@@ -143,7 +143,7 @@ class StreamIdGenerator:
         positions: Dict[str, int],
         local_writers: Iterable[str],
         call_from_thread: Optional[Callable] = None,
-    ):
+    ) -> None:
         self.name = name
         local = list(local_writers)
         for w in local:

@@ -16,7 +16,7 @@ the table.  Memory is bounded: past ``MAX`` facts of a writer, the older
 half is forgotten.
 """
 
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 Update = Tuple[int, List[Any]]
 
@@ -27,7 +27,7 @@ class RecentFacts:
     #: Facts kept per writer at most; past it the older half is dropped.
     MAX = 50_000
 
-    def __init__(self, writers: Iterable[str], sole_writer: bool):
+    def __init__(self, writers: Iterable[str], sole_writer: bool) -> None:
         self.active = False
         self._sole_writer = sole_writer
         self.facts: Dict[str, Dict[int, List[list]]] = {w: {} for w in writers}

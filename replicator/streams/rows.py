@@ -77,7 +77,7 @@ class WireRowCheck:
 
     _EXACT = {"text": str, "bigint": int, "boolean": bool, "json": None}
 
-    def __init__(self, columns: Sequence[ColumnConfig]):
+    def __init__(self, columns: Sequence[ColumnConfig]) -> None:
         self.columns = list(columns)
         self.width = len(self.columns)
         self._fast = [(i, self._EXACT[c.type], c.nullable) for i, c in enumerate(self.columns)]
@@ -165,7 +165,7 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
     if not fixes:
         return None
 
-    def shape(values) -> List[Any]:
+    def shape(values: Any) -> List[Any]:
         row = list(values)
         for i, fn in fixes:
             if row[i] is not None:
@@ -175,7 +175,7 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
     return shape
 
 
-def _json_text(value):
+def _json_text(value: Any):
     """JSON kept in a TEXT column (e.g. Synapse's ``receipts_linearized.data``);
     PostgreSQL hands JSON columns over decoded already."""
     return orjson.loads(value) if isinstance(value, str) else value
@@ -195,20 +195,20 @@ class RowCodec:
 
     _EXACT = {"text": str, "bigint": int, "boolean": bool}
 
-    def __init__(self, columns: Sequence[ColumnConfig]):
+    def __init__(self, columns: Sequence[ColumnConfig]) -> None:
         self.columns = list(columns)
         self.width = len(self.columns)
         self._typed = [(i, self._EXACT[c.type], c.nullable, c.type == "text")
                        for i, c in enumerate(self.columns) if c.type != "json"]
         self._json = [(i, c.nullable) for i, c in enumerate(self.columns) if c.type == "json"]
 
-    def _check(self, row, n: int) -> None:
+    def _check(self, row: Sequence[Any], n: int) -> None:
         try:
             check_rows(self.columns, [row])
         except RowError as e:
             raise RowError(f"row {n}{str(e)[len('row 0'):]}") from None
 
-    def prepare(self, facts, line_prefix: int = 0, max_line_length: Optional[int] = None
+    def prepare(self, facts: Any, line_prefix: int = 0, max_line_length: Optional[int] = None
                 ) -> "tuple[List[List[list]], List[List[list]]]":
         """``(wire, params)``: per fact, its rows as wire values and as
         statement parameters (JSON columns as JSON text).

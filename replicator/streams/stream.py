@@ -62,7 +62,7 @@ class Fact:
     the reserved ID as a fact with no rows.
     """
 
-    def __init__(self, stream: "Stream", writer: str):
+    def __init__(self, stream: "Stream", writer: str) -> None:
         self._stream = stream
         self.writer = writer
         self.rows: List[List[Any]] = []
