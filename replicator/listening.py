@@ -17,7 +17,7 @@ class ListeningService(Service):
     with the port once bound, or fails with :class:`StartupError` naming
     ``key`` (e.g. address in use)."""
 
-    def __init__(self, reactor, endpoint: str, factory, what: str, client_ca: str = None,
+    def __init__(self, reactor, endpoint: str, factory, what: str, client_ca: Optional[str] = None,
                  key: str = "listen"):
         self._reactor = reactor
         self.key = key

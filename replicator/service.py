@@ -253,7 +253,7 @@ class Instance:
         log.info("instance {name} of {server} ready", name=config.instance_name,
                  server=config.server_name)
 
-    def _listen(self, endpoint: str, factory, what: str, client_ca: str = None,
+    def _listen(self, endpoint: str, factory, what: str, client_ca: Optional[str] = None,
                 key: str = "listen") -> None:
         service = ListeningService(self.reactor, endpoint, factory, what, client_ca, key)
         service.setServiceParent(self.services)

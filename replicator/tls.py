@@ -54,13 +54,13 @@ SSL_OPTIONS = frozenset({"port", "interface", "backlog", "privateKey", "certKey"
                          "extraCertChain"})
 
 
-def server_endpoint(reactor, endpoint: str, client_ca: str = None):
+def server_endpoint(reactor, endpoint: str, client_ca: Optional[str] = None):
     """A server endpoint from its string; ``ssl:`` with ``client_ca``
     requires client certificates signed by that CA."""
     return listener(reactor, endpoint, client_ca)[0]
 
 
-def listener(reactor, endpoint: str, client_ca: str = None):
+def listener(reactor, endpoint: str, client_ca: Optional[str] = None):
     """``(endpoint, tls)``: the server endpoint of ``endpoint`` and, for an
     ``ssl:`` listener, its :class:`ReloadableTls` (else None)."""
     if client_ca is not None and not endpoint.startswith("ssl:"):

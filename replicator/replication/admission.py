@@ -83,7 +83,7 @@ class _Gate:
 
     def __init__(self) -> None:
         # Commands waiting behind a claim: (key, stream, cmd, line, needed read).
-        self.held: Deque[tuple] = deque()
+        self.held: Deque[Tuple[Any, ...]] = deque()
         self.waiting = False
         # writer -> (stream, [rows, bytes, decoded]) of its partial batch here
         self.batches: Dict[str, Tuple[str, List[int]]] = {}

@@ -30,7 +30,7 @@ from ..streams.stream import Stream
 from .reader import Reader, maybe_await
 from twisted.internet.interfaces import IReactorTime
 
-Fact = Tuple[int, List[list]]
+Fact = Tuple[int, List[List[Any]]]
 
 
 def consumers_for(consumers: Sequence[Consumer], stream_name: str) -> List[Consumer]:
@@ -47,7 +47,7 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
     name = stream.name
     takers = consumers_for(consumers, name)
 
-    def deliver(token: int, rows: List[list]):
+    def deliver(token: int, rows: List[List[Any]]):
         for i, consumer in enumerate(takers):
             result = consumer.on_facts(name, writer, token, rows)
             if result is not None:

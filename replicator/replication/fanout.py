@@ -26,7 +26,7 @@ Invariants:
 """
 
 import time
-from typing import Any, Callable, Dict, List, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from twisted.logger import Logger
 
@@ -58,9 +58,9 @@ class Fanout:
 
     def __init__(self, broadcast: Broadcast, clock: IReactorTime, fetch_limit: int = 1000,
                  max_line_length: int = 0, retry_delay: float = 1.0,
-                 fanout_interval: float = 0.003, send: SendUpdates = None,
+                 fanout_interval: float = 0.003, send: Optional[SendUpdates] = None,
                  max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 background: Background = None) -> None:
+                 background: Optional[Background] = None) -> None:
         self._broadcast = broadcast
         self._background = background if background is not None else Background()
         self._clock = clock

@@ -84,7 +84,7 @@ class ReplicationHandler:
         consumers: Iterable[Consumer] = (),
         fetch_limit: int = 1000,
         max_line_length: int = MAX_LINE_LENGTH,
-        clock: IReactorTime=None,
+        clock: Optional[IReactorTime]=None,
         retry_delay: float = 1.0,
         fanout_interval: float = 0.003,
         max_batch_rows: int = MAX_BATCH_ROWS,

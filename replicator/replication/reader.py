@@ -50,7 +50,7 @@ from twisted.internet.interfaces import IReactorTime
 
 log = Logger()
 
-Fact = Tuple[int, List[list]]
+Fact = Tuple[int, List[List[Any]]]
 #: ``source(writer, from_token, to_token, limit)`` -> ``(facts, upto, limited)``:
 #: ``(token, rows)`` facts, whole, in token order (``Stream.facts_since``)
 Source = Callable[[str, int, int, int], Awaitable[Tuple[List[Fact], int, bool]]]
@@ -84,9 +84,9 @@ class Reader:
         writer: str,
         position: Optional[int],
         source: Source,
-        deliver: Callable[[int, List[list]], Any],
+        deliver: Callable[[int, List[List[Any]]], Any],
         clock: IReactorTime,
-        deliver_many: Optional[Callable[[List[Tuple[int, List[list]]]], Any]] = None,
+        deliver_many: Optional[Callable[[List[Tuple[int, List[List[Any]]]]], Any]] = None,
         reached: Optional[Callable[[int], Any]] = None,
         advanced: Optional[Callable[[int], None]] = None,
         fetch_limit: int = 1000,
@@ -106,7 +106,7 @@ class Reader:
         self._clock = clock
         self.fetch_limit = fetch_limit
         self.retry_delay = retry_delay
-        self.queue: Deque[tuple] = deque()
+        self.queue: Deque[Tuple[Any, ...]] = deque()
         self.busy = False
         self._batches: Dict[Any, List[Any]] = {}  # conn -> rows (or lines) of the fact under way
         self._positioned: Set[Any] = set()  # connections with a POSITION seen
@@ -275,7 +275,7 @@ class Reader:
             if last is not None and self._advanced is not None:
                 self._advanced(last)
 
-    async def _hand_on(self, token: int, rows: List[list]) -> None:
+    async def _hand_on(self, token: int, rows: List[List[Any]]) -> None:
         if self._stopping:
             raise Stopping()
         await maybe_await(self._deliver(token, rows))

@@ -232,7 +232,7 @@ class RedisReplication(MultiService):
                  server_name: str, instance_name: str, ping_interval: float = 10.0,
                  ping_timeout: float = 5.0,
                  initial_delay: float = RECONNECT_INITIAL_DELAY,
-                 max_delay: float = RECONNECT_MAX_DELAY, clock: IReactorTime=None,
+                 max_delay: float = RECONNECT_MAX_DELAY, clock: Optional[IReactorTime]=None,
                  synapse_server_name: Optional[str] = None,
                  synapse_probe: float = SYNAPSE_PROBE) -> None:
         super().__init__()

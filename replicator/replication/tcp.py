@@ -101,8 +101,8 @@ class ReplicationServerFactory(Factory):
     noisy = False
 
     def __init__(self, handler: IReplicationHandler, server_name: str,
-                 settings: ConnectionSettings = None, *,
-                 clock: IReactorTime, policy: PeerPolicy = None, max_connections: int = MAX_CONNECTIONS,
+                 settings: Optional[ConnectionSettings] = None, *,
+                 clock: IReactorTime, policy: Optional[PeerPolicy] = None, max_connections: int = MAX_CONNECTIONS,
                  max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                  max_unidentified: int = MAX_UNIDENTIFIED,
                  identify_timeout: float = IDENTIFY_TIMEOUT) -> None:
@@ -213,7 +213,7 @@ class ReplicationClientFactory(Factory):
     noisy = False
 
     def __init__(self, handler: IReplicationHandler, client_name: str, server_name: str,
-                 settings: ConnectionSettings = None, *, clock: IReactorTime,
+                 settings: Optional[ConnectionSettings] = None, *, clock: IReactorTime,
                  backoff: Optional[Backoff] = None) -> None:
         self.handler = handler
         self.client_name = client_name
@@ -271,9 +271,9 @@ class UpstreamService(ReconnectingService):
 
 
 def upstream_service(reactor: Any, endpoint: str, handler: IReplicationHandler, client_name: str,
-                     server_name: str, settings: ConnectionSettings = None,
+                     server_name: str, settings: Optional[ConnectionSettings] = None,
                      initial_delay: float = RECONNECT_INITIAL_DELAY,
-                     max_delay: float = RECONNECT_MAX_DELAY, clock: IReactorTime=None, wrap_endpoint: Any=None,
+                     max_delay: float = RECONNECT_MAX_DELAY, clock: Optional[IReactorTime]=None, wrap_endpoint: Any=None,
                      on_retry: Any=None) -> UpstreamService:
     """A service that keeps one connection to the upstream server, forever.
 

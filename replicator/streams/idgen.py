@@ -142,7 +142,7 @@ class StreamIdGenerator:
         name: str,
         positions: Dict[str, int],
         local_writers: Iterable[str],
-        call_from_thread: Optional[Callable] = None,
+        call_from_thread: Optional[Callable[..., Any]] = None,
     ) -> None:
         self.name = name
         local = list(local_writers)

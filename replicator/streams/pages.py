@@ -23,7 +23,7 @@ from .rows import reader
 from ..storage.database import Cursor
 
 Update = Tuple[int, List[Any]]
-Fact = Tuple[int, List[list]]
+Fact = Tuple[int, List[List[Any]]]
 Page = Tuple[List[Update], int, bool]
 FactPage = Tuple[List[Fact], int, bool]
 
@@ -32,7 +32,7 @@ def group(updates: Iterable[Update]) -> List[Fact]:
     """``(token, rows)`` per fact from ``(token, row)`` pairs in token order."""
     facts: List[Fact] = []
     current = None
-    rows: List[list] = []
+    rows: List[List[Any]] = []
     for token, row in updates:
         if token != current:
             rows = []
@@ -80,7 +80,7 @@ class PageQuery:
         facts: List[Fact] = []
         append = facts.append
         current = None
-        fact_rows: List[list] = []
+        fact_rows: List[List[Any]] = []
         if shape is None:
             shape = list
         for r in rows:

@@ -30,7 +30,7 @@ class RecentFacts:
     def __init__(self, writers: Iterable[str], sole_writer: bool) -> None:
         self.active = False
         self._sole_writer = sole_writer
-        self.facts: Dict[str, Dict[int, List[list]]] = {w: {} for w in writers}
+        self.facts: Dict[str, Dict[int, List[List[Any]]]] = {w: {} for w in writers}
         self._floor: Dict[str, int] = {w: 0 for w in self.facts}
         self._unknown: Dict[str, Set[Any]] = {w: set() for w in self.facts}
 
@@ -43,7 +43,7 @@ class RecentFacts:
             self._floor[w] = floors[w]
         self.active = True
 
-    def remember(self, writer: str, ids: List[int], wire: Optional[List[List[list]]]) -> None:
+    def remember(self, writer: str, ids: List[int], wire: Optional[List[List[List[Any]]]]) -> None:
         """Facts ``ids`` completed (``wire``: their rows) or failed (None)."""
         if not self.active:
             return

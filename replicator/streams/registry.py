@@ -23,7 +23,7 @@ class StreamRegistry:
     """
 
     def __init__(self, db: Database, instance_name: str, streams: Sequence[StreamConfig],
-                 key_prefix: str = "streams", call_from_thread: Callable[..., Any]=None, *, reactor: Any) -> None:
+                 key_prefix: str = "streams", call_from_thread: Optional[Callable[..., Any]]=None, *, reactor: Any) -> None:
         self.db = db
         self.instance_name = instance_name
         #: The reactor every stream (and the handler over them) runs on.

@@ -7,7 +7,7 @@ carrying real JSON values: ``bigint`` an integer, ``boolean`` true/false,
 """
 
 import json
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import orjson
 
@@ -49,7 +49,7 @@ def _check_value(column: ColumnConfig, value: Any, where: str) -> None:
         raise RowError(f"{where}: column {column.name!r} contains a NUL character")
 
 
-def check_rows(columns: Sequence[ColumnConfig], rows: Sequence[Any]) -> List[list]:
+def check_rows(columns: Sequence[ColumnConfig], rows: Sequence[Any]) -> List[List[Any]]:
     """Validate rows for writing; returns them as lists."""
     width = len(columns)
     out = []
@@ -150,7 +150,7 @@ def _encoded_size(row: List[Any]) -> int:
         return len(json.dumps(row, separators=(",", ":"), allow_nan=False))
 
 
-def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[tuple], List[Any]]]:
+def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[Tuple[Any, ...]], List[Any]]]:
     """A function shaping a database row (row columns only) into a wire row.
 
     None when the database already returns wire values (PostgreSQL decodes
@@ -209,7 +209,7 @@ class RowCodec:
             raise RowError(f"row {n}{str(e)[len('row 0'):]}") from None
 
     def prepare(self, facts: Any, line_prefix: int = 0, max_line_length: Optional[int] = None
-                ) -> "tuple[List[List[list]], List[List[list]]]":
+                ) -> "tuple[List[List[List[Any]]], List[List[List[Any]]]]":
         """``(wire, params)``: per fact, its rows as wire values and as
         statement parameters (JSON columns as JSON text).
 

@@ -34,8 +34,8 @@ class PreparedFacts(NamedTuple):
     """Facts checked by :meth:`Stream.prepare`, ready to write."""
 
     writer: str
-    wire: List[List[list]]
-    params: List[List[list]]
+    wire: List[List[List[Any]]]
+    params: List[List[List[Any]]]
 
 
 class WriteTransaction:
