@@ -185,8 +185,10 @@ class Bookkeeping:
         if now is None:
             now = self._clock.seconds()
         limit = now - self.max_age
-        for table, times, name in ((self.user_ips, self._ip_times, "user_ips"),
-                                   (self.federation_acks, self._ack_times, "federation_acks")):
+        bounded: Tuple[Tuple[Dict[Any, Any], Dict[Any, float], str], ...] = (
+            (self.user_ips, self._ip_times, "user_ips"),
+            (self.federation_acks, self._ack_times, "federation_acks"))
+        for table, times, name in bounded:
             n = 0
             while times:
                 key, at = next(iter(times.items()))
@@ -247,8 +249,10 @@ class Bookkeeping:
                 continue  # expired, not yet dropped
             label = metrics_label(instance, self.known_names)
             acks[label] = max(acks.get(label, token), token)
-        return ([(metrics.USER_SYNCS, (label,), n) for label, n in syncs.items()]
-                + [(metrics.FEDERATION_ACK_POSITION, (label,), t) for label, t in acks.items()])
+        samples: List[metrics.Sample] = [
+            (metrics.USER_SYNCS, (label,), n) for label, n in syncs.items()]
+        samples += [(metrics.FEDERATION_ACK_POSITION, (label,), t) for label, t in acks.items()]
+        return samples
 
 
 def _name(conn: Optional[IReplicationConnection]) -> Optional[str]:
@@ -256,10 +260,12 @@ def _name(conn: Optional[IReplicationConnection]) -> Optional[str]:
     we accepted)."""
     if conn is None or not conn.accepted:
         return None
-    return conn.instance_name
+    name: Optional[str] = conn.instance_name
+    return name
 
 
-def _put(table: Dict[Any, Any], times: Dict[Any, Any], key: Any, value: Any, now: float, limit: int, name: str) -> None:
+def _put(table: Dict[Any, Any], times: Dict[Any, float], key: Any, value: Any, now: float,
+         limit: int, name: str) -> None:
     """Set ``table[key]`` as its newest entry, making room if full."""
     if times.pop(key, None) is None:
         while len(times) >= limit:

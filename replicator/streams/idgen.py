@@ -67,7 +67,7 @@ Every operation is O(log n) in the number of in-flight IDs (amortized).
 
 import heapq
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 Listener = Callable[[str, int, int], None]
 

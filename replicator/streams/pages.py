@@ -93,7 +93,8 @@ class PageQuery:
                 fact_rows.append(shape(r[1:]))
         return facts, upto, limited
 
-    def _select(self, txn: Cursor, writer: str, from_token: int, to_token: int, limit: int):
+    def _select(self, txn: Cursor, writer: str, from_token: int, to_token: int,
+                limit: int) -> Tuple[List[Any], int, bool]:
         """The rows of one page (as the database gives them), ``upto``, ``limited``."""
         prefix = (writer,) if self._by_writer else ()
         txn.execute(self._select_range, prefix + (from_token, to_token, limit + 1))

@@ -7,7 +7,7 @@ carrying real JSON values: ``bigint`` an integer, ``boolean`` true/false,
 """
 
 import json
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
 
@@ -75,7 +75,7 @@ class WireRowCheck:
     booleans so.  What fits is handed on as received.
     """
 
-    _EXACT = {"text": str, "bigint": int, "boolean": bool, "json": None}
+    _EXACT: Dict[str, Any] = {"text": str, "bigint": int, "boolean": bool, "json": None}
 
     def __init__(self, columns: Sequence[ColumnConfig]) -> None:
         self.columns = list(columns)
@@ -175,7 +175,7 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
     return shape
 
 
-def _json_text(value: Any):
+def _json_text(value: Any) -> Any:
     """JSON kept in a TEXT column (e.g. Synapse's ``receipts_linearized.data``);
     PostgreSQL hands JSON columns over decoded already."""
     return orjson.loads(value) if isinstance(value, str) else value
@@ -193,7 +193,7 @@ class RowCodec:
     :class:`RowError`.  Pure: may run in a thread.
     """
 
-    _EXACT = {"text": str, "bigint": int, "boolean": bool}
+    _EXACT: Dict[str, Any] = {"text": str, "bigint": int, "boolean": bool}
 
     def __init__(self, columns: Sequence[ColumnConfig]) -> None:
         self.columns = list(columns)

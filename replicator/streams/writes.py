@@ -56,7 +56,7 @@ class WriteTransaction:
         self.sqlite_last = 0
         # Database connections whose sequence check ran (see
         # sequence_past_positions); a reconnect makes a new connection.
-        self._sequence_checked: "weakref.WeakSet" = weakref.WeakSet()
+        self._sequence_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         c = config
         sql = db.sql
         cols = [c.id_column] + ([c.writer_column] if c.writer_column else []) + c.column_names
