@@ -130,7 +130,8 @@ class Admission:
         self._stopping = False
 
     # ------------------------------------------------------------ lines in
-    def offer(self, conn: IReplicationConnection, stream: Stream, key: Key, cmd: Any, line: bytes) -> None:
+    def offer(self, conn: IReplicationConnection, stream: Stream, key: Key, cmd: Any,
+              line: Optional[bytes]) -> None:
         """An RDATA or POSITION of ``key`` from ``conn`` (``line``: its wire
         bytes, newline included)."""
         gate = self._gates.get(conn)
@@ -142,7 +143,7 @@ class Admission:
         self._admit(conn, gate, key, stream, cmd, line, 0)
 
     def _admit(self, conn: IReplicationConnection, gate: _Gate, key: Key, stream: Stream, cmd: Any,
-               line: bytes, needed: int) -> bool:
+               line: Optional[bytes], needed: int) -> bool:
         """Admit, refuse or hold one command; False once the gate waits."""
         rdata = cmd.NAME == "RDATA"
         open_batch = gate.batches.get(key[1])
@@ -231,7 +232,8 @@ class Admission:
             if total[0] <= 0:
                 del self._writers[key]
 
-    def _call_accept(self, conn: IReplicationConnection, key: Key, cmd: Any, line: bytes) -> None:
+    def _call_accept(self, conn: IReplicationConnection, key: Key, cmd: Any,
+                     line: Optional[bytes]) -> None:
         try:
             self._accept(conn, key, cmd, line)
         except Exception:

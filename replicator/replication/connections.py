@@ -15,7 +15,7 @@ Invariants:
 """
 
 from collections import deque
-from typing import Any, Deque, Dict, ItemsView, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, ItemsView, Iterator, Optional, Sequence, Tuple
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -125,7 +125,7 @@ class Connections:
             child = state.counters[key] = metric.labels(name, state.label)
         return child
 
-    def broadcast(self, lines: List[bytes], name: str,
+    def broadcast(self, lines: Sequence[bytes], name: str,
                   exclude: Optional[IReplicationConnection] = None,
                   replicating_only: bool = True) -> None:
         """Write ``lines`` (of command ``name``) to every connection but

@@ -26,7 +26,7 @@ Invariants:
 """
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from twisted.logger import Logger
 
@@ -43,7 +43,7 @@ from twisted.internet.interfaces import IReactorTime
 log = Logger()
 
 Key = Tuple[str, str]
-Broadcast = Callable[[List[bytes], str], None]
+Broadcast = Callable[[Sequence[bytes], str], None]
 SendUpdates = Callable[[str, str, int, List[Tuple[int, List[Any]]], int], None]
 
 
@@ -158,7 +158,7 @@ class Fanout:
         self.announced[key] = upto
 
     def _within_bounds(self, stream_name: str, writer: str,
-                       updates: List[Tuple[int, List[Any]]]) -> List[bytes]:
+                       updates: List[Tuple[int, List[Any]]]) -> EncodedLines:
         """The lines of ``updates``, fact by fact, each fact too big for a
         receiver replaced by ``POSITION t t``."""
         out = EncodedLines()

@@ -27,7 +27,7 @@ protocols call, one short ``on_<NAME>`` per command; every part with
 state of its own is in one of the modules above.)
 """
 
-from typing import AbstractSet, Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from twisted.internet import task
 from twisted.logger import Logger
@@ -167,7 +167,7 @@ class ReplicationHandler:
         """A stream new at a reload (already in the registry and loaded):
         its local writers fanned out, the others read."""
         self._start_stream(stream, [c.positions() for c in self.consumers], reload=True)
-        self._know(stream.config.writers)
+        self._know(frozenset(stream.config.writers))
         self._announce(stream, stream.local_writers)
         if any(w not in stream.local_writers for w in stream.config.writers):
             self._ask_positions()
@@ -189,7 +189,7 @@ class ReplicationHandler:
                 if reader is not None:
                     reader.stop()
                 self._heard.pop((stream.name, writer), None)
-        self._know(stream.config.writers)
+        self._know(frozenset(stream.config.writers))
 
     def _announce(self, stream: Stream, writers: Sequence[str]) -> None:
         """POSITION of ``writers`` (local) to every connection receiving
@@ -219,7 +219,7 @@ class ReplicationHandler:
                            fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
                            background=self.background)
 
-    def _make_advance_listener(self, stream: Stream):
+    def _make_advance_listener(self, stream: Stream) -> Callable[[str, int, int], None]:
         def advanced(writer: str, old: int, new: int) -> None:
             if writer in stream.local_writers and not self._stopping:
                 self.fanout.advanced(stream, writer)
@@ -254,7 +254,7 @@ class ReplicationHandler:
             reader.connection_lost(conn)
 
     @property
-    def recent_disconnects(self):
+    def recent_disconnects(self) -> Deque[Tuple[float, str, Optional[str], str]]:
         """The last disconnects, newest last: ``(time, peer, address, reason)``."""
         return self.connections.recent_disconnects
 
@@ -336,7 +336,7 @@ class ReplicationHandler:
             return
         self.admission.offer(conn, self.registry.get(key[0]), key, cmd, _wire_line(conn, cmd))
 
-    def _admitted(self, conn: IReplicationConnection, key: Key, cmd: Command,
+    def _admitted(self, conn: IReplicationConnection, key: Key, cmd: Any,
                   line: Optional[bytes]) -> None:
         """An RDATA/POSITION that :mod:`.admission` let through."""
         if conn not in self.connections:
@@ -441,15 +441,15 @@ class ReplicationHandler:
 
     # ---------------------------------------------------------- bookkeeping
     @property
-    def user_syncs(self):
+    def user_syncs(self) -> Dict[str, Dict[Tuple[str, Optional[str]], int]]:
         return self.bookkeeping.user_syncs
 
     @property
-    def federation_acks(self):
+    def federation_acks(self) -> Dict[str, int]:
         return self.bookkeeping.federation_acks
 
     @property
-    def user_ips(self):
+    def user_ips(self) -> Dict[Any, Dict[Any, Any]]:
         return self.bookkeeping.user_ips
 
     # -------------------------------------------------------------- state
@@ -511,7 +511,7 @@ def _wire_line(conn: IReplicationConnection, cmd: Command) -> Optional[bytes]:
     """The line as received (newline included): ``conn.current_line`` while
     the command is dispatched.  Without it, the command re-encoded, or None
     if it cannot be encoded as UTF-8 (a lone surrogate)."""
-    line = conn.current_line
+    line: Optional[bytes] = conn.current_line
     if line is not None:
         return line + b"\n"
     try:

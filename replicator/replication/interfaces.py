@@ -100,7 +100,7 @@ class IRedisBus(Interface):
         a possible Synapse, see :mod:`.synapse_watch`): then they are not
         published now."""
 
-    def publish_lines(lines: Sequence[bytes], channel: Optional[str] = None) -> None:
+    def publish_lines(lines: Sequence[bytes], channel: Optional[bytes] = None) -> None:
         """PUBLISH the lines, all in one write (one MULTI/EXEC when several)."""
 
     def pause_reading() -> None:

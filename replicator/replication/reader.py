@@ -46,7 +46,7 @@ from ..background import Background
 from ..backoff import Outage
 from .commands import rdata_row
 from .interfaces import IReplicationConnection
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 log = Logger()
 
@@ -110,7 +110,7 @@ class Reader:
         self.busy = False
         self._batches: Dict[Any, List[Any]] = {}  # conn -> rows (or lines) of the fact under way
         self._positioned: Set[Any] = set()  # connections with a POSITION seen
-        self._retry = None
+        self._retry: Optional[IDelayedCall] = None
         self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
         self._stopping = False
 
@@ -229,10 +229,11 @@ class Reader:
         log.info("Catching up {stream}/{writer} from {since} to {until}",
                  stream=self.stream_name, writer=self.writer, since=since, until=until)
         rows_counter = metrics.CATCHUP_ROWS.labels(self.stream_name)
-        pending = self._read(since, until)
+        pending: Optional[defer.Deferred[Any]] = self._read(since, until)
         first = True
         try:
             while since < until:
+                assert pending is not None  # read while since < until
                 ready = pending.called
                 facts, upto, _ = await pending
                 pending = self._read(upto, until) if upto < until else None
@@ -305,14 +306,14 @@ class Reader:
 _rows_of = itemgetter(1)
 
 
-def _resolved(result: Any):
+def _resolved(result: Any) -> Any:
     """A source may be an ``async def``: its coroutine, run to its value."""
     if hasattr(result, "__await__") and not isinstance(result, defer.Deferred):
         return defer.ensureDeferred(result)
     return result
 
 
-async def maybe_await(result: Any):
+async def maybe_await(result: Any) -> Any:
     """``result``, awaited first if it is a Deferred or an awaitable."""
     if isinstance(result, defer.Deferred) or hasattr(result, "__await__"):
         return await result

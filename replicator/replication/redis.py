@@ -59,7 +59,7 @@ readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
 """
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import txredisapi
 from twisted.application.service import MultiService
@@ -78,7 +78,7 @@ from ..logs import printable
 from .commands import Command, ReplicateCommand, parse_line
 from .interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
 from .synapse_watch import SynapseWatch
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 log = Logger()
 
@@ -117,7 +117,7 @@ class _RedisFactory(Factory):
         self.owner = owner
         self.role = role
 
-    def buildProtocol(self, addr: Any):
+    def buildProtocol(self, addr: Any) -> Any:
         p = self.protocol_class(password=self.config.password, dbid=self.config.dbid,
                                 replyTimeout=None)
         p.factory = self
@@ -143,32 +143,33 @@ class _Link:
     last_data = 0.0
     lost = False
     readying: Optional[defer.Deferred[Any]] = None
-    healthy_call = None
+    healthy_call: Optional[IDelayedCall] = None
+    factory: "_RedisFactory"
 
-    def dataReceived(self, data: bytes, *args: Any):
+    def dataReceived(self, data: bytes, *args: Any) -> Any:
         self.last_data = self.factory.owner.clock.seconds()
-        return super().dataReceived(data, *args)
+        return super().dataReceived(data, *args)  # type: ignore[misc]
 
-    def connectionMade(self):
+    def connectionMade(self) -> Any:
         self.last_data = self.factory.owner.clock.seconds()
-        result = super().connectionMade()  # AUTH/SELECT, in the background
+        result = super().connectionMade()  # type: ignore[misc]  # AUTH/SELECT, in the background
         self.factory.owner.link_made(self)
         return result
 
     def connectionLost(self, why: str) -> None:
         self.lost = True
         self.factory.owner.link_lost(self)
-        super().connectionLost(why)
+        super().connectionLost(why)  # type: ignore[misc]
 
 
-class _Subscriber(_Link, txredisapi.SubscriberProtocol):
+class _Subscriber(_Link, txredisapi.SubscriberProtocol):  # type: ignore[misc]
     role = "subscriber"
 
     def messageReceived(self, pattern: str, channel: str, message: Any) -> None:
         self.factory.owner.message_received(self, channel, message)
 
 
-class _Publisher(_Link, txredisapi.RedisProtocol):
+class _Publisher(_Link, txredisapi.RedisProtocol):  # type: ignore[misc]
     role = "publisher"
 
 
@@ -208,7 +209,7 @@ class RedisConnection:
     def resume_reading(self) -> None:
         self._owner.resume_reading()
 
-    def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
+    def send_lines(self, lines: Sequence[bytes], command_name: str = "RDATA") -> bool:
         if self.closed:
             return False
         if self._owner.hold(lines, command_name):
@@ -235,7 +236,7 @@ class RedisReplication(MultiService):
                  max_delay: float = RECONNECT_MAX_DELAY, clock: Optional[IReactorTime]=None,
                  synapse_server_name: Optional[str] = None,
                  synapse_probe: float = SYNAPSE_PROBE) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.reactor = reactor
         #: Times pings, readiness, health and reconnect delays (default: reactor).
         self.clock = clock if clock is not None else reactor
@@ -264,9 +265,9 @@ class RedisReplication(MultiService):
                       if synapse_server_name is None else None)
         self.synapse_probe = synapse_probe
         #: While asking before announcing: our lines but REPLICATE, in order.
-        self._held: Optional[List[List[bytes]]] = None
+        self._held: Optional[List[Sequence[bytes]]] = None
         self._held_count = 0
-        self._answer_call = None
+        self._answer_call: Optional[IDelayedCall] = None
         self._own_prefixes = tuple(
             f"{name} {stream.name} {instance_name} "
             for stream in handler.registry for name in ("RDATA", "POSITION"))
@@ -283,8 +284,8 @@ class RedisReplication(MultiService):
             endpoint, _RedisFactory(_Publisher, config, self, "publisher"),
             self.pub_backoff, clock=self.clock, what="redis publisher", where=where,
             lost_reason=lambda: self.last_error)
-        self._sub_service.setServiceParent(self)
-        self._pub_service.setServiceParent(self)
+        self._sub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
+        self._pub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
         self._pinger = task.LoopingCall(self._ping)
         self._pinger.clock = self.clock
 
@@ -300,14 +301,14 @@ class RedisReplication(MultiService):
 
     # ---------------------------------------------------------- lifecycle
     def startService(self) -> None:
-        super().startService()
+        super().startService()  # type: ignore[no-untyped-call]
         self._pinger.start(self.ping_interval, now=False)
 
-    def stopService(self):
+    def stopService(self) -> Any:
         if self._pinger.running:
             self._pinger.stop()
         self._unregister("shutdown")
-        return super().stopService()
+        return super().stopService()  # type: ignore[no-untyped-call]
 
     # ---------------------------------------------------------- readiness
     def link_made(self, protocol: Any) -> None:
@@ -391,7 +392,7 @@ class RedisReplication(MultiService):
     def holding(self) -> bool:
         return self._held is not None
 
-    def hold(self, lines: List[bytes], command_name: str) -> bool:
+    def hold(self, lines: Sequence[bytes], command_name: str) -> bool:
         """While registering without the ``synapse:`` section, keep our
         lines (but REPLICATE) for :meth:`_answer`; True if kept.  Bounded:
         past ``HOLD_MAX_LINES`` these and all later ones until the answer
@@ -418,7 +419,7 @@ class RedisReplication(MultiService):
             return
         for lines in held or ():
             self.publish_lines(lines)
-        self.handler.on_REPLICATE(conn, ReplicateCommand())
+        getattr(self.handler, "on_REPLICATE")(conn, ReplicateCommand())
 
     def _stop_publishing(self, evidence: str) -> None:
         """A Synapse is on our channel: nothing more goes there (until a
@@ -468,7 +469,7 @@ class RedisReplication(MultiService):
         if subscriber is not None and subscriber.transport is not None:
             subscriber.transport.resumeProducing()
 
-    def publish_lines(self, lines: List[bytes], channel: Optional[bytes] = None) -> None:
+    def publish_lines(self, lines: Sequence[bytes], channel: Optional[bytes] = None) -> None:
         """PUBLISH each line on our channel (USER_IP on ours for it) unless
         ``channel`` is given, all in one write; more than one line inside
         ``MULTI`` ... ``EXEC``.

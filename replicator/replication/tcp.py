@@ -33,7 +33,7 @@ So at most ``max_unidentified + max_connections`` + the known names are open.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Set
+from typing import Any, Dict, FrozenSet, Optional, Set
 
 from twisted.internet import endpoints
 from twisted.internet.protocol import Factory
@@ -123,7 +123,7 @@ class ReplicationServerFactory(Factory):
         self.policy = policy
 
     @property
-    def known_names(self) -> frozenset:
+    def known_names(self) -> FrozenSet[str]:
         """The names one live connection at a time may hold: the handler's
         (the configured writers; a reload adds to them) and the policy's
         ``allowed_peers``, less this instance's own names."""
@@ -144,9 +144,10 @@ class ReplicationServerFactory(Factory):
                 conn.close(REFUSED, refusal, log_text=f"{refusal} (config reloaded)")
         return closed
 
-    def buildProtocol(self, addr: Any):
+    def buildProtocol(self, addr: Any) -> "ServerReplicationProtocol":
         while self.crowd.unidentified >= self.max_unidentified:
             oldest = self.crowd.oldest_unidentified()
+            assert oldest is not None  # unidentified > 0
             self.crowd.leave(oldest)
             self._refused("max_unidentified", self.max_unidentified)
             oldest.close(REFUSED, "too many unidentified connections")
@@ -223,7 +224,7 @@ class ReplicationClientFactory(Factory):
         self.backoff = backoff
         self.current: Optional[ClientReplicationProtocol] = None
 
-    def buildProtocol(self, addr: Any):
+    def buildProtocol(self, addr: Any) -> "ClientReplicationProtocol":
         on_healthy = self.backoff.reset if self.backoff is not None else None
         p = ClientReplicationProtocol(
             self.handler, self.client_name, self.server_name, on_healthy=on_healthy,
