@@ -71,7 +71,7 @@ DECODED_FACTOR = 4
 
 #: ``accept(conn, key, cmd, line)`` / ``refuse(conn, key, reason, text)`` /
 #: ``stale(conn, key)``
-Accept = Callable[[Any, Key, Any, bytes], None]
+Accept = Callable[[Any, Key, Any, Optional[bytes]], None]
 Refuse = Callable[[Any, Key, str, str], None]
 Stale = Callable[[Any, Key], None]
 
