@@ -151,7 +151,7 @@ def cmd_tail(args) -> None:
     from .replication.tcp import upstream_service
 
     #: Fires when standard output's reader goes: tail then ends, exit 0.
-    reader_gone = defer.Deferred()
+    reader_gone: defer.Deferred[None] = defer.Deferred()
 
     class Printer:
         """Prints what the server sends, one command per line."""

@@ -13,7 +13,7 @@ the replication server can bind a peer's ``NAME`` to its certificate.
 """
 
 import re
-from typing import FrozenSet, List, Optional
+from typing import Any, Dict, FrozenSet, List, Optional
 
 from twisted.internet import endpoints, ssl
 from twisted.internet.interfaces import IOpenSSLContextFactory
@@ -106,7 +106,7 @@ class ReloadableTls:
         if chain:
             read.append(FilePath(chain).getContent())
             extra = [c.original for c in load_ca_certificates(chain)]
-        verify = {}
+        verify: Dict[str, Any] = {}
         if client_ca is not None:
             read.append(FilePath(client_ca).getContent())
             verify = dict(verify=True, requireCertificate=True,

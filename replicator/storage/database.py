@@ -140,6 +140,7 @@ class Database:
         self.config = config
         self.engine = config.engine
         if self.engine == "sqlite":
+            assert config.path is not None  # validated: sqlite has a path
             # Data files are 0640 (SQLite gives its -wal and -shm files the
             # database file's mode).
             files.make_directory(os.path.dirname(os.path.abspath(config.path)))
