@@ -121,6 +121,7 @@ class IReplicationHandler(Interface):
     logged by the caller and does not end the connection.  (A protocol
     tolerates a handler that lacks some hooks, as its unit tests' doubles do.)"""
 
+    instance_name = Attribute("This instance's name (str).")
     registry = Attribute("The streams (a :class:`~replicator.streams.registry.StreamRegistry`).")
     known_names = Attribute("Instance names the configuration knows (frozenset of str).")
 

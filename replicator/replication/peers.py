@@ -101,7 +101,7 @@ def policy_from_config(replication: "ReplicationConfig", reserved: AbstractSet[s
 def local_names(handler: "IReplicationHandler") -> FrozenSet[str]:
     """The names no peer of ``handler`` may take: its instance's and its
     local writers'."""
-    names = {getattr(handler, "instance_name")}
+    names = {handler.instance_name}
     for stream in getattr(handler, "registry", ()):
         names.update(stream.local_writers)
     return frozenset(names)

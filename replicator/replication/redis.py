@@ -59,7 +59,7 @@ readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
 """
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, cast
 
 import txredisapi
 from twisted.application.service import MultiService
@@ -419,7 +419,7 @@ class RedisReplication(MultiService):
             return
         for lines in held or ():
             self.publish_lines(lines)
-        getattr(self.handler, "on_REPLICATE")(conn, ReplicateCommand())
+        cast(Any, self.handler).on_REPLICATE(conn, ReplicateCommand())
 
     def _stop_publishing(self, evidence: str) -> None:
         """A Synapse is on our channel: nothing more goes there (until a

@@ -301,7 +301,7 @@ class Stream:
         try:
             self._txn.write(txn, self.id_gen, writer, writes, group.reserved)
         except BaseException:
-            raise StatementFailed(Failure())
+            raise StatementFailed(Failure()) from None
 
     def _group_done(self, writer: str, group: Group, outcome: Any) -> None:
         """Reactor thread: complete the group's IDs and answer its writes."""
