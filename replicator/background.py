@@ -8,10 +8,12 @@ work still running is in :attr:`Background.running`, which
 :meth:`Background.wait` waits on (shutdown drains).
 """
 
-from typing import Coroutine, Set
+from typing import Any, Coroutine, Set
 
 from twisted.internet import defer, error
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from . import metrics
 
@@ -21,10 +23,10 @@ log = Logger()
 class Background:
     """The background coroutines one component started and that have not ended."""
 
-    def __init__(self):
-        self.running: Set[defer.Deferred] = set()
+    def __init__(self) -> None:
+        self.running: Set[defer.Deferred[Any]] = set()
 
-    def run(self, task: str, coroutine: Coroutine) -> defer.Deferred:
+    def run(self, task: str, coroutine: Coroutine[Any, Any, Any]) -> defer.Deferred[Any]:
         """Start ``coroutine``; its Deferred fires with None once it ended,
         however it ended.  ``task`` names it in the log line and metric."""
         d = defer.ensureDeferred(coroutine)
@@ -35,23 +37,27 @@ class Background:
         return d
 
     @staticmethod
-    def _failed(failure, task: str) -> None:
+    def _failed(failure: Failure, task: str) -> None:
         metrics.BACKGROUND_FAILURES.labels(task).inc()
         log.error("Background task {task} failed: {error}", task=task,
                   error=f"{failure.type.__name__}: {failure.getErrorMessage()}")
 
-    def _ended(self, result, d: defer.Deferred):
+    def _ended(self, result: Any, d: defer.Deferred[Any]) -> Any:
         self.running.discard(d)
         return result
 
-    async def wait(self, clock, timeout: float) -> bool:
+    async def wait(self, clock: IReactorTime, timeout: float) -> bool:
         """Wait until the work running now has ended, at most ``timeout``
         seconds on ``clock``; whether it ended."""
         if not self.running:
             return True
-        done = defer.Deferred()
-        both = defer.DeferredList(list(self.running))
-        both.addCallback(lambda _: done.called or done.callback(None))
+        done: defer.Deferred[None] = defer.Deferred()
+
+        def finished(_: object) -> None:
+            if not done.called:
+                done.callback(None)
+
+        defer.DeferredList(list(self.running)).addCallback(finished)
         done.addTimeout(timeout, clock)
         try:
             await done

@@ -27,7 +27,7 @@ async def check_instance(config: InstanceConfig) -> str:
     database)."""
     db_config = config.database
     key = f"database.{db_config.engine}"
-    if db_config.engine == "sqlite" and not os.path.exists(db_config.path):
+    if db_config.engine == "sqlite" and not os.path.exists(db_config.path or ""):
         return (f"config ok: instance {config.instance_name}, {len(config.streams)} streams; "
                 f"{db_config.path} does not exist yet (start creates it)")
     db = Database(db_config)

@@ -95,13 +95,13 @@ def cmd_run(args) -> None:
             code = 2 if isinstance(e, ConfigError) else e.code
             print(f"replicator: {e}", file=sys.stderr, flush=True)
             await instance.stop()
-            raise SystemExit(code)
+            raise SystemExit(code) from None
         except Exception as e:
             log.failure("startup failed")
             text = " ".join(str(e).split())[:500] or type(e).__name__
             print(f"replicator: startup failed: {text}", file=sys.stderr, flush=True)
             await instance.stop()
-            raise SystemExit(1)
+            raise SystemExit(1) from None
         # SIGTERM/SIGINT stop the reactor once; the orderly stop runs first.
         reactor.addSystemEventTrigger(
             "before", "shutdown", lambda: defer.ensureDeferred(instance.stop()))
@@ -151,7 +151,7 @@ def cmd_tail(args) -> None:
     from .replication.tcp import upstream_service
 
     #: Fires when standard output's reader goes: tail then ends, exit 0.
-    reader_gone = defer.Deferred()
+    reader_gone: defer.Deferred[None] = defer.Deferred()
 
     class Printer:
         """Prints what the server sends, one command per line."""
@@ -349,7 +349,7 @@ def cmd_check(args) -> None:
             summary = await check_instance(config)
         except (ConfigError, StartupError) as e:
             print(f"replicator: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+            raise SystemExit(2) from None
         _out(f"replicator: {summary}")
 
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])

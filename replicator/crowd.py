@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, Optional
 class Crowd:
     """The books of one listener's connections."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._unidentified: "OrderedDict[Any, Optional[str]]" = OrderedDict()
         self._identified: Dict[Any, Optional[str]] = {}
         self._exempt: Dict[Any, Optional[str]] = {}
@@ -51,17 +51,17 @@ class Crowd:
         """Identified connections counted from ``host``."""
         return self._identified_per_host[host]
 
-    def host(self, conn) -> Optional[str]:
+    def host(self, conn: Any) -> Optional[str]:
         """The address ``conn`` came from (None: not an IP peer, or gone)."""
         for table in (self._unidentified, self._identified, self._exempt):
             if conn in table:
                 return table[conn]
         return None
 
-    def __contains__(self, conn) -> bool:
+    def __contains__(self, conn: Any) -> bool:
         return conn in self._unidentified or conn in self._identified or conn in self._exempt
 
-    def arrive(self, conn, host: Optional[str]) -> None:
+    def arrive(self, conn: Any, host: Optional[str]) -> None:
         """``conn`` from ``host`` (None: not an IP peer) was accepted."""
         self._unidentified[conn] = host
         self._per_host[host] += 1
@@ -77,7 +77,7 @@ class Crowd:
     def unidentified_connections(self) -> Iterator[Any]:
         return iter(list(self._unidentified))
 
-    def identify(self, conn, exempt: bool = False) -> None:
+    def identify(self, conn: Any, exempt: bool = False) -> None:
         """``conn`` identified itself; an ``exempt`` one is counted no more."""
         host = self._take(conn)
         if host is _MISSING:
@@ -89,7 +89,7 @@ class Crowd:
             self._per_host[host] += 1
             self._identified_per_host[host] += 1
 
-    def unidentify(self, conn) -> None:
+    def unidentify(self, conn: Any) -> None:
         """``conn`` is idle again (HTTP: its requests were answered): it
         counts as unidentified, the newest."""
         host = self._take(conn)
@@ -98,11 +98,11 @@ class Crowd:
         self._unidentified[conn] = host
         self._per_host[host] += 1
 
-    def leave(self, conn) -> None:
+    def leave(self, conn: Any) -> None:
         """``conn`` is gone (or being closed): it counts no more."""
         self._take(conn)
 
-    def _take(self, conn):
+    def _take(self, conn: Any) -> Any:
         for table, counted in ((self._unidentified, True), (self._identified, True),
                                (self._exempt, False)):
             if conn in table:
@@ -118,7 +118,7 @@ class Crowd:
 _MISSING = object()
 
 
-def _decrement(counter: Counter, key) -> None:
+def _decrement(counter: "Counter[Any]", key: Any) -> None:
     counter[key] -= 1
     if counter[key] <= 0:
         del counter[key]

@@ -348,7 +348,7 @@ class HealthMonitor(TimerService):
         """The verdict ``/health`` gives, without its database probe: every
         stream loaded, the last unreceived-facts check answered, and no
         replication :meth:`problem`.  Cheap (no I/O)."""
-        if any(stream.id_gen is None for stream in self.registry):
+        if not all(stream.loaded for stream in self.registry):
             return False
         return not self._check_failed and self.problem(connected, detail) is None
 

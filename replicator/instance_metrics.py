@@ -15,7 +15,7 @@ reads and updates reactor-owned state, is computed on the reactor thread
 (:meth:`replicator.health.HealthMonitor.healthy_source`).
 """
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 from . import metrics
 
@@ -75,7 +75,7 @@ class InstanceMetrics:
     """
 
     def __init__(self, *, registry, handler,
-                 healthy: Optional[Callable[[], List[metrics.Sample]]] = None, writers=None):
+                 healthy: Optional[Callable[[], Iterable[metrics.Sample]]] = None, writers=None):
         self.registry = registry
         self.handler = handler
         self.healthy = healthy

@@ -6,6 +6,7 @@ from typing import Optional
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
 
 from .startup import StartupError, os_reason
@@ -17,7 +18,7 @@ class ListeningService(Service):
     with the port once bound, or fails with :class:`StartupError` naming
     ``key`` (e.g. address in use)."""
 
-    def __init__(self, reactor, endpoint: str, factory, what: str, client_ca: str = None,
+    def __init__(self, reactor, endpoint: str, factory, what: str, client_ca: Optional[str] = None,
                  key: str = "listen"):
         self._reactor = reactor
         self.key = key
@@ -25,7 +26,7 @@ class ListeningService(Service):
         self.client_ca = client_ca
         self.factory = factory
         self.what = what
-        self.port = None
+        self.port: Optional[IListeningPort] = None
         self.tls = None  # an ssl: listener's ReloadableTls, once started
         self.listening: Optional[defer.Deferred] = None
         #: Lines say ``replication: listening on 127.0.0.1:9092``.
@@ -66,6 +67,7 @@ class ListeningService(Service):
     def address(self) -> str:
         """Where the listener is bound: ``host:port`` (``[v6]:port``), or the
         socket's path."""
+        assert self.port is not None, "not listening"
         host = self.port.getHost()
         name, port = getattr(host, "host", None), getattr(host, "port", None)
         if name is None or port is None:
@@ -75,4 +77,4 @@ class ListeningService(Service):
 
     @property
     def bound_port(self) -> Optional[int]:
-        return self.port.getHost().port if self.port is not None else None
+        return getattr(self.port.getHost(), "port", None) if self.port is not None else None

@@ -7,7 +7,7 @@ untrusted text that goes into a log event.
 import os
 import re
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 from twisted.logger import (FilteringLogObserver, LogLevel, LogLevelFilterPredicate,
                             globalLogBeginner)
@@ -30,7 +30,7 @@ def _escape_char(match) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
-def printable(text, limit: int = 200) -> str:
+def printable(text: object, limit: Optional[int] = 200) -> str:
     """``text`` (anything a peer, request or file supplied) made safe for one
     log line: control characters written as ``\\xNN``/``\\uNNNN`` escapes
     (``\\n``, ``\\r``, ``\\t`` as such), and cut to ``limit`` characters

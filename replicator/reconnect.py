@@ -22,12 +22,14 @@ that one line per :data:`QUIET_INTERVAL` at most, so a peer gone for a day
 costs a few thousand lines, not forty thousand.
 """
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from twisted.application.internet import ClientService
 from twisted.internet import defer, error
-from twisted.logger import Logger
+from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from .backoff import Backoff
 from .logs import printable
@@ -40,7 +42,8 @@ LOUD_RETRIES = 10
 QUIET_INTERVAL = 60.0
 
 
-def _discard(event) -> None:
+@implementer(ILogObserver)
+def _discard(event: Any) -> None:
     """An observer that drops every event (Twisted's retry line)."""
 
 
@@ -49,7 +52,7 @@ def _tls_reason(value) -> Optional[str]:
     try:
         from OpenSSL import SSL
     except ImportError:  # pragma: no cover - TLS needs pyOpenSSL anyway
-        SSL = None
+        SSL = None  # type: ignore[assignment]
     if SSL is not None and isinstance(value, SSL.Error):
         texts = []
         for item in value.args[0] if value.args and isinstance(value.args[0], list) else []:
@@ -81,8 +84,8 @@ def failure_reason(failure: Failure) -> str:
     if failure.check(error.TimeoutError, TimeoutError, defer.TimeoutError):
         return "timed out"
     if failure.check(error.DNSLookupError):
-        text = str(value).split(":")[-1].strip().rstrip(".") or "DNS lookup failed"
-        return f"DNS lookup failed: {printable(text, 100)}"
+        what = str(value).split(":")[-1].strip().rstrip(".") or "DNS lookup failed"
+        return f"DNS lookup failed: {printable(what, 100)}"
     tls = _tls_reason(value)
     if tls is not None:
         return f"TLS: {printable(tls, 200)}"
@@ -96,6 +99,7 @@ def failure_reason(failure: Failure) -> str:
     return printable(text[0] if text else type(value).__name__, 200)
 
 
+@implementer(IStreamClientEndpoint)
 class _RememberingEndpoint:
     """The link's endpoint, remembering why its last connect failed (None
     once one succeeded)."""

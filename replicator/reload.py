@@ -19,7 +19,7 @@ its ID generator has no room for another writer).
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from .config import InstanceConfig, StreamConfig
 
@@ -44,7 +44,7 @@ class Plan:
 def plan(running: InstanceConfig, read: InstanceConfig) -> Plan:
     """The reload from ``running`` to the file's ``read`` (both validated)."""
     result = Plan(config=running)
-    live = {}
+    live: Dict[str, Any] = {}
     for key in ("instance_name", "server_name", "synapse", "consumers"):
         if getattr(running, key) != getattr(read, key):
             result.restart.append(key)

@@ -14,7 +14,7 @@ whose resource failed, for the CLI to print (exit 1).
 
 import dataclasses
 import gc
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from twisted.application.service import MultiService, Service
 from twisted.internet import defer, threads
@@ -35,6 +35,12 @@ from .startup import StartupError, fd_budget_problem, hide_password, os_reason
 from .storage.database import Database
 from .streams.registry import StreamRegistry
 from .writers import writer_watch
+
+if TYPE_CHECKING:
+    from .http.api import HttpApi
+    from .replication.redis import RedisReplication
+    from .replication.tcp import UpstreamService
+    from .writers import WriterWatch
 
 __all__ = ["Instance", "MetricsThread", "StartupError", "fd_budget_problem"]
 
@@ -118,13 +124,13 @@ class Instance:
         self.services = MultiService()
         self.listeners: List[ListeningService] = []
         self._binding: list = []  # what must bind for the start to succeed
-        self.upstream = None
-        self.redis = None
-        self.http = None
+        self.upstream: Optional["UpstreamService"] = None
+        self.redis: Optional["RedisReplication"] = None
+        self.http: Optional["HttpApi"] = None
         self.health: Optional[HealthMonitor] = None
-        self.writers = None  # WriterWatch, made at start
+        self.writers: Optional["WriterWatch"] = None  # made at start
         self.live_metrics: Optional[InstanceMetrics] = None
-        self.replication_factory = None  # the listener's, for a reload's peer policy
+        self.replication_factory: Optional[ReplicationServerFactory] = None  # the listener's, for a reload's peer policy
         self._reloading = defer.DeferredLock()  # one reload at a time
         self._stopped = False
         #: Whether start() completed.
@@ -147,6 +153,11 @@ class Instance:
     def role(self) -> str:
         """``master`` or ``worker`` (:func:`replicator.roles.role`)."""
         return role(self.config)
+
+    def _current_findings(self) -> Any:
+        """The HTTP API's findings (the status page's recorder asks once it runs)."""
+        assert self.http is not None
+        return self.http.current_findings()
 
     def replication_status(self) -> Tuple[bool, str]:
         """Whether this instance's replication links are up (workers)."""
@@ -217,7 +228,7 @@ class Instance:
             from .status import StatusRecorder
 
             recorder = StatusRecorder(handler=self.handler, clock=self.reactor,
-                                      findings=lambda: self.http.current_findings())
+                                      findings=self._current_findings)
             self.http = HttpApi(config=config, registry=self.registry, handler=self.handler,
                                 db=self.db, replication_status=self.replication_status,
                                 clock=self.reactor, health=self.health, status=recorder,
@@ -253,7 +264,7 @@ class Instance:
         log.info("instance {name} of {server} ready", name=config.instance_name,
                  server=config.server_name)
 
-    def _listen(self, endpoint: str, factory, what: str, client_ca: str = None,
+    def _listen(self, endpoint: str, factory, what: str, client_ca: Optional[str] = None,
                 key: str = "listen") -> None:
         service = ListeningService(self.reactor, endpoint, factory, what, client_ca, key)
         service.setServiceParent(self.services)

@@ -13,7 +13,7 @@ the replication server can bind a peer's ``NAME`` to its certificate.
 """
 
 import re
-from typing import FrozenSet, List, Optional
+from typing import Any, Dict, FrozenSet, List, Optional
 
 from twisted.internet import endpoints, ssl
 from twisted.internet.interfaces import IOpenSSLContextFactory
@@ -54,13 +54,13 @@ SSL_OPTIONS = frozenset({"port", "interface", "backlog", "privateKey", "certKey"
                          "extraCertChain"})
 
 
-def server_endpoint(reactor, endpoint: str, client_ca: str = None):
+def server_endpoint(reactor, endpoint: str, client_ca: Optional[str] = None):
     """A server endpoint from its string; ``ssl:`` with ``client_ca``
     requires client certificates signed by that CA."""
     return listener(reactor, endpoint, client_ca)[0]
 
 
-def listener(reactor, endpoint: str, client_ca: str = None):
+def listener(reactor, endpoint: str, client_ca: Optional[str] = None):
     """``(endpoint, tls)``: the server endpoint of ``endpoint`` and, for an
     ``ssl:`` listener, its :class:`ReloadableTls` (else None)."""
     if client_ca is not None and not endpoint.startswith("ssl:"):
@@ -106,7 +106,7 @@ class ReloadableTls:
         if chain:
             read.append(FilePath(chain).getContent())
             extra = [c.original for c in load_ca_certificates(chain)]
-        verify = {}
+        verify: Dict[str, Any] = {}
         if client_ca is not None:
             read.append(FilePath(client_ca).getContent())
             verify = dict(verify=True, requireCertificate=True,

@@ -232,7 +232,7 @@ class WriterWatch:
                 if t is not None:
                     out.append((metrics.WRITER_HEARD_AGE, (stream.name, w), now - t))
             held = self.held_for(stream)
-            if stream.id_gen is not None:
+            if stream.loaded:
                 out.append((metrics.LINEAR_HELD, (stream.name,), held or 0.0))
         if self.hub:
             out.extend((metrics.WRITER_CONNECTED, (w,), 1 if w in connected else 0)

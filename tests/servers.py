@@ -66,7 +66,8 @@ def wait_for_port(port: int, timeout: float = 30.0) -> None:
                 return
         except OSError:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+                raise RuntimeError(
+                    f"nothing listens on 127.0.0.1:{port} after {timeout}s") from None
             time.sleep(0.05)
 
 

@@ -124,6 +124,8 @@ def _check_client(parsed: Endpoint) -> None:
     _known_options(parsed, _CLIENT_OPTIONS, "client")
     if parsed.kind in _PORT_CLIENTS:
         args, kwargs = parsed.args, parsed.kwargs
+        host: Optional[str]
+        port: Optional[str]
         if len(args) >= 2:
             host, port = args[0], args[1]
         elif len(args) == 1 and "host" in kwargs:

@@ -110,11 +110,11 @@ def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[C
         type_ = get_str(section, "type", where)
         streams = None
         if "streams" in section:
-            streams = get_list(section, "streams", where)
-            for j, name in enumerate(streams):
+            names = get_list(section, "streams", where)
+            for j, name in enumerate(names):
                 if not isinstance(name, str) or name not in stream_names:
                     raise ConfigError(f"{where}.streams[{j}]", f"unknown stream {name!r}")
-            streams = tuple(streams)
+            streams = tuple(names)
         options = {k: v for k, v in section.items() if k not in ("type", "streams")}
         out.append(ConsumerConfig(type_, streams, options))
     return tuple(out)

@@ -1,7 +1,7 @@
 """The ``database`` and ``streams`` sections (and Synapse presets): what every
 component shares."""
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
 
 from .fields import (IDENTIFIER, WIRE_NAME, ConfigError, as_mapping, get_bool, get_int,
                      get_list, get_names, get_path, get_str, kind_of, no_unknown, sql_name)
@@ -110,7 +110,8 @@ def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset, 
 def parse_stream(value: Any, key: str) -> StreamConfig:
     section = as_mapping(value, key)
     no_unknown(section, STREAM_KEYS, key)
-    preset, json_text, positions_name = None, frozenset(), None
+    preset, positions_name = None, None
+    json_text: AbstractSet[str] = frozenset()
     if "preset" in section:
         section, preset, json_text, positions_name = _apply_preset(section, key)
     name = get_str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")

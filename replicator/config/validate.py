@@ -38,7 +38,7 @@ def validate_replication(rep: ReplicationConfig, reactor, key: str = "replicatio
 
         try:
             load_ca_certificates(rep.client_ca)
-            server_endpoint(reactor, rep.listen, rep.client_ca)
+            server_endpoint(reactor, rep.listen or "", rep.client_ca)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}.client_ca", " ".join(str(e).split())) from None
     elif rep.listen is not None:

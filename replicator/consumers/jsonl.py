@@ -202,7 +202,8 @@ class JsonlConsumer(Consumer):
                 except ValueError as e:
                     raise JsonlError(f"{self.path}: line {lines} (offset {good}) is not a fact "
                                      f"or position: {e}") from None
-                if key is not None and token > positions.get(key, token - 1):
+                if key is not None and token is not None \
+                        and token > positions.get(key, token - 1):
                     positions[key] = token
                 good += len(line)
             total = f.seek(0, os.SEEK_END)

@@ -229,7 +229,7 @@ class Channel(HTTPChannel):
 
     def _start_deadline(self, what: str, seconds: float) -> None:
         self._cancel_deadline()
-        self._deadline = self.callLater(
+        self._deadline = self.callLater(  # type: ignore[call-arg]  # Twisted: (delay, f, *a)
             seconds, self.refuse, 408, f"request {what} not received within {seconds:g}s")
 
     def _cancel_deadline(self) -> None:
@@ -247,6 +247,7 @@ class Channel(HTTPChannel):
         if self._served and self._deadline is None and not self._handlingRequest:
             self.refused = True
             self.setTimeout(None)
+            assert self.transport is not None
             self.transport.loseConnection()
             return
         self.refuse(503, message)
@@ -259,6 +260,7 @@ class Channel(HTTPChannel):
         self._cancel_deadline()
         self.setTimeout(None)
         answer, length = refusal(code, message)
+        assert self.transport is not None
         self.transport.write(answer)
         self._closer = _close_after_answer(self.transport, self, DRAIN_TIME,
                                            self.loseConnection)

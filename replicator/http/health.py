@@ -102,7 +102,7 @@ class HealthRoute:
             return False, "replication status unavailable"
 
     def _unloaded(self) -> Optional[str]:
-        unloaded = [s.name for s in self.registry if s.id_gen is None]
+        unloaded = [s.name for s in self.registry if not s.loaded]
         return f"streams not loaded: {', '.join(unloaded)}" if unloaded else None
 
     def current_problem(self) -> Optional[str]:

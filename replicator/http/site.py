@@ -14,7 +14,7 @@ redaction of what must never be shown.
 
 import io
 import time
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, cast
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -139,7 +139,7 @@ class Request(server.Request):
     def _refuse(self, limit: int) -> None:
         """413 before the body, by the channel (which closes)."""
         self.requestHeaders.removeHeader(b"expect")  # no 100 Continue after this
-        self.channel.refuse(413, f"request body larger than {limit} bytes")
+        cast("Channel", self.channel).refuse(413, f"request body larger than {limit} bytes")
 
     def gotLength(self, length):
         self.started = time.monotonic()
@@ -192,7 +192,7 @@ class Site(server.Site):
     newcomer refused (503).  ``crowd`` keeps the books."""
 
     requestFactory = Request
-    protocol = Channel
+    protocol = Channel  # type: ignore[assignment]  # Twisted declares a callable
     noisy = False
 
     def __init__(self, root, api, max_body_size: int, timeout: float, reactor):

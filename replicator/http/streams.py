@@ -102,7 +102,7 @@ class StreamRoutes:
         if writer not in stream.local_writers:
             raise HttpError(409, f"not a writer of stream {stream.name} on this instance "
                                  f"({writer})")
-        if stream.id_gen is None:
+        if not stream.loaded:
             raise HttpError(503, f"stream {stream.name} is not loaded yet")
         request.content.seek(0)
         body = request.content.read()

@@ -49,6 +49,10 @@ from twisted.logger import Logger
 from ..streams.rows import WireRowCheck
 from .fields import decoded_size
 from .interfaces import IReplicationConnection
+from twisted.python.failure import Failure
+from twisted.internet.interfaces import IReactorTime
+from ..streams.stream import Stream
+from ..streams.registry import StreamRegistry
 
 log = Logger()
 
@@ -67,7 +71,7 @@ DECODED_FACTOR = 4
 
 #: ``accept(conn, key, cmd, line)`` / ``refuse(conn, key, reason, text)`` /
 #: ``stale(conn, key)``
-Accept = Callable[[Any, Key, Any, bytes], None]
+Accept = Callable[[Any, Key, Any, Optional[bytes]], None]
 Refuse = Callable[[Any, Key, str, str], None]
 Stale = Callable[[Any, Key], None]
 
@@ -77,9 +81,9 @@ class _Gate:
 
     __slots__ = ("held", "waiting", "batches")
 
-    def __init__(self):
+    def __init__(self) -> None:
         # Commands waiting behind a claim: (key, stream, cmd, line, needed read).
-        self.held: Deque[tuple] = deque()
+        self.held: Deque[Tuple[Any, ...]] = deque()
         self.waiting = False
         # writer -> (stream, [rows, bytes, decoded]) of its partial batch here
         self.batches: Dict[str, Tuple[str, List[int]]] = {}
@@ -90,7 +94,7 @@ class _Sequence:
 
     __slots__ = ("value", "started", "finished", "reading", "waiters")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.value = 0
         self.started = 0  # reads started so far
         self.finished = 0  # the number of the last read that answered
@@ -106,9 +110,9 @@ class Admission:
     to ``refuse``, both in each connection's arrival order.
     """
 
-    def __init__(self, registry, accept: Accept, refuse: Refuse, clock,
+    def __init__(self, registry: StreamRegistry, accept: Accept, refuse: Refuse, clock: IReactorTime,
                  max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 retry_delay: float = 1.0, stale: Optional[Stale] = None):
+                 retry_delay: float = 1.0, stale: Optional[Stale] = None) -> None:
         self.registry = registry
         self._accept = accept
         self._refuse = refuse
@@ -126,7 +130,8 @@ class Admission:
         self._stopping = False
 
     # ------------------------------------------------------------ lines in
-    def offer(self, conn: IReplicationConnection, stream, key: Key, cmd, line: bytes) -> None:
+    def offer(self, conn: IReplicationConnection, stream: Stream, key: Key, cmd: Any,
+              line: Optional[bytes]) -> None:
         """An RDATA or POSITION of ``key`` from ``conn`` (``line``: its wire
         bytes, newline included)."""
         gate = self._gates.get(conn)
@@ -137,8 +142,8 @@ class Admission:
             return
         self._admit(conn, gate, key, stream, cmd, line, 0)
 
-    def _admit(self, conn: IReplicationConnection, gate: _Gate, key: Key, stream, cmd,
-               line: bytes, needed: int) -> bool:
+    def _admit(self, conn: IReplicationConnection, gate: _Gate, key: Key, stream: Stream, cmd: Any,
+               line: Optional[bytes], needed: int) -> bool:
         """Admit, refuse or hold one command; False once the gate waits."""
         rdata = cmd.NAME == "RDATA"
         open_batch = gate.batches.get(key[1])
@@ -227,7 +232,8 @@ class Admission:
             if total[0] <= 0:
                 del self._writers[key]
 
-    def _call_accept(self, conn: IReplicationConnection, key: Key, cmd, line: bytes) -> None:
+    def _call_accept(self, conn: IReplicationConnection, key: Key, cmd: Any,
+                     line: Optional[bytes]) -> None:
         try:
             self._accept(conn, key, cmd, line)
         except Exception:
@@ -248,7 +254,7 @@ class Admission:
             sequence = self._sequences[name] = _Sequence()
         return sequence
 
-    def _read(self, stream, sequence: _Sequence) -> None:
+    def _read(self, stream: Stream, sequence: _Sequence) -> None:
         if sequence.reading or self._stopping or stream.name in self._retries:
             return
         sequence.reading = True
@@ -259,7 +265,7 @@ class Admission:
                        callbackArgs=(stream, sequence, number),
                        errbackArgs=(stream, sequence))
 
-    def _read_done(self, value: int, stream, sequence: _Sequence, number: int) -> None:
+    def _read_done(self, value: int, stream: Stream, sequence: _Sequence, number: int) -> None:
         sequence.reading = False
         sequence.finished = number
         if value > sequence.value:
@@ -269,7 +275,7 @@ class Admission:
             # Claims that arrived after this read started need another.
             self._read(stream, sequence)
 
-    def _read_failed(self, failure, stream, sequence: _Sequence) -> None:
+    def _read_failed(self, failure: Failure, stream: Stream, sequence: _Sequence) -> None:
         sequence.reading = False
         if self._stopping:
             return
@@ -279,7 +285,7 @@ class Admission:
         self._retries[stream.name] = self._clock.callLater(
             self.retry_delay, self._retry_read, stream, sequence)
 
-    def _retry_read(self, stream, sequence: _Sequence) -> None:
+    def _retry_read(self, stream: Stream, sequence: _Sequence) -> None:
         self._retries.pop(stream.name, None)
         if sequence.waiters:
             self._read(stream, sequence)

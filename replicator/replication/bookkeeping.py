@@ -37,13 +37,14 @@ Everything runs on the reactor thread except :meth:`metric_samples`, which
 only reads snapshots.
 """
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Dict, List, Optional, Set, Tuple
 
 from twisted.logger import Logger
 
 from .. import metrics
 from .interfaces import IReplicationConnection
 from .peers import metrics_label
+from twisted.internet.interfaces import IReactorTime
 
 log = Logger()
 
@@ -63,9 +64,9 @@ class Bookkeeping:
     them as an instance ID, and metrics are labelled only by them.
     """
 
-    def __init__(self, clock, known_names=frozenset(), max_user_syncs: int = 50_000,
+    def __init__(self, clock: IReactorTime, known_names: AbstractSet[str]=frozenset(), max_user_syncs: int = 50_000,
                  max_user_ips: int = 20_000, max_federation_acks: int = 1_000,
-                 max_age: float = 86_400.0):
+                 max_age: float = 86_400.0) -> None:
         self._clock = clock
         self.known_names = frozenset(known_names)
         self.max_user_syncs = max_user_syncs
@@ -74,7 +75,7 @@ class Bookkeeping:
         self.max_age = max_age
         self.user_syncs: Dict[str, Dict[User, int]] = {}
         self.federation_acks: Dict[str, int] = {}
-        self.user_ips: Dict[User, dict] = {}
+        self.user_ips: Dict[User, Dict[Any, Any]] = {}
         # Update order and time of each table's entries, oldest first.
         self._sync_order: Dict[Tuple[str, User], None] = {}
         self._ack_times: Dict[str, float] = {}
@@ -126,7 +127,7 @@ class Bookkeeping:
         return None
 
     # ------------------------------------------------------------ commands
-    def user_sync(self, conn: IReplicationConnection, cmd, track: bool = True) -> Optional[str]:
+    def user_sync(self, conn: IReplicationConnection, cmd: Any, track: bool = True) -> Optional[str]:
         """USER_SYNC; ``track``: ``conn`` is a live connection, whose IDs
         are checked and expire with it.  Returns why it was refused."""
         instance = cmd.instance_id
@@ -151,7 +152,7 @@ class Bookkeeping:
         self._sync_order[key] = None
         return None
 
-    def clear_user_sync(self, conn: IReplicationConnection, cmd) -> Optional[str]:
+    def clear_user_sync(self, conn: IReplicationConnection, cmd: Any) -> Optional[str]:
         if conn.accepted:
             refusal = self._claim(conn, cmd.instance_id, "CLEAR_USER_SYNC")
             if refusal is not None:
@@ -159,7 +160,7 @@ class Bookkeeping:
         self._clear(cmd.instance_id)
         return None
 
-    def federation_ack(self, conn: IReplicationConnection, cmd) -> Optional[str]:
+    def federation_ack(self, conn: IReplicationConnection, cmd: Any) -> Optional[str]:
         instance = cmd.instance_name
         if conn.accepted and instance != _name(conn):
             return NOT_YOURS.format(command="FEDERATION_ACK")
@@ -169,7 +170,7 @@ class Bookkeeping:
         self.expire(now)
         return None
 
-    def user_ip(self, conn: IReplicationConnection, cmd) -> Optional[str]:
+    def user_ip(self, conn: IReplicationConnection, cmd: Any) -> Optional[str]:
         now = self._clock.seconds()
         entry = {"access_token_seen": True, "ip": cmd.ip, "user_agent": cmd.user_agent,
                  "last_seen": cmd.last_seen}
@@ -184,8 +185,10 @@ class Bookkeeping:
         if now is None:
             now = self._clock.seconds()
         limit = now - self.max_age
-        for table, times, name in ((self.user_ips, self._ip_times, "user_ips"),
-                                   (self.federation_acks, self._ack_times, "federation_acks")):
+        bounded: Tuple[Tuple[Dict[Any, Any], Dict[Any, float], str], ...] = (
+            (self.user_ips, self._ip_times, "user_ips"),
+            (self.federation_acks, self._ack_times, "federation_acks"))
+        for table, times, name in bounded:
             n = 0
             while times:
                 key, at = next(iter(times.items()))
@@ -246,8 +249,10 @@ class Bookkeeping:
                 continue  # expired, not yet dropped
             label = metrics_label(instance, self.known_names)
             acks[label] = max(acks.get(label, token), token)
-        return ([(metrics.USER_SYNCS, (label,), n) for label, n in syncs.items()]
-                + [(metrics.FEDERATION_ACK_POSITION, (label,), t) for label, t in acks.items()])
+        samples: List[metrics.Sample] = [
+            (metrics.USER_SYNCS, (label,), n) for label, n in syncs.items()]
+        samples += [(metrics.FEDERATION_ACK_POSITION, (label,), t) for label, t in acks.items()]
+        return samples
 
 
 def _name(conn: Optional[IReplicationConnection]) -> Optional[str]:
@@ -255,10 +260,12 @@ def _name(conn: Optional[IReplicationConnection]) -> Optional[str]:
     we accepted)."""
     if conn is None or not conn.accepted:
         return None
-    return conn.instance_name
+    name: Optional[str] = conn.instance_name
+    return name
 
 
-def _put(table: dict, times: dict, key, value, now: float, limit: int, name: str) -> None:
+def _put(table: Dict[Any, Any], times: Dict[Any, float], key: Any, value: Any, now: float,
+         limit: int, name: str) -> None:
     """Set ``table[key]`` as its newest entry, making room if full."""
     if times.pop(key, None) is None:
         while len(times) >= limit:

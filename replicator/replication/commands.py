@@ -24,7 +24,7 @@ The RDATA fan-out does not go through the classes: it writes the bytes of
 import dataclasses
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, ClassVar, Dict, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
 from ..jsontext import encode_json
 from .fields import (
@@ -45,7 +45,8 @@ class Command:
 
     def fields(self) -> Dict[str, Any]:
         """The command's arguments by their protocol names (``tail --json``)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- text only
@@ -190,7 +191,7 @@ class RdataCommand(Command):
     stream_name: str
     instance_name: str
     token: Optional[int]
-    row: list
+    row: List[Any]
 
     @classmethod
     def from_line(cls, rest: str) -> "RdataCommand":
@@ -239,11 +240,12 @@ class PositionCommand(Command):
             self.stream_name, self.instance_name, self.prev_token, self.new_token)
 
 
-def rdata_row(line: bytes) -> list:
+def rdata_row(line: bytes) -> List[Any]:
     """The row of an RDATA line already parsed once (its wire bytes, with
     or without the newline): a partial batch is kept as its lines and its
     rows decoded only when the fact is handed on."""
-    return decode_json(line.split(b" ", 4)[4].decode("utf-8", "surrogatepass"), "row")
+    row: List[Any] = decode_json(line.split(b" ", 4)[4].decode("utf-8", "surrogatepass"), "row")
+    return row
 
 
 # ---------------------------------------------------------------- client state

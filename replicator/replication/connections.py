@@ -15,8 +15,9 @@ Invariants:
 """
 
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, ItemsView, Iterator, Optional, Sequence, Tuple
 
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from .. import metrics
@@ -35,10 +36,10 @@ class ConnState:
 
     __slots__ = ("replicating", "label", "counters", "since")
 
-    def __init__(self, replicating: bool, label: str, since: float = 0.0):
+    def __init__(self, replicating: bool, label: str, since: float = 0.0) -> None:
         self.replicating = replicating  # receives fan-out
         self.label = label  # metrics label: the peer's NAME, "unnamed", "upstream", "redis"
-        self.counters: Dict[tuple, Any] = {}  # (metric, command) -> metric child
+        self.counters: Dict[Tuple[Any, str], Any] = {}  # (metric, command) -> metric child
         self.since = since  # when the connection was made (clock seconds)
 
 
@@ -48,7 +49,7 @@ class Connections:
     Reads like a mapping of connection to state (``in``, iteration, ``len``,
     ``get``, ``items``)."""
 
-    def __init__(self, clock):
+    def __init__(self, clock: IReactorTime) -> None:
         self._clock = clock
         self._states: Dict[IReplicationConnection, ConnState] = {}
         #: The last disconnects, newest last: ``(time, peer, address, reason)``.
@@ -69,7 +70,7 @@ class Connections:
     def get(self, conn: IReplicationConnection) -> Optional[ConnState]:
         return self._states.get(conn)
 
-    def items(self):
+    def items(self) -> ItemsView[IReplicationConnection, ConnState]:
         return self._states.items()
 
     def add(self, conn: IReplicationConnection, replicating: bool, label: str) -> ConnState:
@@ -112,7 +113,7 @@ class Connections:
         state.counters.clear()
         metrics.CONNECTIONS.labels(label).inc()
 
-    def counter(self, conn: IReplicationConnection, metric, name: str):
+    def counter(self, conn: IReplicationConnection, metric: Any, name: str) -> Any:
         """The child of ``metric`` for command ``name`` on ``conn`` (cached
         per connection while its label holds)."""
         state = self._states.get(conn)
@@ -124,7 +125,7 @@ class Connections:
             child = state.counters[key] = metric.labels(name, state.label)
         return child
 
-    def broadcast(self, lines: List[bytes], name: str,
+    def broadcast(self, lines: Sequence[bytes], name: str,
                   exclude: Optional[IReplicationConnection] = None,
                   replicating_only: bool = True) -> None:
         """Write ``lines`` (of command ``name``) to every connection but

@@ -19,7 +19,7 @@ Invariants:
   already have, so a page handed on again after a failure is no duplicate.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from twisted.internet import defer
 
@@ -28,8 +28,9 @@ from ..consumers import Consumer
 from ..consumers.base import IBatchConsumer
 from ..streams.stream import Stream
 from .reader import Reader, maybe_await
+from twisted.internet.interfaces import IReactorTime
 
-Fact = Tuple[int, List[list]]
+Fact = Tuple[int, List[List[Any]]]
 
 
 def consumers_for(consumers: Sequence[Consumer], stream_name: str) -> List[Consumer]:
@@ -38,7 +39,7 @@ def consumers_for(consumers: Sequence[Consumer], stream_name: str) -> List[Consu
 
 
 def make_reader(stream: Stream, writer: str, position: Optional[int],
-                consumers: Sequence[Consumer], *, clock, fetch_limit: int,
+                consumers: Sequence[Consumer], *, clock: IReactorTime, fetch_limit: int,
                 retry_delay: float, background: Background) -> Reader:
     """The reader of ``writer``'s facts on ``stream`` from ``position``,
     handing them to those of ``consumers`` that take the stream, and moving
@@ -46,7 +47,7 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
     name = stream.name
     takers = consumers_for(consumers, name)
 
-    def deliver(token: int, rows: List[list]):
+    def deliver(token: int, rows: List[List[Any]]) -> Optional[defer.Deferred[None]]:
         for i, consumer in enumerate(takers):
             result = consumer.on_facts(name, writer, token, rows)
             if result is not None:
@@ -62,7 +63,7 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
         if writer not in stream.local_writers:
             stream.id_gen.advance(writer, token)
 
-    def deliver_many(facts: List[Fact]):
+    def deliver_many(facts: List[Fact]) -> Optional[defer.Deferred[None]]:
         return _deliver_page(takers, name, writer, facts)
 
     pages = all(IBatchConsumer.providedBy(c) for c in takers)
@@ -71,8 +72,10 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
                   fetch_limit=fetch_limit, retry_delay=retry_delay, background=background)
 
 
-def _deliver_page(consumers: Sequence[Consumer], name: str, writer: str, facts: List[Fact]):
-    """A page of facts to every consumer in turn; a Deferred if one waits."""
+def _deliver_page(consumers: Sequence[Any], name: str, writer: str,
+                  facts: List[Fact]) -> Optional[defer.Deferred[None]]:
+    """A page of facts to every consumer in turn (each provides
+    :class:`~replicator.consumers.IBatchConsumer`); a Deferred if one waits."""
     for i, consumer in enumerate(consumers):
         result = consumer.on_facts_many(name, writer, facts)
         if result is not None:
@@ -81,14 +84,16 @@ def _deliver_page(consumers: Sequence[Consumer], name: str, writer: str, facts: 
     return None
 
 
-async def _page_rest(result, consumers, name, writer, facts) -> None:
+async def _page_rest(result: Any, consumers: Sequence[Any], name: str, writer: str,
+                     facts: List[Fact]) -> None:
     """Wait for a consumer's answer, then hand the page to the ones after it."""
     await maybe_await(result)
     for consumer in consumers:
         await maybe_await(consumer.on_facts_many(name, writer, facts))
 
 
-async def _facts_rest(result, consumers, name, writer, token, rows) -> None:
+async def _facts_rest(result: Any, consumers: Sequence[Consumer], name: str, writer: str,
+                      token: int, rows: List[List[Any]]) -> None:
     """Wait for a consumer's answer, then hand the fact to the ones after it."""
     await maybe_await(result)
     for consumer in consumers:

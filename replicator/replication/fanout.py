@@ -26,7 +26,7 @@ Invariants:
 """
 
 import time
-from typing import Any, Callable, Dict, List, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from twisted.logger import Logger
 
@@ -38,12 +38,13 @@ from ..streams.stream import Stream
 from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
 from .fields import MAX_DECODED_PER_BYTE, decoded_size
 from .wire import EncodedLines, encode_position_line, encode_rdata_lines, joined
+from twisted.internet.interfaces import IReactorTime
 
 log = Logger()
 
 Key = Tuple[str, str]
-Broadcast = Callable[[List[bytes], str], None]
-SendUpdates = Callable[[str, str, int, List[Tuple[int, list]], int], None]
+Broadcast = Callable[[Sequence[bytes], str], None]
+SendUpdates = Callable[[str, str, int, List[Tuple[int, List[Any]]], int], None]
 
 
 class Fanout:
@@ -55,11 +56,11 @@ class Fanout:
     ``send_updates`` so it can be observed).
     """
 
-    def __init__(self, broadcast: Broadcast, clock, fetch_limit: int = 1000,
+    def __init__(self, broadcast: Broadcast, clock: IReactorTime, fetch_limit: int = 1000,
                  max_line_length: int = 0, retry_delay: float = 1.0,
-                 fanout_interval: float = 0.003, send: SendUpdates = None,
+                 fanout_interval: float = 0.003, send: Optional[SendUpdates] = None,
                  max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 background: Background = None):
+                 background: Optional[Background] = None) -> None:
         self._broadcast = broadcast
         self._background = background if background is not None else Background()
         self._clock = clock
@@ -135,7 +136,7 @@ class Fanout:
         self.advanced(stream, writer)
 
     def send_updates(self, stream_name: str, writer: str, prev: int,
-                     updates: List[Tuple[int, list]], upto: int) -> None:
+                     updates: List[Tuple[int, List[Any]]], upto: int) -> None:
         """Write rows ``(prev, upto]`` of a local writer to every connection.
 
         ``updates`` are ``(token, row)`` pairs in ascending token order.
@@ -157,7 +158,7 @@ class Fanout:
         self.announced[key] = upto
 
     def _within_bounds(self, stream_name: str, writer: str,
-                       updates: List[Tuple[int, list]]) -> List[bytes]:
+                       updates: List[Tuple[int, List[Any]]]) -> EncodedLines:
         """The lines of ``updates``, fact by fact, each fact too big for a
         receiver replaced by ``POSITION t t``."""
         out = EncodedLines()

@@ -27,7 +27,7 @@ protocols call, one short ``on_<NAME>`` per command; every part with
 state of its own is in one of the modules above.)
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from twisted.internet import task
 from twisted.logger import Logger
@@ -40,7 +40,18 @@ from ..streams.registry import StreamRegistry
 from ..streams.stream import Stream
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
 from .bookkeeping import Bookkeeping
-from .commands import ClearUserSyncCommand, Command, PositionCommand, ReplicateCommand
+from .commands import (
+    ClearUserSyncCommand,
+    Command,
+    FederationAckCommand,
+    NameCommand,
+    PingCommand,
+    PositionCommand,
+    RdataCommand,
+    ReplicateCommand,
+    UserIpCommand,
+    UserSyncCommand,
+)
 from .wire import MAX_LINE_LENGTH, encode_position_line
 from .connections import Connections
 from .delivery import make_reader
@@ -50,6 +61,7 @@ from .link import INVALID_COMMAND, REFUSED
 from .peers import metrics_label
 from .reader import Reader
 from .relay import Relay
+from twisted.internet.interfaces import IReactorTime
 
 log = Logger()
 
@@ -72,7 +84,7 @@ class ReplicationHandler:
         consumers: Iterable[Consumer] = (),
         fetch_limit: int = 1000,
         max_line_length: int = MAX_LINE_LENGTH,
-        clock=None,
+        clock: Optional[IReactorTime]=None,
         retry_delay: float = 1.0,
         fanout_interval: float = 0.003,
         max_batch_rows: int = MAX_BATCH_ROWS,
@@ -82,7 +94,7 @@ class ReplicationHandler:
         max_user_ips: int = 20_000,
         max_federation_acks: int = 1_000,
         bookkeeping_max_age: float = 86_400.0,
-    ):
+    ) -> None:
         self.registry = registry
         self.instance_name = instance_name
         self.server_name = server_name
@@ -129,7 +141,7 @@ class ReplicationHandler:
         for stream in self.registry:
             self._start_stream(stream, consumer_positions)
 
-    def _start_stream(self, stream: Stream, consumer_positions, reload: bool = False) -> None:
+    def _start_stream(self, stream: Stream, consumer_positions: Any, reload: bool = False) -> None:
         for writer in stream.config.writers:
             if writer in stream.local_writers:
                 self.fanout.add_writer(stream, writer)
@@ -137,7 +149,7 @@ class ReplicationHandler:
                 self._add_reader(stream, writer, consumer_positions, reload)
         stream.id_gen.add_listener(self._make_advance_listener(stream))
 
-    def _add_reader(self, stream: Stream, writer: str, consumer_positions,
+    def _add_reader(self, stream: Stream, writer: str, consumer_positions: Any,
                     reload: bool = False) -> None:
         """The reader of ``writer`` on ``stream``, from the consumers'
         smallest position for it; without one, from where the writer's
@@ -155,12 +167,12 @@ class ReplicationHandler:
         """A stream new at a reload (already in the registry and loaded):
         its local writers fanned out, the others read."""
         self._start_stream(stream, [c.positions() for c in self.consumers], reload=True)
-        self._know(stream.config.writers)
+        self._know(frozenset(stream.config.writers))
         self._announce(stream, stream.local_writers)
         if any(w not in stream.local_writers for w in stream.config.writers):
             self._ask_positions()
 
-    def writers_changed(self, stream: Stream, old_writers) -> None:
+    def writers_changed(self, stream: Stream, old_writers: Sequence[str]) -> None:
         """``stream`` took a config whose other-instance writers differ from
         ``old_writers``: a reader for each one added (from the consumers'
         positions), the reader of each one dropped stopped."""
@@ -177,9 +189,9 @@ class ReplicationHandler:
                 if reader is not None:
                     reader.stop()
                 self._heard.pop((stream.name, writer), None)
-        self._know(stream.config.writers)
+        self._know(frozenset(stream.config.writers))
 
-    def _announce(self, stream: Stream, writers) -> None:
+    def _announce(self, stream: Stream, writers: Sequence[str]) -> None:
         """POSITION of ``writers`` (local) to every connection receiving
         fan-out: a peer's reader added at a reload starts from it."""
         lines = [encode_position_line(stream.name, w, token, token)
@@ -197,7 +209,7 @@ class ReplicationHandler:
             if not conn.accepted:
                 conn.send_command(ReplicateCommand())
 
-    def _know(self, names) -> None:
+    def _know(self, names: AbstractSet[str]) -> None:
         """Names the configuration now knows label metrics too."""
         self.known_names = self.known_names | frozenset(names)
         self.bookkeeping.known_names = self.known_names
@@ -207,7 +219,7 @@ class ReplicationHandler:
                            fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
                            background=self.background)
 
-    def _make_advance_listener(self, stream: Stream):
+    def _make_advance_listener(self, stream: Stream) -> Callable[[str, int, int], None]:
         def advanced(writer: str, old: int, new: int) -> None:
             if writer in stream.local_writers and not self._stopping:
                 self.fanout.advanced(stream, writer)
@@ -242,7 +254,7 @@ class ReplicationHandler:
             reader.connection_lost(conn)
 
     @property
-    def recent_disconnects(self):
+    def recent_disconnects(self) -> Deque[Tuple[float, str, Optional[str], str]]:
         """The last disconnects, newest last: ``(time, peer, address, reason)``."""
         return self.connections.recent_disconnects
 
@@ -250,7 +262,7 @@ class ReplicationHandler:
         """The connection's metrics label (bounded: names, not addresses)."""
         return self.connections.label(conn)
 
-    def on_NAME(self, conn: IReplicationConnection, cmd) -> None:
+    def on_NAME(self, conn: IReplicationConnection, cmd: NameCommand) -> None:
         if conn not in self.connections:
             return
         self.bookkeeping.named(conn, cmd.client_name)
@@ -272,13 +284,13 @@ class ReplicationHandler:
 
     # ------------------------------------------------------------- fan-out
     def send_updates(self, stream_name: str, writer: str, prev: int,
-                     updates: List[Tuple[int, list]], upto: int) -> None:
+                     updates: List[Tuple[int, List[Any]]], upto: int) -> None:
         """Write rows ``(prev, upto]`` of a local writer to every connection
         (see :meth:`.Fanout.send_updates`)."""
         self.fanout.send_updates(stream_name, writer, prev, updates, upto)
 
     # ----------------------------------------------------------- commands
-    def on_REPLICATE(self, conn: IReplicationConnection, cmd) -> None:
+    def on_REPLICATE(self, conn: IReplicationConnection, cmd: ReplicateCommand) -> None:
         state = self.connections.get(conn)
         if state is None:
             return
@@ -302,7 +314,7 @@ class ReplicationHandler:
         if lines:
             conn.send_lines(lines, "POSITION")
 
-    def on_RDATA(self, conn: IReplicationConnection, cmd) -> None:
+    def on_RDATA(self, conn: IReplicationConnection, cmd: RdataCommand) -> None:
         if conn not in self.connections:
             return
         key = (cmd.stream_name, cmd.instance_name)
@@ -324,7 +336,7 @@ class ReplicationHandler:
             return
         self.admission.offer(conn, self.registry.get(key[0]), key, cmd, _wire_line(conn, cmd))
 
-    def _admitted(self, conn: IReplicationConnection, key: Key, cmd: Command,
+    def _admitted(self, conn: IReplicationConnection, key: Key, cmd: Any,
                   line: Optional[bytes]) -> None:
         """An RDATA/POSITION that :mod:`.admission` let through."""
         if conn not in self.connections:
@@ -378,28 +390,28 @@ class ReplicationHandler:
             log.warn("Refused from {conn}: {text} (further refusals of this kind are only "
                      "counted: replicator_inbound_refused_total)", conn=conn, text=text)
 
-    def on_USER_SYNC(self, conn: IReplicationConnection, cmd) -> None:
+    def on_USER_SYNC(self, conn: IReplicationConnection, cmd: UserSyncCommand) -> None:
         if not self._refused(conn, cmd, self.bookkeeping.user_sync(
                 conn, cmd, track=conn in self.connections)):
             self._notify(conn, cmd)
 
-    def on_CLEAR_USER_SYNC(self, conn: IReplicationConnection, cmd) -> None:
+    def on_CLEAR_USER_SYNC(self, conn: IReplicationConnection, cmd: ClearUserSyncCommand) -> None:
         if not self._refused(conn, cmd, self.bookkeeping.clear_user_sync(conn, cmd)):
             self._notify(conn, cmd)
 
-    def on_FEDERATION_ACK(self, conn: IReplicationConnection, cmd) -> None:
+    def on_FEDERATION_ACK(self, conn: IReplicationConnection, cmd: FederationAckCommand) -> None:
         if not self._refused(conn, cmd, self.bookkeeping.federation_ack(conn, cmd)):
             self._notify(conn, cmd)
 
-    def on_USER_IP(self, conn: IReplicationConnection, cmd) -> None:
+    def on_USER_IP(self, conn: IReplicationConnection, cmd: UserIpCommand) -> None:
         if not self._refused(conn, cmd, self.bookkeeping.user_ip(conn, cmd)):
             self._notify(conn, cmd)
 
-    def on_PING(self, conn: IReplicationConnection, cmd) -> None:
+    def on_PING(self, conn: IReplicationConnection, cmd: PingCommand) -> None:
         # Every peer PINGs every few seconds: old bookkeeping goes meanwhile.
         self.bookkeeping.expire()
 
-    def _refused(self, conn: IReplicationConnection, cmd, why: Optional[str]) -> bool:
+    def _refused(self, conn: IReplicationConnection, cmd: Any, why: Optional[str]) -> bool:
         """If ``why``: the peer may not do ``cmd``; ``ERROR why`` and close
         (one peer's connection; a bus goes on: the command is dropped)."""
         if why is None:
@@ -410,7 +422,7 @@ class ReplicationHandler:
             conn.close(REFUSED, why)
         return True
 
-    def _relay(self, conn: IReplicationConnection, cmd) -> None:
+    def _relay(self, conn: IReplicationConnection, cmd: Any) -> None:
         if conn.accepted:
             line = _wire_line(conn, cmd)
             if line is None or len(line) > self.max_line_length + 1:
@@ -421,7 +433,7 @@ class ReplicationHandler:
 
     on_REMOTE_SERVER_UP = on_LOCK_RELEASED = on_NEW_ACTIVE_TASK = on_CANCEL_TASK = _relay
 
-    def _notify(self, conn: IReplicationConnection, cmd) -> None:
+    def _notify(self, conn: IReplicationConnection, cmd: Any) -> None:
         for listener in self.listeners:
             method = getattr(listener, "on_" + cmd.NAME, None)
             if method is not None:
@@ -429,15 +441,15 @@ class ReplicationHandler:
 
     # ---------------------------------------------------------- bookkeeping
     @property
-    def user_syncs(self):
+    def user_syncs(self) -> Dict[str, Dict[Tuple[str, Optional[str]], int]]:
         return self.bookkeeping.user_syncs
 
     @property
-    def federation_acks(self):
+    def federation_acks(self) -> Dict[str, int]:
         return self.bookkeeping.federation_acks
 
     @property
-    def user_ips(self):
+    def user_ips(self) -> Dict[Any, Dict[Any, Any]]:
         return self.bookkeeping.user_ips
 
     # -------------------------------------------------------------- state
@@ -499,7 +511,7 @@ def _wire_line(conn: IReplicationConnection, cmd: Command) -> Optional[bytes]:
     """The line as received (newline included): ``conn.current_line`` while
     the command is dispatched.  Without it, the command re-encoded, or None
     if it cannot be encoded as UTF-8 (a lone surrogate)."""
-    line = conn.current_line
+    line: Optional[bytes] = conn.current_line
     if line is not None:
         return line + b"\n"
     try:

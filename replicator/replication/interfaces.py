@@ -14,7 +14,12 @@ Tests check every implementation, and every test double standing in for
 one, with :func:`zope.interface.verify.verifyObject` (``tests/test_interfaces.py``).
 """
 
+from typing import TYPE_CHECKING, Optional, Sequence
+
 from zope.interface import Attribute, Interface
+
+if TYPE_CHECKING:
+    from .commands import Command
 
 
 class IReplicationConnection(Interface):
@@ -45,24 +50,24 @@ class IReplicationConnection(Interface):
                           "are shown and measured), or None where there is not one "
                           "(a bus: its links are its owner's).")
 
-    def send_lines(lines, command_name="RDATA"):
+    def send_lines(lines: Sequence[bytes], command_name: str = "RDATA") -> bool:
         """Write pre-encoded lines (each ending in ``\\n``, built by
         :mod:`.wire`) together, nothing between them; ``command_name``
         counts them.  Returns whether they were written (or kept to be):
         False once the connection stops, or when dropped."""
 
-    def send_command(cmd):
+    def send_command(cmd: "Command") -> bool:
         """Write one command; whether it was written (see :meth:`send_lines`)."""
 
-    def pause_reading():
+    def pause_reading() -> None:
         """Stop taking inbound lines until :meth:`resume_reading` (while a
         claim the connection made is checked against the database); a
         connection that is going away ignores it."""
 
-    def resume_reading():
+    def resume_reading() -> None:
         """Take inbound lines again."""
 
-    def stop(reason_text="server stopping"):
+    def stop(reason_text: str = "server stopping") -> None:
         """Orderly shutdown: nothing is sent after it (a TCP connection
         first says ``ERROR <reason_text>``, then closes)."""
 
@@ -78,7 +83,8 @@ class IPeerConnection(IReplicationConnection):
     close_reason = Attribute("None while up; why it ended, one of :data:`.link.CLOSE_REASONS`, "
                              "from the moment it starts closing.")
 
-    def close(reason, error_text=None, log_text=None):
+    def close(reason: str, error_text: Optional[str] = None,
+              log_text: Optional[str] = None) -> None:
         """Close, first writing ``ERROR <error_text>`` if given; one log line
         (``log_text`` at warn level when the peer is at fault).  Idempotent."""
 
@@ -89,18 +95,18 @@ class IRedisBus(Interface):
 
     channel = Attribute("The channel our lines go to (str; log lines name it).")
 
-    def hold(lines, command_name):
+    def hold(lines: Sequence[bytes], command_name: str) -> bool:
         """Whether the owner keeps ``lines`` back for now (registering beside
         a possible Synapse, see :mod:`.synapse_watch`): then they are not
         published now."""
 
-    def publish_lines(lines, channel=None):
+    def publish_lines(lines: Sequence[bytes], channel: Optional[bytes] = None) -> None:
         """PUBLISH the lines, all in one write (one MULTI/EXEC when several)."""
 
-    def pause_reading():
+    def pause_reading() -> None:
         """Stop reading the subscription."""
 
-    def resume_reading():
+    def resume_reading() -> None:
         """Read the subscription again."""
 
 
@@ -115,27 +121,28 @@ class IReplicationHandler(Interface):
     logged by the caller and does not end the connection.  (A protocol
     tolerates a handler that lacks some hooks, as its unit tests' doubles do.)"""
 
+    instance_name = Attribute("This instance's name (str).")
     registry = Attribute("The streams (a :class:`~replicator.streams.registry.StreamRegistry`).")
     known_names = Attribute("Instance names the configuration knows (frozenset of str).")
 
-    def new_connection(conn):
+    def new_connection(conn: IReplicationConnection) -> None:
         """``conn`` is up: after the handshake lines were sent (a TCP client:
         after its ``REPLICATE``), a bus once subscribed and publishing."""
 
-    def lost_connection(conn, reason):
+    def lost_connection(conn: IReplicationConnection, reason: str) -> None:
         """``conn`` is gone, once; ``reason`` one of :data:`.link.CLOSE_REASONS`."""
 
-    def client_may_write(stream_name, instance_name):
+    def client_may_write(stream_name: str, instance_name: str) -> bool:
         """Server side: may client ``instance_name`` send RDATA/POSITION of
         that stream (is it one of its writers, not local here)?"""
 
-    def count_inbound(conn, name):
+    def count_inbound(conn: IReplicationConnection, name: str) -> None:
         """One inbound ``name`` command was accepted (before dispatch)."""
 
-    def count_outbound(conn, name, n):
+    def count_outbound(conn: IReplicationConnection, name: str, n: int) -> None:
         """``n`` lines of command ``name`` were written or queued: once per
         ``send_command`` and once per ``send_lines`` call."""
 
-    def count_dropped(conn, name, n):
+    def count_dropped(conn: IReplicationConnection, name: str, n: int) -> None:
         """``n`` outbound lines were never written: over-long, or a newline
         inside (a bug of whoever built them)."""

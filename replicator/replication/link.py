@@ -17,7 +17,7 @@ of life.
 """
 
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
@@ -98,10 +98,18 @@ class LineConnection(Protocol):
 
     log = Logger()
 
+    #: A TCP transport and push-producer consumer once connected (Twisted
+    #: declares only ``Optional[ITransport]``; ``dataReceived`` and every
+    #: write run connected).
+    transport: Any
+
+    def lineReceived(self, line: bytes) -> None:
+        raise NotImplementedError
+
     def __init__(self, handler: IReplicationHandler, *, clock: IReactorTime,
                  max_line_length: int = MAX_LINE_LENGTH, ping_interval: float = PING_INTERVAL,
                  ping_timeout: float = PING_TIMEOUT, max_queued_lines: int = MAX_QUEUED_LINES,
-                 max_queued_bytes: int = MAX_QUEUED_BYTES, idle_timeout: float = IDLE_TIMEOUT):
+                 max_queued_bytes: int = MAX_QUEUED_BYTES, idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.handler = handler
         self._clock = clock
         self.MAX_LENGTH = max_line_length
@@ -315,7 +323,7 @@ class LineConnection(Protocol):
             return False
         return self._write([data + b"\n"], cmd.NAME)
 
-    def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
+    def send_lines(self, lines: Sequence[bytes], command_name: str = "RDATA") -> bool:
         """Write pre-encoded lines (each ending in ``b"\\n"``, built by
         :func:`.wire.encode_rdata_lines` / ``encode_position_line`` with
         this connection's maximum line length) in one ``transport.write`` of
@@ -331,7 +339,7 @@ class LineConnection(Protocol):
             return False
         return self._write(lines, command_name)
 
-    def _write(self, lines: List[bytes], name: str) -> bool:
+    def _write(self, lines: Sequence[bytes], name: str) -> bool:
         if self._paused:
             queue = self._queue
             size = sum(map(len, lines))
@@ -397,7 +405,7 @@ class LineConnection(Protocol):
         """Seconds from now until the peer counts as gone."""
         return self._deadline()[0] - self._clock.seconds()
 
-    def _deadline(self):
+    def _deadline(self) -> Tuple[float, str]:
         """When the peer counts as gone, and the close reason then.
 
         The ping timeout (any bytes count as a sign of life) applies on the

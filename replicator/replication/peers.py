@@ -25,7 +25,11 @@ a label only if the configuration knows it.
 
 import ipaddress
 from dataclasses import dataclass
-from typing import AbstractSet, FrozenSet, Optional, Tuple
+from typing import TYPE_CHECKING, AbstractSet, FrozenSet, Optional, Tuple
+
+if TYPE_CHECKING:
+    from ..config import ReplicationConfig
+    from .interfaces import IReplicationHandler
 
 #: The metrics label of every name the configuration does not know.
 OTHER = "other"
@@ -81,7 +85,7 @@ class PeerPolicy:
         return None
 
 
-def policy_from_config(replication, reserved: AbstractSet[str]) -> PeerPolicy:
+def policy_from_config(replication: "ReplicationConfig", reserved: AbstractSet[str]) -> PeerPolicy:
     """The policy a :class:`~replicator.config.ReplicationConfig` asks for."""
     networks = replication.allowed_networks
     peers = replication.allowed_peers
@@ -94,7 +98,7 @@ def policy_from_config(replication, reserved: AbstractSet[str]) -> PeerPolicy:
     )
 
 
-def local_names(handler) -> FrozenSet[str]:
+def local_names(handler: "IReplicationHandler") -> FrozenSet[str]:
     """The names no peer of ``handler`` may take: its instance's and its
     local writers'."""
     names = {handler.instance_name}

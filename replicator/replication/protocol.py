@@ -72,7 +72,7 @@ class ReplicationProtocol(LineConnection):
     #: Whether the peer must send NAME before any other command.
     name_required = False
 
-    def __init__(self, handler: IReplicationHandler, **kwargs: Any):
+    def __init__(self, handler: IReplicationHandler, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         #: The inbound line being dispatched (bytes, no newline).
         self.current_line: Optional[bytes] = None
@@ -270,7 +270,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
 
     def __init__(self, handler: IReplicationHandler, server_name: str, policy: Optional[PeerPolicy] = None,
                  identify: Optional[Callable[[Any, Optional[str]], Optional[str]]] = None,
-                 identify_timeout: Optional[float] = None, **kwargs: Any):
+                 identify_timeout: Optional[float] = None, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         self.server_name = server_name
         self.policy = policy if policy is not None else PeerPolicy()
@@ -383,7 +383,7 @@ class ClientReplicationProtocol(ReplicationProtocol):
     accepted = False
 
     def __init__(self, handler: IReplicationHandler, client_name: Optional[str], server_name: Optional[str],
-                 on_healthy: Optional[Callable[[], None]] = None, **kwargs: Any):
+                 on_healthy: Optional[Callable[[], None]] = None, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         self.client_name = client_name
         self.server_name = server_name

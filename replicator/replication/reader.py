@@ -46,10 +46,11 @@ from ..background import Background
 from ..backoff import Outage
 from .commands import rdata_row
 from .interfaces import IReplicationConnection
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 log = Logger()
 
-Fact = Tuple[int, List[list]]
+Fact = Tuple[int, List[List[Any]]]
 #: ``source(writer, from_token, to_token, limit)`` -> ``(facts, upto, limited)``:
 #: ``(token, rows)`` facts, whole, in token order (``Stream.facts_since``)
 Source = Callable[[str, int, int, int], Awaitable[Tuple[List[Fact], int, bool]]]
@@ -83,15 +84,15 @@ class Reader:
         writer: str,
         position: Optional[int],
         source: Source,
-        deliver: Callable[[int, List[list]], Any],
-        clock,
-        deliver_many: Optional[Callable[[List[Tuple[int, List[list]]]], Any]] = None,
+        deliver: Callable[[int, List[List[Any]]], Any],
+        clock: IReactorTime,
+        deliver_many: Optional[Callable[[List[Tuple[int, List[List[Any]]]]], Any]] = None,
         reached: Optional[Callable[[int], Any]] = None,
         advanced: Optional[Callable[[int], None]] = None,
         fetch_limit: int = 1000,
         retry_delay: float = 1.0,
         background: Optional[Background] = None,
-    ):
+    ) -> None:
         self.stream_name = stream_name
         self._background = background if background is not None else Background()
         self.writer = writer
@@ -105,11 +106,11 @@ class Reader:
         self._clock = clock
         self.fetch_limit = fetch_limit
         self.retry_delay = retry_delay
-        self.queue: Deque[tuple] = deque()
+        self.queue: Deque[Tuple[Any, ...]] = deque()
         self.busy = False
-        self._batches: Dict[Any, list] = {}  # conn -> rows (or lines) of the fact under way
+        self._batches: Dict[Any, List[Any]] = {}  # conn -> rows (or lines) of the fact under way
         self._positioned: Set[Any] = set()  # connections with a POSITION seen
-        self._retry = None
+        self._retry: Optional[IDelayedCall] = None
         self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
         self._stopping = False
 
@@ -159,7 +160,7 @@ class Reader:
         self._positioned.discard(conn)
 
     # ------------------------------------------------------------ pipeline
-    def _enqueue(self, item: tuple) -> None:
+    def _enqueue(self, item: Tuple[Any, ...]) -> None:
         self.queue.append(item)
         if not self.busy:
             self.busy = True
@@ -189,7 +190,7 @@ class Reader:
             self.busy = True
             self._background.run("reader", self._drain())
 
-    async def _apply(self, item: tuple) -> None:
+    async def _apply(self, item: Tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == "rdata":
             _, token, rows = item
@@ -228,10 +229,11 @@ class Reader:
         log.info("Catching up {stream}/{writer} from {since} to {until}",
                  stream=self.stream_name, writer=self.writer, since=since, until=until)
         rows_counter = metrics.CATCHUP_ROWS.labels(self.stream_name)
-        pending = self._read(since, until)
+        pending: Optional[defer.Deferred[Any]] = self._read(since, until)
         first = True
         try:
             while since < until:
+                assert pending is not None  # read while since < until
                 ready = pending.called
                 facts, upto, _ = await pending
                 pending = self._read(upto, until) if upto < until else None
@@ -246,7 +248,7 @@ class Reader:
             if pending is not None:
                 pending.addErrback(lambda _: None)  # read ahead, not needed any more
 
-    def _read(self, since: int, until: int) -> defer.Deferred:
+    def _read(self, since: int, until: int) -> defer.Deferred[Any]:
         return defer.maybeDeferred(self._source, self.writer, since, until, self.fetch_limit
                                    ).addCallback(_resolved)
 
@@ -274,7 +276,7 @@ class Reader:
             if last is not None and self._advanced is not None:
                 self._advanced(last)
 
-    async def _hand_on(self, token: int, rows: List[list]) -> None:
+    async def _hand_on(self, token: int, rows: List[List[Any]]) -> None:
         if self._stopping:
             raise Stopping()
         await maybe_await(self._deliver(token, rows))
@@ -304,14 +306,14 @@ class Reader:
 _rows_of = itemgetter(1)
 
 
-def _resolved(result):
+def _resolved(result: Any) -> Any:
     """A source may be an ``async def``: its coroutine, run to its value."""
     if hasattr(result, "__await__") and not isinstance(result, defer.Deferred):
         return defer.ensureDeferred(result)
     return result
 
 
-async def maybe_await(result):
+async def maybe_await(result: Any) -> Any:
     """``result``, awaited first if it is a Deferred or an awaitable."""
     if isinstance(result, defer.Deferred) or hasattr(result, "__await__"):
         return await result

@@ -59,7 +59,7 @@ readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
 """
 
-from typing import List, Optional
+from typing import Any, List, Optional, Sequence, cast
 
 import txredisapi
 from twisted.application.service import MultiService
@@ -78,6 +78,7 @@ from ..logs import printable
 from .commands import Command, ReplicateCommand, parse_line
 from .interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
 from .synapse_watch import SynapseWatch
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 log = Logger()
 
@@ -109,23 +110,23 @@ class _RedisFactory(Factory):
     noisy = False
     isLazy = False
 
-    def __init__(self, protocol_class, config: RedisConfig, owner: "RedisReplication",
-                 role: str):
+    def __init__(self, protocol_class: Any, config: RedisConfig, owner: "RedisReplication",
+                 role: str) -> None:
         self.protocol_class = protocol_class
         self.config = config
         self.owner = owner
         self.role = role
 
-    def buildProtocol(self, addr):
+    def buildProtocol(self, addr: Any) -> Any:
         p = self.protocol_class(password=self.config.password, dbid=self.config.dbid,
                                 replyTimeout=None)
         p.factory = self
         return p
 
-    def stopTrying(self):
+    def stopTrying(self) -> None:
         """txredisapi asks us to stop after an AUTH/SELECT failure: we don't."""
 
-    def connectionError(self, why: str):
+    def connectionError(self, why: str) -> None:
         """txredisapi's word that AUTH or SELECT failed (it closes the
         connection): counted, logged, retried."""
         metrics.REDIS_AUTH_REFUSED.labels(self.role).inc()
@@ -141,33 +142,34 @@ class _Link:
 
     last_data = 0.0
     lost = False
-    readying: Optional[defer.Deferred] = None
-    healthy_call = None
+    readying: Optional[defer.Deferred[Any]] = None
+    healthy_call: Optional[IDelayedCall] = None
+    factory: "_RedisFactory"
 
-    def dataReceived(self, data, *args):
+    def dataReceived(self, data: bytes, *args: Any) -> Any:
         self.last_data = self.factory.owner.clock.seconds()
-        return super().dataReceived(data, *args)
+        return super().dataReceived(data, *args)  # type: ignore[misc]
 
-    def connectionMade(self):
+    def connectionMade(self) -> Any:
         self.last_data = self.factory.owner.clock.seconds()
-        result = super().connectionMade()  # AUTH/SELECT, in the background
+        result = super().connectionMade()  # type: ignore[misc]  # AUTH/SELECT, in the background
         self.factory.owner.link_made(self)
         return result
 
-    def connectionLost(self, why):
+    def connectionLost(self, why: str) -> None:
         self.lost = True
         self.factory.owner.link_lost(self)
-        super().connectionLost(why)
+        super().connectionLost(why)  # type: ignore[misc]
 
 
-class _Subscriber(_Link, txredisapi.SubscriberProtocol):
+class _Subscriber(_Link, txredisapi.SubscriberProtocol):  # type: ignore[misc]
     role = "subscriber"
 
-    def messageReceived(self, pattern, channel, message):
+    def messageReceived(self, pattern: str, channel: str, message: Any) -> None:
         self.factory.owner.message_received(self, channel, message)
 
 
-class _Publisher(_Link, txredisapi.RedisProtocol):
+class _Publisher(_Link, txredisapi.RedisProtocol):  # type: ignore[misc]
     role = "publisher"
 
 
@@ -190,7 +192,7 @@ class RedisConnection:
     #: No one transport: the subscriber and the publisher are the owner's.
     transport = None
 
-    def __init__(self, owner: IRedisBus):
+    def __init__(self, owner: IRedisBus) -> None:
         self._owner = owner
         self.closed = False
         #: The message being dispatched (bytes, no newline).
@@ -207,7 +209,7 @@ class RedisConnection:
     def resume_reading(self) -> None:
         self._owner.resume_reading()
 
-    def send_lines(self, lines: List[bytes], command_name: str = "RDATA") -> bool:
+    def send_lines(self, lines: Sequence[bytes], command_name: str = "RDATA") -> bool:
         if self.closed:
             return False
         if self._owner.hold(lines, command_name):
@@ -227,14 +229,14 @@ class RedisConnection:
 class RedisReplication(MultiService):
     """Joins replication through Redis; ``connected`` tells whether it is in."""
 
-    def __init__(self, reactor, config: RedisConfig, handler: IReplicationHandler,
+    def __init__(self, reactor: Any, config: RedisConfig, handler: IReplicationHandler,
                  server_name: str, instance_name: str, ping_interval: float = 10.0,
                  ping_timeout: float = 5.0,
                  initial_delay: float = RECONNECT_INITIAL_DELAY,
-                 max_delay: float = RECONNECT_MAX_DELAY, clock=None,
+                 max_delay: float = RECONNECT_MAX_DELAY, clock: Optional[IReactorTime]=None,
                  synapse_server_name: Optional[str] = None,
-                 synapse_probe: float = SYNAPSE_PROBE):
-        super().__init__()
+                 synapse_probe: float = SYNAPSE_PROBE) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
         self.reactor = reactor
         #: Times pings, readiness, health and reconnect delays (default: reactor).
         self.clock = clock if clock is not None else reactor
@@ -263,9 +265,9 @@ class RedisReplication(MultiService):
                       if synapse_server_name is None else None)
         self.synapse_probe = synapse_probe
         #: While asking before announcing: our lines but REPLICATE, in order.
-        self._held: Optional[List[List[bytes]]] = None
+        self._held: Optional[List[Sequence[bytes]]] = None
         self._held_count = 0
-        self._answer_call = None
+        self._answer_call: Optional[IDelayedCall] = None
         self._own_prefixes = tuple(
             f"{name} {stream.name} {instance_name} "
             for stream in handler.registry for name in ("RDATA", "POSITION"))
@@ -282,8 +284,8 @@ class RedisReplication(MultiService):
             endpoint, _RedisFactory(_Publisher, config, self, "publisher"),
             self.pub_backoff, clock=self.clock, what="redis publisher", where=where,
             lost_reason=lambda: self.last_error)
-        self._sub_service.setServiceParent(self)
-        self._pub_service.setServiceParent(self)
+        self._sub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
+        self._pub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
         self._pinger = task.LoopingCall(self._ping)
         self._pinger.clock = self.clock
 
@@ -298,18 +300,18 @@ class RedisReplication(MultiService):
         return self.watch.evidence if self.watch is not None else None
 
     # ---------------------------------------------------------- lifecycle
-    def startService(self):
-        super().startService()
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
         self._pinger.start(self.ping_interval, now=False)
 
-    def stopService(self):
+    def stopService(self) -> Any:
         if self._pinger.running:
             self._pinger.stop()
         self._unregister("shutdown")
-        return super().stopService()
+        return super().stopService()  # type: ignore[no-untyped-call]
 
     # ---------------------------------------------------------- readiness
-    def link_made(self, protocol) -> None:
+    def link_made(self, protocol: Any) -> None:
         """A TCP connection is up (ClientService counts it as connected):
         get it ready in the background.  Failing that, close it; the
         disconnect makes ClientService try again after its backoff."""
@@ -317,7 +319,7 @@ class RedisReplication(MultiService):
         protocol.readying = d
         d.addErrback(self._not_ready, protocol)
 
-    async def _get_ready(self, protocol) -> None:
+    async def _get_ready(self, protocol: Any) -> None:
         # AUTH and SELECT succeeded (a failure closes the connection, and
         # link_lost cancels this).
         ready = protocol.whenConnected()
@@ -341,7 +343,7 @@ class RedisReplication(MultiService):
         protocol.healthy_call = self.clock.callLater(self.ping_interval, self._healthy, protocol)
         self._maybe_register()
 
-    def _not_ready(self, failure, protocol) -> None:
+    def _not_ready(self, failure: Failure, protocol: Any) -> None:
         protocol.readying = None
         if protocol.lost:
             return  # link_lost cancelled us; nothing more to do
@@ -351,7 +353,7 @@ class RedisReplication(MultiService):
         if protocol.transport is not None:
             protocol.transport.abortConnection()
 
-    def _healthy(self, protocol) -> None:
+    def _healthy(self, protocol: Any) -> None:
         """Ready and up for ``ping_interval``: the backoff starts over."""
         protocol.healthy_call = None
         if protocol.lost:
@@ -390,7 +392,7 @@ class RedisReplication(MultiService):
     def holding(self) -> bool:
         return self._held is not None
 
-    def hold(self, lines: List[bytes], command_name: str) -> bool:
+    def hold(self, lines: Sequence[bytes], command_name: str) -> bool:
         """While registering without the ``synapse:`` section, keep our
         lines (but REPLICATE) for :meth:`_answer`; True if kept.  Bounded:
         past ``HOLD_MAX_LINES`` these and all later ones until the answer
@@ -417,7 +419,7 @@ class RedisReplication(MultiService):
             return
         for lines in held or ():
             self.publish_lines(lines)
-        self.handler.on_REPLICATE(conn, ReplicateCommand())
+        cast(Any, self.handler).on_REPLICATE(conn, ReplicateCommand())
 
     def _stop_publishing(self, evidence: str) -> None:
         """A Synapse is on our channel: nothing more goes there (until a
@@ -438,7 +440,7 @@ class RedisReplication(MultiService):
             conn.closed = True
             self.handler.lost_connection(conn, reason)
 
-    def link_lost(self, protocol) -> None:
+    def link_lost(self, protocol: Any) -> None:
         readying, protocol.readying = protocol.readying, None
         if readying is not None and not readying.called:
             readying.cancel()
@@ -467,7 +469,7 @@ class RedisReplication(MultiService):
         if subscriber is not None and subscriber.transport is not None:
             subscriber.transport.resumeProducing()
 
-    def publish_lines(self, lines: List[bytes], channel: Optional[bytes] = None) -> None:
+    def publish_lines(self, lines: Sequence[bytes], channel: Optional[bytes] = None) -> None:
         """PUBLISH each line on our channel (USER_IP on ours for it) unless
         ``channel`` is given, all in one write; more than one line inside
         ``MULTI`` ... ``EXEC``.
@@ -514,7 +516,7 @@ class RedisReplication(MultiService):
                                    callbackArgs=(publisher, len(commands)),
                                    errbackArgs=(len(commands),))
 
-    def _published(self, reply, publisher, count: int) -> None:
+    def _published(self, reply: Any, publisher: Any, count: int) -> None:
         # txredisapi hands over error replies and a lost connection as values;
         # EXEC's answer is a list (one subscriber count per PUBLISH).
         if isinstance(reply, list):
@@ -527,13 +529,13 @@ class RedisReplication(MultiService):
         elif isinstance(reply, Exception):
             self._publish_failed(Failure(reply), count)
 
-    def _publish_failed(self, failure, count: int = 1) -> None:
+    def _publish_failed(self, failure: Failure, count: int = 1) -> None:
         # The facts are in the database: after the reconnect our POSITIONs
         # make every reader catch up.
         metrics.COMMANDS_DROPPED.labels("PUBLISH", "failed").inc(count)
         log.debug("redis: publish failed: {error}", error=failure.getErrorMessage())
 
-    def message_received(self, protocol, channel, message) -> None:
+    def message_received(self, protocol: Any, channel: str, message: Any) -> None:
         conn = self.conn
         if conn is None or protocol is not self.subscriber:
             # Not registered yet (REPLICATE will catch us up), or buffered
@@ -587,14 +589,14 @@ class RedisReplication(MultiService):
             if protocol is not None:
                 self._ping_one(protocol)
 
-    def _ping_one(self, protocol) -> None:
+    def _ping_one(self, protocol: Any) -> None:
         try:
             d = protocol.ping()
         except txredisapi.ConnectionError:
             return  # going away; connectionLost does the rest
         d.addTimeout(self.ping_timeout, self.clock)
 
-        def failed(failure):
+        def failed(failure: Failure) -> None:
             if self.clock.seconds() - protocol.last_data < self.ping_timeout:
                 return  # busy, not dead: the answer waits behind data still arriving
             log.warn("redis: PING failed ({error}); replacing the connection",

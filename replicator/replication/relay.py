@@ -28,7 +28,7 @@ Key = Tuple[str, str]
 class Relay:
     """``broadcast(lines, name, exclude)`` writes to the other connections."""
 
-    def __init__(self, broadcast: Callable[..., None]):
+    def __init__(self, broadcast: Callable[..., None]) -> None:
         self._broadcast = broadcast
         self.relayed: Dict[Key, int] = {}
         self._batches: Dict[Any, Dict[Key, List[bytes]]] = {}  # conn -> key -> lines

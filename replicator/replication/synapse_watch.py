@@ -24,7 +24,7 @@ stream, and USER_SYNC/USER_IP/FEDERATION_ACK (read as bookkeeping; Synapse
 always announces positions too).
 """
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from .. import synapse
 
@@ -40,14 +40,14 @@ class SynapseWatch:
     with the ``synapse:`` section).
     """
 
-    def __init__(self, channel: str, own_streams: Iterable[str]):
+    def __init__(self, channel: str, own_streams: Iterable[str]) -> None:
         self.channel = channel
         #: Synapse's streams no config of ours defines here.
         self.proving_streams = synapse.STREAM_NAMES - set(own_streams)
         #: What proved a Synapse, as one sentence (None: nothing yet).
         self.evidence: Optional[str] = None
 
-    def observe(self, cmd) -> Optional[str]:
+    def observe(self, cmd: Any) -> Optional[str]:
         """The evidence if ``cmd`` is the first command that proves a
         Synapse on the channel; else None (also for any later one)."""
         if self.evidence is not None or cmd.NAME not in _STREAM_COMMANDS:

@@ -33,7 +33,7 @@ So at most ``max_unidentified + max_connections`` + the known names are open.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Set
+from typing import Any, Dict, FrozenSet, Optional, Set
 
 from twisted.internet import endpoints
 from twisted.internet.protocol import Factory
@@ -51,6 +51,7 @@ from .peers import PeerPolicy, local_names
 from .link import (CONNECTION_LOST, IDLE_TIMEOUT, MAX_QUEUED_BYTES, MAX_QUEUED_LINES,
                    PING_INTERVAL, PING_TIMEOUT, REFUSED, REMOTE_ERROR)
 from .protocol import ClientReplicationProtocol, ServerReplicationProtocol
+from twisted.internet.interfaces import IReactorTime
 
 log = Logger()
 
@@ -78,7 +79,7 @@ class ConnectionSettings:
     max_queued_bytes: int = MAX_QUEUED_BYTES
     idle_timeout: float = IDLE_TIMEOUT
 
-    def kwargs(self) -> dict:
+    def kwargs(self) -> Dict[Any, Any]:
         return dict(
             max_line_length=self.max_line_length, ping_interval=self.ping_interval,
             ping_timeout=self.ping_timeout, max_queued_lines=self.max_queued_lines,
@@ -100,11 +101,11 @@ class ReplicationServerFactory(Factory):
     noisy = False
 
     def __init__(self, handler: IReplicationHandler, server_name: str,
-                 settings: ConnectionSettings = None, *,
-                 clock, policy: PeerPolicy = None, max_connections: int = MAX_CONNECTIONS,
+                 settings: Optional[ConnectionSettings] = None, *,
+                 clock: IReactorTime, policy: Optional[PeerPolicy] = None, max_connections: int = MAX_CONNECTIONS,
                  max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                  max_unidentified: int = MAX_UNIDENTIFIED,
-                 identify_timeout: float = IDENTIFY_TIMEOUT):
+                 identify_timeout: float = IDENTIFY_TIMEOUT) -> None:
         self.handler = handler
         self.server_name = server_name
         self.settings = settings or ConnectionSettings()
@@ -122,7 +123,7 @@ class ReplicationServerFactory(Factory):
         self.policy = policy
 
     @property
-    def known_names(self) -> frozenset:
+    def known_names(self) -> FrozenSet[str]:
         """The names one live connection at a time may hold: the handler's
         (the configured writers; a reload adds to them) and the policy's
         ``allowed_peers``, less this instance's own names."""
@@ -143,9 +144,10 @@ class ReplicationServerFactory(Factory):
                 conn.close(REFUSED, refusal, log_text=f"{refusal} (config reloaded)")
         return closed
 
-    def buildProtocol(self, addr):
+    def buildProtocol(self, addr: Any) -> "ServerReplicationProtocol":
         while self.crowd.unidentified >= self.max_unidentified:
             oldest = self.crowd.oldest_unidentified()
+            assert oldest is not None  # unidentified > 0
             self.crowd.leave(oldest)
             self._refused("max_unidentified", self.max_unidentified)
             oldest.close(REFUSED, "too many unidentified connections")
@@ -197,7 +199,7 @@ class ReplicationServerFactory(Factory):
                      "connections (counted in replicator_connections_refused_total)",
                      key=key, n=n)
 
-    def _lost(self, protocol) -> None:
+    def _lost(self, protocol: Any) -> None:
         self.live.discard(protocol)
         self.crowd.leave(protocol)
         name = protocol.instance_name
@@ -212,8 +214,8 @@ class ReplicationClientFactory(Factory):
     noisy = False
 
     def __init__(self, handler: IReplicationHandler, client_name: str, server_name: str,
-                 settings: ConnectionSettings = None, *, clock,
-                 backoff: Optional[Backoff] = None):
+                 settings: Optional[ConnectionSettings] = None, *, clock: IReactorTime,
+                 backoff: Optional[Backoff] = None) -> None:
         self.handler = handler
         self.client_name = client_name
         self.server_name = server_name
@@ -222,7 +224,7 @@ class ReplicationClientFactory(Factory):
         self.backoff = backoff
         self.current: Optional[ClientReplicationProtocol] = None
 
-    def buildProtocol(self, addr):
+    def buildProtocol(self, addr: Any) -> "ClientReplicationProtocol":
         on_healthy = self.backoff.reset if self.backoff is not None else None
         p = ClientReplicationProtocol(
             self.handler, self.client_name, self.server_name, on_healthy=on_healthy,
@@ -258,8 +260,8 @@ class UpstreamService(ReconnectingService):
     was accepted but stays silent is not connected, and is closed after
     ``ping_timeout``)."""
 
-    def __init__(self, endpoint, factory: ReplicationClientFactory, backoff: Backoff, *,
-                 clock, where: str = "", on_retry=None):
+    def __init__(self, endpoint: Any, factory: ReplicationClientFactory, backoff: Backoff, *,
+                 clock: IReactorTime, where: str = "", on_retry: Any=None) -> None:
         super().__init__(endpoint, factory, backoff, clock=clock, what="upstream",
                          where=where, lost_reason=factory.lost_reason, on_retry=on_retry)
         self.replication_factory = factory
@@ -269,11 +271,11 @@ class UpstreamService(ReconnectingService):
         return self.replication_factory.connected
 
 
-def upstream_service(reactor, endpoint: str, handler: IReplicationHandler, client_name: str,
-                     server_name: str, settings: ConnectionSettings = None,
+def upstream_service(reactor: Any, endpoint: str, handler: IReplicationHandler, client_name: str,
+                     server_name: str, settings: Optional[ConnectionSettings] = None,
                      initial_delay: float = RECONNECT_INITIAL_DELAY,
-                     max_delay: float = RECONNECT_MAX_DELAY, clock=None, wrap_endpoint=None,
-                     on_retry=None) -> UpstreamService:
+                     max_delay: float = RECONNECT_MAX_DELAY, clock: Optional[IReactorTime]=None, wrap_endpoint: Any=None,
+                     on_retry: Any=None) -> UpstreamService:
     """A service that keeps one connection to the upstream server, forever.
 
     ``reactor`` makes the connections; ``clock`` (default: the reactor)

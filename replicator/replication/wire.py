@@ -10,7 +10,7 @@ and ``NaN``/``Infinity`` refused (such a row is dropped and counted).
 
 from collections.abc import Sequence
 from operator import itemgetter
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 import orjson
 
@@ -22,7 +22,7 @@ _dumps = orjson.dumps
 MAX_LINE_LENGTH = 16384
 
 
-class EncodedLines(Sequence):
+class EncodedLines(Sequence[bytes]):
     """Wire lines (each ending in ``b"\\n"``) plus ``dropped``: how many rows
     were left out because their line would exceed the maximum length or they
     are not JSON-serializable.  The caller logs and counts those.
@@ -54,19 +54,20 @@ class EncodedLines(Sequence):
     def _list(self) -> List[bytes]:
         lines = self._lines
         if lines is None:
+            assert self._joined is not None
             lines = self._lines = self._joined.splitlines(True)
         return lines
 
     def __len__(self) -> int:
         return self._count
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: Any) -> Any:
         return self._list()[index]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[bytes]:
         return iter(self._list())
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if isinstance(other, (EncodedLines, list)):
             return list(self) == list(other)
         return NotImplemented
@@ -191,14 +192,16 @@ def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
     n = len(rows)
     if b"\r" in prefix or not n:
         return None
+    marks: Sequence[Any]
     if len(set(tokens)) == n:  # no batch
         marks = tokens
     else:
-        marks = list(tokens)
+        batch_marks: List[Any] = list(tokens)
         for i in range(n - 1):
             if tokens[i] == tokens[i + 1]:
-                marks[i] = _BATCH
-    items: list = [None, _SEPARATOR] * (2 * n)
+                batch_marks[i] = _BATCH
+        marks = batch_marks
+    items: List[Any] = [None, _SEPARATOR] * (2 * n)
     items[0::4] = marks
     items[2::4] = rows
     del items[-1]
@@ -217,7 +220,7 @@ def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
     pieces[-1] = pieces[-1][:-1]
     if not _gaps_within(data, room) and max(map(len, pieces[1::2])) > room:
         return None
-    out: list = [b"\n" + prefix, None, b" ", None] * n
+    out: List[Any] = [b"\n" + prefix, None, b" ", None] * n
     out[0] = prefix
     out[1::2] = pieces
     out.append(b"\n")

@@ -9,14 +9,18 @@ into sqlite3's ``?`` style.  ``GREATEST`` is spelled by :attr:`Database.greatest
 import os
 import select
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from twisted.enterprise import adbapi
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from .. import files
 from ..config import DatabaseConfig
 from .transactions import TransactionQueue
+
+#: A DB-API cursor, as a transaction function receives it (psycopg2 or sqlite3).
+Cursor = Any
 
 log = Logger()
 
@@ -136,6 +140,7 @@ class Database:
         self.config = config
         self.engine = config.engine
         if self.engine == "sqlite":
+            assert config.path is not None  # validated: sqlite has a path
             # Data files are 0640 (SQLite gives its -wal and -shm files the
             # database file's mode).
             files.make_directory(os.path.dirname(os.path.abspath(config.path)))
@@ -164,14 +169,15 @@ class Database:
         """``text`` in this engine's placeholder style."""
         return text if self.engine == "postgres" else _qmark(text)
 
-    def runInteraction(self, fn, *args, **kwargs):
+    def runInteraction(self, fn: Callable[..., Any], *args: Any,
+                       **kwargs: Any) -> "defer.Deferred[Any]":
         """Run ``fn(txn, ...)`` in one transaction in a pool thread."""
         return self.pool.runInteraction(fn, *args, **kwargs)
 
-    def runQuery(self, text: str, *args):
+    def runQuery(self, text: str, *args: Any) -> "defer.Deferred[Any]":
         return self.pool.runQuery(self.sql(text), *args)
 
-    def runOperation(self, text: str, *args):
+    def runOperation(self, text: str, *args: Any) -> "defer.Deferred[Any]":
         return self.pool.runOperation(self.sql(text), *args)
 
     def close(self) -> None:

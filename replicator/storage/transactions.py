@@ -42,7 +42,7 @@ class TransactionQueue:
         self._jobs: Deque[_Job] = deque()  # append/popleft are thread-safe
         self._busy = 0
 
-    def run(self, fn: Callable, *args) -> defer.Deferred:
+    def run(self, fn: Callable[..., Any], *args: Any) -> "defer.Deferred[Any]":
         job = _Job(fn, args)
         self._jobs.append(job)
         self._kick()

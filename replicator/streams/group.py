@@ -35,7 +35,7 @@ from twisted.python.failure import Failure
 class StatementFailed(Exception):
     """A group's transaction failed before its commit; ``failure`` is why."""
 
-    def __init__(self, failure: Failure):
+    def __init__(self, failure: Failure) -> None:
         super().__init__(str(failure.value))
         self.failure = failure
 
@@ -47,11 +47,12 @@ class Write:
 
     __slots__ = ("facts", "wire", "hooks", "deferred", "ids", "rows", "started")
 
-    def __init__(self, facts, wire, hooks, started: float):
+    def __init__(self, facts: List[List[List[Any]]], wire: Any, hooks: List[Any],
+                 started: float) -> None:
         self.facts = facts
         self.wire = wire
         self.hooks = hooks
-        self.deferred: defer.Deferred = defer.Deferred()
+        self.deferred: "defer.Deferred[List[int]]" = defer.Deferred()
         self.ids: List[int] = []
         self.rows = sum(len(f) for f in facts)
         self.started = started
@@ -62,7 +63,7 @@ class Group:
 
     __slots__ = ("writes", "reserved", "taken", "solo")
 
-    def __init__(self, solo: Optional[Write] = None):
+    def __init__(self, solo: Optional[Write] = None) -> None:
         self.writes: List[Write] = [solo] if solo is not None else []
         self.reserved: List[int] = []  # IDs reserved by the transaction
         self.taken = solo is not None
@@ -78,8 +79,9 @@ class WriteGroups:
     (reactor thread), and may call :meth:`retry_alone`.
     """
 
-    def __init__(self, run: Callable[[Group], defer.Deferred],
-                 finish: Callable[[Group, Any], None], max_facts: int, max_rows: int = 10_000):
+    def __init__(self, run: Callable[[Group], "defer.Deferred[None]"],
+                 finish: Callable[[Group, Any], None], max_facts: int,
+                 max_rows: int = 10_000) -> None:
         self._run = run
         self._finish = finish
         self.max_facts = max(1, max_facts)
@@ -89,7 +91,7 @@ class WriteGroups:
         self._queued_facts = 0
         self._waiting = 0  # transactions started that have not taken yet
 
-    def submit(self, write: Write) -> defer.Deferred:
+    def submit(self, write: Write) -> "defer.Deferred[List[int]]":
         """Queue ``write``; start a transaction unless enough are on their way."""
         with self._lock:
             self._queued.append(write)
@@ -131,7 +133,7 @@ class WriteGroups:
         d = self._run(group)
         d.addBoth(self._done, group)
 
-    def _done(self, outcome, group: Group) -> None:
+    def _done(self, outcome: Any, group: Group) -> None:
         if not group.taken:
             # The transaction never ran (no connection could be had).
             with self._lock:

@@ -67,7 +67,7 @@ Every operation is O(log n) in the number of in-flight IDs (amortized).
 
 import heapq
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 Listener = Callable[[str, int, int], None]
 
@@ -87,7 +87,7 @@ class _WriterState:
 
     __slots__ = ("position", "inflight", "live", "blocked")
 
-    def __init__(self, position: int):
+    def __init__(self, position: int) -> None:
         self.position = position
         self.inflight: List[int] = []
         self.live: Set[int] = set()
@@ -142,8 +142,8 @@ class StreamIdGenerator:
         name: str,
         positions: Dict[str, int],
         local_writers: Iterable[str],
-        call_from_thread: Optional[Callable] = None,
-    ):
+        call_from_thread: Optional[Callable[..., Any]] = None,
+    ) -> None:
         self.name = name
         local = list(local_writers)
         for w in local:

@@ -15,14 +15,15 @@ server spends about three times longer per page than the plain SELECT, and
 the catch-up got slower.)
 """
 
-from typing import Iterable, List, Tuple
+from typing import Any, Iterable, List, Tuple
 
 from ..config import StreamConfig
 from ..storage.database import Database
 from .rows import reader
+from ..storage.database import Cursor
 
-Update = Tuple[int, list]
-Fact = Tuple[int, List[list]]
+Update = Tuple[int, List[Any]]
+Fact = Tuple[int, List[List[Any]]]
 Page = Tuple[List[Update], int, bool]
 FactPage = Tuple[List[Fact], int, bool]
 
@@ -31,7 +32,7 @@ def group(updates: Iterable[Update]) -> List[Fact]:
     """``(token, rows)`` per fact from ``(token, row)`` pairs in token order."""
     facts: List[Fact] = []
     current = None
-    rows: List[list] = []
+    rows: List[List[Any]] = []
     for token, row in updates:
         if token != current:
             rows = []
@@ -44,7 +45,7 @@ def group(updates: Iterable[Update]) -> List[Fact]:
 class PageQuery:
     """The page SELECTs of one stream's table (run in a pool thread)."""
 
-    def __init__(self, config: StreamConfig, db: Database):
+    def __init__(self, config: StreamConfig, db: Database) -> None:
         c = config
         self._by_writer = c.writer_column is not None
         self._shape = reader(c.columns, db.is_postgres)
@@ -59,7 +60,7 @@ class PageQuery:
             f"{select} WHERE {where}{c.id_column} = %s ORDER BY {order}"
         )
 
-    def read(self, txn, writer: str, from_token: int, to_token: int, limit: int) -> Page:
+    def read(self, txn: Cursor, writer: str, from_token: int, to_token: int, limit: int) -> Page:
         """One page: ``(updates, upto_token, limited)``; ``upto_token`` is
         ``to_token`` unless ``limited``, else the last fact's token."""
         rows, upto, limited = self._select(txn, writer, from_token, to_token, limit)
@@ -70,7 +71,7 @@ class PageQuery:
             updates = [(r[0], shape(r[1:])) for r in rows]
         return updates, upto, limited
 
-    def read_facts(self, txn, writer: str, from_token: int, to_token: int,
+    def read_facts(self, txn: Cursor, writer: str, from_token: int, to_token: int,
                    limit: int) -> FactPage:
         """One page as ``(facts, upto_token, limited)``, ``facts`` being
         ``(token, rows)`` in token order (the same page as :meth:`read`)."""
@@ -79,7 +80,7 @@ class PageQuery:
         facts: List[Fact] = []
         append = facts.append
         current = None
-        fact_rows: List[list] = []
+        fact_rows: List[List[Any]] = []
         if shape is None:
             shape = list
         for r in rows:
@@ -92,7 +93,8 @@ class PageQuery:
                 fact_rows.append(shape(r[1:]))
         return facts, upto, limited
 
-    def _select(self, txn, writer: str, from_token: int, to_token: int, limit: int):
+    def _select(self, txn: Cursor, writer: str, from_token: int, to_token: int,
+                limit: int) -> Tuple[List[Any], int, bool]:
         """The rows of one page (as the database gives them), ``upto``, ``limited``."""
         prefix = (writer,) if self._by_writer else ()
         txn.execute(self._select_range, prefix + (from_token, to_token, limit + 1))

@@ -28,7 +28,7 @@ Invariants:
 
 import threading
 from collections import deque
-from typing import Callable, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 from twisted.internet import defer
 from twisted.python.failure import Failure
@@ -36,13 +36,13 @@ from twisted.python.failure import Failure
 from ..storage.database import Database
 
 #: ``read(cursor, writer, since, until, limit)`` -> ``(facts, upto, limited)``
-ReadPage = Callable[..., tuple]
+ReadPage = Callable[..., Tuple[Any, ...]]
 
 
 class _Run:
     """One run of pages of one writer (shared by the pool thread and the reactor)."""
 
-    def __init__(self, writer: str, since: int, until: int, limit: int, ahead: int):
+    def __init__(self, writer: str, since: int, until: int, limit: int, ahead: int) -> None:
         self.writer = writer
         self.next_since = since  # the request the next page answers (reactor side)
         self.until = until
@@ -50,7 +50,7 @@ class _Run:
         self.slots = threading.Semaphore(ahead)
         self.stopped = False  # set by the reactor: the run reads nothing more
         self.pages: Deque[object] = deque()  # pages (or a Failure) read, not yet asked for
-        self.waiting: Optional[defer.Deferred] = None  # a request ahead of the pages
+        self.waiting: Optional[defer.Deferred[Any]] = None  # a request ahead of the pages
         self.ended = False  # the pool thread is done with this run
         self.failed = False  # a read failed (set by the pool thread)
 
@@ -67,8 +67,8 @@ class ReadAhead:
     its pages to the reactor thread.  One run at a time per writer.
     """
 
-    def __init__(self, db: Database, read: ReadPage, call_from_thread: Callable,
-                 run_pages: int = 16, ahead: int = 2, wait: float = 0.2):
+    def __init__(self, db: Database, read: ReadPage, call_from_thread: Callable[..., Any],
+                 run_pages: int = 16, ahead: int = 2, wait: float = 0.2) -> None:
         self._db = db
         self._read = read
         self._call_from_thread = call_from_thread
@@ -77,7 +77,7 @@ class ReadAhead:
         self.wait = wait
         self._runs: Dict[str, _Run] = {}
 
-    def page(self, writer: str, since: int, until: int, limit: int) -> defer.Deferred:
+    def page(self, writer: str, since: int, until: int, limit: int) -> defer.Deferred[Any]:
         """The page ``(facts, upto, limited)`` of ``writer`` after ``since``."""
         run = self._runs.get(writer)
         if run is None or not run.expects(since, until, limit):
@@ -93,7 +93,7 @@ class ReadAhead:
         return run.waiting
 
     # ------------------------------------------------------------- reactor
-    def _take(self, run: _Run, item) -> defer.Deferred:
+    def _take(self, run: _Run, item: Any) -> defer.Deferred[Any]:
         """``item`` as the answer to the request it was read for."""
         if isinstance(item, Failure):
             self._stop(run)
@@ -102,7 +102,7 @@ class ReadAhead:
         run.next_since = item[1]
         return defer.succeed(item)
 
-    def _arrived(self, item, run: _Run) -> None:
+    def _arrived(self, item: Any, run: _Run) -> None:
         if run.stopped:
             return
         if run.waiting is not None:
@@ -117,7 +117,7 @@ class ReadAhead:
         if not run.failed:
             self._arrived(failure, run)
 
-    def _ended(self, _, run: _Run) -> None:
+    def _ended(self, _: Any, run: _Run) -> None:
         run.ended = True
         if run.waiting is not None and not run.pages and not run.stopped:
             # The run ended before the page asked for (it waited too long
@@ -136,7 +136,7 @@ class ReadAhead:
             waiting.errback(Failure(RuntimeError("read-ahead stopped")))
 
     # ---------------------------------------------------------- pool thread
-    def _produce(self, conn, run: _Run, since: int) -> None:
+    def _produce(self, conn: Any, run: _Run, since: int) -> None:
         """Read up to ``run_pages`` pages from ``since`` in one
         transaction (READ COMMITTED: each page sees what was committed when
         it was read, as with one transaction each, without a COMMIT round

@@ -16,9 +16,9 @@ the table.  Memory is bounded: past ``MAX`` facts of a writer, the older
 half is forgotten.
 """
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-Update = Tuple[int, list]
+Update = Tuple[int, List[Any]]
 
 
 class RecentFacts:
@@ -27,12 +27,12 @@ class RecentFacts:
     #: Facts kept per writer at most; past it the older half is dropped.
     MAX = 50_000
 
-    def __init__(self, writers: Iterable[str], sole_writer: bool):
+    def __init__(self, writers: Iterable[str], sole_writer: bool) -> None:
         self.active = False
         self._sole_writer = sole_writer
-        self.facts: Dict[str, Dict[int, List[list]]] = {w: {} for w in writers}
+        self.facts: Dict[str, Dict[int, List[List[Any]]]] = {w: {} for w in writers}
         self._floor: Dict[str, int] = {w: 0 for w in self.facts}
-        self._unknown: Dict[str, set] = {w: set() for w in self.facts}
+        self._unknown: Dict[str, Set[Any]] = {w: set() for w in self.facts}
 
     def start(self, floors: Dict[str, int]) -> None:
         """Keep facts from now on, above each writer's current token
@@ -43,7 +43,7 @@ class RecentFacts:
             self._floor[w] = floors[w]
         self.active = True
 
-    def remember(self, writer: str, ids: List[int], wire: Optional[List[List[list]]]) -> None:
+    def remember(self, writer: str, ids: List[int], wire: Optional[List[List[List[Any]]]]) -> None:
         """Facts ``ids`` completed (``wire``: their rows) or failed (None)."""
         if not self.active:
             return

@@ -1,11 +1,12 @@
 """All streams of one instance, by name, loaded together at startup."""
 
-from typing import Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 from ..config import StreamConfig
 from ..storage import schema
 from ..storage.database import Database
 from .stream import Stream
+from ..storage.database import Cursor
 
 
 class UnknownStream(KeyError):
@@ -22,7 +23,7 @@ class StreamRegistry:
     """
 
     def __init__(self, db: Database, instance_name: str, streams: Sequence[StreamConfig],
-                 key_prefix: str = "streams", call_from_thread=None, *, reactor):
+                 key_prefix: str = "streams", call_from_thread: Optional[Callable[..., Any]]=None, *, reactor: Any) -> None:
         self.db = db
         self.instance_name = instance_name
         #: The reactor every stream (and the handler over them) runs on.
@@ -42,7 +43,7 @@ class StreamRegistry:
         for stream in self._streams.values():
             stream.started()
 
-    def _start_txn(self, txn) -> None:
+    def _start_txn(self, txn: Cursor) -> None:
         streams = [s.config for s in self._streams.values()]
         written = {s.name for s in self._streams.values() if s.local_writers}
         has_positions = schema.ensure_schema(txn, streams, self.db.is_postgres, self._keys,
@@ -56,7 +57,7 @@ class StreamRegistry:
         stream = Stream(config, self.db, self.instance_name, call_from_thread=self._call,
                         clock=self.reactor)
 
-        def txn(txn) -> None:
+        def txn(txn: Cursor) -> None:
             written = {config.name} if stream.local_writers else set()
             has_positions = schema.ensure_schema(txn, [config], self.db.is_postgres,
                                                  {config.name: key}, written)

@@ -7,7 +7,7 @@ carrying real JSON values: ``bigint`` an integer, ``boolean`` true/false,
 """
 
 import json
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
 
@@ -49,7 +49,7 @@ def _check_value(column: ColumnConfig, value: Any, where: str) -> None:
         raise RowError(f"{where}: column {column.name!r} contains a NUL character")
 
 
-def check_rows(columns: Sequence[ColumnConfig], rows: Sequence[Any]) -> List[list]:
+def check_rows(columns: Sequence[ColumnConfig], rows: Sequence[Any]) -> List[List[Any]]:
     """Validate rows for writing; returns them as lists."""
     width = len(columns)
     out = []
@@ -75,9 +75,9 @@ class WireRowCheck:
     booleans so.  What fits is handed on as received.
     """
 
-    _EXACT = {"text": str, "bigint": int, "boolean": bool, "json": None}
+    _EXACT: Dict[str, Any] = {"text": str, "bigint": int, "boolean": bool, "json": None}
 
-    def __init__(self, columns: Sequence[ColumnConfig]):
+    def __init__(self, columns: Sequence[ColumnConfig]) -> None:
         self.columns = list(columns)
         self.width = len(self.columns)
         self._fast = [(i, self._EXACT[c.type], c.nullable) for i, c in enumerate(self.columns)]
@@ -141,7 +141,7 @@ def json_problem(value: Any) -> Optional[str]:
     return None
 
 
-def _encoded_size(row: list) -> int:
+def _encoded_size(row: List[Any]) -> int:
     """The size of ``row`` as the wire encodes it (orjson, or the standard
     library for what orjson refuses, e.g. integers beyond 64 bits)."""
     try:
@@ -150,7 +150,7 @@ def _encoded_size(row: list) -> int:
         return len(json.dumps(row, separators=(",", ":"), allow_nan=False))
 
 
-def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[tuple], list]]:
+def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[Tuple[Any, ...]], List[Any]]]:
     """A function shaping a database row (row columns only) into a wire row.
 
     None when the database already returns wire values (PostgreSQL decodes
@@ -165,7 +165,7 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
     if not fixes:
         return None
 
-    def shape(values) -> list:
+    def shape(values: Any) -> List[Any]:
         row = list(values)
         for i, fn in fixes:
             if row[i] is not None:
@@ -175,7 +175,7 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
     return shape
 
 
-def _json_text(value):
+def _json_text(value: Any) -> Any:
     """JSON kept in a TEXT column (e.g. Synapse's ``receipts_linearized.data``);
     PostgreSQL hands JSON columns over decoded already."""
     return orjson.loads(value) if isinstance(value, str) else value
@@ -193,23 +193,23 @@ class RowCodec:
     :class:`RowError`.  Pure: may run in a thread.
     """
 
-    _EXACT = {"text": str, "bigint": int, "boolean": bool}
+    _EXACT: Dict[str, Any] = {"text": str, "bigint": int, "boolean": bool}
 
-    def __init__(self, columns: Sequence[ColumnConfig]):
+    def __init__(self, columns: Sequence[ColumnConfig]) -> None:
         self.columns = list(columns)
         self.width = len(self.columns)
         self._typed = [(i, self._EXACT[c.type], c.nullable, c.type == "text")
                        for i, c in enumerate(self.columns) if c.type != "json"]
         self._json = [(i, c.nullable) for i, c in enumerate(self.columns) if c.type == "json"]
 
-    def _check(self, row, n: int) -> None:
+    def _check(self, row: Sequence[Any], n: int) -> None:
         try:
             check_rows(self.columns, [row])
         except RowError as e:
             raise RowError(f"row {n}{str(e)[len('row 0'):]}") from None
 
-    def prepare(self, facts, line_prefix: int = 0, max_line_length: Optional[int] = None
-                ) -> "tuple[List[List[list]], List[List[list]]]":
+    def prepare(self, facts: Any, line_prefix: int = 0, max_line_length: Optional[int] = None
+                ) -> "tuple[List[List[List[Any]]], List[List[List[Any]]]]":
         """``(wire, params)``: per fact, its rows as wire values and as
         statement parameters (JSON columns as JSON text).
 

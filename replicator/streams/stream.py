@@ -21,17 +21,19 @@ for the fan-out (:mod:`.recent`), pages read back from the table
 """
 
 import time
+from functools import partial
 from operator import itemgetter
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, cast
 
 from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .. import metrics
 from ..config import StreamConfig
 from ..storage import schema
-from ..storage.database import Database
+from ..storage.database import Cursor, Database
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
 from .pages import FactPage, Page, PageQuery, group
@@ -42,7 +44,7 @@ from .writes import PreparedFacts, TxnHook, WriteTransaction
 
 log = Logger()
 
-Update = Tuple[int, list]
+Update = Tuple[int, List[Any]]
 #: Facts in one write transaction at most (``database.write_group_max``).
 DEFAULT_GROUP_MAX = 256
 #: An RDATA line's length is estimated with a token of this many digits.
@@ -60,17 +62,17 @@ class Fact:
     the reserved ID as a fact with no rows.
     """
 
-    def __init__(self, stream: "Stream", writer: str):
+    def __init__(self, stream: "Stream", writer: str) -> None:
         self._stream = stream
         self.writer = writer
-        self.rows: List[list] = []
+        self.rows: List[List[Any]] = []
         self._hooks: List[TxnHook] = []
         self.stream_id: Optional[int] = None
 
     def add_row(self, row: Sequence[Any]) -> None:
         self.rows.append(list(row))
 
-    def add_rows(self, rows) -> None:
+    def add_rows(self, rows: Iterable[Sequence[Any]]) -> None:
         self.rows.extend(list(r) for r in rows)
 
     def also(self, fn: TxnHook) -> None:
@@ -79,7 +81,7 @@ class Fact:
     async def __aenter__(self) -> "Fact":
         return self
 
-    async def __aexit__(self, exc_type, exc, tb) -> bool:
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if exc_type is not None:
             return False
         (self.stream_id,) = await self._stream.write_facts(
@@ -100,11 +102,11 @@ class Stream:
         db: Database,
         instance_name: str,
         local_writers: Optional[Sequence[str]] = None,
-        call_from_thread: Optional[Callable] = None,
+        call_from_thread: Optional[Callable[..., Any]] = None,
         persist_delay: float = 0.2,
         *,
-        clock,
-    ):
+        clock: IReactorTime,
+    ) -> None:
         self.config = config
         self.name = config.name
         self.db = db
@@ -112,7 +114,7 @@ class Stream:
         if local_writers is None:
             local_writers = [instance_name] if instance_name in config.writers else []
         self.local_writers = list(local_writers)
-        self.id_gen: Optional[StreamIdGenerator] = None
+        self._id_gen: Optional[StreamIdGenerator] = None
         self._call_from_thread = call_from_thread
         self._txn = WriteTransaction(config, db)
         self._pages = PageQuery(config, db)
@@ -135,15 +137,27 @@ class Stream:
         # Facts completed by local writers, kept until fanned out: the
         # fan-out reads them from here instead of back from the database.
         self.recent = RecentFacts(self.local_writers, sole_writer)
-        self._persist_call = None
-        self._persisting: Optional[defer.Deferred] = None
+        self._persist_call: Optional[IDelayedCall] = None
+        self._persisting: "Optional[defer.Deferred[None]]" = None
         self._loaded: Dict[str, Optional[int]] = {}  # local writers' rows at load
         self._foreign_facts = metrics.FOREIGN_FACTS.labels(self.name)
-        self._foreign_burst: set = set()  # writers in a burst of foreign facts (logged)
+        self._foreign_burst: Set[str] = set()  # writers in a burst of foreign facts (logged)
         self._clock = clock  # the instance's reactor, from the registry
 
     # ------------------------------------------------------------- startup
-    def load(self, txn, has_positions: bool = True) -> None:
+    @property
+    def loaded(self) -> bool:
+        """Whether :meth:`load` has run (the ID generator exists)."""
+        return self._id_gen is not None
+
+    @property
+    def id_gen(self) -> StreamIdGenerator:
+        """The stream's ID generator; only once :meth:`load` has run."""
+        if self._id_gen is None:
+            raise RuntimeError(f"stream {self.name} is not loaded")
+        return self._id_gen
+
+    def load(self, txn: Cursor, has_positions: bool = True) -> None:
         """Positions from the database; nothing is in flight (pool thread).
 
         A local writer starts at the larger of its persisted position and its
@@ -186,19 +200,17 @@ class Stream:
                 )
         elif not self.db.is_postgres:
             self._txn.sqlite_last = top
-        self.id_gen = StreamIdGenerator(
+        self._id_gen = StreamIdGenerator(
             self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
         )
-        self.id_gen.add_listener(self._on_advance)
+        self._id_gen.add_listener(self._on_advance)
         self._loaded = {w: persisted.get(w) for w in self.local_writers}
         for w in self.local_writers:
             self._groups[w] = WriteGroups(
-                lambda group, w=w: self._run_group(w, group),
-                lambda group, outcome, w=w: self._group_done(w, group, outcome),
-                self._group_max)
+                partial(self._run_group, w), partial(self._group_done, w), self._group_max)
 
     # -------------------------------------------------------------- reload
-    def new_writer_positions(self, txn, writers: Sequence[str]) -> Dict[str, int]:
+    def new_writer_positions(self, txn: Cursor, writers: Sequence[str]) -> Dict[str, int]:
         """Where each of ``writers`` (other instances', joining the stream
         at a reload) starts, as :meth:`load` would start it: its persisted
         position, else the stream's smallest persisted one (pool thread)."""
@@ -233,7 +245,7 @@ class Stream:
             raise ValueError(f"stream {self.name}: {writer} is not a writer here")
         return writer
 
-    async def write_fact(self, rows, writer: Optional[str] = None) -> int:
+    async def write_fact(self, rows: Sequence[Sequence[Any]], writer: Optional[str] = None) -> int:
         (stream_id,) = await self.write_facts([rows], writer)
         return stream_id
 
@@ -270,13 +282,13 @@ class Stream:
         write = Write(checked, wire, list(hooks), time.monotonic())
         return await self._groups[writer].submit(write)
 
-    def _run_group(self, writer: str, group: Group) -> defer.Deferred:
+    def _run_group(self, writer: str, group: Group) -> "defer.Deferred[None]":
         """Start the transaction that takes ``group``'s writes (reactor thread)."""
         if self.db.is_postgres:
             return self.db.transactions.run(self._write_group, writer, group)
         return self.db.runInteraction(self._write_group, writer, group)
 
-    def _write_group(self, txn, writer: str, group: Group) -> None:
+    def _write_group(self, txn: Cursor, writer: str, group: Group) -> None:
         """In a pool thread: take the waiting writes and write them all.
 
         A failure before the commit is raised as :class:`StatementFailed`
@@ -289,9 +301,9 @@ class Stream:
         try:
             self._txn.write(txn, self.id_gen, writer, writes, group.reserved)
         except BaseException:
-            raise StatementFailed(Failure())
+            raise StatementFailed(Failure()) from None
 
-    def _group_done(self, writer: str, group: Group, outcome) -> None:
+    def _group_done(self, writer: str, group: Group, outcome: Any) -> None:
         """Reactor thread: complete the group's IDs and answer its writes."""
         gen = self.id_gen
         if not isinstance(outcome, Failure):
@@ -331,7 +343,8 @@ class Stream:
         """Facts of ``writer`` up to ``upto`` were fanned out: drop them."""
         self.recent.forget(writer, upto)
 
-    def _recent_updates(self, writer, from_token, to_token, limit) -> Optional[Page]:
+    def _recent_updates(self, writer: str, from_token: int, to_token: int,
+                        limit: int) -> Optional[Page]:
         """``updates_since`` from memory, or None if memory cannot answer."""
         if writer not in self.local_writers:
             return None
@@ -349,7 +362,7 @@ class Stream:
         reached (``to_token`` unless ``limited``).  A single fact with more
         rows than ``limit`` is returned whole.
         """
-        return await self._page(self._pages.read, writer, from_token, to_token, limit)
+        return cast(Page, await self._page(self._pages.read, writer, from_token, to_token, limit))
 
     async def facts_since(
         self, writer: str, from_token: int, to_token: int, limit: int = 1000
@@ -360,10 +373,13 @@ class Stream:
         if self._read_ahead is not None and writer not in self.local_writers \
                 and to_token > from_token:
             # Memory answers for local writers only: the table it is.
-            return await self._read_ahead.page(writer, from_token, to_token, max(1, limit))
-        return await self._page(self._pages.read_facts, writer, from_token, to_token, limit)
+            return cast(FactPage, await self._read_ahead.page(
+                writer, from_token, to_token, max(1, limit)))
+        return cast(FactPage, await self._page(
+            self._pages.read_facts, writer, from_token, to_token, limit))
 
-    async def _page(self, read, writer: str, from_token: int, to_token: int, limit: int):
+    async def _page(self, read: Callable[..., Any], writer: str, from_token: int,
+                    to_token: int, limit: int) -> Any:
         """One page from memory if it can answer, else by ``read`` in a pool thread."""
         if to_token <= from_token:
             return [], to_token, False
@@ -413,11 +429,11 @@ class Stream:
         if writer in self.local_writers and self._persist_call is None:
             self._persist_call = self._clock.callLater(self._persist_delay, self._persist_now)
 
-    def _persist_now(self) -> defer.Deferred:
+    def _persist_now(self) -> "defer.Deferred[None]":
         self._persist_call = None
         positions = [(self.name, w, self.id_gen.get_current_token(w)) for w in self.local_writers]
 
-        def txn_fn(txn):
+        def txn_fn(txn: Cursor) -> None:
             for p in positions:
                 txn.execute(self._txn.upsert, p)
 
@@ -431,7 +447,7 @@ class Stream:
         """Persist local writers' current tokens now (at shutdown)."""
         if self._persist_call is not None and self._persist_call.active():
             self._persist_call.cancel()
-        if self.id_gen is not None and self.local_writers:
+        if self.loaded and self.local_writers:
             await self._persist_now()
 
     # ------------------------------------------------------------ sequence
@@ -445,4 +461,5 @@ class Stream:
         """
         if not self.db.is_postgres:
             return self._txn.sqlite_last
-        return await self.db.runInteraction(schema.sequence_value, self.config.sequence)
+        value: int = await self.db.runInteraction(schema.sequence_value, self.config.sequence)
+        return value

@@ -14,7 +14,7 @@ Completing the IDs and answering the writers is the stream's business
 """
 
 import weakref
-from typing import Any, Callable, List, NamedTuple
+from typing import Any, Callable, List, NamedTuple, Sequence
 
 from twisted.logger import Logger
 
@@ -23,6 +23,7 @@ from ..config import StreamConfig
 from ..storage import schema
 from ..storage.database import Database
 from .idgen import StreamIdGenerator
+from ..storage.database import Cursor
 
 log = Logger()
 
@@ -33,8 +34,8 @@ class PreparedFacts(NamedTuple):
     """Facts checked by :meth:`Stream.prepare`, ready to write."""
 
     writer: str
-    wire: List[List[list]]
-    params: List[List[list]]
+    wire: List[List[List[Any]]]
+    params: List[List[List[Any]]]
 
 
 class WriteTransaction:
@@ -48,14 +49,14 @@ class WriteTransaction:
     #: instead of by taking values (which never moves it backwards).
     SEQUENCE_CATCH_UP_MAX = 100_000
 
-    def __init__(self, config: StreamConfig, db: Database):
+    def __init__(self, config: StreamConfig, db: Database) -> None:
         self.config = config
         self.name = config.name
         self.db = db
         self.sqlite_last = 0
         # Database connections whose sequence check ran (see
         # sequence_past_positions); a reconnect makes a new connection.
-        self._sequence_checked: "weakref.WeakSet" = weakref.WeakSet()
+        self._sequence_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         c = config
         sql = db.sql
         cols = [c.id_column] + ([c.writer_column] if c.writer_column else []) + c.column_names
@@ -70,14 +71,14 @@ class WriteTransaction:
         self._nextval = f"SELECT nextval('{c.sequence}')"
         self._nextval_many = f"SELECT nextval('{c.sequence}') FROM generate_series(1, %s)"
 
-    def write(self, txn, gen: StreamIdGenerator, writer: str, writes, reserved) -> List[int]:
+    def write(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any, reserved: Any) -> List[int]:
         """Write ``writes`` (each given its IDs); IDs the generator accepted
         are appended to ``reserved`` as soon as it has them."""
         if self.db.is_postgres:
             return self._write_postgres(txn, gen, writer, writes, reserved)
         return self._write_sqlite(txn, gen, writer, writes, reserved)
 
-    def _write_postgres(self, txn, gen, writer, writes, reserved) -> List[int]:
+    def _write_postgres(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any, reserved: Any) -> List[int]:
         """``nextval`` (n of them, in order) in one round trip, then the rows
         and the writer's position in one batch of statements; the pool commits.
         """
@@ -122,7 +123,7 @@ class WriteTransaction:
             txn.execute("; ".join(statements), params)
         return ids
 
-    def _write_sqlite(self, txn, gen, writer, writes, reserved) -> List[int]:
+    def _write_sqlite(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any, reserved: Any) -> List[int]:
         n = sum(len(w.facts) for w in writes)
         # As for nextval: no token moves (an idle writer's included) while
         # an ID is taken and not yet registered.
@@ -149,7 +150,7 @@ class WriteTransaction:
         return ids
 
     @staticmethod
-    def _hand_out(txn, writes, ids) -> None:
+    def _hand_out(txn: Cursor, writes: Any, ids: Sequence[int]) -> None:
         """Give each write its IDs (in arrival order) and run its hooks."""
         i = 0
         for w in writes:
@@ -160,14 +161,14 @@ class WriteTransaction:
                     hook(txn, stream_id)
 
     @staticmethod
-    def _persist_in_transaction(gen, writer: str, ids: List[int]) -> bool:
+    def _persist_in_transaction(gen: StreamIdGenerator, writer: str, ids: List[int]) -> bool:
         """Persist the position with the fact unless other writes of this
         writer are in flight: they would queue on the position row's lock
         until each commit.  Then the background persist, which follows every
         advance, writes it (the table only ever holds a lower bound)."""
         return gen.in_flight(writer) == len(ids)
 
-    def sequence_past_positions(self, txn, gen: StreamIdGenerator) -> None:
+    def sequence_past_positions(self, txn: Cursor, gen: StreamIdGenerator) -> None:
         """Before the first ``nextval`` on a database connection: move the
         sequence past every ID this instance knows (its writers' positions
         included), never backwards.
@@ -188,7 +189,7 @@ class WriteTransaction:
                  "positions (up to {floor}) on a new database connection; moved it past",
                  stream=self.name, seq=self.config.sequence, current=current, floor=floor)
 
-    def move_sequence(self, txn, current: int, floor: int) -> None:
+    def move_sequence(self, txn: Cursor, current: int, floor: int) -> None:
         """Move the sequence from ``current`` to at least ``floor`` by taking
         values, which never moves it backwards even if other connections
         take values meanwhile (``setval`` could); ``setval`` only for a gap

@@ -144,7 +144,8 @@ class Control(LineReceiver):
         start = time.time()
         token = 0
         while token < rows:
-            for token in range(token + 1, min(rows, token + chunk) + 1):
+            first = token + 1
+            for token in range(first, min(rows, first + chunk - 1) + 1):
                 handler.stream_update(token, pool[token % POOL])
             await tick()
             while handler.busy():
