@@ -17,7 +17,7 @@ connections are kept in arrival order.
 """
 
 from collections import Counter, OrderedDict
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Optional
 
 
 class Crowd:
@@ -73,9 +73,6 @@ class Crowd:
             if host is ... or h == host:
                 return conn
         return None
-
-    def unidentified_connections(self) -> Iterator[Any]:
-        return iter(list(self._unidentified))
 
     def identify(self, conn: Any, exempt: bool = False) -> None:
         """``conn`` identified itself; an ``exempt`` one is counted no more."""

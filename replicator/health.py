@@ -306,19 +306,6 @@ class HealthMonitor(TimerService):
                                        f"stream {stream.name}: writer {writer} {what}", what))
         return out
 
-    def unreceived_problem(self) -> Optional[str]:
-        """The first (stream, writer) with a committed fact unreceived for
-        ``lag_grace`` seconds, as one line; else None."""
-        return _first_text(self._unreceived_findings())
-
-    def lag_problem(self) -> Optional[str]:
-        """A stream that lagged (or work that stayed queued) for the grace."""
-        return _first_text(self._lag_findings())
-
-    def silent_problem(self) -> Optional[str]:
-        """A configured remote writer never heard of after the grace."""
-        return _first_text(self._silent_findings())
-
     def findings(self, connected: bool, detail: str) -> List[Finding]:
         """Everything found, in the order ``/health`` reports it: the link
         (where one is expected), unreceived facts, lag and queued work and

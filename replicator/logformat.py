@@ -157,12 +157,6 @@ def json_line(event) -> str:
     return json.dumps(record, ensure_ascii=True, allow_nan=False, default=str) + "\n"
 
 
-def without_time(line: str) -> str:
-    """A ``text`` line without its leading time, if it has one (for what
-    reads the log: ``LEVEL system: message`` either way)."""
-    return TEXT_TIME.sub("", line, count=1)
-
-
 def formatter(name: str, with_time: bool = True) -> Callable[[dict], str]:
     """The line maker of format ``name`` (one of :data:`FORMATS`); the
     time is left out of ``text`` lines when ``with_time`` is false."""

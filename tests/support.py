@@ -4,6 +4,8 @@ what the backing tables hold, fact by fact."""
 import psycopg2
 from twisted.internet import reactor, task
 
+from replicator.logformat import TEXT_TIME
+
 
 def sleep(seconds: float):
     return task.deferLater(reactor, seconds, lambda: None)
@@ -129,3 +131,9 @@ def recv_until(sock, *needles: bytes) -> bytes:
             break
         received += data
     return received
+
+
+def without_time(line: str) -> str:
+    """A daemon's ``text`` log line without its leading time, if it has one
+    (what the fault and fuzz suites match: ``LEVEL system: message``)."""
+    return TEXT_TIME.sub("", line, count=1)

@@ -90,3 +90,32 @@ class RetryTests(SynchronousTestCase):
         stream.id_gen.token = 5
         fanout.advanced(stream, "master")
         self.check(outage, lambda: fanout.announced[("caches", "master")] == 5)
+
+    def test_admission_sequence_read(self):
+        """A claim above the stream's sequence waits for a read of it; while
+        the database is down the reads back off, and the log has one line
+        when that starts and one when it ends."""
+        from replicator.config import ColumnConfig
+        from replicator.replication.admission import Admission
+        from replicator.replication.commands import PositionCommand
+
+        outage = Outage(1000)
+
+        class Stream(_Stream):
+            class config:
+                columns = (ColumnConfig("key", "text"),)
+
+            async def sequence_value(self):
+                await outage(None, 0, 0, 0)
+                return 5
+
+        self.id_gen_known = 0
+        stream = Stream(outage)
+        stream.id_gen.get_max_known = lambda: 0
+        accepted = []
+        admission = Admission(None, lambda conn, key, cmd, line: accepted.append(cmd),
+                              lambda *a: None, self.clock, retry_delay=1.0)
+        conn = FakeConnection("worker1")
+        admission.offer(conn, stream, ("caches", "worker1"),
+                        PositionCommand("caches", "worker1", 0, 5), None)
+        self.check(outage, lambda: len(accepted) == 1)

@@ -46,6 +46,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from twisted.internet import defer
 from twisted.logger import Logger
 
+from ..backoff import Outage
 from ..streams.rows import WireRowCheck
 from .fields import decoded_size
 from .interfaces import IReplicationConnection
@@ -92,14 +93,15 @@ class _Gate:
 class _Sequence:
     """What is known of one stream's sequence."""
 
-    __slots__ = ("value", "started", "finished", "reading", "waiters")
+    __slots__ = ("value", "started", "finished", "reading", "waiters", "outage")
 
-    def __init__(self) -> None:
+    def __init__(self, outage: Outage) -> None:
         self.value = 0
         self.started = 0  # reads started so far
         self.finished = 0  # the number of the last read that answered
         self.reading = False
         self.waiters: List[Any] = []  # connections waiting for a read
+        self.outage = outage  # reads failing: their backoff and log lines
 
 
 class Admission:
@@ -251,7 +253,8 @@ class Admission:
     def _sequence(self, name: str) -> _Sequence:
         sequence = self._sequences.get(name)
         if sequence is None:
-            sequence = self._sequences[name] = _Sequence()
+            sequence = self._sequences[name] = _Sequence(
+                Outage(f"reading the sequence of {name} (claims above it wait)", self.retry_delay))
         return sequence
 
     def _read(self, stream: Stream, sequence: _Sequence) -> None:
@@ -267,6 +270,7 @@ class Admission:
 
     def _read_done(self, value: int, stream: Stream, sequence: _Sequence, number: int) -> None:
         sequence.reading = False
+        sequence.outage.succeeded()
         sequence.finished = number
         if value > sequence.value:
             sequence.value = value
@@ -279,11 +283,8 @@ class Admission:
         sequence.reading = False
         if self._stopping:
             return
-        log.failure("Reading the sequence of {stream} failed; claims above {value} wait; "
-                    "retrying in {delay}s", failure, stream=stream.name, value=sequence.value,
-                    delay=self.retry_delay)
         self._retries[stream.name] = self._clock.callLater(
-            self.retry_delay, self._retry_read, stream, sequence)
+            sequence.outage.failed(failure.value), self._retry_read, stream, sequence)
 
     def _retry_read(self, stream: Stream, sequence: _Sequence) -> None:
         self._retries.pop(stream.name, None)

@@ -44,21 +44,19 @@ log = Logger()
 
 Key = Tuple[str, str]
 Broadcast = Callable[[Sequence[bytes], str], None]
-SendUpdates = Callable[[str, str, int, List[Tuple[int, List[Any]]], int], None]
 
 
 class Fanout:
     """Announces the facts of this instance's writers.
 
-    ``broadcast(lines, name)`` writes lines to every replicating connection.
-    ``send`` is what a fan-out calls to write ``(prev, upto]`` (by default
-    :meth:`send_updates`; the handler routes it through its own
-    ``send_updates`` so it can be observed).
+    ``broadcast(lines, name)`` writes lines to every replicating connection;
+    each pass of a writer's fan-out writes ``(prev, upto]`` through
+    :meth:`send_updates`.
     """
 
     def __init__(self, broadcast: Broadcast, clock: IReactorTime, fetch_limit: int = 1000,
                  max_line_length: int = 0, retry_delay: float = 1.0,
-                 fanout_interval: float = 0.003, send: Optional[SendUpdates] = None,
+                 fanout_interval: float = 0.003,
                  max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
                  background: Optional[Background] = None) -> None:
         self._broadcast = broadcast
@@ -70,7 +68,6 @@ class Fanout:
         self.fanout_interval = fanout_interval
         self.max_batch_rows = max_batch_rows
         self.max_batch_bytes = max_batch_bytes
-        self._send = send if send is not None else self.send_updates
         self.announced: Dict[Key, int] = {}
         self._running: Set[Key] = set()
         self._timers: Dict[Key, Any] = {}
@@ -115,7 +112,7 @@ class Fanout:
                 updates, upto, _ = await stream.updates_since(
                     writer, announced, target, self.fetch_limit)
                 self._outage(key).succeeded()
-                self._send(stream.name, writer, announced, updates, upto)
+                self.send_updates(stream.name, writer, announced, updates, upto)
                 stream.forget(writer, upto)
                 metrics.FANOUT_LATENCY.observe(time.monotonic() - started)
         except Exception as e:

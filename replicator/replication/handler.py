@@ -112,7 +112,7 @@ class ReplicationHandler:
         self.fanout = Fanout(
             self._broadcast, clock, fetch_limit=fetch_limit, max_line_length=max_line_length,
             retry_delay=retry_delay, fanout_interval=fanout_interval,
-            send=lambda *args: self.send_updates(*args), max_batch_rows=max_batch_rows,
+            max_batch_rows=max_batch_rows,
             max_batch_bytes=max_batch_bytes, background=self.background)
         self.relay = Relay(self._broadcast)
         self.admission = Admission(
@@ -281,13 +281,6 @@ class ReplicationHandler:
         stream = self.registry.find(stream_name)
         return stream is not None and instance_name in stream.config.writers \
             and instance_name not in stream.local_writers
-
-    # ------------------------------------------------------------- fan-out
-    def send_updates(self, stream_name: str, writer: str, prev: int,
-                     updates: List[Tuple[int, List[Any]]], upto: int) -> None:
-        """Write rows ``(prev, upto]`` of a local writer to every connection
-        (see :meth:`.Fanout.send_updates`)."""
-        self.fanout.send_updates(stream_name, writer, prev, updates, upto)
 
     # ----------------------------------------------------------- commands
     def on_REPLICATE(self, conn: IReplicationConnection, cmd: ReplicateCommand) -> None:

@@ -138,7 +138,7 @@ def stamp_sends(handler) -> dict:
     """``{token: time.time()}`` of each fact's lines being handed to every
     transport by the handler's fan-out."""
     stamps = {}
-    send_updates = handler.send_updates
+    send_updates = handler.fanout.send_updates
 
     def stamped(stream_name, writer, prev, updates, upto):
         send_updates(stream_name, writer, prev, updates, upto)
@@ -146,7 +146,7 @@ def stamp_sends(handler) -> dict:
         for t, _ in updates:
             stamps[t] = now
 
-    handler.send_updates = stamped
+    handler.fanout.send_updates = stamped
     return stamps
 
 

@@ -517,7 +517,7 @@ async def latency_ours(writer, port):
         cpu = cpu_seconds() - cpu0
     finally:
         del stream.id_gen.complete_many  # the stamping wrappers
-        del writer.handler.send_updates
+        del writer.handler.fanout.send_updates
     if writer.losses:
         print(f"    the writer's Redis link was lost: "
               f"{[(round(t - start, 2), role) for t, role in writer.losses]}", flush=True)

@@ -408,7 +408,7 @@ async def rdata_run(server, data, clients, rows, ours):
 
         def send(i):
             prev, updates, upto = data.chunks[i % len(data.chunks)]
-            handler.send_updates("caches", WRITER, prev, updates, upto)
+            handler.fanout.send_updates("caches", WRITER, prev, updates, upto)
     else:
         await until(lambda: len(server.clients) == clients, 30, "clients")
 
@@ -968,7 +968,7 @@ async def run_congestion(registry):
 
         def send(i):
             prev, updates, upto = data.chunks[i % n_chunks]
-            handler.send_updates("caches", WRITER, prev, updates, upto)
+            handler.fanout.send_updates("caches", WRITER, prev, updates, upto)
             fed[0] += len(updates)
 
         def busy():

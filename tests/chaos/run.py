@@ -21,7 +21,7 @@ from collections import defaultdict
 from typing import Dict, List, Optional
 
 from replicator.config import parse_streams
-from replicator.logformat import without_time
+from tests.support import without_time
 from tests.servers import PostgresServer, RedisServer, free_port
 from tests.support import create_stream_tables
 

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 
 import yaml
 
-from replicator.logformat import without_time
+from tests.support import without_time
 from tests.servers import free_port, wait_for
 
 from . import inputs
