@@ -42,6 +42,18 @@ class SeedExampleTests(SynchronousTestCase):
         gen.complete("m", 11)  # rolled back: no rows, still complete
         self.assertEqual(gen.get_current_token("m"), 12)
 
+    def test_completing_an_id_not_in_flight_changes_nothing(self):
+        """One way to complete, one check: a transaction's IDs complete
+        together or, if one was never reserved, not at all."""
+        gen = StreamIdGenerator("s", {"m": 10}, ["m"])
+        gen.reserved("m", [11, 12], pending=False)
+        with self.assertRaises(ValueError) as e:
+            gen.complete_many("m", [11, 13])
+        self.assertIn("stream s: ID 13 of m is not in flight", str(e.exception))
+        self.assertEqual((gen.in_flight("m"), gen.get_current_token("m")), (2, 10))
+        gen.complete_many("m", [11, 12])
+        self.assertEqual((gen.in_flight("m"), gen.get_current_token("m")), (0, 12))
+
     def test_idle_writer_follows_linear_not_past_inflight(self):
         gen = StreamIdGenerator("s", {"a": 0, "b": 0}, ["a", "b"])
         gen.reserved("a", [1], pending=False)

@@ -248,28 +248,23 @@ class StreamIdGenerator:
     # ----------------------------------------------------------- completion
     def complete(self, writer: str, stream_id: int) -> None:
         """Mark a reserved ID complete, committed or rolled back."""
-        state = self._local.get(writer)
-        if state is None:
-            raise UnknownWriter(writer)
-        with self._lock:
-            if stream_id not in state.live:
-                raise ValueError(
-                    f"stream {self.name}: ID {stream_id} of {writer} is not in flight"
-                )
-            state.finish(stream_id)
-            if not self._shared:
-                self._all.finish(stream_id)
-            if stream_id > self._max_done:
-                self._max_done = stream_id
-        self._recompute()
+        self.complete_many(writer, (stream_id,))
 
     def complete_many(self, writer: str, stream_ids: Iterable[int]) -> None:
+        """Mark reserved IDs complete (one transaction's): all of them or,
+        if one is not in flight, none (``ValueError``)."""
         state = self._local.get(writer)
         if state is None:
             raise UnknownWriter(writer)
+        ids = list(stream_ids)
         with self._lock:
+            live = state.live
+            for stream_id in ids:
+                if stream_id not in live:
+                    raise ValueError(
+                        f"stream {self.name}: ID {stream_id} of {writer} is not in flight")
             shared = self._shared
-            for stream_id in stream_ids:
+            for stream_id in ids:
                 state.finish(stream_id)
                 if not shared:
                     self._all.finish(stream_id)
