@@ -486,7 +486,14 @@ class RedisReplication(MultiService):
         Lines for a lost publisher are dropped, and so are those of a block
         whose EXEC fails or never answers (a lost link): the facts are in
         the database, and the reconnect re-announces our positions.  Nothing is
-        published once a Synapse was seen on our channel."""
+        published once a Synapse was seen on our channel.
+
+        This is the one place that writes Redis commands by hand and reads
+        txredisapi's reply queue (``replyQueue``: one Deferred per reply, in
+        order) instead of calling the library: its ``publish`` writes one
+        command per call and its ``multi`` sends MULTI, each command and
+        EXEC as separate writes, so neither can put a block into one write
+        (the all-or-nothing above), and both cost a Deferred chain per line."""
         if self.synapse_seen is not None:
             metrics.COMMANDS_DROPPED.labels("PUBLISH", "synapse_seen").inc(len(lines))
             return
