@@ -48,10 +48,16 @@ async def migrate_instance(config: InstanceConfig, dry_run: bool, out: Callable[
             for step in due if version else ():
                 out(f"schema: would migrate {step.to - 1} -> {step.to}: {step.what}")
         else:
-            reached = await migrations.migrate(
-                db, lambda line: reactor.callFromThread(out, line), reactor,
-                config.instance_name)
-            out(f"schema: at version {reached}")
+            said = []
+
+            def announce(line: str) -> None:
+                said.append(line)
+                reactor.callFromThread(out, line)
+
+            reached = await migrations.migrate(db, announce, reactor, config.instance_name)
+            # No step ran here: another process took the lock first and did them.
+            out(f"schema: at version {reached}" if said else
+                f"schema: at version {reached} (migrated meanwhile by another process)")
     except migrations.SchemaProblem as e:
         raise StartupError(key, str(e), code=e.code) from None
     finally:
