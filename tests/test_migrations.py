@@ -21,7 +21,6 @@ import tempfile
 
 import psycopg2
 import yaml
-from twisted.internet import defer, reactor
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator import __version__
@@ -30,7 +29,7 @@ from replicator.config.streams import parse_stream
 from replicator.storage import migrations
 from replicator.storage.database import Database
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, PY, SECRET, Daemon, base_config, cli
+from tests.test_cli import CACHES, PY, Daemon, base_config, cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "release-0.2.0")
@@ -397,15 +396,10 @@ class RollbackTests(TestCase):
         self.assertEqual(await migrations.current_version(db), 2)
         self.assertEqual(await self.tables(db), ["replicator_schema", "stream_positions"])
 
-    def test_sqlite(self):
+    async def test_sqlite(self):
         path = os.path.join(tempfile.mkdtemp(prefix="replicator-rollback-"), "state.db")
-        return defer.ensureDeferred(self.check_rollback(Database(parse_database(
-            {"sqlite": path}))))
+        await self.check_rollback(Database(parse_database({"sqlite": path})))
 
-    def test_postgres(self):
+    async def test_postgres(self):
         dsn = PostgresServer.shared().create_database("rollback")
-        return defer.ensureDeferred(self.check_rollback(Database(parse_database(
-            {"postgres": dsn, "pool_max": 2}))))
-
-
-del reactor  # the trial reactor runs the pools; nothing here calls it
+        await self.check_rollback(Database(parse_database({"postgres": dsn, "pool_max": 2})))
