@@ -123,10 +123,13 @@ class ReleaseFixtureTests(SynchronousTestCase):
         for engine in ("sqlite", "postgres"):
             self.assertEqual(sorted(recorded[engine]["tables"]),
                              ["cache_invalidation_stream", "stream_positions"])
-        tag = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "-q",
-                              "v0.2.0^{commit}"], capture_output=True, text=True)
+        try:
+            tag = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "-q",
+                                  "v0.2.0^{commit}"], capture_output=True, text=True)
+        except FileNotFoundError:  # no git at all
+            return
         if tag.returncode != 0:
-            return  # a clone without tags: the fingerprint above is the check
+            return  # a clone without tags, or no clone: the fingerprint above is the check
         self.assertEqual(tag.stdout.strip(), recorded["commit"])
         out = tempfile.mkdtemp(prefix="replicator-release-")
         self.addCleanup(shutil.rmtree, out, True)
