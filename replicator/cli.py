@@ -1,4 +1,4 @@
-"""``replicator run | check | tail | write | positions``.
+"""``replicator run | check | migrate | tail | write | positions``.
 
 ``run`` stops cleanly on SIGTERM/SIGINT and re-reads its config on SIGHUP
 (:mod:`replicator.reload`: what applies live, what needs a restart).
@@ -355,6 +355,24 @@ def cmd_check(args) -> None:
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
 
 
+# -------------------------------------------------------------- migrate
+def cmd_migrate(args) -> None:
+    """The schema made current, one line per step (:mod:`.migrating`);
+    exit 0, 1 if a step failed (rolled back), 2 if the schema is too new."""
+    config = _load(args.config)
+    from .migrating import migrate_instance
+    from .startup import StartupError
+
+    async def main(reactor):
+        try:
+            await migrate_instance(config, args.dry_run, _out, reactor)
+        except StartupError as e:
+            print(f"replicator: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(e.code)
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+
+
 # ----------------------------------------------------------------- main
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replicator",
@@ -368,6 +386,12 @@ def parser() -> argparse.ArgumentParser:
                            "(exit 0, or 2 and one line naming the key)")
     check.add_argument("-c", "--config", required=True, help="instance YAML file")
     check.set_defaults(fn=cmd_check)
+    migrate = sub.add_parser("migrate", help="bring the database's schema to this version's "
+                             "(what a start does unless database.auto_migrate is false)")
+    migrate.add_argument("-c", "--config", required=True, help="instance YAML file")
+    migrate.add_argument("--dry-run", action="store_true",
+                         help="list the steps due, change nothing")
+    migrate.set_defaults(fn=cmd_migrate)
     tail = sub.add_parser("tail", help="connect like a worker and print every command")
     tail.add_argument("endpoint", help="HOST:PORT, or an endpoint string such as "
                       "tcp:host=127.0.0.1:port=9092 or tls:...")

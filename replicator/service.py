@@ -1,6 +1,7 @@
 """One running instance, built from its config: the services and their order.
 
-Start: database → streams (schema, positions) → handler → listeners and the
+Start: database → schema version (:mod:`.storage.migrations`) → streams
+(tables, positions) → handler → listeners and the
 upstream connection → HTTP → ``READY=1`` to systemd.  Stop (SIGTERM/SIGINT):
 ``STOPPING=1`` → every peer told (servers send ``ERROR server stopping``,
 clients ``CLEAR_USER_SYNC``) → listeners closed → in-flight writes finish →
@@ -32,6 +33,7 @@ from .roles import has_replication_link, role
 from .replication.peers import local_names, policy_from_config
 from .replication.tcp import ConnectionSettings, ReplicationServerFactory, upstream_service
 from .startup import StartupError, fd_budget_problem, hide_password, os_reason
+from .storage import migrations
 from .storage.database import Database
 from .streams.registry import StreamRegistry
 from .writers import writer_watch
@@ -182,6 +184,8 @@ class Instance:
         config = self.config
         files.warn_if_exposed(config.http.secret_file, "http.secret_file")
         await self._check_database()
+        await migrations.prepare(self.db, any(s.local_writers for s in self.registry),
+                                 config.database.auto_migrate, self.reactor, config.instance_name)
         await self.registry.start()
         self.handler.start()
         rep = config.replication

@@ -8,6 +8,8 @@ from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
 
 #: The table the replicator keeps positions in.
 POSITIONS_TABLE = "stream_positions"
+#: The table holding the schema version (:mod:`replicator.storage.migrations`).
+SCHEMA_TABLE = "replicator_schema"
 COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 #: ``log_format``: see :mod:`replicator.logformat`.
@@ -68,6 +70,9 @@ class DatabaseConfig:
     pool_min: int = 1
     pool_max: int = 5
     write_group_max: int = 256  # facts per write transaction (group commit)
+    #: Whether a start migrates an older schema (:mod:`replicator.storage.migrations`);
+    #: false: the start refuses and ``replicator migrate`` does it.
+    auto_migrate: bool = True
 
 
 @dataclass(frozen=True)

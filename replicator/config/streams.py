@@ -5,7 +5,8 @@ from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
 
 from .fields import (IDENTIFIER, WIRE_NAME, ConfigError, as_mapping, get_bool, get_int,
                      get_list, get_names, get_path, get_str, kind_of, no_unknown, sql_name)
-from .model import COLUMN_TYPES, POSITIONS_TABLE, ColumnConfig, DatabaseConfig, StreamConfig
+from .model import (COLUMN_TYPES, POSITIONS_TABLE, SCHEMA_TABLE, ColumnConfig, DatabaseConfig,
+                    StreamConfig)
 
 #: Database connections (each one a pool thread and a server process).
 MAX_POOL = 100
@@ -17,21 +18,23 @@ def parse_database(value: Any, key: str = "database") -> DatabaseConfig:
     section = as_mapping(value, key)
     if "sqlite" in section and "postgres" in section:
         raise ConfigError(key, "give either sqlite or postgres, not both")
-    no_unknown(section, ("sqlite", "postgres", "pool_min", "pool_max", "write_group_max"), key)
+    no_unknown(section, ("sqlite", "postgres", "pool_min", "pool_max", "write_group_max",
+                         "auto_migrate"), key)
     pool_min = get_int(section, "pool_min", key, 1, minimum=1, maximum=MAX_POOL)
     pool_max = get_int(section, "pool_max", key, 5, minimum=1, maximum=MAX_POOL)
     group = get_int(section, "write_group_max", key, 256, minimum=1, maximum=MAX_WRITE_GROUP)
+    auto_migrate = get_bool(section, "auto_migrate", key, True)
     if pool_max < pool_min:
         raise ConfigError(f"{key}.pool_max", f"must be at least pool_min ({pool_min})")
     if "sqlite" in section:
         path = get_path(section, "sqlite", key)
         return DatabaseConfig("sqlite", path=path, pool_min=1, pool_max=1,
-                              write_group_max=group)
+                              write_group_max=group, auto_migrate=auto_migrate)
     if "postgres" in section:
         dsn = get_str(section, "postgres", key)
         _check_dsn(dsn, f"{key}.postgres")
         return DatabaseConfig("postgres", dsn=dsn, pool_min=pool_min, pool_max=pool_max,
-                              write_group_max=group)
+                              write_group_max=group, auto_migrate=auto_migrate)
     raise ConfigError(key, "missing: give sqlite: PATH or postgres: DSN")
 
 
@@ -117,7 +120,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     name = get_str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")
     table = get_str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
     sql_name(table, f"{key}.table")
-    if table.lower() == POSITIONS_TABLE:
+    if table.lower() in (POSITIONS_TABLE, SCHEMA_TABLE):
         raise ConfigError(f"{key}.table", f"{table!r} is the replicator's own table")
     id_column = get_str(section, "id_column", key, "stream_id", IDENTIFIER, "an SQL identifier")
     sql_name(id_column, f"{key}.id_column")
