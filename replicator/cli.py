@@ -368,7 +368,7 @@ def cmd_migrate(args) -> None:
             await migrate_instance(config, args.dry_run, _out, reactor)
         except StartupError as e:
             print(f"replicator: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(e.code)
+            raise SystemExit(e.code) from None
 
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
 

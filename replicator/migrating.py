@@ -25,7 +25,7 @@ async def migrate_instance(config: InstanceConfig, dry_run: bool, out: Callable[
     db_config = config.database
     key = f"database.{db_config.engine}"
     owns = bool(written_here(config))
-    if (db_config.engine == "sqlite" and not os.path.exists(db_config.path)
+    if (db_config.engine == "sqlite" and not os.path.exists(db_config.path or "")
             and (dry_run or not owns)):
         version = 0
         db = None
@@ -54,6 +54,7 @@ async def migrate_instance(config: InstanceConfig, dry_run: bool, out: Callable[
                 said.append(line)
                 reactor.callFromThread(out, line)
 
+            assert db is not None  # only a dry run or a reader goes without one
             reached = await migrations.migrate(db, announce, reactor, config.instance_name)
             # No step ran here: another process took the lock first and did them.
             out(f"schema: at version {reached}" if said else
