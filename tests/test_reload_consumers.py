@@ -1,0 +1,137 @@
+"""SIGHUP changes consumers live: over real processes (a master + worker
+pair on PostgreSQL), and the plan of which consumers stop and start, in
+memory.
+
+A removed consumer is stopped after it persisted what it had; a new one
+starts from its own persisted position (facts it lacks are caught up from
+the table, none twice); a changed one is restarted; the others go on,
+without a duplicate, and the replication link stays up."""
+
+import fcntl
+import json
+import os
+import signal
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from replicator.config import parse_instance
+from replicator.reload import plan
+from tests.servers import PostgresServer, free_port, wait_for
+from tests.test_cli import CACHES, Daemon, base_config, http
+from tests import test_reload
+from tests.test_reload import _metric
+
+
+def _facts(path):
+    """``(writer, token)`` of every fact line of a JSON-lines file, in order."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [(e["writer"], e["token"]) for e in map(json.loads, f) if "rows" in e]
+
+
+class ConsumerReloadTests(SynchronousTestCase):
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database()
+
+    def test_consumers_removed_added_and_changed_by_sighup(self):
+        rep_port = free_port()
+        streams = [CACHES]
+        master_cfg = base_config(
+            "master", free_port(), streams, database={"postgres": self.dsn},
+            replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"})
+        master_cfg["http"]["metrics_listen"] = f"127.0.0.1:{free_port()}"
+        master = Daemon(self, master_cfg, "master")
+        worker = Daemon(self, base_config(
+            "worker1", free_port(), streams, database={"postgres": self.dsn},
+            replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}"},
+            consumers=[{"type": "jsonl", "path": "a.jsonl"},
+                       {"type": "jsonl", "path": "c.jsonl"}]), "worker1")
+        master.start()
+        worker.start()
+        path = lambda name: os.path.join(worker.dir, name)  # noqa: E731
+        write = test_reload.ReloadClusterTests.write.__get__(self)
+        metrics_url = f"http://{master.config['http']['metrics_listen']}/metrics"
+
+        t1 = write(master, "caches", [["f1", None, 1]])
+        t2 = write(master, "caches", [["f2", None, 2]])
+        for name in ("a.jsonl", "c.jsonl"):
+            wait_for(lambda: _facts(path(name)) == [("master", t1), ("master", t2)], 60,
+                     f"{name} has both facts")
+        disconnects = _metric(http(metrics_url)[1].decode(), "replicator_disconnects_total")
+        # b.jsonl, new to the worker, was left by an earlier run at t1.
+        with open(path("a.jsonl")) as f:
+            first = f.readline()
+        with open(path("b.jsonl"), "w") as f:
+            f.write(first)
+
+        # a removed, c changed (its flush interval), b added after it.
+        test_reload.ReloadClusterTests.rewrite(worker, consumers=[
+            {"type": "jsonl", "path": "c.jsonl", "flush_interval": 0.01},
+            {"type": "jsonl", "path": "b.jsonl"}])
+        line, out = test_reload.ReloadClusterTests.hup_and_wait(worker, "reload: applied")
+        self.assertIn("needs restart: nothing", line)
+        self.assertIn("consumers[0] (jsonl) restarted", line)
+        self.assertIn("consumers[1] (jsonl) started", line)
+        self.assertIn("consumers[0] (jsonl) stopped", line)
+
+        # a is closed (its lock released) and kept what it had.
+        with open(path("a.jsonl"), "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a consumer holds it
+        self.assertEqual(_facts(path("a.jsonl")), [("master", t1), ("master", t2)])
+
+        t3 = write(master, "caches", [["f3", None, 3]])
+        want = [("master", t1), ("master", t2), ("master", t3)]
+        for name in ("b.jsonl", "c.jsonl"):
+            try:
+                wait_for(lambda: len(_facts(path(name))) >= 3, 60, f"{name} has f3")
+            except AssertionError as e:
+                raise AssertionError(f"{e}; worker: {worker.output()[-3000:]}") from None
+        # b caught up from its own position (t2 from the table); none twice.
+        self.assertEqual(_facts(path("b.jsonl")), want)
+        self.assertEqual(_facts(path("c.jsonl")), want)
+        self.assertEqual(_facts(path("a.jsonl")), [("master", t1), ("master", t2)])
+        # No restart, no disconnect.
+        self.assertIsNone(worker.proc.poll())
+        self.assertEqual(_metric(http(metrics_url)[1].decode(), "replicator_disconnects_total"),
+                         disconnects)
+        worker.kill(signal.SIGTERM)
+        self.assertEqual(worker.proc.returncode, 0, worker.output()[-2000:])
+
+
+def _config(consumers):
+    return parse_instance({
+        "server_name": "hs.test", "instance_name": "worker1",
+        "database": {"postgres": "dbname=a"},
+        "replication": {"upstream": "tcp:host=127.0.0.1:port=9092"},
+        "streams": [dict(CACHES, writers=["master"])], "consumers": consumers})
+
+
+class ConsumerPlanTests(SynchronousTestCase):
+    A = {"type": "jsonl", "path": "a.jsonl"}
+    B = {"type": "jsonl", "path": "b.jsonl"}
+    LOG = {"type": "log"}
+
+    def test_unchanged(self):
+        p = plan(_config([self.A, self.LOG]), _config([self.A, self.LOG]))
+        self.assertIsNone(p.consumers)
+        self.assertEqual((p.applied, p.restart), ([], []))
+
+    def test_kept_ones_are_matched_wherever_they_moved(self):
+        p = plan(_config([self.A, self.LOG]), _config([self.B, self.LOG, self.A]))
+        self.assertEqual(p.consumers.kept, {1: 1, 2: 0})
+        self.assertEqual((p.consumers.stopped, p.consumers.started), ([], [0]))
+        self.assertEqual(p.applied, ["consumers[0] (jsonl) started"])
+        self.assertEqual(p.restart, [])
+
+    def test_removed_changed_added(self):
+        changed = dict(self.A, fsync=False)
+        p = plan(_config([self.A, self.LOG]), _config([changed, self.B]))
+        self.assertEqual(p.consumers.kept, {})
+        self.assertEqual(p.consumers.stopped, [0, 1])
+        self.assertEqual(p.consumers.started, [0, 1])
+        self.assertEqual(p.consumers.restarted, {0: 0})
+        self.assertEqual(p.applied, ["consumers[0] (jsonl) restarted",
+                                     "consumers[1] (jsonl) started",
+                                     "consumers[1] (log) stopped"])
+        self.assertEqual(p.config.consumers, _config([changed, self.B]).consumers)
