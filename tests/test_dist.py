@@ -2,8 +2,9 @@
 
 One wheel and sdist are built per test run (``python -m build``, as ``make
 dist`` runs it: the sdist first, the wheel from the sdist).  The install
-runs ``scripts/install-venv.sh`` (the script the docs give) with a prefix in
-a temporary directory instead of ``/opt/replicator``: a clean virtualenv of
+runs the step docs/operations.md gives (``scripts/install-venv.sh``) with a
+prefix and a units directory in a temporary directory instead of
+``/opt/replicator`` and ``/etc/systemd/system``: a clean virtualenv of
 the system's Python, the wheel and its dependencies from pip's usual
 sources (its cache first), the units written for that prefix and checked by
 ``systemd-analyze verify``, then an instance started from the installed
@@ -27,10 +28,10 @@ from twisted.trial.unittest import SynchronousTestCase
 import replicator
 from tests.servers import free_port, unavailable
 from tests.test_cli import SECRET, Daemon, base_config, http
+from tests.test_operations import doc_block
 from tests.test_systemd import SERVICES, UNITS, _settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INSTALL = os.path.join(ROOT, "scripts", "install-venv.sh")
 VERSION = replicator.__version__
 
 _built: Optional[Tuple[str, str]] = None
@@ -123,20 +124,28 @@ class InstallTests(SynchronousTestCase):
         self.prefix = os.path.join(self.dir, "opt", "replicator")
         self.units = os.path.join(self.dir, "units")
 
-    def install(self, *args):
+    def install(self, wheel: str):
+        """docs/operations.md's install step, run from the checkout, with
+        this test's wheel, prefix and units directory."""
+        script = doc_block("install")
+        for documented, here in (("dist/replicator-*-py3-none-any.whl", wheel),
+                                 ("/opt/replicator", self.prefix),
+                                 ("/etc/systemd/system", self.units)):
+            self.assertEqual(script.count(documented), 1, script)
+            script = script.replace(documented, here)
         # The system's Python, not the test's virtualenv; nothing of the
         # checkout on the path.
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env["PYTHON"] = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3"
-        result = subprocess.run([INSTALL, *args], capture_output=True, text=True, env=env,
-                                cwd=self.dir, timeout=600)
+        result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True,
+                                text=True, env=env, cwd=ROOT, timeout=600)
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         return result.stdout, env
 
     def test_install_verify_units_start_and_answer(self):
         wheel, _ = built()
-        out, env = self.install("--units", self.units, wheel, self.prefix)
+        out, env = self.install(wheel)
         self.assertEqual(out.strip().splitlines()[-1], f"replicator {VERSION}")
         binary = os.path.join(self.prefix, "bin", "replicator")
         # A clean virtualenv: its own site-packages, replicator from the wheel.
