@@ -135,3 +135,64 @@ class ConsumerPlanTests(SynchronousTestCase):
                                      "consumers[1] (jsonl) started",
                                      "consumers[1] (log) stopped"])
         self.assertEqual(p.config.consumers, _config([changed, self.B]).consumers)
+
+
+class RewireTests(SynchronousTestCase):
+    """A reader held between two facts, handed to new consumers, rewound
+    for the one that is behind (in memory: a Clock, a table as a dict)."""
+
+    def make(self, consumers, table):
+        from twisted.internet import defer
+        from twisted.internet.task import Clock
+
+        from replicator.replication.delivery import delivery_for
+        from replicator.replication.reader import Reader
+        from tests.test_reader import updates_since
+
+        deliver, many, reached = delivery_for("s", "w", consumers)
+        return Reader("s", "w", 0, clock=Clock(), fetch_limit=2, deliver=deliver,
+                      deliver_many=many, reached=reached,
+                      source=lambda w, f, t, n: defer.succeed(updates_since(table, f, t, n)))
+
+    def test_pause_waits_for_the_fact_in_hand_then_a_new_consumer_catches_up_alone(self):
+        from twisted.internet import defer
+
+        from replicator.consumers import MemoryConsumer
+        from replicator.replication.delivery import rewire
+        from tests.fakes import FakeConnection
+
+        table = {t: [[f"r{t}"]] for t in range(1, 7)}
+        kept = MemoryConsumer()
+        slow = defer.Deferred()
+        waits = [slow]
+
+        class Slow(MemoryConsumer):
+            def on_facts(self, stream, writer, token, rows):
+                super().on_facts(stream, writer, token, rows)
+                return waits.pop() if waits else None
+
+        removed = Slow()
+        reader = self.make([kept, removed], table)
+        conn = FakeConnection("c")
+        reader.position_line(conn, 0, 0)
+        reader.rdata(conn, 1, ["r1"])  # in hand: removed has not finished it
+        reader.rdata(conn, 2, ["r2"])
+        paused = reader.pause()
+        self.assertFalse(paused.called)
+        slow.callback(None)
+        self.assertTrue(paused.called)
+        self.assertEqual(reader.position, 1)  # r2 waits in the queue
+        reader.rdata(conn, 3, ["r3"])  # lines keep queueing while paused
+        self.assertEqual(reader.position, 1)
+
+        new = MemoryConsumer(positions={("s", "w"): 0})  # persisted: nothing yet
+        live = MemoryConsumer()  # no position: live
+        rewire(reader, [kept, new, live], [new, live])
+        reader.resume()
+        reader.position_line(conn, 3, 4)
+        self.assertEqual([f[2] for f in kept.facts], [1, 2, 3])  # no duplicate
+        self.assertEqual([f[2] for f in new.facts], [1, 2, 3])  # r1 caught up, for it alone
+        self.assertEqual([f[2] for f in live.facts], [2, 3])
+        self.assertEqual([f[2] for f in removed.facts], [1])
+        self.assertEqual(reader.position, 4)
+        self.assertEqual(new.positions(), {("s", "w"): 4})

@@ -175,7 +175,7 @@ class Reader:
 
     async def _drain(self) -> None:
         try:
-            while self.queue and not self._stopping:
+            while self.queue and not self._stopping and not self._paused:
                 item = self.queue[0]
                 try:
                     await self._apply(item)
