@@ -11,6 +11,8 @@ sources (its cache first), the units written for that prefix and checked by
 console script, outside the checkout, answering ``/health``.
 """
 
+import atexit
+import importlib.util
 import json
 import os
 import shutil
@@ -41,11 +43,10 @@ def built() -> Tuple[str, str]:
     """``(wheel, sdist)`` paths, built once per test run."""
     global _built
     if _built is None:
-        try:
-            import build  # noqa: F401  (the test extra)
-        except ImportError:
+        if importlib.util.find_spec("build") is None:  # the test extra
             unavailable("the build module is not installed (pip install -e '.[test]')")
         out = tempfile.mkdtemp(prefix="replicator-dist-")
+        atexit.register(shutil.rmtree, out, True)
         result = subprocess.run([sys.executable, "-m", "build", "--outdir", out, ROOT],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
