@@ -196,3 +196,39 @@ class RewireTests(SynchronousTestCase):
         self.assertEqual([f[2] for f in removed.facts], [1])
         self.assertEqual(reader.position, 4)
         self.assertEqual(new.positions(), {("s", "w"): 4})
+
+    def test_pause_during_an_outage_calls_the_retry_off_and_resume_tries_again(self):
+        from twisted.internet import defer
+        from twisted.internet.task import Clock
+
+        from replicator.consumers import MemoryConsumer
+        from replicator.replication.delivery import delivery_for, rewire
+        from replicator.replication.reader import Reader
+        from tests.fakes import FakeConnection
+        from tests.test_reader import updates_since
+
+        table = {1: [["r1"]], 2: [["r2"]]}
+        down = [True]
+
+        def source(w, f, t, n):
+            if down[0]:
+                return defer.fail(OSError("database down"))
+            return defer.succeed(updates_since(table, f, t, n))
+
+        old = MemoryConsumer()
+        clock = Clock()
+        deliver, many, reached = delivery_for("s", "w", [old])
+        reader = Reader("s", "w", 0, clock=clock, fetch_limit=10, deliver=deliver,
+                        deliver_many=many, reached=reached, source=source)
+        reader.position_line(FakeConnection("c"), 2, 2)  # catch-up fails: a retry waits
+        self.assertEqual(len(clock.getDelayedCalls()), 1)
+        paused = reader.pause()
+        self.assertTrue(paused.called)
+        self.assertEqual(clock.getDelayedCalls(), [])
+        new = MemoryConsumer()
+        rewire(reader, [new], [new])
+        down[0] = False
+        reader.resume()
+        self.assertEqual([f[2] for f in new.facts], [1, 2])
+        self.assertEqual(old.facts, [])
+        self.assertEqual(reader.position, 2)
