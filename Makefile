@@ -4,10 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= conf/dev.yaml
 
-.PHONY: run test bench chaos fuzz interop synapse-deps deps test-deps system-deps clean
+.PHONY: run test dist bench chaos fuzz interop synapse-deps deps test-deps system-deps clean
 
 # The daemon alone (make run) ...
-$(VENV)/.installed-run: setup.cfg setup.py
+$(VENV)/.installed-run: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .
@@ -38,6 +38,18 @@ var/http-secret:
 
 test: test-deps
 	$(PY) scripts/run-tests.py $(TESTS)
+
+# A wheel and an sdist in dist/, built from pyproject.toml (the sdist first,
+# the wheel from it, so a file missing from the sdist fails here).  Install
+# with scripts/install-venv.sh: docs/operations.md, "Install".
+$(VENV)/.installed-build:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip build
+	touch $@
+
+dist: $(VENV)/.installed-build
+	rm -rf dist
+	$(PY) -m build --outdir dist .
 
 # Synapse's own server protocol is a baseline of the TCP figures: it runs
 # from the interop virtualenv, in a process of its own (AGPL: only run).
@@ -71,4 +83,4 @@ interop: test-deps synapse-deps
 	SYNAPSE_PYTHON=$(SYNAPSE_VENV)/bin/python $(PY) -m tests.interop
 
 clean:
-	rm -rf $(VENV) $(SYNAPSE_VENV) _trial_temp* build *.egg-info
+	rm -rf $(VENV) $(SYNAPSE_VENV) _trial_temp* build dist *.egg-info

@@ -9,22 +9,41 @@ plan (:meth:`replicator.service.Instance.reload`).
 Live: ``log_level``, ``log_format``, ``health``,
 ``replication.allowed_peers``, ``replication.allowed_networks`` and
 ``replication.client_ca`` (with the ``ssl:`` listener's files, which every
-reload reads again), a new stream, and other instances' ``writers`` of a
-running stream.  Everything else that differs needs a restart and keeps its
-running value: the database, names, endpoints, the other ``replication`` and
-``http`` keys, ``synapse``, ``consumers``, a stream removed, and a stream whose
+reload reads again), a new stream, other instances' ``writers`` of a
+running stream, and ``consumers`` (:class:`ConsumerChange`: one whose
+config is in both files goes on, one only in the running config stops, one
+only in the file starts).  Everything else that differs needs a restart and
+keeps its running value: the database, names, endpoints, the other
+``replication`` and ``http`` keys, ``synapse``, a stream removed, and a stream whose
 columns, table or own writer changed (or which this instance writes alone:
 its ID generator has no room for another writer).
 """
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .config import InstanceConfig, StreamConfig
 
 #: ``replication`` keys a reload applies.
 LIVE_REPLICATION = ("allowed_peers", "allowed_networks", "client_ca")
+
+
+@dataclass
+class ConsumerChange:
+    """Consumers of the running config against the file's, by index.
+
+    A consumer whose config is the same in both goes on (wherever it moved
+    in the list); one only in the running config stops; one only in the
+    file starts (from its own persisted position).  A changed consumer is
+    one of each with the same type and ``path`` option: it restarts."""
+
+    kept: Dict[int, int] = field(default_factory=dict)  # file index -> running index
+    stopped: List[int] = field(default_factory=list)  # running indices
+    started: List[int] = field(default_factory=list)  # file indices
+    #: Started ones that replace a stopped one (file index -> running index):
+    #: the same type and ``path`` option, other options changed.
+    restarted: Dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,13 +58,14 @@ class Plan:
     peers: bool = False
     new_streams: List[Tuple[str, StreamConfig]] = field(default_factory=list)  # (key, config)
     writers: List[Tuple[str, StreamConfig]] = field(default_factory=list)  # (key, config)
+    consumers: Optional[ConsumerChange] = None  # None: the same consumers
 
 
 def plan(running: InstanceConfig, read: InstanceConfig) -> Plan:
     """The reload from ``running`` to the file's ``read`` (both validated)."""
     result = Plan(config=running)
     live: Dict[str, Any] = {}
-    for key in ("instance_name", "server_name", "synapse", "consumers"):
+    for key in ("instance_name", "server_name", "synapse"):
         if getattr(running, key) != getattr(read, key):
             result.restart.append(key)
     if running.database != read.database:
@@ -75,6 +95,9 @@ def plan(running: InstanceConfig, read: InstanceConfig) -> Plan:
         if getattr(running.http, f.name) != getattr(read.http, f.name):
             result.restart.append(f"http.{f.name}")
     live["streams"] = _streams(running, read, result)
+    if running.consumers != read.consumers:
+        result.consumers = _consumers(running, read, result)
+        live["consumers"] = read.consumers
     result.config = dataclasses.replace(running, **live)
     return result
 
@@ -111,3 +134,34 @@ def _streams(running: InstanceConfig, read: InstanceConfig, result: Plan):
             result.applied.append(f"streams[{j}] (stream {s.name})")
             streams.append(s)
     return tuple(streams)
+
+
+def _consumers(running: InstanceConfig, read: InstanceConfig, result: Plan) -> ConsumerChange:
+    """Which consumers go on, stop and start; their keys in ``result.applied``."""
+    change = ConsumerChange()
+    unmatched = list(range(len(running.consumers)))
+    for j, config in enumerate(read.consumers):
+        i = next((i for i in unmatched if running.consumers[i] == config), None)
+        if i is None:
+            change.started.append(j)
+        else:
+            unmatched.remove(i)
+            change.kept[j] = i
+    change.stopped = list(unmatched)
+    for j in change.started:
+        i = next((i for i in unmatched if _identity(running.consumers[i]) ==
+                  _identity(read.consumers[j])), None)
+        if i is not None:
+            unmatched.remove(i)
+            change.restarted[j] = i
+        result.applied.append(f"consumers[{j}] ({read.consumers[j].type}) "
+                              f"{'restarted' if i is not None else 'started'}")
+    for i in unmatched:
+        result.applied.append(f"consumers[{i}] ({running.consumers[i].type}) stopped")
+    return change
+
+
+def _identity(config) -> tuple:
+    """What makes two consumer configs one consumer changed: the type and
+    the ``path`` option (a file consumer's file), if any."""
+    return config.type, repr(config.options.get("path"))

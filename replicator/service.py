@@ -389,6 +389,14 @@ class Instance:
                     continue
                 self.handler.writers_changed(stream, old_writers)
                 streams[stream_config.name] = stream_config
+            if p.consumers is not None:
+                from .consumers.reloading import change_consumers
+
+                self.consumers, consumers, bad = await change_consumers(
+                    self.handler, self.consumers, self.config.consumers, p.config.consumers,
+                    p.consumers, self.reactor)
+                failed += bad
+                p.config = dataclasses.replace(p.config, consumers=consumers)
             self.config = dataclasses.replace(p.config, streams=tuple(
                 streams[s.name] for s in p.config.streams if s.name in streams))
             applied = [k for k in p.applied if k not in failed

@@ -41,8 +41,10 @@ def http(url, data=None, secret=None):
 class Daemon:
     """A `replicator run` process with its own config in a temp dir."""
 
-    def __init__(self, test, config: dict, name="daemon"):
+    def __init__(self, test, config: dict, name="daemon", command=(PY, "-m", "replicator.cli"),
+                 env=None):
         self.test = test
+        self.command, self.env = list(command), env
         self.dir = tempfile.mkdtemp(prefix=f"replicator-{name}-")
         self.path = os.path.join(self.dir, f"{name}.yaml")
         self.config = config
@@ -53,8 +55,8 @@ class Daemon:
 
     def start(self):
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([PY, "-m", "replicator.cli", "run", "-c", self.path],
-                                     cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([*self.command, "run", "-c", self.path], cwd=self.dir,
+                                     env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         self.test.addCleanup(self.kill)
         base = self.http_base
 

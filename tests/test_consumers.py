@@ -708,13 +708,11 @@ class LoadConsumersTests(SynchronousTestCase):
         self.assertEqual(c.streams, ("caches",))
 
     def test_builtin_entry_points_declared(self):
-        import configparser
+        import tomllib
 
-        parser = configparser.ConfigParser()
-        parser.read(os.path.join(ROOT, "setup.cfg"))
-        declared = [line.split("=") for line in
-                    parser["options.entry_points"]["replicator.consumers"].split("\n") if line]
-        self.assertEqual({name.strip(): value.strip() for name, value in declared}, {
+        with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+            declared = tomllib.load(f)["project"]["entry-points"]["replicator.consumers"]
+        self.assertEqual(declared, {
             "jsonl": "replicator.consumers:JsonlConsumer",
             "log": "replicator.consumers:LogConsumer",
         })

@@ -87,6 +87,15 @@ def _build_external(config: ConsumerConfig, where: str) -> Consumer:
     return consumer
 
 
+def build_consumer(config: ConsumerConfig, base_dir: str, reactor, where: str) -> Consumer:
+    """One consumer from its config (see :func:`load_consumers`); a mistake
+    is a ConfigError naming ``where`` or a key below it."""
+    builtin = BUILTINS.get(config.type)
+    if builtin is not None:
+        return builtin(config, base_dir, where, reactor)
+    return _build_external(config, where)
+
+
 def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor,
                    key: str = "consumers") -> List[Consumer]:
     """Consumers from their configs, in order.
@@ -102,12 +111,7 @@ def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor,
     built: List[Consumer] = []
     try:
         for i, config in enumerate(configs):
-            where = f"{key}[{i}]"
-            builtin = BUILTINS.get(config.type)
-            if builtin is not None:
-                built.append(builtin(config, base_dir, where, reactor))
-            else:
-                built.append(_build_external(config, where))
+            built.append(build_consumer(config, base_dir, reactor, f"{key}[{i}]"))
     except BaseException:
         for consumer in built:
             try:

@@ -29,7 +29,7 @@ state of its own is in one of the modules above.)
 
 from typing import AbstractSet, Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from twisted.internet import task
+from twisted.internet import defer, task
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -54,7 +54,7 @@ from .commands import (
 )
 from .wire import MAX_LINE_LENGTH, encode_position_line
 from .connections import Connections
-from .delivery import make_reader
+from .delivery import make_reader, rewire
 from .fanout import Fanout
 from .interfaces import IPeerConnection, IReplicationConnection, IReplicationHandler
 from .link import INVALID_COMMAND, REFUSED
@@ -190,6 +190,25 @@ class ReplicationHandler:
                     reader.stop()
                 self._heard.pop((stream.name, writer), None)
         self._know(frozenset(stream.config.writers))
+
+    async def pause_readers(self) -> None:
+        """Hold every reader between two facts (a reload changing the
+        consumers); :meth:`resume_readers` goes on."""
+        await defer.gatherResults([r.pause() for r in self._readers.values()],
+                                  consumeErrors=True)
+
+    def set_consumers(self, consumers: Iterable[Consumer], started: Iterable[Consumer]) -> None:
+        """The (paused) readers hand facts to ``consumers`` from now on;
+        each of ``started`` from its own persisted position
+        (:func:`.delivery.rewire`), the others from where they are."""
+        self.consumers = list(consumers)
+        started = list(started)
+        for reader in self._readers.values():
+            rewire(reader, self.consumers, started)
+
+    def resume_readers(self) -> None:
+        for reader in self._readers.values():
+            reader.resume()
 
     def _announce(self, stream: Stream, writers: Sequence[str]) -> None:
         """POSITION of ``writers`` (local) to every connection receiving

@@ -28,6 +28,12 @@ Invariants:
   one is handed on, the reactor let run between pages) before anything
   later.
 * A fact at or below the position is dropped; ``position`` only grows.
+* :meth:`Reader.pause` holds the pipeline once the command in hand is
+  done (lines still queue); while paused, :meth:`Reader.set_delivery` may
+  hand facts to other consumers from then on and :meth:`Reader.rewind`
+  move the position back, so that the facts above it are caught up from
+  ``source`` first (a consumer started at a reload); :meth:`Reader.resume`
+  goes on.
 * A failure (of ``source`` or ``deliver``) stops the pipeline where it is;
   it resumes with the same command after a delay from the project's backoff
   policy (``retry_delay``, doubling up to 30 s); one log line when such an
@@ -113,6 +119,8 @@ class Reader:
         self._retry: Optional[IDelayedCall] = None
         self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
         self._stopping = False
+        self._paused = False
+        self._idle: List[defer.Deferred[Any]] = []  # pause() callers waiting for the hand to empty
 
     # ------------------------------------------------------------ lines in
     def rdata(self, conn: IReplicationConnection, token: Optional[int], row: Any) -> None:
@@ -162,31 +170,39 @@ class Reader:
     # ------------------------------------------------------------ pipeline
     def _enqueue(self, item: Tuple[Any, ...]) -> None:
         self.queue.append(item)
-        if not self.busy:
+        if not self.busy and not self._paused:
             self.busy = True
             self._background.run("reader", self._drain())
 
     async def _drain(self) -> None:
         try:
-            while self.queue and not self._stopping:
+            while self.queue and not self._stopping and not self._paused:
                 item = self.queue[0]
                 try:
                     await self._apply(item)
                 except Stopping:
                     return
                 except Exception as e:
-                    self._retry = self._clock.callLater(self._outage.failed(e), self._resume)
+                    delay = self._outage.failed(e)
+                    if not self._paused:  # else resume() tries again
+                        self._retry = self._clock.callLater(delay, self._resume)
                     return
                 self._outage.succeeded()
                 self.queue.popleft()
         finally:
-            if not self.queue or self._stopping:
+            if not self.queue or self._stopping or self._paused:
                 self.busy = False
+                self._release_idle()
+
+    def _release_idle(self) -> None:
+        waiting, self._idle = self._idle, []
+        for d in waiting:
+            d.callback(None)
 
     def _resume(self) -> None:
         self._retry = None
         self.busy = False
-        if self.queue and not self._stopping:
+        if self.queue and not self._stopping and not self._paused:
             self.busy = True
             self._background.run("reader", self._drain())
 
@@ -295,6 +311,48 @@ class Reader:
         """Nothing in hand and nothing queued (once stopped, what is queued
         will not run: only the work in hand counts)."""
         return not self.busy and (not self.queue or self._stopping)
+
+    def pause(self) -> defer.Deferred[Any]:
+        """Take no more commands once the one in hand is done (a retry
+        waiting for its delay is called off); fires then.  Lines still
+        queue; :meth:`resume` goes on with them."""
+        self._paused = True
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+            self._retry = None
+            self.busy = False
+        if not self.busy:
+            return defer.succeed(None)
+        d: defer.Deferred[Any] = defer.Deferred()
+        self._idle.append(d)
+        return d
+
+    def resume(self) -> None:
+        """Go on after :meth:`pause` with what queued meanwhile."""
+        self._paused = False
+        if self.queue and not self.busy and not self._stopping:
+            self.busy = True
+            self._background.run("reader", self._drain())
+
+    def set_delivery(self, deliver: Callable[[int, List[List[Any]]], Any],
+                     deliver_many: Optional[Callable[[List[Fact]], Any]],
+                     reached: Optional[Callable[[int], Any]]) -> None:
+        """Hand facts on through these from now on (paused: between two
+        commands)."""
+        assert self._paused and not self.busy, "set_delivery() on a running reader"
+        self._deliver, self._deliver_many, self._reached = deliver, deliver_many, reached
+
+    def rewind(self, position: int) -> None:
+        """Hand on again what is above ``position`` (paused): the facts up to
+        the current position are caught up from ``source`` before anything
+        queued.  A reader with no position yet starts from ``position``."""
+        assert self._paused and not self.busy, "rewind() on a running reader"
+        if self.position is None:
+            self.position = position
+        elif position < self.position:
+            # A POSITION the reader is below: _apply catches up to it.
+            self.queue.appendleft(("position", self.position, self.position))
+            self.position = position
 
     def stop(self) -> None:
         self._stopping = True
