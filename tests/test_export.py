@@ -95,7 +95,8 @@ def shared_spark():
 
 
 def export(db, configs, out, spark=None, **kw):
-    from replicator.export.job import ExportOptions, run_export
+    from replicator.export.options import ExportOptions
+    from replicator.export.job import run_export
 
     kw.setdefault("partitions", 3)
     kw.setdefault("shuffle_partitions", 4)

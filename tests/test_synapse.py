@@ -490,7 +490,7 @@ class PresetExportBoundTests(TestCase):
     timeout = 120
 
     def test_the_bound_is_synapse_s_persisted_position(self):
-        from replicator.export.job import ExportOptions
+        from replicator.export.options import ExportOptions
         from replicator.export.plan import plan_stream
         from replicator.export.source import MIN_TOKEN, Metadata
 

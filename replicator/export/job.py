@@ -16,36 +16,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from ..config import DatabaseConfig, StreamConfig
 from .plan import StreamPlan, layout_of, next_state, observed_ranges, plan_stream
 from .source import MIN_TOKEN, JdbcTarget, Metadata, SourceError, jdbc_target, read_facts
 from .spark import Progress, RunSession
+from .options import ExportOptions
 from .state import ExportState, OutputStore, StateError
 
 log = logging.getLogger("replicator.export")
-
-
-@dataclass
-class ExportOptions:
-    """Everything a run takes besides the database and the streams."""
-
-    output: str
-    master: Optional[str] = None
-    partitions: int = 4
-    shuffle_partitions: int = 8
-    streams: Optional[Sequence[str]] = None  # names; None = all configured
-    since_ms: Optional[int] = None
-    until_ms: Optional[int] = None
-    full: bool = False
-    jdbc_jar: Optional[str] = None
-    plot: Optional[str] = None
-    plot_hours: float = 24.0
-    progress_interval: float = 2.0
-    spark_conf: Dict[str, str] = field(default_factory=dict)  # --conf KEY=VALUE
-    now_ms: Optional[int] = None  # the run's time (tests); default: the clock
-    keep_previous: int = 1  # generations kept below the current one (--keep)
 
 
 @dataclass

@@ -17,16 +17,15 @@ For every selected stream, on the driver with one-row queries only:
 """
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..config import StreamConfig
 from .aggregate import chunking
+from .options import ExportOptions
 from .reference import utc_date
 from .source import MIN_TOKEN, Metadata, RangeBounds, linear_position
 from .state import StreamState, now_iso
 
-if TYPE_CHECKING:
-    from .job import ExportOptions
 
 
 @dataclass
@@ -64,7 +63,7 @@ def layout_of(stream: StreamConfig) -> Dict[str, Optional[str]]:
 
 
 def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamState],
-                options: "ExportOptions", run_ms: int) -> StreamPlan:
+                options: ExportOptions, run_ms: int) -> StreamPlan:
     """What ``stream``'s run will read and write (steps 1 and 2 above).
 
     Only one-row queries on ``meta``; ``state`` is the stream's previous

@@ -133,7 +133,8 @@ def python_pass(dsn, pos):
 
 def spark_pass(spark, db, streams, pos):
     """A first export into a fresh output; returns (seconds, output dir)."""
-    from replicator.export.job import ExportOptions, run_export
+    from replicator.export.options import ExportOptions
+    from replicator.export.job import run_export
 
     out = tempfile.mkdtemp(prefix="bench-export-")
     start = time.perf_counter()
