@@ -1,0 +1,123 @@
+"""The jsonl consumer's file rotating (by size, by age, by an external
+``logrotate``) without ever replaying or skipping history: its positions
+are kept beside the file, not derived from the file's last lines alone."""
+
+import os
+
+from twisted.internet import task
+from twisted.trial.unittest import SynchronousTestCase
+
+from replicator.consumers import JsonlConsumer, run_inline
+from replicator.consumers.jsonl_files import rotated_files
+
+from .test_consumers import read_lines, temp_dir
+
+
+def fact_tokens(paths):
+    """Tokens of every fact line in ``paths``, in order."""
+    tokens = []
+    for path in paths:
+        lines, _ = read_lines(path)
+        tokens += [line["token"] for line in lines if "rows" in line]
+    return tokens
+
+
+class RotationTests(SynchronousTestCase):
+    def setUp(self):
+        self.dir = temp_dir(self)
+        self.path = os.path.join(self.dir, "facts.jsonl")
+        self.clock = task.Clock()
+
+    def open(self, **kw):
+        consumer = JsonlConsumer(self.path, self.clock, run_io=run_inline, **kw)
+        self.addCleanup(consumer.close)
+        return consumer
+
+    def write(self, consumer, tokens, writer="master"):
+        for token in tokens:
+            consumer.on_facts("caches", writer, token, [[token, "x" * 20]])
+        self.clock.advance(1)
+
+    def test_a_file_moved_away_while_stopped_keeps_the_positions(self):
+        """logrotate's default (move, then create) while the daemon is
+        stopped: the new file is empty, and the consumer must still resume
+        after its last fact, not from nothing (history again, or live)."""
+        c = self.open()
+        self.write(c, range(1, 11))
+        c.close()
+        os.rename(self.path, self.path + ".1")
+        with open(self.path, "wb"):
+            pass
+        reopened = self.open()
+        self.assertEqual(reopened.positions(), {("caches", "master"): 10})
+
+    def test_a_file_moved_away_while_running_is_reopened(self):
+        c = self.open()
+        self.write(c, range(1, 6))
+        os.rename(self.path, self.path + ".1")  # logrotate: move ...
+        with open(self.path, "wb"):  # ... and create
+            pass
+        self.write(c, range(6, 11))
+        c.close()
+        self.assertEqual(fact_tokens([self.path + ".1"]), [1, 2, 3, 4, 5])
+        self.assertEqual(fact_tokens([self.path]), [6, 7, 8, 9, 10])
+        self.assertEqual(self.open().positions(), {("caches", "master"): 10})
+
+    def test_copytruncate_leaves_no_hole(self):
+        """logrotate's copytruncate: the file is copied, then cut to zero
+        while the consumer holds it; the next batch starts at offset 0 (not
+        at the old size, which would leave a run of NUL bytes)."""
+        c = self.open()
+        self.write(c, range(1, 6))
+        with open(self.path, "rb") as f, open(self.path + ".1", "wb") as copy:
+            copy.write(f.read())
+        os.truncate(self.path, 0)
+        self.write(c, range(6, 11))
+        with open(self.path, "rb") as f:
+            data = f.read()
+        self.assertNotIn(b"\x00", data)
+        c.close()
+        self.assertEqual(fact_tokens([self.path + ".1", self.path]), list(range(1, 11)))
+        self.assertEqual(self.open().positions(), {("caches", "master"): 10})
+
+    def test_rotates_by_size_keeping_a_count(self):
+        c = self.open(rotate_size=400, rotate_keep=3)
+        for token in range(1, 41):
+            self.write(c, [token])
+        c.close()
+        rotated = rotated_files(self.path)
+        self.assertEqual([os.path.basename(p) for p in rotated],
+                         ["facts.jsonl.3", "facts.jsonl.2", "facts.jsonl.1"])
+        for path in rotated:
+            self.assertLessEqual(os.path.getsize(path), 400 + 200)
+        tokens = fact_tokens(rotated + [self.path])
+        self.assertEqual(tokens, list(range(tokens[0], 41)))
+        self.assertGreater(tokens[0], 1)  # older files were deleted
+        # Every file starts with the positions so far (after the first).
+        first, _ = read_lines(rotated[0])
+        self.assertIn("position", first[0])
+        self.assertEqual(self.open().positions(), {("caches", "master"): 40})
+
+    def test_rotates_by_age(self):
+        c = self.open(rotate_age=60)
+        self.write(c, [1])
+        self.clock.advance(30)
+        self.write(c, [2])
+        self.assertEqual(rotated_files(self.path), [])
+        self.clock.advance(31)
+        self.write(c, [3])
+        self.assertEqual(rotated_files(self.path), [self.path + ".1"])
+        c.close()
+        self.assertEqual(fact_tokens([self.path + ".1", self.path]), [1, 2, 3])
+
+    def test_dated_names(self):
+        c = self.open(rotate_size=50, rotate_names="date")
+        self.write(c, [1])
+        self.write(c, [2])
+        self.write(c, [3])
+        c.close()
+        rotated = rotated_files(self.path)
+        self.assertEqual(len(rotated), 2)
+        for path in rotated:
+            self.assertRegex(os.path.basename(path), r"^facts\.jsonl-\d{8}-\d{6}(\.\d+)?$")
+        self.assertEqual(fact_tokens(rotated + [self.path]), [1, 2, 3])
