@@ -121,3 +121,52 @@ class RotationTests(SynchronousTestCase):
         for path in rotated:
             self.assertRegex(os.path.basename(path), r"^facts\.jsonl-\d{8}-\d{6}(\.\d+)?$")
         self.assertEqual(fact_tokens(rotated + [self.path]), [1, 2, 3])
+
+
+class RotationConfigTests(SynchronousTestCase):
+    """Each rotation key: the value a consumer gets, or one line naming it."""
+
+    def build(self, **options):
+        from twisted.internet import reactor
+
+        from replicator.config import ConsumerConfig
+        from replicator.consumers import load_consumers
+
+        path = os.path.join(temp_dir(self), "facts.jsonl")
+        [consumer] = load_consumers([ConsumerConfig("jsonl", None, {"path": path, **options})],
+                                    ".", reactor)
+        self.addCleanup(consumer.close)
+        return consumer
+
+    def error(self, **options):
+        from replicator.config import ConfigError
+
+        with self.assertRaises(ConfigError) as raised:
+            self.build(**options)
+        return str(raised.exception)
+
+    def test_values(self):
+        c = self.build(rotate_size="100M", rotate_age="12h", rotate_keep=3, rotate_names="date")
+        self.assertEqual((c.rotate_size, c.rotate_age, c.rotate_keep, c.rotate_names),
+                         (100 << 20, 12 * 3600.0, 3, "date"))
+        c = self.build(rotate_size=4096, rotate_age=90)
+        self.assertEqual((c.rotate_size, c.rotate_age, c.rotate_keep, c.rotate_names),
+                         (4096, 90.0, 7, "number"))
+        c = self.build()
+        self.assertEqual((c.rotate_size, c.rotate_age), (None, None))
+
+    def test_mistakes(self):
+        self.assertEqual(self.error(rotate_size="lots"), "config: consumers[0].rotate_size: "
+                         "'lots' is not a size (bytes, or e.g. \"100M\", \"1G\")")
+        self.assertEqual(self.error(rotate_size=10), "config: consumers[0].rotate_size: "
+                         "must be from 1K to 1P bytes, got 10")
+        self.assertEqual(self.error(rotate_age="soon"), "config: consumers[0].rotate_age: "
+                         "'soon' is not an age (seconds, or e.g. \"12h\", \"7d\")")
+        self.assertEqual(self.error(rotate_age=0), "config: consumers[0].rotate_age: "
+                         "must be from 1 second to 10 years, got 0")
+        self.assertEqual(self.error(rotate_keep=0), "config: consumers[0].rotate_keep: "
+                         "must be an integer from 1 to 100000, got 0")
+        self.assertEqual(self.error(rotate_names="weekly"), "config: consumers[0].rotate_names: "
+                         "'weekly' is not one of number, date")
+        self.assertEqual(self.error(rotate_sise=1), "config: consumers[0].rotate_sise: "
+                         "unknown key (did you mean 'rotate_size'?)")
