@@ -171,7 +171,12 @@ class RotationClusterTests(SynchronousTestCase):
             if self.worker.proc.poll() is not None:
                 raise AssertionError(self.worker.output()[-3000:])
             return set(self.written) <= set(self.facts())
-        wait_for(done, 60, "worker1's output has every fact")
+        try:
+            wait_for(done, 60, "worker1's output has every fact")
+        except AssertionError as e:
+            missing = sorted(set(self.written) - set(self.facts()))
+            raise AssertionError(f"{e}: {len(missing)} missing ({missing[:10]}); worker1: "
+                                 f"{self.worker.output()[-3000:]}") from None
 
     def verify(self):
         code, out, err = replicator("verify", "-c", self.worker.path, "0", cwd=self.worker.dir)
@@ -179,6 +184,7 @@ class RotationClusterTests(SynchronousTestCase):
         return out
 
     def test_rotation_logrotate_rewind_and_verify(self):
+        # Steps: (1) rotation by size; (2) a restart; (3) logrotate; (4) rewind.
         rep_port = free_port()
         master = Daemon(self, base_config(
             "master", free_port(), [TIMED], database={"postgres": self.dsn},
@@ -198,7 +204,19 @@ class RotationClusterTests(SynchronousTestCase):
         self.assertEqual(self.facts(), self.written)
         self.verify()
 
-        # (2) The real logrotate: copytruncate, then move + create + SIGHUP.
+        # (2) Stopped, its own rotation turned off, started again: no fact
+        # again (the positions are not in the file, which is nearly empty).
+        self.worker.kill(signal.SIGTERM)
+        del consumer["rotate_size"]
+        with open(self.worker.path, "w") as f:
+            yaml.safe_dump(self.worker.config, f)
+        self.worker.start()
+        self.write(master, 5)
+        self.caught_up()
+        self.assertEqual(self.facts(), self.written)
+
+        # (3) The real logrotate (numbered names, as the consumer's own):
+        # copytruncate, then move + create with a SIGHUP from postrotate.
         logrotate = shutil.which("logrotate") or "/usr/sbin/logrotate"
         if not os.path.exists(logrotate):
             raise AssertionError("logrotate is not installed (make system-deps installs it)")
@@ -207,32 +225,29 @@ class RotationClusterTests(SynchronousTestCase):
                                          f"{self.worker.proc.pid}\n  endscript")):
             conf = os.path.join(self.worker.dir, f"logrotate-{name}.conf")
             with open(conf, "w") as f:
-                f.write(f"{self.path} {{\n  rotate 1000\n  dateext\n  dateformat -%Y%m%d-%H%M%S"
-                        f"-{name}\n  missingok\n  {options}\n}}\n")
-            before = len(self.written)
+                f.write(f"{self.path} {{\n  rotate 1000\n  missingok\n  {options}\n}}\n")
+            rotated = len(rotated_files(self.path))
             self.write(master, 20)
+            if name == "copytruncate":
+                # What is written between its copy and its truncation is in
+                # neither file (copytruncate's own window, docs/jsonl.md):
+                # quiet first.  Move + create runs under live writes.
+                self.caught_up()
             result = subprocess.run([logrotate, "-f", "-s", conf + ".state", conf],
                                     capture_output=True, text=True, timeout=60)
             self.assertEqual(result.returncode, 0, result.stderr)
+            self.assertEqual(len(rotated_files(self.path)), rotated + 1)
             self.write(master, 20)
             self.caught_up()
-            self.assertEqual(len(self.written), before + 40)
             if name == "create":
                 wait_for(lambda: "moved away (rotated)" in self.worker.output(), 30,
                          "the worker follows the moved file")
-        self.assertEqual(sorted(self.facts()), sorted(set(self.facts())))
+        self.assertIn("(copytruncate): continuing at its end", self.worker.output())
         self.assertEqual(self.facts(), self.written)
         self.verify()
-
-        # (3) Stopped, then restarted: no fact again (no replay after rotation).
-        self.worker.kill(signal.SIGTERM)
         code, out, err = replicator("rewind", "-c", self.worker.path, "0", "--to",
                                     str(self.written[-1] + 1), cwd=self.worker.dir)
         self.assertEqual(code, 2, out + err)
-        self.worker.start()
-        self.write(master, 5)
-        self.caught_up()
-        self.assertEqual(self.facts(), self.written)
 
         # (4) rewind while running is refused; stopped, to a token, then to a time.
         code, out, err = replicator("rewind", "-c", self.worker.path, "0", "--to", "50",

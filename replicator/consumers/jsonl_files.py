@@ -34,7 +34,9 @@ Rotated files
 
 Named as ``logrotate`` names them: ``<name>.1`` (newest) ... ``<name>.N``,
 or dated ``<name>-YYYYMMDD-HHMMSS`` (UTC; ``.1``, ``.2`` added within one
-second); either may end in ``.gz`` (``logrotate``'s ``compress``).
+second; :func:`rotated_files` takes any date of digits, ``-`` and ``_``
+after the ``-``, as ``logrotate``'s ``dateext`` makes them, and sorts those
+by name); either may end in ``.gz`` (``logrotate``'s ``compress``).
 :func:`rotated_files` lists them oldest first.
 """
 
@@ -154,7 +156,7 @@ NAMES = ("number", "date")
 
 def _rotated(path: str) -> List[Tuple[tuple, str]]:
     directory, name = os.path.split(path)
-    pattern = re.compile(re.escape(name) + r"(?:\.(\d+)|-(\d{8}-\d{6})(?:\.(\d+))?)(?:\.gz)?")
+    pattern = re.compile(re.escape(name) + r"(?:\.(\d+)|-(\d[\d_-]*?)(?:\.(\d+))?)(?:\.gz)?")
     found = []
     try:
         entries = os.listdir(directory or ".")
