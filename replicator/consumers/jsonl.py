@@ -1,29 +1,37 @@
 """The ``jsonl`` consumer: facts appended to a JSON-lines file, resumed
-exactly from what is on disk.  (A little over 400 lines, for one job: the
-format, the crash-safe open, buffering and flushing belong together; the
-writing thread is :mod:`.file_thread`.)
+exactly from its positions, which a state file beside it keeps.  (About 750
+lines, for one job: the format, the crash-safe open, buffering, flushing
+and rotating belong together; the writing thread is :mod:`.file_thread`,
+the state, lock and rotated files :mod:`.jsonl_files`.)
 
 The JSON-lines file
 -------------------
 
-One compact JSON object per line, ``\n``-terminated, UTF-8, in the order
-facts arrived (ascending token per (stream, writer); keys interleave)::
+The operator's reference is ``docs/jsonl.md``.  One compact JSON object per
+line, ``\n``-terminated, UTF-8, in the order facts arrived (ascending token
+per (stream, writer); keys interleave)::
 
     {"stream":"caches","writer":"master","token":7,"rows":[["f",null,1]]}
     {"stream":"caches","writer":"master","position":9}
+    {"stream":"caches","writer":"master","rewind":4}
 
 A *fact line* has ``token`` and ``rows`` (a list of rows, each a list in the
 stream's column order; possibly empty).  A *position line* has ``position``
 and no ``rows``: the writer had nothing more up to that token.  It is written
-at most once per (stream, writer) per flush, and only if the key advanced
-past its last fact; a reader of the file that only wants facts skips lines
-without ``"rows"``.  The position of a key is the largest ``token`` or
-``position`` of its lines.
+at most once per (stream, writer) per flush, only if the key advanced past
+its last fact, and once per key at the top of every new file (rotation).
+A *rewind line* (``replicator rewind``) sets the key back to its token: the
+facts after it follow again.  A reader that only wants facts skips lines
+without ``"rows"``.
 
 Lines are buffered and written in batches (one ``write`` + ``fsync`` per
-flush) by a thread of the file's own, never on the reactor thread.  After a crash the file holds whole batches plus possibly a partial
-last line; on open the partial line is cut off and positions come from the
-complete lines, so the reader resumes exactly after the last line on disk.
+flush, then the state file's) by a thread of the file's own, never on the
+reactor thread.  After a crash the file holds whole batches plus possibly a
+partial last line; on open the partial line is cut off, and the positions
+are the state file's plus those of the complete lines written after it
+(:mod:`.jsonl_files`), so the reader resumes exactly after the last line on
+disk, and a file rotated away (by the consumer or by ``logrotate``) takes no
+position with it.
 """
 
 import json
@@ -124,14 +132,24 @@ class JsonlConsumer(Consumer):
     does it return a Deferred, which fires once a batch has been written, so
     memory stays bounded while the disk is slow or broken.
 
-    :meth:`positions` is what the file holds after the last successful flush
+    :meth:`positions` is what the files held after the last successful flush
     (with ``fsync=False``: written to the OS, which survives a killed process
-    but not a power loss).  Opening scans the whole file once to rebuild them;
-    a partial last line (a crash mid-write) is cut off with one log line.  A
-    fact at or below the key's last position (durable or buffered) is skipped
-    (it happens normally when another consumer makes the reader resume from
-    further back).  The file is locked (``flock``) while open: two consumers,
-    in one process or two, cannot share it.
+    but not a power loss).  Opening reads the state file and the lines after
+    the offset it records (the whole file if it is another one: rotated
+    while stopped); a partial last line (a crash mid-write) is cut off with
+    one log line.  A fact at or below the key's last position (durable or
+    buffered) is skipped (it happens normally when another consumer makes
+    the reader resume from further back).  A lock file is held (``flock``)
+    while open: two consumers, in one process or two, or a consumer and
+    ``replicator rewind``, cannot share the file.
+
+    Rotation: with ``rotate_size`` (bytes) and/or ``rotate_age`` (seconds
+    since the file's first line), before a batch the file is moved to its
+    rotated name (``rotate_names``: ``number`` or ``date``, see
+    :mod:`.jsonl_files`), ``rotate_keep`` of those kept, and a new file
+    begun with one position line per key.  A file moved away or truncated
+    by ``logrotate`` is followed before the next batch, or at once by
+    :meth:`reopen` (SIGHUP).
 
     ``reactor`` (required) times the flushes and runs the file's own thread
     (:class:`FileThread`); with ``run_io`` (tests: I/O inline) a ``Clock``

@@ -92,7 +92,9 @@ def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor,
     """Consumers from their configs, in order.
 
     ``type`` is a built-in (``jsonl``: options ``path`` (relative to
-    ``base_dir``), ``fsync``, ``flush_interval``; ``log``: option ``level``),
+    ``base_dir``), ``fsync``, ``flush_interval``, ``rotate_size``,
+    ``rotate_age``, ``rotate_keep``, ``rotate_names``; ``log``: option
+    ``level``),
     else an entry point of the ``replicator.consumers`` group, else a dotted
     path ``package.module:Class``; such a class is called with ``streams=``
     and the options as keyword arguments.  Every mistake is a ConfigError
