@@ -170,3 +170,39 @@ class RotationConfigTests(SynchronousTestCase):
                          "'weekly' is not one of number, date")
         self.assertEqual(self.error(rotate_sise=1), "config: consumers[0].rotate_sise: "
                          "unknown key (did you mean 'rotate_size'?)")
+
+
+class ReadingSnippetTests(SynchronousTestCase):
+    """The reader in docs/jsonl.md, run as printed, on a rotated and rewound
+    output."""
+
+    def test_the_documented_reader(self):
+        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "docs", "jsonl.md")) as f:
+            text = f.read()
+        reader, with_pandas = [block.split("```", 1)[0]
+                               for block in text.split("```python\n")[1:]]
+        namespace = {}
+        exec(compile(reader, "docs/jsonl.md", "exec"), namespace)
+        for names in ("number", "date"):
+            path = os.path.join(temp_dir(self), "facts.jsonl")
+            clock = task.Clock()
+            c = JsonlConsumer(path, clock, run_io=run_inline, rotate_size=1024,
+                              rotate_names=names, rotate_keep=100)
+            for token in range(1, 41):
+                c.on_facts("caches", "master", token, [[token, "x" * 20]])
+                c.on_position("events", "master", token)
+                clock.advance(1)
+            c.rewind({("caches", "master"): 30})
+            for token in range(31, 46):
+                c.on_facts("caches", "master", token, [[token, "x" * 20]])
+                clock.advance(1)
+            c.close()
+            self.assertGreater(len(rotated_files(path)), 2)
+            self.assertEqual(namespace["files"](path), rotated_files(path) + [path])
+            got = list(namespace["facts"](path))
+            self.assertEqual([t for _, _, t, _ in got], list(range(1, 46)))
+            self.assertEqual(got[0], ("caches", "master", 1, [[1, "x" * 20]]))
+            run = dict(namespace, path=path)
+            exec(compile(with_pandas, "docs/jsonl.md", "exec"), run)
+            self.assertEqual(list(run["frame"]["token"]), list(range(1, 46)))
