@@ -206,3 +206,66 @@ class ReadingSnippetTests(SynchronousTestCase):
             run = dict(namespace, path=path)
             exec(compile(with_pandas, "docs/jsonl.md", "exec"), run)
             self.assertEqual(list(run["frame"]["token"]), list(range(1, 46)))
+
+
+class StateAndRewindTests(SynchronousTestCase):
+    def setUp(self):
+        self.dir = temp_dir(self)
+        self.path = os.path.join(self.dir, "facts.jsonl")
+        self.clock = task.Clock()
+
+    def open(self, **kw):
+        consumer = JsonlConsumer(self.path, self.clock, run_io=run_inline, **kw)
+        self.addCleanup(consumer.close)
+        return consumer
+
+    def test_reopen_lets_go_of_a_moved_file_at_once(self):
+        c = self.open()
+        c.on_facts("caches", "master", 1, [])
+        self.clock.advance(1)
+        os.rename(self.path, self.path + ".1")
+        self.assertFalse(os.path.exists(self.path))
+        self.successResultOf(c.reopen())
+        self.assertEqual(os.fstat(c._fd).st_ino, os.stat(self.path).st_ino)
+        self.assertEqual(c.reopens, 1)
+
+    def test_rewind_is_one_transaction(self):
+        c = self.open()
+        for token in range(1, 11):
+            c.on_facts("caches", "master", token, [])
+        c.on_position("events", "master", 4)
+        self.clock.advance(1)
+        self.successResultOf(c.rewind({("caches", "master"): 5}))
+        self.assertEqual(c.positions(), {("caches", "master"): 5, ("events", "master"): 4})
+        c.close()
+        lines, _ = read_lines(self.path)
+        self.assertEqual(lines[-1], {"stream": "caches", "writer": "master", "rewind": 5})
+        self.assertEqual(self.open().positions(),
+                         {("caches", "master"): 5, ("events", "master"): 4})
+
+    def test_a_rewind_cut_short_before_its_commit_is_undone(self):
+        c = self.open()
+        for token in range(1, 11):
+            c.on_facts("caches", "master", token, [])
+        self.clock.advance(1)
+        c.close()
+        size = os.path.getsize(self.path)
+        with open(self.path, "ab") as f:  # the lines, and no state written after them
+            f.write(b'{"stream":"caches","writer":"master","rewind":5}\n')
+        reopened = self.open()
+        self.assertEqual(reopened.positions(), {("caches", "master"): 10})
+        self.assertEqual(os.path.getsize(self.path), size)
+
+    def test_an_unreadable_state_file_is_one_line(self):
+        from replicator.consumers import JsonlError
+        from replicator.consumers.jsonl_files import state_path
+
+        self.open().close()
+        with open(state_path(self.path), "w") as f:
+            f.write("{")
+        e = self.assertRaises(JsonlError, JsonlConsumer, self.path, self.clock,
+                              run_io=run_inline)
+        self.assertTrue(str(e).startswith(f"{state_path(self.path)} is not a state file ("),
+                        str(e))
+        self.assertTrue(str(e).endswith("; move it away to rebuild the positions from "
+                                        "facts.jsonl alone"), str(e))
