@@ -269,3 +269,34 @@ class StateAndRewindTests(SynchronousTestCase):
                         str(e))
         self.assertTrue(str(e).endswith("; move it away to rebuild the positions from "
                                         "facts.jsonl alone"), str(e))
+
+
+class CheckConsumerOptionsTests(SynchronousTestCase):
+    """``replicator check`` refuses a consumer option ``run`` would refuse,
+    without creating the output (a running daemon holds it)."""
+
+    def test_check_names_the_key_and_creates_nothing(self):
+        import yaml
+
+        from tests.test_cli import CACHES, SECRET, cli
+
+        directory = temp_dir(self)
+        path = os.path.join(directory, "c.yaml")
+        for consumer, code, said in [
+            ({"type": "jsonl", "path": "out/facts.jsonl", "rotate_size": "lots"}, 2,
+             "replicator: config: consumers[0].rotate_size: 'lots' is not a size (bytes, or "
+             "e.g. \"100M\", \"1G\")\n"),
+            ({"type": "log", "level": "loud"}, 2,
+             "replicator: config: consumers[0].level: 'loud' is not one of debug, info, warn, "
+             "error, critical\n"),
+            ({"type": "jsonl", "path": "out/facts.jsonl", "rotate_size": "1M"}, 0, ""),
+        ]:
+            with open(path, "w") as f:
+                yaml.safe_dump({"server_name": "hs.test", "instance_name": "master",
+                                "database": {"sqlite": "s.db"}, "streams": [CACHES],
+                                "http": {"listen": "tcp:0:interface=127.0.0.1",
+                                         "secret": SECRET},
+                                "consumers": [consumer]}, f)
+            result = cli("check", "-c", path, cwd=directory)
+            self.assertEqual((result.returncode, result.stderr), (code, said), result.stdout)
+            self.assertFalse(os.path.exists(os.path.join(directory, "out")))

@@ -713,29 +713,37 @@ def _rotate_age(options, where: str) -> Optional[float]:
     return age
 
 
-def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
-    """A :class:`JsonlConsumer` from its config (options ``path``, relative
-    to ``base_dir``; ``fsync``; ``flush_interval``; ``rotate_size``,
-    ``rotate_age``, ``rotate_keep``, ``rotate_names``)."""
+def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
+    """The keyword arguments of a :class:`JsonlConsumer` from its config
+    (options ``path``, relative to ``base_dir``; ``fsync``;
+    ``flush_interval``; ``rotate_size``, ``rotate_age``, ``rotate_keep``,
+    ``rotate_names``), the path included; a mistake is a ConfigError naming
+    the key.  Pure: ``replicator check`` runs it without opening anything."""
     options = config.options
     no_unknown(options, ("path", "fsync", "flush_interval", "rotate_size", "rotate_age",
                          "rotate_keep", "rotate_names"), where)
     path = get_path(options, "path", where)
-    path = os.path.join(base_dir, path)  # an absolute path stays as it is
-    fsync = get_bool(options, "fsync", where, True)
-    flush_interval = get_number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
-    rotate_size = _rotate_size(options, where)
-    rotate_age = _rotate_age(options, where)
-    rotate_keep = get_int(options, "rotate_keep", where, 7, minimum=1, maximum=100000)
     rotate_names = get_str(options, "rotate_names", where, "number")
     if rotate_names not in jsonl_files.NAMES:
         raise ConfigError(f"{where}.rotate_names", f"{rotate_names!r} is not one of "
                                                    f"{', '.join(jsonl_files.NAMES)}")
+    return dict(
+        path=os.path.join(base_dir, path),  # an absolute path stays as it is
+        fsync=get_bool(options, "fsync", where, True),
+        flush_interval=get_number(options, "flush_interval", where, 0.05, minimum=0,
+                                  maximum=60),
+        rotate_size=_rotate_size(options, where),
+        rotate_age=_rotate_age(options, where),
+        rotate_keep=get_int(options, "rotate_keep", where, 7, minimum=1, maximum=100000),
+        rotate_names=rotate_names)
+
+
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
+    """A :class:`JsonlConsumer` from its config (:func:`options_of`)."""
+    kwargs = options_of(config, base_dir, where)
+    path = kwargs.pop("path")
     try:
-        return JsonlConsumer(path, reactor, streams=config.streams,
-                             flush_interval=flush_interval, fsync=fsync,
-                             rotate_size=rotate_size, rotate_age=rotate_age,
-                             rotate_keep=rotate_keep, rotate_names=rotate_names)
+        return JsonlConsumer(path, reactor, streams=config.streams, **kwargs)
     except JsonlError as e:
         raise ConfigError(f"{where}.path", str(e)) from None
     except OSError as e:

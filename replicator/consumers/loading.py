@@ -87,6 +87,18 @@ def _build_external(config: ConsumerConfig, where: str) -> Consumer:
     return consumer
 
 
+def check_consumers(configs: Sequence[ConsumerConfig], key: str = "consumers") -> None:
+    """The options of the built-in consumers checked as :func:`load_consumers`
+    checks them, without opening or creating anything (``replicator check``:
+    the running daemon holds the files); ConfigError naming the key."""
+    for i, config in enumerate(configs):
+        where = f"{key}[{i}]"
+        if config.type == "jsonl":
+            jsonl.options_of(config, ".", where)
+        elif config.type == "log":
+            log_consumer.options_of(config, where)
+
+
 def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor,
                    key: str = "consumers") -> List[Consumer]:
     """Consumers from their configs, in order.
