@@ -4,13 +4,13 @@ can try a file before it is used.
 
 Checked: the file itself and every key (parsing), what needs files or
 Twisted (:func:`replicator.config.validate`: endpoints built once, TLS keys
-and trust roots, ``client_ca``, ``secret_file``), the database reachable,
-its schema version (:mod:`.storage.migrations`: current, due a migration
-the start makes, or one it refuses: too new, or older with
-``auto_migrate: false``), and its tables as the streams declare them (a
-table this instance would create may be missing; one that exists must have
-every configured column; a read-only stream's table and sequence must
-exist).  Not checked: whether
+and trust roots, ``client_ca``, ``secret_file``), the built-in consumers'
+options (their files are not opened), the database reachable, its schema
+version (:mod:`.storage.migrations`: current, due a migration the start
+makes, or one it refuses: too new, or older with ``auto_migrate: false``),
+and its tables as the streams declare them (a table this instance would
+create may be missing; one that exists must have every configured column;
+a read-only stream's table and sequence must exist).  Not checked: whether
 the listen ports are free (the running daemon holds them).
 
 A SQLite database file that does not exist yet is not created: start will.
@@ -29,6 +29,9 @@ async def check_instance(config: InstanceConfig) -> str:
     """The summary line of a config that passes; ConfigError naming the
     key of the first problem otherwise (StartupError for an unreachable
     database)."""
+    from .consumers.loading import check_consumers
+
+    check_consumers(config.consumers)
     db_config = config.database
     key = f"database.{db_config.engine}"
     if db_config.engine == "sqlite" and not os.path.exists(db_config.path or ""):

@@ -1,4 +1,4 @@
-"""``replicator run | check | migrate | tail | write | positions``.
+"""``replicator run | check | migrate | tail | write | positions | rewind | verify``.
 
 ``run`` stops cleanly on SIGTERM/SIGINT and re-reads its config on SIGHUP
 (:mod:`replicator.reload`: what applies live, what needs a restart).
@@ -373,6 +373,17 @@ def cmd_migrate(args) -> None:
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
 
 
+# ------------------------------------------------------ rewind, verify
+def cmd_rewind(args) -> None:
+    from .consumers.jsonl_commands import cmd_rewind as rewind
+    rewind(_load(args.config), args)
+
+
+def cmd_verify(args) -> None:
+    from .consumers.jsonl_commands import cmd_verify as verify
+    verify(_load(args.config), args)
+
+
 # ----------------------------------------------------------------- main
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replicator",
@@ -412,6 +423,20 @@ def parser() -> argparse.ArgumentParser:
     positions.add_argument("-c", "--config", required=True)
     positions.add_argument("--json", action="store_true")
     positions.set_defaults(fn=cmd_positions)
+    rewind = sub.add_parser("rewind", help="deliver a jsonl consumer's facts again from a "
+                            "token or a time (the daemon stopped)")
+    rewind.add_argument("-c", "--config", required=True)
+    rewind.add_argument("consumer", help="the consumer: its index (0, 1, ...) or its path")
+    rewind.add_argument("--to", required=True, metavar="TOKEN|TIME",
+                        help="a token, or a time (ISO 8601, e.g. 2026-11-25T10:00:00Z)")
+    rewind.add_argument("--stream", help="only this stream (needed with a token when the "
+                        "consumer reads several)")
+    rewind.set_defaults(fn=cmd_rewind)
+    verify = sub.add_parser("verify", help="compare a jsonl consumer's output with the "
+                            "stream tables (exit 0 equal, 1 different)")
+    verify.add_argument("-c", "--config", required=True)
+    verify.add_argument("consumer", help="the consumer: its index (0, 1, ...) or its path")
+    verify.set_defaults(fn=cmd_verify)
     return p
 
 

@@ -330,6 +330,7 @@ class Instance:
             return
         sdnotify.reloading()
         try:
+            await self._reopen_outputs()
             try:
                 read = await threads.deferToThreadPool(
                     self.reactor, self.reactor.getThreadPool(),
@@ -406,6 +407,18 @@ class Instance:
                      restart=", ".join(p.restart) or "nothing")
         finally:
             sdnotify.ready()
+
+    async def _reopen_outputs(self) -> None:
+        """Let every consumer with a ``reopen`` method follow its output
+        rotated outside (``logrotate``'s ``postrotate`` sends SIGHUP), even
+        when the file just read is invalid."""
+        for consumer in self.consumers:
+            reopen = getattr(consumer, "reopen", None)
+            if callable(reopen):
+                try:
+                    await defer.maybeDeferred(reopen)
+                except Exception:
+                    log.failure("reload: reopening the output of {c} failed", c=consumer)
 
     # -------------------------------------------------------------- stop
     async def stop(self) -> None:

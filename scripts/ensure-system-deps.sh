@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and the exporter need, only when one
 # is missing: a real redis-server, PostgreSQL server binaries, the JDBC drivers
-# Spark reads through, Java, Prometheus (promtool) for the alert rules, and
-# chromium (headless, for the status page test).
+# Spark reads through, Java, Prometheus (promtool) for the alert rules,
+# chromium (headless, for the status page test), and logrotate (the jsonl
+# output rotated by it).
 set -euo pipefail
 
 need=()
@@ -17,6 +18,7 @@ have_cmd java || need+=(default-jre-headless)
 have_cmd systemd-analyze || need+=(systemd)
 { have_cmd promtool && have_cmd prometheus; } || need+=(prometheus)
 have_cmd chromium || need+=(chromium)  # the status page's browser test
+{ have_cmd logrotate || [ -x /usr/sbin/logrotate ]; } || need+=(logrotate)
 
 if [ ${#need[@]} -eq 0 ]; then
     exit 0

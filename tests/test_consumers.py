@@ -84,6 +84,8 @@ def crash(consumer):
     lock); the buffer and any timer are gone."""
     os.close(consumer._fd)
     consumer._fd = None
+    os.close(consumer._lock_fd)
+    consumer._lock_fd = None
     consumer._closed = True
     consumer._cancel_timer()
 
@@ -176,7 +178,7 @@ class JsonlTests(SynchronousTestCase):
         self.assertEqual(len(read_lines(self.path)[0]), 1)
         self.assertEqual(self.clock.getDelayedCalls(), [])  # no timer while idle
 
-    def test_one_fsync_per_batch(self):
+    def test_two_fsyncs_per_batch_the_file_then_its_state(self):
         c = self.open()
         before = self.fsyncs
         for token in range(1, 101):
@@ -184,15 +186,15 @@ class JsonlTests(SynchronousTestCase):
             c.on_position("events", "master", token)
         self.assertEqual(self.fsyncs, before)
         self.clock.advance(0.05)
-        self.assertEqual(self.fsyncs, before + 1)
+        self.assertEqual(self.fsyncs, before + 2)
         self.assertEqual(c.flushes, 1)
         for token in range(101, 111):
             c.on_facts("caches", "master", token, [[token]])
         self.clock.advance(0.05)
-        self.assertEqual(self.fsyncs, before + 2)
+        self.assertEqual(self.fsyncs, before + 4)
         self.assertEqual(c.flushes, 2)
         self.clock.advance(10)  # idle: nothing more
-        self.assertEqual(self.fsyncs, before + 2)
+        self.assertEqual(self.fsyncs, before + 4)
         lines, _ = read_lines(self.path)
         self.assertEqual(len(lines), 100 + 1 + 10)  # one position line in the first batch
         self.assertEqual(lines[100], {"stream": "events", "writer": "master", "position": 100})
@@ -232,7 +234,7 @@ class JsonlTests(SynchronousTestCase):
         n = 300 // line + 1
         for token in range(1, n + 1):
             self.assertIsNone(c.on_facts("caches", "master", token, [["x" * 10]]))
-        self.assertEqual(self.fsyncs, before + 1)
+        self.assertEqual(self.fsyncs, before + 2)  # the file, then its state
         self.assertEqual(c.positions(), {("caches", "master"): n})
         self.assertEqual(os.path.getsize(self.path), n * line)
         self.assertEqual(self.clock.getDelayedCalls(), [])
@@ -312,7 +314,8 @@ class JsonlTests(SynchronousTestCase):
         self.open()
         self.assertEqual(logs.texts(LogLevel.warn), [])
         self.assertEqual(logs.texts(LogLevel.info),
-                         [f"{self.path}: 1 lines, positions of 1 stream writers"])
+                         [f"{self.path}: positions of 1 stream writers (0 lines read past "
+                          f"its state file)"])
 
     def test_duplicates_are_skipped(self):
         logs = LogCapture(self)
@@ -574,7 +577,7 @@ class JsonlThreadTests(TestCase):
         slow.release.set()
         await waiting
         await until(lambda: c.positions() == {("caches", "master"): token}, timeout=30)
-        self.assertEqual(slow.calls, 2)
+        self.assertEqual(slow.calls, 4)  # two batches: the file, then its state
         for more in range(token + 1, token + 4):
             self.assertIsNone(c.on_facts("caches", "master", more, [["x" * 40]]))
         await c.close()

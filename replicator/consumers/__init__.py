@@ -12,8 +12,9 @@ before handing over the next fact of the same (stream, writer).
 Built-ins (also registered as entry points of the ``replicator.consumers``
 group, see :func:`load_consumers`), one module each:
 
-* :class:`JsonlConsumer` (``jsonl``) appends facts to a JSON-lines file and
-  resumes exactly from what is on disk.
+* :class:`JsonlConsumer` (``jsonl``) appends facts to a JSON-lines file
+  (rotated by size or age, or by ``logrotate``) and resumes exactly from the
+  positions a state file beside it keeps.
 * :class:`LogConsumer` (``log``) logs one line per fact; always live.
 * :class:`MemoryConsumer` keeps facts in a list (tests, debugging).
 
@@ -22,7 +23,9 @@ also takes a catch-up page at once, ``on_facts_many``, declares
 :class:`IBatchConsumer`), :mod:`.loading` builds consumers from the
 configuration (built-ins, entry points, dotted paths).
 
-The JSON-lines format is described in :mod:`.jsonl`.
+The JSON-lines format is described in :mod:`.jsonl` and ``docs/jsonl.md``;
+``replicator rewind`` and ``replicator verify`` are :mod:`.jsonl_commands`
+(the comparison: :mod:`.jsonl_verify`).
 """
 
 from .base import Consumer, IBatchConsumer, IConsumer, Key, MemoryConsumer

@@ -1,34 +1,43 @@
 """The ``jsonl`` consumer: facts appended to a JSON-lines file, resumed
-exactly from what is on disk.  (A little over 400 lines, for one job: the
-format, the crash-safe open, buffering and flushing belong together; the
-writing thread is :mod:`.file_thread`.)
+exactly from its positions, which a state file beside it keeps.  (About 750
+lines, for one job: the format, the crash-safe open, buffering, flushing
+and rotating belong together; the writing thread is :mod:`.file_thread`,
+the state, lock and rotated files :mod:`.jsonl_files`.)
 
 The JSON-lines file
 -------------------
 
-One compact JSON object per line, ``\n``-terminated, UTF-8, in the order
-facts arrived (ascending token per (stream, writer); keys interleave)::
+The operator's reference is ``docs/jsonl.md``.  One compact JSON object per
+line, ``\n``-terminated, UTF-8, in the order facts arrived (ascending token
+per (stream, writer); keys interleave)::
 
     {"stream":"caches","writer":"master","token":7,"rows":[["f",null,1]]}
     {"stream":"caches","writer":"master","position":9}
+    {"stream":"caches","writer":"master","rewind":4}
 
 A *fact line* has ``token`` and ``rows`` (a list of rows, each a list in the
 stream's column order; possibly empty).  A *position line* has ``position``
 and no ``rows``: the writer had nothing more up to that token.  It is written
-at most once per (stream, writer) per flush, and only if the key advanced
-past its last fact; a reader of the file that only wants facts skips lines
-without ``"rows"``.  The position of a key is the largest ``token`` or
-``position`` of its lines.
+at most once per (stream, writer) per flush, only if the key advanced past
+its last fact, and once per key at the top of every new file (rotation).
+A *rewind line* (``replicator rewind``) sets the key back to its token: the
+facts after it follow again.  A reader that only wants facts skips lines
+without ``"rows"``.
 
 Lines are buffered and written in batches (one ``write`` + ``fsync`` per
-flush) by a thread of the file's own, never on the reactor thread.  After a crash the file holds whole batches plus possibly a partial
-last line; on open the partial line is cut off and positions come from the
-complete lines, so the reader resumes exactly after the last line on disk.
+flush, then the state file's) by a thread of the file's own, never on the
+reactor thread.  After a crash the file holds whole batches plus possibly a
+partial last line; on open the partial line is cut off, and the positions
+are the state file's plus those of the complete lines written after it
+(:mod:`.jsonl_files`), so the reader resumes exactly after the last line on
+disk, and a file rotated away (by the consumer or by ``logrotate``) takes no
+position with it.
 """
 
-import fcntl
 import json
 import os
+import re
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,8 +47,10 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from .. import files
-from ..config import ConfigError, ConsumerConfig, get_bool, get_number, get_path, no_unknown
+from ..config import (ConfigError, ConsumerConfig, get_bool, get_int, get_number, get_path,
+                      get_str, no_unknown)
 from ..jsontext import any_non_finite, encode_json, encode_json_line
+from . import jsonl_files
 from .base import Consumer, IBatchConsumer, Key
 from .file_thread import FileThread, append_at
 
@@ -76,11 +87,32 @@ def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict
         token = obj.get("token")
         if not isinstance(obj["rows"], list):
             raise ValueError("rows is not a list")
+    elif "rewind" in obj:
+        token = obj["rewind"]
     else:
         token = obj.get("position")
     if isinstance(token, bool) or not isinstance(token, int):
         raise ValueError("no integer token or position")
     return (stream, writer), token, obj
+
+
+@dataclass
+class _File:
+    """The file being written: touched only by the file's thread (jobs run
+    one at a time) once the consumer is open."""
+
+    fd: int
+    size: int  # bytes of whole lines
+    inode: int
+    started: Optional[float]  # when its first line was written (clock seconds)
+    heading_size: int = 0  # bytes of the position lines it begins with
+    notes: List[str] = field(default_factory=list)  # to log on the reactor thread
+
+
+def _close_file(handle: _File) -> None:
+    """(The file's thread.)  A later job (a reopen) then does nothing."""
+    fd, handle.fd = handle.fd, -1
+    os.close(fd)
 
 
 @implementer(IBatchConsumer)
@@ -100,14 +132,24 @@ class JsonlConsumer(Consumer):
     does it return a Deferred, which fires once a batch has been written, so
     memory stays bounded while the disk is slow or broken.
 
-    :meth:`positions` is what the file holds after the last successful flush
+    :meth:`positions` is what the files held after the last successful flush
     (with ``fsync=False``: written to the OS, which survives a killed process
-    but not a power loss).  Opening scans the whole file once to rebuild them;
-    a partial last line (a crash mid-write) is cut off with one log line.  A
-    fact at or below the key's last position (durable or buffered) is skipped
-    (it happens normally when another consumer makes the reader resume from
-    further back).  The file is locked (``flock``) while open: two consumers,
-    in one process or two, cannot share it.
+    but not a power loss).  Opening reads the state file and the lines after
+    the offset it records (the whole file if it is another one: rotated
+    while stopped); a partial last line (a crash mid-write) is cut off with
+    one log line.  A fact at or below the key's last position (durable or
+    buffered) is skipped (it happens normally when another consumer makes
+    the reader resume from further back).  A lock file is held (``flock``)
+    while open: two consumers, in one process or two, or a consumer and
+    ``replicator rewind``, cannot share the file.
+
+    Rotation: with ``rotate_size`` (bytes) and/or ``rotate_age`` (seconds
+    since the file's first line), before a batch the file is moved to its
+    rotated name (``rotate_names``: ``number`` or ``date``, see
+    :mod:`.jsonl_files`), ``rotate_keep`` of those kept, and a new file
+    begun with one position line per key.  A file moved away or truncated
+    by ``logrotate`` is followed before the next batch, or at once by
+    :meth:`reopen` (SIGHUP).
 
     ``reactor`` (required) times the flushes and runs the file's own thread
     (:class:`FileThread`); with ``run_io`` (tests: I/O inline) a ``Clock``
@@ -124,8 +166,17 @@ class JsonlConsumer(Consumer):
 
     def __init__(self, path: str, reactor, *, streams: Optional[Sequence[str]] = None,
                  flush_interval: float = 0.05, fsync: bool = True, max_buffer: int = 1 << 20,
-                 run_io: Optional[Callable[..., defer.Deferred]] = None):
+                 run_io: Optional[Callable[..., defer.Deferred]] = None,
+                 rotate_size: Optional[int] = None, rotate_age: Optional[float] = None,
+                 rotate_keep: int = 7, rotate_names: str = "number"):
         clock = reactor
+        if rotate_names not in jsonl_files.NAMES:
+            raise ValueError(f"rotate_names {rotate_names!r} is not one of "
+                             f"{', '.join(jsonl_files.NAMES)}")
+        self.rotate_size = rotate_size
+        self.rotate_age = rotate_age
+        self.rotate_keep = rotate_keep
+        self.rotate_names = rotate_names
         self.path = os.path.abspath(path)
         self.streams = tuple(streams) if streams is not None else None
         self.flush_interval = flush_interval
@@ -150,8 +201,11 @@ class JsonlConsumer(Consumer):
         self._waiters: List[defer.Deferred] = []
         self._closed = False
         self._closing: Optional[defer.Deferred] = None
-        self._fd: Optional[int] = None
-        self._size = 0  # bytes of whole lines in the file
+        self._file: Optional[_File] = None  # used by the file's thread only while writing
+        self._lock_fd: Optional[int] = None
+        #: Rotations made (by size or age) and rotations followed (logrotate).
+        self.rotations = 0
+        self.reopens = 0
         #: Facts skipped because they were at or below the key's position.
         self.skipped = 0
         #: Successful flushes that wrote something.
@@ -160,54 +214,106 @@ class JsonlConsumer(Consumer):
 
     # ------------------------------------------------------------ opening
     def _open(self) -> None:
+        """Lock, open and recover the file (on the calling thread: at
+        start, before the reactor runs, or in a command-line tool)."""
         directory = os.path.dirname(self.path)
         files.make_directory(directory)
-        created = not os.path.exists(self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, files.DATA_MODE)
         try:
+            self._lock_fd = jsonl_files.lock(self.path)
+        except BlockingIOError:
+            raise JsonlError(f"{self.path} is in use by another consumer") from None
+        fd = None
+        try:
+            created = not os.path.exists(self.path)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, files.DATA_MODE)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise JsonlError(f"{self.path} is in use by another consumer") from None
-            lines, good, total = self._scan()
+                state = jsonl_files.read_state(self.path)
+            except jsonl_files.StateError as e:
+                raise JsonlError(str(e)) from None
+            st = os.fstat(fd)
+            start, started, same_file = 0, None, False
+            if state is not None:
+                self._durable = dict(state.positions)
+                same_file = state.inode == st.st_ino and state.offset <= st.st_size
+                if same_file:
+                    start, started = state.offset, state.started
+            lines, good, total, unfinished = self._scan(start, same_file)
             if total > good:
                 os.ftruncate(fd, good)
                 if self.fsync:
                     os.fsync(fd)
-                log.warn("{path}: cut off a partial last line ({n} bytes at offset {offset}; "
-                         "a crash mid-write)", path=self.path, n=total - good, offset=good)
+                log.warn("{path}: cut off {what} ({n} bytes at offset {offset}; a crash "
+                         "mid-write)", path=self.path, n=total - good, offset=good,
+                         what="an unfinished rewind" if unfinished else "a partial last line")
+            if started is None and good > 0:
+                started = self._clock.seconds()
+            self._file = _File(fd, good, st.st_ino, started)
+            jsonl_files.write_state(self.path, jsonl_files.State(
+                dict(self._durable), st.st_ino, good, started), self.fsync)
             if created and self.fsync:
-                _fsync_directory(directory)
+                jsonl_files.fsync_directory(directory)
         except BaseException:
-            os.close(fd)
+            self._file = None
+            if fd is not None:
+                os.close(fd)
+            os.close(self._lock_fd)
+            self._lock_fd = None
             raise
-        self._fd = fd
-        self._size = good
         self._last = dict(self._durable)
-        log.info("{path}: {lines} lines, positions of {keys} stream writers",
-                 path=self.path, lines=lines, keys=len(self._durable))
+        log.info("{path}: positions of {keys} stream writers ({lines} lines read past its "
+                 "state file)", path=self.path, lines=lines, keys=len(self._durable))
 
-    def _scan(self) -> Tuple[int, int, int]:
-        """Read the file once: ``(complete lines, their bytes, file size)``."""
-        good = 0
+    def _scan(self, start: int, committed_only: bool) -> Tuple[int, int, int, bool]:
+        """Read the file from ``start`` once, updating the positions:
+        ``(complete lines, their end offset, file size, unfinished)``.
+
+        A rewind line sets its key's position (the lines come in order).
+        With ``committed_only`` (the state file describes this file up to
+        ``start``) a rewind line is one whose state was never written (a
+        rewind cut short): the scan ends before it (``unfinished``)."""
+        good = start
         lines = 0
+        unfinished = False
         positions = self._durable
         with open(self.path, "rb") as f:
+            f.seek(start)
             for line in f:
                 if not line.endswith(b"\n"):
                     break
-                lines += 1
                 try:
-                    key, token, _ = parse_line(line)
+                    key, token, obj = parse_line(line)
                 except ValueError as e:
-                    raise JsonlError(f"{self.path}: line {lines} (offset {good}) is not a fact "
-                                     f"or position: {e}") from None
-                if key is not None and token is not None \
-                        and token > positions.get(key, token - 1):
-                    positions[key] = token
+                    raise JsonlError(f"{self.path}: line {lines + 1} after offset {start} "
+                                     f"(offset {good}) is not a fact or position: {e}"
+                                     if start else
+                                     f"{self.path}: line {lines + 1} (offset {good}) is not a "
+                                     f"fact or position: {e}") from None
+                if key is not None:
+                    assert token is not None and obj is not None  # a keyed line has both
+                    if "rewind" in obj:
+                        if committed_only:
+                            unfinished = True
+                            break
+                        positions[key] = token
+                    elif token > positions.get(key, token - 1):
+                        positions[key] = token
+                lines += 1
                 good += len(line)
             total = f.seek(0, os.SEEK_END)
-        return lines, good, total
+        return lines, good, total, unfinished
+
+    @property
+    def _fd(self) -> Optional[int]:
+        """The current file's descriptor (None once closed)."""
+        return self._file.fd if self._file is not None else None
+
+    @_fd.setter
+    def _fd(self, fd: Optional[int]) -> None:
+        if fd is None:
+            self._file = None
+        else:
+            assert self._file is not None
+            self._file.fd = fd
 
     # ------------------------------------------------------------ consumer
     def positions(self) -> Dict[Key, int]:
@@ -299,9 +405,14 @@ class JsonlConsumer(Consumer):
             log.error("{path}: {n} buffered bytes could not be written at shutdown; they are "
                       "fetched again on restart", path=self.path, n=self._buffered)
         self._release_waiters()
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        handle, self._file = self._file, None
+        if self._lock_fd is not None:
+            # Nothing more is written: another consumer may open the file
+            # while this one's descriptor is closed in its thread.
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if handle is not None:
+            await self._run_io(_close_file, handle)
         if self._thread is not None:
             self._thread.stop()
 
@@ -309,6 +420,120 @@ class JsonlConsumer(Consumer):
         d: defer.Deferred = defer.Deferred()
         self._again.append(d)
         return d
+
+    # ------------------------------------------------------------ rotation
+    def _heading(self) -> bytes:
+        """The position lines a new file begins with: every key's position
+        in the files before it, so each file says where it starts."""
+        return b"".join(encode_json_line({"stream": s, "writer": w, "position": token})
+                        for (s, w), token in sorted(self._durable.items()))
+
+    def _write_job(self, handle: _File, data: bytes, heading: bytes, target: Dict[Key, int],
+                   truncate_first: bool, now: float) -> None:
+        """(The file's thread.)  Follow a rotation made outside, rotate if
+        due, append ``data`` (after ``heading`` in a new file), then record
+        ``target`` in the state file.  On an error the file is as before
+        (:func:`.append_at`) and the state not written: the batch is retried."""
+        self._follow(handle)
+        if self._rotation_due(handle, now):
+            self._rotate(handle, now)
+        if handle.size == 0 and heading:
+            data = heading + data
+            handle.heading_size = len(heading)
+        append_at(handle.fd, handle.size, data, truncate_first, self.fsync)
+        size = handle.size + len(data)
+        if handle.size == 0:
+            handle.started = now
+        jsonl_files.write_state(self.path, jsonl_files.State(
+            target, handle.inode, size, handle.started), self.fsync)
+        handle.size = size
+
+    def _follow(self, handle: _File) -> None:
+        """(The file's thread.)  If the file was moved away (``logrotate``'s
+        default: move, then create), continue in the file now at the path
+        (created if missing); if it was truncated (``copytruncate``),
+        continue at its new end."""
+        if handle.fd < 0:
+            return  # closed
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        if st is None or st.st_ino != handle.inode:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, files.DATA_MODE)
+            os.close(handle.fd)
+            st = os.fstat(fd)
+            handle.fd, handle.inode, handle.size = fd, st.st_ino, st.st_size
+            handle.started, handle.heading_size = None, 0
+            if self.fsync:
+                jsonl_files.fsync_directory(os.path.dirname(self.path))
+            handle.notes.append("moved away (rotated): continuing in a new file")
+            self.reopens += 1
+            return
+        size = os.fstat(handle.fd).st_size
+        if size < handle.size:
+            handle.notes.append(f"truncated from {handle.size} to {size} bytes (copytruncate): "
+                                f"continuing at its end")
+            handle.size, handle.started, handle.heading_size = size, None, 0
+            self.reopens += 1
+
+    def _rotation_due(self, handle: _File, now: float) -> bool:
+        if handle.size <= handle.heading_size:
+            return False
+        if self.rotate_size is not None and handle.size >= self.rotate_size:
+            return True
+        return (self.rotate_age is not None and handle.started is not None
+                and now - handle.started >= self.rotate_age)
+
+    def _rotate(self, handle: _File, now: float) -> None:
+        """(The file's thread.)  Move the file to its rotated name, keep
+        ``rotate_keep`` of those, and continue in a new file."""
+        target = jsonl_files.rotate(self.path, self.rotate_names, self.rotate_keep, now)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, files.DATA_MODE)
+        os.close(handle.fd)
+        handle.fd, handle.inode, handle.size = fd, os.fstat(fd).st_ino, 0
+        handle.started, handle.heading_size = None, 0
+        if self.fsync:
+            jsonl_files.fsync_directory(os.path.dirname(self.path))
+        handle.notes.append(f"rotated to {os.path.basename(target)}")
+        self.rotations += 1
+
+    def _log_notes(self, handle: _File) -> None:
+        while handle.notes:
+            log.info("{path}: {note}", path=self.path, note=handle.notes.pop(0))
+
+    def reopen(self) -> defer.Deferred:
+        """Follow a rotation made outside now (SIGHUP, as ``logrotate``'s
+        ``postrotate`` sends): release a file moved away at once rather
+        than at the next batch.  Fires when done."""
+        handle = self._file
+        if handle is None or self._closed:
+            return defer.succeed(None)
+        d = self._run_io(self._follow, handle)
+        d.addCallback(lambda _: self._log_notes(handle))
+        return d
+
+    def rewind(self, positions: Dict[Key, int]) -> defer.Deferred:
+        """Set the positions of the keys in ``positions`` (lower them: the
+        reader then delivers those facts again), as one transaction: one
+        rewind line per key, then the state file (the commit; a rewind cut
+        short before it is cut off the file on the next open).  Only on a
+        consumer with nothing buffered (``replicator rewind``)."""
+        assert not (self._buffer or self._pending_positions or self._unwritten)
+        handle = self._file
+        if handle is None or not positions:
+            return defer.succeed(None)
+        data = b"".join(encode_json_line({"stream": s, "writer": w, "rewind": token})
+                        for (s, w), token in sorted(positions.items()))
+        target = {**self._durable, **positions}
+        d = self._run_io(self._write_job, handle, data, self._heading(), target, False,
+                         self._clock.seconds())
+
+        def done(_):
+            self._log_notes(handle)
+            self._durable = target
+            self._last = dict(target)
+        return d.addCallback(done)
 
     # -------------------------------------------------------------- flushing
     def _schedule(self, delay: float) -> None:
@@ -346,7 +571,8 @@ class JsonlConsumer(Consumer):
 
     async def _write(self, retry: bool) -> bool:
         """Write one batch: everything buffered so far (one at a time)."""
-        if self._fd is None or not (self._unwritten or self._buffer or self._pending_positions):
+        handle = self._file
+        if handle is None or not (self._unwritten or self._buffer or self._pending_positions):
             return True
         data = self.pending_bytes()
         target = dict(self._last)  # the positions once this batch is in the file
@@ -354,7 +580,8 @@ class JsonlConsumer(Consumer):
         self._buffer, self._buffered = [], 0
         self._pending_positions, self._unwritten = {}, b""
         self._writing = writing = self._run_io(
-            append_at, self._fd, self._size, data, truncate_first, self.fsync)
+            self._write_job, handle, data, self._heading(), target, truncate_first,
+            self._clock.seconds())
         try:
             await writing
         except Exception:
@@ -369,12 +596,12 @@ class JsonlConsumer(Consumer):
             if self._failed:
                 log.info("{path}: writing works again", path=self.path)
             self._failed = False
-            self._size += len(data)
             self._durable = target
             self.flushes += 1
             ok = True
         finally:
             self._writing = None
+            self._log_notes(handle)
         again, self._again = self._again, []
         if ok and not self._closed and (again or self._buffered >= self.max_buffer):
             # Asked for meanwhile, or the buffer filled up: the next batch now.
@@ -443,26 +670,82 @@ def fact_lines_at_once(stream: str, writer: str, facts: Sequence[Tuple[int, list
     return (prefix + b',"token":%d,"rows":[[%s]]}\n') * n % tuple(args)
 
 
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.IGNORECASE)
+_AGE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_AGE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _rotate_size(options, where: str) -> Optional[int]:
+    """``rotate_size``: bytes, as an integer or ``"100M"`` (K, M, G: powers
+    of 1024); at least 1 KiB."""
+    value = options.get("rotate_size")
+    if value is None:
+        return None
+    m = _SIZE.fullmatch(value.strip()) if isinstance(value, str) else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif m is not None:
+        size = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    else:
+        raise ConfigError(f"{where}.rotate_size",
+                          f"{value!r} is not a size (bytes, or e.g. \"100M\", \"1G\")")
+    if not 1024 <= size <= 1 << 50:
+        raise ConfigError(f"{where}.rotate_size", f"must be from 1K to 1P bytes, got {size}")
+    return size
+
+
+def _rotate_age(options, where: str) -> Optional[float]:
+    """``rotate_age``: seconds, as a number or ``"12h"`` (s, m, h, d); at
+    least one second."""
+    value = options.get("rotate_age")
+    if value is None:
+        return None
+    m = _AGE.fullmatch(value.strip()) if isinstance(value, str) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        age = float(value)
+    elif m is not None:
+        age = float(m.group(1)) * _AGE_UNITS[m.group(2).lower()]
+    else:
+        raise ConfigError(f"{where}.rotate_age",
+                          f"{value!r} is not an age (seconds, or e.g. \"12h\", \"7d\")")
+    if not 1 <= age <= 366 * 86400 * 10:
+        raise ConfigError(f"{where}.rotate_age", f"must be from 1 second to 10 years, "
+                                                 f"got {value!r}")
+    return age
+
+
+def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
+    """The keyword arguments of a :class:`JsonlConsumer` from its config
+    (options ``path``, relative to ``base_dir``; ``fsync``;
+    ``flush_interval``; ``rotate_size``, ``rotate_age``, ``rotate_keep``,
+    ``rotate_names``), the path included; a mistake is a ConfigError naming
+    the key.  Pure: ``replicator check`` runs it without opening anything."""
+    options = config.options
+    no_unknown(options, ("path", "fsync", "flush_interval", "rotate_size", "rotate_age",
+                         "rotate_keep", "rotate_names"), where)
+    path = get_path(options, "path", where)
+    rotate_names = get_str(options, "rotate_names", where, "number")
+    if rotate_names not in jsonl_files.NAMES:
+        raise ConfigError(f"{where}.rotate_names", f"{rotate_names!r} is not one of "
+                                                   f"{', '.join(jsonl_files.NAMES)}")
+    return dict(
+        path=os.path.join(base_dir, path),  # an absolute path stays as it is
+        fsync=get_bool(options, "fsync", where, True),
+        flush_interval=get_number(options, "flush_interval", where, 0.05, minimum=0,
+                                  maximum=60),
+        rotate_size=_rotate_size(options, where),
+        rotate_age=_rotate_age(options, where),
+        rotate_keep=get_int(options, "rotate_keep", where, 7, minimum=1, maximum=100000),
+        rotate_names=rotate_names)
 
 
 def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
-    """A :class:`JsonlConsumer` from its config (options ``path``, relative
-    to ``base_dir``; ``fsync``; ``flush_interval``)."""
-    options = config.options
-    no_unknown(options, ("path", "fsync", "flush_interval"), where)
-    path = get_path(options, "path", where)
-    path = os.path.join(base_dir, path)  # an absolute path stays as it is
-    fsync = get_bool(options, "fsync", where, True)
-    flush_interval = get_number(options, "flush_interval", where, 0.05, minimum=0, maximum=60)
+    """A :class:`JsonlConsumer` from its config (:func:`options_of`)."""
+    kwargs = options_of(config, base_dir, where)
+    path = kwargs.pop("path")
     try:
-        return JsonlConsumer(path, reactor, streams=config.streams,
-                             flush_interval=flush_interval, fsync=fsync)
+        return JsonlConsumer(path, reactor, streams=config.streams, **kwargs)
     except JsonlError as e:
         raise ConfigError(f"{where}.path", str(e)) from None
     except OSError as e:

@@ -96,12 +96,26 @@ def build_consumer(config: ConsumerConfig, base_dir: str, reactor, where: str) -
     return _build_external(config, where)
 
 
+def check_consumers(configs: Sequence[ConsumerConfig], key: str = "consumers") -> None:
+    """The options of the built-in consumers checked as :func:`load_consumers`
+    checks them, without opening or creating anything (``replicator check``:
+    the running daemon holds the files); ConfigError naming the key."""
+    for i, config in enumerate(configs):
+        where = f"{key}[{i}]"
+        if config.type == "jsonl":
+            jsonl.options_of(config, ".", where)
+        elif config.type == "log":
+            log_consumer.options_of(config, where)
+
+
 def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor,
                    key: str = "consumers") -> List[Consumer]:
     """Consumers from their configs, in order.
 
     ``type`` is a built-in (``jsonl``: options ``path`` (relative to
-    ``base_dir``), ``fsync``, ``flush_interval``; ``log``: option ``level``),
+    ``base_dir``), ``fsync``, ``flush_interval``, ``rotate_size``,
+    ``rotate_age``, ``rotate_keep``, ``rotate_names``; ``log``: option
+    ``level``),
     else an entry point of the ``replicator.consumers`` group, else a dotted
     path ``package.module:Class``; such a class is called with ``streams=``
     and the options as keyword arguments.  Every mistake is a ConfigError

@@ -45,11 +45,16 @@ class LogConsumer(Consumer):
                       preview=preview(rows, self.preview_chars))
 
 
-def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
-    """A :class:`LogConsumer` from its config (option ``level``)."""
+def options_of(config: ConsumerConfig, where: str) -> dict:
+    """The keyword arguments of a :class:`LogConsumer` (option ``level``)."""
     options = config.options
     no_unknown(options, ("level",), where)
     level = get_str(options, "level", where, "info")
     if level not in LOG_LEVELS:
         raise ConfigError(f"{where}.level", f"{level!r} is not one of {', '.join(LOG_LEVELS)}")
-    return LogConsumer(streams=config.streams, level=level)
+    return {"level": level}
+
+
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
+    """A :class:`LogConsumer` from its config (:func:`options_of`)."""
+    return LogConsumer(streams=config.streams, **options_of(config, where))

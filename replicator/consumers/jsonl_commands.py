@@ -1,0 +1,218 @@
+"""``replicator rewind`` and ``replicator verify``: the operator's tools for
+a ``jsonl`` consumer's output (see docs/jsonl.md).
+
+``CONSUMER`` names one consumer of the config: its index as config
+messages write it (``0``, or ``consumers[0]``) or its ``path`` (as written
+in the file, or the absolute path).
+
+``rewind`` edits the consumer's persisted positions and so needs the daemon
+stopped: the output's lock says whether a daemon holds it, and a held lock
+is refused (exit 1) rather than changed under a running reader (which would
+write its own positions over the edit).  The edit is one transaction (rewind
+lines, then the state file: :meth:`.JsonlConsumer.rewind`); the next start
+delivers the facts again from the point.
+
+``--to`` is a token (an integer: facts from that token on are delivered
+again, per stream, so with ``--stream`` when the consumer reads more than
+one) or a time (ISO 8601, e.g. ``2026-11-25T10:00:00Z``; without a zone,
+UTC): per stream, the first fact whose ``timestamp_column`` (milliseconds
+since the epoch) is at or after it, so a stream without a
+``timestamp_column`` cannot be rewound to a time.
+
+Exit codes: 0 done (or verify: equal), 1 verify: different, or a runtime
+failure (the daemon holds the output, the database unreachable), 2 a usage
+mistake (one line).
+"""
+
+import os
+import sys
+from datetime import datetime, timezone
+from typing import Dict, List, NoReturn, Optional, Tuple
+
+from twisted.internet import defer, task
+
+from ..config.model import InstanceConfig, StreamConfig
+from ..storage import schema
+from ..storage.database import Database
+
+Key = Tuple[str, str]
+
+
+class Usage(Exception):
+    """A usage mistake: one line, exit 2."""
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    print(f"replicator: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def find_jsonl(config: InstanceConfig, name: str) -> Tuple[str, str, Tuple[str, ...]]:
+    """``(where, absolute path, stream names)`` of the jsonl consumer ``name``."""
+    index: Optional[int] = None
+    text = name[len("consumers["):-1] if name.startswith("consumers[") and name.endswith("]") \
+        else name
+    if text.isdigit():
+        index = int(text)
+        if index >= len(config.consumers):
+            raise Usage(f"no consumers[{index}] (the config has {len(config.consumers)} "
+                        f"consumers)")
+    else:
+        wanted = os.path.abspath(name)
+        for i, consumer in enumerate(config.consumers):
+            path = consumer.options.get("path")
+            if consumer.type == "jsonl" and isinstance(path, str) and (
+                    path == name or os.path.abspath(path) == wanted):
+                index = i
+        if index is None:
+            raise Usage(f"no jsonl consumer with path {name!r} (give its path as in the "
+                        f"config, or its index: 0, 1, ...)")
+    consumer = config.consumers[index]
+    where = f"consumers[{index}]"
+    if consumer.type != "jsonl":
+        raise Usage(f"{where} is a {consumer.type!r} consumer; only jsonl consumers keep "
+                    f"an output and positions to rewind or verify")
+    streams = consumer.streams if consumer.streams is not None else tuple(
+        s.name for s in config.streams)
+    # Relative paths are relative to the working directory, as for ``run``.
+    return where, os.path.abspath(consumer.options["path"]), streams
+
+
+def parse_point(text: str) -> Tuple[Optional[int], Optional[int]]:
+    """``(token, None)`` or ``(None, milliseconds since the epoch)``."""
+    if text.lstrip("-").isdigit():
+        token = int(text)
+        if not 1 <= token < 1 << 63:
+            raise Usage(f"rewind: --to {text}: a token is from 1 to 2^63-1")
+        return token, None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise Usage(f"rewind: --to {text!r} is neither a token (an integer) nor a time "
+                    f"(ISO 8601, e.g. 2026-11-25T10:00:00Z)") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return None, int(when.timestamp() * 1000)
+
+
+def _last_token(txn, stream: StreamConfig, db) -> int:
+    """The stream's largest token: its table's, or a persisted position."""
+    txn.execute(f"SELECT MAX({stream.id_column}) FROM {stream.table}")
+    top = txn.fetchone()[0] or 0
+    if schema.table_columns(txn, "stream_positions", db.is_postgres) is not None:
+        txn.execute(db.sql("SELECT MAX(stream_id) FROM stream_positions WHERE stream_name = %s"),
+                    (stream.positions_key,))
+        top = max(top, txn.fetchone()[0] or 0)
+    return top
+
+
+def _first_at(txn, stream: StreamConfig, db, ms: Optional[int]) -> Optional[int]:
+    txn.execute(db.sql(f"SELECT MIN({stream.id_column}) FROM {stream.table} "
+                       f"WHERE {stream.timestamp_column} >= %s"), (ms,))
+    return txn.fetchone()[0]
+
+
+def _points(txn, db, streams: List[StreamConfig], token: Optional[int], ms: Optional[int]
+            ) -> Dict[str, Optional[int]]:
+    """Per stream, the first token delivered again (None: nothing to)."""
+    points: Dict[str, Optional[int]] = {}
+    for stream in streams:
+        if token is not None:
+            last = _last_token(txn, stream, db)
+            if token > last:
+                raise Usage(f"rewind: --to {token} is beyond stream {stream.name} (its last "
+                            f"token is {last})")
+            points[stream.name] = token
+        else:
+            points[stream.name] = _first_at(txn, stream, db, ms)
+    return points
+
+
+def cmd_rewind(config: InstanceConfig, args) -> None:
+    from .jsonl import JsonlConsumer, JsonlError
+    from .file_thread import run_inline
+
+    try:
+        where, path, streams = find_jsonl(config, args.consumer)
+        token, ms = parse_point(args.to)
+        if args.stream is not None:
+            if args.stream not in streams:
+                raise Usage(f"rewind: {where} does not read stream {args.stream!r} (it reads "
+                            f"{', '.join(streams)})")
+            streams = (args.stream,)
+        if token is not None and len(streams) > 1:
+            raise Usage(f"rewind: --to TOKEN needs --stream (tokens are per stream; {where} "
+                        f"reads {', '.join(streams)})")
+        by_name = {s.name: s for s in config.streams}
+        chosen = [by_name[name] for name in streams]
+        if ms is not None:
+            untimed = [s.name for s in chosen if not s.timestamp_column]
+            if untimed:
+                raise Usage(f"rewind: --to TIME needs a timestamp_column; stream "
+                            f"{', '.join(untimed)} has none (rewind it with --stream NAME "
+                            f"--to TOKEN)")
+    except Usage as e:
+        _fail(str(e), 2)
+
+    async def main(reactor):
+        db = Database(config.database)
+        try:
+            points = await db.runInteraction(_points, db, chosen, token, ms)
+        except Usage as e:
+            _fail(str(e), 2)
+        except Exception as e:
+            _fail(f"rewind: cannot read the streams' tables: {e}", 1)
+        finally:
+            db.close()
+        try:
+            consumer = JsonlConsumer(path, reactor, run_io=run_inline, streams=streams)
+        except JsonlError as e:
+            if "in use" in str(e):
+                _fail(f"rewind: {path} is in use: stop the daemon first (a running reader "
+                      f"holds its positions in memory and would write over the rewind)", 1)
+            _fail(f"rewind: {e}", 1)
+        try:
+            current = consumer.positions()
+            lowered = {}
+            for (stream, writer), position in sorted(current.items()):
+                first = points.get(stream)
+                if first is not None and first - 1 < position:
+                    lowered[(stream, writer)] = first - 1
+            await consumer.rewind(lowered)
+        finally:
+            await consumer.close()
+        for name in streams:
+            if points[name] is None:
+                print(f"rewind: {name}: no fact at or after {args.to}; nothing to deliver "
+                      f"again", flush=True)
+        for (stream, writer), position in sorted(lowered.items()):
+            print(f"rewind: {stream}/{writer}: position {current[(stream, writer)]} -> "
+                  f"{position} (the next start delivers from {position + 1} again)",
+                  flush=True)
+        if not lowered:
+            print(f"rewind: nothing to do: {where} is not past {args.to}", flush=True)
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+
+
+def cmd_verify(config: InstanceConfig, args) -> None:
+    from .jsonl_verify import Verifier, summary
+
+    try:
+        _, path, _ = find_jsonl(config, args.consumer)
+    except Usage as e:
+        _fail(str(e), 2)
+
+    async def main(reactor):
+        db = Database(config.database)
+        try:
+            result = await db.runInteraction(Verifier(config, path, db).run)
+        except OSError as e:
+            _fail(f"verify: cannot read {e.filename or path}: {e.strerror or e}", 1)
+        finally:
+            db.close()
+        equal = summary(result, lambda text: print(text, flush=True))
+        if not equal:
+            raise SystemExit(1)
+
+    task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])

@@ -1,0 +1,273 @@
+"""``replicator verify``: a ``jsonl`` consumer's output (its rotated files
+too, oldest first) compared with the stream tables: every fact exactly once,
+in ascending token order per (stream, writer), whole (all its rows).
+
+Both sides are read once, in order: the files line by line, each table a
+page of facts at a time from where the file's lines for that key begin
+(:class:`.PageQuery`, keyset pages).  Memory holds one page per (stream,
+writer), the first examples of each difference, and the tokens found
+missing so far (to tell a fact that comes late, out of order, from one that
+never comes): it grows with the differences, not with the files.
+
+Where a key's checking begins: after its first line's position (a file
+begins with a position line per key since rotation keeps them; a rewind
+line too), or at its first fact (facts before it were never this
+consumer's to write, or are in rotated files deleted since).  Where it
+ends: at its last line; facts of the table after it are "not yet
+delivered", not a difference (the consumer may be behind or stopped).
+A rewind line (``replicator rewind``) starts the key again after its token:
+what follows is delivered again by design, not duplicated.
+
+A fact with no rows has no row in the table: one in the file is fine, and
+one missing from it cannot be seen.
+"""
+
+import gzip
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+from ..config.model import InstanceConfig, StreamConfig
+from ..streams.pages import PageQuery
+from .jsonl import parse_line
+from .jsonl_files import rotated_files
+
+Key = Tuple[str, str]
+END = (1 << 63) - 1
+PAGE_ROWS = 1000
+#: Examples kept (and printed) per kind of difference per key.
+EXAMPLES = 10
+KINDS = ("missing", "duplicate", "out of order", "partial", "different rows", "extra")
+
+
+@dataclass
+class KeyCheck:
+    """One (stream, writer): the table's facts in order, against the file's."""
+
+    stream: Optional[StreamConfig]
+    writer: str
+    begin: Optional[int] = None  # checked from the first token above this
+    last: int = 0  # the largest token or position of the file so far
+    facts: int = 0  # fact lines
+    matched: int = 0
+    missing: Set[int] = field(default_factory=set)
+    counts: Dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    examples: Dict[str, List[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    behind: int = 0
+    _table: Optional[Iterator] = None
+    _next: Optional[Tuple[int, list]] = None
+
+    def note(self, kind: str, example: str, n: int = 1) -> None:
+        self.counts[kind] += n
+        if len(self.examples[kind]) < EXAMPLES:
+            self.examples[kind].append(example)
+
+
+@dataclass
+class FileProblem:
+    path: str
+    offset: int
+    text: str
+
+
+@dataclass
+class Result:
+    files: List[str]
+    keys: Dict[Key, KeyCheck]
+    problems: List[FileProblem]
+    lines: Dict[str, int]
+
+    @property
+    def differences(self) -> Dict[str, int]:
+        totals = {k: sum(c.counts[k] for c in self.keys.values()) for k in KINDS}
+        totals["missing"] += sum(len(c.missing) for c in self.keys.values())
+        totals["file problems"] = len(self.problems)
+        return {k: n for k, n in totals.items() if n}
+
+
+def _open(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _lines(paths: List[str], problems: List[FileProblem]) -> Iterator[Tuple[str, int, bytes]]:
+    """``(path, offset, line)`` of every complete line, oldest file first; a
+    last line without its newline (a write cut short) is a problem."""
+    for path in paths:
+        offset = 0
+        with _open(path) as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    problems.append(FileProblem(path, offset, f"a truncated last line "
+                                                              f"({len(line)} bytes)"))
+                    break
+                yield path, offset, line
+                offset += len(line)
+
+
+class Verifier:
+    """Runs in one database transaction (a pool thread): ``txn`` reads the
+    tables while the files are read."""
+
+    def __init__(self, config: InstanceConfig, path: str, db):
+        self.path = path
+        self.by_name = {s.name: s for s in config.streams}
+        self.queries = {name: PageQuery(s, db) for name, s in self.by_name.items()}
+
+    def run(self, txn) -> Result:
+        paths = rotated_files(self.path) + ([self.path] if os.path.exists(self.path) else [])
+        problems: List[FileProblem] = []
+        keys: Dict[Key, KeyCheck] = {}
+        lines = {"facts": 0, "positions": 0, "rewinds": 0}
+        for path, offset, line in _lines(paths, problems):
+            try:
+                key, token, obj = parse_line(line)
+            except ValueError as e:
+                problems.append(FileProblem(path, offset, f"not a fact or position: {e}"))
+                continue
+            if key is None:
+                continue
+            assert token is not None and obj is not None  # a keyed line has both
+            check = keys.get(key)
+            if check is None:
+                check = keys[key] = KeyCheck(self.by_name.get(key[0]), key[1])
+            if "rows" in obj:
+                lines["facts"] += 1
+                self._fact(txn, check, token, obj["rows"])
+            elif "rewind" in obj:
+                lines["rewinds"] += 1
+                self._restart(txn, check, token)
+            else:
+                lines["positions"] += 1
+                self._position(txn, check, token)
+        for check in keys.values():
+            while check._next is not None:
+                check.behind += 1
+                self._advance(txn, check)
+        return Result(paths, keys, problems, lines)
+
+    # -------------------------------------------------------------- table
+    def _restart(self, txn, check: KeyCheck, after: int) -> None:
+        """Check ``check`` again from the first fact after ``after``."""
+        check.begin = after if check.begin is None else min(check.begin, after)
+        check.last = after
+        check.missing = {t for t in check.missing if t <= after}
+        check._table = None
+        check._next = None
+        if check.stream is not None:
+            check._table = self._table(txn, check, after)
+            check._next = next(check._table, None)
+
+    def _table(self, txn, check: KeyCheck, after: int) -> Iterator[Tuple[int, list]]:
+        assert check.stream is not None  # only a configured stream's table is read
+        query = self.queries[check.stream.name]
+        while True:
+            facts, upto, limited = query.read_facts(txn, check.writer, after, END, PAGE_ROWS)
+            yield from facts
+            if not limited:
+                return
+            after = upto
+
+    def _advance(self, txn, check: KeyCheck) -> None:
+        check._next = next(check._table, None) if check._table is not None else None
+
+    def _in_table(self, txn, check: KeyCheck, token: int) -> Optional[list]:
+        """The rows of fact ``token`` in the table, or None."""
+        if check.stream is None:
+            return None
+        facts, _, _ = self.queries[check.stream.name].read_facts(
+            txn, check.writer, token - 1, token, PAGE_ROWS)
+        return facts[0][1] if facts else None
+
+    # -------------------------------------------------------------- lines
+    def _position(self, txn, check: KeyCheck, token: int) -> None:
+        if check.begin is None:
+            self._restart(txn, check, token)
+            return
+        if token <= check.last:
+            return  # a new file's heading, or a repeat: nothing new
+        self._skip_to(txn, check, token + 1)
+        check.last = token
+
+    def _skip_to(self, txn, check: KeyCheck, token: int) -> None:
+        """Facts of the table below ``token`` not seen by now are missing."""
+        while check._next is not None and check._next[0] < token:
+            check.missing.add(check._next[0])
+            self._advance(txn, check)
+
+    def _fact(self, txn, check: KeyCheck, token: int, rows: list) -> None:
+        check.facts += 1
+        if check.begin is None:
+            self._restart(txn, check, token - 1)
+        if check.stream is None:
+            check.note("extra", f"{token} (its stream is not in the config)")
+            return
+        if token <= check.last:
+            if token in check.missing:
+                check.missing.discard(token)
+                check.note("out of order", f"{token} (after {check.last})")
+                self._compare(check, token, rows, self._in_table(txn, check, token))
+            elif self._in_table(txn, check, token) is not None or not rows:
+                check.note("duplicate", str(token))
+            else:
+                check.note("extra", f"{token} (not in the table)")
+            return
+        self._skip_to(txn, check, token)
+        if check._next is not None and check._next[0] == token:
+            self._compare(check, token, rows, check._next[1])
+            self._advance(txn, check)
+        elif rows:
+            check.note("extra", f"{token} (not in the table)")
+        else:
+            check.matched += 1  # a fact with no rows: no row in the table
+        check.last = token
+
+    def _compare(self, check: KeyCheck, token: int, rows: list, table_rows: Optional[list]
+                 ) -> None:
+        if table_rows is None:
+            if rows:
+                check.note("extra", f"{token} (not in the table)")
+            else:
+                check.matched += 1
+            return
+        if rows == table_rows:
+            check.matched += 1
+        elif len(rows) < len(table_rows) and all(r in table_rows for r in rows):
+            check.note("partial", f"{token} ({len(rows)} of {len(table_rows)} rows)")
+        else:
+            check.note("different rows", f"{token} ({len(rows)} rows in the file, "
+                                         f"{len(table_rows)} in the table)")
+
+
+def summary(result: Result, out) -> bool:
+    """Print the readable summary with ``out``; True when equal."""
+    rotated = len(result.files) - 1 if result.files else 0
+    out(f"verify: {result.files[-1] if result.files else '(no file)'}"
+        f"{f' and {rotated} rotated files' if rotated > 0 else ''}: "
+        f"{result.lines['facts']} fact lines, {result.lines['positions']} position lines, "
+        f"{result.lines['rewinds']} rewind lines")
+    for (stream, writer), check in sorted(result.keys.items()):
+        counts = dict(check.counts)
+        counts["missing"] += len(check.missing)
+        found = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n) or "no differences"
+        begin = f"after {check.begin}" if check.begin is not None else "-"
+        out(f"  {stream}/{writer}: {check.facts} facts, checked {begin} to {check.last}: "
+            f"{check.matched} matched; {found}"
+            f"{f'; {check.behind} not yet delivered' if check.behind else ''}")
+        if check.missing:
+            listed = sorted(check.missing)
+            extra = f" (+{len(listed) - EXAMPLES} more)" if len(listed) > EXAMPLES else ""
+            out(f"    missing: {', '.join(map(str, listed[:EXAMPLES]))}{extra}")
+        for kind in KINDS[1:]:
+            if check.examples[kind]:
+                more = check.counts[kind] - len(check.examples[kind])
+                out(f"    {kind}: {', '.join(check.examples[kind])}"
+                    f"{f' (+{more} more)' if more else ''}")
+    for problem in result.problems:
+        out(f"  {problem.path} offset {problem.offset}: {problem.text}")
+    differences = result.differences
+    if differences:
+        out("verify: DIFFERENT: " + ", ".join(f"{n} {kind}" for kind, n in differences.items()))
+        return False
+    facts = sum(c.matched for c in result.keys.values())
+    out(f"verify: EQUAL: {facts} facts, each exactly once, in order, whole")
+    return True
