@@ -119,3 +119,30 @@ class RetryTests(SynchronousTestCase):
         admission.offer(conn, stream, ("caches", "worker1"),
                         PositionCommand("caches", "worker1", 0, 5), None)
         self.check(outage, lambda: len(accepted) == 1)
+
+    def test_jsonl_consumer_writes(self):
+        """A JSON-lines file that cannot be written (a full disk) is retried
+        with the same backoff and two log lines, not once a second with a
+        traceback each."""
+        import errno
+        import os
+        import tempfile
+
+        from replicator.consumers import JsonlConsumer, run_inline
+
+        path = os.path.join(tempfile.mkdtemp(), "facts.jsonl")
+        consumer = JsonlConsumer(path, self.clock, run_io=run_inline)
+        self.addCleanup(consumer.close)
+        outage = Outage(1000)
+        real_pwrite = os.pwrite
+
+        def pwrite(fd, data, offset):
+            outage.attempts += 1
+            if outage.attempts <= outage.failures:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_pwrite(fd, data, offset)
+
+        self.patch(os, "pwrite", pwrite)
+        consumer.on_facts("caches", "master", 1, [["a"]])
+        outage.attempts = 0
+        self.check(outage, lambda: consumer.positions() == {("caches", "master"): 1})

@@ -47,6 +47,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from .. import files
+from ..backoff import Outage
 from ..config import (ConfigError, ConsumerConfig, get_bool, get_int, get_number, get_path,
                       get_str, no_unknown)
 from ..jsontext import any_non_finite, encode_json, encode_json_line
@@ -198,6 +199,8 @@ class JsonlConsumer(Consumer):
         self._again: List[defer.Deferred] = []  # flush() calls made meanwhile
         self._timer = None
         self._failed = False
+        # Writes failing: the retries' backoff and the outage's two log lines.
+        self._outage = Outage(f"{path}: writing", self.retry_delay)
         self._waiters: List[defer.Deferred] = []
         self._closed = False
         self._closing: Optional[defer.Deferred] = None
@@ -584,17 +587,16 @@ class JsonlConsumer(Consumer):
             self._clock.seconds())
         try:
             await writing
-        except Exception:
-            log.failure("{path}: writing {n} bytes failed; retrying", path=self.path, n=len(data))
+        except Exception as e:
+            delay = self._outage.failed(e)
             self._failed = True
             self._unwritten = data
             self._buffered += len(data)
             ok = False
             if retry and not self._closed:
-                self._schedule(max(self.retry_delay, self.flush_interval))
+                self._schedule(max(delay, self.flush_interval))
         else:
-            if self._failed:
-                log.info("{path}: writing works again", path=self.path)
+            self._outage.succeeded()
             self._failed = False
             self._durable = target
             self.flushes += 1
