@@ -142,7 +142,7 @@ class HandlerTests(TestCase):
 
     def test_partial_batch_dies_with_its_connection(self):
         consumer = MemoryConsumer(positions={("caches", "master"): 0})
-        master = self.h.instance("master")  # creates the tables worker1 only reads
+        self.h.instance("master")  # creates the tables worker1 only reads
         worker = self.h.instance("worker1", [consumer])
         self.h.sequence_taken("caches", 1)  # the master wrote fact 1
         proto, _ = self.h.client(worker)
