@@ -43,6 +43,7 @@ from typing import Any, Callable, Coroutine, Dict, Iterable, List, Optional, Seq
 
 from twisted.internet import defer
 from twisted.internet.address import IPv4Address
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.test import iosim
@@ -148,8 +149,7 @@ class Link:
     """A server protocol and a client protocol joined by iosim transports;
     ``pump`` moves the bytes (the harness does at every flush)."""
 
-    def __init__(self, server: ServerReplicationProtocol, client: ClientReplicationProtocol,
-                 pump: iosim.IOPump):
+    def __init__(self, server: Protocol, client: Protocol, pump: iosim.IOPump):
         self.server = server
         self.client = client
         self.pump = pump
@@ -157,6 +157,36 @@ class Link:
     def cut(self) -> None:
         """Both ends see the connection lost (a cut link)."""
         self.server.transport.abortConnection()
+
+
+class MemoryEndpoint:
+    """A client endpoint (:class:`twisted.internet.interfaces.IStreamClientEndpoint`)
+    of a :class:`Harness`: each ``connect`` is accepted at the clock's next
+    turn (as a listener accepts when its reactor gets to it), joining the
+    protocol built to what ``server_factory`` builds; it fires then, as a
+    TCP connect fires at ``connectionMade``, before any byte moves (they
+    move at the flush that follows).  ``attempts`` counts the connects."""
+
+    def __init__(self, harness: "Harness", server_factory: Factory):
+        self.harness = harness
+        self.server_factory = server_factory
+        self.attempts = 0
+
+    def connect(self, factory: Factory) -> defer.Deferred:
+        self.attempts += 1
+        address = IPv4Address("TCP", "127.0.0.1", 50000 + self.attempts)
+
+        def accept() -> None:
+            client = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 9092))
+            server = self.server_factory.buildProtocol(address)
+            self.harness.join(server, client, client_address=address, flush=False)
+            connected.callback(client)
+
+        # Cancelled before it is accepted, the attempt is forgotten (as a
+        # TCP endpoint stops connecting).
+        call = self.harness.clock.callLater(0, accept)
+        connected: defer.Deferred = defer.Deferred(lambda _: call.cancel())
+        return connected
 
 
 class Harness:
@@ -247,17 +277,38 @@ class Harness:
         sp = ServerReplicationProtocol(server.handler, self.server_name, clock=self.clock)
         cp = ClientReplicationProtocol(client.handler, client.name, self.server_name,
                                        clock=self.clock)
-        st = iosim.FakeTransport(sp, isServer=True,
-                                 hostAddress=IPv4Address("TCP", "127.0.0.1", 9092),
-                                 peerAddress=IPv4Address("TCP", "127.0.0.1", 40001))
-        ct = iosim.FakeTransport(cp, isServer=False,
-                                 hostAddress=IPv4Address("TCP", "127.0.0.1", 40001),
-                                 peerAddress=IPv4Address("TCP", "127.0.0.1", 9092))
-        pump = iosim.connect(sp, st, cp, ct, greet=False, clock=self.clock)
-        link = Link(sp, cp, pump)
+        return self.join(sp, cp)
+
+    def accept(self, factory: Factory, peer: Protocol, host: str = "127.0.0.1") -> Link:
+        """A connection from ``peer`` (at ``host``) accepted by a listener's
+        ``factory``: what the factory builds for it, joined to ``peer``."""
+        address = IPv4Address("TCP", host, 40000 + len(self.links))
+        return self.join(factory.buildProtocol(address), peer, client_address=address)
+
+    def endpoint(self, factory: Factory) -> "MemoryEndpoint":
+        """A client endpoint whose every connection is accepted by
+        ``factory`` in memory (a scripted upstream for a reconnecting
+        service: ``upstream_service(..., wrap_endpoint=lambda _: it)``)."""
+        return MemoryEndpoint(self, factory)
+
+    def join(self, server: Protocol, client: Protocol,
+             client_address: Optional[IPv4Address] = None, flush: bool = True) -> Link:
+        """Two protocols joined by iosim transports (bytes move at each
+        :meth:`flush`); flushed once, unless not asked, so the greetings
+        are exchanged."""
+        if client_address is None:
+            client_address = IPv4Address("TCP", "127.0.0.1", 40000 + len(self.links))
+        server_address = IPv4Address("TCP", "127.0.0.1", 9092)
+        st = iosim.FakeTransport(server, isServer=True, hostAddress=server_address,
+                                 peerAddress=client_address)
+        ct = iosim.FakeTransport(client, isServer=False, hostAddress=client_address,
+                                 peerAddress=server_address)
+        pump = iosim.connect(server, st, client, ct, greet=False, clock=self.clock)
+        link = Link(server, client, pump)
         self.links.append(link)
-        self._protocols.extend([sp, cp])
-        self.flush()
+        self._protocols.extend([server, client])
+        if flush:
+            self.flush()
         return link
 
     # ----------------------------------------------------------------- time
@@ -346,6 +397,12 @@ class Harness:
 
     # ------------------------------------------------------------- teardown
     def close(self) -> None:
+        """The end of the test: links cut, connections lost, instances
+        stopped (positions flushed), timers cancelled, database closed."""
+        for link in self.links:
+            if not link.pump.serverIO.disconnected:
+                link.server.transport.abortConnection()
+        self.flush()
         for proto in self._protocols:
             if getattr(proto, "_connected", False):
                 proto.connectionLost(Failure(ConnectionError("harness closed")))

@@ -1,10 +1,12 @@
-"""Outgoing and incoming links under hostile or broken peers, over real
-loopback sockets: a silent upstream, a listener flooded with idle sockets,
-an upstream (TCP or Redis) that accepts and closes at once, a Redis that
-drops a connection before it is ready.
+"""Outgoing and incoming links under hostile or broken peers: a silent
+upstream, a listener flooded with idle sockets, an upstream (TCP or Redis)
+that accepts and closes at once, a Redis that drops a connection before it
+is ready.
 
-Reconnect delays run on a Clock handed to the services (the sockets are
-real): the tests read the delays the services chose instead of timing
+The listener's caps and the TCP upstream's backoff run in memory
+(:mod:`tests.harness`: scripted peers joined by iosim transports); the rest
+over real loopback sockets.  Reconnect delays run on a Clock handed to the
+services: the tests read the delays the services chose instead of timing
 anything.
 """
 
@@ -21,6 +23,7 @@ from replicator.replication.redis import RedisReplication
 from replicator.replication.tcp import (
     ConnectionSettings, ReplicationServerFactory, upstream_service,
 )
+from tests.harness import Harness
 from tests.support import until
 
 
@@ -143,42 +146,48 @@ class StartupGarbageTests(TestCase):
 
 
 class ListenerCapTests(TestCase):
-    timeout = 60
+    """The listener's caps, in memory (:mod:`tests.harness`: the factory's
+    protocols joined to scripted peers)."""
 
-    async def test_readers_over_the_cap_get_an_error_and_are_closed(self):
+    def test_readers_over_the_cap_get_an_error_and_are_closed(self):
         class Handler:
             instance_name = "master"
             registry = ()
 
-        factory = ReplicationServerFactory(Handler(), "hs.test", clock=reactor,
+        h = Harness([], self.addCleanup)
+        factory = ReplicationServerFactory(Handler(), "hs.test", clock=h.clock,
                                            max_connections=2)
-        port = await listen(self, factory)
+
+        def connect():
+            return h.accept(factory, Peer("silent").buildProtocol(None)).client
+
         refused = metrics.CONNECTIONS_REFUSED.labels("max_connections")
         before = refused._value.get()
-        first = await connect(port)
-        second = await connect(port)
-        third = await connect(port)
+        first, second, third = connect(), connect(), connect()
         for n, p in enumerate((first, second, third)):
             p.transport.write(b"NAME reader%d\nREPLICATE\n" % n)
-            await until(lambda: factory.crowd.identified == min(n + 1, 2) and p.data)
-        await until(lambda: third.lost)
+            h.flush()
+            self.assertEqual(factory.crowd.identified, min(n + 1, 2))
+            self.assertTrue(p.data)
+        self.assertTrue(third.lost)
         self.assertTrue(third.data.endswith(b"ERROR too many connections\n"), third.data)
-        await until(lambda: first.data and second.data)
         self.assertTrue(first.data.startswith(b"SERVER hs.test\nPING "))
         self.assertFalse(first.lost or second.lost)
         self.assertEqual(len(factory.live), 2)
         self.assertEqual(refused._value.get() - before, 1)
         # A slot freed is a slot to take again.
         first.transport.loseConnection()
-        await until(lambda: len(factory.live) == 1)
-        fourth = await connect(port)
+        h.flush()
+        self.assertEqual(len(factory.live), 1)
+        fourth = connect()
         fourth.transport.write(b"NAME reader4\nREPLICATE\n")
-        await until(lambda: fourth.data)
+        h.flush()
         self.assertTrue(fourth.data.startswith(b"SERVER hs.test\n"))
         self.assertFalse(fourth.lost)
         for p in (second, fourth):
             p.transport.loseConnection()
-        await until(lambda: not factory.live)
+        h.flush()
+        self.assertFalse(factory.live)
 
 
 class FdBudgetTests(TestCase):
@@ -210,59 +219,67 @@ class FdBudgetTests(TestCase):
 
 
 class TcpBackoffTests(TestCase):
-    timeout = 60
+    """The upstream's reconnect delays, in memory: each connect reaches a
+    scripted peer through the harness; the service's own Clock is read."""
 
-    async def start(self, peer, **kwargs):
-        port = await listen(self, peer)
+    def start(self, peer, **kwargs):
+        h = self.h = Harness([], self.addCleanup)
         clock = Clock()
-        service = upstream_service(reactor, f"tcp:host=127.0.0.1:port={port}", object(),
-                                   "worker1", "hs.test", clock=clock, **kwargs)
+        endpoint = h.endpoint(peer)
+        service = upstream_service(h.clock, "tcp:host=127.0.0.1:port=9092", object(),
+                                   "worker1", "hs.test", clock=clock,
+                                   wrap_endpoint=lambda _: endpoint, **kwargs)
         service.startService()
-        self.addCleanup(service.stopService)
+        self.addCleanup(lambda: h.run(service.stopService(), settle=False))
         return service, clock
 
-    async def next_delay(self, service, clock, failures):
-        """Wait for the connection to end and the retry to be scheduled;
-        return its delay and let it run."""
-        await until(lambda: service.backoff.failures == failures and only_call(clock))
+    def next_delay(self, service, clock, failures):
+        """Once the connection ended and the retry is scheduled: its delay,
+        and the retry run."""
+        self.h.flush()
+        self.assertEqual(service.backoff.failures, failures)
         call = only_call(clock)
+        self.assertIsNotNone(call, clock.getDelayedCalls())
         delay = call.getTime() - clock.seconds()
         clock.advance(delay)
         return delay
 
-    async def test_upstream_that_accepts_and_closes_sees_growing_delays(self):
+    def test_upstream_that_accepts_and_closes_sees_growing_delays(self):
         peer = Peer("close")
-        service, clock = await self.start(peer, initial_delay=0.5, max_delay=30)
+        service, clock = self.start(peer, initial_delay=0.5, max_delay=30)
         delays = []
         for n in range(1, 8):
-            delays.append(await self.next_delay(service, clock, n))
+            delays.append(self.next_delay(service, clock, n))
         self.assertEqual(len(peer.protocols), 7)
         self.assertEqual(delays, sorted(set(delays)), delays)  # strictly growing
         self.assertGreaterEqual(delays[0], 0.375)
         self.assertGreaterEqual(delays[5], 0.5 * 2**5 * 0.75)
         self.assertLessEqual(max(delays), 30)
 
-    async def test_backoff_resets_only_after_a_healthy_connection(self):
+    def test_backoff_resets_only_after_a_healthy_connection(self):
         peer = Peer("close")
         settings = ConnectionSettings(ping_interval=5.0, ping_timeout=15.0)
-        service, clock = await self.start(peer, settings=settings, initial_delay=0.5,
-                                          max_delay=30)
+        service, clock = self.start(peer, settings=settings, initial_delay=0.5, max_delay=30)
         for n in range(1, 4):
-            await self.next_delay(service, clock, n)
+            self.next_delay(service, clock, n)
         # Now the server answers the handshake, but closes before a
         # ping interval has passed: not healthy yet.
         peer.mode = "talk"
-        await until(lambda: len(peer.protocols) == 4 and service.connected)
+        self.h.flush()
+        self.assertEqual(len(peer.protocols), 4)
+        self.assertTrue(service.connected)
         clock.advance(4.9)
         peer.protocols[-1].transport.loseConnection()
-        delay = await self.next_delay(service, clock, 4)
+        delay = self.next_delay(service, clock, 4)
         self.assertGreaterEqual(delay, 0.5 * 2**3 * 0.75)
         # This time it stays for a ping interval: the backoff starts over.
-        await until(lambda: len(peer.protocols) == 5 and service.connected)
+        self.h.flush()
+        self.assertEqual(len(peer.protocols), 5)
+        self.assertTrue(service.connected)
         clock.advance(5.0)
         self.assertEqual(service.backoff.failures, 0)
         peer.protocols[-1].transport.loseConnection()
-        delay = await self.next_delay(service, clock, 1)
+        delay = self.next_delay(service, clock, 1)
         self.assertLessEqual(delay, 0.5)
 
 
