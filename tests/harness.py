@@ -3,8 +3,9 @@ a clock, with no socket, no thread and no wait.
 
 What a test gets from :class:`Harness`:
 
-* **A clock** (:class:`MemoryReactor`, a
-  :class:`~twisted.internet.testing.MemoryReactorClock`) that
+* **A reactor and clock** (:class:`MemoryReactor`, a
+  :class:`~twisted.internet.testing.MemoryReactorClock` whose TCP
+  connects reach its listeners in memory) that
   moves only when the test moves it: every instance, protocol and timer of
   the harness runs on it.  :meth:`Harness.flush` runs what is due now;
   :meth:`Harness.advance` moves time; :meth:`Harness.settle` moves it from
@@ -41,7 +42,7 @@ stream creates no table, so the writer's instance is made first.
 import sqlite3
 from typing import Any, Callable, Coroutine, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from twisted.internet import defer
+from twisted.internet import defer, error
 from twisted.internet.address import IPv4Address
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
@@ -65,13 +66,67 @@ SETTLE_LIMIT = 60.0
 
 
 class MemoryReactor(MemoryReactorClock):
-    """:class:`~twisted.internet.testing.MemoryReactorClock` that also
-    takes ``callFromThread``: there is no thread but the test's, so a call
-    "from a thread" (a metrics scrape asking the reactor for a verdict)
-    runs at once."""
+    """:class:`~twisted.internet.testing.MemoryReactorClock` whose TCP
+    connects reach its listeners in memory, and that takes
+    ``callFromThread``.
+
+    * ``listenTCP(port, factory)`` listens (``tcp:PORT`` endpoint strings
+      too); ``connectTCP(host, port, factory)`` is accepted at the clock's
+      next turn (as a listener accepts when its reactor gets to it): the
+      protocol it builds is joined to what the listener's factory builds
+      (:meth:`Harness.join`; bytes move at each flush), or, with nothing
+      listening on the port, the connect fails (connection refused).  A
+      connect stopped before it is accepted is forgotten.  So reconnecting
+      services and endpoint strings (``tcp:host=127.0.0.1:port=PORT``)
+      run as they do on sockets.
+    * There is no thread but the test's, so a call "from a thread" (a
+      metrics scrape asking the reactor for a verdict) runs at once.
+    """
+
+    def __init__(self, harness: "Harness"):
+        super().__init__()
+        self._harness = harness
+        self.listening: Dict[int, Factory] = {}
 
     def callFromThread(self, f: Callable, *args: Any, **kwargs: Any) -> None:
         f(*args, **kwargs)
+
+    def listenTCP(self, port: int, factory: Factory, backlog: int = 50,
+                  interface: str = "") -> Any:
+        listening = super().listenTCP(port, factory, backlog, interface)
+        self.listening[port] = factory
+        stop = listening.stopListening
+
+        def stop_listening() -> Any:
+            self.listening.pop(port, None)
+            return stop()
+        listening.stopListening = stop_listening
+        return listening
+
+    def connectTCP(self, host: str, port: int, factory: Any, timeout: float = 30,
+                   bindAddress: Any = None) -> Any:
+        connector = super().connectTCP(host, port, factory, timeout, bindAddress)
+        source = IPv4Address("TCP", "127.0.0.1", 50000 + len(self.connectors))
+
+        def accept() -> None:
+            listener = self.listening.get(port)
+            if listener is None:
+                factory.clientConnectionFailed(
+                    connector, Failure(error.ConnectionRefusedError()))
+                return
+            client = factory.buildProtocol(connector.getDestination())
+            server = listener.buildProtocol(source)
+            self._harness.join(server, client, client_address=source, flush=False)
+
+        call = self.callLater(0, accept)
+
+        def stop_connecting() -> None:
+            connector.stoppedConnecting = True
+            if call.active():
+                call.cancel()
+                factory.clientConnectionFailed(connector, Failure(error.UserError()))
+        connector.stopConnecting = stop_connecting
+        return connector
 
 
 class SyncPool:
@@ -159,36 +214,6 @@ class Link:
         self.server.transport.abortConnection()
 
 
-class MemoryEndpoint:
-    """A client endpoint (:class:`twisted.internet.interfaces.IStreamClientEndpoint`)
-    of a :class:`Harness`: each ``connect`` is accepted at the clock's next
-    turn (as a listener accepts when its reactor gets to it), joining the
-    protocol built to what ``server_factory`` builds; it fires then, as a
-    TCP connect fires at ``connectionMade``, before any byte moves (they
-    move at the flush that follows).  ``attempts`` counts the connects."""
-
-    def __init__(self, harness: "Harness", server_factory: Factory):
-        self.harness = harness
-        self.server_factory = server_factory
-        self.attempts = 0
-
-    def connect(self, factory: Factory) -> defer.Deferred:
-        self.attempts += 1
-        address = IPv4Address("TCP", "127.0.0.1", 50000 + self.attempts)
-
-        def accept() -> None:
-            client = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 9092))
-            server = self.server_factory.buildProtocol(address)
-            self.harness.join(server, client, client_address=address, flush=False)
-            connected.callback(client)
-
-        # Cancelled before it is accepted, the attempt is forgotten (as a
-        # TCP endpoint stops connecting).
-        call = self.harness.clock.callLater(0, accept)
-        connected: defer.Deferred = defer.Deferred(lambda _: call.cancel())
-        return connected
-
-
 class Harness:
     """Instances of one deployment, in memory (see the module docstring).
 
@@ -199,7 +224,7 @@ class Harness:
                  server_name: str = SERVER_NAME):
         self.streams = list(streams)
         self.server_name = server_name
-        self.clock = MemoryReactor()
+        self.clock = MemoryReactor(self)
         self.connection = sqlite3.connect(":memory:")
         self._cleanup = cleanup
         self.nodes: List[Node] = []
@@ -284,12 +309,6 @@ class Harness:
         ``factory``: what the factory builds for it, joined to ``peer``."""
         address = IPv4Address("TCP", host, 40000 + len(self.links))
         return self.join(factory.buildProtocol(address), peer, client_address=address)
-
-    def endpoint(self, factory: Factory) -> "MemoryEndpoint":
-        """A client endpoint whose every connection is accepted by
-        ``factory`` in memory (a scripted upstream for a reconnecting
-        service: ``upstream_service(..., wrap_endpoint=lambda _: it)``)."""
-        return MemoryEndpoint(self, factory)
 
     def join(self, server: Protocol, client: Protocol,
              client_address: Optional[IPv4Address] = None, flush: bool = True) -> Link:

@@ -3,9 +3,10 @@ upstream, a listener flooded with idle sockets, an upstream (TCP or Redis)
 that accepts and closes at once, a Redis that drops a connection before it
 is ready.
 
-The listener's caps and the TCP upstream's backoff run in memory
-(:mod:`tests.harness`: scripted peers joined by iosim transports); the rest
-over real loopback sockets.  Reconnect delays run on a Clock handed to the
+The listener's caps, the TCP upstream's timeout and backoff and the Redis
+links' backoff run in memory (:mod:`tests.harness`: scripted peers joined
+by iosim transports); whole instances and a real redis-server over real
+loopback sockets.  Reconnect delays run on a Clock handed to the
 services: the tests read the delays the services chose instead of timing
 anything.
 """
@@ -81,19 +82,26 @@ def only_call(clock):
 class SilentUpstreamTests(TestCase):
     timeout = 60
 
-    async def test_silent_upstream_is_not_connected_and_is_dropped(self):
+    def test_silent_upstream_is_not_connected_and_is_dropped(self):
+        """In memory (:mod:`tests.harness`): the upstream accepts and never
+        writes."""
+        h = Harness([], self.addCleanup)
         peer = Peer("silent")
-        port = await listen(self, peer)
+        h.clock.listenTCP(9092, peer)
         settings = ConnectionSettings(ping_interval=0.2, ping_timeout=1.0)
-        service = upstream_service(reactor, f"tcp:host=127.0.0.1:port={port}", object(),
+        service = upstream_service(h.clock, "tcp:host=127.0.0.1:port=9092", object(),
                                    "worker1", "hs.test", settings, initial_delay=30,
                                    max_delay=30)
         service.startService()
-        self.addCleanup(service.stopService)
-        await until(lambda: peer.protocols and service.replication_factory.current)
+        self.addCleanup(lambda: h.run(service.stopService(), settle=False))
+        h.flush()
+        self.assertTrue(peer.protocols and service.replication_factory.current)
         self.assertFalse(service.connected)
         # The client times the silent server out and says why.
-        await until(lambda: peer.protocols[0].lost, timeout=30)
+        h.advance(0.9)
+        self.assertFalse(peer.protocols[0].lost)
+        h.advance(0.2)
+        self.assertTrue(peer.protocols[0].lost)
         self.assertTrue(peer.protocols[0].data.startswith(b"NAME worker1\nPING "))
         self.assertTrue(peer.protocols[0].data.endswith(b"ERROR ping timeout\n"))
         self.assertEqual(service.replication_factory.current.close_reason, "ping_timeout")
@@ -225,10 +233,9 @@ class TcpBackoffTests(TestCase):
     def start(self, peer, **kwargs):
         h = self.h = Harness([], self.addCleanup)
         clock = Clock()
-        endpoint = h.endpoint(peer)
+        h.clock.listenTCP(9092, peer)
         service = upstream_service(h.clock, "tcp:host=127.0.0.1:port=9092", object(),
-                                   "worker1", "hs.test", clock=clock,
-                                   wrap_endpoint=lambda _: endpoint, **kwargs)
+                                   "worker1", "hs.test", clock=clock, **kwargs)
         service.startService()
         self.addCleanup(lambda: h.run(service.stopService(), settle=False))
         return service, clock
@@ -284,13 +291,13 @@ class TcpBackoffTests(TestCase):
 
 
 class RedisLinkTests(TestCase):
-    """The Redis links: the same backoff, and no ClientService state error
-    when a connection dies before it is ready."""
+    """The Redis links, in memory against a scripted Redis: the same
+    backoff, and no ClientService state error when a connection dies
+    before it is ready."""
 
-    timeout = 60
-
-    async def start(self, peer, password=None):
-        port = await listen(self, peer)
+    def start(self, peer, password=None):
+        h = self.h = Harness([], self.addCleanup)
+        h.clock.listenTCP(6379, peer)
         clock = Clock()
 
         class Handler:
@@ -303,21 +310,22 @@ class RedisLinkTests(TestCase):
             def lost_connection(self, conn, reason):
                 pass
 
-        link = RedisReplication(reactor, RedisConfig(f"tcp:host=127.0.0.1:port={port}", password),
+        link = RedisReplication(h.clock, RedisConfig("tcp:host=127.0.0.1:port=6379", password),
                                 Handler(), "hs.test", "w1", ping_interval=1.0, ping_timeout=0.5,
                                 initial_delay=0.5, max_delay=30, clock=clock)
         link.startService()
-        self.addCleanup(link.stopService)
+        self.addCleanup(lambda: h.run(link.stopService(), settle=False))
         return link, clock
 
-    async def test_redis_that_accepts_and_closes_sees_growing_delays(self):
+    def test_redis_that_accepts_and_closes_sees_growing_delays(self):
         peer = Peer("close")
-        link, clock = await self.start(peer)
+        link, clock = self.start(peer)
         delays = {"subscriber": [], "publisher": []}
         backoffs = {"subscriber": link.sub_backoff, "publisher": link.pub_backoff}
         for n in range(1, 8):
-            await until(lambda: all(b.failures == n for b in backoffs.values())
-                        and all(p.lost for p in peer.protocols))
+            self.h.flush()
+            self.assertEqual([b.failures for b in backoffs.values()], [n, n])
+            self.assertTrue(all(p.lost for p in peer.protocols))
             for role, backoff in backoffs.items():
                 delays[role].append(backoff.last_delay)
             clock.advance(max(b.last_delay for b in backoffs.values()))
@@ -329,30 +337,32 @@ class RedisLinkTests(TestCase):
         self.assertNotEqual(delays["subscriber"], delays["publisher"])
         self.assertFalse(link.connected)
 
-    async def test_connection_lost_before_ready_is_retried_without_a_state_error(self):
+    def test_connection_lost_before_ready_is_retried_without_a_state_error(self):
         """AUTH is answered by a closed connection: the link is retried
         with backoff, and ClientService never sees an event it has no
         transition for (automat NoTransition logged as Unhandled Error)."""
         peer = Peer("close-on-data")
-        link, clock = await self.start(peer, password="secret-password")
+        link, clock = self.start(peer, password="secret-password")
         for n in range(1, 4):
-            await until(lambda: link.sub_backoff.failures >= n
-                        and link.pub_backoff.failures >= n)
-            await until(lambda: all(p.lost for p in peer.protocols))
+            self.h.flush()
+            self.assertGreaterEqual(link.sub_backoff.failures, n)
+            self.assertGreaterEqual(link.pub_backoff.failures, n)
+            self.assertTrue(all(p.lost for p in peer.protocols))
             clock.advance(60)
         self.assertTrue(all(p.data.startswith(b"*2\r\n$4\r\nAUTH\r\n") for p in peer.protocols))
         self.assertGreaterEqual(len(peer.protocols), 6)
         self.assertFalse(link.connected)
 
-    async def test_stop_while_a_connection_is_getting_ready(self):
+    def test_stop_while_a_connection_is_getting_ready(self):
         """Stopped while AUTH is unanswered: the connection is closed by the
         stop, and its end is no error."""
         peer = Peer("silent")
-        link, clock = await self.start(peer, password="secret-password")
-        await until(lambda: len(peer.protocols) == 2
-                    and all(p.data for p in peer.protocols))
-        await link.stopService()
-        await until(lambda: all(p.lost for p in peer.protocols))
+        link, clock = self.start(peer, password="secret-password")
+        self.h.flush()
+        self.assertEqual(len(peer.protocols), 2)
+        self.assertTrue(all(p.data for p in peer.protocols))
+        self.h.run(link.stopService(), settle=False)
+        self.assertTrue(all(p.lost for p in peer.protocols))
         self.assertFalse(link.connected)
 
 
