@@ -10,6 +10,7 @@ from twisted.trial.unittest import TestCase
 
 from replicator.config import parse_database, parse_streams
 from replicator.consumers import MemoryConsumer
+from replicator.export.source import linear_position
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.protocol import ServerReplicationProtocol
 from replicator.storage.database import Database
@@ -24,6 +25,13 @@ STREAMS = parse_streams([
      "writers": ["master", "worker1"]},
     {"name": "events", "table": "event_stream",
      "columns": [{"event_id": "text"}], "writers": ["master"]},
+])
+#: ``caches`` written by three instances, as an operator adds a writer.
+WRITERS3 = ["master", "worker1", "worker2"]
+THREE_WRITERS = parse_streams([
+    {"name": "caches", "table": "cache_stream",
+     "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
+     "writers": WRITERS3},
 ])
 
 class HandlerTests(TestCase):
@@ -225,6 +233,35 @@ class HandlerTests(TestCase):
         self.h.settle()
         self.assertEqual(worker_consumer.facts[-1], ("events", "master", 3, [["$c"]]))
         self.assertEqual(len(worker_consumer.facts), 4)
+
+
+    def test_idle_writers_reach_the_busy_writers_last_fact(self):
+        """Three writers of ``caches``, facts written on the master only:
+        every instance's linear token and per-writer tokens (what
+        ``replicator positions`` answers), every writer's row in
+        ``stream_positions`` and so the export's bound reach the master's
+        last fact without a write on either worker.  (Each idle worker used
+        to follow the linear token, which the other idle worker held.)"""
+        h = Harness(THREE_WRITERS, self.addCleanup)
+        master = h.instance("master")
+        workers = [h.instance(name) for name in ("worker1", "worker2")]
+        for worker in workers:
+            h.connect(master, worker)
+        stream = master.stream("caches")
+        for i in range(20):
+            last = h.run(stream.write_fact([[f"func{i}", None, i]]))
+        h.advance(1.0)  # positions are persisted a moment after they move
+        for node in [master] + workers:
+            gen = node.stream("caches").id_gen
+            self.assertEqual(gen.get_linear_token(), last, node.name)
+            self.assertEqual(gen.get_positions(), {w: last for w in WRITERS3}, node.name)
+        persisted = dict(h.connection.execute(
+            "SELECT instance_name, stream_id FROM stream_positions "
+            "WHERE stream_name = 'caches'").fetchall())
+        self.assertEqual(persisted, {w: last for w in WRITERS3})
+        self.assertEqual(linear_position(persisted, WRITERS3), last)
+        for worker in workers:
+            self.assertEqual(worker.stream("caches").id_gen.in_flight(), 0)
 
 
 class HandlerOnPostgresTests(TestCase):
