@@ -36,7 +36,8 @@ counter up to the largest at each flush (so two instances writing one
 stream in the same turn would take the same IDs: a test writes on one
 instance per :meth:`Harness.run`).  :meth:`Harness.sequence_taken` says
 that a writer outside the harness took IDs.  An instance that only reads a
-stream creates no table, so the writer's instance is made first.
+stream creates no table, so the writer's instance is made first (or
+:meth:`Harness.create_tables` called).
 """
 
 import sqlite3
@@ -58,6 +59,7 @@ from replicator.replication.protocol import (
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from replicator.streams.stream import Stream
+from tests.support import create_sqlite_tables
 
 SERVER_NAME = "hs.test"
 #: How far :meth:`Harness.settle` moves the clock at most, by default:
@@ -238,6 +240,12 @@ class Harness:
         config = DatabaseConfig("sqlite", path=":memory:", pool_min=1, pool_max=1,
                                 write_group_max=256)
         return Database(config, pool=SyncPool(self.connection))
+
+    def create_tables(self) -> None:
+        """Create every stream's table, as its writers do at start: for a
+        test whose instances only read some of them (a reader creates
+        nothing, and refuses to start without its table)."""
+        create_sqlite_tables(self.connection, self.streams)
 
     def instance(self, name: str, consumers: Iterable[Consumer] = (),
                  streams: Optional[Sequence[StreamConfig]] = None,

@@ -42,17 +42,22 @@ def create_sqlite_stream_tables(path: str, streams) -> None:
     """:func:`create_stream_tables` for a SQLite file."""
     import sqlite3
 
-    from replicator.storage import schema
-
     conn = sqlite3.connect(path)
     try:
-        conn.execute(schema.POSITIONS_DDL)
-        for stream in streams:
-            for statement in schema.table_ddl(stream, False):
-                conn.execute(statement)
-        conn.commit()
+        create_sqlite_tables(conn, streams)
     finally:
         conn.close()
+
+
+def create_sqlite_tables(conn, streams) -> None:
+    """:func:`create_stream_tables` on an open sqlite3 connection."""
+    from replicator.storage import schema
+
+    conn.execute(schema.POSITIONS_DDL)
+    for stream in streams:
+        for statement in schema.table_ddl(stream, False):
+            conn.execute(statement)
+    conn.commit()
 
 
 def table_facts(dsn: str, tables) -> dict:

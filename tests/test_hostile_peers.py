@@ -24,7 +24,6 @@ from replicator.replication.redis import RedisConnection, RedisReplication
 from replicator.replication.tcp import ReplicationServerFactory, upstream_service
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
-from replicator.storage import schema
 from tests.fakes import FakeBus
 from tests.harness import Harness
 from tests.servers import PostgresServer, RedisServer
@@ -75,11 +74,7 @@ class _InMemory(TestCase):
 
     def setUp(self):
         self.h = Harness(STREAMS, self.addCleanup)
-        # What the writers create (an instance that only reads creates nothing).
-        self.h.run(self.h.database().runInteraction(
-            lambda txn: [txn.execute(statement) for statement in
-                         [schema.POSITIONS_DDL] + [d for stream in STREAMS
-                                                   for d in schema.table_ddl(stream, False)]]))
+        self.h.create_tables()  # what the writers create
 
     def instance(self, name, consumers=(), **kwargs):
         node = self.h.instance(name, consumers, **kwargs)
