@@ -265,18 +265,19 @@ class HttpTestCase(TestCase):
 
 
 
-class InMemoryHttpTests(HttpTestCase):
+class InMemoryHttpTestCase(HttpTestCase):
     """The API in memory (:mod:`tests.harness`): twisted.web's server and
     Agent joined by in-memory TCP, streams on SQLite run inline; each call
-    runs to its answer on the harness's clock."""
+    runs to its answer on the harness's clock (no tests)."""
 
     def setUp(self):
         super().setUp()
         self.h = Harness(parse_streams(STREAMS), self.addCleanup)
         self.agent = Agent(self.h.clock, pool=HTTPConnectionPool(self.h.clock, persistent=False))
 
-    def start(self, name="master", replication=None, consumers=(), **api_kw):
-        config = instance_config(name, "dbname=unused", replication)
+    def start(self, name="master", replication=None, consumers=(), config_overrides=None,
+              **api_kw):
+        config = instance_config(name, "dbname=unused", replication, **(config_overrides or {}))
         self.h.create_tables()  # of the streams other instances write
         self.node = self.h.instance(name, consumers,
                                     max_line_length=config.replication.max_line_length)
@@ -298,6 +299,12 @@ class InMemoryHttpTests(HttpTestCase):
             body, producer = None, BytesProducer(body)
         return super().call(method, path, body, headers, producer)
 
+    def open(self, proto):
+        """``proto`` connected to the API."""
+        return self.h.run(endpoints.connectProtocol(
+            endpoints.TCP4ClientEndpoint(self.h.clock, "127.0.0.1", self.port), proto),
+            settle=False)
+
     def answer(self, *args, **kwargs):
         """:meth:`json`, run to its answer (what it started may still run)."""
         return self.h.run(self.json(*args, **kwargs), settle=False)
@@ -305,6 +312,11 @@ class InMemoryHttpTests(HttpTestCase):
     def write(self, stream, doc):
         """:meth:`post`, run to its answer and what it started to its end."""
         return self.h.run(self.post(stream, doc))
+
+
+
+class InMemoryHttpTests(InMemoryHttpTestCase):
+    """What the API says of the handler's state, in memory."""
 
     def test_positions(self):
         self.start()
