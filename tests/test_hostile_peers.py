@@ -27,7 +27,7 @@ from replicator.streams.registry import StreamRegistry
 from tests.fakes import FakeBus
 from tests.harness import Harness
 from tests.servers import PostgresServer, RedisServer
-from tests.support import create_stream_tables, until
+from tests.support import WatchedConsumer, create_stream_tables, until
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -598,8 +598,8 @@ class TcpIntegrationTests(_Base):
     async def test_poisoning_and_an_oversized_relay_harm_no_honest_worker(self):
         registry, master = await self.instance("master")
         port = await self.listen(master)
-        consumer = MemoryConsumer(positions={("caches", "master"): 0,
-                                             ("caches", "worker1"): 0})
+        consumer = WatchedConsumer(positions={("caches", "master"): 0,
+                                              ("caches", "worker1"): 0})
         locks = []
 
         class Locks:
@@ -634,7 +634,7 @@ class TcpIntegrationTests(_Base):
         self.assertIn(b"ERROR ", b"".join(got))
 
         token = await registry.get("caches").write_fact([["real", None, 1]])
-        await until(lambda: consumer.facts)
+        await consumer.until(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("caches", "master", token, [["real", None, 1]])])
         self.assertEqual(registry.get("caches").id_gen.get_current_token("master"), token)
         self.assertIs(next(iter(worker2.connections)), honest_conn)
@@ -672,8 +672,8 @@ class RedisPoisoningTests(_Base):
 
     async def test_forged_claims_are_dropped_and_counted(self):
         m_registry, master, m_link = await self.node("master")
-        consumer = MemoryConsumer(positions={("caches", "master"): 0,
-                                             ("caches", "worker1"): 0})
+        consumer = WatchedConsumer(positions={("caches", "master"): 0,
+                                              ("caches", "worker1"): 0})
         _, reader, r_link = await self.node("worker2", [consumer])
         await until(lambda: m_link.connected and r_link.connected)
         before = refused("caches", "beyond_sequence")
@@ -687,7 +687,7 @@ class RedisPoisoningTests(_Base):
         self.assertEqual(m_registry.get("caches").id_gen.get_positions(),
                          {"master": 0, "worker1": 0})
         token = await m_registry.get("caches").write_fact([["real", None, 1]])
-        await until(lambda: consumer.facts)
+        await consumer.until(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("caches", "master", token, [["real", None, 1]])])
         self.assertEqual(reader.reader_positions()[("caches", "worker1")], 0)
         self.assertTrue(m_link.connected and r_link.connected)

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 import psycopg2
 from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.internet.testing import StringTransport
-from twisted.logger import formatEvent, globalLogPublisher
+from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 from twisted.web.client import (
     UNKNOWN_LENGTH, Agent, FileBodyProducer, HTTPConnectionPool, readBody,
@@ -37,7 +37,7 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.harness import Harness
 from tests.servers import PostgresServer
-from tests.support import create_stream_tables, sleep, until
+from tests.support import LogWatch, create_stream_tables, sleep, until
 
 SECRET = "Hunter2-correct-horse-battery-staple"
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -163,9 +163,8 @@ class HttpTestCase(TestCase):
     timeout = 120
 
     def setUp(self):
-        self.events = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        self.log = LogWatch(self)
+        self.events = self.log.events
         self.addCleanup(self.assert_secret_never_logged)
         pool = HTTPConnectionPool(reactor, persistent=False)
         self.agent = Agent(reactor, pool=pool)
@@ -542,7 +541,8 @@ class HttpApiTests(HttpTestCase):
         client.transport.abortConnection()
         await client.closed
         gate.callback(None)
-        await until(lambda: any("(client gone)" in line for line in self.access_lines()))
+        await self.log.until(lambda: any("(client gone)" in line
+                                         for line in self.access_lines()))
         self.assertEqual(await self.count(), 1)
         updates, _, _ = await caches.updates_since("master", 0, 1)
         self.assertEqual(updates, [(1, ["kept", None, 7])])
