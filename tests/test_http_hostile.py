@@ -1,6 +1,7 @@
 """The HTTP API against hostile and careless clients, over real loopback
-sockets: who may read what, answers built off the reactor, slow clients,
-malformed requests, absurd bodies.  Every refusal is a JSON 4xx/5xx."""
+sockets (the connection cap in memory, :mod:`tests.harness`): who may read
+what, answers built off the reactor, slow clients, malformed requests,
+absurd bodies.  Every refusal is a JSON 4xx/5xx."""
 
 import json
 import socket
