@@ -1,8 +1,14 @@
-"""Helpers shared by the tests: waiting on the real reactor, and reading
-what the backing tables hold, fact by fact."""
+"""Helpers shared by the tests: waiting on the real reactor (on the
+events that make a condition true where there are some: :class:`Waits`,
+:class:`WatchedConsumer`, :class:`LogWatch`; else by polling: :func:`until`),
+and reading what the backing tables hold, fact by fact."""
 
 import psycopg2
-from twisted.internet import reactor, task
+from twisted.internet import defer, reactor, task
+from twisted.logger import globalLogPublisher
+from twisted.python import threadable
+
+from replicator.consumers import MemoryConsumer
 
 from replicator.logformat import TEXT_TIME
 
@@ -20,6 +26,88 @@ async def until(predicate, timeout: float = 10.0, step: float = 0.005) -> None:
         if reactor.seconds() > deadline:
             raise AssertionError("condition not reached in time")
         await sleep(step)
+
+
+class Waits:
+    """Conditions waited on by the events that can make them true, not by
+    polling: :meth:`wait` returns a Deferred that fires (on the next turn
+    of the reactor, never inside the event's own call) once ``predicate()``
+    holds after an event (:meth:`check`), or fails with AssertionError
+    after ``timeout`` seconds."""
+
+    def __init__(self) -> None:
+        self._waiting: list = []
+
+    def wait(self, predicate, timeout: float = 10.0, what: str = "condition"):
+        if predicate():
+            return defer.succeed(None)
+        d = defer.Deferred()
+        entry = (predicate, d)
+        self._waiting.append(entry)
+
+        def expired() -> None:
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+                d.errback(AssertionError(f"{what} not reached in {timeout}s"))
+
+        call = reactor.callLater(timeout, expired)
+
+        def done(result):
+            if call.active():
+                call.cancel()
+            return result
+        return d.addBoth(done)
+
+    def check(self) -> None:
+        """An event happened: fire the waits whose condition now holds."""
+        if not threadable.isInIOThread():
+            reactor.callFromThread(self.check)
+            return
+        for entry in list(self._waiting):
+            predicate, d = entry
+            if predicate():
+                self._waiting.remove(entry)
+                reactor.callLater(0, d.callback, None)
+
+
+class WatchedConsumer(MemoryConsumer):
+    """A :class:`MemoryConsumer` a test can wait on: ``await
+    consumer.until(lambda: consumer.facts)`` is woken by the facts and
+    positions it is handed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._waits = Waits()
+
+    def until(self, predicate, timeout: float = 30.0):
+        return self._waits.wait(predicate, timeout, "consumer condition")
+
+    def on_facts(self, stream, writer, token, rows):
+        super().on_facts(stream, writer, token, rows)
+        self._waits.check()
+
+    def on_position(self, stream, writer, token):
+        super().on_position(stream, writer, token)
+        self._waits.check()
+
+
+class LogWatch:
+    """The events of the global log from now on (``events``), which a test
+    can wait on: ``await log.until(lambda: ...)`` is woken by each event
+    logged.  Removed from the log at the test's cleanup."""
+
+    def __init__(self, test):
+        self.events: list = []
+        self._waits = Waits()
+        globalLogPublisher.addObserver(self._observe)
+        test.addCleanup(globalLogPublisher.removeObserver, self._observe)
+
+    def _observe(self, event) -> None:
+        self.events.append(event)
+        self._waits.check()
+
+    def until(self, predicate, timeout: float = 30.0):
+        return self._waits.wait(predicate, timeout, "log condition")
 
 
 def create_stream_tables(dsn: str, streams) -> None:
@@ -44,17 +132,22 @@ def create_sqlite_stream_tables(path: str, streams) -> None:
     """:func:`create_stream_tables` for a SQLite file."""
     import sqlite3
 
-    from replicator.storage import schema
-
     conn = sqlite3.connect(path)
     try:
-        conn.execute(schema.POSITIONS_DDL)
-        for stream in streams:
-            for statement in schema.table_ddl(stream, False):
-                conn.execute(statement)
-        conn.commit()
+        create_sqlite_tables(conn, streams)
     finally:
         conn.close()
+
+
+def create_sqlite_tables(conn, streams) -> None:
+    """:func:`create_stream_tables` on an open sqlite3 connection."""
+    from replicator.storage import schema
+
+    conn.execute(schema.POSITIONS_DDL)
+    for stream in streams:
+        for statement in schema.table_ddl(stream, False):
+            conn.execute(statement)
+    conn.commit()
 
 
 def table_facts(dsn: str, tables) -> dict:

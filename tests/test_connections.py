@@ -1,10 +1,13 @@
-"""Outgoing and incoming links under hostile or broken peers, over real
-loopback sockets: a silent upstream, a listener flooded with idle sockets,
-an upstream (TCP or Redis) that accepts and closes at once, a Redis that
-drops a connection before it is ready.
+"""Outgoing and incoming links under hostile or broken peers: a silent
+upstream, a listener flooded with idle sockets, an upstream (TCP or Redis)
+that accepts and closes at once, a Redis that drops a connection before it
+is ready.
 
-Reconnect delays run on a Clock handed to the services (the sockets are
-real): the tests read the delays the services chose instead of timing
+The listener's caps, the TCP upstream's timeout and backoff and the Redis
+links' backoff run in memory (:mod:`tests.harness`: scripted peers joined
+by iosim transports); whole instances and a real redis-server over real
+loopback sockets.  Reconnect delays run on a Clock handed to the
+services: the tests read the delays the services chose instead of timing
 anything.
 """
 
@@ -21,6 +24,7 @@ from replicator.replication.redis import RedisReplication
 from replicator.replication.tcp import (
     ConnectionSettings, ReplicationServerFactory, upstream_service,
 )
+from tests.harness import Harness
 from tests.support import until
 
 
@@ -78,19 +82,26 @@ def only_call(clock):
 class SilentUpstreamTests(TestCase):
     timeout = 60
 
-    async def test_silent_upstream_is_not_connected_and_is_dropped(self):
+    def test_silent_upstream_is_not_connected_and_is_dropped(self):
+        """In memory (:mod:`tests.harness`): the upstream accepts and never
+        writes."""
+        h = Harness([], self.addCleanup)
         peer = Peer("silent")
-        port = await listen(self, peer)
+        h.clock.listenTCP(9092, peer)
         settings = ConnectionSettings(ping_interval=0.2, ping_timeout=1.0)
-        service = upstream_service(reactor, f"tcp:host=127.0.0.1:port={port}", object(),
+        service = upstream_service(h.clock, "tcp:host=127.0.0.1:port=9092", object(),
                                    "worker1", "hs.test", settings, initial_delay=30,
                                    max_delay=30)
         service.startService()
-        self.addCleanup(service.stopService)
-        await until(lambda: peer.protocols and service.replication_factory.current)
+        self.addCleanup(lambda: h.run(service.stopService(), settle=False))
+        h.flush()
+        self.assertTrue(peer.protocols and service.replication_factory.current)
         self.assertFalse(service.connected)
         # The client times the silent server out and says why.
-        await until(lambda: peer.protocols[0].lost, timeout=30)
+        h.advance(0.9)
+        self.assertFalse(peer.protocols[0].lost)
+        h.advance(0.2)
+        self.assertTrue(peer.protocols[0].lost)
         self.assertTrue(peer.protocols[0].data.startswith(b"NAME worker1\nPING "))
         self.assertTrue(peer.protocols[0].data.endswith(b"ERROR ping timeout\n"))
         self.assertEqual(service.replication_factory.current.close_reason, "ping_timeout")
@@ -143,42 +154,48 @@ class StartupGarbageTests(TestCase):
 
 
 class ListenerCapTests(TestCase):
-    timeout = 60
+    """The listener's caps, in memory (:mod:`tests.harness`: the factory's
+    protocols joined to scripted peers)."""
 
-    async def test_readers_over_the_cap_get_an_error_and_are_closed(self):
+    def test_readers_over_the_cap_get_an_error_and_are_closed(self):
         class Handler:
             instance_name = "master"
             registry = ()
 
-        factory = ReplicationServerFactory(Handler(), "hs.test", clock=reactor,
+        h = Harness([], self.addCleanup)
+        factory = ReplicationServerFactory(Handler(), "hs.test", clock=h.clock,
                                            max_connections=2)
-        port = await listen(self, factory)
+
+        def connect():
+            return h.accept(factory, Peer("silent").buildProtocol(None)).client
+
         refused = metrics.CONNECTIONS_REFUSED.labels("max_connections")
         before = refused._value.get()
-        first = await connect(port)
-        second = await connect(port)
-        third = await connect(port)
+        first, second, third = connect(), connect(), connect()
         for n, p in enumerate((first, second, third)):
             p.transport.write(b"NAME reader%d\nREPLICATE\n" % n)
-            await until(lambda: factory.crowd.identified == min(n + 1, 2) and p.data)
-        await until(lambda: third.lost)
+            h.flush()
+            self.assertEqual(factory.crowd.identified, min(n + 1, 2))
+            self.assertTrue(p.data)
+        self.assertTrue(third.lost)
         self.assertTrue(third.data.endswith(b"ERROR too many connections\n"), third.data)
-        await until(lambda: first.data and second.data)
         self.assertTrue(first.data.startswith(b"SERVER hs.test\nPING "))
         self.assertFalse(first.lost or second.lost)
         self.assertEqual(len(factory.live), 2)
         self.assertEqual(refused._value.get() - before, 1)
         # A slot freed is a slot to take again.
         first.transport.loseConnection()
-        await until(lambda: len(factory.live) == 1)
-        fourth = await connect(port)
+        h.flush()
+        self.assertEqual(len(factory.live), 1)
+        fourth = connect()
         fourth.transport.write(b"NAME reader4\nREPLICATE\n")
-        await until(lambda: fourth.data)
+        h.flush()
         self.assertTrue(fourth.data.startswith(b"SERVER hs.test\n"))
         self.assertFalse(fourth.lost)
         for p in (second, fourth):
             p.transport.loseConnection()
-        await until(lambda: not factory.live)
+        h.flush()
+        self.assertFalse(factory.live)
 
 
 class FdBudgetTests(TestCase):
@@ -210,70 +227,77 @@ class FdBudgetTests(TestCase):
 
 
 class TcpBackoffTests(TestCase):
-    timeout = 60
+    """The upstream's reconnect delays, in memory: each connect reaches a
+    scripted peer through the harness; the service's own Clock is read."""
 
-    async def start(self, peer, **kwargs):
-        port = await listen(self, peer)
+    def start(self, peer, **kwargs):
+        h = self.h = Harness([], self.addCleanup)
         clock = Clock()
-        service = upstream_service(reactor, f"tcp:host=127.0.0.1:port={port}", object(),
+        h.clock.listenTCP(9092, peer)
+        service = upstream_service(h.clock, "tcp:host=127.0.0.1:port=9092", object(),
                                    "worker1", "hs.test", clock=clock, **kwargs)
         service.startService()
-        self.addCleanup(service.stopService)
+        self.addCleanup(lambda: h.run(service.stopService(), settle=False))
         return service, clock
 
-    async def next_delay(self, service, clock, failures):
-        """Wait for the connection to end and the retry to be scheduled;
-        return its delay and let it run."""
-        await until(lambda: service.backoff.failures == failures and only_call(clock))
+    def next_delay(self, service, clock, failures):
+        """Once the connection ended and the retry is scheduled: its delay,
+        and the retry run."""
+        self.h.flush()
+        self.assertEqual(service.backoff.failures, failures)
         call = only_call(clock)
+        self.assertIsNotNone(call, clock.getDelayedCalls())
         delay = call.getTime() - clock.seconds()
         clock.advance(delay)
         return delay
 
-    async def test_upstream_that_accepts_and_closes_sees_growing_delays(self):
+    def test_upstream_that_accepts_and_closes_sees_growing_delays(self):
         peer = Peer("close")
-        service, clock = await self.start(peer, initial_delay=0.5, max_delay=30)
+        service, clock = self.start(peer, initial_delay=0.5, max_delay=30)
         delays = []
         for n in range(1, 8):
-            delays.append(await self.next_delay(service, clock, n))
+            delays.append(self.next_delay(service, clock, n))
         self.assertEqual(len(peer.protocols), 7)
         self.assertEqual(delays, sorted(set(delays)), delays)  # strictly growing
         self.assertGreaterEqual(delays[0], 0.375)
         self.assertGreaterEqual(delays[5], 0.5 * 2**5 * 0.75)
         self.assertLessEqual(max(delays), 30)
 
-    async def test_backoff_resets_only_after_a_healthy_connection(self):
+    def test_backoff_resets_only_after_a_healthy_connection(self):
         peer = Peer("close")
         settings = ConnectionSettings(ping_interval=5.0, ping_timeout=15.0)
-        service, clock = await self.start(peer, settings=settings, initial_delay=0.5,
-                                          max_delay=30)
+        service, clock = self.start(peer, settings=settings, initial_delay=0.5, max_delay=30)
         for n in range(1, 4):
-            await self.next_delay(service, clock, n)
+            self.next_delay(service, clock, n)
         # Now the server answers the handshake, but closes before a
         # ping interval has passed: not healthy yet.
         peer.mode = "talk"
-        await until(lambda: len(peer.protocols) == 4 and service.connected)
+        self.h.flush()
+        self.assertEqual(len(peer.protocols), 4)
+        self.assertTrue(service.connected)
         clock.advance(4.9)
         peer.protocols[-1].transport.loseConnection()
-        delay = await self.next_delay(service, clock, 4)
+        delay = self.next_delay(service, clock, 4)
         self.assertGreaterEqual(delay, 0.5 * 2**3 * 0.75)
         # This time it stays for a ping interval: the backoff starts over.
-        await until(lambda: len(peer.protocols) == 5 and service.connected)
+        self.h.flush()
+        self.assertEqual(len(peer.protocols), 5)
+        self.assertTrue(service.connected)
         clock.advance(5.0)
         self.assertEqual(service.backoff.failures, 0)
         peer.protocols[-1].transport.loseConnection()
-        delay = await self.next_delay(service, clock, 1)
+        delay = self.next_delay(service, clock, 1)
         self.assertLessEqual(delay, 0.5)
 
 
 class RedisLinkTests(TestCase):
-    """The Redis links: the same backoff, and no ClientService state error
-    when a connection dies before it is ready."""
+    """The Redis links, in memory against a scripted Redis: the same
+    backoff, and no ClientService state error when a connection dies
+    before it is ready."""
 
-    timeout = 60
-
-    async def start(self, peer, password=None):
-        port = await listen(self, peer)
+    def start(self, peer, password=None):
+        h = self.h = Harness([], self.addCleanup)
+        h.clock.listenTCP(6379, peer)
         clock = Clock()
 
         class Handler:
@@ -286,21 +310,22 @@ class RedisLinkTests(TestCase):
             def lost_connection(self, conn, reason):
                 pass
 
-        link = RedisReplication(reactor, RedisConfig(f"tcp:host=127.0.0.1:port={port}", password),
+        link = RedisReplication(h.clock, RedisConfig("tcp:host=127.0.0.1:port=6379", password),
                                 Handler(), "hs.test", "w1", ping_interval=1.0, ping_timeout=0.5,
                                 initial_delay=0.5, max_delay=30, clock=clock)
         link.startService()
-        self.addCleanup(link.stopService)
+        self.addCleanup(lambda: h.run(link.stopService(), settle=False))
         return link, clock
 
-    async def test_redis_that_accepts_and_closes_sees_growing_delays(self):
+    def test_redis_that_accepts_and_closes_sees_growing_delays(self):
         peer = Peer("close")
-        link, clock = await self.start(peer)
+        link, clock = self.start(peer)
         delays = {"subscriber": [], "publisher": []}
         backoffs = {"subscriber": link.sub_backoff, "publisher": link.pub_backoff}
         for n in range(1, 8):
-            await until(lambda: all(b.failures == n for b in backoffs.values())
-                        and all(p.lost for p in peer.protocols))
+            self.h.flush()
+            self.assertEqual([b.failures for b in backoffs.values()], [n, n])
+            self.assertTrue(all(p.lost for p in peer.protocols))
             for role, backoff in backoffs.items():
                 delays[role].append(backoff.last_delay)
             clock.advance(max(b.last_delay for b in backoffs.values()))
@@ -312,30 +337,32 @@ class RedisLinkTests(TestCase):
         self.assertNotEqual(delays["subscriber"], delays["publisher"])
         self.assertFalse(link.connected)
 
-    async def test_connection_lost_before_ready_is_retried_without_a_state_error(self):
+    def test_connection_lost_before_ready_is_retried_without_a_state_error(self):
         """AUTH is answered by a closed connection: the link is retried
         with backoff, and ClientService never sees an event it has no
         transition for (automat NoTransition logged as Unhandled Error)."""
         peer = Peer("close-on-data")
-        link, clock = await self.start(peer, password="secret-password")
+        link, clock = self.start(peer, password="secret-password")
         for n in range(1, 4):
-            await until(lambda: link.sub_backoff.failures >= n
-                        and link.pub_backoff.failures >= n)
-            await until(lambda: all(p.lost for p in peer.protocols))
+            self.h.flush()
+            self.assertGreaterEqual(link.sub_backoff.failures, n)
+            self.assertGreaterEqual(link.pub_backoff.failures, n)
+            self.assertTrue(all(p.lost for p in peer.protocols))
             clock.advance(60)
         self.assertTrue(all(p.data.startswith(b"*2\r\n$4\r\nAUTH\r\n") for p in peer.protocols))
         self.assertGreaterEqual(len(peer.protocols), 6)
         self.assertFalse(link.connected)
 
-    async def test_stop_while_a_connection_is_getting_ready(self):
+    def test_stop_while_a_connection_is_getting_ready(self):
         """Stopped while AUTH is unanswered: the connection is closed by the
         stop, and its end is no error."""
         peer = Peer("silent")
-        link, clock = await self.start(peer, password="secret-password")
-        await until(lambda: len(peer.protocols) == 2
-                    and all(p.data for p in peer.protocols))
-        await link.stopService()
-        await until(lambda: all(p.lost for p in peer.protocols))
+        link, clock = self.start(peer, password="secret-password")
+        self.h.flush()
+        self.assertEqual(len(peer.protocols), 2)
+        self.assertTrue(all(p.data for p in peer.protocols))
+        self.h.run(link.stopService(), settle=False)
+        self.assertTrue(all(p.lost for p in peer.protocols))
         self.assertFalse(link.connected)
 
 

@@ -888,86 +888,63 @@ class CrashProperty(SynchronousTestCase):
 
 # ------------------------------------------------------------ with the reader
 class ReaderTests(TestCase):
-    """A JsonlConsumer behind a real ReplicationHandler (PostgreSQL): after a
-    crash the reader resumes from the file and each fact lands once."""
-
-    timeout = 60
+    """A JsonlConsumer behind a real ReplicationHandler, in memory
+    (:mod:`tests.harness`; the file's I/O inline): after a crash the reader
+    resumes from the file and each fact lands once."""
 
     def setUp(self):
-        from tests.servers import PostgresServer
+        from replicator.config import parse_streams
+        from tests.harness import Harness
 
-        self.dsn = PostgresServer.shared().create_database()
         self.path = os.path.join(temp_dir(self), "facts.jsonl")
-
-    async def instance(self, name, consumers=()):
-        from replicator.config import parse_database, parse_streams
-        from replicator.replication.handler import ReplicationHandler
-        from replicator.storage.database import Database
-        from replicator.streams.registry import StreamRegistry
-
-        streams = parse_streams([
+        self.h = Harness(parse_streams([
             {"name": "caches", "table": "cache_stream",
              "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
              "writers": ["master", "worker1"]},
-        ])
-        db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        registry = StreamRegistry(db, name, streams, reactor=reactor)
-        await registry.start()
-        handler = ReplicationHandler(registry, name, "hs.test", consumers=consumers)
-        handler.start()
+        ]), self.addCleanup)
 
-        async def stop():
-            await registry.stop()
-            db.close()
-        return registry, handler, stop
+    def consumer(self):
+        # Flushed only when asked (the timer never fires in the test).
+        return JsonlConsumer(self.path, self.h.clock, flush_interval=3600, run_io=run_inline)
 
-    @staticmethod
-    def connect(handler, data):
-        from twisted.internet.testing import StringTransport
-
-        from replicator.replication.protocol import ClientReplicationProtocol
-
-        proto = ClientReplicationProtocol(handler, "worker1", "hs.test", clock=task.Clock())
-        proto.makeConnection(StringTransport())
+    def connect(self, node, data):
+        proto, _ = self.h.client(node)
         proto.dataReceived(data)
+        self.h.settle()
         return proto
 
-    async def test_resume_after_a_crash(self):
+    def test_resume_after_a_crash(self):
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, "wb") as f:  # "from the beginning"
             f.write(b'{"stream":"caches","writer":"master","position":0}\n')
-        master_reg, _, stop_master = await self.instance("master")
-        self.addCleanup(stop_master)
-        caches = master_reg.get("caches")
-        await caches.write_facts([[["a", None, 1], ["b", None, 1]], [], [["c", None, 3]]])
+        master = self.h.instance("master")
+        caches = master.stream("caches")
+        self.h.run(caches.write_facts([[["a", None, 1], ["b", None, 1]], [], [["c", None, 3]]]))
 
-        # Flushed only when asked (the timer never fires in the test).
-        jsonl = JsonlConsumer(self.path, reactor, flush_interval=3600)
-        _, worker, stop_worker = await self.instance("worker1", [jsonl])
-        proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 3 3\n")
-        await until(lambda: worker.reader_positions()[("caches", "master")] == 3)
-        await until(worker.idle)
-        jsonl.flush()  # written by the file's own thread
-        await until(lambda: jsonl.positions() == {("caches", "master"): 3})
+        jsonl = self.consumer()
+        worker = self.h.instance("worker1", [jsonl])
+        proto = self.connect(worker, b"POSITION caches master 3 3\n")
+        self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 3)
+        self.h.run(jsonl.flush())
+        self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
         # Two more facts arrive live; the worker dies before they are flushed.
-        await caches.write_facts([[["d", None, 4]], [["e", None, 5]]])
+        self.h.run(caches.write_facts([[["d", None, 4]], [["e", None, 5]]]))
         proto.dataReceived(b'RDATA caches master 4 ["d",null,4]\n'
                            b'RDATA caches master 5 ["e",null,5]\n')
-        await until(lambda: worker.reader_positions()[("caches", "master")] == 5)
+        self.h.settle()
+        self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 5)
         crash(jsonl)
         proto.connectionLost(None)
-        await stop_worker()
+        worker.handler.stop()
 
-        jsonl = JsonlConsumer(self.path, reactor, flush_interval=3600)
+        jsonl = self.consumer()
         self.assertEqual(jsonl.positions(), {("caches", "master"): 3})
-        _, worker, stop_worker = await self.instance("worker1", [jsonl])
-        proto = self.connect(worker, b"SERVER hs.test\nPOSITION caches master 5 5\n"
+        worker = self.h.instance("worker1", [jsonl])
+        proto = self.connect(worker, b"POSITION caches master 5 5\n"
                                      b'RDATA caches master 5 ["e",null,5]\n')
-        await until(lambda: worker.reader_positions()[("caches", "master")] == 5)
-        await until(worker.idle)
+        self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 5)
         proto.connectionLost(None)
-        await jsonl.close()
-        await stop_worker()
+        self.h.run(jsonl.close())
         lines, _ = read_lines(self.path)
         self.assertEqual([(line["token"], line["rows"]) for line in lines if "rows" in line], [
             (1, [["a", None, 1], ["b", None, 1]]),

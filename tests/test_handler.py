@@ -1,4 +1,7 @@
-"""The replication handler on StringTransport, with streams on a real PostgreSQL."""
+"""The replication handler in memory (:mod:`tests.harness`): streams on
+SQLite run inline, connections on StringTransport, a clock the test moves.
+What needs PostgreSQL itself (facts inserted by SQL behind the writer's
+back, taking IDs from the shared sequence) runs there."""
 
 import psycopg2
 from twisted.internet import reactor, task
@@ -7,12 +10,12 @@ from twisted.trial.unittest import TestCase
 
 from replicator.config import parse_database, parse_streams
 from replicator.consumers import MemoryConsumer
+from replicator.export.source import linear_position
 from replicator.replication.handler import ReplicationHandler
-from replicator.replication.protocol import (
-    ClientReplicationProtocol, ServerReplicationProtocol,
-)
+from replicator.replication.protocol import ServerReplicationProtocol
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
+from tests.harness import Harness, lines
 from tests.servers import PostgresServer
 from tests.support import until
 
@@ -23,24 +26,248 @@ STREAMS = parse_streams([
     {"name": "events", "table": "event_stream",
      "columns": [{"event_id": "text"}], "writers": ["master"]},
 ])
-
-
-def set_sequence(dsn, sequence, value):
-    """What another writer sharing the database would have done: without it,
-    a claimed token above the sequence is refused as impossible."""
-    conn = psycopg2.connect(dsn)
-    try:
-        conn.autocommit = True
-        conn.cursor().execute("SELECT setval(%s, %s)", (sequence, value))
-    finally:
-        conn.close()
-
-
-def lines(transport):
-    return transport.value().decode().splitlines()
-
+#: ``caches`` written by three instances, as an operator adds a writer.
+WRITERS3 = ["master", "worker1", "worker2"]
+THREE_WRITERS = parse_streams([
+    {"name": "caches", "table": "cache_stream",
+     "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
+     "writers": WRITERS3},
+])
 
 class HandlerTests(TestCase):
+    """Handler logic, in memory: every assertion follows ``settle()``."""
+
+    def setUp(self):
+        self.h = Harness(STREAMS, self.addCleanup)
+
+    def test_replicate_answers_every_stream_and_writer(self):
+        master = self.h.instance("master")
+        self.h.run(master.stream("caches").write_facts([[["f", None, 1]], []]))
+        proto, tr = self.h.serve(master, clear=False)
+        self.assertEqual(lines(tr)[0], "SERVER hs.test")
+        tr.clear()
+        proto.dataReceived(b"REPLICATE \r\n")
+        self.assertEqual(lines(tr), [
+            "POSITION caches master 2 2",
+            "POSITION caches worker1 0 0",
+            "POSITION events master 0 0",
+        ])
+
+    def test_fanout_writes_the_same_bytes_to_every_connection(self):
+        master = self.h.instance("master")
+        (p1, t1) = self.h.serve(master, replicate=True)
+        (p2, t2) = self.h.serve(master, replicate=True)
+        idle, it = self.h.serve(master)  # never sent REPLICATE
+        caches = master.stream("caches")
+        self.h.run(caches.write_facts([
+            [["a", ["@x:hs"], 1], ["b", None, 2], ["c", None, 3]],
+            [],
+        ]))
+        self.h.run(caches.write_fact([["d", {"k": "v w"}, 4]]))
+        self.assertEqual(t1.value(), t2.value())
+        # The empty fact 2 shows as a POSITION (fan-out coalesces advances
+        # that come within its interval; these came apart).
+        self.assertEqual(lines(t1), [
+            'RDATA caches master batch ["a",["@x:hs"],1]',
+            'RDATA caches master batch ["b",null,2]',
+            'RDATA caches master 1 ["c",null,3]',
+            "POSITION caches master 1 2",
+            'RDATA caches master 3 ["d",{"k":"v w"},4]',
+        ])
+        self.assertEqual(it.value(), b"")
+        # A rollback alone advances by POSITION.
+        t1.clear()
+
+        def boom(txn, stream_id):
+            raise RuntimeError("no")
+
+        async def rolled_back():
+            async with master.stream("events").writer() as fact:
+                fact.add_row(["$e"])
+                fact.also(boom)
+
+        with self.assertRaises(RuntimeError):
+            self.h.run(rolled_back())
+        self.assertEqual(lines(t1), ["POSITION events master 0 1"])
+
+    def test_writer_client_rows_are_consumed_and_relayed_whole(self):
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        master = self.h.instance("master", [consumer])
+        self.h.sequence_taken("caches", 4)  # worker1 wrote up to 4
+        other, ot = self.h.serve(master, "worker2", replicate=True)
+        worker, wt = self.h.serve(master, "worker1")
+        worker.dataReceived(
+            b"POSITION caches worker1 0 0\n"
+            b'RDATA caches worker1 batch ["a",null,1]\n'
+            b'RDATA caches worker1 batch ["b",null,1]\n')
+        self.h.settle()
+        self.assertEqual(ot.value().count(b"RDATA"), 0)  # half a fact: not yet
+        worker.dataReceived(
+            b'RDATA caches worker1 4 ["c",null,1]\n'
+            b'RDATA caches worker1 4 ["dup",null,1]\n')
+        self.h.settle()
+        self.assertEqual(consumer.facts, [
+            ("caches", "worker1", 4, [["a", None, 1], ["b", None, 1], ["c", None, 1]])])
+        # (The master, idle on caches, follows the linear token: its own
+        # POSITION lines may interleave; only worker1's are checked.)
+        self.assertEqual([l for l in lines(ot) if " worker1 " in l], [
+            "POSITION caches worker1 0 0",
+            'RDATA caches worker1 batch ["a",null,1]',
+            'RDATA caches worker1 batch ["b",null,1]',
+            'RDATA caches worker1 4 ["c",null,1]',
+            'RDATA caches worker1 4 ["dup",null,1]',
+        ])
+        self.assertEqual(wt.value().count(b"RDATA"), 0)  # no echo
+        self.assertEqual(master.handler.reader_positions()[("caches", "worker1")], 4)
+        self.assertEqual(master.stream("caches").id_gen.get_current_token("worker1"), 4)
+        # A client may not write a stream it is not a writer of.
+        worker.dataReceived(b'RDATA events worker1 5 ["$e"]\n')
+        self.assertTrue(lines(wt)[-1].startswith("ERROR invalid command: RDATA"))
+
+    def test_position_gap_is_fetched_from_the_table(self):
+        consumer = MemoryConsumer(positions={("caches", "master"): 0})
+        # The worker's registry writes nothing to caches before it is told.
+        master = self.h.instance("master")
+        self.h.run(master.stream("caches").write_facts(
+            [[["a", None, 1], ["b", None, 1]], [], [["c", None, 2]]]))
+        worker = self.h.instance("worker1", [consumer])
+        proto, tr = self.h.client(worker, handshake=False, clear=False)
+        self.assertEqual(lines(tr)[0], "NAME worker1")
+        # A writer new to the stream starts at its smallest persisted
+        # position (the master's 3), and announces it.
+        self.assertEqual(lines(tr)[2:], ["REPLICATE ", "POSITION caches worker1 3 3"])
+        proto.dataReceived(
+            b"SERVER hs.test\n"
+            b'RDATA caches master 2 ["early",null,0]\n'  # not connected yet: dropped
+            b"POSITION caches master 3 3\n"
+            b'RDATA caches master 3 ["c",null,2]\n')      # duplicate of the catch-up
+        self.h.settle()
+        self.assertEqual(worker.handler.reader_positions()[("caches", "master")], 3)
+        self.assertEqual(consumer.facts, [
+            ("caches", "master", 1, [["a", None, 1], ["b", None, 1]]),
+            ("caches", "master", 3, [["c", None, 2]]),
+        ])
+
+    def test_partial_batch_dies_with_its_connection(self):
+        consumer = MemoryConsumer(positions={("caches", "master"): 0})
+        self.h.instance("master")  # creates the tables worker1 only reads
+        worker = self.h.instance("worker1", [consumer])
+        self.h.sequence_taken("caches", 1)  # the master wrote fact 1
+        proto, _ = self.h.client(worker)
+        proto.dataReceived(b"POSITION caches master 0 0\n"
+                           b'RDATA caches master batch ["lost",null,0]\n')
+        proto.connectionLost(None)
+        proto2, _ = self.h.client(worker)
+        proto2.dataReceived(b"POSITION caches master 0 0\n"
+                            b'RDATA caches master 1 ["whole",null,0]\n')
+        self.h.settle()
+        self.assertEqual(consumer.facts, [("caches", "master", 1, [["whole", None, 0]])])
+
+    def test_user_sync_bookkeeping_and_relays(self):
+        master = self.h.instance("master")
+        handler = master.handler
+        a, at = self.h.serve(master, "worker1")
+        b, bt = self.h.serve(master, "worker2")
+        a.dataReceived(b"USER_SYNC worker1 @u:hs DEV start 1000\n"
+                       b"USER_SYNC worker1 @v:hs None start 1001\n"
+                       b"FEDERATION_ACK worker1 57\n"
+                       b'LOCK_RELEASED ["worker1","lock","key"]\n'
+                       b"REMOTE_SERVER_UP other.hs\n")
+        self.assertEqual(handler.user_syncs,
+                         {"worker1": {("@u:hs", "DEV"): 1000, ("@v:hs", None): 1001}})
+        self.assertEqual(handler.federation_acks, {"worker1": 57})
+        self.assertEqual(lines(bt), ['LOCK_RELEASED ["worker1","lock","key"]',
+                                     "REMOTE_SERVER_UP other.hs"])
+        a.dataReceived(b"USER_SYNC worker1 @u:hs DEV end 1002\n")
+        self.assertEqual(handler.user_syncs, {"worker1": {("@v:hs", None): 1001}})
+        a.connectionLost(None)  # expires with the connection
+        self.assertEqual(handler.user_syncs, {})
+
+    def test_connection_metrics_are_labelled_by_name(self):
+        from replicator import metrics
+
+        def gauge(name):
+            return metrics.CONNECTIONS.labels(name)._value.get()
+
+        master = self.h.instance("master")
+        unnamed, named, other = gauge("unnamed"), gauge("worker1"), gauge("other")
+        proto, _ = self.h.serve(master)
+        self.assertEqual(gauge("unnamed"), unnamed + 1)
+        proto.dataReceived(b"NAME worker1\nPING 1\n")
+        self.assertEqual((gauge("unnamed"), gauge("worker1")), (unnamed, named + 1))
+        self.assertEqual(
+            metrics.COMMANDS_IN.labels("PING", "worker1")._value.get() >= 1, True)
+        # A name the configuration does not know is "other".
+        stranger, _ = self.h.serve(master, "worker7")
+        self.assertEqual(gauge("other"), other + 1)
+        proto.connectionLost(None)
+        stranger.connectionLost(None)
+        self.assertEqual((gauge("unnamed"), gauge("worker1"), gauge("other")),
+                         (unnamed, named, other))
+
+    def test_instances_joined_in_memory_replicate_both_ways(self):
+        """A worker connected to the master through iosim transports: the
+        master's facts reach the worker's consumer, the worker's reach the
+        master's, each once, with no socket and no wait."""
+        master_consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        worker_consumer = MemoryConsumer(positions={("caches", "master"): 0,
+                                                    ("events", "master"): 0})
+        master = self.h.instance("master", [master_consumer])
+        worker = self.h.instance("worker1", [worker_consumer])
+        link = self.h.connect(master, worker)
+        self.assertTrue(link.client.established)
+        self.h.run(master.stream("events").write_facts([[["$a"]], [["$b"]]]))
+        self.h.run(master.stream("caches").write_fact([["m", None, 1]]))
+        self.assertEqual([(s, t, rows) for s, _, t, rows in worker_consumer.facts],
+                         [("events", 1, [["$a"]]), ("events", 2, [["$b"]]),
+                          ("caches", 1, [["m", None, 1]])])
+        # The worker's own writes (IDs from the stream's one sequence).
+        self.h.run(worker.stream("caches").write_fact([["w", None, 2]]))
+        self.assertEqual(master_consumer.facts, [("caches", "worker1", 2, [["w", None, 2]])])
+        # A cut link: the worker's next fact comes after the reconnect.
+        link.cut()
+        self.h.settle()
+        self.assertFalse(worker.handler.connections)
+        self.h.run(master.stream("events").write_fact([["$c"]]))
+        self.h.connect(master, worker)
+        self.h.settle()
+        self.assertEqual(worker_consumer.facts[-1], ("events", "master", 3, [["$c"]]))
+        self.assertEqual(len(worker_consumer.facts), 4)
+
+
+    def test_idle_writers_reach_the_busy_writers_last_fact(self):
+        """Three writers of ``caches``, facts written on the master only:
+        every instance's linear token and per-writer tokens (what
+        ``replicator positions`` answers), every writer's row in
+        ``stream_positions`` and so the export's bound reach the master's
+        last fact without a write on either worker.  (Each idle worker used
+        to follow the linear token, which the other idle worker held.)"""
+        h = Harness(THREE_WRITERS, self.addCleanup)
+        master = h.instance("master")
+        workers = [h.instance(name) for name in ("worker1", "worker2")]
+        for worker in workers:
+            h.connect(master, worker)
+        stream = master.stream("caches")
+        for i in range(20):
+            last = h.run(stream.write_fact([[f"func{i}", None, i]]))
+        h.advance(1.0)  # positions are persisted a moment after they move
+        for node in [master] + workers:
+            gen = node.stream("caches").id_gen
+            self.assertEqual(gen.get_linear_token(), last, node.name)
+            self.assertEqual(gen.get_positions(), {w: last for w in WRITERS3}, node.name)
+        persisted = dict(h.connection.execute(
+            "SELECT instance_name, stream_id FROM stream_positions "
+            "WHERE stream_name = 'caches'").fetchall())
+        self.assertEqual(persisted, {w: last for w in WRITERS3})
+        self.assertEqual(linear_position(persisted, WRITERS3), last)
+        for worker in workers:
+            self.assertEqual(worker.stream("caches").id_gen.in_flight(), 0)
+
+
+class HandlerOnPostgresTests(TestCase):
+    """What the handler does with PostgreSQL itself: a shared sequence that
+    SQL outside the daemon takes IDs from."""
+
     timeout = 60
 
     def setUp(self):
@@ -64,186 +291,6 @@ class HandlerTests(TestCase):
             proto.dataReceived(f"NAME {name}\n".encode())
         self.addCleanup(lambda: proto.connectionLost(None))
         return proto, transport
-
-    async def test_replicate_answers_every_stream_and_writer(self):
-        registry, handler = await self.instance("master")
-        await registry.get("caches").write_facts([[["f", None, 1]], []])
-        await until(handler.idle)
-        proto, tr = self.server_conn(handler)
-        self.assertEqual(lines(tr)[0], "SERVER hs.test")
-        tr.clear()
-        proto.dataReceived(b"REPLICATE \r\n")
-        self.assertEqual(lines(tr), [
-            "POSITION caches master 2 2",
-            "POSITION caches worker1 0 0",
-            "POSITION events master 0 0",
-        ])
-
-    async def test_fanout_writes_the_same_bytes_to_every_connection(self):
-        registry, handler = await self.instance("master")
-        (p1, t1), (p2, t2) = self.server_conn(handler), self.server_conn(handler)
-        idle, it = self.server_conn(handler)  # never sent REPLICATE
-        for p, t in ((p1, t1), (p2, t2)):
-            p.dataReceived(b"REPLICATE\n")
-            t.clear()
-        it.clear()
-        caches = registry.get("caches")
-        await caches.write_facts([
-            [["a", ["@x:hs"], 1], ["b", None, 2], ["c", None, 3]],
-            [],
-        ])
-        await caches.write_fact([["d", {"k": "v w"}, 4]])
-        await until(lambda: handler.idle() and "caches master 3" in t1.value().decode())
-        self.assertEqual(t1.value(), t2.value())
-        # The empty fact 2 shows as a POSITION, alone or folded into the
-        # advance that carries fact 3 (fan-out coalesces advances).
-        self.assertIn(lines(t1), [[
-            'RDATA caches master batch ["a",["@x:hs"],1]',
-            'RDATA caches master batch ["b",null,2]',
-            'RDATA caches master 1 ["c",null,3]',
-            "POSITION caches master 1 2",
-            'RDATA caches master 3 ["d",{"k":"v w"},4]',
-        ], [
-            'RDATA caches master batch ["a",["@x:hs"],1]',
-            'RDATA caches master batch ["b",null,2]',
-            'RDATA caches master 1 ["c",null,3]',
-            'RDATA caches master 3 ["d",{"k":"v w"},4]',
-        ]])
-        self.assertEqual(it.value(), b"")
-        # A rollback alone advances by POSITION.
-        t1.clear()
-
-        def boom(txn, stream_id):
-            raise RuntimeError("no")
-
-        with self.assertRaises(RuntimeError):
-            async with registry.get("events").writer() as fact:
-                fact.add_row(["$e"])
-                fact.also(boom)
-        await until(lambda: b"POSITION" in t1.value())
-        self.assertEqual(lines(t1), ["POSITION events master 0 1"])
-
-    async def test_writer_client_rows_are_consumed_and_relayed_whole(self):
-        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-        registry, handler = await self.instance("master", [consumer])
-        set_sequence(self.dsn, "cache_stream_seq", 4)  # worker1 wrote up to 4
-        other, ot = self.server_conn(handler, "worker2")
-        other.dataReceived(b"REPLICATE\n")
-        ot.clear()
-        worker, wt = self.server_conn(handler, "worker1")
-        worker.dataReceived(
-            b"POSITION caches worker1 0 0\n"
-            b'RDATA caches worker1 batch ["a",null,1]\n'
-            b'RDATA caches worker1 batch ["b",null,1]\n')
-        self.assertEqual(ot.value().count(b"RDATA"), 0)  # half a fact: not yet
-        worker.dataReceived(
-            b'RDATA caches worker1 4 ["c",null,1]\n'
-            b'RDATA caches worker1 4 ["dup",null,1]\n')
-        await until(lambda: len(consumer.facts) == 1)
-        self.assertEqual(consumer.facts, [
-            ("caches", "worker1", 4, [["a", None, 1], ["b", None, 1], ["c", None, 1]])])
-        # (The master, idle on caches, follows the linear token: its own
-        # POSITION lines may interleave; only worker1's are checked.)
-        self.assertEqual([l for l in lines(ot) if " worker1 " in l], [
-            "POSITION caches worker1 0 0",
-            'RDATA caches worker1 batch ["a",null,1]',
-            'RDATA caches worker1 batch ["b",null,1]',
-            'RDATA caches worker1 4 ["c",null,1]',
-            'RDATA caches worker1 4 ["dup",null,1]',
-        ])
-        self.assertEqual(wt.value().count(b"RDATA"), 0)  # no echo
-        self.assertEqual(handler.reader_positions()[("caches", "worker1")], 4)
-        self.assertEqual(registry.get("caches").id_gen.get_current_token("worker1"), 4)
-        # A client may not write a stream it is not a writer of.
-        worker.dataReceived(b'RDATA events worker1 5 ["$e"]\n')
-        self.assertTrue(lines(wt)[-1].startswith("ERROR invalid command: RDATA"))
-
-    async def test_position_gap_is_fetched_from_the_table(self):
-        consumer = MemoryConsumer(positions={("caches", "master"): 0})
-        # The worker's registry writes nothing to caches before it is told.
-        master_reg, master = await self.instance("master")
-        await master_reg.get("caches").write_facts(
-            [[["a", None, 1], ["b", None, 1]], [], [["c", None, 2]]])
-        _, worker = await self.instance("worker1", [consumer])
-        proto = ClientReplicationProtocol(worker, "worker1", "hs.test", clock=task.Clock())
-        tr = StringTransport()
-        proto.makeConnection(tr)
-        self.assertEqual(lines(tr)[0], "NAME worker1")
-        # A writer new to the stream starts at its smallest persisted
-        # position (the master's 3), and announces it.
-        self.assertEqual(lines(tr)[2:], ["REPLICATE ", "POSITION caches worker1 3 3"])
-        proto.dataReceived(
-            b"SERVER hs.test\n"
-            b'RDATA caches master 2 ["early",null,0]\n'  # not connected yet: dropped
-            b"POSITION caches master 3 3\n"
-            b'RDATA caches master 3 ["c",null,2]\n')      # duplicate of the catch-up
-        await until(lambda: worker.reader_positions()[("caches", "master")] == 3)
-        await until(worker.idle)
-        self.assertEqual(consumer.facts, [
-            ("caches", "master", 1, [["a", None, 1], ["b", None, 1]]),
-            ("caches", "master", 3, [["c", None, 2]]),
-        ])
-        proto.connectionLost(None)
-
-    async def test_partial_batch_dies_with_its_connection(self):
-        consumer = MemoryConsumer(positions={("caches", "master"): 0})
-        await self.instance("master")  # creates the tables worker1 only reads
-        _, worker = await self.instance("worker1", [consumer])
-        set_sequence(self.dsn, "cache_stream_seq", 1)  # the master wrote fact 1
-        proto = ClientReplicationProtocol(worker, "worker1", "hs.test", clock=task.Clock())
-        proto.makeConnection(StringTransport())
-        proto.dataReceived(b"SERVER hs.test\nPOSITION caches master 0 0\n"
-                           b'RDATA caches master batch ["lost",null,0]\n')
-        proto.connectionLost(None)
-        proto2 = ClientReplicationProtocol(worker, "worker1", "hs.test", clock=task.Clock())
-        proto2.makeConnection(StringTransport())
-        proto2.dataReceived(b"SERVER hs.test\nPOSITION caches master 0 0\n"
-                            b'RDATA caches master 1 ["whole",null,0]\n')
-        await until(lambda: consumer.facts)
-        self.assertEqual(consumer.facts, [("caches", "master", 1, [["whole", None, 0]])])
-        proto2.connectionLost(None)
-
-    async def test_user_sync_bookkeeping_and_relays(self):
-        _, handler = await self.instance("master")
-        a, at = self.server_conn(handler, "worker1")
-        b, bt = self.server_conn(handler, "worker2")
-        bt.clear()
-        a.dataReceived(b"USER_SYNC worker1 @u:hs DEV start 1000\n"
-                       b"USER_SYNC worker1 @v:hs None start 1001\n"
-                       b"FEDERATION_ACK worker1 57\n"
-                       b'LOCK_RELEASED ["worker1","lock","key"]\n'
-                       b"REMOTE_SERVER_UP other.hs\n")
-        self.assertEqual(handler.user_syncs,
-                         {"worker1": {("@u:hs", "DEV"): 1000, ("@v:hs", None): 1001}})
-        self.assertEqual(handler.federation_acks, {"worker1": 57})
-        self.assertEqual(lines(bt), ['LOCK_RELEASED ["worker1","lock","key"]',
-                                     "REMOTE_SERVER_UP other.hs"])
-        a.dataReceived(b"USER_SYNC worker1 @u:hs DEV end 1002\n")
-        self.assertEqual(handler.user_syncs, {"worker1": {("@v:hs", None): 1001}})
-        a.connectionLost(None)  # expires with the connection
-        self.assertEqual(handler.user_syncs, {})
-
-    async def test_connection_metrics_are_labelled_by_name(self):
-        from replicator import metrics
-
-        def gauge(name):
-            return metrics.CONNECTIONS.labels(name)._value.get()
-
-        _, handler = await self.instance("master")
-        unnamed, named, other = gauge("unnamed"), gauge("worker1"), gauge("other")
-        proto, _ = self.server_conn(handler)
-        self.assertEqual(gauge("unnamed"), unnamed + 1)
-        proto.dataReceived(b"NAME worker1\nPING 1\n")
-        self.assertEqual((gauge("unnamed"), gauge("worker1")), (unnamed, named + 1))
-        self.assertEqual(
-            metrics.COMMANDS_IN.labels("PING", "worker1")._value.get() >= 1, True)
-        # A name the configuration does not know is "other".
-        stranger, _ = self.server_conn(handler, "worker7")
-        self.assertEqual(gauge("other"), other + 1)
-        proto.connectionLost(None)
-        stranger.connectionLost(None)
-        self.assertEqual((gauge("unnamed"), gauge("worker1"), gauge("other")),
-                         (unnamed, named, other))
 
     async def test_facts_written_behind_our_back_are_delivered_and_reported(self):
         """Rows inserted by SQL (IDs from the sequence) into a single-writer

@@ -1,8 +1,9 @@
 """What /health says about replication: committed facts a reader has not
-received, writers never heard of, on a real PostgreSQL.
+received, writers never heard of.
 
-The monitor's verdicts are checked on a Clock with a real handler and real
-tables; then whole instances (``service.Instance``) over real TCP and a real
+The monitor's verdicts are checked in memory (:mod:`tests.harness`: a real
+handler and real tables, on SQLite run inline); then whole instances
+(``service.Instance``) on a real PostgreSQL, over real TCP and a real
 redis-server, with a proxy in the middle that stops relaying while the
 sockets stay open (a link that is silently dead).
 """
@@ -13,19 +14,15 @@ import uuid
 import orjson
 from prometheus_client import REGISTRY
 from twisted.internet import endpoints, protocol, reactor, task
-from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
 
 from replicator import metrics
-from replicator.config import parse_database, parse_instance, parse_streams
+from replicator.config import parse_instance, parse_streams
 from replicator.consumers import MemoryConsumer
 from replicator.health import HealthMonitor
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.protocol import ClientReplicationProtocol
 from replicator.service import Instance
-from replicator.storage.database import Database
-from replicator.streams.registry import StreamRegistry
+from tests.harness import Harness
 from tests.servers import PostgresServer, RedisServer
 from tests.support import until
 
@@ -44,77 +41,58 @@ def unreceived_metric(stream, writer):
                                      {"stream": stream, "writer": writer})
 
 
-class Side:
-    """Registry and handler of one instance in this process."""
-
-    def __init__(self, test, dsn, name, consumers=()):
-        self.test, self.dsn, self.name, self.consumers = test, dsn, name, consumers
-
-    async def start(self):
-        self.db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        self.test.addCleanup(self.db.close)
-        self.registry = StreamRegistry(self.db, self.name, STREAMS, reactor=reactor)
-        await self.registry.start()
-        self.test.addCleanup(self.registry.stop)
-        self.handler = ReplicationHandler(self.registry, self.name, "hs.test", self.consumers)
-        self.handler.start()
-        self.test.addCleanup(until, self.handler.idle)
-        return self
-
-    def upstream(self, lines: bytes) -> ClientReplicationProtocol:
-        """A connection from upstream that has sent ``lines``."""
-        proto = ClientReplicationProtocol(self.handler, self.name, "hs.test", clock=task.Clock())
-        proto.makeConnection(StringTransport())
-        self.test.addCleanup(proto.connectionLost, None)
-        proto.dataReceived(b"SERVER hs.test\n" + lines)
-        return proto
-
-
 class HealthMonitorTests(TestCase):
-    """The verdicts, on a Clock: the grace counts, a fact that arrives in
-    time is never a problem, recovery clears it."""
+    """The verdicts, in memory (:mod:`tests.harness`): the instances on the
+    harness's clock, the monitor on a Clock of its own; the grace counts, a
+    fact that arrives in time is never a problem, recovery clears it."""
 
-    timeout = 120
-
-    async def setup(self):
-        dsn = PostgresServer.shared().create_database()
-        self.master = await Side(self, dsn, "master").start()
+    def setUp(self):
+        self.h = Harness(STREAMS, self.addCleanup)
+        self.master = self.h.instance("master")
         self.consumer = MemoryConsumer()
-        self.worker = await Side(self, dsn, "worker1", [self.consumer]).start()
+        self.worker = self.h.instance("worker1", [self.consumer])
         self.clock = task.Clock()
         self.monitor = HealthMonitor(registry=self.worker.registry, handler=self.worker.handler,
                                      db=self.worker.db, clock=self.clock, lag_grace=10.0,
                                      expect_upstream=True)
 
-    async def write(self, n, stream="caches"):
-        s = self.master.registry.get(stream)
-        row = (lambda i: [f"f{i}", i]) if stream == "caches" else (lambda i: [f"e{i}"])
-        return [await s.write_fact([row(i)]) for i in range(n)]
+    def upstream(self, node, lines: bytes):
+        """A connection from upstream that has sent ``lines``, all handled."""
+        proto, _ = self.h.client(node)
+        proto.dataReceived(lines)
+        self.h.settle()
+        return proto
 
-    async def test_committed_facts_not_received_for_the_grace_are_a_problem(self):
-        await self.setup()
-        link = self.worker.upstream(b"POSITION caches master 0 0\n"
-                                    b"POSITION events master 0 0\n"
-                                    b"POSITION events worker2 0 0\n")
-        await until(self.worker.handler.idle)
-        await self.monitor.check_unreceived()
+    def write(self, n, stream="caches"):
+        s = self.master.stream(stream)
+        row = (lambda i: [f"f{i}", i]) if stream == "caches" else (lambda i: [f"e{i}"])
+        return [self.h.run(s.write_fact([row(i)])) for i in range(n)]
+
+    def check(self, monitor=None):
+        self.h.run((monitor or self.monitor).check_unreceived())
+
+    def test_committed_facts_not_received_for_the_grace_are_a_problem(self):
+        link = self.upstream(self.worker, b"POSITION caches master 0 0\n"
+                                          b"POSITION events master 0 0\n"
+                                          b"POSITION events worker2 0 0\n")
+        self.check()
         self.assertIsNone(self.monitor.problem(True, "connected"))
         self.assertEqual(unreceived_metric("caches", "master"), 0)
         # The master commits 3 facts; this reader is told nothing.
-        await self.write(3)
-        await self.monitor.check_unreceived()
+        self.write(3)
+        self.check()
         self.assertEqual(unreceived_metric("caches", "master"), 3)
         self.clock.advance(9)
-        await self.monitor.check_unreceived()
+        self.check()
         self.assertIsNone(self.monitor.problem(True, "connected"))
         self.clock.advance(1)
         self.assertEqual(self.monitor.problem(True, "connected"),
                          "stream caches: writer master has 3 committed facts not received "
                          "for 10s")
         # More facts meanwhile: the age is the oldest one's.
-        await self.write(2)
+        self.write(2)
         self.clock.advance(5)
-        await self.monitor.check_unreceived()
+        self.check()
         self.assertEqual(self.monitor.problem(True, "connected"),
                          "stream caches: writer master has 5 committed facts not received "
                          "for 15s")
@@ -123,45 +101,42 @@ class HealthMonitorTests(TestCase):
             15)
         # Told at last: the reader catches up from the table, healthy at once.
         link.dataReceived(b"POSITION caches master 5 5\n")
-        await until(self.worker.handler.idle)
+        self.h.settle()
         self.assertEqual([f[2] for f in self.consumer.facts], [1, 2, 3, 4, 5])
         self.assertIsNone(self.monitor.problem(True, "connected"))
-        await self.monitor.check_unreceived()
+        self.check()
         self.assertEqual(unreceived_metric("caches", "master"), 0)
         self.assertIsNone(self.monitor.problem(True, "connected"))
         # Its other streams' writers are checked the same way.
-        await self.write(1, "events")
-        await self.monitor.check_unreceived()
+        self.write(1, "events")
+        self.check()
         self.clock.advance(10)
         self.assertEqual(self.monitor.problem(True, "connected"),
                          "stream events: writer master has 1 committed fact not received "
                          "for 10s")
 
-    async def test_facts_received_within_the_grace_are_never_a_problem(self):
-        await self.setup()
-        link = self.worker.upstream(b"POSITION caches master 0 0\n"
-                                    b"POSITION events master 0 0\n"
-                                    b"POSITION events worker2 0 0\n")
+    def test_facts_received_within_the_grace_are_never_a_problem(self):
+        link = self.upstream(self.worker, b"POSITION caches master 0 0\n"
+                                          b"POSITION events master 0 0\n"
+                                          b"POSITION events worker2 0 0\n")
         # Every check sees facts not yet received, each arriving within
         # the grace: steady load, never unhealthy.
         for round_ in range(6):
-            tokens = await self.write(2)
-            await self.monitor.check_unreceived()
+            tokens = self.write(2)
+            self.check()
             self.clock.advance(6)
             self.assertIsNone(self.monitor.problem(True, "connected"), round_)
             link.dataReceived(b"POSITION caches master %d %d\n" % (tokens[-1], tokens[-1]))
-            await until(self.worker.handler.idle)
+            self.h.settle()
             self.clock.advance(6)
             self.assertIsNone(self.monitor.problem(True, "connected"), round_)
         self.assertEqual(len(self.consumer.facts), 12)
 
-    async def test_a_writer_never_heard_of_is_a_problem_after_the_grace(self):
-        await self.setup()
+    def test_a_writer_never_heard_of_is_a_problem_after_the_grace(self):
         self.monitor.startService()
         self.addCleanup(self.monitor.stopService)
-        link = self.worker.upstream(b"POSITION caches master 0 0\n"
-                                    b"POSITION events master 0 0\n")
-        await until(self.worker.handler.idle)
+        link = self.upstream(self.worker, b"POSITION caches master 0 0\n"
+                                          b"POSITION events master 0 0\n")
         self.clock.advance(9.5)
         self.assertIsNone(self.monitor.problem(True, "connected"))
         self.clock.advance(0.5)
@@ -173,42 +148,38 @@ class HealthMonitorTests(TestCase):
         link.dataReceived(b"POSITION events worker2 0 0\n")
         self.assertIsNone(self.monitor.problem(True, "connected"))
 
-    async def test_the_healthy_gauge_follows_the_verdict_at_scrape_time(self):
+    def test_the_healthy_gauge_follows_the_verdict_at_scrape_time(self):
         """``replicator_healthy`` (what the alert on /health failing reads)
         is 1 while the replication verdict is OK, 0 as soon as it is not,
         and set at scrape time (collecting the registry runs its source)."""
-        await self.setup()
         status = [(True, "connected")]
         source = self.monitor.healthy_source(lambda: status[0])
         metrics.add_source(source)
         self.addCleanup(metrics.remove_source, source)
-        self.worker.upstream(b"POSITION caches master 0 0\n"
-                             b"POSITION events master 0 0\n"
-                             b"POSITION events worker2 0 0\n")
-        await until(self.worker.handler.idle)
+        self.upstream(self.worker, b"POSITION caches master 0 0\n"
+                                   b"POSITION events master 0 0\n"
+                                   b"POSITION events worker2 0 0\n")
         self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 1)
         status[0] = (False, "connecting")
         self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 0)
         status[0] = (True, "connected")
         self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 1)
-        await self.write(2)
-        await self.monitor.check_unreceived()
+        self.write(2)
+        self.check()
         self.clock.advance(10)
         self.assertEqual(REGISTRY.get_sample_value("replicator_healthy"), 0)
 
-    async def test_a_master_reports_unreceived_facts_but_not_silent_workers(self):
-        await self.setup()
+    def test_a_master_reports_unreceived_facts_but_not_silent_workers(self):
         monitor = HealthMonitor(registry=self.master.registry, handler=self.master.handler,
                                 db=self.master.db, clock=self.clock, lag_grace=10.0)
         self.clock.advance(60)
-        await monitor.check_unreceived()
+        self.check(monitor)
         self.assertIsNone(monitor.problem(False, "no worker connected"))
         # worker2 connected once, then its link went silent while it wrote.
-        self.master.upstream(b"POSITION events worker2 0 0\n")
-        await until(self.master.handler.idle)
-        worker2 = await Side(self, self.master.dsn, "worker2").start()
-        await worker2.registry.get("events").write_fact([["w2"]])
-        await monitor.check_unreceived()
+        self.upstream(self.master, b"POSITION events worker2 0 0\n")
+        worker2 = self.h.instance("worker2")
+        self.h.run(worker2.stream("events").write_fact([["w2"]]))
+        self.check(monitor)
         self.clock.advance(10)
         self.assertEqual(monitor.problem(False, "no worker connected"),
                          "stream events: writer worker2 has 1 committed fact not received "

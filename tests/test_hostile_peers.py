@@ -3,15 +3,14 @@ do not fit the stream, partial batches that never end, relayed lines that
 would be re-encoded past the line limit.  Honest peers beside them lose
 nothing and are never disconnected; nothing the liar claimed moves a token.
 
-Handler tests run on StringTransport with streams on a real PostgreSQL; the
-integration tests use real loopback sockets and a real redis-server.
+Handler tests run in memory (:mod:`tests.harness`: StringTransport, SQLite
+run inline, a clock the test moves); the integration tests use a real
+PostgreSQL, real loopback sockets and a real redis-server.
 """
 
 import socket
 
-import psycopg2
-from twisted.internet import endpoints, reactor, task
-from twisted.internet.testing import StringTransport
+from twisted.internet import endpoints, reactor
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
@@ -20,17 +19,15 @@ from replicator.config import ConfigError, RedisConfig, parse_database, parse_re
     parse_streams
 from replicator.consumers import MemoryConsumer
 from replicator.replication.handler import ReplicationHandler
-from replicator.replication.protocol import (
-    ClientReplicationProtocol, ServerReplicationProtocol,
-)
 from replicator.replication.commands import parse_line
 from replicator.replication.redis import RedisConnection, RedisReplication
 from replicator.replication.tcp import ReplicationServerFactory, upstream_service
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.fakes import FakeBus
+from tests.harness import Harness
 from tests.servers import PostgresServer, RedisServer
-from tests.support import create_stream_tables, sleep, until
+from tests.support import WatchedConsumer, create_stream_tables, until
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -52,34 +49,6 @@ def refused(stream, reason):
     return 0 if metric is None else metric.labels(stream, reason)._value.get()
 
 
-def positions_table(dsn):
-    conn = psycopg2.connect(dsn)
-    try:
-        cur = conn.cursor()
-        cur.execute("SELECT stream_name, instance_name, stream_id FROM stream_positions")
-        return {(s, w): p for s, w, p in cur.fetchall()}
-    finally:
-        conn.close()
-
-
-def set_sequence(dsn, sequence, value):
-    conn = psycopg2.connect(dsn)
-    try:
-        conn.autocommit = True
-        conn.cursor().execute("SELECT setval(%s, %s)", (sequence, value))
-    finally:
-        conn.close()
-
-
-async def settle(predicate, timeout=3.0):
-    """Let the reactor run until ``predicate()`` or ``timeout``; no failure:
-    the assertions that follow say what went wrong."""
-    waited = 0.0
-    while not predicate() and waited < timeout:
-        await sleep(0.01)
-        waited += 0.01
-
-
 class _Base(TestCase):
     timeout = 60
 
@@ -98,42 +67,53 @@ class _Base(TestCase):
         handler.start()
         return registry, handler
 
+
+class _InMemory(TestCase):
+    """Handler tests in memory: each ``settled`` runs the instances until
+    they are idle, then checks."""
+
+    def setUp(self):
+        self.h = Harness(STREAMS, self.addCleanup)
+        self.h.create_tables()  # what the writers create
+
+    def instance(self, name, consumers=(), **kwargs):
+        node = self.h.instance(name, consumers, **kwargs)
+        return node.registry, node.handler
+
     def server_conn(self, handler, name=None, replicate=False):
-        proto = ServerReplicationProtocol(handler, "hs.test", clock=task.Clock())
-        transport = StringTransport()
-        proto.makeConnection(transport)
-        if name:
-            proto.dataReceived(f"NAME {name}\n".encode())
-        if replicate:
-            proto.dataReceived(b"REPLICATE\n")
-        transport.clear()
-        self.addCleanup(lambda: proto.connectionLost(None))
-        return proto, transport
+        return self.h.serve(self._node(handler), name, replicate=replicate)
 
     def client_conn(self, handler, name):
-        proto = ClientReplicationProtocol(handler, name, "hs.test", clock=task.Clock())
-        transport = StringTransport()
-        proto.makeConnection(transport)
-        proto.dataReceived(b"SERVER hs.test\n")
-        transport.clear()
-        self.addCleanup(lambda: proto.connectionLost(None))
-        return proto, transport
+        return self.h.client(self._node(handler))
+
+    def _node(self, handler):
+        return next(n for n in self.h.nodes if n.handler is handler)
+
+    def settled(self, predicate):
+        """Everything run; then ``predicate()`` holds."""
+        self.h.settle()
+        self.assertTrue(predicate())
+
+    def positions_table(self):
+        rows = self.h.connection.execute(
+            "SELECT stream_name, instance_name, stream_id FROM stream_positions").fetchall()
+        return {(s, w): p for s, w, p in rows}
 
 
-class PositionPoisoningTests(_Base):
+class PositionPoisoningTests(_InMemory):
     """Item 1: a claim beyond the stream's sequence is refused and moves nothing."""
 
-    async def test_writer_client_cannot_push_the_masters_token(self):
+    def test_writer_client_cannot_push_the_masters_token(self):
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-        registry, handler = await self.instance("master", [consumer])
+        registry, handler = self.instance("master", [consumer])
         caches = registry.get("caches")
-        await caches.write_fact([["before", None, 1]])
-        await until(handler.idle)
+        self.h.run(caches.write_fact([["before", None, 1]]))
+        self.settled(handler.idle)
         honest, ht = self.server_conn(handler, "worker2", replicate=True)
         before = refused("caches", "beyond_sequence")
         liar, lt = self.server_conn(handler, "worker1")
         liar.dataReceived(b"POSITION caches worker1 777 %d\n" % BIG)
-        await settle(lambda: liar.close_reason is not None)
+        self.h.settle()
         self.assertEqual(liar.close_reason, "invalid_command")
         self.assertTrue(lines(lt)[-1].startswith("ERROR "), lines(lt))
         self.assertIn("beyond", lines(lt)[-1])
@@ -145,11 +125,11 @@ class PositionPoisoningTests(_Base):
         # The master's next fact reaches the honest reader, and what is
         # persisted is what is true.
         ht.clear()
-        await caches.write_fact([["after", None, 2]])
-        await until(lambda: b"RDATA caches master 2 " in ht.value())
+        self.h.run(caches.write_fact([["after", None, 2]]))
+        self.settled(lambda: b"RDATA caches master 2 " in ht.value())
         self.assertEqual(lines(ht), ['RDATA caches master 2 ["after",null,2]'])
-        await caches.flush_positions()
-        table = positions_table(self.dsn)
+        self.h.run(caches.flush_positions())
+        table = self.positions_table()
         self.assertEqual(table[("caches", "master")], 2)
         self.assertLess(max(table.values()), 100)
         # A REPLICATE never answers with the claim either.
@@ -157,18 +137,18 @@ class PositionPoisoningTests(_Base):
         honest.dataReceived(b"REPLICATE\n")
         self.assertIn("POSITION caches worker1 0 0", lines(ht))
 
-    async def test_rdata_token_beyond_the_sequence_is_refused(self):
+    def test_rdata_token_beyond_the_sequence_is_refused(self):
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-        registry, handler = await self.instance("master", [consumer])
+        registry, handler = self.instance("master", [consumer])
         honest, ht = self.server_conn(handler, "worker2", replicate=True)
         liar, lt = self.server_conn(handler, "worker1")
         liar.dataReceived(b"POSITION caches worker1 0 0\n"
                           b'RDATA caches worker1 batch ["a",null,1]\n'
                           b'RDATA caches worker1 %d ["b",null,1]\n'
                           b'RDATA caches worker1 1 ["c",null,1]\n' % BIG)
-        await settle(lambda: liar.close_reason is not None)
+        self.h.settle()
         self.assertTrue(lines(lt)[-1].startswith("ERROR "), lines(lt))
-        await until(handler.idle)
+        self.settled(handler.idle)
         self.assertEqual(consumer.facts, [])
         self.assertEqual(registry.get("caches").id_gen.get_positions(),
                          {"master": 0, "worker1": 0})
@@ -176,15 +156,15 @@ class PositionPoisoningTests(_Base):
         self.assertEqual([l for l in lines(ht) if "worker1" in l],
                          ["POSITION caches worker1 0 0"])
 
-    async def test_honest_claims_above_what_was_seen_are_checked_in_order(self):
+    def test_honest_claims_above_what_was_seen_are_checked_in_order(self):
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-        registry, handler = await self.instance("master", [consumer])
-        w_registry, _ = await self.instance("worker1")
+        registry, handler = self.instance("master", [consumer])
+        w_registry, _ = self.instance("worker1")
         # worker1 really writes: the shared sequence moves.
         wc = w_registry.get("caches")
-        t1 = await wc.write_fact([["a", None, 1], ["b", None, 1]])
-        t2 = await wc.write_fact([])
-        t3 = await wc.write_fact([["c", None, 3]])
+        t1 = self.h.run(wc.write_fact([["a", None, 1], ["b", None, 1]]))
+        t2 = self.h.run(wc.write_fact([]))
+        t3 = self.h.run(wc.write_fact([["c", None, 3]]))
         honest, ht = self.server_conn(handler, "worker2", replicate=True)
         worker, wt = self.server_conn(handler, "worker1")
         sent = (b"POSITION caches worker1 0 0\n"
@@ -193,7 +173,7 @@ class PositionPoisoningTests(_Base):
                 b"POSITION caches worker1 %d %d\n"
                 b'RDATA caches worker1 %d ["c",null,3]\n' % (t1, t1, t2, t3))
         worker.dataReceived(sent)
-        await until(lambda: len(consumer.facts) == 2)
+        self.settled(lambda: len(consumer.facts) == 2)
         self.assertIsNone(worker.close_reason)
         self.assertEqual(consumer.facts, [
             ("caches", "worker1", t1, [["a", None, 1], ["b", None, 1]]),
@@ -203,15 +183,15 @@ class PositionPoisoningTests(_Base):
                          sent.decode().splitlines())
         self.assertEqual(registry.get("caches").id_gen.get_current_token("worker1"), t3)
 
-    async def test_upstream_cannot_push_a_workers_token(self):
+    def test_upstream_cannot_push_a_workers_token(self):
         consumer = MemoryConsumer(positions={("events", "master"): 0})
-        m_registry, _ = await self.instance("master")
-        registry, worker = await self.instance("worker1", [consumer])
+        m_registry, _ = self.instance("master")
+        registry, worker = self.instance("worker1", [consumer])
         before = refused("events", "beyond_sequence")
         for claim in (b"%d" % BIG, b"%d" % 2 ** 70):
             proto, tr = self.client_conn(worker, "worker1")
             proto.dataReceived(b"POSITION events master 0 " + claim + b"\n")
-            await settle(lambda: proto.close_reason is not None)
+            self.h.settle()
             self.assertIsNotNone(proto.close_reason)
             self.assertTrue(lines(tr)[-1].startswith("ERROR "), lines(tr))
             proto.connectionLost(None)
@@ -219,20 +199,20 @@ class PositionPoisoningTests(_Base):
         self.assertEqual(registry.get("events").id_gen.get_current_token("master"), 0)
         self.assertEqual(worker.reader_positions()[("events", "master")], 0)
         # The master's real fact 1 still reaches the worker's consumer.
-        token = await m_registry.get("events").write_fact([["$e1", True]])
+        token = self.h.run(m_registry.get("events").write_fact([["$e1", True]]))
         proto, tr = self.client_conn(worker, "worker1")
         proto.dataReceived(b"POSITION events master 0 0\n"
                            b'RDATA events master %d ["$e1",true]\n' % token)
-        await until(lambda: consumer.facts)
+        self.settled(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("events", "master", token, [["$e1", True]])])
         self.assertIsNone(proto.close_reason)
 
 
-class RelayTests(_Base):
+class RelayTests(_InMemory):
     """Item 4: relayed lines are the bytes received, never a re-encoding."""
 
-    async def test_lock_released_with_a_lone_surrogate_is_relayed_as_received(self):
-        _, handler = await self.instance("master")
+    def test_lock_released_with_a_lone_surrogate_is_relayed_as_received(self):
+        _, handler = self.instance("master")
         honest, ht = self.server_conn(handler, "worker2", replicate=True)
         other, ot = self.server_conn(handler, "worker3")  # not replicating
         sender, st = self.server_conn(handler, "worker1")
@@ -248,46 +228,46 @@ class RelayTests(_Base):
         for p in (honest, other, sender):
             self.assertIsNone(p.close_reason)
 
-    async def test_position_and_rdata_are_relayed_as_received(self):
-        registry, handler = await self.instance("master")
-        set_sequence(self.dsn, "cache_stream_seq", 10)
+    def test_position_and_rdata_are_relayed_as_received(self):
+        registry, handler = self.instance("master")
+        self.h.sequence_taken("caches", 10)
         honest, ht = self.server_conn(handler, "worker2", replicate=True)
         sender, _ = self.server_conn(handler, "worker1")
         sent = (b'POSITION caches worker1 00 0\n'
                 b'RDATA caches worker1 3 ["\\u20ac \\ud800", {"z": 1, "a": [1.50]}, 7]\n')
         sender.dataReceived(sent)
-        await until(lambda: b"RDATA" in ht.value())
+        self.settled(lambda: b"RDATA" in ht.value())
         self.assertEqual(b"".join(l + b"\n" for l in ht.value().splitlines()
                                   if b"worker1" in l), sent)
 
 
-    async def test_rdata_before_the_writers_position_is_not_relayed(self):
+    def test_rdata_before_the_writers_position_is_not_relayed(self):
         """A fact the master itself does not take (RDATA on a connection
         that has not announced the writer's position yet: the reader waits
         for the POSITION and reads the table) is not passed on either:
         found by a red team, a forged fact reached one worker's consumer and
         not the master's."""
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-        _, handler = await self.instance("master", consumers=[consumer])
-        set_sequence(self.dsn, "cache_stream_seq", 10)
+        _, handler = self.instance("master", consumers=[consumer])
+        self.h.sequence_taken("caches", 10)
         honest, ht = self.server_conn(handler, "worker2", replicate=True)
         forger, ft = self.server_conn(handler, "worker1")
         forger.dataReceived(b'RDATA caches worker1 batch ["FORGED", null, 1]\n'
                             b'RDATA caches worker1 3 ["FORGED2", null, 2]\n'
                             b'POSITION caches worker1 3 3\n')
-        await until(lambda: b"POSITION caches worker1 3 3" in ht.value())
-        await until(lambda: handler.reader_positions()[("caches", "worker1")] == 3)
+        self.settled(lambda: b"POSITION caches worker1 3 3" in ht.value())
+        self.settled(lambda: handler.reader_positions()[("caches", "worker1")] == 3)
         self.assertNotIn(b"FORGED", ht.value())
         self.assertEqual(consumer.facts, [])
 
 
-class RowCheckTests(_Base):
+class RowCheckTests(_InMemory):
     """Item 12: rows that do not fit the stream are never delivered."""
 
-    async def test_writer_client_rows_are_checked(self):
+    def test_writer_client_rows_are_checked(self):
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-        _, handler = await self.instance("master", [consumer])
-        set_sequence(self.dsn, "cache_stream_seq", 10)
+        _, handler = self.instance("master", [consumer])
+        self.h.sequence_taken("caches", 10)
         honest, ht = self.server_conn(handler, "worker2", replicate=True)
         for bad in (b'["a",null]', b'["a",null,"12"]', b'["a",null,1,2]', b'[null,null,1]',
                     b'["a",null,9223372036854775808]', b'["a\\u0000",null,1]'):
@@ -308,52 +288,52 @@ class RowCheckTests(_Base):
             self.assertEqual(
                 len([e for e in events if "does not fit" in formatEvent(e)]), 1, bad)
             p.connectionLost(None)
-        await until(handler.idle)
+        self.settled(handler.idle)
         self.assertEqual(consumer.facts, [])
         self.assertEqual([l for l in lines(ht) if l.startswith("RDATA")], [])
         # A good row after all that is delivered.
         p, t = self.server_conn(handler, "worker1")
         p.dataReceived(b'POSITION caches worker1 0 0\nRDATA caches worker1 2 ["a",{"x":[1]},-5]\n')
-        await until(lambda: consumer.facts)
+        self.settled(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("caches", "worker1", 2, [["a", {"x": [1]}, -5]])])
 
-    async def test_upstream_rows_are_checked(self):
+    def test_upstream_rows_are_checked(self):
         consumer = MemoryConsumer(positions={("events", "master"): 0})
-        _, worker = await self.instance("worker1", [consumer])
-        set_sequence(self.dsn, "event_stream_seq", 10)
+        _, worker = self.instance("worker1", [consumer])
+        self.h.sequence_taken("events", 10)
         proto, tr = self.client_conn(worker, "worker1")
         proto.dataReceived(b"POSITION events master 0 0\n"
                            b'RDATA events master 1 [5, true]\n'
                            b'RDATA events master 2 ["$ok", true]\n')
         self.assertEqual(proto.close_reason, "invalid_command")
         self.assertTrue(lines(tr)[-1].startswith("ERROR "), lines(tr))
-        await until(worker.idle)
+        self.settled(worker.idle)
         self.assertEqual(consumer.facts, [])
         proto, tr = self.client_conn(worker, "worker1")
         proto.dataReceived(b"POSITION events master 0 0\n"
                            b'RDATA events master 1 ["$a", 1]\n'
                            b'RDATA events master 2 ["$b", false]\n')
-        await until(lambda: len(consumer.facts) == 2)
+        self.settled(lambda: len(consumer.facts) == 2)
         self.assertIsNone(proto.close_reason)
         self.assertEqual(consumer.facts, [("events", "master", 1, [["$a", 1]]),
                                           ("events", "master", 2, [["$b", False]])])
 
 
-class PartialBatchTests(_Base):
+class PartialBatchTests(_InMemory):
     """Item 5 (part): a partial batch is bounded in rows and bytes."""
 
-    async def test_batch_over_the_row_bound_closes(self):
+    def test_batch_over_the_row_bound_closes(self):
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-        _, handler = await self.instance("master", [consumer], max_batch_rows=100,
+        _, handler = self.instance("master", [consumer], max_batch_rows=100,
                                          max_batch_bytes=1 << 20)
-        set_sequence(self.dsn, "cache_stream_seq", 10)
+        self.h.sequence_taken("caches", 10)
         honest, ht = self.server_conn(handler, "worker2", replicate=True)
         p, t = self.server_conn(handler, "worker1")
         row = b'RDATA caches worker1 batch ["r",null,1]\n'
         # A whole fact of exactly the bound is fine.
         p.dataReceived(b"POSITION caches worker1 0 0\n" + row * 99
                        + b'RDATA caches worker1 1 ["r",null,1]\n')
-        await until(lambda: consumer.facts)
+        self.settled(lambda: consumer.facts)
         self.assertEqual(len(consumer.facts[0][3]), 100)
         # A partial batch may hold at most 99 rows: its closing line
         # makes the fact's 100th.
@@ -369,9 +349,9 @@ class PartialBatchTests(_Base):
         self.assertEqual(len(consumer.facts), 1)
         self.assertEqual(ht.value().count(b"RDATA"), 100)  # the whole fact only
 
-    async def test_batch_over_the_byte_bound_closes(self):
-        _, handler = await self.instance("master", max_batch_bytes=100_000)
-        set_sequence(self.dsn, "cache_stream_seq", 10)
+    def test_batch_over_the_byte_bound_closes(self):
+        _, handler = self.instance("master", max_batch_bytes=100_000)
+        self.h.sequence_taken("caches", 10)
         p, t = self.server_conn(handler, "worker1")
         row = b'RDATA caches worker1 batch ["' + b"x" * 1000 + b'",null,1]\n'
         p.dataReceived(b"POSITION caches worker1 0 0\n" + row * 90)
@@ -415,16 +395,16 @@ def hear(handler, conn, text):
 AMPLIFIED_ROW = b'["amp",[' + b",".join([b"[]"] * 530) + b'],1]'
 
 
-class BatchMemoryTests(_Base):
+class BatchMemoryTests(_InMemory):
     """Issue 20 item 4: what a peer can make us hold for a partial batch is
     bounded by what it costs in memory, per writer across connections."""
 
-    async def test_partial_batch_is_held_at_about_its_wire_size(self):
+    def test_partial_batch_is_held_at_about_its_wire_size(self):
         import gc
         import tracemalloc
 
-        _, handler = await self.instance("master")
-        set_sequence(self.dsn, "cache_stream_seq", 10)
+        _, handler = self.instance("master")
+        self.h.sequence_taken("caches", 10)
         honest, ht = self.server_conn(handler, "worker2", replicate=True)
         p, t = self.server_conn(handler, "worker1")
         p.dataReceived(b"POSITION caches worker1 0 0\n")
@@ -443,15 +423,15 @@ class BatchMemoryTests(_Base):
         self.assertLessEqual(held, 3 * wire, f"{held} bytes held for {wire} bytes of lines")
         # The batch still completes into the whole fact, relayed as received.
         p.dataReceived(b'RDATA caches worker1 1 ["end",null,1]\n')
-        await until(lambda: ht.value().count(data) == 400)
+        self.settled(lambda: ht.value().count(data) == 400)
 
-    async def test_completed_batch_parses_within_a_bound(self):
+    def test_completed_batch_parses_within_a_bound(self):
         """A batch whose rows would take, once parsed, far more than
         ``max_batch_bytes`` is refused before it completes, though its
         lines are well under the bound."""
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-        _, handler = await self.instance("master", [consumer], max_batch_bytes=1 << 20)
-        set_sequence(self.dsn, "cache_stream_seq", 10)
+        _, handler = self.instance("master", [consumer], max_batch_bytes=1 << 20)
+        self.h.sequence_taken("caches", 10)
         p, t = self.server_conn(handler, "worker1")
         data = b"RDATA caches worker1 batch " + AMPLIFIED_ROW + b"\n"
         before = refused("caches", "batch_too_large")
@@ -461,17 +441,17 @@ class BatchMemoryTests(_Base):
         self.assertEqual(p.close_reason, "invalid_command")
         self.assertIn("too large", lines(t)[-1])
         self.assertEqual(refused("caches", "batch_too_large"), before + 1)
-        await settle(lambda: consumer.facts, 0.2)
+        self.h.settle()
         self.assertEqual(consumer.facts, [])
 
-    async def test_batch_bounds_hold_per_writer_across_connections(self):
+    def test_batch_bounds_hold_per_writer_across_connections(self):
         """Two connections of one writer (an old one not yet timed out and
         its replacement, or a Redis subscription and a TCP link) share the
         writer's bound: a fact has at most ``max_batch_rows`` rows wherever
         its lines come from."""
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
-        _, handler = await self.instance("master", [consumer], max_batch_rows=100)
-        set_sequence(self.dsn, "cache_stream_seq", 10)
+        _, handler = self.instance("master", [consumer], max_batch_rows=100)
+        self.h.sequence_taken("caches", 10)
         one, two = bus_conn(handler), bus_conn(handler)
         self.addCleanup(handler.lost_connection, one, "test")
         self.addCleanup(handler.lost_connection, two, "test")
@@ -489,11 +469,11 @@ class BatchMemoryTests(_Base):
         # What one held still completes; two's rows are gone with the refusal.
         hear(handler, one, 'RDATA caches worker1 1 ["end",null,1]')
         hear(handler, two, 'RDATA caches worker1 2 ["end",null,1]')
-        await until(lambda: len(consumer.facts) == 2)
+        self.settled(lambda: len(consumer.facts) == 2)
         self.assertEqual([len(fact[3]) for fact in consumer.facts], [61, 1])
 
 
-class StaleBatchTests(_Base):
+class StaleBatchTests(_InMemory):
     """Issue 20 item 1, the reader's half: on Redis every writer's lines
     reach a reader on its one subscription; a batch left open by late bytes
     of a replaced publisher link must not join the writer's next fact.  A
@@ -501,28 +481,28 @@ class StaleBatchTests(_Base):
     lines of that stream since it opened (a writer sends a fact's lines in
     one go: ours in one MULTI/EXEC, Synapse in one loop)."""
 
-    async def reader_on_bus(self):
+    def reader_on_bus(self):
         consumer = MemoryConsumer(positions={("caches", "master"): 0,
                                              ("events", "master"): 0})
-        _, handler = await self.instance("worker2", [consumer])
-        set_sequence(self.dsn, "cache_stream_seq", 10)
-        set_sequence(self.dsn, "event_stream_seq", 10)
+        _, handler = self.instance("worker2", [consumer])
+        self.h.sequence_taken("caches", 10)
+        self.h.sequence_taken("events", 10)
         conn = bus_conn(handler)
         self.addCleanup(handler.lost_connection, conn, "test")
         return consumer, handler, conn
 
-    async def test_position_of_the_writer_ends_its_stale_batch(self):
+    def test_position_of_the_writer_ends_its_stale_batch(self):
         """The sequence of the issue."""
-        consumer, handler, conn = await self.reader_on_bus()
+        consumer, handler, conn = self.reader_on_bus()
         hear(handler, conn, "POSITION caches master 0 0")
         hear(handler, conn, 'RDATA caches master batch ["A",null,1]')
         hear(handler, conn, "POSITION caches master 1 1")  # re-announced from a new link
         hear(handler, conn, 'RDATA caches master 2 ["C",null,2]')
-        await until(lambda: consumer.facts)
+        self.settled(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("caches", "master", 2, [["C", None, 2]])])
 
-    async def test_any_other_line_of_the_writer_ends_its_stale_batch(self):
-        consumer, handler, conn = await self.reader_on_bus()
+    def test_any_other_line_of_the_writer_ends_its_stale_batch(self):
+        consumer, handler, conn = self.reader_on_bus()
         for stream in ("caches", "events"):
             hear(handler, conn, f"POSITION {stream} master 0 0")
         for between in ('RDATA events master 1 ["$e1",null]',
@@ -535,15 +515,15 @@ class StaleBatchTests(_Base):
                 hear(handler, conn, 'RDATA events master 2 ["$e2b",null]')
             token = handler.reader_positions()[("caches", "master")] + 1
             hear(handler, conn, f'RDATA caches master {token} ["C",null,2]')
-            await until(lambda: handler.idle() and any(
+            self.settled(lambda: handler.idle() and any(
                 f[0] == "caches" for f in consumer.facts))
             self.assertEqual([f for f in consumer.facts if f[0] == "caches"],
                              [("caches", "master", token, [["C", None, 2]])], between)
 
-    async def test_batch_lines_of_other_writers_leave_it_open(self):
+    def test_batch_lines_of_other_writers_leave_it_open(self):
         """Other writers' lines interleave on the channel (Synapse's
         processes publish independently): the batch stays whole."""
-        consumer, handler, conn = await self.reader_on_bus()
+        consumer, handler, conn = self.reader_on_bus()
         hear(handler, conn, "POSITION caches master 0 0")
         hear(handler, conn, "POSITION caches worker1 0 0")
         hear(handler, conn, 'RDATA caches master batch ["A",null,1]')
@@ -552,17 +532,17 @@ class StaleBatchTests(_Base):
         hear(handler, conn, 'RDATA caches master batch ["B",null,1]')
         hear(handler, conn, 'RDATA caches worker1 2 ["y",null,1]')
         hear(handler, conn, 'RDATA caches master 1 ["C",null,1]')
-        await until(lambda: len(consumer.facts) == 2)
+        self.settled(lambda: len(consumer.facts) == 2)
         self.assertEqual(sorted(consumer.facts), [
             ("caches", "master", 1, [["A", None, 1], ["B", None, 1], ["C", None, 1]]),
             ("caches", "worker1", 2, [["x", None, 1], ["y", None, 1]])])
 
 
-class BusRefusalTests(_Base):
+class BusRefusalTests(_InMemory):
     """Issue 24 item 1: what a refusal does depends on what a connection
     declares (one peer: ERROR and close), not on the methods it has."""
 
-    async def test_a_bus_with_a_close_method_is_still_not_closed(self):
+    def test_a_bus_with_a_close_method_is_still_not_closed(self):
         closed = []
 
         class ClosableBus(RedisConnection):
@@ -570,18 +550,18 @@ class BusRefusalTests(_Base):
                 closed.append(args)
 
         consumer = MemoryConsumer(positions={("caches", "master"): 0})
-        _, handler = await self.instance("worker2", [consumer])
-        set_sequence(self.dsn, "cache_stream_seq", 10)
+        _, handler = self.instance("worker2", [consumer])
+        self.h.sequence_taken("caches", 10)
         conn = bus_conn(handler, ClosableBus)
         self.addCleanup(handler.lost_connection, conn, "test")
         before = refused("caches", "beyond_sequence")
         hear(handler, conn, "POSITION caches master 0 0")
         hear(handler, conn, "POSITION caches master 777 %d" % BIG)
-        await until(lambda: refused("caches", "beyond_sequence") == before + 1)
+        self.settled(lambda: refused("caches", "beyond_sequence") == before + 1)
         self.assertEqual(closed, [])
         # The bus goes on: the next honest fact arrives.
         hear(handler, conn, 'RDATA caches master 1 ["real",null,1]')
-        await until(lambda: consumer.facts)
+        self.settled(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("caches", "master", 1, [["real", None, 1]])])
 
 
@@ -618,8 +598,8 @@ class TcpIntegrationTests(_Base):
     async def test_poisoning_and_an_oversized_relay_harm_no_honest_worker(self):
         registry, master = await self.instance("master")
         port = await self.listen(master)
-        consumer = MemoryConsumer(positions={("caches", "master"): 0,
-                                             ("caches", "worker1"): 0})
+        consumer = WatchedConsumer(positions={("caches", "master"): 0,
+                                              ("caches", "worker1"): 0})
         locks = []
 
         class Locks:
@@ -650,11 +630,11 @@ class TcpIntegrationTests(_Base):
                 pass
             return b"ERROR " in b"".join(got)
 
-        await settle(liar_told, timeout=10)
+        await until(liar_told, timeout=10)
         self.assertIn(b"ERROR ", b"".join(got))
 
         token = await registry.get("caches").write_fact([["real", None, 1]])
-        await until(lambda: consumer.facts)
+        await consumer.until(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("caches", "master", token, [["real", None, 1]])])
         self.assertEqual(registry.get("caches").id_gen.get_current_token("master"), token)
         self.assertIs(next(iter(worker2.connections)), honest_conn)
@@ -692,8 +672,8 @@ class RedisPoisoningTests(_Base):
 
     async def test_forged_claims_are_dropped_and_counted(self):
         m_registry, master, m_link = await self.node("master")
-        consumer = MemoryConsumer(positions={("caches", "master"): 0,
-                                             ("caches", "worker1"): 0})
+        consumer = WatchedConsumer(positions={("caches", "master"): 0,
+                                              ("caches", "worker1"): 0})
         _, reader, r_link = await self.node("worker2", [consumer])
         await until(lambda: m_link.connected and r_link.connected)
         before = refused("caches", "beyond_sequence")
@@ -707,33 +687,33 @@ class RedisPoisoningTests(_Base):
         self.assertEqual(m_registry.get("caches").id_gen.get_positions(),
                          {"master": 0, "worker1": 0})
         token = await m_registry.get("caches").write_fact([["real", None, 1]])
-        await until(lambda: consumer.facts)
+        await consumer.until(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("caches", "master", token, [["real", None, 1]])])
         self.assertEqual(reader.reader_positions()[("caches", "worker1")], 0)
         self.assertTrue(m_link.connected and r_link.connected)
 
 
-class OwnFanoutTests(_Base):
+class OwnFanoutTests(_InMemory):
     """What we send is never a line or batch the receiver must reject: a fact
     too big for a peer's bounds goes out as ``POSITION t t`` and readers read
     it from the table, whole."""
 
-    async def test_a_fact_beyond_the_bounds_is_announced_by_position(self):
-        registry, master = await self.instance("master", max_batch_rows=3,
-                                               max_line_length=1024)
+    def test_a_fact_beyond_the_bounds_is_announced_by_position(self):
+        registry, master = self.instance("master", max_batch_rows=3,
+                                         max_line_length=1024)
         honest, ht = self.server_conn(master, "worker2", replicate=True)
         consumer = MemoryConsumer(positions={("caches", "master"): 0})
-        _, worker = await self.instance("worker2", [consumer], max_batch_rows=3,
-                                        max_line_length=1024)
+        _, worker = self.instance("worker2", [consumer], max_batch_rows=3,
+                                  max_line_length=1024)
         proto, _ = self.client_conn(worker, "worker2")
         proto.dataReceived(b"POSITION caches master 0 0\n")
         caches = registry.get("caches")
-        small = await caches.write_fact([["a", None, 1], ["b", None, 1], ["c", None, 1]])
-        big = await caches.write_fact([["r%d" % i, None, i] for i in range(4)])
-        long = await caches.write_fact([["x" * 2000, None, 1]])
-        after = await caches.write_fact([["d", None, 1]])
-        await until(lambda: master.idle() and b"RDATA caches master %d " % after
-                    in ht.value())
+        small = self.h.run(caches.write_fact([["a", None, 1], ["b", None, 1], ["c", None, 1]]))
+        big = self.h.run(caches.write_fact([["r%d" % i, None, i] for i in range(4)]))
+        long = self.h.run(caches.write_fact([["x" * 2000, None, 1]]))
+        after = self.h.run(caches.write_fact([["d", None, 1]]))
+        self.settled(lambda: master.idle() and b"RDATA caches master %d " % after
+                     in ht.value())
         self.assertEqual(lines(ht), [
             'RDATA caches master batch ["a",null,1]',
             'RDATA caches master batch ["b",null,1]',
@@ -745,22 +725,22 @@ class OwnFanoutTests(_Base):
         # A reader fed those lines gets every fact whole, the big ones
         # from the table.
         proto.dataReceived(ht.value())
-        await until(lambda: len(consumer.facts) == 4)
+        self.settled(lambda: len(consumer.facts) == 4)
         self.assertEqual([(t, len(rows)) for _, _, t, rows in consumer.facts],
                          [(small, 3), (big, 4), (long, 1), (after, 1)])
         self.assertEqual(consumer.facts[2][3], [["x" * 2000, None, 1]])
         self.assertIsNone(proto.close_reason)
 
-    async def test_a_fact_dear_once_decoded_is_announced_by_position(self):
+    def test_a_fact_dear_once_decoded_is_announced_by_position(self):
         """Under ``max_batch_bytes`` on the wire, over what a reader accepts
         once decoded (issue 20 item 4): the writer does not send it either."""
-        registry, master = await self.instance("master", max_batch_bytes=1 << 20)
+        registry, master = self.instance("master", max_batch_bytes=1 << 20)
         honest, ht = self.server_conn(master, "worker2", replicate=True)
         keys = [[]] * 530
         caches = registry.get("caches")
-        dear = await caches.write_fact([["r%d" % i, keys, i] for i in range(300)])
-        cheap = await caches.write_fact([["r%d" % i, keys, i] for i in range(3)])
-        await until(lambda: master.idle() and b"RDATA caches master %d " % cheap
-                    in ht.value())
+        dear = self.h.run(caches.write_fact([["r%d" % i, keys, i] for i in range(300)]))
+        cheap = self.h.run(caches.write_fact([["r%d" % i, keys, i] for i in range(3)]))
+        self.settled(lambda: master.idle() and b"RDATA caches master %d " % cheap
+                     in ht.value())
         self.assertEqual(lines(ht)[0], "POSITION caches master %d %d" % (dear, dear))
         self.assertEqual(len(lines(ht)), 4)

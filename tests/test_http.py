@@ -1,4 +1,6 @@
-"""The HTTP API on a real listening socket, streams on a real PostgreSQL.
+"""The HTTP API on a real listening socket, streams on a real PostgreSQL;
+what only reads the handler's state (positions, a worker's health) in
+memory, on :mod:`tests.harness`.
 
 Every test captures the whole log (``globalLogPublisher``) and checks at the
 end that the secret appears in no event, formatted or raw.
@@ -14,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 import psycopg2
 from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.internet.testing import StringTransport
-from twisted.logger import formatEvent, globalLogPublisher
+from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 from twisted.web.client import (
     UNKNOWN_LENGTH, Agent, FileBodyProducer, HTTPConnectionPool, readBody,
@@ -25,18 +27,17 @@ from zope.interface import implementer
 
 import replicator
 from replicator import metrics
-from replicator.config import parse_instance
+from replicator.config import parse_instance, parse_streams
 from replicator.consumers import MemoryConsumer
 from replicator.http import HttpApi
 from replicator.instance_metrics import InstanceMetrics
 from replicator.replication.handler import ReplicationHandler
-from replicator.replication.protocol import (
-    ClientReplicationProtocol, ServerReplicationProtocol,
-)
+from replicator.replication.protocol import ServerReplicationProtocol
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
+from tests.harness import Harness
 from tests.servers import PostgresServer
-from tests.support import create_stream_tables, sleep, until
+from tests.support import LogWatch, create_stream_tables, sleep, until
 
 SECRET = "Hunter2-correct-horse-battery-staple"
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -73,6 +74,28 @@ class ChunkedProducer:
     def startProducing(self, consumer):
         for i in range(0, len(self.data), self.piece):
             consumer.write(self.data[i:i + self.piece])
+        return defer.succeed(None)
+
+    def pauseProducing(self):
+        pass
+
+    def resumeProducing(self):
+        pass
+
+    def stopProducing(self):
+        pass
+
+
+@implementer(IBodyProducer)
+class BytesProducer:
+    """A request body written whole as the request starts."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer):
+        consumer.write(self.body)
         return defer.succeed(None)
 
     def pauseProducing(self):
@@ -140,9 +163,8 @@ class HttpTestCase(TestCase):
     timeout = 120
 
     def setUp(self):
-        self.events = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        self.log = LogWatch(self)
+        self.events = self.log.events
         self.addCleanup(self.assert_secret_never_logged)
         pool = HTTPConnectionPool(reactor, persistent=False)
         self.agent = Agent(reactor, pool=pool)
@@ -240,6 +262,125 @@ class HttpTestCase(TestCase):
         return {s.name: (s.id_gen.get_positions(), s.id_gen.get_linear_token(),
                          s.id_gen.in_flight()) for s in self.registry}
 
+
+
+class InMemoryHttpTestCase(HttpTestCase):
+    """The API in memory (:mod:`tests.harness`): twisted.web's server and
+    Agent joined by in-memory TCP, streams on SQLite run inline; each call
+    runs to its answer on the harness's clock (no tests)."""
+
+    def setUp(self):
+        super().setUp()
+        self.h = Harness(parse_streams(STREAMS), self.addCleanup)
+        self.agent = Agent(self.h.clock, pool=HTTPConnectionPool(self.h.clock, persistent=False))
+
+    def start(self, name="master", replication=None, consumers=(), config_overrides=None,
+              **api_kw):
+        config = instance_config(name, "dbname=unused", replication, **(config_overrides or {}))
+        self.h.create_tables()  # of the streams other instances write
+        self.node = self.h.instance(name, consumers,
+                                    max_line_length=config.replication.max_line_length)
+        self.db, self.registry, self.handler = self.node.db, self.node.registry, \
+            self.node.handler
+        self.api = HttpApi(config=config, registry=self.registry, handler=self.handler,
+                           db=self.db, replication_status=lambda: self.status,
+                           **{"clock": self.h.clock, **api_kw})
+        port = self.h.run(endpoints.serverFromString(self.h.clock, config.http.listen)
+                          .listen(self.api.site()))
+        self.port = port.getHost().port
+        live = InstanceMetrics(registry=self.registry, handler=self.handler)
+        metrics.add_source(live)
+        self.addCleanup(metrics.remove_source, live)
+        return self.api
+
+    def call(self, method, path, body=None, headers=None, producer=None):
+        if body is not None:  # written at once (FileBodyProducer runs on the global reactor)
+            body, producer = None, BytesProducer(body)
+        return super().call(method, path, body, headers, producer)
+
+    def open(self, proto):
+        """``proto`` connected to the API."""
+        return self.h.run(endpoints.connectProtocol(
+            endpoints.TCP4ClientEndpoint(self.h.clock, "127.0.0.1", self.port), proto),
+            settle=False)
+
+    def answer(self, *args, **kwargs):
+        """:meth:`json`, run to its answer (what it started may still run)."""
+        return self.h.run(self.json(*args, **kwargs), settle=False)
+
+    def write(self, stream, doc):
+        """:meth:`post`, run to its answer and what it started to its end."""
+        return self.h.run(self.post(stream, doc))
+
+
+
+class InMemoryHttpTests(InMemoryHttpTestCase):
+    """What the API says of the handler's state, in memory."""
+
+    def test_positions(self):
+        self.start()
+        self.write("caches", {"rows": [["a", None, 1]]})
+        self.write("caches", {"rows": []})
+        self.assertEqual(self.handler.announced_positions()[("caches", "master")], 2)
+        response, answer = self.answer("GET", "/_replicator/v1/positions", headers=AUTH)
+        self.assertEqual(response.code, 200)
+        # worker1, never heard, holds the linear token of caches at 0.
+        holder = answer["streams"]["caches"].pop("linear_holder")
+        self.assertEqual((holder["linear"], holder["writers"], holder["in_flight"]),
+                         (0, ["worker1"], None))
+        self.assertRegex(holder["text"], r"^linear held at 0 by worker1: never heard \(up \d+s\)"
+                                         r", for \d+s$")
+        self.assertIsNone(answer["streams"]["events"].pop("linear_holder"))  # at the top
+        for stream in answer["streams"].values():
+            link = stream["writers"]["worker1"].pop("link")
+            self.assertRegex(link, r"^never heard \(up \d+s\)$")
+        self.assertEqual(answer, {"instance": "master", "streams": {
+            "caches": {"linear": 0, "writers": {
+                "master": {"position": 2, "local": True, "in_flight": 0, "announced": 2},
+                "worker1": {"position": 0, "local": False, "reader_position": None,
+                            "lag": 0, "connected": None, "since": None, "heard_age": None},
+            }},
+            "events": {"linear": 0, "writers": {
+                "worker1": {"position": 0, "local": False, "reader_position": None,
+                            "lag": 0, "connected": None, "since": None, "heard_age": None},
+            }},
+        }})
+
+    def test_health_on_worker(self):
+        consumer = BlockingConsumer(positions={("caches", "master"): 0})
+        clock = task.Clock()
+        self.start("worker1", replication={"upstream": "tcp:host=127.0.0.1:port=9"},
+                   consumers=[consumer], lag_grace=5.0, clock=clock)
+        self.status = (False, f"connecting to 127.0.0.1:9 (password {SECRET})")
+        response, answer = self.answer("GET", "/health")
+        self.assertEqual((response.code, answer), (503, {
+            "status": "unhealthy",
+            "reason": "replication not connected: connecting to 127.0.0.1:9 "
+                      "(password [redacted])"}))
+        self.status = (True, "connected")
+        # The master wrote up to 12 (a claim beyond the sequence is refused).
+        self.h.sequence_taken("caches", 12)
+        proto, _ = self.h.client(self.node)
+        proto.dataReceived(b"POSITION caches master 0 0\n"
+                           b'RDATA caches master 12 ["a",null,1]\n')
+        self.h.flush()
+        self.assertTrue(consumer.waiting)
+        # A brief lag is normal under load...
+        response, answer = self.answer("GET", "/health")
+        self.assertEqual(response.code, 200)
+        # ... a lag that lasts names the stream that is stuck.
+        clock.advance(6)
+        response, answer = self.answer("GET", "/health")
+        self.assertEqual((response.code, answer), (503, {
+            "status": "unhealthy", "reason": "stream caches/master lagging by 12 for 6s"}))
+        consumer.waiting.pop().callback(None)
+        self.h.settle()
+        response, answer = self.answer("GET", "/health")
+        self.assertEqual(response.code, 200)
+        self.assertEqual(answer["role"], "worker")
+        self.assertEqual(answer["connections"], 1)
+        self.assertEqual(answer["positions"]["caches"]["master"], 12)
+        self.assertEqual(consumer.facts, [("caches", "master", 12, [["a", None, 1]])])
 
 
 class HttpApiTests(HttpTestCase):
@@ -400,7 +541,8 @@ class HttpApiTests(HttpTestCase):
         client.transport.abortConnection()
         await client.closed
         gate.callback(None)
-        await until(lambda: any("(client gone)" in line for line in self.access_lines()))
+        await self.log.until(lambda: any("(client gone)" in line
+                                         for line in self.access_lines()))
         self.assertEqual(await self.count(), 1)
         updates, _, _ = await caches.updates_since("master", 0, 1)
         self.assertEqual(updates, [(1, ["kept", None, 7])])
@@ -588,36 +730,6 @@ class HttpApiTests(HttpTestCase):
         self.assertEqual(len(calls), 2)
 
     # ------------------------------------------------------------- reading
-    async def test_positions(self):
-        await self.start()
-        await self.post("caches", {"rows": [["a", None, 1]]})
-        await self.post("caches", {"rows": []})
-        await until(self.handler.idle)
-        await until(lambda: self.handler.announced_positions()[("caches", "master")] == 2)
-        response, answer = await self.json("GET", "/_replicator/v1/positions", headers=AUTH)
-        self.assertEqual(response.code, 200)
-        # worker1, never heard, holds the linear token of caches at 0.
-        holder = answer["streams"]["caches"].pop("linear_holder")
-        self.assertEqual((holder["linear"], holder["writers"], holder["in_flight"]),
-                         (0, ["worker1"], None))
-        self.assertRegex(holder["text"], r"^linear held at 0 by worker1: never heard \(up \d+s\)"
-                                         r", for \d+s$")
-        self.assertIsNone(answer["streams"]["events"].pop("linear_holder"))  # at the top
-        for stream in answer["streams"].values():
-            link = stream["writers"]["worker1"].pop("link")
-            self.assertRegex(link, r"^never heard \(up \d+s\)$")
-        self.assertEqual(answer, {"instance": "master", "streams": {
-            "caches": {"linear": 0, "writers": {
-                "master": {"position": 2, "local": True, "in_flight": 0, "announced": 2},
-                "worker1": {"position": 0, "local": False, "reader_position": None,
-                            "lag": 0, "connected": None, "since": None, "heard_age": None},
-            }},
-            "events": {"linear": 0, "writers": {
-                "worker1": {"position": 0, "local": False, "reader_position": None,
-                            "lag": 0, "connected": None, "since": None, "heard_age": None},
-            }},
-        }})
-
     async def test_health_on_master(self):
         await self.start()
         await self.post("caches", {"rows": [["a", None, 1]]})
@@ -631,45 +743,6 @@ class HttpApiTests(HttpTestCase):
             "connections": 0,
             "positions": {"caches": {"master": 1, "worker1": 0}, "events": {"worker1": 0}},
         })
-
-    async def test_health_on_worker(self):
-        consumer = BlockingConsumer(positions={("caches", "master"): 0})
-        clock = task.Clock()
-        await self.start("worker1", replication={"upstream": "tcp:host=127.0.0.1:port=9"},
-                         consumers=[consumer], lag_grace=5.0, clock=clock)
-        self.status = (False, f"connecting to 127.0.0.1:9 (password {SECRET})")
-        response, answer = await self.json("GET", "/health")
-        self.assertEqual((response.code, answer), (503, {
-            "status": "unhealthy",
-            "reason": "replication not connected: connecting to 127.0.0.1:9 "
-                      "(password [redacted])"}))
-        self.status = (True, "connected")
-        # The master wrote up to 12 (a claim beyond the sequence is refused).
-        await self.db.runOperation("SELECT setval(%s, 12)",
-                                   (self.registry.get("caches").config.sequence,))
-        proto = ClientReplicationProtocol(self.handler, "worker1", "hs.test",
-                                          clock=task.Clock())
-        proto.makeConnection(StringTransport())
-        self.addCleanup(proto.connectionLost, None)
-        proto.dataReceived(b"SERVER hs.test\nPOSITION caches master 0 0\n"
-                           b'RDATA caches master 12 ["a",null,1]\n')
-        await until(lambda: consumer.waiting)
-        # A brief lag is normal under load...
-        response, answer = await self.json("GET", "/health")
-        self.assertEqual(response.code, 200)
-        # ... a lag that lasts names the stream that is stuck.
-        clock.advance(6)
-        response, answer = await self.json("GET", "/health")
-        self.assertEqual((response.code, answer), (503, {
-            "status": "unhealthy", "reason": "stream caches/master lagging by 12 for 6s"}))
-        consumer.waiting.pop().callback(None)
-        await until(self.handler.idle)
-        response, answer = await self.json("GET", "/health")
-        self.assertEqual(response.code, 200)
-        self.assertEqual(answer["role"], "worker")
-        self.assertEqual(answer["connections"], 1)
-        self.assertEqual(answer["positions"]["caches"]["master"], 12)
-        self.assertEqual(consumer.facts, [("caches", "master", 12, [["a", None, 1]])])
 
     async def test_user_syncs_federation_acks_user_ips_and_their_metrics(self):
         await self.start()

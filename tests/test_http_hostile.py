@@ -1,6 +1,7 @@
 """The HTTP API against hostile and careless clients, over real loopback
-sockets: who may read what, answers built off the reactor, slow clients,
-malformed requests, absurd bodies.  Every refusal is a JSON 4xx/5xx."""
+sockets (the connection cap in memory, :mod:`tests.harness`): who may read
+what, answers built off the reactor, slow clients, malformed requests,
+absurd bodies.  Every refusal is a JSON 4xx/5xx."""
 
 import json
 import socket
@@ -15,8 +16,7 @@ from replicator import metrics
 from replicator.http.channel import Channel
 from replicator.replication.protocol import ServerReplicationProtocol
 from tests.servers import PostgresServer
-from tests.support import until
-from tests.test_http import AUTH, SECRET, HttpTestCase, RawClient
+from tests.test_http import AUTH, SECRET, HttpTestCase, InMemoryHttpTestCase, RawClient
 
 READ_PATHS = ("/_replicator/v1/positions", "/_replicator/v1/federation_acks",
               "/_replicator/v1/user_syncs", "/_replicator/v1/user_ips")
@@ -311,33 +311,35 @@ class SlowClientTests(HttpTestCase):
             "error": "request body not received within 1s"})
         self.assertEqual(await self.count(), 0)
 
-    async def test_a_newcomer_over_the_cap_closes_the_oldest_idle_connection(self):
-        await self.start_limited(max_connections=3, header_timeout=3600)
-        held = []
-        for _ in range(3):
-            client = await ClientConnection.open(
-                self, SlowClient(b"GET /health HTTP/1.1\r\n"))
-            held.append(client)
-        await until(lambda: self.api.open_connections == 3)
+
+class ConnectionCapTests(InMemoryHttpTestCase):
+    """The cap on connections, in memory (:mod:`tests.harness`)."""
+
+    def test_a_newcomer_over_the_cap_closes_the_oldest_idle_connection(self):
+        self.start(config_overrides={"http": {"listen": "tcp:0:interface=127.0.0.1",
+                                              "secret": SECRET, "max_connections": 3,
+                                              "header_timeout": 3600}})
+        held = [self.open(SlowClient(b"GET /health HTTP/1.1\r\n")) for _ in range(3)]
+        self.h.flush()
+        self.assertEqual(self.api.open_connections, 3)
         # A fourth gets in: the oldest half-sent request makes room, with a
         # JSON 503 saying why.
-        newcomer = await ClientConnection.open(
-            self, SlowClient(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
-        received = await held[0].closed
+        newcomer = self.open(SlowClient(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+        received = self.h.run(held[0].closed, settle=False)
         self.assertEqual(parse_answer(self, received, 503), {
             "error": "too many HTTP connections: closing the oldest idle one"})
-        await until(lambda: b"\r\n\r\n" in newcomer.received)
+        self.h.flush()
         self.assertTrue(newcomer.received.startswith(b"HTTP/1.1 200 "), newcomer.received)
         # Those left are still served.
         held[1].transport.write(b"Host: x\r\n\r\n")
-        await until(lambda: b"\r\n\r\n" in held[1].received)
+        self.h.flush()
         self.assertTrue(held[1].received.startswith(b"HTTP/1.1 200 "), held[1].received)
         for client in held[1:] + [newcomer]:
             client.transport.loseConnection()
         for client in held[1:] + [newcomer]:
-            await client.closed
-        await until(lambda: self.api.open_connections == 0)
-        response, answer = await self.json("GET", "/health")
+            self.h.run(client.closed, settle=False)
+        self.assertEqual(self.api.open_connections, 0)
+        response, _ = self.answer("GET", "/health")
         self.assertEqual(response.code, 200)
 
 

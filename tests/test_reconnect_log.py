@@ -171,12 +171,11 @@ class RedisRetryLineTests(TestCase):
 
     async def test_auth_refusal_and_a_dead_server(self):
         from tests.servers import PostgresServer, RedisServer
-        from tests.support import until
+        from tests.support import LogWatch
         from tests.test_replication_redis import Node
 
-        events = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        log = LogWatch(self)
+        events = log.events
         redis = RedisServer(password="the-right-password")
         self.addCleanup(redis.stop)
         node = Node(self, PostgresServer.shared().create_database(), "w1", redis)
@@ -188,14 +187,14 @@ class RedisRetryLineTests(TestCase):
             return [formatEvent(e) for e in events
                     if "retry" in e and e.get("what") == f"redis {what}"]
 
-        await until(lambda: len(retries("subscriber")) >= 2 and len(retries("publisher")) >= 2,
-                    timeout=30)
+        await log.until(lambda: len(retries("subscriber")) >= 2
+                        and len(retries("publisher")) >= 2)
         where = f"127.0.0.1:{redis.port}"
         for what in ("subscriber", "publisher"):
             for line in retries(what)[:2]:
                 self.assertRegex(line, rf"^redis {what} {where}: \S.*; retry \d+ in \d+\.\d+ s$")
             self.assertIn("password", retries(what)[0].lower())  # the server's refusal
         redis.kill()
-        await until(lambda: any("connection refused" in line for line in retries("subscriber")),
-                    timeout=30)
+        await log.until(lambda: any("connection refused" in line
+                                    for line in retries("subscriber")))
         await node.stop()

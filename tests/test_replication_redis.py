@@ -22,7 +22,7 @@ from replicator.replication.redis import RedisReplication
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer, RedisServer
-from tests.support import as_sets, sleep, table_facts, until, write_randomly
+from tests.support import WatchedConsumer, as_sets, sleep, table_facts, until, write_randomly
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -358,7 +358,7 @@ class RedisFailureModeTests(TestCase):
         import os
         import signal as sig
 
-        consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
+        consumer = WatchedConsumer(positions={k: 0 for k in KEYS})
         writer = await Node(self, self.dsn, "w1", self.redis).start()
         reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
         await until(lambda: writer.link.connected and reader.link.connected)
@@ -370,7 +370,7 @@ class RedisFailureModeTests(TestCase):
         finally:
             os.kill(self.redis.proc.pid, sig.SIGCONT)
         await until(lambda: reader.link.connected, timeout=20)
-        await until(lambda: consumer.facts, timeout=20)
+        await consumer.until(lambda: consumer.facts, timeout=20)
         self.assertEqual(consumer.facts, [("caches", "w1", 1, [["while frozen", None, 1]])])
 
 

@@ -10,7 +10,6 @@ from twisted.trial.unittest import TestCase
 
 from replicator import metrics
 from replicator.config import parse_database, parse_streams
-from replicator.export.source import linear_position
 from replicator.consumers import MemoryConsumer
 from replicator.replication.handler import ReplicationHandler
 from replicator.replication.tcp import (
@@ -224,48 +223,6 @@ class TcpReplicationTests(TestCase):
                              key)
             self.assertEqual(as_sets({key: got.get(key, [])}), as_sets({key: expected[key]}),
                              key)
-
-    async def test_idle_writers_reach_the_busy_writers_last_fact(self):
-        """Three writers of ``caches``, facts written on the master only:
-        every instance's linear token and per-writer tokens (what
-        ``replicator positions`` answers), every writer's row in
-        ``stream_positions`` and so the export's bound reach the master's
-        last fact without a write on either worker.  (Each idle worker used
-        to follow the linear token, which the other idle worker held.)"""
-        master = await Instance(self, self.dsn, "master", THREE_WRITERS).start()
-        await master.listen()
-        workers = []
-        for name in ("worker1", "worker2"):
-            w = await Instance(self, self.dsn, name, THREE_WRITERS).start()
-            w.connect(master.port)
-            workers.append(w)
-        await until(lambda: len(master.handler.connections) == 2)
-        stream = master.registry.get("caches")
-        for i in range(20):
-            last = await stream.write_fact([[f"func{i}", None, i]])
-        writers = THREE_WRITERS[0].writers
-        seen = {}
-
-        async def reached() -> bool:
-            tokens = []
-            for inst in [master] + workers:
-                gen = inst.registry.get("caches").id_gen
-                seen[inst.name] = (gen.get_linear_token(), gen.get_positions())
-                tokens += [gen.get_linear_token(), *gen.get_positions().values()]
-            rows = await master.registry.db.runQuery(
-                "SELECT instance_name, stream_id FROM stream_positions "
-                "WHERE stream_name = 'caches'")
-            seen["stream_positions"] = persisted = {name: int(p) for name, p in rows}
-            return min(tokens) >= last and linear_position(persisted, writers) >= last
-
-        deadline = reactor.seconds() + 30
-        while not await reached():
-            self.assertLess(reactor.seconds(), deadline,
-                            f"not at the last fact {last} in 30 s: {seen}")
-            await sleep(0.05)
-        self.assertEqual(seen["stream_positions"], {w: last for w in writers})
-        for w in workers:
-            self.assertEqual(w.registry.get("caches").id_gen.in_flight(), 0)
 
     async def test_client_that_never_reads_is_dropped(self):
         settings = ConnectionSettings(max_queued_lines=2000)

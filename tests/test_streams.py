@@ -24,7 +24,7 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from replicator.streams.rows import RowCodec, RowError, WireRowCheck, check_rows
 from tests.servers import PostgresServer
-from tests.support import sleep
+from tests.support import sleep, until
 
 STREAMS = [
     {
@@ -218,7 +218,9 @@ class StreamSuite:
             self.assertEqual(await caches.facts_since("master", start, top, 4),
                              expect(start, top, 4))
         await catch_up(0, 10, 2)  # the run stops halfway ...
-        await sleep(0.5)  # ... and ends, waiting for a reader that went away
+        if caches._read_ahead is not None:  # (PostgreSQL: pages read ahead in runs)
+            run = caches._read_ahead._runs["master"]
+            await until(lambda: run.ended)  # ... and ends, waiting for a reader gone away
         await catch_up(10, top, 2)
         more = await master.write_facts([[["late", None, 1]], [["later", None, 2]]])
         facts.extend(zip(more, [[["late", None, 1]], [["later", None, 2]]]))
@@ -503,7 +505,8 @@ class PostgresStreamTests(StreamSuite, TestCase):
         ahead._read = read
         page = await caches.facts_since("master", 0, ids[-1], 2)
         self.assertEqual((page[1], page[2]), (2, True))
-        await sleep(ahead.wait * 3)  # the run waits for the reader, then ends
+        run = ahead._runs["master"]
+        await until(lambda: run.ended)  # the run waits for the reader, then ends
         self.assertEqual(reads, [0, 2, 4])  # the page asked for and `ahead` more
         since = 2
         while since < 20:

@@ -18,11 +18,10 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from replicator import synapse
 from replicator.config import (ConfigError, parse_database, parse_instance, parse_streams,
                                validate)
-from replicator.consumers import MemoryConsumer
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer, RedisServer
-from tests.support import until
+from tests.support import WatchedConsumer, until
 from tests.test_replication_redis import Node
 
 # Synapse's own cache invalidation table, as its schema creates it.
@@ -346,14 +345,14 @@ class SynapseChannelTests(TestCase):
     async def test_synapse_hears_nothing_from_us_and_we_hear_synapse(self):
         synapse_side = ChannelRecorder(self.redis.port, ["example.org", "example.org/USER_IP"])
         self.addCleanup(synapse_side.close)
-        c1, c2 = MemoryConsumer(), MemoryConsumer()
+        c1, c2 = WatchedConsumer(), WatchedConsumer()
         r1, link1 = await self.node("app1", c1)
         r2, link2 = await self.node("app2", c2)
         self.assertNotEqual(link1.channel, "example.org")
         # Our own stream between our instances.
         for i in range(20):
             await r1.get("app_events").write_fact([[f"m{i}"]])
-        await until(lambda: len(tokens(c2, "app_events", "app1")) == 20, timeout=30)
+        await c2.until(lambda: len(tokens(c2, "app_events", "app1")) == 20)
         # Synapse asks everyone on its channel for positions; its own facts
         # arrive there.
         _pg(self.dsn, ["INSERT INTO cache_invalidation_stream_by_instance VALUES "
@@ -364,11 +363,11 @@ class SynapseChannelTests(TestCase):
         redis_call(self.redis.port, "PUBLISH", "example.org",
                    'RDATA caches master 1 ["get_user",["@a:hs"],1]')
         for consumer in (c1, c2):
-            await until(lambda: tokens(consumer, "caches", "master"), timeout=30)
+            await consumer.until(lambda: tokens(consumer, "caches", "master"))
         # A last write of ours, then a round trip on Synapse's channel: what
         # we would have answered is out by now.
         await r1.get("app_events").write_fact([["last"]])
-        await until(lambda: len(tokens(c2, "app_events", "app1")) == 21, timeout=30)
+        await c2.until(lambda: len(tokens(c2, "app_events", "app1")) == 21)
         redis_call(self.redis.port, "PUBLISH", "example.org", "PING marker")
         await until(lambda: any(m == "PING marker" for _, m in synapse_side.messages()),
                     timeout=30)

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from twisted.internet import reactor, task
 from twisted.internet.threads import deferToThread
-from twisted.logger import formatEvent, globalLogPublisher
+from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 
 from replicator.config import ConfigError, parse_replication, validate_replication
@@ -22,6 +22,7 @@ from replicator.replication.handler import ReplicationHandler
 from replicator.replication.tcp import ReplicationServerFactory, upstream_service
 from replicator.tls import server_endpoint
 from tests.servers import free_port
+from tests.support import LogWatch, Waits, WatchedConsumer
 
 
 def _key():
@@ -167,7 +168,7 @@ class TlsTests(TestCase):
             self.assertFalse(isinstance(bad, bytes) and b"SERVER" in bad, bad)
 
         # Our own worker over tls: with hostname verification replicates.
-        consumer = MemoryConsumer(positions={("caches", "master"): 0})
+        consumer = WatchedConsumer(positions={("caches", "master"): 0})
         _, worker = await instance("worker1", [consumer])
         upstream = (f"tls:localhost:{self.port}:trustRoots={self.pki['trust']}"
                     f":certificate={self.pki['client.crt']}:privateKey={self.pki['client.key']}")
@@ -176,10 +177,7 @@ class TlsTests(TestCase):
         client.startService()
         self.addCleanup(client.stopService)
         await registry.get("caches").write_fact([["over tls"]])
-        for _ in range(500):
-            if consumer.facts:
-                break
-            await task.deferLater(reactor, 0.01, lambda: None)
+        await consumer.until(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("caches", "master", 1, [["over tls"]])])
         # As an instance stops: peers told, then the upstream service
         # stopped before it can reconnect.
@@ -190,17 +188,15 @@ class TlsTests(TestCase):
         _, worker2 = await instance("worker2", [consumer2])
         wrong = (f"tls:127.0.0.1:{self.port}:trustRoots={self.pki['trust']}"
                  f":certificate={self.pki['client.crt']}:privateKey={self.pki['client.key']}")
-        events = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        log = LogWatch(self)
+        events = log.events
         client2 = upstream_service(reactor, wrong, worker2, "worker2", "localhost",
                                    initial_delay=0.05, max_delay=0.2)
         client2.startService()
         self.addCleanup(client2.stopService)
-        await task.deferLater(reactor, 1.0, lambda: None)
         # Each retry says why, in a few words: what the TLS handshake said.
+        await log.until(lambda: sum("retry" in e for e in events) >= 2)
         retries = [formatEvent(e) for e in events if "retry" in e]
-        self.assertTrue(retries)
         for line in retries:
             self.assertRegex(line, rf"^upstream 127\.0\.0\.1:{self.port}: TLS: "
                                    r"the certificate is not for 127\.0\.0\.1; retry \d+ in ")
@@ -270,7 +266,8 @@ class TlsTests(TestCase):
             self.assertIsInstance(got, bytes, repr(got))
             self.assertIn(b"POSITION caches master 0 0", got)
             self.assertNotIn(b"ERROR", got)
-        await task.deferLater(reactor, 0.05, lambda: None)
+        # Whatever the forged lines started (a check of the sequence) ends.
+        self.assertTrue(await master.drain())
         relayed = [line for line in reader_transport.value().splitlines()
                    if b"worker1" in line]
         self.assertEqual(relayed, [b"POSITION caches worker1 0 0"])
@@ -292,8 +289,16 @@ class ReloadedCertificateTests(TestCase):
             registry = ()
             known_names = frozenset({"master"})
 
+            def __init__(self):
+                super().__init__()
+                self.waits = Waits()
+
             def new_connection(self, conn):
                 self.events.append(("new_connection", conn.address))
+
+            def on_PING(self, conn, cmd):
+                self.events.append(("PING", cmd))
+                self.waits.check()
 
         tmp = tempfile.mkdtemp()
         pki = make_pki(tmp)
@@ -334,7 +339,8 @@ class ReloadedCertificateTests(TestCase):
         self.assertNotEqual(after, before)
         # The open connection was never closed.
         await deferToThread(first.sendall, b"PING 1\n")
-        await task.deferLater(reactor, 0.2, lambda: None)
+        await factory.handler.waits.wait(
+            lambda: ("PING", ) in [e[:1] for e in factory.handler.events])
         opened = [p for p in factory.live if p.close_reason is None]
         self.assertEqual(len(opened), 1)
         self.assertEqual([e[0] for e in factory.handler.events].count("new_connection"), 3)

@@ -27,7 +27,7 @@ from replicator.health import HealthMonitor
 from replicator.replication.commands import parse_line
 from replicator.replication.redis import RedisReplication
 from tests.servers import PostgresServer, RedisServer
-from tests.support import until
+from tests.support import WatchedConsumer, until
 from tests.test_replication_redis import Node
 from tests.test_synapse import (
     OWN, READER, SYNAPSE_CACHES_DDL, ChannelRecorder, _pg, redis_call, tokens)
@@ -166,13 +166,13 @@ class UndeclaredSynapseTests(TestCase):
         return len(self.recorder.messages())
 
     async def test_synapse_arriving_later_is_never_answered_and_hears_nothing_more(self):
-        c1, c2 = MemoryConsumer(), MemoryConsumer()
+        c1, c2 = MemoryConsumer(), WatchedConsumer()
         r1, link1 = await self.node("app1", c1)
         _, link2 = await self.node("app2", c2)
         await until(lambda: link1.connected and link2.connected, timeout=30)
         for i in range(3):
             await r1.get("app_events").write_fact([[f"m{i}"]])
-        await until(lambda: len(tokens(c2, "app_events", "app1")) == 3, timeout=30)
+        await c2.until(lambda: len(tokens(c2, "app_events", "app1")) == 3)
         # Our own instances (REPLICATE, POSITION and RDATA of our streams,
         # and lines no one reads) are no Synapse.
         redis_call(self.redis.port, "PUBLISH", CHANNEL, "POSITION other_app worker9 1 1")

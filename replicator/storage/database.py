@@ -136,10 +136,15 @@ class Database:
     connection: the embedded default is a single-process database.
     """
 
-    def __init__(self, config: DatabaseConfig):
+    def __init__(self, config: DatabaseConfig, pool: Optional[adbapi.ConnectionPool] = None):
+        """``pool``: a pool to use instead of opening one (the tests' in-memory
+        SQLite, run inline); it must speak the configured engine's SQL."""
         self.config = config
         self.engine = config.engine
-        if self.engine == "sqlite":
+        if pool is not None:
+            self.pool = pool
+            self.greatest = "MAX" if self.engine == "sqlite" else "GREATEST"
+        elif self.engine == "sqlite":
             assert config.path is not None  # validated: sqlite has a path
             # Data files are 0640 (SQLite gives its -wal and -shm files the
             # database file's mode).
