@@ -15,7 +15,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from . import metrics
+from .observe import metrics
 
 log = Logger()
 

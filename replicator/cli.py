@@ -1,7 +1,7 @@
 """``replicator run | check | migrate | tail | write | positions | rewind | verify``.
 
 ``run`` stops cleanly on SIGTERM/SIGINT and re-reads its config on SIGHUP
-(:mod:`replicator.reload`: what applies live, what needs a restart).
+(:mod:`replicator.daemon.reload`: what applies live, what needs a restart).
 
 Exit codes: 0 fine, 1 a runtime failure (database unreachable, port in use,
 HTTP error), 2 a usage or configuration mistake (one line naming the key).
@@ -22,8 +22,8 @@ from twisted.logger import Logger
 
 from . import __version__, files
 from .config import ConfigError, load_config, validate
-from .endpoint_strings import http_url
-from .logs import printable, start_logging
+from .logs.output import printable, start_logging
+from .net.endpoint_strings import http_url
 
 log = Logger()
 
@@ -74,7 +74,8 @@ def cmd_run(args) -> None:
     start_logging(config.log_level, config.log_format)
     from twisted.internet import reactor
 
-    from .service import Instance, StartupError
+    from .daemon.service import Instance
+    from .daemon.startup import StartupError
 
     try:
         instance = Instance(config, reactor)
@@ -148,7 +149,7 @@ def reload_on_hup(reactor, instance, path: str) -> None:
 def cmd_tail(args) -> None:
     from twisted.internet import endpoints
 
-    from .replication.tcp import upstream_service
+    from .replication.transport.tcp import upstream_service
 
     #: Fires when standard output's reader goes: tail then ends, exit 0.
     reader_gone: defer.Deferred[None] = defer.Deferred()
@@ -341,8 +342,8 @@ def cmd_check(args) -> None:
     """Exit 0 with one "config ok" line, or 2 with one line naming the key
     of the first problem: every check a start makes, nothing changed."""
     config = _load(args.config)
-    from .checking import check_instance
-    from .service import StartupError
+    from .daemon.checking import check_instance
+    from .daemon.startup import StartupError
 
     async def main(reactor):
         try:
@@ -360,8 +361,8 @@ def cmd_migrate(args) -> None:
     """The schema made current, one line per step (:mod:`.migrating`);
     exit 0, 1 if a step failed (rolled back), 2 if the schema is too new."""
     config = _load(args.config)
-    from .migrating import migrate_instance
-    from .startup import StartupError
+    from .daemon.migrating import migrate_instance
+    from .daemon.startup import StartupError
 
     async def main(reactor):
         try:

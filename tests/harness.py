@@ -10,13 +10,13 @@ What a test gets from :class:`Harness`:
   the harness runs on it.  :meth:`Harness.flush` runs what is due now;
   :meth:`Harness.advance` moves time; :meth:`Harness.settle` moves it from
   one scheduled call to the next while some handler is not
-  :meth:`~replicator.replication.handler.ReplicationHandler.idle`.
+  :meth:`~replicator.replication.core.handler.ReplicationHandler.idle`.
 * **A database**: one SQLite database in memory, shared by every instance
   of the harness (as instances share their PostgreSQL database), behind a
   :class:`SyncPool`: each interaction runs inline, in its own transaction,
   and its Deferred has fired when the call returns.
 * **Instances** (:meth:`Harness.instance`): a registry and a handler
-  assembled as :class:`replicator.service.Instance` assembles them, minus
+  assembled as :class:`replicator.daemon.service.Instance` assembles them, minus
   listeners and HTTP.
 * **Connections**: :meth:`Harness.serve` gives a server-side protocol on a
   :class:`~twisted.internet.testing.StringTransport`, for a test that
@@ -52,9 +52,10 @@ from twisted.test import iosim
 
 from replicator.config import DatabaseConfig, StreamConfig
 from replicator.consumers import Consumer
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.protocol import (
-    ClientReplicationProtocol, ServerReplicationProtocol,
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.protocol import (
+    ClientReplicationProtocol,
+    ServerReplicationProtocol,
 )
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry

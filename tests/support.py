@@ -9,8 +9,7 @@ from twisted.logger import globalLogPublisher
 from twisted.python import threadable
 
 from replicator.consumers import MemoryConsumer
-
-from replicator.logformat import TEXT_TIME
+from replicator.logs.formats import TEXT_TIME
 
 
 def sleep(seconds: float):

@@ -9,9 +9,9 @@ from twisted.internet.task import Clock
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator import metrics
 from replicator.background import Background
-from replicator.replication.handler import ReplicationHandler
+from replicator.observe import metrics
+from replicator.replication.core.handler import ReplicationHandler
 
 
 class _IdGen:

@@ -1,10 +1,10 @@
-"""Tests for replicator.backoff: the one reconnect policy."""
+"""Tests for replicator.net.backoff: the one reconnect policy."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.backoff import Backoff
+from replicator.net.backoff import Backoff
 
 
 class BackoffTests(SynchronousTestCase):

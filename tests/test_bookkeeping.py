@@ -10,10 +10,10 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator import metrics
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.protocol import ServerReplicationProtocol
-from replicator.replication.tcp import ReplicationServerFactory
+from replicator.observe import metrics
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.protocol import ServerReplicationProtocol
+from replicator.replication.transport.tcp import ReplicationServerFactory
 from tests.fakes import FakeConnection
 
 
@@ -230,9 +230,12 @@ def bookkeeping_machine():
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-    from replicator.replication.bookkeeping import Bookkeeping
-    from replicator.replication.commands import (
-        ClearUserSyncCommand, FederationAckCommand, UserIpCommand, UserSyncCommand,
+    from replicator.replication.core.bookkeeping import Bookkeeping
+    from replicator.replication.wire.commands import (
+        ClearUserSyncCommand,
+        FederationAckCommand,
+        UserIpCommand,
+        UserSyncCommand,
     )
 
     KNOWN = frozenset({"master", "worker1"})

@@ -1,4 +1,4 @@
-"""Tests for replicator.replication.commands: wire format, round trips,
+"""Tests for replicator.replication.wire.commands: wire format, round trips,
 malformed input, and the RDATA fan-out encoder."""
 
 import orjson
@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.replication.wire import _encode_at_once
-from replicator.replication.commands import (
+from replicator.jsontext import encode_json
+from replicator.replication.wire.commands import (
     ALL_COMMANDS,
     CLIENT_COMMANDS,
     CLIENT_WRITER_COMMANDS,
@@ -30,14 +30,14 @@ from replicator.replication.commands import (
     UserSyncCommand,
     parse_line,
 )
-from replicator.jsontext import encode_json
-from replicator.replication.fields import CommandParseError
-from replicator.replication.wire import (
+from replicator.replication.wire.encoding import (
+    _encode_at_once,
     _encode_rdata_lines_each,
     encode_position_line,
     encode_rdata_lines,
     joined,
 )
+from replicator.replication.wire.parsing import CommandParseError
 
 # ---------------------------------------------------------------- strategies
 
@@ -592,8 +592,12 @@ class FieldsTests(SynchronousTestCase):
     ``tail --json`` prints), for the text-only commands too."""
 
     def test_fields_are_named_as_on_the_wire(self):
-        from replicator.replication.commands import (
-            NameCommand, PingCommand, PositionCommand, ServerCommand)
+        from replicator.replication.wire.commands import (
+            NameCommand,
+            PingCommand,
+            PositionCommand,
+            ServerCommand,
+        )
 
         self.assertEqual(ServerCommand("hs.test").fields(), {"server_name": "hs.test"})
         self.assertEqual(NameCommand("worker1").fields(), {"client_name": "worker1"})

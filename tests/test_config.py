@@ -213,7 +213,7 @@ class CliValidatesTests(SynchronousTestCase):
 
 class InstanceNeedsValidatedConfigTests(SynchronousTestCase):
     def test_an_unread_secret_file_is_refused(self):
-        from replicator.service import Instance
+        from replicator.daemon.service import Instance
 
         config = parse_instance(doc(http={"listen": "tcp:0:interface=127.0.0.1",
                                           "secret_file": "/nonexistent/secret"}))

@@ -18,11 +18,13 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from replicator import metrics
 from replicator.config import RedisConfig, parse_instance
-from replicator.replication.redis import RedisReplication
-from replicator.replication.tcp import (
-    ConnectionSettings, ReplicationServerFactory, upstream_service,
+from replicator.observe import metrics
+from replicator.replication.transport.redis import RedisReplication
+from replicator.replication.transport.tcp import (
+    ConnectionSettings,
+    ReplicationServerFactory,
+    upstream_service,
 )
 from tests.harness import Harness
 from tests.support import until
@@ -110,7 +112,7 @@ class SilentUpstreamTests(TestCase):
     async def test_health_of_a_worker_whose_upstream_is_silent(self):
         """What /health reads: not connected while the upstream has not
         answered the handshake, though the socket is up."""
-        from replicator.service import Instance
+        from replicator.daemon.service import Instance
 
         peer = Peer("silent")
         port = await listen(self, peer)
@@ -136,7 +138,7 @@ class StartupGarbageTests(TestCase):
         is frozen once started, so a long catch-up's collections stay short."""
         import gc
 
-        from replicator.service import Instance
+        from replicator.daemon.service import Instance
 
         gc.unfreeze()
         self.addCleanup(gc.unfreeze)
@@ -208,13 +210,13 @@ class FdBudgetTests(TestCase):
         })
 
     def test_caps_within_the_limit(self):
-        from replicator.service import fd_budget_problem
+        from replicator.daemon.startup import fd_budget_problem
 
         self.assertIsNone(fd_budget_problem(self.config(), 1024))
         self.assertIsNone(fd_budget_problem(self.config(max_connections=5000), -1))
 
     def test_caps_over_the_limit_name_the_keys(self):
-        from replicator.service import fd_budget_problem
+        from replicator.daemon.startup import fd_budget_problem
 
         # The default caps (256 + 64 + 256) and the rest (64 + 1) under a 128-fd limit.
         problem = fd_budget_problem(self.config(), 128)

@@ -17,11 +17,17 @@ from twisted.internet import reactor, task
 from twisted.logger import Logger, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from replicator.consumers import loading as consumer_loading
 from replicator.config import ConfigError, ConsumerConfig
 from replicator.consumers import (
-    Consumer, JsonlConsumer, JsonlError, LogConsumer, MemoryConsumer, load_consumers, run_inline,
+    Consumer,
+    JsonlConsumer,
+    JsonlError,
+    LogConsumer,
+    MemoryConsumer,
+    load_consumers,
+    run_inline,
 )
+from replicator.consumers import loading as consumer_loading
 from replicator.consumers.jsonl import fact_lines_at_once
 from replicator.jsontext import encode_json_line
 from tests.support import until

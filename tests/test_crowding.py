@@ -19,7 +19,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from replicator.http.site import Site
-from replicator.replication.tcp import ReplicationServerFactory
+from replicator.replication.transport.tcp import ReplicationServerFactory
 from tests.servers import PostgresServer
 from tests.support import recv_until
 from tests.test_peers import MasterHandler

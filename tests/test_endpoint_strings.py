@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator import cli, endpoint_strings
-from replicator.service import Instance
+from replicator import cli
+from replicator.daemon.service import Instance
+from replicator.net import endpoint_strings
 
 
 def base_for(endpoint: str) -> str:

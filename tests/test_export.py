@@ -82,8 +82,8 @@ def shared_spark():
             import pyspark  # noqa: F401
         except ImportError:
             unavailable("pyspark is not installed (pip install -e '.[spark]')")
-        from replicator.export.spark import spark_session
         from replicator.export.source import SourceError, find_jdbc_jar
+        from replicator.export.spark import spark_session
 
         try:
             jars = [find_jdbc_jar("postgres"), find_jdbc_jar("sqlite")]
@@ -95,8 +95,8 @@ def shared_spark():
 
 
 def export(db, configs, out, spark=None, **kw):
-    from replicator.export.options import ExportOptions
     from replicator.export.job import run_export
+    from replicator.export.options import ExportOptions
 
     kw.setdefault("partitions", 3)
     kw.setdefault("shuffle_partitions", 4)

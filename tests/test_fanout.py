@@ -1,17 +1,17 @@
-"""Tests for replicator.replication.fanout: what every connection gets from
+"""Tests for replicator.replication.core.fanout: what every connection gets from
 one encoding of the rows (StringTransport + Clock)."""
 
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.replication.wire import (
+from replicator.replication.core.fanout import Fanout
+from replicator.replication.transport.protocol import ServerReplicationProtocol
+from replicator.replication.wire.encoding import (
     MAX_LINE_LENGTH,
     _encode_rdata_lines_each,
     encode_position_line,
 )
-from replicator.replication.fanout import Fanout
-from replicator.replication.protocol import ServerReplicationProtocol
 
 CLIENTS = 50
 

@@ -11,8 +11,8 @@ from twisted.trial.unittest import TestCase
 from replicator.config import parse_database, parse_streams
 from replicator.consumers import MemoryConsumer
 from replicator.export.source import linear_position
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.protocol import ServerReplicationProtocol
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.protocol import ServerReplicationProtocol
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.harness import Harness, lines
@@ -184,7 +184,7 @@ class HandlerTests(TestCase):
         self.assertEqual(handler.user_syncs, {})
 
     def test_connection_metrics_are_labelled_by_name(self):
-        from replicator import metrics
+        from replicator.observe import metrics
 
         def gauge(name):
             return metrics.CONNECTIONS.labels(name)._value.get()
@@ -298,7 +298,7 @@ class HandlerOnPostgresTests(TestCase):
         with ours, counts them and logs one line for the burst."""
         from twisted.logger import globalLogPublisher
 
-        from replicator import metrics
+        from replicator.observe import metrics
 
         def foreign_count():
             return metrics.FOREIGN_FACTS.labels("events")._value.get()

@@ -17,11 +17,11 @@ from twisted.internet import endpoints, protocol, reactor, task
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
 
-from replicator import metrics
 from replicator.config import parse_instance, parse_streams
 from replicator.consumers import MemoryConsumer
-from replicator.health import HealthMonitor
-from replicator.service import Instance
+from replicator.daemon.service import Instance
+from replicator.observe import metrics
+from replicator.observe.health import HealthMonitor
 from tests.harness import Harness
 from tests.servers import PostgresServer, RedisServer
 from tests.support import until

@@ -14,14 +14,19 @@ from twisted.internet import endpoints, reactor
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
-from replicator import metrics
-from replicator.config import ConfigError, RedisConfig, parse_database, parse_replication, \
-    parse_streams
+from replicator.config import (
+    ConfigError,
+    RedisConfig,
+    parse_database,
+    parse_replication,
+    parse_streams,
+)
 from replicator.consumers import MemoryConsumer
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.commands import parse_line
-from replicator.replication.redis import RedisConnection, RedisReplication
-from replicator.replication.tcp import ReplicationServerFactory, upstream_service
+from replicator.observe import metrics
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.redis import RedisConnection, RedisReplication
+from replicator.replication.transport.tcp import ReplicationServerFactory, upstream_service
+from replicator.replication.wire.commands import parse_line
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.fakes import FakeBus

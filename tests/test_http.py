@@ -12,27 +12,31 @@ import signal
 import time
 
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 import psycopg2
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.internet.testing import StringTransport
 from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 from twisted.web.client import (
-    UNKNOWN_LENGTH, Agent, FileBodyProducer, HTTPConnectionPool, readBody,
+    UNKNOWN_LENGTH,
+    Agent,
+    FileBodyProducer,
+    HTTPConnectionPool,
+    readBody,
 )
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
 import replicator
-from replicator import metrics
 from replicator.config import parse_instance, parse_streams
 from replicator.consumers import MemoryConsumer
 from replicator.http import HttpApi
-from replicator.instance_metrics import InstanceMetrics
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.protocol import ServerReplicationProtocol
+from replicator.observe import metrics
+from replicator.observe.instance_metrics import InstanceMetrics
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.protocol import ServerReplicationProtocol
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.harness import Harness

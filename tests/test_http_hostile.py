@@ -12,9 +12,9 @@ from twisted.internet import defer, endpoints, protocol, reactor, task, threads
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator import metrics
 from replicator.http.channel import Channel
-from replicator.replication.protocol import ServerReplicationProtocol
+from replicator.observe import metrics
+from replicator.replication.transport.protocol import ServerReplicationProtocol
 from tests.servers import PostgresServer
 from tests.test_http import AUTH, SECRET, HttpTestCase, InMemoryHttpTestCase, RawClient
 

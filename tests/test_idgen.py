@@ -1,8 +1,12 @@
 """The ID generator against the definitions of seeds/streams.md."""
 
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, invariant, precondition, rule,
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
 )
 from twisted.trial.unittest import SynchronousTestCase
 

@@ -15,14 +15,18 @@ from zope.interface.verify import verifyObject
 from replicator.config import RedisConfig
 from replicator.consumers import JsonlConsumer, LogConsumer, MemoryConsumer, run_inline
 from replicator.consumers.base import IBatchConsumer, IConsumer
-from replicator.replication.handler import ReplicationHandler
+from replicator.replication.core.handler import ReplicationHandler
 from replicator.replication.interfaces import (
-    IPeerConnection, IRedisBus, IReplicationConnection, IReplicationHandler,
+    IPeerConnection,
+    IRedisBus,
+    IReplicationConnection,
+    IReplicationHandler,
 )
-from replicator.replication.protocol import (
-    ClientReplicationProtocol, ServerReplicationProtocol,
+from replicator.replication.transport.protocol import (
+    ClientReplicationProtocol,
+    ServerReplicationProtocol,
 )
-from replicator.replication.redis import RedisConnection, RedisReplication
+from replicator.replication.transport.redis import RedisConnection, RedisReplication
 from tests.fakes import FakeBus, FakeConnection
 
 

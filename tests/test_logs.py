@@ -1,4 +1,4 @@
-"""Tests for replicator.logs, .logformat and .twistedlog: one line per event in each
+"""Tests for replicator.logs.output, .logformat and .twistedlog: one line per event in each
 format, control characters escaped, no object reprs, Twisted's repeats dropped."""
 
 import io
@@ -14,10 +14,10 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
 from replicator.http.site import ERROR_TEXT_LIMIT, AccessLog, Redactor
-from replicator.logformat import clean, formatter
-from replicator.logs import _observer, printable, under_journald
-from replicator.replication.protocol import ServerReplicationProtocol
-from replicator.twistedlog import keep
+from replicator.logs.formats import clean, formatter
+from replicator.logs.output import _observer, printable, under_journald
+from replicator.logs.twisted_lines import keep
+from replicator.replication.transport.protocol import ServerReplicationProtocol
 
 
 class PrintableTests(SynchronousTestCase):
@@ -46,12 +46,12 @@ class ObserverTests(SynchronousTestCase):
 
 
 class FormatTests(SynchronousTestCase):
-    """The three line formats of :mod:`replicator.logformat`, in memory."""
+    """The three line formats of :mod:`replicator.logs.formats`, in memory."""
 
     EVENT = {"log_format": "peer {conn} said {text}", "conn": "worker1 (127.0.0.1:5)",
              "text": 'a "b"\x1b', "n": 3, "ok": True, "none": None, "nan": float("nan"),
              "addr": IPv4Address("TCP", "127.0.0.1", 9092), "log_level": LogLevel.warn,
-             "log_namespace": "replicator.replication.protocol.ServerReplicationProtocol",
+             "log_namespace": "replicator.replication.transport.protocol.ServerReplicationProtocol",
              "log_time": 1795639211.4523}
 
     def test_text_with_and_without_time(self):
@@ -120,7 +120,7 @@ class TwistedLinesTests(SynchronousTestCase):
         self.assertFalse(keep({"log_namespace": "twisted.internet.base",
                                "log_format": "Main loop terminated.",
                                "log_level": LogLevel.info}))
-        self.assertFalse(keep({"log_namespace": "replicator.replication.tcp.UpstreamService",
+        self.assertFalse(keep({"log_namespace": "replicator.replication.transport.tcp.UpstreamService",
                                "log_format": "Scheduling retry {attempt} to connect {endpoint} "
                                              "in {delay} seconds.",
                                "log_level": LogLevel.info}))
@@ -129,7 +129,7 @@ class TwistedLinesTests(SynchronousTestCase):
         self.assertTrue(keep(self.legacy("Unhandled error in Deferred:", isError=1)))
         self.assertTrue(keep({"log_namespace": "twisted.web", "log_format": "oops",
                               "log_failure": Failure(ValueError("x"))}))
-        self.assertTrue(keep({"log_namespace": "replicator.listening",
+        self.assertTrue(keep({"log_namespace": "replicator.daemon.listening",
                               "log_format": "listening on {address}"}))
         self.assertEqual(formatter("text", False)(self.legacy("something new")),
                          "INFO twisted: something new\n")

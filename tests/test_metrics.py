@@ -13,9 +13,9 @@ from twisted.internet import defer, reactor
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
 
-from replicator import metrics
 from replicator.config import parse_instance
-from replicator.service import Instance
+from replicator.daemon.service import Instance
+from replicator.observe import metrics
 from tests.servers import PostgresServer
 from tests.test_bookkeeping import Peers, handler
 from tests.test_health import STREAM_DEFS

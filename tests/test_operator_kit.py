@@ -92,11 +92,11 @@ def exported_names(text: str) -> set:
 
 
 def declared_names() -> set:
-    """Every sample name the daemon's metrics (:mod:`replicator.metrics`) can
+    """Every sample name the daemon's metrics (:mod:`replicator.observe.metrics`) can
     export, whether or not a labelled child exists yet."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from replicator import metrics
+    from replicator.observe import metrics
 
     suffixes = {"counter": ("_total",), "gauge": ("",),
                 "histogram": ("_bucket", "_sum", "_count")}

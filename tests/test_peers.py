@@ -15,9 +15,14 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import ConfigError, parse_replication
-from replicator.replication.peers import OTHER, PeerPolicy, metrics_label, policy_from_config
-from replicator.replication.protocol import ServerReplicationProtocol
-from replicator.replication.tcp import ReplicationServerFactory
+from replicator.replication.transport.peers import (
+    OTHER,
+    PeerPolicy,
+    metrics_label,
+    policy_from_config,
+)
+from replicator.replication.transport.protocol import ServerReplicationProtocol
+from replicator.replication.transport.tcp import ReplicationServerFactory
 from tests.test_protocol import RecordingHandler
 
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import tempfile
 
-from twisted.logger import formatEvent, globalLogPublisher
 from twisted.internet import reactor
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator import files

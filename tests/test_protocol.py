@@ -1,4 +1,4 @@
-"""Tests for replicator.replication.protocol on StringTransport and a Clock."""
+"""Tests for replicator.replication.transport.protocol on StringTransport and a Clock."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,7 +8,11 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.replication.commands import (
+from replicator.replication.transport.protocol import (
+    ClientReplicationProtocol,
+    ServerReplicationProtocol,
+)
+from replicator.replication.wire.commands import (
     ErrorCommand,
     NameCommand,
     PingCommand,
@@ -18,11 +22,7 @@ from replicator.replication.commands import (
     ServerCommand,
     UserSyncCommand,
 )
-from replicator.replication.wire import encode_rdata_lines
-from replicator.replication.protocol import (
-    ClientReplicationProtocol,
-    ServerReplicationProtocol,
-)
+from replicator.replication.wire.encoding import encode_rdata_lines
 
 # Clock start: a realistic epoch with an exact millisecond value.
 T0 = 1490197665.5

@@ -7,18 +7,23 @@ once, in token order, whole; gaps caught up; nothing at or below the
 position delivered again.
 """
 
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test,
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
 )
 from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.replication.commands import parse_line
-from replicator.replication.wire import encode_position_line, encode_rdata_lines
-from replicator.replication.reader import Reader
-from replicator.replication.relay import Relay
+from replicator.replication.core.reader import Reader
+from replicator.replication.core.relay import Relay
+from replicator.replication.wire.commands import parse_line
+from replicator.replication.wire.encoding import encode_position_line, encode_rdata_lines
 from tests.fakes import FakeConnection
 
 STREAM, WRITER = "s", "w"

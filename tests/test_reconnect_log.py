@@ -8,11 +8,11 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from replicator.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from replicator.config import parse_replication
 from replicator.config.model import ReplicationConfig
-from replicator.reconnect import LOUD_RETRIES, QUIET_INTERVAL, failure_reason
-from replicator.replication.tcp import upstream_service
+from replicator.net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
+from replicator.net.reconnect import LOUD_RETRIES, QUIET_INTERVAL, failure_reason
+from replicator.replication.transport.tcp import upstream_service
 
 
 class Endpoint:

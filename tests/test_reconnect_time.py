@@ -19,8 +19,8 @@ import urllib.request
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.backoff import RECONNECT_MAX_DELAY
-from replicator.reconnect import LOUD_RETRIES
+from replicator.net.backoff import RECONNECT_MAX_DELAY
+from replicator.net.reconnect import LOUD_RETRIES
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.test_cli import CACHES, PY, Daemon, base_config
 

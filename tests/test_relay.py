@@ -2,8 +2,8 @@
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.replication.commands import parse_line
-from replicator.replication.relay import Relay
+from replicator.replication.core.relay import Relay
+from replicator.replication.wire.commands import parse_line
 
 
 class RelayTests(SynchronousTestCase):

@@ -11,7 +11,7 @@ import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_instance
-from replicator.reload import plan
+from replicator.daemon.reload import plan
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 

@@ -15,10 +15,10 @@ import signal
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_instance
-from replicator.reload import plan
+from replicator.daemon.reload import plan
+from tests import test_reload
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.test_cli import CACHES, Daemon, base_config, http
-from tests import test_reload
 from tests.test_reload import _metric
 
 
@@ -145,8 +145,8 @@ class RewireTests(SynchronousTestCase):
         from twisted.internet import defer
         from twisted.internet.task import Clock
 
-        from replicator.replication.delivery import delivery_for
-        from replicator.replication.reader import Reader
+        from replicator.replication.core.delivery import delivery_for
+        from replicator.replication.core.reader import Reader
         from tests.test_reader import updates_since
 
         deliver, many, reached = delivery_for("s", "w", consumers)
@@ -158,7 +158,7 @@ class RewireTests(SynchronousTestCase):
         from twisted.internet import defer
 
         from replicator.consumers import MemoryConsumer
-        from replicator.replication.delivery import rewire
+        from replicator.replication.core.delivery import rewire
         from tests.fakes import FakeConnection
 
         table = {t: [[f"r{t}"]] for t in range(1, 7)}
@@ -202,8 +202,8 @@ class RewireTests(SynchronousTestCase):
         from twisted.internet.task import Clock
 
         from replicator.consumers import MemoryConsumer
-        from replicator.replication.delivery import delivery_for, rewire
-        from replicator.replication.reader import Reader
+        from replicator.replication.core.delivery import delivery_for, rewire
+        from replicator.replication.core.reader import Reader
         from tests.fakes import FakeConnection
         from tests.test_reader import updates_since
 

@@ -14,11 +14,11 @@ from twisted.internet.error import ConnectionDone
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
-from replicator import metrics
 from replicator.config import RedisConfig, parse_database, parse_streams
 from replicator.consumers import MemoryConsumer
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.redis import RedisReplication
+from replicator.observe import metrics
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.redis import RedisReplication
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer, RedisServer
@@ -443,7 +443,7 @@ class ConfiguredKeepaliveTests(TestCase):
 
     async def test_the_instance_builds_its_redis_links_with_the_configured_keepalive(self):
         from replicator.config import parse_instance
-        from replicator.service import Instance
+        from replicator.daemon.service import Instance
         from tests.servers import free_port
 
         doc = {"server_name": "hs.test", "instance_name": "w1",
@@ -473,7 +473,7 @@ class PublishBlockTests(TestCase):
         from twisted.internet import task
         from twisted.internet.testing import StringTransport
 
-        from replicator.replication.redis import _Publisher, _RedisFactory
+        from replicator.replication.transport.redis import _Publisher, _RedisFactory
 
         self.link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
                                      _RecordingHandler(["caches"]), "hs.test", "w1")

@@ -8,12 +8,14 @@ import socket
 from twisted.internet import defer, endpoints, reactor
 from twisted.trial.unittest import TestCase
 
-from replicator import metrics
 from replicator.config import parse_database, parse_streams
 from replicator.consumers import MemoryConsumer
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.tcp import (
-    ConnectionSettings, ReplicationServerFactory, upstream_service,
+from replicator.observe import metrics
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.tcp import (
+    ConnectionSettings,
+    ReplicationServerFactory,
+    upstream_service,
 )
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
@@ -331,7 +333,7 @@ class InstanceReactorTests(TestCase):
         import tempfile
 
         from replicator.config import parse_instance
-        from replicator.service import Instance
+        from replicator.daemon.service import Instance
 
         tmp = tempfile.mkdtemp()
         config = parse_instance({

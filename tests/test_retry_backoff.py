@@ -7,8 +7,8 @@ from twisted.internet.task import Clock
 from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.replication.fanout import Fanout
-from replicator.replication.reader import Reader
+from replicator.replication.core.fanout import Fanout
+from replicator.replication.core.reader import Reader
 from tests.fakes import FakeConnection
 
 
@@ -96,8 +96,8 @@ class RetryTests(SynchronousTestCase):
         the database is down the reads back off, and the log has one line
         when that starts and one when it ends."""
         from replicator.config import ColumnConfig
-        from replicator.replication.admission import Admission
-        from replicator.replication.commands import PositionCommand
+        from replicator.replication.core.admission import Admission
+        from replicator.replication.wire.commands import PositionCommand
 
         outage = Outage(1000)
 

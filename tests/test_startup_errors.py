@@ -17,8 +17,8 @@ from twisted.internet import reactor
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator.config import parse_instance
-from replicator.service import Instance, StartupError
-
+from replicator.daemon.service import Instance
+from replicator.daemon.startup import StartupError
 from tests.servers import free_port
 from tests.test_cli import CACHES, SECRET, cli
 

@@ -4,8 +4,8 @@ ring, the sparkline, and HTML that escapes whatever a peer calls itself."""
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator import status, status_page
-from replicator.health import Finding
+from replicator.observe import status, status_page
+from replicator.observe.health import Finding
 
 
 def lagging(by, for_):

@@ -13,10 +13,11 @@ import threading
 
 import orjson
 import psycopg2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from twisted.enterprise import adbapi
 from twisted.internet import defer, reactor, threads
-from hypothesis import given, settings, strategies as st
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator.config import ConfigError, parse_database, parse_streams

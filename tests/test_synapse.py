@@ -16,8 +16,7 @@ from twisted.internet import reactor
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator import synapse
-from replicator.config import (ConfigError, parse_database, parse_instance, parse_streams,
-                               validate)
+from replicator.config import ConfigError, parse_database, parse_instance, parse_streams, validate
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer, RedisServer
@@ -438,7 +437,7 @@ class SynapseRowLayoutTests(TestCase):
             "presence": [[["@a:hs", "online", 1, 2, 3, "hi", True]],
                          [["@b:hs", "offline", 4, 5, 6, None, False]]],
         }
-        from replicator.replication.wire import encode_rdata_lines
+        from replicator.replication.wire.encoding import encode_rdata_lines
 
         for name, rows_of_facts in facts.items():
             stream = registry.get(name)

@@ -1,4 +1,4 @@
-"""The systemd units in ``systemd/`` and :mod:`replicator.sdnotify`.
+"""The systemd units in ``systemd/`` and :mod:`replicator.daemon.sdnotify`.
 
 The unit tests run the real ``systemd-analyze`` (no running systemd needed):
 ``verify`` must accept every unit without a single complaint, and
@@ -22,7 +22,7 @@ import uuid
 from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import TestCase
 
-from replicator import sdnotify
+from replicator.daemon import sdnotify
 from tests.servers import unavailable
 
 UNIT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "systemd")
@@ -198,7 +198,7 @@ class SysusersTests(TestCase):
 
 
 class SdNotifyTests(TestCase):
-    """:mod:`replicator.sdnotify` against real AF_UNIX datagram sockets."""
+    """:mod:`replicator.daemon.sdnotify` against real AF_UNIX datagram sockets."""
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="notify-")  # short: sun_path holds 108 bytes
@@ -224,7 +224,7 @@ class SdNotifyTests(TestCase):
         return sock
 
     def warnings(self) -> list:
-        return [e for e in self.events if e.get("log_namespace") == "replicator.sdnotify"
+        return [e for e in self.events if e.get("log_namespace") == "replicator.daemon.sdnotify"
                 and e["log_level"].name == "warn"]
 
     def check_all(self, sock):

@@ -18,9 +18,9 @@ from twisted.trial.unittest import TestCase
 
 from replicator.config import ConfigError, parse_replication, validate_replication
 from replicator.consumers import MemoryConsumer
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.tcp import ReplicationServerFactory, upstream_service
-from replicator.tls import server_endpoint
+from replicator.net.tls import server_endpoint
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.tcp import ReplicationServerFactory, upstream_service
 from tests.servers import free_port
 from tests.support import LogWatch, Waits, WatchedConsumer
 
@@ -211,13 +211,14 @@ class TlsTests(TestCase):
         certificate for worker1 cannot say NAME master or NAME worker2, and a
         certificate for worker9 cannot pose as the writer worker1 to get
         forged RDATA relayed to the readers or delivered."""
+        from twisted.internet.testing import StringTransport
+
         from replicator.config import parse_database, parse_streams
-        from replicator.replication.peers import local_names, policy_from_config
-        from replicator.replication.protocol import ServerReplicationProtocol
+        from replicator.replication.transport.peers import local_names, policy_from_config
+        from replicator.replication.transport.protocol import ServerReplicationProtocol
         from replicator.storage.database import Database
         from replicator.streams.registry import StreamRegistry
         from tests.servers import PostgresServer
-        from twisted.internet.testing import StringTransport
 
         dsn = PostgresServer.shared().create_database()
         streams = parse_streams([{"name": "caches", "table": "cache_stream",
@@ -281,7 +282,7 @@ class ReloadedCertificateTests(TestCase):
     timeout = 60
 
     async def test_new_connections_use_the_new_certificate(self):
-        from replicator.listening import ListeningService
+        from replicator.daemon.listening import ListeningService
         from tests.test_protocol import RecordingHandler
 
         class Handler(RecordingHandler):

@@ -23,14 +23,21 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator.config import RedisConfig, parse_streams
 from replicator.consumers import MemoryConsumer
-from replicator.health import HealthMonitor
-from replicator.replication.commands import parse_line
-from replicator.replication.redis import RedisReplication
+from replicator.observe.health import HealthMonitor
+from replicator.replication.transport.redis import RedisReplication
+from replicator.replication.wire.commands import parse_line
 from tests.servers import PostgresServer, RedisServer
 from tests.support import WatchedConsumer, until
 from tests.test_replication_redis import Node
 from tests.test_synapse import (
-    OWN, READER, SYNAPSE_CACHES_DDL, ChannelRecorder, _pg, redis_call, tokens)
+    OWN,
+    READER,
+    SYNAPSE_CACHES_DDL,
+    ChannelRecorder,
+    _pg,
+    redis_call,
+    tokens,
+)
 
 CHANNEL = "example.org"
 #: What Synapse 1.163.2's main process announces (one POSITION per stream it
@@ -226,7 +233,7 @@ class SynapseWatchTests(SynchronousTestCase):
     """What proves a Synapse, and what does not."""
 
     def watch(self):
-        from replicator.replication.synapse_watch import SynapseWatch
+        from replicator.replication.transport.synapse_watch import SynapseWatch
 
         return SynapseWatch(CHANNEL, ["app_events", "caches", "receipts"])
 
@@ -329,7 +336,7 @@ class HoldTests(SynchronousTestCase):
         self.assertIn("POSITION typing master", self.link.synapse_seen)
 
     def test_too_much_held_is_dropped_and_the_answer_announces(self):
-        from replicator.replication.redis import HOLD_MAX_LINES
+        from replicator.replication.transport.redis import HOLD_MAX_LINES
 
         self.link.conn.send_lines([b"RDATA app_events app1 batch [\"x\"]\n"] * HOLD_MAX_LINES)
         self.link.conn.send_lines([b"RDATA app_events app1 6 [\"x\"]\n"])

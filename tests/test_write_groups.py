@@ -7,7 +7,8 @@ answered exactly once, that no group exceeds the bound, and that no write
 is left queued without a transaction on its way.
 """
 
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from twisted.internet import defer
 from twisted.python.failure import Failure

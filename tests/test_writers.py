@@ -1,16 +1,16 @@
-"""Other writers' links and the linear tokens' holders (:mod:`replicator.writers`)
-on a Clock, and the roles (:mod:`replicator.roles`) of every kind of config."""
+"""Other writers' links and the linear tokens' holders (:mod:`replicator.observe.writers`)
+on a Clock, and the roles (:mod:`replicator.observe.roles`) of every kind of config."""
 
 from types import SimpleNamespace
 
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator import metrics, roles
 from replicator.config import parse_instance
-from replicator.replication.connections import Connections
+from replicator.observe import metrics, roles
+from replicator.observe.writers import WriterWatch
+from replicator.replication.core.connections import Connections
 from replicator.streams.idgen import StreamIdGenerator
-from replicator.writers import WriterWatch
 from tests.fakes import FakeConnection
 
 STREAMS = [{"name": "caches", "table": "c", "columns": [{"x": "text"}],

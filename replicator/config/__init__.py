@@ -25,17 +25,56 @@ its own reactor).
 Everything a caller needs is importable from here.
 """
 
-from .fields import (IDENTIFIER, SQL_KEYWORDS, WIRE_NAME, ConfigError, get_bool, get_int,
-                     get_list, get_names, get_number, get_path, get_str, no_unknown)
-from .instance import (INSTANCE_KEYS, MAX_CONFIG_SIZE, load_config, load_yaml, parse_consumers,
-                       parse_health, parse_http, parse_instance, parse_synapse)
-from .model import (COLUMN_TYPES, LOG_LEVELS, POSITIONS_TABLE, ColumnConfig, ConsumerConfig,
-                    DatabaseConfig, HealthConfig, HttpConfig, InstanceConfig, RedisConfig,
-                    ReplicationConfig, StreamConfig, SynapseConfig)
+from .fields import (
+                     IDENTIFIER,
+                     SQL_KEYWORDS,
+                     WIRE_NAME,
+                     ConfigError,
+                     get_bool,
+                     get_int,
+                     get_list,
+                     get_names,
+                     get_number,
+                     get_path,
+                     get_str,
+                     no_unknown,
+)
+from .instance import (
+                     INSTANCE_KEYS,
+                     MAX_CONFIG_SIZE,
+                     load_config,
+                     load_yaml,
+                     parse_consumers,
+                     parse_health,
+                     parse_http,
+                     parse_instance,
+                     parse_synapse,
+)
+from .model import (
+                     COLUMN_TYPES,
+                     LOG_LEVELS,
+                     POSITIONS_TABLE,
+                     ColumnConfig,
+                     ConsumerConfig,
+                     DatabaseConfig,
+                     HealthConfig,
+                     HttpConfig,
+                     InstanceConfig,
+                     RedisConfig,
+                     ReplicationConfig,
+                     StreamConfig,
+                     SynapseConfig,
+)
 from .replication import parse_redis, parse_replication
+from .streams import (
+                     MAX_POOL,
+                     MAX_WRITE_GROUP,
+                     parse_column,
+                     parse_database,
+                     parse_stream,
+                     parse_streams,
+)
 from .validate import read_secret, validate, validate_http, validate_replication
-from .streams import MAX_POOL, MAX_WRITE_GROUP, parse_column, parse_database, parse_stream, \
-    parse_streams
 
 __all__ = [
     "IDENTIFIER", "SQL_KEYWORDS", "WIRE_NAME", "ConfigError", "get_bool", "get_int",

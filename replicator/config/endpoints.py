@@ -2,7 +2,7 @@
 
 Parsing keeps the *string*: the instance builds its endpoints with its own
 reactor when it listens or connects.  Here the string is split with the
-project's one parser (:mod:`replicator.endpoint_strings`) and, for the types
+project's one parser (:mod:`replicator.net.endpoint_strings`) and, for the types
 users write (``tcp``, ``tcp6``, ``ssl``, ``tls``, ``unix`` listeners; ``tcp``,
 ``ssl``, ``tls``, ``unix`` clients), its fields are checked as Twisted would
 coerce them, plus what Twisted lets through but no listen or connect could
@@ -18,7 +18,7 @@ file holds) is Twisted's to judge, in :func:`replicator.config.validate`.
 import ipaddress
 from typing import Mapping, Optional
 
-from ..endpoint_strings import Endpoint, parse
+from ..net.endpoint_strings import Endpoint, parse
 from .fields import ConfigError, did_you_mean, get_str, one_line
 
 #: Server types with a port (positional or ``port=``), an interface and a backlog.

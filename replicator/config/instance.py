@@ -8,10 +8,27 @@ from typing import Any, Optional, Tuple
 import yaml
 
 from .endpoints import get_endpoint
-from .fields import (WIRE_NAME, ConfigError, as_mapping, get_int, get_list, get_number,
-                     get_path, get_str, kind_of, no_unknown)
-from .model import (LOG_FORMATS, LOG_LEVELS, ConsumerConfig, HealthConfig, HttpConfig,
-                    InstanceConfig, SynapseConfig)
+from .fields import (
+    WIRE_NAME,
+    ConfigError,
+    as_mapping,
+    get_int,
+    get_list,
+    get_number,
+    get_path,
+    get_str,
+    kind_of,
+    no_unknown,
+)
+from .model import (
+    LOG_FORMATS,
+    LOG_LEVELS,
+    ConsumerConfig,
+    HealthConfig,
+    HttpConfig,
+    InstanceConfig,
+    SynapseConfig,
+)
 from .replication import parse_replication
 from .streams import _check_dsn, parse_database, parse_streams
 

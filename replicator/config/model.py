@@ -4,7 +4,7 @@ by the parsers of this package (their values are already checked)."""
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
+from ..net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
 
 #: The table the replicator keeps positions in.
 POSITIONS_TABLE = "stream_positions"
@@ -12,7 +12,7 @@ POSITIONS_TABLE = "stream_positions"
 SCHEMA_TABLE = "replicator_schema"
 COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
-#: ``log_format``: see :mod:`replicator.logformat`.
+#: ``log_format``: see :mod:`replicator.logs.formats`.
 LOG_FORMATS = ("text", "logfmt", "json")
 
 

@@ -3,11 +3,22 @@ connect."""
 
 from typing import Any, Mapping, Optional, Tuple
 
-from ..backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
-from ..endpoint_strings import is_loopback
+from ..net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
+from ..net.endpoint_strings import is_loopback
 from .endpoints import get_endpoint
-from .fields import (ConfigError, as_mapping, get_bool, get_int, get_list, get_names,
-                     get_number, get_path, get_str, kind_of, no_unknown)
+from .fields import (
+    ConfigError,
+    as_mapping,
+    get_bool,
+    get_int,
+    get_list,
+    get_names,
+    get_number,
+    get_path,
+    get_str,
+    kind_of,
+    no_unknown,
+)
 from .model import RedisConfig, ReplicationConfig
 
 

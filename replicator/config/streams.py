@@ -3,10 +3,29 @@ component shares."""
 
 from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
 
-from .fields import (IDENTIFIER, WIRE_NAME, ConfigError, as_mapping, get_bool, get_int,
-                     get_list, get_names, get_path, get_str, kind_of, no_unknown, sql_name)
-from .model import (COLUMN_TYPES, POSITIONS_TABLE, SCHEMA_TABLE, ColumnConfig, DatabaseConfig,
-                    StreamConfig)
+from .fields import (
+    IDENTIFIER,
+    WIRE_NAME,
+    ConfigError,
+    as_mapping,
+    get_bool,
+    get_int,
+    get_list,
+    get_names,
+    get_path,
+    get_str,
+    kind_of,
+    no_unknown,
+    sql_name,
+)
+from .model import (
+    COLUMN_TYPES,
+    POSITIONS_TABLE,
+    SCHEMA_TABLE,
+    ColumnConfig,
+    DatabaseConfig,
+    StreamConfig,
+)
 
 #: Database connections (each one a pool thread and a server process).
 MAX_POOL = 100

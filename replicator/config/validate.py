@@ -15,7 +15,7 @@ from typing import Optional
 
 from twisted.internet import endpoints
 
-from ..endpoint_strings import parse
+from ..net.endpoint_strings import parse
 from .fields import ConfigError, one_line
 from .instance import MIN_SECRET
 from .model import HttpConfig, InstanceConfig, ReplicationConfig
@@ -34,7 +34,7 @@ def validate(config: InstanceConfig, reactor) -> InstanceConfig:
 def validate_replication(rep: ReplicationConfig, reactor, key: str = "replication") -> None:
     """The listener (with its client CA), the upstream and Redis endpoints."""
     if rep.client_ca is not None:
-        from ..tls import load_ca_certificates, server_endpoint
+        from ..net.tls import load_ca_certificates, server_endpoint
 
         try:
             load_ca_certificates(rep.client_ca)
@@ -82,7 +82,7 @@ def _build(reactor, value: str, path: str, kind: str) -> Optional[object]:
         if kind == "server":
             parsed = parse(value)
             if parsed.kind == "tls":
-                from ..tls import check_pem_directory
+                from ..net.tls import check_pem_directory
 
                 check_pem_directory(parsed.kwargs.get("path", parsed.args[0]))
             return endpoints.serverFromString(reactor, value)

@@ -47,10 +47,18 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from .. import files
-from ..backoff import Outage
-from ..config import (ConfigError, ConsumerConfig, get_bool, get_int, get_number, get_path,
-                      get_str, no_unknown)
+from ..config import (
+    ConfigError,
+    ConsumerConfig,
+    get_bool,
+    get_int,
+    get_number,
+    get_path,
+    get_str,
+    no_unknown,
+)
 from ..jsontext import any_non_finite, encode_json, encode_json_line
+from ..net.backoff import Outage
 from . import jsonl_files
 from .base import Consumer, IBatchConsumer, Key
 from .file_thread import FileThread, append_at

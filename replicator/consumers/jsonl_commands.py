@@ -129,8 +129,8 @@ def _points(txn, db, streams: List[StreamConfig], token: Optional[int], ms: Opti
 
 
 def cmd_rewind(config: InstanceConfig, args) -> None:
-    from .jsonl import JsonlConsumer, JsonlError
     from .file_thread import run_inline
+    from .jsonl import JsonlConsumer, JsonlError
 
     try:
         where, path, streams = find_jsonl(config, args.consumer)

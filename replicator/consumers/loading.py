@@ -8,7 +8,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from twisted.logger import Logger
 
 from ..config import ConfigError, ConsumerConfig
-from . import jsonl, log as log_consumer
+from . import jsonl
+from . import log as log_consumer
 from .base import Consumer
 
 log = Logger(namespace="replicator.consumers")

@@ -1,6 +1,6 @@
 """Consumers changed by a reload (SIGHUP), while the instance runs.
 
-:func:`change_consumers` applies a :class:`replicator.reload.ConsumerChange`:
+:func:`change_consumers` applies a :class:`replicator.daemon.reload.ConsumerChange`:
 
 * every reader is held between two facts first, so no consumer is in the
   middle of one while the list changes;
@@ -10,7 +10,7 @@
 * a consumer new in the file is built off the reactor thread (opening a
   JSON-lines file reads it whole) and starts from its own persisted
   position: a reader that is past it catches the facts in between up from
-  the table, for it alone (:func:`replicator.replication.delivery.rewire`);
+  the table, for it alone (:func:`replicator.replication.core.delivery.rewire`);
 * consumers in both files go on where they were, no fact twice.
 
 A consumer that cannot be built is one line naming its key; a changed one
@@ -25,11 +25,11 @@ from twisted.logger import Logger
 
 from ..config import ConsumerConfig
 from ..config.fields import one_line
-from ..reload import ConsumerChange
+from ..daemon.reload import ConsumerChange
 from .base import Consumer
 from .loading import build_consumer
 
-log = Logger(namespace="replicator.service")
+log = Logger(namespace="replicator.daemon.service")
 
 
 async def change_consumers(handler, running: Sequence[Consumer],

@@ -151,8 +151,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(SPARK_MISSING, file=sys.stderr)
         return 1
 
-    from replicator.export.options import ExportOptions
     from replicator.export.job import format_summary, run_export
+    from replicator.export.options import ExportOptions
     from replicator.export.source import SourceError
     from replicator.export.state import StateError
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from ..config import DatabaseConfig, StreamConfig
+from .options import ExportOptions
 from .plan import StreamPlan, layout_of, next_state, observed_ranges, plan_stream
 from .source import MIN_TOKEN, JdbcTarget, Metadata, SourceError, jdbc_target, read_facts
 from .spark import Progress, RunSession
-from .options import ExportOptions
 from .state import ExportState, OutputStore, StateError
 
 log = logging.getLogger("replicator.export")

@@ -27,7 +27,6 @@ from .source import MIN_TOKEN, Metadata, RangeBounds, linear_position
 from .state import StreamState, now_iso
 
 
-
 @dataclass
 class StreamPlan:
     """What one stream's run will do (see the module docstring)."""

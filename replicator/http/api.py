@@ -21,16 +21,16 @@ from twisted.web import server
 from twisted.web.resource import Resource
 
 from ..config import InstanceConfig
-from ..health import Finding
 from ..jsontext import encode_json
-from ..roles import has_replication_link, role
-from ..status import StatusRecorder, snapshot
-from ..status_page import CSP, SCRIPT, STYLE, render_html
-from ..writers import writer_watch
+from ..observe.health import Finding
+from ..observe.roles import has_replication_link, role
+from ..observe.status import StatusRecorder, snapshot
+from ..observe.status_page import CSP, SCRIPT, STYLE, render_html
+from ..observe.writers import writer_watch
 from .answers import JSON_TYPE, HttpError, Response
 from .bookkeeping import BookkeepingRoutes
 from .channel import error_body
-from .health import DB_TIMEOUT, HealthRoute
+from .probe import DB_TIMEOUT, HealthRoute
 from .site import MAX_BODY_SIZE, AccessLog, Redactor, Site
 from .streams import StreamRoutes
 
@@ -57,13 +57,13 @@ class HttpApi:
 
     ``replication_status()`` returns ``(connected, detail)``; it decides
     health on an instance with a link of its own (``replication.upstream``
-    or ``replication.redis``: :func:`replicator.roles.has_replication_link`)
+    or ``replication.redis``: :func:`replicator.observe.roles.has_replication_link`)
     and is only reported on a TCP master.  Its role (``master``/``worker``)
-    is :func:`replicator.roles.role`.  ``writers`` is its
-    :class:`replicator.writers.WriterWatch` (by default a new one).  ``health`` is
-    the instance's :class:`replicator.health.HealthMonitor` (by default one
+    is :func:`replicator.observe.roles.role`.  ``writers`` is its
+    :class:`replicator.observe.writers.WriterWatch` (by default a new one).  ``health`` is
+    the instance's :class:`replicator.observe.health.HealthMonitor` (by default one
     that is not started: replication problems only); ``status`` its
-    :class:`replicator.status.StatusRecorder` (by default one not started:
+    :class:`replicator.observe.status.StatusRecorder` (by default one not started:
     no lag history).
     """
 
@@ -97,7 +97,7 @@ class HttpApi:
             writers = writer_watch(config, registry, handler, clock)
         self.writers = writers
         if health is None:
-            from ..health import HealthMonitor
+            from ..observe.health import HealthMonitor
 
             health = HealthMonitor(registry=registry, handler=handler, db=db, clock=clock,
                                    lag_grace=lag_grace, expect_upstream=self.is_worker,

@@ -2,7 +2,7 @@
 IP addresses are personal): ``GET .../federation_acks``, ``.../user_syncs``,
 ``.../user_ips``.
 
-Each is paged (:mod:`replicator.pages`) and each page is built and encoded in
+Each is paged (:mod:`replicator.http.listing`) and each page is built and encoded in
 a thread: the handler's tables are only read there, by C-level copies,
 never iterated on the reactor.
 """
@@ -11,7 +11,7 @@ from typing import Dict, Optional
 
 from twisted.internet import threads
 
-from .. import pages
+from . import listing as pages
 from .answers import JSON_TYPE, HttpError, Response, authorize
 
 

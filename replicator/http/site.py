@@ -20,8 +20,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import server
 
-from ..crowd import Crowd
-from ..logs import printable
+from ..logs.output import printable
+from ..net.crowd import Crowd
 from .channel import Busy, Channel
 
 log = Logger(namespace="replicator.http")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from zope.interface import Attribute, Interface
 
 if TYPE_CHECKING:
-    from .commands import Command
+    from .wire.commands import Command
 
 
 class IReplicationConnection(Interface):

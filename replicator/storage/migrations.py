@@ -36,7 +36,7 @@ from twisted.logger import Logger
 
 from .. import __version__
 from ..config.model import POSITIONS_TABLE, SCHEMA_TABLE
-from ..startup import StartupError
+from ..daemon.startup import StartupError
 from . import schema
 from .database import Database
 

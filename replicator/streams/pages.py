@@ -18,9 +18,8 @@ the catch-up got slower.)
 from typing import Any, Iterable, List, Tuple
 
 from ..config import StreamConfig
-from ..storage.database import Database
+from ..storage.database import Cursor, Database
 from .rows import reader
-from ..storage.database import Cursor
 
 Update = Tuple[int, List[Any]]
 Fact = Tuple[int, List[List[Any]]]

@@ -4,9 +4,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 from ..config import StreamConfig
 from ..storage import schema
-from ..storage.database import Database
+from ..storage.database import Cursor, Database
 from .stream import Stream
-from ..storage.database import Cursor
 
 
 class UnknownStream(KeyError):

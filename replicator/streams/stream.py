@@ -30,8 +30,8 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from .. import metrics
 from ..config import StreamConfig
+from ..observe import metrics
 from ..storage import schema
 from ..storage.database import Cursor, Database
 from .group import Group, StatementFailed, Write, WriteGroups

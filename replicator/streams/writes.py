@@ -18,12 +18,11 @@ from typing import Any, Callable, List, NamedTuple, Sequence
 
 from twisted.logger import Logger
 
-from .. import metrics
 from ..config import StreamConfig
+from ..observe import metrics
 from ..storage import schema
-from ..storage.database import Database
+from ..storage.database import Cursor, Database
 from .idgen import StreamIdGenerator
-from ..storage.database import Cursor
 
 log = Logger()
 

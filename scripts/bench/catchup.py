@@ -41,9 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-from twisted.internet import threads  # noqa: E402
-
 from common import rate, record  # noqa: E402
+from twisted.internet import threads  # noqa: E402
 
 FACTS = 1_000_000
 ROUNDS = 3
@@ -195,7 +194,7 @@ def reader_round(dsn, upstream_port, facts, profile=None) -> dict:
 
 async def start_master(reactor, dsn):
     from replicator.config import parse_instance
-    from replicator.service import Instance
+    from replicator.daemon.service import Instance
 
     master = Instance(parse_instance({
         "server_name": "bench.test", "instance_name": "master",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The reader process of the catch-up benchmark (``catchup.py`` starts it).
 
-A real replicator instance (``replicator.service.Instance``, the same one
+A real replicator instance (``replicator.daemon.service.Instance``, the same one
 ``replicator run`` starts) built from the JSON config given on the command
 line; it follows ``--stream``/``--writer`` from its upstream.  Inside it, a
 ``LoopingCall`` every ``--tick`` seconds measures how late the reactor
@@ -49,8 +49,8 @@ def peak_rss_kb() -> int:
 
 async def main(reactor, args):
     from replicator.config import parse_instance
-    from replicator.replication import reader as reader_module
-    from replicator.service import Instance
+    from replicator.daemon.service import Instance
+    from replicator.replication.core import reader as reader_module
 
     profile = None
     if args.profile:

@@ -133,8 +133,8 @@ def python_pass(dsn, pos):
 
 def spark_pass(spark, db, streams, pos):
     """A first export into a fresh output; returns (seconds, output dir)."""
-    from replicator.export.options import ExportOptions
     from replicator.export.job import run_export
+    from replicator.export.options import ExportOptions
 
     out = tempfile.mkdtemp(prefix="bench-export-")
     start = time.perf_counter()
@@ -173,8 +173,8 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
     """Run the export benchmark; returns the entries recorded."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from replicator.config import parse_database, parse_streams
-    from replicator.export.spark import spark_session
     from replicator.export.source import find_jdbc_jar
+    from replicator.export.spark import spark_session
     from tests.servers import PostgresServer
 
     entries = []

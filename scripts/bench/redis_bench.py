@@ -168,16 +168,25 @@ if __name__ == "__main__" and "--reader" in sys.argv:
 
 # ------------------------------------------------------------------ the bench
 
-from twisted.internet import defer, reactor, task, threads  # noqa: E402
-
 import tcp  # noqa: E402
 from common import (  # noqa: E402
-    cpu_seconds, delays_ms, percentile, profiled, record, spread, stamp_commits, stamp_sends,
-    standalone_main, write_path_report)
+    cpu_seconds,
+    delays_ms,
+    percentile,
+    profiled,
+    record,
+    spread,
+    stamp_commits,
+    stamp_sends,
+    standalone_main,
+    write_path_report,
+)
+from twisted.internet import defer, reactor, task, threads  # noqa: E402
+
 from replicator.config import RedisConfig, parse_database, parse_streams  # noqa: E402
-from replicator.replication.wire import encode_rdata_lines  # noqa: E402
-from replicator.replication.handler import ReplicationHandler  # noqa: E402
-from replicator.replication.redis import RedisReplication  # noqa: E402
+from replicator.replication.core.handler import ReplicationHandler  # noqa: E402
+from replicator.replication.transport.redis import RedisReplication  # noqa: E402
+from replicator.replication.wire.encoding import encode_rdata_lines  # noqa: E402
 from replicator.storage.database import Database  # noqa: E402
 from replicator.streams.registry import StreamRegistry  # noqa: E402
 

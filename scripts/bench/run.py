@@ -19,13 +19,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from twisted.internet import defer, task  # noqa: E402
-
 import catchup  # noqa: E402
 import export  # noqa: E402
 import redis_bench  # noqa: E402
 import streams  # noqa: E402
 import tcp  # noqa: E402
+from twisted.internet import defer, task  # noqa: E402
+
 from tests.servers import PostgresServer  # noqa: E402
 
 

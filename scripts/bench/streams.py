@@ -15,9 +15,9 @@ import random
 import time
 
 import psycopg2
+from common import rate, record
 from twisted.internet import defer, reactor
 
-from common import rate, record
 from replicator.config import parse_database, parse_streams
 from replicator.storage.database import Database
 from replicator.streams.idgen import StreamIdGenerator

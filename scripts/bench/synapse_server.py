@@ -35,17 +35,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from twisted.internet import defer, protocol, reactor, stdio, task  # noqa: E402
-from twisted.protocols.basic import LineReceiver  # noqa: E402
-
+from benchrows import POOL, row  # noqa: E402
 from synapse.replication.tcp.commands import PositionCommand, RdataCommand  # noqa: E402
 from synapse.replication.tcp.protocol import (  # noqa: E402
     ConnectionStates,
     ServerReplicationStreamProtocol,
 )
 from synapse.util.clock import Clock  # noqa: E402
-
-from benchrows import POOL, row  # noqa: E402
+from twisted.internet import defer, protocol, reactor, stdio, task  # noqa: E402
+from twisted.protocols.basic import LineReceiver  # noqa: E402
 
 SERVER_NAME = "bench"
 WRITER = "master"

@@ -109,18 +109,28 @@ if os.path.dirname(os.path.dirname(HERE)) not in sys.path:  # run alone
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 import psycopg2  # noqa: E402
+from benchrows import row  # the rows Synapse's protocol gets too
+from common import (  # noqa: F401 (percentile, delays_ms, cpu_seconds: redis_bench's too)
+    cpu_seconds,
+    delays_ms,
+    median,
+    percentile,
+    profiled,
+    record,
+    spread,
+    stamp_commits,
+    stamp_sends,
+    standalone_main,
+    write_path_report,
+)
 from twisted.internet import defer, endpoints, protocol, reactor, task, threads
 from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
-from benchrows import row  # the rows Synapse's protocol gets too
-from common import (  # noqa: F401 (percentile, delays_ms, cpu_seconds: redis_bench's too)
-    cpu_seconds, delays_ms, median, percentile, profiled, record, spread, stamp_commits,
-    stamp_sends, standalone_main, write_path_report)
 from replicator.config import parse_database, parse_streams
-from replicator.replication.wire import encode_rdata_lines
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.tcp import ReplicationServerFactory
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.tcp import ReplicationServerFactory
+from replicator.replication.wire.encoding import encode_rdata_lines
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 

@@ -21,14 +21,23 @@ from collections import defaultdict
 from typing import Dict, List, Optional
 
 from replicator.config import parse_streams
-from tests.support import without_time
 from tests.servers import PostgresServer, RedisServer, free_port
-from tests.support import create_stream_tables
+from tests.support import create_stream_tables, without_time
 
 from . import checker
 from .clients import Writer, http_request, row_tag
-from .cluster import (INSTANCES, SECRET, STREAMS, TABLES, Instance, build_configs,
-                      make_base_dir, read_keys, streams_for, write_targets_for)
+from .cluster import (
+    INSTANCES,
+    SECRET,
+    STREAMS,
+    TABLES,
+    Instance,
+    build_configs,
+    make_base_dir,
+    read_keys,
+    streams_for,
+    write_targets_for,
+)
 from .nemesis import Nemesis, make_schedule
 from .observer import Observer
 from .proxy import Proxy

@@ -15,7 +15,10 @@ import time
 
 from twisted.internet import defer, task, threads
 from twisted.logger import (
-    FilteringLogObserver, LogLevel, LogLevelFilterPredicate, globalLogBeginner,
+    FilteringLogObserver,
+    LogLevel,
+    LogLevelFilterPredicate,
+    globalLogBeginner,
     textFileLogObserver,
 )
 

@@ -31,8 +31,8 @@ from typing import Dict, List, Optional, Tuple
 
 import yaml
 
-from tests.support import without_time
 from tests.servers import free_port, wait_for
+from tests.support import without_time
 
 from . import inputs
 

@@ -37,14 +37,18 @@ from twisted.python.failure import Failure
 
 from replicator.config import parse_database, parse_streams
 from replicator.consumers import Consumer
-from replicator.replication.commands import (
-    CLIENT_COMMANDS, CLIENT_WRITER_COMMANDS, SERVER_COMMANDS, parse_line,
+from replicator.replication.core.handler import ReplicationHandler
+from replicator.replication.transport.protocol import (
+    ClientReplicationProtocol,
+    ServerReplicationProtocol,
 )
-from replicator.replication.fields import CommandParseError
-from replicator.replication.handler import ReplicationHandler
-from replicator.replication.protocol import (
-    ClientReplicationProtocol, ServerReplicationProtocol,
+from replicator.replication.wire.commands import (
+    CLIENT_COMMANDS,
+    CLIENT_WRITER_COMMANDS,
+    SERVER_COMMANDS,
+    parse_line,
 )
+from replicator.replication.wire.parsing import CommandParseError
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from replicator.streams.rows import RowError, check_rows

@@ -46,7 +46,13 @@ from tests.servers import free_port
 
 from . import inputs
 from .daemon import (
-    ROOT, SECRET, Daemon, HonestReader, http_get, log_problems, wait_for,
+    ROOT,
+    SECRET,
+    Daemon,
+    HonestReader,
+    http_get,
+    log_problems,
+    wait_for,
 )
 from .results import PhaseResult, show
 from .sockets import _check_daemon

@@ -13,8 +13,8 @@ SIGTERM, its RSS grows boundedly, and its reactor never stalls over 100 ms.
 
 import json
 import os
-import re
 import random
+import re
 import shutil
 import socket
 import struct
@@ -25,7 +25,14 @@ from typing import Optional
 
 from . import inputs
 from .daemon import (
-    SECRET, Daemon, HonestReader, HonestWriter, canonical, http_get, log_problems, table_facts,
+    SECRET,
+    Daemon,
+    HonestReader,
+    HonestWriter,
+    canonical,
+    http_get,
+    log_problems,
+    table_facts,
     wait_for,
 )
 from .lines import _judge_line

@@ -48,12 +48,11 @@ def _master(config_path, port):
 
 def _worker(config_path, host, port, status_path, writer):
     import prometheus_client
-    from twisted.internet.protocol import ReconnectingClientFactory
-
     from synapse.app import _base, generic_worker
     from synapse.logging.context import LoggingContext
     from synapse.replication.tcp.protocol import ClientReplicationStreamProtocol
     from synapse.util.duration import Duration
+    from twisted.internet.protocol import ReconnectingClientFactory
 
     config = generic_worker.load_config(["-c", config_path])
     with LoggingContext(name="main", server_name=config.server.server_name):

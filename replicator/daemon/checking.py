@@ -1,0 +1,75 @@
+"""``replicator check -c FILE``: everything a start would check, changing
+nothing (like ``nginx -t``), so that a unit's ``ExecReload=`` or an operator
+can try a file before it is used.
+
+Checked: the file itself and every key (parsing), what needs files or
+Twisted (:func:`replicator.config.validate`: endpoints built once, TLS keys
+and trust roots, ``client_ca``, ``secret_file``), the built-in consumers'
+options (their files are not opened), the database reachable, its schema
+version (:mod:`.storage.migrations`: current, due a migration the start
+makes, or one it refuses: too new, or older with ``auto_migrate: false``),
+and its tables as the streams declare them (a table this instance would
+create may be missing; one that exists must have every configured column;
+a read-only stream's table and sequence must exist).  Not checked: whether
+the listen ports are free (the running daemon holds them).
+
+A SQLite database file that does not exist yet is not created: start will.
+"""
+
+import os
+from typing import Set
+
+from ..config.model import InstanceConfig
+from ..storage import migrations, schema
+from ..storage.database import Database
+from .startup import StartupError, hide_password
+
+
+async def check_instance(config: InstanceConfig) -> str:
+    """The summary line of a config that passes; ConfigError naming the
+    key of the first problem otherwise (StartupError for an unreachable
+    database)."""
+    from ..consumers.loading import check_consumers
+
+    check_consumers(config.consumers)
+    db_config = config.database
+    key = f"database.{db_config.engine}"
+    if db_config.engine == "sqlite" and not os.path.exists(db_config.path or ""):
+        return (f"config ok: instance {config.instance_name}, {len(config.streams)} streams; "
+                f"{db_config.path} does not exist yet (start creates it)")
+    db = await connect(config)
+    try:
+        keys = {s.name: f"streams[{i}]" for i, s in enumerate(config.streams)}
+        written = written_here(config)
+        try:
+            state = migrations.assess(await migrations.current_version(db), bool(written),
+                                      db_config.auto_migrate)
+        except migrations.SchemaProblem as e:
+            raise StartupError(key, str(e), code=e.code) from None
+        await db.runInteraction(schema.ensure_schema, list(config.streams), db.is_postgres,
+                                keys, written, True)
+    finally:
+        db.close()
+    return (f"config ok: instance {config.instance_name}, {len(config.streams)} streams; "
+            f"database reachable, tables as declared; {state}")
+
+
+def written_here(config: InstanceConfig) -> Set[str]:
+    """The streams this instance writes: only these get tables (and the
+    schema version) from it."""
+    return {s.name for s in config.streams if config.instance_name in s.writers}
+
+
+async def connect(config: InstanceConfig) -> Database:
+    """The instance's database, one query made; :class:`.StartupError`
+    (exit 1) naming ``database.<engine>`` if it does not answer."""
+    db_config = config.database
+    db = Database(db_config)
+    try:
+        await db.runQuery("SELECT 1")
+    except Exception as e:
+        db.close()
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise StartupError(f"database.{db_config.engine}",
+                           "cannot connect: " + hide_password(first, db_config.dsn)) from None
+    return db

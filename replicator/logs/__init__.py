@@ -1,0 +1,1 @@
+"""Log lines: the output, the three formats, and Twisted's own lines in our words."""

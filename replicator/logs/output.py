@@ -1,0 +1,122 @@
+"""Logging to stdout, one line per event, in the configured ``log_format``
+(:mod:`replicator.logs.formats`), without Twisted's lines that repeat ours
+(:mod:`replicator.logs.twisted_lines`); and :func:`printable`, for every piece of
+untrusted text that goes into a log event.
+"""
+
+import os
+import re
+import sys
+from typing import Callable, Optional
+
+from twisted.logger import (
+    FilteringLogObserver,
+    LogLevel,
+    LogLevelFilterPredicate,
+    globalLogBeginner,
+)
+
+# C0 and C1 controls, DEL, line/paragraph separators and the bidirectional
+# overrides and isolates: anything that could end a log line, move the
+# cursor, recolour a terminal or reorder what a reader sees.
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(match) -> str:
+    char = match.group()
+    short = _SHORT.get(char)
+    if short is not None:
+        return short
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: object, limit: Optional[int] = 200) -> str:
+    """``text`` (anything a peer, request or file supplied) made safe for one
+    log line: control characters written as ``\\xNN``/``\\uNNNN`` escapes
+    (``\\n``, ``\\r``, ``\\t`` as such), and cut to ``limit`` characters
+    with ``...`` (no cut when ``limit`` is None).  Bytes are decoded as
+    UTF-8 with invalid sequences replaced.  Use it for every piece of
+    untrusted text that goes into a log event."""
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", "replace")
+    elif not isinstance(text, str):
+        text = str(text)
+    cut = limit is not None and len(text) > limit
+    if cut:
+        text = text[:limit]
+    text = _UNPRINTABLE.sub(_escape_char, text)
+    return text + "..." if cut else text
+
+
+def under_journald(stream, environ) -> bool:
+    """Whether ``stream`` is journald's: systemd sets ``JOURNAL_STREAM`` to
+    the ``device:inode`` of the stream it connected stdout to (a stream
+    redirected elsewhere by hand, or a child's, is not journald's)."""
+    value = environ.get("JOURNAL_STREAM")
+    if not value:
+        return False
+    try:
+        device, inode = (int(part) for part in value.split(":"))
+        stat = os.fstat(stream.fileno())
+    except (ValueError, OSError, AttributeError):
+        return True  # set, but not checkable: trust it
+    return (stat.st_dev, stat.st_ino) == (device, inode)
+
+
+def _observer(stream, line: Callable[[dict], str]):
+    """Writes each event kept by :func:`.twistedlog.keep` as ``line(event)``."""
+    from .twisted_lines import keep
+
+    def observe(event):
+        if not keep(event):
+            return
+        try:
+            text = line(event)
+        except Exception as e:  # a field that cannot be shown: say so
+            text = f"ERROR logs: cannot format an event: {printable(e)}\n"
+        try:
+            stream.write(text)
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return observe
+
+
+def start_logging(level: str = "info", log_format: str = "text", stream=None,
+                  environ=None) -> None:
+    """Send every event at ``level`` or above to ``stream`` (stdout) as
+    ``log_format`` lines (:mod:`replicator.logs.formats`): ``text`` lines carry
+    the time unless journald (which adds its own) reads ``stream``."""
+    from .formats import formatter
+
+    stream = stream or sys.stdout
+    environ = os.environ if environ is None else environ
+    with_time = not under_journald(stream, environ)
+    lines = {"line": formatter(log_format, with_time=with_time)}
+    predicate = LogLevelFilterPredicate(defaultLogLevel=LogLevel.levelWithName(level))
+    observer = FilteringLogObserver(_observer(stream, lambda event: lines["line"](event)),
+                                    [predicate])
+    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+
+    def change(level: str, log_format: str) -> None:
+        predicate.setLogLevelForNamespace("", LogLevel.levelWithName(level))
+        lines["line"] = formatter(log_format, with_time=with_time)
+
+    _live["change"] = change
+
+
+#: How the logging :func:`start_logging` began is changed (a reload).
+_live: dict = {}
+
+
+def change_logging(level: str, log_format: str) -> bool:
+    """Log at ``level`` as ``log_format`` lines from now on (a reload);
+    False if :func:`start_logging` has not run in this process."""
+    change = _live.get("change")
+    if change is None:
+        return False
+    change(level, log_format)
+    return True

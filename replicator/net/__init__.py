@@ -1,0 +1,1 @@
+"""Connections and their policies: the one reconnect backoff, reconnecting links, per-address caps, endpoint strings and TLS."""

@@ -1,0 +1,221 @@
+"""The status page: what an operator on call looks at first.
+
+``GET /`` on the HTTP listener is a server-rendered HTML page; ``/status.js``
+refreshes it every few seconds from ``GET /status.json``, which returns
+exactly what the page shows (and nothing else).  Neither needs the HTTP
+secret, so neither shows anything secret: stream and writer names,
+positions, lag, connection peers (names and addresses) and the reasons
+``/health`` gives.  No row content, no bookkeeping tables, no secret.
+
+Parts:
+
+* :class:`StatusRecorder` — a service that samples every reader's lag each
+  ``interval`` seconds on the injected clock into a bounded ring per
+  (stream, writer) covering ``window`` seconds, and remembers the health
+  findings seen (a bounded ring of :class:`Problem`: from, to or ongoing,
+  the latest line; a finding that goes on with other figures updates its
+  entry).
+* :func:`snapshot` — the page's content as a JSON-able dict.
+* :mod:`.status_page` — the page rendered from it, its stylesheet and its
+  script.
+
+Invariants: memory is bounded (``window / interval`` samples per configured
+key, :data:`MAX_PROBLEMS` problems; the handler keeps its own bounded ring
+of disconnects); nothing here blocks or touches the database.
+"""
+
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from twisted.application.internet import TimerService
+from twisted.logger import Logger
+
+from .. import __version__
+from ..replication.core.connections import peer_address
+from .health import Finding
+
+log = Logger(namespace="replicator.observe.status")
+
+#: Sampling interval and the sparkline's window, in seconds.
+SAMPLE_INTERVAL = 5.0
+WINDOW = 15 * 60.0
+#: Health problems remembered.
+MAX_PROBLEMS = 20
+#: In-flight IDs listed per writer (the count is always given).
+MAX_IN_FLIGHT_SHOWN = 10
+
+Key = Tuple[str, str]
+
+
+class Problem:
+    """One entry of "Recent problems": a finding from ``since`` to
+    ``until`` (None: ongoing), with its latest line."""
+
+    __slots__ = ("key", "since", "until", "reason", "fails_health")
+
+    def __init__(self, key, since: float, reason: str, fails_health: bool):
+        self.key = key
+        self.since = since
+        self.until: Optional[float] = None
+        self.reason = reason
+        self.fails_health = fails_health
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"at": self.since, "until": self.until, "reason": self.reason,
+                "fails_health": self.fails_health}
+
+
+class StatusRecorder(TimerService):
+    """Samples reader lag and the health findings for the status page, every
+    ``interval`` seconds while running (from its start on).
+
+    ``findings()`` returns the current :class:`replicator.observe.health.Finding` s.
+    A finding is one problem for as long as its ``(kind, stream, writer)``
+    is found at every sample; it ends at the first sample without it.
+    """
+
+    def __init__(self, *, handler, findings: Callable[[], List[Finding]], clock,
+                 interval: float = SAMPLE_INTERVAL, window: float = WINDOW):
+        self._clock = clock
+        self.handler = handler
+        self._findings = findings
+        self.interval = interval
+        self.window = window
+        self._size = max(1, int(window // interval) + 1)
+        self.lag: Dict[Key, Deque[Tuple[float, int]]] = {}
+        self.problems: Deque[Problem] = deque(maxlen=MAX_PROBLEMS)
+        self._ongoing: Dict[Any, Problem] = {}
+        super().__init__(interval, self.sample)
+        self.clock = clock
+
+    def sample(self) -> None:
+        """One sample of every reader's lag and of the health findings."""
+        now = self._clock.seconds()
+        for key, lag in self.handler.reader_lag().items():
+            ring = self.lag.get(key)
+            if ring is None:
+                ring = self.lag[key] = deque(maxlen=self._size)
+            ring.append((now, lag))
+        try:
+            found = self._findings()
+        except Exception:
+            log.failure("Computing the health findings failed")
+            found = [Finding("verdict", None, None, "health verdict unavailable", "")]
+        seen = set()
+        for finding in found:
+            if finding.key in seen:
+                continue
+            seen.add(finding.key)
+            entry = self._ongoing.get(finding.key)
+            if entry is not None and entry in self.problems:
+                entry.reason = finding.text  # the same problem, still going
+            else:
+                entry = self._ongoing[finding.key] = Problem(
+                    finding.key, now, finding.text, finding.fails_health)
+                self.problems.append(entry)
+        for key in [k for k in self._ongoing if k not in seen]:
+            self._ongoing.pop(key).until = now
+
+    def history(self, key: Key) -> List[List[float]]:
+        """``[[time, lag], ...]`` of the last ``window`` seconds, oldest first."""
+        ring = self.lag.get(key, ())
+        since = self._clock.seconds() - self.window
+        return [[t, lag] for t, lag in ring if t >= since]
+
+
+def row_verdict(findings: List[Finding], stream: str, writer: str, fallback: str
+                ) -> Tuple[str, str]:
+    """A row's verdict and its level (``ok``, ``warn``: a finding that does
+    not fail health, ``bad``): the findings about the row, the same ones the
+    banner gives, else ``fallback`` (level ``ok``)."""
+    about = [f for f in findings if f.about(stream, writer)]
+    if not about:
+        return fallback, "ok"
+    verdict = "; ".join(dict.fromkeys(f.verdict or f.text for f in about))
+    return verdict, "bad" if any(f.fails_health for f in about) else "warn"
+
+
+def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRecorder,
+             findings: List[Finding], clock, redact: Callable[[str], str],
+             writers=None) -> Dict[str, Any]:
+    """What the page shows, as a JSON-able dict (see the README).
+    ``findings`` are the current health findings (the banner and every
+    row's verdict come from them); ``writers`` the instance's
+    :class:`replicator.observe.writers.WriterWatch` (links, linear holders)."""
+    announced = handler.announced_positions()
+    readers = handler.reader_positions()
+    lags = handler.reader_lag()
+    failing = [f for f in findings if f.fails_health]
+    warnings = [f for f in findings if not f.fails_health]
+    streams = []
+    for stream in registry:
+        gen = stream.id_gen
+        writer_rows = []
+        for writer in stream.config.writers:
+            key = (stream.name, writer)
+            local = writer in stream.local_writers
+            entry: Dict[str, Any] = {
+                "writer": writer, "local": local,
+                "position": gen.get_positions().get(writer) if gen is not None else None,
+            }
+            if local:
+                ids = gen.in_flight_ids(writer, MAX_IN_FLIGHT_SHOWN) if gen is not None else []
+                entry["in_flight"] = gen.in_flight(writer) if gen is not None else 0
+                entry["in_flight_ids"] = ids
+                entry["announced"] = announced.get(key)
+                fallback = "loading" if gen is None else "ok"
+            else:
+                lag = lags.get(key, 0)
+                entry["reader_position"] = readers.get(key)
+                entry["lag"] = lag
+                entry["lag_history"] = recorder.history(key)
+                if writers is not None:
+                    entry["link"] = writers.link(writer, stream.name)
+                if gen is None:
+                    fallback = "loading"
+                elif readers.get(key) is None:
+                    fallback = "not heard yet"
+                elif lag:
+                    fallback = f"behind by {lag}"
+                else:
+                    fallback = "ok"
+            entry["verdict"], entry["level"] = row_verdict(
+                findings, stream.name, writer, fallback)
+            entry["verdict"] = redact(entry["verdict"])
+            writer_rows.append(entry)
+        holder = writers.linear_holder(stream) if writers is not None and gen is not None \
+            else None
+        streams.append({"name": stream.name,
+                        "linear": gen.get_linear_token() if gen is not None else None,
+                        "linear_holder": holder,
+                        "writers": writer_rows})
+    connections = []
+    for conn, state in list(handler.connections.items()):
+        connections.append({
+            "peer": redact(str(conn.instance_name or state.label)),
+            "address": peer_address(conn),
+            "role": conn.role,
+            "queued_lines": int(conn.queued),
+            "queued_bytes": int(conn.queued_bytes),
+            "connected_since": state.since,
+        })
+    connections.sort(key=lambda c: (c["role"], c["peer"], c["address"] or ""))
+    return {
+        "instance": instance,
+        "role": role,
+        "version": __version__,
+        "now": clock.seconds(),
+        "healthy": not failing,
+        "problem": redact(failing[0].text) if failing else None,
+        "warning": redact(warnings[0].text) if warnings else None,
+        "findings": [{"kind": f.kind, "stream": f.stream, "writer": f.writer,
+                      "text": redact(f.text), "fails_health": f.fails_health}
+                     for f in findings],
+        "problems": [dict(p.as_dict(), reason=redact(p.reason))
+                     for p in reversed(recorder.problems)],
+        "streams": streams,
+        "connections": connections,
+        "disconnects": [{"at": d[0], "peer": redact(d[1]), "address": d[2], "reason": d[3]}
+                        for d in reversed(handler.recent_disconnects)],
+        "window": recorder.window,
+    }

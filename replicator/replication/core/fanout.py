@@ -1,0 +1,195 @@
+"""Fan-out: the writer side of replication.
+
+For each (stream, writer) written by this instance, the rows between the
+last token announced and the writer's current token are read with
+``updates_since``, encoded once and joined once (one bytes object per
+fan-out, see :func:`.wire.joined`), and the same bytes are handed to
+every replicating connection in one ``transport.write`` each.
+
+Invariants:
+
+* Rows sharing a token form one ``batch`` run written in one call, so no
+  connection ever gets half of a fact from us.
+* An advance without rows is a POSITION.
+* Nothing a receiver must reject is sent: a fact with more rows than
+  ``max_batch_rows``, batch lines over ``max_batch_bytes`` (or over
+  ``DECODED_FACTOR`` times it once decoded, :mod:`.admission`), or a row whose
+  line would exceed ``max_line_length`` goes out as ``POSITION t t`` (its
+  token, nothing unsent up to it): a reader whose position is below reads
+  the fact from the table, whole, before anything later.  Counted in
+  ``replicator_facts_announced_by_position_total``.
+* ``announced`` only moves after the lines were written, and REPLICATE is
+  answered with ``announced``: a new connection never misses a fact.
+* One fan-out runs per (stream, writer) at a time; under load advances
+  coalesce (at most one fan-out per ``fanout_interval``), when idle a fact
+  goes out at once.
+"""
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from ...background import Background
+from ...net.backoff import Outage
+from ...observe import metrics
+from ...streams.pages import group
+from ...streams.stream import Stream
+from ..wire.encoding import EncodedLines, encode_position_line, encode_rdata_lines, joined
+from ..wire.parsing import MAX_DECODED_PER_BYTE, decoded_size
+from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
+
+log = Logger()
+
+Key = Tuple[str, str]
+Broadcast = Callable[[Sequence[bytes], str], None]
+
+
+class Fanout:
+    """Announces the facts of this instance's writers.
+
+    ``broadcast(lines, name)`` writes lines to every replicating connection;
+    each pass of a writer's fan-out writes ``(prev, upto]`` through
+    :meth:`send_updates`.
+    """
+
+    def __init__(self, broadcast: Broadcast, clock: IReactorTime, fetch_limit: int = 1000,
+                 max_line_length: int = 0, retry_delay: float = 1.0,
+                 fanout_interval: float = 0.003,
+                 max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
+                 background: Optional[Background] = None) -> None:
+        self._broadcast = broadcast
+        self._background = background if background is not None else Background()
+        self._clock = clock
+        self.fetch_limit = fetch_limit
+        self.max_line_length = max_line_length
+        self.retry_delay = retry_delay
+        self.fanout_interval = fanout_interval
+        self.max_batch_rows = max_batch_rows
+        self.max_batch_bytes = max_batch_bytes
+        self.announced: Dict[Key, int] = {}
+        self._running: Set[Key] = set()
+        self._timers: Dict[Key, Any] = {}
+        self._retries: Dict[Key, Any] = {}
+        self._outages: Dict[Key, Outage] = {}
+        self._last: Dict[Key, float] = {}
+        self._stopping = False
+
+    def add_writer(self, stream: Stream, writer: str) -> None:
+        """Start announcing ``writer`` of ``stream`` (a local writer) from
+        its current token; call before anything is written."""
+        self.announced[(stream.name, writer)] = stream.id_gen.get_current_token(writer)
+        stream.keep_recent_facts()
+
+    def advanced(self, stream: Stream, writer: str) -> None:
+        """A local writer's token moved: fan out now or soon."""
+        key = (stream.name, writer)
+        if key in self._running or key in self._timers or self._stopping:
+            return
+        wait = self._last.get(key, -1e9) + self.fanout_interval - self._clock.seconds()
+        if wait > 0:
+            self._timers[key] = self._clock.callLater(wait, self._start, stream, writer, key)
+        else:
+            self._start(stream, writer, key)
+
+    def _start(self, stream: Stream, writer: str, key: Key) -> None:
+        self._timers.pop(key, None)
+        if key in self._running or self._stopping:
+            return
+        self._running.add(key)
+        self._last[key] = self._clock.seconds()
+        self._background.run("fanout", self._run(stream, writer, key))
+
+    async def _run(self, stream: Stream, writer: str, key: Key) -> None:
+        try:
+            while not self._stopping:
+                target = stream.id_gen.get_current_token(writer)
+                announced = self.announced[key]
+                if target <= announced:
+                    return
+                started = time.monotonic()
+                updates, upto, _ = await stream.updates_since(
+                    writer, announced, target, self.fetch_limit)
+                self._outage(key).succeeded()
+                self.send_updates(stream.name, writer, announced, updates, upto)
+                stream.forget(writer, upto)
+                metrics.FANOUT_LATENCY.observe(time.monotonic() - started)
+        except Exception as e:
+            delay = self._outage(key).failed(e)
+            if key not in self._retries:
+                self._retries[key] = self._clock.callLater(delay, self._retry, stream, writer)
+        finally:
+            self._running.discard(key)
+
+    def _outage(self, key: Key) -> Outage:
+        outage = self._outages.get(key)
+        if outage is None:
+            outage = self._outages[key] = Outage(f"fan-out {key[0]}/{key[1]}", self.retry_delay)
+        return outage
+
+    def _retry(self, stream: Stream, writer: str) -> None:
+        self._retries.pop((stream.name, writer), None)
+        self.advanced(stream, writer)
+
+    def send_updates(self, stream_name: str, writer: str, prev: int,
+                     updates: List[Tuple[int, List[Any]]], upto: int) -> None:
+        """Write rows ``(prev, upto]`` of a local writer to every connection.
+
+        ``updates`` are ``(token, row)`` pairs in ascending token order.
+        """
+        key = (stream_name, writer)
+        if updates:
+            lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
+            size = len(joined(lines))
+            if lines.dropped or len(updates) >= self.max_batch_rows \
+                    or size > self.max_batch_bytes or self._too_dear(joined(lines), size):
+                lines = self._within_bounds(stream_name, writer, updates)
+            if lines:
+                self._broadcast(lines, "RDATA")
+            last = updates[-1][0]
+        else:
+            last = prev
+        if upto > last:
+            self._broadcast([encode_position_line(stream_name, writer, last, upto)], "POSITION")
+        self.announced[key] = upto
+
+    def _within_bounds(self, stream_name: str, writer: str,
+                       updates: List[Tuple[int, List[Any]]]) -> EncodedLines:
+        """The lines of ``updates``, fact by fact, each fact too big for a
+        receiver replaced by ``POSITION t t``."""
+        out = EncodedLines()
+        for token, rows in group(updates):
+            lines = encode_rdata_lines(stream_name, writer, [(token, r) for r in rows],
+                                       self.max_line_length)
+            batch = b"".join(lines[:-1])
+            if lines.dropped or len(rows) > self.max_batch_rows \
+                    or len(batch) > self.max_batch_bytes or self._too_dear(batch, len(batch)):
+                metrics.FACTS_BY_POSITION.labels(stream_name).inc()
+                log.warn("Fact {token} of {stream}/{writer} ({n} rows) is too big for one "
+                         "batch or line; announced by POSITION, readers read it from the table",
+                         token=token, stream=stream_name, writer=writer, n=len(rows))
+                out.append(encode_position_line(stream_name, writer, token, token))
+            else:
+                out.extend(lines)
+        return out
+
+    def _too_dear(self, data: bytes, size: int) -> bool:
+        """Whether lines of ``size`` bytes would take a receiver more than
+        ``DECODED_FACTOR * max_batch_bytes`` once decoded (counted only when
+        they could: the fast path stays a length check)."""
+        bound = DECODED_FACTOR * self.max_batch_bytes
+        return size * MAX_DECODED_PER_BYTE > bound and decoded_size(data) > bound
+
+    def idle(self) -> bool:
+        """No fan-out running or scheduled."""
+        return not self._running and not self._timers
+
+    def stop(self) -> None:
+        """No more fan-outs; pending ones are cancelled."""
+        self._stopping = True
+        for call in list(self._retries.values()) + list(self._timers.values()):
+            if call.active():
+                call.cancel()
+        self._retries.clear()
+        self._timers.clear()

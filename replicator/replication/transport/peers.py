@@ -1,0 +1,112 @@
+"""Who may connect to the replication port, and which names peers may take.
+
+Synapse's replication protocol has no authentication: a client says who it
+is with ``NAME`` and is believed.  :class:`PeerPolicy` is what this instance
+checks on top of that, on the accepting (server) side only:
+
+* never: a peer naming itself after this instance or one of its local
+  writers (their facts and bookkeeping are this instance's own);
+* never: a second ``NAME`` that differs from the first (an identity is set
+  once per connection);
+* with ``client_ca``: ``NAME`` must be a name the peer's certificate carries
+  (CN or DNS SAN), so a certificate for ``worker1`` cannot say ``NAME master``;
+* with ``allowed_peers``: ``NAME`` must be listed, and nothing but ``PING``
+  and ``NAME`` is accepted before it;
+* with ``allowed_networks``: the peer's address must be in one of the
+  networks, checked as soon as the connection is made.
+
+A refusal is ``ERROR <why>`` and a close.  Without ``client_ca``,
+``allowed_peers`` and ``allowed_networks`` nothing a Synapse peer sends is
+refused here (wire compatibility).
+
+:func:`metrics_label` bounds metric labels: a peer-supplied name is used as
+a label only if the configuration knows it.
+"""
+
+import ipaddress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AbstractSet, FrozenSet, Optional, Tuple
+
+if TYPE_CHECKING:
+    from ...config import ReplicationConfig
+    from ..interfaces import IReplicationHandler
+
+#: The metrics label of every name the configuration does not know.
+OTHER = "other"
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True)
+class PeerPolicy:
+    """The checks of the module docstring; the empty policy refuses only
+    names in ``reserved`` and renames."""
+
+    reserved: FrozenSet[str] = frozenset()
+    certificate_names: bool = False  # client_ca is set: NAME must be in the certificate
+    allowed_peers: Optional[FrozenSet[str]] = None
+    allowed_networks: Optional[Tuple[Network, ...]] = None
+
+    @property
+    def name_required(self) -> bool:
+        """Whether a peer must send NAME before any command but PING."""
+        return self.allowed_peers is not None
+
+    def check_address(self, host: Optional[str]) -> Optional[str]:
+        """Why a peer at ``host`` (an IP address, None for a non-IP peer)
+        may not connect, or None if it may."""
+        if self.allowed_networks is None:
+            return None
+        try:
+            address = ipaddress.ip_address((host or "").split("%", 1)[0])
+        except ValueError:
+            return "address not allowed"
+        mapped = getattr(address, "ipv4_mapped", None)
+        for candidate in (address, mapped):
+            if candidate is not None and any(
+                    candidate.version == net.version and candidate in net
+                    for net in self.allowed_networks):
+                return None
+        return "address not allowed"
+
+    def check_name(self, name: str, previous: Optional[str],
+                   cert_names: Optional[AbstractSet[str]]) -> Optional[str]:
+        """Why a peer may not call itself ``name`` (it said ``previous``
+        before; ``cert_names`` are its certificate's names, None without
+        one), or None if it may."""
+        if previous is not None and name != previous:
+            return "NAME already given"
+        if name in self.reserved:
+            return "NAME is taken by the server"
+        if self.certificate_names and (cert_names is None or name not in cert_names):
+            return "NAME does not match the client certificate"
+        if self.allowed_peers is not None and name not in self.allowed_peers:
+            return "NAME not allowed"
+        return None
+
+
+def policy_from_config(replication: "ReplicationConfig", reserved: AbstractSet[str]) -> PeerPolicy:
+    """The policy a :class:`~replicator.config.ReplicationConfig` asks for."""
+    networks = replication.allowed_networks
+    peers = replication.allowed_peers
+    return PeerPolicy(
+        reserved=frozenset(reserved),
+        certificate_names=replication.client_ca is not None,
+        allowed_peers=frozenset(peers) if peers is not None else None,
+        allowed_networks=tuple(ipaddress.ip_network(n) for n in networks)
+        if networks is not None else None,
+    )
+
+
+def local_names(handler: "IReplicationHandler") -> FrozenSet[str]:
+    """The names no peer of ``handler`` may take: its instance's and its
+    local writers'."""
+    names = {handler.instance_name}
+    for stream in getattr(handler, "registry", ()):
+        names.update(stream.local_writers)
+    return frozenset(names)
+
+
+def metrics_label(name: Optional[str], known: AbstractSet[str]) -> str:
+    """``name`` if the configuration knows it, else :data:`OTHER`."""
+    return name if name is not None and name in known else OTHER

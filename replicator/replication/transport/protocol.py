@@ -1,0 +1,426 @@
+"""The replication line protocol over TCP: handshake, identity, direction
+checks and dispatch of commands to the handler.
+
+One protocol instance is one connection.  It knows nothing about streams or
+positions; it parses lines into commands (:mod:`.commands`), checks that the
+peer may send them, and hands them to a *handler*, which is shared by all
+connections of an instance and does the real work.  Framing, the outbound
+queue, keepalive and closing are :class:`.link.LineConnection`'s.
+
+The handler is a :class:`.interfaces.IReplicationHandler`: every hook is
+optional here (a missing ``on_<NAME>`` means the command is ignored, a
+missing ``client_may_write`` means no); ``conn`` is the protocol instance.
+While ``on_<NAME>`` runs, ``conn.current_line`` holds the line's bytes as
+received (without ``\n`` and a trailing ``\r``): what a relay passes on.
+
+An exception raised by a handler method is logged with its traceback and
+otherwise ignored: the connection stays up, since a bug in processing one
+command is no reason to punish the peer (a handler that must not go on after
+its own failure calls :meth:`ReplicationProtocol.close`).
+
+Invariants: nothing the peer sends raises out of :meth:`lineReceived`; a
+command the peer may not send (direction, writer, NAME first) is never
+dispatched: ``ERROR`` and close.  (Those of :mod:`.link` hold too.)
+"""
+
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
+
+from twisted.internet.interfaces import IDelayedCall
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from ...logs.output import printable
+from ...net.tls import certificate_names
+from ..interfaces import IPeerConnection, IReplicationHandler
+from ..wire.commands import (
+    CLIENT_COMMANDS,
+    CLIENT_WRITER_COMMANDS,
+    SERVER_COMMANDS,
+    Command,
+    ErrorCommand,
+    NameCommand,
+    PingCommand,
+    ReplicateCommand,
+    ServerCommand,
+    parse_line,
+)
+from ..wire.parsing import CommandParseError
+from .link import (
+    CONNECTION_LOST,
+    IDENTIFY_TIMEOUT_REASON,
+    INVALID_COMMAND,
+    PARSE_ERROR,
+    REFUSED,
+    REMOTE_ERROR,
+    WRONG_REMOTE,
+    LineConnection,
+)
+from .peers import PeerPolicy
+
+
+@implementer(IPeerConnection)
+class ReplicationProtocol(LineConnection):
+    """Common part of both sides; use a subclass.  One peer's connection
+    (:class:`.interfaces.IPeerConnection`)."""
+
+    #: Called with the protocol once the connection is gone.
+    on_lost: Optional[Callable[[Any], None]] = None
+    #: Command names the peer may send.
+    VALID_INBOUND: FrozenSet[str] = frozenset()
+    #: Commands accepted from a peer that must name itself before anything else.
+    BEFORE_NAME: FrozenSet[str] = frozenset({"PING", "NAME", "ERROR"})
+    #: Whether the peer must send NAME before any other command.
+    name_required = False
+
+    def __init__(self, handler: IReplicationHandler, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        #: The inbound line being dispatched (bytes, no newline).
+        self.current_line: Optional[bytes] = None
+        self._peer_instance: Optional[str] = None
+        self._remote_error = False
+        #: The text of the peer's ``ERROR``, and why the connection ended
+        #: (for the reconnect line: :mod:`replicator.net.reconnect`).
+        self.remote_error_text: Optional[str] = None
+        self.lost_failure: Optional[Failure] = None
+        self._established = False
+        self._count_inbound = self._hooks["count_inbound"]
+        names = self.VALID_INBOUND | CLIENT_WRITER_COMMANDS
+        self._dispatch: Dict[str, Optional[Callable[..., Any]]] = {
+            name: getattr(handler, "on_" + name, None) for name in names
+        }
+        # The protocol's own handling, run before the handler's.
+        self._own: Dict[str, Callable[[Any], None]] = {
+            name: getattr(self, "_on_" + name) for name in names if hasattr(self, "_on_" + name)
+        }
+
+    # ------------------------------------------------------------ identity
+
+    @property
+    def instance_name(self) -> Optional[str]:
+        """The peer's one name: the name it gave itself, a client's ``NAME``
+        (server side) or the server's ``SERVER`` name (client side); None
+        until received.  Checks use it as received; :attr:`name` is its
+        printable form for logs, and the metrics label is derived from it
+        (:func:`.peers.metrics_label`, bounded)."""
+        return self._peer_instance
+
+    @property
+    def name(self) -> str:
+        """The peer for logs: :attr:`instance_name` made printable, or its
+        address before it named itself."""
+        if self._peer_instance is None:
+            return self.address
+        return printable(self._peer_instance, 64)
+
+    @property
+    def role(self) -> str:
+        """``"upstream"`` (we connected to it) or ``"client"`` (it connected
+        to us)."""
+        return "client" if self.accepted else "upstream"
+
+    @property
+    def established(self) -> bool:
+        """Whether the handshake is done and the connection not closing: on
+        a client, the right server named itself (``SERVER``)."""
+        return self._established and not self._closing
+
+    # ------------------------------------------------------------ connection
+
+    def connectionMade(self) -> None:
+        self._connected = True
+        now = self._clock.seconds()
+        self._last_sent = self._last_received = self._last_command = now
+        peer = self.transport.getPeer()
+        host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+        self.address = f"{host}:{port}" if host is not None else str(peer)
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            try:
+                set_no_delay(True)
+            except Exception:
+                self.log.failure("Could not set TCP_NODELAY on {conn}", conn=self)
+        refusal = self._refusal(host)
+        if refusal is not None:
+            self.close(REFUSED, refusal, log_text=refusal)
+            return
+        self.transport.registerProducer(self, True)
+        self._registered = True
+        self.log.info("Replication connection {conn} made", conn=self)
+        self._send_handshake()
+        self._start_timers()
+        self._call_hook("new_connection", self)
+
+    def connectionLost(self, reason: Optional[Failure] = None) -> None:
+        self._connected = False
+        self.lost_failure = reason
+        self._closing = True
+        self._clear_queue()
+        self._stop_timers()
+        self._connection_ended()
+        if self.close_reason is None:
+            self.close_reason = REMOTE_ERROR if self._remote_error else CONNECTION_LOST
+        self.log.info(
+            "Replication connection {conn} lost ({why}): {reason}",
+            conn=self,
+            why=self.close_reason,
+            reason=reason.getErrorMessage() if reason is not None else "",
+        )
+        self._call_hook("lost_connection", self, self.close_reason)
+
+    def _send_handshake(self) -> None:
+        raise NotImplementedError
+
+    def _connection_ended(self) -> None:
+        """Once, from :meth:`connectionLost`: tells ``on_lost`` (set by a
+        factory that counts its connections)."""
+        on_lost = self.on_lost
+        if on_lost is not None:
+            self.on_lost = None
+            self._call(on_lost, self)
+
+    def _refusal(self, host: Optional[str]) -> Optional[str]:
+        """Why a peer at ``host`` may not connect at all (None: it may)."""
+        return None
+
+    # ------------------------------------------------------------ inbound
+
+    def lineReceived(self, line: bytes) -> None:
+        """Handle one line (no ``\\n``; one trailing ``\\r`` is stripped)."""
+        if self._closing:
+            return
+        if line[-1:] == b"\r":
+            line = line[:-1]
+        if not line or line.isspace():
+            return
+        try:
+            cmd = parse_line(line.decode("utf-8"))
+        except Exception as e:
+            # CommandParseError and UnicodeDecodeError are expected; anything
+            # else is a parser bug, and still the peer's line that caused it:
+            # the same ERROR and close, one log line, no traceback.
+            if isinstance(e, (CommandParseError, UnicodeDecodeError)):
+                text = "failed to parse line: " + _one_line(e)
+            else:
+                text = "failed to parse line: " + type(e).__name__
+            self.close(PARSE_ERROR, text, log_text=text + " ({0} bytes)".format(len(line)))
+            return
+        name = cmd.NAME
+        if name not in self.VALID_INBOUND and not self._may_write(cmd):
+            self.close(INVALID_COMMAND, "invalid command: " + name,
+                       log_text="invalid command " + name)
+            return
+        if self.name_required and self._peer_instance is None and name not in self.BEFORE_NAME:
+            self.close(REFUSED, "NAME required", log_text=f"{name} before NAME")
+            return
+        self._last_command = self._clock.seconds()
+        if self._count_inbound is not None:
+            self._call(self._count_inbound, self, name)
+        own = self._own.get(name)
+        if own is not None:
+            own(cmd)
+            if self._closing:
+                return
+        method = self._dispatch.get(name)
+        if method is not None:
+            self.current_line = line
+            try:
+                self._call(method, self, cmd)
+            finally:
+                self.current_line = None
+
+    def _may_write(self, cmd: Command) -> bool:
+        """Whether the peer may send this otherwise invalid command (only
+        servers accept RDATA/POSITION from writer clients)."""
+        return False
+
+    def _on_PING(self, cmd: PingCommand) -> None:
+        if not self._peer_pinged:
+            self._peer_pinged_first()
+
+    def _on_ERROR(self, cmd: ErrorCommand) -> None:
+        self._remote_error = True
+        self.remote_error_text = cmd.message
+        self.log.warn("Remote {conn} reported an error: {text}", conn=self,
+                      text=printable(cmd.message))
+
+def _one_line(error: Exception) -> str:
+    return str(error).replace("\n", " ").replace("\r", " ")
+
+
+class ServerReplicationProtocol(ReplicationProtocol):
+    """The accepting side: sends ``SERVER <server_name>`` and ``PING`` on
+    connect, accepts client commands, and RDATA/POSITION from a client only
+    for streams ``handler.client_may_write`` allows for the instance the
+    client named itself (``NAME``) — and only rows of that instance.
+
+    ``policy`` (:class:`.peers.PeerPolicy`) decides which addresses may
+    connect and which names a client may take; a refusal is ``ERROR`` and a
+    close (reason ``refused``).  A client's name is set once.
+
+    A client *identifies* itself with ``NAME`` (or, an anonymous reader,
+    with ``REPLICATE`` before any ``NAME``).  ``identify(conn, name)``
+    (given by the listener: one live connection per known name, caps per
+    address) is asked then, ``name`` None for an anonymous reader; a text
+    it returns is the refusal.  With ``identify_timeout``, a client that
+    has not identified itself within that many seconds of connecting is
+    closed (``identify_timeout``)."""
+
+    VALID_INBOUND = CLIENT_COMMANDS
+    accepted = True
+
+    def __init__(self, handler: IReplicationHandler, server_name: str, policy: Optional[PeerPolicy] = None,
+                 identify: Optional[Callable[[Any, Optional[str]], Optional[str]]] = None,
+                 identify_timeout: Optional[float] = None, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.server_name = server_name
+        self.policy = policy if policy is not None else PeerPolicy()
+        self.name_required = self.policy.name_required
+        self._client_may_write = getattr(handler, "client_may_write", None)
+        self._identify = identify
+        self._identify_timeout = identify_timeout
+        self._identify_call: Optional[IDelayedCall] = None
+        #: Whether the client identified itself (NAME, or REPLICATE first).
+        self.identified = False
+
+    def _timers(self) -> List[Optional[IDelayedCall]]:
+        return super()._timers() + [self._identify_call]
+
+    def _start_timers(self) -> None:
+        super()._start_timers()
+        if self._identify_timeout is not None:
+            self._identify_call = self._clock.callLater(self._identify_timeout,
+                                                        self._identify_due)
+
+    def _connection_ended(self) -> None:
+        self._identify_call = None
+        super()._connection_ended()
+
+    def _identify_due(self) -> None:
+        self._identify_call = None
+        if not self.identified:
+            text = f"NAME not received within {self._identify_timeout:g}s"
+            self.close(IDENTIFY_TIMEOUT_REASON, text)
+
+    def _identified(self, name: Optional[str]) -> Optional[str]:
+        """The client identified itself as ``name`` (None: anonymous); the
+        listener's refusal, if any."""
+        self.identified = True
+        if self._identify_call is not None:
+            if self._identify_call.active():
+                self._identify_call.cancel()
+            self._identify_call = None
+        if self._identify is None:
+            return None
+        try:
+            return self._identify(self, name)
+        except Exception:
+            self.log.failure("identify failed on {conn}", conn=self)
+            return None
+
+    def _refusal(self, host: Optional[str]) -> Optional[str]:
+        return self.policy.check_address(host)
+
+    def refusal_under(self, policy: PeerPolicy) -> Optional[str]:
+        """Why ``policy`` would refuse this open connection (its address, or
+        the NAME it gave), or None; later checks use ``policy``."""
+        self.policy = policy
+        peer = self.transport.getPeer() if self.transport is not None else None
+        refusal = policy.check_address(getattr(peer, "host", None))
+        if refusal is None and self._peer_instance is not None:
+            cert_names = (certificate_names(self.transport) if policy.certificate_names
+                          else None)
+            refusal = policy.check_name(self._peer_instance, None, cert_names)
+        return refusal
+
+    def _send_handshake(self) -> None:
+        self.send_command(ServerCommand(self.server_name))
+        self.send_command(self._ping_line())
+
+    def _on_NAME(self, cmd: NameCommand) -> None:
+        cert_names = certificate_names(self.transport) if self.policy.certificate_names else None
+        refusal = self.policy.check_name(cmd.client_name, self._peer_instance, cert_names)
+        if refusal is None and self._peer_instance is None:
+            refusal = self._identified(cmd.client_name)
+        if refusal is not None:
+            self.close(REFUSED, refusal,
+                       log_text=f"NAME {printable(cmd.client_name, 64)} refused: {refusal}")
+            return
+        self._peer_instance = cmd.client_name
+        self.log.info("Replication connection {peer} is {name}", peer=self.address, name=self.name)
+
+    def _on_REPLICATE(self, cmd: ReplicateCommand) -> None:
+        if self.identified:
+            return
+        refusal = self._identified(None)
+        if refusal is not None:
+            self.close(REFUSED, refusal, log_text=f"anonymous reader refused: {refusal}")
+
+    def _may_write(self, cmd: Command) -> bool:
+        if cmd.NAME not in CLIENT_WRITER_COMMANDS or self._client_may_write is None:
+            return False
+        instance = self._peer_instance
+        if instance is None or cmd.instance_name != instance:  # type: ignore[attr-defined]
+            return False
+        try:
+            return bool(self._client_may_write(cmd.stream_name, instance))  # type: ignore[attr-defined]
+        except Exception:
+            self.log.failure("client_may_write failed on {conn}", conn=self)
+            return False
+
+
+class ClientReplicationProtocol(ReplicationProtocol):
+    """The connecting side: sends ``NAME`` (if ``client_name`` is set),
+    ``PING`` and ``REPLICATE`` on connect; closes with ``ERROR Wrong remote``
+    if the server's ``SERVER`` name is not ``server_name``.
+
+    The ping timeout runs from connect (a server sends SERVER and PING at
+    once, so a silent one is dead).  ``on_healthy()`` is called once, when
+    the handshake is done and the connection has stayed up for
+    ``ping_interval`` seconds since: the reconnect backoff resets only then.
+    """
+
+    VALID_INBOUND = SERVER_COMMANDS
+    accepted = False
+
+    def __init__(self, handler: IReplicationHandler, client_name: Optional[str], server_name: Optional[str],
+                 on_healthy: Optional[Callable[[], None]] = None, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.client_name = client_name
+        self.server_name = server_name
+        self._on_healthy = on_healthy
+        self._healthy_call: Optional[IDelayedCall] = None
+
+    def _timers(self) -> List[Optional[IDelayedCall]]:
+        return super()._timers() + [self._healthy_call]
+
+    def _connection_ended(self) -> None:
+        self._healthy_call = None
+        super()._connection_ended()
+
+    def _healthy_due(self) -> None:
+        """Handshake done and alive for ``ping_interval``: the connection
+        has proven healthy (the reconnect backoff may start over)."""
+        self._healthy_call = None
+        if self.established and self._on_healthy is not None:
+            self._call(self._on_healthy)
+
+    def _send_handshake(self) -> None:
+        if self.client_name:
+            self.send_command(NameCommand(self.client_name))
+        self.send_command(self._ping_line())
+        self.send_command(ReplicateCommand())
+
+    def _on_SERVER(self, cmd: ServerCommand) -> None:
+        if self.server_name is not None and cmd.server_name != self.server_name:
+            self.log.error(
+                "Connected to {got} instead of {expected} at {conn}",
+                got=printable(cmd.server_name),
+                expected=printable(self.server_name),
+                conn=self,
+            )
+            self.close(WRONG_REMOTE, "Wrong remote")
+            return
+        self._peer_instance = cmd.server_name
+        if not self._established:
+            self._established = True
+            self._healthy_call = self._clock.callLater(self._ping_interval, self._healthy_due)

@@ -1,0 +1,614 @@
+"""Replication over Redis pub/sub, on Synapse's wire (docs/protocol.md, section
+"Redis"), driven by the same handler as TCP.
+
+Every instance PUBLISHes its command lines on the channel ``<server_name>``
+(USER_IP on ``<server_name>/USER_IP``) and SUBSCRIBEs to both.  There is no
+hub: RDATA/POSITION go straight to every reader.  The lines of one write
+(one fan-out) go inside one ``MULTI`` ... ``EXEC``: they reach the channel
+all or nothing (:meth:`RedisReplication.publish_lines`).
+
+Two connections (a subscriber and a publisher), each kept by its own
+``ClientService`` with the project's :class:`~replicator.net.backoff.Backoff`
+(jittered, so that instances do not come back in lockstep after a Redis
+restart), which never gives up — not after a refused connection, a
+timeout, or a failed AUTH/SELECT (txredisapi's own factories stop retrying
+then; ours do not) — and starts over only once a connection was ready and
+stayed up for ``ping_interval``.  Each connection is PINGed every
+``ping_interval`` seconds and replaced when a PING is not answered within
+``ping_timeout``.
+
+``ClientService`` sees a Redis connection as up from the TCP connect on:
+getting it ready (AUTH/SELECT, SUBSCRIBE) is our own business, outside
+``ClientService``'s ``prepareConnection``.  A connection lost while that
+step was pending would otherwise give ``ClientService`` a disconnect in a
+state that has no transition for it (automat ``NoTransition`` in
+``Connecting``, ``Waiting`` or ``Stopped``, logged as Unhandled Error): the
+failed step fails the attempt from inside ``connectionLost`` and the
+disconnect follows.  Here a lost connection cancels its readiness step,
+and ``ClientService`` only ever sees connect, disconnect and stop.
+
+The handler sees one logical connection, registered only while both Redis
+connections are up and the subscription is confirmed.  On every
+registration it announces this instance's own writers' positions (nobody
+else will ask) and then sends REPLICATE, whose POSITION answers make it
+catch up from the database on whatever was published while it was away.
+Its own echoes (RDATA/POSITION/USER_SYNC naming this instance) are dropped;
+lines it cannot parse, or for streams and commands it does not know (a real
+Synapse publishes many on the same channel), are ignored with a debug log
+and a counter.
+
+Beside a Synapse (``synapse_server_name``), Synapse's channel is Synapse's:
+we publish nothing there but one REPLICATE per registration (to hear its
+positions; Synapse's own workers do the same), we answer none of its
+REPLICATEs, and our own lines go to ``<server_name>/replicator`` (USER_IP to
+``<server_name>/replicator/USER_IP``), which Synapse never subscribes to.
+Every instance subscribes to its own channels and to Synapse's, reading
+Synapse's facts from there.  (A POSITION for a stream Synapse does not know
+breaks Synapse's subscription; a writer of a stream it has enters its ID
+generators: neither can happen on a channel it does not read.)
+
+Without that section a Synapse may still be on our channel (an operator
+pointed us at its Redis and forgot the section): :mod:`.synapse_watch`
+tells it apart, and once it was seen we publish nothing more there
+(``synapse_seen``, a health problem).  To see it before harming it, every
+registration asks first (REPLICATE) and holds our own lines for
+``synapse_probe`` seconds, and every REPLICATE is answered that late.
+
+(A little under 500 lines, for one job: the two Redis links, their
+readiness step and the logical connection the handler sees change
+together; the command wire format itself is in :mod:`.commands`.)
+"""
+
+from typing import Any, List, Optional, Sequence, cast
+
+import txredisapi
+from twisted.application.service import MultiService
+from twisted.internet import defer, endpoints, task
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.protocol import Factory
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from ...config import RedisConfig
+from ...logs.output import printable
+from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
+from ...net.endpoint_strings import client_address
+from ...net.reconnect import ReconnectingService
+from ...observe import metrics
+from ..interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
+from ..wire.commands import Command, ReplicateCommand, parse_line
+from .synapse_watch import SynapseWatch
+
+log = Logger()
+
+NAME = "redis"
+#: Our channel beside a Synapse: ``<server_name>`` + this.
+OWN_CHANNEL_SUFFIX = "/replicator"
+#: What brackets the PUBLISHes of one write of several lines.
+MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+EXEC = b"*1\r\n$4\r\nEXEC\r\n"
+OWN_INSTANCE_FIELDS = {"RDATA": "instance_name", "POSITION": "instance_name",
+                       "USER_SYNC": "instance_id", "CLEAR_USER_SYNC": "instance_id",
+                       "FEDERATION_ACK": "instance_name"}
+#: Without the ``synapse:`` section, how long a REPLICATE's answer (and, on
+#: registration, our own announcements) waits for a Synapse to show itself.
+SYNAPSE_PROBE = 1.0
+#: Lines held that long at most; past that they are dropped, and the
+#: positions announced at the end make readers catch up from the tables.
+HOLD_MAX_LINES = 10_000
+
+
+class _RedisFactory(Factory):
+    """Builds txredisapi protocols for our ClientService.
+
+    Provides the hooks txredisapi's protocol calls on its factory, without
+    ever giving up: a failed AUTH/SELECT closes the connection and the
+    service tries again after its backoff.
+    """
+
+    noisy = False
+    isLazy = False
+
+    def __init__(self, protocol_class: Any, config: RedisConfig, owner: "RedisReplication",
+                 role: str) -> None:
+        self.protocol_class = protocol_class
+        self.config = config
+        self.owner = owner
+        self.role = role
+
+    def buildProtocol(self, addr: Any) -> Any:
+        p = self.protocol_class(password=self.config.password, dbid=self.config.dbid,
+                                replyTimeout=None)
+        p.factory = self
+        return p
+
+    def stopTrying(self) -> None:
+        """txredisapi asks us to stop after an AUTH/SELECT failure: we don't."""
+
+    def connectionError(self, why: str) -> None:
+        """txredisapi's word that AUTH or SELECT failed (it closes the
+        connection): counted, logged, retried."""
+        metrics.REDIS_AUTH_REFUSED.labels(self.role).inc()
+        self.owner.last_error = why
+        log.error("redis {role} connection: {why}; retrying", role=self.role, why=why)
+
+
+class _Link:
+    """What both our protocols add to txredisapi's: the time of the last
+    bytes received, and the owner told of connect and loss (loss first, so
+    that the readiness step is cancelled before txredisapi fails what was
+    pending)."""
+
+    last_data = 0.0
+    lost = False
+    readying: Optional[defer.Deferred[Any]] = None
+    healthy_call: Optional[IDelayedCall] = None
+    factory: "_RedisFactory"
+
+    def dataReceived(self, data: bytes, *args: Any) -> Any:
+        self.last_data = self.factory.owner.clock.seconds()
+        return super().dataReceived(data, *args)  # type: ignore[misc]
+
+    def connectionMade(self) -> Any:
+        self.last_data = self.factory.owner.clock.seconds()
+        result = super().connectionMade()  # type: ignore[misc]  # AUTH/SELECT, in the background
+        self.factory.owner.link_made(self)
+        return result
+
+    def connectionLost(self, why: str) -> None:
+        self.lost = True
+        self.factory.owner.link_lost(self)
+        super().connectionLost(why)  # type: ignore[misc]
+
+
+class _Subscriber(_Link, txredisapi.SubscriberProtocol):  # type: ignore[misc]
+    role = "subscriber"
+
+    def messageReceived(self, pattern: str, channel: str, message: Any) -> None:
+        self.factory.owner.message_received(self, channel, message)
+
+
+class _Publisher(_Link, txredisapi.RedisProtocol):  # type: ignore[misc]
+    role = "publisher"
+
+
+@implementer(IReplicationConnection)
+class RedisConnection:
+    """What the handler sees as one connection: a bus, where every instance
+    hears every line.  Not an :class:`.interfaces.IPeerConnection`: there is
+    no one peer to refuse.  Its owner (an :class:`.interfaces.IRedisBus`)
+    has the links."""
+
+    #: Nobody connected to us: no relaying (every instance hears every
+    #: line), our positions announced as it comes, our own writers only.
+    accepted = False
+    name = NAME  # for logs
+    role = NAME  # the metrics label and the status page's role
+    instance_name = None  # no one peer: every instance on the channel
+    #: Lines go to the publisher at once (dropped while it is away).
+    queued = 0
+    queued_bytes = 0
+    #: No one transport: the subscriber and the publisher are the owner's.
+    transport = None
+
+    def __init__(self, owner: IRedisBus) -> None:
+        self._owner = owner
+        self.closed = False
+        #: The message being dispatched (bytes, no newline).
+        self.current_line: Optional[bytes] = None
+
+    def __str__(self) -> str:
+        """How log lines name it: ``redis channel <channel>``."""
+        return f"redis channel {printable(self._owner.channel, 100)}"
+
+    def pause_reading(self) -> None:
+        """Stop reading the subscription (while a claim is checked)."""
+        self._owner.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._owner.resume_reading()
+
+    def send_lines(self, lines: Sequence[bytes], command_name: str = "RDATA") -> bool:
+        if self.closed:
+            return False
+        if self._owner.hold(lines, command_name):
+            return True
+        self._owner.publish_lines(lines)
+        metrics.COMMANDS_OUT.labels(command_name, NAME).inc(len(lines))
+        return True
+
+    def send_command(self, cmd: Command) -> bool:
+        return self.send_lines([(cmd.to_line() + "\n").encode("utf-8")], cmd.NAME)
+
+    def stop(self, reason_text: str = "server stopping") -> None:
+        self.closed = True
+
+
+@implementer(IRedisBus)
+class RedisReplication(MultiService):
+    """Joins replication through Redis; ``connected`` tells whether it is in."""
+
+    def __init__(self, reactor: Any, config: RedisConfig, handler: IReplicationHandler,
+                 server_name: str, instance_name: str, ping_interval: float = 10.0,
+                 ping_timeout: float = 5.0,
+                 initial_delay: float = RECONNECT_INITIAL_DELAY,
+                 max_delay: float = RECONNECT_MAX_DELAY, clock: Optional[IReactorTime]=None,
+                 synapse_server_name: Optional[str] = None,
+                 synapse_probe: float = SYNAPSE_PROBE) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.reactor = reactor
+        #: Times pings, readiness, health and reconnect delays (default: reactor).
+        self.clock = clock if clock is not None else reactor
+        self.config = config
+        self.handler = handler
+        self.synapse_channel = synapse_server_name
+        if synapse_server_name is None:
+            self.channel = server_name
+        else:
+            self.channel = server_name + OWN_CHANNEL_SUFFIX
+            if self.channel in (synapse_server_name, synapse_server_name + "/USER_IP"):
+                raise ValueError(f"channel {self.channel!r} is Synapse's")
+        self.user_ip_channel = f"{self.channel}/USER_IP"
+        self._channel = self.channel.encode("utf-8")
+        self._user_ip_channel = self.user_ip_channel.encode("utf-8")
+        self.instance_name = instance_name
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
+        self.last_error: Optional[str] = None
+        self.subscriber: Optional[_Subscriber] = None
+        self.publisher: Optional[_Publisher] = None
+        self.conn: Optional[RedisConnection] = None
+        self._subscribed = False
+        #: Without the section, what tells a Synapse on our channel apart.
+        self.watch = (SynapseWatch(self.channel, [s.name for s in handler.registry])
+                      if synapse_server_name is None else None)
+        self.synapse_probe = synapse_probe
+        #: While asking before announcing: our lines but REPLICATE, in order.
+        self._held: Optional[List[Sequence[bytes]]] = None
+        self._held_count = 0
+        self._answer_call: Optional[IDelayedCall] = None
+        self._own_prefixes = tuple(
+            f"{name} {stream.name} {instance_name} "
+            for stream in handler.registry for name in ("RDATA", "POSITION"))
+
+        self.sub_backoff = Backoff(initial_delay, max_delay, name="redis-subscriber")
+        self.pub_backoff = Backoff(initial_delay, max_delay, name="redis-publisher")
+        endpoint = endpoints.clientFromString(reactor, config.endpoint)
+        where = client_address(config.endpoint)
+        self._sub_service = ReconnectingService(
+            endpoint, _RedisFactory(_Subscriber, config, self, "subscriber"),
+            self.sub_backoff, clock=self.clock, what="redis subscriber", where=where,
+            lost_reason=lambda: self.last_error)
+        self._pub_service = ReconnectingService(
+            endpoint, _RedisFactory(_Publisher, config, self, "publisher"),
+            self.pub_backoff, clock=self.clock, what="redis publisher", where=where,
+            lost_reason=lambda: self.last_error)
+        self._sub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
+        self._pub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
+        self._pinger = task.LoopingCall(self._ping)
+        self._pinger.clock = self.clock
+
+    @property
+    def connected(self) -> bool:
+        return self.conn is not None
+
+    @property
+    def synapse_seen(self) -> Optional[str]:
+        """Why this instance no longer publishes (a Synapse on its channel,
+        see :mod:`.synapse_watch`), for ``/health``; None while it does."""
+        return self.watch.evidence if self.watch is not None else None
+
+    # ---------------------------------------------------------- lifecycle
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self._pinger.start(self.ping_interval, now=False)
+
+    def stopService(self) -> Any:
+        if self._pinger.running:
+            self._pinger.stop()
+        self._unregister("shutdown")
+        return super().stopService()  # type: ignore[no-untyped-call]
+
+    # ---------------------------------------------------------- readiness
+    def link_made(self, protocol: Any) -> None:
+        """A TCP connection is up (ClientService counts it as connected):
+        get it ready in the background.  Failing that, close it; the
+        disconnect makes ClientService try again after its backoff."""
+        d = defer.ensureDeferred(self._get_ready(protocol))
+        protocol.readying = d
+        d.addErrback(self._not_ready, protocol)
+
+    async def _get_ready(self, protocol: Any) -> None:
+        # AUTH and SELECT succeeded (a failure closes the connection, and
+        # link_lost cancels this).
+        ready = protocol.whenConnected()
+        ready.addTimeout(self.ping_timeout * 4, self.clock)
+        await ready
+        if protocol.role == "subscriber":
+            channels = [self.channel, self.user_ip_channel]
+            if self.synapse_channel is not None:
+                channels.append(self.synapse_channel)
+            subscribed = protocol.subscribe(channels)
+            subscribed.addTimeout(self.ping_timeout * 4, self.clock)
+            await subscribed
+        protocol.readying = None
+        if protocol.role == "subscriber":
+            self.subscriber = protocol
+            self._subscribed = True
+            log.info("redis: subscribed to {channel}", channel=self.channel)
+        else:
+            self.publisher = protocol
+            log.info("redis: publisher connected to {endpoint}", endpoint=self.config.endpoint)
+        protocol.healthy_call = self.clock.callLater(self.ping_interval, self._healthy, protocol)
+        self._maybe_register()
+
+    def _not_ready(self, failure: Failure, protocol: Any) -> None:
+        protocol.readying = None
+        if protocol.lost:
+            return  # link_lost cancelled us; nothing more to do
+        self.last_error = self.last_error or failure.getErrorMessage()
+        log.warn("redis {role} connection not ready ({error}); reconnecting",
+                 role=protocol.role, error=printable(failure.getErrorMessage()))
+        if protocol.transport is not None:
+            protocol.transport.abortConnection()
+
+    def _healthy(self, protocol: Any) -> None:
+        """Ready and up for ``ping_interval``: the backoff starts over."""
+        protocol.healthy_call = None
+        if protocol.lost:
+            return
+        if protocol is self.subscriber:
+            self.sub_backoff.reset()
+        elif protocol is self.publisher:
+            self.pub_backoff.reset()
+
+    def _maybe_register(self) -> None:
+        if self.conn is not None or not self._subscribed or self.publisher is None:
+            return
+        self.last_error = None
+        self.conn = RedisConnection(self)
+        if self.watch is not None:
+            # Ask first; announce once no Synapse answered (_answer).
+            self._held, self._held_count = [], 0
+            self._answer_later(self.conn)
+        # The handler announces our writers' positions; then ask the others.
+        self.handler.new_connection(self.conn)
+        self.conn.send_command(ReplicateCommand())
+        if self.synapse_channel is not None:
+            # Synapse answers with its positions: readers of its streams
+            # catch up on what they missed.  The only line we put there.
+            self.publish_lines([b"REPLICATE\n"], channel=self.synapse_channel.encode("utf-8"))
+
+    def _answer_later(self, conn: RedisConnection) -> None:
+        """Answer REPLICATE ``synapse_probe`` seconds from now (one answer
+        for every REPLICATE until then), unless a Synapse showed up: it
+        answers a REPLICATE within a round trip, and announces its own
+        positions right after its own."""
+        if self._answer_call is None:
+            self._answer_call = self.clock.callLater(self.synapse_probe, self._answer, conn)
+
+    @property
+    def holding(self) -> bool:
+        return self._held is not None
+
+    def hold(self, lines: Sequence[bytes], command_name: str) -> bool:
+        """While registering without the ``synapse:`` section, keep our
+        lines (but REPLICATE) for :meth:`_answer`; True if kept.  Bounded:
+        past ``HOLD_MAX_LINES`` these and all later ones until the answer
+        are dropped (counted), as for a lost publisher, and the answer's
+        positions make readers catch up from the tables (a later fact
+        published after a dropped one would leave a reader a gap)."""
+        held = self._held
+        if held is None or command_name == "REPLICATE":
+            return False
+        if self._held_count + len(lines) > HOLD_MAX_LINES:
+            metrics.COMMANDS_DROPPED.labels(command_name, "synapse_probe").inc(
+                len(lines) + sum(len(h) for h in held))
+            held.clear()
+            self._held_count = HOLD_MAX_LINES  # full until the answer
+            return True
+        held.append(lines)
+        self._held_count += len(lines)
+        return True
+
+    def _answer(self, conn: RedisConnection) -> None:
+        self._answer_call = None
+        held, self._held = self._held, None
+        if conn is not self.conn or self.synapse_seen is not None:
+            return
+        for lines in held or ():
+            self.publish_lines(lines)
+        cast(Any, self.handler).on_REPLICATE(conn, ReplicateCommand())
+
+    def _stop_publishing(self, evidence: str) -> None:
+        """A Synapse is on our channel: nothing more goes there (until a
+        restart with the ``synapse:`` section); said once."""
+        call, self._answer_call = self._answer_call, None
+        if call is not None and call.active():
+            call.cancel()
+        self._held = None
+        log.error("redis: {evidence}", evidence=evidence, instance=self.instance_name)
+
+    def _unregister(self, reason: str) -> None:
+        call, self._answer_call = self._answer_call, None
+        if call is not None and call.active():
+            call.cancel()
+        self._held = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.closed = True
+            self.handler.lost_connection(conn, reason)
+
+    def link_lost(self, protocol: Any) -> None:
+        readying, protocol.readying = protocol.readying, None
+        if readying is not None and not readying.called:
+            readying.cancel()
+        call, protocol.healthy_call = protocol.healthy_call, None
+        if call is not None and call.active():
+            call.cancel()
+        if protocol is self.subscriber:
+            self.subscriber = None
+            self._subscribed = False
+        elif protocol is self.publisher:
+            self.publisher = None
+        else:
+            return
+        log.warn("redis: connection lost; reconnecting")
+        self._unregister("connection_lost")
+
+    # ------------------------------------------------------------ traffic
+    def pause_reading(self) -> None:
+        """Stop reading the subscription (while a claim is checked)."""
+        subscriber = self.subscriber
+        if subscriber is not None and subscriber.transport is not None:
+            subscriber.transport.pauseProducing()
+
+    def resume_reading(self) -> None:
+        subscriber = self.subscriber
+        if subscriber is not None and subscriber.transport is not None:
+            subscriber.transport.resumeProducing()
+
+    def publish_lines(self, lines: Sequence[bytes], channel: Optional[bytes] = None) -> None:
+        """PUBLISH each line on our channel (USER_IP on ours for it) unless
+        ``channel`` is given, all in one write; more than one line inside
+        ``MULTI`` ... ``EXEC``.
+
+        So the lines of one call (one fan-out: whole facts, a ``batch`` run
+        and its last line together) reach the channel all or nothing, and
+        no other client's lines come between them: Redis runs a MULTI block
+        at its EXEC, at once, and drops it unrun when the connection closes
+        before EXEC arrives.  Without it, a link that stalled mid-fact and
+        was replaced could deliver the start of a fact late, after our new
+        link re-announced our positions, and the readers would join those
+        rows to our next fact.
+
+        Lines for a lost publisher are dropped, and so are those of a block
+        whose EXEC fails or never answers (a lost link): the facts are in
+        the database, and the reconnect re-announces our positions.  Nothing is
+        published once a Synapse was seen on our channel.
+
+        This is the one place that writes Redis commands by hand and reads
+        txredisapi's reply queue (``replyQueue``: one Deferred per reply, in
+        order) instead of calling the library: its ``publish`` writes one
+        command per call and its ``multi`` sends MULTI, each command and
+        EXEC as separate writes, so neither can put a block into one write
+        (the all-or-nothing above), and both cost a Deferred chain per line."""
+        if self.synapse_seen is not None:
+            metrics.COMMANDS_DROPPED.labels("PUBLISH", "synapse_seen").inc(len(lines))
+            return
+        publisher = self.publisher
+        if publisher is None or not publisher.connected or publisher.transport is None:
+            return
+        commands = []
+        for line in lines:
+            payload = line[:-1] if line.endswith(b"\n") else line
+            to = channel or (self._user_ip_channel if payload.startswith(b"USER_IP ")
+                             else self._channel)
+            commands.append(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+                            % (len(to), to, len(payload), payload))
+        replies = publisher.replyQueue
+        if len(commands) == 1:
+            publisher.transport.write(commands[0])
+            replies.get().addCallbacks(self._published, self._publish_failed,
+                                       callbackArgs=(publisher, 1), errbackArgs=(1,))
+            return
+        publisher.transport.write(b"".join([MULTI] + commands + [EXEC]))
+        # One reply per command, in order: +OK for MULTI and +QUEUED for each
+        # PUBLISH (a refused one makes EXEC fail), then EXEC's, which says
+        # whether the block ran.
+        for _ in range(len(commands) + 1):
+            replies.get()
+        replies.get().addCallbacks(self._published, self._publish_failed,
+                                   callbackArgs=(publisher, len(commands)),
+                                   errbackArgs=(len(commands),))
+
+    def _published(self, reply: Any, publisher: Any, count: int) -> None:
+        # txredisapi hands over error replies and a lost connection as values;
+        # EXEC's answer is a list (one subscriber count per PUBLISH).
+        if isinstance(reply, list):
+            # txredisapi counts QUEUED replies for its own MULTI, which this
+            # connection never uses: keep its counter at rest.
+            publisher.transactions = 0
+            failed = [r for r in reply if isinstance(r, Exception)]
+            if failed:
+                self._publish_failed(Failure(failed[0]), len(failed))
+        elif isinstance(reply, Exception):
+            self._publish_failed(Failure(reply), count)
+
+    def _publish_failed(self, failure: Failure, count: int = 1) -> None:
+        # The facts are in the database: after the reconnect our POSITIONs
+        # make every reader catch up.
+        metrics.COMMANDS_DROPPED.labels("PUBLISH", "failed").inc(count)
+        log.debug("redis: publish failed: {error}", error=failure.getErrorMessage())
+
+    def message_received(self, protocol: Any, channel: str, message: Any) -> None:
+        conn = self.conn
+        if conn is None or protocol is not self.subscriber:
+            # Not registered yet (REPLICATE will catch us up), or buffered
+            # data of a subscriber already replaced: its lines belong to a
+            # connection that is gone (a half batch must not leak over).
+            return
+        if isinstance(message, bytes):
+            message = message.decode("utf-8", "replace")
+        if message.startswith(self._own_prefixes):
+            return  # our own RDATA/POSITION, echoed: not even parsed
+        try:
+            cmd = parse_line(message.rstrip("\r\n"))
+        except Exception as e:  # CommandParseError; anything else is a parser bug
+            metrics.COMMANDS_DROPPED.labels("unknown", "unparsable").inc()
+            log.debug("redis: ignoring line {line}: {error}", line=printable(message, 80),
+                      error=printable(str(e) or type(e).__name__))
+            return
+        if self.watch is not None:
+            evidence = self.watch.observe(cmd)
+            if evidence is not None:
+                self._stop_publishing(evidence)
+            if cmd.NAME == "REPLICATE":
+                self._answer_later(conn)  # unless a Synapse shows up first
+                return
+        if cmd.NAME == "REPLICATE" and self.synapse_channel is not None:
+            if isinstance(channel, bytes):
+                channel = channel.decode("utf-8", "replace")
+            if channel == self.synapse_channel:
+                # Synapse's (or its workers'): we own nothing it may ask for.
+                metrics.COMMANDS_DROPPED.labels(cmd.NAME, "synapse_channel").inc()
+                return
+        field = OWN_INSTANCE_FIELDS.get(cmd.NAME)
+        if field is not None and getattr(cmd, field) == self.instance_name:
+            return  # our own echo
+        method = getattr(self.handler, "on_" + cmd.NAME, None)
+        if method is None:
+            metrics.COMMANDS_DROPPED.labels(cmd.NAME, "ignored").inc()
+            return
+        metrics.COMMANDS_IN.labels(cmd.NAME, NAME).inc()
+        conn.current_line = message.rstrip("\r\n").encode("utf-8", "surrogatepass")
+        try:
+            method(conn, cmd)
+        except Exception:
+            log.failure("redis: handling {name} failed", name=cmd.NAME)
+        finally:
+            conn.current_line = None
+
+    # ---------------------------------------------------------- keepalive
+    def _ping(self) -> None:
+        for protocol in (self.subscriber, self.publisher):
+            if protocol is not None:
+                self._ping_one(protocol)
+
+    def _ping_one(self, protocol: Any) -> None:
+        try:
+            d = protocol.ping()
+        except txredisapi.ConnectionError:
+            return  # going away; connectionLost does the rest
+        d.addTimeout(self.ping_timeout, self.clock)
+
+        def failed(failure: Failure) -> None:
+            if self.clock.seconds() - protocol.last_data < self.ping_timeout:
+                return  # busy, not dead: the answer waits behind data still arriving
+            log.warn("redis: PING failed ({error}); replacing the connection",
+                     error=failure.getErrorMessage())
+            if protocol.transport is not None:
+                protocol.transport.abortConnection()
+
+        d.addErrback(failed)

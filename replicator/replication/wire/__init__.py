@@ -1,0 +1,1 @@
+"""The replication protocol's lines: commands, their fields, and lines built as bytes."""
