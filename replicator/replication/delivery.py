@@ -19,7 +19,7 @@ Invariants:
   already have, so a page handed on again after a failure is no duplicate.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from twisted.internet import defer
 
@@ -27,6 +27,7 @@ from ..background import Background
 from ..consumers import Consumer
 from ..consumers.base import IBatchConsumer
 from ..streams.stream import Stream
+from ..streams.trimmed import FactsTrimmed
 from .reader import Reader, maybe_await
 
 Fact = Tuple[int, List[list]]
@@ -39,7 +40,8 @@ def consumers_for(consumers: Sequence[Consumer], stream_name: str) -> List[Consu
 
 def make_reader(stream: Stream, writer: str, position: Optional[int],
                 consumers: Sequence[Consumer], *, clock, fetch_limit: int,
-                retry_delay: float, background: Background) -> Reader:
+                retry_delay: float, background: Background,
+                on_gap: Optional[Callable[[FactsTrimmed], None]] = None) -> Reader:
     """The reader of ``writer``'s facts on ``stream`` from ``position``,
     handing them to those of ``consumers`` that take the stream, and moving
     the stream's ID generator along for a writer that is not local."""
@@ -68,7 +70,8 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
     pages = all(IBatchConsumer.providedBy(c) for c in takers)
     return Reader(name, writer, position, source=stream.facts_since, deliver=deliver,
                   deliver_many=deliver_many if pages else None, reached=reached, advanced=advanced, clock=clock,
-                  fetch_limit=fetch_limit, retry_delay=retry_delay, background=background)
+                  fetch_limit=fetch_limit, retry_delay=retry_delay, background=background,
+                  on_gap=on_gap)
 
 
 def _deliver_page(consumers: Sequence[Consumer], name: str, writer: str, facts: List[Fact]):

@@ -28,7 +28,11 @@ Invariants:
   one is handed on, the reactor let run between pages) before anything
   later.
 * A fact at or below the position is dropped; ``position`` only grows.
-* A failure (of ``source`` or ``deliver``) stops the pipeline where it is;
+* Facts the catch-up needs that retention trimmed (``source`` raises
+  :class:`..streams.trimmed.FactsTrimmed`) stop the reader for good, where
+  it is: nothing later is handed on, nothing is skipped; ``gap`` says why
+  and ``on_gap`` is told once (until an operator rewinds and restarts).
+* Any other failure (of ``source`` or ``deliver``) stops the pipeline where it is;
   it resumes with the same command after a delay from the project's backoff
   policy (``retry_delay``, doubling up to 30 s); one log line when such an
   outage starts, one when it ends.
@@ -44,6 +48,7 @@ from twisted.logger import Logger
 from .. import metrics
 from ..background import Background
 from ..backoff import Outage
+from ..streams.trimmed import FactsTrimmed
 from .commands import rdata_row
 from .interfaces import IReplicationConnection
 
@@ -91,8 +96,11 @@ class Reader:
         fetch_limit: int = 1000,
         retry_delay: float = 1.0,
         background: Optional[Background] = None,
+        on_gap: Optional[Callable[[FactsTrimmed], None]] = None,
     ):
         self.stream_name = stream_name
+        self.gap: Optional[FactsTrimmed] = None  # why it stopped for good, if it did
+        self._on_gap = on_gap
         self._background = background if background is not None else Background()
         self.writer = writer
         self.position = position
@@ -160,6 +168,8 @@ class Reader:
 
     # ------------------------------------------------------------ pipeline
     def _enqueue(self, item: tuple) -> None:
+        if self._stopping:
+            return  # stopped (a gap, a writer dropped, shutdown): nothing more runs
         self.queue.append(item)
         if not self.busy:
             self.busy = True
@@ -173,6 +183,9 @@ class Reader:
                     await self._apply(item)
                 except Stopping:
                     return
+                except FactsTrimmed as e:
+                    self._trimmed(e)
+                    return
                 except Exception as e:
                     self._retry = self._clock.callLater(self._outage.failed(e), self._resume)
                     return
@@ -181,6 +194,14 @@ class Reader:
         finally:
             if not self.queue or self._stopping:
                 self.busy = False
+
+    def _trimmed(self, gap: FactsTrimmed) -> None:
+        """Facts needed were trimmed: stop here for good, skipping nothing."""
+        self.gap = gap
+        self.stop()
+        self.queue.clear()
+        if self._on_gap is not None:
+            self._on_gap(gap)
 
     def _resume(self) -> None:
         self._retry = None
