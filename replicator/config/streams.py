@@ -5,7 +5,8 @@ import re
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .fields import (IDENTIFIER, WIRE_NAME, ConfigError, as_mapping, get_bool, get_int,
-                     get_list, get_names, get_path, get_str, kind_of, no_unknown, sql_name)
+                     get_list, get_names, get_number, get_path, get_str, kind_of, no_unknown,
+                     sql_name)
 from .model import (COLUMN_TYPES, POSITIONS_TABLE, RETENTION_TABLE, ColumnConfig,
                     DatabaseConfig, RetentionConfig, StreamConfig)
 

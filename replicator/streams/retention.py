@@ -139,6 +139,8 @@ class Trimmer:
         self._clock = clock
         self._batch = Batch(config, db)
         self.boundary: Optional[int] = None  # the last one seen
+        #: The last pass's batches: (facts deleted, boundary, linear position).
+        self.last_pass: List[Tuple[int, int, int]] = []
         self._contended = False  # another instance held the row (logged once)
         self._trimmed = metrics.RETENTION_TRIMMED.labels(self.name)
         self._boundary_gauge = metrics.RETENTION_BOUNDARY.labels(self.name)
@@ -157,6 +159,7 @@ class Trimmer:
         age_bound = self.age_bound()
         total, linear = 0, 0
         batch = self.config.retention.batch
+        self.last_pass = []
         while True:
             result = await self.db.runInteraction(self._batch.run, count_bound, age_bound)
             if result is None:
@@ -168,6 +171,7 @@ class Trimmer:
                              stream=self.name)
                 break
             self._contended = False
+            self.last_pass.append(result)
             deleted, self.boundary, linear = result
             self._boundary_gauge.set(self.boundary)
             if deleted:
