@@ -13,7 +13,7 @@ reload reads again), a new stream, and other instances' ``writers`` of a
 running stream.  Everything else that differs needs a restart and keeps its
 running value: the database, names, endpoints, the other ``replication`` and
 ``http`` keys, ``synapse``, ``consumers``, a stream removed, and a stream whose
-columns, table or own writer changed (or which this instance writes alone:
+columns, table, retention or own writer changed (or which this instance writes alone:
 its ID generator has no room for another writer).
 """
 

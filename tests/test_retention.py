@@ -110,6 +110,19 @@ class RetentionConfigTests(SynchronousTestCase):
                 self.parse(stream)
             self.assertEqual(str(caught.exception), f"config: {message}")
 
+    def test_a_retention_change_needs_a_restart(self):
+        from replicator.config import parse_instance
+        from replicator.reload import plan
+
+        def config(stream):
+            return parse_instance({"server_name": "hs.test", "instance_name": "master",
+                                   "database": {"postgres": "dbname=a"}, "streams": [stream]})
+
+        running = config(events(max_facts=5))
+        p = plan(running, config(events(max_facts=50)))
+        self.assertEqual(p.restart, ["streams[0]"])
+        self.assertEqual(p.config, running)
+
     def test_one_instance_trims_a_stream_its_first_writer(self):
         """Two instances configured with the same retention: only the
         stream's first writer trims it; a reader-only instance never does."""
@@ -529,3 +542,128 @@ class PostgresRetentionTests(TestCase):
         await service.stopService()  # waits for the pass under way
         self.assertEqual(self.ids(), [6, 7, 8])
 
+
+
+# ------------------------------------------------------------ real processes
+def _status(daemon):
+    try:
+        return http(daemon.http_base + "/health")[0]
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+class StoppedReaderTests(SynchronousTestCase):
+    """A master that trims, a worker with a JSON-lines consumer: the worker
+    is stopped, the master writes on and trims past the worker's position,
+    and the worker, started again, refuses to skip: its /health says the
+    gap, its file gets nothing past it, its other stream carries on."""
+
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database()
+
+    def write(self, daemon, stream, rows):
+        status, body = http(f"{daemon.http_base}/_replicator/v1/streams/{stream}/facts",
+                            json.dumps({"rows": rows}).encode(), SECRET)
+        return json.loads(body)["stream_id"]
+
+    @staticmethod
+    def tokens(daemon, stream):
+        path = os.path.join(daemon.dir, "facts.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [e["token"] for e in map(json.loads, f)
+                    if "rows" in e and e["stream"] == stream]
+
+    def snapshot(self):
+        rows = _pg(self.dsn, ("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", ()),
+                   ("SELECT (SELECT COALESCE(MAX(trimmed_through), 0) FROM stream_retention "
+                    "WHERE stream_name = 'events'), (SELECT MIN(stream_id) FROM "
+                    "stream_positions WHERE stream_name = 'events')", ()))
+        return rows[0]
+
+    def test_a_stopped_worker_comes_back_and_refuses_to_skip(self):
+        rep_port = free_port()
+        streams = [
+            dict(events(max_facts=5, interval=1, batch=3), writers=["master"]),
+            {"name": "notes", "table": "notes_stream", "columns": [{"text": "text"}],
+             "writers": ["master"]},
+        ]
+        master = Daemon(self, base_config(
+            "master", free_port(), streams, database={"postgres": self.dsn},
+            replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"}), "master").start()
+        worker_config = base_config(
+            "worker1", free_port(), streams, database={"postgres": self.dsn},
+            replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}"},
+            consumers=[{"type": "jsonl", "path": "facts.jsonl"}])
+        worker = Daemon(self, worker_config, "worker1").start()
+        first = [self.write(master, "events", [["before", i]]) for i in range(4)]
+        wait_for(lambda: self.tokens(worker, "events") == first, 60, "the worker has them")
+        worker.kill(signal.SIGTERM)
+        self.assertEqual(worker.proc.returncode, 0, worker.output()[-2000:])
+        position = first[-1]
+
+        # The master writes on; its trimmer runs meanwhile (every second).
+        later = []
+        for i in range(25):
+            later.append(self.write(master, "events", [["after", i]]))
+            boundary, linear = self.snapshot()
+            self.assertLess(boundary, linear)
+        wait_for(lambda: self.snapshot()[0] > position, 60, "a trim past the worker")
+        boundary, linear = self.snapshot()
+        self.assertIn("retention trimmed", master.output())
+        left = [r[0] for r in _pg(self.dsn, ("SELECT stream_id FROM events_stream ORDER BY 1",
+                                             ()))]
+        self.assertEqual(left, [i for i in first + later if i > boundary])
+
+        # The worker comes back: it stops the stream instead of skipping.
+        worker.start()  # its directory, its file, its config
+
+        def unhealthy():
+            try:
+                http(worker.http_base + "/health")
+            except urllib.error.HTTPError as e:
+                return e.code == 503 and "trimmed by retention" in e.read().decode()
+            return False
+
+        wait_for(unhealthy, 60, "the worker's /health says the gap")
+        try:
+            http(worker.http_base + "/health")
+        except urllib.error.HTTPError as e:
+            reason = json.loads(e.read())["reason"]
+        trimmed = self.snapshot()[0]
+        self.assertTrue(reason.startswith(
+            f"stream events: consumer {os.path.join(worker.dir, 'facts.jsonl')} needs facts "
+            f"of writer master after {position} but facts up to "), reason)
+        self.assertIn("were trimmed by retention; the stream is stopped here: run "
+                      "`replicator rewind`", reason)
+        self.assertLessEqual(int(reason.split("facts up to ")[1].split()[0]), trimmed)
+        status = json.loads(http(worker.http_base + "/status.json")[1])
+        self.assertIn("trimmed", [f["kind"] for f in status["findings"]])
+        metrics_text = http(worker.http_base + "/metrics")[1].decode()
+        self.assertIn('replicator_retention_gap{stream="events",writer="master"} 1.0',
+                      metrics_text)
+        # Nothing past the gap, then or later; the other stream carries on.
+        note = self.write(master, "notes", [["still here"]])
+        self.write(master, "events", [["even later", 0]])
+        wait_for(lambda: self.tokens(worker, "notes") == [note], 60, "notes flow")
+        self.assertEqual(self.tokens(worker, "events"), first)
+        self.assertEqual(http(master.http_base + "/health")[0], 200)
+        self.assertEqual(worker.output().count("trimmed by retention"), 1, worker.output())
+
+        # The operator accepts the loss (docs/operations.md, "Retention gaps"):
+        # the worker stopped, a position line at the boundary appended to its
+        # file, started again: it goes on from the boundary.
+        worker.kill(signal.SIGTERM)
+        boundary = self.snapshot()[0]
+        with open(os.path.join(worker.dir, "facts.jsonl"), "a") as f:
+            f.write(json.dumps({"stream": "events", "writer": "master",
+                                "position": boundary}) + "\n")
+        worker.start()
+        left = [r[0] for r in _pg(self.dsn, ("SELECT stream_id FROM events_stream ORDER BY 1",
+                                             ()))]
+        wait_for(lambda: self.tokens(worker, "events") == first + left, 60, "the rest")
+        wait_for(lambda: _status(worker) == 200, 60, "the worker healthy again")
+        for d in (master, worker):
+            d.kill(signal.SIGTERM)
+            self.assertEqual(d.proc.returncode, 0, d.output()[-2000:])
