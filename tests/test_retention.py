@@ -505,6 +505,28 @@ class PostgresRetentionTests(TestCase):
         self.assertEqual(await second.trim(), 10)
         self.assertEqual(len(self.ids()), 2)
 
+    async def test_a_fan_out_below_the_boundary_announces_it(self):
+        """A fan-out whose unannounced facts were trimmed sends ``POSITION b
+        b`` first (a reader below ``b`` reads the table and stops there),
+        then the facts above ``b``: never a later fact as if it were next."""
+        from replicator.replication.fanout import Fanout
+
+        streams = [dict(events(max_facts=4), writers=["master"])]
+        master = (await self.registry("master", streams)).get("events")
+        for i in range(10):
+            await master.write_fact([["x", i]])
+        await master.flush_positions()
+        await Trimmer(master.config, master.db, reactor).trim()  # 1..6 go
+        sent = []
+        fanout = Fanout(lambda lines, name: sent.extend(lines), reactor)
+        fanout.add_writer(master, "master")
+        fanout.announced[("events", "master")] = 2  # it fell behind, before the trim
+        fanout.advanced(master, "master")
+        await until(fanout.idle)
+        self.assertEqual(sent[0], b"POSITION events master 6 6\n")
+        self.assertEqual([line.split()[3] for line in sent[1:]], [b"7", b"8", b"9", b"10"])
+        self.assertEqual(fanout.announced[("events", "master")], 10)
+
     async def test_clock_jumps(self):
         """max_age against a clock that jumps: forward, it trims what is
         below the linear position and no more; back, nothing."""
@@ -542,6 +564,31 @@ class PostgresRetentionTests(TestCase):
         await service.stopService()  # waits for the pass under way
         self.assertEqual(self.ids(), [6, 7, 8])
 
+
+
+class SQLiteRetentionTests(TestCase):
+    """The trimmer and the page check on SQLite (the embedded default)."""
+
+    async def test_trim_and_read_back(self):
+        path = os.path.join(tempfile.mkdtemp(), "ret.db")
+        db = Database(parse_database({"sqlite": path}))
+        self.addCleanup(db.close)
+        registry = StreamRegistry(db, "master", parse_streams(
+            [dict(events(max_facts=4, batch=2), writers=["master"])]), reactor=reactor)
+        await registry.start()
+        self.addCleanup(registry.stop)
+        stream = registry.get("events")
+        for i in range(10):
+            await stream.write_fact([["x", i]])
+        await stream.flush_positions()
+        trimmer = Trimmer(stream.config, db, reactor)
+        self.assertEqual(await trimmer.trim(), 6)  # 1..6: 7..10 are the 4 newest
+        self.assertEqual([n for n, _, _ in trimmer.last_pass], [2, 2, 2, 0])
+        with self.assertRaises(FactsTrimmed) as caught:
+            await stream.facts_since("master", 2, 10, 100)
+        self.assertEqual((caught.exception.since, caught.exception.boundary), (2, 6))
+        facts, upto, _ = await stream.facts_since("master", 6, 10, 100)
+        self.assertEqual([t for t, _ in facts], [7, 8, 9, 10])
 
 
 # ------------------------------------------------------------ real processes
