@@ -657,10 +657,11 @@ class StoppedReaderTests(SynchronousTestCase):
             boundary, linear = self.snapshot()
             self.assertLess(boundary, linear)
         wait_for(lambda: self.snapshot()[0] > position, 60, "a trim past the worker")
-        boundary, linear = self.snapshot()
         self.assertIn("retention trimmed", master.output())
-        left = [r[0] for r in _pg(self.dsn, ("SELECT stream_id FROM events_stream ORDER BY 1",
-                                             ()))]
+        # The table and its boundary in one snapshot (the trimmer runs on).
+        boundary, left = _pg(self.dsn, ("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", ()), (
+            "SELECT (SELECT trimmed_through FROM stream_retention WHERE stream_name = 'events'),"
+            " ARRAY(SELECT stream_id FROM events_stream ORDER BY 1)", ()))[0]
         self.assertEqual(left, [i for i in first + later if i > boundary])
 
         # The worker comes back: it stops the stream instead of skipping.
@@ -692,7 +693,7 @@ class StoppedReaderTests(SynchronousTestCase):
                       metrics_text)
         # Nothing past the gap, then or later; the other stream carries on.
         note = self.write(master, "notes", [["still here"]])
-        self.write(master, "events", [["even later", 0]])
+        last = self.write(master, "events", [["even later", 0]])
         wait_for(lambda: self.tokens(worker, "notes") == [note], 60, "notes flow")
         self.assertEqual(self.tokens(worker, "events"), first)
         self.assertEqual(http(master.http_base + "/health")[0], 200)
@@ -702,6 +703,9 @@ class StoppedReaderTests(SynchronousTestCase):
         # the worker stopped, a position line at the boundary appended to its
         # file, started again: it goes on from the boundary.
         worker.kill(signal.SIGTERM)
+        # No more writes: the trimmer settles with the 5 newest facts kept.
+        settled = sorted(first + later + [last])[-6]
+        wait_for(lambda: self.snapshot()[0] == settled, 60, "the last trim")
         boundary = self.snapshot()[0]
         with open(os.path.join(worker.dir, "facts.jsonl"), "a") as f:
             f.write(json.dumps({"stream": "events", "writer": "master",
