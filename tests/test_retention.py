@@ -13,7 +13,6 @@ import tempfile
 import urllib.error
 
 import psycopg2
-import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
@@ -419,7 +418,8 @@ class PostgresRetentionTests(TestCase):
                 written.extend(await stream.write_facts([[["x", i]], [["y", i], ["z", i]]]))
             done.append(stream)
 
-        writers = [defer.ensureDeferred(write(master, 60)), defer.ensureDeferred(write(worker, 60))]
+        writers = [defer.ensureDeferred(write(master, 60)),
+                   defer.ensureDeferred(write(worker, 60))]
         passes = deleted = 0
         while len(done) < 2 or passes < 2:
             before_boundary, _ = self.snapshot()
@@ -461,8 +461,9 @@ class PostgresRetentionTests(TestCase):
             ("DELETE FROM events_stream WHERE stream_id <= 20", ()),
             ("INSERT INTO stream_retention VALUES ('events', 20)", ()))
         reader_side = (await self.registry("worker1", streams)).get("events")
-        from replicator.replication.delivery import make_reader
         from replicator.background import Background
+        from replicator.replication.delivery import make_reader
+
         consumer = MemoryConsumer({("events", "master"): 5})
         reader = make_reader(reader_side, "master", 5, [consumer], clock=reactor,
                              fetch_limit=4, retry_delay=0.1, background=Background())
