@@ -139,6 +139,12 @@ class ConfigErrorTests(SynchronousTestCase):
          "config: replication.allowed_peers[0]: 'worker 1' is not an instance name"),
         ({"replication": {"max_user_ips": 1e30}},
          "config: replication.max_user_ips: expected an integer, got float"),
+        ({"streams": [dict(CACHES, retention={"max_facts": 0})]},
+         "config: streams[0].retention.max_facts: must be an integer from 1 to "
+         "4611686018427387904, got 0"),
+        ({"streams": [dict(CACHES, retention={"max_age": "7d"})]},
+         "config: streams[0].retention.max_age: needs the stream's timestamp_column (a bigint "
+         "column of milliseconds since the epoch): a fact's age is read from it"),
     ]
 
     def test_each_mistake_is_one_line_and_exit_2(self):

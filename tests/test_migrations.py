@@ -49,7 +49,11 @@ release = _release_fixture()
 RELEASE_FACTS = [(1, [["get_user", ["@alice:hs.test"], 1000]]),
                  (2, [["get_user", ["@bob:hs.test"], 1001], ["get_rooms", None, 1001]]),
                  (4, [["get_room", ["!room:hs.test"], 1003]])]
-STEP_LINE = "schema: migrating 1 -> 2: record the schema version in replicator_schema"
+STEP_2_LINE = "schema: migrating 1 -> 2: record the schema version in replicator_schema"
+#: What migrating a 0.2.0 database logs: one line per step.
+STEP_LINES = [STEP_2_LINE, "schema: migrating 2 -> 3: create stream_retention "
+                           "(the trim boundaries of retention)"]
+STEP_LINE = "\n".join(STEP_LINES)
 
 
 def fingerprint():
@@ -166,7 +170,7 @@ class UpgradeTests(SynchronousTestCase):
         daemon = Daemon(self, config, "sqlite")
         shutil.copyfile(os.path.join(FIXTURES, "sqlite.db"), os.path.join(daemon.dir, "state.db"))
         daemon.start()
-        self.assertEqual(self.schema_lines(daemon), [STEP_LINE])
+        self.assertEqual(self.schema_lines(daemon), STEP_LINES)
         # Positions kept: the writer is where the release left it.
         tail = self.tail(rep_port)
         self.assertEqual(self.next_command(tail), "POSITION caches master 4 4")
@@ -179,14 +183,14 @@ class UpgradeTests(SynchronousTestCase):
         self.assertEqual(daemon.proc.wait(30), 0, daemon.output()[-2000:])
         # Started again: nothing to migrate.
         daemon.start()
-        self.assertEqual(self.schema_lines(daemon), [STEP_LINE])
+        self.assertEqual(self.schema_lines(daemon), STEP_LINES)
         daemon.proc.send_signal(signal.SIGTERM)
         self.assertEqual(daemon.proc.wait(30), 0)
         path = os.path.join(daemon.dir, "state.db")
         facts, positions = sqlite_facts(path)
         self.assertEqual(facts, RELEASE_FACTS + [(5, [["get_user", None, 1005]])])
         self.assertEqual(positions, [("caches", "master", 5)])
-        self.assertEqual(schema_row_sqlite(path), [(2, __version__, "master")])
+        self.assertEqual(schema_row_sqlite(path), [(3, __version__, "master")])
 
     def test_postgres(self):
         dsn = postgres_copy()
@@ -198,7 +202,7 @@ class UpgradeTests(SynchronousTestCase):
                              replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}"},
                              consumers=[{"type": "jsonl", "path": "facts.jsonl"}])
         master = Daemon(self, master, "master").start()
-        self.assertEqual(self.schema_lines(master), [STEP_LINE])
+        self.assertEqual(self.schema_lines(master), STEP_LINES)
         # A reader whose file says it has nothing of the master's yet reads
         # the release's facts back from the migrated table.
         worker = Daemon(self, worker, "worker1")
@@ -224,7 +228,7 @@ class UpgradeTests(SynchronousTestCase):
         with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
             cur.execute("SELECT version, replicator_version, instance_name "
                         "FROM replicator_schema")
-            self.assertEqual(cur.fetchall(), [(2, __version__, "master")])
+            self.assertEqual(cur.fetchall(), [(3, __version__, "master")])
         conn.close()
 
 
@@ -245,14 +249,14 @@ class MigrateCommandTests(SynchronousTestCase):
         checked = cli("check", "-c", path, cwd=directory)
         self.assertEqual(checked.returncode, 0, checked.stderr)
         self.assertTrue(checked.stdout.rstrip().endswith(
-            "; schema version 1, start migrates it to 2"), checked.stdout)
+            "; schema version 1, start migrates it to 3"), checked.stdout)
         done = self.migrate(path)
         self.assertEqual((done.returncode, done.stderr), (0, ""))
-        self.assertEqual(done.stdout, f"{STEP_LINE}\nschema: at version 2\n")
+        self.assertEqual(done.stdout, f"{STEP_LINE}\nschema: at version 3\n")
         again = self.migrate(path)
-        self.assertEqual((again.returncode, again.stdout), (0, "schema: already at version 2\n"))
+        self.assertEqual((again.returncode, again.stdout), (0, "schema: already at version 3\n"))
         checked = cli("check", "-c", path, cwd=directory)
-        self.assertTrue(checked.stdout.rstrip().endswith("; schema version 2 (current)"),
+        self.assertTrue(checked.stdout.rstrip().endswith("; schema version 3 (current)"),
                         checked.stdout)
         self.assertEqual(sqlite_facts(db), (RELEASE_FACTS, [("caches", "master", 4)]))
 
@@ -260,14 +264,14 @@ class MigrateCommandTests(SynchronousTestCase):
         directory = tempfile.mkdtemp(prefix="replicator-migrate-")
         path = write_config(directory, sqlite_config())
         dry = self.migrate(path, "--dry-run")
-        self.assertEqual(dry.stdout, "schema: would create version 2 (new database)\n")
+        self.assertEqual(dry.stdout, "schema: would create version 3 (new database)\n")
         self.assertFalse(os.path.exists(os.path.join(directory, "state.db")))
         done = self.migrate(path)
         self.assertEqual((done.returncode, done.stdout),
-                         (0, "schema: creating version 2 (new database)\nschema: at version 2\n"),
+                         (0, "schema: creating version 3 (new database)\nschema: at version 3\n"),
                          done.stderr)
         self.assertEqual(schema_row_sqlite(os.path.join(directory, "state.db")),
-                         [(2, __version__, "master")])
+                         [(3, __version__, "master")])
 
     def test_postgres_two_at_once_migrate_once(self):
         dsn = postgres_copy()
@@ -299,8 +303,8 @@ class MigrateCommandTests(SynchronousTestCase):
         outputs = [proc.communicate(timeout=60) for proc in procs]
         self.assertEqual([proc.returncode for proc in procs], [0, 0], outputs)
         stdout = sorted(out for out, _ in outputs)
-        self.assertEqual(stdout, ["schema: at version 2 (migrated meanwhile by another "
-                                  "process)\n", f"{STEP_LINE}\nschema: at version 2\n"])
+        self.assertEqual(stdout, ["schema: at version 3 (migrated meanwhile by another "
+                                  "process)\n", f"{STEP_LINE}\nschema: at version 3\n"])
 
 
 class RefusalTests(SynchronousTestCase):
@@ -387,7 +391,7 @@ class RollbackTests(TestCase):
             await migrations.migrate(db, lines.append, Clock(), "master", self.STEPS)
         self.assertEqual(str(caught.exception), "schema: migrating 2 -> 3 failed and was "
                          "rolled back: boom after half the work")
-        self.assertEqual(lines, [STEP_LINE, "schema: migrating 2 -> 3: half, then fail"])
+        self.assertEqual(lines, [STEP_2_LINE, "schema: migrating 2 -> 3: half, then fail"])
         self.assertEqual(await self.tables(db), ["replicator_schema", "stream_positions"])
         self.assertEqual(await migrations.current_version(db), 2)
         self.assertEqual(await db.runQuery("SELECT * FROM stream_positions"),

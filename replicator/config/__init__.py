@@ -62,6 +62,7 @@ from .model import (
                      InstanceConfig,
                      RedisConfig,
                      ReplicationConfig,
+                     RetentionConfig,
                      StreamConfig,
                      SynapseConfig,
 )
@@ -71,6 +72,7 @@ from .streams import (
                      MAX_WRITE_GROUP,
                      parse_column,
                      parse_database,
+                     parse_retention,
                      parse_stream,
                      parse_streams,
 )
@@ -83,7 +85,7 @@ __all__ = [
     "parse_health", "parse_http", "parse_instance", "parse_synapse", "COLUMN_TYPES",
     "LOG_LEVELS", "POSITIONS_TABLE", "ColumnConfig", "ConsumerConfig", "DatabaseConfig",
     "HealthConfig", "HttpConfig", "InstanceConfig", "RedisConfig", "ReplicationConfig",
-    "StreamConfig", "SynapseConfig", "parse_redis", "parse_replication", "MAX_POOL",
-    "MAX_WRITE_GROUP", "parse_column", "parse_database", "parse_stream", "parse_streams",
+    "RetentionConfig", "StreamConfig", "SynapseConfig", "parse_redis", "parse_replication", "MAX_POOL",
+    "MAX_WRITE_GROUP", "parse_column", "parse_database", "parse_retention", "parse_stream", "parse_streams",
     "read_secret", "validate", "validate_http", "validate_replication",
 ]

@@ -10,6 +10,8 @@ from ..net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
 POSITIONS_TABLE = "stream_positions"
 #: The table holding the schema version (:mod:`replicator.storage.migrations`).
 SCHEMA_TABLE = "replicator_schema"
+#: The table the trim boundaries of retention are kept in.
+RETENTION_TABLE = "stream_retention"
 COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 #: ``log_format``: see :mod:`replicator.logs.formats`.
@@ -26,6 +28,20 @@ class ColumnConfig:
     # A json column stored as JSON text in a TEXT column (Synapse's tables;
     # presets only): decoded when read.
     json_text: bool = False
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """What a stream keeps (``retention``, docs/streams.md, "Retention"):
+    facts older than ``max_age`` seconds (by the stream's
+    ``timestamp_column``) and facts beyond the ``max_facts`` newest are
+    trimmed, every ``interval`` seconds, at most ``batch`` facts per
+    transaction; never a fact at or above the persisted linear position."""
+
+    max_age: Optional[float] = None  # seconds
+    max_facts: Optional[int] = None
+    interval: float = 60.0
+    batch: int = 1000
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,8 @@ class StreamConfig:
     # The stream_name of its rows in stream_positions when it is not ``name``
     # (Synapse's presets: its ID generator's name, e.g. "presence_stream").
     positions_name: Optional[str] = None
+    # What is trimmed from the table (None: everything is kept).
+    retention: Optional[RetentionConfig] = None
 
     @property
     def positions_key(self) -> str:

@@ -1,6 +1,7 @@
 """The ``database`` and ``streams`` sections (and Synapse presets): what every
 component shares."""
 
+import re
 from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
 
 from .fields import (
@@ -12,6 +13,7 @@ from .fields import (
     get_int,
     get_list,
     get_names,
+    get_number,
     get_path,
     get_str,
     kind_of,
@@ -21,9 +23,11 @@ from .fields import (
 from .model import (
     COLUMN_TYPES,
     POSITIONS_TABLE,
+    RETENTION_TABLE,
     SCHEMA_TABLE,
     ColumnConfig,
     DatabaseConfig,
+    RetentionConfig,
     StreamConfig,
 )
 
@@ -93,8 +97,18 @@ def parse_column(value: Any, key: str) -> ColumnConfig:
 
 STREAM_KEYS = (
     "name", "table", "id_column", "writer_column", "columns", "sequence",
-    "writers", "timestamp_column", "create", "preset",
+    "writers", "timestamp_column", "create", "preset", "retention",
 )
+RETENTION_KEYS = ("max_age", "max_facts", "interval", "batch")
+#: ``retention.max_age``: a whole number and a unit ("7d", "12h", "90m").
+DURATION = re.compile(r"([0-9]{1,9})(s|m|h|d|w)")
+UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+#: The longest ``max_age`` (100 years): beyond it, a typo.
+MAX_AGE = 100 * 365 * 86_400
+#: The most facts ``max_facts`` keeps (IDs are 63-bit).
+MAX_FACTS = 1 << 62
+#: Facts deleted per transaction at most.
+MAX_TRIM_BATCH = 100_000
 #: What a preset fills in (and a config with ``preset:`` may not give).
 PRESET_KEYS = ("table", "id_column", "writer_column", "columns", "sequence", "create")
 
@@ -129,6 +143,52 @@ def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset, 
     return filled, preset, layout["json_text"], layout["positions_name"]
 
 
+def parse_duration(value: Any, path: str) -> float:
+    """Seconds of a duration such as ``"7d"``, ``"12h"``, ``"90m"``, ``"30s"``
+    or ``"2w"`` (a plain number is seconds), more than 0 and at most
+    ``MAX_AGE``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(path, f"expected a duration like '7d' or '12h', got {kind_of(value)}")
+    if isinstance(value, int):
+        seconds = value
+    else:
+        match = DURATION.fullmatch(value.strip())
+        if match is None:
+            raise ConfigError(path, f"{value!r} is not a duration (a whole number and one of "
+                                    f"s, m, h, d, w: '7d', '12h')")
+        seconds = int(match.group(1)) * UNIT_SECONDS[match.group(2)]
+    if not 0 < seconds <= MAX_AGE:
+        raise ConfigError(path, f"must be more than 0 and at most {MAX_AGE // 86_400}d, "
+                                f"got {value!r}")
+    return float(seconds)
+
+
+def parse_retention(value: Any, key: str, timestamp_column: Optional[str],
+                    columns) -> RetentionConfig:
+    """A stream's ``retention``: ``max_age`` needs the stream's
+    ``timestamp_column`` (NOT NULL): a fact's age is read from it."""
+    section = as_mapping(value, key)
+    no_unknown(section, RETENTION_KEYS, key)
+    if "max_age" not in section and "max_facts" not in section:
+        raise ConfigError(key, "give max_age (e.g. '7d') and/or max_facts (e.g. 1000000)")
+    max_age = None
+    if "max_age" in section:
+        max_age = parse_duration(section["max_age"], f"{key}.max_age")
+        if timestamp_column is None:
+            raise ConfigError(f"{key}.max_age", "needs the stream's timestamp_column (a bigint "
+                                                "column of milliseconds since the epoch): a "
+                                                "fact's age is read from it")
+        if any(c.name == timestamp_column and c.nullable for c in columns):
+            raise ConfigError(f"{key}.max_age", f"needs a NOT NULL timestamp_column "
+                                                f"({timestamp_column!r} is nullable: a fact "
+                                                f"without a time has no age)")
+    max_facts = get_int(section, "max_facts", key, None, minimum=1, maximum=MAX_FACTS)
+    interval = get_number(section, "interval", key, 60.0, minimum=1, maximum=86_400)
+    batch = get_int(section, "batch", key, 1000, minimum=1, maximum=MAX_TRIM_BATCH)
+    return RetentionConfig(max_age=max_age, max_facts=max_facts, interval=interval,
+                           batch=batch)
+
+
 def parse_stream(value: Any, key: str) -> StreamConfig:
     section = as_mapping(value, key)
     no_unknown(section, STREAM_KEYS, key)
@@ -139,7 +199,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     name = get_str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")
     table = get_str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
     sql_name(table, f"{key}.table")
-    if table.lower() in (POSITIONS_TABLE, SCHEMA_TABLE):
+    if table.lower() in (POSITIONS_TABLE, SCHEMA_TABLE, RETENTION_TABLE):
         raise ConfigError(f"{key}.table", f"{table!r} is the replicator's own table")
     id_column = get_str(section, "id_column", key, "stream_id", IDENTIFIER, "an SQL identifier")
     sql_name(id_column, f"{key}.id_column")
@@ -188,12 +248,19 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         if match[0].type != "bigint":
             raise ConfigError(f"{key}.timestamp_column",
                               "must name a bigint column (milliseconds since the epoch)")
+    retention = None
+    if section.get("retention") is not None:
+        if preset is not None:
+            raise ConfigError(f"{key}.retention", f"{preset!r} is Synapse's table: Synapse "
+                                                  f"decides what it keeps")
+        retention = parse_retention(section["retention"], f"{key}.retention",
+                                    timestamp_column, columns)
     return StreamConfig(
         name=name, table=table, id_column=id_column, writer_column=writer_column,
         columns=columns, sequence=sequence, writers=tuple(writers),
         timestamp_column=timestamp_column,
         create=False if preset is not None else get_bool(section, "create", key, True),
-        preset=preset, positions_name=positions_name,
+        preset=preset, positions_name=positions_name, retention=retention,
     )
 
 

@@ -15,7 +15,7 @@ config is in both files goes on, one only in the running config stops, one
 only in the file starts).  Everything else that differs needs a restart and
 keeps its running value: the database, names, endpoints, the other
 ``replication`` and ``http`` keys, ``synapse``, a stream removed, and a stream whose
-columns, table or own writer changed (or which this instance writes alone:
+columns, table, retention or own writer changed (or which this instance writes alone:
 its ID generator has no room for another writer).
 """
 

@@ -40,6 +40,7 @@ from ..replication.transport.tcp import (
 from ..storage import migrations
 from ..storage.database import Database
 from ..streams.registry import StreamRegistry
+from ..streams.retention import RetentionService, trimmers_for
 from . import sdnotify
 from .listening import ListeningService
 from .startup import StartupError, fd_budget_problem, hide_password, os_reason
@@ -224,12 +225,15 @@ class Instance:
                 initial_delay=rep.reconnect_initial_delay, max_delay=rep.reconnect_max_delay,
                 synapse_server_name=config.synapse.server_name if config.synapse else None)
             self.redis.setServiceParent(self.services)
+        trimmers = trimmers_for(config.instance_name, self.registry, self.db, self.reactor)
+        if trimmers:
+            RetentionService(trimmers, self.reactor).setServiceParent(self.services)
         self.writers = writer_watch(config, self.registry, self.handler, self.reactor)
         self.health = HealthMonitor(
             registry=self.registry, handler=self.handler, db=self.db, clock=self.reactor,
             lag_grace=config.health.lag_grace, check_interval=config.health.check_interval,
             expect_upstream=self.is_worker, conditions=[self._synapse_seen],
-            writers=self.writers)
+            writers=self.writers, gaps=self.handler.gaps)
         self.health.setServiceParent(self.services)
         if config.http.listen:
             from ..http import HttpApi

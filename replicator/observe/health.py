@@ -7,7 +7,8 @@ is not.  Its problems, in the order they are reported:
 0. a *standing condition* (``conditions``): e.g. a Synapse seen on this
    instance's Redis channel, which stops it publishing there
    (:mod:`replicator.replication.transport.synapse_watch`); reported at once and
-   until a restart.
+   until a restart.  Likewise a stream stopped because retention trimmed
+   facts a reader needs (``gaps``, :mod:`replicator.replication.core.gaps`).
 1. *not connected* (a worker): a replication link is down.
 2. *committed, not received* (any instance that reads): readers share the
    writers' database, so every ``check_interval`` seconds one indexed query
@@ -66,7 +67,7 @@ MAX_OBSERVATIONS = 64
 
 class Finding(NamedTuple):
     """One thing found wrong.  ``kind`` says which check (``link``,
-    ``condition``, ``unloaded``, ``unreceived``, ``lagging``, ``work``,
+    ``condition``, ``trimmed``, ``unloaded``, ``unreceived``, ``lagging``, ``work``,
     ``never_announced``, ``writer_down``, ``linear_held``); ``stream`` and
     ``writer`` what it is about (None: every stream of that writer, or the
     whole instance); ``text`` the banner's line; ``verdict`` the row's;
@@ -133,7 +134,8 @@ class HealthMonitor(TimerService):
 
     def __init__(self, *, registry, handler, db, clock, lag_grace: float = 10.0,
                  check_interval: float = 5.0, expect_upstream: bool = False,
-                 conditions: Sequence[Callable[[], Optional[str]]] = (), writers=None):
+                 conditions: Sequence[Callable[[], Optional[str]]] = (), writers=None,
+                 gaps=None):
         self.registry = registry
         #: Each returns a problem that holds until a restart, or None.
         self.conditions = list(conditions)
@@ -144,6 +146,7 @@ class HealthMonitor(TimerService):
         self.check_interval = check_interval
         self.expect_upstream = expect_upstream
         self.writers = writers  # a WriterWatch, or None
+        self.gaps = gaps  # a replication.core.gaps.TrimGaps, or None
         self._behind_since: Dict[Any, float] = {}
         self._unreceived: Dict[Key, _Unreceived] = {}
         self._started_at = clock.seconds()
@@ -316,6 +319,8 @@ class HealthMonitor(TimerService):
             text = condition()
             if text is not None:
                 out.append(Finding("condition", None, None, text, ""))
+        if self.gaps is not None:
+            out += self.gaps.findings()
         if self.expect_upstream and not connected:
             out.append(Finding("link", None, None, f"replication not connected: {detail}", ""))
         out += self._unreceived_findings()

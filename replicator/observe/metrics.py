@@ -56,6 +56,23 @@ WRITE_GROUP_SIZE = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
 )
 
+# ------------------------------------------------------------ retention
+RETENTION_TRIMMED = Counter(
+    "replicator_retention_trimmed_facts_total",
+    "Facts deleted from a stream's table by its retention (on the instance that trims)",
+    ["stream"],
+)
+RETENTION_BOUNDARY = Gauge(
+    "replicator_retention_trimmed_through",
+    "A stream's trim boundary: every fact at or below this ID was trimmed (on the instance "
+    "that trims)", ["stream"],
+)
+RETENTION_GAP = Gauge(
+    "replicator_retention_gap",
+    "1 while this instance's reader of a (stream, writer) is stopped because facts it needs "
+    "were trimmed by retention (until an operator rewinds and restarts)", ["stream", "writer"],
+)
+
 # ---------------------------------------------------------- replication
 # "name" labels are bounded: a peer's NAME only if the configuration knows
 # it (replication.peers.metrics_label), else "other".

@@ -78,9 +78,15 @@ def _create_schema_table(txn, postgres: bool) -> None:
     txn.execute(SCHEMA_DDL)
 
 
+def _create_retention_table(txn, postgres: bool) -> None:
+    txn.execute(schema.RETENTION_DDL)
+
+
 STEPS: Tuple[Step, ...] = (
     Step(1, "create stream_positions", _create_positions),
     Step(2, f"record the schema version in {SCHEMA_TABLE}", _create_schema_table),
+    Step(3, "create stream_retention (the trim boundaries of retention)",
+         _create_retention_table),
 )
 
 

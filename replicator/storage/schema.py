@@ -21,6 +21,18 @@ CREATE TABLE IF NOT EXISTS stream_positions (
 )
 """
 
+#: Per stream, the trim boundary of retention: every fact with an ID at or
+#: below ``trimmed_through`` was deleted (or never existed); no fact above it
+#: is ever trimmed.  Readers compare it with the position they read from.
+#: (A table of its own, created like ``stream_positions``: it must become a
+#: step of the schema migrations.)
+RETENTION_DDL = """
+CREATE TABLE IF NOT EXISTS stream_retention (
+    stream_name TEXT NOT NULL PRIMARY KEY,
+    trimmed_through BIGINT NOT NULL
+)
+"""
+
 PG_TYPES = {"text": "TEXT", "bigint": "BIGINT", "boolean": "BOOLEAN", "json": "JSONB"}
 SQLITE_TYPES = {"text": "TEXT", "bigint": "INTEGER", "boolean": "INTEGER", "json": "TEXT"}
 
@@ -98,6 +110,7 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
     if any(s.name in written for s in streams):
         if not dry_run:
             txn.execute(POSITIONS_DDL)
+            txn.execute(RETENTION_DDL)
         has_positions = True
     else:
         has_positions = table_columns(txn, "stream_positions", postgres) is not None
@@ -125,6 +138,24 @@ def persisted_positions(txn, stream_name: str, sql) -> Dict[str, int]:
         (stream_name,),
     )
     return {name: int(pos) for name, pos in txn.fetchall()}
+
+
+def retention_table_exists(txn, postgres: bool) -> bool:
+    """Whether ``stream_retention`` exists (an instance that writes no
+    stream creates no table, and may start before the one that does)."""
+    if postgres:
+        txn.execute("SELECT to_regclass('stream_retention')")
+        return txn.fetchone()[0] is not None
+    txn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'stream_retention'")
+    return txn.fetchone() is not None
+
+
+def trimmed_through(txn, stream_name: str, sql) -> int:
+    """The stream's trim boundary (0: nothing trimmed); the table exists."""
+    txn.execute(sql("SELECT trimmed_through FROM stream_retention WHERE stream_name = %s"),
+                (stream_name,))
+    row = txn.fetchone()
+    return int(row[0]) if row is not None else 0
 
 
 def table_max_per_writer(txn, stream: StreamConfig) -> Dict[str, int]:

@@ -15,11 +15,12 @@ server spends about three times longer per page than the plain SELECT, and
 the catch-up got slower.)
 """
 
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 from ..config import StreamConfig
 from ..storage.database import Cursor, Database
 from .rows import reader
+from .trimmed import TrimCheck
 
 Update = Tuple[int, List[Any]]
 Fact = Tuple[int, List[List[Any]]]
@@ -42,10 +43,17 @@ def group(updates: Iterable[Update]) -> List[Fact]:
 
 
 class PageQuery:
-    """The page SELECTs of one stream's table (run in a pool thread)."""
+    """The page SELECTs of one stream's table (run in a pool thread).
+
+    Every page is checked against the stream's trim boundary after its
+    SELECT (:mod:`.trimmed`): a page that may lack facts retention deleted
+    raises :class:`.trimmed.FactsTrimmed` instead (Synapse's tables, which
+    the replicator never trims, are not checked)."""
 
     def __init__(self, config: StreamConfig, db: Database) -> None:
         c = config
+        self._trim: Optional[TrimCheck] = (
+            None if c.preset is not None else TrimCheck(c.name, db.is_postgres, db.sql))
         self._by_writer = c.writer_column is not None
         self._shape = reader(c.columns, db.is_postgres)
         order = "ctid" if db.is_postgres else "rowid"
@@ -109,7 +117,9 @@ class PageQuery:
                 rows = kept
             else:
                 rows = rows[:limit]
-            upto = rows[-1][0]
+            upto = rows[-1][0] if rows else last  # none: trimmed meanwhile (checked below)
         else:
             upto = to_token
+        if self._trim is not None:  # after every SELECT of the page
+            self._trim.check(txn, writer, from_token)
         return rows, upto, limited

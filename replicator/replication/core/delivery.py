@@ -30,6 +30,7 @@ from ...background import Background
 from ...consumers import Consumer
 from ...consumers.base import IBatchConsumer
 from ...streams.stream import Stream
+from ...streams.trimmed import FactsTrimmed
 from .reader import Reader, maybe_await
 
 Fact = Tuple[int, List[List[Any]]]
@@ -45,7 +46,8 @@ def consumers_for(consumers: Sequence[Consumer], stream_name: str) -> List[Consu
 
 def make_reader(stream: Stream, writer: str, position: Optional[int],
                 consumers: Sequence[Consumer], *, clock: IReactorTime, fetch_limit: int,
-                retry_delay: float, background: Background) -> Reader:
+                retry_delay: float, background: Background,
+                on_gap: Optional[Callable[[FactsTrimmed], None]] = None) -> Reader:
     """The reader of ``writer``'s facts on ``stream`` from ``position``,
     handing them to those of ``consumers`` that take the stream, and moving
     the stream's ID generator along for a writer that is not local."""
@@ -57,7 +59,8 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
 
     return Reader(stream.name, writer, position, source=stream.facts_since, deliver=deliver,
                   deliver_many=deliver_many, reached=reached, advanced=advanced, clock=clock,
-                  fetch_limit=fetch_limit, retry_delay=retry_delay, background=background)
+                  fetch_limit=fetch_limit, retry_delay=retry_delay, background=background,
+                  on_gap=on_gap)
 
 
 def delivery_for(name: str, writer: str, consumers: Sequence[Consumer],

@@ -36,6 +36,7 @@ from ...net.backoff import Outage
 from ...observe import metrics
 from ...streams.pages import group
 from ...streams.stream import Stream
+from ...streams.trimmed import FactsTrimmed
 from ..wire.encoding import EncodedLines, encode_position_line, encode_rdata_lines, joined
 from ..wire.parsing import MAX_DECODED_PER_BYTE, decoded_size
 from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
@@ -109,8 +110,12 @@ class Fanout:
                 if target <= announced:
                     return
                 started = time.monotonic()
-                updates, upto, _ = await stream.updates_since(
-                    writer, announced, target, self.fetch_limit)
+                try:
+                    updates, upto, _ = await stream.updates_since(
+                        writer, announced, target, self.fetch_limit)
+                except FactsTrimmed as e:
+                    self._trimmed(stream, writer, key, e)
+                    continue
                 self._outage(key).succeeded()
                 self.send_updates(stream.name, writer, announced, updates, upto)
                 stream.forget(writer, upto)
@@ -121,6 +126,19 @@ class Fanout:
                 self._retries[key] = self._clock.callLater(delay, self._retry, stream, writer)
         finally:
             self._running.discard(key)
+
+    def _trimmed(self, stream: Stream, writer: str, key: Key, gap: FactsTrimmed) -> None:
+        """Facts not yet announced were trimmed by retention (a fan-out that
+        fell that far behind): ``POSITION b b`` for the boundary ``b``, so a
+        reader below it reads the table, meets the trim and stops, instead
+        of taking later facts as the next ones; then on from ``b``."""
+        log.warn("Fan-out of {stream}/{writer} was at {since}, below the retention boundary "
+                 "{boundary}: announced by POSITION, readers below it stop",
+                 stream=stream.name, writer=writer, since=gap.since, boundary=gap.boundary)
+        self._broadcast([encode_position_line(stream.name, writer, gap.boundary, gap.boundary)],
+                        "POSITION")
+        self.announced[key] = gap.boundary
+        stream.forget(writer, gap.boundary)
 
     def _outage(self, key: Key) -> Outage:
         outage = self._outages.get(key)

@@ -51,6 +51,7 @@ from ...consumers import Consumer
 from ...observe import metrics
 from ...streams.registry import StreamRegistry
 from ...streams.stream import Stream
+from ...streams.trimmed import FactsTrimmed
 from ..interfaces import IPeerConnection, IReplicationConnection, IReplicationHandler
 from ..transport.link import INVALID_COMMAND, REFUSED
 from ..transport.peers import metrics_label
@@ -70,8 +71,9 @@ from ..wire.encoding import MAX_LINE_LENGTH, encode_position_line
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
 from .bookkeeping import Bookkeeping
 from .connections import Connections
-from .delivery import make_reader, rewire
+from .delivery import consumers_for, make_reader, rewire
 from .fanout import Fanout
+from .gaps import TrimGaps
 from .reader import Reader
 from .relay import Relay
 
@@ -138,6 +140,7 @@ class ReplicationHandler:
             clock, self.known_names, max_user_syncs=max_user_syncs, max_user_ips=max_user_ips,
             max_federation_acks=max_federation_acks, max_age=bookkeeping_max_age)
         self._readers: Dict[Key, Reader] = {}
+        self.gaps = TrimGaps()  # streams stopped: facts they need were trimmed
         self._heard: Dict[Key, float] = {}  # read key -> when its last POSITION/RDATA came
         self._started = False
         self._stopping = False
@@ -172,7 +175,9 @@ class ReplicationHandler:
         known = [p[key] for p in consumer_positions if key in p]
         position = min(known) if known else (
             stream.id_gen.get_current_token(writer) if reload else None)
-        self._readers[key] = self._make_reader(stream, writer, position)
+        reader = self._readers[key] = self._make_reader(stream, writer, position)
+        if self.gaps.stopped(stream.name):
+            reader.stop()  # a writer added at a reload to a stream stopped by a gap
 
     # -------------------------------------------------------------- reload
     def stream_added(self, stream: Stream) -> None:
@@ -248,7 +253,15 @@ class ReplicationHandler:
     def _make_reader(self, stream: Stream, writer: str, position: Optional[int]) -> Reader:
         return make_reader(stream, writer, position, self.consumers, clock=self._clock,
                            fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
-                           background=self.background)
+                           background=self.background, on_gap=self._trimmed)
+
+    def _trimmed(self, gap: FactsTrimmed) -> None:
+        """A reader needs facts retention trimmed: the whole stream stops
+        here (every reader of it), skipping nothing (:mod:`.gaps`)."""
+        self.gaps.report(gap, consumers_for(self.consumers, gap.stream))
+        for (stream, _), reader in self._readers.items():
+            if stream == gap.stream:
+                reader.stop()
 
     def _make_advance_listener(self, stream: Stream) -> Callable[[str, int, int], None]:
         def advanced(writer: str, old: int, new: int) -> None:

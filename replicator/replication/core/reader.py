@@ -34,7 +34,11 @@ Invariants:
   move the position back, so that the facts above it are caught up from
   ``source`` first (a consumer started at a reload); :meth:`Reader.resume`
   goes on.
-* A failure (of ``source`` or ``deliver``) stops the pipeline where it is;
+* Facts the catch-up needs that retention trimmed (``source`` raises
+  :class:`..streams.trimmed.FactsTrimmed`) stop the reader for good, where
+  it is: nothing later is handed on, nothing is skipped; ``gap`` says why
+  and ``on_gap`` is told once (until an operator rewinds and restarts).
+* Any other failure (of ``source`` or ``deliver``) stops the pipeline where it is;
   it resumes with the same command after a delay from the project's backoff
   policy (``retry_delay``, doubling up to 30 s); one log line when such an
   outage starts, one when it ends.
@@ -51,6 +55,7 @@ from twisted.logger import Logger
 from ...background import Background
 from ...net.backoff import Outage
 from ...observe import metrics
+from ...streams.trimmed import FactsTrimmed
 from ..interfaces import IReplicationConnection
 from ..wire.commands import rdata_row
 
@@ -98,8 +103,11 @@ class Reader:
         fetch_limit: int = 1000,
         retry_delay: float = 1.0,
         background: Optional[Background] = None,
+        on_gap: Optional[Callable[[FactsTrimmed], None]] = None,
     ) -> None:
         self.stream_name = stream_name
+        self.gap: Optional[FactsTrimmed] = None  # why it stopped for good, if it did
+        self._on_gap = on_gap
         self._background = background if background is not None else Background()
         self.writer = writer
         self.position = position
@@ -169,6 +177,8 @@ class Reader:
 
     # ------------------------------------------------------------ pipeline
     def _enqueue(self, item: Tuple[Any, ...]) -> None:
+        if self._stopping:
+            return  # stopped (a gap, a writer dropped, shutdown): nothing more runs
         self.queue.append(item)
         if not self.busy and not self._paused:
             self.busy = True
@@ -181,6 +191,9 @@ class Reader:
                 try:
                     await self._apply(item)
                 except Stopping:
+                    return
+                except FactsTrimmed as e:
+                    self._trimmed(e)
                     return
                 except Exception as e:
                     delay = self._outage.failed(e)
@@ -198,6 +211,14 @@ class Reader:
         waiting, self._idle = self._idle, []
         for d in waiting:
             d.callback(None)
+
+    def _trimmed(self, gap: FactsTrimmed) -> None:
+        """Facts needed were trimmed: stop here for good, skipping nothing."""
+        self.gap = gap
+        self.stop()
+        self.queue.clear()
+        if self._on_gap is not None:
+            self._on_gap(gap)
 
     def _resume(self) -> None:
         self._retry = None

@@ -1,0 +1,83 @@
+"""Streams this instance stopped reading because retention trimmed facts
+its readers (or consumers) still needed.
+
+A reader that would have to read facts below a stream's trim boundary
+(:mod:`replicator.streams.trimmed`) stops instead of skipping them; the
+handler then stops every reader of that stream (:meth:`TrimGaps.report`
+says which stream) and records the gap here.  A gap stays until a restart
+(after an operator chose what to do: ``replicator rewind``): it is one
+error line when found, a ``replicator_retention_gap`` gauge, and a health
+finding (kind ``trimmed``) that fails ``/health`` and shows on the status
+page, naming the consumers whose position is below the boundary.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from twisted.logger import Logger
+
+from ...consumers import Consumer
+from ...observe import metrics
+from ...observe.health import Finding
+from ...streams.trimmed import FactsTrimmed
+
+log = Logger(namespace="replicator.retention")
+
+Key = Tuple[str, str]
+
+
+def consumer_label(consumer: Consumer) -> str:
+    """How a gap names a consumer: its file if it has one, else its class."""
+    path = getattr(consumer, "path", None)
+    return f"consumer {path}" if isinstance(path, str) else f"consumer {type(consumer).__name__}"
+
+
+class TrimGaps:
+    """The gaps found on this instance, by (stream, writer): each the
+    :class:`FactsTrimmed` its reader met and the text health gives."""
+
+    def __init__(self) -> None:
+        self._gaps: Dict[Key, Tuple[FactsTrimmed, str]] = {}
+
+    def report(self, gap: FactsTrimmed, consumers: Sequence[Consumer]) -> str:
+        """Record ``gap`` (met by the reader of ``gap.writer``; ``consumers``
+        take the stream); its health line, logged once."""
+        key = (gap.stream, gap.writer)
+        if key in self._gaps:
+            return self._gaps[key][1]
+        behind = []
+        for consumer in consumers:
+            try:
+                position = consumer.positions().get(key)
+            except Exception:  # a broken consumer still gets its gap reported
+                position = None
+            if position is not None and position < gap.boundary:
+                behind.append((position, consumer_label(consumer)))
+        if behind:
+            since = min(p for p, _ in behind)
+            who = ", ".join(label for _, label in behind)
+            first = f"{who} {'needs' if len(behind) == 1 else 'need'} facts of writer " \
+                    f"{gap.writer} after {since}"
+        else:
+            since = gap.since
+            first = f"the reader of writer {gap.writer} needs facts after {since}"
+        text = (f"stream {gap.stream}: {first} but facts up to {gap.boundary} were trimmed "
+                f"by retention; the stream is stopped here: run `replicator rewind` to choose "
+                f"where its consumers go on, then restart")
+        self._gaps[key] = (gap, text)
+        metrics.RETENTION_GAP.labels(gap.stream, gap.writer).set(1)
+        log.error("{text}", text=text)
+        return text
+
+    def stopped(self, stream: str) -> bool:
+        """Whether a gap stopped ``stream`` here."""
+        return any(s == stream for s, _ in self._gaps)
+
+    def gap(self, stream: str, writer: str) -> Optional[FactsTrimmed]:
+        found = self._gaps.get((stream, writer))
+        return found[0] if found is not None else None
+
+    def findings(self) -> List[Finding]:
+        """One finding per gap, failing ``/health``, in (stream, writer) order."""
+        return [Finding("trimmed", key[0], key[1], text,
+                        f"stopped: facts up to {gap.boundary} trimmed, needed after {gap.since}")
+                for key, (gap, text) in sorted(self._gaps.items())]
