@@ -487,3 +487,57 @@ class OperationsPathTests(TestCase):
 
             text = until(consumed, f"{reader}'s consumer file has the others' facts")
             self.assertNotIn(f'"from-{reader}"', text)
+
+
+class RedisExamplesTests(TestCase):
+    """The Redis section's example files pass ``replicator check`` against a
+    real PostgreSQL (their DSNs and secret file pointed at the test's; the
+    Redis endpoints as written: check builds them, it does not dial)."""
+
+    timeout = 120
+
+    def check(self, step: str, tmp: str, dsns: dict) -> dict:
+        doc = yaml.safe_load(doc_block(step))
+        secret = os.path.join(tmp, "http-secret")
+        with open(secret, "w") as f:
+            f.write("s" * 32 + "\n")
+        os.chmod(secret, 0o600)
+        self.assertEqual(doc["http"]["secret_file"], "/etc/replicator/http-secret")
+        doc["http"]["secret_file"] = secret
+        if "database" in doc:
+            doc["database"]["postgres"] = dsns["replicator"]
+        if "synapse" in doc:
+            doc["synapse"]["database"] = dsns["synapse"]
+        path = os.path.join(tmp, f"{step}.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(doc, f)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        result = subprocess.run([sys.executable, "-m", "replicator.cli", "check", "-c", path],
+                                cwd=tmp, env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual((result.returncode, result.stderr), (0, ""), step)
+        self.assertIn("config ok", result.stdout)
+        return doc
+
+    def test_examples_pass_check(self):
+        from tests.test_synapse import SYNAPSE_CACHES_DDL
+
+        pg = PostgresServer.shared()
+        dsns = {"replicator": pg.create_database("redisdoc"),
+                "synapse": pg.create_database("synapsedoc")}
+        conn = psycopg2.connect(dsns["synapse"])
+        conn.autocommit = True
+        try:
+            for statement in SYNAPSE_CACHES_DDL:
+                conn.cursor().execute(statement)
+        finally:
+            conn.close()
+        tmp = tempfile.mkdtemp(prefix="replicator-redis-doc-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        peer = self.check("redis-peer", tmp, dsns)
+        self.assertEqual(set(peer["replication"]), {"redis"})
+        both = self.check("redis-and-listen", tmp, dsns)
+        self.assertEqual(set(both["replication"]), {"listen", "redis"})
+        beside = self.check("redis-synapse", tmp, dsns)
+        self.assertNotIn("replication", beside)
+        self.assertIn("redis", beside["synapse"])
