@@ -492,9 +492,19 @@ class OperationsPathTests(TestCase):
 class RedisExamplesTests(TestCase):
     """The Redis section's example files pass ``replicator check`` against a
     real PostgreSQL (their DSNs and secret file pointed at the test's; the
-    Redis endpoints as written: check builds them, it does not dial)."""
+    Redis endpoints as written: check builds them, it does not dial); and
+    "both at once" does what its table row says, on a real redis-server."""
 
-    timeout = 120
+    timeout = 180
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="replicator-redis-doc-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.procs = []
+        self.addCleanup(self.stop_all)
+
+    stop_all = OperationsPathTests.stop_all
+    start = OperationsPathTests.start
 
     def check(self, step: str, tmp: str, dsns: dict) -> dict:
         doc = yaml.safe_load(doc_block(step))
@@ -532,8 +542,7 @@ class RedisExamplesTests(TestCase):
                 conn.cursor().execute(statement)
         finally:
             conn.close()
-        tmp = tempfile.mkdtemp(prefix="replicator-redis-doc-")
-        self.addCleanup(shutil.rmtree, tmp, True)
+        tmp = self.tmp
         peer = self.check("redis-peer", tmp, dsns)
         self.assertEqual(set(peer["replication"]), {"redis"})
         both = self.check("redis-and-listen", tmp, dsns)
@@ -541,3 +550,72 @@ class RedisExamplesTests(TestCase):
         beside = self.check("redis-synapse", tmp, dsns)
         self.assertNotIn("replication", beside)
         self.assertIn("redis", beside["synapse"])
+
+    def test_both_at_once(self):
+        """The "both at once" example as the master, a TCP worker (worker1)
+        and a Redis peer (worker2, the "redis-peer" example): the TCP
+        worker's facts reach the Redis peer (the master publishes them
+        there), and the master's reach both."""
+        from tests.servers import RedisServer
+
+        redis = RedisServer.shared()
+        dsn = PostgresServer.shared().create_database("redisboth")
+        secret = "s" * 32
+        listen_port = free_port()
+
+        def from_example(step: str, name: str) -> dict:
+            doc = yaml.safe_load(doc_block(step))
+            doc["instance_name"] = name
+            doc["database"]["postgres"] = dsn
+            doc["http"] = {"listen": f"tcp:{free_port()}:interface=127.0.0.1",
+                           "secret": secret}
+            if "redis" in doc["replication"]:
+                doc["replication"]["redis"] = {"endpoint": redis.endpoint}
+            doc["consumers"] = [{"type": "jsonl", "path": f"facts-{name}.jsonl"}]
+            return doc
+
+        master = from_example("redis-and-listen", "master")
+        master["replication"]["listen"] = f"tcp:{listen_port}:interface=127.0.0.1"
+        worker1 = from_example("redis-and-listen", "worker1")
+        worker1["replication"] = {"upstream": f"tcp:host=127.0.0.1:port={listen_port}"}
+        worker2 = from_example("redis-peer", "worker2")
+        self.assertEqual(set(worker2["replication"]), {"redis"})
+        bases = {"master": self.start("master", master)}
+        until(lambda: http(bases["master"] + "/health")[0] == 200, "master healthy")
+        # The Redis peer before the TCP worker: a Redis peer hears a TCP
+        # worker's position only when that worker speaks (the page says so).
+        bases["worker2"] = self.start("worker2", worker2)
+        until(lambda: http(bases["worker2"] + "/health")[0] == 200, "worker2 healthy")
+        bases["worker1"] = self.start("worker1", worker1)
+        # Every reader in place before the writes (a new reader starts at
+        # the writers' positions: what was written before is history).
+        until(lambda: all(http(b + "/health")[0] == 200 for b in bases.values())
+              # the TCP worker and the Redis link
+              and http(bases["master"] + "/health")[1]["connections"] == 2, "all healthy")
+
+        def positioned():
+            # Every reader has heard every other writer's position (on
+            # Redis a newcomer's REPLICATE is answered a moment later).
+            for reader, base in bases.items():
+                _, positions = http(f"{base}/_replicator/v1/positions", secret)
+                writers = positions["streams"]["caches"]["writers"]
+                if any(writers[w].get("reader_position") is None for w in bases if w != reader):
+                    return False
+            return True
+
+        until(positioned, "every reader positioned")
+        tokens = {}
+        for name in ("master", "worker1"):
+            code, answer = http(f"{bases[name]}/_replicator/v1/streams/caches/facts", secret,
+                                {"rows": [[f"from-{name}", None, 1]]})
+            self.assertEqual(code, 200, answer)
+            tokens[name] = answer["stream_id"]
+        for reader, writer in (("worker2", "worker1"), ("worker2", "master"),
+                               ("worker1", "master"), ("master", "worker1")):
+            path = os.path.join(self.tmp, "var", reader, f"facts-{reader}.jsonl")
+
+            def consumed():
+                with open(path) as f:
+                    return f'"from-{writer}"' in f.read()
+
+            until(consumed, f"{writer}'s fact in {reader}'s consumer file")
