@@ -43,8 +43,8 @@ STREAMS = [
 
 METRICS = ("facts", "rows", "multi_row_facts", "max_fact_rows", "size_1", "size_2",
            "size_3_4", "size_5_8", "size_9_16", "size_17_up", "rollbacks", "first_token",
-           "last_token", "facts_per_s", "rows_per_s", "delay_ms_p50", "delay_ms_p95",
-           "delay_ms_p99", "date")
+           "last_token", "facts_per_s", "rows_per_s", "gap_ms_p50", "gap_ms_p95",
+           "gap_ms_p99", "date")
 
 _spark = None
 
@@ -764,3 +764,22 @@ class StateTests(TestCase):
                          sorted(["current", "gen-00000002", "gen-00000003",
                                  os.path.basename(staging.path)]))
         store.abort(staging)
+
+    def test_an_export_of_the_old_column_names_is_refused(self):
+        """An export made before ``delay_ms_*`` became ``gap_ms_*`` (state
+        version 1): an incremental run would add partitions of the new
+        columns beside the old ones, so the store refuses it with one line
+        that says what to do."""
+        from replicator.export.state import StateError
+
+        out = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, out, True)
+        os.makedirs(os.path.join(out, "gen-00000001"))
+        with open(os.path.join(out, "gen-00000001", "state.json"), "w") as f:
+            f.write('{"version": 1, "generation": 1, "streams": {}}\n')
+        os.symlink("gen-00000001", os.path.join(out, "current"))
+        with self.assertRaises(StateError) as caught:
+            OutputStore(out).load_state()
+        self.assertIn("gap_ms_", str(caught.exception))
+        self.assertIn("export again", str(caught.exception))
+        self.assertNotIn("\n", str(caught.exception))

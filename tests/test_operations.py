@@ -1,6 +1,14 @@
 """docs/operations.md, followed step by step on a real PostgreSQL.
 
-The test reads the page and runs what it says: the SQL block (role and
+:class:`StepOrderTests` reads the page's command blocks in order, as a root
+shell on a fresh Debian 12 would meet them: no ``sudo``; the ``replicator``
+user and group made (``user`` step) before any ``chown``/``install -o/-g``
+to them; ``/opt/replicator`` made before it is run; the packages installed
+before ``openssl``/``curl``; the units installed before ``systemctl
+enable``; every file the steps take from the repository exists.  It runs
+the ``user`` step against a scratch root (``systemd-sysusers --root``).
+
+The other tests run what it says: the SQL block (role and
 database), the ``pg_hba.conf`` line (with the test's loopback address), the
 secret commands (``/etc/replicator`` moved to a temp dir; ``chown`` dropped
 when there is no ``replicator`` user), the openssl commands (certificates
@@ -15,9 +23,9 @@ every other instance (positions API, and the workers' consumer files).
 """
 
 import copy
+import grp
 import json
 import os
-import pwd
 import re
 import shutil
 import subprocess
@@ -46,6 +54,92 @@ def doc_block(step: str) -> str:
     match = re.search(r"<!-- step: %s -->\n```[a-z]*\n(.*?)```" % re.escape(step), text, re.S)
     assert match, f"docs/operations.md has no step {step!r}"
     return match.group(1)
+
+
+#: Where the page's commands take the repository from.
+SOURCE = "/usr/local/src/replicator"
+
+
+def shell_blocks():
+    """[(step name or None, text)] of every ``sh`` block of the page, in order."""
+    with open(DOC) as f:
+        text = f.read()
+    return [(m.group(1), m.group(2)) for m in re.finditer(
+        r"(?:<!-- step: ([a-z0-9-]+) -->\n)?```sh\n(.*?)```", text, re.S)]
+
+
+def has_replicator_group() -> bool:
+    try:
+        grp.getgrnam("replicator")
+    except KeyError:
+        return False
+    return True
+
+
+def localized(script: str, etc: str) -> str:
+    """A step as this test runs it: the repository is this checkout,
+    ``/etc/replicator`` is ``etc``; without a ``replicator`` group (no
+    ``user`` step on this machine) ownership by it is dropped: ``chown``
+    lines and ``-g replicator``."""
+    script = script.replace(SOURCE, ROOT).replace("/etc/replicator", etc)
+    if not has_replicator_group():
+        lines = [l for l in script.splitlines() if not l.startswith("chown ")]
+        script = "\n".join(lines).replace(" -g replicator", "") + "\n"
+    return script
+
+
+class StepOrderTests(TestCase):
+    """The page's commands in the order a root shell meets them."""
+
+    def test_every_step_works_after_the_ones_above(self):
+        blocks = shell_blocks()
+        names = [name for name, _ in blocks]
+        first = {}
+        for i, (name, text) in enumerate(blocks):
+            for what, pattern in (
+                    ("user", r"systemd-sysusers|useradd|adduser"),
+                    ("venv", r"python3 -m venv /opt/replicator|install-venv\.sh .*/opt/replicator"),
+                    ("packages", r"apt-get install"),
+                    ("units", r"install .*\.service|/etc/systemd/system/\s*$|--units /etc/systemd/system")):
+                if re.search(pattern, text, re.M) and what not in first:
+                    first[what] = i
+        self.assertIn("user", first, "no step makes the replicator user")
+        for i, (name, text) in enumerate(blocks):
+            where = f"block {i} (step {name})"
+            self.assertNotRegex(text, r"\bsudo\b", f"{where}: no sudo on a fresh Debian")
+            if re.search(r"chown [^\n]*replicator|-[og] replicator\b", text):
+                self.assertGreaterEqual(i, first["user"],
+                                        f"{where} gives files to replicator before the "
+                                        f"user exists (step {names[first['user']]})")
+            if "/opt/replicator/bin/" in text:
+                self.assertGreaterEqual(i, first.get("venv", len(blocks)),
+                                        f"{where} runs /opt/replicator before it is made")
+            if re.search(r"\b(openssl|curl|python3)\b", text):
+                self.assertGreater(i, first.get("packages", len(blocks)) - 1,
+                                   f"{where} needs a package not installed yet")
+            if "systemctl enable" in text:
+                self.assertGreater(i, first.get("units", len(blocks)),
+                                   f"{where} enables units not installed yet")
+        for name, text in blocks:
+            for path in re.findall(re.escape(SOURCE) + r"(/[^\s\\']*)", text):
+                self.assertTrue(os.path.exists(ROOT + path), f"step {name}: {SOURCE}{path}")
+
+    def test_user_step_makes_the_user_and_group(self):
+        sysusers = shutil.which("systemd-sysusers")
+        if sysusers is None:
+            unavailable("systemd-sysusers not found (install systemd)")
+        root = tempfile.mkdtemp(prefix="replicator-ops-root-")
+        self.addCleanup(shutil.rmtree, root, True)
+        os.makedirs(os.path.join(root, "etc", "sysusers.d"))
+        script = doc_block("user").replace(SOURCE, ROOT).replace(
+            "/etc/sysusers.d", os.path.join(root, "etc", "sysusers.d"))
+        script = script.replace("systemd-sysusers", f"{sysusers} --root={root}")
+        script = re.sub(r"(?m)^id replicator$",
+                        f"grep -q '^replicator:' {root}/etc/passwd", script)
+        subprocess.run(["bash", "-euo", "pipefail", "-c", script], check=True,
+                       capture_output=True)
+        with open(os.path.join(root, "etc", "group")) as f:
+            self.assertRegex(f.read(), r"(?m)^replicator:")
 
 
 def flatten(doc, prefix="") -> dict:
@@ -159,13 +253,8 @@ class OperationsPathTests(TestCase):
 
     def make_secret(self) -> str:
         etc = os.path.join(self.tmp, "etc", "replicator")
-        script = doc_block("secret").replace("/etc/replicator", etc)
-        try:
-            pwd.getpwnam("replicator")
-        except KeyError:
-            kept = [l for l in script.splitlines() if not l.startswith("chown ")]
-            self.assertEqual(len(kept), len(script.splitlines()) - 1)
-            script = "\n".join(kept) + "\n"
+        script = localized(doc_block("secret"), etc)
+        self.assertEqual(has_replicator_group(), "chown " in script)
         os.makedirs(os.path.dirname(etc), exist_ok=True)
         subprocess.run(["bash", "-euo", "pipefail", "-c", script], check=True)
         path = os.path.join(etc, "http-secret")
@@ -175,11 +264,29 @@ class OperationsPathTests(TestCase):
         self.assertGreaterEqual(len(secret), 16)
         return path
 
+    def install_configs(self, etc: str) -> dict:
+        """The page's config-master and config-worker steps, run: the
+        installed files, by name (mode 0640)."""
+        for step in ("config-master", "config-worker"):
+            subprocess.run(["bash", "-euo", "pipefail", "-c", localized(doc_block(step), etc)],
+                           check=True)
+        installed = {}
+        for name in ("master", "worker1", "worker2"):
+            path = os.path.join(etc, f"{name}.yaml")
+            self.assertEqual(os.stat(path).st_mode & 0o777, 0o640, path)
+            with open(path) as f:
+                installed[name] = yaml.safe_load(f)
+        return installed
+
     def configs(self, dsn: str, secret_file: str) -> dict:
+        installed = self.install_configs(os.path.dirname(secret_file))
         with open(os.path.join(ROOT, "conf", "master.yaml")) as f:
             master_example = yaml.safe_load(f)
         with open(os.path.join(ROOT, "conf", "worker.yaml")) as f:
             worker_example = yaml.safe_load(f)
+        # Installed as the examples are.
+        self.assertEqual(installed, {"master": master_example, "worker1": worker_example,
+                                     "worker2": worker_example})
         ports = {port: free_port() for port in range(9092, 9099)}
 
         def port(text: str) -> str:
@@ -262,14 +369,25 @@ class OperationsPathTests(TestCase):
                                   capture_output=True, text=True, check=True).stdout
             self.assertRegex(text, rf"subject=\s*CN\s*=\s*{name}\n")
             self.assertIn(f"DNS:{name}", text)
-        # Installed as the page says.
+        # Installed as the page says: the master's files from the directory
+        # the commands made, worker1's from a copy of its three files.
         secret_file = self.make_secret()
         etc = os.path.dirname(secret_file)
         tls = os.path.join(etc, "tls")
-        os.makedirs(os.path.join(tls, "ca"))
-        for name in ("ca.crt", "master.crt", "master.key", "worker1.crt", "worker1.key"):
-            shutil.copy(os.path.join(made, name), tls)
-        shutil.copy(os.path.join(made, "ca.crt"), os.path.join(tls, "ca", "ca.pem"))
+        subprocess.run(["bash", "-euo", "pipefail", "-c",
+                        localized(doc_block("tls-install-master"), etc)], cwd=made, check=True)
+        copied = os.path.join(self.tmp, "copied-to-worker1")
+        os.makedirs(copied)
+        for name in ("worker1.crt", "worker1.key", "ca.crt"):
+            shutil.copy(os.path.join(made, name), copied)
+        subprocess.run(["bash", "-euo", "pipefail", "-c",
+                        localized(doc_block("tls-install-worker"), etc)], cwd=copied, check=True)
+        self.assertEqual(sorted(os.listdir(tls)),
+                         ["ca", "ca.crt", "master.crt", "master.key", "worker1.crt",
+                          "worker1.key"])
+        self.assertEqual(os.listdir(os.path.join(tls, "ca")), ["ca.pem"])
+        for key in ("master.key", "worker1.key"):
+            self.assertEqual(os.stat(os.path.join(tls, key)).st_mode & 0o777, 0o640)
         ports = {port: free_port() for port in range(9092, 9097)}
 
         def edit(text: str) -> str:
@@ -369,3 +487,135 @@ class OperationsPathTests(TestCase):
 
             text = until(consumed, f"{reader}'s consumer file has the others' facts")
             self.assertNotIn(f'"from-{reader}"', text)
+
+
+class RedisExamplesTests(TestCase):
+    """The Redis section's example files pass ``replicator check`` against a
+    real PostgreSQL (their DSNs and secret file pointed at the test's; the
+    Redis endpoints as written: check builds them, it does not dial); and
+    "both at once" does what its table row says, on a real redis-server."""
+
+    timeout = 180
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="replicator-redis-doc-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.procs = []
+        self.addCleanup(self.stop_all)
+
+    stop_all = OperationsPathTests.stop_all
+    start = OperationsPathTests.start
+
+    def check(self, step: str, tmp: str, dsns: dict) -> dict:
+        doc = yaml.safe_load(doc_block(step))
+        secret = os.path.join(tmp, "http-secret")
+        with open(secret, "w") as f:
+            f.write("s" * 32 + "\n")
+        os.chmod(secret, 0o600)
+        self.assertEqual(doc["http"]["secret_file"], "/etc/replicator/http-secret")
+        doc["http"]["secret_file"] = secret
+        if "database" in doc:
+            doc["database"]["postgres"] = dsns["replicator"]
+        if "synapse" in doc:
+            doc["synapse"]["database"] = dsns["synapse"]
+        path = os.path.join(tmp, f"{step}.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(doc, f)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        result = subprocess.run([sys.executable, "-m", "replicator.cli", "check", "-c", path],
+                                cwd=tmp, env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual((result.returncode, result.stderr), (0, ""), step)
+        self.assertIn("config ok", result.stdout)
+        return doc
+
+    def test_examples_pass_check(self):
+        from tests.test_synapse import SYNAPSE_CACHES_DDL
+
+        pg = PostgresServer.shared()
+        dsns = {"replicator": pg.create_database("redisdoc"),
+                "synapse": pg.create_database("synapsedoc")}
+        conn = psycopg2.connect(dsns["synapse"])
+        conn.autocommit = True
+        try:
+            for statement in SYNAPSE_CACHES_DDL:
+                conn.cursor().execute(statement)
+        finally:
+            conn.close()
+        tmp = self.tmp
+        peer = self.check("redis-peer", tmp, dsns)
+        self.assertEqual(set(peer["replication"]), {"redis"})
+        both = self.check("redis-and-listen", tmp, dsns)
+        self.assertEqual(set(both["replication"]), {"listen", "redis"})
+        beside = self.check("redis-synapse", tmp, dsns)
+        self.assertNotIn("replication", beside)
+        self.assertIn("redis", beside["synapse"])
+
+    def test_both_at_once(self):
+        """The "both at once" example as the master, a TCP worker (worker1)
+        and a Redis peer (worker2, the "redis-peer" example): the TCP
+        worker's facts reach the Redis peer (the master publishes them
+        there), and the master's reach both."""
+        from tests.servers import RedisServer
+
+        redis = RedisServer.shared()
+        dsn = PostgresServer.shared().create_database("redisboth")
+        secret = "s" * 32
+        listen_port = free_port()
+
+        def from_example(step: str, name: str) -> dict:
+            doc = yaml.safe_load(doc_block(step))
+            doc["instance_name"] = name
+            doc["database"]["postgres"] = dsn
+            doc["http"] = {"listen": f"tcp:{free_port()}:interface=127.0.0.1",
+                           "secret": secret}
+            if "redis" in doc["replication"]:
+                doc["replication"]["redis"] = {"endpoint": redis.endpoint}
+            doc["consumers"] = [{"type": "jsonl", "path": f"facts-{name}.jsonl"}]
+            return doc
+
+        master = from_example("redis-and-listen", "master")
+        master["replication"]["listen"] = f"tcp:{listen_port}:interface=127.0.0.1"
+        worker1 = from_example("redis-and-listen", "worker1")
+        worker1["replication"] = {"upstream": f"tcp:host=127.0.0.1:port={listen_port}"}
+        worker2 = from_example("redis-peer", "worker2")
+        self.assertEqual(set(worker2["replication"]), {"redis"})
+        bases = {"master": self.start("master", master)}
+        until(lambda: http(bases["master"] + "/health")[0] == 200, "master healthy")
+        # The Redis peer before the TCP worker: a Redis peer hears a TCP
+        # worker's position only when that worker speaks (the page says so).
+        bases["worker2"] = self.start("worker2", worker2)
+        until(lambda: http(bases["worker2"] + "/health")[0] == 200, "worker2 healthy")
+        bases["worker1"] = self.start("worker1", worker1)
+        # Every reader in place before the writes (a new reader starts at
+        # the writers' positions: what was written before is history).
+        until(lambda: all(http(b + "/health")[0] == 200 for b in bases.values())
+              # the TCP worker and the Redis link
+              and http(bases["master"] + "/health")[1]["connections"] == 2, "all healthy")
+
+        def positioned():
+            # Every reader has heard every other writer's position (on
+            # Redis a newcomer's REPLICATE is answered a moment later).
+            for reader, base in bases.items():
+                _, positions = http(f"{base}/_replicator/v1/positions", secret)
+                writers = positions["streams"]["caches"]["writers"]
+                if any(writers[w].get("reader_position") is None for w in bases if w != reader):
+                    return False
+            return True
+
+        until(positioned, "every reader positioned")
+        tokens = {}
+        for name in ("master", "worker1"):
+            code, answer = http(f"{bases[name]}/_replicator/v1/streams/caches/facts", secret,
+                                {"rows": [[f"from-{name}", None, 1]]})
+            self.assertEqual(code, 200, answer)
+            tokens[name] = answer["stream_id"]
+        for reader, writer in (("worker2", "worker1"), ("worker2", "master"),
+                               ("worker1", "master"), ("master", "worker1")):
+            path = os.path.join(self.tmp, "var", reader, f"facts-{reader}.jsonl")
+
+            def consumed():
+                with open(path) as f:
+                    return f'"from-{writer}"' in f.read()
+
+            until(consumed, f"{writer}'s fact in {reader}'s consumer file")

@@ -18,7 +18,7 @@ neither shuffles nor sorts the facts:
    the rows below them were read only to find previous IDs); persisted;
 4. one small job over them per (chunk, writer, date): the row time of each
    group's last fact (a later chunk's first fact of that writer and date
-   takes it as its previous row time: delays are the row time minus the
+   takes it as its previous row time: gaps are the row time minus the
    previous one) and the driver-side summary (dates; new dates for the
    state; totals);
 5. group by (date, writer, bucket) for each granularity; on a multi-writer
@@ -110,7 +110,7 @@ def _chunk_prev_expr(F, inp: AggregateInput):
 
 def build_facts(spark, facts, inp: AggregateInput):
     """The facts with date and rollbacks, from ``from_date`` on (persisted;
-    the delays need :func:`day_starts` first)."""
+    the gaps need :func:`day_starts` first)."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
@@ -144,8 +144,8 @@ def day_starts(groups):
     return out
 
 
-def with_delays(spark, facts, starts):
-    """``facts`` with ``delay``: the row time minus the previous row time of
+def with_gaps(spark, facts, starts):
+    """``facts`` with ``gap``: the row time minus the previous row time of
     the same writer and date in ID order (the database's lag within a chunk,
     ``starts`` (:func:`day_starts`) for a chunk's first fact of a day)."""
     from pyspark.sql import functions as F
@@ -154,10 +154,10 @@ def with_delays(spark, facts, starts):
     rows = [(c, w, d, t, True) for (c, w, d), t in sorted(starts.items())]
     patch = spark.createDataFrame(rows, schema)
     joined = facts.join(F.broadcast(patch), ["chunk", "writer", "date"], "left")
-    delay = (F.when(F.col("day_prev_id").isNotNull(),
-                    F.col("rowtime") - F.col("day_prev_rowtime"))
-             .when(F.col("started"), F.col("rowtime") - F.col("start_rowtime")))
-    return joined.withColumn("delay", delay)
+    gap = (F.when(F.col("day_prev_id").isNotNull(),
+                  F.col("rowtime") - F.col("day_prev_rowtime"))
+           .when(F.col("started"), F.col("rowtime") - F.col("start_rowtime")))
+    return joined.withColumn("gap", gap)
 
 
 def _bucket_aggregates(F, facts, granularity: str, inp: AggregateInput):
@@ -170,7 +170,7 @@ def _bucket_aggregates(F, facts, granularity: str, inp: AggregateInput):
         cond = F.col("nrows") >= lo if hi is None else F.col("nrows").between(lo, hi)
         sizes.append(F.sum(F.when(cond, 1).otherwise(0)).cast("long").alias(name))
     rollbacks = (F.sum("rollbacks") if inp.single_writer else F.lit(0)).cast("long")
-    pct = F.expr("percentile(delay, array({}))".format(
+    pct = F.expr("percentile(gap, array({}))".format(
         ", ".join(str(p) for _n, p in PERCENTILES)))
     writers = f.groupBy("date", "writer", "bucket_ms").agg(
         F.count(F.lit(1)).alias("facts"),
@@ -193,7 +193,7 @@ def _bucket_aggregates(F, facts, granularity: str, inp: AggregateInput):
         writers = writers.withColumn(name, F.col("pct").getItem(i).cast("double"))
     writers = writers.drop("pct")
     if not inp.single_writer:
-        gaps = (
+        missing = (
             f.where(F.col("rollbacks") > 0)
             .groupBy("date", "bucket_ms")
             .agg(F.sum("rollbacks").cast("long").alias("rollbacks"))
@@ -201,12 +201,12 @@ def _bucket_aggregates(F, facts, granularity: str, inp: AggregateInput):
         )
         for name in ("facts", "rows", "multi_row_facts", "max_fact_rows") + tuple(
                 b[0] for b in SIZE_BINS):
-            gaps = gaps.withColumn(name, F.lit(0).cast("long"))
+            missing = missing.withColumn(name, F.lit(0).cast("long"))
         for name in ("first_token", "last_token"):
-            gaps = gaps.withColumn(name, F.lit(None).cast("long"))
+            missing = missing.withColumn(name, F.lit(None).cast("long"))
         for name in ("facts_per_s", "rows_per_s") + tuple(p[0] for p in PERCENTILES):
-            gaps = gaps.withColumn(name, F.lit(None).cast("double"))
-        writers = writers.unionByName(gaps)
+            missing = missing.withColumn(name, F.lit(None).cast("double"))
+        writers = writers.unionByName(missing)
     out = writers.withColumn(
         "bucket_start", F.timestamp_millis(F.col("bucket_ms"))).drop("bucket_ms")
     return out.select(*OUTPUT_COLUMNS)
@@ -217,7 +217,7 @@ def aggregate_stream(spark, facts, inp: AggregateInput) -> StreamAggregates:
     writes ``minute``/``hour`` and then calls :meth:`StreamAggregates.unpersist`.
 
     One job over the persisted facts collects per (chunk, writer, date) what
-    the driver needs: the delays' chunk starts and the run's summary.
+    the driver needs: the gaps' chunk starts and the run's summary.
     """
     from pyspark.sql import functions as F
 
@@ -231,7 +231,7 @@ def aggregate_stream(spark, facts, inp: AggregateInput) -> StreamAggregates:
         F.count(new_id).alias("facts"),
         F.sum(F.when(is_new, F.col("nrows"))).alias("rows"),
         F.sum(F.when(is_new, F.col("rollbacks"))).alias("rollbacks")).collect()
-    facts = with_delays(spark, cached, day_starts(
+    facts = with_gaps(spark, cached, day_starts(
         (r["chunk"], r["writer"], r["date"], r["last_rowtime"]) for r in groups))
     result = StreamAggregates(
         minute=_bucket_aggregates(F, facts, "minute", inp),

@@ -18,12 +18,12 @@ Time
     minute and hour buckets are ``floor(time / 60000) * 60000`` and
     ``floor(time / 3600000) * 3600000`` (milliseconds, UTC).
 
-Rollbacks (gaps)
+Rollbacks (missing IDs)
     An ID that was reserved but rolled back leaves no row.  For a fact ``f``
     let ``p`` be the largest exported fact ID below ``f`` (any writer);
     ``rollbacks(f) = f - p - 1``, and 0 for the very first exported fact (IDs
-    before the first exported fact are history, not rollbacks).  Gaps are
-    therefore counted only below an exported fact, i.e. within the exported
+    before the first exported fact are history, not rollbacks).  Missing IDs
+    are therefore counted only below an exported fact, i.e. within the exported
     range and at or below the linear position; IDs above the last exported
     fact are counted by the run that exports the next fact.  They are
     reported in the bucket of ``f``: attributed to ``f``'s writer when the
@@ -31,13 +31,15 @@ Rollbacks (gaps)
     sequence, the table cannot say whose ID it was) on a row of its own with
     ``writer = ""`` whose fact counts are 0, emitted only when non-zero.
 
-Delays
-    ``delay(f) = rowtime(f) - rowtime(q)`` in milliseconds, where ``q`` is
+Gaps between facts
+    ``gap(f) = rowtime(f) - rowtime(q)`` in milliseconds, where ``q`` is
     the previous fact (by ID) of the same writer on the same date; undefined
-    when there is no such ``q`` or either row time is None.  Bounding it by
+    when there is no such ``q`` or either row time is None.  It is how far
+    apart in event time a writer's consecutive facts are, not a replication
+    delay (nothing here knows when a fact reached a reader).  Bounding it by
     the day keeps each (stream, date) partition computable on its own.
-    ``delay_ms_p50/p95/p99`` are exact percentiles with linear interpolation
-    between closest ranks (position ``p * (n - 1)``), None when no delay is
+    ``gap_ms_p50/p95/p99`` are exact percentiles with linear interpolation
+    between closest ranks (position ``p * (n - 1)``), None when no gap is
     defined in the bucket.
 
 Per (granularity, writer, bucket) the metrics are ``facts``, ``rows``,
@@ -47,7 +49,7 @@ size histogram ``size_1``, ``size_2``, ``size_3_4``, ``size_5_8``,
 ``first_token``/``last_token`` (smallest/largest fact ID; None on a
 ``writer = ""`` row), ``facts_per_s``/``rows_per_s`` (count divided by the
 bucket's length in seconds; None without a timestamp column and on
-``writer = ""`` rows) and the delay percentiles.
+``writer = ""`` rows) and the gap percentiles.
 """
 
 import datetime
@@ -57,7 +59,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 GRANULARITIES = {"minute": 60_000, "hour": 3_600_000}
 SIZE_BINS = (("size_1", 1, 1), ("size_2", 2, 2), ("size_3_4", 3, 4),
              ("size_5_8", 5, 8), ("size_9_16", 9, 16), ("size_17_up", 17, None))
-PERCENTILES = (("delay_ms_p50", 0.5), ("delay_ms_p95", 0.95), ("delay_ms_p99", 0.99))
+PERCENTILES = (("gap_ms_p50", 0.5), ("gap_ms_p95", 0.95), ("gap_ms_p99", 0.99))
 COUNT_METRICS = ("facts", "rows", "multi_row_facts", "max_fact_rows") + tuple(
     b[0] for b in SIZE_BINS) + ("rollbacks",)
 
@@ -90,14 +92,14 @@ def size_bin(rows: int) -> str:
 
 
 class _Bucket:
-    __slots__ = ("date", "counts", "first", "last", "delays")
+    __slots__ = ("date", "counts", "first", "last", "gaps")
 
     def __init__(self, date: str):
         self.date = date
         self.counts = dict.fromkeys(COUNT_METRICS, 0)
         self.first: Optional[int] = None
         self.last: Optional[int] = None
-        self.delays: List[int] = []
+        self.gaps: List[int] = []
 
 
 class Aggregator:
@@ -159,14 +161,14 @@ class Aggregator:
         self.row_count += rows
         time = rowtime if rowtime is not None else self.observed(id_)
         date = utc_date(time)
-        gaps = 0 if self.prev_id is None else id_ - self.prev_id - 1
+        missing = 0 if self.prev_id is None else id_ - self.prev_id - 1
         self.prev_id = id_
         day_key = (writer, date)
-        delay = None
+        gap = None
         if day_key in self.last_of_day:
             before = self.last_of_day[day_key]
             if before is not None and rowtime is not None:
-                delay = rowtime - before
+                gap = rowtime - before
         self.last_of_day[day_key] = rowtime
         sbin = size_bin(rows)
         for granularity, length in GRANULARITIES.items():
@@ -183,11 +185,11 @@ class Aggregator:
             if b.first is None:
                 b.first = id_
             b.last = id_
-            if delay is not None:
-                b.delays.append(delay)
-            if gaps:
+            if gap is not None:
+                b.gaps.append(gap)
+            if missing:
                 target = b if self.single_writer else self._bucket(granularity, "", start, date)
-                target.counts["rollbacks"] += gaps
+                target.counts["rollbacks"] += missing
 
     def result(self) -> Dict[Key, dict]:
         """Every bucket's metrics (see the module docstring), by key."""
@@ -207,6 +209,6 @@ class Aggregator:
             else:
                 row["facts_per_s"] = row["rows_per_s"] = None
             for name, p in PERCENTILES:
-                row[name] = percentile(b.delays, p)
+                row[name] = percentile(b.gaps, p)
             out[(granularity, writer, start)] = row
         return out

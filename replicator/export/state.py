@@ -41,7 +41,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
 STATE_FILE = "state.json"
-STATE_VERSION = 1
+#: 2: the columns ``delay_ms_p50/p95/p99`` are named ``gap_ms_p50/p95/p99``
+#: (an incremental run on a version 1 export would mix both in one dataset).
+STATE_VERSION = 2
 DATASETS = ("minute", "hour")
 GEN_RE = re.compile(r"^gen-(\d{8,})$")
 # Characters Spark escapes in partition values (ExternalCatalogUtils).
@@ -114,8 +116,13 @@ class ExportState:
     @classmethod
     def from_json(cls, text: str) -> "ExportState":
         doc = json.loads(text)
-        if doc.get("version") != STATE_VERSION:
-            raise StateError(f"state file version {doc.get('version')!r} is not {STATE_VERSION}")
+        version = doc.get("version")
+        if version == 1:
+            raise StateError("this export was made by replicator 0.2 or older, whose columns "
+                             "delay_ms_p50/p95/p99 are now gap_ms_p50/p95/p99: move the output "
+                             "directory away and export again")
+        if version != STATE_VERSION:
+            raise StateError(f"state file version {version!r} is not {STATE_VERSION}")
         return cls(
             generation=int(doc.get("generation", 0)),
             streams={n: StreamState.from_json(s) for n, s in doc.get("streams", {}).items()},

@@ -157,8 +157,8 @@ def check_equal(spark, out, want):
         df = spark.read.option("basePath", path).parquet(path)
         for r in df.withColumn("ms", F.unix_millis("bucket_start")).collect():
             got[(g, r["writer"], r["ms"])] = (r["facts"], r["rows"], r["rollbacks"],
-                                              r["delay_ms_p95"])
-    expect = {k: (v["facts"], v["rows"], v["rollbacks"], v["delay_ms_p95"])
+                                              r["gap_ms_p95"])
+    expect = {k: (v["facts"], v["rows"], v["rollbacks"], v["gap_ms_p95"])
               for k, v in want.items()}
     if got.keys() != expect.keys():
         raise AssertionError(f"bucket keys differ: {len(got)} vs {len(expect)}")

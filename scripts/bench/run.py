@@ -3,7 +3,7 @@
 
 Every figure is printed with its baseline and ratio and appended to
 ``bench-results.jsonl`` (``common.record``); ``scripts/bench/table.py``
-turns the last run into the README's performance table.
+turns the last run into the performance table of docs/performance.md.
 
 Sections run in the order of ``SECTIONS``; each is one entry (name, title,
 ``async fn(pg, args)``) so that benchmarks can be added side by side.

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""The README's performance table, from ``bench-results.jsonl``.
+"""The performance table of docs/performance.md, from ``bench-results.jsonl``.
 
 Takes the newest entry of every figure in the file (``common.record``
 appends one per figure per run), and prints a Markdown table: figure,
-value, same-run baseline, ratio, date.  ``--write README.md`` puts it
+value, same-run baseline, ratio, date.  ``--write docs/performance.md`` puts it
 between the lines ``<!-- bench-table: begin -->`` and
 ``<!-- bench-table: end -->`` of that file instead.  ``--since DATE``
 (``YYYY-MM-DD``) leaves out older entries, e.g. to show one run only;
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default=RESULTS)
     p.add_argument("--since", default="", help="only entries from this date (YYYY-MM-DD) on")
-    p.add_argument("--write", metavar="README", help="replace the table block of this file")
+    p.add_argument("--write", metavar="FILE", help="replace the table block of this file")
     p.add_argument("--note", default="", help="a sentence after the heading (e.g. the load)")
     args = p.parse_args(argv)
     entries = latest(args.results, args.since)
