@@ -41,7 +41,7 @@ EVERY_SECTION = {
     "database": {"postgres": "host=127.0.0.1 dbname=replicator"},
     "streams": [{"name": "facts", "table": "facts", "writers": ["master", "worker1"],
                  "columns": [{"key": "text"}, {"ts": "bigint"}],
-                 "timestamp_column": "ts"}],
+                 "timestamp_column": "ts", "retention": {"max_age": "7d"}}],
     "replication": {"listen": "tcp:9092:interface=127.0.0.1",
                     "redis": {"endpoint": "tcp:host=127.0.0.1:port=6379"}},
     "http": {"listen": "tcp:9093:interface=127.0.0.1", "secret": "s" * 16},
@@ -212,6 +212,9 @@ class ConfigurationDocTests(TestCase):
         def changed(section: str, key: str):
             """The running config with ``key`` of ``section`` changed."""
             new = object()
+            if section == TOP and key == "consumers":
+                more = running.consumers + (ConsumerConfig("log", None, {}),)
+                return dataclasses.replace(running, consumers=more)
             if section == TOP:
                 return dataclasses.replace(running, **{key: new})
             if section == "streams[]":
@@ -222,6 +225,9 @@ class ConfigurationDocTests(TestCase):
                     stream = dataclasses.replace(stream, name="renamed")
                 else:
                     stream = dataclasses.replace(stream, **{name: value})
+                return dataclasses.replace(running, streams=(stream,) + running.streams[1:])
+            if section == "streams[].retention":
+                stream = dataclasses.replace(running.streams[0], retention=new)
                 return dataclasses.replace(running, streams=(stream,) + running.streams[1:])
             if section == "replication.redis":
                 return dataclasses.replace(running, replication=dataclasses.replace(
@@ -239,10 +245,12 @@ class ConfigurationDocTests(TestCase):
                 if section == TOP and key in sections.values():
                     self.assertEqual(reload_cell, "per key", key)
                     continue
-                if section.startswith(("consumers[]", "synapse")):
-                    # plan() compares the sections whole.
-                    attr = "consumers" if section.startswith("consumers") else "synapse"
-                    result = reloading.plan(running, changed(TOP, attr))
+                if section.startswith("consumers[]"):
+                    # plan() compares consumers whole: one more is a change.
+                    result = reloading.plan(running, changed(TOP, "consumers"))
+                elif section.startswith("synapse"):
+                    # plan() compares the section whole.
+                    result = reloading.plan(running, changed(TOP, "synapse"))
                 else:
                     result = reloading.plan(running, changed(section, key))
                 self.assertTrue(result.applied or result.restart, (section, key))
