@@ -27,7 +27,7 @@ class Handler:
 
 
 def stream(gen):
-    return SimpleNamespace(name="caches", id_gen=gen, local_writers=["master"],
+    return SimpleNamespace(name="caches", id_gen=gen, loaded=True, local_writers=["master"],
                            config=SimpleNamespace(writers=["master", "worker2", "worker3"]))
 
 
