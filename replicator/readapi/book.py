@@ -19,6 +19,19 @@ class ReaderBook:
         self.connected: Dict[Key, int] = {}
         self.positions: Dict[Key, Positions] = {}
         self.seen: Dict[Key, float] = {}
+        self.streams: Dict[Key, set] = {}  # open event streams (their .position)
+
+    def attach(self, reader: str, stream: str, client) -> None:
+        self.streams.setdefault((reader, stream), set()).add(client)
+
+    def detach(self, reader: str, stream: str, client) -> None:
+        key = (reader, stream)
+        clients = self.streams.get(key)
+        if clients is not None:
+            clients.discard(client)
+            self.positions[key] = dict(client.position)
+            if not clients:
+                del self.streams[key]
 
     def opened(self, reader: str, stream: str) -> None:
         key = (reader, stream)
@@ -42,9 +55,13 @@ class ReaderBook:
         writers), ``seen_age`` (seconds)."""
         now = self._clock.seconds()
         out = []
-        for key in sorted(set(self.connected) | set(self.positions)):
+        for key in sorted(set(self.connected) | set(self.positions) | set(self.streams)):
             reader, name = key
             positions = self.positions.get(key)
+            clients = self.streams.get(key)
+            if clients:  # the most behind of its open event streams
+                positions = min((c.position for c in list(clients)),
+                                key=lambda p: min(p.values(), default=0))
             stream = registry.find(name)
             gen = getattr(stream, "id_gen", None)
             lag: Optional[int] = None

@@ -19,6 +19,8 @@ from .book import ReaderBook, Slots, client_host
 from .pages import Page, etag, matches, page_body, read_page
 from .params import ParameterError, limit_of, one, positions_of, wait_of
 from .tokens import Positions
+from .live import LiveFeed
+from .sse import SseClient
 from .watch import StreamWatch
 
 #: Pages of more rows than this are encoded in a thread.
@@ -39,7 +41,7 @@ class ReadRoutes:
         self.book = ReaderBook(clock)
         self.slots = Slots(max_waiting, max_waiting_per_address)
         self.heartbeat = heartbeat
-        self._live: Dict[str, object] = {}  # stream name -> its live encoder (.live)
+        self._live: Dict[str, LiveFeed] = {}  # stream name -> its live encoder (.live)
 
     # ------------------------------------------------------------ common
     def open_stream(self, request, name: Optional[str]):
@@ -160,5 +162,46 @@ class ReadRoutes:
 
     # ------------------------------------------------------------ events
     async def events(self, request, name: Optional[str]):
-        self.open_stream(request, name)
-        raise HttpError(501, "event streams are not there yet")
+        """A Server-Sent Events stream of ``stream``'s facts (:mod:`.sse`)
+        from ``Last-Event-ID`` if given, else ``from``."""
+        reader, stream = self.open_stream(request, name)
+        last = request.getHeader(b"last-event-id")
+        if last is not None:
+            try:
+                since = await self.start_positions(stream, last.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ParameterError(400, "Last-Event-ID", "Last-Event-ID is not UTF-8") from None
+            except ParameterError as e:
+                e.extra = {"parameter": "Last-Event-ID"}
+                raise
+        else:
+            since = await self.start_positions(stream, one(request.args, "from"))
+        if request.method == b"HEAD":
+            return Response(b"", b"text/event-stream; charset=utf-8")
+        host = client_host(request)
+        self.slots.take(host)
+        client = None
+        try:
+            feed = self.feed(stream)
+            client = SseClient(request, stream, feed, since,
+                               lambda position, limit, bounds: self.page(
+                                   stream, position, limit, bounds),
+                               self._clock, self.heartbeat)
+            self.book.opened(reader.name, stream.name)
+            self.book.attach(reader.name, stream.name, client)
+            client.start()
+            await client.done
+        finally:
+            self.slots.give(host)
+            if client is not None:
+                self.book.detach(reader.name, stream.name, client)
+                self.book.closed(reader.name, stream.name)
+        return None
+
+    def feed(self, stream) -> LiveFeed:
+        """The live feed of ``stream`` (made at its first event stream)."""
+        feed = self._live.get(stream.name)
+        if feed is None or feed.stream is not stream:
+            feed = self._live[stream.name] = LiveFeed(stream, self.bounds, self.watch,
+                                                      self._clock)
+        return feed
