@@ -230,7 +230,8 @@ class Instance:
             self._binding.append(metrics_thread)
         self.live_metrics = InstanceMetrics(
             registry=self.registry, handler=self.handler,
-            healthy=self.health.healthy_source(self.replication_status), writers=self.writers)
+            healthy=self.health.healthy_source(self.replication_status), writers=self.writers,
+            readers=self.http.reads.metric_samples if self.http is not None else None)
         metrics.add_source(self.live_metrics)
         self.services.startService()
         # One by one, so that the first failure is raised as itself (not

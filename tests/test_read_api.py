@@ -125,6 +125,25 @@ class ReadApiTests(HttpTestCase):
         response, now = await self.page("events", "?from=now")
         self.assertEqual((now["facts"], now["next"]), ([], doc["next"]))
 
+    async def test_readers_on_the_status_page_and_in_metrics(self):
+        from prometheus_client import REGISTRY
+
+        await self.start_reading()
+        ids = await self.write("events", 3)
+        reader = {"Authorization": f"Bearer {READER_SECRET}"}
+        await self.page("events", "?limit=1", headers=reader)
+        response, data = await self.call("GET", "/status.json")
+        (row,) = [r for r in orjson.loads(data)["readers"] if r["reader"] == "one"]
+        self.assertEqual((row["stream"], row["connected"], row["position"], row["lag"]),
+                         ("events", 0, ids[0], ids[2] - ids[0]))
+        response, html = await self.call("GET", "/")
+        self.assertIn(b'<table id="readers">', html)
+        self.assertIn(b">one<", html)
+        samples = self.api.reads.metric_samples()
+        self.assertIn(("replicator_http_reader_lag", ("one", "events"), ids[2] - ids[0]),
+                      [(g.name, l, v) for g, l, v in samples])
+        self.assertIsNotNone(REGISTRY)
+
     async def test_multi_writer_token_names_every_writer(self):
         await self.start_reading()
         ids = await self.write("caches", 2)

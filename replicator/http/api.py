@@ -256,7 +256,8 @@ class HttpApi:
         return snapshot(instance=self.instance_name, role=self.role,
                         registry=self.registry, handler=self.handler, recorder=self.status,
                         findings=self.current_findings(), clock=self._clock,
-                        redact=self.redact, writers=self.writers)
+                        redact=self.redact, writers=self.writers,
+                        http_readers=self.reads.status)
 
     async def _status(self, request):
         path = request.path

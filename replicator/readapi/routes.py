@@ -43,6 +43,25 @@ class ReadRoutes:
         self.heartbeat = heartbeat
         self._live: Dict[str, LiveFeed] = {}  # stream name -> its live encoder (.live)
 
+    # ------------------------------------------------------- what it shows
+    def status(self) -> list:
+        """The readers for the status page and ``/status.json``."""
+        return self.book.rows(self.registry)
+
+    def metric_samples(self) -> list:
+        """The readers' live metrics (a :data:`replicator.metrics.Source`)."""
+        from .. import metrics
+
+        out = []
+        for row in self.book.rows(self.registry):
+            labels = (row["reader"], row["stream"])
+            out.append((metrics.HTTP_READERS_CONNECTED, labels, row["connected"]))
+            if row["position"] is not None:
+                out.append((metrics.HTTP_READER_POSITION, labels, row["position"]))
+            if row["lag"] is not None:
+                out.append((metrics.HTTP_READER_LAG, labels, row["lag"]))
+        return out
+
     # ------------------------------------------------------------ common
     def open_stream(self, request, name: Optional[str]):
         """``(reader, stream)`` for a request, or the 401/403/404/503."""
