@@ -9,14 +9,16 @@ from twisted.internet import defer, endpoints, protocol, reactor
 
 from replicator.readapi import tokens
 from tests.support import until
-from tests.test_http import AUTH, SECRET, STREAMS, HttpTestCase
+from tests.test_http import AUTH, SECRET, HttpTestCase
 
 READER_SECRET = "reader-one-secret-0123456789"
 PAGES = "/_replicator/v1/streams/{}/facts"
 EVENTS = "/_replicator/v1/streams/{}/events"
 
 
-class ReadApiTests(HttpTestCase):
+class ReadTestCase(HttpTestCase):
+    """An API with a reader ``one`` of ``events`` (no tests)."""
+
     async def start_reading(self, **http):
         secret_dir = self.mktemp()
         os.makedirs(secret_dir)
@@ -50,6 +52,9 @@ class ReadApiTests(HttpTestCase):
             ids.append(answer["stream_id"])
         return ids
 
+
+
+class ReadApiTests(ReadTestCase):
     async def test_pages_in_order_with_next(self):
         await self.start_reading()
         ids = await self.write("events", 5)
@@ -216,10 +221,7 @@ class SseSocket(protocol.Protocol):
         return [e for e in self.events if e[0] != "meta"]
 
 
-class EventStreamTests(ReadApiTests.__bases__[0]):
-    start_reading = ReadApiTests.start_reading
-    write = ReadApiTests.write
-
+class EventStreamTests(ReadTestCase):
     async def connect(self, stream="events", query="", headers=None):
         client = SseSocket(EVENTS.format(stream) + query, {**AUTH, **(headers or {})})
         endpoint = endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)

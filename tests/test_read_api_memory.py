@@ -219,14 +219,14 @@ class SseTests(SynchronousTestCase):
         self.assertEqual(request.written[-1], PING)
 
     def test_live_bytes_are_encoded_once_for_every_client(self):
-        (c1, r1), (c2, r2) = self.client({"a": 0}), self.client({"a": 0})
+        (_, r1), (_, r2) = self.client({"a": 0}), self.client({"a": 0})
         self.write(1)
         self.assertIs(r1.written[-1], r2.written[-1])
         self.assertEqual(self.stream.reads, 1)
 
     def test_a_paused_client_leaves_the_feed_and_catches_up_when_resumed(self):
         slow, rs = self.client({"a": 0})
-        fast, rf = self.client({"a": 0})
+        _, rf = self.client({"a": 0})
         slow.pauseProducing()
         for i in range(1, 6):
             self.write(i)
