@@ -349,6 +349,8 @@ class Instance:
                 else:
                     if tls.take(read_tls) and "replication.client_ca" not in p.applied:
                         p.applied.append("replication TLS files")
+            if p.readers and self.http is not None:
+                self.http.set_readers(p.config.http.readers)
             if p.peers and self.replication_factory is not None:
                 policy = policy_from_config(p.config.replication, local_names(self.handler))
                 self.replication_factory.set_policy(policy)

@@ -136,6 +136,23 @@ class CurlTests(SynchronousTestCase):
         self.assertEqual([e[1] for e in got], table["facts"])
 
 
+    def test_sighup_reads_the_readers_again(self):
+        daemon = self.daemon()
+        self.write(daemon, 1)
+        url = self.base + "/facts"
+        code = lambda secret: curl("-o", "/dev/null", "-w", "%{http_code}",  # noqa: E731
+                                   "-H", f"Authorization: Bearer {secret}", url)
+        self.assertEqual(code(READER), b"200")
+        new = "a-new-reader-secret-987654321"
+        with open(daemon.config["http"]["readers"][0]["secret_file"], "w") as f:
+            f.write(new)
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: code(new) == b"200", 30, "the new secret taken")
+        self.assertEqual(code(READER), b"403")
+        self.assertIn("http.readers", daemon.output())
+        self.assertNotIn(new, daemon.output())
+
+
 class ReaderConfigTests(SynchronousTestCase):
     def check(self, readers, message, secret_text=READER):
         directory = os.path.abspath(self.mktemp())

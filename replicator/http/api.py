@@ -131,6 +131,16 @@ class HttpApi:
         """The root resource (every route; works under a plain Site too)."""
         return self._root
 
+    def set_readers(self, readers) -> None:
+        """The read API's credentials from now on (a reload): open event
+        streams keep going; their secrets, like every one before, stay
+        hidden from answers and logs."""
+        from ..readapi import ReaderAuth
+
+        auth = ReaderAuth(self.config.http.secret, readers)
+        self.redact.hide(auth.secrets)
+        self.reads.auth = auth
+
     def site(self) -> server.Site:
         """A Site with the body limit, deadlines and a one-line access log."""
         return Site(self._root, self, self.max_body_size, self.idle_timeout, self._clock)

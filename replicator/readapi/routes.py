@@ -2,8 +2,8 @@
 long-poll) and ``GET .../streams/{stream}/events`` (Server-Sent Events,
 :mod:`.sse`).  docs/read-api.md is the contract.
 
-Checked in this order: 401/403 (credential, :mod:`.auth`), 404 (unknown
-stream), 403 (a stream the credential does not cover), 503 (streams not
+Checked in this order: 401/403 (credential, :mod:`.auth`), 403 (a stream
+the credential does not cover), 404 (unknown stream), 503 (streams not
 loaded yet), 400 (``limit``, ``wait``, ``from``: a malformed or foreign
 token, or one beyond the stream's sequence), then 503 when too many reads
 are open already (long-polls that wait, event streams).
@@ -66,6 +66,10 @@ class ReadRoutes:
     def open_stream(self, request, name: Optional[str]):
         """``(reader, stream)`` for a request, or the 401/403/404/503."""
         reader = self.auth.reader(request)
+        if name is not None:
+            # Before the stream's existence: a scoped reader learns nothing
+            # of the streams it may not read.
+            self.auth.check(reader, name)
         stream = self.registry.find(name) if name is not None else None
         if stream is None:
             raise ParameterError(404, "stream", "unknown stream" + (
