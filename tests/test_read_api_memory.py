@@ -257,3 +257,32 @@ class SseTests(SynchronousTestCase):
             self.write(i)
         self.assertTrue(c.live)
         self.assertEqual([e[1]["stream_id"] for e in self.events(request)], [4, 5])
+
+
+class MultiWriterSseTests(SynchronousTestCase):
+    def test_ids_name_every_writer_and_resume_exactly(self):
+        clock = task.Clock()
+        stream = FakeStream(["a", "b"])
+        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock)
+
+        def client(position):
+            request = FakeRequest()
+
+            async def page(pos, limit, bounds):
+                return await read_page(stream, pos, bounds, limit)
+
+            SseClient(request, stream, feed, position, page, clock, 15).start()
+            return request
+
+        first = client({"a": 0, "b": 0})
+        for stream_id, writer in [(1, "a"), (2, "b"), (3, "a"), (5, "b")]:
+            stream.add(writer, stream_id, [[stream_id]])
+            stream.id_gen.move(writer, stream_id)
+        events = SseTests.events(self, first)
+        self.assertEqual([e[1]["stream_id"] for e in events], [1, 2, 3, 5])
+        self.assertEqual(tokens.parse(events[1][0])[1], {"a": 1, "b": 2})
+        # Resuming from each id gives exactly the events after it.
+        for i, (token, _) in enumerate(events):
+            again = client(tokens.decode(token, "events", ["a", "b"]))
+            self.assertEqual([e[1]["stream_id"] for e in SseTests.events(self, again)],
+                             [e[1]["stream_id"] for e in events[i + 1:]])
