@@ -286,3 +286,40 @@ class MultiWriterSseTests(SynchronousTestCase):
             again = client(tokens.decode(token, "events", ["a", "b"]))
             self.assertEqual([e[1]["stream_id"] for e in SseTests.events(self, again)],
                              [e[1]["stream_id"] for e in events[i + 1:]])
+
+
+class FailingReadTests(SynchronousTestCase):
+    def test_a_failed_read_is_503_logged_once_per_outage(self):
+        from twisted.logger import globalLogPublisher
+
+        from replicator.http.answers import HttpError
+        from replicator.readapi import ReadRoutes, ReaderAuth
+
+        events = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        stream = FakeStream(["a"])
+        stream.add("a", 1, [[1]])
+        stream.id_gen.move("a", 1)
+        broken = [True]
+        read = stream.updates_since
+
+        async def updates_since(*args):
+            if broken[0]:
+                raise OSError("connection refused")
+            return await read(*args)
+
+        stream.updates_since = updates_since
+        routes = ReadRoutes(registry=None, auth=ReaderAuth("x" * 16), clock=task.Clock())
+        for _ in range(3):
+            failure = self.failureResultOf(defer.ensureDeferred(
+                routes.page(stream, {"a": 0}, 10)), HttpError)
+            self.assertEqual((failure.value.code, failure.value.message),
+                             (503, "database read failed"))
+        broken[0] = False
+        page = self.successResultOf(defer.ensureDeferred(routes.page(stream, {"a": 0}, 10)))
+        self.assertEqual([f[0] for f in page.facts], [1])
+        texts = [e.get("log_format", "") for e in events]
+        self.assertEqual(sum("Reading a page" in t for t in texts), 1)
+        self.assertEqual(sum("succeed again" in t for t in texts), 1)
+        self.flushLoggedErrors(OSError)

@@ -74,7 +74,9 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
         del found[limit:]
         last = found[-1][0]
         next_positions = {w: max(since[w], min(scanned[w], last)) for w in since}
-        final = final_below is not None and last <= final_below
+        # (And within every writer's bound: all of the page was readable.)
+        final = final_below is not None and last <= min(
+            [final_below, *(bounds.get(w, since[w]) for w in since)])
     else:
         next_positions = scanned
         final = False

@@ -12,6 +12,7 @@ are open already (long-polls that wait, event streams).
 from typing import Dict, List, Optional
 
 from twisted.internet import defer, threads
+from twisted.logger import Logger
 
 from ..http.answers import HttpError, Response, excerpt
 from .auth import Reader, ReaderAuth
@@ -22,6 +23,8 @@ from .tokens import Positions
 from .live import LiveFeed
 from .sse import SseClient
 from .watch import StreamWatch
+
+log = Logger()
 
 #: Pages of more rows than this are encoded in a thread.
 THREAD_ENCODE_ROWS = 256
@@ -41,7 +44,8 @@ class ReadRoutes:
         self.book = ReaderBook(clock)
         self.slots = Slots(max_waiting, max_waiting_per_address)
         self.heartbeat = heartbeat
-        self._live: Dict[str, LiveFeed] = {}  # stream name -> its live encoder (.live)
+        self._live: Dict[str, LiveFeed] = {}
+        self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)  # stream name -> its live encoder (.live)
 
     # ------------------------------------------------------- what it shows
     def status(self) -> list:
@@ -119,9 +123,26 @@ class ReadRoutes:
 
     async def page(self, stream, since: Positions, limit: int,
                    bounds: Optional[Positions] = None) -> Page:
-        return await read_page(stream, since, bounds if bounds is not None
-                               else self.bounds(stream), limit,
-                               final_below=stream.id_gen.get_linear_token())
+        """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
+        the writers' current tokens).  A failed read is 503; the first of
+        an outage is logged with its traceback, the others counted until a
+        read succeeds (one line then)."""
+        linear = stream.id_gen.get_linear_token()
+        try:
+            page = await read_page(stream, since, bounds if bounds is not None
+                                   else self.bounds(stream), limit, final_below=linear)
+        except Exception:
+            failed = self._failing.get(stream.name)
+            self._failing[stream.name] = (failed or 0) + 1
+            if failed is None:
+                log.failure("Reading a page of {stream} failed; further failures are counted "
+                            "until a read succeeds", stream=stream.name)
+            raise HttpError(503, "database read failed") from None
+        failed = self._failing.pop(stream.name, None)
+        if failed is not None:
+            log.info("reads of {stream} succeed again after {n} failed", stream=stream.name,
+                     n=failed)
+        return page
 
     async def _long_poll(self, request, reader: Reader, stream, page: Page, limit: int,
                          wait: int) -> Optional[Page]:
