@@ -112,6 +112,20 @@ class ReadApiTests(ReadTestCase):
         for event in self.events:
             self.assertNotIn(READER_SECRET, repr(event))
 
+    async def test_cross_origin_reads(self):
+        await self.start_reading()
+        response, data = await self.call("OPTIONS", PAGES.format("events"), headers={
+            "Origin": "http://app.test", "Access-Control-Request-Method": "GET",
+            "Access-Control-Request-Headers": "authorization"})
+        self.assertEqual(response.code, 204)
+        self.assertEqual(response.headers.getRawHeaders(b"access-control-allow-origin"), [b"*"])
+        self.assertIn(b"Authorization",
+                      response.headers.getRawHeaders(b"access-control-allow-headers")[0])
+        for headers in ({}, AUTH):  # the refusal too, so that a page can tell why
+            response, _ = await self.page("events", headers=headers)
+            self.assertEqual(response.headers.getRawHeaders(b"access-control-allow-origin"),
+                             [b"*"])
+
     async def test_full_pages_below_linear_are_cacheable(self):
         await self.start_reading()
         await self.write("events", 3)

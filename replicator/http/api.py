@@ -194,8 +194,9 @@ class HttpApi:
                 except (UnicodeDecodeError, ValueError):
                     name = None
                 if parts[2] == b"events":
-                    return {b"GET": self.reads.events}, (name,)
-                return {b"POST": self.streams.post_facts, b"GET": self.reads.facts}, (name,)
+                    return {b"GET": self.reads.events, b"OPTIONS": self.reads.preflight}, (name,)
+                return {b"POST": self.streams.post_facts, b"GET": self.reads.facts,
+                        b"OPTIONS": self.reads.preflight}, (name,)
         raise HttpError(404, "no such endpoint")
 
     def render(self, request) -> int:

@@ -28,6 +28,10 @@ log = Logger()
 
 #: Pages of more rows than this are encoded in a thread.
 THREAD_ENCODE_ROWS = 256
+#: Any page may read a stream with a secret (never with cookies: with "*"
+#: a browser sends none cross-origin), and see every answer and ETag.
+CORS = {b"access-control-allow-origin": b"*",
+        b"access-control-expose-headers": b"ETag"}
 IMMUTABLE = b"public, max-age=31536000, immutable"
 NEWEST = b"no-store"
 
@@ -67,8 +71,23 @@ class ReadRoutes:
         return out
 
     # ------------------------------------------------------------ common
+    async def preflight(self, request, name: Optional[str]):
+        """``OPTIONS``: a browser's CORS preflight of a cross-origin read
+        (one that sends ``Authorization`` or ``Last-Event-ID``)."""
+        request.setResponseCode(204)
+        for key, value in CORS.items():
+            request.setHeader(key, value)
+        request.setHeader(b"access-control-allow-methods", b"GET, HEAD")
+        request.setHeader(b"access-control-allow-headers",
+                          b"Authorization, Last-Event-ID, If-None-Match")
+        request.setHeader(b"access-control-max-age", b"86400")
+        request.setHeader(b"cache-control", b"no-store")
+        request.finish()
+
     def open_stream(self, request, name: Optional[str]):
         """``(reader, stream)`` for a request, or the 401/403/404/503."""
+        for key, value in CORS.items():
+            request.setHeader(key, value)
         reader = self.auth.reader(request)
         if name is not None:
             # Before the stream's existence: a scoped reader learns nothing
