@@ -229,7 +229,7 @@ class ReadRoutes:
         from ``Last-Event-ID`` if given, else ``from``."""
         reader, stream = self.open_stream(request, name)
         last = request.getHeader(b"last-event-id")
-        if last is not None:
+        if last:  # (an empty one is no id: the start is from)
             try:
                 since = await self.start_positions(stream, last.decode("utf-8"))
             except UnicodeDecodeError:
