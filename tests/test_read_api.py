@@ -268,6 +268,19 @@ class EventStreamTests(ReadTestCase):
         await until(lambda: len(again.facts()) == 3)
         self.assertEqual(again.facts()[-1][1]["stream_id"], last[0])
 
+    async def test_live_facts_come_from_memory_not_the_table(self):
+        await self.start_reading()
+        client = await self.connect()
+        await until(lambda: self.api.reads.slots.open == 1)
+        stream = self.registry.get("events")
+        reads = []
+        table_read = stream._pages.read
+        stream._pages.read = lambda *a: reads.append(a[2:]) or table_read(*a)
+        ids = await self.write("events", 5)
+        await until(lambda: len(client.facts()) == 5)
+        self.assertEqual([f["stream_id"] for _, f in client.facts()], ids)
+        self.assertEqual(reads, [])  # what the fan-out had in memory, before it forgot
+
     async def test_bad_last_event_id_is_400_naming_it(self):
         await self.start_reading()
         response, data = await self.call("GET", EVENTS.format("events"),

@@ -76,8 +76,8 @@ class FakeGen:
     def get_linear_token(self):
         return self.linear
 
-    def add_listener(self, fn):
-        self.listeners.append(fn)
+    def add_listener(self, fn, first=False):
+        self.listeners.insert(0, fn) if first else self.listeners.append(fn)
 
     def move(self, writer, token):
         old = self.positions[writer]
