@@ -12,6 +12,7 @@ from replicator.readapi.live import LiveFeed
 from replicator.readapi.pages import read_page
 from replicator.readapi.sse import PING, RETRY, SseClient
 from replicator.readapi.watch import StreamWatch
+from replicator.streams.pages import group
 
 names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
 positions = st.dictionaries(names, st.integers(0, 2 ** 63 - 1), min_size=1, max_size=5)
@@ -107,6 +108,10 @@ class FakeStream:
 
     def add(self, writer, stream_id, rows):
         self.facts[writer][stream_id] = rows
+
+    async def fact_page(self, writer, since, until, limit):
+        updates, upto, limited = await self.updates_since(writer, since, until, limit)
+        return group(updates), upto, limited
 
     async def updates_since(self, writer, since, until, limit):
         self.reads += 1
