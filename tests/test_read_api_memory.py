@@ -184,7 +184,7 @@ class SseTests(SynchronousTestCase):
         self.stream = FakeStream(["a"])
         self.watch = StreamWatch()
         bounds = lambda s: s.id_gen.get_positions()  # noqa: E731
-        self.feed = LiveFeed(self.stream, bounds, self.watch, self.clock)
+        self.feed = LiveFeed(self.stream, bounds, self.watch, self.clock, interval=0)
 
     def client(self, position):
         request = FakeRequest()
@@ -268,7 +268,8 @@ class MultiWriterSseTests(SynchronousTestCase):
     def test_ids_name_every_writer_and_resume_exactly(self):
         clock = task.Clock()
         stream = FakeStream(["a", "b"])
-        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock)
+        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
+                        interval=0)
 
         def client(position):
             request = FakeRequest()
@@ -328,3 +329,26 @@ class FailingReadTests(SynchronousTestCase):
         self.assertEqual(sum("Reading a page" in t for t in texts), 1)
         self.assertEqual(sum("succeed again" in t for t in texts), 1)
         self.flushLoggedErrors(OSError)
+
+
+class CoalescingTests(SynchronousTestCase):
+    def test_under_load_a_client_gets_one_write_per_interval(self):
+        clock = task.Clock()
+        stream = FakeStream(["a"])
+        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
+                        interval=0.01)
+        request = FakeRequest()
+
+        async def page(pos, limit, bounds):
+            return await read_page(stream, pos, bounds, limit)
+
+        SseClient(request, stream, feed, {"a": 0}, page, clock, 15).start()
+        for i in range(1, 11):
+            stream.add("a", i, [[i]])
+            stream.id_gen.move("a", i)
+        # The first fact at once (idle), the nine others in one write later.
+        self.assertEqual(len(request.written), 2)
+        clock.advance(0.01)
+        self.assertEqual(len(request.written), 3)
+        self.assertEqual(request.written[-1].count(b"event: fact"), 9)
+        self.assertEqual(stream.reads, 2)

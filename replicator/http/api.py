@@ -123,7 +123,8 @@ class HttpApi:
             registry=registry, auth=read_auth, clock=clock,
             max_waiting=config.http.max_waiting_reads,
             max_waiting_per_address=config.http.max_waiting_reads_per_address,
-            heartbeat=config.http.heartbeat_interval)
+            heartbeat=config.http.heartbeat_interval,
+            feed_interval=config.replication.fanout_interval)
         self._root = _Root(self)
 
     # --------------------------------------------------------------- public

@@ -40,7 +40,8 @@ class ReadRoutes:
     """Reading streams over HTTP (one per :class:`replicator.http.HttpApi`)."""
 
     def __init__(self, *, registry, auth: ReaderAuth, clock, max_waiting: int = 128,
-                 max_waiting_per_address: int = 32, heartbeat: float = 15.0):
+                 max_waiting_per_address: int = 32, heartbeat: float = 15.0,
+                 feed_interval: float = 0.003):
         self.registry = registry
         self.auth = auth
         self._clock = clock
@@ -48,6 +49,7 @@ class ReadRoutes:
         self.book = ReaderBook(clock)
         self.slots = Slots(max_waiting, max_waiting_per_address)
         self.heartbeat = heartbeat
+        self.feed_interval = feed_interval
         self._live: Dict[str, LiveFeed] = {}
         self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)  # stream name -> its live encoder (.live)
 
@@ -266,5 +268,5 @@ class ReadRoutes:
         feed = self._live.get(stream.name)
         if feed is None or feed.stream is not stream:
             feed = self._live[stream.name] = LiveFeed(stream, self.bounds, self.watch,
-                                                      self._clock)
+                                                      self._clock, self.feed_interval)
         return feed
