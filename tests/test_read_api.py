@@ -184,6 +184,16 @@ class ReadApiTests(ReadTestCase):
         self.assertEqual([f["stream_id"] for f in doc["facts"]], ids)
         self.assertEqual(self.api.reads.slots.open, 0)
 
+    async def test_a_long_poll_whose_client_goes_gives_its_slot_back(self):
+        await self.start_reading()
+        sock = socket.create_connection(("127.0.0.1", self.port))
+        sock.sendall(f"GET {PAGES.format('events')}?from=now&wait=30 HTTP/1.1\r\n"
+                     f"Host: x\r\nAuthorization: Bearer {SECRET}\r\n\r\n".encode())
+        await until(lambda: self.api.reads.slots.open == 1)
+        sock.close()
+        await until(lambda: self.api.reads.slots.open == 0)
+        await until(lambda: any("client gone" in line for line in self.access_lines()))
+
     async def test_long_poll_deadline_gives_the_same_next(self):
         await self.start_reading()
         await self.write("events", 1)
