@@ -177,6 +177,11 @@ class FakeRequest(DummyRequest):
     def unregisterProducer(self):
         self.producer = None
 
+    def notifyFinish(self):
+        if self._finishedDeferreds is None:  # gone already: as twisted.web, never fires
+            return defer.Deferred()
+        return super().notifyFinish()
+
 
 class SseTests(SynchronousTestCase):
     def setUp(self):
