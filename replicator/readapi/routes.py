@@ -50,8 +50,8 @@ class ReadRoutes:
         self.slots = Slots(max_waiting, max_waiting_per_address)
         self.heartbeat = heartbeat
         self.feed_interval = feed_interval
-        self._live: Dict[str, LiveFeed] = {}
-        self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)  # stream name -> its live encoder (.live)
+        self._live: Dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
+        self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)
 
     # ------------------------------------------------------- what it shows
     def status(self) -> list:
