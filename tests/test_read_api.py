@@ -81,7 +81,10 @@ class ReadApiTests(ReadTestCase):
                  (f"?from={stranger}", 400, "from"), (f"?from={beyond}", 400, "from"),
                  ("?limit=0", 400, "limit"), ("?limit=1001", 400, "limit"),
                  ("?limit=x", 400, "limit"), ("?wait=31", 400, "wait"),
-                 ("?wait=-1", 400, "wait"), ("?limit=1&limit=2", 400, "limit")]
+                 ("?wait=-1", 400, "wait"), ("?wait=30.5", 400, "wait"),
+                 ("?wait=1e3", 400, "wait"), ("?wait=nan", 400, "wait"),
+                 ("?limit=1&limit=2", 400, "limit"), ("?from=now&from=now", 400, "from"),
+                 ("?limit=%ff", 400, "limit")]
         for query, code, parameter in cases:
             response, doc = await self.page("events", query)
             self.assertEqual((response.code, doc.get("parameter")), (code, parameter), query)
@@ -198,7 +201,7 @@ class ReadApiTests(ReadTestCase):
         await self.start_reading()
         await self.write("events", 1)
         response, doc = await self.page("events", "?from=now")
-        response, again = await self.page("events", f"?from={doc['next']}&wait=1")
+        response, again = await self.page("events", f"?from={doc['next']}&wait=0.3")
         self.assertEqual((again["facts"], again["next"]), ([], doc["next"]))
 
 

@@ -171,7 +171,7 @@ class ReadRoutes:
 
     async def _long_poll(self, finished: defer.Deferred, gone: List[object], request,
                          reader: Reader, stream, page: Page, limit: int,
-                         wait: int) -> Optional[Page]:
+                         wait: float) -> Optional[Page]:
         """Wait up to ``wait`` seconds for a fact after ``page.next``."""
         host = client_host(request)
         self.slots.take(host)
