@@ -17,11 +17,12 @@ from twisted.logger import Logger
 from ..http.answers import HttpError, Response, excerpt
 from .auth import Reader, ReaderAuth
 from .book import ReaderBook, Slots, client_host
+from .live import LiveFeed
 from .pages import Page, etag, matches, page_body, read_page
 from .params import ParameterError, limit_of, one, positions_of, wait_of
-from .tokens import Positions
-from .live import LiveFeed
+from .persisted import PersistedLinear
 from .sse import SseClient
+from .tokens import Positions
 from .watch import StreamWatch
 
 log = Logger()
@@ -47,6 +48,7 @@ class ReadRoutes:
         self._clock = clock
         self.watch = StreamWatch()
         self.book = ReaderBook(clock)
+        self.persisted = PersistedLinear(clock)
         self.slots = Slots(max_waiting, max_waiting_per_address)
         self.heartbeat = heartbeat
         self.feed_interval = feed_interval
@@ -167,6 +169,9 @@ class ReadRoutes:
         if failed is not None:
             log.info("reads of {stream} succeed again after {n} failed", stream=stream.name,
                      n=failed)
+        if page.final:
+            # Final for good only at or below the persisted positions.
+            page.final = page.facts[-1][0] <= await self.persisted.get(stream)
         return page
 
     async def _long_poll(self, finished: defer.Deferred, gone: List[object], request,
