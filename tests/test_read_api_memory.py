@@ -389,3 +389,42 @@ class GoneEarlyTests(SynchronousTestCase):
         self.assertIsNone(self.successResultOf(d))
         self.assertEqual(routes.slots.open, 0)
         self.assertEqual(routes.feed(stream).clients, set())
+
+
+class LiveOutageTests(SynchronousTestCase):
+    def test_a_failing_live_read_is_retried_with_two_log_lines_per_outage(self):
+        from twisted.logger import globalLogPublisher
+
+        events = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        clock = task.Clock()
+        stream = FakeStream(["a"])
+        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
+                        interval=0)
+        request = FakeRequest()
+
+        async def page(pos, limit, bounds):
+            return await read_page(stream, pos, bounds, limit)
+
+        SseClient(request, stream, feed, {"a": 0}, page, clock, 3600).start()
+        read = stream.updates_since
+        broken = [True]
+
+        async def updates_since(*args):
+            if broken[0]:
+                raise OSError("connection refused")
+            return await read(*args)
+
+        stream.updates_since = updates_since
+        stream.add("a", 1, [[1]])
+        stream.id_gen.move("a", 1)
+        for _ in range(5):
+            clock.advance(60)
+        broken[0] = False
+        clock.advance(60)
+        self.assertEqual(SseTests.events(self, request)[0][1]["stream_id"], 1)
+        texts = [e.get("log_format", "") for e in events
+                 if e.get("log_namespace", "").startswith("replicator")]
+        self.assertEqual(len([t for t in texts if "outage" in t]), 2, texts)
+        self.assertFalse([e for e in events if e.get("log_failure")])

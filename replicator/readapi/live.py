@@ -28,17 +28,15 @@ from typing import Callable, List, Set
 
 import orjson
 from twisted.internet import defer
-from twisted.logger import Logger
 
+from ..backoff import Outage
 from ..streams.pages import group
 from .pages import fact_object
 from .tokens import Positions, encode
 
-log = Logger()
-
 #: Rows read per round of the feed.
 FETCH = 1000
-#: Seconds before a failed read is tried again.
+#: Seconds before a failed read is first tried again (then with backoff).
 RETRY = 1.0
 
 
@@ -64,6 +62,7 @@ class LiveFeed:
         self._running = False
         self._again = False
         self._retry = None
+        self._outage = Outage(f"event streams' live read of {stream.name}", RETRY)
         watch.always(stream, self.advanced)
 
     def join(self, client) -> bool:
@@ -110,11 +109,13 @@ class LiveFeed:
                 for writer in behind:
                     await self._read(writer, bounds[writer])
                 self._wake()
-        except Exception:
-            log.failure("stream {stream}: the event streams' live read failed; retrying",
-                        stream=self.stream.name)
+        except Exception as e:
+            # One line when an outage starts, one when it ends (backoff).
+            delay = self._outage.failed(e)
             if self._retry is None or not self._retry.active():
-                self._retry = self._clock.callLater(RETRY, self.advanced)
+                self._retry = self._clock.callLater(delay, self.advanced)
+        else:
+            self._outage.succeeded()
         finally:
             self._running = False
         if self._again:

@@ -25,6 +25,7 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from ..http.answers import HttpError
 from .live import event
 from .pages import fact_object
 from .tokens import Positions, encode
@@ -111,6 +112,8 @@ class SseClient:
                         and bounds == self.feed.position:
                     # Ahead of the feed on some writer: wait for it to move.
                     await self.feed.moved()
+        except HttpError:
+            self.close()  # a failed read (logged once per outage); the client retries
         except Exception:
             log.failure("stream {stream}: an event stream's catch-up failed; closing it",
                         stream=name)
