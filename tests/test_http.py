@@ -189,10 +189,11 @@ class HttpTestCase(TestCase):
                 if e.get("log_namespace") == "replicator.http.access"]
 
     async def start(self, name="master", dsn=None, replication=None, consumers=(),
-                    stop_registry=True, config_overrides=None, **api_kw):
+                    stop_registry=True, config_overrides=None, config=None, **api_kw):
         if not config_overrides and dsn is None:
             dsn = PostgresServer.shared().create_database()
-        config = instance_config(name, dsn, replication, **(config_overrides or {}))
+        if config is None:
+            config = instance_config(name, dsn, replication, **(config_overrides or {}))
         if config.database.engine == "postgres":
             try:  # the tables of the streams other instances write
                 create_stream_tables(config.database.dsn, config.streams)
@@ -587,10 +588,12 @@ class HttpApiTests(HttpTestCase):
              None),
             ("POST", FACTS.format("events"), 409,
              {"error": "not a writer of stream events on this instance (master)"}, None),
-            ("GET", FACTS.format("caches"), 405, {"error": "method GET not allowed"},
-             [b"POST"]),
+            ("DELETE", FACTS.format("caches"), 405, {"error": "method DELETE not allowed"},
+             [b"GET, OPTIONS, POST, HEAD"]),
             ("PUT", FACTS.format("caches"), 405, {"error": "method PUT not allowed"},
-             [b"POST"]),
+             [b"GET, OPTIONS, POST, HEAD"]),
+            ("POST", "/_replicator/v1/streams/caches/events", 405,
+             {"error": "method POST not allowed"}, [b"GET, OPTIONS, HEAD"]),
             ("POST", "/health", 405, {"error": "method POST not allowed"},
              [b"GET, HEAD"]),
             ("DELETE", "/_replicator/v1/positions", 405,
