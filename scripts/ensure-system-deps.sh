@@ -22,6 +22,7 @@ have_cmd chromium || need+=(chromium)  # the status page's browser test
 { have_cmd nginx || test -x /usr/sbin/nginx; } || need+=(nginx)  # proxy_cache in front of the read API
 have_cmd node || need+=(nodejs)  # fetch and EventSource clients of the read API
 have_cmd npm || need+=(npm)
+have_cmd curl || need+=(curl)  # the read API by hand: pages, long-poll, events
 
 if [ ${#need[@]} -eq 0 ]; then
     exit 0
