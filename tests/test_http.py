@@ -163,10 +163,11 @@ class HttpTestCase(TestCase):
                 if e.get("log_namespace") == "replicator.http.access"]
 
     async def start(self, name="master", dsn=None, replication=None, consumers=(),
-                    stop_registry=True, config_overrides=None, **api_kw):
+                    stop_registry=True, config_overrides=None, config=None, **api_kw):
         if not config_overrides and dsn is None:
             dsn = PostgresServer.shared().create_database()
-        config = instance_config(name, dsn, replication, **(config_overrides or {}))
+        if config is None:
+            config = instance_config(name, dsn, replication, **(config_overrides or {}))
         if config.database.engine == "postgres":
             try:  # the tables of the streams other instances write
                 create_stream_tables(config.database.dsn, config.streams)

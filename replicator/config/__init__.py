@@ -30,8 +30,8 @@ from .fields import (IDENTIFIER, SQL_KEYWORDS, WIRE_NAME, ConfigError, get_bool,
 from .instance import (INSTANCE_KEYS, MAX_CONFIG_SIZE, load_config, load_yaml, parse_consumers,
                        parse_health, parse_http, parse_instance, parse_synapse)
 from .model import (COLUMN_TYPES, LOG_LEVELS, POSITIONS_TABLE, ColumnConfig, ConsumerConfig,
-                    DatabaseConfig, HealthConfig, HttpConfig, InstanceConfig, RedisConfig,
-                    ReplicationConfig, StreamConfig, SynapseConfig)
+                    DatabaseConfig, HealthConfig, HttpConfig, InstanceConfig, ReaderConfig,
+                    RedisConfig, ReplicationConfig, StreamConfig, SynapseConfig)
 from .replication import parse_redis, parse_replication
 from .validate import read_secret, validate, validate_http, validate_replication
 from .streams import MAX_POOL, MAX_WRITE_GROUP, parse_column, parse_database, parse_stream, \
@@ -43,7 +43,7 @@ __all__ = [
     "INSTANCE_KEYS", "MAX_CONFIG_SIZE", "load_config", "load_yaml", "parse_consumers",
     "parse_health", "parse_http", "parse_instance", "parse_synapse", "COLUMN_TYPES",
     "LOG_LEVELS", "POSITIONS_TABLE", "ColumnConfig", "ConsumerConfig", "DatabaseConfig",
-    "HealthConfig", "HttpConfig", "InstanceConfig", "RedisConfig", "ReplicationConfig",
+    "HealthConfig", "HttpConfig", "InstanceConfig", "ReaderConfig", "RedisConfig", "ReplicationConfig",
     "StreamConfig", "SynapseConfig", "parse_redis", "parse_replication", "MAX_POOL",
     "MAX_WRITE_GROUP", "parse_column", "parse_database", "parse_stream", "parse_streams",
     "read_secret", "validate", "validate_http", "validate_replication",

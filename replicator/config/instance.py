@@ -11,7 +11,7 @@ from .endpoints import get_endpoint
 from .fields import (WIRE_NAME, ConfigError, as_mapping, get_int, get_list, get_number,
                      get_path, get_str, kind_of, no_unknown)
 from .model import (LOG_FORMATS, LOG_LEVELS, ConsumerConfig, HealthConfig, HttpConfig,
-                    InstanceConfig, SynapseConfig)
+                    InstanceConfig, ReaderConfig, SynapseConfig)
 from .replication import parse_replication
 from .streams import _check_dsn, parse_database, parse_streams
 
@@ -57,7 +57,9 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     to the working directory): :func:`.validate.validate` reads it."""
     section = as_mapping(value if value is not None else {}, key)
     no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
-                          "body_timeout", "max_connections", "max_connections_per_address"),
+                          "body_timeout", "max_connections", "max_connections_per_address",
+                          "readers", "max_waiting_reads", "max_waiting_reads_per_address",
+                          "heartbeat_interval"),
                key)
     if "secret" in section and "secret_file" in section:
         raise ConfigError(key, "give either secret or secret_file, not both")
@@ -77,6 +79,8 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
         if not m or not 0 < int(m.group("port")) < 65536:
             raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
     max_connections = get_int(section, "max_connections", key, 256, minimum=1, maximum=100_000)
+    max_waiting = get_int(section, "max_waiting_reads", key, min(128, max_connections),
+                          minimum=1, maximum=max_connections)
     return HttpConfig(
         listen=listen, secret=secret, metrics_listen=metrics_listen, secret_file=secret_file,
         header_timeout=get_number(section, "header_timeout", key, 10.0, minimum=0.1,
@@ -86,7 +90,45 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
         max_connections_per_address=get_int(section, "max_connections_per_address", key,
                                             min(64, max_connections),
                                             minimum=1, maximum=max_connections),
+        readers=parse_readers(section.get("readers"), f"{key}.readers"),
+        max_waiting_reads=max_waiting,
+        max_waiting_reads_per_address=get_int(section, "max_waiting_reads_per_address", key,
+                                              min(32, max_waiting), minimum=1,
+                                              maximum=max_waiting),
+        heartbeat_interval=get_number(section, "heartbeat_interval", key, 15.0, minimum=0.1,
+                                      maximum=3600),
     )
+
+
+def parse_readers(value: Any, key: str) -> Tuple[ReaderConfig, ...]:
+    """``http.readers``: ``[{name, secret_file, streams}]`` (the streams are
+    checked against the config's by :func:`parse_instance`; the files are
+    read by :func:`.validate.validate`)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(key, f"expected a list, got {kind_of(value)}")
+    out = []
+    names = set()
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        section = as_mapping(item, where)
+        no_unknown(section, ("name", "secret_file", "streams"), where)
+        name = get_str(section, "name", where, pattern=WIRE_NAME, what="a name without spaces")
+        if name in names:
+            raise ConfigError(f"{where}.name", f"{name!r} is named twice")
+        names.add(name)
+        secret_file = get_path(section, "secret_file", where)
+        if not os.path.isabs(secret_file):
+            secret_file = os.path.join(".", secret_file)
+        streams = get_list(section, "streams", where, empty="a reader reads some stream "
+                                                            '(or ["*"]: every stream)')
+        for j, s in enumerate(streams):
+            if not isinstance(s, str) or not s:
+                raise ConfigError(f"{where}.streams[{j}]",
+                                  f"expected a stream name or \"*\", got {kind_of(s)}")
+        out.append(ReaderConfig(name, secret_file, tuple(streams)))
+    return tuple(out)
 
 
 def parse_health(value: Any, key: str = "health") -> HealthConfig:
@@ -156,6 +198,13 @@ def _check_synapse_streams(streams, instance_name: str,
                               f"otherwise)")
 
 
+def _check_reader_streams(http: HttpConfig, stream_names) -> None:
+    for i, reader in enumerate(http.readers):
+        for j, name in enumerate(reader.streams):
+            if name != "*" and name not in stream_names:
+                raise ConfigError(f"http.readers[{i}].streams[{j}]", f"unknown stream {name!r}")
+
+
 def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     """A whole instance config from its parsed YAML document."""
     # Relative paths (SQLite file, secret file, consumer files) are relative
@@ -181,6 +230,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
         replication_section.setdefault("redis", {"endpoint": synapse_config.redis})
     replication = parse_replication(replication_section)
     http = parse_http(section.get("http"))
+    _check_reader_streams(http, {s.name for s in streams})
     consumers = parse_consumers(section.get("consumers"), {s.name for s in streams})
     health = parse_health(section.get("health"))
     log_level = section.get("log_level", "info")

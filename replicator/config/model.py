@@ -121,6 +121,21 @@ class ReplicationConfig:
 
 
 @dataclass(frozen=True)
+class ReaderConfig:
+    """One credential of the read API (``http.readers[]``): ``streams`` it
+    may read (``("*",)``: every stream).  With ``secret_file``, ``secret``
+    is None until validate() has read it."""
+
+    name: str
+    secret_file: str
+    streams: Tuple[str, ...]
+    secret: Optional[str] = field(default=None, repr=False)
+
+    def covers(self, stream: str) -> bool:
+        return "*" in self.streams or stream in self.streams
+
+
+@dataclass(frozen=True)
 class HttpConfig:
     """The HTTP API: write facts, positions, health, metrics."""
 
@@ -136,6 +151,12 @@ class HttpConfig:
     body_timeout: float = 30.0
     max_connections: int = 256
     max_connections_per_address: int = 64
+    # The read API (docs/read-api.md): credentials, and how many long-polls
+    # and event streams may be open at once (all, and from one address).
+    readers: Tuple[ReaderConfig, ...] = ()
+    max_waiting_reads: int = 128
+    max_waiting_reads_per_address: int = 32
+    heartbeat_interval: float = 15.0
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,32 @@ def validate_http(http: HttpConfig, reactor, key: str = "http") -> HttpConfig:
     """The listener, and the secret read from ``secret_file``."""
     if http.listen is not None:
         _build(reactor, http.listen, f"{key}.listen", "server")
+    if http.readers:
+        http = dataclasses.replace(http, readers=read_reader_secrets(http.readers, key))
     if http.secret_file is None:
         return http
     secret = read_secret(http.secret_file, f"{key}.secret_file")
     if len(secret) < MIN_SECRET:
         raise ConfigError(f"{key}.secret", f"must be at least {MIN_SECRET} characters")
     return dataclasses.replace(http, secret=secret)
+
+
+def read_reader_secrets(readers, key: str = "http"):
+    """``http.readers`` with each reader's secret read from its file (at
+    least :data:`MIN_SECRET` characters, no two readers alike)."""
+    out = []
+    seen = {}
+    for i, reader in enumerate(readers):
+        where = f"{key}.readers[{i}].secret_file"
+        secret = read_secret(reader.secret_file, where)
+        if len(secret) < MIN_SECRET:
+            raise ConfigError(where, f"the secret must be at least {MIN_SECRET} characters")
+        if secret in seen:
+            raise ConfigError(where, f"the same secret as reader {seen[secret]!r}: each "
+                                     "reader needs its own")
+        seen[secret] = reader.name
+        out.append(dataclasses.replace(reader, secret=secret))
+    return tuple(out)
 
 
 def read_secret(path: str, key: str) -> str:

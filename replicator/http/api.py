@@ -90,7 +90,11 @@ class HttpApi:
         secret_bytes = secret.encode("utf-8") if secret else None
         # Strings never to show: the HTTP secret, and the Redis password
         # which a replication status detail might carry.
-        self.redact = Redactor([secret, getattr(config.replication.redis, "password", None)])
+        from ..readapi import ReadRoutes, ReaderAuth  # (it imports .answers)
+
+        read_auth = ReaderAuth(secret, config.http.readers)
+        self.redact = Redactor([*read_auth.secrets,
+                                getattr(config.replication.redis, "password", None)])
         self.access = AccessLog(self.redact)
         self._clock = clock
         if writers is None:
@@ -115,6 +119,11 @@ class HttpApi:
             max_line_length=config.replication.max_line_length, redact=self.redact,
             writers=writers)
         self.bookkeeping = BookkeepingRoutes(handler, secret_bytes)
+        self.reads = ReadRoutes(  # the read API: docs/read-api.md
+            registry=registry, auth=read_auth, clock=clock,
+            max_waiting=config.http.max_waiting_reads,
+            max_waiting_per_address=config.http.max_waiting_reads_per_address,
+            heartbeat=config.http.heartbeat_interval)
         self._root = _Root(self)
 
     # --------------------------------------------------------------- public
@@ -168,12 +177,15 @@ class HttpApi:
             if rest in simple:
                 return {b"GET": simple[rest]}, ()
             parts = rest.split(b"/")
-            if len(parts) == 3 and parts[0] == b"streams" and parts[2] == b"facts" and parts[1]:
+            if len(parts) == 3 and parts[0] == b"streams" and parts[2] in (b"facts", b"events") \
+                    and parts[1]:
                 try:
                     name = unquote(parts[1].decode("ascii"), errors="strict")
                 except (UnicodeDecodeError, ValueError):
                     name = None
-                return {b"POST": self.streams.post_facts}, (name,)
+                if parts[2] == b"events":
+                    return {b"GET": self.reads.events}, (name,)
+                return {b"POST": self.streams.post_facts, b"GET": self.reads.facts}, (name,)
         raise HttpError(404, "no such endpoint")
 
     def render(self, request) -> int:

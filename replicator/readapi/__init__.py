@@ -1,0 +1,17 @@
+"""The read API: any program reads a stream over HTTP (docs/read-api.md).
+
+* :mod:`.tokens`: resume tokens (every writer's position, versioned).
+* :mod:`.auth`: read credentials scoped to streams.
+* :mod:`.params`: the query parameters, checked.
+* :mod:`.pages`: one page of facts, never past what is safe; final pages.
+* :mod:`.watch`: waking readers when a stream's positions move.
+* :mod:`.live`: new facts read and encoded once for every event stream.
+* :mod:`.sse`: one event stream (Server-Sent Events), live or catching up.
+* :mod:`.book`: readers' positions and lag; the cap on open reads.
+* :mod:`.routes`: the routes.
+"""
+
+from .auth import ReaderAuth
+from .routes import ReadRoutes
+
+__all__ = ["ReadRoutes", "ReaderAuth"]

@@ -1,0 +1,140 @@
+"""A stream's new facts, read once and encoded once for every event
+stream that is live (as the fan-out does RDATA for TCP connections).
+
+:class:`LiveFeed` keeps a *position* (per writer) and follows the stream's
+current tokens: when they move, it reads the facts in between (memory or
+table, :meth:`replicator.streams.stream.Stream.updates_since`), encodes each
+as one Server-Sent Event whose ``id`` is the token after that fact, joins
+them into one bytes object and hands that object to every live client
+(:mod:`.sse`).
+
+Invariants:
+
+* A live client is exactly at the feed's position: what the feed sends
+  follows what the client has, nothing missing, nothing twice.  A client
+  joins (:meth:`join`) only when its own position equals the feed's, in
+  the same reactor turn as the check.
+* A client that cannot take more (its transport paused it) is not written
+  to: it leaves the live set at the position it had, and catches up from
+  the table at its own pace (:mod:`.sse`).  Nobody waits for it.
+* One read at a time; advances while it runs are taken by the next round.
+  With no live client the feed only moves its position (nothing is read).
+"""
+
+from typing import Callable, List, Set
+
+import orjson
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from ..streams.pages import group
+from .pages import fact_object
+from .tokens import Positions, encode
+
+log = Logger()
+
+#: Rows read per round of the feed.
+FETCH = 1000
+#: Seconds before a failed read is tried again.
+RETRY = 1.0
+
+
+def event(token: str, fact_json: bytes) -> bytes:
+    """One Server-Sent Event carrying a fact."""
+    return b"id: " + token.encode("ascii") + b"\nevent: fact\ndata: " + fact_json + b"\n\n"
+
+
+class LiveFeed:
+    """The live events of one stream (reactor thread)."""
+
+    def __init__(self, stream, bounds: Callable[[object], Positions], watch, clock):
+        self.stream = stream
+        self._bounds = bounds
+        self._clock = clock
+        self.position: Positions = bounds(stream)
+        self.clients: Set[object] = set()
+        self._moved: List[defer.Deferred] = []  # catch-up clients waiting for a move
+        self._running = False
+        self._again = False
+        self._retry = None
+        watch.always(stream, self.advanced)
+
+    def join(self, client) -> bool:
+        """Take ``client`` live if it is at the feed's position."""
+        if client.position != self.position:
+            return False
+        self.clients.add(client)
+        return True
+
+    def leave(self, client) -> None:
+        self.clients.discard(client)
+
+    def moved(self) -> defer.Deferred:
+        """Fires at the feed's next move."""
+        d = defer.Deferred()
+        self._moved.append(d)
+        return d
+
+    def advanced(self) -> None:
+        if self._running:
+            self._again = True
+            return
+        self._running = True
+        defer.ensureDeferred(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._again = False
+                bounds = self._bounds(self.stream)
+                behind = [w for w in sorted(bounds) if bounds[w] > self.position.get(w, 0)]
+                if not behind:
+                    break
+                for writer in behind:
+                    await self._read(writer, bounds[writer])
+                self._wake()
+        except Exception:
+            log.failure("stream {stream}: the event streams' live read failed; retrying",
+                        stream=self.stream.name)
+            if self._retry is None or not self._retry.active():
+                self._retry = self._clock.callLater(RETRY, self.advanced)
+        finally:
+            self._running = False
+        if self._again:
+            self.advanced()
+
+    async def _read(self, writer: str, bound: int) -> None:
+        """Read, encode and send ``writer``'s facts up to ``bound``."""
+        name = self.stream.name
+        columns = list(self.stream.config.column_names)
+        while self.position[writer] < bound:
+            start = self.position[writer]
+            if not self.clients:
+                self.position = dict(self.position, **{writer: bound})
+                return
+            updates, upto, _ = await self.stream.updates_since(writer, start, bound, FETCH)
+            if self.position[writer] != start:
+                return  # (cannot happen: one read at a time)
+            position = dict(self.position)
+            chunks = []
+            for fact in group(updates):
+                position[writer] = fact[0]
+                chunks.append(event(encode(name, position),
+                                    orjson.dumps(fact_object(columns, (fact[0], writer,
+                                                                       fact[1])))))
+            position[writer] = max(upto, start)
+            self._send(b"".join(chunks), position)
+
+    def _send(self, data: bytes, position: Positions) -> None:
+        """``data`` (the events up to ``position``) to every live client."""
+        for client in list(self.clients):
+            if data and not client.live_write(data, position):
+                self.clients.discard(client)
+            else:
+                client.position = position
+        self.position = position
+
+    def _wake(self) -> None:
+        moved, self._moved = self._moved, []
+        for d in moved:
+            d.callback(None)

@@ -1,0 +1,66 @@
+"""The read API's query parameters, checked: each bad one is a JSON 400
+naming it (``{"error": "...", "parameter": "limit"}``)."""
+
+from typing import Dict, Mapping, Optional
+
+from ..http.answers import HttpError, excerpt
+from .tokens import Positions, TokenError, decode
+
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+MAX_WAIT = 30
+
+
+class ParameterError(HttpError):
+    """A 4xx about one parameter (named in the answer's ``parameter``)."""
+
+    def __init__(self, code: int, parameter: str, message: str,
+                 headers: Optional[Dict[bytes, bytes]] = None):
+        super().__init__(code, message, headers)
+        self.extra = {"parameter": parameter}
+
+
+def one(args: Mapping[bytes, list], name: str) -> Optional[str]:
+    """The value of parameter ``name`` (None if absent); 400 if given twice
+    or not UTF-8."""
+    values = args.get(name.encode("ascii"))
+    if not values:
+        return None
+    if len(values) != 1:
+        raise ParameterError(400, name, f"{name} given {len(values)} times")
+    try:
+        return values[0].decode("utf-8")
+    except UnicodeDecodeError:
+        raise ParameterError(400, name, f"{name} is not UTF-8") from None
+
+
+def bounded_int(args, name: str, default: int, low: int, high: int) -> int:
+    text = one(args, name)
+    if text is None:
+        return default
+    if not (text.isascii() and text.isdigit()) or len(text) > 12 or not low <= int(text) <= high:
+        raise ParameterError(400, name, f"{name} must be an integer from {low} to {high}, "
+                                        f"got {excerpt(text)}")
+    return int(text)
+
+
+def limit_of(args) -> int:
+    return bounded_int(args, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+
+
+def wait_of(args) -> int:
+    return bounded_int(args, "wait", 0, 0, MAX_WAIT)
+
+
+def positions_of(text: Optional[str], stream, now: Positions) -> Positions:
+    """The positions a ``from`` token names in ``stream`` (absent: the
+    beginning; ``now``: ``now``); 400 for a malformed or foreign token."""
+    writers = stream.config.writers
+    if text is None:
+        return {w: 0 for w in writers}
+    if text == "now":
+        return dict(now)
+    try:
+        return decode(text, stream.name, writers)
+    except TokenError as e:
+        raise ParameterError(400, "from", str(e)) from None

@@ -1,0 +1,207 @@
+"""The read API's routes: ``GET .../streams/{stream}/facts`` (pages and
+long-poll) and ``GET .../streams/{stream}/events`` (Server-Sent Events,
+:mod:`.sse`).  docs/read-api.md is the contract.
+
+Checked in this order: 401/403 (credential, :mod:`.auth`), 404 (unknown
+stream), 403 (a stream the credential does not cover), 503 (streams not
+loaded yet), 400 (``limit``, ``wait``, ``from``: a malformed or foreign
+token, or one beyond the stream's sequence), then 503 when too many reads
+are open already (long-polls that wait, event streams).
+"""
+
+from typing import Dict, List, Optional
+
+from twisted.internet import defer, threads
+
+from ..http.answers import HttpError, Response, excerpt
+from .auth import Reader, ReaderAuth
+from .book import ReaderBook, Slots, client_host
+from .pages import Page, etag, matches, page_body, read_page
+from .params import ParameterError, limit_of, one, positions_of, wait_of
+from .tokens import Positions
+from .live import LiveFeed
+from .sse import SseClient
+from .watch import StreamWatch
+
+#: Pages of more rows than this are encoded in a thread.
+THREAD_ENCODE_ROWS = 256
+IMMUTABLE = b"public, max-age=31536000, immutable"
+NEWEST = b"no-store"
+
+
+class ReadRoutes:
+    """Reading streams over HTTP (one per :class:`replicator.http.HttpApi`)."""
+
+    def __init__(self, *, registry, auth: ReaderAuth, clock, max_waiting: int = 128,
+                 max_waiting_per_address: int = 32, heartbeat: float = 15.0):
+        self.registry = registry
+        self.auth = auth
+        self._clock = clock
+        self.watch = StreamWatch()
+        self.book = ReaderBook(clock)
+        self.slots = Slots(max_waiting, max_waiting_per_address)
+        self.heartbeat = heartbeat
+        self._live: Dict[str, LiveFeed] = {}  # stream name -> its live encoder (.live)
+
+    # ------------------------------------------------------------ common
+    def open_stream(self, request, name: Optional[str]):
+        """``(reader, stream)`` for a request, or the 401/403/404/503."""
+        reader = self.auth.reader(request)
+        stream = self.registry.find(name) if name is not None else None
+        if stream is None:
+            raise ParameterError(404, "stream", "unknown stream" + (
+                f" {excerpt(name)}" if name is not None else
+                ": the name is not percent-encoded UTF-8"))
+        self.auth.check(reader, stream.name)
+        if stream.id_gen is None:
+            raise HttpError(503, f"stream {stream.name} is not loaded yet")
+        return reader, stream
+
+    @staticmethod
+    def bounds(stream) -> Positions:
+        """Every writer's current token: how far a reader may read now."""
+        current = stream.id_gen.get_positions()
+        return {w: current.get(w, 0) for w in stream.config.writers}
+
+    async def start_positions(self, stream, text: Optional[str]) -> Positions:
+        """Where a read starts (``from``); 400 for a bad token, or one
+        beyond what the stream's sequence ever handed out."""
+        now = self.bounds(stream)
+        since = positions_of(text, stream, now)
+        if any(p > now.get(w, 0) for w, p in since.items()):
+            # Ahead of what this instance knows (it restarted, or another
+            # writer's announcement is on its way): possible only below the
+            # sequence; above it the token claims facts that never existed.
+            top = await stream.sequence_value()
+            if any(p > top for p in since.values()):
+                raise ParameterError(400, "from", "token beyond the stream: it names a "
+                                                  f"position above {top}, the largest ID "
+                                                  f"stream {stream.name} has handed out")
+        return since
+
+    # ------------------------------------------------------------- pages
+    async def facts(self, request, name: Optional[str]):
+        reader, stream = self.open_stream(request, name)
+        args = request.args
+        limit = limit_of(args)
+        wait = wait_of(args)
+        since = await self.start_positions(stream, one(args, "from"))
+        page = await self.page(stream, since, limit)
+        if not page.facts and wait > 0:
+            page = await self._long_poll(request, reader, stream, page, limit, wait)
+            if page is None:
+                return None  # the client went away
+        self.book.reached(reader.name, stream.name, page.next)
+        return await self._page_answer(request, stream, page)
+
+    async def page(self, stream, since: Positions, limit: int,
+                   bounds: Optional[Positions] = None) -> Page:
+        return await read_page(stream, since, bounds if bounds is not None
+                               else self.bounds(stream), limit,
+                               final_below=stream.id_gen.get_linear_token())
+
+    async def _long_poll(self, request, reader: Reader, stream, page: Page, limit: int,
+                         wait: int) -> Optional[Page]:
+        """Wait up to ``wait`` seconds for a fact after ``page.next``."""
+        host = client_host(request)
+        self.slots.take(host)
+        self.book.opened(reader.name, stream.name)
+        gone: List[object] = []
+        woke: Optional[defer.Deferred] = None
+
+        def wake(_=None) -> None:
+            if woke is not None and not woke.called:
+                woke.callback(None)
+
+        def went(failure) -> None:
+            gone.append(failure)
+            wake()
+
+        request.notifyFinish().addErrback(went)
+        deadline = self._clock.seconds() + wait
+        try:
+            while not page.facts and not gone:
+                remaining = deadline - self._clock.seconds()
+                if remaining <= 0:
+                    break
+                woke = defer.Deferred()
+                cancel = self.watch.once(stream, wake)
+                timer = self._clock.callLater(remaining, wake)
+                try:
+                    await woke
+                finally:
+                    cancel()
+                    if timer.active():
+                        timer.cancel()
+                if gone:
+                    break
+                page = await self.page(stream, page.next, limit)
+        finally:
+            self.slots.give(host)
+            self.book.closed(reader.name, stream.name)
+        return None if gone else page
+
+    async def _page_answer(self, request, stream, page: Page):
+        columns = list(stream.config.column_names)
+        rows = sum(len(f[2]) for f in page.facts)
+        if rows > THREAD_ENCODE_ROWS:
+            body = await threads.deferToThread(page_body, stream.name, columns, page)
+        else:
+            body = page_body(stream.name, columns, page)
+        if not page.final:
+            return Response(body, b"application/json", {b"cache-control": NEWEST})
+        tag = etag(body)
+        headers = {b"cache-control": IMMUTABLE, b"etag": tag}
+        if matches(request.getHeader(b"if-none-match"), tag):
+            request.setResponseCode(304)
+            for k, v in headers.items():
+                request.setHeader(k, v)
+            request.finish()
+            return None
+        return Response(body, b"application/json", headers)
+
+    # ------------------------------------------------------------ events
+    async def events(self, request, name: Optional[str]):
+        """A Server-Sent Events stream of ``stream``'s facts (:mod:`.sse`)
+        from ``Last-Event-ID`` if given, else ``from``."""
+        reader, stream = self.open_stream(request, name)
+        last = request.getHeader(b"last-event-id")
+        if last is not None:
+            try:
+                since = await self.start_positions(stream, last.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ParameterError(400, "Last-Event-ID", "Last-Event-ID is not UTF-8") from None
+            except ParameterError as e:
+                e.extra = {"parameter": "Last-Event-ID"}
+                raise
+        else:
+            since = await self.start_positions(stream, one(request.args, "from"))
+        if request.method == b"HEAD":
+            return Response(b"", b"text/event-stream; charset=utf-8")
+        host = client_host(request)
+        self.slots.take(host)
+        client = None
+        try:
+            feed = self.feed(stream)
+            client = SseClient(request, stream, feed, since,
+                               lambda position, limit, bounds: self.page(
+                                   stream, position, limit, bounds),
+                               self._clock, self.heartbeat)
+            self.book.opened(reader.name, stream.name)
+            self.book.attach(reader.name, stream.name, client)
+            client.start()
+            await client.done
+        finally:
+            self.slots.give(host)
+            if client is not None:
+                self.book.detach(reader.name, stream.name, client)
+                self.book.closed(reader.name, stream.name)
+        return None
+
+    def feed(self, stream) -> LiveFeed:
+        """The live feed of ``stream`` (made at its first event stream)."""
+        feed = self._live.get(stream.name)
+        if feed is None or feed.stream is not stream:
+            feed = self._live[stream.name] = LiveFeed(stream, self.bounds, self.watch,
+                                                      self._clock)
+        return feed

@@ -1,0 +1,179 @@
+"""One event stream (Server-Sent Events) of the read API.
+
+The answer is ``text/event-stream``: ``retry: 2000`` first, then one event
+per fact (``id:`` the token after it, ``event: fact``, ``data:`` the fact as
+in a page), and a comment line (``: ping``) every ``heartbeat`` seconds.
+
+A client is *live* (in its stream's :class:`.live.LiveFeed`: it gets the
+shared bytes of new facts) or *catching up* (it reads pages from the table
+at its own pace, bounded by the feed's position, and joins the feed once it
+is there).  It starts catching up from its token.
+
+Backpressure: the client is the streaming producer of its request.  When
+its transport's buffer is over the transport's bound, the transport pauses
+it: a live client leaves the feed at the next write (nothing is queued for
+it); a catching-up client reads no next page until resumed.  So a client
+holds at most its transport's bound plus one page, whatever the stream's
+rate, and nobody else waits for it.
+"""
+
+from typing import Callable, Optional
+
+import orjson
+from twisted.internet import defer
+from twisted.internet.interfaces import IPushProducer
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from .live import event
+from .pages import fact_object
+from .tokens import Positions, encode
+
+log = Logger()
+
+RETRY = b"retry: 2000\n\n"
+PING = b": ping\n\n"
+#: Facts per catch-up page.
+CATCH_UP_PAGE = 256
+
+
+@implementer(IPushProducer)
+class SseClient:
+    """One event stream: live or catching up (see the module docstring).
+
+    ``read_page(position, limit, bounds)`` reads a page (:mod:`.pages`).
+    """
+
+    def __init__(self, request, stream, feed, position: Positions,
+                 read_page: Callable, clock, heartbeat: float):
+        self.request = request
+        self.stream = stream
+        self.feed = feed
+        self.position = position
+        self._read_page = read_page
+        self._clock = clock
+        self._heartbeat = heartbeat
+        self.paused = False
+        self.closed = False
+        self.live = False
+        self.switched = 0  # times it left the feed for the table
+        self._resumed: Optional[defer.Deferred] = None
+        self._ping = None
+        self.done = defer.Deferred()  # fires when the stream ends
+
+    # ------------------------------------------------------------ start
+    def start(self) -> None:
+        request = self.request
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
+        request.setHeader(b"cache-control", b"no-store")
+        request.setHeader(b"x-accel-buffering", b"no")  # nginx: pass events on at once
+        request.setHeader(b"x-content-type-options", b"nosniff")
+        channel = getattr(request, "channel", None)
+        if channel is not None and hasattr(channel, "setTimeout"):
+            channel.setTimeout(None)  # heartbeats keep it going, not client bytes
+        request.registerProducer(self, True)
+        if getattr(channel, "_waitingForTransport", False):
+            self.paused = True
+        request.notifyFinish().addBoth(self._gone)
+        request.write(RETRY)
+        self._schedule_ping()
+        defer.ensureDeferred(self._catch_up())
+
+    # --------------------------------------------------------- catch-up
+    async def _catch_up(self) -> None:
+        """Read pages at the client's pace until it is at the feed's position."""
+        self.live = False
+        columns = list(self.stream.config.column_names)
+        name = self.stream.name
+        try:
+            while not self.closed:
+                if self.paused:
+                    self._resumed = defer.Deferred()
+                    await self._resumed
+                    continue
+                if self.feed.join(self):
+                    self.live = True
+                    return
+                bounds = dict(self.feed.position)
+                page = await self._read_page(self.position, CATCH_UP_PAGE, bounds)
+                if self.closed:
+                    return
+                if page.facts:
+                    position = dict(self.position)
+                    chunks = []
+                    for fact in page.facts:
+                        position[fact[1]] = fact[0]
+                        chunks.append(event(encode(name, position),
+                                            orjson.dumps(fact_object(columns, fact))))
+                    self.request.write(b"".join(chunks))
+                self.position = page.next
+                if not page.facts and self.position != self.feed.position \
+                        and bounds == self.feed.position:
+                    # Ahead of the feed on some writer: wait for it to move.
+                    await self.feed.moved()
+        except Exception:
+            log.failure("stream {stream}: an event stream's catch-up failed; closing it",
+                        stream=name)
+            self.close()
+
+    # -------------------------------------------------------------- live
+    def live_write(self, data: bytes, position: Positions) -> bool:
+        """The feed's next events; False (nothing written) when paused:
+        the client then catches up from the table."""
+        if self.closed:
+            return False
+        if self.paused:
+            self.live = False
+            self.switched += 1
+            defer.ensureDeferred(self._catch_up())
+            return False
+        self.request.write(data)
+        return True
+
+    # --------------------------------------------------------- producer
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        if self._resumed is not None:
+            d, self._resumed = self._resumed, None
+            d.callback(None)
+
+    def stopProducing(self) -> None:
+        self.close()
+
+    # --------------------------------------------------------- heartbeat
+    def _schedule_ping(self) -> None:
+        self._ping = self._clock.callLater(self._heartbeat, self._send_ping)
+
+    def _send_ping(self) -> None:
+        if self.closed:
+            return
+        if not self.paused:
+            self.request.write(PING)
+        self._schedule_ping()
+
+    # ------------------------------------------------------------- end
+    def close(self) -> None:
+        """End the stream (the server's side)."""
+        if not self.closed:
+            try:
+                self.request.unregisterProducer()
+                self.request.finish()
+            except Exception:
+                pass
+            self._gone(None)
+
+    def _gone(self, _) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.feed.leave(self)
+        if self._ping is not None and self._ping.active():
+            self._ping.cancel()
+        if self._resumed is not None:
+            d, self._resumed = self._resumed, None
+            d.callback(None)
+        self.done.callback(None)
