@@ -101,11 +101,11 @@ class ReadmeExampleTests(SynchronousTestCase):
         for lang, code in blocks:
             code = code.replace(EXAMPLE_BASE, daemon.base)
             try:
-                browser = self._run(lang, code, env, table, daemon, browser)
+                browser = self._example(lang, code, env, table, daemon, browser)
             except AssertionError as e:
                 raise AssertionError(f"README example {code[:70]!r}...: {e}") from None
 
-    def _run(self, lang, code, env, table, daemon, browser):
+    def _example(self, lang, code, env, table, daemon, browser):
         """Run one example; the browser, once one was needed."""
         if lang == "sh":
             if shutil.which("curl") is None:
