@@ -1,7 +1,8 @@
 """A real ``replicator run`` serving the read API, for the tests of its
 clients: one writer (``master``) of ``caches`` on PostgreSQL, two reader
 credentials (``app`` reads ``caches``, ``other`` only ``account_data``),
-the access log on (``log_level: debug``).
+the access log on (``log_level: debug``), an event stream's heartbeat
+every 0.5 s.
 
 Also what those tests share: writing facts through the write API, the
 table's facts in the API's shape, and a parser of ``text/event-stream``.
@@ -47,6 +48,7 @@ class ReadApiDaemon:
         config = base_config(
             "master", self.port, [dict(CACHES), ACCOUNT_DATA], database={"postgres": self.dsn},
             log_level="debug")
+        config["http"]["heartbeat_interval"] = 0.5  # pings seen within a test
         config["http"]["readers"] = [
             {"name": "app", "secret_file": secrets["app"], "streams": ["caches"]},
             {"name": "other", "secret_file": secrets["other"], "streams": ["account_data"]},

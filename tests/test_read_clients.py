@@ -3,7 +3,8 @@ with real clients against a real ``replicator run`` on PostgreSQL:
 
 * curl: pages to the end, their cache headers, a long-poll that answers
   with the next fact and one that answers empty at its deadline, an event
-  stream (``curl -N``) from the beginning and resumed from ``Last-Event-ID``,
+  stream (``curl -N``) from the beginning, its ``retry:`` and heartbeats,
+  and resumed from ``Last-Event-ID``,
   errors as JSON naming the parameter;
 * Node.js: its own ``fetch`` paging through the stream, and the npm
   ``eventsource`` client reading events (its credential as ``access_token``,
@@ -214,12 +215,15 @@ class CurlAndNodeTests(SynchronousTestCase):
         wait_for(lambda: len(stream.facts()) == 61, DEADLINE, "61 events")
         daemon.write(1)
         wait_for(lambda: len(stream.facts()) == 62, DEADLINE, "the live event")
+        wait_for(lambda: {"comment": "ping"} in stream.events()[62:], DEADLINE,
+                 "a heartbeat after the last event")
         events = stream.events()
         stream.stop()
         self.assertTrue(any("retry" in e for e in events), events[:3])
         facts = stream.facts()
         self.assertEqual(as_table(json.loads(e["data"]) for e in facts), daemon.table())
         self.assertEqual(len({e["id"] for e in facts}), 62, "one resume token per fact")
+        self.assertEqual({e.get("event") for e in events} - {None}, {"fact"}, events[:3])
         # Resumed from the 40th event's id: the 41st on, nothing before.
         resumed = StreamReader(events_url, f"Authorization: Bearer {READER_SECRET}",
                                f"Last-Event-ID: {facts[39]['id']}")

@@ -119,6 +119,8 @@ class Daemon:
                      "secret": SECRET,
                      "max_connections": clients + 64,
                      "max_connections_per_address": clients + 64,
+                     "max_waiting_reads": clients + 16,
+                     "max_waiting_reads_per_address": clients + 16,
                      "readers": [{"name": "bench", "secret_file": secret_file,
                                   "streams": [stream["name"]]}]},
         }
