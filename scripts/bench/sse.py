@@ -47,6 +47,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,7 +115,10 @@ class Daemon:
             "streams": [stream],
             "replication": {"listen": f"tcp:{self.rep_port}:interface=127.0.0.1:backlog=1024",
                             "max_connections": clients + 16,
-                            "max_connections_per_address": clients + 16},
+                            "max_connections_per_address": clients + 16,
+                            # All connect at once; an idle phase is not idle.
+                            "max_unidentified": clients + 16,
+                            "idle_timeout": 3600},
             "http": {"listen": f"tcp:{self.http_port}:interface=127.0.0.1:backlog=1024",
                      "secret": SECRET,
                      "max_connections": clients + 64,
@@ -185,6 +189,7 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ writers
