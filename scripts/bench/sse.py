@@ -29,9 +29,11 @@ taken for each client count of ``CLIENTS`` (1, 50, 1,000), SSE then TCP:
     200 facts/s with p99 <= 100 ms.  Also printed: facts/s delivered per
     client, events missing at the end.
 ``sse.rss_per_client_kb.<N>clients`` (baseline: TCP to the same N)
-    The daemon's VmRSS with the N clients connected and idle (after
-    ``SETTLE`` s) minus before they connected, over N.  Target <= 50 KB.
-    Not counted: the kernel's socket buffers.
+    The VmRSS of a daemon started for this alone, with the N clients
+    connected and idle (after ``SETTLE`` s) minus before they connected,
+    over N (a daemon that served clients before reuses the memory they
+    freed: TCP measured after SSE on one daemon showed 0 KB).  Target
+    <= 50 KB.  Not counted: the kernel's socket buffers.
 ``sse.pages.facts_per_s`` (baseline: raw keyset SELECT of the same rows)
     ``PAGE_FACTS`` facts (``--big``: 1,000,000; every tenth of three
     rows, generated inside PostgreSQL as ``catchup.py`` does) read from the
@@ -369,36 +371,44 @@ def latency(daemon: Daemon, kind: str, clients: int) -> tuple:
     delays, missing = delays_ms(results, writes.answered, writes.first_sent + LAT_WARMUP)
     last = max((max(r["last_at"]) for r in results), default=0.0)
     per_client = rate(facts, last - writes.first_sent)
+    written = rate(facts, max(writes.answered.values()) - writes.first_sent)
     p50, p99 = percentile(delays, 50), percentile(delays, 99)
     print(f"    {kind} to {clients} at {LAT_RATE} facts/s: commit -> arrival p50 {p50:.1f} ms, "
           f"p99 {p99:.1f} ms, max {delays[-1] if delays else float('nan'):.0f} ms; "
-          f"{per_client:,.0f} facts/s delivered per client"
+          f"written at {written:,.0f} facts/s, {per_client:,.0f} facts/s delivered per client"
           + (f"; {missing} arrivals missing" if missing else ""), flush=True)
     return p99, missing
 
 
-def idle_rss(daemon: Daemon, kind: str, clients: int) -> float:
-    time.sleep(SETTLE)
-    before = daemon.rss_kb()
-    readers = Readers(daemon, kind, clients, "count")
-    time.sleep(SETTLE)
-    after = daemon.rss_kb()
-    readers.close()
+def idle_rss(new_dsn, kind: str, clients: int) -> float:
+    """KB of the daemon's RSS per idle client, on a daemon of its own (a
+    heap that served other clients before reuses what they freed)."""
+    daemon = Daemon(new_dsn(), STREAM, clients)
+    try:
+        time.sleep(SETTLE)
+        before = daemon.rss_kb()
+        readers = Readers(daemon, kind, clients, "count")
+        time.sleep(SETTLE)
+        after = daemon.rss_kb()
+        readers.close()
+    finally:
+        daemon.stop()
     per = (after - before) / clients
     print(f"    {kind}: {clients} idle clients: daemon RSS {before / 1024:.1f} -> "
           f"{after / 1024:.1f} MB, {per:.1f} KB each", flush=True)
     return per
 
 
-def run_fanout(dsn: str) -> None:
-    daemon = Daemon(dsn, STREAM, max(CLIENTS))
+def run_fanout(new_dsn) -> None:
+    """``new_dsn()``: a fresh database for each daemon."""
+    daemon = Daemon(new_dsn(), STREAM, max(CLIENTS))
     try:
         for clients in CLIENTS:
             print(f"  {clients} client{'s' if clients > 1 else ''}", flush=True)
             figures = {}
             for kind in ("sse", "tcp"):
                 figures[kind] = {
-                    "rss": idle_rss(daemon, kind, clients) if clients >= 50 else None,
+                    "rss": idle_rss(new_dsn, kind, clients) if clients >= 50 else None,
                     "rows": burst(daemon, kind, clients),
                     "lat": latency(daemon, kind, clients),
                 }
@@ -475,7 +485,7 @@ PHASES = ("fanout", "pages")
 def run(pg, only=PHASES, big: bool = False) -> None:
     """Every figure (blocking), each phase on a database of its own of ``pg``."""
     if "fanout" in only:
-        run_fanout(pg.create_database("ssebench"))
+        run_fanout(lambda: pg.create_database("ssebench"))
     if "pages" in only:
         run_pages(pg.create_database("pagesbench"), PAGE_FACTS_BIG if big else PAGE_FACTS)
 
