@@ -75,8 +75,10 @@ class InstanceMetrics:
     """
 
     def __init__(self, *, registry, handler,
-                 healthy: Optional[Callable[[], List[metrics.Sample]]] = None, writers=None):
+                 healthy: Optional[Callable[[], List[metrics.Sample]]] = None, writers=None,
+                 readers: Optional[Callable[[], List[metrics.Sample]]] = None):
         self.registry = registry
+        self.readers = readers  # the read API's readers (ReadRoutes.metric_samples)
         self.handler = handler
         self.healthy = healthy
         self.writers = writers  # a WriterWatch: writers' links, linear tokens held
@@ -89,6 +91,8 @@ class InstanceMetrics:
             samples += self.writers.metric_samples()
         if self.healthy is not None:
             samples += self.healthy()
+        if self.readers is not None:
+            samples += self.readers()
         return samples
 
     def __repr__(self) -> str:

@@ -210,9 +210,22 @@ LINEAR_HELD = LiveGauge(
     "replicator_linear_held_seconds",
     "Seconds the stream's linear token has stayed below the largest ID known (0: not held); "
     "the status page and the positions API name what holds it", ["stream"])
+# The read API's readers (docs/read-api.md), by reader name and stream.
+HTTP_READERS_CONNECTED = LiveGauge(
+    "replicator_http_reader_connected",
+    "Long-polls waiting and event streams open of this read API reader", ["reader", "stream"])
+HTTP_READER_POSITION = LiveGauge(
+    "replicator_http_reader_position",
+    "The smallest writer position this read API reader reached (the most behind of its "
+    "event streams while any is open)", ["reader", "stream"])
+HTTP_READER_LAG = LiveGauge(
+    "replicator_http_reader_lag",
+    "IDs this read API reader is behind the stream's current tokens (largest over writers)",
+    ["reader", "stream"])
 LIVE_GAUGES = (STREAM_POSITION, STREAM_LINEAR_POSITION, IN_FLIGHT, PENDING_COMMANDS,
                TRANSPORT_BUFFER, READER_LAG, USER_SYNCS, FEDERATION_ACK_POSITION, HEALTHY,
-               WRITER_CONNECTED, WRITER_HEARD_AGE, LINEAR_HELD)
+               WRITER_CONNECTED, WRITER_HEARD_AGE, LINEAR_HELD, HTTP_READERS_CONNECTED,
+               HTTP_READER_POSITION, HTTP_READER_LAG)
 
 #: One live sample: the gauge, its label values, the value.
 Sample = Tuple[LiveGauge, Tuple[str, ...], float]

@@ -9,7 +9,8 @@ plan (:meth:`replicator.service.Instance.reload`).
 Live: ``log_level``, ``log_format``, ``health``,
 ``replication.allowed_peers``, ``replication.allowed_networks`` and
 ``replication.client_ca`` (with the ``ssl:`` listener's files, which every
-reload reads again), a new stream, and other instances' ``writers`` of a
+reload reads again), ``http.readers`` (their secret files read again), a
+new stream, and other instances' ``writers`` of a
 running stream.  Everything else that differs needs a restart and keeps its
 running value: the database, names, endpoints, the other ``replication`` and
 ``http`` keys, ``synapse``, ``consumers``, a stream removed, and a stream whose
@@ -37,6 +38,7 @@ class Plan:
     logging: bool = False
     health: bool = False
     peers: bool = False
+    readers: bool = False  # http.readers changed (or a secret file's text)
     new_streams: List[Tuple[str, StreamConfig]] = field(default_factory=list)  # (key, config)
     writers: List[Tuple[str, StreamConfig]] = field(default_factory=list)  # (key, config)
 
@@ -72,7 +74,13 @@ def plan(running: InstanceConfig, read: InstanceConfig) -> Plan:
             result.restart.append(f"replication.{f.name}")
     live["replication"] = replication
     for f in dataclasses.fields(running.http):
-        if getattr(running.http, f.name) != getattr(read.http, f.name):
+        if getattr(running.http, f.name) == getattr(read.http, f.name):
+            continue
+        if f.name == "readers":
+            result.readers = True
+            live["http"] = dataclasses.replace(running.http, readers=read.http.readers)
+            result.applied.append("http.readers")
+        else:
             result.restart.append(f"http.{f.name}")
     live["streams"] = _streams(running, read, result)
     result.config = dataclasses.replace(running, **live)

@@ -230,7 +230,8 @@ class Instance:
             self._binding.append(metrics_thread)
         self.live_metrics = InstanceMetrics(
             registry=self.registry, handler=self.handler,
-            healthy=self.health.healthy_source(self.replication_status), writers=self.writers)
+            healthy=self.health.healthy_source(self.replication_status), writers=self.writers,
+            readers=self.http.reads.metric_samples if self.http is not None else None)
         metrics.add_source(self.live_metrics)
         self.services.startService()
         # One by one, so that the first failure is raised as itself (not
@@ -348,6 +349,8 @@ class Instance:
                 else:
                     if tls.take(read_tls) and "replication.client_ca" not in p.applied:
                         p.applied.append("replication TLS files")
+            if p.readers and self.http is not None:
+                self.http.set_readers(p.config.http.readers)
             if p.peers and self.replication_factory is not None:
                 policy = policy_from_config(p.config.replication, local_names(self.handler))
                 self.replication_factory.set_policy(policy)

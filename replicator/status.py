@@ -137,7 +137,7 @@ def row_verdict(findings: List[Finding], stream: str, writer: str, fallback: str
 
 def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRecorder,
              findings: List[Finding], clock, redact: Callable[[str], str],
-             writers=None) -> Dict[str, Any]:
+             writers=None, http_readers: Optional[Callable[[], list]] = None) -> Dict[str, Any]:
     """What the page shows, as a JSON-able dict (see the README).
     ``findings`` are the current health findings (the banner and every
     row's verdict come from them); ``writers`` the instance's
@@ -218,4 +218,7 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
         "disconnects": [{"at": d[0], "peer": redact(d[1]), "address": d[2], "reason": d[3]}
                         for d in reversed(handler.recent_disconnects)],
         "window": recorder.window,
+        # The read API's readers (docs/read-api.md): reader, stream,
+        # connected, position, lag, seen_age.
+        "readers": http_readers() if http_readers is not None else [],
     }

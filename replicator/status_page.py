@@ -114,6 +114,15 @@ def _connection_rows(snap: Dict[str, Any]) -> str:
                   for c in snap["connections"]], "no replication connections", 6)
 
 
+def _reader_rows(snap: Dict[str, Any]) -> str:
+    return _rows([[_cell("reader", _e(r["reader"])), _cell("stream", _e(r["stream"])),
+                   _cell("connected", _e(r["connected"]), "num"),
+                   _cell("position", _e("-" if r["position"] is None else r["position"]),
+                         "num"),
+                   _cell("lag", _e("-" if r["lag"] is None else r["lag"]), "num")]
+                  for r in snap.get("readers", [])], "no HTTP readers yet", 5)
+
+
 def _disconnect_rows(snap: Dict[str, Any]) -> str:
     return _rows([[_cell("at", _e(_when(d["at"]))), _cell("peer", _e(d["peer"])),
                    _cell("address", _e(d["address"])), _cell("reason", _e(d["reason"]))]
@@ -173,6 +182,10 @@ def render_html(snap: Dict[str, Any]) -> bytes:
 <table id="connections"><thead><tr><th>peer</th><th>address</th><th>role</th>
 <th>queued lines</th><th>queued bytes</th><th>connected since</th></tr></thead>
 <tbody>{_connection_rows(snap)}</tbody></table></section>
+<section><h2>HTTP readers</h2>
+<table id="readers"><thead><tr><th>reader</th><th>stream</th><th>connected</th>
+<th>position</th><th>lag</th></tr></thead>
+<tbody>{_reader_rows(snap)}</tbody></table></section>
 <section><h2>Recent disconnects</h2>
 <table id="disconnects"><thead><tr><th>at</th><th>peer</th><th>address</th><th>reason</th>
 </tr></thead><tbody>{_disconnect_rows(snap)}</tbody></table></section>
@@ -340,6 +353,15 @@ SCRIPT = b"""'use strict';
       cell(tr, 'connected since', when(c.connected_since));
       return tr;
     }), 'no replication connections', 6);
+    fill('readers', (s.readers || []).map(function (r) {
+      var tr = document.createElement('tr');
+      cell(tr, 'reader', r.reader);
+      cell(tr, 'stream', r.stream);
+      cell(tr, 'connected', r.connected, 'num');
+      cell(tr, 'position', r.position, 'num');
+      cell(tr, 'lag', r.lag, 'num');
+      return tr;
+    }), 'no HTTP readers yet', 5);
     fill('disconnects', s.disconnects.map(function (d) {
       var tr = document.createElement('tr');
       cell(tr, 'at', when(d.at));

@@ -79,7 +79,9 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
         if not m or not 0 < int(m.group("port")) < 65536:
             raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
     max_connections = get_int(section, "max_connections", key, 256, minimum=1, maximum=100_000)
-    max_waiting = get_int(section, "max_waiting_reads", key, min(128, max_connections),
+    # Half the connections by default: long-polls and event streams never
+    # keep a health check or a write out.
+    max_waiting = get_int(section, "max_waiting_reads", key, max(1, min(128, max_connections // 2)),
                           minimum=1, maximum=max_connections)
     return HttpConfig(
         listen=listen, secret=secret, metrics_listen=metrics_listen, secret_file=secret_file,

@@ -123,13 +123,24 @@ class HttpApi:
             registry=registry, auth=read_auth, clock=clock,
             max_waiting=config.http.max_waiting_reads,
             max_waiting_per_address=config.http.max_waiting_reads_per_address,
-            heartbeat=config.http.heartbeat_interval)
+            heartbeat=config.http.heartbeat_interval,
+            feed_interval=config.replication.fanout_interval)
         self._root = _Root(self)
 
     # --------------------------------------------------------------- public
     def resource(self) -> Resource:
         """The root resource (every route; works under a plain Site too)."""
         return self._root
+
+    def set_readers(self, readers) -> None:
+        """The read API's credentials from now on (a reload): open event
+        streams keep going; their secrets, like every one before, stay
+        hidden from answers and logs."""
+        from ..readapi import ReaderAuth
+
+        auth = ReaderAuth(self.config.http.secret, readers)
+        self.redact.hide(auth.secrets)
+        self.reads.auth = auth
 
     def site(self) -> server.Site:
         """A Site with the body limit, deadlines and a one-line access log."""
@@ -184,8 +195,9 @@ class HttpApi:
                 except (UnicodeDecodeError, ValueError):
                     name = None
                 if parts[2] == b"events":
-                    return {b"GET": self.reads.events}, (name,)
-                return {b"POST": self.streams.post_facts, b"GET": self.reads.facts}, (name,)
+                    return {b"GET": self.reads.events, b"OPTIONS": self.reads.preflight}, (name,)
+                return {b"POST": self.streams.post_facts, b"GET": self.reads.facts,
+                        b"OPTIONS": self.reads.preflight}, (name,)
         raise HttpError(404, "no such endpoint")
 
     def render(self, request) -> int:
@@ -256,7 +268,8 @@ class HttpApi:
         return snapshot(instance=self.instance_name, role=self.role,
                         registry=self.registry, handler=self.handler, recorder=self.status,
                         findings=self.current_findings(), clock=self._clock,
-                        redact=self.redact, writers=self.writers)
+                        redact=self.redact, writers=self.writers,
+                        http_readers=self.reads.status)
 
     async def _status(self, request):
         path = request.path

@@ -44,6 +44,10 @@ class Redactor:
     def __init__(self, hidden: Sequence[Optional[str]]):
         self._hidden = [s for s in hidden if s]
 
+    def hide(self, hidden: Sequence[Optional[str]]) -> None:
+        """Hide these strings too (a reload's new secrets)."""
+        self._hidden += [s for s in hidden if s and s not in self._hidden]
+
     def __call__(self, text: str) -> str:
         """One line, without a hidden string, at most 2000 characters."""
         text = " ".join(str(text).splitlines())

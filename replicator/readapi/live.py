@@ -18,6 +18,9 @@ Invariants:
   to: it leaves the live set at the position it had, and catches up from
   the table at its own pace (:mod:`.sse`).  Nobody waits for it.
 * One read at a time; advances while it runs are taken by the next round.
+  Under load, rounds start at most every ``interval`` seconds (the
+  replication fan-out's ``fanout_interval``): a client gets one write per
+  round, whatever the number of facts; when idle, a fact goes out at once.
   With no live client the feed only moves its position (nothing is read).
 """
 
@@ -47,10 +50,14 @@ def event(token: str, fact_json: bytes) -> bytes:
 class LiveFeed:
     """The live events of one stream (reactor thread)."""
 
-    def __init__(self, stream, bounds: Callable[[object], Positions], watch, clock):
+    def __init__(self, stream, bounds: Callable[[object], Positions], watch, clock,
+                 interval: float = 0.003):
         self.stream = stream
         self._bounds = bounds
         self._clock = clock
+        self.interval = interval
+        self._last = -1e9  # when the last round started
+        self._timer = None
         self.position: Positions = bounds(stream)
         self.clients: Set[object] = set()
         self._moved: List[defer.Deferred] = []  # catch-up clients waiting for a move
@@ -76,10 +83,20 @@ class LiveFeed:
         return d
 
     def advanced(self) -> None:
+        """The stream moved: a round now, or (under load: a round started
+        less than ``interval`` ago) once the interval is over, taking every
+        advance until then in one write per client."""
         if self._running:
             self._again = True
             return
+        if self._timer is not None and self._timer.active():
+            return
+        wait = self._last + self.interval - self._clock.seconds()
+        if wait > 0:
+            self._timer = self._clock.callLater(wait, self.advanced)
+            return
         self._running = True
+        self._last = self._clock.seconds()
         defer.ensureDeferred(self._run())
 
     async def _run(self) -> None:

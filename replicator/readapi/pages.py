@@ -22,15 +22,16 @@ Invariants:
 """
 
 import hashlib
+from operator import itemgetter
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import orjson
 
-from ..streams.pages import group
 from .tokens import Positions, encode
 
 #: A fact as a page holds it: ``(stream_id, writer, rows)``.
 PageFact = Tuple[int, str, List[list]]
+_first = itemgetter(0)
 
 
 class Page:
@@ -53,28 +54,31 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     page ending at or below ``final_below`` (the linear token) is final."""
     found: List[PageFact] = []
     scanned: Dict[str, int] = {}
+    writers_found = 0
     for writer in sorted(since):
         start = since[writer]
         bound = bounds.get(writer, start)
         pos = start
         mine = 0
         while pos < bound and mine < limit:
-            updates, upto, limited = await stream.updates_since(writer, pos, bound,
-                                                                limit - mine)
-            for stream_id, rows in group(updates):
-                found.append((stream_id, writer, rows))
-                mine += 1
+            facts, upto, limited = await stream.fact_page(writer, pos, bound, limit - mine)
+            found.extend([(stream_id, writer, rows) for stream_id, rows in facts])
+            mine += len(facts)
             pos = upto
             if not limited:
                 break
         scanned[writer] = max(start, pos)
-    found.sort(key=lambda f: f[0])
+        writers_found += mine > 0
+    if writers_found > 1:
+        found.sort(key=_first)
     full = len(found) >= limit
     if full:
         del found[limit:]
         last = found[-1][0]
         next_positions = {w: max(since[w], min(scanned[w], last)) for w in since}
-        final = final_below is not None and last <= final_below
+        # (And within every writer's bound: all of the page was readable.)
+        final = final_below is not None and last <= min(
+            [final_below, *(bounds.get(w, since[w]) for w in since)])
     else:
         next_positions = scanned
         final = False
@@ -84,6 +88,8 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
 def fact_object(columns: List[str], fact: PageFact) -> dict:
     """A fact as the API shows it (in a page and in an event)."""
     stream_id, writer, rows = fact
+    if len(rows) == 1:
+        return {"stream_id": stream_id, "writer": writer, "rows": [dict(zip(columns, rows[0]))]}
     return {"stream_id": stream_id, "writer": writer,
             "rows": [dict(zip(columns, row)) for row in rows]}
 

@@ -2,8 +2,8 @@
 long-poll) and ``GET .../streams/{stream}/events`` (Server-Sent Events,
 :mod:`.sse`).  docs/read-api.md is the contract.
 
-Checked in this order: 401/403 (credential, :mod:`.auth`), 404 (unknown
-stream), 403 (a stream the credential does not cover), 503 (streams not
+Checked in this order: 401/403 (credential, :mod:`.auth`), 403 (a stream
+the credential does not cover), 404 (unknown stream), 503 (streams not
 loaded yet), 400 (``limit``, ``wait``, ``from``: a malformed or foreign
 token, or one beyond the stream's sequence), then 503 when too many reads
 are open already (long-polls that wait, event streams).
@@ -12,6 +12,7 @@ are open already (long-polls that wait, event streams).
 from typing import Dict, List, Optional
 
 from twisted.internet import defer, threads
+from twisted.logger import Logger
 
 from ..http.answers import HttpError, Response, excerpt
 from .auth import Reader, ReaderAuth
@@ -23,8 +24,14 @@ from .live import LiveFeed
 from .sse import SseClient
 from .watch import StreamWatch
 
+log = Logger()
+
 #: Pages of more rows than this are encoded in a thread.
 THREAD_ENCODE_ROWS = 256
+#: Any page may read a stream with a secret (never with cookies: with "*"
+#: a browser sends none cross-origin), and see every answer and ETag.
+CORS = {b"access-control-allow-origin": b"*",
+        b"access-control-expose-headers": b"ETag"}
 IMMUTABLE = b"public, max-age=31536000, immutable"
 NEWEST = b"no-store"
 
@@ -33,7 +40,8 @@ class ReadRoutes:
     """Reading streams over HTTP (one per :class:`replicator.http.HttpApi`)."""
 
     def __init__(self, *, registry, auth: ReaderAuth, clock, max_waiting: int = 128,
-                 max_waiting_per_address: int = 32, heartbeat: float = 15.0):
+                 max_waiting_per_address: int = 32, heartbeat: float = 15.0,
+                 feed_interval: float = 0.003):
         self.registry = registry
         self.auth = auth
         self._clock = clock
@@ -41,12 +49,52 @@ class ReadRoutes:
         self.book = ReaderBook(clock)
         self.slots = Slots(max_waiting, max_waiting_per_address)
         self.heartbeat = heartbeat
-        self._live: Dict[str, LiveFeed] = {}  # stream name -> its live encoder (.live)
+        self.feed_interval = feed_interval
+        self._live: Dict[str, LiveFeed] = {}
+        self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)  # stream name -> its live encoder (.live)
+
+    # ------------------------------------------------------- what it shows
+    def status(self) -> list:
+        """The readers for the status page and ``/status.json``."""
+        return self.book.rows(self.registry)
+
+    def metric_samples(self) -> list:
+        """The readers' live metrics (a :data:`replicator.metrics.Source`)."""
+        from .. import metrics
+
+        out = []
+        for row in self.book.rows(self.registry):
+            labels = (row["reader"], row["stream"])
+            out.append((metrics.HTTP_READERS_CONNECTED, labels, row["connected"]))
+            if row["position"] is not None:
+                out.append((metrics.HTTP_READER_POSITION, labels, row["position"]))
+            if row["lag"] is not None:
+                out.append((metrics.HTTP_READER_LAG, labels, row["lag"]))
+        return out
 
     # ------------------------------------------------------------ common
+    async def preflight(self, request, name: Optional[str]):
+        """``OPTIONS``: a browser's CORS preflight of a cross-origin read
+        (one that sends ``Authorization`` or ``Last-Event-ID``)."""
+        request.setResponseCode(204)
+        for key, value in CORS.items():
+            request.setHeader(key, value)
+        request.setHeader(b"access-control-allow-methods", b"GET, HEAD")
+        request.setHeader(b"access-control-allow-headers",
+                          b"Authorization, Last-Event-ID, If-None-Match")
+        request.setHeader(b"access-control-max-age", b"86400")
+        request.setHeader(b"cache-control", b"no-store")
+        request.finish()
+
     def open_stream(self, request, name: Optional[str]):
         """``(reader, stream)`` for a request, or the 401/403/404/503."""
+        for key, value in CORS.items():
+            request.setHeader(key, value)
         reader = self.auth.reader(request)
+        if name is not None:
+            # Before the stream's existence: a scoped reader learns nothing
+            # of the streams it may not read.
+            self.auth.check(reader, name)
         stream = self.registry.find(name) if name is not None else None
         if stream is None:
             raise ParameterError(404, "stream", "unknown stream" + (
@@ -96,9 +144,26 @@ class ReadRoutes:
 
     async def page(self, stream, since: Positions, limit: int,
                    bounds: Optional[Positions] = None) -> Page:
-        return await read_page(stream, since, bounds if bounds is not None
-                               else self.bounds(stream), limit,
-                               final_below=stream.id_gen.get_linear_token())
+        """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
+        the writers' current tokens).  A failed read is 503; the first of
+        an outage is logged with its traceback, the others counted until a
+        read succeeds (one line then)."""
+        linear = stream.id_gen.get_linear_token()
+        try:
+            page = await read_page(stream, since, bounds if bounds is not None
+                                   else self.bounds(stream), limit, final_below=linear)
+        except Exception:
+            failed = self._failing.get(stream.name)
+            self._failing[stream.name] = (failed or 0) + 1
+            if failed is None:
+                log.failure("Reading a page of {stream} failed; further failures are counted "
+                            "until a read succeeds", stream=stream.name)
+            raise HttpError(503, "database read failed") from None
+        failed = self._failing.pop(stream.name, None)
+        if failed is not None:
+            log.info("reads of {stream} succeed again after {n} failed", stream=stream.name,
+                     n=failed)
+        return page
 
     async def _long_poll(self, request, reader: Reader, stream, page: Page, limit: int,
                          wait: int) -> Optional[Page]:
@@ -166,7 +231,7 @@ class ReadRoutes:
         from ``Last-Event-ID`` if given, else ``from``."""
         reader, stream = self.open_stream(request, name)
         last = request.getHeader(b"last-event-id")
-        if last is not None:
+        if last:  # (an empty one is no id: the start is from)
             try:
                 since = await self.start_positions(stream, last.decode("utf-8"))
             except UnicodeDecodeError:
@@ -203,5 +268,5 @@ class ReadRoutes:
         feed = self._live.get(stream.name)
         if feed is None or feed.stream is not stream:
             feed = self._live[stream.name] = LiveFeed(stream, self.bounds, self.watch,
-                                                      self._clock)
+                                                      self._clock, self.feed_interval)
         return feed

@@ -35,6 +35,9 @@ RETRY = b"retry: 2000\n\n"
 PING = b": ping\n\n"
 #: Facts per catch-up page.
 CATCH_UP_PAGE = 256
+#: A catching-up client is written this many bytes at a time, and no more
+#: once its transport paused it.
+WRITE_SIZE = 64 * 1024
 
 
 @implementer(IPushProducer)
@@ -99,15 +102,8 @@ class SseClient:
                 page = await self._read_page(self.position, CATCH_UP_PAGE, bounds)
                 if self.closed:
                     return
-                if page.facts:
-                    position = dict(self.position)
-                    chunks = []
-                    for fact in page.facts:
-                        position[fact[1]] = fact[0]
-                        chunks.append(event(encode(name, position),
-                                            orjson.dumps(fact_object(columns, fact))))
-                    self.request.write(b"".join(chunks))
-                self.position = page.next
+                if self._write_page(page, columns):
+                    self.position = page.next
                 if not page.facts and self.position != self.feed.position \
                         and bounds == self.feed.position:
                     # Ahead of the feed on some writer: wait for it to move.
@@ -116,6 +112,29 @@ class SseClient:
             log.failure("stream {stream}: an event stream's catch-up failed; closing it",
                         stream=name)
             self.close()
+
+    def _write_page(self, page, columns) -> bool:
+        """Write a page's events, :data:`WRITE_SIZE` bytes at a time; stop
+        (with the position after the last fact written) once paused.
+        Whether the whole page was written."""
+        name = self.stream.name
+        position = dict(self.position)
+        chunks = []
+        size = 0
+        for fact in page.facts:
+            position[fact[1]] = fact[0]
+            chunk = event(encode(name, position), orjson.dumps(fact_object(columns, fact)))
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= WRITE_SIZE:
+                self.request.write(b"".join(chunks))
+                chunks, size = [], 0
+                self.position = dict(position)
+                if self.paused and fact is not page.facts[-1]:
+                    return False
+        if chunks:
+            self.request.write(b"".join(chunks))
+        return True
 
     # -------------------------------------------------------------- live
     def live_write(self, data: bytes, position: Positions) -> bool:

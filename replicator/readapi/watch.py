@@ -29,7 +29,9 @@ class StreamWatch:
         self._watched.add(id(gen))
         self._generators.append(gen)
         name = stream.name
-        gen.add_listener(lambda writer, old, new: self._moved(name))
+        # First: the event streams' live feed reads a local writer's new
+        # facts from memory before the fan-out, done with them, forgets them.
+        gen.add_listener(lambda writer, old, new: self._moved(name), first=True)
 
     def once(self, stream, wake: Wake) -> Callable[[], None]:
         """Call ``wake`` once, at the next move of ``stream``; returns a

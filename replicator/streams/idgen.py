@@ -179,9 +179,13 @@ class StreamIdGenerator:
         self._tokens = self._current_tokens()
 
     # ----------------------------------------------------------- listeners
-    def add_listener(self, listener: Listener) -> None:
-        """Call ``listener(writer, old, new)`` whenever a writer's token moves."""
-        self._listeners.append(listener)
+    def add_listener(self, listener: Listener, first: bool = False) -> None:
+        """Call ``listener(writer, old, new)`` whenever a writer's token
+        moves (``first``: before the listeners added so far)."""
+        if first:
+            self._listeners.insert(0, listener)
+        else:
+            self._listeners.append(listener)
 
     # ---------------------------------------------------------- reservation
     def begin_reservation(self) -> None:

@@ -363,6 +363,14 @@ class Stream:
             return await self._read_ahead.page(writer, from_token, to_token, max(1, limit))
         return await self._page(self._pages.read_facts, writer, from_token, to_token, limit)
 
+    async def fact_page(
+        self, writer: str, from_token: int, to_token: int, limit: int = 1000
+    ) -> FactPage:
+        """:meth:`facts_since` for readers other than this instance's
+        catch-up (the read API): the same page, from memory or one read,
+        never through the catch-up's read-ahead run."""
+        return await self._page(self._pages.read_facts, writer, from_token, to_token, limit)
+
     async def _page(self, read, writer: str, from_token: int, to_token: int, limit: int):
         """One page from memory if it can answer, else by ``read`` in a pool thread."""
         if to_token <= from_token:
