@@ -34,6 +34,7 @@ from tests.cdp import Browser
 from tests.read_api import (
     OTHER_SECRET, READER_SECRET, ReadApiDaemon, as_table, get, parse_events)
 from tests.servers import unavailable, wait_for
+from tests.test_cli import SECRET
 from tests.web_clients import DroppableProxy, NginxCache, node
 
 #: Deadline for anything a client or the daemon must get to (seconds).
@@ -205,7 +206,9 @@ class CurlAndNodeTests(SynchronousTestCase):
         status, _, body = get(facts_url, secret=OTHER_SECRET)
         self.assertEqual(status, 403, body)
         self.assertIn("error", json.loads(body))
-        self.assertEqual(get(daemon.url("nope"))[0], 404)
+        # Which streams exist is no business of a reader scoped to others.
+        self.assertEqual(get(daemon.url("nope"))[0], 403)
+        self.assertEqual(get(daemon.url("nope"), secret=SECRET)[0], 404)
         self.assertEqual(get(facts_url, secret=None)[0], 401)
 
         # curl -N: the event stream from the beginning, then a live fact.
@@ -277,6 +280,10 @@ class NginxCacheTests(SynchronousTestCase):
         wait_for(lambda: len(nginx.access_lines()) == 2, DEADLINE, "nginx's access lines")
         self.assertEqual(nginx.access_lines()[1][2:], ["HIT", "-"])
         self.assertEqual(requests_to_daemon(), 1)
+        # Revalidation by the ETag, straight from the daemon: 304, no body.
+        status, _, body = get(with_query(daemon.url(), limit=10),
+                              headers={"If-None-Match": first[1]["etag"]})
+        self.assertEqual((status, body), (304, b""))
 
         # The newest page, asked twice: the daemon answers both times, and
         # the second time with the fact written in between.
@@ -289,7 +296,7 @@ class NginxCacheTests(SynchronousTestCase):
         newer = get(newest_url)
         self.assertNotEqual(newer[1].get("x-cache-status"), "HIT", newer[1])
         self.assertEqual(as_table(json.loads(newer[2])["facts"]), daemon.table()[10:])
-        self.assertEqual(requests_to_daemon(), 3)
+        self.assertEqual(requests_to_daemon(), 4)
         # Another credential does not get the cached page.
         other = get(with_query(url, limit=10), secret=OTHER_SECRET)
         self.assertEqual(other[0], 403, other)
