@@ -98,10 +98,11 @@ class CurlTests(SynchronousTestCase):
         poll = subprocess.Popen(["curl", "-sS", "-H", auth,
                                  self.base + f"/facts?from={rest['next']}&wait=30"],
                                 stdout=subprocess.PIPE)
-        wait_for(lambda: "connected" in json.dumps(http(daemon.http_base + "/status.json")[1]
-                                                   .decode()) and json.loads(http(
-                     daemon.http_base + "/status.json")[1])["readers"][0]["connected"] == 1,
-                 30, "the long-poll waiting")
+        def waiting():
+            readers = json.loads(http(daemon.http_base + "/status.json")[1])["readers"]
+            return [(r["reader"], r["connected"]) for r in readers] == [("curl", 1)]
+
+        wait_for(waiting, 30, "the long-poll waiting")
         (new,) = self.write(daemon, 1)
         out, _ = poll.communicate(timeout=30)
         self.assertEqual([f["stream_id"] for f in json.loads(out)["facts"]], [new])

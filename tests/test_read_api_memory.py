@@ -177,6 +177,11 @@ class FakeRequest(DummyRequest):
     def unregisterProducer(self):
         self.producer = None
 
+    def notifyFinish(self):
+        if self._finishedDeferreds is None:  # gone already: as twisted.web, never fires
+            return defer.Deferred()
+        return super().notifyFinish()
+
 
 class SseTests(SynchronousTestCase):
     def setUp(self):
@@ -352,3 +357,35 @@ class CoalescingTests(SynchronousTestCase):
         self.assertEqual(len(request.written), 3)
         self.assertEqual(request.written[-1].count(b"event: fact"), 9)
         self.assertEqual(stream.reads, 2)
+
+
+class GoneEarlyTests(SynchronousTestCase):
+    def test_a_client_gone_before_its_stream_starts_gives_its_slot_back(self):
+        """The client goes while the start is checked (here, the sequence
+        read for a token ahead of the stream): its event stream never
+        starts, holds no slot and no place in the feed."""
+        from twisted.python.failure import Failure
+
+        from replicator.readapi import ReadRoutes, ReaderAuth
+
+        stream = FakeStream(["a"])
+        sequence = defer.Deferred()
+        stream.sequence_value = lambda: sequence
+
+        class Registry:
+            def find(self, name):
+                return stream if name == "events" else None
+
+        routes = ReadRoutes(registry=Registry(), auth=ReaderAuth("s" * 16),
+                            clock=task.Clock())
+        request = FakeRequest()
+        request.method = b"GET"
+        request.requestHeaders.setRawHeaders(b"authorization", [b"Bearer " + b"s" * 16])
+        request.requestHeaders.setRawHeaders(
+            b"last-event-id", [tokens.encode("events", {"a": 5}).encode()])
+        d = defer.ensureDeferred(routes.events(request, "events"))
+        request.processingFailed(Failure(ConnectionError("gone")))
+        sequence.callback(10)
+        self.assertIsNone(self.successResultOf(d))
+        self.assertEqual(routes.slots.open, 0)
+        self.assertEqual(routes.feed(stream).clients, set())

@@ -81,7 +81,8 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     max_connections = get_int(section, "max_connections", key, 256, minimum=1, maximum=100_000)
     # Half the connections by default: long-polls and event streams never
     # keep a health check or a write out.
-    max_waiting = get_int(section, "max_waiting_reads", key, max(1, min(128, max_connections // 2)),
+    max_waiting = get_int(section, "max_waiting_reads", key,
+                          max(1, min(128, max_connections // 2)),
                           minimum=1, maximum=max_connections)
     return HttpConfig(
         listen=listen, secret=secret, metrics_listen=metrics_listen, secret_file=secret_file,

@@ -4,6 +4,7 @@
 * :mod:`.auth`: read credentials scoped to streams.
 * :mod:`.params`: the query parameters, checked.
 * :mod:`.pages`: one page of facts, never past what is safe; final pages.
+* :mod:`.persisted`: the persisted linear position (what is final for good).
 * :mod:`.watch`: waking readers when a stream's positions move.
 * :mod:`.live`: new facts read and encoded once for every event stream.
 * :mod:`.sse`: one event stream (Server-Sent Events), live or catching up.

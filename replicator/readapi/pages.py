@@ -17,7 +17,8 @@ Invariants:
   most that fact's ID for every writer, so the page depends only on the
   token and ``limit``.  If that ID is at or below the stream's linear
   token, every fact the page could hold is final: the page is *final*
-  (cacheable forever).  A page that is not full ends at the bounds, which
+  (and cacheable forever if also at or below the persisted positions,
+  :mod:`.persisted`).  A page that is not full ends at the bounds, which
   move: it is never final.
 """
 

@@ -1,6 +1,7 @@
 """The read API's query parameters, checked: each bad one is a JSON 400
 naming it (``{"error": "...", "parameter": "limit"}``)."""
 
+import re
 from typing import Dict, Mapping, Optional
 
 from ..http.answers import HttpError, excerpt
@@ -48,8 +49,18 @@ def limit_of(args) -> int:
     return bounded_int(args, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
 
 
-def wait_of(args) -> int:
-    return bounded_int(args, "wait", 0, 0, MAX_WAIT)
+_SECONDS = re.compile(r"[0-9]{1,2}(\.[0-9]{1,3})?")
+
+
+def wait_of(args) -> float:
+    """``wait``: seconds, 0 to 30, at most three decimals."""
+    text = one(args, "wait")
+    if text is None:
+        return 0.0
+    if not _SECONDS.fullmatch(text) or float(text) > MAX_WAIT:
+        raise ParameterError(400, "wait", f"wait must be a number of seconds from 0 to "
+                                          f"{MAX_WAIT}, got {excerpt(text)}")
+    return float(text)
 
 
 def positions_of(text: Optional[str], stream, now: Positions) -> Positions:

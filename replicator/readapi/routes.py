@@ -17,11 +17,12 @@ from twisted.logger import Logger
 from ..http.answers import HttpError, Response, excerpt
 from .auth import Reader, ReaderAuth
 from .book import ReaderBook, Slots, client_host
+from .live import LiveFeed
 from .pages import Page, etag, matches, page_body, read_page
 from .params import ParameterError, limit_of, one, positions_of, wait_of
-from .tokens import Positions
-from .live import LiveFeed
+from .persisted import PersistedLinear
 from .sse import SseClient
+from .tokens import Positions
 from .watch import StreamWatch
 
 log = Logger()
@@ -47,11 +48,12 @@ class ReadRoutes:
         self._clock = clock
         self.watch = StreamWatch()
         self.book = ReaderBook(clock)
+        self.persisted = PersistedLinear(clock)
         self.slots = Slots(max_waiting, max_waiting_per_address)
         self.heartbeat = heartbeat
         self.feed_interval = feed_interval
-        self._live: Dict[str, LiveFeed] = {}
-        self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)  # stream name -> its live encoder (.live)
+        self._live: Dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
+        self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)
 
     # ------------------------------------------------------- what it shows
     def status(self) -> list:
@@ -129,6 +131,9 @@ class ReadRoutes:
 
     # ------------------------------------------------------------- pages
     async def facts(self, request, name: Optional[str]):
+        gone: List[object] = []  # the client went away (heard from the start: see events)
+        finished = request.notifyFinish()
+        finished.addErrback(gone.append)
         reader, stream = self.open_stream(request, name)
         args = request.args
         limit = limit_of(args)
@@ -136,7 +141,8 @@ class ReadRoutes:
         since = await self.start_positions(stream, one(args, "from"))
         page = await self.page(stream, since, limit)
         if not page.facts and wait > 0:
-            page = await self._long_poll(request, reader, stream, page, limit, wait)
+            page = await self._long_poll(finished, gone, request, reader, stream, page,
+                                         limit, wait)
             if page is None:
                 return None  # the client went away
         self.book.reached(reader.name, stream.name, page.next)
@@ -163,26 +169,25 @@ class ReadRoutes:
         if failed is not None:
             log.info("reads of {stream} succeed again after {n} failed", stream=stream.name,
                      n=failed)
+        if page.final:
+            # Final for good only at or below the persisted positions.
+            page.final = page.facts[-1][0] <= await self.persisted.get(stream)
         return page
 
-    async def _long_poll(self, request, reader: Reader, stream, page: Page, limit: int,
-                         wait: int) -> Optional[Page]:
+    async def _long_poll(self, finished: defer.Deferred, gone: List[object], request,
+                         reader: Reader, stream, page: Page, limit: int,
+                         wait: float) -> Optional[Page]:
         """Wait up to ``wait`` seconds for a fact after ``page.next``."""
         host = client_host(request)
         self.slots.take(host)
         self.book.opened(reader.name, stream.name)
-        gone: List[object] = []
         woke: Optional[defer.Deferred] = None
 
         def wake(_=None) -> None:
             if woke is not None and not woke.called:
                 woke.callback(None)
 
-        def went(failure) -> None:
-            gone.append(failure)
-            wake()
-
-        request.notifyFinish().addErrback(went)
+        finished.addBoth(wake)  # (``gone`` says whether the client went)
         deadline = self._clock.seconds() + wait
         try:
             while not page.facts and not gone:
@@ -229,6 +234,11 @@ class ReadRoutes:
     async def events(self, request, name: Optional[str]):
         """A Server-Sent Events stream of ``stream``'s facts (:mod:`.sse`)
         from ``Last-Event-ID`` if given, else ``from``."""
+        # Heard from the start: a client that goes while the start is
+        # checked must not leave a stream (and a slot) behind.
+        gone: List[object] = []
+        finished = request.notifyFinish()
+        finished.addErrback(gone.append)
         reader, stream = self.open_stream(request, name)
         last = request.getHeader(b"last-event-id")
         if last:  # (an empty one is no id: the start is from)
@@ -243,6 +253,8 @@ class ReadRoutes:
             since = await self.start_positions(stream, one(request.args, "from"))
         if request.method == b"HEAD":
             return Response(b"", b"text/event-stream; charset=utf-8")
+        if gone:
+            return None
         host = client_host(request)
         self.slots.take(host)
         client = None
@@ -251,7 +263,7 @@ class ReadRoutes:
             client = SseClient(request, stream, feed, since,
                                lambda position, limit, bounds: self.page(
                                    stream, position, limit, bounds),
-                               self._clock, self.heartbeat)
+                               self._clock, self.heartbeat, finished)
             self.book.opened(reader.name, stream.name)
             self.book.attach(reader.name, stream.name, client)
             client.start()

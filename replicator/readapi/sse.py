@@ -48,7 +48,8 @@ class SseClient:
     """
 
     def __init__(self, request, stream, feed, position: Positions,
-                 read_page: Callable, clock, heartbeat: float):
+                 read_page: Callable, clock, heartbeat: float,
+                 finished: Optional[defer.Deferred] = None):
         self.request = request
         self.stream = stream
         self.feed = feed
@@ -63,6 +64,8 @@ class SseClient:
         self._resumed: Optional[defer.Deferred] = None
         self._ping = None
         self.done = defer.Deferred()  # fires when the stream ends
+        # The request's end (``notifyFinish``, asked for before any wait).
+        self._finished = finished if finished is not None else request.notifyFinish()
 
     # ------------------------------------------------------------ start
     def start(self) -> None:
@@ -78,7 +81,7 @@ class SseClient:
         request.registerProducer(self, True)
         if getattr(channel, "_waitingForTransport", False):
             self.paused = True
-        request.notifyFinish().addBoth(self._gone)
+        self._finished.addBoth(self._gone)
         request.write(RETRY)
         self._schedule_ping()
         defer.ensureDeferred(self._catch_up())
