@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= conf/dev.yaml
 
-.PHONY: run test dist bench chaos fuzz interop synapse-deps deps test-deps system-deps clean
+.PHONY: run test dist bench chaos fuzz interop synapse-deps deps test-deps system-deps node-deps clean
 
 # The daemon alone (make run) ...
 $(VENV)/.installed-run: pyproject.toml
@@ -20,7 +20,17 @@ $(VENV)/.installed-test: $(VENV)/.installed-run
 
 deps: $(VENV)/.installed-run
 
-test-deps: $(VENV)/.installed-test system-deps
+test-deps: $(VENV)/.installed-test system-deps node-deps
+
+# The read API's Node.js clients: npm packages pinned, in a project-local
+# directory (.node/node_modules; tests put it on NODE_PATH).
+NODE_DIR := .node
+EVENTSOURCE_VERSION := 4.1.1
+$(NODE_DIR)/.installed-eventsource-$(EVENTSOURCE_VERSION): | system-deps
+	npm install --silent --no-audit --no-fund --save-exact --prefix $(NODE_DIR) eventsource@$(EVENTSOURCE_VERSION)
+	touch $@
+
+node-deps: $(NODE_DIR)/.installed-eventsource-$(EVENTSOURCE_VERSION)
 
 system-deps:
 	scripts/ensure-system-deps.sh
@@ -83,4 +93,4 @@ interop: test-deps synapse-deps
 	SYNAPSE_PYTHON=$(SYNAPSE_VENV)/bin/python $(PY) -m tests.interop
 
 clean:
-	rm -rf $(VENV) $(SYNAPSE_VENV) _trial_temp* build dist *.egg-info
+	rm -rf $(VENV) $(SYNAPSE_VENV) $(NODE_DIR) _trial_temp* build dist *.egg-info

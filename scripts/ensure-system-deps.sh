@@ -2,8 +2,9 @@
 # Installs the Debian packages the tests and the exporter need, only when one
 # is missing: a real redis-server, PostgreSQL server binaries, the JDBC drivers
 # Spark reads through, Java, Prometheus (promtool) for the alert rules,
-# chromium (headless, for the status page test), and logrotate (the jsonl
-# output rotated by it).
+# chromium (headless, for the status page and EventSource tests), logrotate
+# (the jsonl output rotated by it), nginx (a caching proxy in front of the
+# read API) and Node.js with npm (the read API's JavaScript clients).
 set -euo pipefail
 
 need=()
@@ -19,6 +20,10 @@ have_cmd systemd-analyze || need+=(systemd)
 { have_cmd promtool && have_cmd prometheus; } || need+=(prometheus)
 have_cmd chromium || need+=(chromium)  # the status page's browser test
 { have_cmd logrotate || [ -x /usr/sbin/logrotate ]; } || need+=(logrotate)
+{ have_cmd nginx || test -x /usr/sbin/nginx; } || need+=(nginx)  # proxy_cache in front of the read API
+have_cmd node || need+=(nodejs)  # fetch and EventSource clients of the read API
+have_cmd npm || need+=(npm)
+have_cmd curl || need+=(curl)  # the read API by hand: pages, long-poll, events
 
 if [ ${#need[@]} -eq 0 ]; then
     exit 0

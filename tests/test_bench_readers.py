@@ -132,3 +132,65 @@ class CatchupReaderTests(TestCase):
         peak_kb = int(out)
         self.assertGreater(peak_kb, 1024)  # a Python with Twisted imported: some MB
         self.assertLess(peak_kb, 200 * 1024)
+
+
+class SseReaderTests(TestCase):
+    timeout = 60
+
+    def _serve(self, chunks):
+        """A one-connection HTTP server on loopback that answers 200 with
+        ``chunks`` of an event stream, one write each, then keeps it open."""
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(listener.close)
+        requests = []
+
+        def run():
+            conn, _ = listener.accept()
+            self.addCleanup(conn.close)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(4096)
+            requests.append(head)
+            conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+            try:
+                for chunk in chunks:
+                    conn.sendall(chunk)
+                    threading.Event().wait(0.02)  # separate recv()s, most likely
+            except OSError:
+                pass  # the reader had what it expected and left
+
+        threading.Thread(target=run, daemon=True).start()
+        return listener.getsockname()[1], requests
+
+    def _read(self, port, mode, expect):
+        reader = os.path.join(ROOT, "scripts", "bench", "sse_reader.py")
+        proc = subprocess.Popen(
+            [sys.executable, reader, "--port", str(port), "--path", "/s/events?from=now",
+             "--secret", "s3cret", "--mode", mode, "--timeout", "20"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
+        # stdin stays open: closing it ends the reader with what it has.
+        proc.stdin.write(b"%d\n" % expect)
+        proc.stdin.flush()
+        proc.wait(30)
+        lines = proc.stdout.read().decode().strip().splitlines()
+        proc.stdin.close()
+        self.assertEqual(json.loads(lines[0]), {"ready": 1})
+        return json.loads(lines[-1])
+
+    def test_events_split_across_reads_count_once_each(self):
+        """Events are counted and timed when their lines straddle reads,
+        the first one arriving with the response head included."""
+        events = b"retry: 2000\n\n: ping\n\n" + b"".join(
+            b'id: t%d\nevent: fact\ndata: {"stream_id":%d,"rows":[]}\n\n' % (i, i)
+            for i in range(1, 8))
+        chunks = [events[i:i + 7] for i in range(0, len(events), 7)]
+        port, requests = self._serve(chunks)
+        result = self._read(port, "count", 7)
+        self.assertEqual((result["counts"], result["timeout"]), ([7], False))
+        self.assertIn(b"Authorization: Bearer s3cret", requests[0])
+        self.assertTrue(requests[0].startswith(b"GET /s/events?from=now HTTP/1.0"))
+        port, _ = self._serve(chunks)
+        result = self._read(port, "latency", 7)
+        self.assertEqual(result["tokens"], [list(range(1, 8))])
+        self.assertEqual(len(result["at"][0]), 7)

@@ -8,7 +8,8 @@ turns the last run into the performance table of docs/performance.md.
 Sections run in the order of ``SECTIONS``; each is one entry (name, title,
 ``async fn(pg, args)``) so that benchmarks can be added side by side.
 ``make bench BENCH="--only catchup,export"`` runs some; ``BENCH=--big``
-adds the large sizes (export at 10 M rows).
+adds the large sizes (export at 10 M rows, the read API's paged catch-up
+at 1 M facts).
 """
 
 import argparse
@@ -22,9 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import catchup  # noqa: E402
 import export  # noqa: E402
 import redis_bench  # noqa: E402
+import sse  # noqa: E402
 import streams  # noqa: E402
 import tcp  # noqa: E402
-from twisted.internet import defer, task  # noqa: E402
+from twisted.internet import defer, task, threads  # noqa: E402
 
 from tests.servers import PostgresServer  # noqa: E402
 
@@ -51,12 +53,19 @@ async def _export(pg, args):
     export.main((0.5, 1.0, 2.0) + ((10.0,) if args.big else ()))
 
 
+async def _sse(pg, args):
+    # Blocking (a daemon process, reader processes and writer threads).
+    await threads.deferToThread(sse.run, pg, sse.PHASES, args.big)
+
+
 SECTIONS = [
     ("streams", "streams core", _streams),
     ("tcp", "TCP replication", _tcp),
     ("redis", "Redis replication", _redis),
     ("catchup", "catch-up of a reader 1,000,000 facts behind", _catchup),
     ("export", "Spark export against a plain-Python pass", _export),
+    ("sse", "read API: Server-Sent Events beside the TCP fan-out, catch-up through pages",
+     _sse),
 ]
 
 
@@ -66,7 +75,8 @@ async def main(reactor, argv):
     p.add_argument("--only", default=",".join(names),
                    help=f"comma-separated sections to run, of {', '.join(names)}")
     p.add_argument("--big", action="store_true",
-                   help="also the large sizes (export: 10 M rows; takes long, ~5 GB of disk)")
+                   help="also the large sizes (export: 10 M rows; takes long, ~5 GB of disk; "
+                        "sse: pages through 1 M facts)")
     args = p.parse_args(argv)
     only = args.only.split(",")
     unknown = sorted(set(only) - set(names))

@@ -1,0 +1,174 @@
+"""The README's "Read from any language" examples, run as they are printed
+against a real ``replicator run`` (its address and a reader's secret
+substituted): every ``sh``, ``js`` and ``python`` block of that section.
+
+* ``sh``: bash, with ``READER_SECRET`` in the environment (curl);
+* ``js`` that reads ``process.env``: Node, as an ES module in ``.node/``
+  (where ``make node-deps`` put the npm packages);
+* other ``js``: headless Chromium, on a page of the daemon's origin with
+  the ``replicator_reader`` cookie, ``console.log`` collected;
+* ``python``: this interpreter.
+
+A block prints a page (JSON), events, or ``stream_id rows-as-JSON`` lines;
+the facts it printed must be the table's, in order.  Blocks that never end
+(long-polls, event streams) are stopped once they printed every fact.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import List, Tuple
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.cdp import Browser
+from tests.read_api import READER_SECRET, ReadApiDaemon, as_table, parse_events
+from tests.servers import unavailable, wait_for
+from tests.web_clients import NODE_MODULES, node_binary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+SECTION = "## Read from any language"
+#: The address the examples use (the one ``make run`` listens on).
+EXAMPLE_BASE = "http://127.0.0.1:9093"
+FACTS = 6
+DEADLINE = 90.0
+
+
+def examples() -> List[Tuple[str, str]]:
+    """``(language, code)`` of every fenced block of the section."""
+    with open(README) as f:
+        text = f.read()
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    section = text[start:end if end >= 0 else len(text)]
+    return re.findall(r"^```(\w*)\n(.*?)^```$", section, flags=re.S | re.M)
+
+
+class Running:
+    """A process whose output is collected on a thread until :meth:`stop`."""
+
+    def __init__(self, args, env=None, cwd=None):
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, text=True, env=env, cwd=cwd)
+        self.out = ""
+        self.err = ""
+        self._threads = [threading.Thread(target=self._pump, args=(name,), daemon=True)
+                         for name in ("stdout", "stderr")]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, name):
+        stream = getattr(self.proc, name)
+        for chunk in iter(lambda: stream.read(1), ""):
+            if name == "stdout":
+                self.out += chunk
+            else:
+                self.err += chunk
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        for t in self._threads:
+            t.join(10)
+
+
+def printed_facts(text: str) -> List[Tuple[int, list]]:
+    """``stream_id rows-as-JSON`` lines, as :func:`as_table` shapes them."""
+    facts = []
+    for line in text.splitlines():
+        token, _, rows = line.partition(" ")
+        facts.append({"stream_id": int(token), "rows": json.loads(rows)})
+    return as_table(facts)
+
+
+class ReadmeExampleTests(SynchronousTestCase):
+    def test_every_example_prints_the_tables_facts(self):
+        blocks = [(lang, code) for lang, code in examples() if lang in ("sh", "js", "python")]
+        self.assertEqual([lang for lang, _ in blocks],
+                         ["sh", "sh", "js", "js", "js", "python"], "the section's examples")
+        daemon = ReadApiDaemon(self).start()
+        daemon.write(FACTS)
+        table = daemon.table()
+        env = dict(os.environ, READER_SECRET=READER_SECRET)
+        browser = None
+        for lang, code in blocks:
+            code = code.replace(EXAMPLE_BASE, daemon.base)
+            try:
+                browser = self._example(lang, code, env, table, daemon, browser)
+            except AssertionError as e:
+                raise AssertionError(f"README example {code[:70]!r}...: {e}") from None
+
+    def _example(self, lang, code, env, table, daemon, browser):
+        """Run one example; the browser, once one was needed."""
+        if lang == "sh":
+            if shutil.which("curl") is None:
+                unavailable("curl not found")
+            if "/events" in code:
+                run = Running(["bash", "-c", code], env=env)
+                self.addCleanup(run.stop)
+                wait_for(lambda: sum(e.get("event") == "fact"
+                                     for e in parse_events(run.out)) >= FACTS,
+                         DEADLINE, "curl's events")
+                run.stop()
+                got = as_table(json.loads(e["data"]) for e in parse_events(run.out)
+                               if e.get("event") == "fact")
+                self.assertEqual(got, table)
+            else:
+                done = subprocess.run(["bash", "-c", code], env=env, text=True,
+                                      capture_output=True, timeout=60)
+                self.assertEqual(done.returncode, 0, done.stderr)
+                page = json.loads(done.stdout)
+                self.assertEqual(as_table(page["facts"]), table[:2])
+        elif lang == "python":
+            self._lines([sys.executable, "-c", code], env, table)
+        elif "process.env" in code:
+            node = node_binary()
+            if not os.path.isdir(os.path.join(NODE_MODULES, "eventsource")):
+                unavailable("npm package eventsource not in .node/ (make node-deps)")
+            # An ES module next to .node/node_modules, where import finds it.
+            here = tempfile.mkdtemp(prefix="example-", dir=os.path.dirname(NODE_MODULES))
+            self.addCleanup(shutil.rmtree, here, True)
+            path = os.path.join(here, "example.mjs")
+            with open(path, "w") as f:
+                f.write(code)
+            self._lines([node, path], env, table)
+        else:
+            if browser is None:
+                browser = Browser(self)
+                browser.call("Network.enable", session=True)
+                browser.call("Network.setCookie", session=True,
+                             name="replicator_reader", value=READER_SECRET,
+                             url=daemon.base, httpOnly=True)
+                browser.open(daemon.base + "/health")
+                browser.wait("document.readyState === 'complete'", DEADLINE,
+                             "the page loaded")
+            browser.evaluate("window.lines = []; console.log = (...args) => "
+                             "window.lines.push(args); true")
+            browser.evaluate(f"(() => {{ {code} }})(); true")
+            browser.wait(f"window.lines.length >= {FACTS}", DEADLINE,
+                         "the browser's facts")
+            lines = browser.evaluate("window.lines")
+            got = as_table({"stream_id": token, "rows": rows} for token, rows in lines)
+            self.assertEqual(got[:FACTS], table)
+        return browser
+
+    def _lines(self, args, env, table):
+        """Run an example that prints ``stream_id rows`` lines until it
+        printed every fact of ``table``."""
+        run = Running(args, env=env)
+        self.addCleanup(run.stop)
+        try:
+            wait_for(lambda: run.out.count("\n") >= len(table) or run.proc.poll() is not None,
+                     DEADLINE, f"{args[0]}'s facts")
+        finally:
+            run.stop()
+        lines = "\n".join(run.out.splitlines()[:len(table)])
+        self.assertEqual(printed_facts(lines), table, run.err[-2000:])
+

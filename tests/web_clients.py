@@ -1,0 +1,214 @@
+"""Real HTTP clients and middleboxes of the read API, for integration tests.
+
+* :class:`NginxCache`: Debian's nginx on a free loopback port, with a
+  generated config putting ``proxy_cache`` in front of a daemon's HTTP
+  listener.  Every answer carries ``X-Cache-Status`` (nginx's
+  ``$upstream_cache_status``: ``MISS``, ``HIT``, ``BYPASS``..., empty when
+  the cache was not consulted) and nginx's access log has one line per
+  request with that status and the upstream address (``-`` when nginx
+  answered from its cache).  The cache key includes the ``Authorization``
+  header: nginx does not check credentials on a hit, so entries are kept
+  per credential (see the README's section on caching proxies).
+* :func:`node`: runs a script with the machine's ``node`` (its own
+  ``fetch``) and the npm packages ``make node-deps`` installed in
+  ``.node/node_modules`` (``eventsource``).
+* :class:`DroppableProxy`: a loopback TCP proxy (the chaos suite's) on a
+  thread of its own, whose link can be dropped (connections reset, the
+  port refusing) and restored on the same port: a network cut that a
+  browser sees.
+
+A missing binary or package skips locally and fails with ``CI=true``.
+"""
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+from typing import List, Optional
+
+from tests.chaos.proxy import Proxy
+from tests.servers import free_port, unavailable, wait_for_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NODE_MODULES = os.path.join(ROOT, ".node", "node_modules")
+
+NGINX_CONF = """\
+worker_processes 1;
+daemon off;
+master_process on;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    log_format cache '$request_uri $status $upstream_cache_status $upstream_addr';
+    access_log {tmp}/access.log cache;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    proxy_cache_path {tmp}/cache levels=1:2 keys_zone=replicator:1m max_size=64m
+                     inactive=1h use_temp_path=off;
+    server {{
+        listen 127.0.0.1:{port};
+        location /_replicator/v1/streams/ {{
+            proxy_pass http://127.0.0.1:{upstream};
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_cache replicator;
+            # nginx answers a hit without asking the daemon: one entry per
+            # credential, so a reader only gets what it was allowed once.
+            proxy_cache_key "$request_uri $http_authorization $cookie_replicator_reader";
+            proxy_cache_lock on;
+            proxy_read_timeout 60s;
+            add_header X-Cache-Status $upstream_cache_status always;
+            # Event streams pass through as they come (unbuffered: never cached).
+            location ~ /events$ {{
+                proxy_pass http://127.0.0.1:{upstream};
+                proxy_http_version 1.1;
+                proxy_set_header Connection "";
+                proxy_buffering off;
+                proxy_cache off;
+                proxy_read_timeout 1h;
+            }}
+        }}
+        location / {{
+            proxy_pass http://127.0.0.1:{upstream};
+        }}
+    }}
+}}
+"""
+
+
+def nginx_binary() -> str:
+    path = shutil.which("nginx") or ("/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK)
+                                     else None)
+    if path is None:
+        unavailable("nginx not found (Debian package nginx; scripts/ensure-system-deps.sh "
+                    "installs it)")
+    return path
+
+
+class NginxCache:
+    """nginx with ``proxy_cache`` in front of ``127.0.0.1:upstream_port``,
+    from a temp dir, on a free loopback port; :meth:`stop` ends it (by PID)
+    and deletes its files."""
+
+    def __init__(self, upstream_port: int):
+        binary = nginx_binary()
+        self.tmp = tempfile.mkdtemp(prefix="replicator-nginx-")
+        # As root, nginx's workers run as nobody: they must reach their dirs.
+        os.chmod(self.tmp, 0o755)
+        self.port = free_port()
+        self.conf = os.path.join(self.tmp, "nginx.conf")
+        with open(self.conf, "w") as f:
+            f.write(NGINX_CONF.format(tmp=self.tmp, port=self.port, upstream=upstream_port))
+        self._log = open(os.path.join(self.tmp, "stderr.log"), "wb")
+        # -e: the error log before the config is read (else the packaged
+        # /var/log/nginx/error.log, which needs root).
+        self.proc = subprocess.Popen(
+            [binary, "-p", self.tmp, "-c", self.conf, "-e", os.path.join(self.tmp, "error.log")],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for_port(self.port)
+        except RuntimeError:
+            self.stop()
+            raise RuntimeError(f"nginx did not start: {self.errors()}") from None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def access_lines(self) -> List[List[str]]:
+        """nginx's access log: ``[request_uri, status, cache status, upstream]``
+        per request (nginx writes the line when the request ends)."""
+        try:
+            with open(os.path.join(self.tmp, "access.log")) as f:
+                return [line.split() for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    def errors(self) -> str:
+        text = ""
+        for name in ("stderr.log", "error.log"):
+            try:
+                with open(os.path.join(self.tmp, name), errors="replace") as f:
+                    text += f.read()
+            except FileNotFoundError:
+                pass
+        return text[-2000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)  # graceful: workers too
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def node_binary() -> str:
+    path = shutil.which("node")
+    if path is None:
+        unavailable("node not found (Debian package nodejs; scripts/ensure-system-deps.sh "
+                    "installs it)")
+    return path
+
+
+def node(script: str, *args: str, timeout: float = 120.0,
+         need: Optional[List[str]] = None) -> subprocess.CompletedProcess:
+    """Run ``script`` (JavaScript source, CommonJS) with ``node``, ``args``
+    after it in ``process.argv``; ``need``: npm packages it requires, from
+    ``.node/node_modules`` (``make node-deps``)."""
+    binary = node_binary()
+    for package in need or ():
+        if not os.path.isdir(os.path.join(NODE_MODULES, package)):
+            unavailable(f"npm package {package} not in .node/node_modules (make node-deps)")
+    env = dict(os.environ, NODE_PATH=NODE_MODULES)
+    return subprocess.run([binary, "-e", script, "--", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+class DroppableProxy:
+    """The chaos suite's loopback proxy to ``target_port``, on an asyncio
+    loop of its own thread (the tests block meanwhile)."""
+
+    def __init__(self, target_port: int):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.proxy = Proxy("reader", target_port)
+        self._call(self.proxy.start())
+        self.port = self.proxy.port
+        self.drops = 0
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def drop(self) -> None:
+        """Reset every connection and stop listening: the network is cut."""
+        self.drops += 1
+        self._call(self.proxy.close())
+
+    def restore(self) -> None:
+        """Listen again on the same port."""
+        self._call(self.proxy.start(self.port))
+
+    @property
+    def connections(self) -> int:
+        """Connections accepted so far."""
+        return self.proxy.connections
+
+    def close(self) -> None:
+        try:
+            self._call(self.proxy.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
