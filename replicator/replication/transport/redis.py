@@ -74,7 +74,7 @@ from ...config import RedisConfig
 from ...logs.output import printable
 from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from ...net.endpoint_strings import client_address
-from ...net.reconnect import ReconnectingService
+from ...net.reconnect import ReconnectingService, failure_reason
 from ...observe import metrics
 from ..interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
 from ..wire.commands import Command, ReplicateCommand, parse_line
@@ -116,11 +116,14 @@ class _RedisFactory(Factory):
         self.config = config
         self.owner = owner
         self.role = role
+        #: The protocol built last (ClientService keeps one at a time).
+        self.current: Optional[_Link] = None
 
     def buildProtocol(self, addr: Any) -> Any:
         p = self.protocol_class(password=self.config.password, dbid=self.config.dbid,
                                 replyTimeout=None)
         p.factory = self
+        self.current = p
         return p
 
     def stopTrying(self) -> None:
@@ -128,7 +131,10 @@ class _RedisFactory(Factory):
 
     def connectionError(self, why: str) -> None:
         """txredisapi's word that AUTH or SELECT failed (it closes the
-        connection): counted, logged, retried."""
+        connection): counted, logged, retried.  Not when the connection was
+        lost before the answer (a failed TLS handshake): its loss says why."""
+        if self.current is not None and self.current.lost:
+            return
         metrics.REDIS_AUTH_REFUSED.labels(self.role).inc()
         self.owner.last_error = why
         log.error("redis {role} connection: {why}; retrying", role=self.role, why=why)
@@ -156,8 +162,11 @@ class _Link:
         self.factory.owner.link_made(self)
         return result
 
-    def connectionLost(self, why: str) -> None:
+    def connectionLost(self, why: Failure) -> None:
         self.lost = True
+        reason = failure_reason(why)
+        if reason.startswith("TLS: "):  # the retry line's reason (not "connection lost")
+            self.factory.owner.last_error = reason
         self.factory.owner.link_lost(self)
         super().connectionLost(why)  # type: ignore[misc]
 
