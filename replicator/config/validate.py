@@ -45,7 +45,7 @@ def validate_replication(rep: ReplicationConfig, reactor, key: str = "replicatio
         _build(reactor, rep.listen, f"{key}.listen", "server")
     if rep.upstream is not None:
         _build(reactor, rep.upstream, f"{key}.upstream", "client")
-    if rep.redis is not None:
+    if rep.redis is not None and rep.redis.endpoint is not None:
         _build(reactor, rep.redis.endpoint, f"{key}.redis.endpoint", "client")
 
 

@@ -63,7 +63,7 @@ from typing import Any, List, Optional, Sequence, cast
 
 import txredisapi
 from twisted.application.service import MultiService
-from twisted.internet import defer, endpoints, task
+from twisted.internet import defer, task
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
@@ -73,11 +73,17 @@ from zope.interface import implementer
 from ...config import RedisConfig
 from ...logs.output import printable
 from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
-from ...net.endpoint_strings import client_address
 from ...net.reconnect import ReconnectingService, failure_reason
 from ...observe import metrics
 from ..interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
 from ..wire.commands import Command, ReplicateCommand, parse_line
+from .redis_sentinel import (
+    SentinelEndpoint,
+    SentinelWatch,
+    address_text,
+    check_master,
+    redis_endpoint,
+)
 from .synapse_watch import SynapseWatch
 
 log = Logger()
@@ -151,6 +157,7 @@ class _Link:
     readying: Optional[defer.Deferred[Any]] = None
     healthy_call: Optional[IDelayedCall] = None
     factory: "_RedisFactory"
+    transport: Any  # txredisapi's
 
     def dataReceived(self, data: bytes, *args: Any) -> Any:
         self.last_data = self.factory.owner.clock.seconds()
@@ -283,16 +290,23 @@ class RedisReplication(MultiService):
 
         self.sub_backoff = Backoff(initial_delay, max_delay, name="redis-subscriber")
         self.pub_backoff = Backoff(initial_delay, max_delay, name="redis-publisher")
-        endpoint = endpoints.clientFromString(reactor, config.endpoint)
-        where = client_address(config.endpoint)
+        endpoint, where = redis_endpoint(reactor, config, self.clock, ping_timeout * 4)
+        self._factories = (_RedisFactory(_Subscriber, config, self, "subscriber"),
+                           _RedisFactory(_Publisher, config, self, "publisher"))
         self._sub_service = ReconnectingService(
-            endpoint, _RedisFactory(_Subscriber, config, self, "subscriber"),
+            endpoint, self._factories[0],
             self.sub_backoff, clock=self.clock, what="redis subscriber", where=where,
             lost_reason=lambda: self.last_error)
         self._pub_service = ReconnectingService(
-            endpoint, _RedisFactory(_Publisher, config, self, "publisher"),
+            endpoint, self._factories[1],
             self.pub_backoff, clock=self.clock, what="redis publisher", where=where,
             lost_reason=lambda: self.last_error)
+        #: With Sentinel: where the master is, and who hears it move.
+        self.sentinel = endpoint if isinstance(endpoint, SentinelEndpoint) else None
+        if self.sentinel is not None:
+            SentinelWatch(reactor, self.sentinel, Backoff(initial_delay, max_delay,
+                                                          name="redis-sentinel"),
+                          self.follow_master, self.clock).setServiceParent(self)  # type: ignore[no-untyped-call]
         self._sub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
         self._pub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
         self._pinger = task.LoopingCall(self._ping)
@@ -301,6 +315,23 @@ class RedisReplication(MultiService):
     @property
     def connected(self) -> bool:
         return self.conn is not None
+
+    @property
+    def where(self) -> str:
+        """Where the links go (``/health``, log lines): the endpoint, or the
+        Sentinel master and its last address."""
+        master = self.sentinel.master if self.sentinel is not None else None
+        if master is None:
+            return self.config.where
+        return f"master {self.config.master_name} at {address_text(master)} (Sentinel)"
+
+    def follow_master(self, address: Any) -> None:
+        """Sentinel names another master: drop every link (up or getting
+        ready) so that each reconnects to it."""
+        for factory in self._factories:
+            protocol = factory.current
+            if protocol is not None and not protocol.lost and protocol.transport is not None:
+                protocol.transport.abortConnection()
 
     @property
     def synapse_seen(self) -> Optional[str]:
@@ -334,6 +365,8 @@ class RedisReplication(MultiService):
         ready = protocol.whenConnected()
         ready.addTimeout(self.ping_timeout * 4, self.clock)
         await ready
+        if self.sentinel is not None:
+            await check_master(protocol, self.ping_timeout * 4, self.clock)
         if protocol.role == "subscriber":
             channels = [self.channel, self.user_ip_channel]
             if self.synapse_channel is not None:
@@ -348,7 +381,7 @@ class RedisReplication(MultiService):
             log.info("redis: subscribed to {channel}", channel=self.channel)
         else:
             self.publisher = protocol
-            log.info("redis: publisher connected to {endpoint}", endpoint=self.config.endpoint)
+            log.info("redis: publisher connected to {endpoint}", endpoint=self.where)
         protocol.healthy_call = self.clock.callLater(self.ping_interval, self._healthy, protocol)
         self._maybe_register()
 
