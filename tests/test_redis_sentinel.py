@@ -17,17 +17,24 @@ import tempfile
 import urllib.error
 import urllib.request
 
+import txredisapi
 import yaml
-from twisted.internet import defer, reactor, threads
+from twisted.internet import defer, endpoints, reactor, threads
 from twisted.trial.unittest import TestCase
 
 from replicator.config import ConfigError, RedisConfig, parse_redis, parse_replication
+from replicator.replication.transport.redis_sentinel import (
+    NotMaster,
+    SentinelEndpoint,
+    SentinelError,
+    check_master,
+)
 from tests.sentinel_servers import SentinelSetup
 from tests.servers import PostgresServer, free_port
-from tests.support import LogWatch, create_stream_tables, until, write_randomly
+from tests.support import LogWatch, WatchedConsumer, create_stream_tables, until, write_randomly
 from tests.test_cli import SECRET
 from tests.test_operations import doc_block
-from tests.test_replication_redis import STREAMS, Node
+from tests.test_replication_redis import KEYS, STREAMS, Node
 
 PASSWORD = "the-requirepass-of-redis"
 #: The streams of :mod:`tests.test_replication_redis`, as a config file says them.
@@ -241,3 +248,70 @@ class SentinelFailoverTests(TestCase):
         from tests.servers import wait_for
 
         wait_for(predicate, timeout=timeout, what="the reader's condition")
+
+
+class SentinelFollowTests(TestCase):
+    """A failover Sentinel is asked for (``SENTINEL FAILOVER``: the old
+    master lives on, demoted), and what a link learns from Sentinel and
+    ``ROLE`` when things are not as expected."""
+
+    timeout = 120
+
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database()
+        self.setup = SentinelSetup(PASSWORD, "replicator")
+        self.addCleanup(self.setup.stop)
+
+    async def test_a_manual_failover_is_followed_and_a_replica_is_refused(self):
+        """(One setup of five servers for all of it: they take seconds to
+        know each other.)"""
+        await self._what_a_connect_says_when_sentinel_cannot_name_the_master()
+        consumer = WatchedConsumer(positions={k: 0 for k in KEYS})
+        nodes = [await SentinelNode(self, self.dsn, "w1", self.setup.master,
+                                    sentinels=self.setup.addresses).start(),
+                 await SentinelNode(self, self.dsn, "r", self.setup.master, consumer,
+                                    sentinels=self.setup.addresses).start()]
+        await until(lambda: all(n.link.connected for n in nodes), timeout=30)
+        old = ("127.0.0.1", self.setup.master.port)
+        new = ("127.0.0.1", self.setup.replica.port)
+        # A replica says so: a link that reached it is not used.
+        with self.assertRaises(NotMaster) as e:
+            await self._check_role(new)
+        self.assertIn(f"127.0.0.1:{new[1]} is not the master (ROLE slave)", str(e.exception))
+        await self._check_role(old)
+        self.assertEqual(self.setup.sentinels[0].ask("failover", "replicator"), ["OK"])
+        await until(lambda: all(n.link.connected and n.link.sentinel.master == new
+                                for n in nodes), timeout=60)
+        await nodes[0].registry.get("caches").write_fact([["after the switch", None, 1]])
+        await consumer.until(lambda: consumer.facts)
+        self.assertEqual(consumer.facts, [("caches", "w1", 1, [["after the switch", None, 1]])])
+        await self._check_role(new)
+
+    async def _check_role(self, address):
+        protocol = await endpoints.connectProtocol(
+            endpoints.TCP4ClientEndpoint(reactor, *address),
+            txredisapi.RedisProtocol(password=PASSWORD, replyTimeout=None))
+        self.addCleanup(protocol.transport.loseConnection)
+        await protocol.whenConnected()
+        await check_master(protocol, 5, reactor)
+
+    async def _what_a_connect_says_when_sentinel_cannot_name_the_master(self):
+        unknown = SentinelEndpoint(reactor, [("127.0.0.1", self.setup.sentinels[0].port)],
+                                   "nobody", reactor, 5)
+        with self.assertRaises(SentinelError) as e:
+            await unknown.master_address()
+        self.assertEqual(str(e.exception), f"no sentinel named master nobody: "
+                                           f"127.0.0.1:{self.setup.sentinels[0].port} does not "
+                                           "know it")
+        dead = free_port()
+        endpoint = SentinelEndpoint(reactor, [("127.0.0.1", dead)] + [
+            ("127.0.0.1", s.port) for s in self.setup.sentinels], "replicator", reactor, 5)
+        self.assertEqual(await endpoint.master_address(),
+                         ("127.0.0.1", self.setup.master.port))
+        # The one that answered is asked first from now on.
+        self.assertEqual(endpoint.sentinels[0], ("127.0.0.1", self.setup.sentinels[0].port))
+        endpoint.sentinels = [("127.0.0.1", dead)]
+        with self.assertRaises(SentinelError) as e:
+            await endpoint.master_address()
+        self.assertEqual(str(e.exception), f"no sentinel named master replicator: "
+                                           f"127.0.0.1:{dead} connection refused")

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 
+import yaml
 from prometheus_client import REGISTRY
 from twisted.internet import reactor
 from twisted.logger import formatEvent
@@ -15,8 +16,10 @@ from twisted.trial.unittest import TestCase
 
 from replicator.config import ConfigError, parse_replication, validate_replication
 from tests.servers import PostgresServer, RedisServer, free_port, unavailable
-from tests.support import LogWatch, WatchedConsumer
-from tests.test_replication_redis import KEYS, Node
+from tests.support import LogWatch, WatchedConsumer, create_stream_tables
+from tests.test_cli import cli
+from tests.test_operations import doc_block
+from tests.test_replication_redis import KEYS, STREAMS, Node
 from tests.test_tls import make_pki
 
 
@@ -157,3 +160,85 @@ class RedisTlsConfigTests(TestCase):
         mismatched = tls_endpoint(6380, self.pki["trust"], self.pki["client.crt"],
                                   self.pki["stranger.key"])
         self.assertIn("do not match", self.refused(mismatched))
+
+
+class OperationsPageTests(TestCase):
+    """docs/operations.md, "Redis over TLS", tried as written: its
+    redis.conf lines start the redis-server (the test's files and port in
+    place of the page's), its ``replication.redis`` block passes
+    ``replicator check`` and carries a fact from one instance to another;
+    the same block with trust roots that hold no certificate is one line
+    naming the key, exit 2."""
+
+    timeout = 120
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="replicator-redis-tls-doc-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.pki = make_pki(self.tmp)
+        self.dsn = PostgresServer.shared().create_database()
+
+    def server_args(self, port: int) -> list:
+        text = doc_block("redis-tls-server")
+        for page, ours in (("/etc/redis/tls/redis.crt", self.pki["server.crt"]),
+                           ("/etc/redis/tls/redis.key", self.pki["server.key"]),
+                           ("/etc/redis/tls/ca.crt", self.pki["ca.crt"]),
+                           ("tls-port 6380", f"tls-port {port}")):
+            self.assertIn(page, text)
+            text = text.replace(page, ours)
+        return [arg for line in text.splitlines() if line.strip()
+                for arg in ("--" + line.split()[0], *line.split()[1:])]
+
+    def client_section(self, port: int) -> dict:
+        text = doc_block("redis-tls")
+        for page, ours in (("host=redis.example.com", "host=localhost"),
+                           ("port=6380", f"port={port}"),
+                           ("/etc/replicator/tls/ca", self.pki["trust"]),
+                           ("/etc/replicator/tls/worker1.crt", self.pki["client.crt"]),
+                           ("/etc/replicator/tls/worker1.key", self.pki["client.key"])):
+            self.assertIn(page, text)
+            text = text.replace(page, ours)
+        return yaml.safe_load(text)["replication"]
+
+    def check(self, replication: dict):
+        config = {"server_name": "hs.test", "instance_name": "r",
+                  "database": {"postgres": self.dsn}, "replication": replication,
+                  "streams": [{"name": "caches", "table": "cache_stream",
+                               "columns": [{"cache_func": "text"}, {"keys": "json?"},
+                                           {"ts": "bigint"}],
+                               "writers": ["w1", "w2"]}]}
+        path = os.path.join(self.tmp, "r.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        return cli("check", "-c", path, cwd=self.tmp)
+
+    async def test_the_page_as_written(self):
+        port = free_port()
+        replication = self.client_section(port)
+        try:
+            server = RedisServer(password=replication["redis"]["password"],
+                                 args=self.server_args(port), port=port)
+        except RuntimeError as e:
+            unavailable(f"redis-server with TLS did not start: {e}")
+        self.addCleanup(server.stop)
+        create_stream_tables(self.dsn, STREAMS)
+        checked = self.check(replication)
+        self.assertEqual((checked.returncode, checked.stderr), (0, ""))
+        endpoint = replication["redis"]["endpoint"]
+        consumer = WatchedConsumer(positions={k: 0 for k in KEYS})
+        writer = await Node(self, self.dsn, "w1", server, endpoint=endpoint).start()
+        await Node(self, self.dsn, "r", server, consumer, endpoint=endpoint).start()
+        await writer.registry.get("caches").write_fact([["as the page says", None, 1]])
+        await consumer.until(lambda: consumer.facts)
+        self.assertEqual(consumer.facts, [("caches", "w1", 1, [["as the page says", None, 1]])])
+        # Trust roots without a certificate: one line naming the key.
+        empty = os.path.join(self.tmp, "empty")
+        os.makedirs(empty)
+        replication["redis"]["endpoint"] = endpoint.replace(self.pki["trust"], empty)
+        refused = self.check(replication)
+        self.assertEqual(refused.returncode, 2)
+        self.assertEqual(refused.stderr.count("\n"), 1, refused.stderr)
+        self.assertTrue(refused.stderr.startswith(
+            "replicator: config: replication.redis.endpoint: "), refused.stderr)
+        self.assertIn(f"trustRoots {empty} holds no *.pem certificate", refused.stderr)
+

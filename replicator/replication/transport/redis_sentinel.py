@@ -275,7 +275,7 @@ class SentinelWatch(ReconnectingService):
     def _master(self, address: Address, how: str) -> None:
         if self.endpoint.master is None or address == self.endpoint.master:
             return
-        log.warn("redis: Sentinel names {new} the master {name} ({how}; the links were on "
-                 "{old}): reconnecting", new=address_text(address), how=how,
+        log.warn("Sentinel names {new} the master {name} ({how}; the links were on "
+                 "{old}): they reconnect", new=address_text(address), how=how,
                  name=self.endpoint.master_name, old=address_text(self.endpoint.master))
         self.on_master(address)
