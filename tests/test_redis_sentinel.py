@@ -192,6 +192,7 @@ class SentinelFailoverTests(TestCase):
         written = {"n": 0}
         target = 3000
         seen = []  # /health answers while the master was away
+        outage = {}  # facts written when the master was killed, when all followed
 
         async def writer_loop(node):
             await write_randomly(node.registry.get("caches"), rng, written, target,
@@ -201,6 +202,7 @@ class SentinelFailoverTests(TestCase):
         async def failover():
             await until(lambda: written["n"] > target // 4, timeout=60)
             self.setup.master.kill()  # SIGKILL, by PID
+            outage["killed"] = written["n"]
             # The reader says so while the master is away ...
             while True:
                 status, body = await self.health()
@@ -210,10 +212,13 @@ class SentinelFailoverTests(TestCase):
             # ... and every instance follows Sentinel to the promoted replica.
             await until(lambda: all(w.link.connected and w.link.sentinel.master == new
                                     for w in writers), timeout=60)
+            outage["followed"] = written["n"]
 
         await defer.gatherResults([defer.ensureDeferred(writer_loop(w)) for w in writers]
                                   + [defer.ensureDeferred(failover())])
         self.assertEqual(self.setup.master_port(), new[1])
+        # Facts were written while no instance could publish them.
+        self.assertGreater(outage["followed"], outage["killed"])
         status, body = seen[-1]
         self.assertIn(f"not connected to redis master replicator at 127.0.0.1:{old[1]} "
                       "(Sentinel)", json.dumps(body))

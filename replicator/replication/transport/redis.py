@@ -328,6 +328,7 @@ class RedisReplication(MultiService):
     def follow_master(self, address: Any) -> None:
         """Sentinel names another master: drop every link (up or getting
         ready) so that each reconnects to it."""
+        self.last_error = f"Sentinel moved the master to {address_text(address)}"
         for factory in self._factories:
             protocol = factory.current
             if protocol is not None and not protocol.lost and protocol.transport is not None:
