@@ -15,7 +15,9 @@ timeout, or a failed AUTH/SELECT (txredisapi's own factories stop retrying
 then; ours do not) — and starts over only once a connection was ready and
 stayed up for ``ping_interval``.  Each connection is PINGed every
 ``ping_interval`` seconds and replaced when a PING is not answered within
-``ping_timeout``.
+``ping_timeout``.  Both connect through the endpoint
+:mod:`.redis_sentinel` gives: the configured endpoint string (``tcp:``,
+``tls:``), or the master Sentinel names, followed through failovers.
 
 ``ClientService`` sees a Redis connection as up from the TCP connect on:
 getting it ready (AUTH/SELECT, SUBSCRIBE) is our own business, outside
