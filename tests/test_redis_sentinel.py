@@ -20,13 +20,16 @@ import urllib.request
 import txredisapi
 import yaml
 from twisted.internet import defer, endpoints, reactor, threads
+from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import TestCase
 
 from replicator.config import ConfigError, RedisConfig, parse_redis, parse_replication
+from replicator.net.backoff import Backoff
 from replicator.replication.transport.redis_sentinel import (
     NotMaster,
     SentinelEndpoint,
     SentinelError,
+    SentinelWatch,
     check_master,
 )
 from tests.sentinel_servers import SentinelSetup
@@ -117,6 +120,25 @@ class SentinelConfigTests(TestCase):
         self.assertIn("names no Sentinel", self.refused(
             {"sentinels": [], "master_name": "replicator"}, "sentinels"))
         self.assertIn("missing", self.refused({}, "endpoint"))
+
+
+class SwitchMasterTests(TestCase):
+    """What a ``+switch-master`` message moves (in memory)."""
+
+    def test_only_a_move_of_our_master_away_from_the_links_is_followed(self):
+        clock = MemoryReactorClock()
+        endpoint = SentinelEndpoint(clock, [("127.0.0.1", 26379)], "replicator", clock, 5)
+        moves = []
+        watch = SentinelWatch(clock, endpoint, Backoff(0.1, 1), moves.append, clock)
+        watch.announced(b"replicator 127.0.0.1 6379 127.0.0.1 6380")
+        self.assertEqual(moves, [])  # the links have not connected yet: they will ask
+        endpoint.master = ("127.0.0.1", 6379)
+        for message in (b"other 127.0.0.1 6379 127.0.0.1 6380",  # another master
+                        b"replicator 127.0.0.1 6380 127.0.0.1 6379",  # to where the links are
+                        b"replicator 127.0.0.1 6379",  # not a +switch-master line
+                        "replicator 127.0.0.1 6379 127.0.0.1 6380"):
+            watch.announced(message)
+        self.assertEqual(moves, [("127.0.0.1", 6380)])
 
 
 class SentinelFailoverTests(TestCase):
