@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and the exporter need, only when one
-# is missing: a real redis-server, PostgreSQL server binaries, the JDBC drivers
+# is missing: a real redis-server (and redis-sentinel), PostgreSQL server binaries, the JDBC drivers
 # Spark reads through, Java, Prometheus (promtool) for the alert rules,
 # chromium (headless, for the status page and EventSource tests), logrotate
 # (the jsonl output rotated by it), nginx (a caching proxy in front of the
@@ -12,6 +12,7 @@ have_cmd() { command -v "$1" >/dev/null 2>&1; }
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
 have_cmd redis-server || need+=(redis-server)
+have_cmd redis-sentinel || need+=(redis-sentinel)  # the Sentinel failover test
 { have_cmd initdb || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; } || need+=(postgresql)
 have_pkg libpostgresql-jdbc-java || need+=(libpostgresql-jdbc-java)
 have_pkg libxerial-sqlite-jdbc-java || need+=(libxerial-sqlite-jdbc-java)

@@ -229,16 +229,21 @@ class PostgresServer:
 
 
 class RedisServer:
-    """A throwaway redis-server on loopback, restartable on the same port."""
+    """A throwaway redis-server on loopback, restartable on the same port.
+
+    ``args`` are more command line options (later ones win: ``--port 0
+    --tls-port PORT`` makes ``port`` a TLS port), ``port`` the port waited
+    for (default: a free one)."""
 
     _shared = None
 
-    def __init__(self, password: str = None):
+    def __init__(self, password: str = None, args=(), port: int = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             unavailable("redis-server not found (make test installs it)")
-        self.port = free_port()
+        self.port = port or free_port()
         self.password = password
+        self.args = list(args)
         self.tmp = tempfile.mkdtemp(prefix="replicator-redis-")
         self.proc = None
         self._procs = []  # every process started, so that stop() ends them all
@@ -255,6 +260,7 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        args += self.args
         with self._lock:
             if self._stopped:
                 # E.g. a fault injector's restart racing the end of its run.

@@ -27,7 +27,7 @@ import yaml
 from twisted.trial.unittest import TestCase
 
 import replicator
-from replicator.config import ConsumerConfig, fields, parse_instance
+from replicator.config import ConsumerConfig, ReaderConfig, fields, parse_instance
 from replicator.daemon import reload as reloading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,9 @@ EVERY_SECTION = {
                  "timestamp_column": "ts", "retention": {"max_age": "7d"}}],
     "replication": {"listen": "tcp:9092:interface=127.0.0.1",
                     "redis": {"endpoint": "tcp:host=127.0.0.1:port=6379"}},
-    "http": {"listen": "tcp:9093:interface=127.0.0.1", "secret": "s" * 16},
+    "http": {"listen": "tcp:9093:interface=127.0.0.1", "secret": "s" * 16,
+             "readers": [{"name": "dashboard", "secret_file": "dashboard.secret",
+                          "streams": ["*"]}]},
     "consumers": [{"type": "jsonl", "path": "facts.jsonl"}, {"type": "log"}],
     "health": {},
     "synapse": {"server_name": "matrix.example.com"},
@@ -226,6 +228,10 @@ class ConfigurationDocTests(TestCase):
                 else:
                     stream = dataclasses.replace(stream, **{name: value})
                 return dataclasses.replace(running, streams=(stream,) + running.streams[1:])
+            if section == "http.readers[]":
+                reader = ReaderConfig("dashboard", "dashboard.secret", ("*",))
+                return dataclasses.replace(running, http=dataclasses.replace(
+                    running.http, readers=running.http.readers + (reader,)))
             if section == "streams[].retention":
                 stream = dataclasses.replace(running.streams[0], retention=new)
                 return dataclasses.replace(running, streams=(stream,) + running.streams[1:])

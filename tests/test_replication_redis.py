@@ -67,11 +67,14 @@ class Node:
         self.handler = ReplicationHandler(self.registry, self.name, self.server_name, consumers)
         self.handler.start()
         self.link = RedisReplication(
-            reactor, RedisConfig(self.endpoint, self.redis.password), self.handler,
+            reactor, self.redis_config(), self.handler,
             self.server_name, self.name, **self.link_options)
         self.link.startService()
         self.test.addCleanup(self.stop)
         return self
+
+    def redis_config(self) -> RedisConfig:
+        return RedisConfig(self.endpoint, self.redis.password)
 
     async def stop(self):
         if getattr(self, "stopped", False):

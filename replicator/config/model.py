@@ -95,11 +95,25 @@ class DatabaseConfig:
 
 @dataclass(frozen=True)
 class RedisConfig:
-    """Replication through Redis pub/sub instead of (or beside) TCP."""
+    """Replication through Redis pub/sub instead of (or beside) TCP.
 
-    endpoint: str
+    Either ``endpoint`` (a client endpoint string: ``tcp:``, ``tls:``,
+    ``unix:``) or ``sentinels`` (``(host, port)`` pairs) with
+    ``master_name``: the master Sentinel names, found again after a
+    failover (:mod:`replicator.replication.transport.redis_sentinel`)."""
+
+    endpoint: Optional[str]
     password: Optional[str] = None
     dbid: Optional[int] = None
+    sentinels: Tuple[Tuple[str, int], ...] = ()
+    master_name: Optional[str] = None
+
+    @property
+    def where(self) -> str:
+        """Where the links go, for log lines and ``/health``."""
+        if self.endpoint is not None:
+            return self.endpoint
+        return f"master {self.master_name} (Sentinel)"
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,44 @@ from .model import RedisConfig, ReplicationConfig
 
 
 def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
+    """Redis by ``endpoint``, or through ``sentinels`` + ``master_name``."""
     if value is None:
         return None
     section = as_mapping(value, key)
-    no_unknown(section, ("endpoint", "password", "dbid"), key)
+    no_unknown(section, ("endpoint", "password", "dbid", "sentinels", "master_name"), key)
     endpoint = get_endpoint(section, "endpoint", key, "client")
-    if endpoint is None:
-        raise ConfigError(f"{key}.endpoint", "missing")
+    sentinels = _sentinels(section, key)
+    if endpoint is None and not sentinels:
+        raise ConfigError(f"{key}.endpoint", "missing (or give sentinels and master_name)")
+    if endpoint is not None and sentinels:
+        raise ConfigError(f"{key}.sentinels",
+                          "not with endpoint: Sentinel names the master's address")
+    master_name = get_str(section, "master_name", key, None)
+    if sentinels and master_name is None:
+        raise ConfigError(f"{key}.master_name", "missing (the name the sentinels monitor)")
+    if master_name is not None and not sentinels:
+        raise ConfigError(f"{key}.master_name", "needs sentinels")
     dbid = get_int(section, "dbid", key, None, minimum=0, maximum=65535)
-    return RedisConfig(endpoint, get_str(section, "password", key, None), dbid)
+    return RedisConfig(endpoint, get_str(section, "password", key, None), dbid,
+                       sentinels, master_name)
+
+
+def _sentinels(section: Mapping, key: str) -> Tuple[Tuple[str, int], ...]:
+    """``sentinels``: ``host:port`` strings (``[v6]:port``), as pairs."""
+    if section.get("sentinels") is None:
+        return ()
+    out = []
+    for i, item in enumerate(get_list(section, "sentinels", key,
+                                      empty="an empty list names no Sentinel")):
+        path = f"{key}.sentinels[{i}]"
+        host, _, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(path, f"expected host:port (like 127.0.0.1:26379), "
+                                    f"got {item!r}" if isinstance(item, str)
+                              else f"expected host:port, got {kind_of(item)}")
+        out.append((host, int(port)))
+    return tuple(out)
 
 
 def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:

@@ -45,7 +45,7 @@ def validate_replication(rep: ReplicationConfig, reactor, key: str = "replicatio
         _build(reactor, rep.listen, f"{key}.listen", "server")
     if rep.upstream is not None:
         _build(reactor, rep.upstream, f"{key}.upstream", "client")
-    if rep.redis is not None:
+    if rep.redis is not None and rep.redis.endpoint is not None:
         _build(reactor, rep.redis.endpoint, f"{key}.redis.endpoint", "client")
 
 
@@ -97,7 +97,8 @@ def read_secret(path: str, key: str) -> str:
 
 def _build(reactor, value: str, path: str, kind: str) -> Optional[object]:
     """Let Twisted build the endpoint ``value`` (and read its files); a
-    ``tls:`` listener's directory must hold its key and certificate."""
+    ``tls:`` listener's directory must hold its key and certificate, a
+    ``tls:`` client's files what :func:`..net.tls.check_client_files` says."""
     try:
         if kind == "server":
             parsed = parse(value)
@@ -106,6 +107,11 @@ def _build(reactor, value: str, path: str, kind: str) -> Optional[object]:
 
                 check_pem_directory(parsed.kwargs.get("path", parsed.args[0]))
             return endpoints.serverFromString(reactor, value)
+        parsed = parse(value)
+        if parsed.kind == "tls":
+            from ..net.tls import check_client_files
+
+            check_client_files(parsed.kwargs)
         return endpoints.clientFromString(reactor, value)
     except Exception as e:  # Twisted raises several types for bad strings and files
         raise ConfigError(path, f"cannot parse endpoint {value!r}: {one_line(e)}") from None

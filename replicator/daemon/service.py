@@ -178,7 +178,7 @@ class Instance:
             if self.upstream is None or not self.upstream.connected:
                 return False, f"not connected to upstream {rep.upstream}"
         if rep.redis and self.redis is not None and not self.redis.connected:
-            return False, f"not connected to redis {rep.redis.endpoint}"
+            return False, f"not connected to redis {self.redis.where}"
         return True, "connected"
 
     def _synapse_seen(self) -> Optional[str]:

@@ -49,6 +49,34 @@ def check_pem_directory(path: str) -> None:
         raise ValueError(f"no certificate in the *.pem files of {path}")
 
 
+def check_client_files(options: Dict[str, str]) -> None:
+    """What Twisted lets a ``tls:`` client endpoint string through with but
+    every handshake would then fail on, from its keyword ``options``:
+    ``trustRoots`` that is not a directory of ``*.pem`` certificates (Twisted
+    reads only those, and trusts nothing else), ``privateKey`` without
+    ``certificate`` (Twisted drops the key: no client certificate is sent),
+    ``certificate`` alone in a file without its key.  ValueError saying
+    which; the files' contents are Twisted's to judge after this."""
+    trust = options.get("trustRoots")
+    if trust is not None:
+        directory = FilePath(trust)
+        if not directory.isdir():
+            raise ValueError(f"trustRoots {trust} is not a directory (it holds the CA "
+                             "certificates as *.pem files)")
+        if not any(child.basename().lower().endswith(".pem") and child.isfile()
+                   and b"-----BEGIN CERTIFICATE-----" in child.getContent()
+                   for child in directory.children()):
+            raise ValueError(f"trustRoots {trust} holds no *.pem certificate")
+    certificate = options.get("certificate")
+    if certificate is None:
+        if options.get("privateKey") is not None:
+            raise ValueError("privateKey= without certificate= (the client certificate)")
+        return
+    if options.get("privateKey") is None and not re.search(
+            rb"-----BEGIN [A-Z ]*PRIVATE KEY-----", FilePath(certificate).getContent()):
+        raise ValueError(f"certificate {certificate} holds no private key: give privateKey=")
+
+
 #: The ``ssl:`` listener options :func:`server_endpoint` reads itself (a
 #: listener with another option is Twisted's, and its files are read once).
 SSL_OPTIONS = frozenset({"port", "interface", "backlog", "privateKey", "certKey",

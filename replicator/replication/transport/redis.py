@@ -15,7 +15,9 @@ timeout, or a failed AUTH/SELECT (txredisapi's own factories stop retrying
 then; ours do not) — and starts over only once a connection was ready and
 stayed up for ``ping_interval``.  Each connection is PINGed every
 ``ping_interval`` seconds and replaced when a PING is not answered within
-``ping_timeout``.
+``ping_timeout``.  Both connect through the endpoint
+:mod:`.redis_sentinel` gives: the configured endpoint string (``tcp:``,
+``tls:``), or the master Sentinel names, followed through failovers.
 
 ``ClientService`` sees a Redis connection as up from the TCP connect on:
 getting it ready (AUTH/SELECT, SUBSCRIBE) is our own business, outside
@@ -63,7 +65,7 @@ from typing import Any, List, Optional, Sequence, cast
 
 import txredisapi
 from twisted.application.service import MultiService
-from twisted.internet import defer, endpoints, task
+from twisted.internet import defer, task
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
@@ -73,11 +75,17 @@ from zope.interface import implementer
 from ...config import RedisConfig
 from ...logs.output import printable
 from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
-from ...net.endpoint_strings import client_address
-from ...net.reconnect import ReconnectingService
+from ...net.reconnect import ReconnectingService, failure_reason
 from ...observe import metrics
 from ..interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
 from ..wire.commands import Command, ReplicateCommand, parse_line
+from .redis_sentinel import (
+    SentinelEndpoint,
+    SentinelWatch,
+    address_text,
+    check_master,
+    redis_endpoint,
+)
 from .synapse_watch import SynapseWatch
 
 log = Logger()
@@ -116,11 +124,14 @@ class _RedisFactory(Factory):
         self.config = config
         self.owner = owner
         self.role = role
+        #: The protocol built last (ClientService keeps one at a time).
+        self.current: Optional[_Link] = None
 
     def buildProtocol(self, addr: Any) -> Any:
         p = self.protocol_class(password=self.config.password, dbid=self.config.dbid,
                                 replyTimeout=None)
         p.factory = self
+        self.current = p
         return p
 
     def stopTrying(self) -> None:
@@ -128,7 +139,10 @@ class _RedisFactory(Factory):
 
     def connectionError(self, why: str) -> None:
         """txredisapi's word that AUTH or SELECT failed (it closes the
-        connection): counted, logged, retried."""
+        connection): counted, logged, retried.  Not when the connection was
+        lost before the answer (a failed TLS handshake): its loss says why."""
+        if self.current is not None and self.current.lost:
+            return
         metrics.REDIS_AUTH_REFUSED.labels(self.role).inc()
         self.owner.last_error = why
         log.error("redis {role} connection: {why}; retrying", role=self.role, why=why)
@@ -145,6 +159,7 @@ class _Link:
     readying: Optional[defer.Deferred[Any]] = None
     healthy_call: Optional[IDelayedCall] = None
     factory: "_RedisFactory"
+    transport: Any  # txredisapi's
 
     def dataReceived(self, data: bytes, *args: Any) -> Any:
         self.last_data = self.factory.owner.clock.seconds()
@@ -156,8 +171,11 @@ class _Link:
         self.factory.owner.link_made(self)
         return result
 
-    def connectionLost(self, why: str) -> None:
+    def connectionLost(self, why: Failure) -> None:
         self.lost = True
+        reason = failure_reason(why)
+        if reason.startswith("TLS: "):  # the retry line's reason (not "connection lost")
+            self.factory.owner.last_error = reason
         self.factory.owner.link_lost(self)
         super().connectionLost(why)  # type: ignore[misc]
 
@@ -274,16 +292,23 @@ class RedisReplication(MultiService):
 
         self.sub_backoff = Backoff(initial_delay, max_delay, name="redis-subscriber")
         self.pub_backoff = Backoff(initial_delay, max_delay, name="redis-publisher")
-        endpoint = endpoints.clientFromString(reactor, config.endpoint)
-        where = client_address(config.endpoint)
+        endpoint, where = redis_endpoint(reactor, config, self.clock, ping_timeout * 4)
+        self._factories = (_RedisFactory(_Subscriber, config, self, "subscriber"),
+                           _RedisFactory(_Publisher, config, self, "publisher"))
         self._sub_service = ReconnectingService(
-            endpoint, _RedisFactory(_Subscriber, config, self, "subscriber"),
+            endpoint, self._factories[0],
             self.sub_backoff, clock=self.clock, what="redis subscriber", where=where,
             lost_reason=lambda: self.last_error)
         self._pub_service = ReconnectingService(
-            endpoint, _RedisFactory(_Publisher, config, self, "publisher"),
+            endpoint, self._factories[1],
             self.pub_backoff, clock=self.clock, what="redis publisher", where=where,
             lost_reason=lambda: self.last_error)
+        #: With Sentinel: where the master is, and who hears it move.
+        self.sentinel = endpoint if isinstance(endpoint, SentinelEndpoint) else None
+        if self.sentinel is not None:
+            SentinelWatch(reactor, self.sentinel, Backoff(initial_delay, max_delay,
+                                                          name="redis-sentinel"),
+                          self.follow_master, self.clock).setServiceParent(self)  # type: ignore[no-untyped-call]
         self._sub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
         self._pub_service.setServiceParent(self)  # type: ignore[no-untyped-call]
         self._pinger = task.LoopingCall(self._ping)
@@ -292,6 +317,24 @@ class RedisReplication(MultiService):
     @property
     def connected(self) -> bool:
         return self.conn is not None
+
+    @property
+    def where(self) -> str:
+        """Where the links go (``/health``, log lines): the endpoint, or the
+        Sentinel master and its last address."""
+        master = self.sentinel.master if self.sentinel is not None else None
+        if master is None:
+            return self.config.where
+        return f"master {self.config.master_name} at {address_text(master)} (Sentinel)"
+
+    def follow_master(self, address: Any) -> None:
+        """Sentinel names another master: drop every link (up or getting
+        ready) so that each reconnects to it."""
+        self.last_error = f"Sentinel moved the master to {address_text(address)}"
+        for factory in self._factories:
+            protocol = factory.current
+            if protocol is not None and not protocol.lost and protocol.transport is not None:
+                protocol.transport.abortConnection()
 
     @property
     def synapse_seen(self) -> Optional[str]:
@@ -325,6 +368,8 @@ class RedisReplication(MultiService):
         ready = protocol.whenConnected()
         ready.addTimeout(self.ping_timeout * 4, self.clock)
         await ready
+        if self.sentinel is not None:
+            await check_master(protocol, self.ping_timeout * 4, self.clock)
         if protocol.role == "subscriber":
             channels = [self.channel, self.user_ip_channel]
             if self.synapse_channel is not None:
@@ -339,7 +384,7 @@ class RedisReplication(MultiService):
             log.info("redis: subscribed to {channel}", channel=self.channel)
         else:
             self.publisher = protocol
-            log.info("redis: publisher connected to {endpoint}", endpoint=self.config.endpoint)
+            log.info("redis: publisher connected to {endpoint}", endpoint=self.where)
         protocol.healthy_call = self.clock.callLater(self.ping_interval, self._healthy, protocol)
         self._maybe_register()
 
