@@ -14,6 +14,8 @@ COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 #: ``log_format``: see :mod:`replicator.logs.formats`.
 LOG_FORMATS = ("text", "logfmt", "json")
+#: ``replication.redis.channels``, the default first (docs/protocol.md, "Redis").
+REDIS_CHANNELS = ("single", "per_stream")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class RedisConfig:
     endpoint: str
     password: Optional[str] = None
     dbid: Optional[int] = None
+    #: One of REDIS_CHANNELS: every line on one channel, or a channel per stream.
+    channels: str = "single"
 
 
 @dataclass(frozen=True)

@@ -19,19 +19,29 @@ from .fields import (
     kind_of,
     no_unknown,
 )
-from .model import RedisConfig, ReplicationConfig
+from .model import REDIS_CHANNELS, RedisConfig, ReplicationConfig
 
 
 def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
     if value is None:
         return None
     section = as_mapping(value, key)
-    no_unknown(section, ("endpoint", "password", "dbid"), key)
+    no_unknown(section, ("endpoint", "password", "dbid", "channels"), key)
     endpoint = get_endpoint(section, "endpoint", key, "client")
     if endpoint is None:
         raise ConfigError(f"{key}.endpoint", "missing")
     dbid = get_int(section, "dbid", key, None, minimum=0, maximum=65535)
-    return RedisConfig(endpoint, get_str(section, "password", key, None), dbid)
+    return RedisConfig(endpoint, get_str(section, "password", key, None), dbid,
+                       channels=_channels(section, key))
+
+
+def _channels(section: Mapping, key: str) -> str:
+    """``channels``: the layout of :mod:`replicator.replication.transport.redis_channels`."""
+    value = section.get("channels", REDIS_CHANNELS[0])
+    if not isinstance(value, str) or value not in REDIS_CHANNELS:
+        raise ConfigError(f"{key}.channels",
+                          f"{value!r} is not one of {', '.join(REDIS_CHANNELS)}")
+    return value
 
 
 def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:
