@@ -1,0 +1,168 @@
+"""Redis channel layouts: the ``redis-channels`` part of ``make bench``.
+
+Every figure beside a baseline from the same run, appended to
+``bench-results.jsonl`` by :func:`common.record`.  A fresh ``redis-server``
+(``tests.servers.RedisServer``) and the PostgreSQL database passed in.
+
+``redis.channels.one_reader_bytes``
+    One writer instance (our library as the daemon assembles it) writes
+    ``CHANNEL_STREAMS`` streams, ``CHANNEL_FACTS`` one-row facts each,
+    round-robin over the streams, ``CHANNEL_FACTS_PER_TXN`` facts per
+    ``write_facts``; one reader instance configured with the first stream
+    only.  Figure: the bytes the reader's Redis subscriber socket received
+    (RESP, as read from the socket) from its subscription until a marker
+    published on the control channel after the last fact came back, with
+    ``channels: per_stream``; baseline: the same with ``channels: single``
+    (every line on one channel, as before).  Both layouts run in the same
+    run, one after the other, each with its own writer and tables.
+
+Run alone: ``python scripts/bench/redis_channels_bench.py [--only channels]``.
+"""
+
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+if os.path.dirname(os.path.dirname(HERE)) not in sys.path:  # run alone
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+import tcp  # noqa: E402
+from common import record, standalone_main  # noqa: E402
+from twisted.internet import defer, reactor, task  # noqa: E402
+
+from replicator.config import RedisConfig, parse_database, parse_streams  # noqa: E402
+from replicator.replication.core.handler import ReplicationHandler  # noqa: E402
+from replicator.replication.transport.redis import RedisReplication  # noqa: E402
+from replicator.storage.database import Database  # noqa: E402
+from replicator.streams.registry import StreamRegistry  # noqa: E402
+
+SERVER_NAME = "bench"
+CHANNEL_STREAMS = 10
+CHANNEL_FACTS = int(os.environ.get("REDIS_CHANNEL_FACTS", "2000"))
+CHANNEL_FACTS_PER_TXN = 50
+MARKER = b"BENCH-MARKER"  # not a command: every instance ignores it
+until = tcp.until
+row = tcp.row
+
+
+def stream_configs(layout, writer):
+    return parse_streams([
+        {"name": f"s{i}", "table": f"chan_{layout}_{i}", "columns": tcp.COLUMNS,
+         "writers": [writer]}
+        for i in range(CHANNEL_STREAMS)])
+
+
+class Instance:
+    """Database + registry + handler + RedisReplication, as the daemon
+    builds them."""
+
+    def __init__(self, dsn, endpoint, name, streams, layout):
+        self.dsn, self.endpoint, self.name = dsn, endpoint, name
+        self.streams, self.layout = streams, layout
+
+    async def start(self):
+        self.db = Database(parse_database({"postgres": self.dsn, "pool_min": 1,
+                                           "pool_max": 3}))
+        self.registry = StreamRegistry(self.db, self.name, self.streams, reactor=reactor)
+        await self.registry.start()
+        self.handler = ReplicationHandler(self.registry, self.name, SERVER_NAME)
+        self.handler.start()
+        self.link = RedisReplication(reactor, RedisConfig(self.endpoint, channels=self.layout),
+                                     self.handler, SERVER_NAME, self.name)
+        self.link.startService()
+        await until(lambda: self.link.connected, 30, f"{self.name}'s Redis link")
+        # (single: past the probe for a Synapse, which holds our lines.)
+        await until(lambda: not self.link.holding, 30, f"{self.name}'s probe")
+        return self
+
+    async def stop(self):
+        self.handler.stop("benchmark over")
+        await self.link.stopService()
+        await self.handler.drain()
+        await self.registry.stop()
+        self.db.close()
+
+
+async def one_reader_bytes(dsn, endpoint, layout):
+    """Bytes a one-stream reader's subscriber received while a writer wrote
+    every stream (see the module's docstring)."""
+    writer_name = f"w-{layout}"
+    streams = stream_configs(layout, writer_name)
+    writer = await Instance(dsn, endpoint, writer_name, streams, layout).start()
+    reader = await Instance(dsn, endpoint, f"r-{layout}", streams[:1], layout).start()
+    try:
+        subscriber = reader.link.subscriber
+        received = [0]
+        data_received = subscriber.dataReceived
+
+        def counted(data):
+            received[0] += len(data)
+            return data_received(data)
+
+        subscriber.dataReceived = counted
+        marked = [False]
+        message_received = reader.link.message_received
+
+        def watch(protocol, channel, message):
+            if message[:len(MARKER)] in (MARKER, MARKER.decode()):
+                marked[0] = True
+            return message_received(protocol, channel, message)
+
+        reader.link.message_received = watch
+        start = time.time()
+        for base in range(0, CHANNEL_FACTS, CHANNEL_FACTS_PER_TXN):
+            n = min(CHANNEL_FACTS_PER_TXN, CHANNEL_FACTS - base)
+            await defer.gatherResults([
+                defer.ensureDeferred(writer.registry.get(s.name).write_facts(
+                    [[row(base + k)] for k in range(n)]))
+                for s in streams], consumeErrors=True)
+        for s in streams:
+            stream = writer.registry.get(s.name)
+            await until(lambda: writer.handler.announced_positions()[(s.name, writer_name)]
+                        >= stream.id_gen.get_current_token(writer_name), 60, "the fan-out")
+        last = writer.registry.get("s0").id_gen.get_current_token(writer_name)
+        await until(lambda: reader.handler.reader_positions()[("s0", writer_name)] == last,
+                    120, "the reader")
+        writer.link.publish_lines([MARKER + b"\n"], channel=writer.link.channel.encode())
+        await until(lambda: marked[0], 120, "the marker")
+        elapsed = time.time() - start
+        if reader.link.subscriber is not subscriber:
+            raise RuntimeError(f"{layout}: the reader's subscriber was replaced")
+        print(f"    {layout:<10}: {CHANNEL_STREAMS} streams x {CHANNEL_FACTS:,} facts; "
+              f"the one-stream reader received {received[0]:,} bytes in {elapsed:.1f}s",
+              flush=True)
+        return received[0]
+    finally:
+        await reader.stop()
+        await writer.stop()
+
+
+PHASES = ("channels",)
+
+
+async def run(dsn, only=PHASES, big=False):
+    """Every figure of this file, on the PostgreSQL database ``dsn``."""
+    from tests.servers import RedisServer
+
+    global CHANNEL_FACTS
+    if big:
+        CHANNEL_FACTS *= 10
+    redis = RedisServer()
+    try:
+        if "channels" in only:
+            print(f"  channels: a reader of 1 of {CHANNEL_STREAMS} busy streams", flush=True)
+            single = await one_reader_bytes(dsn, redis.endpoint, "single")
+            per_stream = await one_reader_bytes(dsn, redis.endpoint, "per_stream")
+            record("redis.channels.one_reader_bytes", per_stream, "bytes",
+                   f"channels: single (every stream on one channel), {CHANNEL_STREAMS} streams",
+                   single, higher_is_better=False)
+    finally:
+        redis.stop()
+
+
+if __name__ == "__main__":
+    task.react(lambda r: defer.ensureDeferred(
+        standalone_main(sys.modules[__name__], "redischannelsbench", sys.argv[1:])))
