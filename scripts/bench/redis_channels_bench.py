@@ -119,10 +119,12 @@ async def one_reader_bytes(dsn, endpoint, layout):
                 defer.ensureDeferred(writer.registry.get(s.name).write_facts(
                     [[row(base + k)] for k in range(n)]))
                 for s in streams], consumeErrors=True)
-        for s in streams:
-            stream = writer.registry.get(s.name)
-            await until(lambda: writer.handler.announced_positions()[(s.name, writer_name)]
-                        >= stream.id_gen.get_current_token(writer_name), 60, "the fan-out")
+        def flushed():
+            announced = writer.handler.announced_positions()
+            return all(announced[(s.name, writer_name)] >= writer.registry.get(s.name)
+                       .id_gen.get_current_token(writer_name) for s in streams)
+
+        await until(flushed, 60, "the fan-out")
         last = writer.registry.get("s0").id_gen.get_current_token(writer_name)
         await until(lambda: reader.handler.reader_positions()[("s0", writer_name)] == last,
                     120, "the reader")
