@@ -86,6 +86,8 @@ class RedisConfig:
     dbid: Optional[int] = None
     #: One of REDIS_CHANNELS: every line on one channel, or a channel per stream.
     channels: str = "single"
+    #: A Redis cluster's seed nodes (sharded pub/sub; ``endpoint`` is the first).
+    cluster: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

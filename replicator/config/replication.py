@@ -26,18 +26,42 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
     if value is None:
         return None
     section = as_mapping(value, key)
-    no_unknown(section, ("endpoint", "password", "dbid", "channels"), key)
+    no_unknown(section, ("endpoint", "password", "dbid", "channels", "cluster"), key)
+    cluster = _cluster(section, key)
     endpoint = get_endpoint(section, "endpoint", key, "client")
     if endpoint is None:
-        raise ConfigError(f"{key}.endpoint", "missing")
+        if not cluster:
+            raise ConfigError(f"{key}.endpoint", "missing")
+        endpoint = cluster[0]
+    elif cluster:
+        raise ConfigError(f"{key}.endpoint", "give endpoint or cluster, not both")
     dbid = get_int(section, "dbid", key, None, minimum=0, maximum=65535)
+    if cluster and dbid:
+        raise ConfigError(f"{key}.dbid", "a Redis cluster has database 0 only")
+    channels = _channels(section, key, "per_stream" if cluster else REDIS_CHANNELS[0])
+    if cluster and channels != "per_stream":
+        raise ConfigError(f"{key}.channels", "a cluster uses shard channels per stream: "
+                          "per_stream (the default with cluster)")
     return RedisConfig(endpoint, get_str(section, "password", key, None), dbid,
-                       channels=_channels(section, key))
+                       channels=channels, cluster=cluster)
 
 
-def _channels(section: Mapping, key: str) -> str:
+def _cluster(section: Mapping, key: str) -> Tuple[str, ...]:
+    """``cluster``: a Redis cluster's seed nodes, client endpoint strings."""
+    if section.get("cluster") is None:
+        return ()
+    nodes = get_list(section, "cluster", key, empty="name at least one node")
+    for i, node in enumerate(nodes):
+        get_endpoint({f"cluster[{i}]": node}, f"cluster[{i}]", key, "client")
+        if not node.startswith("tcp:"):
+            raise ConfigError(f"{key}.cluster[{i}]",
+                              "expected a tcp: endpoint like tcp:host=10.0.0.1:port=7000")
+    return tuple(nodes)
+
+
+def _channels(section: Mapping, key: str, default: str) -> str:
     """``channels``: the layout of :mod:`replicator.replication.transport.redis_channels`."""
-    value = section.get("channels", REDIS_CHANNELS[0])
+    value = section.get("channels", default)
     if not isinstance(value, str) or value not in REDIS_CHANNELS:
         raise ConfigError(f"{key}.channels",
                           f"{value!r} is not one of {', '.join(REDIS_CHANNELS)}")

@@ -62,7 +62,7 @@ readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
 """
 
-from typing import Any, List, Optional, Sequence, Set, cast
+from typing import Any, List, Optional, Sequence, Set, Tuple, cast
 
 import txredisapi
 from twisted.application.service import MultiService
@@ -589,14 +589,8 @@ class RedisReplication(MultiService):
             return
         if isinstance(message, bytes):
             message = message.decode("utf-8", "replace")
-        if message.startswith(self._own_prefixes):
-            return  # our own RDATA/POSITION, echoed: not even parsed
-        try:
-            cmd = parse_line(message.rstrip("\r\n"))
-        except Exception as e:  # CommandParseError; anything else is a parser bug
-            metrics.COMMANDS_DROPPED.labels("unknown", "unparsable").inc()
-            log.debug("redis: ignoring line {line}: {error}", line=printable(message, 80),
-                      error=printable(str(e) or type(e).__name__))
+        cmd = parse_message(message, self._own_prefixes)
+        if cmd is None:
             return
         if self.watch is not None:
             evidence = self.watch.observe(cmd)
@@ -612,21 +606,7 @@ class RedisReplication(MultiService):
                 # Synapse's (or its workers'): we own nothing it may ask for.
                 metrics.COMMANDS_DROPPED.labels(cmd.NAME, "synapse_channel").inc()
                 return
-        field = OWN_INSTANCE_FIELDS.get(cmd.NAME)
-        if field is not None and getattr(cmd, field) == self.instance_name:
-            return  # our own echo
-        method = getattr(self.handler, "on_" + cmd.NAME, None)
-        if method is None:
-            metrics.COMMANDS_DROPPED.labels(cmd.NAME, "ignored").inc()
-            return
-        metrics.COMMANDS_IN.labels(cmd.NAME, NAME).inc()
-        conn.current_line = message.rstrip("\r\n").encode("utf-8", "surrogatepass")
-        try:
-            method(conn, cmd)
-        except Exception:
-            log.failure("redis: handling {name} failed", name=cmd.NAME)
-        finally:
-            conn.current_line = None
+        deliver(self.handler, conn, cmd, message, self.instance_name)
 
     # ---------------------------------------------------------- keepalive
     def _ping(self) -> None:
@@ -650,3 +630,39 @@ class RedisReplication(MultiService):
                 protocol.transport.abortConnection()
 
         d.addErrback(failed)
+
+
+def parse_message(message: str, own_prefixes: Tuple[str, ...]) -> Optional[Command]:
+    """The command of one message heard on a channel; None for our own
+    RDATA/POSITION echoed (not even parsed) and for a line we cannot parse
+    (counted, a debug log)."""
+    if message.startswith(own_prefixes):
+        return None
+    try:
+        return parse_line(message.rstrip("\r\n"))
+    except Exception as e:  # CommandParseError; anything else is a parser bug
+        metrics.COMMANDS_DROPPED.labels("unknown", "unparsable").inc()
+        log.debug("redis: ignoring line {line}: {error}", line=printable(message, 80),
+                  error=printable(str(e) or type(e).__name__))
+        return None
+
+
+def deliver(handler: IReplicationHandler, conn: RedisConnection, cmd: Command, message: str,
+            instance_name: str) -> None:
+    """Hand ``cmd`` (of the line ``message``) to the handler as coming from
+    ``conn``, unless it is our own echo or a command the handler lacks."""
+    field = OWN_INSTANCE_FIELDS.get(cmd.NAME)
+    if field is not None and getattr(cmd, field) == instance_name:
+        return  # our own echo
+    method = getattr(handler, "on_" + cmd.NAME, None)
+    if method is None:
+        metrics.COMMANDS_DROPPED.labels(cmd.NAME, "ignored").inc()
+        return
+    metrics.COMMANDS_IN.labels(cmd.NAME, NAME).inc()
+    conn.current_line = message.rstrip("\r\n").encode("utf-8", "surrogatepass")
+    try:
+        method(conn, cmd)
+    except Exception:
+        log.failure("redis: handling {name} failed", name=cmd.NAME)
+    finally:
+        conn.current_line = None
