@@ -16,7 +16,23 @@ Every figure beside a baseline from the same run, appended to
     (every line on one channel, as before).  Both layouts run in the same
     run, one after the other, each with its own writer and tables.
 
-Run alone: ``python scripts/bench/redis_channels_bench.py [--only channels]``.
+``redis.cluster.<n>masters.facts_per_s`` and ``.redis_cpu_us_per_fact``
+    Sharded pub/sub on a Redis 7 cluster of ``n`` masters (1, then 3;
+    ``tests.redis_cluster_servers``), beside plain pub/sub on one
+    redis-server (``channels: per_stream``) in the same run.  One writer bus
+    and ``CLUSTER_READERS`` reader buses, all in this process (our
+    transport, no database: the writer hands pre-encoded one-row RDATA lines
+    of ``CLUSTER_STREAMS`` streams to ``publish_lines``, ``CLUSTER_BATCH``
+    per stream per call, as a fan-out does, holding back while its
+    publishers' socket buffers pass 1 MB; the readers parse every line and
+    count each stream's RDATA).  Rate: ``CLUSTER_FACTS`` facts / (the last
+    one counted by the slowest reader - the first handed over).  Redis CPU:
+    ``used_cpu_sys + used_cpu_user`` of every master (``INFO cpu``) over
+    the phase, per fact.  Our three buses share one Python process, so on a
+    small machine the rate is this process's ceiling more than Redis's;
+    the CPU per fact is Redis's own.  ``--big``: 10x the facts.
+
+Run alone: ``python scripts/bench/redis_channels_bench.py [--only channels,cluster]``.
 """
 
 import os
@@ -142,16 +158,144 @@ async def one_reader_bytes(dsn, endpoint, layout):
         await writer.stop()
 
 
-PHASES = ("channels",)
+CLUSTER_STREAMS = 6
+CLUSTER_READERS = 2
+CLUSTER_FACTS = int(os.environ.get("REDIS_CLUSTER_FACTS", "30000"))
+CLUSTER_BATCH = 100
+
+
+class _Stream:
+    def __init__(self, name):
+        self.name = name
+        self.config = parse_streams([{"name": name, "table": name, "columns": tcp.COLUMNS,
+                                      "writers": ["w"]}])[0]
+
+
+class CountingHandler:
+    """What a bus needs of a handler, counting each stream's RDATA."""
+
+    def __init__(self, names):
+        self.registry = [_Stream(n) for n in names]
+        self.counts = dict.fromkeys(names, 0)
+        self.done_at = None
+        self.expect = None
+
+    def new_connection(self, conn):
+        pass
+
+    def lost_connection(self, conn, reason):
+        pass
+
+    def on_RDATA(self, conn, cmd):
+        self.counts[cmd.stream_name] += 1
+        if self.expect is not None and sum(self.counts.values()) >= self.expect:
+            self.done_at = self.done_at or time.time()
+
+    def on_POSITION(self, conn, cmd):
+        pass
+
+    def on_REPLICATE(self, conn, cmd):
+        pass
+
+
+def redis_cpu(ports):
+    from tests.redis_cluster_servers import command
+
+    total = 0.0
+    for port in ports:
+        for line in command(port, "INFO", "cpu").splitlines():
+            if line.startswith(("used_cpu_sys:", "used_cpu_user:")):
+                total += float(line.split(":")[1])
+    return total
+
+
+async def cluster_phase(what, make_bus, ports):
+    """(facts/s, Redis CPU microseconds per fact) of one topology."""
+    from replicator.replication.wire.encoding import encode_rdata_lines
+
+    names = [f"c{i}" for i in range(CLUSTER_STREAMS)]
+    writer = make_bus(CountingHandler(names), "w")
+    readers = [make_bus(CountingHandler(names), f"r{i}") for i in range(CLUSTER_READERS)]
+    for bus in [writer] + readers:
+        bus.startService()
+    try:
+        await until(lambda: all(b.connected for b in [writer] + readers), 60, "the buses")
+        per_stream = CLUSTER_FACTS // CLUSTER_STREAMS
+        total = per_stream * CLUSTER_STREAMS
+        for r in readers:
+            r.handler.expect = total
+        publishers = (list(writer.publishers.values()) if hasattr(writer, "publishers")
+                      else [writer.publisher])
+
+        def backlog():
+            return sum(len(p.transport.dataBuffer) - p.transport.offset
+                       + sum(map(len, p.transport._tempDataBuffer)) for p in publishers)
+
+        cpu0 = redis_cpu(ports)
+        start = time.time()
+        for base in range(1, per_stream + 1, CLUSTER_BATCH):
+            tokens = range(base, min(base + CLUSTER_BATCH, per_stream + 1))
+            for name in names:
+                writer.publish_lines(list(encode_rdata_lines(
+                    name, "w", [(t, row(t)) for t in tokens])))
+            while backlog() > 1 << 20:
+                await tcp.sleep(0.001)
+        await until(lambda: all(r.handler.done_at for r in readers), 300, "the readers")
+        elapsed = max(r.handler.done_at for r in readers) - start
+        cpu = redis_cpu(ports) - cpu0
+        if any(r.generations_ended if hasattr(r, "generations_ended") else 0
+               for r in readers):
+            print("    (a reader's cluster links were replaced meanwhile)", flush=True)
+        print(f"    {what:<22}: {total:,} facts of {CLUSTER_STREAMS} streams to "
+              f"{CLUSTER_READERS} readers in {elapsed:.2f}s: {total / elapsed:,.0f} facts/s; "
+              f"Redis CPU {cpu:.2f}s ({cpu / total * 1e6:.1f} us per fact)", flush=True)
+        return total / elapsed, cpu / total * 1e6
+    finally:
+        for bus in [writer] + readers:
+            await bus.stopService()
+
+
+async def cluster_figures():
+    from replicator.replication.transport.redis_cluster import RedisClusterBus
+    from tests.redis_cluster_servers import RedisCluster
+    from tests.servers import RedisServer
+
+    redis = RedisServer()
+    try:
+        config = RedisConfig(redis.endpoint, channels="per_stream")
+        plain = await cluster_phase(
+            "plain pub/sub", lambda h, n: RedisReplication(reactor, config, h, SERVER_NAME, n),
+            [redis.port])
+    finally:
+        redis.stop()
+    for masters in (1, 3):
+        cluster = RedisCluster(masters)
+        try:
+            config = RedisConfig(cluster.endpoints[0], channels="per_stream",
+                                 cluster=tuple(cluster.endpoints))
+            rate, cpu = await cluster_phase(
+                f"cluster, {masters} master{'s' if masters > 1 else ''}",
+                lambda h, n, c=config: RedisClusterBus(reactor, c, h, SERVER_NAME, n),
+                cluster.ports)
+        finally:
+            cluster.stop()
+        record(f"redis.cluster.{masters}masters.facts_per_s", rate, "facts/s",
+               f"plain pub/sub, one redis-server, {CLUSTER_READERS} readers", plain[0])
+        record(f"redis.cluster.{masters}masters.redis_cpu_us_per_fact", cpu, "us",
+               "plain pub/sub, one redis-server", plain[1], higher_is_better=False)
+
+
+PHASES = ("channels", "cluster")
 
 
 async def run(dsn, only=PHASES, big=False):
     """Every figure of this file, on the PostgreSQL database ``dsn``."""
     from tests.servers import RedisServer
 
-    global CHANNEL_FACTS
+    global CHANNEL_FACTS, CLUSTER_FACTS
     if big:
         CHANNEL_FACTS *= 10
+        CLUSTER_FACTS *= 10
     redis = RedisServer()
     try:
         if "channels" in only:
@@ -163,6 +307,10 @@ async def run(dsn, only=PHASES, big=False):
                    single, higher_is_better=False)
     finally:
         redis.stop()
+    if "cluster" in only:
+        print(f"  cluster: {CLUSTER_STREAMS} streams, a writer and {CLUSTER_READERS} readers "
+              f"(our Redis transport, no database)", flush=True)
+        await cluster_figures()
 
 
 if __name__ == "__main__":
