@@ -165,15 +165,22 @@ class PerStreamRedisTests(TestCase):
 
 
 class DocumentedConfigTests(TestCase):
-    """docs/operations.md's per-stream section, applied to the worker
-    example, passes ``replicator check``."""
+    """docs/operations.md's per-stream and cluster sections, applied to the
+    worker example, pass ``replicator check``."""
 
     def test_replicator_check_accepts_the_documented_section(self):
+        self.check("redis-per-stream", "per_stream")
+
+    def test_replicator_check_accepts_the_documented_cluster_section(self):
+        section = self.check("redis-cluster", "per_stream")
+        self.assertEqual(len(section["redis"]["cluster"]), 3)
+
+    def check(self, step, channels):
         with open(os.path.join(ROOT, "conf", "worker.yaml")) as f:
             doc = yaml.safe_load(f)
         tmp = tempfile.mkdtemp()
         self.addCleanup(lambda: subprocess.run(["rm", "-rf", tmp]))
-        section = yaml.safe_load(doc_block("redis-per-stream"))["replication"]
+        section = yaml.safe_load(doc_block(step))["replication"]
         doc["replication"] = section
         dsn = PostgresServer.shared().create_database()
         create_stream_tables(dsn, parse_streams(doc["streams"]))  # the master's, made
@@ -191,4 +198,5 @@ class DocumentedConfigTests(TestCase):
                               capture_output=True, text=True, timeout=60)
         self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
         self.assertIn("config ok", done.stdout + done.stderr)
-        self.assertEqual(section["redis"]["channels"], "per_stream")
+        self.assertEqual(parse_instance(doc).replication.redis.channels, channels)
+        return section
