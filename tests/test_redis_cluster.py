@@ -43,6 +43,59 @@ class SlotAndConfigTests(TestCase):
         self.assertEqual(key_slot(b"{user1000}.following"), key_slot(b"user1000"))
         self.assertEqual(key_slot(b"a{}b"), key_slot(b"a{}b"))  # empty tag: whole key
 
+    def test_the_bus_is_a_redis_bus(self):
+        from twisted.internet import task
+        from zope.interface.verify import verifyObject
+
+        from replicator.replication.interfaces import IRedisBus
+        from tests.test_replication_redis import _RecordingHandler
+
+        config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream",
+                             cluster=("tcp:host=127.0.0.1:port=1",))
+        bus = RedisClusterBus(task.Clock(), config, _RecordingHandler(["a"]), "hs", "w")
+        self.assertTrue(verifyObject(IRedisBus, bus))
+        self.assertEqual(bus.channel, "hs/replicator")
+
+    def test_a_write_is_one_block_per_channel_on_its_master_and_moved_starts_over(self):
+        from twisted.internet import task
+        from twisted.internet.testing import StringTransport
+
+        from replicator.replication.transport import redis_cluster as rc
+        from tests.test_replication_redis import _RecordingHandler
+
+        config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream",
+                             cluster=("tcp:host=127.0.0.1:port=1",))
+        handler = _RecordingHandler(["a", "b"])
+        handler.lost = []
+        handler.lost_connection = lambda conn, reason: handler.lost.append(reason)
+        bus = RedisClusterBus(task.Clock(), config, handler, "hs", "w")
+        bus.running = True
+        a, b = (bus.layout.stream_channel(n).encode() for n in "ab")
+        split = (key_slot(a) + key_slot(b)) // 2
+        bus.slots = [(0, split, "n1"), (split + 1, 16383, "n2")]
+        transports = {}
+        for node in ("n1", "n2"):
+            factory = rc._Factory(rc._Publisher, config, bus, node, bus.generation)
+            protocol = factory.buildProtocol(None)
+            transports[node] = StringTransport()
+            protocol.makeConnection(transports[node])
+            bus.publishers[node] = protocol
+        bus.conn = rc.RedisConnection(bus)
+        bus.publish_lines([b"POSITION a w 1 1\n", b"POSITION b w 2 2\n",
+                           b'RDATA a w 3 ["x"]\n'])
+        node_of = {a: rc.owner(bus.slots, key_slot(a)), b: rc.owner(bus.slots, key_slot(b))}
+        self.assertNotEqual(node_of[a], node_of[b])
+        self.assertEqual(transports[node_of[a]].value(),
+                         rc.MULTI + rc._spublish(a, b"POSITION a w 1 1")
+                         + rc._spublish(a, b'RDATA a w 3 ["x"]') + rc.EXEC)
+        self.assertEqual(transports[node_of[b]].value(), rc._spublish(b, b"POSITION b w 2 2"))
+        # The slot of b moved: MOVED ends the generation (a new one reads
+        # the map again); the lines count as dropped.
+        bus.publishers[node_of[b]].dataReceived(b"-MOVED 1234 127.0.0.1:7001\r\n")
+        self.assertEqual(handler.lost, ["connection_lost"])
+        self.assertIsNone(bus.conn)
+        self.assertEqual(bus.publishers, {})
+
     def test_config(self):
         def redis(section):
             return parse_instance({
