@@ -96,6 +96,32 @@ class SlotAndConfigTests(TestCase):
         self.assertIsNone(bus.conn)
         self.assertEqual(bus.publishers, {})
 
+    def test_a_moved_slot_is_heard_even_while_a_ping_waits(self):
+        """A ``sunsubscribe`` push that arrives while the subscriber's PING
+        awaits its answer is the slot's move, not the PING's answer (it
+        used to be handed to the PING, and the instance stayed deaf to
+        the stream on its old master)."""
+        from twisted.internet import task
+        from twisted.internet.testing import StringTransport
+
+        from replicator.replication.transport import redis_cluster as rc
+        from tests.test_replication_redis import _RecordingHandler
+
+        config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream",
+                             cluster=("tcp:host=127.0.0.1:port=1",))
+        bus = RedisClusterBus(task.Clock(), config, _RecordingHandler(["a"]), "hs", "w")
+        moved = []
+        bus.moved = lambda protocol, channel: moved.append(channel)
+        subscriber = rc._Factory(rc._ShardSubscriber, config, bus, "n1",
+                                 bus.generation).buildProtocol(None)
+        subscriber.makeConnection(StringTransport())
+        pong = subscriber.ping()
+        subscriber.dataReceived(b"*3\r\n$12\r\nsunsubscribe\r\n$4\r\nchan\r\n:0\r\n")
+        self.assertEqual(moved, ["chan"])
+        self.assertNoResult(pong)
+        subscriber.dataReceived(b"*2\r\n$4\r\npong\r\n$0\r\n\r\n")
+        self.assertEqual(self.successResultOf(pong), ["pong", ""])
+
     def test_config(self):
         def redis(section):
             return parse_instance({

@@ -144,8 +144,10 @@ class _Link:
 
 
 class _ShardSubscriber(_Link, txredisapi.SubscriberProtocol):  # type: ignore[misc]
-    """SSUBSCRIBE's pushes: ``smessage`` (a message), ``sunsubscribe`` with
-    nobody waiting (Redis dropped us from a channel whose slot moved)."""
+    """SSUBSCRIBE's pushes: ``smessage`` (a message) and ``sunsubscribe``
+    (Redis dropped us from a channel whose slot moved: we never send
+    SUNSUBSCRIBE, so every one is a push, never a reply, even while a PING
+    waits for its answer)."""
 
     role = "subscriber"
 
@@ -155,7 +157,7 @@ class _ShardSubscriber(_Link, txredisapi.SubscriberProtocol):  # type: ignore[mi
             if kind == "smessage":
                 self.factory.owner.message_received(self, reply[1], reply[2])
                 return
-            if kind == "sunsubscribe" and not self.replyQueue.waiting:
+            if kind == "sunsubscribe":
                 self.factory.owner.moved(self, reply[1])
                 return
         super().replyReceived(reply)
