@@ -51,11 +51,11 @@ class Node:
     backoff unless ``link_options`` say otherwise)."""
 
     def __init__(self, test, dsn, name, redis, consumer=None, endpoint=None, *,
-                 streams=STREAMS, server_name="hs.test", **link_options):
+                 streams=STREAMS, server_name="hs.test", channels="single", **link_options):
         self.test, self.dsn, self.name, self.redis = test, dsn, name, redis
         self.consumer = consumer
         self.endpoint = endpoint or redis.endpoint  # e.g. through a proxy
-        self.streams, self.server_name = streams, server_name
+        self.streams, self.server_name, self.channels = streams, server_name, channels
         self.link_options = {"ping_interval": 0.5, "ping_timeout": 0.5, "initial_delay": 0.05,
                              "max_delay": 0.3, **link_options}
 
@@ -74,7 +74,7 @@ class Node:
         return self
 
     def redis_config(self) -> RedisConfig:
-        return RedisConfig(self.endpoint, self.redis.password)
+        return RedisConfig(self.endpoint, self.redis.password, channels=self.channels)
 
     async def stop(self):
         if getattr(self, "stopped", False):

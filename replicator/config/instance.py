@@ -250,6 +250,10 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
         replication_section = dict(as_mapping(replication_section or {}, "replication"))
         replication_section.setdefault("redis", {"endpoint": synapse_config.redis})
     replication = parse_replication(replication_section)
+    if synapse_config is not None and replication.redis and replication.redis.cluster:
+        raise ConfigError("replication.redis.cluster",
+                          "not beside a Synapse (the synapse: section): Synapse speaks plain "
+                          "pub/sub on one channel")
     http = parse_http(section.get("http"))
     _check_reader_streams(http, {s.name for s in streams})
     consumers = parse_consumers(section.get("consumers"), {s.name for s in streams})

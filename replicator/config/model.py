@@ -16,6 +16,8 @@ COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 #: ``log_format``: see :mod:`replicator.logs.formats`.
 LOG_FORMATS = ("text", "logfmt", "json")
+#: ``replication.redis.channels``, the default first (docs/protocol.md, "Redis").
+REDIS_CHANNELS = ("single", "per_stream")
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,10 @@ class RedisConfig:
     dbid: Optional[int] = None
     sentinels: Tuple[Tuple[str, int], ...] = ()
     master_name: Optional[str] = None
+    #: One of REDIS_CHANNELS: every line on one channel, or a channel per stream.
+    channels: str = "single"
+    #: A Redis cluster's seed nodes (sharded pub/sub; ``endpoint`` is the first).
+    cluster: Tuple[str, ...] = ()
 
     @property
     def where(self) -> str:

@@ -19,7 +19,7 @@ from .fields import (
     kind_of,
     no_unknown,
 )
-from .model import RedisConfig, ReplicationConfig
+from .model import REDIS_CHANNELS, RedisConfig, ReplicationConfig
 
 
 def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
@@ -27,23 +27,38 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
     if value is None:
         return None
     section = as_mapping(value, key)
-    no_unknown(section, ("endpoint", "password", "dbid", "sentinels", "master_name"), key)
+    no_unknown(section, ("endpoint", "password", "dbid", "sentinels", "master_name",
+                         "channels", "cluster"), key)
+    cluster = _cluster(section, key)
     endpoint = get_endpoint(section, "endpoint", key, "client")
     sentinels = _sentinels(section, key)
-    if endpoint is None and not sentinels:
-        raise ConfigError(f"{key}.endpoint", "missing (or give sentinels and master_name)")
+    if endpoint is not None and cluster:
+        raise ConfigError(f"{key}.endpoint", "give endpoint or cluster, not both")
     if endpoint is not None and sentinels:
         raise ConfigError(f"{key}.sentinels",
                           "not with endpoint: Sentinel names the master's address")
+    if sentinels and cluster:
+        raise ConfigError(f"{key}.sentinels",
+                          "not with cluster: a cluster's nodes are found through cluster")
+    if endpoint is None and not sentinels and not cluster:
+        raise ConfigError(f"{key}.endpoint",
+                          "missing (or give sentinels and master_name, or cluster)")
+    if cluster:
+        endpoint = cluster[0]
     master_name = get_str(section, "master_name", key, None)
     if sentinels and master_name is None:
         raise ConfigError(f"{key}.master_name", "missing (the name the sentinels monitor)")
     if master_name is not None and not sentinels:
         raise ConfigError(f"{key}.master_name", "needs sentinels")
     dbid = get_int(section, "dbid", key, None, minimum=0, maximum=65535)
+    if cluster and dbid:
+        raise ConfigError(f"{key}.dbid", "a Redis cluster has database 0 only")
+    channels = _channels(section, key, "per_stream" if cluster else REDIS_CHANNELS[0])
+    if cluster and channels != "per_stream":
+        raise ConfigError(f"{key}.channels", "a cluster uses shard channels per stream: "
+                          "per_stream (the default with cluster)")
     return RedisConfig(endpoint, get_str(section, "password", key, None), dbid,
-                       sentinels, master_name)
-
+                       sentinels, master_name, channels=channels, cluster=cluster)
 
 def _sentinels(section: Mapping, key: str) -> Tuple[Tuple[str, int], ...]:
     """``sentinels``: ``host:port`` strings (``[v6]:port``), as pairs."""
@@ -61,6 +76,27 @@ def _sentinels(section: Mapping, key: str) -> Tuple[Tuple[str, int], ...]:
                               else f"expected host:port, got {kind_of(item)}")
         out.append((host, int(port)))
     return tuple(out)
+
+def _cluster(section: Mapping, key: str) -> Tuple[str, ...]:
+    """``cluster``: a Redis cluster's seed nodes, client endpoint strings."""
+    if section.get("cluster") is None:
+        return ()
+    nodes = get_list(section, "cluster", key, empty="name at least one node")
+    for i, node in enumerate(nodes):
+        get_endpoint({f"cluster[{i}]": node}, f"cluster[{i}]", key, "client")
+        if not node.startswith("tcp:"):
+            raise ConfigError(f"{key}.cluster[{i}]",
+                              "expected a tcp: endpoint like tcp:host=10.0.0.1:port=7000")
+    return tuple(nodes)
+
+
+def _channels(section: Mapping, key: str, default: str) -> str:
+    """``channels``: the layout of :mod:`replicator.replication.transport.redis_channels`."""
+    value = section.get("channels", default)
+    if not isinstance(value, str) or value not in REDIS_CHANNELS:
+        raise ConfigError(f"{key}.channels",
+                          f"{value!r} is not one of {', '.join(REDIS_CHANNELS)}")
+    return value
 
 
 def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:

@@ -216,7 +216,16 @@ class Instance:
                 config.server_name, self.settings, initial_delay=rep.reconnect_initial_delay,
                 max_delay=rep.reconnect_max_delay)
             self.upstream.setServiceParent(self.services)
-        if rep.redis:
+        if rep.redis and rep.redis.cluster:
+            from ..replication.transport.redis_cluster import RedisClusterBus
+
+            bus = RedisClusterBus(
+                self.reactor, rep.redis, self.handler, config.server_name, config.instance_name,
+                ping_interval=rep.ping_interval, ping_timeout=rep.ping_timeout,
+                initial_delay=rep.reconnect_initial_delay, max_delay=rep.reconnect_max_delay)
+            bus.setServiceParent(self.services)
+            self.redis = bus  # type: ignore[assignment]  # connected, synapse_seen alike
+        elif rep.redis:
             from ..replication.transport.redis import RedisReplication
 
             self.redis = RedisReplication(

@@ -9,7 +9,7 @@ Sections run in the order of ``SECTIONS``; each is one entry (name, title,
 ``async fn(pg, args)``) so that benchmarks can be added side by side.
 ``make bench BENCH="--only catchup,export"`` runs some; ``BENCH=--big``
 adds the large sizes (export at 10 M rows, the read API's paged catch-up
-at 1 M facts).
+at 1 M facts; Redis channels: 10x the facts).
 """
 
 import argparse
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import catchup  # noqa: E402
 import export  # noqa: E402
 import redis_bench  # noqa: E402
+import redis_channels_bench  # noqa: E402
 import sse  # noqa: E402
 import streams  # noqa: E402
 import tcp  # noqa: E402
@@ -44,6 +45,10 @@ async def _redis(pg, args):
     await redis_bench.run(pg.create_database("redisbench"))
 
 
+async def _redis_channels(pg, args):
+    await redis_channels_bench.run(pg.create_database("redischannelsbench"), big=args.big)
+
+
 async def _catchup(pg, args):
     await catchup.run(pg.create_database("catchupbench"))
 
@@ -62,6 +67,7 @@ SECTIONS = [
     ("streams", "streams core", _streams),
     ("tcp", "TCP replication", _tcp),
     ("redis", "Redis replication", _redis),
+    ("redis-channels", "Redis: a channel per stream, sharded pub/sub", _redis_channels),
     ("catchup", "catch-up of a reader 1,000,000 facts behind", _catchup),
     ("export", "Spark export against a plain-Python pass", _export),
     ("sse", "read API: Server-Sent Events beside the TCP fan-out, catch-up through pages",

@@ -5,7 +5,10 @@ Every instance PUBLISHes its command lines on the channel ``<server_name>``
 (USER_IP on ``<server_name>/USER_IP``) and SUBSCRIBEs to both.  There is no
 hub: RDATA/POSITION go straight to every reader.  The lines of one write
 (one fan-out) go inside one ``MULTI`` ... ``EXEC``: they reach the channel
-all or nothing (:meth:`RedisReplication.publish_lines`).
+all or nothing (:meth:`RedisReplication.publish_lines`).  That is the
+``single`` layout; with ``channels: per_stream`` each line goes to its
+stream's channel, and an instance subscribes to its own streams' channels
+only (:mod:`.redis_channels` routes lines and names the subscriptions).
 
 Two connections (a subscriber and a publisher), each kept by its own
 ``ClientService`` with the project's :class:`~replicator.net.backoff.Backoff`
@@ -61,7 +64,7 @@ readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
 """
 
-from typing import Any, List, Optional, Sequence, cast
+from typing import Any, List, Optional, Sequence, Set, Tuple, cast
 
 import txredisapi
 from twisted.application.service import MultiService
@@ -79,6 +82,7 @@ from ...net.reconnect import ReconnectingService, failure_reason
 from ...observe import metrics
 from ..interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
 from ..wire.commands import Command, ReplicateCommand, parse_line
+from .redis_channels import ChannelLayout
 from .redis_sentinel import (
     SentinelEndpoint,
     SentinelWatch,
@@ -91,8 +95,6 @@ from .synapse_watch import SynapseWatch
 log = Logger()
 
 NAME = "redis"
-#: Our channel beside a Synapse: ``<server_name>`` + this.
-OWN_CHANNEL_SUFFIX = "/replicator"
 #: What brackets the PUBLISHes of one write of several lines.
 MULTI = b"*1\r\n$5\r\nMULTI\r\n"
 EXEC = b"*1\r\n$4\r\nEXEC\r\n"
@@ -261,15 +263,12 @@ class RedisReplication(MultiService):
         self.config = config
         self.handler = handler
         self.synapse_channel = synapse_server_name
-        if synapse_server_name is None:
-            self.channel = server_name
-        else:
-            self.channel = server_name + OWN_CHANNEL_SUFFIX
-            if self.channel in (synapse_server_name, synapse_server_name + "/USER_IP"):
-                raise ValueError(f"channel {self.channel!r} is Synapse's")
-        self.user_ip_channel = f"{self.channel}/USER_IP"
-        self._channel = self.channel.encode("utf-8")
-        self._user_ip_channel = self.user_ip_channel.encode("utf-8")
+        #: Where each line goes, what to subscribe to (:mod:`.redis_channels`).
+        self.layout = ChannelLayout(server_name, synapse_server_name, config.channels)
+        self.channel = self.layout.channel
+        self.user_ip_channel = self.layout.user_ip_channel
+        #: Channels the current subscriber is subscribed to (or asked for).
+        self._subscribed_channels: Set[str] = set()
         self.instance_name = instance_name
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
@@ -280,7 +279,8 @@ class RedisReplication(MultiService):
         self._subscribed = False
         #: Without the section, what tells a Synapse on our channel apart.
         self.watch = (SynapseWatch(self.channel, [s.name for s in handler.registry])
-                      if synapse_server_name is None else None)
+                      if synapse_server_name is None and not self.layout.per_stream
+                      else None)
         self.synapse_probe = synapse_probe
         #: While asking before announcing: our lines but REPLICATE, in order.
         self._held: Optional[List[Sequence[bytes]]] = None
@@ -371,9 +371,7 @@ class RedisReplication(MultiService):
         if self.sentinel is not None:
             await check_master(protocol, self.ping_timeout * 4, self.clock)
         if protocol.role == "subscriber":
-            channels = [self.channel, self.user_ip_channel]
-            if self.synapse_channel is not None:
-                channels.append(self.synapse_channel)
+            channels = self.layout.subscriptions(self.handler.registry)
             subscribed = protocol.subscribe(channels)
             subscribed.addTimeout(self.ping_timeout * 4, self.clock)
             await subscribed
@@ -381,6 +379,7 @@ class RedisReplication(MultiService):
         if protocol.role == "subscriber":
             self.subscriber = protocol
             self._subscribed = True
+            self._subscribed_channels = set(channels)
             log.info("redis: subscribed to {channel}", channel=self.channel)
         else:
             self.publisher = protocol
@@ -444,6 +443,8 @@ class RedisReplication(MultiService):
         are dropped (counted), as for a lost publisher, and the answer's
         positions make readers catch up from the tables (a later fact
         published after a dropped one would leave a reader a gap)."""
+        if command_name == "REPLICATE" and self._subscribe_new(lines):
+            return True
         held = self._held
         if held is None or command_name == "REPLICATE":
             return False
@@ -455,6 +456,43 @@ class RedisReplication(MultiService):
             return True
         held.append(lines)
         self._held_count += len(lines)
+        return True
+
+    def _subscribe_new(self, lines: Sequence[bytes]) -> bool:
+        """With a channel per stream, a REPLICATE after a reload added a
+        stream waits until its channel is subscribed (else the answering
+        POSITIONs would go by unheard); True if it waits.  One SUBSCRIBE
+        per channel, so that each has exactly one reply in the subscriber's
+        reply queue.  A failure replaces the subscriber, whose new
+        registration subscribes to everything and asks again."""
+        subscriber, conn = self.subscriber, self.conn
+        if not self.layout.per_stream or subscriber is None or conn is None:
+            return False
+        new = [channel for channel in self.layout.subscriptions(self.handler.registry)
+               if channel not in self._subscribed_channels]
+        if not new:
+            return False
+        self._subscribed_channels.update(new)
+        asked = []
+        for channel in new:
+            d = subscriber.subscribe(channel)
+            d.addTimeout(self.ping_timeout * 4, self.clock)
+            asked.append(d)
+
+        def subscribed(_: Any) -> None:
+            log.info("redis: subscribed to {channels}", channels=", ".join(new))
+            if conn is self.conn and subscriber is self.subscriber:
+                self.publish_lines(lines)
+
+        def failed(failure: Failure) -> None:
+            if subscriber.lost:
+                return
+            log.warn("redis: subscribing to {channels} failed ({error}); reconnecting",
+                     channels=", ".join(new), error=printable(failure.getErrorMessage()))
+            if subscriber.transport is not None:
+                subscriber.transport.abortConnection()
+
+        defer.gatherResults(asked, consumeErrors=True).addCallbacks(subscribed, failed)
         return True
 
     def _answer(self, conn: RedisConnection) -> None:
@@ -546,10 +584,10 @@ class RedisReplication(MultiService):
         if publisher is None or not publisher.connected or publisher.transport is None:
             return
         commands = []
+        route = self.layout.route
         for line in lines:
             payload = line[:-1] if line.endswith(b"\n") else line
-            to = channel or (self._user_ip_channel if payload.startswith(b"USER_IP ")
-                             else self._channel)
+            to = channel or route(payload)
             commands.append(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
                             % (len(to), to, len(payload), payload))
         replies = publisher.replyQueue
@@ -596,14 +634,8 @@ class RedisReplication(MultiService):
             return
         if isinstance(message, bytes):
             message = message.decode("utf-8", "replace")
-        if message.startswith(self._own_prefixes):
-            return  # our own RDATA/POSITION, echoed: not even parsed
-        try:
-            cmd = parse_line(message.rstrip("\r\n"))
-        except Exception as e:  # CommandParseError; anything else is a parser bug
-            metrics.COMMANDS_DROPPED.labels("unknown", "unparsable").inc()
-            log.debug("redis: ignoring line {line}: {error}", line=printable(message, 80),
-                      error=printable(str(e) or type(e).__name__))
+        cmd = parse_message(message, self._own_prefixes)
+        if cmd is None:
             return
         if self.watch is not None:
             evidence = self.watch.observe(cmd)
@@ -619,21 +651,7 @@ class RedisReplication(MultiService):
                 # Synapse's (or its workers'): we own nothing it may ask for.
                 metrics.COMMANDS_DROPPED.labels(cmd.NAME, "synapse_channel").inc()
                 return
-        field = OWN_INSTANCE_FIELDS.get(cmd.NAME)
-        if field is not None and getattr(cmd, field) == self.instance_name:
-            return  # our own echo
-        method = getattr(self.handler, "on_" + cmd.NAME, None)
-        if method is None:
-            metrics.COMMANDS_DROPPED.labels(cmd.NAME, "ignored").inc()
-            return
-        metrics.COMMANDS_IN.labels(cmd.NAME, NAME).inc()
-        conn.current_line = message.rstrip("\r\n").encode("utf-8", "surrogatepass")
-        try:
-            method(conn, cmd)
-        except Exception:
-            log.failure("redis: handling {name} failed", name=cmd.NAME)
-        finally:
-            conn.current_line = None
+        deliver(self.handler, conn, cmd, message, self.instance_name)
 
     # ---------------------------------------------------------- keepalive
     def _ping(self) -> None:
@@ -657,3 +675,39 @@ class RedisReplication(MultiService):
                 protocol.transport.abortConnection()
 
         d.addErrback(failed)
+
+
+def parse_message(message: str, own_prefixes: Tuple[str, ...]) -> Optional[Command]:
+    """The command of one message heard on a channel; None for our own
+    RDATA/POSITION echoed (not even parsed) and for a line we cannot parse
+    (counted, a debug log)."""
+    if message.startswith(own_prefixes):
+        return None
+    try:
+        return parse_line(message.rstrip("\r\n"))
+    except Exception as e:  # CommandParseError; anything else is a parser bug
+        metrics.COMMANDS_DROPPED.labels("unknown", "unparsable").inc()
+        log.debug("redis: ignoring line {line}: {error}", line=printable(message, 80),
+                  error=printable(str(e) or type(e).__name__))
+        return None
+
+
+def deliver(handler: IReplicationHandler, conn: RedisConnection, cmd: Command, message: str,
+            instance_name: str) -> None:
+    """Hand ``cmd`` (of the line ``message``) to the handler as coming from
+    ``conn``, unless it is our own echo or a command the handler lacks."""
+    field = OWN_INSTANCE_FIELDS.get(cmd.NAME)
+    if field is not None and getattr(cmd, field) == instance_name:
+        return  # our own echo
+    method = getattr(handler, "on_" + cmd.NAME, None)
+    if method is None:
+        metrics.COMMANDS_DROPPED.labels(cmd.NAME, "ignored").inc()
+        return
+    metrics.COMMANDS_IN.labels(cmd.NAME, NAME).inc()
+    conn.current_line = message.rstrip("\r\n").encode("utf-8", "surrogatepass")
+    try:
+        method(conn, cmd)
+    except Exception:
+        log.failure("redis: handling {name} failed", name=cmd.NAME)
+    finally:
+        conn.current_line = None
