@@ -22,7 +22,8 @@ from twisted.logger import Logger
 
 from . import __version__, files
 from .config import ConfigError, load_config, validate
-from .logs.output import printable, start_logging
+from .logs.output import start_logging
+from .logs.printable import printable
 from .net.endpoint_strings import http_url
 
 log = Logger()

@@ -15,7 +15,8 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from replicator.http.site import ERROR_TEXT_LIMIT, AccessLog, Redactor
 from replicator.logs.formats import clean, formatter
-from replicator.logs.output import _observer, printable, under_journald
+from replicator.logs.output import _observer, under_journald
+from replicator.logs.printable import printable
 from replicator.logs.twisted_lines import keep
 from replicator.replication.transport.protocol import ServerReplicationProtocol
 

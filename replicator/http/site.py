@@ -20,7 +20,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import server
 
-from ..logs.output import printable
+from ..logs.printable import printable
 from ..net.crowd import Crowd
 from .channel import Busy, Channel
 

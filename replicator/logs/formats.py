@@ -10,7 +10,7 @@
 
 Whatever the format, an event is one line (a traceback is indented lines
 after a text line; a ``traceback`` field in logfmt and JSON), its text is
-printable (:func:`replicator.logs.output.printable`), and no Python object repr
+printable (:func:`replicator.logs.printable.printable`), and no Python object repr
 reaches it: Twisted's addresses read ``host:port``, ``<X object at 0x...>``
 reads ``X``.
 """
@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict
 from twisted.logger import LogLevel, formatEvent
 from twisted.python.failure import Failure
 
-from .output import printable
+from .printable import printable
 
 FORMATS = ("text", "logfmt", "json")
 #: The local time a ``text`` line starts with outside journald.

@@ -1,13 +1,12 @@
 """Logging to stdout, one line per event, in the configured ``log_format``
 (:mod:`replicator.logs.formats`), without Twisted's lines that repeat ours
-(:mod:`replicator.logs.twisted_lines`); and :func:`printable`, for every piece of
-untrusted text that goes into a log event.
+(:mod:`replicator.logs.twisted_lines`).  Untrusted text in an event goes
+through :func:`replicator.logs.printable.printable`.
 """
 
 import os
-import re
 import sys
-from typing import Callable, Optional
+from typing import Callable
 
 from twisted.logger import (
     FilteringLogObserver,
@@ -16,39 +15,7 @@ from twisted.logger import (
     globalLogBeginner,
 )
 
-# C0 and C1 controls, DEL, line/paragraph separators and the bidirectional
-# overrides and isolates: anything that could end a log line, move the
-# cursor, recolour a terminal or reorder what a reader sees.
-_UNPRINTABLE = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape_char(match) -> str:
-    char = match.group()
-    short = _SHORT.get(char)
-    if short is not None:
-        return short
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def printable(text: object, limit: Optional[int] = 200) -> str:
-    """``text`` (anything a peer, request or file supplied) made safe for one
-    log line: control characters written as ``\\xNN``/``\\uNNNN`` escapes
-    (``\\n``, ``\\r``, ``\\t`` as such), and cut to ``limit`` characters
-    with ``...`` (no cut when ``limit`` is None).  Bytes are decoded as
-    UTF-8 with invalid sequences replaced.  Use it for every piece of
-    untrusted text that goes into a log event."""
-    if isinstance(text, (bytes, bytearray)):
-        text = bytes(text).decode("utf-8", "replace")
-    elif not isinstance(text, str):
-        text = str(text)
-    cut = limit is not None and len(text) > limit
-    if cut:
-        text = text[:limit]
-    text = _UNPRINTABLE.sub(_escape_char, text)
-    return text + "..." if cut else text
+from .printable import printable
 
 
 def under_journald(stream, environ) -> bool:

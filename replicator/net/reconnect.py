@@ -31,7 +31,7 @@ from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from ..logs.output import printable
+from ..logs.printable import printable
 from .backoff import Backoff
 
 log = Logger()

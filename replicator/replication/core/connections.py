@@ -20,6 +20,7 @@ from typing import Any, Deque, Dict, ItemsView, Iterator, Optional, Sequence, Tu
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from ...net.endpoint_strings import peer_address
 from ...observe import metrics
 from ..interfaces import IReplicationConnection
 
@@ -137,13 +138,3 @@ class Connections:
                 except Exception:
                     # One broken connection must not hold up the others.
                     log.failure("Sending {name} to {conn} failed", name=name, conn=conn)
-
-
-def peer_address(conn: IReplicationConnection) -> Optional[str]:
-    """``host:port`` of a connection's peer, if it has one."""
-    try:
-        peer = conn.transport.getPeer()
-    except Exception:
-        return None
-    host, port = getattr(peer, "host", None), getattr(peer, "port", None)
-    return f"{host}:{port}" if host is not None else None

@@ -24,7 +24,7 @@ from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from ...logs.output import printable
+from ...logs.printable import printable
 from ..interfaces import IReplicationHandler
 from ..wire.commands import Command, ErrorCommand, PingCommand
 from ..wire.encoding import MAX_LINE_LENGTH, joined

@@ -29,7 +29,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from ...logs.output import printable
+from ...logs.printable import printable
 from ...net.tls import certificate_names
 from ..interfaces import IPeerConnection, IReplicationHandler
 from ..wire.commands import (

@@ -76,7 +76,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from ...config import RedisConfig
-from ...logs.output import printable
+from ...logs.printable import printable
 from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from ...net.reconnect import ReconnectingService, failure_reason
 from ...observe import metrics

@@ -41,7 +41,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from ...config import RedisConfig
-from ...logs.output import printable
+from ...logs.printable import printable
 from ...net.backoff import Backoff
 from ...net.endpoint_strings import client_address
 from ...net.reconnect import ReconnectingService, failure_reason

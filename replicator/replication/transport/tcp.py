@@ -40,7 +40,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 
-from ...logs.output import printable
+from ...logs.printable import printable
 from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from ...net.crowd import Crowd
 from ...net.endpoint_strings import client_address
