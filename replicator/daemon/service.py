@@ -191,8 +191,12 @@ class Instance:
         config = self.config
         files.warn_if_exposed(config.http.secret_file, "http.secret_file")
         await self._check_database()
-        await migrations.prepare(self.db, any(s.local_writers for s in self.registry),
-                                 config.database.auto_migrate, self.reactor, config.instance_name)
+        try:
+            await migrations.prepare(self.db, any(s.local_writers for s in self.registry),
+                                     config.database.auto_migrate, self.reactor,
+                                     config.instance_name)
+        except migrations.SchemaProblem as e:
+            raise StartupError(f"database.{self.db.engine}", str(e), code=e.code) from None
         await self.registry.start()
         self.handler.start()
         rep = config.replication
@@ -413,7 +417,7 @@ class Instance:
                 self.handler.writers_changed(stream, old_writers)
                 streams[stream_config.name] = stream_config
             if p.consumers is not None:
-                from ..consumers.reloading import change_consumers
+                from .consumer_reload import change_consumers
 
                 self.consumers, consumers, bad = await change_consumers(
                     self.handler, self.consumers, self.config.consumers, p.config.consumers,

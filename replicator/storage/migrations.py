@@ -36,7 +36,6 @@ from twisted.logger import Logger
 
 from .. import __version__
 from ..config.model import POSITIONS_TABLE, SCHEMA_TABLE
-from ..daemon.startup import StartupError
 from . import schema
 from .database import Database
 
@@ -236,15 +235,10 @@ def assess(version: int, owns_tables: bool, auto_migrate: bool) -> str:
 async def prepare(db: Database, owns_tables: bool, auto_migrate: bool, reactor,
                   instance_name: str) -> None:
     """At start, before the streams load: the schema made current (new or
-    older, when allowed), or :class:`.StartupError` naming
-    ``database.<engine>`` with the reason it cannot be (its code the
-    problem's: :class:`SchemaProblem`)."""
-    key = f"database.{db.engine}"
-    try:
-        version = await current_version(db)
-        assess(version, owns_tables, auto_migrate)
-        if owns_tables and version < CURRENT_VERSION:
-            await migrate(db, lambda line: reactor.callFromThread(log.info, "{line}", line=line),
-                          reactor, instance_name)
-    except SchemaProblem as e:
-        raise StartupError(key, str(e), code=e.code) from None
+    older, when allowed), or :class:`SchemaProblem` saying why it cannot be
+    (the daemon names ``database.<engine>`` with it)."""
+    version = await current_version(db)
+    assess(version, owns_tables, auto_migrate)
+    if owns_tables and version < CURRENT_VERSION:
+        await migrate(db, lambda line: reactor.callFromThread(log.info, "{line}", line=line),
+                      reactor, instance_name)

@@ -25,9 +25,9 @@ from twisted.logger import Logger
 
 from ..config import ConsumerConfig
 from ..config.fields import one_line
-from ..daemon.reload import ConsumerChange
-from .base import Consumer
-from .loading import build_consumer
+from ..consumers.base import Consumer
+from ..consumers.loading import build_consumer
+from .reload import ConsumerChange
 
 log = Logger(namespace="replicator.daemon.service")
 
