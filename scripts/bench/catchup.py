@@ -29,6 +29,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -187,8 +188,7 @@ def reader_round(dsn, upstream_port, facts, profile=None) -> dict:
     result["health_rtt_max_ms"] = poller.worst * 1000
     result["health_checks"] = poller.count
     check_file(path, facts)
-    os.unlink(path)
-    os.rmdir(tmp)
+    shutil.rmtree(tmp)  # the consumer's file and its lock and state files
     return result
 
 
