@@ -498,13 +498,11 @@ class PostgresStreamTests(StreamSuite, TestCase):
         reads = []
         real_read = ahead._read
 
-        def read(cursor, writer, since, until, limit, select_rows, pages):
-            for page in real_read(cursor, writer, since, until, limit, select_rows, pages):
-                reads.append(since)
-                if since == 20 and reads.count(20) == 1:
-                    raise psycopg2.OperationalError("the read of page 20 fails")
-                yield page
-                since = page[1]
+        def read(cursor, writer, since, until, limit):
+            reads.append(since)
+            if since == 20 and reads.count(20) == 1:
+                raise psycopg2.OperationalError("the read of page 20 fails")
+            return real_read(cursor, writer, since, until, limit)
         ahead._read = read
         page = await caches.facts_since("master", 0, ids[-1], 2)
         self.assertEqual((page[1], page[2]), (2, True))
@@ -518,55 +516,6 @@ class PostgresStreamTests(StreamSuite, TestCase):
             await caches.facts_since("master", 20, ids[-1], 2)
         page = await caches.facts_since("master", 20, ids[-1], 2)
         self.assertEqual([t for t, _ in page[0]], [21, 22])
-
-    async def test_pages_read_several_per_select_are_the_pages_of_one_read_each(self):
-        """A run's pages, read several pages' rows per SELECT
-        (``PageQuery.read_pages``), are exactly the pages of one
-        ``read_facts`` each, one after the other: NULLs, JSON, unicode, big
-        integers, facts of several rows, a fact longer than a page and one
-        longer than a SELECT, page and SELECT boundaries inside facts."""
-        reg = await self.registry()
-        caches = reg.get("caches")
-        rng = random.Random(25)
-        values = [None, {"big": 2**62, "neg": -(2**63), "f": 1.5, "n": [None, True, {}]},
-                  ["é", "\u2028", "\x01", "\n", "😀", "\\", "\t"], "a string",
-                  2**63 - 1, 0.1, [], {}]
-        written = []
-        for i in range(120):
-            size = rng.choice([1, 1, 1, 2, 3, 5]) if i not in (40, 90) else (9 if i == 40 else 30)
-            written.append([[f"f{i}\u00e9\t\\ {k}", rng.choice(values),
-                             rng.choice([0, 2**63 - 1, -(2**63), k])] for k in range(size)])
-        written[7] = []  # a fact with no rows
-        ids = await caches.write_facts(written)
-        top = ids[-1]
-        query = caches._pages
-
-        def old_pages(txn, since, until, limit):
-            pages = []
-            while since < until:
-                page = query.read_facts(txn, "master", since, until, limit)
-                pages.append(page)
-                since = page[1]
-            return pages
-
-        def new_pages(txn, since, until, limit, select_rows, per_run):
-            pages = []
-            while since < until:
-                run = list(query.read_pages(txn, "master", since, until, limit,
-                                            select_rows, per_run))
-                self.assertTrue(1 <= len(run) <= per_run)
-                pages += run
-                since = run[-1][1]
-            return pages
-
-        for since, until in ((0, top), (5, top - 3), (39, 95), (0, 2)):
-            for limit in (1, 2, 4, 7, 10, 1000):
-                want = await caches.db.runInteraction(old_pages, since, until, limit)
-                for select_rows, per_run in ((limit, 16), (3 * limit, 16), (4 * limit, 3),
-                                             (25, 1), (100_000, 16)):
-                    got = await caches.db.runInteraction(new_pages, since, until, limit,
-                                                       select_rows, per_run)
-                    self.assertEqual(got, want, (since, until, limit, select_rows, per_run))
 
     async def test_read_ahead_after_its_connection_died(self):
         """A run whose connection dies (a server restart, a cut link) fails

@@ -13,16 +13,9 @@ shapes its rows, so the reactor gets whole facts.  (Having PostgreSQL build
 each fact as one JSON array, ``json_agg`` per fact, was measured: the
 server spends about three times longer per page than the plain SELECT, and
 the catch-up got slower.)
-
-A run of pages (:meth:`PageQuery.read_pages`, the catch-up's read-ahead)
-reads several pages' rows per SELECT and cuts them into exactly the pages
-of one :meth:`PageQuery.read_facts` each: the fixed cost of a SELECT
-(planning, index descent, the round trip: about as much as psycopg2's
-building of 1,000 rows, measured) is paid once per several pages.
 """
 
-from collections import deque
-from typing import Any, Deque, Iterable, Iterator, List, Tuple
+from typing import Any, Iterable, List, Tuple
 
 from ..config import StreamConfig
 from ..storage.database import Cursor, Database
@@ -98,72 +91,6 @@ class PageQuery:
             else:
                 fact_rows.append(shape(r[1:]))
         return facts, upto, limited
-
-    def read_pages(self, txn: Cursor, writer: str, from_token: int, to_token: int,
-                   limit: int, select_rows: int, pages: int) -> Iterator[FactPage]:
-        """Up to ``pages`` pages, one after the other from ``from_token``:
-        each exactly the page :meth:`read_facts` gives from where the one
-        before ended, but read ``select_rows`` rows (at most) per SELECT.
-
-        Only whole facts are kept from a SELECT (the rows of its last token
-        may go on beyond it: they are read again by the next one), so a
-        page can be cut as soon as more than ``limit`` rows, or the last
-        rows up to ``to_token``, are in hand.  Memory: one SELECT's rows
-        and a page.  The rows up to ``to_token`` never change (they are
-        committed before ``to_token`` is announced), so reading them ahead
-        of the page they belong to gives the same page."""
-        prefix = (writer,) if self._by_writer else ()
-        shape = self._shape if self._shape is not None else list
-        facts: Deque[Fact] = deque()  # whole facts read, not yet in a page
-        held = 0  # their rows
-        read_from = from_token
-        exhausted = False  # every row up to to_token is in ``facts`` (or was handed on)
-        while pages > 0:
-            while not exhausted and held <= limit:
-                # Enough for a page at least; for the pages still wanted at most.
-                want = max(limit + 1 - held, min(select_rows, pages * limit + 1 - held))
-                txn.execute(self._select_range, prefix + (read_from, to_token, want))
-                rows = txn.fetchall()
-                if len(rows) == want:  # more may follow: the last fact may go on
-                    last = rows[-1][0]
-                    cut = len(rows) - 1
-                    while cut and rows[cut - 1][0] == last:
-                        cut -= 1
-                    if cut:
-                        del rows[cut:]
-                    else:  # one fact fills the SELECT: it, whole
-                        txn.execute(self._select_one, prefix + (last,))
-                        rows = txn.fetchall()
-                else:
-                    exhausted = True
-                current = None  # (the rows start after every fact held)
-                fact_rows: List[List[Any]] = []
-                for r in rows:
-                    token = r[0]
-                    if token != current:
-                        fact_rows = [shape(r[1:])]
-                        facts.append((token, fact_rows))
-                        current = token
-                    else:
-                        fact_rows.append(shape(r[1:]))
-                held += len(rows)
-                if rows:
-                    read_from = rows[-1][0]
-            if exhausted and held <= limit:
-                yield list(facts), to_token, False
-                return
-            # More than ``limit`` rows follow: the whole facts that fit in
-            # ``limit`` rows (the first fact whole if it alone does not).
-            page = [facts.popleft()]
-            rows_in = len(page[0][1])
-            while facts and rows_in + len(facts[0][1]) <= limit:
-                rows_in += len(facts[0][1])
-                page.append(facts.popleft())
-            held -= rows_in
-            pages -= 1
-            yield page, page[-1][0], True
-            if page[-1][0] >= to_token:  # (its one fact was longer than a page)
-                return
 
     def _select(self, txn: Cursor, writer: str, from_token: int, to_token: int,
                 limit: int) -> Tuple[List[Any], int, bool]:

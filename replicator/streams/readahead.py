@@ -15,11 +15,8 @@ Invariants:
 * The pages are exactly those of one read per page (the same
   :meth:`.PageQuery.read_facts` from where the previous page ended; one
   transaction per run, READ COMMITTED, so each SELECT sees what was
-  committed when it started, as in a transaction of its own).  A run
-  reads ``select_pages`` pages' rows per SELECT
-  (:meth:`.PageQuery.read_pages`), which cuts them into those same pages.
-* Memory stays bounded: one SELECT's rows (``select_pages`` pages), and
-  the run stops reading while ``ahead`` pages are
+  committed when it started, as in a transaction of its own).
+* Memory stays bounded: the run stops reading while ``ahead`` pages are
   waiting for the reader; after ``wait`` seconds without the reader taking
   one, the run ends (giving back its pool thread and connection: a reader
   that failed and retries later must not hold them).
@@ -31,16 +28,15 @@ Invariants:
 
 import threading
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
 from ..storage.database import Database
 
-#: ``read(cursor, writer, since, until, limit, select_rows, pages)`` -> the
-#: pages ``(facts, upto, limited)`` one after the other (:meth:`.PageQuery.read_pages`)
-ReadPages = Callable[..., Iterator[Tuple[Any, ...]]]
+#: ``read(cursor, writer, since, until, limit)`` -> ``(facts, upto, limited)``
+ReadPage = Callable[..., Tuple[Any, ...]]
 
 
 class _Run:
@@ -71,14 +67,12 @@ class ReadAhead:
     its pages to the reactor thread.  One run at a time per writer.
     """
 
-    def __init__(self, db: Database, read: ReadPages, call_from_thread: Callable[..., Any],
-                 run_pages: int = 16, ahead: int = 2, wait: float = 0.2,
-                 select_pages: int = 4) -> None:
+    def __init__(self, db: Database, read: ReadPage, call_from_thread: Callable[..., Any],
+                 run_pages: int = 16, ahead: int = 2, wait: float = 0.2) -> None:
         self._db = db
         self._read = read
         self._call_from_thread = call_from_thread
         self.run_pages = run_pages
-        self.select_pages = select_pages
         self.ahead = ahead
         self.wait = wait
         self._runs: Dict[str, _Run] = {}
@@ -150,8 +144,6 @@ class ReadAhead:
         to the reactor as soon as it is read; a failed read ends the run
         (its failure handed on instead)."""
         cursor = conn.cursor()
-        pages = self._read(cursor, run.writer, since, run.until, run.limit,
-                           self.select_pages * run.limit, self.run_pages)
         try:
             for _ in range(self.run_pages):
                 if since >= run.until or run.stopped:
@@ -159,9 +151,7 @@ class ReadAhead:
                 if not run.slots.acquire(timeout=self.wait) or run.stopped:
                     return
                 try:
-                    page = next(pages, None)
-                    if page is None:
-                        return
+                    page = self._read(cursor, run.writer, since, run.until, run.limit)
                 except Exception:
                     run.failed = True
                     self._call_from_thread(self._arrived, Failure(), run)

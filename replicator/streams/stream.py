@@ -120,7 +120,7 @@ class Stream:
         self._pages = PageQuery(config, db)
         # Catch-up pages of other instances' writers read ahead (PostgreSQL:
         # a run holds a pool connection; SQLite has one for everything).
-        self._read_ahead = (ReadAhead(db, self._pages.read_pages, call_from_thread)
+        self._read_ahead = (ReadAhead(db, self._pages.read_facts, call_from_thread)
                             if call_from_thread is not None and db.is_postgres
                             and db.config.pool_max > 1 else None)
         self._codec = RowCodec(config.columns)
