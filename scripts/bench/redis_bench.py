@@ -61,6 +61,9 @@ NUMSUB`` to show every subscriber before it starts.
     right after the instance joined, before the e2e phase (whose echo
     backlog would otherwise still be draining).
 
+``REDIS_LAT_NAGLE=1`` runs ours a second time with the links' ``TCP_NODELAY``
+off (as before it was set), printed only.
+
 Run alone: ``python scripts/bench/redis_bench.py [--only e2e,latency]
 [--profile]`` (``--profile`` prints a cProfile of this process during our
 phases: the writer).
@@ -645,6 +648,11 @@ async def latency_ours(writer, port):
           f"{len(delays):,} arrivals timed; {spread(delays)}; writer CPU {cpu / (written - start) * 100:.0f}%", flush=True)
     print(write_path_report(write_s, commit_at, sent_at, start + LAT_WARMUP, "write_facts",
                             "the publisher"), flush=True)
+    # The Redis leg alone: handed to the publisher -> arrival.
+    stamped = {t: at for t, at in sent_at.items() if commit_at.get(t, 0) >= start + LAT_WARMUP}
+    leg, _ = delays_ms(results, stamped, start + LAT_WARMUP)
+    if leg:
+        print(f"           handed to the publisher -> arrival: {spread(leg)}", flush=True)
     return delays
 
 
@@ -678,6 +686,14 @@ async def run(dsn, only=PHASES):
         # still seconds behind on its echoes (see the e2e output).
         if "latency" in only:
             delays = await latency_ours(writer, port)
+            if os.environ.get("REDIS_LAT_NAGLE"):  # printed only: the links as before
+                for protocol in (writer.link.publisher, writer.link.subscriber):
+                    protocol.transport.setTcpNoDelay(False)
+                print("    ours again, the links without TCP_NODELAY (Nagle's algorithm on):",
+                      flush=True)
+                await latency_ours(writer, port)
+                for protocol in (writer.link.publisher, writer.link.subscriber):
+                    protocol.transport.setTcpNoDelay(True)
             what = "raw PUBLISH of pre-encoded lines on the same timer"
             for p in (50, 99):
                 record(f"redis.latency.{READERS}readers.p{p}_ms", percentile(delays, p), "ms",
