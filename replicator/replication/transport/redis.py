@@ -148,6 +148,7 @@ class _Link:
     readying: Optional[defer.Deferred[Any]] = None
     healthy_call: Optional[IDelayedCall] = None
     factory: "_RedisFactory"
+    transport: Any  # (txredisapi's protocol sets it)
 
     def dataReceived(self, data: bytes, *args: Any) -> Any:
         self.last_data = self.factory.owner.clock.seconds()
