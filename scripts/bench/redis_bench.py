@@ -526,7 +526,8 @@ async def write_loops(stream, seconds, written, calls):
 async def writes_alone(dsn, seconds):
     """The same loops on a registry of their own (same database), with no
     handler and no Redis: what the write path alone does now (facts/s)."""
-    db = Database(parse_database({"postgres": dsn, "pool_min": 1, "pool_max": E2E_LOOPS}))
+    db = Database(parse_database({"postgres": dsn, "pool_min": 1,
+                                  "pool_max": E2E_LOOPS + 1}))  # as ours: E2E_LOOPS write
     registry = StreamRegistry(db, WRITER, ALONE, reactor=reactor)
     await registry.start()
     try:
