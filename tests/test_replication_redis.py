@@ -533,3 +533,59 @@ class PublishBlockTests(TestCase):
         self.publisher.connectionLost(Failure(ConnectionDone()))
         self.assertEqual(self.dropped(), before + 5)
         self.assertIsNone(self.link.publisher)
+
+
+class SubscriberInputTests(TestCase):
+    """What the subscriber reads off the channel is a line of text, whatever
+    it looks like: a payload that reads as a number (anyone may PUBLISH
+    ``123`` on the channel) is an unparsable line like any other, not a
+    crash of the subscriber's ``dataReceived`` (which would drop the link)."""
+
+    def test_a_number_on_the_channel_is_an_unparsable_line(self):
+        from twisted.internet import task
+        from twisted.internet.testing import StringTransport
+
+        from replicator.replication.transport.redis import _RedisFactory, _Subscriber
+
+        handler = _RecordingHandler(["caches"])
+        link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
+                                handler, "hs.test", "w2")
+        subscriber = _RedisFactory(_Subscriber, link.config, link,
+                                   "subscriber").buildProtocol(None)
+        subscriber.makeConnection(StringTransport())
+        link.conn, link.subscriber = types.SimpleNamespace(current_line=None), subscriber
+        unparsable = metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get()
+
+        def message(payload):
+            return b"*3\r\n$7\r\nmessage\r\n$7\r\nhs.test\r\n$%d\r\n%s\r\n" % (
+                len(payload), payload)
+        subscriber.dataReceived(message(b"123") + message(b"-1.5")
+                                + message(b"POSITION caches w1 1 2\n"))
+        self.assertEqual(handler.received, ["POSITION caches w1 1 2"])
+        self.assertEqual(metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get(),
+                         unparsable + 2)
+
+
+class LinkSocketTests(TestCase):
+    """Both Redis links send without delay (``TCP_NODELAY``), as the TCP
+    replication connections do: a fact's block is written the moment the
+    fan-out hands it over, never held back by Nagle's algorithm waiting for
+    the acknowledgement of the block before it."""
+
+    timeout = 60
+
+    async def test_both_links_set_tcp_nodelay(self):
+        redis = RedisServer()
+        self.addCleanup(redis.stop)
+        link = RedisReplication(reactor, RedisConfig(redis.endpoint),
+                                _RecordingHandler(["caches"]), "hs.test", "w1",
+                                initial_delay=0.05, max_delay=0.3)
+        link.handler.new_connection = lambda conn: None
+        link.handler.lost_connection = lambda conn, reason: None
+        link.startService()
+        self.addCleanup(link.stopService)
+        await until(lambda: link.connected)
+        for protocol in (link.publisher, link.subscriber):
+            sock = protocol.transport.getHandle()
+            self.assertTrue(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
+                            protocol.role)

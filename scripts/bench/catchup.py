@@ -11,11 +11,12 @@ its position; each round then
   consumer file says it is at 0, so the master's POSITION makes it fetch
   every fact from the table (pages of ``replication.fetch_limit``); it
   reports the catch-up time, its worst reactor stall (a ``LoopingCall``'s
-  lateness) and its peak RSS, while this process times ``GET /health``
+  lateness), its peak RSS and the CPU time of each of its threads (reactor,
+  database pool, the consumer's file thread), while this process times ``GET /health``
   round trips to it from a thread;
 * checks the consumer file: every fact once, in order, whole;
 * runs the baseline: a raw psycopg2 keyset-paginated ``SELECT`` of the same
-  rows, pages of 1,000, ``fetchall`` each.
+  rows, pages of 1,000, ``fetchall`` each (its wall and CPU time printed).
 
 Rounds alternate reader / raw; medians are recorded:
 ``catchup.facts_per_s`` (baseline: raw SELECT, same facts), and, with no
@@ -29,6 +30,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -79,13 +81,15 @@ def generate(dsn: str, facts: int) -> int:
     return rows
 
 
-def raw_pass(dsn: str, facts: int) -> float:
-    """Keyset pagination over (id, ctid), pages of ``PAGE`` rows: seconds."""
+def raw_pass(dsn: str, facts: int) -> "tuple[float, float]":
+    """Keyset pagination over (id, ctid), pages of ``PAGE`` rows: seconds,
+    and the CPU seconds of the thread that ran it."""
     import psycopg2
 
     conn = psycopg2.connect(dsn)
     cur = conn.cursor()
     start = time.monotonic()
+    cpu = time.thread_time()
     last = (0, "(0,0)")
     seen = 0
     while True:
@@ -101,8 +105,9 @@ def raw_pass(dsn: str, facts: int) -> float:
         seen += len(page)
         last = (page[-1][0], page[-1][3])
     took = time.monotonic() - start
+    cpu = time.thread_time() - cpu
     conn.close()
-    return took
+    return took, cpu
 
 
 def check_file(path: str, facts: int) -> None:
@@ -187,8 +192,7 @@ def reader_round(dsn, upstream_port, facts, profile=None) -> dict:
     result["health_rtt_max_ms"] = poller.worst * 1000
     result["health_checks"] = poller.count
     check_file(path, facts)
-    os.unlink(path)
-    os.rmdir(tmp)
+    shutil.rmtree(tmp)  # the consumer's file and its lock and state files
     return result
 
 
@@ -220,12 +224,13 @@ async def run(dsn: str, facts: int = FACTS, rounds: int = ROUNDS, profile=None):
         for i in range(rounds):
             r = await threads.deferToThread(reader_round, dsn, port, facts,
                                             profile if i == 0 else None)
-            raw = await threads.deferToThread(raw_pass, dsn, facts)
+            raw, raw_cpu = await threads.deferToThread(raw_pass, dsn, facts)
             print(f"  round {i + 1}: reader {r['seconds']:.2f} s ({r['pages']} pages, stall "
                   f"{r['stall_max_ms']:.0f} ms (p99 {r['stall_p99_ms']:.0f}, longest GC "
                   f"{r['gc_max_ms']:.0f}), /health worst {r['health_rtt_max_ms']:.0f} ms "
                   f"of {r['health_checks']}, peak RSS {r['rss_peak_kb'] / 1024:.0f} MB from "
-                  f"{r['rss_start_kb'] / 1024:.0f} MB), raw {raw:.2f} s", flush=True)
+                  f"{r['rss_start_kb'] / 1024:.0f} MB; CPU s by thread {r['threads_cpu']}), "
+                  f"raw {raw:.2f} s (CPU {raw_cpu:.2f} s)", flush=True)
             readers.append(r)
             raws.append(raw)
     finally:

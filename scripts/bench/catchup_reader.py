@@ -36,6 +36,24 @@ def _status_kb(field: str) -> int:
     return 0
 
 
+def threads_cpu() -> dict:
+    """CPU seconds (user + system) of each live thread of this process, by
+    thread name (the reactor is ``MainThread``; pool threads are summed)."""
+    import threading
+
+    out: dict = {}
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = "pool" if "PoolThread" in t.name else t.name
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
+            "SC_CLK_TCK")
+    return out
+
+
 def rss_now_kb() -> int:
     return _status_kb("VmRSS:")
 
@@ -118,8 +136,11 @@ async def main(reactor, args):
     loop.start(args.tick, now=False)
     timeout = reactor.callLater(args.timeout, lambda: done.called or done.errback(
         TimeoutError(f"position {reader.position} after {args.timeout}s")))
+    cpu_start = threads_cpu()
     try:
         await done
+        cpu = threads_cpu()
+        cpu = {k: round(v - cpu_start.get(k, 0.0), 2) for k, v in cpu.items()}
     finally:
         if timeout.active():
             timeout.cancel()
@@ -133,7 +154,7 @@ async def main(reactor, args):
         if state["late"] else 0.0, "gc_max_ms": state["gc_worst"] * 1000,
         "ticks": state["ticks"], "rss_start_kb": rss_start,
         "rss_peak_kb": peak_rss_kb(),
-        "pages": pages[0], "position": reader.position,
+        "pages": pages[0], "position": reader.position, "threads_cpu": cpu,
     }), flush=True)
 
 

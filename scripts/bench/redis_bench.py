@@ -22,20 +22,26 @@ is one row, so one RDATA line per fact.  The bench waits for ``PUBSUB
 NUMSUB`` to show every subscriber before it starts.
 
 ``redis.e2e.facts_per_s``
-    ``E2E_LOOPS`` concurrent ``write_facts`` loops, ``E2E_FACTS_PER_TXN``
-    one-row facts per transaction (PostgreSQL, fsync on), for
-    ``E2E_SECONDS``; rate = facts that reached all 3 readers / (last arrival
-    at the slowest reader - first write).  Baseline: a plain client (one
-    blocking socket in a thread of this process, no Twisted) PUBLISHing the
-    same pre-encoded RDATA lines, one PUBLISH per line, pipelined in batches
-    of ``RAW_BATCH`` (the next batch is sent before the previous batch's
-    replies are read), for ``RAW_SECONDS``, to the same kind of 3 readers:
-    lines / (last arrival at the slowest reader - first send).  The baseline
-    has no database at all: it is the ceiling of Redis pub/sub plus the
-    readers on this machine, not a like-for-like writer.  For the database's
-    share, the same loops on a registry of their own (same database, no
-    handler, no Redis) run ``ALONE_SECONDS`` before and after ours and are
-    printed (not recorded).  Also printed: how far behind the instance's own
+    ``E2E_WRITERS`` concurrent ``write_fact`` loops (one fact per call,
+    ``E2E_FACTS_PER_CALL``; waiting calls go together into one transaction:
+    group commit) on ``E2E_LOOPS`` write connections (PostgreSQL, fsync
+    on), for ``E2E_SECONDS``; rate = facts that reached all 3 readers /
+    (last arrival at the slowest reader - first write).  Baseline: what a
+    user would write by hand, with the same concurrency: ``E2E_WRITERS``
+    threads of this process sharing ``E2E_LOOPS`` psycopg2 connections
+    (a thread takes a free one per fact), each fact ``nextval`` +
+    ``INSERT`` + commit, then the fact's RDATA line (encoded there)
+    PUBLISHed on the thread's own Redis socket and its reply read; in two
+    slices of ``HAND_SECONDS / 2`` (before ours, and after it once the
+    instance's own echoes drained: the fsync rate of a shared machine
+    drifts), to the same kind of 3 readers; total facts / total (last
+    arrival - first write).  Printed, not recorded: the ceiling of Redis
+    pub/sub plus the readers here (one plain client PUBLISHing pre-encoded
+    lines, one PUBLISH per line, pipelined in batches of ``RAW_BATCH``, no
+    database, ``RAW_SECONDS``).  For the database's share, the same loops
+    on a registry of their own (same database, no handler, no Redis) run
+    ``ALONE_SECONDS`` before and after ours and are printed (not
+    recorded).  Also printed: how far behind the instance's own
     subscriber is on its echoes when the last fact is out (a marker
     PUBLISHed then; the time it comes back), and whether the instance's
     Redis link was replaced meanwhile (its PING, queued behind the echoes,
@@ -54,6 +60,9 @@ NUMSUB`` to show every subscriber before it starts.
     just before the ``sendall`` of the tick's pipelined PUBLISHes.  Ours runs
     right after the instance joined, before the e2e phase (whose echo
     backlog would otherwise still be draining).
+
+``REDIS_LAT_NAGLE=1`` runs ours a second time with the links' ``TCP_NODELAY``
+off (as before it was set), printed only.
 
 Run alone: ``python scripts/bench/redis_bench.py [--only e2e,latency]
 [--profile]`` (``--profile`` prints a cProfile of this process during our
@@ -79,9 +88,11 @@ if os.path.dirname(os.path.dirname(HERE)) not in sys.path:  # run alone
 SERVER_NAME = "bench"  # = the channel
 WRITER = "master"
 READERS = 3
-E2E_LOOPS = int(os.environ.get("REDIS_E2E_LOOPS", "4"))
-E2E_FACTS_PER_TXN = int(os.environ.get("REDIS_E2E_FACTS_PER_TXN", "50"))
+E2E_LOOPS = int(os.environ.get("REDIS_E2E_LOOPS", "4"))  # write connections
+E2E_WRITERS = int(os.environ.get("REDIS_E2E_WRITERS", "32"))  # concurrent write calls
+E2E_FACTS_PER_CALL = int(os.environ.get("REDIS_E2E_FACTS_PER_CALL", "1"))
 E2E_SECONDS = 10.0
+HAND_SECONDS = 10.0
 RAW_SECONDS = 5.0
 ALONE_SECONDS = 3.0
 RAW_BATCH = 1000
@@ -168,6 +179,9 @@ if __name__ == "__main__" and "--reader" in sys.argv:
 
 # ------------------------------------------------------------------ the bench
 
+import threading  # noqa: E402
+
+import orjson  # noqa: E402
 import tcp  # noqa: E402
 from common import (  # noqa: E402
     cpu_seconds,
@@ -197,6 +211,9 @@ STREAMS = parse_streams([
 ])
 ALONE = parse_streams([
     {"name": "alone", "table": "redis_alone", "columns": COLUMNS, "writers": [WRITER]},
+])
+HAND = parse_streams([  # the hand-written baseline's table (created by a registry)
+    {"name": "e2e", "table": "redis_hand", "columns": COLUMNS, "writers": [WRITER]},
 ])
 row = tcp.row
 sleep = tcp.sleep
@@ -235,6 +252,11 @@ def check(results, expect, what):
     if problems:
         raise RuntimeError(f"{what}: {problems[:3]}")
     return last
+
+
+def group_count(stream):
+    """Write transactions the stream has run (its group-size histogram's count)."""
+    return sum(b.get() for b in stream._group_size._buckets)
 
 
 def reader_cpu(results):
@@ -334,6 +356,86 @@ async def latency_raw(port):
     return delays
 
 
+def hand_written(dsn, port, seconds):
+    """What a user would write by hand (see the module docstring): facts
+    and the ``time.time()`` of the first write.  Connecting is not timed."""
+    import queue
+
+    import psycopg2
+
+    conns = queue.SimpleQueue()
+    opened = [psycopg2.connect(dsn) for _ in range(E2E_LOOPS)]
+    for c in opened:
+        conns.put(c)
+    socks = []
+    for _ in range(E2E_WRITERS):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        socks.append(sock)
+    counts = [0] * E2E_WRITERS
+    barrier = threading.Barrier(E2E_WRITERS + 1)
+    stop_at = [float("inf")]
+    channel = SERVER_NAME.encode()
+
+    def worker(k):
+        sock = socks[k]
+        barrier.wait()
+        n = 0
+        while time.monotonic() < stop_at[0]:
+            conn = conns.get()
+            try:
+                cur = conn.cursor()
+                cur.execute("SELECT nextval('redis_hand_seq')")
+                (i,) = cur.fetchone()
+                r = row(i)
+                cur.execute("INSERT INTO redis_hand VALUES (%s, %s, %s, %s::jsonb, %s)",
+                            (i, WRITER, r[0], orjson.dumps(r[1]).decode(), r[2]))
+                conn.commit()
+            finally:
+                conns.put(conn)
+            line = encode_rdata_lines("e2e", WRITER, [(i, r)])[0].rstrip(b"\n")
+            sock.sendall(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+                         % (len(channel), channel, len(line), line))
+            read_replies(sock, 1)
+            n += 1
+        counts[k] = n
+
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(E2E_WRITERS)]
+    for w in workers:
+        w.start()
+    barrier.wait()
+    start = time.time()
+    stop_at[0] = time.monotonic() + seconds
+    for w in workers:
+        w.join()
+    for c in opened:
+        c.close()
+    for sock in socks:
+        sock.close()
+    return sum(counts), start
+
+
+async def hand_written_slice(dsn, port, seconds, subscribers):
+    """One slice of the hand-written baseline to ``READERS`` readers:
+    (facts, seconds from the first write to the last arrival)."""
+    procs = spawn_readers(port, "count", seconds + 60)
+    await subscribed(port, subscribers)
+    facts, start = await threads.deferToThread(hand_written, dsn, port, seconds)
+    for p in procs:
+        p.expect(facts)
+    results = await tcp.collect(procs)
+    last = check(results, facts, "e2e (hand-written)")
+    return facts, last - start
+
+
+async def make_hand_table(dsn):
+    db = Database(parse_database({"postgres": dsn, "pool_min": 1, "pool_max": 1}))
+    registry = StreamRegistry(db, WRITER, HAND, reactor=reactor)
+    await registry.start()  # creates redis_hand and its sequence
+    await registry.stop()
+    db.close()
+
+
 # ------------------------------------------------------------------ ours
 
 MARKER = b"BENCH-MARKER"  # not a command: every instance ignores it
@@ -406,31 +508,32 @@ class Writer:
         self.db.close()
 
 
-async def write_loops(stream, seconds, written, txns):
-    """``E2E_LOOPS`` loops of ``write_facts`` (``E2E_FACTS_PER_TXN`` facts
-    each) for ``seconds``."""
+async def write_loops(stream, seconds, written, calls):
+    """``E2E_WRITERS`` loops of ``write_facts`` (``E2E_FACTS_PER_CALL``
+    facts each) for ``seconds``."""
     async def loop(end):
         while time.monotonic() < end:
             base = written[0]
-            written[0] += E2E_FACTS_PER_TXN
-            await stream.write_facts([[row(base + k)] for k in range(E2E_FACTS_PER_TXN)])
-            txns[0] += 1
+            written[0] += E2E_FACTS_PER_CALL
+            await stream.write_facts([[row(base + k)] for k in range(E2E_FACTS_PER_CALL)])
+            calls[0] += 1
 
     end = time.monotonic() + seconds
-    await defer.gatherResults([defer.ensureDeferred(loop(end)) for _ in range(E2E_LOOPS)],
+    await defer.gatherResults([defer.ensureDeferred(loop(end)) for _ in range(E2E_WRITERS)],
                               consumeErrors=True)
 
 
 async def writes_alone(dsn, seconds):
     """The same loops on a registry of their own (same database), with no
     handler and no Redis: what the write path alone does now (facts/s)."""
-    db = Database(parse_database({"postgres": dsn, "pool_min": 1, "pool_max": E2E_LOOPS}))
+    db = Database(parse_database({"postgres": dsn, "pool_min": 1,
+                                  "pool_max": E2E_LOOPS + 1}))  # as ours: E2E_LOOPS write
     registry = StreamRegistry(db, WRITER, ALONE, reactor=reactor)
     await registry.start()
     try:
-        written, txns = [0], [0]
+        written, calls = [0], [0]
         start = time.monotonic()
-        await write_loops(registry.get("alone"), seconds, written, txns)
+        await write_loops(registry.get("alone"), seconds, written, calls)
         return written[0] / (time.monotonic() - start)
     finally:
         await registry.stop()
@@ -443,12 +546,13 @@ async def e2e_ours(writer, port, redis_pid):
     await subscribed(port, READERS + 1)  # + our own subscriber
     writer.losses.clear()
     written = [0]
-    txns = [0]
+    calls = [0]
+    groups0 = group_count(stream)
     gc.collect()
     cpu0, rcpu0 = cpu_seconds(), proc_cpu(redis_pid)
     start = time.time()
     with profiled():
-        await write_loops(stream, E2E_SECONDS, written, txns)
+        await write_loops(stream, E2E_SECONDS, written, calls)
         wrote = time.time()
         await writer.flushed(stream)
     handed = time.time()
@@ -472,8 +576,10 @@ async def e2e_ours(writer, port, redis_pid):
         print(f"    LOSS: the writer's Redis link was lost at "
               f"{[(round(t - start, 2), role) for t, role in writer.losses]} s; "
               f"{reached:,} of {written[0]:,} facts reached all {READERS} readers", flush=True)
-    print(f"    ours: {written[0]:,} facts ({txns[0]:,} transactions of {E2E_FACTS_PER_TXN}, "
-          f"{E2E_LOOPS} loops) written in {wrote - start:.2f}s, all handed to the publisher "
+    groups = group_count(stream) - groups0
+    print(f"    ours: {written[0]:,} facts ({calls[0]:,} calls of {E2E_FACTS_PER_CALL} by "
+          f"{E2E_WRITERS} loops, in {groups:,.0f} transactions) written in "
+          f"{wrote - start:.2f}s, all handed to the publisher "
           f"{handed - wrote:.2f}s later, the last at the slowest reader {last - wrote:.2f}s "
           f"after the last write returned; writer CPU {cpu / (handed - start) * 100:.0f}%, "
           f"redis-server {rcpu / (handed - start) * 100:.0f}%, readers "
@@ -543,6 +649,11 @@ async def latency_ours(writer, port):
           f"{len(delays):,} arrivals timed; {spread(delays)}; writer CPU {cpu / (written - start) * 100:.0f}%", flush=True)
     print(write_path_report(write_s, commit_at, sent_at, start + LAT_WARMUP, "write_facts",
                             "the publisher"), flush=True)
+    # The Redis leg alone: handed to the publisher -> arrival.
+    stamped = {t: at for t, at in sent_at.items() if commit_at.get(t, 0) >= start + LAT_WARMUP}
+    leg, _ = delays_ms(results, stamped, start + LAT_WARMUP)
+    if leg:
+        print(f"           handed to the publisher -> arrival: {spread(leg)}", flush=True)
     return delays
 
 
@@ -561,9 +672,12 @@ async def run(dsn, only=PHASES):
         port = redis.port
         # Baselines first: no instance of ours is subscribed then.
         if "e2e" in only:
-            print(f"  e2e: {E2E_LOOPS} write_facts loops x {E2E_FACTS_PER_TXN} facts per "
-                  f"transaction, fsync on, {READERS} reader processes counting RDATA payloads")
-            raw_rate = await e2e_raw(port, redis.proc.pid)
+            print(f"  e2e: {E2E_WRITERS} concurrent writes of {E2E_FACTS_PER_CALL} fact(s) on "
+                  f"{E2E_LOOPS} write connections, fsync on, {READERS} reader processes "
+                  "counting RDATA payloads", flush=True)
+            ceiling = await e2e_raw(port, redis.proc.pid)
+            await make_hand_table(dsn)
+            hand = [await hand_written_slice(dsn, port, HAND_SECONDS / 2, READERS)]
         if "latency" in only:
             print(f"  latency: {tcp.LAT_RATE:,} facts/s, {READERS} readers, "
                   f"first {LAT_WARMUP:.0f}s not counted")
@@ -573,6 +687,14 @@ async def run(dsn, only=PHASES):
         # still seconds behind on its echoes (see the e2e output).
         if "latency" in only:
             delays = await latency_ours(writer, port)
+            if os.environ.get("REDIS_LAT_NAGLE"):  # printed only: the links as before
+                for protocol in (writer.link.publisher, writer.link.subscriber):
+                    protocol.transport.setTcpNoDelay(False)
+                print("    ours again, the links without TCP_NODELAY (Nagle's algorithm on):",
+                      flush=True)
+                await latency_ours(writer, port)
+                for protocol in (writer.link.publisher, writer.link.subscriber):
+                    protocol.transport.setTcpNoDelay(True)
             what = "raw PUBLISH of pre-encoded lines on the same timer"
             for p in (50, 99):
                 record(f"redis.latency.{READERS}readers.p{p}_ms", percentile(delays, p), "ms",
@@ -586,9 +708,15 @@ async def run(dsn, only=PHASES):
             print(f"    the same write_facts loops alone (no handler, no Redis), "
                   f"{ALONE_SECONDS:.0f}s before and after: {alone[0]:,.0f} and "
                   f"{alone[1]:,.0f} facts/s", flush=True)
+            hand.append(await hand_written_slice(dsn, port, HAND_SECONDS / 2, READERS + 1))
+            hand_rate = sum(f for f, _ in hand) / sum(t for _, t in hand)
+            print(f"    by hand: {sum(f for f, _ in hand):,} facts in two slices, "
+                  f"{' and '.join(f'{f / t:,.0f}' for f, t in hand)} facts/s; "
+                  f"the ceiling of Redis pub/sub here (no database) {ceiling:,.0f} lines/s",
+                  flush=True)
             record("redis.e2e.facts_per_s", rate, "facts/s",
-                   f"raw pipelined PUBLISH of pre-encoded lines (no database) to {READERS} "
-                   f"readers", raw_rate)
+                   f"by hand: psycopg2 nextval+INSERT+commit then PUBLISH, {E2E_WRITERS} "
+                   f"threads on {E2E_LOOPS} connections", hand_rate)
     finally:
         while _spawned:
             _spawned.pop().finish()

@@ -6,9 +6,15 @@
   figure.
 - ``pg.write.single`` / ``pg.write.batched``: facts per second through a
   Stream on a real PostgreSQL (durable: fsync on) against raw psycopg2 doing
-  the same statements on one connection.  ``single`` writes one fact at a
+  the same statements on one connection: ``nextval`` (n of them in one
+  round trip when batched), then the rows' ``INSERT`` and the writer's
+  position upsert in ``stream_positions`` in one round trip (ours persists
+  the position in the fact's own transaction when nothing else of the
+  writer is in flight, as here), commit.  ``single`` writes one fact at a
   time (one writer: concurrent writes would go together into one
-  transaction, group commit, which ``e2e.facts_per_s`` measures).
+  transaction, group commit, which ``e2e.facts_per_s`` measures).  Also
+  printed, not recorded: the same raw loops without the position upsert
+  (what a user who keeps no position would write).
 """
 
 import random
@@ -19,6 +25,7 @@ from common import rate, record
 from twisted.internet import defer, reactor
 
 from replicator.config import parse_database, parse_streams
+from replicator.storage import schema
 from replicator.storage.database import Database
 from replicator.streams.idgen import StreamIdGenerator
 from replicator.streams.registry import StreamRegistry
@@ -72,24 +79,34 @@ STREAM = {
 ROW = ["get_user_by_id", ["@user:example.com"], 1490197670513]
 
 
-def raw_single(dsn, n):
+#: Ours persists the writer's position with the fact (when uncontended).
+UPSERT = schema.upsert_position_sql("GREATEST")
+
+
+def raw_single(dsn, n, position=True):
     conn = psycopg2.connect(dsn)
     cur = conn.cursor()
+    insert = "INSERT INTO bench_stream VALUES (%s, %s, %s, %s::jsonb, %s)"
+    if position:
+        insert += "; " + UPSERT
     start = time.perf_counter()
     for _ in range(n):
         cur.execute("SELECT nextval('bench_stream_seq')")
         (i,) = cur.fetchone()
-        cur.execute("INSERT INTO bench_stream VALUES (%s, %s, %s, %s::jsonb, %s)",
-                    (i, "raw", ROW[0], '["@user:example.com"]', ROW[2]))
+        params = (i, "raw", ROW[0], '["@user:example.com"]', ROW[2])
+        cur.execute(insert, params + (("bench", "raw", i) if position else ()))
         conn.commit()
     elapsed = time.perf_counter() - start
     conn.close()
     return rate(n, elapsed)
 
 
-def raw_batched(dsn, batches, size=100):
+def raw_batched(dsn, batches, size=100, position=True):
     conn = psycopg2.connect(dsn)
     cur = conn.cursor()
+    insert = "INSERT INTO bench_stream VALUES " + ", ".join(["(%s, %s, %s, %s::jsonb, %s)"] * size)
+    if position:
+        insert += "; " + UPSERT
     start = time.perf_counter()
     for _ in range(batches):
         cur.execute("SELECT nextval('bench_stream_seq') FROM generate_series(1, %s)", (size,))
@@ -97,8 +114,9 @@ def raw_batched(dsn, batches, size=100):
         params = []
         for i in ids:
             params += [i, "raw", ROW[0], '["@user:example.com"]', ROW[2]]
-        cur.execute("INSERT INTO bench_stream VALUES "
-                    + ", ".join(["(%s, %s, %s, %s::jsonb, %s)"] * size), params)
+        if position:
+            params += ["bench", "raw", ids[-1]]
+        cur.execute(insert, params)
         conn.commit()
     elapsed = time.perf_counter() - start
     conn.close()
@@ -124,16 +142,19 @@ async def ours(registry, n, per_txn, window=8):
     return rate(done, time.perf_counter() - start)
 
 
-async def alternating(raw, ours_fn, n):
-    """Rates of raw and ours over four slices (raw, ours, ours, raw): the
-    disk's fsync speed drifts too much here for back-to-back runs to be fair.
-    Returns (ours, raw) as total facts / total seconds."""
-    totals = {"raw": [0, 0.0], "ours": [0, 0.0]}
-    for who in ("raw", "ours", "ours", "raw"):
-        rate = raw(n) if who == "raw" else await ours_fn(n)
+async def alternating(raw, ours_fn, n, bare=None):
+    """Rates of raw and ours over four slices (raw, ours, ours, raw; with
+    ``bare``, the raw loop without the position, between them): the disk's
+    fsync speed drifts too much here for back-to-back runs to be fair.
+    Returns (ours, raw, bare) as total facts / total seconds."""
+    totals = {"raw": [0, 0.0], "ours": [0, 0.0], "bare": [0, 0.0]}
+    order = ("raw", "bare", "ours", "ours", "bare", "raw") if bare else ("raw", "ours", "ours", "raw")
+    for who in order:
+        rate = raw(n) if who == "raw" else bare(n) if who == "bare" else await ours_fn(n)
         totals[who][0] += n
         totals[who][1] += n / rate
-    return (totals["ours"][0] / totals["ours"][1], totals["raw"][0] / totals["raw"][1])
+    return tuple(totals[w][0] / totals[w][1] if totals[w][1] else None
+                 for w in ("ours", "raw", "bare"))
 
 
 async def run_pg(dsn):
@@ -144,13 +165,20 @@ async def run_pg(dsn):
         # Warm both paths up once.
         raw_single(dsn, 200)
         await ours(registry, 200, 1, window=1)
-        value, base = await alternating(lambda n: raw_single(dsn, n),
-                                        lambda n: ours(registry, n, 1, window=1), 2000)
-        record("pg.write.single", value, "facts/s", "raw psycopg2 nextval+INSERT+commit", base)
-        value, base = await alternating(lambda n: raw_batched(dsn, n // 100),
-                                        lambda n: ours(registry, n // 100, 100), 10000)
+        value, base, bare = await alternating(
+            lambda n: raw_single(dsn, n), lambda n: ours(registry, n, 1, window=1), 2000,
+            lambda n: raw_single(dsn, n, position=False))
+        print(f"    raw without the position upsert: {bare:,.0f} facts/s "
+              f"(ours {value / bare:.2f}x that)", flush=True)
+        record("pg.write.single", value, "facts/s",
+               "raw psycopg2 nextval, INSERT+position upsert, commit", base)
+        value, base, bare = await alternating(
+            lambda n: raw_batched(dsn, n // 100), lambda n: ours(registry, n // 100, 100),
+            10000, lambda n: raw_batched(dsn, n // 100, position=False))
+        print(f"    raw without the position upsert: {bare:,.0f} facts/s "
+              f"(ours {value / bare:.2f}x that)", flush=True)
         record("pg.write.batched", value, "facts/s",
-               "raw psycopg2 100 nextval+INSERT+commit", base)
+               "raw psycopg2 100 nextval, INSERT+position upsert, commit", base)
     finally:
         await registry.stop()
         db.close()

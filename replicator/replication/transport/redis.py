@@ -130,8 +130,11 @@ class _RedisFactory(Factory):
         self.current: Optional[_Link] = None
 
     def buildProtocol(self, addr: Any) -> Any:
+        # convertNumbers off: a message that reads as a number is a line of
+        # text like any other (txredisapi would hand over an int), and no
+        # message pays for the probe.
         p = self.protocol_class(password=self.config.password, dbid=self.config.dbid,
-                                replyTimeout=None)
+                                replyTimeout=None, convertNumbers=False)
         p.factory = self
         self.current = p
         return p
@@ -169,6 +172,14 @@ class _Link:
 
     def connectionMade(self) -> Any:
         self.last_data = self.factory.owner.clock.seconds()
+        # A block goes out when it is written, not once the one before it
+        # was acknowledged (Nagle's algorithm): as on TCP replication links.
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            try:
+                set_no_delay(True)
+            except OSError:
+                pass  # not a TCP socket (a UNIX one): nothing to delay
         result = super().connectionMade()  # type: ignore[misc]  # AUTH/SELECT, in the background
         self.factory.owner.link_made(self)
         return result
