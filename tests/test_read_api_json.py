@@ -165,6 +165,45 @@ class JsonPagesSuite:
         self.assertEqual([f[0] for f in page.facts], [1, 2, 3, 4, 5])
         self.assertEqual([r for r in reads if r != "persisted_positions"], ["read"])
 
+    async def test_a_trimmed_range_is_never_a_page(self):
+        """Pages below the trim boundary fail (FactsTrimmed) whether the
+        boundary came with the page's rows or, with no row, was read after."""
+        from replicator.streams.trimmed import FactsTrimmed
+
+        registry = await self.registry("master", self.database_config())
+        for name in ("scalars", "mixed"):
+            stream = registry.get(name)
+            for i in range(10):
+                await stream.write_facts([[(scalar_row if name == "scalars" else mixed_row)(i)]])
+            stream.forget("master", 10)
+            columns = list(stream.config.column_names)
+            bounds = {w: 10 for w in stream.config.writers}
+            since = {w: 0 for w in stream.config.writers}
+            page = await read_page(stream, since, bounds, 3, columns=columns)
+            self.assertEqual([f[0] for f in page.facts], [1, 2, 3])
+
+            async def trim(upto):
+                def txn(cursor):
+                    sql = stream.db.sql
+                    cursor.execute(sql(f"DELETE FROM {stream.config.table} "
+                                       "WHERE stream_id <= %s"), (upto,))
+                    cursor.execute(sql("DELETE FROM stream_retention WHERE stream_name = %s"),
+                                   (name,))
+                    cursor.execute(sql("INSERT INTO stream_retention (stream_name, "
+                                       "trimmed_through) VALUES (%s, %s)"), (name, upto))
+                await stream.db.runInteraction(txn)
+
+            await trim(4)  # rows above: the boundary comes with them
+            with self.assertRaises(FactsTrimmed):
+                await read_page(stream, since, bounds, 3, columns=columns)
+            page = await read_page(stream, {w: 4 for w in since}, bounds, 3, columns=columns)
+            self.assertEqual([f[0] for f in page.facts], [5, 6, 7])
+            await trim(10)  # no row left: the boundary is read after
+            with self.assertRaises(FactsTrimmed):
+                await read_page(stream, {w: 6 for w in since}, bounds, 3, columns=columns)
+            page = await read_page(stream, {w: 10 for w in since}, bounds, 3, columns=columns)
+            self.assertEqual(page.facts, [])
+
 
 class PostgresJsonPagesTests(JsonPagesSuite, TestCase):
     timeout = 120

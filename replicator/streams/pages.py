@@ -102,16 +102,23 @@ class PageQuery:
             f"ORDER BY {c.id_column} LIMIT %s) AS ids) "
             f"ORDER BY {c.id_column}, {order}"
         )
-        self._select_facts = db.sql(
-            f"SELECT {c.id_column}, {', '.join(c.column_names)}{first_facts}")
         #: Whether :meth:`read_fact_pages` can give rows as JSON text built
         #: by PostgreSQL (:func:`row_json_sql`): the stream's own table,
         #: columns of scalar types only.
         self.json_rows = (db.is_postgres and c.preset is None
                           and all(col.type in JSON_SCALARS for col in c.columns))
-        self._select_facts_json = (
-            f"SELECT {c.id_column}, {row_json_sql(c.column_names)}{first_facts}"
-            if self.json_rows else None)
+        # (json rows, with the trim boundary) -> the SELECT.  The boundary
+        # as a last column is read in the page's own snapshot: a trim
+        # whose deletions the page misses committed before that snapshot,
+        # so its boundary is in it (as :mod:`.trimmed` asks of a check).
+        boundary = ", (SELECT trimmed_through FROM stream_retention WHERE stream_name = %s)"
+        self._select_facts = {}
+        for json_rows in (False, True) if self.json_rows else (False,):
+            values = row_json_sql(c.column_names) if json_rows else ", ".join(c.column_names)
+            for with_boundary in (False, True):
+                self._select_facts[json_rows, with_boundary] = db.sql(
+                    f"SELECT {c.id_column}, {values}{boundary if with_boundary else ''}"
+                    f"{first_facts}")
 
     def read(self, txn: Cursor, writer: str, from_token: int, to_token: int, limit: int) -> Page:
         """One page: ``(updates, upto_token, limited)``; ``upto_token`` is
@@ -138,35 +145,50 @@ class PageQuery:
         ``facts`` facts of ``writer`` with ``from_token < token <=
         to_token`` (each whole, one SELECT), as ``(facts, upto_token,
         limited)``: ``limited`` when it holds ``facts`` facts (``upto`` is
-        then its last ID, else ``to_token``).  The trim boundary is read
-        once, after every SELECT (:mod:`.trimmed`).
+        then its last ID, else ``to_token``).  Every page is checked
+        against the trim boundary (:mod:`.trimmed`): read by each SELECT
+        itself once ``stream_retention`` exists, else once after them.
 
         With ``json_rows`` (only where :attr:`json_rows`), each row is the
         JSON text of an object of the stream's columns, in their order, as
         ``orjson`` encodes the values the plain SELECT gives."""
-        select = self._select_facts
-        if json_rows:
-            assert self._select_facts_json is not None, "json_rows: not for this stream"
-            select = self._select_facts_json
+        trim = self._trim
+        # Once stream_retention is known to exist, each SELECT carries the
+        # boundary (no statement more); else one check after them all.
+        carried = trim is not None and trim.exists
+        select = self._select_facts[json_rows, carried]
+        head = (trim.stream_name,) if carried and trim is not None else ()
         pages: List[FactPage] = []
+        unchecked = False
         for writer, from_token, to_token, count in ranges:
             prefix = (writer,) if self._by_writer else ()
             count = max(1, count)
-            txn.execute(select, prefix + (from_token, to_token)
+            txn.execute(select, head + prefix + (from_token, to_token)
                         + prefix + (from_token, to_token, count))
-            facts = self._grouped(txn.fetchall(), json_rows)
+            rows = txn.fetchall()
+            facts = self._grouped(rows, json_rows, -1 if carried else None)
             limited = len(facts) >= count
             pages.append((facts, facts[-1][0] if limited else to_token, limited))
-        if self._trim is not None and ranges:
-            boundary = self._trim.boundary(txn)
+            if carried and rows:
+                self._check_trim(writer, from_token, rows[0][-1] or 0)
+            else:
+                unchecked = True  # (no row: no boundary came with it)
+        if trim is not None and unchecked:
+            boundary = trim.boundary(txn)
             for writer, from_token, _, _ in ranges:
-                if boundary > from_token:
-                    raise FactsTrimmed(self._trim.stream_name, writer, from_token, boundary)
+                self._check_trim(writer, from_token, boundary)
         return pages
 
-    def _grouped(self, rows: List[Any], json_rows: bool = False) -> List[Fact]:
+    def _check_trim(self, writer: str, from_token: int, boundary: int) -> None:
+        if boundary > from_token:
+            assert self._trim is not None
+            raise FactsTrimmed(self._trim.stream_name, writer, from_token, boundary)
+
+    def _grouped(self, rows: List[Any], json_rows: bool = False,
+                 end: Optional[int] = None) -> List[Fact]:
         """``(token, rows)`` per fact of database rows in token order, shaped
-        (``json_rows``: each row is its one JSON text)."""
+        (``json_rows``: each row is its one JSON text); the row's values
+        are ``r[1:end]``."""
         shape: Optional[Callable[[Any], Any]] = self._shape
         if json_rows:
             shape = itemgetter(0)
@@ -179,11 +201,11 @@ class PageQuery:
         for r in rows:
             token = r[0]
             if token != current:
-                fact_rows = [shape(r[1:])]
+                fact_rows = [shape(r[1:end])]
                 append((token, fact_rows))
                 current = token
             else:
-                fact_rows.append(shape(r[1:]))
+                fact_rows.append(shape(r[1:end]))
         return facts
 
     def _select(self, txn: Cursor, writer: str, from_token: int, to_token: int,
