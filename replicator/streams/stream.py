@@ -407,14 +407,16 @@ class Stream:
                                then: Callable[[List[FactPage]], Any],
                                json_rows: bool = False) -> Tuple[List[FactPage], Any]:
         """Several writers' pages counted in facts, read from the table in
-        one transaction (:meth:`.pages.PageQuery.read_fact_pages`; rows as
-        JSON text with ``json_rows``), and ``then(pages)`` run in the same
-        pool thread (e.g. encoding them): ``(pages, then(pages))``."""
+        one trip to a pool thread (:meth:`.pages.PageQuery.read_fact_pages`,
+        one statement per writer, each consistent by itself: no
+        transaction around them; rows as JSON text with ``json_rows``),
+        and ``then(pages)`` run in the same pool thread (e.g. encoding
+        them): ``(pages, then(pages))``."""
         def read(txn: Cursor) -> Tuple[List[FactPage], Any]:
             pages = self._pages.read_fact_pages(txn, ranges, json_rows)
             return pages, then(pages)
 
-        answer: Tuple[List[FactPage], Any] = await self.db.runInteraction(read)
+        answer: Tuple[List[FactPage], Any] = await self.db.runReads(read)
         for (writer, from_token, _, _), page in zip(ranges, answer[0]):
             self._check_foreign(writer, from_token, map(_token_of, page[0]))
         return answer
