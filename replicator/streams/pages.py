@@ -12,7 +12,9 @@ A page is grouped into facts in the pool thread, in the same pass that
 shapes its rows, so the reactor gets whole facts.  (Having PostgreSQL build
 each fact as one JSON array, ``json_agg`` per fact, was measured: the
 server spends about three times longer per page than the plain SELECT, and
-the catch-up got slower.)
+the catch-up got slower.)  The read API's pages (:meth:`PageQuery.read_fact_pages`)
+are counted in facts, and for streams of scalar columns PostgreSQL writes
+each *row* as JSON text, which the answer uses as it is.
 """
 
 from operator import itemgetter
