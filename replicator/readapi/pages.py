@@ -59,10 +59,11 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     page ending at or below ``final_below`` (the linear token) is final.
 
     With ``columns`` (the stream's column names), what memory cannot
-    answer is read from the table in one transaction for every writer,
-    counted in facts, and those facts come encoded (:func:`fact_json`,
-    in the pool thread); without, one :meth:`fact_page` at a time.  Both
-    give the same page."""
+    answer is read from the table in one trip to a pool thread for every
+    writer, counted in facts, and those facts come encoded (their JSON
+    built by PostgreSQL or in the pool thread); without, one
+    :meth:`fact_page` at a time.  Both give the same page, byte for byte
+    once encoded (tests/test_read_api_json.py)."""
     found: List[PageFact] = []
     scanned: Dict[str, int] = {}
     table: List[Tuple[str, int, int, int]] = []  # (writer, from, to, facts) to read
