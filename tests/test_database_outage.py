@@ -140,3 +140,40 @@ class ConnectionLostMidHopTests(TestCase):
         lost = [e for e in self.events if e.get("log_namespace") == "replicator.storage.database"
                 and e.get("log_level") == LogLevel.warn]
         self.assertEqual(len(lost), 1)
+
+
+class ReadsWithoutTransactionTests(TestCase):
+    """``Database.runReads``: statements without a transaction around them,
+    and the connection as it was for the next transaction."""
+
+    timeout = 120
+
+    def setUp(self):
+        self.server = PostgresServer.shared()
+        self.db = Database(parse_database({"postgres": self.server.create_database(),
+                                           "pool_min": 1, "pool_max": 1}))
+        self.addCleanup(self.db.close)
+
+    async def test_reads_then_a_transaction_that_fails_leaves_nothing(self):
+        def reads(cursor):
+            cursor.execute("SELECT 1")
+            return cursor.connection.autocommit
+        self.assertTrue(await self.db.runReads(reads))
+
+        def fails(txn):
+            txn.execute("CREATE TEMP TABLE made (x int)")
+            raise ValueError("rolled back")
+        with self.assertRaises(ValueError):
+            await self.db.runInteraction(fails)
+        # One connection: had it stayed in autocommit, the table would exist.
+        self.assertEqual(await self.db.runQuery("SELECT to_regclass('pg_temp.made')"),
+                         [(None,)])
+
+    async def test_a_read_whose_connection_dies_fails_alone(self):
+        def dies(cursor):
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        with self.assertRaises(psycopg2.OperationalError):
+            await self.db.runReads(dies)
+        self.assertEqual(await self.db.runReads(lambda c: (c.execute("SELECT 2"),
+                                                           c.fetchall())[1]), [(2,)])
+        self.assertEqual(self.flushLoggedErrors(), [])

@@ -100,6 +100,7 @@ class FakeStream:
     (limit counts rows, facts whole)."""
 
     name = "events"
+    json_rows = False
 
     def __init__(self, writers):
         self.config = FakeConfig(writers)
@@ -113,6 +114,19 @@ class FakeStream:
     async def fact_page(self, writer, since, until, limit):
         updates, upto, limited = await self.updates_since(writer, since, until, limit)
         return group(updates), upto, limited
+
+    def memory_fact_page(self, writer, since, until, limit):
+        return None  # (everything is in the "table")
+
+    async def table_fact_pages(self, ranges, then, json_rows=False):
+        """As the real one: pages counted in facts, ``then`` on them."""
+        pages = []
+        for writer, since, until, count in ranges:
+            updates, _, _ = await self.updates_since(writer, since, until, 10 ** 9)
+            facts = group(updates)[:count]
+            limited = len(facts) >= count
+            pages.append((facts, facts[-1][0] if limited else until, limited))
+        return pages, then(pages)
 
     async def updates_since(self, writer, since, until, limit):
         self.reads += 1

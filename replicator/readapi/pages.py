@@ -24,14 +24,17 @@ Invariants:
 
 import hashlib
 from operator import itemgetter
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import orjson
 
 from .tokens import Positions, encode
 
-#: A fact as a page holds it: ``(stream_id, writer, rows)``.
-PageFact = Tuple[int, str, List[list]]
+#: A fact as a page holds it: ``(stream_id, writer, rows, json)``, ``json``
+#: being the fact as the API shows it, encoded (:func:`fact_json`), or None
+#: when it is encoded only when needed.  (When PostgreSQL built the JSON,
+#: ``rows`` holds each row's JSON text, not its values.)
+PageFact = Tuple[int, str, List[list], Optional[bytes]]
 _first = itemgetter(0)
 
 
@@ -49,28 +52,66 @@ class Page:
 
 
 async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: int,
-                    final_below: Optional[int] = None) -> Page:
+                    final_below: Optional[int] = None,
+                    columns: Optional[Sequence[str]] = None) -> Page:
     """The page of ``stream`` after ``since`` (a position per writer),
     bounded by ``bounds`` (per writer), at most ``limit`` facts.  A full
-    page ending at or below ``final_below`` (the linear token) is final."""
+    page ending at or below ``final_below`` (the linear token) is final.
+
+    With ``columns`` (the stream's column names), what memory cannot
+    answer is read from the table in one trip to a pool thread for every
+    writer, counted in facts, and those facts come encoded (their JSON
+    built by PostgreSQL or in the pool thread); without, one
+    :meth:`fact_page` at a time.  Both give the same page, byte for byte
+    once encoded (tests/test_read_api_json.py)."""
     found: List[PageFact] = []
     scanned: Dict[str, int] = {}
-    writers_found = 0
+    table: List[Tuple[str, int, int, int]] = []  # (writer, from, to, facts) to read
+    writers_found: Set[str] = set()
     for writer in sorted(since):
         start = since[writer]
         bound = bounds.get(writer, start)
         pos = start
         mine = 0
         while pos < bound and mine < limit:
-            facts, upto, limited = await stream.fact_page(writer, pos, bound, limit - mine)
-            found.extend([(stream_id, writer, rows) for stream_id, rows in facts])
+            if columns is not None:
+                answer = stream.memory_fact_page(writer, pos, bound, limit - mine)
+                if answer is None:
+                    table.append((writer, pos, bound, limit - mine))
+                    break
+            else:
+                answer = await stream.fact_page(writer, pos, bound, limit - mine)
+            facts, upto, limited = answer
+            found.extend([(stream_id, writer, rows, None) for stream_id, rows in facts])
             mine += len(facts)
             pos = upto
             if not limited:
                 break
         scanned[writer] = max(start, pos)
-        writers_found += mine > 0
-    if writers_found > 1:
+        if mine:
+            writers_found.add(writer)
+    if table:
+        assert columns is not None
+        names = list(columns)
+        json_rows = stream.json_rows
+
+        def encode_facts(pages: List[Any]) -> List[List[bytes]]:
+            """Each fact's JSON (in the pool thread)."""
+            if json_rows:
+                return [rows_json_facts(writer, page[0])
+                        for (writer, _, _, _), page in zip(table, pages)]
+            return [[fact_json(names, (stream_id, writer, rows, None))
+                     for stream_id, rows in page[0]]
+                    for (writer, _, _, _), page in zip(table, pages)]
+
+        pages, encoded = await stream.table_fact_pages(table, encode_facts, json_rows)
+        for (writer, _, _, _), (facts, upto, _), jsons in zip(table, pages, encoded):
+            found.extend([(stream_id, writer, rows, j)
+                          for (stream_id, rows), j in zip(facts, jsons)])
+            scanned[writer] = max(scanned[writer], upto)
+            if facts:
+                writers_found.add(writer)
+    if len(writers_found) > 1:
         found.sort(key=_first)
     full = len(found) >= limit
     if full:
@@ -86,20 +127,51 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     return Page(found, next_positions, full, final)
 
 
-def fact_object(columns: List[str], fact: PageFact) -> dict:
-    """A fact as the API shows it (in a page and in an event)."""
-    stream_id, writer, rows = fact
+def fact_object(columns: Sequence[str], fact: Sequence[Any]) -> dict:
+    """A fact as the API shows it (in a page and in an event), from
+    ``(stream_id, writer, rows, ...)``."""
+    stream_id, writer, rows = fact[0], fact[1], fact[2]
     if len(rows) == 1:
         return {"stream_id": stream_id, "writer": writer, "rows": [dict(zip(columns, rows[0]))]}
     return {"stream_id": stream_id, "writer": writer,
             "rows": [dict(zip(columns, row)) for row in rows]}
 
 
+def fact_json(columns: Sequence[str], fact: PageFact) -> bytes:
+    """:func:`fact_object` as JSON: the bytes the page holds already, else
+    encoded now.  Pure: may run in a thread."""
+    encoded = fact[3]
+    return encoded if encoded is not None else orjson.dumps(fact_object(columns, fact))
+
+
+def rows_json_facts(writer: str, facts: List[Tuple[int, List[str]]]) -> List[bytes]:
+    """Each fact's JSON (as :func:`fact_json`) from its rows as JSON texts
+    (PostgreSQL built them: :func:`replicator.streams.pages.row_json_sql`)."""
+    w = orjson.dumps(writer)
+    return [b'{"stream_id":%d,"writer":%b,"rows":[%b]}' % (stream_id, w,
+                                                           ",".join(rows).encode("utf-8"))
+            for stream_id, rows in facts]
+
+
+_BODY_START = b'{"stream":'
+_BODY_FACTS = b',"facts":['
+_BODY_NEXT = b'],"next":'
+
+
 def page_body(stream_name: str, columns: List[str], page: Page) -> bytes:
-    """A page's JSON answer (one line).  Pure: may run in a thread."""
-    return orjson.dumps({"stream": stream_name,
-                         "facts": [fact_object(columns, f) for f in page.facts],
-                         "next": encode(stream_name, page.next)}) + b"\n"
+    """A page's JSON answer (one line): exactly ``orjson.dumps({"stream",
+    "facts", "next"})``, with each fact's JSON spliced in as
+    :func:`fact_json` gives it (so facts encoded in the pool thread are
+    not encoded again).  Pure: may run in a thread."""
+    return b"".join((_BODY_START, orjson.dumps(stream_name), _BODY_FACTS,
+                     b",".join([fact_json(columns, f) for f in page.facts]), _BODY_NEXT,
+                     orjson.dumps(encode(stream_name, page.next)), b"}\n"))
+
+
+def unencoded_rows(page: Page) -> int:
+    """Rows of the page's facts not encoded yet (the work left for
+    :func:`page_body`)."""
+    return sum(len(f[2]) for f in page.facts if f[3] is None)
 
 
 def etag(body: bytes) -> bytes:

@@ -18,7 +18,7 @@ from ..http.answers import HttpError, Response, excerpt
 from .auth import Reader, ReaderAuth
 from .book import ReaderBook, Slots, client_host
 from .live import LiveFeed
-from .pages import Page, etag, matches, page_body, read_page
+from .pages import Page, etag, matches, page_body, read_page, unencoded_rows
 from .params import ParameterError, limit_of, one, positions_of, wait_of
 from .persisted import PersistedLinear
 from .sse import SseClient
@@ -27,7 +27,8 @@ from .watch import StreamWatch
 
 log = Logger()
 
-#: Pages of more rows than this are encoded in a thread.
+#: Pages of more rows than this left to encode (read from memory) are
+#: encoded in a thread; what the table gave is encoded in its pool thread.
 THREAD_ENCODE_ROWS = 256
 #: Any page may read a stream with a secret (never with cookies: with "*"
 #: a browser sends none cross-origin), and see every answer and ETag.
@@ -158,7 +159,8 @@ class ReadRoutes:
         linear = stream.id_gen.get_linear_token()
         try:
             page = await read_page(stream, since, bounds if bounds is not None
-                                   else self.bounds(stream), limit, final_below=linear)
+                                   else self.bounds(stream), limit, final_below=linear,
+                                   columns=stream.config.column_names)
         except Exception:
             failed = self._failing.get(stream.name)
             self._failing[stream.name] = (failed or 0) + 1
@@ -214,8 +216,7 @@ class ReadRoutes:
 
     async def _page_answer(self, request, stream, page: Page):
         columns = list(stream.config.column_names)
-        rows = sum(len(f[2]) for f in page.facts)
-        if rows > THREAD_ENCODE_ROWS:
+        if unencoded_rows(page) > THREAD_ENCODE_ROWS:
             body = await threads.deferToThread(page_body, stream.name, columns, page)
         else:
             body = page_body(stream.name, columns, page)

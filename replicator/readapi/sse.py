@@ -19,7 +19,6 @@ rate, and nobody else waits for it.
 
 from typing import Callable, Optional
 
-import orjson
 from twisted.internet import defer
 from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
@@ -27,7 +26,7 @@ from zope.interface import implementer
 
 from ..http.answers import HttpError
 from .live import event
-from .pages import fact_object
+from .pages import fact_json
 from .tokens import Positions, encode
 
 log = Logger()
@@ -129,7 +128,7 @@ class SseClient:
         size = 0
         for fact in page.facts:
             position[fact[1]] = fact[0]
-            chunk = event(encode(name, position), orjson.dumps(fact_object(columns, fact)))
+            chunk = event(encode(name, position), fact_json(columns, fact))
             chunks.append(chunk)
             size += len(chunk)
             if size >= WRITE_SIZE:

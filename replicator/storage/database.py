@@ -179,6 +179,30 @@ class Database:
         """Run ``fn(txn, ...)`` in one transaction in a pool thread."""
         return self.pool.runInteraction(fn, *args, **kwargs)
 
+    def runReads(self, fn: Callable[..., Any], *args: Any) -> "defer.Deferred[Any]":
+        """Run ``fn(cursor, ...)`` in a pool thread, each of its statements
+        a transaction of its own (PostgreSQL: autocommit, so no BEGIN and
+        COMMIT round trips; SQLite: one transaction, as
+        :meth:`runInteraction`).  For reads whose every statement is
+        consistent by itself (one snapshot per statement)."""
+        if not self.is_postgres:
+            return self.runInteraction(fn, *args)
+
+        def run(conn: Any) -> Any:
+            cursor = conn.cursor()  # (reconnects a dropped connection)
+            raw = conn._connection
+            raw.autocommit = True  # (between transactions: allowed)
+            try:
+                return fn(cursor, *args)
+            finally:
+                try:
+                    raw.autocommit = False
+                    cursor.close()
+                except Exception:  # a dead connection: the failure says why
+                    pass
+
+        return self.pool.runWithConnection(run)
+
     def runQuery(self, text: str, *args: Any) -> "defer.Deferred[Any]":
         return self.pool.runQuery(self.sql(text), *args)
 

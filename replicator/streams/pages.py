@@ -12,20 +12,48 @@ A page is grouped into facts in the pool thread, in the same pass that
 shapes its rows, so the reactor gets whole facts.  (Having PostgreSQL build
 each fact as one JSON array, ``json_agg`` per fact, was measured: the
 server spends about three times longer per page than the plain SELECT, and
-the catch-up got slower.)
+the catch-up got slower.)  The read API's pages (:meth:`PageQuery.read_fact_pages`)
+are counted in facts, and for streams of scalar columns PostgreSQL writes
+each *row* as JSON text, which the answer uses as it is.
 """
 
-from typing import Any, Iterable, List, Optional, Tuple
+from operator import itemgetter
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+
+import orjson
 
 from ..config import StreamConfig
 from ..storage.database import Cursor, Database
 from .rows import reader
-from .trimmed import TrimCheck
+from .trimmed import FactsTrimmed, TrimCheck
 
 Update = Tuple[int, List[Any]]
 Fact = Tuple[int, List[List[Any]]]
 Page = Tuple[List[Update], int, bool]
 FactPage = Tuple[List[Fact], int, bool]
+#: One writer's range of a :meth:`PageQuery.read_fact_pages`:
+#: ``(writer, from_token, to_token, facts)``.
+FactRange = Tuple[str, int, int, int]
+
+
+#: Column types whose values PostgreSQL writes as JSON exactly as orjson
+#: writes what psycopg2 gives for them (``to_json``: the same string
+#: escapes, digits, true/false).  ``json`` columns are not: ``jsonb`` text
+#: has spaces and its own number forms.
+JSON_SCALARS = ("text", "bigint", "boolean")
+
+
+def row_json_sql(columns: Sequence[str]) -> str:
+    """A PostgreSQL expression: the JSON text of a row as an object of
+    ``columns`` (keys in this order, compact, ``null`` for NULL), equal to
+    ``orjson.dumps(dict(zip(columns, values)))`` for columns of
+    :data:`JSON_SCALARS` (tests/test_read_api_json.py compares them)."""
+    parts = []
+    for i, name in enumerate(columns):
+        key = ("{" if i == 0 else ",") + orjson.dumps(name).decode() + ":"
+        literal = "'" + key.replace("'", "''").replace("%", "%%") + "'"
+        parts.append(f"{literal} || COALESCE(to_json({name})::text, 'null')")
+    return "(" + " || ".join(parts) + " || '}')"
 
 
 def group(updates: Iterable[Update]) -> List[Fact]:
@@ -66,6 +94,33 @@ class PageQuery:
         self._select_one = db.sql(
             f"{select} WHERE {where}{c.id_column} = %s ORDER BY {order}"
         )
+        # The rows of the first N facts of a range: up to the Nth distinct
+        # ID (the writer's (writer, id) index), in one statement, so one
+        # snapshot for both scans.  No fact: the bound is NULL, no row.
+        first_facts = (
+            f" FROM {c.table} WHERE {where}{c.id_column} > %s AND {c.id_column} <= %s "
+            f"AND {c.id_column} <= (SELECT MAX(i) FROM (SELECT DISTINCT {c.id_column} AS i "
+            f"FROM {c.table} WHERE {where}{c.id_column} > %s AND {c.id_column} <= %s "
+            f"ORDER BY {c.id_column} LIMIT %s) AS ids) "
+            f"ORDER BY {c.id_column}, {order}"
+        )
+        #: Whether :meth:`read_fact_pages` can give rows as JSON text built
+        #: by PostgreSQL (:func:`row_json_sql`): the stream's own table,
+        #: columns of scalar types only.
+        self.json_rows = (db.is_postgres and c.preset is None
+                          and all(col.type in JSON_SCALARS for col in c.columns))
+        # (json rows, with the trim boundary) -> the SELECT.  The boundary
+        # as a last column is read in the page's own snapshot: a trim
+        # whose deletions the page misses committed before that snapshot,
+        # so its boundary is in it (as :mod:`.trimmed` asks of a check).
+        boundary = ", (SELECT trimmed_through FROM stream_retention WHERE stream_name = %s)"
+        self._select_facts = {}
+        for json_rows in (False, True) if self.json_rows else (False,):
+            values = row_json_sql(c.column_names) if json_rows else ", ".join(c.column_names)
+            for with_boundary in (False, True):
+                self._select_facts[json_rows, with_boundary] = db.sql(
+                    f"SELECT {c.id_column}, {values}{boundary if with_boundary else ''}"
+                    f"{first_facts}")
 
     def read(self, txn: Cursor, writer: str, from_token: int, to_token: int, limit: int) -> Page:
         """One page: ``(updates, upto_token, limited)``; ``upto_token`` is
@@ -83,7 +138,62 @@ class PageQuery:
         """One page as ``(facts, upto_token, limited)``, ``facts`` being
         ``(token, rows)`` in token order (the same page as :meth:`read`)."""
         rows, upto, limited = self._select(txn, writer, from_token, to_token, limit)
-        shape = self._shape
+        return self._grouped(rows), upto, limited
+
+    def read_fact_pages(self, txn: Cursor, ranges: Sequence[FactRange],
+                        json_rows: bool = False) -> List[FactPage]:
+        """Pages of several writers in one transaction, each counted in
+        *facts*: ``(writer, from_token, to_token, facts)`` gives the first
+        ``facts`` facts of ``writer`` with ``from_token < token <=
+        to_token`` (each whole, one SELECT), as ``(facts, upto_token,
+        limited)``: ``limited`` when it holds ``facts`` facts (``upto`` is
+        then its last ID, else ``to_token``).  Every page is checked
+        against the trim boundary (:mod:`.trimmed`): read by each SELECT
+        itself once ``stream_retention`` exists, else once after them.
+
+        With ``json_rows`` (only where :attr:`json_rows`), each row is the
+        JSON text of an object of the stream's columns, in their order, as
+        ``orjson`` encodes the values the plain SELECT gives."""
+        trim = self._trim
+        # Once stream_retention is known to exist, each SELECT carries the
+        # boundary (no statement more); else one check after them all.
+        carried = trim is not None and trim.exists
+        select = self._select_facts[json_rows, carried]
+        head = (trim.stream_name,) if carried and trim is not None else ()
+        pages: List[FactPage] = []
+        unchecked = False
+        for writer, from_token, to_token, count in ranges:
+            prefix = (writer,) if self._by_writer else ()
+            count = max(1, count)
+            txn.execute(select, head + prefix + (from_token, to_token)
+                        + prefix + (from_token, to_token, count))
+            rows = txn.fetchall()
+            facts = self._grouped(rows, json_rows, -1 if carried else None)
+            limited = len(facts) >= count
+            pages.append((facts, facts[-1][0] if limited else to_token, limited))
+            if carried and rows:
+                self._check_trim(writer, from_token, rows[0][-1] or 0)
+            else:
+                unchecked = True  # (no row: no boundary came with it)
+        if trim is not None and unchecked:
+            boundary = trim.boundary(txn)
+            for writer, from_token, _, _ in ranges:
+                self._check_trim(writer, from_token, boundary)
+        return pages
+
+    def _check_trim(self, writer: str, from_token: int, boundary: int) -> None:
+        if boundary > from_token:
+            assert self._trim is not None
+            raise FactsTrimmed(self._trim.stream_name, writer, from_token, boundary)
+
+    def _grouped(self, rows: List[Any], json_rows: bool = False,
+                 end: Optional[int] = None) -> List[Fact]:
+        """``(token, rows)`` per fact of database rows in token order, shaped
+        (``json_rows``: each row is its one JSON text); the row's values
+        are ``r[1:end]``."""
+        shape: Optional[Callable[[Any], Any]] = self._shape
+        if json_rows:
+            shape = itemgetter(0)
         facts: List[Fact] = []
         append = facts.append
         current = None
@@ -93,12 +203,12 @@ class PageQuery:
         for r in rows:
             token = r[0]
             if token != current:
-                fact_rows = [shape(r[1:])]
+                fact_rows = [shape(r[1:end])]
                 append((token, fact_rows))
                 current = token
             else:
-                fact_rows.append(shape(r[1:]))
-        return facts, upto, limited
+                fact_rows.append(shape(r[1:end]))
+        return facts
 
     def _select(self, txn: Cursor, writer: str, from_token: int, to_token: int,
                 limit: int) -> Tuple[List[Any], int, bool]:

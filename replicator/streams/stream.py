@@ -36,7 +36,7 @@ from ..storage import schema
 from ..storage.database import Cursor, Database
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
-from .pages import FactPage, Page, PageQuery, group
+from .pages import FactPage, FactRange, Page, PageQuery, group
 from .readahead import ReadAhead
 from .recent import RecentFacts
 from .rows import RowCodec
@@ -386,6 +386,40 @@ class Stream:
         never through the catch-up's read-ahead run."""
         return cast(FactPage, await self._page(
             self._pages.read_facts, writer, from_token, to_token, limit))
+
+    def memory_fact_page(self, writer: str, from_token: int, to_token: int,
+                         limit: int) -> Optional[FactPage]:
+        """:meth:`fact_page` if memory can answer it (at once), else None."""
+        if to_token <= from_token:
+            return [], to_token, False
+        answer = self._recent_updates(writer, from_token, to_token, max(1, limit))
+        if answer is None:
+            return None
+        self._foreign_burst.discard(writer)
+        return group(answer[0]), answer[1], answer[2]
+
+    @property
+    def json_rows(self) -> bool:
+        """Whether :meth:`table_fact_pages` can give rows as JSON text."""
+        return self._pages.json_rows
+
+    async def table_fact_pages(self, ranges: Sequence[FactRange],
+                               then: Callable[[List[FactPage]], Any],
+                               json_rows: bool = False) -> Tuple[List[FactPage], Any]:
+        """Several writers' pages counted in facts, read from the table in
+        one trip to a pool thread (:meth:`.pages.PageQuery.read_fact_pages`,
+        one statement per writer, each consistent by itself: no
+        transaction around them; rows as JSON text with ``json_rows``),
+        and ``then(pages)`` run in the same pool thread (e.g. encoding
+        them): ``(pages, then(pages))``."""
+        def read(txn: Cursor) -> Tuple[List[FactPage], Any]:
+            pages = self._pages.read_fact_pages(txn, ranges, json_rows)
+            return pages, then(pages)
+
+        answer: Tuple[List[FactPage], Any] = await self.db.runReads(read)
+        for (writer, from_token, _, _), page in zip(ranges, answer[0]):
+            self._check_foreign(writer, from_token, map(_token_of, page[0]))
+        return answer
 
     async def _page(self, read: Callable[..., Any], writer: str, from_token: int,
                     to_token: int, limit: int) -> Any:

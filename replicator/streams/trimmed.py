@@ -12,7 +12,10 @@ the page's SELECT.  Under READ COMMITTED a later statement sees at least
 what an earlier one saw: if the SELECT missed rows a trim deleted, the
 boundary read after it shows that trim.  So a page that passes the check is
 whole, and one that does not raises :class:`FactsTrimmed` before any of it
-is handed on: a reader never skips trimmed facts silently.
+is handed on: a reader never skips trimmed facts silently.  Reading the
+boundary in the page's SELECT itself (a scalar subquery: the same
+snapshot) is as good: a trim whose deletions the SELECT misses committed
+before its snapshot, boundary included (the read API's pages do so).
 """
 
 from typing import Callable
@@ -47,6 +50,11 @@ class TrimCheck:
         self._postgres = postgres
         self._sql = sql
         self._exists = False
+
+    @property
+    def exists(self) -> bool:
+        """Whether ``stream_retention`` is known to exist (it is never dropped)."""
+        return self._exists
 
     def boundary(self, txn: Cursor) -> int:
         """The stream's trim boundary now (0: nothing trimmed)."""
