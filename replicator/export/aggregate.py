@@ -275,9 +275,9 @@ def aggregate_stream(spark, facts, inp: AggregateInput) -> StreamAggregates:
 
 def write_partitions(df, path: str) -> None:
     """Write one stream's buckets under ``path`` as ``date=D/`` partitions,
-    one file per date, its rows in (writer, bucket) order: the same bytes
-    whatever order the shuffle delivered them in (a cluster's and a local
-    run's files are equal; the sort is the one the partitioned write makes
-    anyway, by date, extended)."""
+    one file per date, its rows in (writer, bucket) order: the same data
+    pages whatever order the shuffle delivered the rows in (a cluster's and
+    a local run's files are equal; the sort is the one the partitioned
+    write makes anyway, by date, extended)."""
     (df.repartition("date").sortWithinPartitions("date", "writer", "bucket_start")
      .write.mode("overwrite").partitionBy("date").parquet(path))
