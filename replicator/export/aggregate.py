@@ -144,16 +144,34 @@ def day_starts(groups):
     return out
 
 
+def starts_frame(spark, starts):
+    """:func:`day_starts` as a DataFrame (``chunk, writer, date,
+    start_rowtime, started``) made of literals in the JVM: no Python task,
+    so a cluster's executors need no Python (``createDataFrame`` of a list
+    would run one)."""
+    from pyspark.sql import functions as F
+
+    def row(chunk, writer, date, rowtime, started):
+        return F.struct(F.lit(chunk).cast("int").alias("chunk"),
+                        F.lit(writer).cast("string").alias("writer"),
+                        F.lit(date).cast("string").alias("date"),
+                        F.lit(rowtime).cast("long").alias("start_rowtime"),
+                        F.lit(started).cast("boolean").alias("started"))
+
+    rows = [row(c, w, d, t, True) for (c, w, d), t in sorted(starts.items())]
+    if not rows:
+        return spark.range(0).select(F.inline(F.array(row(None, None, None, None, None))))
+    return spark.range(1).select(F.inline(F.array(*rows)))
+
+
 def with_gaps(spark, facts, starts):
     """``facts`` with ``gap``: the row time minus the previous row time of
     the same writer and date in ID order (the database's lag within a chunk,
     ``starts`` (:func:`day_starts`) for a chunk's first fact of a day)."""
     from pyspark.sql import functions as F
 
-    schema = "chunk INT, writer STRING, date STRING, start_rowtime BIGINT, started BOOLEAN"
-    rows = [(c, w, d, t, True) for (c, w, d), t in sorted(starts.items())]
-    patch = spark.createDataFrame(rows, schema)
-    joined = facts.join(F.broadcast(patch), ["chunk", "writer", "date"], "left")
+    joined = facts.join(F.broadcast(starts_frame(spark, starts)), ["chunk", "writer", "date"],
+                        "left")
     gap = (F.when(F.col("day_prev_id").isNotNull(),
                   F.col("rowtime") - F.col("day_prev_rowtime"))
            .when(F.col("started"), F.col("rowtime") - F.col("start_rowtime")))
@@ -257,5 +275,9 @@ def aggregate_stream(spark, facts, inp: AggregateInput) -> StreamAggregates:
 
 def write_partitions(df, path: str) -> None:
     """Write one stream's buckets under ``path`` as ``date=D/`` partitions,
-    one file per date."""
-    df.repartition("date").write.mode("overwrite").partitionBy("date").parquet(path)
+    one file per date, its rows in (writer, bucket) order: the same data
+    pages whatever order the shuffle delivered the rows in (a cluster's and
+    a local run's files are equal; the sort is the one the partitioned
+    write makes anyway, by date, extended)."""
+    (df.repartition("date").sortWithinPartitions("date", "writer", "bucket_start")
+     .write.mode("overwrite").partitionBy("date").parquet(path))

@@ -38,21 +38,34 @@ def configure(spark, shuffle_partitions: int) -> None:
         spark.conf.set(key, value)
 
 
+def is_local(master: Optional[str], submitted: bool = False) -> bool:
+    """Whether the run's Spark is in this process (``local[...]``, or no
+    master outside ``spark-submit``): its driver then listens on loopback
+    unless ``SPARK_LOCAL_IP`` says otherwise.  On a cluster the executors
+    connect back to the driver, so its address is left to Spark (the host
+    name's address) or to ``SPARK_LOCAL_IP``."""
+    if master is None:
+        return not submitted
+    return master == "local" or master.startswith("local[")
+
+
 def spark_session(master: Optional[str], jars: Sequence[str], shuffle_partitions: int = 8,
                   extra_conf: Optional[Dict[str, str]] = None):
     """The SparkSession of this process (created if needed), configured for a run.
 
     ``master`` None leaves the master to ``spark-submit`` when launched by
-    it, else ``local[*]``.  The JDBC jars go on ``spark.jars`` (local mode
-    needs nothing else; on a cluster give them to ``spark-submit --jars``).
+    it, else ``local[*]``.  The JDBC jars go on ``spark.jars``: the
+    executors of a cluster (``spark://...``) fetch them from the driver
+    (under ``spark-submit``, give them to ``--jars``).
     ``extra_conf`` (``--conf``) goes to the builder; the run settings are
     applied after it.
     """
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+    if is_local(master, submitted):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.appName("replicator-export")
-    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
     if master:
         builder = builder.master(master)
     elif not submitted:

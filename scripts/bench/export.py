@@ -22,8 +22,18 @@ Figures (appended to ``bench-results.jsonl`` through ``common.record``):
 ratio > 1 means Spark was faster).  The two results are also checked equal
 at 0.5 M rows.
 
+Then the same export on a standalone Spark cluster on loopback (a master
+and two workers of one core each, started as docs/operations.md says,
+:mod:`tests.spark_cluster`), at ``cluster_size`` million rows (0.5 by
+default; 10 with ``make bench BENCH=--big``):
+``export.cluster.seconds.<size>`` against ``local[2]`` at the same size
+in the same run (ratio > 1: the cluster was faster).  Both share the
+machine's cores, so on one host the cluster shows its overhead, not its
+scale.
+
 ``main()`` runs it all and returns the recorded entries; ``--sizes`` picks
-other sizes (millions of rows) for a quick try.
+other sizes (millions of rows) for a quick try, ``--cluster-size`` the
+cluster's (0: no cluster run).
 """
 
 import argparse
@@ -169,7 +179,7 @@ def check_equal(spark, out, want):
             raise AssertionError(f"bucket {k}: spark {g} != python {v}")
 
 
-def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
+def main(sizes=(0.5, 1.0, 2.0), master="local[2]", cluster_size=0.5):
     """Run the export benchmark; returns the entries recorded."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from replicator.config import parse_database, parse_streams
@@ -184,7 +194,7 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
     try:
         dsn = pg.create_database("bench_export")
         t0 = time.perf_counter()
-        total = generate(dsn, int(max(sizes) * 1_000_000))
+        total = generate(dsn, int(max(sizes + (cluster_size,)) * 1_000_000))
         print(f"== export: generated {total:,} rows in {time.perf_counter() - t0:.1f}s",
               flush=True)
         db = parse_database({"postgres": dsn})
@@ -208,6 +218,7 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
         python_pass(dsn, pos)
         print(f"   warm-up export of {warm:,} rows: {time.perf_counter() - t0:.1f}s "
               "(not counted)", flush=True)
+        local_s = {}
         for size in sizes:
             label = f"{size:g}m"
             pos, rows = position_for(dsn, int(size * 1_000_000))
@@ -216,6 +227,7 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
             assert py_rows == rows, (py_rows, rows)
             sp_s, out = spark_pass(spark, db, streams, pos)
             outputs.append(out)
+            local_s[size] = sp_s
             if size == min(sizes):
                 check_equal(spark, out, want)
                 print(f"   {label}: Spark and Python aggregates are equal", flush=True)
@@ -229,6 +241,11 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
                                       "rows/s", f"python single pass {label}",
                                       rate(rows, py_s)))
             shutil.rmtree(out, ignore_errors=True)
+        if cluster_size:
+            spark.stop()
+            spark = None
+            entries += cluster_pass(dsn, db, streams, cluster_size, local_s.get(cluster_size),
+                                    master)
     finally:
         if spark is not None:
             spark.stop()
@@ -238,10 +255,51 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]"):
     return entries
 
 
+def cluster_pass(dsn, db, streams, size, local_seconds, local_master):
+    """The export of ``size`` million rows on a two-worker standalone
+    cluster on loopback, beside ``local_seconds`` (``local_master`` at the
+    same size, this run); returns the entries recorded."""
+    from replicator.export.source import find_jdbc_jar
+    from replicator.export.spark import spark_session
+    from tests.spark_cluster import SparkCluster
+
+    t0 = time.perf_counter()
+    cluster = SparkCluster(workers=2, cores=1, memory="2g")
+    spark = None
+    try:
+        spark = spark_session(cluster.url, [find_jdbc_jar("postgres")], shuffle_partitions=4,
+                              extra_conf={"spark.driver.memory": "2g",
+                                          "spark.executor.memory": "1500m"})
+        spark.sparkContext.setLogLevel("ERROR")
+        print(f"   Spark cluster (2 workers x 1 core) and its session started in "
+              f"{time.perf_counter() - t0:.1f}s (not counted)", flush=True)
+        pos, _rows = position_for(dsn, int(min(size, 0.5) * 1_000_000))
+        set_position(dsn, pos)
+        _s, out = spark_pass(spark, db, streams, pos)  # warm-up, not counted
+        shutil.rmtree(out, ignore_errors=True)
+        label = f"{size:g}m"
+        pos, rows = position_for(dsn, int(size * 1_000_000))
+        set_position(dsn, pos)
+        seconds, out = spark_pass(spark, db, streams, pos)
+        shutil.rmtree(out, ignore_errors=True)
+        print(f"   cluster {label}: {rows:,} rows: {seconds:.1f}s "
+              f"({rate(rows, seconds):,.0f} rows/s)", flush=True)
+        return [record(f"export.cluster.seconds.{label}", seconds, "s",
+                       f"{local_master} {label}" if local_seconds else None, local_seconds,
+                       higher_is_better=False)]
+    finally:
+        if spark is not None:
+            spark.stop()
+        cluster.stop()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="0.5,1,2",
                         help="millions of rows, comma-separated (default: 0.5,1,2)")
     parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--cluster-size", type=float, default=0.5,
+                        help="millions of rows exported on a loopback Spark cluster "
+                             "(default: 0.5; 0: none)")
     args = parser.parse_args()
-    main(tuple(float(s) for s in args.sizes.split(",")), args.master)
+    main(tuple(float(s) for s in args.sizes.split(",")), args.master, args.cluster_size)

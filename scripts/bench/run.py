@@ -8,8 +8,9 @@ turns the last run into the performance table of docs/performance.md.
 Sections run in the order of ``SECTIONS``; each is one entry (name, title,
 ``async fn(pg, args)``) so that benchmarks can be added side by side.
 ``make bench BENCH="--only catchup,export"`` runs some; ``BENCH=--big``
-adds the large sizes (export at 10 M rows, the read API's paged catch-up
-at 1 M facts; Redis channels: 10x the facts).
+adds the large sizes (export at 10 M rows, locally and on a loopback Spark
+cluster; the read API's paged catch-up at 1 M facts; Redis channels: 10x
+the facts).
 """
 
 import argparse
@@ -55,7 +56,9 @@ async def _catchup(pg, args):
 
 async def _export(pg, args):
     # Blocking (Spark drives itself, from the main thread), with its own PostgreSQL.
-    export.main((0.5, 1.0, 2.0) + ((10.0,) if args.big else ()))
+    # The cluster run: at 0.5 M rows, at 10 M with --big (beside local[2] there).
+    export.main((0.5, 1.0, 2.0) + ((10.0,) if args.big else ()),
+                cluster_size=10.0 if args.big else 0.5)
 
 
 async def _sse(pg, args):
