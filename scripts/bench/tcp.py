@@ -148,7 +148,17 @@ STREAMS = parse_streams([
 ])
 
 PER_PROCESS = 10
+#: Rows per fan-out call: 1,000 (the figures without a suffix), and smaller
+#: chunks as a live writer at moderate rates (or Synapse's streamer, at most
+#: 100 rows per stream per pass) produces them: the per-call cost.
+#: ``RDATA_CHUNKS=100`` (or ``1000,10``...) runs only those.
 CHUNK = 1000
+RDATA_CHUNKS = [int(c) for c in os.environ.get("RDATA_CHUNKS", "1000,100,10").split(",") if c]
+#: Client counts of the smaller chunks (1,000-row chunks: every RDATA_ROWS).
+SMALL_CHUNK_CLIENTS = (1, 50)
+#: Rows sent with the smaller chunks, as a share of the 1,000-row runs'
+#: (a run lasts about as long).
+CHUNK_ROWS_SHARE = {1000: 1.0, 100: 0.5, 10: 0.1}
 #: Rows in memory (cycled through) and rows sent per run: clients ->
 #: (ours, baseline), about a second or two each.
 RDATA_DATA_ROWS = 1_000_000
@@ -383,13 +393,14 @@ class RdataData:
     """Rows in memory as ``updates_since`` returns them, chunked, and the
     same lines pre-encoded for the baseline."""
 
-    def __init__(self, rows):
+    def __init__(self, rows, chunk=CHUNK):
         pool = [row(i) for i in range(10_000)]
+        self.chunk = chunk
         self.chunks = []
         self.lines = []
         prev = 0
-        for start in range(0, rows, CHUNK):
-            updates = [(t, pool[t % 10_000]) for t in range(start + 1, min(rows, start + CHUNK) + 1)]
+        for start in range(0, rows, chunk):
+            updates = [(t, pool[t % 10_000]) for t in range(start + 1, min(rows, start + chunk) + 1)]
             upto = updates[-1][0]
             self.chunks.append((prev, updates, upto))
             self.lines.append(list(encode_rdata_lines("caches", WRITER, updates)))
@@ -427,7 +438,7 @@ async def rdata_run(server, data, clients, rows, ours):
     await sleep(0.2)  # handshakes flushed, readers idle
     for p in procs:
         p.expect(rows)
-    n_chunks = rows // CHUNK
+    n_chunks = rows // data.chunk
     gc.collect()
     cpu0 = cpu_seconds()
     start = time.time()
@@ -496,13 +507,13 @@ class SynapseServer(protocol.ProcessProtocol):
         await self.ended
 
 
-async def rdata_run_synapse(server, clients, rows):
+async def rdata_run_synapse(server, clients, rows, chunk=CHUNK):
     procs = spawn_readers(server.port, clients, "count", timeout=300.0)
     await server.ask(f"wait {clients}")
     await sleep(0.2)  # handshakes flushed, readers idle
     for p in procs:
         p.expect(rows)
-    fed = await server.ask(f"run {rows} {CHUNK}")
+    fed = await server.ask(f"run {rows} {chunk}")
     results = await collect(procs)
     await server.ask("close")
     last, problems = arrivals_done(results, rows)
@@ -523,49 +534,67 @@ def synapse_python():
 
 
 async def run_rdata(registry):
-    data = RdataData(RDATA_DATA_ROWS)
     python = synapse_python()
-    gc.collect()
-    gc.freeze()
-    try:
-        print(f"  rdata: {data.bytes_per_line:.0f} bytes per RDATA line, {CHUNK} rows per call, "
-              f"{RDATA_ROUNDS} alternating rounds (plain, ours"
-              + (", Synapse" if python else "; no Synapse virtualenv: `make synapse-deps`")
-              + "), medians")
-        for clients, (rows, base_rows) in RDATA_ROWS.items():
-            if RDATA_CLIENTS and clients not in RDATA_CLIENTS:
-                continue
-            rates = {"plain": [], "ours": [], "synapse": []}
-            for _ in range(RDATA_ROUNDS):
-                plain = await PlainServer().listen()
-                try:
-                    rates["plain"].append(
-                        await rdata_run(plain, data, clients, base_rows, ours=False))
-                finally:
-                    await plain.stop()
-                ours = await OurServer(registry).listen()
-                try:
-                    rates["ours"].append(await rdata_run(ours, data, clients, rows, ours=True))
-                finally:
-                    await ours.stop()
-                if python:
-                    synapse = await SynapseServer(python).start()
-                    try:
-                        rates["synapse"].append(
-                            await rdata_run_synapse(synapse, clients, SYNAPSE_ROWS[clients]))
-                    finally:
-                        await synapse.stop()
-            name = "tcp.rdata.1client" if clients == 1 else f"tcp.rdata.{clients}clients"
-            value = median(rates["ours"])
-            record(name, value, "rows/s", "plain Twisted writeSequence of pre-encoded lines",
-                   median(rates["plain"]))
-            if python:
-                record(name + ".vs_synapse", value, "rows/s",
-                       "Synapse's ServerReplicationStreamProtocol", median(rates["synapse"]))
-    finally:
-        gc.unfreeze()
-        del data
+    for chunk in RDATA_CHUNKS:
+        data = RdataData(RDATA_DATA_ROWS, chunk)
         gc.collect()
+        gc.freeze()
+        try:
+            print(f"  rdata: {data.bytes_per_line:.0f} bytes per RDATA line, {chunk:,} rows per "
+                  f"call, {RDATA_ROUNDS} alternating rounds (plain, ours"
+                  + (", Synapse" if python else "; no Synapse virtualenv: `make synapse-deps`")
+                  + "), medians")
+            for clients, (rows, base_rows) in RDATA_ROWS.items():
+                if RDATA_CLIENTS and clients not in RDATA_CLIENTS \
+                        or chunk != CHUNK and clients not in SMALL_CHUNK_CLIENTS:
+                    continue
+                await rdata_figures(registry, data, python, clients, rows, base_rows)
+        finally:
+            gc.unfreeze()
+            del data
+            gc.collect()
+
+
+def rdata_name(clients, chunk):
+    """``tcp.rdata.1client``, ``tcp.rdata.50clients.chunk100``..."""
+    name = "tcp.rdata.1client" if clients == 1 else f"tcp.rdata.{clients}clients"
+    return name if chunk == CHUNK else f"{name}.chunk{chunk}"
+
+
+async def rdata_figures(registry, data, python, clients, rows, base_rows):
+    """Alternating rounds of plain, ours and Synapse at ``clients`` and
+    ``data.chunk`` rows per call; the medians recorded."""
+    chunk = data.chunk
+    share = CHUNK_ROWS_SHARE.get(chunk, 1.0)
+    rows, base_rows = (int(n * share) // chunk * chunk for n in (rows, base_rows))
+    synapse_rows = int(SYNAPSE_ROWS[clients] * max(share, 0.5)) // chunk * chunk
+    rates = {"plain": [], "ours": [], "synapse": []}
+    for _ in range(RDATA_ROUNDS):
+        plain = await PlainServer().listen()
+        try:
+            rates["plain"].append(await rdata_run(plain, data, clients, base_rows, ours=False))
+        finally:
+            await plain.stop()
+        ours = await OurServer(registry).listen()
+        try:
+            rates["ours"].append(await rdata_run(ours, data, clients, rows, ours=True))
+        finally:
+            await ours.stop()
+        if python:
+            synapse = await SynapseServer(python).start()
+            try:
+                rates["synapse"].append(
+                    await rdata_run_synapse(synapse, clients, synapse_rows, chunk))
+            finally:
+                await synapse.stop()
+    name = rdata_name(clients, chunk)
+    value = median(rates["ours"])
+    per = "" if chunk == CHUNK else f", {chunk} rows per call"
+    record(name, value, "rows/s", f"plain Twisted writeSequence of pre-encoded lines{per}",
+           median(rates["plain"]))
+    if python:
+        record(name + ".vs_synapse", value, "rows/s",
+               f"Synapse's ServerReplicationStreamProtocol{per}", median(rates["synapse"]))
 
 
 # ------------------------------------------------------------------ latency
