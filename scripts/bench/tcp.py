@@ -14,10 +14,14 @@ and receives every row.
     Rows per second delivered to each client.  The server is this process:
     a :class:`ReplicationHandler` (on a started registry whose stream is
     never written) behind a :class:`ReplicationServerFactory`.  Its fan-out
-    entry point ``send_updates`` is fed ``(token, row)`` pairs already in
-    memory (as ``updates_since`` returns them), ``CHUNK`` rows per call, so
-    encoding (orjson, once for every connection), framing, metrics and the
-    per-connection writes are the real path.  Between chunks the feeder
+    entry point ``send_written`` is fed pages of rows as a local writer's
+    fan-out takes them from memory (``encoded_since``: each row's JSON line
+    as the write path encoded it), ``CHUNK`` rows per call, so the lines'
+    assembly (once for every connection), framing, metrics and the
+    per-connection writes are the real path.  ``RDATA_FROM_TABLE=1`` feeds
+    ``send_updates`` the ``(token, row)`` pairs instead (the path when
+    memory cannot answer: the rows encoded by the fan-out; figures named
+    ``....from_table``).  Between chunks the feeder
     yields to the reactor, and waits while any connection is paused
     (transport buffer over 64 KiB), so nothing queues past the bound and no
     client is dropped.  Baseline: a plain Twisted protocol (streaming
@@ -27,6 +31,10 @@ and receives every row.
     (last row at the slowest client - first write).  ``RDATA_ROUNDS``
     rounds (default 3) alternate plain, ours and Synapse; medians recorded.
     ``RDATA_CLIENTS=1`` (or ``1,50``...) runs only those client counts.
+``tcp.rdata.1client.chunk100`` / ``.chunk10``, ``tcp.rdata.50clients.chunk100`` / ``.chunk10``
+    The same with 100 and 10 rows per call (``RDATA_CHUNKS``): the fixed
+    cost of one fan-out call, as a live writer at moderate rates (or
+    Synapse's streamer, at most 100 rows per stream per pass) feeds it.
 ``tcp.rdata.1client.vs_synapse`` / ``.10clients.vs_synapse`` / ``.50clients.vs_synapse``
     The same figure of ours against Synapse's own
     ``ServerReplicationStreamProtocol`` (``synapse_server.py``, run by the
@@ -128,10 +136,12 @@ from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
 from replicator.config import parse_database, parse_streams
+from replicator.jsontext import encode_json_line
 from replicator.replication.core.handler import ReplicationHandler
 from replicator.replication.transport.tcp import ReplicationServerFactory
 from replicator.replication.wire.encoding import encode_rdata_lines
 from replicator.storage.database import Database
+from replicator.streams.recent import EncodedPage
 from replicator.streams.registry import StreamRegistry
 
 READER = os.path.join(HERE, "reader.py")
@@ -170,6 +180,8 @@ SYNAPSE_ROWS = {1: 400_000, 10: 60_000, 50: 12_000}
 RDATA_ROUNDS = int(os.environ.get("RDATA_ROUNDS", "3"))
 #: Client counts to run (default all of RDATA_ROWS), e.g. RDATA_CLIENTS=1.
 RDATA_CLIENTS = [int(c) for c in os.environ.get("RDATA_CLIENTS", "").split(",") if c]
+#: RDATA_FROM_TABLE=1: feed rows to ``send_updates`` (encoded in the fan-out).
+RDATA_FROM_TABLE = os.environ.get("RDATA_FROM_TABLE") == "1"
 LAT_CLIENTS = 50
 LAT_RATE = 2000
 LAT_SECONDS = 10.0
@@ -390,19 +402,25 @@ class PlainServer(protocol.Factory):
 # ------------------------------------------------------------------ rdata
 
 class RdataData:
-    """Rows in memory as ``updates_since`` returns them, chunked, and the
-    same lines pre-encoded for the baseline."""
+    """Rows in memory as ``updates_since`` returns them, chunked; the same
+    as ``encoded_since`` pages (rows' JSON lines as the write path encodes
+    them); and the same lines pre-encoded for the baseline."""
 
     def __init__(self, rows, chunk=CHUNK):
         pool = [row(i) for i in range(10_000)]
+        encoded = [encode_json_line(r) for r in pool]
         self.chunk = chunk
         self.chunks = []
+        self.pages = []
         self.lines = []
         prev = 0
         for start in range(0, rows, chunk):
-            updates = [(t, pool[t % 10_000]) for t in range(start + 1, min(rows, start + chunk) + 1)]
+            tokens = range(start + 1, min(rows, start + chunk) + 1)
+            updates = [(t, pool[t % 10_000]) for t in tokens]
             upto = updates[-1][0]
             self.chunks.append((prev, updates, upto))
+            self.pages.append((prev, EncodedPage(list(tokens), [encoded[t % 10_000] for t in tokens],
+                                                 len(tokens), upto, False)))
             self.lines.append(list(encode_rdata_lines("caches", WRITER, updates)))
             prev = upto
         self.bytes_per_line = sum(map(len, self.lines[0])) / len(self.lines[0])
@@ -425,11 +443,15 @@ async def rdata_run(server, data, clients, rows, ours):
     procs = spawn_readers(server.port, clients, "count", timeout=120.0)
     if ours:
         await until(lambda: len(server.clients()) == clients, 30, "clients")
-        handler = server.handler
-
-        def send(i):
-            prev, updates, upto = data.chunks[i % len(data.chunks)]
-            handler.fanout.send_updates("caches", WRITER, prev, updates, upto)
+        fanout = server.handler.fanout
+        if RDATA_FROM_TABLE:
+            def send(i):
+                prev, updates, upto = data.chunks[i % len(data.chunks)]
+                fanout.send_updates("caches", WRITER, prev, updates, upto)
+        else:
+            def send(i):
+                prev, page = data.pages[i % len(data.pages)]
+                fanout.send_written("caches", WRITER, prev, page)
     else:
         await until(lambda: len(server.clients) == clients, 30, "clients")
 
@@ -558,7 +580,8 @@ async def run_rdata(registry):
 def rdata_name(clients, chunk):
     """``tcp.rdata.1client``, ``tcp.rdata.50clients.chunk100``..."""
     name = "tcp.rdata.1client" if clients == 1 else f"tcp.rdata.{clients}clients"
-    return name if chunk == CHUNK else f"{name}.chunk{chunk}"
+    name = name if chunk == CHUNK else f"{name}.chunk{chunk}"
+    return name + ".from_table" if RDATA_FROM_TABLE else name
 
 
 async def rdata_figures(registry, data, python, clients, rows, base_rows):

@@ -110,34 +110,61 @@ class Fanout:
             return
         self._running.add(key)
         self._last[key] = self._clock.seconds()
-        self._background.run("fanout", self._run(stream, writer, key))
+        try:
+            done = self._from_memory(stream, writer, key)
+        except Exception as e:
+            self._running.discard(key)
+            self._failed(stream, writer, key, e)
+            return
+        if done:
+            self._running.discard(key)
+        else:
+            self._background.run("fanout", self._run(stream, writer, key))
+
+    def _from_memory(self, stream: Stream, writer: str, key: Key) -> bool:
+        """Fan out from memory (``encoded_since``), at once: no coroutine,
+        no Deferred, as far as memory answers.  Whether everything up to
+        the writer's token went out (else :meth:`_run` reads the table)."""
+        while not self._stopping:
+            target = stream.id_gen.get_current_token(writer)
+            announced = self.announced[key]
+            if target <= announced:
+                return True
+            started = time.monotonic()
+            page = stream.encoded_since(writer, announced, target, self.fetch_limit)
+            if page is None:
+                return False
+            outage = self._outages.get(key)
+            if outage is not None:
+                outage.succeeded()
+            self.send_written(stream.name, writer, announced, page)
+            stream.forget(writer, page.upto)
+            metrics.FANOUT_LATENCY.observe(time.monotonic() - started)
+        return True
 
     async def _run(self, stream: Stream, writer: str, key: Key) -> None:
+        """What memory cannot answer, from the table (in a pool thread)."""
         try:
-            while not self._stopping:
+            while not self._stopping and not self._from_memory(stream, writer, key):
                 target = stream.id_gen.get_current_token(writer)
                 announced = self.announced[key]
-                if target <= announced:
-                    return
                 started = time.monotonic()
-                page = stream.encoded_since(writer, announced, target, self.fetch_limit)
-                if page is not None:
-                    self._outage(key).succeeded()
-                    upto = page.upto
-                    self.send_written(stream.name, writer, announced, page)
-                else:
-                    updates, upto, _ = await stream.updates_since(
-                        writer, announced, target, self.fetch_limit)
-                    self._outage(key).succeeded()
-                    self.send_updates(stream.name, writer, announced, updates, upto)
+                updates, upto, _ = await stream.updates_since(
+                    writer, announced, target, self.fetch_limit)
+                self._outage(key).succeeded()
+                self.send_updates(stream.name, writer, announced, updates, upto)
                 stream.forget(writer, upto)
                 metrics.FANOUT_LATENCY.observe(time.monotonic() - started)
         except Exception as e:
-            delay = self._outage(key).failed(e)
-            if key not in self._retries:
-                self._retries[key] = self._clock.callLater(delay, self._retry, stream, writer)
+            self._failed(stream, writer, key, e)
         finally:
             self._running.discard(key)
+
+    def _failed(self, stream: Stream, writer: str, key: Key, e: Exception) -> None:
+        """A fan-out failed (the table could not be read): retry later."""
+        delay = self._outage(key).failed(e)
+        if key not in self._retries:
+            self._retries[key] = self._clock.callLater(delay, self._retry, stream, writer)
 
     def _outage(self, key: Key) -> Outage:
         outage = self._outages.get(key)
@@ -156,11 +183,8 @@ class Fanout:
         ``updates`` are ``(token, row)`` pairs in ascending token order.
         """
         if updates:
-            lines: Optional[EncodedLines] = encode_rdata_lines(
-                stream_name, writer, updates, self.max_line_length)
-            if lines is not None and lines.dropped:
-                lines = None
-            if not self._fits(lines, len(updates)):
+            lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
+            if lines.dropped or not self._fits(lines, len(updates)):
                 lines = EncodedLines()
                 for token, rows in group(updates):
                     fact = encode_rdata_lines(stream_name, writer, [(token, r) for r in rows],
@@ -180,7 +204,7 @@ class Fanout:
             rows = page.lines
             lines = encode_written(stream_name, writer, tokens, rows, page.facts,
                                    self.max_line_length)
-            if not self._fits(lines, len(rows)):
+            if lines is None or not self._fits(lines, len(rows)):
                 lines = EncodedLines()
                 start, n = 0, len(tokens)
                 while start < n:
@@ -206,11 +230,11 @@ class Fanout:
             self._broadcast([encode_position_line(stream_name, writer, last, upto)], "POSITION")
         self.announced[(stream_name, writer)] = upto
 
-    def _fits(self, lines: Optional[EncodedLines], rows: int) -> bool:
-        """Whether ``lines`` (None: some row's line is too long) of ``rows``
-        rows may go out as they are: within every bound a receiver holds a
-        batch to (else the facts are taken one by one)."""
-        if lines is None or rows >= self.max_batch_rows:
+    def _fits(self, lines: EncodedLines, rows: int) -> bool:
+        """Whether ``lines`` of ``rows`` rows may go out as they are: within
+        every bound a receiver holds a batch to (else the facts are taken
+        one by one)."""
+        if rows >= self.max_batch_rows:
             return False
         data = joined(lines)
         return len(data) <= self.max_batch_bytes and not self._too_dear(data, len(data))

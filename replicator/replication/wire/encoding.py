@@ -10,7 +10,7 @@ and ``NaN``/``Infinity`` refused (such a row is dropped and counted).
 
 from collections.abc import Sequence
 from operator import itemgetter
-from typing import Any, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import orjson
 
@@ -47,8 +47,8 @@ class EncodedLines(Sequence[bytes]):
     def of_joined(cls, data: bytes, count: int) -> "EncodedLines":
         """``count`` lines given joined (no ``\\r`` in them: they are split
         at line ends when read one by one)."""
-        self = cls()
-        self._lines, self._count, self._joined = None, count, data
+        self = cls.__new__(cls)
+        self._lines, self._count, self._joined, self.dropped = None, count, data, 0
         return self
 
     def _list(self) -> List[bytes]:
@@ -269,7 +269,7 @@ def encode_written(stream_name: str, instance_name: str, tokens: Sequence[int],
     n = len(rows)
     if not n:
         return EncodedLines()
-    prefix = b"RDATA " + stream_name.encode() + b" " + instance_name.encode() + b" "
+    prefix = _prefix(stream_name, instance_name)
     if b"\r" in prefix:
         return None  # lines are split at line ends when read one by one
     marks: Sequence[Any]
@@ -289,14 +289,31 @@ def encode_written(stream_name: str, instance_name: str, tokens: Sequence[int],
     # A row's JSON line may take max_line_length - len(prefix) - max(digits
     # of its token, len("batch")) bytes.  Every row is within that if every
     # line (prefix, token or "batch", space, JSON) is within the widest such
-    # mark less the narrowest (searched for, not measured line by line).
-    first, last = len(b"%d" % tokens[0]), len(b"%d" % tokens[-1])
+    # mark less the narrowest: shown by the length of all of them (a few
+    # rows), else searched for, not measured line by line.
+    last = len(heads[-1])  # the last row's token: its fact's last row
+    first = len(heads[0]) if heads[0] != b"batch" else len(b"%d" % tokens[0])
     widest = max(first, last, 5)
-    narrowest = min(first, 5) if tokens[0] > 0 else 1
-    if not _gaps_within(data, max_line_length - widest + narrowest, b"\n") and \
+    bound = max_line_length - widest + (min(first, 5) if tokens[0] > 0 else 1)
+    if len(data) > bound and not _gaps_within(data, bound, b"\n") and \
             max(map(len, rows)) > max_line_length - len(prefix) - widest:
         return None
     return EncodedLines.of_joined(data, n)
+
+
+_prefixes: Dict[Tuple[str, str], bytes] = {}
+
+
+def _prefix(stream_name: str, instance_name: str) -> bytes:
+    """``RDATA <stream> <instance> `` (kept: the fan-out's writers are few)."""
+    key = (stream_name, instance_name)
+    prefix = _prefixes.get(key)
+    if prefix is None:
+        if len(_prefixes) >= 256:
+            _prefixes.clear()
+        prefix = _prefixes[key] = (b"RDATA " + stream_name.encode() + b" "
+                                   + instance_name.encode() + b" ")
+    return prefix
 
 
 def encode_written_fact(stream_name: str, instance_name: str, token: int,
@@ -305,7 +322,7 @@ def encode_written_fact(stream_name: str, instance_name: str, token: int,
     """The RDATA lines of one fact from its rows' JSON lines (see
     :func:`encode_written`); None if one of them is too long (exactly the
     rows :func:`encode_rdata_lines` would drop)."""
-    prefix = b"RDATA " + stream_name.encode() + b" " + instance_name.encode() + b" "
+    prefix = _prefix(stream_name, instance_name)
     head = b"%d" % token
     room = max_line_length - len(prefix) - max(len(head), 5)  # JSON + newline
     if max(map(len, rows)) > room:
