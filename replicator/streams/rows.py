@@ -128,10 +128,10 @@ def json_problem(value: Any) -> Optional[str]:
         elif isinstance(v, float):
             if v - v != 0.0:  # NaN - NaN and inf - inf are NaN
                 return "holds NaN or Infinity, which JSON cannot carry"
-        elif isinstance(v, (list, dict)):
+        elif isinstance(v, (list, tuple, dict)):
             if depth > MAX_JSON_DEPTH:
                 return f"is nested deeper than {MAX_JSON_DEPTH} levels"
-            if isinstance(v, list):
+            if not isinstance(v, dict):
                 stack.extend((item, depth + 1) for item in v)
             else:
                 for k, item in v.items():
@@ -245,10 +245,15 @@ class RowCodec:
                         if problem is not None:
                             raise RowError(f"row {n}: column {columns[i].name!r} {problem}")
                 wire = list(row)
+                # encode_json_line's bytes, inline: NaN and infinities were
+                # refused above (json_problem), so orjson's output is it.
                 try:
-                    line = encode_json_line(wire)
-                except (TypeError, ValueError, RecursionError):
-                    raise RowError(f"row {n}: not encodable as JSON") from None
+                    line = dumps(wire) + b"\n"
+                except TypeError:
+                    try:
+                        line = encode_json_line(wire)
+                    except (TypeError, ValueError, RecursionError):
+                        raise RowError(f"row {n}: not encodable as JSON") from None
                 if room is not None and len(line) - 1 > room:
                     raise RowError(
                         f"row {n}: its RDATA line would be {line_prefix + len(line) - 1} "
