@@ -24,7 +24,7 @@ from replicator.replication.wire.encoding import (
     encode_written_fact,
     joined,
 )
-from replicator.streams.recent import EncodedPage
+from replicator.streams.recent import EncodedPage, RecentFacts
 from replicator.streams.rows import RowCodec, RowError
 from tests.harness import Harness, lines
 
@@ -245,3 +245,38 @@ class WritePathTests(SynchronousTestCase):
         h.settle()
         self.assertEqual(lines(transport)[-1],
                          'RDATA caches master 2 ["second",{"user":"@a:example.com"},2]')
+
+
+class RecentLinesTests(SynchronousTestCase):
+    """The lines kept for the fan-out live and go with their facts."""
+
+    def test_lines_are_bounded_and_forgotten_with_their_facts(self):
+        recent = RecentFacts(["master"], sole_writer=True)
+        recent.MAX = 10
+        recent.start({"master": 0})
+        for i in range(1, 26):
+            recent.remember("master", [i], [[["r", None, i]]], [[b'["r",null,%d]\n' % i]])
+        self.assertLessEqual(len(recent.lines["master"]), 10)
+        self.assertEqual(recent.lines["master"].keys(), recent.facts["master"].keys())
+        low = min(recent.facts["master"])
+        page = recent.encoded("master", low - 1, 25, 1000, 25)
+        self.assertEqual(page.tokens, list(range(low, 26)))
+        self.assertEqual(page.lines[-1], b'["r",null,25]\n')
+        recent.forget("master", 25)
+        self.assertEqual(recent.lines["master"], {})
+        # Below the floor, or past what completed, memory does not answer.
+        self.assertIsNone(recent.encoded("master", 0, 25, 1000, 25))
+        self.assertIsNone(recent.encoded("master", 25, 26, 1000, 25))
+
+    def test_a_page_stops_before_the_limit_and_says_where(self):
+        recent = RecentFacts(["master"], sole_writer=True)
+        recent.start({"master": 0})
+        recent.remember("master", [1, 2, 3], [[["a"]], [["b"], ["c"]], [["d"]]],
+                        [[b"a"], [b"b", b"c"], [b"d"]])
+        self.assertEqual(recent.encoded("master", 0, 3, 2, 3),
+                         EncodedPage([1], [b"a"], 1, 1, True))
+        self.assertEqual(recent.encoded("master", 0, 3, 3, 3),
+                         EncodedPage([1, 2, 2], [b"a", b"b", b"c"], 2, 2, True))
+        self.assertEqual(recent.encoded("master", 1, 3, 1, 3),
+                         EncodedPage([2, 2], [b"b", b"c"], 1, 2, True))
+        self.assertEqual(recent.updates("master", 0, 3, 3, 3)[1:], (2, True))
