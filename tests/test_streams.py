@@ -782,7 +782,7 @@ class RowCodecTests(SynchronousTestCase):
             with self.assertRaises(RowError):
                 codec.prepare([rows])
             return
-        wire, params = codec.prepare([rows])
+        wire, params, _ = codec.prepare([rows])
         self.assertEqual(wire, [expected])
         self.assertEqual(params, [[db_params(self.COLUMNS, r) for r in expected]])
 
@@ -827,7 +827,7 @@ class RowCodecTests(SynchronousTestCase):
                     codec.prepare([[["a", 1, True, value]]])
                 self.assertEqual(str(e.exception),
                                  "row 0: column 'j' holds NaN or Infinity, which JSON cannot carry")
-        _, params = codec.prepare([[["a", 1, True, {"f": 1.5}]]])
+        _, params, _ = codec.prepare([[["a", 1, True, {"f": 1.5}]]])
         self.assertEqual(params, [[["a", 1, True, '{"f":1.5}']]])
 
 

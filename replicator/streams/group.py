@@ -45,12 +45,13 @@ class Write:
     and hooks, and the Deferred that answers it.  ``ids`` is set by the
     transaction that took it."""
 
-    __slots__ = ("facts", "wire", "hooks", "deferred", "ids", "rows", "started")
+    __slots__ = ("facts", "wire", "lines", "hooks", "deferred", "ids", "rows", "started")
 
     def __init__(self, facts: List[List[List[Any]]], wire: Any, hooks: List[Any],
-                 started: float) -> None:
+                 started: float, lines: Any = None) -> None:
         self.facts = facts
         self.wire = wire
+        self.lines = lines  # the rows' JSON lines, per fact (None: not kept)
         self.hooks = hooks
         self.deferred: "defer.Deferred[List[int]]" = defer.Deferred()
         self.ids: List[int] = []

@@ -14,15 +14,36 @@ hold every fact of it:
 Otherwise :meth:`RecentFacts.updates` says ``None`` and the caller reads
 the table.  Memory is bounded: past ``MAX`` facts of a writer, the older
 half is forgotten.
+
+Each fact is kept twice: its rows (for :meth:`RecentFacts.updates`), and
+each row's JSON line as the write path encoded it (for
+:meth:`RecentFacts.encoded`: the fan-out only has to put the prefix and
+token in front).  The lines take about the JSON's size, less than the rows
+themselves, under the same bound.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 Update = Tuple[int, List[Any]]
 
 
+class EncodedPage(NamedTuple):
+    """Rows of whole facts as the JSON lines the write path encoded
+    (:func:`~replicator.jsontext.encode_json_line`), in token order:
+    ``lines[i]`` is a row of fact ``tokens[i]``; ``facts`` distinct facts
+    (fewer than rows: a fact has several).  ``upto`` and ``limited`` as
+    for ``updates_since``."""
+
+    tokens: List[int]
+    lines: List[bytes]
+    facts: int
+    upto: int
+    limited: bool
+
+
 class RecentFacts:
-    """Per local writer: completed facts (ID → wire rows) above a floor."""
+    """Per local writer: completed facts (ID → wire rows, and their JSON
+    lines) above a floor."""
 
     #: Facts kept per writer at most; past it the older half is dropped.
     MAX = 50_000
@@ -31,6 +52,7 @@ class RecentFacts:
         self.active = False
         self._sole_writer = sole_writer
         self.facts: Dict[str, Dict[int, List[List[Any]]]] = {w: {} for w in writers}
+        self.lines: Dict[str, Dict[int, List[bytes]]] = {w: {} for w in self.facts}
         self._floor: Dict[str, int] = {w: 0 for w in self.facts}
         self._unknown: Dict[str, Set[Any]] = {w: set() for w in self.facts}
 
@@ -39,20 +61,23 @@ class RecentFacts:
         ``floors[w]``: memory only answers for what it saw complete."""
         for w in self.facts:
             self.facts[w].clear()
+            self.lines[w].clear()
             self._unknown[w].clear()
             self._floor[w] = floors[w]
         self.active = True
 
-    def remember(self, writer: str, ids: List[int], wire: Optional[List[List[List[Any]]]]) -> None:
-        """Facts ``ids`` completed (``wire``: their rows) or failed (None)."""
+    def remember(self, writer: str, ids: List[int], wire: Optional[List[List[List[Any]]]],
+                 lines: Optional[List[List[bytes]]] = None) -> None:
+        """Facts ``ids`` completed (``wire``: their rows, ``lines``: their
+        rows' JSON lines) or failed (None)."""
         if not self.active:
             return
         recent = self.facts[writer]
-        if wire is None:
+        if wire is None or lines is None:
             self._unknown[writer].update(ids)
         else:
-            for stream_id, rows in zip(ids, wire):
-                recent[stream_id] = rows
+            recent.update(zip(ids, wire))
+            self.lines[writer].update(zip(ids, lines))
         if len(recent) > self.MAX:
             keep = sorted(recent)[len(recent) // 2:]
             self.forget(writer, keep[0] - 1)
@@ -62,16 +87,19 @@ class RecentFacts:
         recent = self.facts.get(writer)
         if recent is None or upto <= self._floor[writer]:
             return
+        lines = self.lines[writer]
         for stream_id in [i for i in recent if i <= upto]:
             del recent[stream_id]
+            del lines[stream_id]
         unknown = self._unknown[writer]
         if unknown:
             unknown.difference_update([i for i in unknown if i <= upto])
         self._floor[writer] = upto
 
-    def updates(self, writer: str, from_token: int, to_token: int, limit: int,
-                current_token: int) -> Optional[Tuple[List[Update], int, bool]]:
-        """``updates_since`` from memory, or None if memory cannot answer."""
+    def _ids(self, writer: str, from_token: int, to_token: int,
+             current_token: int) -> Optional[List[int]]:
+        """The IDs kept in ``(from_token, to_token]``, sorted, or None if
+        memory cannot answer for that range."""
         recent = self.facts.get(writer)
         if recent is None or not self.active or from_token < self._floor[writer] \
                 or to_token > current_token \
@@ -80,6 +108,15 @@ class RecentFacts:
         ids = sorted(i for i in recent if from_token < i <= to_token)
         if self._sole_writer and len(ids) < to_token - from_token:
             return None  # an ID we never reserved: foreign, only the table knows
+        return ids
+
+    def updates(self, writer: str, from_token: int, to_token: int, limit: int,
+                current_token: int) -> Optional[Tuple[List[Update], int, bool]]:
+        """``updates_since`` from memory, or None if memory cannot answer."""
+        ids = self._ids(writer, from_token, to_token, current_token)
+        if ids is None:
+            return None
+        recent = self.facts[writer]
         updates: List[Update] = []
         upto = to_token
         limited = False
@@ -90,6 +127,35 @@ class RecentFacts:
                 break
             updates.extend((stream_id, row) for row in rows)
         return updates, upto, limited
+
+    def encoded(self, writer: str, from_token: int, to_token: int, limit: int,
+                current_token: int) -> Optional[EncodedPage]:
+        """What :meth:`updates` answers, as the rows' JSON lines; None if
+        memory cannot answer."""
+        ids = self._ids(writer, from_token, to_token, current_token)
+        if ids is None:
+            return None
+        kept = self.lines[writer]
+        tokens: List[int] = []
+        lines: List[bytes] = []
+        facts = 0
+        upto = to_token
+        limited = False
+        for stream_id in ids:
+            rows = kept[stream_id]
+            if not rows:
+                continue
+            if lines and len(lines) + len(rows) > limit:
+                upto, limited = tokens[-1], True
+                break
+            facts += 1
+            if len(rows) == 1:
+                tokens.append(stream_id)
+                lines.append(rows[0])
+            else:
+                tokens.extend([stream_id] * len(rows))
+                lines.extend(rows)
+        return EncodedPage(tokens, lines, facts, upto, limited)
 
     def foreign(self, writer: str, from_token: int, tokens: Iterable[int]) -> Optional[List[int]]:
         """Of ``tokens`` read from the table above ``from_token``, those of

@@ -6,12 +6,12 @@ carrying real JSON values: ``bigint`` an integer, ``boolean`` true/false,
 ``null`` only where the column is nullable.
 """
 
-import json
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
 
 from ..config import ColumnConfig
+from ..jsontext import encode_json_line
 
 #: A ``json`` column value may nest arrays and objects this deep (the value
 #: itself is level 1); deeper is refused (encoders and peers' decoders recurse).
@@ -128,10 +128,10 @@ def json_problem(value: Any) -> Optional[str]:
         elif isinstance(v, float):
             if v - v != 0.0:  # NaN - NaN and inf - inf are NaN
                 return "holds NaN or Infinity, which JSON cannot carry"
-        elif isinstance(v, (list, dict)):
+        elif isinstance(v, (list, tuple, dict)):
             if depth > MAX_JSON_DEPTH:
                 return f"is nested deeper than {MAX_JSON_DEPTH} levels"
-            if isinstance(v, list):
+            if not isinstance(v, dict):
                 stack.extend((item, depth + 1) for item in v)
             else:
                 for k, item in v.items():
@@ -139,15 +139,6 @@ def json_problem(value: Any) -> Optional[str]:
                         return "contains a NUL character"
                     stack.append((item, depth + 1))
     return None
-
-
-def _encoded_size(row: List[Any]) -> int:
-    """The size of ``row`` as the wire encodes it (orjson, or the standard
-    library for what orjson refuses, e.g. integers beyond 64 bits)."""
-    try:
-        return len(orjson.dumps(row))
-    except TypeError:
-        return len(json.dumps(row, separators=(",", ":"), allow_nan=False))
 
 
 def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[Tuple[Any, ...]], List[Any]]]:
@@ -209,9 +200,12 @@ class RowCodec:
             raise RowError(f"row {n}{str(e)[len('row 0'):]}") from None
 
     def prepare(self, facts: Any, line_prefix: int = 0, max_line_length: Optional[int] = None
-                ) -> "tuple[List[List[List[Any]]], List[List[List[Any]]]]":
-        """``(wire, params)``: per fact, its rows as wire values and as
-        statement parameters (JSON columns as JSON text).
+                ) -> "tuple[List[List[List[Any]]], List[List[List[Any]]], List[List[bytes]]]":
+        """``(wire, params, lines)``: per fact, its rows as wire values, as
+        statement parameters (JSON columns as JSON text), and as the JSON
+        line each row is in RDATA (:func:`.jsontext.encode_json_line`,
+        encoded once here, so the fan-out only puts the prefix in front).
+        A row that is not encodable as JSON is a :class:`RowError`.
 
         With ``max_line_length``, ``line_prefix`` is the length of ``RDATA
         <stream> <writer> <token> `` with the longest token, and a row whose
@@ -222,9 +216,9 @@ class RowCodec:
         typed = self._typed
         json_cols = self._json
         dumps = orjson.dumps
-        wire_facts, param_facts = [], []
+        wire_facts, param_facts, line_facts = [], [], []
         for rows in facts:
-            wire_rows, param_rows = [], []
+            wire_rows, param_rows, line_rows = [], [], []
             for n, row in enumerate(rows):
                 if type(row) is not list and type(row) is not tuple or len(row) != width:
                     self._check(row, n)  # raises the precise error
@@ -250,23 +244,29 @@ class RowCodec:
                         problem = json_problem(value)
                         if problem is not None:
                             raise RowError(f"row {n}: column {columns[i].name!r} {problem}")
-                if room is not None:
-                    try:
-                        size = _encoded_size(row if type(row) is list else list(row))
-                    except (TypeError, ValueError):
-                        raise RowError(f"row {n}: not encodable as JSON") from None
-                    if size > room:
-                        raise RowError(
-                            f"row {n}: its RDATA line would be {line_prefix + size} bytes, "
-                            f"more than replication.max_line_length ({max_line_length}): it "
-                            "could never be replicated")
                 wire = list(row)
+                # encode_json_line's bytes, inline: NaN and infinities were
+                # refused above (json_problem), so orjson's output is it.
+                try:
+                    line = dumps(wire) + b"\n"
+                except TypeError:
+                    try:
+                        line = encode_json_line(wire)
+                    except (TypeError, ValueError, RecursionError):
+                        raise RowError(f"row {n}: not encodable as JSON") from None
+                if room is not None and len(line) - 1 > room:
+                    raise RowError(
+                        f"row {n}: its RDATA line would be {line_prefix + len(line) - 1} "
+                        f"bytes, more than replication.max_line_length ({max_line_length}): "
+                        "it could never be replicated")
                 params = wire.copy()
                 for i, _ in json_cols:
                     if params[i] is not None:
                         params[i] = dumps(params[i]).decode()
                 wire_rows.append(wire)
                 param_rows.append(params)
+                line_rows.append(line)
             wire_facts.append(wire_rows)
             param_facts.append(param_rows)
-        return wire_facts, param_facts
+            line_facts.append(line_rows)
+        return wire_facts, param_facts, line_facts

@@ -38,7 +38,7 @@ from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
 from .pages import FactPage, FactRange, Page, PageQuery, group
 from .readahead import ReadAhead
-from .recent import RecentFacts
+from .recent import EncodedPage, RecentFacts
 from .rows import RowCodec
 from .writes import PreparedFacts, TxnHook, WriteTransaction
 
@@ -271,15 +271,15 @@ class Stream:
         writer = self._writer(writer)
         prefix = (len(b"RDATA ") + len(self.name.encode()) + 1 + len(writer.encode()) + 1
                   + TOKEN_DIGITS + 1)
-        wire, checked = self._codec.prepare(facts, prefix, max_line_length)
-        return PreparedFacts(writer, wire, checked)
+        wire, checked, lines = self._codec.prepare(facts, prefix, max_line_length)
+        return PreparedFacts(writer, wire, checked, lines)
 
     async def write_prepared(self, prepared: "PreparedFacts",
                              hooks: Sequence[TxnHook] = ()) -> List[int]:
         """Write facts :meth:`prepare` checked, in one transaction (see
         :meth:`write_facts`), or together with other waiting writes."""
-        writer, wire, checked = prepared
-        write = Write(checked, wire, list(hooks), time.monotonic())
+        writer, wire, checked, lines = prepared
+        write = Write(checked, wire, list(hooks), time.monotonic(), lines)
         return await self._groups[writer].submit(write)
 
     def _run_group(self, writer: str, group: Group) -> "defer.Deferred[None]":
@@ -309,7 +309,7 @@ class Stream:
         if not isinstance(outcome, Failure):
             now = time.monotonic()
             for w in group.writes:
-                self.recent.remember(writer, w.ids, w.wire)
+                self.recent.remember(writer, w.ids, w.wire, w.lines)
             if group.reserved:
                 gen.complete_many(writer, group.reserved)
                 self._facts_written.inc(len(group.reserved))
@@ -350,6 +350,20 @@ class Stream:
             return None
         return self.recent.updates(writer, from_token, to_token, limit,
                                    self.id_gen.get_current_token(writer))
+
+    def encoded_since(self, writer: str, from_token: int, to_token: int,
+                      limit: int = 1000) -> Optional[EncodedPage]:
+        """What :meth:`updates_since` would return, from memory only, as
+        the rows' JSON lines kept from the write (the fan-out's path); None
+        when memory cannot answer (then :meth:`updates_since` reads the
+        table)."""
+        if writer not in self.local_writers:
+            return None
+        page = self.recent.encoded(writer, from_token, to_token, max(1, limit),
+                                   self.id_gen.get_current_token(writer))
+        if page is not None:
+            self._foreign_burst.discard(writer)
+        return page
 
     # ------------------------------------------------------------- reading
     async def updates_since(

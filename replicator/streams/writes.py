@@ -35,6 +35,8 @@ class PreparedFacts(NamedTuple):
     writer: str
     wire: List[List[List[Any]]]
     params: List[List[List[Any]]]
+    #: Per fact, each row's JSON line as RDATA carries it (the fan-out's).
+    lines: List[List[bytes]]
 
 
 class WriteTransaction:

@@ -136,9 +136,10 @@ def stamp_commits(gen) -> dict:
 
 def stamp_sends(handler) -> dict:
     """``{token: time.time()}`` of each fact's lines being handed to every
-    transport by the handler's fan-out."""
+    transport by the handler's fan-out (rows from memory or the table)."""
     stamps = {}
     send_updates = handler.fanout.send_updates
+    send_written = handler.fanout.send_written
 
     def stamped(stream_name, writer, prev, updates, upto):
         send_updates(stream_name, writer, prev, updates, upto)
@@ -146,7 +147,14 @@ def stamp_sends(handler) -> dict:
         for t, _ in updates:
             stamps[t] = now
 
+    def stamped_written(stream_name, writer, prev, page):
+        send_written(stream_name, writer, prev, page)
+        now = time.time()
+        for t in page.tokens:
+            stamps[t] = now
+
     handler.fanout.send_updates = stamped
+    handler.fanout.send_written = stamped_written
     return stamps
 
 

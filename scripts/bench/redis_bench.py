@@ -633,6 +633,7 @@ async def latency_ours(writer, port):
     finally:
         del stream.id_gen.complete_many  # the stamping wrappers
         del writer.handler.fanout.send_updates
+        del writer.handler.fanout.send_written
     if writer.losses:
         print(f"    the writer's Redis link was lost: "
               f"{[(round(t - start, 2), role) for t, role in writer.losses]}", flush=True)

@@ -14,10 +14,14 @@ and receives every row.
     Rows per second delivered to each client.  The server is this process:
     a :class:`ReplicationHandler` (on a started registry whose stream is
     never written) behind a :class:`ReplicationServerFactory`.  Its fan-out
-    entry point ``send_updates`` is fed ``(token, row)`` pairs already in
-    memory (as ``updates_since`` returns them), ``CHUNK`` rows per call, so
-    encoding (orjson, once for every connection), framing, metrics and the
-    per-connection writes are the real path.  Between chunks the feeder
+    entry point ``send_written`` is fed pages of rows as a local writer's
+    fan-out takes them from memory (``encoded_since``: each row's JSON line
+    as the write path encoded it), ``CHUNK`` rows per call, so the lines'
+    assembly (once for every connection), framing, metrics and the
+    per-connection writes are the real path.  ``RDATA_FROM_TABLE=1`` feeds
+    ``send_updates`` the ``(token, row)`` pairs instead (the path when
+    memory cannot answer: the rows encoded by the fan-out; figures named
+    ``....from_table``).  Between chunks the feeder
     yields to the reactor, and waits while any connection is paused
     (transport buffer over 64 KiB), so nothing queues past the bound and no
     client is dropped.  Baseline: a plain Twisted protocol (streaming
@@ -27,6 +31,10 @@ and receives every row.
     (last row at the slowest client - first write).  ``RDATA_ROUNDS``
     rounds (default 3) alternate plain, ours and Synapse; medians recorded.
     ``RDATA_CLIENTS=1`` (or ``1,50``...) runs only those client counts.
+``tcp.rdata.1client.chunk100`` / ``.chunk10``, ``tcp.rdata.50clients.chunk100`` / ``.chunk10``
+    The same with 100 and 10 rows per call (``RDATA_CHUNKS``): the fixed
+    cost of one fan-out call, as a live writer at moderate rates (or
+    Synapse's streamer, at most 100 rows per stream per pass) feeds it.
 ``tcp.rdata.1client.vs_synapse`` / ``.10clients.vs_synapse`` / ``.50clients.vs_synapse``
     The same figure of ours against Synapse's own
     ``ServerReplicationStreamProtocol`` (``synapse_server.py``, run by the
@@ -128,10 +136,12 @@ from twisted.internet.interfaces import IPushProducer
 from zope.interface import implementer
 
 from replicator.config import parse_database, parse_streams
+from replicator.jsontext import encode_json_line
 from replicator.replication.core.handler import ReplicationHandler
 from replicator.replication.transport.tcp import ReplicationServerFactory
 from replicator.replication.wire.encoding import encode_rdata_lines
 from replicator.storage.database import Database
+from replicator.streams.recent import EncodedPage
 from replicator.streams.registry import StreamRegistry
 
 READER = os.path.join(HERE, "reader.py")
@@ -148,7 +158,17 @@ STREAMS = parse_streams([
 ])
 
 PER_PROCESS = 10
+#: Rows per fan-out call: 1,000 (the figures without a suffix), and smaller
+#: chunks as a live writer at moderate rates (or Synapse's streamer, at most
+#: 100 rows per stream per pass) produces them: the per-call cost.
+#: ``RDATA_CHUNKS=100`` (or ``1000,10``...) runs only those.
 CHUNK = 1000
+RDATA_CHUNKS = [int(c) for c in os.environ.get("RDATA_CHUNKS", "1000,100,10").split(",") if c]
+#: Client counts of the smaller chunks (1,000-row chunks: every RDATA_ROWS).
+SMALL_CHUNK_CLIENTS = (1, 50)
+#: Rows sent with the smaller chunks, as a share of the 1,000-row runs'
+#: (a run lasts about as long).
+CHUNK_ROWS_SHARE = {1000: 1.0, 100: 0.5, 10: 0.1}
 #: Rows in memory (cycled through) and rows sent per run: clients ->
 #: (ours, baseline), about a second or two each.
 RDATA_DATA_ROWS = 1_000_000
@@ -160,6 +180,8 @@ SYNAPSE_ROWS = {1: 400_000, 10: 60_000, 50: 12_000}
 RDATA_ROUNDS = int(os.environ.get("RDATA_ROUNDS", "3"))
 #: Client counts to run (default all of RDATA_ROWS), e.g. RDATA_CLIENTS=1.
 RDATA_CLIENTS = [int(c) for c in os.environ.get("RDATA_CLIENTS", "").split(",") if c]
+#: RDATA_FROM_TABLE=1: feed rows to ``send_updates`` (encoded in the fan-out).
+RDATA_FROM_TABLE = os.environ.get("RDATA_FROM_TABLE") == "1"
 LAT_CLIENTS = 50
 LAT_RATE = 2000
 LAT_SECONDS = 10.0
@@ -380,18 +402,25 @@ class PlainServer(protocol.Factory):
 # ------------------------------------------------------------------ rdata
 
 class RdataData:
-    """Rows in memory as ``updates_since`` returns them, chunked, and the
-    same lines pre-encoded for the baseline."""
+    """Rows in memory as ``updates_since`` returns them, chunked; the same
+    as ``encoded_since`` pages (rows' JSON lines as the write path encodes
+    them); and the same lines pre-encoded for the baseline."""
 
-    def __init__(self, rows):
+    def __init__(self, rows, chunk=CHUNK):
         pool = [row(i) for i in range(10_000)]
+        encoded = [encode_json_line(r) for r in pool]
+        self.chunk = chunk
         self.chunks = []
+        self.pages = []
         self.lines = []
         prev = 0
-        for start in range(0, rows, CHUNK):
-            updates = [(t, pool[t % 10_000]) for t in range(start + 1, min(rows, start + CHUNK) + 1)]
+        for start in range(0, rows, chunk):
+            tokens = range(start + 1, min(rows, start + chunk) + 1)
+            updates = [(t, pool[t % 10_000]) for t in tokens]
             upto = updates[-1][0]
             self.chunks.append((prev, updates, upto))
+            self.pages.append((prev, EncodedPage(list(tokens), [encoded[t % 10_000] for t in tokens],
+                                                 len(tokens), upto, False)))
             self.lines.append(list(encode_rdata_lines("caches", WRITER, updates)))
             prev = upto
         self.bytes_per_line = sum(map(len, self.lines[0])) / len(self.lines[0])
@@ -414,11 +443,15 @@ async def rdata_run(server, data, clients, rows, ours):
     procs = spawn_readers(server.port, clients, "count", timeout=120.0)
     if ours:
         await until(lambda: len(server.clients()) == clients, 30, "clients")
-        handler = server.handler
-
-        def send(i):
-            prev, updates, upto = data.chunks[i % len(data.chunks)]
-            handler.fanout.send_updates("caches", WRITER, prev, updates, upto)
+        fanout = server.handler.fanout
+        if RDATA_FROM_TABLE:
+            def send(i):
+                prev, updates, upto = data.chunks[i % len(data.chunks)]
+                fanout.send_updates("caches", WRITER, prev, updates, upto)
+        else:
+            def send(i):
+                prev, page = data.pages[i % len(data.pages)]
+                fanout.send_written("caches", WRITER, prev, page)
     else:
         await until(lambda: len(server.clients) == clients, 30, "clients")
 
@@ -427,7 +460,7 @@ async def rdata_run(server, data, clients, rows, ours):
     await sleep(0.2)  # handshakes flushed, readers idle
     for p in procs:
         p.expect(rows)
-    n_chunks = rows // CHUNK
+    n_chunks = rows // data.chunk
     gc.collect()
     cpu0 = cpu_seconds()
     start = time.time()
@@ -496,13 +529,13 @@ class SynapseServer(protocol.ProcessProtocol):
         await self.ended
 
 
-async def rdata_run_synapse(server, clients, rows):
+async def rdata_run_synapse(server, clients, rows, chunk=CHUNK):
     procs = spawn_readers(server.port, clients, "count", timeout=300.0)
     await server.ask(f"wait {clients}")
     await sleep(0.2)  # handshakes flushed, readers idle
     for p in procs:
         p.expect(rows)
-    fed = await server.ask(f"run {rows} {CHUNK}")
+    fed = await server.ask(f"run {rows} {chunk}")
     results = await collect(procs)
     await server.ask("close")
     last, problems = arrivals_done(results, rows)
@@ -523,49 +556,68 @@ def synapse_python():
 
 
 async def run_rdata(registry):
-    data = RdataData(RDATA_DATA_ROWS)
     python = synapse_python()
-    gc.collect()
-    gc.freeze()
-    try:
-        print(f"  rdata: {data.bytes_per_line:.0f} bytes per RDATA line, {CHUNK} rows per call, "
-              f"{RDATA_ROUNDS} alternating rounds (plain, ours"
-              + (", Synapse" if python else "; no Synapse virtualenv: `make synapse-deps`")
-              + "), medians")
-        for clients, (rows, base_rows) in RDATA_ROWS.items():
-            if RDATA_CLIENTS and clients not in RDATA_CLIENTS:
-                continue
-            rates = {"plain": [], "ours": [], "synapse": []}
-            for _ in range(RDATA_ROUNDS):
-                plain = await PlainServer().listen()
-                try:
-                    rates["plain"].append(
-                        await rdata_run(plain, data, clients, base_rows, ours=False))
-                finally:
-                    await plain.stop()
-                ours = await OurServer(registry).listen()
-                try:
-                    rates["ours"].append(await rdata_run(ours, data, clients, rows, ours=True))
-                finally:
-                    await ours.stop()
-                if python:
-                    synapse = await SynapseServer(python).start()
-                    try:
-                        rates["synapse"].append(
-                            await rdata_run_synapse(synapse, clients, SYNAPSE_ROWS[clients]))
-                    finally:
-                        await synapse.stop()
-            name = "tcp.rdata.1client" if clients == 1 else f"tcp.rdata.{clients}clients"
-            value = median(rates["ours"])
-            record(name, value, "rows/s", "plain Twisted writeSequence of pre-encoded lines",
-                   median(rates["plain"]))
-            if python:
-                record(name + ".vs_synapse", value, "rows/s",
-                       "Synapse's ServerReplicationStreamProtocol", median(rates["synapse"]))
-    finally:
-        gc.unfreeze()
-        del data
+    for chunk in RDATA_CHUNKS:
+        data = RdataData(RDATA_DATA_ROWS, chunk)
         gc.collect()
+        gc.freeze()
+        try:
+            print(f"  rdata: {data.bytes_per_line:.0f} bytes per RDATA line, {chunk:,} rows per "
+                  f"call, {RDATA_ROUNDS} alternating rounds (plain, ours"
+                  + (", Synapse" if python else "; no Synapse virtualenv: `make synapse-deps`")
+                  + "), medians")
+            for clients, (rows, base_rows) in RDATA_ROWS.items():
+                if RDATA_CLIENTS and clients not in RDATA_CLIENTS \
+                        or chunk != CHUNK and clients not in SMALL_CHUNK_CLIENTS:
+                    continue
+                await rdata_figures(registry, data, python, clients, rows, base_rows)
+        finally:
+            gc.unfreeze()
+            del data
+            gc.collect()
+
+
+def rdata_name(clients, chunk):
+    """``tcp.rdata.1client``, ``tcp.rdata.50clients.chunk100``..."""
+    name = "tcp.rdata.1client" if clients == 1 else f"tcp.rdata.{clients}clients"
+    name = name if chunk == CHUNK else f"{name}.chunk{chunk}"
+    return name + ".from_table" if RDATA_FROM_TABLE else name
+
+
+async def rdata_figures(registry, data, python, clients, rows, base_rows):
+    """Alternating rounds of plain, ours and Synapse at ``clients`` and
+    ``data.chunk`` rows per call; the medians recorded."""
+    chunk = data.chunk
+    share = CHUNK_ROWS_SHARE.get(chunk, 1.0)
+    rows, base_rows = (int(n * share) // chunk * chunk for n in (rows, base_rows))
+    synapse_rows = int(SYNAPSE_ROWS[clients] * max(share, 0.5)) // chunk * chunk
+    rates = {"plain": [], "ours": [], "synapse": []}
+    for _ in range(RDATA_ROUNDS):
+        plain = await PlainServer().listen()
+        try:
+            rates["plain"].append(await rdata_run(plain, data, clients, base_rows, ours=False))
+        finally:
+            await plain.stop()
+        ours = await OurServer(registry).listen()
+        try:
+            rates["ours"].append(await rdata_run(ours, data, clients, rows, ours=True))
+        finally:
+            await ours.stop()
+        if python:
+            synapse = await SynapseServer(python).start()
+            try:
+                rates["synapse"].append(
+                    await rdata_run_synapse(synapse, clients, synapse_rows, chunk))
+            finally:
+                await synapse.stop()
+    name = rdata_name(clients, chunk)
+    value = median(rates["ours"])
+    per = "" if chunk == CHUNK else f", {chunk} rows per call"
+    record(name, value, "rows/s", f"plain Twisted writeSequence of pre-encoded lines{per}",
+           median(rates["plain"]))
+    if python:
+        record(name + ".vs_synapse", value, "rows/s",
+               f"Synapse's ServerReplicationStreamProtocol{per}", median(rates["synapse"]))
 
 
 # ------------------------------------------------------------------ latency

@@ -1,10 +1,13 @@
 """Fan-out: the writer side of replication.
 
 For each (stream, writer) written by this instance, the rows between the
-last token announced and the writer's current token are read with
-``updates_since``, encoded once and joined once (one bytes object per
-fan-out, see :func:`.wire.joined`), and the same bytes are handed to
-every replicating connection in one ``transport.write`` each.
+last token announced and the writer's current token are taken from memory
+as the JSON lines the write path encoded (``encoded_since``: only prefix
+and token are put in front, :func:`.wire.encode_written`), or, when memory
+cannot answer (after a restart, facts written behind our back), read with
+``updates_since`` and encoded; joined once (one bytes object per fan-out,
+see :func:`.wire.joined`), the same bytes are handed to every replicating
+connection in one ``transport.write`` each.  Both give the same bytes.
 
 Invariants:
 
@@ -35,9 +38,17 @@ from ...background import Background
 from ...net.backoff import Outage
 from ...observe import metrics
 from ...streams.pages import group
+from ...streams.recent import EncodedPage
 from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
-from ..wire.encoding import EncodedLines, encode_position_line, encode_rdata_lines, joined
+from ..wire.encoding import (
+    EncodedLines,
+    encode_position_line,
+    encode_rdata_lines,
+    encode_written,
+    encode_written_fact,
+    joined,
+)
 from ..wire.parsing import MAX_DECODED_PER_BYTE, decoded_size
 from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
 
@@ -100,15 +111,44 @@ class Fanout:
             return
         self._running.add(key)
         self._last[key] = self._clock.seconds()
-        self._background.run("fanout", self._run(stream, writer, key))
+        try:
+            done = self._from_memory(stream, writer, key)
+        except Exception as e:
+            self._running.discard(key)
+            self._failed(stream, writer, key, e)
+            return
+        if done:
+            self._running.discard(key)
+        else:
+            self._background.run("fanout", self._run(stream, writer, key))
+
+    def _from_memory(self, stream: Stream, writer: str, key: Key) -> bool:
+        """Fan out from memory (``encoded_since``), at once: no coroutine,
+        no Deferred, as far as memory answers.  Whether everything up to
+        the writer's token went out (else :meth:`_run` reads the table)."""
+        while not self._stopping:
+            target = stream.id_gen.get_current_token(writer)
+            announced = self.announced[key]
+            if target <= announced:
+                return True
+            started = time.monotonic()
+            page = stream.encoded_since(writer, announced, target, self.fetch_limit)
+            if page is None:
+                return False
+            outage = self._outages.get(key)
+            if outage is not None:
+                outage.succeeded()
+            self.send_written(stream.name, writer, announced, page)
+            stream.forget(writer, page.upto)
+            metrics.FANOUT_LATENCY.observe(time.monotonic() - started)
+        return True
 
     async def _run(self, stream: Stream, writer: str, key: Key) -> None:
+        """What memory cannot answer, from the table (in a pool thread)."""
         try:
-            while not self._stopping:
+            while not self._stopping and not self._from_memory(stream, writer, key):
                 target = stream.id_gen.get_current_token(writer)
                 announced = self.announced[key]
-                if target <= announced:
-                    return
                 started = time.monotonic()
                 try:
                     updates, upto, _ = await stream.updates_since(
@@ -121,9 +161,7 @@ class Fanout:
                 stream.forget(writer, upto)
                 metrics.FANOUT_LATENCY.observe(time.monotonic() - started)
         except Exception as e:
-            delay = self._outage(key).failed(e)
-            if key not in self._retries:
-                self._retries[key] = self._clock.callLater(delay, self._retry, stream, writer)
+            self._failed(stream, writer, key, e)
         finally:
             self._running.discard(key)
 
@@ -139,6 +177,12 @@ class Fanout:
                         "POSITION")
         self.announced[key] = gap.boundary
         stream.forget(writer, gap.boundary)
+
+    def _failed(self, stream: Stream, writer: str, key: Key, e: Exception) -> None:
+        """A fan-out failed (the table could not be read): retry later."""
+        delay = self._outage(key).failed(e)
+        if key not in self._retries:
+            self._retries[key] = self._clock.callLater(delay, self._retry, stream, writer)
 
     def _outage(self, key: Key) -> Outage:
         outage = self._outages.get(key)
@@ -156,41 +200,78 @@ class Fanout:
 
         ``updates`` are ``(token, row)`` pairs in ascending token order.
         """
-        key = (stream_name, writer)
         if updates:
             lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
-            size = len(joined(lines))
-            if lines.dropped or len(updates) >= self.max_batch_rows \
-                    or size > self.max_batch_bytes or self._too_dear(joined(lines), size):
-                lines = self._within_bounds(stream_name, writer, updates)
-            if lines:
-                self._broadcast(lines, "RDATA")
-            last = updates[-1][0]
+            if lines.dropped or not self._fits(lines, len(updates)):
+                lines = EncodedLines()
+                for token, rows in group(updates):
+                    fact = encode_rdata_lines(stream_name, writer, [(token, r) for r in rows],
+                                              self.max_line_length)
+                    self._fact_or_position(lines, stream_name, writer, token, len(rows),
+                                           None if fact.dropped else fact)
+            self._announce(stream_name, writer, lines, updates[-1][0], upto)
         else:
-            last = prev
+            self._announce(stream_name, writer, None, prev, upto)
+
+    def send_written(self, stream_name: str, writer: str, prev: int, page: EncodedPage) -> None:
+        """:meth:`send_updates` of the rows of ``page`` (``encoded_since``:
+        their JSON lines kept from the write), ``(prev, page.upto]``; the
+        same bytes, only concatenated."""
+        tokens = page.tokens
+        if tokens:
+            rows = page.lines
+            lines = encode_written(stream_name, writer, tokens, rows, page.facts,
+                                   self.max_line_length)
+            if lines is None or not self._fits(lines, len(rows)):
+                lines = EncodedLines()
+                start, n = 0, len(tokens)
+                while start < n:
+                    token = tokens[start]
+                    end = start + 1
+                    while end < n and tokens[end] == token:
+                        end += 1
+                    fact = encode_written_fact(stream_name, writer, token, rows[start:end],
+                                               self.max_line_length)
+                    self._fact_or_position(lines, stream_name, writer, token, end - start, fact)
+                    start = end
+            self._announce(stream_name, writer, lines, tokens[-1], page.upto)
+        else:
+            self._announce(stream_name, writer, None, prev, page.upto)
+
+    def _announce(self, stream_name: str, writer: str, lines: Optional[Sequence[bytes]],
+                  last: int, upto: int) -> None:
+        """Write ``lines`` (the facts up to ``last``), then ``POSITION last
+        upto`` if ``upto`` is past it; ``upto`` is announced."""
+        if lines:
+            self._broadcast(lines, "RDATA")
         if upto > last:
             self._broadcast([encode_position_line(stream_name, writer, last, upto)], "POSITION")
-        self.announced[key] = upto
+        self.announced[(stream_name, writer)] = upto
 
-    def _within_bounds(self, stream_name: str, writer: str,
-                       updates: List[Tuple[int, List[Any]]]) -> EncodedLines:
-        """The lines of ``updates``, fact by fact, each fact too big for a
-        receiver replaced by ``POSITION t t``."""
-        out = EncodedLines()
-        for token, rows in group(updates):
-            lines = encode_rdata_lines(stream_name, writer, [(token, r) for r in rows],
-                                       self.max_line_length)
-            batch = b"".join(lines[:-1])
-            if lines.dropped or len(rows) > self.max_batch_rows \
-                    or len(batch) > self.max_batch_bytes or self._too_dear(batch, len(batch)):
-                metrics.FACTS_BY_POSITION.labels(stream_name).inc()
-                log.warn("Fact {token} of {stream}/{writer} ({n} rows) is too big for one "
-                         "batch or line; announced by POSITION, readers read it from the table",
-                         token=token, stream=stream_name, writer=writer, n=len(rows))
-                out.append(encode_position_line(stream_name, writer, token, token))
-            else:
-                out.extend(lines)
-        return out
+    def _fits(self, lines: EncodedLines, rows: int) -> bool:
+        """Whether ``lines`` of ``rows`` rows may go out as they are: within
+        every bound a receiver holds a batch to (else the facts are taken
+        one by one)."""
+        if rows >= self.max_batch_rows:
+            return False
+        data = joined(lines)
+        return len(data) <= self.max_batch_bytes and not self._too_dear(data, len(data))
+
+    def _fact_or_position(self, out: EncodedLines, stream_name: str, writer: str, token: int,
+                          rows: int, lines: Optional[Sequence[bytes]]) -> None:
+        """Append the ``lines`` of fact ``token`` (of ``rows`` rows; None:
+        one is too long for a line) to ``out``, or, if it is too big for a
+        receiver, ``POSITION t t``."""
+        batch = b"".join(lines[:-1]) if lines else b""
+        if not lines or rows > self.max_batch_rows \
+                or len(batch) > self.max_batch_bytes or self._too_dear(batch, len(batch)):
+            metrics.FACTS_BY_POSITION.labels(stream_name).inc()
+            log.warn("Fact {token} of {stream}/{writer} ({n} rows) is too big for one "
+                     "batch or line; announced by POSITION, readers read it from the table",
+                     token=token, stream=stream_name, writer=writer, n=rows)
+            out.append(encode_position_line(stream_name, writer, token, token))
+        else:
+            out.extend(lines)
 
     def _too_dear(self, data: bytes, size: int) -> bool:
         """Whether lines of ``size`` bytes would take a receiver more than

@@ -356,8 +356,13 @@ class LineConnection(Protocol):
             # is joined once for all connections.
             self.transport.write(joined(lines))
         self._last_sent = self._clock.seconds()
-        if self._count_outbound is not None:
-            self._call(self._count_outbound, self, name, len(lines))
+        count = self._count_outbound
+        if count is not None:
+            try:
+                count(self, name, len(lines))
+            except Exception:
+                self.log.failure("Replication handler {method} failed on {conn}",
+                                 method="count_outbound", conn=self)
         return True
 
     # ------------------------------------------------------------ IPushProducer

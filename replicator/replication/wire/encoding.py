@@ -10,7 +10,7 @@ and ``NaN``/``Infinity`` refused (such a row is dropped and counted).
 
 from collections.abc import Sequence
 from operator import itemgetter
-from typing import Any, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import orjson
 
@@ -47,8 +47,8 @@ class EncodedLines(Sequence[bytes]):
     def of_joined(cls, data: bytes, count: int) -> "EncodedLines":
         """``count`` lines given joined (no ``\\r`` in them: they are split
         at line ends when read one by one)."""
-        self = cls()
-        self._lines, self._count, self._joined = None, count, data
+        self = cls.__new__(cls)
+        self._lines, self._count, self._joined, self.dropped = None, count, data, 0
         return self
 
     def _list(self) -> List[bytes]:
@@ -227,10 +227,11 @@ def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
     return b"".join(out)
 
 
-def _gaps_within(data: bytes, bound: int) -> bool:
+def _gaps_within(data: bytes, bound: int, sep: bytes = _SPLIT) -> bool:
     """Whether, cheaply, every run of ``data`` between two separators
-    (:data:`_SPLIT`), or before the first or after the last, is at most
-    ``bound`` bytes long; False only means "not shown this way".
+    ``sep`` (:data:`_SPLIT`, or a line end), or before the first or after
+    the last, is at most ``bound`` bytes long; False only means "not shown
+    this way".
 
     Looks for a separator in every window of ``(bound + 1) // 2`` bytes up
     to the last one (then two consecutive ones are at most ``bound`` apart):
@@ -239,15 +240,97 @@ def _gaps_within(data: bytes, bound: int) -> bool:
     half = (bound + 1) // 2
     if half < 256:
         return False
-    last = data.rfind(_SPLIT)
-    if last < 0 or len(data) - last - len(_SPLIT) > bound:
+    last = data.rfind(sep)
+    if last < 0 or len(data) - last - len(sep) > bound:
         return False
     find = data.find
-    stop = half + len(_SPLIT) - 1
+    stop = half + len(sep) - 1
     for k in range(0, last, half):
-        if find(_SPLIT, k, k + stop) < 0:
+        if find(sep, k, k + stop) < 0:
             return False
     return True
+
+
+def encode_written(stream_name: str, instance_name: str, tokens: Sequence[int],
+                   rows: Sequence[bytes], facts: int,
+                   max_line_length: int = MAX_LINE_LENGTH) -> Optional[EncodedLines]:
+    """The RDATA lines of rows encoded when they were written, joined:
+    ``rows[i]`` is a row's JSON line (:func:`.jsontext.encode_json_line`,
+    newline included) and ``tokens[i]`` its fact's token, ascending;
+    ``facts`` is how many distinct tokens there are (fewer than rows: some
+    fact has several rows, written as a batch).
+
+    The same bytes as :func:`encode_rdata_lines` of the decoded rows; only
+    prefix, token (or ``batch``) and row are concatenated.  None when a
+    row's line might exceed ``max_line_length`` (the bound of
+    :func:`encode_rdata_lines`, which drops such rows): the caller then
+    takes the facts one by one (:func:`encode_written_fact`).
+    """
+    n = len(rows)
+    if not n:
+        return EncodedLines()
+    prefix = _prefix(stream_name, instance_name)
+    if b"\r" in prefix:
+        return None  # lines are split at line ends when read one by one
+    marks: Sequence[Any]
+    if facts == n:
+        marks = tokens
+    else:
+        batch_marks: List[Any] = list(tokens)
+        for i in range(n - 1):
+            if tokens[i] == tokens[i + 1]:
+                batch_marks[i] = _BATCH
+        marks = batch_marks
+    heads = _dumps(marks)[1:-1].split(b",")
+    out: List[Any] = [prefix, None, b" ", None] * n
+    out[1::4] = heads
+    out[3::4] = rows
+    data = b"".join(out)
+    # A row's JSON line may take max_line_length - len(prefix) - max(digits
+    # of its token, len("batch")) bytes.  Every row is within that if every
+    # line (prefix, token or "batch", space, JSON) is within the widest such
+    # mark less the narrowest: shown by the length of all of them (a few
+    # rows), else searched for, not measured line by line.
+    last = len(heads[-1])  # the last row's token: its fact's last row
+    first = len(heads[0]) if heads[0] != b"batch" else len(b"%d" % tokens[0])
+    widest = max(first, last, 5)
+    bound = max_line_length - widest + (min(first, 5) if tokens[0] > 0 else 1)
+    if len(data) > bound and not _gaps_within(data, bound, b"\n") and \
+            max(map(len, rows)) > max_line_length - len(prefix) - widest:
+        return None
+    return EncodedLines.of_joined(data, n)
+
+
+_prefixes: Dict[Tuple[str, str], bytes] = {}
+
+
+def _prefix(stream_name: str, instance_name: str) -> bytes:
+    """``RDATA <stream> <instance> `` (kept: the fan-out's writers are few)."""
+    key = (stream_name, instance_name)
+    prefix = _prefixes.get(key)
+    if prefix is None:
+        if len(_prefixes) >= 256:
+            _prefixes.clear()
+        prefix = _prefixes[key] = (b"RDATA " + stream_name.encode() + b" "
+                                   + instance_name.encode() + b" ")
+    return prefix
+
+
+def encode_written_fact(stream_name: str, instance_name: str, token: int,
+                        rows: Sequence[bytes],
+                        max_line_length: int = MAX_LINE_LENGTH) -> Optional[List[bytes]]:
+    """The RDATA lines of one fact from its rows' JSON lines (see
+    :func:`encode_written`); None if one of them is too long (exactly the
+    rows :func:`encode_rdata_lines` would drop)."""
+    prefix = _prefix(stream_name, instance_name)
+    head = b"%d" % token
+    room = max_line_length - len(prefix) - max(len(head), 5)  # JSON + newline
+    if max(map(len, rows)) > room:
+        return None
+    batch = prefix + b"batch "
+    out = [batch + row for row in rows[:-1]]
+    out.append(prefix + head + b" " + rows[-1])
+    return out
 
 
 def _encode_rdata_lines_each(
