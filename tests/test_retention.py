@@ -463,10 +463,9 @@ class PostgresRetentionTests(TestCase):
         for i in range(30):
             await master.write_fact([["x", i]])
         # Retention ran up to 20 (here by hand: the table and its boundary).
-        _pg(self.dsn, ("CREATE TABLE IF NOT EXISTS stream_retention (stream_name TEXT PRIMARY "
-                       "KEY, trimmed_through BIGINT NOT NULL)", ()),
+        _pg(self.dsn, (schema.RETENTION_DDL, ()),
             ("DELETE FROM events_stream WHERE stream_id <= 20", ()),
-            ("INSERT INTO stream_retention VALUES ('events', 20)", ()))
+            ("INSERT INTO stream_retention VALUES ('events_stream', 20)", ()))
         reader_side = (await self.registry("worker1", streams)).get("events")
         from replicator.background import Background
         from replicator.replication.core.delivery import make_reader
@@ -505,13 +504,45 @@ class PostgresRetentionTests(TestCase):
         lock = psycopg2.connect(self.dsn)
         self.addCleanup(lock.close)
         with lock.cursor() as cur:  # the first trimmer, mid-batch
-            cur.execute("SELECT 1 FROM stream_retention WHERE stream_name = 'events' FOR UPDATE")
+            cur.execute("SELECT 1 FROM stream_retention WHERE table_name = 'events_stream' "
+                        "FOR UPDATE")
             self.assertEqual(await second.trim(), 0)
             self.assertEqual(second.last_pass, [])
             self.assertEqual(self.ids(), before)
         lock.commit()
         self.assertEqual(await second.trim(), 10)
         self.assertEqual(len(self.ids()), 2)
+
+    async def test_two_deployments_one_stream_name_two_tables(self):
+        """Two deployments share one database, each with a stream named
+        ``events`` in a table of its own: the trim boundary is the table's.
+        Trimming one leaves the other's boundary and facts alone, its
+        readers read on, and both trimmers run, even at once.  (Different
+        instance names: ``stream_positions`` rows are keyed by stream name.)"""
+        ours = [dict(events(max_facts=3), writers=["master"])]
+        theirs = [dict(events(max_facts=3), table="revents_stream", writers=["rmaster"])]
+        a = (await self.registry("master", ours)).get("events")
+        b = (await self.registry("rmaster", theirs)).get("events")
+        for stream in (a, b):
+            for i in range(10):
+                await stream.write_fact([["x", i]])
+            await stream.flush_positions()
+        self.assertEqual(await Trimmer(a.config, a.db, reactor).trim(), 7)
+        facts, _, _ = await b.facts_since("rmaster", 0, 10, 100)  # no gap
+        self.assertEqual([t for t, _ in facts], list(range(1, 11)))
+        lock = psycopg2.connect(self.dsn)  # the first deployment's trimmer, mid-batch
+        self.addCleanup(lock.close)
+        with lock.cursor() as cur:
+            cur.execute("SELECT 1 FROM stream_retention WHERE table_name = 'events_stream' "
+                        "FOR UPDATE")
+            self.assertEqual(await Trimmer(b.config, b.db, reactor).trim(), 7)
+        lock.commit()
+        self.assertEqual(_pg(self.dsn, ("SELECT table_name, trimmed_through FROM "
+                                        "stream_retention ORDER BY 1", ())),
+                         [("events_stream", 7), ("revents_stream", 7)])
+        self.assertEqual(self.ids(), [8, 9, 10])
+        facts, _, _ = await a.facts_since("master", 7, 10, 100)
+        self.assertEqual([t for t, _ in facts], [8, 9, 10])
 
     async def test_a_fan_out_below_the_boundary_announces_it(self):
         """A fan-out whose unannounced facts were trimmed sends ``POSITION b
@@ -633,7 +664,7 @@ class StoppedReaderTests(SynchronousTestCase):
     def snapshot(self):
         rows = _pg(self.dsn, ("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", ()),
                    ("SELECT (SELECT COALESCE(MAX(trimmed_through), 0) FROM stream_retention "
-                    "WHERE stream_name = 'events'), (SELECT MIN(stream_id) FROM "
+                    "WHERE table_name = 'events_stream'), (SELECT MIN(stream_id) FROM "
                     "stream_positions WHERE stream_name = 'events')", ()))
         return rows[0]
 
@@ -668,7 +699,8 @@ class StoppedReaderTests(SynchronousTestCase):
         wait_for(lambda: "retention trimmed" in master.output(), 60, "the pass's log line")
         # The table and its boundary in one snapshot (the trimmer runs on).
         boundary, left = _pg(self.dsn, ("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", ()), (
-            "SELECT (SELECT trimmed_through FROM stream_retention WHERE stream_name = 'events'),"
+            "SELECT (SELECT trimmed_through FROM stream_retention WHERE table_name = "
+            "'events_stream'),"
             " ARRAY(SELECT stream_id FROM events_stream ORDER BY 1)", ()))[0]
         self.assertEqual(left, [i for i in first + later if i > boundary])
 
