@@ -17,7 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_instance
 from replicator.consumers.jsonl_files import rotated_files
-from replicator.storage.schema import table_ddl
+from replicator.storage.schema import RETENTION_DDL, table_ddl
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 from tests.test_consumers import temp_dir
@@ -87,6 +87,32 @@ class VerifyTests(SynchronousTestCase):
         self.assertEqual((code, err), (0, ""), out)
         self.assertIn("verify: EQUAL: 20 facts, each exactly once, in order, whole", out)
         self.assertEqual(self.verify("out/facts.jsonl")[0], 0)
+
+    def trim(self, upto):
+        """Retention ran up to ``upto``: the facts and the table's boundary."""
+        with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(RETENTION_DDL)
+            cur.execute("DELETE FROM cache_invalidation_stream WHERE stream_id <= %s", (upto,))
+            cur.execute("INSERT INTO stream_retention VALUES ('cache_invalidation_stream', %s) "
+                        "ON CONFLICT (table_name) DO UPDATE SET trimmed_through = %s",
+                        (upto, upto))
+
+    def test_facts_trimmed_from_the_table_are_counted_not_compared(self):
+        """The output's oldest facts predate the trim boundary: those are
+        counted apart, the rest compared (a difference there still is one)."""
+        self.output([(t, self.rows[t]) for t in range(1, 21)])
+        self.trim(8)
+        code, out, err = self.verify()
+        self.assertEqual((code, err), (0, ""), out)
+        self.assertIn("  caches/master: 20 facts, checked after 0 to 20: 12 matched; no "
+                      "differences; 8 trimmed from the table (not compared)\n", out)
+        self.assertIn("verify: EQUAL: 12 facts, each exactly once, in order, whole (8 "
+                      "trimmed from the table, not compared)", out)
+        self.output([(t, self.rows[t]) for t in range(3, 21) if t != 12])
+        code, out, err = self.verify()
+        self.assertEqual((code, err), (1, ""), out)
+        self.assertIn("11 matched; 1 missing; 6 trimmed from the table (not compared)", out)
+        self.assertIn("verify: DIFFERENT: 1 missing\n", out)
 
     def test_every_kind_of_difference_is_named_and_counted(self):
         facts = [(t, self.rows[t]) for t in range(1, 21) if t != 7]  # 7 missing
