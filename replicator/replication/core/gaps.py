@@ -77,9 +77,9 @@ class TrimGaps:
         (docs/operations.md, "Retention gaps"), with the exact command for
         each consumer that has a file."""
         config = self.config_path or "CONFIG"
-        commands = [f"`replicator rewind -c {config} {c.path} --stream {gap.stream} "
-                    f"--skip-to {gap.boundary}`" for c in behind
-                    if isinstance(getattr(c, "path", None), str)]
+        paths = [getattr(c, "path", None) for c in behind]
+        commands = [f"`replicator rewind -c {config} {path} --stream {gap.stream} "
+                    f"--skip-to {gap.boundary}`" for path in paths if isinstance(path, str)]
         others = len(behind) - len(commands)
         run = f"run {' and '.join(commands)}" if commands else ""
         move = (f"{'and ' if commands else ''}move the other consumers past {gap.boundary}"
