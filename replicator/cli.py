@@ -86,6 +86,7 @@ def cmd_run(args) -> None:
         _fail(str(e), e.code)
 
     config_path = os.path.abspath(args.config)
+    instance.handler.gaps.config_path = config_path  # (named in a gap's command)
 
     async def main(reactor):
         reload_on_hup(reactor, instance, config_path)
@@ -426,11 +427,14 @@ def parser() -> argparse.ArgumentParser:
     positions.add_argument("--json", action="store_true")
     positions.set_defaults(fn=cmd_positions)
     rewind = sub.add_parser("rewind", help="deliver a jsonl consumer's facts again from a "
-                            "token or a time (the daemon stopped)")
+                            "token or a time, or skip them up to a token (the daemon stopped)")
     rewind.add_argument("-c", "--config", required=True)
     rewind.add_argument("consumer", help="the consumer: its index (0, 1, ...) or its path")
-    rewind.add_argument("--to", required=True, metavar="TOKEN|TIME",
-                        help="a token, or a time (ISO 8601, e.g. 2026-11-25T10:00:00Z)")
+    point = rewind.add_mutually_exclusive_group(required=True)
+    point.add_argument("--to", metavar="TOKEN|TIME",
+                       help="a token, or a time (ISO 8601, e.g. 2026-11-25T10:00:00Z)")
+    point.add_argument("--skip-to", metavar="TOKEN", dest="skip_to",
+                       help="skip the facts up to this token (a retention gap: accept the loss)")
     rewind.add_argument("--stream", help="only this stream (needed with a token when the "
                         "consumer reads several)")
     rewind.set_defaults(fn=cmd_rewind)

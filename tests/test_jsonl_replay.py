@@ -17,7 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_instance
 from replicator.consumers.jsonl_files import rotated_files
-from replicator.storage.schema import table_ddl
+from replicator.storage.schema import RETENTION_DDL, table_ddl
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 from tests.test_consumers import temp_dir
@@ -87,6 +87,93 @@ class VerifyTests(SynchronousTestCase):
         self.assertEqual((code, err), (0, ""), out)
         self.assertIn("verify: EQUAL: 20 facts, each exactly once, in order, whole", out)
         self.assertEqual(self.verify("out/facts.jsonl")[0], 0)
+
+    def trim(self, upto):
+        """Retention ran up to ``upto``: the facts and the table's boundary."""
+        with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute(RETENTION_DDL)
+            cur.execute("DELETE FROM cache_invalidation_stream WHERE stream_id <= %s", (upto,))
+            cur.execute("INSERT INTO stream_retention VALUES ('cache_invalidation_stream', %s) "
+                        "ON CONFLICT (table_name) DO UPDATE SET trimmed_through = %s",
+                        (upto, upto))
+
+    def test_facts_trimmed_from_the_table_are_counted_not_compared(self):
+        """The output's oldest facts predate the trim boundary: those are
+        counted apart, the rest compared (a difference there still is one)."""
+        self.output([(t, self.rows[t]) for t in range(1, 21)])
+        self.trim(8)
+        code, out, err = self.verify()
+        self.assertEqual((code, err), (0, ""), out)
+        self.assertIn("  caches/master: 20 facts, checked after 0 to 20: 12 matched; no "
+                      "differences; 8 trimmed from the table (not compared)\n", out)
+        self.assertIn("verify: EQUAL: 12 facts, each exactly once, in order, whole (8 "
+                      "trimmed from the table, not compared)", out)
+        self.output([(t, self.rows[t]) for t in range(3, 21) if t != 12])
+        code, out, err = self.verify()
+        self.assertEqual((code, err), (1, ""), out)
+        self.assertIn("11 matched; 1 missing; 6 trimmed from the table (not compared)", out)
+        self.assertIn("verify: DIFFERENT: 1 missing\n", out)
+
+    def test_rewind_refuses_a_point_retention_trimmed(self):
+        """A time or a token before what the table keeps is refused (one
+        line naming the boundary, exit 2), the file left alone: the next
+        start would stop at the gap again."""
+        self.output([(t, self.rows[t]) for t in range(1, 21)])
+        self.trim(8)
+        with open(self.path, "rb") as f:
+            before = f.read()
+        for args, message in [
+            (("--to", "1970-01-01T00:00:01Z"),
+             "rewind: --to 1970-01-01T00:00:01Z is before what stream caches keeps: facts "
+             "up to 8 were trimmed by retention (the oldest fact left, 9, is of "
+             "1970-01-01T00:00:09Z); rewind to that time or later"),
+            (("--to", "8", "--stream", "caches"),
+             "rewind: --to 8: stream caches keeps facts after 8 only (facts up to 8 were "
+             "trimmed by retention); rewind to 9 or above"),
+        ]:
+            code, out, err = replicator("rewind", "-c", "worker1.yaml", "0", *args, cwd=self.dir)
+            self.assertEqual((code, out, err), (2, "", f"replicator: {message}\n"))
+        with open(self.path, "rb") as f:
+            self.assertEqual(f.read(), before)
+        code, out, err = replicator("rewind", "-c", "worker1.yaml", "0", "--to",
+                                    "1970-01-01T00:00:09Z", cwd=self.dir)
+        self.assertEqual((code, err), (0, ""), out)
+        self.assertIn("position 20 -> 8 (the next start delivers from 9 again)", out)
+
+    def test_skip_to_accepts_the_loss(self):
+        """``--skip-to TOKEN`` moves a consumer behind the trim boundary past
+        it: position lines in the file, the skip counted; a token below its
+        position, below the boundary or beyond the stream is refused."""
+        self.output([(t, self.rows[t]) for t in range(1, 5)])  # stopped at 4
+        self.trim(8)
+
+        def skip(*args):
+            return replicator("rewind", "-c", "worker1.yaml", "0", "--skip-to", *args,
+                              cwd=self.dir)
+
+        for args, message in [
+            (("3",), "rewind: --skip-to 3 is not past consumers[0]'s position in stream "
+                     "caches (4): nothing would be skipped (--to delivers facts again)"),
+            (("5",), "rewind: --skip-to 5 is below stream caches's trim boundary 8: the next "
+                     "start would stop at the gap again; skip to 8 or above"),
+            (("99",), "rewind: --skip-to 99 is beyond stream caches (its last token is 20)"),
+            (("8", "--to", "3"), None),
+        ]:
+            code, out, err = skip(*args)
+            self.assertEqual((code, out), (2, ""), err)
+            if message is not None:
+                self.assertEqual(err, f"replicator: {message}\n")
+        code, out, err = skip("10")
+        self.assertEqual((code, err), (0, ""), out)
+        self.assertEqual(out, "rewind: caches/master: position 4 -> 10: skipped facts 5 to 10 "
+                              "(2 of them in the table; facts up to 8 were trimmed by "
+                              "retention)\n")
+        self.assertEqual(lines_of([self.path])[-1],
+                         {"stream": "caches", "writer": "master", "position": 10})
+        code, out, _ = self.verify()
+        self.assertEqual(code, 1, out)  # 9 and 10 were in the table: skipped, so missing
+        self.assertIn("4 trimmed from the table (not compared)", out)
+        self.assertIn("    missing: 9, 10\n", out)
 
     def test_every_kind_of_difference_is_named_and_counted(self):
         facts = [(t, self.rows[t]) for t in range(1, 21) if t != 7]  # 7 missing

@@ -202,10 +202,11 @@ class JsonPagesSuite:
                     sql = stream.db.sql
                     cursor.execute(sql(f"DELETE FROM {stream.config.table} "
                                        "WHERE stream_id <= %s"), (upto,))
-                    cursor.execute(sql("DELETE FROM stream_retention WHERE stream_name = %s"),
-                                   (name,))
-                    cursor.execute(sql("INSERT INTO stream_retention (stream_name, "
-                                       "trimmed_through) VALUES (%s, %s)"), (name, upto))
+                    key = stream.config.table
+                    cursor.execute(sql("DELETE FROM stream_retention WHERE table_name = %s"),
+                                   (key,))
+                    cursor.execute(sql("INSERT INTO stream_retention (table_name, "
+                                       "trimmed_through) VALUES (%s, %s)"), (key, upto))
                 await stream.db.runInteraction(txn)
 
             await trim(4)  # rows above: the boundary comes with them

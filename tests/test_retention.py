@@ -7,6 +7,8 @@ skip them when it comes back (real processes)."""
 
 import json
 import os
+import re
+import shlex
 import signal
 import sqlite3
 import tempfile
@@ -33,7 +35,7 @@ from replicator.streams.trimmed import FactsTrimmed
 from tests.fakes import FakeConnection
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.support import until
-from tests.test_cli import SECRET, Daemon, base_config, http
+from tests.test_cli import SECRET, Daemon, base_config, cli, http
 
 EVENTS = {
     "name": "events", "table": "events_stream",
@@ -312,16 +314,18 @@ class GapReaderTests(SynchronousTestCase):
 
 class GapHealthTests(SynchronousTestCase):
     def test_the_finding_names_the_consumer_and_the_gap(self):
-        gaps = TrimGaps()
+        gaps = TrimGaps("/etc/replicator/worker1.yaml")
         behind = MemoryConsumer({("events", "master"): 120})
         behind.path = "/var/lib/replicator/facts.jsonl"
         ahead = MemoryConsumer({("events", "master"): 900})
         text = gaps.report(FactsTrimmed("events", "master", 120, 500), [behind, ahead])
         self.assertEqual(text, "stream events: consumer /var/lib/replicator/facts.jsonl needs "
                                "facts of writer master after 120 but facts up to 500 were "
-                               "trimmed by retention; the stream is stopped here: run "
-                               "`replicator rewind` to choose where its consumers go on, then "
-                               "restart")
+                               "trimmed by retention; the stream is stopped here: to accept "
+                               "the loss, stop this instance, run `replicator rewind -c "
+                               "/etc/replicator/worker1.yaml /var/lib/replicator/facts.jsonl "
+                               "--stream events --skip-to 500`, then start it (or restore the "
+                               "facts: docs/operations.md, \"Retention gaps\")")
         self.assertTrue(gaps.stopped("events"))
         self.assertFalse(gaps.stopped("other"))
         # Reported once.
@@ -463,10 +467,9 @@ class PostgresRetentionTests(TestCase):
         for i in range(30):
             await master.write_fact([["x", i]])
         # Retention ran up to 20 (here by hand: the table and its boundary).
-        _pg(self.dsn, ("CREATE TABLE IF NOT EXISTS stream_retention (stream_name TEXT PRIMARY "
-                       "KEY, trimmed_through BIGINT NOT NULL)", ()),
+        _pg(self.dsn, (schema.RETENTION_DDL, ()),
             ("DELETE FROM events_stream WHERE stream_id <= 20", ()),
-            ("INSERT INTO stream_retention VALUES ('events', 20)", ()))
+            ("INSERT INTO stream_retention VALUES ('events_stream', 20)", ()))
         reader_side = (await self.registry("worker1", streams)).get("events")
         from replicator.background import Background
         from replicator.replication.core.delivery import make_reader
@@ -505,13 +508,45 @@ class PostgresRetentionTests(TestCase):
         lock = psycopg2.connect(self.dsn)
         self.addCleanup(lock.close)
         with lock.cursor() as cur:  # the first trimmer, mid-batch
-            cur.execute("SELECT 1 FROM stream_retention WHERE stream_name = 'events' FOR UPDATE")
+            cur.execute("SELECT 1 FROM stream_retention WHERE table_name = 'events_stream' "
+                        "FOR UPDATE")
             self.assertEqual(await second.trim(), 0)
             self.assertEqual(second.last_pass, [])
             self.assertEqual(self.ids(), before)
         lock.commit()
         self.assertEqual(await second.trim(), 10)
         self.assertEqual(len(self.ids()), 2)
+
+    async def test_two_deployments_one_stream_name_two_tables(self):
+        """Two deployments share one database, each with a stream named
+        ``events`` in a table of its own: the trim boundary is the table's.
+        Trimming one leaves the other's boundary and facts alone, its
+        readers read on, and both trimmers run, even at once.  (Different
+        instance names: ``stream_positions`` rows are keyed by stream name.)"""
+        ours = [dict(events(max_facts=3), writers=["master"])]
+        theirs = [dict(events(max_facts=3), table="revents_stream", writers=["rmaster"])]
+        a = (await self.registry("master", ours)).get("events")
+        b = (await self.registry("rmaster", theirs)).get("events")
+        for stream in (a, b):
+            for i in range(10):
+                await stream.write_fact([["x", i]])
+            await stream.flush_positions()
+        self.assertEqual(await Trimmer(a.config, a.db, reactor).trim(), 7)
+        facts, _, _ = await b.facts_since("rmaster", 0, 10, 100)  # no gap
+        self.assertEqual([t for t, _ in facts], list(range(1, 11)))
+        lock = psycopg2.connect(self.dsn)  # the first deployment's trimmer, mid-batch
+        self.addCleanup(lock.close)
+        with lock.cursor() as cur:
+            cur.execute("SELECT 1 FROM stream_retention WHERE table_name = 'events_stream' "
+                        "FOR UPDATE")
+            self.assertEqual(await Trimmer(b.config, b.db, reactor).trim(), 7)
+        lock.commit()
+        self.assertEqual(_pg(self.dsn, ("SELECT table_name, trimmed_through FROM "
+                                        "stream_retention ORDER BY 1", ())),
+                         [("events_stream", 7), ("revents_stream", 7)])
+        self.assertEqual(self.ids(), [8, 9, 10])
+        facts, _, _ = await a.facts_since("master", 7, 10, 100)
+        self.assertEqual([t for t, _ in facts], [8, 9, 10])
 
     async def test_a_fan_out_below_the_boundary_announces_it(self):
         """A fan-out whose unannounced facts were trimmed sends ``POSITION b
@@ -633,7 +668,7 @@ class StoppedReaderTests(SynchronousTestCase):
     def snapshot(self):
         rows = _pg(self.dsn, ("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", ()),
                    ("SELECT (SELECT COALESCE(MAX(trimmed_through), 0) FROM stream_retention "
-                    "WHERE stream_name = 'events'), (SELECT MIN(stream_id) FROM "
+                    "WHERE table_name = 'events_stream'), (SELECT MIN(stream_id) FROM "
                     "stream_positions WHERE stream_name = 'events')", ()))
         return rows[0]
 
@@ -668,7 +703,8 @@ class StoppedReaderTests(SynchronousTestCase):
         wait_for(lambda: "retention trimmed" in master.output(), 60, "the pass's log line")
         # The table and its boundary in one snapshot (the trimmer runs on).
         boundary, left = _pg(self.dsn, ("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ", ()), (
-            "SELECT (SELECT trimmed_through FROM stream_retention WHERE stream_name = 'events'),"
+            "SELECT (SELECT trimmed_through FROM stream_retention WHERE table_name = "
+            "'events_stream'),"
             " ARRAY(SELECT stream_id FROM events_stream ORDER BY 1)", ()))[0]
         self.assertEqual(left, [i for i in first + later if i > boundary])
 
@@ -691,8 +727,11 @@ class StoppedReaderTests(SynchronousTestCase):
         self.assertTrue(reason.startswith(
             f"stream events: consumer {os.path.join(worker.dir, 'facts.jsonl')} needs facts "
             f"of writer master after {position} but facts up to "), reason)
-        self.assertIn("were trimmed by retention; the stream is stopped here: run "
-                      "`replicator rewind`", reason)
+        command = re.search(r"run `replicator (rewind [^`]*)`", reason)
+        self.assertIsNotNone(command, reason)
+        self.assertEqual(shlex.split(command.group(1))[:5],
+                         ["rewind", "-c", worker.path, os.path.join(worker.dir, "facts.jsonl"),
+                          "--stream"], reason)
         self.assertLessEqual(int(reason.split("facts up to ")[1].split()[0]), trimmed)
         status = json.loads(http(worker.http_base + "/status.json")[1])
         self.assertIn("trimmed", [f["kind"] for f in status["findings"]])
@@ -709,16 +748,26 @@ class StoppedReaderTests(SynchronousTestCase):
         self.assertEqual(worker.output().count("trimmed by retention"), 1, worker.output())
 
         # The operator accepts the loss (docs/operations.md, "Retention gaps"):
-        # the worker stopped, a position line at the boundary appended to its
-        # file, started again: it goes on from the boundary.
+        # the worker stopped, the command its gap names run, started again:
+        # it goes on from the boundary.
         worker.kill(signal.SIGTERM)
         # No more writes: the trimmer settles with the 5 newest facts kept.
         settled = sorted(first + later + [last])[-6]
         wait_for(lambda: self.snapshot()[0] == settled, 60, "the last trim")
         boundary = self.snapshot()[0]
-        with open(os.path.join(worker.dir, "facts.jsonl"), "a") as f:
-            f.write(json.dumps({"stream": "events", "writer": "master",
-                                "position": boundary}) + "\n")
+        # The gap's boundary is behind the one now: its command is refused,
+        # naming the boundary to skip to.
+        args = shlex.split(command.group(1))
+        done = cli(*args, cwd=worker.dir)
+        self.assertEqual((done.returncode, done.stdout), (2, ""), done.stderr)
+        self.assertIn(f"below stream events's trim boundary {boundary}: the next start would "
+                      f"stop at the gap again; skip to {boundary} or above", done.stderr)
+        done = cli(*args[:-1], str(boundary), cwd=worker.dir)
+        self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
+        self.assertEqual(done.stdout, f"rewind: events/master: position {position} -> "
+                                      f"{boundary}: skipped facts {position + 1} to {boundary} "
+                                      f"(0 of them in the table; facts up to {boundary} were "
+                                      f"trimmed by retention)\n")
         worker.start()
         left = [r[0] for r in _pg(self.dsn, ("SELECT stream_id FROM events_stream ORDER BY 1",
                                              ()))]
@@ -727,3 +776,12 @@ class StoppedReaderTests(SynchronousTestCase):
         for d in (master, worker):
             d.kill(signal.SIGTERM)
             self.assertEqual(d.proc.returncode, 0, d.output()[-2000:])
+        # verify: the facts before the skip are trimmed (not compared), the
+        # rest equal; the position line marks the skip.
+        done = cli("verify", "-c", worker.path, "0", cwd=worker.dir)
+        self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
+        self.assertIn(f"  events/master: {len(first + left)} facts, checked after 0 to "
+                      f"{left[-1]}: {len(left)} matched; no differences; {len(first)} trimmed "
+                      f"from the table (not compared)\n", done.stdout)
+        self.assertIn(f"verify: EQUAL: {len(left) + 1} facts, each exactly once, in order, "
+                      f"whole ({len(first)} trimmed from the table, not compared)", done.stdout)

@@ -530,11 +530,23 @@ class JsonlConsumer(Consumer):
         rewind line per key, then the state file (the commit; a rewind cut
         short before it is cut off the file on the next open).  Only on a
         consumer with nothing buffered (``replicator rewind``)."""
+        return self._set_positions(positions, "rewind")
+
+    def skip(self, positions: Dict[Key, int]) -> defer.Deferred:
+        """Set the positions of the keys in ``positions`` (raise them: the
+        facts up to them are never delivered, a retention gap accepted) as
+        one transaction: one position line per key, then the state file.
+        The position lines record the skip; one written without the state
+        file (a crash between) is a position all the same.  Only on a
+        consumer with nothing buffered (``replicator rewind --skip-to``)."""
+        return self._set_positions(positions, "position")
+
+    def _set_positions(self, positions: Dict[Key, int], kind: str) -> defer.Deferred:
         assert not (self._buffer or self._pending_positions or self._unwritten)
         handle = self._file
         if handle is None or not positions:
             return defer.succeed(None)
-        data = b"".join(encode_json_line({"stream": s, "writer": w, "rewind": token})
+        data = b"".join(encode_json_line({"stream": s, "writer": w, kind: token})
                         for (s, w), token in sorted(positions.items()))
         target = {**self._durable, **positions}
         d = self._run_io(self._write_job, handle, data, self._heading(), target, False,

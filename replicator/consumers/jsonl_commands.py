@@ -17,7 +17,18 @@ again, per stream, so with ``--stream`` when the consumer reads more than
 one) or a time (ISO 8601, e.g. ``2026-11-25T10:00:00Z``; without a zone,
 UTC): per stream, the first fact whose ``timestamp_column`` (milliseconds
 since the epoch) is at or after it, so a stream without a
-``timestamp_column`` cannot be rewound to a time.
+``timestamp_column`` cannot be rewound to a time.  A point retention has
+trimmed (a token at or below the stream's trim boundary, a time before the
+oldest fact left) is refused: the next start would stop at the gap again.
+
+``--skip-to TOKEN`` goes the other way, for a retention gap
+(docs/operations.md, "Retention gaps"): the consumer's positions in the
+stream below ``TOKEN`` move up to it, so the facts up to it are never
+delivered (the loss accepted).  The same transaction as a rewind, with
+position lines: the file records where it skipped.  Refused (exit 2): a
+token not past any of the consumer's positions in the stream, below the
+stream's trim boundary (the next start would stop again), or beyond the
+stream.
 
 Exit codes: 0 done (or verify: equal), 1 verify: different, or a runtime
 failure (the daemon holds the output, the database unreachable), 2 a usage
@@ -34,6 +45,7 @@ from twisted.internet import defer, task
 from ..config.model import InstanceConfig, StreamConfig
 from ..storage import schema
 from ..storage.database import Database
+from ..streams.trimmed import TrimCheck, boundary_key
 
 Key = Tuple[str, str]
 
@@ -78,13 +90,16 @@ def find_jsonl(config: InstanceConfig, name: str) -> Tuple[str, str, Tuple[str, 
     return where, os.path.abspath(consumer.options["path"]), streams
 
 
-def parse_point(text: str) -> Tuple[Optional[int], Optional[int]]:
-    """``(token, None)`` or ``(None, milliseconds since the epoch)``."""
+def parse_point(text: str, flag: str = "--to") -> Tuple[Optional[int], Optional[int]]:
+    """``(token, None)`` or ``(None, milliseconds since the epoch)``;
+    ``flag`` other than ``--to`` takes a token only."""
     if text.lstrip("-").isdigit():
         token = int(text)
         if not 1 <= token < 1 << 63:
-            raise Usage(f"rewind: --to {text}: a token is from 1 to 2^63-1")
+            raise Usage(f"rewind: {flag} {text}: a token is from 1 to 2^63-1")
         return token, None
+    if flag != "--to":
+        raise Usage(f"rewind: {flag} {text!r} is not a token (an integer)")
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
@@ -106,17 +121,54 @@ def _last_token(txn, stream: StreamConfig, db) -> int:
     return top
 
 
+def _boundary(txn, stream: StreamConfig, db) -> int:
+    """The trim boundary of the stream's table (0: nothing trimmed)."""
+    if stream.preset is not None:
+        return 0  # Synapse's tables are never trimmed
+    return TrimCheck(stream.name, boundary_key(stream), db.is_postgres, db.sql).boundary(txn)
+
+
+def _iso(ms: int) -> str:
+    when = datetime.fromtimestamp(ms / 1000, timezone.utc)
+    text = when.strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
+
+
+def _check_kept(txn, stream: StreamConfig, db, text: str, token: Optional[int],
+                ms: Optional[int]) -> None:
+    """Refuse a point before what the stream's table keeps (trimmed by
+    retention): delivering again from there would stop at the gap."""
+    boundary = _boundary(txn, stream, db)
+    if not boundary:
+        return
+    if token is not None:
+        if token <= boundary:
+            raise Usage(f"rewind: --to {token}: stream {stream.name} keeps facts after "
+                        f"{boundary} only (facts up to {boundary} were trimmed by retention); "
+                        f"rewind to {boundary + 1} or above")
+        return
+    idc, ts = stream.id_column, stream.timestamp_column
+    txn.execute(f"SELECT {idc}, MIN({ts}) FROM {stream.table} WHERE {idc} = "
+                f"(SELECT MIN({idc}) FROM {stream.table}) GROUP BY {idc}")
+    oldest = txn.fetchone()
+    if oldest is not None and ms is not None and ms < oldest[1]:
+        raise Usage(f"rewind: --to {text} is before what stream {stream.name} keeps: facts "
+                    f"up to {boundary} were trimmed by retention (the oldest fact left, "
+                    f"{oldest[0]}, is of {_iso(oldest[1])}); rewind to that time or later")
+
+
 def _first_at(txn, stream: StreamConfig, db, ms: Optional[int]) -> Optional[int]:
     txn.execute(db.sql(f"SELECT MIN({stream.id_column}) FROM {stream.table} "
                        f"WHERE {stream.timestamp_column} >= %s"), (ms,))
     return txn.fetchone()[0]
 
 
-def _points(txn, db, streams: List[StreamConfig], token: Optional[int], ms: Optional[int]
-            ) -> Dict[str, Optional[int]]:
+def _points(txn, db, streams: List[StreamConfig], text: str, token: Optional[int],
+            ms: Optional[int]) -> Dict[str, Optional[int]]:
     """Per stream, the first token delivered again (None: nothing to)."""
     points: Dict[str, Optional[int]] = {}
     for stream in streams:
+        _check_kept(txn, stream, db, text, token, ms)
         if token is not None:
             last = _last_token(txn, stream, db)
             if token > last:
@@ -128,20 +180,40 @@ def _points(txn, db, streams: List[StreamConfig], token: Optional[int], ms: Opti
     return points
 
 
+def _skip_bounds(txn, db, stream: StreamConfig, token: int) -> int:
+    """The stream's trim boundary; refuse a token beyond the stream."""
+    last = _last_token(txn, stream, db)
+    if token > last:
+        raise Usage(f"rewind: --skip-to {token} is beyond stream {stream.name} (its last "
+                    f"token is {last})")
+    return _boundary(txn, stream, db)
+
+
+def _in_table(txn, db, stream: StreamConfig, writer: str, after: int, upto: int) -> int:
+    """How many facts of ``writer`` the table holds after ``after`` up to ``upto``."""
+    where = f"{stream.writer_column} = %s AND " if stream.writer_column else ""
+    txn.execute(db.sql(f"SELECT COUNT(DISTINCT {stream.id_column}) FROM {stream.table} "
+                       f"WHERE {where}{stream.id_column} > %s AND {stream.id_column} <= %s"),
+                ((writer,) if stream.writer_column else ()) + (after, upto))
+    return int(txn.fetchone()[0])
+
+
 def cmd_rewind(config: InstanceConfig, args) -> None:
     from .file_thread import run_inline
     from .jsonl import JsonlConsumer, JsonlError
 
+    skip = getattr(args, "skip_to", None) is not None
+    flag, text = ("--skip-to", args.skip_to) if skip else ("--to", args.to)
     try:
         where, path, streams = find_jsonl(config, args.consumer)
-        token, ms = parse_point(args.to)
+        token, ms = parse_point(text, flag)
         if args.stream is not None:
             if args.stream not in streams:
                 raise Usage(f"rewind: {where} does not read stream {args.stream!r} (it reads "
                             f"{', '.join(streams)})")
             streams = (args.stream,)
         if token is not None and len(streams) > 1:
-            raise Usage(f"rewind: --to TOKEN needs --stream (tokens are per stream; {where} "
+            raise Usage(f"rewind: {flag} TOKEN needs --stream (tokens are per stream; {where} "
                         f"reads {', '.join(streams)})")
         by_name = {s.name: s for s in config.streams}
         chosen = [by_name[name] for name in streams]
@@ -154,23 +226,67 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
     except Usage as e:
         _fail(str(e), 2)
 
+    def open_output(reactor) -> "JsonlConsumer":
+        try:
+            return JsonlConsumer(path, reactor, run_io=run_inline, streams=streams)
+        except JsonlError as e:
+            if "in use" in str(e):
+                _fail(f"rewind: {path} is in use: stop the daemon first (a running reader "
+                      f"holds its positions in memory and would write over the rewind)", 1)
+            _fail(f"rewind: {e}", 1)
+
+    async def skip_main(reactor):
+        assert token is not None
+        stream = chosen[0]
+        db = Database(config.database)
+        try:
+            try:
+                boundary = await db.runInteraction(_skip_bounds, db, stream, token)
+            except Usage as e:
+                _fail(str(e), 2)
+            except Exception as e:
+                _fail(f"rewind: cannot read the stream's table: {e}", 1)
+            consumer = open_output(reactor)
+            try:
+                current = {k: p for k, p in consumer.positions().items() if k[0] == stream.name}
+                raised = {k: token for k, p in current.items() if p < token}
+                if not raised:
+                    at = f" ({max(current.values())})" if current else " (it has none)"
+                    _fail(f"rewind: --skip-to {token} is not past {where}'s position in stream "
+                          f"{stream.name}{at}: nothing would be skipped (--to delivers facts "
+                          f"again)", 2)
+                if token < boundary:
+                    _fail(f"rewind: --skip-to {token} is below stream {stream.name}'s trim "
+                          f"boundary {boundary}: the next start would stop at the gap again; "
+                          f"skip to {boundary} or above", 2)
+                counts = {}
+                for key in raised:
+                    counts[key] = await db.runInteraction(_in_table, db, stream, key[1],
+                                                          current[key], token)
+                await consumer.skip(raised)
+            finally:
+                await consumer.close()
+        finally:
+            db.close()
+        for (name, writer), position in sorted(raised.items()):
+            before = current[(name, writer)]
+            trimmed = (f"; facts up to {boundary} were trimmed by retention"
+                       if boundary > before else "")
+            print(f"rewind: {name}/{writer}: position {before} -> {position}: skipped facts "
+                  f"{before + 1} to {position} ({counts[(name, writer)]} of them in the "
+                  f"table{trimmed})", flush=True)
+
     async def main(reactor):
         db = Database(config.database)
         try:
-            points = await db.runInteraction(_points, db, chosen, token, ms)
+            points = await db.runInteraction(_points, db, chosen, text, token, ms)
         except Usage as e:
             _fail(str(e), 2)
         except Exception as e:
             _fail(f"rewind: cannot read the streams' tables: {e}", 1)
         finally:
             db.close()
-        try:
-            consumer = JsonlConsumer(path, reactor, run_io=run_inline, streams=streams)
-        except JsonlError as e:
-            if "in use" in str(e):
-                _fail(f"rewind: {path} is in use: stop the daemon first (a running reader "
-                      f"holds its positions in memory and would write over the rewind)", 1)
-            _fail(f"rewind: {e}", 1)
+        consumer = open_output(reactor)
         try:
             current = consumer.positions()
             lowered = {}
@@ -183,16 +299,17 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
             await consumer.close()
         for name in streams:
             if points[name] is None:
-                print(f"rewind: {name}: no fact at or after {args.to}; nothing to deliver "
+                print(f"rewind: {name}: no fact at or after {text}; nothing to deliver "
                       f"again", flush=True)
         for (stream, writer), position in sorted(lowered.items()):
             print(f"rewind: {stream}/{writer}: position {current[(stream, writer)]} -> "
                   f"{position} (the next start delivers from {position + 1} again)",
                   flush=True)
         if not lowered:
-            print(f"rewind: nothing to do: {where} is not past {args.to}", flush=True)
+            print(f"rewind: nothing to do: {where} is not past {text}", flush=True)
 
-    task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+    run = skip_main if skip else main
+    task.react(lambda reactor: defer.ensureDeferred(run(reactor)), [])
 
 
 def cmd_verify(config: InstanceConfig, args) -> None:

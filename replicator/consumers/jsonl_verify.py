@@ -20,6 +20,12 @@ what follows is delivered again by design, not duplicated.
 
 A fact with no rows has no row in the table: one in the file is fine, and
 one missing from it cannot be seen.
+
+A stream with retention: the table is read from its trim boundary on
+(:mod:`..streams.trimmed`; read when a stream's table is first read, and
+again if a trim moves it while verify runs), and the file's facts at or
+below it are counted as *trimmed from the table*: not compared, and not a
+difference (the table no longer says what they were).
 """
 
 import gzip
@@ -28,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 from ..config.model import InstanceConfig, StreamConfig
-from ..streams.pages import PageQuery
+from ..streams.pages import FactPage, PageQuery
+from ..streams.trimmed import FactsTrimmed, TrimCheck, boundary_key
 from .jsonl import parse_line
 from .jsonl_files import rotated_files
 
@@ -54,6 +61,7 @@ class KeyCheck:
     counts: Dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     examples: Dict[str, List[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
     behind: int = 0
+    trimmed: int = 0  # fact lines at or below the trim boundary (not compared)
     _table: Optional[Iterator] = None
     _next: Optional[Tuple[int, list]] = None
 
@@ -61,6 +69,11 @@ class KeyCheck:
         self.counts[kind] += n
         if len(self.examples[kind]) < EXAMPLES:
             self.examples[kind].append(example)
+
+
+class _Gone(Exception):
+    """The fact asked for is at or below the trim boundary (a trim moved it
+    while verify ran)."""
 
 
 @dataclass
@@ -112,6 +125,9 @@ class Verifier:
         self.path = path
         self.by_name = {s.name: s for s in config.streams}
         self.queries = {name: PageQuery(s, db) for name, s in self.by_name.items()}
+        self.trims = {name: TrimCheck(name, boundary_key(s), db.is_postgres, db.sql)
+                      for name, s in self.by_name.items() if s.preset is None}
+        self.boundaries: Dict[str, int] = {}  # per stream, as last read
 
     def run(self, txn) -> Result:
         paths = rotated_files(self.path) + ([self.path] if os.path.exists(self.path) else [])
@@ -157,11 +173,28 @@ class Verifier:
             check._table = self._table(txn, check, after)
             check._next = next(check._table, None)
 
+    def _boundary(self, txn, stream: StreamConfig) -> int:
+        """The stream's trim boundary (0: nothing trimmed), read once."""
+        boundary = self.boundaries.get(stream.name)
+        if boundary is None:
+            trim = self.trims.get(stream.name)
+            boundary = self.boundaries[stream.name] = trim.boundary(txn) if trim else 0
+        return boundary
+
+    def _read(self, txn, stream: StreamConfig, writer: str, after: int, to: int) -> FactPage:
+        """A page of the table after ``after`` (or after the trim boundary,
+        if higher); a trim that moved the boundary meanwhile is followed."""
+        while True:
+            since = max(after, self._boundary(txn, stream))
+            try:
+                return self.queries[stream.name].read_facts(txn, writer, since, to, PAGE_ROWS)
+            except FactsTrimmed as e:
+                self.boundaries[stream.name] = e.boundary
+
     def _table(self, txn, check: KeyCheck, after: int) -> Iterator[Tuple[int, list]]:
         assert check.stream is not None  # only a configured stream's table is read
-        query = self.queries[check.stream.name]
         while True:
-            facts, upto, limited = query.read_facts(txn, check.writer, after, END, PAGE_ROWS)
+            facts, upto, limited = self._read(txn, check.stream, check.writer, after, END)
             yield from facts
             if not limited:
                 return
@@ -171,12 +204,18 @@ class Verifier:
         check._next = next(check._table, None) if check._table is not None else None
 
     def _in_table(self, txn, check: KeyCheck, token: int) -> Optional[list]:
-        """The rows of fact ``token`` in the table, or None."""
+        """The rows of fact ``token`` in the table, or None; :class:`_Gone`
+        if a trim took it meanwhile."""
         if check.stream is None:
             return None
-        facts, _, _ = self.queries[check.stream.name].read_facts(
-            txn, check.writer, token - 1, token, PAGE_ROWS)
+        facts, _, _ = self._read(txn, check.stream, check.writer, token - 1, token)
+        if token <= self._boundary(txn, check.stream):
+            raise _Gone()
         return facts[0][1] if facts else None
+
+    def _trimmed(self, check: KeyCheck, token: int) -> None:
+        check.trimmed += 1
+        check.last = max(check.last, token)
 
     # -------------------------------------------------------------- lines
     def _position(self, txn, check: KeyCheck, token: int) -> None:
@@ -201,12 +240,20 @@ class Verifier:
         if check.stream is None:
             check.note("extra", f"{token} (its stream is not in the config)")
             return
+        if token <= self._boundary(txn, check.stream):
+            self._trimmed(check, token)
+            return
         if token <= check.last:
+            try:
+                table_rows = self._in_table(txn, check, token)
+            except _Gone:
+                self._trimmed(check, token)
+                return
             if token in check.missing:
                 check.missing.discard(token)
                 check.note("out of order", f"{token} (after {check.last})")
-                self._compare(check, token, rows, self._in_table(txn, check, token))
-            elif self._in_table(txn, check, token) is not None or not rows:
+                self._compare(check, token, rows, table_rows)
+            elif table_rows is not None or not rows:
                 check.note("duplicate", str(token))
             else:
                 check.note("extra", f"{token} (not in the table)")
@@ -252,6 +299,7 @@ def summary(result: Result, out) -> bool:
         begin = f"after {check.begin}" if check.begin is not None else "-"
         out(f"  {stream}/{writer}: {check.facts} facts, checked {begin} to {check.last}: "
             f"{check.matched} matched; {found}"
+            f"{f'; {check.trimmed} trimmed from the table (not compared)' if check.trimmed else ''}"
             f"{f'; {check.behind} not yet delivered' if check.behind else ''}")
         if check.missing:
             listed = sorted(check.missing)
@@ -269,5 +317,7 @@ def summary(result: Result, out) -> bool:
         out("verify: DIFFERENT: " + ", ".join(f"{n} {kind}" for kind, n in differences.items()))
         return False
     facts = sum(c.matched for c in result.keys.values())
-    out(f"verify: EQUAL: {facts} facts, each exactly once, in order, whole")
+    trimmed = sum(c.trimmed for c in result.keys.values())
+    out(f"verify: EQUAL: {facts} facts, each exactly once, in order, whole"
+        f"{f' ({trimmed} trimmed from the table, not compared)' if trimmed else ''}")
     return True

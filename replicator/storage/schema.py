@@ -21,14 +21,18 @@ CREATE TABLE IF NOT EXISTS stream_positions (
 )
 """
 
-#: Per stream, the trim boundary of retention: every fact with an ID at or
-#: below ``trimmed_through`` was deleted (or never existed); no fact above it
-#: is ever trimmed.  Readers compare it with the position they read from.
+#: Per stream table, the trim boundary of retention: every fact with an ID at
+#: or below ``trimmed_through`` was deleted (or never existed); no fact above
+#: it is ever trimmed.  Readers compare it with the position they read from.
+#: Keyed by the table (its name in lower case,
+#: :func:`replicator.streams.trimmed.boundary_key`), not the stream's name:
+#: two deployments sharing a database may each have a stream ``caches``,
+#: in tables of their own, and a boundary says what left one table.
 #: (A table of its own, created like ``stream_positions``: it must become a
 #: step of the schema migrations.)
 RETENTION_DDL = """
 CREATE TABLE IF NOT EXISTS stream_retention (
-    stream_name TEXT NOT NULL PRIMARY KEY,
+    table_name TEXT NOT NULL PRIMARY KEY,
     trimmed_through BIGINT NOT NULL
 )
 """
@@ -150,10 +154,11 @@ def retention_table_exists(txn, postgres: bool) -> bool:
     return txn.fetchone() is not None
 
 
-def trimmed_through(txn, stream_name: str, sql) -> int:
-    """The stream's trim boundary (0: nothing trimmed); the table exists."""
-    txn.execute(sql("SELECT trimmed_through FROM stream_retention WHERE stream_name = %s"),
-                (stream_name,))
+def trimmed_through(txn, table_key: str, sql) -> int:
+    """The trim boundary of the stream table ``table_key`` (0: nothing
+    trimmed); ``stream_retention`` exists."""
+    txn.execute(sql("SELECT trimmed_through FROM stream_retention WHERE table_name = %s"),
+                (table_key,))
     row = txn.fetchone()
     return int(row[0]) if row is not None else 0
 

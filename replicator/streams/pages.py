@@ -25,7 +25,7 @@ import orjson
 from ..config import StreamConfig
 from ..storage.database import Cursor, Database
 from .rows import reader
-from .trimmed import FactsTrimmed, TrimCheck
+from .trimmed import FactsTrimmed, TrimCheck, boundary_key
 
 Update = Tuple[int, List[Any]]
 Fact = Tuple[int, List[List[Any]]]
@@ -81,7 +81,8 @@ class PageQuery:
     def __init__(self, config: StreamConfig, db: Database) -> None:
         c = config
         self._trim: Optional[TrimCheck] = (
-            None if c.preset is not None else TrimCheck(c.name, db.is_postgres, db.sql))
+            None if c.preset is not None
+            else TrimCheck(c.name, boundary_key(c), db.is_postgres, db.sql))
         self._by_writer = c.writer_column is not None
         self._shape = reader(c.columns, db.is_postgres)
         order = "ctid" if db.is_postgres else "rowid"
@@ -113,7 +114,7 @@ class PageQuery:
         # as a last column is read in the page's own snapshot: a trim
         # whose deletions the page misses committed before that snapshot,
         # so its boundary is in it (as :mod:`.trimmed` asks of a check).
-        boundary = ", (SELECT trimmed_through FROM stream_retention WHERE stream_name = %s)"
+        boundary = ", (SELECT trimmed_through FROM stream_retention WHERE table_name = %s)"
         self._select_facts = {}
         for json_rows in (False, True) if self.json_rows else (False,):
             values = row_json_sql(c.column_names) if json_rows else ", ".join(c.column_names)
@@ -159,7 +160,7 @@ class PageQuery:
         # boundary (no statement more); else one check after them all.
         carried = trim is not None and trim.exists
         select = self._select_facts[json_rows, carried]
-        head = (trim.stream_name,) if carried and trim is not None else ()
+        head = (trim.table_key,) if carried and trim is not None else ()
         pages: List[FactPage] = []
         unchecked = False
         for writer, from_token, to_token, count in ranges:

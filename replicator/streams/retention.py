@@ -18,8 +18,10 @@ seconds (on the clock passed in) a *pass* deletes, in transactions of at most
   first fact that is neither, so the trimmed facts are exactly those at or
   below the boundary.
 
-Each batch, in one transaction: locks the stream's ``stream_retention`` row
-(PostgreSQL: ``FOR UPDATE SKIP LOCKED``; an instance that finds it locked,
+Each batch, in one transaction: locks the ``stream_retention`` row of the
+stream's *table* (:func:`.trimmed.boundary_key`; two deployments sharing a
+database may both have a stream ``caches``, never one table; PostgreSQL:
+``FOR UPDATE SKIP LOCKED``; an instance that finds it locked,
 say a second one configured as the trimmer by mistake, trims nothing this
 pass: two never delete at once), reads the persisted linear position,
 picks the facts, deletes them and moves ``trimmed_through`` (the trim
@@ -44,6 +46,7 @@ from ..observe import metrics
 from ..storage import schema
 from ..storage.database import Cursor, Database
 from ..streams.registry import StreamRegistry
+from .trimmed import boundary_key
 
 log = Logger(namespace="replicator.retention")
 
@@ -66,9 +69,10 @@ class Batch:
         sql = db.sql
         self._sql = sql
         idc, t = c.id_column, c.table
-        self._claim = sql("INSERT INTO stream_retention (stream_name, trimmed_through) "
-                          "VALUES (%s, 0) ON CONFLICT (stream_name) DO NOTHING")
-        self._lock = sql("SELECT trimmed_through FROM stream_retention WHERE stream_name = %s"
+        self.key = boundary_key(c)  # the table's row (not the stream's name)
+        self._claim = sql("INSERT INTO stream_retention (table_name, trimmed_through) "
+                          "VALUES (%s, 0) ON CONFLICT (table_name) DO NOTHING")
+        self._lock = sql("SELECT trimmed_through FROM stream_retention WHERE table_name = %s"
                          + (" FOR UPDATE SKIP LOCKED" if db.is_postgres else ""))
         self._nth_newest = sql(f"SELECT DISTINCT {idc} FROM {t} ORDER BY {idc} DESC "
                                f"LIMIT 1 OFFSET %s")
@@ -82,7 +86,7 @@ class Batch:
                 f"ORDER BY {idc} LIMIT %s")
         self._delete = sql(f"DELETE FROM {t} WHERE {idc} > %s AND {idc} <= %s")
         self._move = sql("UPDATE stream_retention SET trimmed_through = %s "
-                         "WHERE stream_name = %s")
+                         "WHERE table_name = %s")
 
     def count_bound(self, txn: Cursor) -> Optional[int]:
         """The newest ID beyond the ``max_facts`` newest facts (every fact
@@ -109,9 +113,9 @@ class Batch:
         ``age_bound``: milliseconds since the epoch; a fact whose youngest
         row is older is trimmable by age.
         """
-        name = self.config.name
-        txn.execute(self._claim, (name,))
-        txn.execute(self._lock, (name,))
+        key = self.key
+        txn.execute(self._claim, (key,))
+        txn.execute(self._lock, (key,))
         row = txn.fetchone()
         if row is None:
             return None
@@ -134,7 +138,7 @@ class Batch:
         if last is None:
             return 0, boundary, linear
         txn.execute(self._delete, (boundary, last))
-        txn.execute(self._move, (last, name))
+        txn.execute(self._move, (last, key))
         return taken, last, linear
 
 

@@ -1,9 +1,11 @@
 """Telling "trimmed by retention" from "never existed" when reading a table.
 
 Retention (:mod:`.retention`) deletes a stream's oldest facts and records,
-in the same transaction, the stream's *trim boundary* ``trimmed_through``
-(``stream_retention``): every fact at or below it is gone, none above it is
-ever trimmed.  A page read from the table after ``since`` is whole only if
+in the same transaction, the *trim boundary* ``trimmed_through`` of the
+stream's table (``stream_retention``, keyed by :func:`boundary_key`): every
+fact at or below it is gone, none above it is ever trimmed.  The boundary
+belongs to the table, not to the stream's name: two deployments sharing a
+database may both have a stream ``caches`` in tables of their own.  A page read from the table after ``since`` is whole only if
 the boundary is at or below ``since``; otherwise facts it should hold may
 have been deleted, and the page says nothing about them.
 
@@ -20,8 +22,15 @@ before its snapshot, boundary included (the read API's pages do so).
 
 from typing import Callable
 
+from ..config.model import StreamConfig
 from ..storage import schema
 from ..storage.database import Cursor
+
+
+def boundary_key(config: StreamConfig) -> str:
+    """The ``table_name`` of the stream's ``stream_retention`` row: its
+    table, in lower case (how both databases fold an unquoted name)."""
+    return config.table.lower()
 
 
 class FactsTrimmed(Exception):
@@ -45,8 +54,10 @@ class TrimCheck:
     asks whether it does, one catalog lookup; once it exists it is read.
     """
 
-    def __init__(self, stream_name: str, postgres: bool, sql: Callable[[str], str]) -> None:
-        self.stream_name = stream_name
+    def __init__(self, stream_name: str, table_key: str, postgres: bool,
+                 sql: Callable[[str], str]) -> None:
+        self.stream_name = stream_name  # (for the messages)
+        self.table_key = table_key  # the row's key: :func:`boundary_key`
         self._postgres = postgres
         self._sql = sql
         self._exists = False
@@ -57,12 +68,12 @@ class TrimCheck:
         return self._exists
 
     def boundary(self, txn: Cursor) -> int:
-        """The stream's trim boundary now (0: nothing trimmed)."""
+        """The trim boundary of the stream's table now (0: nothing trimmed)."""
         if not self._exists:
             if not schema.retention_table_exists(txn, self._postgres):
                 return 0
             self._exists = True
-        return schema.trimmed_through(txn, self.stream_name, self._sql)
+        return schema.trimmed_through(txn, self.table_key, self._sql)
 
     def check(self, txn: Cursor, writer: str, since: int) -> None:
         """Raise :class:`FactsTrimmed` if facts after ``since`` may be gone."""

@@ -5,7 +5,8 @@ A reader that would have to read facts below a stream's trim boundary
 (:mod:`replicator.streams.trimmed`) stops instead of skipping them; the
 handler then stops every reader of that stream (:meth:`TrimGaps.report`
 says which stream) and records the gap here.  A gap stays until a restart
-(after an operator chose what to do: ``replicator rewind``): it is one
+(after an operator chose what to do: restore the facts, or accept the loss
+with the ``replicator rewind --skip-to`` its text names): it is one
 error line when found, a ``replicator_retention_gap`` gauge, and a health
 finding (kind ``trimmed``) that fails ``/health`` and shows on the status
 page, naming the consumers whose position is below the boundary.
@@ -35,8 +36,10 @@ class TrimGaps:
     """The gaps found on this instance, by (stream, writer): each the
     :class:`FactsTrimmed` its reader met and the text health gives."""
 
-    def __init__(self) -> None:
+    def __init__(self, config_path: Optional[str] = None) -> None:
         self._gaps: Dict[Key, Tuple[FactsTrimmed, str]] = {}
+        #: The instance's config file, as the gap's command names it.
+        self.config_path = config_path
 
     def report(self, gap: FactsTrimmed, consumers: Sequence[Consumer]) -> str:
         """Record ``gap`` (met by the reader of ``gap.writer``; ``consumers``
@@ -51,22 +54,39 @@ class TrimGaps:
             except Exception:  # a broken consumer still gets its gap reported
                 position = None
             if position is not None and position < gap.boundary:
-                behind.append((position, consumer_label(consumer)))
+                behind.append((position, consumer_label(consumer), consumer))
         if behind:
-            since = min(p for p, _ in behind)
-            who = ", ".join(label for _, label in behind)
+            since = min(p for p, _, _ in behind)
+            who = ", ".join(label for _, label, _ in behind)
             first = f"{who} {'needs' if len(behind) == 1 else 'need'} facts of writer " \
                     f"{gap.writer} after {since}"
+            todo = self._todo(gap, [c for _, _, c in behind])
         else:
             since = gap.since
             first = f"the reader of writer {gap.writer} needs facts after {since}"
+            todo = "restart this instance (no consumer is behind the boundary)"
         text = (f"stream {gap.stream}: {first} but facts up to {gap.boundary} were trimmed "
-                f"by retention; the stream is stopped here: run `replicator rewind` to choose "
-                f"where its consumers go on, then restart")
+                f"by retention; the stream is stopped here: {todo}")
         self._gaps[key] = (gap, text)
         metrics.RETENTION_GAP.labels(gap.stream, gap.writer).set(1)
         log.error("{text}", text=text)
         return text
+
+    def _todo(self, gap: FactsTrimmed, behind: Sequence[Consumer]) -> str:
+        """What the operator does: restore the facts, or accept the loss
+        (docs/operations.md, "Retention gaps"), with the exact command for
+        each consumer that has a file."""
+        config = self.config_path or "CONFIG"
+        paths = [getattr(c, "path", None) for c in behind]
+        commands = [f"`replicator rewind -c {config} {path} --stream {gap.stream} "
+                    f"--skip-to {gap.boundary}`" for path in paths if isinstance(path, str)]
+        others = len(behind) - len(commands)
+        run = f"run {' and '.join(commands)}" if commands else ""
+        move = (f"{'and ' if commands else ''}move the other consumers past {gap.boundary}"
+                if others else "")
+        return (f"to accept the loss, stop this instance, {run}{' ' if run and move else ''}"
+                f"{move}, then start it (or restore the facts: docs/operations.md, "
+                f"\"Retention gaps\")")
 
     def stopped(self, stream: str) -> bool:
         """Whether a gap stopped ``stream`` here."""
