@@ -202,8 +202,10 @@ class JsonlTests(SynchronousTestCase):
         self.clock.advance(10)  # idle: nothing more
         self.assertEqual(self.fsyncs, before + 4)
         lines, _ = read_lines(self.path)
-        self.assertEqual(len(lines), 100 + 1 + 10)  # one position line in the first batch
-        self.assertEqual(lines[100], {"stream": "events", "writer": "master", "position": 100})
+        # Two position lines in the first batch: where events/master starts, and where it is.
+        self.assertEqual(len(lines), 100 + 2 + 10)
+        self.assertEqual(lines[1], {"stream": "events", "writer": "master", "position": 1})
+        self.assertEqual(lines[101], {"stream": "events", "writer": "master", "position": 100})
 
     def test_without_fsync_writes_but_does_not_sync(self):
         c = self.open(fsync=False)
@@ -257,7 +259,10 @@ class JsonlTests(SynchronousTestCase):
         self.clock.advance(0.05)
         lines, _ = read_lines(self.path)
         self.assertEqual(lines, [
+            # A key's first line says where it starts, in order with its facts.
+            {"stream": "caches", "writer": "master", "position": 2},
             {"stream": "caches", "writer": "worker1", "token": 3, "rows": [[1]]},
+            {"stream": "events", "writer": "master", "position": 1},
             {"stream": "events", "writer": "master", "token": 2, "rows": [[2]]},
             {"stream": "caches", "writer": "master", "position": 4},
             {"stream": "caches", "writer": "worker1", "position": 6},
@@ -845,7 +850,11 @@ class CrashProperty(SynchronousTestCase):
                         batch_positions.pop(key, None)
                 else:
                     c.on_position(key[0], key[1], token)
-                    if token > last.get(key, -10):
+                    if key not in last:  # the key's first line: where it starts, in order
+                        last[key] = token
+                        accepted.append(("position", key, token))
+                        batch.append({"stream": key[0], "writer": key[1], "position": token})
+                    elif token > last[key]:
                         last[key] = token
                         accepted.append(("position", key, token))
                         batch_positions[key] = token

@@ -122,7 +122,8 @@ class HandlerTests(TestCase):
         self.assertEqual(master.stream("caches").id_gen.get_current_token("worker1"), 4)
         # A client may not write a stream it is not a writer of.
         worker.dataReceived(b'RDATA events worker1 5 ["$e"]\n')
-        self.assertTrue(lines(wt)[-1].startswith("ERROR invalid command: RDATA"))
+        self.assertEqual(lines(wt)[-1], "ERROR RDATA of events/worker1 refused: worker1 is not "
+                                        "a writer of events here")
 
     def test_position_gap_is_fetched_from_the_table(self):
         consumer = MemoryConsumer(positions={("caches", "master"): 0})

@@ -104,7 +104,8 @@ class VerifyTests(SynchronousTestCase):
         self.trim(8)
         code, out, err = self.verify()
         self.assertEqual((code, err), (0, ""), out)
-        self.assertIn("  caches/master: 20 facts, checked after 0 to 20: 12 matched; no "
+        self.assertIn("  caches/master: 20 facts, checked from token 0 of writer master to 20: "
+                      "12 matched; no "
                       "differences; 8 trimmed from the table (not compared)\n", out)
         self.assertIn("verify: EQUAL: 12 facts, each exactly once, in order, whole (8 "
                       "trimmed from the table, not compared)", out)
@@ -174,6 +175,26 @@ class VerifyTests(SynchronousTestCase):
         self.assertEqual(code, 1, out)  # 9 and 10 were in the table: skipped, so missing
         self.assertIn("4 trimmed from the table (not compared)", out)
         self.assertIn("    missing: 9, 10\n", out)
+
+    def test_a_file_that_begins_after_facts_in_the_table_says_where_or_is_different(self):
+        """A file whose first line for a key is fact 3 while facts 1 and 2
+        are in the table is not EQUAL; one that begins with a position line
+        at 2 is, from there, and says so."""
+        self.output([(t, self.rows[t]) for t in range(3, 21)])
+        code, out, err = self.verify()
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("    no start line: 3 (the key's first line; fact 1 and maybe more "
+                      "before it are in the table)\n", out)
+        self.assertIn("verify: DIFFERENT: 1 no start line", out)
+        with open(self.path, "wb") as f:
+            f.write(b'{"stream":"caches","writer":"master","position":2}\n')
+            for t in range(3, 21):
+                f.write(fact_line(t, self.rows[t]).encode())
+        code, out, err = self.verify()
+        self.assertEqual((code, err), (0, ""), out)
+        self.assertIn("caches/master: 18 facts, checked from token 2 of writer master to 20: "
+                      "18 matched; no differences", out)
+        self.assertIn("verify: EQUAL: 18 facts", out)
 
     def test_every_kind_of_difference_is_named_and_counted(self):
         facts = [(t, self.rows[t]) for t in range(1, 21) if t != 7]  # 7 missing

@@ -295,7 +295,9 @@ class DirectionTests(SynchronousTestCase):
             transport.clear()
             proto.dataReceived(line + b"\n")
             name = line.split(b" ")[0]
-            self.assertEqual(transport.value(), b"ERROR invalid command: " + name + b"\n")
+            self.assertEqual(transport.value(), b"ERROR invalid command: SERVER\n"
+                             if name == b"SERVER" else
+                             b"ERROR " + name + b" of events/w refused: no NAME sent\n")
             self.assertTrue(transport.disconnecting)
             self.assertEqual(proto.close_reason, "invalid_command")
             self.assertEqual(handler.commands(), [])
@@ -344,7 +346,33 @@ class DirectionTests(SynchronousTestCase):
             transport.clear()
             proto.dataReceived(data)
             name = data.split(b"\n")[-2].split(b" ")[0]
-            self.assertEqual(transport.value(), b"ERROR invalid command: " + name + b"\n", data)
+            self.assertTrue(transport.value().startswith(b"ERROR " + name + b" of "), data)
+            self.assertIn(b" refused: ", transport.value())
+            self.assertEqual(proto.close_reason, "invalid_command")
+            self.assertNotIn("RDATA", [e[0] for e in handler.events])
+            self.assertNotIn("POSITION", [e[0] for e in handler.events])
+
+    def test_a_refused_writer_command_says_why(self):
+        """A worker the master's config no longer names as a writer of a
+        stream is told so (its retry line says it), not "invalid command"."""
+        handler = RecordingHandler(writers={("events", "w1")})
+        cases = [
+            (b"NAME w1\nPOSITION caches w1 1 2\n",
+             b"ERROR POSITION of caches/w1 refused: w1 is not a writer of caches here\n"),
+            (b"NAME w1\nRDATA caches w1 1 []\n",
+             b"ERROR RDATA of caches/w1 refused: w1 is not a writer of caches here\n"),
+            (b"NAME w1\nRDATA events master 1 []\n",
+             b"ERROR RDATA of events/master refused: this connection is w1\n"),
+            (b"RDATA events w1 1 []\n",
+             b"ERROR RDATA of events/w1 refused: no NAME sent\n"),
+        ]
+        for data, error in cases:
+            proto, transport, clock, _ = make_server(handler)
+            handler.events.clear()
+            transport.clear()
+            proto.dataReceived(data)
+            self.assertEqual(transport.value(), error, data)
+            self.assertTrue(transport.disconnecting)
             self.assertEqual(proto.close_reason, "invalid_command")
             self.assertNotIn("RDATA", [e[0] for e in handler.events])
             self.assertNotIn("POSITION", [e[0] for e in handler.events])

@@ -197,6 +197,45 @@ class RewireTests(SynchronousTestCase):
         self.assertEqual(reader.position, 4)
         self.assertEqual(new.positions(), {("s", "w"): 4})
 
+    def test_a_new_consumer_starts_where_its_start_says_and_is_told_first(self):
+        """``beginning``: after the trim boundary (facts below it are gone),
+        every kept fact caught up for it alone; ``now``: at the reader's
+        position.  Each is told its start (``on_position``) before a fact."""
+        from replicator.consumers import MemoryConsumer
+        from replicator.replication.core.delivery import rewire
+        from tests.fakes import FakeConnection
+
+        class Recording(MemoryConsumer):
+            def __init__(self, start):
+                super().__init__()
+                self.start, self.calls = start, []
+
+            def on_facts(self, stream, writer, token, rows):
+                self.calls.append(("fact", token))
+                super().on_facts(stream, writer, token, rows)
+
+            def on_position(self, stream, writer, token):
+                self.calls.append(("position", token))
+                super().on_position(stream, writer, token)
+
+        table = {t: [[f"r{t}"]] for t in range(3, 7)}  # 1 and 2 trimmed: boundary 2
+        kept = MemoryConsumer()
+        reader = self.make([kept], table)
+        conn = FakeConnection("c")
+        reader.position_line(conn, 0, 0)
+        for t in (3, 4):
+            reader.rdata(conn, t, [f"r{t}"])
+        self.successResultOf(reader.pause())
+        beginning, now = Recording("beginning"), Recording("now")
+        rewire(reader, [kept, beginning, now], [beginning, now], beginning=2)
+        reader.resume()
+        reader.rdata(conn, 5, ["r5"])
+        reader.position_line(conn, 5, 6)
+        self.assertEqual(beginning.calls, [("position", 2), ("fact", 3), ("fact", 4),
+                                           ("fact", 5), ("position", 6)])
+        self.assertEqual(now.calls, [("position", 4), ("fact", 5), ("position", 6)])
+        self.assertEqual([f[2] for f in kept.facts], [3, 4, 5])  # no duplicate
+
     def test_pause_during_an_outage_calls_the_retry_off_and_resume_tries_again(self):
         from twisted.internet import defer
         from twisted.internet.task import Clock

@@ -780,7 +780,7 @@ class StoppedReaderTests(SynchronousTestCase):
         # rest equal; the position line marks the skip.
         done = cli("verify", "-c", worker.path, "0", cwd=worker.dir)
         self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
-        self.assertIn(f"  events/master: {len(first + left)} facts, checked after 0 to "
+        self.assertIn(f"  events/master: {len(first + left)} facts, checked from token 0 of writer master to "
                       f"{left[-1]}: {len(left)} matched; no differences; {len(first)} trimmed "
                       f"from the table (not compared)\n", done.stdout)
         self.assertIn(f"verify: EQUAL: {len(left) + 1} facts, each exactly once, in order, "

@@ -6,6 +6,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from zope.interface import Attribute, Interface, implementer
 
 Key = Tuple[str, str]  # (stream, writer)
+#: The values of a consumer's ``start`` option.
+STARTS = ("beginning", "now")
 
 
 class IConsumer(Interface):
@@ -44,13 +46,17 @@ class Consumer:
 
     #: Streams this consumer wants (None: all streams the reader knows).
     streams: Optional[Sequence[str]] = None
+    #: Where a (stream, writer) it has no position for starts: ``"beginning"``
+    #: (every fact still in the table, caught up for it alone) or ``"now"``
+    #: (the reader's current position).  Either way it is first told that
+    #: start with :meth:`on_position`.
+    start: str = "now"
 
     def positions(self) -> Dict[Key, int]:
         """Positions durably handled, per (stream, writer).
 
-        A key that is missing means "no history": the reader starts from
-        the position the writer announces (live), or from an earlier
-        consumer's position if another consumer has one.
+        A key that is missing means "no history": the consumer starts
+        where :attr:`start` says (:func:`replicator.replication.core.delivery.rewire`).
         """
         return {}
 

@@ -60,7 +60,7 @@ from ..config import (
 from ..jsontext import any_non_finite, encode_json, encode_json_line
 from ..net.backoff import Outage
 from . import jsonl_files
-from .base import Consumer, IBatchConsumer, Key
+from .base import STARTS, Consumer, IBatchConsumer, Key
 from .file_thread import FileThread, append_at
 
 log = Logger(namespace="replicator.consumers")
@@ -177,8 +177,11 @@ class JsonlConsumer(Consumer):
                  flush_interval: float = 0.05, fsync: bool = True, max_buffer: int = 1 << 20,
                  run_io: Optional[Callable[..., defer.Deferred]] = None,
                  rotate_size: Optional[int] = None, rotate_age: Optional[float] = None,
-                 rotate_keep: int = 7, rotate_names: str = "number"):
+                 rotate_keep: int = 7, rotate_names: str = "number", start: str = "now"):
         clock = reactor
+        if start not in STARTS:
+            raise ValueError(f"start {start!r} is not one of {', '.join(STARTS)}")
+        self.start = start
         if rotate_names not in jsonl_files.NAMES:
             raise ValueError(f"rotate_names {rotate_names!r} is not one of "
                              f"{', '.join(jsonl_files.NAMES)}")
@@ -392,7 +395,10 @@ class JsonlConsumer(Consumer):
             return None
         key = (stream, writer)
         last = self._last.get(key)
-        if last is not None and token <= last:
+        if last is None:  # the key's first line: where the file begins for it
+            line = encode_json_line({"stream": stream, "writer": writer, "position": token})
+            return self._append(key, [line], token)
+        if token <= last:
             return None
         self._last[key] = token
         self._pending_positions[key] = token
@@ -745,7 +751,7 @@ def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
     the key.  Pure: ``replicator check`` runs it without opening anything."""
     options = config.options
     no_unknown(options, ("path", "fsync", "flush_interval", "rotate_size", "rotate_age",
-                         "rotate_keep", "rotate_names"), where)
+                         "rotate_keep", "rotate_names", "start"), where)
     path = get_path(options, "path", where)
     rotate_names = get_str(options, "rotate_names", where, "number")
     if rotate_names not in jsonl_files.NAMES:
@@ -759,7 +765,16 @@ def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
         rotate_size=_rotate_size(options, where),
         rotate_age=_rotate_age(options, where),
         rotate_keep=get_int(options, "rotate_keep", where, 7, minimum=1, maximum=100000),
-        rotate_names=rotate_names)
+        rotate_names=rotate_names,
+        start=start_of(options, where))
+
+
+def start_of(options, where: str) -> str:
+    """A built-in consumer's ``start`` option (default ``beginning``)."""
+    start = get_str(options, "start", where, "beginning")
+    if start not in STARTS:
+        raise ConfigError(f"{where}.start", f"{start!r} is not one of {', '.join(STARTS)}")
+    return start
 
 
 def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:

@@ -9,10 +9,13 @@ writer), the first examples of each difference, and the tokens found
 missing so far (to tell a fact that comes late, out of order, from one that
 never comes): it grows with the differences, not with the files.
 
-Where a key's checking begins: after its first line's position (a file
-begins with a position line per key since rotation keeps them; a rewind
-line too), or at its first fact (facts before it were never this
-consumer's to write, or are in rotated files deleted since).  Where it
+Where a key's checking begins: after its first line's position (a
+consumer begins a file with a position line per key it starts from, and
+rotation keeps them; a rewind line too).  A key whose first line is a
+fact starts at that fact, and if the table still holds facts before it
+(a consumer of an older version that began after them, or the rotated
+files with its start deleted since), that is a difference, *no start
+line*: nothing says those facts were never this file's.  Where it
 ends: at its last line; facts of the table after it are "not yet
 delivered", not a difference (the consumer may be behind or stopped).
 A rewind line (``replicator rewind``) starts the key again after its token:
@@ -44,7 +47,8 @@ END = (1 << 63) - 1
 PAGE_ROWS = 1000
 #: Examples kept (and printed) per kind of difference per key.
 EXAMPLES = 10
-KINDS = ("missing", "duplicate", "out of order", "partial", "different rows", "extra")
+KINDS = ("missing", "duplicate", "out of order", "partial", "different rows", "extra",
+         "no start line")
 
 
 @dataclass
@@ -217,6 +221,21 @@ class Verifier:
         check.trimmed += 1
         check.last = max(check.last, token)
 
+    def _first_before(self, txn, check: KeyCheck, token: int) -> Optional[int]:
+        """The first fact of the table (still kept) below ``token``, or None."""
+        if check.stream is None:
+            return None
+        query = self.queries[check.stream.name]
+        since = 0
+        while since < token - 1:
+            try:
+                facts, _, _ = query.read_facts(txn, check.writer, since, token - 1, 1)
+            except FactsTrimmed as e:  # from what retention keeps
+                since = e.boundary
+                continue
+            return facts[0][0] if facts else None
+        return None
+
     # -------------------------------------------------------------- lines
     def _position(self, txn, check: KeyCheck, token: int) -> None:
         if check.begin is None:
@@ -236,6 +255,10 @@ class Verifier:
     def _fact(self, txn, check: KeyCheck, token: int, rows: list) -> None:
         check.facts += 1
         if check.begin is None:
+            earlier = self._first_before(txn, check, token)
+            if earlier is not None:
+                check.note("no start line", f"{token} (the key's first line; fact {earlier} "
+                                            f"and maybe more before it are in the table)")
             self._restart(txn, check, token - 1)
         if check.stream is None:
             check.note("extra", f"{token} (its stream is not in the config)")
@@ -296,7 +319,8 @@ def summary(result: Result, out) -> bool:
         counts = dict(check.counts)
         counts["missing"] += len(check.missing)
         found = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n) or "no differences"
-        begin = f"after {check.begin}" if check.begin is not None else "-"
+        begin = (f"from token {check.begin} of writer {writer}" if check.begin is not None
+                 else "-")
         out(f"  {stream}/{writer}: {check.facts} facts, checked {begin} to {check.last}: "
             f"{check.matched} matched; {found}"
             f"{f'; {check.trimmed} trimmed from the table (not compared)' if check.trimmed else ''}"

@@ -6,7 +6,7 @@ from twisted.logger import Logger, LogLevel
 
 from ..config import ConfigError, ConsumerConfig, get_str, no_unknown
 from ..jsontext import preview_json
-from .base import Consumer
+from .base import STARTS, Consumer
 
 LOG_LEVELS = {
     "debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn,
@@ -30,7 +30,11 @@ class LogConsumer(Consumer):
     """
 
     def __init__(self, streams: Optional[Sequence[str]] = None, level: str = "info",
-                 logger: Optional[Logger] = None, preview_chars: int = 200):
+                 logger: Optional[Logger] = None, preview_chars: int = 200,
+                 start: str = "now"):
+        if start not in STARTS:
+            raise ValueError(f"start {start!r} is not one of {', '.join(STARTS)}")
+        self.start = start
         if level not in LOG_LEVELS:
             raise ValueError(f"level {level!r} is not one of {', '.join(LOG_LEVELS)}")
         self.streams = tuple(streams) if streams is not None else None
@@ -46,13 +50,18 @@ class LogConsumer(Consumer):
 
 
 def options_of(config: ConsumerConfig, where: str) -> dict:
-    """The keyword arguments of a :class:`LogConsumer` (option ``level``)."""
+    """The keyword arguments of a :class:`LogConsumer` (options ``level``;
+    ``start``, default ``now``: it keeps no position, so with ``beginning``
+    every start logs every fact still in the tables again)."""
     options = config.options
-    no_unknown(options, ("level",), where)
+    no_unknown(options, ("level", "start"), where)
     level = get_str(options, "level", where, "info")
     if level not in LOG_LEVELS:
         raise ConfigError(f"{where}.level", f"{level!r} is not one of {', '.join(LOG_LEVELS)}")
-    return {"level": level}
+    start = get_str(options, "start", where, "now")
+    if start not in STARTS:
+        raise ConfigError(f"{where}.start", f"{start!r} is not one of {', '.join(STARTS)}")
+    return {"level": level, "start": start}
 
 
 def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:

@@ -9,8 +9,10 @@
   changed consumer's new self can open the same file;
 * a consumer new in the file is built off the reactor thread (opening a
   JSON-lines file reads it whole) and starts from its own persisted
-  position: a reader that is past it catches the facts in between up from
-  the table, for it alone (:func:`replicator.replication.core.delivery.rewire`);
+  position, or with none where its ``start`` says (``beginning``: after the
+  stream's trim boundary, read again now); a reader that is past it
+  catches the facts in between up from the table, for it alone
+  (:func:`replicator.replication.core.delivery.rewire`);
 * consumers in both files go on where they were, no fact twice.
 
 A consumer that cannot be built is one line naming its key; a changed one
@@ -39,6 +41,8 @@ async def change_consumers(handler, running: Sequence[Consumer],
                            ) -> Tuple[List[Consumer], Tuple[ConsumerConfig, ...], List[str]]:
     """Apply ``change`` to the ``handler``'s readers: ``(consumers, their
     configs, keys that failed)``, in the file's order."""
+    for stream in handler.registry:
+        await stream.read_trim_boundary()  # where a new "start: beginning" consumer starts
     await handler.pause_readers()
     try:
         for i in change.stopped:

@@ -182,6 +182,11 @@ class PageQuery:
                 self._check_trim(writer, from_token, boundary)
         return pages
 
+    def trim_boundary(self, txn: Cursor) -> int:
+        """The stream's trim boundary now (0: nothing trimmed, or a preset
+        stream, which retention never trims)."""
+        return self._trim.boundary(txn) if self._trim is not None else 0
+
     def _check_trim(self, writer: str, from_token: int, boundary: int) -> None:
         if boundary > from_token:
             assert self._trim is not None

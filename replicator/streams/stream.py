@@ -143,6 +143,9 @@ class Stream:
         self._foreign_facts = metrics.FOREIGN_FACTS.labels(self.name)
         self._foreign_burst: Set[str] = set()  # writers in a burst of foreign facts (logged)
         self._clock = clock  # the instance's reactor, from the registry
+        #: The trim boundary when last read (:meth:`load`, :meth:`read_trim_boundary`):
+        #: where a consumer with ``start: beginning`` starts (every fact still here).
+        self.trimmed_through = 0
 
     # ------------------------------------------------------------- startup
     @property
@@ -200,6 +203,7 @@ class Stream:
                 )
         elif not self.db.is_postgres:
             self._txn.sqlite_last = top
+        self.trimmed_through = self._pages.trim_boundary(txn)
         self._id_gen = StreamIdGenerator(
             self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
         )
@@ -221,6 +225,11 @@ class Stream:
         known = [persisted[w] for w in self.config.writers if w in persisted]
         floor = min(known) if known else 0
         return {w: persisted.get(w, floor) for w in writers}
+
+    async def read_trim_boundary(self) -> int:
+        """:attr:`trimmed_through` read again (retention moves it)."""
+        self.trimmed_through = int(await self.db.runInteraction(self._pages.trim_boundary))
+        return self.trimmed_through
 
     def change_writers(self, config: StreamConfig, positions: Dict[str, int]) -> None:
         """Take ``config``, which differs from the running one only in other

@@ -131,20 +131,34 @@ async def _page_above(takers: Sequence[Any], floor_of: Dict[int, int], name: str
             await maybe_await(consumer.on_facts_many(name, writer, mine))
 
 
-def rewire(reader: Reader, consumers: Sequence[Consumer], started: Sequence[Consumer]) -> None:
-    """A paused ``reader`` hands facts to ``consumers`` from now on (a reload
-    changed them).  Each of ``started`` (new) gets what is above its own
-    persisted position, the reader rewound for it if that is behind; with
-    none for this key it is live, as is every consumer that was there."""
+def rewire(reader: Reader, consumers: Sequence[Consumer], started: Sequence[Consumer],
+           beginning: int = 0, now: Optional[int] = None) -> None:
+    """A paused ``reader`` hands facts to ``consumers`` from now on (a start,
+    or a reload changed them).  Each of ``started`` (new) gets what is above
+    its own persisted position, the reader rewound for it if that is
+    behind.  One with no position for this key starts where its ``start``
+    says: ``"beginning"`` after ``beginning`` (the stream's trim boundary:
+    every fact still in the table), ``"now"`` at the reader's position
+    (``now`` if the reader has none yet and another one rewinds it; else
+    it is live from the writer's next POSITION).  Such a consumer is told
+    its start first (``on_position``), so what it writes says where it
+    begins.  Every consumer that was there is live."""
     name, position = reader.stream_name, reader.position
     key = (name, reader.writer)
     fresh = {id(c) for c in started}
     floors: Dict[int, int] = {}
     back: Optional[int] = None
+    heads: List[Tuple[Consumer, Optional[int]]] = []
     for i, consumer in enumerate(consumers):
         own = None
         if id(consumer) in fresh and (consumer.streams is None or name in consumer.streams):
             own = consumer.positions().get(key)
+            if own is None:
+                if getattr(consumer, "start", "now") != "beginning":
+                    heads.append((consumer, None))
+                    continue
+                own = beginning
+                heads.append((consumer, own))
         if own is None:
             if position is not None:
                 floors[i] = position
@@ -152,9 +166,18 @@ def rewire(reader: Reader, consumers: Sequence[Consumer], started: Sequence[Cons
         floors[i] = own
         if position is None or own < position:
             back = own if back is None else min(back, own)
+    live = position if position is not None or back is None else now
+    if live is not None:
+        for i, consumer in enumerate(consumers):
+            if any(c is consumer and token is None for c, token in heads):
+                floors[i] = live
     reader.set_delivery(*delivery_for(name, reader.writer, consumers, floors))
     if back is not None:
         reader.rewind(back)
+    for consumer, token in heads:
+        start = live if token is None else token
+        if start is not None:
+            consumer.on_position(name, reader.writer, start)
 
 
 def _deliver_page(consumers: Sequence[Any], name: str, writer: str,

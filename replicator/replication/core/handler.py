@@ -176,6 +176,10 @@ class ReplicationHandler:
         position = min(known) if known else (
             stream.id_gen.get_current_token(writer) if reload else None)
         reader = self._readers[key] = self._make_reader(stream, writer, position)
+        reader.pause()  # not running yet: each consumer's start set (start: beginning|now)
+        rewire(reader, self.consumers, self.consumers, stream.trimmed_through,
+               stream.id_gen.get_current_token(writer))
+        reader.resume()
         if self.gaps.stopped(stream.name):
             reader.stop()  # a writer added at a reload to a stream stopped by a gap
 
@@ -221,7 +225,9 @@ class ReplicationHandler:
         self.consumers = list(consumers)
         started = list(started)
         for reader in self._readers.values():
-            rewire(reader, self.consumers, started)
+            stream = self.registry.get(reader.stream_name)
+            rewire(reader, self.consumers, started, stream.trimmed_through,
+                   stream.id_gen.get_current_token(reader.writer))
 
     def resume_readers(self) -> None:
         for reader in self._readers.values():

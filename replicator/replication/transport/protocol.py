@@ -205,10 +205,11 @@ class ReplicationProtocol(LineConnection):
             self.close(PARSE_ERROR, text, log_text=text + " ({0} bytes)".format(len(line)))
             return
         name = cmd.NAME
-        if name not in self.VALID_INBOUND and not self._may_write(cmd):
-            self.close(INVALID_COMMAND, "invalid command: " + name,
-                       log_text="invalid command " + name)
-            return
+        if name not in self.VALID_INBOUND:
+            refusal = self._write_refusal(cmd)
+            if refusal is not None:
+                self.close(INVALID_COMMAND, refusal, log_text=refusal)
+                return
         if self.name_required and self._peer_instance is None and name not in self.BEFORE_NAME:
             self.close(REFUSED, "NAME required", log_text=f"{name} before NAME")
             return
@@ -228,10 +229,11 @@ class ReplicationProtocol(LineConnection):
             finally:
                 self.current_line = None
 
-    def _may_write(self, cmd: Command) -> bool:
-        """Whether the peer may send this otherwise invalid command (only
-        servers accept RDATA/POSITION from writer clients)."""
-        return False
+    def _write_refusal(self, cmd: Command) -> Optional[str]:
+        """Why the peer may not send this otherwise invalid command (the
+        ``ERROR`` text), or None if it may (only servers accept
+        RDATA/POSITION from writer clients)."""
+        return "invalid command: " + cmd.NAME
 
     def _on_PING(self, cmd: PingCommand) -> None:
         if not self._peer_pinged:
@@ -355,17 +357,29 @@ class ServerReplicationProtocol(ReplicationProtocol):
         if refusal is not None:
             self.close(REFUSED, refusal, log_text=f"anonymous reader refused: {refusal}")
 
-    def _may_write(self, cmd: Command) -> bool:
-        if cmd.NAME not in CLIENT_WRITER_COMMANDS or self._client_may_write is None:
-            return False
+    def _write_refusal(self, cmd: Command) -> Optional[str]:
+        """None for RDATA/POSITION of the client's own writer of a stream
+        ``client_may_write`` allows; else the reason, naming the stream and
+        writer (a worker the config no longer names as a writer of a
+        stream says so in its retry lines)."""
+        name = cmd.NAME
+        if name not in CLIENT_WRITER_COMMANDS or self._client_may_write is None:
+            return "invalid command: " + name
+        stream, writer = cmd.stream_name, cmd.instance_name  # type: ignore[attr-defined]
+        what = f"{name} of {printable(stream, 64)}/{printable(writer, 64)} refused"
         instance = self._peer_instance
-        if instance is None or cmd.instance_name != instance:  # type: ignore[attr-defined]
-            return False
+        if instance is None:
+            return f"{what}: no NAME sent"
+        if writer != instance:
+            return f"{what}: this connection is {printable(instance, 64)}"
         try:
-            return bool(self._client_may_write(cmd.stream_name, instance))  # type: ignore[attr-defined]
+            allowed = bool(self._client_may_write(stream, instance))
         except Exception:
             self.log.failure("client_may_write failed on {conn}", conn=self)
-            return False
+            allowed = False
+        if allowed:
+            return None
+        return f"{what}: {printable(instance, 64)} is not a writer of {printable(stream, 64)} here"
 
 
 class ClientReplicationProtocol(ReplicationProtocol):
