@@ -5,21 +5,25 @@ long-poll) and ``GET .../streams/{stream}/events`` (Server-Sent Events,
 Checked in this order: 401/403 (credential, :mod:`.auth`), 403 (a stream
 the credential does not cover), 404 (unknown stream), 503 (streams not
 loaded yet), 400 (``limit``, ``wait``, ``from``: a malformed or foreign
-token, or one beyond the stream's sequence), then 503 when too many reads
-are open already (long-polls that wait, event streams).
+token, or one beyond the stream's sequence), 410 (``from`` or
+``Last-Event-ID`` below the stream's trim boundary: facts after it were
+trimmed by retention), then 503 when too many reads are open already
+(long-polls that wait, event streams).
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from twisted.internet import defer, threads
 from twisted.logger import Logger
 
 from ..http.answers import HttpError, Response, excerpt
+from ..observe import metrics
+from ..streams.trimmed import FactsTrimmed
 from .auth import Reader, ReaderAuth
 from .book import ReaderBook, Slots, client_host
 from .live import LiveFeed
 from .pages import Page, etag, matches, page_body, read_page, unencoded_rows
-from .params import ParameterError, limit_of, one, positions_of, wait_of
+from .params import ParameterError, TrimmedError, limit_of, one, positions_of, wait_of
 from .persisted import PersistedLinear
 from .sse import SseClient
 from .tokens import Positions
@@ -55,6 +59,7 @@ class ReadRoutes:
         self.feed_interval = feed_interval
         self._live: Dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
         self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)
+        self.trimmed_streams = 0  # event streams the trim boundary passed (ended)
 
     # ------------------------------------------------------- what it shows
     def status(self) -> list:
@@ -139,8 +144,9 @@ class ReadRoutes:
         args = request.args
         limit = limit_of(args)
         wait = wait_of(args)
-        since = await self.start_positions(stream, one(args, "from"))
-        page = await self.page(stream, since, limit)
+        text = one(args, "from")
+        since = await self.start_positions(stream, text)
+        _, page = await self.first_page(stream, since, limit, oldest=text is None)
         if not page.facts and wait > 0:
             polled = await self._long_poll(finished, gone, request, reader, stream, page,
                                            limit, wait)
@@ -150,17 +156,36 @@ class ReadRoutes:
         self.book.reached(reader.name, stream.name, page.next)
         return await self._page_answer(request, stream, page)
 
+    async def first_page(self, stream, since: Positions, limit: int,
+                         oldest: bool) -> Tuple[Positions, Page]:
+        """``(start, page)``: the page after ``since``; with ``oldest`` (no
+        token given: from the oldest retained fact) ``since`` moved up to
+        the trim boundary first if retention trimmed below it, else 410
+        (:class:`.params.TrimmedError`)."""
+        while True:
+            try:
+                return since, await self.page(stream, since, limit)
+            except TrimmedError as e:
+                if not oldest:
+                    raise
+                # (Again only if the boundary moved meanwhile: it only rises.)
+                since = {w: max(p, e.boundary) for w, p in since.items()}
+
     async def page(self, stream, since: Positions, limit: int,
                    bounds: Optional[Positions] = None) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
-        the writers' current tokens).  A failed read is 503; the first of
-        an outage is logged with its traceback, the others counted until a
-        read succeeds (one line then)."""
+        the writers' current tokens).  Facts after ``since`` trimmed by
+        retention are 410 naming ``from`` (no log: the reader's doing).  A
+        failed read is 503; the first of an outage is logged with its
+        traceback, the others counted until a read succeeds (one line
+        then)."""
         linear = stream.id_gen.get_linear_token()
         try:
             page = await read_page(stream, since, bounds if bounds is not None
                                    else self.bounds(stream), limit, final_below=linear,
                                    columns=stream.config.column_names)
+        except FactsTrimmed as e:
+            raise TrimmedError("from", e.writer, e.since, e.boundary) from None
         except Exception:
             failed = self._failing.get(stream.name)
             self._failing[stream.name] = (failed or 0) + 1
@@ -243,7 +268,9 @@ class ReadRoutes:
         finished.addErrback(gone.append)
         reader, stream = self.open_stream(request, name)
         last = request.getHeader(b"last-event-id")
+        parameter = "from"
         if last:  # (an empty one is no id: the start is from)
+            parameter = "Last-Event-ID"
             try:
                 since = await self.start_positions(stream, last.decode("utf-8"))
             except UnicodeDecodeError:
@@ -251,8 +278,18 @@ class ReadRoutes:
             except ParameterError as e:
                 e.extra = {"parameter": "Last-Event-ID"}
                 raise
+            oldest = False
         else:
-            since = await self.start_positions(stream, one(request.args, "from"))
+            text = one(request.args, "from")
+            since = await self.start_positions(stream, text)
+            oldest = text is None
+        try:
+            # A one-fact page checks the start against the trim boundary
+            # before the stream answers 200 (EventSource takes a non-200 as
+            # final); from the oldest retained fact if no token was given.
+            since, _ = await self.first_page(stream, since, 1, oldest)
+        except TrimmedError as e:
+            raise e.named(parameter) from None
         if request.method == b"HEAD":
             return Response(b"", b"text/event-stream; charset=utf-8")
         if gone:
@@ -270,6 +307,12 @@ class ReadRoutes:
             self.book.attach(reader.name, stream.name, client)
             client.start()
             await client.done
+            if isinstance(client.ended_by, TrimmedError):
+                self.trimmed_streams += 1
+                metrics.HTTP_READER_TRIMMED.labels(reader.name, stream.name).inc()
+                log.info("reader {reader}: an event stream of {stream} fell behind the trim "
+                         "boundary ({error}); it ended with an error event",
+                         reader=reader.name, stream=stream.name, error=client.ended_by.message)
         finally:
             self.slots.give(host)
             if client is not None:
