@@ -21,8 +21,9 @@ from ..observe import metrics
 from ..streams.trimmed import FactsTrimmed
 from .auth import Reader, ReaderAuth
 from .book import ReaderBook, Slots, client_host
+from .builds import PageBuilds
 from .live import LiveFeed
-from .pages import Page, etag, matches, page_body, read_page, unencoded_rows
+from .pages import THREAD_ENCODE_ROWS, Page, etag, matches, page_body, read_page, unencoded_rows
 from .params import ParameterError, TrimmedError, limit_of, one, positions_of, wait_of
 from .persisted import PersistedLinear
 from .sse import SseClient
@@ -31,9 +32,6 @@ from .watch import StreamWatch
 
 log = Logger()
 
-#: Pages of more rows than this left to encode (read from memory) are
-#: encoded in a thread; what the table gave is encoded in its pool thread.
-THREAD_ENCODE_ROWS = 256
 #: Any page may read a stream with a secret (never with cookies: with "*"
 #: a browser sends none cross-origin), and see every answer and ETag.
 CORS = {b"access-control-allow-origin": b"*",
@@ -47,7 +45,7 @@ class ReadRoutes:
 
     def __init__(self, *, registry, auth: ReaderAuth, clock, max_waiting: int = 128,
                  max_waiting_per_address: int = 32, heartbeat: float = 15.0,
-                 feed_interval: float = 0.003):
+                 feed_interval: float = 0.003, max_page_bytes: int = 4 * 1024 * 1024):
         self.registry = registry
         self.auth = auth
         self._clock = clock
@@ -57,6 +55,8 @@ class ReadRoutes:
         self.slots = Slots(max_waiting, max_waiting_per_address)
         self.heartbeat = heartbeat
         self.feed_interval = feed_interval
+        self.max_page_bytes = max_page_bytes
+        self.builds = PageBuilds()  # page reads at once (per address, in all)
         self._live: Dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
         self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)
         self.trimmed_streams = 0  # event streams the trim boundary passed (ended)
@@ -146,7 +146,8 @@ class ReadRoutes:
         wait = wait_of(args)
         text = one(args, "from")
         since = await self.start_positions(stream, text)
-        _, page = await self.first_page(stream, since, limit, oldest=text is None)
+        host = client_host(request)
+        _, page = await self.first_page(stream, since, limit, text is None, host)
         if not page.facts and wait > 0:
             polled = await self._long_poll(finished, gone, request, reader, stream, page,
                                            limit, wait)
@@ -156,15 +157,15 @@ class ReadRoutes:
         self.book.reached(reader.name, stream.name, page.next)
         return await self._page_answer(request, stream, page)
 
-    async def first_page(self, stream, since: Positions, limit: int,
-                         oldest: bool) -> Tuple[Positions, Page]:
+    async def first_page(self, stream, since: Positions, limit: int, oldest: bool,
+                         host: Optional[str]) -> Tuple[Positions, Page]:
         """``(start, page)``: the page after ``since``; with ``oldest`` (no
         token given: from the oldest retained fact) ``since`` moved up to
         the trim boundary first if retention trimmed below it, else 410
         (:class:`.params.TrimmedError`)."""
         while True:
             try:
-                return since, await self.page(stream, since, limit)
+                return since, await self.page(stream, since, limit, host=host)
             except TrimmedError as e:
                 if not oldest:
                     raise
@@ -172,18 +173,20 @@ class ReadRoutes:
                 since = {w: max(p, e.boundary) for w, p in since.items()}
 
     async def page(self, stream, since: Positions, limit: int,
-                   bounds: Optional[Positions] = None) -> Page:
+                   bounds: Optional[Positions] = None, host: Optional[str] = None) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
-        the writers' current tokens).  Facts after ``since`` trimmed by
+        the writers' current tokens), at most ``max_page_bytes`` of facts
+        (:mod:`.pages`), built in the turn of ``host`` (:mod:`.builds`).  Facts after ``since`` trimmed by
         retention are 410 naming ``from`` (no log: the reader's doing).  A
         failed read is 503; the first of an outage is logged with its
         traceback, the others counted until a read succeeds (one line
         then)."""
         linear = stream.id_gen.get_linear_token()
         try:
-            page = await read_page(stream, since, bounds if bounds is not None
-                                   else self.bounds(stream), limit, final_below=linear,
-                                   columns=stream.config.column_names)
+            page = await self.builds.run(host, lambda: read_page(
+                stream, since, bounds if bounds is not None else self.bounds(stream), limit,
+                final_below=linear, columns=stream.config.column_names,
+                max_bytes=self.max_page_bytes))
         except FactsTrimmed as e:
             raise TrimmedError("from", e.writer, e.since, e.boundary) from None
         except Exception:
@@ -233,7 +236,7 @@ class ReadRoutes:
                         timer.cancel()
                 if gone:
                     break
-                page = await self.page(stream, page.next, limit)
+                page = await self.page(stream, page.next, limit, host=host)
         finally:
             self.slots.give(host)
             self.book.closed(reader.name, stream.name)
@@ -287,7 +290,7 @@ class ReadRoutes:
             # A one-fact page checks the start against the trim boundary
             # before the stream answers 200 (EventSource takes a non-200 as
             # final); from the oldest retained fact if no token was given.
-            since, _ = await self.first_page(stream, since, 1, oldest)
+            since, _ = await self.first_page(stream, since, 1, oldest, client_host(request))
         except TrimmedError as e:
             raise e.named(parameter) from None
         if request.method == b"HEAD":
@@ -301,7 +304,7 @@ class ReadRoutes:
             feed = self.feed(stream)
             client = SseClient(request, stream, feed, since,
                                lambda position, limit, bounds: self.page(
-                                   stream, position, limit, bounds),
+                                   stream, position, limit, bounds, host),
                                self._clock, self.heartbeat, finished)
             self.book.opened(reader.name, stream.name)
             self.book.attach(reader.name, stream.name, client)
