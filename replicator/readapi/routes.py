@@ -270,7 +270,10 @@ class ReadRoutes:
         finished = request.notifyFinish()
         finished.addErrback(gone.append)
         reader, stream = self.open_stream(request, name)
-        last = request.getHeader(b"last-event-id")
+        ids = request.requestHeaders.getRawHeaders(b"last-event-id") or []
+        if len(ids) > 1:
+            raise ParameterError(400, "Last-Event-ID", f"Last-Event-ID given {len(ids)} times")
+        last = ids[0] if ids else None
         parameter = "from"
         if last:  # (an empty one is no id: the start is from)
             parameter = "Last-Event-ID"
