@@ -136,12 +136,8 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     full = len(found) >= limit
     del found[limit:]
     if max_bytes is not None and columns is not None and found:
-        found = await with_json(list(columns), found)
-        jsons = [f[3] or b"" for f in found]
-        end = bytes_end(jsons, max_bytes)
-        if sum(map(len, jsons[:end])) >= max_bytes:
-            full = True  # (ends at its last fact, as one of limit facts)
-            del found[end:]
+        found, reached = await with_json(list(columns), found, max_bytes)
+        full = full or reached  # (then it ends at its last fact, as one of limit facts)
     if full:
         last = found[-1][0]
         next_positions = {w: max(since[w], min(scanned[w], last)) for w in since}
@@ -172,12 +168,22 @@ def bytes_end(jsons: Sequence[bytes], max_bytes: Optional[int]) -> int:
 THREAD_ENCODE_ROWS = 256
 
 
-async def with_json(columns: List[str], facts: List[PageFact]) -> List[PageFact]:
-    """``facts`` each with its JSON (:func:`fact_json`): many rows left to
-    encode are encoded in a thread."""
-    def encode_all() -> List[PageFact]:
-        return [f if f[3] is not None else (f[0], f[1], f[2], fact_json(columns, f))
-                for f in facts]
+async def with_json(columns: List[str], facts: List[PageFact],
+                    max_bytes: int) -> Tuple[List[PageFact], bool]:
+    """``(facts, reached)``: ``facts`` each with its JSON (:func:`fact_json`)
+    up to the one whose JSON brings them to ``max_bytes`` (none encoded
+    after it), and whether they reached it.  Many rows left to encode are
+    encoded in a thread."""
+    def encode_all() -> Tuple[List[PageFact], bool]:
+        out: List[PageFact] = []
+        size = 0
+        for f in facts:
+            j = f[3] if f[3] is not None else fact_json(columns, f)
+            out.append((f[0], f[1], f[2], j))
+            size += len(j)
+            if size >= max_bytes:
+                return out, True
+        return out, False
 
     if sum(len(f[2]) for f in facts if f[3] is None) > THREAD_ENCODE_ROWS:
         return await threads.deferToThread(encode_all)
