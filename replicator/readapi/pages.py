@@ -18,8 +18,8 @@ Invariants:
   skipped and nothing given twice when a reader asks from ``next``.
 * A *full* page (``limit`` facts, or ``max_bytes`` reached) ends at its
   last fact: ``next[W]`` is at most that fact's ID for every writer, so
-  the page depends only on the token, ``limit`` and ``max_bytes``.  If that ID is at or below the stream's linear
-  token, every fact the page could hold is final: the page is *final*
+  the page depends only on the token, ``limit`` and ``max_bytes``.  If
+  that ID is at or below the stream's linear token, every fact the page could hold is final: the page is *final*
   (and cacheable forever if also at or below the persisted positions,
   :mod:`.persisted`).  A page that is not full ends at the bounds, which
   move: it is never final.

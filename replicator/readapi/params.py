@@ -39,10 +39,6 @@ class TrimmedError(ParameterError):
         """The same refusal about another parameter (``Last-Event-ID``)."""
         return TrimmedError(parameter, self.writer, self.since, self.boundary)
 
-    def body(self) -> dict:
-        """The JSON answer (also an event stream's ``error`` event)."""
-        return {**self.extra, self.key: self.message}
-
 
 def one(args: Mapping[bytes, list], name: str) -> Optional[str]:
     """The value of parameter ``name`` (None if absent); 400 if given twice

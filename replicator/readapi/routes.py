@@ -176,11 +176,11 @@ class ReadRoutes:
                    bounds: Optional[Positions] = None, host: Optional[str] = None) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
         the writers' current tokens), at most ``max_page_bytes`` of facts
-        (:mod:`.pages`), built in the turn of ``host`` (:mod:`.builds`).  Facts after ``since`` trimmed by
-        retention are 410 naming ``from`` (no log: the reader's doing).  A
-        failed read is 503; the first of an outage is logged with its
-        traceback, the others counted until a read succeeds (one line
-        then)."""
+        (:mod:`.pages`), built in the turn of ``host`` (:mod:`.builds`).
+        Facts after ``since`` trimmed by retention are 410 naming ``from``
+        (no log: the reader's doing).  A failed read is 503; the first of
+        an outage is logged with its traceback, the others counted until a
+        read succeeds (one line then)."""
         linear = stream.id_gen.get_linear_token()
         try:
             page = await self.builds.run(host, lambda: read_page(
