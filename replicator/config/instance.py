@@ -77,7 +77,7 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
                           "body_timeout", "max_connections", "max_connections_per_address",
                           "readers", "max_waiting_reads", "max_waiting_reads_per_address",
-                          "heartbeat_interval"),
+                          "heartbeat_interval", "max_page_bytes"),
                key)
     if "secret" in section and "secret_file" in section:
         raise ConfigError(key, "give either secret or secret_file, not both")
@@ -118,6 +118,8 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
                                               maximum=max_waiting),
         heartbeat_interval=get_number(section, "heartbeat_interval", key, 15.0, minimum=0.1,
                                       maximum=3600),
+        max_page_bytes=get_int(section, "max_page_bytes", key, 4 * 1024 * 1024,
+                               minimum=1024, maximum=1 << 30),
     )
 
 

@@ -200,6 +200,8 @@ class HttpConfig:
     max_waiting_reads: int = 128
     max_waiting_reads_per_address: int = 32
     heartbeat_interval: float = 15.0
+    # A page of the read API ends at the fact whose JSON reaches this.
+    max_page_bytes: int = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -53,19 +53,21 @@ def validate_http(http: HttpConfig, reactor, key: str = "http") -> HttpConfig:
     """The listener, and the secret read from ``secret_file``."""
     if http.listen is not None:
         _build(reactor, http.listen, f"{key}.listen", "server")
+    if http.secret_file is not None:
+        secret = read_secret(http.secret_file, f"{key}.secret_file")
+        if len(secret) < MIN_SECRET:
+            raise ConfigError(f"{key}.secret", f"must be at least {MIN_SECRET} characters")
+        http = dataclasses.replace(http, secret=secret)
     if http.readers:
-        http = dataclasses.replace(http, readers=read_reader_secrets(http.readers, key))
-    if http.secret_file is None:
-        return http
-    secret = read_secret(http.secret_file, f"{key}.secret_file")
-    if len(secret) < MIN_SECRET:
-        raise ConfigError(f"{key}.secret", f"must be at least {MIN_SECRET} characters")
-    return dataclasses.replace(http, secret=secret)
+        http = dataclasses.replace(http, readers=read_reader_secrets(http.readers, key,
+                                                                     http.secret))
+    return http
 
 
-def read_reader_secrets(readers, key: str = "http"):
+def read_reader_secrets(readers, key: str = "http", write_secret: Optional[str] = None):
     """``http.readers`` with each reader's secret read from its file (at
-    least :data:`MIN_SECRET` characters, no two readers alike)."""
+    least :data:`MIN_SECRET` characters, no two readers alike, none the
+    write secret: a reader would write, and read as ``secret``)."""
     out = []
     seen: Dict[str, str] = {}
     for i, reader in enumerate(readers):
@@ -73,6 +75,9 @@ def read_reader_secrets(readers, key: str = "http"):
         secret = read_secret(reader.secret_file, where)
         if len(secret) < MIN_SECRET:
             raise ConfigError(where, f"the secret must be at least {MIN_SECRET} characters")
+        if write_secret is not None and secret == write_secret:
+            raise ConfigError(where, "the same secret as the write secret (http.secret or "
+                                     "http.secret_file): each reader needs its own")
         if secret in seen:
             raise ConfigError(where, f"the same secret as reader {seen[secret]!r}: each "
                                      "reader needs its own")

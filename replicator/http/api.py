@@ -124,6 +124,7 @@ class HttpApi:
             max_waiting=config.http.max_waiting_reads,
             max_waiting_per_address=config.http.max_waiting_reads_per_address,
             heartbeat=config.http.heartbeat_interval,
+            max_page_bytes=config.http.max_page_bytes,
             feed_interval=config.replication.fanout_interval)
         self._root = _Root(self)
 

@@ -73,6 +73,14 @@ RETENTION_GAP = Gauge(
     "were trimmed by retention (until an operator rewinds and restarts)", ["stream", "writer"],
 )
 
+# The read API: event streams ended because retention trimmed facts they
+# still had to send (docs/read-api.md, "Trimmed facts").
+HTTP_READER_TRIMMED = Counter(
+    "replicator_http_reader_trimmed_total",
+    "Event streams of this read API reader ended with an error event because retention "
+    "trimmed facts they had not sent yet (the reader fell behind)", ["reader", "stream"],
+)
+
 # ---------------------------------------------------------- replication
 # "name" labels are bounded: a peer's NAME only if the configuration knows
 # it (replication.peers.metrics_label), else "other".

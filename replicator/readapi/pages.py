@@ -6,17 +6,20 @@ it (docs/streams.md, "Tokens"): every fact of W at or below it is committed
 and final, and no unfinished ID of W is at or below it.  A page holds the
 facts of each writer W with ``since[W] < stream_id <= bound[W]``, merged in
 ascending ``stream_id`` (so in order per writer), at most ``limit`` of them,
-each whole (every row of its ID).
+each whole (every row of its ID), and, with ``max_bytes``, facts until
+their JSON reaches ``max_bytes``: the fact that reaches or crosses it is
+the page's last (a fact is never split: one bigger than the bound is a
+page by itself).
 
 Invariants:
 
 * ``next`` names, per writer, a position such that every fact of that
   writer at or below it is in this page or an earlier one: nothing is
   skipped and nothing given twice when a reader asks from ``next``.
-* A *full* page (``limit`` facts) ends at its last fact: ``next[W]`` is at
-  most that fact's ID for every writer, so the page depends only on the
-  token and ``limit``.  If that ID is at or below the stream's linear
-  token, every fact the page could hold is final: the page is *final*
+* A *full* page (``limit`` facts, or ``max_bytes`` reached) ends at its
+  last fact: ``next[W]`` is at most that fact's ID for every writer, so
+  the page depends only on the token, ``limit`` and ``max_bytes``.  If
+  that ID is at or below the stream's linear token, every fact the page could hold is final: the page is *final*
   (and cacheable forever if also at or below the persisted positions,
   :mod:`.persisted`).  A page that is not full ends at the bounds, which
   move: it is never final.
@@ -27,6 +30,7 @@ from operator import itemgetter
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import orjson
+from twisted.internet import threads
 
 from .tokens import Positions, encode
 
@@ -53,7 +57,8 @@ class Page:
 
 async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: int,
                     final_below: Optional[int] = None,
-                    columns: Optional[Sequence[str]] = None) -> Page:
+                    columns: Optional[Sequence[str]] = None,
+                    max_bytes: Optional[int] = None) -> Page:
     """The page of ``stream`` after ``since`` (a position per writer),
     bounded by ``bounds`` (per writer), at most ``limit`` facts.  A full
     page ending at or below ``final_below`` (the linear token) is final.
@@ -63,7 +68,12 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     writer, counted in facts, and those facts come encoded (their JSON
     built by PostgreSQL or in the pool thread); without, one
     :meth:`fact_page` at a time.  Both give the same page, byte for byte
-    once encoded (tests/test_read_api_json.py)."""
+    once encoded (tests/test_read_api_json.py).
+
+    With ``max_bytes`` (and ``columns``) every fact of the page comes
+    encoded, and the page ends at the fact whose JSON brings the page to
+    ``max_bytes``; what the table gave past that point in a writer is
+    dropped in the pool thread, before it is encoded."""
     found: List[PageFact] = []
     scanned: Dict[str, int] = {}
     table: List[Tuple[str, int, int, int]] = []  # (writer, from, to, facts) to read
@@ -96,13 +106,23 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
         json_rows = stream.json_rows
 
         def encode_facts(pages: List[Any]) -> List[List[bytes]]:
-            """Each fact's JSON (in the pool thread)."""
-            if json_rows:
-                return [rows_json_facts(writer, page[0])
-                        for (writer, _, _, _), page in zip(table, pages)]
-            return [[fact_json(names, (stream_id, writer, rows, None))
-                     for stream_id, rows in page[0]]
-                    for (writer, _, _, _), page in zip(table, pages)]
+            """Each fact's JSON (in the pool thread); with ``max_bytes``,
+            each writer's page cut after the fact that reaches it (the
+            merged page ends there or before: it holds at least as many
+            bytes by then)."""
+            out = []
+            for i, ((writer, _, _, _), page) in enumerate(zip(table, pages)):
+                if json_rows:
+                    jsons = rows_json_facts(writer, page[0])
+                else:
+                    jsons = [fact_json(names, (stream_id, writer, rows, None))
+                             for stream_id, rows in page[0]]
+                end = bytes_end(jsons, max_bytes)
+                if end < len(jsons):
+                    del jsons[end:]
+                    pages[i] = (page[0][:end], page[0][end - 1][0], True)
+                out.append(jsons)
+            return out
 
         pages, encoded = await stream.table_fact_pages(table, encode_facts, json_rows)
         for (writer, _, _, _), (facts, upto, _), jsons in zip(table, pages, encoded):
@@ -114,8 +134,11 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     if len(writers_found) > 1:
         found.sort(key=_first)
     full = len(found) >= limit
+    del found[limit:]
+    if max_bytes is not None and columns is not None and found:
+        found, reached = await with_json(list(columns), found, max_bytes)
+        full = full or reached  # (then it ends at its last fact, as one of limit facts)
     if full:
-        del found[limit:]
         last = found[-1][0]
         next_positions = {w: max(since[w], min(scanned[w], last)) for w in since}
         # (And within every writer's bound: all of the page was readable.)
@@ -125,6 +148,46 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
         next_positions = scanned
         final = False
     return Page(found, next_positions, full, final)
+
+
+def bytes_end(jsons: Sequence[bytes], max_bytes: Optional[int]) -> int:
+    """How many of ``jsons`` a page holds: up to the one whose bytes bring
+    the total to ``max_bytes`` (all with None)."""
+    if max_bytes is None:
+        return len(jsons)
+    size = 0
+    for i, j in enumerate(jsons):
+        size += len(j)
+        if size >= max_bytes:
+            return i + 1
+    return len(jsons)
+
+
+#: Pages of more rows than this left to encode (read from memory) are
+#: encoded in a thread; what the table gave is encoded in its pool thread.
+THREAD_ENCODE_ROWS = 256
+
+
+async def with_json(columns: List[str], facts: List[PageFact],
+                    max_bytes: int) -> Tuple[List[PageFact], bool]:
+    """``(facts, reached)``: ``facts`` each with its JSON (:func:`fact_json`)
+    up to the one whose JSON brings them to ``max_bytes`` (none encoded
+    after it), and whether they reached it.  Many rows left to encode are
+    encoded in a thread."""
+    def encode_all() -> Tuple[List[PageFact], bool]:
+        out: List[PageFact] = []
+        size = 0
+        for f in facts:
+            j = f[3] if f[3] is not None else fact_json(columns, f)
+            out.append((f[0], f[1], f[2], j))
+            size += len(j)
+            if size >= max_bytes:
+                return out, True
+        return out, False
+
+    if sum(len(f[2]) for f in facts if f[3] is None) > THREAD_ENCODE_ROWS:
+        return await threads.deferToThread(encode_all)
+    return encode_all()
 
 
 def fact_object(columns: Sequence[str], fact: Sequence[Any]) -> dict:

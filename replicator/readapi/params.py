@@ -21,6 +21,25 @@ class ParameterError(HttpError):
         self.extra = {"parameter": parameter}
 
 
+class TrimmedError(ParameterError):
+    """410: facts after the token in ``parameter`` were trimmed by retention
+    (docs/streams.md, "Retention"); the answer names the boundary."""
+
+    def __init__(self, parameter: str, writer: str, since: int, boundary: int):
+        super().__init__(410, parameter, f"facts after {since} of writer {writer} were "
+                                         f"trimmed by retention (up to {boundary}); start "
+                                         "again from a token at or after the boundary, or "
+                                         f"without {parameter}")
+        self.extra = {"parameter": parameter, "trimmed_through": boundary}
+        self.writer = writer
+        self.since = since
+        self.boundary = boundary
+
+    def named(self, parameter: str) -> "TrimmedError":
+        """The same refusal about another parameter (``Last-Event-ID``)."""
+        return TrimmedError(parameter, self.writer, self.since, self.boundary)
+
+
 def one(args: Mapping[bytes, list], name: str) -> Optional[str]:
     """The value of parameter ``name`` (None if absent); 400 if given twice
     or not UTF-8."""
@@ -64,8 +83,9 @@ def wait_of(args) -> float:
 
 
 def positions_of(text: Optional[str], stream, now: Positions) -> Positions:
-    """The positions a ``from`` token names in ``stream`` (absent: the
-    beginning; ``now``: ``now``); 400 for a malformed or foreign token."""
+    """The positions a ``from`` token names in ``stream`` (absent: 0, the
+    beginning, which the routes move up to the trim boundary; ``now``:
+    ``now``); 400 for a malformed or foreign token."""
     writers = stream.config.writers
     if text is None:
         return {w: 0 for w in writers}

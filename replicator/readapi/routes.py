@@ -5,21 +5,26 @@ long-poll) and ``GET .../streams/{stream}/events`` (Server-Sent Events,
 Checked in this order: 401/403 (credential, :mod:`.auth`), 403 (a stream
 the credential does not cover), 404 (unknown stream), 503 (streams not
 loaded yet), 400 (``limit``, ``wait``, ``from``: a malformed or foreign
-token, or one beyond the stream's sequence), then 503 when too many reads
-are open already (long-polls that wait, event streams).
+token, or one beyond the stream's sequence), 410 (``from`` or
+``Last-Event-ID`` below the stream's trim boundary: facts after it were
+trimmed by retention), then 503 when too many reads are open already
+(long-polls that wait, event streams).
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from twisted.internet import defer, threads
 from twisted.logger import Logger
 
 from ..http.answers import HttpError, Response, excerpt
+from ..observe import metrics
+from ..streams.trimmed import FactsTrimmed
 from .auth import Reader, ReaderAuth
 from .book import ReaderBook, Slots, client_host
+from .builds import PageBuilds
 from .live import LiveFeed
-from .pages import Page, etag, matches, page_body, read_page, unencoded_rows
-from .params import ParameterError, limit_of, one, positions_of, wait_of
+from .pages import THREAD_ENCODE_ROWS, Page, etag, matches, page_body, read_page, unencoded_rows
+from .params import ParameterError, TrimmedError, limit_of, one, positions_of, wait_of
 from .persisted import PersistedLinear
 from .sse import SseClient
 from .tokens import Positions
@@ -27,9 +32,6 @@ from .watch import StreamWatch
 
 log = Logger()
 
-#: Pages of more rows than this left to encode (read from memory) are
-#: encoded in a thread; what the table gave is encoded in its pool thread.
-THREAD_ENCODE_ROWS = 256
 #: Any page may read a stream with a secret (never with cookies: with "*"
 #: a browser sends none cross-origin), and see every answer and ETag.
 CORS = {b"access-control-allow-origin": b"*",
@@ -43,7 +45,7 @@ class ReadRoutes:
 
     def __init__(self, *, registry, auth: ReaderAuth, clock, max_waiting: int = 128,
                  max_waiting_per_address: int = 32, heartbeat: float = 15.0,
-                 feed_interval: float = 0.003):
+                 feed_interval: float = 0.003, max_page_bytes: int = 4 * 1024 * 1024):
         self.registry = registry
         self.auth = auth
         self._clock = clock
@@ -53,8 +55,11 @@ class ReadRoutes:
         self.slots = Slots(max_waiting, max_waiting_per_address)
         self.heartbeat = heartbeat
         self.feed_interval = feed_interval
+        self.max_page_bytes = max_page_bytes
+        self.builds = PageBuilds()  # page reads at once (per address, in all)
         self._live: Dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
         self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)
+        self.trimmed_streams = 0  # event streams the trim boundary passed (ended)
 
     # ------------------------------------------------------- what it shows
     def status(self) -> list:
@@ -139,8 +144,10 @@ class ReadRoutes:
         args = request.args
         limit = limit_of(args)
         wait = wait_of(args)
-        since = await self.start_positions(stream, one(args, "from"))
-        page = await self.page(stream, since, limit)
+        text = one(args, "from")
+        since = await self.start_positions(stream, text)
+        host = client_host(request)
+        _, page = await self.first_page(stream, since, limit, text is None, host)
         if not page.facts and wait > 0:
             polled = await self._long_poll(finished, gone, request, reader, stream, page,
                                            limit, wait)
@@ -150,17 +157,38 @@ class ReadRoutes:
         self.book.reached(reader.name, stream.name, page.next)
         return await self._page_answer(request, stream, page)
 
+    async def first_page(self, stream, since: Positions, limit: int, oldest: bool,
+                         host: Optional[str]) -> Tuple[Positions, Page]:
+        """``(start, page)``: the page after ``since``; with ``oldest`` (no
+        token given: from the oldest retained fact) ``since`` moved up to
+        the trim boundary first if retention trimmed below it, else 410
+        (:class:`.params.TrimmedError`)."""
+        while True:
+            try:
+                return since, await self.page(stream, since, limit, host=host)
+            except TrimmedError as e:
+                if not oldest:
+                    raise
+                # (Again only if the boundary moved meanwhile: it only rises.)
+                since = {w: max(p, e.boundary) for w, p in since.items()}
+
     async def page(self, stream, since: Positions, limit: int,
-                   bounds: Optional[Positions] = None) -> Page:
+                   bounds: Optional[Positions] = None, host: Optional[str] = None) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
-        the writers' current tokens).  A failed read is 503; the first of
+        the writers' current tokens), at most ``max_page_bytes`` of facts
+        (:mod:`.pages`), built in the turn of ``host`` (:mod:`.builds`).
+        Facts after ``since`` trimmed by retention are 410 naming ``from``
+        (no log: the reader's doing).  A failed read is 503; the first of
         an outage is logged with its traceback, the others counted until a
         read succeeds (one line then)."""
         linear = stream.id_gen.get_linear_token()
         try:
-            page = await read_page(stream, since, bounds if bounds is not None
-                                   else self.bounds(stream), limit, final_below=linear,
-                                   columns=stream.config.column_names)
+            page = await self.builds.run(host, lambda: read_page(
+                stream, since, bounds if bounds is not None else self.bounds(stream), limit,
+                final_below=linear, columns=stream.config.column_names,
+                max_bytes=self.max_page_bytes))
+        except FactsTrimmed as e:
+            raise TrimmedError("from", e.writer, e.since, e.boundary) from None
         except Exception:
             failed = self._failing.get(stream.name)
             self._failing[stream.name] = (failed or 0) + 1
@@ -208,7 +236,7 @@ class ReadRoutes:
                         timer.cancel()
                 if gone:
                     break
-                page = await self.page(stream, page.next, limit)
+                page = await self.page(stream, page.next, limit, host=host)
         finally:
             self.slots.give(host)
             self.book.closed(reader.name, stream.name)
@@ -242,8 +270,13 @@ class ReadRoutes:
         finished = request.notifyFinish()
         finished.addErrback(gone.append)
         reader, stream = self.open_stream(request, name)
-        last = request.getHeader(b"last-event-id")
+        ids = request.requestHeaders.getRawHeaders(b"last-event-id") or []
+        if len(ids) > 1:
+            raise ParameterError(400, "Last-Event-ID", f"Last-Event-ID given {len(ids)} times")
+        last = ids[0] if ids else None
+        parameter = "from"
         if last:  # (an empty one is no id: the start is from)
+            parameter = "Last-Event-ID"
             try:
                 since = await self.start_positions(stream, last.decode("utf-8"))
             except UnicodeDecodeError:
@@ -251,8 +284,18 @@ class ReadRoutes:
             except ParameterError as e:
                 e.extra = {"parameter": "Last-Event-ID"}
                 raise
+            oldest = False
         else:
-            since = await self.start_positions(stream, one(request.args, "from"))
+            text = one(request.args, "from")
+            since = await self.start_positions(stream, text)
+            oldest = text is None
+        try:
+            # A one-fact page checks the start against the trim boundary
+            # before the stream answers 200 (EventSource takes a non-200 as
+            # final); from the oldest retained fact if no token was given.
+            since, _ = await self.first_page(stream, since, 1, oldest, client_host(request))
+        except TrimmedError as e:
+            raise e.named(parameter) from None
         if request.method == b"HEAD":
             return Response(b"", b"text/event-stream; charset=utf-8")
         if gone:
@@ -264,12 +307,18 @@ class ReadRoutes:
             feed = self.feed(stream)
             client = SseClient(request, stream, feed, since,
                                lambda position, limit, bounds: self.page(
-                                   stream, position, limit, bounds),
+                                   stream, position, limit, bounds, host),
                                self._clock, self.heartbeat, finished)
             self.book.opened(reader.name, stream.name)
             self.book.attach(reader.name, stream.name, client)
             client.start()
             await client.done
+            if isinstance(client.ended_by, TrimmedError):
+                self.trimmed_streams += 1
+                metrics.HTTP_READER_TRIMMED.labels(reader.name, stream.name).inc()
+                log.info("reader {reader}: an event stream of {stream} fell behind the trim "
+                         "boundary ({error}); it ended with an error event",
+                         reader=reader.name, stream=stream.name, error=client.ended_by.message)
         finally:
             self.slots.give(host)
             if client is not None:

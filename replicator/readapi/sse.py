@@ -19,6 +19,7 @@ rate, and nobody else waits for it.
 
 from typing import Callable, Optional
 
+import orjson
 from twisted.internet import defer
 from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
@@ -38,6 +39,12 @@ CATCH_UP_PAGE = 256
 #: A catching-up client is written this many bytes at a time, and no more
 #: once its transport paused it.
 WRITE_SIZE = 64 * 1024
+
+
+def error_event(error: HttpError) -> bytes:
+    """An ``error`` event carrying the JSON an HTTP answer would hold."""
+    return b"event: error\ndata: " + orjson.dumps({**error.extra, error.key: error.message}) \
+        + b"\n\n"
 
 
 @implementer(IPushProducer)
@@ -61,6 +68,7 @@ class SseClient:
         self.closed = False
         self.live = False
         self.switched = 0  # times it left the feed for the table
+        self.ended_by: Optional[HttpError] = None  # why the server ended it, if it did
         self._resumed: Optional[defer.Deferred] = None
         self._ping = None
         self.done: defer.Deferred[None] = defer.Deferred()  # fires when the stream ends
@@ -111,8 +119,14 @@ class SseClient:
                         and bounds == self.feed.position:
                     # Ahead of the feed on some writer: wait for it to move.
                     await self.feed.moved()
-        except HttpError:
-            self.close()  # a failed read (logged once per outage); the client retries
+        except HttpError as e:
+            # A failed read (logged once per outage; the client retries), or
+            # the trim boundary passed it (410): said in an error event, as
+            # a reconnect from its position would be refused.
+            self.ended_by = e
+            if e.code == 410 and not self.closed:
+                self.request.write(error_event(e))
+            self.close()
         except Exception:
             log.failure("stream {stream}: an event stream's catch-up failed; closing it",
                         stream=name)

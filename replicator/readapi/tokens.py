@@ -9,7 +9,9 @@ unpadded base64url of the UTF-8 JSON array ``[STREAM, [[WRITER, POSITION],
 every version ever issued stays readable.
 
 Invariants: :func:`encode` is canonical (the same positions give the same
-text, so the same page has the same URL for a cache); :func:`decode` of an
+text, so the same page has the same URL for a cache) and the only text
+read: :func:`decode` refuses any other spelling of the same positions
+(writers unsorted, whitespace, no writer); :func:`decode` of an
 :func:`encode` gives the positions back; :func:`decode` never raises
 anything but :class:`TokenError`, whatever the text, and reads at most
 :data:`MAX_TOKEN` characters.
@@ -82,4 +84,7 @@ def parse(text: str):
                 and item[0] not in positions):
             raise TokenError("malformed token: not one this server issued")
         positions[item[0]] = item[1]
+    if not positions or encode(doc[0], positions) != text:
+        # (Every token issued names every writer, sorted, in compact JSON.)
+        raise TokenError("malformed token: not one this server issued (not canonical)")
     return doc[0], positions
