@@ -1,7 +1,7 @@
 """Event streams at scale: a live round's bytes go straight to each
-client's socket (HTTP/1.0 and chunked HTTP/1.1 alike), and a round whose
-writes were costly is followed by a rest of the same length, so that many
-clients get more facts per write instead of starving the reactor."""
+client's socket (HTTP/1.0 and chunked HTTP/1.1 alike), a slice of clients
+per turn of the reactor, so that many clients do not starve the rest of
+the daemon (the write API first)."""
 
 import orjson
 from twisted.internet import defer, endpoints, protocol, reactor, task
@@ -79,16 +79,16 @@ class DirectWriteTests(ReadTestCase):
         await until(lambda: len(feed.clients) == 2)
         self.assertIn(b"chunked", new.head.lower())
         left_behind = []
-        send = feed._send
+        write = feed._write
 
-        def sent(data, position):
-            send(data, position)
-            for client in feed.clients:
+        def written(frames, position, clients):
+            write(frames, position, clients)
+            for client in clients:
                 transport = client.request.channel.transport
                 left_behind.append(len(transport.dataBuffer) - transport.offset
                                    + transport._tempDataLen)
 
-        feed._send = sent
+        feed._write = written
         ids = await self.write("events", 5)
         await until(lambda: len(old.facts()) == 5 and len(new.facts()) == 5)
         self.assertEqual([f["stream_id"] for _, f in old.facts()], ids)
@@ -100,71 +100,51 @@ class DirectWriteTests(ReadTestCase):
             self.assertGreater(client.request.sentLength, 5 * len(b"event: fact"))
 
 
-class CostlyRequest(FakeRequest):
-    """A request whose writes take the (fake) time ``cost`` each."""
-
-    def __init__(self, now, cost):
-        super().__init__()
-        self.now = now
-        self.cost = cost
-
-    def write(self, data):
-        self.now[0] += self.cost
-        super().write(data)
-
-
-def timed(case, now) -> None:
-    """Rounds' writes timed by ``now[0]`` (not by the wall clock)."""
-    old = live.__dict__.get("perf_counter")
-    live.perf_counter = lambda: now[0]
-    case.addCleanup(lambda: setattr(live, "perf_counter", old) if old is not None
-                    else delattr(live, "perf_counter"))
-
-
-class RestTests(SynchronousTestCase):
-    def test_a_costly_round_is_followed_by_a_rest_as_long(self):
-        now = [0.0]
-        timed(self, now)
+class SliceTests(SynchronousTestCase):
+    def test_a_round_is_written_in_slices_and_a_client_joining_meanwhile_has_it_once(self):
+        """Between two slices of a round the reactor does other work; a
+        client that catches up and joins meanwhile (at the round's start)
+        gets the round's events too, once, and everyone has them in order."""
+        self.patch(live, "SLICE", 2)
         clock = task.Clock()
         stream = FakeStream(["a"])
         feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
-                        interval=0.003)
-        request = CostlyRequest(now, 0.05)
+                        interval=0)
 
         async def page(pos, limit, bounds):
             return await read_page(stream, pos, bounds, limit)
 
-        SseClient(request, stream, feed, {"a": 0}, page, clock, 3600).start()
-        written = len(request.written)
+        requests = []
+        for _ in range(5):
+            requests.append(FakeRequest())
+            SseClient(requests[-1], stream, feed, {"a": 0}, page, clock, 3600).start()
+        paused = FakeRequest()
+        late = SseClient(paused, stream, feed, {"a": 0}, page, clock, 3600)
+        late.paused = True  # it starts behind its transport: not live yet
+        late.start()
+        self.assertNotIn(late, feed.clients)
         stream.add("a", 1, [[1]])
         stream.id_gen.move("a", 1)
-        self.assertEqual(len(request.written), written + 1)  # idle: at once
-        for i in range(2, 6):
-            stream.add("a", i, [[i]])
-            stream.id_gen.move("a", i)
-        clock.advance(0.003)  # the interval is over, the rest (50 ms) is not
-        self.assertEqual(len(request.written), written + 1)
-        clock.advance(0.047)
-        self.assertEqual(len(request.written), written + 2)
-        self.assertEqual(request.written[-1].count(b"event: fact"), 4)
+        got = [r.written.count(r.written[-1]) if b"event: fact" in r.written[-1] else 0
+               for r in requests]
+        self.assertEqual(sorted(got), [0, 0, 0, 1, 1])  # the first slice only
+        late.resumeProducing()  # joins at the round's start
+        self.assertIn(late, feed.clients)
+        clock.advance(0)
+        clock.advance(0)
+        for r in requests + [paused]:
+            self.assertEqual(SseTestsEvents.ids(r), [1], r)
+        stream.add("a", 2, [[2]])
+        stream.id_gen.move("a", 2)
+        clock.advance(0)
+        clock.advance(0)
+        for r in requests + [paused]:
+            self.assertEqual(SseTestsEvents.ids(r), [1, 2])
 
-    def test_cheap_rounds_keep_the_interval(self):
-        now = [0.0]
-        timed(self, now)
-        clock = task.Clock()
-        stream = FakeStream(["a"])
-        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
-                        interval=0.003)
-        request = CostlyRequest(now, 0.0005)  # below a millisecond
 
-        async def page(pos, limit, bounds):
-            return await read_page(stream, pos, bounds, limit)
-
-        SseClient(request, stream, feed, {"a": 0}, page, clock, 3600).start()
-        written = len(request.written)
-        for i in range(1, 4):
-            stream.add("a", i, [[i]])
-            stream.id_gen.move("a", i)
-        clock.advance(0.003)
-        self.assertEqual(len(request.written), written + 2)
-        self.assertEqual(request.written[-1].count(b"event: fact"), 2)
+class SseTestsEvents:  # (the stream IDs a fake request was written)
+    @staticmethod
+    def ids(request):
+        data = b"".join(request.written)
+        return [orjson.loads(line[6:])["stream_id"] for line in data.split(b"\n")
+                if line.startswith(b"data: ")]

@@ -22,20 +22,19 @@ Invariants:
   replication fan-out's ``fanout_interval``): a client gets one write per
   round, whatever the number of facts; when idle, a fact goes out at once.
   With no live client the feed only moves its position (nothing is read).
-* The feed takes at most about half of the reactor: after a round whose
-  writes took ``t`` seconds (a ``send`` per client: 1,000 clients take
-  milliseconds), the next starts no sooner than ``t`` later (when ``t`` is
-  a millisecond or more).  So the more
-  clients, the more facts each write carries, instead of the writes
-  starving everything else (the write API first); with few clients this
-  is far below ``interval`` and changes nothing.
+* A round's bytes go to :data:`SLICE` clients per turn of the reactor
+  (straight to their sockets, :mod:`.direct`): between two slices the
+  reactor answers everything else (the write API first), so a thousand
+  clients slow their own rounds, not the writes.  The next round starts
+  when this one is done, so the more clients, the more facts each write
+  carries.  A client that joins during a round (it caught up to the
+  round's start) gets the round's events too.
 """
 
-import time
 from typing import Any, Callable, List, Set
 
 import orjson
-from twisted.internet import defer
+from twisted.internet import defer, task
 
 from ..net.backoff import Outage
 from ..streams.pages import group
@@ -47,11 +46,9 @@ from .tokens import Positions, encode
 FETCH = 1000
 #: Seconds before a failed read is first tried again (then with backoff).
 RETRY = 1.0
-
-#: What a round's writes are timed with (seconds).
-perf_counter = time.perf_counter
-#: Rounds whose writes took less than this (seconds) are followed by no rest.
-MIN_REST = 0.001
+#: Live clients written per turn of the reactor: between two slices it
+#: answers the rest (the write API first), whatever the number of clients.
+SLICE = 100
 
 
 def event(token: str, fact_json: bytes) -> bytes:
@@ -69,8 +66,6 @@ class LiveFeed:
         self._clock = clock
         self.interval = interval
         self._last = -1e9  # when the last round started
-        self._rest = -1e9  # no round before this (after a round of costly writes)
-        self._spent = 0.0  # seconds the writes of the running round took
         self._timer = None
         self.position: Positions = bounds(stream)
         self.clients: Set[Any] = set()  # event streams (sse.EventStream) reading live
@@ -99,15 +94,14 @@ class LiveFeed:
 
     def advanced(self) -> None:
         """The stream moved: a round now, or (under load: a round started
-        less than ``interval`` ago, or the rest after a costly round is not
-        over) later, taking every advance until then in one write per
-        client."""
+        less than ``interval`` ago) once the interval is over, taking every
+        advance until then in one write per client."""
         if self._running:
             self._again = True
             return
         if self._timer is not None and self._timer.active():
             return
-        wait = max(self._last + self.interval, self._rest) - self._clock.seconds()
+        wait = self._last + self.interval - self._clock.seconds()
         if wait > 0:
             self._timer = self._clock.callLater(wait, self.advanced)
             return
@@ -116,7 +110,6 @@ class LiveFeed:
         defer.ensureDeferred(self._run())
 
     async def _run(self) -> None:
-        self._spent = 0.0
         try:
             self._again = False
             bounds = self._bounds(self.stream)
@@ -125,7 +118,7 @@ class LiveFeed:
                 await self._read(writer, bounds[writer])
             if behind:
                 self._wake()
-                # Moves during the read: the next round (after the rest).
+                # Moves during the round: the next round.
                 self._again = self._again or self._bounds(self.stream) != bounds
         except Exception as e:
             # One line when an outage starts, one when it ends (backoff).
@@ -136,8 +129,6 @@ class LiveFeed:
             self._outage.succeeded()
         finally:
             self._running = False
-            if self._spent >= MIN_REST:
-                self._rest = self._clock.seconds() + self._spent
         if self._again:
             self.advanced()
 
@@ -161,19 +152,33 @@ class LiveFeed:
                                     orjson.dumps(fact_object(columns, (fact[0], writer,
                                                                        fact[1])))))
             position[writer] = max(upto, start)
-            self._send(b"".join(chunks), position)
+            await self._send(b"".join(chunks), position)
 
-    def _send(self, data: bytes, position: Positions) -> None:
-        """``data`` (the events up to ``position``) to every live client."""
-        started = perf_counter()
+    async def _send(self, data: bytes, position: Positions) -> None:
+        """``data`` (the events up to ``position``) to every live client,
+        :data:`SLICE` clients per turn of the reactor."""
         frames = Frames(data)
-        for client in list(self.clients):
-            if data and not client.live_write(frames, position):
+        start = self.position
+        clients = list(self.clients)
+        for i in range(0, len(clients), SLICE):
+            if i:
+                await task.deferLater(self._clock, 0, lambda: None)
+            self._write(frames, position, clients[i:i + SLICE])
+        if len(clients) > SLICE:
+            # Joined between two slices (at the round's start): theirs too.
+            late = [c for c in self.clients
+                    if c.position is not position and c.position == start]
+            self._write(frames, position, late)
+        self.position = position
+
+    def _write(self, frames: Frames, position: Positions, clients: List[Any]) -> None:
+        for client in clients:
+            if client not in self.clients:
+                continue  # gone, or left for the table, since the round began
+            if frames.data and not client.live_write(frames, position):
                 self.clients.discard(client)
             else:
                 client.position = position
-        self.position = position
-        self._spent += perf_counter() - started
 
     def _wake(self) -> None:
         moved, self._moved = self._moved, []
