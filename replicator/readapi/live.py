@@ -111,15 +111,15 @@ class LiveFeed:
 
     async def _run(self) -> None:
         try:
-            self._again = False
-            bounds = self._bounds(self.stream)
-            behind = [w for w in sorted(bounds) if bounds[w] > self.position.get(w, 0)]
-            for writer in behind:
-                await self._read(writer, bounds[writer])
-            if behind:
+            while True:
+                self._again = False
+                bounds = self._bounds(self.stream)
+                behind = [w for w in sorted(bounds) if bounds[w] > self.position.get(w, 0)]
+                if not behind:
+                    break
+                for writer in behind:
+                    await self._read(writer, bounds[writer])
                 self._wake()
-                # Moves during the round: the next round.
-                self._again = self._again or self._bounds(self.stream) != bounds
         except Exception as e:
             # One line when an outage starts, one when it ends (backoff).
             delay = self._outage.failed(e)
