@@ -53,6 +53,8 @@ class Direct:
     Made after the first body write (the head is sent): ``chunked`` is
     then settled for the answer."""
 
+    __slots__ = ("request", "chunked", "transport")
+
     def __init__(self, request) -> None:
         self.request = request
         self.chunked = bool(getattr(request, "chunked", False))
