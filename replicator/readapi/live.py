@@ -22,15 +22,23 @@ Invariants:
   replication fan-out's ``fanout_interval``): a client gets one write per
   round, whatever the number of facts; when idle, a fact goes out at once.
   With no live client the feed only moves its position (nothing is read).
+* A round's bytes go to :data:`SLICE` clients per turn of the reactor
+  (straight to their sockets, :mod:`.direct`): between two slices the
+  reactor answers everything else (the write API first), so a thousand
+  clients slow their own rounds, not the writes.  The next round starts
+  when this one is done, so the more clients, the more facts each write
+  carries.  A client that joins during a round (it caught up to the
+  round's start) gets the round's events too.
 """
 
 from typing import Any, Callable, List, Set
 
 import orjson
-from twisted.internet import defer
+from twisted.internet import defer, task
 
 from ..net.backoff import Outage
 from ..streams.pages import group
+from .direct import Frames
 from .pages import fact_object
 from .tokens import Positions, encode
 
@@ -38,6 +46,9 @@ from .tokens import Positions, encode
 FETCH = 1000
 #: Seconds before a failed read is first tried again (then with backoff).
 RETRY = 1.0
+#: Live clients written per turn of the reactor: between two slices it
+#: answers the rest (the write API first), whatever the number of clients.
+SLICE = 100
 
 
 def event(token: str, fact_json: bytes) -> bytes:
@@ -141,16 +152,33 @@ class LiveFeed:
                                     orjson.dumps(fact_object(columns, (fact[0], writer,
                                                                        fact[1])))))
             position[writer] = max(upto, start)
-            self._send(b"".join(chunks), position)
+            await self._send(b"".join(chunks), position)
 
-    def _send(self, data: bytes, position: Positions) -> None:
-        """``data`` (the events up to ``position``) to every live client."""
-        for client in list(self.clients):
-            if data and not client.live_write(data, position):
+    async def _send(self, data: bytes, position: Positions) -> None:
+        """``data`` (the events up to ``position``) to every live client,
+        :data:`SLICE` clients per turn of the reactor."""
+        frames = Frames(data)
+        start = self.position
+        clients = list(self.clients)
+        for i in range(0, len(clients), SLICE):
+            if i:
+                await task.deferLater(self._clock, 0, lambda: None)
+            self._write(frames, position, clients[i:i + SLICE])
+        if len(clients) > SLICE:
+            # Joined between two slices (at the round's start): theirs too.
+            late = [c for c in self.clients
+                    if c.position is not position and c.position == start]
+            self._write(frames, position, late)
+        self.position = position
+
+    def _write(self, frames: Frames, position: Positions, clients: List[Any]) -> None:
+        for client in clients:
+            if client not in self.clients:
+                continue  # gone, or left for the table, since the round began
+            if frames.data and not client.live_write(frames, position):
                 self.clients.discard(client)
             else:
                 client.position = position
-        self.position = position
 
     def _wake(self) -> None:
         moved, self._moved = self._moved, []

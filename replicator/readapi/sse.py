@@ -26,6 +26,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from ..http.answers import HttpError
+from .direct import Direct, Frames
 from .live import event
 from .pages import fact_json
 from .tokens import Positions, encode
@@ -71,6 +72,7 @@ class SseClient:
         self.ended_by: Optional[HttpError] = None  # why the server ended it, if it did
         self._resumed: Optional[defer.Deferred] = None
         self._ping = None
+        self._out = Direct(request)  # (remade once the head is sent: see start)
         self.done: defer.Deferred[None] = defer.Deferred()  # fires when the stream ends
         # The request's end (``notifyFinish``, asked for before any wait).
         self._finished = finished if finished is not None else request.notifyFinish()
@@ -91,6 +93,7 @@ class SseClient:
             self.paused = True
         self._finished.addBoth(self._gone)
         request.write(RETRY)
+        self._out = Direct(request)  # the answer's head is sent: chunked or not is known
         self._schedule_ping()
         defer.ensureDeferred(self._catch_up())
 
@@ -146,19 +149,21 @@ class SseClient:
             chunks.append(chunk)
             size += len(chunk)
             if size >= WRITE_SIZE:
-                self.request.write(b"".join(chunks))
+                self._out.write(b"".join(chunks))
                 chunks, size = [], 0
                 self.position = dict(position)
                 if self.paused and fact is not page.facts[-1]:
                     return False
         if chunks:
-            self.request.write(b"".join(chunks))
+            self._out.write(b"".join(chunks))
         return True
 
     # -------------------------------------------------------------- live
-    def live_write(self, data: bytes, position: Positions) -> bool:
-        """The feed's next events; False (nothing written) when paused:
-        the client then catches up from the table."""
+    def live_write(self, frames: Frames, position: Positions) -> bool:
+        """The feed's next events (the same :class:`.direct.Frames` for
+        every client, written straight to its socket when it can take
+        them: :mod:`.direct`); False (nothing written) when paused: the
+        client then catches up from the table."""
         if self.closed:
             return False
         if self.paused:
@@ -166,7 +171,7 @@ class SseClient:
             self.switched += 1
             defer.ensureDeferred(self._catch_up())
             return False
-        self.request.write(data)
+        self._out.write_frames(frames)
         return True
 
     # --------------------------------------------------------- producer
@@ -190,7 +195,7 @@ class SseClient:
         if self.closed:
             return
         if not self.paused:
-            self.request.write(PING)
+            self._out.write(PING)
         self._schedule_ping()
 
     # ------------------------------------------------------------- end
