@@ -7,7 +7,7 @@ import socket
 import orjson
 from twisted.internet import defer, endpoints, protocol, reactor
 
-from replicator.readapi import tokens
+from replicator.http.read import tokens
 from tests.support import until
 from tests.test_http import AUTH, SECRET, HttpTestCase
 

@@ -7,11 +7,11 @@ import orjson
 from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.readapi import live
-from replicator.readapi.live import LiveFeed
-from replicator.readapi.pages import read_page
-from replicator.readapi.sse import SseClient
-from replicator.readapi.watch import StreamWatch
+from replicator.http.read import live
+from replicator.http.read.live import LiveFeed
+from replicator.http.read.pages import read_page
+from replicator.http.read.sse import SseClient
+from replicator.http.read.watch import StreamWatch
 from tests.support import until
 from tests.test_http import AUTH
 from tests.test_read_api import EVENTS, ReadTestCase, SseSocket

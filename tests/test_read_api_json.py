@@ -12,9 +12,10 @@ from twisted.internet import reactor, task
 from twisted.trial.unittest import TestCase
 
 from replicator.config import parse_database, parse_streams
-from replicator.readapi import ReaderAuth, ReadRoutes
-from replicator.readapi.pages import fact_object, page_body, read_page
-from replicator.readapi.tokens import encode
+from replicator.http.read.auth import ReaderAuth
+from replicator.http.read.pages import fact_object, page_body, read_page
+from replicator.http.read.routes import ReadRoutes
+from replicator.http.read.tokens import encode
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer

@@ -8,11 +8,11 @@ from twisted.internet import defer, task
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from replicator.readapi import tokens
-from replicator.readapi.live import LiveFeed
-from replicator.readapi.pages import read_page
-from replicator.readapi.sse import PING, RETRY, SseClient
-from replicator.readapi.watch import StreamWatch
+from replicator.http.read import tokens
+from replicator.http.read.live import LiveFeed
+from replicator.http.read.pages import read_page
+from replicator.http.read.sse import PING, RETRY, SseClient
+from replicator.http.read.watch import StreamWatch
 from replicator.streams.pages import group
 
 names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
@@ -319,7 +319,8 @@ class FailingReadTests(SynchronousTestCase):
         from twisted.logger import globalLogPublisher
 
         from replicator.http.answers import HttpError
-        from replicator.readapi import ReaderAuth, ReadRoutes
+        from replicator.http.read.auth import ReaderAuth
+        from replicator.http.read.routes import ReadRoutes
 
         events = []
         globalLogPublisher.addObserver(events.append)
@@ -381,7 +382,8 @@ class GoneEarlyTests(SynchronousTestCase):
         starts, holds no slot and no place in the feed."""
         from twisted.python.failure import Failure
 
-        from replicator.readapi import ReaderAuth, ReadRoutes
+        from replicator.http.read.auth import ReaderAuth
+        from replicator.http.read.routes import ReadRoutes
 
         stream = FakeStream(["a"])
         sequence = defer.Deferred()

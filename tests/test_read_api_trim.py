@@ -8,7 +8,7 @@ boundary moved in one transaction)."""
 
 import orjson
 
-from replicator.readapi import tokens
+from replicator.http.read import tokens
 from tests.support import until
 from tests.test_http import AUTH
 from tests.test_read_api import EVENTS, ReadTestCase, SseSocket
@@ -112,7 +112,7 @@ class TrimmedReadTests(ReadTestCase):
             return await page(*args, **kw)
 
         routes.page = slow_page
-        from replicator.readapi import sse
+        from replicator.http.read import sse
 
         self.patch(sse, "CATCH_UP_PAGE", 2)
         client = await self.connect()

@@ -90,7 +90,8 @@ class HttpApi:
         secret_bytes = secret.encode("utf-8") if secret else None
         # Strings never to show: the HTTP secret, and the Redis password
         # which a replication status detail might carry.
-        from ..readapi import ReaderAuth, ReadRoutes  # (it imports .answers)
+        from .read.auth import ReaderAuth  # (the read API imports .answers)
+        from .read.routes import ReadRoutes
 
         read_auth = ReaderAuth(secret, config.http.readers)
         self.redact = Redactor([*read_auth.secrets,
@@ -137,7 +138,7 @@ class HttpApi:
         """The read API's credentials from now on (a reload): open event
         streams keep going; their secrets, like every one before, stay
         hidden from answers and logs."""
-        from ..readapi import ReaderAuth
+        from .read.auth import ReaderAuth
 
         auth = ReaderAuth(self.config.http.secret, readers)
         self.redact.hide(auth.secrets)

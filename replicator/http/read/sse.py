@@ -25,7 +25,7 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from ..http.answers import HttpError
+from ..answers import HttpError
 from .direct import Direct, Frames
 from .live import event
 from .pages import fact_json

@@ -36,8 +36,8 @@ from typing import Any, Callable, List, Set
 import orjson
 from twisted.internet import defer, task
 
-from ..net.backoff import Outage
-from ..streams.pages import group
+from ...net.backoff import Outage
+from ...streams.pages import group
 from .direct import Frames
 from .pages import fact_object
 from .tokens import Positions, encode

@@ -10,9 +10,6 @@
 * :mod:`.sse`: one event stream (Server-Sent Events), live or catching up.
 * :mod:`.book`: readers' positions and lag; the cap on open reads.
 * :mod:`.routes`: the routes.
+* :mod:`.direct`: event-stream bytes written straight to a client's socket.
+* :mod:`.builds`: page builds bounded per address.
 """
-
-from .auth import ReaderAuth
-from .routes import ReadRoutes
-
-__all__ = ["ReadRoutes", "ReaderAuth"]

@@ -4,7 +4,7 @@ naming it (``{"error": "...", "parameter": "limit"}``)."""
 import re
 from typing import Dict, Mapping, Optional
 
-from ..http.answers import HttpError, excerpt
+from ..answers import HttpError, excerpt
 from .tokens import Positions, TokenError, decode
 
 DEFAULT_LIMIT = 100

@@ -20,7 +20,7 @@ from typing import Any, Dict, Tuple
 
 from twisted.internet import defer
 
-from ..storage import schema
+from ...storage import schema
 
 
 class PersistedLinear:

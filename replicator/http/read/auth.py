@@ -16,7 +16,7 @@ stream, 403.
 import hmac
 from typing import Iterable, List, Optional, Tuple
 
-from ..http.answers import HttpError
+from ..answers import HttpError
 
 COOKIE = b"replicator_reader"
 QUERY = b"access_token"

@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Tuple
 from twisted.internet import defer, threads
 from twisted.logger import Logger
 
-from ..http.answers import HttpError, Response, excerpt
-from ..observe import metrics
-from ..streams.trimmed import FactsTrimmed
+from ...observe import metrics
+from ...streams.trimmed import FactsTrimmed
+from ..answers import HttpError, Response, excerpt
 from .auth import Reader, ReaderAuth
 from .book import ReaderBook, Slots, client_host
 from .builds import PageBuilds
@@ -68,7 +68,7 @@ class ReadRoutes:
 
     def metric_samples(self) -> list:
         """The readers' live metrics (a :data:`replicator.observe.metrics.Source`)."""
-        from ..observe import metrics
+        from ...observe import metrics
 
         out = []
         for row in self.book.rows(self.registry):

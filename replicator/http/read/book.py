@@ -5,7 +5,7 @@ reads that stay open (long-polls waiting, event streams)."""
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..http.answers import HttpError
+from ..answers import HttpError
 from .tokens import Positions
 
 Key = Tuple[str, str]
