@@ -13,7 +13,7 @@ where the instance listens or connects.
 """
 
 import ipaddress
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple
 
 _WILDCARDS = ("", "0.0.0.0", "::")
 
@@ -109,15 +109,3 @@ def client_address(endpoint: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"{host}:{port}"
-
-
-def peer_address(conn: Any) -> Optional[str]:
-    """``host:port`` of a connection's peer (``conn.transport.getPeer()``),
-    if it has one."""
-    try:
-        peer = conn.transport.getPeer()
-    except Exception:
-        return None
-    host, port = getattr(peer, "host", None), getattr(peer, "port", None)
-    return f"{host}:{port}" if host is not None else None
-

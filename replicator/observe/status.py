@@ -31,7 +31,7 @@ from twisted.application.internet import TimerService
 from twisted.logger import Logger
 
 from .. import __version__
-from ..net.endpoint_strings import peer_address
+from ..addresses import peer_address
 from .health import Finding
 
 log = Logger(namespace="replicator.observe.status")

@@ -20,7 +20,7 @@ from typing import Any, Deque, Dict, ItemsView, Iterator, Optional, Sequence, Tu
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from ...net.endpoint_strings import peer_address
+from ...addresses import peer_address
 from ...observe import metrics
 from ..interfaces import IReplicationConnection
 
