@@ -173,6 +173,18 @@ _first = itemgetter(0)
 _second = itemgetter(1)
 
 
+def _marks(tokens: Sequence[int], batched: bool) -> Sequence[Any]:
+    """Each row's token field: its token, or the ``batch`` fragment for every
+    row but the last of a fact (``batched``: some fact has several rows)."""
+    if not batched:
+        return tokens
+    marks: List[Any] = list(tokens)
+    for i in range(len(tokens) - 1):
+        if tokens[i] == tokens[i + 1]:
+            marks[i] = _BATCH
+    return marks
+
+
 def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
                     max_line_length: int) -> Optional[bytes]:
     """The joined RDATA lines of ``rows`` from ONE orjson call, or None
@@ -192,15 +204,7 @@ def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
     n = len(rows)
     if b"\r" in prefix or not n:
         return None
-    marks: Sequence[Any]
-    if len(set(tokens)) == n:  # no batch
-        marks = tokens
-    else:
-        batch_marks: List[Any] = list(tokens)
-        for i in range(n - 1):
-            if tokens[i] == tokens[i + 1]:
-                batch_marks[i] = _BATCH
-        marks = batch_marks
+    marks = _marks(tokens, len(set(tokens)) < n)
     items: List[Any] = [None, _SEPARATOR] * (2 * n)
     items[0::4] = marks
     items[2::4] = rows
@@ -272,15 +276,7 @@ def encode_written(stream_name: str, instance_name: str, tokens: Sequence[int],
     prefix = _prefix(stream_name, instance_name)
     if b"\r" in prefix:
         return None  # lines are split at line ends when read one by one
-    marks: Sequence[Any]
-    if facts == n:
-        marks = tokens
-    else:
-        batch_marks: List[Any] = list(tokens)
-        for i in range(n - 1):
-            if tokens[i] == tokens[i + 1]:
-                batch_marks[i] = _BATCH
-        marks = batch_marks
+    marks = _marks(tokens, facts < n)
     heads = _dumps(marks)[1:-1].split(b",")
     out: List[Any] = [prefix, None, b" ", None] * n
     out[1::4] = heads
