@@ -194,3 +194,30 @@ class SseReaderTests(TestCase):
         result = self._read(port, "latency", 7)
         self.assertEqual(result["tokens"], [list(range(1, 8))])
         self.assertEqual(len(result["at"][0]), 7)
+
+
+class PagesPhaseTests(TestCase):
+    timeout = 120
+
+    def test_the_pages_phase_records_its_figure(self):
+        """The read API's paged catch-up runs to its figure, as ``make
+        bench`` runs it (a real daemon and PostgreSQL, a few facts).  The
+        raw pass it is compared with came to return its CPU time beside
+        its seconds, and the phase, the last of ``make bench``, failed on
+        the pair after twenty minutes of the others."""
+        sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
+        self.addCleanup(sys.path.remove, os.path.join(ROOT, "scripts", "bench"))
+        import common
+        import sse
+
+        from tests.servers import PostgresServer
+
+        results = os.path.abspath(self.mktemp())
+        self.patch(common, "RESULTS", results)
+        self.patch(sse, "PAGE_ROUNDS", 1)
+        sse.run_pages(PostgresServer.shared().create_database("pagesbench"), 300)
+        with open(results) as f:
+            entries = [json.loads(line) for line in f]
+        self.assertEqual([e["name"] for e in entries], ["sse.pages.facts_per_s"])
+        self.assertGreater(entries[0]["value"], 0)
+        self.assertGreater(entries[0]["baseline_value"], 0)

@@ -479,7 +479,7 @@ def run_pages(dsn: str, facts: int) -> None:
     try:
         for i in range(PAGE_ROUNDS):
             pages.append(page_pass(daemon, stream["name"], facts))
-            raws.append(catchup.raw_pass(dsn, facts))
+            raws.append(catchup.raw_pass(dsn, facts)[0])
             print(f"    round {i + 1}: pages {pages[-1]:.2f} s, raw SELECT {raws[-1]:.2f} s, "
                   f"daemon RSS {daemon.rss_kb() / 1024:.0f} MB", flush=True)
     finally:
