@@ -1,37 +1,46 @@
 """A stream's new facts, read once and encoded once for every event
 stream that is live (as the fan-out does RDATA for TCP connections).
 
-:class:`LiveFeed` keeps a *position* (per writer) and follows the stream's
-current tokens: when they move, it reads the facts in between (memory or
-table, :meth:`replicator.streams.stream.Stream.updates_since`), encodes each
-as one Server-Sent Event whose ``id`` is the token after that fact, joins
-them into one bytes object and hands that object to every live client
-(:mod:`.sse`).
+:class:`LiveFeed` keeps a *position* (per writer: its *head*) and follows
+the stream's current tokens: when they move, it reads the facts in between
+(memory or table, :meth:`replicator.streams.stream.Stream.updates_since`),
+encodes each as one Server-Sent Event whose ``id`` is the token after that
+fact, joins them into one bytes object, a *segment*, and appends it to a
+short log.  Its *passes* hand every live client (:mod:`.sse`) the segments
+after its own place in the log, joined once for all the clients at the
+same place.
 
 Invariants:
 
-* A live client is exactly at the feed's position: what the feed sends
-  follows what the client has, nothing missing, nothing twice.  A client
-  joins (:meth:`join`) only when its own position equals the feed's, in
-  the same reactor turn as the check.
+* A live client is at a segment boundary of the log (``client.seq``, with
+  ``client.position`` the positions there): what the feed sends it is the
+  segments after that boundary, nothing missing, nothing twice.  A client
+  joins (:meth:`join`) only at the head (its own position equals the
+  feed's), in the same reactor turn as the check.
 * A client that cannot take more (its transport paused it) is not written
   to: it leaves the live set at the position it had, and catches up from
   the table at its own pace (:mod:`.sse`).  Nobody waits for it.
-* One read at a time; advances while it runs are taken by the next round.
-  Under load, rounds start at most every ``interval`` seconds (the
-  replication fan-out's ``fanout_interval``): a client gets one write per
-  round, whatever the number of facts; when idle, a fact goes out at once.
-  With no live client the feed only moves its position (nothing is read).
-* A round's bytes go to :data:`SLICE` clients per turn of the reactor
-  (straight to their sockets, :mod:`.direct`): between two slices the
-  reactor answers everything else (the write API first), so a thousand
-  clients slow their own rounds, not the writes.  The next round starts
-  when this one is done, so the more clients, the more facts each write
-  carries.  A client that joins during a round (it caught up to the
-  round's start) gets the round's events too.
+* One read at a time; advances while it runs are taken by the next read.
+  Reads start at most every ``interval`` seconds (the replication
+  fan-out's ``fanout_interval``) under load; when idle a fact is read at
+  once.  With no live client the feed only moves its position (nothing is
+  read).
+* A pass writes :data:`SLICE` clients per turn of the reactor (straight to
+  their sockets, :mod:`.direct`): between two slices the reactor answers
+  everything else (the write API first), so a thousand clients slow their
+  own passes, not the writes.  A segment read while a pass runs goes to
+  the clients the pass has not reached yet in that same pass (and to the
+  others in the next), so a fact waits for at most one pass, not for the
+  end of the one under way and then a whole one of its own.  A client gets
+  at most one write per pass, whatever the number of facts.
+* The log holds only what some live client has not been given: segments
+  at or below every live client's place are dropped after each pass (and
+  all of it when no client is live).
 """
 
-from typing import Any, Callable, List, Set
+import itertools
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Set
 
 import orjson
 from twisted.internet import defer, task
@@ -65,7 +74,7 @@ class LiveFeed:
         self._bounds = bounds
         self._clock = clock
         self.interval = interval
-        self._last = -1e9  # when the last round started
+        self._last = -1e9  # when the last read started
         self._timer = None
         self.position: Positions = bounds(stream)
         self.clients: Set[Any] = set()  # event streams (sse.EventStream) reading live
@@ -74,12 +83,18 @@ class LiveFeed:
         self._again = False
         self._retry = None
         self._outage = Outage(f"event streams' live read of {stream.name}", RETRY)
+        # The log: segment k (``_seq - len(_log) < k <= _seq``) holds the
+        # events from boundary k - 1 to boundary k; ``_seq`` is the head's.
+        self._seq = 0
+        self._log: Deque[bytes] = deque()
+        self._passing = False
         watch.always(stream, self.advanced)
 
     def join(self, client) -> bool:
         """Take ``client`` live if it is at the feed's position."""
         if client.position != self.position:
             return False
+        client.seq = self._seq
         self.clients.add(client)
         return True
 
@@ -93,9 +108,9 @@ class LiveFeed:
         return d
 
     def advanced(self) -> None:
-        """The stream moved: a round now, or (under load: a round started
+        """The stream moved: a read now, or (under load: a read started
         less than ``interval`` ago) once the interval is over, taking every
-        advance until then in one write per client."""
+        advance until then in one read."""
         if self._running:
             self._again = True
             return
@@ -133,13 +148,14 @@ class LiveFeed:
             self.advanced()
 
     async def _read(self, writer: str, bound: int) -> None:
-        """Read, encode and send ``writer``'s facts up to ``bound``."""
+        """Read and encode ``writer``'s facts up to ``bound``, as segments."""
         name = self.stream.name
         columns = list(self.stream.config.column_names)
         while self.position[writer] < bound:
             start = self.position[writer]
             if not self.clients:
                 self.position = dict(self.position, **{writer: bound})
+                self._log.clear()
                 return
             updates, upto, _ = await self.stream.updates_since(writer, start, bound, FETCH)
             if self.position[writer] != start:
@@ -152,33 +168,63 @@ class LiveFeed:
                                     orjson.dumps(fact_object(columns, (fact[0], writer,
                                                                        fact[1])))))
             position[writer] = max(upto, start)
-            await self._send(b"".join(chunks), position)
+            self._append(b"".join(chunks), position)
 
-    async def _send(self, data: bytes, position: Positions) -> None:
-        """``data`` (the events up to ``position``) to every live client,
-        :data:`SLICE` clients per turn of the reactor."""
-        frames = Frames(data)
-        start = self.position
-        clients = list(self.clients)
-        for i in range(0, len(clients), SLICE):
-            if i:
-                await task.deferLater(self._clock, 0, lambda: None)
-            self._write(frames, position, clients[i:i + SLICE])
-        if len(clients) > SLICE:
-            # Joined between two slices (at the round's start): theirs too.
-            late = [c for c in self.clients
-                    if c.position is not position and c.position == start]
-            self._write(frames, position, late)
+    def _append(self, data: bytes, position: Positions) -> None:
+        """A segment up to ``position`` (the new head); a pass unless one
+        runs.  (An empty one moves the clients' positions, writing nothing.)"""
+        self._seq += 1
+        self._log.append(data)
         self.position = position
+        if not self._passing:
+            self._passing = True
+            defer.ensureDeferred(self._passes())
 
-    def _write(self, frames: Frames, position: Positions, clients: List[Any]) -> None:
+    def _since(self, seq: int) -> Frames:
+        """The bytes of the segments after boundary ``seq``."""
+        first = len(self._log) - (self._seq - seq)
+        assert 0 <= first < len(self._log), (seq, self._seq, len(self._log))
+        if first == len(self._log) - 1:
+            return Frames(self._log[-1])
+        return Frames(b"".join(itertools.islice(self._log, first, None)))
+
+    async def _passes(self) -> None:
+        """Passes over the live clients until none is behind the head."""
+        try:
+            while True:
+                clients = [c for c in self.clients if c.seq != self._seq]
+                if not clients:
+                    break
+                for i in range(0, len(clients), SLICE):
+                    if i:
+                        await task.deferLater(self._clock, 0, lambda: None)
+                    self._write(clients[i:i + SLICE])
+        finally:
+            self._passing = False
+            self._trim()
+
+    def _write(self, clients: List[Any]) -> None:
+        """Each of ``clients`` still live the segments it does not have
+        (one :class:`.direct.Frames` per place in the log, this turn)."""
+        shared: Dict[int, Frames] = {}
+        seq, position = self._seq, self.position
         for client in clients:
-            if client not in self.clients:
-                continue  # gone, or left for the table, since the round began
+            if client not in self.clients or client.seq == seq:
+                continue  # gone, or left for the table, or joined at the head since
+            frames = shared.get(client.seq)
+            if frames is None:
+                frames = shared[client.seq] = self._since(client.seq)
             if frames.data and not client.live_write(frames, position):
                 self.clients.discard(client)
             else:
                 client.position = position
+                client.seq = seq
+
+    def _trim(self) -> None:
+        """Drop the segments every live client has."""
+        oldest = min((c.seq for c in self.clients), default=self._seq)
+        for _ in range(len(self._log) - (self._seq - oldest)):
+            self._log.popleft()
 
     def _wake(self) -> None:
         moved, self._moved = self._moved, []

@@ -68,6 +68,7 @@ class SseClient:
         self.paused = False
         self.closed = False
         self.live = False
+        self.seq = 0  # its place in the feed's log while live (.live)
         self.switched = 0  # times it left the feed for the table
         self.ended_by: Optional[HttpError] = None  # why the server ended it, if it did
         self._resumed: Optional[defer.Deferred] = None
