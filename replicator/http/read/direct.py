@@ -1,6 +1,7 @@
 """Writing an event stream's shared bytes straight to its socket.
 
-A live round (:mod:`.live`) gives the same bytes to every live client.
+A live pass (:mod:`.live`) gives the same bytes to every live client at
+the same place in its log.
 Through ``Request.write`` each client costs the reactor a trip through
 twisted.web (headers check, chunk framing, ``HTTPChannel.write``), a
 transport buffer, an ``epoll`` registration, a later ``doWrite`` and an
@@ -32,7 +33,7 @@ def chunk(data: bytes) -> bytes:
 
 
 class Frames:
-    """A live round's bytes for every client: as they are, and as one
+    """A live pass's bytes for the clients at one place: as they are, and as one
     chunk (made at the first chunked client's write, once)."""
 
     __slots__ = ("data", "_chunked")
@@ -66,7 +67,7 @@ class Direct:
             self.transport = transport
 
     def write_frames(self, frames: Frames) -> None:
-        """A live round's bytes (:class:`Frames`)."""
+        """A live pass's bytes (:class:`Frames`)."""
         self.write(frames.data, frames.chunked() if self.chunked and self.transport else None)
 
     def write(self, data: bytes, chunked: Optional[bytes] = None) -> None:
