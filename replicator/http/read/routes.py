@@ -19,6 +19,7 @@ from twisted.logger import Logger
 from ...observe import metrics
 from ...streams.trimmed import FactsTrimmed
 from ..answers import HttpError, Response, excerpt
+from . import readahead
 from .auth import Reader, ReaderAuth
 from .book import ReaderBook, Slots, client_host
 from .builds import PageBuilds
@@ -57,6 +58,7 @@ class ReadRoutes:
         self.feed_interval = feed_interval
         self.max_page_bytes = max_page_bytes
         self.builds = PageBuilds()  # page reads at once (per address, in all)
+        self.readahead = readahead.ReadAhead(clock)  # pages built ahead for walking readers
         self._live: Dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
         self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)
         self.trimmed_streams = 0  # event streams the trim boundary passed (ended)
@@ -147,7 +149,10 @@ class ReadRoutes:
         text = one(args, "from")
         since = await self.start_positions(stream, text)
         host = client_host(request)
-        _, page = await self.first_page(stream, since, limit, text is None, host)
+        ahead = readahead.key(stream.name, since, limit)
+        page = await self.readahead.take(ahead) if text is not None else None
+        if page is None:
+            _, page = await self.first_page(stream, since, limit, text is None, host)
         if not page.facts and wait > 0:
             polled = await self._long_poll(finished, gone, request, reader, stream, page,
                                            limit, wait)
@@ -155,6 +160,8 @@ class ReadRoutes:
                 return None  # the client went away
             page = polled
         self.book.reached(reader.name, stream.name, page.next)
+        self.readahead.served(ahead, page, lambda after: self.page(stream, after, limit,
+                                                                   host=host))
         return await self._page_answer(request, stream, page)
 
     async def first_page(self, stream, since: Positions, limit: int, oldest: bool,
