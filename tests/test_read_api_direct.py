@@ -115,7 +115,7 @@ class SliceTests(SynchronousTestCase):
         feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
                         interval=0)
 
-        async def page(pos, limit, bounds):
+        async def page(pos, limit, bounds, max_bytes=None):
             return await read_page(stream, pos, bounds, limit)
 
         requests = []
@@ -157,7 +157,7 @@ class SliceTests(SynchronousTestCase):
         feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
                         interval=0)
 
-        async def page(pos, limit, bounds):
+        async def page(pos, limit, bounds, max_bytes=None):
             return await read_page(stream, pos, bounds, limit)
 
         requests = []
@@ -193,7 +193,7 @@ class FeedMachine(RuleBasedStateMachine):
         self.clients = []  # (client, request, start)
         self.next_id = 1
 
-    def _page(self, pos, limit, bounds):
+    def _page(self, pos, limit, bounds, max_bytes=None):
         return read_page(self.stream, pos, bounds, limit)
 
     @rule(writer=st.sampled_from("ab"))

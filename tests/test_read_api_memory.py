@@ -209,7 +209,7 @@ class SseTests(SynchronousTestCase):
     def client(self, position):
         request = FakeRequest()
 
-        async def page(pos, limit, bounds):
+        async def page(pos, limit, bounds, max_bytes=None):
             return await read_page(self.stream, pos, bounds, limit)
 
         c = SseClient(request, self.stream, self.feed, position, page, self.clock, 15)
@@ -266,6 +266,44 @@ class SseTests(SynchronousTestCase):
         self.write(6)
         self.assertEqual([e[1]["stream_id"] for e in self.events(rs)], [1, 2, 3, 4, 5, 6])
 
+    def test_a_slow_client_catching_up_never_has_a_fact_read_twice(self):
+        """A client catching up whose transport backs up after every write
+        (a slow reader) resumes where it was, and the daemon reads no fact
+        of the table twice for it: its pages are cut at about one write.
+        It used to read a page of up to ``http.max_page_bytes`` (4 MB) at
+        each resume and write 64 KB of it before the next pause: a reader
+        at one byte a second made the daemon read the same megabytes again
+        and again, taking the page-build turns of every other reader."""
+        for i in range(1, 41):
+            self.stream.add("a", i, [["x" * 20000]])
+        self.stream.id_gen.move("a", 40)
+        read = []
+
+        async def page(pos, limit, bounds, max_bytes=None):
+            got = await read_page(self.stream, pos, bounds, limit, columns=["v"],
+                                  max_bytes=max_bytes)
+            read.extend(f[0] for f in got.facts)
+            return got
+
+        request = FakeRequest()
+        client = SseClient(request, self.stream, self.feed, {"a": 0}, page, self.clock, 15)
+        write = request.write
+
+        def backs_up(data):
+            write(data)
+            if b"event: fact" in data:
+                client.pauseProducing()
+
+        request.write = backs_up
+        client.start()
+        for _ in range(100):
+            if client.live:
+                break
+            client.resumeProducing()
+        self.assertTrue(client.live)
+        self.assertEqual([e[1]["stream_id"] for e in self.events(request)], list(range(1, 41)))
+        self.assertEqual(sorted(read), list(range(1, 41)))  # each fact read once
+
     def test_a_client_behind_catches_up_then_goes_live(self):
         for i in range(1, 4):
             self.write(i)
@@ -294,7 +332,7 @@ class MultiWriterSseTests(SynchronousTestCase):
         def client(position):
             request = FakeRequest()
 
-            async def page(pos, limit, bounds):
+            async def page(pos, limit, bounds, max_bytes=None):
                 return await read_page(stream, pos, bounds, limit)
 
             SseClient(request, stream, feed, position, page, clock, 15).start()
@@ -360,7 +398,7 @@ class CoalescingTests(SynchronousTestCase):
                         interval=0.01)
         request = FakeRequest()
 
-        async def page(pos, limit, bounds):
+        async def page(pos, limit, bounds, max_bytes=None):
             return await read_page(stream, pos, bounds, limit)
 
         SseClient(request, stream, feed, {"a": 0}, page, clock, 15).start()
@@ -421,7 +459,7 @@ class LiveOutageTests(SynchronousTestCase):
                         interval=0)
         request = FakeRequest()
 
-        async def page(pos, limit, bounds):
+        async def page(pos, limit, bounds, max_bytes=None):
             return await read_page(stream, pos, bounds, limit)
 
         SseClient(request, stream, feed, {"a": 0}, page, clock, 3600).start()

@@ -180,9 +180,11 @@ class ReadRoutes:
                 since = {w: max(p, e.boundary) for w, p in since.items()}
 
     async def page(self, stream, since: Positions, limit: int,
-                   bounds: Optional[Positions] = None, host: Optional[str] = None) -> Page:
+                   bounds: Optional[Positions] = None, host: Optional[str] = None,
+                   max_bytes: Optional[int] = None) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
         the writers' current tokens), at most ``max_page_bytes`` of facts
+        (or ``max_bytes`` if smaller)
         (:mod:`.pages`), built in the turn of ``host`` (:mod:`.builds`).
         Facts after ``since`` trimmed by retention are 410 naming ``from``
         (no log: the reader's doing).  A failed read is 503; the first of
@@ -193,7 +195,7 @@ class ReadRoutes:
             page = await self.builds.run(host, lambda: read_page(
                 stream, since, bounds if bounds is not None else self.bounds(stream), limit,
                 final_below=linear, columns=stream.config.column_names,
-                max_bytes=self.max_page_bytes))
+                max_bytes=min(self.max_page_bytes, max_bytes or self.max_page_bytes)))
         except FactsTrimmed as e:
             raise TrimmedError("from", e.writer, e.since, e.boundary) from None
         except Exception:
@@ -313,8 +315,8 @@ class ReadRoutes:
         try:
             feed = self.feed(stream)
             client = SseClient(request, stream, feed, since,
-                               lambda position, limit, bounds: self.page(
-                                   stream, position, limit, bounds, host),
+                               lambda position, limit, bounds, max_bytes: self.page(
+                                   stream, position, limit, bounds, host, max_bytes),
                                self._clock, self.heartbeat, finished)
             self.book.opened(reader.name, stream.name)
             self.book.attach(reader.name, stream.name, client)

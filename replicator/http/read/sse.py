@@ -38,7 +38,9 @@ PING = b": ping\n\n"
 #: Facts per catch-up page.
 CATCH_UP_PAGE = 256
 #: A catching-up client is written this many bytes at a time, and no more
-#: once its transport paused it.
+#: once its transport paused it; its pages are cut at this many bytes too
+#: (the fact that reaches it ends the page), so a page is written whole,
+#: and a slow client makes the daemon read no fact twice.
 WRITE_SIZE = 64 * 1024
 
 
@@ -52,7 +54,8 @@ def error_event(error: HttpError) -> bytes:
 class SseClient:
     """One event stream: live or catching up (see the module docstring).
 
-    ``read_page(position, limit, bounds)`` reads a page (:mod:`.pages`).
+    ``read_page(position, limit, bounds, max_bytes)`` reads a page
+    (:mod:`.pages`).
     """
 
     def __init__(self, request, stream, feed, position: Positions,
@@ -114,7 +117,8 @@ class SseClient:
                     self.live = True
                     return
                 bounds = dict(self.feed.position)
-                page = await self._read_page(self.position, CATCH_UP_PAGE, bounds)
+                page = await self._read_page(self.position, CATCH_UP_PAGE, bounds,
+                                             WRITE_SIZE)
                 if self.closed:
                     return
                 if self._write_page(page, columns):
