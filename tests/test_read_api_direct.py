@@ -105,10 +105,8 @@ class DirectWriteTests(ReadTestCase):
 
 
 class SliceTests(SynchronousTestCase):
-    def test_a_round_is_written_in_slices_and_a_client_joining_meanwhile_has_it_once(self):
-        """Between two slices of a round the reactor does other work; a
-        client that catches up and joins meanwhile (at the round's start)
-        gets the round's events too, once, and everyone has them in order."""
+    def feed_and_clients(self, n):
+        """A feed written 2 clients per slice, and ``n`` live clients."""
         self.patch(live, "SLICE", 2)
         clock = task.Clock()
         stream = FakeStream(["a"])
@@ -119,9 +117,16 @@ class SliceTests(SynchronousTestCase):
             return await read_page(stream, pos, bounds, limit)
 
         requests = []
-        for _ in range(5):
+        for _ in range(n):
             requests.append(FakeRequest())
             SseClient(requests[-1], stream, feed, {"a": 0}, page, clock, 3600).start()
+        return clock, stream, feed, page, requests
+
+    def test_a_round_is_written_in_slices_and_a_client_joining_meanwhile_has_it_once(self):
+        """Between two slices of a round the reactor does other work; a
+        client that catches up and joins meanwhile (at the round's start)
+        gets the round's events too, once, and everyone has them in order."""
+        clock, stream, feed, page, requests = self.feed_and_clients(5)
         paused = FakeRequest()
         late = SseClient(paused, stream, feed, {"a": 0}, page, clock, 3600)
         late.paused = True  # it starts behind its transport: not live yet
@@ -151,19 +156,7 @@ class SliceTests(SynchronousTestCase):
         pass has not reached yet, in the same write as what it was
         carrying: nobody waits for the pass to end and then for a whole
         pass of its own (at 1,000 clients that doubled the latency)."""
-        self.patch(live, "SLICE", 2)
-        clock = task.Clock()
-        stream = FakeStream(["a"])
-        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
-                        interval=0)
-
-        async def page(pos, limit, bounds, max_bytes=None):
-            return await read_page(stream, pos, bounds, limit)
-
-        requests = []
-        for _ in range(6):
-            requests.append(FakeRequest())
-            SseClient(requests[-1], stream, feed, {"a": 0}, page, clock, 3600).start()
+        clock, stream, feed, page, requests = self.feed_and_clients(6)
         for i in (1, 2):  # the second while the first's pass is at its first slice
             stream.add("a", i, [[i]])
             stream.id_gen.move("a", i)

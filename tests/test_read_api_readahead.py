@@ -16,6 +16,13 @@ from tests.test_read_api import PAGES, ReadTestCase, until_deferred
 
 
 class WalkTests(ReadTestCase):
+    async def persisted(self, position):
+        """Until the stream's persisted position is ``position`` (its pages
+        below are immutable)."""
+        await until_deferred(lambda: self.db.runQuery(
+            "SELECT stream_id FROM stream_positions WHERE stream_name = 'events'"),
+            lambda r: r == [(position,)])
+
     async def walk(self, limit, first=""):
         pages, query = [], f"?limit={limit}{first}"
         while True:
@@ -32,9 +39,7 @@ class WalkTests(ReadTestCase):
     async def test_a_walk_is_read_ahead_and_gets_the_same_pages(self):
         await self.start_reading()
         ids = await self.write("events", 23)
-        rows = lambda: self.db.runQuery(  # noqa: E731
-            "SELECT stream_id FROM stream_positions WHERE stream_name = 'events'")
-        await until_deferred(lambda: rows(), lambda r: r == [(ids[-1],)])
+        await self.persisted(ids[-1])
         ahead = self.api.reads.readahead
         walked = await self.walk(5)
         # Pages 1..4 full and final. The 2nd continued from the 1st's next
@@ -54,9 +59,7 @@ class WalkTests(ReadTestCase):
     async def test_a_reader_that_does_not_walk_builds_nothing_ahead(self):
         await self.start_reading()
         ids = await self.write("events", 12)
-        rows = lambda: self.db.runQuery(  # noqa: E731
-            "SELECT stream_id FROM stream_positions WHERE stream_name = 'events'")
-        await until_deferred(lambda: rows(), lambda r: r == [(ids[-1],)])
+        await self.persisted(ids[-1])
         from replicator.http.read import tokens
 
         for start in (ids[6], ids[0], ids[3]):  # pages from old tokens, out of order
