@@ -93,9 +93,8 @@ class ReadAhead:
         d.addErrback(lambda _: None)
         self._built[after] = (now, d)
         while len(self._built) > self.entries:
-            _, (_, dropped) = self._built.popitem(last=False)
+            self._built.popitem(last=False)  # (its build goes on; its page is dropped)
             self.wasted += 1
-            dropped.addErrback(lambda _: None)
 
     def _expire(self) -> None:
         limit = self._clock.seconds() - self.ttl
