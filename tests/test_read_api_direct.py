@@ -12,14 +12,11 @@ from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.http.read import live, tokens
-from replicator.http.read.live import LiveFeed
-from replicator.http.read.pages import read_page
 from replicator.http.read.sse import SseClient
-from replicator.http.read.watch import StreamWatch
 from tests.support import until
 from tests.test_http import AUTH
 from tests.test_read_api import EVENTS, ReadTestCase, SseSocket
-from tests.test_read_api_memory import FakeRequest, FakeStream
+from tests.test_read_api_memory import FakeRequest, FakeStream, live_feed, page_reader
 
 
 class ChunkedSseSocket(protocol.Protocol):
@@ -110,11 +107,9 @@ class SliceTests(SynchronousTestCase):
         self.patch(live, "SLICE", 2)
         clock = task.Clock()
         stream = FakeStream(["a"])
-        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
-                        interval=0)
+        feed = live_feed(stream, clock)
 
-        async def page(pos, limit, bounds, max_bytes=None):
-            return await read_page(stream, pos, bounds, limit)
+        page = page_reader(stream)
 
         requests = []
         for _ in range(n):
@@ -181,13 +176,10 @@ class FeedMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = task.Clock()
         self.stream = FakeStream(["a", "b"])
-        self.feed = LiveFeed(self.stream, lambda s: s.id_gen.get_positions(), StreamWatch(),
-                             self.clock, interval=0.003)
+        self.feed = live_feed(self.stream, self.clock, 0.003)
+        self._page = page_reader(self.stream)
         self.clients = []  # (client, request, start)
         self.next_id = 1
-
-    def _page(self, pos, limit, bounds, max_bytes=None):
-        return read_page(self.stream, pos, bounds, limit)
 
     @rule(writer=st.sampled_from("ab"))
     def write(self, writer):

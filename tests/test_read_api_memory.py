@@ -141,6 +141,21 @@ class FakeStream:
         return out, upto, limited
 
 
+def page_reader(stream):
+    """What an event stream reads its pages with (``read_page`` of a
+    route), over ``stream``."""
+    async def page(pos, limit, bounds, max_bytes=None):
+        return await read_page(stream, pos, bounds, limit)
+
+    return page
+
+
+def live_feed(stream, clock, interval=0):
+    """A live feed of ``stream`` bounded by its writers' positions."""
+    return LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
+                    interval=interval)
+
+
 def run(coro):
     d = defer.ensureDeferred(coro)
     return d.result if d.called else d
@@ -209,8 +224,7 @@ class SseTests(SynchronousTestCase):
     def client(self, position):
         request = FakeRequest()
 
-        async def page(pos, limit, bounds, max_bytes=None):
-            return await read_page(self.stream, pos, bounds, limit)
+        page = page_reader(self.stream)
 
         c = SseClient(request, self.stream, self.feed, position, page, self.clock, 15)
         c.start()
@@ -326,14 +340,12 @@ class MultiWriterSseTests(SynchronousTestCase):
     def test_ids_name_every_writer_and_resume_exactly(self):
         clock = task.Clock()
         stream = FakeStream(["a", "b"])
-        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
-                        interval=0)
+        feed = live_feed(stream, clock)
 
         def client(position):
             request = FakeRequest()
 
-            async def page(pos, limit, bounds, max_bytes=None):
-                return await read_page(stream, pos, bounds, limit)
+            page = page_reader(stream)
 
             SseClient(request, stream, feed, position, page, clock, 15).start()
             return request
@@ -394,12 +406,10 @@ class CoalescingTests(SynchronousTestCase):
     def test_under_load_a_client_gets_one_write_per_interval(self):
         clock = task.Clock()
         stream = FakeStream(["a"])
-        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
-                        interval=0.01)
+        feed = live_feed(stream, clock, 0.01)
         request = FakeRequest()
 
-        async def page(pos, limit, bounds, max_bytes=None):
-            return await read_page(stream, pos, bounds, limit)
+        page = page_reader(stream)
 
         SseClient(request, stream, feed, {"a": 0}, page, clock, 15).start()
         for i in range(1, 11):
@@ -455,12 +465,10 @@ class LiveOutageTests(SynchronousTestCase):
         self.addCleanup(globalLogPublisher.removeObserver, events.append)
         clock = task.Clock()
         stream = FakeStream(["a"])
-        feed = LiveFeed(stream, lambda s: s.id_gen.get_positions(), StreamWatch(), clock,
-                        interval=0)
+        feed = live_feed(stream, clock)
         request = FakeRequest()
 
-        async def page(pos, limit, bounds, max_bytes=None):
-            return await read_page(stream, pos, bounds, limit)
+        page = page_reader(stream)
 
         SseClient(request, stream, feed, {"a": 0}, page, clock, 3600).start()
         read = stream.updates_since
