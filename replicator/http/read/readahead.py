@@ -97,13 +97,10 @@ class ReadAhead:
             self.wasted += 1
 
     def _expire(self) -> None:
+        """Drop what is older than ``ttl`` (both tables are in age order)."""
         limit = self._clock.seconds() - self.ttl
-        for table in (self._built, self._served):
-            while table:
-                k, v = next(iter(table.items()))
-                made = v[0] if isinstance(v, tuple) else v
-                if made >= limit:
-                    break
-                del table[k]
-                if table is self._built:
-                    self.wasted += 1
+        while self._built and next(iter(self._built.values()))[0] < limit:
+            self._built.popitem(last=False)
+            self.wasted += 1
+        while self._served and next(iter(self._served.values())) < limit:
+            self._served.popitem(last=False)
