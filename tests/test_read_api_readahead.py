@@ -140,3 +140,16 @@ class ReadAheadTests(SynchronousTestCase):
         self.assertIsNone(self.take(120))  # too old
         self.assertIsNone(self.take(220))
         self.assertEqual(len(self.ahead._served), 0)
+
+    def test_an_idle_daemon_lets_go_of_what_it_built_ahead(self):
+        """Pages built ahead are dropped once too old even if no request
+        comes again (a reader that stopped, a daemon idle for hours): they
+        are not held until the next page request."""
+        self.serve(0, 10)
+        self.serve(10, 20)
+        self.builds[0][1].callback(page(30))
+        self.assertEqual(len(self.ahead._built), 1)
+        self.clock.advance(5.1)
+        self.assertEqual((len(self.ahead._built), len(self.ahead._served)), (0, 0))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+

@@ -19,7 +19,8 @@ Invariants:
   its address's turn, counted in the page builds at once), and what it
   holds is bounded: at most :data:`ENTRIES` pages, each kept at most
   :data:`TTL` seconds (so a trim boundary that passed it meanwhile is
-  seen within that time).
+  seen within that time), requests or not: while a page is held a sweep
+  drops what grew too old.
 * A build that fails is dropped silently: the request, built again,
   says what is wrong.
 * Only a reader that walks reads ahead: a request whose token is not the
@@ -57,6 +58,7 @@ class ReadAhead:
         self._built: "OrderedDict[Key, Tuple[float, defer.Deferred[Optional[Page]]]]" = \
             OrderedDict()
         self._served: "OrderedDict[Key, float]" = OrderedDict()
+        self._sweep = None  # the call that drops what grew too old, while a page is held
         self.used = 0  # pages handed out from here
         self.wasted = 0  # pages built ahead and never used (or not final and full)
 
@@ -65,6 +67,7 @@ class ReadAhead:
         full and final; else None (the caller builds it)."""
         self._expire()
         entry = self._built.pop(k, None)
+        self._settle_sweep()
         if entry is None:
             return None
         page = await entry[1]
@@ -95,6 +98,22 @@ class ReadAhead:
         while len(self._built) > self.entries:
             self._built.popitem(last=False)  # (its build goes on; its page is dropped)
             self.wasted += 1
+        self._settle_sweep()
+
+    def _settle_sweep(self) -> None:
+        """A sweep pending while a page is held, none otherwise (nothing
+        is left behind once every page built ahead was taken)."""
+        if self._built and self._sweep is None:
+            self._sweep = self._clock.callLater(self.ttl, self._swept)
+        elif not self._built and self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+
+    def _swept(self) -> None:
+        """Expiry without a request: an idle daemon holds no page for long."""
+        self._sweep = None
+        self._expire()
+        self._settle_sweep()
 
     def _expire(self) -> None:
         """Drop what is older than ``ttl`` (both tables are in age order)."""
