@@ -113,14 +113,17 @@ class SparkCluster:
         with open(os.path.join(self.tmp, f"{name}.log"), errors="replace") as f:
             return f.read()
 
-    def executor_logs(self, app_id: str) -> List[str]:
-        """The stderr of every executor of application ``app_id``, one per
-        executor, across the workers."""
+    def executor_logs(self, app_id: str) -> List[List[str]]:
+        """The stderr of every executor of application ``app_id``, per
+        worker (a worker runs more than one when the master replaces an
+        executor it lost, e.g. one late to register on a loaded machine)."""
         out = []
         for work in self.work_dirs:
+            logs = []
             for path in sorted(glob.glob(os.path.join(work, app_id, "*", "stderr"))):
                 with open(path, errors="replace") as f:
-                    out.append(f.read())
+                    logs.append(f.read())
+            out.append(logs)
         return out
 
     def stop(self) -> None:
