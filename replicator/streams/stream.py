@@ -31,6 +31,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from ..config import StreamConfig
+from ..net.backoff import Outage
 from ..observe import metrics
 from ..storage import schema
 from ..storage.database import Cursor, Database
@@ -125,6 +126,9 @@ class Stream:
                             and db.config.pool_max > 1 else None)
         self._codec = RowCodec(config.columns)
         self._persist_delay = persist_delay
+        self._persist_outage = Outage(f"stream {config.name}: persisting positions",
+                                      max(persist_delay, 0.5))
+        self._persist_stopped = False  # (shutdown: no retry after the last flush)
         self._facts_written = metrics.FACTS_WRITTEN.labels(self.name)
         self._facts_rolled_back = metrics.FACTS_ROLLED_BACK.labels(self.name)
         self._write_latency = metrics.WRITE_LATENCY.labels(self.name)
@@ -504,15 +508,26 @@ class Stream:
                 txn.execute(self._txn.upsert, p)
 
         d = self.db.runInteraction(txn_fn)
-        d.addErrback(lambda f: log.failure("stream {stream}: persisting positions failed",
-                                           f, stream=self.name))
+        d.addCallbacks(self._persisted, self._persist_failed)
         self._persisting = d
         return d
 
+    def _persisted(self, _: object) -> None:
+        self._persist_outage.succeeded()
+
+    def _persist_failed(self, failure: Failure) -> None:
+        """Tried again with backoff, not only at the writer's next advance:
+        an idle writer's row would stay behind its last fact until then."""
+        delay = self._persist_outage.failed(failure.value)
+        if self._persist_call is None and not self._persist_stopped:
+            self._persist_call = self._clock.callLater(delay, self._persist_now)
+
     async def flush_positions(self) -> None:
         """Persist local writers' current tokens now (at shutdown)."""
+        self._persist_stopped = True
         if self._persist_call is not None and self._persist_call.active():
             self._persist_call.cancel()
+        self._persist_call = None
         if self.loaded and self.local_writers:
             await self._persist_now()
 
