@@ -248,6 +248,7 @@ class Instance:
             expect_upstream=self.is_worker, conditions=[self._synapse_seen],
             writers=self.writers, gaps=self.handler.gaps)
         self.health.setServiceParent(self.services)
+        self.handler.auditor.setServiceParent(self.services)
         if config.http.listen:
             from ..http import HttpApi
 

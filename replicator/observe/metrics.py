@@ -142,6 +142,28 @@ UNRECEIVED_AGE = Gauge(
     "How long the oldest committed fact above this reader's position has gone unreceived "
     "(last check)", ["stream", "writer"],
 )
+POSITIONS_CONTRADICTED = Counter(
+    "replicator_positions_contradicted_total",
+    "POSITIONs of another instance's writer that the table contradicted: the range they "
+    "passed held the writer's facts (caught up from the table), or one of its facts arrived "
+    "later (the stream stopped)", ["stream"],
+)
+AUDIT_RANGES = Counter(
+    "replicator_audit_ranges_total",
+    "Ranges of a reader's delivered facts checked against the table, by result "
+    "(equal, different, failed)", ["stream", "result"],
+)
+AUDIT_FACTS = Counter(
+    "replicator_audit_facts_total",
+    "Delivered facts the audit found equal to the table (each counted at each check)",
+    ["stream"],
+)
+AUDIT_MISMATCH = Gauge(
+    "replicator_audit_mismatch",
+    "1 while this instance's reader of a (stream, writer) is stopped because what it "
+    "delivered differs from the table (until an operator acts and restarts)",
+    ["stream", "writer"],
+)
 CATCHUP_FETCHES = Counter(
     "replicator_catchup_fetches_total", "Out-of-band fetches to fill a position gap", ["stream"]
 )

@@ -69,6 +69,7 @@ from ..wire.commands import (
 )
 from ..wire.encoding import MAX_LINE_LENGTH, encode_position_line
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
+from .audit import Auditor, Mismatch
 from .bookkeeping import Bookkeeping
 from .connections import Connections
 from .delivery import consumers_for, make_reader, rewire
@@ -140,7 +141,9 @@ class ReplicationHandler:
             clock, self.known_names, max_user_syncs=max_user_syncs, max_user_ips=max_user_ips,
             max_federation_acks=max_federation_acks, max_age=bookkeeping_max_age)
         self._readers: Dict[Key, Reader] = {}
-        self.gaps = TrimGaps()  # streams stopped: facts they need were trimmed
+        self.gaps = TrimGaps()  # streams stopped: facts trimmed, or not what the table holds
+        #: The delivery audit of every reader (a service: the daemon starts it).
+        self.auditor = Auditor(self.audited, self._mismatch, clock)
         self._heard: Dict[Key, float] = {}  # read key -> when its last POSITION/RDATA came
         self._started = False
         self._stopping = False
@@ -259,7 +262,22 @@ class ReplicationHandler:
     def _make_reader(self, stream: Stream, writer: str, position: Optional[int]) -> Reader:
         return make_reader(stream, writer, position, self.consumers, clock=self._clock,
                            fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
-                           background=self.background, on_gap=self._trimmed)
+                           background=self.background, on_gap=self._trimmed,
+                           on_mismatch=self._mismatch)
+
+    def audited(self) -> Dict[Key, Tuple[Stream, Reader]]:
+        """Every reader with its stream, by (stream, writer): what the
+        audit (:attr:`auditor`) checks."""
+        return {key: (self.registry.get(key[0]), reader)
+                for key, reader in self._readers.items()}
+
+    def _mismatch(self, found: Mismatch) -> None:
+        """What a reader handed on differs from the table (:mod:`.audit`):
+        the whole stream stops here, like at a retention gap."""
+        self.gaps.report_mismatch(found, consumers_for(self.consumers, found.stream))
+        for (stream, _), reader in self._readers.items():
+            if stream == found.stream:
+                reader.stop()
 
     def _trimmed(self, gap: FactsTrimmed) -> None:
         """A reader needs facts retention trimmed: the whole stream stops
