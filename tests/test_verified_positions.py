@@ -267,3 +267,4 @@ class AuditTests(SynchronousTestCase):
         self.assertEqual((list(found.missing), list(found.extra), list(found.resized)),
                          ([3], [4], [2]))
         self.assertEqual(found.first, 2)
+

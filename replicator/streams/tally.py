@@ -51,8 +51,9 @@ class TallyQuery:
         span = f"{where}{c.id_column} > %s AND {c.id_column} <= %s"
         self._any = db.sql(f"SELECT {c.id_column} FROM {c.table} WHERE {span} "
                            f"ORDER BY {c.id_column} LIMIT 1")
+        modulo = "%%" if db.is_postgres else "%"  # (psycopg2 reads "%" as a placeholder)
         self._tally = db.sql(
-            f"SELECT COUNT(*), COALESCE(SUM(i % {ID_MODULUS}), 0), COALESCE(SUM(n), 0) "
+            f"SELECT COUNT(*), COALESCE(SUM(i {modulo} {ID_MODULUS}), 0), COALESCE(SUM(n), 0) "
             f"FROM (SELECT {c.id_column} AS i, COUNT(*) AS n FROM {c.table} "
             f"WHERE {span} GROUP BY {c.id_column}) AS f")
         self._facts = db.sql(

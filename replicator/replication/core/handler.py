@@ -109,6 +109,7 @@ class ReplicationHandler:
         max_user_ips: int = 20_000,
         max_federation_acks: int = 1_000,
         bookkeeping_max_age: float = 86_400.0,
+        audit_recheck: float = 60.0,
     ) -> None:
         self.registry = registry
         self.instance_name = instance_name
@@ -143,7 +144,7 @@ class ReplicationHandler:
         self._readers: Dict[Key, Reader] = {}
         self.gaps = TrimGaps()  # streams stopped: facts trimmed, or not what the table holds
         #: The delivery audit of every reader (a service: the daemon starts it).
-        self.auditor = Auditor(self.audited, self._mismatch, clock)
+        self.auditor = Auditor(self.audited, self._mismatch, clock, recheck=audit_recheck)
         self._heard: Dict[Key, float] = {}  # read key -> when its last POSITION/RDATA came
         self._started = False
         self._stopping = False
