@@ -79,7 +79,7 @@ _PG_FITS: Dict[str, Tuple[FrozenSet[str], FrozenSet[str]]] = {
 #: decoded when read, whether the column is text or JSON.
 _PG_JSON_TEXT = (frozenset({"json", "text", "bounded_text"}), frozenset({"json", "text"}))
 #: The types of each kind, for a message.
-_PG_NAMES = {
+_PG_NAMES: Dict[str, Tuple[str, ...]] = {
     "bigint": ("bigint",), "integer": ("integer", "smallint"), "text": ("text",),
     "bounded_text": ("character varying", "character"), "boolean": ("boolean",),
     "json": ("json", "jsonb"), "array": ("an array of text, integers, booleans or JSON",),
@@ -117,7 +117,7 @@ _SQLITE_FITS: Dict[str, FrozenSet[str]] = {
     "boolean": frozenset({"integer", "boolean"}),
     "json": frozenset({"text"}),
 }
-_SQLITE_NAMES = {
+_SQLITE_NAMES: Dict[str, Tuple[str, ...]] = {
     "integer": ("INTEGER affinity (a type with INT in its name)",),
     "text": ("TEXT affinity (a type with CHAR, CLOB or TEXT in its name)",),
     "boolean": ("BOOLEAN",),
