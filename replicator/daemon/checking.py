@@ -9,8 +9,9 @@ options (their files are not opened), the database reachable, its schema
 version (:mod:`.storage.migrations`: current, due a migration the start
 makes, or one it refuses: too new, or older with ``auto_migrate: false``),
 and its tables as the streams declare them (a table this instance would
-create may be missing; one that exists must have every configured column;
-a read-only stream's table and sequence must exist).  Not checked: whether
+create may be missing; one that exists must have every configured column,
+with a type that holds it (:mod:`.storage.column_types`); a read-only
+stream's table and sequence must exist).  Not checked: whether
 the listen ports are free (the running daemon holds them).
 
 A SQLite database file that does not exist yet is not created: start will.

@@ -11,6 +11,7 @@ All functions here take a DB-API cursor and run in a pool thread.
 from typing import Dict, List, Optional, Set
 
 from ..config import ConfigError, StreamConfig
+from .column_types import TableType, mismatch, postgres_kind, sqlite_kind
 
 POSITIONS_DDL = """
 CREATE TABLE IF NOT EXISTS stream_positions (
@@ -66,34 +67,51 @@ def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
 
 def table_columns(txn, table: str, postgres: bool) -> Optional[List[str]]:
     """Column names of ``table``, or None if it does not exist."""
+    types = column_types(txn, table, postgres)
+    return None if types is None else list(types)
+
+
+def column_types(txn, table: str, postgres: bool) -> Optional[Dict[str, TableType]]:
+    """Each column of ``table`` with its type, or None if it does not exist."""
     if postgres:
         txn.execute(
-            "SELECT column_name FROM information_schema.columns "
+            "SELECT column_name, data_type, udt_name, character_maximum_length "
+            "FROM information_schema.columns "
             "WHERE table_schema = current_schema() AND table_name = %s",
             (table,),
         )
-        names = [r[0] for r in txn.fetchall()]
+        types = {r[0]: postgres_kind(r[1], r[2], r[3]) for r in txn.fetchall()}
     else:
         txn.execute(f"PRAGMA table_info({table})")
-        names = [r[1] for r in txn.fetchall()]
-    return names or None
+        types = {r[1]: sqlite_kind(r[2] or "") for r in txn.fetchall()}
+    return types or None
 
 
 def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool,
                        written: bool = True) -> None:
-    """Every configured column exists; otherwise a ConfigError naming it."""
-    existing = table_columns(txn, stream.table, postgres)
+    """Every configured column exists with a type that fits its declared
+    one (:mod:`.column_types`; the ID column ``bigint``, the writer column
+    ``text``); otherwise a ConfigError naming the first that does not.
+    ``written``: the stream is written here."""
+    existing = column_types(txn, stream.table, postgres)
     if existing is None:
         why = ("create: false" if written else
                "this instance only reads the stream; its writer creates the table")
         raise ConfigError(f"{key}.table", f"table {stream.table!r} does not exist ({why})")
-    wanted = [(f"{key}.id_column", stream.id_column)]
+    wanted = [(f"{key}.id_column", "needs id_column", stream.id_column, "bigint", False)]
     if stream.writer_column:
-        wanted.append((f"{key}.writer_column", stream.writer_column))
-    wanted += [(f"{key}.columns[{i}]", c.name) for i, c in enumerate(stream.columns)]
-    for where, name in wanted:
-        if name not in existing:
+        wanted.append((f"{key}.writer_column", "needs writer_column", stream.writer_column,
+                       "text", False))
+    wanted += [(f"{key}.columns[{i}]", "declares column", c.name, c.type, c.json_text)
+               for i, c in enumerate(stream.columns)]
+    for where, says, name, declared, json_text in wanted:
+        found = existing.get(name)
+        if found is None:
             raise ConfigError(where, f"unknown column {name!r} in table {stream.table!r}")
+        fits = mismatch(declared, json_text, found, postgres, written)
+        if fits is not None:
+            raise ConfigError(where, f"stream {stream.name!r} {says} {name!r} {declared}, but "
+                                     f"table {stream.table!r} has it as {found.shown} ({fits})")
 
 
 def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],

@@ -17,8 +17,8 @@ class StreamRegistry:
 
     :meth:`start` creates missing tables (for streams with ``create`` that
     are written here: a stream only read here gets no DDL and no writes),
-    checks the configured columns exist, and loads every stream's positions
-    in one transaction.
+    checks the configured columns exist with types that hold them, and
+    loads every stream's positions in one transaction.
     """
 
     def __init__(self, db: Database, instance_name: str, streams: Sequence[StreamConfig],
