@@ -12,6 +12,10 @@ POSITIONS_TABLE = "stream_positions"
 SCHEMA_TABLE = "replicator_schema"
 #: The table the trim boundaries of retention are kept in.
 RETENTION_TABLE = "stream_retention"
+#: The column of a table the replicator owns (:attr:`StreamConfig.owns_table`)
+#: holding each row's place in its fact (0, 1, ...), in the order the writer
+#: gave the rows: what every read of the table orders a fact's rows by.
+ROW_INDEX_COLUMN = "row_index"
 COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 #: ``log_format``: see :mod:`replicator.logs.formats`.
@@ -78,6 +82,14 @@ class StreamConfig:
     @property
     def column_names(self) -> List[str]:
         return [c.name for c in self.columns]
+
+    @property
+    def owns_table(self) -> bool:
+        """Whether the table is the replicator's: made by its writers
+        (``create``, no preset), with :data:`ROW_INDEX_COLUMN`.  A table
+        with ``create: false`` or a preset's (Synapse's) is someone else's:
+        the replicator adds no column to it."""
+        return self.create and self.preset is None
 
 
 @dataclass(frozen=True)
