@@ -17,8 +17,10 @@ import socket
 import tempfile
 
 from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
@@ -157,6 +159,24 @@ class SlotTests(SynchronousTestCase):
         self.assertTrue(writers[0][1].disconnecting)
         self.assertEqual(answers(writers[0][1]), [b"HTTP/1.1 200 OK"])
         self.assertFalse(writers[1][1].disconnecting)
+
+    def test_a_fresh_reserved_connection_is_closed_before_an_idle_writer(self):
+        site = self.site(max_connections=1, reserved_for_health=1, reserved_for_writers=1)
+        self.busy(site, 1, ["127.0.0.2"])
+        writer, wt = self.connect(site, "127.0.0.3")
+        writer.dataReceived(get(b"/write", AUTH))
+        silent, st = self.connect(site, "127.0.0.4")
+        probe, pt = self.connect(site, "127.0.0.4")
+        # The silent one made room (anybody's); the writer's stays open.
+        self.assertEqual(answers(st), [b"HTTP/1.1 503 Service Unavailable"])
+        self.assertFalse(wt.disconnecting)
+        probe.dataReceived(get(b"/health"))
+        self.assertEqual(answers(pt), [b"HTTP/1.1 200 OK"])
+        writer.dataReceived(get(b"/write", AUTH))
+        self.assertEqual(answers(wt), [b"HTTP/1.1 200 OK"] * 2)
+        # A refused one goes without trouble.
+        silent.connectionLost(Failure(ConnectionDone()))
+        self.assertNotIn(silent, site.slots)
 
     def test_an_idle_connection_is_closed_before_a_fresh_one(self):
         site = self.site(max_connections=3)

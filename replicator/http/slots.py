@@ -18,11 +18,14 @@ room.
   ``/health`` answer.
 * **Making room**: a newcomer over a cap closes a connection with no request
   being answered, in the same pool (of its own address, for the per-address
-  cap): the oldest *idle* one (answered, waiting for its next request:
-  closed quietly, clients retry on a closed keep-alive connection) first,
-  then the oldest *fresh* one (no complete request yet: ``503``).  Idle
-  first, so that a newcomer that has not sent its request yet is not the
-  one closed while busy clients go idle and busy again between requests.
+  cap).  Of the ordinary slots, the oldest *idle* one (answered, waiting
+  for its next request: closed quietly, clients retry on a closed
+  keep-alive connection) first, then the oldest *fresh* one (no complete
+  request yet: ``503``): idle first, so that a newcomer that has not sent
+  its request yet is not the one closed while busy clients go idle and
+  busy again between requests.  Of the reserved slots, the oldest fresh
+  one first (an idle one there is a writer's, a fresh one anybody's), then
+  the oldest idle one.
   A connection whose request is being answered, or whose last answer is
   out and still being flushed before its close (``Connection: close``), is
   never closed to make room: it is in neither list.  Only when no
@@ -77,10 +80,10 @@ class Slots:
         ordinary = self.ordinary
         per_address = self.max_connections_per_address
         if host is not None and ordinary.count(host) >= per_address:
-            placed = self._make_room(ordinary, host)
+            placed = self._make_room(ordinary, host, idle_first=True)
             why = f"too many HTTP connections from {host} ({per_address})"
         elif len(ordinary) >= self.max_connections:
-            placed = self._make_room(ordinary, ...)
+            placed = self._make_room(ordinary, ..., idle_first=True)
             why = f"too many HTTP connections ({self.max_connections})"
         else:
             placed = True
@@ -89,17 +92,20 @@ class Slots:
             ordinary.arrive(conn, host)
             return None
         reserved = sum(self.limits.values())
-        if reserved and (len(self.reserved) < reserved or self._make_room(self.reserved, ...)):
+        if reserved and (len(self.reserved) < reserved
+                         or self._make_room(self.reserved, ..., idle_first=False)):
             self.reserved.arrive(conn, host)
             return None
         if reserved:
             why += f" and the {reserved} reserved for /health and writers busy"
         return why + ": try again later"
 
-    def _make_room(self, crowd: Crowd, host: Any) -> bool:
+    def _make_room(self, crowd: Crowd, host: Any, idle_first: bool) -> bool:
         """Close the oldest idle connection of ``crowd`` (from ``host`` unless
-        ``...``), else the oldest fresh one; whether there was one."""
-        victim = crowd.oldest_unidentified(host, self._idle.__contains__) \
+        ``...``), else the oldest fresh one (fresh first unless
+        ``idle_first``); whether there was one."""
+        idle = self._idle.__contains__
+        victim = crowd.oldest_unidentified(host, idle if idle_first else lambda c: not idle(c)) \
             or crowd.oldest_unidentified(host)
         if victim is None:
             return False
