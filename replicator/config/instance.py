@@ -76,6 +76,7 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     section = as_mapping(value if value is not None else {}, key)
     no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
                           "body_timeout", "max_connections", "max_connections_per_address",
+                          "reserved_for_health", "reserved_for_writers",
                           "readers", "max_waiting_reads", "max_waiting_reads_per_address",
                           "heartbeat_interval", "max_page_bytes"),
                key)
@@ -111,6 +112,10 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
         max_connections_per_address=get_int(section, "max_connections_per_address", key,
                                             min(64, max_connections),
                                             minimum=1, maximum=max_connections),
+        reserved_for_health=get_int(section, "reserved_for_health", key, 4,
+                                    minimum=0, maximum=1000),
+        reserved_for_writers=get_int(section, "reserved_for_writers", key, 16,
+                                     minimum=0, maximum=1000),
         readers=parse_readers(section.get("readers"), f"{key}.readers"),
         max_waiting_reads=max_waiting,
         max_waiting_reads_per_address=get_int(section, "max_waiting_reads_per_address", key,

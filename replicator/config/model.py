@@ -208,6 +208,10 @@ class HttpConfig:
     body_timeout: float = 30.0
     max_connections: int = 256
     max_connections_per_address: int = 64
+    # Beyond max_connections, from any address: connections for /health
+    # (one request each) and for requests with the secret (replicator.http.slots).
+    reserved_for_health: int = 4
+    reserved_for_writers: int = 16
     # The read API (docs/read-api.md): credentials, and how many long-polls
     # and event streams may be open at once (all, and from one address).
     readers: Tuple[ReaderConfig, ...] = ()
