@@ -162,7 +162,9 @@ class ReplicationConfig:
     fanout_interval: float = 0.003
     max_batch_rows: int = 10_000  # rows of one fact received as a batch
     max_batch_bytes: int = 16 << 20  # bytes of a writer's partial batches (4x once decoded)
-    # Seconds from a delivered range's seal to the audit's second, last check.
+    # The delivery audit (docs/streams.md), and the seconds from a delivered
+    # range's seal to its second, last check.
+    audit: bool = True
     audit_recheck: float = 60.0
     # Who may connect (README, "Security model"); None: anyone.
     allowed_peers: Optional[Tuple[str, ...]] = None

@@ -152,7 +152,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                           "max_connections", "max_connections_per_address",
                           "max_unidentified", "identify_timeout", "reconnect_initial_delay",
                           "reconnect_max_delay", "max_batch_rows", "max_batch_bytes",
-                          "insecure_public_listener", "audit_recheck"), key)
+                          "insecure_public_listener", "audit", "audit_recheck"), key)
     ping_interval = get_number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
     ping_timeout = get_number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
@@ -225,6 +225,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                                     minimum=60, maximum=31_536_000),
         max_batch_rows=max_batch_rows,
         max_batch_bytes=max_batch_bytes,
+        audit=get_bool(section, "audit", key, True),
         audit_recheck=get_number(section, "audit_recheck", key, 60.0, minimum=1,
                                  maximum=86_400),
     )

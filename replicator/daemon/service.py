@@ -123,7 +123,8 @@ class Instance:
             max_batch_bytes=rep.max_batch_bytes, known_names=rep.allowed_peers or (),
             max_user_syncs=rep.max_user_syncs, max_user_ips=rep.max_user_ips,
             max_federation_acks=rep.max_federation_acks,
-            bookkeeping_max_age=rep.bookkeeping_max_age, audit_recheck=rep.audit_recheck,
+            bookkeeping_max_age=rep.bookkeeping_max_age, audit=rep.audit,
+            audit_recheck=rep.audit_recheck,
         )
         self.settings = ConnectionSettings(
             max_line_length=rep.max_line_length, ping_interval=rep.ping_interval,

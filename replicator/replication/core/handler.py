@@ -109,6 +109,7 @@ class ReplicationHandler:
         max_user_ips: int = 20_000,
         max_federation_acks: int = 1_000,
         bookkeeping_max_age: float = 86_400.0,
+        audit: bool = True,
         audit_recheck: float = 60.0,
     ) -> None:
         self.registry = registry
@@ -144,6 +145,7 @@ class ReplicationHandler:
         self._readers: Dict[Key, Reader] = {}
         self.gaps = TrimGaps()  # streams stopped: facts trimmed, or not what the table holds
         #: The delivery audit of every reader (a service: the daemon starts it).
+        self.audit = audit
         self.auditor = Auditor(self.audited, self._mismatch, clock, recheck=audit_recheck)
         self._heard: Dict[Key, float] = {}  # read key -> when its last POSITION/RDATA came
         self._started = False
@@ -264,7 +266,7 @@ class ReplicationHandler:
         return make_reader(stream, writer, position, self.consumers, clock=self._clock,
                            fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
                            background=self.background, on_gap=self._trimmed,
-                           on_mismatch=self._mismatch)
+                           on_mismatch=self._mismatch, audit=self.audit)
 
     def audited(self) -> Dict[Key, Tuple[Stream, Reader]]:
         """Every reader with its stream, by (stream, writer): what the
