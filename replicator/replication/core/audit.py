@@ -215,14 +215,14 @@ class Auditor(Service):
         self._running: Optional[defer.Deferred[Any]] = None
 
     def startService(self) -> None:
-        super().startService()
+        super().startService()  # type: ignore[no-untyped-call]
         self._loop = task.LoopingCall(self.tick)
         self._loop.clock = self._clock
         self._loop.start(self.interval, now=False).addErrback(
             lambda f: log.failure("audit loop failed", f))
 
     def stopService(self) -> Any:
-        super().stopService()
+        super().stopService()  # type: ignore[no-untyped-call]
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         self._loop = None
