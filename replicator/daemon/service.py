@@ -32,7 +32,6 @@ from ..observe.roles import has_replication_link, role
 from ..observe.writers import writer_watch
 from ..replication.core.handler import ReplicationHandler
 from ..replication.transport.peers import local_names, policy_from_config
-from .checking import unbound_writers
 from ..replication.transport.tcp import (
     ConnectionSettings,
     ReplicationServerFactory,
@@ -43,6 +42,7 @@ from ..storage.database import Database
 from ..streams.registry import StreamRegistry
 from ..streams.retention import RetentionService, trimmers_for
 from . import sdnotify
+from .checking import unbound_writers
 from .listening import ListeningService
 from .startup import StartupError, fd_budget_problem, hide_password, os_reason
 

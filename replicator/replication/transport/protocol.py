@@ -31,8 +31,8 @@ from zope.interface import implementer
 
 from ...logs.printable import printable
 from ...net.tls import certificate_names
-from ..interfaces import IPeerConnection, IReplicationHandler
 from ...observe import metrics
+from ..interfaces import IPeerConnection, IReplicationHandler
 from ..wire.commands import (
     CLIENT_COMMANDS,
     CLIENT_WRITER_COMMANDS,
@@ -48,6 +48,7 @@ from ..wire.commands import (
     parse_line,
 )
 from ..wire.parsing import CommandParseError
+from . import proof
 from .link import (
     CONNECTION_LOST,
     IDENTIFY_TIMEOUT_REASON,
@@ -58,7 +59,6 @@ from .link import (
     WRONG_REMOTE,
     LineConnection,
 )
-from . import proof
 from .peers import PeerPolicy
 
 
