@@ -150,6 +150,16 @@ class ServerSideTests(SynchronousTestCase):
         self.assertEqual(self.factory.set_policy(POLICY), 1)
         self.assertEqual(transport.value(),
                          b"ERROR NAME worker1 must now prove itself (AUTH)\n")
+        proto.connectionLost(None)
+        # One in the middle of proving itself is left to finish.
+        proving, proving_t = self.connect(4002)
+        proving.dataReceived(b"NAME worker1\n")
+        nonce = self.challenge(proving_t)
+        self.assertEqual(self.factory.set_policy(POLICY), 0)
+        proving.dataReceived(f"AUTH {proof.proof(SECRET, 'hs.example', 'worker1', nonce)}\n"
+                             .encode())
+        self.assertTrue(proving.proven)
+        self.assertFalse(proving_t.disconnecting)
 
 
 class ClientSideTests(SynchronousTestCase):

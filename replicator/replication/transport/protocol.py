@@ -350,7 +350,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
             cert_names = (certificate_names(self.transport) if policy.certificate_names
                           else None)
             refusal = policy.check_name(self._peer_instance, None, cert_names)
-            if refusal is None and not self.proven \
+            if refusal is None and self.identified and not self.proven \
                     and policy.secret_for(self._peer_instance) is not None:
                 refusal = f"NAME {printable(self._peer_instance, 64)} must now prove itself (AUTH)"
         return refusal
