@@ -87,7 +87,8 @@ class ServerSideTests(SynchronousTestCase):
         proto.dataReceived(b"NAME worker1\nPING 1\nREPLICATE\n")
         nonce = self.challenge(transport)
         self.assertFalse(proto.identified)
-        self.assertEqual([e[0] for e in self.handler.commands()], ["PING", "REPLICATE"])
+        # An unproven connection is sent nothing: its REPLICATE waits.
+        self.assertEqual([e[0] for e in self.handler.commands()], ["PING"])
         answer = proof.proof(SECRET, "hs.example", "worker1", nonce)
         proto.dataReceived(f"AUTH {answer}\nPOSITION caches worker1 0 1\n".encode())
         self.assertFalse(transport.disconnecting, transport.value())
@@ -95,7 +96,7 @@ class ServerSideTests(SynchronousTestCase):
         self.assertEqual(proto.instance_name, "worker1")
         self.assertIs(self.factory.holders["worker1"], proto)
         self.assertEqual([e[0] for e in self.handler.commands()],
-                         ["PING", "REPLICATE", "NAME", "POSITION"])
+                         ["PING", "NAME", "REPLICATE", "POSITION"])
 
     def test_a_recorded_proof_is_worth_nothing_on_another_connection(self):
         first, first_t = self.connect(4001)

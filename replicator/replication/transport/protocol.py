@@ -275,7 +275,8 @@ class ServerReplicationProtocol(ReplicationProtocol):
     the client only once it has proven it (:mod:`.proof`): the ``NAME`` is
     answered with ``AUTH_CHALLENGE``, and until a right ``AUTH`` comes the
     connection is still unidentified (it holds no name, ``identify_timeout``
-    runs, the handler has not heard its ``NAME``) and its RDATA/POSITION is
+    runs, the handler has heard neither its ``NAME`` nor its ``REPLICATE``,
+    which reach it once the proof came) and its RDATA/POSITION is
     refused (``ERROR``, close, counted as ``unproven``); a wrong ``AUTH`` is
     refused too (``bad_proof``).  Nothing is sent to a client whose name has
     no secret: a Synapse peer sees Synapse's wire."""
@@ -300,6 +301,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
         self._challenge: Optional[Tuple[str, NameCommand]] = None
         #: Whether the client proved its NAME (:mod:`.proof`).
         self.proven = False
+        self._replicate_held = False  # a REPLICATE came before the proof
 
     def _timers(self) -> List[Optional[IDelayedCall]]:
         return super()._timers() + [self._identify_call]
@@ -405,17 +407,29 @@ class ServerReplicationProtocol(ReplicationProtocol):
         self.proven = True
         self.log.info("Replication connection {peer} is {name} (proven)", peer=self.address,
                       name=self.name)
-        on_name = self._dispatch.get("NAME")
-        if on_name is not None:
-            self._call(on_name, self, name_cmd)
+        for command_name, held in (("NAME", name_cmd),
+                                   ("REPLICATE", ReplicateCommand() if self._replicate_held
+                                    else None)):
+            method = self._dispatch.get(command_name)
+            if held is not None and method is not None and not self._closing:
+                self._call(method, self, held)
+        self._replicate_held = False
         return True
 
-    def _on_REPLICATE(self, cmd: ReplicateCommand) -> None:
-        if self.identified or self._challenge is not None:
-            return
+    def _on_REPLICATE(self, cmd: ReplicateCommand) -> bool:
+        """True while the NAME before it waits for its proof: the handler
+        hears the REPLICATE once the proof came (an unproven connection is
+        sent nothing but the challenge)."""
+        if self._challenge is not None:
+            self._replicate_held = True
+            return True
+        if self.identified:
+            return False
         refusal = self._identified(None)
         if refusal is not None:
             self.close(REFUSED, refusal, log_text=f"anonymous reader refused: {refusal}")
+            return True
+        return False
 
     def _write_refusal(self, cmd: Command) -> Optional[str]:
         """None for RDATA/POSITION of the client's own writer of a stream
