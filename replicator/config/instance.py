@@ -233,6 +233,18 @@ def _check_reader_streams(http: HttpConfig, stream_names) -> None:
                 raise ConfigError(f"http.readers[{i}].streams[{j}]", f"unknown stream {name!r}")
 
 
+def _check_writer_secrets(replication, streams, instance_name: str) -> None:
+    """Each name in ``replication.writer_secrets`` writes a stream here and
+    is not this instance (whose own writes need no proof)."""
+    remote = {w for s in streams for w in s.writers} - {instance_name}
+    for secret in replication.writer_secrets:
+        if secret.name not in remote:
+            why = ("is this instance" if secret.name == instance_name
+                   else "is not a writer of any stream")
+            raise ConfigError(f"replication.writer_secrets.{secret.name}",
+                              f"{secret.name!r} {why}: only remote writers prove their NAME")
+
+
 def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     """A whole instance config from its parsed YAML document."""
     # Relative paths (SQLite file, secret file, consumer files) are relative
@@ -279,6 +291,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
                 raise ConfigError(f"streams[{i}].writers",
                                   f"{others[0]!r} cannot write an embedded SQLite database of "
                                   f"{instance_name!r}: use PostgreSQL for several writers")
+    _check_writer_secrets(replication, streams, instance_name)
     if replication.upstream and replication.listen:
         raise ConfigError("replication.upstream", "an instance either listens (master) or "
                                                   "connects upstream (worker), not both")

@@ -135,6 +135,17 @@ class RedisConfig:
 
 
 @dataclass(frozen=True)
+class WriterSecret:
+    """A remote writer that must prove its NAME to this listener
+    (``replication.writer_secrets``); ``secret`` is None until validate()
+    has read ``secret_file``."""
+
+    name: str
+    secret_file: str
+    secret: Optional[str] = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
 class ReplicationConfig:
     """How this instance joins replication.
 
@@ -177,6 +188,12 @@ class ReplicationConfig:
     max_user_ips: int = 20_000
     max_federation_acks: int = 1_000
     bookkeeping_max_age: float = 86_400.0
+    # Proof of a writer's NAME (docs/protocol.md): on a listener, the remote
+    # writers that must prove theirs; on a worker, its own secret's file
+    # (``secret`` is None until validate() has read it).
+    writer_secrets: Tuple[WriterSecret, ...] = ()
+    secret_file: Optional[str] = None
+    secret: Optional[str] = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

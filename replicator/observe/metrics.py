@@ -125,7 +125,9 @@ REDIS_AUTH_REFUSED = Counter(
 )
 CONNECTIONS_REFUSED = Counter(
     "replicator_connections_refused_total",
-    "Replication connections refused or closed to make room (ERROR and close), by reason", ["reason"]
+    "Replication connections refused or closed to make room (ERROR and close), by reason "
+    "(a cap; name_held; unproven: RDATA/POSITION of a writer that has not proven its NAME; "
+    "bad_proof: a wrong AUTH)", ["reason"]
 )
 RECONNECT_DELAY = Gauge(
     "replicator_reconnect_delay_seconds",

@@ -298,17 +298,33 @@ class ReplicationHandler:
 
     # ---------------------------------------------------------- connections
     def new_connection(self, conn: IReplicationConnection) -> None:
-        announce = not conn.accepted
+        # Nobody asks an upstream or a bus for our positions: announce them,
+        # unless the connection holds our writes back for now (a proof of
+        # our NAME may be asked for first: writes_released comes then).
+        announce = not conn.accepted and not getattr(conn, "writes_held", False)
         label = "unnamed" if conn.role == "client" else conn.role  # named at its NAME
         self.connections.add(conn, replicating=announce, label=label)
         if announce:
-            # Nobody asks an upstream or a bus for our positions: announce them.
-            lines = [
-                encode_position_line(s, w, token, token)
-                for (s, w), token in self.fanout.announced.items()
-            ]
-            if lines:
-                conn.send_lines(lines, "POSITION")
+            self._announce_to(conn)
+
+    def writes_released(self, conn: IReplicationConnection) -> None:
+        """An upstream that held our writes back takes them now: our
+        positions first (readers there catch up on what went meanwhile),
+        then the fan-out."""
+        state = self.connections.get(conn)
+        if state is None or state.replicating:
+            return
+        state.replicating = True
+        self._announce_to(conn)
+
+    def _announce_to(self, conn: IReplicationConnection) -> None:
+        """Our positions, to an upstream or a bus (nobody asks there)."""
+        lines = [
+            encode_position_line(s, w, token, token)
+            for (s, w), token in self.fanout.announced.items()
+        ]
+        if lines:
+            conn.send_lines(lines, "POSITION")
 
     def lost_connection(self, conn: IReplicationConnection, reason: str) -> None:
         if self.connections.remove(conn, reason) is None:
