@@ -388,6 +388,33 @@ class InMemoryHttpTests(InMemoryHttpTestCase):
         self.assertEqual(consumer.facts, [("caches", "master", 12, [["a", None, 1]])])
 
 
+class DuplicateKeyTests(InMemoryHttpTestCase):
+    """A body with an object that gives a key twice is refused, naming the
+    key, wherever the object is; nothing is written."""
+
+    def test_a_key_given_twice_is_refused(self):
+        self.start()
+        before = self.snapshot()
+        cases = [
+            (b'{"rows": [["a", null, 1]], "rows": []}', "rows"),
+            (b'{"rows": [], "rows": [["a", null, 1]]}', "rows"),
+            # In a json column's object, however deep.
+            (b'{"rows": [["a", {"k": 1, "k": 2}, 1]]}', "k"),
+            (b'{"rows": [["a", {"k": [{"u": "@a:x", "u": "@b:x"}]}, 1]]}', "u"),
+            # Spelled differently, decoded the same: one key.
+            (b'{"rows": [["a", {"k\u003a": 1, "k:": 2}, 1]]}', "k:"),
+            ('{"rows": [["a", {"\\u00e9": 1, "\u00e9": 2}, 1]]}'.encode(), "\u00e9"),
+        ]
+        for body, key in cases:
+            response, answer = self.answer("POST", FACTS.format("caches"), body, AUTH)
+            self.assertEqual((response.code, answer), (400, {
+                "error": f"invalid JSON: key {key!r} given twice in an object"}), body)
+        self.assertEqual(self.snapshot(), before)
+        # The same key in two objects, and colons in strings, are fine.
+        rows = [["a:b", {"k": "x:y", "k:": {"k": 1}}, 1], ["c", {"k": 2}, 2]]
+        self.assertEqual(self.write("caches", {"rows": rows}), (200, {"stream_id": 1}))
+
+
 class HttpApiTests(HttpTestCase):
     # ---------------------------------------------------------------- writes
     async def test_write_fact_is_committed_and_readable(self):
