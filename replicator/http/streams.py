@@ -21,7 +21,8 @@ from twisted.python.failure import Failure
 from ..jsontext import DuplicateKeyError, decode_json_strict
 from ..streams.rows import RowError
 from .answers import HttpError, authorize, excerpt
-from .site import Redactor, too_large
+from .redact import Redactor
+from .site import too_large
 
 log = Logger()
 
