@@ -5,6 +5,7 @@ import io
 import json
 import os
 import tempfile
+from urllib.parse import unquote
 
 from twisted.internet import task
 from twisted.internet.address import IPv4Address
@@ -183,6 +184,28 @@ class RedactorTests(SynchronousTestCase):
                          "/a%3Fx=1&Access_Token=[redacted];p=2")
         self.assertEqual(redact.path(b"/a%3F%61ccess_token%3Dabc%3Flimit=1"),
                          "/a%3F%61ccess_token%3D[redacted]")
+
+    def test_long_paths_are_cut_after_redaction(self):
+        secret = "s3cret value"
+        redact = Redactor([secret])
+        thrice = "".join(f"%2525{b:02X}" for b in secret.encode())
+        paths = [("x" * 195 + secret + "y" * 16000).encode(),
+                 ("x" * 195 + thrice + "y" * 16000).encode(),
+                 ("/" + thrice * 500).encode(),
+                 ("/" + secret * 2000).encode(),
+                 ("/a" * 90 + "%3Faccess_token=" + "z" * 16000).encode()]
+        for raw in paths:
+            shown = redact.path(raw)
+            self.assertLessEqual(len(shown), 203)
+            self.assertTrue(shown.endswith("..."), shown)
+            forms = [shown]
+            for _ in range(3):
+                forms.append(unquote(forms[-1]))
+            for form in forms:
+                self.assertNotIn(secret, form)
+                self.assertNotIn(secret[:6], form)  # not even a part at the cut
+                self.assertNotIn("zzz", form)
+        self.assertEqual(redact.path(paths[2]), "/[redacted]...")  # one run, then cut
 
     def test_a_traceback_spelling_a_secret_is_logged_redacted(self):
         events = []

@@ -28,6 +28,8 @@ from twisted.python.failure import Failure
 log = Logger(namespace="replicator.http")
 
 REDACTED = "[redacted]"
+#: How much of a request path a log line shows.
+PATH_LIMIT = 200
 #: How many times a text is percent-decoded in search of a secret: the
 #: server decodes once; more rounds catch a secret a client encoded twice.
 DECODE_ROUNDS = 3
@@ -118,29 +120,49 @@ class Redactor:
             form = decoded
         return marks
 
-    def _redact_bytes(self, data: bytes, parameters: bool = False) -> bytes:
-        if b"%" not in data and not (parameters and (b"=" in data or b"+" in data)):
+    def _redact_bytes(self, data: bytes, parameters: bool = False,
+                      keep: Optional[int] = None) -> bytes:
+        """``data`` with what spells a secret (or, with ``parameters``, a
+        credential's value) replaced; with ``keep``, only its first
+        ``keep`` bytes (and whole replacements that start there): it is
+        searched only as far as a secret's longest spelling goes beyond,
+        so a hostile 16 KB path costs what a short one does."""
+        if keep is not None and len(data) > keep:
+            longest = max(map(len, self._hidden_bytes), default=0)
+            data = data[:keep + (2 * DECODE_ROUNDS + 1) * longest + 64]
+        else:
+            keep = None
+        if keep is None and b"%" not in data \
+                and not (parameters and (b"=" in data or b"+" in data)):
             for hidden in self._hidden_bytes:
                 data = data.replace(hidden, REDACTED.encode())
             return data
-        marks = self._marks(data, parameters)
-        if not marks:
-            return data
+        marks = _merged(self._marks(data, parameters))
+        end = len(data) if keep is None else keep
         out, pos = [], 0
-        for start, end in _merged(marks):
+        for start, stop in marks:
+            if start >= end:
+                break
             out += [data[pos:start], REDACTED.encode()]
-            pos = end
-        out.append(data[pos:])
+            pos = stop
+        if pos < end:
+            out.append(data[pos:end])
         return b"".join(out)
 
-    def lines(self, text: str) -> str:
-        """``text`` without a hidden string in any spelling, its lines kept."""
-        if "%" not in text:
+    def _redact_text(self, text: str, keep: Optional[int] = None) -> str:
+        if "%" not in text and (keep is None or len(text) <= keep):
             for hidden in self._hidden:
                 text = text.replace(hidden, REDACTED)
             return text
-        data = self._redact_bytes(text.encode("utf-8", "surrogatepass"))
-        return data.decode("utf-8", "surrogatepass")
+        data = self._redact_bytes(text.encode("utf-8", "surrogatepass"), keep=keep)
+        try:
+            return data.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:  # a cut in a character, or odd bytes decoded
+            return data.decode("utf-8", "replace")
+
+    def lines(self, text: str) -> str:
+        """``text`` without a hidden string in any spelling, its lines kept."""
+        return self._redact_text(text)
 
     def shows_hidden(self, text: str) -> bool:
         """Whether ``text`` holds a hidden string in any spelling."""
@@ -149,7 +171,7 @@ class Redactor:
     # ------------------------------------------------------------ showing
     def __call__(self, text: str) -> str:
         """One line, without a hidden string, at most 2000 characters."""
-        return self.lines(" ".join(str(text).splitlines()))[:2000]
+        return self._redact_text(" ".join(str(text).splitlines()), keep=2000)[:2000]
 
     def log_failure(self, fmt: str, failure: Failure, **fields) -> None:
         """``log.failure``, unless the traceback text would show a hidden
@@ -164,9 +186,11 @@ class Redactor:
         """A request path (or request target) fit for a log line: still
         percent-encoded as received, but without a hidden string or a
         credential parameter's value in any spelling."""
-        data = self._redact_bytes(raw, parameters=True)
+        data = self._redact_bytes(raw, parameters=True, keep=PATH_LIMIT)
         path = self(data.decode("ascii", "backslashreplace"))
-        return path if len(path) <= 200 else path[:200] + "..."
+        if len(raw) > PATH_LIMIT or len(path) > PATH_LIMIT:
+            return path[:PATH_LIMIT] + "..."
+        return path
 
     def method(self, raw) -> str:
         return self(raw.decode("ascii", "backslashreplace"))[:20] \
