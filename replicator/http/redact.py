@@ -7,16 +7,19 @@ client percent-encodes it (``%48unter2``, twice: ``%2548unter2``) or writes
 a space of it as ``+``: a text is therefore searched as it is and as
 percent-decoded once, twice, ... (up to :data:`DECODE_ROUNDS` times), and
 whatever spells a secret in any of these forms is replaced, in the text as
-given, by ``[redacted]``.  A request path is also searched, in each of its forms (``%3F`` in a path,
-``%61ccess_token``, ``%3D`` spell a parameter too), for parameters whose
-name says they carry a credential (:data:`CREDENTIAL`): their values are
-replaced whether or not they are a known secret (a wrong or an old secret
-is still somebody's).
+given, by ``[redacted]``.  A request path is also searched, in each of its
+forms (``%3F`` in a path, ``%61ccess_token``, ``%3D`` spell a parameter
+too), for parameters whose name says they carry a credential
+(:data:`CREDENTIAL`): their values are replaced whether or not they are a
+known secret (a wrong or an old secret is still somebody's).
 
 Invariants: the text shown keeps its form (a path stays percent-encoded);
 what is replaced is the whole span of the text as given that any decoding
-turns into a secret or a credential's value; a text without ``%`` (or
-``+`` in a path) costs one ``str.replace`` per secret, as before.
+turns into a secret or a credential's value; a text is cut only after
+that, and searched only as far beyond the cut as a secret's longest
+spelling reaches (a hostile 16 KB path costs what a short one does); a
+short text without ``%`` (or, in a path, ``=`` and ``+``) costs one
+``str.replace`` per secret, as before.
 """
 
 import re

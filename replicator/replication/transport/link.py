@@ -426,13 +426,19 @@ class LineConnection(Protocol):
         seconds (at least ``ping_timeout``): a peer that keeps the ping
         timeout away with a byte now and then but never finishes a line is
         closed too (a live peer PINGs every few seconds)."""
+        idle = self._last_command + self._command_limit()
         if not self.accepted or self._peer_pinged:
             silent = self._last_received + self._ping_timeout
-            idle = self._last_command + max(self._idle_timeout, self._ping_timeout)
-            if idle < silent:
-                return idle, IDLE_TIMEOUT_REASON
-            return silent, PING_TIMEOUT_REASON
-        return self._last_command + self._idle_timeout, IDLE_TIMEOUT_REASON
+            if silent <= idle:
+                return silent, PING_TIMEOUT_REASON
+        return idle, IDLE_TIMEOUT_REASON
+
+    def _command_limit(self) -> float:
+        """Seconds a whole command may take to come: ``idle_timeout``, and
+        under the ping timeout at least that."""
+        if not self.accepted or self._peer_pinged:
+            return max(self._idle_timeout, self._ping_timeout)
+        return self._idle_timeout
 
     def _timeout_due(self) -> None:
         self._timeout_call = None
@@ -453,9 +459,7 @@ class LineConnection(Protocol):
         """Close for no whole command within the idle deadline, saying so to
         the peer and in one log line; a peer that sent bytes of a line it
         never finished (it dribbles) is told that, with how many."""
-        limit = self._idle_timeout
-        if not self.accepted or self._peer_pinged:
-            limit = max(limit, self._ping_timeout)
+        limit = self._command_limit()
         silent = now - self._last_command
         unfinished = len(self._buffer)
         if unfinished:
