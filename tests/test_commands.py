@@ -303,6 +303,9 @@ class MalformedTests(SynchronousTestCase):
             "RDATA caches master x []": "RDATA: token is not an integer: 'x'",
             "USER_SYNC w @u:hs None middle 1": "USER_SYNC: state is neither start nor end: 'middle'",
             "RDATA caches master 1 {}": "RDATA: row is not a JSON array",
+            # A key given twice is refused, not read as its last value.
+            'RDATA caches master 1 ["f",{"a":{"k":1,"k":2}},1]':
+                "RDATA: invalid JSON in row: \"duplicate key 'k'\"",
         }
         for line, expected in cases.items():
             with self.assertRaises(CommandParseError) as cm:

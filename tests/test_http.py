@@ -10,6 +10,7 @@ import io
 import os
 import signal
 import time
+from urllib.parse import unquote, unquote_plus
 
 import orjson
 import psycopg2
@@ -386,6 +387,90 @@ class InMemoryHttpTests(InMemoryHttpTestCase):
         self.assertEqual(answer["connections"], 1)
         self.assertEqual(answer["positions"]["caches"]["master"], 12)
         self.assertEqual(consumer.facts, [("caches", "master", 12, [["a", None, 1]])])
+
+
+class DuplicateKeyTests(InMemoryHttpTestCase):
+    """A body with an object that gives a key twice is refused, naming the
+    key, wherever the object is; nothing is written."""
+
+    def test_a_key_given_twice_is_refused(self):
+        self.start()
+        before = self.snapshot()
+        cases = [
+            (b'{"rows": [["a", null, 1]], "rows": []}', "rows"),
+            (b'{"rows": [], "rows": [["a", null, 1]]}', "rows"),
+            # In a json column's object, however deep.
+            (b'{"rows": [["a", {"k": 1, "k": 2}, 1]]}', "k"),
+            (b'{"rows": [["a", {"k": [{"u": "@a:x", "u": "@b:x"}]}, 1]]}', "u"),
+            # Spelled differently, decoded the same: one key.
+            (b'{"rows": [["a", {"k\u003a": 1, "k:": 2}, 1]]}', "k:"),
+            ('{"rows": [["a", {"\\u00e9": 1, "\u00e9": 2}, 1]]}'.encode(), "\u00e9"),
+        ]
+        for body, key in cases:
+            response, answer = self.answer("POST", FACTS.format("caches"), body, AUTH)
+            self.assertEqual((response.code, answer), (400, {
+                "error": f"invalid JSON: key {key!r} given twice in an object"}), body)
+        self.assertEqual(self.snapshot(), before)
+        # The same key in two objects, and colons in strings, are fine.
+        rows = [["a:b", {"k": "x:y", "k:": {"k": 1}}, 1], ["c", {"k": 2}, 2]]
+        self.assertEqual(self.write("caches", {"rows": rows}), (200, {"stream_id": 1}))
+
+
+def spelled(secret: str, text: str) -> bool:
+    """Whether ``text`` holds ``secret`` as it is or percent-decoded (up to
+    three times, a ``+`` as a space or not)."""
+    forms = [text]
+    for _ in range(3):
+        forms += [unquote(forms[-1]), unquote_plus(forms[-1])]
+    return any(secret in form for form in forms)
+
+
+def percent_encoded(text: str) -> str:
+    return "".join(f"%{b:02X}" for b in text.encode())
+
+
+class SecretSpellingTests(InMemoryHttpTestCase):
+    """A secret in a request's path is never logged, however it is
+    spelled; nor is a credential parameter's value that ends up in the path,
+    known secret or not."""
+
+    WRONG = "Not-a-secret-of-this-instance-but-somebodys"
+
+    def request(self, target: bytes, headers: bytes = b"") -> bytes:
+        client = self.open(RawClient(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n" + headers
+                                     + b"Connection: close\r\n\r\n"))
+        return self.h.run(client.closed, settle=False)
+
+    def test_no_spelling_of_a_secret_is_logged(self):
+        self.start()
+        auth = b"Authorization: Bearer " + SECRET.encode() + b"\r\n"
+        cases = [
+            ("/x/" + percent_encoded(SECRET), b""),
+            ("/x/%48" + SECRET[1:], b""),
+            ("/x/%2548" + SECRET[1:], b""),  # encoded twice
+            ("/_replicator/v1/streams/" + percent_encoded(SECRET) + "/facts", auth),
+            ("/health%3Faccess_token=" + percent_encoded(SECRET), b""),
+            ("/health%3F%61ccess_token%3D" + SECRET + "?limit=1", b""),
+            ("/health%3Faccess_token=" + self.WRONG, b""),
+            ("/health;%73ecret=" + self.WRONG, b""),
+            ("/health%3Fx=1%26token%3D" + percent_encoded(self.WRONG), b""),
+        ]
+        for target, headers in cases:
+            received = self.request(target.encode(), headers)
+            self.assertTrue(received.startswith(b"HTTP/1.1 4"), (target, received[:200]))
+            self.assertFalse(spelled(SECRET, received.decode()), target)
+        # A request the channel refuses is logged from its request line.
+        self.request(("/x/" + percent_encoded(SECRET)).encode(), b"Bad Name: v\r\n")
+        lines = self.access_lines()
+        self.assertEqual(len(lines), len(cases) + 1)
+        self.assertTrue(all("[redacted]" in line for line in lines), lines)
+        self.assertIn('"GET /health%3Faccess_token=[redacted]" 404 ', lines[6])
+        self.assertIn('"GET /_replicator/v1/streams/[redacted]/facts" 404 ', lines[3])
+        self.assertIn("(unknown stream '[redacted]')", lines[3])
+        for event in self.events:
+            text = formatEvent(event) + repr(event)
+            for secret in (SECRET, self.WRONG):
+                self.assertFalse(spelled(secret, text), text)
 
 
 class HttpApiTests(HttpTestCase):

@@ -343,6 +343,41 @@ class ConnectionCapTests(InMemoryHttpTestCase):
         self.assertEqual(response.code, 200)
 
 
+class IdleTimeoutTests(InMemoryHttpTestCase):
+    """twisted.web's idle timeout (no byte for a while) shorter than the
+    deadlines, in memory: a request half received is answered 408 like a
+    deadline, with its access line; an idle connection between requests
+    is closed quietly."""
+
+    def test_silence_mid_request_is_a_json_408(self):
+        self.start(config_overrides={"http": {"listen": "tcp:0:interface=127.0.0.1",
+                                              "secret": SECRET, "header_timeout": 3600,
+                                              "body_timeout": 3600}}, idle_timeout=5)
+        started = self.h.clock.seconds()
+        half_headers = self.open(RawClient(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: a"))
+        half_body = self.open(RawClient(
+            b"POST /_replicator/v1/streams/caches/facts HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: 100\r\n\r\n{\"rows\": ["))
+        self.assertEqual(parse_answer(self, self.h.run(half_headers.closed, settle=False),
+                                      408),
+                         {"error": "request headers not received: nothing sent for 5s"})
+        self.assertEqual(parse_answer(self, self.h.run(half_body.closed, settle=False), 408),
+                         {"error": "request body not received: nothing sent for 5s"})
+        self.assertLess(self.h.clock.seconds() - started, 60)
+        lines = self.access_lines()
+        self.assertEqual(len(lines), 2, lines)
+        self.assertRegex(lines[0], r'^127\.0\.0\.1 "GET /health" 408 \d+ 0\.0ms \(request '
+                                   r"headers not received: nothing sent for 5s\)$")
+        self.assertRegex(lines[1], r'^127\.0\.0\.1 "POST /_replicator/v1/streams/caches/facts" '
+                                   r"408 \d+ 0\.0ms \(request body not received: nothing sent "
+                                   r"for 5s\)$")
+        # Idle after an answer: closed without a word (nothing is owed).
+        idle = self.open(RawClient(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+        received = self.h.run(idle.closed, settle=False)
+        self.assertTrue(received.startswith(b"HTTP/1.1 200 "), received[:100])
+        self.assertEqual(received.count(b"HTTP/1.1 "), 1)
+
+
 class MalformedRequestTests(HttpTestCase):
     """What twisted.web answers with a bare 400 or a silent close is a JSON
     4xx like every other error."""

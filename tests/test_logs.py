@@ -5,6 +5,7 @@ import io
 import json
 import os
 import tempfile
+from urllib.parse import unquote
 
 from twisted.internet import task
 from twisted.internet.address import IPv4Address
@@ -13,7 +14,8 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from replicator.http.site import ERROR_TEXT_LIMIT, AccessLog, Redactor
+from replicator.http.redact import Redactor
+from replicator.http.site import ERROR_TEXT_LIMIT, AccessLog
 from replicator.logs.formats import clean, formatter
 from replicator.logs.output import _observer, under_journald
 from replicator.logs.printable import printable
@@ -159,6 +161,63 @@ class AccessLineTests(SynchronousTestCase):
         line = formatEvent(events[-1])
         self.assertIn(' 400 0 ', line)
         self.assertIn("(invalid JSON: \\x1b[2J" + "y" * (ERROR_TEXT_LIMIT - 18) + "...)", line)
+
+
+class RedactorTests(SynchronousTestCase):
+    def test_every_spelling_of_a_secret_is_hidden(self):
+        redact = Redactor(["s3cret value"])
+        cases = {
+            "a s3cret value b": "a [redacted] b",
+            "a %733cret%20value b": "a [redacted] b",
+            "a %25733cret%2520value b": "a [redacted] b",  # encoded twice
+            "100% s3cret%20value%": "100% [redacted]%",
+            "a s3cret\nvalue b": "a [redacted] b",  # made one line first
+            "nothing %zz here": "nothing %zz here",
+        }
+        for text, expected in cases.items():
+            self.assertEqual(redact(text), expected, text)
+        self.assertEqual(redact.lines("x\n%733cret value\ny"), "x\n[redacted]\ny")
+        # In a path, a + may be a space, and a credential parameter's value
+        # is hidden whoever's it is.
+        self.assertEqual(redact.path(b"/a/s3cret+value"), "/a/[redacted]")
+        self.assertEqual(redact.path(b"/a%3Fx=1&Access_Token=abc;p=2"),
+                         "/a%3Fx=1&Access_Token=[redacted];p=2")
+        self.assertEqual(redact.path(b"/a%3F%61ccess_token%3Dabc%3Flimit=1"),
+                         "/a%3F%61ccess_token%3D[redacted]")
+
+    def test_long_paths_are_cut_after_redaction(self):
+        secret = "s3cret value"
+        redact = Redactor([secret])
+        thrice = "".join(f"%2525{b:02X}" for b in secret.encode())
+        paths = [("x" * 195 + secret + "y" * 16000).encode(),
+                 ("x" * 195 + thrice + "y" * 16000).encode(),
+                 ("/" + thrice * 500).encode(),
+                 ("/" + secret * 2000).encode(),
+                 ("/a" * 90 + "%3Faccess_token=" + "z" * 16000).encode()]
+        for raw in paths:
+            shown = redact.path(raw)
+            self.assertLessEqual(len(shown), 203)
+            self.assertTrue(shown.endswith("..."), shown)
+            forms = [shown]
+            for _ in range(3):
+                forms.append(unquote(forms[-1]))
+            for form in forms:
+                self.assertNotIn(secret, form)
+                self.assertNotIn(secret[:6], form)  # not even a part at the cut
+                self.assertNotIn("zzz", form)
+        self.assertEqual(redact.path(paths[2]), "/[redacted]...")  # one run, then cut
+
+    def test_a_traceback_spelling_a_secret_is_logged_redacted(self):
+        events = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        try:
+            raise ValueError("bad path /%733cret%20value")
+        except ValueError:
+            Redactor(["s3cret value"]).log_failure("Answering failed", Failure())
+        text = formatEvent(events[-1])
+        self.assertIn("ValueError: bad path /[redacted]", text)
+        self.assertNotIn("%733cret", text)
 
 
 class LogReadersTests(SynchronousTestCase):

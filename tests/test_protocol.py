@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.logger import formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -23,6 +24,7 @@ from replicator.replication.wire.commands import (
     UserSyncCommand,
 )
 from replicator.replication.wire.encoding import encode_rdata_lines
+from tests.support import LogWatch
 
 # Clock start: a realistic epoch with an exact millisecond value.
 T0 = 1490197665.5
@@ -482,6 +484,64 @@ class KeepaliveTests(SynchronousTestCase):
         for _ in range(12):
             clock.advance(5)
             proto.dataReceived(b"R")
+        self.assertEqual(proto.close_reason, "idle_timeout")
+
+    def dribble(self, proto, clock, seconds: int, every: int = 5):
+        """A byte of a line every ``every`` seconds, never its end; the
+        log events meanwhile."""
+        events = LogWatch(self).events
+        for _ in range(seconds // every):
+            clock.advance(every)
+            if proto.close_reason is not None:
+                break
+            proto.dataReceived(b"R")
+        return [formatEvent(e) for e in events]
+
+    def test_a_peer_that_pinged_and_then_dribbles_is_told_why(self):
+        # Bytes keep the ping timeout away; they are not a command.
+        proto, transport, clock, handler = make_server()
+        proto.dataReceived(b"NAME worker1\nPING 1\n")
+        transport.clear()
+        lines = self.dribble(proto, clock, 300)
+        self.assertEqual(proto.close_reason, "idle_timeout")
+        self.assertEqual(clock.seconds(), T0 + 60)
+        self.assertTrue(transport.disconnecting)
+        self.assertTrue(transport.value().endswith(
+            b"ERROR idle timeout: no whole command for 60s, only 11 bytes of an unfinished "
+            b"line\n"), transport.value())
+        closing = [line for line in lines if line.startswith("Closing")]
+        self.assertEqual(closing, [
+            "Closing replication connection worker1 (192.168.1.1:54321) (idle_timeout): no "
+            "whole command for 60.0s; 11 bytes of an unfinished line, the last 5.0s ago (a "
+            "peer dribbling bytes)"])
+        lose(proto)
+        self.assertEqual(handler.events[-1], ("lost_connection", "idle_timeout"))
+
+    def test_an_upstream_that_dribbles_is_told_why(self):
+        proto, transport, clock, handler = make_client()
+        proto.dataReceived(b"SERVER hs.example\nPING 1\n")
+        transport.clear()
+        self.dribble(proto, clock, 300)
+        self.assertEqual(proto.close_reason, "idle_timeout")
+        self.assertEqual(clock.seconds(), T0 + 60)
+        self.assertTrue(transport.value().endswith(
+            b"ERROR idle timeout: no whole command for 60s, only 11 bytes of an unfinished "
+            b"line\n"), transport.value())
+
+    def test_a_pinging_peer_outlives_a_short_idle_timeout(self):
+        # Under the ping timeout a command is due every max(idle_timeout,
+        # ping_timeout) seconds: a peer PINGing every 10 s stays.
+        proto, transport, clock, handler = make_server(idle_timeout=1)
+        proto.dataReceived(b"PING 1\n")
+        for _ in range(30):
+            clock.advance(10)
+            proto.dataReceived(b"PING 1\n")
+        self.assertIsNone(proto.close_reason)
+        clock.advance(5)
+        proto.dataReceived(b"PI")  # bytes: not a command
+        clock.advance(9.9)
+        self.assertIsNone(proto.close_reason)
+        clock.advance(0.1)
         self.assertEqual(proto.close_reason, "idle_timeout")
 
     def test_client_times_out_a_silent_upstream(self):

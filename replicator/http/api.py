@@ -7,7 +7,7 @@ probe (:mod:`.health`); the status page and ``/metrics`` are here.  Every
 JSON answer is one line followed by ``\\n``; errors are ``{"error": "..."}``.
 Any other path is 404, any other method 405 (with ``Allow``; HEAD goes with
 GET), and an unexpected exception a logged 500 with a generic message.  The
-secret is never written into an answer or a log line (:class:`.site.Redactor`).
+secret is never written into an answer or a log line (:class:`.redact.Redactor`).
 """
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -31,7 +31,8 @@ from .answers import JSON_TYPE, HttpError, Response
 from .bookkeeping import BookkeepingRoutes
 from .channel import error_body
 from .probe import DB_TIMEOUT, HealthRoute
-from .site import MAX_BODY_SIZE, AccessLog, Redactor, Site
+from .redact import Redactor
+from .site import MAX_BODY_SIZE, AccessLog, Site
 from .streams import StreamRoutes
 
 log = Logger(namespace="replicator.http")

@@ -5,7 +5,10 @@ answer to every request twisted.web refuses.
   first byte (or of the connection opening), its body within
   ``body_timeout`` seconds of its headers: a client sending a byte every few
   seconds (slowloris) resets twisted.web's idle timeout forever, not these.
-  Past a deadline: ``408`` and close.
+  Past a deadline: ``408`` and close.  twisted.web's idle timeout (no byte
+  for the site's ``timeout``) that strikes a request half received (a
+  deadline longer than it) is a ``408`` too; between requests it closes
+  quietly, as twisted.web does (nothing is owed).
 * Connection slots (:mod:`.slots` decides, the channel tells it when a
   request starts and is answered): a connection with no request being
   answered may be closed to make room for a newcomer (``503``, or quietly
@@ -92,6 +95,7 @@ class Channel(HTTPChannel):
     _why: Optional[Tuple[int, str]] = None
     _tail: Optional[bytes] = b""  # None: this request's headers are complete
     _deadline = None
+    _awaited = "headers"  # what the running deadline waits for
     _closer = None
     _served = False  # answered a request before
     _answered_last = False  # its last answer is out: it closes once flushed
@@ -245,8 +249,19 @@ class Channel(HTTPChannel):
             return 431, f"more than {self.maxHeaders} header lines"
         return 400, "malformed header line"
 
+    def timeoutConnection(self):
+        """twisted.web's idle timeout: no byte for ``timeOut`` seconds."""
+        if self.refused:
+            return
+        if self._deadline is None:
+            super().timeoutConnection()  # idle between requests: closed quietly
+            return
+        self.refuse(408, f"request {self._awaited} not received: nothing sent for "
+                         f"{self.timeOut:g}s")
+
     def _start_deadline(self, what: str, seconds: float) -> None:
         self._cancel_deadline()
+        self._awaited = what
         self._deadline = self.callLater(  # type: ignore[call-arg]  # Twisted: (delay, f, *a)
             seconds, self.refuse, 408, f"request {what} not received within {seconds:g}s")
 

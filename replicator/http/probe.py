@@ -15,7 +15,7 @@ from twisted.python.failure import Failure
 from .. import __version__
 from ..observe.health import Finding
 from .answers import HttpError
-from .site import Redactor
+from .redact import Redactor
 
 log = Logger(namespace="replicator.http")
 

@@ -8,23 +8,24 @@ redaction of what must never be shown.
 * One access line per request: client, method, path (no query), status,
   bytes, duration, and for an error the answer's message (cut to
   :data:`ERROR_TEXT_LIMIT` characters, printable); never a header.
-* The HTTP secret (and the Redis password a replication detail might carry)
-  is replaced by ``[redacted]`` in every answer and log line.
+* The secrets (and the Redis password a replication detail might carry)
+  are replaced by ``[redacted]`` in every answer and log line, in any
+  spelling, and so is the value of a parameter that carries a credential
+  (:mod:`.redact`).
 """
 
 import io
 import time
-from typing import Optional, Sequence, Tuple, cast
+from typing import Optional, Tuple, cast
 
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 from twisted.web import server
 
 from ..logs.printable import printable
 from .channel import Busy, Channel
+from .redact import Redactor
 from .slots import Slots
 
-log = Logger(namespace="replicator.http")
 access_log = Logger(namespace="replicator.http.access")
 
 MAX_BODY_SIZE = 1 << 20
@@ -35,49 +36,6 @@ MAX_BODY_SIZE = 1 << 20
 DRAIN_FACTOR = 4
 #: How much of an error answer's message its access line shows.
 ERROR_TEXT_LIMIT = 120
-
-
-class Redactor:
-    """Removes hidden strings (the secret, the Redis password) from text
-    shown in answers and logs."""
-
-    def __init__(self, hidden: Sequence[Optional[str]]):
-        self._hidden = [s for s in hidden if s]
-
-    def hide(self, hidden: Sequence[Optional[str]]) -> None:
-        """Hide these strings too (a reload's new secrets)."""
-        self._hidden += [s for s in hidden if s and s not in self._hidden]
-
-    def __call__(self, text: str) -> str:
-        """One line, without a hidden string, at most 2000 characters."""
-        text = " ".join(str(text).splitlines())
-        for hidden in self._hidden:
-            text = text.replace(hidden, "[redacted]")
-        return text[:2000]
-
-    def lines(self, text: str) -> str:
-        """``text`` without a hidden string, its lines kept."""
-        for hidden in self._hidden:
-            text = text.replace(hidden, "[redacted]")
-        return text
-
-    def log_failure(self, fmt: str, failure: Failure, **fields) -> None:
-        """``log.failure``, unless the traceback text would show a hidden
-        string: then the redacted traceback is logged as text instead."""
-        text = failure.getTraceback()
-        if any(hidden in text for hidden in self._hidden):
-            log.error(fmt + "\n{traceback}", traceback=self.lines(text), **fields)
-        else:
-            log.failure(fmt, failure, **fields)
-
-    def path(self, raw: bytes) -> str:
-        """A request path fit for a log line."""
-        path = self(raw.decode("ascii", "backslashreplace"))
-        return path if len(path) <= 200 else path[:200] + "..."
-
-    def method(self, raw) -> str:
-        return self(raw.decode("ascii", "backslashreplace"))[:20] \
-            if isinstance(raw, bytes) else "-"
 
 
 class AccessLog:

@@ -2,7 +2,8 @@
 ``GET .../positions`` (every stream's positions), both behind the secret.
 
 A facts body is parsed here (JSON, ``{"rows": [list, ...]}`` and nothing
-else); its rows are checked once, by the stream's row codec
+else; an object anywhere in it that gives a key twice is refused, not read
+as its last value: :func:`replicator.jsontext.decode_json_strict`); its rows are checked once, by the stream's row codec
 (:meth:`replicator.streams.stream.Stream.prepare`), which also refuses a row
 whose RDATA line could never be replicated.  Everything is checked before
 anything is written, in this order: 401 (no or malformed Authorization),
@@ -13,14 +14,15 @@ loaded yet or the database write fails (logged; the answer is generic).
 
 from typing import Any, Dict, Optional
 
-import orjson
 from twisted.internet import threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from ..jsontext import DuplicateKeyError, decode_json_strict
 from ..streams.rows import RowError
 from .answers import HttpError, authorize, excerpt
-from .site import Redactor, too_large
+from .redact import Redactor
+from .site import too_large
 
 log = Logger()
 
@@ -48,8 +50,11 @@ def parse_fact_body(body: bytes) -> list:
     """The rows of a facts request body (not yet checked against the
     stream); raises :class:`HttpError` 400.  Pure and thread-safe."""
     try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
+        doc = decode_json_strict(body)
+    except DuplicateKeyError as e:
+        raise HttpError(400, f"invalid JSON: key {excerpt(e.key)} given twice in an "
+                             "object") from None
+    except ValueError as e:  # orjson.JSONDecodeError among them
         raise HttpError(400, f"invalid JSON: {e}") from None
     if not isinstance(doc, dict):
         raise HttpError(400, 'expected a JSON object {"rows": [[...], ...]}, '

@@ -5,7 +5,8 @@ queue and congestion, keepalive, and closing.
 It splits inbound bytes into lines (``lineReceived`` is the subclass's),
 writes outbound lines in order (queued while the transport is paused, up to
 a bound), PINGs when nothing else was written for ``ping_interval``, closes
-a silent or idle peer, and closes with ``ERROR`` first.
+a silent or idle peer (or one dribbling bytes of a line it never
+finishes), and closes with ``ERROR`` first.
 
 Invariants: a line longer than ``max_line_length`` (not counting one
 trailing ``\\r``) is never dispatched, nor written by :meth:`send_command`;
@@ -13,7 +14,9 @@ outbound order is the order of the ``send_*`` calls; once the connection is
 closing nothing more is written or dispatched; the queue never holds more
 than ``max_queued_lines`` lines or ``max_queued_bytes`` bytes (past that the
 peer is closed for congestion); every byte from the peer counts as a sign
-of life.
+of life against the ping timeout, but only a whole command against the idle
+timeout; every timeout that closes a peer tells it why (``ERROR``) and logs
+one line naming it.
 """
 
 from collections import deque
@@ -34,8 +37,9 @@ PING_INTERVAL = 5.0
 #: Close a peer silent this long (seconds): an upstream server from connect
 #: on (it sends SERVER and PING at once), a client once it has PINGed.
 PING_TIMEOUT = 15.0
-#: Server side: close a client that never PINGs (netcat) once it has sent no
-#: command for this long (seconds).
+#: Close a peer that has sent no whole command for this long (seconds): on
+#: the server side a client that never PINGs (netcat); on either side, with
+#: at least ``ping_timeout``, a peer that dribbles bytes of a line.
 IDLE_TIMEOUT = 60.0
 #: Lines queued while the transport is paused before giving up on the peer.
 MAX_QUEUED_LINES = 10_000
@@ -418,10 +422,24 @@ class LineConnection(Protocol):
         client side from connect, and on the server side once the client
         has PINGed.  Until then a server-side connection must bring a whole
         command every ``idle_timeout`` seconds: netcat-safe, but an idle or
-        byte-dribbling socket does not stay forever."""
+        byte-dribbling socket does not stay forever.  Under the ping
+        timeout a whole command must still come every ``idle_timeout``
+        seconds (at least ``ping_timeout``): a peer that keeps the ping
+        timeout away with a byte now and then but never finishes a line is
+        closed too (a live peer PINGs every few seconds)."""
+        idle = self._last_command + self._command_limit()
         if not self.accepted or self._peer_pinged:
-            return self._last_received + self._ping_timeout, PING_TIMEOUT_REASON
-        return self._last_command + self._idle_timeout, IDLE_TIMEOUT_REASON
+            silent = self._last_received + self._ping_timeout
+            if silent <= idle:
+                return silent, PING_TIMEOUT_REASON
+        return idle, IDLE_TIMEOUT_REASON
+
+    def _command_limit(self) -> float:
+        """Seconds a whole command may take to come: ``idle_timeout``, and
+        under the ping timeout at least that."""
+        if not self.accepted or self._peer_pinged:
+            return max(self._idle_timeout, self._ping_timeout)
+        return self._idle_timeout
 
     def _timeout_due(self) -> None:
         self._timeout_call = None
@@ -434,12 +452,29 @@ class LineConnection(Protocol):
                 silent = now - self._last_received
                 self.close(why, "ping timeout", log_text=f"silent for {silent:.1f}s")
             else:
-                silent = now - self._last_command
-                self.close(why, f"idle timeout: no command for {self._idle_timeout:g}s "
-                                "(send PING now and then to keep a quiet connection open)",
-                           log_text=f"no command for {silent:.1f}s")
+                self._idle_due(now)
         else:
             self._timeout_call = self._clock.callLater(due - now, self._timeout_due)
+
+    def _idle_due(self, now: float) -> None:
+        """Close for no whole command within the idle deadline, saying so to
+        the peer and in one log line; a peer that sent bytes of a line it
+        never finished (it dribbles) is told that, with how many."""
+        limit = self._command_limit()
+        silent = now - self._last_command
+        unfinished = len(self._buffer)
+        if unfinished:
+            self.close(IDLE_TIMEOUT_REASON,
+                       f"idle timeout: no whole command for {limit:g}s, only {unfinished} "
+                       "bytes of an unfinished line",
+                       log_text=f"no whole command for {silent:.1f}s; {unfinished} bytes of "
+                                f"an unfinished line, the last {now - self._last_received:.1f}s "
+                                "ago (a peer dribbling bytes)")
+            return
+        self.close(IDLE_TIMEOUT_REASON,
+                   f"idle timeout: no command for {limit:g}s "
+                   "(send PING now and then to keep a quiet connection open)",
+                   log_text=f"no command for {silent:.1f}s")
 
     # ------------------------------------------------------------ handler calls
 

@@ -6,12 +6,15 @@ quoted and cut), never Python's own error for an odd input (over-long
 integer strings, deep JSON).  JSON of peer input is decoded by the standard
 library, so integers of any size round-trip exactly, and ``NaN``,
 ``Infinity`` and out-of-range floats are refused (the encoder,
-:mod:`replicator.jsontext`, refuses them too).
+:mod:`replicator.jsontext`, refuses them too), and so is an object that
+gives a key twice (:func:`replicator.jsontext.unique_object`).
 """
 
 import json
 import math
 from typing import Any, List
+
+from ...jsontext import unique_object
 
 _EXCERPT = 80
 
@@ -59,7 +62,8 @@ def _parse_float(text: str) -> float:
     return value
 
 
-_decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_parse_float)
+_decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_parse_float,
+                            object_pairs_hook=unique_object)
 
 
 def decode_json(text: str, what: str) -> Any:
