@@ -7,6 +7,7 @@ from ..net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
 from ..net.endpoint_strings import is_loopback
 from .endpoints import get_endpoint
 from .fields import (
+    WIRE_NAME,
     ConfigError,
     as_mapping,
     get_bool,
@@ -19,7 +20,7 @@ from .fields import (
     kind_of,
     no_unknown,
 )
-from .model import REDIS_CHANNELS, RedisConfig, ReplicationConfig
+from .model import REDIS_CHANNELS, RedisConfig, RedisKeys, ReplicationConfig
 
 
 def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
@@ -28,7 +29,7 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
         return None
     section = as_mapping(value, key)
     no_unknown(section, ("endpoint", "password", "dbid", "sentinels", "master_name",
-                         "channels", "cluster"), key)
+                         "channels", "cluster", "keys"), key)
     cluster = _cluster(section, key)
     endpoint = get_endpoint(section, "endpoint", key, "client")
     sentinels = _sentinels(section, key)
@@ -58,7 +59,26 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
         raise ConfigError(f"{key}.channels", "a cluster uses shard channels per stream: "
                           "per_stream (the default with cluster)")
     return RedisConfig(endpoint, get_str(section, "password", key, None), dbid,
-                       sentinels, master_name, channels=channels, cluster=cluster)
+                       sentinels, master_name, channels=channels, cluster=cluster,
+                       keys=_keys(section.get("keys"), f"{key}.keys"))
+
+
+def _keys(value: Any, key: str) -> Optional[RedisKeys]:
+    """``keys``: this instance's Ed25519 private key and the others' public
+    keys (paths; the files are read in validate())."""
+    if value is None:
+        return None
+    section = as_mapping(value, key)
+    no_unknown(section, ("private_key", "public_keys", "accept_unsigned"), key)
+    private_key = get_path(section, "private_key", key)
+    public = as_mapping(section.get("public_keys", {}), f"{key}.public_keys")
+    pairs = []
+    for name in public:
+        if not isinstance(name, str) or not WIRE_NAME.fullmatch(name):
+            raise ConfigError(f"{key}.public_keys", f"{name!r} is not an instance name")
+        pairs.append((name, get_path(public, name, f"{key}.public_keys")))
+    return RedisKeys(private_key, tuple(pairs),
+                     get_bool(section, "accept_unsigned", key, False))
 
 def _sentinels(section: Mapping, key: str) -> Tuple[Tuple[str, int], ...]:
     """``sentinels``: ``host:port`` strings (``[v6]:port``), as pairs."""

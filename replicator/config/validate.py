@@ -27,6 +27,7 @@ def validate(config: InstanceConfig, reactor) -> InstanceConfig:
     if config.synapse is not None and config.synapse.redis:
         _build(reactor, config.synapse.redis, "synapse.redis", "client")
     validate_replication(config.replication, reactor)
+    validate_redis_keys(config)
     http = validate_http(config.http, reactor)
     return config if http is config.http else dataclasses.replace(config, http=http)
 
@@ -47,6 +48,26 @@ def validate_replication(rep: ReplicationConfig, reactor, key: str = "replicatio
         _build(reactor, rep.upstream, f"{key}.upstream", "client")
     if rep.redis is not None and rep.redis.endpoint is not None:
         _build(reactor, rep.redis.endpoint, f"{key}.redis.endpoint", "client")
+
+
+def validate_redis_keys(config: InstanceConfig, key: str = "replication.redis.keys") -> None:
+    """The key files of ``replication.redis.keys`` read (Ed25519, PEM), and
+    a public key for every other writer of a stream on our own channels
+    (without one, every fact of that writer would be refused)."""
+    redis = config.replication.redis
+    if redis is None or redis.keys is None:
+        return
+    from ..replication.transport.redis_signing import load_keys
+
+    _, public = load_keys(redis.keys, key)
+    for stream in config.streams:
+        if config.synapse is not None and stream.preset is not None:
+            continue  # Synapse's stream, on Synapse's channel: never signed
+        for writer in stream.writers:
+            if writer != config.instance_name and writer not in public:
+                raise ConfigError(f"{key}.public_keys",
+                                  f"no key for {writer}, a writer of {stream.name}: every "
+                                  f"line it publishes would be refused")
 
 
 def validate_http(http: HttpConfig, reactor, key: str = "http") -> HttpConfig:
