@@ -43,7 +43,9 @@ EVERY_SECTION = {
                  "columns": [{"key": "text"}, {"ts": "bigint"}],
                  "timestamp_column": "ts", "retention": {"max_age": "7d"}}],
     "replication": {"listen": "tcp:9092:interface=127.0.0.1",
-                    "redis": {"endpoint": "tcp:host=127.0.0.1:port=6379"}},
+                    "redis": {"endpoint": "tcp:host=127.0.0.1:port=6379",
+                              "keys": {"private_key": "master.key",
+                                       "public_keys": {"worker1": "worker1.pub"}}}},
     "http": {"listen": "tcp:9093:interface=127.0.0.1", "secret": "s" * 16,
              "readers": [{"name": "dashboard", "secret_file": "dashboard.secret",
                           "streams": ["*"]}]},
@@ -235,7 +237,7 @@ class ConfigurationDocTests(TestCase):
             if section == "streams[].retention":
                 stream = dataclasses.replace(running.streams[0], retention=new)
                 return dataclasses.replace(running, streams=(stream,) + running.streams[1:])
-            if section == "replication.redis":
+            if section in ("replication.redis", "replication.redis.keys"):
                 return dataclasses.replace(running, replication=dataclasses.replace(
                     running.replication, redis=new))
             attr = sections[section]
