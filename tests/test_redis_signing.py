@@ -149,9 +149,20 @@ class SigningTests(TestCase):
             self.worker1, ["POSITION caches master 5 7"])[0]))
 
 
+class _Registry(dict):
+    """Streams by name, iterated as streams (as a StreamRegistry)."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def get(self, name):
+        return self[name]
+
+
 class _Handler:
     def __init__(self, streams):
-        self.registry = [types.SimpleNamespace(name=n) for n in streams]
+        self.registry = _Registry({n: types.SimpleNamespace(
+            name=n, config=types.SimpleNamespace(writers=("master",))) for n in streams})
         self.received = []
 
     def __getattr__(self, name):
@@ -199,9 +210,17 @@ class LinkTests(TestCase):
                                 b"POSITION caches master 2 4")
         reader.message_received(reader.subscriber, b"hs.test",
                                 b"POSITION events master 9 9")
+        # A signed line of a stream not read here is dropped unverified.
+        dropped = metrics.COMMANDS_DROPPED.labels("POSITION", "unknown_stream")._value.get()
+        other = Signer(load_keys(keys_for(self.paths, "master"), "k")[0], "master").sign(
+            [b"POSITION others master 1 2"], [b"hs.test/replicator"])[0]
+        reader.message_received(reader.subscriber, b"hs.test/replicator", other)
         self.assertEqual(handler.received, ["POSITION caches master 1 1",
                                             'RDATA caches master 2 ["a",null,1]',
                                             "POSITION events master 9 9"])
+        self.assertEqual(
+            metrics.COMMANDS_DROPPED.labels("POSITION", "unknown_stream")._value.get(),
+            dropped + 1)
 
 
 class _Never:

@@ -303,7 +303,8 @@ class RedisReplication(MultiService):
             for stream in handler.registry for name in ("RDATA", "POSITION"))
         #: With ``keys``: our lines signed, those heard on our channels
         #: checked (:mod:`.redis_signing`); None: every publisher believed.
-        self.signer, self.verifier = signing(config.keys, instance_name, self.clock)
+        self.signer, self.verifier = signing(config.keys, instance_name, self.clock,
+                                               handler.registry)
 
         self.sub_backoff = Backoff(initial_delay, max_delay, name="redis-subscriber")
         self.pub_backoff = Backoff(initial_delay, max_delay, name="redis-publisher")

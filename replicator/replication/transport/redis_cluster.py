@@ -209,7 +209,8 @@ class RedisClusterBus(MultiService):
             f"{name} {stream.name} {instance_name} "
             for stream in handler.registry for name in ("RDATA", "POSITION"))
         #: With ``keys``: lines signed and checked (:mod:`.redis_signing`).
-        self.signer, self.verifier = signing(config.keys, instance_name, self.clock)
+        self.signer, self.verifier = signing(config.keys, instance_name, self.clock,
+                                               handler.registry)
         self._pinger = task.LoopingCall(self._ping)
         self._pinger.clock = self.clock
         #: Generations started and ended, for tests and the status of a move.

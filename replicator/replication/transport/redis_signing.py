@@ -48,7 +48,7 @@ Refused lines are never handed on: counted in
 
 import base64
 import binascii
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from twisted.logger import Logger
 
@@ -216,7 +216,13 @@ class Verifier:
     arrive in the order published: one channel per stream and writer)."""
 
     def __init__(self, public_keys: Mapping[str, Any], instance_name: str,
-                 accept_unsigned: bool, clock: Any) -> None:
+                 accept_unsigned: bool, clock: Any,
+                 reads: Optional[Callable[[str, str], bool]] = None) -> None:
+        #: ``reads(stream, writer)``: whether RDATA/POSITION of that writer
+        #: matter here; those that do not are dropped unverified (the
+        #: handler would drop them), so that an instance reading one stream
+        #: of many on one channel verifies that one's lines only.
+        self._reads = reads
         self._keys = {name.encode("utf-8"): key for name, key in public_keys.items()
                       if name != instance_name}
         self._own = instance_name.encode("utf-8")
@@ -261,9 +267,14 @@ class Verifier:
         except (binascii.Error, ValueError):
             return self._refuse(MALFORMED, channel, raw)
         fields = line.split(b" ", 4)
-        named = NAMED.get(fields[0].decode("ascii", "replace"))
+        command = fields[0].decode("ascii", "replace")
+        named = NAMED.get(command)
         if named is not None and (len(fields) <= named or fields[named] != signer):
             return self._refuse(WRONG_SIGNER, channel, raw)
+        if named == 2 and self._reads is not None and not self._reads(
+                fields[1].decode("utf-8", "replace"), fields[2].decode("utf-8", "replace")):
+            metrics.COMMANDS_DROPPED.labels(command, "unknown_stream").inc()
+            return None
         try:
             key.verify(sig, _signed_bytes(channel, signer, meta, line))
         except Exception:  # cryptography's InvalidSignature; a bad length alike
@@ -334,15 +345,22 @@ class Verifier:
 
 
 
-def signing(keys: Optional[RedisKeys], instance_name: str, clock: Any
+def signing(keys: Optional[RedisKeys], instance_name: str, clock: Any, registry: Any
             ) -> Tuple[Optional[Signer], Optional[Verifier]]:
     """The signer and verifier of a Redis bus under ``keys`` (both None
-    without keys: lines go bare and every publisher is believed)."""
+    without keys: lines go bare and every publisher is believed); the
+    verifier checks the lines of writers of ``registry``'s streams only."""
     if keys is None:
         return None, None
     private, public = load_keys(keys, "replication.redis.keys")
+
+    def reads(stream: str, writer: str) -> bool:
+        if stream not in registry:
+            return False
+        return writer in registry.get(stream).config.writers
+
     return (Signer(private, instance_name),
-            Verifier(public, instance_name, keys.accept_unsigned, clock))
+            Verifier(public, instance_name, keys.accept_unsigned, clock, reads))
 
 
 def take(verifier: Verifier, channel: Any, message: Any,
