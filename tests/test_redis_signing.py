@@ -149,6 +149,55 @@ class SigningTests(TestCase):
             self.worker1, ["POSITION caches master 5 7"])[0]))
 
 
+class ReplayTests(TestCase):
+    """Lines once signed, replayed to a reader that restarted behind: they
+    move it past nothing.  A real :class:`Reader` reading a table in
+    memory, the lines as the verifier hands them on."""
+
+    def test_replayed_lines_skip_no_fact(self):
+        from twisted.internet import defer
+
+        from replicator.replication.core.reader import Reader
+        from replicator.replication.wire.commands import parse_line
+        from tests.test_reader import updates_since
+
+        paths = write_keys(tempfile.mkdtemp(), "master", "reader")
+        private, public = load_keys(keys_for(paths, "master"), "k")
+        signer = Signer(private, "master")
+        table = {t: [[f"f{t}", None, t]] for t in range(1, 7)}
+
+        def block(*lines):
+            payloads = [line.encode() for line in lines]
+            return signer.sign(payloads, [b"hs.test"] * len(payloads))
+
+        # As published, live: a REPLICATE answer at 2, then facts 3 to 6.
+        answer = block("POSITION caches master 2 2")
+        facts = [block('RDATA caches master 3 ["f3",null,3]', 'RDATA caches master 4 ["f4",null,4]'),
+                 block('RDATA caches master 5 ["f5",null,5]'),
+                 block('RDATA caches master batch ["f6",null,6]',
+                       'RDATA caches master 6 ["f6b",null,6]')]
+        delivered = []
+        reader = Reader("caches", "master", 1,
+                        source=lambda w, a, b, n: defer.succeed(updates_since(table, a, b, n)),
+                        deliver=lambda token, rows: delivered.append(token), clock=task.Clock())
+        verifier = Verifier(public, "reader", False, task.Clock())
+        conn = object()
+        # The reader restarted at 1 (it had fact 1); a replay of the old
+        # answer, then of fact 6 alone, then of fact 3's block.
+        for message in answer + facts[2] + facts[0]:
+            verified = verifier.check(b"hs.test", message)
+            for line in (verified.before, verified.line):
+                if line is None:
+                    continue
+                cmd = parse_line(line)
+                if cmd.NAME == "POSITION":
+                    reader.position_line(conn, cmd.prev_token, cmd.new_token)
+                else:
+                    reader.rdata(conn, cmd.token, cmd.row)
+        self.assertEqual(delivered, [2, 3, 4, 5, 6])
+        self.assertEqual(reader.position, 6)
+
+
 class _Registry(dict):
     """Streams by name, iterated as streams (as a StreamRegistry)."""
 
