@@ -59,6 +59,13 @@ tells it apart, and once it was seen we publish nothing more there
 registration asks first (REPLICATE) and holds our own lines for
 ``synapse_probe`` seconds, and every REPLICATE is answered that late.
 
+With ``replication.redis.keys`` what we publish on our own channels is
+signed and what we hear there is checked before it is parsed
+(:mod:`.redis_signing`: :func:`routed` signs, :meth:`RedisReplication.message_received`
+verifies); Synapse's channel is neither.  A line that does not verify is
+refused, never acted on; an unsigned one is still shown to the Synapse
+watch.
+
 (A little under 500 lines, for one job: the two Redis links, their
 readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)

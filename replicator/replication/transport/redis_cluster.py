@@ -31,6 +31,9 @@ slot; one channel is one slot).  A write of several streams' lines (the
 positions announced at connect) is one block per stream: readers rely on
 order and wholeness per stream only.
 
+With ``replication.redis.keys`` the lines are signed and checked as on
+plain pub/sub (:mod:`.redis_signing`).
+
 Not supported here: a ``synapse:`` section (Synapse speaks plain pub/sub
 on one channel), TLS to the nodes (the nodes' addresses come from ``CLUSTER
 SLOTS`` as plain TCP).
