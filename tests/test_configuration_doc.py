@@ -43,9 +43,7 @@ EVERY_SECTION = {
                  "columns": [{"key": "text"}, {"ts": "bigint"}],
                  "timestamp_column": "ts", "retention": {"max_age": "7d"}}],
     "replication": {"listen": "tcp:9092:interface=127.0.0.1",
-                    "redis": {"endpoint": "tcp:host=127.0.0.1:port=6379",
-                              "keys": {"private_key": "master.key",
-                                       "public_keys": {"worker1": "worker1.pub"}}}},
+                    "redis": {"endpoint": "tcp:host=127.0.0.1:port=6379"}},
     "http": {"listen": "tcp:9093:interface=127.0.0.1", "secret": "s" * 16,
              "readers": [{"name": "dashboard", "secret_file": "dashboard.secret",
                           "streams": ["*"]}]},
@@ -54,7 +52,11 @@ EVERY_SECTION = {
     "synapse": {"server_name": "matrix.example.com"},
 }
 SQLITE = dict(EVERY_SECTION, database={"sqlite": "state.sqlite"},
-              streams=[dict(EVERY_SECTION["streams"][0], writers=["master"])])
+              streams=[dict(EVERY_SECTION["streams"][0], writers=["master"])],
+              # keys are not for a TCP master: a Redis peer alone.
+              replication={"redis": {"endpoint": "tcp:host=127.0.0.1:port=6379",
+                                     "keys": {"private_key": "master.key",
+                                              "public_keys": {"worker1": "worker1.pub"}}}})
 
 
 class _Reached(Exception):

@@ -335,6 +335,22 @@ class ConfigTests(TestCase):
         self.assertEqual(self.problem({"private_key": self.paths["master"][0], "x": 1})[0],
                          "replication.redis.keys.x")
 
+    def test_not_beside_a_tcp_listener(self):
+        """A TCP master also on Redis passes its workers' lines on there,
+        signed by itself: Redis peers would refuse them all."""
+        from replicator.config.instance import parse_instance
+
+        with self.assertRaises(ConfigError) as e:
+            parse_instance({
+                "server_name": "hs.test", "instance_name": "master",
+                "database": {"postgres": "dbname=x"},
+                "replication": {"listen": "tcp:9092:interface=127.0.0.1", "redis": {
+                    "endpoint": "tcp:host=127.0.0.1:port=6379",
+                    "keys": {"private_key": self.paths["master"][0]}}},
+                "streams": [{"name": "caches", "table": "cache_stream",
+                             "columns": [{"k": "text"}], "writers": ["master"]}]})
+        self.assertEqual(e.exception.key, "replication.redis.keys")
+
     def test_a_key_that_is_not_ed25519_is_refused(self):
         from cryptography.hazmat.primitives.asymmetric import ec
 

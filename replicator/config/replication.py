@@ -208,11 +208,16 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         raise ConfigError(f"{key}.reconnect_max_delay",
                           f"must be at least reconnect_initial_delay ({initial_delay:g}s)")
     max_connections = get_int(section, "max_connections", key, 256, minimum=1, maximum=65_536)
+    redis = parse_redis(section.get("redis"), f"{key}.redis")
+    if redis is not None and redis.keys is not None and listen is not None:
+        raise ConfigError(f"{key}.redis.keys",
+                          "not with listen: the TCP workers' lines this master passes on to "
+                          "Redis would carry its signature, not theirs, and be refused")
     return ReplicationConfig(
         listen=listen,
         client_ca=client_ca,
         upstream=get_endpoint(section, "upstream", key, "client"),
-        redis=parse_redis(section.get("redis"), f"{key}.redis"),
+        redis=redis,
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
         max_queued_lines=get_int(section, "max_queued_lines", key, 10_000, minimum=1,
