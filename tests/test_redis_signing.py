@@ -431,3 +431,48 @@ class ForgedPositionTests(TestCase):
         table = table_facts(self.dsn, TABLES)[("caches", "w1")]
         self.assertEqual([t for t, _ in table], got)
         self.assertTrue(reader.link.connected)
+
+    async def test_a_forged_fact_reaches_no_consumer(self):
+        """An RDATA of w1 with an ID the sequence gave out (no row behind
+        it), and a ``batch`` row of w1 before w1's next fact: without keys
+        the reader handed the forged fact on and joined the row to w1's
+        next fact (a POSITION is checked against the table, an RDATA is
+        not); with keys both are refused."""
+        import psycopg2
+
+        from replicator.consumers import MemoryConsumer
+        from tests.support import table_facts, until
+        from tests.test_replication_redis import TABLES, Node, publish_raw
+
+        paths = self.paths
+
+        class SignedNode(Node):
+            def redis_config(self):
+                return RedisConfig(self.endpoint, self.redis.password,
+                                   keys=keys_for(paths, self.name))
+
+        w1 = await SignedNode(self, self.dsn, "w1", self.redis).start()
+        consumer = MemoryConsumer(positions={("caches", "w1"): 0})
+        reader = await SignedNode(self, self.dsn, "r", self.redis, consumer).start()
+        await until(lambda: w1.link.connected and reader.link.connected)
+        first = await w1.registry.get("caches").write_fact([["first", None, 1]])
+        position = lambda: reader.handler.reader_positions()[("caches", "w1")]  # noqa: E731
+        await until(lambda: position() == first)
+        db = psycopg2.connect(self.dsn)
+        with db, db.cursor() as cur:
+            cur.execute("SELECT nextval('cache_stream_seq')")
+            reserved = cur.fetchone()[0]
+        db.close()
+        refusals = refused("unsigned")
+        for line in (f'RDATA caches w1 {reserved} ["forged",null,1]',
+                     'RDATA caches w1 batch ["half",null,1]'):
+            publish_raw(self.redis.port, "hs.test", line, self.redis.password)
+        # Both instances here hear (and refuse) both lines.
+        await until(lambda: refused("unsigned") >= refusals + 4 or position() >= reserved)
+        last = await w1.registry.get("caches").write_fact([["second", None, 2]])
+        await until(lambda: position() >= last)
+        table = table_facts(self.dsn, TABLES)[("caches", "w1")]
+        self.assertEqual([(t, rows) for _, _, t, rows in consumer.facts],
+                         [(t, [list(r) for r in rows]) for t, rows in table])
+        self.assertEqual([t for t, _ in table], [first, last])
+
