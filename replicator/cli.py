@@ -344,8 +344,11 @@ def cmd_check(args) -> None:
     """Exit 0 with one "config ok" line, or 2 with one line naming the key
     of the first problem: every check a start makes, nothing changed."""
     config = _load(args.config)
-    from .daemon.checking import check_instance
+    from .daemon.checking import check_instance, unbound_writers
     from .daemon.startup import StartupError
+
+    for line in unbound_writers(config):
+        print(f"replicator: warning: {line}", file=sys.stderr, flush=True)
 
     async def main(reactor):
         try:

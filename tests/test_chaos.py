@@ -197,6 +197,43 @@ class SliceTests(SynchronousTestCase):
         shutil.rmtree(result["dir"], ignore_errors=True)
 
 
+class AuditTripTests(SynchronousTestCase):
+    """The faults the delivery audit and the checked POSITIONs exist for,
+    planted in real runs: each must trip them within its bound (and
+    ``make chaos`` without a plant counts any trip as a violation)."""
+
+    def tripped(self, plant, transport, seed, duration):
+        from tests.chaos.run import TRIP_BOUND
+
+        result, out = run("none", transport, seed, duration, plant=plant,
+                          quiescence_timeout=15.0, health_timeout=2.0)
+        import shutil
+
+        shutil.rmtree(result.get("dir", ""), ignore_errors=True)
+        self.assertIsNotNone(result["trip_s"], out)
+        self.assertLessEqual(result["trip_s"], TRIP_BOUND[plant], out)
+        return result, out
+
+    def test_a_skip_planted_in_the_reader_is_found_by_the_audit(self):
+        result, out = self.tripped("skip-fact", "tcp", 105, 6.0)
+        self.assertGreater(sum(c["mismatch"] for c in result["audit"].values()), 0, out)
+
+    def test_forged_positions_on_redis_lose_no_committed_fact(self):
+        result, out = self.tripped("forge-position", "redis", 106, 6.0)
+        self.assertGreater(result["planted"], 0, out)
+        # Every POSITION over committed facts was caught up from the table;
+        # a forged one over a fact still in flight stopped the stream
+        # (audit mismatch) rather than skip it: never a silent loss.
+        v = result["violations"]
+        if not sum(c["mismatch"] for c in result["audit"].values()):
+            self.assertEqual(v["lost"], 0, out)
+
+    def test_a_late_plain_sql_commit_below_the_readers_is_found(self):
+        result, out = self.tripped("late-sql", "tcp", 107, 16.0)
+        self.assertGreater(result["planted"], 0, out)
+        self.assertGreater(sum(c["mismatch"] for c in result["audit"].values()), 0, out)
+
+
 class ProxyTests(SynchronousTestCase):
     """The proxy's faults, on real loopback sockets (an echo server behind it)."""
 

@@ -77,6 +77,29 @@ class CheckTests(SynchronousTestCase):
             self.check(self.write(self.config({"postgres": dsn}, streams=[reader]))),
             "config: streams[0].table: table 'events_stream' does not exist")
 
+    def test_unbound_remote_writers_are_warned_about(self):
+        server = PostgresServer.shared()
+        dsn = server.dsn(server.create_database("check"))
+        listen = {"listen": f"tcp:{free_port()}:interface=127.0.0.1"}
+        streams = [dict(CACHES, writers=["master", "worker1", "worker2"])]
+        path = self.write(self.config({"postgres": dsn}, streams=streams, replication=listen))
+        result = self.check(path)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(result.stderr.splitlines(), [
+            f"replicator: warning: replication.writer_secrets: remote writer {w!r} (of caches) "
+            f"proves nothing: any connection saying NAME {w} is taken for it (give it a "
+            "secret, or set client_ca)" for w in ("worker1", "worker2")])
+        self.assertIn("config ok", result.stdout)
+        secret = os.path.join(os.path.dirname(path), "worker1.secret")
+        with open(secret, "w") as f:
+            f.write("worker1-secret-0123456789\n")
+        result = self.check(self.write(self.config(
+            {"postgres": dsn}, streams=streams,
+            replication=dict(listen, writer_secrets={"worker1": secret}))))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual([line.split("'")[1] for line in result.stderr.splitlines()],
+                         ["worker2"])
+
     def test_unreachable_database(self):
         port = free_port()
         result = self.check(self.write(self.config({

@@ -13,6 +13,8 @@ from replicator.replication.wire.commands import (
     CLIENT_WRITER_COMMANDS,
     COMMANDS_BY_NAME,
     SERVER_COMMANDS,
+    AuthChallengeCommand,
+    AuthCommand,
     CancelTaskCommand,
     ClearUserSyncCommand,
     ErrorCommand,
@@ -81,6 +83,8 @@ STRATEGIES = {
     "LOCK_RELEASED": st.builds(LockReleasedCommand, any_text, any_text, any_text),
     "NEW_ACTIVE_TASK": st.builds(NewActiveTaskCommand, nonempty_text),
     "CANCEL_TASK": st.builds(CancelTaskCommand, nonempty_text),
+    "AUTH_CHALLENGE": st.builds(AuthChallengeCommand, nonempty_text),
+    "AUTH": st.builds(AuthCommand, nonempty_text),
 }
 commands = st.one_of(*STRATEGIES.values())
 
@@ -88,7 +92,7 @@ commands = st.one_of(*STRATEGIES.values())
 class RoundTripTests(SynchronousTestCase):
     def test_strategies_cover_every_command(self):
         self.assertEqual(set(STRATEGIES), set(COMMANDS_BY_NAME))
-        self.assertEqual(len(ALL_COMMANDS), 15)
+        self.assertEqual(len(ALL_COMMANDS), 17)
 
     @settings(max_examples=500)
     @given(commands)
@@ -141,6 +145,8 @@ class ExactBytesTests(SynchronousTestCase):
         'LOCK_RELEASED ["master","purge_lock","!room:hs"]',
         "NEW_ACTIVE_TASK task-1",
         "CANCEL_TASK task-1",
+        "AUTH_CHALLENGE 0123456789abcdef0123456789abcdef",
+        "AUTH " + "ab" * 32,
     ]
 
     def test_canonical_lines_reproduce(self):

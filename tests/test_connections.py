@@ -218,11 +218,13 @@ class FdBudgetTests(TestCase):
     def test_caps_over_the_limit_name_the_keys(self):
         from replicator.daemon.startup import fd_budget_problem
 
-        # The default caps (256 + 64 + 256) and the rest (64 + 1) under a 128-fd limit.
+        # The default caps (256 + 64 + 256 + 4 + 16) and the rest (64 + 1) under a
+        # 128-fd limit.
         problem = fd_budget_problem(self.config(), 128)
         self.assertEqual(problem, "replication.max_connections + replication.max_unidentified + "
-                                  "http.max_connections and 65 "
-                                  "descriptors for the rest need 641 file descriptors, over the "
+                                  "http.max_connections + http.reserved_for_health + "
+                                  "http.reserved_for_writers and 65 "
+                                  "descriptors for the rest need 661 file descriptors, over the "
                                   "process limit of 128 (ulimit -n, LimitNOFILE=): lower the "
                                   "caps or raise the limit")
         self.assertIsNone(fd_budget_problem(self.config(max_connections=32), 1024))

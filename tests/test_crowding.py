@@ -120,6 +120,9 @@ class _Api:
         self.open_connections = 0
         self.max_connections = limits.get("max_connections", 256)
         self.max_connections_per_address = limits.get("max_connections_per_address", 64)
+        self.reserved_for_health = limits.get("reserved_for_health", 0)
+        self.reserved_for_writers = limits.get("reserved_for_writers", 0)
+        self.write_secret = limits.get("write_secret")
         self.refusals = []
 
     def log_refusal(self, transport, code, length, message, method, path):

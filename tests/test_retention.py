@@ -193,7 +193,8 @@ class TrimRuleTests(SynchronousTestCase):
         txn.execute(schema.RETENTION_DDL)
         for stream_id, writer, times in facts:
             for t in times:
-                txn.execute("INSERT INTO events_stream VALUES (?, ?, 'x', ?)",
+                txn.execute("INSERT INTO events_stream (stream_id, instance_name, what, ts) "
+                            "VALUES (?, ?, 'x', ?)",
                             (stream_id, writer, t))
         for writer, position in positions.items():
             txn.execute("INSERT INTO stream_positions VALUES ('events', ?, ?)",

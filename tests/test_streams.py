@@ -94,6 +94,20 @@ class StreamSuite:
     def setUp(self):
         self.db_config = self.database_config()
 
+    async def test_tallies_and_probes_say_what_the_table_holds(self):
+        """What a reader's checked POSITION and the delivery audit ask the
+        table (one statement each; the modulo once read as a placeholder)."""
+        from replicator.streams.tally import tally_of
+
+        caches = (await self.registry()).get("caches")
+        ids = await caches.write_facts([[["a", None, 1], ["b", None, 2]], [["c", None, 3]]])
+        self.assertEqual(await caches.tally("master", 0, ids[-1]),
+                         (tally_of([(ids[0], 2), (ids[1], 1)]), 0))
+        self.assertEqual(await caches.first_fact_in("master", ids[0], ids[-1]), ids[1])
+        self.assertIsNone(await caches.first_fact_in("master", ids[-1], ids[-1] + 5))
+        self.assertEqual(await caches.fact_sizes("master", 0, ids[-1] + 5),
+                         [(ids[0], 2), (ids[1], 1)])
+
     async def test_write_and_read(self):
         reg = await self.registry()
         caches = reg.get("caches")

@@ -76,6 +76,7 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     section = as_mapping(value if value is not None else {}, key)
     no_unknown(section, ("listen", "secret", "secret_file", "metrics_listen", "header_timeout",
                           "body_timeout", "max_connections", "max_connections_per_address",
+                          "reserved_for_health", "reserved_for_writers",
                           "readers", "max_waiting_reads", "max_waiting_reads_per_address",
                           "heartbeat_interval", "max_page_bytes"),
                key)
@@ -111,6 +112,10 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
         max_connections_per_address=get_int(section, "max_connections_per_address", key,
                                             min(64, max_connections),
                                             minimum=1, maximum=max_connections),
+        reserved_for_health=get_int(section, "reserved_for_health", key, 4,
+                                    minimum=0, maximum=1000),
+        reserved_for_writers=get_int(section, "reserved_for_writers", key, 16,
+                                     minimum=0, maximum=1000),
         readers=parse_readers(section.get("readers"), f"{key}.readers"),
         max_waiting_reads=max_waiting,
         max_waiting_reads_per_address=get_int(section, "max_waiting_reads_per_address", key,
@@ -228,6 +233,18 @@ def _check_reader_streams(http: HttpConfig, stream_names) -> None:
                 raise ConfigError(f"http.readers[{i}].streams[{j}]", f"unknown stream {name!r}")
 
 
+def _check_writer_secrets(replication, streams, instance_name: str) -> None:
+    """Each name in ``replication.writer_secrets`` writes a stream here and
+    is not this instance (whose own writes need no proof)."""
+    remote = {w for s in streams for w in s.writers} - {instance_name}
+    for secret in replication.writer_secrets:
+        if secret.name not in remote:
+            why = ("is this instance" if secret.name == instance_name
+                   else "is not a writer of any stream")
+            raise ConfigError(f"replication.writer_secrets.{secret.name}",
+                              f"{secret.name!r} {why}: only remote writers prove their NAME")
+
+
 def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     """A whole instance config from its parsed YAML document."""
     # Relative paths (SQLite file, secret file, consumer files) are relative
@@ -274,6 +291,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
                 raise ConfigError(f"streams[{i}].writers",
                                   f"{others[0]!r} cannot write an embedded SQLite database of "
                                   f"{instance_name!r}: use PostgreSQL for several writers")
+    _check_writer_secrets(replication, streams, instance_name)
     if replication.upstream and replication.listen:
         raise ConfigError("replication.upstream", "an instance either listens (master) or "
                                                   "connects upstream (worker), not both")

@@ -12,6 +12,10 @@ POSITIONS_TABLE = "stream_positions"
 SCHEMA_TABLE = "replicator_schema"
 #: The table the trim boundaries of retention are kept in.
 RETENTION_TABLE = "stream_retention"
+#: The column of a table the replicator owns (:attr:`StreamConfig.owns_table`)
+#: holding each row's place in its fact (0, 1, ...), in the order the writer
+#: gave the rows: what every read of the table orders a fact's rows by.
+ROW_INDEX_COLUMN = "row_index"
 COLUMN_TYPES = ("text", "bigint", "boolean", "json")
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 #: ``log_format``: see :mod:`replicator.logs.formats`.
@@ -79,6 +83,14 @@ class StreamConfig:
     def column_names(self) -> List[str]:
         return [c.name for c in self.columns]
 
+    @property
+    def owns_table(self) -> bool:
+        """Whether the table is the replicator's: made by its writers
+        (``create``, no preset), with :data:`ROW_INDEX_COLUMN`.  A table
+        with ``create: false`` or a preset's (Synapse's) is someone else's:
+        the replicator adds no column to it."""
+        return self.create and self.preset is None
+
 
 @dataclass(frozen=True)
 class DatabaseConfig:
@@ -140,6 +152,17 @@ class RedisConfig:
 
 
 @dataclass(frozen=True)
+class WriterSecret:
+    """A remote writer that must prove its NAME to this listener
+    (``replication.writer_secrets``); ``secret`` is None until validate()
+    has read ``secret_file``."""
+
+    name: str
+    secret_file: str
+    secret: Optional[str] = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
 class ReplicationConfig:
     """How this instance joins replication.
 
@@ -167,6 +190,10 @@ class ReplicationConfig:
     fanout_interval: float = 0.003
     max_batch_rows: int = 10_000  # rows of one fact received as a batch
     max_batch_bytes: int = 16 << 20  # bytes of a writer's partial batches (4x once decoded)
+    # The delivery audit (docs/streams.md), and the seconds from a delivered
+    # range's seal to its second, last check.
+    audit: bool = True
+    audit_recheck: float = 60.0
     # Who may connect (README, "Security model"); None: anyone.
     allowed_peers: Optional[Tuple[str, ...]] = None
     allowed_networks: Optional[Tuple[str, ...]] = None
@@ -178,6 +205,12 @@ class ReplicationConfig:
     max_user_ips: int = 20_000
     max_federation_acks: int = 1_000
     bookkeeping_max_age: float = 86_400.0
+    # Proof of a writer's NAME (docs/protocol.md): on a listener, the remote
+    # writers that must prove theirs; on a worker, its own secret's file
+    # (``secret`` is None until validate() has read it).
+    writer_secrets: Tuple[WriterSecret, ...] = ()
+    secret_file: Optional[str] = None
+    secret: Optional[str] = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -211,6 +244,10 @@ class HttpConfig:
     body_timeout: float = 30.0
     max_connections: int = 256
     max_connections_per_address: int = 64
+    # Beyond max_connections, from any address: connections for /health
+    # (one request each) and for requests with the secret (replicator.http.slots).
+    reserved_for_health: int = 4
+    reserved_for_writers: int = 16
     # The read API (docs/read-api.md): credentials, and how many long-polls
     # and event streams may be open at once (all, and from one address).
     readers: Tuple[ReaderConfig, ...] = ()

@@ -1,6 +1,7 @@
 """The ``replication`` section: listeners, upstream, Redis, limits, who may
 connect."""
 
+import os
 from typing import Any, Mapping, Optional, Tuple
 
 from ..net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
@@ -20,7 +21,7 @@ from .fields import (
     kind_of,
     no_unknown,
 )
-from .model import REDIS_CHANNELS, RedisConfig, RedisKeys, ReplicationConfig
+from .model import REDIS_CHANNELS, RedisConfig, RedisKeys, ReplicationConfig, WriterSecret
 
 
 def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
@@ -146,6 +147,34 @@ def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
     return tuple(networks)
 
 
+def _file(path: str) -> str:
+    """A relative path as the daemon reads it (from its working directory)."""
+    return path if os.path.isabs(path) else os.path.join(".", path)
+
+
+def _writer_secrets(section: Mapping, key: str, listen: Optional[str]
+                    ) -> Tuple[WriterSecret, ...]:
+    """``writer_secrets``: ``{writer: secret file}``, the remote writers that
+    prove their NAME to this listener (the files are read by validate();
+    parse_instance checks that each is a remote writer)."""
+    value = section.get("writer_secrets")
+    if value is None:
+        return ()
+    where = f"{key}.writer_secrets"
+    mapping = as_mapping(value, where)
+    if not mapping:
+        raise ConfigError(where, "an empty mapping names no writer (leave it out)")
+    if listen is None:
+        raise ConfigError(where, "needs replication.listen: the instance writers connect to "
+                                 "checks their proofs")
+    out = []
+    for name in mapping:
+        if not isinstance(name, str) or not WIRE_NAME.fullmatch(name):
+            raise ConfigError(where, f"{name!r} is not an instance name (a name without spaces)")
+        out.append(WriterSecret(name, _file(get_path(mapping, name, where))))
+    return tuple(out)
+
+
 def _protected(listen: Optional[str], client_ca: Optional[str],
                allowed_networks: Optional[Tuple[str, ...]], opted_in: bool, key: str) -> None:
     """Refuse a listener beyond loopback that anyone could use (Redis's
@@ -172,7 +201,8 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                           "max_connections", "max_connections_per_address",
                           "max_unidentified", "identify_timeout", "reconnect_initial_delay",
                           "reconnect_max_delay", "max_batch_rows", "max_batch_bytes",
-                          "insecure_public_listener"), key)
+                          "insecure_public_listener", "audit", "audit_recheck",
+                          "writer_secrets", "secret_file"), key)
     ping_interval = get_number(section, "ping_interval", key, 5.0, minimum=0.1, maximum=300)
     ping_timeout = get_number(section, "ping_timeout", key, 15.0, minimum=1, maximum=3600)
     if ping_timeout <= ping_interval:
@@ -208,15 +238,22 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         raise ConfigError(f"{key}.reconnect_max_delay",
                           f"must be at least reconnect_initial_delay ({initial_delay:g}s)")
     max_connections = get_int(section, "max_connections", key, 256, minimum=1, maximum=65_536)
+    secret_file = get_path(section, "secret_file", key, None)
+    upstream = get_endpoint(section, "upstream", key, "client")
+    if secret_file is not None and upstream is None:
+        raise ConfigError(f"{key}.secret_file", "needs replication.upstream: a worker proves "
+                                                "its NAME to the instance it connects to")
     redis = parse_redis(section.get("redis"), f"{key}.redis")
     if redis is not None and redis.keys is not None and listen is not None:
         raise ConfigError(f"{key}.redis.keys",
                           "not with listen: the TCP workers' lines this master passes on to "
                           "Redis would carry its signature, not theirs, and be refused")
     return ReplicationConfig(
+        writer_secrets=_writer_secrets(section, key, listen),
+        secret_file=_file(secret_file) if secret_file is not None else None,
         listen=listen,
         client_ca=client_ca,
-        upstream=get_endpoint(section, "upstream", key, "client"),
+        upstream=upstream,
         redis=redis,
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
@@ -250,4 +287,7 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
                                     minimum=60, maximum=31_536_000),
         max_batch_rows=max_batch_rows,
         max_batch_bytes=max_batch_bytes,
+        audit=get_bool(section, "audit", key, True),
+        audit_recheck=get_number(section, "audit_recheck", key, 60.0, minimum=1,
+                                 maximum=86_400),
     )

@@ -24,6 +24,7 @@ from .model import (
     COLUMN_TYPES,
     POSITIONS_TABLE,
     RETENTION_TABLE,
+    ROW_INDEX_COLUMN,
     SCHEMA_TABLE,
     ColumnConfig,
     DatabaseConfig,
@@ -224,6 +225,14 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
                         for c in columns)
     if not columns:
         raise ConfigError(f"{key}.columns", "a stream needs at least one row column")
+    create = False if preset is not None else get_bool(section, "create", key, True)
+    if create:
+        for where, given in ((f"{key}.id_column", id_column),
+                             (f"{key}.writer_column", writer_column or ""),
+                             *((f"{key}.columns[{i}]", c.name) for i, c in enumerate(columns))):
+            if given.lower() == ROW_INDEX_COLUMN:
+                raise ConfigError(where, f"{given!r} is the replicator's own column (the "
+                                         "order of a fact's rows) in a table it creates")
     # Unquoted SQL names fold case.
     seen = {id_column.lower(), (writer_column or "").lower()}
     for i, column in enumerate(columns):
@@ -259,8 +268,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         name=name, table=table, id_column=id_column, writer_column=writer_column,
         columns=columns, sequence=sequence, writers=tuple(writers),
         timestamp_column=timestamp_column,
-        create=False if preset is not None else get_bool(section, "create", key, True),
-        preset=preset, positions_name=positions_name, retention=retention,
+        create=create, preset=preset, positions_name=positions_name, retention=retention,
     )
 
 

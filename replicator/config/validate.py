@@ -5,7 +5,8 @@ Parsing (:func:`.instance.parse_instance`) is pure: it checks syntax and
 keeps endpoint strings.  :func:`validate` builds every endpoint once with
 the reactor it is given (Twisted reads an ``ssl:`` listener's key and
 certificate, a ``tls:`` client's trust roots, a plugin checks its own
-fields), loads ``replication.client_ca``, and reads ``http.secret_file``.
+fields), loads ``replication.client_ca``, and reads ``http.secret_file`` and the
+replication secrets (``replication.secret_file``, ``writer_secrets``).
 Each mistake is one :class:`ConfigError` naming the key, as in parsing.
 The endpoints built here are thrown away: the instance builds its own.
 """
@@ -26,14 +27,19 @@ def validate(config: InstanceConfig, reactor) -> InstanceConfig:
     ``http.secret_file`` (the one change: every other value is as parsed)."""
     if config.synapse is not None and config.synapse.redis:
         _build(reactor, config.synapse.redis, "synapse.redis", "client")
-    validate_replication(config.replication, reactor)
+    replication = validate_replication(config.replication, reactor)
     validate_redis_keys(config)
     http = validate_http(config.http, reactor)
-    return config if http is config.http else dataclasses.replace(config, http=http)
+    if http is config.http and replication is config.replication:
+        return config
+    return dataclasses.replace(config, http=http, replication=replication)
 
 
-def validate_replication(rep: ReplicationConfig, reactor, key: str = "replication") -> None:
-    """The listener (with its client CA), the upstream and Redis endpoints."""
+def validate_replication(rep: ReplicationConfig, reactor,
+                         key: str = "replication") -> ReplicationConfig:
+    """The listener (with its client CA), the upstream and Redis endpoints;
+    ``rep`` with the writers' secrets (and the worker's own) read from
+    their files."""
     if rep.client_ca is not None:
         from ..net.tls import load_ca_certificates, server_endpoint
 
@@ -48,6 +54,37 @@ def validate_replication(rep: ReplicationConfig, reactor, key: str = "replicatio
         _build(reactor, rep.upstream, f"{key}.upstream", "client")
     if rep.redis is not None and rep.redis.endpoint is not None:
         _build(reactor, rep.redis.endpoint, f"{key}.redis.endpoint", "client")
+    return read_replication_secrets(rep, key)
+
+
+def read_replication_secrets(rep: ReplicationConfig,
+                             key: str = "replication") -> ReplicationConfig:
+    """``rep`` with ``secret_file`` and each of ``writer_secrets`` read (at
+    least :data:`MIN_SECRET` characters; no two writers alike: one would
+    prove the other's NAME)."""
+    changes: Dict[str, object] = {}
+    if rep.secret_file is not None:
+        changes["secret"] = _min_secret(read_secret(rep.secret_file, f"{key}.secret_file"),
+                                        f"{key}.secret_file")
+    if rep.writer_secrets:
+        out = []
+        seen: Dict[str, str] = {}
+        for writer in rep.writer_secrets:
+            where = f"{key}.writer_secrets.{writer.name}"
+            secret = _min_secret(read_secret(writer.secret_file, where), where)
+            if secret in seen:
+                raise ConfigError(where, f"the same secret as writer {seen[secret]!r}: each "
+                                         "writer needs its own")
+            seen[secret] = writer.name
+            out.append(dataclasses.replace(writer, secret=secret))
+        changes["writer_secrets"] = tuple(out)
+    return dataclasses.replace(rep, **changes) if changes else rep  # type: ignore[arg-type]
+
+
+def _min_secret(secret: str, key: str) -> str:
+    if len(secret) < MIN_SECRET:
+        raise ConfigError(key, f"the secret must be at least {MIN_SECRET} characters")
+    return secret
 
 
 def validate_redis_keys(config: InstanceConfig, key: str = "replication.redis.keys") -> None:

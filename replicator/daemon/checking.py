@@ -9,15 +9,20 @@ options (their files are not opened), the database reachable, its schema
 version (:mod:`.storage.migrations`: current, due a migration the start
 makes, or one it refuses: too new, or older with ``auto_migrate: false``),
 and its tables as the streams declare them (a table this instance would
-create may be missing; one that exists must have every configured column;
-a read-only stream's table and sequence must exist).  Not checked: whether
+create may be missing; one that exists must have every configured column,
+with a type that holds it (:mod:`.storage.column_types`); a read-only
+stream's table and sequence must exist).  Not checked: whether
 the listen ports are free (the running daemon holds them).
 
 A SQLite database file that does not exist yet is not created: start will.
+
+Warned about (stderr, the exit stays 0): each remote writer a replication
+listener takes writes from without a proof of its NAME
+(:func:`unbound_writers`).
 """
 
 import os
-from typing import Set
+from typing import List, Set
 
 from ..config.model import InstanceConfig
 from ..storage import migrations, schema
@@ -89,3 +94,26 @@ async def connect(config: InstanceConfig) -> Database:
         raise StartupError(f"database.{db_config.engine}",
                            "cannot connect: " + hide_password(first, db_config.dsn)) from None
     return db
+
+
+def unbound_writers(config: InstanceConfig) -> List[str]:
+    """One line per remote writer whose NAME this instance's replication
+    listener believes without proof: neither ``client_ca`` (NAME bound to
+    the certificate) nor a ``writer_secrets`` entry.  Empty without a
+    listener (a worker takes no writes)."""
+    rep = config.replication
+    if rep.listen is None or rep.client_ca is not None:
+        return []
+    bound = {w.name for w in rep.writer_secrets}
+    out = []
+    seen: Set[str] = set()
+    for stream in config.streams:
+        for writer in stream.writers:
+            if writer == config.instance_name or writer in bound or writer in seen:
+                continue
+            seen.add(writer)
+            streams = [s.name for s in config.streams if writer in s.writers]
+            out.append(f"replication.writer_secrets: remote writer {writer!r} (of "
+                       f"{', '.join(streams)}) proves nothing: any connection saying NAME "
+                       f"{writer} is taken for it (give it a secret, or set client_ca)")
+    return out

@@ -7,7 +7,8 @@ apply live, the running values everywhere else).  The instance applies the
 plan (:meth:`replicator.daemon.service.Instance.reload`).
 
 Live: ``log_level``, ``log_format``, ``health``,
-``replication.allowed_peers``, ``replication.allowed_networks`` and
+``replication.allowed_peers``, ``replication.allowed_networks``,
+``replication.writer_secrets`` (their files read again) and
 ``replication.client_ca`` (with the ``ssl:`` listener's files, which every
 reload reads again), ``http.readers`` (their secret files read again), a new stream, other instances' ``writers`` of a
 running stream, and ``consumers`` (:class:`ConsumerChange`: one whose
@@ -26,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..config import InstanceConfig, StreamConfig
 
 #: ``replication`` keys a reload applies.
-LIVE_REPLICATION = ("allowed_peers", "allowed_networks", "client_ca")
+LIVE_REPLICATION = ("allowed_peers", "allowed_networks", "client_ca", "writer_secrets")
 
 
 @dataclass

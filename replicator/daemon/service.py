@@ -42,6 +42,7 @@ from ..storage.database import Database
 from ..streams.registry import StreamRegistry
 from ..streams.retention import RetentionService, trimmers_for
 from . import sdnotify
+from .checking import unbound_writers
 from .listening import ListeningService
 from .startup import StartupError, fd_budget_problem, hide_password, os_reason
 
@@ -104,6 +105,12 @@ class Instance:
         instance uses ``reactor``."""
         if config.http.secret_file is not None and config.http.secret is None:
             raise ConfigError("http.secret_file", "not read yet: validate() the config first")
+        rep = config.replication
+        if (rep.secret_file is not None and rep.secret is None) or any(
+                w.secret is None for w in rep.writer_secrets):
+            raise ConfigError("replication.writer_secrets" if rep.writer_secrets
+                              else "replication.secret_file",
+                              "not read yet: validate() the config first")
         self.reactor = reactor
         self.config = config
         try:
@@ -123,7 +130,8 @@ class Instance:
             max_batch_bytes=rep.max_batch_bytes, known_names=rep.allowed_peers or (),
             max_user_syncs=rep.max_user_syncs, max_user_ips=rep.max_user_ips,
             max_federation_acks=rep.max_federation_acks,
-            bookkeeping_max_age=rep.bookkeeping_max_age,
+            bookkeeping_max_age=rep.bookkeeping_max_age, audit=rep.audit,
+            audit_recheck=rep.audit_recheck,
         )
         self.settings = ConnectionSettings(
             max_line_length=rep.max_line_length, ping_interval=rep.ping_interval,
@@ -203,6 +211,8 @@ class Instance:
         self._warn_fd_budget()
         if rep.listen:
             self._warn_exposed(rep.listen, "replication")
+            for line in unbound_writers(config):
+                log.warn("{line}", line=line)
             policy = policy_from_config(rep, local_names(self.handler))
             factory = ReplicationServerFactory(self.handler, config.server_name, self.settings,
                                                clock=self.reactor, policy=policy,
@@ -218,7 +228,7 @@ class Instance:
             self.upstream = upstream_service(
                 self.reactor, rep.upstream, self.handler, config.instance_name,
                 config.server_name, self.settings, initial_delay=rep.reconnect_initial_delay,
-                max_delay=rep.reconnect_max_delay)
+                max_delay=rep.reconnect_max_delay, secret=rep.secret)
             self.upstream.setServiceParent(self.services)
         if rep.redis and rep.redis.cluster:
             from ..replication.transport.redis_cluster import RedisClusterBus
@@ -248,6 +258,7 @@ class Instance:
             expect_upstream=self.is_worker, conditions=[self._synapse_seen],
             writers=self.writers, gaps=self.handler.gaps)
         self.health.setServiceParent(self.services)
+        self.handler.auditor.setServiceParent(self.services)
         if config.http.listen:
             from ..http import HttpApi
 

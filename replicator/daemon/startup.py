@@ -63,8 +63,10 @@ def fd_budget_problem(config: InstanceConfig, soft_limit: int) -> Optional[str]:
         needed += config.replication.max_connections + config.replication.max_unidentified
         keys += ["replication.max_connections", "replication.max_unidentified"]
     if config.http.listen:
-        needed += config.http.max_connections
-        keys.append("http.max_connections")
+        needed += (config.http.max_connections + config.http.reserved_for_health
+                   + config.http.reserved_for_writers)
+        keys += ["http.max_connections", "http.reserved_for_health",
+                 "http.reserved_for_writers"]
     if needed <= soft_limit or not keys:
         return None
     return (f"{' + '.join(keys)} and {FD_RESERVE + config.database.pool_max} descriptors "

@@ -82,12 +82,16 @@ class HttpApi:
         self.body_timeout = config.http.body_timeout
         self.max_connections = config.http.max_connections
         self.max_connections_per_address = config.http.max_connections_per_address
+        self.reserved_for_health = config.http.reserved_for_health
+        self.reserved_for_writers = config.http.reserved_for_writers
         #: HTTP connections open now (counted by the channels).
         self.open_connections = 0
         self.role = role(config)
         self.is_worker = has_replication_link(config)  # health counts the link and lag
         secret = config.http.secret
         secret_bytes = secret.encode("utf-8") if secret else None
+        #: Who may use the connections reserved for writers (:mod:`.slots`).
+        self.write_secret = secret_bytes
         # Strings never to show: the HTTP secret, and the Redis password
         # which a replication status detail might carry.
         from .read.auth import ReaderAuth  # (the read API imports .answers)

@@ -6,13 +6,13 @@ answer to every request twisted.web refuses.
   ``body_timeout`` seconds of its headers: a client sending a byte every few
   seconds (slowloris) resets twisted.web's idle timeout forever, not these.
   Past a deadline: ``408`` and close.
-* At most ``max_connections`` connections at once, ``max_connections_per_address``
-  from one address (:class:`.site.Site` decides): a connection with no
-  request being answered (silent, half a request, idle between requests)
-  is *unidentified* and closed to make room for a newcomer, the oldest
-  first (``503``, or quietly when idle after an answer); only when every
-  connection has a request being answered is a newcomer answered ``503``
-  and closed before anything of it is parsed.
+* Connection slots (:mod:`.slots` decides, the channel tells it when a
+  request starts and is answered): a connection with no request being
+  answered may be closed to make room for a newcomer (``503``, or quietly
+  when idle after an answer); a request on a slot reserved for health
+  probes and writers that is neither is ``503`` before its body is read.
+  A connection whose answer is out and that closes after it is never
+  given a second answer.
 * A malformed request (bad ``Content-Length``, two framing headers, a NUL in
   a header, too many or too large headers, a bad request line or chunk) is
   ``400`` or ``431`` with ``{"error": "..."}`` naming the problem, and closed.
@@ -94,6 +94,7 @@ class Channel(HTTPChannel):
     _deadline = None
     _closer = None
     _served = False  # answered a request before
+    _answered_last = False  # its last answer is out: it closes once flushed
     refused = False
     #: Method and path of the request being received, from its request line
     #: (for the access line of a refusal).
@@ -106,10 +107,13 @@ class Channel(HTTPChannel):
             self.api.open_connections += 1
         self._start_deadline("headers", self.header_timeout)
 
+    def _slots(self):
+        return getattr(self.site, "slots", None)
+
     def connectionLost(self, reason):
-        crowd = getattr(self.site, "crowd", None)
-        if crowd is not None:
-            crowd.leave(self)
+        slots = self._slots()
+        if slots is not None:
+            slots.leave(self)
         if self.api is not None:
             self.api.open_connections -= 1
             self.api = None
@@ -170,13 +174,24 @@ class Channel(HTTPChannel):
     def allHeadersReceived(self):
         self._cancel_deadline()
         super().allHeadersReceived()
+        slots = self._slots()
+        if slots is not None and not self.refused:
+            why, close_after = slots.check(self, self.requests[-1], self._command, self._path)
+            if why is not None:
+                self.refuse(503, why)
+                return
+            if close_after:
+                self.persistent = False
+                self.requests[-1].responseHeaders.setRawHeaders(b"connection", [b"close"])
         if self.length != 0 and not self.refused:
             self._start_deadline("body", self.body_timeout)
 
     def allContentReceived(self):
-        crowd = getattr(self.site, "crowd", None)
-        if crowd is not None:
-            crowd.identify(self)  # a whole request: not to be closed to make room
+        if self.refused:
+            return  # answered already (a bodiless request refused at its headers)
+        slots = self._slots()
+        if slots is not None:
+            slots.started(self)  # a whole request: not to be closed to make room
         self._served = True
         self._cancel_deadline()
         self._tail = b""  # the next request's headers are checked afresh
@@ -184,10 +199,13 @@ class Channel(HTTPChannel):
         super().allContentReceived()
 
     def requestDone(self, request):
-        crowd = getattr(self.site, "crowd", None)
-        if crowd is not None and not self.refused:
-            # Answered: idle (or the next pipelined request identifies it again).
-            crowd.unidentify(self)
+        slots = self._slots()
+        if slots is not None and not self.refused:
+            # Answered: idle (or the next pipelined request makes it busy
+            # again), or flushing its last answer before its close.
+            slots.answered(self, bool(self.persistent))
+        if not self.persistent:
+            self._answered_last = True
         super().requestDone(request)
 
     def rawDataReceived(self, data):
@@ -241,9 +259,12 @@ class Channel(HTTPChannel):
     def evict(self, message: str) -> None:
         """Close to make room for a newcomer: quietly when idle after an
         answer (clients retry on a closed keep-alive connection), else with
-        ``503`` and ``message``."""
+        ``503`` and ``message``; nothing when its last answer is out (it
+        closes once that is flushed: never a second answer)."""
         if self.refused:
             return
+        if self._answered_last:
+            return  # closes once its answer is flushed: never a second answer
         if self._served and self._deadline is None and not self._handlingRequest:
             self.refused = True
             self.setTimeout(None)
@@ -253,8 +274,9 @@ class Channel(HTTPChannel):
         self.refuse(503, message)
 
     def refuse(self, code: int, message: str) -> None:
-        """Answer ``code`` with ``message``, parse nothing more, close."""
-        if self.refused:
+        """Answer ``code`` with ``message``, parse nothing more, close
+        (nothing, after a last answer: it is closing already)."""
+        if self.refused or self._answered_last:
             return
         self.refused = True
         self._cancel_deadline()

@@ -21,8 +21,8 @@ from twisted.python.failure import Failure
 from twisted.web import server
 
 from ..logs.printable import printable
-from ..net.crowd import Crowd
 from .channel import Busy, Channel
+from .slots import Slots
 
 log = Logger(namespace="replicator.http")
 access_log = Logger(namespace="replicator.http.access")
@@ -186,14 +186,12 @@ class Request(server.Request):
 
 class Site(server.Site):
     """The API's site: its channels have deadlines and JSON refusals
-    (:mod:`replicator.http.channel`); at most ``api.max_connections`` are
-    open at once and ``api.max_connections_per_address`` from one address.
-
-    A newcomer over a cap closes the oldest connection that has no request
-    being answered (of its address, for the per-address cap): silent
-    sockets and slow requests can never keep a health check or a write out.
-    Only when every connection has a request being answered is the
-    newcomer refused (503).  ``crowd`` keeps the books."""
+    (:mod:`replicator.http.channel`), and hold one of its connection slots
+    (:mod:`replicator.http.slots`: ``api.max_connections`` ordinary ones,
+    ``api.max_connections_per_address`` of them from one address, and those
+    reserved for ``/health`` and writers).  A newcomer with no slot free
+    closes an idle connection to make room; only when none can be closed
+    is it refused (503).  ``slots`` keeps the books."""
 
     requestFactory = Request
     protocol = Channel  # type: ignore[assignment]  # Twisted declares a callable
@@ -203,35 +201,22 @@ class Site(server.Site):
         super().__init__(root, timeout=timeout, reactor=reactor)
         self.api = api
         self.max_body_size = max_body_size
-        self.crowd = Crowd()
+        self.slots = Slots(max_connections=api.max_connections,
+                           max_connections_per_address=api.max_connections_per_address,
+                           reserved_for_health=api.reserved_for_health,
+                           reserved_for_writers=api.reserved_for_writers,
+                           secret=api.write_secret)
 
     def buildProtocol(self, addr):
         api = self.api
-        host = getattr(addr, "host", None)
-        per_address = getattr(api, "max_connections_per_address", api.max_connections)
-        if len(self.crowd) >= api.max_connections and not self._make_room(...):
-            return self._busy(f"too many HTTP connections ({api.max_connections}): "
-                              "try again later")
-        if host is not None and self.crowd.count(host) >= per_address \
-                and not self._make_room(host):
-            return self._busy(f"too many HTTP connections from {host} ({per_address}): "
-                              "try again later")
         channel = super().buildProtocol(addr)
-        self.crowd.arrive(channel, host)
+        why = self.slots.admit(channel, getattr(addr, "host", None))
+        if why is not None:
+            return self._busy(why)
         channel.header_timeout = api.header_timeout
         channel.body_timeout = api.body_timeout
         channel.api = api
         return channel
-
-    def _make_room(self, host) -> bool:
-        """Close the oldest connection without a request being answered (from
-        ``host`` unless ``...``); whether there was one."""
-        oldest = self.crowd.oldest_unidentified(host)
-        if oldest is None:
-            return False
-        self.crowd.leave(oldest)
-        oldest.evict("too many HTTP connections: closing the oldest idle one")
-        return True
 
     def _busy(self, message: str) -> Busy:
         busy = Busy(self.api, message, self.reactor)

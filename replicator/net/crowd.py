@@ -6,8 +6,8 @@ A connection arrives *unidentified* (a replication peer that has sent no
 says when it becomes *identified* (and may make it *exempt*: a known peer,
 counted nowhere) and, for HTTP, when it is idle again.  :class:`Crowd` only
 keeps the books; the listeners (:mod:`.replication.tcp`,
-:mod:`.http.site`) decide whom to refuse and whom to close to make room:
-the oldest unidentified connection, so that idle sockets can never keep a
+:mod:`.http.slots`) decide whom to refuse and whom to close to make room:
+an unidentified connection, so that idle sockets can never keep a
 newcomer out.
 
 Invariants: every connection is in exactly one of unidentified,
@@ -17,7 +17,7 @@ connections are kept in arrival order.
 """
 
 from collections import Counter, OrderedDict
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 
 class Crowd:
@@ -66,11 +66,13 @@ class Crowd:
         self._unidentified[conn] = host
         self._per_host[host] += 1
 
-    def oldest_unidentified(self, host: Any = ...) -> Optional[Any]:
-        """The unidentified connection that arrived first (from ``host`` if
-        given), or None."""
+    def oldest_unidentified(self, host: Any = ...,
+                            where: Optional[Callable[[Any], bool]] = None) -> Optional[Any]:
+        """The unidentified connection that arrived (or became idle) first,
+        from ``host`` if given and for which ``where`` holds if given; or
+        None."""
         for conn, h in self._unidentified.items():
-            if host is ... or h == host:
+            if (host is ... or h == host) and (where is None or where(conn)):
                 return conn
         return None
 

@@ -137,7 +137,9 @@ REDIS_UNSIGNED_ACCEPTED = Counter(
 )
 CONNECTIONS_REFUSED = Counter(
     "replicator_connections_refused_total",
-    "Replication connections refused or closed to make room (ERROR and close), by reason", ["reason"]
+    "Replication connections refused or closed to make room (ERROR and close), by reason "
+    "(a cap; name_held; unproven: RDATA/POSITION of a writer that has not proven its NAME; "
+    "bad_proof: a wrong AUTH)", ["reason"]
 )
 RECONNECT_DELAY = Gauge(
     "replicator_reconnect_delay_seconds",
@@ -153,6 +155,28 @@ UNRECEIVED_AGE = Gauge(
     "replicator_unreceived_age_seconds",
     "How long the oldest committed fact above this reader's position has gone unreceived "
     "(last check)", ["stream", "writer"],
+)
+POSITIONS_CONTRADICTED = Counter(
+    "replicator_positions_contradicted_total",
+    "POSITIONs of another instance's writer that the table contradicted: the range they "
+    "passed held the writer's facts (caught up from the table), or one of its facts arrived "
+    "later (the stream stopped)", ["stream"],
+)
+AUDIT_RANGES = Counter(
+    "replicator_audit_ranges_total",
+    "Ranges of a reader's delivered facts checked against the table, by result "
+    "(equal, different, failed)", ["stream", "result"],
+)
+AUDIT_FACTS = Counter(
+    "replicator_audit_facts_total",
+    "Delivered facts the audit found equal to the table (each counted at each check)",
+    ["stream"],
+)
+AUDIT_MISMATCH = Gauge(
+    "replicator_audit_mismatch",
+    "1 while this instance's reader of a (stream, writer) is stopped because what it "
+    "delivered differs from the table (until an operator acts and restarts)",
+    ["stream", "writer"],
 )
 CATCHUP_FETCHES = Counter(
     "replicator_catchup_fetches_total", "Out-of-band fetches to fill a position gap", ["stream"]

@@ -129,6 +129,12 @@ class IReplicationHandler(Interface):
         """``conn`` is up: after the handshake lines were sent (a TCP client:
         after its ``REPLICATE``), a bus once subscribed and publishing."""
 
+    def writes_released(conn: IReplicationConnection) -> None:
+        """A TCP client that held this instance's writes back (its
+        ``writes_held``: waiting to learn whether the server asks for a proof
+        of our NAME) lets them go: from now on the handler sends them there,
+        its positions first."""
+
     def lost_connection(conn: IReplicationConnection, reason: str) -> None:
         """``conn`` is gone, once; ``reason`` one of :data:`.link.CLOSE_REASONS`."""
 

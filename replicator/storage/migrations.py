@@ -12,7 +12,11 @@ Versions:
 
 A stream's own table (and PostgreSQL sequence) is made by
 :func:`.schema.ensure_schema` from the config; the steps here change what
-every database of a version holds.
+every database of a version holds.  So is the ``row_index`` column a table
+made by an older release lacks (:func:`.schema.add_row_index`): which
+tables exist is the config's to say, not the version's (a stream added at
+a reload, or again after years, may find an old table), and an older
+release still works on a table that has it, so no version shuts it out.
 
 :data:`STEPS` is the ordered list: ``STEPS[n]`` takes a database from
 version ``n`` to ``n + 1``.  Each step is one transaction with the version

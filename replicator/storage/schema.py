@@ -3,7 +3,15 @@
 ``stream_positions`` holds, per (stream, writer instance), a persisted
 position: every fact of that writer at or below it is committed and final.
 A stream's backing table holds its ID column, its writer column (if any) and
-its row columns; several rows may share one ID (a multi-row fact).
+its row columns; several rows may share one ID (a multi-row fact).  A table
+the replicator owns (:attr:`~replicator.config.model.StreamConfig.owns_table`)
+also holds ``row_index``: each row's place in its fact, written by the
+writer, so that every read gives a fact's rows in the order they were
+written (the heap order, ``ctid``, is not that order once retention's
+deletions and VACUUM have freed space the writer fills again, or a row was
+updated).  A table made by an older release gets the column at the next
+start of a writer of it (:func:`add_row_index`): its rows so far hold 0,
+and keep being read in heap order among themselves, as before.
 
 All functions here take a DB-API cursor and run in a pool thread.
 """
@@ -11,6 +19,8 @@ All functions here take a DB-API cursor and run in a pool thread.
 from typing import Dict, List, Optional, Set
 
 from ..config import ConfigError, StreamConfig
+from ..config.model import ROW_INDEX_COLUMN
+from .column_types import TableType, mismatch, postgres_kind, sqlite_kind
 
 POSITIONS_DDL = """
 CREATE TABLE IF NOT EXISTS stream_positions (
@@ -37,6 +47,10 @@ CREATE TABLE IF NOT EXISTS stream_retention (
 )
 """
 
+#: The column every row of an owned table gets; 0 for the rows written
+#: before it existed (by an older release), which keep their heap order.
+ROW_INDEX_DDL = f"{ROW_INDEX_COLUMN} INTEGER NOT NULL DEFAULT 0"
+
 PG_TYPES = {"text": "TEXT", "bigint": "BIGINT", "boolean": "BOOLEAN", "json": "JSONB"}
 SQLITE_TYPES = {"text": "TEXT", "bigint": "INTEGER", "boolean": "INTEGER", "json": "TEXT"}
 
@@ -49,6 +63,8 @@ def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
         cols.append(f"{stream.writer_column} TEXT NOT NULL")
     for c in stream.columns:
         cols.append(f"{c.name} {types[c.type]}{'' if c.nullable else ' NOT NULL'}")
+    if stream.owns_table:
+        cols.append(ROW_INDEX_DDL)
     statements = []
     if postgres:
         statements.append(f"CREATE SEQUENCE IF NOT EXISTS {stream.sequence}")
@@ -64,40 +80,85 @@ def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
     return statements
 
 
+def add_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
+    """Give an owned table that lacks it (made by an older release) the
+    ``row_index`` column; whether it was added.  Idempotent: a table that
+    has it, or none, is left alone.  PostgreSQL (11 and later) adds a
+    column with a constant default without rewriting the table; the rows
+    already there read 0."""
+    existing = table_columns(txn, stream.table, postgres)
+    if (not stream.owns_table or existing is None
+            or ROW_INDEX_COLUMN in (name.lower() for name in existing)):
+        return False
+    # IF NOT EXISTS: another writer of the stream starting at once may
+    # have added it between the check and here.
+    guard = "IF NOT EXISTS " if postgres else ""
+    txn.execute(f"ALTER TABLE {stream.table} ADD COLUMN {guard}{ROW_INDEX_DDL}")
+    return True
+
+
+def has_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
+    """Whether reads order the table's facts' rows by ``row_index``: an
+    owned table that has it (a stream only read here may be written by
+    an instance of an older release that did not add it yet)."""
+    if not stream.owns_table:
+        return False
+    existing = table_columns(txn, stream.table, postgres) or []
+    return ROW_INDEX_COLUMN in (name.lower() for name in existing)
+
+
 def table_columns(txn, table: str, postgres: bool) -> Optional[List[str]]:
     """Column names of ``table``, or None if it does not exist."""
+    types = column_types(txn, table, postgres)
+    return None if types is None else list(types)
+
+
+def column_types(txn, table: str, postgres: bool) -> Optional[Dict[str, TableType]]:
+    """Each column of ``table`` with its type, or None if it does not exist."""
     if postgres:
         txn.execute(
-            "SELECT column_name FROM information_schema.columns "
+            "SELECT column_name, data_type, udt_name, character_maximum_length "
+            "FROM information_schema.columns "
             "WHERE table_schema = current_schema() AND table_name = %s",
             (table,),
         )
-        names = [r[0] for r in txn.fetchall()]
+        types = {r[0]: postgres_kind(r[1], r[2], r[3]) for r in txn.fetchall()}
     else:
         txn.execute(f"PRAGMA table_info({table})")
-        names = [r[1] for r in txn.fetchall()]
-    return names or None
+        types = {r[1]: sqlite_kind(r[2] or "") for r in txn.fetchall()}
+    return types or None
 
 
 def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool,
                        written: bool = True) -> None:
-    """Every configured column exists; otherwise a ConfigError naming it."""
-    existing = table_columns(txn, stream.table, postgres)
+    """Every configured column exists with a type that fits its declared
+    one (:mod:`.column_types`; the ID column ``bigint``, the writer column
+    ``text``); otherwise a ConfigError naming the first that does not.
+    ``written``: the stream is written here."""
+    existing = column_types(txn, stream.table, postgres)
     if existing is None:
         why = ("create: false" if written else
                "this instance only reads the stream; its writer creates the table")
         raise ConfigError(f"{key}.table", f"table {stream.table!r} does not exist ({why})")
-    wanted = [(f"{key}.id_column", stream.id_column)]
+    wanted = [(f"{key}.id_column", "needs id_column", stream.id_column, "bigint", False)]
     if stream.writer_column:
-        wanted.append((f"{key}.writer_column", stream.writer_column))
-    wanted += [(f"{key}.columns[{i}]", c.name) for i, c in enumerate(stream.columns)]
-    for where, name in wanted:
-        if name not in existing:
+        wanted.append((f"{key}.writer_column", "needs writer_column", stream.writer_column,
+                       "text", False))
+    wanted += [(f"{key}.columns[{i}]", "declares column", c.name, c.type, c.json_text)
+               for i, c in enumerate(stream.columns)]
+    for where, says, name, declared, json_text in wanted:
+        found = existing.get(name)
+        if found is None:
             raise ConfigError(where, f"unknown column {name!r} in table {stream.table!r}")
+        fits = mismatch(declared, json_text, found, postgres, written)
+        if fits is not None:
+            raise ConfigError(where, f"stream {stream.name!r} {says} {name!r} {declared}, but "
+                                     f"table {stream.table!r} has it as {found.shown} ({fits})")
 
 
 def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
-                  written: Optional[Set[str]] = None, dry_run: bool = False) -> bool:
+                  written: Optional[Set[str]] = None, dry_run: bool = False,
+                  added_row_index: Optional[List[str]] = None) -> bool:
     """Create what is missing and check what exists.
 
     ``written``: names of the streams with a local writer (default: all).
@@ -108,6 +169,9 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
 
     ``dry_run`` (``replicator check``) runs no DDL and changes nothing: it
     checks what exists, and takes what would be created as fine.
+
+    A created table that lacks ``row_index`` gets it (:func:`add_row_index`);
+    the names of those streams are appended to ``added_row_index``.
     """
     if written is None:
         written = {s.name for s in streams}
@@ -127,6 +191,8 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
         elif created:
             for statement in table_ddl(stream, postgres):
                 txn.execute(statement)
+            if add_row_index(txn, stream, postgres) and added_row_index is not None:
+                added_row_index.append(stream.name)
         check_stream_table(txn, stream, keys[stream.name], postgres, ours)
         if postgres and not created:
             txn.execute("SELECT to_regclass(%s)", (stream.sequence,))

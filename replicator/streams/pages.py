@@ -1,12 +1,20 @@
 """Reading a writer's facts back from a stream's table, a page at a time.
 
-This is what a reader's catch-up and the fan-out (when memory cannot
-answer) read.  One page is the rows of one writer with ``from_token <
-token <= to_token`` in ascending token order (rows of one fact in insertion
-order), at most ``limit`` rows, and never part of a fact: a page that would
+This is what a reader's catch-up, the fan-out (when memory cannot answer),
+the read API and ``replicator verify`` read.  One page is the rows of one
+writer with ``from_token < token <= to_token`` in ascending token order,
+at most ``limit`` rows, and never part of a fact: a page that would
 cut a fact ends before it, and a single fact with more rows than ``limit``
 is returned whole.  Pages are keyset-paginated (``token > last``), so each
 costs the same however far behind the reader is.
+
+The rows of one fact come in the order they were written in a table the
+replicator owns: by its ``row_index`` (:mod:`..storage.schema`), then heap
+order (``ctid``, SQLite's ``rowid``) among rows of equal index (those
+written before the column existed, all 0).  Another's table (``create:
+false``, Synapse's) has no such column: its rows come in heap order, which
+is the order they were inserted in until rows are updated or deleted space
+is filled again (docs/streams.md, "The order of a fact's rows").
 
 A page is grouped into facts in the pool thread, in the same pass that
 shapes its rows, so the reactor gets whole facts.  (Having PostgreSQL build
@@ -23,6 +31,8 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 import orjson
 
 from ..config import StreamConfig
+from ..config.model import ROW_INDEX_COLUMN
+from ..storage import schema
 from ..storage.database import Cursor, Database
 from .rows import reader
 from .trimmed import FactsTrimmed, TrimCheck, boundary_key
@@ -80,12 +90,35 @@ class PageQuery:
 
     def __init__(self, config: StreamConfig, db: Database) -> None:
         c = config
+        self._config = config
+        self._db = db
         self._trim: Optional[TrimCheck] = (
             None if c.preset is not None
             else TrimCheck(c.name, boundary_key(c), db.is_postgres, db.sql))
         self._by_writer = c.writer_column is not None
         self._shape = reader(c.columns, db.is_postgres)
-        order = "ctid" if db.is_postgres else "rowid"
+        #: Whether :meth:`read_fact_pages` can give rows as JSON text built
+        #: by PostgreSQL (:func:`row_json_sql`): the stream's own table,
+        #: columns of scalar types only.
+        self.json_rows = (db.is_postgres and c.preset is None
+                          and all(col.type in JSON_SCALARS for col in c.columns))
+        self._heap = "ctid" if db.is_postgres else "rowid"
+        #: The ORDER BY within a fact the SELECTs were built with; None
+        #: until the first read of an owned table looked for its row_index.
+        self.order: Optional[str] = None
+        if not c.owns_table:
+            self._build(self._heap)
+
+    def _ready(self, txn: Cursor) -> None:
+        """The SELECTs built, on the first read of an owned table: ordered
+        by its row_index if it has one (a stream only read here may be
+        written by an older release that did not add it; looked at once)."""
+        if self.order is None:
+            indexed = schema.has_row_index(txn, self._config, self._db.is_postgres)
+            self._build(f"{ROW_INDEX_COLUMN}, {self._heap}" if indexed else self._heap)
+
+    def _build(self, order: str) -> None:
+        c, db = self._config, self._db
         where = f"{c.writer_column} = %s AND " if c.writer_column else ""
         select = f"SELECT {c.id_column}, {', '.join(c.column_names)} FROM {c.table}"
         self._select_range = db.sql(
@@ -105,23 +138,20 @@ class PageQuery:
             f"ORDER BY {c.id_column} LIMIT %s) AS ids) "
             f"ORDER BY {c.id_column}, {order}"
         )
-        #: Whether :meth:`read_fact_pages` can give rows as JSON text built
-        #: by PostgreSQL (:func:`row_json_sql`): the stream's own table,
-        #: columns of scalar types only.
-        self.json_rows = (db.is_postgres and c.preset is None
-                          and all(col.type in JSON_SCALARS for col in c.columns))
         # (json rows, with the trim boundary) -> the SELECT.  The boundary
         # as a last column is read in the page's own snapshot: a trim
         # whose deletions the page misses committed before that snapshot,
         # so its boundary is in it (as :mod:`.trimmed` asks of a check).
         boundary = ", (SELECT trimmed_through FROM stream_retention WHERE table_name = %s)"
-        self._select_facts = {}
+        select_facts = {}
         for json_rows in (False, True) if self.json_rows else (False,):
             values = row_json_sql(c.column_names) if json_rows else ", ".join(c.column_names)
             for with_boundary in (False, True):
-                self._select_facts[json_rows, with_boundary] = db.sql(
+                select_facts[json_rows, with_boundary] = db.sql(
                     f"SELECT {c.id_column}, {values}{boundary if with_boundary else ''}"
                     f"{first_facts}")
+        self._select_facts = select_facts
+        self.order = order  # last: another pool thread may read it meanwhile
 
     def read(self, txn: Cursor, writer: str, from_token: int, to_token: int, limit: int) -> Page:
         """One page: ``(updates, upto_token, limited)``; ``upto_token`` is
@@ -155,6 +185,7 @@ class PageQuery:
         With ``json_rows`` (only where :attr:`json_rows`), each row is the
         JSON text of an object of the stream's columns, in their order, as
         ``orjson`` encodes the values the plain SELECT gives."""
+        self._ready(txn)
         trim = self._trim
         # Once stream_retention is known to exist, each SELECT carries the
         # boundary (no statement more); else one check after them all.
@@ -219,6 +250,7 @@ class PageQuery:
     def _select(self, txn: Cursor, writer: str, from_token: int, to_token: int,
                 limit: int) -> Tuple[List[Any], int, bool]:
         """The rows of one page (as the database gives them), ``upto``, ``limited``."""
+        self._ready(txn)
         prefix = (writer,) if self._by_writer else ()
         txn.execute(self._select_range, prefix + (from_token, to_token, limit + 1))
         rows = txn.fetchall()

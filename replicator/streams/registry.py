@@ -1,11 +1,16 @@
 """All streams of one instance, by name, loaded together at startup."""
 
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+from twisted.logger import Logger
 
 from ..config import StreamConfig
+from ..config.model import ROW_INDEX_COLUMN
 from ..storage import schema
 from ..storage.database import Cursor, Database
 from .stream import Stream
+
+log = Logger()
 
 
 class UnknownStream(KeyError):
@@ -17,8 +22,8 @@ class StreamRegistry:
 
     :meth:`start` creates missing tables (for streams with ``create`` that
     are written here: a stream only read here gets no DDL and no writes),
-    checks the configured columns exist, and loads every stream's positions
-    in one transaction.
+    checks the configured columns exist with types that hold them, and
+    loads every stream's positions in one transaction.
     """
 
     def __init__(self, db: Database, instance_name: str, streams: Sequence[StreamConfig],
@@ -38,17 +43,26 @@ class StreamRegistry:
         self._keys = {s.name: f"{key_prefix}[{i}]" for i, s in enumerate(streams)}
 
     async def start(self) -> None:
-        await self.db.runInteraction(self._start_txn)
+        added: List[str] = []
+        await self.db.runInteraction(self._start_txn, added)
+        self._said_added(added)
         for stream in self._streams.values():
             stream.started()
 
-    def _start_txn(self, txn: Cursor) -> None:
+    def _start_txn(self, txn: Cursor, added: List[str]) -> None:
         streams = [s.config for s in self._streams.values()]
         written = {s.name for s in self._streams.values() if s.local_writers}
         has_positions = schema.ensure_schema(txn, streams, self.db.is_postgres, self._keys,
-                                             written)
+                                             written, added_row_index=added)
         for stream in self._streams.values():
             stream.load(txn, has_positions)
+
+    def _said_added(self, added: List[str]) -> None:
+        for name in added:
+            table = self.get(name).config.table
+            log.info("stream {stream}: added column {column} to {table} (the order of a "
+                     "fact's rows; rows written before hold 0 and keep their heap order)",
+                     stream=name, column=ROW_INDEX_COLUMN, table=table)
 
     async def add(self, config: StreamConfig, key: str) -> Stream:
         """A stream new at a reload: its table created if it is written
@@ -56,15 +70,19 @@ class StreamRegistry:
         stream = Stream(config, self.db, self.instance_name, call_from_thread=self._call,
                         clock=self.reactor)
 
+        added: List[str] = []
+
         def txn(txn: Cursor) -> None:
             written = {config.name} if stream.local_writers else set()
             has_positions = schema.ensure_schema(txn, [config], self.db.is_postgres,
-                                                 {config.name: key}, written)
+                                                 {config.name: key}, written,
+                                                 added_row_index=added)
             stream.load(txn, has_positions)
 
         await self.db.runInteraction(txn)
         self._streams[config.name] = stream
         self._keys[config.name] = key
+        self._said_added(added)
         stream.started()
         return stream
 

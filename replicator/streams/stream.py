@@ -37,10 +37,12 @@ from ..storage import schema
 from ..storage.database import Cursor, Database
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
+from .known import KnownIds
 from .pages import FactPage, FactRange, Page, PageQuery, group
 from .readahead import ReadAhead
 from .recent import EncodedPage, RecentFacts
 from .rows import RowCodec
+from .tally import Tally, TallyQuery
 from .writes import PreparedFacts, TxnHook, WriteTransaction
 
 log = Logger()
@@ -119,6 +121,10 @@ class Stream:
         self._call_from_thread = call_from_thread
         self._txn = WriteTransaction(config, db)
         self._pages = PageQuery(config, db)
+        self._tally = TallyQuery(config, db)
+        #: IDs whose writer is known here (:mod:`.known`): local writers'
+        #: reservations, facts readers handed on.
+        self.known_ids = KnownIds()
         # Catch-up pages of other instances' writers read ahead (PostgreSQL:
         # a run holds a pool connection; SQLite has one for everything).
         self._read_ahead = (ReadAhead(db, self._pages.read_facts, call_from_thread)
@@ -324,6 +330,7 @@ class Stream:
             for w in group.writes:
                 self.recent.remember(writer, w.ids, w.wire, w.lines)
             if group.reserved:
+                self.known_ids.note(group.reserved)
                 gen.complete_many(writer, group.reserved)
                 self._facts_written.inc(len(group.reserved))
             for w in group.writes:
@@ -334,6 +341,7 @@ class Stream:
             # Rolled back (or, with the connection lost while committing,
             # perhaps committed): only the table knows; readers never wait.
             self.recent.remember(writer, group.reserved, None)
+            self.known_ids.note(group.reserved)
             gen.complete_many(writer, group.reserved)
             self._facts_rolled_back.inc(len(group.reserved))
         in_statements = outcome.check(StatementFailed) is not None
@@ -390,6 +398,28 @@ class Stream:
         rows than ``limit`` is returned whole.
         """
         return cast(Page, await self._page(self._pages.read, writer, from_token, to_token, limit))
+
+    async def first_fact_in(self, writer: str, from_token: int, to_token: int) -> Optional[int]:
+        """The smallest ID of ``writer`` in the table in ``(from_token,
+        to_token]``, if any (one indexed statement): what a reader asks
+        before it takes a POSITION's word that the range holds nothing."""
+        found: Optional[int] = await self.db.runReads(
+            self._tally.any_fact, writer, from_token, to_token)
+        return found
+
+    async def tally(self, writer: str, from_token: int, to_token: int) -> Tuple[Tally, int]:
+        """``((facts, id_sum, rows), trim boundary)`` of ``writer`` in
+        ``(from_token, to_token]`` (:mod:`.tally`)."""
+        answer: Tuple[Tally, int] = await self.db.runReads(
+            self._tally.tally, writer, from_token, to_token)
+        return answer
+
+    async def fact_sizes(self, writer: str, from_token: int,
+                         to_token: int) -> List[Tuple[int, int]]:
+        """``(id, rows)`` of each fact of ``writer`` in the range."""
+        answer: List[Tuple[int, int]] = await self.db.runReads(
+            self._tally.facts, writer, from_token, to_token)
+        return answer
 
     async def facts_since(
         self, writer: str, from_token: int, to_token: int, limit: int = 1000

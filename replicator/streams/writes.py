@@ -5,8 +5,10 @@ writes (:mod:`.group`): it reserves the group's IDs from the stream's
 sequence (PostgreSQL: ``nextval``, n of them in one round trip; SQLite: an
 in-process counter), tells the ID generator about them *before* the commit
 can happen (so no position ever passes an ID whose rows could still
-appear), inserts every row of every fact in one statement, runs the writes'
-hooks, and persists the writer's position in the same transaction when no
+appear), inserts every row of every fact in one statement (in a table the
+replicator owns, each row with its ``row_index``: its place in its fact, in
+the order the writer gave the rows, which every read orders by), runs the
+writes' hooks, and persists the writer's position in the same transaction when no
 other write of that writer is in flight.  The pool commits.
 
 Completing the IDs and answering the writers is the stream's business
@@ -19,6 +21,7 @@ from typing import Any, Callable, List, NamedTuple, Sequence
 from twisted.logger import Logger
 
 from ..config import StreamConfig
+from ..config.model import ROW_INDEX_COLUMN
 from ..observe import metrics
 from ..storage import schema
 from ..storage.database import Cursor, Database
@@ -60,11 +63,16 @@ class WriteTransaction:
         self._sequence_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         c = config
         sql = db.sql
+        #: Whether each row is written with its row_index (ensure_schema
+        #: gave an owned table the column before any write).
+        self._indexed = c.owns_table
         cols = [c.id_column] + ([c.writer_column] if c.writer_column else []) + c.column_names
+        cols += [ROW_INDEX_COLUMN] if self._indexed else []
         insert_cols = ", ".join(cols)
         marks = ["%s"] * (2 if c.writer_column else 1)
         for column in c.columns:
             marks.append("%s::jsonb" if column.type == "json" and db.is_postgres else "%s")
+        marks += ["%s"] if self._indexed else []
         self._row_marks = "(" + ", ".join(marks) + ")"
         self._insert_one = sql(f"INSERT INTO {c.table} ({insert_cols}) VALUES {self._row_marks}")
         self._insert_head = f"INSERT INTO {c.table} ({insert_cols}) VALUES "
@@ -104,15 +112,18 @@ class WriteTransaction:
         reserved.extend(ids)
         self._hand_out(txn, writes, ids)
         with_writer = self.config.writer_column is not None
+        indexed = self._indexed
         params: List[Any] = []
         count = 0
         for w in writes:
             for stream_id, rows in zip(w.ids, w.facts):
-                for row in rows:
+                for index, row in enumerate(rows):
                     params.append(stream_id)
                     if with_writer:
                         params.append(writer)
                     params.extend(row)
+                    if indexed:
+                        params.append(index)
                     count += 1
         statements = []
         if count:
@@ -135,14 +146,18 @@ class WriteTransaction:
         gen.reserved(writer, ids)
         reserved.extend(ids)
         with_writer = self.config.writer_column is not None
+        indexed = self._indexed
         rows = []
         i = 0
         for w in writes:
             for fact_rows in w.facts:
                 stream_id = ids[i]
                 i += 1
-                for row in fact_rows:
-                    rows.append([stream_id, writer, *row] if with_writer else [stream_id, *row])
+                for index, row in enumerate(fact_rows):
+                    values = [stream_id, writer, *row] if with_writer else [stream_id, *row]
+                    if indexed:
+                        values.append(index)
+                    rows.append(values)
         if rows:
             txn.executemany(self._insert_one, rows)
         self._hand_out(txn, writes, ids)

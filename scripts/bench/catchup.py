@@ -154,11 +154,13 @@ class HealthPoller(threading.Thread):
             time.sleep(0.02)
 
 
-def reader_config(dsn: str, upstream_port: int, http_port: int, path: str) -> dict:
+def reader_config(dsn: str, upstream_port: int, http_port: int, path: str,
+                  audit: bool = True) -> dict:
     return {
         "server_name": "bench.test", "instance_name": "reader",
         "database": {"postgres": dsn},
         "replication": {"upstream": f"tcp:host=127.0.0.1:port={upstream_port}",
+                        "audit": audit,
                         **({"fetch_limit": FETCH_LIMIT} if FETCH_LIMIT else {})},
         "http": {"listen": f"tcp:{http_port}:interface=127.0.0.1", "secret": SECRET},
         "streams": [STREAM],
@@ -166,8 +168,9 @@ def reader_config(dsn: str, upstream_port: int, http_port: int, path: str) -> di
     }
 
 
-def reader_round(dsn, upstream_port, facts, profile=None) -> dict:
-    """One catch-up in a fresh reader process (a thread: blocks)."""
+def reader_round(dsn, upstream_port, facts, profile=None, audit=True) -> dict:
+    """One catch-up in a fresh reader process (a thread: blocks); ``audit``
+    False turns the delivery audit off (its cost's baseline)."""
     from tests.servers import free_port
 
     tmp = tempfile.mkdtemp(prefix="catchup-")
@@ -176,7 +179,8 @@ def reader_round(dsn, upstream_port, facts, profile=None) -> dict:
         f.write(json.dumps({"stream": "catchup", "writer": "master", "position": 0}) + "\n")
     http_port = free_port()
     cmd = [sys.executable, os.path.join(HERE, "catchup_reader.py"),
-           "--config", json.dumps(reader_config(dsn, upstream_port, http_port, path)),
+           "--config", json.dumps(reader_config(dsn, upstream_port, http_port, path,
+                                                              audit)),
            "--stream", "catchup", "--writer", "master", "--target", str(facts)]
     if profile:
         cmd += ["--profile", profile]
@@ -219,9 +223,12 @@ async def run(dsn: str, facts: int = FACTS, rounds: int = ROUNDS, profile=None):
     print(f"catch-up: {facts:,} facts, {rows:,} rows", flush=True)
     master = await start_master(reactor, dsn)  # announces position `facts`
     port = master.port_of("replication")
-    readers, raws = [], []
+    readers, raws, unaudited = [], [], []
     try:
         for i in range(rounds):
+            # The audit's cost: the same catch-up without it, alternating.
+            bare = await threads.deferToThread(reader_round, dsn, port, facts, None, False)
+            unaudited.append(bare["seconds"])
             r = await threads.deferToThread(reader_round, dsn, port, facts,
                                             profile if i == 0 else None)
             raw, raw_cpu = await threads.deferToThread(raw_pass, dsn, facts)
@@ -239,6 +246,8 @@ async def run(dsn: str, facts: int = FACTS, rounds: int = ROUNDS, profile=None):
     entries = [
         record("catchup.facts_per_s", rate(facts, med([r["seconds"] for r in readers])),
                "facts/s", "raw keyset SELECT", rate(facts, med(raws))),
+        record("catchup.audited_facts_per_s", rate(facts, med([r["seconds"] for r in readers])),
+               "facts/s", "the same catch-up, audit off", rate(facts, med(unaudited))),
         record("catchup.stall_max_ms", med([r["stall_max_ms"] for r in readers]), "ms",
                None, None),
         record("catchup.stall_p99_ms", med([r["stall_p99_ms"] for r in readers]), "ms",

@@ -41,7 +41,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 Key = Tuple[str, str]
 KINDS = ("lost", "duplicated", "reordered", "split", "phantom", "history", "claim", "frozen",
-         "exit", "health")
+         "exit", "health", "audit")
 EXAMPLES_PER_KIND = 5
 
 
@@ -211,3 +211,16 @@ def check_processes(v: Violations, exits: Dict[str, List[int]], health: Dict[str
     for name, (status, reason) in health.items():
         if status != 200:
             v.add("health", f"{name} /health {status} on a healed, quiescent cluster: {reason}")
+
+
+def check_audit(v: Violations, audit: Dict[str, Dict[str, float]]):
+    """A run with nothing planted: the delivery audit finds no difference
+    and the table contradicts no POSITION (either would be a false alarm,
+    or a defect of ours the audit caught)."""
+    for name, counts in audit.items():
+        if counts.get("mismatch"):
+            v.add("audit", f"{name}: the delivery audit stopped {counts['mismatch']:g} "
+                           f"reader(s) on a run with nothing planted")
+        if counts.get("contradicted"):
+            v.add("audit", f"{name}: {counts['contradicted']:g} POSITION(s) contradicted by "
+                           f"the table on a run with nothing planted")

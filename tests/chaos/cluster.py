@@ -42,6 +42,8 @@ INSTANCES = ("master", "worker1", "worker2")
 #: Rows per catch-up read: small, so catch-ups cross many page boundaries
 #: (a multi-row fact must never be cut at one).
 FETCH_LIMIT = 100
+#: The audit's second check, soon: a run is short.
+AUDIT_RECHECK = 10
 
 STREAMS = [
     {"name": "caches", "table": "cache_invalidation_stream",
@@ -218,7 +220,7 @@ def build_configs(transport: str, dsn: str, master_port: int, link_ports: Dict[s
     configs = {}
     for name in INSTANCES:
         replication = {"ping_interval": PING_INTERVAL, "ping_timeout": PING_TIMEOUT,
-                       "fetch_limit": FETCH_LIMIT}
+                       "fetch_limit": FETCH_LIMIT, "audit_recheck": AUDIT_RECHECK}
         if transport == "tcp":
             if name == "master":
                 replication["listen"] = f"tcp:{master_port}:interface=127.0.0.1"

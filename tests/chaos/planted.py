@@ -31,3 +31,32 @@ class DroppingJsonlConsumer(JsonlConsumer):
         if rows and not kept:
             return None  # the fact's only RDATA line was "lost"
         return super().on_facts(stream, writer, token, kept)
+
+
+class SkippingReaderJsonlConsumer(JsonlConsumer):
+    """The JSON-lines consumer in a daemon whose *reader* has a planted
+    skip: every ``skip_every``-th live fact (an RDATA whole fact) is never
+    handed on, yet the reader's position moves past it — the silent skip
+    the delivery audit exists to find (``--plant skip-fact``).  The patch
+    is made when the consumer is built, so only the daemons of the run that
+    configures it have it."""
+
+    def __init__(self, path, streams=None, fsync=True, flush_interval=0.05, skip_every=50):
+        super().__init__(path, streams=streams, fsync=fsync, flush_interval=flush_interval,
+                         reactor=reactor)
+        from replicator.replication.core import reader as reader_module
+
+        every = int(skip_every)
+        original = reader_module.Reader._hand_on
+        if getattr(original, "planted", False):
+            return
+        seen = [0]
+
+        async def hand_on(self, token, rows):
+            seen[0] += 1
+            if seen[0] % every == 0:
+                return None  # the planted defect: not handed on, position moves on
+            return await original(self, token, rows)
+
+        hand_on.planted = True
+        reader_module.Reader._hand_on = hand_on

@@ -27,8 +27,10 @@ from tests.support import create_stream_tables, without_time
 from . import checker
 from .clients import Writer, http_request, row_tag
 from .cluster import (
+    AUDIT_RECHECK,
     INSTANCES,
     SECRET,
+    SERVER_NAME,
     STREAMS,
     TABLES,
     Instance,
@@ -38,6 +40,7 @@ from .cluster import (
     streams_for,
     write_targets_for,
 )
+from .forger import LateCommitter, PositionForger, tripped
 from .nemesis import Nemesis, make_schedule
 from .observer import Observer
 from .proxy import Proxy
@@ -48,8 +51,18 @@ QUIESCENCE_TIMEOUT = 90.0
 #: last fact within this long (a few ping intervals) or is ``frozen``.
 FROZEN_TIMEOUT = 10.0
 HEALTH_TIMEOUT = 30.0
+#: Planted defects: a consumer put in (the checker must catch what it
+#: does), or None for a fault from outside (:mod:`.forger`) the daemons'
+#: delivery audit and checked POSITIONs must catch.
 PLANTS = {"drop-rdata": {"type": "tests.chaos.planted:DroppingJsonlConsumer",
-                         "drop_every": 100}}
+                         "drop_every": 100},
+          "skip-fact": {"type": "tests.chaos.planted:SkippingReaderJsonlConsumer",
+                        "skip_every": 50},
+          "forge-position": None,
+          "late-sql": None}
+#: Seconds within which a plant must have tripped the audit (or a checked
+#: POSITION): a few audit passes, plus the chaos configs' audit_recheck.
+TRIP_BOUND = {"skip-fact": 10.0, "forge-position": 10.0, "late-sql": 10.0 + AUDIT_RECHECK}
 LEVELS = ("ERROR ", "CRITICAL ")
 EXCEPTION = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Transition)"
                        r"(?::\s.*|$))")
@@ -239,7 +252,8 @@ async def supervise(instances: Dict[str, Instance], say, stop: asyncio.Event):
 async def run_once(scenario: str, transport: str, seed: int, duration: float = 30.0,
                    plant: Optional[str] = None, results_path: Optional[str] = None,
                    keep: bool = False, say=print,
-                   quiescence_timeout: float = QUIESCENCE_TIMEOUT) -> dict:
+                   quiescence_timeout: float = QUIESCENCE_TIMEOUT,
+                   health_timeout: float = HEALTH_TIMEOUT) -> dict:
     started = time.monotonic()
     schedule = make_schedule(scenario, transport, seed, duration)
     say(f"== chaos {scenario}/{transport} seed={seed} duration={duration}s"
@@ -297,6 +311,20 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
                                       random.Random(client_rng.random()), writes))
         writer_tasks = [asyncio.ensure_future(w.run()) for w in writers]
         await asyncio.sleep(1.0)
+        planter = plant_task = None
+        plant_started = time.monotonic()
+        if plant == "forge-position":
+            if redis is None:
+                raise ValueError("--plant forge-position needs the Redis transport")
+            planter = PositionForger(redis.port, SERVER_NAME, ["account_data", "caches"])
+        elif plant == "late-sql":
+            config = {s.name: s for s in parse_streams(streams)}["account_data"]
+            planter = LateCommitter(dsn, config.table, config.sequence,
+                                    list(config.column_names))
+        if planter is not None:
+            plant_task = asyncio.ensure_future(planter.run())
+        trips: dict = {}
+        watch = asyncio.ensure_future(watch_trips(instances, trips)) if plant else None
 
         nemesis = Nemesis(schedule, instances, proxies, pg, redis, say)
         await nemesis.run()
@@ -304,6 +332,9 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
         if remaining > 0:
             await asyncio.sleep(remaining)
 
+        if planter is not None:
+            planter.stopping = True
+            await plant_task
         # Heal: every fault heals itself; make sure, then let writes settle.
         for proxy in proxies.values():
             proxy.heal()
@@ -339,7 +370,7 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
         await observer.final()
 
         health = {}
-        deadline = time.monotonic() + HEALTH_TIMEOUT
+        deadline = time.monotonic() + health_timeout
         for instance in instances.values():
             status, reason = None, "no answer"
             while True:
@@ -354,6 +385,11 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
                 await asyncio.sleep(0.5)
             health[instance.name] = (status, reason)
 
+        audit = await tripped({n: i.http_port for n, i in instances.items()})
+        if watch is not None:
+            watch.cancel()
+        plant_at = getattr(planter, "first_at", None) or plant_started
+        trip_s = (round(trips["at"] - plant_at, 1) if "at" in trips else None)
         stop_supervisor.set()
         await supervisor_task
         exit_codes = {name: i.terminate() for name, i in instances.items()}
@@ -379,6 +415,8 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             v.examples[kind].extend(examples)
         checker.check_processes(v, {n: i.unexpected_exits for n, i in instances.items()},
                                 health, exit_codes)
+        if plant is None:
+            checker.check_audit(v, audit)
 
         log_errors = defaultdict(int)
         for instance in instances.values():
@@ -399,6 +437,9 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             "snapshots": len(observer.snapshots),
             "quiescent": quiescent, "quiescence_s": round(quiescence_s, 1),
             "violations": v.as_dict(), "examples": dict(v.examples),
+            "audit": audit, "trip_s": trip_s,
+            "planted": (len(planter.committed) if isinstance(planter, LateCommitter)
+                        else getattr(planter, "forged", None)),
             "exit_codes": exit_codes,
             "startup_db_exits": {n: i.startup_db_exits for n, i in instances.items()
                                  if i.startup_db_exits},
@@ -440,6 +481,17 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             await asyncio.to_thread(pg.stop)
         if not result.get("dir") and not keep:
             shutil.rmtree(base, ignore_errors=True)
+
+
+async def watch_trips(instances: Dict[str, Instance], trips: dict) -> None:
+    """Poll every instance's metrics until the audit or a checked POSITION
+    says something: ``trips["at"]`` is when it first did."""
+    while "at" not in trips:
+        counts = await tripped({n: i.http_port for n, i in instances.items()})
+        if any(c["mismatch"] or c["contradicted"] for c in counts.values()):
+            trips["at"] = time.monotonic()
+            return
+        await asyncio.sleep(0.5)
 
 
 def summary_table(results: List[dict]) -> str:

@@ -33,6 +33,12 @@ the attacks of issue 11 items 1-4, each beside an honest reader:
   ``replication.redis.keys`` on both instances the reader must get every
   fact of the table, none lost (without keys, how many were lost is a
   figure: the trust the setting adds).
+* ``away_writer``: while worker1 is away (no link) and its next ``caches``
+  fact is in flight, an impostor says ``NAME worker1`` and ``POSITION caches
+  worker1 0 <t>`` past that fact, on a master that gives worker1 a secret
+  (``writer_secrets``): the impostor cannot prove the NAME and is refused,
+  and once worker1 commits the fact and comes back (a worker daemon that
+  proves its NAME) the master's consumer gets it.  No fact lost.
 * ``relay_long_line``: a 12 KB ``LOCK_RELEASED`` with non-ASCII text and a
   lone surrogate: the honest reader stays connected and gets no line over
   the limit.
@@ -778,11 +784,85 @@ def redis_forged_positions(directory, dsn_factory, result, facts: int = 120) -> 
         redis.stop()
 
 
+def away_writer(directory, dsn, result) -> None:
+    """An impostor while the writer is away (see the module docstring)."""
+    import secrets
+
+    import psycopg2
+
+    secret_path = os.path.join(directory, "worker1.secret")
+    with open(secret_path, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    os.chmod(secret_path, 0o600)
+    master = Daemon(os.path.join(directory, "master"), dsn,
+                    writer_secrets={"worker1": secret_path})
+    master.config["consumers"] = [{"type": "jsonl", "path": "facts.jsonl"}]
+    os.makedirs(master.dir)
+    worker = Daemon(os.path.join(directory, "worker1"), dsn)
+    worker.config["instance_name"] = "worker1"
+    worker.config["replication"] = {
+        "upstream": f"tcp:host=127.0.0.1:port={master.rep_port}", "secret_file": secret_path,
+        "reconnect_initial_delay": 0.1, "reconnect_max_delay": 0.5}
+    os.makedirs(worker.dir)
+    facts = os.path.join(master.dir, "facts.jsonl")
+    db = None
+    try:
+        master.start()
+        db = psycopg2.connect(dsn)
+        db.autocommit = True
+        with db.cursor() as cur:  # worker1's next fact: its ID taken, not yet committed
+            cur.execute("SELECT nextval('cache_stream_seq')")
+            token = cur.fetchone()[0]
+        attack = f"NAME worker1\nPING 1\nPOSITION caches worker1 0 {token}\n"
+        impostor = Peer(master.rep_port, attack)
+        impostor.drain(1.0)
+        result.tried("away_writer")
+        refused = _refused(impostor) and b"AUTH_CHALLENGE " in impostor.received
+        result.figure("away_writer.impostor_refused", refused)
+        if not refused:
+            result.found("away_writer", "an impostor's POSITION for a writer with a secret was "
+                         "not refused", "away_writer", repr(attack), show(impostor.received[-200:]))
+        impostor.close()
+        # worker1 commits its fact, then comes back (and proves its NAME).
+        with db.cursor() as cur:
+            cur.execute("INSERT INTO cache_stream (stream_id, instance_name, cache_func, keys, "
+                        "ts) VALUES (%s, 'worker1', 'away-probe', NULL, 1)", (token,))
+        worker.start()
+
+        def delivered():
+            if not os.path.exists(facts):
+                return False
+            with open(facts, "rb") as f:
+                return b"away-probe" in f.read()
+
+        try:
+            wait_for(delivered, 15, "worker1's fact at the master's consumer")
+            result.figure("away_writer.fact_delivered", True)
+        except AssertionError:
+            result.figure("away_writer.fact_delivered", False)
+            result.found("away_writer", "worker1's fact never reached the master's consumer "
+                         "after an impostor's POSITION", "away_writer", repr(attack),
+                         f"fact {token} of caches/worker1 committed")
+        metrics_text = http_get(master.http_port, "/metrics")[1].decode("utf-8", "replace")
+        result.figure("away_writer.unproven_refusals", sum(
+            float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+            if line.startswith('replicator_connections_refused_total{reason="unproven"}')))
+        worker.stop()
+        master.stop()
+        _check_daemon(result, master, None)
+        _check_daemon(result, worker, None)
+    finally:
+        if db is not None:
+            db.close()
+        worker.kill()
+        master.kill()
+
+
 ATTACKS = [impersonate_master, impersonate_writer, rename, bookkeeping, relay_long_line,
            poison_master, borrowed_name]
 #: Attacks that start daemons of their own (make fuzz only).
 EXTRA = [allow_lists, tls_identity, poison_worker, batch_flood, slow_readers,
-         batch_amplification, redis_forged_positions]
+         batch_amplification, redis_forged_positions, away_writer]
 
 
 def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
@@ -821,6 +901,10 @@ def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
             redis_dir = os.path.join(directory, "redis")
             os.makedirs(redis_dir)
             redis_forged_positions(redis_dir, dsn_factory, result)
+        if away_writer in attacks:
+            away_dir = os.path.join(directory, "away")
+            os.makedirs(away_dir)
+            away_writer(away_dir, dsn_factory(), result)
         if poison_worker in attacks:
             worker_dir = os.path.join(directory, "worker")
             os.makedirs(worker_dir)

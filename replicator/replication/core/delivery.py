@@ -31,6 +31,7 @@ from ...consumers import Consumer
 from ...consumers.base import IBatchConsumer
 from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
+from .audit import Mismatch
 from .reader import Reader, maybe_await
 
 Fact = Tuple[int, List[List[Any]]]
@@ -47,10 +48,14 @@ def consumers_for(consumers: Sequence[Consumer], stream_name: str) -> List[Consu
 def make_reader(stream: Stream, writer: str, position: Optional[int],
                 consumers: Sequence[Consumer], *, clock: IReactorTime, fetch_limit: int,
                 retry_delay: float, background: Background,
-                on_gap: Optional[Callable[[FactsTrimmed], None]] = None) -> Reader:
+                on_gap: Optional[Callable[[FactsTrimmed], None]] = None,
+                on_mismatch: Optional[Callable[[Mismatch], None]] = None,
+                audit: bool = True) -> Reader:
     """The reader of ``writer``'s facts on ``stream`` from ``position``,
     handing them to those of ``consumers`` that take the stream, and moving
-    the stream's ID generator along for a writer that is not local."""
+    the stream's ID generator along for a writer that is not local.  Its
+    POSITIONs are checked against the table, and (``audit``) what it
+    hands on is noted for the audit (:mod:`.audit`)."""
     deliver, deliver_many, reached = delivery_for(stream.name, writer, consumers)
 
     def advanced(token: int) -> None:
@@ -60,7 +65,8 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
     return Reader(stream.name, writer, position, source=stream.facts_since, deliver=deliver,
                   deliver_many=deliver_many, reached=reached, advanced=advanced, clock=clock,
                   fetch_limit=fetch_limit, retry_delay=retry_delay, background=background,
-                  on_gap=on_gap)
+                  on_gap=on_gap, probe=stream.first_fact_in, known=stream.known_ids,
+                  audit=audit, on_mismatch=on_mismatch)
 
 
 def delivery_for(name: str, writer: str, consumers: Sequence[Consumer],

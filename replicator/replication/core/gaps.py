@@ -1,5 +1,6 @@
 """Streams this instance stopped reading because retention trimmed facts
-its readers (or consumers) still needed.
+its readers (or consumers) still needed, or because what a reader handed on
+is not what the table holds (:mod:`.audit`).
 
 A reader that would have to read facts below a stream's trim boundary
 (:mod:`replicator.streams.trimmed`) stops instead of skipping them; the
@@ -9,7 +10,10 @@ says which stream) and records the gap here.  A gap stays until a restart
 with the ``replicator rewind --skip-to`` its text names): it is one
 error line when found, a ``replicator_retention_gap`` gauge, and a health
 finding (kind ``trimmed``) that fails ``/health`` and shows on the status
-page, naming the consumers whose position is below the boundary.
+page, naming the consumers whose position is below the boundary.  A
+mismatch is the same: one error line, the ``replicator_audit_mismatch``
+gauge, a finding (kind ``audit``) naming the stream, writer and IDs, and
+the ``replicator rewind --to`` that hands those facts on again.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -20,6 +24,7 @@ from ...consumers import Consumer
 from ...observe import metrics
 from ...observe.health import Finding
 from ...streams.trimmed import FactsTrimmed
+from .audit import Mismatch
 
 log = Logger(namespace="replicator.retention")
 
@@ -38,6 +43,7 @@ class TrimGaps:
 
     def __init__(self, config_path: Optional[str] = None) -> None:
         self._gaps: Dict[Key, Tuple[FactsTrimmed, str]] = {}
+        self._mismatches: Dict[Key, Tuple[Mismatch, str]] = {}
         #: The instance's config file, as the gap's command names it.
         self.config_path = config_path
 
@@ -88,16 +94,49 @@ class TrimGaps:
                 f"{move}, then start it (or restore the facts: docs/operations.md, "
                 f"\"Retention gaps\")")
 
+    def report_mismatch(self, found: Mismatch, consumers: Sequence[Consumer]) -> str:
+        """Record ``found`` (``consumers`` take the stream); its health
+        line, logged once per (stream, writer)."""
+        key = (found.stream, found.writer)
+        if key in self._mismatches:
+            return self._mismatches[key][1]
+        config = self.config_path or "CONFIG"
+        back = found.first - 1
+        paths = [p for p in (getattr(c, "path", None) for c in consumers) if isinstance(p, str)]
+        commands = [f"`replicator rewind -c {config} {path} --stream {found.stream} --to {back}`"
+                    for path in paths]
+        how = ("a fact arrived that a POSITION had said was not there"
+               if found.how == "late fact" else "the audit compared it with the table")
+        todo = (f"to hand them on again, stop this instance, run {' and '.join(commands)}, "
+                f"then start it" if commands else
+                "restart this instance to read them again from the table")
+        text = (f"stream {found.stream}: what was delivered of writer {found.writer} in "
+                f"({found.since}, {found.upto}] is not what the table holds ({how}): "
+                f"{found.describe()}; the stream is stopped here: {todo}")
+        self._mismatches[key] = (found, text)
+        metrics.AUDIT_MISMATCH.labels(found.stream, found.writer).set(1)
+        log.error("{text}", text=text)
+        return text
+
     def stopped(self, stream: str) -> bool:
-        """Whether a gap stopped ``stream`` here."""
-        return any(s == stream for s, _ in self._gaps)
+        """Whether a gap or a mismatch stopped ``stream`` here."""
+        return any(s == stream for s, _ in [*self._gaps, *self._mismatches])
+
+    def mismatch(self, stream: str, writer: str) -> Optional[Mismatch]:
+        found = self._mismatches.get((stream, writer))
+        return found[0] if found is not None else None
 
     def gap(self, stream: str, writer: str) -> Optional[FactsTrimmed]:
         found = self._gaps.get((stream, writer))
         return found[0] if found is not None else None
 
     def findings(self) -> List[Finding]:
-        """One finding per gap, failing ``/health``, in (stream, writer) order."""
-        return [Finding("trimmed", key[0], key[1], text,
+        """One finding per gap and per mismatch, failing ``/health``, in
+        (stream, writer) order."""
+        gaps = [Finding("trimmed", key[0], key[1], text,
                         f"stopped: facts up to {gap.boundary} trimmed, needed after {gap.since}")
                 for key, (gap, text) in sorted(self._gaps.items())]
+        return gaps + [Finding("audit", key[0], key[1], text,
+                               f"stopped: delivered facts differ from the table in "
+                               f"({found.since}, {found.upto}]")
+                       for key, (found, text) in sorted(self._mismatches.items())]

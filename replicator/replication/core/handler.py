@@ -69,6 +69,7 @@ from ..wire.commands import (
 )
 from ..wire.encoding import MAX_LINE_LENGTH, encode_position_line
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
+from .audit import Auditor, Mismatch
 from .bookkeeping import Bookkeeping
 from .connections import Connections
 from .delivery import consumers_for, make_reader, rewire
@@ -108,6 +109,8 @@ class ReplicationHandler:
         max_user_ips: int = 20_000,
         max_federation_acks: int = 1_000,
         bookkeeping_max_age: float = 86_400.0,
+        audit: bool = True,
+        audit_recheck: float = 60.0,
     ) -> None:
         self.registry = registry
         self.instance_name = instance_name
@@ -140,7 +143,10 @@ class ReplicationHandler:
             clock, self.known_names, max_user_syncs=max_user_syncs, max_user_ips=max_user_ips,
             max_federation_acks=max_federation_acks, max_age=bookkeeping_max_age)
         self._readers: Dict[Key, Reader] = {}
-        self.gaps = TrimGaps()  # streams stopped: facts they need were trimmed
+        self.gaps = TrimGaps()  # streams stopped: facts trimmed, or not what the table holds
+        #: The delivery audit of every reader (a service: the daemon starts it).
+        self.audit = audit
+        self.auditor = Auditor(self.audited, self._mismatch, clock, recheck=audit_recheck)
         self._heard: Dict[Key, float] = {}  # read key -> when its last POSITION/RDATA came
         self._started = False
         self._stopping = False
@@ -259,7 +265,22 @@ class ReplicationHandler:
     def _make_reader(self, stream: Stream, writer: str, position: Optional[int]) -> Reader:
         return make_reader(stream, writer, position, self.consumers, clock=self._clock,
                            fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
-                           background=self.background, on_gap=self._trimmed)
+                           background=self.background, on_gap=self._trimmed,
+                           on_mismatch=self._mismatch, audit=self.audit)
+
+    def audited(self) -> Dict[Key, Tuple[Stream, Reader]]:
+        """Every reader with its stream, by (stream, writer): what the
+        audit (:attr:`auditor`) checks."""
+        return {key: (self.registry.get(key[0]), reader)
+                for key, reader in self._readers.items()}
+
+    def _mismatch(self, found: Mismatch) -> None:
+        """What a reader handed on differs from the table (:mod:`.audit`):
+        the whole stream stops here, like at a retention gap."""
+        self.gaps.report_mismatch(found, consumers_for(self.consumers, found.stream))
+        for (stream, _), reader in self._readers.items():
+            if stream == found.stream:
+                reader.stop()
 
     def _trimmed(self, gap: FactsTrimmed) -> None:
         """A reader needs facts retention trimmed: the whole stream stops
@@ -277,17 +298,33 @@ class ReplicationHandler:
 
     # ---------------------------------------------------------- connections
     def new_connection(self, conn: IReplicationConnection) -> None:
-        announce = not conn.accepted
+        # Nobody asks an upstream or a bus for our positions: announce them,
+        # unless the connection holds our writes back for now (a proof of
+        # our NAME may be asked for first: writes_released comes then).
+        announce = not conn.accepted and not getattr(conn, "writes_held", False)
         label = "unnamed" if conn.role == "client" else conn.role  # named at its NAME
         self.connections.add(conn, replicating=announce, label=label)
         if announce:
-            # Nobody asks an upstream or a bus for our positions: announce them.
-            lines = [
-                encode_position_line(s, w, token, token)
-                for (s, w), token in self.fanout.announced.items()
-            ]
-            if lines:
-                conn.send_lines(lines, "POSITION")
+            self._announce_to(conn)
+
+    def writes_released(self, conn: IReplicationConnection) -> None:
+        """An upstream that held our writes back takes them now: our
+        positions first (readers there catch up on what went meanwhile),
+        then the fan-out."""
+        state = self.connections.get(conn)
+        if state is None or state.replicating:
+            return
+        state.replicating = True
+        self._announce_to(conn)
+
+    def _announce_to(self, conn: IReplicationConnection) -> None:
+        """Our positions, to an upstream or a bus (nobody asks there)."""
+        lines = [
+            encode_position_line(s, w, token, token)
+            for (s, w), token in self.fanout.announced.items()
+        ]
+        if lines:
+            conn.send_lines(lines, "POSITION")
 
     def lost_connection(self, conn: IReplicationConnection, reason: str) -> None:
         if self.connections.remove(conn, reason) is None:

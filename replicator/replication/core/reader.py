@@ -27,7 +27,19 @@ Invariants:
   ``fetch_limit`` rows, never splitting a fact; the next page read while
   one is handed on, the reactor let run between pages) before anything
   later.
-* A fact at or below the position is dropped; ``position`` only grows.
+* A POSITION that would move the position over IDs is not taken on the
+  writer's word: unless every ID in the range is known to be another
+  writer's (``known``), the table is asked (``probe``, one indexed
+  statement) whether it holds a fact of the writer there; if it does, the
+  range is caught up like a gap (and counted: the POSITION was wrong), else
+  the range is remembered as *passed empty*.
+* A fact at or below the position is dropped; ``position`` only grows.  A
+  fact that arrives in a range passed empty contradicts the POSITION that
+  passed it (a forged one, an impostor's, a row committed behind our
+  back): the reader stops there (``on_mismatch``), never silent.
+* Every fact handed on is noted in ``delivered`` (a
+  :class:`.audit.DeliveredLog`, if given) once every consumer has it, and
+  its ID in ``known``: the audit compares those notes with the table.
 * :meth:`Reader.pause` holds the pipeline once the command in hand is
   done (lines still queue); while paused, :meth:`Reader.set_delivery` may
   hand facts to other consumers from then on and :meth:`Reader.rewind`
@@ -58,6 +70,7 @@ from ...observe import metrics
 from ...streams.trimmed import FactsTrimmed
 from ..interfaces import IReplicationConnection
 from ..wire.commands import rdata_row
+from .audit import DeliveredLog, Mismatch
 
 log = Logger()
 
@@ -65,6 +78,13 @@ Fact = Tuple[int, List[List[Any]]]
 #: ``source(writer, from_token, to_token, limit)`` -> ``(facts, upto, limited)``:
 #: ``(token, rows)`` facts, whole, in token order (``Stream.facts_since``)
 Source = Callable[[str, int, int, int], Awaitable[Tuple[List[Fact], int, bool]]]
+#: ``probe(writer, from_token, to_token)`` -> the smallest ID of the writer's
+#: facts in the table in ``(from_token, to_token]``, or None
+#: (``Stream.first_fact_in``)
+Probe = Callable[[str, int, int], Awaitable[Optional[int]]]
+
+#: Ranges passed empty remembered per reader (the newest).
+PASSED_KEPT = 256
 
 
 class Stopping(Exception):
@@ -104,8 +124,18 @@ class Reader:
         retry_delay: float = 1.0,
         background: Optional[Background] = None,
         on_gap: Optional[Callable[[FactsTrimmed], None]] = None,
+        probe: Optional[Probe] = None,
+        known: Optional[Any] = None,
+        audit: bool = False,
+        on_mismatch: Optional[Callable[[Mismatch], None]] = None,
     ) -> None:
         self.stream_name = stream_name
+        self._probe = probe
+        self._known = known  # a streams.known.KnownIds, or None
+        #: What was handed on since the audit's last seal (None: no audit).
+        self.delivered: Optional[DeliveredLog] = DeliveredLog(position) if audit else None
+        self._on_mismatch = on_mismatch
+        self._passed: Deque[Tuple[int, int]] = deque(maxlen=PASSED_KEPT)
         self.gap: Optional[FactsTrimmed] = None  # why it stopped for good, if it did
         self._on_gap = on_gap
         self._background = background if background is not None else Background()
@@ -232,6 +262,9 @@ class Reader:
         if kind == "rdata":
             _, token, rows = item
             if self.position is not None and token <= self.position:
+                if self._passed and self._was_passed(token):
+                    self._contradicted(token)
+                    raise Stopping()
                 return  # already handled
             if len(rows) > 1:
                 rows = [rdata_row(row) if type(row) is bytes else row for row in rows]
@@ -240,7 +273,12 @@ class Reader:
             return
         _, prev, new = item
         position = self.position
-        if position is None or prev <= position <= new:
+        if position is None:
+            if self.delivered is not None:
+                self.delivered.restart(new)
+        elif prev <= position < new:
+            await self._verify(position, new)
+        elif prev <= position <= new:
             pass
         elif position > new:
             return  # stale
@@ -250,6 +288,37 @@ class Reader:
             self._advance(new)
             if self._reached is not None:
                 await maybe_await(self._reached(new))
+
+    async def _verify(self, position: int, new: int) -> None:
+        """Take a POSITION over ``(position, new]`` only once the table
+        agrees that the writer has no fact there (see the invariants)."""
+        if self._probe is None or (self._known is not None
+                                   and self._known.covers(position, new)):
+            return
+        found = await self._probe(self.writer, position, new)
+        if found is None:
+            self._passed.append((position, new))
+            return
+        metrics.POSITIONS_CONTRADICTED.labels(self.stream_name).inc()
+        log.warn("stream {stream}: a POSITION of writer {writer} claimed nothing in "
+                 "({since}, {until}] but the table holds its fact {found}: caught up from "
+                 "the table", stream=self.stream_name, writer=self.writer, since=position,
+                 until=new, found=found)
+        await self._catch_up(position, new)
+
+    def _was_passed(self, token: int) -> bool:
+        return any(lo < token <= hi for lo, hi in self._passed)
+
+    def _contradicted(self, token: int) -> None:
+        """A fact arrived in a range a POSITION had passed empty: stop."""
+        metrics.POSITIONS_CONTRADICTED.labels(self.stream_name).inc()
+        lo, hi = next((lo, hi) for lo, hi in self._passed if lo < token <= hi)
+        found = Mismatch(self.stream_name, self.writer, lo, hi, [token], [], [], (1, 0, 0),
+                         "late fact")
+        self.stop()
+        self.queue.clear()
+        if self._on_mismatch is not None:
+            self._on_mismatch(found)
 
     async def _catch_up(self, since: int, until: int) -> None:
         """Hand on the facts of ``(since, until]`` from ``source``, page by page.
@@ -297,6 +366,7 @@ class Reader:
             if result is not None:
                 await maybe_await(result)
             if facts:
+                self._noted_page(facts)
                 self._advance(facts[-1][0])
             return
         deliver = self._deliver
@@ -308,6 +378,7 @@ class Reader:
                 result = deliver(token, rows)
                 if result is not None:
                     await maybe_await(result)
+                self._noted(token, rows)
                 self.position = last = token
         finally:
             if last is not None and self._advanced is not None:
@@ -317,6 +388,20 @@ class Reader:
         if self._stopping:
             raise Stopping()
         await maybe_await(self._deliver(token, rows))
+        self._noted(token, rows)
+
+    def _noted(self, token: int, rows: List[Any]) -> None:
+        """A fact every consumer has: in the audit's log and known IDs."""
+        if self.delivered is not None:
+            self.delivered.add(token, len(rows))
+        if self._known is not None:
+            self._known.note((token,))
+
+    def _noted_page(self, facts: List[Fact]) -> None:
+        if self.delivered is not None:
+            self.delivered.add_page(facts)
+        if self._known is not None:
+            self._known.note(map(_token_of, facts))
 
     def _advance(self, token: int) -> None:
         self.position = token
@@ -374,6 +459,14 @@ class Reader:
             # A POSITION the reader is below: _apply catches up to it.
             self.queue.appendleft(("position", self.position, self.position))
             self.position = position
+        if self.delivered is not None:
+            self.delivered.restart(self.position)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called (a gap, a mismatch, a writer
+        dropped, shutdown)."""
+        return self._stopping
 
     def stop(self) -> None:
         self._stopping = True
@@ -383,6 +476,7 @@ class Reader:
 
 
 _rows_of = itemgetter(1)
+_token_of = itemgetter(0)
 
 
 def _resolved(result: Any) -> Any:

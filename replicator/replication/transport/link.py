@@ -68,7 +68,8 @@ CLOSE_REASONS = frozenset({
 })
 
 # Handler methods resolved once per connection.
-_HOOKS = ("new_connection", "lost_connection", "count_inbound", "count_outbound", "count_dropped")
+_HOOKS = ("new_connection", "lost_connection", "count_inbound", "count_outbound", "count_dropped",
+          "writes_released")
 
 # How many queued lines resumeProducing hands to one write call, so
 # that a transport pausing us again mid-drain is noticed.

@@ -13,7 +13,10 @@ checks on top of that, on the accepting (server) side only:
 * with ``allowed_peers``: ``NAME`` must be listed, and nothing but ``PING``
   and ``NAME`` is accepted before it;
 * with ``allowed_networks``: the peer's address must be in one of the
-  networks, checked as soon as the connection is made.
+  networks, checked as soon as the connection is made;
+* with ``writer_secrets``: a peer naming itself after one of those writers
+  must prove it holds the writer's secret (:mod:`.proof`) before its
+  RDATA/POSITION is taken, and holds the name only from then on.
 
 A refusal is ``ERROR <why>`` and a close.  Without ``client_ca``,
 ``allowed_peers`` and ``allowed_networks`` nothing a Synapse peer sends is
@@ -24,8 +27,8 @@ a label only if the configuration knows it.
 """
 
 import ipaddress
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, AbstractSet, FrozenSet, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AbstractSet, FrozenSet, Mapping, Optional, Tuple
 
 if TYPE_CHECKING:
     from ...config import ReplicationConfig
@@ -46,6 +49,12 @@ class PeerPolicy:
     certificate_names: bool = False  # client_ca is set: NAME must be in the certificate
     allowed_peers: Optional[FrozenSet[str]] = None
     allowed_networks: Optional[Tuple[Network, ...]] = None
+    #: The remote writers that must prove their NAME: name -> secret.
+    writer_secrets: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
+
+    def secret_for(self, name: str) -> Optional[str]:
+        """The secret ``name`` must prove it holds, or None (not bound)."""
+        return self.writer_secrets.get(name)
 
     @property
     def name_required(self) -> bool:
@@ -95,6 +104,8 @@ def policy_from_config(replication: "ReplicationConfig", reserved: AbstractSet[s
         allowed_peers=frozenset(peers) if peers is not None else None,
         allowed_networks=tuple(ipaddress.ip_network(n) for n in networks)
         if networks is not None else None,
+        writer_secrets={w.name: w.secret for w in replication.writer_secrets
+                        if w.secret is not None},
     )
 
 

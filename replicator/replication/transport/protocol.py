@@ -23,7 +23,7 @@ command the peer may not send (direction, writer, NAME first) is never
 dispatched: ``ERROR`` and close.  (Those of :mod:`.link` hold too.)
 """
 
-from typing import Any, Callable, Dict, FrozenSet, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.python.failure import Failure
@@ -31,11 +31,14 @@ from zope.interface import implementer
 
 from ...logs.printable import printable
 from ...net.tls import certificate_names
+from ...observe import metrics
 from ..interfaces import IPeerConnection, IReplicationHandler
 from ..wire.commands import (
     CLIENT_COMMANDS,
     CLIENT_WRITER_COMMANDS,
     SERVER_COMMANDS,
+    AuthChallengeCommand,
+    AuthCommand,
     Command,
     ErrorCommand,
     NameCommand,
@@ -45,6 +48,7 @@ from ..wire.commands import (
     parse_line,
 )
 from ..wire.parsing import CommandParseError
+from . import proof
 from .link import (
     CONNECTION_LOST,
     IDENTIFY_TIMEOUT_REASON,
@@ -218,8 +222,8 @@ class ReplicationProtocol(LineConnection):
             self._call(self._count_inbound, self, name)
         own = self._own.get(name)
         if own is not None:
-            own(cmd)
-            if self._closing:
+            # True: the protocol keeps the command (the handler gets it later, or never).
+            if own(cmd) or self._closing:
                 return
         method = self._dispatch.get(name)
         if method is not None:
@@ -265,7 +269,17 @@ class ServerReplicationProtocol(ReplicationProtocol):
     address) is asked then, ``name`` None for an anonymous reader; a text
     it returns is the refusal.  With ``identify_timeout``, a client that
     has not identified itself within that many seconds of connecting is
-    closed (``identify_timeout``)."""
+    closed (``identify_timeout``).
+
+    A ``NAME`` the policy gives a secret (``writer_secrets``) identifies
+    the client only once it has proven it (:mod:`.proof`): the ``NAME`` is
+    answered with ``AUTH_CHALLENGE``, and until a right ``AUTH`` comes the
+    connection is still unidentified (it holds no name, ``identify_timeout``
+    runs, the handler has heard neither its ``NAME`` nor its ``REPLICATE``,
+    which reach it once the proof came) and its RDATA/POSITION is
+    refused (``ERROR``, close, counted as ``unproven``); a wrong ``AUTH`` is
+    refused too (``bad_proof``).  Nothing is sent to a client whose name has
+    no secret: a Synapse peer sees Synapse's wire."""
 
     VALID_INBOUND = CLIENT_COMMANDS
     accepted = True
@@ -283,6 +297,11 @@ class ServerReplicationProtocol(ReplicationProtocol):
         self._identify_call: Optional[IDelayedCall] = None
         #: Whether the client identified itself (NAME, or REPLICATE first).
         self.identified = False
+        #: While a bound NAME waits for its proof: (the nonce sent, the NAME).
+        self._challenge: Optional[Tuple[str, NameCommand]] = None
+        #: Whether the client proved its NAME (:mod:`.proof`).
+        self.proven = False
+        self._replicate_held = False  # a REPLICATE came before the proof
 
     def _timers(self) -> List[Optional[IDelayedCall]]:
         return super()._timers() + [self._identify_call]
@@ -300,7 +319,8 @@ class ServerReplicationProtocol(ReplicationProtocol):
     def _identify_due(self) -> None:
         self._identify_call = None
         if not self.identified:
-            text = f"NAME not received within {self._identify_timeout:g}s"
+            what = "AUTH" if self._challenge is not None else "NAME"
+            text = f"{what} not received within {self._identify_timeout:g}s"
             self.close(IDENTIFY_TIMEOUT_REASON, text)
 
     def _identified(self, name: Optional[str]) -> Optional[str]:
@@ -332,30 +352,84 @@ class ServerReplicationProtocol(ReplicationProtocol):
             cert_names = (certificate_names(self.transport) if policy.certificate_names
                           else None)
             refusal = policy.check_name(self._peer_instance, None, cert_names)
+            if refusal is None and self.identified and not self.proven \
+                    and policy.secret_for(self._peer_instance) is not None:
+                refusal = f"NAME {printable(self._peer_instance, 64)} must now prove itself (AUTH)"
         return refusal
 
     def _send_handshake(self) -> None:
         self.send_command(ServerCommand(self.server_name))
         self.send_command(self._ping_line())
 
-    def _on_NAME(self, cmd: NameCommand) -> None:
+    def _on_NAME(self, cmd: NameCommand) -> bool:
+        """True while the NAME waits for its proof (the handler hears it then)."""
         cert_names = certificate_names(self.transport) if self.policy.certificate_names else None
         refusal = self.policy.check_name(cmd.client_name, self._peer_instance, cert_names)
         if refusal is None and self._peer_instance is None:
+            if self.policy.secret_for(cmd.client_name) is not None:
+                self._peer_instance = cmd.client_name
+                nonce = proof.new_nonce()
+                self._challenge = (nonce, cmd)
+                self.send_command(AuthChallengeCommand(nonce))
+                return True
             refusal = self._identified(cmd.client_name)
+        if refusal is None and self._challenge is not None:
+            return True  # the same NAME again, still unproven
         if refusal is not None:
             self.close(REFUSED, refusal,
                        log_text=f"NAME {printable(cmd.client_name, 64)} refused: {refusal}")
-            return
+            return True
         self._peer_instance = cmd.client_name
         self.log.info("Replication connection {peer} is {name}", peer=self.address, name=self.name)
+        return False
 
-    def _on_REPLICATE(self, cmd: ReplicateCommand) -> None:
+    def _on_AUTH(self, cmd: AuthCommand) -> bool:
+        """The proof of the NAME challenged: right, the client is identified
+        as that name (and the handler hears its NAME); else ``ERROR``."""
+        challenge = self._challenge
+        if challenge is None:
+            self.close(REFUSED, "AUTH not asked for", log_text="AUTH not asked for")
+            return True
+        nonce, name_cmd = challenge
+        name = name_cmd.client_name
+        secret = self.policy.secret_for(name)
+        if secret is None or not proof.verify(secret, self.server_name, name, nonce,
+                                              cmd.proof):
+            metrics.CONNECTIONS_REFUSED.labels("bad_proof").inc()
+            text = f"AUTH for {printable(name, 64)} refused: wrong proof"
+            self.close(REFUSED, text, log_text=text)
+            return True
+        self._challenge = None
+        refusal = self._identified(name)
+        if refusal is not None:
+            self.close(REFUSED, refusal, log_text=f"NAME {printable(name, 64)} refused: {refusal}")
+            return True
+        self.proven = True
+        self.log.info("Replication connection {peer} is {name} (proven)", peer=self.address,
+                      name=self.name)
+        for command_name, held in (("NAME", name_cmd),
+                                   ("REPLICATE", ReplicateCommand() if self._replicate_held
+                                    else None)):
+            method = self._dispatch.get(command_name)
+            if held is not None and method is not None and not self._closing:
+                self._call(method, self, held)
+        self._replicate_held = False
+        return True
+
+    def _on_REPLICATE(self, cmd: ReplicateCommand) -> bool:
+        """True while the NAME before it waits for its proof: the handler
+        hears the REPLICATE once the proof came (an unproven connection is
+        sent nothing but the challenge)."""
+        if self._challenge is not None:
+            self._replicate_held = True
+            return True
         if self.identified:
-            return
+            return False
         refusal = self._identified(None)
         if refusal is not None:
             self.close(REFUSED, refusal, log_text=f"anonymous reader refused: {refusal}")
+            return True
+        return False
 
     def _write_refusal(self, cmd: Command) -> Optional[str]:
         """None for RDATA/POSITION of the client's own writer of a stream
@@ -372,6 +446,9 @@ class ServerReplicationProtocol(ReplicationProtocol):
             return f"{what}: no NAME sent"
         if writer != instance:
             return f"{what}: this connection is {printable(instance, 64)}"
+        if self._challenge is not None:
+            metrics.CONNECTIONS_REFUSED.labels("unproven").inc()
+            return f"{what}: {printable(instance, 64)} has not proven its NAME (AUTH)"
         try:
             allowed = bool(self._client_may_write(stream, instance))
         except Exception:
@@ -391,18 +468,36 @@ class ClientReplicationProtocol(ReplicationProtocol):
     once, so a silent one is dead).  ``on_healthy()`` is called once, when
     the handshake is done and the connection has stayed up for
     ``ping_interval`` seconds since: the reconnect backoff resets only then.
+
+    With a ``secret`` (this writer's, :mod:`.proof`) the client holds its
+    own RDATA/POSITION back (:attr:`writes_held`: the handler sends none
+    here) until it knows whether the server asks for a proof: an
+    ``AUTH_CHALLENGE`` is answered with ``AUTH`` and the writes go after it;
+    a POSITION or RDATA from the server, which answers REPLICATE only after
+    it handled our NAME, or ``ping_interval`` after its ``SERVER``, says it
+    will not ask (a Synapse server, or one that gives us no secret): the
+    writes go as they always did.  The handler is told then
+    (``writes_released(conn)``).  Nothing new is ever sent unasked.
     """
 
     VALID_INBOUND = SERVER_COMMANDS
     accepted = False
 
     def __init__(self, handler: IReplicationHandler, client_name: Optional[str], server_name: Optional[str],
-                 on_healthy: Optional[Callable[[], None]] = None, **kwargs: Any) -> None:
+                 on_healthy: Optional[Callable[[], None]] = None, secret: Optional[str] = None,
+                 **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         self.client_name = client_name
         self.server_name = server_name
         self._on_healthy = on_healthy
         self._healthy_call: Optional[IDelayedCall] = None
+        self._secret = secret
+        #: Whether our own RDATA/POSITION wait to learn if a proof is asked for.
+        self.writes_held = secret is not None and bool(client_name)
+        self._challenged = False
+        if not self.writes_held:
+            self._own.pop("POSITION", None)
+            self._own.pop("RDATA", None)
 
     def _timers(self) -> List[Optional[IDelayedCall]]:
         return super()._timers() + [self._healthy_call]
@@ -415,8 +510,46 @@ class ClientReplicationProtocol(ReplicationProtocol):
         """Handshake done and alive for ``ping_interval``: the connection
         has proven healthy (the reconnect backoff may start over)."""
         self._healthy_call = None
+        if self.established:
+            self._release_writes()
         if self.established and self._on_healthy is not None:
             self._call(self._on_healthy)
+
+    def _release_writes(self) -> None:
+        """Our writes may go (proved, or no proof is asked for): the handler
+        sends them from now on."""
+        if not self.writes_held or self._closing:
+            return
+        self.writes_held = False
+        self._own.pop("POSITION", None)
+        self._own.pop("RDATA", None)
+        self._call_hook("writes_released", self)
+
+    def _on_POSITION(self, cmd: Command) -> None:
+        self._release_writes()
+
+    _on_RDATA = _on_POSITION
+
+    def _on_AUTH_CHALLENGE(self, cmd: AuthChallengeCommand) -> bool:
+        """Prove our NAME once, if we hold a secret; without one the server
+        will refuse our writes (its ERROR says why)."""
+        if self._challenged:
+            self.close(REFUSED, "AUTH_CHALLENGE twice", log_text="AUTH_CHALLENGE twice")
+            return True
+        self._challenged = True
+        if self._secret is None or not self.client_name:
+            self.log.error("Upstream {conn} asks {name} to prove its NAME, but this instance "
+                           "has no replication.secret_file: its writes will be refused",
+                           conn=self, name=printable(self.client_name or "", 64))
+            return True
+        if not proof.NONCE.fullmatch(cmd.nonce):
+            self.close(PARSE_ERROR, "AUTH_CHALLENGE: not a nonce",
+                       log_text="AUTH_CHALLENGE: not a nonce")
+            return True
+        self.send_command(AuthCommand(proof.proof(self._secret, self._peer_instance or "",
+                                                  self.client_name, cmd.nonce)))
+        self._release_writes()
+        return True
 
     def _send_handshake(self) -> None:
         if self.client_name:

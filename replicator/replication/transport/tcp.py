@@ -18,6 +18,9 @@ nor use up the process's file descriptors):
   still unidentified ``identify_timeout`` seconds after connecting is
   closed (``ERROR NAME not received within ...``).  A peer that sends its
   NAME as it connects (ours and Synapse's do) always gets in.
+* A writer given a secret (``writer_secrets``) is identified only once it
+  proved its NAME (:mod:`.proof`): until then it is unidentified as above
+  (capped, timed out) and holds nothing.
 * A known name (a configured writer, this instance's ``allowed_peers``) is
   held by one live connection at a time: a second connection giving it is
   refused (``ERROR NAME <name> is held by a live connection``) and the
@@ -223,8 +226,9 @@ class ReplicationClientFactory(Factory):
 
     def __init__(self, handler: IReplicationHandler, client_name: str, server_name: str,
                  settings: Optional[ConnectionSettings] = None, *, clock: IReactorTime,
-                 backoff: Optional[Backoff] = None) -> None:
+                 backoff: Optional[Backoff] = None, secret: Optional[str] = None) -> None:
         self.handler = handler
+        self.secret = secret  # this writer's, to prove its NAME when asked (.proof)
         self.client_name = client_name
         self.server_name = server_name
         self.settings = settings or ConnectionSettings()
@@ -236,7 +240,7 @@ class ReplicationClientFactory(Factory):
         on_healthy = self.backoff.reset if self.backoff is not None else None
         p = ClientReplicationProtocol(
             self.handler, self.client_name, self.server_name, on_healthy=on_healthy,
-            clock=self.clock, **self.settings.kwargs())
+            clock=self.clock, secret=self.secret, **self.settings.kwargs())
         p.factory = self
         self.current = p
         return p
@@ -283,17 +287,18 @@ def upstream_service(reactor: Any, endpoint: str, handler: IReplicationHandler, 
                      server_name: str, settings: Optional[ConnectionSettings] = None,
                      initial_delay: float = RECONNECT_INITIAL_DELAY,
                      max_delay: float = RECONNECT_MAX_DELAY, clock: Optional[IReactorTime]=None, wrap_endpoint: Any=None,
-                     on_retry: Any=None) -> UpstreamService:
+                     on_retry: Any=None, secret: Optional[str] = None) -> UpstreamService:
     """A service that keeps one connection to the upstream server, forever.
 
     ``reactor`` makes the connections; ``clock`` (default: the reactor)
     times the protocol and the reconnect delays.  ``wrap_endpoint(endpoint)``
     may wrap the parsed endpoint (e.g. to report each attempt);
-    ``on_retry(failures, delay)`` is told every reconnect delay."""
+    ``on_retry(failures, delay)`` is told every reconnect delay; ``secret``
+    proves ``client_name`` to a server that asks (:mod:`.proof`)."""
     clock = clock if clock is not None else reactor
     backoff = Backoff(initial_delay, max_delay, name="upstream")
     factory = ReplicationClientFactory(handler, client_name, server_name, settings,
-                                       clock=clock, backoff=backoff)
+                                       clock=clock, backoff=backoff, secret=secret)
     client = endpoints.clientFromString(reactor, endpoint)
     if wrap_endpoint is not None:
         client = wrap_endpoint(client)

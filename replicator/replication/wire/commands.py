@@ -167,6 +167,28 @@ class CancelTaskCommand(TextCommand):
     task_id = _alias("The task's ID.")
 
 
+class AuthChallengeCommand(TextCommand):
+    """``AUTH_CHALLENGE <nonce>``: replicator's extension, sent by a
+    replicator server only, only to a client whose ``NAME`` is a writer
+    with a secret configured there (:mod:`..transport.proof`); never to a
+    Synapse peer."""
+
+    __slots__ = ()
+    NAME: ClassVar[str] = "AUTH_CHALLENGE"
+    WHAT: ClassVar[Optional[str]] = "nonce"
+    nonce = _alias("The server's fresh nonce, to be signed with the writer's secret.")
+
+
+class AuthCommand(TextCommand):
+    """``AUTH <proof>``: replicator's extension, the answer to
+    ``AUTH_CHALLENGE`` (never sent unasked)."""
+
+    __slots__ = ()
+    NAME: ClassVar[str] = "AUTH"
+    WHAT: ClassVar[Optional[str]] = "proof"
+    proof = _alias("The HMAC of the challenge under the writer's secret (hex).")
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicateCommand(Command):
     """``REPLICATE``: "send me POSITION for every stream".  Written with a
@@ -380,7 +402,7 @@ ALL_COMMANDS: Tuple[Type[Command], ...] = (
     ServerCommand, RdataCommand, PositionCommand, ErrorCommand, PingCommand, NameCommand,
     ReplicateCommand, UserSyncCommand, ClearUserSyncCommand, FederationAckCommand,
     UserIpCommand, RemoteServerUpCommand, LockReleasedCommand, NewActiveTaskCommand,
-    CancelTaskCommand,
+    CancelTaskCommand, AuthChallengeCommand, AuthCommand,
 )
 
 COMMANDS_BY_NAME: Dict[str, Type[Command]] = {cls.NAME: cls for cls in ALL_COMMANDS}
@@ -388,13 +410,13 @@ COMMANDS_BY_NAME: Dict[str, Type[Command]] = {cls.NAME: cls for cls in ALL_COMMA
 #: Names the server may send (docs/protocol.md, "from" column: S).
 SERVER_COMMANDS = frozenset({
     "SERVER", "RDATA", "POSITION", "ERROR", "PING", "REMOTE_SERVER_UP", "LOCK_RELEASED",
-    "NEW_ACTIVE_TASK", "CANCEL_TASK",
+    "NEW_ACTIVE_TASK", "CANCEL_TASK", "AUTH_CHALLENGE",
 })
 
 #: Names a client may send (docs/protocol.md, "from" column: C).
 CLIENT_COMMANDS = frozenset({
     "ERROR", "PING", "NAME", "REPLICATE", "USER_SYNC", "CLEAR_USER_SYNC", "FEDERATION_ACK",
-    "USER_IP", "REMOTE_SERVER_UP", "LOCK_RELEASED", "NEW_ACTIVE_TASK", "CANCEL_TASK",
+    "USER_IP", "REMOTE_SERVER_UP", "LOCK_RELEASED", "NEW_ACTIVE_TASK", "CANCEL_TASK", "AUTH",
 })
 
 #: Names a client may send only for streams its instance is a configured

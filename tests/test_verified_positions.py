@@ -1,0 +1,270 @@
+"""A reader checks a writer's POSITION against the table, and an audit
+compares what it handed on with the table (in memory: a dict is the table).
+
+Each test here failed on the reader that took a POSITION on its word: a
+forged ``POSITION s w T T+2`` moved it over committed facts, and a fact of
+the range arriving later was dropped as "already handled".
+"""
+
+from twisted.internet import defer
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from replicator.replication.core.audit import Auditor, DeliveredLog, difference
+from replicator.replication.core.reader import Reader
+from replicator.streams.known import KnownIds
+from replicator.streams.tally import tally_of
+from tests.fakes import FakeConnection
+
+from .test_reader import updates_since
+
+STREAM, WRITER = "s", "w"
+
+
+class Table:
+    """The writer's committed facts (token -> rows) and a trim boundary;
+    answers what ``Stream`` answers the reader and the audit."""
+
+    def __init__(self):
+        self.facts = {}
+        self.boundary = 0
+        self.probes = []
+        self.name = STREAM
+
+    def source(self, writer, since, until, limit):
+        return updates_since(self.facts, since, until, limit)
+
+    def probe(self, writer, since, until):
+        self.probes.append((since, until))
+        found = [t for t in self.facts if since < t <= until and t > self.boundary]
+        return defer.succeed(min(found) if found else None)
+
+    def _in(self, since, until):
+        return sorted((t, len(r)) for t, r in self.facts.items()
+                      if since < t <= until and t > self.boundary)
+
+    def tally(self, writer, since, until):
+        return defer.succeed((tally_of(self._in(since, until)), self.boundary))
+
+    def fact_sizes(self, writer, since, until):
+        return defer.succeed(self._in(since, until))
+
+
+class Harness:
+    def __init__(self, position=0, known=None, skip=()):
+        self.table = Table()
+        self.clock = Clock()
+        self.got = []
+        self.mismatches = []
+        self.skip = set(skip)
+
+        def deliver(token, rows):
+            self.got.append(token)
+
+        self.reader = Reader(STREAM, WRITER, position, self.table.source, deliver, self.clock,
+                             probe=self.table.probe, known=known, audit=True,
+                             on_mismatch=self.mismatches.append)
+        self.conn = FakeConnection("c")
+        self.reader.position_line(self.conn, position, position)
+
+    def commit(self, token, rows=1):
+        self.table.facts[token] = [["r", token, i] for i in range(rows)]
+
+    def rdata(self, token):
+        rows = self.table.facts[token]
+        for row in rows[:-1]:
+            self.reader.rdata(self.conn, None, row)
+        self.reader.rdata(self.conn, token, rows[-1])
+
+    def position(self, prev, new):
+        self.reader.position_line(self.conn, prev, new)
+
+
+class VerifiedPositionTests(SynchronousTestCase):
+    def test_a_forged_position_over_committed_facts_is_caught_up(self):
+        h = Harness()
+        for t in (1, 2, 3):
+            h.commit(t)
+        h.rdata(1)
+        h.position(1, 3)  # forged: facts 2 and 3 are in the table
+        self.assertEqual(h.got, [1, 2, 3])
+        self.assertEqual(h.reader.position, 3)
+        self.assertEqual(h.mismatches, [])
+
+    def test_a_fact_arriving_in_a_range_passed_empty_stops_the_reader(self):
+        h = Harness()
+        h.commit(1)
+        h.rdata(1)
+        h.position(1, 3)  # an impostor's, while fact 2 is in flight
+        self.assertEqual(h.reader.position, 3)
+        h.commit(2)
+        h.rdata(2)
+        self.assertEqual(h.got, [1])
+        self.assertEqual(len(h.mismatches), 1)
+        found = h.mismatches[0]
+        self.assertEqual((found.stream, found.writer, found.since, found.upto, list(found.missing)),
+                         (STREAM, WRITER, 1, 3, [2]))
+        self.assertTrue(h.reader.stopped)
+        self.assertIn("1 fact in the table but never delivered (2)", found.describe())
+
+    def test_a_duplicate_of_a_delivered_fact_is_still_only_dropped(self):
+        h = Harness()
+        h.commit(1)
+        h.rdata(1)
+        h.rdata(1)
+        h.position(1, 2)  # a hole (rolled back)
+        h.position(2, 2)
+        self.assertEqual((h.got, h.mismatches, h.reader.stopped), ([1], [], False))
+
+    def test_ids_known_to_be_other_writers_are_not_asked_about(self):
+        known = KnownIds()
+        known.note([2, 3])
+        h = Harness(known=known)
+        h.commit(1)
+        h.rdata(1)
+        h.position(1, 3)
+        self.assertEqual(h.table.probes, [])
+        h.position(3, 4)  # 4 is nobody's we know of: asked
+        self.assertEqual(h.table.probes, [(3, 4)])
+        self.assertEqual(h.reader.position, 4)
+
+    def test_delivered_facts_become_known(self):
+        known = KnownIds()
+        h = Harness(known=known)
+        h.commit(1)
+        h.commit(2)
+        h.position(0, 2)  # caught up
+        self.assertTrue(known.covers(0, 2))
+        self.assertFalse(known.covers(0, 3))
+
+    def test_known_ids_are_bounded(self):
+        known = KnownIds(capacity=3)
+        known.note(range(1, 11))
+        self.assertEqual(len(known), 3)
+        self.assertTrue(known.covers(7, 10))
+        self.assertFalse(known.covers(6, 10))
+
+
+class AuditTests(SynchronousTestCase):
+    def make(self, h, **kw):
+        auditor = Auditor(lambda: {(STREAM, WRITER): (h.table, h.reader)}, h.mismatches.append,
+                          h.clock, interval=1.0, first_check=1.0, recheck=10.0, **kw)
+        auditor.startService()
+        self.addCleanup(auditor.stopService)
+        return auditor
+
+    def test_equal_deliveries_find_nothing_and_are_forgotten(self):
+        h = Harness()
+        auditor = self.make(h)
+        for t in (1, 2, 4):
+            h.commit(t, rows=t)
+            h.rdata(t)
+        h.position(4, 5)
+        for _ in range(15):
+            h.clock.advance(1)
+        self.assertEqual(h.mismatches, [])
+        self.assertEqual(auditor.held, 0)
+
+    def test_a_planted_skip_is_found_within_seconds(self):
+        h = Harness()
+        self.make(h)
+        h.commit(1)
+        h.rdata(1)
+        h.commit(2)
+        # The defect: fact 2 reaches no consumer, yet the position moves on.
+        h.reader.position = 2
+        h.reader._advance(2)
+        h.commit(3)
+        h.rdata(3)
+        h.clock.advance(1)  # sealed
+        self.assertEqual(h.mismatches, [])
+        h.clock.advance(1)  # checked
+        self.assertEqual(len(h.mismatches), 1)
+        self.assertEqual((h.mismatches[0].since, h.mismatches[0].upto,
+                          list(h.mismatches[0].missing)), (0, 3, [2]))
+
+    def test_a_row_committed_late_below_the_position_is_found_at_the_second_check(self):
+        h = Harness()
+        self.make(h)
+        h.commit(1)
+        h.rdata(1)
+        h.position(1, 3)  # 2 and 3 empty when asked
+        h.clock.pump([1, 1])  # sealed and checked once: equal
+        self.assertEqual(h.mismatches, [])
+        h.commit(2, rows=2)  # a plain-SQL insert whose transaction commits late
+        for _ in range(10):
+            h.clock.advance(1)
+        self.assertEqual(len(h.mismatches), 1)
+        self.assertEqual(list(h.mismatches[0].missing), [2])
+
+    def test_extra_rows_of_a_fact_are_a_difference(self):
+        h = Harness()
+        self.make(h)
+        h.commit(1, rows=2)
+        h.reader.rdata(h.conn, None, ["late", "batch", "line"])  # joined to fact 1
+        h.rdata(1)
+        h.clock.pump([1, 1])
+        self.assertEqual(len(h.mismatches), 1)
+        self.assertEqual(list(h.mismatches[0].resized), [1])
+
+    def test_facts_at_or_below_the_trim_boundary_are_not_compared(self):
+        h = Harness()
+        self.make(h)
+        for t in (1, 2, 3):
+            h.commit(t)
+            h.rdata(t)
+        h.table.boundary = 2  # retention took 1 and 2
+        del h.table.facts[1], h.table.facts[2]
+        for _ in range(15):
+            h.clock.advance(1)
+        self.assertEqual(h.mismatches, [])
+
+    def test_held_facts_are_bounded_by_an_earlier_second_check(self):
+        h = Harness()
+        auditor = self.make(h, max_held=2)
+        for t in (1, 2, 3):
+            h.commit(t)
+            h.rdata(t)
+        h.clock.pump([1, 1])  # first check passes; 3 facts held > 2: second check at once
+        self.assertEqual(auditor.held, 0)
+
+    def test_a_failed_check_is_tried_again(self):
+        h = Harness()
+        self.make(h)
+        h.commit(1)
+        h.rdata(1)
+        calls = []
+        tally = h.table.tally
+
+        def failing(*args):
+            calls.append(args)
+            if len(calls) == 1:
+                return defer.fail(RuntimeError("database down"))
+            return tally(*args)
+        h.table.tally = failing
+        h.commit(2)
+        h.reader.position = 2  # planted skip of fact 2
+        h.clock.pump([1, 1])
+        self.assertEqual(h.mismatches, [])
+        h.clock.advance(1)
+        self.assertEqual(len(h.mismatches), 1)
+        self.flushLoggedErrors()
+
+    def test_a_rewind_starts_a_new_window(self):
+        log = DeliveredLog(0)
+        log.add(1, 1)
+        log.restart(0)
+        self.assertIsNone(log.seal(0))
+        log.add(1, 1)
+        window = log.seal(1)
+        self.assertEqual((window.lo, window.hi, list(window.ids)), (0, 1, [1]))
+
+    def test_difference_names_each_kind(self):
+        log = DeliveredLog(0)
+        for t, n in ((1, 1), (2, 2), (4, 1)):
+            log.add(t, n)
+        found = difference(STREAM, WRITER, 0, 5, log.seal(5), [(1, 1), (2, 3), (3, 1)])
+        self.assertEqual((list(found.missing), list(found.extra), list(found.resized)),
+                         ([3], [4], [2]))
+        self.assertEqual(found.first, 2)
+
