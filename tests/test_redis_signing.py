@@ -9,7 +9,7 @@ import types
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from twisted.internet import task
+from twisted.internet import defer, task
 from twisted.trial.unittest import TestCase
 
 from replicator.config import RedisConfig, RedisKeys
@@ -365,13 +365,13 @@ class ConfigTests(TestCase):
 
 
 class ForgedPositionTests(TestCase):
-    """A Redis client that only PUBLISHes says ``POSITION caches w1 T T'``
-    past two facts of w1 the reader has not had yet (w1 wrote them while
-    away from Redis; back, it announces its position and readers below it
-    read the table).  Without keys the reader took the forgery, so w1's
-    announcement found nothing to catch up and both facts were lost; with
-    keys the forgery is refused and the reader has every fact, as the
-    table has them."""
+    """A Redis client that only PUBLISHes, against a writer w1 and a reader
+    with keys.  Without keys: a forged ``POSITION caches w1 T T'`` past
+    w1's fact still in flight moved the reader past it, and the fact was
+    dropped when it came (since POSITIONs are checked against the table,
+    the reader stops there instead); a forged RDATA reached the consumer
+    and a forged ``batch`` row joined w1's next fact.  With keys all are
+    refused and the consumer has the table's facts, exactly."""
 
     timeout = 120
 
@@ -384,14 +384,11 @@ class ForgedPositionTests(TestCase):
         self.paths = write_keys(tempfile.mkdtemp(), "w1", "w2", "r")
 
     async def test_a_forged_position_moves_no_reader(self):
-        from twisted.internet import reactor
+        import threading
 
-        from replicator.config import parse_database
         from replicator.consumers import MemoryConsumer
-        from replicator.storage.database import Database
-        from replicator.streams.registry import StreamRegistry
         from tests.support import table_facts, until
-        from tests.test_replication_redis import STREAMS, TABLES, Node, publish_raw
+        from tests.test_replication_redis import TABLES, Node, publish_raw
 
         paths = self.paths
 
@@ -404,32 +401,38 @@ class ForgedPositionTests(TestCase):
         consumer = MemoryConsumer(positions={("caches", "w1"): 0})
         reader = await SignedNode(self, self.dsn, "r", self.redis, consumer).start()
         await until(lambda: w1.link.connected and reader.link.connected)
-        first = await w1.registry.get("caches").write_fact([["first", None, 1]])
+        stream = w1.registry.get("caches")
+        first = await stream.write_fact([["first", None, 1]])
         position = lambda: reader.handler.reader_positions()[("caches", "w1")]  # noqa: E731
         await until(lambda: position() == first)
-        await w1.stop()
 
-        # w1 writes two facts away from Redis.
-        db = Database(parse_database({"postgres": self.dsn, "pool_max": 2}))
-        registry = StreamRegistry(db, "w1", STREAMS, reactor=reactor)
-        await registry.start()
-        hidden = [await registry.get("caches").write_fact([[name, None, 1]])
-                  for name in ("second", "third")]
-        await registry.stop()
-        db.close()
+        # w1's next fact: its ID reserved, its transaction held open (in
+        # the database pool) while the forger says w1 is past it.
+        reserved, release = [], threading.Event()
 
+        def hold(txn, stream_id):
+            reserved.append(stream_id)
+            release.wait(30)
+
+        async def write():
+            async with stream.writer() as fact:
+                fact.add_row(["second", None, 2])
+                fact.also(hold)
+            return fact.stream_id
+
+        writing = defer.ensureDeferred(write())
+        await until(lambda: bool(reserved))
         refusals = refused("unsigned")
-        publish_raw(self.redis.port, "hs.test", f"POSITION caches w1 {first} {hidden[-1]}",
+        publish_raw(self.redis.port, "hs.test", f"POSITION caches w1 {first} {reserved[0]}",
                     self.redis.password)
         await until(lambda: refused("unsigned") > refusals or position() > first)
-        w1 = await SignedNode(self, self.dsn, "w1", self.redis).start()
-        await until(lambda: position() >= hidden[-1])
-        last = await w1.registry.get("caches").write_fact([["fourth", None, 1]])
+        release.set()
+        second = await writing
+        last = await stream.write_fact([["third", None, 3]])
         await until(lambda: position() >= last)
-        got = [t for _, _, t, _ in consumer.facts]
-        self.assertEqual(got, [first] + hidden + [last])
         table = table_facts(self.dsn, TABLES)[("caches", "w1")]
-        self.assertEqual([t for t, _ in table], got)
+        self.assertEqual([t for t, _ in table], [first, second, last])
+        self.assertEqual([t for _, _, t, _ in consumer.facts], [first, second, last])
         self.assertTrue(reader.link.connected)
 
     async def test_a_forged_fact_reaches_no_consumer(self):
