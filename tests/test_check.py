@@ -107,3 +107,34 @@ class CheckTests(SynchronousTestCase):
                         "connect_timeout=5"})))
         self.assert_refused(result, "database.postgres: cannot connect")
         self.assertNotIn("hidden-pw", result.stderr)
+
+
+class RedisTrustTests(SynchronousTestCase):
+    """``replicator check`` says when our own Redis channels are open to
+    any publisher, and checks the key files of ``replication.redis.keys``."""
+
+    def test_unauthenticated_channels_are_said(self):
+        from tests.test_redis_signing import write_keys
+
+        checks = CheckTests()
+        redis = {"endpoint": "tcp:host=127.0.0.1:port=6379"}
+        result = checks.check(checks.write(checks.config(
+            {"sqlite": "s.db"}, replication={"redis": redis})))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("WARNING: our own Redis channels are unauthenticated", result.stdout)
+        self.assertEqual(result.stdout.count("\n"), 1)
+        paths = write_keys(tempfile.mkdtemp(), "master")
+        keyed = dict(redis, keys={"private_key": paths["master"][0]})
+        result = checks.check(checks.write(checks.config(
+            {"sqlite": "s.db"}, replication={"redis": keyed})))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertNotIn("WARNING", result.stdout)
+        upgrading = dict(redis, keys={"private_key": paths["master"][0],
+                                      "accept_unsigned": True})
+        result = checks.check(checks.write(checks.config(
+            {"sqlite": "s.db"}, replication={"redis": upgrading})))
+        self.assertIn("WARNING: replication.redis.keys.accept_unsigned", result.stdout)
+        missing = dict(redis, keys={"private_key": "/nonexistent.key"})
+        checks.assert_refused(checks.check(checks.write(checks.config(
+            {"sqlite": "s.db"}, replication={"redis": missing}))),
+            "config: replication.redis.keys.private_key: cannot read /nonexistent.key")

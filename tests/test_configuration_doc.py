@@ -52,7 +52,11 @@ EVERY_SECTION = {
     "synapse": {"server_name": "matrix.example.com"},
 }
 SQLITE = dict(EVERY_SECTION, database={"sqlite": "state.sqlite"},
-              streams=[dict(EVERY_SECTION["streams"][0], writers=["master"])])
+              streams=[dict(EVERY_SECTION["streams"][0], writers=["master"])],
+              # keys are not for a TCP master: a Redis peer alone.
+              replication={"redis": {"endpoint": "tcp:host=127.0.0.1:port=6379",
+                                     "keys": {"private_key": "master.key",
+                                              "public_keys": {"worker1": "worker1.pub"}}}})
 
 
 class _Reached(Exception):
@@ -235,7 +239,7 @@ class ConfigurationDocTests(TestCase):
             if section == "streams[].retention":
                 stream = dataclasses.replace(running.streams[0], retention=new)
                 return dataclasses.replace(running, streams=(stream,) + running.streams[1:])
-            if section == "replication.redis":
+            if section in ("replication.redis", "replication.redis.keys"):
                 return dataclasses.replace(running, replication=dataclasses.replace(
                     running.replication, redis=new))
             attr = sections[section]

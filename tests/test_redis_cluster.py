@@ -144,9 +144,9 @@ class SlotAndConfigTests(TestCase):
 
 
 class Node:
-    def __init__(self, test, dsn, name, cluster, streams, consumer=None):
+    def __init__(self, test, dsn, name, cluster, streams, consumer=None, keys=None):
         self.test, self.dsn, self.name, self.cluster = test, dsn, name, cluster
-        self.streams, self.consumer = streams, consumer
+        self.streams, self.consumer, self.keys = streams, consumer, keys
 
     async def start(self):
         self.db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
@@ -156,7 +156,7 @@ class Node:
         self.handler = ReplicationHandler(self.registry, self.name, "hs.test", consumers)
         self.handler.start()
         config = RedisConfig(self.cluster.endpoints[0], channels="per_stream",
-                             cluster=tuple(self.cluster.endpoints))
+                             cluster=tuple(self.cluster.endpoints), keys=self.keys)
         self.link = RedisClusterBus(reactor, config, self.handler, "hs.test", self.name,
                                     ping_interval=0.5, ping_timeout=2, initial_delay=0.05,
                                     max_delay=0.3)
@@ -238,3 +238,54 @@ class ClusterTests(TestCase):
         new_owner = self.cluster.owner(slot)
         self.assertEqual(
             command(new_owner, "PUBSUB", "SHARDNUMSUB", channel.decode()).split()[1], "2")
+
+
+class SignedClusterTests(TestCase):
+    """With ``replication.redis.keys`` on a cluster: the shard channels
+    carry signed lines, the reader has every fact, and an unsigned
+    POSITION SPUBLISHed on a stream's channel past the writer's facts is
+    refused."""
+
+    timeout = 180
+
+    def setUp(self):
+        self.dsn = PostgresServer.shared().create_database()
+        self.cluster = RedisCluster(3)
+        self.addCleanup(self.cluster.stop)
+
+    async def test_signed_lines_flow_and_a_forgery_is_refused(self):
+        import tempfile
+
+        from tests.test_redis_signing import keys_for, refused, write_keys
+
+        paths = write_keys(tempfile.mkdtemp(), "w", "r")
+        keys = [(n, "w") for n in NAMES]
+        writer = await Node(self, self.dsn, "w", self.cluster, STREAMS,
+                            keys=keys_for(paths, "w")).start()
+        consumer = MemoryConsumer(positions={k: 0 for k in keys})
+        reader = await Node(self, self.dsn, "r", self.cluster, STREAMS, consumer,
+                            keys=keys_for(paths, "r")).start()
+        await until(lambda: writer.link.connected and reader.link.connected, timeout=30)
+        first = await writer.registry.get("s0").write_fact([["a", 1]])
+        await until(lambda: reader.handler.reader_positions()[("s0", "w")] == first)
+        channel = reader.link.layout.stream_channel("s0")
+        refusals = refused("unsigned")
+        command(self.cluster.owner(key_slot(channel.encode())), "SPUBLISH", channel,
+                f"POSITION s0 w {first} {first + 50}")
+        await until(lambda: refused("unsigned") > refusals)
+        for n in NAMES:
+            for i in range(20):
+                await writer.registry.get(n).write_fact([[f"{n}-{i}", i]])
+
+        def caught_up():
+            positions = reader.handler.reader_positions()
+            return all(positions[k] == writer.registry.get(k[0]).id_gen.get_current_token("w")
+                       for k in keys)
+
+        await until(caught_up, timeout=60)
+        expected = table_facts(self.dsn, TABLES)
+        got = {k: [] for k in keys}
+        for stream, who, token, rows in consumer.facts:
+            got[(stream, who)].append((token, rows))
+        for key in keys:
+            self.assertEqual(got[key], expected[key], key)

@@ -108,6 +108,21 @@ class DatabaseConfig:
 
 
 @dataclass(frozen=True)
+class RedisKeys:
+    """``replication.redis.keys``: Ed25519 keys that sign and check the
+    lines on our own Redis channels
+    (:mod:`replicator.replication.transport.redis_signing`).  Paths only:
+    the files are read by :func:`.validate.validate` and by the link."""
+
+    #: This instance's private key (PEM, PKCS#8), which signs what it publishes.
+    private_key: str
+    #: (instance name, path of its public key, PEM) of every other instance.
+    public_keys: Tuple[Tuple[str, str], ...] = ()
+    #: During a rolling upgrade: take unsigned lines too (counted).
+    accept_unsigned: bool = False
+
+
+@dataclass(frozen=True)
 class RedisConfig:
     """Replication through Redis pub/sub instead of (or beside) TCP.
 
@@ -125,6 +140,8 @@ class RedisConfig:
     channels: str = "single"
     #: A Redis cluster's seed nodes (sharded pub/sub; ``endpoint`` is the first).
     cluster: Tuple[str, ...] = ()
+    #: Lines on our own channels signed and checked; None: trusted by design.
+    keys: Optional[RedisKeys] = None
 
     @property
     def where(self) -> str:

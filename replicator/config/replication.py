@@ -21,7 +21,7 @@ from .fields import (
     kind_of,
     no_unknown,
 )
-from .model import REDIS_CHANNELS, RedisConfig, ReplicationConfig, WriterSecret
+from .model import REDIS_CHANNELS, RedisConfig, RedisKeys, ReplicationConfig, WriterSecret
 
 
 def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
@@ -30,7 +30,7 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
         return None
     section = as_mapping(value, key)
     no_unknown(section, ("endpoint", "password", "dbid", "sentinels", "master_name",
-                         "channels", "cluster"), key)
+                         "channels", "cluster", "keys"), key)
     cluster = _cluster(section, key)
     endpoint = get_endpoint(section, "endpoint", key, "client")
     sentinels = _sentinels(section, key)
@@ -60,7 +60,26 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
         raise ConfigError(f"{key}.channels", "a cluster uses shard channels per stream: "
                           "per_stream (the default with cluster)")
     return RedisConfig(endpoint, get_str(section, "password", key, None), dbid,
-                       sentinels, master_name, channels=channels, cluster=cluster)
+                       sentinels, master_name, channels=channels, cluster=cluster,
+                       keys=_keys(section.get("keys"), f"{key}.keys"))
+
+
+def _keys(value: Any, key: str) -> Optional[RedisKeys]:
+    """``keys``: this instance's Ed25519 private key and the others' public
+    keys (paths; the files are read in validate())."""
+    if value is None:
+        return None
+    section = as_mapping(value, key)
+    no_unknown(section, ("private_key", "public_keys", "accept_unsigned"), key)
+    private_key = get_path(section, "private_key", key)
+    public = as_mapping(section.get("public_keys", {}), f"{key}.public_keys")
+    pairs = []
+    for name in public:
+        if not isinstance(name, str) or not WIRE_NAME.fullmatch(name):
+            raise ConfigError(f"{key}.public_keys", f"{name!r} is not an instance name")
+        pairs.append((name, get_path(public, name, f"{key}.public_keys")))
+    return RedisKeys(private_key, tuple(pairs),
+                     get_bool(section, "accept_unsigned", key, False))
 
 def _sentinels(section: Mapping, key: str) -> Tuple[Tuple[str, int], ...]:
     """``sentinels``: ``host:port`` strings (``[v6]:port``), as pairs."""
@@ -224,13 +243,18 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
     if secret_file is not None and upstream is None:
         raise ConfigError(f"{key}.secret_file", "needs replication.upstream: a worker proves "
                                                 "its NAME to the instance it connects to")
+    redis = parse_redis(section.get("redis"), f"{key}.redis")
+    if redis is not None and redis.keys is not None and listen is not None:
+        raise ConfigError(f"{key}.redis.keys",
+                          "not with listen: the TCP workers' lines this master passes on to "
+                          "Redis would carry its signature, not theirs, and be refused")
     return ReplicationConfig(
         writer_secrets=_writer_secrets(section, key, listen),
         secret_file=_file(secret_file) if secret_file is not None else None,
         listen=listen,
         client_ca=client_ca,
         upstream=upstream,
-        redis=parse_redis(section.get("redis"), f"{key}.redis"),
+        redis=redis,
         ping_interval=ping_interval,
         ping_timeout=ping_timeout,
         max_queued_lines=get_int(section, "max_queued_lines", key, 10_000, minimum=1,

@@ -28,6 +28,7 @@ def validate(config: InstanceConfig, reactor) -> InstanceConfig:
     if config.synapse is not None and config.synapse.redis:
         _build(reactor, config.synapse.redis, "synapse.redis", "client")
     replication = validate_replication(config.replication, reactor)
+    validate_redis_keys(config)
     http = validate_http(config.http, reactor)
     if http is config.http and replication is config.replication:
         return config
@@ -84,6 +85,26 @@ def _min_secret(secret: str, key: str) -> str:
     if len(secret) < MIN_SECRET:
         raise ConfigError(key, f"the secret must be at least {MIN_SECRET} characters")
     return secret
+
+
+def validate_redis_keys(config: InstanceConfig, key: str = "replication.redis.keys") -> None:
+    """The key files of ``replication.redis.keys`` read (Ed25519, PEM), and
+    a public key for every other writer of a stream on our own channels
+    (without one, every fact of that writer would be refused)."""
+    redis = config.replication.redis
+    if redis is None or redis.keys is None:
+        return
+    from ..replication.transport.redis_signing import load_keys
+
+    _, public = load_keys(redis.keys, key)
+    for stream in config.streams:
+        if config.synapse is not None and stream.preset is not None:
+            continue  # Synapse's stream, on Synapse's channel: never signed
+        for writer in stream.writers:
+            if writer != config.instance_name and writer not in public:
+                raise ConfigError(f"{key}.public_keys",
+                                  f"no key for {writer}, a writer of {stream.name}: every "
+                                  f"line it publishes would be refused")
 
 
 def validate_http(http: HttpConfig, reactor, key: str = "http") -> HttpConfig:

@@ -41,7 +41,7 @@ async def check_instance(config: InstanceConfig) -> str:
     key = f"database.{db_config.engine}"
     if db_config.engine == "sqlite" and not os.path.exists(db_config.path or ""):
         return (f"config ok: instance {config.instance_name}, {len(config.streams)} streams; "
-                f"{db_config.path} does not exist yet (start creates it)")
+                f"{db_config.path} does not exist yet (start creates it){redis_trust(config)}")
     db = await connect(config)
     try:
         keys = {s.name: f"streams[{i}]" for i, s in enumerate(config.streams)}
@@ -56,7 +56,23 @@ async def check_instance(config: InstanceConfig) -> str:
     finally:
         db.close()
     return (f"config ok: instance {config.instance_name}, {len(config.streams)} streams; "
-            f"database reachable, tables as declared; {state}")
+            f"database reachable, tables as declared; {state}{redis_trust(config)}")
+
+
+def redis_trust(config: InstanceConfig) -> str:
+    """What the summary says of our own Redis channels when a publisher
+    there is believed without proof ("" when lines are signed and checked)."""
+    redis = config.replication.redis
+    if redis is None:
+        return ""
+    if redis.keys is None:
+        return ("; WARNING: our own Redis channels are unauthenticated: any Redis client "
+                "that may PUBLISH there can forge facts and positions of any writer (set "
+                "replication.redis.keys)")
+    if redis.keys.accept_unsigned:
+        return ("; WARNING: replication.redis.keys.accept_unsigned: unsigned lines on our "
+                "own Redis channels are still taken (for a rolling upgrade only)")
+    return ""
 
 
 def written_here(config: InstanceConfig) -> Set[str]:

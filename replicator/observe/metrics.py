@@ -123,6 +123,18 @@ REDIS_AUTH_REFUSED = Counter(
     "AUTH/SELECT of a Redis link not accepted (a wrong password, or the connection closed "
     "before the answer); the link retries with backoff", ["link"]
 )
+REDIS_REFUSED = Counter(
+    "replicator_redis_refused_total",
+    "Lines on our own Redis channels refused and never acted on (replication.redis.keys): "
+    "unsigned, malformed, unknown_signer, wrong_signer (signed by another instance than "
+    "the one it names), bad_signature, out_of_order (a fact's later row without its start)",
+    ["reason"]
+)
+REDIS_UNSIGNED_ACCEPTED = Counter(
+    "replicator_redis_unsigned_accepted_total",
+    "Unsigned lines on our own Redis channels taken because of accept_unsigned (a rolling "
+    "upgrade is over when this stops growing on every instance)"
+)
 CONNECTIONS_REFUSED = Counter(
     "replicator_connections_refused_total",
     "Replication connections refused or closed to make room (ERROR and close), by reason "

@@ -27,6 +27,12 @@ the attacks of issue 11 items 1-4, each beside an honest reader:
   (issue 20 item 3): it must be refused, no reader and not the master may
   be moved past the fact, and the fact must reach the reader once worker1
   sends it.
+* ``redis_forged_positions``: over Redis, a client that only SUBSCRIBEs
+  and PUBLISHes answers every ``RDATA caches master T`` with ``POSITION
+  caches master T T+2`` while the master writes; with
+  ``replication.redis.keys`` on both instances the reader must get every
+  fact of the table, none lost (without keys, how many were lost is a
+  figure: the trust the setting adds).
 * ``away_writer``: while worker1 is away (no link) and its next ``caches``
   fact is in flight, an impostor says ``NAME worker1`` and ``POSITION caches
   worker1 0 <t>`` past that fact, on a master that gives worker1 a secret
@@ -633,6 +639,151 @@ def borrowed_name(daemon, result) -> None:
         reader.stop()
 
 
+class RedisForger:
+    """A Redis client that only SUBSCRIBEs and PUBLISHes: every ``RDATA
+    caches master T`` it hears on ``channel`` (bare or signed) is answered
+    at once with ``POSITION caches master T T+2``."""
+
+    def __init__(self, port: int, channel: str):
+        import threading
+
+        self.port, self.channel = port, channel
+        self.forged = 0
+        self.stopping = False
+        self.sub = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.pub = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sub.sendall(_resp("SUBSCRIBE", channel))
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import re
+
+        buffer = b""
+        pattern = re.compile(rb"RDATA caches master (\d+) ")
+        self.sub.settimeout(0.2)
+        while not self.stopping:
+            try:
+                data = self.sub.recv(1 << 16)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            buffer = buffer[-200:] + data
+            for match in pattern.finditer(data):
+                token = int(match.group(1))
+                self.pub.sendall(_resp("PUBLISH", self.channel,
+                                       f"POSITION caches master {token} {token + 2}"))
+                self.forged += 1
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.thread.join(5)
+        self.sub.close()
+        self.pub.close()
+
+
+def _resp(*words: str) -> bytes:
+    out = b"*%d\r\n" % len(words)
+    for word in words:
+        b = word.encode()
+        out += b"$%d\r\n%s\r\n" % (len(b), b)
+    return out
+
+
+def redis_forged_positions(directory, dsn_factory, result, facts: int = 120) -> None:
+    """See the module docstring: with keys, then (a figure) without."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from tests.servers import RedisServer
+
+    from .daemon import table_facts
+
+    keys = {}
+    for name in ("master", "worker1", "reader"):
+        key = Ed25519PrivateKey.generate()
+        private, public = (os.path.join(directory, f"{name}.{ext}") for ext in ("key", "pub"))
+        with open(private, "wb") as f:
+            f.write(key.private_bytes(serialization.Encoding.PEM,
+                                      serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()))
+        with open(public, "wb") as f:
+            f.write(key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        keys[name] = (private, public)
+    redis = RedisServer()
+    try:
+        for signed in (True, False):
+            variant = "signed" if signed else "unsigned"
+            dsn = dsn_factory()
+            daemons = []
+            for name in ("master", "reader"):
+                d = Daemon(os.path.join(directory, f"{variant}-{name}"), dsn)
+                os.makedirs(d.dir)
+                rep = {"endpoint": redis.endpoint, "channels": "per_stream"}
+                if signed:
+                    rep["keys"] = {"private_key": keys[name][0],
+                                   "public_keys": {n: p[1] for n, p in keys.items()}}
+                d.config["instance_name"] = name
+                d.config["replication"] = {"redis": rep}
+                if name == "reader":
+                    d.config["consumers"] = [{"type": "jsonl", "path": "facts.jsonl"}]
+                daemons.append(d.start())
+            master, reader = daemons
+            forger = RedisForger(redis.port, f"{inputs.SERVER_NAME}/replicator/stream/caches")
+            try:
+                time.sleep(1.5)  # both registered, the master's position announced
+                from concurrent.futures import ThreadPoolExecutor
+
+                # Four writers at once: the sequence runs ahead of what was
+                # published, so a forged T+2 is within it (as under load).
+                with ThreadPoolExecutor(4) as pool:
+                    written = sorted(pool.map(
+                        lambda i: _write(master, "caches", [[f"forge-{i}", None, i]]),
+                        range(facts)))
+                facts_path = os.path.join(reader.dir, "facts.jsonl")
+
+                def got():
+                    out = set()
+                    if os.path.exists(facts_path):
+                        with open(facts_path) as f:
+                            for line in f:
+                                entry = json.loads(line)
+                                if entry.get("writer") == "master" and "rows" in entry:
+                                    out.add(entry["token"])
+                    return out
+
+                def caught_up():
+                    writers = _positions(reader)["caches"]["writers"]
+                    return (writers.get("master") or {}).get("position") or 0
+
+                try:
+                    wait_for(lambda: caught_up() >= written[-1], 15, "reader at the last fact")
+                except AssertionError:
+                    pass
+                time.sleep(0.5)  # the consumer's file written
+                table = set(table_facts(dsn=dsn).get(("caches", "master"), {}))
+                lost = sorted(table - got())
+                result.tried(f"redis_forged_positions.{variant}", forger.forged)
+                result.figure(f"redis_forged_positions.{variant}.lost", len(lost))
+                if signed and lost:
+                    result.found("position_poisoning", "redis: a forged POSITION lost facts "
+                                 "with keys configured", "redis_forged_positions",
+                                 "POSITION caches master T T+2 after every RDATA T",
+                                 f"{len(lost)} of {len(table)} facts lost, e.g. {lost[:5]}")
+            finally:
+                forger.stop()
+                for d in daemons:
+                    d.stop()
+                    _check_daemon(result, d, None)
+                    d.kill()
+    finally:
+        redis.stop()
+
+
 def away_writer(directory, dsn, result) -> None:
     """An impostor while the writer is away (see the module docstring)."""
     import secrets
@@ -711,7 +862,7 @@ ATTACKS = [impersonate_master, impersonate_writer, rename, bookkeeping, relay_lo
            poison_master, borrowed_name]
 #: Attacks that start daemons of their own (make fuzz only).
 EXTRA = [allow_lists, tls_identity, poison_worker, batch_flood, slow_readers,
-         batch_amplification, away_writer]
+         batch_amplification, redis_forged_positions, away_writer]
 
 
 def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
@@ -746,6 +897,10 @@ def run_phase(seed: int, dsn_factory, attacks=None) -> PhaseResult:
             allow_lists(directory, result)
         if tls_identity in attacks:
             tls_identity(directory, dsn_factory(), result)
+        if redis_forged_positions in attacks:
+            redis_dir = os.path.join(directory, "redis")
+            os.makedirs(redis_dir)
+            redis_forged_positions(redis_dir, dsn_factory, result)
         if away_writer in attacks:
             away_dir = os.path.join(directory, "away")
             os.makedirs(away_dir)

@@ -59,6 +59,13 @@ tells it apart, and once it was seen we publish nothing more there
 registration asks first (REPLICATE) and holds our own lines for
 ``synapse_probe`` seconds, and every REPLICATE is answered that late.
 
+With ``replication.redis.keys`` what we publish on our own channels is
+signed and what we hear there is checked before it is parsed
+(:mod:`.redis_signing`: :func:`routed` signs, :meth:`RedisReplication.message_received`
+verifies); Synapse's channel is neither.  A line that does not verify is
+refused, never acted on; an unsigned one is still shown to the Synapse
+watch.
+
 (A little under 500 lines, for one job: the two Redis links, their
 readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
@@ -90,6 +97,7 @@ from .redis_sentinel import (
     check_master,
     redis_endpoint,
 )
+from .redis_signing import is_signed, signing, take
 from .synapse_watch import SynapseWatch
 
 log = Logger()
@@ -300,6 +308,10 @@ class RedisReplication(MultiService):
         self._own_prefixes = tuple(
             f"{name} {stream.name} {instance_name} "
             for stream in handler.registry for name in ("RDATA", "POSITION"))
+        #: With ``keys``: our lines signed, those heard on our channels
+        #: checked (:mod:`.redis_signing`); None: every publisher believed.
+        self.signer, self.verifier = signing(config.keys, instance_name, self.clock,
+                                               handler.registry)
 
         self.sub_backoff = Backoff(initial_delay, max_delay, name="redis-subscriber")
         self.pub_backoff = Backoff(initial_delay, max_delay, name="redis-publisher")
@@ -423,6 +435,8 @@ class RedisReplication(MultiService):
             return
         self.last_error = None
         self.conn = RedisConnection(self)
+        if self.verifier is not None:
+            self.verifier.reset()
         if self.watch is not None:
             # Ask first; announce once no Synapse answered (_answer).
             self._held, self._held_count = [], 0
@@ -594,13 +608,10 @@ class RedisReplication(MultiService):
         publisher = self.publisher
         if publisher is None or not publisher.connected or publisher.transport is None:
             return
-        commands = []
-        route = self.layout.route
-        for line in lines:
-            payload = line[:-1] if line.endswith(b"\n") else line
-            to = channel or route(payload)
-            commands.append(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-                            % (len(to), to, len(payload), payload))
+        payloads, channels = routed(self.layout, lines, channel, self.signer)
+        commands = [b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+                    % (len(to), to, len(payload), payload)
+                    for payload, to in zip(payloads, channels)]
         replies = publisher.replyQueue
         if len(commands) == 1:
             publisher.transport.write(commands[0])
@@ -643,8 +654,28 @@ class RedisReplication(MultiService):
             # data of a subscriber already replaced: its lines belong to a
             # connection that is gone (a half batch must not leak over).
             return
-        if isinstance(message, bytes):
-            message = message.decode("utf-8", "replace")
+        if self.verifier is not None and not self._on_synapse_channel(channel):
+            if not take(self.verifier, channel, message,
+                        lambda line: self._heard(conn, channel, line)):
+                if self.watch is not None and not is_signed(message):
+                    # A Synapse on our channel signs nothing: still seen.
+                    cmd = parse_message(text_of(message), self._own_prefixes)
+                    if cmd is not None:
+                        evidence = self.watch.observe(cmd)
+                        if evidence is not None:
+                            self._stop_publishing(evidence)
+            return
+        self._heard(conn, channel, text_of(message))
+
+    def _on_synapse_channel(self, channel: Any) -> bool:
+        if self.synapse_channel is None:
+            return False
+        if isinstance(channel, bytes):
+            channel = channel.decode("utf-8", "replace")
+        return bool(channel == self.synapse_channel)
+
+    def _heard(self, conn: RedisConnection, channel: Any, message: str) -> None:
+        """One line heard (and, on our channels under keys, verified)."""
         cmd = parse_message(message, self._own_prefixes)
         if cmd is None:
             return
@@ -655,13 +686,10 @@ class RedisReplication(MultiService):
             if cmd.NAME == "REPLICATE":
                 self._answer_later(conn)  # unless a Synapse shows up first
                 return
-        if cmd.NAME == "REPLICATE" and self.synapse_channel is not None:
-            if isinstance(channel, bytes):
-                channel = channel.decode("utf-8", "replace")
-            if channel == self.synapse_channel:
-                # Synapse's (or its workers'): we own nothing it may ask for.
-                metrics.COMMANDS_DROPPED.labels(cmd.NAME, "synapse_channel").inc()
-                return
+        if cmd.NAME == "REPLICATE" and self._on_synapse_channel(channel):
+            # Synapse's (or its workers'): we own nothing it may ask for.
+            metrics.COMMANDS_DROPPED.labels(cmd.NAME, "synapse_channel").inc()
+            return
         deliver(self.handler, conn, cmd, message, self.instance_name)
 
     # ---------------------------------------------------------- keepalive
@@ -686,6 +714,25 @@ class RedisReplication(MultiService):
                 protocol.transport.abortConnection()
 
         d.addErrback(failed)
+
+
+def text_of(message: Any) -> str:
+    return message.decode("utf-8", "replace") if isinstance(message, bytes) else message
+
+
+def routed(layout: ChannelLayout, lines: Sequence[bytes], channel: Optional[bytes],
+           signer: Any) -> Tuple[List[bytes], List[bytes]]:
+    """The payloads of ``lines`` (no newline) and the channel of each:
+    ``channel`` if given (Synapse's: nothing there is signed), else the
+    layout's; signed by ``signer`` (a :class:`.redis_signing.Signer`) if any."""
+    payloads = [line[:-1] if line.endswith(b"\n") else line for line in lines]
+    if channel is not None:
+        return payloads, [channel] * len(payloads)
+    route = layout.route
+    channels = [route(payload) for payload in payloads]
+    if signer is not None:
+        payloads = signer.sign(payloads, channels)
+    return payloads, channels
 
 
 def parse_message(message: str, own_prefixes: Tuple[str, ...]) -> Optional[Command]:

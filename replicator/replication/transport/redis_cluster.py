@@ -31,6 +31,9 @@ slot; one channel is one slot).  A write of several streams' lines (the
 positions announced at connect) is one block per stream: readers rely on
 order and wholeness per stream only.
 
+With ``replication.redis.keys`` the lines are signed and checked as on
+plain pub/sub (:mod:`.redis_signing`).
+
 Not supported here: a ``synapse:`` section (Synapse speaks plain pub/sub
 on one channel), TLS to the nodes (the nodes' addresses come from ``CLUSTER
 SLOTS`` as plain TCP).
@@ -53,8 +56,9 @@ from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from ...observe import metrics
 from ..interfaces import IRedisBus, IReplicationHandler
 from ..wire.commands import ReplicateCommand
-from .redis import EXEC, MULTI, RedisConnection, deliver, parse_message
+from .redis import EXEC, MULTI, RedisConnection, deliver, parse_message, routed, text_of
 from .redis_channels import ChannelLayout
+from .redis_signing import signing, take
 
 log = Logger()
 
@@ -207,6 +211,9 @@ class RedisClusterBus(MultiService):
         self._own_prefixes = tuple(
             f"{name} {stream.name} {instance_name} "
             for stream in handler.registry for name in ("RDATA", "POSITION"))
+        #: With ``keys``: lines signed and checked (:mod:`.redis_signing`).
+        self.signer, self.verifier = signing(config.keys, instance_name, self.clock,
+                                               handler.registry)
         self._pinger = task.LoopingCall(self._ping)
         self._pinger.clock = self.clock
         #: Generations started and ended, for tests and the status of a move.
@@ -289,6 +296,8 @@ class RedisClusterBus(MultiService):
         self.last_error = None
         self._healthy = self.clock.callLater(self.ping_interval, self.backoff.reset)
         self.conn = RedisConnection(self)
+        if self.verifier is not None:
+            self.verifier.reset()
         self.handler.new_connection(self.conn)
         self.conn.send_command(ReplicateCommand())
 
@@ -383,10 +392,8 @@ class RedisClusterBus(MultiService):
         if self.conn is None:
             return
         per_channel: Dict[bytes, List[bytes]] = {}
-        route = self.layout.route
-        for line in lines:
-            payload = line[:-1] if line.endswith(b"\n") else line
-            per_channel.setdefault(channel or route(payload), []).append(payload)
+        for payload, to in zip(*routed(self.layout, lines, channel, self.signer)):
+            per_channel.setdefault(to, []).append(payload)
         for to, payloads in per_channel.items():
             node = owner(self.slots, key_slot(to))
             publisher = self.publishers.get(node) if node is not None else None
@@ -429,8 +436,12 @@ class RedisClusterBus(MultiService):
         conn = self.conn
         if conn is None or protocol.factory.generation != self.generation:
             return
-        if isinstance(message, bytes):
-            message = message.decode("utf-8", "replace")
+        if self.verifier is not None:
+            take(self.verifier, channel, message, lambda line: self._heard(conn, line))
+        else:
+            self._heard(conn, text_of(message))
+
+    def _heard(self, conn: RedisConnection, message: str) -> None:
         cmd = parse_message(message, self._own_prefixes)
         if cmd is not None:
             deliver(self.handler, conn, cmd, message, self.instance_name)
