@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import orjson
 from twisted.internet import threads
 
+from ...jsontext import kept
 from .tokens import Positions, encode
 
 #: A fact as a page holds it: ``(stream_id, writer, rows, json)``, ``json``
@@ -202,9 +203,10 @@ def fact_object(columns: Sequence[str], fact: Sequence[Any]) -> dict:
 
 def fact_json(columns: Sequence[str], fact: PageFact) -> bytes:
     """:func:`fact_object` as JSON: the bytes the page holds already, else
-    encoded now.  Pure: may run in a thread."""
+    encoded now, in a bytes object of its own size (a page keeps them:
+    :func:`replicator.jsontext.kept`).  Pure: may run in a thread."""
     encoded = fact[3]
-    return encoded if encoded is not None else orjson.dumps(fact_object(columns, fact))
+    return encoded if encoded is not None else kept(orjson.dumps(fact_object(columns, fact)))
 
 
 def rows_json_facts(writer: str, facts: List[Tuple[int, List[str]]]) -> List[bytes]:

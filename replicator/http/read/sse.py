@@ -13,11 +13,15 @@ Backpressure: the client is the streaming producer of its request.  When
 its transport's buffer is over the transport's bound, the transport pauses
 it: a live client leaves the feed at the next write (nothing is queued for
 it); a catching-up client reads no next page until resumed.  So a client
-holds at most its transport's bound plus one page, whatever the stream's
-rate, and nobody else waits for it.
+holds at most its transport's bound plus one write, whatever the stream's
+rate, and nobody else waits for it: a catch-up page is written (its events
+made into one write of about :data:`WRITE_SIZE`) and let go before the
+client waits for anything (its transport, or its turn for the next page),
+and it asks the table for about as many facts as one write holds
+(:func:`next_limit`), not for many more that the page's cut would drop.
 """
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import orjson
 from twisted.internet import defer
@@ -35,13 +39,30 @@ log = Logger()
 
 RETRY = b"retry: 2000\n\n"
 PING = b": ping\n\n"
-#: Facts per catch-up page.
+#: Facts per catch-up page, at most; the first asks for :data:`FIRST_PAGE`.
 CATCH_UP_PAGE = 256
+FIRST_PAGE = 32
 #: A catching-up client is written this many bytes at a time, and no more
 #: once its transport paused it; its pages are cut at this many bytes too
 #: (the fact that reaches it ends the page), so a page is written whole,
 #: and a slow client makes the daemon read no fact twice.
 WRITE_SIZE = 64 * 1024
+
+
+def next_limit(limit: int, page) -> int:
+    """How many facts the catch-up page after ``page`` (asked for with
+    ``limit``) asks for: twice as many when ``page`` held ``limit`` facts
+    (all of them fit in one write), a quarter more than it held when one
+    write's bytes cut it (facts of about the same size fill the next), the
+    same at the bounds; at most :data:`CATCH_UP_PAGE`.  A table read then
+    gives about one write's facts, not up to :data:`CATCH_UP_PAGE` facts of
+    which the cut keeps a few (each read again by the page after)."""
+    held = len(page.facts)
+    if held >= limit:
+        return min(CATCH_UP_PAGE, 2 * limit)
+    if page.full:
+        return min(CATCH_UP_PAGE, held + held // 4 + 1)
+    return limit
 
 
 def error_event(error: HttpError) -> bytes:
@@ -105,8 +126,8 @@ class SseClient:
     async def _catch_up(self) -> None:
         """Read pages at the client's pace until it is at the feed's position."""
         self.live = False
-        columns = list(self.stream.config.column_names)
         name = self.stream.name
+        limit = min(FIRST_PAGE, CATCH_UP_PAGE)
         try:
             while not self.closed:
                 if self.paused:
@@ -117,13 +138,10 @@ class SseClient:
                     self.live = True
                     return
                 bounds = dict(self.feed.position)
-                page = await self._read_page(self.position, CATCH_UP_PAGE, bounds,
-                                             WRITE_SIZE)
+                found, limit = await self._next_page(bounds, limit)
                 if self.closed:
                     return
-                if self._write_page(page, columns):
-                    self.position = page.next
-                if not page.facts and self.position != self.feed.position \
+                if not found and self.position != self.feed.position \
                         and bounds == self.feed.position:
                     # Ahead of the feed on some writer: wait for it to move.
                     await self.feed.moved()
@@ -139,6 +157,18 @@ class SseClient:
             log.failure("stream {stream}: an event stream's catch-up failed; closing it",
                         stream=name)
             self.close()
+
+    async def _next_page(self, bounds: Positions, limit: int) -> Tuple[bool, int]:
+        """Read the page after the client's position (at most ``limit``
+        facts, up to ``bounds``) and write it: ``(whether it held facts,
+        the next page's limit)``.  The page is let go when this returns:
+        nothing of it is held while the client waits."""
+        page = await self._read_page(self.position, limit, bounds, WRITE_SIZE)
+        if self.closed:
+            return False, limit
+        if self._write_page(page, list(self.stream.config.column_names)):
+            self.position = page.next
+        return bool(page.facts), next_limit(limit, page)
 
     def _write_page(self, page, columns) -> bool:
         """Write a page's events, :data:`WRITE_SIZE` bytes at a time; stop
