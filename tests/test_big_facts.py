@@ -1,0 +1,180 @@
+"""A fact of any size: the work a large fact makes on the reactor thread is
+done in slices between reactor turns, or bounded by the batch limits.
+
+* a library write checks and encodes its rows ``PREPARE_SLICE`` at a time,
+  other calls running between the slices (a clock the test turns);
+* the fan-out never encodes the rows of a fact over ``max_batch_rows``
+  (it goes out as ``POSITION t t`` whatever its size);
+* on PostgreSQL the rows go in statements of ``INSERT_ROWS`` rows (the
+  driver holds the GIL while it formats one).
+"""
+
+from twisted.internet import defer, reactor
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from replicator.config import parse_database, parse_streams
+from replicator.replication.core import fanout as fanout_module
+from replicator.replication.core.fanout import Fanout
+from replicator.replication.wire.encoding import MAX_LINE_LENGTH, encode_position_line
+from replicator.storage.database import Database
+from replicator.streams import stream as stream_module
+from replicator.streams import writes as writes_module
+from replicator.streams.recent import EncodedPage
+from replicator.streams.registry import StreamRegistry
+from replicator.streams.rows import RowError
+from tests.harness import Harness
+from tests.servers import PostgresServer
+from tests.support import table_facts
+
+CACHES = {"name": "caches", "table": "cache_big", "writers": ["master"],
+          "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"invalidation_ts": "bigint"}]}
+BIG = 100_000
+
+
+def rows_of(n, start=0):
+    return [[f"f{i}", [f"@u{i}:hs"], i] for i in range(start, start + n)]
+
+
+class LibraryWriteSliceTests(SynchronousTestCase):
+    def setUp(self):
+        self.h = Harness(parse_streams([CACHES]), self.addCleanup)
+        self.node = self.h.instance("master")
+        self.stream = self.node.stream("caches")
+        self.prepared = []  # rows checked and encoded, per call
+        codec = self.stream._codec
+        real = codec.prepare
+
+        def prepare(facts, *args, **kwargs):
+            self.prepared.append(sum(map(len, facts)))
+            return real(facts, *args, **kwargs)
+        codec.prepare = prepare
+
+    def test_a_large_write_is_prepared_in_slices_with_other_work_between(self):
+        n = 5 * stream_module.PREPARE_SLICE
+        d = defer.ensureDeferred(self.stream.write_fact(rows_of(n)))
+        # The first turn took one slice; the write waits for the next turns.
+        self.assertEqual(sum(self.prepared), stream_module.PREPARE_SLICE)
+        self.assertFalse(d.called)
+        seen = []
+        self.h.clock.callLater(0, lambda: seen.append(sum(self.prepared)))
+        token = self.h.run(d)
+        # Another call ran between two slices, not after all of them.
+        self.assertEqual(len(seen), 1)
+        self.assertLess(seen[0], n)
+        self.assertEqual(max(self.prepared), stream_module.PREPARE_SLICE)
+        self.assertEqual(sum(self.prepared), n)
+        # The fact is whole in the table, one ID for every row, in order.
+        rows = self.h.connection.execute(
+            "SELECT stream_id, cache_func FROM cache_big ORDER BY rowid").fetchall()
+        self.assertEqual(rows, [(token, f"f{i}") for i in range(n)])
+
+    def test_slices_give_what_one_pass_gives(self):
+        slice_ = stream_module.PREPARE_SLICE
+        facts = [rows_of(3), [], rows_of(2 * slice_ + 7, 3), rows_of(slice_ - 1, 9000), [],
+                 rows_of(1, 20000)]
+        at_once = self.stream.prepare(facts)
+        d = defer.ensureDeferred(self.stream._prepare_sliced(facts, None))
+        self.assertEqual(self.h.run(d), at_once)
+
+    def test_a_bad_row_in_a_later_slice_is_named_by_its_place_in_the_fact(self):
+        n = 3 * stream_module.PREPARE_SLICE
+        rows = rows_of(n)
+        bad = 2 * stream_module.PREPARE_SLICE + 5
+        rows[bad] = ["f", None, "not a number"]
+        d = defer.ensureDeferred(self.stream.write_fact(rows))
+        with self.assertRaises(RowError) as e:
+            self.h.run(d)
+        self.assertTrue(str(e.exception).startswith(f"row {bad}:"), str(e.exception))
+        self.assertEqual(self.h.connection.execute("SELECT count(*) FROM cache_big").fetchone(),
+                         (0,))
+
+
+class FanoutOfTooLargeFactsTests(SynchronousTestCase):
+    """A fact of ``BIG`` rows with ``max_batch_rows`` 100: ``POSITION t t``,
+    and none of its rows encoded (the encoders are counted)."""
+
+    def setUp(self):
+        self.sent = []
+        self.fanout = Fanout(lambda lines, name: self.sent.extend(lines), Clock(),
+                             max_line_length=MAX_LINE_LENGTH, max_batch_rows=100)
+        self.encoded = []
+        for name in ("encode_written", "encode_written_fact", "encode_rdata_lines"):
+            self.patch(fanout_module, name, self.counting(getattr(fanout_module, name)))
+
+    def counting(self, real):
+        def encode(stream, writer, *args, **kwargs):
+            rows = args[1] if real.__name__ in ("encode_written", "encode_written_fact") \
+                else args[0]
+            self.encoded.append(len(rows))
+            return real(stream, writer, *args, **kwargs)
+        return encode
+
+    def expected(self):
+        return [encode_position_line("caches", "master", 5, 5),
+                b'RDATA caches master batch ["a",null,1]\n',
+                b'RDATA caches master 6 ["b",null,2]\n']
+
+    def test_from_memory(self):
+        tokens = [5] * BIG + [6, 6]
+        lines = [b'["x",null,0]\n'] * BIG + [b'["a",null,1]\n', b'["b",null,2]\n']
+        self.fanout.send_written("caches", "master", 4, EncodedPage(tokens, lines, 2, 6, False))
+        self.assertEqual(b"".join(self.sent), b"".join(self.expected()))
+        self.assertEqual(self.encoded, [2])
+        self.assertEqual(self.fanout.announced[("caches", "master")], 6)
+
+    def test_from_the_table(self):
+        updates = [(5, ["x", None, 0])] * BIG + [(6, ["a", None, 1]), (6, ["b", None, 2])]
+        self.fanout.send_updates("caches", "master", 4, updates, 6)
+        self.assertEqual(b"".join(self.sent), b"".join(self.expected()))
+        self.assertEqual(self.encoded, [2])
+
+    def test_a_fact_of_exactly_max_batch_rows_still_goes_as_rdata(self):
+        tokens = [5] * 100
+        lines = [b'["x",null,0]\n'] * 100
+        self.fanout.send_written("caches", "master", 4, EncodedPage(tokens, lines, 1, 5, False))
+        self.assertEqual(len(self.sent), 100)
+        self.assertTrue(self.sent[-1].startswith(b"RDATA caches master 5 "))
+
+
+class _Recording:
+    """A cursor that records what it executes (the real one does it)."""
+
+    def __init__(self, txn, executed):
+        self._txn = txn
+        self._executed = executed
+
+    def execute(self, sql, params=None):
+        self._executed.append(sql)
+        return self._txn.execute(sql, params)
+
+    def __getattr__(self, name):
+        return getattr(self._txn, name)
+
+
+class PostgresInsertSliceTests(TestCase):
+    timeout = 120
+
+    async def test_rows_go_in_statements_of_insert_rows(self):
+        dsn = PostgresServer.shared().create_database()
+        db = Database(parse_database({"postgres": dsn}))
+        self.addCleanup(db.close)
+        registry = StreamRegistry(db, "master", parse_streams([CACHES]), reactor=reactor)
+        await registry.start()
+        self.addCleanup(registry.stop)
+        stream = registry.get("caches")
+        executed = []
+        real = stream._txn.write
+        stream._txn.write = lambda txn, *args: real(_Recording(txn, executed), *args)
+        n = 2 * writes_module.INSERT_ROWS + 500
+        token = await stream.write_fact(rows_of(n))
+        inserts = [sql.split("; ")[0] for sql in executed if sql.startswith("INSERT INTO")]
+        self.assertEqual([sql.count("(%s") for sql in inserts],
+                         [writes_module.INSERT_ROWS, writes_module.INSERT_ROWS, 500])
+        facts = table_facts(dsn, [("caches", "cache_big", "cache_func, keys, invalidation_ts")])
+        self.assertEqual(facts, {("caches", "master"): [(token, [
+            [f"f{i}", [f"@u{i}:hs"], i] for i in range(n)])]})
+        # A small write is still one statement, with the position.
+        executed.clear()
+        await stream.write_fact(rows_of(3))
+        self.assertEqual(len([sql for sql in executed if sql.startswith("INSERT INTO")]), 1)
