@@ -6,7 +6,8 @@ done in slices between reactor turns, or bounded by the batch limits.
 * the fan-out never encodes the rows of a fact over ``max_batch_rows``
   (it goes out as ``POSITION t t`` whatever its size);
 * on PostgreSQL the rows go in statements of ``INSERT_ROWS`` rows (the
-  driver holds the GIL while it formats one).
+  driver holds the GIL while it formats one);
+* a reader decodes a fact's ``batch`` lines ``DECODE_SLICE`` at a time.
 """
 
 from twisted.internet import defer, reactor
@@ -15,14 +16,21 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator.config import parse_database, parse_streams
 from replicator.replication.core import fanout as fanout_module
+from replicator.replication.core import reader as reader_module
 from replicator.replication.core.fanout import Fanout
-from replicator.replication.wire.encoding import MAX_LINE_LENGTH, encode_position_line
+from replicator.replication.core.reader import Reader
+from replicator.replication.wire.encoding import (
+    MAX_LINE_LENGTH,
+    encode_position_line,
+    encode_rdata_lines,
+)
 from replicator.storage.database import Database
 from replicator.streams import stream as stream_module
 from replicator.streams import writes as writes_module
 from replicator.streams.recent import EncodedPage
 from replicator.streams.registry import StreamRegistry
 from replicator.streams.rows import RowError
+from tests.fakes import FakeConnection
 from tests.harness import Harness
 from tests.servers import PostgresServer
 from tests.support import table_facts
@@ -178,3 +186,38 @@ class PostgresInsertSliceTests(TestCase):
         executed.clear()
         await stream.write_fact(rows_of(3))
         self.assertEqual(len([sql for sql in executed if sql.startswith("INSERT INTO")]), 1)
+
+
+class ReaderDecodeSliceTests(SynchronousTestCase):
+    def test_a_fact_of_many_batch_lines_is_decoded_in_slices(self):
+        clock = Clock()
+        delivered = []
+        reader = Reader("caches", "master", 0, source=None,
+                        deliver=lambda token, rows: delivered.append((token, rows)),
+                        clock=clock)
+        decoded = []
+        real = reader_module.rdata_row
+
+        def rdata_row(line):
+            decoded.append(line)
+            return real(line)
+        self.patch(reader_module, "rdata_row", rdata_row)
+        conn = FakeConnection("master")
+        reader.position_line(conn, 0, 0)
+        n = 3 * reader_module.DECODE_SLICE + 10
+        rows = rows_of(n)
+        lines = encode_rdata_lines("caches", "master", [(1, row) for row in rows])
+        for line in lines[:-1]:
+            reader.rdata(conn, None, line)  # batch rows are kept as their lines
+        reader.rdata(conn, 1, rows[-1])
+        # One turn decoded one slice; nothing was handed on yet.
+        self.assertEqual(len(decoded), reader_module.DECODE_SLICE)
+        self.assertEqual(delivered, [])
+        seen = []
+        clock.callLater(0, lambda: seen.append(len(decoded)))
+        for _ in range(10):
+            clock.advance(0)
+        self.assertEqual(seen, [2 * reader_module.DECODE_SLICE])
+        # Whole and in order, once.
+        self.assertEqual(delivered, [(1, rows)])
+        self.assertEqual(reader.position, 1)
