@@ -7,14 +7,24 @@ done in slices between reactor turns, or bounded by the batch limits.
   (it goes out as ``POSITION t t`` whatever its size);
 * on PostgreSQL the rows go in statements of ``INSERT_ROWS`` rows (the
   driver holds the GIL while it formats one);
-* a reader decodes a fact's ``batch`` lines ``DECODE_SLICE`` at a time.
+* a reader decodes a fact's ``batch`` lines ``DECODE_SLICE`` at a time;
+* the ``jsonl`` consumer encodes a fact's line ``ENCODE_SLICE`` rows at a
+  time, the same bytes as in one go.
 """
+
+import os
+import tempfile
 
 from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator.config import parse_database, parse_streams
+from replicator.consumers import jsonl as jsonl_module
+from replicator.consumers.file_thread import run_inline
+from replicator.consumers.jsonl import JsonlConsumer
+from replicator import jsontext
+from replicator.jsontext import encode_json_line
 from replicator.replication.core import fanout as fanout_module
 from replicator.replication.core import reader as reader_module
 from replicator.replication.core.fanout import Fanout
@@ -221,3 +231,65 @@ class ReaderDecodeSliceTests(SynchronousTestCase):
         # Whole and in order, once.
         self.assertEqual(delivered, [(1, rows)])
         self.assertEqual(reader.position, 1)
+
+
+class JsonlEncodeSliceTests(SynchronousTestCase):
+    def setUp(self):
+        self.clock = Clock()
+        self.path = os.path.join(tempfile.mkdtemp(prefix="big-facts-"), "facts.jsonl")
+        self.consumer = JsonlConsumer(self.path, self.clock, run_io=run_inline)
+        self.addCleanup(self.consumer.close)
+        self.encoded = []  # rows per encoder call
+        real = jsonl_module._dumps
+
+        def dumps(value, *args):
+            if type(value) is list:
+                self.encoded.append(len(value))
+            elif type(value) is tuple:  # a page's facts' rows
+                self.encoded.append(sum(map(len, value)))
+            elif type(value) is dict and value.get("rows"):
+                self.encoded.append(len(value["rows"]))
+            return real(value, *args)
+        self.patch(jsonl_module, "_dumps", dumps)
+        self.patch(jsontext, "_dumps", dumps)
+
+    def lines(self):
+        self.consumer.close()
+        with open(self.path, "rb") as f:
+            return f.read().splitlines(keepends=True)
+
+    def turns(self, d, seen):
+        self.clock.callLater(0, lambda: seen.append(sum(self.encoded)))
+        for _ in range(20):
+            self.clock.advance(0)
+        self.assertTrue(d.called)
+
+    def test_a_large_fact_is_encoded_in_slices_with_other_work_between(self):
+        n = 3 * jsonl_module.ENCODE_SLICE + 1
+        rows = rows_of(n)
+        d = self.consumer.on_facts("caches", "master", 7, rows)
+        self.assertEqual(self.encoded, [jsonl_module.ENCODE_SLICE])
+        self.assertFalse(d.called)
+        seen = []
+        self.turns(d, seen)
+        self.assertEqual(seen, [2 * jsonl_module.ENCODE_SLICE])
+        self.assertEqual(self.lines(), [encode_json_line(
+            {"stream": "caches", "writer": "master", "token": 7, "rows": rows})])
+        self.assertEqual(self.consumer.positions(), {("caches", "master"): 7})
+
+    def test_a_catch_up_page_with_a_large_fact_gives_the_same_lines(self):
+        big = rows_of(2 * jsonl_module.ENCODE_SLICE + 3)
+        facts = [(3, rows_of(2)), (5, big), (6, []), (8, [["\ud800", 2 ** 70, None]])]
+        d = self.consumer.on_facts_many("caches", "master", facts)
+        self.assertLessEqual(sum(self.encoded), jsonl_module.ENCODE_SLICE + 2)
+        self.turns(d, [])
+        self.assertEqual(self.lines(), [encode_json_line(
+            {"stream": "caches", "writer": "master", "token": t, "rows": r}) for t, r in facts])
+
+    def test_what_orjson_refuses_in_a_slice_makes_the_whole_line_as_in_one_go(self):
+        rows = rows_of(2 * jsonl_module.ENCODE_SLICE)
+        rows[-1] = ["f", [2 ** 70], 1]
+        d = self.consumer.on_facts("caches", "master", 9, rows)
+        self.turns(d, [])
+        self.assertEqual(self.lines(), [encode_json_line(
+            {"stream": "caches", "writer": "master", "token": 9, "rows": rows})])
