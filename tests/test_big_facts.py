@@ -19,11 +19,11 @@ from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from replicator import jsontext
 from replicator.config import parse_database, parse_streams
 from replicator.consumers import jsonl as jsonl_module
 from replicator.consumers.file_thread import run_inline
 from replicator.consumers.jsonl import JsonlConsumer
-from replicator import jsontext
 from replicator.jsontext import encode_json_line
 from replicator.replication.core import fanout as fanout_module
 from replicator.replication.core import reader as reader_module
