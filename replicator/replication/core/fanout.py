@@ -33,6 +33,7 @@ Invariants:
 
 import time
 from bisect import bisect_right
+from operator import itemgetter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from twisted.internet.interfaces import IReactorTime
@@ -41,7 +42,6 @@ from twisted.logger import Logger
 from ...background import Background
 from ...net.backoff import Outage
 from ...observe import metrics
-from ...streams.pages import group
 from ...streams.recent import EncodedPage
 from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
@@ -59,6 +59,7 @@ from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
 log = Logger()
 
 Key = Tuple[str, str]
+_token_of = itemgetter(0)
 Broadcast = Callable[[Sequence[bytes], str], None]
 
 
@@ -210,13 +211,17 @@ class Fanout:
                 lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
             if lines is None or lines.dropped or not self._fits(lines, len(updates)):
                 lines = EncodedLines()
-                for token, rows in group(updates):
+                start, n = 0, len(updates)
+                while start < n:
+                    token = updates[start][0]
+                    end = bisect_right(updates, token, start, key=_token_of)  # tokens ascend
                     fact = None
-                    if len(rows) <= self.max_batch_rows:
-                        fact = encode_rdata_lines(stream_name, writer, [(token, r) for r in rows],
+                    if end - start <= self.max_batch_rows:
+                        fact = encode_rdata_lines(stream_name, writer, updates[start:end],
                                                   self.max_line_length)
-                    self._fact_or_position(lines, stream_name, writer, token, len(rows),
+                    self._fact_or_position(lines, stream_name, writer, token, end - start,
                                            None if fact is None or fact.dropped else fact)
+                    start = end
             self._announce(stream_name, writer, lines, updates[-1][0], upto)
         else:
             self._announce(stream_name, writer, None, prev, upto)
