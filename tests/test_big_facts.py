@@ -9,7 +9,8 @@ done in slices between reactor turns, or bounded by the batch limits.
   driver holds the GIL while it formats one);
 * a reader decodes a fact's ``batch`` lines ``DECODE_SLICE`` at a time;
 * the ``jsonl`` consumer encodes a fact's line ``ENCODE_SLICE`` rows at a
-  time, the same bytes as in one go.
+  time, the same bytes as in one go; the ``log`` consumer's preview encodes
+  the rows it shows, not the fact.
 """
 
 import os
@@ -17,11 +18,13 @@ import tempfile
 
 from twisted.internet import defer, reactor
 from twisted.internet.task import Clock
+from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator import jsontext
 from replicator.config import parse_database, parse_streams
 from replicator.consumers import jsonl as jsonl_module
+from replicator.consumers import log as log_module
 from replicator.consumers.file_thread import run_inline
 from replicator.consumers.jsonl import JsonlConsumer
 from replicator.jsontext import encode_json_line
@@ -293,3 +296,26 @@ class JsonlEncodeSliceTests(SynchronousTestCase):
         self.turns(d, [])
         self.assertEqual(self.lines(), [encode_json_line(
             {"stream": "caches", "writer": "master", "token": 9, "rows": rows})])
+
+
+class LogPreviewTests(SynchronousTestCase):
+    def test_the_preview_of_a_large_fact_encodes_only_what_it_shows(self):
+        encoded = []
+        real = log_module.preview_json
+
+        def preview_json(value):
+            encoded.append(len(value))
+            return real(value)
+        self.patch(log_module, "preview_json", preview_json)
+        events = []
+        consumer = log_module.LogConsumer(logger=Logger(observer=events.append))
+        rows = rows_of(BIG)
+        consumer.on_facts("caches", "master", 3, rows)
+        self.assertEqual(encoded, [200])
+        whole = real(rows)
+        self.assertEqual(events[0]["preview"], whole[:199] + "…")
+        self.assertEqual(events[0]["count"], BIG)
+        # Fewer rows than characters: all of them, as before.
+        encoded.clear()
+        self.assertEqual(log_module.preview(rows_of(2)), real(rows_of(2)))
+        self.assertEqual(encoded, [2])
