@@ -6,7 +6,9 @@ done in slices between reactor turns, or bounded by the batch limits.
 * the fan-out never encodes the rows of a fact over ``max_batch_rows``
   (it goes out as ``POSITION t t`` whatever its size);
 * on PostgreSQL the rows go in statements of ``INSERT_ROWS`` rows (the
-  driver holds the GIL while it formats one);
+  driver holds the GIL while it formats one), and a page is taken from
+  the driver ``FETCH_SLICE`` rows at a time (it holds the GIL converting
+  what one fetch takes);
 * a reader decodes a fact's ``batch`` lines ``DECODE_SLICE`` at a time;
 * the ``jsonl`` consumer encodes a fact's line ``ENCODE_SLICE`` rows at a
   time, the same bytes as in one go; the ``log`` consumer's preview encodes
@@ -38,6 +40,7 @@ from replicator.replication.wire.encoding import (
     encode_rdata_lines,
 )
 from replicator.storage.database import Database
+from replicator.streams import pages as pages_module
 from replicator.streams import stream as stream_module
 from replicator.streams import writes as writes_module
 from replicator.streams.recent import EncodedPage
@@ -169,21 +172,53 @@ class _Recording:
         self._executed.append(sql)
         return self._txn.execute(sql, params)
 
+    def fetchall(self):
+        self._executed.append("fetchall")
+        return self._txn.fetchall()
+
+    def fetchmany(self, size):
+        self._executed.append(f"fetchmany {size}")
+        return self._txn.fetchmany(size)
+
     def __getattr__(self, name):
         return getattr(self._txn, name)
 
 
-class PostgresInsertSliceTests(TestCase):
+class PostgresSliceTests(TestCase):
     timeout = 120
 
-    async def test_rows_go_in_statements_of_insert_rows(self):
-        dsn = PostgresServer.shared().create_database()
-        db = Database(parse_database({"postgres": dsn}))
-        self.addCleanup(db.close)
-        registry = StreamRegistry(db, "master", parse_streams([CACHES]), reactor=reactor)
+    async def stream(self):
+        self.dsn = PostgresServer.shared().create_database()
+        self.db = Database(parse_database({"postgres": self.dsn}))
+        self.addCleanup(self.db.close)
+        registry = StreamRegistry(self.db, "master", parse_streams([CACHES]), reactor=reactor)
         await registry.start()
         self.addCleanup(registry.stop)
-        stream = registry.get("caches")
+        return registry.get("caches")
+
+    async def test_a_page_of_one_large_fact_is_fetched_in_slices(self):
+        stream = await self.stream()
+        n = 2 * pages_module.FETCH_SLICE + 10
+        rows = rows_of(n)
+        small = await stream.write_fact(rows_of(1))
+        token = await stream.write_fact(rows)
+        # (The first read looks at the table's columns, once.)
+        await self.db.runInteraction(stream._pages.read_facts, "master", 0, small, 1000)
+        calls = []
+        page = await self.db.runInteraction(
+            lambda txn: stream._pages.read_facts(_Recording(txn, calls), "master", small,
+                                                 token, 1000))
+        self.assertEqual(page, ([(token, rows)], token, True))
+        fetches = [c for c in calls if c.startswith("fetch")]
+        self.assertNotIn("fetchall", fetches)
+        self.assertEqual(set(fetches), {f"fetchmany {pages_module.FETCH_SLICE}"})
+        # The fact is more than a page: its rows were taken by a second
+        # SELECT of that one fact, in slices too.
+        self.assertGreaterEqual(len(fetches), 3)
+
+    async def test_rows_go_in_statements_of_insert_rows(self):
+        stream = await self.stream()
+        dsn = self.dsn
         executed = []
         real = stream._txn.write
         stream._txn.write = lambda txn, *args: real(_Recording(txn, executed), *args)
