@@ -26,7 +26,8 @@ without ``"rows"``.
 
 Lines are buffered and written in batches (one ``write`` + ``fsync`` per
 flush, then the state file's) by a thread of the file's own, never on the
-reactor thread.  After a crash the file holds whole batches plus possibly a
+reactor thread.  The line of a fact of more than ``ENCODE_SLICE`` rows is
+encoded a slice per reactor turn (the fact is handed on when it is done).  After a crash the file holds whole batches plus possibly a
 partial last line; on open the partial line is cut off, and the positions
 are the state file's plus those of the complete lines written after it
 (:mod:`.jsonl_files`), so the reader resumes exactly after the last line on
@@ -43,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
 from twisted.internet import defer
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -57,7 +59,7 @@ from ..config import (
     get_str,
     no_unknown,
 )
-from ..jsontext import any_non_finite, encode_json, encode_json_line
+from ..jsontext import NonFiniteError, any_non_finite, encode_json, encode_json_line
 from ..net.backoff import Outage
 from . import jsonl_files
 from .base import STARTS, Consumer, IBatchConsumer, Key
@@ -347,6 +349,8 @@ class JsonlConsumer(Consumer):
                       "({skipped} skipped)", path=self.path, token=token, stream=stream,
                       writer=writer, last=last, skipped=self.skipped)
             return None
+        if len(rows) > ENCODE_SLICE:
+            return defer.ensureDeferred(self._append_sliced(key, [(token, rows)]))
         line = encode_json_line({"stream": stream, "writer": writer, "token": token, "rows": rows})
         return self._append(key, [line], token)
 
@@ -364,12 +368,29 @@ class JsonlConsumer(Consumer):
             facts = kept
             if not facts:
                 return None
+        if any(len(rows) > ENCODE_SLICE for _, rows in facts):
+            return defer.ensureDeferred(self._append_sliced(key, facts))
         data = fact_lines_at_once(stream, writer, facts)
         if data is None:
             data = b"".join([encode_json_line({"stream": stream, "writer": writer,
                                                "token": token, "rows": rows})
                              for token, rows in facts])
         return self._append(key, [data], facts[-1][0])
+
+    async def _append_sliced(self, key, facts) -> None:
+        """Append the lines of ``facts`` of ``key``, one of which has more
+        than ``ENCODE_SLICE`` rows: its rows encoded a slice per reactor
+        turn (the same bytes as in one go); waits as :meth:`_append` says."""
+        stream, writer = key
+        lines = [await _sliced_fact_line(self._clock, stream, writer, token, rows)
+                 for token, rows in facts]
+        if self._closed:
+            log.debug("{path} is closed: facts up to {token} of {stream}/{writer} not written",
+                      path=self.path, token=facts[-1][0], stream=stream, writer=writer)
+            return
+        result = self._append(key, lines, facts[-1][0])
+        if result is not None:
+            await result
 
     def _append(self, key, lines, last) -> Optional[defer.Deferred]:
         """Buffer ``lines`` of ``key`` (the last one's token: ``last``); a
@@ -654,6 +675,36 @@ class JsonlConsumer(Consumer):
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             waiter.callback(None)
+
+
+#: Rows of one fact encoded per reactor turn at most: a fact with more
+#: takes several turns, the reactor running in between.
+ENCODE_SLICE = 5000
+
+
+async def _sliced_fact_line(clock, stream: str, writer: str, token: int, rows: list) -> bytes:
+    """``encode_json_line`` of the fact ``token`` (the same bytes), its
+    rows encoded ``ENCODE_SLICE`` per turn of ``clock``.  What orjson
+    refuses in a slice makes the whole line go through ``encode_json_line``
+    at once (the standard library's ASCII output, for the whole line as
+    there); ``NaN`` or an infinity raises as there."""
+    fact = {"stream": stream, "writer": writer, "token": token, "rows": rows}
+    if len(rows) <= ENCODE_SLICE:
+        return encode_json_line(fact)
+    parts = []
+    for start in range(0, len(rows), ENCODE_SLICE):
+        if start:
+            await deferLater(clock, 0, lambda: None)
+        part = rows[start:start + ENCODE_SLICE]
+        try:
+            data = _dumps(part)
+        except TypeError:
+            return encode_json_line(fact)
+        if any_non_finite(part, data):
+            raise NonFiniteError()
+        parts.append(data[1:-1])
+    head = encode_json({"stream": stream, "writer": writer, "token": token, "rows": []})
+    return head[:-2] + b",".join(parts) + b"]}\n"
 
 
 _ARRAYS = frozenset({list, tuple})

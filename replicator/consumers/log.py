@@ -15,8 +15,11 @@ LOG_LEVELS = {
 
 
 def preview(rows: List[list], limit: int = 200) -> str:
-    """Compact JSON of ``rows``, cut to ``limit`` characters (ending in …)."""
-    text = preview_json(rows)
+    """Compact JSON of ``rows``, cut to ``limit`` characters (ending in …).
+
+    Only the first ``limit`` rows are encoded, whatever the size of the
+    fact: each takes at least 3 characters, so the cut falls inside them."""
+    text = preview_json(rows[:limit] if len(rows) > limit else rows)
     if len(text) > limit:
         text = text[:limit - 1] + "…"
     return text

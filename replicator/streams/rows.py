@@ -199,7 +199,8 @@ class RowCodec:
         except RowError as e:
             raise RowError(f"row {n}{str(e)[len('row 0'):]}") from None
 
-    def prepare(self, facts: Any, line_prefix: int = 0, max_line_length: Optional[int] = None
+    def prepare(self, facts: Any, line_prefix: int = 0, max_line_length: Optional[int] = None,
+                first_row: int = 0
                 ) -> "tuple[List[List[List[Any]]], List[List[List[Any]]], List[List[bytes]]]":
         """``(wire, params, lines)``: per fact, its rows as wire values, as
         statement parameters (JSON columns as JSON text), and as the JSON
@@ -209,7 +210,8 @@ class RowCodec:
 
         With ``max_line_length``, ``line_prefix`` is the length of ``RDATA
         <stream> <writer> <token> `` with the longest token, and a row whose
-        line would be longer is a :class:`RowError`."""
+        line would be longer is a :class:`RowError`.  Errors number a
+        fact's rows from ``first_row`` (``facts`` being a slice of it)."""
         room = None if max_line_length is None else max_line_length - line_prefix
         columns = self.columns
         width = self.width
@@ -219,7 +221,7 @@ class RowCodec:
         wire_facts, param_facts, line_facts = [], [], []
         for rows in facts:
             wire_rows, param_rows, line_rows = [], [], []
-            for n, row in enumerate(rows):
+            for n, row in enumerate(rows, first_row):
                 if type(row) is not list and type(row) is not tuple or len(row) != width:
                     self._check(row, n)  # raises the precise error
                 ok = True

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -52,6 +53,9 @@ Update = Tuple[int, List[Any]]
 DEFAULT_GROUP_MAX = 256
 #: An RDATA line's length is estimated with a token of this many digits.
 TOKEN_DIGITS = 20
+#: Rows a library write checks and encodes per reactor turn (a larger write
+#: takes several turns, the reactor running in between).
+PREPARE_SLICE = 2000
 _token_of = itemgetter(0)
 
 
@@ -278,9 +282,44 @@ class Stream:
         Returns the facts' stream IDs in order.  Concurrent writes of the
         same writer that wait for a database connection go together into
         one transaction (group commit, :mod:`.group`); each still succeeds
-        or fails alone.
+        or fails alone.  A write of more than ``PREPARE_SLICE`` rows is
+        checked and encoded over several reactor turns.
         """
-        return await self.write_prepared(self.prepare(facts, writer), hooks)
+        if sum(map(len, facts)) <= PREPARE_SLICE:
+            prepared = self.prepare(facts, writer)
+        else:
+            prepared = await self._prepare_sliced(facts, writer)
+        return await self.write_prepared(prepared, hooks)
+
+    async def _prepare_sliced(self, facts: Sequence[Sequence[Any]],
+                              writer: Optional[str]) -> "PreparedFacts":
+        """:meth:`prepare` of a large write, ``PREPARE_SLICE`` rows per
+        reactor turn (the reactor runs in between); the same result."""
+        writer = self._writer(writer)
+        prefix = self._line_prefix(writer)
+        codec = self._codec
+        wire: List[List[List[Any]]] = []
+        checked: List[List[List[Any]]] = []
+        lines: List[List[bytes]] = []
+        done = 0
+        for rows in facts:
+            fact_wire: List[List[Any]] = []
+            fact_checked: List[List[Any]] = []
+            fact_lines: List[bytes] = []
+            for start in range(0, max(len(rows), 1), PREPARE_SLICE):
+                if done >= PREPARE_SLICE:
+                    await deferLater(self._clock, 0, lambda: None)
+                    done = 0
+                part = rows[start:start + PREPARE_SLICE]
+                (w,), (c,), (ls,) = codec.prepare([part], prefix, None, first_row=start)
+                fact_wire.extend(w)
+                fact_checked.extend(c)
+                fact_lines.extend(ls)
+                done += len(part)
+            wire.append(fact_wire)
+            checked.append(fact_checked)
+            lines.append(fact_lines)
+        return PreparedFacts(writer, wire, checked, lines)
 
     def prepare(self, facts: Sequence[Sequence[Any]], writer: Optional[str] = None,
                 max_line_length: Optional[int] = None) -> "PreparedFacts":
@@ -288,10 +327,15 @@ class Stream:
         ``max_line_length``, also if its RDATA line would be longer) and
         converted for :meth:`write_prepared`.  Pure: may run in a thread."""
         writer = self._writer(writer)
-        prefix = (len(b"RDATA ") + len(self.name.encode()) + 1 + len(writer.encode()) + 1
-                  + TOKEN_DIGITS + 1)
-        wire, checked, lines = self._codec.prepare(facts, prefix, max_line_length)
+        wire, checked, lines = self._codec.prepare(facts, self._line_prefix(writer),
+                                                   max_line_length)
         return PreparedFacts(writer, wire, checked, lines)
+
+    def _line_prefix(self, writer: str) -> int:
+        """The length of ``RDATA <stream> <writer> <token> `` with the
+        longest token."""
+        return (len(b"RDATA ") + len(self.name.encode()) + 1 + len(writer.encode()) + 1
+                + TOKEN_DIGITS + 1)
 
     async def write_prepared(self, prepared: "PreparedFacts",
                              hooks: Sequence[TxnHook] = ()) -> List[int]:

@@ -5,11 +5,12 @@ writes (:mod:`.group`): it reserves the group's IDs from the stream's
 sequence (PostgreSQL: ``nextval``, n of them in one round trip; SQLite: an
 in-process counter), tells the ID generator about them *before* the commit
 can happen (so no position ever passes an ID whose rows could still
-appear), inserts every row of every fact in one statement (in a table the
-replicator owns, each row with its ``row_index``: its place in its fact, in
-the order the writer gave the rows, which every read orders by), runs the
-writes' hooks, and persists the writer's position in the same transaction when no
-other write of that writer is in flight.  The pool commits.
+appear), inserts every row of every fact (in one statement, or one per
+``INSERT_ROWS`` rows; in a table the replicator owns, each row with its
+``row_index``: its place in its fact, in the order the writer gave the
+rows, which every read orders by), runs the writes' hooks, and persists
+the writer's position in the same transaction when no other write of that
+writer is in flight.  The pool commits.
 
 Completing the IDs and answering the writers is the stream's business
 (:class:`~replicator.streams.stream.Stream`), on the reactor thread.
@@ -30,6 +31,12 @@ from .idgen import StreamIdGenerator
 log = Logger()
 
 TxnHook = Callable[[Any, int], None]
+
+#: Rows in one INSERT statement at most (PostgreSQL): the driver formats a
+#: statement holding the GIL, which would hold the reactor thread for as
+#: long (0.4 s for 100,000 rows); between two statements it is released
+#: while the server works.
+INSERT_ROWS = 1000
 
 
 class PreparedFacts(NamedTuple):
@@ -125,9 +132,14 @@ class WriteTransaction:
                     if indexed:
                         params.append(index)
                     count += 1
+                    if count == INSERT_ROWS:
+                        # psycopg2 formats a statement holding the GIL: a
+                        # statement per slice lets the reactor run between.
+                        txn.execute(self._insert_head + self._marks_of(count), params)
+                        params, count = [], 0
         statements = []
         if count:
-            statements.append(self._insert_head + ", ".join([self._row_marks] * count))
+            statements.append(self._insert_head + self._marks_of(count))
         if self._persist_in_transaction(gen, writer, ids):
             statements.append(self.upsert)
             params += [self.name, writer, gen.prospective_token(writer, ids)]
@@ -164,6 +176,10 @@ class WriteTransaction:
         position = gen.prospective_token(writer, ids)
         txn.execute(self.upsert, (self.name, writer, position))
         return ids
+
+    def _marks_of(self, rows: int) -> str:
+        """The ``VALUES`` placeholders of ``rows`` rows."""
+        return ", ".join([self._row_marks] * rows)
 
     @staticmethod
     def _hand_out(txn: Cursor, writes: Any, ids: Sequence[int]) -> None:

@@ -129,14 +129,23 @@ def check_file(path: str, facts: int) -> None:
 
 
 class HealthPoller(threading.Thread):
-    """``GET /health`` in a loop; the worst round trip once stopped."""
+    """``GET /health`` in a loop (a new connection each, ``interval`` s
+    apart); the worst round trip once stopped, and each one's seconds in
+    ``samples`` (:meth:`take` empties it)."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, interval: float = 0.02):
         super().__init__(daemon=True)
         self.port = port
+        self.interval = interval
         self.worst = 0.0
         self.count = 0
+        self.samples = []
         self.stopping = threading.Event()
+
+    def take(self) -> list:
+        """The round trips since the last call, in seconds."""
+        taken, self.samples = self.samples, []
+        return taken
 
     def run(self):
         while not self.stopping.is_set():
@@ -149,9 +158,11 @@ class HealthPoller(threading.Thread):
             except OSError:
                 time.sleep(0.05)  # not listening yet
                 continue
-            self.worst = max(self.worst, time.monotonic() - start)
+            took = time.monotonic() - start
+            self.worst = max(self.worst, took)
             self.count += 1
-            time.sleep(0.02)
+            self.samples.append(took)
+            time.sleep(self.interval)
 
 
 def reader_config(dsn: str, upstream_port: int, http_port: int, path: str,

@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
+import bigfact  # noqa: E402
 import catchup  # noqa: E402
 import export  # noqa: E402
 import redis_bench  # noqa: E402
@@ -54,6 +55,11 @@ async def _catchup(pg, args):
     await catchup.run(pg.create_database("catchupbench"))
 
 
+async def _bigfact(pg, args):
+    # Blocking (two daemon processes and pollers).
+    await threads.deferToThread(bigfact.run, pg.create_database("bigfactbench"))
+
+
 async def _export(pg, args):
     # Blocking (Spark drives itself, from the main thread), with its own PostgreSQL.
     # The cluster run: at 0.5 M rows, at 10 M with --big (beside local[2] there).
@@ -72,6 +78,7 @@ SECTIONS = [
     ("redis", "Redis replication", _redis),
     ("redis-channels", "Redis: a channel per stream, sharded pub/sub", _redis_channels),
     ("catchup", "catch-up of a reader 1,000,000 facts behind", _catchup),
+    ("bigfact", "a fact of 100,000 rows: /health beside the same daemons idle", _bigfact),
     ("export", "Spark export against a plain-Python pass", _export),
     ("sse", "read API: Server-Sent Events beside the TCP fan-out, catch-up through pages",
      _sse),

@@ -20,7 +20,10 @@ Invariants:
   line would exceed ``max_line_length`` goes out as ``POSITION t t`` (its
   token, nothing unsent up to it): a reader whose position is below reads
   the fact from the table, whole, before anything later.  Counted in
-  ``replicator_facts_announced_by_position_total``.
+  ``replicator_facts_announced_by_position_total``.  A fact with too many
+  rows is told by its row count alone, never encoded: what one fan-out
+  encodes on the reactor is at most ``max(fetch_limit, max_batch_rows)``
+  rows, whatever the size of a fact.
 * ``announced`` only moves after the lines were written, and REPLICATE is
   answered with ``announced``: a new connection never misses a fact.
 * One fan-out runs per (stream, writer) at a time; under load advances
@@ -29,6 +32,8 @@ Invariants:
 """
 
 import time
+from bisect import bisect_right
+from operator import itemgetter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from twisted.internet.interfaces import IReactorTime
@@ -37,7 +42,6 @@ from twisted.logger import Logger
 from ...background import Background
 from ...net.backoff import Outage
 from ...observe import metrics
-from ...streams.pages import group
 from ...streams.recent import EncodedPage
 from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
@@ -55,6 +59,7 @@ from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
 log = Logger()
 
 Key = Tuple[str, str]
+_token_of = itemgetter(0)
 Broadcast = Callable[[Sequence[bytes], str], None]
 
 
@@ -201,14 +206,22 @@ class Fanout:
         ``updates`` are ``(token, row)`` pairs in ascending token order.
         """
         if updates:
-            lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
-            if lines.dropped or not self._fits(lines, len(updates)):
+            lines = None
+            if len(updates) < self.max_batch_rows:
+                lines = encode_rdata_lines(stream_name, writer, updates, self.max_line_length)
+            if lines is None or lines.dropped or not self._fits(lines, len(updates)):
                 lines = EncodedLines()
-                for token, rows in group(updates):
-                    fact = encode_rdata_lines(stream_name, writer, [(token, r) for r in rows],
-                                              self.max_line_length)
-                    self._fact_or_position(lines, stream_name, writer, token, len(rows),
-                                           None if fact.dropped else fact)
+                start, n = 0, len(updates)
+                while start < n:
+                    token = updates[start][0]
+                    end = bisect_right(updates, token, start, key=_token_of)  # tokens ascend
+                    fact = None
+                    if end - start <= self.max_batch_rows:
+                        fact = encode_rdata_lines(stream_name, writer, updates[start:end],
+                                                  self.max_line_length)
+                    self._fact_or_position(lines, stream_name, writer, token, end - start,
+                                           None if fact is None or fact.dropped else fact)
+                    start = end
             self._announce(stream_name, writer, lines, updates[-1][0], upto)
         else:
             self._announce(stream_name, writer, None, prev, upto)
@@ -220,18 +233,20 @@ class Fanout:
         tokens = page.tokens
         if tokens:
             rows = page.lines
-            lines = encode_written(stream_name, writer, tokens, rows, page.facts,
-                                   self.max_line_length)
+            lines = None
+            if len(rows) < self.max_batch_rows:
+                lines = encode_written(stream_name, writer, tokens, rows, page.facts,
+                                       self.max_line_length)
             if lines is None or not self._fits(lines, len(rows)):
                 lines = EncodedLines()
                 start, n = 0, len(tokens)
                 while start < n:
                     token = tokens[start]
-                    end = start + 1
-                    while end < n and tokens[end] == token:
-                        end += 1
-                    fact = encode_written_fact(stream_name, writer, token, rows[start:end],
-                                               self.max_line_length)
+                    end = bisect_right(tokens, token, start)  # tokens ascend
+                    fact = None
+                    if end - start <= self.max_batch_rows:
+                        fact = encode_written_fact(stream_name, writer, token, rows[start:end],
+                                                   self.max_line_length)
                     self._fact_or_position(lines, stream_name, writer, token, end - start, fact)
                     start = end
             self._announce(stream_name, writer, lines, tokens[-1], page.upto)

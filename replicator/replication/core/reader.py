@@ -16,8 +16,8 @@ Invariants:
   :mod:`.admission` tells: ``drop_batch``).
 * A ``batch`` row may come as its RDATA line (bytes, parsed once already):
   it is kept so, and decoded (:func:`.commands.rdata_row`) only when its
-  fact is handed on, one fact at a time; a fact at or below the position
-  is dropped without being decoded.  A parsed row can take 20 times the
+  fact is handed on, one fact at a time, ``DECODE_SLICE`` rows per reactor
+  turn; a fact at or below the position is dropped without being decoded.  A parsed row can take 20 times the
   memory of its line: what a partial batch holds is about its wire size.
 * Lines of a connection count only once a POSITION of the writer arrived on
   it (before that, what the POSITION covers is fetched from the table).
@@ -75,6 +75,8 @@ from .audit import DeliveredLog, Mismatch
 log = Logger()
 
 Fact = Tuple[int, List[List[Any]]]
+#: ``batch`` rows of a fact decoded per reactor turn at most.
+DECODE_SLICE = 1000
 #: ``source(writer, from_token, to_token, limit)`` -> ``(facts, upto, limited)``:
 #: ``(token, rows)`` facts, whole, in token order (``Stream.facts_since``)
 Source = Callable[[str, int, int, int], Awaitable[Tuple[List[Fact], int, bool]]]
@@ -267,7 +269,7 @@ class Reader:
                     raise Stopping()
                 return  # already handled
             if len(rows) > 1:
-                rows = [rdata_row(row) if type(row) is bytes else row for row in rows]
+                rows = await self._decoded(rows)
             await self._hand_on(token, rows)
             self._advance(token)
             return
@@ -319,6 +321,17 @@ class Reader:
         self.queue.clear()
         if self._on_mismatch is not None:
             self._on_mismatch(found)
+
+    async def _decoded(self, rows: List[Any]) -> List[Any]:
+        """A fact's rows, its ``batch`` lines decoded, ``DECODE_SLICE`` rows
+        per reactor turn (the reactor runs between two slices)."""
+        out: List[Any] = []
+        for start in range(0, len(rows), DECODE_SLICE):
+            if start:
+                await task.deferLater(self._clock, 0, lambda: None)
+            out.extend([rdata_row(row) if type(row) is bytes else row
+                        for row in rows[start:start + DECODE_SLICE]])
+        return out
 
     async def _catch_up(self, since: int, until: int) -> None:
         """Hand on the facts of ``(since, until]`` from ``source``, page by page.
