@@ -1,7 +1,9 @@
-"""``replicator run | check | migrate | tail | write | positions | rewind | verify``.
+"""``replicator run | check | migrate | reopen | tail | write | positions | rewind | verify``.
 
-``run`` stops cleanly on SIGTERM/SIGINT and re-reads its config on SIGHUP
-(:mod:`replicator.daemon.reload`: what applies live, what needs a restart).
+``run`` stops cleanly on SIGTERM/SIGINT, re-reads its config on SIGHUP
+(:mod:`replicator.daemon.reload`: what applies live, what needs a restart)
+and reopens its output files on SIGUSR1 (after a rotation: nothing else
+changes); ``reopen`` sends that SIGUSR1 to the daemon its ``pid_file`` names.
 
 Exit codes: 0 fine, 1 a runtime failure (database unreachable, port in use,
 HTTP error), 2 a usage or configuration mistake (one line naming the key).
@@ -87,9 +89,18 @@ def cmd_run(args) -> None:
 
     config_path = os.path.abspath(args.config)
     instance.handler.gaps.config_path = config_path  # (named in a gap's command)
+    held = None
+    if config.pid_file is not None:
+        from .daemon.pidfile import PidFileError, hold
+
+        try:
+            held = hold(config.pid_file)
+        except PidFileError as e:
+            _fail(str(e), 1)
 
     async def main(reactor):
         reload_on_hup(reactor, instance, config_path)
+        reopen_on_usr1(reactor, instance)
         try:
             await instance.start()
         except (ConfigError, StartupError) as e:
@@ -111,7 +122,11 @@ def cmd_run(args) -> None:
         stop_once(reactor)
         await defer.Deferred()  # until the reactor stops
 
-    task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+    try:
+        task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
+    finally:
+        if held is not None:
+            held.release()
 
 
 def stop_once(reactor) -> None:
@@ -145,6 +160,46 @@ def reload_on_hup(reactor, instance, path: str) -> None:
         reactor.callFromThread(reload)
 
     signal.signal(signal.SIGHUP, on_signal)
+
+
+def reopen_on_usr1(reactor, instance) -> None:
+    """Make SIGUSR1 reopen the output files (:meth:`.Instance.reopen`), the
+    config file left unread, instead of ending the process."""
+    def reopen():
+        d = defer.ensureDeferred(instance.reopen())
+        d.addErrback(lambda f: log.failure("reopen failed", f))
+
+    def on_signal(signum, frame):
+        log.info("received SIGUSR1; reopening the output files")
+        reactor.callFromThread(reopen)
+
+    signal.signal(signal.SIGUSR1, on_signal)
+
+
+# --------------------------------------------------------------- reopen
+def cmd_reopen(args) -> None:
+    """SIGUSR1 to the daemon of ``-c FILE`` (found by its ``pid_file``):
+    it reopens its output files, as after a rotation, and reads no config.
+    Exit 0 once sent, 1 if no daemon holds the PID file, 2 if the config
+    does not parse or names no ``pid_file``."""
+    from .daemon.pidfile import PidFileError, running
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    if config.pid_file is None:
+        _fail("config: pid_file: not set (reopen finds the daemon by it; under systemd "
+              "`systemctl kill -s USR1 --kill-whom=main UNIT` does the same)", 2)
+    try:
+        pid = running(config.pid_file)
+        os.kill(pid, signal.SIGUSR1)
+    except PidFileError as e:
+        _fail(str(e), 1)
+    except OSError as e:
+        _fail(f"pid_file: cannot signal PID {pid} ({config.pid_file}): {e.strerror}", 1)
+    _out(f"replicator: sent SIGUSR1 to PID {pid} ({config.instance_name}): it reopens its "
+         f"output files")
 
 
 # ----------------------------------------------------------------- tail
@@ -409,6 +464,10 @@ def parser() -> argparse.ArgumentParser:
     migrate.add_argument("--dry-run", action="store_true",
                          help="list the steps due, change nothing")
     migrate.set_defaults(fn=cmd_migrate)
+    reopen = sub.add_parser("reopen", help="make the running daemon reopen its output files "
+                            "(after a rotation; SIGUSR1 to the PID in its pid_file)")
+    reopen.add_argument("-c", "--config", required=True, help="instance YAML file")
+    reopen.set_defaults(fn=cmd_reopen)
     tail = sub.add_parser("tail", help="connect like a worker and print every command")
     tail.add_argument("endpoint", help="HOST:PORT, or an endpoint string such as "
                       "tcp:host=127.0.0.1:port=9092 or tls:...")

@@ -458,6 +458,19 @@ class OperationsPathTests(TestCase):
             self.assertEqual((answer["status"], answer["instance"], answer["role"],
                               answer["replication"]["connected"]),
                              ("ok", name, "master" if name == "master" else "worker", True))
+        # The page's expected answers, as /health gives them: the same
+        # keys in the same order, the same version string.
+        with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+            page = f.read()
+        for name in ("master", "worker1"):
+            line = re.search(r'`(\{"status":"ok","instance":"%s".*?),\.\.\.\}`' % name,
+                             page).group(1)
+            documented = json.loads(line + "}")
+            answer = answers[name][1]
+            self.assertEqual(list(documented), list(answer)[:len(documented)], name)
+            self.assertEqual(documented["version"], answer["version"])
+        self.assertIn(f"(`replicator {answers['master'][1]['version']}` for a wheel built",
+                      page)
         # A write on each writer reaches every other instance.
         tokens = {}
         for name, base in bases.items():

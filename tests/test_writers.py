@@ -94,9 +94,8 @@ class WriterWatchTests(SynchronousTestCase):
         self.assertEqual((holder["linear"], holder["writers"], holder["in_flight"],
                           holder["held_for"]), (5, ["worker2"], None, 12))
         self.gen.advance("worker2", 6)
-        holder = watch.linear_holder(self.stream)
-        self.assertEqual((holder["linear"], holder["writers"], holder["held_for"]),
-                         (6, ["worker2"], 0))  # it moved: held anew from here
+        # It moved since the last look: moving, not held (held anew from here).
+        self.assertIsNone(watch.linear_holder(self.stream))
         self.clock.advance(41)
         self.assertEqual(watch.linear_holder(self.stream)["text"],
                          "linear held at 6 by worker2: never connected (up 53s), for 41s")
@@ -105,10 +104,11 @@ class WriterWatchTests(SynchronousTestCase):
         self.gen.reserved("master", [10], pending=False)
         self.gen.advance("worker2", 11)
         self.gen.advance("worker3", 11)
+        self.assertIsNone(watch.linear_holder(self.stream))  # it just moved
+        self.clock.advance(41)
         holder = watch.linear_holder(self.stream)
         self.assertEqual((holder["linear"], holder["writers"], holder["in_flight"]),
                          (9, [], [10, "master"]))
-        self.clock.advance(41)
         self.assertEqual(watch.linear_holder(self.stream)["text"],
                          "linear held at 9 by ID 10 of master, in flight, for 41s")
         [finding] = [f for f in watch.findings(10) if f.kind == "linear_held"]
@@ -116,6 +116,45 @@ class WriterWatchTests(SynchronousTestCase):
                          ("master", "ID 10 in flight, holds the linear token at 9", False))
         self.gen.complete("master", 10)
         self.assertIsNone(watch.linear_holder(self.stream))
+
+
+    def test_steady_writes_hold_nothing(self):
+        """The linear token moving at every look (one fact in flight at a
+        time, another writer idle) is never "held for 0s"."""
+        watch = self.watch(hub=True)
+        shown = []
+        for token in range(1, 30):
+            for w in ("worker2", "worker3"):  # their POSITIONs, one fact behind
+                self.gen.advance(w, token)
+            self.gen.reserved("master", [token + 1], pending=False)
+            self.clock.advance(1)
+            self.assertLess(self.gen.get_linear_token(), self.gen.get_max_known())
+            shown.append(watch.linear_holder(self.stream))
+            self.gen.complete("master", token + 1)
+        self.assertEqual(shown, [None] * 29)
+
+    def test_a_writer_added_by_a_reload_holds_the_token_and_counts_from_then(self):
+        watch = self.watch(hub=True)
+        for w in ("worker2", "worker3"):
+            self.gen.advance(w, 9)
+        self.assertIsNone(watch.linear_holder(self.stream))
+        self.clock.advance(233)  # the instance has been up 3m53s
+        # A reload adds worker4 at the stream's smallest persisted position.
+        self.gen.add_remote("worker4", 0)
+        self.stream.config.writers.append("worker4")
+        watch.observe()
+        for w in ("worker2", "worker3"):
+            self.gen.advance(w, 12)
+        watch.observe()
+        self.clock.advance(12)
+        holder = watch.linear_holder(self.stream)
+        self.assertEqual((holder["linear"], holder["writers"]), (9, ["worker4"]))
+        self.assertEqual(holder["text"], "linear held at 9 by worker4: never connected "
+                                         "(added 12s ago), for 12s")
+        self.assertEqual(watch.link("worker3")["text"], "never connected (up 4m05s)")
+        # Not down past a grace of 20 s: it was configured 12 s ago.
+        self.assertEqual([f.writer for f in watch.findings(20) if f.kind == "writer_down"],
+                         ["worker2", "worker3"])
 
 
 def config(name="w", **replication):

@@ -191,7 +191,7 @@ def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[C
 
 
 INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replication", "http",
-                 "consumers", "log_level", "log_format", "health", "synapse")
+                 "consumers", "log_level", "log_format", "health", "synapse", "pid_file")
 
 
 def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
@@ -292,6 +292,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
                                   f"{others[0]!r} cannot write an embedded SQLite database of "
                                   f"{instance_name!r}: use PostgreSQL for several writers")
     _check_writer_secrets(replication, streams, instance_name)
+    pid_file = get_path(section, "pid_file", "", None)
     if replication.upstream and replication.listen:
         raise ConfigError("replication.upstream", "an instance either listens (master) or "
                                                   "connects upstream (worker), not both")
@@ -299,6 +300,7 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
         server_name=server_name, instance_name=instance_name, database=database,
         streams=streams, replication=replication, http=http, consumers=consumers,
         log_level=log_level, log_format=log_format, path=path, health=health, synapse=synapse_config,
+        pid_file=pid_file,
     )
 
 

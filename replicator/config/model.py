@@ -309,3 +309,6 @@ class InstanceConfig:
     health: HealthConfig = HealthConfig()
     path: Optional[str] = None
     synapse: Optional[SynapseConfig] = None
+    #: The file holding the running daemon's PID (locked while it runs):
+    #: how ``replicator reopen`` finds it (:mod:`replicator.daemon.pidfile`).
+    pid_file: Optional[str] = None

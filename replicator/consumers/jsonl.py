@@ -160,7 +160,7 @@ class JsonlConsumer(Consumer):
     :mod:`.jsonl_files`), ``rotate_keep`` of those kept, and a new file
     begun with one position line per key.  A file moved away or truncated
     by ``logrotate`` is followed before the next batch, or at once by
-    :meth:`reopen` (SIGHUP).
+    :meth:`reopen` (SIGUSR1, or a reload).
 
     ``reactor`` (required) times the flushes and runs the file's own thread
     (:class:`FileThread`); with ``run_io`` (tests: I/O inline) a ``Clock``
@@ -541,9 +541,9 @@ class JsonlConsumer(Consumer):
             log.info("{path}: {note}", path=self.path, note=handle.notes.pop(0))
 
     def reopen(self) -> defer.Deferred:
-        """Follow a rotation made outside now (SIGHUP, as ``logrotate``'s
-        ``postrotate`` sends): release a file moved away at once rather
-        than at the next batch.  Fires when done."""
+        """Follow a rotation made outside now (SIGUSR1, which ``replicator
+        reopen`` sends from ``logrotate``'s ``postrotate``): release a file
+        moved away at once rather than at the next batch.  Fires when done."""
         handle = self._file
         if handle is None or self._closed:
             return defer.succeed(None)

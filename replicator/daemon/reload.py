@@ -14,7 +14,7 @@ reload reads again), ``http.readers`` (their secret files read again), a new str
 running stream, and ``consumers`` (:class:`ConsumerChange`: one whose
 config is in both files goes on, one only in the running config stops, one
 only in the file starts).  Everything else that differs needs a restart and
-keeps its running value: the database, names, endpoints, the other
+keeps its running value: the database, names, ``pid_file``, endpoints, the other
 ``replication`` and ``http`` keys, ``synapse``, a stream removed, and a stream whose
 columns, table, retention or own writer changed (or which this instance writes alone:
 its ID generator has no room for another writer).
@@ -67,7 +67,7 @@ def plan(running: InstanceConfig, read: InstanceConfig) -> Plan:
     """The reload from ``running`` to the file's ``read`` (both validated)."""
     result = Plan(config=running)
     live: Dict[str, Any] = {}
-    for key in ("instance_name", "server_name", "synapse"):
+    for key in ("instance_name", "server_name", "synapse", "pid_file"):
         if getattr(running, key) != getattr(read, key):
             result.restart.append(key)
     if running.database != read.database:

@@ -365,7 +365,7 @@ class Instance:
             return
         sdnotify.reloading()
         try:
-            await self._reopen_outputs()
+            await self._reopen_outputs("reload")
             try:
                 read = await threads.deferToThreadPool(
                     self.reactor, self.reactor.getThreadPool(),
@@ -445,17 +445,36 @@ class Instance:
         finally:
             sdnotify.ready()
 
-    async def _reopen_outputs(self) -> None:
+    # ------------------------------------------------------------ reopen
+    async def reopen(self) -> None:
+        """Reopen the output files (SIGUSR1, ``replicator reopen``: what
+        ``logrotate``'s ``postrotate`` runs) and nothing else: the config
+        file is not read.  One line says how many were reopened."""
+        await self._reloading.run(defer.ensureDeferred, self._reopen())
+
+    async def _reopen(self) -> None:
+        if self._stopped or not self._started:
+            return
+        count = await self._reopen_outputs("reopen")
+        log.info("reopen: {count} output file{s} reopened; the config file not read",
+                 count=count, s="" if count == 1 else "s")
+
+    async def _reopen_outputs(self, what: str) -> int:
         """Let every consumer with a ``reopen`` method follow its output
-        rotated outside (``logrotate``'s ``postrotate`` sends SIGHUP), even
-        when the file just read is invalid."""
+        rotated outside (in the consumer's own file thread); also at a
+        reload, first, even when the file just read is invalid.  The
+        number of consumers that reopened theirs."""
+        count = 0
         for consumer in self.consumers:
             reopen = getattr(consumer, "reopen", None)
             if callable(reopen):
                 try:
                     await defer.maybeDeferred(reopen)
+                    count += 1
                 except Exception:
-                    log.failure("reload: reopening the output of {c} failed", c=consumer)
+                    log.failure("{what}: reopening the output of {c} failed", what=what,
+                                c=consumer)
+        return count
 
     # -------------------------------------------------------------- stop
     async def stop(self) -> None:

@@ -21,7 +21,15 @@ The **linear token** of a stream is held below the largest ID known by
 the remote writers whose position is the linear token, and by the lowest
 ID a local writer has in flight above it.  :meth:`WriterWatch.observe`
 notes when each stream's linear token last moved, so "held for" is how long
-it has stayed where it is (to within the interval between observations).
+it has stayed where it is (to within the interval between observations); a
+token that moved since the last observation is moving, not held (under
+steady writes it is below the largest ID known at every look, for 0s).
+A remote writer whose position is below the linear token (one added by a
+reload starts at the stream's smallest persisted position) holds it too.
+
+A writer's "never connected" / "never heard" counts from when it was
+configured: the start for the writers of the file the instance started
+with, the first observation after the reload that added it otherwise.
 
 Invariants: nothing here blocks, touches the database or keeps more than
 one entry per configured stream; :meth:`WriterWatch.metric_samples` only
@@ -75,6 +83,26 @@ class WriterWatch:
         self._started_at = clock.seconds()
         #: stream -> (linear token, since when it is held there; None: not held)
         self._linear: Dict[str, Tuple[int, Optional[float]]] = {}
+        #: remote writer -> when it was first configured here
+        self._configured: Dict[str, float] = {}
+        self._note_writers()
+
+    def _note_writers(self) -> None:
+        """Note when each remote writer was first seen in the config."""
+        now = self._clock.seconds()
+        for stream in self.registry:
+            for w in stream.config.writers:
+                if w not in stream.local_writers and w not in self._configured:
+                    self._configured[w] = now
+
+    def _never(self, writer: str, what: str) -> str:
+        """``never connected (up 3m53s)``, or ``(added 12s ago)`` for a
+        writer a reload added."""
+        now = self._clock.seconds()
+        since = self._configured.get(writer, self._started_at)
+        if since <= self._started_at:
+            return f"never {what} (up {duration(now - self._started_at)})"
+        return f"never {what} (added {duration(now - since)} ago)"
 
     # -------------------------------------------------------------- links
     def _connections(self) -> Dict[str, float]:
@@ -92,6 +120,7 @@ class WriterWatch:
         not known here), ``since`` (of that state; None: since start),
         ``heard_age`` (seconds since its last POSITION/RDATA, of ``stream``
         or of any stream; None: never) and ``text`` (one phrase)."""
+        self._note_writers()
         now = self._clock.seconds()
         heard_at = self.handler.reader_heard_at()
         times = [t for (s, w), t in heard_at.items()
@@ -107,26 +136,29 @@ class WriterWatch:
                 lost = self.handler.connections.last_lost.get(writer)
                 state, since = False, lost
                 text = (f"disconnected since {clock_time(lost)} ({duration(now - lost)})"
-                        if lost is not None else
-                        f"never connected (up {duration(now - self._started_at)})")
+                        if lost is not None else self._never(writer, "connected"))
         else:
             state, since = None, None
             text = (f"last heard {duration(heard_age)} ago" if heard_age is not None
-                    else f"never heard (up {duration(now - self._started_at)})")
+                    else self._never(writer, "heard"))
         return {"connected": state, "since": since, "heard_age": heard_age, "text": text,
                 "via": "connection" if self.hub else self.via}
 
-    def down_for(self, link: Dict[str, Any]) -> Optional[float]:
-        """How long a writer has been known to be down (hub only), or None."""
+    def down_for(self, writer: str, link: Dict[str, Any]) -> Optional[float]:
+        """How long a writer has been known to be down (hub only), or None:
+        since its last connection closed, else since it was configured."""
         if link["connected"] is not False:
             return None
-        since = link["since"] if link["since"] is not None else self._started_at
+        since = link["since"]
+        if since is None:
+            since = self._configured.get(writer, self._started_at)
         return self._clock.seconds() - since
 
     # -------------------------------------------------------------- linear
     def observe(self) -> None:
         """Note where each stream's linear token is and since when it is
         held below the largest ID known (reactor thread)."""
+        self._note_writers()
         now = self._clock.seconds()
         for stream in self.registry:
             gen = stream.id_gen
@@ -155,16 +187,18 @@ class WriterWatch:
     def linear_holder(self, stream, connected=None) -> Optional[Dict[str, Any]]:
         """What holds ``stream``'s linear token: ``{"linear", "held_for",
         "writers" (remote holders), "in_flight" ([ID, writer] or None),
-        "text"}``; None when it is at the largest ID known."""
+        "text"}``; None when it is at the largest ID known or moved since
+        the last observation."""
         self.observe()
         held = self.held_for(stream)
-        if held is None:
-            return None
+        if not held:
+            return None  # at the largest ID known, or moved since the last look
         gen = stream.id_gen
         linear = gen.get_linear_token()
         positions = gen.get_positions()
         holders = [w for w in stream.config.writers
-                   if w not in stream.local_writers and positions.get(w) == linear]
+                   if w not in stream.local_writers
+                   and positions.get(w, linear + 1) <= linear]
         parts = [f"{w}: {self.link(w, stream.name, connected)['text']}" for w in holders]
         lowest = None
         for w in stream.local_writers:
@@ -193,7 +227,7 @@ class WriterWatch:
         if self.hub:
             for w in remote:
                 link = self.link(w, connected=connected)
-                down = self.down_for(link)
+                down = self.down_for(w, link)
                 if down is not None and down >= grace:
                     out.append(Finding("writer_down", None, w, f"writer {w} {link['text']}",
                                        link["text"], False))
