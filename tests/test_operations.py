@@ -538,7 +538,11 @@ class RedisExamplesTests(TestCase):
             p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
         result = subprocess.run([sys.executable, "-m", "replicator.cli", "check", "-c", path],
                                 cwd=tmp, env=env, capture_output=True, text=True, timeout=60)
-        self.assertEqual((result.returncode, result.stderr), (0, ""), step)
+        # Warnings only (a remote writer bound by no secret, our Redis
+        # channel unsigned: what these short examples leave out).
+        self.assertEqual(result.returncode, 0, (step, result.stderr))
+        self.assertEqual([line for line in result.stderr.splitlines()
+                          if not line.startswith("replicator: warning: ")], [], step)
         self.assertIn("config ok", result.stdout)
         return doc
 
