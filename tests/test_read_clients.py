@@ -277,7 +277,7 @@ class NginxCacheTests(SynchronousTestCase):
         self.assertEqual(again[1]["etag"], first[1]["etag"])
         # The hit never reached the daemon: nginx logged no upstream for it.
         wait_for(lambda: len(nginx.access_lines()) == 2, DEADLINE, "nginx's access lines")
-        self.assertEqual(nginx.access_lines()[1][2:], ["HIT", "-"])
+        self.assertEqual(nginx.access_lines()[1][2:4], ["HIT", "-"])
         self.assertEqual(requests_to_daemon(), 1)
         # Revalidation by the ETag, straight from the daemon: 304, no body.
         status, _, body = get(with_query(daemon.url(), limit=10),
