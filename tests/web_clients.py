@@ -19,11 +19,14 @@
   thread of its own, whose link can be dropped (connections reset, the
   port refusing) and restored on the same port: a network cut that a
   browser sees.
+* :class:`BadGateway`: a proxy's ``502`` on the port of a daemon that is
+  down.
 
 A missing binary or package skips locally and fails with ``CI=true``.
 """
 
 import asyncio
+import http.server
 import os
 import shutil
 import signal
@@ -220,3 +223,39 @@ class DroppableProxy:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
+
+
+class BadGateway:
+    """What a proxy in front answers while the daemon behind it is down:
+    ``502`` (``text/html``, as nginx's) to every request, on
+    ``127.0.0.1:port`` (the daemon's, once it is gone), on a thread of its
+    own.  :attr:`requests` holds ``(path with query, User-Agent,
+    Last-Event-ID)`` of each request; :meth:`close` frees the port."""
+
+    def __init__(self, port: int):
+        self.requests: List[tuple] = []
+        seen = self.requests
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.append((self.path, self.headers.get("User-Agent", ""),
+                             self.headers.get("Last-Event-ID")))
+                body = b"<html><body><h1>502 Bad Gateway</h1></body></html>\n"
+                self.send_response(502)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
