@@ -9,7 +9,8 @@ with real clients against a real ``replicator run`` on PostgreSQL:
 * Node.js: its own ``fetch`` paging through the stream, and the npm
   ``eventsource`` client reading events (its credential as ``access_token``,
   which the daemon's log never shows);
-* Debian's nginx with ``proxy_cache`` in front: an old page is served from
+* Debian's nginx with ``proxy_cache`` in front (the shipped
+  ``contrib/nginx/replicator.conf``): an old page is served from
   nginx's cache (``X-Cache-Status: HIT``, no second request in either
   access log), the newest never is;
 * headless Chromium: a page's ``EventSource`` (credential in the

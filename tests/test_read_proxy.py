@@ -117,6 +117,8 @@ class BrowserThroughNginxTests(SynchronousTestCase):
         self.assertEqual(len(table), 40)
         got = browser.evaluate("window.got")
         stats = browser.evaluate("[window.opens, window.errors, window.source.readyState]")
+        # The try that reached the daemon again asked no `from`: only the
+        # Last-Event-ID that nginx passed on resumes it with nothing twice.
         self.assertEqual(as_table(fact for _, fact in got), table, stats)
         self.assertEqual(len({token for token, _ in got}), 40, "one resume token per fact")
         self.assertNotIn(2, stats[1], f"opens, errors' readyStates, readyState: {stats}")
