@@ -12,6 +12,12 @@ substituted): every ``sh``, ``js`` and ``python`` block of that section.
 A block prints a page (JSON), events, or ``stream_id rows-as-JSON`` lines;
 the facts it printed must be the table's, in order.  Blocks that never end
 (long-polls, event streams) are stopped once they printed every fact.
+
+The ``js`` and ``python`` examples also run all at once while the daemon
+goes away: killed (their connections cut, then refused), then a ``502`` on
+its port (what a proxy in front answers meanwhile: an ``EventSource``
+closes for good on it), then the daemon again; each must go on by itself
+and print every fact of the table once, in order.
 """
 
 import json
@@ -29,7 +35,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from tests.cdp import Browser
 from tests.read_api import READER_SECRET, ReadApiDaemon, as_table, parse_events
 from tests.servers import unavailable, wait_for
-from tests.web_clients import NODE_MODULES, node_binary
+from tests.web_clients import NODE_MODULES, BadGateway, node_binary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -37,6 +43,8 @@ SECTION = "## Read from any language"
 #: The address the examples use (the one ``make run`` listens on).
 EXAMPLE_BASE = "http://127.0.0.1:9093"
 FACTS = 6
+#: ``EventSource.CLOSED``: its ``readyState`` once it gave up.
+EVENTSOURCE_CLOSED = 2
 DEADLINE = 90.0
 
 
@@ -77,6 +85,44 @@ class Running:
         self.proc.wait(10)
         for t in self._threads:
             t.join(10)
+
+
+def node_module(test, code: str) -> str:
+    """``code`` saved as an ES module next to ``.node/node_modules`` (where
+    its ``import`` finds the npm packages): its path."""
+    if not os.path.isdir(os.path.join(NODE_MODULES, "eventsource")):
+        unavailable("npm package eventsource not in .node/ (make node-deps)")
+    here = tempfile.mkdtemp(prefix="example-", dir=os.path.dirname(NODE_MODULES))
+    test.addCleanup(shutil.rmtree, here, True)
+    path = os.path.join(here, "example.mjs")
+    with open(path, "w") as f:
+        f.write(code)
+    return path
+
+
+def same_origin_browser(test, daemon) -> Browser:
+    """Chromium on a page of the daemon's origin, with the reader's cookie."""
+    browser = Browser(test)
+    browser.call("Network.enable", session=True)
+    browser.call("Network.setCookie", session=True, name="replicator_reader",
+                 value=READER_SECRET, url=daemon.base, httpOnly=True)
+    browser.open(daemon.base + "/health")
+    browser.wait("document.readyState === 'complete'", DEADLINE, "the page loaded")
+    return browser
+
+
+def run_in_browser(browser: Browser, code: str) -> None:
+    """Run ``code`` on the page, ``console.log``'s arguments collected in
+    ``window.lines`` and the ``readyState`` at every ``error`` event of
+    every ``EventSource`` it makes in ``window.errors``."""
+    browser.evaluate(
+        "window.lines = []; console.log = (...args) => window.lines.push(args);"
+        "window.errors = [];"
+        "window.EventSource = class extends EventSource { constructor(...args) {"
+        " super(...args);"
+        " this.addEventListener('error', () => window.errors.push(this.readyState)); } };"
+        "true")
+    browser.evaluate(f"(() => {{ {code} }})(); true")
 
 
 def printed_facts(text: str) -> List[Tuple[int, list]]:
@@ -129,29 +175,11 @@ class ReadmeExampleTests(SynchronousTestCase):
         elif lang == "python":
             self._lines([sys.executable, "-c", code], env, table)
         elif "process.env" in code:
-            node = node_binary()
-            if not os.path.isdir(os.path.join(NODE_MODULES, "eventsource")):
-                unavailable("npm package eventsource not in .node/ (make node-deps)")
-            # An ES module next to .node/node_modules, where import finds it.
-            here = tempfile.mkdtemp(prefix="example-", dir=os.path.dirname(NODE_MODULES))
-            self.addCleanup(shutil.rmtree, here, True)
-            path = os.path.join(here, "example.mjs")
-            with open(path, "w") as f:
-                f.write(code)
-            self._lines([node, path], env, table)
+            self._lines([node_binary(), node_module(self, code)], env, table)
         else:
             if browser is None:
-                browser = Browser(self)
-                browser.call("Network.enable", session=True)
-                browser.call("Network.setCookie", session=True,
-                             name="replicator_reader", value=READER_SECRET,
-                             url=daemon.base, httpOnly=True)
-                browser.open(daemon.base + "/health")
-                browser.wait("document.readyState === 'complete'", DEADLINE,
-                             "the page loaded")
-            browser.evaluate("window.lines = []; console.log = (...args) => "
-                             "window.lines.push(args); true")
-            browser.evaluate(f"(() => {{ {code} }})(); true")
+                browser = same_origin_browser(self, daemon)
+            run_in_browser(browser, code)
             browser.wait(f"window.lines.length >= {FACTS}", DEADLINE,
                          "the browser's facts")
             lines = browser.evaluate("window.lines")
@@ -172,3 +200,108 @@ class ReadmeExampleTests(SynchronousTestCase):
         lines = "\n".join(run.out.splitlines()[:len(table)])
         self.assertEqual(printed_facts(lines), table, run.err[-2000:])
 
+
+    def test_examples_go_on_after_the_daemon_was_away(self):
+        blocks = [(lang, code) for lang, code in examples() if lang in ("js", "python")]
+        daemon = ReadApiDaemon(self).start()
+        daemon.write(FACTS)
+        env = dict(os.environ, READER_SECRET=READER_SECRET)
+        clients = {}
+        for lang, code in blocks:
+            code = code.replace(EXAMPLE_BASE, daemon.base)
+            if lang == "js" and "process.env" not in code:
+                browser = same_origin_browser(self, daemon)
+                run_in_browser(browser, code)
+                clients["browser"] = InBrowser(browser)
+                continue
+            if lang == "python":
+                name, args = "python", [sys.executable, "-c", code]
+            else:
+                name = "node " + ("eventsource" if "/events" in code else "fetch")
+                args = [node_binary(), node_module(self, code)]
+            run = Running(args, env=env)
+            self.addCleanup(run.stop)
+            clients[name] = InProcess(run)
+        self.assertEqual(sorted(clients),
+                         ["browser", "node eventsource", "node fetch", "python"])
+
+        def each(predicate, what):
+            def check():
+                for name, client in clients.items():
+                    client.check(name)
+                return all(predicate(name) for name in clients)
+
+            wait_for(check, DEADLINE, what)
+
+        each(lambda name: len(clients[name].facts()) >= FACTS, "every example's facts")
+        errors = {name: len(clients[name].errors()) for name in clients}
+        daemon.kill()
+        # Each saw its connection go and the next one refused.
+        each(lambda name: len(clients[name].errors()) >= errors[name] + 2,
+             "two errors in every example (cut, refused)")
+
+        gateway = BadGateway(daemon.port)
+        try:
+            def asked(name):
+                """How often ``name`` asked the proxy."""
+                return sum(name == ("browser" if "Chrome" in agent else
+                                    "python" if "Python" in agent else
+                                    "node eventsource" if "/events" in path else
+                                    "node fetch")
+                           for path, agent, _ in gateway.requests)
+
+            # An EventSource is closed for good by the first 502: the
+            # example's own second try shows it opened another.
+            each(lambda name: asked(name) >= (2 if name == "browser" else 1),
+                 "every example asked the proxy's 502 (the browser twice)")
+        finally:
+            gateway.close()
+        daemon.start()
+        daemon.write(FACTS)
+        table = daemon.table()
+        self.assertEqual(len(table), 2 * FACTS)
+        each(lambda name: len(clients[name].facts()) >= len(table),
+             "every example's facts again")
+        for name, client in clients.items():
+            self.assertEqual(client.facts(), table, f"{name}: {client.errors()[-10:]}")
+            # Each was told 502 (an EventSource closed on it), and went on.
+            told = [e for e in client.errors() if e == EVENTSOURCE_CLOSED or "502" in str(e)]
+            self.assertTrue(told, f"{name}: {client.errors()}")
+
+
+class InProcess:
+    """An example run as a process: the facts it printed on stdout, its
+    stderr's lines (one per failure it went on after)."""
+
+    def __init__(self, run: Running):
+        self.run = run
+
+    def facts(self):
+        return printed_facts(self.run.out.rpartition("\n")[0])
+
+    def errors(self) -> List[str]:
+        return self.run.err.splitlines()
+
+    def check(self, name: str) -> None:
+        """An example that ended gave up: the test fails at once."""
+        if self.run.proc.poll() is not None:
+            raise AssertionError(f"{name} exited with {self.run.proc.returncode}: "
+                                 f"{self.run.err[-2000:]}")
+
+
+class InBrowser:
+    """The browser's example (:func:`run_in_browser`): the facts it logged,
+    the ``readyState`` at each ``error`` of its ``EventSource``\ s."""
+
+    def __init__(self, browser: Browser):
+        self.browser = browser
+
+    def facts(self):
+        return as_table({"stream_id": token, "rows": rows}
+                        for token, rows in self.browser.evaluate("window.lines"))
+
+    def errors(self) -> list:
+        return self.browser.evaluate("window.errors")
+
+    def check(self, name: str) -> None:
+        pass

@@ -1,14 +1,17 @@
 """Real HTTP clients and middleboxes of the read API, for integration tests.
 
-* :class:`NginxCache`: Debian's nginx on a free loopback port, with a
-  generated config putting ``proxy_cache`` in front of a daemon's HTTP
-  listener.  Every answer carries ``X-Cache-Status`` (nginx's
+* :class:`NginxCache`: Debian's nginx on a free loopback port, with the
+  shipped ``contrib/nginx/replicator.conf`` (the one the docs show) in
+  front of a daemon's HTTP listener: ``proxy_cache`` for pages, event
+  streams unbuffered, and an answer an ``EventSource`` retries while the
+  daemon is down.  Every answer carries ``X-Cache-Status`` (nginx's
   ``$upstream_cache_status``: ``MISS``, ``HIT``, ``BYPASS``..., empty when
   the cache was not consulted) and nginx's access log has one line per
-  request with that status and the upstream address (``-`` when nginx
-  answered from its cache).  The cache key includes the ``Authorization``
-  header: nginx does not check credentials on a hit, so entries are kept
-  per credential (see the README's section on caching proxies).
+  request with that status, the upstream's address and status (``-`` when
+  nginx answered from its cache) and the request's ``Last-Event-ID``.
+  The cache key includes the ``Authorization`` header: nginx does not check
+  credentials on a hit, so entries are kept per credential (see the
+  README's section on caching proxies).
 * :func:`node`: runs a script with the machine's ``node`` (its own
   ``fetch``) and the npm packages ``make node-deps`` installed in
   ``.node/node_modules`` (``eventsource``).
@@ -16,11 +19,14 @@
   thread of its own, whose link can be dropped (connections reset, the
   port refusing) and restored on the same port: a network cut that a
   browser sees.
+* :class:`BadGateway`: a proxy's ``502`` on the port of a daemon that is
+  down.
 
 A missing binary or package skips locally and fails with ``CI=true``.
 """
 
 import asyncio
+import http.server
 import os
 import shutil
 import signal
@@ -35,6 +41,20 @@ from tests.servers import free_port, unavailable, wait_for_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODE_MODULES = os.path.join(ROOT, ".node", "node_modules")
 
+#: The nginx config the docs show (docs/read-api.md includes it verbatim).
+NGINX_SHIPPED = os.path.join(ROOT, "contrib", "nginx", "replicator.conf")
+
+#: What a test changes in it: ``(text, replacement)``, each text found once.
+NGINX_SUBSTITUTIONS = (
+    ("server 127.0.0.1:9093;", "server 127.0.0.1:{upstream};"),
+    ("listen 80;", "listen 127.0.0.1:{port};"),
+    ("/var/cache/nginx/replicator", "{tmp}/cache"),
+)
+
+#: The rest of nginx's config around the shipped file, from a temp dir:
+#: the access log has one line per request, ``$request_uri $status
+#: $upstream_cache_status $upstream_addr $upstream_status
+#: $http_last_event_id`` (``-`` for an empty one).
 NGINX_CONF = """\
 worker_processes 1;
 daemon off;
@@ -43,44 +63,31 @@ pid {tmp}/nginx.pid;
 error_log {tmp}/error.log warn;
 events {{ worker_connections 1024; }}
 http {{
-    log_format cache '$request_uri $status $upstream_cache_status $upstream_addr';
+    log_format cache '$request_uri $status $upstream_cache_status $upstream_addr '
+                     '$upstream_status $http_last_event_id';
     access_log {tmp}/access.log cache;
     client_body_temp_path {tmp}/body;
     proxy_temp_path {tmp}/proxy;
     fastcgi_temp_path {tmp}/fastcgi;
     uwsgi_temp_path {tmp}/uwsgi;
     scgi_temp_path {tmp}/scgi;
-    proxy_cache_path {tmp}/cache levels=1:2 keys_zone=replicator:1m max_size=64m
-                     inactive=1h use_temp_path=off;
-    server {{
-        listen 127.0.0.1:{port};
-        location /_replicator/v1/streams/ {{
-            proxy_pass http://127.0.0.1:{upstream};
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_cache replicator;
-            # nginx answers a hit without asking the daemon: one entry per
-            # credential, so a reader only gets what it was allowed once.
-            proxy_cache_key "$request_uri $http_authorization $cookie_replicator_reader";
-            proxy_cache_lock on;
-            proxy_read_timeout 60s;
-            add_header X-Cache-Status $upstream_cache_status always;
-            # Event streams pass through as they come (unbuffered: never cached).
-            location ~ /events$ {{
-                proxy_pass http://127.0.0.1:{upstream};
-                proxy_http_version 1.1;
-                proxy_set_header Connection "";
-                proxy_buffering off;
-                proxy_cache off;
-                proxy_read_timeout 1h;
-            }}
-        }}
-        location / {{
-            proxy_pass http://127.0.0.1:{upstream};
-        }}
-    }}
+    include {tmp}/replicator.conf;
 }}
 """
+
+
+def shipped_nginx_conf(path: str = NGINX_SHIPPED, **values) -> str:
+    """The shipped config with the test's ports and directory (``upstream``,
+    ``port``, ``tmp``); a substitution that finds nothing, or more than one
+    place, is an error (the file changed under the test)."""
+    with open(path) as f:
+        text = f.read()
+    for old, new in NGINX_SUBSTITUTIONS:
+        count = text.count(old)
+        if count != 1:
+            raise AssertionError(f"{path}: {old!r} found {count} times, not once")
+        text = text.replace(old, new.format(**values))
+    return text
 
 
 def nginx_binary() -> str:
@@ -93,19 +100,22 @@ def nginx_binary() -> str:
 
 
 class NginxCache:
-    """nginx with ``proxy_cache`` in front of ``127.0.0.1:upstream_port``,
-    from a temp dir, on a free loopback port; :meth:`stop` ends it (by PID)
-    and deletes its files."""
+    """nginx with ``config`` (the shipped file) in front of
+    ``127.0.0.1:upstream_port``, from a temp dir, on a free loopback port;
+    :meth:`stop` ends it (by PID) and deletes its files."""
 
-    def __init__(self, upstream_port: int):
+    def __init__(self, upstream_port: int, config: str = NGINX_SHIPPED):
         binary = nginx_binary()
         self.tmp = tempfile.mkdtemp(prefix="replicator-nginx-")
         # As root, nginx's workers run as nobody: they must reach their dirs.
         os.chmod(self.tmp, 0o755)
         self.port = free_port()
         self.conf = os.path.join(self.tmp, "nginx.conf")
+        with open(os.path.join(self.tmp, "replicator.conf"), "w") as f:
+            f.write(shipped_nginx_conf(config, upstream=upstream_port, port=self.port,
+                                       tmp=self.tmp))
         with open(self.conf, "w") as f:
-            f.write(NGINX_CONF.format(tmp=self.tmp, port=self.port, upstream=upstream_port))
+            f.write(NGINX_CONF.format(tmp=self.tmp))
         self._log = open(os.path.join(self.tmp, "stderr.log"), "wb")
         # -e: the error log before the config is read (else the packaged
         # /var/log/nginx/error.log, which needs root).
@@ -123,8 +133,9 @@ class NginxCache:
         return f"http://127.0.0.1:{self.port}"
 
     def access_lines(self) -> List[List[str]]:
-        """nginx's access log: ``[request_uri, status, cache status, upstream]``
-        per request (nginx writes the line when the request ends)."""
+        """nginx's access log: ``[request_uri, status, cache status, upstream
+        address, upstream status, Last-Event-ID]`` per request (nginx writes
+        the line when the request ends)."""
         try:
             with open(os.path.join(self.tmp, "access.log")) as f:
                 return [line.split() for line in f if line.strip()]
@@ -212,3 +223,39 @@ class DroppableProxy:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
+
+
+class BadGateway:
+    """What a proxy in front answers while the daemon behind it is down:
+    ``502`` (``text/html``, as nginx's) to every request, on
+    ``127.0.0.1:port`` (the daemon's, once it is gone), on a thread of its
+    own.  :attr:`requests` holds ``(path with query, User-Agent,
+    Last-Event-ID)`` of each request; :meth:`close` frees the port."""
+
+    def __init__(self, port: int):
+        self.requests: List[tuple] = []
+        seen = self.requests
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.append((self.path, self.headers.get("User-Agent", ""),
+                             self.headers.get("Last-Event-ID")))
+                body = b"<html><body><h1>502 Bad Gateway</h1></body></html>\n"
+                self.send_response(502)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
