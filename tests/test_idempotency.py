@@ -1,0 +1,235 @@
+"""``Idempotency-Key`` on the write API (:mod:`replicator.http.idempotent`,
+:mod:`replicator.streams.idempotency`): a retry answers the first write's
+``stream_id`` and writes nothing.
+
+In memory (:mod:`tests.harness`): a retry, another body (422), a retry
+while the first is in flight (409), the window, malformed keys, pruning.
+On a real PostgreSQL with two instances of one deployment: a retry that
+reaches the other instance, one that waits there for the first's
+transaction, many at once.  Over real processes
+(:class:`IdempotentDaemonTests`): a client that timed out while the daemon
+was stopped (SIGSTOP) retries after SIGCONT; a retry after a restart.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import orjson
+import psycopg2
+from twisted.internet import defer, reactor
+from twisted.trial.unittest import SynchronousTestCase
+
+from replicator.storage.schema import IDEMPOTENCY_DDL
+from replicator.streams.idempotency import (
+    PRUNE_INTERVAL,
+    IdempotencyKeys,
+    IdempotencyPruner,
+    fingerprint,
+)
+from tests.servers import PostgresServer, free_port, wait_for
+from tests.support import until
+from tests.test_cli import CACHES, Daemon, base_config, cli
+from tests.test_http import (
+    AUTH,
+    FACTS,
+    HttpTestCase,
+    InMemoryHttpTestCase,
+    RawClient,
+    instance_config,
+)
+
+KEY = "3f0b6a8e-5f4c-4d1e-9a8f-2b7c1d0e9f11"
+ROWS = {"rows": [["get_user", ["@alice:hs.test"], 1000]]}
+
+
+def keyed(key=KEY):
+    return {**AUTH, "Idempotency-Key": key}
+
+
+class InMemoryIdempotencyTests(InMemoryHttpTestCase):
+    """The API in memory: SQLite, the harness's clock."""
+
+    def post_keyed(self, doc, key=KEY, stream="caches"):
+        response, answer = self.h.run(self.json("POST", FACTS.format(stream),
+                                                orjson.dumps(doc), keyed(key)))
+        return response.code, answer, response.headers.getRawHeaders(b"idempotent-replayed")
+
+    def facts(self, table="cache_stream"):
+        return self.h.run(self.db.runQuery(
+            f"SELECT stream_id, cache_func FROM {table} ORDER BY stream_id"))
+
+    def records(self):
+        return self.h.run(self.db.runQuery(
+            "SELECT table_name, idem_key, stream_id FROM stream_idempotency "
+            "ORDER BY table_name, idem_key"))
+
+    def test_a_retry_answers_the_first_write_and_writes_nothing(self):
+        self.start()
+        self.assertEqual(self.post_keyed(ROWS), (200, {"stream_id": 1}, None))
+        self.assertEqual(self.post_keyed(ROWS), (200, {"stream_id": 1}, [b"true"]))
+        # The same rows spelled otherwise (spacing) are the same write.
+        spelled = b'{ "rows" : [ ["get_user", ["@alice:hs.test"], 1000] ] }'
+        response, answer = self.h.run(self.json("POST", FACTS.format("caches"), spelled,
+                                                keyed()))
+        self.assertEqual((response.code, answer), (200, {"stream_id": 1}))
+        self.assertEqual(self.facts(), [(1, "get_user")])
+        self.assertEqual(self.records(), [("cache_stream", KEY, 1)])
+        # Without a key, or with another one, a write is a new fact (a
+        # retry that found its key took an ID and rolled back: IDs are
+        # not consecutive).
+        code, second = self.write("caches", ROWS)
+        code3, third, replayed = self.post_keyed(ROWS, key="other")
+        self.assertEqual((code, code3, replayed), (200, 200, None))
+        self.assertEqual(self.facts(), [(1, "get_user"), (second["stream_id"], "get_user"),
+                                        (third["stream_id"], "get_user")])
+        self.assertEqual(self.post_keyed(ROWS, key="other"), (200, third, [b"true"]))
+
+    def test_the_same_key_with_another_body_is_422(self):
+        self.start()
+        self.assertEqual(self.post_keyed(ROWS), (200, {"stream_id": 1}, None))
+        before = self.snapshot()
+        for doc in ({"rows": [["get_user", ["@bob:hs.test"], 1000]]},
+                    {"rows": [*ROWS["rows"], *ROWS["rows"]]}, {"rows": []}):
+            code, answer, _ = self.post_keyed(doc)
+            self.assertEqual((code, answer), (422, {
+                "error": "Idempotency-Key was used for another write (stream caches, other "
+                         "rows): use a new key for a new write"}), doc)
+        self.assertEqual(self.facts(), [(1, "get_user")])
+        # The refused writes took IDs and rolled back: no position moved
+        # past a fact, nothing is left in flight.
+        self.assertEqual({name: gen[2] for name, gen in self.snapshot().items()},
+                         {name: gen[2] for name, gen in before.items()})
+        # The first write is still answered.
+        self.assertEqual(self.post_keyed(ROWS), (200, {"stream_id": 1}, [b"true"]))
+
+    def test_a_retry_while_the_first_is_in_flight_is_409_then_answered(self):
+        self.start()
+        caches = self.registry.get("caches")
+        gate, entered = defer.Deferred(), []
+        original = caches.write_prepared
+
+        async def held(prepared, hooks=()):
+            entered.append(prepared)
+            if len(entered) == 1:
+                await gate
+            return await original(prepared, hooks)
+
+        caches.write_prepared = held
+        first = defer.ensureDeferred(self.json("POST", FACTS.format("caches"),
+                                               orjson.dumps(ROWS), keyed()))
+        self.h.flush()
+        self.assertEqual(len(entered), 1)
+        response, answer = self.answer("POST", FACTS.format("caches"), orjson.dumps(ROWS),
+                                       keyed())
+        self.assertEqual((response.code, answer), (409, {
+            "error": "a request with this Idempotency-Key is still in flight: retry it later"}))
+        self.assertEqual(response.headers.getRawHeaders(b"retry-after"), [b"1"])
+        self.assertEqual(len(entered), 1)  # the second never reached the stream
+        gate.callback(None)
+        response, answer = self.h.run(first)
+        self.assertEqual((response.code, answer), (200, {"stream_id": 1}))
+        self.assertEqual(self.post_keyed(ROWS), (200, {"stream_id": 1}, [b"true"]))
+        self.assertEqual(self.facts(), [(1, "get_user")])
+
+    def test_a_key_is_scoped_per_stream(self):
+        self.start("worker1")  # a writer of both streams
+        self.assertEqual(self.post_keyed(ROWS), (200, {"stream_id": 1}, None))
+        self.assertEqual(self.post_keyed({"rows": [["$event"]]}, stream="events"),
+                         (200, {"stream_id": 1}, None))
+        self.assertEqual(self.post_keyed(ROWS), (200, {"stream_id": 1}, [b"true"]))
+        self.assertEqual(self.records(), [("cache_stream", KEY, 1), ("event_stream", KEY, 1)])
+
+    def test_a_key_reused_after_the_window_is_a_new_write(self):
+        self.start(config_overrides={"http": {"listen": "tcp:0:interface=127.0.0.1",
+                                              "secret": AUTH["Authorization"][7:],
+                                              "idempotency_window": 60}})
+        self.assertEqual(self.post_keyed(ROWS), (200, {"stream_id": 1}, None))
+        self.h.advance(59)
+        self.assertEqual(self.post_keyed(ROWS), (200, {"stream_id": 1}, [b"true"]))
+        self.h.advance(2)  # 61 s after the first write
+        code, second, replayed = self.post_keyed(ROWS)
+        self.assertEqual((code, replayed), (200, None))
+        self.assertGreater(second["stream_id"], 1)
+        self.assertEqual(self.records(), [("cache_stream", KEY, second["stream_id"])])
+        # Now the key answers the new write, with any body it had.
+        self.assertEqual(self.post_keyed(ROWS), (200, second, [b"true"]))
+        other = {"rows": [["get_rooms", None, 1]]}
+        self.assertEqual(self.post_keyed(other)[0], 422)
+        self.h.advance(61)
+        code, third, replayed = self.post_keyed(other)
+        self.assertEqual((code, replayed), (200, None))
+        self.assertEqual(self.facts(), [(1, "get_user"), (second["stream_id"], "get_user"),
+                                        (third["stream_id"], "get_rooms")])
+
+    def test_malformed_keys_are_400_naming_the_header(self):
+        self.start()
+        before = self.snapshot()
+        why = ("Idempotency-Key header must be 1 to 255 printable ASCII characters without "
+               "space (e.g. a UUID), got ")
+        cases = [(b"", why + "0 bytes"), (b"k" * 256, why + "256 bytes"),
+                 (b"a b", why + "a space, control or non-ASCII byte"),
+                 (b"caf\xc3\xa9", why + "a space, control or non-ASCII byte"),
+                 (b"a\x01b", why + "a space, control or non-ASCII byte")]
+        for value, error in cases:
+            response, answer = self.answer("POST", FACTS.format("caches"),
+                                           orjson.dumps(ROWS), {**AUTH, "Idempotency-Key": value})
+            self.assertEqual((response.code, answer), (400, {"error": error}), value)
+        # Given twice.
+        self.assertEqual(self.raw_post([b"Idempotency-Key: a", b"Idempotency-Key: a"]),
+                         (400, {"error": "Idempotency-Key header given more than once"}))
+        self.assertEqual(self.snapshot(), before)
+        self.assertEqual(self.facts(), [])
+        # The longest key and every printable character are fine.
+        for value in ("k" * 255, "".join(chr(c) for c in range(0x21, 0x7F))):
+            self.assertEqual(self.post_keyed(ROWS, key=value)[0], 200)
+
+    def raw_post(self, header_lines):
+        body = orjson.dumps(ROWS)
+        request = (b"POST " + FACTS.format("caches").encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                   b"Authorization: " + AUTH["Authorization"].encode() + b"\r\n"
+                   + b"".join(line + b"\r\n" for line in header_lines)
+                   + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        client = RawClient(request)
+        self.open(client)
+        received = self.h.run(client.closed)
+        head, _, data = received.partition(b"\r\n\r\n")
+        return int(head.split(b" ")[1]), orjson.loads(data)
+
+    def test_records_out_of_the_window_are_pruned(self):
+        self.start(config_overrides={"http": {"listen": "tcp:0:interface=127.0.0.1",
+                                              "secret": AUTH["Authorization"][7:],
+                                              "idempotency_window": 120}})
+        keys = self.api.streams.idempotent.keys
+        pruner = IdempotencyPruner(keys, self.h.clock)
+        pruner.startService()
+        self.addCleanup(pruner.stopService)
+        self.assertEqual(pruner.interval, 120)
+        self.assertEqual(self.post_keyed(ROWS, key="old")[0], 200)
+        self.h.advance(60)
+        self.assertEqual(self.post_keyed(ROWS, key="young")[0], 200)
+        self.h.advance(60)  # the first pass: "old" is 120 s old, not older
+        self.assertEqual([r[1] for r in self.records()], ["old", "young"])
+        self.h.advance(120)  # the second: both are older than the window
+        self.assertEqual(self.records(), [])
+        self.assertEqual(len(self.facts()), 2)  # facts are retention's business
+
+    def test_prune_goes_in_batches(self):
+        self.start()
+        self.assertEqual(self.post_keyed(ROWS, key="k0"), (200, {"stream_id": 1}, None))
+        keys = IdempotencyKeys(self.db, 60, self.h.clock)
+        import replicator.streams.idempotency as module
+
+        self.patch(module, "PRUNE_BATCH", 3)
+        for i in range(1, 7):
+            self.h.run(self.db.runOperation(
+                "INSERT INTO stream_idempotency VALUES (?, ?, ?, ?, ?)",
+                ("cache_stream", f"k{i}", "x", i, 0)))
+        self.h.advance(61)
+        self.assertEqual(self.h.run(keys.prune()), 7)
+        self.assertEqual(self.records(), [])
+        self.assertEqual(PRUNE_INTERVAL, 300)
+
