@@ -233,3 +233,193 @@ class InMemoryIdempotencyTests(InMemoryHttpTestCase):
         self.assertEqual(self.records(), [])
         self.assertEqual(PRUNE_INTERVAL, 300)
 
+
+
+class PostgresIdempotencyTests(HttpTestCase):
+    """Two instances of one deployment (both writers of ``caches``) on one
+    PostgreSQL database: a retry may reach either."""
+
+    async def start_both(self):
+        dsn = PostgresServer.shared().create_database()
+        await self.start("master", dsn=dsn)
+        self.ports = {"master": self.port}
+        await self.start("worker1", dsn=dsn)
+        self.ports["worker1"] = self.port
+        self.dsn = dsn
+
+    def post_at(self, instance, doc, key=KEY):
+        """The answer's ``(code, body, replayed)`` (a Deferred: the request
+        is on its way when this returns)."""
+        self.port = self.ports[instance]
+
+        async def post():
+            response, answer = await self.json("POST", FACTS.format("caches"),
+                                               orjson.dumps(doc), keyed(key))
+            return response.code, answer, response.headers.getRawHeaders(
+                b"idempotent-replayed")
+
+        return defer.ensureDeferred(post())
+
+    async def facts(self, func):
+        rows = await self.db.runQuery(
+            "SELECT stream_id FROM cache_stream WHERE cache_func = %s ORDER BY 1", (func,))
+        return [r[0] for r in rows]
+
+    async def test_a_retry_on_the_other_instance_answers_the_first_write(self):
+        await self.start_both()
+        self.assertEqual(await self.post_at("master", ROWS), (200, {"stream_id": 1}, None))
+        self.assertEqual(await self.post_at("worker1", ROWS), (200, {"stream_id": 1}, [b"true"]))
+        code, answer, _ = await self.post_at("worker1", {"rows": [["other", None, 1]]})
+        self.assertEqual(code, 422)
+        self.assertEqual(await self.facts("get_user"), [1])
+        self.assertEqual(await self.facts("other"), [])
+
+    def hold_key(self, key, rows, stream_id):
+        """Another instance's transaction that recorded ``key`` and has not
+        committed yet: its connection (commit or roll it back)."""
+        conn = psycopg2.connect(self.dsn)
+        self.addCleanup(conn.close)
+        prepared = self.registry.get("caches").prepare([rows], "worker1")
+        with conn.cursor() as cur:
+            cur.execute("INSERT INTO stream_idempotency VALUES (%s, %s, %s, %s, "
+                        "(extract(epoch from now()) * 1000)::bigint)",
+                        ("cache_stream", key, fingerprint("caches", prepared.lines[0]),
+                         stream_id))
+        return conn
+
+    def waiting_for_a_lock(self):
+        with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a "
+                        "ON a.pid = l.pid WHERE NOT l.granted "
+                        "AND a.datname = current_database()")
+            waiting = cur.fetchone()[0]
+        conn.close()
+        return waiting > 0
+
+    async def test_a_retry_waits_for_the_first_transaction_elsewhere(self):
+        await self.start_both()
+        # The first attempt's transaction commits: the retry answers its ID.
+        other = self.hold_key("committed", ROWS["rows"], 4242)
+        answer = self.post_at("worker1", ROWS, key="committed")
+        await until(self.waiting_for_a_lock, timeout=30)
+        self.assertFalse(answer.called)
+        other.commit()
+        self.assertEqual(await answer, (200, {"stream_id": 4242}, [b"true"]))
+        self.assertEqual(await self.facts("get_user"), [])
+        # It rolls back: the retry writes the fact.
+        other = self.hold_key("rolled-back", ROWS["rows"], 4343)
+        answer = self.post_at("worker1", ROWS, key="rolled-back")
+        await until(self.waiting_for_a_lock, timeout=30)
+        other.rollback()
+        code, body, replayed = await answer
+        self.assertEqual((code, replayed), (200, None))
+        self.assertEqual(await self.facts("get_user"), [body["stream_id"]])
+        rows = await self.db.runQuery("SELECT stream_id FROM stream_idempotency "
+                                      "WHERE idem_key = 'rolled-back'")
+        self.assertEqual(rows, [(body["stream_id"],)])
+
+    async def test_many_at_once_on_both_instances_write_one_fact(self):
+        await self.start_both()
+        answers = await defer.gatherResults(
+            [self.post_at(("master", "worker1")[i % 2], ROWS) for i in range(12)])
+        written = await self.facts("get_user")
+        self.assertEqual(len(written), 1, answers)
+        for code, body, replayed in answers:
+            if code == 200:
+                self.assertEqual(body, {"stream_id": written[0]})
+            else:
+                self.assertEqual(code, 409, body)
+        self.assertEqual(sum(1 for code, _, replayed in answers
+                             if code == 200 and replayed is None), 1, answers)
+        # Retried now, on either instance, it is answered the first write's ID.
+        for instance in ("master", "worker1"):
+            self.assertEqual(await self.post_at(instance, ROWS),
+                             (200, {"stream_id": written[0]}, [b"true"]))
+        self.assertEqual(await self.facts("get_user"), written)
+
+
+def http_post(base, rows, key=None, timeout=30.0):
+    """``(status, body)`` of a write by a plain HTTP client (urllib)."""
+    import urllib.error
+    import urllib.request
+
+    from tests.test_cli import SECRET
+
+    request = urllib.request.Request(f"{base}{FACTS.format('caches')}", method="POST",
+                                     data=json.dumps({"rows": rows}).encode())
+    request.add_header("Authorization", f"Bearer {SECRET}")
+    if key is not None:
+        request.add_header("Idempotency-Key", key)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class IdempotentDaemonTests(SynchronousTestCase):
+    """``replicator run`` on PostgreSQL, clients in other processes."""
+
+    def start_daemon(self):
+        self.dsn = PostgresServer.shared().create_database()
+        config = base_config("master", free_port(), [CACHES], database={"postgres": self.dsn})
+        self.daemon = Daemon(self, config, "master").start()
+        return self.daemon
+
+    def facts(self, func):
+        with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT stream_id FROM cache_invalidation_stream "
+                        "WHERE cache_func = %s ORDER BY 1", (func,))
+            found = [r[0] for r in cur.fetchall()]
+        conn.close()
+        return found
+
+    def test_a_client_that_timed_out_during_sigstop_retries_once(self):
+        daemon = self.start_daemon()
+        base = daemon.http_base
+        keyed_row, plain_row = ["keyed", None, 1], ["plain", None, 2]
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            # Both requests reach the stopped daemon's socket; their
+            # clients give up.
+            for row, key in ((keyed_row, KEY), (plain_row, None)):
+                with self.assertRaises(OSError):  # (TimeoutError, URLError)
+                    http_post(base, [row], key, timeout=1.0)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        # The daemon reads them when it runs again, and commits them.
+        wait_for(lambda: self.facts("keyed") and self.facts("plain"), timeout=60,
+                 what="the timed-out writes committed")
+        (first,) = self.facts("keyed")
+        # Each client retries as HTTP client libraries do.
+        self.assertEqual(http_post(base, [keyed_row], KEY), (200, {"stream_id": first}))
+        self.assertEqual(http_post(base, [plain_row])[0], 200)
+        self.assertEqual(self.facts("keyed"), [first])
+        self.assertEqual(len(self.facts("plain")), 2)  # without a key: a second fact
+        # The CLI retries with its key by itself; given the same key, it
+        # answers the first write's ID.
+        written = cli("write", "-c", daemon.path, "caches", json.dumps(keyed_row),
+                      "--idempotency-key", KEY, cwd=daemon.dir)
+        self.assertEqual((written.returncode, written.stdout), (0, f"{first}\n"),
+                         written.stderr)
+        self.assertEqual(self.facts("keyed"), [first])
+
+    def test_a_retry_after_a_restart_answers_the_first_write(self):
+        daemon = self.start_daemon()
+        row = json.dumps(["restarted", None, 1])
+        written = cli("write", "-c", daemon.path, "caches", row, "--idempotency-key", KEY,
+                      cwd=daemon.dir)
+        self.assertEqual(written.returncode, 0, written.stderr)
+        daemon.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(daemon.proc.wait(30), 0, daemon.output()[-2000:])
+        daemon.start()
+        again = cli("write", "-c", daemon.path, "caches", row, "--idempotency-key", KEY,
+                    cwd=daemon.dir)
+        self.assertEqual((again.returncode, again.stdout), (0, written.stdout), again.stderr)
+        self.assertEqual(self.facts("restarted"), [int(written.stdout)])
+        # Another body under the key is refused, not written.
+        other = cli("write", "-c", daemon.path, "caches", json.dumps(["other", None, 2]),
+                    "--idempotency-key", KEY, cwd=daemon.dir)
+        self.assertEqual(other.returncode, 1)
+        self.assertIn(": 422 Idempotency-Key was used for another write", other.stderr)
+        self.assertEqual(self.facts("other"), [])
