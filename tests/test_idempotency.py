@@ -12,18 +12,16 @@ was stopped (SIGSTOP) retries after SIGCONT; a retry after a restart.
 """
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import uuid
+import urllib.error
+import urllib.request
 
 import orjson
 import psycopg2
-from twisted.internet import defer, reactor
+from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.storage.schema import IDEMPOTENCY_DDL
+from replicator.streams import idempotency
 from replicator.streams.idempotency import (
     PRUNE_INTERVAL,
     IdempotencyKeys,
@@ -32,14 +30,13 @@ from replicator.streams.idempotency import (
 )
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.support import until
-from tests.test_cli import CACHES, Daemon, base_config, cli
+from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli
 from tests.test_http import (
     AUTH,
     FACTS,
     HttpTestCase,
     InMemoryHttpTestCase,
     RawClient,
-    instance_config,
 )
 
 KEY = "3f0b6a8e-5f4c-4d1e-9a8f-2b7c1d0e9f11"
@@ -221,9 +218,7 @@ class InMemoryIdempotencyTests(InMemoryHttpTestCase):
         self.start()
         self.assertEqual(self.post_keyed(ROWS, key="k0"), (200, {"stream_id": 1}, None))
         keys = IdempotencyKeys(self.db, 60, self.h.clock)
-        import replicator.streams.idempotency as module
-
-        self.patch(module, "PRUNE_BATCH", 3)
+        self.patch(idempotency, "PRUNE_BATCH", 3)
         for i in range(1, 7):
             self.h.run(self.db.runOperation(
                 "INSERT INTO stream_idempotency VALUES (?, ?, ?, ?, ?)",
@@ -338,13 +333,24 @@ class PostgresIdempotencyTests(HttpTestCase):
         self.assertEqual(await self.facts("get_user"), written)
 
 
+    async def test_a_retry_in_a_group_commit_fails_alone(self):
+        await self.start_both()
+        self.assertEqual(await self.post_at("worker1", ROWS), (200, {"stream_id": 1}, None))
+        # Sent at once, they may share a transaction: the retry's finding its
+        # key rolls that transaction back; each write is then retried alone.
+        others = [{"rows": [[f"other{i}", None, i]]} for i in range(6)]
+        answers = await defer.gatherResults(
+            [self.post_at("worker1", ROWS)]
+            + [self.post_at("worker1", doc, key=f"key-{i}") for i, doc in enumerate(others)])
+        self.assertEqual(answers[0], (200, {"stream_id": 1}, [b"true"]))
+        for i, (code, body, replayed) in enumerate(answers[1:]):
+            self.assertEqual((code, replayed), (200, None))
+            self.assertEqual(await self.facts(f"other{i}"), [body["stream_id"]])
+        self.assertEqual(await self.facts("get_user"), [1])
+
+
 def http_post(base, rows, key=None, timeout=30.0):
     """``(status, body)`` of a write by a plain HTTP client (urllib)."""
-    import urllib.error
-    import urllib.request
-
-    from tests.test_cli import SECRET
-
     request = urllib.request.Request(f"{base}{FACTS.format('caches')}", method="POST",
                                      data=json.dumps({"rows": rows}).encode())
     request.add_header("Authorization", f"Bearer {SECRET}")

@@ -39,8 +39,8 @@ from ..replication.transport.tcp import (
 )
 from ..storage import migrations
 from ..storage.database import Database
-from ..streams.registry import StreamRegistry
 from ..streams.idempotency import IdempotencyPruner
+from ..streams.registry import StreamRegistry
 from ..streams.retention import RetentionService, trimmers_for
 from . import sdnotify
 from .checking import unbound_writers
