@@ -429,3 +429,14 @@ class IdempotentDaemonTests(SynchronousTestCase):
         self.assertEqual(other.returncode, 1)
         self.assertIn(": 422 Idempotency-Key was used for another write", other.stderr)
         self.assertEqual(self.facts("other"), [])
+
+
+class TableNameTests(SynchronousTestCase):
+    def test_a_stream_cannot_take_the_table_of_the_keys(self):
+        from replicator.config import ConfigError
+        from replicator.config.streams import parse_stream
+
+        with self.assertRaises(ConfigError) as caught:
+            parse_stream(dict(CACHES, table="Stream_Idempotency"), "streams[0]")
+        self.assertEqual(str(caught.exception), "config: streams[0].table: "
+                         "'Stream_Idempotency' is the replicator's own table")
