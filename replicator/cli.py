@@ -15,8 +15,10 @@ import os
 import re
 import signal
 import sys
+import time
 import urllib.error
 import urllib.request
+import uuid
 from typing import NoReturn, Optional
 
 from twisted.internet import defer, task
@@ -282,7 +284,8 @@ def _host_port(text: str) -> Optional[str]:
 
 
 def say(text: str) -> None:
-    """One progress line of ``tail`` on stderr (stdout carries commands)."""
+    """One progress line (``tail``, ``write``'s retries) on stderr (stdout
+    carries commands and IDs)."""
     print(text, file=sys.stderr, flush=True)
 
 
@@ -368,10 +371,62 @@ def cmd_write(args) -> None:
             rows.append(json.loads(text))
         except ValueError as e:
             _fail(f"row {i} is not JSON: {e}", 2)
+    key = args.idempotency_key if args.idempotency_key is not None else str(uuid.uuid4())
+    if not 0 < len(key) <= 255 or any(not "!" <= c <= "~" for c in key):
+        _fail("write: --idempotency-key: 1 to 255 printable ASCII characters without "
+              "space (e.g. a UUID)", 2)
     base = _http_base(config)
-    answer = _request(f"{base}/_replicator/v1/streams/{args.stream}/facts", "POST",
-                      json.dumps({"rows": rows}).encode(), config.http.secret)
+    answer = _post_fact(f"{base}/_replicator/v1/streams/{args.stream}/facts",
+                        json.dumps({"rows": rows}).encode(), config.http.secret, key,
+                        args.timeout, args.retries)
     _out(str(answer["stream_id"]))
+
+
+#: ``write``'s waits between attempts: doubling from the first, at most the last.
+WRITE_RETRY_FIRST, WRITE_RETRY_MAX = 0.5, 8.0
+
+
+def _post_fact(url: str, body: bytes, secret: Optional[str], key: str, timeout: float,
+               retries: int) -> dict:
+    """POST one fact with ``Idempotency-Key: key``, retried with the same
+    key after a timeout, a connection failure, a 5xx or a 409 with
+    ``Retry-After`` (the first attempt still in flight): a retry of a write
+    that was committed answers its ID and writes nothing.  Any other
+    answer is final."""
+    request = urllib.request.Request(url, data=body, method="POST")
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Idempotency-Key", key)
+    if secret:
+        request.add_header("Authorization", f"Bearer {secret}")
+    attempt = 0
+    while True:
+        wait = min(WRITE_RETRY_MAX, WRITE_RETRY_FIRST * 2 ** attempt)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            try:
+                message = json.loads(e.read()).get("error", e.reason)
+            except ValueError:
+                message = e.reason
+            problem = f"POST {url}: {e.code} {message}"
+            retry_after = e.headers.get("Retry-After", "") if e.headers else ""
+            if e.code == 409 and retry_after.isdigit():
+                wait = max(wait, min(float(retry_after), WRITE_RETRY_MAX))
+            elif e.code < 500:
+                _fail(problem, 1)
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+                reason = f"no answer within {timeout:g} s"
+            problem = f"cannot reach the daemon at {url}: {reason}"
+        if attempt >= retries:
+            _fail(problem + (f" (after {retries} retries with Idempotency-Key {key})"
+                             if retries else ""), 1)
+        attempt += 1
+        say(f"replicator: {problem}; retry {attempt} of {retries} in {wait:g} s "
+             f"(Idempotency-Key {key})")
+        time.sleep(wait)
 
 
 def cmd_positions(args) -> None:
@@ -446,6 +501,24 @@ def cmd_verify(args) -> None:
 
 
 # ----------------------------------------------------------------- main
+def _seconds(text: str) -> float:
+    """``--timeout``: a number of seconds from 0.1 to 3600."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds from 0.1 to 3600, got {text!r}")
+    return value
+
+
+def _retries(text: str) -> int:
+    """``--retries``: an integer from 0 to 100."""
+    if not text.isdigit() or int(text) > 100:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 100, got {text!r}")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replicator",
                                 description="Synapse-style stream replication daemon")
@@ -483,6 +556,17 @@ def parser() -> argparse.ArgumentParser:
     write.add_argument("rows", nargs="*", metavar="ROW_JSON", help="one JSON array per row")
     write.add_argument("--empty", action="store_true",
                        help="write a fact with no rows (it still takes a stream ID)")
+    write.add_argument("--idempotency-key", metavar="KEY",
+                       help="the write's Idempotency-Key (default: a new UUID each "
+                            "invocation); a retry with the same key within "
+                            "http.idempotency_window answers the first write's ID and "
+                            "writes nothing")
+    write.add_argument("--timeout", type=_seconds, default=30.0, metavar="S",
+                       help="seconds to wait for each attempt's answer (default 30)")
+    write.add_argument("--retries", type=_retries, default=5, metavar="N",
+                       help="attempts after the first, with the same key, after a timeout, "
+                            "a connection failure, a 5xx or a write still in flight "
+                            "(default 5)")
     write.set_defaults(fn=cmd_write)
     positions = sub.add_parser("positions", help="print every (stream, writer) position")
     positions.add_argument("-c", "--config", required=True)

@@ -52,7 +52,9 @@ RELEASE_FACTS = [(1, [["get_user", ["@alice:hs.test"], 1000]]),
 STEP_2_LINE = "schema: migrating 1 -> 2: record the schema version in replicator_schema"
 #: What migrating a 0.2.0 database logs: one line per step.
 STEP_LINES = [STEP_2_LINE, "schema: migrating 2 -> 3: create stream_retention "
-                           "(the trim boundaries of retention)"]
+                           "(the trim boundaries of retention)",
+              "schema: migrating 3 -> 4: create stream_idempotency "
+              "(the Idempotency-Keys of writes)"]
 STEP_LINE = "\n".join(STEP_LINES)
 
 
@@ -190,7 +192,7 @@ class UpgradeTests(SynchronousTestCase):
         facts, positions = sqlite_facts(path)
         self.assertEqual(facts, RELEASE_FACTS + [(5, [["get_user", None, 1005]])])
         self.assertEqual(positions, [("caches", "master", 5)])
-        self.assertEqual(schema_row_sqlite(path), [(3, __version__, "master")])
+        self.assertEqual(schema_row_sqlite(path), [(4, __version__, "master")])
 
     def test_postgres(self):
         dsn = postgres_copy()
@@ -228,7 +230,7 @@ class UpgradeTests(SynchronousTestCase):
         with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
             cur.execute("SELECT version, replicator_version, instance_name "
                         "FROM replicator_schema")
-            self.assertEqual(cur.fetchall(), [(3, __version__, "master")])
+            self.assertEqual(cur.fetchall(), [(4, __version__, "master")])
         conn.close()
 
 
@@ -249,29 +251,39 @@ class MigrateCommandTests(SynchronousTestCase):
         checked = cli("check", "-c", path, cwd=directory)
         self.assertEqual(checked.returncode, 0, checked.stderr)
         self.assertTrue(checked.stdout.rstrip().endswith(
-            "; schema version 1, start migrates it to 3"), checked.stdout)
+            "; schema version 1, start migrates it to 4"), checked.stdout)
         done = self.migrate(path)
         self.assertEqual((done.returncode, done.stderr), (0, ""))
-        self.assertEqual(done.stdout, f"{STEP_LINE}\nschema: at version 3\n")
+        self.assertEqual(done.stdout, f"{STEP_LINE}\nschema: at version 4\n")
         again = self.migrate(path)
-        self.assertEqual((again.returncode, again.stdout), (0, "schema: already at version 3\n"))
+        self.assertEqual((again.returncode, again.stdout), (0, "schema: already at version 4\n"))
         checked = cli("check", "-c", path, cwd=directory)
-        self.assertTrue(checked.stdout.rstrip().endswith("; schema version 3 (current)"),
+        self.assertTrue(checked.stdout.rstrip().endswith("; schema version 4 (current)"),
                         checked.stdout)
         self.assertEqual(sqlite_facts(db), (RELEASE_FACTS, [("caches", "master", 4)]))
+        conn = sqlite3.connect(db)
+        try:  # step 4's table, with its primary key and index
+            self.assertEqual([r[1] for r in conn.execute(
+                "PRAGMA table_info(stream_idempotency)")],
+                ["table_name", "idem_key", "fingerprint", "stream_id", "created_ms"])
+            self.assertEqual(sorted(r[1] for r in conn.execute(
+                "PRAGMA index_list(stream_idempotency)")),
+                ["sqlite_autoindex_stream_idempotency_1", "stream_idempotency_created"])
+        finally:
+            conn.close()
 
     def test_new_database(self):
         directory = tempfile.mkdtemp(prefix="replicator-migrate-")
         path = write_config(directory, sqlite_config())
         dry = self.migrate(path, "--dry-run")
-        self.assertEqual(dry.stdout, "schema: would create version 3 (new database)\n")
+        self.assertEqual(dry.stdout, "schema: would create version 4 (new database)\n")
         self.assertFalse(os.path.exists(os.path.join(directory, "state.db")))
         done = self.migrate(path)
         self.assertEqual((done.returncode, done.stdout),
-                         (0, "schema: creating version 3 (new database)\nschema: at version 3\n"),
+                         (0, "schema: creating version 4 (new database)\nschema: at version 4\n"),
                          done.stderr)
         self.assertEqual(schema_row_sqlite(os.path.join(directory, "state.db")),
-                         [(3, __version__, "master")])
+                         [(4, __version__, "master")])
 
     def test_postgres_two_at_once_migrate_once(self):
         dsn = postgres_copy()
@@ -308,9 +320,9 @@ class MigrateCommandTests(SynchronousTestCase):
         self.assertEqual(sorted(line for lines in said for line in lines[:-1]),
                          sorted(STEP_LINES), outputs)
         self.assertEqual(sorted(lines[-1] for lines in said),
-                         ["schema: at version 3", "schema: at version 3"]
+                         ["schema: at version 4", "schema: at version 4"]
                          if all(len(lines) > 1 for lines in said) else
-                         ["schema: at version 3", "schema: at version 3 (migrated meanwhile "
+                         ["schema: at version 4", "schema: at version 4 (migrated meanwhile "
                           "by another process)"], outputs)
 
 

@@ -78,7 +78,7 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
                           "body_timeout", "max_connections", "max_connections_per_address",
                           "reserved_for_health", "reserved_for_writers",
                           "readers", "max_waiting_reads", "max_waiting_reads_per_address",
-                          "heartbeat_interval", "max_page_bytes"),
+                          "heartbeat_interval", "max_page_bytes", "idempotency_window"),
                key)
     if "secret" in section and "secret_file" in section:
         raise ConfigError(key, "give either secret or secret_file, not both")
@@ -125,6 +125,8 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
                                       maximum=3600),
         max_page_bytes=get_int(section, "max_page_bytes", key, 4 * 1024 * 1024,
                                minimum=1024, maximum=1 << 30),
+        idempotency_window=get_number(section, "idempotency_window", key, 86_400.0,
+                                      minimum=60, maximum=30 * 86_400),
     )
 
 

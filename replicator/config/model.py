@@ -12,6 +12,8 @@ POSITIONS_TABLE = "stream_positions"
 SCHEMA_TABLE = "replicator_schema"
 #: The table the trim boundaries of retention are kept in.
 RETENTION_TABLE = "stream_retention"
+#: The table the idempotency keys of writes are kept in.
+IDEMPOTENCY_TABLE = "stream_idempotency"
 #: The column of a table the replicator owns (:attr:`StreamConfig.owns_table`)
 #: holding each row's place in its fact (0, 1, ...), in the order the writer
 #: gave the rows: what every read of the table orders a fact's rows by.
@@ -256,6 +258,9 @@ class HttpConfig:
     heartbeat_interval: float = 15.0
     # A page of the read API ends at the fact whose JSON reaches this.
     max_page_bytes: int = 4 * 1024 * 1024
+    # How long a write's Idempotency-Key is answered with its first
+    # fact's ID (replicator.streams.idempotency), in seconds.
+    idempotency_window: float = 86_400.0
 
 
 @dataclass(frozen=True)

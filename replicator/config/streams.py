@@ -22,6 +22,7 @@ from .fields import (
 )
 from .model import (
     COLUMN_TYPES,
+    IDEMPOTENCY_TABLE,
     POSITIONS_TABLE,
     RETENTION_TABLE,
     ROW_INDEX_COLUMN,
@@ -200,7 +201,8 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     name = get_str(section, "name", key, pattern=WIRE_NAME, what="a name without spaces")
     table = get_str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
     sql_name(table, f"{key}.table")
-    if table.lower() in (POSITIONS_TABLE, SCHEMA_TABLE, RETENTION_TABLE):
+    if table.lower() in (POSITIONS_TABLE, SCHEMA_TABLE, RETENTION_TABLE,
+                         IDEMPOTENCY_TABLE):
         raise ConfigError(f"{key}.table", f"{table!r} is the replicator's own table")
     id_column = get_str(section, "id_column", key, "stream_id", IDENTIFIER, "an SQL identifier")
     sql_name(id_column, f"{key}.id_column")

@@ -39,6 +39,7 @@ from ..replication.transport.tcp import (
 )
 from ..storage import migrations
 from ..storage.database import Database
+from ..streams.idempotency import IdempotencyPruner
 from ..streams.registry import StreamRegistry
 from ..streams.retention import RetentionService, trimmers_for
 from . import sdnotify
@@ -272,6 +273,9 @@ class Instance:
                                 clock=self.reactor, health=self.health, status=recorder,
                                 writers=self.writers)
             recorder.setServiceParent(self.services)
+            if any(stream.local_writers for stream in self.registry):
+                IdempotencyPruner(self.http.streams.idempotent.keys,
+                                  self.reactor).setServiceParent(self.services)
             self._listen(config.http.listen, self.http.site(), "HTTP", key="http.listen")
         if config.http.metrics_listen:
             metrics_thread = MetricsThread(config.http.metrics_listen)

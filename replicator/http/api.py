@@ -27,9 +27,11 @@ from ..observe.roles import has_replication_link, role
 from ..observe.status import StatusRecorder, snapshot
 from ..observe.status_page import CSP, SCRIPT, STYLE, render_html
 from ..observe.writers import writer_watch
+from ..streams.idempotency import IdempotencyKeys
 from .answers import JSON_TYPE, HttpError, Response
 from .bookkeeping import BookkeepingRoutes
 from .channel import error_body
+from .idempotent import IdempotentWrites
 from .probe import DB_TIMEOUT, HealthRoute
 from .redact import Redactor
 from .site import MAX_BODY_SIZE, AccessLog, Site
@@ -123,6 +125,8 @@ class HttpApi:
             instance_name=self.instance_name, registry=registry, handler=handler,
             secret=secret_bytes, max_body_size=max_body_size,
             max_line_length=config.replication.max_line_length, redact=self.redact,
+            idempotent=IdempotentWrites(
+                IdempotencyKeys(db, config.http.idempotency_window, clock)),
             writers=writers)
         self.bookkeeping = BookkeepingRoutes(handler, secret_bytes)
         self.reads = ReadRoutes(  # the read API: docs/read-api.md

@@ -8,19 +8,24 @@ as its last value: :func:`replicator.jsontext.decode_json_strict`); its rows are
 whose RDATA line could never be replicated.  Everything is checked before
 anything is written, in this order: 401 (no or malformed Authorization),
 403 (wrong secret), 413 (body over the limit), 404 (unknown stream), 409
-(not a writer of it here), 400 (body or rows); 503 when the streams are not
-loaded yet or the database write fails (logged; the answer is generic).
+(not a writer of it here), 400 (``Idempotency-Key``, body or rows); 503
+when the streams are not loaded yet or the database write fails (logged;
+the answer is generic).  A write with an ``Idempotency-Key`` goes through
+:mod:`.idempotent` (a retry answered again, 409/422).
 """
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from twisted.internet import threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from ..jsontext import DuplicateKeyError, decode_json_strict
+from ..streams.idempotency import KeyTaken
 from ..streams.rows import RowError
+from ..streams.writes import TxnHook
 from .answers import HttpError, authorize, excerpt
+from .idempotent import IdempotentWrites, idempotency_key
 from .redact import Redactor
 from .site import too_large
 
@@ -82,7 +87,8 @@ class StreamRoutes:
     """Writing facts and reading positions."""
 
     def __init__(self, *, instance_name: str, registry, handler, secret: Optional[bytes],
-                 max_body_size: int, max_line_length: int, redact: Redactor, writers=None):
+                 max_body_size: int, max_line_length: int, redact: Redactor,
+                 idempotent: IdempotentWrites, writers=None):
         self.instance_name = instance_name
         self.registry = registry
         self.handler = handler
@@ -91,6 +97,7 @@ class StreamRoutes:
         self.max_line_length = max_line_length
         self.redact = redact
         self.writers = writers  # a WriterWatch: links and linear holders, or None
+        self.idempotent = idempotent  # writes with an Idempotency-Key
         #: Writes failed per stream since its last success (an outage).
         self._failing: Dict[str, int] = {}
 
@@ -109,6 +116,7 @@ class StreamRoutes:
                                  f"({writer})")
         if not stream.loaded:
             raise HttpError(503, f"stream {stream.name} is not loaded yet")
+        key = idempotency_key(request)
         request.content.seek(0)
         body = request.content.read()
         if len(body) > THREAD_PARSE_SIZE:
@@ -116,8 +124,21 @@ class StreamRoutes:
                 _parse_and_prepare, stream, body, writer, self.max_line_length)
         else:
             prepared = _parse_and_prepare(stream, body, writer, self.max_line_length)
+        if key is None:
+            return {"stream_id": await self._write(stream, prepared)}
+        stream_id, replayed = await self.idempotent.write(
+            stream, prepared, key, lambda p, hooks: self._write(stream, p, hooks))
+        if replayed:
+            request.setHeader(b"idempotent-replayed", b"true")
+        return {"stream_id": stream_id}
+
+    async def _write(self, stream, prepared, hooks: Sequence[TxnHook] = ()) -> int:
+        """The fact's ID once committed; 503 if the database write failed
+        (:class:`KeyTaken`, a key recorded already, passes through)."""
         try:
-            (stream_id,) = await stream.write_prepared(prepared)
+            (stream_id,) = await stream.write_prepared(prepared, hooks)
+        except KeyTaken:
+            raise
         except Exception:
             self._write_failed(stream.name, Failure())
             raise HttpError(503, "database write failed") from None
@@ -125,7 +146,7 @@ class StreamRoutes:
         if failed is not None:
             log.info("writes of {stream} succeed again after {n} failed",
                      stream=stream.name, n=failed)
-        return {"stream_id": stream_id}
+        return int(stream_id)
 
     def _write_failed(self, stream: str, failure: Failure) -> None:
         """The first failed write of a stream logs its traceback; the

@@ -8,7 +8,9 @@ Versions:
 * 0: none of the replicator's tables (a new database);
 * 1: ``stream_positions`` and no ``replicator_schema``: what release 0.2.0
   and earlier make (they recorded no version);
-* 2: ``replicator_schema`` recorded.
+* 2: ``replicator_schema`` recorded;
+* 3: ``stream_retention`` (the trim boundaries of retention);
+* 4: ``stream_idempotency`` (the idempotency keys of writes).
 
 A stream's own table (and PostgreSQL sequence) is made by
 :func:`.schema.ensure_schema` from the config; the steps here change what
@@ -85,11 +87,18 @@ def _create_retention_table(txn, postgres: bool) -> None:
     txn.execute(schema.RETENTION_DDL)
 
 
+def _create_idempotency_table(txn, postgres: bool) -> None:
+    for statement in schema.IDEMPOTENCY_DDL:
+        txn.execute(statement)
+
+
 STEPS: Tuple[Step, ...] = (
     Step(1, "create stream_positions", _create_positions),
     Step(2, f"record the schema version in {SCHEMA_TABLE}", _create_schema_table),
     Step(3, "create stream_retention (the trim boundaries of retention)",
          _create_retention_table),
+    Step(4, "create stream_idempotency (the Idempotency-Keys of writes)",
+         _create_idempotency_table),
 )
 
 

@@ -47,6 +47,28 @@ CREATE TABLE IF NOT EXISTS stream_retention (
 )
 """
 
+#: Idempotency keys of writes (:mod:`replicator.streams.idempotency`): per
+#: stream table (:func:`replicator.streams.trimmed.boundary_key`, as
+#: ``stream_retention``) and key, what the write was (``fingerprint``), the
+#: ID its fact got and when (``created_ms``, milliseconds since the epoch).
+#: A row is written in the transaction of its fact: neither is ever without
+#: the other.  Rows older than ``http.idempotency_window`` are pruned
+#: (``created_ms`` indexed for it).  A step of the schema migrations.
+IDEMPOTENCY_DDL = (
+    """
+CREATE TABLE IF NOT EXISTS stream_idempotency (
+    table_name TEXT NOT NULL,
+    idem_key TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    stream_id BIGINT NOT NULL,
+    created_ms BIGINT NOT NULL,
+    PRIMARY KEY (table_name, idem_key)
+)
+""",
+    "CREATE INDEX IF NOT EXISTS stream_idempotency_created "
+    "ON stream_idempotency (created_ms)",
+)
+
 #: The column every row of an owned table gets; 0 for the rows written
 #: before it existed (by an older release), which keep their heap order.
 ROW_INDEX_DDL = f"{ROW_INDEX_COLUMN} INTEGER NOT NULL DEFAULT 0"
@@ -179,6 +201,8 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
         if not dry_run:
             txn.execute(POSITIONS_DDL)
             txn.execute(RETENTION_DDL)
+            for statement in IDEMPOTENCY_DDL:
+                txn.execute(statement)
         has_positions = True
     else:
         has_positions = table_columns(txn, "stream_positions", postgres) is not None
