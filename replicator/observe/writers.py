@@ -83,9 +83,10 @@ class WriterWatch:
         self._started_at = clock.seconds()
         #: stream -> (linear token, since when it is held there; None: not held)
         self._linear: Dict[str, Tuple[int, Optional[float]]] = {}
+        self._moving: Dict[str, bool] = {}  # stream -> its token moved at the last look
         #: remote writer -> when it was first configured here
         self._configured: Dict[str, float] = {}
-        self._note_writers()
+        self.observe()  # (where the tokens start: a later look tells moving from held)
 
     def _note_writers(self) -> None:
         """Note when each remote writer was first seen in the config."""
@@ -167,6 +168,8 @@ class WriterWatch:
             linear = gen.get_linear_token()
             held = linear < gen.get_max_known()
             seen = self._linear.get(stream.name)
+            # Moving: the token is not where the last look saw it.
+            self._moving[stream.name] = seen is not None and seen[0] != linear
             if seen is None or seen[0] != linear or (seen[1] is None) == held:
                 self._linear[stream.name] = (linear, now if held else None)
 
@@ -191,7 +194,7 @@ class WriterWatch:
         the last observation."""
         self.observe()
         held = self.held_for(stream)
-        if not held:
+        if held is None or (held == 0 and self._moving.get(stream.name)):
             return None  # at the largest ID known, or moved since the last look
         gen = stream.id_gen
         linear = gen.get_linear_token()
