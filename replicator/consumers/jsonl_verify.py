@@ -2,12 +2,22 @@
 too, oldest first) compared with the stream tables: every fact exactly once,
 in ascending token order per (stream, writer), whole (all its rows).
 
-Both sides are read once, in order: the files line by line, each table a
-page of facts at a time from where the file's lines for that key begin
-(:class:`.PageQuery`, keyset pages).  Memory holds one page per (stream,
-writer), the first examples of each difference, and the tokens found
-missing so far (to tell a fact that comes late, out of order, from one that
-never comes): it grows with the differences, not with the files.
+Beside a running daemon, both sides are taken at one moment: the files
+are opened and their sizes taken (:mod:`.jsonl_held`: lines appended
+later are not read, and are counted as bytes "written after verify
+began"), then the tables are read in one snapshot (PostgreSQL's
+REPEATABLE READ, SQLite's read transaction) taken after that.  The daemon
+writes a fact to the file only once it is committed, so the snapshot holds
+every fact the lines read speak of; what it holds beyond a key's last line
+is "not yet delivered".
+
+The files are read twice, in order, line by line: first for the rewind
+lines only, then to compare, each table a page of facts at a time from
+where the file's lines for that key begin (:class:`.PageQuery`, keyset
+pages).  Memory holds one page per (stream, writer), the rewind points,
+the first examples of each difference, and the tokens found missing so far
+(to tell a fact that comes late, out of order, from one that never comes):
+it grows with the differences, not with the files.
 
 Where a key's checking begins: after its first line's position (a
 consumer begins a file with a position line per key it starts from, and
@@ -19,20 +29,25 @@ line*: nothing says those facts were never this file's.  Where it
 ends: at its last line; facts of the table after it are "not yet
 delivered", not a difference (the consumer may be behind or stopped).
 A rewind line (``replicator rewind``) starts the key again after its token:
-what follows is delivered again by design, not duplicated.
+what follows is delivered again by design, not duplicated, and it
+supersedes what came before it above that token.  The file is judged as a
+reader that applies the rewind lines reads it: a line of a fact (or a
+position) above the lowest rewind point of its key still to come is
+superseded, counted as "handed on again after rewinds" and not compared
+(a position is taken as that point); the copy after the last rewind that
+covers a fact is the one compared.
 
 A fact with no rows has no row in the table: one in the file is fine, and
 one missing from it cannot be seen.
 
 A stream with retention: the table is read from its trim boundary on
 (:mod:`..streams.trimmed`; read when a stream's table is first read, and
-again if a trim moves it while verify runs), and the file's facts at or
-below it are counted as *trimmed from the table*: not compared, and not a
-difference (the table no longer says what they were).
+again if a trim moves it while verify runs, which the snapshot keeps
+from happening on PostgreSQL), and the file's facts at or below it are
+counted as *trimmed from the table*: not compared, and not a difference
+(the table no longer says what they were).
 """
 
-import gzip
-import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
@@ -40,7 +55,7 @@ from ..config.model import InstanceConfig, StreamConfig
 from ..streams.pages import FactPage, PageQuery
 from ..streams.trimmed import FactsTrimmed, TrimCheck, boundary_key
 from .jsonl import parse_line
-from .jsonl_files import rotated_files
+from .jsonl_held import Held, hold
 
 Key = Tuple[str, str]
 END = (1 << 63) - 1
@@ -66,6 +81,10 @@ class KeyCheck:
     examples: Dict[str, List[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
     behind: int = 0
     trimmed: int = 0  # fact lines at or below the trim boundary (not compared)
+    superseded: int = 0  # fact lines a later rewind line hands on again (not compared)
+    #: The rewind points still to come in the file, each the lowest from
+    #: there on (the first: the lowest of all to come).
+    covers: List[int] = field(default_factory=list)
     _table: Optional[Iterator] = None
     _next: Optional[Tuple[int, list]] = None
 
@@ -93,6 +112,7 @@ class Result:
     keys: Dict[Key, KeyCheck]
     problems: List[FileProblem]
     lines: Dict[str, int]
+    grown: int = 0  # bytes written to the current file after the files were held
 
     @property
     def differences(self) -> Dict[str, int]:
@@ -102,31 +122,59 @@ class Result:
         return {k: n for k, n in totals.items() if n}
 
 
-def _open(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
-def _lines(paths: List[str], problems: List[FileProblem]) -> Iterator[Tuple[str, int, bytes]]:
+def _lines(held: Held, problems: List[FileProblem]) -> Iterator[Tuple[str, int, bytes]]:
     """``(path, offset, line)`` of every complete line, oldest file first; a
     last line without its newline (a write cut short) is a problem."""
-    for path in paths:
-        offset = 0
-        with _open(path) as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    problems.append(FileProblem(path, offset, f"a truncated last line "
-                                                              f"({len(line)} bytes)"))
-                    break
-                yield path, offset, line
-                offset += len(line)
+    for path, offset, line in held.lines():
+        if not line.endswith(b"\n"):
+            problems.append(FileProblem(path, offset, f"a truncated last line "
+                                                      f"({len(line)} bytes)"))
+            continue
+        yield path, offset, line
+
+
+def _rewinds(held: Held) -> Dict[Key, List[int]]:
+    """Per key, the rewind points in file order."""
+    points: Dict[Key, List[int]] = {}
+    for _, _, line in held.lines():
+        if b'"rewind"' not in line or not line.endswith(b"\n"):
+            continue
+        try:
+            key, token, obj = parse_line(line)
+        except ValueError:
+            continue  # (a problem the comparison reports)
+        if key is not None and obj is not None and "rows" not in obj and "rewind" in obj:
+            points.setdefault(key, []).append(token)  # type: ignore[arg-type]
+    return points
+
+
+def _lowest_to_come(points: List[int]) -> List[int]:
+    """``[min(points[i:]) for each i]``."""
+    out = list(points)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
+def snapshot(txn, is_postgres: bool) -> None:
+    """Begin the transaction's snapshot of the tables now: every statement
+    after reads the database as it was at this moment."""
+    if is_postgres:
+        txn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        txn.execute("SELECT 1")
+    else:
+        txn.execute("BEGIN")
+        txn.execute("SELECT COUNT(*) FROM sqlite_master")
 
 
 class Verifier:
-    """Runs in one database transaction (a pool thread): ``txn`` reads the
-    tables while the files are read."""
+    """Runs in one database transaction (a pool thread): the files are held
+    (:func:`.jsonl_held.hold`), then the transaction's snapshot taken, then
+    ``txn`` reads the tables while the held files are read."""
 
     def __init__(self, config: InstanceConfig, path: str, db):
         self.path = path
+        self.is_postgres = db.is_postgres
         self.by_name = {s.name: s for s in config.streams}
         self.queries = {name: PageQuery(s, db) for name, s in self.by_name.items()}
         self.trims = {name: TrimCheck(name, boundary_key(s), db.is_postgres, db.sql)
@@ -134,11 +182,19 @@ class Verifier:
         self.boundaries: Dict[str, int] = {}  # per stream, as last read
 
     def run(self, txn) -> Result:
-        paths = rotated_files(self.path) + ([self.path] if os.path.exists(self.path) else [])
+        held = hold(self.path)
+        try:
+            snapshot(txn, self.is_postgres)
+            return self._run(txn, held)
+        finally:
+            held.close()
+
+    def _run(self, txn, held: Held) -> Result:
+        rewinds = _rewinds(held)
         problems: List[FileProblem] = []
         keys: Dict[Key, KeyCheck] = {}
         lines = {"facts": 0, "positions": 0, "rewinds": 0}
-        for path, offset, line in _lines(paths, problems):
+        for path, offset, line in _lines(held, problems):
             try:
                 key, token, obj = parse_line(line)
             except ValueError as e:
@@ -149,21 +205,28 @@ class Verifier:
             assert token is not None and obj is not None  # a keyed line has both
             check = keys.get(key)
             if check is None:
-                check = keys[key] = KeyCheck(self.by_name.get(key[0]), key[1])
+                check = keys[key] = KeyCheck(self.by_name.get(key[0]), key[1],
+                                             covers=_lowest_to_come(rewinds.get(key, [])))
+            cover = check.covers[0] if check.covers else None
             if "rows" in obj:
                 lines["facts"] += 1
-                self._fact(txn, check, token, obj["rows"])
+                if cover is not None and token > cover:
+                    check.facts += 1
+                    check.superseded += 1  # handed on again after a rewind to come
+                else:
+                    self._fact(txn, check, token, obj["rows"])
             elif "rewind" in obj:
                 lines["rewinds"] += 1
+                del check.covers[:1]
                 self._restart(txn, check, token)
             else:
                 lines["positions"] += 1
-                self._position(txn, check, token)
+                self._position(txn, check, token if cover is None else min(token, cover))
         for check in keys.values():
             while check._next is not None:
                 check.behind += 1
                 self._advance(txn, check)
-        return Result(paths, keys, problems, lines)
+        return Result(held.paths, keys, problems, lines, held.grown())
 
     # -------------------------------------------------------------- table
     def _restart(self, txn, check: KeyCheck, after: int) -> None:
@@ -324,6 +387,7 @@ def summary(result: Result, out) -> bool:
         out(f"  {stream}/{writer}: {check.facts} facts, checked {begin} to {check.last}: "
             f"{check.matched} matched; {found}"
             f"{f'; {check.trimmed} trimmed from the table (not compared)' if check.trimmed else ''}"
+            f"{f'; {check.superseded} handed on again after rewinds' if check.superseded else ''}"
             f"{f'; {check.behind} not yet delivered' if check.behind else ''}")
         if check.missing:
             listed = sorted(check.missing)
@@ -336,12 +400,21 @@ def summary(result: Result, out) -> bool:
                     f"{f' (+{more} more)' if more else ''}")
     for problem in result.problems:
         out(f"  {problem.path} offset {problem.offset}: {problem.text}")
+    if result.grown > 0:
+        out(f"  {result.files[-1]}: {result.grown} bytes written after verify began (not "
+            f"compared)")
     differences = result.differences
     if differences:
         out("verify: DIFFERENT: " + ", ".join(f"{n} {kind}" for kind, n in differences.items()))
         return False
     facts = sum(c.matched for c in result.keys.values())
+    notes = []
     trimmed = sum(c.trimmed for c in result.keys.values())
-    out(f"verify: EQUAL: {facts} facts, each exactly once, in order, whole"
-        f"{f' ({trimmed} trimmed from the table, not compared)' if trimmed else ''}")
+    if trimmed:
+        notes.append(f"{trimmed} trimmed from the table, not compared")
+    superseded = sum(c.superseded for c in result.keys.values())
+    if superseded:
+        notes.append(f"{superseded} facts handed on again after rewinds")
+    noted = f" ({'; '.join(notes)})" if notes else ""
+    out(f"verify: EQUAL: {facts} facts, each exactly once, in order, whole{noted}")
     return True
