@@ -31,6 +31,39 @@ TABLES = {"caches": CACHES["table"], "presence": PRESENCE["table"]}
 APP = "verify-under-test"
 
 
+def verify_process(config_path):
+    """The real ``replicator verify`` of consumer 0, started."""
+    env = dict(os.environ, PYTHONPATH=ROOT, PGAPPNAME=APP)
+    return subprocess.Popen([sys.executable, "-m", "replicator.cli", "verify", "-c",
+                             config_path, "0"], cwd=os.path.dirname(config_path), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def verify_held(test, dsn, table, config_path, meanwhile):
+    """Run verify while ``table`` is locked; once verify waits on it (it
+    holds the files and has read whatever comes before), ``meanwhile()``,
+    then the lock goes.  ``(exit code, stdout, stderr)``."""
+    lock = psycopg2.connect(dsn)
+    test.addCleanup(lock.close)
+    with lock.cursor() as cur:
+        cur.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+    proc = verify_process(config_path)
+    test.addCleanup(lambda: proc.poll() is None and proc.kill())
+
+    def waiting():
+        if proc.poll() is not None:
+            raise AssertionError(f"verify ended first: {proc.communicate()}")
+        with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = "
+                        "%s AND wait_event_type = 'Lock'", (APP,))
+            return cur.fetchone()[0] == 1
+    wait_for(waiting, 60, f"verify waiting on {table}")
+    meanwhile()
+    lock.rollback()
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
 class VerifyBesideTheDaemonTests(SynchronousTestCase):
 
     def setUp(self):
@@ -73,14 +106,8 @@ class VerifyBesideTheDaemonTests(SynchronousTestCase):
                        for stream, tokens in self.written.items())
         wait_for(done, 60, "the worker's file has every fact")
 
-    def verify_process(self):
-        env = dict(os.environ, PYTHONPATH=ROOT, PGAPPNAME=APP)
-        return subprocess.Popen([sys.executable, "-m", "replicator.cli", "verify", "-c",
-                                 self.worker.path, "0"], cwd=self.worker.dir, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
     def verify(self):
-        proc = self.verify_process()
+        proc = verify_process(self.worker.path)
         out, err = proc.communicate(timeout=120)
         return proc.returncode, out, err
 
@@ -96,26 +123,9 @@ class VerifyBesideTheDaemonTests(SynchronousTestCase):
         self.caught_up()
         first = [line["stream"] for line in self.lines()]
         early, late = sorted(TABLES, key=first.index)  # whose lines come first
-        lock = psycopg2.connect(self.dsn)
-        self.addCleanup(lock.close)
-        with lock.cursor() as cur:
-            cur.execute(f"LOCK TABLE {TABLES[late]} IN ACCESS EXCLUSIVE MODE")
-        proc = self.verify_process()
-        self.addCleanup(lambda: proc.poll() is None and proc.kill())
-
-        def waiting():
-            if proc.poll() is not None:
-                raise AssertionError(f"verify ended first: {proc.communicate()}")
-            with psycopg2.connect(self.dsn) as conn, conn.cursor() as cur:
-                cur.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = "
-                            "%s AND wait_event_type = 'Lock'", (APP,))
-                return cur.fetchone()[0] == 1
-        wait_for(waiting, 60, f"verify waiting on {TABLES[late]}")
-        self.write(early)
-        self.caught_up()  # committed, and in the file, while verify runs
-        lock.rollback()
-        out, err = proc.communicate(timeout=120)
-        self.assertEqual((proc.returncode, err), (0, ""), out)
+        code, out, err = verify_held(self, self.dsn, TABLES[late], self.worker.path,
+                                     lambda: (self.write(early), self.caught_up()))
+        self.assertEqual((code, err), (0, ""), out)
         self.assertNotIn("extra", out)
         self.assertIn("verify: EQUAL: 2 facts, each exactly once, in order, whole", out)
         self.assertIn(" bytes written after verify began (not compared)", out)
@@ -213,3 +223,97 @@ class VerifyBesideTheDaemonTests(SynchronousTestCase):
         code, out, _ = self.verify()
         self.assertEqual(code, 1, out)
         self.assertIn(f"    duplicate: {self.written['caches'][-1]}\n", out)
+
+
+class VerifyOnSqliteTests(SynchronousTestCase):
+    """The same reading on SQLite (its snapshot is a read transaction): a
+    wrong copy, a rewind line, the right copy."""
+
+    def test_a_rewind_supersedes_on_sqlite(self):
+        import sqlite3
+
+        import yaml
+
+        from replicator.config import parse_instance
+        from replicator.storage.schema import table_ddl
+        from tests.test_consumers import temp_dir
+
+        directory = temp_dir(self)
+        config = base_config("master", free_port(), [CACHES],
+                             database={"sqlite": "db.sqlite"},
+                             consumers=[{"type": "jsonl", "path": "facts.jsonl"}])
+        with open(os.path.join(directory, "worker1.yaml"), "w") as f:
+            yaml.safe_dump(config, f)
+        stream = parse_instance(config).streams[0]
+        rows = {t: [[f"f{t}", ["k"], t]] for t in range(1, 6)}
+        with sqlite3.connect(os.path.join(directory, "db.sqlite")) as conn:
+            for statement in table_ddl(stream, False):
+                conn.execute(statement)
+            for t, [row] in rows.items():
+                conn.execute("INSERT INTO cache_invalidation_stream VALUES (?, ?, ?, ?, ?, 0)",
+                             (t, "master", row[0], json.dumps(row[1]), row[2]))
+
+        def line(**fields):
+            return json.dumps({"stream": "caches", "writer": "master", **fields},
+                              separators=(",", ":")) + "\n"
+        with open(os.path.join(directory, "facts.jsonl"), "w") as f:
+            f.write(line(position=0))
+            f.writelines(line(token=t, rows=rows[t] if t != 4 else [["wrong", None, 0]])
+                         for t in range(1, 6))
+            f.write(line(rewind=3))
+            f.writelines(line(token=t, rows=rows[t]) for t in (4, 5))
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        done = subprocess.run([sys.executable, "-m", "replicator.cli", "verify", "-c",
+                               "worker1.yaml", "0"], cwd=directory, env=env,
+                              capture_output=True, text=True, timeout=120)
+        self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
+        self.assertIn("  caches/master: 7 facts, checked from token 0 of writer master to 5: "
+                      "5 matched; no differences; 2 handed on again after rewinds\n",
+                      done.stdout)
+        self.assertIn("verify: EQUAL: 5 facts, each exactly once, in order, whole (2 facts "
+                      "handed on again after rewinds)\n", done.stdout)
+
+
+class BatchBeingWrittenTests(SynchronousTestCase):
+    """A last line cut short because the daemon is writing it as verify
+    takes the file's size is the batch in flight, not a problem."""
+
+    def test_a_line_completed_while_verify_runs_is_not_a_problem(self):
+        import yaml
+
+        from replicator.config import parse_instance
+        from replicator.storage.schema import table_ddl
+        from tests.test_consumers import temp_dir
+
+        dsn = PostgresServer.shared().create_database()
+        directory = temp_dir(self)
+        config = base_config("worker1", free_port(), [CACHES], database={"postgres": dsn},
+                             consumers=[{"type": "jsonl", "path": "facts.jsonl"}])
+        config_path = os.path.join(directory, "worker1.yaml")
+        with open(config_path, "w") as f:
+            yaml.safe_dump(config, f)
+        rows = {t: [[f"f{t}", ["k"], t]] for t in range(1, 4)}
+        with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+            for statement in table_ddl(parse_instance(config).streams[0], True):
+                cur.execute(statement)
+            for t, [row] in rows.items():
+                cur.execute("INSERT INTO cache_invalidation_stream VALUES (%s, %s, %s, %s, %s)",
+                            (t, "master", row[0], json.dumps(row[1]), row[2]))
+        text = "".join(json.dumps({"stream": "caches", "writer": "master", **fields},
+                                  separators=(",", ":")) + "\n"
+                       for fields in [{"position": 0}] + [{"token": t, "rows": rows[t]}
+                                                          for t in rows]).encode()
+        path = os.path.join(directory, "facts.jsonl")
+        cut = len(text) - 20
+        with open(path, "wb") as f:
+            f.write(text[:cut])
+
+        def rest():
+            with open(path, "ab") as f:
+                f.write(text[cut:])
+        code, out, err = verify_held(self, dsn, CACHES["table"], config_path, rest)
+        self.assertEqual((code, err), (0, ""), out)
+        self.assertNotIn("truncated", out)
+        self.assertIn(f"  {path}: {len(text) - text.rindex(b'{')} bytes written after verify "
+                      f"began (not compared)\n", out)
+        self.assertIn("verify: EQUAL: 2 facts, each exactly once, in order, whole\n", out)
