@@ -25,7 +25,8 @@ configuration (built-ins, entry points, dotted paths).
 
 The JSON-lines format is described in :mod:`.jsonl` and ``docs/jsonl.md``;
 ``replicator rewind`` and ``replicator verify`` are :mod:`.jsonl_commands`
-(the comparison: :mod:`.jsonl_verify`).
+(the comparison: :mod:`.jsonl_verify`, over the files as
+:mod:`.jsonl_held` holds them at one moment).
 """
 
 from .base import Consumer, IBatchConsumer, IConsumer, Key, MemoryConsumer
