@@ -43,9 +43,9 @@ one missing from it cannot be seen.
 A stream with retention: the table is read from its trim boundary on
 (:mod:`..streams.trimmed`; read when a stream's table is first read, and
 again if a trim moves it while verify runs, which the snapshot keeps
-from happening on PostgreSQL), and the file's facts at or below it are
-counted as *trimmed from the table*: not compared, and not a difference
-(the table no longer says what they were).
+from happening), and the file's facts at or below it are counted as
+*trimmed from the table*: not compared, and not a difference (the table
+no longer says what they were).
 """
 
 from dataclasses import dataclass, field
