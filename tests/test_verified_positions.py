@@ -268,3 +268,30 @@ class AuditTests(SynchronousTestCase):
                          ([3], [4], [2]))
         self.assertEqual(found.first, 2)
 
+
+
+class MismatchReportTests(SynchronousTestCase):
+    def test_a_mismatch_is_logged_by_the_audit_once_and_fails_health(self):
+        from twisted.logger import globalLogPublisher
+
+        from replicator.replication.core.audit import Mismatch
+        from replicator.replication.core.gaps import TrimGaps
+
+        events = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        gaps = TrimGaps("/etc/replicator/w.yaml")
+        found = Mismatch(STREAM, WRITER, 10, 20, [13], [], [], (1, 0, 0), "audit")
+
+        class FileConsumer:
+            path = "/var/lib/replicator/facts.jsonl"
+        gaps.report_mismatch(found, [FileConsumer()])
+        gaps.report_mismatch(found, [FileConsumer()])
+        errors = [e for e in events if e.get("log_namespace") == "replicator.audit"]
+        self.assertEqual(len(errors), 1)
+        self.assertIn("`replicator rewind -c /etc/replicator/w.yaml "
+                      "/var/lib/replicator/facts.jsonl --stream s --to 12`", errors[0]["text"])
+        [finding] = gaps.findings()
+        self.assertEqual((finding.kind, finding.stream, finding.writer, finding.fails_health),
+                         ("audit", STREAM, WRITER, True))
+        self.assertTrue(gaps.stopped(STREAM))

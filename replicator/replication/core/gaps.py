@@ -27,6 +27,7 @@ from ...streams.trimmed import FactsTrimmed
 from .audit import Mismatch
 
 log = Logger(namespace="replicator.retention")
+audit_log = Logger(namespace="replicator.audit")  # (a mismatch is the audit's finding)
 
 Key = Tuple[str, str]
 
@@ -115,7 +116,7 @@ class TrimGaps:
                 f"{found.describe()}; the stream is stopped here: {todo}")
         self._mismatches[key] = (found, text)
         metrics.AUDIT_MISMATCH.labels(found.stream, found.writer).set(1)
-        log.error("{text}", text=text)
+        audit_log.error("{text}", text=text)
         return text
 
     def stopped(self, stream: str) -> bool:

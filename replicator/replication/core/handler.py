@@ -421,8 +421,11 @@ class ReplicationHandler:
         """An RDATA/POSITION that :mod:`.admission` let through."""
         if conn not in self.connections:
             return
+        reader = self._readers.get(key)
+        if reader is None:  # a reload dropped the writer while the line waited
+            metrics.COMMANDS_DROPPED.labels(cmd.NAME, "unknown_stream").inc()
+            return
         self._heard[key] = self._clock.seconds()
-        reader = self._readers[key]
         relay = conn.accepted  # from a writer client: to everyone else
         if cmd.NAME == "RDATA":
             # Only what this instance takes is passed on: RDATA before the
