@@ -295,3 +295,39 @@ class MismatchReportTests(SynchronousTestCase):
         self.assertEqual((finding.kind, finding.stream, finding.writer, finding.fails_health),
                          ("audit", STREAM, WRITER, True))
         self.assertTrue(gaps.stopped(STREAM))
+
+
+class KeptFindingTests(SynchronousTestCase):
+    """A finding outlives a restart (in the database) until the operator's
+    rewind puts every consumer below it."""
+
+    def test_a_restart_stops_the_stream_again_until_the_consumers_are_rewound(self):
+        from replicator.consumers import MemoryConsumer
+        from replicator.replication.core.audit import Mismatch
+        from tests.harness import Harness
+        from tests.test_handler import STREAMS
+
+        h = Harness(STREAMS, self.addCleanup)
+        key = ("caches", "worker1")
+        first = h.instance("master", [MemoryConsumer(positions={key: 50})])
+        first.handler._mismatch(Mismatch("caches", "worker1", 10, 50, [13], [], [], (1, 0, 0),
+                                         "audit"))
+        h.settle()
+        self.flushLoggedErrors()
+        # A restart (a new handler on the same database): the consumer is
+        # still at 50, past the fact: stopped again, said again.
+        again = h.instance("master", [MemoryConsumer(positions={key: 50})])
+        found = again.handler.gaps.mismatch("caches", "worker1")
+        self.assertIsNotNone(found)
+        self.assertEqual(list(found.missing), [13])
+        self.assertTrue(again.handler.gaps.stopped("caches"))
+        self.assertTrue(all(r.stopped for (s, _), r in again.handler._readers.items()
+                            if s == "caches"))
+        [finding] = [f for f in again.handler.gaps.findings() if f.kind == "audit"]
+        self.assertIn("before this instance restarted", finding.text)
+        # The operator rewound the consumer below 13: resolved, dropped.
+        rewound = h.instance("master", [MemoryConsumer(positions={key: 12})])
+        self.assertIsNone(rewound.handler.gaps.mismatch("caches", "worker1"))
+        self.assertFalse(rewound.handler.gaps.stopped("caches"))
+        after = h.instance("master", [MemoryConsumer(positions={key: 60})])
+        self.assertIsNone(after.handler.gaps.mismatch("caches", "worker1"))

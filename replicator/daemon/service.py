@@ -207,6 +207,7 @@ class Instance:
         except migrations.SchemaProblem as e:
             raise StartupError(f"database.{self.db.engine}", str(e), code=e.code) from None
         await self.registry.start()
+        await self.handler.load_findings()  # (the audit's, from before a restart)
         self.handler.start()
         rep = config.replication
         self._warn_fd_budget()

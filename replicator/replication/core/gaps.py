@@ -107,7 +107,9 @@ class TrimGaps:
         commands = [f"`replicator rewind -c {config} {path} --stream {found.stream} --to {back}`"
                     for path in paths]
         how = ("a fact arrived that a POSITION had said was not there"
-               if found.how == "late fact" else "the audit compared it with the table")
+               if found.how.startswith("late fact") else "the audit compared it with the table")
+        if found.how.endswith("before a restart"):
+            how += ", before this instance restarted"
         todo = (f"to hand them on again, stop this instance, run {' and '.join(commands)}, "
                 f"then start it" if commands else
                 "restart this instance to read them again from the table")
