@@ -313,7 +313,15 @@ class ReplicationHandler:
                 continue  # no longer read here: kept for when it is again
             takers = consumers_for(self.consumers, row["stream"])
             known = [p for p in (c.positions().get(key) for c in takers) if p is not None]
-            if known and all(p < row["first_id"] for p in known):
+            if not known:
+                log.error("stream {stream}: the audit found, before this restart, facts of "
+                          "writer {writer} from {first} on that were not delivered; no "
+                          "consumer keeps a position for it, so none can be handed them "
+                          "again: the finding is dropped", stream=key[0], writer=key[1],
+                          first=row["first_id"])
+                await db.runInteraction(findings.delete, db, self.instance_name, *key)
+                continue
+            if all(p < row["first_id"] for p in known):
                 log.info("stream {stream}: the audit's finding about writer {writer} is "
                          "resolved: every consumer is below {first} and is handed those facts "
                          "again", stream=key[0], writer=key[1], first=row["first_id"])
