@@ -49,6 +49,9 @@ class Table:
     def fact_sizes(self, writer, since, until):
         return defer.succeed(self._in(since, until))
 
+    def fact_page(self, writer, since, until, limit):
+        return defer.succeed(updates_since(self.facts, since, until, limit))
+
 
 class Harness:
     def __init__(self, position=0, known=None, skip=()):
@@ -207,6 +210,30 @@ class AuditTests(SynchronousTestCase):
         self.assertEqual(len(h.mismatches), 1)
         self.assertEqual(list(h.mismatches[0].resized), [1])
 
+    def test_rows_replaced_by_others_of_the_same_count_are_a_difference(self):
+        """A forged RDATA with the real ID and row count (a publisher without
+        a key guessing an ID in flight): the sample compares contents."""
+        h = Harness()
+        self.make(h)
+        h.commit(1)
+        h.rdata(1)
+        h.reader.rdata(h.conn, 2, ["FAKE", ["@evil:2"], 1])  # before the real fact 2
+        h.commit(2)
+        h.rdata(2)  # the real one: at the position, dropped as seen
+        h.clock.pump([1, 1])
+        self.assertEqual(len(h.mismatches), 1)
+        self.assertEqual(list(h.mismatches[0].resized), [2])
+
+    def test_the_sample_is_bounded_and_drawn_from_the_whole_window(self):
+        from replicator.replication.core.audit import SAMPLE
+
+        log = DeliveredLog(0)
+        for t in range(1, 2001):
+            log.add(t, [["r", t]])
+        window = log.seal(2000)
+        self.assertEqual(len(window.sample), SAMPLE)
+        self.assertGreater(max(window.sample), 1000)  # not only the first ones
+
     def test_facts_at_or_below_the_trim_boundary_are_not_compared(self):
         h = Harness()
         self.make(h)
@@ -252,17 +279,17 @@ class AuditTests(SynchronousTestCase):
 
     def test_a_rewind_starts_a_new_window(self):
         log = DeliveredLog(0)
-        log.add(1, 1)
+        log.add(1, [["r"]])
         log.restart(0)
         self.assertIsNone(log.seal(0))
-        log.add(1, 1)
+        log.add(1, [["r"]])
         window = log.seal(1)
         self.assertEqual((window.lo, window.hi, list(window.ids)), (0, 1, [1]))
 
     def test_difference_names_each_kind(self):
         log = DeliveredLog(0)
         for t, n in ((1, 1), (2, 2), (4, 1)):
-            log.add(t, n)
+            log.add(t, [["r", i] for i in range(n)])
         found = difference(STREAM, WRITER, 0, 5, log.seal(5), [(1, 1), (2, 3), (3, 1)])
         self.assertEqual((list(found.missing), list(found.extra), list(found.resized)),
                          ([3], [4], [2]))
