@@ -66,7 +66,7 @@ INTERVAL = 2.0
 #: Seconds from a seal to a window's first check.
 FIRST_CHECK = 1.0
 #: Seconds from a seal to a window's second (last) check.
-RECHECK = 60.0
+RECHECK = 300.0
 #: Facts held, over every reader, waiting for a second check.
 MAX_HELD = 500_000
 #: Facts of a window whose rows are compared with the table's.

@@ -111,7 +111,7 @@ class ReplicationHandler:
         max_federation_acks: int = 1_000,
         bookkeeping_max_age: float = 86_400.0,
         audit: bool = True,
-        audit_recheck: float = 60.0,
+        audit_recheck: float = 300.0,
     ) -> None:
         self.registry = registry
         self.instance_name = instance_name
