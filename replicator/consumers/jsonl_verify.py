@@ -324,17 +324,21 @@ class Verifier:
                                          f"{len(table_rows)} in the table)")
 
 
+def _integer(value: object) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def skip_of(obj: dict, token: int) -> Optional[Tuple[int, int, int, int, str]]:
     """``(from, to, facts, trimmed_through, at)`` of a skip line (a position
     line with a well-formed ``skip``), else None (a plain position)."""
     skip = obj.get("skip")
     if not isinstance(skip, dict):
         return None
-    numbers = [skip.get(k) for k in ("from", "facts", "trimmed_through")]
-    if any(isinstance(n, bool) or not isinstance(n, int) for n in numbers):
+    start, facts, boundary = (_integer(skip.get(k)) for k in ("from", "facts", "trimmed_through"))
+    if start is None or facts is None or boundary is None:
         return None
     at = skip.get("at")
-    return numbers[0], token, numbers[1], numbers[2], at if isinstance(at, str) else "?"
+    return start, token, facts, boundary, at if isinstance(at, str) else "?"
 
 
 def skipped_text(skips: List[Tuple[int, int, int, int, str]]) -> str:
