@@ -86,7 +86,7 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
     if state is not None and state.observed:
         run_ms = max(run_ms, max(ms for _lo, _hi, ms in state.observed))
     # A first export begins after what retention trimmed before it.
-    lower = state.token if state is not None else max(MIN_TOKEN, boundary)
+    lower = state.token if state is not None else (boundary if boundary else MIN_TOKEN)
     plan = StreamPlan(stream, positions, position, state, lower, max(lower, position),
                       run_ms=run_ms, boundary=boundary)
     missing = [w for w in stream.writers if w not in positions]
