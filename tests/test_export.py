@@ -655,6 +655,13 @@ class TrimmedExportTests(ExportTestBase):
                            {k: v for k, v in reference(self.cur, self.events, 1250,
                                                        run2_after(1200)).items()
                             if v["date"] == "2024-03-02"})
+        # A first export (here --full) begins after what retention trimmed
+        # before it: no gap, nothing recorded.
+        r = export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"],
+                   full=True)
+        self.assertEqual((r.reports[0].lower, r.reports[0].trimmed, r.reports[0].facts),
+                         (boundary, None, self.kept(boundary)))
+        self.assertEqual(OutputStore(self.out).load_state().streams["events"].trimmed, [])
 
     def test_trimmed_while_spark_reads(self):
         from replicator.export import aggregate

@@ -243,7 +243,8 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
                             f"{', '.join(streams)})")
             streams = (args.stream,)
         if (token is not None or skip) and len(streams) > 1:
-            raise Usage(f"rewind: {flag} {'TOKEN' if token is not None else text} needs --stream (tokens are per stream; {where} "
+            what = "TOKEN" if token is not None else text
+            raise Usage(f"rewind: {flag} {what} needs --stream (tokens are per stream; {where} "
                         f"reads {', '.join(streams)})")
         by_name = {s.name: s for s in config.streams}
         chosen = [by_name[name] for name in streams]

@@ -119,7 +119,7 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
         plan.upper = lower
         plan.note = "nothing new" if until is None else "nothing before --until"
         return plan
-    if boundary > lower:  # new facts trimmed before this run read them
+    if boundary and boundary > lower:  # new facts trimmed before this run read them
         _gap(plan, options, lower, min(boundary, plan.upper), "before this export read them")
     plan.bounds = meta.bounds(stream, lower, plan.upper)
     if not plan.has_facts:
@@ -137,7 +137,7 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
         for date, (first, prev) in state.dates.items():
             if date >= plan.from_date and first < plan.floor:
                 plan.floor, plan.prev = first, prev
-    if plan.floor <= boundary:  # a date re-aggregated from a trimmed fact
+    if boundary and plan.floor <= boundary:  # a date re-aggregated from a trimmed fact
         _gap(plan, options, min(lower, plan.floor - 1), boundary,
              f"(exported; the re-aggregation of {plan.from_date} and later dates needs them)")
         kept = meta.bounds(stream, boundary, plan.upper).min_id
