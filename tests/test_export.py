@@ -608,9 +608,9 @@ class TrimmedExportTests(ExportTestBase):
         self.inflight.commit()
         set_positions(self.cur, "events", w1=1250, w2=1250)
 
-    def kept(self, above):
+    def kept(self, above, upto=1250):
         self.cur.execute("SELECT count(DISTINCT stream_id) FROM ev WHERE stream_id > %s AND "
-                         "stream_id <= 1250", (above,))
+                         "stream_id <= %s", (above, upto))
         return self.cur.fetchone()[0]
 
     def test_trimmed_before_the_run(self):
@@ -655,12 +655,23 @@ class TrimmedExportTests(ExportTestBase):
                            {k: v for k, v in reference(self.cur, self.events, 1250,
                                                        run2_after(1200)).items()
                             if v["date"] == "2024-03-02"})
+        # Trimmed again past the export: accepted again, one range in the state.
+        insert_events(self.cur, [(i, "w1", [BASE_MS + 10 ** 7 + i]) for i in range(1251, 1271)])
+        set_positions(self.cur, "events", w1=1270, w2=1270)
+        again = trim(self.trimmer, STREAMS[0], 10)
+        self.assertGreater(again, 1250)
+        r = export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"],
+                   accept_trimmed=True)
+        self.assertEqual((r.reports[0].trimmed, r.reports[0].facts),
+                         ((lo, again), self.kept(again, 1270)))
+        self.assertEqual(OutputStore(self.out).load_state().streams["events"].trimmed,
+                         [[lo, again]])
         # A first export (here --full) begins after what retention trimmed
         # before it: no gap, nothing recorded.
         r = export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"],
                    full=True)
         self.assertEqual((r.reports[0].lower, r.reports[0].trimmed, r.reports[0].facts),
-                         (boundary, None, self.kept(boundary)))
+                         (again, None, self.kept(again, 1270)))
         self.assertEqual(OutputStore(self.out).load_state().streams["events"].trimmed, [])
 
     def test_trimmed_while_spark_reads(self):

@@ -139,7 +139,7 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
                 plan.floor, plan.prev = first, prev
     if boundary and plan.floor <= boundary:  # a date re-aggregated from a trimmed fact
         _gap(plan, options, min(lower, plan.floor - 1), boundary,
-             f"(exported; the re-aggregation of {plan.from_date} and later dates needs them)")
+             f"while the re-aggregation of {plan.from_date} (and later dates) still needs them")
         kept = meta.bounds(stream, boundary, plan.upper).min_id
         assert kept is not None  # the new facts are above the boundary
         plan.floor, plan.prev = kept, None
@@ -205,7 +205,11 @@ def next_state(plan: StreamPlan, agg) -> StreamState:
     if old is not None:
         st.trimmed = [list(r) for r in old.trimmed]
     if plan.trimmed is not None:
-        st.trimmed.append(list(plan.trimmed))
+        lo, hi = plan.trimmed
+        if st.trimmed and lo <= st.trimmed[-1][1]:  # one range, run after run
+            st.trimmed[-1] = [min(lo, st.trimmed[-1][0]), max(hi, st.trimmed[-1][1])]
+        else:
+            st.trimmed.append([lo, hi])
     if agg is None:
         return st
     st.last_fact = plan.bounds.max_id
