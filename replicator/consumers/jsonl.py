@@ -21,7 +21,10 @@ and no ``rows``: the writer had nothing more up to that token.  It is written
 at most once per (stream, writer) per flush, only if the key advanced past
 its last fact, and once per key at the top of every new file (rotation).
 A *rewind line* (``replicator rewind``) sets the key back to its token: the
-facts after it follow again.  A reader that only wants facts skips lines
+facts after it follow again.  A *skip line* (``replicator rewind --skip-to``)
+is a position line with a ``skip`` object (``from``, ``facts``,
+``trimmed_through``, ``at``): the facts after ``from`` up to it were
+skipped, ``facts`` of them still in the table then.  A reader that only wants facts skips lines
 without ``"rows"``.
 
 Lines are buffered and written in batches (one ``write`` + ``fsync`` per
@@ -559,21 +562,27 @@ class JsonlConsumer(Consumer):
         consumer with nothing buffered (``replicator rewind``)."""
         return self._set_positions(positions, "rewind")
 
-    def skip(self, positions: Dict[Key, int]) -> defer.Deferred:
+    def skip(self, positions: Dict[Key, int],
+             notes: Optional[Dict[Key, dict]] = None) -> defer.Deferred:
         """Set the positions of the keys in ``positions`` (raise them: the
         facts up to them are never delivered, a retention gap accepted) as
-        one transaction: one position line per key, then the state file.
-        The position lines record the skip; one written without the state
-        file (a crash between) is a position all the same.  Only on a
-        consumer with nothing buffered (``replicator rewind --skip-to``)."""
-        return self._set_positions(positions, "position")
+        one transaction: one *skip line* per key (a position line with a
+        ``skip`` object: ``notes[key]``, what ``replicator verify`` reports),
+        then the state file.  The lines record the skip; one written without
+        the state file (a crash between) is a position all the same.  Only
+        on a consumer with nothing buffered (``replicator rewind --skip-to``)."""
+        return self._set_positions(positions, "position", notes or {})
 
-    def _set_positions(self, positions: Dict[Key, int], kind: str) -> defer.Deferred:
+    def _set_positions(self, positions: Dict[Key, int], kind: str,
+                       notes: Optional[Dict[Key, dict]] = None) -> defer.Deferred:
         assert not (self._buffer or self._pending_positions or self._unwritten)
         handle = self._file
         if handle is None or not positions:
             return defer.succeed(None)
-        data = b"".join(encode_json_line({"stream": s, "writer": w, kind: token})
+        notes = notes or {}
+        data = b"".join(encode_json_line({"stream": s, "writer": w, kind: token,
+                                          **({"skip": notes[(s, w)]} if (s, w) in notes
+                                             else {})})
                         for (s, w), token in sorted(positions.items()))
         target = {**self._durable, **positions}
         d = self._run_io(self._write_job, handle, data, self._heading(), target, False,

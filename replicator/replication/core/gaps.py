@@ -86,7 +86,7 @@ class TrimGaps:
         config = self.config_path or "CONFIG"
         paths = [getattr(c, "path", None) for c in behind]
         commands = [f"`replicator rewind -c {config} {path} --stream {gap.stream} "
-                    f"--skip-to {gap.boundary}`" for path in paths if isinstance(path, str)]
+                    f"--skip-to boundary`" for path in paths if isinstance(path, str)]
         others = len(behind) - len(commands)
         run = f"run {' and '.join(commands)}" if commands else ""
         move = (f"{'and ' if commands else ''}move the other consumers past {gap.boundary}"
