@@ -579,8 +579,9 @@ def parser() -> argparse.ArgumentParser:
     point = rewind.add_mutually_exclusive_group(required=True)
     point.add_argument("--to", metavar="TOKEN|TIME",
                        help="a token, or a time (ISO 8601, e.g. 2026-11-25T10:00:00Z)")
-    point.add_argument("--skip-to", metavar="TOKEN", dest="skip_to",
-                       help="skip the facts up to this token (a retention gap: accept the loss)")
+    point.add_argument("--skip-to", metavar="TOKEN|boundary", dest="skip_to",
+                       help="skip the facts up to this token, or up to the stream's trim "
+                            "boundary as it is then (a retention gap: accept the loss)")
     rewind.add_argument("--stream", help="only this stream (needed with a token when the "
                         "consumer reads several)")
     rewind.set_defaults(fn=cmd_rewind)

@@ -259,6 +259,7 @@ class Harness:
         self.run(registry.start())
         handler = ReplicationHandler(registry, name, self.server_name, consumers=consumers,
                                      **handler_kwargs)
+        self.run(handler.load_findings())
         handler.start()
         node = Node(name, db, registry, handler, consumers)
         self.nodes.append(node)

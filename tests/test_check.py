@@ -9,6 +9,7 @@ import psycopg2
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
+from replicator.storage import migrations
 from tests.servers import PostgresServer, free_port
 from tests.test_cli import CACHES, SECRET, cli
 
@@ -71,11 +72,48 @@ class CheckTests(SynchronousTestCase):
         conn.close()
         self.assert_refused(self.check(self.write(self.config({"postgres": dsn}))),
                             "config: streams[0].columns[1]: unknown column 'keys'")
-        # A stream this instance only reads: its table must exist already.
-        reader = dict(CACHES, name="events", table="events_stream", writers=["worker1"])
+
+    def test_a_read_only_stream_whose_writer_has_not_started_yet(self):
+        """A worker checked before the master's first start (the order
+        docs/operations.md gives): the master's tables are the master's to
+        create, so check passes and says so; what is wrong still fails."""
+        server = PostgresServer.shared()
+        dsn = server.dsn(server.create_database("check"))
+        reader = dict(CACHES, name="events", table="events_stream", writers=["master"])
+        own = dict(CACHES, writers=["master", "worker1"])
+        worker = {"instance_name": "worker1", "streams": [own, reader]}
+        result = self.check(self.write(self.config({"postgres": dsn}, **worker)))
+        self.assertEqual((result.returncode, result.stderr), (0, ""))
+        self.assertEqual(result.stdout.split("; ")[2:], [
+            "no replicator tables yet (start creates schema version "
+            f"{migrations.CURRENT_VERSION})",
+            "events_stream (stream events) is created by its writer (master) at its first "
+            "start", "start this instance after it\n"])
+        with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM information_schema.tables "
+                        "WHERE table_schema = current_schema()")
+            self.assertEqual(cur.fetchone()[0], 0)  # still nothing made
+        conn.close()
+        # A table nobody creates (create: false) must exist.
+        foreign = dict(reader, create=False)
         self.assert_refused(
-            self.check(self.write(self.config({"postgres": dsn}, streams=[reader]))),
+            self.check(self.write(self.config({"postgres": dsn}, instance_name="worker1",
+                                              streams=[foreign]))),
             "config: streams[0].table: table 'events_stream' does not exist")
+        # Once it exists, its columns and its sequence are checked.
+        with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+            cur.execute("CREATE TABLE events_stream (stream_id bigint, instance_name text, "
+                        "cache_func text, keys jsonb, invalidation_ts bigint)")
+        conn.close()
+        self.assert_refused(self.check(self.write(self.config({"postgres": dsn}, **worker))),
+                            "config: streams[1].sequence: sequence 'events_stream_seq' "
+                            "does not exist")
+        with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+            cur.execute("CREATE SEQUENCE events_stream_seq")
+            cur.execute("ALTER TABLE events_stream DROP COLUMN invalidation_ts")
+        conn.close()
+        self.assert_refused(self.check(self.write(self.config({"postgres": dsn}, **worker))),
+                            "config: streams[1].columns[2]: unknown column 'invalidation_ts'")
 
     def test_unbound_remote_writers_are_warned_about(self):
         server = PostgresServer.shared()

@@ -128,7 +128,7 @@ class SilentUpstreamTests(TestCase):
         await until(lambda: peer.protocols and instance.handler.connections)
         connected, detail = instance.replication_status()
         self.assertFalse(connected)
-        self.assertIn("not connected to upstream", detail)
+        self.assertIn("has not answered since the start at", detail)
 
 
 class StartupGarbageTests(TestCase):

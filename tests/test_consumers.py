@@ -202,10 +202,11 @@ class JsonlTests(SynchronousTestCase):
         self.clock.advance(10)  # idle: nothing more
         self.assertEqual(self.fsyncs, before + 4)
         lines, _ = read_lines(self.path)
-        # Two position lines in the first batch: where events/master starts, and where it is.
-        self.assertEqual(len(lines), 100 + 2 + 10)
+        # One position line: where events/master starts (the moves of a
+        # writer with no fact since are in the state file, not in lines).
+        self.assertEqual(len(lines), 100 + 1 + 10)
         self.assertEqual(lines[1], {"stream": "events", "writer": "master", "position": 1})
-        self.assertEqual(lines[101], {"stream": "events", "writer": "master", "position": 100})
+        self.assertEqual(c.positions()[("events", "master")], 100)
 
     def test_without_fsync_writes_but_does_not_sync(self):
         c = self.open(fsync=False)
@@ -247,10 +248,10 @@ class JsonlTests(SynchronousTestCase):
         self.assertEqual(os.path.getsize(self.path), n * line)
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
-    def test_position_lines_once_per_key_per_flush(self):
+    def test_position_lines_once_per_key_per_flush_and_only_after_a_fact(self):
         c = self.open()
         c.on_position("caches", "master", 2)
-        c.on_position("caches", "master", 4)
+        c.on_position("caches", "master", 4)  # after its start line: nothing new
         c.on_facts("caches", "worker1", 3, [[1]])
         c.on_position("caches", "worker1", 6)
         c.on_position("events", "master", 1)
@@ -264,12 +265,80 @@ class JsonlTests(SynchronousTestCase):
             {"stream": "caches", "writer": "worker1", "token": 3, "rows": [[1]]},
             {"stream": "events", "writer": "master", "position": 1},
             {"stream": "events", "writer": "master", "token": 2, "rows": [[2]]},
-            {"stream": "caches", "writer": "master", "position": 4},
             {"stream": "caches", "writer": "worker1", "position": 6},
         ])
         self.assertEqual(c.positions(), {
             ("caches", "master"): 4, ("caches", "worker1"): 6, ("events", "master"): 2,
         })
+
+    def test_an_idle_writer_costs_no_line_per_other_writers_fact(self):
+        """Two writers of caches under steady writes, one batch per fact:
+        master writes, worker1 is idle and its POSITION follows every one of
+        master's facts.  Its position lines are only the ones that say
+        something new: its start, one after its own fact, the heading of a
+        rotated file; its moves go to the state file.  The file shrinks by
+        a line per fact (the old code wrote 2 + N worker1 position lines)."""
+        c = self.open(rotate_size=1 << 20)
+        n = 300
+        c.on_position("caches", "worker1", 0)
+        for token in range(1, n + 1):
+            c.on_facts("caches", "master", token * 2, [["f", None, token]])
+            c.on_position("caches", "worker1", token * 2)
+            if token == 100:
+                c.on_facts("caches", "worker1", token * 2 + 1, [["w", None, token]])
+            self.clock.advance(0.05)
+        lines, data = read_lines(self.path)
+        facts = [line for line in lines if "rows" in line]
+        positions = [line for line in lines if "position" in line]
+        self.assertEqual(len(facts), n + 1)
+        self.assertEqual(positions, [
+            {"stream": "caches", "writer": "worker1", "position": 0},     # where it starts
+            {"stream": "caches", "writer": "worker1", "position": 202},   # after its fact
+        ])
+        self.assertEqual(len(data), sum(len(encode_json_line(line)) for line in lines))
+        fact_bytes = sum(len(encode_json_line(line)) for line in facts)
+        self.assertEqual(len(data) - fact_bytes, sum(len(encode_json_line(p)) for p in positions))
+        # Every move is in the state file: a restart resumes from there.
+        self.assertEqual(c.positions(), {("caches", "master"): 2 * n,
+                                         ("caches", "worker1"): 2 * n})
+        # A new file's heading says where worker1 is.
+        c.rotate_size = 1
+        c.on_facts("caches", "master", 2 * n + 2, [["g", None, 0]])
+        c.on_position("caches", "worker1", 2 * n + 2)
+        self.clock.advance(0.05)
+        lines, _ = read_lines(self.path)
+        self.assertEqual(lines, [
+            {"stream": "caches", "writer": "master", "position": 2 * n},
+            {"stream": "caches", "writer": "worker1", "position": 2 * n},
+            {"stream": "caches", "writer": "master", "token": 2 * n + 2, "rows": [["g", None, 0]]},
+        ])
+        c.close()
+        self.assertEqual(JsonlConsumer(self.path + ".1", self.clock, run_io=run_inline)
+                         .positions(), {("caches", "master"): 2 * n,
+                                        ("caches", "worker1"): 202})
+
+    def test_a_file_restored_without_its_state_resumes_without_a_duplicate(self):
+        """Without the state file the file's last lines give the positions:
+        an idle writer's is its last line's (lower than the state said), so
+        its reader asks again from there; it has nothing there, nothing is
+        written twice."""
+        c = self.open()
+        c.on_facts("caches", "worker1", 1, [["w"]])
+        for token in range(2, 40):
+            c.on_facts("caches", "master", token, [["m"]])
+            c.on_position("caches", "worker1", token)
+            self.clock.advance(0.05)
+        c.close()
+        os.unlink(os.path.join(self.dir, ".facts.jsonl.state"))
+        reopened = self.open()
+        self.assertEqual(reopened.positions(), {("caches", "master"): 39,
+                                                ("caches", "worker1"): 2})
+        before, _ = read_lines(self.path)
+        for token in range(2, 40):  # the reader's catch-up: the positions again
+            reopened.on_facts("caches", "master", token, [["m"]])
+            reopened.on_position("caches", "worker1", token)
+        reopened.close()
+        self.assertEqual(read_lines(self.path)[0], before)
 
     def test_positions_survive_reopening(self):
         c = JsonlConsumer(self.path, self.clock, run_io=run_inline)
@@ -828,12 +897,14 @@ class CrashProperty(SynchronousTestCase):
             written = []  # lines flushed, in order
             batch, batch_positions = [], {}
             durable = {}
+            after_fact = set()  # keys whose last line is a fact: a position may follow
             token_of = {}  # the offered token per key
             for op in ops:
                 if op[0] == "flush":
                     c.flush()
                     written += batch + [{"stream": s, "writer": w, "position": t}
                                         for (s, w), t in batch_positions.items()]
+                    after_fact.difference_update(batch_positions)
                     batch, batch_positions = [], {}
                     durable = dict(last)
                     continue
@@ -848,6 +919,7 @@ class CrashProperty(SynchronousTestCase):
                         batch.append({"stream": key[0], "writer": key[1], "token": token,
                                       "rows": op[3]})
                         batch_positions.pop(key, None)
+                        after_fact.add(key)
                 else:
                     c.on_position(key[0], key[1], token)
                     if key not in last:  # the key's first line: where it starts, in order
@@ -857,7 +929,8 @@ class CrashProperty(SynchronousTestCase):
                     elif token > last[key]:
                         last[key] = token
                         accepted.append(("position", key, token))
-                        batch_positions[key] = token
+                        if key in after_fact:
+                            batch_positions[key] = token
                 self.assertEqual(c.positions(), durable)
 
             # Crash in the middle of writing the next batch, then garbage.

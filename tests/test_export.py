@@ -569,6 +569,146 @@ class ExportTests(ExportTestBase):
         self.assertIsNotNone(self.spark.sparkContext._jsc, "the shared session was stopped")
 
 
+def trim(conn, stream_section, max_facts):
+    """One retention pass over ``stream_section``'s table, by the real
+    trimmer's batch (:class:`replicator.streams.retention.Batch`), keeping
+    the ``max_facts`` newest facts: its new trim boundary."""
+    from types import SimpleNamespace
+
+    from replicator.config import parse_stream
+    from replicator.storage.schema import RETENTION_DDL
+    from replicator.streams.retention import Batch
+
+    config = parse_stream(dict(stream_section, retention={"max_facts": max_facts,
+                                                          "batch": 100000}), "streams[0]")
+    batch = Batch(config, SimpleNamespace(is_postgres=True, sql=lambda text: text))
+    with conn, conn.cursor() as cur:
+        cur.execute(RETENTION_DDL)
+        result = batch.run(cur, batch.count_bound(cur), None)
+    return result[1]
+
+
+class TrimmedExportTests(ExportTestBase):
+    """Retention trims facts an export needs (before the run, or while Spark
+    reads): the run is refused with one line naming the range and
+    ``--accept-trimmed``, nothing committed; with it, the export goes on
+    from what the table keeps and records the range."""
+
+    def setUp(self):
+        super().setUp()
+        import psycopg2
+
+        self.trimmer = psycopg2.connect(self.dsn)
+        self.addCleanup(self.trimmer.close)
+        self.load_phase1()
+        r1 = export(self.db, self.streams, self.out, now_ms=RUN1_MS, streams=["events"])
+        self.assertTrue(r1.changed)
+        self.run1 = read_export(self.out)
+        self.state1 = OutputStore(self.out).load_state().streams["events"]
+        self.inflight.commit()
+        set_positions(self.cur, "events", w1=1250, w2=1250)
+
+    def kept(self, above, upto=1250):
+        self.cur.execute("SELECT count(DISTINCT stream_id) FROM ev WHERE stream_id > %s AND "
+                         "stream_id <= %s", (above, upto))
+        return self.cur.fetchone()[0]
+
+    def test_trimmed_before_the_run(self):
+        from replicator.export.source import TrimmedError
+
+        boundary = trim(self.trimmer, STREAMS[0], 10)
+        self.assertGreater(boundary, 1200)  # facts the export never read are gone
+        link = os.readlink(os.path.join(self.out, "current"))
+        with self.assertRaises(TrimmedError) as caught:
+            export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"])
+        self.assertEqual(str(caught.exception),
+                         f"stream events: facts (1200, {boundary}] were trimmed by retention "
+                         f"before this export read them (its trim boundary is {boundary}); "
+                         f"nothing was committed: to export what the table keeps and record "
+                         f"(1200, {boundary}] as trimmed in state.json, run again with "
+                         f"--accept-trimmed")
+        self.assertEqual(os.readlink(os.path.join(self.out, "current")), link)
+        self.assertEqual(OutputStore(self.out).load_state().streams["events"].token, 1200)
+
+        r = export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"],
+                   accept_trimmed=True)
+        self.assertTrue(r.changed)
+        [report] = r.reports
+        # The date re-aggregated (2024-03-02) began with an exported fact,
+        # trimmed too: the range recorded reaches down to it.
+        first = OutputStore(self.out).load_state().streams["events"]
+        [[lo, hi]] = first.trimmed
+        self.assertEqual(hi, boundary)
+        self.assertEqual(lo, self.state1.dates["2024-03-02"][0] - 1)
+        self.assertEqual(report.trimmed, (lo, boundary))
+        self.assertEqual((report.status, report.facts), ("exported", self.kept(boundary)))
+        self.assertEqual(first.token, 1250)
+        from replicator.export.job import format_summary
+
+        self.assertIn(f"exported; ({lo}, {boundary}] trimmed by retention (accepted)",
+                      format_summary(r))
+        got = read_export(self.out)
+        # 2024-03-01 as run 1 exported it; 2024-03-02 from what the table keeps.
+        self.assertEqual({k: v for k, v in got.items() if v["date"] == "2024-03-01"},
+                         {k: v for k, v in self.run1.items() if v["date"] == "2024-03-01"})
+        self.assertMatches({k: v for k, v in got.items() if v["date"] == "2024-03-02"},
+                           {k: v for k, v in reference(self.cur, self.events, 1250,
+                                                       run2_after(1200)).items()
+                            if v["date"] == "2024-03-02"})
+        # Trimmed again past the export: accepted again, one range in the state.
+        insert_events(self.cur, [(i, "w1", [BASE_MS + 10 ** 7 + i]) for i in range(1251, 1271)])
+        set_positions(self.cur, "events", w1=1270, w2=1270)
+        again = trim(self.trimmer, STREAMS[0], 10)
+        self.assertGreater(again, 1250)
+        r = export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"],
+                   accept_trimmed=True)
+        self.assertEqual((r.reports[0].trimmed, r.reports[0].facts),
+                         ((lo, again), self.kept(again, 1270)))
+        self.assertEqual(OutputStore(self.out).load_state().streams["events"].trimmed,
+                         [[lo, again]])
+        # A first export (here --full) begins after what retention trimmed
+        # before it: no gap, nothing recorded.
+        r = export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"],
+                   full=True)
+        self.assertEqual((r.reports[0].lower, r.reports[0].trimmed, r.reports[0].facts),
+                         (again, None, self.kept(again, 1270)))
+        self.assertEqual(OutputStore(self.out).load_state().streams["events"].trimmed, [])
+
+    def test_trimmed_while_spark_reads(self):
+        from replicator.export import aggregate
+        from replicator.export.source import TrimmedError
+
+        real = aggregate.write_partitions
+        trimmed = []
+
+        def trim_then_write(df, path):
+            if not trimmed:  # the planner read the boundary; Spark reads the facts
+                trimmed.append(trim(self.trimmer, STREAMS[0], 10))
+            real(df, path)
+
+        self.patch(aggregate, "write_partitions", trim_then_write)
+        link = os.readlink(os.path.join(self.out, "current"))
+        with self.assertRaises(TrimmedError) as caught:  # (so with --accept-trimmed)
+            export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"])
+        [boundary] = trimmed
+        message = str(caught.exception)
+        self.assertTrue(message.startswith(
+            f"stream events: retention trimmed facts up to {boundary} while this export "
+            f"read ["), message)
+        self.assertTrue(message.endswith(
+            ", 1250] (the trim boundary was 0 when it began); nothing was committed: run "
+            "again (a run starts from the boundary as it is then, with --accept-trimmed past "
+            "a gap; retention that trims faster than an export reads cannot be exported "
+            "whole)"), message)
+        self.assertEqual(os.readlink(os.path.join(self.out, "current")), link)
+        self.assertEqual(OutputStore(self.out).load_state().streams["events"].token, 1200)
+        # Run again, retention at rest: the gap is recorded, the rest exported.
+        r = export(self.db, self.streams, self.out, now_ms=RUN2_MS, streams=["events"],
+                   accept_trimmed=True)
+        self.assertEqual(r.reports[0].trimmed[1], boundary)
+        self.assertEqual(r.reports[0].facts, self.kept(boundary))
+
+
 #: Writers whose byte-wise order (Spark's, Python's) is not a linguistic
 #: collation's order: "Zed" < "alice" < "zoë" < "Ärne" byte-wise, but
 #: "alice" < "Ärne" < "Zed" < "zoë" in ICU's root collation.

@@ -4,7 +4,7 @@ What needs PostgreSQL itself (facts inserted by SQL behind the writer's
 back, taking IDs from the shared sequence) runs there."""
 
 import psycopg2
-from twisted.internet import reactor, task
+from twisted.internet import defer, reactor, task
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
 
@@ -89,6 +89,27 @@ class HandlerTests(TestCase):
         with self.assertRaises(RuntimeError):
             self.h.run(rolled_back())
         self.assertEqual(lines(t1), ["POSITION events master 0 1"])
+
+    def test_a_line_admitted_after_a_reload_dropped_its_writer_is_dropped(self):
+        """A claim waiting for the sequence's re-read (admission) when a
+        reload removes its writer: dropped, not a CRITICAL ``KeyError``."""
+        import dataclasses
+
+        consumer = MemoryConsumer(positions={("caches", "worker1"): 0})
+        master = self.h.instance("master", [consumer])
+        worker, _ = self.h.serve(master, "worker1")
+        stream = master.stream("caches")
+        read = defer.Deferred()
+        stream.sequence_value = lambda: read  # the re-read of the sequence, held
+        worker.dataReceived(b"POSITION caches worker1 0 0\n"
+                            b'RDATA caches worker1 4 ["c",null,1]\n')
+        old = stream.config.writers
+        stream.config = dataclasses.replace(stream.config, writers=("master",))
+        master.handler.writers_changed(stream, old)
+        read.callback(4)  # the claim was true: admitted now, its writer gone
+        self.h.settle()
+        self.assertEqual(self.flushLoggedErrors(KeyError), [])
+        self.assertEqual(consumer.facts, [])
 
     def test_writer_client_rows_are_consumed_and_relayed_whole(self):
         consumer = MemoryConsumer(positions={("caches", "worker1"): 0})

@@ -143,8 +143,9 @@ class VerifyTests(SynchronousTestCase):
 
     def test_skip_to_accepts_the_loss(self):
         """``--skip-to TOKEN`` moves a consumer behind the trim boundary past
-        it: position lines in the file, the skip counted; a token below its
-        position, below the boundary or beyond the stream is refused."""
+        it: a skip line in the file, the skip counted, and verify says how
+        many facts it skipped; a token below its position, below the
+        boundary or beyond the stream is refused."""
         self.output([(t, self.rows[t]) for t in range(1, 5)])  # stopped at 4
         self.trim(8)
 
@@ -156,8 +157,12 @@ class VerifyTests(SynchronousTestCase):
             (("3",), "rewind: --skip-to 3 is not past consumers[0]'s position in stream "
                      "caches (4): nothing would be skipped (--to delivers facts again)"),
             (("5",), "rewind: --skip-to 5 is below stream caches's trim boundary 8: the next "
-                     "start would stop at the gap again; skip to 8 or above"),
+                     "start would stop at the gap again; skip to 8 or above, or give "
+                     "--skip-to boundary (the boundary when the skip is made, however far "
+                     "retention has trimmed by then)"),
             (("99",), "rewind: --skip-to 99 is beyond stream caches (its last token is 20)"),
+            (("bound",), "rewind: --skip-to 'bound' is not a token (an integer) nor "
+                         "'boundary' (the stream's trim boundary)"),
             (("8", "--to", "3"), None),
         ]:
             code, out, err = skip(*args)
@@ -169,12 +174,38 @@ class VerifyTests(SynchronousTestCase):
         self.assertEqual(out, "rewind: caches/master: position 4 -> 10: skipped facts 5 to 10 "
                               "(2 of them in the table; facts up to 8 were trimmed by "
                               "retention)\n")
-        self.assertEqual(lines_of([self.path])[-1],
-                         {"stream": "caches", "writer": "master", "position": 10})
+        last = lines_of([self.path])[-1]
+        self.assertEqual(set(last), {"stream", "writer", "position", "skip"})
+        self.assertEqual((last["position"], {k: v for k, v in last["skip"].items() if k != "at"}),
+                         (10, {"from": 4, "facts": 2, "trimmed_through": 8}))
+        at = last["skip"]["at"]
         code, out, _ = self.verify()
-        self.assertEqual(code, 1, out)  # 9 and 10 were in the table: skipped, so missing
-        self.assertIn("4 trimmed from the table (not compared)", out)
-        self.assertIn("    missing: 9, 10\n", out)
+        self.assertEqual(code, 0, out)  # 9 and 10 were in the table: skipped, not missing
+        self.assertIn("4 fact lines, 1 position lines, 0 rewind lines, 1 skip lines\n", out)
+        self.assertIn(f"    skipped by rewind --skip-to at {at}: facts 5 to 10, 2 of them in "
+                      f"the table then (facts up to 8 were trimmed by retention)\n", out)
+        self.assertIn(f"verify: EQUAL: 0 facts, each exactly once, in order, whole (4 trimmed "
+                      f"from the table, not compared; 2 facts skipped by rewind --skip-to at "
+                      f"{at})\n", out)
+
+        # --skip-to boundary: the boundary as it is when the skip is made.
+        self.trim(14)
+        code, out, err = skip("boundary", "--stream", "caches")
+        self.assertEqual((code, err), (0, ""), out)
+        self.assertEqual(out, "rewind: caches/master: position 10 -> 14: skipped facts 11 to "
+                              "14 (0 of them in the table; facts up to 14 were trimmed by "
+                              "retention)\n")
+        self.assertEqual(lines_of([self.path])[-1]["skip"]["from"], 10)
+        # Pasted again: nothing to skip, and that is not a mistake.
+        code, out, err = skip("boundary")
+        self.assertEqual((code, err), (0, ""), out)
+        self.assertEqual(out, "rewind: nothing to skip: consumers[0]'s position in stream "
+                              "caches (14) is not below its trim boundary 14\n")
+        code, out, _ = self.verify()
+        self.assertEqual(code, 0, out)
+        self.assertIn(", 2 skip lines\n", out)
+        self.assertIn("(4 trimmed from the table, not compared; 2 facts skipped by rewind "
+                      "--skip-to at ", out)
 
     def test_a_file_that_begins_after_facts_in_the_table_says_where_or_is_different(self):
         """A file whose first line for a key is fact 3 while facts 1 and 2

@@ -440,6 +440,21 @@ class OperationsPathTests(TestCase):
         with open(secret_file) as f:
             secret = f.read().strip()
         configs = self.configs(dsn, secret_file)
+        # Section 3: each file checked before anything started (a new
+        # database): the workers' pass too, and name what the master makes.
+        for name, doc in configs.items():
+            path = os.path.join(self.tmp, f"check-{name}.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(doc, f)
+            checked = subprocess.run(
+                [sys.executable, "-m", "replicator.cli", "check", "-c", path],
+                capture_output=True, text=True, timeout=60, cwd=self.tmp,
+                env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                    p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)))
+            self.assertEqual(checked.returncode, 0, checked.stderr)
+            awaiting = ("account_data_stream (stream account_data) is created by its "
+                        "writer (master) at its first start; start this instance after it")
+            self.assertEqual(awaiting in checked.stdout, name != "master", checked.stdout)
         # The master first (it creates the tables), then the workers.
         bases = {"master": self.start("master", configs["master"])}
         until(lambda: http(bases["master"] + "/health")[0] == 200, "master healthy")

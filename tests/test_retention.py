@@ -12,6 +12,7 @@ import shlex
 import signal
 import sqlite3
 import tempfile
+import threading
 import urllib.error
 
 import psycopg2
@@ -325,7 +326,7 @@ class GapHealthTests(SynchronousTestCase):
                                "trimmed by retention; the stream is stopped here: to accept "
                                "the loss, stop this instance, run `replicator rewind -c "
                                "/etc/replicator/worker1.yaml /var/lib/replicator/facts.jsonl "
-                               "--stream events --skip-to 500`, then start it (or restore the "
+                               "--stream events --skip-to boundary`, then start it (or restore the "
                                "facts: docs/operations.md, \"Retention gaps\")")
         self.assertTrue(gaps.stopped("events"))
         self.assertFalse(gaps.stopped("other"))
@@ -647,7 +648,9 @@ class StoppedReaderTests(SynchronousTestCase):
     """A master that trims, a worker with a JSON-lines consumer: the worker
     is stopped, the master writes on and trims past the worker's position,
     and the worker, started again, refuses to skip: its /health says the
-    gap, its file gets nothing past it, its other stream carries on."""
+    gap, its file gets nothing past it, its other stream carries on; the
+    command the gap names, pasted while the master writes and trims on,
+    skips only facts already trimmed, and verify says what it skipped."""
 
     def setUp(self):
         self.dsn = PostgresServer.shared().create_database()
@@ -749,26 +752,63 @@ class StoppedReaderTests(SynchronousTestCase):
         self.assertEqual(worker.output().count("trimmed by retention"), 1, worker.output())
 
         # The operator accepts the loss (docs/operations.md, "Retention gaps"):
-        # the worker stopped, the command its gap names run, started again:
-        # it goes on from the boundary.
+        # the worker stopped, the command its gap names pasted while the
+        # master writes on and trims every second, so the boundary moves on
+        # past the gap's and while the command runs.  It skips to the
+        # boundary as it is when the skip is made: only facts already gone.
         worker.kill(signal.SIGTERM)
-        # No more writes: the trimmer settles with the 5 newest facts kept.
-        settled = sorted(first + later + [last])[-6]
-        wait_for(lambda: self.snapshot()[0] == settled, 60, "the last trim")
-        boundary = self.snapshot()[0]
-        # The gap's boundary is behind the one now: its command is refused,
-        # naming the boundary to skip to.
         args = shlex.split(command.group(1))
-        done = cli(*args, cwd=worker.dir)
-        self.assertEqual((done.returncode, done.stdout), (2, ""), done.stderr)
-        self.assertIn(f"below stream events's trim boundary {boundary}: the next start would "
-                      f"stop at the gap again; skip to {boundary} or above", done.stderr)
-        done = cli(*args[:-1], str(boundary), cwd=worker.dir)
+        self.assertEqual(args[-2:], ["--skip-to", "boundary"], reason)
+        gap_boundary = int(reason.split("facts up to ")[1].split()[0])
+        stop, racing = threading.Event(), []
+
+        def write_on():
+            while not stop.is_set():
+                racing.append(self.write(master, "events", [["racing", len(racing)]]))
+
+        writes = threading.Thread(target=write_on)
+        writes.start()
+        try:
+            wait_for(lambda: self.snapshot()[0] > gap_boundary, 60, "a trim past the gap's")
+            before = self.snapshot()[0]
+            done = cli(*args, cwd=worker.dir)
+            after = self.snapshot()[0]
+        finally:
+            stop.set()
+            writes.join()
         self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
-        self.assertEqual(done.stdout, f"rewind: events/master: position {position} -> "
-                                      f"{boundary}: skipped facts {position + 1} to {boundary} "
-                                      f"(0 of them in the table; facts up to {boundary} were "
-                                      f"trimmed by retention)\n")
+        skipped = re.fullmatch(
+            rf"rewind: events/master: position {position} -> (\d+): skipped facts "
+            rf"{position + 1} to (\d+) \(0 of them in the table; facts up to (\d+) were "
+            rf"trimmed by retention\)\n", done.stdout)
+        self.assertIsNotNone(skipped, done.stdout)
+        to = int(skipped.group(1))
+        self.assertEqual({int(g) for g in skipped.groups()}, {to})
+        # At or above the boundary when it began, at or below it when it was
+        # done: every fact it skipped was trimmed, none it skipped was kept.
+        self.assertGreaterEqual(to, before)
+        self.assertLessEqual(to, after)
+        with open(os.path.join(worker.dir, "facts.jsonl")) as f:
+            skip_line = [json.loads(line) for line in f][-1]
+        at = skip_line["skip"]["at"]
+        self.assertEqual(skip_line, {"stream": "events", "writer": "master", "position": to,
+                                     "skip": {"from": position, "facts": 0,
+                                              "trimmed_through": to, "at": at}})
+
+        # No more writes: the trimmer settles with the 5 newest facts kept,
+        # past where the skip went; the same command, pasted again, works
+        # again, and the worker goes on from the boundary.
+        settled = sorted(first + later + [last] + racing)[-6]
+        wait_for(lambda: self.snapshot()[0] == settled, 60, "the last trim")
+        self.assertGreater(settled, to)
+        done = cli(*args, cwd=worker.dir)
+        self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
+        self.assertEqual(done.stdout, f"rewind: events/master: position {to} -> {settled}: "
+                                      f"skipped facts {to + 1} to {settled} (0 of them in the "
+                                      f"table; facts up to {settled} were trimmed by "
+                                      f"retention)\n")
+        with open(os.path.join(worker.dir, "facts.jsonl")) as f:
+            at2 = [json.loads(line) for line in f][-1]["skip"]["at"]
         worker.start()
         left = [r[0] for r in _pg(self.dsn, ("SELECT stream_id FROM events_stream ORDER BY 1",
                                              ()))]
@@ -778,11 +818,19 @@ class StoppedReaderTests(SynchronousTestCase):
             d.kill(signal.SIGTERM)
             self.assertEqual(d.proc.returncode, 0, d.output()[-2000:])
         # verify: the facts before the skip are trimmed (not compared), the
-        # rest equal; the position line marks the skip.
+        # rest equal; it says where each skip went and how many facts of the
+        # table each skipped (none: --skip-to boundary).
         done = cli("verify", "-c", worker.path, "0", cwd=worker.dir)
         self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
-        self.assertIn(f"  events/master: {len(first + left)} facts, checked from token 0 of writer master to "
-                      f"{left[-1]}: {len(left)} matched; no differences; {len(first)} trimmed "
-                      f"from the table (not compared)\n", done.stdout)
+        self.assertIn(f"  events/master: {len(first + left)} facts, checked from token 0 of "
+                      f"writer master to {left[-1]}: {len(left)} matched; no differences; "
+                      f"{len(first)} trimmed from the table (not compared)\n"
+                      f"    skipped by rewind --skip-to at {at}: facts {position + 1} to {to}, "
+                      f"0 of them in the table then (facts up to {to} were trimmed by "
+                      f"retention)\n"
+                      f"    skipped by rewind --skip-to at {at2}: facts {to + 1} to {settled}, "
+                      f"0 of them in the table then (facts up to {settled} were trimmed by "
+                      f"retention)\n", done.stdout)
         self.assertIn(f"verify: EQUAL: {len(left) + 1} facts, each exactly once, in order, "
-                      f"whole ({len(first)} trimmed from the table, not compared)", done.stdout)
+                      f"whole ({len(first)} trimmed from the table, not compared; 0 facts "
+                      f"skipped by rewind --skip-to at {at}, {at2})", done.stdout)

@@ -90,6 +90,27 @@ class RecorderTests(SynchronousTestCase):
         self.assertTrue(all(p.until is not None for p in list(self.recorder.problems)[:-1]))
 
 
+    def test_a_finding_that_says_when_it_began_starts_there(self):
+        """A link down since its peer was last heard: the entry starts then
+        (not at the sample); down again after answering between two
+        samples, it is a second entry, the first ending when the second
+        began; and the page's view notes the findings of the moment, so
+        the history never lags the banner by a sample."""
+        def down(since):
+            return Finding("link", None, None, f"replication not connected: since {since}", "",
+                           since=since)
+        self.clock.advance(10)
+        self.found = [down(7.0)]
+        self.clock.advance(5)
+        self.assertEqual(self.entries(), [(7.0, None, "replication not connected: since 7.0")])
+        self.clock.advance(1)
+        self.recorder.note([down(13.0)])  # answered at 13 and stopped again
+        self.assertEqual(self.entries(), [(7.0, 13.0, "replication not connected: since 7.0"),
+                                          (13.0, None, "replication not connected: since 13.0")])
+        self.recorder.note([])
+        self.assertEqual(self.entries()[-1][:2], (13.0, 16.0))
+
+
 class RowVerdictTests(SynchronousTestCase):
     def test_a_row_gives_the_findings_about_it_never_a_lag_verdict_under_them(self):
         # Lag 0 and a committed fact not received: the row says so (it
@@ -125,7 +146,8 @@ def sample_snapshot(peer="worker1", reason="ping_timeout"):
                       "text": "disconnected since 00:15:50 UTC (50s)"}},
         ]}],
         "connections": [{"peer": peer, "address": "127.0.0.1:5000", "role": "client",
-                         "queued_lines": 2, "queued_bytes": 80, "connected_since": 900.0}],
+                         "queued_lines": 2, "queued_bytes": 80, "connected_since": 900.0, "state": "connected",
+                         "state_since": 900.0, "state_text": "connected since 00:15:00 UTC"}],
         "disconnects": [{"at": 950.0, "peer": peer, "address": "127.0.0.1:4999",
                          "reason": reason}],
         "window": 900.0,
@@ -136,7 +158,7 @@ class RenderTests(SynchronousTestCase):
     def test_page_shows_every_part(self):
         page = status_page.render_html(sample_snapshot()).decode()
         for text in ("caches", "12 (8, 9, 10, 11, 12, 13, 14, 15, 16, 17, …)", "behind by 3",
-                     "127.0.0.1:5000", "ping_timeout", "1970-01-01 00:15:00 UTC",
+                     "127.0.0.1:5000", "ping_timeout", "connected since 00:15:00 UTC",
                      "lagging by 3 for 10s", "unhealthy: stream caches: writer w1 has 3",
                      "1970-01-01 00:16:30 UTC – ongoing", "1970-01-01 00:15:00 – 00:16:00 UTC",
                      "7 (held by w1: disconnected since 00:15:50 UTC (50s), for 50s)",

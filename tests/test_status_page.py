@@ -10,8 +10,10 @@ With CI=true a missing ``chromium`` is a failure, never a skip.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from html.parser import HTMLParser
@@ -233,3 +235,86 @@ class StatusPageBrowserTests(SynchronousTestCase):
             self.assertEqual(head[:8], b"\x89PNG\r\n\x1a\n")
             width = int.from_bytes(head[16:20], "big")
             self.assertEqual(width, int(size.split(",")[0]))
+
+
+class FrozenMasterTests(SynchronousTestCase):
+    def test_a_worker_says_what_its_link_to_a_frozen_master_is(self):
+        """The master stopped (SIGSTOP) past the worker's ping_timeout: its
+        kernel still accepts the worker's reconnects, which nobody answers.
+        The worker's page never shows one as connected, names its upstream
+        one way (its SERVER name) in connections and disconnects alike, and
+        lists the outage once, from when the master was last heard."""
+        dsn = PostgresServer.shared().create_database()
+        rep_port = free_port()
+        streams = [dict(CACHES, writers=["master"])]
+        master = base_config("master", free_port(), streams, database={"postgres": dsn},
+                             replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"})
+        worker = base_config(
+            "worker1", free_port(), streams, database={"postgres": dsn},
+            replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}",
+                         "ping_interval": 0.5, "ping_timeout": 2,
+                         "reconnect_initial_delay": 0.1, "reconnect_max_delay": 0.3},
+            health={"lag_grace": 1, "check_interval": 1})
+        create_stream_tables(dsn, parse_streams(streams))
+        master_d = Daemon(self, master, "master").start()
+        worker_d = Daemon(self, worker, "worker1").start()
+        base = worker_d.http_base
+
+        def status():
+            code, _, body = get(base + "/status.json")
+            self.assertEqual(code, 200)
+            return json.loads(body)
+
+        wait_for(lambda: len(status()["connections"]) == 1 and status()["healthy"], 60,
+                 "worker1 connected and healthy")
+        [before] = status()["connections"]
+        self.assertEqual(before["peer"], "hs.test")
+        stopped_at = time.time()
+        master_d.proc.send_signal(signal.SIGSTOP)
+        self.addCleanup(master_d.proc.send_signal, signal.SIGCONT)
+
+        seen = []
+
+        def unanswered_reconnect():
+            snap = status()
+            seen.append(snap)
+            timed_out = [d for d in snap["disconnects"] if d["reason"] == "ping_timeout"]
+            return timed_out and not snap["healthy"] and snap["connections"]
+
+        wait_for(unanswered_reconnect, 60, "a reconnect the frozen master does not answer")
+        snap = seen[-1]
+        self.assertEqual([c.get("state") for c in snap["connections"]], ["handshake"], snap)
+        for s in seen:
+            if any(d["reason"] == "ping_timeout" for d in s["disconnects"]):
+                # Past the ping timeout no link is connected.
+                self.assertNotIn("connected", [c["state"] for c in s["connections"]], s)
+            else:
+                self.assertTrue(all(c["state"] in ("connected", "stalled")
+                                    for c in s["connections"]), s)
+        stalled = [c for s in seen for c in s["connections"] if c["state"] == "stalled"]
+        for c in stalled:  # the first link, silent: since it last heard the master
+            self.assertLessEqual(c["state_since"], stopped_at)
+        [conn] = snap["connections"]
+        self.assertRegex(conn["state_text"],
+                         r"^handshake not answered since \d\d:\d\d:\d\d UTC \(\d+s\)$")
+        # One name for the upstream, from connect to disconnect.
+        names = {c["peer"] for s in seen for c in s["connections"]}
+        names |= {d["peer"] for d in snap["disconnects"]}
+        self.assertEqual(names, {"hs.test"})
+        # The outage is one problem, from when the master was last heard,
+        # said once ("not connected" not twice in one line).
+        ongoing = [p for p in snap["problems"] if p["until"] is None]
+        self.assertEqual(len(ongoing), 1, snap["problems"])
+        [problem] = ongoing
+        self.assertEqual(problem["reason"], snap["problem"])
+        self.assertRegex(problem["reason"],
+                         r"^replication not connected: upstream tcp:host=127\.0\.0\.1:port=\d+ "
+                         r"not answering since \d\d:\d\d:\d\d UTC \(\d+s\)$")
+        self.assertLessEqual(problem["at"], stopped_at)
+        self.assertGreaterEqual(problem["at"], before["connected_since"])
+        self.assertEqual(len([p for p in snap["problems"] if p["reason"].startswith(
+            "replication not connected: upstream tcp:host=127.0.0.1:port=%d not answering"
+            % rep_port)]), 1, snap["problems"])
+        # The page shows the same.
+        page = get(base + "/")[2].decode()
+        self.assertIn("handshake not answered since", page)

@@ -49,6 +49,9 @@ class Table:
     def fact_sizes(self, writer, since, until):
         return defer.succeed(self._in(since, until))
 
+    def fact_page(self, writer, since, until, limit):
+        return defer.succeed(updates_since(self.facts, since, until, limit))
+
 
 class Harness:
     def __init__(self, position=0, known=None, skip=()):
@@ -207,6 +210,30 @@ class AuditTests(SynchronousTestCase):
         self.assertEqual(len(h.mismatches), 1)
         self.assertEqual(list(h.mismatches[0].resized), [1])
 
+    def test_rows_replaced_by_others_of_the_same_count_are_a_difference(self):
+        """A forged RDATA with the real ID and row count (a publisher without
+        a key guessing an ID in flight): the sample compares contents."""
+        h = Harness()
+        self.make(h)
+        h.commit(1)
+        h.rdata(1)
+        h.reader.rdata(h.conn, 2, ["FAKE", ["@evil:2"], 1])  # before the real fact 2
+        h.commit(2)
+        h.rdata(2)  # the real one: at the position, dropped as seen
+        h.clock.pump([1, 1])
+        self.assertEqual(len(h.mismatches), 1)
+        self.assertEqual(list(h.mismatches[0].resized), [2])
+
+    def test_the_sample_is_bounded_and_drawn_from_the_whole_window(self):
+        from replicator.replication.core.audit import SAMPLE
+
+        log = DeliveredLog(0)
+        for t in range(1, 2001):
+            log.add(t, [["r", t]])
+        window = log.seal(2000)
+        self.assertEqual(len(window.sample), SAMPLE)
+        self.assertGreater(max(window.sample), 1000)  # not only the first ones
+
     def test_facts_at_or_below_the_trim_boundary_are_not_compared(self):
         h = Harness()
         self.make(h)
@@ -252,19 +279,82 @@ class AuditTests(SynchronousTestCase):
 
     def test_a_rewind_starts_a_new_window(self):
         log = DeliveredLog(0)
-        log.add(1, 1)
+        log.add(1, [["r"]])
         log.restart(0)
         self.assertIsNone(log.seal(0))
-        log.add(1, 1)
+        log.add(1, [["r"]])
         window = log.seal(1)
         self.assertEqual((window.lo, window.hi, list(window.ids)), (0, 1, [1]))
 
     def test_difference_names_each_kind(self):
         log = DeliveredLog(0)
         for t, n in ((1, 1), (2, 2), (4, 1)):
-            log.add(t, n)
+            log.add(t, [["r", i] for i in range(n)])
         found = difference(STREAM, WRITER, 0, 5, log.seal(5), [(1, 1), (2, 3), (3, 1)])
         self.assertEqual((list(found.missing), list(found.extra), list(found.resized)),
                          ([3], [4], [2]))
         self.assertEqual(found.first, 2)
 
+
+
+class MismatchReportTests(SynchronousTestCase):
+    def test_a_mismatch_is_logged_by_the_audit_once_and_fails_health(self):
+        from twisted.logger import globalLogPublisher
+
+        from replicator.replication.core.audit import Mismatch
+        from replicator.replication.core.gaps import TrimGaps
+
+        events = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        gaps = TrimGaps("/etc/replicator/w.yaml")
+        found = Mismatch(STREAM, WRITER, 10, 20, [13], [], [], (1, 0, 0), "audit")
+
+        class FileConsumer:
+            path = "/var/lib/replicator/facts.jsonl"
+        gaps.report_mismatch(found, [FileConsumer()])
+        gaps.report_mismatch(found, [FileConsumer()])
+        errors = [e for e in events if e.get("log_namespace") == "replicator.audit"]
+        self.assertEqual(len(errors), 1)
+        self.assertIn("`replicator rewind -c /etc/replicator/w.yaml "
+                      "/var/lib/replicator/facts.jsonl --stream s --to 12`", errors[0]["text"])
+        [finding] = gaps.findings()
+        self.assertEqual((finding.kind, finding.stream, finding.writer, finding.fails_health),
+                         ("audit", STREAM, WRITER, True))
+        self.assertTrue(gaps.stopped(STREAM))
+
+
+class KeptFindingTests(SynchronousTestCase):
+    """A finding outlives a restart (in the database) until the operator's
+    rewind puts every consumer below it."""
+
+    def test_a_restart_stops_the_stream_again_until_the_consumers_are_rewound(self):
+        from replicator.consumers import MemoryConsumer
+        from replicator.replication.core.audit import Mismatch
+        from tests.harness import Harness
+        from tests.test_handler import STREAMS
+
+        h = Harness(STREAMS, self.addCleanup)
+        key = ("caches", "worker1")
+        first = h.instance("master", [MemoryConsumer(positions={key: 50})])
+        first.handler._mismatch(Mismatch("caches", "worker1", 10, 50, [13], [], [], (1, 0, 0),
+                                         "audit"))
+        h.settle()
+        self.flushLoggedErrors()
+        # A restart (a new handler on the same database): the consumer is
+        # still at 50, past the fact: stopped again, said again.
+        again = h.instance("master", [MemoryConsumer(positions={key: 50})])
+        found = again.handler.gaps.mismatch("caches", "worker1")
+        self.assertIsNotNone(found)
+        self.assertEqual(list(found.missing), [13])
+        self.assertTrue(again.handler.gaps.stopped("caches"))
+        self.assertTrue(all(r.stopped for (s, _), r in again.handler._readers.items()
+                            if s == "caches"))
+        [finding] = [f for f in again.handler.gaps.findings() if f.kind == "audit"]
+        self.assertIn("before this instance restarted", finding.text)
+        # The operator rewound the consumer below 13: resolved, dropped.
+        rewound = h.instance("master", [MemoryConsumer(positions={key: 12})])
+        self.assertIsNone(rewound.handler.gaps.mismatch("caches", "worker1"))
+        self.assertFalse(rewound.handler.gaps.stopped("caches"))
+        after = h.instance("master", [MemoryConsumer(positions={key: 60})])
+        self.assertIsNone(after.handler.gaps.mismatch("caches", "worker1"))

@@ -195,7 +195,7 @@ class ReplicationConfig:
     # The delivery audit (docs/streams.md), and the seconds from a delivered
     # range's seal to its second, last check.
     audit: bool = True
-    audit_recheck: float = 60.0
+    audit_recheck: float = 300.0
     # Who may connect (README, "Security model"); None: anyone.
     allowed_peers: Optional[Tuple[str, ...]] = None
     allowed_networks: Optional[Tuple[str, ...]] = None

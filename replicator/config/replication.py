@@ -288,6 +288,6 @@ def parse_replication(value: Any, key: str = "replication") -> ReplicationConfig
         max_batch_rows=max_batch_rows,
         max_batch_bytes=max_batch_bytes,
         audit=get_bool(section, "audit", key, True),
-        audit_recheck=get_number(section, "audit_recheck", key, 60.0, minimum=1,
+        audit_recheck=get_number(section, "audit_recheck", key, 300.0, minimum=1,
                                  maximum=86_400),
     )

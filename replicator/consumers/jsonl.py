@@ -18,10 +18,16 @@ per (stream, writer); keys interleave)::
 A *fact line* has ``token`` and ``rows`` (a list of rows, each a list in the
 stream's column order; possibly empty).  A *position line* has ``position``
 and no ``rows``: the writer had nothing more up to that token.  It is written
-at most once per (stream, writer) per flush, only if the key advanced past
-its last fact, and once per key at the top of every new file (rotation).
+only when it says something new: at most once after each of the key's facts
+(the latest position the key reached before the next flush, once the key
+advanced past that fact; an idle writer whose position moves with every
+other writer's fact gets no line per move), and once per key at the top of
+every new file (rotation), with the position it had reached.
 A *rewind line* (``replicator rewind``) sets the key back to its token: the
-facts after it follow again.  A reader that only wants facts skips lines
+facts after it follow again.  A *skip line* (``replicator rewind --skip-to``)
+is a position line with a ``skip`` object (``from``, ``facts``,
+``trimmed_through``, ``at``): the facts after ``from`` up to it were
+skipped, ``facts`` of them still in the table then.  A reader that only wants facts skips lines
 without ``"rows"``.
 
 Lines are buffered and written in batches (one ``write`` + ``fsync`` per
@@ -40,7 +46,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import orjson
 from twisted.internet import defer
@@ -207,6 +213,9 @@ class JsonlConsumer(Consumer):
         self._buffer: List[bytes] = []
         self._buffered = 0  # bytes of the buffer and of _unwritten
         self._pending_positions: Dict[Key, int] = {}
+        #: Keys whose last line (written or buffered) is a fact: only these
+        #: get a position line (after it, once) until the next rotation.
+        self._after_fact: Set[Key] = set()
         self._unwritten = b""  # a failed batch: written before anything newer
         self._writing: Optional[defer.Deferred] = None  # the batch in the writer's hands
         self._again: List[defer.Deferred] = []  # flush() calls made meanwhile
@@ -392,13 +401,18 @@ class JsonlConsumer(Consumer):
         if result is not None:
             await result
 
-    def _append(self, key, lines, last) -> Optional[defer.Deferred]:
-        """Buffer ``lines`` of ``key`` (the last one's token: ``last``); a
-        Deferred to wait on when the buffer is full, else None."""
+    def _append(self, key, lines, last, facts: bool = True) -> Optional[defer.Deferred]:
+        """Buffer ``lines`` of ``key`` (the last one's token: ``last``; fact
+        lines unless ``facts`` is false); a Deferred to wait on when the
+        buffer is full, else None."""
         self._buffer.extend(lines)
         self._buffered += sum(map(len, lines))
         self._last[key] = last
         self._pending_positions.pop(key, None)
+        if facts:
+            self._after_fact.add(key)
+        else:
+            self._after_fact.discard(key)
         if self._buffered >= self.max_buffer:
             if self._writing is None and not self._failed:
                 self.flush()
@@ -418,12 +432,15 @@ class JsonlConsumer(Consumer):
         last = self._last.get(key)
         if last is None:  # the key's first line: where the file begins for it
             line = encode_json_line({"stream": stream, "writer": writer, "position": token})
-            return self._append(key, [line], token)
+            return self._append(key, [line], token, facts=False)
         if token <= last:
             return None
-        self._last[key] = token
-        self._pending_positions[key] = token
-        self._schedule(self.flush_interval)
+        self._last[key] = token  # in the state file with the next batch
+        if key in self._after_fact:
+            # One line after the key's last fact, of the latest position
+            # at the flush; none for the moves after it (nothing new).
+            self._pending_positions[key] = token
+            self._schedule(self.flush_interval)
         return None
 
     def close(self) -> defer.Deferred:
@@ -471,8 +488,13 @@ class JsonlConsumer(Consumer):
         """(The file's thread.)  Follow a rotation made outside, rotate if
         due, append ``data`` (after ``heading`` in a new file), then record
         ``target`` in the state file.  On an error the file is as before
-        (:func:`.append_at`) and the state not written: the batch is retried."""
+        (:func:`.append_at`) and the state not written: the batch is retried.
+        Without ``data`` only the state is written."""
         self._follow(handle)
+        if not data:
+            jsonl_files.write_state(self.path, jsonl_files.State(
+                target, handle.inode, handle.size, handle.started), self.fsync)
+            return
         if self._rotation_due(handle, now):
             self._rotate(handle, now)
         if handle.size == 0 and heading:
@@ -559,21 +581,27 @@ class JsonlConsumer(Consumer):
         consumer with nothing buffered (``replicator rewind``)."""
         return self._set_positions(positions, "rewind")
 
-    def skip(self, positions: Dict[Key, int]) -> defer.Deferred:
+    def skip(self, positions: Dict[Key, int],
+             notes: Optional[Dict[Key, dict]] = None) -> defer.Deferred:
         """Set the positions of the keys in ``positions`` (raise them: the
         facts up to them are never delivered, a retention gap accepted) as
-        one transaction: one position line per key, then the state file.
-        The position lines record the skip; one written without the state
-        file (a crash between) is a position all the same.  Only on a
-        consumer with nothing buffered (``replicator rewind --skip-to``)."""
-        return self._set_positions(positions, "position")
+        one transaction: one *skip line* per key (a position line with a
+        ``skip`` object: ``notes[key]``, what ``replicator verify`` reports),
+        then the state file.  The lines record the skip; one written without
+        the state file (a crash between) is a position all the same.  Only
+        on a consumer with nothing buffered (``replicator rewind --skip-to``)."""
+        return self._set_positions(positions, "position", notes or {})
 
-    def _set_positions(self, positions: Dict[Key, int], kind: str) -> defer.Deferred:
+    def _set_positions(self, positions: Dict[Key, int], kind: str,
+                       notes: Optional[Dict[Key, dict]] = None) -> defer.Deferred:
         assert not (self._buffer or self._pending_positions or self._unwritten)
         handle = self._file
         if handle is None or not positions:
             return defer.succeed(None)
-        data = b"".join(encode_json_line({"stream": s, "writer": w, kind: token})
+        notes = notes or {}
+        data = b"".join(encode_json_line({"stream": s, "writer": w, kind: token,
+                                          **({"skip": notes[(s, w)]} if (s, w) in notes
+                                             else {})})
                         for (s, w), token in sorted(positions.items()))
         target = {**self._durable, **positions}
         d = self._run_io(self._write_job, handle, data, self._heading(), target, False,
@@ -583,6 +611,7 @@ class JsonlConsumer(Consumer):
             self._log_notes(handle)
             self._durable = target
             self._last = dict(target)
+            self._after_fact.difference_update(positions)
         return d.addCallback(done)
 
     # -------------------------------------------------------------- flushing
@@ -622,12 +651,16 @@ class JsonlConsumer(Consumer):
     async def _write(self, retry: bool) -> bool:
         """Write one batch: everything buffered so far (one at a time)."""
         handle = self._file
-        if handle is None or not (self._unwritten or self._buffer or self._pending_positions):
+        if handle is None or not (self._unwritten or self._buffer or self._pending_positions
+                                  or self._last != self._durable):
             return True
+        # (Positions that moved without a line since, and nothing else: the
+        # state file alone takes them, on an explicit flush or close.)
         data = self.pending_bytes()
         target = dict(self._last)  # the positions once this batch is in the file
         truncate_first = self._failed
         self._buffer, self._buffered = [], 0
+        self._after_fact.difference_update(self._pending_positions)
         self._pending_positions, self._unwritten = {}, b""
         self._writing = writing = self._run_io(
             self._write_job, handle, data, self._heading(), target, truncate_first,
@@ -646,7 +679,8 @@ class JsonlConsumer(Consumer):
             self._outage.succeeded()
             self._failed = False
             self._durable = target
-            self.flushes += 1
+            if data:
+                self.flushes += 1
             ok = True
         finally:
             self._writing = None

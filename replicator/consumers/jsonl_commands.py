@@ -24,11 +24,20 @@ oldest fact left) is refused: the next start would stop at the gap again.
 ``--skip-to TOKEN`` goes the other way, for a retention gap
 (docs/operations.md, "Retention gaps"): the consumer's positions in the
 stream below ``TOKEN`` move up to it, so the facts up to it are never
-delivered (the loss accepted).  The same transaction as a rewind, with
-position lines: the file records where it skipped.  Refused (exit 2): a
+delivered (the loss accepted).  ``--skip-to boundary`` (what a gap's error
+names) is the stream's trim boundary, read in the same transaction that
+counts the facts skipped: however fast retention trims, the command works
+when pasted and skips only facts retention has already deleted (every fact
+at or below the boundary is gone; none above it is skipped).  The same
+transaction as a rewind, with one *skip line* per key (a position line
+that also says where from, when, how many facts of the table it skipped
+and the boundary then, for ``replicator verify``).  Refused (exit 2): a
 token not past any of the consumer's positions in the stream, below the
-stream's trim boundary (the next start would stop again), or beyond the
-stream.
+stream's trim boundary (the next start would stop again: the message names
+``--skip-to boundary``; a number below the boundary is not taken as "to
+the boundary", since the operator who chose it accepted a smaller loss
+than retention has made since), or beyond the stream.  ``boundary`` with
+nothing trimmed past the consumer's positions is nothing to do (exit 0).
 
 Exit codes: 0 done (or verify: equal), 1 verify: different, or a runtime
 failure (the daemon holds the output, the database unreachable), 2 a usage
@@ -48,6 +57,10 @@ from ..storage.database import Database
 from ..streams.trimmed import TrimCheck, boundary_key
 
 Key = Tuple[str, str]
+
+
+#: ``--skip-to boundary``: the stream's trim boundary when the skip is made.
+BOUNDARY = "boundary"
 
 
 class Usage(Exception):
@@ -99,7 +112,8 @@ def parse_point(text: str, flag: str = "--to") -> Tuple[Optional[int], Optional[
             raise Usage(f"rewind: {flag} {text}: a token is from 1 to 2^63-1")
         return token, None
     if flag != "--to":
-        raise Usage(f"rewind: {flag} {text!r} is not a token (an integer)")
+        raise Usage(f"rewind: {flag} {text!r} is not a token (an integer) nor "
+                    f"{BOUNDARY!r} (the stream's trim boundary)")
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
@@ -180,13 +194,29 @@ def _points(txn, db, streams: List[StreamConfig], text: str, token: Optional[int
     return points
 
 
-def _skip_bounds(txn, db, stream: StreamConfig, token: int) -> int:
-    """The stream's trim boundary; refuse a token beyond the stream."""
-    last = _last_token(txn, stream, db)
-    if token > last:
-        raise Usage(f"rewind: --skip-to {token} is beyond stream {stream.name} (its last "
-                    f"token is {last})")
-    return _boundary(txn, stream, db)
+def _skip_plan(txn, db, stream: StreamConfig, token: Optional[int],
+               current: Dict[Key, int]) -> Tuple[int, int, Dict[Key, int]]:
+    """One transaction: ``(target, boundary, facts of the table skipped per
+    key)`` for the consumer's positions ``current`` in ``stream``; ``token``
+    None is ``--skip-to boundary`` (the target is the boundary read here).
+    Refuses a token beyond the stream or below the boundary."""
+    boundary = _boundary(txn, stream, db)
+    if token is None:
+        target = boundary
+    else:
+        last = _last_token(txn, stream, db)
+        if token > last:
+            raise Usage(f"rewind: --skip-to {token} is beyond stream {stream.name} (its last "
+                        f"token is {last})")
+        target = token
+    raised = {k: p for k, p in current.items() if p < target}
+    if token is not None and raised and token < boundary:
+        raise Usage(f"rewind: --skip-to {token} is below stream {stream.name}'s trim "
+                    f"boundary {boundary}: the next start would stop at the gap again; skip "
+                    f"to {boundary} or above, or give --skip-to {BOUNDARY} (the boundary "
+                    f"when the skip is made, however far retention has trimmed by then)")
+    counts = {key: _in_table(txn, db, stream, key[1], p, target) for key, p in raised.items()}
+    return target, boundary, counts
 
 
 def _in_table(txn, db, stream: StreamConfig, writer: str, after: int, upto: int) -> int:
@@ -206,14 +236,15 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
     flag, text = ("--skip-to", args.skip_to) if skip else ("--to", args.to)
     try:
         where, path, streams = find_jsonl(config, args.consumer)
-        token, ms = parse_point(text, flag)
+        token, ms = (None, None) if skip and text == BOUNDARY else parse_point(text, flag)
         if args.stream is not None:
             if args.stream not in streams:
                 raise Usage(f"rewind: {where} does not read stream {args.stream!r} (it reads "
                             f"{', '.join(streams)})")
             streams = (args.stream,)
-        if token is not None and len(streams) > 1:
-            raise Usage(f"rewind: {flag} TOKEN needs --stream (tokens are per stream; {where} "
+        if (token is not None or skip) and len(streams) > 1:
+            what = "TOKEN" if token is not None else text
+            raise Usage(f"rewind: {flag} {what} needs --stream (tokens are per stream; {where} "
                         f"reads {', '.join(streams)})")
         by_name = {s.name: s for s in config.streams}
         chosen = [by_name[name] for name in streams]
@@ -236,45 +267,43 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
             _fail(f"rewind: {e}", 1)
 
     async def skip_main(reactor):
-        assert token is not None
         stream = chosen[0]
         db = Database(config.database)
         try:
-            try:
-                boundary = await db.runInteraction(_skip_bounds, db, stream, token)
-            except Usage as e:
-                _fail(str(e), 2)
-            except Exception as e:
-                _fail(f"rewind: cannot read the stream's table: {e}", 1)
             consumer = open_output(reactor)
             try:
                 current = {k: p for k, p in consumer.positions().items() if k[0] == stream.name}
-                raised = {k: token for k, p in current.items() if p < token}
-                if not raised:
+                try:
+                    target, boundary, counts = await db.runInteraction(
+                        _skip_plan, db, stream, token, current)
+                except Usage as e:
+                    _fail(str(e), 2)
+                except Exception as e:
+                    _fail(f"rewind: cannot read the stream's table: {e}", 1)
+                if not counts:
                     at = f" ({max(current.values())})" if current else " (it has none)"
+                    if token is None:
+                        print(f"rewind: nothing to skip: {where}'s position in stream "
+                              f"{stream.name}{at} is not below its trim boundary "
+                              f"{boundary}", flush=True)
+                        return
                     _fail(f"rewind: --skip-to {token} is not past {where}'s position in stream "
                           f"{stream.name}{at}: nothing would be skipped (--to delivers facts "
                           f"again)", 2)
-                if token < boundary:
-                    _fail(f"rewind: --skip-to {token} is below stream {stream.name}'s trim "
-                          f"boundary {boundary}: the next start would stop at the gap again; "
-                          f"skip to {boundary} or above", 2)
-                counts = {}
-                for key in raised:
-                    counts[key] = await db.runInteraction(_in_table, db, stream, key[1],
-                                                          current[key], token)
-                await consumer.skip(raised)
+                at = _iso(int(reactor.seconds() * 1000))
+                notes = {key: {"from": current[key], "facts": n, "trimmed_through": boundary,
+                               "at": at} for key, n in counts.items()}
+                await consumer.skip({key: target for key in counts}, notes)
             finally:
                 await consumer.close()
         finally:
             db.close()
-        for (name, writer), position in sorted(raised.items()):
+        for (name, writer), n in sorted(counts.items()):
             before = current[(name, writer)]
             trimmed = (f"; facts up to {boundary} were trimmed by retention"
                        if boundary > before else "")
-            print(f"rewind: {name}/{writer}: position {before} -> {position}: skipped facts "
-                  f"{before + 1} to {position} ({counts[(name, writer)]} of them in the "
-                  f"table{trimmed})", flush=True)
+            print(f"rewind: {name}/{writer}: position {before} -> {target}: skipped facts "
+                  f"{before + 1} to {target} ({n} of them in the table{trimmed})", flush=True)
 
     async def main(reactor):
         db = Database(config.database)

@@ -35,7 +35,13 @@ reader that applies the rewind lines reads it: a line of a fact (or a
 position) above the lowest rewind point of its key still to come is
 superseded, counted as "handed on again after rewinds" and not compared
 (a position is taken as that point); the copy after the last rewind that
-covers a fact is the one compared.
+covers a fact is the one compared.  A skip line (``replicator rewind
+--skip-to``, a position line with ``skip``) moves the key past facts on
+purpose: the table's facts it passes are *skipped*, not missing, and the
+summary says how many facts each skip skipped (as the line records them:
+those still in the table when it was made), when, and up to where
+retention had trimmed (a skip line a rewind to come supersedes is a plain
+position at that rewind's point).
 
 A fact with no rows has no row in the table: one in the file is fine, and
 one missing from it cannot be seen.
@@ -85,6 +91,9 @@ class KeyCheck:
     #: The rewind points still to come in the file, each the lowest from
     #: there on (the first: the lowest of all to come).
     covers: List[int] = field(default_factory=list)
+    #: The skip lines: (from, to, facts skipped then, trim boundary then, when).
+    skips: List[Tuple[int, int, int, int, str]] = field(default_factory=list)
+    passed: int = 0  # facts of the table a skip line passed (not missing)
     _table: Optional[Iterator] = None
     _next: Optional[Tuple[int, list]] = None
 
@@ -193,7 +202,7 @@ class Verifier:
         rewinds = _rewinds(held)
         problems: List[FileProblem] = []
         keys: Dict[Key, KeyCheck] = {}
-        lines = {"facts": 0, "positions": 0, "rewinds": 0}
+        lines = {"facts": 0, "positions": 0, "rewinds": 0, "skips": 0}
         for path, offset, line in _lines(held, problems):
             try:
                 key, token, obj = parse_line(line)
@@ -221,7 +230,14 @@ class Verifier:
                 self._restart(txn, check, token)
             else:
                 lines["positions"] += 1
-                self._position(txn, check, token if cover is None else min(token, cover))
+                skip = skip_of(obj, token)
+                if skip is not None:
+                    lines["skips"] += 1
+                if cover is not None and token > cover:
+                    token, skip = cover, None  # (what a rewind to come hands on again)
+                if skip is not None:
+                    check.skips.append(skip)
+                self._position(txn, check, token, skip is not None)
         for check in keys.values():
             while check._next is not None:
                 check.behind += 1
@@ -300,19 +316,23 @@ class Verifier:
         return None
 
     # -------------------------------------------------------------- lines
-    def _position(self, txn, check: KeyCheck, token: int) -> None:
+    def _position(self, txn, check: KeyCheck, token: int, skip: bool = False) -> None:
         if check.begin is None:
             self._restart(txn, check, token)
             return
         if token <= check.last:
             return  # a new file's heading, or a repeat: nothing new
-        self._skip_to(txn, check, token + 1)
+        self._skip_to(txn, check, token + 1, skip)
         check.last = token
 
-    def _skip_to(self, txn, check: KeyCheck, token: int) -> None:
-        """Facts of the table below ``token`` not seen by now are missing."""
+    def _skip_to(self, txn, check: KeyCheck, token: int, skip: bool = False) -> None:
+        """Facts of the table below ``token`` not seen by now are missing
+        (or, past a skip line, skipped on purpose)."""
         while check._next is not None and check._next[0] < token:
-            check.missing.add(check._next[0])
+            if skip:
+                check.passed += 1
+            else:
+                check.missing.add(check._next[0])
             self._advance(txn, check)
 
     def _fact(self, txn, check: KeyCheck, token: int, rows: list) -> None:
@@ -371,13 +391,39 @@ class Verifier:
                                          f"{len(table_rows)} in the table)")
 
 
+def _integer(value: object) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def skip_of(obj: dict, token: int) -> Optional[Tuple[int, int, int, int, str]]:
+    """``(from, to, facts, trimmed_through, at)`` of a skip line (a position
+    line with a well-formed ``skip``), else None (a plain position)."""
+    skip = obj.get("skip")
+    if not isinstance(skip, dict):
+        return None
+    start, facts, boundary = (_integer(skip.get(k)) for k in ("from", "facts", "trimmed_through"))
+    if start is None or facts is None or boundary is None:
+        return None
+    at = skip.get("at")
+    return start, token, facts, boundary, at if isinstance(at, str) else "?"
+
+
+def skipped_text(skips: List[Tuple[int, int, int, int, str]]) -> str:
+    """What the skips of a file skipped, for verify's last line."""
+    facts = sum(n for _, _, n, _, _ in skips)
+    return (f"{facts} fact{'' if facts == 1 else 's'} skipped by rewind --skip-to at "
+            f"{', '.join(at for *_, at in skips)}")
+
+
 def summary(result: Result, out) -> bool:
     """Print the readable summary with ``out``; True when equal."""
     rotated = len(result.files) - 1 if result.files else 0
+    skip_lines = result.lines.get("skips", 0)
     out(f"verify: {result.files[-1] if result.files else '(no file)'}"
         f"{f' and {rotated} rotated files' if rotated > 0 else ''}: "
         f"{result.lines['facts']} fact lines, {result.lines['positions']} position lines, "
-        f"{result.lines['rewinds']} rewind lines")
+        f"{result.lines['rewinds']} rewind lines"
+        f"{f', {skip_lines} skip lines' if skip_lines else ''}")
     for (stream, writer), check in sorted(result.keys.items()):
         counts = dict(check.counts)
         counts["missing"] += len(check.missing)
@@ -389,6 +435,9 @@ def summary(result: Result, out) -> bool:
             f"{f'; {check.trimmed} trimmed from the table (not compared)' if check.trimmed else ''}"
             f"{f'; {check.superseded} handed on again after rewinds' if check.superseded else ''}"
             f"{f'; {check.behind} not yet delivered' if check.behind else ''}")
+        for start, to, n, boundary, at in check.skips:
+            out(f"    skipped by rewind --skip-to at {at}: facts {start + 1} to {to}, {n} of "
+                f"them in the table then (facts up to {boundary} were trimmed by retention)")
         if check.missing:
             listed = sorted(check.missing)
             extra = f" (+{len(listed) - EXAMPLES} more)" if len(listed) > EXAMPLES else ""
@@ -415,6 +464,9 @@ def summary(result: Result, out) -> bool:
     superseded = sum(c.superseded for c in result.keys.values())
     if superseded:
         notes.append(f"{superseded} facts handed on again after rewinds")
+    skips = [skip for c in result.keys.values() for skip in c.skips]
+    if skips:
+        notes.append(skipped_text(skips))
     noted = f" ({'; '.join(notes)})" if notes else ""
     out(f"verify: EQUAL: {facts} facts, each exactly once, in order, whole{noted}")
     return True

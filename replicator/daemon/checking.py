@@ -11,8 +11,11 @@ makes, or one it refuses: too new, or older with ``auto_migrate: false``),
 and its tables as the streams declare them (a table this instance would
 create may be missing; one that exists must have every configured column,
 with a type that holds it (:mod:`.storage.column_types`); a read-only
-stream's table and sequence must exist).  Not checked: whether
-the listen ports are free (the running daemon holds them).
+stream's table that exists must have its sequence).  A read-only stream's
+table that is missing (``create``, not a preset) is its writer's to create
+at its first start: the summary says so, and that this instance starts
+after it (a start before refuses the stream), without failing.  Not
+checked: whether the listen ports are free (the running daemon holds them).
 
 A SQLite database file that does not exist yet is not created: start will.
 
@@ -51,12 +54,28 @@ async def check_instance(config: InstanceConfig) -> str:
                                       db_config.auto_migrate)
         except migrations.SchemaProblem as e:
             raise StartupError(key, str(e), code=e.code) from None
+        awaiting: List[str] = []
         await db.runInteraction(schema.ensure_schema, list(config.streams), db.is_postgres,
-                                keys, written, True)
+                                keys, written, True, awaiting_writer=awaiting)
     finally:
         db.close()
     return (f"config ok: instance {config.instance_name}, {len(config.streams)} streams; "
-            f"database reachable, tables as declared; {state}{redis_trust(config)}")
+            f"database reachable, tables as declared; {state}"
+            f"{awaiting_writers(config, awaiting)}{redis_trust(config)}")
+
+
+def awaiting_writers(config: InstanceConfig, names: List[str]) -> str:
+    """What the summary says of the read-only streams whose tables do not
+    exist yet ("" when there are none): their writers create them."""
+    if not names:
+        return ""
+    parts = []
+    for name in names:
+        stream = next(s for s in config.streams if s.name == name)
+        who = (f"its writer ({stream.writers[0]})" if len(stream.writers) == 1 else
+               f"the first of its writers ({', '.join(stream.writers)})")
+        parts.append(f"{stream.table} (stream {name}) is created by {who} at its first start")
+    return "; " + "; ".join(parts) + "; start this instance after it"
 
 
 def redis_trust(config: InstanceConfig) -> str:

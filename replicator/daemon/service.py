@@ -29,7 +29,7 @@ from ..observe import metrics
 from ..observe.health import HealthMonitor
 from ..observe.instance_metrics import InstanceMetrics
 from ..observe.roles import has_replication_link, role
-from ..observe.writers import writer_watch
+from ..observe.writers import clock_time, duration, writer_watch
 from ..replication.core.handler import ReplicationHandler
 from ..replication.transport.peers import local_names, policy_from_config
 from ..replication.transport.tcp import (
@@ -184,11 +184,30 @@ class Instance:
             # Connected means the upstream answered the handshake on a link
             # still up (a silent one is timed out after ping_timeout); an
             # accepted socket alone says nothing.
-            if self.upstream is None or not self.upstream.connected:
-                return False, f"not connected to upstream {rep.upstream}"
+            if self.upstream is None:
+                return False, f"upstream {rep.upstream} not started"
+            if not self.upstream.connected:
+                return False, self._upstream_down(rep.upstream)
         if rep.redis and self.redis is not None and not self.redis.connected:
             return False, f"not connected to redis {self.redis.where}"
         return True, "connected"
+
+    def _upstream_down(self, endpoint: str) -> str:
+        """What the upstream is while it does not answer, and since when."""
+        assert self.upstream is not None
+        since = self.upstream.down_since()
+        if since is None:  # it answered since the caller looked
+            return f"upstream {endpoint} connecting"
+        for_ = duration(self.reactor.seconds() - since)
+        if not self.upstream.ever_answered:
+            return f"upstream {endpoint} has not answered since the start at " \
+                   f"{clock_time(since)} ({for_})"
+        return f"upstream {endpoint} not answering since {clock_time(since)} ({for_})"
+
+    def _link_since(self) -> Optional[float]:
+        """Since when the upstream has not answered (None: it answers, or
+        this instance has none): when its link problem began."""
+        return self.upstream.down_since() if self.upstream is not None else None
 
     def _synapse_seen(self) -> Optional[str]:
         """A Synapse on our Redis channel without the ``synapse:`` section
@@ -207,6 +226,7 @@ class Instance:
         except migrations.SchemaProblem as e:
             raise StartupError(f"database.{self.db.engine}", str(e), code=e.code) from None
         await self.registry.start()
+        await self.handler.load_findings()  # (the audit's, from before a restart)
         self.handler.start()
         rep = config.replication
         self._warn_fd_budget()
@@ -257,6 +277,7 @@ class Instance:
             registry=self.registry, handler=self.handler, db=self.db, clock=self.reactor,
             lag_grace=config.health.lag_grace, check_interval=config.health.check_interval,
             expect_upstream=self.is_worker, conditions=[self._synapse_seen],
+            link_since=self._link_since,
             writers=self.writers, gaps=self.handler.gaps)
         self.health.setServiceParent(self.services)
         self.handler.auditor.setServiceParent(self.services)

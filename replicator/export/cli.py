@@ -9,7 +9,9 @@ POSIX rename).
 
 Progress goes to stderr, the summary table to stdout.  Exit status: 0 done
 (also when there was nothing new), 1 the export failed (the previous export
-stays current), 2 a configuration or usage mistake, 130 interrupted.
+stays current; also a run refused because retention trimmed facts it needs,
+one line naming the range and ``--accept-trimmed``), 2 a configuration or
+usage mistake, 130 interrupted.
 """
 
 import argparse
@@ -89,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export only up to (excluding) the first fact timed at or after TIME")
     p.add_argument("--full", action="store_true",
                    help="forget the selected streams' previous export and rebuild it")
+    p.add_argument("--accept-trimmed", action="store_true",
+                   help="where retention trimmed facts this run needs before it read them, "
+                        "export what the table keeps and record the range in state.json and "
+                        "the summary (without it such a run is refused, exit 1)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="also draw facts per minute per stream to this PNG file")
     p.add_argument("--plot-hours", type=float, default=24.0,
@@ -161,7 +167,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shuffle_partitions=args.shuffle_partitions, streams=names, since_ms=args.since,
         until_ms=args.until, full=args.full, jdbc_jar=args.jdbc_jar, plot=args.plot,
         plot_hours=args.plot_hours, progress_interval=0 if args.quiet else 2.0,
-        spark_conf=spark_conf, keep_previous=args.keep,
+        spark_conf=spark_conf, keep_previous=args.keep, accept_trimmed=args.accept_trimmed,
     )
     try:
         result = run_export(db, streams, options)

@@ -16,11 +16,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..config import DatabaseConfig, StreamConfig
 from .options import ExportOptions
-from .plan import StreamPlan, layout_of, next_state, observed_ranges, plan_stream
+from .plan import StreamPlan, check_read, layout_of, next_state, observed_ranges, plan_stream
 from .source import MIN_TOKEN, JdbcTarget, Metadata, SourceError, jdbc_target, read_facts
 from .spark import Progress, RunSession
 from .state import ExportState, OutputStore, StateError
@@ -42,6 +42,7 @@ class StreamReport:
     rollbacks: int = 0
     dates: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    trimmed: Optional[Tuple[int, int]] = None  # (lo, hi] accepted as trimmed by retention
 
 
 @dataclass
@@ -110,21 +111,30 @@ def _run_locked(db, selected, store: OutputStore, options: ExportOptions, sessio
                 f"({old.layout} -> {layout_of(stream)}); rerun with --full")
     meta = Metadata(db)
     try:
-        plans = []
-        for stream in selected:
-            old = None if options.full else state.streams.get(stream.name)
-            plan = plan_stream(meta, stream, old, options, run_ms)
-            plans.append(plan)
-            writers = ", ".join(f"{w}={plan.positions.get(w, 0)}" for w in stream.writers)
-            if plan.advances:
-                log.info("[%s] linear position %d (%s); exporting (%s, %d]%s", stream.name,
-                         plan.position, writers, _tok(plan.lower), plan.upper,
-                         f": {plan.note}" if plan.note else "")
-            else:
-                log.info("[%s] linear position %d (%s): %s", stream.name, plan.position,
-                         writers, plan.note or "nothing new")
+        return _plan_and_export(db, selected, store, options, sessions, started, state, run_ms,
+                                meta)
     finally:
         meta.close()
+
+
+def _plan_and_export(db, selected, store: OutputStore, options: ExportOptions,
+                     sessions: RunSession, started: float, state: ExportState, run_ms: int,
+                     meta: Metadata) -> ExportResult:
+    plans = []
+    for stream in selected:
+        old = None if options.full else state.streams.get(stream.name)
+        plan = plan_stream(meta, stream, old, options, run_ms)
+        plans.append(plan)
+        writers = ", ".join(f"{w}={plan.positions.get(w, 0)}" for w in stream.writers)
+        trimmed = (f"; facts {_range(plan.trimmed)} were trimmed by retention (accepted)"
+                   if plan.trimmed else "")
+        if plan.advances:
+            log.info("[%s] linear position %d (%s); exporting (%s, %d]%s%s", stream.name,
+                     plan.position, writers, _tok(plan.lower), plan.upper,
+                     f": {plan.note}" if plan.note else "", trimmed)
+        else:
+            log.info("[%s] linear position %d (%s): %s", stream.name, plan.position,
+                     writers, plan.note or "nothing new")
 
     if not options.full and not any(p.advances for p in plans):
         reports = [StreamReport(p.stream.name, p.position, p.lower, p.upper, p.note or
@@ -146,7 +156,8 @@ def _run_locked(db, selected, store: OutputStore, options: ExportOptions, sessio
         for plan in plans:
             if progress is not None:
                 progress.stream = plan.stream.name
-            reports.append(_export_stream(spark, target, plan, staging, new_state, options))
+            reports.append(_export_stream(spark, target, plan, staging, new_state, options,
+                                          meta))
         generation = store.commit(staging, new_state)
     except BaseException:
         store.abort(staging)
@@ -162,14 +173,18 @@ def _tok(token: int) -> str:
     return "start" if token == MIN_TOKEN else str(token)
 
 
+def _range(span: Tuple[int, int]) -> str:
+    return f"({_tok(span[0])}, {span[1]}]"
+
+
 def _export_stream(spark, target: JdbcTarget, plan: StreamPlan, staging, new_state,
-                   options: ExportOptions) -> StreamReport:
+                   options: ExportOptions, meta: Metadata) -> StreamReport:
     from .aggregate import AggregateInput, aggregate_stream, write_partitions
 
     t0 = time.monotonic()
     name = plan.stream.name
     report = StreamReport(name, plan.position, plan.lower, plan.upper,
-                          plan.note or "nothing new")
+                          plan.note or "nothing new", trimmed=plan.trimmed)
     if not plan.has_facts:
         if plan.state is not None:
             staging.carry_stream(name)
@@ -195,6 +210,7 @@ def _export_stream(spark, target: JdbcTarget, plan: StreamPlan, staging, new_sta
         write_partitions(agg.hour, staging.stream_dir("hour", name))
     finally:
         agg.unpersist()
+    check_read(meta, plan)  # every read of the stream is done
     if plan.state is not None:
         staging.carry_stream(name, keep_date=lambda d: d < plan.from_date)
     new_state.streams[name] = next_state(plan, agg)
@@ -216,8 +232,10 @@ def format_summary(result: ExportResult) -> str:
             r.lower is not None and r.upper > r.lower else "-"
         dates = ("-" if not r.dates else r.dates[0] if len(r.dates) == 1
                  else f"{r.dates[0]}..{r.dates[-1]} ({len(r.dates)})")
+        status = (f"{r.status}; {_range(r.trimmed)} trimmed by retention (accepted)"
+                  if r.trimmed else r.status)
         lines.append((r.stream, str(r.position), exported, str(r.facts), str(r.rows),
-                      str(r.rollbacks), dates, f"{r.seconds:.1f}", r.status))
+                      str(r.rollbacks), dates, f"{r.seconds:.1f}", status))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     out = []
     for i, row in enumerate(lines):

@@ -24,3 +24,6 @@ class ExportOptions:
     spark_conf: Dict[str, str] = field(default_factory=dict)  # --conf KEY=VALUE
     now_ms: Optional[int] = None  # the run's time (tests); default: the clock
     keep_previous: int = 1  # generations kept below the current one (--keep)
+    #: --accept-trimmed: export what the table keeps over a range retention
+    #: trimmed before the export read it, recording the range (else refused).
+    accept_trimmed: bool = False

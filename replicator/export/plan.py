@@ -12,6 +12,16 @@ For every selected stream, on the driver with one-row queries only:
    earliest date among the new facts on (a late fact can land on a date
    already exported); they are read from the first fact of the earliest such
    date, known from the state, so every bucket written is complete.
+3. **Trimmed facts** (retention, docs/streams.md): the stream's trim
+   boundary ``B``.  A first export begins after it (what retention deleted
+   before any export is not the export's).  Otherwise a run that needs a
+   fact at or below ``B`` -- a new fact (``B`` above the previous token) or
+   one of a date it re-aggregates -- has a gap: refused
+   (:class:`.source.TrimmedError`, nothing committed) unless
+   ``--accept-trimmed``, which reads from the first fact above ``B`` and
+   records the range in the state (``trimmed``) and the summary.  The run
+   reads ``B`` again once the stream is read (:func:`check_read`): a trim
+   into the range it read, while it read, is refused either way (run again).
 
 :func:`next_state` is the stream's state after the run commits.
 """
@@ -23,7 +33,7 @@ from ..config import StreamConfig
 from .aggregate import chunking
 from .options import ExportOptions
 from .reference import utc_date
-from .source import MIN_TOKEN, Metadata, RangeBounds, linear_position
+from .source import MIN_TOKEN, Metadata, RangeBounds, TrimmedError, linear_position
 from .state import StreamState, now_iso
 
 
@@ -45,6 +55,8 @@ class StreamPlan:
     chunk_len: int = 1
     chunk_prev: Dict[int, Optional[int]] = field(default_factory=dict)
     note: str = ""
+    boundary: int = 0  # the trim boundary when planned
+    trimmed: Optional[Tuple[int, int]] = None  # (lo, hi] accepted as trimmed
 
     @property
     def advances(self) -> bool:
@@ -70,11 +82,13 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
     """
     positions = meta.positions(stream.positions_key)
     position = linear_position(positions, stream.writers)
+    boundary = meta.trimmed_through(stream)
     if state is not None and state.observed:
         run_ms = max(run_ms, max(ms for _lo, _hi, ms in state.observed))
-    lower = state.token if state is not None else MIN_TOKEN
+    # A first export begins after what retention trimmed before it.
+    lower = state.token if state is not None else (boundary if boundary else MIN_TOKEN)
     plan = StreamPlan(stream, positions, position, state, lower, max(lower, position),
-                      run_ms=run_ms)
+                      run_ms=run_ms, boundary=boundary)
     missing = [w for w in stream.writers if w not in positions]
     if missing:
         plan.upper = lower
@@ -105,6 +119,8 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
         plan.upper = lower
         plan.note = "nothing new" if until is None else "nothing before --until"
         return plan
+    if boundary and boundary > lower:  # new facts trimmed before this run read them
+        _gap(plan, options, lower, min(boundary, plan.upper), "before this export read them")
     plan.bounds = meta.bounds(stream, lower, plan.upper)
     if not plan.has_facts:
         plan.note = "no facts (rollbacks only)"
@@ -121,12 +137,48 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
         for date, (first, prev) in state.dates.items():
             if date >= plan.from_date and first < plan.floor:
                 plan.floor, plan.prev = first, prev
+    if boundary and plan.floor <= boundary:  # a date re-aggregated from a trimmed fact
+        _gap(plan, options, min(lower, plan.floor - 1), boundary,
+             f"while the re-aggregation of {plan.from_date} (and later dates) still needs them")
+        kept = meta.bounds(stream, boundary, plan.upper).min_id
+        assert kept is not None  # the new facts are above the boundary
+        plan.floor, plan.prev = kept, None
     # The read partitions are ID chunks; the lags run within each, and each
     # chunk starts from the largest ID below it (an index probe each).
     plan.chunk_len, starts = chunking(plan.floor, plan.bounds.max_id, options.partitions)
     for k, start in enumerate(starts, 1):
         plan.chunk_prev[k] = meta.max_id_below(stream, plan.floor, start)
     return plan
+
+
+def _gap(plan: StreamPlan, options: ExportOptions, lo: int, hi: int, why: str) -> None:
+    """Facts ``(lo, hi]`` this run needs were trimmed: refuse, or record
+    them with ``--accept-trimmed``."""
+    name = plan.stream.name
+    shown = "start" if lo == MIN_TOKEN else str(lo)
+    if not options.accept_trimmed:
+        raise TrimmedError(
+            f"stream {name}: facts ({shown}, {hi}] were trimmed by retention {why} (its trim "
+            f"boundary is {plan.boundary}); nothing was committed: to export what the table "
+            f"keeps and record ({shown}, {hi}] as trimmed in state.json, run again with "
+            f"--accept-trimmed")
+    if plan.trimmed is not None:
+        lo, hi = min(lo, plan.trimmed[0]), max(hi, plan.trimmed[1])
+    plan.trimmed = (lo, hi)
+
+
+def check_read(meta: Metadata, plan: StreamPlan) -> None:
+    """After the stream's facts were read: refuse if retention trimmed into
+    the range read while it was read (the read may have missed facts)."""
+    boundary = meta.trimmed_through(plan.stream)
+    if plan.floor is None or boundary <= plan.boundary or boundary < plan.floor:
+        return
+    raise TrimmedError(
+        f"stream {plan.stream.name}: retention trimmed facts up to {boundary} while this "
+        f"export read [{plan.floor}, {plan.upper}] (the trim boundary was {plan.boundary} "
+        f"when it began); nothing was committed: run again (a run starts from the boundary "
+        f"as it is then, with --accept-trimmed past a gap; retention that trims faster than "
+        f"an export reads cannot be exported whole)")
 
 
 def observed_ranges(plan: StreamPlan) -> List[Tuple[int, int, int]]:
@@ -150,6 +202,14 @@ def next_state(plan: StreamPlan, agg) -> StreamState:
         st.observed = [list(r) for r in old.observed]
         st.facts, st.rows, st.rollbacks = old.facts, old.rows, old.rollbacks
     st.updated_at = now_iso()
+    if old is not None:
+        st.trimmed = [list(r) for r in old.trimmed]
+    if plan.trimmed is not None:
+        lo, hi = plan.trimmed
+        if st.trimmed and lo <= st.trimmed[-1][1]:  # one range, run after run
+            st.trimmed[-1] = [min(lo, st.trimmed[-1][0]), max(hi, st.trimmed[-1][1])]
+        else:
+            st.trimmed.append([lo, hi])
     if agg is None:
         return st
     st.last_fact = plan.bounds.max_id

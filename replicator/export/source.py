@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from urllib.parse import quote
 
 from ..config import DatabaseConfig, StreamConfig
+from ..streams.trimmed import boundary_key
 
 #: Smaller than every stream ID: the exclusive lower bound of a first export.
 MIN_TOKEN = -(2 ** 63)
@@ -47,6 +48,12 @@ DRIVERS = {"postgres": "org.postgresql.Driver", "sqlite": "org.sqlite.JDBC"}
 
 class SourceError(RuntimeError):
     """The source cannot be read as configured (driver, DSN, tables): one line."""
+
+
+class TrimmedError(SourceError):
+    """Facts a run needs were trimmed by retention before it read them (a
+    gap): the run commits nothing, one line naming the range and what
+    accepts it."""
 
 
 # ------------------------------------------------------------------ drivers
@@ -211,6 +218,24 @@ class Metadata:
             (stream_name,),
         )
         return {name: int(pos) for name, pos in rows}
+
+    def trimmed_through(self, stream: StreamConfig) -> int:
+        """The trim boundary of the stream's table (docs/streams.md, "The
+        trim boundary"): every fact at or below it was deleted by retention;
+        0 when nothing was (no ``stream_retention`` table or row, or
+        Synapse's table)."""
+        if stream.preset is not None:
+            return 0
+        if self.engine == "sqlite":
+            exists = self._one("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND "
+                               "name = 'stream_retention'")[0]
+        else:
+            exists = self._one("SELECT to_regclass('stream_retention') IS NOT NULL")[0]
+        if not exists:
+            return 0
+        row = self._one("SELECT trimmed_through FROM stream_retention WHERE table_name = %s",
+                        (boundary_key(stream),))
+        return int(row[0]) if row is not None else 0
 
     def bounds(self, stream: StreamConfig, lower: int, upper: int) -> RangeBounds:
         """ID and timestamp bounds of the rows with ``lower < id <= upper``."""

@@ -71,6 +71,11 @@ class StreamState:
     * ``layout``: the table layout the export was made from; a change needs
       ``--full``.
     * ``facts``/``rows``/``rollbacks``: totals exported so far.
+    * ``trimmed``: ``[lo, hi]`` per range ``(lo, hi]`` retention trimmed
+      before the export read it, accepted with ``--accept-trimmed``: the
+      facts there that are not in the export (or no longer in the buckets
+      of a date rebuilt since) are unknown, and the rollbacks just above
+      such a range are not counted.
     """
 
     token: int
@@ -82,6 +87,7 @@ class StreamState:
     rows: int = 0
     rollbacks: int = 0
     updated_at: Optional[str] = None
+    trimmed: List[List[int]] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, doc: dict) -> "StreamState":
@@ -95,6 +101,7 @@ class StreamState:
             rows=int(doc.get("rows", 0)),
             rollbacks=int(doc.get("rollbacks", 0)),
             updated_at=doc.get("updated_at"),
+            trimmed=[[int(a), int(b)] for a, b in doc.get("trimmed", [])],
         )
 
 

@@ -71,8 +71,10 @@ class Finding(NamedTuple):
     ``never_announced``, ``writer_down``, ``linear_held``); ``stream`` and
     ``writer`` what it is about (None: every stream of that writer, or the
     whole instance); ``text`` the banner's line; ``verdict`` the row's;
-    ``fails_health`` whether ``/health`` answers 503 for it.  The identity of
-    a finding that goes on is ``(kind, stream, writer)``."""
+    ``fails_health`` whether ``/health`` answers 503 for it; ``since`` when
+    the condition began if it is known (a link: when its peer was last
+    heard), else None.  The identity of a finding that goes on is
+    ``(kind, stream, writer)``; one whose ``since`` changed is a new one."""
 
     kind: str
     stream: Optional[str]
@@ -80,6 +82,7 @@ class Finding(NamedTuple):
     text: str
     verdict: str
     fails_health: bool = True
+    since: Optional[float] = None
 
     @property
     def key(self) -> Tuple[str, Optional[str], Optional[str]]:
@@ -135,7 +138,7 @@ class HealthMonitor(TimerService):
     def __init__(self, *, registry, handler, db, clock, lag_grace: float = 10.0,
                  check_interval: float = 5.0, expect_upstream: bool = False,
                  conditions: Sequence[Callable[[], Optional[str]]] = (), writers=None,
-                 gaps=None):
+                 gaps=None, link_since: Optional[Callable[[], Optional[float]]] = None):
         self.registry = registry
         #: Each returns a problem that holds until a restart, or None.
         self.conditions = list(conditions)
@@ -147,6 +150,8 @@ class HealthMonitor(TimerService):
         self.expect_upstream = expect_upstream
         self.writers = writers  # a WriterWatch, or None
         self.gaps = gaps  # a replication.core.gaps.TrimGaps, or None
+        #: Since when the link has been down (its finding's ``since``), or None.
+        self.link_since = link_since
         self._behind_since: Dict[Any, float] = {}
         self._unreceived: Dict[Key, _Unreceived] = {}
         self._started_at = clock.seconds()
@@ -322,7 +327,9 @@ class HealthMonitor(TimerService):
         if self.gaps is not None:
             out += self.gaps.findings()
         if self.expect_upstream and not connected:
-            out.append(Finding("link", None, None, f"replication not connected: {detail}", ""))
+            since = self.link_since() if self.link_since is not None else None
+            out.append(Finding("link", None, None, f"replication not connected: {detail}", "",
+                               since=since))
         out += self._unreceived_findings()
         if self.expect_upstream:
             out += self._lag_findings()

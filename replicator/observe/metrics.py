@@ -172,6 +172,11 @@ AUDIT_FACTS = Counter(
     "Delivered facts the audit found equal to the table (each counted at each check)",
     ["stream"],
 )
+AUDIT_ALTERED = Counter(
+    "replicator_audit_altered_facts_total",
+    "Sampled delivered facts whose rows the audit found different from the table's",
+    ["stream"],
+)
 AUDIT_MISMATCH = Gauge(
     "replicator_audit_mismatch",
     "1 while this instance's reader of a (stream, writer) is stopped because what it "

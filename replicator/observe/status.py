@@ -14,7 +14,8 @@ Parts:
   (stream, writer) covering ``window`` seconds, and remembers the health
   findings seen (a bounded ring of :class:`Problem`: from, to or ongoing,
   the latest line; a finding that goes on with other figures updates its
-  entry).
+  entry; one that says when it began (``since``) starts there, and is a
+  new entry when that changes).
 * :func:`snapshot` — the page's content as a JSON-able dict.
 * :mod:`.status_page` — the page rendered from it, its stylesheet and its
   script.
@@ -32,7 +33,9 @@ from twisted.logger import Logger
 
 from .. import __version__
 from ..addresses import peer_address
+from ..replication.core.connections import peer_name
 from .health import Finding
+from .writers import clock_time, duration
 
 log = Logger(namespace="replicator.observe.status")
 
@@ -43,6 +46,10 @@ WINDOW = 15 * 60.0
 MAX_PROBLEMS = 20
 #: In-flight IDs listed per writer (the count is always given).
 MAX_IN_FLIGHT_SHOWN = 10
+#: A connection whose peer sent nothing for this many ping intervals is
+#: shown as not answering (a live peer is heard every interval; the link
+#: closes it at ``ping_timeout``).
+STALLED_INTERVALS = 2.0
 
 Key = Tuple[str, str]
 
@@ -101,18 +108,32 @@ class StatusRecorder(TimerService):
         except Exception:
             log.failure("Computing the health findings failed")
             found = [Finding("verdict", None, None, "health verdict unavailable", "")]
+        self.note(found)
+
+    def note(self, found: List[Finding]) -> None:
+        """The problems as of now are ``found``: entries start, go on or
+        end (at every sample, and whenever the page is shown, so that its
+        history never disagrees with its banner)."""
+        now = self._clock.seconds()
         seen = set()
         for finding in found:
             if finding.key in seen:
                 continue
             seen.add(finding.key)
             entry = self._ongoing.get(finding.key)
-            if entry is not None and entry in self.problems:
+            began = finding.since if finding.since is not None and finding.since <= now else None
+            if entry is not None and entry in self.problems and (
+                    began is None or began == entry.since):
                 entry.reason = finding.text  # the same problem, still going
-            else:
-                entry = self._ongoing[finding.key] = Problem(
-                    finding.key, now, finding.text, finding.fails_health)
-                self.problems.append(entry)
+                continue
+            if entry is not None:
+                # Ended between two samples and began again (a link that
+                # answered, then stopped): two problems, not one.
+                entry.until = max(entry.since, began) if began is not None else now
+            entry = self._ongoing[finding.key] = Problem(
+                finding.key, now if began is None else began, finding.text,
+                finding.fails_health)
+            self.problems.append(entry)
         for key in [k for k in self._ongoing if k not in seen]:
             self._ongoing.pop(key).until = now
 
@@ -121,6 +142,23 @@ class StatusRecorder(TimerService):
         ring = self.lag.get(key, ())
         since = self._clock.seconds() - self.window
         return [[t, lag] for t, lag in ring if t >= since]
+
+
+def link_state(conn, since: float, now: float) -> Dict[str, Any]:
+    """What one connection is: ``state`` (``connected``; ``handshake``: our
+    upstream accepted the socket but has not named itself with ``SERVER``;
+    ``stalled``: nothing heard for :data:`STALLED_INTERVALS` ping
+    intervals), ``since`` when it is so, and ``text`` saying both."""
+    if not conn.accepted and not getattr(conn, "established", True):
+        return {"state": "handshake", "since": since,
+                "text": f"handshake not answered since {clock_time(since)} "
+                        f"({duration(now - since)})"}
+    heard = getattr(conn, "last_received", None)
+    interval = getattr(conn, "ping_interval", None)
+    if heard is not None and interval is not None and now - heard > STALLED_INTERVALS * interval:
+        return {"state": "stalled", "since": heard,
+                "text": f"not answering since {clock_time(heard)} ({duration(now - heard)})"}
+    return {"state": "connected", "since": since, "text": f"connected since {clock_time(since)}"}
 
 
 def row_verdict(findings: List[Finding], stream: str, writer: str, fallback: str
@@ -145,6 +183,7 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
     announced = handler.announced_positions()
     readers = handler.reader_positions()
     lags = handler.reader_lag()
+    recorder.note(findings)
     failing = [f for f in findings if f.fails_health]
     warnings = [f for f in findings if not f.fails_health]
     streams = []
@@ -190,21 +229,26 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
                         "linear_holder": holder,
                         "writers": writer_rows})
     connections = []
+    now = clock.seconds()
     for conn, state in list(handler.connections.items()):
+        link = link_state(conn, state.since, now)
         connections.append({
-            "peer": redact(str(conn.instance_name or state.label)),
+            "peer": redact(peer_name(conn, state.label)),
             "address": peer_address(conn),
             "role": conn.role,
             "queued_lines": int(conn.queued),
             "queued_bytes": int(conn.queued_bytes),
             "connected_since": state.since,
+            "state": link["state"],
+            "state_since": link["since"],
+            "state_text": link["text"],
         })
     connections.sort(key=lambda c: (c["role"], c["peer"], c["address"] or ""))
     return {
         "instance": instance,
         "role": role,
         "version": __version__,
-        "now": clock.seconds(),
+        "now": now,
         "healthy": not failing,
         "problem": redact(failing[0].text) if failing else None,
         "warning": redact(warnings[0].text) if warnings else None,

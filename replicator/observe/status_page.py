@@ -110,7 +110,8 @@ def _connection_rows(snap: Dict[str, Any]) -> str:
                    _cell("role", _e(c["role"])),
                    _cell("queued lines", _e(c["queued_lines"]), "num"),
                    _cell("queued bytes", _e(c["queued_bytes"]), "num"),
-                   _cell("connected since", _e(_when(c["connected_since"])))]
+                   _cell("state", _e(c["state_text"]), "bad" if c["state"] != "connected"
+                         else None)]
                   for c in snap["connections"]], "no replication connections", 6)
 
 
@@ -180,7 +181,7 @@ def render_html(snap: Dict[str, Any]) -> bytes:
 <tbody>{_writer_rows(snap)}</tbody></table></section>
 <section><h2>Connections</h2>
 <table id="connections"><thead><tr><th>peer</th><th>address</th><th>role</th>
-<th>queued lines</th><th>queued bytes</th><th>connected since</th></tr></thead>
+<th>queued lines</th><th>queued bytes</th><th>state</th></tr></thead>
 <tbody>{_connection_rows(snap)}</tbody></table></section>
 <section><h2>HTTP readers</h2>
 <table id="readers"><thead><tr><th>reader</th><th>stream</th><th>connected</th>
@@ -350,7 +351,7 @@ SCRIPT = b"""'use strict';
       cell(tr, 'role', c.role);
       cell(tr, 'queued lines', c.queued_lines, 'num');
       cell(tr, 'queued bytes', c.queued_bytes, 'num');
-      cell(tr, 'connected since', when(c.connected_since));
+      cell(tr, 'state', c.state_text, c.state !== 'connected' ? 'bad' : null);
       return tr;
     }), 'no replication connections', 6);
     fill('readers', (s.readers || []).map(function (r) {

@@ -180,7 +180,8 @@ def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool,
 
 def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
                   written: Optional[Set[str]] = None, dry_run: bool = False,
-                  added_row_index: Optional[List[str]] = None) -> bool:
+                  added_row_index: Optional[List[str]] = None,
+                  awaiting_writer: Optional[List[str]] = None) -> bool:
     """Create what is missing and check what exists.
 
     ``written``: names of the streams with a local writer (default: all).
@@ -190,7 +191,11 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
     Returns whether ``stream_positions`` exists.
 
     ``dry_run`` (``replicator check``) runs no DDL and changes nothing: it
-    checks what exists, and takes what would be created as fine.
+    checks what exists, and takes what would be created as fine: by this
+    instance, or, for a stream only read here whose table is missing (with
+    ``create``, as every file declares it alike), by its writer at its first
+    start; the names of those streams are appended to ``awaiting_writer``
+    (a start still refuses them: the writer must have started first).
 
     A created table that lacks ``row_index`` gets it (:func:`add_row_index`);
     the names of those streams are appended to ``added_row_index``.
@@ -209,10 +214,13 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
     for stream in streams:
         ours = stream.name in written
         created = ours and stream.create
-        if created and dry_run:
-            if table_columns(txn, stream.table, postgres) is None:
+        if dry_run and stream.create and table_columns(txn, stream.table, postgres) is None:
+            if created:
                 continue  # start would create it
-        elif created:
+            if awaiting_writer is not None:
+                awaiting_writer.append(stream.name)  # its writer's first start creates it
+                continue
+        if created and not dry_run:
             for statement in table_ddl(stream, postgres):
                 txn.execute(statement)
             if add_row_index(txn, stream, postgres) and added_row_index is not None:

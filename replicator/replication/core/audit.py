@@ -28,7 +28,13 @@ Invariants:
   have deleted them): the check covers the part of the window above it.
 * A check is one indexed statement that reads no row's values (count of
   IDs, their sum modulo a prime, count of rows); only a difference reads
-  the range's ``(id, rows)`` list, to name what differs.  Checks run one at
+  the range's ``(id, rows)`` list, to name what differs.  Contents are
+  compared on a sample: of each window's facts, :data:`SAMPLE` drawn at
+  random as they are handed on (a reservoir: every fact equally likely,
+  whatever its place) keep a digest of their rows, and the first check
+  reads those facts from the table and compares (a fact whose rows were
+  replaced by others of the same count is found with the probability
+  ``SAMPLE / facts in the window``; many such facts, surely).  Checks run one at
   a time, in the database pool; a failed one is tried again at the next
   tick.
 * A difference is a :class:`Mismatch`: the handler stops the stream there,
@@ -37,10 +43,13 @@ Invariants:
   acts (``replicator rewind --to`` hands the facts on again).
 """
 
+import hashlib
+import random
 from array import array
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+import orjson
 from twisted.application.service import Service
 from twisted.internet import defer, task
 from twisted.internet.interfaces import IReactorTime
@@ -57,9 +66,22 @@ INTERVAL = 2.0
 #: Seconds from a seal to a window's first check.
 FIRST_CHECK = 1.0
 #: Seconds from a seal to a window's second (last) check.
-RECHECK = 60.0
+RECHECK = 300.0
 #: Facts held, over every reader, waiting for a second check.
 MAX_HELD = 500_000
+#: Facts of a window whose rows are compared with the table's.
+SAMPLE = 16
+
+
+def rows_digest(rows: Sequence[Any]) -> int:
+    """A digest of a fact's rows, whatever their order (Synapse's tables
+    give one ID's rows in heap order): the sum of each row's."""
+    total = 0
+    for row in rows:
+        total += int.from_bytes(
+            hashlib.blake2b(orjson.dumps(row, option=orjson.OPT_SORT_KEYS),
+                            digest_size=8).digest(), "big")
+    return total & 0xFFFF_FFFF_FFFF_FFFF
 
 
 class Mismatch(NamedTuple):
@@ -107,37 +129,61 @@ class Window(NamedTuple):
     hi: int
     ids: "array[int]"
     rows: "array[int]"
+    sample: Dict[int, int]  # id -> rows_digest of what was handed on
 
 
 class DeliveredLog:
     """The facts one reader handed on since its last seal.
 
     ``lo`` is where the open window starts (None until the reader has a
-    position).  Two flat arrays, 16 bytes a fact."""
+    position).  Two flat arrays, 16 bytes a fact, and the digests of a
+    random sample of at most :data:`SAMPLE` of them."""
 
-    __slots__ = ("lo", "_ids", "_rows")
+    __slots__ = ("lo", "sampled", "_ids", "_rows", "_sample", "_seen")
 
-    def __init__(self, lo: Optional[int]) -> None:
+    def __init__(self, lo: Optional[int], sampled: bool = True) -> None:
         self.lo = lo
+        #: Whether contents are sampled (not for Synapse's tables: what a
+        #: Synapse writer sends need not be what we read of its row).
+        self.sampled = sampled
+        self._reset()
+
+    def _reset(self) -> None:
         self._ids: "array[int]" = array("q")
         self._rows: "array[int]" = array("q")
+        self._sample: Dict[int, int] = {}
+        self._seen = 0
 
-    def add(self, token: int, rows: int) -> None:
+    def add(self, token: int, rows: Sequence[Any]) -> None:
         self._ids.append(token)
-        self._rows.append(rows)
+        self._rows.append(len(rows))
+        self._draw(token, rows)
 
     def add_page(self, facts: Iterable[Tuple[int, Sequence[Any]]]) -> None:
-        ids, rows = self._ids, self._rows
+        ids, counts = self._ids, self._rows
         for token, fact_rows in facts:
             ids.append(token)
-            rows.append(len(fact_rows))
+            counts.append(len(fact_rows))
+            self._draw(token, fact_rows)
+
+    def _draw(self, token: int, rows: Sequence[Any]) -> None:
+        """Reservoir sampling: the ``n``-th fact is kept with chance
+        ``SAMPLE / n``, in place of a random one kept before."""
+        if not self.sampled:
+            return
+        self._seen += 1
+        sample = self._sample
+        if len(sample) < SAMPLE:
+            sample[token] = rows_digest(rows)
+        elif random.random() * self._seen < SAMPLE:
+            del sample[random.choice(list(sample))]
+            sample[token] = rows_digest(rows)
 
     def restart(self, position: Optional[int]) -> None:
         """Forget the open window; the next starts at ``position`` (a
         rewind, or the reader's first position)."""
         self.lo = position
-        self._ids = array("q")
-        self._rows = array("q")
+        self._reset()
 
     def seal(self, position: Optional[int]) -> Optional[Window]:
         """Close the open window at ``position`` (the reader's): the
@@ -149,10 +195,9 @@ class DeliveredLog:
             return None
         if position == self.lo:
             return None
-        window = Window(self.lo, position, self._ids, self._rows)
+        window = Window(self.lo, position, self._ids, self._rows, self._sample)
         self.lo = position
-        self._ids = array("q")
-        self._rows = array("q")
+        self._reset()
         return window
 
     def __len__(self) -> int:
@@ -165,14 +210,17 @@ def delivered_tally(window: Window, above: int) -> Tally:
 
 
 def difference(stream: str, writer: str, since: int, upto: int, window: Window,
-               table: Sequence[Tuple[int, int]], how: str = "audit") -> Optional[Mismatch]:
+               table: Sequence[Tuple[int, int]], how: str = "audit",
+               altered: Sequence[int] = ()) -> Optional[Mismatch]:
     """The :class:`Mismatch` between the window's facts above ``since``
-    and ``table``'s ``(id, rows)`` of ``(since, upto]`` (None: equal)."""
+    and ``table``'s ``(id, rows)`` of ``(since, upto]`` (None: equal);
+    ``altered``: facts whose rows the sample found different."""
     delivered = {i: n for i, n in zip(window.ids, window.rows) if since < i <= upto}
     held = dict(table)
     missing = sorted(set(held) - set(delivered))
     extra = sorted(set(delivered) - set(held))
-    resized = sorted(i for i in set(held) & set(delivered) if held[i] != delivered[i])
+    resized = sorted({i for i in set(held) & set(delivered) if held[i] != delivered[i]}
+                     | {i for i in altered if i in held and i in delivered})
     if not (missing or extra or resized):
         return None
     return Mismatch(stream, writer, since, upto, missing[:LISTED], extra[:LISTED],
@@ -310,13 +358,31 @@ class Auditor(Service):
             since = boundary  # compare the part above the boundary
         else:
             return None  # retention moves faster than the check: next window
-        if table == delivered_tally(window, since):
+        altered = await self._compare_sample(stream, writer, window, since) \
+            if window.sample else []
+        if table == delivered_tally(window, since) and not altered:
             return None
         listed = await stream.fact_sizes(writer, since, window.hi)
-        found = difference(stream.name, writer, since, window.hi, window, listed, how)
+        found = difference(stream.name, writer, since, window.hi, window, listed, how,
+                           altered)
         if found is None:
             # The table changed between the two statements (retention):
             # judged by the list, which is the later look.
             return None
         return found
+
+    async def _compare_sample(self, stream: Any, writer: str, window: Window,
+                              since: int) -> List[int]:
+        """The sampled facts above ``since`` whose rows in the table are not
+        the ones handed on (a fact no longer there is the tally's to say)."""
+        altered = []
+        for token, digest in sorted(window.sample.items()):
+            if token <= since:
+                continue
+            facts, _, _ = await stream.fact_page(writer, token - 1, token, 1)
+            if facts and facts[0][0] == token and rows_digest(facts[0][1]) != digest:
+                altered.append(token)
+        if altered:
+            metrics.AUDIT_ALTERED.labels(stream.name).inc(len(altered))
+        return altered
 

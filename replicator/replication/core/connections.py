@@ -44,6 +44,17 @@ class ConnState:
         self.since = since  # when the connection was made (clock seconds)
 
 
+def peer_name(conn: IReplicationConnection, label: str) -> str:
+    """The one name the status page gives a connection's peer, the same
+    from its connect to its disconnect: the name it gave itself, or, for
+    our upstream before its ``SERVER``, the name it must give
+    (``server_name``); else the metrics ``label``."""
+    name = conn.instance_name
+    if name is None and not conn.accepted:
+        name = getattr(conn, "server_name", None)  # the one our upstream must give
+    return str(name or label)[:200]
+
+
 class Connections:
     """Connections (protocols with ``send_lines``) and their :class:`ConnState`.
 
@@ -88,14 +99,14 @@ class Connections:
         if state is None:
             return None
         name = conn.instance_name
-        peer = name or state.label
+        peer = peer_name(conn, state.label)
         if name is not None and conn.accepted:
             self.last_lost.pop(name, None)
             self.last_lost[name] = self._clock.seconds()
             if len(self.last_lost) > MAX_LOST_NAMES:
                 del self.last_lost[next(iter(self.last_lost))]
         self.recent_disconnects.append(
-            (self._clock.seconds(), str(peer)[:200], peer_address(conn), str(reason)[:200]))
+            (self._clock.seconds(), peer, peer_address(conn), str(reason)[:200]))
         metrics.CONNECTIONS.labels(state.label).dec()
         return state
 

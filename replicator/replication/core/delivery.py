@@ -66,7 +66,7 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
                   deliver_many=deliver_many, reached=reached, advanced=advanced, clock=clock,
                   fetch_limit=fetch_limit, retry_delay=retry_delay, background=background,
                   on_gap=on_gap, probe=stream.first_fact_in, known=stream.known_ids,
-                  audit=audit, on_mismatch=on_mismatch)
+                  audit=audit, sample=stream.config.preset is None, on_mismatch=on_mismatch)
 
 
 def delivery_for(name: str, writer: str, consumers: Sequence[Consumer],

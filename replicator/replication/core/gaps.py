@@ -27,6 +27,7 @@ from ...streams.trimmed import FactsTrimmed
 from .audit import Mismatch
 
 log = Logger(namespace="replicator.retention")
+audit_log = Logger(namespace="replicator.audit")  # (a mismatch is the audit's finding)
 
 Key = Tuple[str, str]
 
@@ -85,7 +86,7 @@ class TrimGaps:
         config = self.config_path or "CONFIG"
         paths = [getattr(c, "path", None) for c in behind]
         commands = [f"`replicator rewind -c {config} {path} --stream {gap.stream} "
-                    f"--skip-to {gap.boundary}`" for path in paths if isinstance(path, str)]
+                    f"--skip-to boundary`" for path in paths if isinstance(path, str)]
         others = len(behind) - len(commands)
         run = f"run {' and '.join(commands)}" if commands else ""
         move = (f"{'and ' if commands else ''}move the other consumers past {gap.boundary}"
@@ -106,7 +107,9 @@ class TrimGaps:
         commands = [f"`replicator rewind -c {config} {path} --stream {found.stream} --to {back}`"
                     for path in paths]
         how = ("a fact arrived that a POSITION had said was not there"
-               if found.how == "late fact" else "the audit compared it with the table")
+               if found.how.startswith("late fact") else "the audit compared it with the table")
+        if found.how.endswith("before a restart"):
+            how += ", before this instance restarted"
         todo = (f"to hand them on again, stop this instance, run {' and '.join(commands)}, "
                 f"then start it" if commands else
                 "restart this instance to read them again from the table")
@@ -115,7 +118,7 @@ class TrimGaps:
                 f"{found.describe()}; the stream is stopped here: {todo}")
         self._mismatches[key] = (found, text)
         metrics.AUDIT_MISMATCH.labels(found.stream, found.writer).set(1)
-        log.error("{text}", text=text)
+        audit_log.error("{text}", text=text)
         return text
 
     def stopped(self, stream: str) -> bool:

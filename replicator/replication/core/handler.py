@@ -49,6 +49,7 @@ from zope.interface import implementer
 from ...background import Background
 from ...consumers import Consumer
 from ...observe import metrics
+from ...storage import findings
 from ...streams.registry import StreamRegistry
 from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
@@ -110,7 +111,7 @@ class ReplicationHandler:
         max_federation_acks: int = 1_000,
         bookkeeping_max_age: float = 86_400.0,
         audit: bool = True,
-        audit_recheck: float = 60.0,
+        audit_recheck: float = 300.0,
     ) -> None:
         self.registry = registry
         self.instance_name = instance_name
@@ -274,13 +275,61 @@ class ReplicationHandler:
         return {key: (self.registry.get(key[0]), reader)
                 for key, reader in self._readers.items()}
 
-    def _mismatch(self, found: Mismatch) -> None:
+    def _mismatch(self, found: Mismatch, kept: bool = False) -> None:
         """What a reader handed on differs from the table (:mod:`.audit`):
-        the whole stream stops here, like at a retention gap."""
+        the whole stream stops here, like at a retention gap, and the
+        finding is kept in the database for the next start (unless it
+        came from there: ``kept``)."""
+        if self.gaps.mismatch(found.stream, found.writer) is not None:
+            return
         self.gaps.report_mismatch(found, consumers_for(self.consumers, found.stream))
         for (stream, _), reader in self._readers.items():
             if stream == found.stream:
                 reader.stop()
+        if not kept:
+            db = self.registry.db
+            self.background.run("audit finding", self._keep(db, found))
+
+    async def _keep(self, db: Any, found: Mismatch) -> None:
+        try:
+            await db.runInteraction(findings.save, db, self.instance_name, found.stream,
+                                    found.writer, found.first, found._asdict(),
+                                    int(self._clock.seconds() * 1000))
+        except Exception as e:
+            log.error("stream {stream}: the audit's finding was not kept in the database "
+                      "({e}): a restart will not know of it", stream=found.stream, e=e)
+
+    async def load_findings(self) -> None:
+        """Before :meth:`start`: the audit's findings kept by an earlier run
+        of this instance stop their streams again, unless every consumer
+        keeping a position for that writer is below the finding's first ID
+        (the operator rewound them: the facts will be handed on again),
+        when the finding is dropped (:mod:`replicator.storage.findings`)."""
+        db = self.registry.db
+        for row in await db.runInteraction(findings.load, db, self.instance_name):
+            key = (row["stream"], row["writer"])
+            stream = self.registry.find(row["stream"])
+            if stream is None or row["writer"] not in stream.config.writers:
+                continue  # no longer read here: kept for when it is again
+            takers = consumers_for(self.consumers, row["stream"])
+            known = [p for p in (c.positions().get(key) for c in takers) if p is not None]
+            if not known:
+                log.error("stream {stream}: the audit found, before this restart, facts of "
+                          "writer {writer} from {first} on that were not delivered; no "
+                          "consumer keeps a position for it, so none can be handed them "
+                          "again: the finding is dropped", stream=key[0], writer=key[1],
+                          first=row["first_id"])
+                await db.runInteraction(findings.delete, db, self.instance_name, *key)
+                continue
+            if all(p < row["first_id"] for p in known):
+                log.info("stream {stream}: the audit's finding about writer {writer} is "
+                         "resolved: every consumer is below {first} and is handed those facts "
+                         "again", stream=key[0], writer=key[1], first=row["first_id"])
+                await db.runInteraction(findings.delete, db, self.instance_name, *key)
+                continue
+            detail = dict(row["detail"])
+            detail["how"] = f"{detail.get('how', 'audit')}, before a restart"
+            self._mismatch(Mismatch(**detail), kept=True)
 
     def _trimmed(self, gap: FactsTrimmed) -> None:
         """A reader needs facts retention trimmed: the whole stream stops
@@ -421,8 +470,11 @@ class ReplicationHandler:
         """An RDATA/POSITION that :mod:`.admission` let through."""
         if conn not in self.connections:
             return
+        reader = self._readers.get(key)
+        if reader is None:  # a reload dropped the writer while the line waited
+            metrics.COMMANDS_DROPPED.labels(cmd.NAME, "unknown_stream").inc()
+            return
         self._heard[key] = self._clock.seconds()
-        reader = self._readers[key]
         relay = conn.accepted  # from a writer client: to everyone else
         if cmd.NAME == "RDATA":
             # Only what this instance takes is passed on: RDATA before the

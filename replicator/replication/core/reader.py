@@ -129,13 +129,14 @@ class Reader:
         probe: Optional[Probe] = None,
         known: Optional[Any] = None,
         audit: bool = False,
+        sample: bool = True,
         on_mismatch: Optional[Callable[[Mismatch], None]] = None,
     ) -> None:
         self.stream_name = stream_name
         self._probe = probe
         self._known = known  # a streams.known.KnownIds, or None
         #: What was handed on since the audit's last seal (None: no audit).
-        self.delivered: Optional[DeliveredLog] = DeliveredLog(position) if audit else None
+        self.delivered: Optional[DeliveredLog] = DeliveredLog(position, sample) if audit else None
         self._on_mismatch = on_mismatch
         self._passed: Deque[Tuple[int, int]] = deque(maxlen=PASSED_KEPT)
         self.gap: Optional[FactsTrimmed] = None  # why it stopped for good, if it did
@@ -406,7 +407,7 @@ class Reader:
     def _noted(self, token: int, rows: List[Any]) -> None:
         """A fact every consumer has: in the audit's log and known IDs."""
         if self.delivered is not None:
-            self.delivered.add(token, len(rows))
+            self.delivered.add(token, rows)
         if self._known is not None:
             self._known.note((token,))
 

@@ -161,6 +161,16 @@ class LineConnection(Protocol):
         """Bytes of the lines waiting for the transport to resume."""
         return self._queued_bytes
 
+    @property
+    def last_received(self) -> float:
+        """When the peer last sent a byte (clock seconds; from the connect)."""
+        return self._last_received
+
+    @property
+    def ping_interval(self) -> float:
+        """Seconds between keepalives: a live peer is heard at least this often."""
+        return self._ping_interval
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 

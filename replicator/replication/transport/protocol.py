@@ -123,6 +123,11 @@ class ReplicationProtocol(LineConnection):
         return "client" if self.accepted else "upstream"
 
     @property
+    def answered(self) -> bool:
+        """Whether the handshake was done on this connection, closing or not."""
+        return self._established
+
+    @property
     def established(self) -> bool:
         """Whether the handshake is done and the connection not closing: on
         a client, the right server named itself (``SERVER``)."""

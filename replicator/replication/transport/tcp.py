@@ -235,6 +235,10 @@ class ReplicationClientFactory(Factory):
         self.clock = clock
         self.backoff = backoff
         self.current: Optional[ClientReplicationProtocol] = None
+        self.started_at = clock.seconds()
+        #: When the last connection that answered the handshake last heard
+        #: its server (None: none answered yet).
+        self.answered_until: Optional[float] = None
 
     def buildProtocol(self, addr: Any) -> "ClientReplicationProtocol":
         on_healthy = self.backoff.reset if self.backoff is not None else None
@@ -242,8 +246,24 @@ class ReplicationClientFactory(Factory):
             self.handler, self.client_name, self.server_name, on_healthy=on_healthy,
             clock=self.clock, secret=self.secret, **self.settings.kwargs())
         p.factory = self
+        p.on_lost = self._lost
         self.current = p
         return p
+
+    def _lost(self, p: ClientReplicationProtocol) -> None:
+        if p.answered:
+            self.answered_until = p.last_received
+
+    def down_since(self) -> Optional[float]:
+        """Since when the upstream has not been answering (None: it is):
+        when it was last heard on a connection that answered the
+        handshake, else since this factory was made (the start)."""
+        p = self.current
+        if p is not None and p.established:
+            return None
+        if p is not None and p.answered:
+            return p.last_received
+        return self.answered_until if self.answered_until is not None else self.started_at
 
     @property
     def connected(self) -> bool:
@@ -281,6 +301,16 @@ class UpstreamService(ReconnectingService):
     @property
     def connected(self) -> bool:
         return self.replication_factory.connected
+
+    def down_since(self) -> Optional[float]:
+        """See :meth:`ReplicationClientFactory.down_since`."""
+        return self.replication_factory.down_since()
+
+    @property
+    def ever_answered(self) -> bool:
+        """Whether a connection of this service ever answered the handshake."""
+        f = self.replication_factory
+        return f.answered_until is not None or (f.current is not None and f.current.answered)
 
 
 def upstream_service(reactor: Any, endpoint: str, handler: IReplicationHandler, client_name: str,
