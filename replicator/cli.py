@@ -337,6 +337,14 @@ def _http_base(config) -> str:
         _fail(f"config: http.listen: {e}", 2)
 
 
+
+def _error_of(e: "urllib.error.HTTPError") -> str:
+    """The ``error`` of a JSON error answer, else its reason phrase."""
+    try:
+        return str(json.loads(e.read()).get("error", e.reason))
+    except ValueError:
+        return str(e.reason)
+
 def _request(url: str, method: str = "GET", body: Optional[bytes] = None,
              secret: Optional[str] = None) -> dict:
     request = urllib.request.Request(url, data=body, method=method)
@@ -347,11 +355,7 @@ def _request(url: str, method: str = "GET", body: Optional[bytes] = None,
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read() or b"{}")
     except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read()).get("error", e.reason)
-        except ValueError:
-            message = e.reason
-        _fail(f"{method} {url}: {e.code} {message}", 1)
+        _fail(f"{method} {url}: {e.code} {_error_of(e)}", 1)
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         _fail(f"cannot reach the daemon at {url}: {reason}", 1)
@@ -405,11 +409,7 @@ def _post_fact(url: str, body: bytes, secret: Optional[str], key: str, timeout: 
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as e:
-            try:
-                message = json.loads(e.read()).get("error", e.reason)
-            except ValueError:
-                message = e.reason
-            problem = f"POST {url}: {e.code} {message}"
+            problem = f"POST {url}: {e.code} {_error_of(e)}"
             retry_after = e.headers.get("Retry-After", "") if e.headers else ""
             if e.code == 409 and retry_after.isdigit():
                 wait = max(wait, min(float(retry_after), WRITE_RETRY_MAX))
