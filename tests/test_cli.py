@@ -413,6 +413,14 @@ class VersionTests(SynchronousTestCase):
         self.assertEqual((result.returncode, result.stdout),
                          (0, f"replicator {replicator.__version__}\n"))
 
+    def test_python_dash_m_replicator_is_the_command(self):
+        import replicator
+
+        result = subprocess.run([PY, "-m", "replicator", "--version"], capture_output=True,
+                                text=True, timeout=60)
+        self.assertEqual((result.returncode, result.stdout),
+                         (0, f"replicator {replicator.__version__}\n"))
+
     def test_build_info_metric(self):
         import platform
 

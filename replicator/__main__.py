@@ -1,0 +1,5 @@
+"""``python -m replicator``: the ``replicator`` command."""
+
+from .cli import main
+
+main()
