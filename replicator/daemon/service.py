@@ -293,6 +293,11 @@ class Instance:
                                 db=self.db, replication_status=self.replication_status,
                                 clock=self.reactor, health=self.health, status=recorder,
                                 writers=self.writers)
+            from ..observe.problem_log import ProblemLog
+
+            # The page's problems outlive a restart: those from before it first.
+            await recorder.restore(ProblemLog(self.db, config.instance_name, self.reactor,
+                                              redact=self.http.redact))
             recorder.setServiceParent(self.services)
             if any(stream.local_writers for stream in self.registry):
                 IdempotencyPruner(self.http.streams.idempotent.keys,
