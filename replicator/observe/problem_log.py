@@ -18,7 +18,7 @@ table keeps the last rows); the text written is redacted.
 """
 
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -39,11 +39,10 @@ def _ms(t: Optional[float]) -> Optional[int]:
 
 
 class _Pending:
-    __slots__ = ("problem", "new", "dirty")
+    __slots__ = ("problem", "dirty")
 
     def __init__(self, problem: Any):
         self.problem = problem
-        self.new = True  # no row yet
         self.dirty = True  # changed since the last write began
 
 
@@ -63,7 +62,10 @@ class ProblemLog:
         self.keep = keep
         self._outage = Outage("keeping the status page's problems in the database", retry)
         #: What is not written yet, by problem, in the order they started.
-        self._pending: "OrderedDict[int, _Pending]" = OrderedDict()
+        self._pending: "OrderedDict[Any, _Pending]" = OrderedDict()
+        #: Problems whose row is written and open (not ended): at most the
+        #: problems ongoing now.
+        self._open: Set[Any] = set()
         #: Problems dropped from :attr:`_pending` (it was full) in this outage.
         self.dropped = 0
         self._writing: Optional[defer.Deferred] = None
@@ -75,11 +77,11 @@ class ProblemLog:
         """How many problems wait to be written."""
         return len(self._pending)
 
-    async def load(self, limit: int) -> List[Dict[str, Any]]:
-        """The instance's last ``limit`` problems from before this start
-        (:func:`replicator.storage.problems.load`)."""
+    async def load(self, limit: int, started: float) -> List[Dict[str, Any]]:
+        """The instance's last ``limit`` problems from before this start,
+        at ``started`` (:func:`replicator.storage.problems.load`)."""
         return await self.db.runInteraction(problems.load, self.db, self.instance,
-                                            _ms(self._clock.seconds()), limit)
+                                            _ms(started), limit)
 
     def started(self, problem: Any) -> None:
         self._queue(problem)
@@ -90,30 +92,31 @@ class ProblemLog:
     def _queue(self, problem: Any) -> None:
         if self._stopped:
             return
-        entry = self._pending.get(id(problem))
+        entry = self._pending.get(problem)
         if entry is not None:
             entry.dirty = True
         else:
             if len(self._pending) >= self.max_pending:
-                self._pending.popitem(last=False)
+                _, gone = self._pending.popitem(last=False)
+                self._open.discard(gone.problem)  # (its end will not be written)
                 if not self.dropped:
                     log.warn("The status page's problems wait for the database, more than "
                              "{n}: the oldest are not kept", n=self.max_pending)
                 self.dropped += 1
-            self._pending[id(problem)] = _Pending(problem)
+            self._pending[problem] = _Pending(problem)
         if self._writing is None and self._retry is None:
             self._write()
 
-    def _records(self) -> List[problems.Record]:
+    def _records(self) -> List[Tuple[_Pending, problems.Record]]:
         """What is dirty, as records; no longer dirty (until it changes)."""
         out = []
         for entry in self._pending.values():
             if entry.dirty:
                 p = entry.problem
                 kind, stream, writer = p.key
-                out.append(problems.Record(kind, stream, writer, self._redact(p.reason),
-                                           p.fails_health, _ms(p.since), _ms(p.until),
-                                           entry.new))
+                out.append((entry, problems.Record(
+                    kind, stream, writer, self._redact(p.reason), p.fails_health,
+                    int(round(p.since * 1000)), _ms(p.until), p not in self._open)))
                 entry.dirty = False
         return out
 
@@ -122,26 +125,28 @@ class ProblemLog:
         mark of what is still open: ``stopped_ms``); fires when done, never
         fails."""
         self._retry = None
-        written = [e for e in self._pending.values() if e.dirty]
-        records = self._records()
-        d = self.db.runInteraction(problems.write, self.db, self.instance, records,
-                                   stopped_ms, self.keep)
-        self._writing = d
+        written = self._records()
+        d = self._writing = self.db.runInteraction(
+            problems.write, self.db, self.instance, [r for _, r in written], stopped_ms,
+            self.keep)
 
         def done(_):
             self._writing = None
             self._outage.succeeded()
             self.dropped = 0
-            for entry in written:
-                entry.new = False
-                if not entry.dirty and self._pending.get(id(entry.problem)) is entry:
-                    del self._pending[id(entry.problem)]
+            for entry, record in written:
+                if record.ended_ms is None:
+                    self._open.add(entry.problem)
+                else:
+                    self._open.discard(entry.problem)
+                if not entry.dirty and self._pending.get(entry.problem) is entry:
+                    del self._pending[entry.problem]
             if not self._stopped and any(e.dirty for e in self._pending.values()):
                 self._write()
 
         def failed(f):
             self._writing = None
-            for entry in written:
+            for entry, _ in written:
                 entry.dirty = True
             if stopped_ms is not None:
                 log.warn("The status page's last {n} problems were not kept in the "
@@ -151,6 +156,7 @@ class ProblemLog:
                 delay = self._outage.failed(f.value)
                 self._retry = self._clock.callLater(delay, self._write)
 
+        # (Its callbacks may run at once: it is _writing until they do.)
         d.addCallbacks(done, failed)
         return d
 

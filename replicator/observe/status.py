@@ -129,15 +129,16 @@ class StatusRecorder(TimerService):
         super().__init__(interval, self.sample)
         self.clock = clock
 
-    async def restore(self, journal) -> None:
+    async def restore(self, journal, started: Optional[float] = None) -> None:
         """Before the service starts: the problems ``journal`` kept from
-        before this start head the history, and every problem from now on
-        is written to it.  A history that cannot be read is logged, and the
-        page starts without it."""
+        before this start (at ``started``, by default now) head the
+        history, and every problem from now on is written to it.  A
+        history that cannot be read is logged, and the page starts without
+        it."""
         self.journal = journal
-        self.restored_at = self._clock.seconds()
+        self.restored_at = self._clock.seconds() if started is None else started
         try:
-            rows = await journal.load(MAX_PROBLEMS)
+            rows = await journal.load(MAX_PROBLEMS, self.restored_at)
         except Exception as e:
             log.error("The status page's problems from before this start could not be "
                       "read ({error}): the page starts without them",
