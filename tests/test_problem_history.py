@@ -24,7 +24,8 @@ from tests.harness import SyncPool
 from tests.servers import PostgresServer, free_port
 from tests.support import create_stream_tables
 from tests.test_cli import CACHES, Daemon, base_config, wait_for
-from tests.test_status_page import get
+from tests.cdp import chromium
+from tests.test_status_page import _Cells, get, run_chromium
 
 
 def link(text="replication not connected: upstream down"):
@@ -296,3 +297,12 @@ class RestartTests(SynchronousTestCase):
         self.assertIn(status_page.period(open_at_stop), page)
         self.assertIn("ongoing at the stop (", page)
         self.assertIn("stream caches: writer master never announced anything", page)
+        # And so does the page once its script refreshed it.
+        chromium()
+        dumped = run_chromium("--virtual-time-budget=10000", "--dump-dom", base + "/")
+        self.assertEqual(dumped.returncode, 0, dumped.stderr[-2000:])
+        dom = _Cells()
+        dom.feed(dumped.stdout)
+        self.assertIn("data-refreshed", dom.body, dumped.stdout[:3000])
+        self.assertIn("restart at ", dom.texts["problems"])
+        self.assertIn(status_page.period(open_at_stop), dom.texts["problems"])
