@@ -14,9 +14,11 @@ and when it ends, never in between (:mod:`replicator.observe.problem_log`).
 Bounded: every write keeps the last :data:`KEEP` rows of its instance (by
 ``started_ms``) and deletes the older ones in the same transaction.
 
-The table is created when a problem is first written (``CREATE TABLE IF
-NOT EXISTS``, as ``stream_audit``: any instance may be the first) and read
-only if it exists.  Statements run in a pool thread.
+The table is created when a problem is first written and it does not
+exist (``CREATE TABLE IF NOT EXISTS``, as ``stream_audit``: any instance
+may be the first; so a role without ``CREATE`` on the schema works on a
+table made for it) and read only if it exists.  Statements run in a pool
+thread.
 """
 
 from typing import Any, Dict, List, NamedTuple, Optional
@@ -73,8 +75,9 @@ def write(txn: Cursor, db: Database, instance: str, records: List[Record],
     """``records`` in order; then, with ``stopped_ms``, this run's rows still
     open are marked as open at that stop; then the instance's rows past the
     last ``keep`` are deleted."""
-    for statement in DDL:
-        txn.execute(statement)
+    if not exists(txn, db):
+        for statement in DDL:
+            txn.execute(statement)
     for r in records:
         if r.new:
             txn.execute(db.sql(
