@@ -219,6 +219,16 @@ class ProblemLogTests(SynchronousTestCase):
         self.flushLoggedErrors()
 
 
+class TableNameTests(SynchronousTestCase):
+    def test_a_stream_cannot_use_the_history_table(self):
+        from replicator.config import ConfigError
+
+        with self.assertRaises(ConfigError) as caught:
+            parse_streams([dict(CACHES, table="Replicator_Problems")])
+        self.assertEqual(str(caught.exception), "config: streams[0].table: "
+                         "'Replicator_Problems' is the replicator's own table")
+
+
 class RestartTests(SynchronousTestCase):
     def test_the_page_still_lists_the_problems_after_a_restart(self):
         """A worker whose master is not up yet: its link is down and the

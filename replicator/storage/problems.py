@@ -23,9 +23,10 @@ thread.
 
 from typing import Any, Dict, List, NamedTuple, Optional
 
+from ..config.model import PROBLEMS_TABLE
 from .database import Cursor, Database
 
-TABLE = "replicator_problems"
+TABLE = PROBLEMS_TABLE
 #: Rows kept per instance.
 KEEP = 200
 
