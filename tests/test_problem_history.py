@@ -20,11 +20,11 @@ from replicator.observe import status, status_page
 from replicator.observe.health import Finding
 from replicator.observe.problem_log import ProblemLog
 from replicator.storage.database import Database
+from tests.cdp import chromium
 from tests.harness import SyncPool
 from tests.servers import PostgresServer, free_port
 from tests.support import create_stream_tables
 from tests.test_cli import CACHES, Daemon, base_config, wait_for
-from tests.cdp import chromium
 from tests.test_status_page import _Cells, get, run_chromium
 
 
