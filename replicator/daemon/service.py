@@ -217,6 +217,7 @@ class Instance:
     # ------------------------------------------------------------- start
     async def start(self) -> None:
         config = self.config
+        started = self.reactor.seconds()
         files.warn_if_exposed(config.http.secret_file, "http.secret_file")
         await self._check_database()
         try:
@@ -293,6 +294,11 @@ class Instance:
                                 db=self.db, replication_status=self.replication_status,
                                 clock=self.reactor, health=self.health, status=recorder,
                                 writers=self.writers)
+            from ..observe.problem_log import ProblemLog
+
+            # The page's problems outlive a restart: those from before it first.
+            await recorder.restore(ProblemLog(self.db, config.instance_name, self.reactor,
+                                              redact=self.http.redact), started)
             recorder.setServiceParent(self.services)
             if any(stream.local_writers for stream in self.registry):
                 IdempotencyPruner(self.http.streams.idempotent.keys,

@@ -15,20 +15,26 @@ Parts:
   findings seen (a bounded ring of :class:`Problem`: from, to or ongoing,
   the latest line; a finding that goes on with other figures updates its
   entry; one that says when it began (``since``) starts there, and is a
-  new entry when that changes).
+  new entry when that changes).  Given a
+  :class:`replicator.observe.problem_log.ProblemLog` (:meth:`StatusRecorder.restore`),
+  it writes each problem to the database when it starts and when it ends,
+  and shows at a start the ones from before it (an entry ongoing when the
+  instance stopped is shown so, its end unknown).
 * :func:`snapshot` — the page's content as a JSON-able dict.
 * :mod:`.status_page` — the page rendered from it, its stylesheet and its
   script.
 
 Invariants: memory is bounded (``window / interval`` samples per configured
 key, :data:`MAX_PROBLEMS` problems; the handler keeps its own bounded ring
-of disconnects); nothing here blocks or touches the database.
+of disconnects); nothing here blocks or touches the database (the problem
+log writes in the pool, and only when a problem starts or ends).
 """
 
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from twisted.application.internet import TimerService
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from .. import __version__
@@ -56,9 +62,13 @@ Key = Tuple[str, str]
 
 class Problem:
     """One entry of "Recent problems": a finding from ``since`` to
-    ``until`` (None: ongoing), with its latest line."""
+    ``until`` (None: ongoing), with its latest line.  One from before this
+    start (``before_restart``) that had not ended is not ongoing: it was
+    ongoing at the stop, ``stopped_at`` (when the stop was recorded), else
+    some time before the restart at ``restarted_at``; its end is unknown."""
 
-    __slots__ = ("key", "since", "until", "reason", "fails_health")
+    __slots__ = ("key", "since", "until", "reason", "fails_health", "before_restart",
+                 "stopped_at", "restarted_at")
 
     def __init__(self, key, since: float, reason: str, fails_health: bool):
         self.key = key
@@ -66,10 +76,28 @@ class Problem:
         self.until: Optional[float] = None
         self.reason = reason
         self.fails_health = fails_health
+        self.before_restart = False
+        self.stopped_at: Optional[float] = None
+        self.restarted_at: Optional[float] = None
+
+    @classmethod
+    def from_row(cls, row: Dict[str, Any]) -> "Problem":
+        """One kept by an earlier run (:func:`replicator.storage.problems.load`)."""
+        def seconds(ms):
+            return None if ms is None else ms / 1000.0
+        p = cls((row["kind"], row["stream"], row["writer"]), row["started_ms"] / 1000.0,
+                row["text"], row["fails_health"])
+        p.until = seconds(row["ended_ms"])
+        p.before_restart = True
+        if p.until is None:
+            p.stopped_at = seconds(row["stopped_ms"])
+            p.restarted_at = seconds(row["restarted_ms"])
+        return p
 
     def as_dict(self) -> Dict[str, Any]:
         return {"at": self.since, "until": self.until, "reason": self.reason,
-                "fails_health": self.fails_health}
+                "fails_health": self.fails_health, "before_restart": self.before_restart,
+                "stopped_at": self.stopped_at, "restarted_at": self.restarted_at}
 
 
 class StatusRecorder(TimerService):
@@ -79,6 +107,7 @@ class StatusRecorder(TimerService):
     ``findings()`` returns the current :class:`replicator.observe.health.Finding` s.
     A finding is one problem for as long as its ``(kind, stream, writer)``
     is found at every sample; it ends at the first sample without it.
+    ``journal`` (:meth:`restore`) is told of each start and end.
     """
 
     def __init__(self, *, handler, findings: Callable[[], List[Finding]], clock,
@@ -92,8 +121,40 @@ class StatusRecorder(TimerService):
         self.lag: Dict[Key, Deque[Tuple[float, int]]] = {}
         self.problems: Deque[Problem] = deque(maxlen=MAX_PROBLEMS)
         self._ongoing: Dict[Any, Problem] = {}
+        #: The :class:`replicator.observe.problem_log.ProblemLog`, or None
+        #: (nothing kept across a restart).
+        self.journal = None
+        #: When the history from before this start was loaded (None: not).
+        self.restored_at: Optional[float] = None
         super().__init__(interval, self.sample)
         self.clock = clock
+
+    async def restore(self, journal, started: Optional[float] = None) -> None:
+        """Before the service starts: the problems ``journal`` kept from
+        before this start (at ``started``, by default now) head the
+        history, and every problem from now on is written to it.  A
+        history that cannot be read is logged, and the page starts without
+        it."""
+        self.journal = journal
+        self.restored_at = self._clock.seconds() if started is None else started
+        try:
+            rows = await journal.load(MAX_PROBLEMS, self.restored_at)
+        except Exception as e:
+            log.error("The status page's problems from before this start could not be "
+                      "read ({error}): the page starts without them",
+                      error=f"{type(e).__name__}: {str(e)[:300]}")
+            return
+        for row in rows:
+            self.problems.append(Problem.from_row(row))
+
+    def stopService(self):
+        stopped = super().stopService()
+        if self.journal is None:
+            return stopped
+        journal, ongoing = self.journal, bool(self._ongoing)
+        d = defer.maybeDeferred(lambda: stopped)
+        d.addCallback(lambda _: defer.ensureDeferred(journal.stop(ongoing)))
+        return d
 
     def sample(self) -> None:
         """One sample of every reader's lag and of the health findings."""
@@ -130,12 +191,21 @@ class StatusRecorder(TimerService):
                 # Ended between two samples and began again (a link that
                 # answered, then stopped): two problems, not one.
                 entry.until = max(entry.since, began) if began is not None else now
+                self._ended(entry)
             entry = self._ongoing[finding.key] = Problem(
                 finding.key, now if began is None else began, finding.text,
                 finding.fails_health)
             self.problems.append(entry)
+            if self.journal is not None:
+                self.journal.started(entry)
         for key in [k for k in self._ongoing if k not in seen]:
-            self._ongoing.pop(key).until = now
+            entry = self._ongoing.pop(key)
+            entry.until = now
+            self._ended(entry)
+
+    def _ended(self, entry: Problem) -> None:
+        if self.journal is not None:
+            self.journal.ended(entry)
 
     def history(self, key: Key) -> List[List[float]]:
         """``[[time, lag], ...]`` of the last ``window`` seconds, oldest first."""
@@ -257,6 +327,9 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
                      for f in findings],
         "problems": [dict(p.as_dict(), reason=redact(p.reason))
                      for p in reversed(recorder.problems)],
+        # This start: the problems with before_restart are from before it
+        # (null: the history is not kept across restarts).
+        "started_at": recorder.restored_at,
         "streams": streams,
         "connections": connections,
         "disconnects": [{"at": d[0], "peer": redact(d[1]), "address": d[2], "reason": d[3]}

@@ -130,21 +130,43 @@ def _disconnect_rows(snap: Dict[str, Any]) -> str:
                   for d in snap["disconnects"]], "none since start", 4)
 
 
-def period(at: float, until: Optional[float]) -> str:
-    """``2026-11-25 19:14:29 – 19:14:40 UTC`` (the end's date only if it
-    differs), or ``2026-11-25 19:14:29 UTC – ongoing``."""
-    if until is None:
-        return f"{_when(at)} – ongoing"
+def _span(at: float, until: float, end: str = "{}") -> str:
+    """``2026-11-25 19:14:29 – 19:14:40 UTC``: the end's date only if it
+    differs; ``end`` says what the end is (``{}``: its time)."""
     start = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))
-    end = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(until))
-    if end[:10] == start[:10]:
-        end = end[11:]
-    return f"{start} – {end}"
+    stop = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(until))
+    if stop[:10] == start[:10]:
+        stop = stop[11:]
+    return f"{start} – {end.format(stop)}"
+
+
+def period(p: Dict[str, Any]) -> str:
+    """When a problem (of ``/status.json``) was: ``2026-11-25 19:14:29 –
+    19:14:40 UTC``, ``2026-11-25 19:14:29 UTC – ongoing``, or, one from
+    before the restart that had not ended, ``2026-11-25 19:14:29 – ongoing
+    at the stop (19:20:03 UTC), end unknown`` (``not recorded, before the
+    restart at …`` when the stop did not say)."""
+    at, until = p["at"], p.get("until")
+    if until is not None:
+        return _span(at, until)
+    if p.get("before_restart"):
+        if p.get("stopped_at") is not None:
+            return _span(at, p["stopped_at"], "ongoing at the stop ({}), end unknown")
+        if p.get("restarted_at") is not None:
+            return _span(at, p["restarted_at"], "ongoing at the stop (not recorded, before "
+                                                "the restart at {}), end unknown")
+        return f"{_when(at)} – ongoing at the stop, end unknown"
+    return f"{_when(at)} – ongoing"
 
 
 def _problem_rows(snap: Dict[str, Any]) -> str:
-    rows = [f'<li><time>{_e(period(p["at"], p.get("until")))}</time> {_e(p["reason"])}</li>'
-            for p in snap["problems"]]
+    rows, marked = [], False
+    for p in snap["problems"]:
+        if p.get("before_restart") and not marked and snap.get("started_at") is not None:
+            rows.append(f'<li class="restart">restart at {_e(_when(snap["started_at"]))}: '
+                        'the problems below are from before it</li>')
+            marked = True
+        rows.append(f'<li><time>{_e(period(p))}</time> {_e(p["reason"])}</li>')
     return "".join(rows) or "<li>none since start</li>"
 
 
@@ -210,6 +232,7 @@ body.stale main{opacity:.45}
 #verdict{font-size:16px;margin:4px 0}.spark{vertical-align:middle;margin-left:6px;color:#1f5fbf}
 .lag{display:inline-block;min-width:3em;text-align:right}
 ul{padding-left:18px}time{color:#666;margin-right:6px}
+li.restart{list-style:none;margin:6px 0 2px -18px;color:#666;border-top:1px solid #ddd}
 @media (max-width:700px){
  thead{display:none}table,tbody,tr,td{display:block;width:auto}
  tr{border:1px solid #ddd;margin:0 0 8px;padding:4px}
@@ -233,10 +256,24 @@ SCRIPT = b"""'use strict';
     if (t < 3600) { return Math.floor(t / 60) + 'm' + String(t % 60).padStart(2, '0') + 's'; }
     return Math.floor(t / 3600) + 'h' + String(Math.floor(t % 3600 / 60)).padStart(2, '0') + 'm';
   }
-  function period(at, until) {
-    if (until == null) { return when(at) + ' \u2013 ongoing'; }
-    var start = when(at).slice(0, 19), end = when(until);
-    return start + ' \u2013 ' + (end.slice(0, 10) === start.slice(0, 10) ? end.slice(11) : end);
+  function span(at, until, end) {
+    var start = when(at).slice(0, 19), stop = when(until);
+    stop = stop.slice(0, 10) === start.slice(0, 10) ? stop.slice(11) : stop;
+    return start + ' \u2013 ' + (end || '{}').replace('{}', stop);
+  }
+  function period(p) {
+    if (p.until != null) { return span(p.at, p.until); }
+    if (p.before_restart) {
+      if (p.stopped_at != null) {
+        return span(p.at, p.stopped_at, 'ongoing at the stop ({}), end unknown');
+      }
+      if (p.restarted_at != null) {
+        return span(p.at, p.restarted_at,
+          'ongoing at the stop (not recorded, before the restart at {}), end unknown');
+      }
+      return when(p.at) + ' \u2013 ongoing at the stop, end unknown';
+    }
+    return when(p.at) + ' \u2013 ongoing';
   }
   function linearText(st) {
     var h = st.linear_holder;
@@ -373,10 +410,19 @@ SCRIPT = b"""'use strict';
     }), 'none since start', 4);
     var list = document.getElementById('problems');
     var items = document.createDocumentFragment();
+    var marked = false;
     s.problems.forEach(function (p) {
+      if (p.before_restart && !marked && s.started_at != null) {
+        var mark = document.createElement('li');
+        mark.className = 'restart';
+        mark.textContent = 'restart at ' + when(s.started_at) +
+          ': the problems below are from before it';
+        items.appendChild(mark);
+        marked = true;
+      }
       var li = document.createElement('li');
       var t = document.createElement('time');
-      t.textContent = period(p.at, p.until);
+      t.textContent = period(p);
       li.appendChild(t);
       li.appendChild(document.createTextNode(' ' + p.reason));
       items.appendChild(li);
