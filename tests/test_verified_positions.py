@@ -358,3 +358,15 @@ class KeptFindingTests(SynchronousTestCase):
         self.assertFalse(rewound.handler.gaps.stopped("caches"))
         after = h.instance("master", [MemoryConsumer(positions={key: 60})])
         self.assertIsNone(after.handler.gaps.mismatch("caches", "worker1"))
+
+
+class AuditTableNameTests(SynchronousTestCase):
+    def test_a_stream_cannot_take_the_table_of_the_findings(self):
+        from replicator.config import ConfigError
+        from replicator.config.streams import parse_stream
+
+        with self.assertRaises(ConfigError) as caught:
+            parse_stream({"name": "s", "table": "Stream_Audit", "columns": [{"v": "text"}],
+                          "writers": ["master"]}, "streams[0]")
+        self.assertEqual(str(caught.exception), "config: streams[0].table: "
+                         "'Stream_Audit' is the replicator's own table")

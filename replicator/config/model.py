@@ -17,6 +17,9 @@ IDEMPOTENCY_TABLE = "stream_idempotency"
 #: The table the status page's problem history is kept in
 #: (:mod:`replicator.storage.problems`).
 PROBLEMS_TABLE = "replicator_problems"
+#: The table the delivery audit's findings are kept in
+#: (:mod:`replicator.storage.findings`).
+AUDIT_TABLE = "stream_audit"
 #: The column of a table the replicator owns (:attr:`StreamConfig.owns_table`)
 #: holding each row's place in its fact (0, 1, ...), in the order the writer
 #: gave the rows: what every read of the table orders a fact's rows by.

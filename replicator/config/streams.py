@@ -21,6 +21,7 @@ from .fields import (
     sql_name,
 )
 from .model import (
+    AUDIT_TABLE,
     COLUMN_TYPES,
     IDEMPOTENCY_TABLE,
     POSITIONS_TABLE,
@@ -203,7 +204,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     table = get_str(section, "table", key, pattern=IDENTIFIER, what="an SQL identifier")
     sql_name(table, f"{key}.table")
     if table.lower() in (POSITIONS_TABLE, SCHEMA_TABLE, RETENTION_TABLE,
-                         IDEMPOTENCY_TABLE, PROBLEMS_TABLE):
+                         IDEMPOTENCY_TABLE, PROBLEMS_TABLE, AUDIT_TABLE):
         raise ConfigError(f"{key}.table", f"{table!r} is the replicator's own table")
     id_column = get_str(section, "id_column", key, "stream_id", IDENTIFIER, "an SQL identifier")
     sql_name(id_column, f"{key}.id_column")

@@ -19,9 +19,10 @@ pool thread.
 import json
 from typing import Any, Dict, List
 
+from ..config.model import AUDIT_TABLE
 from .database import Cursor, Database
 
-TABLE = "stream_audit"
+TABLE = AUDIT_TABLE
 
 DDL = f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
