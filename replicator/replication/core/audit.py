@@ -44,6 +44,7 @@ Invariants:
 """
 
 import hashlib
+import json
 import random
 from array import array
 from collections import deque
@@ -75,12 +76,16 @@ SAMPLE = 16
 
 def rows_digest(rows: Sequence[Any]) -> int:
     """A digest of a fact's rows, whatever their order (Synapse's tables
-    give one ID's rows in heap order): the sum of each row's."""
+    give one ID's rows in heap order): the sum of each row's.  A row orjson
+    cannot encode (a lone surrogate in a string, which JSON allows) is
+    encoded by the standard library, which escapes it."""
     total = 0
     for row in rows:
-        total += int.from_bytes(
-            hashlib.blake2b(orjson.dumps(row, option=orjson.OPT_SORT_KEYS),
-                            digest_size=8).digest(), "big")
+        try:
+            encoded = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # (orjson.JSONEncodeError)
+            encoded = json.dumps(row, sort_keys=True).encode()
+        total += int.from_bytes(hashlib.blake2b(encoded, digest_size=8).digest(), "big")
     return total & 0xFFFF_FFFF_FFFF_FFFF
 
 
@@ -174,10 +179,14 @@ class DeliveredLog:
         self._seen += 1
         sample = self._sample
         if len(sample) < SAMPLE:
-            sample[token] = rows_digest(rows)
+            digest = _digest_or_none(rows)
+            if digest is not None:
+                sample[token] = digest
         elif random.random() * self._seen < SAMPLE:
-            del sample[random.choice(list(sample))]
-            sample[token] = rows_digest(rows)
+            digest = _digest_or_none(rows)
+            if digest is not None:
+                del sample[random.choice(list(sample))]
+                sample[token] = digest
 
     def restart(self, position: Optional[int]) -> None:
         """Forget the open window; the next starts at ``position`` (a
@@ -202,6 +211,15 @@ class DeliveredLog:
 
     def __len__(self) -> int:
         return len(self._ids)
+
+
+def _digest_or_none(rows: Sequence[Any]) -> Optional[int]:
+    """:func:`rows_digest`, or None (not sampled) for rows it cannot take:
+    the audit never stands in the way of a delivery."""
+    try:
+        return rows_digest(rows)
+    except Exception:
+        return None
 
 
 def delivered_tally(window: Window, above: int) -> Tally:
@@ -380,8 +398,10 @@ class Auditor(Service):
             if token <= since:
                 continue
             facts, _, _ = await stream.fact_page(writer, token - 1, token, 1)
-            if facts and facts[0][0] == token and rows_digest(facts[0][1]) != digest:
-                altered.append(token)
+            if facts and facts[0][0] == token:
+                held = _digest_or_none(facts[0][1])
+                if held is not None and held != digest:
+                    altered.append(token)
         if altered:
             metrics.AUDIT_ALTERED.labels(stream.name).inc(len(altered))
         return altered
