@@ -97,6 +97,8 @@ class SigningTests(TestCase):
         # REPLICATE claims nothing: it goes bare and is taken bare.
         self.assertEqual(self.sign(self.master, ["REPLICATE"]), [b"REPLICATE"])
         self.assertEqual(self.check([b"REPLICATE"]), ["REPLICATE"])
+        # As instances and Synapse publish it: with a trailing space.
+        self.assertEqual(self.check([b"REPLICATE "]), ["REPLICATE"])
         # Our own echo is dropped before any check, uncounted.
         reader_private, _ = load_keys(keys_for(self.paths, "reader"), "k")
         echo = self.sign(Signer(reader_private, "reader"), ["FEDERATION_ACK reader 3"])

@@ -245,7 +245,7 @@ class Verifier:
         raw = message if isinstance(message, bytes) else message.encode("utf-8",
                                                                          "surrogatepass")
         if not raw.startswith(PREFIX):
-            if raw.rstrip(b"\r\n") == b"REPLICATE":
+            if raw.rstrip() == b"REPLICATE":  # (Synapse and we send "REPLICATE ")
                 return Verified("REPLICATE")  # claims nothing (see the module)
             if self.accept_unsigned:
                 metrics.REDIS_UNSIGNED_ACCEPTED.inc()
