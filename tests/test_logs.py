@@ -185,6 +185,25 @@ class RedactorTests(SynchronousTestCase):
         self.assertEqual(redact.path(b"/a%3F%61ccess_token%3Dabc%3Flimit=1"),
                          "/a%3F%61ccess_token%3D[redacted]")
 
+    def test_a_secret_cut_by_an_excerpt_is_hidden_too(self):
+        """An error message quotes a client's value cut at 60 characters
+        (``unknown stream 'aaa...<secret cut>'...``): no run of 8 of the
+        secret's characters is shown, at either end of the cut."""
+        from replicator.http.answers import excerpt
+
+        secret = "4p2m_5bIcPqJXWrI4hTahRGdPgvvSNuQqGyZk1Lr0aQ"
+        redact = Redactor([secret])
+        for prefix in ("a" * 25, "caches?access_token=", "x" * 50):
+            text = f"unknown stream {excerpt(prefix + secret)}"
+            shown = redact(text)
+            runs = [secret[i:i + 8] for i in range(len(secret) - 7)]
+            self.assertEqual([r for r in runs if r in shown], [], shown)
+            self.assertIn("[redacted]", shown)
+        tail = redact("the end of it: " + secret[-20:])
+        self.assertNotIn(secret[-20:-12], tail)
+        # Short hidden strings (a Redis password) are hidden whole only.
+        self.assertEqual(Redactor(["hunter2pw"])("a hunter2 b"), "a hunter2 b")
+
     def test_long_paths_are_cut_after_redaction(self):
         secret = "s3cret value"
         redact = Redactor([secret])

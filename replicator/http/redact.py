@@ -76,6 +76,14 @@ def _merged(marks: Spans) -> Spans:
     return merged
 
 
+#: Runs of this many characters of a hidden string are hidden too, for
+#: hidden strings of at least :data:`FRAGMENTED` characters (a random
+#: secret's 8 characters appear in other text by chance about never; a
+#: short password is hidden whole only).
+FRAGMENT = 8
+FRAGMENTED = 16
+
+
 class Redactor:
     """Removes hidden strings (the secrets, the Redis password), in any
     spelling, from text shown in answers and logs; and credentials'
@@ -156,12 +164,37 @@ class Redactor:
         if "%" not in text and (keep is None or len(text) <= keep):
             for hidden in self._hidden:
                 text = text.replace(hidden, REDACTED)
-            return text
+            return self._without_fragments(text)
         data = self._redact_bytes(text.encode("utf-8", "surrogatepass"), keep=keep)
         try:
-            return data.decode("utf-8", "surrogatepass")
+            text = data.decode("utf-8", "surrogatepass")
         except UnicodeDecodeError:  # a cut in a character, or odd bytes decoded
-            return data.decode("utf-8", "replace")
+            text = data.decode("utf-8", "replace")
+        return self._without_fragments(text)
+
+    def _without_fragments(self, text: str) -> str:
+        """``text`` without a run of :data:`FRAGMENT` characters of a hidden
+        string of :data:`FRAGMENTED` or more: a value an error message cut
+        (``excerpt``) may end or begin inside a secret, which the search
+        for the whole of it then misses."""
+        for hidden in self._hidden:
+            if len(hidden) < FRAGMENTED:
+                continue
+            spans = []
+            for i in range(len(hidden) - FRAGMENT + 1):
+                fragment = hidden[i:i + FRAGMENT]
+                at = text.find(fragment)
+                while at >= 0:
+                    spans.append((at, at + FRAGMENT))
+                    at = text.find(fragment, at + 1)
+            if spans:
+                out, pos = [], 0
+                for start, stop in _merged(spans):
+                    out += [text[pos:start], REDACTED]
+                    pos = stop
+                out.append(text[pos:])
+                text = "".join(out)
+        return text
 
     def lines(self, text: str) -> str:
         """``text`` without a hidden string in any spelling, its lines kept."""
