@@ -793,7 +793,8 @@ class StoppedReaderTests(SynchronousTestCase):
         at = skip_line["skip"]["at"]
         self.assertEqual(skip_line, {"stream": "events", "writer": "master", "position": to,
                                      "skip": {"from": position, "facts": 0,
-                                              "trimmed_through": to, "at": at}})
+                                              "trimmed_through": to, "at": at,
+                                              "to": "boundary"}})
 
         # No more writes: the trimmer settles with the 5 newest facts kept,
         # past where the skip went; the same command, pasted again, works
@@ -834,3 +835,105 @@ class StoppedReaderTests(SynchronousTestCase):
         self.assertIn(f"verify: EQUAL: {len(left) + 1} facts, each exactly once, in order, "
                       f"whole ({len(first)} trimmed from the table, not compared; 0 facts "
                       f"skipped by rewind --skip-to at {at}, {at2})", done.stdout)
+
+    def test_a_pasted_skip_to_boundary_converges_however_fast_retention_runs(self):
+        """Retention keeps a fraction of a second of facts, writes go on:
+        the worker, held stopped after the pasted ``--skip-to boundary``
+        until the trimmer passed its new position, comes back without a new
+        gap: the daemon skips to the boundary again (the operator accepted
+        what retention trims before the reader reads), one log line and one
+        skip line say so, verify reports it, and every fact above the
+        boundaries skipped to is in the file exactly once, in order."""
+        rep_port = free_port()
+        streams = [dict(events(max_facts=20, interval=1, batch=10), writers=["master"])]
+        master = Daemon(self, base_config(
+            "master", free_port(), streams, database={"postgres": self.dsn},
+            replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"}), "master").start()
+        worker = Daemon(self, base_config(
+            "worker1", free_port(), streams, database={"postgres": self.dsn},
+            replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}"},
+            consumers=[{"type": "jsonl", "path": "facts.jsonl"}]), "worker1").start()
+        path = os.path.join(worker.dir, "facts.jsonl")
+        written, stop = [], threading.Event()
+
+        def write_on():
+            while not stop.is_set():
+                written.append(self.write(master, "events", [["w", len(written)]]))
+                stop.wait(0.02)
+
+        writes = threading.Thread(target=write_on)
+        writes.start()
+
+        def stop_writing():
+            stop.set()
+            writes.join()
+        self.addCleanup(stop_writing)
+        wait_for(lambda: len(self.tokens(worker, "events")) >= 5, 60, "the worker reads")
+        worker.kill(signal.SIGTERM)
+        first = self.tokens(worker, "events")
+        wait_for(lambda: self.snapshot()[0] > first[-1], 60, "a trim past the worker")
+
+        # The gap and the command it names.
+        worker.start()
+        wait_for(lambda: _status(worker) == 503, 60, "the gap")
+        try:
+            http(worker.http_base + "/health")
+        except urllib.error.HTTPError as e:
+            reason = json.loads(e.read())["reason"]
+        args = shlex.split(re.search(r"run `replicator (rewind [^`]*)`", reason).group(1))
+        self.assertEqual(args[-2:], ["--skip-to", "boundary"], reason)
+        worker.kill(signal.SIGTERM)
+        done = cli(*args, cwd=worker.dir)
+        self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
+        pasted = int(re.search(r"position \d+ -> (\d+):", done.stdout).group(1))
+        # Held stopped while the trimmer passes the new position.
+        wait_for(lambda: self.snapshot()[0] > pasted, 60, "a trim past the pasted skip")
+        worker.start()
+        accepted = "had accepted that loss"
+        wait_for(lambda: accepted in worker.output() or _status(worker) == 503, 60,
+                 "the worker skips again or stops")
+        self.assertIn(accepted, worker.output(), worker.output()[-3000:])
+        wait_for(lambda: _status(worker) == 200, 60, "the worker healthy")
+        stop_writing()
+        last = written[-1]
+        wait_for(lambda: self.tokens(worker, "events")[-1:] == [last], 60, "caught up")
+        self.assertEqual(_status(worker), 200)
+        for d in (master, worker):
+            d.kill(signal.SIGTERM)
+            self.assertEqual(d.proc.returncode, 0, d.output()[-2000:])
+        self.assertNotIn("the stream is stopped here", worker.output().split(accepted)[-1])
+
+        with open(path) as f:
+            lines = [json.loads(line) for line in f]
+        skips = [line for line in lines if "skip" in line]
+        self.assertEqual(skips[0]["position"], pasted)
+        self.assertGreaterEqual(len(skips), 2, skips)
+        boundaries = {int(b) for b in re.findall(r"the trim boundary is (\d+)", master.output())}
+        for before, skip in zip(skips, skips[1:]):
+            # Each automatic skip: from where the previous one went to a
+            # boundary the trimmer had made (every fact up to it gone).
+            at = skip["skip"]["at"]
+            self.assertEqual(skip, {"stream": "events", "writer": "master",
+                                    "position": skip["position"],
+                                    "skip": {"from": before["position"], "facts": 0,
+                                             "trimmed_through": skip["position"], "at": at,
+                                             "to": "boundary"}})
+            self.assertGreater(skip["position"], before["position"])
+            self.assertIn(skip["position"], boundaries)
+        self.assertEqual(worker.output().count(accepted), len(skips) - 1)
+        # Nothing after the first automatic skip but facts above the last one.
+        after = lines[lines.index(skips[1]):]
+        self.assertEqual([e["position"] for e in after if "skip" in e],
+                         [s["position"] for s in skips[1:]])
+        to = skips[-1]["position"]
+        self.assertEqual(self.tokens(worker, "events"),
+                         first + [i for i in sorted(written) if i > to])
+
+        done = cli("verify", "-c", worker.path, "0", cwd=worker.dir)
+        self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
+        for before, skip in zip(skips, skips[1:]):
+            self.assertIn(f"    skipped by rewind --skip-to at {skip['skip']['at']}: facts "
+                          f"{before['position'] + 1} to {skip['position']}, 0 of them in the "
+                          f"table then (facts up to {skip['position']} were trimmed by "
+                          f"retention)\n", done.stdout)
+        self.assertIn("verify: EQUAL: ", done.stdout)
