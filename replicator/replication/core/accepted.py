@@ -19,7 +19,7 @@ stopping.  Otherwise the gap is raised as before and the stream stops
 boundary is gone, and every consumer that needed one of them had accepted.
 """
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
 
 from twisted.logger import Logger
 
@@ -38,8 +38,8 @@ def _behind(consumers: Sequence[Consumer], key: Tuple[str, str], boundary: int
     accepted the gap (and there is one), else None."""
     behind: List[Consumer] = []
     for consumer in consumers:
-        accepted = (consumer.accepted_gap(*key) if IAcceptsTrimmed.providedBy(consumer)
-                    else None)
+        accepted = (cast(Any, consumer).accepted_gap(*key)
+                    if IAcceptsTrimmed.providedBy(consumer) else None)
         if accepted is not None:
             if accepted < boundary:
                 behind.append(consumer)
@@ -60,7 +60,7 @@ def accepting(source: Source, stream: str, writer: str,
     module docstring)."""
     key = (stream, writer)
 
-    async def read(writer_: str, since: int, until: int, limit: int):
+    async def read(writer_: str, since: int, until: int, limit: int) -> Any:
         while True:
             try:
                 return await maybe_await(source(writer_, since, until, limit))
@@ -70,7 +70,8 @@ def accepting(source: Source, stream: str, writer: str,
                 if behind is None:
                     raise
                 for consumer in behind:
-                    await maybe_await(consumer.skip_trimmed(stream, writer, gap.boundary))
+                    await maybe_await(cast(Any, consumer).skip_trimmed(stream, writer,
+                                                                       gap.boundary))
                 log.warn("stream {stream}: facts of writer {writer} after {since} up to "
                          "{boundary} were trimmed by retention; {who} had accepted that loss "
                          "(replicator rewind --skip-to boundary, nothing delivered since): "
