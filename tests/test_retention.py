@@ -24,8 +24,12 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator.config import ConfigError, parse_database, parse_stream, parse_streams
 from replicator.consumers import MemoryConsumer
+from replicator.consumers.file_thread import run_inline
+from replicator.consumers.jsonl import JsonlConsumer
 from replicator.observe import metrics
 from replicator.observe.health import HealthMonitor
+from replicator.replication.core.accepted import accepting
+from replicator.replication.core.delivery import delivery_for
 from replicator.replication.core.gaps import TrimGaps
 from replicator.replication.core.reader import Reader
 from replicator.storage import schema
@@ -312,6 +316,131 @@ class GapReaderTests(SynchronousTestCase):
             self.clock.advance(0)  # the reactor's turn between pages
         self.assertEqual(self.delivered, [7, 8, 9, 10])
         self.assertIsNone(reader.gap)
+
+
+class AcceptedGapTests(SynchronousTestCase):
+    """A gap below a consumer whose position a ``--skip-to boundary`` set,
+    nothing delivered since, is skipped to the boundary for it (a skip
+    line), once per trim, until a fact is delivered; a consumer that did
+    not accept keeps the stream stopping (in memory, a real file)."""
+
+    def setUp(self):
+        self.clock = Clock()
+        self.boundary = 6  # facts 1..20 exist; up to the boundary trimmed
+        self.gaps = []
+        self.path = os.path.join(tempfile.mkdtemp(), "facts.jsonl")
+
+    def source(self, writer, since, until, limit):
+        if self.boundary > since:
+            return defer.fail(FactsTrimmed("events", writer, since, self.boundary))
+        facts = [(t, [["x", t]]) for t in range(since + 1, min(until, since + limit) + 1)]
+        return defer.succeed((facts, facts[-1][0] if facts else until, False))
+
+    def consumer(self):
+        consumer = JsonlConsumer(self.path, self.clock, run_io=run_inline)
+        self.addCleanup(consumer.close)
+        return consumer
+
+    def pasted(self, to, boundary=True):
+        """What ``replicator rewind --skip-to`` does to the file."""
+        consumer = JsonlConsumer(self.path, self.clock, run_io=run_inline)
+        note = {"from": 2, "facts": 0, "trimmed_through": to, "at": "T",
+                **({"to": "boundary"} if boundary else {})}
+        consumer.skip({("events", "master"): to}, {("events", "master"): note})
+        consumer.close()
+
+    def reader(self, consumers, position):
+        deliver, deliver_many, reached = delivery_for("events", "master", consumers)
+        return Reader("events", "master", position,
+                      source=accepting(self.source, "events", "master", lambda: consumers),
+                      deliver=deliver, deliver_many=deliver_many, reached=reached,
+                      clock=self.clock, fetch_limit=3, on_gap=self.gaps.append)
+
+    def lines(self):
+        with open(self.path) as f:
+            return [json.loads(line) for line in f]
+
+    def turns(self):
+        for _ in range(10):
+            self.clock.advance(0)
+
+    def test_the_gap_met_after_a_pasted_skip_to_boundary_is_skipped(self):
+        first = self.consumer()
+        first.on_facts("events", "master", 2, [["x", 2]])
+        first.close()
+        self.pasted(4)  # the boundary when pasted; the trimmer went on to 6
+        consumer = self.consumer()  # (a restart: the state file says so)
+        self.assertEqual(consumer.accepted_gap("events", "master"), 4)
+        reader = self.reader([consumer], 4)
+        reader.position_line(FakeConnection(), 10, 10)
+        self.turns()
+        self.assertEqual((self.gaps, reader.position), ([], 10))
+        consumer.flush()
+        lines = self.lines()
+        self.assertEqual(lines[-5], {"stream": "events", "writer": "master", "position": 6,
+                                     "skip": {"from": 4, "facts": 0, "trimmed_through": 6,
+                                              "at": "1970-01-01T00:00:00Z",
+                                              "to": "boundary"}})
+        self.assertEqual([e["token"] for e in lines[-4:]], [7, 8, 9, 10])
+        # Spent: a fact was delivered after it; the next gap stops the stream.
+        self.assertIsNone(consumer.accepted_gap("events", "master"))
+        self.boundary = 15
+        reader.position_line(FakeConnection(), 20, 20)
+        self.turns()
+        self.assertEqual([(g.since, g.boundary) for g in self.gaps], [(10, 15)])
+        self.assertEqual(reader.position, 10)
+
+    def test_each_trim_before_a_fact_is_skipped_again(self):
+        self.pasted(4)
+        consumer = self.consumer()
+        sources = []
+
+        def trimming(writer, since, until, limit):
+            sources.append(since)
+            if len(sources) <= 2:
+                self.boundary += 3  # the trimmer passes every position read
+            return self.source(writer, since, until, limit)
+
+        reader = self.reader([consumer], 4)
+        reader._source = accepting(trimming, "events", "master", lambda: [consumer])
+        reader.position_line(FakeConnection(), 20, 20)
+        self.turns()
+        self.assertEqual(self.gaps, [])
+        consumer.flush()
+        skips = [(e["skip"]["from"], e["position"]) for e in self.lines() if "skip" in e]
+        self.assertEqual(skips, [(2, 4), (4, 9), (9, 12)])
+        facts = [e["token"] for e in self.lines() if "rows" in e]
+        self.assertEqual(facts, list(range(13, 21)))
+
+    def test_a_consumer_that_did_not_accept_keeps_the_gap(self):
+        self.pasted(4, boundary=False)  # --skip-to 4: that loss only
+        consumer = self.consumer()
+        self.assertIsNone(consumer.accepted_gap("events", "master"))
+        reader = self.reader([consumer], 4)
+        reader.position_line(FakeConnection(), 10, 10)
+        self.turns()
+        self.assertEqual([(g.since, g.boundary) for g in self.gaps], [(4, 6)])
+        self.assertEqual([e for e in self.lines() if "rows" in e], [])
+        # Nor one accepted beside one behind that did not.
+        self.gaps.clear()
+        consumer.close()
+        self.pasted(5)
+        accepted = self.consumer()
+        other = MemoryConsumer({("events", "master"): 3})
+        reader = self.reader([accepted, other], 3)
+        reader.position_line(FakeConnection(), 10, 10)
+        self.turns()
+        self.assertEqual([(g.since, g.boundary) for g in self.gaps], [(3, 6)])
+        self.assertEqual(accepted.accepted_gap("events", "master"), 5)
+        self.assertEqual(other.facts, [])
+
+    def test_a_position_spends_it_and_a_restart_keeps_that(self):
+        self.pasted(4)
+        consumer = self.consumer()
+        consumer.on_position("events", "master", 5)
+        self.assertIsNone(consumer.accepted_gap("events", "master"))
+        consumer.close()
+        self.assertIsNone(self.consumer().accepted_gap("events", "master"))
 
 
 class GapHealthTests(SynchronousTestCase):
@@ -793,7 +922,8 @@ class StoppedReaderTests(SynchronousTestCase):
         at = skip_line["skip"]["at"]
         self.assertEqual(skip_line, {"stream": "events", "writer": "master", "position": to,
                                      "skip": {"from": position, "facts": 0,
-                                              "trimmed_through": to, "at": at}})
+                                              "trimmed_through": to, "at": at,
+                                              "to": "boundary"}})
 
         # No more writes: the trimmer settles with the 5 newest facts kept,
         # past where the skip went; the same command, pasted again, works
@@ -834,3 +964,111 @@ class StoppedReaderTests(SynchronousTestCase):
         self.assertIn(f"verify: EQUAL: {len(left) + 1} facts, each exactly once, in order, "
                       f"whole ({len(first)} trimmed from the table, not compared; 0 facts "
                       f"skipped by rewind --skip-to at {at}, {at2})", done.stdout)
+
+    def test_a_pasted_skip_to_boundary_converges_however_fast_retention_runs(self):
+        """Retention keeps a fraction of a second of facts, writes go on:
+        the worker, held stopped after the pasted ``--skip-to boundary``
+        until the trimmer passed its new position, comes back without a new
+        gap: the daemon skips to the boundary again (the operator accepted
+        what retention trims before the reader reads), one log line and one
+        skip line say so, verify reports it, and every fact above the
+        boundaries skipped to is in the file exactly once, in order."""
+        rep_port = free_port()
+        streams = [dict(events(max_facts=20, interval=1, batch=10), writers=["master"])]
+        master = Daemon(self, base_config(
+            "master", free_port(), streams, database={"postgres": self.dsn},
+            replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"}), "master").start()
+        worker = Daemon(self, base_config(
+            "worker1", free_port(), streams, database={"postgres": self.dsn},
+            replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}"},
+            consumers=[{"type": "jsonl", "path": "facts.jsonl"}]), "worker1").start()
+        path = os.path.join(worker.dir, "facts.jsonl")
+        written, stop = [], threading.Event()
+
+        def write_on():
+            while not stop.is_set():
+                written.append(self.write(master, "events", [["w", len(written)]]))
+                stop.wait(0.02)
+
+        writes = threading.Thread(target=write_on)
+        writes.start()
+
+        def stop_writing():
+            stop.set()
+            writes.join()
+        self.addCleanup(stop_writing)
+        wait_for(lambda: len(self.tokens(worker, "events")) >= 5, 60, "the worker reads")
+        worker.kill(signal.SIGTERM)
+        first = self.tokens(worker, "events")
+        wait_for(lambda: self.snapshot()[0] > first[-1], 60, "a trim past the worker")
+
+        # The gap and the command it names.
+        worker.start()
+        wait_for(lambda: _status(worker) == 503, 60, "the gap")
+        try:
+            http(worker.http_base + "/health")
+        except urllib.error.HTTPError as e:
+            reason = json.loads(e.read())["reason"]
+        args = shlex.split(re.search(r"run `replicator (rewind [^`]*)`", reason).group(1))
+        self.assertEqual(args[-2:], ["--skip-to", "boundary"], reason)
+        worker.kill(signal.SIGTERM)
+        done = cli(*args, cwd=worker.dir)
+        self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
+        pasted = int(re.search(r"position \d+ -> (\d+):", done.stdout).group(1))
+        # Held stopped while the trimmer passes the new position.
+        wait_for(lambda: self.snapshot()[0] > pasted, 60, "a trim past the pasted skip")
+        worker.start()
+        accepted = "had accepted that loss"
+        wait_for(lambda: accepted in worker.output() or _status(worker) == 503, 60,
+                 "the worker skips again or stops")
+        self.assertIn(accepted, worker.output(), worker.output()[-3000:])
+        wait_for(lambda: _status(worker) == 200, 60, "the worker healthy")
+        # verify beside the running worker, retention trimming on: never a
+        # false difference (a fact just appended, or just trimmed).
+        for _ in range(3):
+            done = cli("verify", "-c", worker.path, "0", cwd=worker.dir)
+            self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
+            self.assertIn("verify: EQUAL: ", done.stdout)
+        stop_writing()
+        last = written[-1]
+        wait_for(lambda: self.tokens(worker, "events")[-1:] == [last], 60, "caught up")
+        self.assertEqual(_status(worker), 200)
+        for d in (master, worker):
+            d.kill(signal.SIGTERM)
+            self.assertEqual(d.proc.returncode, 0, d.output()[-2000:])
+        self.assertNotIn("the stream is stopped here", worker.output().split(accepted)[-1])
+
+        with open(path) as f:
+            lines = [json.loads(line) for line in f]
+        skips = [line for line in lines if "skip" in line]
+        self.assertEqual(skips[0]["position"], pasted)
+        self.assertGreaterEqual(len(skips), 2, skips)
+        boundaries = {int(b) for b in re.findall(r"the trim boundary is (\d+)", master.output())}
+        for before, skip in zip(skips, skips[1:]):
+            # Each automatic skip: from where the previous one went to a
+            # boundary the trimmer had made (every fact up to it gone).
+            at = skip["skip"]["at"]
+            self.assertEqual(skip, {"stream": "events", "writer": "master",
+                                    "position": skip["position"],
+                                    "skip": {"from": before["position"], "facts": 0,
+                                             "trimmed_through": skip["position"], "at": at,
+                                             "to": "boundary"}})
+            self.assertGreater(skip["position"], before["position"])
+            self.assertIn(skip["position"], boundaries)
+        self.assertEqual(worker.output().count(accepted), len(skips) - 1)
+        # Nothing after the first automatic skip but facts above the last one.
+        after = lines[lines.index(skips[1]):]
+        self.assertEqual([e["position"] for e in after if "skip" in e],
+                         [s["position"] for s in skips[1:]])
+        to = skips[-1]["position"]
+        self.assertEqual(self.tokens(worker, "events"),
+                         first + [i for i in sorted(written) if i > to])
+
+        done = cli("verify", "-c", worker.path, "0", cwd=worker.dir)
+        self.assertEqual((done.returncode, done.stderr), (0, ""), done.stdout)
+        for before, skip in zip(skips, skips[1:]):
+            self.assertIn(f"    skipped by rewind --skip-to at {skip['skip']['at']}: facts "
+                          f"{before['position'] + 1} to {skip['position']}, 0 of them in the "
+                          f"table then (facts up to {skip['position']} were trimmed by "
+                          f"retention)\n", done.stdout)
+        self.assertIn("verify: EQUAL: ", done.stdout)

@@ -39,6 +39,22 @@ class IBatchConsumer(IConsumer):
         """Facts in token order, each ``(token, rows)``, as one call."""
 
 
+class IAcceptsTrimmed(IConsumer):
+    """A consumer whose operator can accept a retention gap in advance
+    (``replicator rewind --skip-to boundary``): a reader that meets a gap
+    below its position then skips to the boundary for it, instead of
+    stopping (:mod:`replicator.replication.core.accepted`)."""
+
+    def accepted_gap(stream, writer):
+        """The key's position if the operator accepted whatever retention
+        trims past it and nothing was handed on since, else None."""
+
+    def skip_trimmed(stream, writer, boundary):
+        """Move the key (accepted) up to ``boundary``, recording the skip
+        as the operator's would be; may return a Deferred to wait on.  It
+        stays accepted."""
+
+
 @implementer(IConsumer)
 class Consumer:
     """Base class: override what you need.  A subclass that implements

@@ -27,7 +27,11 @@ A *rewind line* (``replicator rewind``) sets the key back to its token: the
 facts after it follow again.  A *skip line* (``replicator rewind --skip-to``)
 is a position line with a ``skip`` object (``from``, ``facts``,
 ``trimmed_through``, ``at``): the facts after ``from`` up to it were
-skipped, ``facts`` of them still in the table then.  A reader that only wants facts skips lines
+skipped, ``facts`` of them still in the table then; ``"to": "boundary"``
+in it (``--skip-to boundary``) says the operator accepted whatever
+retention trims before the reader reads: until the key's position moves
+again, a retention gap below it is skipped the same way by the daemon,
+with another such line (:meth:`JsonlConsumer.accepted_gap`).  A reader that only wants facts skips lines
 without ``"rows"``.
 
 Lines are buffered and written in batches (one ``write`` + ``fsync`` per
@@ -68,8 +72,9 @@ from ..config import (
 from ..jsontext import NonFiniteError, any_non_finite, encode_json, encode_json_line
 from ..net.backoff import Outage
 from . import jsonl_files
-from .base import STARTS, Consumer, IBatchConsumer, Key
+from .base import STARTS, Consumer, IAcceptsTrimmed, IBatchConsumer, Key
 from .file_thread import FileThread, append_at
+from .jsonl_commands import BOUNDARY, iso_time
 
 log = Logger(namespace="replicator.consumers")
 _dumps = orjson.dumps
@@ -132,7 +137,7 @@ def _close_file(handle: _File) -> None:
     os.close(fd)
 
 
-@implementer(IBatchConsumer)
+@implementer(IBatchConsumer, IAcceptsTrimmed)
 class JsonlConsumer(Consumer):
     """Appends facts to a JSON-lines file (format: see the module docstring).
 
@@ -210,6 +215,9 @@ class JsonlConsumer(Consumer):
         self._run_io = run_io
         self._durable: Dict[Key, int] = {}  # in the file
         self._last: Dict[Key, int] = {}  # in the file, being written, or buffered
+        #: Keys a ``--skip-to boundary`` skip line set (with the position it
+        #: set); valid while the key's position is still that one.
+        self._accepted: Dict[Key, int] = {}
         self._buffer: List[bytes] = []
         self._buffered = 0  # bytes of the buffer and of _unwritten
         self._pending_positions: Dict[Key, int] = {}
@@ -259,6 +267,7 @@ class JsonlConsumer(Consumer):
             start, started, same_file = 0, None, False
             if state is not None:
                 self._durable = dict(state.positions)
+                self._accepted = dict(state.accepted)
                 same_file = state.inode == st.st_ino and state.offset <= st.st_size
                 if same_file:
                     start, started = state.offset, state.started
@@ -274,7 +283,8 @@ class JsonlConsumer(Consumer):
                 started = self._clock.seconds()
             self._file = _File(fd, good, st.st_ino, started)
             jsonl_files.write_state(self.path, jsonl_files.State(
-                dict(self._durable), st.st_ino, good, started), self.fsync)
+                dict(self._durable), st.st_ino, good, started,
+                self._accepted_at(self._durable)), self.fsync)
             if created and self.fsync:
                 jsonl_files.fsync_directory(directory)
         except BaseException:
@@ -285,6 +295,7 @@ class JsonlConsumer(Consumer):
             self._lock_fd = None
             raise
         self._last = dict(self._durable)
+        self._accepted = self._accepted_at(self._durable)
         log.info("{path}: positions of {keys} stream writers ({lines} lines read past its "
                  "state file)", path=self.path, lines=lines, keys=len(self._durable))
 
@@ -322,6 +333,11 @@ class JsonlConsumer(Consumer):
                         positions[key] = token
                     elif token > positions.get(key, token - 1):
                         positions[key] = token
+                    skip = obj.get("skip")
+                    if isinstance(skip, dict) and skip.get("to") == BOUNDARY:
+                        self._accepted[key] = token
+                    elif self._accepted.get(key) != token or "rows" in obj:
+                        self._accepted.pop(key, None)  # moved on since
                 lines += 1
                 good += len(line)
             total = f.seek(0, os.SEEK_END)
@@ -344,6 +360,39 @@ class JsonlConsumer(Consumer):
     def positions(self) -> Dict[Key, int]:
         return {key: token for key, token in self._durable.items()
                 if self.streams is None or key[0] in self.streams}
+
+    def _accepted_at(self, positions: Dict[Key, int]) -> Dict[Key, int]:
+        """The accepted keys whose position in ``positions`` is still the
+        one their skip set (what a state file of those positions records)."""
+        return {key: token for key, token in self._accepted.items()
+                if positions.get(key) == token}
+
+    def accepted_gap(self, stream: str, writer: str) -> Optional[int]:
+        """The key's position if a ``--skip-to boundary`` skip line (the
+        operator's, or one this method's caller wrote after it) set it and
+        nothing was handed on since: the operator accepted the loss of
+        whatever retention trims before this reader reads; else None.  A
+        fact, a position or a rewind of the key spends it."""
+        key = (stream, writer)
+        token = self._accepted.get(key)
+        return token if token is not None and self._last.get(key) == token else None
+
+    def skip_trimmed(self, stream: str, writer: str, boundary: int) -> Optional[defer.Deferred]:
+        """An accepted key (:meth:`accepted_gap`) met a retention gap: buffer
+        a skip line to ``boundary`` (every fact up to it trimmed, so none of
+        them in the table), the key staying accepted; a Deferred to wait
+        on when the buffer is full, as :meth:`on_facts`."""
+        key = (stream, writer)
+        since = self.accepted_gap(stream, writer)
+        assert since is not None and boundary > since, (since, boundary)
+        line = encode_json_line({"stream": stream, "writer": writer, "position": boundary,
+                                 "skip": {"from": since, "facts": 0,
+                                          "trimmed_through": boundary,
+                                          "at": iso_time(int(self._clock.seconds() * 1000)),
+                                          "to": BOUNDARY}})
+        result = self._append(key, [line], boundary, facts=False)
+        self._accepted[key] = boundary
+        return result
 
     def on_facts(self, stream, writer, token, rows):
         if self._closed:
@@ -408,6 +457,7 @@ class JsonlConsumer(Consumer):
         self._buffer.extend(lines)
         self._buffered += sum(map(len, lines))
         self._last[key] = last
+        self._accepted.pop(key, None)  # (skip_trimmed sets it again)
         self._pending_positions.pop(key, None)
         if facts:
             self._after_fact.add(key)
@@ -436,6 +486,7 @@ class JsonlConsumer(Consumer):
         if token <= last:
             return None
         self._last[key] = token  # in the state file with the next batch
+        self._accepted.pop(key, None)
         if key in self._after_fact:
             # One line after the key's last fact, of the latest position
             # at the flush; none for the moves after it (nothing new).
@@ -484,16 +535,19 @@ class JsonlConsumer(Consumer):
                         for (s, w), token in sorted(self._durable.items()))
 
     def _write_job(self, handle: _File, data: bytes, heading: bytes, target: Dict[Key, int],
-                   truncate_first: bool, now: float) -> None:
+                   truncate_first: bool, now: float,
+                   accepted: Optional[Dict[Key, int]] = None) -> None:
         """(The file's thread.)  Follow a rotation made outside, rotate if
         due, append ``data`` (after ``heading`` in a new file), then record
         ``target`` in the state file.  On an error the file is as before
         (:func:`.append_at`) and the state not written: the batch is retried.
-        Without ``data`` only the state is written."""
+        Without ``data`` only the state is written.  ``accepted``: the
+        state's accepted keys (:meth:`accepted_gap`)."""
         self._follow(handle)
+        accepted = accepted or {}
         if not data:
             jsonl_files.write_state(self.path, jsonl_files.State(
-                target, handle.inode, handle.size, handle.started), self.fsync)
+                target, handle.inode, handle.size, handle.started, accepted), self.fsync)
             return
         if self._rotation_due(handle, now):
             self._rotate(handle, now)
@@ -505,7 +559,7 @@ class JsonlConsumer(Consumer):
         if handle.size == 0:
             handle.started = now
         jsonl_files.write_state(self.path, jsonl_files.State(
-            target, handle.inode, size, handle.started), self.fsync)
+            target, handle.inode, size, handle.started, accepted), self.fsync)
         handle.size = size
 
     def _follow(self, handle: _File) -> None:
@@ -589,7 +643,9 @@ class JsonlConsumer(Consumer):
         ``skip`` object: ``notes[key]``, what ``replicator verify`` reports),
         then the state file.  The lines record the skip; one written without
         the state file (a crash between) is a position all the same.  Only
-        on a consumer with nothing buffered (``replicator rewind --skip-to``)."""
+        on a consumer with nothing buffered (``replicator rewind --skip-to``).
+        A note with ``"to": "boundary"`` makes its key accepted
+        (:meth:`accepted_gap`)."""
         return self._set_positions(positions, "position", notes or {})
 
     def _set_positions(self, positions: Dict[Key, int], kind: str,
@@ -604,8 +660,13 @@ class JsonlConsumer(Consumer):
                                              else {})})
                         for (s, w), token in sorted(positions.items()))
         target = {**self._durable, **positions}
+        for key in positions:
+            if notes.get(key, {}).get("to") == BOUNDARY:
+                self._accepted[key] = positions[key]
+            else:
+                self._accepted.pop(key, None)
         d = self._run_io(self._write_job, handle, data, self._heading(), target, False,
-                         self._clock.seconds())
+                         self._clock.seconds(), self._accepted_at(target))
 
         def done(_):
             self._log_notes(handle)
@@ -664,7 +725,7 @@ class JsonlConsumer(Consumer):
         self._pending_positions, self._unwritten = {}, b""
         self._writing = writing = self._run_io(
             self._write_job, handle, data, self._heading(), target, truncate_first,
-            self._clock.seconds())
+            self._clock.seconds(), self._accepted_at(target))
         try:
             await writing
         except Exception as e:

@@ -28,7 +28,13 @@ delivered (the loss accepted).  ``--skip-to boundary`` (what a gap's error
 names) is the stream's trim boundary, read in the same transaction that
 counts the facts skipped: however fast retention trims, the command works
 when pasted and skips only facts retention has already deleted (every fact
-at or below the boundary is gone; none above it is skipped).  The same
+at or below the boundary is gone; none above it is skipped).  Its skip
+line says ``"to": "boundary"``: the operator accepted the loss of whatever
+retention has trimmed by the time the reader reads, so if the trimmer
+passes the new position before the next start catches up, the daemon
+skips to the boundary again by itself rather than stop at a new gap, for
+as long as nothing was handed on since (:meth:`.JsonlConsumer.accepted_gap`,
+:mod:`replicator.replication.core.accepted`).  The same
 transaction as a rewind, with one *skip line* per key (a position line
 that also says where from, when, how many facts of the table it skipped
 and the boundary then, for ``replicator verify``).  Refused (exit 2): a
@@ -142,7 +148,8 @@ def _boundary(txn, stream: StreamConfig, db) -> int:
     return TrimCheck(stream.name, boundary_key(stream), db.is_postgres, db.sql).boundary(txn)
 
 
-def _iso(ms: int) -> str:
+def iso_time(ms: int) -> str:
+    """``ms`` (since the epoch) as ISO 8601 UTC, as skip lines write it."""
     when = datetime.fromtimestamp(ms / 1000, timezone.utc)
     text = when.strftime("%Y-%m-%dT%H:%M:%S")
     return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
@@ -168,7 +175,7 @@ def _check_kept(txn, stream: StreamConfig, db, text: str, token: Optional[int],
     if oldest is not None and ms is not None and ms < oldest[1]:
         raise Usage(f"rewind: --to {text} is before what stream {stream.name} keeps: facts "
                     f"up to {boundary} were trimmed by retention (the oldest fact left, "
-                    f"{oldest[0]}, is of {_iso(oldest[1])}); rewind to that time or later")
+                    f"{oldest[0]}, is of {iso_time(oldest[1])}); rewind to that time or later")
 
 
 def _first_at(txn, stream: StreamConfig, db, ms: Optional[int]) -> Optional[int]:
@@ -290,9 +297,10 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
                     _fail(f"rewind: --skip-to {token} is not past {where}'s position in stream "
                           f"{stream.name}{at}: nothing would be skipped (--to delivers facts "
                           f"again)", 2)
-                at = _iso(int(reactor.seconds() * 1000))
+                at = iso_time(int(reactor.seconds() * 1000))
                 notes = {key: {"from": current[key], "facts": n, "trimmed_through": boundary,
-                               "at": at} for key, n in counts.items()}
+                               "at": at, **({"to": BOUNDARY} if token is None else {})}
+                         for key, n in counts.items()}
                 await consumer.skip({key: target for key in counts}, notes)
             finally:
                 await consumer.close()

@@ -11,7 +11,7 @@ independently of the file, which may be moved away or truncated at any time
 by a rotation::
 
     {"version":1,"inode":1234,"offset":5678,"started":1764111111.5,
-     "positions":[["caches","master",42],...]}
+     "positions":[["caches","master",42],...],"accepted":[["caches","master",42]]}
 
 It says: "these were the positions once byte ``offset`` of the file with
 inode ``inode`` was written".  On open the positions are the state's, plus
@@ -21,6 +21,10 @@ between the file's write and the state's), or, if the file is another one
 replaced atomically (write a temporary file, fsync, rename) after every
 batch, so it is never older than the last batch written but one.
 ``started`` is when the current file got its first line (for ``rotate_age``).
+``accepted`` (optional) lists the keys whose position a ``replicator rewind
+--skip-to boundary`` set with nothing handed on since: the loss of what
+retention trims before the reader reads is accepted for them
+(:meth:`.JsonlConsumer.accepted_gap`).
 
 The lock file
 -------------
@@ -66,6 +70,9 @@ class State:
     inode: int
     offset: int
     started: Optional[float] = None
+    #: Keys whose position a ``--skip-to boundary`` set, nothing handed on
+    #: since: the position each had then (:meth:`.JsonlConsumer.accepted_gap`).
+    accepted: Dict[Key, int] = dataclasses.field(default_factory=dict)
 
 
 def _sibling(path: str, suffix: str) -> str:
@@ -100,8 +107,14 @@ def read_state(path: str) -> Optional[State]:
                 raise ValueError(f"bad position {[stream, writer, token]!r}")
             positions[(stream, writer)] = token
         started = obj.get("started")
+        accepted = {}
+        for stream, writer, token in obj.get("accepted", ()):
+            if not (isinstance(stream, str) and isinstance(writer, str)
+                    and type(token) is int):
+                raise ValueError(f"bad accepted skip {[stream, writer, token]!r}")
+            accepted[(stream, writer)] = token
         return State(positions, int(obj["inode"]), int(obj["offset"]),
-                     float(started) if started is not None else None)
+                     float(started) if started is not None else None, accepted)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise StateError(f"{where} is not a state file ({e}); move it away to rebuild the "
                          f"positions from {os.path.basename(path)} alone") from None
@@ -115,6 +128,8 @@ def write_state(path: str, state: State, fsync: bool) -> None:
         "version": STATE_VERSION, "inode": state.inode, "offset": state.offset,
         "started": state.started,
         "positions": [[s, w, t] for (s, w), t in sorted(state.positions.items())],
+        **({"accepted": [[s, w, t] for (s, w), t in sorted(state.accepted.items())]}
+           if state.accepted else {}),
     }, separators=(",", ":")).encode()
     temporary = where + ".tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,

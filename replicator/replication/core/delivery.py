@@ -31,6 +31,7 @@ from ...consumers import Consumer
 from ...consumers.base import IBatchConsumer
 from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
+from .accepted import accepting
 from .audit import Mismatch
 from .reader import Reader, maybe_await
 
@@ -50,19 +51,25 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
                 retry_delay: float, background: Background,
                 on_gap: Optional[Callable[[FactsTrimmed], None]] = None,
                 on_mismatch: Optional[Callable[[Mismatch], None]] = None,
-                audit: bool = True) -> Reader:
+                audit: bool = True,
+                current: Optional[Callable[[], Sequence[Consumer]]] = None) -> Reader:
     """The reader of ``writer``'s facts on ``stream`` from ``position``,
     handing them to those of ``consumers`` that take the stream, and moving
     the stream's ID generator along for a writer that is not local.  Its
     POSITIONs are checked against the table, and (``audit``) what it
-    hands on is noted for the audit (:mod:`.audit`)."""
+    hands on is noted for the audit (:mod:`.audit`).  A retention gap that
+    the consumers of the moment (``current()``, default ``consumers``)
+    accepted in advance is skipped (:mod:`.accepted`)."""
     deliver, deliver_many, reached = delivery_for(stream.name, writer, consumers)
+    now = current if current is not None else (lambda: consumers)
 
     def advanced(token: int) -> None:
         if writer not in stream.local_writers:
             stream.id_gen.advance(writer, token)
 
-    return Reader(stream.name, writer, position, source=stream.facts_since, deliver=deliver,
+    source = accepting(stream.facts_since, stream.name, writer,
+                       lambda: consumers_for(now(), stream.name))
+    return Reader(stream.name, writer, position, source=source, deliver=deliver,
                   deliver_many=deliver_many, reached=reached, advanced=advanced, clock=clock,
                   fetch_limit=fetch_limit, retry_delay=retry_delay, background=background,
                   on_gap=on_gap, probe=stream.first_fact_in, known=stream.known_ids,

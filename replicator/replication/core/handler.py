@@ -267,7 +267,8 @@ class ReplicationHandler:
         return make_reader(stream, writer, position, self.consumers, clock=self._clock,
                            fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
                            background=self.background, on_gap=self._trimmed,
-                           on_mismatch=self._mismatch, audit=self.audit)
+                           on_mismatch=self._mismatch, audit=self.audit,
+                           current=lambda: self.consumers)
 
     def audited(self) -> Dict[Key, Tuple[Stream, Reader]]:
         """Every reader with its stream, by (stream, writer): what the
