@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 
 from ..config.model import AUDIT_TABLE
 from .database import Cursor, Database
+from .schema import table_exists
 
 TABLE = AUDIT_TABLE
 
@@ -38,11 +39,7 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
 
 
 def exists(txn: Cursor, db: Database) -> bool:
-    if db.is_postgres:
-        txn.execute("SELECT to_regclass(%s)", (TABLE,))
-        return txn.fetchone()[0] is not None
-    txn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (TABLE,))
-    return txn.fetchone() is not None
+    return table_exists(txn, db.is_postgres, TABLE)
 
 
 def save(txn: Cursor, db: Database, instance: str, stream: str, writer: str, first_id: int,

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 from ..config.model import PROBLEMS_TABLE
 from .database import Cursor, Database
+from .schema import table_exists
 
 TABLE = PROBLEMS_TABLE
 #: Rows kept per instance.
@@ -64,11 +65,7 @@ class Record(NamedTuple):
 
 
 def exists(txn: Cursor, db: Database) -> bool:
-    if db.is_postgres:
-        txn.execute("SELECT to_regclass(%s)", (TABLE,))
-        return txn.fetchone()[0] is not None
-    txn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (TABLE,))
-    return txn.fetchone() is not None
+    return table_exists(txn, db.is_postgres, TABLE)
 
 
 def write(txn: Cursor, db: Database, instance: str, records: List[Record],

@@ -242,14 +242,21 @@ def persisted_positions(txn, stream_name: str, sql) -> Dict[str, int]:
     return {name: int(pos) for name, pos in txn.fetchall()}
 
 
+def table_exists(txn, postgres: bool, table: str) -> bool:
+    """Whether the replicator's own ``table`` exists (one created when first
+    needed, or by an instance that writes a stream: another instance may
+    start first)."""
+    if postgres:
+        txn.execute("SELECT to_regclass(%s)", (table,))
+        return txn.fetchone()[0] is not None
+    txn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,))
+    return txn.fetchone() is not None
+
+
 def retention_table_exists(txn, postgres: bool) -> bool:
     """Whether ``stream_retention`` exists (an instance that writes no
     stream creates no table, and may start before the one that does)."""
-    if postgres:
-        txn.execute("SELECT to_regclass('stream_retention')")
-        return txn.fetchone()[0] is not None
-    txn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'stream_retention'")
-    return txn.fetchone() is not None
+    return table_exists(txn, postgres, "stream_retention")
 
 
 def trimmed_through(txn, table_key: str, sql) -> int:
