@@ -123,6 +123,12 @@ class ValidateTests(SynchronousTestCase):
             self.check({"http": {"listen": "tcp:0", "secret_file": "/nonexistent/secret"}}),
             "config: http.secret_file: cannot read secret file /nonexistent/secret: "
             "No such file or directory")
+        # The secret pasted where its file's path goes: not echoed.
+        pasted = "sG7WvwRr3qbEjKqGuFyvg3VKkUmJwl23oOMmVQTQXHU"
+        self.assertEqual(
+            self.check({"http": {"listen": "tcp:0", "secret_file": "/etc/x/" + pasted}}),
+            "config: http.secret_file: cannot read secret file "
+            "/etc/x/<a name like a secret, not shown>: No such file or directory")
         with open("empty", "w"):
             pass
         self.assertEqual(self.check({"http": {"listen": "tcp:0", "secret_file": "empty"}}),

@@ -246,6 +246,27 @@ class AuditTests(SynchronousTestCase):
             h.clock.advance(1)
         self.assertEqual(h.mismatches, [])
 
+    def test_a_sample_trimmed_while_it_is_read_is_not_compared_and_blocks_nothing(self):
+        """Retention deleting a sampled fact between the tally and its read
+        (a stream keeping seconds of facts): that fact is not compared, the
+        window's check is done (not retried for ever, holding every other
+        window behind it)."""
+        from replicator.streams.trimmed import FactsTrimmed
+
+        h = Harness()
+        auditor = self.make(h)
+        for t in (1, 2, 3):
+            h.commit(t)
+            h.rdata(t)
+
+        def trimmed(writer, since, until, limit):
+            return defer.fail(FactsTrimmed(STREAM, writer, since, until))
+        h.table.fact_page = trimmed
+        h.clock.pump([1, 1])
+        self.assertEqual(h.mismatches, [])
+        self.assertEqual(self.flushLoggedErrors(), [])
+        self.assertEqual(len(auditor._due), 0)  # checked once, waiting for the second
+
     def test_held_facts_are_bounded_by_an_earlier_second_check(self):
         h = Harness()
         auditor = self.make(h, max_held=2)

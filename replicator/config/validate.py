@@ -12,6 +12,7 @@ The endpoints built here are thrown away: the instance builds its own.
 """
 
 import dataclasses
+import re
 from typing import Dict, Optional
 
 from twisted.internet import endpoints
@@ -144,17 +145,33 @@ def read_reader_secrets(readers, key: str = "http", write_secret: Optional[str] 
     return tuple(out)
 
 
+#: A file name that may be a secret pasted where its path goes: a long run
+#: of the characters secrets are made of (``secrets.token_urlsafe``), no dot.
+SECRET_LIKE = re.compile(r"[A-Za-z0-9_\-]{20,}")
+
+
+def shown_path(path: str) -> str:
+    """``path`` for an error message, unless its last part looks like a
+    secret (an operator who pasted the secret where its file's path goes
+    must not find it in the journal)."""
+    head, _, tail = path.rpartition("/")
+    if SECRET_LIKE.fullmatch(tail):
+        return f"{head}/" * bool(head) + "<a name like a secret, not shown>"
+    return path
+
+
 def read_secret(path: str, key: str) -> str:
     """The stripped text of a secret file; unreadable or empty is a ConfigError."""
+    shown = shown_path(path)
     try:
         with open(path, encoding="utf-8") as f:
             secret = f.read().strip()
     except OSError as e:
-        raise ConfigError(key, f"cannot read secret file {path}: {e.strerror}") from None
+        raise ConfigError(key, f"cannot read secret file {shown}: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise ConfigError(key, f"secret file {path} is not UTF-8 text") from None
+        raise ConfigError(key, f"secret file {shown} is not UTF-8 text") from None
     if not secret:
-        raise ConfigError(key, f"secret file {path} is empty")
+        raise ConfigError(key, f"secret file {shown} is empty")
     return secret
 
 
