@@ -391,3 +391,22 @@ class AuditTableNameTests(SynchronousTestCase):
                           "writers": ["master"]}, "streams[0]")
         self.assertEqual(str(caught.exception), "config: streams[0].table: "
                          "'Stream_Audit' is the replicator's own table")
+
+
+class GapTextTests(SynchronousTestCase):
+    def test_consumers_at_different_positions_are_each_named_with_theirs(self):
+        from replicator.replication.core.gaps import TrimGaps
+        from replicator.streams.trimmed import FactsTrimmed
+
+        class At:
+            def __init__(self, path, position):
+                self.path, self.position = path, position
+
+            def positions(self):
+                return {("caches", "master"): self.position}
+
+        text = TrimGaps("/etc/w.yaml").report(FactsTrimmed("caches", "master", 2116, 2739),
+                                             [At("/a.jsonl", 2512), At("/b.jsonl", 2116)])
+        self.assertIn("consumer /a.jsonl (at 2512), consumer /b.jsonl (at 2116) need facts "
+                      "of writer master after 2116", text)
+        self.flushLoggedErrors()

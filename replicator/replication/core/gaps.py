@@ -64,7 +64,8 @@ class TrimGaps:
                 behind.append((position, consumer_label(consumer), consumer))
         if behind:
             since = min(p for p, _, _ in behind)
-            who = ", ".join(label for _, label, _ in behind)
+            apart = len({p for p, _, _ in behind}) > 1  # then each says where it is
+            who = ", ".join(f"{label} (at {p})" if apart else label for p, label, _ in behind)
             first = f"{who} {'needs' if len(behind) == 1 else 'need'} facts of writer " \
                     f"{gap.writer} after {since}"
             todo = self._todo(gap, [c for _, _, c in behind])
