@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import uuid
+from typing import List
 
 from twisted.trial.unittest import SkipTest
 
@@ -52,10 +53,25 @@ def unavailable(what: str):
     raise SkipTest(what)
 
 
+#: Every port :func:`free_port` handed out in this process: never handed out
+#: twice (two calls in a row may otherwise get the same one, the first
+#: not bound yet: a worker's HTTP port was once its master's replication port).
+_handed: set = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed:
+            _handed.add(port)
+            return port
+
+
+def free_ports(n: int) -> List[int]:
+    """``n`` distinct free ports."""
+    return [free_port() for _ in range(n)]
 
 
 def wait_for_port(port: int, timeout: float = 30.0) -> None:

@@ -50,3 +50,11 @@ class RedisServerTests(SynchronousTestCase):
         thread.join(30)
         self.assertEqual(len(errors), 1)
         self.assertFalse(_alive(redis.proc.pid))
+
+
+class FreePortsTests(SynchronousTestCase):
+    def test_ports_are_never_handed_out_twice(self):
+        from tests.servers import free_port, free_ports
+
+        ports = free_ports(64) + [free_port() for _ in range(64)]
+        self.assertEqual(len(set(ports)), 128)

@@ -22,7 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_streams
 from tests.cdp import chromium
-from tests.servers import PostgresServer, free_port
+from tests.servers import PostgresServer, free_ports
 from tests.support import create_stream_tables
 from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli, http, wait_for
 
@@ -126,12 +126,12 @@ class StatusPageBrowserTests(SynchronousTestCase):
     def test_page_in_chromium_matches_the_positions_api(self):
         chromium()
         dsn = PostgresServer.shared().create_database()
-        rep_port = free_port()
+        rep_port, master_http, worker_http = free_ports(3)
         streams = [dict(CACHES, writers=["master"]), ACCOUNT_DATA]
-        master = base_config("master", free_port(), streams, database={"postgres": dsn},
+        master = base_config("master", master_http, streams, database={"postgres": dsn},
                              replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"})
         worker = base_config(
-            "worker1", free_port(), streams, database={"postgres": dsn},
+            "worker1", worker_http, streams, database={"postgres": dsn},
             replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}"},
             health={"lag_grace": 1, "check_interval": 1},
             consumers=[{"type": "stuck:Stuck", "streams": ["caches"]}])
@@ -245,12 +245,12 @@ class FrozenMasterTests(SynchronousTestCase):
         one way (its SERVER name) in connections and disconnects alike, and
         lists the outage once, from when the master was last heard."""
         dsn = PostgresServer.shared().create_database()
-        rep_port = free_port()
+        rep_port, master_http, worker_http = free_ports(3)
         streams = [dict(CACHES, writers=["master"])]
-        master = base_config("master", free_port(), streams, database={"postgres": dsn},
+        master = base_config("master", master_http, streams, database={"postgres": dsn},
                              replication={"listen": f"tcp:{rep_port}:interface=127.0.0.1"})
         worker = base_config(
-            "worker1", free_port(), streams, database={"postgres": dsn},
+            "worker1", worker_http, streams, database={"postgres": dsn},
             replication={"upstream": f"tcp:host=127.0.0.1:port={rep_port}",
                          "ping_interval": 0.5, "ping_timeout": 2,
                          "reconnect_initial_delay": 0.1, "reconnect_max_delay": 0.3},
