@@ -67,7 +67,8 @@ bench: test-deps synapse-deps
 	SYNAPSE_PYTHON=$(SYNAPSE_VENV)/bin/python $(PY) scripts/bench/run.py $(BENCH)
 
 # The fault suite (tests/chaos): every scenario x transport, 3 fresh seeds each.
-# Narrow or replay with SCENARIO=crash,net TRANSPORT=tcp SEED=n SEEDS=n DURATION=s PLANT=drop-rdata.
+# Narrow or replay with SCENARIO=crash,net TRANSPORT=tcp SEED=n SEEDS=n DURATION=s PLANT=drop-rdata
+# (or skip-fact, forge-position, late-sql: faults the delivery audit must catch).
 chaos: test-deps
 	$(PY) -m tests.chaos $(if $(SCENARIO),--scenario $(SCENARIO)) \
 	  $(if $(TRANSPORT),--transport $(TRANSPORT)) $(if $(SEED),--seed $(SEED)) \
