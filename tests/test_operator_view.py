@@ -147,6 +147,17 @@ class OperatorViewTests(SynchronousTestCase):
         self.assertIn("by worker2: disconnected since", linear["caches"]["text"])
         self.assertIn("by worker3: never connected", linear["account_data"]["text"])
 
+        # worker1 hears worker2 through the master: it says so once worker2
+        # has been silent past its grace (worker2's last lines, relayed
+        # just before the kill, may be a second old here).
+        def w1_sees_worker2_silent():
+            snap = status(w1)
+            return any(s["name"] == "caches" and w["writer"] == "worker2"
+                       and w.get("verdict") not in (None, "ok")
+                       for s in snap["streams"] for w in s["writers"])
+
+        wait_for(w1_sees_worker2_silent, 60, "worker1 seeing worker2 silent")
+
         # The page, in a real browser, on the master and on worker1.
         browser = Browser(self)
         shots = os.path.abspath("screenshots")
