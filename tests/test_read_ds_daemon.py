@@ -28,7 +28,10 @@ def ds_get(base: str, query: str) -> Tuple[int, Dict[str, str], bytes]:
             response.read()
 
 
-class SwitchingReaderTests(SynchronousTestCase):
+class MasterAndWorker:
+    """A master and a worker1 on one PostgreSQL, both writing ``caches``
+    (a mixin of a SynchronousTestCase)."""
+
     def start(self):
         self.dsn = PostgresServer.shared().create_database()
         rep_port = free_port()
@@ -72,6 +75,8 @@ class SwitchingReaderTests(SynchronousTestCase):
         with urllib.request.urlopen(request, timeout=30) as response:
             return int(response.headers["Stream-Next-Offset"])
 
+
+class SwitchingReaderTests(MasterAndWorker, SynchronousTestCase):
     def test_a_reader_switching_instance_gets_every_fact_once_in_order(self):
         self.start()
         self.write(40)
