@@ -41,7 +41,8 @@ def run_suite(base_url: str, secret: str, report: str,
     from pathlib import Path
 
     env = dict(os.environ, DS_BASE_URL=base_url, DS_SECRET=secret,
-               DS_SUITE=Path(SUITE).as_uri(), DS_LONG_POLL_MS=str(long_poll_ms))
+               DS_SUITE=Path(SUITE).as_uri(), DS_LONG_POLL_MS=str(long_poll_ms),
+               DS_CACHE_DIR=report + ".vite")
     subprocess.run([node_binary(), VITEST, "run", "--root", HERE, "--config",
                     os.path.join(HERE, "vitest.config.mjs"), "--reporter=json",
                     f"--outputFile={report}"], env=env, cwd=HERE, capture_output=True,
