@@ -60,6 +60,20 @@ def run_suite(base_url: str, secret: str, report: str,
     return {g: (passed[g], cases[g]) for g in cases}
 
 
+def documented_table() -> Dict[str, Tuple[int, int]]:
+    """docs/read-api.md's conformance table: ``{group: (passed, cases)}``."""
+    with open(os.path.join(ROOT, "docs", "read-api.md")) as f:
+        text = f.read()
+    start = text.index("<!-- conformance:")
+    out = {}
+    for line in text[start:].splitlines()[3:]:
+        if not line.startswith("| ") or line.startswith("| **"):
+            break
+        group, passed, cases = [c.strip() for c in line.strip("|").split("|")]
+        out[group] = (int(passed), int(cases))
+    return out
+
+
 class ConformanceTests(SynchronousTestCase):
     def test_suite_groups(self):
         require_suite()
@@ -68,5 +82,9 @@ class ConformanceTests(SynchronousTestCase):
 
         report = os.path.abspath(self.mktemp() + ".json")
         groups = run_suite(daemon.base + "/_replicator/v1/ds", SECRET, report)
+        documented = documented_table()
+        self.assertEqual(sorted(groups), sorted(documented), "the suite's groups")
         for group, (ok, n) in sorted(groups.items()):
-            print(f"| {group} | {ok} / {n} |")
+            want_ok, want_n = documented[group]
+            self.assertEqual(n, want_n, group)
+            self.assertGreaterEqual(ok, want_ok, f"{group}: fewer cases pass than documented")

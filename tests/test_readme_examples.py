@@ -138,7 +138,8 @@ class ReadmeExampleTests(SynchronousTestCase):
     def test_every_example_prints_the_tables_facts(self):
         blocks = [(lang, code) for lang, code in examples() if lang in ("sh", "js", "python")]
         self.assertEqual([lang for lang, _ in blocks],
-                         ["sh", "sh", "js", "js", "js", "python"], "the section's examples")
+                         ["js", "python", "sh", "sh", "js", "js", "js", "python"],
+                         "the section's examples")
         daemon = ReadApiDaemon(self).start()
         daemon.write(FACTS)
         table = daemon.table()
@@ -215,15 +216,18 @@ class ReadmeExampleTests(SynchronousTestCase):
                 clients["browser"] = InBrowser(browser)
                 continue
             if lang == "python":
-                name, args = "python", [sys.executable, "-c", code]
+                name = "python ds" if "/ds/" in code else "python"
+                args = [sys.executable, "-c", code]
             else:
-                name = "node " + ("eventsource" if "/events" in code else "fetch")
+                name = "node " + ("eventsource" if "/events" in code else
+                                  "ds" if "/ds/" in code else "fetch")
                 args = [node_binary(), node_module(self, code)]
             run = Running(args, env=env)
             self.addCleanup(run.stop)
             clients[name] = InProcess(run)
         self.assertEqual(sorted(clients),
-                         ["browser", "node eventsource", "node fetch", "python"])
+                         ["browser", "node ds", "node eventsource", "node fetch", "python",
+                          "python ds"])
 
         def each(predicate, what):
             def check():
@@ -245,6 +249,8 @@ class ReadmeExampleTests(SynchronousTestCase):
             def asked(name):
                 """How often ``name`` asked the proxy."""
                 return sum(name == ("browser" if "Chrome" in agent else
+                                    "python ds" if "python-httpx" in agent else
+                                    "node ds" if "/ds/" in path else
                                     "python" if "Python" in agent else
                                     "node eventsource" if "/events" in path else
                                     "node fetch")
