@@ -3,8 +3,9 @@ Streams") read a multi-writer stream of a real master and worker through
 a ``kill -9`` of the master and its restart: the TypeScript client
 (``@durable-streams/client``, pinned in the Makefile's ``node-deps``) in
 Node, live over SSE and over long-poll, gets every fact of the table once,
-in order; so does the Python client (``durable-streams``, the test
-extra of pyproject.toml) over long-poll.  Without Node.js or the package the test is skipped, except with
+in order; so does it in headless Chromium, and the Python client
+(``durable-streams``, the test extra of pyproject.toml) over long-poll;
+directly, and through the shipped nginx config (contrib/nginx).  Without Node.js or the package the test is skipped, except with
 ``CI=true``, where that is a failure."""
 
 import json
@@ -124,23 +125,121 @@ class PythonFollower:
         self.thread.join(60)
 
 
+#: The TypeScript client in a page: the package's ES module imported from
+#: a blob, following the stream; messages in ``window.lines``.
+BROWSER_CLIENT = r"""
+(() => {
+  window.lines = []; window.failures = [];
+  const url = URL.createObjectURL(new Blob([__SOURCE__], { type: 'text/javascript' }));
+  import(url).then(async ({ stream }) => {
+    const res = await stream({
+      url: __URL__, live: __LIVE__, offset: '-1',
+      headers: { Authorization: `Bearer ${__SECRET__}` },
+      backoffOptions: { initialDelay: 100, maxDelay: 1000, multiplier: 1.5 },
+      onError: (error) => { window.failures.push(String(error)); return {}; },
+    });
+    res.subscribeJson((batch) => { for (const item of batch.items) window.lines.push(item); });
+  }).catch((error) => window.failures.push(String(error)));
+  return true;
+})()
+"""
+
+
+class BrowserFollower:
+    """The TypeScript client in headless Chromium, on a page of the
+    origin it reads (``base``: the daemon, or nginx in front)."""
+
+    def __init__(self, test, base: str, count: int, live: str):
+        from tests.cdp import Browser
+
+        client = os.path.join(NODE_MODULES, "@durable-streams", "client", "dist", "index.js")
+        if not os.path.exists(client):
+            unavailable("npm package @durable-streams/client not in .node/node_modules "
+                        "(make node-deps)")
+        with open(client) as f:
+            source = f.read()
+        self.count = count
+        self.browser = Browser(test)
+        self.browser.open(base + "/health")
+        self.browser.wait("document.readyState === 'complete'", 60, "the page loaded")
+        # (The source last: nothing in it is replaced.)
+        self.browser.evaluate(BROWSER_CLIENT.replace("__URL__", json.dumps(base + DS))
+                              .replace("__SECRET__", json.dumps(SECRET))
+                              .replace("__LIVE__", json.dumps(live))
+                              .replace("__SOURCE__", json.dumps(source)))
+
+    @property
+    def messages(self) -> List[dict]:
+        return self.browser.evaluate("window.lines")
+
+    def wait(self) -> None:
+        self.browser.wait(f"window.lines.length >= {self.count}", 120, "the page's messages")
+
+
 class OfficialClientTests(MasterAndWorker, SynchronousTestCase):
-    def follow_through_a_master_crash(self, live: str):
-        self.start()
-        self.write(20)
-        follower = NodeFollower(self, self.master.http_base + DS, 50, live)
+    def crash_and_restart_master(self, follower, base: str) -> None:
+        """20 facts, the follower has some, the master killed (SIGKILL, by
+        PID), 10 facts on the worker meanwhile, the master back, 20 more."""
+        del base
         wait_for(lambda: len(follower.messages) >= 10, 60, "the first messages")
-        self.master.kill()  # SIGKILL, by PID
-        self.write_to(self.worker, 10)  # meanwhile, on the worker
+        self.master.kill()
+        self.write_to(self.worker, 10)
         self.master.start()
         wait_for(lambda: self.master_linked(), 60, "the worker linked again")
         self.write(20)
-        follower.proc.wait(120)
-        self.assertEqual(follower.proc.returncode, 0, "".join(follower.errors))
+
+    def assert_table(self, messages: List[dict]) -> None:
         self.assertEqual([(m["stream_id"], m["writer"],
                            [[r[c] for c in COLUMNS] for r in m["rows"]])
-                          for m in follower.messages], self.table())
+                          for m in messages], self.table())
+        self.assertEqual(len(messages), 50)
+
+    def base(self, nginx: bool) -> str:
+        if not nginx:
+            return self.master.http_base
+        from tests.web_clients import NginxCache
+
+        proxy = NginxCache(int(self.master.http_base.rpartition(":")[2]))
+        self.addCleanup(proxy.stop)
+        return proxy.base
+
+    def node_through_a_master_crash(self, live: str, nginx: bool = False):
+        self.start()
+        base = self.base(nginx)
+        self.write(20)
+        follower = NodeFollower(self, base + DS, 50, live)
+        self.crash_and_restart_master(follower, base)
+        follower.proc.wait(120)
+        self.assertEqual(follower.proc.returncode, 0, "".join(follower.errors))
+        self.assert_table(follower.messages)
+
+    def browser_through_a_master_crash(self, live: str, nginx: bool = False):
+        self.start()
+        base = self.base(nginx)
+        self.write(20)
+        follower = BrowserFollower(self, base, 50, live)
+        self.crash_and_restart_master(follower, base)
+        follower.wait()
+        self.assert_table(follower.messages[:50])
         self.assertEqual(len(follower.messages), 50)
+
+    def python_through_a_master_crash(self, nginx: bool = False):
+        try:
+            import durable_streams  # noqa: F401
+        except ImportError:
+            unavailable("the Python package durable-streams is not installed "
+                        "(pyproject.toml, the test extra)")
+        self.start()
+        base = self.base(nginx)
+        self.write(20)
+        follower = PythonFollower(base + DS, 50)
+        self.addCleanup(follower.stop)
+        self.crash_and_restart_master(follower, base)
+        follower.thread.join(120)
+        self.assertFalse(follower.thread.is_alive())
+        self.assertIsNone(follower.error)
+        self.assert_table(follower.messages)
+        self.assertGreater(follower.retries, 0)  # (the crash was seen)
 
     def write_to(self, daemon, count: int) -> None:
         saved = self.master
@@ -155,33 +254,23 @@ class OfficialClientTests(MasterAndWorker, SynchronousTestCase):
 
         return http(self.worker.http_base + "/health")[0] == 200
 
+    def test_typescript_client_in_node_over_sse(self):
+        self.node_through_a_master_crash("sse")
+
+    def test_typescript_client_in_node_over_long_poll(self):
+        self.node_through_a_master_crash("long-poll")
+
+    def test_typescript_client_in_node_through_nginx(self):
+        self.node_through_a_master_crash("long-poll", nginx=True)
+
+    def test_typescript_client_in_chromium_over_sse(self):
+        self.browser_through_a_master_crash("sse")
+
+    def test_typescript_client_in_chromium_through_nginx(self):
+        self.browser_through_a_master_crash("long-poll", nginx=True)
+
     def test_python_client_over_long_poll(self):
-        try:
-            import durable_streams  # noqa: F401
-        except ImportError:
-            unavailable("the Python package durable-streams is not installed "
-                        "(pyproject.toml, the test extra)")
-        self.start()
-        self.write(20)
-        follower = PythonFollower(self.master.http_base + DS, 50)
-        self.addCleanup(follower.stop)
-        wait_for(lambda: len(follower.messages) >= 10, 60, "the first messages")
-        self.master.kill()
-        self.write_to(self.worker, 10)
-        self.master.start()
-        wait_for(lambda: self.master_linked(), 60, "the worker linked again")
-        self.write(20)
-        follower.thread.join(120)
-        self.assertFalse(follower.thread.is_alive())
-        self.assertIsNone(follower.error)
-        self.assertEqual([(m["stream_id"], m["writer"],
-                           [[r[c] for c in COLUMNS] for r in m["rows"]])
-                          for m in follower.messages], self.table())
-        self.assertGreater(follower.retries, 0)  # (the crash was seen)
+        self.python_through_a_master_crash()
 
-    def test_typescript_client_over_sse(self):
-        self.follow_through_a_master_crash("sse")
-
-    def test_typescript_client_over_long_poll(self):
-        self.follow_through_a_master_crash("long-poll")
-
+    def test_python_client_through_nginx(self):
+        self.python_through_a_master_crash(nginx=True)
