@@ -144,6 +144,14 @@ class DurableStreamTests(ReadTestCase):
         self.assertEqual([m["stream_id"] for m in orjson.loads(events[2]["data"])], more)
         self.assertEqual(orjson.loads(events[3]["data"])["streamNextOffset"], offset(more[0]))
         self.assertEqual(self.api.reads.slots.open, 1)
+        # Idle, it waits for the stream to move: no page read, nothing
+        # written (the heartbeat is 15 s away), the reactor free.
+        reads = []
+        page = self.api.reads.page
+        self.patch(self.api.reads, "page", lambda *a, **k: reads.append(a) or page(*a, **k))
+        await self.write("events", 1)
+        await until(lambda: received(3))
+        self.assertEqual((len(reads), got.count(b": ping")), (1, 0))
         sock.close()
         await until(lambda: self.api.reads.slots.open == 0)
 

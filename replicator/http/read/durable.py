@@ -303,7 +303,9 @@ class DurableRoutes:
         woke: List[defer.Deferred] = []
 
         def wake(_=None) -> None:
-            while woke:
+            # Only the wait under way: firing it runs the loop on to its
+            # next wait (in this call), which is the next move's to end.
+            if woke:
                 d = woke.pop()
                 if not d.called:
                     d.callback(None)
