@@ -1,12 +1,14 @@
 """The official Durable Streams clients (docs/read-api.md, "Durable
 Streams") read a multi-writer stream of a real master and worker through
-a ``kill -9`` of the master and its restart: the TypeScript client
-(``@durable-streams/client``, pinned in the Makefile's ``node-deps``) in
-Node, live over SSE and over long-poll, gets every fact of the table once,
-in order; so does it in headless Chromium, and the Python client
-(``durable-streams``, the test extra of pyproject.toml) over long-poll;
-directly, and through the shipped nginx config (contrib/nginx).  Without Node.js or the package the test is skipped, except with
-``CI=true``, where that is a failure."""
+a ``kill -9`` of the master and its restart, over long-poll: the
+TypeScript client (``@durable-streams/client``, pinned in the Makefile's
+``node-deps``) in Node and in headless Chromium, and the Python client
+(``durable-streams``, the test extra of pyproject.toml), directly and
+through the shipped nginx config (contrib/nginx); each gets every fact of
+the table once, in order.  Over SSE the TypeScript client reads live,
+without the crash (see the note at those tests).  Without Node.js,
+Chromium or the packages the tests are skipped, except with ``CI=true``,
+where that is a failure."""
 
 import json
 import os
@@ -177,11 +179,14 @@ class BrowserFollower:
 
 
 class OfficialClientTests(MasterAndWorker, SynchronousTestCase):
-    def crash_and_restart_master(self, follower, base: str) -> None:
+    def crash_and_restart_master(self, follower, crash: bool = True) -> None:
         """20 facts, the follower has some, the master killed (SIGKILL, by
-        PID), 10 facts on the worker meanwhile, the master back, 20 more."""
-        del base
+        PID), 10 facts on the worker meanwhile, the master back, 20 more
+        (``crash`` False: the 30 more written live, nobody killed)."""
         wait_for(lambda: len(follower.messages) >= 10, 60, "the first messages")
+        if not crash:
+            self.write(30)
+            return
         self.master.kill()
         self.write_to(self.worker, 10)
         self.master.start()
@@ -203,22 +208,23 @@ class OfficialClientTests(MasterAndWorker, SynchronousTestCase):
         self.addCleanup(proxy.stop)
         return proxy.base
 
-    def node_through_a_master_crash(self, live: str, nginx: bool = False):
+    def node_through_a_master_crash(self, live: str, nginx: bool = False, crash: bool = True):
         self.start()
         base = self.base(nginx)
         self.write(20)
         follower = NodeFollower(self, base + DS, 50, live)
-        self.crash_and_restart_master(follower, base)
+        self.crash_and_restart_master(follower, crash)
         follower.proc.wait(120)
         self.assertEqual(follower.proc.returncode, 0, "".join(follower.errors))
         self.assert_table(follower.messages)
 
-    def browser_through_a_master_crash(self, live: str, nginx: bool = False):
+    def browser_through_a_master_crash(self, live: str, nginx: bool = False,
+                                       crash: bool = True):
         self.start()
         base = self.base(nginx)
         self.write(20)
         follower = BrowserFollower(self, base, 50, live)
-        self.crash_and_restart_master(follower, base)
+        self.crash_and_restart_master(follower, crash)
         follower.wait()
         self.assert_table(follower.messages[:50])
         self.assertEqual(len(follower.messages), 50)
@@ -234,7 +240,7 @@ class OfficialClientTests(MasterAndWorker, SynchronousTestCase):
         self.write(20)
         follower = PythonFollower(base + DS, 50)
         self.addCleanup(follower.stop)
-        self.crash_and_restart_master(follower, base)
+        self.crash_and_restart_master(follower)
         follower.thread.join(120)
         self.assertFalse(follower.thread.is_alive())
         self.assertIsNone(follower.error)
@@ -254,8 +260,13 @@ class OfficialClientTests(MasterAndWorker, SynchronousTestCase):
 
         return http(self.worker.http_base + "/health")[0] == 200
 
+    # Over SSE, client 0.2.7 does not outlive a connection cut in the middle
+    # of an answer (the daemon killed): its read fails with "terminated", a
+    # rejection nobody awaits, and it asks nothing more (Node exits 13; a
+    # page's client stops), in about half the runs. So SSE is read live
+    # here, and the crash is read over long-poll (as the README does).
     def test_typescript_client_in_node_over_sse(self):
-        self.node_through_a_master_crash("sse")
+        self.node_through_a_master_crash("sse", crash=False)
 
     def test_typescript_client_in_node_over_long_poll(self):
         self.node_through_a_master_crash("long-poll")
@@ -264,7 +275,10 @@ class OfficialClientTests(MasterAndWorker, SynchronousTestCase):
         self.node_through_a_master_crash("long-poll", nginx=True)
 
     def test_typescript_client_in_chromium_over_sse(self):
-        self.browser_through_a_master_crash("sse")
+        self.browser_through_a_master_crash("sse", crash=False)
+
+    def test_typescript_client_in_chromium_over_long_poll(self):
+        self.browser_through_a_master_crash("long-poll")
 
     def test_typescript_client_in_chromium_through_nginx(self):
         self.browser_through_a_master_crash("long-poll", nginx=True)
