@@ -110,11 +110,11 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
         names = list(columns)
         json_rows = stream.json_rows and (form is None or form.row_json)
 
-        def encode_facts(pages: List[Any]) -> List[List[bytes]]:
-            """Each fact's JSON (in the pool thread); with ``max_bytes``,
-            each writer's page cut after the fact that reaches it (the
-            merged page ends there or before: it holds at least as many
-            bytes by then)."""
+        def encode_facts(pages: List[Any]) -> List[List[PageFact]]:
+            """Each writer's facts as a page holds them, encoded (in the
+            pool thread); with ``max_bytes``, each writer's page cut after
+            the fact that reaches it (the merged page ends there or before:
+            it holds at least as many bytes by then)."""
             out = []
             for i, ((writer, _, _, _), page) in enumerate(zip(table, pages)):
                 if json_rows:
@@ -126,13 +126,16 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
                 if end < len(jsons):
                     del jsons[end:]
                     pages[i] = (page[0][:end], page[0][end - 1][0], True)
-                out.append(jsons)
+                out.append([(stream_id, writer, rows, j)
+                            for (stream_id, rows), j in zip(pages[i][0], jsons)])
             return out
 
         pages, encoded = await stream.table_fact_pages(table, encode_facts, json_rows)
-        for (writer, _, _, _), (facts, upto, _), jsons in zip(table, pages, encoded):
-            found.extend([(stream_id, writer, rows, j)
-                          for (stream_id, rows), j in zip(facts, jsons)])
+        for (writer, _, _, _), (facts, upto, _), held in zip(table, pages, encoded):
+            if found:
+                found.extend(held)
+            else:
+                found = held
             scanned[writer] = max(scanned[writer], upto)
             if facts:
                 writers_found.add(writer)
@@ -187,9 +190,10 @@ async def with_json(columns: List[str], facts: List[PageFact], max_bytes: int,
         out: List[PageFact] = []
         size = 0
         for f in facts:
-            j = f[3] if f[3] is not None else encode(columns, f)
-            out.append((f[0], f[1], f[2], j))
-            size += len(j)
+            if f[3] is None:  # (else kept as it is: no new tuple)
+                f = (f[0], f[1], f[2], encode(columns, f))
+            out.append(f)
+            size += len(f[3])
             if size >= max_bytes:
                 return out, True
         return out, False
