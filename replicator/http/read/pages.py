@@ -115,7 +115,7 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
             pool thread); with ``max_bytes``, each writer's page cut after
             the fact that reaches it (the merged page ends there or before:
             it holds at least as many bytes by then)."""
-            out = []
+            out: List[List[PageFact]] = []
             for i, ((writer, _, _, _), page) in enumerate(zip(table, pages)):
                 if json_rows:
                     jsons = rows_json_facts(writer, page[0])
@@ -190,10 +190,12 @@ async def with_json(columns: List[str], facts: List[PageFact], max_bytes: int,
         out: List[PageFact] = []
         size = 0
         for f in facts:
-            if f[3] is None:  # (else kept as it is: no new tuple)
-                f = (f[0], f[1], f[2], encode(columns, f))
+            j = f[3]
+            if j is None:  # (else kept as it is: no new tuple)
+                j = encode(columns, f)
+                f = (f[0], f[1], f[2], j)
             out.append(f)
-            size += len(f[3])
+            size += len(j)
             if size >= max_bytes:
                 return out, True
         return out, False

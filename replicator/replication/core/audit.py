@@ -50,7 +50,7 @@ import random
 from array import array
 from collections import deque
 from operator import itemgetter
-from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import orjson
 from twisted.application.service import Service
