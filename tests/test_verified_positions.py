@@ -233,51 +233,6 @@ class AuditTests(SynchronousTestCase):
         self.assertEqual(len(window.sample), SAMPLE)
         self.assertGreater(max(window.sample), 1000)  # not only the first ones
 
-    def test_a_page_is_its_facts_added_one_by_one(self):
-        import random
-
-        facts = [(t, [["r", t]] * (1 + t % 3)) for t in range(1, 3001)]
-        windows = []
-        for bulk in (False, True):
-            random.seed(7)
-            log = DeliveredLog(0)
-            if bulk:
-                for i in range(0, len(facts), 700):
-                    log.add_page(facts[i:i + 700])
-            else:
-                for t, rows in facts:
-                    log.add(t, rows)
-            w = log.seal(3000)
-            windows.append((list(w.ids), list(w.rows), w.sample))
-        self.assertEqual(windows[0], windows[1])
-        self.assertEqual(windows[0][1][:3], [2, 3, 1])
-
-    def test_the_sample_is_uniform_and_costs_nothing_for_facts_not_drawn(self):
-        """Every fact of a window as likely to be in the sample, and past
-        the first ones a page costs a few random draws, not one a fact."""
-        import random
-
-        from replicator.replication.core import audit
-
-        random.seed(11)
-        hits = [0] * 400
-        for _ in range(1000):
-            log = DeliveredLog(0)
-            log.add_page([(t, [["r", t]]) for t in range(1, 401)])
-            for t in log.seal(400).sample:
-                hits[t - 1] += 1
-        expect = 1000 * audit.SAMPLE / 400  # 40 each
-        for quarter in range(4):
-            got = sum(hits[quarter * 100:(quarter + 1) * 100]) / 100
-            self.assertLess(abs(got - expect), 4, f"quarter {quarter}: {got}")
-        calls = []
-        real = random.random
-        self.patch(audit.random, "random", lambda: calls.append(1) or real())
-        log = DeliveredLog(0)
-        log.add_page([(t, [["r", t]]) for t in range(1, 100_001)])
-        self.assertEqual(len(log.seal(100_000).sample), audit.SAMPLE)
-        self.assertLess(len(calls), 1000)  # about 2 * SAMPLE * ln(100,000 / SAMPLE): ~280
-
     def test_facts_at_or_below_the_trim_boundary_are_not_compared(self):
         h = Harness()
         self.make(h)

@@ -45,12 +45,10 @@ Invariants:
 
 import hashlib
 import json
-import math
 import random
 from array import array
 from collections import deque
-from operator import itemgetter
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import orjson
 from twisted.application.service import Service
@@ -67,9 +65,6 @@ log = Logger(namespace="replicator.audit")
 
 #: Seconds between two seals of every reader's log.
 INTERVAL = 2.0
-_first = itemgetter(0)
-_second = itemgetter(1)
-
 #: Seconds from a seal to a window's first check.
 FIRST_CHECK = 1.0
 #: Seconds from a seal to a window's second (last) check.
@@ -150,7 +145,7 @@ class DeliveredLog:
     position).  Two flat arrays, 16 bytes a fact, and the digests of a
     random sample of at most :data:`SAMPLE` of them."""
 
-    __slots__ = ("lo", "sampled", "_ids", "_rows", "_sample", "_seen", "_next", "_w")
+    __slots__ = ("lo", "sampled", "_ids", "_rows", "_sample", "_seen")
 
     def __init__(self, lo: Optional[int], sampled: bool = True) -> None:
         self.lo = lo
@@ -163,63 +158,36 @@ class DeliveredLog:
         self._ids: "array[int]" = array("q")
         self._rows: "array[int]" = array("q")
         self._sample: Dict[int, int] = {}
-        self._seen = 0  # facts handed on in the window
-        self._next = 0  # once the sample is full: the count at which one is drawn next
-        self._w = 1.0
+        self._seen = 0
 
     def add(self, token: int, rows: Sequence[Any]) -> None:
         self._ids.append(token)
         self._rows.append(len(rows))
-        if self.sampled:
-            self._seen += 1
-            if len(self._sample) < SAMPLE:
-                self._fill(token, rows)
-            elif self._seen == self._next:
-                self._replace(token, rows)
+        self._draw(token, rows)
 
-    def add_page(self, facts: Sequence[Tuple[int, Sequence[Any]]]) -> None:
-        """:meth:`add` of each of ``facts``, in bulk: the arrays extended
-        at once, and once the sample is full only the facts the reservoir
-        draws are looked at."""
-        self._ids.extend(map(_first, facts))
-        self._rows.extend(map(len, map(_second, facts)))
+    def add_page(self, facts: Iterable[Tuple[int, Sequence[Any]]]) -> None:
+        ids, counts = self._ids, self._rows
+        for token, fact_rows in facts:
+            ids.append(token)
+            counts.append(len(fact_rows))
+            self._draw(token, fact_rows)
+
+    def _draw(self, token: int, rows: Sequence[Any]) -> None:
+        """Reservoir sampling: the ``n``-th fact is kept with chance
+        ``SAMPLE / n``, in place of a random one kept before."""
         if not self.sampled:
             return
-        base, n, i = self._seen, len(facts), 0
-        while i < n and len(self._sample) < SAMPLE:
-            self._seen = base + i + 1
-            self._fill(*facts[i])
-            i += 1
-        if len(self._sample) >= SAMPLE:
-            while self._next <= base + n:
-                self._seen = self._next
-                self._replace(*facts[self._next - base - 1])
-        self._seen = base + n
-
-    # Reservoir sampling (Li's algorithm L): every fact of the window is in
-    # the sample with chance SAMPLE / facts; once the sample is full, the
-    # count of facts skipped before the next one drawn is itself drawn, so
-    # a fact not drawn costs nothing.
-    def _fill(self, token: int, rows: Sequence[Any]) -> None:
-        digest = _digest_or_none(rows)
-        if digest is not None:
-            self._sample[token] = digest
-            if len(self._sample) == SAMPLE:
-                self._w = math.exp(math.log(1.0 - random.random()) / SAMPLE)
-                self._skip()
-
-    def _replace(self, token: int, rows: Sequence[Any]) -> None:
-        digest = _digest_or_none(rows)
-        if digest is not None:
-            sample = self._sample
-            del sample[random.choice(list(sample))]
-            sample[token] = digest
-        self._w *= math.exp(math.log(1.0 - random.random()) / SAMPLE)
-        self._skip()
-
-    def _skip(self) -> None:
-        skipped = math.log(1.0 - random.random()) / math.log(max(1e-300, 1.0 - self._w))
-        self._next = self._seen + int(min(skipped, 1e18)) + 1
+        self._seen += 1
+        sample = self._sample
+        if len(sample) < SAMPLE:
+            digest = _digest_or_none(rows)
+            if digest is not None:
+                sample[token] = digest
+        elif random.random() * self._seen < SAMPLE:
+            digest = _digest_or_none(rows)
+            if digest is not None:
+                del sample[random.choice(list(sample))]
+                sample[token] = digest
 
     def restart(self, position: Optional[int]) -> None:
         """Forget the open window; the next starts at ``position`` (a
