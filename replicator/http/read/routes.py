@@ -151,8 +151,8 @@ class ReadRoutes:
         limit = limit_of(args)
         wait = wait_of(args)
         text = one(args, "from")
-        form = formats.negotiate(request.requestHeaders.getRawHeaders(b"accept"))
         since = await self.start_positions(stream, text)
+        form = formats.negotiate(request.requestHeaders.getRawHeaders(b"accept"))
         host = client_host(request)
         ahead = readahead.key(stream.name, since, limit, form.name)
         page = await self.readahead.take(ahead) if text is not None else None
