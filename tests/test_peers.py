@@ -15,12 +15,8 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import ConfigError, parse_replication
-from replicator.replication.transport.peers import (
-    OTHER,
-    PeerPolicy,
-    metrics_label,
-    policy_from_config,
-)
+from replicator.replication.interfaces import OTHER, metrics_label
+from replicator.replication.transport.peers import PeerPolicy, policy_from_config
 from replicator.replication.transport.protocol import ServerReplicationProtocol
 from replicator.replication.transport.tcp import ReplicationServerFactory
 from tests.test_protocol import RecordingHandler

@@ -31,7 +31,6 @@ from typing import (
     AbstractSet,
     Any,
     Callable,
-    Deque,
     Dict,
     Iterable,
     List,
@@ -49,13 +48,22 @@ from zope.interface import implementer
 from ...background import Background
 from ...consumers import Consumer
 from ...observe import metrics
+from ...observe.health import Finding
 from ...storage import findings
 from ...streams.registry import StreamRegistry
 from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
-from ..interfaces import IPeerConnection, IReplicationConnection, IReplicationHandler
-from ..transport.link import INVALID_COMMAND, REFUSED
-from ..transport.peers import metrics_label
+from ..interfaces import (
+    INVALID_COMMAND,
+    REFUSED,
+    ConnectionSeen,
+    Disconnect,
+    IPeerConnection,
+    IReplicationConnection,
+    IReplicationHandler,
+    IReplicationView,
+    metrics_label,
+)
 from ..wire.commands import (
     ClearUserSyncCommand,
     Command,
@@ -72,7 +80,7 @@ from ..wire.encoding import MAX_LINE_LENGTH, encode_position_line
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
 from .audit import Auditor, Mismatch
 from .bookkeeping import Bookkeeping
-from .connections import Connections
+from .connections import Connections, peer_name
 from .delivery import consumers_for, make_reader, rewire
 from .fanout import Fanout
 from .gaps import TrimGaps
@@ -84,7 +92,7 @@ log = Logger()
 Key = Tuple[str, str]
 
 
-@implementer(IReplicationHandler)
+@implementer(IReplicationHandler, IReplicationView)
 class ReplicationHandler:
     """Replication logic of one instance; protocols call into it.
 
@@ -390,14 +398,22 @@ class ReplicationHandler:
         for reader in self._readers.values():
             reader.connection_lost(conn)
 
-    @property
-    def recent_disconnects(self) -> Deque[Tuple[float, str, Optional[str], str]]:
-        """The last disconnects, newest last: ``(time, peer, address, reason)``."""
-        return self.connections.recent_disconnects
+    # ------------------------------------------------ what observers see
+    def open_connections(self) -> List[ConnectionSeen]:
+        return [ConnectionSeen(conn, peer_name(conn, state.label), state.label, state.since)
+                for conn, state in list(self.connections.items())]
 
-    def conn_label(self, conn: IReplicationConnection) -> str:
-        """The connection's metrics label (bounded: names, not addresses)."""
-        return self.connections.label(conn)
+    def last_lost(self, name: str) -> Optional[float]:
+        return self.connections.last_lost.get(name)
+
+    def recent_disconnects(self) -> List[Disconnect]:
+        return [Disconnect(*d) for d in self.connections.recent_disconnects]
+
+    def findings(self) -> List[Finding]:
+        return self.gaps.findings()
+
+    def bookkeeping_samples(self) -> List[metrics.Sample]:
+        return self.bookkeeping.metric_samples()
 
     def on_NAME(self, conn: IReplicationConnection, cmd: NameCommand) -> None:
         if conn not in self.connections:

@@ -28,7 +28,14 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from ...logs.printable import printable
-from ..interfaces import IReplicationHandler
+from ..interfaces import (
+    CONGESTION,
+    IDLE_TIMEOUT_REASON,
+    LINE_TOO_LONG,
+    PING_TIMEOUT_REASON,
+    SHUTDOWN,
+    IReplicationHandler,
+)
 from ..wire.commands import Command, ErrorCommand, PingCommand
 from ..wire.encoding import MAX_LINE_LENGTH, joined
 
@@ -48,28 +55,6 @@ MAX_QUEUED_BYTES = 16 * 1024 * 1024
 #: How long a connection closed for congestion may take to drain before it
 #: is aborted (seconds).
 CONGESTION_GRACE = 1.0
-
-# Why a connection ended, for metrics.
-CONGESTION = "congestion"
-PING_TIMEOUT_REASON = "ping_timeout"
-IDLE_TIMEOUT_REASON = "idle_timeout"
-#: Server side: no NAME (nor REPLICATE) within ``identify_timeout``.
-IDENTIFY_TIMEOUT_REASON = "identify_timeout"
-PARSE_ERROR = "parse_error"
-WRONG_REMOTE = "wrong_remote"
-INVALID_COMMAND = "invalid_command"
-LINE_TOO_LONG = "line_too_long"
-SHUTDOWN = "shutdown"
-REMOTE_ERROR = "remote_error"
-CONNECTION_LOST = "connection_lost"
-#: The peer's address or NAME is not allowed (:mod:`.peers`).
-REFUSED = "refused"
-
-CLOSE_REASONS = frozenset({
-    CONGESTION, PING_TIMEOUT_REASON, IDLE_TIMEOUT_REASON, IDENTIFY_TIMEOUT_REASON, PARSE_ERROR,
-    WRONG_REMOTE, INVALID_COMMAND, LINE_TOO_LONG, SHUTDOWN, REMOTE_ERROR, CONNECTION_LOST,
-    REFUSED,
-})
 
 # Handler methods resolved once per connection.
 _HOOKS = ("new_connection", "lost_connection", "count_inbound", "count_outbound", "count_dropped",
@@ -93,7 +78,7 @@ class LineConnection(Protocol):
     the others of :data:`_HOOKS`, for the subclass) are optional.
 
     ``close_reason`` is None while the connection is up and becomes one of
-    :data:`CLOSE_REASONS` when we start closing it or it is lost (the first
+    :data:`replicator.replication.interfaces.CLOSE_REASONS` when we start closing it or it is lost (the first
     reason wins).
     """
 
@@ -225,7 +210,7 @@ class LineConnection(Protocol):
         One log line says so: at info level, or, when the peer is at fault
         and ``log_text`` says how, that text at warn level.
 
-        ``reason`` is one of :data:`CLOSE_REASONS`.  Queued lines are
+        ``reason`` is one of :data:`replicator.replication.interfaces.CLOSE_REASONS`.  Queued lines are
         discarded.  If the transport has not closed ``ping_timeout`` seconds
         later, it is aborted.  Idempotent: later calls do nothing.
         """

@@ -32,7 +32,17 @@ from zope.interface import implementer
 from ...logs.printable import printable
 from ...net.tls import certificate_names
 from ...observe import metrics
-from ..interfaces import IPeerConnection, IReplicationHandler
+from ..interfaces import (
+    CONNECTION_LOST,
+    IDENTIFY_TIMEOUT_REASON,
+    INVALID_COMMAND,
+    PARSE_ERROR,
+    REFUSED,
+    REMOTE_ERROR,
+    WRONG_REMOTE,
+    IPeerConnection,
+    IReplicationHandler,
+)
 from ..wire.commands import (
     CLIENT_COMMANDS,
     CLIENT_WRITER_COMMANDS,
@@ -49,16 +59,7 @@ from ..wire.commands import (
 )
 from ..wire.parsing import CommandParseError
 from . import proof
-from .link import (
-    CONNECTION_LOST,
-    IDENTIFY_TIMEOUT_REASON,
-    INVALID_COMMAND,
-    PARSE_ERROR,
-    REFUSED,
-    REMOTE_ERROR,
-    WRONG_REMOTE,
-    LineConnection,
-)
+from .link import LineConnection
 from .peers import PeerPolicy
 
 
@@ -105,7 +106,7 @@ class ReplicationProtocol(LineConnection):
         (server side) or the server's ``SERVER`` name (client side); None
         until received.  Checks use it as received; :attr:`name` is its
         printable form for logs, and the metrics label is derived from it
-        (:func:`.peers.metrics_label`, bounded)."""
+        (:func:`replicator.replication.interfaces.metrics_label`, bounded)."""
         return self._peer_instance
 
     @property
