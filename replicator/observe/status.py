@@ -54,7 +54,7 @@ from twisted.logger import Logger
 
 from .. import __version__
 from ..addresses import peer_address
-from ..replication.interfaces import Key, IReplicationView
+from ..replication.interfaces import IReplicationView, Key
 from .health import Finding
 from .writers import WriterWatch, clock_time, duration
 
