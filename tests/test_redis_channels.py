@@ -22,10 +22,11 @@ from replicator.config import ConfigError, RedisConfig, parse_instance, parse_st
 from replicator.consumers import MemoryConsumer
 from replicator.replication.transport.redis import RedisReplication, _Publisher, _RedisFactory
 from replicator.replication.transport.redis_channels import ChannelLayout
+from tests.handlers import CommandRecorder
 from tests.servers import PostgresServer, RedisServer
 from tests.support import create_stream_tables, until
 from tests.test_operations import ROOT, doc_block
-from tests.test_replication_redis import Node, _RecordingHandler
+from tests.test_replication_redis import Node
 
 
 class _Config:
@@ -92,7 +93,7 @@ class PerStreamBlockTests(TestCase):
 
     def test_one_block_each_line_on_its_channel(self):
         config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream")
-        link = RedisReplication(task.Clock(), config, _RecordingHandler(["a", "b"]), "hs", "w1")
+        link = RedisReplication(task.Clock(), config, CommandRecorder(["a", "b"]), "hs", "w1")
         publisher = _RedisFactory(_Publisher, config, link, "publisher").buildProtocol(None)
         transport = StringTransport()
         publisher.makeConnection(transport)

@@ -48,11 +48,11 @@ class SlotAndConfigTests(TestCase):
         from zope.interface.verify import verifyObject
 
         from replicator.replication.interfaces import IRedisBus
-        from tests.test_replication_redis import _RecordingHandler
+        from tests.handlers import CommandRecorder
 
         config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream",
                              cluster=("tcp:host=127.0.0.1:port=1",))
-        bus = RedisClusterBus(task.Clock(), config, _RecordingHandler(["a"]), "hs", "w")
+        bus = RedisClusterBus(task.Clock(), config, CommandRecorder(["a"]), "hs", "w")
         self.assertTrue(verifyObject(IRedisBus, bus))
         self.assertEqual(bus.channel, "hs/replicator")
 
@@ -61,11 +61,11 @@ class SlotAndConfigTests(TestCase):
         from twisted.internet.testing import StringTransport
 
         from replicator.replication.transport import redis_cluster as rc
-        from tests.test_replication_redis import _RecordingHandler
+        from tests.handlers import CommandRecorder
 
         config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream",
                              cluster=("tcp:host=127.0.0.1:port=1",))
-        handler = _RecordingHandler(["a", "b"])
+        handler = CommandRecorder(["a", "b"])
         handler.lost = []
         handler.lost_connection = lambda conn, reason: handler.lost.append(reason)
         bus = RedisClusterBus(task.Clock(), config, handler, "hs", "w")
@@ -105,11 +105,11 @@ class SlotAndConfigTests(TestCase):
         from twisted.internet.testing import StringTransport
 
         from replicator.replication.transport import redis_cluster as rc
-        from tests.test_replication_redis import _RecordingHandler
+        from tests.handlers import CommandRecorder
 
         config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream",
                              cluster=("tcp:host=127.0.0.1:port=1",))
-        bus = RedisClusterBus(task.Clock(), config, _RecordingHandler(["a"]), "hs", "w")
+        bus = RedisClusterBus(task.Clock(), config, CommandRecorder(["a"]), "hs", "w")
         moved = []
         bus.moved = lambda protocol, channel: moved.append(channel)
         subscriber = rc._Factory(rc._ShardSubscriber, config, bus, "n1",

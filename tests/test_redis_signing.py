@@ -17,6 +17,7 @@ from replicator.config.fields import ConfigError
 from replicator.observe import metrics
 from replicator.replication.transport.redis import RedisReplication
 from replicator.replication.transport.redis_signing import Signer, Verifier, load_keys
+from tests.handlers import CommandRecorder
 
 
 def write_keys(directory, *names):
@@ -210,18 +211,6 @@ class _Registry(dict):
         return self[name]
 
 
-class _Handler:
-    def __init__(self, streams):
-        self.registry = _Registry({n: types.SimpleNamespace(
-            name=n, config=types.SimpleNamespace(writers=("master",))) for n in streams})
-        self.received = []
-
-    def __getattr__(self, name):
-        if name.startswith("on_"):
-            return lambda conn, cmd: self.received.append(cmd.to_line())
-        raise AttributeError(name)
-
-
 class LinkTests(TestCase):
     """The Redis link with keys: what it publishes is signed, what it hears
     on our channels is handed on only if it verifies; Synapse's channel is
@@ -232,7 +221,8 @@ class LinkTests(TestCase):
         self.paths = write_keys(self.dir, "master", "reader")
 
     def link(self, name, synapse=None):
-        handler = _Handler(["caches"])
+        handler = CommandRecorder(registry=_Registry({"caches": types.SimpleNamespace(
+            name="caches", config=types.SimpleNamespace(writers=("master",)))}))
         link = RedisReplication(task.Clock(), RedisConfig(
             "tcp:host=127.0.0.1:port=1", keys=keys_for(self.paths, name)),
             handler, "hs.test", name, synapse_server_name=synapse)

@@ -21,6 +21,7 @@ from replicator.replication.core.handler import ReplicationHandler
 from replicator.replication.transport.redis import RedisReplication
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
+from tests.handlers import CommandRecorder
 from tests.servers import PostgresServer, RedisServer
 from tests.support import WatchedConsumer, as_sets, sleep, table_facts, until, write_randomly
 
@@ -377,25 +378,6 @@ class RedisFailureModeTests(TestCase):
         self.assertEqual(consumer.facts, [("caches", "w1", 1, [["while frozen", None, 1]])])
 
 
-class _Stream:
-    def __init__(self, name):
-        self.name = name
-
-
-class _RecordingHandler:
-    """Records what the Redis link hands on (a handler has an on_<NAME>
-    method per command it takes)."""
-
-    def __init__(self, streams):
-        self.registry = [_Stream(name) for name in streams]
-        self.received = []
-
-    def __getattr__(self, name):
-        if name.startswith("on_"):
-            return lambda conn, cmd: self.received.append(cmd.to_line())
-        raise AttributeError(name)
-
-
 class EchoFilterTests(TestCase):
     """Redis pub/sub delivers our own publications back to us: what names
     this instance (its RDATA, POSITION, USER_SYNC, CLEAR_USER_SYNC,
@@ -405,7 +387,7 @@ class EchoFilterTests(TestCase):
     def test_our_own_lines_are_not_delivered_back(self):
         from twisted.internet import task
 
-        handler = _RecordingHandler(["caches", "events"])
+        handler = CommandRecorder(["caches", "events"])
         link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
                                 handler, "hs.test", "worker1")
         link.conn, link.subscriber = types.SimpleNamespace(current_line=None), object()
@@ -479,7 +461,7 @@ class PublishBlockTests(TestCase):
         from replicator.replication.transport.redis import _Publisher, _RedisFactory
 
         self.link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
-                                     _RecordingHandler(["caches"]), "hs.test", "w1")
+                                     CommandRecorder(["caches"]), "hs.test", "w1")
         config = RedisConfig("tcp:host=127.0.0.1:port=1")
         self.publisher = _RedisFactory(_Publisher, config, self.link,
                                        "publisher").buildProtocol(None)
@@ -547,7 +529,7 @@ class SubscriberInputTests(TestCase):
 
         from replicator.replication.transport.redis import _RedisFactory, _Subscriber
 
-        handler = _RecordingHandler(["caches"])
+        handler = CommandRecorder(["caches"])
         link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
                                 handler, "hs.test", "w2")
         subscriber = _RedisFactory(_Subscriber, link.config, link,
@@ -578,7 +560,7 @@ class LinkSocketTests(TestCase):
         redis = RedisServer()
         self.addCleanup(redis.stop)
         link = RedisReplication(reactor, RedisConfig(redis.endpoint),
-                                _RecordingHandler(["caches"]), "hs.test", "w1",
+                                CommandRecorder(["caches"]), "hs.test", "w1",
                                 initial_delay=0.05, max_delay=0.3)
         link.handler.new_connection = lambda conn: None
         link.handler.lost_connection = lambda conn, reason: None

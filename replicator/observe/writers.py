@@ -216,11 +216,11 @@ class WriterWatch:
                    if w not in stream.local_writers
                    and positions.get(w, linear + 1) <= linear]
         parts = [f"{w}: {self.link(w, stream.name, connected)['text']}" for w in holders]
-        lowest: Optional[Tuple[int, str]] = None
+        lowest: Optional[List[Any]] = None  # [ID, writer]
         for w in stream.local_writers:
             ids = gen.in_flight_ids(w, 1)
             if ids and ids[0] > linear and (lowest is None or ids[0] < lowest[0]):
-                lowest = (ids[0], w)
+                lowest = [ids[0], w]
         if lowest is not None and (not holders or lowest[0] == linear + 1):
             parts.append(f"ID {lowest[0]} of {lowest[1]}, in flight")
         by = "; ".join(parts) or "an unknown writer"

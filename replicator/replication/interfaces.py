@@ -172,8 +172,9 @@ class IReplicationHandler(Interface):
     command without one is ignored; ``PING``, ``NAME``, ``SERVER`` and
     ``ERROR`` reach it after the protocol's own handling).  ``conn``
     provides :class:`IReplicationConnection`.  An exception raised here is
-    logged by the caller and does not end the connection.  (A protocol
-    tolerates a handler that lacks some hooks, as its unit tests' doubles do.)"""
+    logged by the caller and does not end the connection.  The transports
+    call every method below unconditionally: a handler that is not the core
+    subclasses :class:`.transport.base_handler.BaseHandler` (all no-ops)."""
 
     instance_name = Attribute("This instance's name (str).")
     registry = Attribute("The streams (a :class:`~replicator.streams.registry.StreamRegistry`).")

@@ -80,7 +80,7 @@ from ..wire.encoding import MAX_LINE_LENGTH, encode_position_line
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
 from .audit import Auditor, Mismatch
 from .bookkeeping import Bookkeeping
-from .connections import Connections, peer_name
+from .connections import Connections
 from .delivery import consumers_for, make_reader, rewire
 from .fanout import Fanout
 from .gaps import TrimGaps
@@ -400,14 +400,13 @@ class ReplicationHandler:
 
     # ------------------------------------------------ what observers see
     def open_connections(self) -> List[ConnectionSeen]:
-        return [ConnectionSeen(conn, peer_name(conn, state.label), state.label, state.since)
-                for conn, state in list(self.connections.items())]
+        return self.connections.seen()
 
     def last_lost(self, name: str) -> Optional[float]:
         return self.connections.last_lost.get(name)
 
     def recent_disconnects(self) -> List[Disconnect]:
-        return [Disconnect(*d) for d in self.connections.recent_disconnects]
+        return self.connections.disconnects()
 
     def findings(self) -> List[Finding]:
         return self.gaps.findings()

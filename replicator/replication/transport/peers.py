@@ -111,7 +111,7 @@ def local_names(handler: "IReplicationHandler") -> FrozenSet[str]:
     """The names no peer of ``handler`` may take: its instance's and its
     local writers'."""
     names = {handler.instance_name}
-    for stream in getattr(handler, "registry", ()):
+    for stream in handler.registry:
         names.update(stream.local_writers)
     return frozenset(names)
 

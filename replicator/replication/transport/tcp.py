@@ -135,7 +135,7 @@ class ReplicationServerFactory(Factory):
         """The names one live connection at a time may hold: the handler's
         (the configured writers; a reload adds to them) and the policy's
         ``allowed_peers``, less this instance's own names."""
-        return (frozenset(getattr(self.handler, "known_names", ()))
+        return (frozenset(self.handler.known_names)
                 | (self.policy.allowed_peers or frozenset())) - self.policy.reserved
 
     def set_policy(self, policy: PeerPolicy) -> int:
