@@ -85,10 +85,14 @@ class SlotAndConfigTests(TestCase):
                            b'RDATA a w 3 ["x"]\n'])
         node_of = {a: rc.owner(bus.slots, key_slot(a)), b: rc.owner(bus.slots, key_slot(b))}
         self.assertNotEqual(node_of[a], node_of[b])
+        def spublish(channel, payload):
+            return b"*3\r\n$8\r\nSPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                len(channel), channel, len(payload), payload)
+
         self.assertEqual(transports[node_of[a]].value(),
-                         rc.MULTI + rc._spublish(a, b"POSITION a w 1 1")
-                         + rc._spublish(a, b'RDATA a w 3 ["x"]') + rc.EXEC)
-        self.assertEqual(transports[node_of[b]].value(), rc._spublish(b, b"POSITION b w 2 2"))
+                         b"*1\r\n$5\r\nMULTI\r\n" + spublish(a, b"POSITION a w 1 1")
+                         + spublish(a, b'RDATA a w 3 ["x"]') + b"*1\r\n$4\r\nEXEC\r\n")
+        self.assertEqual(transports[node_of[b]].value(), spublish(b, b"POSITION b w 2 2"))
         # The slot of b moved: MOVED ends the generation (a new one reads
         # the map again); the lines count as dropped.
         bus.publishers[node_of[b]].dataReceived(b"-MOVED 1234 127.0.0.1:7001\r\n")
