@@ -8,7 +8,6 @@ import socket
 import threading
 import types
 
-from prometheus_client import REGISTRY
 from twisted.internet import defer, reactor, threads
 from twisted.internet.error import ConnectionDone
 from twisted.python.failure import Failure
@@ -161,50 +160,6 @@ class RedisReplicationTests(TestCase):
         linear = reader.registry.get("caches").id_gen.get_linear_token()
         self.assertEqual(linear, min(reader.handler.reader_positions().values()))
 
-    async def test_position_only_advance_and_foreign_traffic(self):
-        w1 = await Node(self, self.dsn, "w1", self.redis).start()
-        consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
-        reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
-        await until(lambda: w1.link.connected and reader.link.connected)
-        stream = w1.registry.get("caches")
-        await stream.write_fact([["a", None, 1]])
-        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 1)
-
-        def boom(txn, stream_id):
-            raise RuntimeError("rolled back")
-
-        with self.assertRaises(RuntimeError):
-            async with stream.writer() as fact:
-                fact.add_row(["never", None, 1])
-                fact.also(boom)
-        # Reserved and rolled back: readers move by POSITION alone.
-        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 2)
-        self.assertEqual(len(consumer.facts), 1)
-
-        ignored = metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get()
-        unknown_before = metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get()
-        # Lines of streams no one here reads (a stream Synapse has, like
-        # `events`, would be a Synapse on our channel: test_undeclared_synapse).
-        for line in ('RDATA other_app master 5 ["$ev:hs","!room:hs","m.room.message",null]',
-                     "POSITION other_app master 1 2",
-                     "FOO bar baz",
-                     "USER_SYNC synapse1 @u:hs None start 1000",
-                     'RDATA caches w1 batch ["half",null,1]'):
-            publish_raw(self.redis.port, "hs.test", line, self.redis.password)
-        await stream.write_fact([["b", None, 2]])
-        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 3)
-        # Both instances in this process hear each foreign line once.
-        self.assertEqual(metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get(),
-                         ignored + 2)
-        self.assertEqual(
-            metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get(),
-            unknown_before + 2)
-        self.assertEqual(reader.handler.user_syncs, {"synapse1": {("@u:hs", None): 1000}})
-        # A foreign line claiming to be w1's batch row joins w1's next fact,
-        # as in Synapse: the wire carries no proof of origin.
-        self.assertEqual([t for _, _, t, _ in consumer.facts], [1, 3])
-        self.assertTrue(reader.link.connected)
-
 
 def redis_clients(port, password):
     """How many clients ``redis-server`` has, this one included."""
@@ -329,34 +284,6 @@ class RedisFailureModeTests(TestCase):
         self.dsn = PostgresServer.shared().create_database()
         self.redis = RedisServer(password="the-right-password")
         self.addCleanup(self.redis.stop)
-
-    async def test_auth_failure_never_stops_reconnecting(self):
-        node = Node(self, self.dsn, "w1", self.redis)
-        node.redis = type("WrongPassword", (), {"endpoint": self.redis.endpoint,
-                                                "password": "a-wrong-password"})()
-        def refused(link):
-            return REGISTRY.get_sample_value("replicator_redis_auth_refused_total",
-                                             {"link": link}) or 0
-
-        before = {link: refused(link) for link in ("subscriber", "publisher")}
-        await node.start()
-        # Several refused AUTHs, counted per link.
-        await until(lambda: all(refused(link) >= before[link] + 3 for link in before),
-                    timeout=30)
-        self.assertFalse(node.link.connected)
-        self.assertIn("auth", (node.link.last_error or "").lower())
-        # The operator fixes the server side; the link comes back by itself.
-        with socket.create_connection(("127.0.0.1", self.redis.port)) as s:
-            def bulk(t):
-                b = t.encode()
-                return b"$%d\r\n%s\r\n" % (len(b), b)
-            s.sendall(b"*2\r\n" + bulk("AUTH") + bulk("the-right-password"))
-            s.recv(100)
-            s.sendall(b"*4\r\n" + bulk("CONFIG") + bulk("SET") + bulk("requirepass")
-                      + bulk("a-wrong-password"))
-            self.assertEqual(s.recv(100), b"+OK\r\n")
-        await until(lambda: node.link.connected, timeout=10)
-        self.assertIsNone(node.link.last_error)
 
     async def test_dead_socket_is_noticed_by_ping_and_replaced(self):
         import os
