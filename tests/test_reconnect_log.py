@@ -171,9 +171,9 @@ class RedisRetryLineTests(TestCase):
     timeout = 120
 
     async def test_auth_refusal_and_a_dead_server(self):
+        from tests.redis_nodes import Node
         from tests.servers import PostgresServer, RedisServer
         from tests.support import LogWatch
-        from tests.test_replication_redis import Node
 
         log = LogWatch(self)
         events = log.events

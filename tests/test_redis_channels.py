@@ -23,10 +23,10 @@ from replicator.consumers import MemoryConsumer
 from replicator.replication.transport.redis import RedisReplication, _Publisher, _RedisFactory
 from replicator.replication.transport.redis_channels import ChannelLayout
 from tests.handlers import CommandRecorder
+from tests.redis_nodes import Node
 from tests.servers import PostgresServer, RedisServer
 from tests.support import create_stream_tables, until
 from tests.test_operations import ROOT, doc_block
-from tests.test_replication_redis import Node
 
 
 class _Config:

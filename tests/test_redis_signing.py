@@ -379,8 +379,8 @@ class ForgedPositionTests(TestCase):
         import threading
 
         from replicator.consumers import MemoryConsumer
+        from tests.redis_nodes import TABLES, Node, publish_raw
         from tests.support import table_facts, until
-        from tests.test_replication_redis import TABLES, Node, publish_raw
 
         paths = self.paths
 
@@ -436,8 +436,8 @@ class ForgedPositionTests(TestCase):
         import psycopg2
 
         from replicator.consumers import MemoryConsumer
+        from tests.redis_nodes import TABLES, Node, publish_raw
         from tests.support import table_facts, until
-        from tests.test_replication_redis import TABLES, Node, publish_raw
 
         paths = self.paths
 

@@ -28,9 +28,9 @@ from replicator.replication.transport.base_handler import BaseHandler
 from replicator.replication.transport.redis import RedisReplication
 from replicator.replication.wire.commands import parse_line
 from tests.fakes import FakeView
+from tests.redis_nodes import Node
 from tests.servers import PostgresServer, RedisServer
 from tests.support import WatchedConsumer, until
-from tests.test_replication_redis import Node
 from tests.test_synapse import (
     OWN,
     READER,
