@@ -49,18 +49,23 @@ class MemoryRedisTests(TestCase):
         self.assertEqual(redis.published, [(b"c", b"a"), (b"c", b"b")])
 
 
-class RedisInMemoryTests(TestCase):
+class InMemoryRedisCase(TestCase):
+    """Instances of ``streams`` on the harness, and the in-memory Redis on
+    its port 6379 (no tests of its own)."""
+
+    streams = STREAMS
+
     def setUp(self):
-        self.h = Harness(STREAMS, self.addCleanup)
+        self.h = Harness(self.streams, self.addCleanup)
         self.redis = MemoryRedis(password=PASSWORD)
         self.h.clock.listenTCP(6379, self.redis)
 
-    def link(self, node, password=PASSWORD, **options):
+    def link(self, node, password=PASSWORD, channels="single", **options):
         """``node``'s Redis link to the in-memory server, started."""
         options = {"ping_interval": 0.5, "ping_timeout": 0.5, "initial_delay": 0.05,
                    "max_delay": 0.3, **options}
         link = RedisReplication(self.h.clock, RedisConfig("tcp:host=127.0.0.1:port=6379",
-                                                          password),
+                                                          password, channels=channels),
                                 node.handler, "hs.test", node.name, **options)
         link.startService()
         self.addCleanup(lambda: self.h.run(link.stopService(), settle=False))
@@ -77,6 +82,9 @@ class RedisInMemoryTests(TestCase):
         """A foreign process's PUBLISH of ``line`` on our channel."""
         self.redis.publish(b"hs.test", line.encode())
         self.h.settle()
+
+
+class RedisInMemoryTests(InMemoryRedisCase):
 
     def test_facts_of_two_writers_reach_a_reader_in_order(self):
         w1, w2 = self.h.instance("w1"), self.h.instance("w2")
@@ -187,3 +195,54 @@ class RedisInMemoryTests(TestCase):
         self.h.settle()
         self.assertTrue(reader.link.connected and writer.link.connected)
         self.assertEqual(consumer.facts, [("caches", "w1", 1, [["while away", None, 1]])])
+
+
+COLUMNS = [{"k": "text"}, {"n": "bigint"}]
+NAMES = ["s0", "s1", "s2"]
+ALL = parse_streams([{"name": n, "table": f"chan_{n}", "columns": COLUMNS, "writers": ["w"]}
+                     for n in NAMES])
+
+
+class PerStreamInMemoryTests(InMemoryRedisCase):
+    """``channels: per_stream`` (:mod:`replicator.replication.transport.redis_channels`)."""
+
+    streams = ALL
+
+    def test_a_reader_of_one_stream_hears_that_stream_only(self):
+        writer = self.h.instance("w")
+        # (s1's position is for the reload below: its reader starts there.)
+        consumer = MemoryConsumer(positions={("s0", "w"): 0, ("s1", "w"): 0})
+        reader = self.h.instance("r", [consumer], streams=ALL[:1])
+        self.link(writer, channels="per_stream")
+        self.link(reader, channels="per_stream")
+        heard = []
+        received = reader.link.message_received
+
+        def record(protocol, channel, message):
+            heard.append((channel, message))
+            return received(protocol, channel, message)
+
+        reader.link.message_received = record
+        self.joined()
+        for i in range(1, 6):
+            for name in NAMES:
+                self.h.run(writer.stream(name).write_fact([[f"{name}-{i}", i]]))
+        self.assertEqual(reader.handler.reader_positions()[("s0", "w")], 5)
+        self.assertEqual([rows for _, _, _, rows in consumer.facts],
+                         [[[f"s0-{i}", i]] for i in range(1, 6)])
+        channels = {channel for channel, _ in heard}
+        self.assertFalse(channels - {"hs.test/replicator", "hs.test/replicator/stream/s0"},
+                         channels)
+        self.assertFalse([m for _, m in heard if " s1 " in m or " s2 " in m])
+
+        # A reload adds s1 to the reader: its channel is subscribed before
+        # the REPLICATE goes out, so the writer's POSITION answer is heard
+        # and the reader catches up from the table.
+        stream = self.h.run(reader.registry.add(ALL[1], "streams[1]"))
+        reader.handler.stream_added(stream)
+        self.h.settle()
+        self.assertEqual(reader.handler.reader_positions().get(("s1", "w")), 5)
+        self.h.run(writer.stream("s1").write_fact([["s1-6", 6]]))
+        self.assertEqual(reader.handler.reader_positions()[("s1", "w")], 6)
+        s1 = [rows for s, _, _, rows in consumer.facts if s == "s1"]
+        self.assertEqual(s1, [[[f"s1-{i}", i]] for i in range(1, 7)])
