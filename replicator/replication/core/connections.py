@@ -10,7 +10,8 @@ Invariants:
   label: a connection adds one under its label when it is added, moves it
   when relabelled, and removes it when removed.
 * Labels are bounded: a peer's own name is a label only if the
-  configuration knows it (:func:`replicator.replication.interfaces.metrics_label`), never an address.
+  configuration knows it
+  (:func:`replicator.replication.interfaces.metrics_label`), never an address.
 * One connection failing to take lines never holds up the others.
 """
 

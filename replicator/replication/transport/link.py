@@ -74,8 +74,8 @@ class LineConnection(Protocol):
     :class:`~replicator.replication.interfaces.IReplicationHandler`.
 
     ``close_reason`` is None while the connection is up and becomes one of
-    :data:`replicator.replication.interfaces.CLOSE_REASONS` when we start closing it or it is lost (the first
-    reason wins).
+    :data:`replicator.replication.interfaces.CLOSE_REASONS` when we start
+    closing it or it is lost (the first reason wins).
     """
 
     #: Whether the peer connected to us (see
@@ -204,7 +204,8 @@ class LineConnection(Protocol):
         One log line says so: at info level, or, when the peer is at fault
         and ``log_text`` says how, that text at warn level.
 
-        ``reason`` is one of :data:`replicator.replication.interfaces.CLOSE_REASONS`.  Queued lines are
+        ``reason`` is one of
+        :data:`replicator.replication.interfaces.CLOSE_REASONS`.  Queued lines are
         discarded.  If the transport has not closed ``ping_timeout`` seconds
         later, it is aborted.  Idempotent: later calls do nothing.
         """
