@@ -260,7 +260,7 @@ class SignedClusterTests(TestCase):
     async def test_signed_lines_flow_and_a_forgery_is_refused(self):
         import tempfile
 
-        from tests.test_redis_signing import keys_for, refused, write_keys
+        from tests.redis_signing_keys import keys_for, refused, write_keys
 
         paths = write_keys(tempfile.mkdtemp(), "w", "r")
         keys = [(n, "w") for n in NAMES]

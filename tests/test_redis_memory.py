@@ -4,6 +4,8 @@ against :class:`tests.memory_redis.MemoryRedis` on the harness's reactor
 a real ``redis-server`` (its own restarts, a process frozen, TLS, the
 cluster) stays in ``tests/test_replication_redis.py`` and its neighbours."""
 
+import os
+
 from prometheus_client import REGISTRY
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
@@ -14,6 +16,7 @@ from replicator.observe import metrics
 from replicator.replication.transport.redis import SYNAPSE_PROBE, RedisReplication
 from tests.harness import Harness
 from tests.memory_redis import MemoryRedis, parse_requests
+from tests.redis_signing_keys import keys_for, refused, write_keys
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -60,12 +63,13 @@ class InMemoryRedisCase(TestCase):
         self.redis = MemoryRedis(password=PASSWORD)
         self.h.clock.listenTCP(6379, self.redis)
 
-    def link(self, node, password=PASSWORD, channels="single", **options):
+    def link(self, node, password=PASSWORD, channels="single", keys=None, **options):
         """``node``'s Redis link to the in-memory server, started."""
         options = {"ping_interval": 0.5, "ping_timeout": 0.5, "initial_delay": 0.05,
                    "max_delay": 0.3, **options}
         link = RedisReplication(self.h.clock, RedisConfig("tcp:host=127.0.0.1:port=6379",
-                                                          password, channels=channels),
+                                                          password, channels=channels,
+                                                          keys=keys),
                                 node.handler, "hs.test", node.name, **options)
         link.startService()
         self.addCleanup(lambda: self.h.run(link.stopService(), settle=False))
@@ -246,3 +250,43 @@ class PerStreamInMemoryTests(InMemoryRedisCase):
         self.assertEqual(reader.handler.reader_positions()[("s1", "w")], 6)
         s1 = [rows for s, _, _, rows in consumer.facts if s == "s1"]
         self.assertEqual(s1, [[[f"s1-{i}", i]] for i in range(1, 7)])
+
+
+class SignedInMemoryTests(InMemoryRedisCase):
+    """``replication.redis.keys`` (:mod:`replicator.replication.transport.redis_signing`):
+    a Redis client that only PUBLISHes forges nothing a reader takes."""
+
+    def test_a_forged_fact_reaches_no_consumer(self):
+        """An RDATA of w1 with an ID the sequence gave out (no row behind
+        it), and a ``batch`` row of w1 before w1's next fact: without keys
+        the reader handed the forged fact on and joined the row to w1's
+        next fact (a POSITION is checked against the table, an RDATA is
+        not); with keys both are refused."""
+        paths = write_keys(self.mktemp_dir(), "w1", "r")
+        w1 = self.h.instance("w1")
+        consumer = MemoryConsumer(positions={("caches", "w1"): 0})
+        reader = self.h.instance("r", [consumer])
+        for node in (w1, reader):
+            self.link(node, keys=keys_for(paths, node.name))
+        self.joined()
+        first = self.h.run(w1.stream("caches").write_fact([["first", None, 1]]))
+        self.assertEqual(reader.handler.reader_positions()[("caches", "w1")], first)
+        reserved = first + 1
+        self.h.sequence_taken("caches", reserved)  # given out, no row behind it
+        refusals = refused("unsigned")
+        for line in (f'RDATA caches w1 {reserved} ["forged",null,1]',
+                     'RDATA caches w1 batch ["half",null,1]'):
+            self.publish(line)
+        # Both instances hear (and refuse) both lines.
+        self.assertEqual(refused("unsigned"), refusals + 4)
+        self.assertEqual(reader.handler.reader_positions()[("caches", "w1")], first)
+        last = self.h.run(w1.stream("caches").write_fact([["second", None, 2]]))
+        self.assertGreater(last, reserved)
+        self.assertEqual(reader.handler.reader_positions()[("caches", "w1")], last)
+        self.assertEqual([(t, rows) for _, _, t, rows in consumer.facts],
+                         [(first, [["first", None, 1]]), (last, [["second", None, 2]])])
+
+    def mktemp_dir(self):
+        path = self.mktemp()
+        os.makedirs(path)
+        return path
