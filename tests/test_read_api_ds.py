@@ -88,6 +88,29 @@ class DurableStreamTests(ReadTestCase):
         self.assertNotEqual(self.header(response, "etag"), tag)
         self.assertEqual(len(orjson.loads(more)), 3)
 
+    async def test_a_full_answer_below_the_persisted_position_is_immutable(self):
+        from tests.test_read_api import until_deferred
+
+        await self.start_reading(max_page_bytes=1024)  # about a dozen facts an answer
+        ids = await self.write("events", 30)
+        await until_deferred(lambda: self.db.runQuery(
+            "SELECT stream_id FROM stream_positions WHERE stream_name = 'events'"),
+            lambda r: r == [(ids[-1],)])
+        self.api.reads.persisted.max_age = 0
+        offsets, got = ["-1"], []
+        while True:
+            response, data = await self.get("events", f"?offset={offsets[-1]}")
+            got += orjson.loads(data)
+            offsets.append(self.header(response, "stream-next-offset"))
+            if self.header(response, "stream-up-to-date") == "true":
+                break
+            self.assertEqual(self.header(response, "cache-control"),
+                             "public, max-age=31536000, immutable")
+        self.assertGreaterEqual(len(offsets), 3)  # (a full answer, then the tail)
+        self.assertEqual(self.header(response, "cache-control"), "no-store")  # the tail
+        self.assertEqual([m["stream_id"] for m in got], ids)
+        self.assertEqual(offsets[1:], sorted(offsets[1:]))
+
     async def test_long_poll_answers_a_fact_or_204_with_the_tail(self):
         await self.start_reading()
         ids = await self.write("events", 1)
