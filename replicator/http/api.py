@@ -35,6 +35,7 @@ from .idempotent import IdempotentWrites
 from .probe import DB_TIMEOUT, HealthRoute
 from .redact import Redactor
 from .site import MAX_BODY_SIZE, AccessLog, Site
+from .read.durable_paths import DurablePaths
 from .streams import StreamRoutes
 
 log = Logger(namespace="replicator.http")
@@ -135,7 +136,11 @@ class HttpApi:
             max_waiting_per_address=config.http.max_waiting_reads_per_address,
             heartbeat=config.http.heartbeat_interval,
             max_page_bytes=config.http.max_page_bytes,
-            feed_interval=config.replication.fanout_interval)
+            feed_interval=config.replication.fanout_interval,
+            ds_long_poll=config.http.ds_long_poll)
+        # Durable Streams created over HTTP (docs/read-api.md).
+        self.ds_paths = DurablePaths(self.reads, self.streams, clock,
+                                     long_poll=config.http.ds_long_poll)
         self._root = _Root(self)
 
     # --------------------------------------------------------------- public
@@ -199,6 +204,15 @@ class HttpApi:
             if rest in simple:
                 return {b"GET": simple[rest]}, ()
             parts = rest.split(b"/")
+            if len(parts) > 2 and parts[0] == b"ds" and parts[1]:
+                try:
+                    name = unquote(parts[1].decode("ascii"), errors="strict")
+                    path: Optional[str] = b"/".join(parts[2:]).decode("ascii")
+                except (UnicodeDecodeError, ValueError):
+                    name = path = None
+                ds = self.ds_paths  # docs/read-api.md, "Streams created over HTTP"
+                return {b"GET": ds.get_path, b"OPTIONS": ds.preflight, b"PUT": ds.put,
+                        b"POST": ds.post, b"DELETE": ds.delete}, (name, path)
             if len(parts) == 2 and parts[0] == b"ds" and parts[1]:
                 try:
                     name = unquote(parts[1].decode("ascii"), errors="strict")
