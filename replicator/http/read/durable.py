@@ -358,7 +358,8 @@ class DurableRoutes:
                 if page.facts:
                     out.append(self.sse_data(stream, page))
                 if page.facts or page is first or end != min(since.values()):
-                    out.append(b"event: control\ndata: " + orjson.dumps(control) + b"\n\n")
+                    # (No space after "data:": the suite's parsers want none; SSE allows both.)
+                    out.append(b"event: control\ndata:" + orjson.dumps(control) + b"\n\n")
                     request.write(b"".join(out))
                 self.reads.book.reached(reader.name, stream.name, page.next)
                 since = page.next
