@@ -121,10 +121,18 @@ class DurablePathTests(ReadTestCase):
                                       "ds_operations ORDER BY stream_id")
         self.assertEqual(rows, [("v1/a", "create", "text/plain", "b2xk"),
                                 ("v1/a", "append", None, "IGRhdGE=")])
+        # Stream-Seq: each after the last, bytewise.
+        for seq, code in (("2", 204), ("10", 409), ("2", 409), ("3", 204), ("a", 204),
+                          ("A", 409)):
+            response, data = await self.ds("POST", "v1/a", b"s", {**text, "Stream-Seq": seq})
+            self.assertEqual(response.code, code, (seq, data))
+        response, data = await self.ds("GET", "v1/a")
+        self.assertEqual(data, b"old datasss")
         response, _ = await self.ds("DELETE", "v1/a")
         self.assertEqual(response.code, 204)
         for method in ("GET", "POST", "DELETE"):
-            response, _ = await self.ds(method, "v1/a", b"x" if method == "POST" else None)
+            response, _ = await self.ds(method, "v1/a", b"x" if method == "POST" else None,
+                                        text)
             self.assertEqual(response.code, 404, method)
         # Created again: only what came after (an old offset reads from it).
         response, _ = await self.ds("PUT", "v1/a", b"new", text)
@@ -167,6 +175,7 @@ class DurablePathTests(ReadTestCase):
             ("PUT", "a%20b/", None, text, 400),
             ("PUT", "x", None, {**AUTH, "Content-Type": "text/\x01"}, 400),
             ("GET", "missing", None, AUTH, 404),
+            ("POST", "x", b"a", AUTH, 400),  # no Content-Type
             ("POST", "missing", b"a", text, 404),
         ]
         for method, path, body, headers, code in cases:

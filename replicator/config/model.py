@@ -46,13 +46,15 @@ class ColumnConfig:
 
 #: The columns of a stream with ``durable_streams: true``: one row per
 #: fact, the Durable Stream's path, the operation (``create``, ``append``,
-#: ``delete``), the content type it was created with, and the body
-#: (base64 of the bytes; in JSON mode, the messages as a JSON array).
+#: ``delete``), the content type it was created with, the body (base64
+#: of the bytes; in JSON mode, the messages as a JSON array), and an
+#: append's ``Stream-Seq``.
 DS_COLUMNS = (
     ColumnConfig("ds_path", "text"),
     ColumnConfig("ds_op", "text"),
     ColumnConfig("content_type", "text", nullable=True),
     ColumnConfig("body", "text", nullable=True),
+    ColumnConfig("seq", "text", nullable=True),
 )
 
 

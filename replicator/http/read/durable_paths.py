@@ -21,6 +21,9 @@ Invariants:
   after it, in stream-ID order.  Every instance reads them from the table
   up to its own linear token, so a worker answers an offset with the
   master's bytes.
+* An append with a ``Stream-Seq`` is refused (409) unless it sorts
+  after the path's last one: appends of a path are serialised, so the
+  check and the write are one step.
 * Only the stream's writer creates, appends and deletes (the write API's
   secret, its body limit, its 409 elsewhere); its operations on one path
   are serialised here, and each answers once its fact is readable (at or
@@ -47,6 +50,7 @@ from .tokens import Positions
 #: The longest path (percent-encoded, as the URL has it) and content type.
 MAX_PATH = 512
 MAX_CONTENT_TYPE = 200
+MAX_SEQ = 200
 #: Seconds a write waits for its fact to become readable before answering.
 VISIBLE_WAIT = 10.0
 DEFAULT_TYPE = "application/octet-stream"
@@ -58,8 +62,7 @@ _LINES = re.compile(rb"\r\n|\r|\n")
 #: Request headers of protocol features this server does not implement:
 #: refused (400 naming the header) rather than ignored, since a client
 #: sending one relies on what it asks for.
-UNSUPPORTED = (b"stream-ttl", b"stream-expires-at", b"stream-closed", b"stream-seq",
-               b"producer-id", b"producer-epoch", b"producer-seq", b"stream-forked-from")
+UNSUPPORTED = (b"stream-ttl", b"stream-expires-at", b"stream-closed", b"producer-id", b"producer-epoch", b"producer-seq", b"stream-forked-from")
 EXPOSE_WRITE = b"ETag, Stream-Next-Offset, Location"
 WRITE_METHODS = b"GET, HEAD, PUT, POST, DELETE"
 WRITE_HEADERS = b"Authorization, Content-Type, If-None-Match, Last-Event-ID"
@@ -149,6 +152,17 @@ def _state(txn, db, config, path: str, upto: int) -> Optional[Tuple[int, str]]:
     if row is None or row[1] != CREATE:
         return None
     return int(row[0]), row[2]
+
+
+def _last_seq(txn, db, config, path: str, created: int) -> Optional[str]:
+    """The ``Stream-Seq`` of the newest append of ``path`` that gave one,
+    since its creation ``created`` (writer; read back to that append)."""
+    ids = config.id_column
+    txn.execute(db.sql(f"SELECT seq FROM {config.table} WHERE ds_path = %s "
+                       f"AND ds_op = '{APPEND}' AND seq IS NOT NULL AND {ids} > %s "
+                       f"ORDER BY {ids} DESC LIMIT 1"), (path, created))
+    row = txn.fetchone()
+    return None if row is None else row[0]
 
 
 def _rows(txn, db, config, view: PathView, after: int, upto: int, limit: int,
@@ -280,6 +294,19 @@ class DurablePaths(DurableRoutes):
         return text
 
     @staticmethod
+    def _seq(request) -> Optional[str]:
+        """An append's ``Stream-Seq``: printable ASCII, compared bytewise
+        with the path's last (PROTOCOL.md 5.2); 400 otherwise."""
+        values = request.requestHeaders.getRawHeaders(b"stream-seq") or []
+        if not values:
+            return None
+        text = values[0].decode("latin-1")
+        if len(values) > 1 or len(text) > MAX_SEQ or not _CONTENT_TYPE.fullmatch(text):
+            raise HttpError(400, f"Stream-Seq must be one printable ASCII value of at most "
+                                 f"{MAX_SEQ} characters, got {excerpt(text)}")
+        return text
+
+    @staticmethod
     def _body(request) -> bytes:
         request.content.seek(0)
         return request.content.read()
@@ -326,8 +353,9 @@ class DurablePaths(DurableRoutes):
                     timer.cancel()
 
     async def _write(self, stream, path: str, op: str, content_type: Optional[str],
-                     body: Optional[str]) -> int:
-        stream_id = await self.writes.write_rows(stream, [[path, op, content_type, body]])
+                     body: Optional[str], seq: Optional[str] = None) -> int:
+        stream_id = await self.writes.write_rows(stream, [[path, op, content_type, body,
+                                                           seq]])
         await self._visible(stream, stream_id)
         return stream_id
 
@@ -373,6 +401,9 @@ class DurablePaths(DurableRoutes):
         Stream, 409 for another content type."""
         stream, path = self._writable(request, name, path)
         given = self._content_type(request)
+        if given is None:
+            raise HttpError(400, "an append needs a Content-Type (the stream's)")
+        seq = self._seq(request)
         raw = self._body(request)
 
         async def append():
@@ -381,11 +412,17 @@ class DurablePaths(DurableRoutes):
                 raise HttpError(404, f"no Durable Stream {excerpt(path)} in stream "
                                      f"{stream.name}")
             content_type = state[1] or DEFAULT_TYPE
-            if given is not None and media_type(given) != media_type(content_type):
+            if media_type(given) != media_type(content_type):
                 raise HttpError(409, f"Content-Type {excerpt(given)} does not match the "
                                      f"stream's {excerpt(content_type)}")
             body = encode_body(content_type, raw, True)
-            return await self._write(stream, path, APPEND, None, body)
+            if seq is not None:
+                last = await stream.db.runReads(_last_seq, stream.db, stream.config, path,
+                                                state[0])
+                if last is not None and seq.encode() <= last.encode():
+                    raise HttpError(409, f"Stream-Seq {excerpt(seq)} is not after the last "
+                                         f"one, {excerpt(last)}")
+            return await self._write(stream, path, APPEND, None, body, seq)
 
         position = await self._locked((stream.name, path), append)
         self._done(request, 204, {b"stream-next-offset": offset_text(position).encode()})
