@@ -56,7 +56,8 @@ class EncodingTests(SynchronousTestCase):
 
         def event(content_type, pieces):
             view = dp.PathView(None, "p", 1, content_type)
-            page = Page([(i + 1, p) for i, p in enumerate(pieces)], {"w": 2}, False, False)
+            page = Page([(i + 1, "w", [], p) for i, p in enumerate(pieces)], {"w": 2}, False,
+                        False)
             return paths.sse_data(view, page)
 
         self.assertEqual(event("text/plain", [b"a\r\n\nevent: control", b"\rb"]),

@@ -23,13 +23,13 @@ from .fields import (
 from .model import (
     AUDIT_TABLE,
     COLUMN_TYPES,
+    DS_COLUMNS,
     IDEMPOTENCY_TABLE,
     POSITIONS_TABLE,
     PROBLEMS_TABLE,
     RETENTION_TABLE,
     ROW_INDEX_COLUMN,
     SCHEMA_TABLE,
-    DS_COLUMNS,
     ColumnConfig,
     DatabaseConfig,
     RetentionConfig,
@@ -233,7 +233,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         if "create" in section and section["create"] is not True:
             raise ConfigError(f"{key}.create", "a stream with durable_streams: true is "
                                                "in a table the replicator creates")
-        columns = DS_COLUMNS
+        columns: Tuple[ColumnConfig, ...] = DS_COLUMNS
     else:
         columns = tuple(
             parse_column(c, f"{key}.columns[{i}]")

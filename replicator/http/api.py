@@ -33,9 +33,9 @@ from .bookkeeping import BookkeepingRoutes
 from .channel import error_body
 from .idempotent import IdempotentWrites
 from .probe import DB_TIMEOUT, HealthRoute
+from .read.durable_paths import DurablePaths
 from .redact import Redactor
 from .site import MAX_BODY_SIZE, AccessLog, Site
-from .read.durable_paths import DurablePaths
 from .streams import StreamRoutes
 
 log = Logger(namespace="replicator.http")
@@ -205,14 +205,16 @@ class HttpApi:
                 return {b"GET": simple[rest]}, ()
             parts = rest.split(b"/")
             if len(parts) > 2 and parts[0] == b"ds" and parts[1]:
+                name, ds_path = None, None
                 try:
                     name = unquote(parts[1].decode("ascii"), errors="strict")
-                    path: Optional[str] = b"/".join(parts[2:]).decode("ascii")
+                    ds_path = b"/".join(parts[2:]).decode("ascii")
                 except (UnicodeDecodeError, ValueError):
-                    name = path = None
-                ds = self.ds_paths  # docs/read-api.md, "Streams created over HTTP"
-                return {b"GET": ds.get_path, b"OPTIONS": ds.preflight, b"PUT": ds.put,
-                        b"POST": ds.post, b"DELETE": ds.delete}, (name, path)
+                    name = ds_path = None
+                paths = self.ds_paths  # docs/read-api.md, "Streams created over HTTP"
+                return {b"GET": paths.get_path, b"OPTIONS": paths.preflight,
+                        b"PUT": paths.put, b"POST": paths.post,
+                        b"DELETE": paths.delete}, (name, ds_path)
             if len(parts) == 2 and parts[0] == b"ds" and parts[1]:
                 try:
                     name = unquote(parts[1].decode("ascii"), errors="strict")

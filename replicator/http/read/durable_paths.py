@@ -44,7 +44,7 @@ from twisted.internet import defer, threads
 from ...jsontext import DuplicateKeyError, decode_json_strict
 from ..answers import HttpError, excerpt
 from .durable import LIMIT, NO_STORE, DurableRoutes, offset_text
-from .pages import Page
+from .pages import Page, PageFact
 from .tokens import Positions
 
 #: The longest path (percent-encoded, as the URL has it) and content type.
@@ -239,10 +239,13 @@ class DurablePaths(DurableRoutes):
         (writer,) = since
         after, upto = since[writer], bounds[writer]
         db = view.db
-        facts, full = await db.runReads(_rows, db, view.config, view, after, upto, limit,
+        found, full = await db.runReads(_rows, db, view.config, view, after, upto, limit,
                                         most)
-        end = facts[-1][0] if full else max(after, upto)
-        final = full and facts[-1][0] <= final_below
+        # As a page holds facts: (stream_id, writer, rows, encoded), the
+        # encoding being what the fact adds to an answer.
+        facts: List[PageFact] = [(i, writer, [], data) for i, data in found]
+        end = found[-1][0] if full else max(after, upto)
+        final = full and found[-1][0] <= final_below
         return Page(facts, {writer: end}, full, final)
 
     def content_type(self, stream) -> bytes:
@@ -250,8 +253,8 @@ class DurablePaths(DurableRoutes):
 
     def body(self, stream, page: Page) -> bytes:
         if is_json(stream.content_type):
-            return b"[" + b",".join([data for _, data in page.facts if data]) + b"]"
-        return b"".join([data for _, data in page.facts])
+            return b"[" + b",".join([f[3] for f in page.facts if f[3]]) + b"]"
+        return b"".join([f[3] or b"" for f in page.facts])
 
     def sse_data(self, stream, page: Page) -> bytes:
         body = self.body(stream, page)
@@ -340,7 +343,7 @@ class DurablePaths(DurableRoutes):
                 return
             d: defer.Deferred = defer.Deferred()
 
-            def wake(_=None) -> None:
+            def wake(_=None, d: defer.Deferred = d) -> None:
                 if not d.called:
                     d.callback(None)
             cancel = self.reads.watch.once(stream, wake)
