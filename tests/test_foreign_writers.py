@@ -139,10 +139,6 @@ class ForeignWriterTests(SynchronousTestCase):
         quick.autocommit = True
         written = [self.api_write("api-1"), self.plain_insert(quick, "quick-1"),
                    self.api_write("api-2"), self.plain_insert(quick, "quick-2")]
-        try:
-            wait_for(lambda: self.delivered_ids() == written, 30, "every fact, strangers open")
-        except AssertionError:
-            raise AssertionError((self.delivered_ids(), written, self.table(),
-                                  self.master.output()[-3000:]))
+        wait_for(lambda: self.delivered_ids() == written, 60, "every fact, strangers open")
         self.assert_delivered_is_table()
         self.assertEqual(self.held_texts(), [])

@@ -354,7 +354,7 @@ class HealthMonitor(TimerService):
                 continue
             holder, since = hung[0]
             held = self._clock.seconds() - since
-            who = (f"prepared transaction (no session; see pg_prepared_xacts)"
+            who = ("prepared transaction (no session; see pg_prepared_xacts)"
                    if holder.pid is None else
                    f"session pid {holder.pid} (application_name {holder.application_name!r}, "
                    f"transaction started {holder.xact_start}, {holder.state})")
