@@ -162,7 +162,7 @@ class DdlTests(SynchronousTestCase):
     def test_the_function_takes_the_stream_lock_before_nextval(self):
         from replicator.config.streams import parse_stream
         ddl = function_ddl(parse_stream(dict(ORDERS), "s"))
-        self.assertLess(ddl.index("pg_advisory_xact_lock_shared"),
+        self.assertLess(ddl.index("pg_try_advisory_xact_lock_shared"),
                         ddl.index("id := nextval"))
 
 

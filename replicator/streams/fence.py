@@ -105,15 +105,23 @@ CREATE OR REPLACE FUNCTION {function_name(config)}() RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $fence$
 DECLARE
     id bigint;
+    flag text;
 BEGIN
     IF current_setting('{flag}', true) = '1' THEN
         RETURN nextval('{seq}'::regclass);
     END IF;
-    PERFORM pg_advisory_xact_lock_shared({k['stream']}, 0);
+    -- Expressions, not PERFORM (a query each): a shared lock nobody takes
+    -- exclusively is granted at once; if one is not, wait for it.
+    IF NOT pg_try_advisory_xact_lock_shared({k['stream']}, 0) THEN
+        PERFORM pg_advisory_xact_lock_shared({k['stream']}, 0);
+    END IF;
     id := nextval('{seq}'::regclass);
-    PERFORM pg_advisory_xact_lock_shared({k['high']}, ((id >> {LOW_BITS})::bit(32))::int4),
-            pg_advisory_xact_lock_shared({k['low']}, (id & {LOW_MASK})::int4),
-            set_config('{flag}', '1', true);
+    IF NOT (pg_try_advisory_xact_lock_shared({k['high']}, ((id >> {LOW_BITS})::bit(32))::int4)
+            AND pg_try_advisory_xact_lock_shared({k['low']}, (id & {LOW_MASK})::int4)) THEN
+        PERFORM pg_advisory_xact_lock_shared({k['high']}, ((id >> {LOW_BITS})::bit(32))::int4),
+                pg_advisory_xact_lock_shared({k['low']}, (id & {LOW_MASK})::int4);
+    END IF;
+    flag := set_config('{flag}', '1', true);
     RETURN id;
 END
 $fence$"""
@@ -205,6 +213,20 @@ class Poller:
             out.append(Holder(vxid, first, h["pid"], h["app"], h["start"], h["state"]))
         return out
 
+    def _sequence_back(self, txn: Any, s: int, applied: int) -> int:
+        """The sequence is behind a watermark already used (a failover to
+        a standby that had not received it; the WAL flush before each use
+        keeps a crash restart from doing this): moved past it, never back,
+        with a warning.  A plain-SQL transaction that took a value below
+        meanwhile is one the readers may have passed."""
+        seq = self.config.sequence
+        txn.execute(f"SELECT setval('{seq}'::regclass, GREATEST(%s, "
+                    f"(SELECT last_value FROM {seq})))", (applied,))
+        log.warn("stream {stream}: sequence {seq} was at {s}, behind the plain-SQL "
+                 "writers' fence ({applied}); moved it past", stream=self.config.name,
+                 seq=seq, s=s, applied=applied)
+        return schema.sequence_value(txn, seq)
+
     def poll(self, txn: Any, last: Optional[Tuple[int, bool]], applied: int,
              lower_bound: int, writer: str, upsert: str,
              sleep: Callable[[float], None] = time.sleep,
@@ -218,6 +240,8 @@ class Poller:
         ``lower_bound``, a position the writer has reached."""
         for attempt in range(RETRIES):
             s = schema.sequence_value(txn, self.config.sequence)
+            if s < applied < (1 << 62):
+                s = self._sequence_back(txn, s, applied)
             if last is not None and last == (s, False):
                 return s, s, []
             holders = self.holders(txn)
