@@ -166,11 +166,16 @@ def watermark(sequence: int, holders: List[Holder]) -> Optional[int]:
     """The largest ID at or below which every fenced transaction ended,
     from the sequence's value read *before* the holders; None when a
     holder's ID is not known yet (read again)."""
-    if any(h.first_id is None for h in holders):
-        return None
-    if not holders:
+    ids = [h.first_id for h in holders]
+    if not ids:
         return sequence
-    return min(sequence, min(h.first_id for h in holders) - 1)  # type: ignore[type-var]
+    least = None
+    for first_id in ids:
+        if first_id is None:
+            return None
+        least = first_id if least is None or first_id < least else least
+    assert least is not None
+    return min(sequence, least - 1)
 
 
 class Poller:

@@ -225,12 +225,12 @@ class Stream:
         elif not self.db.is_postgres:
             self._txn.sqlite_last = top
         self.trimmed_through = self._pages.trim_boundary(txn)
-        fenced = None
+        fenced: Optional[Dict[str, int]] = None
         if self.fenced:
             # Where the fence stands now (a holder mid-way: what was persisted).
             first = c.writers[0]
-            w, _, _ = Poller(c).poll(txn, None, 1 << 63, 0, first, self._txn.upsert)
-            fenced = {first: max(persisted.get(first, floor), w or 0)}
+            now, _, _ = Poller(c).poll(txn, None, 1 << 63, 0, first, self._txn.upsert)
+            fenced = {first: max(persisted.get(first, floor), now or 0)}
         self._id_gen = StreamIdGenerator(
             self.name, positions, self.local_writers, call_from_thread=self._call_from_thread,
             fenced=fenced,
