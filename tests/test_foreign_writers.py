@@ -27,9 +27,14 @@ ORDERS = {"name": "orders", "table": "orders_stream", "columns": [{"item": "text
 HEALTH = {"lag_grace": 1, "check_interval": 1}
 
 
-class ForeignWriterTests(SynchronousTestCase):
+class _Daemons(SynchronousTestCase):
+    """A master and a worker on a database of :meth:`server` (no tests)."""
+
+    def server(self):
+        return PostgresServer.shared()
+
     def setUp(self):
-        self.dsn = PostgresServer.shared().create_database()
+        self.dsn = self.server().create_database()
         rep_port = free_port()
         link = {"ping_interval": 1, "ping_timeout": 10}
         self.master = Daemon(self, base_config(
@@ -92,7 +97,9 @@ class ForeignWriterTests(SynchronousTestCase):
         self.assertEqual(self.health(self.worker)[0], 200)  # no audit finding
         self.assertNotIn("is not what the table holds", self.worker.output())
 
-    # -------------------------------------------------------------- tests
+
+
+class ForeignWriterTests(_Daemons):
     def test_a_held_plain_sql_transaction_is_delivered_once_in_order(self):
         before = self.api_write("api-0")
         held = self.connect()
@@ -107,6 +114,9 @@ class ForeignWriterTests(SynchronousTestCase):
         text = self.held_texts()[0]
         self.assertIn(f"held ID {held_id}", text)
         self.assertIn("legacy-app", text)
+        status = json.loads(http(self.master.http_base + "/status.json")[1])
+        self.assertIn(text, [f["text"] for f in status["findings"]
+                             if f["kind"] == "foreign_held"])
         # Everything before it is there; nothing from its ID on went out.
         wait_for(lambda: before in self.delivered_ids(), 60, "the fact before it")
         self.assertEqual([i for i in self.delivered_ids() if i >= held_id], [])
@@ -142,3 +152,38 @@ class ForeignWriterTests(SynchronousTestCase):
         wait_for(lambda: self.delivered_ids() == written, 60, "every fact, strangers open")
         self.assert_delivered_is_table()
         self.assertEqual(self.held_texts(), [])
+
+
+class PreparedTransactionTests(_Daemons):
+    """A prepared transaction keeps its locks with no session: it holds the
+    stream until ``COMMIT PREPARED``, named as a prepared transaction."""
+
+    _server = None
+
+    def server(self):
+        if PreparedTransactionTests._server is None:
+            PreparedTransactionTests._server = PostgresServer(
+                settings=["max_prepared_transactions=4"])
+        return PreparedTransactionTests._server
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls._server is not None:
+            cls._server.stop()
+            cls._server = None
+
+    def test_a_prepared_transaction_holds_until_committed(self):
+        prepared = self.connect()
+        held_id = self.plain_insert(prepared, "prepared")
+        prepared.cursor().execute("PREPARE TRANSACTION 'legacy-1'")
+        prepared.close()  # the session ends; the transaction stays
+        later = [self.api_write("api-1"), self.api_write("api-2")]
+        wait_for(lambda: self.held_texts(), 60, "the prepared transaction on /health")
+        self.assertIn("prepared transaction", self.held_texts()[0])
+        self.assertEqual([i for i in self.delivered_ids() if i >= held_id], [])
+        admin = self.connect("admin")
+        admin.autocommit = True
+        admin.cursor().execute("COMMIT PREPARED 'legacy-1'")
+        self.assert_delivered_is_table()
+        self.assertEqual(self.delivered_ids()[-3:], [held_id] + later)
+        wait_for(lambda: not self.held_texts(), 60, "the holder gone from /health")
