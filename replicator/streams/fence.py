@@ -57,6 +57,7 @@ from twisted.internet import task
 from twisted.logger import Logger
 
 from ..config import StreamConfig
+from ..net.backoff import Outage
 from ..storage import schema
 
 log = Logger()
@@ -274,6 +275,8 @@ class Fence:
         self._running = False
         self._last: Optional[Tuple[int, bool]] = None
         self._applied = 0
+        self._outage = Outage(f"stream {stream.name}: the plain-SQL writers' fence", poll)
+        self._resume_at = 0.0  # (after a failed poll: the next one not before)
         #: Holders by virtual transaction ID: (holder, first seen, clock s).
         self.holders: Dict[str, Tuple[Holder, float]] = {}
         self.polls = 0
@@ -289,7 +292,7 @@ class Fence:
         self._loop = None
 
     def tick(self) -> None:
-        if self._running:
+        if self._running or self._clock.seconds() < self._resume_at:
             return
         self._running = True
         gen = self.stream.id_gen
@@ -305,6 +308,7 @@ class Fence:
 
     def _polled(self, answer: Tuple[Optional[int], int, List[Holder]]) -> None:
         w, s, holders = answer
+        self._outage.succeeded()
         self.polls += 1
         now = self._clock.seconds()
         self.holders = {h.vxid: (h, self.holders[h.vxid][1] if h.vxid in self.holders else now)
@@ -318,10 +322,9 @@ class Fence:
             self.stream.id_gen.fence(self.writer, w)
 
     def _failed(self, failure: Any) -> None:
+        """The first writer's token waits (one warning per outage)."""
         self._last = None
-        log.warn("stream {stream}: the fence of plain-SQL writers could not be read ({e}); "
-                 "its first writer's position waits", stream=self.stream.name,
-                 e=failure.getErrorMessage())
+        self._resume_at = self._clock.seconds() + self._outage.failed(failure.value)
 
     def hung(self, grace: float) -> List[Tuple[Holder, float]]:
         """Holders seen for more than ``grace`` seconds, oldest first:
