@@ -14,6 +14,7 @@ or wholly absent).  Rows carry a tag unique to the transaction
 """
 
 import asyncio
+import os
 import random
 import time
 from typing import List, Optional
@@ -25,8 +26,8 @@ MAX_HOLD = 0.4
 ROLLBACK_ONE_IN = 8
 #: Whose facts they are: ``caches``' first writer (the writer column's default).
 WRITER = "master"
-#: Plain-SQL writers of a run.
-WRITERS = 4
+#: Plain-SQL writers of a run (``CHAOS_SQL_WRITERS``: more for a long run).
+WRITERS = int(os.environ.get("CHAOS_SQL_WRITERS", "4"))
 
 
 class SqlWriter:
