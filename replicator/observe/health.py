@@ -363,7 +363,8 @@ class HealthMonitor(TimerService):
                     f"{holder.first_id} for {held:.0f}s: {who}{more}; facts of writer "
                     f"{fence.writer} from {holder.first_id} on wait until it ends")
             out.append(Finding("foreign_held", stream.name, fence.writer, text,
-                               f"held by pid {holder.pid} for {held:.0f}s",
+                               (f"held by pid {holder.pid}" if holder.pid is not None
+                                else "held by a prepared transaction") + f" for {held:.0f}s",
                                fails_health=False, since=since))
         return out
 
