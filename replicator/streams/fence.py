@@ -143,12 +143,33 @@ def install(txn: Any, config: StreamConfig, key: str) -> None:
         raise ConfigError(f"{key}.foreign_writers",
                           f"sequence {config.sequence!r} has CACHE {row[0]}: plain-SQL writers "
                           f"need CACHE 1 (ALTER SEQUENCE {config.sequence} CACHE 1)")
-    txn.execute(function_ddl(config))
-    txn.execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.id_column} "
-                f"SET DEFAULT {function_name(config)}()")
-    if config.writer_column:
+    ddl = function_ddl(config)
+    txn.execute("SELECT prosrc FROM pg_proc WHERE proname = %s "
+                "AND pronamespace = current_schema()::regnamespace",
+                (function_name(config).lower(),))
+    row = txn.fetchone()
+    if row is None or row[0] != ddl.split("$fence$")[1]:
+        txn.execute(ddl)
+    # An ALTER TABLE waits for every open transaction on the table (and
+    # holds up the ones after it): made only when the default differs.
+    defaults = _defaults(txn, config.table)
+    wanted = f"{function_name(config).lower()}()"
+    if defaults.get(config.id_column.lower()) != wanted:
+        txn.execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.id_column} "
+                    f"SET DEFAULT {function_name(config)}()")
+    if config.writer_column and defaults.get(config.writer_column.lower()) != \
+            f"'{config.writers[0]}'::text":
         txn.execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.writer_column} "
                     f"SET DEFAULT %s", (config.writers[0],))
+
+
+def _defaults(txn: Any, table: str) -> Dict[str, str]:
+    """Each column of ``table`` that has a default, with it (as PostgreSQL
+    shows it)."""
+    txn.execute("SELECT a.attname, pg_get_expr(d.adbin, d.adrelid) FROM pg_attrdef d "
+                "JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum "
+                "WHERE d.adrelid = %s::regclass", (table,))
+    return {name.lower(): expr for name, expr in txn.fetchall()}
 
 
 class Holder(NamedTuple):
