@@ -92,6 +92,9 @@ class _Gen:
     def get_current_token(self, writer):
         return 0
 
+    def cap(self, writer):
+        return 0
+
     def fence(self, writer, cap):
         self.caps.append(cap)
 

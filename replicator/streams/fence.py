@@ -303,6 +303,8 @@ class Fence:
         self.polls = 0
 
     def start(self) -> None:
+        cap = self.stream.id_gen.cap(self.writer)
+        self._applied = cap if cap is not None else 0  # (found at load)
         self._loop = task.LoopingCall(self.tick)
         self._loop.clock = self._clock
         self._loop.start(self._interval, now=True)
