@@ -153,6 +153,19 @@ class ForeignWriterTests(_Daemons):
         self.assert_delivered_is_table()
         self.assertEqual(self.held_texts(), [])
 
+    def test_the_first_writer_starts_again_while_a_plain_sql_transaction_is_open(self):
+        """Its start's DDL takes no lock a writer of the table holds (an
+        existing index is not created again: that would wait for it)."""
+        held = self.connect()
+        held_id = self.plain_insert(held, "held across the restart")
+        self.master.kill()
+        self.master = Daemon(self, self.master.config, "master").start()
+        later = self.api_write("api-after")
+        self.assertEqual([i for i in self.delivered_ids() if i >= held_id], [])
+        held.commit()
+        self.assert_delivered_is_table()
+        self.assertEqual(self.delivered_ids()[-2:], [held_id, later])
+
 
 class PreparedTransactionTests(_Daemons):
     """A prepared transaction keeps its locks with no session: it holds the

@@ -14,6 +14,7 @@ or wholly absent).  Rows carry a tag unique to the transaction
 """
 
 import asyncio
+import concurrent.futures
 import os
 import random
 import time
@@ -36,6 +37,13 @@ class SqlWriter:
         self.n = 0
         self.stopping = False
         self._conn: Optional[object] = None
+        # A thread of its own: with the loop's shared executor, writers
+        # waiting on a lock could take every thread from the ones whose
+        # commit would release it.
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def _connect(self):
         if self._conn is None or self._conn.closed:
@@ -65,7 +73,7 @@ class SqlWriter:
                       "rows": rows, "started": time.monotonic()}
             commit = self.rng.randrange(ROLLBACK_ONE_IN) != 0
             try:
-                ids = await asyncio.to_thread(self._insert_fact, rows)
+                ids = await self._call(self._insert_fact, rows)
             except Exception:
                 record["outcome"] = "failed"
                 self._drop()
@@ -75,7 +83,7 @@ class SqlWriter:
                 continue
             await asyncio.sleep(self.rng.uniform(0, MAX_HOLD))
             try:
-                await asyncio.to_thread(self._end, commit)
+                await self._call(self._end, commit)
                 record["outcome"] = "acked" if commit else "failed"
                 if commit:
                     record["stream_id"] = ids
@@ -84,6 +92,7 @@ class SqlWriter:
                 self._drop()
             record["ended"] = time.monotonic()
             self.log.append(record)
+        self._thread.shutdown(wait=False)
 
     def _insert_fact(self, rows: List[list]) -> int:
         """The fact's rows under one ID: the first row takes the default,
