@@ -345,6 +345,12 @@ class Stream:
         write = Write(checked, wire, list(hooks), time.monotonic(), lines)
         return await self._groups[writer].submit(write)
 
+    def writing(self, writer: str) -> bool:
+        """Whether another write of local ``writer`` is queued or in a
+        transaction (reactor thread): a commit of it is on its way."""
+        groups = self._groups.get(writer)
+        return groups is not None and groups.busy
+
     def _run_group(self, writer: str, group: Group) -> "defer.Deferred[None]":
         """Start the transaction that takes ``group``'s writes (reactor thread)."""
         if self.db.is_postgres:
