@@ -37,7 +37,7 @@ from typing import Any, Callable, Deque, Generator, List, Optional, Tuple
 
 import psycopg2
 import psycopg2.extensions
-from twisted.internet import defer
+from twisted.internet import defer, task
 from twisted.internet.interfaces import IReactorFDSet, IReadDescriptor, IWriteDescriptor
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -74,10 +74,8 @@ def run_statements(cursor: Any, statements: Statements) -> Any:
 @implementer(IReadDescriptor, IWriteDescriptor)
 class _Poller:
     """Drives one asynchronous psycopg2 connection's ``poll()`` from the
-    reactor until it says ``POLL_OK``: :meth:`wait`'s callback is called
-    then with None (or with what ``poll()`` raised).  While a connection
-    is in use the reactor keeps watching it for reading (one ``epoll``
-    change per transaction, not two per statement); :meth:`rest` stops."""
+    reactor until it says ``POLL_OK``: :meth:`wait` fires then (or fails
+    with what ``poll()`` raised)."""
 
     def __init__(self, reactor: IReactorFDSet, conn: Any) -> None:
         self._reactor = reactor
@@ -86,7 +84,7 @@ class _Poller:
         # closes its own when the connection fails, which must not pull a
         # descriptor from under the reactor's epoll set (closed in close()).
         self._fd = os.dup(conn.fileno())
-        self._then: Optional[Callable[[Any], None]] = None
+        self._waiting: "Optional[defer.Deferred[None]]" = None
         self._reading = self._writing = False
 
     def fileno(self) -> int:
@@ -95,9 +93,11 @@ class _Poller:
     def logPrefix(self) -> str:
         return "postgres"
 
-    def wait(self, then: Callable[[Any], None]) -> None:
-        self._then = then
+    def wait(self) -> "defer.Deferred[None]":
+        self._waiting = defer.Deferred()
+        d = self._waiting
         self._poll()
+        return d
 
     def doRead(self) -> None:
         self._poll()
@@ -105,40 +105,36 @@ class _Poller:
     doWrite = doRead
 
     def connectionLost(self, reason: Any) -> None:
-        self.rest()
-        self._fire(reason.value if hasattr(reason, "value") else reason)
-
-    def rest(self) -> None:
-        """Stop watching (an idle connection)."""
         self._watch(False, False)
+        self._fire(reason)
 
     def close(self) -> None:
         """Stop watching; the descriptor's copy is closed."""
-        self.rest()
+        self._watch(False, False)
         self._fire(ConnectionUnavailable("connection closed"))
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
     def _poll(self) -> None:
-        if self._then is None:
-            self.rest()
+        if self._waiting is None:
+            self._watch(False, False)
             return
         try:
             state = self.conn.poll()
         except BaseException as e:
-            self.rest()
+            self._watch(False, False)
             self._fire(e)
             return
         if state == psycopg2.extensions.POLL_OK:
-            self._watch(True, False)
+            self._watch(False, False)
             self._fire(None)
         elif state == psycopg2.extensions.POLL_READ:
             self._watch(True, False)
         elif state == psycopg2.extensions.POLL_WRITE:
-            self._watch(True, True)
+            self._watch(False, True)
         else:  # pragma: no cover (the driver's states are the three above)
-            self.rest()
+            self._watch(False, False)
             self._fire(RuntimeError(f"psycopg2 poll() state {state}"))
 
     def _watch(self, read: bool, write: bool) -> None:
@@ -150,9 +146,13 @@ class _Poller:
             self._writing = write
 
     def _fire(self, error: Any) -> None:
-        then, self._then = self._then, None
-        if then is not None:
-            then(error)
+        d, self._waiting = self._waiting, None
+        if d is None:
+            return
+        if error is None:
+            d.callback(None)
+        else:
+            d.errback(error)
 
 
 class _Connection:
@@ -161,6 +161,10 @@ class _Connection:
     def __init__(self, reactor: IReactorFDSet, dsn: str) -> None:
         self.raw = psycopg2.connect(dsn, async_=True)
         self.poller = _Poller(reactor, self.raw)
+
+    async def execute(self, cursor: Any, sql: str, params: Any = None) -> None:
+        cursor.execute(sql, params)
+        await self.poller.wait()
 
     def alive(self) -> bool:
         """Whether an idle connection still seems alive, without a round
@@ -193,80 +197,6 @@ class _Connection:
             pass
 
 
-class _Transaction:
-    """One statements generator run on one connection, between BEGIN
-    (sent with its first statement) and COMMIT, by callbacks from the
-    connection's poller (no Deferred per statement); ``done(error,
-    result)`` is called once, ``error`` a Failure or None."""
-
-    def __init__(self, conn: _Connection, work: Statements,
-                 done: Callable[[Optional[Failure], Any], None]) -> None:
-        self._conn = conn
-        self._work = work
-        self._done = done
-        self._cursor = conn.raw.cursor()
-        self._began = False
-        self._failure: Optional[Failure] = None
-
-    def start(self) -> None:
-        self._step(lambda: next(self._work))
-
-    def _step(self, advance: Callable[[], Statement]) -> None:
-        try:
-            sql, params = advance()
-        except StopIteration as stop:
-            if not self._began:
-                self._finish(None, stop.value)
-                return
-            self._result = stop.value
-            self._send("COMMIT", None, self._committed)
-            return
-        except BaseException:
-            self._failure = Failure()
-            if self._began and not self._conn.broken:
-                self._send("ROLLBACK", None, self._rolled_back)
-            else:
-                self._finish(self._failure, None)
-            return
-        if not self._began:
-            sql, self._began = BEGIN + sql, True
-        self._send(sql, params, self._answered)
-
-    def _send(self, sql: str, params: Any, then: Callable[[Any], None]) -> None:
-        try:
-            self._cursor.execute(sql, params)
-        except BaseException as e:
-            then(e)
-            return
-        self._conn.poller.wait(then)
-
-    def _answered(self, error: Any) -> None:
-        if error is None:
-            self._step(lambda: self._work.send(self._cursor))
-        else:
-            self._step(lambda: self._work.throw(error))
-
-    def _committed(self, error: Any) -> None:
-        if error is None:
-            self._finish(None, self._result)
-        else:
-            self._finish(Failure(error), None)
-
-    def _rolled_back(self, error: Any) -> None:
-        if error is not None:
-            log.warn("Database connection lost ({error}); the next transaction opens a new one",
-                     error=first_line(error))
-            self._conn.close()
-        self._finish(self._failure, None)
-
-    def _finish(self, failure: Optional[Failure], result: Any) -> None:
-        try:
-            self._cursor.close()
-        except Exception:
-            pass
-        self._done(failure, result)
-
-
 class ReactorTransactions:
     """Runs transactions on at most ``workers`` asynchronous connections.
 
@@ -279,7 +209,7 @@ class ReactorTransactions:
     waits, so that at most ``workers`` transactions run at a time).
     """
 
-    def __init__(self, reactor: Any, dsn: str, workers: int = 1) -> None:
+    def __init__(self, reactor: IReactorFDSet, dsn: str, workers: int = 1) -> None:
         self._reactor = reactor
         self._dsn = dsn
         self._workers = max(1, workers)
@@ -300,67 +230,97 @@ class ReactorTransactions:
     def _kick(self) -> None:
         while self._jobs and (self._idle or self._open < self._workers):
             job = self._jobs.popleft()
-            conn: Optional[_Connection] = None
             if self._idle:
-                idle = self._idle.pop()
-                if idle.alive():
-                    conn = idle
-                else:  # (replaced: its count is kept)
-                    log.warn("Database connection lost; opening a new one")
-                    idle.close()
+                conn: Optional[_Connection] = self._idle.pop()
             else:
+                conn = None
                 self._open += 1
-            if conn is None:
-                defer.ensureDeferred(self._connect_for(job))
-            else:
-                # The reactor's next turn: the writes that the callbacks of
-                # this turn submit (writers a commit just answered) go too.
-                self._reactor.callLater(0, self._start, conn, job)
+            defer.ensureDeferred(self._work(conn, *job))
 
-    async def _connect_for(self, job: Tuple[Callable[..., Any], tuple, "defer.Deferred[Any]"]
-                           ) -> None:
+    async def _connect(self) -> _Connection:
         try:
             conn = _Connection(self._reactor, self._dsn)
         except psycopg2.Error as e:
-            self._unavailable(job, e)
-            return
+            raise ConnectionUnavailable(first_line(e)) from None
         try:
-            await _wait(conn.poller)
+            await conn.poller.wait()
         except BaseException as e:
             conn.close()
-            self._unavailable(job, e)
-            return
-        self._start(conn, job)
+            raise ConnectionUnavailable(first_line(e)) from None
+        return conn
 
-    def _unavailable(self, job: Any, error: BaseException) -> None:
-        self._open -= 1
-        job[2].errback(Failure(ConnectionUnavailable(first_line(error))))
-        self._kick()
-
-    def _start(self, conn: _Connection, job: Tuple[Callable[..., Any], tuple,
-                                                  "defer.Deferred[Any]"]) -> None:
-        fn, args, d = job
-
-        def done(failure: Optional[Failure], result: Any) -> None:
-            self._release(conn)
-            if failure is not None:
-                d.errback(failure)
-            else:
-                d.callback(result)
-            self._kick()
-
+    async def _work(self, conn: Optional[_Connection], fn: Callable[..., Any], args: tuple,
+                    d: "defer.Deferred[Any]") -> None:
+        if conn is not None and not conn.alive():
+            log.warn("Database connection lost; opening a new one")
+            conn.close()
+            conn = None
+        if conn is None:
+            try:
+                conn = await self._connect()
+            except ConnectionUnavailable:
+                self._open -= 1
+                d.errback(Failure())
+                self._kick()
+                return
+        # The reactor's next turn: the writes that the callbacks of this
+        # turn submit (the writers a commit just answered) go with it.
+        await task.deferLater(self._reactor, 0, lambda: None)
         try:
             work = fn(conn.raw, *args)
+            if isinstance(work, defer.Deferred):
+                # Handed elsewhere: it still counts as one of ``workers``
+                # transactions at a time, as if it ran here.
+                result = await work
+            else:
+                result = await self._transaction(conn, work)
         except BaseException:
-            done(Failure(), None)
+            failure = Failure()
+            self._release(conn)
+            d.errback(failure)
+        else:
+            self._release(conn)
+            d.callback(result)
+        self._kick()
+
+    async def _transaction(self, conn: _Connection, work: Statements) -> Any:
+        """``work`` between BEGIN (sent with its first statement) and COMMIT."""
+        cursor = conn.raw.cursor()
+        began = False
+        try:
+            try:
+                statement = next(work)
+                while True:
+                    sql, params = statement
+                    if not began:
+                        sql, began = BEGIN + sql, True
+                    try:
+                        await conn.execute(cursor, sql, params)
+                    except BaseException as e:
+                        statement = work.throw(e)
+                    else:
+                        statement = work.send(cursor)
+            except StopIteration as done:
+                result = done.value
+            except BaseException:
+                if began:
+                    await self._rollback(conn, cursor)
+                raise
+            if began:
+                await conn.execute(cursor, "COMMIT")
+            return result
+        finally:
+            cursor.close()
+
+    async def _rollback(self, conn: _Connection, cursor: Any) -> None:
+        if conn.broken:
             return
-        if isinstance(work, defer.Deferred):
-            # Handed elsewhere: it still counts as one of ``workers``
-            # transactions at a time, as if it ran here.
-            work.addCallbacks(lambda result: done(None, result),
-                              lambda failure: done(failure, None))
-            return
-        _Transaction(conn, work, done).start()
+        try:
+            await conn.execute(cursor, "ROLLBACK")
+        except Exception as e:
+            log.warn("Database connection lost ({error}); the next transaction opens a new one",
+                     error=first_line(e))
+            conn.close()
 
     def _release(self, conn: _Connection) -> None:
         """``conn`` is free: idle again, or closed if it is of no more use."""
@@ -369,7 +329,6 @@ class ReactorTransactions:
             conn.close()
             self._open -= 1
         else:
-            conn.poller.rest()
             self._idle.append(conn)
 
     def close(self) -> None:
@@ -378,13 +337,6 @@ class ReactorTransactions:
         while self._idle:
             self._idle.pop().close()
             self._open -= 1
-
-
-def _wait(poller: _Poller) -> "defer.Deferred[None]":
-    """A Deferred of :meth:`_Poller.wait` (opening a connection)."""
-    d: "defer.Deferred[None]" = defer.Deferred()
-    poller.wait(lambda error: d.callback(None) if error is None else d.errback(Failure(error)))
-    return d
 
 
 def first_line(error: BaseException) -> str:

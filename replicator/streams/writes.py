@@ -92,9 +92,8 @@ class WriteTransaction:
         """Write ``writes`` (each given its IDs); IDs the generator accepted
         are appended to ``reserved`` as soon as it has them (a pool thread)."""
         if self.db.is_postgres:
-            ids: List[int] = run_statements(txn, self.statements(txn.connection, gen, writer,
-                                                                 writes, reserved))
-            return ids
+            return run_statements(txn, self.statements(txn.connection, gen, writer, writes,
+                                                       reserved))
         return self._write_sqlite(txn, gen, writer, writes, reserved)
 
     def statements(self, connection: Any, gen: StreamIdGenerator, writer: str, writes: Any,
