@@ -31,13 +31,12 @@ Invariants:
 """
 
 import os
-import select
 from collections import deque
 from typing import Any, Callable, Deque, Generator, List, Optional, Tuple
 
 import psycopg2
 import psycopg2.extensions
-from twisted.internet import defer, task
+from twisted.internet import defer
 from twisted.internet.interfaces import IReactorFDSet, IReadDescriptor, IWriteDescriptor
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -166,23 +165,6 @@ class _Connection:
         cursor.execute(sql, params)
         await self.poller.wait()
 
-    def alive(self) -> bool:
-        """Whether an idle connection still seems alive, without a round
-        trip: an idle connection has nothing to read, so anything readable
-        (the server's goodbye after a restart, end of file) is read now,
-        and a connection that fails on it is dead."""
-        if self.raw.closed:
-            return False
-        poller = select.poll()
-        poller.register(self.poller.fileno(), select.POLLIN)
-        if not poller.poll(0):
-            return True
-        try:
-            self.raw.poll()
-        except psycopg2.Error:
-            return False
-        return not self.broken
-
     @property
     def broken(self) -> bool:
         raw = self.raw
@@ -251,10 +233,6 @@ class ReactorTransactions:
 
     async def _work(self, conn: Optional[_Connection], fn: Callable[..., Any], args: tuple,
                     d: "defer.Deferred[Any]") -> None:
-        if conn is not None and not conn.alive():
-            log.warn("Database connection lost; opening a new one")
-            conn.close()
-            conn = None
         if conn is None:
             try:
                 conn = await self._connect()
@@ -263,9 +241,6 @@ class ReactorTransactions:
                 d.errback(Failure())
                 self._kick()
                 return
-        # The reactor's next turn: the writes that the callbacks of this
-        # turn submit (the writers a commit just answered) go with it.
-        await task.deferLater(self._reactor, 0, lambda: None)
         try:
             work = fn(conn.raw, *args)
             if isinstance(work, defer.Deferred):
