@@ -13,13 +13,10 @@ from typing import Any, Callable, Optional
 
 from twisted.enterprise import adbapi
 from twisted.internet import defer
-from twisted.internet.interfaces import IReactorFDSet
 from twisted.logger import Logger
 
 from .. import files
 from ..config import DatabaseConfig
-from .reactor_transactions import ReactorTransactions
-from .reactor_transactions import first_line as _first_line
 from .transactions import TransactionQueue
 
 #: A DB-API cursor, as a transaction function receives it (psycopg2 or sqlite3).
@@ -122,6 +119,11 @@ def _dead(conn) -> Optional[str]:
     return None
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
 @lru_cache(maxsize=1024)
 def _qmark(text: str) -> str:
     return text.replace("%s", "?")
@@ -139,7 +141,6 @@ class Database:
         SQLite, run inline); it must speak the configured engine's SQL."""
         self.config = config
         self.engine = config.engine
-        self._own_pool = pool is None
         if pool is not None:
             self.pool = pool
             self.greatest = "MAX" if self.engine == "sqlite" else "GREATEST"
@@ -164,20 +165,6 @@ class Database:
         # connection stays free for reads when the pool has more than one.
         workers = config.pool_max - 1 if config.pool_max > 1 else 1
         self.transactions = TransactionQueue(self.pool, workers)
-        self._workers = workers
-        self._on_reactor: Optional[ReactorTransactions] = None
-
-    def reactor_transactions(self, reactor: Any) -> Optional[ReactorTransactions]:
-        """Write transactions on the reactor thread (PostgreSQL: psycopg2's
-        asynchronous connections, as many as the pool's writes may use,
-        opened beside the pool when first needed); None where they cannot
-        run (SQLite, a pool given in, a reactor without file descriptors)."""
-        if not self.is_postgres or not self._own_pool or self.config.dsn is None \
-                or not IReactorFDSet.providedBy(reactor):
-            return None
-        if self._on_reactor is None:
-            self._on_reactor = ReactorTransactions(reactor, self.config.dsn, self._workers)
-        return self._on_reactor
 
     @property
     def is_postgres(self) -> bool:
@@ -223,6 +210,4 @@ class Database:
         return self.pool.runOperation(self.sql(text), *args)
 
     def close(self) -> None:
-        if self._on_reactor is not None:
-            self._on_reactor.close()
         self.pool.close()

@@ -290,16 +290,6 @@ def upsert_position_sql(greatest: str) -> str:
 
 def sequence_value(txn, sequence: str) -> int:
     """The last value ``nextval`` handed out (PostgreSQL)."""
-    txn.execute(sequence_value_sql(sequence))
-    return sequence_value_of(txn.fetchone())
-
-
-def sequence_value_sql(sequence: str) -> str:
-    """The statement :func:`sequence_value` runs."""
-    return f"SELECT last_value, is_called FROM {sequence}"
-
-
-def sequence_value_of(row) -> int:
-    """:func:`sequence_value` of the row its statement returned."""
-    last, called = row
+    txn.execute(f"SELECT last_value, is_called FROM {sequence}")
+    last, called = txn.fetchone()
     return int(last) if called else int(last) - 1

@@ -44,7 +44,7 @@ from .readahead import ReadAhead
 from .recent import EncodedPage, RecentFacts
 from .rows import RowCodec
 from .tally import Tally, TallyQuery
-from .writes import INSERT_ROWS, PreparedFacts, TxnHook, WriteTransaction
+from .writes import PreparedFacts, TxnHook, WriteTransaction
 
 log = Logger()
 
@@ -124,8 +124,6 @@ class Stream:
         self._id_gen: Optional[StreamIdGenerator] = None
         self._call_from_thread = call_from_thread
         self._txn = WriteTransaction(config, db)
-        # PostgreSQL: write transactions on the reactor's own connections.
-        self._on_reactor = db.reactor_transactions(clock) if db.is_postgres else None
         self._pages = PageQuery(config, db)
         self._tally = TallyQuery(config, db)
         #: IDs whose writer is known here (:mod:`.known`): local writers'
@@ -355,33 +353,9 @@ class Stream:
 
     def _run_group(self, writer: str, group: Group) -> "defer.Deferred[None]":
         """Start the transaction that takes ``group``'s writes (reactor thread)."""
-        if self._on_reactor is not None:
-            return self._on_reactor.run(self._group_on_reactor, writer, group)
         if self.db.is_postgres:
             return self.db.transactions.run(self._write_group, writer, group)
         return self.db.runInteraction(self._write_group, writer, group)
-
-    def _group_on_reactor(self, connection: Any, writer: str, group: Group) -> Any:
-        """Reactor thread, a connection ready: take the waiting writes and
-        give their statements to run there, or, for a group that runs
-        blocking hooks or whose rows take more than one statement (their
-        formatting would hold the reactor), hand it to the pool."""
-        writes = self._groups[writer].take(group)
-        if any(w.hooks for w in writes) or sum(w.rows for w in writes) > INSERT_ROWS:
-            return self.db.transactions.run(self._write_group, writer, group)
-        return self._group_statements(connection, writer, group, writes)
-
-    def _group_statements(self, connection: Any, writer: str, group: Group,
-                          writes: List[Write]) -> Any:
-        """:meth:`_write_group`'s statements, as a generator."""
-        if not writes:
-            return
-        self._group_size.observe(sum(len(w.facts) for w in writes))
-        try:
-            yield from self._txn.statements(connection, self.id_gen, writer, writes,
-                                            group.reserved)
-        except BaseException:
-            raise StatementFailed(Failure()) from None
 
     def _write_group(self, txn: Cursor, writer: str, group: Group) -> None:
         """In a pool thread: take the waiting writes and write them all.

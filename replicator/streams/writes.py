@@ -26,7 +26,6 @@ from ..config.model import ROW_INDEX_COLUMN
 from ..observe import metrics
 from ..storage import schema
 from ..storage.database import Cursor, Database
-from ..storage.reactor_transactions import Statement, Statements, run_statements
 from .idgen import StreamIdGenerator
 
 log = Logger()
@@ -90,31 +89,27 @@ class WriteTransaction:
 
     def write(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any, reserved: Any) -> List[int]:
         """Write ``writes`` (each given its IDs); IDs the generator accepted
-        are appended to ``reserved`` as soon as it has them (a pool thread)."""
+        are appended to ``reserved`` as soon as it has them."""
         if self.db.is_postgres:
-            return run_statements(txn, self.statements(txn.connection, gen, writer, writes,
-                                                       reserved))
+            return self._write_postgres(txn, gen, writer, writes, reserved)
         return self._write_sqlite(txn, gen, writer, writes, reserved)
 
-    def statements(self, connection: Any, gen: StreamIdGenerator, writer: str, writes: Any,
-                   reserved: Any) -> Statements:
-        """PostgreSQL's :meth:`write` on ``connection`` as a statements
-        generator (:mod:`replicator.storage.reactor_transactions`: a pool
-        thread or the reactor runs it): ``nextval`` (n of them, in order)
-        in one round trip, then the rows and the writer's position in one
-        batch of statements; whoever runs it commits.  Returns the IDs.
+    def _write_postgres(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any, reserved: Any) -> List[int]:
+        """``nextval`` (n of them, in order) in one round trip, then the rows
+        and the writer's position in one batch of statements; the pool commits.
         """
+        connection = txn.connection
         if connection not in self._sequence_checked:
-            yield from self.sequence_past_positions(gen)
+            self.sequence_past_positions(txn, gen)
             self._sequence_checked.add(connection)
         n = sum(len(w.facts) for w in writes)
         gen.begin_reservation()
         try:
             if n == 1:
-                txn = yield self._nextval, None
+                txn.execute(self._nextval)
                 ids = [txn.fetchone()[0]]
             else:
-                txn = yield self._nextval_many, (n,)
+                txn.execute(self._nextval_many, (n,))
                 ids = sorted(r[0] for r in txn.fetchall())
         except BaseException:
             gen.abort_reservation()
@@ -140,7 +135,7 @@ class WriteTransaction:
                     if count == INSERT_ROWS:
                         # psycopg2 formats a statement holding the GIL: a
                         # statement per slice lets the reactor run between.
-                        yield self._insert_head + self._marks_of(count), params
+                        txn.execute(self._insert_head + self._marks_of(count), params)
                         params, count = [], 0
         statements = []
         if count:
@@ -149,7 +144,7 @@ class WriteTransaction:
             statements.append(self.upsert)
             params += [self.name, writer, gen.prospective_token(writer, ids)]
         if statements:
-            yield "; ".join(statements), params
+            txn.execute("; ".join(statements), params)
         return ids
 
     def _write_sqlite(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any, reserved: Any) -> List[int]:
@@ -205,7 +200,7 @@ class WriteTransaction:
         advance, writes it (the table only ever holds a lower bound)."""
         return gen.in_flight(writer) == len(ids)
 
-    def sequence_past_positions(self, gen: StreamIdGenerator) -> Statements:
+    def sequence_past_positions(self, txn: Cursor, gen: StreamIdGenerator) -> None:
         """Before the first ``nextval`` on a database connection: move the
         sequence past every ID this instance knows (its writers' positions
         included), never backwards.
@@ -217,11 +212,10 @@ class WriteTransaction:
         crash (as the check at startup does).
         """
         floor = gen.get_max_known()
-        txn = yield schema.sequence_value_sql(self.config.sequence), None
-        current = schema.sequence_value_of(txn.fetchone())
+        current = schema.sequence_value(txn, self.config.sequence)
         if current >= floor:
             return
-        yield self.move_sequence_statement(current, floor)
+        self.move_sequence(txn, current, floor)
         metrics.SEQUENCE_MOVED.labels(self.name).inc()
         log.warn("stream {stream}: sequence {seq} was at {current}, behind the "
                  "positions (up to {floor}) on a new database connection; moved it past",
@@ -232,11 +226,8 @@ class WriteTransaction:
         values, which never moves it backwards even if other connections
         take values meanwhile (``setval`` could); ``setval`` only for a gap
         above ``SEQUENCE_CATCH_UP_MAX``."""
-        txn.execute(*self.move_sequence_statement(current, floor))
-
-    def move_sequence_statement(self, current: int, floor: int) -> Statement:
-        """The statement :meth:`move_sequence` runs."""
         if floor - current <= self.SEQUENCE_CATCH_UP_MAX:
-            return (f"SELECT max(nextval('{self.config.sequence}')) "
-                    "FROM generate_series(1, %s)", (floor - current,))
-        return "SELECT setval(%s, %s)", (self.config.sequence, floor)
+            txn.execute(f"SELECT max(nextval('{self.config.sequence}')) "
+                        "FROM generate_series(1, %s)", (floor - current,))
+        else:
+            txn.execute("SELECT setval(%s, %s)", (self.config.sequence, floor))
