@@ -457,6 +457,14 @@ class Stream:
             self._tally.any_fact, writer, from_token, to_token)
         return found
 
+    @property
+    def keeps_facts(self) -> bool:
+        """Whether every fact stays in the table until retention trims it
+        (ours: facts are immutable).  Synapse's tables (a preset) delete
+        and replace theirs: presence and receipts keep each user's newest,
+        cache invalidations are pruned."""
+        return self.config.preset is None
+
     async def tally(self, writer: str, from_token: int, to_token: int) -> Tuple[Tally, int]:
         """``((facts, id_sum, rows), trim boundary)`` of ``writer`` in
         ``(from_token, to_token]`` (:mod:`.tally`)."""
