@@ -59,6 +59,10 @@ PREPARE_SLICE = 2000
 _token_of = itemgetter(0)
 
 
+def _nothing(pages: Any) -> None:
+    """What :meth:`Stream.facts_at` runs after its read: nothing."""
+
+
 class Fact:
     """One fact being written: rows added in the ``async with`` block.
 
@@ -487,6 +491,28 @@ class Stream:
         never through the catch-up's read-ahead run."""
         return cast(FactPage, await self._page(
             self._pages.read_facts, writer, from_token, to_token, limit))
+
+    async def facts_at(self, writer: str, tokens: Sequence[int]) -> Dict[int, List[Any]]:
+        """The rows of the facts of ``writer`` with these IDs (the audit's
+        sample): ``{token: rows}``, an ID with no fact left out.  Memory
+        answers what it can; the rest is read from the table in one trip
+        to a pool thread (:meth:`table_fact_pages`: one statement per ID,
+        no transaction around them), not one trip each.  Raises
+        :class:`.trimmed.FactsTrimmed` if retention took one of them."""
+        found: Dict[int, List[Any]] = {}
+        ranges: List[FactRange] = []
+        for token in tokens:
+            page = self.memory_fact_page(writer, token - 1, token, 1)
+            if page is None:
+                ranges.append((writer, token - 1, token, 1))
+            elif page[0] and page[0][0][0] == token:
+                found[token] = page[0][0][1]
+        if ranges:
+            pages, _ = await self.table_fact_pages(ranges, _nothing)
+            for (_, _, token, _), (facts, _, _) in zip(ranges, pages):
+                if facts and facts[0][0] == token:
+                    found[token] = facts[0][1]
+        return found
 
     def memory_fact_page(self, writer: str, from_token: int, to_token: int,
                          limit: int) -> Optional[FactPage]:
