@@ -637,10 +637,17 @@ class Stream:
 
         No fact of any writer, in this process or another sharing the
         database, can have a larger ID: a peer claiming a larger token is
-        lying.  PostgreSQL: read in a pool thread (never on the reactor);
-        SQLite: the in-process counter (every writer is in this process).
+        lying.  PostgreSQL: one statement on the database's reactor-driven
+        connection (:mod:`..storage.reactor_reads`: no trip to a pool
+        thread, never blocking the reactor), or in a pool thread where there
+        is none; SQLite: the in-process counter (every writer is in this
+        process).
         """
         if not self.db.is_postgres:
             return self._txn.sqlite_last
-        value: int = await self.db.runInteraction(schema.sequence_value, self.config.sequence)
-        return value
+        reads = self.db.reactor_reads(self._clock)
+        if reads is None:
+            value: int = await self.db.runReads(schema.sequence_value, self.config.sequence)
+            return value
+        rows = await reads.fetchall(schema.sequence_value_sql(self.config.sequence))
+        return schema.sequence_value_of(rows[0])
