@@ -22,6 +22,10 @@ Invariants:
   the connection is then dropped and the next statement opens a new one.
   Statements waiting behind it are run on the new one.
 * :meth:`close` fails what waits and closes the connection.
+
+libpq resolves a host name of the connection string while it connects (the
+one step that may wait): give an address (``host=10.0.0.5`` or
+``hostaddr=``) where name resolution can be slow.
 """
 
 import os
