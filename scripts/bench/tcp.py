@@ -43,6 +43,11 @@ and receives every row.
     (CHUNK rows, one reactor trip, wait while a connection is paused), the
     same reader processes; one ``RdataCommand`` per row handed to every
     connection's ``send_command``, as Synapse's command handler does.
+``tcp.rdata.{1client,50clients}.chunk100.from_table`` (and ``.vs_synapse``)
+    The 100-row chunks fed as rows to encode (as with ``RDATA_FROM_TABLE=1``),
+    in every run: the path of rows not encoded at write time (relayed
+    facts, catch-up, rows written behind our back), beside the same
+    baselines.
 ``tcp.rdata.*.cpu_vs_synapse``
     The same runs by CPU: the server process's CPU per row delivered to
     one client (ns), ours against Synapse's (ratio: Synapse's over ours).
@@ -187,6 +192,8 @@ RDATA_ROUNDS = int(os.environ.get("RDATA_ROUNDS", "3"))
 RDATA_CLIENTS = [int(c) for c in os.environ.get("RDATA_CLIENTS", "").split(",") if c]
 #: RDATA_FROM_TABLE=1: feed rows to ``send_updates`` (encoded in the fan-out).
 RDATA_FROM_TABLE = os.environ.get("RDATA_FROM_TABLE") == "1"
+#: Without it, the 100-row chunks run that way too (``....chunk100.from_table``).
+FROM_TABLE_CHUNK = 100
 LAT_CLIENTS = 50
 LAT_RATE = 2000
 LAT_SECONDS = 10.0
@@ -444,12 +451,12 @@ async def feed(n_chunks, send, busy, stop=None):
     return n_chunks
 
 
-async def rdata_run(server, data, clients, rows, ours):
+async def rdata_run(server, data, clients, rows, ours, from_table=RDATA_FROM_TABLE):
     procs = spawn_readers(server.port, clients, "count", timeout=120.0)
     if ours:
         await until(lambda: len(server.clients()) == clients, 30, "clients")
         fanout = server.handler.fanout
-        if RDATA_FROM_TABLE:
+        if from_table:
             def send(i):
                 prev, updates, upto = data.chunks[i % len(data.chunks)]
                 fanout.send_updates("caches", WRITER, prev, updates, upto)
@@ -576,20 +583,27 @@ async def run_rdata(registry):
                         or chunk != CHUNK and clients not in SMALL_CHUNK_CLIENTS:
                     continue
                 await rdata_figures(registry, data, python, clients, rows, base_rows)
+                if chunk == FROM_TABLE_CHUNK and not RDATA_FROM_TABLE \
+                        and clients in SMALL_CHUNK_CLIENTS:
+                    # Rows not encoded at write time (relayed, caught up,
+                    # written behind our back): the encoder in the path.
+                    await rdata_figures(registry, data, python, clients, rows, base_rows,
+                                        from_table=True)
         finally:
             gc.unfreeze()
             del data
             gc.collect()
 
 
-def rdata_name(clients, chunk):
+def rdata_name(clients, chunk, from_table=RDATA_FROM_TABLE):
     """``tcp.rdata.1client``, ``tcp.rdata.50clients.chunk100``..."""
     name = "tcp.rdata.1client" if clients == 1 else f"tcp.rdata.{clients}clients"
     name = name if chunk == CHUNK else f"{name}.chunk{chunk}"
-    return name + ".from_table" if RDATA_FROM_TABLE else name
+    return name + ".from_table" if from_table else name
 
 
-async def rdata_figures(registry, data, python, clients, rows, base_rows):
+async def rdata_figures(registry, data, python, clients, rows, base_rows,
+                        from_table=RDATA_FROM_TABLE):
     """Alternating rounds of plain, ours and Synapse at ``clients`` and
     ``data.chunk`` rows per call; the medians recorded."""
     chunk = data.chunk
@@ -607,7 +621,8 @@ async def rdata_figures(registry, data, python, clients, rows, base_rows):
             await plain.stop()
         ours = await OurServer(registry).listen()
         try:
-            rate, cpu = await rdata_run(ours, data, clients, rows, ours=True)
+            rate, cpu = await rdata_run(ours, data, clients, rows, ours=True,
+                                        from_table=from_table)
             rates["ours"].append(rate)
             cpus["ours"].append(cpu)
         finally:
@@ -620,7 +635,7 @@ async def rdata_figures(registry, data, python, clients, rows, base_rows):
                 cpus["synapse"].append(cpu)
             finally:
                 await synapse.stop()
-    name = rdata_name(clients, chunk)
+    name = rdata_name(clients, chunk, from_table)
     value = median(rates["ours"])
     per = "" if chunk == CHUNK else f", {chunk} rows per call"
     record(name, value, "rows/s", f"plain Twisted writeSequence of pre-encoded lines{per}",
