@@ -4,6 +4,7 @@ trip to a pool thread; a connection lost while idle is replaced for the
 next read; a database out of reach fails the read; reads run in the order asked; closing fails what waits."""
 
 import psycopg2
+import psycopg2.extensions
 from twisted.internet import defer, reactor
 from twisted.trial.unittest import TestCase
 
@@ -103,3 +104,29 @@ class ReactorReadsTests(TestCase):
         with self.assertRaises(ConnectionClosed):
             await reads.fetchall("SELECT 1")
         await defer.succeed(None)
+
+
+class AnsweredAtOnce:
+    """A psycopg2 asynchronous connection whose answer is already there at
+    the first ``poll()`` (the server answered before the reactor looked:
+    a loaded machine)."""
+
+    closed = False
+
+    def poll(self):
+        return psycopg2.extensions.POLL_OK
+
+    def fileno(self):
+        return 0
+
+
+class PollerTests(TestCase):
+    def test_an_answer_there_at_the_first_poll_is_waited_for_like_any(self):
+        """``wait()`` used to return None then (the Deferred was already
+        fired and forgotten), and the read failed with a TypeError: every
+        fact of a worker under load waited for a retry of its sequence read."""
+        from replicator.storage.reactor_reads import _Poller
+
+        waited = _Poller(reactor, AnsweredAtOnce()).wait()
+        self.assertIsInstance(waited, defer.Deferred)
+        self.assertIsNone(self.successResultOf(waited))

@@ -71,10 +71,11 @@ class _Poller:
         return "ReactorReads"
 
     def wait(self) -> defer.Deferred:
-        """Fires once the connection's current operation is done."""
-        self.waiting = defer.Deferred()
+        """Fires once the connection's current operation is done (it may
+        have fired already: ``poll()`` can say done at once)."""
+        waiting = self.waiting = defer.Deferred()
         self._poll()
-        return self.waiting
+        return waiting
 
     def doRead(self) -> None:
         self._poll()
