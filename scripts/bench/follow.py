@@ -252,6 +252,10 @@ def run_transport(dsn: str, transport: str, rates, seconds: float) -> None:
             record(f"follow.{transport}.{rate}fps.cpu_us_per_fact", us, "us",
                    "Synapse's ClientReplicationStreamProtocol, same lines (TCP)", syn_us,
                    higher_is_better=False)
+        warned = [line for line in worker.output().splitlines()
+                  if " WARN " in line or " ERROR " in line]
+        print(f"    the worker's warnings and errors: {len(warned)}"
+              + (f", the first: {warned[0]}" if warned else ""), flush=True)
     finally:
         cleanups.run()
 
