@@ -43,6 +43,17 @@ taken for each client count of ``CLIENTS`` (1, 50, 1,000), SSE then TCP:
     connection, each page's JSON parsed, until an empty page; against
     ``catchup.raw_pass`` (psycopg2, keyset pages of 1,000 rows).  Rounds
     alternate; medians recorded.
+``sse.pages.ndjson.facts_per_s`` (baseline: the same raw pass, same rounds)
+    The same walk with ``Accept: application/x-ndjson`` (docs/read-api.md,
+    "Page formats"), every line parsed with ``orjson.loads`` (the head, then
+    one fact a line, rows as arrays), and the stdlib ``json.loads`` of the
+    same lines printed beside it.
+
+``ds.rows_per_s.<N>clients``, ``ds.latency.<N>clients.p99_ms`` (baseline: SSE to the same N)
+    The same two figures for Durable Streams readers
+    (``GET .../ds/{stream}?offset=now&live=sse``, docs/read-api.md
+    "Durable Streams"), for each client count of ``DS_CLIENTS`` (50): each
+    reads its own pages, where ``.../events`` shares one encoding.
 
 Run alone: ``python scripts/bench/sse.py [--only fanout,pages] [--big]``.
 """
@@ -78,6 +89,7 @@ STREAM = {"name": "bench", "table": "sse_bench",
           "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
           "writers": ["master"]}
 CLIENTS = [int(c) for c in os.environ.get("SSE_CLIENTS", "1,50,1000").split(",") if c]
+DS_CLIENTS = [int(c) for c in os.environ.get("DS_CLIENTS", "50").split(",") if c]
 PER_PROCESS = 50
 WRITERS = 8
 BURST_ROWS = 20
@@ -272,12 +284,14 @@ class Readers:
         left, k = clients, 0
         while left > 0:
             n = min(PER_PROCESS, left)
-            if kind == "sse":
+            if kind in ("sse", "ds"):
+                path = (f"/_replicator/v1/ds/{STREAM['name']}?offset=now&live=sse"
+                        if kind == "ds" else
+                        f"/_replicator/v1/streams/{STREAM['name']}/events?from=now")
                 args = [sys.executable, SSE_READER, "--port", str(daemon.http_port),
-                        "--path", f"/_replicator/v1/streams/{STREAM['name']}/events?from=now",
-                        "--secret", READER_SECRET, "--sockets", str(n),
+                        "--path", path, "--secret", READER_SECRET, "--sockets", str(n),
                         "--mode", "latency" if mode == "latency" else "count",
-                        "--timeout", "600"]
+                        "--format", "ds" if kind == "ds" else "events", "--timeout", "600"]
             else:
                 args = [sys.executable, TCP_READER, "--port", str(daemon.rep_port),
                         "--sockets", str(n), "--mode", mode, "--name", f"r{k}",
@@ -286,7 +300,7 @@ class Readers:
                                                stdout=subprocess.PIPE))
             left -= n
             k += 1
-        if kind == "sse":
+        if kind in ("sse", "ds"):
             for p in self.procs:  # every connection has its 200 and is live
                 line = p.stdout.readline()
                 if b'"ready"' not in line:
@@ -429,14 +443,34 @@ def run_fanout(new_dsn) -> None:
             if sse["rss"] is not None:
                 record(f"sse.rss_per_client_kb.{name}", max(sse["rss"], 0.001), "KB",
                        f"TCP to {clients}", max(tcp["rss"], 0.001), higher_is_better=False)
+            if clients in DS_CLIENTS:
+                ds = {"rows": burst(daemon, "ds", clients), "lat": latency(daemon, "ds", clients)}
+                record(f"ds.rows_per_s.{name}", ds["rows"], "rows/s", f"SSE to {clients}",
+                       sse["rows"])
+                record(f"ds.latency.{name}.p99_ms", max(ds["lat"][0], 0.001), "ms",
+                       f"SSE to {clients}", max(sse["lat"][0], 0.001), higher_is_better=False)
     finally:
         daemon.stop()
 
 
-def page_pass(daemon: Daemon, stream: str, facts: int) -> float:
-    """Every fact from the beginning through pages: seconds."""
+def ndjson_page(body: bytes, loads) -> tuple:
+    """``(facts, next)`` of an NDJSON page: facts as ``[stream_id,
+    writer, rows]``, each line parsed by ``loads``."""
+    lines = body.split(b"\n")
+    head = loads(lines[0])
+    return [loads(line) for line in lines[1:-1]], head["next"]
+
+
+def page_pass(daemon: Daemon, stream: str, facts: int, form: str = "json") -> float:
+    """Every fact from the beginning through pages: seconds.  ``form``:
+    ``json``; ``ndjson`` (parsed with orjson) or ``ndjson-stdlib``."""
+    import orjson
+
     conn = http.client.HTTPConnection("127.0.0.1", daemon.http_port, timeout=60)
     headers = {"Authorization": f"Bearer {READER_SECRET}"}
+    if form != "json":
+        headers["Accept"] = "application/x-ndjson"
+        loads = orjson.loads if form == "ndjson" else json.loads
     start = time.monotonic()
     token, seen, last_id = None, 0, 0
     while True:
@@ -448,15 +482,25 @@ def page_pass(daemon: Daemon, stream: str, facts: int) -> float:
         body = response.read()
         if response.status != 200:
             raise RuntimeError(f"page answered {response.status}: {body[:200]!r}")
-        page = json.loads(body)
-        if not page["facts"]:
+        if form == "json":
+            page = json.loads(body)
+            if not page["facts"]:
+                break
+            for fact in page["facts"]:
+                if fact["stream_id"] <= last_id:
+                    raise RuntimeError(f"fact {fact['stream_id']} after {last_id}")
+                last_id = fact["stream_id"]
+            seen += len(page["facts"])
+            token = page["next"]
+            continue
+        got, token = ndjson_page(body, loads)
+        if not got:
             break
-        for fact in page["facts"]:
-            if fact["stream_id"] <= last_id:
-                raise RuntimeError(f"fact {fact['stream_id']} after {last_id}")
-            last_id = fact["stream_id"]
-        seen += len(page["facts"])
-        token = page["next"]
+        for fact in got:
+            if fact[0] <= last_id:
+                raise RuntimeError(f"fact {fact[0]} after {last_id}")
+            last_id = fact[0]
+        seen += len(got)
     took = time.monotonic() - start
     conn.close()
     if seen != facts:
@@ -475,16 +519,24 @@ def run_pages(dsn: str, facts: int) -> None:
     rows = catchup.generate(dsn, facts)
     print(f"  pages: {facts:,} facts, {rows:,} rows", flush=True)
     daemon = Daemon(dsn, stream, 8)
-    pages, raws = [], []
+    pages, nds, raws = [], [], []
+    rounds = PAGE_ROUNDS
     try:
-        for i in range(PAGE_ROUNDS):
+        for i in range(rounds):
             pages.append(page_pass(daemon, stream["name"], facts))
+            nds.append(page_pass(daemon, stream["name"], facts, "ndjson"))
+            stdlib = page_pass(daemon, stream["name"], facts, "ndjson-stdlib")
             raws.append(catchup.raw_pass(dsn, facts)[0])
-            print(f"    round {i + 1}: pages {pages[-1]:.2f} s, raw SELECT {raws[-1]:.2f} s, "
-                  f"daemon RSS {daemon.rss_kb() / 1024:.0f} MB", flush=True)
+            print(f"    round {i + 1}: JSON pages {pages[-1]:.2f} s, NDJSON pages "
+                  f"{nds[-1]:.2f} s (json.loads: {stdlib:.2f} s), raw SELECT "
+                  f"{raws[-1]:.2f} s ({raws[-1] / nds[-1]:.2f}), "
+                  f"daemon RSS {daemon.rss_kb() / 1024:.0f} MB, load {os.getloadavg()[0]:.1f}",
+                  flush=True)
     finally:
         daemon.stop()
     record("sse.pages.facts_per_s", rate(facts, median(pages)), "facts/s",
+           "raw keyset SELECT", rate(facts, median(raws)))
+    record("sse.pages.ndjson.facts_per_s", rate(facts, median(nds)), "facts/s",
            "raw keyset SELECT", rate(facts, median(raws)))
 
 
