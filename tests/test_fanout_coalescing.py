@@ -9,7 +9,6 @@ from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_streams
-
 from tests.harness import Harness
 
 STREAMS = parse_streams([{
