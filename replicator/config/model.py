@@ -98,6 +98,15 @@ class StreamConfig:
     # Its facts are the operations on Durable Streams created over HTTP
     # (``durable_streams: true``; its columns are DS_COLUMNS).
     durable_streams: bool = False
+    #: Plain-SQL writers may insert into the table (PostgreSQL): its ID
+    #: default takes the fence (:mod:`replicator.streams.fence`), and their
+    #: rows are facts of the first writer (``writers[0]``).
+    foreign_writers: bool = False
+
+    @property
+    def foreign_writer(self) -> Optional[str]:
+        """The writer whose facts plain-SQL rows are (None: none accepted)."""
+        return self.writers[0] if self.foreign_writers else None
 
     @property
     def positions_key(self) -> str:

@@ -105,6 +105,18 @@ def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
     return statements
 
 
+def _index_exists(txn, statement: str) -> bool:
+    """Whether ``statement`` is a ``CREATE INDEX IF NOT EXISTS`` of an index
+    that exists (PostgreSQL): skipped, since it would take a SHARE lock on
+    the table first, waiting for every open transaction that wrote it (a
+    plain-SQL writer's) and holding up every write after it."""
+    words = statement.split()
+    if words[:5] != ["CREATE", "INDEX", "IF", "NOT", "EXISTS"]:
+        return False
+    txn.execute("SELECT to_regclass(%s)", (words[5],))
+    return txn.fetchone()[0] is not None
+
+
 def add_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
     """Give an owned table that lacks it (made by an older release) the
     ``row_index`` column; whether it was added.  Idempotent: a table that
@@ -225,6 +237,8 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
                 continue
         if created and not dry_run:
             for statement in table_ddl(stream, postgres):
+                if postgres and _index_exists(txn, statement):
+                    continue
                 txn.execute(statement)
             if add_row_index(txn, stream, postgres) and added_row_index is not None:
                 added_row_index.append(stream.name)
@@ -291,8 +305,20 @@ def upsert_position_sql(greatest: str) -> str:
     )
 
 
+def sequence_value_sql(sequence: str) -> str:
+    """The statement :func:`sequence_value` runs (its row:
+    :func:`sequence_value_of`)."""
+    return f"SELECT last_value, is_called FROM {sequence}"
+
+
+def sequence_value_of(row) -> int:
+    """The last value ``nextval`` handed out, from the row of
+    :func:`sequence_value_sql`."""
+    last, called = row
+    return int(last) if called else int(last) - 1
+
+
 def sequence_value(txn, sequence: str) -> int:
     """The last value ``nextval`` handed out (PostgreSQL)."""
-    txn.execute(f"SELECT last_value, is_called FROM {sequence}")
-    last, called = txn.fetchone()
-    return int(last) if called else int(last) - 1
+    txn.execute(sequence_value_sql(sequence))
+    return sequence_value_of(txn.fetchone())

@@ -36,6 +36,7 @@ from ..net.backoff import Outage
 from ..observe import metrics
 from ..storage import schema
 from ..storage.database import Cursor, Database
+from .fence import Fence, Poller
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
 from .known import KnownIds
@@ -57,6 +58,10 @@ TOKEN_DIGITS = 20
 #: takes several turns, the reactor running in between).
 PREPARE_SLICE = 2000
 _token_of = itemgetter(0)
+
+
+def _nothing(pages: Any) -> None:
+    """What :meth:`Stream.facts_at` runs after its read: nothing."""
 
 
 class Fact:
@@ -148,9 +153,15 @@ class Stream:
         # One writer, and it writes here: every ID of the sequence is ours,
         # so one we never reserved is a fact written behind our back.
         sole_writer = len(config.writers) == 1 and self.local_writers == list(config.writers)
+        #: Plain-SQL writers' rows are facts of our writer (:mod:`.fence`):
+        #: its token is capped by the fence this instance polls.
+        self.fenced = (config.foreign_writers and db.is_postgres
+                       and config.writers[0] in self.local_writers)
+        self.fence: Optional[Fence] = None
         # Facts completed by local writers, kept until fanned out: the
         # fan-out reads them from here instead of back from the database.
-        self.recent = RecentFacts(self.local_writers, sole_writer)
+        # (A fenced writer's: an ID it did not write may be a plain-SQL fact.)
+        self.recent = RecentFacts(self.local_writers, sole_writer or self.fenced)
         self._persist_call: Optional[IDelayedCall] = None
         self._persisting: "Optional[defer.Deferred[None]]" = None
         self._loaded: Dict[str, Optional[int]] = {}  # local writers' rows at load
@@ -218,8 +229,15 @@ class Stream:
         elif not self.db.is_postgres:
             self._txn.sqlite_last = top
         self.trimmed_through = self._pages.trim_boundary(txn)
+        fenced: Optional[Dict[str, int]] = None
+        if self.fenced:
+            # Where the fence stands now (a holder mid-way: what was persisted).
+            first = c.writers[0]
+            now, _, _ = Poller(c).poll(txn, None, 1 << 63, 0, first, self._txn.upsert)
+            fenced = {first: max(persisted.get(first, floor), now or 0)}
         self._id_gen = StreamIdGenerator(
-            self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
+            self.name, positions, self.local_writers, call_from_thread=self._call_from_thread,
+            fenced=fenced,
         )
         self._id_gen.add_listener(self._on_advance)
         self._loaded = {w: persisted.get(w) for w in self.local_writers}
@@ -345,6 +363,12 @@ class Stream:
         write = Write(checked, wire, list(hooks), time.monotonic(), lines)
         return await self._groups[writer].submit(write)
 
+    def writing(self, writer: str) -> bool:
+        """Whether another write of local ``writer`` is queued or in a
+        transaction (reactor thread): a commit of it is on its way."""
+        groups = self._groups.get(writer)
+        return groups is not None and groups.busy
+
     def _run_group(self, writer: str, group: Group) -> "defer.Deferred[None]":
         """Start the transaction that takes ``group``'s writes (reactor thread)."""
         if self.db.is_postgres:
@@ -451,6 +475,14 @@ class Stream:
             self._tally.any_fact, writer, from_token, to_token)
         return found
 
+    @property
+    def keeps_facts(self) -> bool:
+        """Whether every fact stays in the table until retention trims it
+        (ours: facts are immutable).  Synapse's tables (a preset) delete
+        and replace theirs: presence and receipts keep each user's newest,
+        cache invalidations are pruned."""
+        return self.config.preset is None
+
     async def tally(self, writer: str, from_token: int, to_token: int) -> Tuple[Tally, int]:
         """``((facts, id_sum, rows), trim boundary)`` of ``writer`` in
         ``(from_token, to_token]`` (:mod:`.tally`)."""
@@ -487,6 +519,28 @@ class Stream:
         never through the catch-up's read-ahead run."""
         return cast(FactPage, await self._page(
             self._pages.read_facts, writer, from_token, to_token, limit))
+
+    async def facts_at(self, writer: str, tokens: Sequence[int]) -> Dict[int, List[Any]]:
+        """The rows of the facts of ``writer`` with these IDs (the audit's
+        sample): ``{token: rows}``, an ID with no fact left out.  Memory
+        answers what it can; the rest is read from the table in one trip
+        to a pool thread (:meth:`table_fact_pages`: one statement per ID,
+        no transaction around them), not one trip each.  Raises
+        :class:`.trimmed.FactsTrimmed` if retention took one of them."""
+        found: Dict[int, List[Any]] = {}
+        ranges: List[FactRange] = []
+        for token in tokens:
+            page = self.memory_fact_page(writer, token - 1, token, 1)
+            if page is None:
+                ranges.append((writer, token - 1, token, 1))
+            elif page[0] and page[0][0][0] == token:
+                found[token] = page[0][0][1]
+        if ranges:
+            pages, _ = await self.table_fact_pages(ranges, _nothing)
+            for (_, _, token, _), (facts, _, _) in zip(ranges, pages):
+                if facts and facts[0][0] == token:
+                    found[token] = facts[0][1]
+        return found
 
     def memory_fact_page(self, writer: str, from_token: int, to_token: int,
                          limit: int) -> Optional[FactPage]:
@@ -551,6 +605,8 @@ class Stream:
             self._foreign_burst.discard(writer)
             return
         self._foreign_facts.inc(len(foreign))
+        if self.fenced:
+            return  # plain-SQL writers are taken here, behind the fence
         if writer not in self._foreign_burst:
             self._foreign_burst.add(writer)
             log.warn("stream {stream}: facts written without going through replicator "
@@ -568,6 +624,14 @@ class Stream:
         if any(p is None or self.id_gen.get_current_token(w) > p
                for w, p in self._loaded.items()):
             self._on_advance(self.local_writers[0], 0, 0)
+        if self.fenced and self.fence is None:
+            self.fence = Fence(self, self._clock)
+            self.fence.start()
+
+    @property
+    def upsert_sql(self) -> str:
+        """The statement that persists a writer's position (a lower bound)."""
+        return self._txn.upsert
 
     def _on_advance(self, writer: str, old: int, new: int) -> None:
         if writer in self.local_writers and self._persist_call is None:
@@ -599,6 +663,8 @@ class Stream:
     async def flush_positions(self) -> None:
         """Persist local writers' current tokens now (at shutdown)."""
         self._persist_stopped = True
+        if self.fence is not None:
+            self.fence.stop()
         if self._persist_call is not None and self._persist_call.active():
             self._persist_call.cancel()
         self._persist_call = None
@@ -611,10 +677,17 @@ class Stream:
 
         No fact of any writer, in this process or another sharing the
         database, can have a larger ID: a peer claiming a larger token is
-        lying.  PostgreSQL: read in a pool thread (never on the reactor);
-        SQLite: the in-process counter (every writer is in this process).
+        lying.  PostgreSQL: one statement on the database's reactor-driven
+        connection (:mod:`..storage.reactor_reads`: no trip to a pool
+        thread, never blocking the reactor), or in a pool thread where there
+        is none; SQLite: the in-process counter (every writer is in this
+        process).
         """
         if not self.db.is_postgres:
             return self._txn.sqlite_last
-        value: int = await self.db.runInteraction(schema.sequence_value, self.config.sequence)
-        return value
+        reads = self.db.reactor_reads(self._clock)
+        if reads is None:
+            value: int = await self.db.runReads(schema.sequence_value, self.config.sequence)
+            return value
+        rows = await reads.fetchall(schema.sequence_value_sql(self.config.sequence))
+        return schema.sequence_value_of(rows[0])
