@@ -67,6 +67,10 @@ class ConfigMistakeTests(SynchronousTestCase):
                         "writers": ["master", "w1"]}]),
          "config: streams[0].writers: a stream with durable_streams: true has one writer: "
          "the instance that creates and appends"),
+        (base(streams=[{"name": "ds", "table": "ds_ops", "durable_streams": True,
+                        "writers": ["master"], "foreign_writers": True}]),
+         "config: streams[0].foreign_writers: a stream with durable_streams: true is written "
+         "over HTTP only (its writes of a path are checked and ordered there)"),
         (base(http={"listen": "tcp:0:interface=127.0.0.1", "secret": SECRET,
                     "ds_long_poll": 31}),
          "config: http.ds_long_poll: must be a number from 0.1 to 30, got 31"),
