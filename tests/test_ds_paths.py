@@ -203,3 +203,28 @@ class DurablePathTests(ReadTestCase):
         response, data = await self.ds("PUT", "x", None, {**AUTH, "Content-Type": "text/plain"})
         self.assertEqual(response.code, 409)
         self.assertIn(b"not a writer of stream ds", data)
+
+    async def test_full_answers_are_never_immutable(self):
+        """A path deleted and created again answers the same URL with the
+        new stream: no answer of a path is cached for ever."""
+        from tests.test_read_api import until_deferred
+
+        await self.start_paths(max_page_bytes=1024)
+        text = {**AUTH, "Content-Type": "text/plain"}
+        await self.ds("PUT", "p", b"a" * 600, text)
+        for _ in range(3):
+            await self.ds("POST", "p", b"b" * 600, text)
+        await until_deferred(lambda: self.db.runQuery(
+            "SELECT stream_id FROM stream_positions WHERE stream_name = 'ds'"),
+            lambda r: r and r[0][0] >= 4)
+        self.api.reads.persisted.max_age = 0
+        response, data = await self.ds("GET", "p", query="?offset=-1")
+        self.assertEqual(data, b"a" * 600 + b"b" * 600)  # a full answer: 1024 bytes reached
+        self.assertIsNone(self.header(response, "stream-up-to-date"))
+        self.assertEqual(self.header(response, "cache-control"), "no-store")
+        first = self.header(response, "stream-next-offset")
+        await self.ds("DELETE", "p")
+        await self.ds("PUT", "p", b"new", text)
+        response, data = await self.ds("GET", "p", query="?offset=-1")
+        self.assertEqual(data, b"new")
+        self.assertLess(first, self.header(response, "stream-next-offset"))

@@ -236,6 +236,7 @@ class DurablePaths(DurableRoutes):
 
     async def _read_page(self, view: PathView, since: Positions, bounds: Positions,
                          limit: int, final_below: int, most: int) -> Page:
+        """The page of ``view`` after ``since`` up to ``bounds``."""
         (writer,) = since
         after, upto = since[writer], bounds[writer]
         db = view.db
@@ -245,8 +246,9 @@ class DurablePaths(DurableRoutes):
         # encoding being what the fact adds to an answer.
         facts: List[PageFact] = [(i, writer, [], data) for i, data in found]
         end = found[-1][0] if full else max(after, upto)
-        final = full and found[-1][0] <= final_below
-        return Page(facts, {writer: end}, full, final)
+        # Never final (cached as immutable): a path deleted and created
+        # again answers the same URL with the new stream's messages.
+        return Page(facts, {writer: end}, full, False)
 
     def content_type(self, stream) -> bytes:
         return stream.content_type.encode("ascii")
