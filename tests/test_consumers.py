@@ -789,10 +789,13 @@ class LoadConsumersTests(SynchronousTestCase):
         self.assertEqual(c.streams, ("caches",))
 
     def test_builtin_entry_points_declared(self):
-        import tomllib
+        import configparser
 
-        with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-            declared = tomllib.load(f)["project"]["entry-points"]["replicator.consumers"]
+        setup_cfg = configparser.ConfigParser()
+        with open(os.path.join(ROOT, "setup.cfg"), encoding="utf-8") as f:
+            setup_cfg.read_file(f)
+        declared = dict(line.split(" = ") for line in setup_cfg["options.entry_points"]
+                        ["replicator.consumers"].split("\n") if line)
         self.assertEqual(declared, {
             "jsonl": "replicator.consumers:JsonlConsumer",
             "log": "replicator.consumers:LogConsumer",
