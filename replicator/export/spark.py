@@ -5,7 +5,7 @@ Settings come in two kinds:
 * **session settings** (master, ``spark.jars``, the UI, the output
   committer) only take effect when the session is created:
   :func:`spark_session` gives them to the builder;
-* **run settings** (:data:`RUN_SETTINGS`: UTC session time zone, shuffle
+* **run settings** (:func:`run_settings`: UTC session time zone, shuffle
   partitions, Parquet timestamp type) are SQL runtime settings the
   aggregation depends on: :func:`configure` sets them once per run, on a
   session we started (right after it starts, after any ``--conf``, so the

@@ -167,15 +167,15 @@ class HttpApi:
         self.access.refusal(transport, code, length, message, method, path)
 
     def check_database(self) -> defer.Deferred:
-        """See :meth:`.health.HealthRoute.check_database`."""
+        """See :meth:`.probe.HealthRoute.check_database`."""
         return self.health.check_database()
 
     def current_problem(self) -> Optional[str]:
-        """See :meth:`.health.HealthRoute.current_problem`."""
+        """See :meth:`.probe.HealthRoute.current_problem`."""
         return self.health.current_problem()
 
     def current_findings(self) -> List[Finding]:
-        """See :meth:`.health.HealthRoute.current_findings`."""
+        """See :meth:`.probe.HealthRoute.current_findings`."""
         return self.health.current_findings()
 
     # ---------------------------------------------------------- rendering

@@ -34,7 +34,7 @@ def under_journald(stream, environ) -> bool:
 
 
 def _observer(stream, line: Callable[[dict], str]):
-    """Writes each event kept by :func:`.twistedlog.keep` as ``line(event)``."""
+    """Writes each event kept by :func:`.twisted_lines.keep` as ``line(event)``."""
     from .twisted_lines import keep
 
     def observe(event):

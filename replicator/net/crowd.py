@@ -5,7 +5,7 @@ A connection arrives *unidentified* (a replication peer that has sent no
 ``NAME``, an HTTP connection without a complete request).  The listener
 says when it becomes *identified* (and may make it *exempt*: a known peer,
 counted nowhere) and, for HTTP, when it is idle again.  :class:`Crowd` only
-keeps the books; the listeners (:mod:`.replication.tcp`,
+keeps the books; the listeners (:mod:`.transport.tcp`,
 :mod:`.http.slots`) decide whom to refuse and whom to close to make room:
 an unidentified connection, so that idle sockets can never keep a
 newcomer out.

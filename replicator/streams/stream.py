@@ -323,7 +323,7 @@ class Stream:
 
     def prepare(self, facts: Sequence[Sequence[Any]], writer: Optional[str] = None,
                 max_line_length: Optional[int] = None) -> "PreparedFacts":
-        """``facts`` checked (:class:`RowError` if a row does not fit; with
+        """``facts`` checked (:class:`.RowError` if a row does not fit; with
         ``max_line_length``, also if its RDATA line would be longer) and
         converted for :meth:`write_prepared`.  Pure: may run in a thread."""
         writer = self._writer(writer)

@@ -40,7 +40,7 @@ INSERT_ROWS = 1000
 
 
 class PreparedFacts(NamedTuple):
-    """Facts checked by :meth:`Stream.prepare`, ready to write."""
+    """Facts checked by :meth:`.Stream.prepare`, ready to write."""
 
     writer: str
     wire: List[List[List[Any]]]

@@ -68,7 +68,7 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     answer is read from the table in one trip to a pool thread for every
     writer, counted in facts, and those facts come encoded (their JSON
     built by PostgreSQL or in the pool thread); without, one
-    :meth:`fact_page` at a time.  Both give the same page, byte for byte
+    :meth:`.Stream.fact_page` at a time.  Both give the same page, byte for byte
     once encoded (tests/test_read_api_json.py).
 
     With ``max_bytes`` (and ``columns``) every fact of the page comes

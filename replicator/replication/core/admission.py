@@ -16,7 +16,7 @@ be true.  Readers share the writers' database, so:
   token), on all connections together, hold fewer than ``max_batch_rows``
   rows, at most ``max_batch_bytes`` bytes of lines, and rows that take at
   most ``DECODED_FACTOR * max_batch_bytes`` bytes once decoded
-  (:func:`.fields.decoded_size`, an over-estimate: what a fact costs in
+  (:func:`.parsing.decoded_size`, an over-estimate: what a fact costs in
   memory, not on the wire, when it completes and is parsed).  The rows of
   a partial batch are kept as their lines (see :mod:`.reader`), so what a
   peer makes us hold is about what it sent.

@@ -3,10 +3,10 @@
 For each (stream, writer) written by this instance, the rows between the
 last token announced and the writer's current token are taken from memory
 as the JSON lines the write path encoded (``encoded_since``: only prefix
-and token are put in front, :func:`.wire.encode_written`), or, when memory
+and token are put in front, :func:`.encoding.encode_written`), or, when memory
 cannot answer (after a restart, facts written behind our back), read with
 ``updates_since`` and encoded; joined once (one bytes object per fan-out,
-see :func:`.wire.joined`), the same bytes are handed to every replicating
+see :func:`.encoding.joined`), the same bytes are handed to every replicating
 connection in one ``transport.write`` each.  Both give the same bytes.
 
 Invariants:

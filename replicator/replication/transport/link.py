@@ -340,9 +340,9 @@ class LineConnection(Protocol):
 
     def send_lines(self, lines: Sequence[bytes], command_name: str = "RDATA") -> bool:
         """Write pre-encoded lines (each ending in ``b"\\n"``, built by
-        :func:`.wire.encode_rdata_lines` / ``encode_position_line`` with
+        :func:`.encoding.encode_rdata_lines` / ``encode_position_line`` with
         this connection's maximum line length) in one ``transport.write`` of
-        their concatenation (see :func:`.wire.joined`; nothing else can
+        their concatenation (see :func:`.encoding.joined`; nothing else can
         come between them); queued while paused, each line counting toward
         the bound.
 
