@@ -17,6 +17,7 @@ reads and updates reactor-owned state, is computed on the reactor thread
 
 from typing import Callable, Dict, Iterable, List, Optional
 
+from ..net.twisted_private import unsent_bytes
 from . import metrics
 
 
@@ -32,23 +33,6 @@ def stream_samples(registry) -> List[metrics.Sample]:
         out.append((metrics.STREAM_LINEAR_POSITION, (stream.name,), gen.get_linear_token()))
         out.append((metrics.IN_FLIGHT, (stream.name,), gen.in_flight()))
     return out
-
-
-def unsent_bytes(transport) -> int:
-    """Bytes written to ``transport`` that have not reached the kernel.
-
-    Twisted has no public call for this, so it reads the write buffer of
-    its file-descriptor transports: ``dataBuffer`` from ``offset`` on (what
-    a partial send left) plus ``_tempDataLen`` (writes not yet joined into
-    it).  A TLS transport hands these attribute lookups on to the TCP
-    connection underneath, so there it counts ciphertext.  Anything else
-    (a test transport, a closed connection) counts 0.
-    """
-    buffered = getattr(transport, "dataBuffer", None)
-    if not isinstance(buffered, bytes):
-        return 0
-    return (len(buffered) - getattr(transport, "offset", 0)
-            + getattr(transport, "_tempDataLen", 0))
 
 
 def connection_samples(handler) -> List[metrics.Sample]:

@@ -25,6 +25,8 @@ from typing import Optional
 
 from twisted.internet import tcp
 
+from ...net.twisted_private import plain_tcp, queued
+
 
 def chunk(data: bytes) -> bytes:
     """``data`` as one HTTP/1.1 chunk (what ``Request.write`` sends when
@@ -60,11 +62,7 @@ class Direct:
         self.request = request
         self.chunked = bool(getattr(request, "chunked", False))
         channel = getattr(request, "channel", None)
-        transport = getattr(channel, "transport", None)
-        self.transport: Optional[tcp.Connection] = None
-        if isinstance(transport, tcp.Connection) and not getattr(transport, "TLS", False) \
-                and hasattr(transport, "dataBuffer") and hasattr(transport, "_tempDataLen"):
-            self.transport = transport
+        self.transport: Optional[tcp.Connection] = plain_tcp(getattr(channel, "transport", None))
 
     def write_frames(self, frames: Frames) -> None:
         """A live pass's bytes (:class:`Frames`)."""
@@ -81,9 +79,7 @@ class Direct:
             return
         framed = (chunked if chunked is not None else chunk(data)) if self.chunked else data
         self.request.sentLength += len(data)  # (the access log's length)
-        if transport._tempDataLen or len(transport.dataBuffer) > transport.offset \
-                or not transport.connected or transport.disconnecting \
-                or transport._writeDisconnected:
+        if queued(transport):
             transport.write(framed)  # queued behind what is there
             return
         sent = transport.writeSomeData(framed)

@@ -29,6 +29,7 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from ...net.twisted_private import waiting_for_transport
 from ..answers import HttpError
 from .direct import Direct, Frames
 from .live import event
@@ -114,7 +115,7 @@ class SseClient:
         if channel is not None and hasattr(channel, "setTimeout"):
             channel.setTimeout(None)  # heartbeats keep it going, not client bytes
         request.registerProducer(self, True)
-        if getattr(channel, "_waitingForTransport", False):
+        if waiting_for_transport(channel):
             self.paused = True
         self._finished.addBoth(self._gone)
         request.write(RETRY)
