@@ -19,7 +19,7 @@ import datetime
 import logging
 import re
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from replicator.config import ConfigError, load_yaml, parse_database, parse_streams
 
@@ -49,7 +49,7 @@ def parse_time(text: str) -> int:
     return int(value.timestamp() * 1000)
 
 
-def _at_least(minimum: int, message: str):
+def _at_least(minimum: int, message: str) -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum``, else ``message``."""
     def parse(text: str) -> int:
         try:

@@ -54,7 +54,7 @@ bucket's length in seconds; None without a timestamp column and on
 
 import datetime
 import math
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 GRANULARITIES = {"minute": 60_000, "hour": 3_600_000}
 SIZE_BINS = (("size_1", 1, 1), ("size_2", 2, 2), ("size_3_4", 3, 4),
@@ -64,6 +64,8 @@ COUNT_METRICS = ("facts", "rows", "multi_row_facts", "max_fact_rows") + tuple(
     b[0] for b in SIZE_BINS) + ("rollbacks",)
 
 Key = Tuple[str, str, int]  # (granularity, writer, bucket_ms)
+#: One bucket's metrics by name (counts, tokens, rates, percentiles, date).
+Metrics = Dict[str, Union[int, float, str, None]]
 
 
 def utc_date(ms: int) -> str:
@@ -72,7 +74,7 @@ def utc_date(ms: int) -> str:
         "%Y-%m-%d")
 
 
-def percentile(values: List[float], p: float) -> Optional[float]:
+def percentile(values: Sequence[float], p: float) -> Optional[float]:
     """Exact percentile, linear interpolation at position ``p * (n - 1)``."""
     if not values:
         return None
@@ -123,7 +125,7 @@ class Aggregator:
         self.last_of_day: Dict[Tuple[str, str], Optional[int]] = {}
         self._id: Optional[int] = None
         self._rows = 0
-        self._writer: Optional[str] = None
+        self._writer = ""  # (of the fact being fed: _id's)
         self._ts: Optional[int] = None
         self.facts = 0
         self.row_count = 0
@@ -157,6 +159,7 @@ class Aggregator:
 
     def _flush(self) -> None:
         id_, rows, writer, rowtime = self._id, self._rows, self._writer, self._ts
+        assert id_ is not None, "a fact is being fed"
         self.facts += 1
         self.row_count += rows
         time = rowtime if rowtime is not None else self.observed(id_)
@@ -191,21 +194,21 @@ class Aggregator:
                 target = b if self.single_writer else self._bucket(granularity, "", start, date)
                 target.counts["rollbacks"] += missing
 
-    def result(self) -> Dict[Key, dict]:
+    def result(self) -> Dict[Key, Metrics]:
         """Every bucket's metrics (see the module docstring), by key."""
         if self._id is not None:
             self._flush()
             self._id = None
-        out = {}
+        out: Dict[Key, Metrics] = {}
         for (granularity, writer, start), b in self.buckets.items():
             seconds = GRANULARITIES[granularity] / 1000.0
-            row = dict(b.counts)
+            row: Metrics = dict(b.counts)
             row["date"] = b.date
             row["first_token"] = b.first
             row["last_token"] = b.last
             if self.has_timestamp and writer != "":
-                row["facts_per_s"] = row["facts"] / seconds
-                row["rows_per_s"] = row["rows"] / seconds
+                row["facts_per_s"] = b.counts["facts"] / seconds
+                row["rows_per_s"] = b.counts["rows"] / seconds
             else:
                 row["facts_per_s"] = row["rows_per_s"] = None
             for name, p in PERCENTILES:

@@ -28,11 +28,52 @@ import glob
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 from urllib.parse import quote
 
 from ..config import DatabaseConfig, StreamConfig
 from ..streams.trimmed import boundary_key
+
+if TYPE_CHECKING:  # PySpark is the exporter's extra, imported when a run starts
+    import psycopg2.extensions
+    from pyspark.sql import DataFrame, SparkSession
+
+T = TypeVar("T")
+#: One row of a query's result, as the DB-API gives it.
+Row = Tuple[Any, ...]
+
+
+class _Cursor(Protocol):
+    """What :class:`Metadata` uses of a DB-API cursor (sqlite3's, psycopg2's)."""
+
+    def execute(self, sql: str, args: Sequence[Any], /) -> object: ...
+
+    def fetchone(self) -> Optional[Row]: ...
+
+    def fetchall(self) -> List[Row]: ...
+
+    def close(self) -> None: ...
+
+
+def sqlite_path(db: DatabaseConfig) -> str:
+    """The absolute path of ``db``'s SQLite file, which must exist."""
+    assert db.path is not None, "validated: an sqlite database has a path"
+    path = os.path.abspath(db.path)
+    if not os.path.exists(path):
+        raise SourceError(f"database.sqlite: {path} does not exist")
+    return path
 
 #: Smaller than every stream ID: the exclusive lower bound of a first export.
 MIN_TOKEN = -(2 ** 63)
@@ -101,10 +142,9 @@ def parse_dsn(dsn: str) -> Dict[str, str]:
 def jdbc_target(db: DatabaseConfig) -> JdbcTarget:
     """How Spark's JDBC source reaches ``db``."""
     if db.engine == "sqlite":
-        path = os.path.abspath(db.path)
-        if not os.path.exists(path):
-            raise SourceError(f"database.sqlite: {path} does not exist")
+        path = sqlite_path(db)
         return JdbcTarget(f"jdbc:sqlite:{path}", {"driver": DRIVERS["sqlite"]}, "sqlite")
+    assert db.dsn is not None, "validated: a postgres database has a DSN"
     params = parse_dsn(db.dsn)
     host = params.get("host") or params.get("hostaddr") or "localhost"
     if "," in host:
@@ -171,10 +211,9 @@ class Metadata:
 
     def __init__(self, db: DatabaseConfig):
         self.engine = db.engine
+        self.conn: Union[sqlite3.Connection, "psycopg2.extensions.connection"]
         if db.engine == "sqlite":
-            path = os.path.abspath(db.path)
-            if not os.path.exists(path):
-                raise SourceError(f"database.sqlite: {path} does not exist")
+            path = sqlite_path(db)
             self.conn = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True,
                                         isolation_level=None)
             self.conn.execute("PRAGMA busy_timeout=5000")
@@ -182,20 +221,21 @@ class Metadata:
             import psycopg2
 
             try:
-                self.conn = psycopg2.connect(db.dsn, application_name="replicator-export")
+                conn = psycopg2.connect(db.dsn, application_name="replicator-export")
             except psycopg2.Error as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise SourceError(f"cannot connect to PostgreSQL: {first}") from None
-            self.conn.autocommit = True
+            conn.autocommit = True
+            self.conn = conn
 
     def close(self) -> None:
         self.conn.close()
 
-    def _query(self, sql: str, args: Tuple, fetch):
+    def _query(self, sql: str, args: Row, fetch: Callable[[_Cursor], T]) -> T:
         """``fetch(cursor)`` after running ``sql``; a failure is one SourceError line."""
         if self.engine == "sqlite":
             sql = sql.replace("%s", "?")
-        cur = self.conn.cursor()
+        cur: _Cursor = self.conn.cursor()
         try:
             cur.execute(sql, args)
             return fetch(cur)
@@ -205,10 +245,17 @@ class Metadata:
         finally:
             cur.close()
 
-    def _one(self, sql: str, args: Tuple = ()) -> Tuple:
+    def _first(self, sql: str, args: Row = ()) -> Optional[Row]:
         return self._query(sql, args, lambda cur: cur.fetchone())
 
-    def _all(self, sql: str, args: Tuple = ()) -> List[Tuple]:
+    def _one(self, sql: str, args: Row = ()) -> Row:
+        """The row of an aggregate query (there is always one)."""
+        row = self._first(sql, args)
+        if row is None:
+            raise SourceError(f"query returned no row: {sql}")
+        return row
+
+    def _all(self, sql: str, args: Row = ()) -> List[Row]:
         return self._query(sql, args, lambda cur: cur.fetchall())
 
     def positions(self, stream_name: str) -> Dict[str, int]:
@@ -233,8 +280,8 @@ class Metadata:
             exists = self._one("SELECT to_regclass('stream_retention') IS NOT NULL")[0]
         if not exists:
             return 0
-        row = self._one("SELECT trimmed_through FROM stream_retention WHERE table_name = %s",
-                        (boundary_key(stream),))
+        row = self._first("SELECT trimmed_through FROM stream_retention WHERE table_name = %s",
+                          (boundary_key(stream),))
         return int(row[0]) if row is not None else 0
 
     def bounds(self, stream: StreamConfig, lower: int, upper: int) -> RangeBounds:
@@ -282,7 +329,7 @@ class Metadata:
         return _int(row[0])
 
 
-def _int(value) -> Optional[int]:
+def _int(value: Any) -> Optional[int]:
     return None if value is None else int(value)
 
 
@@ -376,9 +423,9 @@ FACT_SCHEMA = ("chunk INT, id BIGINT, nrows BIGINT, writer STRING, rowtime BIGIN
 SORT_MEMORY = "64MB"
 
 
-def read_facts(spark, target: JdbcTarget, stream: StreamConfig, floor: int, upper: int,
+def read_facts(spark: "SparkSession", target: JdbcTarget, stream: StreamConfig, floor: int, upper: int,
                chunk_len: int, observed: Sequence[Tuple[int, int, int]], default_ms: int,
-               fetch_size: int = 10000):
+               fetch_size: int = 10000) -> "DataFrame":
     """DataFrame of the facts with ``floor <= id <= upper``, one row each, in
     one partition per ID chunk (:func:`fact_query`; columns :data:`FACT_SCHEMA`).
     """

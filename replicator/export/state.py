@@ -38,7 +38,7 @@ import shutil
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 STATE_FILE = "state.json"
 #: 2: the columns ``delay_ms_p50/p95/p99`` are named ``gap_ms_p50/p95/p99``
@@ -90,7 +90,7 @@ class StreamState:
     trimmed: List[List[int]] = field(default_factory=list)
 
     @classmethod
-    def from_json(cls, doc: dict) -> "StreamState":
+    def from_json(cls, doc: Dict[str, Any]) -> "StreamState":
         return cls(
             token=int(doc["token"]),
             last_fact=None if doc.get("last_fact") is None else int(doc["last_fact"]),
