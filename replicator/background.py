@@ -40,7 +40,7 @@ class Background:
     def _failed(failure: Failure, task: str) -> None:
         metrics.BACKGROUND_FAILURES.labels(task).inc()
         log.error("Background task {task} failed: {error}", task=task,
-                  error=f"{failure.type.__name__}: {failure.getErrorMessage()}")
+                  error=f"{type(failure.value).__name__}: {failure.getErrorMessage()}")
 
     def _ended(self, result: Any, d: defer.Deferred[Any]) -> Any:
         self.running.discard(d)

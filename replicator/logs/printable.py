@@ -12,7 +12,7 @@ _UNPRINTABLE = re.compile(
 _SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def _escape_char(match) -> str:
+def _escape_char(match: "re.Match[str]") -> str:
     char = match.group()
     short = _SHORT.get(char)
     if short is not None:

@@ -104,7 +104,7 @@ class Outage:
         self.initial = initial
         self._backoff: Optional[Backoff] = None
 
-    def failed(self, error: BaseException) -> float:
+    def failed(self, error: Optional[BaseException]) -> float:
         if self._backoff is None:
             self._backoff = Backoff(self.initial, max(self.initial, OUTAGE_MAX_DELAY),
                                     name=self.what)

@@ -27,8 +27,8 @@ class Crowd:
         self._unidentified: "OrderedDict[Any, Optional[str]]" = OrderedDict()
         self._identified: Dict[Any, Optional[str]] = {}
         self._exempt: Dict[Any, Optional[str]] = {}
-        self._per_host: Counter = Counter()
-        self._identified_per_host: Counter = Counter()
+        self._per_host: "Counter[Optional[str]]" = Counter()
+        self._identified_per_host: "Counter[Optional[str]]" = Counter()
 
     def __len__(self) -> int:
         """Connections counted: unidentified and identified, not exempt."""

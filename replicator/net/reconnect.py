@@ -26,7 +26,12 @@ from typing import Any, Callable, Optional
 
 from twisted.application.internet import ClientService
 from twisted.internet import defer, error
-from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.interfaces import (
+    IProtocol,
+    IProtocolFactory,
+    IReactorTime,
+    IStreamClientEndpoint,
+)
 from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -47,7 +52,7 @@ def _discard(event: Any) -> None:
     """An observer that drops every event (Twisted's retry line)."""
 
 
-def _tls_reason(value) -> Optional[str]:
+def _tls_reason(value: object) -> Optional[str]:
     """What a TLS failure says, in a few words; None if ``value`` is not one."""
     try:
         from OpenSSL import SSL
@@ -104,16 +109,16 @@ class _RememberingEndpoint:
     """The link's endpoint, remembering why its last connect failed (None
     once one succeeded)."""
 
-    def __init__(self, endpoint):
+    def __init__(self, endpoint: IStreamClientEndpoint) -> None:
         self.endpoint = endpoint
         self.failure: Optional[Failure] = None
 
-    def connect(self, factory):
-        def connected(protocol):
+    def connect(self, factory: IProtocolFactory) -> "defer.Deferred[IProtocol]":
+        def connected(protocol: IProtocol) -> IProtocol:
             self.failure = None
             return protocol
 
-        def failed(failure):
+        def failed(failure: Failure) -> Failure:
             self.failure = failure
             return failure
 
@@ -132,12 +137,15 @@ class ReconnectingService(ClientService):
     #: Twisted's own retry line is ours to say: its logger says nothing.
     _log = Logger(observer=_discard)
 
-    def __init__(self, endpoint, factory, backoff: Backoff, *, clock, what: str, where: str,
+    def __init__(self, endpoint: IStreamClientEndpoint, factory: IProtocolFactory,
+                 backoff: Backoff, *, clock: Optional[IReactorTime], what: str, where: str,
                  lost_reason: Optional[Callable[[], Optional[str]]] = None,
                  on_retry: Optional[Callable[[int, float], None]] = None,
-                 prepareConnection=None):
+                 prepareConnection: Optional[Callable[[IProtocol], object]] = None) -> None:
         if clock is None:
-            from twisted.internet import reactor as clock
+            from twisted.internet import reactor
+
+            clock = reactor  # (it provides IReactorTime)
         self._attempts = _RememberingEndpoint(endpoint)
         super().__init__(self._attempts, factory, retryPolicy=self._retry, clock=clock,
                          prepareConnection=prepareConnection)

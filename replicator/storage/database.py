@@ -21,17 +21,19 @@ from .transactions import TransactionQueue
 
 #: A DB-API cursor, as a transaction function receives it (psycopg2 or sqlite3).
 Cursor = Any
+#: A DB-API connection (psycopg2's or sqlite3's: they share no declared type).
+RawConnection = Any
 
 log = Logger()
 
 
-def _sqlite_open(conn) -> None:
+def _sqlite_open(conn: RawConnection) -> None:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA busy_timeout=5000")
 
 
-def _postgres_open(conn) -> None:
+def _postgres_open(conn: RawConnection) -> None:
     # Stream writes are short transactions; READ COMMITTED is what the
     # position bookkeeping assumes.
     conn.set_session(isolation_level="READ COMMITTED")
@@ -49,7 +51,7 @@ class _PooledConnection(adbapi.Connection):
     The transaction's own error still reaches its caller.
     """
 
-    def rollback(self):
+    def rollback(self) -> None:
         if self._connection is None:  # already dropped
             return
         try:
@@ -65,12 +67,12 @@ class _PooledConnection(adbapi.Connection):
         self._pool.disconnect(self._connection)
         self._connection = None
 
-    def cursor(self):
+    def cursor(self) -> Cursor:
         if self._connection is None:
             self._connection = self._pool.connect()
         return self._connection.cursor()
 
-    def commit(self):
+    def commit(self) -> None:
         if self._connection is not None:
             self._connection.commit()
 
@@ -90,8 +92,8 @@ class _PostgresPool(adbapi.ConnectionPool):
 
     connectionFactory = _PooledConnection
 
-    def connect(self):
-        conn = self.connections.get(self.threadID())
+    def connect(self) -> RawConnection:
+        conn: Optional[RawConnection] = self.connections.get(self.threadID())
         if conn is not None:
             problem = _dead(conn)
             if problem is not None:
@@ -101,7 +103,7 @@ class _PostgresPool(adbapi.ConnectionPool):
         return super().connect()
 
 
-def _dead(conn) -> Optional[str]:
+def _dead(conn: RawConnection) -> Optional[str]:
     """Why an idle psycopg2 connection is dead, or None if it seems alive."""
     if conn.closed:
         return "closed"
@@ -177,7 +179,8 @@ class Database:
     def runInteraction(self, fn: Callable[..., Any], *args: Any,
                        **kwargs: Any) -> "defer.Deferred[Any]":
         """Run ``fn(txn, ...)`` in one transaction in a pool thread."""
-        return self.pool.runInteraction(fn, *args, **kwargs)
+        done: "defer.Deferred[Any]" = self.pool.runInteraction(fn, *args, **kwargs)
+        return done
 
     def runReads(self, fn: Callable[..., Any], *args: Any) -> "defer.Deferred[Any]":
         """Run ``fn(cursor, ...)`` in a pool thread, each of its statements
@@ -201,13 +204,16 @@ class Database:
                 except Exception:  # a dead connection: the failure says why
                     pass
 
-        return self.pool.runWithConnection(run)
+        done: "defer.Deferred[Any]" = self.pool.runWithConnection(run)
+        return done
 
     def runQuery(self, text: str, *args: Any) -> "defer.Deferred[Any]":
-        return self.pool.runQuery(self.sql(text), *args)
+        done: "defer.Deferred[Any]" = self.pool.runQuery(self.sql(text), *args)
+        return done
 
     def runOperation(self, text: str, *args: Any) -> "defer.Deferred[Any]":
-        return self.pool.runOperation(self.sql(text), *args)
+        done: "defer.Deferred[Any]" = self.pool.runOperation(self.sql(text), *args)
+        return done
 
     def close(self) -> None:
         self.pool.close()

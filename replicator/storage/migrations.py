@@ -38,12 +38,13 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple
 
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from .. import __version__
 from ..config.model import POSITIONS_TABLE, SCHEMA_TABLE
 from . import schema
-from .database import Database
+from .database import Cursor, Database
 
 log = Logger()
 
@@ -75,19 +76,19 @@ class Step:
     apply: Apply
 
 
-def _create_positions(txn, postgres: bool) -> None:
+def _create_positions(txn: Cursor, postgres: bool) -> None:
     txn.execute(schema.POSITIONS_DDL)
 
 
-def _create_schema_table(txn, postgres: bool) -> None:
+def _create_schema_table(txn: Cursor, postgres: bool) -> None:
     txn.execute(SCHEMA_DDL)
 
 
-def _create_retention_table(txn, postgres: bool) -> None:
+def _create_retention_table(txn: Cursor, postgres: bool) -> None:
     txn.execute(schema.RETENTION_DDL)
 
 
-def _create_idempotency_table(txn, postgres: bool) -> None:
+def _create_idempotency_table(txn: Cursor, postgres: bool) -> None:
     for statement in schema.IDEMPOTENCY_DDL:
         txn.execute(statement)
 
@@ -134,7 +135,7 @@ def too_new(version: int) -> SchemaProblem:
 
 
 # ------------------------------------------------------ in a pool thread
-def read_version(txn, postgres: bool) -> int:
+def read_version(txn: Cursor, postgres: bool) -> int:
     """The database's version (module docstring): its ``replicator_schema``
     row, else 1 if ``stream_positions`` exists, else 0."""
     if schema.table_columns(txn, SCHEMA_TABLE, postgres) is not None:
@@ -149,7 +150,7 @@ def read_version(txn, postgres: bool) -> int:
     return 0
 
 
-def _lock(txn, postgres: bool) -> None:
+def _lock(txn: Cursor, postgres: bool) -> None:
     if postgres:
         txn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
     else:
@@ -158,7 +159,7 @@ def _lock(txn, postgres: bool) -> None:
         txn.execute("BEGIN IMMEDIATE")
 
 
-def _record(txn, db: Database, version: int, now: float, instance_name: str) -> None:
+def _record(txn: Cursor, db: Database, version: int, now: float, instance_name: str) -> None:
     when = datetime.datetime.fromtimestamp(now, datetime.timezone.utc)
     txn.execute(db.sql(
         f"INSERT INTO {SCHEMA_TABLE} (version, migrated_at, replicator_version, instance_name) "
@@ -174,7 +175,7 @@ def _one_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def _next_step(txn, db: Database, steps: Sequence[Step], announce: Callable[[str], None],
+def _next_step(txn: Cursor, db: Database, steps: Sequence[Step], announce: Callable[[str], None],
                now: float, instance_name: str) -> Optional[int]:
     """One transaction: the next step, if any is due (None: none is); the
     version reached.  A new database gets all of them."""
@@ -201,7 +202,8 @@ def _next_step(txn, db: Database, steps: Sequence[Step], announce: Callable[[str
 
 
 # ---------------------------------------------------------- from the reactor
-async def migrate(db: Database, announce: Callable[[str], None], clock, instance_name: str,
+async def migrate(db: Database, announce: Callable[[str], None], clock: IReactorTime,
+                  instance_name: str,
                   steps: Sequence[Step] = STEPS) -> int:
     """Run every step due, each in its own transaction; returns the version
     reached.  ``announce(line)`` is called (in a pool thread) once per step,
@@ -212,12 +214,14 @@ async def migrate(db: Database, announce: Callable[[str], None], clock, instance
         reached = await db.runInteraction(_next_step, db, steps, announce, clock.seconds(),
                                           instance_name)
         if reached is None:
-            return await db.runInteraction(read_version, db.is_postgres)
+            version: int = await db.runInteraction(read_version, db.is_postgres)
+            return version
 
 
 async def current_version(db: Database) -> int:
     """The database's version (:func:`read_version`), without the lock."""
-    return await db.runInteraction(read_version, db.is_postgres)
+    version: int = await db.runInteraction(read_version, db.is_postgres)
+    return version
 
 
 def pending(version: int, steps: Sequence[Step] = STEPS) -> Sequence[Step]:
@@ -245,7 +249,7 @@ def assess(version: int, owns_tables: bool, auto_migrate: bool) -> str:
     return f"schema version {version}, start migrates it to {CURRENT_VERSION}"
 
 
-async def prepare(db: Database, owns_tables: bool, auto_migrate: bool, reactor,
+async def prepare(db: Database, owns_tables: bool, auto_migrate: bool, reactor: Any,
                   instance_name: str) -> None:
     """At start, before the streams load: the schema made current (new or
     older, when allowed), or :class:`SchemaProblem` saying why it cannot be

@@ -16,11 +16,15 @@ and keep being read in heap order among themselves, as before.
 All functions here take a DB-API cursor and run in a pool thread.
 """
 
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 from ..config import ConfigError, StreamConfig
 from ..config.model import ROW_INDEX_COLUMN
 from .column_types import TableType, mismatch, postgres_kind, sqlite_kind
+from .database import Cursor
+
+#: The engine's SQL of a statement written with ``%s`` (:meth:`.Database.sql`).
+Sql = Callable[[str], str]
 
 POSITIONS_DDL = """
 CREATE TABLE IF NOT EXISTS stream_positions (
@@ -102,7 +106,7 @@ def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
     return statements
 
 
-def add_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
+def add_row_index(txn: Cursor, stream: StreamConfig, postgres: bool) -> bool:
     """Give an owned table that lacks it (made by an older release) the
     ``row_index`` column; whether it was added.  Idempotent: a table that
     has it, or none, is left alone.  PostgreSQL (11 and later) adds a
@@ -119,7 +123,7 @@ def add_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
     return True
 
 
-def has_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
+def has_row_index(txn: Cursor, stream: StreamConfig, postgres: bool) -> bool:
     """Whether reads order the table's facts' rows by ``row_index``: an
     owned table that has it (a stream only read here may be written by
     an instance of an older release that did not add it yet)."""
@@ -129,13 +133,13 @@ def has_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
     return ROW_INDEX_COLUMN in (name.lower() for name in existing)
 
 
-def table_columns(txn, table: str, postgres: bool) -> Optional[List[str]]:
+def table_columns(txn: Cursor, table: str, postgres: bool) -> Optional[List[str]]:
     """Column names of ``table``, or None if it does not exist."""
     types = column_types(txn, table, postgres)
     return None if types is None else list(types)
 
 
-def column_types(txn, table: str, postgres: bool) -> Optional[Dict[str, TableType]]:
+def column_types(txn: Cursor, table: str, postgres: bool) -> Optional[Dict[str, TableType]]:
     """Each column of ``table`` with its type, or None if it does not exist."""
     if postgres:
         txn.execute(
@@ -151,7 +155,7 @@ def column_types(txn, table: str, postgres: bool) -> Optional[Dict[str, TableTyp
     return types or None
 
 
-def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool,
+def check_stream_table(txn: Cursor, stream: StreamConfig, key: str, postgres: bool,
                        written: bool = True) -> None:
     """Every configured column exists with a type that fits its declared
     one (:mod:`.column_types`; the ID column ``bigint``, the writer column
@@ -178,7 +182,7 @@ def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool,
                                      f"table {stream.table!r} has it as {found.shown} ({fits})")
 
 
-def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
+def ensure_schema(txn: Cursor, streams: Sequence[StreamConfig], postgres: bool, keys: Dict[str, str],
                   written: Optional[Set[str]] = None, dry_run: bool = False,
                   added_row_index: Optional[List[str]] = None,
                   awaiting_writer: Optional[List[str]] = None) -> bool:
@@ -234,7 +238,7 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
     return has_positions
 
 
-def persisted_positions(txn, stream_name: str, sql) -> Dict[str, int]:
+def persisted_positions(txn: Cursor, stream_name: str, sql: Sql) -> Dict[str, int]:
     txn.execute(
         sql("SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s"),
         (stream_name,),
@@ -242,7 +246,7 @@ def persisted_positions(txn, stream_name: str, sql) -> Dict[str, int]:
     return {name: int(pos) for name, pos in txn.fetchall()}
 
 
-def table_exists(txn, postgres: bool, table: str) -> bool:
+def table_exists(txn: Cursor, postgres: bool, table: str) -> bool:
     """Whether the replicator's own ``table`` exists (one created when first
     needed, or by an instance that writes a stream: another instance may
     start first)."""
@@ -253,13 +257,13 @@ def table_exists(txn, postgres: bool, table: str) -> bool:
     return txn.fetchone() is not None
 
 
-def retention_table_exists(txn, postgres: bool) -> bool:
+def retention_table_exists(txn: Cursor, postgres: bool) -> bool:
     """Whether ``stream_retention`` exists (an instance that writes no
     stream creates no table, and may start before the one that does)."""
     return table_exists(txn, postgres, "stream_retention")
 
 
-def trimmed_through(txn, table_key: str, sql) -> int:
+def trimmed_through(txn: Cursor, table_key: str, sql: Sql) -> int:
     """The trim boundary of the stream table ``table_key`` (0: nothing
     trimmed); ``stream_retention`` exists."""
     txn.execute(sql("SELECT trimmed_through FROM stream_retention WHERE table_name = %s"),
@@ -268,7 +272,7 @@ def trimmed_through(txn, table_key: str, sql) -> int:
     return int(row[0]) if row is not None else 0
 
 
-def table_max_per_writer(txn, stream: StreamConfig) -> Dict[str, int]:
+def table_max_per_writer(txn: Cursor, stream: StreamConfig) -> Dict[str, int]:
     if stream.writer_column:
         txn.execute(
             f"SELECT {stream.writer_column}, MAX({stream.id_column}) FROM {stream.table} "
@@ -288,7 +292,7 @@ def upsert_position_sql(greatest: str) -> str:
     )
 
 
-def sequence_value(txn, sequence: str) -> int:
+def sequence_value(txn: Cursor, sequence: str) -> int:
     """The last value ``nextval`` handed out (PostgreSQL)."""
     txn.execute(f"SELECT last_value, is_called FROM {sequence}")
     last, called = txn.fetchone()

@@ -12,8 +12,9 @@ the order the jobs were taken.
 """
 
 from collections import deque
-from typing import Any, Callable, Deque, List
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
+from twisted.enterprise import adbapi
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
@@ -23,19 +24,19 @@ _PENDING = object()
 class _Job:
     __slots__ = ("fn", "args", "result", "failure", "deferred")
 
-    def __init__(self, fn, args):
+    def __init__(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
         self.fn = fn
         self.args = args
         self.result: Any = _PENDING
-        self.failure = None
-        self.deferred = defer.Deferred()
+        self.failure: Optional[Failure] = None
+        self.deferred: "defer.Deferred[Any]" = defer.Deferred()
 
 
 class TransactionQueue:
     """Runs ``fn(cursor, *args)`` transactions on at most ``workers`` pooled
     connections at a time."""
 
-    def __init__(self, pool, workers: int = 1, per_hop: int = 32):
+    def __init__(self, pool: adbapi.ConnectionPool, workers: int = 1, per_hop: int = 32) -> None:
         self._pool = pool
         self._workers = max(1, workers)
         self._per_hop = per_hop
@@ -55,7 +56,7 @@ class TransactionQueue:
             d = self._pool.runWithConnection(self._work, taken)
             d.addBoth(self._done, taken)
 
-    def _work(self, conn, taken: List[_Job]) -> None:
+    def _work(self, conn: adbapi.Connection, taken: List[_Job]) -> None:
         """In a pool thread: one transaction per job until none is queued."""
         for _ in range(self._per_hop):
             try:
@@ -82,7 +83,7 @@ class TransactionQueue:
                 except Exception:
                     pass
 
-    def _done(self, outcome, taken: List[_Job]) -> None:
+    def _done(self, outcome: object, taken: List[_Job]) -> None:
         self._busy -= 1
         hop_failure = outcome if isinstance(outcome, Failure) else None
         if hop_failure is not None and not taken:

@@ -393,7 +393,7 @@ class Stream:
             for w in group.writes:
                 self._groups[writer].retry_alone(w)
             return
-        cause = outcome.value.failure if in_statements else outcome
+        cause = cast(StatementFailed, outcome.value).failure if in_statements else outcome
         for w in group.writes:
             w.deferred.errback(cause)
 
