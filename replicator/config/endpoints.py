@@ -16,7 +16,7 @@ file holds) is Twisted's to judge, in :func:`replicator.config.validate`.
 """
 
 import ipaddress
-from typing import Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from ..net.endpoint_strings import Endpoint, parse
 from .fields import ConfigError, did_you_mean, get_str, one_line
@@ -30,10 +30,10 @@ NO_PRIVATE_KEY = ("an ssl: listener needs privateKey= (its key file; certKey= to
 _PORT_CLIENTS = ("tcp", "ssl", "tls")
 
 
-def get_endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[str]:
+def get_endpoint(section: Mapping[str, Any], name: str, key: str, kind: str) -> Optional[str]:
     """``section[name]`` as an endpoint string (``kind`` is ``server`` or
     ``client``), syntax checked; None if not given."""
-    value = get_str(section, name, key, None)
+    value: Optional[str] = get_str(section, name, key, None)
     if value is None:
         return None
     path = f"{key}.{name}"
@@ -74,7 +74,7 @@ _CLIENT_OPTIONS = {
 }
 
 
-def _known_options(parsed: Endpoint, options: dict, role: str) -> None:
+def _known_options(parsed: Endpoint, options: Dict[str, Any], role: str) -> None:
     """An option the endpoint's type does not have is named, with the
     options it has (and the one probably meant)."""
     known = options.get(parsed.kind)

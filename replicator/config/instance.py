@@ -3,7 +3,7 @@
 
 import os
 import re
-from typing import Any, Optional, Tuple
+from typing import AbstractSet, Any, Optional, Sequence, Tuple
 
 import yaml
 
@@ -28,6 +28,8 @@ from .model import (
     HttpConfig,
     InstanceConfig,
     ReaderConfig,
+    ReplicationConfig,
+    StreamConfig,
     SynapseConfig,
 )
 from .replication import parse_replication
@@ -170,7 +172,8 @@ def parse_health(value: Any, key: str = "health") -> HealthConfig:
                                maximum=3600.0))
 
 
-def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[ConsumerConfig, ...]:
+def parse_consumers(value: Any, stream_names: AbstractSet[str],
+                    key: str = "consumers") -> Tuple[ConsumerConfig, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -210,7 +213,7 @@ def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
     return SynapseConfig(server_name, database, redis)
 
 
-def _check_synapse_streams(streams, instance_name: str,
+def _check_synapse_streams(streams: Sequence[StreamConfig], instance_name: str,
                            synapse_config: Optional[SynapseConfig]) -> None:
     """No local writer of a Synapse stream: of a preset stream always, of
     any stream named like one of Synapse's when a Synapse shares the
@@ -228,14 +231,15 @@ def _check_synapse_streams(streams, instance_name: str,
                               f"otherwise)")
 
 
-def _check_reader_streams(http: HttpConfig, stream_names) -> None:
+def _check_reader_streams(http: HttpConfig, stream_names: AbstractSet[str]) -> None:
     for i, reader in enumerate(http.readers):
         for j, name in enumerate(reader.streams):
             if name != "*" and name not in stream_names:
                 raise ConfigError(f"http.readers[{i}].streams[{j}]", f"unknown stream {name!r}")
 
 
-def _check_writer_secrets(replication, streams, instance_name: str) -> None:
+def _check_writer_secrets(replication: ReplicationConfig, streams: Sequence[StreamConfig],
+                          instance_name: str) -> None:
     """Each name in ``replication.writer_secrets`` writes a stream here and
     is not this instance (whose own writes need no proof)."""
     remote = {w for s in streams for w in s.writers} - {instance_name}

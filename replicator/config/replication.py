@@ -81,7 +81,7 @@ def _keys(value: Any, key: str) -> Optional[RedisKeys]:
     return RedisKeys(private_key, tuple(pairs),
                      get_bool(section, "accept_unsigned", key, False))
 
-def _sentinels(section: Mapping, key: str) -> Tuple[Tuple[str, int], ...]:
+def _sentinels(section: Mapping[str, Any], key: str) -> Tuple[Tuple[str, int], ...]:
     """``sentinels``: ``host:port`` strings (``[v6]:port``), as pairs."""
     if section.get("sentinels") is None:
         return ()
@@ -98,7 +98,7 @@ def _sentinels(section: Mapping, key: str) -> Tuple[Tuple[str, int], ...]:
         out.append((host, int(port)))
     return tuple(out)
 
-def _cluster(section: Mapping, key: str) -> Tuple[str, ...]:
+def _cluster(section: Mapping[str, Any], key: str) -> Tuple[str, ...]:
     """``cluster``: a Redis cluster's seed nodes, client endpoint strings."""
     if section.get("cluster") is None:
         return ()
@@ -111,7 +111,7 @@ def _cluster(section: Mapping, key: str) -> Tuple[str, ...]:
     return tuple(nodes)
 
 
-def _channels(section: Mapping, key: str, default: str) -> str:
+def _channels(section: Mapping[str, Any], key: str, default: str) -> str:
     """``channels``: the layout of :mod:`replicator.replication.transport.redis_channels`."""
     value = section.get("channels", default)
     if not isinstance(value, str) or value not in REDIS_CHANNELS:
@@ -120,13 +120,13 @@ def _channels(section: Mapping, key: str, default: str) -> str:
     return value
 
 
-def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:
+def _allowed_peers(section: Mapping[str, Any], key: str) -> Optional[Tuple[str, ...]]:
     if section.get("allowed_peers") is None:
         return None
     return get_names(section, "allowed_peers", key, "an empty list would refuse every peer")
 
 
-def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
+def _allowed_networks(section: Mapping[str, Any], key: str, listen: Optional[str]
                       ) -> Optional[Tuple[str, ...]]:
     if section.get("allowed_networks") is None:
         return None
@@ -152,7 +152,7 @@ def _file(path: str) -> str:
     return path if os.path.isabs(path) else os.path.join(".", path)
 
 
-def _writer_secrets(section: Mapping, key: str, listen: Optional[str]
+def _writer_secrets(section: Mapping[str, Any], key: str, listen: Optional[str]
                     ) -> Tuple[WriterSecret, ...]:
     """``writer_secrets``: ``{writer: secret file}``, the remote writers that
     prove their NAME to this listener (the files are read by validate();

@@ -2,7 +2,7 @@
 component shares."""
 
 import re
-from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from .fields import (
     IDENTIFIER,
@@ -117,7 +117,8 @@ MAX_TRIM_BATCH = 100_000
 PRESET_KEYS = ("table", "id_column", "writer_column", "columns", "sequence", "create")
 
 
-def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset, Optional[str]]:
+def _apply_preset(section: Mapping[str, Any], key: str,
+                  ) -> Tuple[Mapping[str, Any], str, "frozenset[str]", Optional[str]]:
     """The stream section with its preset's layout filled in; the preset's
     name; the columns stored as JSON text."""
     from .. import synapse
@@ -168,7 +169,7 @@ def parse_duration(value: Any, path: str) -> float:
 
 
 def parse_retention(value: Any, key: str, timestamp_column: Optional[str],
-                    columns) -> RetentionConfig:
+                    columns: Sequence[ColumnConfig]) -> RetentionConfig:
     """A stream's ``retention``: ``max_age`` needs the stream's
     ``timestamp_column`` (NOT NULL): a fact's age is read from it."""
     section = as_mapping(value, key)

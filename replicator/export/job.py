@@ -102,8 +102,8 @@ def run_export(db: DatabaseConfig, streams: Sequence[StreamConfig], options: Exp
         sessions.stop()
 
 
-def _run_locked(db: DatabaseConfig, selected: Sequence[StreamConfig], store: OutputStore, options: ExportOptions, sessions: RunSession,
-                started: float) -> ExportResult:
+def _run_locked(db: DatabaseConfig, selected: Sequence[StreamConfig], store: OutputStore,
+                options: ExportOptions, sessions: RunSession, started: float) -> ExportResult:
     state = store.load_state()
     run_ms = options.now_ms if options.now_ms is not None else int(time.time() * 1000)
     for stream in selected:
@@ -121,9 +121,8 @@ def _run_locked(db: DatabaseConfig, selected: Sequence[StreamConfig], store: Out
 
 
 def _plan_and_export(db: DatabaseConfig, selected: Sequence[StreamConfig], store: OutputStore,
-                     options: ExportOptions,
-                     sessions: RunSession, started: float, state: ExportState, run_ms: int,
-                     meta: Metadata) -> ExportResult:
+                     options: ExportOptions, sessions: RunSession, started: float,
+                     state: ExportState, run_ms: int, meta: Metadata) -> ExportResult:
     plans = []
     for stream in selected:
         old = None if options.full else state.streams.get(stream.name)

@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # PySpark and matplotlib are the exporter's extra
     from pyspark.sql import SparkSession
 
 
-def facts_per_minute(spark: "SparkSession", minute_path: str, hours: float) -> Dict[str, List[Tuple[int, int]]]:
+def facts_per_minute(spark: "SparkSession", minute_path: str,
+                     hours: float) -> Dict[str, List[Tuple[int, int]]]:
     """``{stream: [(minute_ms, facts), ...]}`` over the plotted window, every
     minute from the stream's first to its last one present (0 where none)."""
     from pyspark.sql import functions as F

@@ -423,9 +423,9 @@ FACT_SCHEMA = ("chunk INT, id BIGINT, nrows BIGINT, writer STRING, rowtime BIGIN
 SORT_MEMORY = "64MB"
 
 
-def read_facts(spark: "SparkSession", target: JdbcTarget, stream: StreamConfig, floor: int, upper: int,
-               chunk_len: int, observed: Sequence[Tuple[int, int, int]], default_ms: int,
-               fetch_size: int = 10000) -> "DataFrame":
+def read_facts(spark: "SparkSession", target: JdbcTarget, stream: StreamConfig, floor: int,
+               upper: int, chunk_len: int, observed: Sequence[Tuple[int, int, int]],
+               default_ms: int, fetch_size: int = 10000) -> "DataFrame":
     """DataFrame of the facts with ``floor <= id <= upper``, one row each, in
     one partition per ID chunk (:func:`fact_query`; columns :data:`FACT_SCHEMA`).
     """

@@ -182,8 +182,8 @@ def check_stream_table(txn: Cursor, stream: StreamConfig, key: str, postgres: bo
                                      f"table {stream.table!r} has it as {found.shown} ({fits})")
 
 
-def ensure_schema(txn: Cursor, streams: Sequence[StreamConfig], postgres: bool, keys: Dict[str, str],
-                  written: Optional[Set[str]] = None, dry_run: bool = False,
+def ensure_schema(txn: Cursor, streams: Sequence[StreamConfig], postgres: bool,
+                  keys: Dict[str, str], written: Optional[Set[str]] = None, dry_run: bool = False,
                   added_row_index: Optional[List[str]] = None,
                   awaiting_writer: Optional[List[str]] = None) -> bool:
     """Create what is missing and check what exists.
