@@ -20,7 +20,7 @@ then gets its running config back (restarted as it was), a new one is left
 out (the next reload tries again).
 """
 
-from typing import List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from twisted.internet import defer, threads
 from twisted.logger import Logger
@@ -29,15 +29,16 @@ from ..config import ConsumerConfig
 from ..config.fields import one_line
 from ..consumers.base import Consumer
 from ..consumers.loading import build_consumer
+from ..replication.core.handler import ReplicationHandler
 from .reload import ConsumerChange
 
 log = Logger(namespace="replicator.daemon.service")
 
 
-async def change_consumers(handler, running: Sequence[Consumer],
+async def change_consumers(handler: ReplicationHandler, running: Sequence[Consumer],
                            running_configs: Sequence[ConsumerConfig],
                            read_configs: Sequence[ConsumerConfig], change: ConsumerChange,
-                           reactor, base_dir: str = "."
+                           reactor: Any, base_dir: str = "."
                            ) -> Tuple[List[Consumer], Tuple[ConsumerConfig, ...], List[str]]:
     """Apply ``change`` to the ``handler``'s readers: ``(consumers, their
     configs, keys that failed)``, in the file's order."""
@@ -86,6 +87,7 @@ async def change_consumers(handler, running: Sequence[Consumer],
     return consumers, tuple(configs), failed
 
 
-def _build(config: ConsumerConfig, base_dir: str, reactor, where: str) -> defer.Deferred:
+def _build(config: ConsumerConfig, base_dir: str, reactor: Any,
+           where: str) -> "defer.Deferred[Consumer]":
     return threads.deferToThreadPool(reactor, reactor.getThreadPool(), build_consumer,
                                      config, base_dir, reactor, where)

@@ -15,6 +15,7 @@ calls are on no reactor thread.
 
 import fcntl
 import os
+from typing import Optional
 
 from .. import files
 
@@ -87,6 +88,6 @@ def running(path: str) -> int:
         os.close(fd)
 
 
-def _read(fd: int):
+def _read(fd: int) -> Optional[int]:
     text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
     return int(text) if text.isdigit() and 0 < int(text) < 1 << 31 else None

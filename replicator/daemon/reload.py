@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..config import InstanceConfig, StreamConfig
+from ..config import ConsumerConfig, InstanceConfig, StreamConfig
 
 #: ``replication`` keys a reload applies.
 LIVE_REPLICATION = ("allowed_peers", "allowed_networks", "client_ca", "writer_secrets")
@@ -110,7 +110,8 @@ def plan(running: InstanceConfig, read: InstanceConfig) -> Plan:
     return result
 
 
-def _streams(running: InstanceConfig, read: InstanceConfig, result: Plan):
+def _streams(running: InstanceConfig, read: InstanceConfig,
+             result: Plan) -> Tuple[StreamConfig, ...]:
     """The streams after the reload, in running order then new ones."""
     me = running.instance_name
     new = {s.name: (i, s) for i, s in enumerate(read.streams)}
@@ -169,7 +170,7 @@ def _consumers(running: InstanceConfig, read: InstanceConfig, result: Plan) -> C
     return change
 
 
-def _identity(config) -> tuple:
+def _identity(config: ConsumerConfig) -> Tuple[str, str]:
     """What makes two consumer configs one consumer changed: the type and
     the ``path`` option (a file consumer's file), if any."""
     return config.type, repr(config.options.get("path"))

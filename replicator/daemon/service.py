@@ -15,15 +15,17 @@ whose resource failed, for the CLI to print (exit 1).
 
 import dataclasses
 import gc
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
 
 from twisted.application.service import MultiService, Service
 from twisted.internet import defer, threads
+from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 
 from .. import files
 from ..config import ConfigError, InstanceConfig
 from ..config.fields import one_line
+from ..consumers.base import Consumer
 from ..net.endpoint_strings import is_loopback
 from ..observe import metrics
 from ..observe.health import HealthMonitor
@@ -48,6 +50,8 @@ from .listening import ListeningService
 from .startup import StartupError, fd_budget_problem, hide_password, os_reason
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from ..http.api import HttpApi
     from ..observe.writers import WriterWatch
     from ..replication.transport.redis import RedisReplication
@@ -70,10 +74,10 @@ class MetricsThread(Service):
         host, _, port = host_port.rpartition(":")
         self.host = host.strip("[]")
         self.port = int(port)
-        self._server = None
-        self.listening: Optional[defer.Deferred] = None
+        self._server: Optional["WSGIServer"] = None
+        self.listening: "Optional[defer.Deferred[None]]" = None
 
-    def startService(self):
+    def startService(self) -> None:
         super().startService()
         from prometheus_client import start_http_server
 
@@ -89,7 +93,7 @@ class MetricsThread(Service):
             self.port = self._server.server_address[1]
         log.info("metrics listening on {host}:{port} (own thread)", host=self.host, port=self.port)
 
-    def stopService(self):
+    def stopService(self) -> None:
         super().stopService()
         if self._server is not None:
             self._server.shutdown()
@@ -100,7 +104,7 @@ class MetricsThread(Service):
 class Instance:
     """A replicator instance: everything ``replicator run`` starts."""
 
-    def __init__(self, config: InstanceConfig, reactor):
+    def __init__(self, config: InstanceConfig, reactor: Any) -> None:
         """``config`` parsed and validated (:func:`replicator.config.validate`
         reads the secret file); every endpoint, timer and thread hop of the
         instance uses ``reactor``."""
@@ -141,7 +145,8 @@ class Instance:
         )
         self.services = MultiService()
         self.listeners: List[ListeningService] = []
-        self._binding: list = []  # what must bind for the start to succeed
+        # What must bind for the start to succeed.
+        self._binding: List[Union[ListeningService, MetricsThread]] = []
         self.upstream: Optional["UpstreamService"] = None
         self.redis: Optional["RedisReplication"] = None
         self.http: Optional["HttpApi"] = None
@@ -154,7 +159,7 @@ class Instance:
         #: Whether start() completed.
         self._started = False
 
-    def _load_consumers(self):
+    def _load_consumers(self) -> List[Consumer]:
         if not self.config.consumers:
             return []
         from ..consumers import load_consumers
@@ -318,6 +323,7 @@ class Instance:
         # wrapped in a FirstError); the others are consumed.
         failure = None
         for service in self._binding:
+            assert service.listening is not None  # (set by startService)
             try:
                 await service.listening
             except Exception as e:
@@ -334,7 +340,7 @@ class Instance:
         log.info("instance {name} of {server} ready", name=config.instance_name,
                  server=config.server_name)
 
-    def _listen(self, endpoint: str, factory, what: str, client_ca: Optional[str] = None,
+    def _listen(self, endpoint: str, factory: IProtocolFactory, what: str, client_ca: Optional[str] = None,
                 key: str = "listen") -> None:
         service = ListeningService(self.reactor, endpoint, factory, what, client_ca, key)
         service.setServiceParent(self.services)
