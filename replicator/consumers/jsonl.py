@@ -50,10 +50,11 @@ import os
 import re
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import orjson
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -72,7 +73,7 @@ from ..config import (
 from ..jsontext import NonFiniteError, any_non_finite, encode_json, encode_json_line
 from ..net.backoff import Outage
 from . import jsonl_files
-from .base import STARTS, Consumer, IAcceptsTrimmed, IBatchConsumer, Key
+from .base import STARTS, Consumer, IAcceptsTrimmed, IBatchConsumer, Key, Row
 from .file_thread import FileThread, append_at
 from .jsonl_commands import BOUNDARY, iso_time
 
@@ -85,7 +86,7 @@ class JsonlError(ValueError):
     position, or another consumer holds the file."""
 
 
-def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict]]:
+def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[Dict[str, Any]]]:
     """``(key, token, obj)`` of one complete line of a JSON-lines file.
 
     ``token`` is the fact's token or the position; a blank line gives
@@ -186,11 +187,11 @@ class JsonlConsumer(Consumer):
     #: Delay before retrying a failed flush (seconds; at least flush_interval).
     retry_delay = 1.0
 
-    def __init__(self, path: str, reactor, *, streams: Optional[Sequence[str]] = None,
+    def __init__(self, path: str, reactor: Any, *, streams: Optional[Sequence[str]] = None,
                  flush_interval: float = 0.05, fsync: bool = True, max_buffer: int = 1 << 20,
-                 run_io: Optional[Callable[..., defer.Deferred]] = None,
+                 run_io: Optional[Callable[..., "defer.Deferred[Any]"]] = None,
                  rotate_size: Optional[int] = None, rotate_age: Optional[float] = None,
-                 rotate_keep: int = 7, rotate_names: str = "number", start: str = "now"):
+                 rotate_keep: int = 7, rotate_names: str = "number", start: str = "now") -> None:
         clock = reactor
         if start not in STARTS:
             raise ValueError(f"start {start!r} is not one of {', '.join(STARTS)}")
@@ -225,15 +226,15 @@ class JsonlConsumer(Consumer):
         #: get a position line (after it, once) until the next rotation.
         self._after_fact: Set[Key] = set()
         self._unwritten = b""  # a failed batch: written before anything newer
-        self._writing: Optional[defer.Deferred] = None  # the batch in the writer's hands
-        self._again: List[defer.Deferred] = []  # flush() calls made meanwhile
+        self._writing: Optional["defer.Deferred[Any]"] = None  # the batch in the writer's hands
+        self._again: List["defer.Deferred[bool]"] = []  # flush() calls made meanwhile
         self._timer = None
         self._failed = False
         # Writes failing: the retries' backoff and the outage's two log lines.
         self._outage = Outage(f"{path}: writing", self.retry_delay)
-        self._waiters: List[defer.Deferred] = []
+        self._waiters: List["defer.Deferred[None]"] = []
         self._closed = False
-        self._closing: Optional[defer.Deferred] = None
+        self._closing: Optional["defer.Deferred[None]"] = None
         self._file: Optional[_File] = None  # used by the file's thread only while writing
         self._lock_fd: Optional[int] = None
         #: Rotations made (by size or age) and rotations followed (logrotate).
@@ -377,7 +378,8 @@ class JsonlConsumer(Consumer):
         token = self._accepted.get(key)
         return token if token is not None and self._last.get(key) == token else None
 
-    def skip_trimmed(self, stream: str, writer: str, boundary: int) -> Optional[defer.Deferred]:
+    def skip_trimmed(self, stream: str, writer: str,
+                     boundary: int) -> Optional["defer.Deferred[None]"]:
         """An accepted key (:meth:`accepted_gap`) met a retention gap: buffer
         a skip line to ``boundary`` (every fact up to it trimmed, so none of
         them in the table), the key staying accepted; a Deferred to wait
@@ -394,7 +396,8 @@ class JsonlConsumer(Consumer):
         self._accepted[key] = boundary
         return result
 
-    def on_facts(self, stream, writer, token, rows):
+    def on_facts(self, stream: str, writer: str, token: int,
+                 rows: List[Row]) -> Optional["defer.Deferred[None]"]:
         if self._closed:
             log.debug("{path} is closed: fact {token} of {stream}/{writer} not written",
                       path=self.path, token=token, stream=stream, writer=writer)
@@ -412,7 +415,8 @@ class JsonlConsumer(Consumer):
         line = encode_json_line({"stream": stream, "writer": writer, "token": token, "rows": rows})
         return self._append(key, [line], token)
 
-    def on_facts_many(self, stream, writer, facts):
+    def on_facts_many(self, stream: str, writer: str, facts: Sequence[Tuple[int, List[Row]]],
+                      ) -> Optional["defer.Deferred[None]"]:
         """``on_facts`` for ``(token, rows)`` facts in token order (a page of a
         catch-up), in one pass.  The buffer may go past ``max_buffer`` by one
         page; a Deferred is returned, as by ``on_facts``, when it is full."""
@@ -435,7 +439,7 @@ class JsonlConsumer(Consumer):
                              for token, rows in facts])
         return self._append(key, [data], facts[-1][0])
 
-    async def _append_sliced(self, key, facts) -> None:
+    async def _append_sliced(self, key: Key, facts: Sequence[Tuple[int, List[Row]]]) -> None:
         """Append the lines of ``facts`` of ``key``, one of which has more
         than ``ENCODE_SLICE`` rows: its rows encoded a slice per reactor
         turn (the same bytes as in one go); waits as :meth:`_append` says."""
@@ -450,7 +454,8 @@ class JsonlConsumer(Consumer):
         if result is not None:
             await result
 
-    def _append(self, key, lines, last, facts: bool = True) -> Optional[defer.Deferred]:
+    def _append(self, key: Key, lines: List[bytes], last: int,
+                facts: bool = True) -> Optional["defer.Deferred[None]"]:
         """Buffer ``lines`` of ``key`` (the last one's token: ``last``; fact
         lines unless ``facts`` is false); a Deferred to wait on when the
         buffer is full, else None."""
@@ -468,14 +473,15 @@ class JsonlConsumer(Consumer):
                 self.flush()
             if self._buffered >= self.max_buffer:
                 # The writer is busy or the disk is failing: wait for it.
-                waiter: defer.Deferred = defer.Deferred()
+                waiter: "defer.Deferred[None]" = defer.Deferred()
                 self._waiters.append(waiter)
                 return waiter
         if self._buffer:
             self._schedule(self.flush_interval)
         return None
 
-    def on_position(self, stream, writer, token):
+    def on_position(self, stream: str, writer: str,
+                    token: int) -> Optional["defer.Deferred[None]"]:
         if self._closed:
             return None
         key = (stream, writer)
@@ -494,7 +500,7 @@ class JsonlConsumer(Consumer):
             self._schedule(self.flush_interval)
         return None
 
-    def close(self) -> defer.Deferred:
+    def close(self) -> "defer.Deferred[None]":
         """Write what is buffered, then release the file; fires when done
         (at once with an inline ``run_io``).  Later calls return the same."""
         if self._closing is not None:
@@ -522,8 +528,8 @@ class JsonlConsumer(Consumer):
         if self._thread is not None:
             self._thread.stop()
 
-    def _wait_written(self) -> defer.Deferred:
-        d: defer.Deferred = defer.Deferred()
+    def _wait_written(self) -> "defer.Deferred[bool]":
+        d: "defer.Deferred[bool]" = defer.Deferred()
         self._again.append(d)
         return d
 
@@ -616,7 +622,7 @@ class JsonlConsumer(Consumer):
         while handle.notes:
             log.info("{path}: {note}", path=self.path, note=handle.notes.pop(0))
 
-    def reopen(self) -> defer.Deferred:
+    def reopen(self) -> "defer.Deferred[None]":
         """Follow a rotation made outside now (SIGUSR1, which ``replicator
         reopen`` sends from ``logrotate``'s ``postrotate``): release a file
         moved away at once rather than at the next batch.  Fires when done."""
@@ -627,7 +633,7 @@ class JsonlConsumer(Consumer):
         d.addCallback(lambda _: self._log_notes(handle))
         return d
 
-    def rewind(self, positions: Dict[Key, int]) -> defer.Deferred:
+    def rewind(self, positions: Dict[Key, int]) -> "defer.Deferred[None]":
         """Set the positions of the keys in ``positions`` (lower them: the
         reader then delivers those facts again), as one transaction: one
         rewind line per key, then the state file (the commit; a rewind cut
@@ -636,7 +642,7 @@ class JsonlConsumer(Consumer):
         return self._set_positions(positions, "rewind")
 
     def skip(self, positions: Dict[Key, int],
-             notes: Optional[Dict[Key, dict]] = None) -> defer.Deferred:
+             notes: Optional[Dict[Key, Dict[str, Any]]] = None) -> "defer.Deferred[None]":
         """Set the positions of the keys in ``positions`` (raise them: the
         facts up to them are never delivered, a retention gap accepted) as
         one transaction: one *skip line* per key (a position line with a
@@ -649,7 +655,8 @@ class JsonlConsumer(Consumer):
         return self._set_positions(positions, "position", notes or {})
 
     def _set_positions(self, positions: Dict[Key, int], kind: str,
-                       notes: Optional[Dict[Key, dict]] = None) -> defer.Deferred:
+                       notes: Optional[Dict[Key, Dict[str, Any]]] = None,
+                       ) -> "defer.Deferred[None]":
         assert not (self._buffer or self._pending_positions or self._unwritten)
         handle = self._file
         if handle is None or not positions:
@@ -668,7 +675,7 @@ class JsonlConsumer(Consumer):
         d = self._run_io(self._write_job, handle, data, self._heading(), target, False,
                          self._clock.seconds(), self._accepted_at(target))
 
-        def done(_):
+        def done(_: object) -> None:
             self._log_notes(handle)
             self._durable = target
             self._last = dict(target)
@@ -699,7 +706,7 @@ class JsonlConsumer(Consumer):
         ]
         return self._unwritten + b"".join(self._buffer + positions)
 
-    def flush(self, retry: bool = True) -> defer.Deferred:
+    def flush(self, retry: bool = True) -> "defer.Deferred[bool]":
         """Hand what is buffered to the writer now.  Fires with True once it
         is in the file (and fsynced), False if that failed: then the file is
         as before and, with ``retry``, a retry is scheduled.  While a batch
@@ -751,7 +758,7 @@ class JsonlConsumer(Consumer):
             # Asked for meanwhile, or the buffer filled up: the next batch now.
             result = defer.ensureDeferred(self._write(retry))
 
-            def answer(written, waiting=again):
+            def answer(written: object, waiting: List["defer.Deferred[bool]"] = again) -> None:
                 for d in waiting:
                     d.callback(written is True)
             result.addBoth(answer)
@@ -777,7 +784,8 @@ class JsonlConsumer(Consumer):
 ENCODE_SLICE = 5000
 
 
-async def _sliced_fact_line(clock, stream: str, writer: str, token: int, rows: list) -> bytes:
+async def _sliced_fact_line(clock: IReactorTime, stream: str, writer: str, token: int,
+                            rows: List[Row]) -> bytes:
     """``encode_json_line`` of the fact ``token`` (the same bytes), its
     rows encoded ``ENCODE_SLICE`` per turn of ``clock``.  What orjson
     refuses in a slice makes the whole line go through ``encode_json_line``
@@ -806,7 +814,7 @@ _ARRAYS = frozenset({list, tuple})
 _first, _last = itemgetter(0), itemgetter(-1)
 
 
-def fact_lines_at_once(stream: str, writer: str, facts: Sequence[Tuple[int, list]]
+def fact_lines_at_once(stream: str, writer: str, facts: Sequence[Tuple[int, List[Row]]]
                        ) -> Optional[bytes]:
     """The fact lines of ``facts`` (in order, joined) from ONE orjson call, or
     None where that does not apply (then the caller encodes fact by fact, which
@@ -838,7 +846,7 @@ def fact_lines_at_once(stream: str, writer: str, facts: Sequence[Tuple[int, list
     if len(parts) != n or any_non_finite(fact_rows, data):
         return None
     prefix = encode_json({"stream": stream, "writer": writer})[:-1].replace(b"%", b"%%")
-    args: list = [None] * (2 * n)
+    args: List[object] = [None] * (2 * n)
     args[0::2] = tokens
     args[1::2] = parts
     return (prefix + b',"token":%d,"rows":[[%s]]}\n') * n % tuple(args)
@@ -850,7 +858,7 @@ _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _AGE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def _rotate_size(options, where: str) -> Optional[int]:
+def _rotate_size(options: Mapping[str, Any], where: str) -> Optional[int]:
     """``rotate_size``: bytes, as an integer or ``"100M"`` (K, M, G: powers
     of 1024); at least 1 KiB."""
     value = options.get("rotate_size")
@@ -869,7 +877,7 @@ def _rotate_size(options, where: str) -> Optional[int]:
     return size
 
 
-def _rotate_age(options, where: str) -> Optional[float]:
+def _rotate_age(options: Mapping[str, Any], where: str) -> Optional[float]:
     """``rotate_age``: seconds, as a number or ``"12h"`` (s, m, h, d); at
     least one second."""
     value = options.get("rotate_age")
@@ -889,7 +897,7 @@ def _rotate_age(options, where: str) -> Optional[float]:
     return age
 
 
-def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
+def options_of(config: ConsumerConfig, base_dir: str, where: str) -> Dict[str, Any]:
     """The keyword arguments of a :class:`JsonlConsumer` from its config
     (options ``path``, relative to ``base_dir``; ``fsync``;
     ``flush_interval``; ``rotate_size``, ``rotate_age``, ``rotate_keep``,
@@ -915,15 +923,15 @@ def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
         start=start_of(options, where))
 
 
-def start_of(options, where: str) -> str:
+def start_of(options: Mapping[str, Any], where: str) -> str:
     """A built-in consumer's ``start`` option (default ``beginning``)."""
-    start = get_str(options, "start", where, "beginning")
+    start: str = get_str(options, "start", where, "beginning")
     if start not in STARTS:
         raise ConfigError(f"{where}.start", f"{start!r} is not one of {', '.join(STARTS)}")
     return start
 
 
-def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor: Any) -> Consumer:
     """A :class:`JsonlConsumer` from its config (:func:`options_of`)."""
     kwargs = options_of(config, base_dir, where)
     path = kwargs.pop("path")

@@ -50,16 +50,17 @@ failure (the daemon holds the output, the database unreachable), 2 a usage
 mistake (one line).
 """
 
+import argparse
 import os
 import sys
 from datetime import datetime, timezone
-from typing import Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from twisted.internet import defer, task
 
 from ..config.model import InstanceConfig, StreamConfig
 from ..storage import schema
-from ..storage.database import Database
+from ..storage.database import Cursor, Database
 from ..streams.trimmed import TrimCheck, boundary_key
 
 Key = Tuple[str, str]
@@ -130,7 +131,7 @@ def parse_point(text: str, flag: str = "--to") -> Tuple[Optional[int], Optional[
     return None, int(when.timestamp() * 1000)
 
 
-def _last_token(txn, stream: StreamConfig, db) -> int:
+def _last_token(txn: Cursor, stream: StreamConfig, db: Database) -> int:
     """The stream's largest token: its table's, or a persisted position."""
     txn.execute(f"SELECT MAX({stream.id_column}) FROM {stream.table}")
     top = txn.fetchone()[0] or 0
@@ -141,7 +142,7 @@ def _last_token(txn, stream: StreamConfig, db) -> int:
     return top
 
 
-def _boundary(txn, stream: StreamConfig, db) -> int:
+def _boundary(txn: Cursor, stream: StreamConfig, db: Database) -> int:
     """The trim boundary of the stream's table (0: nothing trimmed)."""
     if stream.preset is not None:
         return 0  # Synapse's tables are never trimmed
@@ -155,7 +156,7 @@ def iso_time(ms: int) -> str:
     return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
 
 
-def _check_kept(txn, stream: StreamConfig, db, text: str, token: Optional[int],
+def _check_kept(txn: Cursor, stream: StreamConfig, db: Database, text: str, token: Optional[int],
                 ms: Optional[int]) -> None:
     """Refuse a point before what the stream's table keeps (trimmed by
     retention): delivering again from there would stop at the gap."""
@@ -178,13 +179,14 @@ def _check_kept(txn, stream: StreamConfig, db, text: str, token: Optional[int],
                     f"{oldest[0]}, is of {iso_time(oldest[1])}); rewind to that time or later")
 
 
-def _first_at(txn, stream: StreamConfig, db, ms: Optional[int]) -> Optional[int]:
+def _first_at(txn: Cursor, stream: StreamConfig, db: Database, ms: Optional[int]) -> Optional[int]:
     txn.execute(db.sql(f"SELECT MIN({stream.id_column}) FROM {stream.table} "
                        f"WHERE {stream.timestamp_column} >= %s"), (ms,))
-    return txn.fetchone()[0]
+    first: Optional[int] = txn.fetchone()[0]
+    return first
 
 
-def _points(txn, db, streams: List[StreamConfig], text: str, token: Optional[int],
+def _points(txn: Cursor, db: Database, streams: List[StreamConfig], text: str, token: Optional[int],
             ms: Optional[int]) -> Dict[str, Optional[int]]:
     """Per stream, the first token delivered again (None: nothing to)."""
     points: Dict[str, Optional[int]] = {}
@@ -201,7 +203,7 @@ def _points(txn, db, streams: List[StreamConfig], text: str, token: Optional[int
     return points
 
 
-def _skip_plan(txn, db, stream: StreamConfig, token: Optional[int],
+def _skip_plan(txn: Cursor, db: Database, stream: StreamConfig, token: Optional[int],
                current: Dict[Key, int]) -> Tuple[int, int, Dict[Key, int]]:
     """One transaction: ``(target, boundary, facts of the table skipped per
     key)`` for the consumer's positions ``current`` in ``stream``; ``token``
@@ -226,7 +228,8 @@ def _skip_plan(txn, db, stream: StreamConfig, token: Optional[int],
     return target, boundary, counts
 
 
-def _in_table(txn, db, stream: StreamConfig, writer: str, after: int, upto: int) -> int:
+def _in_table(txn: Cursor, db: Database, stream: StreamConfig, writer: str, after: int,
+              upto: int) -> int:
     """How many facts of ``writer`` the table holds after ``after`` up to ``upto``."""
     where = f"{stream.writer_column} = %s AND " if stream.writer_column else ""
     txn.execute(db.sql(f"SELECT COUNT(DISTINCT {stream.id_column}) FROM {stream.table} "
@@ -235,7 +238,7 @@ def _in_table(txn, db, stream: StreamConfig, writer: str, after: int, upto: int)
     return int(txn.fetchone()[0])
 
 
-def cmd_rewind(config: InstanceConfig, args) -> None:
+def cmd_rewind(config: InstanceConfig, args: argparse.Namespace) -> None:
     from .file_thread import run_inline
     from .jsonl import JsonlConsumer, JsonlError
 
@@ -264,7 +267,7 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
     except Usage as e:
         _fail(str(e), 2)
 
-    def open_output(reactor) -> "JsonlConsumer":
+    def open_output(reactor: Any) -> "JsonlConsumer":
         try:
             return JsonlConsumer(path, reactor, run_io=run_inline, streams=streams)
         except JsonlError as e:
@@ -273,7 +276,7 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
                       f"holds its positions in memory and would write over the rewind)", 1)
             _fail(f"rewind: {e}", 1)
 
-    async def skip_main(reactor):
+    async def skip_main(reactor: Any) -> None:
         stream = chosen[0]
         db = Database(config.database)
         try:
@@ -313,7 +316,7 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
             print(f"rewind: {name}/{writer}: position {before} -> {target}: skipped facts "
                   f"{before + 1} to {target} ({n} of them in the table{trimmed})", flush=True)
 
-    async def main(reactor):
+    async def main(reactor: Any) -> None:
         db = Database(config.database)
         try:
             points = await db.runInteraction(_points, db, chosen, text, token, ms)
@@ -349,7 +352,7 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
     task.react(lambda reactor: defer.ensureDeferred(run(reactor)), [])
 
 
-def cmd_verify(config: InstanceConfig, args) -> None:
+def cmd_verify(config: InstanceConfig, args: argparse.Namespace) -> None:
     from .jsonl_verify import Verifier, summary
 
     try:
@@ -357,7 +360,7 @@ def cmd_verify(config: InstanceConfig, args) -> None:
     except Usage as e:
         _fail(str(e), 2)
 
-    async def main(reactor):
+    async def main(reactor: Any) -> None:
         db = Database(config.database)
         try:
             result = await db.runInteraction(Verifier(config, path, db).run)

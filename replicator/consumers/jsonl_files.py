@@ -169,7 +169,7 @@ def fsync_directory(directory: str) -> None:
 NAMES = ("number", "date")
 
 
-def _rotated(path: str) -> List[Tuple[tuple, str]]:
+def _rotated(path: str) -> List[Tuple[Tuple[int, Any, Any], str]]:
     directory, name = os.path.split(path)
     pattern = re.compile(re.escape(name) + r"(?:\.(\d+)|-(\d[\d_-]*?)(?:\.(\d+))?)(?:\.gz)?")
     found = []

@@ -55,11 +55,13 @@ no longer says what they were).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from ..config.model import InstanceConfig, StreamConfig
+from ..storage.database import Cursor, Database
 from ..streams.pages import FactPage, PageQuery
 from ..streams.trimmed import FactsTrimmed, TrimCheck, boundary_key
+from .base import Row
 from .jsonl import parse_line
 from .jsonl_held import Held, hold
 
@@ -94,8 +96,8 @@ class KeyCheck:
     #: The skip lines: (from, to, facts skipped then, trim boundary then, when).
     skips: List[Tuple[int, int, int, int, str]] = field(default_factory=list)
     passed: int = 0  # facts of the table a skip line passed (not missing)
-    _table: Optional[Iterator] = None
-    _next: Optional[Tuple[int, list]] = None
+    _table: Optional[Iterator[Tuple[int, List[Row]]]] = None
+    _next: Optional[Tuple[int, List[Row]]] = None
 
     def note(self, kind: str, example: str, n: int = 1) -> None:
         self.counts[kind] += n
@@ -165,7 +167,7 @@ def _lowest_to_come(points: List[int]) -> List[int]:
     return out
 
 
-def snapshot(txn, is_postgres: bool) -> None:
+def snapshot(txn: Cursor, is_postgres: bool) -> None:
     """Begin the transaction's snapshot of the tables now: every statement
     after reads the database as it was at this moment."""
     if is_postgres:
@@ -181,7 +183,7 @@ class Verifier:
     (:func:`.jsonl_held.hold`), then the transaction's snapshot taken, then
     ``txn`` reads the tables while the held files are read."""
 
-    def __init__(self, config: InstanceConfig, path: str, db):
+    def __init__(self, config: InstanceConfig, path: str, db: Database) -> None:
         self.path = path
         self.is_postgres = db.is_postgres
         self.by_name = {s.name: s for s in config.streams}
@@ -190,7 +192,7 @@ class Verifier:
                       for name, s in self.by_name.items() if s.preset is None}
         self.boundaries: Dict[str, int] = {}  # per stream, as last read
 
-    def run(self, txn) -> Result:
+    def run(self, txn: Cursor) -> Result:
         held = hold(self.path)
         try:
             snapshot(txn, self.is_postgres)
@@ -198,7 +200,7 @@ class Verifier:
         finally:
             held.close()
 
-    def _run(self, txn, held: Held) -> Result:
+    def _run(self, txn: Cursor, held: Held) -> Result:
         rewinds = _rewinds(held)
         problems: List[FileProblem] = []
         keys: Dict[Key, KeyCheck] = {}
@@ -245,7 +247,7 @@ class Verifier:
         return Result(held.paths, keys, problems, lines, held.grown())
 
     # -------------------------------------------------------------- table
-    def _restart(self, txn, check: KeyCheck, after: int) -> None:
+    def _restart(self, txn: Cursor, check: KeyCheck, after: int) -> None:
         """Check ``check`` again from the first fact after ``after``."""
         check.begin = after if check.begin is None else min(check.begin, after)
         check.last = after
@@ -256,7 +258,7 @@ class Verifier:
             check._table = self._table(txn, check, after)
             check._next = next(check._table, None)
 
-    def _boundary(self, txn, stream: StreamConfig) -> int:
+    def _boundary(self, txn: Cursor, stream: StreamConfig) -> int:
         """The stream's trim boundary (0: nothing trimmed), read once."""
         boundary = self.boundaries.get(stream.name)
         if boundary is None:
@@ -264,7 +266,8 @@ class Verifier:
             boundary = self.boundaries[stream.name] = trim.boundary(txn) if trim else 0
         return boundary
 
-    def _read(self, txn, stream: StreamConfig, writer: str, after: int, to: int) -> FactPage:
+    def _read(self, txn: Cursor, stream: StreamConfig, writer: str, after: int,
+              to: int) -> FactPage:
         """A page of the table after ``after`` (or after the trim boundary,
         if higher); a trim that moved the boundary meanwhile is followed."""
         while True:
@@ -274,7 +277,7 @@ class Verifier:
             except FactsTrimmed as e:
                 self.boundaries[stream.name] = e.boundary
 
-    def _table(self, txn, check: KeyCheck, after: int) -> Iterator[Tuple[int, list]]:
+    def _table(self, txn: Cursor, check: KeyCheck, after: int) -> Iterator[Tuple[int, List[Row]]]:
         assert check.stream is not None  # only a configured stream's table is read
         while True:
             facts, upto, limited = self._read(txn, check.stream, check.writer, after, END)
@@ -283,10 +286,10 @@ class Verifier:
                 return
             after = upto
 
-    def _advance(self, txn, check: KeyCheck) -> None:
+    def _advance(self, txn: Cursor, check: KeyCheck) -> None:
         check._next = next(check._table, None) if check._table is not None else None
 
-    def _in_table(self, txn, check: KeyCheck, token: int) -> Optional[list]:
+    def _in_table(self, txn: Cursor, check: KeyCheck, token: int) -> Optional[List[Row]]:
         """The rows of fact ``token`` in the table, or None; :class:`_Gone`
         if a trim took it meanwhile."""
         if check.stream is None:
@@ -300,7 +303,7 @@ class Verifier:
         check.trimmed += 1
         check.last = max(check.last, token)
 
-    def _first_before(self, txn, check: KeyCheck, token: int) -> Optional[int]:
+    def _first_before(self, txn: Cursor, check: KeyCheck, token: int) -> Optional[int]:
         """The first fact of the table (still kept) below ``token``, or None."""
         if check.stream is None:
             return None
@@ -316,7 +319,7 @@ class Verifier:
         return None
 
     # -------------------------------------------------------------- lines
-    def _position(self, txn, check: KeyCheck, token: int, skip: bool = False) -> None:
+    def _position(self, txn: Cursor, check: KeyCheck, token: int, skip: bool = False) -> None:
         if check.begin is None:
             self._restart(txn, check, token)
             return
@@ -325,7 +328,7 @@ class Verifier:
         self._skip_to(txn, check, token + 1, skip)
         check.last = token
 
-    def _skip_to(self, txn, check: KeyCheck, token: int, skip: bool = False) -> None:
+    def _skip_to(self, txn: Cursor, check: KeyCheck, token: int, skip: bool = False) -> None:
         """Facts of the table below ``token`` not seen by now are missing
         (or, past a skip line, skipped on purpose)."""
         while check._next is not None and check._next[0] < token:
@@ -335,7 +338,7 @@ class Verifier:
                 check.missing.add(check._next[0])
             self._advance(txn, check)
 
-    def _fact(self, txn, check: KeyCheck, token: int, rows: list) -> None:
+    def _fact(self, txn: Cursor, check: KeyCheck, token: int, rows: List[Row]) -> None:
         check.facts += 1
         if check.begin is None:
             earlier = self._first_before(txn, check, token)
@@ -374,8 +377,8 @@ class Verifier:
             check.matched += 1  # a fact with no rows: no row in the table
         check.last = token
 
-    def _compare(self, check: KeyCheck, token: int, rows: list, table_rows: Optional[list]
-                 ) -> None:
+    def _compare(self, check: KeyCheck, token: int, rows: List[Row],
+                 table_rows: Optional[List[Row]]) -> None:
         if table_rows is None:
             if rows:
                 check.note("extra", f"{token} (not in the table)")
@@ -395,7 +398,7 @@ def _integer(value: object) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def skip_of(obj: dict, token: int) -> Optional[Tuple[int, int, int, int, str]]:
+def skip_of(obj: Dict[str, Any], token: int) -> Optional[Tuple[int, int, int, int, str]]:
     """``(from, to, facts, trimmed_through, at)`` of a skip line (a position
     line with a well-formed ``skip``), else None (a plain position)."""
     skip = obj.get("skip")
@@ -415,7 +418,7 @@ def skipped_text(skips: List[Tuple[int, int, int, int, str]]) -> str:
             f"{', '.join(at for *_, at in skips)}")
 
 
-def summary(result: Result, out) -> bool:
+def summary(result: Result, out: Callable[[str], None]) -> bool:
     """Print the readable summary with ``out``; True when equal."""
     rotated = len(result.files) - 1 if result.files else 0
     skip_lines = result.lines.get("skips", 0)

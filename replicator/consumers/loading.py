@@ -70,7 +70,8 @@ def _build_external(config: ConsumerConfig, where: str) -> Consumer:
     if not callable(factory):
         raise ConfigError(f"{where}.type", f"{name!r} is not a class")
     try:
-        consumer = factory(streams=config.streams, **config.options)
+        # (a duck-typed consumer: the methods are checked below)
+        consumer: Consumer = factory(streams=config.streams, **config.options)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
@@ -88,7 +89,7 @@ def _build_external(config: ConsumerConfig, where: str) -> Consumer:
     return consumer
 
 
-def build_consumer(config: ConsumerConfig, base_dir: str, reactor, where: str) -> Consumer:
+def build_consumer(config: ConsumerConfig, base_dir: str, reactor: Any, where: str) -> Consumer:
     """One consumer from its config (see :func:`load_consumers`); a mistake
     is a ConfigError naming ``where`` or a key below it."""
     builtin = BUILTINS.get(config.type)
@@ -109,7 +110,7 @@ def check_consumers(configs: Sequence[ConsumerConfig], key: str = "consumers") -
             log_consumer.options_of(config, where)
 
 
-def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor,
+def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor: Any,
                    key: str = "consumers") -> List[Consumer]:
     """Consumers from their configs, in order.
 
