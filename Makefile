@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= conf/dev.yaml
 
-.PHONY: run test dist bench chaos fuzz interop synapse-deps deps test-deps system-deps node-deps clean
+.PHONY: run test test-fast dist bench chaos fuzz interop synapse-deps deps test-deps system-deps node-deps clean
 
 # The daemon alone (make run) ...
 $(VENV)/.installed-run: setup.cfg setup.py pyproject.toml
@@ -48,6 +48,10 @@ var/http-secret:
 
 test: test-deps
 	$(PY) scripts/run-tests.py $(TESTS)
+
+# The in-memory tests alone (tests/fast.txt): no server, no socket, no wait.
+test-fast: $(VENV)/.installed-test
+	$(PY) scripts/run-tests.py --fast
 
 # A wheel and an sdist in dist/, built from setup.cfg (the sdist first,
 # the wheel from it, so a file missing from the sdist fails here).  Install

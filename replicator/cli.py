@@ -208,12 +208,13 @@ def cmd_reopen(args) -> None:
 def cmd_tail(args) -> None:
     from twisted.internet import endpoints
 
+    from .replication.transport.base_handler import BaseHandler
     from .replication.transport.tcp import upstream_service
 
     #: Fires when standard output's reader goes: tail then ends, exit 0.
     reader_gone: defer.Deferred[None] = defer.Deferred()
 
-    class Printer:
+    class Printer(BaseHandler):
         """Prints what the server sends, one command per line."""
 
         def _print(self, cmd) -> None:
@@ -240,7 +241,7 @@ def cmd_tail(args) -> None:
         def lost_connection(self, conn, reason):
             say(f"# connection closed ({reason})")
 
-    printer = Printer()
+    printer = Printer(args.name)
 
     async def main(reactor):
         try:

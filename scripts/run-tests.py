@@ -2,7 +2,8 @@
 """Run the whole suite with twisted.trial and end with one plain summary line:
 ``N passed, N failed`` (plus ``, N skipped``).  Exit status is trial's.
 
-Arguments, if any, name test modules/packages (default: ``tests``).
+Arguments, if any, name test modules/packages (default: ``tests``);
+``--fast`` runs the in-memory tests that ``tests/fast.txt`` lists.
 """
 import os
 import re
@@ -12,6 +13,10 @@ import sys
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(here)
 targets = sys.argv[1:] or ["tests"]
+if targets == ["--fast"]:
+    with open(os.path.join(root, "tests", "fast.txt")) as listed:
+        targets = [line.strip() for line in listed
+                   if line.strip() and not line.startswith("#")]
 env = dict(os.environ, PYTHONUNBUFFERED="1", SPARK_LOCAL_IP="127.0.0.1")
 proc = subprocess.Popen(
     [sys.executable, "-m", "twisted.trial", "--temp-directory", "_trial_temp", *targets],

@@ -5,9 +5,11 @@ drift from what the real ones provide."""
 
 from typing import List, Optional, Tuple
 
+from twisted.internet.task import Clock
 from zope.interface import implementer
 
-from replicator.replication.interfaces import IRedisBus, IReplicationConnection
+from replicator.replication.core.connections import Connections
+from replicator.replication.interfaces import IRedisBus, IReplicationConnection, IReplicationView
 
 
 @implementer(IReplicationConnection)
@@ -77,3 +79,58 @@ class FakeBus:
 
     def resume_reading(self):
         self.paused = False
+
+
+@implementer(IReplicationView)
+class FakeView:
+    """The core as observers see it, with settable tables: ``connections``
+    (a real :class:`~replicator.replication.core.connections.Connections`
+    on ``clock``), ``positions``, ``lags``, ``heard`` (key -> when),
+    ``announced``, ``core_findings``; ``busy``: work queued."""
+
+    instance_name = "master"
+
+    def __init__(self, clock=None):
+        self.connections = Connections(clock if clock is not None else Clock())
+        self.positions = {}
+        self.lags = {}
+        self.heard = {}
+        self.announced = {}
+        self.core_findings = []
+        self.busy = False
+        self.user_syncs = {}
+        self.federation_acks = {}
+        self.user_ips = {}
+
+    def open_connections(self):
+        return self.connections.seen()
+
+    def last_lost(self, name):
+        return self.connections.last_lost.get(name)
+
+    def recent_disconnects(self):
+        return self.connections.disconnects()
+
+    def reader_positions(self):
+        return dict(self.positions)
+
+    def reader_lag(self):
+        return dict(self.lags)
+
+    def reader_heard(self):
+        return set(self.heard)
+
+    def reader_heard_at(self):
+        return dict(self.heard)
+
+    def announced_positions(self):
+        return dict(self.announced)
+
+    def idle(self):
+        return not self.busy
+
+    def findings(self):
+        return list(self.core_findings)
+
+    def bookkeeping_samples(self):
+        return []

@@ -152,7 +152,7 @@ class RedisTrustTests(SynchronousTestCase):
     any publisher, and checks the key files of ``replication.redis.keys``."""
 
     def test_unauthenticated_channels_are_said(self):
-        from tests.test_redis_signing import write_keys
+        from tests.redis_signing_keys import write_keys
 
         checks = CheckTests()
         redis = {"endpoint": "tcp:host=127.0.0.1:port=6379"}

@@ -20,6 +20,7 @@ from twisted.trial.unittest import TestCase
 
 from replicator.config import RedisConfig, parse_instance
 from replicator.observe import metrics
+from replicator.replication.transport.base_handler import BaseHandler
 from replicator.replication.transport.redis import RedisReplication
 from replicator.replication.transport.tcp import (
     ConnectionSettings,
@@ -91,7 +92,7 @@ class SilentUpstreamTests(TestCase):
         peer = Peer("silent")
         h.clock.listenTCP(9092, peer)
         settings = ConnectionSettings(ping_interval=0.2, ping_timeout=1.0)
-        service = upstream_service(h.clock, "tcp:host=127.0.0.1:port=9092", object(),
+        service = upstream_service(h.clock, "tcp:host=127.0.0.1:port=9092", BaseHandler(),
                                    "worker1", "hs.test", settings, initial_delay=30,
                                    max_delay=30)
         service.startService()
@@ -160,12 +161,8 @@ class ListenerCapTests(TestCase):
     protocols joined to scripted peers)."""
 
     def test_readers_over_the_cap_get_an_error_and_are_closed(self):
-        class Handler:
-            instance_name = "master"
-            registry = ()
-
         h = Harness([], self.addCleanup)
-        factory = ReplicationServerFactory(Handler(), "hs.test", clock=h.clock,
+        factory = ReplicationServerFactory(BaseHandler("master"), "hs.test", clock=h.clock,
                                            max_connections=2)
 
         def connect():
@@ -238,7 +235,7 @@ class TcpBackoffTests(TestCase):
         h = self.h = Harness([], self.addCleanup)
         clock = Clock()
         h.clock.listenTCP(9092, peer)
-        service = upstream_service(h.clock, "tcp:host=127.0.0.1:port=9092", object(),
+        service = upstream_service(h.clock, "tcp:host=127.0.0.1:port=9092", BaseHandler(),
                                    "worker1", "hs.test", clock=clock, **kwargs)
         service.startService()
         self.addCleanup(lambda: h.run(service.stopService(), settle=False))
@@ -304,18 +301,8 @@ class RedisLinkTests(TestCase):
         h.clock.listenTCP(6379, peer)
         clock = Clock()
 
-        class Handler:
-            registry = ()
-            connections = {}
-
-            def new_connection(self, conn):
-                pass
-
-            def lost_connection(self, conn, reason):
-                pass
-
         link = RedisReplication(h.clock, RedisConfig("tcp:host=127.0.0.1:port=6379", password),
-                                Handler(), "hs.test", "w1", ping_interval=1.0, ping_timeout=0.5,
+                                BaseHandler(), "hs.test", "w1", ping_interval=1.0, ping_timeout=0.5,
                                 initial_delay=0.5, max_delay=30, clock=clock)
         link.startService()
         self.addCleanup(lambda: h.run(link.stopService(), settle=False))
@@ -384,15 +371,7 @@ class RedisHealthyResetTests(TestCase):
         self.addCleanup(redis.stop)
         clock = Clock()
 
-        class Handler:
-            registry = ()
-
-            def new_connection(self, conn):
-                pass
-
-            def lost_connection(self, conn, reason):
-                pass
-
+        class Handler(BaseHandler):
             def on_REPLICATE(self, conn, cmd):
                 pass
 

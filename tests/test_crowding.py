@@ -20,9 +20,9 @@ from twisted.web.server import NOT_DONE_YET
 
 from replicator.http.site import Site
 from replicator.replication.transport.tcp import ReplicationServerFactory
+from tests.handlers import MasterHandler
 from tests.servers import PostgresServer
 from tests.support import recv_until
-from tests.test_peers import MasterHandler
 
 
 def address(port: int, host: str = "127.0.0.1") -> IPv4Address:

@@ -6,6 +6,7 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.replication.core.fanout import Fanout
+from replicator.replication.transport.base_handler import BaseHandler
 from replicator.replication.transport.protocol import ServerReplicationProtocol
 from replicator.replication.wire.encoding import (
     MAX_LINE_LENGTH,
@@ -16,8 +17,9 @@ from replicator.replication.wire.encoding import (
 CLIENTS = 50
 
 
-class _Handler:
+class _Handler(BaseHandler):
     def __init__(self):
+        super().__init__()
         self.outbound = []
 
     def count_outbound(self, conn, name, n):

@@ -672,7 +672,7 @@ class RedisPoisoningTests(_Base):
         return registry, handler, link
 
     def publish(self, message):
-        from tests.test_replication_redis import publish_raw
+        from tests.redis_nodes import publish_raw
         publish_raw(self.redis.port, "hs.test", message)
 
     async def test_forged_claims_are_dropped_and_counted(self):

@@ -5,7 +5,6 @@ tells transports apart by what they declare, not by the methods they have."""
 
 import os
 import tempfile
-from types import SimpleNamespace
 
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
@@ -21,13 +20,16 @@ from replicator.replication.interfaces import (
     IRedisBus,
     IReplicationConnection,
     IReplicationHandler,
+    IReplicationView,
 )
+from replicator.replication.transport.base_handler import BaseHandler
 from replicator.replication.transport.protocol import (
     ClientReplicationProtocol,
     ServerReplicationProtocol,
 )
 from replicator.replication.transport.redis import RedisConnection, RedisReplication
-from tests.fakes import FakeBus, FakeConnection
+from tests.fakes import FakeBus, FakeConnection, FakeView
+from tests.handlers import CommandRecorder, MasterHandler, RecordingHandler
 
 
 class _Registry(list):
@@ -87,9 +89,22 @@ class OwnerTests(SynchronousTestCase):
     def test_handler(self):
         self.assertTrue(verifyObject(IReplicationHandler, handler()))
 
+    def test_handler_is_what_observers_see(self):
+        """Observers (observe/, http/) see the core through this view alone."""
+        self.assertTrue(verifyObject(IReplicationView, handler()))
+
+    def test_view_double(self):
+        self.assertTrue(verifyObject(IReplicationView, FakeView()))
+
+    def test_base_handler_and_its_doubles_are_whole_handlers(self):
+        """``replicator tail``'s printer and the tests' recorders subclass
+        the base handler: the transports call every hook unconditionally."""
+        for h in (BaseHandler(), RecordingHandler(), MasterHandler(), CommandRecorder(["a"])):
+            self.assertTrue(verifyObject(IReplicationHandler, h), h)
+
     def test_redis_replication(self):
         owner = RedisReplication(MemoryReactorClock(), RedisConfig("tcp:127.0.0.1:1"),
-                                 SimpleNamespace(registry=[]), "hs.test", "master")
+                                 BaseHandler(), "hs.test", "master")
         self.assertTrue(verifyObject(IRedisBus, owner))
 
 

@@ -20,6 +20,7 @@ from replicator.logs.formats import clean, formatter
 from replicator.logs.output import _observer, under_journald
 from replicator.logs.printable import printable
 from replicator.logs.twisted_lines import keep
+from replicator.replication.transport.base_handler import BaseHandler
 from replicator.replication.transport.protocol import ServerReplicationProtocol
 
 
@@ -101,7 +102,7 @@ class FormatTests(SynchronousTestCase):
         self.assertEqual(clean("to IPv6Address(type='TCP', host='::1', port=9092, flowInfo=0, "
                                "scopeID=0) via <twisted.internet.endpoints.TCP4ClientEndpoint "
                                "object at 0x7f54ff7ef050>"), "to [::1]:9092 via TCP4ClientEndpoint")
-        server = ServerReplicationProtocol(object(), "hs.test", clock=task.Clock())
+        server = ServerReplicationProtocol(BaseHandler(), "hs.test", clock=task.Clock())
         server.address = "127.0.0.1:56162"
         self.assertEqual(formatEvent({"log_format": "{conn}", "conn": server}),
                          "127.0.0.1:56162")

@@ -15,32 +15,11 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import ConfigError, parse_replication
-from replicator.replication.transport.peers import (
-    OTHER,
-    PeerPolicy,
-    metrics_label,
-    policy_from_config,
-)
+from replicator.replication.interfaces import OTHER, metrics_label
+from replicator.replication.transport.peers import PeerPolicy, policy_from_config
 from replicator.replication.transport.protocol import ServerReplicationProtocol
 from replicator.replication.transport.tcp import ReplicationServerFactory
-from tests.test_protocol import RecordingHandler
-
-
-class _Stream:
-    def __init__(self, local_writers):
-        self.local_writers = local_writers
-
-
-class MasterHandler(RecordingHandler):
-    """A recording handler of instance ``master`` writing one stream, with
-    ``worker1`` a remote writer of it."""
-
-    instance_name = "master"
-    registry = [_Stream(["master"])]
-    known_names = frozenset({"master", "worker1"})
-
-    def __init__(self):
-        super().__init__(writers=[("caches", "worker1")])
+from tests.handlers import MasterHandler
 
 
 class CertTransport(StringTransport):

@@ -21,6 +21,7 @@ from replicator.observe.health import Finding
 from replicator.observe.problem_log import ProblemLog
 from replicator.storage.database import Database
 from tests.cdp import chromium
+from tests.fakes import FakeView
 from tests.harness import SyncPool
 from tests.servers import PostgresServer, free_port
 from tests.support import create_stream_tables
@@ -38,17 +39,12 @@ def silent(writer="w1", for_=10):
                    f"never announced anything in {for_}s")
 
 
-class Handler:
-    def reader_lag(self):
-        return {}
-
-
 class Node:
     """One run of an instance: its recorder and problem log on ``db``."""
 
     def __init__(self, test, db, clock, **log_options):
         self.found = []
-        self.recorder = status.StatusRecorder(handler=Handler(), clock=clock,
+        self.recorder = status.StatusRecorder(handler=FakeView(), clock=clock,
                                               findings=lambda: self.found, interval=5.0)
         self.log = ProblemLog(db, "worker1", clock, redact=lambda t: t.replace("hunter2", "***"),
                               **log_options)

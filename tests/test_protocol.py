@@ -9,6 +9,7 @@ from twisted.logger import formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
+from replicator.replication.transport.base_handler import BaseHandler
 from replicator.replication.transport.protocol import (
     ClientReplicationProtocol,
     ServerReplicationProtocol,
@@ -24,48 +25,12 @@ from replicator.replication.wire.commands import (
     UserSyncCommand,
 )
 from replicator.replication.wire.encoding import encode_rdata_lines
+from tests.handlers import RecordingHandler
 from tests.support import LogWatch
 
 # Clock start: a realistic epoch with an exact millisecond value.
 T0 = 1490197665.5
 T0_MS = b"1490197665500"
-
-
-class RecordingHandler:
-    """Records everything the protocol tells it, in order."""
-
-    def __init__(self, writers=()):
-        self.events = []
-        self.writers = set(writers)
-        self.inbound = []
-        self.outbound = []
-        self.dropped = []
-
-    def new_connection(self, conn):
-        self.events.append(("new_connection", conn.transport.value()))
-
-    def lost_connection(self, conn, reason):
-        self.events.append(("lost_connection", reason))
-
-    def client_may_write(self, stream_name, instance_name):
-        return (stream_name, instance_name) in self.writers
-
-    def count_inbound(self, conn, name):
-        self.inbound.append(name)
-
-    def count_outbound(self, conn, name, n):
-        self.outbound.append((name, n))
-
-    def count_dropped(self, conn, name, n):
-        self.dropped.append((name, n))
-
-    def __getattr__(self, attr):
-        if attr.startswith("on_"):
-            return lambda conn, cmd: self.events.append((attr[3:], cmd))
-        raise AttributeError(attr)
-
-    def commands(self):
-        return [e for e in self.events if e[0] not in ("new_connection", "lost_connection")]
 
 
 class NoDelayTransport(StringTransport):
@@ -262,8 +227,8 @@ class FramingTests(SynchronousTestCase):
         )
         self.assertEqual(proto.close_reason, "parse_error")
 
-    def test_handler_methods_are_optional(self):
-        proto = ServerReplicationProtocol(object(), "hs", clock=Clock())
+    def test_the_base_handler_takes_every_command_quietly(self):
+        proto = ServerReplicationProtocol(BaseHandler(), "hs", clock=Clock())
         transport = connect(proto)
         transport.clear()
         proto.dataReceived(b"NAME w\nPING 1\nREPLICATE\nUSER_SYNC w @u None start 1\nERROR oops\n")
@@ -379,15 +344,13 @@ class DirectionTests(SynchronousTestCase):
             self.assertNotIn("RDATA", [e[0] for e in handler.events])
             self.assertNotIn("POSITION", [e[0] for e in handler.events])
 
-    def test_no_client_may_write_hook_means_no(self):
-        class Handler:
-            pass
-
-        proto = ServerReplicationProtocol(Handler(), "hs", clock=Clock())
+    def test_the_base_handler_lets_no_client_write(self):
+        proto = ServerReplicationProtocol(BaseHandler(), "hs", clock=Clock())
         transport = connect(proto)
         transport.clear()
         proto.dataReceived(b"NAME w1\nRDATA events w1 1 []\n")
-        self.assertEqual(transport.value(), b"ERROR invalid command: RDATA\n")
+        self.assertEqual(transport.value(),
+                         b"ERROR RDATA of events/w1 refused: w1 is not a writer of events here\n")
 
     def test_relayed_commands_go_both_ways(self):
         both = [

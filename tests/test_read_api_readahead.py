@@ -77,7 +77,7 @@ def page(next_to, full=True, final=True):
 class ReadAheadTests(SynchronousTestCase):
     def setUp(self):
         self.clock = task.Clock()
-        self.ahead = ReadAhead(self.clock, entries=2, ttl=5.0)
+        self.ahead = ReadAhead(self.clock, entries=2, ttl=5.0, depth=1)
         self.builds = []
 
     def build(self, since):
@@ -96,6 +96,29 @@ class ReadAheadTests(SynchronousTestCase):
     def take(self, start):
         d = defer.ensureDeferred(self.ahead.take(readahead.key("s", {"w": start}, 10)))
         return self.successResultOf(d)
+
+    def test_deeper_one_build_after_the_other(self):
+        """With ``depth`` 3 a walking reader has the three pages after the
+        one answered built, each started when the one before is built;
+        each page served extends the walk by one."""
+        self.ahead = ReadAhead(self.clock, entries=8, ttl=5.0, depth=3)
+        self.serve(0, 10)
+        self.serve(10, 20)
+        self.assertEqual([b[0] for b in self.builds], [{"w": 20}])
+        self.builds[0][1].callback(page(30))
+        self.assertEqual([b[0] for b in self.builds], [{"w": 20}, {"w": 30}])
+        self.builds[1][1].callback(page(40))
+        self.builds[2][1].callback(page(50))
+        self.assertEqual([b[0]["w"] for b in self.builds], [20, 30, 40])
+        self.assertEqual(self.take(20).next, {"w": 30})
+        self.serve(20, 30)  # (as the route does after the take)
+        self.assertEqual([b[0]["w"] for b in self.builds], [20, 30, 40, 50])
+        self.assertEqual(self.take(30).next, {"w": 40})
+        self.serve(30, 40)  # the build of 50 is under way: it goes on after it
+        self.assertEqual(len(self.builds), 4)
+        self.builds[3][1].callback(page(60, full=False))  # the end: nothing after it
+        self.assertEqual(len(self.builds), 4)
+        self.assertEqual((self.ahead.used, self.ahead.wasted), (2, 0))
 
     def test_only_a_walking_reader_reads_ahead(self):
         self.serve(0, 10)

@@ -12,6 +12,7 @@ from replicator.config import parse_replication
 from replicator.config.model import ReplicationConfig
 from replicator.net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from replicator.net.reconnect import LOUD_RETRIES, QUIET_INTERVAL, failure_reason
+from replicator.replication.transport.base_handler import BaseHandler
 from replicator.replication.transport.tcp import upstream_service
 
 
@@ -45,7 +46,7 @@ class RetryLineTests(SynchronousTestCase):
                 if "retry" in (e.get("log_format") or "").lower()]
 
     def service(self, endpoint, jitter=0.0):
-        service = upstream_service(self.clock, "tcp:host=127.0.0.1:port=9092", object(),
+        service = upstream_service(self.clock, "tcp:host=127.0.0.1:port=9092", BaseHandler(),
                                    "worker1", "hs.test", clock=self.clock,
                                    wrap_endpoint=lambda _: endpoint)
         service.backoff.jitter = jitter
@@ -76,7 +77,7 @@ class RetryLineTests(SynchronousTestCase):
         self.assertEqual(service.backoff.failures, len(delays))
 
     def test_short_delays_keep_two_decimals(self):
-        service = upstream_service(self.clock, "tcp:host=127.0.0.1:port=9092", object(),
+        service = upstream_service(self.clock, "tcp:host=127.0.0.1:port=9092", BaseHandler(),
                                    "worker1", "hs.test", initial_delay=0.05, max_delay=0.05,
                                    clock=self.clock, wrap_endpoint=lambda _: Endpoint(
                                        Failure(error.ConnectionRefusedError())))
@@ -170,9 +171,9 @@ class RedisRetryLineTests(TestCase):
     timeout = 120
 
     async def test_auth_refusal_and_a_dead_server(self):
+        from tests.redis_nodes import Node
         from tests.servers import PostgresServer, RedisServer
         from tests.support import LogWatch
-        from tests.test_replication_redis import Node
 
         log = LogWatch(self)
         events = log.events

@@ -2,11 +2,11 @@
 (docs/protocol.md, "Redis"; :mod:`replicator.replication.transport.redis_channels`).
 
 In memory: where each line goes, what an instance subscribes to, a write's
-lines in one MULTI/EXEC each on its stream's channel, the config key.  Over a
-real redis-server and PostgreSQL: a reader of one stream of three receives
-that stream's lines only, every fact once; a stream added at a reload is
-subscribed to before the REPLICATE that starts its reader goes out.  And
-the page's config for this topology passes ``replicator check``."""
+lines in one MULTI/EXEC each on its stream's channel, the config key.  That a
+reader of one stream of three receives that stream's lines only, and that a
+stream added at a reload is subscribed to before its REPLICATE, is tested on
+the in-memory Redis (``tests/test_redis_memory.py``).  And the page's config
+for this topology passes ``replicator check``."""
 
 import os
 import subprocess
@@ -19,13 +19,12 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import TestCase
 
 from replicator.config import ConfigError, RedisConfig, parse_instance, parse_streams
-from replicator.consumers import MemoryConsumer
 from replicator.replication.transport.redis import RedisReplication, _Publisher, _RedisFactory
 from replicator.replication.transport.redis_channels import ChannelLayout
-from tests.servers import PostgresServer, RedisServer
-from tests.support import create_stream_tables, until
+from tests.handlers import CommandRecorder
+from tests.servers import PostgresServer
+from tests.support import create_stream_tables
 from tests.test_operations import ROOT, doc_block
-from tests.test_replication_redis import Node, _RecordingHandler
 
 
 class _Config:
@@ -92,7 +91,7 @@ class PerStreamBlockTests(TestCase):
 
     def test_one_block_each_line_on_its_channel(self):
         config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream")
-        link = RedisReplication(task.Clock(), config, _RecordingHandler(["a", "b"]), "hs", "w1")
+        link = RedisReplication(task.Clock(), config, CommandRecorder(["a", "b"]), "hs", "w1")
         publisher = _RedisFactory(_Publisher, config, link, "publisher").buildProtocol(None)
         transport = StringTransport()
         publisher.makeConnection(transport)
@@ -108,60 +107,6 @@ class PerStreamBlockTests(TestCase):
                          + publish(b"hs/replicator", b"REPLICATE")
                          + b"*1\r\n$4\r\nEXEC\r\n")
         self.assertIsNone(link.watch)  # our channels are never Synapse's
-
-
-COLUMNS = [{"k": "text"}, {"n": "bigint"}]
-NAMES = ["s0", "s1", "s2"]
-ALL = parse_streams([{"name": n, "table": f"chan_{n}", "columns": COLUMNS, "writers": ["w"]}
-                     for n in NAMES])
-
-
-class PerStreamRedisTests(TestCase):
-    timeout = 120
-
-    def setUp(self):
-        self.dsn = PostgresServer.shared().create_database()
-        self.redis = RedisServer()
-        self.addCleanup(self.redis.stop)
-
-    async def test_a_reader_of_one_stream_hears_that_stream_only(self):
-        writer = await Node(self, self.dsn, "w", self.redis, streams=ALL,
-                            channels="per_stream").start()
-        # (s1's position is for the reload below: its reader starts there.)
-        consumer = MemoryConsumer(positions={("s0", "w"): 0, ("s1", "w"): 0})
-        reader = await Node(self, self.dsn, "r", self.redis, consumer, streams=ALL[:1],
-                            channels="per_stream").start()
-        heard = []
-        received = reader.link.message_received
-
-        def record(protocol, channel, message):
-            heard.append((channel, message))
-            return received(protocol, channel, message)
-
-        reader.link.message_received = record
-        await until(lambda: writer.link.connected and reader.link.connected)
-        for i in range(1, 6):
-            for name in NAMES:
-                await writer.registry.get(name).write_fact([[f"{name}-{i}", i]])
-        await until(lambda: reader.handler.reader_positions()[("s0", "w")] == 5)
-        self.assertEqual([rows for _, _, _, rows in consumer.facts],
-                         [[[f"s0-{i}", i]] for i in range(1, 6)])
-        channels = {channel for channel, _ in heard}
-        self.assertFalse(channels - {"hs.test/replicator", "hs.test/replicator/stream/s0"},
-                         channels)
-        self.assertFalse([m for _, m in heard if " s1 " in m or " s2 " in m])
-
-        # A reload adds s1 to the reader: its channel is subscribed before
-        # the REPLICATE goes out, so the writer's POSITION answer is heard
-        # and the reader catches up from the table.
-        config = ALL[1]
-        stream = await reader.registry.add(config, "streams[1]")
-        reader.handler.stream_added(stream)
-        await until(lambda: reader.handler.reader_positions().get(("s1", "w")) == 5)
-        await writer.registry.get("s1").write_fact([["s1-6", 6]])
-        await until(lambda: reader.handler.reader_positions()[("s1", "w")] == 6)
-        s1 = [rows for s, _, _, rows in consumer.facts if s == "s1"]
-        self.assertEqual(s1, [[[f"s1-{i}", i]] for i in range(1, 7)])
 
 
 class DocumentedConfigTests(TestCase):

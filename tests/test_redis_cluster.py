@@ -48,11 +48,11 @@ class SlotAndConfigTests(TestCase):
         from zope.interface.verify import verifyObject
 
         from replicator.replication.interfaces import IRedisBus
-        from tests.test_replication_redis import _RecordingHandler
+        from tests.handlers import CommandRecorder
 
         config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream",
                              cluster=("tcp:host=127.0.0.1:port=1",))
-        bus = RedisClusterBus(task.Clock(), config, _RecordingHandler(["a"]), "hs", "w")
+        bus = RedisClusterBus(task.Clock(), config, CommandRecorder(["a"]), "hs", "w")
         self.assertTrue(verifyObject(IRedisBus, bus))
         self.assertEqual(bus.channel, "hs/replicator")
 
@@ -61,11 +61,11 @@ class SlotAndConfigTests(TestCase):
         from twisted.internet.testing import StringTransport
 
         from replicator.replication.transport import redis_cluster as rc
-        from tests.test_replication_redis import _RecordingHandler
+        from tests.handlers import CommandRecorder
 
         config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream",
                              cluster=("tcp:host=127.0.0.1:port=1",))
-        handler = _RecordingHandler(["a", "b"])
+        handler = CommandRecorder(["a", "b"])
         handler.lost = []
         handler.lost_connection = lambda conn, reason: handler.lost.append(reason)
         bus = RedisClusterBus(task.Clock(), config, handler, "hs", "w")
@@ -85,10 +85,14 @@ class SlotAndConfigTests(TestCase):
                            b'RDATA a w 3 ["x"]\n'])
         node_of = {a: rc.owner(bus.slots, key_slot(a)), b: rc.owner(bus.slots, key_slot(b))}
         self.assertNotEqual(node_of[a], node_of[b])
+        def spublish(channel, payload):
+            return b"*3\r\n$8\r\nSPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                len(channel), channel, len(payload), payload)
+
         self.assertEqual(transports[node_of[a]].value(),
-                         rc.MULTI + rc._spublish(a, b"POSITION a w 1 1")
-                         + rc._spublish(a, b'RDATA a w 3 ["x"]') + rc.EXEC)
-        self.assertEqual(transports[node_of[b]].value(), rc._spublish(b, b"POSITION b w 2 2"))
+                         b"*1\r\n$5\r\nMULTI\r\n" + spublish(a, b"POSITION a w 1 1")
+                         + spublish(a, b'RDATA a w 3 ["x"]') + b"*1\r\n$4\r\nEXEC\r\n")
+        self.assertEqual(transports[node_of[b]].value(), spublish(b, b"POSITION b w 2 2"))
         # The slot of b moved: MOVED ends the generation (a new one reads
         # the map again); the lines count as dropped.
         bus.publishers[node_of[b]].dataReceived(b"-MOVED 1234 127.0.0.1:7001\r\n")
@@ -105,11 +109,11 @@ class SlotAndConfigTests(TestCase):
         from twisted.internet.testing import StringTransport
 
         from replicator.replication.transport import redis_cluster as rc
-        from tests.test_replication_redis import _RecordingHandler
+        from tests.handlers import CommandRecorder
 
         config = RedisConfig("tcp:host=127.0.0.1:port=1", channels="per_stream",
                              cluster=("tcp:host=127.0.0.1:port=1",))
-        bus = RedisClusterBus(task.Clock(), config, _RecordingHandler(["a"]), "hs", "w")
+        bus = RedisClusterBus(task.Clock(), config, CommandRecorder(["a"]), "hs", "w")
         moved = []
         bus.moved = lambda protocol, channel: moved.append(channel)
         subscriber = rc._Factory(rc._ShardSubscriber, config, bus, "n1",
@@ -256,7 +260,7 @@ class SignedClusterTests(TestCase):
     async def test_signed_lines_flow_and_a_forgery_is_refused(self):
         import tempfile
 
-        from tests.test_redis_signing import keys_for, refused, write_keys
+        from tests.redis_signing_keys import keys_for, refused, write_keys
 
         paths = write_keys(tempfile.mkdtemp(), "w", "r")
         keys = [(n, "w") for n in NAMES]

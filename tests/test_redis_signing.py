@@ -1,14 +1,14 @@
 """Signed lines on our own Redis channels (``replication.redis.keys``):
 the signer and verifier in memory, the Redis link refusing what does not
 verify, the config's keys, and a forged POSITION against a real
-redis-server and PostgreSQL (it moved the reader before keys existed)."""
+redis-server and PostgreSQL (it moved the reader before keys existed); a
+forged fact is refused in memory (``tests/test_redis_memory.py``)."""
 
 import os
 import tempfile
 import types
 
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from twisted.internet import defer, task
 from twisted.trial.unittest import TestCase
 
@@ -17,35 +17,8 @@ from replicator.config.fields import ConfigError
 from replicator.observe import metrics
 from replicator.replication.transport.redis import RedisReplication
 from replicator.replication.transport.redis_signing import Signer, Verifier, load_keys
-
-
-def write_keys(directory, *names):
-    """An Ed25519 key pair per name in ``directory``: {name: (private path,
-    public path)}, PEM as ``openssl genpkey -algorithm ed25519`` writes."""
-    out = {}
-    for name in names:
-        key = Ed25519PrivateKey.generate()
-        private = os.path.join(directory, f"{name}.key")
-        public = os.path.join(directory, f"{name}.pub")
-        with open(private, "wb") as f:
-            f.write(key.private_bytes(serialization.Encoding.PEM,
-                                      serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
-        with open(public, "wb") as f:
-            f.write(key.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-        out[name] = (private, public)
-    return out
-
-
-def keys_for(paths, name, accept_unsigned=False):
-    """The ``RedisKeys`` of instance ``name`` among ``paths`` (write_keys)."""
-    return RedisKeys(paths[name][0], tuple((n, p[1]) for n, p in sorted(paths.items())),
-                     accept_unsigned)
-
-
-def refused(reason):
-    return metrics.REDIS_REFUSED.labels(reason)._value.get()
+from tests.handlers import CommandRecorder
+from tests.redis_signing_keys import keys_for, refused, write_keys
 
 
 class SigningTests(TestCase):
@@ -210,18 +183,6 @@ class _Registry(dict):
         return self[name]
 
 
-class _Handler:
-    def __init__(self, streams):
-        self.registry = _Registry({n: types.SimpleNamespace(
-            name=n, config=types.SimpleNamespace(writers=("master",))) for n in streams})
-        self.received = []
-
-    def __getattr__(self, name):
-        if name.startswith("on_"):
-            return lambda conn, cmd: self.received.append(cmd.to_line())
-        raise AttributeError(name)
-
-
 class LinkTests(TestCase):
     """The Redis link with keys: what it publishes is signed, what it hears
     on our channels is handed on only if it verifies; Synapse's channel is
@@ -232,7 +193,8 @@ class LinkTests(TestCase):
         self.paths = write_keys(self.dir, "master", "reader")
 
     def link(self, name, synapse=None):
-        handler = _Handler(["caches"])
+        handler = CommandRecorder(registry=_Registry({"caches": types.SimpleNamespace(
+            name="caches", config=types.SimpleNamespace(writers=("master",)))}))
         link = RedisReplication(task.Clock(), RedisConfig(
             "tcp:host=127.0.0.1:port=1", keys=keys_for(self.paths, name)),
             handler, "hs.test", name, synapse_server_name=synapse)
@@ -389,8 +351,8 @@ class ForgedPositionTests(TestCase):
         import threading
 
         from replicator.consumers import MemoryConsumer
+        from tests.redis_nodes import TABLES, Node, publish_raw
         from tests.support import table_facts, until
-        from tests.test_replication_redis import TABLES, Node, publish_raw
 
         paths = self.paths
 
@@ -436,48 +398,3 @@ class ForgedPositionTests(TestCase):
         self.assertEqual([t for t, _ in table], [first, second, last])
         self.assertEqual([t for _, _, t, _ in consumer.facts], [first, second, last])
         self.assertTrue(reader.link.connected)
-
-    async def test_a_forged_fact_reaches_no_consumer(self):
-        """An RDATA of w1 with an ID the sequence gave out (no row behind
-        it), and a ``batch`` row of w1 before w1's next fact: without keys
-        the reader handed the forged fact on and joined the row to w1's
-        next fact (a POSITION is checked against the table, an RDATA is
-        not); with keys both are refused."""
-        import psycopg2
-
-        from replicator.consumers import MemoryConsumer
-        from tests.support import table_facts, until
-        from tests.test_replication_redis import TABLES, Node, publish_raw
-
-        paths = self.paths
-
-        class SignedNode(Node):
-            def redis_config(self):
-                return RedisConfig(self.endpoint, self.redis.password,
-                                   keys=keys_for(paths, self.name))
-
-        w1 = await SignedNode(self, self.dsn, "w1", self.redis).start()
-        consumer = MemoryConsumer(positions={("caches", "w1"): 0})
-        reader = await SignedNode(self, self.dsn, "r", self.redis, consumer).start()
-        await until(lambda: w1.link.connected and reader.link.connected)
-        first = await w1.registry.get("caches").write_fact([["first", None, 1]])
-        position = lambda: reader.handler.reader_positions()[("caches", "w1")]  # noqa: E731
-        await until(lambda: position() == first)
-        db = psycopg2.connect(self.dsn)
-        with db, db.cursor() as cur:
-            cur.execute("SELECT nextval('cache_stream_seq')")
-            reserved = cur.fetchone()[0]
-        db.close()
-        refusals = refused("unsigned")
-        for line in (f'RDATA caches w1 {reserved} ["forged",null,1]',
-                     'RDATA caches w1 batch ["half",null,1]'):
-            publish_raw(self.redis.port, "hs.test", line, self.redis.password)
-        # Both instances here hear (and refuse) both lines.
-        await until(lambda: refused("unsigned") >= refusals + 4 or position() >= reserved)
-        last = await w1.registry.get("caches").write_fact([["second", None, 2]])
-        await until(lambda: position() >= last)
-        table = table_facts(self.dsn, TABLES)[("caches", "w1")]
-        self.assertEqual([(t, rows) for _, _, t, rows in consumer.facts],
-                         [(t, [list(r) for r in rows]) for t, rows in table])
-        self.assertEqual([t for t, _ in table], [first, last])
-

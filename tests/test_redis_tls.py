@@ -15,11 +15,11 @@ from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 
 from replicator.config import ConfigError, parse_replication, validate_replication
+from tests.redis_nodes import KEYS, STREAMS, Node
 from tests.servers import PostgresServer, RedisServer, free_port, unavailable
 from tests.support import LogWatch, WatchedConsumer, create_stream_tables
 from tests.test_cli import cli
 from tests.test_operations import doc_block
-from tests.test_replication_redis import KEYS, STREAMS, Node
 from tests.test_tls import make_pki
 
 

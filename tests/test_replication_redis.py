@@ -1,6 +1,8 @@
 """Replication over a real redis-server and a real PostgreSQL: two writers of
 one multi-writer stream and a reader, through a Redis crash and a reader
-restart; position-only advances; foreign traffic."""
+restart; a replaced link's late bytes; a frozen server.  The link's logic
+(foreign traffic, position-only advances, refused AUTH) is tested in memory:
+``tests/test_redis_memory.py``."""
 
 import asyncio
 import random
@@ -8,86 +10,19 @@ import socket
 import threading
 import types
 
-from prometheus_client import REGISTRY
 from twisted.internet import defer, reactor, threads
 from twisted.internet.error import ConnectionDone
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
-from replicator.config import RedisConfig, parse_database, parse_streams
+from replicator.config import RedisConfig
 from replicator.consumers import MemoryConsumer
 from replicator.observe import metrics
-from replicator.replication.core.handler import ReplicationHandler
 from replicator.replication.transport.redis import RedisReplication
-from replicator.storage.database import Database
-from replicator.streams.registry import StreamRegistry
+from tests.handlers import CommandRecorder
+from tests.redis_nodes import KEYS, TABLES, Node
 from tests.servers import PostgresServer, RedisServer
 from tests.support import WatchedConsumer, as_sets, sleep, table_facts, until, write_randomly
-
-STREAMS = parse_streams([
-    {"name": "caches", "table": "cache_stream",
-     "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
-     "writers": ["w1", "w2"]},
-])
-KEYS = [("caches", "w1"), ("caches", "w2")]
-
-
-def publish_raw(port, channel, message, password=None):
-    """PUBLISH with a plain client, as a foreign Synapse process would."""
-    def bulk(s):
-        b = s.encode()
-        return b"$%d\r\n%s\r\n" % (len(b), b)
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        if password:
-            s.sendall(b"*2\r\n" + bulk("AUTH") + bulk(password))
-            s.recv(100)
-        s.sendall(b"*3\r\n" + bulk("PUBLISH") + bulk(channel) + bulk(message))
-        s.recv(100)
-
-
-class Node:
-    """One instance joined through Redis: its streams (default: this
-    module's) on PostgreSQL, a handler, the Redis link (fast keepalive and
-    backoff unless ``link_options`` say otherwise)."""
-
-    def __init__(self, test, dsn, name, redis, consumer=None, endpoint=None, *,
-                 streams=STREAMS, server_name="hs.test", channels="single", **link_options):
-        self.test, self.dsn, self.name, self.redis = test, dsn, name, redis
-        self.consumer = consumer
-        self.endpoint = endpoint or redis.endpoint  # e.g. through a proxy
-        self.streams, self.server_name, self.channels = streams, server_name, channels
-        self.link_options = {"ping_interval": 0.5, "ping_timeout": 0.5, "initial_delay": 0.05,
-                             "max_delay": 0.3, **link_options}
-
-    async def start(self):
-        self.db = Database(parse_database({"postgres": self.dsn, "pool_max": 3}))
-        self.registry = StreamRegistry(self.db, self.name, self.streams, reactor=reactor)
-        await self.registry.start()
-        consumers = [self.consumer] if self.consumer is not None else []
-        self.handler = ReplicationHandler(self.registry, self.name, self.server_name, consumers)
-        self.handler.start()
-        self.link = RedisReplication(
-            reactor, self.redis_config(), self.handler,
-            self.server_name, self.name, **self.link_options)
-        self.link.startService()
-        self.test.addCleanup(self.stop)
-        return self
-
-    def redis_config(self) -> RedisConfig:
-        return RedisConfig(self.endpoint, self.redis.password, channels=self.channels)
-
-    async def stop(self):
-        if getattr(self, "stopped", False):
-            return
-        self.stopped = True
-        self.handler.stop()
-        await self.link.stopService()
-        await self.handler.drain()
-        await self.registry.stop()
-        self.db.close()
-
-
-TABLES = [("caches", "cache_stream", "cache_func, keys, ts")]
 
 
 class RedisReplicationTests(TestCase):
@@ -159,50 +94,6 @@ class RedisReplicationTests(TestCase):
                         w2.registry.get("caches").id_gen.get_linear_token())
         linear = reader.registry.get("caches").id_gen.get_linear_token()
         self.assertEqual(linear, min(reader.handler.reader_positions().values()))
-
-    async def test_position_only_advance_and_foreign_traffic(self):
-        w1 = await Node(self, self.dsn, "w1", self.redis).start()
-        consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
-        reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
-        await until(lambda: w1.link.connected and reader.link.connected)
-        stream = w1.registry.get("caches")
-        await stream.write_fact([["a", None, 1]])
-        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 1)
-
-        def boom(txn, stream_id):
-            raise RuntimeError("rolled back")
-
-        with self.assertRaises(RuntimeError):
-            async with stream.writer() as fact:
-                fact.add_row(["never", None, 1])
-                fact.also(boom)
-        # Reserved and rolled back: readers move by POSITION alone.
-        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 2)
-        self.assertEqual(len(consumer.facts), 1)
-
-        ignored = metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get()
-        unknown_before = metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get()
-        # Lines of streams no one here reads (a stream Synapse has, like
-        # `events`, would be a Synapse on our channel: test_undeclared_synapse).
-        for line in ('RDATA other_app master 5 ["$ev:hs","!room:hs","m.room.message",null]',
-                     "POSITION other_app master 1 2",
-                     "FOO bar baz",
-                     "USER_SYNC synapse1 @u:hs None start 1000",
-                     'RDATA caches w1 batch ["half",null,1]'):
-            publish_raw(self.redis.port, "hs.test", line, self.redis.password)
-        await stream.write_fact([["b", None, 2]])
-        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 3)
-        # Both instances in this process hear each foreign line once.
-        self.assertEqual(metrics.COMMANDS_DROPPED.labels("unknown", "unparsable")._value.get(),
-                         ignored + 2)
-        self.assertEqual(
-            metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream")._value.get(),
-            unknown_before + 2)
-        self.assertEqual(reader.handler.user_syncs, {"synapse1": {("@u:hs", None): 1000}})
-        # A foreign line claiming to be w1's batch row joins w1's next fact,
-        # as in Synapse: the wire carries no proof of origin.
-        self.assertEqual([t for _, _, t, _ in consumer.facts], [1, 3])
-        self.assertTrue(reader.link.connected)
 
 
 def redis_clients(port, password):
@@ -329,34 +220,6 @@ class RedisFailureModeTests(TestCase):
         self.redis = RedisServer(password="the-right-password")
         self.addCleanup(self.redis.stop)
 
-    async def test_auth_failure_never_stops_reconnecting(self):
-        node = Node(self, self.dsn, "w1", self.redis)
-        node.redis = type("WrongPassword", (), {"endpoint": self.redis.endpoint,
-                                                "password": "a-wrong-password"})()
-        def refused(link):
-            return REGISTRY.get_sample_value("replicator_redis_auth_refused_total",
-                                             {"link": link}) or 0
-
-        before = {link: refused(link) for link in ("subscriber", "publisher")}
-        await node.start()
-        # Several refused AUTHs, counted per link.
-        await until(lambda: all(refused(link) >= before[link] + 3 for link in before),
-                    timeout=30)
-        self.assertFalse(node.link.connected)
-        self.assertIn("auth", (node.link.last_error or "").lower())
-        # The operator fixes the server side; the link comes back by itself.
-        with socket.create_connection(("127.0.0.1", self.redis.port)) as s:
-            def bulk(t):
-                b = t.encode()
-                return b"$%d\r\n%s\r\n" % (len(b), b)
-            s.sendall(b"*2\r\n" + bulk("AUTH") + bulk("the-right-password"))
-            s.recv(100)
-            s.sendall(b"*4\r\n" + bulk("CONFIG") + bulk("SET") + bulk("requirepass")
-                      + bulk("a-wrong-password"))
-            self.assertEqual(s.recv(100), b"+OK\r\n")
-        await until(lambda: node.link.connected, timeout=10)
-        self.assertIsNone(node.link.last_error)
-
     async def test_dead_socket_is_noticed_by_ping_and_replaced(self):
         import os
         import signal as sig
@@ -377,25 +240,6 @@ class RedisFailureModeTests(TestCase):
         self.assertEqual(consumer.facts, [("caches", "w1", 1, [["while frozen", None, 1]])])
 
 
-class _Stream:
-    def __init__(self, name):
-        self.name = name
-
-
-class _RecordingHandler:
-    """Records what the Redis link hands on (a handler has an on_<NAME>
-    method per command it takes)."""
-
-    def __init__(self, streams):
-        self.registry = [_Stream(name) for name in streams]
-        self.received = []
-
-    def __getattr__(self, name):
-        if name.startswith("on_"):
-            return lambda conn, cmd: self.received.append(cmd.to_line())
-        raise AttributeError(name)
-
-
 class EchoFilterTests(TestCase):
     """Redis pub/sub delivers our own publications back to us: what names
     this instance (its RDATA, POSITION, USER_SYNC, CLEAR_USER_SYNC,
@@ -405,7 +249,7 @@ class EchoFilterTests(TestCase):
     def test_our_own_lines_are_not_delivered_back(self):
         from twisted.internet import task
 
-        handler = _RecordingHandler(["caches", "events"])
+        handler = CommandRecorder(["caches", "events"])
         link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
                                 handler, "hs.test", "worker1")
         link.conn, link.subscriber = types.SimpleNamespace(current_line=None), object()
@@ -479,7 +323,7 @@ class PublishBlockTests(TestCase):
         from replicator.replication.transport.redis import _Publisher, _RedisFactory
 
         self.link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
-                                     _RecordingHandler(["caches"]), "hs.test", "w1")
+                                     CommandRecorder(["caches"]), "hs.test", "w1")
         config = RedisConfig("tcp:host=127.0.0.1:port=1")
         self.publisher = _RedisFactory(_Publisher, config, self.link,
                                        "publisher").buildProtocol(None)
@@ -547,7 +391,7 @@ class SubscriberInputTests(TestCase):
 
         from replicator.replication.transport.redis import _RedisFactory, _Subscriber
 
-        handler = _RecordingHandler(["caches"])
+        handler = CommandRecorder(["caches"])
         link = RedisReplication(task.Clock(), RedisConfig("tcp:host=127.0.0.1:port=1"),
                                 handler, "hs.test", "w2")
         subscriber = _RedisFactory(_Subscriber, link.config, link,
@@ -578,7 +422,7 @@ class LinkSocketTests(TestCase):
         redis = RedisServer()
         self.addCleanup(redis.stop)
         link = RedisReplication(reactor, RedisConfig(redis.endpoint),
-                                _RecordingHandler(["caches"]), "hs.test", "w1",
+                                CommandRecorder(["caches"]), "hs.test", "w1",
                                 initial_delay=0.05, max_delay=0.3)
         link.handler.new_connection = lambda conn: None
         link.handler.lost_connection = lambda conn, reason: None

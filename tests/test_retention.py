@@ -37,7 +37,7 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from replicator.streams.retention import Batch, RetentionService, Trimmer, trimmers_for
 from replicator.streams.trimmed import FactsTrimmed
-from tests.fakes import FakeConnection
+from tests.fakes import FakeConnection, FakeView
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.support import until
 from tests.test_cli import SECRET, Daemon, base_config, cli, http
@@ -476,18 +476,9 @@ class GapHealthTests(SynchronousTestCase):
         gaps = TrimGaps()
         gaps.report(FactsTrimmed("events", "master", 1, 2), [])
 
-        class Handler:
-            def reader_positions(self):
-                return {}
-
-            def reader_lag(self):
-                return {}
-
-            def idle(self):
-                return True
-
-        monitor = HealthMonitor(registry=[], handler=Handler(), db=None, clock=Clock(),
-                                gaps=gaps)
+        core = FakeView()
+        core.core_findings = gaps.findings()
+        monitor = HealthMonitor(registry=[], handler=core, db=None, clock=Clock())
         self.assertIn("facts up to 2 were trimmed by retention",
                       monitor.problem(True, "connected"))
 

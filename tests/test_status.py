@@ -6,6 +6,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.observe import status, status_page
 from replicator.observe.health import Finding
+from tests.fakes import FakeView
 
 
 def lagging(by, for_):
@@ -19,20 +20,10 @@ def unreceived(n, for_):
     return Finding("unreceived", "caches", "w1", f"stream caches: writer w1 has {what}", what)
 
 
-class Handler:
-    """The two handler methods the recorder reads, with settable values."""
-
-    def __init__(self):
-        self.lags = {}
-
-    def reader_lag(self):
-        return dict(self.lags)
-
-
 class RecorderTests(SynchronousTestCase):
     def setUp(self):
         self.clock = Clock()
-        self.handler = Handler()
+        self.handler = FakeView()
         self.found = []
         self.recorder = status.StatusRecorder(handler=self.handler, clock=self.clock,
                                               findings=lambda: self.found,

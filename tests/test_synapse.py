@@ -19,9 +19,9 @@ from replicator import synapse
 from replicator.config import ConfigError, parse_database, parse_instance, parse_streams, validate
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
+from tests.redis_nodes import Node
 from tests.servers import PostgresServer, RedisServer
 from tests.support import WatchedConsumer, until
-from tests.test_replication_redis import Node
 
 # Synapse's own cache invalidation table, as its schema creates it.
 SYNAPSE_CACHES_DDL = [

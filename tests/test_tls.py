@@ -283,7 +283,7 @@ class ReloadedCertificateTests(TestCase):
 
     async def test_new_connections_use_the_new_certificate(self):
         from replicator.daemon.listening import ListeningService
-        from tests.test_protocol import RecordingHandler
+        from tests.handlers import RecordingHandler
 
         class Handler(RecordingHandler):
             instance_name = "master"

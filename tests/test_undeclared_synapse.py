@@ -24,11 +24,13 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from replicator.config import RedisConfig, parse_streams
 from replicator.consumers import MemoryConsumer
 from replicator.observe.health import HealthMonitor
+from replicator.replication.transport.base_handler import BaseHandler
 from replicator.replication.transport.redis import RedisReplication
 from replicator.replication.wire.commands import parse_line
+from tests.fakes import FakeView
+from tests.redis_nodes import Node
 from tests.servers import PostgresServer, RedisServer
 from tests.support import WatchedConsumer, until
-from tests.test_replication_redis import Node
 from tests.test_synapse import (
     OWN,
     READER,
@@ -261,27 +263,24 @@ class SynapseWatchTests(SynchronousTestCase):
 class HealthReasonTests(SynchronousTestCase):
     def test_a_standing_condition_is_the_health_reason(self):
         reasons = [None]
-        handler = types.SimpleNamespace(reader_positions=dict)
-        monitor = HealthMonitor(registry=[], handler=handler, db=None, clock=task.Clock(),
+        monitor = HealthMonitor(registry=[], handler=FakeView(), db=None, clock=task.Clock(),
                                 conditions=[lambda: reasons[0]])
         self.assertIsNone(monitor.problem(True, "connected"))
         reasons[0] = "Synapse is on redis channel example.org"
         self.assertEqual(monitor.problem(True, "connected"), reasons[0])
 
 
-class _Handler:
+class _Handler(BaseHandler):
     """What the Redis link calls on its handler, recorded."""
 
     def __init__(self, link_lines):
+        super().__init__()
         self.registry = [types.SimpleNamespace(name="app_events")]
         self.link_lines = link_lines
         self.answered = 0
 
     def new_connection(self, conn):
         conn.send_lines([b"POSITION app_events app1 5 5\n"], "POSITION")
-
-    def lost_connection(self, conn, reason):
-        pass
 
     def on_REPLICATE(self, conn, cmd):
         self.answered += 1

@@ -233,6 +233,26 @@ class AuditTests(SynchronousTestCase):
         self.assertEqual(len(window.sample), SAMPLE)
         self.assertGreater(max(window.sample), 1000)  # not only the first ones
 
+    def test_the_delivered_tally_is_the_tally_of_the_facts_above(self):
+        from array import array
+
+        from hypothesis import given, settings
+        from hypothesis import strategies as st
+
+        from replicator.replication.core.audit import Window, delivered_tally
+
+        @settings(max_examples=200, deadline=None)
+        @given(st.lists(st.tuples(st.integers(1, 2 ** 62), st.integers(0, 50)), max_size=40),
+               st.integers(0, 2 ** 62))
+        def check(facts, above):
+            window = Window(0, 2 ** 62, array("q", [i for i, _ in facts]),
+                            array("q", [n for _, n in facts]), {})
+            self.assertEqual(delivered_tally(window, above),
+                             tally_of([(i, n) for i, n in facts if i > above]))
+            self.assertEqual(delivered_tally(window, 0), tally_of(facts))
+
+        check()
+
     def test_facts_at_or_below_the_trim_boundary_are_not_compared(self):
         h = Harness()
         self.make(h)

@@ -9,21 +9,11 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.config import parse_instance
 from replicator.observe import metrics, roles
 from replicator.observe.writers import WriterWatch
-from replicator.replication.core.connections import Connections
 from replicator.streams.idgen import StreamIdGenerator
-from tests.fakes import FakeConnection
+from tests.fakes import FakeConnection, FakeView
 
 STREAMS = [{"name": "caches", "table": "c", "columns": [{"x": "text"}],
             "writers": ["master", "worker2", "worker3"]}]
-
-
-class Handler:
-    def __init__(self, clock):
-        self.connections = Connections(clock)
-        self.heard = {}
-
-    def reader_heard_at(self):
-        return dict(self.heard)
 
 
 def stream(gen):
@@ -35,7 +25,7 @@ class WriterWatchTests(SynchronousTestCase):
     def setUp(self):
         self.clock = Clock()
         self.clock.advance(1_000_000)
-        self.handler = Handler(self.clock)
+        self.handler = FakeView(self.clock)
         self.gen = StreamIdGenerator("caches", {"master": 0, "worker2": 0, "worker3": 0},
                                      ["master"])
         self.stream = stream(self.gen)

@@ -284,7 +284,7 @@ class Instance:
             lag_grace=config.health.lag_grace, check_interval=config.health.check_interval,
             expect_upstream=self.is_worker, conditions=[self._synapse_seen],
             link_since=self._link_since,
-            writers=self.writers, gaps=self.handler.gaps)
+            writers=self.writers)
         self.health.setServiceParent(self.services)
         self.handler.auditor.setServiceParent(self.services)
         if config.http.listen:

@@ -7,10 +7,11 @@ a thread: the handler's tables are only read there, by C-level copies,
 never iterated on the reactor.
 """
 
-from typing import Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from twisted.internet import threads
 
+from ..replication.interfaces import IReplicationView
 from . import listing as pages
 from .answers import JSON_TYPE, HttpError, Response, authorize
 
@@ -18,11 +19,14 @@ from .answers import JSON_TYPE, HttpError, Response, authorize
 class BookkeepingRoutes:
     """The three paged bookkeeping tables of ``handler``."""
 
-    def __init__(self, handler, secret: Optional[bytes]):
+    def __init__(self, handler: IReplicationView, secret: Optional[bytes]) -> None:
         self.handler = handler
         self._secret = secret
 
-    async def _page(self, request, keys, lookup, render, width: int) -> Response:
+    async def _page(self, request: Any, keys: Callable[[], List[Tuple[Any, ...]]],
+                    lookup: Callable[[Tuple[Any, ...]], Any],
+                    render: Callable[[List[Tuple[Any, Any]]], Dict[str, Any]],
+                    width: int) -> Response:
         authorize(request, self._secret)
         try:
             limit, cursor = pages.page_args(request.args)
@@ -32,19 +36,19 @@ class BookkeepingRoutes:
             raise HttpError(400, str(e)) from None
         return Response(body, JSON_TYPE)
 
-    async def user_syncs(self, request):
+    async def user_syncs(self, request: Any) -> Response:
         handler = self.handler
 
-        def keys():
+        def keys() -> List[Tuple[Any, ...]]:
             return [(instance, user, device)
                     for instance, users in list(handler.user_syncs.items())
                     for (user, device) in list(users)]
 
-        def lookup(key):
+        def lookup(key: Tuple[Any, ...]) -> Any:
             return handler.user_syncs.get(key[0], {}).get(key[1:])
 
-        def render(entries):
-            out: Dict[str, list] = {}
+        def render(entries: List[Tuple[Any, Any]]) -> Dict[str, Any]:
+            out: Dict[str, List[Dict[str, Any]]] = {}
             for (instance, user, device), ms in entries:
                 out.setdefault(instance, []).append(
                     {"user_id": user, "device_id": device, "last_sync_ms": ms})
@@ -52,17 +56,17 @@ class BookkeepingRoutes:
 
         return await self._page(request, keys, lookup, render, 3)
 
-    async def federation_acks(self, request):
+    async def federation_acks(self, request: Any) -> Response:
         acks = self.handler.federation_acks
         return await self._page(
             request, lambda: [(instance,) for instance in list(acks)],
             lambda key: acks.get(key[0]),
             lambda entries: {"acks": {key[0]: token for key, token in entries}}, 1)
 
-    async def user_ips(self, request):
+    async def user_ips(self, request: Any) -> Response:
         handler = self.handler
 
-        def render(entries):
+        def render(entries: List[Tuple[Any, Any]]) -> Dict[str, Any]:
             return {"user_ips": [
                 {"user_id": user, "device_id": device, "ip": seen.get("ip"),
                  "user_agent": seen.get("user_agent"), "last_seen": seen.get("last_seen")}

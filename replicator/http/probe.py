@@ -6,16 +6,23 @@ grace and the rest are :class:`replicator.observe.health.HealthMonitor`'s); else
 ``{"status": "unhealthy", "reason": "..."}`` with the first problem found.
 """
 
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from .. import __version__
 from ..observe.health import Finding
+from ..replication.interfaces import IReplicationView
 from .answers import HttpError
 from .redact import Redactor
+
+if TYPE_CHECKING:
+    from ..observe.health import HealthMonitor
+    from ..storage.database import Database
+    from ..streams.registry import StreamRegistry
 
 log = Logger(namespace="replicator.http")
 
@@ -41,9 +48,10 @@ class HealthRoute:
     thread, not one per health check).
     """
 
-    def __init__(self, *, instance_name: str, role: str, registry, handler, db, monitor,
+    def __init__(self, *, instance_name: str, role: str, registry: "StreamRegistry",
+                 handler: IReplicationView, db: "Database", monitor: "HealthMonitor",
                  replication_status: Callable[[], Tuple[bool, str]], redact: Redactor,
-                 db_timeout: float, clock):
+                 db_timeout: float, clock: IReactorTime) -> None:
         self.instance_name = instance_name
         self.role = role  # replicator.observe.roles.role(config)
         self.registry = registry
@@ -54,35 +62,35 @@ class HealthRoute:
         self.redact = redact
         self.db_timeout = db_timeout
         self._clock = clock
-        self._db_probe: Optional[defer.Deferred] = None
-        self._db_waiters: List[defer.Deferred] = []
+        self._db_probe: "Optional[defer.Deferred[Any]]" = None
+        self._db_waiters: "List[defer.Deferred[Optional[str]]]" = []
 
-    def check_database(self) -> defer.Deferred:
+    def check_database(self) -> "defer.Deferred[Optional[str]]":
         """Fires with None if ``SELECT 1`` answers within ``db_timeout``, else
         with the reason."""
-        waiter: defer.Deferred = defer.Deferred(
+        waiter: "defer.Deferred[Optional[str]]" = defer.Deferred(
             lambda d: self._db_waiters.remove(d) if d in self._db_waiters else None)
         self._db_waiters.append(waiter)
         if self._db_probe is None:
             try:
-                probe = self.db.runQuery("SELECT 1")
+                probe: "defer.Deferred[Any]" = self.db.runQuery("SELECT 1")
             except Exception:  # e.g. a pool already closed
                 probe = defer.fail()
             self._db_probe = probe
             probe.addBoth(self._db_probe_done)
         waiter.addTimeout(self.db_timeout, self._clock)
 
-        def reason(f):
+        def reason(f: Failure) -> str:
             if f.check(defer.TimeoutError):
                 return f"database unreachable: no answer within {self.db_timeout:g}s"
             log.warn("Health check: the database is unreachable: {error}",
                      error=self.redact(f.getErrorMessage()))
-            return f"database unreachable: {f.type.__name__}"
+            return f"database unreachable: {type(f.value).__name__}"
 
         waiter.addCallbacks(lambda _: None, reason)
         return waiter
 
-    def _db_probe_done(self, result) -> None:
+    def _db_probe_done(self, result: object) -> None:
         self._db_probe = None
         waiters, self._db_waiters = self._db_waiters, []
         for waiter in waiters:
@@ -119,7 +127,7 @@ class HealthRoute:
         first = [Finding("unloaded", None, None, unloaded, "")] if unloaded else []
         return first + self.monitor.findings(*self.replication())
 
-    async def get(self, request):
+    async def get(self, request: Any) -> Dict[str, Any]:
         problem = await self.check_database()
         if problem is None:
             problem = self._unloaded()
@@ -134,6 +142,6 @@ class HealthRoute:
             "role": self.role,
             "version": __version__,
             "replication": {"connected": connected, "detail": detail},
-            "connections": len(self.handler.connections),
+            "connections": len(self.handler.open_connections()),
             "positions": {s.name: s.id_gen.get_positions() for s in self.registry},
         }

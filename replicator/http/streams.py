@@ -14,13 +14,15 @@ the answer is generic).  A write with an ``Idempotency-Key`` goes through
 :mod:`.idempotent` (a retry answered again, 409/422).
 """
 
-from typing import Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from twisted.internet import threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from ..jsontext import DuplicateKeyError, decode_json_strict
+from ..observe.status import Positions
+from ..replication.interfaces import IReplicationView
 from ..streams.idempotency import KeyTaken
 from ..streams.rows import RowError
 from ..streams.writes import TxnHook
@@ -28,6 +30,11 @@ from .answers import HttpError, authorize, excerpt
 from .idempotent import IdempotentWrites, idempotency_key
 from .redact import Redactor
 from .site import too_large
+
+if TYPE_CHECKING:
+    from ..observe.writers import WriterWatch
+    from ..streams.registry import StreamRegistry
+    from ..streams.stream import Stream
 
 log = Logger()
 
@@ -51,7 +58,7 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def parse_fact_body(body: bytes) -> list:
+def parse_fact_body(body: bytes) -> List[Any]:
     """The rows of a facts request body (not yet checked against the
     stream); raises :class:`HttpError` 400.  Pure and thread-safe."""
     try:
@@ -76,7 +83,8 @@ def parse_fact_body(body: bytes) -> list:
     return rows
 
 
-def _parse_and_prepare(stream, body: bytes, writer: str, max_line_length: int):
+def _parse_and_prepare(stream: "Stream", body: bytes, writer: str,
+                       max_line_length: int) -> Any:
     try:
         return stream.prepare([parse_fact_body(body)], writer, max_line_length)
     except RowError as e:
@@ -86,9 +94,10 @@ def _parse_and_prepare(stream, body: bytes, writer: str, max_line_length: int):
 class StreamRoutes:
     """Writing facts and reading positions."""
 
-    def __init__(self, *, instance_name: str, registry, handler, secret: Optional[bytes],
+    def __init__(self, *, instance_name: str, registry: "StreamRegistry",
+                 handler: IReplicationView, secret: Optional[bytes],
                  max_body_size: int, max_line_length: int, redact: Redactor,
-                 idempotent: IdempotentWrites, writers=None):
+                 idempotent: IdempotentWrites, writers: "Optional[WriterWatch]" = None) -> None:
         self.instance_name = instance_name
         self.registry = registry
         self.handler = handler
@@ -101,7 +110,7 @@ class StreamRoutes:
         #: Writes failed per stream since its last success (an outage).
         self._failing: Dict[str, int] = {}
 
-    async def post_facts(self, request, name: Optional[str]):
+    async def post_facts(self, request: Any, name: Optional[str]) -> Dict[str, Any]:
         authorize(request, self._secret)
         if too_large(request, self.max_body_size):
             raise HttpError(413, f"request body larger than {self.max_body_size} bytes")
@@ -132,7 +141,8 @@ class StreamRoutes:
             request.setHeader(b"idempotent-replayed", b"true")
         return {"stream_id": stream_id}
 
-    async def _write(self, stream, prepared, hooks: Sequence[TxnHook] = ()) -> int:
+    async def _write(self, stream: "Stream", prepared: Any,
+                     hooks: Sequence[TxnHook] = ()) -> int:
         """The fact's ID once committed; 503 if the database write failed
         (:class:`KeyTaken`, a key recorded already, passes through)."""
         try:
@@ -160,13 +170,10 @@ class StreamRoutes:
                                     "are counted until a write succeeds", failure,
                                     stream=stream)
 
-    async def positions(self, request):
+    async def positions(self, request: Any) -> Dict[str, Any]:
         authorize(request, self._secret)
-        handler = self.handler
-        announced = handler.announced_positions()
-        readers = handler.reader_positions()
-        lags = handler.reader_lag()
-        streams = {}
+        seen = Positions(self.handler)
+        streams: Dict[str, Any] = {}
         for stream in self.registry:
             gen = stream.id_gen
             if gen is None:
@@ -175,15 +182,8 @@ class StreamRoutes:
             positions = gen.get_positions()
             writers = {}
             for writer in stream.config.writers:
-                key = (stream.name, writer)
-                local = writer in stream.local_writers
-                entry: Dict[str, Any] = {"position": positions.get(writer), "local": local}
-                if local:
-                    entry["in_flight"] = gen.in_flight(writer)
-                    entry["announced"] = announced.get(key)
-                else:
-                    entry["reader_position"] = readers.get(key)
-                    entry["lag"] = lags.get(key, 0)
+                entry = seen.writer_row(stream, writer, positions)
+                if not entry["local"]:
                     if self.writers is not None:
                         link = self.writers.link(writer, stream.name)
                         entry.update(connected=link["connected"], since=link["since"],

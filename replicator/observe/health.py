@@ -8,7 +8,8 @@ is not.  Its problems, in the order they are reported:
    instance's Redis channel, which stops it publishing there
    (:mod:`replicator.replication.transport.synapse_watch`); reported at once and
    until a restart.  Likewise a stream stopped because retention trimmed
-   facts a reader needs (``gaps``, :mod:`replicator.replication.core.gaps`).
+   facts a reader needs, or an audit mismatch: the core's own findings
+   (:meth:`replicator.replication.interfaces.IReplicationView.findings`).
 1. *not connected* (a worker): a replication link is down.
 2. *committed, not received* (any instance that reads): readers share the
    writers' database, so every ``check_interval`` seconds one indexed query
@@ -44,14 +45,33 @@ check runs at a time.  The gauges ``replicator_unreceived_facts`` and
 
 import threading
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Deque,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from twisted.application.internet import TimerService
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python import threadable
 
 from . import metrics
+
+if TYPE_CHECKING:
+    from ..config import StreamConfig
+    from ..replication.interfaces import IReplicationView
+    from ..storage.database import Database
+    from ..streams.registry import StreamRegistry
+    from .writers import WriterWatch
 
 log = Logger(namespace="replicator.observe.health")
 
@@ -135,10 +155,12 @@ class HealthMonitor(TimerService):
     committed-not-received check runs on every instance that reads.
     """
 
-    def __init__(self, *, registry, handler, db, clock, lag_grace: float = 10.0,
+    def __init__(self, *, registry: "StreamRegistry", handler: "IReplicationView",
+                 db: "Optional[Database]", clock: IReactorTime, lag_grace: float = 10.0,
                  check_interval: float = 5.0, expect_upstream: bool = False,
-                 conditions: Sequence[Callable[[], Optional[str]]] = (), writers=None,
-                 gaps=None, link_since: Optional[Callable[[], Optional[float]]] = None):
+                 conditions: Sequence[Callable[[], Optional[str]]] = (),
+                 writers: "Optional[WriterWatch]" = None,
+                 link_since: Optional[Callable[[], Optional[float]]] = None) -> None:
         self.registry = registry
         #: Each returns a problem that holds until a restart, or None.
         self.conditions = list(conditions)
@@ -149,17 +171,16 @@ class HealthMonitor(TimerService):
         self.check_interval = check_interval
         self.expect_upstream = expect_upstream
         self.writers = writers  # a WriterWatch, or None
-        self.gaps = gaps  # a replication.core.gaps.TrimGaps, or None
         #: Since when the link has been down (its finding's ``since``), or None.
         self.link_since = link_since
         self._behind_since: Dict[Any, float] = {}
         self._unreceived: Dict[Key, _Unreceived] = {}
         self._started_at = clock.seconds()
-        self._checking: Optional[defer.Deferred] = None
+        self._checking: "Optional[defer.Deferred[None]]" = None
         self._check_failed = False
         # Checks every check_interval while running; stopping waits for the
         # check under way.
-        super().__init__(check_interval, self.check_unreceived)
+        super().__init__(check_interval, self.check_unreceived)  # type: ignore[no-untyped-call]
         self.clock = clock
 
     def set_settings(self, lag_grace: float, check_interval: float) -> None:
@@ -173,7 +194,7 @@ class HealthMonitor(TimerService):
     # ------------------------------------------------------------ service
     def startService(self) -> None:
         self._started_at = self._clock.seconds()
-        super().startService()
+        super().startService()  # type: ignore[no-untyped-call]
 
     # -------------------------------------------------------------- check
     def _remote_keys(self) -> List[Tuple[Any, str, int]]:
@@ -190,7 +211,7 @@ class HealthMonitor(TimerService):
                     out.append((stream, writer, position))
         return out
 
-    def check_unreceived(self) -> defer.Deferred:
+    def check_unreceived(self) -> "defer.Deferred[None]":
         """Ask the database once for committed facts above each reader's
         position; fires when done (never fails).  A check still running is
         not started twice."""
@@ -205,17 +226,18 @@ class HealthMonitor(TimerService):
                     ((writer,) if stream.config.writer_column else ()) + (position,))
                    for stream, writer, position in keys]
         started = self._clock.seconds()
-        d = self.db.runInteraction(_count_unreceived, queries)
+        assert self.db is not None  # (a reader's position: the instance has its database)
+        d: "defer.Deferred[None]" = self.db.runInteraction(_count_unreceived, queries)
         self._checking = d
 
-        def done(results):
+        def done(results: Dict[Key, Tuple[Optional[int], int]]) -> None:
             self._checking = None
             if self._check_failed:
                 log.info("Checking for unreceived facts works again")
                 self._check_failed = False
             self._record(started, results)
 
-        def failed(f):
+        def failed(f: Any) -> None:
             self._checking = None
             if not self._check_failed:
                 log.warn("Checking for unreceived facts failed: {error}",
@@ -225,8 +247,9 @@ class HealthMonitor(TimerService):
         d.addCallbacks(done, failed)
         return d
 
-    def _query(self, config) -> str:
+    def _query(self, config: "StreamConfig") -> str:
         where = f"{config.writer_column} = %s AND " if config.writer_column else ""
+        assert self.db is not None
         return self.db.sql(
             f"SELECT MIN({config.id_column}), COUNT(DISTINCT {config.id_column}) FROM "
             f"(SELECT {config.id_column} FROM {config.table} WHERE {where}"
@@ -278,7 +301,8 @@ class HealthMonitor(TimerService):
     def _lag_findings(self) -> List[Finding]:
         """Streams that lagged (or work that stayed queued) for the grace."""
         now = self._clock.seconds()
-        behind = {key: lag for key, lag in self.handler.reader_lag().items() if lag}
+        behind: Dict[Any, Optional[int]] = {
+            key: lag for key, lag in self.handler.reader_lag().items() if lag}
         if not self.handler.idle():
             behind["work"] = None
         since = self._behind_since
@@ -324,8 +348,7 @@ class HealthMonitor(TimerService):
             text = condition()
             if text is not None:
                 out.append(Finding("condition", None, None, text, ""))
-        if self.gaps is not None:
-            out += self.gaps.findings()
+        out += self.handler.findings()
         if self.expect_upstream and not connected:
             since = self.link_since() if self.link_since is not None else None
             out.append(Finding("link", None, None, f"replication not connected: {detail}", "",
@@ -351,7 +374,8 @@ class HealthMonitor(TimerService):
             return False
         return not self._check_failed and self.problem(connected, detail) is None
 
-    def healthy_source(self, replication_status) -> "metrics.Source":
+    def healthy_source(self, replication_status: Callable[[], Tuple[bool, str]],
+                       ) -> "metrics.Source":
         """A live metrics source (:func:`metrics.add_source`) giving
         ``replicator_healthy`` from :meth:`healthy`.  Scrapes run in a
         thread; the verdict reads and updates reactor-owned state, so it is
@@ -363,10 +387,10 @@ class HealthMonitor(TimerService):
         def source() -> List[metrics.Sample]:
             if threadable.isInIOThread():
                 return [(metrics.HEALTHY, (), 1 if verdict() else 0)]
-            answer: list = []
+            answer: List[bool] = []
             done = threading.Event()
 
-            def on_reactor():
+            def on_reactor() -> None:
                 try:
                     answer.append(verdict())
                 finally:
@@ -388,10 +412,11 @@ def _first_text(findings: List[Finding]) -> Optional[str]:
     return None
 
 
-def _count_unreceived(txn, queries) -> Dict[Key, Tuple[Optional[int], int]]:
+def _count_unreceived(txn: Any, queries: Sequence[Tuple[str, str, str, Tuple[Any, ...]]],
+                      ) -> Dict[Key, Tuple[Optional[int], int]]:
     """Per (stream, writer): the lowest committed stream ID above the
     reader's position and how many there are (up to ``COUNT_LIMIT + 1``)."""
-    out = {}
+    out: Dict[Key, Tuple[Optional[int], int]] = {}
     for stream, writer, sql, params in queries:
         txn.execute(sql, params + (COUNT_LIMIT + 1,))
         lowest, count = txn.fetchone()

@@ -15,13 +15,18 @@ reads and updates reactor-owned state, is computed on the reactor thread
 (:meth:`replicator.observe.health.HealthMonitor.healthy_source`).
 """
 
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional
 
 from ..net.twisted_private import unsent_bytes
+from ..replication.interfaces import IReplicationView
 from . import metrics
 
+if TYPE_CHECKING:
+    from ..streams.registry import StreamRegistry
+    from .writers import WriterWatch
 
-def stream_samples(registry) -> List[metrics.Sample]:
+
+def stream_samples(registry: "StreamRegistry") -> List[metrics.Sample]:
     """Positions, linear token and in-flight IDs of every loaded stream."""
     out: List[metrics.Sample] = []
     for stream in list(registry):
@@ -35,17 +40,17 @@ def stream_samples(registry) -> List[metrics.Sample]:
     return out
 
 
-def connection_samples(handler) -> List[metrics.Sample]:
+def connection_samples(core: IReplicationView) -> List[metrics.Sample]:
     """Reader lag, and per peer label the queued commands and unsent bytes
     of its connections (summed)."""
     out: List[metrics.Sample] = [(metrics.READER_LAG, key, lag)
-                                 for key, lag in list(handler.reader_lag().items())]
+                                 for key, lag in core.reader_lag().items()]
     pending: Dict[str, int] = {}
     unsent: Dict[str, int] = {}
-    for conn in list(handler.connections):
-        name = handler.conn_label(conn)
-        pending[name] = pending.get(name, 0) + conn.queued
-        unsent[name] = unsent.get(name, 0) + unsent_bytes(conn.transport)
+    for seen in core.open_connections():
+        name = seen.label
+        pending[name] = pending.get(name, 0) + int(seen.conn.queued)
+        unsent[name] = unsent.get(name, 0) + unsent_bytes(seen.conn.transport)
     out.extend((metrics.PENDING_COMMANDS, (name,), n) for name, n in pending.items())
     out.extend((metrics.TRANSPORT_BUFFER, (name,), n) for name, n in unsent.items())
     return out
@@ -58,9 +63,10 @@ class InstanceMetrics:
     (:meth:`~replicator.observe.health.HealthMonitor.healthy_source`), or None.
     """
 
-    def __init__(self, *, registry, handler,
-                 healthy: Optional[Callable[[], Iterable[metrics.Sample]]] = None, writers=None,
-                 readers: Optional[Callable[[], List[metrics.Sample]]] = None):
+    def __init__(self, *, registry: "StreamRegistry", handler: IReplicationView,
+                 healthy: Optional[Callable[[], Iterable[metrics.Sample]]] = None,
+                 writers: "Optional[WriterWatch]" = None,
+                 readers: Optional[Callable[[], List[metrics.Sample]]] = None) -> None:
         self.registry = registry
         self.readers = readers  # the read API's readers (ReadRoutes.metric_samples)
         self.handler = handler
@@ -70,7 +76,7 @@ class InstanceMetrics:
     def __call__(self) -> List[metrics.Sample]:
         samples = stream_samples(self.registry)
         samples += connection_samples(self.handler)
-        samples += self.handler.bookkeeping.metric_samples()
+        samples += self.handler.bookkeeping_samples()
         if self.writers is not None:
             samples += self.writers.metric_samples()
         if self.healthy is not None:

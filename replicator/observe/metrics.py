@@ -83,7 +83,7 @@ HTTP_READER_TRIMMED = Counter(
 
 # ---------------------------------------------------------- replication
 # "name" labels are bounded: a peer's NAME only if the configuration knows
-# it (replication.peers.metrics_label), else "other".
+# it (replication.interfaces.metrics_label), else "other".
 CONNECTIONS = Gauge(
     "replicator_connections", "Open replication connections", ["name"]
 )

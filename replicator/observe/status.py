@@ -21,6 +21,9 @@ Parts:
   and shows at a start the ones from before it (an entry ongoing when the
   instance stopped is shown so, its end unknown).
 * :func:`snapshot` — the page's content as a JSON-able dict.
+* :class:`Positions` — one look at the core's positions, and the fields of
+  one writer's row that ``/positions`` (:mod:`replicator.http.streams`)
+  shows too: written once, here.
 * :mod:`.status_page` — the page rendered from it, its stylesheet and its
   script.
 
@@ -31,17 +34,34 @@ log writes in the pool, and only when a problem starts or ends).
 """
 
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Deque,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from twisted.application.internet import TimerService
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from .. import __version__
 from ..addresses import peer_address
-from ..replication.core.connections import peer_name
+from ..replication.interfaces import IReplicationView, Key
 from .health import Finding
-from .writers import clock_time, duration
+from .writers import WriterWatch, clock_time, duration
+
+if TYPE_CHECKING:
+    from ..streams.registry import StreamRegistry
+    from ..streams.stream import Stream
+    from .problem_log import ProblemLog
 
 log = Logger(namespace="replicator.observe.status")
 
@@ -57,8 +77,6 @@ MAX_IN_FLIGHT_SHOWN = 10
 #: closes it at ``ping_timeout``).
 STALLED_INTERVALS = 2.0
 
-Key = Tuple[str, str]
-
 
 class Problem:
     """One entry of "Recent problems": a finding from ``since`` to
@@ -70,7 +88,8 @@ class Problem:
     __slots__ = ("key", "since", "until", "reason", "fails_health", "before_restart",
                  "stopped_at", "restarted_at")
 
-    def __init__(self, key, since: float, reason: str, fails_health: bool):
+    def __init__(self, key: Tuple[Any, ...], since: float, reason: str,
+                 fails_health: bool) -> None:
         self.key = key
         self.since = since
         self.until: Optional[float] = None
@@ -83,7 +102,7 @@ class Problem:
     @classmethod
     def from_row(cls, row: Dict[str, Any]) -> "Problem":
         """One kept by an earlier run (:func:`replicator.storage.problems.load`)."""
-        def seconds(ms):
+        def seconds(ms: Optional[float]) -> Optional[float]:
             return None if ms is None else ms / 1000.0
         p = cls((row["kind"], row["stream"], row["writer"]), row["started_ms"] / 1000.0,
                 row["text"], row["fails_health"])
@@ -110,8 +129,9 @@ class StatusRecorder(TimerService):
     ``journal`` (:meth:`restore`) is told of each start and end.
     """
 
-    def __init__(self, *, handler, findings: Callable[[], List[Finding]], clock,
-                 interval: float = SAMPLE_INTERVAL, window: float = WINDOW):
+    def __init__(self, *, handler: IReplicationView, findings: Callable[[], List[Finding]],
+                 clock: IReactorTime, interval: float = SAMPLE_INTERVAL,
+                 window: float = WINDOW) -> None:
         self._clock = clock
         self.handler = handler
         self._findings = findings
@@ -123,13 +143,13 @@ class StatusRecorder(TimerService):
         self._ongoing: Dict[Any, Problem] = {}
         #: The :class:`replicator.observe.problem_log.ProblemLog`, or None
         #: (nothing kept across a restart).
-        self.journal = None
+        self.journal: "Optional[ProblemLog]" = None
         #: When the history from before this start was loaded (None: not).
         self.restored_at: Optional[float] = None
-        super().__init__(interval, self.sample)
+        super().__init__(interval, self.sample)  # type: ignore[no-untyped-call]
         self.clock = clock
 
-    async def restore(self, journal, started: Optional[float] = None) -> None:
+    async def restore(self, journal: "ProblemLog", started: Optional[float] = None) -> None:
         """Before the service starts: the problems ``journal`` kept from
         before this start (at ``started``, by default now) head the
         history, and every problem from now on is written to it.  A
@@ -147,12 +167,12 @@ class StatusRecorder(TimerService):
         for row in rows:
             self.problems.append(Problem.from_row(row))
 
-    def stopService(self):
-        stopped = super().stopService()
+    def stopService(self) -> "defer.Deferred[Any]":
+        stopped: "defer.Deferred[Any]" = super().stopService()  # type: ignore[no-untyped-call]
         if self.journal is None:
             return stopped
         journal, ongoing = self.journal, bool(self._ongoing)
-        d = defer.maybeDeferred(lambda: stopped)
+        d: "defer.Deferred[Any]" = defer.maybeDeferred(lambda: stopped)
         d.addCallback(lambda _: defer.ensureDeferred(journal.stop(ongoing)))
         return d
 
@@ -176,7 +196,7 @@ class StatusRecorder(TimerService):
         end (at every sample, and whenever the page is shown, so that its
         history never disagrees with its banner)."""
         now = self._clock.seconds()
-        seen = set()
+        seen: set[Tuple[Any, ...]] = set()
         for finding in found:
             if finding.key in seen:
                 continue
@@ -209,12 +229,12 @@ class StatusRecorder(TimerService):
 
     def history(self, key: Key) -> List[List[float]]:
         """``[[time, lag], ...]`` of the last ``window`` seconds, oldest first."""
-        ring = self.lag.get(key, ())
+        ring: Sequence[Tuple[float, int]] = self.lag.get(key, ())
         since = self._clock.seconds() - self.window
         return [[t, lag] for t, lag in ring if t >= since]
 
 
-def link_state(conn, since: float, now: float) -> Dict[str, Any]:
+def link_state(conn: Any, since: float, now: float) -> Dict[str, Any]:
     """What one connection is: ``state`` (``connected``; ``handshake``: our
     upstream accepted the socket but has not named itself with ``SERVER``;
     ``stalled``: nothing heard for :data:`STALLED_INTERVALS` ping
@@ -243,46 +263,70 @@ def row_verdict(findings: List[Finding], stream: str, writer: str, fallback: str
     return verdict, "bad" if any(f.fails_health for f in about) else "warn"
 
 
-def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRecorder,
-             findings: List[Finding], clock, redact: Callable[[str], str],
-             writers=None, http_readers: Optional[Callable[[], list]] = None) -> Dict[str, Any]:
+class Positions:
+    """One look at the core's positions, taken once for a page: what this
+    instance announced of its own writers, and what its readers of the
+    others delivered and how far behind they are."""
+
+    def __init__(self, core: IReplicationView) -> None:
+        self.announced = core.announced_positions()
+        self.readers = core.reader_positions()
+        self.lags = core.reader_lag()
+
+    def writer_row(self, stream: "Stream", writer: str,
+                   positions: Mapping[str, int]) -> Dict[str, Any]:
+        """The fields of ``writer``'s row that ``/positions`` and the status
+        page both show: ``position`` (of ``positions``, the stream's) and
+        ``local``; a local writer's ``in_flight`` and ``announced``, a
+        remote one's ``reader_position`` and ``lag``."""
+        key = (stream.name, writer)
+        local = writer in stream.local_writers
+        row: Dict[str, Any] = {"position": positions.get(writer), "local": local}
+        if local:
+            gen = stream.id_gen
+            row["in_flight"] = gen.in_flight(writer) if gen is not None else 0
+            row["announced"] = self.announced.get(key)
+        else:
+            row["reader_position"] = self.readers.get(key)
+            row["lag"] = self.lags.get(key, 0)
+        return row
+
+
+def snapshot(*, instance: str, role: str, registry: "StreamRegistry",
+             handler: IReplicationView, recorder: StatusRecorder,
+             findings: List[Finding], clock: IReactorTime, redact: Callable[[str], str],
+             writers: Optional[WriterWatch] = None,
+             http_readers: Optional[Callable[[], List[Dict[str, Any]]]] = None,
+             ) -> Dict[str, Any]:
     """What the page shows, as a JSON-able dict (see the README).
     ``findings`` are the current health findings (the banner and every
     row's verdict come from them); ``writers`` the instance's
     :class:`replicator.observe.writers.WriterWatch` (links, linear holders)."""
-    announced = handler.announced_positions()
-    readers = handler.reader_positions()
-    lags = handler.reader_lag()
+    seen = Positions(handler)
     recorder.note(findings)
     failing = [f for f in findings if f.fails_health]
     warnings = [f for f in findings if not f.fails_health]
     streams = []
     for stream in registry:
         gen = stream.id_gen
+        positions = gen.get_positions() if gen is not None else {}
         writer_rows = []
         for writer in stream.config.writers:
             key = (stream.name, writer)
-            local = writer in stream.local_writers
-            entry: Dict[str, Any] = {
-                "writer": writer, "local": local,
-                "position": gen.get_positions().get(writer) if gen is not None else None,
-            }
-            if local:
-                ids = gen.in_flight_ids(writer, MAX_IN_FLIGHT_SHOWN) if gen is not None else []
-                entry["in_flight"] = gen.in_flight(writer) if gen is not None else 0
-                entry["in_flight_ids"] = ids
-                entry["announced"] = announced.get(key)
+            entry: Dict[str, Any] = {"writer": writer,
+                                     **seen.writer_row(stream, writer, positions)}
+            if entry["local"]:
+                entry["in_flight_ids"] = (gen.in_flight_ids(writer, MAX_IN_FLIGHT_SHOWN)
+                                          if gen is not None else [])
                 fallback = "loading" if gen is None else "ok"
             else:
-                lag = lags.get(key, 0)
-                entry["reader_position"] = readers.get(key)
-                entry["lag"] = lag
+                lag = entry["lag"]
                 entry["lag_history"] = recorder.history(key)
                 if writers is not None:
                     entry["link"] = writers.link(writer, stream.name)
                 if gen is None:
                     fallback = "loading"
-                elif readers.get(key) is None:
+                elif entry["reader_position"] is None:
                     fallback = "not heard yet"
                 elif lag:
                     fallback = f"behind by {lag}"
@@ -300,15 +344,16 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
                         "writers": writer_rows})
     connections = []
     now = clock.seconds()
-    for conn, state in list(handler.connections.items()):
-        link = link_state(conn, state.since, now)
+    for open_conn in handler.open_connections():
+        conn = open_conn.conn
+        link = link_state(conn, open_conn.since, now)
         connections.append({
-            "peer": redact(peer_name(conn, state.label)),
+            "peer": redact(open_conn.peer),
             "address": peer_address(conn),
             "role": conn.role,
             "queued_lines": int(conn.queued),
             "queued_bytes": int(conn.queued_bytes),
-            "connected_since": state.since,
+            "connected_since": open_conn.since,
             "state": link["state"],
             "state_since": link["since"],
             "state_text": link["text"],
@@ -332,8 +377,9 @@ def snapshot(*, instance: str, role: str, registry, handler, recorder: StatusRec
         "started_at": recorder.restored_at,
         "streams": streams,
         "connections": connections,
-        "disconnects": [{"at": d[0], "peer": redact(d[1]), "address": d[2], "reason": d[3]}
-                        for d in reversed(handler.recent_disconnects)],
+        "disconnects": [{"at": d.at, "peer": redact(d.peer), "address": d.address,
+                         "reason": d.reason}
+                        for d in reversed(handler.recent_disconnects())],
         "window": recorder.window,
         # The read API's readers (docs/read-api.md): reader, stream,
         # connected, position, lag, seen_age.

@@ -37,10 +37,18 @@ reads (it runs in a scrape thread).
 """
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from twisted.internet.interfaces import IReactorTime
+
+from ..replication.interfaces import IReplicationView
 from . import metrics
 from .health import Finding
+
+if TYPE_CHECKING:
+    from ..config import InstanceConfig
+    from ..streams.registry import StreamRegistry
+    from ..streams.stream import Stream
 
 
 def clock_time(t: float) -> str:
@@ -58,7 +66,8 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def writer_watch(config, registry, handler, clock) -> "WriterWatch":
+def writer_watch(config: "InstanceConfig", registry: "StreamRegistry",
+                 handler: IReplicationView, clock: IReactorTime) -> "WriterWatch":
     """The :class:`WriterWatch` of an instance of ``config``."""
     rep = config.replication
     # A hub's writers connect to it; beside Redis they may be on the bus instead.
@@ -74,7 +83,8 @@ class WriterWatch:
     ``via`` names what the others are heard through otherwise
     (``"upstream"``, ``"redis"``, or None: nothing)."""
 
-    def __init__(self, *, registry, handler, clock, hub: bool, via: Optional[str]):
+    def __init__(self, *, registry: "StreamRegistry", handler: IReplicationView,
+                 clock: IReactorTime, hub: bool, via: Optional[str]) -> None:
         self.registry = registry
         self.handler = handler
         self._clock = clock
@@ -109,10 +119,10 @@ class WriterWatch:
     def _connections(self) -> Dict[str, float]:
         """Named peers connected to this hub: name -> connected since."""
         out: Dict[str, float] = {}
-        for conn, state in list(self.handler.connections.items()):
-            name = conn.instance_name
-            if name is not None and conn.accepted:
-                out[name] = min(out.get(name, state.since), state.since)
+        for seen in self.handler.open_connections():
+            name = seen.conn.instance_name
+            if name is not None and seen.conn.accepted:
+                out[name] = min(out.get(name, seen.since), seen.since)
         return out
 
     def link(self, writer: str, stream: Optional[str] = None,
@@ -127,6 +137,8 @@ class WriterWatch:
         times = [t for (s, w), t in heard_at.items()
                  if w == writer and (stream is None or s == stream)]
         heard_age = now - max(times) if times else None
+        state: Optional[bool]
+        since: Optional[float]
         if self.hub:
             if connected is None:
                 connected = self._connections()
@@ -134,7 +146,7 @@ class WriterWatch:
                 since = connected[writer]
                 state, text = True, f"connected since {clock_time(since)}"
             else:
-                lost = self.handler.connections.last_lost.get(writer)
+                lost = self.handler.last_lost(writer)
                 state, since = False, lost
                 text = (f"disconnected since {clock_time(lost)} ({duration(now - lost)})"
                         if lost is not None else self._never(writer, "connected"))
@@ -150,7 +162,7 @@ class WriterWatch:
         since its last connection closed, else since it was configured."""
         if link["connected"] is not False:
             return None
-        since = link["since"]
+        since: Optional[float] = link["since"]
         if since is None:
             since = self._configured.get(writer, self._started_at)
         return self._clock.seconds() - since
@@ -173,7 +185,7 @@ class WriterWatch:
             if seen is None or seen[0] != linear or (seen[1] is None) == held:
                 self._linear[stream.name] = (linear, now if held else None)
 
-    def held_for(self, stream) -> Optional[float]:
+    def held_for(self, stream: "Stream") -> Optional[float]:
         """Seconds the linear token of ``stream`` has stayed below the
         largest ID known, or None when it is not held (read only)."""
         gen = stream.id_gen
@@ -187,7 +199,8 @@ class WriterWatch:
             return 0.0
         return self._clock.seconds() - seen[1]
 
-    def linear_holder(self, stream, connected=None) -> Optional[Dict[str, Any]]:
+    def linear_holder(self, stream: "Stream", connected: Optional[Dict[str, float]] = None,
+                      ) -> Optional[Dict[str, Any]]:
         """What holds ``stream``'s linear token: ``{"linear", "held_for",
         "writers" (remote holders), "in_flight" ([ID, writer] or None),
         "text"}``; None when it is at the largest ID known or moved since
@@ -203,7 +216,7 @@ class WriterWatch:
                    if w not in stream.local_writers
                    and positions.get(w, linear + 1) <= linear]
         parts = [f"{w}: {self.link(w, stream.name, connected)['text']}" for w in holders]
-        lowest = None
+        lowest: Optional[List[Any]] = None  # [ID, writer]
         for w in stream.local_writers:
             ids = gen.in_flight_ids(w, 1)
             if ids and ids[0] > linear and (lowest is None or ids[0] < lowest[0]):

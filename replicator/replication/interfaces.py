@@ -8,18 +8,72 @@ a connection; what only one of them can do is a separate interface checked
 with ``providedBy`` (:class:`IPeerConnection`: refusing one peer), never
 told from the methods an object happens to have.  The protocols call into
 a :class:`IReplicationHandler`; a Redis connection publishes through its
-owner, a :class:`IRedisBus`.
+owner, a :class:`IRedisBus`.  Whatever observes the core (``observe/``,
+``http/``, the CLI) sees it through :class:`IReplicationView` alone, read-only.
+
+Core and transports meet only here: the reasons a connection ends
+(:data:`CLOSE_REASONS`) and the bounded metrics label of a peer's name
+(:func:`metrics_label`) are declared in this module, for both.
 
 Tests check every implementation, and every test double standing in for
 one, with :func:`zope.interface.verify.verifyObject` (``tests/test_interfaces.py``).
 """
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import (
+    TYPE_CHECKING,
+    AbstractSet,
+    Any,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 from zope.interface import Attribute, Interface
 
 if TYPE_CHECKING:
+    from ..observe.health import Finding
+    from ..observe.metrics import Sample
     from .wire.commands import Command
+
+# Why a connection ended (``close_reason``, ``lost_connection``'s reason,
+# the ``replicator_disconnects_total{reason}`` label).
+CONGESTION = "congestion"
+PING_TIMEOUT_REASON = "ping_timeout"
+IDLE_TIMEOUT_REASON = "idle_timeout"
+#: Server side: no NAME (nor REPLICATE) within ``identify_timeout``.
+IDENTIFY_TIMEOUT_REASON = "identify_timeout"
+PARSE_ERROR = "parse_error"
+WRONG_REMOTE = "wrong_remote"
+INVALID_COMMAND = "invalid_command"
+LINE_TOO_LONG = "line_too_long"
+SHUTDOWN = "shutdown"
+REMOTE_ERROR = "remote_error"
+CONNECTION_LOST = "connection_lost"
+#: The peer's address or NAME is not allowed (:mod:`.transport.peers`).
+REFUSED = "refused"
+
+CLOSE_REASONS = frozenset({
+    CONGESTION, PING_TIMEOUT_REASON, IDLE_TIMEOUT_REASON, IDENTIFY_TIMEOUT_REASON, PARSE_ERROR,
+    WRONG_REMOTE, INVALID_COMMAND, LINE_TOO_LONG, SHUTDOWN, REMOTE_ERROR, CONNECTION_LOST,
+    REFUSED,
+})
+
+#: The metrics label of every name the configuration does not know.
+OTHER = "other"
+
+
+def metrics_label(name: Optional[str], known: AbstractSet[str]) -> str:
+    """``name`` if the configuration knows it, else :data:`OTHER`: labels
+    stay bounded, a peer-supplied name is never one by itself."""
+    return name if name is not None and name in known else OTHER
+
+
+#: A read position's key: (stream, writer).
+Key = Tuple[str, str]
 
 
 class IReplicationConnection(Interface):
@@ -80,7 +134,7 @@ class IPeerConnection(IReplicationConnection):
     connection without it (a bus: every instance is on the other end) is
     never closed for one line: the line is dropped and counted."""
 
-    close_reason = Attribute("None while up; why it ended, one of :data:`.link.CLOSE_REASONS`, "
+    close_reason = Attribute("None while up; why it ended, one of :data:`CLOSE_REASONS`, "
                              "from the moment it starts closing.")
 
     def close(reason: str, error_text: Optional[str] = None,
@@ -118,8 +172,9 @@ class IReplicationHandler(Interface):
     command without one is ignored; ``PING``, ``NAME``, ``SERVER`` and
     ``ERROR`` reach it after the protocol's own handling).  ``conn``
     provides :class:`IReplicationConnection`.  An exception raised here is
-    logged by the caller and does not end the connection.  (A protocol
-    tolerates a handler that lacks some hooks, as its unit tests' doubles do.)"""
+    logged by the caller and does not end the connection.  The transports
+    call every method below unconditionally: a handler that is not the core
+    subclasses :class:`.transport.base_handler.BaseHandler` (all no-ops)."""
 
     instance_name = Attribute("This instance's name (str).")
     registry = Attribute("The streams (a :class:`~replicator.streams.registry.StreamRegistry`).")
@@ -136,7 +191,7 @@ class IReplicationHandler(Interface):
         its positions first."""
 
     def lost_connection(conn: IReplicationConnection, reason: str) -> None:
-        """``conn`` is gone, once; ``reason`` one of :data:`.link.CLOSE_REASONS`."""
+        """``conn`` is gone, once; ``reason`` one of :data:`CLOSE_REASONS`."""
 
     def client_may_write(stream_name: str, instance_name: str) -> bool:
         """Server side: may client ``instance_name`` send RDATA/POSITION of
@@ -152,3 +207,77 @@ class IReplicationHandler(Interface):
     def count_dropped(conn: IReplicationConnection, name: str, n: int) -> None:
         """``n`` outbound lines were never written: over-long, or a newline
         inside (a bug of whoever built them)."""
+
+
+class ConnectionSeen(NamedTuple):
+    """One open connection as observers see it (:meth:`IReplicationView.open_connections`)."""
+
+    conn: Any  # provides IReplicationConnection
+    #: The one name the status page gives the peer (see ``core.connections.peer_name``).
+    peer: str
+    #: Its metrics label (bounded: a name the configuration knows, or a role).
+    label: str
+    #: When it was made (clock seconds).
+    since: float
+
+
+class Disconnect(NamedTuple):
+    """One of the last disconnects (:meth:`IReplicationView.recent_disconnects`)."""
+
+    at: float
+    peer: str
+    address: Optional[str]
+    reason: str
+
+
+class IReplicationView(Interface):
+    """What observers (``observe/``, ``http/``, the CLI) may see of the
+    replication core of one instance, and nothing else: connections,
+    readers, positions and findings.  Read-only: every method returns a
+    copy (or a snapshot) that the caller may keep; nothing here changes
+    the core.  Implemented by :class:`.core.handler.ReplicationHandler`."""
+
+    instance_name = Attribute("This instance's name (str).")
+    user_syncs = Attribute("USER_SYNC table: instance -> {(user, device): time ms}; read "
+                           "only (the bookkeeping pages copy it at C level, off the reactor).")
+    federation_acks = Attribute("FEDERATION_ACK table: instance -> token; read only.")
+    user_ips = Attribute("USER_IP table: (user, device) -> fields; read only.")
+
+    def open_connections() -> List[ConnectionSeen]:
+        """The open connections, in the order they came."""
+
+    def last_lost(name: str) -> Optional[float]:
+        """When the last accepted connection of the peer ``name`` closed
+        (clock seconds), None if none did (or long forgotten)."""
+
+    def recent_disconnects() -> List[Disconnect]:
+        """The last disconnects, newest last (bounded)."""
+
+    def reader_positions() -> Dict[Key, Optional[int]]:
+        """Each remote (stream, writer) read here: the position delivered
+        to the consumers, None before the first."""
+
+    def reader_lag() -> Dict[Key, int]:
+        """Each reader's lag: tokens announced but not yet delivered."""
+
+    def reader_heard() -> Set[Key]:
+        """The keys read here that a POSITION or RDATA arrived for since start."""
+
+    def reader_heard_at() -> Dict[Key, float]:
+        """When the last POSITION or RDATA of each read key arrived (clock
+        seconds); a key never heard is absent."""
+
+    def announced_positions() -> Dict[Key, int]:
+        """This instance's writers: the last position announced of each."""
+
+    def idle() -> bool:
+        """Nothing queued for any reader, no claim waiting for a check, no
+        fan-out running."""
+
+    def findings() -> List["Finding"]:
+        """What the core itself found wrong and holds until it is mended
+        (a reader stopped at trimmed facts, an audit mismatch)."""
+
+    def bookkeeping_samples() -> List["Sample"]:
+        """The USER_SYNC / FEDERATION_ACK gauges' samples (safe off the
+        reactor: a metrics scrape thread reads them)."""

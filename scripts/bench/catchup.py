@@ -16,10 +16,15 @@ its position; each round then
   round trips to it from a thread;
 * checks the consumer file: every fact once, in order, whole;
 * runs the baseline: a raw psycopg2 keyset-paginated ``SELECT`` of the same
-  rows, pages of 1,000, ``fetchall`` each (its wall and CPU time printed).
+  rows, pages of 1,000, ``fetchall`` each (its wall and CPU time printed);
+* and the floor for reading rows out of PostgreSQL in Python: the ADBC
+  PostgreSQL driver (``adbc-driver-postgresql``) reading the same rows in
+  one ``SELECT ... ORDER BY``, which it runs as a binary ``COPY`` into
+  Arrow record batches (counted, not turned into Python objects).
 
 Rounds alternate reader / raw; medians are recorded:
-``catchup.facts_per_s`` (baseline: raw SELECT, same facts), and, with no
+``catchup.facts_per_s`` (baseline: raw SELECT, same facts),
+``catchup.facts_per_s.vs_adbc`` (baseline: the ADBC pass), and, with no
 baseline, ``catchup.stall_max_ms`` (and ``_p99_ms`` of the 5 ms ticks),
 ``catchup.health_rtt_max_ms``,
 ``catchup.rss_peak_mb``.  ``python scripts/bench/catchup.py --profile``
@@ -107,6 +112,32 @@ def raw_pass(dsn: str, facts: int) -> "tuple[float, float]":
     took = time.monotonic() - start
     cpu = time.thread_time() - cpu
     conn.close()
+    return took, cpu
+
+
+def adbc_pass(dsn: str, facts: int) -> "tuple[float, float]":
+    """The same rows through the ADBC PostgreSQL driver: one statement
+    (binary COPY), Arrow record batches streamed and counted; seconds, and
+    the CPU seconds of this process (the driver reads in threads of its own)."""
+    import adbc_driver_postgresql.dbapi as adbc
+
+    conn = adbc.connect(dsn)
+    try:
+        cur = conn.cursor()
+        start = time.monotonic()
+        cpu = time.process_time()
+        cur.execute("SELECT stream_id, body, n FROM catchup_stream "
+                    f"WHERE instance_name = 'master' AND stream_id <= {int(facts)} "
+                    "ORDER BY stream_id, ctid")
+        rows = sum(batch.num_rows for batch in cur.fetch_record_batch())
+        took = time.monotonic() - start
+        cpu = time.process_time() - cpu
+        cur.close()
+    finally:
+        conn.close()
+    expect = facts + 2 * (facts // 10)
+    if rows != expect:
+        raise AssertionError(f"ADBC read {rows} rows of {expect}")
     return took, cpu
 
 
@@ -234,7 +265,7 @@ async def run(dsn: str, facts: int = FACTS, rounds: int = ROUNDS, profile=None):
     print(f"catch-up: {facts:,} facts, {rows:,} rows", flush=True)
     master = await start_master(reactor, dsn)  # announces position `facts`
     port = master.port_of("replication")
-    readers, raws, unaudited = [], [], []
+    readers, raws, unaudited, adbcs = [], [], [], []
     try:
         for i in range(rounds):
             # The audit's cost: the same catch-up without it, alternating.
@@ -243,20 +274,25 @@ async def run(dsn: str, facts: int = FACTS, rounds: int = ROUNDS, profile=None):
             r = await threads.deferToThread(reader_round, dsn, port, facts,
                                             profile if i == 0 else None)
             raw, raw_cpu = await threads.deferToThread(raw_pass, dsn, facts)
+            adbc, adbc_cpu = await threads.deferToThread(adbc_pass, dsn, facts)
             print(f"  round {i + 1}: reader {r['seconds']:.2f} s ({r['pages']} pages, stall "
                   f"{r['stall_max_ms']:.0f} ms (p99 {r['stall_p99_ms']:.0f}, longest GC "
                   f"{r['gc_max_ms']:.0f}), /health worst {r['health_rtt_max_ms']:.0f} ms "
                   f"of {r['health_checks']}, peak RSS {r['rss_peak_kb'] / 1024:.0f} MB from "
                   f"{r['rss_start_kb'] / 1024:.0f} MB; CPU s by thread {r['threads_cpu']}), "
-                  f"raw {raw:.2f} s (CPU {raw_cpu:.2f} s)", flush=True)
+                  f"raw {raw:.2f} s (CPU {raw_cpu:.2f} s), ADBC {adbc:.2f} s (CPU "
+                  f"{adbc_cpu:.2f} s), load {os.getloadavg()[0]:.1f}", flush=True)
             readers.append(r)
             raws.append(raw)
+            adbcs.append(adbc)
     finally:
         await master.stop()
     med = statistics.median
     entries = [
         record("catchup.facts_per_s", rate(facts, med([r["seconds"] for r in readers])),
                "facts/s", "raw keyset SELECT", rate(facts, med(raws))),
+        record("catchup.facts_per_s.vs_adbc", rate(facts, med([r["seconds"] for r in readers])),
+               "facts/s", "ADBC PostgreSQL, one binary COPY into Arrow", rate(facts, med(adbcs))),
         record("catchup.audited_facts_per_s", rate(facts, med([r["seconds"] for r in readers])),
                "facts/s", "the same catch-up, audit off", rate(facts, med(unaudited))),
         record("catchup.stall_max_ms", med([r["stall_max_ms"] for r in readers]), "ms",

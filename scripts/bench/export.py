@@ -16,11 +16,19 @@ and
   (:class:`replicator.export.reference.Aggregator`) fed by a psycopg2
   server-side cursor (``ORDER BY id``, 10,000 rows a fetch).
 
+* the reference a data engineer would reach for: the ADBC PostgreSQL
+  driver (binary ``COPY`` into Arrow) reads the rows into one Arrow table,
+  pyarrow groups them into facts and buckets (percentiles by t-digest,
+  approximate) and writes one Parquet file per granularity
+  (:func:`adbc_pass`).
+
 Figures (appended to ``bench-results.jsonl`` through ``common.record``):
-``export.rows_per_s.2m`` (baseline: the Python pass at 2 M) and
+``export.rows_per_s.2m`` (baseline: the Python pass at 2 M),
 ``export.seconds.0.5m/1m/2m`` (baseline: the Python pass at the same size;
-ratio > 1 means Spark was faster).  The two results are also checked equal
-at 0.5 M rows.
+ratio > 1 means Spark was faster) and ``export.seconds.<size>.vs_adbc``
+(baseline: the ADBC path at the same size).  The Python and Spark results
+are checked equal at 0.5 M rows, and the ADBC path's fact, row and
+rollback counts against the Python pass's at every size.
 
 Then the same export on a standalone Spark cluster on loopback (a master
 and two workers of one core each, started as docs/operations.md says,
@@ -141,6 +149,79 @@ def python_pass(dsn, pos):
     return time.perf_counter() - start, agg.row_count, result
 
 
+def adbc_pass(dsn, pos, want=None):
+    """ADBC PostgreSQL -> Arrow -> pyarrow -> Parquet: the rows at or
+    below ``pos`` in one Arrow table, grouped into facts (rows, smallest
+    writer and time), rollbacks from the gaps between fact IDs, gaps
+    between a writer's facts of one day, and per (granularity, writer,
+    bucket) facts, rows, the largest fact, first and last token and the
+    gaps' p50/p95/p99 (t-digest), rollbacks on ``writer = ""`` rows;
+    written as Parquet.  Returns seconds; with ``want`` (the Python
+    pass's aggregates) checks facts, rows and rollbacks against them."""
+    import adbc_driver_postgresql.dbapi as adbc
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from replicator.export.reference import GRANULARITIES
+
+    out = tempfile.mkdtemp(prefix="bench-adbc-")
+    start = time.perf_counter()
+    conn = adbc.connect(dsn)
+    try:
+        cur = conn.cursor()
+        cur.execute("SELECT stream_id, instance_name, ts FROM bench_ev "
+                    f"WHERE stream_id <= {int(pos)}")
+        table = cur.fetch_arrow_table()
+        cur.close()
+    finally:
+        conn.close()
+    facts = table.group_by("stream_id").aggregate(
+        [("instance_name", "min"), ("ts", "min"), ("stream_id", "count")]).sort_by("stream_id")
+    ids = facts["stream_id"].to_numpy()
+    ts = facts["ts_min"].to_numpy()
+    rows = facts["stream_id_count"].to_numpy()
+    writer = facts["instance_name_min"].combine_chunks().dictionary_encode()
+    codes = writer.indices.to_numpy()
+    rollbacks = np.zeros(len(ids), dtype=np.int64)
+    rollbacks[1:] = ids[1:] - ids[:-1] - 1
+    day = ts // 86_400_000
+    order = np.lexsort((ids, day, codes))
+    gaps = np.full(len(ids), np.nan)
+    same = (codes[order][1:] == codes[order][:-1]) & (day[order][1:] == day[order][:-1])
+    gaps[order[1:]] = np.where(same, (ts[order][1:] - ts[order][:-1]).astype(float), np.nan)
+    writers = writer.dictionary.take(pa.array(codes))
+    digest = pc.TDigestOptions(q=[0.5, 0.95, 0.99])
+    for g, ms in GRANULARITIES.items():
+        bucket = pa.array(ts // ms * ms)
+        per = pa.table({"writer": writers, "bucket": bucket, "stream_id": ids, "rows": rows,
+                        "gap": pa.array(gaps, from_pandas=True)})
+        agg = per.group_by(["writer", "bucket"]).aggregate([
+            ("stream_id", "count"), ("rows", "sum"), ("rows", "max"), ("stream_id", "min"),
+            ("stream_id", "max"), ("gap", "tdigest", digest)])
+        lost = pa.table({"bucket": bucket, "rollbacks": rollbacks}).group_by("bucket").aggregate(
+            [("rollbacks", "sum")])
+        lost = lost.filter(pc.greater(lost["rollbacks_sum"], 0))
+        pq.write_table(agg, os.path.join(out, f"{g}.parquet"))
+        pq.write_table(lost, os.path.join(out, f"{g}_rollbacks.parquet"))
+        if want is not None:
+            got = {(g, w, b): (f, r) for w, b, f, r in zip(
+                agg["writer"].to_pylist(), agg["bucket"].to_pylist(),
+                agg["stream_id_count"].to_pylist(), agg["rows_sum"].to_pylist())}
+            got.update({(g, "", b): n for b, n in zip(lost["bucket"].to_pylist(),
+                                                      lost["rollbacks_sum"].to_pylist())})
+            expect = {k: ((v["facts"], v["rows"]) if k[1] else v["rollbacks"])
+                      for k, v in want.items() if k[0] == g}
+            if got != expect:
+                bad = sorted(k for k in expect.keys() | got.keys()
+                             if got.get(k) != expect.get(k))[:3]
+                raise AssertionError(f"ADBC path differs from the Python pass at {bad}")
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(out, ignore_errors=True)
+    return elapsed
+
+
 def spark_pass(spark, db, streams, pos):
     """A first export into a fresh output; returns (seconds, output dir)."""
     from replicator.export.job import run_export
@@ -225,6 +306,8 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]", cluster_size=0.5):
             set_position(dsn, pos)
             py_s, py_rows, want = python_pass(dsn, pos)
             assert py_rows == rows, (py_rows, rows)
+            adbc_pass(dsn, pos, want)  # checked (and warm), not counted
+            adbc_s = adbc_pass(dsn, pos)
             sp_s, out = spark_pass(spark, db, streams, pos)
             outputs.append(out)
             local_s[size] = sp_s
@@ -232,9 +315,13 @@ def main(sizes=(0.5, 1.0, 2.0), master="local[2]", cluster_size=0.5):
                 check_equal(spark, out, want)
                 print(f"   {label}: Spark and Python aggregates are equal", flush=True)
             print(f"   {label}: {rows:,} rows: spark {sp_s:.1f}s ({rate(rows, sp_s):,.0f} rows/s), "
-                  f"python {py_s:.1f}s ({rate(rows, py_s):,.0f} rows/s)", flush=True)
+                  f"python {py_s:.1f}s ({rate(rows, py_s):,.0f} rows/s), ADBC/Arrow/Parquet "
+                  f"{adbc_s:.1f}s, load {os.getloadavg()[0]:.1f}", flush=True)
             entries.append(record(f"export.seconds.{label}", sp_s, "s",
                                   f"python single pass {label}", py_s,
+                                  higher_is_better=False))
+            entries.append(record(f"export.seconds.{label}.vs_adbc", sp_s, "s",
+                                  f"ADBC -> Arrow -> Parquet (pyarrow) {label}", adbc_s,
                                   higher_is_better=False))
             if size == max(sizes):
                 entries.append(record(f"export.rows_per_s.{label}", rate(rows, sp_s),

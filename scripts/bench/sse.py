@@ -43,6 +43,11 @@ taken for each client count of ``CLIENTS`` (1, 50, 1,000), SSE then TCP:
     connection, each page's JSON parsed, until an empty page; against
     ``catchup.raw_pass`` (psycopg2, keyset pages of 1,000 rows).  Rounds
     alternate; medians recorded.
+``sse.pages.ndjson.facts_per_s`` (baseline: the same raw pass, same rounds)
+    The same walk with ``Accept: application/x-ndjson`` (docs/read-api.md,
+    "Page formats"), every line parsed with ``orjson.loads`` (the head, then
+    one fact a line, rows as arrays), and the stdlib ``json.loads`` of the
+    same lines printed beside it.
 
 Run alone: ``python scripts/bench/sse.py [--only fanout,pages] [--big]``.
 """
@@ -433,10 +438,24 @@ def run_fanout(new_dsn) -> None:
         daemon.stop()
 
 
-def page_pass(daemon: Daemon, stream: str, facts: int) -> float:
-    """Every fact from the beginning through pages: seconds."""
+def ndjson_page(body: bytes, loads) -> tuple:
+    """``(facts, next)`` of an NDJSON page: facts as ``[stream_id,
+    writer, rows]``, each line parsed by ``loads``."""
+    lines = body.split(b"\n")
+    head = loads(lines[0])
+    return [loads(line) for line in lines[1:-1]], head["next"]
+
+
+def page_pass(daemon: Daemon, stream: str, facts: int, form: str = "json") -> float:
+    """Every fact from the beginning through pages: seconds.  ``form``:
+    ``json``; ``ndjson`` (parsed with orjson) or ``ndjson-stdlib``."""
+    import orjson
+
     conn = http.client.HTTPConnection("127.0.0.1", daemon.http_port, timeout=60)
     headers = {"Authorization": f"Bearer {READER_SECRET}"}
+    if form != "json":
+        headers["Accept"] = "application/x-ndjson"
+        loads = orjson.loads if form == "ndjson" else json.loads
     start = time.monotonic()
     token, seen, last_id = None, 0, 0
     while True:
@@ -448,15 +467,25 @@ def page_pass(daemon: Daemon, stream: str, facts: int) -> float:
         body = response.read()
         if response.status != 200:
             raise RuntimeError(f"page answered {response.status}: {body[:200]!r}")
-        page = json.loads(body)
-        if not page["facts"]:
+        if form == "json":
+            page = json.loads(body)
+            if not page["facts"]:
+                break
+            for fact in page["facts"]:
+                if fact["stream_id"] <= last_id:
+                    raise RuntimeError(f"fact {fact['stream_id']} after {last_id}")
+                last_id = fact["stream_id"]
+            seen += len(page["facts"])
+            token = page["next"]
+            continue
+        got, token = ndjson_page(body, loads)
+        if not got:
             break
-        for fact in page["facts"]:
-            if fact["stream_id"] <= last_id:
-                raise RuntimeError(f"fact {fact['stream_id']} after {last_id}")
-            last_id = fact["stream_id"]
-        seen += len(page["facts"])
-        token = page["next"]
+        for fact in got:
+            if fact[0] <= last_id:
+                raise RuntimeError(f"fact {fact[0]} after {last_id}")
+            last_id = fact[0]
+        seen += len(got)
     took = time.monotonic() - start
     conn.close()
     if seen != facts:
@@ -475,16 +504,24 @@ def run_pages(dsn: str, facts: int) -> None:
     rows = catchup.generate(dsn, facts)
     print(f"  pages: {facts:,} facts, {rows:,} rows", flush=True)
     daemon = Daemon(dsn, stream, 8)
-    pages, raws = [], []
+    pages, nds, raws = [], [], []
+    rounds = PAGE_ROUNDS
     try:
-        for i in range(PAGE_ROUNDS):
+        for i in range(rounds):
             pages.append(page_pass(daemon, stream["name"], facts))
+            nds.append(page_pass(daemon, stream["name"], facts, "ndjson"))
+            stdlib = page_pass(daemon, stream["name"], facts, "ndjson-stdlib")
             raws.append(catchup.raw_pass(dsn, facts)[0])
-            print(f"    round {i + 1}: pages {pages[-1]:.2f} s, raw SELECT {raws[-1]:.2f} s, "
-                  f"daemon RSS {daemon.rss_kb() / 1024:.0f} MB", flush=True)
+            print(f"    round {i + 1}: JSON pages {pages[-1]:.2f} s, NDJSON pages "
+                  f"{nds[-1]:.2f} s (json.loads: {stdlib:.2f} s), raw SELECT "
+                  f"{raws[-1]:.2f} s ({raws[-1] / nds[-1]:.2f}), "
+                  f"daemon RSS {daemon.rss_kb() / 1024:.0f} MB, load {os.getloadavg()[0]:.1f}",
+                  flush=True)
     finally:
         daemon.stop()
     record("sse.pages.facts_per_s", rate(facts, median(pages)), "facts/s",
+           "raw keyset SELECT", rate(facts, median(raws)))
+    record("sse.pages.ndjson.facts_per_s", rate(facts, median(nds)), "facts/s",
            "raw keyset SELECT", rate(facts, median(raws)))
 
 

@@ -27,7 +27,7 @@ Invariants:
 
 import hashlib
 from operator import itemgetter
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import orjson
 from twisted.internet import threads
@@ -59,7 +59,7 @@ class Page:
 async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: int,
                     final_below: Optional[int] = None,
                     columns: Optional[Sequence[str]] = None,
-                    max_bytes: Optional[int] = None) -> Page:
+                    max_bytes: Optional[int] = None, form=None) -> Page:
     """The page of ``stream`` after ``since`` (a position per writer),
     bounded by ``bounds`` (per writer), at most ``limit`` facts.  A full
     page ending at or below ``final_below`` (the linear token) is final.
@@ -74,7 +74,11 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     With ``max_bytes`` (and ``columns``) every fact of the page comes
     encoded, and the page ends at the fact whose JSON brings the page to
     ``max_bytes``; what the table gave past that point in a writer is
-    dropped in the pool thread, before it is encoded."""
+    dropped in the pool thread, before it is encoded.
+
+    ``form`` (a :class:`.formats.PageFormat`, JSON if None) is how facts
+    are encoded, and what ``max_bytes`` counts."""
+    encode_fact = fact_json if form is None else form.fact
     found: List[PageFact] = []
     scanned: Dict[str, int] = {}
     table: List[Tuple[str, int, int, int]] = []  # (writer, from, to, facts) to read
@@ -104,31 +108,34 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     if table:
         assert columns is not None
         names = list(columns)
-        json_rows = stream.json_rows
+        json_rows = stream.json_rows and (form is None or form.row_json)
 
-        def encode_facts(pages: List[Any]) -> List[List[bytes]]:
-            """Each fact's JSON (in the pool thread); with ``max_bytes``,
-            each writer's page cut after the fact that reaches it (the
-            merged page ends there or before: it holds at least as many
-            bytes by then)."""
-            out = []
+        def encode_facts(pages: List[Any]) -> List[List[PageFact]]:
+            """Each writer's facts as a page holds them, encoded (in the
+            pool thread); with ``max_bytes``, each writer's page cut after
+            the fact that reaches it (the merged page ends there or before:
+            it holds at least as many bytes by then)."""
+            out: List[List[PageFact]] = []
             for i, ((writer, _, _, _), page) in enumerate(zip(table, pages)):
                 if json_rows:
                     jsons = rows_json_facts(writer, page[0])
                 else:
-                    jsons = [fact_json(names, (stream_id, writer, rows, None))
+                    jsons = [encode_fact(names, (stream_id, writer, rows, None))
                              for stream_id, rows in page[0]]
                 end = bytes_end(jsons, max_bytes)
                 if end < len(jsons):
                     del jsons[end:]
                     pages[i] = (page[0][:end], page[0][end - 1][0], True)
-                out.append(jsons)
+                out.append([(stream_id, writer, rows, j)
+                            for (stream_id, rows), j in zip(pages[i][0], jsons)])
             return out
 
         pages, encoded = await stream.table_fact_pages(table, encode_facts, json_rows)
-        for (writer, _, _, _), (facts, upto, _), jsons in zip(table, pages, encoded):
-            found.extend([(stream_id, writer, rows, j)
-                          for (stream_id, rows), j in zip(facts, jsons)])
+        for (writer, _, _, _), (facts, upto, _), held in zip(table, pages, encoded):
+            if found:
+                found.extend(held)
+            else:
+                found = held
             scanned[writer] = max(scanned[writer], upto)
             if facts:
                 writers_found.add(writer)
@@ -137,7 +144,7 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     full = len(found) >= limit
     del found[limit:]
     if max_bytes is not None and columns is not None and found:
-        found, reached = await with_json(list(columns), found, max_bytes)
+        found, reached = await with_json(list(columns), found, max_bytes, encode_fact)
         full = full or reached  # (then it ends at its last fact, as one of limit facts)
     if full:
         last = found[-1][0]
@@ -169,18 +176,25 @@ def bytes_end(jsons: Sequence[bytes], max_bytes: Optional[int]) -> int:
 THREAD_ENCODE_ROWS = 256
 
 
-async def with_json(columns: List[str], facts: List[PageFact],
-                    max_bytes: int) -> Tuple[List[PageFact], bool]:
-    """``(facts, reached)``: ``facts`` each with its JSON (:func:`fact_json`)
+async def with_json(columns: List[str], facts: List[PageFact], max_bytes: int,
+                    encode_fact: Optional[Callable[[Sequence[str], PageFact], bytes]] = None,
+                    ) -> Tuple[List[PageFact], bool]:
+    """``(facts, reached)``: ``facts`` each encoded (by ``encode_fact``,
+    by default its JSON, :func:`fact_json`)
     up to the one whose JSON brings them to ``max_bytes`` (none encoded
     after it), and whether they reached it.  Many rows left to encode are
     encoded in a thread."""
+    encode = encode_fact or fact_json
+
     def encode_all() -> Tuple[List[PageFact], bool]:
         out: List[PageFact] = []
         size = 0
         for f in facts:
-            j = f[3] if f[3] is not None else fact_json(columns, f)
-            out.append((f[0], f[1], f[2], j))
+            j = f[3]
+            if j is None:  # (else kept as it is: no new tuple)
+                j = encode(columns, f)
+                f = (f[0], f[1], f[2], j)
+            out.append(f)
             size += len(j)
             if size >= max_bytes:
                 return out, True

@@ -6,13 +6,15 @@ asks again: the database, the daemon and the reader take turns, one page
 at a time.  :class:`ReadAhead` lets them overlap: when a request continues
 from the ``next`` of a full, final page served shortly before (a reader
 walking the stream), the daemon starts building the page after the one it
-answers, so that the reader's next request finds it built or under way.
+answers, and the ones after it (:data:`DEPTH` in all, one build after the
+other), so that the reader's next request finds its page built or under
+way.
 
 Invariants:
 
 * Only a page that is full and final is ever handed out from here: such
-  a page depends only on its token and ``limit`` (the page byte bound is
-  the daemon's, fixed while it runs) and can never change
+  a page depends only on its token, ``limit`` and format (the page byte
+  bound is the daemon's, fixed while it runs) and can never change
   (:mod:`.pages`), so it is the page a build at the time of the request
   would give.  Anything else built ahead is dropped and built again.
 * It is built like any other page (:meth:`.routes.ReadRoutes.page`: in
@@ -38,25 +40,49 @@ from .tokens import Positions
 
 #: Pages built ahead, all readers together.
 ENTRIES = 16
+#: Pages built ahead of the one answered, per walking reader: each is
+#: started when the one before it is built (one build at a time per walk).
+DEPTH = 3
 #: Seconds a page built ahead (or a served ``next``) is kept.
 TTL = 5.0
 
-Key = Tuple[str, Tuple[Tuple[str, int], ...], int]
+#: ``(stream, positions, limit, format)``: what a page is built from.
+Key = Tuple[str, Tuple[Tuple[str, int], ...], int, str]
+Build = Callable[[Positions], Coroutine[Any, Any, Page]]
 
 
-def key(stream: str, since: Positions, limit: int) -> Key:
-    return (stream, tuple(sorted(since.items())), limit)
+def key(stream: str, since: Positions, limit: int, form: str = "json") -> Key:
+    return (stream, tuple(sorted(since.items())), limit, form)
+
+
+def _after(k: Key, page: Page) -> Key:
+    """The key of the page that follows ``page`` (built for ``k``)."""
+    return key(k[0], page.next, k[2], k[3])
+
+
+class _Ahead:
+    """A page built ahead: when its build started, the build, its page
+    once built (None until then, or if it failed), and how many pages
+    after it are to be built once it is."""
+
+    __slots__ = ("born", "d", "page", "more")
+
+    def __init__(self, born: float, more: int):
+        self.born = born
+        self.d: "Optional[defer.Deferred[Optional[Page]]]" = None
+        self.page: Optional[Page] = None
+        self.more = more
 
 
 class ReadAhead:
     """Pages built ahead, and the ``next`` tokens lately served (reactor thread)."""
 
-    def __init__(self, clock, entries: int = ENTRIES, ttl: float = TTL):
+    def __init__(self, clock, entries: int = ENTRIES, ttl: float = TTL, depth: int = DEPTH):
         self._clock = clock
         self.entries = entries
         self.ttl = ttl
-        self._built: "OrderedDict[Key, Tuple[float, defer.Deferred[Optional[Page]]]]" = \
-            OrderedDict()
+        self.depth = depth
+        self._built: "OrderedDict[Key, _Ahead]" = OrderedDict()
         self._served: "OrderedDict[Key, float]" = OrderedDict()
         self._sweep = None  # the call that drops what grew too old, while a page is held
         self.used = 0  # pages handed out from here
@@ -70,35 +96,66 @@ class ReadAhead:
         self._settle_sweep()
         if entry is None:
             return None
-        page = await entry[1]
+        assert entry.d is not None
+        page = await entry.d
         if page is None or not (page.full and page.final):
             self.wasted += 1
             return None
         self.used += 1
         return page
 
-    def served(self, k: Key, page: Page, build: Callable[[Positions], Coroutine[Any, Any, Page]]) -> None:
+    def served(self, k: Key, page: Page, build: Build) -> None:
         """``page`` was served for ``k``: if it is full and final, note its
         ``next``; and if ``k`` itself was such a ``next`` (a reader walking
-        the stream), build the page after it ahead with ``build(next)``."""
+        the stream), have the :attr:`depth` pages after it built ahead,
+        with ``build(positions)``, one after the other."""
         if not (page.full and page.final):
             return
         self._expire()
         now = self._clock.seconds()
-        after = key(k[0], page.next, k[2])
+        after = _after(k, page)
         walking = self._served.pop(k, None) is not None
         self._served[after] = now
         while len(self._served) > 4 * self.entries:
             self._served.popitem(last=False)
-        if not walking or after in self._built:
-            return
-        d: "defer.Deferred[Optional[Page]]" = defer.ensureDeferred(build(page.next))
-        d.addErrback(lambda _: None)
-        self._built[after] = (now, d)
+        if walking:
+            self._extend(after, build, self.depth)
+
+    def _extend(self, k: Key, build: Build, depth: int) -> None:
+        """``depth`` pages from ``k`` on built or under way: along the
+        pages built already, the first missing one started (or the one
+        under way told how many to start after it)."""
+        for i in range(depth):
+            entry = self._built.get(k)
+            more = depth - i - 1
+            if entry is None:
+                self._start(k, build, more)
+                return
+            if entry.page is None:
+                entry.more = max(entry.more, more)  # (under way, or failed: nothing more)
+                return
+            if not (entry.page.full and entry.page.final):
+                return  # (what follows it is not known yet)
+            k = _after(k, entry.page)
+
+    def _start(self, k: Key, build: Build, more: int) -> None:
+        entry = _Ahead(self._clock.seconds(), more)
+        self._built[k] = entry
         while len(self._built) > self.entries:
             self._built.popitem(last=False)  # (its build goes on; its page is dropped)
             self.wasted += 1
         self._settle_sweep()
+
+        def built(page: Page) -> Page:
+            entry.page = page
+            if (entry.more > 0 and page.full and page.final
+                    and self._built.get(k) is entry):
+                self._extend(_after(k, page), build, entry.more)
+            return page
+
+        d: "defer.Deferred[Optional[Page]]" = defer.ensureDeferred(build(dict(k[1])))
+        d.addCallbacks(built, lambda _: None)
+        entry.d = d
 
     def _settle_sweep(self) -> None:
         """A sweep pending while a page is held, none otherwise (nothing
@@ -118,7 +175,7 @@ class ReadAhead:
     def _expire(self) -> None:
         """Drop what is older than ``ttl`` (both tables are in age order)."""
         limit = self._clock.seconds() - self.ttl
-        while self._built and next(iter(self._built.values()))[0] < limit:
+        while self._built and next(iter(self._built.values())).born < limit:
             self._built.popitem(last=False)
             self.wasted += 1
         while self._served and next(iter(self._served.values())) < limit:

@@ -5,7 +5,8 @@ long-poll) and ``GET .../streams/{stream}/events`` (Server-Sent Events,
 Checked in this order: 401/403 (credential, :mod:`.auth`), 403 (a stream
 the credential does not cover), 404 (unknown stream), 503 (streams not
 loaded yet), 400 (``limit``, ``wait``, ``from``: a malformed or foreign
-token, or one beyond the stream's sequence), 410 (``from`` or
+token, or one beyond the stream's sequence), 406 (an ``Accept`` of pages
+that takes none of their formats, :mod:`.formats`), 410 (``from`` or
 ``Last-Event-ID`` below the stream's trim boundary: facts after it were
 trimmed by retention), then 503 when too many reads are open already
 (long-polls that wait, event streams).
@@ -19,12 +20,12 @@ from twisted.logger import Logger
 from ...observe import metrics
 from ...streams.trimmed import FactsTrimmed
 from ..answers import HttpError, Response, excerpt
-from . import readahead
+from . import formats, readahead
 from .auth import Reader, ReaderAuth
 from .book import ReaderBook, Slots, client_host
 from .builds import PageBuilds
 from .live import LiveFeed
-from .pages import THREAD_ENCODE_ROWS, Page, etag, matches, page_body, read_page, unencoded_rows
+from .pages import THREAD_ENCODE_ROWS, Page, etag, matches, read_page, unencoded_rows
 from .params import ParameterError, TrimmedError, limit_of, one, positions_of, wait_of
 from .persisted import PersistedLinear
 from .sse import SseClient
@@ -39,6 +40,9 @@ CORS = {b"access-control-allow-origin": b"*",
         b"access-control-expose-headers": b"ETag"}
 IMMUTABLE = b"public, max-age=31536000, immutable"
 NEWEST = b"no-store"
+#: A page's format follows the request's Accept (:mod:`.formats`): a cache
+#: keeps one answer per Accept.
+VARY = {b"vary": b"Accept"}
 
 
 class ReadRoutes:
@@ -148,31 +152,33 @@ class ReadRoutes:
         wait = wait_of(args)
         text = one(args, "from")
         since = await self.start_positions(stream, text)
+        form = formats.negotiate(request.requestHeaders.getRawHeaders(b"accept"))
         host = client_host(request)
-        ahead = readahead.key(stream.name, since, limit)
+        ahead = readahead.key(stream.name, since, limit, form.name)
         page = await self.readahead.take(ahead) if text is not None else None
         if page is None:
-            _, page = await self.first_page(stream, since, limit, text is None, host)
+            _, page = await self.first_page(stream, since, limit, text is None, host, form)
         if not page.facts and wait > 0:
             polled = await self._long_poll(finished, gone, request, reader, stream, page,
-                                           limit, wait)
+                                           limit, wait, form)
             if polled is None:
                 return None  # the client went away
             page = polled
         self.book.reached(reader.name, stream.name, page.next)
         self.readahead.served(ahead, page, lambda after: self.page(stream, after, limit,
-                                                                   host=host))
-        return await self._page_answer(request, stream, page)
+                                                                   host=host, form=form))
+        return await self._page_answer(request, stream, page, form)
 
     async def first_page(self, stream, since: Positions, limit: int, oldest: bool,
-                         host: Optional[str]) -> Tuple[Positions, Page]:
+                         host: Optional[str], form: formats.PageFormat = formats.JSON,
+                         ) -> Tuple[Positions, Page]:
         """``(start, page)``: the page after ``since``; with ``oldest`` (no
         token given: from the oldest retained fact) ``since`` moved up to
         the trim boundary first if retention trimmed below it, else 410
         (:class:`.params.TrimmedError`)."""
         while True:
             try:
-                return since, await self.page(stream, since, limit, host=host)
+                return since, await self.page(stream, since, limit, host=host, form=form)
             except TrimmedError as e:
                 if not oldest:
                     raise
@@ -181,10 +187,11 @@ class ReadRoutes:
 
     async def page(self, stream, since: Positions, limit: int,
                    bounds: Optional[Positions] = None, host: Optional[str] = None,
-                   max_bytes: Optional[int] = None) -> Page:
+                   max_bytes: Optional[int] = None,
+                   form: formats.PageFormat = formats.JSON) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
         the writers' current tokens), at most ``max_page_bytes`` of facts
-        (or ``max_bytes`` if smaller)
+        (or ``max_bytes`` if smaller) encoded in ``form``
         (:mod:`.pages`), built in the turn of ``host`` (:mod:`.builds`).
         Facts after ``since`` trimmed by retention are 410 naming ``from``
         (no log: the reader's doing).  A failed read is 503; the first of
@@ -195,7 +202,8 @@ class ReadRoutes:
             page = await self.builds.run(host, lambda: read_page(
                 stream, since, bounds if bounds is not None else self.bounds(stream), limit,
                 final_below=linear, columns=stream.config.column_names,
-                max_bytes=min(self.max_page_bytes, max_bytes or self.max_page_bytes)))
+                max_bytes=min(self.max_page_bytes, max_bytes or self.max_page_bytes),
+                form=form))
         except FactsTrimmed as e:
             raise TrimmedError("from", e.writer, e.since, e.boundary) from None
         except Exception:
@@ -216,7 +224,7 @@ class ReadRoutes:
 
     async def _long_poll(self, finished: defer.Deferred, gone: List[object], request,
                          reader: Reader, stream, page: Page, limit: int,
-                         wait: float) -> Optional[Page]:
+                         wait: float, form: formats.PageFormat) -> Optional[Page]:
         """Wait up to ``wait`` seconds for a fact after ``page.next``."""
         host = client_host(request)
         self.slots.take(host)
@@ -245,29 +253,29 @@ class ReadRoutes:
                         timer.cancel()
                 if gone:
                     break
-                page = await self.page(stream, page.next, limit, host=host)
+                page = await self.page(stream, page.next, limit, host=host, form=form)
         finally:
             self.slots.give(host)
             self.book.closed(reader.name, stream.name)
         return None if gone else page
 
-    async def _page_answer(self, request, stream, page: Page):
+    async def _page_answer(self, request, stream, page: Page, form: formats.PageFormat):
         columns = list(stream.config.column_names)
         if unencoded_rows(page) > THREAD_ENCODE_ROWS:
-            body = await threads.deferToThread(page_body, stream.name, columns, page)
+            body = await threads.deferToThread(form.body, stream.name, columns, page)
         else:
-            body = page_body(stream.name, columns, page)
+            body = form.body(stream.name, columns, page)
         if not page.final:
-            return Response(body, b"application/json", {b"cache-control": NEWEST})
+            return Response(body, form.media_type, {b"cache-control": NEWEST, **VARY})
         tag = etag(body)
-        headers = {b"cache-control": IMMUTABLE, b"etag": tag}
+        headers = {b"cache-control": IMMUTABLE, b"etag": tag, **VARY}
         if matches(request.getHeader(b"if-none-match"), tag):
             request.setResponseCode(304)
             for k, v in headers.items():
                 request.setHeader(k, v)
             request.finish()
             return None
-        return Response(body, b"application/json", headers)
+        return Response(body, form.media_type, headers)
 
     # ------------------------------------------------------------ events
     async def events(self, request, name: Optional[str]):

@@ -58,7 +58,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from ...observe import metrics
-from ...streams.tally import Tally, tally_of
+from ...streams.tally import ID_MODULUS, Tally, tally_of
 from ...streams.trimmed import FactsTrimmed
 
 log = Logger(namespace="replicator.audit")
@@ -224,8 +224,14 @@ def _digest_or_none(rows: Sequence[Any]) -> Optional[int]:
 
 
 def delivered_tally(window: Window, above: int) -> Tally:
-    """The tally of the window's facts with IDs above ``above``."""
-    return tally_of((i, n) for i, n in zip(window.ids, window.rows) if i > above)
+    """The tally of the window's facts with IDs above ``above``: summed
+    over the arrays as they are when every ID is above it (the usual
+    case: a window of a catch-up holds hundreds of thousands, and a loop
+    over them held the reactor for 0.3 s per million), else pair by pair."""
+    ids, rows = window.ids, window.rows
+    if not ids or min(ids) > above:
+        return len(ids), sum(ids) % ID_MODULUS, sum(rows)
+    return tally_of((i, n) for i, n in zip(ids, rows) if i > above)
 
 
 def difference(stream: str, writer: str, since: int, upto: int, window: Window,

@@ -43,8 +43,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from ...observe import metrics
-from ..interfaces import IReplicationConnection
-from ..transport.peers import metrics_label
+from ..interfaces import IReplicationConnection, metrics_label
 
 log = Logger()
 

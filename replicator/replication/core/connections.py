@@ -10,19 +10,20 @@ Invariants:
   label: a connection adds one under its label when it is added, moves it
   when relabelled, and removes it when removed.
 * Labels are bounded: a peer's own name is a label only if the
-  configuration knows it (:func:`.peers.metrics_label`), never an address.
+  configuration knows it
+  (:func:`replicator.replication.interfaces.metrics_label`), never an address.
 * One connection failing to take lines never holds up the others.
 """
 
 from collections import deque
-from typing import Any, Deque, Dict, ItemsView, Iterator, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, ItemsView, Iterator, List, Optional, Sequence, Tuple
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from ...addresses import peer_address
 from ...observe import metrics
-from ..interfaces import IReplicationConnection
+from ..interfaces import ConnectionSeen, Disconnect, IReplicationConnection
 
 log = Logger()
 
@@ -84,6 +85,15 @@ class Connections:
 
     def items(self) -> ItemsView[IReplicationConnection, ConnState]:
         return self._states.items()
+
+    def seen(self) -> List[ConnectionSeen]:
+        """The open connections as observers see them, in the order they came."""
+        return [ConnectionSeen(conn, peer_name(conn, state.label), state.label, state.since)
+                for conn, state in list(self._states.items())]
+
+    def disconnects(self) -> List[Disconnect]:
+        """The last disconnects, newest last."""
+        return [Disconnect(*d) for d in list(self.recent_disconnects)]
 
     def add(self, conn: IReplicationConnection, replicating: bool, label: str) -> ConnState:
         """Start tracking ``conn``."""

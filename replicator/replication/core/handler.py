@@ -31,7 +31,6 @@ from typing import (
     AbstractSet,
     Any,
     Callable,
-    Deque,
     Dict,
     Iterable,
     List,
@@ -49,13 +48,22 @@ from zope.interface import implementer
 from ...background import Background
 from ...consumers import Consumer
 from ...observe import metrics
+from ...observe.health import Finding
 from ...storage import findings
 from ...streams.registry import StreamRegistry
 from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
-from ..interfaces import IPeerConnection, IReplicationConnection, IReplicationHandler
-from ..transport.link import INVALID_COMMAND, REFUSED
-from ..transport.peers import metrics_label
+from ..interfaces import (
+    INVALID_COMMAND,
+    REFUSED,
+    ConnectionSeen,
+    Disconnect,
+    IPeerConnection,
+    IReplicationConnection,
+    IReplicationHandler,
+    IReplicationView,
+    metrics_label,
+)
 from ..wire.commands import (
     ClearUserSyncCommand,
     Command,
@@ -84,7 +92,7 @@ log = Logger()
 Key = Tuple[str, str]
 
 
-@implementer(IReplicationHandler)
+@implementer(IReplicationHandler, IReplicationView)
 class ReplicationHandler:
     """Replication logic of one instance; protocols call into it.
 
@@ -390,14 +398,21 @@ class ReplicationHandler:
         for reader in self._readers.values():
             reader.connection_lost(conn)
 
-    @property
-    def recent_disconnects(self) -> Deque[Tuple[float, str, Optional[str], str]]:
-        """The last disconnects, newest last: ``(time, peer, address, reason)``."""
-        return self.connections.recent_disconnects
+    # ------------------------------------------------ what observers see
+    def open_connections(self) -> List[ConnectionSeen]:
+        return self.connections.seen()
 
-    def conn_label(self, conn: IReplicationConnection) -> str:
-        """The connection's metrics label (bounded: names, not addresses)."""
-        return self.connections.label(conn)
+    def last_lost(self, name: str) -> Optional[float]:
+        return self.connections.last_lost.get(name)
+
+    def recent_disconnects(self) -> List[Disconnect]:
+        return self.connections.disconnects()
+
+    def findings(self) -> List[Finding]:
+        return self.gaps.findings()
+
+    def bookkeeping_samples(self) -> List[metrics.Sample]:
+        return self.bookkeeping.metric_samples()
 
     def on_NAME(self, conn: IReplicationConnection, cmd: NameCommand) -> None:
         if conn not in self.connections:

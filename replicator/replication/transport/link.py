@@ -20,7 +20,7 @@ one line naming it.
 """
 
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
@@ -28,7 +28,14 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from ...logs.printable import printable
-from ..interfaces import IReplicationHandler
+from ..interfaces import (
+    CONGESTION,
+    IDLE_TIMEOUT_REASON,
+    LINE_TOO_LONG,
+    PING_TIMEOUT_REASON,
+    SHUTDOWN,
+    IReplicationHandler,
+)
 from ..wire.commands import Command, ErrorCommand, PingCommand
 from ..wire.encoding import MAX_LINE_LENGTH, joined
 
@@ -49,32 +56,6 @@ MAX_QUEUED_BYTES = 16 * 1024 * 1024
 #: is aborted (seconds).
 CONGESTION_GRACE = 1.0
 
-# Why a connection ended, for metrics.
-CONGESTION = "congestion"
-PING_TIMEOUT_REASON = "ping_timeout"
-IDLE_TIMEOUT_REASON = "idle_timeout"
-#: Server side: no NAME (nor REPLICATE) within ``identify_timeout``.
-IDENTIFY_TIMEOUT_REASON = "identify_timeout"
-PARSE_ERROR = "parse_error"
-WRONG_REMOTE = "wrong_remote"
-INVALID_COMMAND = "invalid_command"
-LINE_TOO_LONG = "line_too_long"
-SHUTDOWN = "shutdown"
-REMOTE_ERROR = "remote_error"
-CONNECTION_LOST = "connection_lost"
-#: The peer's address or NAME is not allowed (:mod:`.peers`).
-REFUSED = "refused"
-
-CLOSE_REASONS = frozenset({
-    CONGESTION, PING_TIMEOUT_REASON, IDLE_TIMEOUT_REASON, IDENTIFY_TIMEOUT_REASON, PARSE_ERROR,
-    WRONG_REMOTE, INVALID_COMMAND, LINE_TOO_LONG, SHUTDOWN, REMOTE_ERROR, CONNECTION_LOST,
-    REFUSED,
-})
-
-# Handler methods resolved once per connection.
-_HOOKS = ("new_connection", "lost_connection", "count_inbound", "count_outbound", "count_dropped",
-          "writes_released")
-
 # How many queued lines resumeProducing hands to one write call, so
 # that a transport pausing us again mid-drain is noticed.
 _DRAIN_CHUNK = 512
@@ -89,12 +70,12 @@ class LineConnection(Protocol):
     A subclass provides ``lineReceived(line)``, sets ``accepted`` False on
     the connecting side (the ping timeout applies from connect) and calls
     :meth:`_peer_pinged_first` when the peer first PINGs (it applies from
-    then on).  ``handler`` hooks ``count_outbound``/``count_dropped`` (and
-    the others of :data:`_HOOKS`, for the subclass) are optional.
+    then on).  ``handler`` is a whole
+    :class:`~replicator.replication.interfaces.IReplicationHandler`.
 
     ``close_reason`` is None while the connection is up and becomes one of
-    :data:`CLOSE_REASONS` when we start closing it or it is lost (the first
-    reason wins).
+    :data:`replicator.replication.interfaces.CLOSE_REASONS` when we start
+    closing it or it is lost (the first reason wins).
     """
 
     #: Whether the peer connected to us (see
@@ -141,10 +122,8 @@ class LineConnection(Protocol):
         self._ping_call: Optional[IDelayedCall] = None
         self._timeout_call: Optional[IDelayedCall] = None
         self._abort_call: Optional[IDelayedCall] = None
-        self._hooks: Dict[str, Optional[Callable[..., Any]]] = {
-            hook: getattr(handler, hook, None) for hook in _HOOKS
-        }
-        self._count_outbound = self._hooks["count_outbound"]
+        #: (On the hot path: bound once; a LineConnection is the connection.)
+        self._count_outbound: Callable[..., None] = handler.count_outbound
 
     @property
     def paused(self) -> bool:
@@ -225,7 +204,8 @@ class LineConnection(Protocol):
         One log line says so: at info level, or, when the peer is at fault
         and ``log_text`` says how, that text at warn level.
 
-        ``reason`` is one of :data:`CLOSE_REASONS`.  Queued lines are
+        ``reason`` is one of
+        :data:`replicator.replication.interfaces.CLOSE_REASONS`.  Queued lines are
         discarded.  If the transport has not closed ``ping_timeout`` seconds
         later, it is aborted.  Idempotent: later calls do nothing.
         """
@@ -242,7 +222,7 @@ class LineConnection(Protocol):
             data = data[: self.MAX_LENGTH].replace(b"\n", b" ") + b"\n"
             transport.write(data)
             self._last_sent = self._clock.seconds()
-            self._call_hook("count_outbound", self, "ERROR", 1)
+            self._call(self.handler.count_outbound, self, "ERROR", 1)
         emit = self.log.info if log_text is None else self.log.warn
         emit("Closing replication connection {conn} ({why}): {text}", conn=self, why=reason,
              text=printable((error_text or "") if log_text is None else log_text))
@@ -334,7 +314,7 @@ class LineConnection(Protocol):
         if len(data) > self.MAX_LENGTH or b"\n" in data:
             self.log.error("Dropping {name} of {n} bytes for {conn}: over-long or contains a "
                            "newline", name=cmd.NAME, n=len(data), conn=self)
-            self._call_hook("count_dropped", self, cmd.NAME, 1)
+            self._call(self.handler.count_dropped, self, cmd.NAME, 1)
             return False
         return self._write([data + b"\n"], cmd.NAME)
 
@@ -371,13 +351,11 @@ class LineConnection(Protocol):
             # is joined once for all connections.
             self.transport.write(joined(lines))
         self._last_sent = self._clock.seconds()
-        count = self._count_outbound
-        if count is not None:
-            try:
-                count(self, name, len(lines))
-            except Exception:
-                self.log.failure("Replication handler {method} failed on {conn}",
-                                 method="count_outbound", conn=self)
+        try:
+            self._count_outbound(self, name, len(lines))
+        except Exception:
+            self.log.failure("Replication handler {method} failed on {conn}",
+                             method="count_outbound", conn=self)
         return True
 
     # ------------------------------------------------------------ IPushProducer
@@ -487,11 +465,6 @@ class LineConnection(Protocol):
                    log_text=f"no command for {silent:.1f}s")
 
     # ------------------------------------------------------------ handler calls
-
-    def _call_hook(self, hook: str, *args: Any) -> None:
-        method = self._hooks[hook]
-        if method is not None:
-            self._call(method, *args)
 
     def _call(self, method: Callable[..., Any], *args: Any) -> None:
         try:

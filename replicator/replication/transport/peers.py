@@ -22,8 +22,9 @@ A refusal is ``ERROR <why>`` and a close.  Without ``client_ca``,
 ``allowed_peers`` and ``allowed_networks`` nothing a Synapse peer sends is
 refused here (wire compatibility).
 
-:func:`metrics_label` bounds metric labels: a peer-supplied name is used as
-a label only if the configuration knows it.
+Metric labels are bounded by :func:`replicator.replication.interfaces.metrics_label` (core and
+transports both label by it): a peer-supplied name is a label only if the
+configuration knows it.
 """
 
 import ipaddress
@@ -33,9 +34,6 @@ from typing import TYPE_CHECKING, AbstractSet, FrozenSet, Mapping, Optional, Tup
 if TYPE_CHECKING:
     from ...config import ReplicationConfig
     from ..interfaces import IReplicationHandler
-
-#: The metrics label of every name the configuration does not know.
-OTHER = "other"
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -113,11 +111,7 @@ def local_names(handler: "IReplicationHandler") -> FrozenSet[str]:
     """The names no peer of ``handler`` may take: its instance's and its
     local writers'."""
     names = {handler.instance_name}
-    for stream in getattr(handler, "registry", ()):
+    for stream in handler.registry:
         names.update(stream.local_writers)
     return frozenset(names)
 
-
-def metrics_label(name: Optional[str], known: AbstractSet[str]) -> str:
-    """``name`` if the configuration knows it, else :data:`OTHER`."""
-    return name if name is not None and name in known else OTHER

@@ -32,7 +32,17 @@ from zope.interface import implementer
 from ...logs.printable import printable
 from ...net.tls import certificate_names
 from ...observe import metrics
-from ..interfaces import IPeerConnection, IReplicationHandler
+from ..interfaces import (
+    CONNECTION_LOST,
+    IDENTIFY_TIMEOUT_REASON,
+    INVALID_COMMAND,
+    PARSE_ERROR,
+    REFUSED,
+    REMOTE_ERROR,
+    WRONG_REMOTE,
+    IPeerConnection,
+    IReplicationHandler,
+)
 from ..wire.commands import (
     CLIENT_COMMANDS,
     CLIENT_WRITER_COMMANDS,
@@ -49,16 +59,7 @@ from ..wire.commands import (
 )
 from ..wire.parsing import CommandParseError
 from . import proof
-from .link import (
-    CONNECTION_LOST,
-    IDENTIFY_TIMEOUT_REASON,
-    INVALID_COMMAND,
-    PARSE_ERROR,
-    REFUSED,
-    REMOTE_ERROR,
-    WRONG_REMOTE,
-    LineConnection,
-)
+from .link import LineConnection
 from .peers import PeerPolicy
 
 
@@ -87,7 +88,6 @@ class ReplicationProtocol(LineConnection):
         self.remote_error_text: Optional[str] = None
         self.lost_failure: Optional[Failure] = None
         self._established = False
-        self._count_inbound = self._hooks["count_inbound"]
         names = self.VALID_INBOUND | CLIENT_WRITER_COMMANDS
         self._dispatch: Dict[str, Optional[Callable[..., Any]]] = {
             name: getattr(handler, "on_" + name, None) for name in names
@@ -105,7 +105,7 @@ class ReplicationProtocol(LineConnection):
         (server side) or the server's ``SERVER`` name (client side); None
         until received.  Checks use it as received; :attr:`name` is its
         printable form for logs, and the metrics label is derived from it
-        (:func:`.peers.metrics_label`, bounded)."""
+        (:func:`replicator.replication.interfaces.metrics_label`, bounded)."""
         return self._peer_instance
 
     @property
@@ -157,7 +157,7 @@ class ReplicationProtocol(LineConnection):
         self.log.info("Replication connection {conn} made", conn=self)
         self._send_handshake()
         self._start_timers()
-        self._call_hook("new_connection", self)
+        self._call(self.handler.new_connection, self)
 
     def connectionLost(self, reason: Optional[Failure] = None) -> None:
         self._connected = False
@@ -174,7 +174,7 @@ class ReplicationProtocol(LineConnection):
             why=self.close_reason,
             reason=reason.getErrorMessage() if reason is not None else "",
         )
-        self._call_hook("lost_connection", self, self.close_reason)
+        self._call(self.handler.lost_connection, self, self.close_reason)
 
     def _send_handshake(self) -> None:
         raise NotImplementedError
@@ -223,8 +223,7 @@ class ReplicationProtocol(LineConnection):
             self.close(REFUSED, "NAME required", log_text=f"{name} before NAME")
             return
         self._last_command = self._clock.seconds()
-        if self._count_inbound is not None:
-            self._call(self._count_inbound, self, name)
+        self._call(self.handler.count_inbound, self, name)
         own = self._own.get(name)
         if own is not None:
             # True: the protocol keeps the command (the handler gets it later, or never).
@@ -296,7 +295,6 @@ class ServerReplicationProtocol(ReplicationProtocol):
         self.server_name = server_name
         self.policy = policy if policy is not None else PeerPolicy()
         self.name_required = self.policy.name_required
-        self._client_may_write = getattr(handler, "client_may_write", None)
         self._identify = identify
         self._identify_timeout = identify_timeout
         self._identify_call: Optional[IDelayedCall] = None
@@ -442,7 +440,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
         writer (a worker the config no longer names as a writer of a
         stream says so in its retry lines)."""
         name = cmd.NAME
-        if name not in CLIENT_WRITER_COMMANDS or self._client_may_write is None:
+        if name not in CLIENT_WRITER_COMMANDS:
             return "invalid command: " + name
         stream, writer = cmd.stream_name, cmd.instance_name  # type: ignore[attr-defined]
         what = f"{name} of {printable(stream, 64)}/{printable(writer, 64)} refused"
@@ -455,7 +453,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
             metrics.CONNECTIONS_REFUSED.labels("unproven").inc()
             return f"{what}: {printable(instance, 64)} has not proven its NAME (AUTH)"
         try:
-            allowed = bool(self._client_may_write(stream, instance))
+            allowed = bool(self.handler.client_may_write(stream, instance))
         except Exception:
             self.log.failure("client_may_write failed on {conn}", conn=self)
             allowed = False
@@ -528,7 +526,7 @@ class ClientReplicationProtocol(ReplicationProtocol):
         self.writes_held = False
         self._own.pop("POSITION", None)
         self._own.pop("RDATA", None)
-        self._call_hook("writes_released", self)
+        self._call(self.handler.writes_released, self)
 
     def _on_POSITION(self, cmd: Command) -> None:
         self._release_writes()

@@ -90,6 +90,7 @@ from ...observe import metrics
 from ..interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
 from ..wire.commands import Command, ReplicateCommand, parse_line
 from .redis_channels import ChannelLayout
+from .redis_publish import at_rest, write_publishes
 from .redis_sentinel import (
     SentinelEndpoint,
     SentinelWatch,
@@ -103,9 +104,6 @@ from .synapse_watch import SynapseWatch
 log = Logger()
 
 NAME = "redis"
-#: What brackets the PUBLISHes of one write of several lines.
-MULTI = b"*1\r\n$5\r\nMULTI\r\n"
-EXEC = b"*1\r\n$4\r\nEXEC\r\n"
 OWN_INSTANCE_FIELDS = {"RDATA": "instance_name", "POSITION": "instance_name",
                        "USER_SYNC": "instance_id", "CLEAR_USER_SYNC": "instance_id",
                        "FEDERATION_ACK": "instance_name"}
@@ -596,12 +594,8 @@ class RedisReplication(MultiService):
         the database, and the reconnect re-announces our positions.  Nothing is
         published once a Synapse was seen on our channel.
 
-        This is the one place that writes Redis commands by hand and reads
-        txredisapi's reply queue (``replyQueue``: one Deferred per reply, in
-        order) instead of calling the library: its ``publish`` writes one
-        command per call and its ``multi`` sends MULTI, each command and
-        EXEC as separate writes, so neither can put a block into one write
-        (the all-or-nothing above), and both cost a Deferred chain per line."""
+        The commands are written by hand (:mod:`.redis_publish`, as the
+        cluster's are), not through the library's ``publish``/``multi``."""
         if self.synapse_seen is not None:
             metrics.COMMANDS_DROPPED.labels("PUBLISH", "synapse_seen").inc(len(lines))
             return
@@ -609,32 +603,18 @@ class RedisReplication(MultiService):
         if publisher is None or not publisher.connected or publisher.transport is None:
             return
         payloads, channels = routed(self.layout, lines, channel, self.signer)
-        commands = [b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-                    % (len(to), to, len(payload), payload)
-                    for payload, to in zip(payloads, channels)]
-        replies = publisher.replyQueue
-        if len(commands) == 1:
-            publisher.transport.write(commands[0])
-            replies.get().addCallbacks(self._published, self._publish_failed,
-                                       callbackArgs=(publisher, 1), errbackArgs=(1,))
-            return
-        publisher.transport.write(b"".join([MULTI] + commands + [EXEC]))
-        # One reply per command, in order: +OK for MULTI and +QUEUED for each
-        # PUBLISH (a refused one makes EXEC fail), then EXEC's, which says
-        # whether the block ran.
-        for _ in range(len(commands) + 1):
-            replies.get()
-        replies.get().addCallbacks(self._published, self._publish_failed,
-                                   callbackArgs=(publisher, len(commands)),
-                                   errbackArgs=(len(commands),))
+        # A refused PUBLISH of a block makes its EXEC fail: EXEC's reply
+        # (the last) says whether the block ran.
+        replies = write_publishes(publisher, b"PUBLISH", list(zip(channels, payloads)))
+        count = len(payloads)
+        replies[-1].addCallbacks(self._published, self._publish_failed,
+                                 callbackArgs=(publisher, count), errbackArgs=(count,))
 
     def _published(self, reply: Any, publisher: Any, count: int) -> None:
         # txredisapi hands over error replies and a lost connection as values;
         # EXEC's answer is a list (one subscriber count per PUBLISH).
         if isinstance(reply, list):
-            # txredisapi counts QUEUED replies for its own MULTI, which this
-            # connection never uses: keep its counter at rest.
-            publisher.transactions = 0
+            at_rest(publisher)
             failed = [r for r in reply if isinstance(r, Exception)]
             if failed:
                 self._publish_failed(Failure(failed[0]), len(failed))

@@ -56,8 +56,9 @@ from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from ...observe import metrics
 from ..interfaces import IRedisBus, IReplicationHandler
 from ..wire.commands import ReplicateCommand
-from .redis import EXEC, MULTI, RedisConnection, deliver, parse_message, routed, text_of
+from .redis import RedisConnection, deliver, parse_message, routed, text_of
 from .redis_channels import ChannelLayout
+from .redis_publish import at_rest, write_publishes
 from .redis_signing import signing, take
 
 log = Logger()
@@ -169,11 +170,6 @@ class _ShardSubscriber(_Link, txredisapi.SubscriberProtocol):  # type: ignore[mi
 
 class _Publisher(_Link, txredisapi.RedisProtocol):  # type: ignore[misc]
     role = "publisher"
-
-
-def _spublish(channel: bytes, payload: bytes) -> bytes:
-    return b"*3\r\n$8\r\nSPUBLISH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
-        len(channel), channel, len(payload), payload)
 
 
 @implementer(IRedisBus)
@@ -400,20 +396,13 @@ class RedisClusterBus(MultiService):
             if publisher is None or publisher.transport is None or not publisher.connected:
                 metrics.COMMANDS_DROPPED.labels("PUBLISH", "failed").inc(len(payloads))
                 continue
-            commands = [_spublish(to, p) for p in payloads]
-            replies = publisher.replyQueue
-            if len(commands) == 1:
-                publisher.transport.write(commands[0])
-                pending = [replies.get()]
-            else:
-                publisher.transport.write(b"".join([MULTI] + commands + [EXEC]))
-                pending = [replies.get() for _ in range(len(commands) + 2)]
+            pending = write_publishes(publisher, b"SPUBLISH", [(to, p) for p in payloads])
             defer.gatherResults(pending).addCallback(
-                self._published, publisher, len(commands)).addErrback(
-                self._publish_failed, publisher, len(commands))
+                self._published, publisher, len(payloads)).addErrback(
+                self._publish_failed, publisher, len(payloads))
 
     def _published(self, results: List[Any], publisher: Any, count: int) -> None:
-        publisher.transactions = 0  # txredisapi's MULTI counter, never ours
+        at_rest(publisher)
         errors = [r for r in results if isinstance(r, Exception)]
         last = results[-1]
         if isinstance(last, list):

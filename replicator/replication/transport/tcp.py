@@ -49,17 +49,14 @@ from ...net.crowd import Crowd
 from ...net.endpoint_strings import client_address
 from ...net.reconnect import ReconnectingService, failure_reason
 from ...observe import metrics
-from ..interfaces import IReplicationHandler
+from ..interfaces import CONNECTION_LOST, REFUSED, REMOTE_ERROR, IReplicationHandler
 from ..wire.encoding import MAX_LINE_LENGTH
 from .link import (
-    CONNECTION_LOST,
     IDLE_TIMEOUT,
     MAX_QUEUED_BYTES,
     MAX_QUEUED_LINES,
     PING_INTERVAL,
     PING_TIMEOUT,
-    REFUSED,
-    REMOTE_ERROR,
 )
 from .peers import PeerPolicy, local_names
 from .protocol import ClientReplicationProtocol, ServerReplicationProtocol
@@ -138,7 +135,7 @@ class ReplicationServerFactory(Factory):
         """The names one live connection at a time may hold: the handler's
         (the configured writers; a reload adds to them) and the policy's
         ``allowed_peers``, less this instance's own names."""
-        return (frozenset(getattr(self.handler, "known_names", ()))
+        return (frozenset(self.handler.known_names)
                 | (self.policy.allowed_peers or frozenset())) - self.policy.reserved
 
     def set_policy(self, policy: PeerPolicy) -> int:
