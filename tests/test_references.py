@@ -108,11 +108,13 @@ def attributes(found: object, parts: List[str]) -> object:
 
 def attribute(owner: object, name: str) -> object:
     """``owner.name``; for a class also an instance attribute (set as
-    ``self.name``, annotated, or in ``__slots__``); for a package also a
-    submodule."""
+    ``self.name``, annotated, or in ``__slots__``); for an interface one of
+    its declared attributes and methods; for a package also a submodule."""
     value = getattr(owner, name, _MISSING)
     if value is not _MISSING:
         return value
+    if hasattr(owner, "names") and hasattr(owner, "getBases"):  # a zope Interface
+        return owner.get(name, _MISSING)
     if inspect.ismodule(owner) and hasattr(owner, "__path__"):
         try:
             return importlib.import_module(f"{owner.__name__}.{name}")
@@ -270,6 +272,10 @@ class ReferenceTests(SynchronousTestCase):
         self.assertTrue(resolve_role("WRITE_SIZE", sse, None))
         self.assertTrue(resolve_role("twisted.internet.defer.Deferred", sse, None))
         self.assertTrue(resolve_role("ValueError", sse, None))
+        self.assertIsNot(resolve_dotted(
+            "replicator.replication.interfaces.IReplicationHandler.lost_connection"), _MISSING)
+        self.assertIs(resolve_dotted(
+            "replicator.replication.interfaces.IReplicationHandler.nope"), _MISSING)
         for wrong in (".gone", "..answers.Nope", "SseClient.nope", "Nope", "twisted.nope"):
             self.assertFalse(resolve_role(wrong, sse, None), wrong)
         files = {"replicator/http/read/sse.py", "README.md"}
