@@ -30,7 +30,18 @@ $(NODE_DIR)/.installed-eventsource-$(EVENTSOURCE_VERSION): | system-deps
 	npm install --silent --no-audit --no-fund --save-exact --prefix $(NODE_DIR) eventsource@$(EVENTSOURCE_VERSION)
 	touch $@
 
-node-deps: $(NODE_DIR)/.installed-eventsource-$(EVENTSOURCE_VERSION)
+# Durable Streams (docs/read-api.md): the official TypeScript client and
+# the server conformance suite (it brings vitest, which runs it).
+DS_CLIENT_VERSION := 0.2.7
+DS_CONFORMANCE_VERSION := 0.3.6
+DS_STAMP := $(NODE_DIR)/.installed-durable-streams-$(DS_CLIENT_VERSION)-$(DS_CONFORMANCE_VERSION)
+$(DS_STAMP): $(NODE_DIR)/.installed-eventsource-$(EVENTSOURCE_VERSION)
+	npm install --silent --no-audit --no-fund --save-exact --prefix $(NODE_DIR) \
+		@durable-streams/client@$(DS_CLIENT_VERSION) \
+		@durable-streams/server-conformance-tests@$(DS_CONFORMANCE_VERSION)
+	touch $@
+
+node-deps: $(NODE_DIR)/.installed-eventsource-$(EVENTSOURCE_VERSION) $(DS_STAMP)
 
 system-deps:
 	scripts/ensure-system-deps.sh

@@ -25,7 +25,10 @@ class PoolThroughRestartTests(TestCase):
     timeout = 120
 
     def setUp(self):
-        self.server = PostgresServer()
+        # Commits durable before acknowledged: with synchronous_commit off an
+        # immediate restart may lose the test's own CREATE TABLE (seen under
+        # load: "relation t does not exist").
+        self.server = PostgresServer(synchronous_commit=True)
         self.addCleanup(self.server.stop)
         self.db = Database(parse_database({"postgres": self.server.create_database("outage"),
                                            "pool_min": 3, "pool_max": 3}))

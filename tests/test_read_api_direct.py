@@ -78,6 +78,8 @@ class DirectWriteTests(ReadTestCase):
         await until(lambda: self.api.reads.slots.open == 2)
         feed = self.api.reads.feed(self.registry.get("events"))
         await until(lambda: len(feed.clients) == 2)
+        # The server has both clients live before the head reaches the client.
+        await until(lambda: new.head is not None)
         self.assertIn(b"chunked", new.head.lower())
         left_behind = []
         write = feed._write

@@ -134,11 +134,23 @@ def printed_facts(text: str) -> List[Tuple[int, list]]:
     return as_table(facts)
 
 
+def need_python_client(code: str) -> None:
+    """Skip (fail with ``CI=true``) an example of the Durable Streams
+    Python client without it (pyproject.toml, the test extra)."""
+    if "durable_streams" in code:
+        try:
+            import durable_streams  # noqa: F401
+        except ImportError:
+            unavailable("the Python package durable-streams is not installed "
+                        "(pyproject.toml, the test extra)")
+
+
 class ReadmeExampleTests(SynchronousTestCase):
     def test_every_example_prints_the_tables_facts(self):
         blocks = [(lang, code) for lang, code in examples() if lang in ("sh", "js", "python")]
         self.assertEqual([lang for lang, _ in blocks],
-                         ["sh", "sh", "js", "js", "js", "python"], "the section's examples")
+                         ["js", "python", "sh", "sh", "js", "js", "js", "python"],
+                         "the section's examples")
         daemon = ReadApiDaemon(self).start()
         daemon.write(FACTS)
         table = daemon.table()
@@ -173,6 +185,7 @@ class ReadmeExampleTests(SynchronousTestCase):
                 page = json.loads(done.stdout)
                 self.assertEqual(as_table(page["facts"]), table[:2])
         elif lang == "python":
+            need_python_client(code)
             self._lines([sys.executable, "-c", code], env, table)
         elif "process.env" in code:
             self._lines([node_binary(), node_module(self, code)], env, table)
@@ -215,15 +228,19 @@ class ReadmeExampleTests(SynchronousTestCase):
                 clients["browser"] = InBrowser(browser)
                 continue
             if lang == "python":
-                name, args = "python", [sys.executable, "-c", code]
+                need_python_client(code)
+                name = "python ds" if "/ds/" in code else "python"
+                args = [sys.executable, "-c", code]
             else:
-                name = "node " + ("eventsource" if "/events" in code else "fetch")
+                name = "node " + ("eventsource" if "/events" in code else
+                                  "ds" if "/ds/" in code else "fetch")
                 args = [node_binary(), node_module(self, code)]
             run = Running(args, env=env)
             self.addCleanup(run.stop)
             clients[name] = InProcess(run)
         self.assertEqual(sorted(clients),
-                         ["browser", "node eventsource", "node fetch", "python"])
+                         ["browser", "node ds", "node eventsource", "node fetch", "python",
+                          "python ds"])
 
         def each(predicate, what):
             def check():
@@ -245,6 +262,8 @@ class ReadmeExampleTests(SynchronousTestCase):
             def asked(name):
                 """How often ``name`` asked the proxy."""
                 return sum(name == ("browser" if "Chrome" in agent else
+                                    "python ds" if "python-httpx" in agent else
+                                    "node ds" if "/ds/" in path else
                                     "python" if "Python" in agent else
                                     "node eventsource" if "/events" in path else
                                     "node fetch")

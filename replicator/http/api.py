@@ -199,6 +199,14 @@ class HttpApi:
             if rest in simple:
                 return {b"GET": simple[rest]}, ()
             parts = rest.split(b"/")
+            if len(parts) == 2 and parts[0] == b"ds" and parts[1]:
+                try:
+                    name = unquote(parts[1].decode("ascii"), errors="strict")
+                except (UnicodeDecodeError, ValueError):
+                    name = None
+                ds = self.reads.durable  # docs/read-api.md, "Durable Streams"
+                return {b"GET": ds.get, b"OPTIONS": ds.preflight, b"PUT": ds.refuse_write,
+                        b"POST": ds.refuse_write, b"DELETE": ds.refuse_write}, (name,)
             if len(parts) == 3 and parts[0] == b"streams" and parts[2] in (b"facts", b"events") \
                     and parts[1]:
                 try:

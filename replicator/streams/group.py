@@ -91,6 +91,7 @@ class WriteGroups:
         self._queued: Deque[Write] = deque()
         self._queued_facts = 0
         self._waiting = 0  # transactions started that have not taken yet
+        self._running = 0  # transactions started whose outcome is not told yet
 
     def submit(self, write: Write) -> "defer.Deferred[List[int]]":
         """Queue ``write``; start a transaction unless enough are on their way."""
@@ -131,10 +132,12 @@ class WriteGroups:
         self._start(Group(solo=write))
 
     def _start(self, group: Group) -> None:
+        self._running += 1
         d = self._run(group)
         d.addBoth(self._done, group)
 
     def _done(self, outcome: Any, group: Group) -> None:
+        self._running -= 1
         if not group.taken:
             # The transaction never ran (no connection could be had).
             with self._lock:
@@ -164,3 +167,9 @@ class WriteGroups:
     @property
     def queued(self) -> int:
         return len(self._queued)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a write is queued or a transaction is on its way (the
+        group being told its outcome not counted): more commits are coming."""
+        return self._running > 0 or bool(self._queued)

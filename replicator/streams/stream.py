@@ -345,6 +345,12 @@ class Stream:
         write = Write(checked, wire, list(hooks), time.monotonic(), lines)
         return await self._groups[writer].submit(write)
 
+    def writing(self, writer: str) -> bool:
+        """Whether another write of local ``writer`` is queued or in a
+        transaction (reactor thread): a commit of it is on its way."""
+        groups = self._groups.get(writer)
+        return groups is not None and groups.busy
+
     def _run_group(self, writer: str, group: Group) -> "defer.Deferred[None]":
         """Start the transaction that takes ``group``'s writes (reactor thread)."""
         if self.db.is_postgres:
@@ -450,6 +456,14 @@ class Stream:
         found: Optional[int] = await self.db.runReads(
             self._tally.any_fact, writer, from_token, to_token)
         return found
+
+    @property
+    def keeps_facts(self) -> bool:
+        """Whether every fact stays in the table until retention trims it
+        (ours: facts are immutable).  Synapse's tables (a preset) delete
+        and replace theirs: presence and receipts keep each user's newest,
+        cache invalidations are pruned."""
+        return self.config.preset is None
 
     async def tally(self, writer: str, from_token: int, to_token: int) -> Tuple[Tally, int]:
         """``((facts, id_sum, rows), trim boundary)`` of ``writer`` in

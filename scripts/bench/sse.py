@@ -49,6 +49,12 @@ taken for each client count of ``CLIENTS`` (1, 50, 1,000), SSE then TCP:
     one fact a line, rows as arrays), and the stdlib ``json.loads`` of the
     same lines printed beside it.
 
+``ds.rows_per_s.<N>clients``, ``ds.latency.<N>clients.p99_ms`` (baseline: SSE to the same N)
+    The same two figures for Durable Streams readers
+    (``GET .../ds/{stream}?offset=now&live=sse``, docs/read-api.md
+    "Durable Streams"), for each client count of ``DS_CLIENTS`` (50): each
+    reads its own pages, where ``.../events`` shares one encoding.
+
 Run alone: ``python scripts/bench/sse.py [--only fanout,pages] [--big]``.
 """
 
@@ -83,6 +89,7 @@ STREAM = {"name": "bench", "table": "sse_bench",
           "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
           "writers": ["master"]}
 CLIENTS = [int(c) for c in os.environ.get("SSE_CLIENTS", "1,50,1000").split(",") if c]
+DS_CLIENTS = [int(c) for c in os.environ.get("DS_CLIENTS", "50").split(",") if c]
 PER_PROCESS = 50
 WRITERS = 8
 BURST_ROWS = 20
@@ -277,12 +284,14 @@ class Readers:
         left, k = clients, 0
         while left > 0:
             n = min(PER_PROCESS, left)
-            if kind == "sse":
+            if kind in ("sse", "ds"):
+                path = (f"/_replicator/v1/ds/{STREAM['name']}?offset=now&live=sse"
+                        if kind == "ds" else
+                        f"/_replicator/v1/streams/{STREAM['name']}/events?from=now")
                 args = [sys.executable, SSE_READER, "--port", str(daemon.http_port),
-                        "--path", f"/_replicator/v1/streams/{STREAM['name']}/events?from=now",
-                        "--secret", READER_SECRET, "--sockets", str(n),
+                        "--path", path, "--secret", READER_SECRET, "--sockets", str(n),
                         "--mode", "latency" if mode == "latency" else "count",
-                        "--timeout", "600"]
+                        "--format", "ds" if kind == "ds" else "events", "--timeout", "600"]
             else:
                 args = [sys.executable, TCP_READER, "--port", str(daemon.rep_port),
                         "--sockets", str(n), "--mode", mode, "--name", f"r{k}",
@@ -291,7 +300,7 @@ class Readers:
                                                stdout=subprocess.PIPE))
             left -= n
             k += 1
-        if kind == "sse":
+        if kind in ("sse", "ds"):
             for p in self.procs:  # every connection has its 200 and is live
                 line = p.stdout.readline()
                 if b'"ready"' not in line:
@@ -434,6 +443,12 @@ def run_fanout(new_dsn) -> None:
             if sse["rss"] is not None:
                 record(f"sse.rss_per_client_kb.{name}", max(sse["rss"], 0.001), "KB",
                        f"TCP to {clients}", max(tcp["rss"], 0.001), higher_is_better=False)
+            if clients in DS_CLIENTS:
+                ds = {"rows": burst(daemon, "ds", clients), "lat": latency(daemon, "ds", clients)}
+                record(f"ds.rows_per_s.{name}", ds["rows"], "rows/s", f"SSE to {clients}",
+                       sse["rows"])
+                record(f"ds.latency.{name}.p99_ms", max(ds["lat"][0], 0.001), "ms",
+                       f"SSE to {clients}", max(sse["lat"][0], 0.001), higher_is_better=False)
     finally:
         daemon.stop()
 

@@ -19,6 +19,12 @@ Then, per connection:
 ``idle``
     Read and count like ``count`` (the connection stays open and idle).
 
+With ``--format ds`` the stream is a Durable Streams SSE answer
+(``GET .../ds/{stream}?offset=now&live=sse``): an ``event: data`` holds a
+JSON array of facts, so facts are counted (each ``"stream_id":``), not
+events, and in latency mode every ``stream_id`` of a ``data:`` line is
+recorded.
+
 The expected number of events comes from a line ``<n>`` on stdin; when
 every connection has seen it (or closed, or ``--timeout`` passed, or stdin
 closed) it prints one JSON line in ``reader.py``'s format: ``counts``,
@@ -38,6 +44,7 @@ import time
 
 BUFFER = 1 << 20
 EVENT = b"\nevent: fact"
+FACT = b'"stream_id":'
 STREAM_ID = re.compile(rb'"stream_id":\s*(\d+)')
 
 
@@ -73,7 +80,10 @@ def main():
     p.add_argument("--sockets", type=int, default=1)
     p.add_argument("--mode", choices=("count", "latency", "idle"), default="count")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--format", choices=("events", "ds"), default="events")
     args = p.parse_args()
+    ds = args.format == "ds"
+    marker = FACT if ds else EVENT
     socks = [connect(args) for _ in range(args.sockets)]
     initial = [read_head(s) for s in socks]
     print(json.dumps({"ready": len(socks)}), flush=True)
@@ -104,15 +114,15 @@ def main():
             seen = 0
             for line in lines:
                 if line.startswith(b"data:"):
-                    m = STREAM_ID.search(line)
-                    if m:
-                        tokens[i].append(int(m.group(1)))
+                    found = STREAM_ID.findall(line) if ds else STREAM_ID.findall(line)[:1]
+                    for m in found:
+                        tokens[i].append(int(m))
                         arrivals[i].append(now)
                         seen += 1
         else:
             joined = tails[i] + data
-            seen = joined.count(EVENT)
-            tails[i] = joined[-(len(EVENT) - 1):]
+            seen = joined.count(marker)
+            tails[i] = joined[-(len(marker) - 1):]
         if seen:
             counts[i] += seen
             last_at[i] = now

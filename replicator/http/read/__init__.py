@@ -12,4 +12,5 @@
 * :mod:`.routes`: the routes.
 * :mod:`.direct`: event-stream bytes written straight to a client's socket.
 * :mod:`.builds`: page builds bounded per address.
+* :mod:`.durable`: every stream read as a Durable Stream (the open protocol).
 """

@@ -65,6 +65,9 @@ class ReadRoutes:
         self.readahead = readahead.ReadAhead(clock)  # pages built ahead for walking readers
         self._live: Dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
         self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)
+        from .durable import DurableRoutes
+
+        self.durable = DurableRoutes(self, clock)  # the same, as Durable Streams
         self.trimmed_streams = 0  # event streams the trim boundary passed (ended)
 
     # ------------------------------------------------------- what it shows
@@ -224,9 +227,15 @@ class ReadRoutes:
 
     async def _long_poll(self, finished: defer.Deferred, gone: List[object], request,
                          reader: Reader, stream, page: Page, limit: int,
-                         wait: float, form: formats.PageFormat) -> Optional[Page]:
-        """Wait up to ``wait`` seconds for a fact after ``page.next``."""
+                         wait: float, form: formats.PageFormat = formats.JSON,
+                         again=None) -> Optional[Page]:
+        """Wait up to ``wait`` seconds for a fact after ``page.next``; each
+        move of the stream reads the page after it again (``again(positions)``,
+        by default :meth:`page` in ``form`` up to the writers' current tokens)."""
         host = client_host(request)
+        if again is None:
+            def again(after):
+                return self.page(stream, after, limit, host=host, form=form)
         self.slots.take(host)
         self.book.opened(reader.name, stream.name)
         woke: Optional[defer.Deferred] = None
@@ -253,7 +262,7 @@ class ReadRoutes:
                         timer.cancel()
                 if gone:
                     break
-                page = await self.page(stream, page.next, limit, host=host, form=form)
+                page = await again(page.next)
         finally:
             self.slots.give(host)
             self.book.closed(reader.name, stream.name)

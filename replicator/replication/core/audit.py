@@ -26,6 +26,10 @@ Invariants:
   check is done at once (memory stays bounded; no window goes unchecked).
 * Facts at or below the trim boundary are not compared (retention may
   have deleted them): the check covers the part of the window above it.
+  Synapse's own tables do not keep their facts (an update deletes the
+  user's older presence or receipt; old cache invalidations are pruned):
+  there only a fact or row the table holds and the reader did not hand
+  on is a difference.
 * A check is one indexed statement that reads no row's values (count of
   IDs, their sum modulo a prime, count of rows); only a difference reads
   the range's ``(id, rows)`` list, to name what differs.  Contents are
@@ -236,16 +240,21 @@ def delivered_tally(window: Window, above: int) -> Tally:
 
 def difference(stream: str, writer: str, since: int, upto: int, window: Window,
                table: Sequence[Tuple[int, int]], how: str = "audit",
-               altered: Sequence[int] = ()) -> Optional[Mismatch]:
+               altered: Sequence[int] = (), keeps_facts: bool = True) -> Optional[Mismatch]:
     """The :class:`Mismatch` between the window's facts above ``since``
     and ``table``'s ``(id, rows)`` of ``(since, upto]`` (None: equal);
-    ``altered``: facts whose rows the sample found different."""
+    ``altered``: facts whose rows the sample found different.  A table
+    that does not keep its facts (Synapse's: :attr:`.Stream.keeps_facts`)
+    may have lost some since they were handed on: there only what it
+    holds beyond what was handed on is a difference."""
     delivered = {i: n for i, n in zip(window.ids, window.rows) if since < i <= upto}
     held = dict(table)
     missing = sorted(set(held) - set(delivered))
-    extra = sorted(set(delivered) - set(held))
-    resized = sorted({i for i in set(held) & set(delivered) if held[i] != delivered[i]}
-                     | {i for i in altered if i in held and i in delivered})
+    extra = sorted(set(delivered) - set(held)) if keeps_facts else []
+    both = set(held) & set(delivered)
+    resized = sorted({i for i in both if held[i] != delivered[i]
+                      and (keeps_facts or held[i] > delivered[i])}
+                     | {i for i in altered if i in both and keeps_facts})
     if not (missing or extra or resized):
         return None
     return Mismatch(stream, writer, since, upto, missing[:LISTED], extra[:LISTED],
@@ -389,7 +398,7 @@ class Auditor(Service):
             return None
         listed = await stream.fact_sizes(writer, since, window.hi)
         found = difference(stream.name, writer, since, window.hi, window, listed, how,
-                           altered)
+                           altered, stream.keeps_facts)
         if found is None:
             # The table changed between the two statements (retention):
             # judged by the list, which is the later look.

@@ -26,9 +26,12 @@ Invariants:
   rows, whatever the size of a fact.
 * ``announced`` only moves after the lines were written, and REPLICATE is
   answered with ``announced``: a new connection never misses a fact.
-* One fan-out runs per (stream, writer) at a time; under load advances
-  coalesce (at most one fan-out per ``fanout_interval``), when idle a fact
-  goes out at once.
+* One fan-out runs per (stream, writer) at a time.  Coalescing is
+  adaptive: an advance while other writes of the writer are queued or in a
+  transaction (more commits on their way) waits out the rest of
+  ``fanout_interval`` since the last fan-out, so that they go together; a
+  commit alone (nothing else of its writer in flight) goes out at once,
+  however soon after the last one.
 """
 
 import time
@@ -100,12 +103,13 @@ class Fanout:
         stream.keep_recent_facts()
 
     def advanced(self, stream: Stream, writer: str) -> None:
-        """A local writer's token moved: fan out now or soon."""
+        """A local writer's token moved: fan out now, or, if more of its
+        commits are on their way, at most one fan-out per interval."""
         key = (stream.name, writer)
         if key in self._running or key in self._timers or self._stopping:
             return
         wait = self._last.get(key, -1e9) + self.fanout_interval - self._clock.seconds()
-        if wait > 0:
+        if wait > 0 and stream.writing(writer):
             self._timers[key] = self._clock.callLater(wait, self._start, stream, writer, key)
         else:
             self._start(stream, writer, key)
