@@ -13,10 +13,12 @@ from typing import Any, Callable, Optional
 
 from twisted.enterprise import adbapi
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorFDSet
 from twisted.logger import Logger
 
 from .. import files
 from ..config import DatabaseConfig
+from .reactor_reads import ReactorReads
 from .transactions import TransactionQueue
 
 #: A DB-API cursor, as a transaction function receives it (psycopg2 or sqlite3).
@@ -167,6 +169,7 @@ class Database:
         # connection stays free for reads when the pool has more than one.
         workers = config.pool_max - 1 if config.pool_max > 1 else 1
         self.transactions = TransactionQueue(self.pool, workers)
+        self._reactor_reads: Optional[ReactorReads] = None
 
     @property
     def is_postgres(self) -> bool:
@@ -207,6 +210,20 @@ class Database:
         done: "defer.Deferred[Any]" = self.pool.runWithConnection(run)
         return done
 
+    def reactor_reads(self, reactor: Any) -> Optional[ReactorReads]:
+        """PostgreSQL: the :class:`.reactor_reads.ReactorReads` of this
+        database on ``reactor`` (one connection more than the pool, opened
+        at the first read), for tiny reads on the path of every fact; None
+        on SQLite, on a pool given by a test, or on a reactor that cannot
+        watch a socket (a test's clock): then the pool it is."""
+        if self._reactor_reads is None:
+            if not self.is_postgres or self.config.dsn is None \
+                    or not IReactorFDSet.providedBy(reactor) \
+                    or not isinstance(self.pool, _PostgresPool):
+                return None
+            self._reactor_reads = ReactorReads(reactor, self.config.dsn)
+        return self._reactor_reads
+
     def runQuery(self, text: str, *args: Any) -> "defer.Deferred[Any]":
         done: "defer.Deferred[Any]" = self.pool.runQuery(self.sql(text), *args)
         return done
@@ -216,4 +233,6 @@ class Database:
         return done
 
     def close(self) -> None:
+        if self._reactor_reads is not None:
+            self._reactor_reads.close()
         self.pool.close()

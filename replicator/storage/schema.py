@@ -16,7 +16,7 @@ and keep being read in heap order among themselves, as before.
 All functions here take a DB-API cursor and run in a pool thread.
 """
 
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from ..config import ConfigError, StreamConfig
 from ..config.model import ROW_INDEX_COLUMN
@@ -292,8 +292,20 @@ def upsert_position_sql(greatest: str) -> str:
     )
 
 
+def sequence_value_sql(sequence: str) -> str:
+    """The statement :func:`sequence_value` runs (its row:
+    :func:`sequence_value_of`)."""
+    return f"SELECT last_value, is_called FROM {sequence}"
+
+
+def sequence_value_of(row: Sequence[Any]) -> int:
+    """The last value ``nextval`` handed out, from the row of
+    :func:`sequence_value_sql`."""
+    last, called = row
+    return int(last) if called else int(last) - 1
+
+
 def sequence_value(txn: Cursor, sequence: str) -> int:
     """The last value ``nextval`` handed out (PostgreSQL)."""
-    txn.execute(f"SELECT last_value, is_called FROM {sequence}")
-    last, called = txn.fetchone()
-    return int(last) if called else int(last) - 1
+    txn.execute(sequence_value_sql(sequence))
+    return sequence_value_of(txn.fetchone())

@@ -59,6 +59,10 @@ PREPARE_SLICE = 2000
 _token_of = itemgetter(0)
 
 
+def _nothing(pages: Any) -> None:
+    """What :meth:`Stream.facts_at` runs after its read: nothing."""
+
+
 class Fact:
     """One fact being written: rows added in the ``async with`` block.
 
@@ -502,6 +506,28 @@ class Stream:
         return cast(FactPage, await self._page(
             self._pages.read_facts, writer, from_token, to_token, limit))
 
+    async def facts_at(self, writer: str, tokens: Sequence[int]) -> Dict[int, List[Any]]:
+        """The rows of the facts of ``writer`` with these IDs (the audit's
+        sample): ``{token: rows}``, an ID with no fact left out.  Memory
+        answers what it can; the rest is read from the table in one trip
+        to a pool thread (:meth:`table_fact_pages`: one statement per ID,
+        no transaction around them), not one trip each.  Raises
+        :class:`.trimmed.FactsTrimmed` if retention took one of them."""
+        found: Dict[int, List[Any]] = {}
+        ranges: List[FactRange] = []
+        for token in tokens:
+            page = self.memory_fact_page(writer, token - 1, token, 1)
+            if page is None:
+                ranges.append((writer, token - 1, token, 1))
+            elif page[0] and page[0][0][0] == token:
+                found[token] = page[0][0][1]
+        if ranges:
+            pages, _ = await self.table_fact_pages(ranges, _nothing)
+            for (_, _, token, _), (facts, _, _) in zip(ranges, pages):
+                if facts and facts[0][0] == token:
+                    found[token] = facts[0][1]
+        return found
+
     def memory_fact_page(self, writer: str, from_token: int, to_token: int,
                          limit: int) -> Optional[FactPage]:
         """:meth:`fact_page` if memory can answer it (at once), else None."""
@@ -625,10 +651,17 @@ class Stream:
 
         No fact of any writer, in this process or another sharing the
         database, can have a larger ID: a peer claiming a larger token is
-        lying.  PostgreSQL: read in a pool thread (never on the reactor);
-        SQLite: the in-process counter (every writer is in this process).
+        lying.  PostgreSQL: one statement on the database's reactor-driven
+        connection (:mod:`..storage.reactor_reads`: no trip to a pool
+        thread, never blocking the reactor), or in a pool thread where there
+        is none; SQLite: the in-process counter (every writer is in this
+        process).
         """
         if not self.db.is_postgres:
             return self._txn.sqlite_last
-        value: int = await self.db.runInteraction(schema.sequence_value, self.config.sequence)
-        return value
+        reads = self.db.reactor_reads(self._clock)
+        if reads is None:
+            value: int = await self.db.runReads(schema.sequence_value, self.config.sequence)
+            return value
+        rows = await reads.fetchall(schema.sequence_value_sql(self.config.sequence))
+        return schema.sequence_value_of(rows[0])

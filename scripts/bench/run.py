@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import bigfact  # noqa: E402
 import catchup  # noqa: E402
 import export  # noqa: E402
+import follow  # noqa: E402
 import redis_bench  # noqa: E402
 import redis_channels_bench  # noqa: E402
 import sse  # noqa: E402
@@ -60,6 +61,11 @@ async def _bigfact(pg, args):
     await threads.deferToThread(bigfact.run, pg.create_database("bigfactbench"))
 
 
+async def _follow(pg, args):
+    # Blocking (two daemon processes, writer threads, Synapse's client).
+    await threads.deferToThread(follow.run, pg.create_database("followbench"))
+
+
 async def _export(pg, args):
     # Blocking (Spark drives itself, from the main thread), with its own PostgreSQL.
     # The cluster run: at 0.5 M rows, at 10 M with --big (beside local[2] there).
@@ -79,6 +85,7 @@ SECTIONS = [
     ("redis-channels", "Redis: a channel per stream, sharded pub/sub", _redis_channels),
     ("catchup", "catch-up of a reader 1,000,000 facts behind", _catchup),
     ("bigfact", "a fact of 100,000 rows: /health beside the same daemons idle", _bigfact),
+    ("follow", "a worker following its master: CPU per fact beside Synapse's client", _follow),
     ("export", "Spark export against a plain-Python pass", _export),
     ("sse", "read API: Server-Sent Events beside the TCP fan-out, catch-up through pages",
      _sse),

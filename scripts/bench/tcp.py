@@ -43,6 +43,16 @@ and receives every row.
     (CHUNK rows, one reactor trip, wait while a connection is paused), the
     same reader processes; one ``RdataCommand`` per row handed to every
     connection's ``send_command``, as Synapse's command handler does.
+``tcp.rdata.{1client,50clients}.chunk100.from_table`` (and ``.vs_synapse``)
+    The 100-row chunks fed as rows to encode (as with ``RDATA_FROM_TABLE=1``),
+    in every run: the path of rows not encoded at write time (relayed
+    facts, catch-up, rows written behind our back), beside the same
+    baselines.
+``tcp.rdata.*.cpu_vs_synapse``
+    The same runs by CPU: the server process's CPU per row delivered to
+    one client (ns), ours against Synapse's (ratio: Synapse's over ours).
+    At 50 clients the rates are capped by the 50 reader processes sharing
+    the cores with the server; the CPU is the server's own cost.
 ``tcp.latency.50clients.p50_ms`` / ``.p99_ms``
     Facts written through the Stream on PostgreSQL (fsync on) at a steady
     ``LAT_RATE`` facts/s, 50 clients: a 5 ms timer issues the facts due by
@@ -182,6 +192,8 @@ RDATA_ROUNDS = int(os.environ.get("RDATA_ROUNDS", "3"))
 RDATA_CLIENTS = [int(c) for c in os.environ.get("RDATA_CLIENTS", "").split(",") if c]
 #: RDATA_FROM_TABLE=1: feed rows to ``send_updates`` (encoded in the fan-out).
 RDATA_FROM_TABLE = os.environ.get("RDATA_FROM_TABLE") == "1"
+#: Without it, the 100-row chunks run that way too (``....chunk100.from_table``).
+FROM_TABLE_CHUNK = 100
 LAT_CLIENTS = 50
 LAT_RATE = 2000
 LAT_SECONDS = 10.0
@@ -439,12 +451,12 @@ async def feed(n_chunks, send, busy, stop=None):
     return n_chunks
 
 
-async def rdata_run(server, data, clients, rows, ours):
+async def rdata_run(server, data, clients, rows, ours, from_table=RDATA_FROM_TABLE):
     procs = spawn_readers(server.port, clients, "count", timeout=120.0)
     if ours:
         await until(lambda: len(server.clients()) == clients, 30, "clients")
         fanout = server.handler.fanout
-        if RDATA_FROM_TABLE:
+        if from_table:
             def send(i):
                 prev, updates, upto = data.chunks[i % len(data.chunks)]
                 fanout.send_updates("caches", WRITER, prev, updates, upto)
@@ -477,7 +489,7 @@ async def rdata_run(server, data, clients, rows, ours):
     print(f"    {'ours ' if ours else 'plain'} {clients:>2} clients: {rows:,} rows in "
           f"{elapsed:.2f}s (fed in {fed - start:.2f}s, server CPU {cpu:.2f}s = "
           f"{cpu / rows / clients * 1e6:.2f} us/row/client)", flush=True)
-    return rows / elapsed
+    return rows / elapsed, cpu / rows / clients
 
 
 class SynapseServer(protocol.ProcessProtocol):
@@ -545,7 +557,7 @@ async def rdata_run_synapse(server, clients, rows, chunk=CHUNK):
     print(f"    synapse {clients:>2} clients: {rows:,} rows in {elapsed:.2f}s (fed in "
           f"{fed['fed'] - fed['start']:.2f}s, its CPU {fed['cpu']:.2f}s = "
           f"{fed['cpu'] / rows / clients * 1e6:.2f} us/row/client)", flush=True)
-    return rows / elapsed
+    return rows / elapsed, fed["cpu"] / rows / clients
 
 
 def synapse_python():
@@ -571,20 +583,27 @@ async def run_rdata(registry):
                         or chunk != CHUNK and clients not in SMALL_CHUNK_CLIENTS:
                     continue
                 await rdata_figures(registry, data, python, clients, rows, base_rows)
+                if chunk == FROM_TABLE_CHUNK and not RDATA_FROM_TABLE \
+                        and clients in SMALL_CHUNK_CLIENTS:
+                    # Rows not encoded at write time (relayed, caught up,
+                    # written behind our back): the encoder in the path.
+                    await rdata_figures(registry, data, python, clients, rows, base_rows,
+                                        from_table=True)
         finally:
             gc.unfreeze()
             del data
             gc.collect()
 
 
-def rdata_name(clients, chunk):
+def rdata_name(clients, chunk, from_table=RDATA_FROM_TABLE):
     """``tcp.rdata.1client``, ``tcp.rdata.50clients.chunk100``..."""
     name = "tcp.rdata.1client" if clients == 1 else f"tcp.rdata.{clients}clients"
     name = name if chunk == CHUNK else f"{name}.chunk{chunk}"
-    return name + ".from_table" if RDATA_FROM_TABLE else name
+    return name + ".from_table" if from_table else name
 
 
-async def rdata_figures(registry, data, python, clients, rows, base_rows):
+async def rdata_figures(registry, data, python, clients, rows, base_rows,
+                        from_table=RDATA_FROM_TABLE):
     """Alternating rounds of plain, ours and Synapse at ``clients`` and
     ``data.chunk`` rows per call; the medians recorded."""
     chunk = data.chunk
@@ -592,25 +611,31 @@ async def rdata_figures(registry, data, python, clients, rows, base_rows):
     rows, base_rows = (int(n * share) // chunk * chunk for n in (rows, base_rows))
     synapse_rows = int(SYNAPSE_ROWS[clients] * max(share, 0.5)) // chunk * chunk
     rates = {"plain": [], "ours": [], "synapse": []}
+    cpus = {"ours": [], "synapse": []}  # server CPU seconds per row delivered to a client
     for _ in range(RDATA_ROUNDS):
         plain = await PlainServer().listen()
         try:
-            rates["plain"].append(await rdata_run(plain, data, clients, base_rows, ours=False))
+            rates["plain"].append((await rdata_run(plain, data, clients, base_rows,
+                                                   ours=False))[0])
         finally:
             await plain.stop()
         ours = await OurServer(registry).listen()
         try:
-            rates["ours"].append(await rdata_run(ours, data, clients, rows, ours=True))
+            rate, cpu = await rdata_run(ours, data, clients, rows, ours=True,
+                                        from_table=from_table)
+            rates["ours"].append(rate)
+            cpus["ours"].append(cpu)
         finally:
             await ours.stop()
         if python:
             synapse = await SynapseServer(python).start()
             try:
-                rates["synapse"].append(
-                    await rdata_run_synapse(synapse, clients, synapse_rows, chunk))
+                rate, cpu = await rdata_run_synapse(synapse, clients, synapse_rows, chunk)
+                rates["synapse"].append(rate)
+                cpus["synapse"].append(cpu)
             finally:
                 await synapse.stop()
-    name = rdata_name(clients, chunk)
+    name = rdata_name(clients, chunk, from_table)
     value = median(rates["ours"])
     per = "" if chunk == CHUNK else f", {chunk} rows per call"
     record(name, value, "rows/s", f"plain Twisted writeSequence of pre-encoded lines{per}",
@@ -618,6 +643,12 @@ async def rdata_figures(registry, data, python, clients, rows, base_rows):
     if python:
         record(name + ".vs_synapse", value, "rows/s",
                f"Synapse's ServerReplicationStreamProtocol{per}", median(rates["synapse"]))
+        # By CPU: at many clients the rate is the reader processes' (they
+        # share the cores with the server); the server's CPU per row it
+        # delivered to one client is its own cost.
+        record(name + ".cpu_vs_synapse", median(cpus["ours"]) * 1e9, "ns/row",
+               f"Synapse's ServerReplicationStreamProtocol{per}, server CPU per row delivered",
+               median(cpus["synapse"]) * 1e9, higher_is_better=False)
 
 
 # ------------------------------------------------------------------ latency
