@@ -30,7 +30,7 @@ one step that may wait): give an address (``host=10.0.0.5`` or
 
 import os
 from collections import deque
-from typing import Any, Deque, Optional, Sequence, Tuple
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import psycopg2
 import psycopg2.extensions
@@ -62,7 +62,7 @@ class _Poller:
         self._conn = conn
         self._fd = -1
         self.connecting = True
-        self.waiting: Optional[defer.Deferred] = None
+        self.waiting: Optional["defer.Deferred[None]"] = None
 
     def fileno(self) -> int:
         return self._fd
@@ -70,7 +70,7 @@ class _Poller:
     def logPrefix(self) -> str:
         return "ReactorReads"
 
-    def wait(self) -> defer.Deferred:
+    def wait(self) -> "defer.Deferred[None]":
         """Fires once the connection's current operation is done (it may
         have fired already: ``poll()`` can say done at once)."""
         waiting = self.waiting = defer.Deferred()
@@ -149,13 +149,13 @@ class ReactorReads:
         self._dsn = dsn
         self._conn: Any = None
         self._poller: Optional[_Poller] = None
-        self._queue: Deque[Tuple[str, Sequence[Any], defer.Deferred]] = deque()
+        self._queue: Deque[Tuple[str, Sequence[Any], "defer.Deferred[List[Tuple[Any, ...]]]"]] = deque()
         self._running = False
         self._closed = False
 
-    def fetchall(self, sql: str, args: Sequence[Any] = ()) -> defer.Deferred:
+    def fetchall(self, sql: str, args: Sequence[Any] = ()) -> "defer.Deferred[List[Tuple[Any, ...]]]":
         """Run one statement; fires with its rows (a list of tuples)."""
-        d: defer.Deferred = defer.Deferred()
+        d: "defer.Deferred[List[Tuple[Any, ...]]]" = defer.Deferred()
         if self._closed:
             d.errback(ConnectionClosed("closed"))
             return d
