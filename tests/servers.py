@@ -112,7 +112,8 @@ class PostgresServer:
 
     _shared = None
 
-    def __init__(self, fsync: bool = False, synchronous_commit=None):
+    def __init__(self, fsync: bool = False, synchronous_commit=None, settings=()):
+        """``settings``: more ``name=value`` server settings."""
         bindir = _pg_bindir()
         if bindir is None:
             unavailable("PostgreSQL server binaries (initdb) not found")
@@ -143,6 +144,8 @@ class PostgresServer:
             args += ["-c", "fsync=off", "-c", "full_page_writes=off"]
         if not (fsync if synchronous_commit is None else synchronous_commit):
             args += ["-c", "synchronous_commit=off"]
+        for setting in settings:
+            args += ["-c", setting]
         self._args = args
         self._log = open(os.path.join(self.tmp, "postgres.log"), "wb")
         self._spawn()

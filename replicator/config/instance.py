@@ -292,6 +292,10 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
                           f"{log_format!r} is not one of {', '.join(LOG_FORMATS)}")
     if database.engine == "sqlite":
         for i, stream in enumerate(streams):
+            if stream.foreign_writers:
+                raise ConfigError(f"streams[{i}].foreign_writers",
+                                  "needs PostgreSQL: an embedded SQLite database has no "
+                                  "sequence a plain-SQL writer could take IDs from")
             others = [w for w in stream.writers if w != instance_name]
             if others:
                 raise ConfigError(f"streams[{i}].writers",

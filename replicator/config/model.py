@@ -81,6 +81,15 @@ class StreamConfig:
     positions_name: Optional[str] = None
     # What is trimmed from the table (None: everything is kept).
     retention: Optional[RetentionConfig] = None
+    #: Plain-SQL writers may insert into the table (PostgreSQL): its ID
+    #: default takes the fence (:mod:`replicator.streams.fence`), and their
+    #: rows are facts of the first writer (``writers[0]``).
+    foreign_writers: bool = False
+
+    @property
+    def foreign_writer(self) -> Optional[str]:
+        """The writer whose facts plain-SQL rows are (None: none accepted)."""
+        return self.writers[0] if self.foreign_writers else None
 
     @property
     def positions_key(self) -> str:

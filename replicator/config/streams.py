@@ -101,7 +101,7 @@ def parse_column(value: Any, key: str) -> ColumnConfig:
 
 STREAM_KEYS = (
     "name", "table", "id_column", "writer_column", "columns", "sequence",
-    "writers", "timestamp_column", "create", "preset", "retention",
+    "writers", "timestamp_column", "create", "preset", "retention", "foreign_writers",
 )
 RETENTION_KEYS = ("max_age", "max_facts", "interval", "batch")
 #: ``retention.max_age``: a whole number and a unit ("7d", "12h", "90m").
@@ -269,11 +269,16 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
                                                   f"decides what it keeps")
         retention = parse_retention(section["retention"], f"{key}.retention",
                                     timestamp_column, columns)
+    foreign_writers = get_bool(section, "foreign_writers", key, False)
+    if foreign_writers and preset is not None:
+        raise ConfigError(f"{key}.foreign_writers", f"{preset!r} is Synapse's table: its "
+                                                    f"writers are Synapse's")
     return StreamConfig(
         name=name, table=table, id_column=id_column, writer_column=writer_column,
         columns=columns, sequence=sequence, writers=tuple(writers),
         timestamp_column=timestamp_column,
         create=create, preset=preset, positions_name=positions_name, retention=retention,
+        foreign_writers=foreign_writers,
     )
 
 

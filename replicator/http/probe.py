@@ -136,7 +136,7 @@ class HealthRoute:
             problem = self.monitor.problem(connected, detail)
         if problem is not None:
             raise Unhealthy(problem)
-        return {
+        answer = {
             "status": "ok",
             "instance": self.instance_name,
             "role": self.role,
@@ -145,3 +145,8 @@ class HealthRoute:
             "connections": len(self.handler.open_connections()),
             "positions": {s.name: s.id_gen.get_positions() for s in self.registry},
         }
+        held = [f.text for f in self.monitor.findings(connected, detail)
+                if f.kind == "foreign_held"]
+        if held:
+            answer["foreign_held"] = held  # plain-SQL transactions holding a stream
+        return answer

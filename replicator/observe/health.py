@@ -88,7 +88,7 @@ MAX_OBSERVATIONS = 64
 class Finding(NamedTuple):
     """One thing found wrong.  ``kind`` says which check (``link``,
     ``condition``, ``trimmed``, ``unloaded``, ``unreceived``, ``lagging``, ``work``,
-    ``never_announced``, ``writer_down``, ``linear_held``); ``stream`` and
+    ``never_announced``, ``writer_down``, ``linear_held``, ``foreign_held``); ``stream`` and
     ``writer`` what it is about (None: every stream of that writer, or the
     whole instance); ``text`` the banner's line; ``verdict`` the row's;
     ``fails_health`` whether ``/health`` answers 503 for it; ``since`` when
@@ -359,6 +359,36 @@ class HealthMonitor(TimerService):
             out += self._silent_findings()
         if self.writers is not None:
             out += self.writers.findings(self.lag_grace)
+        out += self._fence_findings()
+        return out
+
+    def _fence_findings(self) -> List[Finding]:
+        """Plain-SQL transactions that have held a fenced stream's first
+        writer for more than the grace (:mod:`replicator.streams.fence`):
+        a warning (only that stream waits; this instance serves), naming
+        who (``pid``, ``application_name``, when its transaction began)."""
+        out = []
+        for stream in self.registry:
+            fence = getattr(stream, "fence", None)
+            if fence is None:
+                continue
+            hung = fence.hung(self.lag_grace)
+            if not hung:
+                continue
+            holder, since = hung[0]
+            held = self._clock.seconds() - since
+            who = ("prepared transaction (no session; see pg_prepared_xacts)"
+                   if holder.pid is None else
+                   f"session pid {holder.pid} (application_name {holder.application_name!r}, "
+                   f"transaction started {holder.xact_start}, {holder.state})")
+            more = f" and {len(hung) - 1} more" if len(hung) > 1 else ""
+            text = (f"stream {stream.name}: a plain-SQL transaction has held ID "
+                    f"{holder.first_id} for {held:.0f}s: {who}{more}; facts of writer "
+                    f"{fence.writer} from {holder.first_id} on wait until it ends")
+            out.append(Finding("foreign_held", stream.name, fence.writer, text,
+                               (f"held by pid {holder.pid}" if holder.pid is not None
+                                else "held by a prepared transaction") + f" for {held:.0f}s",
+                               fails_health=False, since=since))
         return out
 
     def problem(self, connected: bool, detail: str) -> Optional[str]:

@@ -106,6 +106,18 @@ def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
     return statements
 
 
+def _index_exists(txn: Cursor, statement: str) -> bool:
+    """Whether ``statement`` is a ``CREATE INDEX IF NOT EXISTS`` of an index
+    that exists (PostgreSQL): skipped, since it would take a SHARE lock on
+    the table first, waiting for every open transaction that wrote it (a
+    plain-SQL writer's) and holding up every write after it."""
+    words = statement.split()
+    if words[:5] != ["CREATE", "INDEX", "IF", "NOT", "EXISTS"]:
+        return False
+    txn.execute("SELECT to_regclass(%s)", (words[5],))
+    return txn.fetchone()[0] is not None
+
+
 def add_row_index(txn: Cursor, stream: StreamConfig, postgres: bool) -> bool:
     """Give an owned table that lacks it (made by an older release) the
     ``row_index`` column; whether it was added.  Idempotent: a table that
@@ -226,6 +238,8 @@ def ensure_schema(txn: Cursor, streams: Sequence[StreamConfig], postgres: bool,
                 continue
         if created and not dry_run:
             for statement in table_ddl(stream, postgres):
+                if postgres and _index_exists(txn, statement):
+                    continue
                 txn.execute(statement)
             if add_row_index(txn, stream, postgres) and added_row_index is not None:
                 added_row_index.append(stream.name)

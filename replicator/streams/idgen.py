@@ -62,6 +62,13 @@ a position learned meanwhile can never carry the tokens past an ID the
 sequence has already handed out.  Completions and advances run on the reactor
 thread; listeners are called there.
 
+A local writer may also be *fenced* (:meth:`StreamIdGenerator.fence`, a
+stream that takes plain-SQL writers: :mod:`.fence`): its token, and so the
+linear token and what is persisted, never exceed the cap the fence last
+gave (every plain-SQL transaction at or below it ended), whatever its own
+bookkeeping says.  The cap starts at the writer's start position and only
+moves up.
+
 Every operation is O(log n) in the number of in-flight IDs (amortized).
 """
 
@@ -143,8 +150,11 @@ class StreamIdGenerator:
         positions: Dict[str, int],
         local_writers: Iterable[str],
         call_from_thread: Optional[Callable[..., Any]] = None,
+        fenced: Optional[Dict[str, int]] = None,
     ) -> None:
         self.name = name
+        #: Local writers whose token the fence caps, with the cap.
+        self._caps: Dict[str, int] = dict(fenced or {})
         local = list(local_writers)
         for w in local:
             if w not in positions:
@@ -295,6 +305,30 @@ class StreamIdGenerator:
             self._all.learn(token)
         self._recompute()
 
+    def fence(self, writer: str, cap: int) -> None:
+        """The fenced local ``writer``'s token may go up to ``cap`` (only
+        ever raised: a lower one is ignored)."""
+        with self._lock:
+            if writer not in self._caps or cap <= self._caps[writer]:
+                return
+            self._caps[writer] = cap
+            # Every ID up to the cap was handed out (the fence read it from
+            # the sequence) and no plain-SQL transaction at or below it is
+            # open: a finished ID, as a remote writer's position is; the
+            # writer's own reservations still hold it where they are.
+            self._local[writer].learn(cap)
+            if not self._shared:
+                self._all.learn(cap)
+            if cap > self._max_known:
+                self._max_known = cap
+            if cap > self._max_done:
+                self._max_done = cap
+        self._recompute()
+
+    def cap(self, writer: str) -> Optional[int]:
+        """The fenced ``writer``'s cap (None: not fenced)."""
+        return self._caps.get(writer)
+
     # ------------------------------------------------------------- reload
     def add_remote(self, writer: str, position: int) -> None:
         """A writer of another instance joins the stream (a reload) at
@@ -323,11 +357,16 @@ class StreamIdGenerator:
         linear = self._all.position
         if self._remote:
             linear = min(linear, min(self._remote.values()))
+        if self._caps:
+            linear = min(linear, min(self._caps.values()))
         return linear
 
     def _current_tokens(self) -> Dict[str, int]:
         linear = self._linear
         tokens = {w: (s.position if s.position > linear else linear) for w, s in self._local.items()}
+        for w, cap in self._caps.items():
+            if tokens[w] > cap:
+                tokens[w] = cap
         tokens.update(self._remote)
         return tokens
 
@@ -400,21 +439,26 @@ class StreamIdGenerator:
         Taken inside the writing transaction, for persisting: it never claims
         an ID that is still unfinished afterwards.  O(log n).
         """
-        state = self._local[writer]
         with self._lock:
-            bound = max(state.position, self._linear)
-            if self._pending:
-                # Another reservation is under way: its ID is not known yet.
-                return bound
-            live = state.live
-            if len(live) == len(completing):
-                return max(bound, max(completing))
-            inflight = state.inflight
-            while inflight and inflight[0] not in live:
-                heapq.heappop(inflight)
-            if inflight and inflight[0] in completing:
-                bound = max(bound, inflight[0])
+            bound = self._prospective(writer, completing)
+            cap = self._caps.get(writer)
+            return bound if cap is None or bound <= cap else cap
+
+    def _prospective(self, writer: str, completing: List[int]) -> int:
+        state = self._local[writer]
+        bound = max(state.position, self._linear)
+        if self._pending:
+            # Another reservation is under way: its ID is not known yet.
             return bound
+        live = state.live
+        if len(live) == len(completing):
+            return max(bound, max(completing))
+        inflight = state.inflight
+        while inflight and inflight[0] not in live:
+            heapq.heappop(inflight)
+        if inflight and inflight[0] in completing:
+            bound = max(bound, inflight[0])
+        return bound
 
     @property
     def local_writers(self) -> List[str]:

@@ -8,6 +8,7 @@ from ..config import StreamConfig
 from ..config.model import ROW_INDEX_COLUMN
 from ..storage import schema
 from ..storage.database import Cursor, Database
+from . import fence
 from .stream import Stream
 
 log = Logger()
@@ -55,6 +56,8 @@ class StreamRegistry:
         has_positions = schema.ensure_schema(txn, streams, self.db.is_postgres, self._keys,
                                              written, added_row_index=added)
         for stream in self._streams.values():
+            if stream.fenced:
+                fence.install(txn, stream.config, self._keys[stream.name])
             stream.load(txn, has_positions)
 
     def _said_added(self, added: List[str]) -> None:
@@ -77,6 +80,8 @@ class StreamRegistry:
             has_positions = schema.ensure_schema(txn, [config], self.db.is_postgres,
                                                  {config.name: key}, written,
                                                  added_row_index=added)
+            if stream.fenced:
+                fence.install(txn, config, key)
             stream.load(txn, has_positions)
 
         await self.db.runInteraction(txn)

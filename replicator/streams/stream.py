@@ -36,6 +36,7 @@ from ..net.backoff import Outage
 from ..observe import metrics
 from ..storage import schema
 from ..storage.database import Cursor, Database
+from .fence import Fence, Poller
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
 from .known import KnownIds
@@ -152,9 +153,15 @@ class Stream:
         # One writer, and it writes here: every ID of the sequence is ours,
         # so one we never reserved is a fact written behind our back.
         sole_writer = len(config.writers) == 1 and self.local_writers == list(config.writers)
+        #: Plain-SQL writers' rows are facts of our writer (:mod:`.fence`):
+        #: its token is capped by the fence this instance polls.
+        self.fenced = (config.foreign_writers and db.is_postgres
+                       and config.writers[0] in self.local_writers)
+        self.fence: Optional[Fence] = None
         # Facts completed by local writers, kept until fanned out: the
         # fan-out reads them from here instead of back from the database.
-        self.recent = RecentFacts(self.local_writers, sole_writer)
+        # (A fenced writer's: an ID it did not write may be a plain-SQL fact.)
+        self.recent = RecentFacts(self.local_writers, sole_writer or self.fenced)
         self._persist_call: Optional[IDelayedCall] = None
         self._persisting: "Optional[defer.Deferred[None]]" = None
         self._loaded: Dict[str, Optional[int]] = {}  # local writers' rows at load
@@ -222,8 +229,15 @@ class Stream:
         elif not self.db.is_postgres:
             self._txn.sqlite_last = top
         self.trimmed_through = self._pages.trim_boundary(txn)
+        fenced: Optional[Dict[str, int]] = None
+        if self.fenced:
+            # Where the fence stands now (a holder mid-way: what was persisted).
+            first = c.writers[0]
+            now, _, _ = Poller(c).poll(txn, None, 1 << 63, 0, first, self._txn.upsert)
+            fenced = {first: max(persisted.get(first, floor), now or 0)}
         self._id_gen = StreamIdGenerator(
-            self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
+            self.name, positions, self.local_writers, call_from_thread=self._call_from_thread,
+            fenced=fenced,
         )
         self._id_gen.add_listener(self._on_advance)
         self._loaded = {w: persisted.get(w) for w in self.local_writers}
@@ -591,6 +605,8 @@ class Stream:
             self._foreign_burst.discard(writer)
             return
         self._foreign_facts.inc(len(foreign))
+        if self.fenced:
+            return  # plain-SQL writers are taken here, behind the fence
         if writer not in self._foreign_burst:
             self._foreign_burst.add(writer)
             log.warn("stream {stream}: facts written without going through replicator "
@@ -608,6 +624,14 @@ class Stream:
         if any(p is None or self.id_gen.get_current_token(w) > p
                for w, p in self._loaded.items()):
             self._on_advance(self.local_writers[0], 0, 0)
+        if self.fenced and self.fence is None:
+            self.fence = Fence(self, self._clock)
+            self.fence.start()
+
+    @property
+    def upsert_sql(self) -> str:
+        """The statement that persists a writer's position (a lower bound)."""
+        return self._txn.upsert
 
     def _on_advance(self, writer: str, old: int, new: int) -> None:
         if writer in self.local_writers and self._persist_call is None:
@@ -639,6 +663,8 @@ class Stream:
     async def flush_positions(self) -> None:
         """Persist local writers' current tokens now (at shutdown)."""
         self._persist_stopped = True
+        if self.fence is not None:
+            self.fence.stop()
         if self._persist_call is not None and self._persist_call.active():
             self._persist_call.cancel()
         self._persist_call = None

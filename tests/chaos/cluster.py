@@ -8,6 +8,10 @@ PostgreSQL database.  Streams:
   by ``worker2``, so over TCP its facts travel worker2 -> master -> worker1
   (the relay path).
 
+The ``foreign`` scenario gives ``caches`` ``foreign_writers: true``: beside
+the clients, plain-SQL writers (:mod:`.sqlwriters`) insert facts of its
+first writer, the master.
+
 The ``idle`` scenario gives ``caches`` a third writer, worker2, and only the
 master's clients write it: worker1 and worker2 are its writers and stay idle
 the whole run (:func:`streams_for`, :func:`write_targets_for`).
@@ -67,7 +71,10 @@ def writers_of(stream: str) -> List[str]:
 
 
 def streams_for(scenario: str) -> List[dict]:
-    """The streams of a run: ``idle`` makes ``caches`` a three-writer stream."""
+    """The streams of a run: ``idle`` makes ``caches`` a three-writer
+    stream, ``foreign`` one that takes plain-SQL writers."""
+    if scenario == "foreign":
+        return [dict(s, foreign_writers=True) if s["name"] == "caches" else s for s in STREAMS]
     if scenario != "idle":
         return STREAMS
     return [dict(s, writers=list(INSTANCES)) if s["name"] == "caches" else s for s in STREAMS]

@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 from .cluster import INSTANCES, PING_INTERVAL, PING_TIMEOUT
 
-SCENARIOS = ("crash", "pause", "net", "pg", "all", "idle")
+SCENARIOS = ("crash", "pause", "net", "pg", "all", "idle", "foreign")
 
 
 @dataclass
@@ -90,7 +90,8 @@ def make_schedule(scenario: str, transport: str, seed: int, duration: float) -> 
     if scenario == "none":
         return []
     lanes = {"crash": [["crash"]], "pause": [["pause"]], "net": [["net"]], "pg": [["pg"]],
-             "all": [["crash", "pause"], ["net", "pg"]], "idle": [["crash", "net"]]}[scenario]
+             "all": [["crash", "pause"], ["net", "pg"]], "idle": [["crash", "net"]],
+             "foreign": [["crash", "pause"], ["net", "pg"]]}[scenario]
     faults = []
     for lane, pools in enumerate(lanes):
         rng = random.Random(f"{seed}/{scenario}/{transport}/{lane}")

@@ -44,6 +44,7 @@ from .forger import LateCommitter, PositionForger, tripped
 from .nemesis import Nemesis, make_schedule
 from .observer import Observer
 from .proxy import Proxy
+from .sqlwriters import WRITERS, SqlWriter
 
 CLIENTS_PER_TARGET = 2
 QUIESCENCE_TIMEOUT = 90.0
@@ -309,6 +310,11 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
                 tag = f"{instance_name}-{stream}-{i}"
                 writers.append(Writer(tag, instances[instance_name], stream,
                                       random.Random(client_rng.random()), writes))
+        if scenario == "foreign":
+            table = TABLES["caches"][0]
+            for i in range(WRITERS):
+                writers.append(SqlWriter(f"sql-{i}", dsn, table,
+                                         random.Random(client_rng.random()), writes))
         writer_tasks = [asyncio.ensure_future(w.run()) for w in writers]
         await asyncio.sleep(1.0)
         planter = plant_task = None
@@ -423,14 +429,18 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             for event in logged_errors(instance.log_text()):
                 log_errors[event] += 1
         outcomes = defaultdict(int)
+        sql_outcomes = defaultdict(int)  # the plain-SQL writers' (scenario foreign)
         for w in writes:
             outcomes[w["outcome"]] += 1
+            if w["client"].startswith("sql-"):
+                sql_outcomes[w["outcome"]] += 1
         result = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "commit": git_commit(), "scenario": scenario, "transport": transport,
             "seed": seed, "duration": duration, "plant": plant,
             "faults": sum(nemesis.injected.values()), "faults_by_kind": nemesis.injected,
             "writes": len(writes), "outcomes": dict(outcomes),
+            "sql_outcomes": dict(sql_outcomes),
             "facts": sum(len(f) for f in table.values()),
             "rows": sum(len(r) for f in table.values() for r in f.values()),
             "claims_checked": sum(len(c) for c in observer.claims.values()),
@@ -446,6 +456,8 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             "log_errors": dict(sorted(log_errors.items(), key=lambda kv: -kv[1])[:10]),
             "elapsed_s": round(time.monotonic() - started, 1),
         }
+        if sql_outcomes:
+            say(f"  plain-SQL transactions {dict(sql_outcomes)}")
         say(f"  {result['writes']} writes {dict(outcomes)}, {result['facts']} facts, "
             f"{result['faults']} faults, {result['claims_checked']} claims, "
             f"violations {v.total()}: "
