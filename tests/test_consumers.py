@@ -1080,7 +1080,7 @@ class FactLinesAtOnceTests(SynchronousTestCase):
         self.assertIn(data, (None, expected))
 
     def test_the_common_page_is_encoded_at_once(self):
-        facts = [(t, [["fact %d" % t, t, None, True, {"k": [1, "é"]}]] * (1 + t % 3))
+        facts = [(t, [[f"fact {t}", t, None, True, {"k": [1, "é"]}]] * (1 + t % 3))
                  for t in range(1, 1001)]
         self.assertEqual(fact_lines_at_once("caches", "master", facts),
                          lines_one_by_one("caches", "master", facts))

@@ -23,7 +23,6 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from typing import Optional, Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -36,10 +35,10 @@ from tests.test_systemd import SERVICES, UNITS, _settings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSION = replicator.__version__
 
-_built: Optional[Tuple[str, str]] = None
+_built: tuple[str, str] | None = None
 
 
-def built() -> Tuple[str, str]:
+def built() -> tuple[str, str]:
     """``(wheel, sdist)`` paths, built once per test run."""
     global _built
     if _built is None:

@@ -26,7 +26,7 @@ import re
 import subprocess
 import sys
 import tokenize
-from typing import FrozenSet, Iterator, List, Optional, Set, Tuple
+from collections.abc import Iterator
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -42,7 +42,7 @@ FILE_SUFFIXES = {"conf", "target", "service", "yml", "yaml", "json", "toml", "cf
                  "py", "txt", "jsonl", "sqlite"}
 
 
-def tracked() -> List[str]:
+def tracked() -> list[str]:
     """The checkout's files (``git ls-files``), else every file under ROOT."""
     done = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     if done.returncode == 0:
@@ -56,12 +56,12 @@ def module_name(path: str) -> str:
     return name[:-len(".__init__")] if name.endswith(".__init__") else name
 
 
-def texts(path: str, source: str) -> Iterator[Tuple[int, str, Optional[str]]]:
+def texts(path: str, source: str) -> Iterator[tuple[int, str, str | None]]:
     """``(line, text, class name)`` of each docstring and comment of a module
     (the class whose docstring or method's docstring it is, if any)."""
     tree = ast.parse(source)
 
-    def walk(node: ast.AST, cls: Optional[str]) -> Iterator[Tuple[int, str, Optional[str]]]:
+    def walk(node: ast.AST, cls: str | None) -> Iterator[tuple[int, str, str | None]]:
         # Docstrings are the first statement of a module, class or function
         # body; attribute docstrings follow an assignment.  Only statements
         # are walked (no expression holds a definition).
@@ -98,7 +98,7 @@ def resolve_dotted(name: str) -> object:
     return _MISSING
 
 
-def attributes(found: object, parts: List[str]) -> object:
+def attributes(found: object, parts: list[str]) -> object:
     for part in parts:
         found = attribute(found, part)
         if found is _MISSING:
@@ -134,8 +134,8 @@ def target(text: str) -> str:
     return text.lstrip("~!").removesuffix("()")
 
 
-@functools.lru_cache(maxsize=None)
-def self_attributes(path: Optional[str]) -> FrozenSet[str]:
+@functools.cache
+def self_attributes(path: str | None) -> frozenset[str]:
     """The names set or read as ``self.name`` in the source file ``path``
     (a class's instance attributes are among its module's)."""
     if path is None or not path.endswith(".py"):
@@ -144,8 +144,8 @@ def self_attributes(path: Optional[str]) -> FrozenSet[str]:
         return frozenset(re.findall(r"\bself\.([A-Za-z_]\w*)", f.read()))
 
 
-@functools.lru_cache(maxsize=None)
-def members(owner: object) -> FrozenSet[str]:
+@functools.cache
+def members(owner: object) -> frozenset[str]:
     """The names a module or class documents: its attributes; for a class
     also its instance attributes (``self.name``, annotations, slots); for an
     interface its declared attributes and methods."""
@@ -160,10 +160,10 @@ def members(owner: object) -> FrozenSet[str]:
     return frozenset(names)
 
 
-_index: Optional[Set[str]] = None
+_index: set[str] | None = None
 
 
-def index() -> Set[str]:
+def index() -> set[str]:
     """Every qualified name in the package: modules, what each defines or
     imports at its top, the members of its classes and interfaces."""
     global _index
@@ -183,7 +183,7 @@ def index() -> Set[str]:
     return _index
 
 
-def resolve_role(name: str, module: object, cls: Optional[str]) -> bool:
+def resolve_role(name: str, module: object, cls: str | None) -> bool:
     """Whether a role's ``name``, written in ``module`` (in the docstring of
     class ``cls`` or one of its methods), names something, as Sphinx finds
     it: ``.a.b`` any object whose name ends so (or relative to the module's
@@ -199,7 +199,7 @@ def resolve_role(name: str, module: object, cls: Optional[str]) -> bool:
             return True
         return any(n.endswith("." + rest) for n in index())
     first, *rest = name.split(".")
-    scopes: List[object] = [module]
+    scopes: list[object] = [module]
     if cls is not None and getattr(module, cls, None) is not None:
         scopes.append(getattr(module, cls))
     scopes += [v for v in vars(module).values()
@@ -214,15 +214,15 @@ def resolve_role(name: str, module: object, cls: Optional[str]) -> bool:
     return resolve_dotted(name) is not _MISSING or name in index()
 
 
-def file_exists(name: str, files: Set[str]) -> bool:
+def file_exists(name: str, files: set[str]) -> bool:
     return name in files or any(f.endswith("/" + name) for f in files)
 
 
-def broken(paths: Optional[List[str]] = None) -> List[str]:
+def broken(paths: list[str] | None = None) -> list[str]:
     """Every broken reference, as ``path:line: reference``."""
     files = set(tracked())
     paths = sorted(files) if paths is None else paths
-    found: List[str] = []
+    found: list[str] = []
     for path in paths:
         if path.endswith(".py") and path.startswith(("replicator/", "tests/", "scripts/")):
             with open(os.path.join(ROOT, path), encoding="utf-8") as f:
@@ -242,7 +242,7 @@ def broken(paths: Optional[List[str]] = None) -> List[str]:
     return found
 
 
-def check_text(path: str, line: int, text: str, files: Set[str]) -> List[str]:
+def check_text(path: str, line: int, text: str, files: set[str]) -> list[str]:
     out = []
     for m in DOTTED.finditer(text):
         if m.group(0).rpartition(".")[2] in FILE_SUFFIXES:

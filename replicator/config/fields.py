@@ -10,7 +10,8 @@ range); a message is one line (values and unknown keys appear as ``repr``).
 import difflib
 import math
 import re
-from typing import Any, Iterable, List, Mapping, Optional, Tuple
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
 
 # Always used with fullmatch.
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -73,7 +74,8 @@ def no_unknown(section: Mapping[str, Any], allowed: Iterable[str], key: str) -> 
     for name in section:
         if name not in allowed:
             prefix = f"{key}." if key else ""
-            raise ConfigError(f"{prefix}{_key_name(name)}", "unknown key" + did_you_mean(name, allowed))
+            raise ConfigError(f"{prefix}{_key_name(name)}",
+                              "unknown key" + did_you_mean(name, allowed))
 
 
 def one_line(error: BaseException) -> str:
@@ -165,11 +167,11 @@ def get_bool(section: Mapping[str, Any], name: str, key: str, default: bool) -> 
 
 
 def get_list(section: Mapping[str, Any], name: str, key: str, default: Any = ...,
-             empty: Optional[str] = None) -> List[Any]:
+             empty: str | None = None) -> list[Any]:
     """``section[name]``: a list (with ``empty``, a non-empty one: ``empty``
     says why none is wrong)."""
     if not _given(section, name, key, default):
-        given: List[Any] = default
+        given: list[Any] = default
         return given
     path, value = _path(key, name), section[name]
     if not isinstance(value, list):
@@ -179,7 +181,7 @@ def get_list(section: Mapping[str, Any], name: str, key: str, default: Any = ...
     return value
 
 
-def get_names(section: Mapping[str, Any], name: str, key: str, empty: str) -> Tuple[str, ...]:
+def get_names(section: Mapping[str, Any], name: str, key: str, empty: str) -> tuple[str, ...]:
     """``section[name]``: a non-empty list of instance names (as they travel
     on the wire)."""
     names = get_list(section, name, key, empty=empty)

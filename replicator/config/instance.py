@@ -3,7 +3,9 @@
 
 import os
 import re
-from typing import AbstractSet, Any, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 import yaml
 
@@ -98,7 +100,8 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     if metrics_listen is not None:
         m = HOST_PORT.fullmatch(metrics_listen)
         if not m or not 0 < int(m.group("port")) < 65536:
-            raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
+            raise ConfigError(f"{key}.metrics_listen",
+                              f"expected host:port, got {metrics_listen!r}")
     max_connections = get_int(section, "max_connections", key, 256, minimum=1, maximum=100_000)
     # Half the connections by default: long-polls and event streams never
     # keep a health check or a write out.
@@ -132,7 +135,7 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     )
 
 
-def parse_readers(value: Any, key: str) -> Tuple[ReaderConfig, ...]:
+def parse_readers(value: Any, key: str) -> tuple[ReaderConfig, ...]:
     """``http.readers``: ``[{name, secret_file, streams}]`` (the streams are
     checked against the config's by :func:`parse_instance`; the files are
     read by :func:`.validate.validate`)."""
@@ -173,7 +176,7 @@ def parse_health(value: Any, key: str = "health") -> HealthConfig:
 
 
 def parse_consumers(value: Any, stream_names: AbstractSet[str],
-                    key: str = "consumers") -> Tuple[ConsumerConfig, ...]:
+                    key: str = "consumers") -> tuple[ConsumerConfig, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -199,7 +202,7 @@ INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replica
                  "consumers", "log_level", "log_format", "health", "synapse", "pid_file")
 
 
-def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
+def parse_synapse(value: Any, key: str = "synapse") -> SynapseConfig | None:
     if value is None:
         return None
     section = as_mapping(value, key)
@@ -214,7 +217,7 @@ def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
 
 
 def _check_synapse_streams(streams: Sequence[StreamConfig], instance_name: str,
-                           synapse_config: Optional[SynapseConfig]) -> None:
+                           synapse_config: SynapseConfig | None) -> None:
     """No local writer of a Synapse stream: of a preset stream always, of
     any stream named like one of Synapse's when a Synapse shares the
     deployment (its ID generators and sync tokens would take our IDs)."""
@@ -251,7 +254,7 @@ def _check_writer_secrets(replication: ReplicationConfig, streams: Sequence[Stre
                               f"{secret.name!r} {why}: only remote writers prove their NAME")
 
 
-def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
+def parse_instance(doc: Any, path: str | None = None) -> InstanceConfig:
     """A whole instance config from its parsed YAML document."""
     # Relative paths (SQLite file, secret file, consumer files) are relative
     # to the working directory, as for the daemon's state directory.
@@ -309,7 +312,8 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     return InstanceConfig(
         server_name=server_name, instance_name=instance_name, database=database,
         streams=streams, replication=replication, http=http, consumers=consumers,
-        log_level=log_level, log_format=log_format, path=path, health=health, synapse=synapse_config,
+        log_level=log_level, log_format=log_format, path=path, health=health,
+        synapse=synapse_config,
         pid_file=pid_file,
     )
 

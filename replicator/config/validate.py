@@ -13,7 +13,8 @@ The endpoints built here are thrown away: the instance builds its own.
 
 import dataclasses
 import re
-from typing import Any, Dict, Iterable, Optional, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 from twisted.internet import endpoints
 
@@ -63,13 +64,13 @@ def read_replication_secrets(rep: ReplicationConfig,
     """``rep`` with ``secret_file`` and each of ``writer_secrets`` read (at
     least :data:`MIN_SECRET` characters; no two writers alike: one would
     prove the other's NAME)."""
-    changes: Dict[str, object] = {}
+    changes: dict[str, object] = {}
     if rep.secret_file is not None:
         changes["secret"] = _min_secret(read_secret(rep.secret_file, f"{key}.secret_file"),
                                         f"{key}.secret_file")
     if rep.writer_secrets:
         out = []
-        seen: Dict[str, str] = {}
+        seen: dict[str, str] = {}
         for writer in rep.writer_secrets:
             where = f"{key}.writer_secrets.{writer.name}"
             secret = _min_secret(read_secret(writer.secret_file, where), where)
@@ -124,12 +125,12 @@ def validate_http(http: HttpConfig, reactor: Any, key: str = "http") -> HttpConf
 
 
 def read_reader_secrets(readers: Iterable[ReaderConfig], key: str = "http",
-                        write_secret: Optional[str] = None) -> Tuple[ReaderConfig, ...]:
+                        write_secret: str | None = None) -> tuple[ReaderConfig, ...]:
     """``http.readers`` with each reader's secret read from its file (at
     least :data:`MIN_SECRET` characters, no two readers alike, none the
     write secret: a reader would write, and read as ``secret``)."""
     out = []
-    seen: Dict[str, str] = {}
+    seen: dict[str, str] = {}
     for i, reader in enumerate(readers):
         where = f"{key}.readers[{i}].secret_file"
         secret = read_secret(reader.secret_file, where)
@@ -176,7 +177,7 @@ def read_secret(path: str, key: str) -> str:
     return secret
 
 
-def _build(reactor: Any, value: str, path: str, kind: str) -> Optional[object]:
+def _build(reactor: Any, value: str, path: str, kind: str) -> object | None:
     """Let Twisted build the endpoint ``value`` (and read its files); a
     ``tls:`` listener's directory must hold its key and certificate, a
     ``tls:`` client's files what :func:`..net.tls.check_client_files` says."""

@@ -5,13 +5,14 @@ batch in the file."""
 import os
 import queue
 import threading
-from typing import Any, Callable, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
 #: An I/O job: the function, its arguments, the Deferred of its result.
-_Job = Tuple[Callable[..., Any], Tuple[Any, ...], "defer.Deferred[Any]"]
+_Job = tuple[Callable[..., Any], tuple[Any, ...], "defer.Deferred[Any]"]
 
 
 class FileThread:
@@ -27,11 +28,11 @@ class FileThread:
     def __init__(self, name: str, reactor: Any) -> None:
         self.name = name
         self._reactor = reactor
-        self._jobs: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()  # None: stop
-        self._thread: Optional[threading.Thread] = None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
+        self._thread: threading.Thread | None = None
 
     def run(self, fn: Callable[..., Any], *args: Any) -> "defer.Deferred[Any]":
-        d: "defer.Deferred[Any]" = defer.Deferred()
+        d: defer.Deferred[Any] = defer.Deferred()
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
             self._thread.start()

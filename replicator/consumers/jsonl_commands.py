@@ -53,8 +53,8 @@ mistake (one line).
 import argparse
 import os
 import sys
-from datetime import datetime, timezone
-from typing import Any, Dict, List, NoReturn, Optional, Tuple
+from datetime import UTC, datetime
+from typing import Any, NoReturn
 
 from twisted.internet import defer, task
 
@@ -63,7 +63,7 @@ from ..storage import schema
 from ..storage.database import Cursor, Database
 from ..streams.trimmed import TrimCheck, boundary_key
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 
 
 #: ``--skip-to boundary``: the stream's trim boundary when the skip is made.
@@ -79,9 +79,9 @@ def _fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def find_jsonl(config: InstanceConfig, name: str) -> Tuple[str, str, Tuple[str, ...]]:
+def find_jsonl(config: InstanceConfig, name: str) -> tuple[str, str, tuple[str, ...]]:
     """``(where, absolute path, stream names)`` of the jsonl consumer ``name``."""
-    index: Optional[int] = None
+    index: int | None = None
     text = name[len("consumers["):-1] if name.startswith("consumers[") and name.endswith("]") \
         else name
     if text.isdigit():
@@ -110,7 +110,7 @@ def find_jsonl(config: InstanceConfig, name: str) -> Tuple[str, str, Tuple[str, 
     return where, os.path.abspath(consumer.options["path"]), streams
 
 
-def parse_point(text: str, flag: str = "--to") -> Tuple[Optional[int], Optional[int]]:
+def parse_point(text: str, flag: str = "--to") -> tuple[int | None, int | None]:
     """``(token, None)`` or ``(None, milliseconds since the epoch)``;
     ``flag`` other than ``--to`` takes a token only."""
     if text.lstrip("-").isdigit():
@@ -127,7 +127,7 @@ def parse_point(text: str, flag: str = "--to") -> Tuple[Optional[int], Optional[
         raise Usage(f"rewind: --to {text!r} is neither a token (an integer) nor a time "
                     f"(ISO 8601, e.g. 2026-11-25T10:00:00Z)") from None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     return None, int(when.timestamp() * 1000)
 
 
@@ -151,13 +151,13 @@ def _boundary(txn: Cursor, stream: StreamConfig, db: Database) -> int:
 
 def iso_time(ms: int) -> str:
     """``ms`` (since the epoch) as ISO 8601 UTC, as skip lines write it."""
-    when = datetime.fromtimestamp(ms / 1000, timezone.utc)
+    when = datetime.fromtimestamp(ms / 1000, UTC)
     text = when.strftime("%Y-%m-%dT%H:%M:%S")
     return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
 
 
-def _check_kept(txn: Cursor, stream: StreamConfig, db: Database, text: str, token: Optional[int],
-                ms: Optional[int]) -> None:
+def _check_kept(txn: Cursor, stream: StreamConfig, db: Database, text: str, token: int | None,
+                ms: int | None) -> None:
     """Refuse a point before what the stream's table keeps (trimmed by
     retention): delivering again from there would stop at the gap."""
     boundary = _boundary(txn, stream, db)
@@ -179,17 +179,17 @@ def _check_kept(txn: Cursor, stream: StreamConfig, db: Database, text: str, toke
                     f"{oldest[0]}, is of {iso_time(oldest[1])}); rewind to that time or later")
 
 
-def _first_at(txn: Cursor, stream: StreamConfig, db: Database, ms: Optional[int]) -> Optional[int]:
+def _first_at(txn: Cursor, stream: StreamConfig, db: Database, ms: int | None) -> int | None:
     txn.execute(db.sql(f"SELECT MIN({stream.id_column}) FROM {stream.table} "
                        f"WHERE {stream.timestamp_column} >= %s"), (ms,))
-    first: Optional[int] = txn.fetchone()[0]
+    first: int | None = txn.fetchone()[0]
     return first
 
 
-def _points(txn: Cursor, db: Database, streams: List[StreamConfig], text: str, token: Optional[int],
-            ms: Optional[int]) -> Dict[str, Optional[int]]:
+def _points(txn: Cursor, db: Database, streams: list[StreamConfig], text: str, token: int | None,
+            ms: int | None) -> dict[str, int | None]:
     """Per stream, the first token delivered again (None: nothing to)."""
-    points: Dict[str, Optional[int]] = {}
+    points: dict[str, int | None] = {}
     for stream in streams:
         _check_kept(txn, stream, db, text, token, ms)
         if token is not None:
@@ -203,8 +203,8 @@ def _points(txn: Cursor, db: Database, streams: List[StreamConfig], text: str, t
     return points
 
 
-def _skip_plan(txn: Cursor, db: Database, stream: StreamConfig, token: Optional[int],
-               current: Dict[Key, int]) -> Tuple[int, int, Dict[Key, int]]:
+def _skip_plan(txn: Cursor, db: Database, stream: StreamConfig, token: int | None,
+               current: dict[Key, int]) -> tuple[int, int, dict[Key, int]]:
     """One transaction: ``(target, boundary, facts of the table skipped per
     key)`` for the consumer's positions ``current`` in ``stream``; ``token``
     None is ``--skip-to boundary`` (the target is the boundary read here).

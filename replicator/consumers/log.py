@@ -1,6 +1,7 @@
 """The ``log`` consumer: one log line per fact; keeps nothing (always live)."""
 
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from twisted.logger import Logger, LogLevel
 
@@ -14,7 +15,7 @@ LOG_LEVELS = {
 }
 
 
-def preview(rows: List[Row], limit: int = 200) -> str:
+def preview(rows: list[Row], limit: int = 200) -> str:
     """Compact JSON of ``rows``, cut to ``limit`` characters (ending in …).
 
     Only the first ``limit`` rows are encoded, whatever the size of the
@@ -32,8 +33,8 @@ class LogConsumer(Consumer):
     (tests) defaults to one in the ``replicator.consumers.log`` namespace.
     """
 
-    def __init__(self, streams: Optional[Sequence[str]] = None, level: str = "info",
-                 logger: Optional[Logger] = None, preview_chars: int = 200,
+    def __init__(self, streams: Sequence[str] | None = None, level: str = "info",
+                 logger: Logger | None = None, preview_chars: int = 200,
                  start: str = "now") -> None:
         if start not in STARTS:
             raise ValueError(f"start {start!r} is not one of {', '.join(STARTS)}")
@@ -45,14 +46,14 @@ class LogConsumer(Consumer):
         self.preview_chars = preview_chars
         self.log = logger if logger is not None else Logger(namespace="replicator.consumers.log")
 
-    def on_facts(self, stream: str, writer: str, token: int, rows: List[Row]) -> None:
+    def on_facts(self, stream: str, writer: str, token: int, rows: list[Row]) -> None:
         self.log.emit(self.level, "{stream}/{writer} {token}: {count} {noun} {preview}",
                       stream=stream, writer=writer, token=token, count=len(rows),
                       noun="row" if len(rows) == 1 else "rows",
                       preview=preview(rows, self.preview_chars))
 
 
-def options_of(config: ConsumerConfig, where: str) -> Dict[str, str]:
+def options_of(config: ConsumerConfig, where: str) -> dict[str, str]:
     """The keyword arguments of a :class:`LogConsumer` (options ``level``;
     ``start``, default ``now``: it keeps no position, so with ``beginning``
     every start logs every fact still in the tables again)."""

@@ -20,7 +20,8 @@ then gets its running config back (restarted as it was), a new one is left
 out (the next reload tries again).
 """
 
-from typing import Any, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from twisted.internet import defer, threads
 from twisted.logger import Logger
@@ -39,7 +40,7 @@ async def change_consumers(handler: ReplicationHandler, running: Sequence[Consum
                            running_configs: Sequence[ConsumerConfig],
                            read_configs: Sequence[ConsumerConfig], change: ConsumerChange,
                            reactor: Any, base_dir: str = "."
-                           ) -> Tuple[List[Consumer], Tuple[ConsumerConfig, ...], List[str]]:
+                           ) -> tuple[list[Consumer], tuple[ConsumerConfig, ...], list[str]]:
     """Apply ``change`` to the ``handler``'s readers: ``(consumers, their
     configs, keys that failed)``, in the file's order."""
     for stream in handler.registry:
@@ -52,10 +53,10 @@ async def change_consumers(handler: ReplicationHandler, running: Sequence[Consum
             except Exception as e:
                 log.error("reload: consumers[{i}]: closing it failed: {error}", i=i,
                           error=one_line(e)[:300])
-        consumers: List[Consumer] = []
-        configs: List[ConsumerConfig] = []
-        started: List[Consumer] = []
-        failed: List[str] = []
+        consumers: list[Consumer] = []
+        configs: list[ConsumerConfig] = []
+        started: list[Consumer] = []
+        failed: list[str] = []
         for j, config in enumerate(read_configs):
             if j in change.kept:
                 consumers.append(running[change.kept[j]])

@@ -1,7 +1,7 @@
 """A listener as a service of the instance: the endpoint is built from its
 string with the instance's reactor when the service starts."""
 
-from typing import Any, Optional
+from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet import defer
@@ -20,16 +20,16 @@ class ListeningService(Service):
     ``key`` (e.g. address in use)."""
 
     def __init__(self, reactor: Any, endpoint: str, factory: IProtocolFactory, what: str,
-                 client_ca: Optional[str] = None, key: str = "listen") -> None:
+                 client_ca: str | None = None, key: str = "listen") -> None:
         self._reactor = reactor
         self.key = key
         self.endpoint = endpoint
         self.client_ca = client_ca
         self.factory = factory
         self.what = what
-        self.port: Optional[IListeningPort] = None
-        self.tls: Optional[ReloadableTls] = None  # an ssl: listener's, once started
-        self.listening: "Optional[defer.Deferred[IListeningPort]]" = None
+        self.port: IListeningPort | None = None
+        self.tls: ReloadableTls | None = None  # an ssl: listener's, once started
+        self.listening: defer.Deferred[IListeningPort] | None = None
         #: Lines say ``replication: listening on 127.0.0.1:9092``.
         self.log = Logger(namespace=f"replicator.{what.lower()}")
 
@@ -54,7 +54,7 @@ class ListeningService(Service):
 
         self.listening = d.addCallbacks(bound, failed)
 
-    def stopService(self) -> "Optional[defer.Deferred[object]]":
+    def stopService(self) -> "defer.Deferred[object] | None":
         super().stopService()
         if self.port is not None:
             address = self.address
@@ -80,5 +80,5 @@ class ListeningService(Service):
         return f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
 
     @property
-    def bound_port(self) -> Optional[int]:
+    def bound_port(self) -> int | None:
         return getattr(self.port.getHost(), "port", None) if self.port is not None else None

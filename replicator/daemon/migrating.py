@@ -9,7 +9,8 @@ that fails is rolled back (exit 1), as at a start.
 """
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..config.model import InstanceConfig
 from ..storage import migrations

@@ -28,14 +28,13 @@ Invariants:
 
 import os
 import socket
-from typing import Optional
 
 from twisted.logger import Logger
 
 log = Logger()
 
 
-def _address(raw: str) -> Optional[str]:
+def _address(raw: str) -> str | None:
     """``$NOTIFY_SOCKET`` as a socket address, or None if unsupported."""
     if raw.startswith("@"):
         return "\0" + raw[1:]

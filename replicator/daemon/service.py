@@ -15,7 +15,7 @@ whose resource failed, for the CLI to print (exit 1).
 
 import dataclasses
 import gc
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any
 
 from twisted.application.service import MultiService, Service
 from twisted.internet import defer, threads
@@ -74,8 +74,8 @@ class MetricsThread(Service):
         host, _, port = host_port.rpartition(":")
         self.host = host.strip("[]")
         self.port = int(port)
-        self._server: Optional["WSGIServer"] = None
-        self.listening: "Optional[defer.Deferred[None]]" = None
+        self._server: WSGIServer | None = None
+        self.listening: defer.Deferred[None] | None = None
 
     def startService(self) -> None:
         super().startService()
@@ -144,22 +144,23 @@ class Instance:
             max_queued_bytes=rep.max_queued_bytes, idle_timeout=rep.idle_timeout,
         )
         self.services = MultiService()
-        self.listeners: List[ListeningService] = []
+        self.listeners: list[ListeningService] = []
         # What must bind for the start to succeed.
-        self._binding: List[Union[ListeningService, MetricsThread]] = []
-        self.upstream: Optional["UpstreamService"] = None
-        self.redis: Optional["RedisReplication"] = None
-        self.http: Optional["HttpApi"] = None
-        self.health: Optional[HealthMonitor] = None
-        self.writers: Optional["WriterWatch"] = None  # made at start
-        self.live_metrics: Optional[InstanceMetrics] = None
-        self.replication_factory: Optional[ReplicationServerFactory] = None  # the listener's, for a reload's peer policy
+        self._binding: list[ListeningService | MetricsThread] = []
+        self.upstream: UpstreamService | None = None
+        self.redis: RedisReplication | None = None
+        self.http: HttpApi | None = None
+        self.health: HealthMonitor | None = None
+        self.writers: WriterWatch | None = None  # made at start
+        self.live_metrics: InstanceMetrics | None = None
+        # The listener's, for a reload's peer policy.
+        self.replication_factory: ReplicationServerFactory | None = None
         self._reloading = defer.DeferredLock()  # one reload at a time
         self._stopped = False
         #: Whether start() completed.
         self._started = False
 
-    def _load_consumers(self) -> List[Consumer]:
+    def _load_consumers(self) -> list[Consumer]:
         if not self.config.consumers:
             return []
         from ..consumers import load_consumers
@@ -182,7 +183,7 @@ class Instance:
         assert self.http is not None
         return self.http.current_findings()
 
-    def replication_status(self) -> Tuple[bool, str]:
+    def replication_status(self) -> tuple[bool, str]:
         """Whether this instance's replication links are up (workers)."""
         rep = self.config.replication
         if rep.upstream:
@@ -209,12 +210,12 @@ class Instance:
                    f"{clock_time(since)} ({for_})"
         return f"upstream {endpoint} not answering since {clock_time(since)} ({for_})"
 
-    def _link_since(self) -> Optional[float]:
+    def _link_since(self) -> float | None:
         """Since when the upstream has not answered (None: it answers, or
         this instance has none): when its link problem began."""
         return self.upstream.down_since() if self.upstream is not None else None
 
-    def _synapse_seen(self) -> Optional[str]:
+    def _synapse_seen(self) -> str | None:
         """A Synapse on our Redis channel without the ``synapse:`` section
         (this instance stopped publishing there), as a health problem."""
         return self.redis.synapse_seen if self.redis is not None else None
@@ -340,7 +341,8 @@ class Instance:
         log.info("instance {name} of {server} ready", name=config.instance_name,
                  server=config.server_name)
 
-    def _listen(self, endpoint: str, factory: IProtocolFactory, what: str, client_ca: Optional[str] = None,
+    def _listen(self, endpoint: str, factory: IProtocolFactory, what: str,
+                client_ca: str | None = None,
                 key: str = "listen") -> None:
         service = ListeningService(self.reactor, endpoint, factory, what, client_ca, key)
         service.setServiceParent(self.services)
@@ -378,7 +380,7 @@ class Instance:
                  else "read positions and metrics, and anyone on the path can read the "
                       "Bearer secret that writes send")
 
-    def port_of(self, what: str) -> Optional[int]:
+    def port_of(self, what: str) -> int | None:
         for s in self.listeners:
             if s.what == what:
                 return s.bound_port

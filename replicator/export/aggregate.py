@@ -26,9 +26,10 @@ neither shuffles nor sorts the facts:
 """
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING
 
 from .reference import GRANULARITIES, PERCENTILES, SIZE_BINS
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # PySpark is the exporter's extra, imported when a run starts
     from pyspark.sql import Column, DataFrame, SparkSession
 
 #: ``(chunk, writer, date)``, and its row time (None: the fact has none).
-GroupKey = Tuple[int, str, str]
+GroupKey = tuple[int, str, str]
 
 OUTPUT_COLUMNS = (
     "writer", "bucket_start", "facts", "rows", "multi_row_facts", "max_fact_rows",
@@ -62,14 +63,14 @@ class AggregateInput:
     """
 
     new_above: int
-    prev: Optional[int]
+    prev: int | None
     from_date: str
     single_writer: bool
     has_timestamp: bool
-    chunk_prev: Dict[int, Optional[int]] = field(default_factory=dict)
+    chunk_prev: dict[int, int | None] = field(default_factory=dict)
 
 
-def chunking(floor: int, upper: int, chunks: int) -> Tuple[int, List[int]]:
+def chunking(floor: int, upper: int, chunks: int) -> tuple[int, list[int]]:
     """``(chunk_len, starts)``: ``[floor, upper]`` cut into ``chunks`` ID ranges;
     ``starts`` are the first IDs of chunks 1.. (probe the largest ID below each)."""
     chunks = max(1, int(chunks))
@@ -84,12 +85,12 @@ class StreamAggregates:
 
     minute: "DataFrame"
     hour: "DataFrame"
-    new_dates: Dict[str, Tuple[int, Optional[int]]] = field(default_factory=dict)
+    new_dates: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     new_facts: int = 0
     new_rows: int = 0
     new_rollbacks: int = 0
-    dates: List[str] = field(default_factory=list)
-    _cached: List["DataFrame"] = field(default_factory=list)
+    dates: list[str] = field(default_factory=list)
+    _cached: list["DataFrame"] = field(default_factory=list)
 
     def unpersist(self) -> None:
         for df in self._cached:
@@ -100,7 +101,7 @@ class StreamAggregates:
 def _chunk_prev_expr(F: ModuleType, inp: AggregateInput) -> "Column":
     """The fact before each chunk's first fact: ``chunk_prev``, ``prev`` at
     the range start (NULL: none)."""
-    chunk_prev: Optional["Column"] = None
+    chunk_prev: Column | None = None
     for chunk, p in sorted(inp.chunk_prev.items()):
         p = inp.prev if p is None else p
         if p is None:
@@ -114,7 +115,7 @@ def _chunk_prev_expr(F: ModuleType, inp: AggregateInput) -> "Column":
                       else chunk_prev.when(start, F.lit(int(inp.prev))))
     if chunk_prev is not None:
         return chunk_prev
-    none: "Column" = F.lit(None).cast("long")
+    none: Column = F.lit(None).cast("long")
     return none
 
 
@@ -136,8 +137,8 @@ def build_facts(spark: "SparkSession", facts: "DataFrame", inp: AggregateInput) 
     )
 
 
-def day_starts(groups: Iterable[Tuple[int, str, str, Optional[int]]],
-               ) -> Dict[GroupKey, Optional[int]]:
+def day_starts(groups: Iterable[tuple[int, str, str, int | None]],
+               ) -> dict[GroupKey, int | None]:
     """``{(chunk, writer, date): rowtime}``: for every (chunk, writer, date)
     group after the first of its (writer, date), the row time (maybe None) of
     that writer's last fact of the date in the chunks before it.
@@ -145,8 +146,8 @@ def day_starts(groups: Iterable[Tuple[int, str, str, Optional[int]]],
     ``groups``: ``(chunk, writer, date, last_rowtime)`` of every group
     (``last_rowtime``: the row time of its largest ID).
     """
-    out: Dict[GroupKey, Optional[int]] = {}
-    last: Dict[Tuple[str, str], Optional[int]] = {}
+    out: dict[GroupKey, int | None] = {}
+    last: dict[tuple[str, str], int | None] = {}
     for chunk, writer, date, rowtime in sorted(groups, key=lambda g: g[0]):
         key = (writer, date)
         if key in last:
@@ -155,15 +156,15 @@ def day_starts(groups: Iterable[Tuple[int, str, str, Optional[int]]],
     return out
 
 
-def starts_frame(spark: "SparkSession", starts: Dict[GroupKey, Optional[int]]) -> "DataFrame":
+def starts_frame(spark: "SparkSession", starts: dict[GroupKey, int | None]) -> "DataFrame":
     """:func:`day_starts` as a DataFrame (``chunk, writer, date,
     start_rowtime, started``) made of literals in the JVM: no Python task,
     so a cluster's executors need no Python (``createDataFrame`` of a list
     would run one)."""
     from pyspark.sql import functions as F
 
-    def row(chunk: Optional[int], writer: Optional[str], date: Optional[str],
-            rowtime: Optional[int], started: Optional[bool]) -> "Column":
+    def row(chunk: int | None, writer: str | None, date: str | None,
+            rowtime: int | None, started: bool | None) -> "Column":
         return F.struct(F.lit(chunk).cast("int").alias("chunk"),
                         F.lit(writer).cast("string").alias("writer"),
                         F.lit(date).cast("string").alias("date"),
@@ -177,7 +178,7 @@ def starts_frame(spark: "SparkSession", starts: Dict[GroupKey, Optional[int]]) -
 
 
 def with_gaps(spark: "SparkSession", facts: "DataFrame",
-              starts: Dict[GroupKey, Optional[int]]) -> "DataFrame":
+              starts: dict[GroupKey, int | None]) -> "DataFrame":
     """``facts`` with ``gap``: the row time minus the previous row time of
     the same writer and date in ID order (the database's lag within a chunk,
     ``starts`` (:func:`day_starts`) for a chunk's first fact of a day)."""
@@ -271,7 +272,7 @@ def aggregate_stream(spark: "SparkSession", facts: "DataFrame",
         hour=_bucket_aggregates(F, facts, "hour", inp),
         _cached=[cached],
     )
-    firsts: Dict[str, Optional[Tuple[int, Optional[int]]]] = {}
+    firsts: dict[str, tuple[int, int | None] | None] = {}
     for r in groups:
         date = r["date"]
         if r["first"] is None:

@@ -15,8 +15,9 @@ One run, for every selected stream:
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional
 
 from ..config import DatabaseConfig, StreamConfig
 from .options import ExportOptions
@@ -37,21 +38,21 @@ class StreamReport:
 
     stream: str
     position: int
-    lower: Optional[int]
-    upper: Optional[int]
+    lower: int | None
+    upper: int | None
     status: str
     facts: int = 0
     rows: int = 0
     rollbacks: int = 0
-    dates: List[str] = field(default_factory=list)
+    dates: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    trimmed: Optional[Tuple[int, int]] = None  # (lo, hi] accepted as trimmed by retention
+    trimmed: tuple[int, int] | None = None  # (lo, hi] accepted as trimmed by retention
 
 
 @dataclass
 class ExportResult:
-    reports: List[StreamReport]
-    generation: Optional[str]  # the committed generation, None for a no-op
+    reports: list[StreamReport]
+    generation: str | None  # the committed generation, None for a no-op
     seconds: float = 0.0
 
     @property
@@ -60,8 +61,8 @@ class ExportResult:
 
 
 # ------------------------------------------------------------------- run
-def select_streams(streams: Sequence[StreamConfig], names: Optional[Sequence[str]]
-                   ) -> List[StreamConfig]:
+def select_streams(streams: Sequence[StreamConfig], names: Sequence[str] | None
+                   ) -> list[StreamConfig]:
     if not names:
         return list(streams)
     known = {s.name: s for s in streams}
@@ -176,7 +177,7 @@ def _tok(token: int) -> str:
     return "start" if token == MIN_TOKEN else str(token)
 
 
-def _range(span: Tuple[int, int]) -> str:
+def _range(span: tuple[int, int]) -> str:
     return f"({_tok(span[0])}, {span[1]}]"
 
 

@@ -27,7 +27,6 @@ For every selected stream, on the driver with one-row queries only:
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 from ..config import StreamConfig
 from .aggregate import StreamAggregates, chunking
@@ -42,21 +41,21 @@ class StreamPlan:
     """What one stream's run will do (see the module docstring)."""
 
     stream: StreamConfig
-    positions: Dict[str, int]
+    positions: dict[str, int]
     position: int
-    state: Optional[StreamState]
+    state: StreamState | None
     lower: int  # exclusive: the previous token (MIN_TOKEN on a first export)
     upper: int  # inclusive: the token this run advances to
-    bounds: Optional[RangeBounds] = None
+    bounds: RangeBounds | None = None
     run_ms: int = 0
-    from_date: Optional[str] = None
-    floor: Optional[int] = None
-    prev: Optional[int] = None
+    from_date: str | None = None
+    floor: int | None = None
+    prev: int | None = None
     chunk_len: int = 1
-    chunk_prev: Dict[int, Optional[int]] = field(default_factory=dict)
+    chunk_prev: dict[int, int | None] = field(default_factory=dict)
     note: str = ""
     boundary: int = 0  # the trim boundary when planned
-    trimmed: Optional[Tuple[int, int]] = None  # (lo, hi] accepted as trimmed
+    trimmed: tuple[int, int] | None = None  # (lo, hi] accepted as trimmed
 
     @property
     def advances(self) -> bool:
@@ -67,13 +66,13 @@ class StreamPlan:
         return self.bounds is not None and self.bounds.min_id is not None
 
 
-def layout_of(stream: StreamConfig) -> Dict[str, Optional[str]]:
+def layout_of(stream: StreamConfig) -> dict[str, str | None]:
     return {"table": stream.table, "id_column": stream.id_column,
             "writer_column": stream.writer_column,
             "timestamp_column": stream.timestamp_column}
 
 
-def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamState],
+def plan_stream(meta: Metadata, stream: StreamConfig, state: StreamState | None,
                 options: ExportOptions, run_ms: int) -> StreamPlan:
     """What ``stream``'s run will read and write (steps 1 and 2 above).
 
@@ -182,12 +181,12 @@ def check_read(meta: Metadata, plan: StreamPlan) -> None:
         f"an export reads cannot be exported whole)")
 
 
-def observed_ranges(plan: StreamPlan) -> List[Tuple[int, int, int]]:
+def observed_ranges(plan: StreamPlan) -> list[tuple[int, int, int]]:
     """Observed-time ranges relevant to the read range (a planned read:
     ``plan.has_facts``), this run's included."""
     floor, bounds = plan.floor, plan.bounds
     assert floor is not None and bounds is not None, "the plan reads facts"
-    ranges: List[Tuple[int, int, int]] = []
+    ranges: list[tuple[int, int, int]] = []
     if plan.state is not None:
         ranges = [(lo, hi, ms) for lo, hi, ms in plan.state.observed if hi >= floor]
     if bounds.has_null_ts:
@@ -195,7 +194,7 @@ def observed_ranges(plan: StreamPlan) -> List[Tuple[int, int, int]]:
     return ranges
 
 
-def next_state(plan: StreamPlan, agg: Optional[StreamAggregates]) -> StreamState:
+def next_state(plan: StreamPlan, agg: StreamAggregates | None) -> StreamState:
     """The stream's state once ``plan`` is committed (``agg``: the run's
     :class:`.aggregate.StreamAggregates`, None when no fact was read)."""
     stream = plan.stream

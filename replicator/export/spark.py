@@ -15,7 +15,8 @@ Settings come in two kinds:
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional
 
 from ..config import DatabaseConfig
 from .options import ExportOptions
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # PySpark is the exporter's extra, imported when a run starts
 log = logging.getLogger("replicator.export")
 
 
-def run_settings(shuffle_partitions: int) -> Dict[str, str]:
+def run_settings(shuffle_partitions: int) -> dict[str, str]:
     """The SQL runtime settings every export run needs."""
     return {
         "spark.sql.session.timeZone": "UTC",
@@ -42,7 +43,7 @@ def configure(spark: "SparkSession", shuffle_partitions: int) -> None:
         spark.conf.set(key, value)
 
 
-def is_local(master: Optional[str], submitted: bool = False) -> bool:
+def is_local(master: str | None, submitted: bool = False) -> bool:
     """Whether the run's Spark is in this process (``local[...]``, or no
     master outside ``spark-submit``): its driver then listens on loopback
     unless ``SPARK_LOCAL_IP`` says otherwise.  On a cluster the executors
@@ -53,8 +54,8 @@ def is_local(master: Optional[str], submitted: bool = False) -> bool:
     return master == "local" or master.startswith("local[")
 
 
-def spark_session(master: Optional[str], jars: Sequence[str], shuffle_partitions: int = 8,
-                  extra_conf: Optional[Dict[str, str]] = None) -> "SparkSession":
+def spark_session(master: str | None, jars: Sequence[str], shuffle_partitions: int = 8,
+                  extra_conf: dict[str, str] | None = None) -> "SparkSession":
     """The SparkSession of this process (created if needed), configured for a run.
 
     ``master`` None leaves the master to ``spark-submit`` when launched by
@@ -114,7 +115,7 @@ class RunSession:
             self.spark = spark_session(self.options.master, [jar],
                                        self.options.shuffle_partitions, self.options.spark_conf)
             self.own = self._configured = True
-        spark: "SparkSession" = self.spark
+        spark: SparkSession = self.spark
         if not self._configured:
             configure(spark, self.options.shuffle_partitions)
             self._configured = True
@@ -134,8 +135,8 @@ class Progress:
         self.interval = interval
         self.stream = ""
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._last: Optional[str] = None
+        self._thread: threading.Thread | None = None
+        self._last: str | None = None
 
     def start(self) -> "Progress":
         if self.interval > 0:

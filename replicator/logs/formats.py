@@ -18,8 +18,9 @@ reads ``X``.
 import json
 import math
 import re
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Callable, Dict, Optional
+from typing import Any
 
 from twisted.logger import LogEvent, LogLevel, formatEvent
 from twisted.python.failure import Failure
@@ -102,9 +103,9 @@ def _value(value: Any) -> Any:
     return clean(str(value))
 
 
-def fields(event: LogEvent) -> Dict[str, Any]:
+def fields(event: LogEvent) -> dict[str, Any]:
     """The event's own fields (what its message was formatted from)."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for key, value in event.items():
         if (key.startswith("log_") or key in _NOT_FIELDS or key in _RESERVED
                 or isinstance(value, Failure) or not isinstance(key, str)):
@@ -113,8 +114,8 @@ def fields(event: LogEvent) -> Dict[str, Any]:
     return out
 
 
-def _traceback(event: LogEvent) -> Optional[str]:
-    failure: Optional[Failure] = event.get("log_failure")
+def _traceback(event: LogEvent) -> str | None:
+    failure: Failure | None = event.get("log_failure")
     return failure.getTraceback().rstrip("\n") if failure is not None else None
 
 

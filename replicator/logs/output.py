@@ -6,7 +6,8 @@ through :func:`replicator.logs.printable.printable`.
 
 import os
 import sys
-from typing import IO, Callable, Dict, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import IO
 
 from twisted.logger import (
     FilteringLogObserver,
@@ -58,8 +59,8 @@ def _observer(stream: IO[str], line: Callable[[LogEvent], str]) -> ILogObserver:
 
 
 def start_logging(level: str = "info", log_format: str = "text",
-                  stream: Optional[IO[str]] = None,
-                  environ: Optional[Mapping[str, str]] = None) -> None:
+                  stream: IO[str] | None = None,
+                  environ: Mapping[str, str] | None = None) -> None:
     """Send every event at ``level`` or above to ``stream`` (stdout) as
     ``log_format`` lines (:mod:`replicator.logs.formats`): ``text`` lines carry
     the time unless journald (which adds its own) reads ``stream``."""
@@ -82,7 +83,7 @@ def start_logging(level: str = "info", log_format: str = "text",
 
 
 #: How the logging :func:`start_logging` began is changed (a reload).
-_live: Dict[str, Callable[[str, str], None]] = {}
+_live: dict[str, Callable[[str, str], None]] = {}
 
 
 def change_logging(level: str, log_format: str) -> bool:

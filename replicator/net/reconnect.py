@@ -22,7 +22,8 @@ that one line per :data:`QUIET_INTERVAL` at most, so a peer gone for a day
 costs a few thousand lines, not forty thousand.
 """
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from twisted.application.internet import ClientService
 from twisted.internet import defer, error
@@ -52,7 +53,7 @@ def _discard(event: Any) -> None:
     """An observer that drops every event (Twisted's retry line)."""
 
 
-def _tls_reason(value: object) -> Optional[str]:
+def _tls_reason(value: object) -> str | None:
     """What a TLS failure says, in a few words; None if ``value`` is not one."""
     try:
         from OpenSSL import SSL
@@ -111,7 +112,7 @@ class _RememberingEndpoint:
 
     def __init__(self, endpoint: IStreamClientEndpoint) -> None:
         self.endpoint = endpoint
-        self.failure: Optional[Failure] = None
+        self.failure: Failure | None = None
 
     def connect(self, factory: IProtocolFactory) -> "defer.Deferred[IProtocol]":
         def connected(protocol: IProtocol) -> IProtocol:
@@ -138,10 +139,10 @@ class ReconnectingService(ClientService):
     _log = Logger(observer=_discard)
 
     def __init__(self, endpoint: IStreamClientEndpoint, factory: IProtocolFactory,
-                 backoff: Backoff, *, clock: Optional[IReactorTime], what: str, where: str,
-                 lost_reason: Optional[Callable[[], Optional[str]]] = None,
-                 on_retry: Optional[Callable[[int, float], None]] = None,
-                 prepareConnection: Optional[Callable[[IProtocol], object]] = None) -> None:
+                 backoff: Backoff, *, clock: IReactorTime | None, what: str, where: str,
+                 lost_reason: Callable[[], str | None] | None = None,
+                 on_retry: Callable[[int, float], None] | None = None,
+                 prepareConnection: Callable[[IProtocol], object] | None = None) -> None:
         if clock is None:
             from twisted.internet import reactor
 
@@ -155,7 +156,7 @@ class ReconnectingService(ClientService):
         self._clock = clock
         self._lost_reason = lost_reason
         self._on_retry = on_retry
-        self._last_line: Optional[float] = None
+        self._last_line: float | None = None
 
     def reason(self) -> str:
         """Why the last attempt or connection ended."""

@@ -23,7 +23,6 @@ What is relied on (Twisted 24.3 to 26.x, ``twisted.internet.abstract.FileDescrip
   producer registered meanwhile is not told to pause by the channel.
 """
 
-from typing import Optional
 
 from twisted.internet import tcp
 
@@ -32,7 +31,7 @@ from twisted.internet import tcp
 CHECKED = "<27,>=24.3"
 
 
-def plain_tcp(transport: object) -> Optional[tcp.Connection]:
+def plain_tcp(transport: object) -> tcp.Connection | None:
     """``transport`` if its bytes may go straight to its socket: a plain TCP
     connection (not TLS, whose bytes must go through the TLS layer) with the
     write buffer described above; else None."""

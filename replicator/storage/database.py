@@ -8,8 +8,9 @@ into sqlite3's ``?`` style.  ``GREATEST`` is spelled by :attr:`Database.greatest
 
 import os
 import select
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, Callable, Optional
+from typing import Any
 
 from twisted.enterprise import adbapi
 from twisted.internet import defer
@@ -95,7 +96,7 @@ class _PostgresPool(adbapi.ConnectionPool):
     connectionFactory = _PooledConnection
 
     def connect(self) -> RawConnection:
-        conn: Optional[RawConnection] = self.connections.get(self.threadID())
+        conn: RawConnection | None = self.connections.get(self.threadID())
         if conn is not None:
             problem = _dead(conn)
             if problem is not None:
@@ -105,7 +106,7 @@ class _PostgresPool(adbapi.ConnectionPool):
         return super().connect()
 
 
-def _dead(conn: RawConnection) -> Optional[str]:
+def _dead(conn: RawConnection) -> str | None:
     """Why an idle psycopg2 connection is dead, or None if it seems alive."""
     if conn.closed:
         return "closed"
@@ -140,7 +141,7 @@ class Database:
     connection: the embedded default is a single-process database.
     """
 
-    def __init__(self, config: DatabaseConfig, pool: Optional[adbapi.ConnectionPool] = None):
+    def __init__(self, config: DatabaseConfig, pool: adbapi.ConnectionPool | None = None):
         """``pool``: a pool to use instead of opening one (the tests' in-memory
         SQLite, run inline); it must speak the configured engine's SQL."""
         self.config = config
@@ -169,7 +170,7 @@ class Database:
         # connection stays free for reads when the pool has more than one.
         workers = config.pool_max - 1 if config.pool_max > 1 else 1
         self.transactions = TransactionQueue(self.pool, workers)
-        self._reactor_reads: Optional[ReactorReads] = None
+        self._reactor_reads: ReactorReads | None = None
 
     @property
     def is_postgres(self) -> bool:
@@ -182,7 +183,7 @@ class Database:
     def runInteraction(self, fn: Callable[..., Any], *args: Any,
                        **kwargs: Any) -> "defer.Deferred[Any]":
         """Run ``fn(txn, ...)`` in one transaction in a pool thread."""
-        done: "defer.Deferred[Any]" = self.pool.runInteraction(fn, *args, **kwargs)
+        done: defer.Deferred[Any] = self.pool.runInteraction(fn, *args, **kwargs)
         return done
 
     def runReads(self, fn: Callable[..., Any], *args: Any) -> "defer.Deferred[Any]":
@@ -207,10 +208,10 @@ class Database:
                 except Exception:  # a dead connection: the failure says why
                     pass
 
-        done: "defer.Deferred[Any]" = self.pool.runWithConnection(run)
+        done: defer.Deferred[Any] = self.pool.runWithConnection(run)
         return done
 
-    def reactor_reads(self, reactor: Any) -> Optional[ReactorReads]:
+    def reactor_reads(self, reactor: Any) -> ReactorReads | None:
         """PostgreSQL: the :class:`.reactor_reads.ReactorReads` of this
         database on ``reactor`` (one connection more than the pool, opened
         at the first read), for tiny reads on the path of every fact; None
@@ -225,11 +226,11 @@ class Database:
         return self._reactor_reads
 
     def runQuery(self, text: str, *args: Any) -> "defer.Deferred[Any]":
-        done: "defer.Deferred[Any]" = self.pool.runQuery(self.sql(text), *args)
+        done: defer.Deferred[Any] = self.pool.runQuery(self.sql(text), *args)
         return done
 
     def runOperation(self, text: str, *args: Any) -> "defer.Deferred[Any]":
-        done: "defer.Deferred[Any]" = self.pool.runOperation(self.sql(text), *args)
+        done: defer.Deferred[Any] = self.pool.runOperation(self.sql(text), *args)
         return done
 
     def close(self) -> None:

@@ -35,8 +35,9 @@ instance refuses a schema newer than it knows.
 """
 
 import datetime
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -93,7 +94,7 @@ def _create_idempotency_table(txn: Cursor, postgres: bool) -> None:
         txn.execute(statement)
 
 
-STEPS: Tuple[Step, ...] = (
+STEPS: tuple[Step, ...] = (
     Step(1, "create stream_positions", _create_positions),
     Step(2, f"record the schema version in {SCHEMA_TABLE}", _create_schema_table),
     Step(3, "create stream_retention (the trim boundaries of retention)",
@@ -160,7 +161,7 @@ def _lock(txn: Cursor, postgres: bool) -> None:
 
 
 def _record(txn: Cursor, db: Database, version: int, now: float, instance_name: str) -> None:
-    when = datetime.datetime.fromtimestamp(now, datetime.timezone.utc)
+    when = datetime.datetime.fromtimestamp(now, datetime.UTC)
     txn.execute(db.sql(
         f"INSERT INTO {SCHEMA_TABLE} (version, migrated_at, replicator_version, instance_name) "
         "VALUES (%s, %s, %s, %s) ON CONFLICT (one_row) DO UPDATE SET "
@@ -176,7 +177,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _next_step(txn: Cursor, db: Database, steps: Sequence[Step], announce: Callable[[str], None],
-               now: float, instance_name: str) -> Optional[int]:
+               now: float, instance_name: str) -> int | None:
     """One transaction: the next step, if any is due (None: none is); the
     version reached.  A new database gets all of them."""
     _lock(txn, db.is_postgres)

@@ -16,7 +16,8 @@ and keep being read in heap order among themselves, as before.
 All functions here take a DB-API cursor and run in a pool thread.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..config import ConfigError, StreamConfig
 from ..config.model import ROW_INDEX_COLUMN
@@ -81,7 +82,7 @@ PG_TYPES = {"text": "TEXT", "bigint": "BIGINT", "boolean": "BOOLEAN", "json": "J
 SQLITE_TYPES = {"text": "TEXT", "bigint": "INTEGER", "boolean": "INTEGER", "json": "TEXT"}
 
 
-def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
+def table_ddl(stream: StreamConfig, postgres: bool) -> list[str]:
     """Statements creating the stream's table, indexes and sequence if missing."""
     types = PG_TYPES if postgres else SQLITE_TYPES
     cols = [f"{stream.id_column} BIGINT NOT NULL"]
@@ -145,13 +146,13 @@ def has_row_index(txn: Cursor, stream: StreamConfig, postgres: bool) -> bool:
     return ROW_INDEX_COLUMN in (name.lower() for name in existing)
 
 
-def table_columns(txn: Cursor, table: str, postgres: bool) -> Optional[List[str]]:
+def table_columns(txn: Cursor, table: str, postgres: bool) -> list[str] | None:
     """Column names of ``table``, or None if it does not exist."""
     types = column_types(txn, table, postgres)
     return None if types is None else list(types)
 
 
-def column_types(txn: Cursor, table: str, postgres: bool) -> Optional[Dict[str, TableType]]:
+def column_types(txn: Cursor, table: str, postgres: bool) -> dict[str, TableType] | None:
     """Each column of ``table`` with its type, or None if it does not exist."""
     if postgres:
         txn.execute(
@@ -195,9 +196,9 @@ def check_stream_table(txn: Cursor, stream: StreamConfig, key: str, postgres: bo
 
 
 def ensure_schema(txn: Cursor, streams: Sequence[StreamConfig], postgres: bool,
-                  keys: Dict[str, str], written: Optional[Set[str]] = None, dry_run: bool = False,
-                  added_row_index: Optional[List[str]] = None,
-                  awaiting_writer: Optional[List[str]] = None) -> bool:
+                  keys: dict[str, str], written: set[str] | None = None, dry_run: bool = False,
+                  added_row_index: list[str] | None = None,
+                  awaiting_writer: list[str] | None = None) -> bool:
     """Create what is missing and check what exists.
 
     ``written``: names of the streams with a local writer (default: all).
@@ -252,7 +253,7 @@ def ensure_schema(txn: Cursor, streams: Sequence[StreamConfig], postgres: bool,
     return has_positions
 
 
-def persisted_positions(txn: Cursor, stream_name: str, sql: Sql) -> Dict[str, int]:
+def persisted_positions(txn: Cursor, stream_name: str, sql: Sql) -> dict[str, int]:
     txn.execute(
         sql("SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s"),
         (stream_name,),
@@ -286,7 +287,7 @@ def trimmed_through(txn: Cursor, table_key: str, sql: Sql) -> int:
     return int(row[0]) if row is not None else 0
 
 
-def table_max_per_writer(txn: Cursor, stream: StreamConfig) -> Dict[str, int]:
+def table_max_per_writer(txn: Cursor, stream: StreamConfig) -> dict[str, int]:
     if stream.writer_column:
         txn.execute(
             f"SELECT {stream.writer_column}, MAX({stream.id_column}) FROM {stream.table} "

@@ -18,7 +18,6 @@ import concurrent.futures
 import os
 import random
 import time
-from typing import List, Optional
 
 import psycopg2
 
@@ -36,7 +35,7 @@ class SqlWriter:
         self.tag, self.dsn, self.table, self.rng, self.log = tag, dsn, table, rng, log
         self.n = 0
         self.stopping = False
-        self._conn: Optional[object] = None
+        self._conn: object | None = None
         # A thread of its own: with the loop's shared executor, writers
         # waiting on a lock could take every thread from the ones whose
         # commit would release it.
@@ -94,7 +93,7 @@ class SqlWriter:
             self.log.append(record)
         self._thread.shutdown(wait=False)
 
-    def _insert_fact(self, rows: List[list]) -> int:
+    def _insert_fact(self, rows: list[list]) -> int:
         """The fact's rows under one ID: the first row takes the default,
         the others repeat it (a multi-row fact by plain SQL)."""
         conn = self._connect()

@@ -21,7 +21,6 @@ through the TLS layer; not a test's fake request): for the others
 :meth:`Direct.write` is ``request.write``.
 """
 
-from typing import Optional
 
 from twisted.internet import tcp
 
@@ -42,7 +41,7 @@ class Frames:
 
     def __init__(self, data: bytes) -> None:
         self.data = data
-        self._chunked: Optional[bytes] = None
+        self._chunked: bytes | None = None
 
     def chunked(self) -> bytes:
         if self._chunked is None:
@@ -62,13 +61,13 @@ class Direct:
         self.request = request
         self.chunked = bool(getattr(request, "chunked", False))
         channel = getattr(request, "channel", None)
-        self.transport: Optional[tcp.Connection] = plain_tcp(getattr(channel, "transport", None))
+        self.transport: tcp.Connection | None = plain_tcp(getattr(channel, "transport", None))
 
     def write_frames(self, frames: Frames) -> None:
         """A live pass's bytes (:class:`Frames`)."""
         self.write(frames.data, frames.chunked() if self.chunked and self.transport else None)
 
-    def write(self, data: bytes, chunked: Optional[bytes] = None) -> None:
+    def write(self, data: bytes, chunked: bytes | None = None) -> None:
         """Write ``data`` (``chunked``: the same as one chunk, if made
         already) after everything written before."""
         transport = self.transport
