@@ -22,7 +22,6 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import List
 
 from twisted.trial.unittest import SkipTest
 
@@ -69,7 +68,7 @@ def free_port() -> int:
             return port
 
 
-def free_ports(n: int) -> List[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct free ports."""
     return [free_port() for _ in range(n)]
 

@@ -9,7 +9,6 @@ master's bytes and offsets; the worker refuses to write it."""
 import json
 import urllib.error
 import urllib.request
-from typing import Dict, List, Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -26,7 +25,7 @@ DS_STREAM = {"name": "ds", "table": "ds_operations", "durable_streams": True,
              "writers": ["master"]}
 
 
-def ds_get(base: str, query: str) -> Tuple[int, Dict[str, str], bytes]:
+def ds_get(base: str, query: str) -> tuple[int, dict[str, str], bytes]:
     request = urllib.request.Request(base + DS + query,
                                      headers={"Authorization": f"Bearer {SECRET}"})
     with urllib.request.urlopen(request, timeout=60) as response:
@@ -64,14 +63,14 @@ class MasterAndWorker:
             self.assertEqual(status, 200)
             self.n += 1
 
-    def table(self) -> List[Tuple[int, str, list]]:
+    def table(self) -> list[tuple[int, str, list]]:
         facts = table_facts(self.dsn, [("caches", "cache_invalidation_stream",
                                         ", ".join(COLUMNS))])
         out = []
         for (_, writer), items in facts.items():
             for stream_id, rows in items:
-                out.append((stream_id, writer, [[json.loads(v) if isinstance(v, str) and c == "keys" else v
-                                                 for c, v in zip(COLUMNS, row)]
+                out.append((stream_id, writer, [[json.loads(v) if isinstance(v, str) and c == "keys"
+                                                  else v for c, v in zip(COLUMNS, row)]
                                                 for row in rows]))
         return sorted(out)
 
@@ -89,9 +88,9 @@ class SwitchingReaderTests(MasterAndWorker, SynchronousTestCase):
         top = self.table()[-1][0]
         for daemon in (self.master, self.worker):
             wait_for(lambda d=daemon: self.tail(d) >= top, 60, "linear token past the writes")
-        got: List[dict] = []
+        got: list[dict] = []
         offset = "-1"
-        served: List[Tuple[str, bytes]] = []
+        served: list[tuple[str, bytes]] = []
         # Two pages from the master, the rest from the worker.
         for _ in range(2):
             status, headers, body = ds_get(self.master.http_base, f"?offset={offset}")
@@ -126,7 +125,7 @@ class SwitchingReaderTests(MasterAndWorker, SynchronousTestCase):
 
 
 def ds_call(base: str, method: str, path: str, body: bytes = None,
-            content_type: str = "application/octet-stream") -> Tuple[int, Dict[str, str], bytes]:
+            content_type: str = "application/octet-stream") -> tuple[int, dict[str, str], bytes]:
     """A request to the Durable Stream ``path`` of stream ``ds``: ``(status,
     headers, body)``, an error status too."""
     request = urllib.request.Request(f"{base}/_replicator/v1/ds/ds/{path}", data=body,

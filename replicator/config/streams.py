@@ -2,7 +2,9 @@
 component shares."""
 
 import re
-from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 from .fields import (
     IDENTIFIER,
@@ -119,7 +121,8 @@ MAX_TRIM_BATCH = 100_000
 PRESET_KEYS = ("table", "id_column", "writer_column", "columns", "sequence", "create")
 
 
-def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset, Optional[str]]:
+def _apply_preset(section: Mapping[str, Any], key: str,
+                  ) -> tuple[Mapping[str, Any], str, "frozenset[str]", str | None]:
     """The stream section with its preset's layout filled in; the preset's
     name; the columns stored as JSON text."""
     from .. import synapse
@@ -169,8 +172,8 @@ def parse_duration(value: Any, path: str) -> float:
     return float(seconds)
 
 
-def parse_retention(value: Any, key: str, timestamp_column: Optional[str],
-                    columns) -> RetentionConfig:
+def parse_retention(value: Any, key: str, timestamp_column: str | None,
+                    columns: Sequence[ColumnConfig]) -> RetentionConfig:
     """A stream's ``retention``: ``max_age`` needs the stream's
     ``timestamp_column`` (NOT NULL): a fact's age is read from it."""
     section = as_mapping(value, key)
@@ -234,7 +237,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         if "create" in section and section["create"] is not True:
             raise ConfigError(f"{key}.create", "a stream with durable_streams: true is "
                                                "in a table the replicator creates")
-        columns: Tuple[ColumnConfig, ...] = DS_COLUMNS
+        columns: tuple[ColumnConfig, ...] = DS_COLUMNS
     else:
         columns = tuple(
             parse_column(c, f"{key}.columns[{i}]")
@@ -305,21 +308,21 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     )
 
 
-def parse_streams(value: Any, key: str = "streams") -> Tuple[StreamConfig, ...]:
+def parse_streams(value: Any, key: str = "streams") -> tuple[StreamConfig, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
         raise ConfigError(key, f"expected a list, got {kind_of(value)}")
     streams = []
-    names: Dict[str, int] = {}
+    names: dict[str, int] = {}
     # Tables and sequences share one namespace in PostgreSQL; unquoted
     # names fold case.
-    relations: Dict[str, str] = {}
+    relations: dict[str, str] = {}
     for i, item in enumerate(value):
         stream = parse_stream(item, f"{key}[{i}]")
         if stream.name in names:
-            raise ConfigError(f"{key}[{i}].name",
-                              f"duplicate stream {stream.name!r} (also {key}[{names[stream.name]}])")
+            raise ConfigError(f"{key}[{i}].name", f"duplicate stream {stream.name!r} "
+                                                  f"(also {key}[{names[stream.name]}])")
         _claim(relations, stream.table, f"{key}[{i}].table")
         _claim(relations, stream.sequence, f"{key}[{i}].sequence")
         names[stream.name] = i
@@ -327,7 +330,7 @@ def parse_streams(value: Any, key: str = "streams") -> Tuple[StreamConfig, ...]:
     return tuple(streams)
 
 
-def _claim(relations: Dict[str, str], name: str, path: str) -> None:
+def _claim(relations: dict[str, str], name: str, path: str) -> None:
     """Record that the table or sequence ``name`` is the one at ``path``
     (``streams[i].table`` or ``.sequence``); a ConfigError if another
     stream's table or sequence has that name already."""

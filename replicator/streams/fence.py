@@ -51,7 +51,8 @@ A backend that crashes or is killed releases its locks as it aborts.
 
 import time
 import zlib
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from twisted.internet import task
 from twisted.logger import Logger
@@ -75,7 +76,7 @@ LOW_BITS = 31
 LOW_MASK = (1 << LOW_BITS) - 1
 
 
-def lock_classes(config: StreamConfig) -> Dict[str, int]:
+def lock_classes(config: StreamConfig) -> dict[str, int]:
     """Per role, the first key (unsigned 32 bits, as ``pg_locks.classid``
     shows it) of the stream's advisory locks: from the table's name (two
     deployments with a stream of one name have tables of their own)."""
@@ -163,7 +164,7 @@ def install(txn: Any, config: StreamConfig, key: str) -> None:
                     f"SET DEFAULT %s", (config.writers[0],))
 
 
-def _defaults(txn: Any, table: str) -> Dict[str, str]:
+def _defaults(txn: Any, table: str) -> dict[str, str]:
     """Each column of ``table`` that has a default, with it (as PostgreSQL
     shows it)."""
     txn.execute("SELECT a.attname, pg_get_expr(d.adbin, d.adrelid) FROM pg_attrdef d "
@@ -177,14 +178,14 @@ class Holder(NamedTuple):
     taken), and who it is (``pid`` None: a prepared transaction)."""
 
     vxid: str
-    first_id: Optional[int]
-    pid: Optional[int]
-    application_name: Optional[str]
-    xact_start: Optional[str]
-    state: Optional[str]
+    first_id: int | None
+    pid: int | None
+    application_name: str | None
+    xact_start: str | None
+    state: str | None
 
 
-def watermark(sequence: int, holders: List[Holder]) -> Optional[int]:
+def watermark(sequence: int, holders: list[Holder]) -> int | None:
     """The largest ID at or below which every fenced transaction ended,
     from the sequence's value read *before* the holders; None when a
     holder's ID is not known yet (read again)."""
@@ -215,9 +216,9 @@ class Poller:
             "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
             f"AND l.classid IN ({classes['stream']}, {classes['high']}, {classes['low']})")
 
-    def holders(self, txn: Any) -> List[Holder]:
+    def holders(self, txn: Any) -> list[Holder]:
         txn.execute(self._locks)
-        found: Dict[str, Dict[str, Any]] = {}
+        found: dict[str, dict[str, Any]] = {}
         c = self._classes
         for vxid, classid, objid, pid, app, started, state in txn.fetchall():
             h = found.setdefault(vxid, {"pid": pid, "app": app, "start": started,
@@ -254,10 +255,10 @@ class Poller:
                  seq=seq, s=s, applied=applied)
         return schema.sequence_value(txn, seq)
 
-    def poll(self, txn: Any, last: Optional[Tuple[int, bool]], applied: int,
+    def poll(self, txn: Any, last: tuple[int, bool] | None, applied: int,
              lower_bound: int, writer: str, upsert: str,
              sleep: Callable[[float], None] = time.sleep,
-             ) -> Tuple[Optional[int], int, List[Holder]]:
+             ) -> tuple[int | None, int, list[Holder]]:
         """``(watermark or None, S, holders)``.  ``last`` is the previous
         ``(S, anyone held)``: the same sequence with nobody holding needs
         no look at the locks (a transaction that takes an ID at or below
@@ -292,14 +293,14 @@ class Fence:
         self._clock = clock
         self._interval = poll
         self._poller = Poller(stream.config)
-        self._loop: Optional[task.LoopingCall] = None
+        self._loop: task.LoopingCall | None = None
         self._running = False
-        self._last: Optional[Tuple[int, bool]] = None
+        self._last: tuple[int, bool] | None = None
         self._applied = 0
         self._outage = Outage(f"stream {stream.name}: the plain-SQL writers' fence", poll)
         self._resume_at = 0.0  # (after a failed poll: the next one not before)
         #: Holders by virtual transaction ID: (holder, first seen, clock s).
-        self.holders: Dict[str, Tuple[Holder, float]] = {}
+        self.holders: dict[str, tuple[Holder, float]] = {}
         self.polls = 0
 
     def start(self) -> None:
@@ -329,7 +330,7 @@ class Fence:
     def _done(self, _: Any) -> None:
         self._running = False
 
-    def _polled(self, answer: Tuple[Optional[int], int, List[Holder]]) -> None:
+    def _polled(self, answer: tuple[int | None, int, list[Holder]]) -> None:
         w, s, holders = answer
         self._outage.succeeded()
         self.polls += 1
@@ -349,7 +350,7 @@ class Fence:
         self._last = None
         self._resume_at = self._clock.seconds() + self._outage.failed(failure.value)
 
-    def hung(self, grace: float) -> List[Tuple[Holder, float]]:
+    def hung(self, grace: float) -> list[tuple[Holder, float]]:
         """Holders seen for more than ``grace`` seconds, oldest first:
         ``(holder, since)``."""
         now = self._clock.seconds()

@@ -36,7 +36,6 @@ Invariants:
 
 import base64
 import re
-from typing import Dict, List, Optional, Tuple
 
 import orjson
 from twisted.internet import defer, threads
@@ -62,7 +61,8 @@ _LINES = re.compile(rb"\r\n|\r|\n")
 #: Request headers of protocol features this server does not implement:
 #: refused (400 naming the header) rather than ignored, since a client
 #: sending one relies on what it asks for.
-UNSUPPORTED = (b"stream-ttl", b"stream-expires-at", b"stream-closed", b"producer-id", b"producer-epoch", b"producer-seq", b"stream-forked-from")
+UNSUPPORTED = (b"stream-ttl", b"stream-expires-at", b"stream-closed", b"producer-id",
+               b"producer-epoch", b"producer-seq", b"stream-forked-from")
 EXPOSE_WRITE = b"ETag, Stream-Next-Offset, Location"
 WRITE_METHODS = b"GET, HEAD, PUT, POST, DELETE"
 WRITE_HEADERS = b"Authorization, Content-Type, If-None-Match, Last-Event-ID"
@@ -82,7 +82,7 @@ def is_text(content_type: str) -> bool:
     return kind.startswith("text/") or kind == "application/json"
 
 
-def check_path(path: Optional[str]) -> str:
+def check_path(path: str | None) -> str:
     """A Durable Stream's path as the URL gives it; 400 otherwise."""
     if path is None or len(path) > MAX_PATH or not _PATH.fullmatch(path):
         raise HttpError(400, f"a Durable Stream's path is 1 to {MAX_PATH} URL characters in "
@@ -90,7 +90,7 @@ def check_path(path: Optional[str]) -> str:
     return path
 
 
-def encode_body(content_type: str, body: bytes, appending: bool) -> Optional[str]:
+def encode_body(content_type: str, body: bytes, appending: bool) -> str | None:
     """A body as the ``body`` column holds it (None: no messages); 400
     for invalid JSON, or an append of no message (PROTOCOL.md 5.2)."""
     if is_json(content_type):
@@ -142,7 +142,7 @@ class PathView:
         return getattr(self.stream, name)
 
 
-def _state(txn, db, config, path: str, upto: int) -> Optional[Tuple[int, str]]:
+def _state(txn, db, config, path: str, upto: int) -> tuple[int, str] | None:
     """``(create ID, content type)`` of ``path`` at ``upto``, or None."""
     ids = config.id_column
     txn.execute(db.sql(f"SELECT {ids}, ds_op, content_type FROM {config.table} "
@@ -154,7 +154,7 @@ def _state(txn, db, config, path: str, upto: int) -> Optional[Tuple[int, str]]:
     return int(row[0]), row[2]
 
 
-def _last_seq(txn, db, config, path: str, created: int) -> Optional[str]:
+def _last_seq(txn, db, config, path: str, created: int) -> str | None:
     """The ``Stream-Seq`` of the newest append of ``path`` that gave one,
     since its creation ``created`` (writer; read back to that append)."""
     ids = config.id_column
@@ -166,7 +166,7 @@ def _last_seq(txn, db, config, path: str, created: int) -> Optional[str]:
 
 
 def _rows(txn, db, config, view: PathView, after: int, upto: int, limit: int,
-          max_bytes: int) -> Tuple[List[Tuple[int, bytes]], bool]:
+          max_bytes: int) -> tuple[list[tuple[int, bytes]], bool]:
     """The messages of ``view`` in ``(after, upto]``, decoded (pool
     thread): ``([(stream_id, bytes)], full)``, full when ``limit`` rows or
     ``max_bytes`` ended it."""
@@ -175,7 +175,7 @@ def _rows(txn, db, config, view: PathView, after: int, upto: int, limit: int,
                        f"AND ds_op IN ('{CREATE}', '{APPEND}') AND body IS NOT NULL "
                        f"AND {ids} > %s AND {ids} <= %s ORDER BY {ids} LIMIT %s"),
                 (view.path, after, upto, limit))
-    out: List[Tuple[int, bytes]] = []
+    out: list[tuple[int, bytes]] = []
     size = 0
     for stream_id, text in txn.fetchall():
         data = decode_body(view.content_type, text)
@@ -194,14 +194,14 @@ class DurablePaths(DurableRoutes):
     def __init__(self, reads, writes, clock, **kwargs) -> None:
         super().__init__(reads, clock, **kwargs)
         self.writes = writes
-        self._locks: Dict[Tuple[str, str], Tuple[defer.DeferredLock, int]] = {}
+        self._locks: dict[tuple[str, str], tuple[defer.DeferredLock, int]] = {}
 
     # ---------------------------------------------------------- reading
-    async def preflight(self, request, name: Optional[str], path: Optional[str] = None):
+    async def preflight(self, request, name: str | None, path: str | None = None):
         self._headers(request)
         await self.reads.preflight(request, name, WRITE_METHODS, WRITE_HEADERS)
 
-    async def get_path(self, request, name: Optional[str], path: Optional[str]):
+    async def get_path(self, request, name: str | None, path: str | None):
         self._headers(request)
         reader, stream = self.reads.open_stream(request, name)
         view = await self._view(self._kind(stream), check_path(path))
@@ -221,13 +221,13 @@ class DurablePaths(DurableRoutes):
             raise HttpError(404, f"no Durable Stream {excerpt(path)} in stream {stream.name}")
         return PathView(stream, path, state[0], state[1] or DEFAULT_TYPE)
 
-    async def _start(self, stream, text: Optional[str]) -> Tuple[int, bool]:
+    async def _start(self, stream, text: str | None) -> tuple[int, bool]:
         position, _ = await super()._start(stream, text)
         # From its creation (an offset of an earlier one, deleted, reads
         # this one from its start).
         return max(position, stream.created - 1), False
 
-    def _page(self, stream, since: Positions, host, max_bytes: Optional[int] = None):
+    def _page(self, stream, since: Positions, host, max_bytes: int | None = None):
         def read(since: Positions, bounds: Positions, limit: int, final_below: int,
                  most: int):
             return self._read_page(stream, since, bounds, limit, final_below, most)
@@ -244,7 +244,7 @@ class DurablePaths(DurableRoutes):
                                         most)
         # As a page holds facts: (stream_id, writer, rows, encoded), the
         # encoding being what the fact adds to an answer.
-        facts: List[PageFact] = [(i, writer, [], data) for i, data in found]
+        facts: list[PageFact] = [(i, writer, [], data) for i, data in found]
         end = found[-1][0] if full else max(after, upto)
         # Never final (cached as immutable): a path deleted and created
         # again answers the same URL with the new stream's messages.
@@ -268,14 +268,14 @@ class DurablePaths(DurableRoutes):
             lines = [base64.b64encode(body)]
         return b"event: data\n" + b"".join([b"data:" + line + b"\n" for line in lines]) + b"\n"
 
-    def sse_headers(self, stream) -> Dict[bytes, bytes]:
+    def sse_headers(self, stream) -> dict[bytes, bytes]:
         headers = {b"cache-control": b"no-cache, no-store", b"x-accel-buffering": b"no"}
         if not is_text(stream.content_type):
             headers[b"stream-sse-data-encoding"] = b"base64"
         return headers
 
     # ---------------------------------------------------------- writing
-    def _writable(self, request, name: Optional[str], path: Optional[str]):
+    def _writable(self, request, name: str | None, path: str | None):
         self._headers(request)
         request.setHeader(b"access-control-expose-headers", EXPOSE_WRITE)
         stream = self._kind(self.writes.writable(request, name))
@@ -287,7 +287,7 @@ class DurablePaths(DurableRoutes):
         return stream, path
 
     @staticmethod
-    def _content_type(request) -> Optional[str]:
+    def _content_type(request) -> str | None:
         values = request.requestHeaders.getRawHeaders(b"content-type") or []
         if not values:
             return None
@@ -299,7 +299,7 @@ class DurablePaths(DurableRoutes):
         return text
 
     @staticmethod
-    def _seq(request) -> Optional[str]:
+    def _seq(request) -> str | None:
         """An append's ``Stream-Seq``: printable ASCII, compared bytewise
         with the path's last (PROTOCOL.md 5.2); 400 otherwise."""
         values = request.requestHeaders.getRawHeaders(b"stream-seq") or []
@@ -316,7 +316,7 @@ class DurablePaths(DurableRoutes):
         request.content.seek(0)
         return request.content.read()
 
-    async def _locked(self, key: Tuple[str, str], fn):
+    async def _locked(self, key: tuple[str, str], fn):
         """``await fn()`` after every earlier write of the same path here."""
         lock, users = self._locks.get(key, (None, 0))
         if lock is None:
@@ -357,19 +357,19 @@ class DurablePaths(DurableRoutes):
                 if timer.active():
                     timer.cancel()
 
-    async def _write(self, stream, path: str, op: str, content_type: Optional[str],
-                     body: Optional[str], seq: Optional[str] = None) -> int:
+    async def _write(self, stream, path: str, op: str, content_type: str | None,
+                     body: str | None, seq: str | None = None) -> int:
         stream_id = await self.writes.write_rows(stream, [[path, op, content_type, body,
                                                            seq]])
         await self._visible(stream, stream_id)
         return stream_id
 
-    async def _current(self, stream, path: str) -> Optional[Tuple[int, str]]:
+    async def _current(self, stream, path: str) -> tuple[int, str] | None:
         return await stream.db.runReads(_state, stream.db, stream.config, path,
                                         self.tail(stream))
 
     @staticmethod
-    def _done(request, code: int, headers: Dict[bytes, bytes]) -> None:
+    def _done(request, code: int, headers: dict[bytes, bytes]) -> None:
         request.setResponseCode(code)
         request.setHeader(b"cache-control", NO_STORE)
         request.setHeader(b"content-length", b"0")
@@ -377,7 +377,7 @@ class DurablePaths(DurableRoutes):
             request.setHeader(k, v)
         request.finish()
 
-    async def put(self, request, name: Optional[str], path: Optional[str]):
+    async def put(self, request, name: str | None, path: str | None):
         """Create the Durable Stream at ``path`` (201), or nothing if it
         exists with the same content type (200; 409 otherwise)."""
         stream, path = self._writable(request, name, path)
@@ -401,7 +401,7 @@ class DurablePaths(DurableRoutes):
                                    b"stream-next-offset": offset_text(position).encode()})
         return None
 
-    async def post(self, request, name: Optional[str], path: Optional[str]):
+    async def post(self, request, name: str | None, path: str | None):
         """Append the body's messages (204); 404 without the Durable
         Stream, 409 for another content type."""
         stream, path = self._writable(request, name, path)
@@ -433,7 +433,7 @@ class DurablePaths(DurableRoutes):
         self._done(request, 204, {b"stream-next-offset": offset_text(position).encode()})
         return None
 
-    async def delete(self, request, name: Optional[str], path: Optional[str]):
+    async def delete(self, request, name: str | None, path: str | None):
         """Delete the Durable Stream (204; 404 without it): its path reads
         404 until created again, and then only what came after."""
         stream, path = self._writable(request, name, path)

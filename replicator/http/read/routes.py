@@ -12,7 +12,6 @@ trimmed by retention), then 503 when too many reads are open already
 (long-polls that wait, event streams).
 """
 
-from typing import Dict, List, Optional, Tuple
 
 from twisted.internet import defer, threads
 from twisted.logger import Logger
@@ -51,7 +50,7 @@ class ReadRoutes:
     def __init__(self, *, registry, auth: ReaderAuth, clock, max_waiting: int = 128,
                  max_waiting_per_address: int = 32, heartbeat: float = 15.0,
                  feed_interval: float = 0.003, max_page_bytes: int = 4 * 1024 * 1024,
-                 ds_long_poll: Optional[float] = None):
+                 ds_long_poll: float | None = None):
         self.registry = registry
         self.auth = auth
         self._clock = clock
@@ -64,8 +63,8 @@ class ReadRoutes:
         self.max_page_bytes = max_page_bytes
         self.builds = PageBuilds()  # page reads at once (per address, in all)
         self.readahead = readahead.ReadAhead(clock)  # pages built ahead for walking readers
-        self._live: Dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
-        self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)
+        self._live: dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
+        self._failing: dict[str, int] = {}  # page reads failed per stream (an outage)
         from .durable import DurableRoutes
 
         # The same, as Durable Streams.
@@ -93,7 +92,7 @@ class ReadRoutes:
         return out
 
     # ------------------------------------------------------------ common
-    async def preflight(self, request, name: Optional[str], methods: bytes = b"GET, HEAD",
+    async def preflight(self, request, name: str | None, methods: bytes = b"GET, HEAD",
                         headers: bytes = b"Authorization, Last-Event-ID, If-None-Match"):
         """``OPTIONS``: a browser's CORS preflight of a cross-origin read
         (one that sends ``Authorization`` or ``Last-Event-ID``), or of
@@ -107,7 +106,7 @@ class ReadRoutes:
         request.setHeader(b"cache-control", b"no-store")
         request.finish()
 
-    def open_stream(self, request, name: Optional[str]):
+    def open_stream(self, request, name: str | None):
         """``(reader, stream)`` for a request, or the 401/403/404/503."""
         for key, value in CORS.items():
             request.setHeader(key, value)
@@ -132,7 +131,7 @@ class ReadRoutes:
         current = stream.id_gen.get_positions()
         return {w: current.get(w, 0) for w in stream.config.writers}
 
-    async def start_positions(self, stream, text: Optional[str]) -> Positions:
+    async def start_positions(self, stream, text: str | None) -> Positions:
         """Where a read starts (``from``); 400 for a bad token, or one
         beyond what the stream's sequence ever handed out."""
         now = self.bounds(stream)
@@ -149,8 +148,8 @@ class ReadRoutes:
         return since
 
     # ------------------------------------------------------------- pages
-    async def facts(self, request, name: Optional[str]):
-        gone: List[object] = []  # the client went away (heard from the start: see events)
+    async def facts(self, request, name: str | None):
+        gone: list[object] = []  # the client went away (heard from the start: see events)
         finished = request.notifyFinish()
         finished.addErrback(gone.append)
         reader, stream = self.open_stream(request, name)
@@ -177,8 +176,8 @@ class ReadRoutes:
         return await self._page_answer(request, stream, page, form)
 
     async def first_page(self, stream, since: Positions, limit: int, oldest: bool,
-                         host: Optional[str], form: formats.PageFormat = formats.JSON,
-                         ) -> Tuple[Positions, Page]:
+                         host: str | None, form: formats.PageFormat = formats.JSON,
+                         ) -> tuple[Positions, Page]:
         """``(start, page)``: the page after ``since``; with ``oldest`` (no
         token given: from the oldest retained fact) ``since`` moved up to
         the trim boundary first if retention trimmed below it, else 410
@@ -193,8 +192,8 @@ class ReadRoutes:
                 since = {w: max(p, e.boundary) for w, p in since.items()}
 
     async def page(self, stream, since: Positions, limit: int,
-                   bounds: Optional[Positions] = None, host: Optional[str] = None,
-                   max_bytes: Optional[int] = None,
+                   bounds: Positions | None = None, host: str | None = None,
+                   max_bytes: int | None = None,
                    form: formats.PageFormat = formats.JSON, read=None) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
         the writers' current tokens), at most ``max_page_bytes`` of facts
@@ -236,10 +235,10 @@ class ReadRoutes:
             page.final = page.facts[-1][0] <= await self.persisted.get(stream)
         return page
 
-    async def _long_poll(self, finished: defer.Deferred, gone: List[object], request,
+    async def _long_poll(self, finished: defer.Deferred, gone: list[object], request,
                          reader: Reader, stream, page: Page, limit: int,
                          wait: float, form: formats.PageFormat = formats.JSON,
-                         again=None) -> Optional[Page]:
+                         again=None) -> Page | None:
         """Wait up to ``wait`` seconds for a fact after ``page.next``; each
         move of the stream reads the page after it again (``again(positions)``,
         by default :meth:`page` in ``form`` up to the writers' current tokens)."""
@@ -249,7 +248,7 @@ class ReadRoutes:
                 return self.page(stream, after, limit, host=host, form=form)
         self.slots.take(host)
         self.book.opened(reader.name, stream.name)
-        woke: Optional[defer.Deferred] = None
+        woke: defer.Deferred | None = None
 
         def wake(_=None) -> None:
             if woke is not None and not woke.called:
@@ -298,12 +297,12 @@ class ReadRoutes:
         return Response(body, form.media_type, headers)
 
     # ------------------------------------------------------------ events
-    async def events(self, request, name: Optional[str]):
+    async def events(self, request, name: str | None):
         """A Server-Sent Events stream of ``stream``'s facts (:mod:`.sse`)
         from ``Last-Event-ID`` if given, else ``from``."""
         # Heard from the start: a client that goes while the start is
         # checked must not leave a stream (and a slot) behind.
-        gone: List[object] = []
+        gone: list[object] = []
         finished = request.notifyFinish()
         finished.addErrback(gone.append)
         reader, stream = self.open_stream(request, name)
