@@ -2,8 +2,8 @@
 
 The routes, their secrets and their status codes are listed in the README
 ("HTTP API"); each group lives in its own module: the stream API
-(:mod:`.streams`), the master's bookkeeping (:mod:`.bookkeeping`), the health
-probe (:mod:`.health`); the status page and ``/metrics`` are here.  Every
+(:mod:`.streams`), the master's bookkeeping (:mod:`.bookkeeping_pages`), the health
+probe (:mod:`.probe`); the status page and ``/metrics`` are here.  Every
 JSON answer is one line followed by ``\\n``; errors are ``{"error": "..."}``.
 Any other path is 404, any other method 405 (with ``Allow``; HEAD goes with
 GET), and an unexpected exception a logged 500 with a generic message.  The
@@ -29,7 +29,7 @@ from ..observe.status_page import CSP, SCRIPT, STYLE, render_html
 from ..observe.writers import writer_watch
 from ..streams.idempotency import IdempotencyKeys
 from .answers import JSON_TYPE, HttpError, Response
-from .bookkeeping import BookkeepingRoutes
+from .bookkeeping_pages import BookkeepingRoutes
 from .channel import error_body
 from .idempotent import IdempotentWrites
 from .probe import DB_TIMEOUT, HealthRoute

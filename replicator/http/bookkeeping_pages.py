@@ -1,18 +1,21 @@
-"""Paged listings of the master's bookkeeping tables for the HTTP API.
+"""The master's bookkeeping (:mod:`replicator.replication.core.bookkeeping`)
+read over HTTP, paged (secret required: user IDs and IP addresses are
+personal): ``GET .../federation_acks``, ``.../user_syncs``, ``.../user_ips``.
 
-A table (USER_IP, USER_SYNC, FEDERATION_ACK) may hold a hundred thousand
-entries; answering all of them at once held the reactor for most of a
-second.  A listing is therefore a page: at most ``limit`` entries in key
-order after the ``from`` cursor, plus the cursor of the next page (``null``
-on the last one).  Following ``next`` from the first page visits every entry
-that existed throughout, once, in order.
+A table may hold a hundred thousand entries; answering all of them at once
+held the reactor for most of a second.  An answer is therefore a page: at
+most ``limit`` entries in key order after the ``from`` cursor, plus the
+cursor of the next page (``null`` on the last one).  Following ``next``
+from the first page visits every entry that existed throughout, once, in
+order.
 
 :func:`build_page` runs in a thread (``deferToThread``), never on the
 reactor: it copies the table's keys with one C-level call (atomic under the
 GIL, so the reactor thread's updates never break it), then filters and
-selects in Python, which yields the GIL to the reactor as it goes.  An entry
-removed meanwhile is skipped.  The page is encoded there too (peer-given
-text may hold lone surrogates: they are escaped, never refused).
+selects in Python, which yields the GIL to the reactor as it goes; the
+handler's tables are only read there, never iterated on the reactor.  An
+entry removed meanwhile is skipped.  The page is encoded there too
+(peer-given text may hold lone surrogates: they are escaped, never refused).
 """
 
 import base64
@@ -20,7 +23,11 @@ import heapq
 import json
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from twisted.internet import threads
+
 from ..jsontext import encode_json
+from ..replication.interfaces import IReplicationView
+from .answers import JSON_TYPE, HttpError, Response, authorize
 
 #: Entries per page unless ``limit`` says otherwise, and the most it may say.
 #: The bound keeps each C-level step (the final sort of a page, its
@@ -104,3 +111,63 @@ def build_page(keys: Callable[[], Iterable[tuple]], lookup: Callable[[tuple], An
     answer = render(entries)
     answer["next"] = encode_cursor(chosen[limit - 1]) if more else None
     return encode_json(answer) + b"\n"
+
+
+class BookkeepingRoutes:
+    """The three paged bookkeeping tables of ``handler``."""
+
+    def __init__(self, handler: IReplicationView, secret: Optional[bytes]) -> None:
+        self.handler = handler
+        self._secret = secret
+
+    async def _page(self, request: Any, keys: Callable[[], List[Tuple[Any, ...]]],
+                    lookup: Callable[[Tuple[Any, ...]], Any],
+                    render: Callable[[List[Tuple[Any, Any]]], Dict[str, Any]],
+                    width: int) -> Response:
+        authorize(request, self._secret)
+        try:
+            limit, cursor = page_args(request.args)
+            body = await threads.deferToThread(build_page, keys, lookup, render, limit,
+                                               cursor, width)
+        except PageError as e:
+            raise HttpError(400, str(e)) from None
+        return Response(body, JSON_TYPE)
+
+    async def user_syncs(self, request: Any) -> Response:
+        handler = self.handler
+
+        def keys() -> List[Tuple[Any, ...]]:
+            return [(instance, user, device)
+                    for instance, users in list(handler.user_syncs.items())
+                    for (user, device) in list(users)]
+
+        def lookup(key: Tuple[Any, ...]) -> Any:
+            return handler.user_syncs.get(key[0], {}).get(key[1:])
+
+        def render(entries: List[Tuple[Any, Any]]) -> Dict[str, Any]:
+            out: Dict[str, List[Dict[str, Any]]] = {}
+            for (instance, user, device), ms in entries:
+                out.setdefault(instance, []).append(
+                    {"user_id": user, "device_id": device, "last_sync_ms": ms})
+            return {"user_syncs": out}
+
+        return await self._page(request, keys, lookup, render, 3)
+
+    async def federation_acks(self, request: Any) -> Response:
+        acks = self.handler.federation_acks
+        return await self._page(
+            request, lambda: [(instance,) for instance in list(acks)],
+            lambda key: acks.get(key[0]),
+            lambda entries: {"acks": {key[0]: token for key, token in entries}}, 1)
+
+    async def user_ips(self, request: Any) -> Response:
+        handler = self.handler
+
+        def render(entries: List[Tuple[Any, Any]]) -> Dict[str, Any]:
+            return {"user_ips": [
+                {"user_id": user, "device_id": device, "ip": seen.get("ip"),
+                 "user_agent": seen.get("user_agent"), "last_seen": seen.get("last_seen")}
+                for (user, device), seen in entries]}
+
+        return await self._page(request, lambda: list(handler.user_ips),
+                                lambda key: handler.user_ips.get(key), render, 2)
