@@ -25,7 +25,7 @@ from ..jsontext import encode_json
 from ..observe.health import Finding
 from ..observe.roles import has_replication_link, role
 from ..observe.status import StatusRecorder, snapshot
-from ..observe.status_page import CSP, SCRIPT, STYLE, render_html
+from ..observe.status_html import CSP, SCRIPT, STYLE, render_html
 from ..observe.writers import writer_watch
 from ..streams.idempotency import IdempotencyKeys
 from .answers import JSON_TYPE, HttpError, Response
