@@ -5,7 +5,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from zope.interface import Attribute, Interface, implementer
 
-Key = Tuple[str, str]  # (stream, writer)
+from ..keys import Key
+
 #: The values of a consumer's ``start`` option.
 STARTS = ("beginning", "now")
 

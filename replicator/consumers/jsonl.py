@@ -70,9 +70,10 @@ from ..config import (
     no_unknown,
 )
 from ..jsontext import NonFiniteError, any_non_finite, encode_json, encode_json_line
+from ..keys import Key
 from ..net.backoff import Outage
 from . import jsonl_files
-from .base import STARTS, Consumer, IAcceptsTrimmed, IBatchConsumer, Key
+from .base import STARTS, Consumer, IAcceptsTrimmed, IBatchConsumer
 from .file_thread import FileThread, append_at
 from .jsonl_commands import BOUNDARY, iso_time
 

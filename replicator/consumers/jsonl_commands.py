@@ -58,12 +58,10 @@ from typing import Dict, List, NoReturn, Optional, Tuple
 from twisted.internet import defer, task
 
 from ..config.model import InstanceConfig, StreamConfig
+from ..keys import Key
 from ..storage import schema
 from ..storage.database import Database
 from ..streams.trimmed import TrimCheck, boundary_key
-
-Key = Tuple[str, str]
-
 
 #: ``--skip-to boundary``: the stream's trim boundary when the skip is made.
 BOUNDARY = "boundary"

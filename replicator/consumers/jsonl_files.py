@@ -53,8 +53,8 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import files
+from ..keys import Key
 
-Key = Tuple[str, str]
 STATE_VERSION = 1
 
 

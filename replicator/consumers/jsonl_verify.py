@@ -58,12 +58,12 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 from ..config.model import InstanceConfig, StreamConfig
+from ..keys import Key
 from ..streams.pages import FactPage, PageQuery
 from ..streams.trimmed import FactsTrimmed, TrimCheck, boundary_key
 from .jsonl import parse_line
 from .jsonl_held import Held, hold
 
-Key = Tuple[str, str]
 END = (1 << 63) - 1
 PAGE_ROWS = 1000
 #: Examples kept (and printed) per kind of difference per key.

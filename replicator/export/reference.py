@@ -63,7 +63,8 @@ PERCENTILES = (("gap_ms_p50", 0.5), ("gap_ms_p95", 0.95), ("gap_ms_p99", 0.99))
 COUNT_METRICS = ("facts", "rows", "multi_row_facts", "max_fact_rows") + tuple(
     b[0] for b in SIZE_BINS) + ("rollbacks",)
 
-Key = Tuple[str, str, int]  # (granularity, writer, bucket_ms)
+#: One aggregate bucket: (granularity, writer, bucket_ms).
+BucketKey = Tuple[str, str, int]
 
 
 def utc_date(ms: int) -> str:
@@ -118,7 +119,7 @@ class Aggregator:
         self.has_timestamp = has_timestamp
         self.observed = observed
         self.prev_id = prev_id
-        self.buckets: Dict[Key, _Bucket] = {}
+        self.buckets: Dict[BucketKey, _Bucket] = {}
         # (writer, date) -> row time of that writer's previous fact that day
         self.last_of_day: Dict[Tuple[str, str], Optional[int]] = {}
         self._id: Optional[int] = None
@@ -191,7 +192,7 @@ class Aggregator:
                 target = b if self.single_writer else self._bucket(granularity, "", start, date)
                 target.counts["rollbacks"] += missing
 
-    def result(self) -> Dict[Key, dict]:
+    def result(self) -> Dict[BucketKey, dict]:
         """Every bucket's metrics (see the module docstring), by key."""
         if self._id is not None:
             self._flush()

@@ -54,7 +54,8 @@ from twisted.logger import Logger
 
 from .. import __version__
 from ..addresses import peer_address
-from ..replication.interfaces import IReplicationView, Key
+from ..keys import Key
+from ..replication.interfaces import IReplicationView
 from .health import Finding
 from .writers import WriterWatch, clock_time, duration
 

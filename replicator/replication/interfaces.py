@@ -29,10 +29,11 @@ from typing import (
     Optional,
     Sequence,
     Set,
-    Tuple,
 )
 
 from zope.interface import Attribute, Interface
+
+from ..keys import Key
 
 if TYPE_CHECKING:
     from ..observe.health import Finding
@@ -72,8 +73,6 @@ def metrics_label(name: Optional[str], known: AbstractSet[str]) -> str:
     return name if name is not None and name in known else OTHER
 
 
-#: A read position's key: (stream, writer).
-Key = Tuple[str, str]
 
 
 class IReplicationConnection(Interface):

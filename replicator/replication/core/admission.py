@@ -48,6 +48,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from ...keys import Key
 from ...net.backoff import Outage
 from ...streams.registry import StreamRegistry
 from ...streams.rows import WireRowCheck
@@ -57,7 +58,6 @@ from ..wire.parsing import decoded_size
 
 log = Logger()
 
-Key = Tuple[str, str]
 
 #: Reasons of a refusal (the ``reason`` label of the metric).
 BEYOND_SEQUENCE = "beyond_sequence"

@@ -43,6 +43,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from ...background import Background
+from ...keys import Key
 from ...net.backoff import Outage
 from ...observe import metrics
 from ...streams.recent import EncodedPage
@@ -61,7 +62,6 @@ from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
 
 log = Logger()
 
-Key = Tuple[str, str]
 _token_of = itemgetter(0)
 Broadcast = Callable[[Sequence[bytes], str], None]
 

@@ -47,6 +47,7 @@ from zope.interface import implementer
 
 from ...background import Background
 from ...consumers import Consumer
+from ...keys import Key
 from ...observe import metrics
 from ...observe.health import Finding
 from ...storage import findings
@@ -89,7 +90,6 @@ from .relay import Relay
 
 log = Logger()
 
-Key = Tuple[str, str]
 
 
 @implementer(IReplicationHandler, IReplicationView)

@@ -18,11 +18,10 @@ Invariants:
   announced the writer's position (what this instance's reader takes).
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
+from ...keys import Key
 from ..interfaces import IReplicationConnection
-
-Key = Tuple[str, str]
 
 
 class Relay:
