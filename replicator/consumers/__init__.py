@@ -31,7 +31,8 @@ The JSON-lines format is described in :mod:`.jsonl` and ``docs/jsonl.md``;
 
 from .base import Consumer, IBatchConsumer, IConsumer, MemoryConsumer
 from .file_thread import FileThread, run_inline
-from .jsonl import JsonlConsumer, JsonlError, parse_line
+from .jsonl import JsonlConsumer, JsonlError
+from .jsonl_lines import parse_line
 from .loading import ENTRY_POINT_GROUP, load_consumers
 from .log import LogConsumer, preview
 

@@ -62,9 +62,7 @@ from ..keys import Key
 from ..storage import schema
 from ..storage.database import Database
 from ..streams.trimmed import TrimCheck, boundary_key
-
-#: ``--skip-to boundary``: the stream's trim boundary when the skip is made.
-BOUNDARY = "boundary"
+from .jsonl_lines import BOUNDARY, iso_time
 
 
 class Usage(Exception):
@@ -144,13 +142,6 @@ def _boundary(txn, stream: StreamConfig, db) -> int:
     if stream.preset is not None:
         return 0  # Synapse's tables are never trimmed
     return TrimCheck(stream.name, boundary_key(stream), db.is_postgres, db.sql).boundary(txn)
-
-
-def iso_time(ms: int) -> str:
-    """``ms`` (since the epoch) as ISO 8601 UTC, as skip lines write it."""
-    when = datetime.fromtimestamp(ms / 1000, timezone.utc)
-    text = when.strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
 
 
 def _check_kept(txn, stream: StreamConfig, db, text: str, token: Optional[int],

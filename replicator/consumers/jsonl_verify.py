@@ -61,8 +61,8 @@ from ..config.model import InstanceConfig, StreamConfig
 from ..keys import Key
 from ..streams.pages import FactPage, PageQuery
 from ..streams.trimmed import FactsTrimmed, TrimCheck, boundary_key
-from .jsonl import parse_line
 from .jsonl_held import Held, hold
+from .jsonl_lines import parse_line
 
 END = (1 << 63) - 1
 PAGE_ROWS = 1000
