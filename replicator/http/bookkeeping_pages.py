@@ -81,7 +81,7 @@ def decode_cursor(cursor: bytes, width: int) -> Tuple[Optional[str], ...]:
     return tuple(key)
 
 
-def sort_key(key: Sequence[Optional[str]]) -> tuple:
+def sort_key(key: Sequence[Optional[str]]) -> Tuple[Any, ...]:
     """A total order over keys whose parts may be None (None first)."""
     out: List[Any] = []
     for part in key:
@@ -89,8 +89,9 @@ def sort_key(key: Sequence[Optional[str]]) -> tuple:
     return tuple(out)
 
 
-def build_page(keys: Callable[[], Iterable[tuple]], lookup: Callable[[tuple], Any],
-               render: Callable[[List[Tuple[tuple, Any]]], dict], limit: int,
+def build_page(keys: Callable[[], Iterable[Tuple[Any, ...]]],
+               lookup: Callable[[Tuple[Any, ...]], Any],
+               render: Callable[[List[Tuple[Tuple[Any, ...], Any]]], Dict[str, Any]], limit: int,
                cursor: Optional[bytes], width: int) -> bytes:
     """One page as the encoded JSON answer (a line ending in ``\\n``).
 
