@@ -2,7 +2,7 @@
 
 The handler drives two transports: a TCP protocol of either side
 (:mod:`.protocol`) and the one logical connection of a Redis subscription
-(:class:`.redis.RedisConnection`).  Both provide
+(:class:`.redis_bus.RedisConnection`).  Both provide
 :class:`IReplicationConnection`, and the handler relies on nothing else of
 a connection; what only one of them can do is a separate interface checked
 with ``providedBy`` (:class:`IPeerConnection`: refusing one peer), never
@@ -143,7 +143,7 @@ class IPeerConnection(IReplicationConnection):
 
 
 class IRedisBus(Interface):
-    """What a :class:`.redis.RedisConnection` needs of its owner
+    """What a :class:`.redis_bus.RedisConnection` needs of its owner
     (:class:`.redis.RedisReplication`): the links are the owner's."""
 
     channel = Attribute("The channel our lines go to (str; log lines name it).")
