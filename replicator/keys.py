@@ -8,7 +8,6 @@ ground floor, so that the streams, the consumers, the replication core and
 what observes them name it the same way without importing each other.
 """
 
-from typing import Tuple
 
 #: ``(stream, writer)``: the stream's name and the writer's instance name.
-Key = Tuple[str, str]
+Key = tuple[str, str]

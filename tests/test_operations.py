@@ -51,7 +51,7 @@ def doc_block(step: str) -> str:
     """The fenced block right after ``<!-- step: NAME -->`` in the page."""
     with open(DOC) as f:
         text = f.read()
-    match = re.search(r"<!-- step: %s -->\n```[a-z]*\n(.*?)```" % re.escape(step), text, re.S)
+    match = re.search(rf"<!-- step: {re.escape(step)} -->\n```[a-z]*\n(.*?)```", text, re.S)
     assert match, f"docs/operations.md has no step {step!r}"
     return match.group(1)
 
@@ -100,7 +100,8 @@ class StepOrderTests(TestCase):
                     ("user", r"systemd-sysusers|useradd|adduser"),
                     ("venv", r"python3 -m venv /opt/replicator|install-venv\.sh .*/opt/replicator"),
                     ("packages", r"apt-get install"),
-                    ("units", r"install .*\.service|/etc/systemd/system/\s*$|--units /etc/systemd/system")):
+                    ("units",
+                     r"install .*\.service|/etc/systemd/system/\s*$|--units /etc/systemd/system")):
                 if re.search(pattern, text, re.M) and what not in first:
                     first[what] = i
         self.assertIn("user", first, "no step makes the replicator user")
@@ -478,7 +479,7 @@ class OperationsPathTests(TestCase):
         with open(os.path.join(ROOT, "docs", "operations.md")) as f:
             page = f.read()
         for name in ("master", "worker1"):
-            line = re.search(r'`(\{"status":"ok","instance":"%s".*?),\.\.\.\}`' % name,
+            line = re.search(rf'`(\{{"status":"ok","instance":"{name}".*?),\.\.\.\}}`',
                              page).group(1)
             documented = json.loads(line + "}")
             answer = answers[name][1]

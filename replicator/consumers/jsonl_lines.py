@@ -37,15 +37,18 @@ where that gives the same bytes (:func:`fact_lines_at_once`).
 """
 
 import json
-from datetime import datetime, timezone
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from operator import itemgetter
-from typing import Optional, Sequence, Tuple
+from typing import Any
 
 import orjson
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 
 from ..jsontext import NonFiniteError, any_non_finite, encode_json, encode_json_line
 from ..keys import Key
+from .base import Row
 
 _dumps = orjson.dumps
 
@@ -55,12 +58,12 @@ BOUNDARY = "boundary"
 
 def iso_time(ms: int) -> str:
     """``ms`` (since the epoch) as ISO 8601 UTC, as skip lines write it."""
-    when = datetime.fromtimestamp(ms / 1000, timezone.utc)
+    when = datetime.fromtimestamp(ms / 1000, UTC)
     text = when.strftime("%Y-%m-%dT%H:%M:%S")
     return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
 
 
-def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict]]:
+def parse_line(line: bytes) -> tuple[Key | None, int | None, dict[str, Any] | None]:
     """``(key, token, obj)`` of one complete line of a JSON-lines file.
 
     ``token`` is the fact's token or the position; a blank line gives
@@ -98,7 +101,8 @@ def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict
 ENCODE_SLICE = 5000
 
 
-async def sliced_fact_line(clock, stream: str, writer: str, token: int, rows: list) -> bytes:
+async def sliced_fact_line(clock: IReactorTime, stream: str, writer: str, token: int,
+                            rows: list[Row]) -> bytes:
     """``encode_json_line`` of the fact ``token`` (the same bytes), its
     rows encoded ``ENCODE_SLICE`` per turn of ``clock``.  What orjson
     refuses in a slice makes the whole line go through ``encode_json_line``
@@ -127,8 +131,8 @@ _ARRAYS = frozenset({list, tuple})
 _first, _last = itemgetter(0), itemgetter(-1)
 
 
-def fact_lines_at_once(stream: str, writer: str, facts: Sequence[Tuple[int, list]]
-                       ) -> Optional[bytes]:
+def fact_lines_at_once(stream: str, writer: str, facts: Sequence[tuple[int, list[Row]]]
+                       ) -> bytes | None:
     """The fact lines of ``facts`` (in order, joined) from ONE orjson call, or
     None where that does not apply (then the caller encodes fact by fact, which
     also raises what :func:`.jsontext.encode_json` raises).
@@ -159,7 +163,7 @@ def fact_lines_at_once(stream: str, writer: str, facts: Sequence[Tuple[int, list
     if len(parts) != n or any_non_finite(fact_rows, data):
         return None
     prefix = encode_json({"stream": stream, "writer": writer})[:-1].replace(b"%", b"%%")
-    args: list = [None] * (2 * n)
+    args: list[object] = [None] * (2 * n)
     args[0::2] = tokens
     args[1::2] = parts
     return (prefix + b',"token":%d,"rows":[[%s]]}\n') * n % tuple(args)

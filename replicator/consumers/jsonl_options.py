@@ -6,7 +6,8 @@ the key; and the consumer built from them.
 
 import os
 import re
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any
 
 from ..config import (
     ConfigError,
@@ -28,7 +29,7 @@ _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _AGE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def _rotate_size(options, where: str) -> Optional[int]:
+def _rotate_size(options: Mapping[str, Any], where: str) -> int | None:
     """``rotate_size``: bytes, as an integer or ``"100M"`` (K, M, G: powers
     of 1024); at least 1 KiB."""
     value = options.get("rotate_size")
@@ -47,7 +48,7 @@ def _rotate_size(options, where: str) -> Optional[int]:
     return size
 
 
-def _rotate_age(options, where: str) -> Optional[float]:
+def _rotate_age(options: Mapping[str, Any], where: str) -> float | None:
     """``rotate_age``: seconds, as a number or ``"12h"`` (s, m, h, d); at
     least one second."""
     value = options.get("rotate_age")
@@ -67,7 +68,7 @@ def _rotate_age(options, where: str) -> Optional[float]:
     return age
 
 
-def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
+def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict[str, Any]:
     """The keyword arguments of a :class:`JsonlConsumer` from its config
     (options ``path``, relative to ``base_dir``; ``fsync``;
     ``flush_interval``; ``rotate_size``, ``rotate_age``, ``rotate_keep``,
@@ -93,15 +94,15 @@ def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
         start=start_of(options, where))
 
 
-def start_of(options, where: str) -> str:
+def start_of(options: Mapping[str, Any], where: str) -> str:
     """A built-in consumer's ``start`` option (default ``beginning``)."""
-    start = get_str(options, "start", where, "beginning")
+    start: str = get_str(options, "start", where, "beginning")
     if start not in STARTS:
         raise ConfigError(f"{where}.start", f"{start!r} is not one of {', '.join(STARTS)}")
     return start
 
 
-def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor: Any) -> Consumer:
     """A :class:`JsonlConsumer` from its config (:func:`options_of`)."""
     kwargs = options_of(config, base_dir, where)
     path = kwargs.pop("path")

@@ -21,7 +21,8 @@ entry removed meanwhile is skipped.  The page is encoded there too
 import base64
 import heapq
 import json
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from twisted.internet import threads
 
@@ -43,7 +44,7 @@ class PageError(ValueError):
     """A bad ``limit`` or ``from``; the text says which (a 400)."""
 
 
-def page_args(args: Dict[bytes, List[bytes]]) -> Tuple[int, Optional[bytes]]:
+def page_args(args: dict[bytes, list[bytes]]) -> tuple[int, bytes | None]:
     """``(limit, from)`` of a request's query arguments."""
     limit = DEFAULT_LIMIT
     values = args.get(b"limit")
@@ -61,11 +62,11 @@ def page_args(args: Dict[bytes, List[bytes]]) -> Tuple[int, Optional[bytes]]:
     return limit, cursor
 
 
-def encode_cursor(key: Sequence[Optional[str]]) -> str:
+def encode_cursor(key: Sequence[str | None]) -> str:
     return base64.urlsafe_b64encode(encode_json(list(key))).decode("ascii").rstrip("=")
 
 
-def decode_cursor(cursor: bytes, width: int) -> Tuple[Optional[str], ...]:
+def decode_cursor(cursor: bytes, width: int) -> tuple[str | None, ...]:
     """The key a cursor stands for: ``width`` strings (None allowed after
     the first); anything else is a :class:`PageError`."""
     bad = PageError("from is not a cursor from a previous page's next")
@@ -81,18 +82,18 @@ def decode_cursor(cursor: bytes, width: int) -> Tuple[Optional[str], ...]:
     return tuple(key)
 
 
-def sort_key(key: Sequence[Optional[str]]) -> Tuple[Any, ...]:
+def sort_key(key: Sequence[str | None]) -> tuple[Any, ...]:
     """A total order over keys whose parts may be None (None first)."""
-    out: List[Any] = []
+    out: list[Any] = []
     for part in key:
         out.extend((part is not None, part or ""))
     return tuple(out)
 
 
-def build_page(keys: Callable[[], Iterable[Tuple[Any, ...]]],
-               lookup: Callable[[Tuple[Any, ...]], Any],
-               render: Callable[[List[Tuple[Tuple[Any, ...], Any]]], Dict[str, Any]], limit: int,
-               cursor: Optional[bytes], width: int) -> bytes:
+def build_page(keys: Callable[[], Iterable[tuple[Any, ...]]],
+               lookup: Callable[[tuple[Any, ...]], Any],
+               render: Callable[[list[tuple[tuple[Any, ...], Any]]], dict[str, Any]], limit: int,
+               cursor: bytes | None, width: int) -> bytes:
     """One page as the encoded JSON answer (a line ending in ``\\n``).
 
     ``keys()`` lists the table's keys (a C-level copy), ``lookup(key)`` gives
@@ -117,13 +118,13 @@ def build_page(keys: Callable[[], Iterable[Tuple[Any, ...]]],
 class BookkeepingRoutes:
     """The three paged bookkeeping tables of ``handler``."""
 
-    def __init__(self, handler: IReplicationView, secret: Optional[bytes]) -> None:
+    def __init__(self, handler: IReplicationView, secret: bytes | None) -> None:
         self.handler = handler
         self._secret = secret
 
-    async def _page(self, request: Any, keys: Callable[[], List[Tuple[Any, ...]]],
-                    lookup: Callable[[Tuple[Any, ...]], Any],
-                    render: Callable[[List[Tuple[Any, Any]]], Dict[str, Any]],
+    async def _page(self, request: Any, keys: Callable[[], list[tuple[Any, ...]]],
+                    lookup: Callable[[tuple[Any, ...]], Any],
+                    render: Callable[[list[tuple[Any, Any]]], dict[str, Any]],
                     width: int) -> Response:
         authorize(request, self._secret)
         try:
@@ -137,16 +138,16 @@ class BookkeepingRoutes:
     async def user_syncs(self, request: Any) -> Response:
         handler = self.handler
 
-        def keys() -> List[Tuple[Any, ...]]:
+        def keys() -> list[tuple[Any, ...]]:
             return [(instance, user, device)
                     for instance, users in list(handler.user_syncs.items())
                     for (user, device) in list(users)]
 
-        def lookup(key: Tuple[Any, ...]) -> Any:
+        def lookup(key: tuple[Any, ...]) -> Any:
             return handler.user_syncs.get(key[0], {}).get(key[1:])
 
-        def render(entries: List[Tuple[Any, Any]]) -> Dict[str, Any]:
-            out: Dict[str, List[Dict[str, Any]]] = {}
+        def render(entries: list[tuple[Any, Any]]) -> dict[str, Any]:
+            out: dict[str, list[dict[str, Any]]] = {}
             for (instance, user, device), ms in entries:
                 out.setdefault(instance, []).append(
                     {"user_id": user, "device_id": device, "last_sync_ms": ms})
@@ -164,7 +165,7 @@ class BookkeepingRoutes:
     async def user_ips(self, request: Any) -> Response:
         handler = self.handler
 
-        def render(entries: List[Tuple[Any, Any]]) -> Dict[str, Any]:
+        def render(entries: list[tuple[Any, Any]]) -> dict[str, Any]:
             return {"user_ips": [
                 {"user_id": user, "device_id": device, "ip": seen.get("ip"),
                  "user_agent": seen.get("user_agent"), "last_seen": seen.get("last_seen")}

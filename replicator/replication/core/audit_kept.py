@@ -12,7 +12,8 @@ finding of a stream or writer no longer read here is kept, untouched, for
 when it is again.
 """
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger

@@ -11,7 +11,8 @@ or names a command the handler lacks, is counted and dropped, never an
 error; a handler's failure is logged and does not stop the bus.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -53,7 +54,7 @@ class RedisConnection:
         self._owner = owner
         self.closed = False
         #: The message being dispatched (bytes, no newline).
-        self.current_line: Optional[bytes] = None
+        self.current_line: bytes | None = None
 
     def __str__(self) -> str:
         """How log lines name it: ``redis channel <channel>``."""
@@ -86,8 +87,8 @@ def text_of(message: Any) -> str:
     return message.decode("utf-8", "replace") if isinstance(message, bytes) else message
 
 
-def routed(layout: ChannelLayout, lines: Sequence[bytes], channel: Optional[bytes],
-           signer: Any) -> Tuple[List[bytes], List[bytes]]:
+def routed(layout: ChannelLayout, lines: Sequence[bytes], channel: bytes | None,
+           signer: Any) -> tuple[list[bytes], list[bytes]]:
     """The payloads of ``lines`` (no newline) and the channel of each:
     ``channel`` if given (Synapse's: nothing there is signed), else the
     layout's; signed by ``signer`` (a :class:`.redis_signing.Signer`) if any."""
@@ -101,7 +102,7 @@ def routed(layout: ChannelLayout, lines: Sequence[bytes], channel: Optional[byte
     return payloads, channels
 
 
-def parse_message(message: str, own_prefixes: Tuple[str, ...]) -> Optional[Command]:
+def parse_message(message: str, own_prefixes: tuple[str, ...]) -> Command | None:
     """The command of one message heard on a channel; None for our own
     RDATA/POSITION echoed (not even parsed) and for a line we cannot parse
     (counted, a debug log)."""
