@@ -2,8 +2,8 @@
 
 The routes, their secrets and their status codes are listed in the README
 ("HTTP API"); each group lives in its own module: the stream API
-(:mod:`.streams`), the master's bookkeeping (:mod:`.bookkeeping`), the health
-probe (:mod:`.health`); the status page and ``/metrics`` are here.  Every
+(:mod:`.streams`), the master's bookkeeping (:mod:`.bookkeeping_pages`), the health
+probe (:mod:`.probe`); the status page and ``/metrics`` are here.  Every
 JSON answer is one line followed by ``\\n``; errors are ``{"error": "..."}``.
 Any other path is 404, any other method 405 (with ``Allow``; HEAD goes with
 GET), and an unexpected exception a logged 500 with a generic message.  The
@@ -26,11 +26,11 @@ from ..jsontext import encode_json
 from ..observe.health import Finding
 from ..observe.roles import has_replication_link, role
 from ..observe.status import StatusRecorder, snapshot
-from ..observe.status_page import CSP, SCRIPT, STYLE, render_html
+from ..observe.status_html import CSP, SCRIPT, STYLE, render_html
 from ..observe.writers import writer_watch
 from ..streams.idempotency import IdempotencyKeys
 from .answers import JSON_TYPE, HttpError, Response
-from .bookkeeping import BookkeepingRoutes
+from .bookkeeping_pages import BookkeepingRoutes
 from .channel import error_body
 from .idempotent import IdempotentWrites
 from .probe import DB_TIMEOUT, HealthRoute
