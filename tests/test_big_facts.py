@@ -40,8 +40,8 @@ from replicator.replication.wire.encoding import (
     encode_rdata_lines,
 )
 from replicator.storage.database import Database
-from replicator.streams import pages as pages_module
 from replicator.streams import stream as stream_module
+from replicator.streams import table_pages as pages_module
 from replicator.streams import writes as writes_module
 from replicator.streams.recent import EncodedPage
 from replicator.streams.registry import StreamRegistry

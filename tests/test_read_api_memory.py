@@ -13,7 +13,7 @@ from replicator.http.read.live import LiveFeed
 from replicator.http.read.pages import read_page
 from replicator.http.read.sse import PING, RETRY, SseClient
 from replicator.http.read.watch import StreamWatch
-from replicator.streams.pages import group
+from replicator.streams.table_pages import group
 
 names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
 positions = st.dictionaries(names, st.integers(0, 2 ** 63 - 1), min_size=1, max_size=5)

@@ -61,7 +61,7 @@ from typing import Any
 from ..config.model import InstanceConfig, StreamConfig
 from ..keys import Key
 from ..storage.database import Cursor, Database
-from ..streams.pages import FactPage, PageQuery
+from ..streams.table_pages import FactPage, PageQuery
 from ..streams.trimmed import FactsTrimmed, TrimCheck, boundary_key
 from .base import Row
 from .jsonl_held import Held, hold

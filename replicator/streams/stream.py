@@ -17,7 +17,7 @@ This module ties the parts together on the reactor thread: who goes into
 which transaction (:mod:`.group`), the transaction's statements
 (:mod:`.writes`), the ID generator (:mod:`.idgen`), facts kept in memory
 for the fan-out (:mod:`.recent`), pages read back from the table
-(:mod:`.pages`), and persisting positions in the background.
+(:mod:`.table_pages`), and persisting positions in the background.
 """
 
 import time
@@ -37,14 +37,14 @@ from ..net.backoff import Outage
 from ..observe import metrics
 from ..storage import schema
 from ..storage.database import Cursor, Database
+from .catchup_run import CatchupRun
 from .fence import Fence, Poller
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
 from .known import KnownIds
-from .pages import FactPage, FactRange, Page, PageQuery, group
-from .readahead import ReadAhead
 from .recent import EncodedPage, RecentFacts
 from .rows import RowCodec
+from .table_pages import FactPage, FactRange, Page, PageQuery, group
 from .tally import Tally, TallyQuery
 from .writes import PreparedFacts, TxnHook, WriteTransaction
 
@@ -137,7 +137,7 @@ class Stream:
         self.known_ids = KnownIds()
         # Catch-up pages of other instances' writers read ahead (PostgreSQL:
         # a run holds a pool connection; SQLite has one for everything).
-        self._read_ahead = (ReadAhead(db, self._pages.read_facts, call_from_thread)
+        self._read_ahead = (CatchupRun(db, self._pages.read_facts, call_from_thread)
                             if call_from_thread is not None and db.is_postgres
                             and db.config.pool_max > 1 else None)
         self._codec = RowCodec(config.columns)
@@ -563,7 +563,7 @@ class Stream:
                                then: Callable[[list[FactPage]], Any],
                                json_rows: bool = False) -> tuple[list[FactPage], Any]:
         """Several writers' pages counted in facts, read from the table in
-        one trip to a pool thread (:meth:`.pages.PageQuery.read_fact_pages`,
+        one trip to a pool thread (:meth:`.table_pages.PageQuery.read_fact_pages`,
         one statement per writer, each consistent by itself: no
         transaction around them; rows as JSON text with ``json_rows``),
         and ``then(pages)`` run in the same pool thread (e.g. encoding

@@ -26,9 +26,9 @@ WRITE_SECRET_READER = "secret"
 _CHALLENGE = {b"www-authenticate": b'Bearer realm="replicator"'}
 
 
-class Reader:
-    """An authenticated reader: its name, and the streams it may read
-    (None: every stream)."""
+class ReadGrant:
+    """What an authenticated read-API client is granted: its name, and
+    the streams it may read (None: every stream)."""
 
     def __init__(self, name: str, streams: tuple[str, ...] | None):
         self.name = name
@@ -42,19 +42,19 @@ class ReaderAuth:
     """The read credentials of one instance."""
 
     def __init__(self, write_secret: str | None, readers: Iterable = ()):
-        self._known: list[tuple[bytes, Reader]] = []
+        self._known: list[tuple[bytes, ReadGrant]] = []
         if write_secret:
-            self._known.append((write_secret.encode("utf-8"), Reader(WRITE_SECRET_READER, None)))
+            self._known.append((write_secret.encode("utf-8"), ReadGrant(WRITE_SECRET_READER, None)))
         for r in readers:
             if r.secret:
-                self._known.append((r.secret.encode("utf-8"), Reader(r.name, tuple(r.streams))))
+                self._known.append((r.secret.encode("utf-8"), ReadGrant(r.name, tuple(r.streams))))
 
     @property
     def secrets(self) -> list[str]:
         """Every secret (for the redactor)."""
         return [s.decode("utf-8") for s, _ in self._known]
 
-    def reader(self, request) -> Reader:
+    def reader(self, request) -> ReadGrant:
         """The reader ``request`` authenticates as; raises 401 or 403."""
         secret = credential(request)
         found = None
@@ -65,7 +65,7 @@ class ReaderAuth:
             raise HttpError(403, "wrong secret")
         return found
 
-    def check(self, reader: Reader, stream: str) -> None:
+    def check(self, reader: ReadGrant, stream: str) -> None:
         """403 unless ``reader`` may read ``stream``."""
         if not reader.covers(stream):
             raise HttpError(403, f"reader {reader.name} may not read stream {stream}")

@@ -8,7 +8,8 @@ from typing import Any
 from ..answers import HttpError
 from .tokens import Positions
 
-Key = tuple[str, str]
+#: ``(reader name, stream)``.
+ReaderStream = tuple[str, str]
 
 
 class ReaderBook:
@@ -16,10 +17,10 @@ class ReaderBook:
 
     def __init__(self, clock):
         self._clock = clock
-        self.connected: dict[Key, int] = {}
-        self.positions: dict[Key, Positions] = {}
-        self.seen: dict[Key, float] = {}
-        self.streams: dict[Key, set] = {}  # open event streams (their .position)
+        self.connected: dict[ReaderStream, int] = {}
+        self.positions: dict[ReaderStream, Positions] = {}
+        self.seen: dict[ReaderStream, float] = {}
+        self.streams: dict[ReaderStream, set] = {}  # open event streams (their .position)
 
     def attach(self, reader: str, stream: str, client) -> None:
         self.streams.setdefault((reader, stream), set()).add(client)

@@ -34,7 +34,7 @@ from .tokens import encode
 class PageFormat:
     """One way of writing a page: its name (in read-ahead keys), media
     type, and whether a fact's rows may come as JSON objects built by
-    PostgreSQL (:func:`replicator.streams.pages.row_json_sql`)."""
+    PostgreSQL (:func:`replicator.streams.table_pages.row_json_sql`)."""
 
     def __init__(self, name: str, media_type: bytes, row_json: bool):
         self.name = name

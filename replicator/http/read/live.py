@@ -47,7 +47,7 @@ import orjson
 from twisted.internet import defer, task
 
 from ...net.backoff import Outage
-from ...streams.pages import group
+from ...streams.table_pages import group
 from .direct import Frames
 from .pages import fact_object
 from .tokens import Positions, encode

@@ -227,7 +227,7 @@ def fact_json(columns: Sequence[str], fact: PageFact) -> bytes:
 
 def rows_json_facts(writer: str, facts: list[tuple[int, list[str]]]) -> list[bytes]:
     """Each fact's JSON (as :func:`fact_json`) from its rows as JSON texts
-    (PostgreSQL built them: :func:`replicator.streams.pages.row_json_sql`)."""
+    (PostgreSQL built them: :func:`replicator.streams.table_pages.row_json_sql`)."""
     w = orjson.dumps(writer)
     return [b'{"stream_id":%d,"writer":%b,"rows":[%b]}' % (stream_id, w,
                                                            ",".join(rows).encode("utf-8"))

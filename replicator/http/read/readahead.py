@@ -48,15 +48,15 @@ DEPTH = 3
 TTL = 5.0
 
 #: ``(stream, positions, limit, format)``: what a page is built from.
-Key = tuple[str, tuple[tuple[str, int], ...], int, str]
+PageKey = tuple[str, tuple[tuple[str, int], ...], int, str]
 Build = Callable[[Positions], Coroutine[Any, Any, Page]]
 
 
-def key(stream: str, since: Positions, limit: int, form: str = "json") -> Key:
+def key(stream: str, since: Positions, limit: int, form: str = "json") -> PageKey:
     return (stream, tuple(sorted(since.items())), limit, form)
 
 
-def _after(k: Key, page: Page) -> Key:
+def _after(k: PageKey, page: Page) -> PageKey:
     """The key of the page that follows ``page`` (built for ``k``)."""
     return key(k[0], page.next, k[2], k[3])
 
@@ -83,13 +83,13 @@ class ReadAhead:
         self.entries = entries
         self.ttl = ttl
         self.depth = depth
-        self._built: OrderedDict[Key, _Ahead] = OrderedDict()
-        self._served: OrderedDict[Key, float] = OrderedDict()
+        self._built: OrderedDict[PageKey, _Ahead] = OrderedDict()
+        self._served: OrderedDict[PageKey, float] = OrderedDict()
         self._sweep = None  # the call that drops what grew too old, while a page is held
         self.used = 0  # pages handed out from here
         self.wasted = 0  # pages built ahead and never used (or not final and full)
 
-    async def take(self, k: Key) -> Page | None:
+    async def take(self, k: PageKey) -> Page | None:
         """The page built ahead for ``k`` if there is one still fresh, and
         full and final; else None (the caller builds it)."""
         self._expire()
@@ -105,7 +105,7 @@ class ReadAhead:
         self.used += 1
         return page
 
-    def served(self, k: Key, page: Page, build: Build) -> None:
+    def served(self, k: PageKey, page: Page, build: Build) -> None:
         """``page`` was served for ``k``: if it is full and final, note its
         ``next``; and if ``k`` itself was such a ``next`` (a reader walking
         the stream), have the :attr:`depth` pages after it built ahead,
@@ -122,7 +122,7 @@ class ReadAhead:
         if walking:
             self._extend(after, build, self.depth)
 
-    def _extend(self, k: Key, build: Build, depth: int) -> None:
+    def _extend(self, k: PageKey, build: Build, depth: int) -> None:
         """``depth`` pages from ``k`` on built or under way: along the
         pages built already, the first missing one started (or the one
         under way told how many to start after it)."""
@@ -139,7 +139,7 @@ class ReadAhead:
                 return  # (what follows it is not known yet)
             k = _after(k, entry.page)
 
-    def _start(self, k: Key, build: Build, more: int) -> None:
+    def _start(self, k: PageKey, build: Build, more: int) -> None:
         entry = _Ahead(self._clock.seconds(), more)
         self._built[k] = entry
         while len(self._built) > self.entries:

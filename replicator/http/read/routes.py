@@ -20,7 +20,7 @@ from ...observe import metrics
 from ...streams.trimmed import FactsTrimmed
 from ..answers import HttpError, Response, excerpt
 from . import formats, readahead
-from .auth import Reader, ReaderAuth
+from .auth import ReaderAuth, ReadGrant
 from .book import ReaderBook, Slots, client_host
 from .builds import PageBuilds
 from .live import LiveFeed
@@ -236,7 +236,7 @@ class ReadRoutes:
         return page
 
     async def _long_poll(self, finished: defer.Deferred, gone: list[object], request,
-                         reader: Reader, stream, page: Page, limit: int,
+                         reader: ReadGrant, stream, page: Page, limit: int,
                          wait: float, form: formats.PageFormat = formats.JSON,
                          again=None) -> Page | None:
         """Wait up to ``wait`` seconds for a fact after ``page.next``; each

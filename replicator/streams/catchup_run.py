@@ -61,7 +61,7 @@ class _Run:
                 and bool(self.pages or not self.ended))
 
 
-class ReadAhead:
+class CatchupRun:
     """Pages of a writer's facts, read ahead in runs (see the module docstring).
 
     ``read`` runs in a pool thread with a cursor; ``call_from_thread`` hands
