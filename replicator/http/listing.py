@@ -75,7 +75,7 @@ def decode_cursor(cursor: bytes, width: int) -> tuple[str | None, ...]:
     return tuple(key)
 
 
-def sort_key(key: Sequence[str | None]) -> tuple:
+def sort_key(key: Sequence[str | None]) -> tuple[Any, ...]:
     """A total order over keys whose parts may be None (None first)."""
     out: list[Any] = []
     for part in key:
@@ -83,8 +83,9 @@ def sort_key(key: Sequence[str | None]) -> tuple:
     return tuple(out)
 
 
-def build_page(keys: Callable[[], Iterable[tuple]], lookup: Callable[[tuple], Any],
-               render: Callable[[list[tuple[tuple, Any]]], dict], limit: int,
+def build_page(keys: Callable[[], Iterable[tuple[Any, ...]]],
+               lookup: Callable[[tuple[Any, ...]], Any],
+               render: Callable[[list[tuple[tuple[Any, ...], Any]]], dict[str, Any]], limit: int,
                cursor: bytes | None, width: int) -> bytes:
     """One page as the encoded JSON answer (a line ending in ``\\n``).
 
