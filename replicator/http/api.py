@@ -36,6 +36,7 @@ from .bookkeeping import BookkeepingRoutes
 from .channel import error_body
 from .idempotent import IdempotentWrites
 from .probe import DB_TIMEOUT, HealthRoute
+from .read.durable_paths import DurablePaths
 from .redact import Redactor
 from .site import MAX_BODY_SIZE, AccessLog, Request, Site
 from .streams import StreamRoutes
@@ -147,7 +148,11 @@ class HttpApi:
             max_waiting_per_address=config.http.max_waiting_reads_per_address,
             heartbeat=config.http.heartbeat_interval,
             max_page_bytes=config.http.max_page_bytes,
-            feed_interval=config.replication.fanout_interval)
+            feed_interval=config.replication.fanout_interval,
+            ds_long_poll=config.http.ds_long_poll)
+        # Durable Streams created over HTTP (docs/read-api.md).
+        self.ds_paths = DurablePaths(self.reads, self.streams, clock,
+                                     long_poll=config.http.ds_long_poll)
         self._root = _Root(self)
 
     # --------------------------------------------------------------- public
@@ -211,6 +216,17 @@ class HttpApi:
             if rest in simple:
                 return {b"GET": simple[rest]}, ()
             parts = rest.split(b"/")
+            if len(parts) > 2 and parts[0] == b"ds" and parts[1]:
+                name, ds_path = None, None
+                try:
+                    name = unquote(parts[1].decode("ascii"), errors="strict")
+                    ds_path = b"/".join(parts[2:]).decode("ascii")
+                except (UnicodeDecodeError, ValueError):
+                    name = ds_path = None
+                paths = self.ds_paths  # docs/read-api.md, "Streams created over HTTP"
+                return {b"GET": paths.get_path, b"OPTIONS": paths.preflight,
+                        b"PUT": paths.put, b"POST": paths.post,
+                        b"DELETE": paths.delete}, (name, ds_path)
             if len(parts) == 2 and parts[0] == b"ds" and parts[1]:
                 try:
                     name = unquote(parts[1].decode("ascii"), errors="strict")
