@@ -19,18 +19,38 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from twisted.internet import defer, task
+from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from . import __version__, files
-from .config import ConfigError, load_config, validate
+from .config import ConfigError, InstanceConfig, load_config, validate
 from .logs.output import start_logging
 from .logs.printable import printable
 from .net.endpoint_strings import http_url
 
+if TYPE_CHECKING:
+    from .daemon.service import Instance
+
 log = Logger()
+
+
+class _Reactor(Protocol):
+    """What the commands that run the reactor ask of it (``task.react``'s)."""
+
+    def stop(self) -> None: ...
+
+    def callFromThread(self, callable: Callable[..., object], *args: object,
+                       **kwargs: object) -> None: ...
+
+    def addSystemEventTrigger(self, phase: str, eventType: str,
+                              callable: Callable[..., object], *args: object,
+                              **kwargs: object) -> object: ...
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -59,7 +79,7 @@ def _reader_gone() -> None:
         os.close(devnull)
 
 
-def _load(path: str):
+def _load(path: str) -> InstanceConfig:
     """The config at ``path``, parsed and validated (its files read) with
     the process's reactor; a mistake is one line and exit 2."""
     from twisted.internet import reactor
@@ -71,7 +91,7 @@ def _load(path: str):
 
 
 # ------------------------------------------------------------------ run
-def cmd_run(args) -> None:
+def cmd_run(args: argparse.Namespace) -> None:
     # Whatever the daemon creates (database, output, directories) is
     # private to its user and group: data 0640, directories 0750.
     files.restrict_umask()
@@ -100,7 +120,7 @@ def cmd_run(args) -> None:
         except PidFileError as e:
             _fail(str(e), 1)
 
-    async def main(reactor):
+    async def main(reactor: _Reactor) -> None:
         reload_on_hup(reactor, instance, config_path)
         reopen_on_usr1(reactor, instance)
         try:
@@ -131,18 +151,18 @@ def cmd_run(args) -> None:
             held.release()
 
 
-def stop_once(reactor) -> None:
+def stop_once(reactor: _Reactor) -> None:
     """Make SIGTERM and SIGINT stop the reactor once; repeats are logged."""
     state = {"stopping": False}
 
-    def stop():
+    def stop() -> None:
         if state["stopping"]:
             log.info("already shutting down")
             return
         state["stopping"] = True
         reactor.stop()
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received {sig}; shutting down", sig=signal.Signals(signum).name)
         reactor.callFromThread(stop)
 
@@ -150,28 +170,28 @@ def stop_once(reactor) -> None:
     signal.signal(signal.SIGINT, on_signal)
 
 
-def reload_on_hup(reactor, instance, path: str) -> None:
+def reload_on_hup(reactor: _Reactor, instance: "Instance", path: str) -> None:
     """Make SIGHUP re-read ``path`` and apply it (:meth:`.Instance.reload`)
     instead of ending the process."""
-    def reload():
+    def reload() -> None:
         d = defer.ensureDeferred(instance.reload(path))
         d.addErrback(lambda f: log.failure("reload failed", f))
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received SIGHUP; reloading {path}", path=path)
         reactor.callFromThread(reload)
 
     signal.signal(signal.SIGHUP, on_signal)
 
 
-def reopen_on_usr1(reactor, instance) -> None:
+def reopen_on_usr1(reactor: _Reactor, instance: "Instance") -> None:
     """Make SIGUSR1 reopen the output files (:meth:`.Instance.reopen`), the
     config file left unread, instead of ending the process."""
-    def reopen():
+    def reopen() -> None:
         d = defer.ensureDeferred(instance.reopen())
         d.addErrback(lambda f: log.failure("reopen failed", f))
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("received SIGUSR1; reopening the output files")
         reactor.callFromThread(reopen)
 
@@ -179,7 +199,7 @@ def reopen_on_usr1(reactor, instance) -> None:
 
 
 # --------------------------------------------------------------- reopen
-def cmd_reopen(args) -> None:
+def cmd_reopen(args: argparse.Namespace) -> None:
     """SIGUSR1 to the daemon of ``-c FILE`` (found by its ``pid_file``):
     it reopens its output files, as after a rotation, and reads no config.
     Exit 0 once sent, 1 if no daemon holds the PID file, 2 if the config
@@ -205,11 +225,13 @@ def cmd_reopen(args) -> None:
 
 
 # ----------------------------------------------------------------- tail
-def cmd_tail(args) -> None:
+def cmd_tail(args: argparse.Namespace) -> None:
     from twisted.internet import endpoints
 
+    from .replication.interfaces import IReplicationConnection
     from .replication.transport.base_handler import BaseHandler
     from .replication.transport.tcp import upstream_service
+    from .replication.wire.commands import Command
 
     #: Fires when standard output's reader goes: tail then ends, exit 0.
     reader_gone: defer.Deferred[None] = defer.Deferred()
@@ -217,7 +239,7 @@ def cmd_tail(args) -> None:
     class Printer(BaseHandler):
         """Prints what the server sends, one command per line."""
 
-        def _print(self, cmd) -> None:
+        def _print(self, cmd: Command) -> None:
             stream = getattr(cmd, "stream_name", None)
             if reader_gone.called or (args.stream and stream is not None
                                       and stream != args.stream):
@@ -233,17 +255,17 @@ def cmd_tail(args) -> None:
                 _reader_gone()
                 reader_gone.callback(None)
 
-        def __getattr__(self, name):
+        def __getattr__(self, name: str) -> Callable[[IReplicationConnection, Command], None]:
             if name.startswith("on_"):
                 return lambda conn, cmd: self._print(cmd)
             raise AttributeError(name)
 
-        def lost_connection(self, conn, reason):
+        def lost_connection(self, conn: IReplicationConnection, reason: str) -> None:
             say(f"# connection closed ({reason})")
 
     printer = Printer(args.name)
 
-    async def main(reactor):
+    async def main(reactor: _Reactor) -> None:
         try:
             endpoints.clientFromString(reactor, args.endpoint)
         except Exception as e:
@@ -253,9 +275,9 @@ def cmd_tail(args) -> None:
                       "e.g. 127.0.0.1:9092, or an endpoint string, e.g. "
                       "tcp:host=127.0.0.1:port=9092)", 2)  # react exits with 2
             args.endpoint = plain
-        talking = []
+        talking: list[_TalkingEndpoint] = []
 
-        def wrap(endpoint):
+        def wrap(endpoint: IStreamClientEndpoint) -> _TalkingEndpoint:
             talking.append(_TalkingEndpoint(endpoint, args.endpoint, say))
             return talking[0]
 
@@ -294,31 +316,31 @@ class _TalkingEndpoint:
     """A client endpoint that says on stderr when it connects and why a
     connection attempt failed, and which retry is next."""
 
-    def __init__(self, endpoint, description: str, out):
+    def __init__(self, endpoint: IStreamClientEndpoint, description: str,
+                 out: Callable[[str], None]) -> None:
         self._endpoint = endpoint
         self._description = description
         self._out = out
         self._attempts = 0
-        self._failure = None
+        self._failure: str | None = None
 
-    def connect(self, factory):
+    def connect(self, factory: IProtocolFactory) -> "defer.Deferred[IProtocol]":
         suffix = f" (retry {self._attempts})" if self._attempts else ""
         self._out(f"# connecting to {self._description}{suffix}")
         self._attempts += 1
         d = self._endpoint.connect(factory)
 
-        def failed(f):
+        def failed(f: Failure) -> Failure:
             self._failure = f.getErrorMessage().strip().splitlines()[0] if \
-                f.getErrorMessage().strip() else f.type.__name__
+                f.getErrorMessage().strip() else type(f.value).__name__
             return f
 
-        def connected(protocol):
+        def connected(protocol: IProtocol) -> IProtocol:
             self._attempts = 0
             self._failure = None
             return protocol
 
-        d.addCallbacks(connected, failed)
-        return d
+        return d.addCallbacks(connected, failed)
 
     def retry_in(self, attempt: int, delay: float) -> None:
         what = f"cannot connect to {self._description}: {self._failure}" if self._failure \
@@ -328,7 +350,7 @@ class _TalkingEndpoint:
 
 
 # ------------------------------------------------------- HTTP commands
-def _http_base(config) -> str:
+def _http_base(config: InstanceConfig) -> str:
     endpoint = config.http.listen
     if not endpoint:
         _fail("config: http.listen: missing (this command talks to the daemon's HTTP API)", 2)
@@ -346,15 +368,21 @@ def _error_of(e: "urllib.error.HTTPError") -> str:
     except ValueError:
         return str(e.reason)
 
+def _json_object(body: bytes) -> dict[str, Any]:
+    """A daemon's JSON answer (``{}`` if empty)."""
+    answer: dict[str, Any] = json.loads(body or b"{}")
+    return answer
+
+
 def _request(url: str, method: str = "GET", body: bytes | None = None,
-             secret: str | None = None) -> dict:
+             secret: str | None = None) -> dict[str, Any]:
     request = urllib.request.Request(url, data=body, method=method)
     request.add_header("Content-Type", "application/json")
     if secret:
         request.add_header("Authorization", f"Bearer {secret}")
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read() or b"{}")
+            return _json_object(response.read())
     except urllib.error.HTTPError as e:
         _fail(f"{method} {url}: {e.code} {_error_of(e)}", 1)
     except (urllib.error.URLError, OSError) as e:
@@ -362,7 +390,7 @@ def _request(url: str, method: str = "GET", body: bytes | None = None,
         _fail(f"cannot reach the daemon at {url}: {reason}", 1)
 
 
-def cmd_write(args) -> None:
+def cmd_write(args: argparse.Namespace) -> None:
     config = _load(args.config)
     names = [stream.name for stream in config.streams]
     if args.stream not in names:
@@ -392,7 +420,7 @@ WRITE_RETRY_FIRST, WRITE_RETRY_MAX = 0.5, 8.0
 
 
 def _post_fact(url: str, body: bytes, secret: str | None, key: str, timeout: float,
-               retries: int) -> dict:
+               retries: int) -> dict[str, Any]:
     """POST one fact with ``Idempotency-Key: key``, retried with the same
     key after a timeout, a connection failure, a 5xx or a 409 with
     ``Retry-After`` (the first attempt still in flight): a retry of a write
@@ -408,7 +436,7 @@ def _post_fact(url: str, body: bytes, secret: str | None, key: str, timeout: flo
         wait = min(WRITE_RETRY_MAX, WRITE_RETRY_FIRST * 2 ** attempt)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
-                return json.loads(response.read() or b"{}")
+                return _json_object(response.read())
         except urllib.error.HTTPError as e:
             problem = f"POST {url}: {e.code} {_error_of(e)}"
             retry_after = e.headers.get("Retry-After", "") if e.headers else ""
@@ -430,7 +458,7 @@ def _post_fact(url: str, body: bytes, secret: str | None, key: str, timeout: flo
         time.sleep(wait)
 
 
-def cmd_positions(args) -> None:
+def cmd_positions(args: argparse.Namespace) -> None:
     config = _load(args.config)
     answer = _request(f"{_http_base(config)}/_replicator/v1/positions",
                       secret=config.http.secret)
@@ -451,7 +479,7 @@ def cmd_positions(args) -> None:
 
 
 # ---------------------------------------------------------------- check
-def cmd_check(args) -> None:
+def cmd_check(args: argparse.Namespace) -> None:
     """Exit 0 with one "config ok" line, or 2 with one line naming the key
     of the first problem: every check a start makes, nothing changed."""
     config = _load(args.config)
@@ -461,7 +489,7 @@ def cmd_check(args) -> None:
     for line in unbound_writers(config):
         print(f"replicator: warning: {line}", file=sys.stderr, flush=True)
 
-    async def main(reactor):
+    async def main(reactor: _Reactor) -> None:
         try:
             summary = await check_instance(config)
         except (ConfigError, StartupError) as e:
@@ -473,14 +501,14 @@ def cmd_check(args) -> None:
 
 
 # -------------------------------------------------------------- migrate
-def cmd_migrate(args) -> None:
+def cmd_migrate(args: argparse.Namespace) -> None:
     """The schema made current, one line per step (:mod:`.migrating`);
     exit 0, 1 if a step failed (rolled back), 2 if the schema is too new."""
     config = _load(args.config)
     from .daemon.migrating import migrate_instance
     from .daemon.startup import StartupError
 
-    async def main(reactor):
+    async def main(reactor: _Reactor) -> None:
         try:
             await migrate_instance(config, args.dry_run, _out, reactor)
         except StartupError as e:
@@ -491,12 +519,12 @@ def cmd_migrate(args) -> None:
 
 
 # ------------------------------------------------------ rewind, verify
-def cmd_rewind(args) -> None:
+def cmd_rewind(args: argparse.Namespace) -> None:
     from .consumers.jsonl_commands import cmd_rewind as rewind
     rewind(_load(args.config), args)
 
 
-def cmd_verify(args) -> None:
+def cmd_verify(args: argparse.Namespace) -> None:
     from .consumers.jsonl_commands import cmd_verify as verify
     verify(_load(args.config), args)
 
@@ -594,7 +622,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     args.fn(args)
 

@@ -3,6 +3,7 @@ else, over real processes (a master + worker pair on PostgreSQL, the
 worker's ``jsonl`` output rotated by renaming it); the PID file it finds
 the daemon by, in memory."""
 
+import fcntl
 import json
 import os
 import signal
@@ -121,6 +122,22 @@ class ReopenTests(SynchronousTestCase):
         self.assertTrue(done.stderr.startswith("replicator: config: pid_file: not set"),
                         done.stderr)
 
+    def test_reopen_with_an_unreadable_pid_file_is_one_line(self):
+        """A pid_file that is held but cannot be read (here a directory that
+        another process holds a lock on) is one line and exit 1, not a
+        traceback of the PID never read."""
+        held_dir = os.path.abspath(self.mktemp())
+        os.makedirs(held_dir)
+        fd = os.open(held_dir, os.O_RDONLY)
+        self.addCleanup(os.close, fd)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        daemon = Daemon(self, base_config("master", free_port(), [CACHES],
+                                          database={"sqlite": "x.sqlite"}, pid_file=held_dir))
+        done = cli("reopen", "-c", daemon.path)
+        self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertEqual(done.stderr.splitlines(),
+                         [f"replicator: pid_file: cannot read {held_dir}: Is a directory"])
+
 
 class PidFileTests(SynchronousTestCase):
 
@@ -147,3 +164,13 @@ class PidFileTests(SynchronousTestCase):
         held = hold(self.path)  # and a start takes it over
         self.assertEqual(running(self.path), os.getpid())
         held.release()
+
+    def test_a_held_file_that_cannot_be_read_is_a_pid_file_error(self):
+        os.makedirs(self.path)  # a directory: it opens and locks, and does not read
+        fd = os.open(self.path, os.O_RDONLY)
+        self.addCleanup(os.close, fd)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with self.assertRaises(PidFileError) as e:
+            running(self.path)
+        self.assertEqual(str(e.exception),
+                         f"pid_file: cannot read {os.path.abspath(self.path)}: Is a directory")

@@ -77,10 +77,15 @@ def running(path: str) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid = _read(fd)
+            try:
+                pid = _read(fd)
+            except OSError as e:  # held, and unreadable (a directory, an I/O error)
+                raise PidFileError(f"pid_file: cannot read {path}: {e.strerror}") from None
             if pid is None:
                 raise PidFileError(f"pid_file: {path} holds no PID") from None
             return pid
+        except OSError as e:
+            raise PidFileError(f"pid_file: cannot lock {path}: {e.strerror}") from None
         raise PidFileError(f"pid_file: {path} is not held by a running daemon (left by one "
                            f"that stopped without removing it)")
     finally:

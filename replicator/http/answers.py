@@ -5,6 +5,8 @@ routes that need one start with."""
 import hmac
 from typing import Any
 
+from twisted.web.http import Request
+
 JSON_TYPE = b"application/json"
 
 
@@ -42,7 +44,7 @@ def excerpt(text: str, limit: int = 60) -> str:
 _CHALLENGE = {b"www-authenticate": b'Bearer realm="replicator"'}
 
 
-def authorize(request, secret: bytes | None) -> None:
+def authorize(request: Request, secret: bytes | None) -> None:
     """Raise 401 (no or malformed ``Authorization: Bearer``) or 403 (no
     secret configured, or a wrong one, compared in constant time)."""
     values = request.requestHeaders.getRawHeaders(b"authorization")

@@ -10,24 +10,26 @@ GET), and an unexpected exception a logged 500 with a generic message.  The
 secret is never written into an answer or a log line (:class:`.redact.Redactor`).
 """
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import unquote
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from twisted.internet import defer, threads
+from twisted.internet.interfaces import IReactorTime, ITransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web import server
+from twisted.web import http, server
 from twisted.web.resource import Resource
 
-from ..config import InstanceConfig
+from ..config import InstanceConfig, ReaderConfig
 from ..jsontext import encode_json
 from ..observe.health import Finding
 from ..observe.roles import has_replication_link, role
 from ..observe.status import StatusRecorder, snapshot
 from ..observe.status_html import CSP, SCRIPT, STYLE, render_html
-from ..observe.writers import writer_watch
+from ..observe.writers import WriterWatch, writer_watch
+from ..replication.interfaces import IReplicationView
 from ..streams.idempotency import IdempotencyKeys
 from .answers import JSON_TYPE, HttpError, Response
 from .bookkeeping_pages import BookkeepingRoutes
@@ -36,8 +38,13 @@ from .idempotent import IdempotentWrites
 from .probe import DB_TIMEOUT, HealthRoute
 from .read.durable_paths import DurablePaths
 from .redact import Redactor
-from .site import MAX_BODY_SIZE, AccessLog, Site
+from .site import MAX_BODY_SIZE, AccessLog, Request, Site
 from .streams import StreamRoutes
+
+if TYPE_CHECKING:
+    from ..observe.health import HealthMonitor
+    from ..storage.database import Database
+    from ..streams.registry import StreamRegistry
 
 log = Logger(namespace="replicator.http")
 
@@ -49,12 +56,14 @@ Route = Callable[..., Any]
 class _Root(Resource):
     isLeaf = True
 
-    def __init__(self, api: "HttpApi"):
+    def __init__(self, api: "HttpApi") -> None:
         super().__init__()
         self._api = api
 
-    def render(self, request):
-        return self._api.render(request)
+    def render(self, request: server.Request) -> int:
+        # Under the API's site every request is its Request; under a plain
+        # Site, ``error_text`` is one more attribute, read by no one.
+        return self._api.render(cast(Request, request))
 
 
 class HttpApi:
@@ -72,11 +81,13 @@ class HttpApi:
     no lag history).
     """
 
-    def __init__(self, *, config: InstanceConfig, registry, handler, db,
-                 replication_status: Callable[[], tuple[bool, str]], clock,
+    def __init__(self, *, config: InstanceConfig, registry: "StreamRegistry",
+                 handler: IReplicationView, db: "Database",
+                 replication_status: Callable[[], tuple[bool, str]], clock: IReactorTime,
                  max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
                  idle_timeout: float = 60.0, lag_grace: float = 10.0,
-                 health=None, status=None, writers=None):
+                 health: "HealthMonitor | None" = None, status: StatusRecorder | None = None,
+                 writers: WriterWatch | None = None) -> None:
         self.config = config
         self.registry = registry
         self.handler = handler
@@ -149,7 +160,7 @@ class HttpApi:
         """The root resource (every route; works under a plain Site too)."""
         return self._root
 
-    def set_readers(self, readers) -> None:
+    def set_readers(self, readers: Sequence[ReaderConfig]) -> None:
         """The read API's credentials from now on (a reload): open event
         streams keep going; their secrets, like every one before, stay
         hidden from answers and logs."""
@@ -163,16 +174,16 @@ class HttpApi:
         """A Site with the body limit, deadlines and a one-line access log."""
         return Site(self._root, self, self.max_body_size, self.idle_timeout, self._clock)
 
-    def log_access(self, request, code: int | None = None, note: str = "") -> None:
+    def log_access(self, request: http.Request, code: int | None = None, note: str = "") -> None:
         """The access line of a request (see :class:`.site.AccessLog`)."""
         self.access.request(request, code, note)
 
-    def log_refusal(self, transport, code: int, length: int, message: str,
+    def log_refusal(self, transport: ITransport, code: int, length: int, message: str,
                     method: bytes | None, path: bytes | None) -> None:
         """The access line of a request the channel refused."""
         self.access.refusal(transport, code, length, message, method, path)
 
-    def check_database(self) -> defer.Deferred:
+    def check_database(self) -> "defer.Deferred[str | None]":
         """See :meth:`.probe.HealthRoute.check_database`."""
         return self.health.check_database()
 
@@ -185,7 +196,7 @@ class HttpApi:
         return self.health.current_findings()
 
     # ---------------------------------------------------------- rendering
-    def _routes(self, path: bytes) -> tuple[dict[bytes, Route], tuple]:
+    def _routes(self, path: bytes) -> tuple[dict[bytes, Route], tuple[str | None, ...]]:
         """The methods of ``path`` and the route's arguments; 404 if none."""
         if path == b"/health":
             return {b"GET": self.health.get}, ()
@@ -236,10 +247,10 @@ class HttpApi:
                         b"OPTIONS": self.reads.preflight}, (name,)
         raise HttpError(404, "no such endpoint")
 
-    def render(self, request) -> int:
+    def render(self, request: Request) -> int:
         """Dispatch; the answer is always written later (NOT_DONE_YET)."""
         request.setHeader(b"server", b"replicator")
-        gone: list[Any] = []
+        gone: list[Failure] = []
         request.notifyFinish().addErrback(gone.append)
         try:
             routes, args = self._routes(request.path)
@@ -250,7 +261,7 @@ class HttpApi:
                 raise HttpError(405, f"method {method.decode('ascii', 'replace')[:40]} "
                                      "not allowed",
                                 {b"allow": b", ".join(allowed)})
-            d = defer.ensureDeferred(fn(request, *args))
+            d: defer.Deferred[Any] = defer.ensureDeferred(fn(request, *args))
         except Exception:
             d = defer.fail()
         d.addCallbacks(lambda result: self._answer(request, gone, 200, result),
@@ -259,9 +270,9 @@ class HttpApi:
                                                        path=self.redact.path(request.path)))
         return server.NOT_DONE_YET
 
-    def _failed(self, request, gone, failure) -> None:
+    def _failed(self, request: Request, gone: list[Failure], failure: Failure) -> None:
         if failure.check(HttpError):
-            e = failure.value
+            e = cast(HttpError, failure.value)  # (check said so)
             request.error_text = self.redact(e.message)  # for the access line
             self._answer(request, gone, e.code, {**e.extra, e.key: request.error_text},
                          e.headers)
@@ -272,7 +283,8 @@ class HttpApi:
         request.error_text = "internal error"
         self._answer(request, gone, 500, {"error": "internal error"})
 
-    def _answer(self, request, gone, code: int, result, headers=None) -> None:
+    def _answer(self, request: Request, gone: list[Failure], code: int, result: Any,
+                headers: dict[bytes, bytes] | None = None) -> None:
         if gone or request.finished:
             if gone:
                 self.log_access(request, code=code, note="client gone")
@@ -307,7 +319,7 @@ class HttpApi:
                         redact=self.redact, writers=self.writers,
                         http_readers=self.reads.status)
 
-    async def _status(self, request):
+    async def _status(self, request: Request) -> Response | dict[str, Any]:
         path = request.path
         if path == b"/status.js":
             return Response(SCRIPT, b"text/javascript; charset=utf-8")
@@ -320,7 +332,7 @@ class HttpApi:
                         {b"content-security-policy": CSP, b"referrer-policy": b"no-referrer",
                          b"x-frame-options": b"DENY"})
 
-    async def _metrics(self, request):
+    async def _metrics(self, request: Request) -> Response:
         # In a thread: the live metrics' sources read snapshots.
-        text = await threads.deferToThread(generate_latest, REGISTRY)
+        text: bytes = await threads.deferToThread(generate_latest, REGISTRY)
         return Response(text, CONTENT_TYPE_LATEST.encode("ascii"))

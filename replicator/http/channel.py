@@ -28,12 +28,23 @@ of the connection is parsed.
 """
 
 import re
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 from twisted.internet import protocol
-from twisted.internet.interfaces import ISSLTransport
-from twisted.web.http import HTTPChannel
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IReactorTime,
+    ISSLTransport,
+    ITCPTransport,
+    ITransport,
+)
+from twisted.python.failure import Failure
+from twisted.web import server
+from twisted.web.http import HTTPChannel, Request
 
 from ..jsontext import encode_json
+from .slots import Slots
 
 #: How long a refused connection is drained before it is closed.
 DRAIN_TIME = 2.0
@@ -41,6 +52,21 @@ REASONS = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Request Entity T
            431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 # RFC 9110 token characters: what a header name may be made of.
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+class Refusals(Protocol):
+    """What a channel tells the API it serves (:class:`.api.HttpApi`): how
+    many connections are open, and the access line of each refusal."""
+
+    open_connections: int
+
+    def log_refusal(self, transport: ITransport, code: int, length: int, message: str,
+                    method: bytes | None, path: bytes | None) -> None: ...
+
+
+#: A reactor's ``callLater``, or a channel's (twisted.web's
+#: ``TimeoutMixin.callLater``: untyped, of two arguments).
+CallLater = Callable[[float, Callable[[], object]], Any]
 
 
 def error_body(message: str) -> bytes:
@@ -57,7 +83,8 @@ def refusal(code: int, message: str, extra: bytes = b"") -> tuple[bytes, int]:
             % (code, REASONS.get(code, b"Error"), len(body), extra)) + body, len(body)
 
 
-def _close_after_answer(transport, clock, drain_time: float, close):
+def _close_after_answer(transport: ITransport, call_later: CallLater, drain_time: float,
+                        close: Callable[[], object]) -> IDelayedCall:
     """Half-close (the client reads the answer and sees the end), then close
     after ``drain_time`` with ``close`` (the channel's own, which first
     unregisters it as the transport's producer); returns the delayed call.  Over TLS there is no
@@ -66,10 +93,13 @@ def _close_after_answer(transport, clock, drain_time: float, close):
     client that reads the answer (``Connection: close``) closes first."""
     if not ISSLTransport.providedBy(transport):
         try:
-            transport.loseWriteConnection()
+            # (Not every transport can half-close: those without the method
+            # are closed instead.)
+            cast(ITCPTransport, transport).loseWriteConnection()
         except (AttributeError, NotImplementedError):
             transport.loseConnection()
-    return clock.callLater(drain_time, close)
+    later: IDelayedCall = call_later(drain_time, close)
+    return later
 
 
 class Channel(HTTPChannel):
@@ -89,31 +119,35 @@ class Channel(HTTPChannel):
 
     header_timeout = 10.0
     body_timeout = 30.0
-    api = None  # the HttpApi: counts connections, logs refusals
+    api: Refusals | None = None  # the HttpApi: counts connections, logs refusals
 
     _why: tuple[int, str] | None = None
     _tail: bytes | None = b""  # None: this request's headers are complete
-    _deadline = None
+    _deadline: IDelayedCall | None = None
     _awaited = "headers"  # what the running deadline waits for
-    _closer = None
+    _closer: IDelayedCall | None = None
     _served = False  # answered a request before
     _answered_last = False  # its last answer is out: it closes once flushed
     refused = False
+    #: The site that built it (set by twisted.web's ``Site.buildProtocol``).
+    site: server.Site
     #: Method and path of the request being received, from its request line
     #: (for the access line of a refusal).
     _request_line: tuple[bytes | None, bytes | None] = (None, None)
 
     # ------------------------------------------------------------ events
-    def connectionMade(self):
+    def connectionMade(self) -> None:
         super().connectionMade()
         if self.api is not None:
             self.api.open_connections += 1
         self._start_deadline("headers", self.header_timeout)
 
-    def _slots(self):
-        return getattr(self.site, "slots", None)
+    def _slots(self) -> "Slots | None":
+        # (The API's site has slots, a plain Site none.)
+        slots: Slots | None = getattr(self.site, "slots", None)
+        return slots
 
-    def connectionLost(self, reason):
+    def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
         slots = self._slots()
         if slots is not None:
             slots.leave(self)
@@ -125,7 +159,7 @@ class Channel(HTTPChannel):
             self._closer.cancel()
         super().connectionLost(reason)
 
-    def dataReceived(self, data):
+    def dataReceived(self, data: bytes) -> None:
         if self.refused:
             return  # drained
         if not self._handlingRequest and self.line_mode:
@@ -158,7 +192,7 @@ class Channel(HTTPChannel):
             i = head.find(b"\n", i + 1)
         return False
 
-    def lineReceived(self, line):
+    def lineReceived(self, line: bytes) -> None:
         if self.refused:
             return
         if self._request_line[0] is None and line:
@@ -170,11 +204,12 @@ class Channel(HTTPChannel):
             self._why = (400, "malformed request line")
         super().lineReceived(line)
 
-    def headerReceived(self, line):
+    def headerReceived(self, line: bytes) -> bool:
         self._why = self._header_problem(line)
-        return super().headerReceived(line)
+        accepted: bool = super().headerReceived(line)
+        return accepted
 
-    def allHeadersReceived(self):
+    def allHeadersReceived(self) -> None:
         self._cancel_deadline()
         super().allHeadersReceived()
         slots = self._slots()
@@ -189,7 +224,7 @@ class Channel(HTTPChannel):
         if self.length != 0 and not self.refused:
             self._start_deadline("body", self.body_timeout)
 
-    def allContentReceived(self):
+    def allContentReceived(self) -> None:
         if self.refused:
             return  # answered already (a bodiless request refused at its headers)
         slots = self._slots()
@@ -201,7 +236,7 @@ class Channel(HTTPChannel):
         self._request_line = (None, None)
         super().allContentReceived()
 
-    def requestDone(self, request):
+    def requestDone(self, request: Request) -> None:
         slots = self._slots()
         if slots is not None and not self.refused:
             # Answered: idle (or the next pipelined request makes it busy
@@ -211,16 +246,16 @@ class Channel(HTTPChannel):
             self._answered_last = True
         super().requestDone(request)
 
-    def rawDataReceived(self, data):
+    def rawDataReceived(self, data: bytes) -> None:
         if self.refused:
             return
         self._why = (400, "malformed chunked body")
         super().rawDataReceived(data)
 
-    def lineLengthExceeded(self, line):
+    def lineLengthExceeded(self, line: bytes) -> None:
         self.refuse(431, f"request headers larger than {self.MAX_LENGTH} bytes")
 
-    def _respondToBadRequestAndDisconnect(self):
+    def _respondToBadRequestAndDisconnect(self) -> None:
         code, message = self._why or (400, "malformed HTTP request")
         self.refuse(code, message)
 
@@ -248,7 +283,7 @@ class Channel(HTTPChannel):
             return 431, f"more than {self.maxHeaders} header lines"
         return 400, "malformed header line"
 
-    def timeoutConnection(self):
+    def timeoutConnection(self) -> None:
         """twisted.web's idle timeout: no byte for ``timeOut`` seconds."""
         if self.refused:
             return
@@ -298,7 +333,7 @@ class Channel(HTTPChannel):
         answer, length = refusal(code, message)
         assert self.transport is not None
         self.transport.write(answer)
-        self._closer = _close_after_answer(self.transport, self, DRAIN_TIME,
+        self._closer = _close_after_answer(self.transport, self.callLater, DRAIN_TIME,
                                            self.loseConnection)
         if self.api is not None:
             method, path = self._request_line
@@ -308,23 +343,24 @@ class Channel(HTTPChannel):
 class Busy(protocol.Protocol):
     """A connection over the cap: a JSON 503, drained, closed."""
 
-    def __init__(self, api, message: str, clock):
+    def __init__(self, api: Refusals, message: str, clock: IReactorTime) -> None:
         self.api = api
         self.message = message
         self.clock = clock
-        self._closer = None
+        self._closer: IDelayedCall | None = None
 
-    def connectionMade(self):
+    def connectionMade(self) -> None:
         message = self.message
         answer, length = refusal(503, message, b"Retry-After: 1\r\n")
+        assert self.transport is not None
         self.transport.write(answer)
-        self._closer = _close_after_answer(self.transport, self.clock, DRAIN_TIME,
+        self._closer = _close_after_answer(self.transport, self.clock.callLater, DRAIN_TIME,
                                            self.transport.loseConnection)
         self.api.log_refusal(self.transport, 503, length, message, None, None)
 
-    def dataReceived(self, data):
+    def dataReceived(self, data: bytes) -> None:
         pass  # drained
 
-    def connectionLost(self, reason):
+    def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
         if self._closer is not None and self._closer.active():
             self._closer.cancel()

@@ -27,7 +27,10 @@ sees.
 
 from collections.abc import Awaitable, Callable, Sequence
 
+from twisted.web.http import Request
+
 from ..streams.idempotency import IdempotencyKeys, KeyTaken, fingerprint
+from ..streams.stream import Stream
 from ..streams.trimmed import boundary_key
 from ..streams.writes import PreparedFacts, TxnHook
 from .answers import HttpError
@@ -41,7 +44,7 @@ RETRY_AFTER = b"1"
 Write = Callable[[PreparedFacts, Sequence[TxnHook]], Awaitable[int]]
 
 
-def idempotency_key(request) -> str | None:
+def idempotency_key(request: Request) -> str | None:
     """The request's ``Idempotency-Key`` (None without one); 400 naming
     the header if it is given twice, empty, too long or not printable
     ASCII without space."""
@@ -68,7 +71,7 @@ class IdempotentWrites:
         self.keys = keys
         self._in_flight: set[tuple[str, str]] = set()
 
-    async def write(self, stream, prepared: PreparedFacts, key: str,
+    async def write(self, stream: Stream, prepared: PreparedFacts, key: str,
                     write: Write) -> tuple[int, bool]:
         """``(stream_id, replayed)``: the write of ``prepared`` with
         ``key``, by ``write(prepared, hooks)`` (which answers its own

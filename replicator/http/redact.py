@@ -25,7 +25,7 @@ short text without ``%`` (or, in a path, ``=`` and ``+``) costs one
 import re
 from collections.abc import Sequence
 
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 
 log = Logger(namespace="replicator.http")
@@ -209,14 +209,14 @@ class Redactor:
         """One line, without a hidden string, at most 2000 characters."""
         return self._redact_text(" ".join(str(text).splitlines()), keep=2000)[:2000]
 
-    def log_failure(self, fmt: str, failure: Failure, **fields) -> None:
+    def log_failure(self, fmt: str, failure: Failure, **fields: object) -> None:
         """``log.failure``, unless the traceback text would show a hidden
         string: then the redacted traceback is logged as text instead."""
         text = failure.getTraceback()
         if self.shows_hidden(text):
             log.error(fmt + "\n{traceback}", traceback=self.lines(text), **fields)
         else:
-            log.failure(fmt, failure, **fields)
+            log.failure(fmt, failure, LogLevel.critical, **fields)  # (the default level)
 
     def path(self, raw: bytes) -> str:
         """A request path (or request target) fit for a log line: still
@@ -228,6 +228,6 @@ class Redactor:
             return path[:PATH_LIMIT] + "..."
         return path
 
-    def method(self, raw) -> str:
+    def method(self, raw: object) -> str:
         return self(raw.decode("ascii", "backslashreplace"))[:20] \
             if isinstance(raw, bytes) else "-"

@@ -16,13 +16,16 @@ redaction of what must never be shown.
 
 import io
 import time
-from typing import cast
+from typing import Protocol, cast
 
+from twisted.internet.interfaces import IAddress, IReactorTime, ITransport
 from twisted.logger import Logger
 from twisted.web import server
+from twisted.web.http import Request as HttpRequest
+from twisted.web.resource import IResource
 
 from ..logs.printable import printable
-from .channel import Busy, Channel
+from .channel import Busy, Channel, Refusals
 from .redact import Redactor
 from .slots import Slots
 
@@ -38,15 +41,31 @@ DRAIN_FACTOR = 4
 ERROR_TEXT_LIMIT = 120
 
 
+class SiteOwner(Refusals, Protocol):
+    """What the site reads of the API it serves (:class:`.api.HttpApi`):
+    the connection limits and deadlines, the write secret, the access log."""
+
+    header_timeout: float
+    body_timeout: float
+    max_connections: int
+    max_connections_per_address: int
+    reserved_for_health: int
+    reserved_for_writers: int
+    write_secret: bytes | None
+
+    def log_access(self, request: HttpRequest, code: int | None = None,
+                   note: str = "") -> None: ...
+
+
 class AccessLog:
     """The access log: one line per request, at DEBUG for a success (a
     write per request would flood the log at INFO), at INFO for a refusal
     or error."""
 
-    def __init__(self, redact: Redactor):
+    def __init__(self, redact: Redactor) -> None:
         self.redact = redact
 
-    def request(self, request, code: int | None = None, note: str = "") -> None:
+    def request(self, request: HttpRequest, code: int | None = None, note: str = "") -> None:
         """The line of a request twisted.web parsed."""
         try:
             addr = request.getClientAddress()
@@ -67,7 +86,7 @@ class AccessLog:
              code=code, length=getattr(request, "sentLength", 0),
              duration_ms=round(ms, 1), note=f" ({notes})" if notes else "", error=error)
 
-    def refusal(self, transport, code: int, length: int, message: str,
+    def refusal(self, transport: ITransport, code: int, length: int, message: str,
                 method: bytes | None, path: bytes | None) -> None:
         """The line of a request the channel refused (malformed, too large,
         too slow, over the connection cap); ``length`` is the body's."""
@@ -89,7 +108,7 @@ class Request(server.Request):
 
     too_large = False
     _received = 0
-    started = None
+    started: float | None = None
     #: An error answer's message, for the access line.
     error_text: str | None = None
 
@@ -103,7 +122,11 @@ class Request(server.Request):
         self.requestHeaders.removeHeader(b"expect")  # no 100 Continue after this
         cast("Channel", self.channel).refuse(413, f"request body larger than {limit} bytes")
 
-    def gotLength(self, length):
+    def _channel(self) -> Channel:
+        # Twisted declares an HTTPChannel; the API's site builds only its own.
+        return cast(Channel, self.channel)
+
+    def gotLength(self, length: int | None) -> None:
         self.started = time.monotonic()
         self.content = io.BytesIO()
         limit, drain = self._limits()
@@ -113,8 +136,8 @@ class Request(server.Request):
             if length > drain or expect[0].lower() == b"100-continue":
                 self._refuse(limit)
 
-    def handleContentChunk(self, data):
-        if self.channel.refused:
+    def handleContentChunk(self, data: bytes) -> None:
+        if self._channel().refused:
             return
         self._received += len(data)
         limit, drain = self._limits()
@@ -125,17 +148,18 @@ class Request(server.Request):
                 self.too_large = True
                 self.content = io.BytesIO()
         elif not self.too_large:
+            assert self.content is not None  # (gotLength made it)
             self.content.write(data)
 
-    def process(self):
-        if self.channel.refused:
+    def process(self) -> None:
+        if self._channel().refused:
             return  # answered already; the connection is closing
         if self.started is None:
             self.started = time.monotonic()
         if self.path == b"*":
             # twisted.web answers "*" itself (a bodiless 405); to the API it
             # is a path like any other (a JSON 404).
-            self.site = self.channel.site
+            self.site = self._channel().site
             self.prepath, self.postpath = [], []
             self.render(self.site.resource)
             return
@@ -155,7 +179,8 @@ class Site(server.Site):
     protocol = Channel  # type: ignore[assignment]  # Twisted declares a callable
     noisy = False
 
-    def __init__(self, root, api, max_body_size: int, timeout: float, reactor):
+    def __init__(self, root: IResource, api: SiteOwner, max_body_size: int, timeout: float,
+                 reactor: IReactorTime) -> None:
         super().__init__(root, timeout=timeout, reactor=reactor)
         self.api = api
         self.max_body_size = max_body_size
@@ -165,9 +190,12 @@ class Site(server.Site):
                            reserved_for_writers=api.reserved_for_writers,
                            secret=api.write_secret)
 
-    def buildProtocol(self, addr):
+    # (Twisted declares an HTTP channel; over the cap it is a Busy, which
+    # answers 503 and closes.)
+    def buildProtocol(  # type: ignore[override]
+            self, addr: IAddress | None) -> Channel | Busy:
         api = self.api
-        channel = super().buildProtocol(addr)
+        channel = cast(Channel, super().buildProtocol(addr))  # (protocol = Channel)
         why = self.slots.admit(channel, getattr(addr, "host", None))
         if why is not None:
             return self._busy(why)
@@ -181,20 +209,20 @@ class Site(server.Site):
         busy.factory = self
         return busy
 
-    def log(self, request):
+    def log(self, request: HttpRequest) -> None:
         self.api.log_access(request)
 
 
-def too_large(request, limit: int) -> bool:
+def too_large(request: HttpRequest, limit: int) -> bool:
     """Whether ``request``'s body was over ``limit`` (measured, under a
     plain twisted.web Site)."""
     flag = getattr(request, "too_large", None)
     if flag is not None:
-        return flag
+        return bool(flag)
     content = request.content
     if content is None:
         return False
     position = content.tell()
-    size = content.seek(0, 2)
+    size: int = content.seek(0, 2)
     content.seek(position)
     return size > limit

@@ -40,6 +40,8 @@ connections are a health probe's and ``reserved_for_writers`` a writer's.
 
 from typing import Any
 
+from twisted.web.http import Request
+
 from ..net.crowd import Crowd
 from .answers import HttpError, authorize
 
@@ -114,7 +116,8 @@ class Slots:
         return True
 
     # ------------------------------------------------------------- hooks
-    def check(self, conn: Any, request, method: bytes, path: bytes) -> tuple[str | None, bool]:
+    def check(self, conn: Any, request: Request, method: bytes,
+              path: bytes) -> tuple[str | None, bool]:
         """Whether ``request`` (its headers complete) may go on over ``conn``:
         ``(None, close_after)`` or ``(why not, True)``.  Only a reserved
         slot restricts its requests."""
@@ -133,7 +136,7 @@ class Slots:
             self._kind[conn] = held = kind
         return None, kind == HEALTH or held == HEALTH
 
-    def _carries_secret(self, request) -> bool:
+    def _carries_secret(self, request: Request) -> bool:
         if self.secret is None:
             return False
         try:

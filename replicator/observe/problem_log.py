@@ -19,13 +19,19 @@ table keeps the last rows); the text written is redacted.
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from ..net.backoff import Outage
 from ..storage import problems
+from ..storage.database import Database
+
+if TYPE_CHECKING:
+    from .status import Problem
 
 log = Logger(namespace="replicator.observe.problem_log")
 
@@ -42,7 +48,7 @@ def _ms(t: float | None) -> int | None:
 class _Pending:
     __slots__ = ("problem", "dirty")
 
-    def __init__(self, problem: Any):
+    def __init__(self, problem: "Problem") -> None:
         self.problem = problem
         self.dirty = True  # changed since the last write began
 
@@ -51,10 +57,10 @@ class ProblemLog:
     """Writes one instance's problems (:class:`replicator.observe.status.Problem`)
     to ``replicator_problems`` as they start and end; see the module docstring."""
 
-    def __init__(self, db, instance: str, clock, *,
+    def __init__(self, db: Database, instance: str, clock: IReactorTime, *,
                  redact: Callable[[str], str] = lambda text: text,
                  max_pending: int = MAX_PENDING, keep: int = problems.KEEP,
-                 retry: float = RETRY):
+                 retry: float = RETRY) -> None:
         self.db = db
         self.instance = instance
         self._clock = clock
@@ -63,14 +69,14 @@ class ProblemLog:
         self.keep = keep
         self._outage = Outage("keeping the status page's problems in the database", retry)
         #: What is not written yet, by problem, in the order they started.
-        self._pending: OrderedDict[Any, _Pending] = OrderedDict()
+        self._pending: OrderedDict[Problem, _Pending] = OrderedDict()
         #: Problems whose row is written and open (not ended): at most the
         #: problems ongoing now.
-        self._open: set[Any] = set()
+        self._open: set[Problem] = set()
         #: Problems dropped from :attr:`_pending` (it was full) in this outage.
         self.dropped = 0
-        self._writing: defer.Deferred | None = None
-        self._retry = None  # the delayed call of the next try
+        self._writing: defer.Deferred[None] | None = None
+        self._retry: IDelayedCall | None = None  # the delayed call of the next try
         self._stopped = False
 
     @property
@@ -81,16 +87,17 @@ class ProblemLog:
     async def load(self, limit: int, started: float) -> list[dict[str, Any]]:
         """The instance's last ``limit`` problems from before this start,
         at ``started`` (:func:`replicator.storage.problems.load`)."""
-        return await self.db.runInteraction(problems.load, self.db, self.instance,
-                                            _ms(started), limit)
+        rows: list[dict[str, Any]] = await self.db.runInteraction(
+            problems.load, self.db, self.instance, _ms(started), limit)
+        return rows
 
-    def started(self, problem: Any) -> None:
+    def started(self, problem: "Problem") -> None:
         self._queue(problem)
 
-    def ended(self, problem: Any) -> None:
+    def ended(self, problem: "Problem") -> None:
         self._queue(problem)
 
-    def _queue(self, problem: Any) -> None:
+    def _queue(self, problem: "Problem") -> None:
         if self._stopped:
             return
         entry = self._pending.get(problem)
@@ -121,17 +128,18 @@ class ProblemLog:
                 entry.dirty = False
         return out
 
-    def _write(self, stopped_ms: int | None = None) -> defer.Deferred:
+    def _write(self, stopped_ms: int | None = None) -> "defer.Deferred[None]":
         """One transaction of everything pending (and, at the stop, the
         mark of what is still open: ``stopped_ms``); fires when done, never
         fails."""
         self._retry = None
         written = self._records()
-        d = self._writing = self.db.runInteraction(
+        d: defer.Deferred[None] = self.db.runInteraction(
             problems.write, self.db, self.instance, [r for _, r in written], stopped_ms,
             self.keep)
+        self._writing = d
 
-        def done(_):
+        def done(_: None) -> None:
             self._writing = None
             self._outage.succeeded()
             self.dropped = 0
@@ -145,7 +153,7 @@ class ProblemLog:
             if not self._stopped and any(e.dirty for e in self._pending.values()):
                 self._write()
 
-        def failed(f):
+        def failed(f: Failure) -> None:
             self._writing = None
             for entry, _ in written:
                 entry.dirty = True
@@ -158,8 +166,7 @@ class ProblemLog:
                 self._retry = self._clock.callLater(delay, self._write)
 
         # (Its callbacks may run at once: it is _writing until they do.)
-        d.addCallbacks(done, failed)
-        return d
+        return d.addCallbacks(done, failed)
 
     async def stop(self, open_problems: bool) -> None:
         """At the instance's stop: one last write of what is pending, and

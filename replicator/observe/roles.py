@@ -19,6 +19,11 @@ does every instance on Redis, the master included (its facts reach no one
 while its Redis link is down).
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import InstanceConfig
+
 MASTER = "master"
 WORKER = "worker"
 
@@ -26,7 +31,7 @@ WORKER = "worker"
 REDIS_MASTER_NAME = "master"
 
 
-def role(config) -> str:
+def role(config: "InstanceConfig") -> str:
     """``master`` or ``worker`` for an :class:`~replicator.config.InstanceConfig`."""
     rep = config.replication
     if rep.upstream:
@@ -36,7 +41,7 @@ def role(config) -> str:
     return MASTER
 
 
-def has_replication_link(config) -> bool:
+def has_replication_link(config: "InstanceConfig") -> bool:
     """Whether the instance's health depends on a link it makes itself (an
     upstream, or Redis): then a link down, a reader lagging and a writer
     never heard of are health problems."""

@@ -68,7 +68,7 @@ def link_text(w: dict[str, Any]) -> str:
     link = w.get("link")
     if w["local"] or not link:
         return "-"
-    text = link["text"]
+    text: str = link["text"]
     if link["connected"] is not None:
         age = link["heard_age"]
         text += "; never heard" if age is None else f"; last heard {duration(age)} ago"
@@ -170,7 +170,7 @@ def _problem_rows(snap: dict[str, Any]) -> str:
     return "".join(rows) or "<li>none since start</li>"
 
 
-def banner(snap: dict[str, Any]) -> tuple:
+def banner(snap: dict[str, Any]) -> tuple[str, str]:
     """The verdict line and its class: ``unhealthy: …`` (``bad``, what
     ``/health`` answers 503 for), ``warning: …`` (``warn``: a writer down,
     a linear token held; ``/health`` still 200) or ``healthy`` (``ok``)."""
