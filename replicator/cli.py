@@ -485,8 +485,13 @@ def cmd_check(args: argparse.Namespace) -> None:
     config = _load(args.config)
     from .daemon.checking import check_instance, unbound_writers
     from .daemon.startup import StartupError
+    from .net.endpoint_strings import exposure
 
-    for line in unbound_writers(config):
+    listeners = (("replication.listen", config.replication.listen, "replication"),
+                 ("http.listen", config.http.listen, "HTTP"))
+    exposed = [f"{key}: {problem}" for key, endpoint, what in listeners if endpoint
+               for problem in [exposure(endpoint, what)] if problem is not None]
+    for line in [*exposed, *unbound_writers(config)]:
         print(f"replicator: warning: {line}", file=sys.stderr, flush=True)
 
     async def main(reactor: _Reactor) -> None:

@@ -138,6 +138,19 @@ class CheckTests(SynchronousTestCase):
         self.assertEqual([line.split("'")[1] for line in result.stderr.splitlines()],
                          ["worker2"])
 
+    def test_a_plaintext_listener_on_every_interface_is_warned_about(self):
+        """``tcp:PORT`` binds every interface (Twisted's meaning): check
+        says so as the start does, before anything listens."""
+        port = free_port()
+        config = self.config({"sqlite": "s.db"})
+        config["http"]["listen"] = f"tcp:{port}"
+        result = self.check(self.write(config))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(result.stderr.splitlines(), [
+            f"replicator: warning: http.listen: HTTP listener tcp:{port} is plaintext on a "
+            "non-loopback address: anyone who can reach it can read positions and metrics, "
+            "and anyone on the path can read the Bearer secret that writes send"])
+
     def test_unreachable_database(self):
         port = free_port()
         result = self.check(self.write(self.config({

@@ -26,7 +26,7 @@ from .. import files
 from ..config import ConfigError, InstanceConfig
 from ..config.fields import one_line
 from ..consumers.base import Consumer
-from ..net.endpoint_strings import is_loopback
+from ..net.endpoint_strings import exposure
 from ..observe import metrics
 from ..observe.health import HealthMonitor
 from ..observe.instance_metrics import InstanceMetrics
@@ -372,13 +372,9 @@ class Instance:
     def _warn_exposed(endpoint: str, what: str) -> None:
         # A public replication listener without a gate never gets here
         # unless replication.insecure_public_listener says so (config).
-        if endpoint.startswith(("ssl:", "tls:")) or is_loopback(endpoint):
-            return
-        log.warn("{what} listener {endpoint} is plaintext on a non-loopback address: anyone "
-                 "who can reach it can {can}", what=what, endpoint=endpoint,
-                 can="read every replicated fact" if what == "replication"
-                 else "read positions and metrics, and anyone on the path can read the "
-                      "Bearer secret that writes send")
+        problem = exposure(endpoint, what)
+        if problem is not None:
+            log.warn("{problem}", problem=problem)
 
     def port_of(self, what: str) -> int | None:
         for s in self.listeners:

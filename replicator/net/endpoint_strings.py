@@ -72,6 +72,19 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
+def exposure(endpoint: str, what: str) -> str | None:
+    """What a plaintext listener ``endpoint`` (``what``: "replication" or
+    "HTTP") exposes beyond this machine, or None (TLS, or loopback only).
+    ``tcp:PORT`` without ``interface=`` is every interface, as in Twisted."""
+    if endpoint.startswith(("ssl:", "tls:")) or is_loopback(endpoint):
+        return None
+    can = ("read every replicated fact" if what == "replication" else
+           "read positions and metrics, and anyone on the path can read the Bearer "
+           "secret that writes send")
+    return (f"{what} listener {endpoint} is plaintext on a non-loopback address: anyone "
+            f"who can reach it can {can}")
+
+
 def http_url(endpoint: str) -> str:
     """The ``http://host:port`` that reaches a ``tcp:``/``tcp6:`` listener
     from this machine (a wildcard interface is reached on 127.0.0.1).
