@@ -450,7 +450,7 @@ class MismatchReportTests(SynchronousTestCase):
         errors = [e for e in events if e.get("log_namespace") == "replicator.audit"]
         self.assertEqual(len(errors), 1)
         self.assertIn("`replicator rewind -c /etc/replicator/w.yaml "
-                      "/var/lib/replicator/facts.jsonl --stream s --to 12`", errors[0]["text"])
+                      "/var/lib/replicator/facts.jsonl --stream s --to 13`", errors[0]["text"])
         [finding] = gaps.findings()
         self.assertEqual((finding.kind, finding.stream, finding.writer, finding.fails_health),
                          ("audit", STREAM, WRITER, True))

@@ -115,7 +115,7 @@ class Mismatch(NamedTuple):
 
     @property
     def first(self) -> int:
-        """The smallest ID that differs (a rewind to just below it hands
+        """The smallest ID that differs (``rewind --to`` it hands
         everything from it on again)."""
         return min([*self.missing[:1], *self.extra[:1], *self.resized[:1]] or [self.since + 1])
 

@@ -103,7 +103,7 @@ class TrimGaps:
         if key in self._mismatches:
             return self._mismatches[key][1]
         config = self.config_path or "CONFIG"
-        back = found.first - 1
+        back = found.first  # ``rewind --to N`` hands facts on from N on
         paths = [p for p in (getattr(c, "path", None) for c in consumers) if isinstance(p, str)]
         commands = [f"`replicator rewind -c {config} {path} --stream {found.stream} --to {back}`"
                     for path in paths]
