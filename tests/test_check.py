@@ -115,6 +115,29 @@ class CheckTests(SynchronousTestCase):
         self.assert_refused(self.check(self.write(self.config({"postgres": dsn}, **worker))),
                             "config: streams[1].columns[2]: unknown column 'invalidation_ts'")
 
+    def test_a_writer_in_the_table_that_the_config_does_not_name(self):
+        """``writers: [master, wroker1]`` while the table holds worker1's
+        facts: check fails naming the stream, the value and the key."""
+        server = PostgresServer.shared()
+        dsn = server.dsn(server.create_database("check"))
+        with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+            cur.execute("CREATE TABLE cache_invalidation_stream (stream_id bigint, "
+                        "instance_name text, cache_func text, keys jsonb, "
+                        "invalidation_ts bigint)")
+            cur.execute("CREATE SEQUENCE cache_invalidation_stream_seq")
+            cur.execute("INSERT INTO cache_invalidation_stream VALUES "
+                        "(1, 'master', 'f', NULL, 1), (2, 'worker1', 'f', NULL, 2), "
+                        "(3, NULL, 'f', NULL, 3)")
+        conn.close()
+        typo = dict(CACHES, writers=["master", "wroker1"])
+        result = self.check(self.write(self.config({"postgres": dsn}, streams=[typo])))
+        self.assert_refused(result, "config: streams.caches.writers: stream 'caches': "
+                                    "'worker1' wrote to table 'cache_invalidation_stream'")
+        self.assertIn("['master', 'wroker1']", result.stderr)
+        fixed = dict(CACHES, writers=["master", "worker1"])
+        result = self.check(self.write(self.config({"postgres": dsn}, streams=[fixed])))
+        self.assertEqual((result.returncode, result.stderr), (0, ""))
+
     def test_unbound_remote_writers_are_warned_about(self):
         server = PostgresServer.shared()
         dsn = server.dsn(server.create_database("check"))

@@ -185,6 +185,49 @@ class HandlerTests(TestCase):
         self.h.settle()
         self.assertEqual(consumer.facts, [("caches", "master", 1, [["whole", None, 0]])])
 
+    def test_lines_of_a_writer_the_config_does_not_name_are_logged_once(self):
+        """A worker whose config misspells a writer (``wroker1`` for
+        ``worker1``) drops that writer's lines: one warning per (stream,
+        writer) naming the config key, each line counted."""
+        from twisted.logger import LogLevel, formatEvent, globalLogPublisher
+
+        from replicator.observe import metrics
+
+        typo = Harness(parse_streams([
+            {"name": "caches", "table": "cache_stream",
+             "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
+             "writers": ["master", "wroker1"]},
+        ]), self.addCleanup)
+        typo.instance("master")  # creates the table the worker only reads
+        worker = typo.instance("worker2", [MemoryConsumer()])
+        logged = []
+        globalLogPublisher.addObserver(logged.append)
+        self.addCleanup(globalLogPublisher.removeObserver, logged.append)
+
+        def dropped(command):
+            return metrics.COMMANDS_DROPPED.labels(command, "unknown_writer")._value.get()
+
+        rdata, position = dropped("RDATA"), dropped("POSITION")
+        proto, _ = typo.client(worker)
+        proto.dataReceived(b"POSITION caches worker1 0 0\n"
+                           b'RDATA caches worker1 1 ["a",null,0]\n'
+                           b'RDATA caches worker1 2 ["b",null,0]\n'
+                           b"POSITION caches worker1 2 2\n"
+                           b"POSITION others worker1 0 0\n")
+        typo.settle()
+        warned = [e for e in logged if e.get("log_level") == LogLevel.warn
+                  and "streams.caches.writers" in formatEvent(e)]
+        self.assertEqual(len(warned), 1, warned)
+        self.assertEqual((warned[0]["stream"], warned[0]["writer"]), ("caches", "worker1"))
+        self.assertEqual((dropped("RDATA") - rdata, dropped("POSITION") - position), (2, 2))
+        # A second connection saying the same: still counted, not logged again.
+        proto2, _ = typo.client(worker)
+        proto2.dataReceived(b'RDATA caches worker1 3 ["c",null,0]\n')
+        typo.settle()
+        self.assertEqual(len([e for e in logged if e.get("writer") == "worker1"
+                              and e.get("log_level") == LogLevel.warn]), 1)
+        self.assertEqual(dropped("RDATA") - rdata, 3)
+
     def test_user_sync_bookkeeping_and_relays(self):
         master = self.h.instance("master")
         handler = master.handler

@@ -237,6 +237,18 @@ class LinkTests(TestCase):
             dropped + 1)
 
 
+    def test_a_signed_line_of_a_writer_the_config_does_not_name_reaches_the_handler(self):
+        """A writer with a key whose name ``writers`` lacks (a typo there):
+        its signed lines are verified and handed on, for the handler to
+        warn of them, not dropped unverified in silence."""
+        self.paths = write_keys(self.dir, "master", "reader", "worker1")
+        reader, handler = self.link("reader")
+        line = Signer(load_keys(keys_for(self.paths, "worker1"), "k")[0], "worker1").sign(
+            [b"POSITION caches worker1 1 2"], [b"hs.test/replicator"])[0]
+        reader.message_received(reader.subscriber, b"hs.test/replicator", line)
+        self.assertEqual(handler.received, ["POSITION caches worker1 1 2"])
+
+
 class _Never:
     def addCallbacks(self, *a, **kw):
         return self

@@ -11,7 +11,9 @@ makes, or one it refuses: too new, or older with ``auto_migrate: false``),
 and its tables as the streams declare them (a table this instance would
 create may be missing; one that exists must have every configured column,
 with a type that holds it (:mod:`.storage.column_types`); a read-only
-stream's table that exists must have its sequence).  A read-only stream's
+stream's table that exists must have its sequence; in a table with a
+writer column, no writer among its newest rows that ``writers`` does not
+name: :func:`unnamed_writers`).  A read-only stream's
 table that is missing (``create``, not a preset) is its writer's to create
 at its first start: the summary says so, and that this instance starts
 after it (a start before refuses the stream), without failing.  Not
@@ -25,10 +27,12 @@ listener takes writes from without a proof of its NAME
 """
 
 import os
+from collections.abc import Sequence
 
-from ..config.model import InstanceConfig
+from ..config import ConfigError
+from ..config.model import InstanceConfig, StreamConfig
 from ..storage import migrations, schema
-from ..storage.database import Database
+from ..storage.database import Cursor, Database
 from .startup import StartupError, hide_password
 
 
@@ -56,11 +60,38 @@ async def check_instance(config: InstanceConfig) -> str:
         awaiting: list[str] = []
         await db.runInteraction(schema.ensure_schema, list(config.streams), db.is_postgres,
                                 keys, written, True, awaiting_writer=awaiting)
+        await db.runInteraction(unnamed_writers, list(config.streams), db.is_postgres)
     finally:
         db.close()
     return (f"config ok: instance {config.instance_name}, {len(config.streams)} streams; "
             f"database reachable, tables as declared; {state}"
             f"{awaiting_writers(config, awaiting)}{redis_trust(config)}")
+
+
+#: How many of a table's newest rows (by ID) check reads for writers the
+#: config does not name: an index range scan, fast on any table size.
+WRITER_SAMPLE_ROWS = 10000
+
+
+def unnamed_writers(txn: Cursor, streams: Sequence[StreamConfig], postgres: bool) -> None:
+    """ConfigError naming ``streams.<name>.writers`` for the first stream
+    whose table (one that exists and has a writer column) holds, among its
+    newest :data:`WRITER_SAMPLE_ROWS` rows, a writer that ``writers`` does
+    not name: a misspelt writer's facts would be ignored here at run time."""
+    for stream in streams:
+        if stream.writer_column is None or not schema.table_exists(txn, postgres, stream.table):
+            continue
+        txn.execute(f"SELECT DISTINCT w FROM (SELECT {stream.writer_column} AS w "
+                    f"FROM {stream.table} ORDER BY {stream.id_column} DESC "
+                    f"LIMIT {WRITER_SAMPLE_ROWS}) AS newest WHERE w IS NOT NULL")
+        unnamed = sorted(str(w) for (w,) in txn.fetchall() if w not in stream.writers)
+        if unnamed:
+            raise ConfigError(
+                f"streams.{stream.name}.writers",
+                f"stream {stream.name!r}: {', '.join(map(repr, unnamed))} wrote to table "
+                f"{stream.table!r} (among its newest {WRITER_SAMPLE_ROWS} rows) but is not "
+                f"named in writers {list(stream.writers)} (a typo? that writer's facts "
+                f"would be ignored here)")
 
 
 def awaiting_writers(config: InstanceConfig, names: list[str]) -> str:

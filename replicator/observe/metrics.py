@@ -99,7 +99,8 @@ COMMANDS_OUT = Counter(
 )
 COMMANDS_DROPPED = Counter(
     "replicator_commands_dropped_total",
-    "Outbound commands never written (line too long) or inbound ones ignored (unknown)",
+    "Outbound commands never written (line too long) or inbound ones ignored (unknown; "
+    "unknown_writer: a writer of a stream read here that its writers do not name)",
     ["command", "reason"],
 )
 FACTS_BY_POSITION = Counter(

@@ -44,6 +44,7 @@ from zope.interface import implementer
 from ...background import Background
 from ...consumers import Consumer
 from ...keys import Key
+from ...logs.printable import printable
 from ...observe import metrics
 from ...observe.health import Finding
 from ...streams.registry import StreamRegistry
@@ -85,6 +86,10 @@ from .reader import Reader
 from .relay import Relay
 
 log = Logger()
+
+#: How many (stream, writer) keys of writers no config names are warned
+#: about (each once); past that they are only counted.
+MAX_UNNAMED_LOGGED = 256
 
 
 
@@ -141,6 +146,9 @@ class ReplicationHandler:
             registry, self._admitted, self._inadmissible, clock, max_batch_rows=max_batch_rows,
             max_batch_bytes=max_batch_bytes, retry_delay=retry_delay, stale=self._stale_batch)
         self._refusals_logged: dict[Any, set[str]] = {}  # conns that cannot be closed
+        # (stream, writer) keys of writers no config names, warned about once
+        # (at most MAX_UNNAMED_LOGGED: a hostile peer's names are only counted).
+        self._unnamed_logged: set[Key] = set()
         # Names the configuration knows: metrics are labelled only by these.
         self.known_names = frozenset(known_names) | {instance_name} | {
             writer for stream in registry for writer in stream.config.writers}
@@ -222,6 +230,7 @@ class ReplicationHandler:
                     reader.stop()
                 self._heard.pop((stream.name, writer), None)
         self._know(frozenset(stream.config.writers))
+        self._unnamed_logged = {k for k in self._unnamed_logged if k[0] != stream.name}
 
     async def pause_readers(self) -> None:
         """Hold every reader between two facts (a reload changing the
@@ -427,8 +436,7 @@ class ReplicationHandler:
         key = (cmd.stream_name, cmd.instance_name)
         reader = self._readers.get(key)
         if reader is None:
-            metrics.COMMANDS_DROPPED.labels("RDATA", "unknown_stream").inc()
-            log.debug("Ignoring RDATA for {key} (not a stream writer we read)", key=key)
+            self._not_read("RDATA", key)
             return
         self.admission.offer(conn, self.registry.get(key[0]), key, cmd, _wire_line(conn, cmd))
 
@@ -439,9 +447,31 @@ class ReplicationHandler:
         reader = self._readers.get(key)
         if reader is None:
             if key not in self.fanout.announced:
-                metrics.COMMANDS_DROPPED.labels("POSITION", "unknown_stream").inc()
+                self._not_read("POSITION", key)
             return
         self.admission.offer(conn, self.registry.get(key[0]), key, cmd, _wire_line(conn, cmd))
+
+    def _not_read(self, command: str, key: Key) -> None:
+        """An RDATA/POSITION of ``key`` that no reader here takes: counted.
+        A writer of a stream read here that the config does not name (a
+        typo in ``writers`` loses that writer's facts) is counted as
+        ``unknown_writer`` and warned about the first time per key."""
+        stream = self.registry.find(key[0])
+        if stream is None or key[1] in stream.config.writers:
+            metrics.COMMANDS_DROPPED.labels(command, "unknown_stream").inc()
+            log.debug("Ignoring {command} for {key} (not a stream writer we read)",
+                      command=command, key=key)
+            return
+        metrics.COMMANDS_DROPPED.labels(command, "unknown_writer").inc()
+        if key in self._unnamed_logged or len(self._unnamed_logged) >= MAX_UNNAMED_LOGGED:
+            return
+        self._unnamed_logged.add(key)
+        log.warn("Ignoring the facts of writer {writer} on stream {stream}: "
+                 "streams.{stream}.writers does not name it (a typo? it names {writers}); "
+                 "further lines are only counted: "
+                 'replicator_commands_dropped_total{{reason="unknown_writer"}}',
+                 stream=key[0], writer=printable(key[1], 64),
+                 writers=", ".join(stream.config.writers))
 
     def _admitted(self, conn: IReplicationConnection, key: Key, cmd: Any,
                   line: bytes | None) -> None:

@@ -222,7 +222,9 @@ class Verifier:
         #: ``reads(stream, writer)``: whether RDATA/POSITION of that writer
         #: matter here; those that do not are dropped unverified (the
         #: handler would drop them), so that an instance reading one stream
-        #: of many on one channel verifies that one's lines only.
+        #: of many on one channel verifies that one's lines only.  (A writer
+        #: of a stream read here that the config does not name matters: the
+        #: handler warns of it.)
         self._reads = reads
         self._keys = {name.encode("utf-8"): key for name, key in public_keys.items()
                       if name != instance_name}
@@ -350,15 +352,14 @@ def signing(keys: RedisKeys | None, instance_name: str, clock: Any, registry: An
             ) -> tuple[Signer | None, Verifier | None]:
     """The signer and verifier of a Redis bus under ``keys`` (both None
     without keys: lines go bare and every publisher is believed); the
-    verifier checks the lines of writers of ``registry``'s streams only."""
+    verifier checks the lines of ``registry``'s streams only (those of a
+    writer the config does not name reach the handler, which warns)."""
     if keys is None:
         return None, None
     private, public = load_keys(keys, "replication.redis.keys")
 
     def reads(stream: str, writer: str) -> bool:
-        if stream not in registry:
-            return False
-        return writer in registry.get(stream).config.writers
+        return stream in registry
 
     return (Signer(private, instance_name),
             Verifier(public, instance_name, keys.accept_unsigned, clock, reads))
