@@ -273,6 +273,30 @@ class InstanceStartFailureTests(TestCase):
             instance, f"replication.listen: cannot listen on unix:{path}: "
                       "no such file or directory")
 
+    async def test_database_lost_during_start(self):
+        """PostgreSQL restarting while the streams load (after the first
+        query answered): the documented exit for a database that is not
+        there, one line naming ``database.postgres``, exit 1 (a chaos run
+        found a traceback and "startup failed")."""
+        from tests.servers import PostgresServer
+
+        server = PostgresServer.shared()
+        dsn = server.dsn(server.create_database("lostatstart"))
+        instance = Instance(parse_instance(base(database={"postgres": dsn})), reactor)
+
+        async def lost():
+            await instance.db.runInteraction(
+                lambda txn: txn.execute("SELECT pg_terminate_backend(pg_backend_pid())"))
+        instance.registry.start = lost
+        with self.assertRaises(StartupError) as caught:
+            await instance.start()
+        await instance.stop()
+        e = caught.exception
+        self.assertEqual((e.key, e.code), ("database.postgres", 1))
+        self.assertTrue(e.problem.startswith("lost during start: "), e.problem)
+        self.assertFalse(instance.db.pool.running)
+        self.flushLoggedErrors()
+
     async def test_database_unreachable(self):
         port = free_port()
         instance = Instance(parse_instance(base(database={

@@ -230,10 +230,13 @@ class Instance:
             await migrations.prepare(self.db, any(s.local_writers for s in self.registry),
                                      config.database.auto_migrate, self.reactor,
                                      config.instance_name)
+            await self.registry.start()
+            await self.handler.load_findings()  # (the audit's, from before a restart)
         except migrations.SchemaProblem as e:
             raise StartupError(f"database.{self.db.engine}", str(e), code=e.code) from None
-        await self.registry.start()
-        await self.handler.load_findings()  # (the audit's, from before a restart)
+        except Exception as e:
+            self._lost_during_start(e)
+            raise
         self.handler.start()
         rep = config.replication
         self._warn_fd_budget()
@@ -359,6 +362,19 @@ class Instance:
         except Exception as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise StartupError(key, "cannot connect: " + hide_password(first, db.dsn)) from None
+
+    def _lost_during_start(self, e: Exception) -> None:
+        """A PostgreSQL connection lost while the streams load (the server
+        restarting after the first query answered) is the documented exit of
+        a database that is not there: one line naming ``database.postgres``,
+        exit 1, for the supervisor to start it again.  (Not SQLite's
+        OperationalError: there it means a mistake, not an outage.)"""
+        import psycopg2
+
+        if self.db.is_postgres and isinstance(e, psycopg2.OperationalError):
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise StartupError("database.postgres", "lost during start: "
+                               + hide_password(first, self.config.database.dsn)) from None
 
     def _warn_fd_budget(self) -> None:
         import resource
