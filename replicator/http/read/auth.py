@@ -14,8 +14,11 @@ stream, 403.
 """
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from twisted.web.http import Request
+
+from ...config.model import ReaderConfig
 from ..answers import HttpError
 
 COOKIE = b"replicator_reader"
@@ -41,7 +44,7 @@ class ReadGrant:
 class ReaderAuth:
     """The read credentials of one instance."""
 
-    def __init__(self, write_secret: str | None, readers: Iterable = ()):
+    def __init__(self, write_secret: str | None, readers: Iterable[ReaderConfig] = ()):
         self._known: list[tuple[bytes, ReadGrant]] = []
         if write_secret:
             self._known.append((write_secret.encode("utf-8"), ReadGrant(WRITE_SECRET_READER, None)))
@@ -54,7 +57,7 @@ class ReaderAuth:
         """Every secret (for the redactor)."""
         return [s.decode("utf-8") for s, _ in self._known]
 
-    def reader(self, request) -> ReadGrant:
+    def reader(self, request: Request) -> ReadGrant:
         """The reader ``request`` authenticates as; raises 401 or 403."""
         secret = credential(request)
         found = None
@@ -71,10 +74,10 @@ class ReaderAuth:
             raise HttpError(403, f"reader {reader.name} may not read stream {stream}")
 
 
-def credential(request) -> bytes:
+def credential(request: Request) -> bytes:
     """The secret a request carries (header, then cookie, then query); 401
     if none or the header is malformed."""
-    values = request.requestHeaders.getRawHeaders(b"authorization")
+    values: Sequence[bytes] | None = request.requestHeaders.getRawHeaders(b"authorization")
     if values:
         scheme, _, token = values[0].strip().partition(b" ")
         token = token.strip()
@@ -82,10 +85,10 @@ def credential(request) -> bytes:
             raise HttpError(401, "malformed Authorization header: expected 'Bearer <secret>'",
                             _CHALLENGE)
         return token
-    cookie = request.getCookie(COOKIE)
+    cookie: bytes | None = request.getCookie(COOKIE)
     if cookie:
         return cookie
-    tokens = (getattr(request, "args", None) or {}).get(QUERY)
+    tokens: list[bytes] | None = (getattr(request, "args", None) or {}).get(QUERY)
     if tokens:
         if len(tokens) != 1 or not tokens[0]:
             raise HttpError(401, "access_token given more than once or empty", _CHALLENGE)

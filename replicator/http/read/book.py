@@ -3,8 +3,12 @@ requests or event streams are open, the position each last reached, and its
 lag; for the metrics, the status page and ``/status.json``.  And the cap on
 reads that stay open (long-polls waiting, event streams)."""
 
-from typing import Any
+from typing import Any, Protocol
 
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.http import Request
+
+from ...streams.registry import StreamRegistry
 from ..answers import HttpError
 from .tokens import Positions
 
@@ -12,20 +16,28 @@ from .tokens import Positions
 ReaderStream = tuple[str, str]
 
 
+class Positioned(Protocol):
+    """An open event stream, as the book sees it: the position it reached."""
+
+    @property
+    def position(self) -> Positions: ...
+
+
 class ReaderBook:
     """Per (reader name, stream): open reads, last position, when last seen."""
 
-    def __init__(self, clock):
+    def __init__(self, clock: IReactorTime) -> None:
         self._clock = clock
         self.connected: dict[ReaderStream, int] = {}
         self.positions: dict[ReaderStream, Positions] = {}
         self.seen: dict[ReaderStream, float] = {}
-        self.streams: dict[ReaderStream, set] = {}  # open event streams (their .position)
+        # Open event streams (their .position).
+        self.streams: dict[ReaderStream, set[Positioned]] = {}
 
-    def attach(self, reader: str, stream: str, client) -> None:
+    def attach(self, reader: str, stream: str, client: Positioned) -> None:
         self.streams.setdefault((reader, stream), set()).add(client)
 
-    def detach(self, reader: str, stream: str, client) -> None:
+    def detach(self, reader: str, stream: str, client: Positioned) -> None:
         key = (reader, stream)
         clients = self.streams.get(key)
         if clients is not None:
@@ -49,7 +61,7 @@ class ReaderBook:
         self.positions[key] = dict(positions)
         self.seen[key] = self._clock.seconds()
 
-    def rows(self, registry) -> list[dict[str, Any]]:
+    def rows(self, registry: StreamRegistry) -> list[dict[str, Any]]:
         """One entry per (reader, stream) seen: ``reader``, ``stream``,
         ``connected``, ``position`` (the smallest of its writers'), ``lag``
         (IDs behind the stream's current tokens, the largest over its
@@ -106,7 +118,7 @@ class Slots:
             self._per_host.pop(host, None)
 
 
-def client_host(request) -> str | None:
+def client_host(request: Request) -> str | None:
     try:
         return getattr(request.getClientAddress(), "host", None)
     except Exception:

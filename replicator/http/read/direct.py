@@ -23,6 +23,7 @@ through the TLS layer; not a test's fake request): for the others
 
 
 from twisted.internet import tcp
+from twisted.web.http import Request
 
 from ...net.twisted_private import plain_tcp, queued
 
@@ -57,7 +58,7 @@ class Direct:
 
     __slots__ = ("request", "chunked", "transport")
 
-    def __init__(self, request) -> None:
+    def __init__(self, request: Request) -> None:
         self.request = request
         self.chunked = bool(getattr(request, "chunked", False))
         channel = getattr(request, "channel", None)

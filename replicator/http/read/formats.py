@@ -21,12 +21,12 @@ came encoded by the same format's ``fact`` splices them as they are.
 """
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import orjson
 
 from ...jsontext import kept
-from .pages import fact_json, page_body
+from .pages import Page, PageFact, fact_json, page_body
 from .params import ParameterError
 from .tokens import encode
 
@@ -41,33 +41,33 @@ class PageFormat:
         self.media_type = media_type
         self.row_json = row_json
 
-    def fact(self, columns: Sequence[str], fact) -> bytes:
+    def fact(self, columns: Sequence[str], fact: PageFact) -> bytes:
         """The bytes of one fact ``(stream_id, writer, rows, encoded)``
         (``encoded`` as they are if not None)."""
         raise NotImplementedError
 
-    def body(self, stream_name: str, columns: list[str], page) -> bytes:
+    def body(self, stream_name: str, columns: list[str], page: Page) -> bytes:
         """The whole answer for a :class:`.pages.Page`."""
         raise NotImplementedError
 
 
 class _Json(PageFormat):
-    def fact(self, columns, fact):
+    def fact(self, columns: Sequence[str], fact: PageFact) -> bytes:
         return fact_json(columns, fact)
 
-    def body(self, stream_name, columns, page):
+    def body(self, stream_name: str, columns: list[str], page: Page) -> bytes:
         return page_body(stream_name, columns, page)
 
 
 class _Ndjson(PageFormat):
-    def fact(self, columns, fact):
-        encoded = fact[3]
+    def fact(self, columns: Sequence[str], fact: PageFact) -> bytes:
+        encoded: bytes | None = fact[3]
         if encoded is not None:
             return encoded
         return kept(orjson.dumps((fact[0], fact[1], fact[2]),
                                  option=orjson.OPT_APPEND_NEWLINE))
 
-    def body(self, stream_name, columns, page):
+    def body(self, stream_name: str, columns: list[str], page: Page) -> bytes:
         head = orjson.dumps({"stream": stream_name, "columns": columns,
                              "next": encode(stream_name, page.next)},
                             option=orjson.OPT_APPEND_NEWLINE)
@@ -85,7 +85,7 @@ _RANGE = re.compile(r"^([a-z0-9!#$&^_.+-]+|\*)/([a-z0-9!#$&^_.+-]+|\*)$")
 _Q = re.compile(r"^(?:0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?)$")
 
 
-def _ranges(header: str):
+def _ranges(header: str) -> Iterator[tuple[str, str, float]]:
     """``(type, subtype, q)`` of each well-formed media range of ``header``
     (a malformed one is skipped)."""
     for item in header.split(",")[:MAX_RANGES]:

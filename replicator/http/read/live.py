@@ -41,16 +41,22 @@ Invariants:
 import itertools
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import orjson
 from twisted.internet import defer, task
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from ...net.backoff import Outage
+from ...streams.stream import Stream
 from ...streams.table_pages import group
 from .direct import Frames
 from .pages import fact_object
 from .tokens import Positions, encode
+from .watch import StreamWatch
+
+if TYPE_CHECKING:  # sse's event streams use this module's encoder
+    from .sse import SseClient
 
 #: Rows read per round of the feed.
 FETCH = 1000
@@ -69,20 +75,20 @@ def event(token: str, fact_json: bytes) -> bytes:
 class LiveFeed:
     """The live events of one stream (reactor thread)."""
 
-    def __init__(self, stream, bounds: Callable[[object], Positions], watch, clock,
-                 interval: float = 0.003):
+    def __init__(self, stream: Stream, bounds: Callable[[Stream], Positions],
+                 watch: StreamWatch, clock: IReactorTime, interval: float = 0.003) -> None:
         self.stream = stream
         self._bounds = bounds
         self._clock = clock
         self.interval = interval
         self._last = -1e9  # when the last read started
-        self._timer = None
+        self._timer: IDelayedCall | None = None
         self.position: Positions = bounds(stream)
-        self.clients: set[Any] = set()  # event streams (sse.EventStream) reading live
-        self._moved: list[defer.Deferred] = []  # catch-up clients waiting for a move
+        self.clients: set[SseClient] = set()  # event streams (sse.SseClient) reading live
+        self._moved: list[defer.Deferred[None]] = []  # catch-up clients waiting for a move
         self._running = False
         self._again = False
-        self._retry = None
+        self._retry: IDelayedCall | None = None
         self._outage = Outage(f"event streams' live read of {stream.name}", RETRY)
         # The log: segment k (``_seq - len(_log) < k <= _seq``) holds the
         # events from boundary k - 1 to boundary k; ``_seq`` is the head's.
@@ -91,7 +97,7 @@ class LiveFeed:
         self._passing = False
         watch.always(stream, self.advanced)
 
-    def join(self, client) -> bool:
+    def join(self, client: "SseClient") -> bool:
         """Take ``client`` live if it is at the feed's position."""
         if client.position != self.position:
             return False
@@ -99,10 +105,10 @@ class LiveFeed:
         self.clients.add(client)
         return True
 
-    def leave(self, client) -> None:
+    def leave(self, client: "SseClient") -> None:
         self.clients.discard(client)
 
-    def moved(self) -> defer.Deferred:
+    def moved(self) -> defer.Deferred[None]:
         """Fires at the feed's next move."""
         d: defer.Deferred[None] = defer.Deferred()
         self._moved.append(d)
@@ -204,7 +210,7 @@ class LiveFeed:
             self._passing = False
             self._trim()
 
-    def _write(self, clients: list[Any]) -> None:
+    def _write(self, clients: list["SseClient"]) -> None:
         """Each of ``clients`` still live the segments it does not have
         (one :class:`.direct.Frames` per place in the log, this turn)."""
         shared: dict[int, Frames] = {}

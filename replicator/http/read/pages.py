@@ -29,19 +29,23 @@ Invariants:
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from twisted.internet import threads
 
 from ...jsontext import kept
+from ...streams.stream import Stream
 from .tokens import Positions, encode
+
+if TYPE_CHECKING:  # formats encodes with this module's functions
+    from .formats import PageFormat
 
 #: A fact as a page holds it: ``(stream_id, writer, rows, json)``, ``json``
 #: being the fact as the API shows it, encoded (:func:`fact_json`), or None
 #: when it is encoded only when needed.  (When PostgreSQL built the JSON,
 #: ``rows`` holds each row's JSON text, not its values.)
-PageFact = tuple[int, str, list[list], bytes | None]
+PageFact = tuple[int, str, list[Any], bytes | None]
 _first = itemgetter(0)
 
 
@@ -58,10 +62,10 @@ class Page:
         self.final = final
 
 
-async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: int,
+async def read_page(stream: Stream, since: Positions, bounds: Mapping[str, int], limit: int,
                     final_below: int | None = None,
                     columns: Sequence[str] | None = None,
-                    max_bytes: int | None = None, form=None) -> Page:
+                    max_bytes: int | None = None, form: "PageFormat | None" = None) -> Page:
     """The page of ``stream`` after ``since`` (a position per writer),
     bounded by ``bounds`` (per writer), at most ``limit`` facts.  A full
     page ending at or below ``final_below`` (the linear token) is final.
@@ -207,7 +211,7 @@ async def with_json(columns: list[str], facts: list[PageFact], max_bytes: int,
     return encode_all()
 
 
-def fact_object(columns: Sequence[str], fact: Sequence[Any]) -> dict:
+def fact_object(columns: Sequence[str], fact: Sequence[Any]) -> dict[str, Any]:
     """A fact as the API shows it (in a page and in an event), from
     ``(stream_id, writer, rows, ...)``."""
     stream_id, writer, rows = fact[0], fact[1], fact[2]

@@ -4,12 +4,16 @@ naming it (``{"error": "...", "parameter": "limit"}``)."""
 import re
 from collections.abc import Mapping
 
+from ...streams.stream import Stream
 from ..answers import HttpError, excerpt
 from .tokens import Positions, TokenError, decode
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 MAX_WAIT = 30
+
+#: A request's query parameters (``request.args``).
+Args = Mapping[bytes, list[bytes]]
 
 
 class ParameterError(HttpError):
@@ -40,7 +44,7 @@ class TrimmedError(ParameterError):
         return TrimmedError(parameter, self.writer, self.since, self.boundary)
 
 
-def one(args: Mapping[bytes, list], name: str) -> str | None:
+def one(args: Args, name: str) -> str | None:
     """The value of parameter ``name`` (None if absent); 400 if given twice
     or not UTF-8."""
     values = args.get(name.encode("ascii"))
@@ -54,7 +58,7 @@ def one(args: Mapping[bytes, list], name: str) -> str | None:
         raise ParameterError(400, name, f"{name} is not UTF-8") from None
 
 
-def bounded_int(args, name: str, default: int, low: int, high: int) -> int:
+def bounded_int(args: Args, name: str, default: int, low: int, high: int) -> int:
     text = one(args, name)
     if text is None:
         return default
@@ -64,14 +68,14 @@ def bounded_int(args, name: str, default: int, low: int, high: int) -> int:
     return int(text)
 
 
-def limit_of(args) -> int:
+def limit_of(args: Args) -> int:
     return bounded_int(args, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
 
 
 _SECONDS = re.compile(r"[0-9]{1,2}(\.[0-9]{1,3})?")
 
 
-def wait_of(args) -> float:
+def wait_of(args: Args) -> float:
     """``wait``: seconds, 0 to 30, at most three decimals."""
     text = one(args, "wait")
     if text is None:
@@ -82,7 +86,7 @@ def wait_of(args) -> float:
     return float(text)
 
 
-def positions_of(text: str | None, stream, now: Positions) -> Positions:
+def positions_of(text: str | None, stream: Stream, now: Positions) -> Positions:
     """The positions a ``from`` token names in ``stream`` (absent: 0, the
     beginning, which the routes move up to the trim boundary; ``now``:
     ``now``); 400 for a malformed or foreign token."""

@@ -19,20 +19,22 @@ it says what is wrong.
 from typing import Any
 
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
 
 from ...storage import schema
+from ...streams.stream import Stream
 
 
 class PersistedLinear:
     """Persisted linear positions, cached (reactor thread)."""
 
-    def __init__(self, clock, max_age: float = 1.0):
+    def __init__(self, clock: IReactorTime, max_age: float = 1.0) -> None:
         self._clock = clock
         self.max_age = max_age
         self._known: dict[str, tuple[float, int]] = {}  # stream -> (read at, position)
-        self._reading: dict[str, defer.Deferred] = {}
+        self._reading: dict[str, defer.Deferred[int]] = {}
 
-    async def get(self, stream) -> int:
+    async def get(self, stream: Stream) -> int:
         known = self._known.get(stream.name)
         if known is not None and self._clock.seconds() - known[0] < self.max_age:
             return known[1]
@@ -47,13 +49,13 @@ class PersistedLinear:
         reading.addBoth(answer)
         return await waiting
 
-    async def _read(self, stream) -> int:
+    async def _read(self, stream: Stream) -> int:
         started = self._clock.seconds()
         try:
             db = stream.db
             persisted = await db.runInteraction(schema.persisted_positions,
                                                 stream.config.positions_key, db.sql)
-            position = min([persisted.get(w, 0) for w in stream.config.writers] or [0])
+            position: int = min([persisted.get(w, 0) for w in stream.config.writers] or [0])
         except Exception:
             position = 0
         else:

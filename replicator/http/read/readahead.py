@@ -35,6 +35,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from .pages import Page
 from .tokens import Positions
@@ -78,14 +79,16 @@ class _Ahead:
 class ReadAhead:
     """Pages built ahead, and the ``next`` tokens lately served (reactor thread)."""
 
-    def __init__(self, clock, entries: int = ENTRIES, ttl: float = TTL, depth: int = DEPTH):
+    def __init__(self, clock: IReactorTime, entries: int = ENTRIES, ttl: float = TTL,
+                 depth: int = DEPTH) -> None:
         self._clock = clock
         self.entries = entries
         self.ttl = ttl
         self.depth = depth
         self._built: OrderedDict[PageKey, _Ahead] = OrderedDict()
         self._served: OrderedDict[PageKey, float] = OrderedDict()
-        self._sweep = None  # the call that drops what grew too old, while a page is held
+        # The call that drops what grew too old, while a page is held.
+        self._sweep: IDelayedCall | None = None
         self.used = 0  # pages handed out from here
         self.wasted = 0  # pages built ahead and never used (or not final and full)
 

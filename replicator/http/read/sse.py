@@ -21,19 +21,21 @@ and it asks the table for about as many facts as one write holds
 (:func:`next_limit`), not for many more that the page's cut would drop.
 """
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.logger import Logger
+from twisted.web.http import Request
 from zope.interface import implementer
 
 from ...net.twisted_private import waiting_for_transport
+from ...streams.stream import Stream
 from ..answers import HttpError
 from .direct import Direct, Frames
-from .live import event
-from .pages import fact_json
+from .live import LiveFeed, event
+from .pages import Page, fact_json
 from .tokens import Positions, encode
 
 log = Logger()
@@ -50,7 +52,7 @@ FIRST_PAGE = 32
 WRITE_SIZE = 64 * 1024
 
 
-def next_limit(limit: int, page) -> int:
+def next_limit(limit: int, page: Page) -> int:
     """How many facts the catch-up page after ``page`` (asked for with
     ``limit``) asks for: twice as many when ``page`` held ``limit`` facts
     (all of them fit in one write), a quarter more than it held when one
@@ -80,9 +82,10 @@ class SseClient:
     (:mod:`.pages`).
     """
 
-    def __init__(self, request, stream, feed, position: Positions,
-                 read_page: Callable, clock, heartbeat: float,
-                 finished: defer.Deferred | None = None):
+    def __init__(self, request: Request, stream: Stream, feed: LiveFeed, position: Positions,
+                 read_page: Callable[[Positions, int, Positions, int], Awaitable[Page]],
+                 clock: IReactorTime, heartbeat: float,
+                 finished: defer.Deferred[None] | None = None) -> None:
         self.request = request
         self.stream = stream
         self.feed = feed
@@ -96,8 +99,8 @@ class SseClient:
         self.seq = 0  # its place in the feed's log while live (.live)
         self.switched = 0  # times it left the feed for the table
         self.ended_by: HttpError | None = None  # why the server ended it, if it did
-        self._resumed: defer.Deferred | None = None
-        self._ping = None
+        self._resumed: defer.Deferred[None] | None = None
+        self._ping: IDelayedCall | None = None
         self._out = Direct(request)  # (remade once the head is sent: see start)
         self.done: defer.Deferred[None] = defer.Deferred()  # fires when the stream ends
         # The request's end (``notifyFinish``, asked for before any wait).
@@ -171,7 +174,7 @@ class SseClient:
             self.position = page.next
         return bool(page.facts), next_limit(limit, page)
 
-    def _write_page(self, page, columns) -> bool:
+    def _write_page(self, page: Page, columns: list[str]) -> bool:
         """Write a page's events, :data:`WRITE_SIZE` bytes at a time; stop
         (with the position after the last fact written) once paused.
         Whether the whole page was written."""
@@ -245,7 +248,7 @@ class SseClient:
                 pass
             self._gone(None)
 
-    def _gone(self, _) -> None:
+    def _gone(self, _: object) -> None:
         if self.closed:
             return
         self.closed = True

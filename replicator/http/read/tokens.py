@@ -60,7 +60,7 @@ def decode(text: str, stream: str, writers: Iterable[str]) -> Positions:
     return {w: named.get(w, 0) for w in sorted(known)}
 
 
-def parse(text: str):
+def parse(text: str) -> tuple[str, dict[str, int]]:
     """``(stream, {writer: position})`` of a token, checked for shape only."""
     if not isinstance(text, str) or len(text) > MAX_TOKEN:
         raise TokenError(f"malformed token: longer than {MAX_TOKEN} characters")
