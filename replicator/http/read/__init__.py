@@ -6,6 +6,7 @@
 * :mod:`.pages`: one page of facts, never past what is safe; final pages.
 * :mod:`.persisted`: the persisted linear position (what is final for good).
 * :mod:`.watch`: waking readers when a stream's positions move.
+* :mod:`.source`: what the read API reads (a stream, or a view of one).
 * :mod:`.live`: new facts read and encoded once for every event stream.
 * :mod:`.sse`: one event stream (Server-Sent Events), live or catching up.
 * :mod:`.book`: readers' positions and lag; the cap on open reads.

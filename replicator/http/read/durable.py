@@ -27,17 +27,25 @@ Invariants:
 
 import random
 import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import orjson
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.web.http import Request
 from zope.interface import implementer
 
 from ..answers import HttpError, Response, excerpt
+from .auth import ReadGrant
 from .book import client_host
 from .pages import Page, etag, fact_json, matches
 from .params import ParameterError, TrimmedError, one
+from .source import Readable
 from .tokens import MAX_POSITION, Positions
+
+if TYPE_CHECKING:  # the routes make their Durable Streams routes
+    from .routes import ReadRoutes
 
 #: Messages per answer, at most (and at most ``http.max_page_bytes``).
 LIMIT = 1000
@@ -77,7 +85,8 @@ def offset_of(text: str) -> int:
     return int(text)
 
 
-def cursor(now: float, echoed: str | None, rand=random.randint) -> str:
+def cursor(now: float, echoed: str | None,
+           rand: Callable[[int, int], int] = random.randint) -> str:
     """The ``Stream-Cursor`` of an answer (PROTOCOL.md 10.1): the current
     interval, or, when the client echoes one at or past it, that one plus
     1-180 intervals (a jitter of up to an hour), so cursors never go back
@@ -106,10 +115,10 @@ class _Flow:
 
     def __init__(self) -> None:
         self.paused = False
-        self._resumed: defer.Deferred | None = None
+        self._resumed: defer.Deferred[None] | None = None
         self.stopped = False
 
-    def wait(self) -> defer.Deferred:
+    def wait(self) -> defer.Deferred[None]:
         if not self.paused or self.stopped:
             return defer.succeed(None)
         self._resumed = defer.Deferred()
@@ -136,7 +145,7 @@ class DurableRoutes:
     """``GET``/``HEAD``/``OPTIONS`` of ``/_replicator/v1/ds/{stream}``, on
     the read API's machinery (``reads``: :class:`.routes.ReadRoutes`)."""
 
-    def __init__(self, reads, clock, long_poll: float = LONG_POLL,
+    def __init__(self, reads: "ReadRoutes", clock: IReactorTime, long_poll: float = LONG_POLL,
                  sse_seconds: float = SSE_SECONDS) -> None:
         self.reads = reads
         self._clock = clock
@@ -144,20 +153,20 @@ class DurableRoutes:
         self.sse_seconds = sse_seconds
 
     @staticmethod
-    def tail(stream) -> int:
+    def tail(stream: Readable) -> int:
         """How far a Durable Streams reader may read on this instance."""
         return stream.id_gen.get_linear_token()
 
-    def _headers(self, request) -> None:
+    def _headers(self, request: Request) -> None:
         for key, value in SECURITY.items():
             request.setHeader(key, value)
 
-    async def preflight(self, request, name: str | None):
+    async def preflight(self, request: Request, name: str | None) -> None:
         """A browser's CORS preflight."""
         self._headers(request)
         await self.reads.preflight(request, name)
 
-    async def refuse_write(self, request, name: str | None):
+    async def refuse_write(self, request: Request, name: str | None) -> None:
         """``PUT``/``POST``/``DELETE``: a stream is declared in the
         configuration (its table, columns and writers) and written through
         the write API; this endpoint only reads."""
@@ -167,28 +176,29 @@ class DurableRoutes:
                              "/_replicator/v1/streams/{stream}/facts",
                         {b"allow": b"GET, HEAD, OPTIONS"})
 
-    async def get(self, request, name: str | None):
+    async def get(self, request: Request, name: str | None) -> Response | None:
         self._headers(request)
         reader, stream = self.reads.open_stream(request, name)
         return await self.read(request, reader, stream)
 
-    def content_type(self, stream) -> bytes:
+    def content_type(self, stream: Readable) -> bytes:
         """The content type of the stream's answers (JSON mode)."""
         return JSON
 
-    def body(self, stream, page: Page) -> bytes:
+    def body(self, stream: Readable, page: Page) -> bytes:
         """A page's messages as an answer's body (JSON mode)."""
         return body_of(list(stream.config.column_names), page)
 
-    def sse_data(self, stream, page: Page) -> bytes:
+    def sse_data(self, stream: Readable, page: Page) -> bytes:
         """A page's messages as one SSE ``data`` event."""
         return b"event: data\ndata: " + self.body(stream, page) + b"\n\n"
 
-    def sse_headers(self, stream) -> dict[bytes, bytes]:
+    def sse_headers(self, stream: Readable) -> dict[bytes, bytes]:
         """The headers of an SSE answer, beside its content type."""
         return {b"cache-control": NO_STORE, b"x-accel-buffering": b"no"}
 
-    async def read(self, request, reader, stream):
+    async def read(self, request: Request, reader: ReadGrant,
+                   stream: Readable) -> Response | None:
         """``GET``/``HEAD`` of ``stream`` (the stream, or a view of one with
         the same methods: :mod:`.durable_paths`) once ``reader`` may."""
         gone: list[object] = []
@@ -212,8 +222,9 @@ class DurableRoutes:
         start, oldest = await self._start(stream, text)
         host = client_host(request)
         if live == "sse":
-            return await self._sse(request, reader, stream, start, oldest, echoed, gone,
-                                   finished, host)
+            await self._sse(request, reader, stream, start, oldest, echoed, gone, finished,
+                            host)
+            return None
         since, page = await self._first(stream, start, oldest, host)
         if live == "long-poll" and not page.facts:
             polled = await self.reads._long_poll(
@@ -243,7 +254,7 @@ class DurableRoutes:
                                                  f"to {MAX_TIMEOUT}, got {excerpt(text)}")
         return float(text)
 
-    async def _start(self, stream, text: str | None) -> tuple[int, bool]:
+    async def _start(self, stream: Readable, text: str | None) -> tuple[int, bool]:
         """``(position, from the oldest retained fact)`` of ``offset``;
         400 for a malformed one or one beyond the stream's sequence."""
         if text is None or text == "-1":
@@ -263,15 +274,16 @@ class DurableRoutes:
                                                     f"{stream.name} has handed out")
         return position, False
 
-    def _at(self, stream, position: int) -> Positions:
+    def _at(self, stream: Readable, position: int) -> Positions:
         return {w: position for w in stream.config.writers}
 
-    def _page(self, stream, since: Positions, host, max_bytes: int | None = None):
+    def _page(self, stream: Readable, since: Positions, host: str | None,
+              max_bytes: int | None = None) -> Awaitable[Page]:
         tail = self.tail(stream)
         return self.reads.page(stream, since, LIMIT, {w: tail for w in since}, host,
                                max_bytes)
 
-    async def _first(self, stream, start: int, oldest: bool, host,
+    async def _first(self, stream: Readable, start: int, oldest: bool, host: str | None,
                      max_bytes: int | None = None) -> tuple[int, Page]:
         """``(start, page)``: the first page, the start moved up to the
         trim boundary when reading from the oldest retained fact."""
@@ -284,8 +296,8 @@ class DurableRoutes:
                     raise e.named("offset") from None
                 since = {w: max(p, e.boundary) for w, p in since.items()}
 
-    def _answer(self, request, stream, start: int, page: Page, now: bool,
-                echoed: str | None):
+    def _answer(self, request: Request, stream: Readable, start: int, page: Page, now: bool,
+                echoed: str | None) -> Response | None:
         body = self.body(stream, page)
         headers = {b"stream-next-offset": offset_text(end_of(page)).encode(),
                    b"stream-cursor": cursor(self._clock.seconds(), echoed).encode(),
@@ -305,9 +317,9 @@ class DurableRoutes:
         return Response(body, self.content_type(stream), headers)
 
     # ---------------------------------------------------------------- SSE
-    async def _sse(self, request, reader, stream, start: int, oldest: bool,
-                   echoed: str | None, gone: list[object], finished: defer.Deferred,
-                   host):
+    async def _sse(self, request: Request, reader: ReadGrant, stream: Readable, start: int,
+                   oldest: bool, echoed: str | None, gone: list[object],
+                   finished: defer.Deferred[None], host: str | None) -> None:
         """``live=sse``: ``event: data`` (a JSON array of messages) and
         ``event: control`` after each, pages read at the client's pace
         (its transport paused: nothing more is read for it), waiting on
@@ -319,9 +331,9 @@ class DurableRoutes:
         self.reads.slots.take(host)
         self.reads.book.opened(reader.name, stream.name)
         flow = _Flow()
-        woke: list[defer.Deferred] = []
+        woke: list[defer.Deferred[None]] = []
 
-        def wake(_=None) -> None:
+        def wake(_: object = None) -> None:
             # Only the wait under way: firing it runs the loop on to its
             # next wait (in this call), which is the next move's to end.
             if woke:
@@ -370,7 +382,7 @@ class DurableRoutes:
                     break
                 if full:
                     continue
-                d: defer.Deferred = defer.Deferred()
+                d: defer.Deferred[None] = defer.Deferred()
                 woke.append(d)
                 cancel = self.reads.watch.once(stream, wake)
                 timer = self._clock.callLater(min(remaining, self.reads.heartbeat), wake)

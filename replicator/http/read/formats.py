@@ -107,7 +107,7 @@ def _ranges(header: str) -> Iterator[tuple[str, str, float]]:
             yield m.group(1), m.group(2), q
 
 
-def negotiate(values: list[bytes] | None) -> PageFormat:
+def negotiate(values: Sequence[bytes] | None) -> PageFormat:
     """The format a request's ``Accept`` header(s) ``values`` ask for:
     the highest ``q``, then the most specific match, then the default;
     the default if no header or no well-formed media range; 406 if

@@ -22,7 +22,7 @@ from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
 
 from ...storage import schema
-from ...streams.stream import Stream
+from .source import Readable
 
 
 class PersistedLinear:
@@ -34,7 +34,7 @@ class PersistedLinear:
         self._known: dict[str, tuple[float, int]] = {}  # stream -> (read at, position)
         self._reading: dict[str, defer.Deferred[int]] = {}
 
-    async def get(self, stream: Stream) -> int:
+    async def get(self, stream: Readable) -> int:
         known = self._known.get(stream.name)
         if known is not None and self._clock.seconds() - known[0] < self.max_age:
             return known[1]
@@ -49,7 +49,7 @@ class PersistedLinear:
         reading.addBoth(answer)
         return await waiting
 
-    async def _read(self, stream: Stream) -> int:
+    async def _read(self, stream: Readable) -> int:
         started = self._clock.seconds()
         try:
             db = stream.db

@@ -13,10 +13,17 @@ trimmed by retention), then 503 when too many reads are open already
 """
 
 
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
 from twisted.internet import defer, threads
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from twisted.web.http import Request
 
 from ...observe import metrics
+from ...streams.registry import StreamRegistry
+from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
 from ..answers import HttpError, Response, excerpt
 from . import formats, readahead
@@ -27,6 +34,7 @@ from .live import LiveFeed
 from .pages import THREAD_ENCODE_ROWS, Page, etag, matches, read_page, unencoded_rows
 from .params import ParameterError, TrimmedError, limit_of, one, positions_of, wait_of
 from .persisted import PersistedLinear
+from .source import Readable
 from .sse import SseClient
 from .tokens import Positions
 from .watch import StreamWatch
@@ -43,14 +51,21 @@ NEWEST = b"no-store"
 #: keeps one answer per Accept.
 VARY = {b"vary": b"Accept"}
 
+#: ``read(since, bounds, limit, final_below, max_bytes)``: a page read
+#: instead of :func:`.pages.read_page` (:meth:`ReadRoutes.page`).
+PageRead = Callable[[Positions, Positions, int, int, int], Awaitable[Page]]
+#: ``again(positions)``: the page after ``positions`` (a long-poll's).
+PageAgain = Callable[[Positions], Awaitable[Page]]
+
 
 class ReadRoutes:
     """Reading streams over HTTP (one per :class:`replicator.http.HttpApi`)."""
 
-    def __init__(self, *, registry, auth: ReaderAuth, clock, max_waiting: int = 128,
+    def __init__(self, *, registry: StreamRegistry, auth: ReaderAuth, clock: IReactorTime,
+                 max_waiting: int = 128,
                  max_waiting_per_address: int = 32, heartbeat: float = 15.0,
                  feed_interval: float = 0.003, max_page_bytes: int = 4 * 1024 * 1024,
-                 ds_long_poll: float | None = None):
+                 ds_long_poll: float | None = None) -> None:
         self.registry = registry
         self.auth = auth
         self._clock = clock
@@ -73,15 +88,13 @@ class ReadRoutes:
         self.trimmed_streams = 0  # event streams the trim boundary passed (ended)
 
     # ------------------------------------------------------- what it shows
-    def status(self) -> list:
+    def status(self) -> list[dict[str, Any]]:
         """The readers for the status page and ``/status.json``."""
         return self.book.rows(self.registry)
 
-    def metric_samples(self) -> list:
+    def metric_samples(self) -> list[metrics.Sample]:
         """The readers' live metrics (a :data:`replicator.observe.metrics.Source`)."""
-        from ...observe import metrics
-
-        out = []
+        out: list[metrics.Sample] = []
         for row in self.book.rows(self.registry):
             labels = (row["reader"], row["stream"])
             out.append((metrics.HTTP_READERS_CONNECTED, labels, row["connected"]))
@@ -92,8 +105,9 @@ class ReadRoutes:
         return out
 
     # ------------------------------------------------------------ common
-    async def preflight(self, request, name: str | None, methods: bytes = b"GET, HEAD",
-                        headers: bytes = b"Authorization, Last-Event-ID, If-None-Match"):
+    async def preflight(self, request: Request, name: str | None, methods: bytes = b"GET, HEAD",
+                        headers: bytes = b"Authorization, Last-Event-ID, If-None-Match",
+                        ) -> None:
         """``OPTIONS``: a browser's CORS preflight of a cross-origin read
         (one that sends ``Authorization`` or ``Last-Event-ID``), or of
         ``methods`` sending ``headers``."""
@@ -106,7 +120,7 @@ class ReadRoutes:
         request.setHeader(b"cache-control", b"no-store")
         request.finish()
 
-    def open_stream(self, request, name: str | None):
+    def open_stream(self, request: Request, name: str | None) -> tuple[ReadGrant, Stream]:
         """``(reader, stream)`` for a request, or the 401/403/404/503."""
         for key, value in CORS.items():
             request.setHeader(key, value)
@@ -126,12 +140,12 @@ class ReadRoutes:
         return reader, stream
 
     @staticmethod
-    def bounds(stream) -> Positions:
+    def bounds(stream: Readable) -> Positions:
         """Every writer's current token: how far a reader may read now."""
         current = stream.id_gen.get_positions()
         return {w: current.get(w, 0) for w in stream.config.writers}
 
-    async def start_positions(self, stream, text: str | None) -> Positions:
+    async def start_positions(self, stream: Stream, text: str | None) -> Positions:
         """Where a read starts (``from``); 400 for a bad token, or one
         beyond what the stream's sequence ever handed out."""
         now = self.bounds(stream)
@@ -148,7 +162,7 @@ class ReadRoutes:
         return since
 
     # ------------------------------------------------------------- pages
-    async def facts(self, request, name: str | None):
+    async def facts(self, request: Request, name: str | None) -> Response | None:
         gone: list[object] = []  # the client went away (heard from the start: see events)
         finished = request.notifyFinish()
         finished.addErrback(gone.append)
@@ -175,7 +189,7 @@ class ReadRoutes:
                                                                    host=host, form=form))
         return await self._page_answer(request, stream, page, form)
 
-    async def first_page(self, stream, since: Positions, limit: int, oldest: bool,
+    async def first_page(self, stream: Stream, since: Positions, limit: int, oldest: bool,
                          host: str | None, form: formats.PageFormat = formats.JSON,
                          ) -> tuple[Positions, Page]:
         """``(start, page)``: the page after ``since``; with ``oldest`` (no
@@ -191,10 +205,11 @@ class ReadRoutes:
                 # (Again only if the boundary moved meanwhile: it only rises.)
                 since = {w: max(p, e.boundary) for w, p in since.items()}
 
-    async def page(self, stream, since: Positions, limit: int,
+    async def page(self, stream: Readable, since: Positions, limit: int,
                    bounds: Positions | None = None, host: str | None = None,
                    max_bytes: int | None = None,
-                   form: formats.PageFormat = formats.JSON, read=None) -> Page:
+                   form: formats.PageFormat = formats.JSON,
+                   read: PageRead | None = None) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
         the writers' current tokens), at most ``max_page_bytes`` of facts
         (or ``max_bytes`` if smaller) encoded in ``form``
@@ -214,8 +229,10 @@ class ReadRoutes:
                 page = await self.builds.run(host, lambda: read(since, upto, limit, linear,
                                                                 most))
             else:
+                # Without ``read`` it is a stream (a view gives its own read).
+                table = cast(Stream, stream)
                 page = await self.builds.run(host, lambda: read_page(
-                    stream, since, upto, limit, final_below=linear,
+                    table, since, upto, limit, final_below=linear,
                     columns=stream.config.column_names, max_bytes=most, form=form))
         except FactsTrimmed as e:
             raise TrimmedError("from", e.writer, e.since, e.boundary) from None
@@ -235,22 +252,22 @@ class ReadRoutes:
             page.final = page.facts[-1][0] <= await self.persisted.get(stream)
         return page
 
-    async def _long_poll(self, finished: defer.Deferred, gone: list[object], request,
-                         reader: ReadGrant, stream, page: Page, limit: int,
-                         wait: float, form: formats.PageFormat = formats.JSON,
-                         again=None) -> Page | None:
+    async def _long_poll(self, finished: defer.Deferred[None], gone: list[object],
+                         request: Request, reader: ReadGrant, stream: Readable, page: Page,
+                         limit: int, wait: float, form: formats.PageFormat = formats.JSON,
+                         again: PageAgain | None = None) -> Page | None:
         """Wait up to ``wait`` seconds for a fact after ``page.next``; each
         move of the stream reads the page after it again (``again(positions)``,
         by default :meth:`page` in ``form`` up to the writers' current tokens)."""
         host = client_host(request)
         if again is None:
-            def again(after):
+            def again(after: Positions) -> Awaitable[Page]:
                 return self.page(stream, after, limit, host=host, form=form)
         self.slots.take(host)
         self.book.opened(reader.name, stream.name)
-        woke: defer.Deferred | None = None
+        woke: defer.Deferred[None] | None = None
 
-        def wake(_=None) -> None:
+        def wake(_: object = None) -> None:
             if woke is not None and not woke.called:
                 woke.callback(None)
 
@@ -278,7 +295,8 @@ class ReadRoutes:
             self.book.closed(reader.name, stream.name)
         return None if gone else page
 
-    async def _page_answer(self, request, stream, page: Page, form: formats.PageFormat):
+    async def _page_answer(self, request: Request, stream: Stream, page: Page,
+                           form: formats.PageFormat) -> Response | None:
         columns = list(stream.config.column_names)
         if unencoded_rows(page) > THREAD_ENCODE_ROWS:
             body = await threads.deferToThread(form.body, stream.name, columns, page)
@@ -297,7 +315,7 @@ class ReadRoutes:
         return Response(body, form.media_type, headers)
 
     # ------------------------------------------------------------ events
-    async def events(self, request, name: str | None):
+    async def events(self, request: Request, name: str | None) -> Response | None:
         """A Server-Sent Events stream of ``stream``'s facts (:mod:`.sse`)
         from ``Last-Event-ID`` if given, else ``from``."""
         # Heard from the start: a client that goes while the start is
@@ -362,7 +380,7 @@ class ReadRoutes:
                 self.book.closed(reader.name, stream.name)
         return None
 
-    def feed(self, stream) -> LiveFeed:
+    def feed(self, stream: Stream) -> LiveFeed:
         """The live feed of ``stream`` (made at its first event stream)."""
         feed = self._live.get(stream.name)
         if feed is None or feed.stream is not stream:

@@ -10,7 +10,7 @@ encoder (:mod:`.live`) reads the new facts once for all its clients.
 
 from collections.abc import Callable
 
-from ...streams.stream import Stream
+from .source import Readable
 
 Wake = Callable[[], None]
 
@@ -24,7 +24,7 @@ class StreamWatch:
         self._watched: set[int] = set()  # id() of the generators listened to
         self._generators: list[object] = []  # kept alive, so their id()s stay theirs
 
-    def _listen(self, stream: Stream) -> None:
+    def _listen(self, stream: Readable) -> None:
         gen = stream.id_gen
         if gen is None or id(gen) in self._watched:
             return
@@ -35,7 +35,7 @@ class StreamWatch:
         # facts from memory before the fan-out, done with them, forgets them.
         gen.add_listener(lambda writer, old, new: self._moved(name), first=True)
 
-    def once(self, stream: Stream, wake: Wake) -> Callable[[], None]:
+    def once(self, stream: Readable, wake: Wake) -> Callable[[], None]:
         """Call ``wake`` once, at the next move of ``stream``; returns a
         function that cancels it."""
         self._listen(stream)
@@ -50,7 +50,7 @@ class StreamWatch:
 
         return cancel
 
-    def always(self, stream: Stream, wake: Wake) -> None:
+    def always(self, stream: Readable, wake: Wake) -> None:
         """Call ``wake`` at every move of ``stream`` (the live encoder)."""
         self._listen(stream)
         self._always.setdefault(stream.name, []).append(wake)
