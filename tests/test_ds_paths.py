@@ -165,6 +165,20 @@ class DurablePathTests(ReadTestCase):
         events = [e for e in data.split(b"\n\n") if e.startswith(b"event: data")]
         self.assertEqual(events, [b'event: data\ndata:[{"n":1},{"n":2},{"n":3},"four"]'])
 
+    async def test_a_create_without_content_type_is_the_default_type(self):
+        """A create written through the write API may leave content_type
+        NULL (the default type): a PUT of another type is 409 naming the
+        default, not a 500."""
+        await self.start_paths()
+        code, answer = await self.post("ds", {"rows": [["nt", "create", None, None, None]]})
+        self.assertEqual(code, 200, answer)
+        response, data = await self.ds("HEAD", "nt")
+        self.assertEqual(response.code, 200, data)
+        self.assertEqual(self.header(response, "content-type"), "application/octet-stream")
+        response, data = await self.ds("PUT", "nt", None, {**AUTH, "Content-Type": "text/plain"})
+        self.assertEqual(response.code, 409, data)
+        self.assertIn(b"application/octet-stream", data)
+
     async def test_refusals(self):
         await self.start_paths()
         text = {**AUTH, "Content-Type": "text/plain"}

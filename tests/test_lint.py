@@ -1,5 +1,5 @@
 """Types and lint, failing the suite like any test: mypy (``mypy.ini``:
-strict on every package but the HTTP read API) and ruff
+strict on every package) and ruff
 (``ruff.toml``)."""
 
 import os

@@ -28,7 +28,7 @@ Invariants:
 import random
 import re
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import orjson
 from twisted.internet import defer
@@ -46,6 +46,9 @@ from .tokens import MAX_POSITION, Positions
 
 if TYPE_CHECKING:  # the routes make their Durable Streams routes
     from .routes import ReadRoutes
+
+#: What a :class:`DurableRoutes` reads: a stream, or a view of one.
+S = TypeVar("S", bound=Readable)
 
 #: Messages per answer, at most (and at most ``http.max_page_bytes``).
 LIMIT = 1000
@@ -141,7 +144,7 @@ class _Flow:
             d.callback(None)
 
 
-class DurableRoutes:
+class DurableRoutes(Generic[S]):
     """``GET``/``HEAD``/``OPTIONS`` of ``/_replicator/v1/ds/{stream}``, on
     the read API's machinery (``reads``: :class:`.routes.ReadRoutes`)."""
 
@@ -179,26 +182,28 @@ class DurableRoutes:
     async def get(self, request: Request, name: str | None) -> Response | None:
         self._headers(request)
         reader, stream = self.reads.open_stream(request, name)
-        return await self.read(request, reader, stream)
+        # Routed only for the routes' own DurableRoutes[Stream] (the paths'
+        # routes read their views: get_path).
+        return await self.read(request, reader, cast(S, stream))
 
-    def content_type(self, stream: Readable) -> bytes:
+    def content_type(self, stream: S) -> bytes:
         """The content type of the stream's answers (JSON mode)."""
         return JSON
 
-    def body(self, stream: Readable, page: Page) -> bytes:
+    def body(self, stream: S, page: Page) -> bytes:
         """A page's messages as an answer's body (JSON mode)."""
         return body_of(list(stream.config.column_names), page)
 
-    def sse_data(self, stream: Readable, page: Page) -> bytes:
+    def sse_data(self, stream: S, page: Page) -> bytes:
         """A page's messages as one SSE ``data`` event."""
         return b"event: data\ndata: " + self.body(stream, page) + b"\n\n"
 
-    def sse_headers(self, stream: Readable) -> dict[bytes, bytes]:
+    def sse_headers(self, stream: S) -> dict[bytes, bytes]:
         """The headers of an SSE answer, beside its content type."""
         return {b"cache-control": NO_STORE, b"x-accel-buffering": b"no"}
 
     async def read(self, request: Request, reader: ReadGrant,
-                   stream: Readable) -> Response | None:
+                   stream: S) -> Response | None:
         """``GET``/``HEAD`` of ``stream`` (the stream, or a view of one with
         the same methods: :mod:`.durable_paths`) once ``reader`` may."""
         gone: list[object] = []
@@ -254,7 +259,7 @@ class DurableRoutes:
                                                  f"to {MAX_TIMEOUT}, got {excerpt(text)}")
         return float(text)
 
-    async def _start(self, stream: Readable, text: str | None) -> tuple[int, bool]:
+    async def _start(self, stream: S, text: str | None) -> tuple[int, bool]:
         """``(position, from the oldest retained fact)`` of ``offset``;
         400 for a malformed one or one beyond the stream's sequence."""
         if text is None or text == "-1":
@@ -274,16 +279,16 @@ class DurableRoutes:
                                                     f"{stream.name} has handed out")
         return position, False
 
-    def _at(self, stream: Readable, position: int) -> Positions:
+    def _at(self, stream: S, position: int) -> Positions:
         return {w: position for w in stream.config.writers}
 
-    def _page(self, stream: Readable, since: Positions, host: str | None,
+    def _page(self, stream: S, since: Positions, host: str | None,
               max_bytes: int | None = None) -> Awaitable[Page]:
         tail = self.tail(stream)
         return self.reads.page(stream, since, LIMIT, {w: tail for w in since}, host,
                                max_bytes)
 
-    async def _first(self, stream: Readable, start: int, oldest: bool, host: str | None,
+    async def _first(self, stream: S, start: int, oldest: bool, host: str | None,
                      max_bytes: int | None = None) -> tuple[int, Page]:
         """``(start, page)``: the first page, the start moved up to the
         trim boundary when reading from the oldest retained fact."""
@@ -296,7 +301,7 @@ class DurableRoutes:
                     raise e.named("offset") from None
                 since = {w: max(p, e.boundary) for w, p in since.items()}
 
-    def _answer(self, request: Request, stream: Readable, start: int, page: Page, now: bool,
+    def _answer(self, request: Request, stream: S, start: int, page: Page, now: bool,
                 echoed: str | None) -> Response | None:
         body = self.body(stream, page)
         headers = {b"stream-next-offset": offset_text(end_of(page)).encode(),
@@ -317,7 +322,7 @@ class DurableRoutes:
         return Response(body, self.content_type(stream), headers)
 
     # ---------------------------------------------------------------- SSE
-    async def _sse(self, request: Request, reader: ReadGrant, stream: Readable, start: int,
+    async def _sse(self, request: Request, reader: ReadGrant, stream: S, start: int,
                    oldest: bool, echoed: str | None, gone: list[object],
                    finished: defer.Deferred[None], host: str | None) -> None:
         """``live=sse``: ``event: data`` (a JSON array of messages) and

@@ -36,15 +36,29 @@ Invariants:
 
 import base64
 import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, BinaryIO, TypeVar, cast
 
 import orjson
 from twisted.internet import defer, threads
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.http import Request
 
+from ...config.model import StreamConfig
 from ...jsontext import DuplicateKeyError, decode_json_strict
-from ..answers import HttpError, excerpt
+from ...storage.database import Cursor, Database
+from ...streams.idgen import StreamIdGenerator
+from ...streams.stream import Stream
+from ..answers import HttpError, Response, excerpt
 from .durable import LIMIT, NO_STORE, DurableRoutes, offset_text
 from .pages import Page, PageFact
 from .tokens import Positions
+
+if TYPE_CHECKING:  # the API makes both
+    from ..streams import StreamRoutes
+    from .routes import ReadRoutes
+
+T = TypeVar("T")
 
 #: The longest path (percent-encoded, as the URL has it) and content type.
 MAX_PATH = 512
@@ -123,7 +137,7 @@ def decode_body(content_type: str, text: str) -> bytes:
     array (JSON mode), or the bytes."""
     if is_json(content_type):
         return text[1:-1].encode()
-    return base64.b64decode(text)
+    return bytes(base64.b64decode(text))
 
 
 class PathView:
@@ -132,17 +146,34 @@ class PathView:
     generator, sequence), with the path, the ID of its ``create`` and its
     content type."""
 
-    def __init__(self, stream, path: str, created: int, content_type: str) -> None:
+    def __init__(self, stream: Stream, path: str, created: int, content_type: str) -> None:
         self.stream = stream
         self.path = path
         self.created = created
         self.content_type = content_type
 
-    def __getattr__(self, name: str):
-        return getattr(self.stream, name)
+    @property
+    def name(self) -> str:
+        return self.stream.name
+
+    @property
+    def config(self) -> StreamConfig:
+        return self.stream.config
+
+    @property
+    def db(self) -> Database:
+        return self.stream.db
+
+    @property
+    def id_gen(self) -> StreamIdGenerator:
+        return self.stream.id_gen
+
+    async def sequence_value(self) -> int:
+        return await self.stream.sequence_value()
 
 
-def _state(txn, db, config, path: str, upto: int) -> tuple[int, str] | None:
+def _state(txn: Cursor, db: Database, config: StreamConfig, path: str,
+           upto: int) -> tuple[int, str | None] | None:
     """``(create ID, content type)`` of ``path`` at ``upto``, or None."""
     ids = config.id_column
     txn.execute(db.sql(f"SELECT {ids}, ds_op, content_type FROM {config.table} "
@@ -151,10 +182,12 @@ def _state(txn, db, config, path: str, upto: int) -> tuple[int, str] | None:
     row = txn.fetchone()
     if row is None or row[1] != CREATE:
         return None
-    return int(row[0]), row[2]
+    content_type: str | None = row[2]
+    return int(row[0]), content_type
 
 
-def _last_seq(txn, db, config, path: str, created: int) -> str | None:
+def _last_seq(txn: Cursor, db: Database, config: StreamConfig, path: str,
+              created: int) -> str | None:
     """The ``Stream-Seq`` of the newest append of ``path`` that gave one,
     since its creation ``created`` (writer; read back to that append)."""
     ids = config.id_column
@@ -162,11 +195,12 @@ def _last_seq(txn, db, config, path: str, created: int) -> str | None:
                        f"AND ds_op = '{APPEND}' AND seq IS NOT NULL AND {ids} > %s "
                        f"ORDER BY {ids} DESC LIMIT 1"), (path, created))
     row = txn.fetchone()
-    return None if row is None else row[0]
+    seq: str | None = None if row is None else row[0]
+    return seq
 
 
-def _rows(txn, db, config, view: PathView, after: int, upto: int, limit: int,
-          max_bytes: int) -> tuple[list[tuple[int, bytes]], bool]:
+def _rows(txn: Cursor, db: Database, config: StreamConfig, view: PathView, after: int,
+          upto: int, limit: int, max_bytes: int) -> tuple[list[tuple[int, bytes]], bool]:
     """The messages of ``view`` in ``(after, upto]``, decoded (pool
     thread): ``([(stream_id, bytes)], full)``, full when ``limit`` rows or
     ``max_bytes`` ended it."""
@@ -186,50 +220,54 @@ def _rows(txn, db, config, view: PathView, after: int, upto: int, limit: int,
     return out, len(out) >= limit
 
 
-class DurablePaths(DurableRoutes):
+class DurablePaths(DurableRoutes[PathView]):
     """The routes of the Durable Streams created over HTTP (``writes``: the
     write API's :class:`..streams.StreamRoutes`, for its credential,
     limits and writes)."""
 
-    def __init__(self, reads, writes, clock, **kwargs) -> None:
+    def __init__(self, reads: "ReadRoutes", writes: "StreamRoutes", clock: IReactorTime,
+                 **kwargs: float) -> None:
         super().__init__(reads, clock, **kwargs)
         self.writes = writes
         self._locks: dict[tuple[str, str], tuple[defer.DeferredLock, int]] = {}
 
     # ---------------------------------------------------------- reading
-    async def preflight(self, request, name: str | None, path: str | None = None):
+    async def preflight(self, request: Request, name: str | None,
+                        path: str | None = None) -> None:
         self._headers(request)
         await self.reads.preflight(request, name, WRITE_METHODS, WRITE_HEADERS)
 
-    async def get_path(self, request, name: str | None, path: str | None):
+    async def get_path(self, request: Request, name: str | None,
+                       path: str | None) -> Response | None:
         self._headers(request)
         reader, stream = self.reads.open_stream(request, name)
         view = await self._view(self._kind(stream), check_path(path))
         return await self.read(request, reader, view)
 
     @staticmethod
-    def _kind(stream):
+    def _kind(stream: Stream) -> Stream:
         if not stream.config.durable_streams:
             raise HttpError(404, f"stream {stream.name} has no Durable Streams created over "
                                  "HTTP (it is not declared with durable_streams: true)")
         return stream
 
-    async def _view(self, stream, path: str) -> PathView:
-        state = await stream.db.runReads(_state, stream.db, stream.config, path,
-                                         self.tail(stream))
+    async def _view(self, stream: Stream, path: str) -> PathView:
+        state: tuple[int, str | None] | None = await stream.db.runReads(
+            _state, stream.db, stream.config, path, self.tail(stream))
         if state is None:
             raise HttpError(404, f"no Durable Stream {excerpt(path)} in stream {stream.name}")
         return PathView(stream, path, state[0], state[1] or DEFAULT_TYPE)
 
-    async def _start(self, stream, text: str | None) -> tuple[int, bool]:
+    async def _start(self, stream: PathView, text: str | None) -> tuple[int, bool]:
         position, _ = await super()._start(stream, text)
         # From its creation (an offset of an earlier one, deleted, reads
         # this one from its start).
         return max(position, stream.created - 1), False
 
-    def _page(self, stream, since: Positions, host, max_bytes: int | None = None):
+    def _page(self, stream: PathView, since: Positions, host: str | None,
+              max_bytes: int | None = None) -> Awaitable[Page]:
         def read(since: Positions, bounds: Positions, limit: int, final_below: int,
-                 most: int):
+                 most: int) -> Awaitable[Page]:
             return self._read_page(stream, since, bounds, limit, final_below, most)
         return self.reads.page(stream, since, LIMIT, {w: self.tail(stream) for w in since},
                                host, max_bytes, read=read)
@@ -240,6 +278,8 @@ class DurablePaths(DurableRoutes):
         (writer,) = since
         after, upto = since[writer], bounds[writer]
         db = view.db
+        found: list[tuple[int, bytes]]
+        full: bool
         found, full = await db.runReads(_rows, db, view.config, view, after, upto, limit,
                                         most)
         # As a page holds facts: (stream_id, writer, rows, encoded), the
@@ -250,15 +290,15 @@ class DurablePaths(DurableRoutes):
         # again answers the same URL with the new stream's messages.
         return Page(facts, {writer: end}, full, False)
 
-    def content_type(self, stream) -> bytes:
+    def content_type(self, stream: PathView) -> bytes:
         return stream.content_type.encode("ascii")
 
-    def body(self, stream, page: Page) -> bytes:
+    def body(self, stream: PathView, page: Page) -> bytes:
         if is_json(stream.content_type):
             return b"[" + b",".join([f[3] for f in page.facts if f[3]]) + b"]"
         return b"".join([f[3] or b"" for f in page.facts])
 
-    def sse_data(self, stream, page: Page) -> bytes:
+    def sse_data(self, stream: PathView, page: Page) -> bytes:
         body = self.body(stream, page)
         if is_json(stream.content_type):
             lines = [body]
@@ -268,14 +308,15 @@ class DurablePaths(DurableRoutes):
             lines = [base64.b64encode(body)]
         return b"event: data\n" + b"".join([b"data:" + line + b"\n" for line in lines]) + b"\n"
 
-    def sse_headers(self, stream) -> dict[bytes, bytes]:
+    def sse_headers(self, stream: PathView) -> dict[bytes, bytes]:
         headers = {b"cache-control": b"no-cache, no-store", b"x-accel-buffering": b"no"}
         if not is_text(stream.content_type):
             headers[b"stream-sse-data-encoding"] = b"base64"
         return headers
 
     # ---------------------------------------------------------- writing
-    def _writable(self, request, name: str | None, path: str | None):
+    def _writable(self, request: Request, name: str | None,
+                  path: str | None) -> tuple[Stream, str]:
         self._headers(request)
         request.setHeader(b"access-control-expose-headers", EXPOSE_WRITE)
         stream = self._kind(self.writes.writable(request, name))
@@ -287,7 +328,7 @@ class DurablePaths(DurableRoutes):
         return stream, path
 
     @staticmethod
-    def _content_type(request) -> str | None:
+    def _content_type(request: Request) -> str | None:
         values = request.requestHeaders.getRawHeaders(b"content-type") or []
         if not values:
             return None
@@ -299,7 +340,7 @@ class DurablePaths(DurableRoutes):
         return text
 
     @staticmethod
-    def _seq(request) -> str | None:
+    def _seq(request: Request) -> str | None:
         """An append's ``Stream-Seq``: printable ASCII, compared bytewise
         with the path's last (PROTOCOL.md 5.2); 400 otherwise."""
         values = request.requestHeaders.getRawHeaders(b"stream-seq") or []
@@ -312,11 +353,13 @@ class DurablePaths(DurableRoutes):
         return text
 
     @staticmethod
-    def _body(request) -> bytes:
-        request.content.seek(0)
-        return request.content.read()
+    def _body(request: Request) -> bytes:
+        # Twisted types ``content`` Optional: it is set once the head is read.
+        content = cast(BinaryIO, request.content)
+        content.seek(0)
+        return content.read()
 
-    async def _locked(self, key: tuple[str, str], fn):
+    async def _locked(self, key: tuple[str, str], fn: Callable[[], Awaitable[T]]) -> T:
         """``await fn()`` after every earlier write of the same path here."""
         lock, users = self._locks.get(key, (None, 0))
         if lock is None:
@@ -335,7 +378,7 @@ class DurablePaths(DurableRoutes):
             else:
                 self._locks[key] = (lock, users - 1)
 
-    async def _visible(self, stream, stream_id: int) -> None:
+    async def _visible(self, stream: Stream, stream_id: int) -> None:
         """Once the fact ``stream_id`` is readable here (or after
         ``VISIBLE_WAIT`` seconds: it is written, only not yet readable)."""
         deadline = self._clock.seconds() + VISIBLE_WAIT
@@ -343,9 +386,9 @@ class DurablePaths(DurableRoutes):
             remaining = deadline - self._clock.seconds()
             if remaining <= 0:
                 return
-            d: defer.Deferred = defer.Deferred()
+            d: defer.Deferred[None] = defer.Deferred()
 
-            def wake(_=None, d: defer.Deferred = d) -> None:
+            def wake(_: object = None, d: defer.Deferred[None] = d) -> None:
                 if not d.called:
                     d.callback(None)
             cancel = self.reads.watch.once(stream, wake)
@@ -357,19 +400,20 @@ class DurablePaths(DurableRoutes):
                 if timer.active():
                     timer.cancel()
 
-    async def _write(self, stream, path: str, op: str, content_type: str | None,
+    async def _write(self, stream: Stream, path: str, op: str, content_type: str | None,
                      body: str | None, seq: str | None = None) -> int:
         stream_id = await self.writes.write_rows(stream, [[path, op, content_type, body,
                                                            seq]])
         await self._visible(stream, stream_id)
         return stream_id
 
-    async def _current(self, stream, path: str) -> tuple[int, str] | None:
-        return await stream.db.runReads(_state, stream.db, stream.config, path,
-                                        self.tail(stream))
+    async def _current(self, stream: Stream, path: str) -> tuple[int, str | None] | None:
+        state: tuple[int, str | None] | None = await stream.db.runReads(
+            _state, stream.db, stream.config, path, self.tail(stream))
+        return state
 
     @staticmethod
-    def _done(request, code: int, headers: dict[bytes, bytes]) -> None:
+    def _done(request: Request, code: int, headers: dict[bytes, bytes]) -> None:
         request.setResponseCode(code)
         request.setHeader(b"cache-control", NO_STORE)
         request.setHeader(b"content-length", b"0")
@@ -377,7 +421,7 @@ class DurablePaths(DurableRoutes):
             request.setHeader(k, v)
         request.finish()
 
-    async def put(self, request, name: str | None, path: str | None):
+    async def put(self, request: Request, name: str | None, path: str | None) -> None:
         """Create the Durable Stream at ``path`` (201), or nothing if it
         exists with the same content type (200; 409 otherwise)."""
         stream, path = self._writable(request, name, path)
@@ -386,12 +430,13 @@ class DurablePaths(DurableRoutes):
         body = await threads.deferToThread(encode_body, content_type, raw, False) \
             if len(raw) > 64 * 1024 else encode_body(content_type, raw, False)
 
-        async def create():
+        async def create() -> tuple[int, int]:
             state = await self._current(stream, path)
             if state is not None:
-                if media_type(state[1] or DEFAULT_TYPE) != media_type(content_type):
+                existing = state[1] or DEFAULT_TYPE
+                if media_type(existing) != media_type(content_type):
                     raise HttpError(409, f"Durable Stream {excerpt(path)} exists with "
-                                         f"content type {excerpt(state[1])}")
+                                         f"content type {excerpt(existing)}")
                 return 200, self.tail(stream)
             return 201, await self._write(stream, path, CREATE, content_type, body)
 
@@ -401,7 +446,7 @@ class DurablePaths(DurableRoutes):
                                    b"stream-next-offset": offset_text(position).encode()})
         return None
 
-    async def post(self, request, name: str | None, path: str | None):
+    async def post(self, request: Request, name: str | None, path: str | None) -> None:
         """Append the body's messages (204); 404 without the Durable
         Stream, 409 for another content type."""
         stream, path = self._writable(request, name, path)
@@ -411,7 +456,7 @@ class DurablePaths(DurableRoutes):
         seq = self._seq(request)
         raw = self._body(request)
 
-        async def append():
+        async def append() -> int:
             state = await self._current(stream, path)
             if state is None:
                 raise HttpError(404, f"no Durable Stream {excerpt(path)} in stream "
@@ -422,8 +467,8 @@ class DurablePaths(DurableRoutes):
                                      f"stream's {excerpt(content_type)}")
             body = encode_body(content_type, raw, True)
             if seq is not None:
-                last = await stream.db.runReads(_last_seq, stream.db, stream.config, path,
-                                                state[0])
+                last: str | None = await stream.db.runReads(
+                    _last_seq, stream.db, stream.config, path, state[0])
                 if last is not None and seq.encode() <= last.encode():
                     raise HttpError(409, f"Stream-Seq {excerpt(seq)} is not after the last "
                                          f"one, {excerpt(last)}")
@@ -433,12 +478,12 @@ class DurablePaths(DurableRoutes):
         self._done(request, 204, {b"stream-next-offset": offset_text(position).encode()})
         return None
 
-    async def delete(self, request, name: str | None, path: str | None):
+    async def delete(self, request: Request, name: str | None, path: str | None) -> None:
         """Delete the Durable Stream (204; 404 without it): its path reads
         404 until created again, and then only what came after."""
         stream, path = self._writable(request, name, path)
 
-        async def remove():
+        async def remove() -> int:
             if await self._current(stream, path) is None:
                 raise HttpError(404, f"no Durable Stream {excerpt(path)} in stream "
                                      f"{stream.name}")

@@ -83,7 +83,7 @@ class ReadRoutes:
         from .durable import DurableRoutes
 
         # The same, as Durable Streams.
-        self.durable = DurableRoutes(self, clock, **(
+        self.durable: DurableRoutes[Stream] = DurableRoutes(self, clock, **(
             {} if ds_long_poll is None else {"long_poll": ds_long_poll}))
         self.trimmed_streams = 0  # event streams the trim boundary passed (ended)
 
