@@ -281,8 +281,14 @@ class InMemoryHttpTestCase(HttpTestCase):
         self.agent = Agent(self.h.clock, pool=HTTPConnectionPool(self.h.clock, persistent=False))
 
     def start(self, name="master", replication=None, consumers=(), config_overrides=None,
-              **api_kw):
+              validated=False, **api_kw):
+        """The API of instance ``name``; ``validated``: its configuration
+        checked against its files (the readers' secrets read from theirs)."""
         config = instance_config(name, "dbname=unused", replication, **(config_overrides or {}))
+        if validated:
+            from replicator.config import validate
+
+            config = validate(config, self.h.clock)
         self.h.create_tables()  # of the streams other instances write
         self.node = self.h.instance(name, consumers,
                                     max_line_length=config.replication.max_line_length)
