@@ -365,7 +365,7 @@ class TlsDirectoryTests(SynchronousTestCase):
     def test_a_key_without_its_certificate_and_then_with_it(self):
         import shutil
 
-        from tests.test_tls import make_pki
+        from tests.pki import make_pki
 
         pki = make_pki(tempfile.mkdtemp())
         directory = tempfile.mkdtemp()

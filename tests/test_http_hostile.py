@@ -483,7 +483,7 @@ class TlsRefusalTests(HttpTestCase):
         import ssl
         import tempfile
 
-        from tests.test_tls import make_pki
+        from tests.pki import make_pki
 
         pki = make_pki(tempfile.mkdtemp())
         listen = (f"ssl:0:interface=127.0.0.1:privateKey={pki['server.key']}"

@@ -40,20 +40,10 @@ import yaml
 from twisted.trial.unittest import TestCase
 
 from replicator.config import parse_streams
+from tests.operations_doc import DOC, ROOT, doc_block
 from tests.servers import PostgresServer, free_port, unavailable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOC = os.path.join(ROOT, "docs", "operations.md")
 DEADLINE = 90.0
-
-
-def doc_block(step: str) -> str:
-    """The fenced block right after ``<!-- step: NAME -->`` in the page."""
-    with open(DOC) as f:
-        text = f.read()
-    match = re.search(r"<!-- step: %s -->\n```[a-z]*\n(.*?)```" % re.escape(step), text, re.S)
-    assert match, f"docs/operations.md has no step {step!r}"
-    return match.group(1)
 
 
 #: Where the page's commands take the repository from.

@@ -15,7 +15,7 @@ import orjson
 from twisted.internet import defer, endpoints, protocol, reactor
 
 from replicator.http.read import tokens
-from tests.support import until
+from tests.support import Waits, until
 from tests.test_http import AUTH, SECRET, HttpTestCase, InMemoryHttpTestCase, RawClient
 
 READER_SECRET = "reader-one-secret-0123456789"
@@ -329,6 +329,12 @@ class SseSocket(protocol.Protocol):
         self.events = []
         self.comments = 0
         self.closed = defer.Deferred()
+        self._waits = Waits()
+
+    def until(self, predicate, timeout: float = 30.0):
+        """A Deferred that fires once ``predicate()`` holds, woken by each
+        read of the socket and by its close (not a poll)."""
+        return self._waits.wait(predicate, timeout, "event stream condition")
 
     def connectionMade(self):
         self.transport.write(self.request)
@@ -353,9 +359,11 @@ class SseSocket(protocol.Protocol):
                 self.events.append((fields["id"], orjson.loads(fields["data"])))
             elif fields:
                 self.events.append(("meta", fields))
+        self._waits.check()
 
     def connectionLost(self, reason):
         self.closed.callback(None)
+        self._waits.check()
 
     def facts(self):
         return [e for e in self.events if e[0] != "meta"]
@@ -456,7 +464,7 @@ class SlowReaderTests(ReadTestCase):
             rows = [[f"{big}{i}"] for i in range(10)]
             code, answer = await self.post("events", {"rows": rows})
             ids.append(answer["stream_id"])
-        await until(lambda: len(fast.facts()) == 60)
+        await fast.until(lambda: len(fast.facts()) == 60)
         await until(lambda: client.switched >= 1)
         self.assertFalse(client.live)
         buffered = len(client.request.channel.transport.dataBuffer) + sum(
@@ -466,9 +474,9 @@ class SlowReaderTests(ReadTestCase):
         # 60 facts.
         self.assertLess(buffered, 600_000)
         slow.transport.resumeProducing()
-        await until(lambda: len(slow.facts()) == 60)
+        await slow.until(lambda: len(slow.facts()) == 60)
         self.assertEqual([f["stream_id"] for _, f in slow.facts()], ids)
         await until(lambda: client.live)
         more = await self.write("events", 1)
-        await until(lambda: len(slow.facts()) == 61)
+        await slow.until(lambda: len(slow.facts()) == 61)
         self.assertEqual(slow.facts()[-1][1]["stream_id"], more[0])

@@ -71,7 +71,7 @@ class TrimmedReadTests(ReadTestCase):
         response, doc = await self.page("events", f"?from={doc['next']}")
         self.assertEqual([f["stream_id"] for f in doc["facts"]], ids[5:])
         client = await self.connect()
-        await until(lambda: len(client.facts()) == 3)
+        await client.until(lambda: len(client.facts()) == 3)
         self.assertEqual([f["stream_id"] for _, f in client.facts()], ids[3:])
         self.assertEqual(self.critical(), [])
 
@@ -141,7 +141,7 @@ class TrimmedReadTests(ReadTestCase):
                                           headers={**AUTH, "Last-Event-ID": below})
             self.assertEqual(response.code, 410)
         client = await self.connect()
-        await until(lambda: len(client.facts()) == 1)
+        await client.until(lambda: len(client.facts()) == 1)
         self.assertEqual(self.api.reads.slots.open, 1)
         response, data = await self.call("GET", "/status.json")
         (row,) = [r for r in orjson.loads(data)["readers"] if r["stream"] == "events"]

@@ -32,12 +32,12 @@ from replicator.replication.transport.redis_sentinel import (
     SentinelWatch,
     check_master,
 )
+from tests.operations_doc import doc_block
 from tests.redis_nodes import KEYS, STREAMS, Node
 from tests.sentinel_servers import SentinelSetup
 from tests.servers import PostgresServer, free_port
 from tests.support import LogWatch, WatchedConsumer, create_stream_tables, until, write_randomly
 from tests.test_cli import SECRET
-from tests.test_operations import doc_block
 
 PASSWORD = "the-requirepass-of-redis"
 #: The streams of :mod:`tests.test_replication_redis`, as a config file says them.
