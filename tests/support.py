@@ -90,6 +90,53 @@ class WatchedConsumer(MemoryConsumer):
         self._waits.check()
 
 
+#: The waits on handlers' state (:func:`until_handled`), checked by every
+#: handler and consumer :func:`watch_handler` hooked.
+_HANDLED = Waits()
+
+
+def _after(obj, name: str, hook) -> None:
+    """``obj.name(...)`` calls ``hook()`` after it returned (or raised)."""
+    original = getattr(obj, name)
+
+    def called(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            hook()
+    setattr(obj, name, called)
+
+
+def watch_handler(handler) -> None:
+    """Have ``handler`` wake :func:`until_handled`'s waits: at each of its
+    connections' changes (``new_connection``, ``lost_connection``: a Redis
+    link's ``connected``, the handler's ``connections``) and at each fact
+    and position it hands its consumers (its readers' positions).  The
+    condition is evaluated on the next turn of the reactor, once the reader
+    that handed them on has moved its position.  Hooked once per handler."""
+    if handler.__dict__.get("_watched_by_tests"):
+        return
+    handler._watched_by_tests = True
+
+    def soon() -> None:
+        reactor.callLater(0, _HANDLED.check)
+    _after(handler, "new_connection", soon)
+    _after(handler, "lost_connection", soon)
+    for consumer in getattr(handler, "consumers", ()):
+        for name in ("on_facts", "on_position", "on_facts_many"):
+            if callable(getattr(consumer, name, None)):
+                _after(consumer, name, soon)
+
+
+def until_handled(handlers, predicate, timeout: float = 30.0):
+    """A Deferred that fires once ``predicate()`` holds, a condition on the
+    state of ``handlers`` (replication handlers): woken by their events
+    (:func:`watch_handler`), not by a poll."""
+    for handler in handlers:
+        watch_handler(handler)
+    return _HANDLED.wait(predicate, timeout, "handler condition")
+
+
 class LogWatch:
     """The events of the global log from now on (``events``), which a test
     can wait on: ``await log.until(lambda: ...)`` is woken by each event
@@ -184,6 +231,24 @@ def as_sets(facts: dict) -> dict:
         return json.dumps(row, sort_keys=True)
 
     return {k: [(token, sorted(rows, key=key)) for token, rows in v] for k, v in facts.items()}
+
+
+class Progress(dict):
+    """Counts a writing loop keeps (``written["n"]`` of
+    :func:`write_randomly`) that a test can wait on: ``await
+    written.until(lambda: written["n"] > 500)`` is woken by each change of
+    a count, not by a poll."""
+
+    def __init__(self, **counts):
+        super().__init__(**counts)
+        self._waits = Waits()
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._waits.check()
+
+    def until(self, predicate, timeout: float = 60.0):
+        return self._waits.wait(predicate, timeout, "writing progress")
 
 
 async def write_randomly(stream, rng, written: dict, target: int, make_row,

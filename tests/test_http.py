@@ -617,11 +617,12 @@ class HttpApiTests(HttpTestCase):
     async def test_client_leaving_mid_write_loses_nothing(self):
         await self.start()
         caches = self.registry.get("caches")
-        gate, entered = defer.Deferred(), []
+        gate, entered, reached = defer.Deferred(), [], defer.Deferred()
         original = caches.write_prepared
 
         async def slow_write(prepared, hooks=()):
             entered.append(prepared)
+            reached.callback(None)
             await gate
             return await original(prepared, hooks)
 
@@ -633,7 +634,8 @@ class HttpApiTests(HttpTestCase):
             b"Content-Length: %d\r\n\r\n" % len(body) + body)
         await endpoints.connectProtocol(
             endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", self.port), client)
-        await until(lambda: entered)
+        await reached  # the write is in the stream
+        self.assertEqual(len(entered), 1)
         client.transport.abortConnection()
         await client.closed
         gate.callback(None)

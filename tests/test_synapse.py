@@ -21,7 +21,7 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.redis_nodes import Node
 from tests.servers import PostgresServer, RedisServer
-from tests.support import WatchedConsumer, until
+from tests.support import WatchedConsumer, until, until_handled
 
 # Synapse's own cache invalidation table, as its schema creates it.
 SYNAPSE_CACHES_DDL = [
@@ -338,7 +338,7 @@ class SynapseChannelTests(TestCase):
         node = await Node(self, self.dsn, name, self.redis, consumer,
                           streams=parse_streams([OWN, READER]), server_name="example.org",
                           ping_timeout=2, synapse_server_name="example.org").start()
-        await until(lambda: node.link.connected, timeout=30)
+        await until_handled([node.link.handler], lambda: node.link.connected, timeout=30)
         return node.registry, node.link
 
     async def test_synapse_hears_nothing_from_us_and_we_hear_synapse(self):
