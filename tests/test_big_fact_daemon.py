@@ -19,8 +19,8 @@ import urllib.request
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 
 ROWS = 100_000
 #: One small column: 100,000 rows fit in the write API's 1 MiB body.

@@ -183,7 +183,7 @@ class CliValidatesTests(SynchronousTestCase):
     def test_a_secret_file_that_is_not_utf8_is_one_line_and_exit_2(self):
         import yaml
 
-        from tests.test_cli import cli
+        from tests.daemon import cli
 
         tmp = tempfile.mkdtemp()
         with open(os.path.join(tmp, "secret"), "wb") as f:
@@ -201,7 +201,7 @@ class CliValidatesTests(SynchronousTestCase):
     def test_a_missing_tls_key_is_one_line_and_exit_2(self):
         import yaml
 
-        from tests.test_cli import cli
+        from tests.daemon import cli
 
         tmp = tempfile.mkdtemp()
         listen = "ssl:0:interface=127.0.0.1:privateKey=missing.key:certKey=missing.crt"

@@ -28,9 +28,9 @@ from typing import Optional, Tuple
 from twisted.trial.unittest import SynchronousTestCase
 
 import replicator
+from tests.daemon import SECRET, Daemon, base_config, http
 from tests.operations_doc import doc_block
 from tests.servers import free_port, unavailable
-from tests.test_cli import SECRET, Daemon, base_config, http
 from tests.test_systemd import SERVICES, UNITS, _settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,8 +15,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.http.channel import Channel
 from replicator.observe import metrics
 from replicator.replication.transport.protocol import ServerReplicationProtocol
+from tests.http_api import AUTH, SECRET, HttpTestCase, InMemoryHttpTestCase, RawClient
 from tests.servers import PostgresServer
-from tests.test_http import AUTH, SECRET, HttpTestCase, InMemoryHttpTestCase, RawClient
 
 READ_PATHS = ("/_replicator/v1/positions", "/_replicator/v1/federation_acks",
               "/_replicator/v1/user_syncs", "/_replicator/v1/user_ips")

@@ -18,8 +18,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.config import parse_instance
 from replicator.consumers.jsonl_files import rotated_files
 from replicator.storage.schema import RETENTION_DDL, table_ddl
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 from tests.test_consumers import temp_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

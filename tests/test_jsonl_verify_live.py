@@ -20,8 +20,8 @@ import threading
 import psycopg2
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESENCE = {"name": "presence", "table": "presence_stream",

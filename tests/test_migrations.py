@@ -28,8 +28,8 @@ from replicator.config import ConfigError, parse_database
 from replicator.config.streams import parse_stream
 from replicator.storage import migrations
 from replicator.storage.database import Database
+from tests.daemon import CACHES, PY, Daemon, base_config, cli
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, PY, Daemon, base_config, cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "release-0.2.0")

@@ -21,11 +21,11 @@ from replicator.observe.health import Finding
 from replicator.observe.problem_log import ProblemLog
 from replicator.storage.database import Database
 from tests.cdp import chromium
+from tests.daemon import CACHES, Daemon, base_config
 from tests.fakes import FakeView
 from tests.harness import SyncPool
-from tests.servers import PostgresServer, free_port
+from tests.servers import PostgresServer, free_port, wait_for
 from tests.support import create_stream_tables
-from tests.test_cli import CACHES, Daemon, base_config, wait_for
 from tests.test_status_page import _Cells, get, run_chromium
 
 

@@ -15,8 +15,8 @@ import orjson
 from twisted.internet import defer, endpoints, protocol, reactor
 
 from replicator.http.read import tokens
+from tests.http_api import AUTH, SECRET, HttpTestCase, InMemoryHttpTestCase, RawClient
 from tests.support import Waits, until
-from tests.test_http import AUTH, SECRET, HttpTestCase, InMemoryHttpTestCase, RawClient
 
 READER_SECRET = "reader-one-secret-0123456789"
 PAGES = "/_replicator/v1/streams/{}/facts"
@@ -52,8 +52,8 @@ class ReadTestCase(HttpTestCase):
         readers = [{"name": "one", "secret_file": path, "streams": ["events"]}]
         overrides = {"http": {"listen": "tcp:0:interface=127.0.0.1", "secret": SECRET,
                               "readers": readers, **http}}
+        from tests.http_api import instance_config
         from tests.servers import PostgresServer
-        from tests.test_http import instance_config
 
         dsn = PostgresServer.shared().create_database()
         self.dsn = dsn

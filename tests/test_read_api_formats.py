@@ -14,7 +14,7 @@ from replicator.http.read.auth import ReaderAuth
 from replicator.http.read.pages import read_page
 from replicator.http.read.params import ParameterError
 from replicator.http.read.routes import ReadRoutes
-from tests.test_http import AUTH
+from tests.http_api import AUTH
 from tests.test_read_api import PAGES, ReadTestCase
 from tests.test_read_api_memory import FakeRequest, FakeStream, run
 

@@ -9,8 +9,8 @@ boundary moved in one transaction)."""
 import orjson
 
 from replicator.http.read import tokens
+from tests.http_api import AUTH
 from tests.support import until
-from tests.test_http import AUTH
 from tests.test_read_api import EVENTS, ReadTestCase, SseSocket
 
 

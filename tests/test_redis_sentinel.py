@@ -32,6 +32,7 @@ from replicator.replication.transport.redis_sentinel import (
     SentinelWatch,
     check_master,
 )
+from tests.daemon import SECRET
 from tests.operations_doc import doc_block
 from tests.redis_nodes import KEYS, STREAMS, Node
 from tests.sentinel_servers import SentinelSetup
@@ -44,7 +45,6 @@ from tests.support import (
     until_handled,
     write_randomly,
 )
-from tests.test_cli import SECRET
 
 PASSWORD = "the-requirepass-of-redis"
 #: The streams of :mod:`tests.test_replication_redis`, as a config file says them.

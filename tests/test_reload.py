@@ -12,8 +12,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_instance
 from replicator.daemon.reload import plan
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 
 
 def _metric(text, prefix):

@@ -17,8 +17,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.config import parse_instance
 from replicator.daemon.reload import plan
 from tests import test_reload
+from tests.daemon import CACHES, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, Daemon, base_config, http
 from tests.test_reload import _metric
 
 

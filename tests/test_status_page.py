@@ -22,9 +22,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_streams
 from tests.cdp import chromium
-from tests.servers import PostgresServer, free_ports
+from tests.daemon import CACHES, SECRET, Daemon, base_config, cli, http
+from tests.servers import PostgresServer, free_ports, wait_for
 from tests.support import create_stream_tables
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli, http, wait_for
 
 ACCOUNT_DATA = {
     "name": "account_data", "table": "account_data_stream",
