@@ -14,9 +14,9 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.http.read import live, tokens
 from replicator.http.read.sse import SseClient
 from tests.http_api import AUTH
+from tests.read_api_cases import EVENTS, ReadTestCase, SseSocket
+from tests.read_api_fakes import FakeRequest, FakeStream, live_feed, page_reader
 from tests.support import Waits, until
-from tests.test_read_api import EVENTS, ReadTestCase, SseSocket
-from tests.test_read_api_memory import FakeRequest, FakeStream, live_feed, page_reader
 
 
 class ChunkedSseSocket(protocol.Protocol):

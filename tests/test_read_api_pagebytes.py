@@ -11,7 +11,7 @@ from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.http_api import SECRET
-from tests.test_read_api import ReadTestCase
+from tests.read_api_cases import ReadTestCase
 
 BOUND = 100_000
 

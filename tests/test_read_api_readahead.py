@@ -12,7 +12,7 @@ from replicator.http.read import readahead
 from replicator.http.read.pages import Page
 from replicator.http.read.readahead import ReadAhead
 from tests.http_api import AUTH
-from tests.test_read_api import PAGES, ReadTestCase, until_deferred
+from tests.read_api_cases import PAGES, ReadTestCase, until_deferred
 
 
 class WalkTests(ReadTestCase):

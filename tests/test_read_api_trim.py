@@ -10,8 +10,8 @@ import orjson
 
 from replicator.http.read import tokens
 from tests.http_api import AUTH
+from tests.read_api_cases import EVENTS, ReadTestCase, SseSocket
 from tests.support import until
-from tests.test_read_api import EVENTS, ReadTestCase, SseSocket
 
 
 class TrimmedReadTests(ReadTestCase):
