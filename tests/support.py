@@ -1,7 +1,12 @@
 """Helpers shared by the tests: waiting on the real reactor (on the
 events that make a condition true where there are some: :class:`Waits`,
-:class:`WatchedConsumer`, :class:`LogWatch`; else by polling: :func:`until`),
-and reading what the backing tables hold, fact by fact."""
+:class:`WatchedConsumer`, :class:`LogWatch`, :func:`until_handled`,
+:class:`Progress`; else by polling: :func:`until`), reading what the
+backing tables hold, fact by fact, a temporary directory and a model of a
+stream's pages (:func:`updates_since`)."""
+
+import shutil
+import tempfile
 
 import psycopg2
 from twisted.internet import defer, reactor, task
@@ -294,3 +299,27 @@ def without_time(line: str) -> str:
     """A daemon's ``text`` log line without its leading time, if it has one
     (what the fault and fuzz suites match: ``LEVEL system: message``)."""
     return TEXT_TIME.sub("", line, count=1)
+
+
+def temp_dir(case):
+    """A fresh absolute directory, removed after the test (whatever the cwd)."""
+    path = tempfile.mkdtemp(prefix="replicator-test.")
+    case.addCleanup(shutil.rmtree, path, True)
+    return path
+
+
+def updates_since(table, from_token, to_token, limit):
+    """What ``Stream.facts_since`` answers: facts of ``(from, to]`` in token
+    order, at most ``limit`` rows unless one fact alone has more, facts whole."""
+    facts = []
+    count = 0
+    upto = to_token
+    limited = False
+    for token in sorted(t for t in table if from_token < t <= to_token):
+        rows = table[token]
+        if facts and count + len(rows) > limit:
+            upto, limited = facts[-1][0], True
+            break
+        facts.append((token, [list(row) for row in rows]))
+        count += len(rows)
+    return facts, upto, limited

@@ -20,7 +20,7 @@ from replicator.consumers.jsonl_files import rotated_files
 from replicator.storage.schema import RETENTION_DDL, table_ddl
 from tests.daemon import CACHES, SECRET, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_consumers import temp_dir
+from tests.support import temp_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMED = dict(CACHES, timestamp_column="invalidation_ts")

@@ -236,7 +236,7 @@ class VerifyOnSqliteTests(SynchronousTestCase):
 
         from replicator.config import parse_instance
         from replicator.storage.schema import table_ddl
-        from tests.test_consumers import temp_dir
+        from tests.support import temp_dir
 
         directory = temp_dir(self)
         config = base_config("master", free_port(), [CACHES],
@@ -283,7 +283,7 @@ class BatchBeingWrittenTests(SynchronousTestCase):
 
         from replicator.config import parse_instance
         from replicator.storage.schema import table_ddl
-        from tests.test_consumers import temp_dir
+        from tests.support import temp_dir
 
         dsn = PostgresServer.shared().create_database()
         directory = temp_dir(self)

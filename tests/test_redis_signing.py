@@ -134,7 +134,7 @@ class ReplayTests(TestCase):
 
         from replicator.replication.core.reader import Reader
         from replicator.replication.wire.commands import parse_line
-        from tests.test_reader import updates_since
+        from tests.support import updates_since
 
         paths = write_keys(tempfile.mkdtemp(), "master", "reader")
         private, public = load_keys(keys_for(paths, "master"), "k")

@@ -147,7 +147,7 @@ class RewireTests(SynchronousTestCase):
 
         from replicator.replication.core.delivery import delivery_for
         from replicator.replication.core.reader import Reader
-        from tests.test_reader import updates_since
+        from tests.support import updates_since
 
         deliver, many, reached = delivery_for("s", "w", consumers)
         return Reader("s", "w", 0, clock=Clock(), fetch_limit=2, deliver=deliver,
@@ -244,7 +244,7 @@ class RewireTests(SynchronousTestCase):
         from replicator.replication.core.delivery import delivery_for, rewire
         from replicator.replication.core.reader import Reader
         from tests.fakes import FakeConnection
-        from tests.test_reader import updates_since
+        from tests.support import updates_since
 
         table = {1: [["r1"]], 2: [["r2"]]}
         down = [True]
