@@ -552,7 +552,7 @@ class RedisExamplesTests(TestCase):
         return doc
 
     def test_examples_pass_check(self):
-        from tests.test_synapse import SYNAPSE_CACHES_DDL
+        from tests.synapse_side import SYNAPSE_CACHES_DDL
 
         pg = PostgresServer.shared()
         dsns = {"replicator": pg.create_database("redisdoc"),

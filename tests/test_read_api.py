@@ -2,11 +2,11 @@
 credentials, bad input.
 
 Its logic in memory (:class:`InMemoryReadTestCase`, on
-:class:`tests.test_http.InMemoryHttpTestCase`: twisted.web's server and
+:class:`tests.http_api.InMemoryHttpTestCase`: twisted.web's server and
 Agent joined in memory, streams on SQLite, a clock the test moves); on a
 real socket and PostgreSQL only what the kernel's buffers decide (a slow
-reader's backlog).  The cases
-they run on are in :mod:`tests.read_api_cases`."""
+reader's backlog).  The cases they run on are in
+:mod:`tests.read_api_cases`."""
 
 import socket
 

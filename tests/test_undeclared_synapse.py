@@ -31,7 +31,7 @@ from tests.fakes import FakeView
 from tests.redis_nodes import Node
 from tests.servers import PostgresServer, RedisServer
 from tests.support import WatchedConsumer, until, until_handled
-from tests.test_synapse import (
+from tests.synapse_side import (
     OWN,
     READER,
     SYNAPSE_CACHES_DDL,
