@@ -3,7 +3,9 @@ daemon end to end: :class:`Daemon` (``replicator run`` with its own config
 in a temp dir), :func:`cli` (one command), :func:`http` (one request to
 its API), :func:`base_config`, the ``caches`` stream most of them write
 (:data:`CACHES`), the API's secret (:data:`SECRET`) and
-:func:`tail_of_a_server`.  Test modules take them from here, never from
+:func:`tail_of_a_server`, :func:`replicator` (a command run from a
+directory, its exit code and output) and :func:`metric` (one sample of
+a ``/metrics`` page).  Test modules take them from here, never from
 one another."""
 
 import os
@@ -18,6 +20,8 @@ import yaml
 from tests.servers import wait_for
 
 PY = sys.executable
+#: The repository: what a command run from elsewhere imports.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "test-secret-0123456789"
 CACHES = {
     "name": "caches", "table": "cache_invalidation_stream",
@@ -116,3 +120,20 @@ def tail_of_a_server(test, text=True):
     conn, _ = listener.accept()
     test.addCleanup(conn.close)
     return tail, conn
+
+
+def replicator(*args, cwd):
+    """The real command: ``(exit code, stdout, stderr)``."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-m", "replicator.cli", *args], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=120)
+    return result.returncode, result.stdout, result.stderr
+
+
+def metric(text, prefix):
+    """The value of the first sample of ``text`` (a ``/metrics`` page) whose
+    line starts with ``prefix``; 0.0 if none."""
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
