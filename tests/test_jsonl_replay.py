@@ -21,7 +21,6 @@ from tests.daemon import CACHES, SECRET, Daemon, base_config, http, replicator
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.support import temp_dir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMED = dict(CACHES, timestamp_column="invalidation_ts")
 
 
