@@ -3,7 +3,8 @@ socket and PostgreSQL (:class:`HttpTestCase`) or in memory
 (:class:`InMemoryHttpTestCase`, on :mod:`tests.harness`), with what they
 share: the API's secret and its header (:data:`SECRET`, :data:`AUTH`),
 the streams (:data:`STREAMS`), :func:`instance_config`, request body
-producers and a raw client.  Test modules take them from here, never
+producers, a raw client and a stand-in for what the site asks of the
+API (:class:`SiteApi`).  Test modules take them from here, never
 from one another."""
 
 import io
@@ -298,3 +299,26 @@ class InMemoryHttpTestCase(HttpTestCase):
     def write(self, stream, doc):
         """:meth:`post`, run to its answer and what it started to its end."""
         return self.h.run(self.post(stream, doc))
+
+
+class SiteApi:
+    """What the site asks of the API (its limits, its counts and logs), for
+    the tests of the site alone."""
+
+    header_timeout = 10.0
+    body_timeout = 30.0
+
+    def __init__(self, **limits):
+        self.open_connections = 0
+        self.max_connections = limits.get("max_connections", 256)
+        self.max_connections_per_address = limits.get("max_connections_per_address", 64)
+        self.reserved_for_health = limits.get("reserved_for_health", 0)
+        self.reserved_for_writers = limits.get("reserved_for_writers", 0)
+        self.write_secret = limits.get("write_secret")
+        self.refusals = []
+
+    def log_refusal(self, transport, code, length, message, method, path):
+        self.refusals.append((code, message))
+
+    def log_access(self, request, code=None, note=""):
+        pass

@@ -16,6 +16,10 @@ from twisted.python import threadable
 from replicator.consumers import MemoryConsumer
 from replicator.logs.formats import TEXT_TIME
 
+# Clock start: a realistic epoch with an exact millisecond value.
+T0 = 1490197665.5
+T0_MS = b"1490197665500"
+
 
 def sleep(seconds: float):
     return task.deferLater(reactor, seconds, lambda: None)

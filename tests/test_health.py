@@ -24,15 +24,10 @@ from replicator.observe import metrics
 from replicator.observe.health import HealthMonitor
 from tests.harness import Harness
 from tests.servers import PostgresServer, RedisServer
+from tests.stream_sets import HEALTH_STREAM_DEFS as STREAM_DEFS
 from tests.support import until, until_handled
 
 SECRET = "health-test-secret-0123456789"
-STREAM_DEFS = [
-    {"name": "caches", "table": "cache_stream",
-     "columns": [{"cache_func": "text"}, {"ts": "bigint"}], "writers": ["master"]},
-    {"name": "events", "table": "event_stream",
-     "columns": [{"event_id": "text"}], "writers": ["master", "worker2"]},
-]
 STREAMS = parse_streams(STREAM_DEFS)
 
 

@@ -19,7 +19,7 @@ from replicator.observe import metrics
 from tests.handlers import Peers, handler
 from tests.http_api import SECRET
 from tests.servers import PostgresServer
-from tests.test_health import STREAM_DEFS
+from tests.stream_sets import HEALTH_STREAM_DEFS as STREAM_DEFS
 
 #: Configured instance names, each with a user syncing.
 NAMES = [f"w{i}" for i in range(1000)]
