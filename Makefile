@@ -7,7 +7,7 @@ CONFIG ?= conf/dev.yaml
 .PHONY: run test test-fast dist bench chaos fuzz interop synapse-deps deps test-deps system-deps node-deps clean
 
 # The daemon alone (make run) ...
-$(VENV)/.installed-run: pyproject.toml
+$(VENV)/.installed-run: setup.cfg setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .
@@ -64,7 +64,7 @@ test: test-deps
 test-fast: $(VENV)/.installed-test
 	$(PY) scripts/run-tests.py --fast
 
-# A wheel and an sdist in dist/, built from pyproject.toml (the sdist first,
+# A wheel and an sdist in dist/, built from setup.cfg (the sdist first,
 # the wheel from it, so a file missing from the sdist fails here).  Install
 # with scripts/install-venv.sh: docs/operations.md, "Install".
 $(VENV)/.installed-build:

@@ -1,7 +1,7 @@
 """replicator: Synapse-style stream replication for PostgreSQL-backed systems.
 
 ``__version__`` is the one place the version is written: packaging reads it
-(pyproject.toml), and so do ``replicator --version``, ``/health``, the status
+(setup.cfg), and so do ``replicator --version``, ``/health``, the status
 page and the ``replicator_build_info`` metric.
 """
 

@@ -1,10 +1,10 @@
 """How a connection's peer is named in the status page, the disconnect
 history and log lines: its address, when its transport has one."""
 
-from typing import Any, Optional
+from typing import Any
 
 
-def peer_address(conn: Any) -> Optional[str]:
+def peer_address(conn: Any) -> str | None:
     """``host:port`` of a connection's peer (``conn.transport.getPeer()``),
     if it has one."""
     try:

@@ -8,7 +8,8 @@ work still running is in :attr:`Background.running`, which
 :meth:`Background.wait` waits on (shutdown drains).
 """
 
-from typing import Any, Coroutine, Set
+from collections.abc import Coroutine
+from typing import Any
 
 from twisted.internet import defer, error
 from twisted.internet.interfaces import IReactorTime
@@ -24,7 +25,7 @@ class Background:
     """The background coroutines one component started and that have not ended."""
 
     def __init__(self) -> None:
-        self.running: Set[defer.Deferred[Any]] = set()
+        self.running: set[defer.Deferred[Any]] = set()
 
     def run(self, task: str, coroutine: Coroutine[Any, Any, Any]) -> defer.Deferred[Any]:
         """Start ``coroutine``; its Deferred fires with None once it ended,
@@ -40,7 +41,7 @@ class Background:
     def _failed(failure: Failure, task: str) -> None:
         metrics.BACKGROUND_FAILURES.labels(task).inc()
         log.error("Background task {task} failed: {error}", task=task,
-                  error=f"{failure.type.__name__}: {failure.getErrorMessage()}")
+                  error=f"{type(failure.value).__name__}: {failure.getErrorMessage()}")
 
     def _ended(self, result: Any, d: defer.Deferred[Any]) -> Any:
         self.running.discard(d)

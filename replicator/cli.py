@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from typing import NoReturn, Optional
+from typing import NoReturn
 
 from twisted.internet import defer, task
 from twisted.logger import Logger
@@ -271,7 +271,7 @@ def cmd_tail(args) -> None:
     task.react(lambda reactor: defer.ensureDeferred(main(reactor)), [])
 
 
-def _host_port(text: str) -> Optional[str]:
+def _host_port(text: str) -> str | None:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as a ``tcp:`` client endpoint
     string, or None if ``text`` is not of that form."""
     m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([A-Za-z0-9.-]+):(\d{1,5})", text)
@@ -281,7 +281,7 @@ def _host_port(text: str) -> Optional[str]:
     port = m.group(2) or m.group(4)
     if host in ("tcp", "tcp6", "tls", "ssl", "unix") or not 0 < int(port) < 65536:
         return None
-    return "tcp:host=%s:port=%s" % (host.replace(":", "\\:"), port)
+    return "tcp:host={}:port={}".format(host.replace(":", "\\:"), port)
 
 
 def say(text: str) -> None:
@@ -346,8 +346,8 @@ def _error_of(e: "urllib.error.HTTPError") -> str:
     except ValueError:
         return str(e.reason)
 
-def _request(url: str, method: str = "GET", body: Optional[bytes] = None,
-             secret: Optional[str] = None) -> dict:
+def _request(url: str, method: str = "GET", body: bytes | None = None,
+             secret: str | None = None) -> dict:
     request = urllib.request.Request(url, data=body, method=method)
     request.add_header("Content-Type", "application/json")
     if secret:
@@ -391,7 +391,7 @@ def cmd_write(args) -> None:
 WRITE_RETRY_FIRST, WRITE_RETRY_MAX = 0.5, 8.0
 
 
-def _post_fact(url: str, body: bytes, secret: Optional[str], key: str, timeout: float,
+def _post_fact(url: str, body: bytes, secret: str | None, key: str, timeout: float,
                retries: int) -> dict:
     """POST one fact with ``Idempotency-Key: key``, retried with the same
     key after a timeout, a connection failure, a 5xx or a 409 with

@@ -10,7 +10,6 @@ same files.  A secret file others can read is reported with a warning
 
 import os
 import stat
-from typing import Optional
 
 from twisted.logger import Logger
 
@@ -46,7 +45,7 @@ def create_data_file(path: str) -> bool:
     return True
 
 
-def readable_by_others(path: str) -> Optional[int]:
+def readable_by_others(path: str) -> int | None:
     """The permission bits of ``path`` if users other than its owner and
     group may read it, else None (also when it cannot be examined)."""
     try:
@@ -56,7 +55,7 @@ def readable_by_others(path: str) -> Optional[int]:
     return mode if mode & stat.S_IROTH else None
 
 
-def warn_if_exposed(path: Optional[str], key: str) -> bool:
+def warn_if_exposed(path: str | None, key: str) -> bool:
     """Log a warning if the secret file ``path`` (configured under ``key``)
     is readable by every user; True if it was."""
     if not path:

@@ -23,7 +23,8 @@ is decoded by the standard library with :func:`unique_object` as its
 """
 
 import json
-from typing import Any, Dict, Iterable, List, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 import orjson
 
@@ -40,7 +41,7 @@ class DuplicateKeyError(ValueError):
         self.key = key
 
 
-def unique_object(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+def unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """The dict of a decoded object's ``pairs``; :class:`DuplicateKeyError`
     if a key comes twice (an ``object_pairs_hook`` of the standard
     library's decoder)."""

@@ -13,7 +13,8 @@ and exercised by ``make interop``); nothing here is Synapse's code.
   the reason given to the operator.
 """
 
-from typing import Dict, Optional
+from collections.abc import Iterable
+from typing import Any
 
 #: Streams of Synapse 1.163.2 (synapse/replication/tcp/streams), plus names
 #: earlier versions used: a stream of ours must never take one of them.
@@ -31,8 +32,9 @@ STREAM_NAMES = frozenset({
 MAIN_PROCESS = "master"
 
 
-def _preset(table: str, sequence: str, columns, writer_column: Optional[str] = "instance_name",
-            json_text=(), positions_name: Optional[str] = None) -> Dict:
+def _preset(table: str, sequence: str, columns: Iterable[tuple[str, str]],
+            writer_column: str | None = "instance_name", json_text: Iterable[str] = (),
+            positions_name: str | None = None) -> dict[str, Any]:
     return {"table": table, "id_column": "stream_id", "writer_column": writer_column,
             "sequence": sequence, "columns": [dict([c]) for c in columns],
             "json_text": frozenset(json_text), "positions_name": positions_name}
@@ -47,7 +49,7 @@ def _preset(table: str, sequence: str, columns, writer_column: Optional[str] = "
 #: exporter's bound.  ``presence`` and ``push_rules`` have an
 #: ``instance_name`` column, but Synapse reads their facts without it (rows
 #: from before it was added hold NULL): here too, with one writer.
-PRESETS: Dict[str, Dict] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "caches": _preset(
         "cache_invalidation_stream_by_instance", "cache_invalidation_stream_seq",
         [("cache_func", "text"), ("keys", "json?"), ("invalidation_ts", "bigint?")]),
@@ -79,7 +81,7 @@ _MEMORY = ("is held in Synapse's memory, not in a table: it cannot be caught up 
 _TABLES = "is written to several tables (no single table holds every fact)"
 
 #: Streams with no preset, and why.
-REFUSED: Dict[str, str] = {
+REFUSED: dict[str, str] = {
     "typing": _MEMORY,
     "federation": _MEMORY,
     "presence_federation": _MEMORY,

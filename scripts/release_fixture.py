@@ -31,7 +31,7 @@ import tarfile
 import tempfile
 import time
 import urllib.request
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -52,7 +52,7 @@ STREAM = {
 
 #: The facts written, in order: stream IDs 1 to 4 (a two-row fact, and a
 #: fact with no rows, which takes an ID but leaves no row).
-FACTS: List[List[list]] = [
+FACTS: list[list[list]] = [
     [["get_user", ["@alice:hs.test"], 1000]],
     [["get_user", ["@bob:hs.test"], 1001], ["get_rooms", None, 1001]],
     [],
@@ -68,7 +68,7 @@ def export_release(tag: str, dest: str) -> None:
         tar.extractall(dest)
 
 
-def run_release(source: str, database: Dict[str, str], workdir: str) -> None:
+def run_release(source: str, database: dict[str, str], workdir: str) -> None:
     """Start the release in ``source`` on ``database``, write :data:`FACTS`,
     stop it with SIGTERM; raises if any of it fails."""
     import yaml
@@ -91,7 +91,7 @@ def run_release(source: str, database: Dict[str, str], workdir: str) -> None:
         with open(log_path, "rb") as f:
             return f.read().decode(errors="replace")[-2000:]
 
-    def request(url: str, body: Optional[dict] = None) -> dict:
+    def request(url: str, body: dict | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(url, data=data, method="POST" if data else "GET")
         req.add_header("Authorization", f"Bearer {SECRET}")
@@ -120,11 +120,11 @@ def run_release(source: str, database: Dict[str, str], workdir: str) -> None:
 
 
 # ------------------------------------------------------------ fingerprints
-def _rows(rows) -> List[list]:
+def _rows(rows) -> list[list]:
     return sorted(([v for v in row] for row in rows), key=json.dumps)
 
 
-def sqlite_fingerprint(path: str) -> Dict[str, Any]:
+def sqlite_fingerprint(path: str) -> dict[str, Any]:
     """Tables (columns), indexes and rows of the SQLite file at ``path``."""
     # immutable: read as it is, without the -wal and -shm files a
     # read-only open of a WAL database leaves beside it.
@@ -146,7 +146,7 @@ def sqlite_fingerprint(path: str) -> Dict[str, Any]:
         conn.close()
 
 
-def postgres_fingerprint(dsn: str) -> Dict[str, Any]:
+def postgres_fingerprint(dsn: str) -> dict[str, Any]:
     """Tables (columns), indexes, sequences and rows of the database."""
     import psycopg2
 
@@ -156,7 +156,7 @@ def postgres_fingerprint(dsn: str) -> Dict[str, Any]:
         cur.execute("SELECT table_name, column_name, data_type, is_nullable "
                     "FROM information_schema.columns WHERE table_schema = 'public' "
                     "ORDER BY table_name, ordinal_position")
-        tables: Dict[str, list] = {}
+        tables: dict[str, list] = {}
         for table, column, kind, nullable in cur.fetchall():
             tables.setdefault(table, []).append([column, kind, nullable])
         cur.execute("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public' "
@@ -183,7 +183,7 @@ def restore_postgres(server: PostgresServer, dump: str) -> str:
     return dsn
 
 
-def make(out: str, server: PostgresServer, tag: str = RELEASE) -> Dict[str, Any]:
+def make(out: str, server: PostgresServer, tag: str = RELEASE) -> dict[str, Any]:
     """The release's databases in ``out`` (see the module docstring); returns
     the fingerprint also written to ``out/fingerprint.json``."""
     os.makedirs(out, exist_ok=True)

@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Any, Dict
+from typing import Any
 
 from tests.servers import unavailable, wait_for
 
@@ -64,7 +64,7 @@ class Browser:
         self.call("Emulation.setDeviceMetricsOverride", session=True, width=width,
                   height=height, deviceScaleFactor=1, mobile=False)
 
-    def call(self, method: str, session: bool = False, **params) -> Dict[str, Any]:
+    def call(self, method: str, session: bool = False, **params) -> dict[str, Any]:
         """Send one command and wait for its answer (events are skipped)."""
         self._next += 1
         message = {"id": self._next, "method": method, "params": params}

@@ -79,7 +79,7 @@ class Daemon:
 
     @property
     def http_base(self):
-        return "http://127.0.0.1:%s" % self.config["http"]["listen"].split(":")[1]
+        return "http://127.0.0.1:{}".format(self.config["http"]["listen"].split(":")[1])
 
     def output(self):
         with open(self.log_path, "rb") as f:

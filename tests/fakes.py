@@ -3,7 +3,6 @@ the interface it stands in for (:mod:`replicator.replication.interfaces`)
 and checked against it in ``tests/test_interfaces.py``, so that they cannot
 drift from what the real ones provide."""
 
-from typing import List, Optional, Tuple
 
 from twisted.internet.task import Clock
 from zope.interface import implementer
@@ -18,16 +17,16 @@ class FakeConnection:
     peer connected to us (server side); ``instance_name``: the name it gave."""
 
     role = "client"
-    current_line: Optional[bytes] = None
+    current_line: bytes | None = None
     queued = 0
     queued_bytes = 0
     transport = None
 
-    def __init__(self, instance_name: Optional[str] = None, accepted: bool = True):
+    def __init__(self, instance_name: str | None = None, accepted: bool = True):
         self.instance_name = instance_name
         self.accepted = accepted
         self.role = "client" if accepted else "upstream"
-        self.sent: List[Tuple[str, List[bytes]]] = []
+        self.sent: list[tuple[str, list[bytes]]] = []
         self.paused = False
         self.stopped = False
 
@@ -65,7 +64,7 @@ class FakeBus:
     channel = "hs.test"
 
     def __init__(self):
-        self.published: List[bytes] = []
+        self.published: list[bytes] = []
         self.paused = False
 
     def hold(self, lines, command_name):

@@ -41,7 +41,8 @@ stream creates no table, so the writer's instance is made first (or
 """
 
 import sqlite3
-from typing import Any, Callable, Coroutine, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any
 
 from twisted.internet import defer, error
 from twisted.internet.address import IPv4Address
@@ -89,7 +90,7 @@ class MemoryReactor(MemoryReactorClock):
     def __init__(self, harness: "Harness"):
         super().__init__()
         self._harness = harness
-        self.listening: Dict[int, Factory] = {}
+        self.listening: dict[int, Factory] = {}
 
     def callFromThread(self, f: Callable, *args: Any, **kwargs: Any) -> None:
         f(*args, **kwargs)
@@ -161,7 +162,7 @@ class SyncPool:
         return self._run(interaction)
 
     def runQuery(self, sql: str, *args: Any) -> defer.Deferred:
-        def query(cursor: sqlite3.Cursor) -> List[tuple]:
+        def query(cursor: sqlite3.Cursor) -> list[tuple]:
             cursor.execute(sql, *args)
             return cursor.fetchall()
         return self.runInteraction(query)
@@ -230,9 +231,9 @@ class Harness:
         self.clock = MemoryReactor(self)
         self.connection = sqlite3.connect(":memory:")
         self._cleanup = cleanup
-        self.nodes: List[Node] = []
-        self.links: List[Link] = []
-        self._protocols: List[Any] = []
+        self.nodes: list[Node] = []
+        self.links: list[Link] = []
+        self._protocols: list[Any] = []
         cleanup(self.close)
 
     # ------------------------------------------------------------ assembling
@@ -249,7 +250,7 @@ class Harness:
         create_sqlite_tables(self.connection, self.streams)
 
     def instance(self, name: str, consumers: Iterable[Consumer] = (),
-                 streams: Optional[Sequence[StreamConfig]] = None,
+                 streams: Sequence[StreamConfig] | None = None,
                  **handler_kwargs: Any) -> Node:
         """Instance ``name``: its streams loaded, its handler started."""
         consumers = list(consumers)
@@ -270,8 +271,8 @@ class Harness:
         self.clock.callLater(0, fn, *args, **kwargs)
 
     # ------------------------------------------------------------ connections
-    def serve(self, node: Node, name: Optional[str] = None, replicate: bool = False,
-              clear: bool = True, **kwargs: Any) -> Tuple[ServerReplicationProtocol,
+    def serve(self, node: Node, name: str | None = None, replicate: bool = False,
+              clear: bool = True, **kwargs: Any) -> tuple[ServerReplicationProtocol,
                                                           StringTransport]:
         """A connection accepted by ``node`` whose peer is the test: what
         the peer says goes to ``proto.dataReceived``, what it is sent is in
@@ -290,8 +291,8 @@ class Harness:
             transport.clear()
         return proto, transport
 
-    def client(self, node: Node, server_name: Optional[str] = None, handshake: bool = True,
-               clear: bool = True, **kwargs: Any) -> Tuple[ClientReplicationProtocol,
+    def client(self, node: Node, server_name: str | None = None, handshake: bool = True,
+               clear: bool = True, **kwargs: Any) -> tuple[ClientReplicationProtocol,
                                                            StringTransport]:
         """``node``'s connection to an upstream that is the test;
         ``handshake``: the upstream already said ``SERVER``."""
@@ -321,7 +322,7 @@ class Harness:
         return self.join(factory.buildProtocol(address), peer, client_address=address)
 
     def join(self, server: Protocol, client: Protocol,
-             client_address: Optional[IPv4Address] = None, flush: bool = True) -> Link:
+             client_address: IPv4Address | None = None, flush: bool = True) -> Link:
         """Two protocols joined by iosim transports (bytes move at each
         :meth:`flush`); flushed once, unless not asked, so the greetings
         are exchanged."""
@@ -388,7 +389,7 @@ class Harness:
             self.clock.advance(max(0.0, min(calls) - self.clock.seconds()))
             self.flush()
 
-    def run(self, work: Union[Coroutine, defer.Deferred], settle: bool = True) -> Any:
+    def run(self, work: Coroutine | defer.Deferred, settle: bool = True) -> Any:
         """The result of ``work`` (a coroutine or a Deferred), run to its end
         on the harness's clock (and then :meth:`settle`, unless not asked).
         Raises what it raised; AssertionError if it cannot end in memory."""
@@ -410,12 +411,12 @@ class Harness:
         to ``value`` (PostgreSQL's ``setval``)."""
         self._share_sequences({stream_name: value})
 
-    def _share_sequences(self, taken: Optional[Dict[str, int]] = None) -> None:
+    def _share_sequences(self, taken: dict[str, int] | None = None) -> None:
         """Every instance's SQLite counter of a stream (``sqlite_last`` of
         :class:`replicator.streams.writes.WriteTransaction`, what
         ``Stream.sequence_value`` reads there) brought up to the largest:
         one sequence per stream, as on PostgreSQL."""
-        streams: Dict[str, List[Stream]] = {}
+        streams: dict[str, list[Stream]] = {}
         for node in self.nodes:
             for stream in node.registry:
                 streams.setdefault(stream.name, []).append(stream)
@@ -447,7 +448,7 @@ class Harness:
 def result_of(d: defer.Deferred) -> Any:
     """The result of a Deferred that has fired (its failure raised);
     AssertionError if it has not: in memory, nothing fires later by itself."""
-    outcome: List[Any] = []
+    outcome: list[Any] = []
     d.addBoth(outcome.append)
     if not outcome:
         raise AssertionError(f"{d!r} has not fired: it waits for something the harness "
@@ -458,7 +459,7 @@ def result_of(d: defer.Deferred) -> Any:
     return result
 
 
-def lines(transport: StringTransport) -> List[str]:
+def lines(transport: StringTransport) -> list[str]:
     """What was written to ``transport``, as text lines (lone surrogates
     kept, as the wire may carry them)."""
     return transport.value().decode("utf-8", "surrogatepass").splitlines()

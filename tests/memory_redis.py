@@ -20,7 +20,6 @@ command``.  ``published`` keeps every ``(channel, payload)`` published, in
 order; :meth:`MemoryRedis.drop_all` closes every client (a server restart).
 """
 
-from typing import Dict, List, Optional, Set, Tuple
 
 from twisted.internet.protocol import Factory, Protocol
 
@@ -29,7 +28,7 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-def _array(items: List[bytes]) -> bytes:
+def _array(items: list[bytes]) -> bytes:
     """An array of already encoded replies."""
     return b"*%d\r\n" % len(items) + b"".join(items)
 
@@ -42,7 +41,7 @@ class RespError(Exception):
     """A request that is not RESP: the connection is closed (as Redis does)."""
 
 
-def parse_requests(buffer: bytes) -> Tuple[List[List[bytes]], bytes]:
+def parse_requests(buffer: bytes) -> tuple[list[list[bytes]], bytes]:
     """The whole requests at the start of ``buffer`` (each a list of
     arguments) and what is left of it."""
     requests = []
@@ -54,7 +53,7 @@ def parse_requests(buffer: bytes) -> Tuple[List[List[bytes]], bytes]:
             break
         count = int(buffer[1:end])
         pos = end + 2
-        args: Optional[List[bytes]] = []
+        args: list[bytes] | None = []
         for _ in range(count):
             if not buffer.startswith(b"$", pos):
                 if pos >= len(buffer):
@@ -87,8 +86,8 @@ class RedisClient(Protocol):
     def __init__(self) -> None:
         self._buffer = b""
         self.authenticated = False
-        self.channels: Set[bytes] = set()
-        self._block: Optional[List[List[bytes]]] = None  # inside MULTI
+        self.channels: set[bytes] = set()
+        self._block: list[list[bytes]] | None = None  # inside MULTI
 
     def connectionMade(self) -> None:
         self.authenticated = self.factory.password is None
@@ -108,7 +107,7 @@ class RedisClient(Protocol):
             self.transport.write(self._answer(args))
 
     # ------------------------------------------------------------ commands
-    def _answer(self, args: List[bytes]) -> bytes:
+    def _answer(self, args: list[bytes]) -> bytes:
         if not args:
             return b"-ERR empty command\r\n"
         name = args[0].upper()
@@ -140,7 +139,7 @@ class RedisClient(Protocol):
             return b"+OK\r\n"
         return self._run(args)
 
-    def _run(self, args: List[bytes]) -> bytes:
+    def _run(self, args: list[bytes]) -> bytes:
         name = args[0].upper()
         if name in (b"SELECT", b"CLIENT"):
             return b"+OK\r\n"
@@ -174,10 +173,10 @@ class MemoryRedis(Factory):
     protocol = RedisClient
     noisy = False
 
-    def __init__(self, password: Optional[str] = None) -> None:
+    def __init__(self, password: str | None = None) -> None:
         self.password = password
-        self.clients: List[RedisClient] = []
-        self.published: List[Tuple[bytes, bytes]] = []
+        self.clients: list[RedisClient] = []
+        self.published: list[tuple[bytes, bytes]] = []
 
     def publish(self, channel: bytes, payload: bytes) -> int:
         """``payload`` to every subscriber of ``channel``; how many got it."""
@@ -188,9 +187,9 @@ class MemoryRedis(Factory):
             client.transport.write(message)
         return len(receivers)
 
-    def subscribers(self) -> Dict[bytes, int]:
+    def subscribers(self) -> dict[bytes, int]:
         """Channel -> how many clients are subscribed to it."""
-        out: Dict[bytes, int] = {}
+        out: dict[bytes, int] = {}
         for client in self.clients:
             for channel in client.channels:
                 out[channel] = out.get(channel, 0) + 1

@@ -13,6 +13,6 @@ def doc_block(step: str) -> str:
     """The fenced block right after ``<!-- step: NAME -->`` in the page."""
     with open(DOC) as f:
         text = f.read()
-    match = re.search(r"<!-- step: %s -->\n```[a-z]*\n(.*?)```" % re.escape(step), text, re.S)
+    match = re.search(rf"<!-- step: {re.escape(step)} -->\n```[a-z]*\n(.*?)```", text, re.S)
     assert match, f"docs/operations.md has no step {step!r}"
     return match.group(1)

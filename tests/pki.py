@@ -16,7 +16,7 @@ def _key():
 
 
 def _cert(subject_cn, key, issuer_cert=None, issuer_key=None, ca=False, san=None):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)])
     builder = (
         x509.CertificateBuilder()

@@ -12,7 +12,7 @@ import json
 import os
 import urllib.error
 import urllib.request
-from typing import Dict, Iterable, List, Optional, Tuple
+from collections.abc import Iterable
 
 from tests.daemon import CACHES, SECRET, Daemon, base_config
 from tests.servers import PostgresServer, free_port
@@ -34,7 +34,7 @@ class ReadApiDaemon:
     """The daemon; :meth:`start` again after :meth:`kill` is a restart on
     the same ports and database."""
 
-    def __init__(self, test, http_port: Optional[int] = None):
+    def __init__(self, test, http_port: int | None = None):
         self.dsn = PostgresServer.shared().create_database()
         self.port = http_port or free_port()
         self.daemon = Daemon(test, {}, "reader-api")
@@ -72,10 +72,10 @@ class ReadApiDaemon:
     def base(self) -> str:
         return self.daemon.http_base
 
-    def url(self, stream: str = "caches", kind: str = "facts", base: Optional[str] = None) -> str:
+    def url(self, stream: str = "caches", kind: str = "facts", base: str | None = None) -> str:
         return f"{base or self.base}{STREAMS_PATH}/{stream}/{kind}"
 
-    def write(self, n: int, base: Optional[str] = None) -> None:
+    def write(self, n: int, base: str | None = None) -> None:
         """``n`` facts through the write API; every fifth has two rows."""
         for _ in range(n):
             i = self.written
@@ -90,7 +90,7 @@ class ReadApiDaemon:
             with urllib.request.urlopen(request, timeout=30) as response:
                 assert response.status == 200, response.status
 
-    def table(self) -> List[Tuple[int, List[list]]]:
+    def table(self) -> list[tuple[int, list[list]]]:
         """``caches``' facts in the table: ``[(stream_id, [row, ...])]`` in
         order, rows as lists of the columns' values."""
         facts = table_facts(self.dsn, [("caches", "cache_invalidation_stream",
@@ -109,15 +109,15 @@ def _json(column: str, value):
     return value
 
 
-def as_table(facts: Iterable[dict]) -> List[Tuple[int, List[list]]]:
+def as_table(facts: Iterable[dict]) -> list[tuple[int, list[list]]]:
     """The API's facts (``{"stream_id", "writer", "rows": [{col: value}]}``)
     in :meth:`ReadApiDaemon.table`'s shape."""
     return [(f["stream_id"], [[row[c] for c in COLUMNS] for row in f["rows"]])
             for f in facts]
 
 
-def get(url: str, secret: Optional[str] = READER_SECRET,
-        headers: Optional[Dict[str, str]] = None) -> Tuple[int, Dict[str, str], bytes]:
+def get(url: str, secret: str | None = READER_SECRET,
+        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     """One GET: status, headers (lower-case names), body; 4xx/5xx too."""
     request = urllib.request.Request(url, headers=dict(headers or {}))
     if secret:
@@ -130,14 +130,14 @@ def get(url: str, secret: Optional[str] = READER_SECRET,
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
 
 
-def parse_events(text: str) -> List[Dict[str, str]]:
+def parse_events(text: str) -> list[dict[str, str]]:
     """The events of a ``text/event-stream`` body (complete ones only):
     ``{"id", "event", "data", "retry"}`` as present; comments are
     ``{"comment": ...}``."""
     events = []
     blocks = text.replace("\r\n", "\n").split("\n\n")
     for block in blocks[:-1]:
-        event: Dict[str, str] = {}
+        event: dict[str, str] = {}
         for line in block.split("\n"):
             if not line:
                 continue

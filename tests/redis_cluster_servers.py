@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from typing import Dict, List
 
 from tests.servers import unavailable, wait_for, wait_for_port
 
@@ -47,8 +46,8 @@ class RedisCluster:
         if self.binary is None or shutil.which("redis-cli") is None:
             unavailable("redis-server/redis-cli not found (make test installs them)")
         self.tmp = tempfile.mkdtemp(prefix="replicator-cluster-")
-        self.ports: List[int] = []
-        self.procs: List[subprocess.Popen] = []
+        self.ports: list[int] = []
+        self.procs: list[subprocess.Popen] = []
         atexit.register(self.stop)
         for _ in range(masters):
             port = _port_pair()
@@ -85,10 +84,10 @@ class RedisCluster:
         return True
 
     @property
-    def endpoints(self) -> List[str]:
+    def endpoints(self) -> list[str]:
         return [f"tcp:host=127.0.0.1:port={p}" for p in self.ports]
 
-    def node_ids(self) -> Dict[int, str]:
+    def node_ids(self) -> dict[int, str]:
         return {p: command(p, "CLUSTER", "MYID").strip() for p in self.ports}
 
     def owner(self, slot: int) -> int:

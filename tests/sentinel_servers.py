@@ -9,12 +9,11 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Dict, List
 
 from tests.servers import RedisServer, free_port, unavailable, wait_for, wait_for_port
 
 
-def redis_cli(port: int, *args: str, password: str = None) -> List[str]:
+def redis_cli(port: int, *args: str, password: str = None) -> list[str]:
     """``redis-cli`` against 127.0.0.1:``port``: its output lines."""
     command = ["redis-cli", "-h", "127.0.0.1", "-p", str(port), "--no-auth-warning"]
     if password:
@@ -23,7 +22,7 @@ def redis_cli(port: int, *args: str, password: str = None) -> List[str]:
     return result.stdout.splitlines()
 
 
-def fields(lines: List[str]) -> Dict[str, str]:
+def fields(lines: list[str]) -> dict[str, str]:
     """A flat ``key value key value`` reply as a dict."""
     return dict(zip(lines[::2], lines[1::2]))
 
@@ -48,7 +47,7 @@ class Sentinel:
         atexit.register(self.stop)
         wait_for_port(self.port)
 
-    def ask(self, *args: str) -> List[str]:
+    def ask(self, *args: str) -> list[str]:
         return redis_cli(self.port, "SENTINEL", *args)
 
     def stop(self):
@@ -84,7 +83,7 @@ class SentinelSetup:
                 self.replica.port, "INFO", "replication", password=password),
                 what="the replica in sync")
             config = (sentinel_config or self.default_config)(self.master.port)
-            self.sentinels: List[Sentinel] = []
+            self.sentinels: list[Sentinel] = []
             for _ in range(3):
                 self.sentinels.append(Sentinel(config))
             wait_for(self._ready, timeout=60, what="three Sentinels that know the replica")
@@ -107,7 +106,7 @@ class SentinelSetup:
         return True
 
     @property
-    def addresses(self) -> List[str]:
+    def addresses(self) -> list[str]:
         """The Sentinels as ``host:port`` (``replication.redis.sentinels``)."""
         return [f"127.0.0.1:{s.port}" for s in self.sentinels]
 

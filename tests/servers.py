@@ -22,7 +22,6 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import List
 
 from twisted.trial.unittest import SkipTest
 
@@ -69,7 +68,7 @@ def free_port() -> int:
             return port
 
 
-def free_ports(n: int) -> List[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct free ports."""
     return [free_port() for _ in range(n)]
 
@@ -112,7 +111,8 @@ class PostgresServer:
 
     _shared = None
 
-    def __init__(self, fsync: bool = False, synchronous_commit=None):
+    def __init__(self, fsync: bool = False, synchronous_commit=None, settings=()):
+        """``settings``: more ``name=value`` server settings."""
         bindir = _pg_bindir()
         if bindir is None:
             unavailable("PostgreSQL server binaries (initdb) not found")
@@ -143,6 +143,8 @@ class PostgresServer:
             args += ["-c", "fsync=off", "-c", "full_page_writes=off"]
         if not (fsync if synchronous_commit is None else synchronous_commit):
             args += ["-c", "synchronous_commit=off"]
+        for setting in settings:
+            args += ["-c", setting]
         self._args = args
         self._log = open(os.path.join(self.tmp, "postgres.log"), "wb")
         self._spawn()

@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import List
 
 from tests.operations_doc import doc_block
 from tests.servers import free_port, unavailable, wait_for
@@ -61,8 +60,8 @@ class SparkCluster:
         self.tmp = tempfile.mkdtemp(prefix="spark-cluster-")
         self.port, self.ui_port = free_port(), free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
-        self.procs: List[subprocess.Popen] = []
-        self.work_dirs: List[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self.work_dirs: list[str] = []
         try:
             self._spawn("master", replace_all(doc_block("spark-master"), [
                 (MASTER_HOST, "127.0.0.1"), (MASTER_PORT, str(self.port)),
@@ -113,7 +112,7 @@ class SparkCluster:
         with open(os.path.join(self.tmp, f"{name}.log"), errors="replace") as f:
             return f.read()
 
-    def executor_logs(self, app_id: str) -> List[List[str]]:
+    def executor_logs(self, app_id: str) -> list[list[str]]:
         """The stderr of every executor of application ``app_id``, per
         worker (a worker runs more than one when the master replaces an
         executor it lost, e.g. one late to register on a loaded machine)."""

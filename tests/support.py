@@ -230,6 +230,26 @@ def table_facts(dsn: str, tables) -> dict:
         conn.close()
 
 
+def jsonl_facts(path):
+    """``{(stream, writer): [(token, rows), ...]}`` of the complete lines
+    of a ``jsonl`` file (a line being written is left out)."""
+    import json
+    import os
+
+    facts: dict = {}
+    if not os.path.exists(path):
+        return facts
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            entry = json.loads(line)
+            if "rows" in entry:
+                facts.setdefault((entry["stream"], entry["writer"]), []).append(
+                    (entry["token"], entry["rows"]))
+    return facts
+
+
 def as_sets(facts: dict) -> dict:
     """The same facts with each fact's rows in a canonical order: a fact is
     its set of rows (the order within one is the table's physical order on

@@ -56,7 +56,7 @@ class HoldingRelay:
         while not self.released.is_set():
             try:
                 data = server.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             if not data:
                 break

@@ -50,7 +50,8 @@ names = st.text(
     max_size=20,
 )
 # Free text: anything but a newline (spaces, unicode, \r inside).
-free_text = st.text(alphabet=st.characters(blacklist_characters="\n", blacklist_categories=("Cs",)), max_size=40)
+free_text = st.text(alphabet=st.characters(blacklist_characters="\n", blacklist_categories=("Cs",)),
+                    max_size=40)
 nonempty_text = free_text.filter(bool)
 any_text = st.text(max_size=20)  # inside JSON: newlines, spaces, anything
 # Stream tokens and other integer fields: 63-bit, never negative.
@@ -61,7 +62,8 @@ json_values = st.recursive(
     | st.integers()
     | st.floats(allow_nan=False, allow_infinity=False)
     | any_text,
-    lambda children: st.lists(children, max_size=5) | st.dictionaries(any_text, children, max_size=5),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(any_text, children,
+                                                                      max_size=5),
     max_leaves=20,
 )
 rows = st.lists(json_values, max_size=6)
@@ -78,7 +80,8 @@ STRATEGIES = {
     "USER_SYNC": st.builds(UserSyncCommand, names, names, device_ids, st.booleans(), tokens),
     "CLEAR_USER_SYNC": st.builds(ClearUserSyncCommand, nonempty_text),
     "FEDERATION_ACK": st.builds(FederationAckCommand, names, tokens),
-    "USER_IP": st.builds(UserIpCommand, names, any_text, any_text, any_text, st.none() | any_text, tokens),
+    "USER_IP": st.builds(UserIpCommand, names, any_text, any_text, any_text, st.none() | any_text,
+                         tokens),
     "REMOTE_SERVER_UP": st.builds(RemoteServerUpCommand, nonempty_text),
     "LOCK_RELEASED": st.builds(LockReleasedCommand, any_text, any_text, any_text),
     "NEW_ACTIVE_TASK": st.builds(NewActiveTaskCommand, nonempty_text),
@@ -111,13 +114,16 @@ class RoundTripTests(SynchronousTestCase):
     def test_rdata_row_round_trips_through_bytes(self, stream, instance, token, row):
         data = RdataCommand(stream, instance, token, row).to_line().encode("utf-8")
         parsed = parse_line(data.decode("utf-8"))
-        self.assertEqual((parsed.stream_name, parsed.instance_name, parsed.token, parsed.row), (stream, instance, token, row))
+        self.assertEqual((parsed.stream_name, parsed.instance_name, parsed.token, parsed.row),
+                         (stream, instance, token, row))
 
     def test_big_integers_round_trip_exactly(self):
         row = [2**80, -(2**70), [2**64]]
         cmd = parse_line(RdataCommand("s", "w", 1, row).to_line())
         self.assertEqual(cmd.row, row)
-        self.assertEqual(cmd.to_line(), "RDATA s w 1 [1208925819614629174706176,-1180591620717411303424,[18446744073709551616]]")
+        self.assertEqual(cmd.to_line(),
+                         "RDATA s w 1 [1208925819614629174706176,-1180591620717411303424,"
+                         "[18446744073709551616]]")
 
 
 class ExactBytesTests(SynchronousTestCase):
@@ -126,7 +132,8 @@ class ExactBytesTests(SynchronousTestCase):
     CANONICAL = [
         'RDATA caches master batch ["get_user_by_id",["@a:hs"],1490197670513]',
         'RDATA caches master 54 ["get_user_by_id",["@c:hs"],1490197670513]',
-        'RDATA caches master 2 ["get_user_by_id",["@01register-user:localhost:8823"],1490197670513]',
+        'RDATA caches master 2 ["get_user_by_id",["@01register-user:localhost:8823"],'
+        '1490197670513]',
         'RDATA caches master 550953772 ["get_user_by_id",null,1550574873252]',
         "POSITION events master 53 53",
         "POSITION backfill master 1 1",
@@ -158,12 +165,14 @@ class ExactBytesTests(SynchronousTestCase):
 
     def test_rdata_fields(self):
         cmd = parse_line('RDATA caches master batch ["get_user_by_id",["@a:hs"],1490197670513]')
-        self.assertEqual(cmd, RdataCommand("caches", "master", None, ["get_user_by_id", ["@a:hs"], 1490197670513]))
+        self.assertEqual(cmd, RdataCommand("caches", "master", None, ["get_user_by_id", ["@a:hs"],
+                                                                      1490197670513]))
         cmd = parse_line('RDATA events master 14 ["$1:h", "!r:h", "m.room.guest_access", "", null]')
         self.assertEqual(cmd.token, 14)
         self.assertEqual(cmd.row, ["$1:h", "!r:h", "m.room.guest_access", "", None])
         # Synapse-era spacing inside the JSON is accepted and written compactly.
-        self.assertEqual(cmd.to_line(), 'RDATA events master 14 ["$1:h","!r:h","m.room.guest_access","",null]')
+        self.assertEqual(cmd.to_line(),
+                         'RDATA events master 14 ["$1:h","!r:h","m.room.guest_access","",null]')
 
     def test_rdata_row_with_spaces_and_escaped_newline(self):
         line = 'RDATA s w 3 ["a b  c","line1\\nline2",{"k y":[1, 2]}]'
@@ -172,12 +181,15 @@ class ExactBytesTests(SynchronousTestCase):
         self.assertEqual(cmd.to_line(), 'RDATA s w 3 ["a b  c","line1\\nline2",{"k y":[1,2]}]')
 
     def test_non_ascii_is_raw_utf8_and_escapes_are_accepted(self):
-        self.assertEqual(RdataCommand("s", "w", 1, ["é"]).to_line().encode("utf-8"), b'RDATA s w 1 ["\xc3\xa9"]')
+        self.assertEqual(RdataCommand("s", "w", 1, ["é"]).to_line().encode("utf-8"),
+                         b'RDATA s w 1 ["\xc3\xa9"]')
         self.assertEqual(parse_line('RDATA s w 1 ["\\u00e9"]').row, ["é"])
 
     def test_position(self):
-        self.assertEqual(PositionCommand("events", "master", 53, 53).to_line(), "POSITION events master 53 53")
-        self.assertEqual(parse_line("POSITION events master 1 53"), PositionCommand("events", "master", 1, 53))
+        self.assertEqual(PositionCommand("events", "master", 53, 53).to_line(),
+                         "POSITION events master 53 53")
+        self.assertEqual(parse_line("POSITION events master 1 53"),
+                         PositionCommand("events", "master", 1, 53))
 
     def test_replicate_with_and_without_trailing_space(self):
         self.assertEqual(parse_line("REPLICATE"), ReplicateCommand())
@@ -185,7 +197,8 @@ class ExactBytesTests(SynchronousTestCase):
         self.assertEqual(ReplicateCommand().to_line(), "REPLICATE ")
 
     def test_text_commands_keep_spaces(self):
-        self.assertEqual(parse_line("ERROR invalid command: SERVER"), ErrorCommand("invalid command: SERVER"))
+        self.assertEqual(parse_line("ERROR invalid command: SERVER"),
+                         ErrorCommand("invalid command: SERVER"))
         self.assertEqual(parse_line("PING"), PingCommand(""))
         self.assertEqual(parse_line("ERROR"), ErrorCommand(""))
         self.assertEqual(PingCommand("").to_line(), "PING ")
@@ -203,7 +216,8 @@ class ExactBytesTests(SynchronousTestCase):
         self.assertEqual(cmd, LockReleasedCommand("master", "name", "key with space"))
 
     def test_encode_position_line(self):
-        self.assertEqual(encode_position_line("events", "master", 53, 54), b"POSITION events master 53 54\n")
+        self.assertEqual(encode_position_line("events", "master", 53, 54),
+                         b"POSITION events master 53 54\n")
         self.assertEqual(
             encode_position_line("events", "master", 53, 54),
             PositionCommand("events", "master", 53, 54).to_line().encode() + b"\n",
@@ -301,7 +315,8 @@ class MalformedTests(SynchronousTestCase):
         cases = {
             "FOO bar": "unknown command 'FOO'",
             "RDATA caches master x []": "RDATA: token is not an integer: 'x'",
-            "USER_SYNC w @u:hs None middle 1": "USER_SYNC: state is neither start nor end: 'middle'",
+            "USER_SYNC w @u:hs None middle 1":
+                "USER_SYNC: state is neither start nor end: 'middle'",
             "RDATA caches master 1 {}": "RDATA: row is not a JSON array",
             # A key given twice is refused, not read as its last value.
             'RDATA caches master 1 ["f",{"a":{"k":1,"k":2}},1]':
@@ -342,7 +357,8 @@ class MalformedTests(SynchronousTestCase):
         with self.assertRaises(CommandParseError) as cm:
             parse_line(f"POSITION s w 1 {2**63}")
         self.assertEqual(str(cm.exception),
-                         "POSITION: new_token is out of range (0 to 2**63-1): '9223372036854775808'")
+                         "POSITION: new_token is out of range (0 to 2**63-1): "
+                         "'9223372036854775808'")
 
     @given(st.text(max_size=60))
     def test_arbitrary_text_parses_or_raises_parse_error(self, line):
@@ -405,7 +421,8 @@ class EncodeRdataLinesTests(SynchronousTestCase):
         self.assertEqual(
             list(lines),
             [
-                RdataCommand("events", "w1", None, ["a b", {"k": "é\n"}]).to_line().encode() + b"\n",
+                RdataCommand("events", "w1", None, ["a b",
+                                                    {"k": "é\n"}]).to_line().encode() + b"\n",
                 RdataCommand("events", "w1", 1, [True, 1.5]).to_line().encode() + b"\n",
                 RdataCommand("events", "w1", 2, [2**70]).to_line().encode() + b"\n",
             ],
@@ -429,7 +446,8 @@ class EncodeRdataLinesTests(SynchronousTestCase):
         limit = 64
         room = limit - len(b"RDATA s w batch ") - len(b'[""]')
         for size, kept in ((room, True), (room + 1, False)):
-            lines = encode_rdata_lines("s", "w", [(1, ["x" * size]), (1, ["y"])], max_line_length=limit)
+            lines = encode_rdata_lines("s", "w", [(1, ["x" * size]), (1, ["y"])],
+                                       max_line_length=limit)
             if kept:
                 self.assertEqual(len(lines), 2)
                 self.assertEqual(lines.dropped, 0)

@@ -21,7 +21,6 @@ import os
 import pkgutil
 import re
 import sys
-from typing import Dict, List, Set, Tuple
 
 import yaml
 from twisted.trial.unittest import TestCase
@@ -71,7 +70,7 @@ def section_of(key: str, context: str) -> str:
     return f"{key} ({context})" if context else key
 
 
-def accepted_keys() -> Tuple[Dict[str, Set[str]], Set[Tuple[str, int]]]:
+def accepted_keys() -> tuple[dict[str, set[str]], set[tuple[str, int]]]:
     """{section: keys the parser accepts} and the ``no_unknown`` call sites
     reached, by parsing :data:`EVERY_SECTION` (and :data:`SQLITE`) and
     building the built-in consumers."""
@@ -79,8 +78,8 @@ def accepted_keys() -> Tuple[Dict[str, Set[str]], Set[Tuple[str, int]]]:
         if ".export" not in info.name:
             importlib.import_module(info.name)
     real = fields.no_unknown
-    found: Dict[str, Set[str]] = {}
-    sites: Set[Tuple[str, int]] = set()
+    found: dict[str, set[str]] = {}
+    sites: set[tuple[str, int]] = set()
     context = [""]
 
     def recording(section, allowed, key):
@@ -115,7 +114,7 @@ def accepted_keys() -> Tuple[Dict[str, Set[str]], Set[Tuple[str, int]]]:
     return found, sites
 
 
-def no_unknown_call_sites() -> Set[Tuple[str, int]]:
+def no_unknown_call_sites() -> set[tuple[str, int]]:
     """Every ``no_unknown(...)`` call in the package's source (not the
     exporter's, which reads only ``database`` and ``streams``)."""
     sites = set()
@@ -136,7 +135,7 @@ def no_unknown_call_sites() -> Set[Tuple[str, int]]:
     return sites
 
 
-def documented() -> Dict[str, List[List[str]]]:
+def documented() -> dict[str, list[list[str]]]:
     """{section: [cells of each row]} of the page's tables."""
     with open(DOC, encoding="utf-8") as f:
         text = f.read()

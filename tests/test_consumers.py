@@ -781,10 +781,13 @@ class LoadConsumersTests(SynchronousTestCase):
         self.assertEqual(c.streams, ("caches",))
 
     def test_builtin_entry_points_declared(self):
-        import tomllib
+        import configparser
 
-        with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-            declared = tomllib.load(f)["project"]["entry-points"]["replicator.consumers"]
+        setup_cfg = configparser.ConfigParser()
+        with open(os.path.join(ROOT, "setup.cfg"), encoding="utf-8") as f:
+            setup_cfg.read_file(f)
+        declared = dict(line.split(" = ") for line in setup_cfg["options.entry_points"]
+                        ["replicator.consumers"].split("\n") if line)
         self.assertEqual(declared, {
             "jsonl": "replicator.consumers:JsonlConsumer",
             "log": "replicator.consumers:LogConsumer",
@@ -1069,7 +1072,7 @@ class FactLinesAtOnceTests(SynchronousTestCase):
         self.assertIn(data, (None, expected))
 
     def test_the_common_page_is_encoded_at_once(self):
-        facts = [(t, [["fact %d" % t, t, None, True, {"k": [1, "é"]}]] * (1 + t % 3))
+        facts = [(t, [[f"fact {t}", t, None, True, {"k": [1, "é"]}]] * (1 + t % 3))
                  for t in range(1, 1001)]
         self.assertEqual(fact_lines_at_once("caches", "master", facts),
                          lines_one_by_one("caches", "master", facts))

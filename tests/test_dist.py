@@ -12,6 +12,7 @@ console script, outside the checkout, answering ``/health``.
 """
 
 import atexit
+import configparser
 import importlib.util
 import json
 import os
@@ -21,9 +22,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import tomllib
 import zipfile
-from typing import Optional, Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -36,10 +35,10 @@ from tests.systemd_units import SERVICES, UNITS, settings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSION = replicator.__version__
 
-_built: Optional[Tuple[str, str]] = None
+_built: tuple[str, str] | None = None
 
 
-def built() -> Tuple[str, str]:
+def built() -> tuple[str, str]:
     """``(wheel, sdist)`` paths, built once per test run."""
     global _built
     if _built is None:
@@ -61,9 +60,17 @@ def built() -> Tuple[str, str]:
     return _built
 
 
-def _pyproject() -> dict:
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)
+def declared() -> configparser.ConfigParser:
+    """setup.cfg, the one declaration of the metadata and dependencies."""
+    config = configparser.ConfigParser()
+    with open(os.path.join(ROOT, "setup.cfg"), encoding="utf-8") as f:
+        config.read_file(f)
+    return config
+
+
+def _lines(value: str) -> list:
+    """The entries of one of setup.cfg's multi-line values."""
+    return [line.strip() for line in value.splitlines() if line.strip()]
 
 
 class ArtifactTests(SynchronousTestCase):
@@ -86,11 +93,12 @@ class ArtifactTests(SynchronousTestCase):
         self.assertIn("replicator/export/spark.py", names)
         self.assertIn(f"{info}/licenses/LICENSE", names)
         self.assertEqual([n for n in names if "test" in n.split("/")[0]], [])
-        # The dependencies are pyproject.toml's, the spark extra with them.
+        # The dependencies are setup.cfg's, the spark extra with them.
         requires = [line.split(": ", 1)[1] for line in metadata.splitlines()
                     if line.startswith("Requires-Dist: ")]
-        project = _pyproject()["project"]
-        for dependency in project["dependencies"]:
+        dependencies = _lines(declared()["options"]["install_requires"])
+        self.assertIn("orjson >= 3.9, < 4", dependencies)
+        for dependency in dependencies:
             name = dependency.split()[0].split("[")[0]
             self.assertTrue(any(r.startswith(name) for r in requires), (name, requires))
         self.assertTrue(any(r.startswith("pyspark") and 'extra == "spark"' in r
@@ -103,7 +111,8 @@ class ArtifactTests(SynchronousTestCase):
     def test_sdist_has_every_tracked_file(self):
         with tarfile.open(built()[1]) as t:
             names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-        for path in ("LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "Makefile",
+        for path in ("LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "setup.cfg",
+                     "setup.py", "Makefile",
                      "docs/operations.md", "conf/master.yaml", "conf/worker.yaml",
                      "systemd/replicator-master.service", "systemd/replicator.sysusers.conf",
                      "scripts/install-venv.sh", "tests/test_dist.py"):
@@ -114,6 +123,32 @@ class ArtifactTests(SynchronousTestCase):
         missing = sorted(set(result.stdout.split()) - names - {".gitignore"})
         self.assertEqual(missing, [], "tracked files missing from the sdist (MANIFEST.in)")
         self.assertEqual([n for n in names if "__pycache__" in n or n.endswith(".pyc")], [])
+
+
+class DeclarationTests(SynchronousTestCase):
+    """One declaration: setup.cfg holds the metadata and dependencies,
+    setup.py only runs setuptools, pyproject.toml names the build system."""
+
+    def test_pyproject_declares_no_project(self):
+        import tomllib
+
+        with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+            pyproject = tomllib.load(f)
+        self.assertEqual(sorted(pyproject), ["build-system"])
+        self.assertEqual(pyproject["build-system"]["build-backend"], "setuptools.build_meta")
+
+    def test_setup_py_is_the_minimal_shim(self):
+        with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
+            self.assertEqual(f.read(), "from setuptools import setup\n\nsetup()\n")
+
+    def test_setup_cfg_declares_name_version_and_scripts(self):
+        config = declared()
+        self.assertEqual((config["metadata"]["name"], config["metadata"]["version"]),
+                         ("replicator", "attr: replicator.__version__"))
+        self.assertEqual(_lines(config["options.entry_points"]["console_scripts"]),
+                         ["replicator = replicator.cli:main",
+                          "replicator-export = replicator.export.cli:main"])
+        self.assertEqual(sorted(config["options.extras_require"]), ["spark", "test"])
 
 
 class InstallTests(SynchronousTestCase):

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import threading
-from typing import List, Optional
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -63,8 +62,8 @@ class NodeFollower:
              str(count), live], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, DS_CLIENT=Path(client).as_uri()), stdin=subprocess.DEVNULL)
         test.addCleanup(self.stop)
-        self.messages: List[dict] = []
-        self.errors: List[str] = []
+        self.messages: list[dict] = []
+        self.errors: list[str] = []
         self._threads = [threading.Thread(target=self._out, daemon=True),
                          threading.Thread(target=self._err, daemon=True)]
         for t in self._threads:
@@ -93,9 +92,9 @@ class PythonFollower:
     def __init__(self, url: str, count: int):
         self.url = url
         self.count = count
-        self.messages: List[dict] = []
+        self.messages: list[dict] = []
         self.retries = 0
-        self.error: Optional[Exception] = None
+        self.error: Exception | None = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -171,7 +170,7 @@ class BrowserFollower:
                               .replace("__SOURCE__", json.dumps(source)))
 
     @property
-    def messages(self) -> List[dict]:
+    def messages(self) -> list[dict]:
         return self.browser.evaluate("window.lines")
 
     def wait(self) -> None:
@@ -193,7 +192,7 @@ class OfficialClientTests(MasterAndWorker, SynchronousTestCase):
         wait_for(lambda: self.master_linked(), 60, "the worker linked again")
         self.write(20)
 
-    def assert_table(self, messages: List[dict]) -> None:
+    def assert_table(self, messages: list[dict]) -> None:
         self.assertEqual([(m["stream_id"], m["writer"],
                            [[r[c] for c in COLUMNS] for r in m["rows"]])
                           for m in messages], self.table())

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 from collections import Counter
-from typing import Dict, Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -36,7 +35,7 @@ def require_suite() -> None:
 
 
 def run_suite(base_url: str, secret: str, report: str,
-              long_poll_ms: int = 2000) -> Dict[str, Tuple[int, int]]:
+              long_poll_ms: int = 2000) -> dict[str, tuple[int, int]]:
     """Run the suite against ``base_url``: ``{group: (passed, cases)}``."""
     from pathlib import Path
 
@@ -60,7 +59,7 @@ def run_suite(base_url: str, secret: str, report: str,
     return {g: (passed[g], cases[g]) for g in cases}
 
 
-def documented_table() -> Dict[str, Tuple[int, int]]:
+def documented_table() -> dict[str, tuple[int, int]]:
     """docs/read-api.md's conformance table: ``{group: (passed, cases)}``."""
     with open(os.path.join(ROOT, "docs", "read-api.md")) as f:
         text = f.read()

@@ -113,7 +113,7 @@ def reference(cur, stream, upper, observed=run1):
 def insert_receipts(cur, facts):
     from psycopg2.extras import execute_values
 
-    rows = [(i, '{"k": %d}' % k) for i, _w, stamps in facts for k in range(len(stamps))]
+    rows = [(i, f'{{"k": {k}}}') for i, _w, stamps in facts for k in range(len(stamps))]
     execute_values(cur, "INSERT INTO rc (stream_id, data) VALUES %s", rows)
 
 
@@ -394,7 +394,8 @@ class ExportTests(ExportTestBase):
                      if "_temporary" not in d for f in files if f.endswith(".parquet")]
         os.killpg(proc.pid, signal.SIGKILL)
         output = proc.communicate()[0].decode(errors="replace")
-        self.assertTrue(stopped, f"the exporter never stopped after a partition (exit {proc.returncode}): {output}")
+        self.assertTrue(stopped, f"the exporter never stopped after a partition "
+                                 f"(exit {proc.returncode}): {output}")
         self.assertTrue(killed_at, "no partition in the staging directory")
         self.assertEqual(proc.returncode, -signal.SIGKILL)
         # The dead run left a staging directory; current is the old export.
@@ -806,7 +807,7 @@ class StateTests(TestCase):
             other.lock()
         for n in range(1, 4):
             staging = store.begin()
-            os.makedirs(staging.stream_dir("minute", "s") + "/date=2024-01-0%d" % n)
+            os.makedirs(staging.stream_dir("minute", "s") + f"/date=2024-01-0{n}")
             st = ExportState(streams={"s": StreamState(token=n)})
             store.commit(staging, st)
             self.assertEqual(store.load_state().streams["s"].token, n)

@@ -42,7 +42,7 @@ def doc_text() -> str:
 
 def snippet(name: str) -> str:
     """The fenced block right after ``<!-- snippet: NAME -->`` in the page."""
-    match = re.search(r"<!-- snippet: %s -->\n```[a-z]*\n(.*?)```" % re.escape(name),
+    match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```[a-z]*\n(.*?)```",
                       doc_text(), re.S)
     assert match, f"docs/export.md has no snippet {name!r}"
     return match.group(1)

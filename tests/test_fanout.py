@@ -67,7 +67,7 @@ class FanoutToManyTests(SynchronousTestCase):
         return [
             (0, [(1, ["a"]), (1, ["b"]), (2, ["c"]), (4, ["d"]), (4, ["e"]), (4, ["f"])], 4),
             (4, [(5, ["g"]), (5, ["h"])], 9),
-            (9, [(t, ["r%d" % t, {"k": [t]}]) for t in range(10, 60)], 59),
+            (9, [(t, [f"r{t}", {"k": [t]}]) for t in range(10, 60)], 59),
         ]
 
     def expected(self):

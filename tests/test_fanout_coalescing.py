@@ -3,7 +3,8 @@ a commit alone goes out at once, commits in a burst go out together, in
 memory (the harness's clock; transactions held until the test lets them
 run and answer)."""
 
-from typing import Any, Callable, List, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
@@ -27,8 +28,8 @@ class HeldPool:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self.held = False
-        self.waiting: List[Tuple[Callable[..., Any], tuple, defer.Deferred]] = []
-        self.ran: List[Tuple[defer.Deferred, defer.Deferred]] = []
+        self.waiting: list[tuple[Callable[..., Any], tuple, defer.Deferred]] = []
+        self.ran: list[tuple[defer.Deferred, defer.Deferred]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
@@ -58,13 +59,13 @@ class AdaptiveCoalescingTests(SynchronousTestCase):
         self.addCleanup(setattr, self.pool, "held", False)  # (before the harness closes)
         _, self.transport = self.h.serve(self.node, name="reader", replicate=True)
         self.stream = self.node.stream("caches")
-        self.written: List[Any] = []
+        self.written: list[Any] = []
 
     def write(self, name: str) -> None:
         d = defer.ensureDeferred(self.stream.write_fact([[name, None, 1]]))
         d.addCallback(self.written.append)
 
-    def sent(self) -> List[bytes]:
+    def sent(self) -> list[bytes]:
         """The RDATA tokens and rows the reader got, one entry per write
         to its connection (a fan-out)."""
         return [c for c in self.transport.value().split(b"\n") if c]
@@ -95,7 +96,7 @@ class AdaptiveCoalescingTests(SynchronousTestCase):
         self.pool.answer()
         self.h.flush()
         self.assertEqual(self.sent(), [b'RDATA caches master 1 ["a",null,1]'])
-        writes: List[Any] = []
+        writes: list[Any] = []
         self.transport.clear()
         transport_write = self.transport.write
         self.transport.write = lambda data: (writes.append(data), transport_write(data))

@@ -222,7 +222,7 @@ class RelayTests(_InMemory):
         other, ot = self.server_conn(handler, "worker3")  # not replicating
         sender, st = self.server_conn(handler, "worker1")
         key = "\u20ac" * 4000 + "\\ud800"
-        line = ('LOCK_RELEASED ["worker1","lock","%s"]' % key).encode()
+        line = (f'LOCK_RELEASED ["worker1","lock","{key}"]').encode()
         self.assertLess(len(line), 16384)
         sender.dataReceived(line + b"\r\n"
                             + b"REMOTE_SERVER_UP  other.hs\n"
@@ -561,7 +561,7 @@ class BusRefusalTests(_InMemory):
         self.addCleanup(handler.lost_connection, conn, "test")
         before = refused("caches", "beyond_sequence")
         hear(handler, conn, "POSITION caches master 0 0")
-        hear(handler, conn, "POSITION caches master 777 %d" % BIG)
+        hear(handler, conn, f"POSITION caches master 777 {BIG}")
         self.settled(lambda: refused("caches", "beyond_sequence") == before + 1)
         self.assertEqual(closed, [])
         # The bus goes on: the next honest fact arrives.
@@ -624,7 +624,7 @@ class TcpIntegrationTests(_Base):
         liar.sendall(b"POSITION caches worker1 777 %d\n" % BIG)
         key = "\u20ac" * 4000 + "\\ud800"
         liar2 = self.raw_peer(port, "worker3")
-        liar2.sendall(('LOCK_RELEASED ["w","lock","%s"]\n' % key).encode())
+        liar2.sendall((f'LOCK_RELEASED ["w","lock","{key}"]\n').encode())
         await released.wait(lambda: locks)
         self.assertEqual(len(locks), 1)
         self.assertEqual(locks[0].lock_key, "\u20ac" * 4000 + "\ud800")
@@ -687,8 +687,8 @@ class RedisPoisoningTests(_Base):
         await until_handled([master, reader], lambda: m_link.connected and r_link.connected)
         before = refused("caches", "beyond_sequence")
         bad_before = refused("caches", "bad_row")
-        self.publish("POSITION caches worker1 777 %d" % BIG)
-        self.publish('RDATA caches worker1 %d ["x",null,1]' % BIG)
+        self.publish(f"POSITION caches worker1 777 {BIG}")
+        self.publish(f'RDATA caches worker1 {BIG} ["x",null,1]')
         self.publish('RDATA caches worker1 1 ["x",null,"not a number"]')
         # Both instances hear both lies.
         await until(lambda: refused("caches", "beyond_sequence") == before + 4)
@@ -718,7 +718,7 @@ class OwnFanoutTests(_InMemory):
         proto.dataReceived(b"POSITION caches master 0 0\n")
         caches = registry.get("caches")
         small = self.h.run(caches.write_fact([["a", None, 1], ["b", None, 1], ["c", None, 1]]))
-        big = self.h.run(caches.write_fact([["r%d" % i, None, i] for i in range(4)]))
+        big = self.h.run(caches.write_fact([[f"r{i}", None, i] for i in range(4)]))
         long = self.h.run(caches.write_fact([["x" * 2000, None, 1]]))
         after = self.h.run(caches.write_fact([["d", None, 1]]))
         self.settled(lambda: master.idle() and b"RDATA caches master %d " % after
@@ -726,10 +726,10 @@ class OwnFanoutTests(_InMemory):
         self.assertEqual(lines(ht), [
             'RDATA caches master batch ["a",null,1]',
             'RDATA caches master batch ["b",null,1]',
-            'RDATA caches master %d ["c",null,1]' % small,
-            "POSITION caches master %d %d" % (big, big),
-            "POSITION caches master %d %d" % (long, long),
-            'RDATA caches master %d ["d",null,1]' % after,
+            f'RDATA caches master {small} ["c",null,1]',
+            f"POSITION caches master {big} {big}",
+            f"POSITION caches master {long} {long}",
+            f'RDATA caches master {after} ["d",null,1]',
         ])
         # A reader fed those lines gets every fact whole, the big ones
         # from the table.
@@ -747,9 +747,9 @@ class OwnFanoutTests(_InMemory):
         honest, ht = self.server_conn(master, "worker2", replicate=True)
         keys = [[]] * 530
         caches = registry.get("caches")
-        dear = self.h.run(caches.write_fact([["r%d" % i, keys, i] for i in range(300)]))
-        cheap = self.h.run(caches.write_fact([["r%d" % i, keys, i] for i in range(3)]))
+        dear = self.h.run(caches.write_fact([[f"r{i}", keys, i] for i in range(300)]))
+        cheap = self.h.run(caches.write_fact([[f"r{i}", keys, i] for i in range(3)]))
         self.settled(lambda: master.idle() and b"RDATA caches master %d " % cheap
                      in ht.value())
-        self.assertEqual(lines(ht)[0], "POSITION caches master %d %d" % (dear, dear))
+        self.assertEqual(lines(ht)[0], f"POSITION caches master {dear} {dear}")
         self.assertEqual(len(lines(ht)), 4)

@@ -151,7 +151,7 @@ class BigAnswerTests(HttpTestCase):
                 break
         self.assertEqual(pages, 4)
         self.assertEqual(seen, sorted(seen))
-        self.assertEqual(seen, [("@u%05d:hs" % i, "D%d" % (i % 2)) for i in range(2500)])
+        self.assertEqual(seen, [(f"@u{i:05d}:hs", f"D{i % 2}") for i in range(2500)])
         # The bookkeeping of the other tables pages the same way.
         response, answer = await self.json(
             "GET", "/_replicator/v1/user_syncs?limit=1000", headers=AUTH)
@@ -167,10 +167,10 @@ class BigAnswerTests(HttpTestCase):
         self.assertIsNone(rest["next"])
         response, answer = await self.json(
             "GET", "/_replicator/v1/federation_acks?limit=40", headers=AUTH)
-        self.assertEqual(list(answer["acks"]), ["fed%03d" % i for i in range(40)])
+        self.assertEqual(list(answer["acks"]), [f"fed{i:03d}" for i in range(40)])
         response, answer = await self.json(
             "GET", "/_replicator/v1/federation_acks?from=" + answer["next"], headers=AUTH)
-        self.assertEqual(answer, {"acks": {"fed%03d" % i: i for i in range(40, 50)},
+        self.assertEqual(answer, {"acks": {f"fed{i:03d}": i for i in range(40, 50)},
                                   "next": None})
 
     async def test_bad_page_arguments_are_400(self):

@@ -273,7 +273,8 @@ def machine_for(LOCAL, REMOTE):
                 return
             assert linear == self.model_linear(), (linear, self.model_linear())
             for w in LOCAL:
-                assert positions[w] == self.model_current(w), (w, positions[w], self.model_current(w))
+                assert positions[w] == self.model_current(w), (w, positions[w],
+                                                               self.model_current(w))
             for w in REMOTE:
                 assert positions[w] == self.remote[w]
             assert gen.in_flight() == len(unfinished)

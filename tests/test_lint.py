@@ -1,5 +1,6 @@
 """Types and lint, failing the suite like any test: mypy (``mypy.ini``:
-strict on the replication core and the streams) and ruff (``ruff.toml``)."""
+strict on every package but the observers and the CLI) and ruff
+(``ruff.toml``)."""
 
 import os
 import subprocess

@@ -124,7 +124,8 @@ class TwistedLinesTests(SynchronousTestCase):
         self.assertFalse(keep({"log_namespace": "twisted.internet.base",
                                "log_format": "Main loop terminated.",
                                "log_level": LogLevel.info}))
-        self.assertFalse(keep({"log_namespace": "replicator.replication.transport.tcp.UpstreamService",
+        self.assertFalse(keep({"log_namespace":
+                               "replicator.replication.transport.tcp.UpstreamService",
                                "log_format": "Scheduling retry {attempt} to connect {endpoint} "
                                              "in {delay} seconds.",
                                "log_level": LogLevel.info}))

@@ -324,7 +324,8 @@ class RefusalTests(SynchronousTestCase):
         conn.close()
         path = write_config(directory, sqlite_config())
         line = (f"replicator: database.sqlite: database schema version 99 is newer than this "
-                f"replicator ({__version__}) supports ({migrations.CURRENT_VERSION}); upgrade replicator")
+                f"replicator ({__version__}) supports ({migrations.CURRENT_VERSION}); "
+                "upgrade replicator")
         for command in ("run", "check", "migrate"):
             self.assert_one_line(cli(command, "-c", path, cwd=directory), line)
         self.assertEqual(sqlite_facts(db), (RELEASE_FACTS, [("caches", "master", 4)]))
@@ -337,7 +338,8 @@ class RefusalTests(SynchronousTestCase):
         db = os.path.join(directory, "state.db")
         before = release.sqlite_fingerprint(db)
         line = ("replicator: database.sqlite: database schema version 1 is older than this "
-                f"replicator's ({migrations.CURRENT_VERSION}) and auto_migrate is false: back the database up and run "
+                f"replicator's ({migrations.CURRENT_VERSION}) and auto_migrate is false: back the "
+                "database up and run "
                 "'replicator migrate -c' with this file")
         for command in ("run", "check"):
             self.assert_one_line(cli(command, "-c", path, cwd=directory), line)

@@ -90,7 +90,8 @@ class StepOrderTests(TestCase):
                     ("user", r"systemd-sysusers|useradd|adduser"),
                     ("venv", r"python3 -m venv /opt/replicator|install-venv\.sh .*/opt/replicator"),
                     ("packages", r"apt-get install"),
-                    ("units", r"install .*\.service|/etc/systemd/system/\s*$|--units /etc/systemd/system")):
+                    ("units",
+                     r"install .*\.service|/etc/systemd/system/\s*$|--units /etc/systemd/system")):
                 if re.search(pattern, text, re.M) and what not in first:
                     first[what] = i
         self.assertIn("user", first, "no step makes the replicator user")
@@ -468,7 +469,7 @@ class OperationsPathTests(TestCase):
         with open(os.path.join(ROOT, "docs", "operations.md")) as f:
             page = f.read()
         for name in ("master", "worker1"):
-            line = re.search(r'`(\{"status":"ok","instance":"%s".*?),\.\.\.\}`' % name,
+            line = re.search(rf'`(\{{"status":"ok","instance":"{name}".*?),\.\.\.\}}`',
                              page).group(1)
             documented = json.loads(line + "}")
             answer = answers[name][1]

@@ -41,7 +41,9 @@ HEALTH = {"lag_grace": 1, "check_interval": 1}
 READ_PAGE = """(() => {
   const rows = Array.from(document.querySelectorAll('#writers tbody tr')).map(tr => {
     const row = {};
-    tr.querySelectorAll('td').forEach(td => { row[td.getAttribute('data-label')] = td.textContent; });
+    tr.querySelectorAll('td').forEach(td => {
+      row[td.getAttribute('data-label')] = td.textContent;
+    });
     return row;
   });
   const v = document.getElementById('verdict');

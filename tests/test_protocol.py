@@ -143,7 +143,8 @@ class FramingTests(SynchronousTestCase):
         proto.dataReceived(b"NAME w1\r\n\r\n\n   \n\t\nPING 1\r\nREPLICATE \r\n")
         self.assertEqual(
             handler.commands(),
-            [("NAME", NameCommand("w1")), ("PING", PingCommand("1")), ("REPLICATE", ReplicateCommand())],
+            [("NAME", NameCommand("w1")), ("PING", PingCommand("1")), ("REPLICATE",
+                                                                       ReplicateCommand())],
         )
         self.assertEqual(transport.value(), b"")
         self.assertFalse(transport.disconnecting)
@@ -152,7 +153,8 @@ class FramingTests(SynchronousTestCase):
         proto, transport, clock, handler = make_server()
         for chunk in (b"REPLI", b"CATE", b"\r", b"\nNAME ", b"w", b"1\n"):
             proto.dataReceived(chunk)
-        self.assertEqual(handler.commands(), [("REPLICATE", ReplicateCommand()), ("NAME", NameCommand("w1"))])
+        self.assertEqual(handler.commands(), [("REPLICATE", ReplicateCommand()), ("NAME",
+                                                                                  NameCommand("w1"))])
 
     def test_over_long_line(self):
         proto, transport, clock, handler = make_server(max_line_length=100)
@@ -266,7 +268,8 @@ class DirectionTests(SynchronousTestCase):
             self.assertEqual(handler.commands(), [])
 
     def test_server_may_not_send_client_commands(self):
-        for line in (b"NAME x", b"REPLICATE", b"USER_SYNC w @u None start 1", b"FEDERATION_ACK w 1"):
+        for line in (b"NAME x", b"REPLICATE", b"USER_SYNC w @u None start 1",
+                     b"FEDERATION_ACK w 1"):
             proto, transport, clock, handler = make_client()
             transport.clear()
             proto.dataReceived(line + b"\n")
@@ -364,7 +367,8 @@ class DirectionTests(SynchronousTestCase):
             self.assertEqual(transport.value(), b"")
             self.assertEqual(
                 [e[0] for e in handler.commands()],
-                ["REMOTE_SERVER_UP", "LOCK_RELEASED", "NEW_ACTIVE_TASK", "CANCEL_TASK", "ERROR", "PING"],
+                ["REMOTE_SERVER_UP", "LOCK_RELEASED", "NEW_ACTIVE_TASK", "CANCEL_TASK", "ERROR",
+                 "PING"],
             )
 
 
@@ -589,11 +593,13 @@ class KeepaliveTests(SynchronousTestCase):
         clock.advance(100)
         self.assertFalse(transport.disconnected)
         self.assertEqual(clock.getDelayedCalls(), [])
-        self.assertEqual([e for e in handler.events if e[0] == "lost_connection"], [("lost_connection", "shutdown")])
+        self.assertEqual([e for e in handler.events if e[0] == "lost_connection"],
+                         [("lost_connection", "shutdown")])
 
     def test_client_reports_healthy_after_handshake_and_a_ping_interval(self):
         healthy = []
-        proto, transport, clock, handler = make_client(on_healthy=lambda: healthy.append(clock.seconds()))
+        proto, transport, clock, handler = make_client(
+            on_healthy=lambda: healthy.append(clock.seconds()))
         self.assertFalse(proto.established)
         clock.advance(3)
         proto.dataReceived(b"SERVER hs.example\nPING 1\n")
@@ -791,7 +797,8 @@ class OutboundTests(SynchronousTestCase):
         self.assertEqual(handler.outbound, [("RDATA", 3)])
         self.assertEqual(
             transport.value(),
-            b'RDATA caches master batch ["a"]\nRDATA caches master 1 ["b"]\nRDATA caches master 2 ["c"]\n',
+            b'RDATA caches master batch ["a"]\nRDATA caches master 1 ["b"]\n'
+            b'RDATA caches master 2 ["c"]\n',
         )
 
     def test_send_command_counts(self):
@@ -881,7 +888,8 @@ class HostileInputTests(SynchronousTestCase):
             transport.clear()
             with CapturedLogs() as logs:
                 proto.dataReceived(line + b"\nREPLICATE\n")
-            self.assertTrue(transport.value().startswith(b"ERROR failed to parse line: "), line[:30])
+            self.assertTrue(transport.value().startswith(b"ERROR failed to parse line: "),
+                            line[:30])
             self.assertEqual(transport.value().count(b"\n"), 1)
             self.assertTrue(transport.disconnecting)
             self.assertEqual(proto.close_reason, "parse_error")

@@ -1,7 +1,8 @@
 """Short reads on the reactor thread (:mod:`replicator.storage.reactor_reads`),
 on a real PostgreSQL: the admission's read of a stream's sequence takes no
 trip to a pool thread; a connection lost while idle is replaced for the
-next read; a database out of reach fails the read; reads run in the order asked; closing fails what waits."""
+next read; a database out of reach fails the read; reads run in the order
+asked; closing fails what waits."""
 
 import psycopg2
 import psycopg2.extensions

@@ -19,7 +19,7 @@ DS = "/_replicator/v1/ds/{}"
 
 
 def offset(n: int) -> str:
-    return "%019d" % n
+    return f"{n:019d}"
 
 
 class DurableStreamTests(ReadTestCase):

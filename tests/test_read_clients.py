@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import threading
 import urllib.parse
-from typing import List
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -82,11 +81,11 @@ class StreamReader:
             with self._lock:
                 self.text += chunk
 
-    def events(self) -> List[dict]:
+    def events(self) -> list[dict]:
         with self._lock:
             return parse_events(self.text)
 
-    def facts(self) -> List[dict]:
+    def facts(self) -> list[dict]:
         return [e for e in self.events() if e.get("event") == "fact"]
 
     def stop(self):
@@ -130,7 +129,10 @@ source.addEventListener('fact', (event) => {
   }
 });
 source.onerror = (e) => console.error('eventsource error', e.message || e.type);
-setTimeout(() => { console.error(`timed out with ${got.length}`); process.exit(2); }, 60000).unref();
+setTimeout(() => {
+  console.error(`timed out with ${got.length}`);
+  process.exit(2);
+}, 60000).unref();
 """
 
 

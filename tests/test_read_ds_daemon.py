@@ -6,7 +6,6 @@ instances answer an offset with the same bytes."""
 
 import json
 import urllib.request
-from typing import Dict, List, Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -20,7 +19,7 @@ LINK = {"ping_interval": 1, "ping_timeout": 5}
 DS = "/_replicator/v1/ds/caches"
 
 
-def ds_get(base: str, query: str) -> Tuple[int, Dict[str, str], bytes]:
+def ds_get(base: str, query: str) -> tuple[int, dict[str, str], bytes]:
     request = urllib.request.Request(base + DS + query,
                                      headers={"Authorization": f"Bearer {SECRET}"})
     with urllib.request.urlopen(request, timeout=60) as response:
@@ -58,14 +57,14 @@ class MasterAndWorker:
             self.assertEqual(status, 200)
             self.n += 1
 
-    def table(self) -> List[Tuple[int, str, list]]:
+    def table(self) -> list[tuple[int, str, list]]:
         facts = table_facts(self.dsn, [("caches", "cache_invalidation_stream",
                                         ", ".join(COLUMNS))])
         out = []
         for (_, writer), items in facts.items():
             for stream_id, rows in items:
-                out.append((stream_id, writer, [[json.loads(v) if isinstance(v, str) and c == "keys" else v
-                                                 for c, v in zip(COLUMNS, row)]
+                out.append((stream_id, writer, [[json.loads(v) if isinstance(v, str) and c == "keys"
+                                                  else v for c, v in zip(COLUMNS, row)]
                                                 for row in rows]))
         return sorted(out)
 
@@ -83,9 +82,9 @@ class SwitchingReaderTests(MasterAndWorker, SynchronousTestCase):
         top = self.table()[-1][0]
         for daemon in (self.master, self.worker):
             wait_for(lambda d=daemon: self.tail(d) >= top, 60, "linear token past the writes")
-        got: List[dict] = []
+        got: list[dict] = []
         offset = "-1"
-        served: List[Tuple[str, bytes]] = []
+        served: list[tuple[str, bytes]] = []
         # Two pages from the master, the rest from the worker.
         for _ in range(2):
             status, headers, body = ds_get(self.master.http_base, f"?offset={offset}")

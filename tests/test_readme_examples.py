@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import List, Tuple
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -48,7 +47,7 @@ EVENTSOURCE_CLOSED = 2
 DEADLINE = 90.0
 
 
-def examples() -> List[Tuple[str, str]]:
+def examples() -> list[tuple[str, str]]:
     """``(language, code)`` of every fenced block of the section."""
     with open(README) as f:
         text = f.read()
@@ -125,7 +124,7 @@ def run_in_browser(browser: Browser, code: str) -> None:
     browser.evaluate(f"(() => {{ {code} }})(); true")
 
 
-def printed_facts(text: str) -> List[Tuple[int, list]]:
+def printed_facts(text: str) -> list[tuple[int, list]]:
     """``stream_id rows-as-JSON`` lines, as :func:`as_table` shapes them."""
     facts = []
     for line in text.splitlines():
@@ -298,7 +297,7 @@ class InProcess:
     def facts(self):
         return printed_facts(self.run.out.rpartition("\n")[0])
 
-    def errors(self) -> List[str]:
+    def errors(self) -> list[str]:
         return self.run.err.splitlines()
 
     def check(self, name: str) -> None:

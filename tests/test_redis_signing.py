@@ -147,7 +147,8 @@ class ReplayTests(TestCase):
 
         # As published, live: a REPLICATE answer at 2, then facts 3 to 6.
         answer = block("POSITION caches master 2 2")
-        facts = [block('RDATA caches master 3 ["f3",null,3]', 'RDATA caches master 4 ["f4",null,4]'),
+        facts = [block('RDATA caches master 3 ["f3",null,3]',
+                       'RDATA caches master 4 ["f4",null,4]'),
                  block('RDATA caches master 5 ["f5",null,5]'),
                  block('RDATA caches master batch ["f6",null,6]',
                        'RDATA caches master 6 ["f6b",null,6]')]

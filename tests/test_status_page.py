@@ -237,8 +237,8 @@ class FrozenMasterTests(SynchronousTestCase):
         self.assertLessEqual(problem["at"], stopped_at)
         self.assertGreaterEqual(problem["at"], before["connected_since"])
         self.assertEqual(len([p for p in snap["problems"] if p["reason"].startswith(
-            "replication not connected: upstream tcp:host=127.0.0.1:port=%d not answering"
-            % rep_port)]), 1, snap["problems"])
+            f"replication not connected: upstream tcp:host=127.0.0.1:port={rep_port} not "
+            "answering")]), 1, snap["problems"])
         # The page shows the same.
         page = get(base + "/")[2].decode()
         self.assertIn("handshake not answered since", page)

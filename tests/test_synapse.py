@@ -279,7 +279,8 @@ class SynapseChannelTests(TestCase):
         # Synapse asks everyone on its channel for positions; its own facts
         # arrive there.
         _pg(self.dsn, ["INSERT INTO cache_invalidation_stream_by_instance VALUES "
-                       "(nextval('cache_invalidation_stream_seq'), 'master', 'get_user', '{@a:hs}', 1)"])
+                       "(nextval('cache_invalidation_stream_seq'), 'master', 'get_user', "
+                       "'{@a:hs}', 1)"])
         redis_call(self.redis.port, "PUBLISH", "example.org", "REPLICATE ")
         # What Synapse answers to a REPLICATE, then a new fact of its own.
         redis_call(self.redis.port, "PUBLISH", "example.org", "POSITION caches master 0 0")

@@ -98,7 +98,7 @@ class SynapseStandIn:
         while not self._stop:
             try:
                 chunk = self.sub.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -17,7 +17,7 @@ import termios
 from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.trial.unittest import TestCase
 
-from replicator.observe.instance_metrics import unsent_bytes
+from replicator.net.twisted_private import unsent_bytes
 from tests.pki import make_pki
 
 #: What the sender writes: far more than two kernel socket buffers hold.

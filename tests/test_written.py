@@ -8,7 +8,7 @@ beyond 64 bits, nested JSON, rows too long for a line, facts too big for a
 batch), at the encoder, the fan-out, and through a stream's write path.
 """
 
-from typing import Any, List, Tuple
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,7 +43,7 @@ _row = st.lists(_json, min_size=1, max_size=4)
 
 
 @st.composite
-def _facts(draw: Any, row: Any = _row) -> List[Tuple[int, List[Any]]]:
+def _facts(draw: Any, row: Any = _row) -> list[tuple[int, list[Any]]]:
     """Facts of one writer in token order: (token, rows), tokens ascending
     with gaps (other writers' IDs), every fact with at least one row."""
     token = draw(st.integers(1, 10**12))
@@ -54,11 +54,11 @@ def _facts(draw: Any, row: Any = _row) -> List[Tuple[int, List[Any]]]:
     return out
 
 
-def _updates(facts: List[Tuple[int, List[Any]]]) -> List[Tuple[int, Any]]:
+def _updates(facts: list[tuple[int, list[Any]]]) -> list[tuple[int, Any]]:
     return [(token, row) for token, rows in facts for row in rows]
 
 
-def _page(facts: List[Tuple[int, List[Any]]], upto: int) -> EncodedPage:
+def _page(facts: list[tuple[int, list[Any]]], upto: int) -> EncodedPage:
     tokens, kept = [], []
     for token, rows in facts:
         for row in rows:
@@ -71,7 +71,7 @@ class _Capture:
     """The fan-out's ``broadcast``: what one connection would be written."""
 
     def __init__(self) -> None:
-        self.data: List[bytes] = []
+        self.data: list[bytes] = []
 
     def __call__(self, lines: Any, name: str) -> None:
         self.data.append(joined(lines))
@@ -192,7 +192,7 @@ class WritePathTests(SynchronousTestCase):
         self.assertEqual(str(e.exception),
                          "row 0: column 'keys' holds NaN or Infinity, which JSON cannot carry")
 
-    def harness(self, **handler_kwargs: Any) -> Tuple[Harness, Any, Any]:
+    def harness(self, **handler_kwargs: Any) -> tuple[Harness, Any, Any]:
         h = Harness(STREAMS, self.addCleanup)
         node = h.instance("master", **handler_kwargs)
         _, transport = h.serve(node, name="reader", replicate=True)

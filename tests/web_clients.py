@@ -33,7 +33,6 @@ import signal
 import subprocess
 import tempfile
 import threading
-from typing import List, Optional
 
 from tests.chaos.proxy import Proxy
 from tests.servers import free_port, unavailable, wait_for_port
@@ -132,7 +131,7 @@ class NginxCache:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def access_lines(self) -> List[List[str]]:
+    def access_lines(self) -> list[list[str]]:
         """nginx's access log: ``[request_uri, status, cache status, upstream
         address, upstream status, Last-Event-ID]`` per request (nginx writes
         the line when the request ends)."""
@@ -173,7 +172,7 @@ def node_binary() -> str:
 
 
 def node(script: str, *args: str, timeout: float = 120.0,
-         need: Optional[List[str]] = None) -> subprocess.CompletedProcess:
+         need: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run ``script`` (JavaScript source, CommonJS) with ``node``, ``args``
     after it in ``process.argv``; ``need``: npm packages it requires, from
     ``.node/node_modules`` (``make node-deps``)."""
@@ -233,7 +232,7 @@ class BadGateway:
     Last-Event-ID)`` of each request; :meth:`close` frees the port."""
 
     def __init__(self, port: int):
-        self.requests: List[tuple] = []
+        self.requests: list[tuple] = []
         seen = self.requests
 
         class Handler(http.server.BaseHTTPRequestHandler):

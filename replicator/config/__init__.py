@@ -89,6 +89,7 @@ __all__ = [
     "HealthConfig", "HttpConfig", "InstanceConfig", "ReaderConfig", "RedisConfig", "RedisKeys",
     "ReplicationConfig", "RetentionConfig",
     "StreamConfig", "SynapseConfig", "parse_redis", "parse_replication", "MAX_POOL",
-    "MAX_WRITE_GROUP", "parse_column", "parse_database", "parse_retention", "parse_stream", "parse_streams",
+    "MAX_WRITE_GROUP", "parse_column", "parse_database", "parse_retention", "parse_stream",
+    "parse_streams",
     "read_secret", "validate", "validate_http", "validate_replication",
 ]

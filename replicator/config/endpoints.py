@@ -16,7 +16,8 @@ file holds) is Twisted's to judge, in :func:`replicator.config.validate`.
 """
 
 import ipaddress
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from ..net.endpoint_strings import Endpoint, parse
 from .fields import ConfigError, did_you_mean, get_str, one_line
@@ -30,10 +31,10 @@ NO_PRIVATE_KEY = ("an ssl: listener needs privateKey= (its key file; certKey= to
 _PORT_CLIENTS = ("tcp", "ssl", "tls")
 
 
-def get_endpoint(section: Mapping, name: str, key: str, kind: str) -> Optional[str]:
+def get_endpoint(section: Mapping[str, Any], name: str, key: str, kind: str) -> str | None:
     """``section[name]`` as an endpoint string (``kind`` is ``server`` or
     ``client``), syntax checked; None if not given."""
-    value = get_str(section, name, key, None)
+    value: str | None = get_str(section, name, key, None)
     if value is None:
         return None
     path = f"{key}.{name}"
@@ -74,7 +75,7 @@ _CLIENT_OPTIONS = {
 }
 
 
-def _known_options(parsed: Endpoint, options: dict, role: str) -> None:
+def _known_options(parsed: Endpoint, options: dict[str, Any], role: str) -> None:
     """An option the endpoint's type does not have is named, with the
     options it has (and the one probably meant)."""
     known = options.get(parsed.kind)
@@ -124,8 +125,8 @@ def _check_client(parsed: Endpoint) -> None:
     _known_options(parsed, _CLIENT_OPTIONS, "client")
     if parsed.kind in _PORT_CLIENTS:
         args, kwargs = parsed.args, parsed.kwargs
-        host: Optional[str]
-        port: Optional[str]
+        host: str | None
+        port: str | None
         if len(args) >= 2:
             host, port = args[0], args[1]
         elif len(args) == 1 and "host" in kwargs:
@@ -143,7 +144,7 @@ def _check_client(parsed: Endpoint) -> None:
             raise ValueError("no socket path")
 
 
-def _port(text: Optional[str]) -> None:
+def _port(text: str | None) -> None:
     if not text:
         raise ValueError("no port")
     port = int(text)

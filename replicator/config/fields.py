@@ -10,7 +10,8 @@ range); a message is one line (values and unknown keys appear as ``repr``).
 import difflib
 import math
 import re
-from typing import Any, Mapping, Optional, Tuple
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
 
 # Always used with fullmatch.
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -46,7 +47,7 @@ class ConfigError(ValueError):
 
 
 
-def as_mapping(value: Any, key: str) -> Mapping:
+def as_mapping(value: Any, key: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(key, f"expected a mapping, got {kind_of(value)}")
     return value
@@ -66,14 +67,15 @@ def _key_name(name: Any) -> str:
     return repr(name)
 
 
-def no_unknown(section: Mapping, allowed, key: str) -> None:
+def no_unknown(section: Mapping[str, Any], allowed: Iterable[str], key: str) -> None:
     """A ConfigError naming the first key of ``section`` not in ``allowed``
     (``key`` is the section's own path, "" at the top), with the allowed
     key it probably meant when one is close (a typo: ``levle``)."""
     for name in section:
         if name not in allowed:
             prefix = f"{key}." if key else ""
-            raise ConfigError(f"{prefix}{_key_name(name)}", "unknown key" + did_you_mean(name, allowed))
+            raise ConfigError(f"{prefix}{_key_name(name)}",
+                              "unknown key" + did_you_mean(name, allowed))
 
 
 def one_line(error: BaseException) -> str:
@@ -81,7 +83,7 @@ def one_line(error: BaseException) -> str:
     return " ".join((str(error) or type(error).__name__).split())
 
 
-def did_you_mean(name: Any, allowed) -> str:
+def did_you_mean(name: Any, allowed: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the one allowed key closest to
     ``name``, or "" when none is close."""
     if not isinstance(name, str):
@@ -98,8 +100,8 @@ def sql_name(value: str, path: str) -> str:
     return value
 
 
-def get_str(section: Mapping, name: str, key: str, default: Any = ..., pattern=None,
-            what: str = "") -> Any:
+def get_str(section: Mapping[str, Any], name: str, key: str, default: Any = ...,
+            pattern: Optional["re.Pattern[str]"] = None, what: str = "") -> Any:
     """``section[name]``: a non-empty string (matching ``pattern``, which
     ``what`` describes), else ``default``; missing without a default is a
     ConfigError naming ``key.name``."""
@@ -116,7 +118,7 @@ def get_str(section: Mapping, name: str, key: str, default: Any = ..., pattern=N
     return value
 
 
-def get_path(section: Mapping, name: str, key: str, default: Any = ...) -> Any:
+def get_path(section: Mapping[str, Any], name: str, key: str, default: Any = ...) -> Any:
     """``section[name]``: a file path (a non-empty string without a NUL byte,
     which no file name can hold); the file itself is not looked at."""
     value = get_str(section, name, key, default)
@@ -126,12 +128,13 @@ def get_path(section: Mapping, name: str, key: str, default: Any = ...) -> Any:
     return value
 
 
-def get_int(section: Mapping, name: str, key: str, default: Any = ..., *, minimum: int,
+def get_int(section: Mapping[str, Any], name: str, key: str, default: Any = ..., *, minimum: int,
          maximum: int) -> int:
     """An integer in ``[minimum, maximum]`` (both required: every number has
     a range)."""
     if not _given(section, name, key, default):
-        return default
+        given: int = default
+        return given
     path, value = _path(key, name), section[name]
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(path, f"expected an integer, got {kind_of(value)}")
@@ -141,7 +144,7 @@ def get_int(section: Mapping, name: str, key: str, default: Any = ..., *, minimu
     return value
 
 
-def get_number(section: Mapping, name: str, key: str, default: float, *, minimum: float,
+def get_number(section: Mapping[str, Any], name: str, key: str, default: float, *, minimum: float,
                maximum: float) -> float:
     """A finite number (int or float) in ``[minimum, maximum]``."""
     path = _path(key, name)
@@ -154,7 +157,7 @@ def get_number(section: Mapping, name: str, key: str, default: float, *, minimum
     return float(value)
 
 
-def get_bool(section: Mapping, name: str, key: str, default: bool) -> bool:
+def get_bool(section: Mapping[str, Any], name: str, key: str, default: bool) -> bool:
     """``section[name]`` as a YAML boolean (``default`` if missing)."""
     path = _path(key, name)
     value = section.get(name, default)
@@ -163,12 +166,13 @@ def get_bool(section: Mapping, name: str, key: str, default: bool) -> bool:
     return value
 
 
-def get_list(section: Mapping, name: str, key: str, default: Any = ...,
-             empty: Optional[str] = None) -> list:
+def get_list(section: Mapping[str, Any], name: str, key: str, default: Any = ...,
+             empty: str | None = None) -> list[Any]:
     """``section[name]``: a list (with ``empty``, a non-empty one: ``empty``
     says why none is wrong)."""
     if not _given(section, name, key, default):
-        return default
+        given: list[Any] = default
+        return given
     path, value = _path(key, name), section[name]
     if not isinstance(value, list):
         raise ConfigError(path, f"expected a list, got {kind_of(value)}")
@@ -177,7 +181,7 @@ def get_list(section: Mapping, name: str, key: str, default: Any = ...,
     return value
 
 
-def get_names(section: Mapping, name: str, key: str, empty: str) -> Tuple[str, ...]:
+def get_names(section: Mapping[str, Any], name: str, key: str, empty: str) -> tuple[str, ...]:
     """``section[name]``: a non-empty list of instance names (as they travel
     on the wire)."""
     names = get_list(section, name, key, empty=empty)
@@ -192,7 +196,7 @@ def _path(key: str, name: str) -> str:
     return f"{key}.{name}" if key else name
 
 
-def _given(section: Mapping, name: str, key: str, default: Any) -> bool:
+def _given(section: Mapping[str, Any], name: str, key: str, default: Any) -> bool:
     """Whether ``section`` has ``name``; missing without a default (``...``)
     is a ConfigError."""
     if name in section:

@@ -3,7 +3,9 @@
 
 import os
 import re
-from typing import Any, Optional, Tuple
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 import yaml
 
@@ -28,6 +30,8 @@ from .model import (
     HttpConfig,
     InstanceConfig,
     ReaderConfig,
+    ReplicationConfig,
+    StreamConfig,
     SynapseConfig,
 )
 from .replication import parse_replication
@@ -96,7 +100,8 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     if metrics_listen is not None:
         m = HOST_PORT.fullmatch(metrics_listen)
         if not m or not 0 < int(m.group("port")) < 65536:
-            raise ConfigError(f"{key}.metrics_listen", f"expected host:port, got {metrics_listen!r}")
+            raise ConfigError(f"{key}.metrics_listen",
+                              f"expected host:port, got {metrics_listen!r}")
     max_connections = get_int(section, "max_connections", key, 256, minimum=1, maximum=100_000)
     # Half the connections by default: long-polls and event streams never
     # keep a health check or a write out.
@@ -130,7 +135,7 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
     )
 
 
-def parse_readers(value: Any, key: str) -> Tuple[ReaderConfig, ...]:
+def parse_readers(value: Any, key: str) -> tuple[ReaderConfig, ...]:
     """``http.readers``: ``[{name, secret_file, streams}]`` (the streams are
     checked against the config's by :func:`parse_instance`; the files are
     read by :func:`.validate.validate`)."""
@@ -170,7 +175,8 @@ def parse_health(value: Any, key: str = "health") -> HealthConfig:
                                maximum=3600.0))
 
 
-def parse_consumers(value: Any, stream_names, key: str = "consumers") -> Tuple[ConsumerConfig, ...]:
+def parse_consumers(value: Any, stream_names: AbstractSet[str],
+                    key: str = "consumers") -> tuple[ConsumerConfig, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -196,7 +202,7 @@ INSTANCE_KEYS = ("server_name", "instance_name", "database", "streams", "replica
                  "consumers", "log_level", "log_format", "health", "synapse", "pid_file")
 
 
-def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
+def parse_synapse(value: Any, key: str = "synapse") -> SynapseConfig | None:
     if value is None:
         return None
     section = as_mapping(value, key)
@@ -210,8 +216,8 @@ def parse_synapse(value: Any, key: str = "synapse") -> Optional[SynapseConfig]:
     return SynapseConfig(server_name, database, redis)
 
 
-def _check_synapse_streams(streams, instance_name: str,
-                           synapse_config: Optional[SynapseConfig]) -> None:
+def _check_synapse_streams(streams: Sequence[StreamConfig], instance_name: str,
+                           synapse_config: SynapseConfig | None) -> None:
     """No local writer of a Synapse stream: of a preset stream always, of
     any stream named like one of Synapse's when a Synapse shares the
     deployment (its ID generators and sync tokens would take our IDs)."""
@@ -228,14 +234,15 @@ def _check_synapse_streams(streams, instance_name: str,
                               f"otherwise)")
 
 
-def _check_reader_streams(http: HttpConfig, stream_names) -> None:
+def _check_reader_streams(http: HttpConfig, stream_names: AbstractSet[str]) -> None:
     for i, reader in enumerate(http.readers):
         for j, name in enumerate(reader.streams):
             if name != "*" and name not in stream_names:
                 raise ConfigError(f"http.readers[{i}].streams[{j}]", f"unknown stream {name!r}")
 
 
-def _check_writer_secrets(replication, streams, instance_name: str) -> None:
+def _check_writer_secrets(replication: ReplicationConfig, streams: Sequence[StreamConfig],
+                          instance_name: str) -> None:
     """Each name in ``replication.writer_secrets`` writes a stream here and
     is not this instance (whose own writes need no proof)."""
     remote = {w for s in streams for w in s.writers} - {instance_name}
@@ -247,7 +254,7 @@ def _check_writer_secrets(replication, streams, instance_name: str) -> None:
                               f"{secret.name!r} {why}: only remote writers prove their NAME")
 
 
-def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
+def parse_instance(doc: Any, path: str | None = None) -> InstanceConfig:
     """A whole instance config from its parsed YAML document."""
     # Relative paths (SQLite file, secret file, consumer files) are relative
     # to the working directory, as for the daemon's state directory.
@@ -288,6 +295,10 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
                           f"{log_format!r} is not one of {', '.join(LOG_FORMATS)}")
     if database.engine == "sqlite":
         for i, stream in enumerate(streams):
+            if stream.foreign_writers:
+                raise ConfigError(f"streams[{i}].foreign_writers",
+                                  "needs PostgreSQL: an embedded SQLite database has no "
+                                  "sequence a plain-SQL writer could take IDs from")
             others = [w for w in stream.writers if w != instance_name]
             if others:
                 raise ConfigError(f"streams[{i}].writers",
@@ -301,7 +312,8 @@ def parse_instance(doc: Any, path: Optional[str] = None) -> InstanceConfig:
     return InstanceConfig(
         server_name=server_name, instance_name=instance_name, database=database,
         streams=streams, replication=replication, http=http, consumers=consumers,
-        log_level=log_level, log_format=log_format, path=path, health=health, synapse=synapse_config,
+        log_level=log_level, log_format=log_format, path=path, health=health,
+        synapse=synapse_config,
         pid_file=pid_file,
     )
 

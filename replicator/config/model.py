@@ -2,7 +2,7 @@
 by the parsers of this package (their values are already checked)."""
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from ..net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
 
@@ -52,8 +52,8 @@ class RetentionConfig:
     trimmed, every ``interval`` seconds, at most ``batch`` facts per
     transaction; never a fact at or above the persisted linear position."""
 
-    max_age: Optional[float] = None  # seconds
-    max_facts: Optional[int] = None
+    max_age: float | None = None  # seconds
+    max_facts: int | None = None
     interval: float = 60.0
     batch: int = 1000
 
@@ -69,18 +69,27 @@ class StreamConfig:
     name: str
     table: str
     id_column: str
-    writer_column: Optional[str]
-    columns: Tuple[ColumnConfig, ...]
+    writer_column: str | None
+    columns: tuple[ColumnConfig, ...]
     sequence: str
-    writers: Tuple[str, ...]
-    timestamp_column: Optional[str] = None
+    writers: tuple[str, ...]
+    timestamp_column: str | None = None
     create: bool = True
-    preset: Optional[str] = None  # e.g. "synapse/caches": a Synapse stream, read-only
+    preset: str | None = None  # e.g. "synapse/caches": a Synapse stream, read-only
     # The stream_name of its rows in stream_positions when it is not ``name``
     # (Synapse's presets: its ID generator's name, e.g. "presence_stream").
-    positions_name: Optional[str] = None
+    positions_name: str | None = None
     # What is trimmed from the table (None: everything is kept).
-    retention: Optional[RetentionConfig] = None
+    retention: RetentionConfig | None = None
+    #: Plain-SQL writers may insert into the table (PostgreSQL): its ID
+    #: default takes the fence (:mod:`replicator.streams.fence`), and their
+    #: rows are facts of the first writer (``writers[0]``).
+    foreign_writers: bool = False
+
+    @property
+    def foreign_writer(self) -> str | None:
+        """The writer whose facts plain-SQL rows are (None: none accepted)."""
+        return self.writers[0] if self.foreign_writers else None
 
     @property
     def positions_key(self) -> str:
@@ -88,7 +97,7 @@ class StreamConfig:
         return self.positions_name or self.name
 
     @property
-    def column_names(self) -> List[str]:
+    def column_names(self) -> list[str]:
         return [c.name for c in self.columns]
 
     @property
@@ -105,8 +114,8 @@ class DatabaseConfig:
     """Where the streams live: ``engine`` is ``sqlite`` or ``postgres``."""
 
     engine: str
-    path: Optional[str] = None  # sqlite
-    dsn: Optional[str] = None  # postgres
+    path: str | None = None  # sqlite
+    dsn: str | None = None  # postgres
     pool_min: int = 1
     pool_max: int = 5
     write_group_max: int = 256  # facts per write transaction (group commit)
@@ -125,7 +134,7 @@ class RedisKeys:
     #: This instance's private key (PEM, PKCS#8), which signs what it publishes.
     private_key: str
     #: (instance name, path of its public key, PEM) of every other instance.
-    public_keys: Tuple[Tuple[str, str], ...] = ()
+    public_keys: tuple[tuple[str, str], ...] = ()
     #: During a rolling upgrade: take unsigned lines too (counted).
     accept_unsigned: bool = False
 
@@ -139,17 +148,17 @@ class RedisConfig:
     ``master_name``: the master Sentinel names, found again after a
     failover (:mod:`replicator.replication.transport.redis_sentinel`)."""
 
-    endpoint: Optional[str]
-    password: Optional[str] = None
-    dbid: Optional[int] = None
-    sentinels: Tuple[Tuple[str, int], ...] = ()
-    master_name: Optional[str] = None
+    endpoint: str | None
+    password: str | None = None
+    dbid: int | None = None
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master_name: str | None = None
     #: One of REDIS_CHANNELS: every line on one channel, or a channel per stream.
     channels: str = "single"
     #: A Redis cluster's seed nodes (sharded pub/sub; ``endpoint`` is the first).
-    cluster: Tuple[str, ...] = ()
+    cluster: tuple[str, ...] = ()
     #: Lines on our own channels signed and checked; None: trusted by design.
-    keys: Optional[RedisKeys] = None
+    keys: RedisKeys | None = None
 
     @property
     def where(self) -> str:
@@ -167,7 +176,7 @@ class WriterSecret:
 
     name: str
     secret_file: str
-    secret: Optional[str] = field(default=None, repr=False)
+    secret: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -178,10 +187,10 @@ class ReplicationConfig:
     ``upstream``: endpoint string a worker connects to.
     """
 
-    listen: Optional[str] = None
-    upstream: Optional[str] = None
-    redis: Optional[RedisConfig] = None
-    client_ca: Optional[str] = None  # ssl: listener: require client certs from this CA
+    listen: str | None = None
+    upstream: str | None = None
+    redis: RedisConfig | None = None
+    client_ca: str | None = None  # ssl: listener: require client certs from this CA
     ping_interval: float = 5.0
     ping_timeout: float = 15.0
     max_queued_lines: int = 10_000
@@ -203,8 +212,8 @@ class ReplicationConfig:
     audit: bool = True
     audit_recheck: float = 300.0
     # Who may connect (README, "Security model"); None: anyone.
-    allowed_peers: Optional[Tuple[str, ...]] = None
-    allowed_networks: Optional[Tuple[str, ...]] = None
+    allowed_peers: tuple[str, ...] | None = None
+    allowed_networks: tuple[str, ...] | None = None
     # A listener beyond loopback without client_ca or allowed_networks starts
     # only with this (README, "Security model").
     insecure_public_listener: bool = False
@@ -216,9 +225,9 @@ class ReplicationConfig:
     # Proof of a writer's NAME (docs/protocol.md): on a listener, the remote
     # writers that must prove theirs; on a worker, its own secret's file
     # (``secret`` is None until validate() has read it).
-    writer_secrets: Tuple[WriterSecret, ...] = ()
-    secret_file: Optional[str] = None
-    secret: Optional[str] = field(default=None, repr=False)
+    writer_secrets: tuple[WriterSecret, ...] = ()
+    secret_file: str | None = None
+    secret: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -229,8 +238,8 @@ class ReaderConfig:
 
     name: str
     secret_file: str
-    streams: Tuple[str, ...]
-    secret: Optional[str] = field(default=None, repr=False)
+    streams: tuple[str, ...]
+    secret: str | None = field(default=None, repr=False)
 
     def covers(self, stream: str) -> bool:
         return "*" in self.streams or stream in self.streams
@@ -240,11 +249,11 @@ class ReaderConfig:
 class HttpConfig:
     """The HTTP API: write facts, positions, health, metrics."""
 
-    listen: Optional[str] = None
+    listen: str | None = None
     # With secret_file, None until validate() has read it.
-    secret: Optional[str] = field(default=None, repr=False)
-    metrics_listen: Optional[str] = None  # host:port served from its own thread
-    secret_file: Optional[str] = None  # the file validate() reads the secret from
+    secret: str | None = field(default=None, repr=False)
+    metrics_listen: str | None = None  # host:port served from its own thread
+    secret_file: str | None = None  # the file validate() reads the secret from
     # A request's headers must arrive within header_timeout seconds of its
     # first byte (or of the connection opening), its body within
     # body_timeout of its headers; at most max_connections at once.
@@ -258,7 +267,7 @@ class HttpConfig:
     reserved_for_writers: int = 16
     # The read API (docs/read-api.md): credentials, and how many long-polls
     # and event streams may be open at once (all, and from one address).
-    readers: Tuple[ReaderConfig, ...] = ()
+    readers: tuple[ReaderConfig, ...] = ()
     max_waiting_reads: int = 128
     max_waiting_reads_per_address: int = 32
     heartbeat_interval: float = 15.0
@@ -286,8 +295,8 @@ class ConsumerConfig:
     ``replicator.consumers`` group, or a dotted path ``package.module:Class``."""
 
     type: str
-    streams: Optional[Tuple[str, ...]] = None
-    options: Dict[str, Any] = field(default_factory=dict)
+    streams: tuple[str, ...] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -300,8 +309,8 @@ class SynapseConfig:
     """
 
     server_name: str
-    database: Optional[str] = None
-    redis: Optional[str] = None
+    database: str | None = None
+    redis: str | None = None
 
 
 @dataclass(frozen=True)
@@ -311,15 +320,15 @@ class InstanceConfig:
     server_name: str
     instance_name: str
     database: DatabaseConfig
-    streams: Tuple[StreamConfig, ...]
+    streams: tuple[StreamConfig, ...]
     replication: ReplicationConfig
     http: HttpConfig
-    consumers: Tuple[ConsumerConfig, ...] = ()
+    consumers: tuple[ConsumerConfig, ...] = ()
     log_level: str = "info"
     log_format: str = "text"
     health: HealthConfig = HealthConfig()
-    path: Optional[str] = None
-    synapse: Optional[SynapseConfig] = None
+    path: str | None = None
+    synapse: SynapseConfig | None = None
     #: The file holding the running daemon's PID (locked while it runs):
     #: how ``replicator reopen`` finds it (:mod:`replicator.daemon.pidfile`).
-    pid_file: Optional[str] = None
+    pid_file: str | None = None

@@ -2,7 +2,8 @@
 connect."""
 
 import os
-from typing import Any, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 from ..net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY
 from ..net.endpoint_strings import is_loopback
@@ -24,7 +25,7 @@ from .fields import (
 from .model import REDIS_CHANNELS, RedisConfig, RedisKeys, ReplicationConfig, WriterSecret
 
 
-def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
+def parse_redis(value: Any, key: str) -> RedisConfig | None:
     """Redis by ``endpoint``, or through ``sentinels`` + ``master_name``."""
     if value is None:
         return None
@@ -64,7 +65,7 @@ def parse_redis(value: Any, key: str) -> Optional[RedisConfig]:
                        keys=_keys(section.get("keys"), f"{key}.keys"))
 
 
-def _keys(value: Any, key: str) -> Optional[RedisKeys]:
+def _keys(value: Any, key: str) -> RedisKeys | None:
     """``keys``: this instance's Ed25519 private key and the others' public
     keys (paths; the files are read in validate())."""
     if value is None:
@@ -81,7 +82,7 @@ def _keys(value: Any, key: str) -> Optional[RedisKeys]:
     return RedisKeys(private_key, tuple(pairs),
                      get_bool(section, "accept_unsigned", key, False))
 
-def _sentinels(section: Mapping, key: str) -> Tuple[Tuple[str, int], ...]:
+def _sentinels(section: Mapping[str, Any], key: str) -> tuple[tuple[str, int], ...]:
     """``sentinels``: ``host:port`` strings (``[v6]:port``), as pairs."""
     if section.get("sentinels") is None:
         return ()
@@ -98,7 +99,7 @@ def _sentinels(section: Mapping, key: str) -> Tuple[Tuple[str, int], ...]:
         out.append((host, int(port)))
     return tuple(out)
 
-def _cluster(section: Mapping, key: str) -> Tuple[str, ...]:
+def _cluster(section: Mapping[str, Any], key: str) -> tuple[str, ...]:
     """``cluster``: a Redis cluster's seed nodes, client endpoint strings."""
     if section.get("cluster") is None:
         return ()
@@ -111,7 +112,7 @@ def _cluster(section: Mapping, key: str) -> Tuple[str, ...]:
     return tuple(nodes)
 
 
-def _channels(section: Mapping, key: str, default: str) -> str:
+def _channels(section: Mapping[str, Any], key: str, default: str) -> str:
     """``channels``: the layout of :mod:`replicator.replication.transport.redis_channels`."""
     value = section.get("channels", default)
     if not isinstance(value, str) or value not in REDIS_CHANNELS:
@@ -120,14 +121,14 @@ def _channels(section: Mapping, key: str, default: str) -> str:
     return value
 
 
-def _allowed_peers(section: Mapping, key: str) -> Optional[Tuple[str, ...]]:
+def _allowed_peers(section: Mapping[str, Any], key: str) -> tuple[str, ...] | None:
     if section.get("allowed_peers") is None:
         return None
     return get_names(section, "allowed_peers", key, "an empty list would refuse every peer")
 
 
-def _allowed_networks(section: Mapping, key: str, listen: Optional[str]
-                      ) -> Optional[Tuple[str, ...]]:
+def _allowed_networks(section: Mapping[str, Any], key: str, listen: str | None
+                      ) -> tuple[str, ...] | None:
     if section.get("allowed_networks") is None:
         return None
     import ipaddress
@@ -152,8 +153,8 @@ def _file(path: str) -> str:
     return path if os.path.isabs(path) else os.path.join(".", path)
 
 
-def _writer_secrets(section: Mapping, key: str, listen: Optional[str]
-                    ) -> Tuple[WriterSecret, ...]:
+def _writer_secrets(section: Mapping[str, Any], key: str, listen: str | None
+                    ) -> tuple[WriterSecret, ...]:
     """``writer_secrets``: ``{writer: secret file}``, the remote writers that
     prove their NAME to this listener (the files are read by validate();
     parse_instance checks that each is a remote writer)."""
@@ -175,8 +176,8 @@ def _writer_secrets(section: Mapping, key: str, listen: Optional[str]
     return tuple(out)
 
 
-def _protected(listen: Optional[str], client_ca: Optional[str],
-               allowed_networks: Optional[Tuple[str, ...]], opted_in: bool, key: str) -> None:
+def _protected(listen: str | None, client_ca: str | None,
+               allowed_networks: tuple[str, ...] | None, opted_in: bool, key: str) -> None:
     """Refuse a listener beyond loopback that anyone could use (Redis's
     protected mode): without ``client_ca`` or ``allowed_networks`` every
     peer that reaches it reads every fact, unless the operator says so."""

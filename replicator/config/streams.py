@@ -2,7 +2,9 @@
 component shares."""
 
 import re
-from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 from .fields import (
     IDENTIFIER,
@@ -101,7 +103,7 @@ def parse_column(value: Any, key: str) -> ColumnConfig:
 
 STREAM_KEYS = (
     "name", "table", "id_column", "writer_column", "columns", "sequence",
-    "writers", "timestamp_column", "create", "preset", "retention",
+    "writers", "timestamp_column", "create", "preset", "retention", "foreign_writers",
 )
 RETENTION_KEYS = ("max_age", "max_facts", "interval", "batch")
 #: ``retention.max_age``: a whole number and a unit ("7d", "12h", "90m").
@@ -117,7 +119,8 @@ MAX_TRIM_BATCH = 100_000
 PRESET_KEYS = ("table", "id_column", "writer_column", "columns", "sequence", "create")
 
 
-def _apply_preset(section: Mapping, key: str) -> Tuple[Mapping, str, frozenset, Optional[str]]:
+def _apply_preset(section: Mapping[str, Any], key: str,
+                  ) -> tuple[Mapping[str, Any], str, "frozenset[str]", str | None]:
     """The stream section with its preset's layout filled in; the preset's
     name; the columns stored as JSON text."""
     from .. import synapse
@@ -167,8 +170,8 @@ def parse_duration(value: Any, path: str) -> float:
     return float(seconds)
 
 
-def parse_retention(value: Any, key: str, timestamp_column: Optional[str],
-                    columns) -> RetentionConfig:
+def parse_retention(value: Any, key: str, timestamp_column: str | None,
+                    columns: Sequence[ColumnConfig]) -> RetentionConfig:
     """A stream's ``retention``: ``max_age`` needs the stream's
     ``timestamp_column`` (NOT NULL): a fact's age is read from it."""
     section = as_mapping(value, key)
@@ -268,29 +271,34 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
                                                   f"decides what it keeps")
         retention = parse_retention(section["retention"], f"{key}.retention",
                                     timestamp_column, columns)
+    foreign_writers = get_bool(section, "foreign_writers", key, False)
+    if foreign_writers and preset is not None:
+        raise ConfigError(f"{key}.foreign_writers", f"{preset!r} is Synapse's table: its "
+                                                    f"writers are Synapse's")
     return StreamConfig(
         name=name, table=table, id_column=id_column, writer_column=writer_column,
         columns=columns, sequence=sequence, writers=tuple(writers),
         timestamp_column=timestamp_column,
         create=create, preset=preset, positions_name=positions_name, retention=retention,
+        foreign_writers=foreign_writers,
     )
 
 
-def parse_streams(value: Any, key: str = "streams") -> Tuple[StreamConfig, ...]:
+def parse_streams(value: Any, key: str = "streams") -> tuple[StreamConfig, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
         raise ConfigError(key, f"expected a list, got {kind_of(value)}")
     streams = []
-    names: Dict[str, int] = {}
+    names: dict[str, int] = {}
     # Tables and sequences share one namespace in PostgreSQL; unquoted
     # names fold case.
-    relations: Dict[str, str] = {}
+    relations: dict[str, str] = {}
     for i, item in enumerate(value):
         stream = parse_stream(item, f"{key}[{i}]")
         if stream.name in names:
-            raise ConfigError(f"{key}[{i}].name",
-                              f"duplicate stream {stream.name!r} (also {key}[{names[stream.name]}])")
+            raise ConfigError(f"{key}[{i}].name", f"duplicate stream {stream.name!r} "
+                                                  f"(also {key}[{names[stream.name]}])")
         _claim(relations, stream.table, f"{key}[{i}].table")
         _claim(relations, stream.sequence, f"{key}[{i}].sequence")
         names[stream.name] = i
@@ -298,7 +306,7 @@ def parse_streams(value: Any, key: str = "streams") -> Tuple[StreamConfig, ...]:
     return tuple(streams)
 
 
-def _claim(relations: Dict[str, str], name: str, path: str) -> None:
+def _claim(relations: dict[str, str], name: str, path: str) -> None:
     """Record that the table or sequence ``name`` is the one at ``path``
     (``streams[i].table`` or ``.sequence``); a ConfigError if another
     stream's table or sequence has that name already."""

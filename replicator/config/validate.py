@@ -13,17 +13,18 @@ The endpoints built here are thrown away: the instance builds its own.
 
 import dataclasses
 import re
-from typing import Dict, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from twisted.internet import endpoints
 
 from ..net.endpoint_strings import parse
 from .fields import ConfigError, one_line
 from .instance import MIN_SECRET
-from .model import HttpConfig, InstanceConfig, ReplicationConfig
+from .model import HttpConfig, InstanceConfig, ReaderConfig, ReplicationConfig
 
 
-def validate(config: InstanceConfig, reactor) -> InstanceConfig:
+def validate(config: InstanceConfig, reactor: Any) -> InstanceConfig:
     """``config`` checked against its files, with the secret read from
     ``http.secret_file`` (the one change: every other value is as parsed)."""
     if config.synapse is not None and config.synapse.redis:
@@ -36,7 +37,7 @@ def validate(config: InstanceConfig, reactor) -> InstanceConfig:
     return dataclasses.replace(config, http=http, replication=replication)
 
 
-def validate_replication(rep: ReplicationConfig, reactor,
+def validate_replication(rep: ReplicationConfig, reactor: Any,
                          key: str = "replication") -> ReplicationConfig:
     """The listener (with its client CA), the upstream and Redis endpoints;
     ``rep`` with the writers' secrets (and the worker's own) read from
@@ -63,13 +64,13 @@ def read_replication_secrets(rep: ReplicationConfig,
     """``rep`` with ``secret_file`` and each of ``writer_secrets`` read (at
     least :data:`MIN_SECRET` characters; no two writers alike: one would
     prove the other's NAME)."""
-    changes: Dict[str, object] = {}
+    changes: dict[str, object] = {}
     if rep.secret_file is not None:
         changes["secret"] = _min_secret(read_secret(rep.secret_file, f"{key}.secret_file"),
                                         f"{key}.secret_file")
     if rep.writer_secrets:
         out = []
-        seen: Dict[str, str] = {}
+        seen: dict[str, str] = {}
         for writer in rep.writer_secrets:
             where = f"{key}.writer_secrets.{writer.name}"
             secret = _min_secret(read_secret(writer.secret_file, where), where)
@@ -108,7 +109,7 @@ def validate_redis_keys(config: InstanceConfig, key: str = "replication.redis.ke
                                   f"line it publishes would be refused")
 
 
-def validate_http(http: HttpConfig, reactor, key: str = "http") -> HttpConfig:
+def validate_http(http: HttpConfig, reactor: Any, key: str = "http") -> HttpConfig:
     """The listener, and the secret read from ``secret_file``."""
     if http.listen is not None:
         _build(reactor, http.listen, f"{key}.listen", "server")
@@ -123,12 +124,13 @@ def validate_http(http: HttpConfig, reactor, key: str = "http") -> HttpConfig:
     return http
 
 
-def read_reader_secrets(readers, key: str = "http", write_secret: Optional[str] = None):
+def read_reader_secrets(readers: Iterable[ReaderConfig], key: str = "http",
+                        write_secret: str | None = None) -> tuple[ReaderConfig, ...]:
     """``http.readers`` with each reader's secret read from its file (at
     least :data:`MIN_SECRET` characters, no two readers alike, none the
     write secret: a reader would write, and read as ``secret``)."""
     out = []
-    seen: Dict[str, str] = {}
+    seen: dict[str, str] = {}
     for i, reader in enumerate(readers):
         where = f"{key}.readers[{i}].secret_file"
         secret = read_secret(reader.secret_file, where)
@@ -175,7 +177,7 @@ def read_secret(path: str, key: str) -> str:
     return secret
 
 
-def _build(reactor, value: str, path: str, kind: str) -> Optional[object]:
+def _build(reactor: Any, value: str, path: str, kind: str) -> object | None:
     """Let Twisted build the endpoint ``value`` (and read its files); a
     ``tls:`` listener's directory must hold its key and certificate, a
     ``tls:`` client's files what :func:`..net.tls.check_client_files` says."""
@@ -186,12 +188,14 @@ def _build(reactor, value: str, path: str, kind: str) -> Optional[object]:
                 from ..net.tls import check_pem_directory
 
                 check_pem_directory(parsed.kwargs.get("path", parsed.args[0]))
-            return endpoints.serverFromString(reactor, value)
+            server: object = endpoints.serverFromString(reactor, value)
+            return server
         parsed = parse(value)
         if parsed.kind == "tls":
             from ..net.tls import check_client_files
 
             check_client_files(parsed.kwargs)
-        return endpoints.clientFromString(reactor, value)
+        client: object = endpoints.clientFromString(reactor, value)
+        return client
     except Exception as e:  # Twisted raises several types for bad strings and files
         raise ConfigError(path, f"cannot parse endpoint {value!r}: {one_line(e)}") from None

@@ -5,10 +5,14 @@ batch in the file."""
 import os
 import queue
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 from twisted.python.failure import Failure
+
+#: An I/O job: the function, its arguments, the Deferred of its result.
+_Job = tuple[Callable[..., Any], tuple[Any, ...], "defer.Deferred[Any]"]
 
 
 class FileThread:
@@ -21,14 +25,14 @@ class FileThread:
     is not in the file's positions, so it is fetched again).
     """
 
-    def __init__(self, name: str, reactor):
+    def __init__(self, name: str, reactor: Any) -> None:
         self.name = name
         self._reactor = reactor
-        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
+        self._thread: threading.Thread | None = None
 
-    def run(self, fn: Callable, *args) -> defer.Deferred:
-        d: defer.Deferred = defer.Deferred()
+    def run(self, fn: Callable[..., Any], *args: Any) -> "defer.Deferred[Any]":
+        d: defer.Deferred[Any] = defer.Deferred()
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
             self._thread.start()
@@ -55,7 +59,7 @@ class FileThread:
             self._thread = None
 
 
-def run_inline(fn: Callable, *args) -> defer.Deferred:
+def run_inline(fn: Callable[..., Any], *args: Any) -> "defer.Deferred[Any]":
     """Run an I/O job on the calling thread (tests on a Clock, scripts)."""
     return defer.maybeDeferred(fn, *args)
 

@@ -31,13 +31,15 @@ skipped, ``facts`` of them still in the table then; ``"to": "boundary"``
 in it (``--skip-to boundary``) says the operator accepted whatever
 retention trims before the reader reads: until the key's position moves
 again, a retention gap below it is skipped the same way by the daemon,
-with another such line (:meth:`JsonlConsumer.accepted_gap`).  A reader that only wants facts skips lines
+with another such line (:meth:`JsonlConsumer.accepted_gap`).  A reader that only wants facts skips
+lines
 without ``"rows"``.
 
 Lines are buffered and written in batches (one ``write`` + ``fsync`` per
 flush, then the state file's) by a thread of the file's own, never on the
 reactor thread.  The line of a fact of more than ``ENCODE_SLICE`` rows is
-encoded a slice per reactor turn (the fact is handed on when it is done).  After a crash the file holds whole batches plus possibly a
+encoded a slice per reactor turn (the fact is handed on when it is done).  After a crash the file
+holds whole batches plus possibly a
 partial last line; on open the partial line is cut off, and the positions
 are the state file's plus those of the complete lines written after it
 (:mod:`.jsonl_files`), so the reader resumes exactly after the last line on
@@ -48,12 +50,14 @@ position with it.
 import json
 import os
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Optional
 
 import orjson
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -72,7 +76,7 @@ from ..config import (
 from ..jsontext import NonFiniteError, any_non_finite, encode_json, encode_json_line
 from ..net.backoff import Outage
 from . import jsonl_files
-from .base import STARTS, Consumer, IAcceptsTrimmed, IBatchConsumer, Key
+from .base import STARTS, Consumer, IAcceptsTrimmed, IBatchConsumer, Key, Row
 from .file_thread import FileThread, append_at
 from .jsonl_commands import BOUNDARY, iso_time
 
@@ -85,7 +89,7 @@ class JsonlError(ValueError):
     position, or another consumer holds the file."""
 
 
-def parse_line(line: bytes) -> Tuple[Optional[Key], Optional[int], Optional[dict]]:
+def parse_line(line: bytes) -> tuple[Key | None, int | None, dict[str, Any] | None]:
     """``(key, token, obj)`` of one complete line of a JSON-lines file.
 
     ``token`` is the fact's token or the position; a blank line gives
@@ -126,9 +130,9 @@ class _File:
     fd: int
     size: int  # bytes of whole lines
     inode: int
-    started: Optional[float]  # when its first line was written (clock seconds)
+    started: float | None  # when its first line was written (clock seconds)
     heading_size: int = 0  # bytes of the position lines it begins with
-    notes: List[str] = field(default_factory=list)  # to log on the reactor thread
+    notes: list[str] = field(default_factory=list)  # to log on the reactor thread
 
 
 def _close_file(handle: _File) -> None:
@@ -186,11 +190,11 @@ class JsonlConsumer(Consumer):
     #: Delay before retrying a failed flush (seconds; at least flush_interval).
     retry_delay = 1.0
 
-    def __init__(self, path: str, reactor, *, streams: Optional[Sequence[str]] = None,
+    def __init__(self, path: str, reactor: Any, *, streams: Sequence[str] | None = None,
                  flush_interval: float = 0.05, fsync: bool = True, max_buffer: int = 1 << 20,
-                 run_io: Optional[Callable[..., defer.Deferred]] = None,
-                 rotate_size: Optional[int] = None, rotate_age: Optional[float] = None,
-                 rotate_keep: int = 7, rotate_names: str = "number", start: str = "now"):
+                 run_io: Callable[..., "defer.Deferred[Any]"] | None = None,
+                 rotate_size: int | None = None, rotate_age: float | None = None,
+                 rotate_keep: int = 7, rotate_names: str = "number", start: str = "now") -> None:
         clock = reactor
         if start not in STARTS:
             raise ValueError(f"start {start!r} is not one of {', '.join(STARTS)}")
@@ -208,34 +212,34 @@ class JsonlConsumer(Consumer):
         self.fsync = fsync
         self.max_buffer = max_buffer
         self._clock = clock
-        self._thread: Optional[FileThread] = None
+        self._thread: FileThread | None = None
         if run_io is None:
             self._thread = FileThread(f"jsonl {os.path.basename(self.path)}", reactor)
             run_io = self._thread.run
         self._run_io = run_io
-        self._durable: Dict[Key, int] = {}  # in the file
-        self._last: Dict[Key, int] = {}  # in the file, being written, or buffered
+        self._durable: dict[Key, int] = {}  # in the file
+        self._last: dict[Key, int] = {}  # in the file, being written, or buffered
         #: Keys a ``--skip-to boundary`` skip line set (with the position it
         #: set); valid while the key's position is still that one.
-        self._accepted: Dict[Key, int] = {}
-        self._buffer: List[bytes] = []
+        self._accepted: dict[Key, int] = {}
+        self._buffer: list[bytes] = []
         self._buffered = 0  # bytes of the buffer and of _unwritten
-        self._pending_positions: Dict[Key, int] = {}
+        self._pending_positions: dict[Key, int] = {}
         #: Keys whose last line (written or buffered) is a fact: only these
         #: get a position line (after it, once) until the next rotation.
-        self._after_fact: Set[Key] = set()
+        self._after_fact: set[Key] = set()
         self._unwritten = b""  # a failed batch: written before anything newer
-        self._writing: Optional[defer.Deferred] = None  # the batch in the writer's hands
-        self._again: List[defer.Deferred] = []  # flush() calls made meanwhile
+        self._writing: defer.Deferred[Any] | None = None  # the batch in the writer's hands
+        self._again: list[defer.Deferred[bool]] = []  # flush() calls made meanwhile
         self._timer = None
         self._failed = False
         # Writes failing: the retries' backoff and the outage's two log lines.
         self._outage = Outage(f"{path}: writing", self.retry_delay)
-        self._waiters: List[defer.Deferred] = []
+        self._waiters: list[defer.Deferred[None]] = []
         self._closed = False
-        self._closing: Optional[defer.Deferred] = None
-        self._file: Optional[_File] = None  # used by the file's thread only while writing
-        self._lock_fd: Optional[int] = None
+        self._closing: defer.Deferred[None] | None = None
+        self._file: _File | None = None  # used by the file's thread only while writing
+        self._lock_fd: int | None = None
         #: Rotations made (by size or age) and rotations followed (logrotate).
         self.rotations = 0
         self.reopens = 0
@@ -299,7 +303,7 @@ class JsonlConsumer(Consumer):
         log.info("{path}: positions of {keys} stream writers ({lines} lines read past its "
                  "state file)", path=self.path, lines=lines, keys=len(self._durable))
 
-    def _scan(self, start: int, committed_only: bool) -> Tuple[int, int, int, bool]:
+    def _scan(self, start: int, committed_only: bool) -> tuple[int, int, int, bool]:
         """Read the file from ``start`` once, updating the positions:
         ``(complete lines, their end offset, file size, unfinished)``.
 
@@ -344,12 +348,12 @@ class JsonlConsumer(Consumer):
         return lines, good, total, unfinished
 
     @property
-    def _fd(self) -> Optional[int]:
+    def _fd(self) -> int | None:
         """The current file's descriptor (None once closed)."""
         return self._file.fd if self._file is not None else None
 
     @_fd.setter
-    def _fd(self, fd: Optional[int]) -> None:
+    def _fd(self, fd: int | None) -> None:
         if fd is None:
             self._file = None
         else:
@@ -357,17 +361,17 @@ class JsonlConsumer(Consumer):
             self._file.fd = fd
 
     # ------------------------------------------------------------ consumer
-    def positions(self) -> Dict[Key, int]:
+    def positions(self) -> dict[Key, int]:
         return {key: token for key, token in self._durable.items()
                 if self.streams is None or key[0] in self.streams}
 
-    def _accepted_at(self, positions: Dict[Key, int]) -> Dict[Key, int]:
+    def _accepted_at(self, positions: dict[Key, int]) -> dict[Key, int]:
         """The accepted keys whose position in ``positions`` is still the
         one their skip set (what a state file of those positions records)."""
         return {key: token for key, token in self._accepted.items()
                 if positions.get(key) == token}
 
-    def accepted_gap(self, stream: str, writer: str) -> Optional[int]:
+    def accepted_gap(self, stream: str, writer: str) -> int | None:
         """The key's position if a ``--skip-to boundary`` skip line (the
         operator's, or one this method's caller wrote after it) set it and
         nothing was handed on since: the operator accepted the loss of
@@ -377,7 +381,8 @@ class JsonlConsumer(Consumer):
         token = self._accepted.get(key)
         return token if token is not None and self._last.get(key) == token else None
 
-    def skip_trimmed(self, stream: str, writer: str, boundary: int) -> Optional[defer.Deferred]:
+    def skip_trimmed(self, stream: str, writer: str,
+                     boundary: int) -> Optional["defer.Deferred[None]"]:
         """An accepted key (:meth:`accepted_gap`) met a retention gap: buffer
         a skip line to ``boundary`` (every fact up to it trimmed, so none of
         them in the table), the key staying accepted; a Deferred to wait
@@ -394,7 +399,8 @@ class JsonlConsumer(Consumer):
         self._accepted[key] = boundary
         return result
 
-    def on_facts(self, stream, writer, token, rows):
+    def on_facts(self, stream: str, writer: str, token: int,
+                 rows: list[Row]) -> Optional["defer.Deferred[None]"]:
         if self._closed:
             log.debug("{path} is closed: fact {token} of {stream}/{writer} not written",
                       path=self.path, token=token, stream=stream, writer=writer)
@@ -412,7 +418,8 @@ class JsonlConsumer(Consumer):
         line = encode_json_line({"stream": stream, "writer": writer, "token": token, "rows": rows})
         return self._append(key, [line], token)
 
-    def on_facts_many(self, stream, writer, facts):
+    def on_facts_many(self, stream: str, writer: str, facts: Sequence[tuple[int, list[Row]]],
+                      ) -> Optional["defer.Deferred[None]"]:
         """``on_facts`` for ``(token, rows)`` facts in token order (a page of a
         catch-up), in one pass.  The buffer may go past ``max_buffer`` by one
         page; a Deferred is returned, as by ``on_facts``, when it is full."""
@@ -435,7 +442,7 @@ class JsonlConsumer(Consumer):
                              for token, rows in facts])
         return self._append(key, [data], facts[-1][0])
 
-    async def _append_sliced(self, key, facts) -> None:
+    async def _append_sliced(self, key: Key, facts: Sequence[tuple[int, list[Row]]]) -> None:
         """Append the lines of ``facts`` of ``key``, one of which has more
         than ``ENCODE_SLICE`` rows: its rows encoded a slice per reactor
         turn (the same bytes as in one go); waits as :meth:`_append` says."""
@@ -450,7 +457,8 @@ class JsonlConsumer(Consumer):
         if result is not None:
             await result
 
-    def _append(self, key, lines, last, facts: bool = True) -> Optional[defer.Deferred]:
+    def _append(self, key: Key, lines: list[bytes], last: int,
+                facts: bool = True) -> Optional["defer.Deferred[None]"]:
         """Buffer ``lines`` of ``key`` (the last one's token: ``last``; fact
         lines unless ``facts`` is false); a Deferred to wait on when the
         buffer is full, else None."""
@@ -468,14 +476,15 @@ class JsonlConsumer(Consumer):
                 self.flush()
             if self._buffered >= self.max_buffer:
                 # The writer is busy or the disk is failing: wait for it.
-                waiter: defer.Deferred = defer.Deferred()
+                waiter: defer.Deferred[None] = defer.Deferred()
                 self._waiters.append(waiter)
                 return waiter
         if self._buffer:
             self._schedule(self.flush_interval)
         return None
 
-    def on_position(self, stream, writer, token):
+    def on_position(self, stream: str, writer: str,
+                    token: int) -> Optional["defer.Deferred[None]"]:
         if self._closed:
             return None
         key = (stream, writer)
@@ -494,7 +503,7 @@ class JsonlConsumer(Consumer):
             self._schedule(self.flush_interval)
         return None
 
-    def close(self) -> defer.Deferred:
+    def close(self) -> "defer.Deferred[None]":
         """Write what is buffered, then release the file; fires when done
         (at once with an inline ``run_io``).  Later calls return the same."""
         if self._closing is not None:
@@ -522,8 +531,8 @@ class JsonlConsumer(Consumer):
         if self._thread is not None:
             self._thread.stop()
 
-    def _wait_written(self) -> defer.Deferred:
-        d: defer.Deferred = defer.Deferred()
+    def _wait_written(self) -> "defer.Deferred[bool]":
+        d: defer.Deferred[bool] = defer.Deferred()
         self._again.append(d)
         return d
 
@@ -534,9 +543,9 @@ class JsonlConsumer(Consumer):
         return b"".join(encode_json_line({"stream": s, "writer": w, "position": token})
                         for (s, w), token in sorted(self._durable.items()))
 
-    def _write_job(self, handle: _File, data: bytes, heading: bytes, target: Dict[Key, int],
+    def _write_job(self, handle: _File, data: bytes, heading: bytes, target: dict[Key, int],
                    truncate_first: bool, now: float,
-                   accepted: Optional[Dict[Key, int]] = None) -> None:
+                   accepted: dict[Key, int] | None = None) -> None:
         """(The file's thread.)  Follow a rotation made outside, rotate if
         due, append ``data`` (after ``heading`` in a new file), then record
         ``target`` in the state file.  On an error the file is as before
@@ -616,7 +625,7 @@ class JsonlConsumer(Consumer):
         while handle.notes:
             log.info("{path}: {note}", path=self.path, note=handle.notes.pop(0))
 
-    def reopen(self) -> defer.Deferred:
+    def reopen(self) -> "defer.Deferred[None]":
         """Follow a rotation made outside now (SIGUSR1, which ``replicator
         reopen`` sends from ``logrotate``'s ``postrotate``): release a file
         moved away at once rather than at the next batch.  Fires when done."""
@@ -627,7 +636,7 @@ class JsonlConsumer(Consumer):
         d.addCallback(lambda _: self._log_notes(handle))
         return d
 
-    def rewind(self, positions: Dict[Key, int]) -> defer.Deferred:
+    def rewind(self, positions: dict[Key, int]) -> "defer.Deferred[None]":
         """Set the positions of the keys in ``positions`` (lower them: the
         reader then delivers those facts again), as one transaction: one
         rewind line per key, then the state file (the commit; a rewind cut
@@ -635,8 +644,8 @@ class JsonlConsumer(Consumer):
         consumer with nothing buffered (``replicator rewind``)."""
         return self._set_positions(positions, "rewind")
 
-    def skip(self, positions: Dict[Key, int],
-             notes: Optional[Dict[Key, dict]] = None) -> defer.Deferred:
+    def skip(self, positions: dict[Key, int],
+             notes: dict[Key, dict[str, Any]] | None = None) -> "defer.Deferred[None]":
         """Set the positions of the keys in ``positions`` (raise them: the
         facts up to them are never delivered, a retention gap accepted) as
         one transaction: one *skip line* per key (a position line with a
@@ -648,8 +657,9 @@ class JsonlConsumer(Consumer):
         (:meth:`accepted_gap`)."""
         return self._set_positions(positions, "position", notes or {})
 
-    def _set_positions(self, positions: Dict[Key, int], kind: str,
-                       notes: Optional[Dict[Key, dict]] = None) -> defer.Deferred:
+    def _set_positions(self, positions: dict[Key, int], kind: str,
+                       notes: dict[Key, dict[str, Any]] | None = None,
+                       ) -> "defer.Deferred[None]":
         assert not (self._buffer or self._pending_positions or self._unwritten)
         handle = self._file
         if handle is None or not positions:
@@ -668,7 +678,7 @@ class JsonlConsumer(Consumer):
         d = self._run_io(self._write_job, handle, data, self._heading(), target, False,
                          self._clock.seconds(), self._accepted_at(target))
 
-        def done(_):
+        def done(_: object) -> None:
             self._log_notes(handle)
             self._durable = target
             self._last = dict(target)
@@ -699,7 +709,7 @@ class JsonlConsumer(Consumer):
         ]
         return self._unwritten + b"".join(self._buffer + positions)
 
-    def flush(self, retry: bool = True) -> defer.Deferred:
+    def flush(self, retry: bool = True) -> "defer.Deferred[bool]":
         """Hand what is buffered to the writer now.  Fires with True once it
         is in the file (and fsynced), False if that failed: then the file is
         as before and, with ``retry``, a retry is scheduled.  While a batch
@@ -751,7 +761,7 @@ class JsonlConsumer(Consumer):
             # Asked for meanwhile, or the buffer filled up: the next batch now.
             result = defer.ensureDeferred(self._write(retry))
 
-            def answer(written, waiting=again):
+            def answer(written: object, waiting: list["defer.Deferred[bool]"] = again) -> None:
                 for d in waiting:
                     d.callback(written is True)
             result.addBoth(answer)
@@ -777,7 +787,8 @@ class JsonlConsumer(Consumer):
 ENCODE_SLICE = 5000
 
 
-async def _sliced_fact_line(clock, stream: str, writer: str, token: int, rows: list) -> bytes:
+async def _sliced_fact_line(clock: IReactorTime, stream: str, writer: str, token: int,
+                            rows: list[Row]) -> bytes:
     """``encode_json_line`` of the fact ``token`` (the same bytes), its
     rows encoded ``ENCODE_SLICE`` per turn of ``clock``.  What orjson
     refuses in a slice makes the whole line go through ``encode_json_line``
@@ -806,8 +817,8 @@ _ARRAYS = frozenset({list, tuple})
 _first, _last = itemgetter(0), itemgetter(-1)
 
 
-def fact_lines_at_once(stream: str, writer: str, facts: Sequence[Tuple[int, list]]
-                       ) -> Optional[bytes]:
+def fact_lines_at_once(stream: str, writer: str, facts: Sequence[tuple[int, list[Row]]]
+                       ) -> bytes | None:
     """The fact lines of ``facts`` (in order, joined) from ONE orjson call, or
     None where that does not apply (then the caller encodes fact by fact, which
     also raises what :func:`.jsontext.encode_json` raises).
@@ -838,7 +849,7 @@ def fact_lines_at_once(stream: str, writer: str, facts: Sequence[Tuple[int, list
     if len(parts) != n or any_non_finite(fact_rows, data):
         return None
     prefix = encode_json({"stream": stream, "writer": writer})[:-1].replace(b"%", b"%%")
-    args: list = [None] * (2 * n)
+    args: list[object] = [None] * (2 * n)
     args[0::2] = tokens
     args[1::2] = parts
     return (prefix + b',"token":%d,"rows":[[%s]]}\n') * n % tuple(args)
@@ -850,7 +861,7 @@ _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _AGE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def _rotate_size(options, where: str) -> Optional[int]:
+def _rotate_size(options: Mapping[str, Any], where: str) -> int | None:
     """``rotate_size``: bytes, as an integer or ``"100M"`` (K, M, G: powers
     of 1024); at least 1 KiB."""
     value = options.get("rotate_size")
@@ -869,7 +880,7 @@ def _rotate_size(options, where: str) -> Optional[int]:
     return size
 
 
-def _rotate_age(options, where: str) -> Optional[float]:
+def _rotate_age(options: Mapping[str, Any], where: str) -> float | None:
     """``rotate_age``: seconds, as a number or ``"12h"`` (s, m, h, d); at
     least one second."""
     value = options.get("rotate_age")
@@ -889,7 +900,7 @@ def _rotate_age(options, where: str) -> Optional[float]:
     return age
 
 
-def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
+def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict[str, Any]:
     """The keyword arguments of a :class:`JsonlConsumer` from its config
     (options ``path``, relative to ``base_dir``; ``fsync``;
     ``flush_interval``; ``rotate_size``, ``rotate_age``, ``rotate_keep``,
@@ -915,15 +926,15 @@ def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict:
         start=start_of(options, where))
 
 
-def start_of(options, where: str) -> str:
+def start_of(options: Mapping[str, Any], where: str) -> str:
     """A built-in consumer's ``start`` option (default ``beginning``)."""
-    start = get_str(options, "start", where, "beginning")
+    start: str = get_str(options, "start", where, "beginning")
     if start not in STARTS:
         raise ConfigError(f"{where}.start", f"{start!r} is not one of {', '.join(STARTS)}")
     return start
 
 
-def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor: Any) -> Consumer:
     """A :class:`JsonlConsumer` from its config (:func:`options_of`)."""
     kwargs = options_of(config, base_dir, where)
     path = kwargs.pop("path")

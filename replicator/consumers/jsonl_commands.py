@@ -50,19 +50,20 @@ failure (the daemon holds the output, the database unreachable), 2 a usage
 mistake (one line).
 """
 
+import argparse
 import os
 import sys
-from datetime import datetime, timezone
-from typing import Dict, List, NoReturn, Optional, Tuple
+from datetime import UTC, datetime
+from typing import Any, NoReturn
 
 from twisted.internet import defer, task
 
 from ..config.model import InstanceConfig, StreamConfig
 from ..storage import schema
-from ..storage.database import Database
+from ..storage.database import Cursor, Database
 from ..streams.trimmed import TrimCheck, boundary_key
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 
 
 #: ``--skip-to boundary``: the stream's trim boundary when the skip is made.
@@ -78,9 +79,9 @@ def _fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def find_jsonl(config: InstanceConfig, name: str) -> Tuple[str, str, Tuple[str, ...]]:
+def find_jsonl(config: InstanceConfig, name: str) -> tuple[str, str, tuple[str, ...]]:
     """``(where, absolute path, stream names)`` of the jsonl consumer ``name``."""
-    index: Optional[int] = None
+    index: int | None = None
     text = name[len("consumers["):-1] if name.startswith("consumers[") and name.endswith("]") \
         else name
     if text.isdigit():
@@ -109,7 +110,7 @@ def find_jsonl(config: InstanceConfig, name: str) -> Tuple[str, str, Tuple[str, 
     return where, os.path.abspath(consumer.options["path"]), streams
 
 
-def parse_point(text: str, flag: str = "--to") -> Tuple[Optional[int], Optional[int]]:
+def parse_point(text: str, flag: str = "--to") -> tuple[int | None, int | None]:
     """``(token, None)`` or ``(None, milliseconds since the epoch)``;
     ``flag`` other than ``--to`` takes a token only."""
     if text.lstrip("-").isdigit():
@@ -126,11 +127,11 @@ def parse_point(text: str, flag: str = "--to") -> Tuple[Optional[int], Optional[
         raise Usage(f"rewind: --to {text!r} is neither a token (an integer) nor a time "
                     f"(ISO 8601, e.g. 2026-11-25T10:00:00Z)") from None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     return None, int(when.timestamp() * 1000)
 
 
-def _last_token(txn, stream: StreamConfig, db) -> int:
+def _last_token(txn: Cursor, stream: StreamConfig, db: Database) -> int:
     """The stream's largest token: its table's, or a persisted position."""
     txn.execute(f"SELECT MAX({stream.id_column}) FROM {stream.table}")
     top = txn.fetchone()[0] or 0
@@ -141,7 +142,7 @@ def _last_token(txn, stream: StreamConfig, db) -> int:
     return top
 
 
-def _boundary(txn, stream: StreamConfig, db) -> int:
+def _boundary(txn: Cursor, stream: StreamConfig, db: Database) -> int:
     """The trim boundary of the stream's table (0: nothing trimmed)."""
     if stream.preset is not None:
         return 0  # Synapse's tables are never trimmed
@@ -150,13 +151,13 @@ def _boundary(txn, stream: StreamConfig, db) -> int:
 
 def iso_time(ms: int) -> str:
     """``ms`` (since the epoch) as ISO 8601 UTC, as skip lines write it."""
-    when = datetime.fromtimestamp(ms / 1000, timezone.utc)
+    when = datetime.fromtimestamp(ms / 1000, UTC)
     text = when.strftime("%Y-%m-%dT%H:%M:%S")
     return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
 
 
-def _check_kept(txn, stream: StreamConfig, db, text: str, token: Optional[int],
-                ms: Optional[int]) -> None:
+def _check_kept(txn: Cursor, stream: StreamConfig, db: Database, text: str, token: int | None,
+                ms: int | None) -> None:
     """Refuse a point before what the stream's table keeps (trimmed by
     retention): delivering again from there would stop at the gap."""
     boundary = _boundary(txn, stream, db)
@@ -178,16 +179,17 @@ def _check_kept(txn, stream: StreamConfig, db, text: str, token: Optional[int],
                     f"{oldest[0]}, is of {iso_time(oldest[1])}); rewind to that time or later")
 
 
-def _first_at(txn, stream: StreamConfig, db, ms: Optional[int]) -> Optional[int]:
+def _first_at(txn: Cursor, stream: StreamConfig, db: Database, ms: int | None) -> int | None:
     txn.execute(db.sql(f"SELECT MIN({stream.id_column}) FROM {stream.table} "
                        f"WHERE {stream.timestamp_column} >= %s"), (ms,))
-    return txn.fetchone()[0]
+    first: int | None = txn.fetchone()[0]
+    return first
 
 
-def _points(txn, db, streams: List[StreamConfig], text: str, token: Optional[int],
-            ms: Optional[int]) -> Dict[str, Optional[int]]:
+def _points(txn: Cursor, db: Database, streams: list[StreamConfig], text: str, token: int | None,
+            ms: int | None) -> dict[str, int | None]:
     """Per stream, the first token delivered again (None: nothing to)."""
-    points: Dict[str, Optional[int]] = {}
+    points: dict[str, int | None] = {}
     for stream in streams:
         _check_kept(txn, stream, db, text, token, ms)
         if token is not None:
@@ -201,8 +203,8 @@ def _points(txn, db, streams: List[StreamConfig], text: str, token: Optional[int
     return points
 
 
-def _skip_plan(txn, db, stream: StreamConfig, token: Optional[int],
-               current: Dict[Key, int]) -> Tuple[int, int, Dict[Key, int]]:
+def _skip_plan(txn: Cursor, db: Database, stream: StreamConfig, token: int | None,
+               current: dict[Key, int]) -> tuple[int, int, dict[Key, int]]:
     """One transaction: ``(target, boundary, facts of the table skipped per
     key)`` for the consumer's positions ``current`` in ``stream``; ``token``
     None is ``--skip-to boundary`` (the target is the boundary read here).
@@ -226,7 +228,8 @@ def _skip_plan(txn, db, stream: StreamConfig, token: Optional[int],
     return target, boundary, counts
 
 
-def _in_table(txn, db, stream: StreamConfig, writer: str, after: int, upto: int) -> int:
+def _in_table(txn: Cursor, db: Database, stream: StreamConfig, writer: str, after: int,
+              upto: int) -> int:
     """How many facts of ``writer`` the table holds after ``after`` up to ``upto``."""
     where = f"{stream.writer_column} = %s AND " if stream.writer_column else ""
     txn.execute(db.sql(f"SELECT COUNT(DISTINCT {stream.id_column}) FROM {stream.table} "
@@ -235,7 +238,7 @@ def _in_table(txn, db, stream: StreamConfig, writer: str, after: int, upto: int)
     return int(txn.fetchone()[0])
 
 
-def cmd_rewind(config: InstanceConfig, args) -> None:
+def cmd_rewind(config: InstanceConfig, args: argparse.Namespace) -> None:
     from .file_thread import run_inline
     from .jsonl import JsonlConsumer, JsonlError
 
@@ -264,7 +267,7 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
     except Usage as e:
         _fail(str(e), 2)
 
-    def open_output(reactor) -> "JsonlConsumer":
+    def open_output(reactor: Any) -> "JsonlConsumer":
         try:
             return JsonlConsumer(path, reactor, run_io=run_inline, streams=streams)
         except JsonlError as e:
@@ -273,7 +276,7 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
                       f"holds its positions in memory and would write over the rewind)", 1)
             _fail(f"rewind: {e}", 1)
 
-    async def skip_main(reactor):
+    async def skip_main(reactor: Any) -> None:
         stream = chosen[0]
         db = Database(config.database)
         try:
@@ -313,7 +316,7 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
             print(f"rewind: {name}/{writer}: position {before} -> {target}: skipped facts "
                   f"{before + 1} to {target} ({n} of them in the table{trimmed})", flush=True)
 
-    async def main(reactor):
+    async def main(reactor: Any) -> None:
         db = Database(config.database)
         try:
             points = await db.runInteraction(_points, db, chosen, text, token, ms)
@@ -349,7 +352,7 @@ def cmd_rewind(config: InstanceConfig, args) -> None:
     task.react(lambda reactor: defer.ensureDeferred(run(reactor)), [])
 
 
-def cmd_verify(config: InstanceConfig, args) -> None:
+def cmd_verify(config: InstanceConfig, args: argparse.Namespace) -> None:
     from .jsonl_verify import Verifier, summary
 
     try:
@@ -357,7 +360,7 @@ def cmd_verify(config: InstanceConfig, args) -> None:
     except Usage as e:
         _fail(str(e), 2)
 
-    async def main(reactor):
+    async def main(reactor: Any) -> None:
         db = Database(config.database)
         try:
             result = await db.runInteraction(Verifier(config, path, db).run)

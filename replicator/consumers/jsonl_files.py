@@ -50,11 +50,11 @@ import json
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from .. import files
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 STATE_VERSION = 1
 
 
@@ -66,13 +66,13 @@ class StateError(ValueError):
 class State:
     """What the state file holds (see the module docstring)."""
 
-    positions: Dict[Key, int]
+    positions: dict[Key, int]
     inode: int
     offset: int
-    started: Optional[float] = None
+    started: float | None = None
     #: Keys whose position a ``--skip-to boundary`` set, nothing handed on
     #: since: the position each had then (:meth:`.JsonlConsumer.accepted_gap`).
-    accepted: Dict[Key, int] = dataclasses.field(default_factory=dict)
+    accepted: dict[Key, int] = dataclasses.field(default_factory=dict)
 
 
 def _sibling(path: str, suffix: str) -> str:
@@ -88,7 +88,7 @@ def lock_path(path: str) -> str:
     return _sibling(path, "lock")
 
 
-def read_state(path: str) -> Optional[State]:
+def read_state(path: str) -> State | None:
     """The state of the JSON-lines file ``path``, or None if it has none."""
     where = state_path(path)
     try:
@@ -169,7 +169,7 @@ def fsync_directory(directory: str) -> None:
 NAMES = ("number", "date")
 
 
-def _rotated(path: str) -> List[Tuple[tuple, str]]:
+def _rotated(path: str) -> list[tuple[tuple[int, Any, Any], str]]:
     directory, name = os.path.split(path)
     pattern = re.compile(re.escape(name) + r"(?:\.(\d+)|-(\d[\d_-]*?)(?:\.(\d+))?)(?:\.gz)?")
     found = []
@@ -181,7 +181,7 @@ def _rotated(path: str) -> List[Tuple[tuple, str]]:
         m = pattern.fullmatch(entry)
         if m is None:
             continue
-        order: Tuple[int, Any, Any]
+        order: tuple[int, Any, Any]
         if m.group(1) is not None:
             order = (1, -int(m.group(1)), "")  # numbered: .N oldest ... .1 newest
         else:
@@ -190,7 +190,7 @@ def _rotated(path: str) -> List[Tuple[tuple, str]]:
     return sorted(found)
 
 
-def rotated_files(path: str) -> List[str]:
+def rotated_files(path: str) -> list[str]:
     """The rotated files of ``path`` (numbered or dated, maybe ``.gz``),
     oldest first (dated ones before numbered ones when both exist)."""
     return [p for _, p in _rotated(path)]

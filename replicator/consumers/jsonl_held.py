@@ -15,8 +15,9 @@ Blocking I/O: a pool thread or a command-line tool, never the reactor.
 import gzip
 import os
 import resource
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator, List, Tuple
+from typing import BinaryIO
 
 from .jsonl_files import rotated_files
 
@@ -40,17 +41,17 @@ class Held:
     exists); :meth:`close` when done."""
 
     path: str
-    files: List[HeldFile]
+    files: list[HeldFile]
     #: Set by :meth:`lines`: a last line cut short at the current file's
     #: size while the file grew since (the batch being written then: not
     #: a problem, not read).
     cut: int = field(default=0)
 
     @property
-    def paths(self) -> List[str]:
+    def paths(self) -> list[str]:
         return [f.path for f in self.files]
 
-    def lines(self) -> Iterator[Tuple[str, int, bytes]]:
+    def lines(self) -> Iterator[tuple[str, int, bytes]]:
         """``(path, offset, line)`` of every complete line held; a last
         line without its newline is yielded as it is (without ``\\n``)
         unless it is the current file's and that file grew since."""
@@ -94,7 +95,7 @@ class Held:
         self.files = []
 
 
-def _names(path: str) -> List[str]:
+def _names(path: str) -> list[str]:
     return rotated_files(path) + ([path] if os.path.exists(path) else [])
 
 
@@ -115,7 +116,7 @@ def hold(path: str) -> Held:
     for _ in range(ATTEMPTS):
         names = _names(path)
         _room_for(len(names))
-        files: List[HeldFile] = []
+        files: list[HeldFile] = []
         try:
             for name in names:
                 try:

@@ -54,16 +54,19 @@ from happening), and the file's facts at or below it are counted as
 no longer says what they were).
 """
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any
 
 from ..config.model import InstanceConfig, StreamConfig
+from ..storage.database import Cursor, Database
 from ..streams.pages import FactPage, PageQuery
 from ..streams.trimmed import FactsTrimmed, TrimCheck, boundary_key
+from .base import Row
 from .jsonl import parse_line
 from .jsonl_held import Held, hold
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 END = (1 << 63) - 1
 PAGE_ROWS = 1000
 #: Examples kept (and printed) per kind of difference per key.
@@ -76,26 +79,26 @@ KINDS = ("missing", "duplicate", "out of order", "partial", "different rows", "e
 class KeyCheck:
     """One (stream, writer): the table's facts in order, against the file's."""
 
-    stream: Optional[StreamConfig]
+    stream: StreamConfig | None
     writer: str
-    begin: Optional[int] = None  # checked from the first token above this
+    begin: int | None = None  # checked from the first token above this
     last: int = 0  # the largest token or position of the file so far
     facts: int = 0  # fact lines
     matched: int = 0
-    missing: Set[int] = field(default_factory=set)
-    counts: Dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
-    examples: Dict[str, List[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    missing: set[int] = field(default_factory=set)
+    counts: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    examples: dict[str, list[str]] = field(default_factory=lambda: {k: [] for k in KINDS})
     behind: int = 0
     trimmed: int = 0  # fact lines at or below the trim boundary (not compared)
     superseded: int = 0  # fact lines a later rewind line hands on again (not compared)
     #: The rewind points still to come in the file, each the lowest from
     #: there on (the first: the lowest of all to come).
-    covers: List[int] = field(default_factory=list)
+    covers: list[int] = field(default_factory=list)
     #: The skip lines: (from, to, facts skipped then, trim boundary then, when).
-    skips: List[Tuple[int, int, int, int, str]] = field(default_factory=list)
+    skips: list[tuple[int, int, int, int, str]] = field(default_factory=list)
     passed: int = 0  # facts of the table a skip line passed (not missing)
-    _table: Optional[Iterator] = None
-    _next: Optional[Tuple[int, list]] = None
+    _table: Iterator[tuple[int, list[Row]]] | None = None
+    _next: tuple[int, list[Row]] | None = None
 
     def note(self, kind: str, example: str, n: int = 1) -> None:
         self.counts[kind] += n
@@ -117,21 +120,21 @@ class FileProblem:
 
 @dataclass
 class Result:
-    files: List[str]
-    keys: Dict[Key, KeyCheck]
-    problems: List[FileProblem]
-    lines: Dict[str, int]
+    files: list[str]
+    keys: dict[Key, KeyCheck]
+    problems: list[FileProblem]
+    lines: dict[str, int]
     grown: int = 0  # bytes written to the current file after the files were held
 
     @property
-    def differences(self) -> Dict[str, int]:
+    def differences(self) -> dict[str, int]:
         totals = {k: sum(c.counts[k] for c in self.keys.values()) for k in KINDS}
         totals["missing"] += sum(len(c.missing) for c in self.keys.values())
         totals["file problems"] = len(self.problems)
         return {k: n for k, n in totals.items() if n}
 
 
-def _lines(held: Held, problems: List[FileProblem]) -> Iterator[Tuple[str, int, bytes]]:
+def _lines(held: Held, problems: list[FileProblem]) -> Iterator[tuple[str, int, bytes]]:
     """``(path, offset, line)`` of every complete line, oldest file first; a
     last line without its newline (a write cut short) is a problem."""
     for path, offset, line in held.lines():
@@ -142,9 +145,9 @@ def _lines(held: Held, problems: List[FileProblem]) -> Iterator[Tuple[str, int, 
         yield path, offset, line
 
 
-def _rewinds(held: Held) -> Dict[Key, List[int]]:
+def _rewinds(held: Held) -> dict[Key, list[int]]:
     """Per key, the rewind points in file order."""
-    points: Dict[Key, List[int]] = {}
+    points: dict[Key, list[int]] = {}
     for _, _, line in held.lines():
         if b'"rewind"' not in line or not line.endswith(b"\n"):
             continue
@@ -157,7 +160,7 @@ def _rewinds(held: Held) -> Dict[Key, List[int]]:
     return points
 
 
-def _lowest_to_come(points: List[int]) -> List[int]:
+def _lowest_to_come(points: list[int]) -> list[int]:
     """``[min(points[i:]) for each i]``."""
     out = list(points)
     for i in range(len(out) - 2, -1, -1):
@@ -165,7 +168,7 @@ def _lowest_to_come(points: List[int]) -> List[int]:
     return out
 
 
-def snapshot(txn, is_postgres: bool) -> None:
+def snapshot(txn: Cursor, is_postgres: bool) -> None:
     """Begin the transaction's snapshot of the tables now: every statement
     after reads the database as it was at this moment."""
     if is_postgres:
@@ -181,16 +184,16 @@ class Verifier:
     (:func:`.jsonl_held.hold`), then the transaction's snapshot taken, then
     ``txn`` reads the tables while the held files are read."""
 
-    def __init__(self, config: InstanceConfig, path: str, db):
+    def __init__(self, config: InstanceConfig, path: str, db: Database) -> None:
         self.path = path
         self.is_postgres = db.is_postgres
         self.by_name = {s.name: s for s in config.streams}
         self.queries = {name: PageQuery(s, db) for name, s in self.by_name.items()}
         self.trims = {name: TrimCheck(name, boundary_key(s), db.is_postgres, db.sql)
                       for name, s in self.by_name.items() if s.preset is None}
-        self.boundaries: Dict[str, int] = {}  # per stream, as last read
+        self.boundaries: dict[str, int] = {}  # per stream, as last read
 
-    def run(self, txn) -> Result:
+    def run(self, txn: Cursor) -> Result:
         held = hold(self.path)
         try:
             snapshot(txn, self.is_postgres)
@@ -198,10 +201,10 @@ class Verifier:
         finally:
             held.close()
 
-    def _run(self, txn, held: Held) -> Result:
+    def _run(self, txn: Cursor, held: Held) -> Result:
         rewinds = _rewinds(held)
-        problems: List[FileProblem] = []
-        keys: Dict[Key, KeyCheck] = {}
+        problems: list[FileProblem] = []
+        keys: dict[Key, KeyCheck] = {}
         lines = {"facts": 0, "positions": 0, "rewinds": 0, "skips": 0}
         for path, offset, line in _lines(held, problems):
             try:
@@ -245,7 +248,7 @@ class Verifier:
         return Result(held.paths, keys, problems, lines, held.grown())
 
     # -------------------------------------------------------------- table
-    def _restart(self, txn, check: KeyCheck, after: int) -> None:
+    def _restart(self, txn: Cursor, check: KeyCheck, after: int) -> None:
         """Check ``check`` again from the first fact after ``after``."""
         check.begin = after if check.begin is None else min(check.begin, after)
         check.last = after
@@ -256,7 +259,7 @@ class Verifier:
             check._table = self._table(txn, check, after)
             check._next = next(check._table, None)
 
-    def _boundary(self, txn, stream: StreamConfig) -> int:
+    def _boundary(self, txn: Cursor, stream: StreamConfig) -> int:
         """The stream's trim boundary (0: nothing trimmed), read once."""
         boundary = self.boundaries.get(stream.name)
         if boundary is None:
@@ -264,7 +267,8 @@ class Verifier:
             boundary = self.boundaries[stream.name] = trim.boundary(txn) if trim else 0
         return boundary
 
-    def _read(self, txn, stream: StreamConfig, writer: str, after: int, to: int) -> FactPage:
+    def _read(self, txn: Cursor, stream: StreamConfig, writer: str, after: int,
+              to: int) -> FactPage:
         """A page of the table after ``after`` (or after the trim boundary,
         if higher); a trim that moved the boundary meanwhile is followed."""
         while True:
@@ -274,7 +278,7 @@ class Verifier:
             except FactsTrimmed as e:
                 self.boundaries[stream.name] = e.boundary
 
-    def _table(self, txn, check: KeyCheck, after: int) -> Iterator[Tuple[int, list]]:
+    def _table(self, txn: Cursor, check: KeyCheck, after: int) -> Iterator[tuple[int, list[Row]]]:
         assert check.stream is not None  # only a configured stream's table is read
         while True:
             facts, upto, limited = self._read(txn, check.stream, check.writer, after, END)
@@ -283,10 +287,10 @@ class Verifier:
                 return
             after = upto
 
-    def _advance(self, txn, check: KeyCheck) -> None:
+    def _advance(self, txn: Cursor, check: KeyCheck) -> None:
         check._next = next(check._table, None) if check._table is not None else None
 
-    def _in_table(self, txn, check: KeyCheck, token: int) -> Optional[list]:
+    def _in_table(self, txn: Cursor, check: KeyCheck, token: int) -> list[Row] | None:
         """The rows of fact ``token`` in the table, or None; :class:`_Gone`
         if a trim took it meanwhile."""
         if check.stream is None:
@@ -300,7 +304,7 @@ class Verifier:
         check.trimmed += 1
         check.last = max(check.last, token)
 
-    def _first_before(self, txn, check: KeyCheck, token: int) -> Optional[int]:
+    def _first_before(self, txn: Cursor, check: KeyCheck, token: int) -> int | None:
         """The first fact of the table (still kept) below ``token``, or None."""
         if check.stream is None:
             return None
@@ -316,7 +320,7 @@ class Verifier:
         return None
 
     # -------------------------------------------------------------- lines
-    def _position(self, txn, check: KeyCheck, token: int, skip: bool = False) -> None:
+    def _position(self, txn: Cursor, check: KeyCheck, token: int, skip: bool = False) -> None:
         if check.begin is None:
             self._restart(txn, check, token)
             return
@@ -325,7 +329,7 @@ class Verifier:
         self._skip_to(txn, check, token + 1, skip)
         check.last = token
 
-    def _skip_to(self, txn, check: KeyCheck, token: int, skip: bool = False) -> None:
+    def _skip_to(self, txn: Cursor, check: KeyCheck, token: int, skip: bool = False) -> None:
         """Facts of the table below ``token`` not seen by now are missing
         (or, past a skip line, skipped on purpose)."""
         while check._next is not None and check._next[0] < token:
@@ -335,7 +339,7 @@ class Verifier:
                 check.missing.add(check._next[0])
             self._advance(txn, check)
 
-    def _fact(self, txn, check: KeyCheck, token: int, rows: list) -> None:
+    def _fact(self, txn: Cursor, check: KeyCheck, token: int, rows: list[Row]) -> None:
         check.facts += 1
         if check.begin is None:
             earlier = self._first_before(txn, check, token)
@@ -374,8 +378,8 @@ class Verifier:
             check.matched += 1  # a fact with no rows: no row in the table
         check.last = token
 
-    def _compare(self, check: KeyCheck, token: int, rows: list, table_rows: Optional[list]
-                 ) -> None:
+    def _compare(self, check: KeyCheck, token: int, rows: list[Row],
+                 table_rows: list[Row] | None) -> None:
         if table_rows is None:
             if rows:
                 check.note("extra", f"{token} (not in the table)")
@@ -391,11 +395,11 @@ class Verifier:
                                          f"{len(table_rows)} in the table)")
 
 
-def _integer(value: object) -> Optional[int]:
+def _integer(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def skip_of(obj: dict, token: int) -> Optional[Tuple[int, int, int, int, str]]:
+def skip_of(obj: dict[str, Any], token: int) -> tuple[int, int, int, int, str] | None:
     """``(from, to, facts, trimmed_through, at)`` of a skip line (a position
     line with a well-formed ``skip``), else None (a plain position)."""
     skip = obj.get("skip")
@@ -408,14 +412,14 @@ def skip_of(obj: dict, token: int) -> Optional[Tuple[int, int, int, int, str]]:
     return start, token, facts, boundary, at if isinstance(at, str) else "?"
 
 
-def skipped_text(skips: List[Tuple[int, int, int, int, str]]) -> str:
+def skipped_text(skips: list[tuple[int, int, int, int, str]]) -> str:
     """What the skips of a file skipped, for verify's last line."""
     facts = sum(n for _, _, n, _, _ in skips)
     return (f"{facts} fact{'' if facts == 1 else 's'} skipped by rewind --skip-to at "
             f"{', '.join(at for *_, at in skips)}")
 
 
-def summary(result: Result, out) -> bool:
+def summary(result: Result, out: Callable[[str], None]) -> bool:
     """Print the readable summary with ``out``; True when equal."""
     rotated = len(result.files) - 1 if result.files else 0
     skip_lines = result.lines.get("skips", 0)

@@ -2,8 +2,9 @@
 of the ``replicator.consumers`` group, else a dotted path."""
 
 import importlib
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from twisted.logger import Logger
 
@@ -17,7 +18,7 @@ log = Logger(namespace="replicator.consumers")
 #: Entry point group third-party consumers register under.
 ENTRY_POINT_GROUP = "replicator.consumers"
 
-BUILTINS: Dict[str, Callable[[ConsumerConfig, str, str, Any], Consumer]] = {
+BUILTINS: dict[str, Callable[[ConsumerConfig, str, str, Any], Consumer]] = {
     "jsonl": jsonl.build,
     "log": log_consumer.build,
 }
@@ -36,7 +37,7 @@ def _from_entry_point(name: str, where: str) -> Any:
                                            f"loaded: {type(e).__name__}: {e}") from None
 
 
-def _from_dotted_path(path: str) -> Tuple[Any, Optional[str]]:
+def _from_dotted_path(path: str) -> tuple[Any, str | None]:
     """``(object, None)`` for ``package.module:Name`` or ``package.module.Name``;
     ``(None, reason)`` if that cannot be imported."""
     if ":" in path:
@@ -70,7 +71,8 @@ def _build_external(config: ConsumerConfig, where: str) -> Consumer:
     if not callable(factory):
         raise ConfigError(f"{where}.type", f"{name!r} is not a class")
     try:
-        consumer = factory(streams=config.streams, **config.options)
+        # (a duck-typed consumer: the methods are checked below)
+        consumer: Consumer = factory(streams=config.streams, **config.options)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
@@ -88,7 +90,7 @@ def _build_external(config: ConsumerConfig, where: str) -> Consumer:
     return consumer
 
 
-def build_consumer(config: ConsumerConfig, base_dir: str, reactor, where: str) -> Consumer:
+def build_consumer(config: ConsumerConfig, base_dir: str, reactor: Any, where: str) -> Consumer:
     """One consumer from its config (see :func:`load_consumers`); a mistake
     is a ConfigError naming ``where`` or a key below it."""
     builtin = BUILTINS.get(config.type)
@@ -109,8 +111,8 @@ def check_consumers(configs: Sequence[ConsumerConfig], key: str = "consumers") -
             log_consumer.options_of(config, where)
 
 
-def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor,
-                   key: str = "consumers") -> List[Consumer]:
+def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor: Any,
+                   key: str = "consumers") -> list[Consumer]:
     """Consumers from their configs, in order.
 
     ``type`` is a built-in (``jsonl``: options ``path`` (relative to
@@ -123,7 +125,7 @@ def load_consumers(configs: Sequence[ConsumerConfig], base_dir: str, reactor,
     naming ``<key>[i]`` or a key below it; consumers already built are closed
     then.
     """
-    built: List[Consumer] = []
+    built: list[Consumer] = []
     try:
         for i, config in enumerate(configs):
             built.append(build_consumer(config, base_dir, reactor, f"{key}[{i}]"))

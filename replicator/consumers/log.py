@@ -1,12 +1,13 @@
 """The ``log`` consumer: one log line per fact; keeps nothing (always live)."""
 
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from twisted.logger import Logger, LogLevel
 
 from ..config import ConfigError, ConsumerConfig, get_str, no_unknown
 from ..jsontext import preview_json
-from .base import STARTS, Consumer
+from .base import STARTS, Consumer, Row
 
 LOG_LEVELS = {
     "debug": LogLevel.debug, "info": LogLevel.info, "warn": LogLevel.warn,
@@ -14,7 +15,7 @@ LOG_LEVELS = {
 }
 
 
-def preview(rows: List[list], limit: int = 200) -> str:
+def preview(rows: list[Row], limit: int = 200) -> str:
     """Compact JSON of ``rows``, cut to ``limit`` characters (ending in …).
 
     Only the first ``limit`` rows are encoded, whatever the size of the
@@ -32,9 +33,9 @@ class LogConsumer(Consumer):
     (tests) defaults to one in the ``replicator.consumers.log`` namespace.
     """
 
-    def __init__(self, streams: Optional[Sequence[str]] = None, level: str = "info",
-                 logger: Optional[Logger] = None, preview_chars: int = 200,
-                 start: str = "now"):
+    def __init__(self, streams: Sequence[str] | None = None, level: str = "info",
+                 logger: Logger | None = None, preview_chars: int = 200,
+                 start: str = "now") -> None:
         if start not in STARTS:
             raise ValueError(f"start {start!r} is not one of {', '.join(STARTS)}")
         self.start = start
@@ -45,14 +46,14 @@ class LogConsumer(Consumer):
         self.preview_chars = preview_chars
         self.log = logger if logger is not None else Logger(namespace="replicator.consumers.log")
 
-    def on_facts(self, stream, writer, token, rows):
+    def on_facts(self, stream: str, writer: str, token: int, rows: list[Row]) -> None:
         self.log.emit(self.level, "{stream}/{writer} {token}: {count} {noun} {preview}",
                       stream=stream, writer=writer, token=token, count=len(rows),
                       noun="row" if len(rows) == 1 else "rows",
                       preview=preview(rows, self.preview_chars))
 
 
-def options_of(config: ConsumerConfig, where: str) -> dict:
+def options_of(config: ConsumerConfig, where: str) -> dict[str, str]:
     """The keyword arguments of a :class:`LogConsumer` (options ``level``;
     ``start``, default ``now``: it keeps no position, so with ``beginning``
     every start logs every fact still in the tables again)."""
@@ -67,6 +68,7 @@ def options_of(config: ConsumerConfig, where: str) -> dict:
     return {"level": level, "start": start}
 
 
-def build(config: ConsumerConfig, base_dir: str, where: str, reactor) -> Consumer:
+def build(config: ConsumerConfig, base_dir: str, where: str, reactor: Any) -> Consumer:
     """A :class:`LogConsumer` from its config (:func:`options_of`)."""
-    return LogConsumer(streams=config.streams, **options_of(config, where))
+    options = options_of(config, where)
+    return LogConsumer(streams=config.streams, level=options["level"], start=options["start"])

@@ -1,1 +1,2 @@
-"""One running instance: its services and their order, the checks made before it binds, listeners, reload, systemd and `replicator check`."""
+"""One running instance: its services and their order, the checks made before it binds, listeners,
+reload, systemd and `replicator check`."""

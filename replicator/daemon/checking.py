@@ -25,7 +25,6 @@ listener takes writes from without a proof of its NAME
 """
 
 import os
-from typing import List, Set
 
 from ..config.model import InstanceConfig
 from ..storage import migrations, schema
@@ -54,7 +53,7 @@ async def check_instance(config: InstanceConfig) -> str:
                                       db_config.auto_migrate)
         except migrations.SchemaProblem as e:
             raise StartupError(key, str(e), code=e.code) from None
-        awaiting: List[str] = []
+        awaiting: list[str] = []
         await db.runInteraction(schema.ensure_schema, list(config.streams), db.is_postgres,
                                 keys, written, True, awaiting_writer=awaiting)
     finally:
@@ -64,7 +63,7 @@ async def check_instance(config: InstanceConfig) -> str:
             f"{awaiting_writers(config, awaiting)}{redis_trust(config)}")
 
 
-def awaiting_writers(config: InstanceConfig, names: List[str]) -> str:
+def awaiting_writers(config: InstanceConfig, names: list[str]) -> str:
     """What the summary says of the read-only streams whose tables do not
     exist yet ("" when there are none): their writers create them."""
     if not names:
@@ -94,7 +93,7 @@ def redis_trust(config: InstanceConfig) -> str:
     return ""
 
 
-def written_here(config: InstanceConfig) -> Set[str]:
+def written_here(config: InstanceConfig) -> set[str]:
     """The streams this instance writes: only these get tables (and the
     schema version) from it."""
     return {s.name for s in config.streams if config.instance_name in s.writers}
@@ -115,7 +114,7 @@ async def connect(config: InstanceConfig) -> Database:
     return db
 
 
-def unbound_writers(config: InstanceConfig) -> List[str]:
+def unbound_writers(config: InstanceConfig) -> list[str]:
     """One line per remote writer whose NAME this instance's replication
     listener believes without proof: neither ``client_ca`` (NAME bound to
     the certificate) nor a ``writer_secrets`` entry.  Empty without a
@@ -125,7 +124,7 @@ def unbound_writers(config: InstanceConfig) -> List[str]:
         return []
     bound = {w.name for w in rep.writer_secrets}
     out = []
-    seen: Set[str] = set()
+    seen: set[str] = set()
     for stream in config.streams:
         for writer in stream.writers:
             if writer == config.instance_name or writer in bound or writer in seen:

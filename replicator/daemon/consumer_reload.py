@@ -20,7 +20,8 @@ then gets its running config back (restarted as it was), a new one is left
 out (the next reload tries again).
 """
 
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from twisted.internet import defer, threads
 from twisted.logger import Logger
@@ -29,16 +30,17 @@ from ..config import ConsumerConfig
 from ..config.fields import one_line
 from ..consumers.base import Consumer
 from ..consumers.loading import build_consumer
+from ..replication.core.handler import ReplicationHandler
 from .reload import ConsumerChange
 
 log = Logger(namespace="replicator.daemon.service")
 
 
-async def change_consumers(handler, running: Sequence[Consumer],
+async def change_consumers(handler: ReplicationHandler, running: Sequence[Consumer],
                            running_configs: Sequence[ConsumerConfig],
                            read_configs: Sequence[ConsumerConfig], change: ConsumerChange,
-                           reactor, base_dir: str = "."
-                           ) -> Tuple[List[Consumer], Tuple[ConsumerConfig, ...], List[str]]:
+                           reactor: Any, base_dir: str = "."
+                           ) -> tuple[list[Consumer], tuple[ConsumerConfig, ...], list[str]]:
     """Apply ``change`` to the ``handler``'s readers: ``(consumers, their
     configs, keys that failed)``, in the file's order."""
     for stream in handler.registry:
@@ -51,10 +53,10 @@ async def change_consumers(handler, running: Sequence[Consumer],
             except Exception as e:
                 log.error("reload: consumers[{i}]: closing it failed: {error}", i=i,
                           error=one_line(e)[:300])
-        consumers: List[Consumer] = []
-        configs: List[ConsumerConfig] = []
-        started: List[Consumer] = []
-        failed: List[str] = []
+        consumers: list[Consumer] = []
+        configs: list[ConsumerConfig] = []
+        started: list[Consumer] = []
+        failed: list[str] = []
         for j, config in enumerate(read_configs):
             if j in change.kept:
                 consumers.append(running[change.kept[j]])
@@ -86,6 +88,7 @@ async def change_consumers(handler, running: Sequence[Consumer],
     return consumers, tuple(configs), failed
 
 
-def _build(config: ConsumerConfig, base_dir: str, reactor, where: str) -> defer.Deferred:
+def _build(config: ConsumerConfig, base_dir: str, reactor: Any,
+           where: str) -> "defer.Deferred[Consumer]":
     return threads.deferToThreadPool(reactor, reactor.getThreadPool(), build_consumer,
                                      config, base_dir, reactor, where)

@@ -9,7 +9,8 @@ that fails is rolled back (exit 1), as at a start.
 """
 
 import os
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..config.model import InstanceConfig
 from ..storage import migrations
@@ -18,7 +19,7 @@ from .startup import StartupError
 
 
 async def migrate_instance(config: InstanceConfig, dry_run: bool, out: Callable[[str], None],
-                           reactor) -> None:
+                           reactor: Any) -> None:
     """Migrate (or, ``dry_run``, list the steps due for) the database of
     ``config``, saying what through ``out``; :class:`.StartupError` naming
     ``database.<engine>`` if it cannot."""

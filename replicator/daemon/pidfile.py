@@ -87,6 +87,6 @@ def running(path: str) -> int:
         os.close(fd)
 
 
-def _read(fd: int):
+def _read(fd: int) -> int | None:
     text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
     return int(text) if text.isdigit() and 0 < int(text) < 1 << 31 else None

@@ -10,10 +10,11 @@ Live: ``log_level``, ``log_format``, ``health``,
 ``replication.allowed_peers``, ``replication.allowed_networks``,
 ``replication.writer_secrets`` (their files read again) and
 ``replication.client_ca`` (with the ``ssl:`` listener's files, which every
-reload reads again), ``http.readers`` (their secret files read again), a new stream, other instances' ``writers`` of a
-running stream, and ``consumers`` (:class:`ConsumerChange`: one whose
-config is in both files goes on, one only in the running config stops, one
-only in the file starts).  Everything else that differs needs a restart and
+reload reads again), ``http.readers`` (their secret files read again), a
+new stream, other instances' ``writers`` of a running stream, and
+``consumers`` (:class:`ConsumerChange`: one whose config is in both files
+goes on, one only in the running config stops, one only in the file
+starts).  Everything else that differs needs a restart and
 keeps its running value: the database, names, ``pid_file``, endpoints, the other
 ``replication`` and ``http`` keys, ``synapse``, a stream removed, and a stream whose
 columns, table, retention or own writer changed (or which this instance writes alone:
@@ -22,9 +23,9 @@ its ID generator has no room for another writer).
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
-from ..config import InstanceConfig, StreamConfig
+from ..config import ConsumerConfig, InstanceConfig, StreamConfig
 
 #: ``replication`` keys a reload applies.
 LIVE_REPLICATION = ("allowed_peers", "allowed_networks", "client_ca", "writer_secrets")
@@ -39,12 +40,12 @@ class ConsumerChange:
     file starts (from its own persisted position).  A changed consumer is
     one of each with the same type and ``path`` option: it restarts."""
 
-    kept: Dict[int, int] = field(default_factory=dict)  # file index -> running index
-    stopped: List[int] = field(default_factory=list)  # running indices
-    started: List[int] = field(default_factory=list)  # file indices
+    kept: dict[int, int] = field(default_factory=dict)  # file index -> running index
+    stopped: list[int] = field(default_factory=list)  # running indices
+    started: list[int] = field(default_factory=list)  # file indices
     #: Started ones that replace a stopped one (file index -> running index):
     #: the same type and ``path`` option, other options changed.
-    restarted: Dict[int, int] = field(default_factory=dict)
+    restarted: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,21 +53,21 @@ class Plan:
     """What a reload does: ``config`` is what runs afterwards."""
 
     config: InstanceConfig
-    applied: List[str] = field(default_factory=list)  # keys, in file order
-    restart: List[str] = field(default_factory=list)  # keys changed that need a restart
+    applied: list[str] = field(default_factory=list)  # keys, in file order
+    restart: list[str] = field(default_factory=list)  # keys changed that need a restart
     logging: bool = False
     health: bool = False
     peers: bool = False
     readers: bool = False  # http.readers changed (or a secret file's text)
-    new_streams: List[Tuple[str, StreamConfig]] = field(default_factory=list)  # (key, config)
-    writers: List[Tuple[str, StreamConfig]] = field(default_factory=list)  # (key, config)
-    consumers: Optional[ConsumerChange] = None  # None: the same consumers
+    new_streams: list[tuple[str, StreamConfig]] = field(default_factory=list)  # (key, config)
+    writers: list[tuple[str, StreamConfig]] = field(default_factory=list)  # (key, config)
+    consumers: ConsumerChange | None = None  # None: the same consumers
 
 
 def plan(running: InstanceConfig, read: InstanceConfig) -> Plan:
     """The reload from ``running`` to the file's ``read`` (both validated)."""
     result = Plan(config=running)
-    live: Dict[str, Any] = {}
+    live: dict[str, Any] = {}
     for key in ("instance_name", "server_name", "synapse", "pid_file"):
         if getattr(running, key) != getattr(read, key):
             result.restart.append(key)
@@ -110,7 +111,8 @@ def plan(running: InstanceConfig, read: InstanceConfig) -> Plan:
     return result
 
 
-def _streams(running: InstanceConfig, read: InstanceConfig, result: Plan):
+def _streams(running: InstanceConfig, read: InstanceConfig,
+             result: Plan) -> tuple[StreamConfig, ...]:
     """The streams after the reload, in running order then new ones."""
     me = running.instance_name
     new = {s.name: (i, s) for i, s in enumerate(read.streams)}
@@ -169,7 +171,7 @@ def _consumers(running: InstanceConfig, read: InstanceConfig, result: Plan) -> C
     return change
 
 
-def _identity(config) -> tuple:
+def _identity(config: ConsumerConfig) -> tuple[str, str]:
     """What makes two consumer configs one consumer changed: the type and
     the ``path`` option (a file consumer's file), if any."""
     return config.type, repr(config.options.get("path"))

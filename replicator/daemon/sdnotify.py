@@ -34,7 +34,7 @@ from twisted.logger import Logger
 log = Logger()
 
 
-def _address(raw: str):
+def _address(raw: str) -> str | None:
     """``$NOTIFY_SOCKET`` as a socket address, or None if unsupported."""
     if raw.startswith("@"):
         return "\0" + raw[1:]

@@ -15,15 +15,17 @@ whose resource failed, for the CLI to print (exit 1).
 
 import dataclasses
 import gc
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 from twisted.application.service import MultiService, Service
 from twisted.internet import defer, threads
+from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 
 from .. import files
 from ..config import ConfigError, InstanceConfig
 from ..config.fields import one_line
+from ..consumers.base import Consumer
 from ..net.endpoint_strings import is_loopback
 from ..observe import metrics
 from ..observe.health import HealthMonitor
@@ -48,6 +50,8 @@ from .listening import ListeningService
 from .startup import StartupError, fd_budget_problem, hide_password, os_reason
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from ..http.api import HttpApi
     from ..observe.writers import WriterWatch
     from ..replication.transport.redis import RedisReplication
@@ -70,10 +74,10 @@ class MetricsThread(Service):
         host, _, port = host_port.rpartition(":")
         self.host = host.strip("[]")
         self.port = int(port)
-        self._server = None
-        self.listening: Optional[defer.Deferred] = None
+        self._server: WSGIServer | None = None
+        self.listening: defer.Deferred[None] | None = None
 
-    def startService(self):
+    def startService(self) -> None:
         super().startService()
         from prometheus_client import start_http_server
 
@@ -89,7 +93,7 @@ class MetricsThread(Service):
             self.port = self._server.server_address[1]
         log.info("metrics listening on {host}:{port} (own thread)", host=self.host, port=self.port)
 
-    def stopService(self):
+    def stopService(self) -> None:
         super().stopService()
         if self._server is not None:
             self._server.shutdown()
@@ -100,7 +104,7 @@ class MetricsThread(Service):
 class Instance:
     """A replicator instance: everything ``replicator run`` starts."""
 
-    def __init__(self, config: InstanceConfig, reactor):
+    def __init__(self, config: InstanceConfig, reactor: Any) -> None:
         """``config`` parsed and validated (:func:`replicator.config.validate`
         reads the secret file); every endpoint, timer and thread hop of the
         instance uses ``reactor``."""
@@ -140,21 +144,23 @@ class Instance:
             max_queued_bytes=rep.max_queued_bytes, idle_timeout=rep.idle_timeout,
         )
         self.services = MultiService()
-        self.listeners: List[ListeningService] = []
-        self._binding: list = []  # what must bind for the start to succeed
-        self.upstream: Optional["UpstreamService"] = None
-        self.redis: Optional["RedisReplication"] = None
-        self.http: Optional["HttpApi"] = None
-        self.health: Optional[HealthMonitor] = None
-        self.writers: Optional["WriterWatch"] = None  # made at start
-        self.live_metrics: Optional[InstanceMetrics] = None
-        self.replication_factory: Optional[ReplicationServerFactory] = None  # the listener's, for a reload's peer policy
+        self.listeners: list[ListeningService] = []
+        # What must bind for the start to succeed.
+        self._binding: list[ListeningService | MetricsThread] = []
+        self.upstream: UpstreamService | None = None
+        self.redis: RedisReplication | None = None
+        self.http: HttpApi | None = None
+        self.health: HealthMonitor | None = None
+        self.writers: WriterWatch | None = None  # made at start
+        self.live_metrics: InstanceMetrics | None = None
+        # The listener's, for a reload's peer policy.
+        self.replication_factory: ReplicationServerFactory | None = None
         self._reloading = defer.DeferredLock()  # one reload at a time
         self._stopped = False
         #: Whether start() completed.
         self._started = False
 
-    def _load_consumers(self):
+    def _load_consumers(self) -> list[Consumer]:
         if not self.config.consumers:
             return []
         from ..consumers import load_consumers
@@ -177,7 +183,7 @@ class Instance:
         assert self.http is not None
         return self.http.current_findings()
 
-    def replication_status(self) -> Tuple[bool, str]:
+    def replication_status(self) -> tuple[bool, str]:
         """Whether this instance's replication links are up (workers)."""
         rep = self.config.replication
         if rep.upstream:
@@ -204,12 +210,12 @@ class Instance:
                    f"{clock_time(since)} ({for_})"
         return f"upstream {endpoint} not answering since {clock_time(since)} ({for_})"
 
-    def _link_since(self) -> Optional[float]:
+    def _link_since(self) -> float | None:
         """Since when the upstream has not answered (None: it answers, or
         this instance has none): when its link problem began."""
         return self.upstream.down_since() if self.upstream is not None else None
 
-    def _synapse_seen(self) -> Optional[str]:
+    def _synapse_seen(self) -> str | None:
         """A Synapse on our Redis channel without the ``synapse:`` section
         (this instance stopped publishing there), as a health problem."""
         return self.redis.synapse_seen if self.redis is not None else None
@@ -318,6 +324,7 @@ class Instance:
         # wrapped in a FirstError); the others are consumed.
         failure = None
         for service in self._binding:
+            assert service.listening is not None  # (set by startService)
             try:
                 await service.listening
             except Exception as e:
@@ -334,7 +341,8 @@ class Instance:
         log.info("instance {name} of {server} ready", name=config.instance_name,
                  server=config.server_name)
 
-    def _listen(self, endpoint: str, factory, what: str, client_ca: Optional[str] = None,
+    def _listen(self, endpoint: str, factory: IProtocolFactory, what: str,
+                client_ca: str | None = None,
                 key: str = "listen") -> None:
         service = ListeningService(self.reactor, endpoint, factory, what, client_ca, key)
         service.setServiceParent(self.services)
@@ -372,7 +380,7 @@ class Instance:
                  else "read positions and metrics, and anyone on the path can read the "
                       "Bearer secret that writes send")
 
-    def port_of(self, what: str) -> Optional[int]:
+    def port_of(self, what: str) -> int | None:
         for s in self.listeners:
             if s.what == what:
                 return s.bound_port

@@ -5,7 +5,6 @@ password kept out of a database error, the file-descriptor budget."""
 import errno
 import os
 import re
-from typing import Optional
 
 from ..config import InstanceConfig
 
@@ -32,7 +31,7 @@ def os_reason(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def hide_password(text: str, dsn: Optional[str]) -> str:
+def hide_password(text: str, dsn: str | None) -> str:
     """``text`` without the password of ``dsn`` (``password=...`` or the
     ``user:password@`` of a URI), should a driver message quote the DSN."""
     if not dsn:
@@ -51,7 +50,7 @@ def hide_password(text: str, dsn: Optional[str]) -> str:
 FD_RESERVE = 64
 
 
-def fd_budget_problem(config: InstanceConfig, soft_limit: int) -> Optional[str]:
+def fd_budget_problem(config: InstanceConfig, soft_limit: int) -> str | None:
     """Why the connection caps do not fit the process's file-descriptor
     limit (``RLIMIT_NOFILE`` soft limit), or None.  Past the limit, new
     sockets and files fail: /health, writes and the database with them."""

@@ -26,10 +26,18 @@ neither shuffles nor sorts the facts:
 """
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from .reference import GRANULARITIES, PERCENTILES, SIZE_BINS
+
+if TYPE_CHECKING:  # PySpark is the exporter's extra, imported when a run starts
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+#: ``(chunk, writer, date)``, and its row time (None: the fact has none).
+GroupKey = tuple[int, str, str]
 
 OUTPUT_COLUMNS = (
     "writer", "bucket_start", "facts", "rows", "multi_row_facts", "max_fact_rows",
@@ -55,14 +63,14 @@ class AggregateInput:
     """
 
     new_above: int
-    prev: Optional[int]
+    prev: int | None
     from_date: str
     single_writer: bool
     has_timestamp: bool
-    chunk_prev: Dict[int, Optional[int]] = field(default_factory=dict)
+    chunk_prev: dict[int, int | None] = field(default_factory=dict)
 
 
-def chunking(floor: int, upper: int, chunks: int) -> Tuple[int, List[int]]:
+def chunking(floor: int, upper: int, chunks: int) -> tuple[int, list[int]]:
     """``(chunk_len, starts)``: ``[floor, upper]`` cut into ``chunks`` ID ranges;
     ``starts`` are the first IDs of chunks 1.. (probe the largest ID below each)."""
     chunks = max(1, int(chunks))
@@ -75,14 +83,14 @@ def chunking(floor: int, upper: int, chunks: int) -> Tuple[int, List[int]]:
 class StreamAggregates:
     """The result for one stream: DataFrames to write plus driver-side facts."""
 
-    minute: object
-    hour: object
-    new_dates: Dict[str, Tuple[int, Optional[int]]] = field(default_factory=dict)
+    minute: "DataFrame"
+    hour: "DataFrame"
+    new_dates: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     new_facts: int = 0
     new_rows: int = 0
     new_rollbacks: int = 0
-    dates: List[str] = field(default_factory=list)
-    _cached: list = field(default_factory=list)
+    dates: list[str] = field(default_factory=list)
+    _cached: list["DataFrame"] = field(default_factory=list)
 
     def unpersist(self) -> None:
         for df in self._cached:
@@ -90,10 +98,10 @@ class StreamAggregates:
         self._cached.clear()
 
 
-def _chunk_prev_expr(F, inp: AggregateInput):
+def _chunk_prev_expr(F: ModuleType, inp: AggregateInput) -> "Column":
     """The fact before each chunk's first fact: ``chunk_prev``, ``prev`` at
     the range start (NULL: none)."""
-    chunk_prev = None
+    chunk_prev: Column | None = None
     for chunk, p in sorted(inp.chunk_prev.items()):
         p = inp.prev if p is None else p
         if p is None:
@@ -105,10 +113,13 @@ def _chunk_prev_expr(F, inp: AggregateInput):
         start = F.col("chunk") == F.lit(0)
         chunk_prev = (F.when(start, F.lit(int(inp.prev))) if chunk_prev is None
                       else chunk_prev.when(start, F.lit(int(inp.prev))))
-    return chunk_prev if chunk_prev is not None else F.lit(None).cast("long")
+    if chunk_prev is not None:
+        return chunk_prev
+    none: Column = F.lit(None).cast("long")
+    return none
 
 
-def build_facts(spark, facts, inp: AggregateInput):
+def build_facts(spark: "SparkSession", facts: "DataFrame", inp: AggregateInput) -> "DataFrame":
     """The facts with date and rollbacks, from ``from_date`` on (persisted;
     the gaps need :func:`day_starts` first)."""
     from pyspark import StorageLevel
@@ -126,7 +137,8 @@ def build_facts(spark, facts, inp: AggregateInput):
     )
 
 
-def day_starts(groups):
+def day_starts(groups: Iterable[tuple[int, str, str, int | None]],
+               ) -> dict[GroupKey, int | None]:
     """``{(chunk, writer, date): rowtime}``: for every (chunk, writer, date)
     group after the first of its (writer, date), the row time (maybe None) of
     that writer's last fact of the date in the chunks before it.
@@ -134,8 +146,8 @@ def day_starts(groups):
     ``groups``: ``(chunk, writer, date, last_rowtime)`` of every group
     (``last_rowtime``: the row time of its largest ID).
     """
-    out = {}
-    last = {}
+    out: dict[GroupKey, int | None] = {}
+    last: dict[tuple[str, str], int | None] = {}
     for chunk, writer, date, rowtime in sorted(groups, key=lambda g: g[0]):
         key = (writer, date)
         if key in last:
@@ -144,14 +156,15 @@ def day_starts(groups):
     return out
 
 
-def starts_frame(spark, starts):
+def starts_frame(spark: "SparkSession", starts: dict[GroupKey, int | None]) -> "DataFrame":
     """:func:`day_starts` as a DataFrame (``chunk, writer, date,
     start_rowtime, started``) made of literals in the JVM: no Python task,
     so a cluster's executors need no Python (``createDataFrame`` of a list
     would run one)."""
     from pyspark.sql import functions as F
 
-    def row(chunk, writer, date, rowtime, started):
+    def row(chunk: int | None, writer: str | None, date: str | None,
+            rowtime: int | None, started: bool | None) -> "Column":
         return F.struct(F.lit(chunk).cast("int").alias("chunk"),
                         F.lit(writer).cast("string").alias("writer"),
                         F.lit(date).cast("string").alias("date"),
@@ -164,7 +177,8 @@ def starts_frame(spark, starts):
     return spark.range(1).select(F.inline(F.array(*rows)))
 
 
-def with_gaps(spark, facts, starts):
+def with_gaps(spark: "SparkSession", facts: "DataFrame",
+              starts: dict[GroupKey, int | None]) -> "DataFrame":
     """``facts`` with ``gap``: the row time minus the previous row time of
     the same writer and date in ID order (the database's lag within a chunk,
     ``starts`` (:func:`day_starts`) for a chunk's first fact of a day)."""
@@ -178,7 +192,8 @@ def with_gaps(spark, facts, starts):
     return joined.withColumn("gap", gap)
 
 
-def _bucket_aggregates(F, facts, granularity: str, inp: AggregateInput):
+def _bucket_aggregates(F: ModuleType, facts: "DataFrame", granularity: str,
+                       inp: AggregateInput) -> "DataFrame":
     length = GRANULARITIES[granularity]
     seconds = length / 1000.0
     bucket_ms = (F.floor(F.col("time_ms") / F.lit(length)) * F.lit(length)).cast("long")
@@ -230,7 +245,8 @@ def _bucket_aggregates(F, facts, granularity: str, inp: AggregateInput):
     return out.select(*OUTPUT_COLUMNS)
 
 
-def aggregate_stream(spark, facts, inp: AggregateInput) -> StreamAggregates:
+def aggregate_stream(spark: "SparkSession", facts: "DataFrame",
+                     inp: AggregateInput) -> StreamAggregates:
     """Aggregate one stream's facts (:func:`.source.read_facts`); the caller
     writes ``minute``/``hour`` and then calls :meth:`StreamAggregates.unpersist`.
 
@@ -256,7 +272,7 @@ def aggregate_stream(spark, facts, inp: AggregateInput) -> StreamAggregates:
         hour=_bucket_aggregates(F, facts, "hour", inp),
         _cached=[cached],
     )
-    firsts = {}
+    firsts: dict[str, tuple[int, int | None] | None] = {}
     for r in groups:
         date = r["date"]
         if r["first"] is None:
@@ -273,7 +289,7 @@ def aggregate_stream(spark, facts, inp: AggregateInput) -> StreamAggregates:
     return result
 
 
-def write_partitions(df, path: str) -> None:
+def write_partitions(df: "DataFrame", path: str) -> None:
     """Write one stream's buckets under ``path`` as ``date=D/`` partitions,
     one file per date, its rows in (writer, bucket) order: the same data
     pages whatever order the shuffle delivered the rows in (a cluster's and

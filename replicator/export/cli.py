@@ -19,7 +19,7 @@ import datetime
 import logging
 import re
 import sys
-from typing import List, Optional
+from collections.abc import Callable
 
 from replicator.config import ConfigError, load_yaml, parse_database, parse_streams
 
@@ -45,11 +45,11 @@ def parse_time(text: str) -> int:
             f"{text!r} is not an ISO 8601 date/time (e.g. 2024-05-01 or "
             "2024-05-01T12:00:00Z) nor epoch milliseconds") from None
     if value.tzinfo is None:
-        value = value.replace(tzinfo=datetime.timezone.utc)
+        value = value.replace(tzinfo=datetime.UTC)
     return int(value.timestamp() * 1000)
 
 
-def _at_least(minimum: int, message: str):
+def _at_least(minimum: int, message: str) -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum``, else ``message``."""
     def parse(text: str) -> int:
         try:
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -15,15 +15,19 @@ One run, for every selected stream:
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional
 
 from ..config import DatabaseConfig, StreamConfig
 from .options import ExportOptions
 from .plan import StreamPlan, check_read, layout_of, next_state, observed_ranges, plan_stream
 from .source import MIN_TOKEN, JdbcTarget, Metadata, SourceError, jdbc_target, read_facts
 from .spark import Progress, RunSession
-from .state import ExportState, OutputStore, StateError
+from .state import ExportState, OutputStore, Staging, StateError
+
+if TYPE_CHECKING:  # PySpark is the exporter's extra, imported when a run starts
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger("replicator.export")
 
@@ -34,21 +38,21 @@ class StreamReport:
 
     stream: str
     position: int
-    lower: Optional[int]
-    upper: Optional[int]
+    lower: int | None
+    upper: int | None
     status: str
     facts: int = 0
     rows: int = 0
     rollbacks: int = 0
-    dates: List[str] = field(default_factory=list)
+    dates: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    trimmed: Optional[Tuple[int, int]] = None  # (lo, hi] accepted as trimmed by retention
+    trimmed: tuple[int, int] | None = None  # (lo, hi] accepted as trimmed by retention
 
 
 @dataclass
 class ExportResult:
-    reports: List[StreamReport]
-    generation: Optional[str]  # the committed generation, None for a no-op
+    reports: list[StreamReport]
+    generation: str | None  # the committed generation, None for a no-op
     seconds: float = 0.0
 
     @property
@@ -57,8 +61,8 @@ class ExportResult:
 
 
 # ------------------------------------------------------------------- run
-def select_streams(streams: Sequence[StreamConfig], names: Optional[Sequence[str]]
-                   ) -> List[StreamConfig]:
+def select_streams(streams: Sequence[StreamConfig], names: Sequence[str] | None
+                   ) -> list[StreamConfig]:
     if not names:
         return list(streams)
     known = {s.name: s for s in streams}
@@ -70,7 +74,7 @@ def select_streams(streams: Sequence[StreamConfig], names: Optional[Sequence[str
 
 
 def run_export(db: DatabaseConfig, streams: Sequence[StreamConfig], options: ExportOptions,
-               spark=None) -> ExportResult:
+               spark: Optional["SparkSession"] = None) -> ExportResult:
     """One export run (see the module docstring).  ``spark``: reuse a session.
 
     Raises SourceError/StateError (one-line problems) or whatever Spark
@@ -99,8 +103,8 @@ def run_export(db: DatabaseConfig, streams: Sequence[StreamConfig], options: Exp
         sessions.stop()
 
 
-def _run_locked(db, selected, store: OutputStore, options: ExportOptions, sessions: RunSession,
-                started: float) -> ExportResult:
+def _run_locked(db: DatabaseConfig, selected: Sequence[StreamConfig], store: OutputStore,
+                options: ExportOptions, sessions: RunSession, started: float) -> ExportResult:
     state = store.load_state()
     run_ms = options.now_ms if options.now_ms is not None else int(time.time() * 1000)
     for stream in selected:
@@ -117,9 +121,9 @@ def _run_locked(db, selected, store: OutputStore, options: ExportOptions, sessio
         meta.close()
 
 
-def _plan_and_export(db, selected, store: OutputStore, options: ExportOptions,
-                     sessions: RunSession, started: float, state: ExportState, run_ms: int,
-                     meta: Metadata) -> ExportResult:
+def _plan_and_export(db: DatabaseConfig, selected: Sequence[StreamConfig], store: OutputStore,
+                     options: ExportOptions, sessions: RunSession, started: float,
+                     state: ExportState, run_ms: int, meta: Metadata) -> ExportResult:
     plans = []
     for stream in selected:
         old = None if options.full else state.streams.get(stream.name)
@@ -173,12 +177,13 @@ def _tok(token: int) -> str:
     return "start" if token == MIN_TOKEN else str(token)
 
 
-def _range(span: Tuple[int, int]) -> str:
+def _range(span: tuple[int, int]) -> str:
     return f"({_tok(span[0])}, {span[1]}]"
 
 
-def _export_stream(spark, target: JdbcTarget, plan: StreamPlan, staging, new_state,
-                   options: ExportOptions, meta: Metadata) -> StreamReport:
+def _export_stream(spark: Optional["SparkSession"], target: JdbcTarget, plan: StreamPlan,
+                   staging: Staging, new_state: ExportState, options: ExportOptions,
+                   meta: Metadata) -> StreamReport:
     from .aggregate import AggregateInput, aggregate_stream, write_partitions
 
     t0 = time.monotonic()
@@ -189,15 +194,21 @@ def _export_stream(spark, target: JdbcTarget, plan: StreamPlan, staging, new_sta
         if plan.state is not None:
             staging.carry_stream(name)
         if plan.advances or plan.state is not None:
-            new_state.streams[name] = (next_state(plan, None) if plan.advances
-                                       else plan.state)
+            if plan.advances:
+                new_state.streams[name] = next_state(plan, None)
+            elif plan.state is not None:
+                new_state.streams[name] = plan.state
         report.seconds = time.monotonic() - t0
         return report
+    # A plan with facts has its read planned, and the run a session.
+    floor, bounds, from_date = plan.floor, plan.bounds, plan.from_date
+    assert spark is not None and floor is not None and bounds is not None \
+        and bounds.max_id is not None and from_date is not None
     spark.sparkContext.setJobDescription(f"export {name}")
-    facts = read_facts(spark, target, plan.stream, plan.floor, plan.bounds.max_id,
+    facts = read_facts(spark, target, plan.stream, floor, bounds.max_id,
                        plan.chunk_len, observed_ranges(plan), plan.run_ms)
     inp = AggregateInput(
-        new_above=plan.lower, prev=plan.prev, from_date=plan.from_date,
+        new_above=plan.lower, prev=plan.prev, from_date=from_date,
         single_writer=len(plan.stream.writers) == 1,
         has_timestamp=plan.stream.timestamp_column is not None, chunk_prev=plan.chunk_prev,
     )
@@ -212,7 +223,7 @@ def _export_stream(spark, target: JdbcTarget, plan: StreamPlan, staging, new_sta
         agg.unpersist()
     check_read(meta, plan)  # every read of the stream is done
     if plan.state is not None:
-        staging.carry_stream(name, keep_date=lambda d: d < plan.from_date)
+        staging.carry_stream(name, keep_date=lambda d: d < from_date)
     new_state.streams[name] = next_state(plan, agg)
     report.status = "exported"
     report.facts, report.rows, report.rollbacks = agg.new_facts, agg.new_rows, agg.new_rollbacks

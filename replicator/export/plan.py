@@ -27,10 +27,9 @@ For every selected stream, on the driver with one-row queries only:
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 from ..config import StreamConfig
-from .aggregate import chunking
+from .aggregate import StreamAggregates, chunking
 from .options import ExportOptions
 from .reference import utc_date
 from .source import MIN_TOKEN, Metadata, RangeBounds, TrimmedError, linear_position
@@ -42,21 +41,21 @@ class StreamPlan:
     """What one stream's run will do (see the module docstring)."""
 
     stream: StreamConfig
-    positions: Dict[str, int]
+    positions: dict[str, int]
     position: int
-    state: Optional[StreamState]
+    state: StreamState | None
     lower: int  # exclusive: the previous token (MIN_TOKEN on a first export)
     upper: int  # inclusive: the token this run advances to
-    bounds: Optional[RangeBounds] = None
+    bounds: RangeBounds | None = None
     run_ms: int = 0
-    from_date: Optional[str] = None
-    floor: Optional[int] = None
-    prev: Optional[int] = None
+    from_date: str | None = None
+    floor: int | None = None
+    prev: int | None = None
     chunk_len: int = 1
-    chunk_prev: Dict[int, Optional[int]] = field(default_factory=dict)
+    chunk_prev: dict[int, int | None] = field(default_factory=dict)
     note: str = ""
     boundary: int = 0  # the trim boundary when planned
-    trimmed: Optional[Tuple[int, int]] = None  # (lo, hi] accepted as trimmed
+    trimmed: tuple[int, int] | None = None  # (lo, hi] accepted as trimmed
 
     @property
     def advances(self) -> bool:
@@ -67,13 +66,13 @@ class StreamPlan:
         return self.bounds is not None and self.bounds.min_id is not None
 
 
-def layout_of(stream: StreamConfig) -> Dict[str, Optional[str]]:
+def layout_of(stream: StreamConfig) -> dict[str, str | None]:
     return {"table": stream.table, "id_column": stream.id_column,
             "writer_column": stream.writer_column,
             "timestamp_column": stream.timestamp_column}
 
 
-def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamState],
+def plan_stream(meta: Metadata, stream: StreamConfig, state: StreamState | None,
                 options: ExportOptions, run_ms: int) -> StreamPlan:
     """What ``stream``'s run will read and write (steps 1 and 2 above).
 
@@ -121,33 +120,34 @@ def plan_stream(meta: Metadata, stream: StreamConfig, state: Optional[StreamStat
         return plan
     if boundary and boundary > lower:  # new facts trimmed before this run read them
         _gap(plan, options, lower, min(boundary, plan.upper), "before this export read them")
-    plan.bounds = meta.bounds(stream, lower, plan.upper)
-    if not plan.has_facts:
+    bounds = plan.bounds = meta.bounds(stream, lower, plan.upper)
+    if bounds.min_id is None or bounds.max_id is None:
         plan.note = "no facts (rollbacks only)"
         return plan
     dates = []
-    if plan.bounds.min_ts is not None:
-        dates.append(utc_date(plan.bounds.min_ts))
-    if plan.bounds.has_null_ts:
+    if bounds.min_ts is not None:
+        dates.append(utc_date(bounds.min_ts))
+    if bounds.has_null_ts:
         dates.append(utc_date(run_ms))
-    plan.from_date = min(dates)
-    plan.floor = plan.bounds.min_id
-    plan.prev = state.last_fact if state is not None and lower == state.token else None
+    from_date = plan.from_date = min(dates)
+    floor = bounds.min_id
+    prev = state.last_fact if state is not None and lower == state.token else None
     if state is not None:
-        for date, (first, prev) in state.dates.items():
-            if date >= plan.from_date and first < plan.floor:
-                plan.floor, plan.prev = first, prev
-    if boundary and plan.floor <= boundary:  # a date re-aggregated from a trimmed fact
-        _gap(plan, options, min(lower, plan.floor - 1), boundary,
-             f"while the re-aggregation of {plan.from_date} (and later dates) still needs them")
+        for date, (first, first_prev) in state.dates.items():
+            if date >= from_date and first is not None and first < floor:
+                floor, prev = first, first_prev
+    if boundary and floor <= boundary:  # a date re-aggregated from a trimmed fact
+        _gap(plan, options, min(lower, floor - 1), boundary,
+             f"while the re-aggregation of {from_date} (and later dates) still needs them")
         kept = meta.bounds(stream, boundary, plan.upper).min_id
         assert kept is not None  # the new facts are above the boundary
-        plan.floor, plan.prev = kept, None
+        floor, prev = kept, None
+    plan.floor, plan.prev = floor, prev
     # The read partitions are ID chunks; the lags run within each, and each
     # chunk starts from the largest ID below it (an index probe each).
-    plan.chunk_len, starts = chunking(plan.floor, plan.bounds.max_id, options.partitions)
+    plan.chunk_len, starts = chunking(floor, bounds.max_id, options.partitions)
     for k, start in enumerate(starts, 1):
-        plan.chunk_prev[k] = meta.max_id_below(stream, plan.floor, start)
+        plan.chunk_prev[k] = meta.max_id_below(stream, floor, start)
     return plan
 
 
@@ -181,17 +181,20 @@ def check_read(meta: Metadata, plan: StreamPlan) -> None:
         f"an export reads cannot be exported whole)")
 
 
-def observed_ranges(plan: StreamPlan) -> List[Tuple[int, int, int]]:
-    """Observed-time ranges relevant to the read range, this run's included."""
-    ranges = []
+def observed_ranges(plan: StreamPlan) -> list[tuple[int, int, int]]:
+    """Observed-time ranges relevant to the read range (a planned read:
+    ``plan.has_facts``), this run's included."""
+    floor, bounds = plan.floor, plan.bounds
+    assert floor is not None and bounds is not None, "the plan reads facts"
+    ranges: list[tuple[int, int, int]] = []
     if plan.state is not None:
-        ranges = [tuple(r) for r in plan.state.observed if r[1] >= plan.floor]
-    if plan.bounds.has_null_ts:
+        ranges = [(lo, hi, ms) for lo, hi, ms in plan.state.observed if hi >= floor]
+    if bounds.has_null_ts:
         ranges.append((plan.lower, plan.upper, plan.run_ms))
     return ranges
 
 
-def next_state(plan: StreamPlan, agg) -> StreamState:
+def next_state(plan: StreamPlan, agg: StreamAggregates | None) -> StreamState:
     """The stream's state once ``plan`` is committed (``agg``: the run's
     :class:`.aggregate.StreamAggregates`, None when no fact was read)."""
     stream = plan.stream
@@ -212,6 +215,7 @@ def next_state(plan: StreamPlan, agg) -> StreamState:
             st.trimmed.append([lo, hi])
     if agg is None:
         return st
+    assert plan.bounds is not None, "facts were read"
     st.last_fact = plan.bounds.max_id
     for date, (first, prev) in agg.new_dates.items():
         st.dates.setdefault(date, [first, prev])

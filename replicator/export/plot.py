@@ -12,10 +12,16 @@ name and renamed, so a reader never sees half a PNG.
 import datetime
 import os
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # PySpark and matplotlib are the exporter's extra
+    from matplotlib.figure import Figure
+    from pyspark.sql import SparkSession
 
 
-def facts_per_minute(spark, minute_path: str, hours: float) -> Dict[str, List[Tuple[int, int]]]:
+def facts_per_minute(spark: "SparkSession", minute_path: str,
+                     hours: float) -> dict[str, list[tuple[int, int]]]:
     """``{stream: [(minute_ms, facts), ...]}`` over the plotted window, every
     minute from the stream's first to its last one present (0 where none)."""
     from pyspark.sql import functions as F
@@ -25,14 +31,15 @@ def facts_per_minute(spark, minute_path: str, hours: float) -> Dict[str, List[Tu
         return {}
     df = (spark.read.option("basePath", minute_path)
           .option("recursiveFileLookup", "false").parquet(minute_path))
-    newest = df.agg(F.max("bucket_start")).first()[0]
+    top = df.agg(F.max("bucket_start")).first()
+    newest = None if top is None else top[0]
     if newest is None:
         return {}
     cutoff = F.lit(newest) - F.expr(f"INTERVAL {int(hours * 60)} MINUTES")
     rows = (df.where(F.col("bucket_start") > cutoff)
             .groupBy("stream", F.unix_millis("bucket_start").alias("ms"))
             .agg(F.sum("facts").alias("facts")).collect())
-    counts: Dict[str, Dict[int, int]] = {}
+    counts: dict[str, dict[int, int]] = {}
     for r in rows:
         counts.setdefault(str(r["stream"]), {})[int(r["ms"])] = int(r["facts"])
     series = {}
@@ -46,8 +53,8 @@ def facts_per_minute(spark, minute_path: str, hours: float) -> Dict[str, List[Tu
 MIN_SPAN_MS = 10 * 60_000
 
 
-def complete_minutes(series: Dict[str, List[Tuple[int, int]]], now_ms: int
-                     ) -> Dict[str, List[Tuple[int, int]]]:
+def complete_minutes(series: dict[str, list[tuple[int, int]]], now_ms: int
+                     ) -> dict[str, list[tuple[int, int]]]:
     """``series`` without the minute still running at ``now_ms`` (its count
     is partial: drawn, it looks like a drop in the rate)."""
     out = {}
@@ -58,8 +65,8 @@ def complete_minutes(series: Dict[str, List[Tuple[int, int]]], now_ms: int
     return out
 
 
-def figure(series: Dict[str, List[Tuple[int, int]]], hours: float,
-           left_out: Sequence[str] = ()):
+def figure(series: dict[str, list[tuple[int, int]]], hours: float,
+           left_out: Sequence[str] = ()) -> "Figure":
     """The matplotlib figure of ``series`` (complete minutes only); the
     legend sits beside the axes, never over the data.  ``left_out`` names
     the streams not drawn because they have no event time."""
@@ -69,12 +76,16 @@ def figure(series: Dict[str, List[Tuple[int, int]]], hours: float,
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
 
-    def when(ms):
-        return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc) \
-            .replace(tzinfo=None)
+    def when(ms: int) -> float:
+        """The x of a time: matplotlib's date number of its naive UTC datetime."""
+        day: float = mdates.date2num(
+            datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC)
+            .replace(tzinfo=None))
+        return day
 
     fig, ax = plt.subplots(figsize=(10, 4), dpi=100)
-    first = last = None
+    first: int | None = None
+    last: int | None = None
     for stream, points in sorted(series.items()):
         xs = [when(p[0]) for p in points]
         ys = [p[1] for p in points]
@@ -86,7 +97,7 @@ def figure(series: Dict[str, List[Tuple[int, int]]], hours: float,
     ax.set_ylabel("facts per minute")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    if first is not None:
+    if first is not None and last is not None:
         span = max(last - first, MIN_SPAN_MS)
         ax.set_xlim(when(last - span), when(last))
     locator = mdates.AutoDateLocator(minticks=3, maxticks=9)
@@ -103,7 +114,7 @@ def figure(series: Dict[str, List[Tuple[int, int]]], hours: float,
     return fig
 
 
-def render(series: Dict[str, List[Tuple[int, int]]], path: str, hours: float,
+def render(series: dict[str, list[tuple[int, int]]], path: str, hours: float,
            left_out: Sequence[str] = ()) -> str:
     """Draw ``series`` to ``path`` (PNG); returns the path."""
     import matplotlib.pyplot as plt
@@ -120,9 +131,9 @@ def render(series: Dict[str, List[Tuple[int, int]]], path: str, hours: float,
     return path
 
 
-def plot_facts_per_minute(spark, minute_path: str, path: str, hours: float = 24.0,
-                          timed: Optional[Iterable[str]] = None,
-                          now_ms: Optional[int] = None) -> Optional[str]:
+def plot_facts_per_minute(spark: "SparkSession", minute_path: str, path: str, hours: float = 24.0,
+                          timed: Iterable[str] | None = None,
+                          now_ms: int | None = None) -> str | None:
     """Plot the committed minute aggregates; None when there is nothing to draw.
 
     Only the streams in ``timed`` (those with a ``timestamp_column``; None:
@@ -130,7 +141,7 @@ def plot_facts_per_minute(spark, minute_path: str, path: str, hours: float = 24.
     is not when their facts happened.  The minute running at ``now_ms`` is
     left out (its count is partial)."""
     series = facts_per_minute(spark, minute_path, hours)
-    left_out: List[str] = []
+    left_out: list[str] = []
     if timed is not None:
         timed = set(timed)
         left_out = [s for s in series if s not in timed]

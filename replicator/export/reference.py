@@ -54,7 +54,7 @@ bucket's length in seconds; None without a timestamp column and on
 
 import datetime
 import math
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from collections.abc import Callable, Iterable, Sequence
 
 GRANULARITIES = {"minute": 60_000, "hour": 3_600_000}
 SIZE_BINS = (("size_1", 1, 1), ("size_2", 2, 2), ("size_3_4", 3, 4),
@@ -63,7 +63,9 @@ PERCENTILES = (("gap_ms_p50", 0.5), ("gap_ms_p95", 0.95), ("gap_ms_p99", 0.99))
 COUNT_METRICS = ("facts", "rows", "multi_row_facts", "max_fact_rows") + tuple(
     b[0] for b in SIZE_BINS) + ("rollbacks",)
 
-Key = Tuple[str, str, int]  # (granularity, writer, bucket_ms)
+Key = tuple[str, str, int]  # (granularity, writer, bucket_ms)
+#: One bucket's metrics by name (counts, tokens, rates, percentiles, date).
+Metrics = dict[str, int | float | str | None]
 
 
 def utc_date(ms: int) -> str:
@@ -72,7 +74,7 @@ def utc_date(ms: int) -> str:
         "%Y-%m-%d")
 
 
-def percentile(values: List[float], p: float) -> Optional[float]:
+def percentile(values: Sequence[float], p: float) -> float | None:
     """Exact percentile, linear interpolation at position ``p * (n - 1)``."""
     if not values:
         return None
@@ -97,9 +99,9 @@ class _Bucket:
     def __init__(self, date: str):
         self.date = date
         self.counts = dict.fromkeys(COUNT_METRICS, 0)
-        self.first: Optional[int] = None
-        self.last: Optional[int] = None
-        self.gaps: List[int] = []
+        self.first: int | None = None
+        self.last: int | None = None
+        self.gaps: list[int] = []
 
 
 class Aggregator:
@@ -113,22 +115,22 @@ class Aggregator:
 
     def __init__(self, writers: int, has_timestamp: bool,
                  observed: Callable[[int], int] = lambda _id: 0,
-                 prev_id: Optional[int] = None):
+                 prev_id: int | None = None):
         self.single_writer = writers == 1
         self.has_timestamp = has_timestamp
         self.observed = observed
         self.prev_id = prev_id
-        self.buckets: Dict[Key, _Bucket] = {}
+        self.buckets: dict[Key, _Bucket] = {}
         # (writer, date) -> row time of that writer's previous fact that day
-        self.last_of_day: Dict[Tuple[str, str], Optional[int]] = {}
-        self._id: Optional[int] = None
+        self.last_of_day: dict[tuple[str, str], int | None] = {}
+        self._id: int | None = None
         self._rows = 0
-        self._writer: Optional[str] = None
-        self._ts: Optional[int] = None
+        self._writer = ""  # (of the fact being fed: _id's)
+        self._ts: int | None = None
         self.facts = 0
         self.row_count = 0
 
-    def add(self, id_: int, writer: str, ts: Optional[int]) -> None:
+    def add(self, id_: int, writer: str, ts: int | None) -> None:
         if id_ != self._id:
             if self._id is not None:
                 if id_ < self._id:
@@ -142,7 +144,7 @@ class Aggregator:
                 self._ts = ts
         self._rows += 1
 
-    def feed(self, rows: Iterable[Tuple[int, str, Optional[int]]]) -> "Aggregator":
+    def feed(self, rows: Iterable[tuple[int, str, int | None]]) -> "Aggregator":
         add = self.add
         for id_, writer, ts in rows:
             add(id_, writer, ts)
@@ -157,6 +159,7 @@ class Aggregator:
 
     def _flush(self) -> None:
         id_, rows, writer, rowtime = self._id, self._rows, self._writer, self._ts
+        assert id_ is not None, "a fact is being fed"
         self.facts += 1
         self.row_count += rows
         time = rowtime if rowtime is not None else self.observed(id_)
@@ -191,21 +194,21 @@ class Aggregator:
                 target = b if self.single_writer else self._bucket(granularity, "", start, date)
                 target.counts["rollbacks"] += missing
 
-    def result(self) -> Dict[Key, dict]:
+    def result(self) -> dict[Key, Metrics]:
         """Every bucket's metrics (see the module docstring), by key."""
         if self._id is not None:
             self._flush()
             self._id = None
-        out = {}
+        out: dict[Key, Metrics] = {}
         for (granularity, writer, start), b in self.buckets.items():
             seconds = GRANULARITIES[granularity] / 1000.0
-            row = dict(b.counts)
+            row: Metrics = dict(b.counts)
             row["date"] = b.date
             row["first_token"] = b.first
             row["last_token"] = b.last
             if self.has_timestamp and writer != "":
-                row["facts_per_s"] = row["facts"] / seconds
-                row["rows_per_s"] = row["rows"] / seconds
+                row["facts_per_s"] = b.counts["facts"] / seconds
+                row["rows_per_s"] = b.counts["rows"] / seconds
             else:
                 row["facts_per_s"] = row["rows_per_s"] = None
             for name, p in PERCENTILES:

@@ -27,12 +27,47 @@ JDBC drivers are Debian's (``libpostgresql-jdbc-java``,
 import glob
 import os
 import sqlite3
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Protocol,
+    TypeVar,
+)
 from urllib.parse import quote
 
 from ..config import DatabaseConfig, StreamConfig
 from ..streams.trimmed import boundary_key
+
+if TYPE_CHECKING:  # PySpark is the exporter's extra, imported when a run starts
+    from psycopg2.extensions import connection as PostgresConnection
+    from pyspark.sql import DataFrame, SparkSession
+
+T = TypeVar("T")
+#: One row of a query's result, as the DB-API gives it.
+Row = tuple[Any, ...]
+
+
+class _Cursor(Protocol):
+    """What :class:`Metadata` uses of a DB-API cursor (sqlite3's, psycopg2's)."""
+
+    def execute(self, sql: str, args: Sequence[Any], /) -> object: ...
+
+    def fetchone(self) -> Row | None: ...
+
+    def fetchall(self) -> list[Row]: ...
+
+    def close(self) -> None: ...
+
+
+def sqlite_path(db: DatabaseConfig) -> str:
+    """The absolute path of ``db``'s SQLite file, which must exist."""
+    assert db.path is not None, "validated: an sqlite database has a path"
+    path = os.path.abspath(db.path)
+    if not os.path.exists(path):
+        raise SourceError(f"database.sqlite: {path} does not exist")
+    return path
 
 #: Smaller than every stream ID: the exclusive lower bound of a first export.
 MIN_TOKEN = -(2 ** 63)
@@ -57,7 +92,7 @@ class TrimmedError(SourceError):
 
 
 # ------------------------------------------------------------------ drivers
-def find_jdbc_jar(engine: str, override: Optional[str] = None) -> str:
+def find_jdbc_jar(engine: str, override: str | None = None) -> str:
     """The path of the JDBC driver jar for ``engine``; SourceError if none.
 
     ``override`` (``--jdbc-jar``) or ``$REPLICATOR_JDBC_JAR`` wins when given;
@@ -84,11 +119,11 @@ class JdbcTarget:
     and the engine (``sqlite``/``postgres``) behind it."""
 
     url: str
-    properties: Dict[str, str]
+    properties: dict[str, str]
     engine: str
 
 
-def parse_dsn(dsn: str) -> Dict[str, str]:
+def parse_dsn(dsn: str) -> dict[str, str]:
     """libpq key/value DSN or postgresql:// URI -> its keywords."""
     from psycopg2.extensions import parse_dsn as _parse
 
@@ -101,10 +136,9 @@ def parse_dsn(dsn: str) -> Dict[str, str]:
 def jdbc_target(db: DatabaseConfig) -> JdbcTarget:
     """How Spark's JDBC source reaches ``db``."""
     if db.engine == "sqlite":
-        path = os.path.abspath(db.path)
-        if not os.path.exists(path):
-            raise SourceError(f"database.sqlite: {path} does not exist")
+        path = sqlite_path(db)
         return JdbcTarget(f"jdbc:sqlite:{path}", {"driver": DRIVERS["sqlite"]}, "sqlite")
+    assert db.dsn is not None, "validated: a postgres database has a DSN"
     params = parse_dsn(db.dsn)
     host = params.get("host") or params.get("hostaddr") or "localhost"
     if "," in host:
@@ -137,7 +171,7 @@ def _login_name() -> str:
 
 
 # --------------------------------------------------------------- metadata
-def linear_position(positions: Dict[str, int], writers: Sequence[str]) -> int:
+def linear_position(positions: dict[str, int], writers: Sequence[str]) -> int:
     """The stream's linear persisted position: the minimum over its writers.
 
     A configured writer with no row in ``stream_positions`` has persisted
@@ -156,9 +190,9 @@ class RangeBounds:
     one (always true for a stream without a timestamp column).
     """
 
-    min_id: Optional[int]
-    max_id: Optional[int]
-    min_ts: Optional[int]
+    min_id: int | None
+    max_id: int | None
+    min_ts: int | None
     has_null_ts: bool
 
 
@@ -171,10 +205,9 @@ class Metadata:
 
     def __init__(self, db: DatabaseConfig):
         self.engine = db.engine
+        self.conn: sqlite3.Connection | PostgresConnection
         if db.engine == "sqlite":
-            path = os.path.abspath(db.path)
-            if not os.path.exists(path):
-                raise SourceError(f"database.sqlite: {path} does not exist")
+            path = sqlite_path(db)
             self.conn = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True,
                                         isolation_level=None)
             self.conn.execute("PRAGMA busy_timeout=5000")
@@ -182,20 +215,21 @@ class Metadata:
             import psycopg2
 
             try:
-                self.conn = psycopg2.connect(db.dsn, application_name="replicator-export")
+                conn = psycopg2.connect(db.dsn, application_name="replicator-export")
             except psycopg2.Error as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise SourceError(f"cannot connect to PostgreSQL: {first}") from None
-            self.conn.autocommit = True
+            conn.autocommit = True
+            self.conn = conn
 
     def close(self) -> None:
         self.conn.close()
 
-    def _query(self, sql: str, args: Tuple, fetch):
+    def _query(self, sql: str, args: Row, fetch: Callable[[_Cursor], T]) -> T:
         """``fetch(cursor)`` after running ``sql``; a failure is one SourceError line."""
         if self.engine == "sqlite":
             sql = sql.replace("%s", "?")
-        cur = self.conn.cursor()
+        cur: _Cursor = self.conn.cursor()
         try:
             cur.execute(sql, args)
             return fetch(cur)
@@ -205,13 +239,20 @@ class Metadata:
         finally:
             cur.close()
 
-    def _one(self, sql: str, args: Tuple = ()) -> Tuple:
+    def _first(self, sql: str, args: Row = ()) -> Row | None:
         return self._query(sql, args, lambda cur: cur.fetchone())
 
-    def _all(self, sql: str, args: Tuple = ()) -> List[Tuple]:
+    def _one(self, sql: str, args: Row = ()) -> Row:
+        """The row of an aggregate query (there is always one)."""
+        row = self._first(sql, args)
+        if row is None:
+            raise SourceError(f"query returned no row: {sql}")
+        return row
+
+    def _all(self, sql: str, args: Row = ()) -> list[Row]:
         return self._query(sql, args, lambda cur: cur.fetchall())
 
-    def positions(self, stream_name: str) -> Dict[str, int]:
+    def positions(self, stream_name: str) -> dict[str, int]:
         """Persisted position of every instance listed for the stream."""
         rows = self._all(
             "SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s",
@@ -233,8 +274,8 @@ class Metadata:
             exists = self._one("SELECT to_regclass('stream_retention') IS NOT NULL")[0]
         if not exists:
             return 0
-        row = self._one("SELECT trimmed_through FROM stream_retention WHERE table_name = %s",
-                        (boundary_key(stream),))
+        row = self._first("SELECT trimmed_through FROM stream_retention WHERE table_name = %s",
+                          (boundary_key(stream),))
         return int(row[0]) if row is not None else 0
 
     def bounds(self, stream: StreamConfig, lower: int, upper: int) -> RangeBounds:
@@ -256,7 +297,7 @@ class Metadata:
         )
         return RangeBounds(_int(row[0]), _int(row[1]), None, row[0] is not None)
 
-    def max_id_below(self, stream: StreamConfig, floor: int, bound: int) -> Optional[int]:
+    def max_id_below(self, stream: StreamConfig, floor: int, bound: int) -> int | None:
         """Largest ID in ``[floor, bound)`` (an index probe), None if none."""
         idc = stream.id_column
         row = self._one(
@@ -266,7 +307,7 @@ class Metadata:
         return _int(row[0])
 
     def first_id_at(self, stream: StreamConfig, lower: int, upper: int, ms: int,
-                    null_counts: bool) -> Optional[int]:
+                    null_counts: bool) -> int | None:
         """Smallest ID in ``(lower, upper]`` of a row timed at or after ``ms``.
 
         ``null_counts``: a row without a timestamp counts as timed after
@@ -282,7 +323,7 @@ class Metadata:
         return _int(row[0])
 
 
-def _int(value) -> Optional[int]:
+def _int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
@@ -293,7 +334,7 @@ def _int(value) -> Optional[int]:
 BYTEWISE_COLLATION = {"postgres": 'COLLATE "C"', "sqlite": "COLLATE BINARY"}
 
 
-def chunk_ranges(floor: int, upper: int, chunk_len: int) -> List[Tuple[int, int]]:
+def chunk_ranges(floor: int, upper: int, chunk_len: int) -> list[tuple[int, int]]:
     """The ID ranges ``[lo, hi]`` of the chunks ``0, 1, ...`` of ``[floor, upper]``
     (``[floor + k * chunk_len, floor + (k + 1) * chunk_len)``, see
     :func:`.aggregate.chunking`)."""
@@ -305,7 +346,7 @@ def chunk_ranges(floor: int, upper: int, chunk_len: int) -> List[Tuple[int, int]
     return out
 
 
-def _time_sql(stream: StreamConfig, observed: Sequence[Tuple[int, int, int]],
+def _time_sql(stream: StreamConfig, observed: Sequence[tuple[int, int, int]],
               default_ms: int) -> str:
     """A fact's time (:mod:`.reference`): its row time, else the export run
     that first exported it (``observed`` ``(lo, hi, ms)``: ``lo < id <= hi``;
@@ -321,7 +362,7 @@ def _time_sql(stream: StreamConfig, observed: Sequence[Tuple[int, int, int]],
 
 
 def fact_query(stream: StreamConfig, engine: str, floor: int, upper: int, chunk_len: int,
-               observed: Sequence[Tuple[int, int, int]], default_ms: int) -> str:
+               observed: Sequence[tuple[int, int, int]], default_ms: int) -> str:
     """The bounded subquery one stream's JDBC read runs, one ID chunk per
     partition (``WHERE chunk = k``).
 
@@ -376,9 +417,9 @@ FACT_SCHEMA = ("chunk INT, id BIGINT, nrows BIGINT, writer STRING, rowtime BIGIN
 SORT_MEMORY = "64MB"
 
 
-def read_facts(spark, target: JdbcTarget, stream: StreamConfig, floor: int, upper: int,
-               chunk_len: int, observed: Sequence[Tuple[int, int, int]], default_ms: int,
-               fetch_size: int = 10000):
+def read_facts(spark: "SparkSession", target: JdbcTarget, stream: StreamConfig, floor: int,
+               upper: int, chunk_len: int, observed: Sequence[tuple[int, int, int]],
+               default_ms: int, fetch_size: int = 10000) -> "DataFrame":
     """DataFrame of the facts with ``floor <= id <= upper``, one row each, in
     one partition per ID chunk (:func:`fact_query`; columns :data:`FACT_SCHEMA`).
     """

@@ -5,7 +5,7 @@ Settings come in two kinds:
 * **session settings** (master, ``spark.jars``, the UI, the output
   committer) only take effect when the session is created:
   :func:`spark_session` gives them to the builder;
-* **run settings** (:data:`RUN_SETTINGS`: UTC session time zone, shuffle
+* **run settings** (:func:`run_settings`: UTC session time zone, shuffle
   partitions, Parquet timestamp type) are SQL runtime settings the
   aggregation depends on: :func:`configure` sets them once per run, on a
   session we started (right after it starts, after any ``--conf``, so the
@@ -15,15 +15,20 @@ Settings come in two kinds:
 import logging
 import os
 import threading
-from typing import Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional
 
 from ..config import DatabaseConfig
+from .options import ExportOptions
 from .source import find_jdbc_jar
+
+if TYPE_CHECKING:  # PySpark is the exporter's extra, imported when a run starts
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger("replicator.export")
 
 
-def run_settings(shuffle_partitions: int) -> Dict[str, str]:
+def run_settings(shuffle_partitions: int) -> dict[str, str]:
     """The SQL runtime settings every export run needs."""
     return {
         "spark.sql.session.timeZone": "UTC",
@@ -32,13 +37,13 @@ def run_settings(shuffle_partitions: int) -> Dict[str, str]:
     }
 
 
-def configure(spark, shuffle_partitions: int) -> None:
+def configure(spark: "SparkSession", shuffle_partitions: int) -> None:
     """Apply :func:`run_settings` to ``spark``."""
     for key, value in run_settings(shuffle_partitions).items():
         spark.conf.set(key, value)
 
 
-def is_local(master: Optional[str], submitted: bool = False) -> bool:
+def is_local(master: str | None, submitted: bool = False) -> bool:
     """Whether the run's Spark is in this process (``local[...]``, or no
     master outside ``spark-submit``): its driver then listens on loopback
     unless ``SPARK_LOCAL_IP`` says otherwise.  On a cluster the executors
@@ -49,8 +54,8 @@ def is_local(master: Optional[str], submitted: bool = False) -> bool:
     return master == "local" or master.startswith("local[")
 
 
-def spark_session(master: Optional[str], jars: Sequence[str], shuffle_partitions: int = 8,
-                  extra_conf: Optional[Dict[str, str]] = None):
+def spark_session(master: str | None, jars: Sequence[str], shuffle_partitions: int = 8,
+                  extra_conf: dict[str, str] | None = None) -> "SparkSession":
     """The SparkSession of this process (created if needed), configured for a run.
 
     ``master`` None leaves the master to ``spark-submit`` when launched by
@@ -91,14 +96,15 @@ class RunSession:
     one), configured once for the run; or one started on first need with the
     run's options, and stopped at the end."""
 
-    def __init__(self, spark, db: DatabaseConfig, options):
+    def __init__(self, spark: Optional["SparkSession"], db: DatabaseConfig,
+                 options: ExportOptions) -> None:
         self.spark = spark
         self.db = db
         self.options = options
         self.own = False
         self._configured = False
 
-    def get(self):
+    def get(self) -> "SparkSession":
         if self.spark is None:
             from pyspark.sql import SparkSession
 
@@ -109,10 +115,11 @@ class RunSession:
             self.spark = spark_session(self.options.master, [jar],
                                        self.options.shuffle_partitions, self.options.spark_conf)
             self.own = self._configured = True
+        spark: SparkSession = self.spark
         if not self._configured:
-            configure(self.spark, self.options.shuffle_partitions)
+            configure(spark, self.options.shuffle_partitions)
             self._configured = True
-        return self.spark
+        return spark
 
     def stop(self) -> None:
         if self.own and self.spark is not None:
@@ -123,18 +130,19 @@ class RunSession:
 class Progress:
     """Prints the running Spark stages of the current stream every few seconds."""
 
-    def __init__(self, spark, interval: float):
+    def __init__(self, spark: "SparkSession", interval: float) -> None:
         self.sc = spark.sparkContext
         self.interval = interval
         self.stream = ""
         self._stop = threading.Event()
-        self._thread = None
-        self._last = None
+        self._thread: threading.Thread | None = None
+        self._last: str | None = None
 
     def start(self) -> "Progress":
         if self.interval > 0:
-            self._thread = threading.Thread(target=self._run, name="export-progress", daemon=True)
-            self._thread.start()
+            thread = self._thread = threading.Thread(target=self._run, name="export-progress",
+                                                     daemon=True)
+            thread.start()
         return self
 
     def _run(self) -> None:

@@ -37,8 +37,9 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Any
 
 STATE_FILE = "state.json"
 #: 2: the columns ``delay_ms_p50/p95/p99`` are named ``gap_ms_p50/p95/p99``
@@ -79,18 +80,18 @@ class StreamState:
     """
 
     token: int
-    last_fact: Optional[int] = None
-    dates: Dict[str, List[Optional[int]]] = field(default_factory=dict)
-    observed: List[List[int]] = field(default_factory=list)
-    layout: Dict[str, Optional[str]] = field(default_factory=dict)
+    last_fact: int | None = None
+    dates: dict[str, list[int | None]] = field(default_factory=dict)
+    observed: list[list[int]] = field(default_factory=list)
+    layout: dict[str, str | None] = field(default_factory=dict)
     facts: int = 0
     rows: int = 0
     rollbacks: int = 0
-    updated_at: Optional[str] = None
-    trimmed: List[List[int]] = field(default_factory=list)
+    updated_at: str | None = None
+    trimmed: list[list[int]] = field(default_factory=list)
 
     @classmethod
-    def from_json(cls, doc: dict) -> "StreamState":
+    def from_json(cls, doc: dict[str, Any]) -> "StreamState":
         return cls(
             token=int(doc["token"]),
             last_fact=None if doc.get("last_fact") is None else int(doc["last_fact"]),
@@ -110,7 +111,7 @@ class ExportState:
     """The state of one generation: per stream, what is exported."""
 
     generation: int = 0
-    streams: Dict[str, StreamState] = field(default_factory=dict)
+    streams: dict[str, StreamState] = field(default_factory=dict)
 
     def to_json(self) -> str:
         doc = {
@@ -220,7 +221,7 @@ class OutputStore:
     def __init__(self, path: str, keep_previous: int = 1):
         self.path = os.path.abspath(path)
         self.keep_previous = keep_previous
-        self._lock_fd: Optional[int] = None
+        self._lock_fd: int | None = None
 
     # -------------------------------------------------------------- lock
     def lock(self) -> None:
@@ -240,7 +241,7 @@ class OutputStore:
             self._lock_fd = None
 
     # ------------------------------------------------------------ reading
-    def current_path(self) -> Optional[str]:
+    def current_path(self) -> str | None:
         link = os.path.join(self.path, "current")
         if not os.path.islink(link):
             return None
@@ -258,7 +259,7 @@ class OutputStore:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StateError(f"cannot read {current}/{STATE_FILE}: {e}") from None
 
-    def _generations(self) -> List[int]:
+    def _generations(self) -> list[int]:
         numbers = []
         for name in os.listdir(self.path):
             m = GEN_RE.match(name)

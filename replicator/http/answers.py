@@ -3,7 +3,7 @@ other content), or a raised :class:`HttpError`; and the secret check the
 routes that need one start with."""
 
 import hmac
-from typing import Any, Dict, Optional
+from typing import Any
 
 JSON_TYPE = b"application/json"
 
@@ -14,9 +14,9 @@ class HttpError(Exception):
     #: The key the message goes under in the JSON answer.
     key = "error"
     #: Other members of the JSON answer.
-    extra: Dict[str, Any] = {}
+    extra: dict[str, Any] = {}
 
-    def __init__(self, code: int, message: str, headers: Optional[Dict[bytes, bytes]] = None):
+    def __init__(self, code: int, message: str, headers: dict[bytes, bytes] | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
@@ -28,7 +28,7 @@ class Response:
     page encoded in a thread)."""
 
     def __init__(self, body: bytes, content_type: bytes,
-                 headers: Optional[Dict[bytes, bytes]] = None):
+                 headers: dict[bytes, bytes] | None = None):
         self.body = body
         self.content_type = content_type
         self.headers = headers or {}
@@ -42,7 +42,7 @@ def excerpt(text: str, limit: int = 60) -> str:
 _CHALLENGE = {b"www-authenticate": b'Bearer realm="replicator"'}
 
 
-def authorize(request, secret: Optional[bytes]) -> None:
+def authorize(request, secret: bytes | None) -> None:
     """Raise 401 (no or malformed ``Authorization: Bearer``) or 403 (no
     secret configured, or a wrong one, compared in constant time)."""
     values = request.requestHeaders.getRawHeaders(b"authorization")

@@ -10,7 +10,8 @@ GET), and an unexpected exception a logged 500 with a generic message.  The
 secret is never written into an answer or a log line (:class:`.redact.Redactor`).
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import unquote
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -71,7 +72,7 @@ class HttpApi:
     """
 
     def __init__(self, *, config: InstanceConfig, registry, handler, db,
-                 replication_status: Callable[[], Tuple[bool, str]], clock,
+                 replication_status: Callable[[], tuple[bool, str]], clock,
                  max_body_size: int = MAX_BODY_SIZE, db_timeout: float = DB_TIMEOUT,
                  idle_timeout: float = 60.0, lag_grace: float = 10.0,
                  health=None, status=None, writers=None):
@@ -157,29 +158,29 @@ class HttpApi:
         """A Site with the body limit, deadlines and a one-line access log."""
         return Site(self._root, self, self.max_body_size, self.idle_timeout, self._clock)
 
-    def log_access(self, request, code: Optional[int] = None, note: str = "") -> None:
+    def log_access(self, request, code: int | None = None, note: str = "") -> None:
         """The access line of a request (see :class:`.site.AccessLog`)."""
         self.access.request(request, code, note)
 
     def log_refusal(self, transport, code: int, length: int, message: str,
-                    method: Optional[bytes], path: Optional[bytes]) -> None:
+                    method: bytes | None, path: bytes | None) -> None:
         """The access line of a request the channel refused."""
         self.access.refusal(transport, code, length, message, method, path)
 
     def check_database(self) -> defer.Deferred:
-        """See :meth:`.health.HealthRoute.check_database`."""
+        """See :meth:`.probe.HealthRoute.check_database`."""
         return self.health.check_database()
 
-    def current_problem(self) -> Optional[str]:
-        """See :meth:`.health.HealthRoute.current_problem`."""
+    def current_problem(self) -> str | None:
+        """See :meth:`.probe.HealthRoute.current_problem`."""
         return self.health.current_problem()
 
-    def current_findings(self) -> List[Finding]:
-        """See :meth:`.health.HealthRoute.current_findings`."""
+    def current_findings(self) -> list[Finding]:
+        """See :meth:`.probe.HealthRoute.current_findings`."""
         return self.health.current_findings()
 
     # ---------------------------------------------------------- rendering
-    def _routes(self, path: bytes) -> Tuple[Dict[bytes, Route], tuple]:
+    def _routes(self, path: bytes) -> tuple[dict[bytes, Route], tuple]:
         """The methods of ``path`` and the route's arguments; 404 if none."""
         if path == b"/health":
             return {b"GET": self.health.get}, ()
@@ -222,7 +223,7 @@ class HttpApi:
     def render(self, request) -> int:
         """Dispatch; the answer is always written later (NOT_DONE_YET)."""
         request.setHeader(b"server", b"replicator")
-        gone: List[Any] = []
+        gone: list[Any] = []
         request.notifyFinish().addErrback(gone.append)
         try:
             routes, args = self._routes(request.path)
@@ -282,7 +283,7 @@ class HttpApi:
         request.finish()
 
     # ------------------------------------------------ status page, metrics
-    def status_snapshot(self) -> Dict[str, Any]:
+    def status_snapshot(self) -> dict[str, Any]:
         """What the status page shows (``/status.json``): no secret needed."""
         return snapshot(instance=self.instance_name, role=self.role,
                         registry=self.registry, handler=self.handler, recorder=self.status,

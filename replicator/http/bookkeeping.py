@@ -7,7 +7,8 @@ a thread: the handler's tables are only read there, by C-level copies,
 never iterated on the reactor.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import threads
 
@@ -19,13 +20,13 @@ from .answers import JSON_TYPE, HttpError, Response, authorize
 class BookkeepingRoutes:
     """The three paged bookkeeping tables of ``handler``."""
 
-    def __init__(self, handler: IReplicationView, secret: Optional[bytes]) -> None:
+    def __init__(self, handler: IReplicationView, secret: bytes | None) -> None:
         self.handler = handler
         self._secret = secret
 
-    async def _page(self, request: Any, keys: Callable[[], List[Tuple[Any, ...]]],
-                    lookup: Callable[[Tuple[Any, ...]], Any],
-                    render: Callable[[List[Tuple[Any, Any]]], Dict[str, Any]],
+    async def _page(self, request: Any, keys: Callable[[], list[tuple[Any, ...]]],
+                    lookup: Callable[[tuple[Any, ...]], Any],
+                    render: Callable[[list[tuple[Any, Any]]], dict[str, Any]],
                     width: int) -> Response:
         authorize(request, self._secret)
         try:
@@ -39,16 +40,16 @@ class BookkeepingRoutes:
     async def user_syncs(self, request: Any) -> Response:
         handler = self.handler
 
-        def keys() -> List[Tuple[Any, ...]]:
+        def keys() -> list[tuple[Any, ...]]:
             return [(instance, user, device)
                     for instance, users in list(handler.user_syncs.items())
                     for (user, device) in list(users)]
 
-        def lookup(key: Tuple[Any, ...]) -> Any:
+        def lookup(key: tuple[Any, ...]) -> Any:
             return handler.user_syncs.get(key[0], {}).get(key[1:])
 
-        def render(entries: List[Tuple[Any, Any]]) -> Dict[str, Any]:
-            out: Dict[str, List[Dict[str, Any]]] = {}
+        def render(entries: list[tuple[Any, Any]]) -> dict[str, Any]:
+            out: dict[str, list[dict[str, Any]]] = {}
             for (instance, user, device), ms in entries:
                 out.setdefault(instance, []).append(
                     {"user_id": user, "device_id": device, "last_sync_ms": ms})
@@ -66,7 +67,7 @@ class BookkeepingRoutes:
     async def user_ips(self, request: Any) -> Response:
         handler = self.handler
 
-        def render(entries: List[Tuple[Any, Any]]) -> Dict[str, Any]:
+        def render(entries: list[tuple[Any, Any]]) -> dict[str, Any]:
             return {"user_ips": [
                 {"user_id": user, "device_id": device, "ip": seen.get("ip"),
                  "user_agent": seen.get("user_agent"), "last_seen": seen.get("last_seen")}

@@ -28,7 +28,6 @@ of the connection is parsed.
 """
 
 import re
-from typing import Optional, Tuple
 
 from twisted.internet import protocol
 from twisted.internet.interfaces import ISSLTransport
@@ -49,7 +48,7 @@ def error_body(message: str) -> bytes:
     return encode_json({"error": message}) + b"\n"
 
 
-def refusal(code: int, message: str, extra: bytes = b"") -> Tuple[bytes, int]:
+def refusal(code: int, message: str, extra: bytes = b"") -> tuple[bytes, int]:
     """The whole answer of a refusal (status line, headers, one JSON line)
     and the length of its body."""
     body = error_body(message)
@@ -92,8 +91,8 @@ class Channel(HTTPChannel):
     body_timeout = 30.0
     api = None  # the HttpApi: counts connections, logs refusals
 
-    _why: Optional[Tuple[int, str]] = None
-    _tail: Optional[bytes] = b""  # None: this request's headers are complete
+    _why: tuple[int, str] | None = None
+    _tail: bytes | None = b""  # None: this request's headers are complete
     _deadline = None
     _awaited = "headers"  # what the running deadline waits for
     _closer = None
@@ -102,7 +101,7 @@ class Channel(HTTPChannel):
     refused = False
     #: Method and path of the request being received, from its request line
     #: (for the access line of a refusal).
-    _request_line: Tuple[Optional[bytes], Optional[bytes]] = (None, None)
+    _request_line: tuple[bytes | None, bytes | None] = (None, None)
 
     # ------------------------------------------------------------ events
     def connectionMade(self):
@@ -226,7 +225,7 @@ class Channel(HTTPChannel):
         self.refuse(code, message)
 
     # ----------------------------------------------------------- helpers
-    def _header_problem(self, line: bytes) -> Tuple[int, str]:
+    def _header_problem(self, line: bytes) -> tuple[int, str]:
         """Why twisted.web would refuse this header line, should it."""
         name, sep, value = line.partition(b":")
         if not sep:

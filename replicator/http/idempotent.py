@@ -25,7 +25,7 @@ sees.
 * A write that failed (400, 503...) recorded nothing: a retry writes.
 """
 
-from typing import Awaitable, Callable, Optional, Sequence, Set, Tuple
+from collections.abc import Awaitable, Callable, Sequence
 
 from ..streams.idempotency import IdempotencyKeys, KeyTaken, fingerprint
 from ..streams.trimmed import boundary_key
@@ -41,7 +41,7 @@ RETRY_AFTER = b"1"
 Write = Callable[[PreparedFacts, Sequence[TxnHook]], Awaitable[int]]
 
 
-def idempotency_key(request) -> Optional[str]:
+def idempotency_key(request) -> str | None:
     """The request's ``Idempotency-Key`` (None without one); 400 naming
     the header if it is given twice, empty, too long or not printable
     ASCII without space."""
@@ -66,10 +66,10 @@ class IdempotentWrites:
 
     def __init__(self, keys: IdempotencyKeys) -> None:
         self.keys = keys
-        self._in_flight: Set[Tuple[str, str]] = set()
+        self._in_flight: set[tuple[str, str]] = set()
 
     async def write(self, stream, prepared: PreparedFacts, key: str,
-                    write: Write) -> Tuple[int, bool]:
+                    write: Write) -> tuple[int, bool]:
         """``(stream_id, replayed)``: the write of ``prepared`` with
         ``key``, by ``write(prepared, hooks)`` (which answers its own
         failures), or the first write's ID; else 409/422."""

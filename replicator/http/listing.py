@@ -18,7 +18,8 @@ text may hold lone surrogates: they are escaped, never refused).
 import base64
 import heapq
 import json
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ..jsontext import encode_json
 
@@ -36,7 +37,7 @@ class PageError(ValueError):
     """A bad ``limit`` or ``from``; the text says which (a 400)."""
 
 
-def page_args(args: Dict[bytes, List[bytes]]) -> Tuple[int, Optional[bytes]]:
+def page_args(args: dict[bytes, list[bytes]]) -> tuple[int, bytes | None]:
     """``(limit, from)`` of a request's query arguments."""
     limit = DEFAULT_LIMIT
     values = args.get(b"limit")
@@ -54,11 +55,11 @@ def page_args(args: Dict[bytes, List[bytes]]) -> Tuple[int, Optional[bytes]]:
     return limit, cursor
 
 
-def encode_cursor(key: Sequence[Optional[str]]) -> str:
+def encode_cursor(key: Sequence[str | None]) -> str:
     return base64.urlsafe_b64encode(encode_json(list(key))).decode("ascii").rstrip("=")
 
 
-def decode_cursor(cursor: bytes, width: int) -> Tuple[Optional[str], ...]:
+def decode_cursor(cursor: bytes, width: int) -> tuple[str | None, ...]:
     """The key a cursor stands for: ``width`` strings (None allowed after
     the first); anything else is a :class:`PageError`."""
     bad = PageError("from is not a cursor from a previous page's next")
@@ -74,17 +75,17 @@ def decode_cursor(cursor: bytes, width: int) -> Tuple[Optional[str], ...]:
     return tuple(key)
 
 
-def sort_key(key: Sequence[Optional[str]]) -> tuple:
+def sort_key(key: Sequence[str | None]) -> tuple:
     """A total order over keys whose parts may be None (None first)."""
-    out: List[Any] = []
+    out: list[Any] = []
     for part in key:
         out.extend((part is not None, part or ""))
     return tuple(out)
 
 
 def build_page(keys: Callable[[], Iterable[tuple]], lookup: Callable[[tuple], Any],
-               render: Callable[[List[Tuple[tuple, Any]]], dict], limit: int,
-               cursor: Optional[bytes], width: int) -> bytes:
+               render: Callable[[list[tuple[tuple, Any]]], dict], limit: int,
+               cursor: bytes | None, width: int) -> bytes:
     """One page as the encoded JSON answer (a line ending in ``\\n``).
 
     ``keys()`` lists the table's keys (a C-level copy), ``lookup(key)`` gives

@@ -6,7 +6,8 @@ grace and the rest are :class:`replicator.observe.health.HealthMonitor`'s); else
 ``{"status": "unhealthy", "reason": "..."}`` with the first problem found.
 """
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
@@ -50,7 +51,7 @@ class HealthRoute:
 
     def __init__(self, *, instance_name: str, role: str, registry: "StreamRegistry",
                  handler: IReplicationView, db: "Database", monitor: "HealthMonitor",
-                 replication_status: Callable[[], Tuple[bool, str]], redact: Redactor,
+                 replication_status: Callable[[], tuple[bool, str]], redact: Redactor,
                  db_timeout: float, clock: IReactorTime) -> None:
         self.instance_name = instance_name
         self.role = role  # replicator.observe.roles.role(config)
@@ -62,18 +63,18 @@ class HealthRoute:
         self.redact = redact
         self.db_timeout = db_timeout
         self._clock = clock
-        self._db_probe: "Optional[defer.Deferred[Any]]" = None
-        self._db_waiters: "List[defer.Deferred[Optional[str]]]" = []
+        self._db_probe: defer.Deferred[Any] | None = None
+        self._db_waiters: list[defer.Deferred[str | None]] = []
 
-    def check_database(self) -> "defer.Deferred[Optional[str]]":
+    def check_database(self) -> "defer.Deferred[str | None]":
         """Fires with None if ``SELECT 1`` answers within ``db_timeout``, else
         with the reason."""
-        waiter: "defer.Deferred[Optional[str]]" = defer.Deferred(
+        waiter: defer.Deferred[str | None] = defer.Deferred(
             lambda d: self._db_waiters.remove(d) if d in self._db_waiters else None)
         self._db_waiters.append(waiter)
         if self._db_probe is None:
             try:
-                probe: "defer.Deferred[Any]" = self.db.runQuery("SELECT 1")
+                probe: defer.Deferred[Any] = self.db.runQuery("SELECT 1")
             except Exception:  # e.g. a pool already closed
                 probe = defer.fail()
             self._db_probe = probe
@@ -85,7 +86,7 @@ class HealthRoute:
                 return f"database unreachable: no answer within {self.db_timeout:g}s"
             log.warn("Health check: the database is unreachable: {error}",
                      error=self.redact(f.getErrorMessage()))
-            return f"database unreachable: {f.type.__name__}"
+            return f"database unreachable: {type(f.value).__name__}"
 
         waiter.addCallbacks(lambda _: None, reason)
         return waiter
@@ -100,7 +101,7 @@ class HealthRoute:
                 waiter.callback(None)
         return None
 
-    def replication(self) -> Tuple[bool, str]:
+    def replication(self) -> tuple[bool, str]:
         """``replication_status()``, redacted; never raises."""
         try:
             connected, detail = self.replication_status()
@@ -109,17 +110,17 @@ class HealthRoute:
             self.redact.log_failure("replication_status() failed", Failure())
             return False, "replication status unavailable"
 
-    def _unloaded(self) -> Optional[str]:
+    def _unloaded(self) -> str | None:
         unloaded = [s.name for s in self.registry if not s.loaded]
         return f"streams not loaded: {', '.join(unloaded)}" if unloaded else None
 
-    def current_problem(self) -> Optional[str]:
+    def current_problem(self) -> str | None:
         """The first replication problem ``/health`` would give (streams not
         loaded, link, unreceived, lag), without the database probe; None if
         there is none."""
         return self._unloaded() or self.monitor.problem(*self.replication())
 
-    def current_findings(self) -> List[Finding]:
+    def current_findings(self) -> list[Finding]:
         """Every finding (:meth:`.HealthMonitor.findings`), streams not
         loaded first: what the status page shows, banner and rows.  The
         first that fails health is :meth:`current_problem`."""
@@ -127,7 +128,7 @@ class HealthRoute:
         first = [Finding("unloaded", None, None, unloaded, "")] if unloaded else []
         return first + self.monitor.findings(*self.replication())
 
-    async def get(self, request: Any) -> Dict[str, Any]:
+    async def get(self, request: Any) -> dict[str, Any]:
         problem = await self.check_database()
         if problem is None:
             problem = self._unloaded()
@@ -136,7 +137,7 @@ class HealthRoute:
             problem = self.monitor.problem(connected, detail)
         if problem is not None:
             raise Unhealthy(problem)
-        return {
+        answer = {
             "status": "ok",
             "instance": self.instance_name,
             "role": self.role,
@@ -145,3 +146,8 @@ class HealthRoute:
             "connections": len(self.handler.open_connections()),
             "positions": {s.name: s.id_gen.get_positions() for s in self.registry},
         }
+        held = [f.text for f in self.monitor.findings(connected, detail)
+                if f.kind == "foreign_held"]
+        if held:
+            answer["foreign_held"] = held  # plain-SQL transactions holding a stream
+        return answer

@@ -23,7 +23,7 @@ short text without ``%`` (or, in a path, ``=`` and ``+``) costs one
 """
 
 import re
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -44,10 +44,10 @@ CREDENTIAL = re.compile(rb"(?i)(?:token|secret|pass|auth|key|cred|sig)[^=&;]*=([
 
 _ESCAPE = re.compile(rb"%([0-9A-Fa-f]{2})")
 
-Spans = List[Tuple[int, int]]
+Spans = list[tuple[int, int]]
 
 
-def _decoded(data: bytes, spans: Spans) -> Tuple[bytes, Spans]:
+def _decoded(data: bytes, spans: Spans) -> tuple[bytes, Spans]:
     """``data`` percent-decoded once, and for each of its bytes the span of
     the original text it comes from (``spans``: that of each byte of
     ``data``)."""
@@ -89,12 +89,12 @@ class Redactor:
     spelling, from text shown in answers and logs; and credentials'
     values from request paths (:meth:`path`)."""
 
-    def __init__(self, hidden: Sequence[Optional[str]]):
-        self._hidden: List[str] = []
-        self._hidden_bytes: List[bytes] = []
+    def __init__(self, hidden: Sequence[str | None]):
+        self._hidden: list[str] = []
+        self._hidden_bytes: list[bytes] = []
         self.hide(hidden)
 
-    def hide(self, hidden: Sequence[Optional[str]]) -> None:
+    def hide(self, hidden: Sequence[str | None]) -> None:
         """Hide these strings too (a reload's new secrets)."""
         for s in hidden:
             if s and s not in self._hidden:
@@ -132,7 +132,7 @@ class Redactor:
         return marks
 
     def _redact_bytes(self, data: bytes, parameters: bool = False,
-                      keep: Optional[int] = None) -> bytes:
+                      keep: int | None = None) -> bytes:
         """``data`` with what spells a secret (or, with ``parameters``, a
         credential's value) replaced; with ``keep``, only its first
         ``keep`` bytes (and whole replacements that start there): it is
@@ -160,7 +160,7 @@ class Redactor:
             out.append(data[pos:end])
         return b"".join(out)
 
-    def _redact_text(self, text: str, keep: Optional[int] = None) -> str:
+    def _redact_text(self, text: str, keep: int | None = None) -> str:
         if "%" not in text and (keep is None or len(text) <= keep):
             for hidden in self._hidden:
                 text = text.replace(hidden, REDACTED)

@@ -16,7 +16,7 @@ redaction of what must never be shown.
 
 import io
 import time
-from typing import Optional, Tuple, cast
+from typing import cast
 
 from twisted.logger import Logger
 from twisted.web import server
@@ -46,7 +46,7 @@ class AccessLog:
     def __init__(self, redact: Redactor):
         self.redact = redact
 
-    def request(self, request, code: Optional[int] = None, note: str = "") -> None:
+    def request(self, request, code: int | None = None, note: str = "") -> None:
         """The line of a request twisted.web parsed."""
         try:
             addr = request.getClientAddress()
@@ -68,7 +68,7 @@ class AccessLog:
              duration_ms=round(ms, 1), note=f" ({notes})" if notes else "", error=error)
 
     def refusal(self, transport, code: int, length: int, message: str,
-                method: Optional[bytes], path: Optional[bytes]) -> None:
+                method: bytes | None, path: bytes | None) -> None:
         """The line of a request the channel refused (malformed, too large,
         too slow, over the connection cap); ``length`` is the body's."""
         try:
@@ -91,9 +91,9 @@ class Request(server.Request):
     _received = 0
     started = None
     #: An error answer's message, for the access line.
-    error_text: Optional[str] = None
+    error_text: str | None = None
 
-    def _limits(self) -> Tuple[int, int]:
+    def _limits(self) -> tuple[int, int]:
         site = getattr(self.channel, "site", None)
         limit = getattr(site, "max_body_size", MAX_BODY_SIZE)
         return limit, limit * DRAIN_FACTOR

@@ -38,7 +38,7 @@ leaves; at most ``max_connections`` + ``reserved_for_health`` +
 connections are a health probe's and ``reserved_for_writers`` a writer's.
 """
 
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any
 
 from ..net.crowd import Crowd
 from .answers import HttpError, authorize
@@ -53,15 +53,15 @@ class Slots:
 
     def __init__(self, *, max_connections: int, max_connections_per_address: int,
                  reserved_for_health: int = 0, reserved_for_writers: int = 0,
-                 secret: Optional[bytes] = None):
+                 secret: bytes | None = None):
         self.max_connections = max_connections
         self.max_connections_per_address = max_connections_per_address
         self.limits = {HEALTH: reserved_for_health, WRITER: reserved_for_writers if secret else 0}
         self.secret = secret
         self.ordinary = Crowd()
         self.reserved = Crowd()
-        self._kind: Dict[Any, str] = {}  # reserved connections: whose they are
-        self._idle: Set[Any] = set()  # answered, waiting for the next request
+        self._kind: dict[Any, str] = {}  # reserved connections: whose they are
+        self._idle: set[Any] = set()  # answered, waiting for the next request
 
     def __len__(self) -> int:
         return len(self.ordinary) + len(self.reserved)
@@ -74,7 +74,7 @@ class Slots:
         return sum(1 for k in self._kind.values() if k == kind)
 
     # --------------------------------------------------------- admission
-    def admit(self, conn: Any, host: Optional[str]) -> Optional[str]:
+    def admit(self, conn: Any, host: str | None) -> str | None:
         """Give ``conn`` (from ``host``; None: not an IP peer) a slot, closing
         another to make room if need be; None, or why there is none."""
         ordinary = self.ordinary
@@ -114,7 +114,7 @@ class Slots:
         return True
 
     # ------------------------------------------------------------- hooks
-    def check(self, conn: Any, request, method: bytes, path: bytes) -> Tuple[Optional[str], bool]:
+    def check(self, conn: Any, request, method: bytes, path: bytes) -> tuple[str | None, bool]:
         """Whether ``request`` (its headers complete) may go on over ``conn``:
         ``(None, close_after)`` or ``(why not, True)``.  Only a reserved
         slot restricts its requests."""

@@ -3,7 +3,8 @@
 
 A facts body is parsed here (JSON, ``{"rows": [list, ...]}`` and nothing
 else; an object anywhere in it that gives a key twice is refused, not read
-as its last value: :func:`replicator.jsontext.decode_json_strict`); its rows are checked once, by the stream's row codec
+as its last value: :func:`replicator.jsontext.decode_json_strict`); its rows are checked once, by
+the stream's row codec
 (:meth:`replicator.streams.stream.Stream.prepare`), which also refuses a row
 whose RDATA line could never be replicated.  Everything is checked before
 anything is written, in this order: 401 (no or malformed Authorization),
@@ -14,7 +15,8 @@ the answer is generic).  A write with an ``Idempotency-Key`` goes through
 :mod:`.idempotent` (a retry answered again, 409/422).
 """
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet import threads
 from twisted.logger import Logger
@@ -58,7 +60,7 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def parse_fact_body(body: bytes) -> List[Any]:
+def parse_fact_body(body: bytes) -> list[Any]:
     """The rows of a facts request body (not yet checked against the
     stream); raises :class:`HttpError` 400.  Pure and thread-safe."""
     try:
@@ -95,9 +97,9 @@ class StreamRoutes:
     """Writing facts and reading positions."""
 
     def __init__(self, *, instance_name: str, registry: "StreamRegistry",
-                 handler: IReplicationView, secret: Optional[bytes],
+                 handler: IReplicationView, secret: bytes | None,
                  max_body_size: int, max_line_length: int, redact: Redactor,
-                 idempotent: IdempotentWrites, writers: "Optional[WriterWatch]" = None) -> None:
+                 idempotent: IdempotentWrites, writers: "WriterWatch | None" = None) -> None:
         self.instance_name = instance_name
         self.registry = registry
         self.handler = handler
@@ -108,9 +110,9 @@ class StreamRoutes:
         self.writers = writers  # a WriterWatch: links and linear holders, or None
         self.idempotent = idempotent  # writes with an Idempotency-Key
         #: Writes failed per stream since its last success (an outage).
-        self._failing: Dict[str, int] = {}
+        self._failing: dict[str, int] = {}
 
-    async def post_facts(self, request: Any, name: Optional[str]) -> Dict[str, Any]:
+    async def post_facts(self, request: Any, name: str | None) -> dict[str, Any]:
         authorize(request, self._secret)
         if too_large(request, self.max_body_size):
             raise HttpError(413, f"request body larger than {self.max_body_size} bytes")
@@ -170,10 +172,10 @@ class StreamRoutes:
                                     "are counted until a write succeeds", failure,
                                     stream=stream)
 
-    async def positions(self, request: Any) -> Dict[str, Any]:
+    async def positions(self, request: Any) -> dict[str, Any]:
         authorize(request, self._secret)
         seen = Positions(self.handler)
-        streams: Dict[str, Any] = {}
+        streams: dict[str, Any] = {}
         for stream in self.registry:
             gen = stream.id_gen
             if gen is None:

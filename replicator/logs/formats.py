@@ -18,10 +18,11 @@ reads ``X``.
 import json
 import math
 import re
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Callable, Dict
+from typing import Any
 
-from twisted.logger import LogLevel, formatEvent
+from twisted.logger import LogEvent, LogLevel, formatEvent
 from twisted.python.failure import Failure
 
 from .printable import printable
@@ -44,7 +45,7 @@ _LOGFMT_PLAIN = re.compile(r"^[^\s=\"\\]+$")
 _KEY_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 
 
-def _address(match) -> str:
+def _address(match: "re.Match[str]") -> str:
     host, port = match.group(2), match.group(3)
     return f"[{host}]:{port}" if match.group(1) == "6" else f"{host}:{port}"
 
@@ -63,7 +64,7 @@ def clean(text: str) -> str:
 _LAYERS = re.compile(r"^(?:(replication)\.(?:transport|core|wire)\.|(?:observe|daemon|net)\.)")
 
 
-def system(event) -> str:
+def system(event: LogEvent) -> str:
     """Where an event comes from: its namespace without ``replicator.``, the
     grouping packages (:data:`_LAYERS`) and a class name at the end
     (``replication.protocol``); Twisted's own events are ``twisted``."""
@@ -81,11 +82,12 @@ def system(event) -> str:
     return namespace
 
 
-def level(event) -> str:
-    return event.get("log_level", LogLevel.info).name
+def level(event: LogEvent) -> str:
+    name: str = event.get("log_level", LogLevel.info).name
+    return name
 
 
-def message(event) -> str:
+def message(event: LogEvent) -> str:
     return clean(formatEvent(event))
 
 
@@ -101,9 +103,9 @@ def _value(value: Any) -> Any:
     return clean(str(value))
 
 
-def fields(event) -> Dict[str, Any]:
+def fields(event: LogEvent) -> dict[str, Any]:
     """The event's own fields (what its message was formatted from)."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in event.items():
         if (key.startswith("log_") or key in _NOT_FIELDS or key in _RESERVED
                 or isinstance(value, Failure) or not isinstance(key, str)):
@@ -112,18 +114,18 @@ def fields(event) -> Dict[str, Any]:
     return out
 
 
-def _traceback(event):
-    failure = event.get("log_failure")
+def _traceback(event: LogEvent) -> str | None:
+    failure: Failure | None = event.get("log_failure")
     return failure.getTraceback().rstrip("\n") if failure is not None else None
 
 
-def _time(event, sep: str = "T", zone: bool = True) -> str:
+def _time(event: LogEvent, sep: str = "T", zone: bool = True) -> str:
     when = datetime.fromtimestamp(event.get("log_time") or 0).astimezone()
     text = when.isoformat(sep=sep, timespec="milliseconds")
     return text if zone else text[:23]
 
 
-def text_line(event, with_time: bool) -> str:
+def text_line(event: LogEvent, with_time: bool) -> str:
     line = f"{level(event).upper()} {system(event)}: {message(event)}\n"
     if with_time:
         line = f"{_time(event, ' ', zone=False)} {line}"
@@ -144,7 +146,7 @@ def _logfmt_value(value: Any) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def logfmt_line(event) -> str:
+def logfmt_line(event: LogEvent) -> str:
     pairs = [("time", _time(event)), ("level", level(event)), ("system", system(event)),
              ("msg", message(event))]
     pairs += list(fields(event).items())
@@ -154,7 +156,7 @@ def logfmt_line(event) -> str:
     return " ".join(f"{k}={_logfmt_value(v)}" for k, v in pairs) + "\n"
 
 
-def json_line(event) -> str:
+def json_line(event: LogEvent) -> str:
     record = {"time": _time(event), "level": level(event), "system": system(event),
               "message": message(event)}
     record.update(fields(event))
@@ -164,7 +166,7 @@ def json_line(event) -> str:
     return json.dumps(record, ensure_ascii=True, allow_nan=False, default=str) + "\n"
 
 
-def formatter(name: str, with_time: bool = True) -> Callable[[dict], str]:
+def formatter(name: str, with_time: bool = True) -> Callable[[LogEvent], str]:
     """The line maker of format ``name`` (one of :data:`FORMATS`); the
     time is left out of ``text`` lines when ``with_time`` is false."""
     if name == "text":

@@ -6,19 +6,23 @@ through :func:`replicator.logs.printable.printable`.
 
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable, Mapping
+from typing import IO
 
 from twisted.logger import (
     FilteringLogObserver,
+    ILogObserver,
+    LogEvent,
     LogLevel,
     LogLevelFilterPredicate,
     globalLogBeginner,
 )
+from zope.interface import provider
 
 from .printable import printable
 
 
-def under_journald(stream, environ) -> bool:
+def under_journald(stream: IO[str], environ: Mapping[str, str]) -> bool:
     """Whether ``stream`` is journald's: systemd sets ``JOURNAL_STREAM`` to
     the ``device:inode`` of the stream it connected stdout to (a stream
     redirected elsewhere by hand, or a child's, is not journald's)."""
@@ -33,11 +37,12 @@ def under_journald(stream, environ) -> bool:
     return (stat.st_dev, stat.st_ino) == (device, inode)
 
 
-def _observer(stream, line: Callable[[dict], str]):
-    """Writes each event kept by :func:`.twistedlog.keep` as ``line(event)``."""
+def _observer(stream: IO[str], line: Callable[[LogEvent], str]) -> ILogObserver:
+    """Writes each event kept by :func:`.twisted_lines.keep` as ``line(event)``."""
     from .twisted_lines import keep
 
-    def observe(event):
+    @provider(ILogObserver)
+    def observe(event: LogEvent) -> None:
         if not keep(event):
             return
         try:
@@ -49,11 +54,13 @@ def _observer(stream, line: Callable[[dict], str]):
             stream.flush()
         except (OSError, ValueError):
             pass
-    return observe
+    observer: ILogObserver = observe  # (a function that provides it)
+    return observer
 
 
-def start_logging(level: str = "info", log_format: str = "text", stream=None,
-                  environ=None) -> None:
+def start_logging(level: str = "info", log_format: str = "text",
+                  stream: IO[str] | None = None,
+                  environ: Mapping[str, str] | None = None) -> None:
     """Send every event at ``level`` or above to ``stream`` (stdout) as
     ``log_format`` lines (:mod:`replicator.logs.formats`): ``text`` lines carry
     the time unless journald (which adds its own) reads ``stream``."""
@@ -76,7 +83,7 @@ def start_logging(level: str = "info", log_format: str = "text", stream=None,
 
 
 #: How the logging :func:`start_logging` began is changed (a reload).
-_live: dict = {}
+_live: dict[str, Callable[[str, str], None]] = {}
 
 
 def change_logging(level: str, log_format: str) -> bool:

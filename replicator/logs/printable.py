@@ -2,7 +2,6 @@
 line: the one place that decides what is escaped."""
 
 import re
-from typing import Optional
 
 # C0 and C1 controls, DEL, line/paragraph separators and the bidirectional
 # overrides and isolates: anything that could end a log line, move the
@@ -12,7 +11,7 @@ _UNPRINTABLE = re.compile(
 _SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def _escape_char(match) -> str:
+def _escape_char(match: "re.Match[str]") -> str:
     char = match.group()
     short = _SHORT.get(char)
     if short is not None:
@@ -21,7 +20,7 @@ def _escape_char(match) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
-def printable(text: object, limit: Optional[int] = 200) -> str:
+def printable(text: object, limit: int | None = 200) -> str:
     """``text`` (anything a peer, request or file supplied) made safe for one
     log line: control characters written as ``\\xNN``/``\\uNNNN`` escapes
     (``\\n``, ``\\r``, ``\\t`` as such), and cut to ``limit`` characters

@@ -13,6 +13,8 @@ events has a line of ours already (``replication: listening on
 
 import re
 
+from twisted.logger import LogEvent
+
 #: Informational messages of Twisted's that repeat one of ours.
 _REPEATS = re.compile(
     r"^(?:.* starting on \S+"            # Port.startListening: "<Factory> starting on 9092"
@@ -24,7 +26,7 @@ _REPEATS = re.compile(
     r"|Log opened\.?)$", re.S)
 
 
-def keep(event) -> bool:
+def keep(event: LogEvent) -> bool:
     """Whether ``event`` should be logged (False: one of Twisted's
     informational lines that repeats one of ours)."""
     namespace = event.get("log_namespace") or ""

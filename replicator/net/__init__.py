@@ -1,1 +1,2 @@
-"""Connections and their policies: the one reconnect backoff, reconnecting links, per-address caps, endpoint strings and TLS."""
+"""Connections and their policies: the one reconnect backoff, reconnecting links, per-address caps,
+endpoint strings and TLS."""

@@ -20,7 +20,7 @@ no delay is ever longer than ``maximum`` nor shorter than
 """
 
 import random
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from twisted.logger import Logger
 
@@ -49,7 +49,7 @@ class Backoff:
     def __init__(self, initial: float = RECONNECT_INITIAL_DELAY,
                  maximum: float = RECONNECT_MAX_DELAY,
                  factor: float = FACTOR, jitter: float = JITTER,
-                 rng: Optional[Callable[[], float]] = None, name: str = "link"):
+                 rng: Callable[[], float] | None = None, name: str = "link"):
         if not 0 < initial <= maximum:
             raise ValueError("need 0 < initial <= maximum")
         if factor < 1 or not 0 <= jitter < 1:
@@ -102,9 +102,9 @@ class Outage:
     def __init__(self, what: str, initial: float):
         self.what = what
         self.initial = initial
-        self._backoff: Optional[Backoff] = None
+        self._backoff: Backoff | None = None
 
-    def failed(self, error: BaseException) -> float:
+    def failed(self, error: BaseException | None) -> float:
         if self._backoff is None:
             self._backoff = Backoff(self.initial, max(self.initial, OUTAGE_MAX_DELAY),
                                     name=self.what)

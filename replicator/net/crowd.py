@@ -5,7 +5,7 @@ A connection arrives *unidentified* (a replication peer that has sent no
 ``NAME``, an HTTP connection without a complete request).  The listener
 says when it becomes *identified* (and may make it *exempt*: a known peer,
 counted nowhere) and, for HTTP, when it is idle again.  :class:`Crowd` only
-keeps the books; the listeners (:mod:`.replication.tcp`,
+keeps the books; the listeners (:mod:`.transport.tcp`,
 :mod:`.http.slots`) decide whom to refuse and whom to close to make room:
 an unidentified connection, so that idle sockets can never keep a
 newcomer out.
@@ -17,18 +17,19 @@ connections are kept in arrival order.
 """
 
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 
 class Crowd:
     """The books of one listener's connections."""
 
     def __init__(self) -> None:
-        self._unidentified: "OrderedDict[Any, Optional[str]]" = OrderedDict()
-        self._identified: Dict[Any, Optional[str]] = {}
-        self._exempt: Dict[Any, Optional[str]] = {}
-        self._per_host: Counter = Counter()
-        self._identified_per_host: Counter = Counter()
+        self._unidentified: OrderedDict[Any, str | None] = OrderedDict()
+        self._identified: dict[Any, str | None] = {}
+        self._exempt: dict[Any, str | None] = {}
+        self._per_host: Counter[str | None] = Counter()
+        self._identified_per_host: Counter[str | None] = Counter()
 
     def __len__(self) -> int:
         """Connections counted: unidentified and identified, not exempt."""
@@ -43,15 +44,15 @@ class Crowd:
         """Identified connections counted (not exempt)."""
         return len(self._identified)
 
-    def count(self, host: Optional[str]) -> int:
+    def count(self, host: str | None) -> int:
         """Connections counted from ``host``."""
         return self._per_host[host]
 
-    def identified_count(self, host: Optional[str]) -> int:
+    def identified_count(self, host: str | None) -> int:
         """Identified connections counted from ``host``."""
         return self._identified_per_host[host]
 
-    def host(self, conn: Any) -> Optional[str]:
+    def host(self, conn: Any) -> str | None:
         """The address ``conn`` came from (None: not an IP peer, or gone)."""
         for table in (self._unidentified, self._identified, self._exempt):
             if conn in table:
@@ -61,13 +62,13 @@ class Crowd:
     def __contains__(self, conn: Any) -> bool:
         return conn in self._unidentified or conn in self._identified or conn in self._exempt
 
-    def arrive(self, conn: Any, host: Optional[str]) -> None:
+    def arrive(self, conn: Any, host: str | None) -> None:
         """``conn`` from ``host`` (None: not an IP peer) was accepted."""
         self._unidentified[conn] = host
         self._per_host[host] += 1
 
     def oldest_unidentified(self, host: Any = ...,
-                            where: Optional[Callable[[Any], bool]] = None) -> Optional[Any]:
+                            where: Callable[[Any], bool] | None = None) -> Any | None:
         """The unidentified connection that arrived (or became idle) first,
         from ``host`` if given and for which ``where`` holds if given; or
         None."""

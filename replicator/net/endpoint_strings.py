@@ -13,7 +13,7 @@ where the instance listens or connects.
 """
 
 import ipaddress
-from typing import Dict, List, NamedTuple
+from typing import NamedTuple
 
 _WILDCARDS = ("", "0.0.0.0", "::")
 
@@ -22,14 +22,14 @@ class Endpoint(NamedTuple):
     """An endpoint string split into its type, positional and keyword fields
     (escapes removed)."""
     kind: str
-    args: List[str]
-    kwargs: Dict[str, str]
+    args: list[str]
+    kwargs: dict[str, str]
 
 
 def parse(endpoint: str) -> Endpoint:
     """Split ``endpoint`` the way Twisted's endpoint parser does; ValueError
     if it ends in a lone backslash."""
-    fields: List[List[str]] = [[""]]
+    fields: list[list[str]] = [[""]]
     chars = iter(endpoint)
     for char in chars:
         if char == "\\":

@@ -22,11 +22,17 @@ that one line per :data:`QUIET_INTERVAL` at most, so a peer gone for a day
 costs a few thousand lines, not forty thousand.
 """
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from twisted.application.internet import ClientService
 from twisted.internet import defer, error
-from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.interfaces import (
+    IProtocol,
+    IProtocolFactory,
+    IReactorTime,
+    IStreamClientEndpoint,
+)
 from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -47,7 +53,7 @@ def _discard(event: Any) -> None:
     """An observer that drops every event (Twisted's retry line)."""
 
 
-def _tls_reason(value) -> Optional[str]:
+def _tls_reason(value: object) -> str | None:
     """What a TLS failure says, in a few words; None if ``value`` is not one."""
     try:
         from OpenSSL import SSL
@@ -104,16 +110,16 @@ class _RememberingEndpoint:
     """The link's endpoint, remembering why its last connect failed (None
     once one succeeded)."""
 
-    def __init__(self, endpoint):
+    def __init__(self, endpoint: IStreamClientEndpoint) -> None:
         self.endpoint = endpoint
-        self.failure: Optional[Failure] = None
+        self.failure: Failure | None = None
 
-    def connect(self, factory):
-        def connected(protocol):
+    def connect(self, factory: IProtocolFactory) -> "defer.Deferred[IProtocol]":
+        def connected(protocol: IProtocol) -> IProtocol:
             self.failure = None
             return protocol
 
-        def failed(failure):
+        def failed(failure: Failure) -> Failure:
             self.failure = failure
             return failure
 
@@ -132,12 +138,15 @@ class ReconnectingService(ClientService):
     #: Twisted's own retry line is ours to say: its logger says nothing.
     _log = Logger(observer=_discard)
 
-    def __init__(self, endpoint, factory, backoff: Backoff, *, clock, what: str, where: str,
-                 lost_reason: Optional[Callable[[], Optional[str]]] = None,
-                 on_retry: Optional[Callable[[int, float], None]] = None,
-                 prepareConnection=None):
+    def __init__(self, endpoint: IStreamClientEndpoint, factory: IProtocolFactory,
+                 backoff: Backoff, *, clock: IReactorTime | None, what: str, where: str,
+                 lost_reason: Callable[[], str | None] | None = None,
+                 on_retry: Callable[[int, float], None] | None = None,
+                 prepareConnection: Callable[[IProtocol], object] | None = None) -> None:
         if clock is None:
-            from twisted.internet import reactor as clock
+            from twisted.internet import reactor
+
+            clock = reactor  # (it provides IReactorTime)
         self._attempts = _RememberingEndpoint(endpoint)
         super().__init__(self._attempts, factory, retryPolicy=self._retry, clock=clock,
                          prepareConnection=prepareConnection)
@@ -147,7 +156,7 @@ class ReconnectingService(ClientService):
         self._clock = clock
         self._lost_reason = lost_reason
         self._on_retry = on_retry
-        self._last_line: Optional[float] = None
+        self._last_line: float | None = None
 
     def reason(self) -> str:
         """Why the last attempt or connection ended."""

@@ -13,17 +13,23 @@ the replication server can bind a peer's ``NAME`` to its certificate.
 """
 
 import re
-from typing import Any, Dict, FrozenSet, List, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from twisted.internet import endpoints, ssl
-from twisted.internet.interfaces import IOpenSSLContextFactory
+from twisted.internet.interfaces import IOpenSSLContextFactory, IStreamServerEndpoint
 from twisted.python.filepath import FilePath
 from zope.interface import implementer
 
 from .endpoint_strings import parse
 
+if TYPE_CHECKING:
+    from OpenSSL import SSL
 
-def load_ca_certificates(path: str) -> List[ssl.Certificate]:
+#: What :meth:`ReloadableTls.read` read: the client CA's path and the files' bytes.
+Source = tuple[str | None, list[bytes]]
+
+
+def load_ca_certificates(path: str) -> list[ssl.Certificate]:
     """Every PEM certificate in ``path``."""
     text = FilePath(path).getContent().decode("ascii", "replace")
     pems = re.findall(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", text, re.S)
@@ -49,7 +55,7 @@ def check_pem_directory(path: str) -> None:
         raise ValueError(f"no certificate in the *.pem files of {path}")
 
 
-def check_client_files(options: Dict[str, str]) -> None:
+def check_client_files(options: dict[str, str]) -> None:
     """What Twisted lets a ``tls:`` client endpoint string through with but
     every handshake would then fail on, from its keyword ``options``:
     ``trustRoots`` that is not a directory of ``*.pem`` certificates (Twisted
@@ -83,13 +89,15 @@ SSL_OPTIONS = frozenset({"port", "interface", "backlog", "privateKey", "certKey"
                          "extraCertChain"})
 
 
-def server_endpoint(reactor, endpoint: str, client_ca: Optional[str] = None):
+def server_endpoint(reactor: Any, endpoint: str,
+                    client_ca: str | None = None) -> IStreamServerEndpoint:
     """A server endpoint from its string; ``ssl:`` with ``client_ca``
     requires client certificates signed by that CA."""
     return listener(reactor, endpoint, client_ca)[0]
 
 
-def listener(reactor, endpoint: str, client_ca: Optional[str] = None):
+def listener(reactor: Any, endpoint: str, client_ca: str | None = None,
+             ) -> tuple[IStreamServerEndpoint, Optional["ReloadableTls"]]:
     """``(endpoint, tls)``: the server endpoint of ``endpoint`` and, for an
     ``ssl:`` listener, its :class:`ReloadableTls` (else None)."""
     if client_ca is not None and not endpoint.startswith("ssl:"):
@@ -116,14 +124,14 @@ class ReloadableTls:
     listener, which a reload reads again: every new connection takes the
     context of the files read last, open connections keep theirs."""
 
-    def __init__(self, options: dict, client_ca: Optional[str]):
+    def __init__(self, options: dict[str, str], client_ca: str | None) -> None:
         private_key = options.get("privateKey", "server.pem")
         self._files = (private_key, options.get("certKey", private_key),
                        options.get("extraCertChain"))
         self.options, self._read = self.read(client_ca)
         self.client_ca = client_ca
 
-    def read(self, client_ca: Optional[str]):
+    def read(self, client_ca: str | None) -> tuple[ssl.CertificateOptions, Source]:
         """``(CertificateOptions, the bytes read)`` from the files now
         (blocking: a reload calls it in a thread)."""
         private_key, cert_key, chain = self._files
@@ -135,7 +143,7 @@ class ReloadableTls:
         if chain:
             read.append(FilePath(chain).getContent())
             extra = [c.original for c in load_ca_certificates(chain)]
-        verify: Dict[str, Any] = {}
+        verify: dict[str, Any] = {}
         if client_ca is not None:
             read.append(FilePath(client_ca).getContent())
             verify = dict(verify=True, requireCertificate=True,
@@ -145,19 +153,20 @@ class ReloadableTls:
                                          **verify)
         return options, (client_ca, read)
 
-    def take(self, read) -> bool:
+    def take(self, read: tuple[ssl.CertificateOptions, Source]) -> bool:
         """Use what :meth:`read` returned from now on; whether it differs
         from what was in use (reactor thread)."""
         options, source = read
-        changed = source != self._read
+        changed: bool = source != self._read
         self.options, self._read, self.client_ca = options, source, source[0]
         return changed
 
-    def getContext(self):
-        return self.options.getContext()
+    def getContext(self) -> "SSL.Context":
+        context: SSL.Context = self.options.getContext()
+        return context
 
 
-def certificate_names(transport) -> Optional[FrozenSet[str]]:
+def certificate_names(transport: object) -> frozenset[str] | None:
     """The names the peer's verified TLS certificate carries: its subject's
     common names and its DNS subject alternative names.
 

@@ -1,1 +1,2 @@
-"""What an operator sees of an instance: health findings, the status page and its data, metrics, writers' links and roles."""
+"""What an operator sees of an instance: health findings, the status page and its data, metrics,
+writers' links and roles."""

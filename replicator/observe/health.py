@@ -45,17 +45,11 @@ check runs at a time.  The gauges ``replicator_unreceived_facts`` and
 
 import threading
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
-    Callable,
-    Deque,
-    Dict,
-    List,
     NamedTuple,
-    Optional,
-    Sequence,
-    Tuple,
 )
 
 from twisted.application.internet import TimerService
@@ -75,7 +69,7 @@ if TYPE_CHECKING:
 
 log = Logger(namespace="replicator.observe.health")
 
-Key = Tuple[str, str]  # (stream, writer)
+Key = tuple[str, str]  # (stream, writer)
 
 #: Facts counted per (stream, writer) and check at most; more show as "N+".
 COUNT_LIMIT = 10_000
@@ -88,7 +82,7 @@ MAX_OBSERVATIONS = 64
 class Finding(NamedTuple):
     """One thing found wrong.  ``kind`` says which check (``link``,
     ``condition``, ``trimmed``, ``unloaded``, ``unreceived``, ``lagging``, ``work``,
-    ``never_announced``, ``writer_down``, ``linear_held``); ``stream`` and
+    ``never_announced``, ``writer_down``, ``linear_held``, ``foreign_held``); ``stream`` and
     ``writer`` what it is about (None: every stream of that writer, or the
     whole instance); ``text`` the banner's line; ``verdict`` the row's;
     ``fails_health`` whether ``/health`` answers 503 for it; ``since`` when
@@ -97,15 +91,15 @@ class Finding(NamedTuple):
     ``(kind, stream, writer)``; one whose ``since`` changed is a new one."""
 
     kind: str
-    stream: Optional[str]
-    writer: Optional[str]
+    stream: str | None
+    writer: str | None
     text: str
     verdict: str
     fails_health: bool = True
-    since: Optional[float] = None
+    since: float | None = None
 
     @property
-    def key(self) -> Tuple[str, Optional[str], Optional[str]]:
+    def key(self) -> tuple[str, str | None, str | None]:
         return (self.kind, self.stream, self.writer)
 
     def about(self, stream: str, writer: str) -> bool:
@@ -125,7 +119,7 @@ class _Unreceived:
     __slots__ = ("observations", "count", "capped")
 
     def __init__(self) -> None:
-        self.observations: Deque[Tuple[float, int]] = deque()
+        self.observations: deque[tuple[float, int]] = deque()
         self.count = 0
         self.capped = False
 
@@ -143,7 +137,7 @@ class _Unreceived:
             # sighting can only make a later age smaller, never a false alarm.
             del self.observations[1]
 
-    def oldest(self) -> Optional[float]:
+    def oldest(self) -> float | None:
         return self.observations[0][0] if self.observations else None
 
 
@@ -156,11 +150,11 @@ class HealthMonitor(TimerService):
     """
 
     def __init__(self, *, registry: "StreamRegistry", handler: "IReplicationView",
-                 db: "Optional[Database]", clock: IReactorTime, lag_grace: float = 10.0,
+                 db: "Database | None", clock: IReactorTime, lag_grace: float = 10.0,
                  check_interval: float = 5.0, expect_upstream: bool = False,
-                 conditions: Sequence[Callable[[], Optional[str]]] = (),
-                 writers: "Optional[WriterWatch]" = None,
-                 link_since: Optional[Callable[[], Optional[float]]] = None) -> None:
+                 conditions: Sequence[Callable[[], str | None]] = (),
+                 writers: "WriterWatch | None" = None,
+                 link_since: Callable[[], float | None] | None = None) -> None:
         self.registry = registry
         #: Each returns a problem that holds until a restart, or None.
         self.conditions = list(conditions)
@@ -173,10 +167,10 @@ class HealthMonitor(TimerService):
         self.writers = writers  # a WriterWatch, or None
         #: Since when the link has been down (its finding's ``since``), or None.
         self.link_since = link_since
-        self._behind_since: Dict[Any, float] = {}
-        self._unreceived: Dict[Key, _Unreceived] = {}
+        self._behind_since: dict[Any, float] = {}
+        self._unreceived: dict[Key, _Unreceived] = {}
         self._started_at = clock.seconds()
-        self._checking: "Optional[defer.Deferred[None]]" = None
+        self._checking: defer.Deferred[None] | None = None
         self._check_failed = False
         # Checks every check_interval while running; stopping waits for the
         # check under way.
@@ -197,7 +191,7 @@ class HealthMonitor(TimerService):
         super().startService()  # type: ignore[no-untyped-call]
 
     # -------------------------------------------------------------- check
-    def _remote_keys(self) -> List[Tuple[Any, str, int]]:
+    def _remote_keys(self) -> list[tuple[Any, str, int]]:
         """``(stream, writer, reader position)`` of every remote writer this
         instance has a position for (no position yet: nothing is expected)."""
         positions = self.handler.reader_positions()
@@ -227,10 +221,10 @@ class HealthMonitor(TimerService):
                    for stream, writer, position in keys]
         started = self._clock.seconds()
         assert self.db is not None  # (a reader's position: the instance has its database)
-        d: "defer.Deferred[None]" = self.db.runInteraction(_count_unreceived, queries)
+        d: defer.Deferred[None] = self.db.runInteraction(_count_unreceived, queries)
         self._checking = d
 
-        def done(results: Dict[Key, Tuple[Optional[int], int]]) -> None:
+        def done(results: dict[Key, tuple[int | None, int]]) -> None:
             self._checking = None
             if self._check_failed:
                 log.info("Checking for unreceived facts works again")
@@ -255,7 +249,7 @@ class HealthMonitor(TimerService):
             f"(SELECT {config.id_column} FROM {config.table} WHERE {where}"
             f"{config.id_column} > %s ORDER BY {config.id_column} LIMIT %s) AS unreceived")
 
-    def _record(self, started: float, results: Dict[Key, Tuple[Optional[int], int]]) -> None:
+    def _record(self, started: float, results: dict[Key, tuple[int | None, int]]) -> None:
         positions = self.handler.reader_positions()
         for key, (lowest, count) in results.items():
             state = self._unreceived.setdefault(key, _Unreceived())
@@ -280,7 +274,7 @@ class HealthMonitor(TimerService):
                 now - oldest if oldest is not None else 0)
 
     # ------------------------------------------------------------ verdict
-    def _unreceived_findings(self) -> List[Finding]:
+    def _unreceived_findings(self) -> list[Finding]:
         """Every (stream, writer) with a committed fact unreceived for
         ``lag_grace`` seconds."""
         now = self._clock.seconds()
@@ -298,10 +292,10 @@ class HealthMonitor(TimerService):
                                    f"stream {key[0]}: writer {key[1]} has {what}", what))
         return out
 
-    def _lag_findings(self) -> List[Finding]:
+    def _lag_findings(self) -> list[Finding]:
         """Streams that lagged (or work that stayed queued) for the grace."""
         now = self._clock.seconds()
-        behind: Dict[Any, Optional[int]] = {
+        behind: dict[Any, int | None] = {
             key: lag for key, lag in self.handler.reader_lag().items() if lag}
         if not self.handler.idle():
             behind["work"] = None
@@ -323,7 +317,7 @@ class HealthMonitor(TimerService):
                                    f"stream {key[0]}/{key[1]} {what}", what))
         return out
 
-    def _silent_findings(self) -> List[Finding]:
+    def _silent_findings(self) -> list[Finding]:
         """Configured remote writers never heard of after the grace."""
         waited = self._clock.seconds() - self._started_at
         if waited < self.lag_grace:
@@ -338,12 +332,12 @@ class HealthMonitor(TimerService):
                                        f"stream {stream.name}: writer {writer} {what}", what))
         return out
 
-    def findings(self, connected: bool, detail: str) -> List[Finding]:
+    def findings(self, connected: bool, detail: str) -> list[Finding]:
         """Everything found, in the order ``/health`` reports it: the link
         (where one is expected), unreceived facts, lag and queued work and
         writers never heard (where a link is expected), then the writers'
         warnings.  ``connected`` and ``detail`` are the links' status."""
-        out: List[Finding] = []
+        out: list[Finding] = []
         for condition in self.conditions:
             text = condition()
             if text is not None:
@@ -359,9 +353,39 @@ class HealthMonitor(TimerService):
             out += self._silent_findings()
         if self.writers is not None:
             out += self.writers.findings(self.lag_grace)
+        out += self._fence_findings()
         return out
 
-    def problem(self, connected: bool, detail: str) -> Optional[str]:
+    def _fence_findings(self) -> list[Finding]:
+        """Plain-SQL transactions that have held a fenced stream's first
+        writer for more than the grace (:mod:`replicator.streams.fence`):
+        a warning (only that stream waits; this instance serves), naming
+        who (``pid``, ``application_name``, when its transaction began)."""
+        out = []
+        for stream in self.registry:
+            fence = getattr(stream, "fence", None)
+            if fence is None:
+                continue
+            hung = fence.hung(self.lag_grace)
+            if not hung:
+                continue
+            holder, since = hung[0]
+            held = self._clock.seconds() - since
+            who = ("prepared transaction (no session; see pg_prepared_xacts)"
+                   if holder.pid is None else
+                   f"session pid {holder.pid} (application_name {holder.application_name!r}, "
+                   f"transaction started {holder.xact_start}, {holder.state})")
+            more = f" and {len(hung) - 1} more" if len(hung) > 1 else ""
+            text = (f"stream {stream.name}: a plain-SQL transaction has held ID "
+                    f"{holder.first_id} for {held:.0f}s: {who}{more}; facts of writer "
+                    f"{fence.writer} from {holder.first_id} on wait until it ends")
+            out.append(Finding("foreign_held", stream.name, fence.writer, text,
+                               (f"held by pid {holder.pid}" if holder.pid is not None
+                                else "held by a prepared transaction") + f" for {held:.0f}s",
+                               fails_health=False, since=since))
+        return out
+
+    def problem(self, connected: bool, detail: str) -> str | None:
         """The first replication problem that fails ``/health``, or None.
         ``connected`` and ``detail`` are the replication links' status."""
         return _first_text(self.findings(connected, detail))
@@ -374,7 +398,7 @@ class HealthMonitor(TimerService):
             return False
         return not self._check_failed and self.problem(connected, detail) is None
 
-    def healthy_source(self, replication_status: Callable[[], Tuple[bool, str]],
+    def healthy_source(self, replication_status: Callable[[], tuple[bool, str]],
                        ) -> "metrics.Source":
         """A live metrics source (:func:`metrics.add_source`) giving
         ``replicator_healthy`` from :meth:`healthy`.  Scrapes run in a
@@ -384,10 +408,10 @@ class HealthMonitor(TimerService):
         def verdict() -> bool:
             return self.healthy(*replication_status())
 
-        def source() -> List[metrics.Sample]:
+        def source() -> list[metrics.Sample]:
             if threadable.isInIOThread():
                 return [(metrics.HEALTHY, (), 1 if verdict() else 0)]
-            answer: List[bool] = []
+            answer: list[bool] = []
             done = threading.Event()
 
             def on_reactor() -> None:
@@ -404,7 +428,7 @@ class HealthMonitor(TimerService):
         return source
 
 
-def _first_text(findings: List[Finding]) -> Optional[str]:
+def _first_text(findings: list[Finding]) -> str | None:
     """The line of the first finding that fails health, or None."""
     for finding in findings:
         if finding.fails_health:
@@ -412,11 +436,11 @@ def _first_text(findings: List[Finding]) -> Optional[str]:
     return None
 
 
-def _count_unreceived(txn: Any, queries: Sequence[Tuple[str, str, str, Tuple[Any, ...]]],
-                      ) -> Dict[Key, Tuple[Optional[int], int]]:
+def _count_unreceived(txn: Any, queries: Sequence[tuple[str, str, str, tuple[Any, ...]]],
+                      ) -> dict[Key, tuple[int | None, int]]:
     """Per (stream, writer): the lowest committed stream ID above the
     reader's position and how many there are (up to ``COUNT_LIMIT + 1``)."""
-    out: Dict[Key, Tuple[Optional[int], int]] = {}
+    out: dict[Key, tuple[int | None, int]] = {}
     for stream, writer, sql, params in queries:
         txn.execute(sql, params + (COUNT_LIMIT + 1,))
         lowest, count = txn.fetchone()

@@ -15,8 +15,10 @@ reads and updates reactor-owned state, is computed on the reactor thread
 (:meth:`replicator.observe.health.HealthMonitor.healthy_source`).
 """
 
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
+from ..net.twisted_private import unsent_bytes
 from ..replication.interfaces import IReplicationView
 from . import metrics
 
@@ -25,9 +27,9 @@ if TYPE_CHECKING:
     from .writers import WriterWatch
 
 
-def stream_samples(registry: "StreamRegistry") -> List[metrics.Sample]:
+def stream_samples(registry: "StreamRegistry") -> list[metrics.Sample]:
     """Positions, linear token and in-flight IDs of every loaded stream."""
-    out: List[metrics.Sample] = []
+    out: list[metrics.Sample] = []
     for stream in list(registry):
         gen = stream.id_gen
         if gen is None:
@@ -39,30 +41,13 @@ def stream_samples(registry: "StreamRegistry") -> List[metrics.Sample]:
     return out
 
 
-def unsent_bytes(transport: object) -> int:
-    """Bytes written to ``transport`` that have not reached the kernel.
-
-    Twisted has no public call for this, so it reads the write buffer of
-    its file-descriptor transports: ``dataBuffer`` from ``offset`` on (what
-    a partial send left) plus ``_tempDataLen`` (writes not yet joined into
-    it).  A TLS transport hands these attribute lookups on to the TCP
-    connection underneath, so there it counts ciphertext.  Anything else
-    (a test transport, a closed connection) counts 0.
-    """
-    buffered = getattr(transport, "dataBuffer", None)
-    if not isinstance(buffered, bytes):
-        return 0
-    return (len(buffered) - int(getattr(transport, "offset", 0))
-            + int(getattr(transport, "_tempDataLen", 0)))
-
-
-def connection_samples(core: IReplicationView) -> List[metrics.Sample]:
+def connection_samples(core: IReplicationView) -> list[metrics.Sample]:
     """Reader lag, and per peer label the queued commands and unsent bytes
     of its connections (summed)."""
-    out: List[metrics.Sample] = [(metrics.READER_LAG, key, lag)
+    out: list[metrics.Sample] = [(metrics.READER_LAG, key, lag)
                                  for key, lag in core.reader_lag().items()]
-    pending: Dict[str, int] = {}
-    unsent: Dict[str, int] = {}
+    pending: dict[str, int] = {}
+    unsent: dict[str, int] = {}
     for seen in core.open_connections():
         name = seen.label
         pending[name] = pending.get(name, 0) + int(seen.conn.queued)
@@ -80,16 +65,16 @@ class InstanceMetrics:
     """
 
     def __init__(self, *, registry: "StreamRegistry", handler: IReplicationView,
-                 healthy: Optional[Callable[[], Iterable[metrics.Sample]]] = None,
-                 writers: "Optional[WriterWatch]" = None,
-                 readers: Optional[Callable[[], List[metrics.Sample]]] = None) -> None:
+                 healthy: Callable[[], Iterable[metrics.Sample]] | None = None,
+                 writers: "WriterWatch | None" = None,
+                 readers: Callable[[], list[metrics.Sample]] | None = None) -> None:
         self.registry = registry
         self.readers = readers  # the read API's readers (ReadRoutes.metric_samples)
         self.handler = handler
         self.healthy = healthy
         self.writers = writers  # a WriterWatch: writers' links, linear tokens held
 
-    def __call__(self) -> List[metrics.Sample]:
+    def __call__(self) -> list[metrics.Sample]:
         samples = stream_samples(self.registry)
         samples += connection_samples(self.handler)
         samples += self.handler.bookkeeping_samples()

@@ -9,7 +9,7 @@ queues, the health verdict) are never set on the hot path: they are
 """
 
 import threading
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -228,7 +228,7 @@ class LiveGauge:
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
 
-    def family(self, values: Dict[Tuple[str, ...], float]) -> GaugeMetricFamily:
+    def family(self, values: dict[tuple[str, ...], float]) -> GaugeMetricFamily:
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for labels, value in values.items():
             family.add_metric(labels, value)
@@ -294,7 +294,7 @@ LIVE_GAUGES = (STREAM_POSITION, STREAM_LINEAR_POSITION, IN_FLIGHT, PENDING_COMMA
                HTTP_READER_POSITION, HTTP_READER_LAG)
 
 #: One live sample: the gauge, its label values, the value.
-Sample = Tuple[LiveGauge, Tuple[str, ...], float]
+Sample = tuple[LiveGauge, tuple[str, ...], float]
 #: A source of live samples: called once per scrape, in the scrape's thread.
 Source = Callable[[], Iterable[Sample]]
 #: Tries of a source whose state changed size while it read it.
@@ -315,7 +315,7 @@ class LiveCollector:
     """
 
     def __init__(self) -> None:
-        self._sources: List[Source] = []
+        self._sources: list[Source] = []
         self._lock = threading.Lock()
 
     def add(self, source: Source) -> None:
@@ -327,20 +327,20 @@ class LiveCollector:
             if source in self._sources:
                 self._sources.remove(source)
 
-    def describe(self) -> List[GaugeMetricFamily]:
+    def describe(self) -> list[GaugeMetricFamily]:
         return [gauge.family({}) for gauge in LIVE_GAUGES]
 
-    def collect(self) -> List[GaugeMetricFamily]:
+    def collect(self) -> list[GaugeMetricFamily]:
         with self._lock:
             sources = list(self._sources)
-        values: Dict[LiveGauge, Dict[Tuple[str, ...], float]] = {g: {} for g in LIVE_GAUGES}
+        values: dict[LiveGauge, dict[tuple[str, ...], float]] = {g: {} for g in LIVE_GAUGES}
         for source in sources:
             for gauge, labels, value in _read(source):
                 values[gauge][tuple(labels)] = value
         return [gauge.family(values[gauge]) for gauge in LIVE_GAUGES]
 
 
-def _read(source: Source) -> List[Sample]:
+def _read(source: Source) -> list[Sample]:
     """The samples of one source, read whole (a source read while its state
     changed size is read again)."""
     for attempt in range(SOURCE_TRIES):

@@ -18,7 +18,8 @@ table keeps the last rows); the text written is redacted.
 """
 
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -34,7 +35,7 @@ MAX_PENDING = problems.KEEP
 RETRY = 1.0
 
 
-def _ms(t: Optional[float]) -> Optional[int]:
+def _ms(t: float | None) -> int | None:
     return None if t is None else int(round(t * 1000))
 
 
@@ -62,13 +63,13 @@ class ProblemLog:
         self.keep = keep
         self._outage = Outage("keeping the status page's problems in the database", retry)
         #: What is not written yet, by problem, in the order they started.
-        self._pending: "OrderedDict[Any, _Pending]" = OrderedDict()
+        self._pending: OrderedDict[Any, _Pending] = OrderedDict()
         #: Problems whose row is written and open (not ended): at most the
         #: problems ongoing now.
-        self._open: Set[Any] = set()
+        self._open: set[Any] = set()
         #: Problems dropped from :attr:`_pending` (it was full) in this outage.
         self.dropped = 0
-        self._writing: Optional[defer.Deferred] = None
+        self._writing: defer.Deferred | None = None
         self._retry = None  # the delayed call of the next try
         self._stopped = False
 
@@ -77,7 +78,7 @@ class ProblemLog:
         """How many problems wait to be written."""
         return len(self._pending)
 
-    async def load(self, limit: int, started: float) -> List[Dict[str, Any]]:
+    async def load(self, limit: int, started: float) -> list[dict[str, Any]]:
         """The instance's last ``limit`` problems from before this start,
         at ``started`` (:func:`replicator.storage.problems.load`)."""
         return await self.db.runInteraction(problems.load, self.db, self.instance,
@@ -107,7 +108,7 @@ class ProblemLog:
         if self._writing is None and self._retry is None:
             self._write()
 
-    def _records(self) -> List[Tuple[_Pending, problems.Record]]:
+    def _records(self) -> list[tuple[_Pending, problems.Record]]:
         """What is dirty, as records; no longer dirty (until it changes)."""
         out = []
         for entry in self._pending.values():
@@ -120,7 +121,7 @@ class ProblemLog:
                 entry.dirty = False
         return out
 
-    def _write(self, stopped_ms: Optional[int] = None) -> defer.Deferred:
+    def _write(self, stopped_ms: int | None = None) -> defer.Deferred:
         """One transaction of everything pending (and, at the stop, the
         mark of what is still open: ``stopped_ms``); fires when done, never
         fails."""

@@ -34,17 +34,10 @@ log writes in the pool, and only when a problem starts or ends).
 """
 
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
-    Callable,
-    Deque,
-    Dict,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
-    Tuple,
 )
 
 from twisted.application.internet import TimerService
@@ -88,21 +81,21 @@ class Problem:
     __slots__ = ("key", "since", "until", "reason", "fails_health", "before_restart",
                  "stopped_at", "restarted_at")
 
-    def __init__(self, key: Tuple[Any, ...], since: float, reason: str,
+    def __init__(self, key: tuple[Any, ...], since: float, reason: str,
                  fails_health: bool) -> None:
         self.key = key
         self.since = since
-        self.until: Optional[float] = None
+        self.until: float | None = None
         self.reason = reason
         self.fails_health = fails_health
         self.before_restart = False
-        self.stopped_at: Optional[float] = None
-        self.restarted_at: Optional[float] = None
+        self.stopped_at: float | None = None
+        self.restarted_at: float | None = None
 
     @classmethod
-    def from_row(cls, row: Dict[str, Any]) -> "Problem":
+    def from_row(cls, row: dict[str, Any]) -> "Problem":
         """One kept by an earlier run (:func:`replicator.storage.problems.load`)."""
-        def seconds(ms: Optional[float]) -> Optional[float]:
+        def seconds(ms: float | None) -> float | None:
             return None if ms is None else ms / 1000.0
         p = cls((row["kind"], row["stream"], row["writer"]), row["started_ms"] / 1000.0,
                 row["text"], row["fails_health"])
@@ -113,7 +106,7 @@ class Problem:
             p.restarted_at = seconds(row["restarted_ms"])
         return p
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         return {"at": self.since, "until": self.until, "reason": self.reason,
                 "fails_health": self.fails_health, "before_restart": self.before_restart,
                 "stopped_at": self.stopped_at, "restarted_at": self.restarted_at}
@@ -129,7 +122,7 @@ class StatusRecorder(TimerService):
     ``journal`` (:meth:`restore`) is told of each start and end.
     """
 
-    def __init__(self, *, handler: IReplicationView, findings: Callable[[], List[Finding]],
+    def __init__(self, *, handler: IReplicationView, findings: Callable[[], list[Finding]],
                  clock: IReactorTime, interval: float = SAMPLE_INTERVAL,
                  window: float = WINDOW) -> None:
         self._clock = clock
@@ -138,18 +131,18 @@ class StatusRecorder(TimerService):
         self.interval = interval
         self.window = window
         self._size = max(1, int(window // interval) + 1)
-        self.lag: Dict[Key, Deque[Tuple[float, int]]] = {}
-        self.problems: Deque[Problem] = deque(maxlen=MAX_PROBLEMS)
-        self._ongoing: Dict[Any, Problem] = {}
+        self.lag: dict[Key, deque[tuple[float, int]]] = {}
+        self.problems: deque[Problem] = deque(maxlen=MAX_PROBLEMS)
+        self._ongoing: dict[Any, Problem] = {}
         #: The :class:`replicator.observe.problem_log.ProblemLog`, or None
         #: (nothing kept across a restart).
-        self.journal: "Optional[ProblemLog]" = None
+        self.journal: ProblemLog | None = None
         #: When the history from before this start was loaded (None: not).
-        self.restored_at: Optional[float] = None
+        self.restored_at: float | None = None
         super().__init__(interval, self.sample)  # type: ignore[no-untyped-call]
         self.clock = clock
 
-    async def restore(self, journal: "ProblemLog", started: Optional[float] = None) -> None:
+    async def restore(self, journal: "ProblemLog", started: float | None = None) -> None:
         """Before the service starts: the problems ``journal`` kept from
         before this start (at ``started``, by default now) head the
         history, and every problem from now on is written to it.  A
@@ -168,11 +161,11 @@ class StatusRecorder(TimerService):
             self.problems.append(Problem.from_row(row))
 
     def stopService(self) -> "defer.Deferred[Any]":
-        stopped: "defer.Deferred[Any]" = super().stopService()  # type: ignore[no-untyped-call]
+        stopped: defer.Deferred[Any] = super().stopService()  # type: ignore[no-untyped-call]
         if self.journal is None:
             return stopped
         journal, ongoing = self.journal, bool(self._ongoing)
-        d: "defer.Deferred[Any]" = defer.maybeDeferred(lambda: stopped)
+        d: defer.Deferred[Any] = defer.maybeDeferred(lambda: stopped)
         d.addCallback(lambda _: defer.ensureDeferred(journal.stop(ongoing)))
         return d
 
@@ -191,12 +184,12 @@ class StatusRecorder(TimerService):
             found = [Finding("verdict", None, None, "health verdict unavailable", "")]
         self.note(found)
 
-    def note(self, found: List[Finding]) -> None:
+    def note(self, found: list[Finding]) -> None:
         """The problems as of now are ``found``: entries start, go on or
         end (at every sample, and whenever the page is shown, so that its
         history never disagrees with its banner)."""
         now = self._clock.seconds()
-        seen: set[Tuple[Any, ...]] = set()
+        seen: set[tuple[Any, ...]] = set()
         for finding in found:
             if finding.key in seen:
                 continue
@@ -227,14 +220,14 @@ class StatusRecorder(TimerService):
         if self.journal is not None:
             self.journal.ended(entry)
 
-    def history(self, key: Key) -> List[List[float]]:
+    def history(self, key: Key) -> list[list[float]]:
         """``[[time, lag], ...]`` of the last ``window`` seconds, oldest first."""
-        ring: Sequence[Tuple[float, int]] = self.lag.get(key, ())
+        ring: Sequence[tuple[float, int]] = self.lag.get(key, ())
         since = self._clock.seconds() - self.window
         return [[t, lag] for t, lag in ring if t >= since]
 
 
-def link_state(conn: Any, since: float, now: float) -> Dict[str, Any]:
+def link_state(conn: Any, since: float, now: float) -> dict[str, Any]:
     """What one connection is: ``state`` (``connected``; ``handshake``: our
     upstream accepted the socket but has not named itself with ``SERVER``;
     ``stalled``: nothing heard for :data:`STALLED_INTERVALS` ping
@@ -251,8 +244,8 @@ def link_state(conn: Any, since: float, now: float) -> Dict[str, Any]:
     return {"state": "connected", "since": since, "text": f"connected since {clock_time(since)}"}
 
 
-def row_verdict(findings: List[Finding], stream: str, writer: str, fallback: str
-                ) -> Tuple[str, str]:
+def row_verdict(findings: list[Finding], stream: str, writer: str, fallback: str
+                ) -> tuple[str, str]:
     """A row's verdict and its level (``ok``, ``warn``: a finding that does
     not fail health, ``bad``): the findings about the row, the same ones the
     banner gives, else ``fallback`` (level ``ok``)."""
@@ -274,14 +267,14 @@ class Positions:
         self.lags = core.reader_lag()
 
     def writer_row(self, stream: "Stream", writer: str,
-                   positions: Mapping[str, int]) -> Dict[str, Any]:
+                   positions: Mapping[str, int]) -> dict[str, Any]:
         """The fields of ``writer``'s row that ``/positions`` and the status
         page both show: ``position`` (of ``positions``, the stream's) and
         ``local``; a local writer's ``in_flight`` and ``announced``, a
         remote one's ``reader_position`` and ``lag``."""
         key = (stream.name, writer)
         local = writer in stream.local_writers
-        row: Dict[str, Any] = {"position": positions.get(writer), "local": local}
+        row: dict[str, Any] = {"position": positions.get(writer), "local": local}
         if local:
             gen = stream.id_gen
             row["in_flight"] = gen.in_flight(writer) if gen is not None else 0
@@ -294,10 +287,10 @@ class Positions:
 
 def snapshot(*, instance: str, role: str, registry: "StreamRegistry",
              handler: IReplicationView, recorder: StatusRecorder,
-             findings: List[Finding], clock: IReactorTime, redact: Callable[[str], str],
-             writers: Optional[WriterWatch] = None,
-             http_readers: Optional[Callable[[], List[Dict[str, Any]]]] = None,
-             ) -> Dict[str, Any]:
+             findings: list[Finding], clock: IReactorTime, redact: Callable[[str], str],
+             writers: WriterWatch | None = None,
+             http_readers: Callable[[], list[dict[str, Any]]] | None = None,
+             ) -> dict[str, Any]:
     """What the page shows, as a JSON-able dict (see the README).
     ``findings`` are the current health findings (the banner and every
     row's verdict come from them); ``writers`` the instance's
@@ -313,7 +306,7 @@ def snapshot(*, instance: str, role: str, registry: "StreamRegistry",
         writer_rows = []
         for writer in stream.config.writers:
             key = (stream.name, writer)
-            entry: Dict[str, Any] = {"writer": writer,
+            entry: dict[str, Any] = {"writer": writer,
                                      **seen.writer_row(stream, writer, positions)}
             if entry["local"]:
                 entry["in_flight_ids"] = (gen.in_flight_ids(writer, MAX_IN_FLIGHT_SHOWN)

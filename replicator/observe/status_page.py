@@ -9,7 +9,7 @@ the page from ``/status.json`` and builds every cell with ``textContent``.
 
 import html
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .writers import duration
 
@@ -21,13 +21,13 @@ def _e(value: Any) -> str:
     return html.escape("-" if value is None else str(value), quote=True)
 
 
-def _when(t: Optional[float]) -> str:
+def _when(t: float | None) -> str:
     if t is None:
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
-def sparkline(history: List[List[float]], now: float, window: float) -> str:
+def sparkline(history: list[list[float]], now: float, window: float) -> str:
     """An inline SVG polyline of ``[[time, lag], ...]`` over ``window``
     seconds ending at ``now`` (120 x 24 units; a flat line when no lag)."""
     width, height = 120.0, 24.0
@@ -42,19 +42,19 @@ def sparkline(history: List[List[float]], now: float, window: float) -> str:
             f'points="{points}"/></svg>')
 
 
-def _cell(label: str, inner: str, cls: Optional[str] = None) -> str:
+def _cell(label: str, inner: str, cls: str | None = None) -> str:
     """One ``<td>``: ``inner`` is HTML already escaped."""
     attr = f' class="{cls}"' if cls else ""
     return f'<td data-label="{label}"{attr}>{inner}</td>'
 
 
-def _rows(rows: List[List[str]], empty: str, columns: int) -> str:
+def _rows(rows: list[list[str]], empty: str, columns: int) -> str:
     """Table rows of cells (:func:`_cell`), or one row saying ``empty``."""
     out = "".join("<tr>" + "".join(cells) + "</tr>" for cells in rows)
     return out or f'<tr><td colspan="{columns}">{empty}</td></tr>'
 
 
-def linear_text(stream: Dict[str, Any]) -> str:
+def linear_text(stream: dict[str, Any]) -> str:
     """The linear cell: the token, and what holds it if anything does."""
     holder = stream.get("linear_holder")
     if stream["linear"] is None or not holder:
@@ -62,7 +62,7 @@ def linear_text(stream: Dict[str, Any]) -> str:
     return f"{stream['linear']} (held by {holder['by']}, for {holder['held']})"
 
 
-def link_text(w: Dict[str, Any]) -> str:
+def link_text(w: dict[str, Any]) -> str:
     """The link cell of a remote writer: its state (connected, since when,
     or when last heard where connections are not known)."""
     link = w.get("link")
@@ -77,8 +77,8 @@ def link_text(w: Dict[str, Any]) -> str:
 
 
 
-def _writer_cells(stream: Dict[str, Any], w: Dict[str, Any], now: float,
-                  window: float) -> List[str]:
+def _writer_cells(stream: dict[str, Any], w: dict[str, Any], now: float,
+                  window: float) -> list[str]:
     if w["local"]:
         ids = ", ".join(str(i) for i in w["in_flight_ids"])
         more = w["in_flight"] - len(w["in_flight_ids"])
@@ -100,12 +100,12 @@ def _writer_cells(stream: Dict[str, Any], w: Dict[str, Any], now: float,
             _cell("verdict", _e(w["verdict"]), w.get("level", "ok"))]
 
 
-def _writer_rows(snap: Dict[str, Any]) -> str:
+def _writer_rows(snap: dict[str, Any]) -> str:
     return _rows([_writer_cells(stream, w, snap["now"], snap["window"])
                   for stream in snap["streams"] for w in stream["writers"]], "no streams", 9)
 
 
-def _connection_rows(snap: Dict[str, Any]) -> str:
+def _connection_rows(snap: dict[str, Any]) -> str:
     return _rows([[_cell("peer", _e(c["peer"])), _cell("address", _e(c["address"])),
                    _cell("role", _e(c["role"])),
                    _cell("queued lines", _e(c["queued_lines"]), "num"),
@@ -115,7 +115,7 @@ def _connection_rows(snap: Dict[str, Any]) -> str:
                   for c in snap["connections"]], "no replication connections", 6)
 
 
-def _reader_rows(snap: Dict[str, Any]) -> str:
+def _reader_rows(snap: dict[str, Any]) -> str:
     return _rows([[_cell("reader", _e(r["reader"])), _cell("stream", _e(r["stream"])),
                    _cell("connected", _e(r["connected"]), "num"),
                    _cell("position", _e("-" if r["position"] is None else r["position"]),
@@ -124,7 +124,7 @@ def _reader_rows(snap: Dict[str, Any]) -> str:
                   for r in snap.get("readers", [])], "no HTTP readers yet", 5)
 
 
-def _disconnect_rows(snap: Dict[str, Any]) -> str:
+def _disconnect_rows(snap: dict[str, Any]) -> str:
     return _rows([[_cell("at", _e(_when(d["at"]))), _cell("peer", _e(d["peer"])),
                    _cell("address", _e(d["address"])), _cell("reason", _e(d["reason"]))]
                   for d in snap["disconnects"]], "none since start", 4)
@@ -140,7 +140,7 @@ def _span(at: float, until: float, end: str = "{}") -> str:
     return f"{start} – {end.format(stop)}"
 
 
-def period(p: Dict[str, Any]) -> str:
+def period(p: dict[str, Any]) -> str:
     """When a problem (of ``/status.json``) was: ``2026-11-25 19:14:29 –
     19:14:40 UTC``, ``2026-11-25 19:14:29 UTC – ongoing``, or, one from
     before the restart that had not ended, ``2026-11-25 19:14:29 – ongoing
@@ -159,7 +159,7 @@ def period(p: Dict[str, Any]) -> str:
     return f"{_when(at)} – ongoing"
 
 
-def _problem_rows(snap: Dict[str, Any]) -> str:
+def _problem_rows(snap: dict[str, Any]) -> str:
     rows, marked = [], False
     for p in snap["problems"]:
         if p.get("before_restart") and not marked and snap.get("started_at") is not None:
@@ -170,7 +170,7 @@ def _problem_rows(snap: Dict[str, Any]) -> str:
     return "".join(rows) or "<li>none since start</li>"
 
 
-def banner(snap: Dict[str, Any]) -> tuple:
+def banner(snap: dict[str, Any]) -> tuple:
     """The verdict line and its class: ``unhealthy: …`` (``bad``, what
     ``/health`` answers 503 for), ``warning: …`` (``warn``: a writer down,
     a linear token held; ``/health`` still 200) or ``healthy`` (``ok``)."""
@@ -181,7 +181,7 @@ def banner(snap: Dict[str, Any]) -> tuple:
     return "healthy", "ok"
 
 
-def render_html(snap: Dict[str, Any]) -> bytes:
+def render_html(snap: dict[str, Any]) -> bytes:
     verdict, verdict_class = banner(snap)
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -198,8 +198,8 @@ def render_html(snap: Dict[str, Any]) -> bytes:
 <span id="refresh">(server-rendered)</span></p></header>
 <main>
 <section><h2>Streams and writers</h2>
-<table id="writers"><thead><tr><th>stream</th><th>writer</th><th>link</th><th>position</th><th>linear</th>
-<th>in flight</th><th>reader</th><th>lag (15 min)</th><th>verdict</th></tr></thead>
+<table id="writers"><thead><tr><th>stream</th><th>writer</th><th>link</th><th>position</th>
+<th>linear</th><th>in flight</th><th>reader</th><th>lag (15 min)</th><th>verdict</th></tr></thead>
 <tbody>{_writer_rows(snap)}</tbody></table></section>
 <section><h2>Connections</h2>
 <table id="connections"><thead><tr><th>peer</th><th>address</th><th>role</th>
@@ -247,7 +247,8 @@ SCRIPT = b"""'use strict';
 (function () {
   var SVG = 'http://www.w3.org/2000/svg';
   function when(t) {
-    return t == null ? '-' : new Date(t * 1000).toISOString().slice(0, 19).replace('T', ' ') + ' UTC';
+    return t == null ? '-'
+      : new Date(t * 1000).toISOString().slice(0, 19).replace('T', ' ') + ' UTC';
   }
   function txt(v) { return v == null ? '-' : String(v); }
   function age(t) {
@@ -306,7 +307,8 @@ SCRIPT = b"""'use strict';
     svg.setAttribute('width', '120');
     svg.setAttribute('height', '24');
     svg.setAttribute('role', 'img');
-    svg.setAttribute('aria-label', 'lag over the last ' + Math.round(win / 60) + ' minutes, max ' + top);
+    svg.setAttribute('aria-label',
+                     'lag over the last ' + Math.round(win / 60) + ' minutes, max ' + top);
     var axis = document.createElementNS(SVG, 'line');
     [['class', 'axis'], ['x1', '0'], ['y1', '23.5'], ['x2', '120'], ['y2', '23.5'],
      ['stroke', '#cccccc']].forEach(function (a) { axis.setAttribute(a[0], a[1]); });

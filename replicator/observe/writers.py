@@ -37,7 +37,7 @@ reads (it runs in a scrape thread).
 """
 
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -84,7 +84,7 @@ class WriterWatch:
     (``"upstream"``, ``"redis"``, or None: nothing)."""
 
     def __init__(self, *, registry: "StreamRegistry", handler: IReplicationView,
-                 clock: IReactorTime, hub: bool, via: Optional[str]) -> None:
+                 clock: IReactorTime, hub: bool, via: str | None) -> None:
         self.registry = registry
         self.handler = handler
         self._clock = clock
@@ -92,10 +92,10 @@ class WriterWatch:
         self.via = via
         self._started_at = clock.seconds()
         #: stream -> (linear token, since when it is held there; None: not held)
-        self._linear: Dict[str, Tuple[int, Optional[float]]] = {}
-        self._moving: Dict[str, bool] = {}  # stream -> its token moved at the last look
+        self._linear: dict[str, tuple[int, float | None]] = {}
+        self._moving: dict[str, bool] = {}  # stream -> its token moved at the last look
         #: remote writer -> when it was first configured here
-        self._configured: Dict[str, float] = {}
+        self._configured: dict[str, float] = {}
         self.observe()  # (where the tokens start: a later look tells moving from held)
 
     def _note_writers(self) -> None:
@@ -116,17 +116,17 @@ class WriterWatch:
         return f"never {what} (added {duration(now - since)} ago)"
 
     # -------------------------------------------------------------- links
-    def _connections(self) -> Dict[str, float]:
+    def _connections(self) -> dict[str, float]:
         """Named peers connected to this hub: name -> connected since."""
-        out: Dict[str, float] = {}
+        out: dict[str, float] = {}
         for seen in self.handler.open_connections():
             name = seen.conn.instance_name
             if name is not None and seen.conn.accepted:
                 out[name] = min(out.get(name, seen.since), seen.since)
         return out
 
-    def link(self, writer: str, stream: Optional[str] = None,
-             connected: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
+    def link(self, writer: str, stream: str | None = None,
+             connected: dict[str, float] | None = None) -> dict[str, Any]:
         """What is known of a remote writer's link: ``connected`` (None:
         not known here), ``since`` (of that state; None: since start),
         ``heard_age`` (seconds since its last POSITION/RDATA, of ``stream``
@@ -137,8 +137,8 @@ class WriterWatch:
         times = [t for (s, w), t in heard_at.items()
                  if w == writer and (stream is None or s == stream)]
         heard_age = now - max(times) if times else None
-        state: Optional[bool]
-        since: Optional[float]
+        state: bool | None
+        since: float | None
         if self.hub:
             if connected is None:
                 connected = self._connections()
@@ -157,12 +157,12 @@ class WriterWatch:
         return {"connected": state, "since": since, "heard_age": heard_age, "text": text,
                 "via": "connection" if self.hub else self.via}
 
-    def down_for(self, writer: str, link: Dict[str, Any]) -> Optional[float]:
+    def down_for(self, writer: str, link: dict[str, Any]) -> float | None:
         """How long a writer has been known to be down (hub only), or None:
         since its last connection closed, else since it was configured."""
         if link["connected"] is not False:
             return None
-        since: Optional[float] = link["since"]
+        since: float | None = link["since"]
         if since is None:
             since = self._configured.get(writer, self._started_at)
         return self._clock.seconds() - since
@@ -185,7 +185,7 @@ class WriterWatch:
             if seen is None or seen[0] != linear or (seen[1] is None) == held:
                 self._linear[stream.name] = (linear, now if held else None)
 
-    def held_for(self, stream: "Stream") -> Optional[float]:
+    def held_for(self, stream: "Stream") -> float | None:
         """Seconds the linear token of ``stream`` has stayed below the
         largest ID known, or None when it is not held (read only)."""
         gen = stream.id_gen
@@ -199,8 +199,8 @@ class WriterWatch:
             return 0.0
         return self._clock.seconds() - seen[1]
 
-    def linear_holder(self, stream: "Stream", connected: Optional[Dict[str, float]] = None,
-                      ) -> Optional[Dict[str, Any]]:
+    def linear_holder(self, stream: "Stream", connected: dict[str, float] | None = None,
+                      ) -> dict[str, Any] | None:
         """What holds ``stream``'s linear token: ``{"linear", "held_for",
         "writers" (remote holders), "in_flight" ([ID, writer] or None),
         "text"}``; None when it is at the largest ID known or moved since
@@ -216,7 +216,7 @@ class WriterWatch:
                    if w not in stream.local_writers
                    and positions.get(w, linear + 1) <= linear]
         parts = [f"{w}: {self.link(w, stream.name, connected)['text']}" for w in holders]
-        lowest: Optional[List[Any]] = None  # [ID, writer]
+        lowest: list[Any] | None = None  # [ID, writer]
         for w in stream.local_writers:
             ids = gen.in_flight_ids(w, 1)
             if ids and ids[0] > linear and (lowest is None or ids[0] < lowest[0]):
@@ -229,11 +229,11 @@ class WriterWatch:
                 "text": f"linear held at {linear} by {by}, for {duration(held)}"}
 
     # ------------------------------------------------------------ findings
-    def findings(self, grace: float) -> List[Finding]:
+    def findings(self, grace: float) -> list[Finding]:
         """Writers down (hub) and linear tokens held, once they lasted
         ``grace`` seconds.  Warnings: they do not fail ``/health`` (this
         instance serves; another is down), they show on the page."""
-        out: List[Finding] = []
+        out: list[Finding] = []
         connected = self._connections() if self.hub else None
         remote = []
         for stream in self.registry:
@@ -264,12 +264,12 @@ class WriterWatch:
         return out
 
     # ------------------------------------------------------------- metrics
-    def metric_samples(self) -> List[metrics.Sample]:
+    def metric_samples(self) -> list[metrics.Sample]:
         """Per remote writer ``replicator_writer_connected`` (on a hub),
         ``replicator_writer_heard_age_seconds``; per stream
         ``replicator_linear_held_seconds``.  Read only (scrape thread)."""
         now = self._clock.seconds()
-        out: List[metrics.Sample] = []
+        out: list[metrics.Sample] = []
         connected = self._connections() if self.hub else {}
         heard_at = self.handler.reader_heard_at()
         remote = set()

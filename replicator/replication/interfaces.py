@@ -19,17 +19,12 @@ Tests check every implementation, and every test double standing in for
 one, with :func:`zope.interface.verify.verifyObject` (``tests/test_interfaces.py``).
 """
 
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import (
     TYPE_CHECKING,
-    AbstractSet,
     Any,
-    Dict,
-    List,
     NamedTuple,
-    Optional,
-    Sequence,
-    Set,
-    Tuple,
 )
 
 from zope.interface import Attribute, Interface
@@ -66,14 +61,14 @@ CLOSE_REASONS = frozenset({
 OTHER = "other"
 
 
-def metrics_label(name: Optional[str], known: AbstractSet[str]) -> str:
+def metrics_label(name: str | None, known: AbstractSet[str]) -> str:
     """``name`` if the configuration knows it, else :data:`OTHER`: labels
     stay bounded, a peer-supplied name is never one by itself."""
     return name if name is not None and name in known else OTHER
 
 
 #: A read position's key: (stream, writer).
-Key = Tuple[str, str]
+Key = tuple[str, str]
 
 
 class IReplicationConnection(Interface):
@@ -137,8 +132,8 @@ class IPeerConnection(IReplicationConnection):
     close_reason = Attribute("None while up; why it ended, one of :data:`CLOSE_REASONS`, "
                              "from the moment it starts closing.")
 
-    def close(reason: str, error_text: Optional[str] = None,
-              log_text: Optional[str] = None) -> None:
+    def close(reason: str, error_text: str | None = None,
+              log_text: str | None = None) -> None:
         """Close, first writing ``ERROR <error_text>`` if given; one log line
         (``log_text`` at warn level when the peer is at fault).  Idempotent."""
 
@@ -154,7 +149,7 @@ class IRedisBus(Interface):
         a possible Synapse, see :mod:`.synapse_watch`): then they are not
         published now."""
 
-    def publish_lines(lines: Sequence[bytes], channel: Optional[bytes] = None) -> None:
+    def publish_lines(lines: Sequence[bytes], channel: bytes | None = None) -> None:
         """PUBLISH the lines, all in one write (one MULTI/EXEC when several)."""
 
     def pause_reading() -> None:
@@ -226,7 +221,7 @@ class Disconnect(NamedTuple):
 
     at: float
     peer: str
-    address: Optional[str]
+    address: str | None
     reason: str
 
 
@@ -243,41 +238,41 @@ class IReplicationView(Interface):
     federation_acks = Attribute("FEDERATION_ACK table: instance -> token; read only.")
     user_ips = Attribute("USER_IP table: (user, device) -> fields; read only.")
 
-    def open_connections() -> List[ConnectionSeen]:
+    def open_connections() -> list[ConnectionSeen]:
         """The open connections, in the order they came."""
 
-    def last_lost(name: str) -> Optional[float]:
+    def last_lost(name: str) -> float | None:
         """When the last accepted connection of the peer ``name`` closed
         (clock seconds), None if none did (or long forgotten)."""
 
-    def recent_disconnects() -> List[Disconnect]:
+    def recent_disconnects() -> list[Disconnect]:
         """The last disconnects, newest last (bounded)."""
 
-    def reader_positions() -> Dict[Key, Optional[int]]:
+    def reader_positions() -> dict[Key, int | None]:
         """Each remote (stream, writer) read here: the position delivered
         to the consumers, None before the first."""
 
-    def reader_lag() -> Dict[Key, int]:
+    def reader_lag() -> dict[Key, int]:
         """Each reader's lag: tokens announced but not yet delivered."""
 
-    def reader_heard() -> Set[Key]:
+    def reader_heard() -> set[Key]:
         """The keys read here that a POSITION or RDATA arrived for since start."""
 
-    def reader_heard_at() -> Dict[Key, float]:
+    def reader_heard_at() -> dict[Key, float]:
         """When the last POSITION or RDATA of each read key arrived (clock
         seconds); a key never heard is absent."""
 
-    def announced_positions() -> Dict[Key, int]:
+    def announced_positions() -> dict[Key, int]:
         """This instance's writers: the last position announced of each."""
 
     def idle() -> bool:
         """Nothing queued for any reader, no claim waiting for a check, no
         fan-out running."""
 
-    def findings() -> List["Finding"]:
+    def findings() -> list["Finding"]:
         """What the core itself found wrong and holds until it is mended
         (a reader stopped at trimmed facts, an audit mismatch)."""
 
-    def bookkeeping_samples() -> List["Sample"]:
+    def bookkeeping_samples() -> list["Sample"]:
         """The USER_SYNC / FEDERATION_ACK gauges' samples (safe off the
         reactor: a metrics scrape thread reads them)."""

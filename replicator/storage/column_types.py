@@ -20,7 +20,7 @@ The database's type is first sorted into a *kind* (:func:`postgres_kind`,
 type.  Pure functions: the queries are :func:`.schema.column_types`'s.
 """
 
-from typing import Dict, FrozenSet, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 
 class TableType(NamedTuple):
@@ -46,7 +46,7 @@ _PG_ARRAY_ELEMENTS = {
 }
 
 
-def postgres_kind(data_type: str, udt_name: str, max_length: Optional[int]) -> TableType:
+def postgres_kind(data_type: str, udt_name: str, max_length: int | None) -> TableType:
     """The kind of a PostgreSQL column from ``information_schema.columns``
     (``data_type``, ``udt_name``, ``character_maximum_length``; a domain
     has its underlying type there)."""
@@ -69,7 +69,7 @@ def postgres_kind(data_type: str, udt_name: str, max_length: Optional[int]) -> T
 
 #: Declared type → (kinds a column of a stream only read here may have,
 #: kinds a column of a stream written here may have).
-_PG_FITS: Dict[str, Tuple[FrozenSet[str], FrozenSet[str]]] = {
+_PG_FITS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "bigint": (frozenset({"bigint", "integer"}), frozenset({"bigint"})),
     "text": (frozenset({"text", "bounded_text"}), frozenset({"text"})),
     "boolean": (frozenset({"boolean"}), frozenset({"boolean"})),
@@ -79,7 +79,7 @@ _PG_FITS: Dict[str, Tuple[FrozenSet[str], FrozenSet[str]]] = {
 #: decoded when read, whether the column is text or JSON.
 _PG_JSON_TEXT = (frozenset({"json", "text", "bounded_text"}), frozenset({"json", "text"}))
 #: The types of each kind, for a message.
-_PG_NAMES: Dict[str, Tuple[str, ...]] = {
+_PG_NAMES: dict[str, tuple[str, ...]] = {
     "bigint": ("bigint",), "integer": ("integer", "smallint"), "text": ("text",),
     "bounded_text": ("character varying", "character"), "boolean": ("boolean",),
     "json": ("json", "jsonb"), "array": ("an array of text, integers, booleans or JSON",),
@@ -111,13 +111,13 @@ def sqlite_kind(declared: str) -> TableType:
 #: 64-bit whatever the declared type, and text has no limit).  A ``json``
 #: value is stored as its JSON text, so it needs TEXT affinity: a NUMERIC
 #: column (``JSON``) would turn the JSON text ``1`` into the number 1.
-_SQLITE_FITS: Dict[str, FrozenSet[str]] = {
+_SQLITE_FITS: dict[str, frozenset[str]] = {
     "bigint": frozenset({"integer"}),
     "text": frozenset({"text"}),
     "boolean": frozenset({"integer", "boolean"}),
     "json": frozenset({"text"}),
 }
-_SQLITE_NAMES: Dict[str, Tuple[str, ...]] = {
+_SQLITE_NAMES: dict[str, tuple[str, ...]] = {
     "integer": ("INTEGER affinity (a type with INT in its name)",),
     "text": ("TEXT affinity (a type with CHAR, CLOB or TEXT in its name)",),
     "boolean": ("BOOLEAN",),
@@ -127,7 +127,7 @@ _ORDER = ("bigint", "integer", "text", "bounded_text", "boolean", "json", "array
 
 
 def mismatch(declared: str, json_text: bool, found: TableType, postgres: bool,
-             written: bool) -> Optional[str]:
+             written: bool) -> str | None:
     """None when a column of ``found`` type fits ``declared`` (one of
     :data:`replicator.config.model.COLUMN_TYPES`); else what fits, to close
     the message: ``bigint reads from bigint, integer or smallint``.

@@ -8,8 +8,9 @@ into sqlite3's ``?`` style.  ``GREATEST`` is spelled by :attr:`Database.greatest
 
 import os
 import select
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, Callable, Optional
+from typing import Any
 
 from twisted.enterprise import adbapi
 from twisted.internet import defer
@@ -23,17 +24,19 @@ from .transactions import TransactionQueue
 
 #: A DB-API cursor, as a transaction function receives it (psycopg2 or sqlite3).
 Cursor = Any
+#: A DB-API connection (psycopg2's or sqlite3's: they share no declared type).
+RawConnection = Any
 
 log = Logger()
 
 
-def _sqlite_open(conn) -> None:
+def _sqlite_open(conn: RawConnection) -> None:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA busy_timeout=5000")
 
 
-def _postgres_open(conn) -> None:
+def _postgres_open(conn: RawConnection) -> None:
     # Stream writes are short transactions; READ COMMITTED is what the
     # position bookkeeping assumes.
     conn.set_session(isolation_level="READ COMMITTED")
@@ -51,7 +54,7 @@ class _PooledConnection(adbapi.Connection):
     The transaction's own error still reaches its caller.
     """
 
-    def rollback(self):
+    def rollback(self) -> None:
         if self._connection is None:  # already dropped
             return
         try:
@@ -67,12 +70,12 @@ class _PooledConnection(adbapi.Connection):
         self._pool.disconnect(self._connection)
         self._connection = None
 
-    def cursor(self):
+    def cursor(self) -> Cursor:
         if self._connection is None:
             self._connection = self._pool.connect()
         return self._connection.cursor()
 
-    def commit(self):
+    def commit(self) -> None:
         if self._connection is not None:
             self._connection.commit()
 
@@ -92,8 +95,8 @@ class _PostgresPool(adbapi.ConnectionPool):
 
     connectionFactory = _PooledConnection
 
-    def connect(self):
-        conn = self.connections.get(self.threadID())
+    def connect(self) -> RawConnection:
+        conn: RawConnection | None = self.connections.get(self.threadID())
         if conn is not None:
             problem = _dead(conn)
             if problem is not None:
@@ -103,7 +106,7 @@ class _PostgresPool(adbapi.ConnectionPool):
         return super().connect()
 
 
-def _dead(conn) -> Optional[str]:
+def _dead(conn: RawConnection) -> str | None:
     """Why an idle psycopg2 connection is dead, or None if it seems alive."""
     if conn.closed:
         return "closed"
@@ -138,7 +141,7 @@ class Database:
     connection: the embedded default is a single-process database.
     """
 
-    def __init__(self, config: DatabaseConfig, pool: Optional[adbapi.ConnectionPool] = None):
+    def __init__(self, config: DatabaseConfig, pool: adbapi.ConnectionPool | None = None):
         """``pool``: a pool to use instead of opening one (the tests' in-memory
         SQLite, run inline); it must speak the configured engine's SQL."""
         self.config = config
@@ -167,7 +170,7 @@ class Database:
         # connection stays free for reads when the pool has more than one.
         workers = config.pool_max - 1 if config.pool_max > 1 else 1
         self.transactions = TransactionQueue(self.pool, workers)
-        self._reactor_reads: Optional[ReactorReads] = None
+        self._reactor_reads: ReactorReads | None = None
 
     @property
     def is_postgres(self) -> bool:
@@ -180,7 +183,8 @@ class Database:
     def runInteraction(self, fn: Callable[..., Any], *args: Any,
                        **kwargs: Any) -> "defer.Deferred[Any]":
         """Run ``fn(txn, ...)`` in one transaction in a pool thread."""
-        return self.pool.runInteraction(fn, *args, **kwargs)
+        done: defer.Deferred[Any] = self.pool.runInteraction(fn, *args, **kwargs)
+        return done
 
     def runReads(self, fn: Callable[..., Any], *args: Any) -> "defer.Deferred[Any]":
         """Run ``fn(cursor, ...)`` in a pool thread, each of its statements
@@ -204,9 +208,10 @@ class Database:
                 except Exception:  # a dead connection: the failure says why
                     pass
 
-        return self.pool.runWithConnection(run)
+        done: defer.Deferred[Any] = self.pool.runWithConnection(run)
+        return done
 
-    def reactor_reads(self, reactor: Any) -> Optional[ReactorReads]:
+    def reactor_reads(self, reactor: Any) -> ReactorReads | None:
         """PostgreSQL: the :class:`.reactor_reads.ReactorReads` of this
         database on ``reactor`` (one connection more than the pool, opened
         at the first read), for tiny reads on the path of every fact; None
@@ -221,10 +226,12 @@ class Database:
         return self._reactor_reads
 
     def runQuery(self, text: str, *args: Any) -> "defer.Deferred[Any]":
-        return self.pool.runQuery(self.sql(text), *args)
+        done: defer.Deferred[Any] = self.pool.runQuery(self.sql(text), *args)
+        return done
 
     def runOperation(self, text: str, *args: Any) -> "defer.Deferred[Any]":
-        return self.pool.runOperation(self.sql(text), *args)
+        done: defer.Deferred[Any] = self.pool.runOperation(self.sql(text), *args)
+        return done
 
     def close(self) -> None:
         if self._reactor_reads is not None:

@@ -17,7 +17,7 @@ pool thread.
 """
 
 import json
-from typing import Any, Dict, List
+from typing import Any
 
 from ..config.model import AUDIT_TABLE
 from .database import Cursor, Database
@@ -43,7 +43,7 @@ def exists(txn: Cursor, db: Database) -> bool:
 
 
 def save(txn: Cursor, db: Database, instance: str, stream: str, writer: str, first_id: int,
-         detail: Dict[str, Any], found_ms: int) -> None:
+         detail: dict[str, Any], found_ms: int) -> None:
     """Keep a finding (the first one of its (stream, writer) stays)."""
     txn.execute(DDL)
     txn.execute(db.sql(
@@ -52,7 +52,7 @@ def save(txn: Cursor, db: Database, instance: str, stream: str, writer: str, fir
         "DO NOTHING"), (instance, stream, writer, first_id, json.dumps(detail), found_ms))
 
 
-def load(txn: Cursor, db: Database, instance: str) -> List[Dict[str, Any]]:
+def load(txn: Cursor, db: Database, instance: str) -> list[dict[str, Any]]:
     """This instance's findings: ``{"stream", "writer", "first_id", "detail",
     "found_ms"}`` each (none if the table does not exist)."""
     if not exists(txn, db):

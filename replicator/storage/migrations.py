@@ -35,15 +35,17 @@ instance refuses a schema newer than it knows.
 """
 
 import datetime
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any
 
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from .. import __version__
 from ..config.model import POSITIONS_TABLE, SCHEMA_TABLE
 from . import schema
-from .database import Database
+from .database import Cursor, Database
 
 log = Logger()
 
@@ -75,24 +77,24 @@ class Step:
     apply: Apply
 
 
-def _create_positions(txn, postgres: bool) -> None:
+def _create_positions(txn: Cursor, postgres: bool) -> None:
     txn.execute(schema.POSITIONS_DDL)
 
 
-def _create_schema_table(txn, postgres: bool) -> None:
+def _create_schema_table(txn: Cursor, postgres: bool) -> None:
     txn.execute(SCHEMA_DDL)
 
 
-def _create_retention_table(txn, postgres: bool) -> None:
+def _create_retention_table(txn: Cursor, postgres: bool) -> None:
     txn.execute(schema.RETENTION_DDL)
 
 
-def _create_idempotency_table(txn, postgres: bool) -> None:
+def _create_idempotency_table(txn: Cursor, postgres: bool) -> None:
     for statement in schema.IDEMPOTENCY_DDL:
         txn.execute(statement)
 
 
-STEPS: Tuple[Step, ...] = (
+STEPS: tuple[Step, ...] = (
     Step(1, "create stream_positions", _create_positions),
     Step(2, f"record the schema version in {SCHEMA_TABLE}", _create_schema_table),
     Step(3, "create stream_retention (the trim boundaries of retention)",
@@ -134,7 +136,7 @@ def too_new(version: int) -> SchemaProblem:
 
 
 # ------------------------------------------------------ in a pool thread
-def read_version(txn, postgres: bool) -> int:
+def read_version(txn: Cursor, postgres: bool) -> int:
     """The database's version (module docstring): its ``replicator_schema``
     row, else 1 if ``stream_positions`` exists, else 0."""
     if schema.table_columns(txn, SCHEMA_TABLE, postgres) is not None:
@@ -149,7 +151,7 @@ def read_version(txn, postgres: bool) -> int:
     return 0
 
 
-def _lock(txn, postgres: bool) -> None:
+def _lock(txn: Cursor, postgres: bool) -> None:
     if postgres:
         txn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
     else:
@@ -158,8 +160,8 @@ def _lock(txn, postgres: bool) -> None:
         txn.execute("BEGIN IMMEDIATE")
 
 
-def _record(txn, db: Database, version: int, now: float, instance_name: str) -> None:
-    when = datetime.datetime.fromtimestamp(now, datetime.timezone.utc)
+def _record(txn: Cursor, db: Database, version: int, now: float, instance_name: str) -> None:
+    when = datetime.datetime.fromtimestamp(now, datetime.UTC)
     txn.execute(db.sql(
         f"INSERT INTO {SCHEMA_TABLE} (version, migrated_at, replicator_version, instance_name) "
         "VALUES (%s, %s, %s, %s) ON CONFLICT (one_row) DO UPDATE SET "
@@ -174,8 +176,8 @@ def _one_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def _next_step(txn, db: Database, steps: Sequence[Step], announce: Callable[[str], None],
-               now: float, instance_name: str) -> Optional[int]:
+def _next_step(txn: Cursor, db: Database, steps: Sequence[Step], announce: Callable[[str], None],
+               now: float, instance_name: str) -> int | None:
     """One transaction: the next step, if any is due (None: none is); the
     version reached.  A new database gets all of them."""
     _lock(txn, db.is_postgres)
@@ -201,7 +203,8 @@ def _next_step(txn, db: Database, steps: Sequence[Step], announce: Callable[[str
 
 
 # ---------------------------------------------------------- from the reactor
-async def migrate(db: Database, announce: Callable[[str], None], clock, instance_name: str,
+async def migrate(db: Database, announce: Callable[[str], None], clock: IReactorTime,
+                  instance_name: str,
                   steps: Sequence[Step] = STEPS) -> int:
     """Run every step due, each in its own transaction; returns the version
     reached.  ``announce(line)`` is called (in a pool thread) once per step,
@@ -212,12 +215,14 @@ async def migrate(db: Database, announce: Callable[[str], None], clock, instance
         reached = await db.runInteraction(_next_step, db, steps, announce, clock.seconds(),
                                           instance_name)
         if reached is None:
-            return await db.runInteraction(read_version, db.is_postgres)
+            version: int = await db.runInteraction(read_version, db.is_postgres)
+            return version
 
 
 async def current_version(db: Database) -> int:
     """The database's version (:func:`read_version`), without the lock."""
-    return await db.runInteraction(read_version, db.is_postgres)
+    version: int = await db.runInteraction(read_version, db.is_postgres)
+    return version
 
 
 def pending(version: int, steps: Sequence[Step] = STEPS) -> Sequence[Step]:
@@ -245,7 +250,7 @@ def assess(version: int, owns_tables: bool, auto_migrate: bool) -> str:
     return f"schema version {version}, start migrates it to {CURRENT_VERSION}"
 
 
-async def prepare(db: Database, owns_tables: bool, auto_migrate: bool, reactor,
+async def prepare(db: Database, owns_tables: bool, auto_migrate: bool, reactor: Any,
                   instance_name: str) -> None:
     """At start, before the streams load: the schema made current (new or
     older, when allowed), or :class:`SchemaProblem` saying why it cannot be

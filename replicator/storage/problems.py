@@ -21,7 +21,7 @@ table made for it) and read only if it exists.  Statements run in a pool
 thread.
 """
 
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from ..config.model import PROBLEMS_TABLE
 from .database import Cursor, Database
@@ -55,12 +55,12 @@ class Record(NamedTuple):
     (an INSERT); else its open row gets ``text`` and ``ended_ms``."""
 
     kind: str
-    stream: Optional[str]
-    writer: Optional[str]
+    stream: str | None
+    writer: str | None
     text: str
     fails_health: bool
     started_ms: int
-    ended_ms: Optional[int]
+    ended_ms: int | None
     new: bool
 
 
@@ -68,8 +68,8 @@ def exists(txn: Cursor, db: Database) -> bool:
     return table_exists(txn, db.is_postgres, TABLE)
 
 
-def write(txn: Cursor, db: Database, instance: str, records: List[Record],
-          stopped_ms: Optional[int] = None, keep: int = KEEP) -> None:
+def write(txn: Cursor, db: Database, instance: str, records: list[Record],
+          stopped_ms: int | None = None, keep: int = KEEP) -> None:
     """``records`` in order; then, with ``stopped_ms``, this run's rows still
     open are marked as open at that stop; then the instance's rows past the
     last ``keep`` are deleted."""
@@ -100,7 +100,7 @@ def write(txn: Cursor, db: Database, instance: str, records: List[Record],
 
 
 def load(txn: Cursor, db: Database, instance: str, restarted_ms: int,
-         limit: int) -> List[Dict[str, Any]]:
+         limit: int) -> list[dict[str, Any]]:
     """At a start: this instance's last ``limit`` rows, oldest first, as
     dicts of the columns (``stream``, ``writer``: None for ``''``) (none if
     the table does not exist).  Rows open with no stop recorded are marked

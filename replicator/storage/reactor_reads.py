@@ -30,7 +30,8 @@ one step that may wait): give an address (``host=10.0.0.5`` or
 
 import os
 from collections import deque
-from typing import Any, Deque, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import psycopg2
 import psycopg2.extensions
@@ -38,6 +39,9 @@ from twisted.internet import defer
 from twisted.internet.interfaces import IReadDescriptor, IWriteDescriptor
 from twisted.python.failure import Failure
 from zope.interface import implementer
+
+#: A statement's rows, as psycopg2 gives them.
+Rows = list[tuple[Any, ...]]
 
 
 class ConnectionClosed(Exception):
@@ -62,7 +66,7 @@ class _Poller:
         self._conn = conn
         self._fd = -1
         self.connecting = True
-        self.waiting: Optional[defer.Deferred] = None
+        self.waiting: defer.Deferred[None] | None = None
 
     def fileno(self) -> int:
         return self._fd
@@ -70,7 +74,7 @@ class _Poller:
     def logPrefix(self) -> str:
         return "ReactorReads"
 
-    def wait(self) -> defer.Deferred:
+    def wait(self) -> "defer.Deferred[None]":
         """Fires once the connection's current operation is done (it may
         have fired already: ``poll()`` can say done at once)."""
         waiting = self.waiting = defer.Deferred()
@@ -129,7 +133,7 @@ class _Poller:
         else:  # POLL_ERROR: psycopg2 raises instead; never left waiting
             self._finish(Failure(ConnectionClosed(f"poll() answered {state}")))
 
-    def _finish(self, failure: Optional[Failure]) -> None:
+    def _finish(self, failure: Failure | None) -> None:
         self.stop()
         waiting, self.waiting = self.waiting, None
         if waiting is None:
@@ -148,14 +152,14 @@ class ReactorReads:
         self._reactor = reactor
         self._dsn = dsn
         self._conn: Any = None
-        self._poller: Optional[_Poller] = None
-        self._queue: Deque[Tuple[str, Sequence[Any], defer.Deferred]] = deque()
+        self._poller: _Poller | None = None
+        self._queue: deque[tuple[str, Sequence[Any], defer.Deferred[Rows]]] = deque()
         self._running = False
         self._closed = False
 
-    def fetchall(self, sql: str, args: Sequence[Any] = ()) -> defer.Deferred:
+    def fetchall(self, sql: str, args: Sequence[Any] = ()) -> "defer.Deferred[Rows]":
         """Run one statement; fires with its rows (a list of tuples)."""
-        d: defer.Deferred = defer.Deferred()
+        d: defer.Deferred[list[tuple[Any, ...]]] = defer.Deferred()
         if self._closed:
             d.errback(ConnectionClosed("closed"))
             return d

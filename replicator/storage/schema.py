@@ -16,11 +16,16 @@ and keep being read in heap order among themselves, as before.
 All functions here take a DB-API cursor and run in a pool thread.
 """
 
-from typing import Dict, List, Optional, Set
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..config import ConfigError, StreamConfig
 from ..config.model import ROW_INDEX_COLUMN
 from .column_types import TableType, mismatch, postgres_kind, sqlite_kind
+from .database import Cursor
+
+#: The engine's SQL of a statement written with ``%s`` (:meth:`.Database.sql`).
+Sql = Callable[[str], str]
 
 POSITIONS_DDL = """
 CREATE TABLE IF NOT EXISTS stream_positions (
@@ -77,7 +82,7 @@ PG_TYPES = {"text": "TEXT", "bigint": "BIGINT", "boolean": "BOOLEAN", "json": "J
 SQLITE_TYPES = {"text": "TEXT", "bigint": "INTEGER", "boolean": "INTEGER", "json": "TEXT"}
 
 
-def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
+def table_ddl(stream: StreamConfig, postgres: bool) -> list[str]:
     """Statements creating the stream's table, indexes and sequence if missing."""
     types = PG_TYPES if postgres else SQLITE_TYPES
     cols = [f"{stream.id_column} BIGINT NOT NULL"]
@@ -102,7 +107,19 @@ def table_ddl(stream: StreamConfig, postgres: bool) -> List[str]:
     return statements
 
 
-def add_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
+def _index_exists(txn: Cursor, statement: str) -> bool:
+    """Whether ``statement`` is a ``CREATE INDEX IF NOT EXISTS`` of an index
+    that exists (PostgreSQL): skipped, since it would take a SHARE lock on
+    the table first, waiting for every open transaction that wrote it (a
+    plain-SQL writer's) and holding up every write after it."""
+    words = statement.split()
+    if words[:5] != ["CREATE", "INDEX", "IF", "NOT", "EXISTS"]:
+        return False
+    txn.execute("SELECT to_regclass(%s)", (words[5],))
+    return txn.fetchone()[0] is not None
+
+
+def add_row_index(txn: Cursor, stream: StreamConfig, postgres: bool) -> bool:
     """Give an owned table that lacks it (made by an older release) the
     ``row_index`` column; whether it was added.  Idempotent: a table that
     has it, or none, is left alone.  PostgreSQL (11 and later) adds a
@@ -119,7 +136,7 @@ def add_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
     return True
 
 
-def has_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
+def has_row_index(txn: Cursor, stream: StreamConfig, postgres: bool) -> bool:
     """Whether reads order the table's facts' rows by ``row_index``: an
     owned table that has it (a stream only read here may be written by
     an instance of an older release that did not add it yet)."""
@@ -129,13 +146,13 @@ def has_row_index(txn, stream: StreamConfig, postgres: bool) -> bool:
     return ROW_INDEX_COLUMN in (name.lower() for name in existing)
 
 
-def table_columns(txn, table: str, postgres: bool) -> Optional[List[str]]:
+def table_columns(txn: Cursor, table: str, postgres: bool) -> list[str] | None:
     """Column names of ``table``, or None if it does not exist."""
     types = column_types(txn, table, postgres)
     return None if types is None else list(types)
 
 
-def column_types(txn, table: str, postgres: bool) -> Optional[Dict[str, TableType]]:
+def column_types(txn: Cursor, table: str, postgres: bool) -> dict[str, TableType] | None:
     """Each column of ``table`` with its type, or None if it does not exist."""
     if postgres:
         txn.execute(
@@ -151,7 +168,7 @@ def column_types(txn, table: str, postgres: bool) -> Optional[Dict[str, TableTyp
     return types or None
 
 
-def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool,
+def check_stream_table(txn: Cursor, stream: StreamConfig, key: str, postgres: bool,
                        written: bool = True) -> None:
     """Every configured column exists with a type that fits its declared
     one (:mod:`.column_types`; the ID column ``bigint``, the writer column
@@ -178,10 +195,10 @@ def check_stream_table(txn, stream: StreamConfig, key: str, postgres: bool,
                                      f"table {stream.table!r} has it as {found.shown} ({fits})")
 
 
-def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
-                  written: Optional[Set[str]] = None, dry_run: bool = False,
-                  added_row_index: Optional[List[str]] = None,
-                  awaiting_writer: Optional[List[str]] = None) -> bool:
+def ensure_schema(txn: Cursor, streams: Sequence[StreamConfig], postgres: bool,
+                  keys: dict[str, str], written: set[str] | None = None, dry_run: bool = False,
+                  added_row_index: list[str] | None = None,
+                  awaiting_writer: list[str] | None = None) -> bool:
     """Create what is missing and check what exists.
 
     ``written``: names of the streams with a local writer (default: all).
@@ -222,6 +239,8 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
                 continue
         if created and not dry_run:
             for statement in table_ddl(stream, postgres):
+                if postgres and _index_exists(txn, statement):
+                    continue
                 txn.execute(statement)
             if add_row_index(txn, stream, postgres) and added_row_index is not None:
                 added_row_index.append(stream.name)
@@ -234,7 +253,7 @@ def ensure_schema(txn, streams, postgres: bool, keys: Dict[str, str],
     return has_positions
 
 
-def persisted_positions(txn, stream_name: str, sql) -> Dict[str, int]:
+def persisted_positions(txn: Cursor, stream_name: str, sql: Sql) -> dict[str, int]:
     txn.execute(
         sql("SELECT instance_name, stream_id FROM stream_positions WHERE stream_name = %s"),
         (stream_name,),
@@ -242,7 +261,7 @@ def persisted_positions(txn, stream_name: str, sql) -> Dict[str, int]:
     return {name: int(pos) for name, pos in txn.fetchall()}
 
 
-def table_exists(txn, postgres: bool, table: str) -> bool:
+def table_exists(txn: Cursor, postgres: bool, table: str) -> bool:
     """Whether the replicator's own ``table`` exists (one created when first
     needed, or by an instance that writes a stream: another instance may
     start first)."""
@@ -253,13 +272,13 @@ def table_exists(txn, postgres: bool, table: str) -> bool:
     return txn.fetchone() is not None
 
 
-def retention_table_exists(txn, postgres: bool) -> bool:
+def retention_table_exists(txn: Cursor, postgres: bool) -> bool:
     """Whether ``stream_retention`` exists (an instance that writes no
     stream creates no table, and may start before the one that does)."""
     return table_exists(txn, postgres, "stream_retention")
 
 
-def trimmed_through(txn, table_key: str, sql) -> int:
+def trimmed_through(txn: Cursor, table_key: str, sql: Sql) -> int:
     """The trim boundary of the stream table ``table_key`` (0: nothing
     trimmed); ``stream_retention`` exists."""
     txn.execute(sql("SELECT trimmed_through FROM stream_retention WHERE table_name = %s"),
@@ -268,7 +287,7 @@ def trimmed_through(txn, table_key: str, sql) -> int:
     return int(row[0]) if row is not None else 0
 
 
-def table_max_per_writer(txn, stream: StreamConfig) -> Dict[str, int]:
+def table_max_per_writer(txn: Cursor, stream: StreamConfig) -> dict[str, int]:
     if stream.writer_column:
         txn.execute(
             f"SELECT {stream.writer_column}, MAX({stream.id_column}) FROM {stream.table} "
@@ -294,14 +313,14 @@ def sequence_value_sql(sequence: str) -> str:
     return f"SELECT last_value, is_called FROM {sequence}"
 
 
-def sequence_value_of(row) -> int:
+def sequence_value_of(row: Sequence[Any]) -> int:
     """The last value ``nextval`` handed out, from the row of
     :func:`sequence_value_sql`."""
     last, called = row
     return int(last) if called else int(last) - 1
 
 
-def sequence_value(txn, sequence: str) -> int:
+def sequence_value(txn: Cursor, sequence: str) -> int:
     """The last value ``nextval`` handed out (PostgreSQL)."""
     txn.execute(sequence_value_sql(sequence))
     return sequence_value_of(txn.fetchone())

@@ -12,8 +12,10 @@ the order the jobs were taken.
 """
 
 from collections import deque
-from typing import Any, Callable, Deque, List
+from collections.abc import Callable
+from typing import Any
 
+from twisted.enterprise import adbapi
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
@@ -23,23 +25,23 @@ _PENDING = object()
 class _Job:
     __slots__ = ("fn", "args", "result", "failure", "deferred")
 
-    def __init__(self, fn, args):
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self.fn = fn
         self.args = args
         self.result: Any = _PENDING
-        self.failure = None
-        self.deferred = defer.Deferred()
+        self.failure: Failure | None = None
+        self.deferred: defer.Deferred[Any] = defer.Deferred()
 
 
 class TransactionQueue:
     """Runs ``fn(cursor, *args)`` transactions on at most ``workers`` pooled
     connections at a time."""
 
-    def __init__(self, pool, workers: int = 1, per_hop: int = 32):
+    def __init__(self, pool: adbapi.ConnectionPool, workers: int = 1, per_hop: int = 32) -> None:
         self._pool = pool
         self._workers = max(1, workers)
         self._per_hop = per_hop
-        self._jobs: Deque[_Job] = deque()  # append/popleft are thread-safe
+        self._jobs: deque[_Job] = deque()  # append/popleft are thread-safe
         self._busy = 0
 
     def run(self, fn: Callable[..., Any], *args: Any) -> "defer.Deferred[Any]":
@@ -51,11 +53,11 @@ class TransactionQueue:
     def _kick(self) -> None:
         while self._busy < self._workers and self._jobs:
             self._busy += 1
-            taken: List[_Job] = []
+            taken: list[_Job] = []
             d = self._pool.runWithConnection(self._work, taken)
             d.addBoth(self._done, taken)
 
-    def _work(self, conn, taken: List[_Job]) -> None:
+    def _work(self, conn: adbapi.Connection, taken: list[_Job]) -> None:
         """In a pool thread: one transaction per job until none is queued."""
         for _ in range(self._per_hop):
             try:
@@ -82,7 +84,7 @@ class TransactionQueue:
                 except Exception:
                     pass
 
-    def _done(self, outcome, taken: List[_Job]) -> None:
+    def _done(self, outcome: object, taken: list[_Job]) -> None:
         self._busy -= 1
         hop_failure = outcome if isinstance(outcome, Failure) else None
         if hop_failure is not None and not taken:

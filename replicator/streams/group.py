@@ -26,7 +26,8 @@ decides who goes with whom.
 
 import threading
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 from twisted.python.failure import Failure
@@ -47,14 +48,14 @@ class Write:
 
     __slots__ = ("facts", "wire", "lines", "hooks", "deferred", "ids", "rows", "started")
 
-    def __init__(self, facts: List[List[List[Any]]], wire: Any, hooks: List[Any],
+    def __init__(self, facts: list[list[list[Any]]], wire: Any, hooks: list[Any],
                  started: float, lines: Any = None) -> None:
         self.facts = facts
         self.wire = wire
         self.lines = lines  # the rows' JSON lines, per fact (None: not kept)
         self.hooks = hooks
-        self.deferred: "defer.Deferred[List[int]]" = defer.Deferred()
-        self.ids: List[int] = []
+        self.deferred: defer.Deferred[list[int]] = defer.Deferred()
+        self.ids: list[int] = []
         self.rows = sum(len(f) for f in facts)
         self.started = started
 
@@ -64,9 +65,9 @@ class Group:
 
     __slots__ = ("writes", "reserved", "taken", "solo")
 
-    def __init__(self, solo: Optional[Write] = None) -> None:
-        self.writes: List[Write] = [solo] if solo is not None else []
-        self.reserved: List[int] = []  # IDs reserved by the transaction
+    def __init__(self, solo: Write | None = None) -> None:
+        self.writes: list[Write] = [solo] if solo is not None else []
+        self.reserved: list[int] = []  # IDs reserved by the transaction
         self.taken = solo is not None
         self.solo = solo is not None
 
@@ -88,12 +89,12 @@ class WriteGroups:
         self.max_facts = max(1, max_facts)
         self.max_rows = max(1, max_rows)
         self._lock = threading.Lock()
-        self._queued: Deque[Write] = deque()
+        self._queued: deque[Write] = deque()
         self._queued_facts = 0
         self._waiting = 0  # transactions started that have not taken yet
         self._running = 0  # transactions started whose outcome is not told yet
 
-    def submit(self, write: Write) -> "defer.Deferred[List[int]]":
+    def submit(self, write: Write) -> "defer.Deferred[list[int]]":
         """Queue ``write``; start a transaction unless enough are on their way."""
         with self._lock:
             self._queued.append(write)
@@ -105,7 +106,7 @@ class WriteGroups:
             self._start(Group())
         return write.deferred
 
-    def take(self, group: Group) -> List[Write]:
+    def take(self, group: Group) -> list[Write]:
         """In the transaction's thread: the writes it commits (none left: [])."""
         if group.taken:
             return group.writes
@@ -143,7 +144,7 @@ class WriteGroups:
             with self._lock:
                 group.taken = True
                 self._waiting -= 1
-                orphans: List[Write] = []
+                orphans: list[Write] = []
                 if self._waiting == 0:
                     orphans = list(self._queued)
                     self._queued.clear()

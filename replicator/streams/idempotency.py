@@ -32,7 +32,8 @@ credential (``http.secret``): nothing else to scope by.
 """
 
 import hashlib
-from typing import Any, List, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from twisted.application.service import Service
 from twisted.internet import defer, task
@@ -121,16 +122,16 @@ class IdempotencyKeys:
 
         return record
 
-    async def lookup(self, table: str, key: str) -> Optional[Recorded]:
+    async def lookup(self, table: str, key: str) -> Recorded | None:
         """What ``key`` was first used for, if recorded within the window."""
         cutoff = self._cutoff_ms(self._now_ms())
 
-        def read(txn: Cursor) -> Optional[Recorded]:
+        def read(txn: Cursor) -> Recorded | None:
             txn.execute(self._lookup, (table, key, cutoff))
             row = txn.fetchone()
             return None if row is None else Recorded(str(row[0]), int(row[1]))
 
-        found: Optional[Recorded] = await self.db.runInteraction(read)
+        found: Recorded | None = await self.db.runInteraction(read)
         return found
 
     async def prune(self) -> int:
@@ -160,8 +161,8 @@ class IdempotencyPruner(Service):
     def __init__(self, keys: IdempotencyKeys, clock: IReactorTime) -> None:
         self.keys = keys
         self._clock = clock
-        self._loop: Optional[task.LoopingCall] = None
-        self._running: List["defer.Deferred[Any]"] = []
+        self._loop: task.LoopingCall | None = None
+        self._running: list[defer.Deferred[Any]] = []
         self._failing = False
 
     @property

@@ -62,12 +62,20 @@ a position learned meanwhile can never carry the tokens past an ID the
 sequence has already handed out.  Completions and advances run on the reactor
 thread; listeners are called there.
 
+A local writer may also be *fenced* (:meth:`StreamIdGenerator.fence`, a
+stream that takes plain-SQL writers: :mod:`.fence`): its token, and so the
+linear token and what is persisted, never exceed the cap the fence last
+gave (every plain-SQL transaction at or below it ended), whatever its own
+bookkeeping says.  The cap starts at the writer's start position and only
+moves up.
+
 Every operation is O(log n) in the number of in-flight IDs (amortized).
 """
 
 import heapq
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from collections.abc import Callable, Iterable
+from typing import Any
 
 Listener = Callable[[str, int, int], None]
 
@@ -89,9 +97,9 @@ class _WriterState:
 
     def __init__(self, position: int) -> None:
         self.position = position
-        self.inflight: List[int] = []
-        self.live: Set[int] = set()
-        self.blocked: List[int] = []
+        self.inflight: list[int] = []
+        self.live: set[int] = set()
+        self.blocked: list[int] = []
 
     def add(self, stream_id: int) -> None:
         if stream_id in self.live:
@@ -140,24 +148,27 @@ class StreamIdGenerator:
     def __init__(
         self,
         name: str,
-        positions: Dict[str, int],
+        positions: dict[str, int],
         local_writers: Iterable[str],
-        call_from_thread: Optional[Callable[..., Any]] = None,
+        call_from_thread: Callable[..., Any] | None = None,
+        fenced: dict[str, int] | None = None,
     ) -> None:
         self.name = name
+        #: Local writers whose token the fence caps, with the cap.
+        self._caps: dict[str, int] = dict(fenced or {})
         local = list(local_writers)
         for w in local:
             if w not in positions:
                 raise UnknownWriter(w)
-        self._local: Dict[str, _WriterState] = {
+        self._local: dict[str, _WriterState] = {
             w: _WriterState(positions[w]) for w in local
         }
-        self._remote: Dict[str, int] = {
+        self._remote: dict[str, int] = {
             w: p for w, p in positions.items() if w not in self._local
         }
         self._lock = threading.Lock()
         self._call_from_thread = call_from_thread
-        self._listeners: List[Listener] = []
+        self._listeners: list[Listener] = []
 
         # The local part of the linear token: all local reservations at or
         # below it are complete.  Same structure as a writer's state, over
@@ -175,7 +186,7 @@ class StreamIdGenerator:
         self._dirty = False
         self._advance_idle()
         self._linear = self._compute_linear()
-        self._tokens: Dict[str, int] = {}
+        self._tokens: dict[str, int] = {}
         self._tokens = self._current_tokens()
 
     # ----------------------------------------------------------- listeners
@@ -295,6 +306,30 @@ class StreamIdGenerator:
             self._all.learn(token)
         self._recompute()
 
+    def fence(self, writer: str, cap: int) -> None:
+        """The fenced local ``writer``'s token may go up to ``cap`` (only
+        ever raised: a lower one is ignored)."""
+        with self._lock:
+            if writer not in self._caps or cap <= self._caps[writer]:
+                return
+            self._caps[writer] = cap
+            # Every ID up to the cap was handed out (the fence read it from
+            # the sequence) and no plain-SQL transaction at or below it is
+            # open: a finished ID, as a remote writer's position is; the
+            # writer's own reservations still hold it where they are.
+            self._local[writer].learn(cap)
+            if not self._shared:
+                self._all.learn(cap)
+            if cap > self._max_known:
+                self._max_known = cap
+            if cap > self._max_done:
+                self._max_done = cap
+        self._recompute()
+
+    def cap(self, writer: str) -> int | None:
+        """The fenced ``writer``'s cap (None: not fenced)."""
+        return self._caps.get(writer)
+
     # ------------------------------------------------------------- reload
     def add_remote(self, writer: str, position: int) -> None:
         """A writer of another instance joins the stream (a reload) at
@@ -323,11 +358,17 @@ class StreamIdGenerator:
         linear = self._all.position
         if self._remote:
             linear = min(linear, min(self._remote.values()))
+        if self._caps:
+            linear = min(linear, min(self._caps.values()))
         return linear
 
-    def _current_tokens(self) -> Dict[str, int]:
+    def _current_tokens(self) -> dict[str, int]:
         linear = self._linear
-        tokens = {w: (s.position if s.position > linear else linear) for w, s in self._local.items()}
+        tokens = {w: (s.position if s.position > linear else linear)
+                  for w, s in self._local.items()}
+        for w, cap in self._caps.items():
+            if tokens[w] > cap:
+                tokens[w] = cap
         tokens.update(self._remote)
         return tokens
 
@@ -374,7 +415,7 @@ class StreamIdGenerator:
         """The linear current token: the minimum over all writers."""
         return self._linear
 
-    def get_positions(self) -> Dict[str, int]:
+    def get_positions(self) -> dict[str, int]:
         """Per-writer current tokens of every writer (a copy)."""
         return dict(self._tokens)
 
@@ -382,44 +423,49 @@ class StreamIdGenerator:
         """The largest ID reserved here or learned from another writer."""
         return self._max_known
 
-    def in_flight(self, writer: Optional[str] = None) -> int:
+    def in_flight(self, writer: str | None = None) -> int:
         """How many IDs are reserved and unfinished (for one local writer or all)."""
         if writer is None:
             return len(self._all.live)
         state = self._local.get(writer)
         return len(state.live) if state is not None else 0
 
-    def in_flight_ids(self, writer: str, limit: int = 10) -> List[int]:
+    def in_flight_ids(self, writer: str, limit: int = 10) -> list[int]:
         """The lowest ``limit`` IDs a local writer has reserved and not finished."""
         state = self._local.get(writer)
         return heapq.nsmallest(limit, state.live) if state is not None else []
 
-    def prospective_token(self, writer: str, completing: List[int]) -> int:
+    def prospective_token(self, writer: str, completing: list[int]) -> int:
         """A lower bound of the writer's token once ``completing`` is done.
 
         Taken inside the writing transaction, for persisting: it never claims
         an ID that is still unfinished afterwards.  O(log n).
         """
-        state = self._local[writer]
         with self._lock:
-            bound = max(state.position, self._linear)
-            if self._pending:
-                # Another reservation is under way: its ID is not known yet.
-                return bound
-            live = state.live
-            if len(live) == len(completing):
-                return max(bound, max(completing))
-            inflight = state.inflight
-            while inflight and inflight[0] not in live:
-                heapq.heappop(inflight)
-            if inflight and inflight[0] in completing:
-                bound = max(bound, inflight[0])
+            bound = self._prospective(writer, completing)
+            cap = self._caps.get(writer)
+            return bound if cap is None or bound <= cap else cap
+
+    def _prospective(self, writer: str, completing: list[int]) -> int:
+        state = self._local[writer]
+        bound = max(state.position, self._linear)
+        if self._pending:
+            # Another reservation is under way: its ID is not known yet.
             return bound
+        live = state.live
+        if len(live) == len(completing):
+            return max(bound, max(completing))
+        inflight = state.inflight
+        while inflight and inflight[0] not in live:
+            heapq.heappop(inflight)
+        if inflight and inflight[0] in completing:
+            bound = max(bound, inflight[0])
+        return bound
 
     @property
-    def local_writers(self) -> List[str]:
+    def local_writers(self) -> list[str]:
         return list(self._local)
 
     @property
-    def writers(self) -> List[str]:
+    def writers(self) -> list[str]:
         return list(self._tokens)

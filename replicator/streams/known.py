@@ -15,7 +15,7 @@ query).
 """
 
 from collections import deque
-from typing import Deque, Iterable, Set
+from collections.abc import Iterable
 
 
 class KnownIds:
@@ -27,8 +27,8 @@ class KnownIds:
 
     def __init__(self, capacity: int = 65_536) -> None:
         self.capacity = capacity
-        self._ids: Set[int] = set()
-        self._order: Deque[int] = deque()
+        self._ids: set[int] = set()
+        self._order: deque[int] = deque()
 
     def note(self, ids: Iterable[int]) -> None:
         """``ids`` belong to a writer this instance knows (reactor thread)."""

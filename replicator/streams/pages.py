@@ -25,8 +25,9 @@ are counted in facts, and for streams of scalar columns PostgreSQL writes
 each *row* as JSON text, which the answer uses as it is.
 """
 
+from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any
 
 import orjson
 
@@ -37,13 +38,13 @@ from ..storage.database import Cursor, Database
 from .rows import reader
 from .trimmed import FactsTrimmed, TrimCheck, boundary_key
 
-Update = Tuple[int, List[Any]]
-Fact = Tuple[int, List[List[Any]]]
-Page = Tuple[List[Update], int, bool]
-FactPage = Tuple[List[Fact], int, bool]
+Update = tuple[int, list[Any]]
+Fact = tuple[int, list[list[Any]]]
+Page = tuple[list[Update], int, bool]
+FactPage = tuple[list[Fact], int, bool]
 #: One writer's range of a :meth:`PageQuery.read_fact_pages`:
 #: ``(writer, from_token, to_token, facts)``.
-FactRange = Tuple[str, int, int, int]
+FactRange = tuple[str, int, int, int]
 
 
 #: Column types whose values PostgreSQL writes as JSON exactly as orjson
@@ -66,11 +67,11 @@ def row_json_sql(columns: Sequence[str]) -> str:
     return "(" + " || ".join(parts) + " || '}')"
 
 
-def group(updates: Iterable[Update]) -> List[Fact]:
+def group(updates: Iterable[Update]) -> list[Fact]:
     """``(token, rows)`` per fact from ``(token, row)`` pairs in token order."""
-    facts: List[Fact] = []
+    facts: list[Fact] = []
     current = None
-    rows: List[List[Any]] = []
+    rows: list[list[Any]] = []
     for token, row in updates:
         if token != current:
             rows = []
@@ -87,9 +88,9 @@ def group(updates: Iterable[Update]) -> List[Fact]:
 FETCH_SLICE = 1000
 
 
-def fetch_rows(txn: Cursor) -> List[Any]:
+def fetch_rows(txn: Cursor) -> list[Any]:
     """Every row of the statement just executed, ``FETCH_SLICE`` at a time."""
-    rows: List[Any] = txn.fetchmany(FETCH_SLICE)
+    rows: list[Any] = txn.fetchmany(FETCH_SLICE)
     if len(rows) < FETCH_SLICE:
         return rows
     while True:
@@ -111,7 +112,7 @@ class PageQuery:
         c = config
         self._config = config
         self._db = db
-        self._trim: Optional[TrimCheck] = (
+        self._trim: TrimCheck | None = (
             None if c.preset is not None
             else TrimCheck(c.name, boundary_key(c), db.is_postgres, db.sql))
         self._by_writer = c.writer_column is not None
@@ -124,7 +125,7 @@ class PageQuery:
         self._heap = "ctid" if db.is_postgres else "rowid"
         #: The ORDER BY within a fact the SELECTs were built with; None
         #: until the first read of an owned table looked for its row_index.
-        self.order: Optional[str] = None
+        self.order: str | None = None
         if not c.owns_table:
             self._build(self._heap)
 
@@ -191,7 +192,7 @@ class PageQuery:
         return self._grouped(rows), upto, limited
 
     def read_fact_pages(self, txn: Cursor, ranges: Sequence[FactRange],
-                        json_rows: bool = False) -> List[FactPage]:
+                        json_rows: bool = False) -> list[FactPage]:
         """Pages of several writers in one transaction, each counted in
         *facts*: ``(writer, from_token, to_token, facts)`` gives the first
         ``facts`` facts of ``writer`` with ``from_token < token <=
@@ -211,7 +212,7 @@ class PageQuery:
         carried = trim is not None and trim.exists
         select = self._select_facts[json_rows, carried]
         head = (trim.table_key,) if carried and trim is not None else ()
-        pages: List[FactPage] = []
+        pages: list[FactPage] = []
         unchecked = False
         for writer, from_token, to_token, count in ranges:
             prefix = (writer,) if self._by_writer else ()
@@ -242,18 +243,18 @@ class PageQuery:
             assert self._trim is not None
             raise FactsTrimmed(self._trim.stream_name, writer, from_token, boundary)
 
-    def _grouped(self, rows: List[Any], json_rows: bool = False,
-                 end: Optional[int] = None) -> List[Fact]:
+    def _grouped(self, rows: list[Any], json_rows: bool = False,
+                 end: int | None = None) -> list[Fact]:
         """``(token, rows)`` per fact of database rows in token order, shaped
         (``json_rows``: each row is its one JSON text); the row's values
         are ``r[1:end]``."""
-        shape: Optional[Callable[[Any], Any]] = self._shape
+        shape: Callable[[Any], Any] | None = self._shape
         if json_rows:
             shape = itemgetter(0)
-        facts: List[Fact] = []
+        facts: list[Fact] = []
         append = facts.append
         current = None
-        fact_rows: List[List[Any]] = []
+        fact_rows: list[list[Any]] = []
         if shape is None:
             shape = list
         for r in rows:
@@ -267,7 +268,7 @@ class PageQuery:
         return facts
 
     def _select(self, txn: Cursor, writer: str, from_token: int, to_token: int,
-                limit: int) -> Tuple[List[Any], int, bool]:
+                limit: int) -> tuple[list[Any], int, bool]:
         """The rows of one page (as the database gives them), ``upto``, ``limited``."""
         self._ready(txn)
         prefix = (writer,) if self._by_writer else ()

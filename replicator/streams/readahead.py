@@ -28,7 +28,8 @@ Invariants:
 
 import threading
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 from twisted.python.failure import Failure
@@ -36,7 +37,7 @@ from twisted.python.failure import Failure
 from ..storage.database import Database
 
 #: ``read(cursor, writer, since, until, limit)`` -> ``(facts, upto, limited)``
-ReadPage = Callable[..., Tuple[Any, ...]]
+ReadPage = Callable[..., tuple[Any, ...]]
 
 
 class _Run:
@@ -49,8 +50,8 @@ class _Run:
         self.limit = limit
         self.slots = threading.Semaphore(ahead)
         self.stopped = False  # set by the reactor: the run reads nothing more
-        self.pages: Deque[object] = deque()  # pages (or a Failure) read, not yet asked for
-        self.waiting: Optional[defer.Deferred[Any]] = None  # a request ahead of the pages
+        self.pages: deque[object] = deque()  # pages (or a Failure) read, not yet asked for
+        self.waiting: defer.Deferred[Any] | None = None  # a request ahead of the pages
         self.ended = False  # the pool thread is done with this run
         self.failed = False  # a read failed (set by the pool thread)
 
@@ -75,7 +76,7 @@ class ReadAhead:
         self.run_pages = run_pages
         self.ahead = ahead
         self.wait = wait
-        self._runs: Dict[str, _Run] = {}
+        self._runs: dict[str, _Run] = {}
 
     def page(self, writer: str, since: int, until: int, limit: int) -> defer.Deferred[Any]:
         """The page ``(facts, upto, limited)`` of ``writer`` after ``since``."""

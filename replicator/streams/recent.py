@@ -22,9 +22,10 @@ token in front).  The lines take about the JSON's size, less than the rows
 themselves, under the same bound.
 """
 
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
-Update = Tuple[int, List[Any]]
+Update = tuple[int, list[Any]]
 
 
 class EncodedPage(NamedTuple):
@@ -34,8 +35,8 @@ class EncodedPage(NamedTuple):
     (fewer than rows: a fact has several).  ``upto`` and ``limited`` as
     for ``updates_since``."""
 
-    tokens: List[int]
-    lines: List[bytes]
+    tokens: list[int]
+    lines: list[bytes]
     facts: int
     upto: int
     limited: bool
@@ -51,12 +52,12 @@ class RecentFacts:
     def __init__(self, writers: Iterable[str], sole_writer: bool) -> None:
         self.active = False
         self._sole_writer = sole_writer
-        self.facts: Dict[str, Dict[int, List[List[Any]]]] = {w: {} for w in writers}
-        self.lines: Dict[str, Dict[int, List[bytes]]] = {w: {} for w in self.facts}
-        self._floor: Dict[str, int] = {w: 0 for w in self.facts}
-        self._unknown: Dict[str, Set[Any]] = {w: set() for w in self.facts}
+        self.facts: dict[str, dict[int, list[list[Any]]]] = {w: {} for w in writers}
+        self.lines: dict[str, dict[int, list[bytes]]] = {w: {} for w in self.facts}
+        self._floor: dict[str, int] = {w: 0 for w in self.facts}
+        self._unknown: dict[str, set[Any]] = {w: set() for w in self.facts}
 
-    def start(self, floors: Dict[str, int]) -> None:
+    def start(self, floors: dict[str, int]) -> None:
         """Keep facts from now on, above each writer's current token
         ``floors[w]``: memory only answers for what it saw complete."""
         for w in self.facts:
@@ -66,8 +67,8 @@ class RecentFacts:
             self._floor[w] = floors[w]
         self.active = True
 
-    def remember(self, writer: str, ids: List[int], wire: Optional[List[List[List[Any]]]],
-                 lines: Optional[List[List[bytes]]] = None) -> None:
+    def remember(self, writer: str, ids: list[int], wire: list[list[list[Any]]] | None,
+                 lines: list[list[bytes]] | None = None) -> None:
         """Facts ``ids`` completed (``wire``: their rows, ``lines``: their
         rows' JSON lines) or failed (None)."""
         if not self.active:
@@ -97,7 +98,7 @@ class RecentFacts:
         self._floor[writer] = upto
 
     def _ids(self, writer: str, from_token: int, to_token: int,
-             current_token: int) -> Optional[List[int]]:
+             current_token: int) -> list[int] | None:
         """The IDs kept in ``(from_token, to_token]``, sorted, or None if
         memory cannot answer for that range."""
         recent = self.facts.get(writer)
@@ -111,13 +112,13 @@ class RecentFacts:
         return ids
 
     def updates(self, writer: str, from_token: int, to_token: int, limit: int,
-                current_token: int) -> Optional[Tuple[List[Update], int, bool]]:
+                current_token: int) -> tuple[list[Update], int, bool] | None:
         """``updates_since`` from memory, or None if memory cannot answer."""
         ids = self._ids(writer, from_token, to_token, current_token)
         if ids is None:
             return None
         recent = self.facts[writer]
-        updates: List[Update] = []
+        updates: list[Update] = []
         upto = to_token
         limited = False
         for stream_id in ids:
@@ -129,15 +130,15 @@ class RecentFacts:
         return updates, upto, limited
 
     def encoded(self, writer: str, from_token: int, to_token: int, limit: int,
-                current_token: int) -> Optional[EncodedPage]:
+                current_token: int) -> EncodedPage | None:
         """What :meth:`updates` answers, as the rows' JSON lines; None if
         memory cannot answer."""
         ids = self._ids(writer, from_token, to_token, current_token)
         if ids is None:
             return None
         kept = self.lines[writer]
-        tokens: List[int] = []
-        lines: List[bytes] = []
+        tokens: list[int] = []
+        lines: list[bytes] = []
         facts = 0
         upto = to_token
         limited = False
@@ -157,7 +158,7 @@ class RecentFacts:
                 lines.extend(rows)
         return EncodedPage(tokens, lines, facts, upto, limited)
 
-    def foreign(self, writer: str, from_token: int, tokens: Iterable[int]) -> Optional[List[int]]:
+    def foreign(self, writer: str, from_token: int, tokens: Iterable[int]) -> list[int] | None:
         """Of ``tokens`` read from the table above ``from_token``, those of
         the sole local writer that this instance never wrote (sorted); None
         when memory cannot tell."""

@@ -1,6 +1,7 @@
 """All streams of one instance, by name, loaded together at startup."""
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from twisted.logger import Logger
 
@@ -8,6 +9,7 @@ from ..config import StreamConfig
 from ..config.model import ROW_INDEX_COLUMN
 from ..storage import schema
 from ..storage.database import Cursor, Database
+from . import fence
 from .stream import Stream
 
 log = Logger()
@@ -27,7 +29,8 @@ class StreamRegistry:
     """
 
     def __init__(self, db: Database, instance_name: str, streams: Sequence[StreamConfig],
-                 key_prefix: str = "streams", call_from_thread: Optional[Callable[..., Any]]=None, *, reactor: Any) -> None:
+                 key_prefix: str = "streams", call_from_thread: Callable[..., Any] | None=None, *,
+                 reactor: Any) -> None:
         self.db = db
         self.instance_name = instance_name
         #: The reactor every stream (and the handler over them) runs on.
@@ -35,7 +38,7 @@ class StreamRegistry:
         if call_from_thread is None:
             call_from_thread = reactor.callFromThread
         self._call = call_from_thread
-        self._streams: Dict[str, Stream] = {
+        self._streams: dict[str, Stream] = {
             s.name: Stream(s, db, instance_name, call_from_thread=call_from_thread,
                            clock=reactor)
             for s in streams
@@ -43,21 +46,23 @@ class StreamRegistry:
         self._keys = {s.name: f"{key_prefix}[{i}]" for i, s in enumerate(streams)}
 
     async def start(self) -> None:
-        added: List[str] = []
+        added: list[str] = []
         await self.db.runInteraction(self._start_txn, added)
         self._said_added(added)
         for stream in self._streams.values():
             stream.started()
 
-    def _start_txn(self, txn: Cursor, added: List[str]) -> None:
+    def _start_txn(self, txn: Cursor, added: list[str]) -> None:
         streams = [s.config for s in self._streams.values()]
         written = {s.name for s in self._streams.values() if s.local_writers}
         has_positions = schema.ensure_schema(txn, streams, self.db.is_postgres, self._keys,
                                              written, added_row_index=added)
         for stream in self._streams.values():
+            if stream.fenced:
+                fence.install(txn, stream.config, self._keys[stream.name])
             stream.load(txn, has_positions)
 
-    def _said_added(self, added: List[str]) -> None:
+    def _said_added(self, added: list[str]) -> None:
         for name in added:
             table = self.get(name).config.table
             log.info("stream {stream}: added column {column} to {table} (the order of a "
@@ -70,13 +75,15 @@ class StreamRegistry:
         stream = Stream(config, self.db, self.instance_name, call_from_thread=self._call,
                         clock=self.reactor)
 
-        added: List[str] = []
+        added: list[str] = []
 
         def txn(txn: Cursor) -> None:
             written = {config.name} if stream.local_writers else set()
             has_positions = schema.ensure_schema(txn, [config], self.db.is_postgres,
                                                  {config.name: key}, written,
                                                  added_row_index=added)
+            if stream.fenced:
+                fence.install(txn, config, key)
             stream.load(txn, has_positions)
 
         await self.db.runInteraction(txn)
@@ -106,7 +113,7 @@ class StreamRegistry:
         except KeyError:
             raise UnknownStream(name) from None
 
-    def find(self, name: str) -> Optional[Stream]:
+    def find(self, name: str) -> Stream | None:
         return self._streams.get(name)
 
     def __iter__(self) -> Iterator[Stream]:

@@ -33,7 +33,8 @@ A pass that deleted something says so in one log line; the metrics
 ``replicator_retention_trimmed_through`` count and show it.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet import defer, task
@@ -88,7 +89,7 @@ class Batch:
         self._move = sql("UPDATE stream_retention SET trimmed_through = %s "
                          "WHERE table_name = %s")
 
-    def count_bound(self, txn: Cursor) -> Optional[int]:
+    def count_bound(self, txn: Cursor) -> int | None:
         """The newest ID beyond the ``max_facts`` newest facts (every fact
         at or below it is trimmable by count), or None.  Read once a pass:
         newer facts only move it up, so a pass that uses it late trims less,
@@ -105,8 +106,8 @@ class Batch:
         persisted = schema.persisted_positions(txn, self.config.positions_key, self._sql)
         return min((persisted.get(w, 0) for w in self.config.writers), default=0)
 
-    def run(self, txn: Cursor, count_bound: Optional[int],
-            age_bound: Optional[int]) -> Optional[Tuple[int, int, int]]:
+    def run(self, txn: Cursor, count_bound: int | None,
+            age_bound: int | None) -> tuple[int, int, int] | None:
         """One batch: ``(facts deleted, trim boundary, linear position)``,
         or None if another instance holds the stream's row (it is trimming).
 
@@ -152,14 +153,14 @@ class Trimmer:
         self._clock = clock
         self._batch = Batch(config, db)
         self.retention = retention_of(config)
-        self.boundary: Optional[int] = None  # the last one seen
+        self.boundary: int | None = None  # the last one seen
         #: The last pass's batches: (facts deleted, boundary, linear position).
-        self.last_pass: List[Tuple[int, int, int]] = []
+        self.last_pass: list[tuple[int, int, int]] = []
         self._contended = False  # another instance held the row (logged once)
         self._trimmed = metrics.RETENTION_TRIMMED.labels(self.name)
         self._boundary_gauge = metrics.RETENTION_BOUNDARY.labels(self.name)
 
-    def age_bound(self) -> Optional[int]:
+    def age_bound(self) -> int | None:
         """Facts older than this (milliseconds since the epoch) are trimmable."""
         max_age = self.retention.max_age
         if max_age is None:
@@ -208,9 +209,9 @@ class RetentionService(Service):
     def __init__(self, trimmers: Sequence[Trimmer], clock: IReactorTime) -> None:
         self.trimmers = list(trimmers)
         self._clock = clock
-        self._loops: List[task.LoopingCall] = []
-        self._running: Dict[str, defer.Deferred[Any]] = {}
-        self._failing: Dict[str, bool] = {}
+        self._loops: list[task.LoopingCall] = []
+        self._running: dict[str, defer.Deferred[Any]] = {}
+        self._failing: dict[str, bool] = {}
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
@@ -252,7 +253,8 @@ class RetentionService(Service):
         return defer.DeferredList(list(self._running.values()))
 
 
-def trimmers_for(instance_name: str, registry: StreamRegistry, db: Database, clock: IReactorTime) -> List[Trimmer]:
+def trimmers_for(instance_name: str, registry: StreamRegistry, db: Database,
+                 clock: IReactorTime) -> list[Trimmer]:
     """The streams of ``registry`` this instance trims: those with
     ``retention`` whose first writer it is."""
     return [Trimmer(stream.config, db, clock) for stream in registry

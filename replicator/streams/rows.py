@@ -6,7 +6,8 @@ carrying real JSON values: ``bigint`` an integer, ``boolean`` true/false,
 ``null`` only where the column is nullable.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import orjson
 
@@ -49,7 +50,7 @@ def _check_value(column: ColumnConfig, value: Any, where: str) -> None:
         raise RowError(f"{where}: column {column.name!r} contains a NUL character")
 
 
-def check_rows(columns: Sequence[ColumnConfig], rows: Sequence[Any]) -> List[List[Any]]:
+def check_rows(columns: Sequence[ColumnConfig], rows: Sequence[Any]) -> list[list[Any]]:
     """Validate rows for writing; returns them as lists."""
     width = len(columns)
     out = []
@@ -75,14 +76,14 @@ class WireRowCheck:
     booleans so.  What fits is handed on as received.
     """
 
-    _EXACT: Dict[str, Any] = {"text": str, "bigint": int, "boolean": bool, "json": None}
+    _EXACT: dict[str, Any] = {"text": str, "bigint": int, "boolean": bool, "json": None}
 
     def __init__(self, columns: Sequence[ColumnConfig]) -> None:
         self.columns = list(columns)
         self.width = len(self.columns)
         self._fast = [(i, self._EXACT[c.type], c.nullable) for i, c in enumerate(self.columns)]
 
-    def check(self, row: Any) -> Optional[str]:
+    def check(self, row: Any) -> str | None:
         if type(row) is not list:
             return f"expected a list of {self.width} values"
         if len(row) != self.width:
@@ -102,7 +103,7 @@ class WireRowCheck:
                 return problem
         return None
 
-    def _slow(self, i: int, value: Any) -> Optional[str]:
+    def _slow(self, i: int, value: Any) -> str | None:
         column = self.columns[i]
         if column.type == "boolean" and type(value) is int and value in (0, 1):
             return None
@@ -113,7 +114,7 @@ class WireRowCheck:
         return None
 
 
-def json_problem(value: Any) -> Optional[str]:
+def json_problem(value: Any) -> str | None:
     """What makes a decoded ``json`` column value unfit to store and
     replicate: a NUL in a string or key, nesting deeper than
     :data:`MAX_JSON_DEPTH`, or NaN/±Infinity (JSON cannot carry them: they
@@ -141,7 +142,8 @@ def json_problem(value: Any) -> Optional[str]:
     return None
 
 
-def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable[[Tuple[Any, ...]], List[Any]]]:
+def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Callable[[tuple[Any, ...]],
+                                                                        list[Any]] | None:
     """A function shaping a database row (row columns only) into a wire row.
 
     None when the database already returns wire values (PostgreSQL decodes
@@ -156,7 +158,7 @@ def reader(columns: Sequence[ColumnConfig], postgres: bool) -> Optional[Callable
     if not fixes:
         return None
 
-    def shape(values: Any) -> List[Any]:
+    def shape(values: Any) -> list[Any]:
         row = list(values)
         for i, fn in fixes:
             if row[i] is not None:
@@ -184,7 +186,7 @@ class RowCodec:
     :class:`RowError`.  Pure: may run in a thread.
     """
 
-    _EXACT: Dict[str, Any] = {"text": str, "bigint": int, "boolean": bool}
+    _EXACT: dict[str, Any] = {"text": str, "bigint": int, "boolean": bool}
 
     def __init__(self, columns: Sequence[ColumnConfig]) -> None:
         self.columns = list(columns)
@@ -199,9 +201,9 @@ class RowCodec:
         except RowError as e:
             raise RowError(f"row {n}{str(e)[len('row 0'):]}") from None
 
-    def prepare(self, facts: Any, line_prefix: int = 0, max_line_length: Optional[int] = None,
+    def prepare(self, facts: Any, line_prefix: int = 0, max_line_length: int | None = None,
                 first_row: int = 0
-                ) -> "tuple[List[List[List[Any]]], List[List[List[Any]]], List[List[bytes]]]":
+                ) -> "tuple[list[list[list[Any]]], list[list[list[Any]]], list[list[bytes]]]":
         """``(wire, params, lines)``: per fact, its rows as wire values, as
         statement parameters (JSON columns as JSON text), and as the JSON
         line each row is in RDATA (:func:`.jsontext.encode_json_line`,

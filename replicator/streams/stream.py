@@ -21,9 +21,10 @@ for the fan-out (:mod:`.recent`), pages read back from the table
 """
 
 import time
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from operator import itemgetter
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, cast
 
 from twisted.internet import defer
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -36,6 +37,7 @@ from ..net.backoff import Outage
 from ..observe import metrics
 from ..storage import schema
 from ..storage.database import Cursor, Database
+from .fence import Fence, Poller
 from .group import Group, StatementFailed, Write, WriteGroups
 from .idgen import StreamIdGenerator
 from .known import KnownIds
@@ -48,7 +50,7 @@ from .writes import PreparedFacts, TxnHook, WriteTransaction
 
 log = Logger()
 
-Update = Tuple[int, List[Any]]
+Update = tuple[int, list[Any]]
 #: Facts in one write transaction at most (``database.write_group_max``).
 DEFAULT_GROUP_MAX = 256
 #: An RDATA line's length is estimated with a token of this many digits.
@@ -76,9 +78,9 @@ class Fact:
     def __init__(self, stream: "Stream", writer: str) -> None:
         self._stream = stream
         self.writer = writer
-        self.rows: List[List[Any]] = []
-        self._hooks: List[TxnHook] = []
-        self.stream_id: Optional[int] = None
+        self.rows: list[list[Any]] = []
+        self._hooks: list[TxnHook] = []
+        self.stream_id: int | None = None
 
     def add_row(self, row: Sequence[Any]) -> None:
         self.rows.append(list(row))
@@ -112,8 +114,8 @@ class Stream:
         config: StreamConfig,
         db: Database,
         instance_name: str,
-        local_writers: Optional[Sequence[str]] = None,
-        call_from_thread: Optional[Callable[..., Any]] = None,
+        local_writers: Sequence[str] | None = None,
+        call_from_thread: Callable[..., Any] | None = None,
         persist_delay: float = 0.2,
         *,
         clock: IReactorTime,
@@ -125,7 +127,7 @@ class Stream:
         if local_writers is None:
             local_writers = [instance_name] if instance_name in config.writers else []
         self.local_writers = list(local_writers)
-        self._id_gen: Optional[StreamIdGenerator] = None
+        self._id_gen: StreamIdGenerator | None = None
         self._call_from_thread = call_from_thread
         self._txn = WriteTransaction(config, db)
         self._pages = PageQuery(config, db)
@@ -148,18 +150,24 @@ class Stream:
         self._write_latency = metrics.WRITE_LATENCY.labels(self.name)
         self._group_size = metrics.WRITE_GROUP_SIZE.labels(self.name)
         self._group_max = getattr(db.config, "write_group_max", DEFAULT_GROUP_MAX)
-        self._groups: Dict[str, WriteGroups] = {}
+        self._groups: dict[str, WriteGroups] = {}
         # One writer, and it writes here: every ID of the sequence is ours,
         # so one we never reserved is a fact written behind our back.
         sole_writer = len(config.writers) == 1 and self.local_writers == list(config.writers)
+        #: Plain-SQL writers' rows are facts of our writer (:mod:`.fence`):
+        #: its token is capped by the fence this instance polls.
+        self.fenced = (config.foreign_writers and db.is_postgres
+                       and config.writers[0] in self.local_writers)
+        self.fence: Fence | None = None
         # Facts completed by local writers, kept until fanned out: the
         # fan-out reads them from here instead of back from the database.
-        self.recent = RecentFacts(self.local_writers, sole_writer)
-        self._persist_call: Optional[IDelayedCall] = None
-        self._persisting: "Optional[defer.Deferred[None]]" = None
-        self._loaded: Dict[str, Optional[int]] = {}  # local writers' rows at load
+        # (A fenced writer's: an ID it did not write may be a plain-SQL fact.)
+        self.recent = RecentFacts(self.local_writers, sole_writer or self.fenced)
+        self._persist_call: IDelayedCall | None = None
+        self._persisting: defer.Deferred[None] | None = None
+        self._loaded: dict[str, int | None] = {}  # local writers' rows at load
         self._foreign_facts = metrics.FOREIGN_FACTS.labels(self.name)
-        self._foreign_burst: Set[str] = set()  # writers in a burst of foreign facts (logged)
+        self._foreign_burst: set[str] = set()  # writers in a burst of foreign facts (logged)
         self._clock = clock  # the instance's reactor, from the registry
         #: The trim boundary when last read (:meth:`load`, :meth:`read_trim_boundary`):
         #: where a consumer with ``start: beginning`` starts (every fact still here).
@@ -222,8 +230,15 @@ class Stream:
         elif not self.db.is_postgres:
             self._txn.sqlite_last = top
         self.trimmed_through = self._pages.trim_boundary(txn)
+        fenced: dict[str, int] | None = None
+        if self.fenced:
+            # Where the fence stands now (a holder mid-way: what was persisted).
+            first = c.writers[0]
+            now, _, _ = Poller(c).poll(txn, None, 1 << 63, 0, first, self._txn.upsert)
+            fenced = {first: max(persisted.get(first, floor), now or 0)}
         self._id_gen = StreamIdGenerator(
-            self.name, positions, self.local_writers, call_from_thread=self._call_from_thread
+            self.name, positions, self.local_writers, call_from_thread=self._call_from_thread,
+            fenced=fenced,
         )
         self._id_gen.add_listener(self._on_advance)
         self._loaded = {w: persisted.get(w) for w in self.local_writers}
@@ -232,7 +247,7 @@ class Stream:
                 partial(self._run_group, w), partial(self._group_done, w), self._group_max)
 
     # -------------------------------------------------------------- reload
-    def new_writer_positions(self, txn: Cursor, writers: Sequence[str]) -> Dict[str, int]:
+    def new_writer_positions(self, txn: Cursor, writers: Sequence[str]) -> dict[str, int]:
         """Where each of ``writers`` (other instances', joining the stream
         at a reload) starts, as :meth:`load` would start it: its persisted
         position, else the stream's smallest persisted one (pool thread)."""
@@ -249,7 +264,7 @@ class Stream:
         self.trimmed_through = int(await self.db.runInteraction(self._pages.trim_boundary))
         return self.trimmed_through
 
-    def change_writers(self, config: StreamConfig, positions: Dict[str, int]) -> None:
+    def change_writers(self, config: StreamConfig, positions: dict[str, int]) -> None:
         """Take ``config``, which differs from the running one only in other
         instances' writers: the ones it adds start at ``positions``, the ones
         it drops no longer hold the linear token back (reactor thread)."""
@@ -262,24 +277,24 @@ class Stream:
         self.config = config
 
     # ------------------------------------------------------------- writing
-    def writer(self, writer: Optional[str] = None) -> Fact:
+    def writer(self, writer: str | None = None) -> Fact:
         """``async with stream.writer() as fact: fact.add_row([...])``."""
         return Fact(self, self._writer(writer))
 
-    def _writer(self, writer: Optional[str]) -> str:
+    def _writer(self, writer: str | None) -> str:
         writer = writer or self.instance_name
         if writer not in self.local_writers:
             raise ValueError(f"stream {self.name}: {writer} is not a writer here")
         return writer
 
-    async def write_fact(self, rows: Sequence[Sequence[Any]], writer: Optional[str] = None) -> int:
+    async def write_fact(self, rows: Sequence[Sequence[Any]], writer: str | None = None) -> int:
         (stream_id,) = await self.write_facts([rows], writer)
         return stream_id
 
     async def write_facts(
-        self, facts: Sequence[Sequence[Any]], writer: Optional[str] = None,
+        self, facts: Sequence[Sequence[Any]], writer: str | None = None,
         hooks: Sequence[TxnHook] = (),
-    ) -> List[int]:
+    ) -> list[int]:
         """Write several facts in one transaction; IDs reserved in one round trip.
 
         ``facts`` is a list of facts, each a list of rows (possibly empty).
@@ -296,20 +311,20 @@ class Stream:
         return await self.write_prepared(prepared, hooks)
 
     async def _prepare_sliced(self, facts: Sequence[Sequence[Any]],
-                              writer: Optional[str]) -> "PreparedFacts":
+                              writer: str | None) -> "PreparedFacts":
         """:meth:`prepare` of a large write, ``PREPARE_SLICE`` rows per
         reactor turn (the reactor runs in between); the same result."""
         writer = self._writer(writer)
         prefix = self._line_prefix(writer)
         codec = self._codec
-        wire: List[List[List[Any]]] = []
-        checked: List[List[List[Any]]] = []
-        lines: List[List[bytes]] = []
+        wire: list[list[list[Any]]] = []
+        checked: list[list[list[Any]]] = []
+        lines: list[list[bytes]] = []
         done = 0
         for rows in facts:
-            fact_wire: List[List[Any]] = []
-            fact_checked: List[List[Any]] = []
-            fact_lines: List[bytes] = []
+            fact_wire: list[list[Any]] = []
+            fact_checked: list[list[Any]] = []
+            fact_lines: list[bytes] = []
             for start in range(0, max(len(rows), 1), PREPARE_SLICE):
                 if done >= PREPARE_SLICE:
                     await deferLater(self._clock, 0, lambda: None)
@@ -325,9 +340,9 @@ class Stream:
             lines.append(fact_lines)
         return PreparedFacts(writer, wire, checked, lines)
 
-    def prepare(self, facts: Sequence[Sequence[Any]], writer: Optional[str] = None,
-                max_line_length: Optional[int] = None) -> "PreparedFacts":
-        """``facts`` checked (:class:`RowError` if a row does not fit; with
+    def prepare(self, facts: Sequence[Sequence[Any]], writer: str | None = None,
+                max_line_length: int | None = None) -> "PreparedFacts":
+        """``facts`` checked (:class:`.RowError` if a row does not fit; with
         ``max_line_length``, also if its RDATA line would be longer) and
         converted for :meth:`write_prepared`.  Pure: may run in a thread."""
         writer = self._writer(writer)
@@ -342,7 +357,7 @@ class Stream:
                 + TOKEN_DIGITS + 1)
 
     async def write_prepared(self, prepared: "PreparedFacts",
-                             hooks: Sequence[TxnHook] = ()) -> List[int]:
+                             hooks: Sequence[TxnHook] = ()) -> list[int]:
         """Write facts :meth:`prepare` checked, in one transaction (see
         :meth:`write_facts`), or together with other waiting writes."""
         writer, wire, checked, lines = prepared
@@ -403,7 +418,7 @@ class Stream:
             for w in group.writes:
                 self._groups[writer].retry_alone(w)
             return
-        cause = outcome.value.failure if in_statements else outcome
+        cause = cast(StatementFailed, outcome.value).failure if in_statements else outcome
         for w in group.writes:
             w.deferred.errback(cause)
 
@@ -419,7 +434,7 @@ class Stream:
         self.recent.forget(writer, upto)
 
     def _recent_updates(self, writer: str, from_token: int, to_token: int,
-                        limit: int) -> Optional[Page]:
+                        limit: int) -> Page | None:
         """``updates_since`` from memory, or None if memory cannot answer."""
         if writer not in self.local_writers:
             return None
@@ -427,7 +442,7 @@ class Stream:
                                    self.id_gen.get_current_token(writer))
 
     def encoded_since(self, writer: str, from_token: int, to_token: int,
-                      limit: int = 1000) -> Optional[EncodedPage]:
+                      limit: int = 1000) -> EncodedPage | None:
         """What :meth:`updates_since` would return, from memory only, as
         the rows' JSON lines kept from the write (the fan-out's path); None
         when memory cannot answer (then :meth:`updates_since` reads the
@@ -443,7 +458,7 @@ class Stream:
     # ------------------------------------------------------------- reading
     async def updates_since(
         self, writer: str, from_token: int, to_token: int, limit: int = 1000
-    ) -> Tuple[List[Update], int, bool]:
+    ) -> tuple[list[Update], int, bool]:
         """Rows of ``writer`` with ``from_token < token <= to_token``.
 
         Returns ``(updates, upto_token, limited)``: ``(token, row)`` pairs in
@@ -453,11 +468,11 @@ class Stream:
         """
         return cast(Page, await self._page(self._pages.read, writer, from_token, to_token, limit))
 
-    async def first_fact_in(self, writer: str, from_token: int, to_token: int) -> Optional[int]:
+    async def first_fact_in(self, writer: str, from_token: int, to_token: int) -> int | None:
         """The smallest ID of ``writer`` in the table in ``(from_token,
         to_token]``, if any (one indexed statement): what a reader asks
         before it takes a POSITION's word that the range holds nothing."""
-        found: Optional[int] = await self.db.runReads(
+        found: int | None = await self.db.runReads(
             self._tally.any_fact, writer, from_token, to_token)
         return found
 
@@ -469,17 +484,17 @@ class Stream:
         cache invalidations are pruned."""
         return self.config.preset is None
 
-    async def tally(self, writer: str, from_token: int, to_token: int) -> Tuple[Tally, int]:
+    async def tally(self, writer: str, from_token: int, to_token: int) -> tuple[Tally, int]:
         """``((facts, id_sum, rows), trim boundary)`` of ``writer`` in
         ``(from_token, to_token]`` (:mod:`.tally`)."""
-        answer: Tuple[Tally, int] = await self.db.runReads(
+        answer: tuple[Tally, int] = await self.db.runReads(
             self._tally.tally, writer, from_token, to_token)
         return answer
 
     async def fact_sizes(self, writer: str, from_token: int,
-                         to_token: int) -> List[Tuple[int, int]]:
+                         to_token: int) -> list[tuple[int, int]]:
         """``(id, rows)`` of each fact of ``writer`` in the range."""
-        answer: List[Tuple[int, int]] = await self.db.runReads(
+        answer: list[tuple[int, int]] = await self.db.runReads(
             self._tally.facts, writer, from_token, to_token)
         return answer
 
@@ -506,15 +521,15 @@ class Stream:
         return cast(FactPage, await self._page(
             self._pages.read_facts, writer, from_token, to_token, limit))
 
-    async def facts_at(self, writer: str, tokens: Sequence[int]) -> Dict[int, List[Any]]:
+    async def facts_at(self, writer: str, tokens: Sequence[int]) -> dict[int, list[Any]]:
         """The rows of the facts of ``writer`` with these IDs (the audit's
         sample): ``{token: rows}``, an ID with no fact left out.  Memory
         answers what it can; the rest is read from the table in one trip
         to a pool thread (:meth:`table_fact_pages`: one statement per ID,
         no transaction around them), not one trip each.  Raises
         :class:`.trimmed.FactsTrimmed` if retention took one of them."""
-        found: Dict[int, List[Any]] = {}
-        ranges: List[FactRange] = []
+        found: dict[int, list[Any]] = {}
+        ranges: list[FactRange] = []
         for token in tokens:
             page = self.memory_fact_page(writer, token - 1, token, 1)
             if page is None:
@@ -529,7 +544,7 @@ class Stream:
         return found
 
     def memory_fact_page(self, writer: str, from_token: int, to_token: int,
-                         limit: int) -> Optional[FactPage]:
+                         limit: int) -> FactPage | None:
         """:meth:`fact_page` if memory can answer it (at once), else None."""
         if to_token <= from_token:
             return [], to_token, False
@@ -545,19 +560,19 @@ class Stream:
         return self._pages.json_rows
 
     async def table_fact_pages(self, ranges: Sequence[FactRange],
-                               then: Callable[[List[FactPage]], Any],
-                               json_rows: bool = False) -> Tuple[List[FactPage], Any]:
+                               then: Callable[[list[FactPage]], Any],
+                               json_rows: bool = False) -> tuple[list[FactPage], Any]:
         """Several writers' pages counted in facts, read from the table in
         one trip to a pool thread (:meth:`.pages.PageQuery.read_fact_pages`,
         one statement per writer, each consistent by itself: no
         transaction around them; rows as JSON text with ``json_rows``),
         and ``then(pages)`` run in the same pool thread (e.g. encoding
         them): ``(pages, then(pages))``."""
-        def read(txn: Cursor) -> Tuple[List[FactPage], Any]:
+        def read(txn: Cursor) -> tuple[list[FactPage], Any]:
             pages = self._pages.read_fact_pages(txn, ranges, json_rows)
             return pages, then(pages)
 
-        answer: Tuple[List[FactPage], Any] = await self.db.runReads(read)
+        answer: tuple[list[FactPage], Any] = await self.db.runReads(read)
         for (writer, from_token, _, _), page in zip(ranges, answer[0]):
             self._check_foreign(writer, from_token, map(_token_of, page[0]))
         return answer
@@ -591,6 +606,8 @@ class Stream:
             self._foreign_burst.discard(writer)
             return
         self._foreign_facts.inc(len(foreign))
+        if self.fenced:
+            return  # plain-SQL writers are taken here, behind the fence
         if writer not in self._foreign_burst:
             self._foreign_burst.add(writer)
             log.warn("stream {stream}: facts written without going through replicator "
@@ -608,6 +625,14 @@ class Stream:
         if any(p is None or self.id_gen.get_current_token(w) > p
                for w, p in self._loaded.items()):
             self._on_advance(self.local_writers[0], 0, 0)
+        if self.fenced and self.fence is None:
+            self.fence = Fence(self, self._clock)
+            self.fence.start()
+
+    @property
+    def upsert_sql(self) -> str:
+        """The statement that persists a writer's position (a lower bound)."""
+        return self._txn.upsert
 
     def _on_advance(self, writer: str, old: int, new: int) -> None:
         if writer in self.local_writers and self._persist_call is None:
@@ -639,6 +664,8 @@ class Stream:
     async def flush_positions(self) -> None:
         """Persist local writers' current tokens now (at shutdown)."""
         self._persist_stopped = True
+        if self.fence is not None:
+            self.fence.stop()
         if self._persist_call is not None and self._persist_call.active():
             self._persist_call.cancel()
         self._persist_call = None

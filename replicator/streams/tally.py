@@ -15,7 +15,7 @@ range), the number of rows, and the trim boundary read in the same
 statement (facts at or below it may be gone: not comparable).
 """
 
-from typing import Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
 
 from ..config import StreamConfig
 from ..storage.database import Cursor, Database
@@ -25,10 +25,10 @@ from .trimmed import TrimCheck, boundary_key
 #: same count cancel only if their IDs agree modulo it).
 ID_MODULUS = 1_000_000_007
 
-Tally = Tuple[int, int, int]  # (facts, id sum mod ID_MODULUS, rows)
+Tally = tuple[int, int, int]  # (facts, id sum mod ID_MODULUS, rows)
 
 
-def tally_of(facts: Iterable[Tuple[int, int]]) -> Tally:
+def tally_of(facts: Iterable[tuple[int, int]]) -> Tally:
     """The tally of ``(id, rows)`` pairs, as :meth:`TallyQuery.tally` counts."""
     count = id_sum = rows = 0
     for stream_id, n in facts:
@@ -43,7 +43,7 @@ class TallyQuery:
 
     def __init__(self, config: StreamConfig, db: Database) -> None:
         c = config
-        self._trim: Optional[TrimCheck] = (
+        self._trim: TrimCheck | None = (
             None if c.preset is not None
             else TrimCheck(c.name, boundary_key(c), db.is_postgres, db.sql))
         self._by_writer = c.writer_column is not None
@@ -64,14 +64,14 @@ class TallyQuery:
         return (writer, from_token, to_token) if self._by_writer else (from_token, to_token)
 
     def any_fact(self, txn: Cursor, writer: str, from_token: int,
-                 to_token: int) -> Optional[int]:
+                 to_token: int) -> int | None:
         """The smallest ID of ``writer`` in ``(from_token, to_token]``, if any."""
         txn.execute(self._any, self._args(writer, from_token, to_token))
         row = txn.fetchone()
         return None if row is None else int(row[0])
 
     def tally(self, txn: Cursor, writer: str, from_token: int,
-              to_token: int) -> Tuple[Tally, int]:
+              to_token: int) -> tuple[Tally, int]:
         """``(tally, boundary)`` of ``(from_token, to_token]``: the boundary
         is read after the tally's statement (facts at or below it may have
         been deleted by retention before or during it)."""
@@ -81,7 +81,7 @@ class TallyQuery:
         return (int(count), int(id_sum) % ID_MODULUS, int(rows)), boundary
 
     def facts(self, txn: Cursor, writer: str, from_token: int,
-              to_token: int) -> List[Tuple[int, int]]:
+              to_token: int) -> list[tuple[int, int]]:
         """``(id, rows)`` of every fact of ``writer`` in the range (what an
         audit that found a difference lists, to name it)."""
         txn.execute(self._facts, self._args(writer, from_token, to_token))

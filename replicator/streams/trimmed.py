@@ -5,7 +5,8 @@ in the same transaction, the *trim boundary* ``trimmed_through`` of the
 stream's table (``stream_retention``, keyed by :func:`boundary_key`): every
 fact at or below it is gone, none above it is ever trimmed.  The boundary
 belongs to the table, not to the stream's name: two deployments sharing a
-database may both have a stream ``caches`` in tables of their own.  A page read from the table after ``since`` is whole only if
+database may both have a stream ``caches`` in tables of their own.  A page read from the table after
+``since`` is whole only if
 the boundary is at or below ``since``; otherwise facts it should hold may
 have been deleted, and the page says nothing about them.
 
@@ -20,7 +21,7 @@ snapshot) is as good: a trim whose deletions the SELECT misses committed
 before its snapshot, boundary included (the read API's pages do so).
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..config.model import StreamConfig
 from ..storage import schema

@@ -17,7 +17,8 @@ Completing the IDs and answering the writers is the stream's business
 """
 
 import weakref
-from typing import Any, Callable, List, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from twisted.logger import Logger
 
@@ -40,13 +41,13 @@ INSERT_ROWS = 1000
 
 
 class PreparedFacts(NamedTuple):
-    """Facts checked by :meth:`Stream.prepare`, ready to write."""
+    """Facts checked by :meth:`.Stream.prepare`, ready to write."""
 
     writer: str
-    wire: List[List[List[Any]]]
-    params: List[List[List[Any]]]
+    wire: list[list[list[Any]]]
+    params: list[list[list[Any]]]
     #: Per fact, each row's JSON line as RDATA carries it (the fan-out's).
-    lines: List[List[bytes]]
+    lines: list[list[bytes]]
 
 
 class WriteTransaction:
@@ -67,7 +68,7 @@ class WriteTransaction:
         self.sqlite_last = 0
         # Database connections whose sequence check ran (see
         # sequence_past_positions); a reconnect makes a new connection.
-        self._sequence_checked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._sequence_checked: weakref.WeakSet[Any] = weakref.WeakSet()
         c = config
         sql = db.sql
         #: Whether each row is written with its row_index (ensure_schema
@@ -87,14 +88,16 @@ class WriteTransaction:
         self._nextval = f"SELECT nextval('{c.sequence}')"
         self._nextval_many = f"SELECT nextval('{c.sequence}') FROM generate_series(1, %s)"
 
-    def write(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any, reserved: Any) -> List[int]:
+    def write(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any,
+              reserved: Any) -> list[int]:
         """Write ``writes`` (each given its IDs); IDs the generator accepted
         are appended to ``reserved`` as soon as it has them."""
         if self.db.is_postgres:
             return self._write_postgres(txn, gen, writer, writes, reserved)
         return self._write_sqlite(txn, gen, writer, writes, reserved)
 
-    def _write_postgres(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any, reserved: Any) -> List[int]:
+    def _write_postgres(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any,
+                        reserved: Any) -> list[int]:
         """``nextval`` (n of them, in order) in one round trip, then the rows
         and the writer's position in one batch of statements; the pool commits.
         """
@@ -120,7 +123,7 @@ class WriteTransaction:
         self._hand_out(txn, writes, ids)
         with_writer = self.config.writer_column is not None
         indexed = self._indexed
-        params: List[Any] = []
+        params: list[Any] = []
         count = 0
         for w in writes:
             for stream_id, rows in zip(w.ids, w.facts):
@@ -147,7 +150,8 @@ class WriteTransaction:
             txn.execute("; ".join(statements), params)
         return ids
 
-    def _write_sqlite(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any, reserved: Any) -> List[int]:
+    def _write_sqlite(self, txn: Cursor, gen: StreamIdGenerator, writer: str, writes: Any,
+                      reserved: Any) -> list[int]:
         n = sum(len(w.facts) for w in writes)
         # As for nextval: no token moves (an idle writer's included) while
         # an ID is taken and not yet registered.
@@ -193,7 +197,7 @@ class WriteTransaction:
                     hook(txn, stream_id)
 
     @staticmethod
-    def _persist_in_transaction(gen: StreamIdGenerator, writer: str, ids: List[int]) -> bool:
+    def _persist_in_transaction(gen: StreamIdGenerator, writer: str, ids: list[int]) -> bool:
         """Persist the position with the fact unless other writes of this
         writer are in flight: they would queue on the position row's lock
         until each commit.  Then the background persist, which follows every

@@ -6,4 +6,4 @@ POOL = 10_000
 
 def row(i):
     """Row ``i``: the shape of a Synapse ``caches`` row."""
-    return ["get_user_by_id", ["@user%d:example.com" % (i % POOL)], 1490197670513 + i]
+    return ["get_user_by_id", [f"@user{i % POOL}:example.com"], 1490197670513 + i]

@@ -10,7 +10,8 @@ reader's position; once it reaches ``--target`` the instance is stopped
 (its JSON-lines consumer flushed) and one JSON line is printed::
 
     {"seconds": <first catch-up fetch -> position reached>, "stall_max_ms": ...,
-     "stall_p99_ms": ..., "gc_max_ms": <longest garbage collection>, "ticks": n, "rss_start_kb": ..., "rss_peak_kb": ..., "pages": ...}
+     "stall_p99_ms": ..., "gc_max_ms": <longest garbage collection>, "ticks": n, "rss_start_kb":
+     ..., "rss_peak_kb": ..., "pages": ...}
 
 ``--profile PATH`` writes a cProfile of the catch-up (``pstats`` format).
 """

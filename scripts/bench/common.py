@@ -159,7 +159,7 @@ def stamp_sends(handler) -> dict:
 
 
 async def standalone_main(module, dbname: str, argv) -> None:
-    """``python scripts/bench/X.py [--only A,B] [--profile]`` for a bench
+    """``python scripts/bench/<module>.py [--only A,B] [--profile]`` for a bench
     module with ``PHASES`` and ``async run(dsn, only)``: its own durable
     PostgreSQL, and a cProfile of the parts it runs :class:`profiled` if
     asked."""

@@ -647,7 +647,8 @@ async def latency_ours(writer, port):
                            f"{lost[-3:]}; link lost {writer.losses}")
     print(f"    ours : {issued:,} facts in {written - start:.1f}s "
           f"({issued / (written - start):,.0f}/s) to {READERS} readers, "
-          f"{len(delays):,} arrivals timed; {spread(delays)}; writer CPU {cpu / (written - start) * 100:.0f}%", flush=True)
+          f"{len(delays):,} arrivals timed; {spread(delays)}; "
+          f"writer CPU {cpu / (written - start) * 100:.0f}%", flush=True)
     print(write_path_report(write_s, commit_at, sent_at, start + LAT_WARMUP, "write_facts",
                             "the publisher"), flush=True)
     # The Redis leg alone: handed to the publisher -> arrival.

@@ -25,6 +25,7 @@ import bigfact  # noqa: E402
 import catchup  # noqa: E402
 import export  # noqa: E402
 import follow  # noqa: E402
+import foreign  # noqa: E402
 import redis_bench  # noqa: E402
 import redis_channels_bench  # noqa: E402
 import sse  # noqa: E402
@@ -73,6 +74,11 @@ async def _export(pg, args):
                 cluster_size=10.0 if args.big else 0.5)
 
 
+async def _foreign(pg, args):
+    # Blocking (two daemon processes and writer threads).
+    await threads.deferToThread(foreign.run, pg.create_database("foreignbench"))
+
+
 async def _sse(pg, args):
     # Blocking (a daemon process, reader processes and writer threads).
     await threads.deferToThread(sse.run, pg, sse.PHASES, args.big)
@@ -89,6 +95,7 @@ SECTIONS = [
     ("export", "Spark export against a plain-Python pass", _export),
     ("sse", "read API: Server-Sent Events beside the TCP fan-out, catch-up through pages",
      _sse),
+    ("foreign", "plain-SQL writers: inserts with the fence against without, delivery", _foreign),
 ]
 
 

@@ -148,7 +148,8 @@ async def alternating(raw, ours_fn, n, bare=None):
     fsync speed drifts too much here for back-to-back runs to be fair.
     Returns (ours, raw, bare) as total facts / total seconds."""
     totals = {"raw": [0, 0.0], "ours": [0, 0.0], "bare": [0, 0.0]}
-    order = ("raw", "bare", "ours", "ours", "bare", "raw") if bare else ("raw", "ours", "ours", "raw")
+    order = ("raw", "bare", "ours", "ours", "bare", "raw") if bare else ("raw", "ours", "ours",
+                                                                         "raw")
     for who in order:
         rate = raw(n) if who == "raw" else bare(n) if who == "bare" else await ours_fn(n)
         totals[who][0] += n

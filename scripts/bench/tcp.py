@@ -431,7 +431,8 @@ class RdataData:
             updates = [(t, pool[t % 10_000]) for t in tokens]
             upto = updates[-1][0]
             self.chunks.append((prev, updates, upto))
-            self.pages.append((prev, EncodedPage(list(tokens), [encoded[t % 10_000] for t in tokens],
+            self.pages.append((prev, EncodedPage(list(tokens),
+                                                 [encoded[t % 10_000] for t in tokens],
                                                  len(tokens), upto, False)))
             self.lines.append(list(encode_rdata_lines("caches", WRITER, updates)))
             prev = upto
@@ -823,7 +824,8 @@ async def latency_ours(registry):
         raise RuntimeError(f"latency (ours): {missing} (client, fact) arrivals missing")
     print(f"    ours : {issued:,} facts in {written - start:.1f}s "
           f"({issued / (written - start):,.0f}/s) to {LAT_CLIENTS} clients, "
-          f"{len(delays):,} arrivals timed; {spread(delays)}; server CPU {cpu / (written - start) * 100:.0f}%", flush=True)
+          f"{len(delays):,} arrivals timed; {spread(delays)}; "
+          f"server CPU {cpu / (written - start) * 100:.0f}%", flush=True)
     print(write_path_report(write_s, commit_at, sent_at, start + LAT_WARMUP, "write_fact",
                             "the transports"), flush=True)
     to_position = watch.position_delays_ms(commit_at, start + LAT_WARMUP)

@@ -37,15 +37,15 @@ Every function here is pure: data in, ``Violations`` out.
 
 import json
 from collections import Counter, defaultdict
-from typing import Dict, Iterable, List, Optional, Tuple
+from collections.abc import Iterable
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 KINDS = ("lost", "duplicated", "reordered", "split", "phantom", "history", "claim", "frozen",
          "exit", "health", "audit")
 EXAMPLES_PER_KIND = 5
 
 
-def canonical(rows: Iterable[list]) -> List[str]:
+def canonical(rows: Iterable[list]) -> list[str]:
     return sorted(json.dumps(r, sort_keys=True, separators=(",", ":")) for r in rows)
 
 
@@ -54,7 +54,7 @@ class Violations:
 
     def __init__(self):
         self.counts: Counter = Counter()
-        self.examples: Dict[str, List[str]] = defaultdict(list)
+        self.examples: dict[str, list[str]] = defaultdict(list)
 
     def add(self, kind: str, detail: str):
         assert kind in KINDS, kind
@@ -69,9 +69,9 @@ class Violations:
         return {kind: self.counts.get(kind, 0) for kind in KINDS}
 
 
-def file_facts(lines: Iterable[dict]) -> Dict[Key, List[Tuple[int, list]]]:
+def file_facts(lines: Iterable[dict]) -> dict[Key, list[tuple[int, list]]]:
     """Fact lines of a JSON-lines file per key, in file order."""
-    facts: Dict[Key, List[Tuple[int, list]]] = defaultdict(list)
+    facts: dict[Key, list[tuple[int, list]]] = defaultdict(list)
     for entry in lines:
         if "rows" in entry:
             facts[(entry["stream"], entry["writer"])].append((entry["token"], entry["rows"]))
@@ -79,8 +79,8 @@ def file_facts(lines: Iterable[dict]) -> Dict[Key, List[Tuple[int, list]]]:
 
 
 def check_deliveries(v: Violations, instance: str, keys: Iterable[Key],
-                     delivered: Dict[Key, List[Tuple[int, list]]],
-                     table: Dict[Key, Dict[int, list]]):
+                     delivered: dict[Key, list[tuple[int, list]]],
+                     table: dict[Key, dict[int, list]]):
     keys = list(keys)
     for key in delivered:
         if key not in keys:
@@ -111,11 +111,11 @@ def check_deliveries(v: Violations, instance: str, keys: Iterable[Key],
                           f"({len(want[token])} rows) never delivered")
 
 
-def check_writes(v: Violations, writes: List[dict], table: Dict[Key, Dict[int, list]],
+def check_writes(v: Violations, writes: list[dict], table: dict[Key, dict[int, list]],
                  tag_of):
     """``tag_of(row)``: the request tag of a table row (``client.n``)."""
-    by_tag: Dict[str, List[Tuple[Key, int, list]]] = defaultdict(list)
-    tags_at: Dict[Tuple[Key, int], set] = defaultdict(set)
+    by_tag: dict[str, list[tuple[Key, int, list]]] = defaultdict(list)
+    tags_at: dict[tuple[Key, int], set] = defaultdict(set)
     for key, facts in table.items():
         for stream_id, rows in facts.items():
             for row in rows:
@@ -151,8 +151,8 @@ def check_writes(v: Violations, writes: List[dict], table: Dict[Key, Dict[int, l
             v.add("history", f"rows of request {tag} that was never sent: {found[:2]}")
 
 
-def check_claims(v: Violations, first_seen: Dict[Key, Dict[int, int]],
-                 claims: Dict[Key, List[Tuple[int, int, str]]], snapshot_times: List[float],
+def check_claims(v: Violations, first_seen: dict[Key, dict[int, int]],
+                 claims: dict[Key, list[tuple[int, int, str]]], snapshot_times: list[float],
                  final_index: int):
     """A fact first seen in snapshot ``f`` (``final_index`` if only at the
     end) must not be at or below any claim attributed to a snapshot ``< f``."""
@@ -161,7 +161,7 @@ def check_claims(v: Violations, first_seen: Dict[Key, Dict[int, int]],
         if not made:
             continue
         # prefix maximum of claimed positions by snapshot index
-        best: List[Tuple[int, int, str]] = []  # (snapshot index, max position, evidence)
+        best: list[tuple[int, int, str]] = []  # (snapshot index, max position, evidence)
         for k, position, evidence in made:
             if best and best[-1][1] >= position:
                 best.append((k, best[-1][1], best[-1][2]))
@@ -179,9 +179,9 @@ def check_claims(v: Violations, first_seen: Dict[Key, Dict[int, int]],
                                f"(attributed to snapshot {best[i][0]})")
 
 
-def check_frozen(v: Violations, last_fact: Dict[str, int],
-                 linear: Dict[Tuple[str, str], Optional[int]],
-                 persisted: Dict[Key, int], writers: Dict[str, List[str]]):
+def check_frozen(v: Violations, last_fact: dict[str, int],
+                 linear: dict[tuple[str, str], int | None],
+                 persisted: dict[Key, int], writers: dict[str, list[str]]):
     """Every linear token (``(instance, stream)`` -> what its positions API
     said, None without an answer) and every configured writer's persisted
     position (``(stream, writer)`` -> ``stream_positions``, absent: none)
@@ -200,8 +200,8 @@ def check_frozen(v: Violations, last_fact: Dict[str, int],
                                 f"last fact {last}")
 
 
-def check_processes(v: Violations, exits: Dict[str, List[int]], health: Dict[str, tuple],
-                    stop_codes: Dict[str, int] = None):
+def check_processes(v: Violations, exits: dict[str, list[int]], health: dict[str, tuple],
+                    stop_codes: dict[str, int] = None):
     for name, codes in exits.items():
         for code in codes:
             v.add("exit", f"{name} exited by itself with status {code}")
@@ -213,7 +213,7 @@ def check_processes(v: Violations, exits: Dict[str, List[int]], health: Dict[str
             v.add("health", f"{name} /health {status} on a healed, quiescent cluster: {reason}")
 
 
-def check_audit(v: Violations, audit: Dict[str, Dict[str, float]]):
+def check_audit(v: Violations, audit: dict[str, dict[str, float]]):
     """A run with nothing planted: the delivery audit finds no difference
     and the table contradicts no POSITION (either would be a false alarm,
     or a defect of ours the audit caught)."""

@@ -15,14 +15,13 @@ import asyncio
 import json
 import random
 import time
-from typing import List, Optional
 
 from .cluster import SECRET
 
 REQUEST_TIMEOUT = 5.0
 
 
-def make_rows(stream: str, tag: str, n: int, count: int) -> List[list]:
+def make_rows(stream: str, tag: str, n: int, count: int) -> list[list]:
     if stream == "caches":
         return [[f"{tag}.{n}.{j}", [f"@u{n}:chaos.test"] if j % 2 else None, n]
                 for j in range(count)]
@@ -35,8 +34,8 @@ def row_tag(row: list) -> str:
     return row[0].rsplit(".", 1)[0]
 
 
-async def http_request(port: int, method: str, path: str, body: Optional[bytes] = None,
-                       secret: Optional[str] = None, timeout: float = REQUEST_TIMEOUT):
+async def http_request(port: int, method: str, path: str, body: bytes | None = None,
+                       secret: str | None = None, timeout: float = REQUEST_TIMEOUT):
     """``(status, body bytes)``; raises OSError / asyncio.TimeoutError."""
     async def go():
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -105,7 +104,7 @@ class Writer:
                 else:
                     record["outcome"] = "failed"
                     record["status"] = status
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 record["outcome"] = "timeout"
             except (OSError, ValueError, IndexError):
                 record["outcome"] = "failed"

@@ -8,6 +8,10 @@ PostgreSQL database.  Streams:
   by ``worker2``, so over TCP its facts travel worker2 -> master -> worker1
   (the relay path).
 
+The ``foreign`` scenario gives ``caches`` ``foreign_writers: true``: beside
+the clients, plain-SQL writers (:mod:`.sqlwriters`) insert facts of its
+first writer, the master.
+
 The ``idle`` scenario gives ``caches`` a third writer, worker2, and only the
 master's clients write it: worker1 and worker2 are its writers and stay idle
 the whole run (:func:`streams_for`, :func:`write_targets_for`).
@@ -28,7 +32,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional
 
 import yaml
 
@@ -62,12 +65,15 @@ TABLES = {
 WRITE_TARGETS = [("master", "caches"), ("worker1", "caches"), ("worker2", "account_data")]
 
 
-def writers_of(stream: str) -> List[str]:
+def writers_of(stream: str) -> list[str]:
     return next(s["writers"] for s in STREAMS if s["name"] == stream)
 
 
-def streams_for(scenario: str) -> List[dict]:
-    """The streams of a run: ``idle`` makes ``caches`` a three-writer stream."""
+def streams_for(scenario: str) -> list[dict]:
+    """The streams of a run: ``idle`` makes ``caches`` a three-writer
+    stream, ``foreign`` one that takes plain-SQL writers."""
+    if scenario == "foreign":
+        return [dict(s, foreign_writers=True) if s["name"] == "caches" else s for s in STREAMS]
     if scenario != "idle":
         return STREAMS
     return [dict(s, writers=list(INSTANCES)) if s["name"] == "caches" else s for s in STREAMS]
@@ -80,7 +86,7 @@ def write_targets_for(scenario: str):
     return [(i, s) for i, s in WRITE_TARGETS if s != "caches" or i == "master"]
 
 
-def read_keys(instance: str, streams: List[dict] = STREAMS):
+def read_keys(instance: str, streams: list[dict] = STREAMS):
     """The (stream, writer) keys ``instance`` reads (every writer it does not host)."""
     return [(s["name"], w) for s in streams for w in s["writers"] if w != instance]
 
@@ -104,11 +110,11 @@ class Instance:
         with open(self.facts_path, "w") as f:
             for stream, writer in read_keys(name, config["streams"]):
                 f.write(json.dumps({"stream": stream, "writer": writer, "position": 0}) + "\n")
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.paused = False
         self.expected_down = False  # killed or stopped by us
         self.starts = 0
-        self.unexpected_exits: List[int] = []
+        self.unexpected_exits: list[int] = []
         self.startup_db_exits = 0
         #: A fault keeps it down (kill9 until its restart): not restarted
         #: by the supervisor meanwhile.
@@ -125,9 +131,9 @@ class Instance:
     #: Source tree the daemons import ``replicator`` from before this
     #: checkout's (``--daemon-path``: e.g. an older commit, to see whether
     #: the suite catches a defect that commit has).
-    daemon_path: Optional[str] = None
+    daemon_path: str | None = None
 
-    def start(self, env: Optional[Dict[str, str]] = None):
+    def start(self, env: dict[str, str] | None = None):
         """Start the process, unless it runs already: the supervisor's
         restart of an instance that exited by itself and a fault's restart
         after its kill can both come (two processes of one instance were
@@ -189,7 +195,7 @@ class Instance:
             self.proc.send_signal(signal.SIGCONT)
         self.paused = False
 
-    def terminate(self, timeout: float = 30) -> Optional[int]:
+    def terminate(self, timeout: float = 30) -> int | None:
         """SIGTERM and wait (SIGKILL after ``timeout``); the exit status."""
         self.note_exit()
         if not self.running():
@@ -212,9 +218,9 @@ class Instance:
             return ""
 
 
-def build_configs(transport: str, dsn: str, master_port: int, link_ports: Dict[str, int],
-                  consumer: Optional[dict] = None,
-                  streams: List[dict] = STREAMS) -> Dict[str, dict]:
+def build_configs(transport: str, dsn: str, master_port: int, link_ports: dict[str, int],
+                  consumer: dict | None = None,
+                  streams: list[dict] = STREAMS) -> dict[str, dict]:
     """Config per instance.  ``link_ports``: the proxy port each instance's
     replication link goes through (TCP: workers only; Redis: all three)."""
     configs = {}

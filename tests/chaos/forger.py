@@ -16,7 +16,6 @@ the daemons first said so (:func:`tripped`).
 import asyncio
 import re
 import time
-from typing import Dict, List, Optional
 
 import psycopg2
 
@@ -50,12 +49,12 @@ async def _read_reply(reader: asyncio.StreamReader) -> list:
 
 
 class PositionForger:
-    def __init__(self, port: int, channel: str, streams: List[str]):
+    def __init__(self, port: int, channel: str, streams: list[str]):
         self.port = port
         self.channel = channel.encode()
         self.streams = {s.encode() for s in streams}
         self.forged = 0
-        self.first_at: Optional[float] = None
+        self.first_at: float | None = None
         self.stopping = False
 
     async def run(self) -> None:
@@ -69,7 +68,7 @@ class PositionForger:
             while not self.stopping:
                 try:
                     reply = await asyncio.wait_for(_read_reply(sub_r), 0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
                 if not isinstance(reply, list) or len(reply) != 3 or reply[0] != b"message":
                     continue
@@ -96,12 +95,12 @@ class PositionForger:
 class LateCommitter:
     """Every ``every`` seconds, one fact by plain SQL whose commit waits ``hold`` s."""
 
-    def __init__(self, dsn: str, table: str, sequence: str, columns: List[str],
+    def __init__(self, dsn: str, table: str, sequence: str, columns: list[str],
                  every: float = 6.0, hold: float = 4.0, rounds: int = 3):
         self.dsn, self.table, self.sequence, self.columns = dsn, table, sequence, columns
         self.every, self.hold, self.rounds = every, hold, rounds
-        self.committed: List[int] = []
-        self.first_at: Optional[float] = None
+        self.committed: list[int] = []
+        self.first_at: float | None = None
         self.stopping = False
 
     def _begin(self):
@@ -133,15 +132,15 @@ TRIP = re.compile(r'^(replicator_audit_mismatch|replicator_positions_contradicte
                   r'\{([^}]*)\} ([0-9.e+]+)$', re.M)
 
 
-async def tripped(http_ports: Dict[str, int]) -> Dict[str, Dict[str, float]]:
+async def tripped(http_ports: dict[str, int]) -> dict[str, dict[str, float]]:
     """Per instance: the audit's mismatches (``mismatch``) and the POSITIONs
     the table contradicted (``contradicted``), from its ``/metrics``."""
-    out: Dict[str, Dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {}
     for name, port in http_ports.items():
         counts = {"mismatch": 0.0, "contradicted": 0.0}
         try:
             status, body = await http_request(port, "GET", "/metrics", timeout=2)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             out[name] = counts
             continue
         for metric, _, value in TRIP.findall(body.decode("utf-8", "replace")):

@@ -28,12 +28,12 @@ Scenarios:
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
 
 from .cluster import INSTANCES, PING_INTERVAL, PING_TIMEOUT
 
-SCENARIOS = ("crash", "pause", "net", "pg", "all", "idle")
+SCENARIOS = ("crash", "pause", "net", "pg", "all", "idle", "foreign")
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Fault:
     at: float  # seconds after the start of the chaos phase
     lane: int
     kind: str
-    target: Optional[str]
+    target: str | None
     seconds: float
 
     def describe(self) -> str:
@@ -49,7 +49,7 @@ class Fault:
         return f"t={self.at:6.2f} lane {self.lane}: {self.kind}{target} {self.seconds:.2f}s"
 
 
-def _links(transport: str) -> List[str]:
+def _links(transport: str) -> list[str]:
     return ["worker1", "worker2"] if transport == "tcp" else list(INSTANCES)
 
 
@@ -86,11 +86,12 @@ def _draw(rng: random.Random, pool: str, transport: str):
     raise ValueError(pool)
 
 
-def make_schedule(scenario: str, transport: str, seed: int, duration: float) -> List[Fault]:
+def make_schedule(scenario: str, transport: str, seed: int, duration: float) -> list[Fault]:
     if scenario == "none":
         return []
     lanes = {"crash": [["crash"]], "pause": [["pause"]], "net": [["net"]], "pg": [["pg"]],
-             "all": [["crash", "pause"], ["net", "pg"]], "idle": [["crash", "net"]]}[scenario]
+             "all": [["crash", "pause"], ["net", "pg"]], "idle": [["crash", "net"]],
+             "foreign": [["crash", "pause"], ["net", "pg"]]}[scenario]
     faults = []
     for lane, pools in enumerate(lanes):
         rng = random.Random(f"{seed}/{scenario}/{transport}/{lane}")
@@ -105,8 +106,8 @@ def make_schedule(scenario: str, transport: str, seed: int, duration: float) -> 
 class Nemesis:
     """Executes a schedule against a running cluster."""
 
-    def __init__(self, schedule: List[Fault], instances: Dict[str, object],
-                 proxies: Dict[str, object], pg, redis=None,
+    def __init__(self, schedule: list[Fault], instances: dict[str, object],
+                 proxies: dict[str, object], pg, redis=None,
                  say: Callable[[str], None] = print):
         self.schedule = schedule
         self.instances = instances
@@ -114,17 +115,17 @@ class Nemesis:
         self.pg = pg
         self.redis = redis
         self.say = say
-        self.injected: Dict[str, int] = {}
+        self.injected: dict[str, int] = {}
         self.t0 = 0.0
 
     async def run(self):
         self.t0 = time.monotonic()
-        lanes: Dict[int, List[Fault]] = {}
+        lanes: dict[int, list[Fault]] = {}
         for fault in self.schedule:
             lanes.setdefault(fault.lane, []).append(fault)
         await asyncio.gather(*(self._lane(faults) for faults in lanes.values()))
 
-    async def _lane(self, faults: List[Fault]):
+    async def _lane(self, faults: list[Fault]):
         for fault in faults:
             delay = self.t0 + fault.at - time.monotonic()
             if delay > 0:

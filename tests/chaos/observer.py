@@ -19,12 +19,11 @@ with no false positives whatever the timing.
 import asyncio
 import json
 import time
-from typing import Dict, List, Tuple
 
 from .clients import http_request
 from .cluster import SECRET, STREAMS, TABLES
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 
 
 class Observer:
@@ -33,17 +32,17 @@ class Observer:
         self.instances = instances
         self.interval = interval
         self.t0 = time.monotonic()
-        self.snapshots: List[float] = []  # time of snapshot k
+        self.snapshots: list[float] = []  # time of snapshot k
         #: (stream, writer) -> {id: first snapshot index that held it}
-        self.first_seen: Dict[Key, Dict[int, int]] = {}
+        self.first_seen: dict[Key, dict[int, int]] = {}
         #: (stream, writer) -> [(snapshot index, max claimed position, evidence)]
-        self.claims: Dict[Key, List[Tuple[int, int, str]]] = {}
-        self._pending: Dict[Key, Tuple[int, str]] = {}
+        self.claims: dict[Key, list[tuple[int, int, str]]] = {}
+        self._pending: dict[Key, tuple[int, str]] = {}
         self.polls = 0
         self.api_answers = 0
         self.stopping = False
         self._conn = None
-        self.last_positions: Dict[str, dict] = {}
+        self.last_positions: dict[str, dict] = {}
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 3)
@@ -63,7 +62,7 @@ class Observer:
                 status, body = await http_request(instance.http_port, "GET",
                                                   "/_replicator/v1/positions", secret=SECRET,
                                                   timeout=1.0)
-            except (OSError, asyncio.TimeoutError, ValueError, IndexError):
+            except (TimeoutError, OSError, ValueError, IndexError):
                 return
             if status != 200:
                 return
@@ -95,7 +94,7 @@ class Observer:
         cur.execute("SELECT stream_name, instance_name, stream_id FROM stream_positions")
         positions = cur.fetchall()
         t = self.now()
-        ids: Dict[Key, List[int]] = {}
+        ids: dict[Key, list[int]] = {}
         for stream in STREAMS:
             table, writer_column, _ = TABLES[stream["name"]]
             if writer_column:

@@ -27,7 +27,7 @@ Only loopback addresses are used.  The proxy never changes a byte.
 import asyncio
 import random
 import time
-from typing import Callable, Optional, Set
+from collections.abc import Callable
 
 CHUNK = 65536
 
@@ -41,7 +41,7 @@ class _Link:
         self.blackholed = blackholed
         self.closed = False
         #: What the client sent while held (None: not held).
-        self.held: Optional[bytearray] = None
+        self.held: bytearray | None = None
         self.client_gone = False
 
     def abort(self):
@@ -57,11 +57,11 @@ class _Link:
 class Proxy:
     """Listens on 127.0.0.1:``port`` (free if 0), forwards to 127.0.0.1:``target``."""
 
-    def __init__(self, name: str, target_port: int, rng: Optional[random.Random] = None):
+    def __init__(self, name: str, target_port: int, rng: random.Random | None = None):
         self.name = name
         self.target_port = target_port
         self.port = 0
-        self.links: Set[_Link] = set()
+        self.links: set[_Link] = set()
         self._server = None
         self._partitioned = False
         self._running = asyncio.Event()  # cleared while stalled
@@ -69,7 +69,7 @@ class Proxy:
         self._trickle = False
         self._rng = rng or random.Random(0)
         self.connections = 0
-        self._handlers: Set[asyncio.Task] = set()
+        self._handlers: set[asyncio.Task] = set()
 
     async def start(self, port: int = 0):
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
@@ -131,7 +131,7 @@ class Proxy:
             link.held = bytearray()
         return len(links)
 
-    async def release(self, cut: Optional[Callable[[bytes], int]] = None) -> int:
+    async def release(self, cut: Callable[[bytes], int] | None = None) -> int:
         """Forward ``held[:cut(held)]`` (default: a random offset) of every
         held connection upstream, close its upstream side (Redis runs the
         complete commands of that prefix and drops the rest) and abort its

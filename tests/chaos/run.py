@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional
 
 from replicator.config import parse_streams
 from tests.servers import PostgresServer, RedisServer, free_port
@@ -44,6 +43,7 @@ from .forger import LateCommitter, PositionForger, tripped
 from .nemesis import Nemesis, make_schedule
 from .observer import Observer
 from .proxy import Proxy
+from .sqlwriters import WRITERS, SqlWriter
 
 CLIENTS_PER_TARGET = 2
 QUIESCENCE_TIMEOUT = 90.0
@@ -68,11 +68,11 @@ EXCEPTION = re.compile(r"(?:^|\s)((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exce
                        r"(?::\s.*|$))")
 
 
-def logged_errors(text: str) -> List[str]:
+def logged_errors(text: str) -> list[str]:
     """One summary per ERROR/CRITICAL event of a daemon's log: its first
     words and the exception it ended with, if any (tracebacks follow on
     indented lines, or inline for Twisted's legacy "Unhandled Error")."""
-    events: List[List[str]] = []
+    events: list[list[str]] = []
     for line in text.splitlines():
         line = without_time(line)
         if line.startswith(LEVELS):
@@ -90,14 +90,14 @@ def logged_errors(text: str) -> List[str]:
     return [re.sub(r"\d+", "N", line) for line in out]  # ports, IDs: one summary per kind
 
 
-def read_table(dsn: str) -> Dict[tuple, Dict[int, list]]:
+def read_table(dsn: str) -> dict[tuple, dict[int, list]]:
     """``{(stream, writer): {id: [row, ...]}}`` of every stream's table."""
     import psycopg2
 
     conn = psycopg2.connect(dsn, connect_timeout=5)
     try:
         cur = conn.cursor()
-        facts: Dict[tuple, Dict[int, list]] = {}
+        facts: dict[tuple, dict[int, list]] = {}
         for stream in STREAMS:
             table, writer_column, cols = TABLES[stream["name"]]
             if writer_column:
@@ -117,7 +117,7 @@ def read_table(dsn: str) -> Dict[tuple, Dict[int, list]]:
         conn.close()
 
 
-def read_jsonl(path: str) -> List[dict]:
+def read_jsonl(path: str) -> list[dict]:
     """Every complete line of a consumer file (a partial last line is ignored)."""
     out = []
     try:
@@ -136,7 +136,7 @@ def caught_up(instance: Instance, table) -> str:
     the table's last fact (what is missing is never coming); else ``""``."""
     lines = read_jsonl(instance.facts_path)
     delivered = checker.file_facts(lines)
-    positions: Dict[tuple, int] = {}
+    positions: dict[tuple, int] = {}
     for entry in lines:
         key = (entry["stream"], entry["writer"])
         token = entry.get("token", entry.get("position", 0))
@@ -170,13 +170,13 @@ async def wait_answering(instance: Instance, timeout: float = 60.0) -> bool:
                                                timeout=2)
                 if status == 200:
                     return True
-            except (OSError, asyncio.TimeoutError, ValueError, IndexError):
+            except (TimeoutError, OSError, ValueError, IndexError):
                 pass
         await asyncio.sleep(0.1)
     return False
 
 
-def read_positions(dsn: str) -> Dict[tuple, int]:
+def read_positions(dsn: str) -> dict[tuple, int]:
     """``{(stream, writer): position}`` of ``stream_positions``."""
     import psycopg2
 
@@ -189,7 +189,7 @@ def read_positions(dsn: str) -> Dict[tuple, int]:
         conn.close()
 
 
-async def wait_unfrozen(instances: Dict[str, Instance], dsn: str, streams: List[dict],
+async def wait_unfrozen(instances: dict[str, Instance], dsn: str, streams: list[dict],
                         timeout: float = FROZEN_TIMEOUT) -> checker.Violations:
     """Poll until every instance's linear token and every writer's
     persisted position of each stream reach the stream's last fact (with no
@@ -221,7 +221,7 @@ async def wait_unfrozen(instances: Dict[str, Instance], dsn: str, streams: List[
                         for stream, entry in json.loads(body)["streams"].items():
                             if stream in writers:
                                 linear[(instance.name, stream)] = entry.get("linear")
-                except (OSError, asyncio.TimeoutError, ValueError, IndexError, KeyError):
+                except (TimeoutError, OSError, ValueError, IndexError, KeyError):
                     pass
             checker.check_frozen(v, last, linear, persisted, writers)
         if not v.total() or time.monotonic() > deadline:
@@ -229,7 +229,7 @@ async def wait_unfrozen(instances: Dict[str, Instance], dsn: str, streams: List[
         await asyncio.sleep(0.2)
 
 
-async def supervise(instances: Dict[str, Instance], say, stop: asyncio.Event):
+async def supervise(instances: dict[str, Instance], say, stop: asyncio.Event):
     """Restart an instance that exited by itself (as systemd would), after
     recording the exit and the last lines of its log."""
     while not stop.is_set():
@@ -245,12 +245,12 @@ async def supervise(instances: Dict[str, Instance], say, stop: asyncio.Event):
                     instance.start()
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
 async def run_once(scenario: str, transport: str, seed: int, duration: float = 30.0,
-                   plant: Optional[str] = None, results_path: Optional[str] = None,
+                   plant: str | None = None, results_path: str | None = None,
                    keep: bool = False, say=print,
                    quiescence_timeout: float = QUIESCENCE_TIMEOUT,
                    health_timeout: float = HEALTH_TIMEOUT) -> dict:
@@ -264,9 +264,9 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
         say("  planned " + fault.describe())
     base = make_base_dir()
     pg = redis = None
-    proxies: Dict[str, Proxy] = {}
-    instances: Dict[str, Instance] = {}
-    writes: List[dict] = []
+    proxies: dict[str, Proxy] = {}
+    instances: dict[str, Instance] = {}
+    writes: list[dict] = []
     result: dict = {}
     stop_supervisor = asyncio.Event()
     try:
@@ -309,6 +309,11 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
                 tag = f"{instance_name}-{stream}-{i}"
                 writers.append(Writer(tag, instances[instance_name], stream,
                                       random.Random(client_rng.random()), writes))
+        if scenario == "foreign":
+            table = TABLES["caches"][0]
+            for i in range(WRITERS):
+                writers.append(SqlWriter(f"sql-{i}", dsn, table,
+                                         random.Random(client_rng.random()), writes))
         writer_tasks = [asyncio.ensure_future(w.run()) for w in writers]
         await asyncio.sleep(1.0)
         planter = plant_task = None
@@ -378,7 +383,7 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
                     status, body = await http_request(instance.http_port, "GET", "/health",
                                                       timeout=2)
                     reason = json.loads(body).get("reason", "")
-                except (OSError, asyncio.TimeoutError, ValueError, IndexError) as e:
+                except (TimeoutError, OSError, ValueError, IndexError) as e:
                     status, reason = None, f"{type(e).__name__}: {e}"
                 if status == 200 or time.monotonic() > deadline:
                     break
@@ -423,14 +428,18 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             for event in logged_errors(instance.log_text()):
                 log_errors[event] += 1
         outcomes = defaultdict(int)
+        sql_outcomes = defaultdict(int)  # the plain-SQL writers' (scenario foreign)
         for w in writes:
             outcomes[w["outcome"]] += 1
+            if w["client"].startswith("sql-"):
+                sql_outcomes[w["outcome"]] += 1
         result = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "commit": git_commit(), "scenario": scenario, "transport": transport,
             "seed": seed, "duration": duration, "plant": plant,
             "faults": sum(nemesis.injected.values()), "faults_by_kind": nemesis.injected,
             "writes": len(writes), "outcomes": dict(outcomes),
+            "sql_outcomes": dict(sql_outcomes),
             "facts": sum(len(f) for f in table.values()),
             "rows": sum(len(r) for f in table.values() for r in f.values()),
             "claims_checked": sum(len(c) for c in observer.claims.values()),
@@ -446,6 +455,8 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             "log_errors": dict(sorted(log_errors.items(), key=lambda kv: -kv[1])[:10]),
             "elapsed_s": round(time.monotonic() - started, 1),
         }
+        if sql_outcomes:
+            say(f"  plain-SQL transactions {dict(sql_outcomes)}")
         say(f"  {result['writes']} writes {dict(outcomes)}, {result['facts']} facts, "
             f"{result['faults']} faults, {result['claims_checked']} claims, "
             f"violations {v.total()}: "
@@ -483,7 +494,7 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
             shutil.rmtree(base, ignore_errors=True)
 
 
-async def watch_trips(instances: Dict[str, Instance], trips: dict) -> None:
+async def watch_trips(instances: dict[str, Instance], trips: dict) -> None:
     """Poll every instance's metrics until the audit or a checked POSITION
     says something: ``trips["at"]`` is when it first did."""
     while "at" not in trips:
@@ -494,9 +505,9 @@ async def watch_trips(instances: Dict[str, Instance], trips: dict) -> None:
         await asyncio.sleep(0.5)
 
 
-def summary_table(results: List[dict]) -> str:
+def summary_table(results: list[dict]) -> str:
     """One line per (scenario, transport): runs, faults, writes, violations by kind."""
-    groups: Dict[tuple, List[dict]] = defaultdict(list)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in results:
         groups[(r["scenario"], r["transport"], r.get("plant"))].append(r)
     kinds = checker.KINDS

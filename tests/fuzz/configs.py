@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import yaml
 
@@ -44,7 +44,7 @@ READY = re.compile(rb"^(?:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ )?INFO service: in
 #: Seconds a mutated config gets to exit or become ready.
 STARTUP_LIMIT = 60.0
 
-_VALUES: List[Tuple[Any, bool]] = [  # (value, must be refused wherever a number goes)
+_VALUES: list[tuple[Any, bool]] = [  # (value, must be refused wherever a number goes)
     (None, False), (True, False), (False, False), (0, False), (-1, False), (1, False),
     (2 ** 31, False), (2 ** 63, True), (10 ** 30, True), (1e30, True),
     (float("nan"), True), (float("inf"), True), (-float("inf"), True), (-0.0, False),
@@ -95,7 +95,7 @@ def _get(config, path):
     return config
 
 
-def mutate_tree(rng: random.Random, config: dict) -> Tuple[dict, str, bool]:
+def mutate_tree(rng: random.Random, config: dict) -> tuple[dict, str, bool]:
     """One structural mutation: (config, description, must_refuse)."""
     config = copy.deepcopy(config)
     paths = [p for p in _paths(config) if p]
@@ -139,7 +139,7 @@ def mutate_tree(rng: random.Random, config: dict) -> Tuple[dict, str, bool]:
     return config, f"{where} = {value!r}"[:120], absurd and numeric
 
 
-def mutate_text(rng: random.Random, text: str) -> Tuple[bytes, str, bool]:
+def mutate_text(rng: random.Random, text: str) -> tuple[bytes, str, bool]:
     """One mutation of the file's bytes: (data, description, must_refuse)."""
     op = rng.randrange(11)
     data = text.encode()
@@ -171,7 +171,7 @@ def mutate_text(rng: random.Random, text: str) -> Tuple[bytes, str, bool]:
     return data.replace(b"  ", b"\t", 1), "tab indentation", False
 
 
-def _run(directory: str, data: bytes) -> Tuple[Optional[int], str, str, bool]:
+def _run(directory: str, data: bytes) -> tuple[int | None, str, str, bool]:
     """(exit status, stdout, stderr, was running at the deadline)."""
     path = os.path.join(directory, "mutated.yaml")
     with open(path, "wb") as f:

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
 
 import yaml
 
@@ -44,8 +43,8 @@ TABLES = {
 }
 
 
-def http_get(port: int, path: str, secret: Optional[str] = None,
-             timeout: float = 10.0) -> Tuple[int, bytes]:
+def http_get(port: int, path: str, secret: str | None = None,
+             timeout: float = 10.0) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         headers = {"Authorization": f"Bearer {secret}"} if secret else {}
@@ -59,7 +58,7 @@ def http_get(port: int, path: str, secret: Optional[str] = None,
 class Daemon:
     """A master on free loopback ports in its own directory."""
 
-    def __init__(self, directory: str, postgres_dsn: Optional[str] = None, **replication):
+    def __init__(self, directory: str, postgres_dsn: str | None = None, **replication):
         """SQLite allows no remote writer: there every stream has only ``master``."""
         self.dir = directory
         self.rep_port, self.http_port = free_port(), free_port()
@@ -75,7 +74,7 @@ class Daemon:
         self.path = os.path.join(directory, "master.yaml")
         self.log_path = os.path.join(directory, "out.log")
         self.stall_path = os.path.join(directory, "stalls.txt")
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.ready_at = 0.0
 
     def start(self) -> "Daemon":
@@ -110,7 +109,7 @@ class Daemon:
         with open(self.log_path, "rb") as f:
             return f.read().decode("utf-8", "replace")
 
-    def stalls(self) -> List[Tuple[float, float]]:
+    def stalls(self) -> list[tuple[float, float]]:
         """(lateness, reactor-thread CPU seconds in the gap) of every stall
         over 100 ms since the daemon was ready."""
         stalls = []
@@ -124,7 +123,7 @@ class Daemon:
             pass
         return stalls
 
-    def stop(self, timeout: float = 30.0) -> Optional[int]:
+    def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM and wait; the exit status (None if it had to be killed)."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else None
@@ -158,7 +157,7 @@ def _summary(text: str) -> str:
     return exc.strip() + where
 
 
-def log_problems(text: str) -> List[Tuple[str, str]]:
+def log_problems(text: str) -> list[tuple[str, str]]:
     """(kind, summary) for every critical event and traceback in a daemon log
     (one line per event; a failure's traceback follows on indented lines)."""
     out = []
@@ -185,12 +184,12 @@ class HonestReader(threading.Thread):
         super().__init__(daemon=True)
         self.port = port
         self.name_ = name
-        self.facts: Dict[Tuple[str, str], Dict[int, List[list]]] = {}
-        self.positions: Dict[Tuple[str, str], int] = {}
-        self.batches: Dict[Tuple[str, str], List[list]] = {}
-        self.errors: List[str] = []
-        self.bad_lines: List[bytes] = []
-        self.disconnected: Optional[str] = None
+        self.facts: dict[tuple[str, str], dict[int, list[list]]] = {}
+        self.positions: dict[tuple[str, str], int] = {}
+        self.batches: dict[tuple[str, str], list[list]] = {}
+        self.errors: list[str] = []
+        self.bad_lines: list[bytes] = []
+        self.disconnected: str | None = None
         self.stopping = threading.Event()
         self.connected = threading.Event()
         self.lines = 0
@@ -213,7 +212,7 @@ class HonestReader(threading.Thread):
                     last_ping = time.monotonic()
                 try:
                     data = sock.recv(1 << 16)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if not data:
                     self.disconnected = "EOF"
@@ -267,22 +266,23 @@ class HonestWriter(threading.Thread):
     """Writes random facts through the HTTP API until stopped (or ``limit``)."""
 
     def __init__(self, port: int, streams=("caches", "events"), seed: int = 0,
-                 limit: Optional[int] = None, pause: float = 0.0):
+                 limit: int | None = None, pause: float = 0.0):
         super().__init__(daemon=True)
         self.port = port
         self.streams = streams
         self.rng = random.Random(seed)
         self.limit = limit
         self.pause = pause
-        self.written: Dict[str, Dict[int, List[list]]] = {s: {} for s in streams}
-        self.failures: List[str] = []
+        self.written: dict[str, dict[int, list[list]]] = {s: {} for s in streams}
+        self.failures: list[str] = []
         self.stopping = threading.Event()
 
     def row(self, stream: str, n: int) -> list:
         rng = self.rng
         if stream == "caches":
             keys = rng.choice([None, [f"@u{n}:hs.test"], {"k": ["é", n, None]}, "✓ \\ \""])
-            return [rng.choice(["get_user_by_id", "fn ✓", ""]), keys, rng.randint(-2**63, 2**63 - 1)]
+            return [rng.choice(["get_user_by_id", "fn ✓", ""]), keys, rng.randint(-2**63,
+                                                                                  2**63 - 1)]
         return [f"$ev{n}:hs.test", rng.choice([None, n]), rng.random() < 0.5]
 
     def run(self) -> None:
@@ -317,12 +317,12 @@ class HonestWriter(threading.Thread):
         self.stopping.set()
         self.join(60)
 
-    def last_ids(self) -> Dict[str, int]:
+    def last_ids(self) -> dict[str, int]:
         return {s: max(ids) for s, ids in self.written.items() if ids}
 
 
-def table_facts(db_path: Optional[str] = None, dsn: Optional[str] = None
-                ) -> Dict[Tuple[str, str], Dict[int, List[list]]]:
+def table_facts(db_path: str | None = None, dsn: str | None = None
+                ) -> dict[tuple[str, str], dict[int, list[list]]]:
     """Facts with rows in the tables (SQLite file or PostgreSQL DSN), rows
     shaped as RDATA sends them."""
     if dsn is not None:
@@ -334,7 +334,7 @@ def table_facts(db_path: Optional[str] = None, dsn: Optional[str] = None
         conn = sqlite3.connect(db_path)
         order = "rowid"
     try:
-        out: Dict[Tuple[str, str], Dict[int, List[list]]] = {}
+        out: dict[tuple[str, str], dict[int, list[list]]] = {}
         for stream, (table, cols, types) in TABLES.items():
             query = f"SELECT stream_id, instance_name, {', '.join(cols)} FROM {table} " \
                     f"ORDER BY stream_id, {order}"
@@ -354,7 +354,7 @@ def table_facts(db_path: Optional[str] = None, dsn: Optional[str] = None
         conn.close()
 
 
-def canonical(facts: Dict[int, List[list]]) -> Dict[int, List[str]]:
+def canonical(facts: dict[int, list[list]]) -> dict[int, list[str]]:
     """Each fact's rows as a sorted list of JSON texts (a fact is a set of rows)."""
     return {token: sorted(json.dumps(r, sort_keys=True) for r in rows)
             for token, rows in facts.items()}

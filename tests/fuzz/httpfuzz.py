@@ -15,7 +15,6 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Optional, Tuple
 
 from .daemon import SECRET, Daemon, HonestReader, HonestWriter
 from .results import PhaseResult, show
@@ -47,7 +46,8 @@ def bad_json(rng):
     body = rng.choice([
         b"", b"{", b"null", b"[]", b'"rows"', b"{}", b'{"rows": 1}', b'{"rows": [1]}',
         b'{"rows": [[]]}', b'{"rows": [["a", null]]}', b'{"rows": [["a", null, 1, 2]]}',
-        b'{"rows": [[1, null, 1]]}', b'{"rows": [["a", null, "1"]]}', b'{"rows": [["a", null, true]]}',
+        b'{"rows": [[1, null, 1]]}', b'{"rows": [["a", null, "1"]]}',
+        b'{"rows": [["a", null, true]]}',
         b'{"rows": [["a", null, 1.5]]}', b'{"rows": [["a", null, NaN]]}',
         b'{"rows": [["a", null, Infinity]]}', b'{"rows": [["a\\u0000", null, 1]]}',
         b'{"rows": [["\\ud800", null, 1]]}', b'{"rows": [["a", null, 1]], "rows": 2}',
@@ -166,7 +166,7 @@ FAMILIES = {
 }
 
 
-def _send(port: int, data: bytes, timeout: float = 15.0) -> Tuple[Optional[int], dict, bytes, str]:
+def _send(port: int, data: bytes, timeout: float = 15.0) -> tuple[int | None, dict, bytes, str]:
     """(status, headers, body, note); status None if no answer came."""
     received = b""
     note = ""
@@ -180,7 +180,7 @@ def _send(port: int, data: bytes, timeout: float = 15.0) -> Tuple[Optional[int],
             while True:
                 try:
                     chunk = sock.recv(1 << 16)
-                except socket.timeout:
+                except TimeoutError:
                     note = "timeout"
                     break
                 except OSError:

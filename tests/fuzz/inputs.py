@@ -11,7 +11,7 @@ that says ``NAME worker1`` may send RDATA/POSITION for ``caches``.
 """
 
 import random
-from typing import Callable, Dict, List
+from collections.abc import Callable
 
 MAX_LINE = 16384
 
@@ -140,7 +140,7 @@ _INVALID_UTF8 = [
 ]
 
 
-def seeds(side: str) -> List[str]:
+def seeds(side: str) -> list[str]:
     return CLIENT_SEEDS if side == "server" else SERVER_SEEDS
 
 
@@ -260,7 +260,7 @@ def surrogate(rng, side):
     if rng.random() < 0.3:
         # The relayed-lock attack: a long string of them near the limit.
         value = '"' + escape * (rng.randint(10_000, MAX_LINE - 200) // len(escape)) + '"'
-        line = 'LOCK_RELEASED ["worker1","purge",%s]' % value
+        line = f'LOCK_RELEASED ["worker1","purge",{value}]'
         if len(line) > MAX_LINE:
             line = line[:MAX_LINE - 3] + '"]'
     else:
@@ -317,7 +317,7 @@ def flood(rng, side):
     return "\n".join(out).encode() + b"\n"
 
 
-FAMILIES: Dict[str, Callable[[random.Random, str], bytes]] = {
+FAMILIES: dict[str, Callable[[random.Random, str], bytes]] = {
     "valid": valid,
     "mutate": mutate,
     "splice": splice,
@@ -336,7 +336,7 @@ FAMILIES: Dict[str, Callable[[random.Random, str], bytes]] = {
 }
 
 
-def chunks(rng: random.Random, data: bytes) -> List[bytes]:
+def chunks(rng: random.Random, data: bytes) -> list[bytes]:
     """``data`` cut at random points (sometimes inside a UTF-8 character or
     between ``\\r`` and ``\\n``), sometimes whole."""
     if len(data) < 2 or rng.random() < 0.5:

@@ -6,7 +6,6 @@ then guards it.
 """
 
 import re
-from typing import List
 
 from .results import Finding
 
@@ -21,7 +20,7 @@ def is_known(finding: Finding) -> bool:
                for phase, kind, pattern, _ in KNOWN_OPEN)
 
 
-def unknown(findings) -> List[Finding]:
+def unknown(findings) -> list[Finding]:
     return [f for f in findings if not is_known(f)]
 
 

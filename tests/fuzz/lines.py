@@ -26,7 +26,6 @@ import random
 import re
 import shutil
 import tempfile
-from typing import List, Optional
 
 from twisted.internet import defer, reactor
 from twisted.internet.error import ConnectionDone
@@ -73,7 +72,7 @@ class LogCapture:
     critical level or carrying a failure, and text with control characters."""
 
     def __init__(self):
-        self.events: List[dict] = []
+        self.events: list[dict] = []
 
     def __call__(self, event):
         self.events.append(event)
@@ -85,7 +84,7 @@ class LogCapture:
     def stop(self):
         globalLogPublisher.removeObserver(self)
 
-    def take(self) -> List[dict]:
+    def take(self) -> list[dict]:
         events, self.events = self.events, []
         return events
 
@@ -99,7 +98,7 @@ class CheckingConsumer(Consumer):
     def __init__(self, columns):
         self.columns = columns  # stream name -> columns
         self.last = {}
-        self.problems: List[tuple] = []
+        self.problems: list[tuple] = []
         self.facts = 0
 
     def positions(self):
@@ -121,13 +120,13 @@ class CheckingConsumer(Consumer):
         self.last[key] = max(self.last.get(key, token), token)
 
 
-def _complete_lines(data: bytes, buffered: bytes) -> List[bytes]:
+def _complete_lines(data: bytes, buffered: bytes) -> list[bytes]:
     lines = (buffered + data).split(b"\n")
     lines.pop()
     return lines
 
 
-def _judge_line(line: bytes, side: str) -> Optional[str]:
+def _judge_line(line: bytes, side: str) -> str | None:
     """None if the protocol must accept ``line`` (blank or a valid command
     the peer may send at all), else why it must be refused."""
     if line[-1:] == b"\r":
@@ -361,7 +360,8 @@ def _turn():
     return d
 
 
-async def run_phase(seed: int, count: int, families=None, sides=("server", "client")) -> PhaseResult:
+async def run_phase(seed: int, count: int, families=None, sides=("server",
+                                                                 "client")) -> PhaseResult:
     """Phase 1: ``count`` inputs per side."""
     result = PhaseResult("1-lines")
     directory = tempfile.mkdtemp(prefix="fuzz-lines-")

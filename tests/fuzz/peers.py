@@ -50,7 +50,6 @@ import shutil
 import socket
 import tempfile
 import time
-from typing import List
 
 import yaml
 
@@ -97,7 +96,7 @@ class Peer:
             self.sock.settimeout(max(0.01, deadline - time.monotonic()))
             try:
                 data = self.sock.recv(1 << 16)
-            except socket.timeout:
+            except TimeoutError:
                 break
             except OSError:
                 self.closed = True
@@ -108,7 +107,7 @@ class Peer:
             self.received += data
         return self.received
 
-    def errors(self) -> List[bytes]:
+    def errors(self) -> list[bytes]:
         return [l for l in self.received.split(b"\n") if l.startswith(b"ERROR")]
 
     def close(self) -> None:
@@ -547,7 +546,7 @@ def poison_worker(directory, dsn, result) -> None:
             # unsent; the reader's gap from 0 to token is caught up.
             conn2.sendall(f"SERVER {inputs.SERVER_NAME}\n"
                           f"POSITION events master {token} {token}\n".encode())
-        except socket.timeout:
+        except TimeoutError:
             conn2 = None
         facts_path = os.path.join(directory, "facts.jsonl")
 
@@ -665,7 +664,7 @@ class RedisForger:
         while not self.stopping:
             try:
                 data = self.sub.recv(1 << 16)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -11,7 +11,6 @@ finding.
 import json
 import re
 import time
-from typing import Dict, List, Optional
 
 
 def show(data, limit: int = 160) -> str:
@@ -63,9 +62,9 @@ class PhaseResult:
 
     def __init__(self, phase: str):
         self.phase = phase
-        self.inputs: Dict[str, int] = {}  # family -> inputs tried
-        self.findings: Dict[tuple, Finding] = {}
-        self.figures: Dict[str, object] = {}
+        self.inputs: dict[str, int] = {}  # family -> inputs tried
+        self.findings: dict[tuple, Finding] = {}
+        self.figures: dict[str, object] = {}
         self.started = time.monotonic()
         self.seconds = 0.0
 
@@ -93,7 +92,7 @@ class PhaseResult:
     def total_inputs(self) -> int:
         return sum(self.inputs.values())
 
-    def problems(self, exclude_kinds=()) -> List[Finding]:
+    def problems(self, exclude_kinds=()) -> list[Finding]:
         return [f for f in self.findings.values() if f.kind not in exclude_kinds]
 
     def describe(self, exclude_kinds=()) -> str:
@@ -108,7 +107,7 @@ class PhaseResult:
 class Results:
     def __init__(self, seed: int):
         self.seed = seed
-        self.phases: List[PhaseResult] = []
+        self.phases: list[PhaseResult] = []
 
     def add(self, result: PhaseResult) -> PhaseResult:
         self.phases.append(result)
@@ -135,7 +134,7 @@ class Results:
                     lines.append(f"    detail: {f.detail}")
         return "\n".join(lines)
 
-    def write_jsonl(self, path: str, when: Optional[str] = None) -> None:
+    def write_jsonl(self, path: str, when: str | None = None) -> None:
         when = when or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         with open(path, "a") as f:
             for p in self.phases:

@@ -21,7 +21,6 @@ import struct
 import tempfile
 import threading
 import time
-from typing import Optional
 
 from . import inputs
 from .daemon import (
@@ -122,7 +121,7 @@ def _fuzz_connection(port: int, rng: random.Random, result: PhaseResult, lock) -
             while time.monotonic() < deadline:
                 try:
                     data = sock.recv(1 << 16)
-                except socket.timeout:
+                except TimeoutError:
                     break
                 if not data:
                     break
@@ -141,7 +140,7 @@ def _fuzz_connection(port: int, rng: random.Random, result: PhaseResult, lock) -
 
 
 def run_phase(seed: int, connections: int, threads: int = 3, honest_streams=("caches", "events"),
-              postgres_dsn: Optional[str] = None, keep_dir: bool = False) -> PhaseResult:
+              postgres_dsn: str | None = None, keep_dir: bool = False) -> PhaseResult:
     result = PhaseResult("2-sockets-pg" if postgres_dsn else "2-sockets")
     directory = tempfile.mkdtemp(prefix="fuzz-sockets-")
     daemon = Daemon(directory, postgres_dsn, **CAPS)
@@ -276,7 +275,7 @@ def _check_honest(result, reader, writer, db_path, dsn) -> None:
     result.figure("facts_relayed_from_fuzzers", relayed)
 
 
-def _check_daemon(result, daemon: Daemon, prober: Optional[Prober]) -> None:
+def _check_daemon(result, daemon: Daemon, prober: Prober | None) -> None:
     for kind, line in log_problems(daemon.output()):
         result.found(kind, line, "-", "", "")
     # Peer text is escaped in logs (issue 11 item 14): no raw control character.

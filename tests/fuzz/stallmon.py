@@ -6,7 +6,8 @@ reactor.  Whenever a beat comes more than 100 ms late (the reactor was held
 by something), one line ``<monotonic time> <lateness seconds> <reactor
 thread CPU seconds during the gap>`` is appended to ``STALL_FILE`` (a gap
 the reactor thread spent on the CPU is the daemon's own stall; a gap without
-CPU is the machine not scheduling it, or a blocking call); at exit the largest lateness seen is appended as
+CPU is the machine not scheduling it, or a blocking call); at exit the largest lateness seen is
+appended as
 ``max <seconds>``.  The harness counts only stalls after the daemon was
 ready (``time.monotonic`` is the same clock in every process).
 """

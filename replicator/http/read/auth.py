@@ -14,7 +14,7 @@ stream, 403.
 """
 
 import hmac
-from typing import Iterable, List, Optional, Tuple
+from collections.abc import Iterable
 
 from ..answers import HttpError
 
@@ -30,7 +30,7 @@ class Reader:
     """An authenticated reader: its name, and the streams it may read
     (None: every stream)."""
 
-    def __init__(self, name: str, streams: Optional[Tuple[str, ...]]):
+    def __init__(self, name: str, streams: tuple[str, ...] | None):
         self.name = name
         self.streams = streams
 
@@ -41,8 +41,8 @@ class Reader:
 class ReaderAuth:
     """The read credentials of one instance."""
 
-    def __init__(self, write_secret: Optional[str], readers: Iterable = ()):
-        self._known: List[Tuple[bytes, Reader]] = []
+    def __init__(self, write_secret: str | None, readers: Iterable = ()):
+        self._known: list[tuple[bytes, Reader]] = []
         if write_secret:
             self._known.append((write_secret.encode("utf-8"), Reader(WRITE_SECRET_READER, None)))
         for r in readers:
@@ -50,7 +50,7 @@ class ReaderAuth:
                 self._known.append((r.secret.encode("utf-8"), Reader(r.name, tuple(r.streams))))
 
     @property
-    def secrets(self) -> List[str]:
+    def secrets(self) -> list[str]:
         """Every secret (for the redactor)."""
         return [s.decode("utf-8") for s, _ in self._known]
 

@@ -3,12 +3,12 @@ requests or event streams are open, the position each last reached, and its
 lag; for the metrics, the status page and ``/status.json``.  And the cap on
 reads that stay open (long-polls waiting, event streams)."""
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from ..answers import HttpError
 from .tokens import Positions
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 
 
 class ReaderBook:
@@ -16,10 +16,10 @@ class ReaderBook:
 
     def __init__(self, clock):
         self._clock = clock
-        self.connected: Dict[Key, int] = {}
-        self.positions: Dict[Key, Positions] = {}
-        self.seen: Dict[Key, float] = {}
-        self.streams: Dict[Key, set] = {}  # open event streams (their .position)
+        self.connected: dict[Key, int] = {}
+        self.positions: dict[Key, Positions] = {}
+        self.seen: dict[Key, float] = {}
+        self.streams: dict[Key, set] = {}  # open event streams (their .position)
 
     def attach(self, reader: str, stream: str, client) -> None:
         self.streams.setdefault((reader, stream), set()).add(client)
@@ -48,7 +48,7 @@ class ReaderBook:
         self.positions[key] = dict(positions)
         self.seen[key] = self._clock.seconds()
 
-    def rows(self, registry) -> List[Dict[str, Any]]:
+    def rows(self, registry) -> list[dict[str, Any]]:
         """One entry per (reader, stream) seen: ``reader``, ``stream``,
         ``connected``, ``position`` (the smallest of its writers'), ``lag``
         (IDs behind the stream's current tokens, the largest over its
@@ -64,7 +64,7 @@ class ReaderBook:
                                 key=lambda p: min(p.values(), default=0))
             stream = registry.find(name)
             gen = getattr(stream, "id_gen", None)
-            lag: Optional[int] = None
+            lag: int | None = None
             if positions and gen is not None:
                 current = gen.get_positions()
                 lag = max([0] + [current[w] - p for w, p in positions.items() if w in current])
@@ -83,9 +83,9 @@ class Slots:
         self.limit = limit
         self.per_address = per_address
         self.open = 0
-        self._per_host: Dict[Optional[str], int] = {}
+        self._per_host: dict[str | None, int] = {}
 
-    def take(self, host: Optional[str]) -> None:
+    def take(self, host: str | None) -> None:
         if self.open >= self.limit:
             raise HttpError(503, f"too many long-polls and event streams ({self.limit}): "
                                  "try again later", {b"retry-after": b"1"})
@@ -96,7 +96,7 @@ class Slots:
         self.open += 1
         self._per_host[host] = self._per_host.get(host, 0) + 1
 
-    def give(self, host: Optional[str]) -> None:
+    def give(self, host: str | None) -> None:
         self.open -= 1
         n = self._per_host.get(host, 0) - 1
         if n > 0:
@@ -105,7 +105,7 @@ class Slots:
             self._per_host.pop(host, None)
 
 
-def client_host(request) -> Optional[str]:
+def client_host(request) -> str | None:
     try:
         return getattr(request.getClientAddress(), "host", None)
     except Exception:

@@ -10,7 +10,8 @@ instead of holding many pages at once, and other addresses are not kept
 out by it (per address first, then the shared cap).
 """
 
-from typing import Awaitable, Callable, Dict, Optional, Tuple, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from twisted.internet import defer
 
@@ -26,11 +27,11 @@ class PageBuilds:
     def __init__(self, limit: int = PAGE_BUILDS):
         self._all = defer.DeferredSemaphore(limit)
         # address -> (its lock, requests holding or waiting for it)
-        self._hosts: Dict[Optional[str], Tuple[defer.DeferredLock, int]] = {}
+        self._hosts: dict[str | None, tuple[defer.DeferredLock, int]] = {}
         self.building = 0  # builds running now
         self.most = 0  # the most that ever ran at once
 
-    async def run(self, host: Optional[str], build: Callable[[], Awaitable[T]]) -> T:
+    async def run(self, host: str | None, build: Callable[[], Awaitable[T]]) -> T:
         """``await build()`` in its turn (per ``host``, then in all)."""
         lock, users = self._hosts.get(host, (None, 0))
         if lock is None:
@@ -56,6 +57,6 @@ class PageBuilds:
             else:
                 del self._hosts[host]
 
-    def waiting(self, host: Optional[str]) -> int:
+    def waiting(self, host: str | None) -> int:
         """Requests of ``host`` building or waiting for their turn."""
         return self._hosts.get(host, (None, 0))[1]

@@ -21,9 +21,10 @@ through the TLS layer; not a test's fake request): for the others
 :meth:`Direct.write` is ``request.write``.
 """
 
-from typing import Optional
 
 from twisted.internet import tcp
+
+from ...net.twisted_private import plain_tcp, queued
 
 
 def chunk(data: bytes) -> bytes:
@@ -40,7 +41,7 @@ class Frames:
 
     def __init__(self, data: bytes) -> None:
         self.data = data
-        self._chunked: Optional[bytes] = None
+        self._chunked: bytes | None = None
 
     def chunked(self) -> bytes:
         if self._chunked is None:
@@ -60,17 +61,13 @@ class Direct:
         self.request = request
         self.chunked = bool(getattr(request, "chunked", False))
         channel = getattr(request, "channel", None)
-        transport = getattr(channel, "transport", None)
-        self.transport: Optional[tcp.Connection] = None
-        if isinstance(transport, tcp.Connection) and not getattr(transport, "TLS", False) \
-                and hasattr(transport, "dataBuffer") and hasattr(transport, "_tempDataLen"):
-            self.transport = transport
+        self.transport: tcp.Connection | None = plain_tcp(getattr(channel, "transport", None))
 
     def write_frames(self, frames: Frames) -> None:
         """A live pass's bytes (:class:`Frames`)."""
         self.write(frames.data, frames.chunked() if self.chunked and self.transport else None)
 
-    def write(self, data: bytes, chunked: Optional[bytes] = None) -> None:
+    def write(self, data: bytes, chunked: bytes | None = None) -> None:
         """Write ``data`` (``chunked``: the same as one chunk, if made
         already) after everything written before."""
         transport = self.transport
@@ -81,9 +78,7 @@ class Direct:
             return
         framed = (chunked if chunked is not None else chunk(data)) if self.chunked else data
         self.request.sentLength += len(data)  # (the access log's length)
-        if transport._tempDataLen or len(transport.dataBuffer) > transport.offset \
-                or not transport.connected or transport.disconnecting \
-                or transport._writeDisconnected:
+        if queued(transport):
             transport.write(framed)  # queued behind what is there
             return
         sent = transport.writeSomeData(framed)

@@ -27,7 +27,6 @@ Invariants:
 
 import random
 import re
-from typing import Dict, List, Optional, Tuple
 
 import orjson
 from twisted.internet import defer
@@ -67,7 +66,7 @@ _SECONDS = re.compile(r"[0-9]{1,2}(\.[0-9]{1,3})?")
 
 def offset_text(position: int) -> str:
     """The offset of ``position`` (19 digits: sorts as the number)."""
-    return "%019d" % position
+    return f"{position:019d}"
 
 
 def offset_of(text: str) -> int:
@@ -78,7 +77,7 @@ def offset_of(text: str) -> int:
     return int(text)
 
 
-def cursor(now: float, echoed: Optional[str], rand=random.randint) -> str:
+def cursor(now: float, echoed: str | None, rand=random.randint) -> str:
     """The ``Stream-Cursor`` of an answer (PROTOCOL.md 10.1): the current
     interval, or, when the client echoes one at or past it, that one plus
     1-180 intervals (a jitter of up to an hour), so cursors never go back
@@ -91,7 +90,7 @@ def cursor(now: float, echoed: Optional[str], rand=random.randint) -> str:
     return str(interval)
 
 
-def body_of(columns: List[str], page: Page) -> bytes:
+def body_of(columns: list[str], page: Page) -> bytes:
     """A JSON-mode answer: the page's messages as one JSON array."""
     return b"[" + b",".join([fact_json(columns, f) for f in page.facts]) + b"]"
 
@@ -107,7 +106,7 @@ class _Flow:
 
     def __init__(self) -> None:
         self.paused = False
-        self._resumed: Optional[defer.Deferred] = None
+        self._resumed: defer.Deferred | None = None
         self.stopped = False
 
     def wait(self) -> defer.Deferred:
@@ -153,12 +152,12 @@ class DurableRoutes:
         for key, value in SECURITY.items():
             request.setHeader(key, value)
 
-    async def preflight(self, request, name: Optional[str]):
+    async def preflight(self, request, name: str | None):
         """A browser's CORS preflight."""
         self._headers(request)
         await self.reads.preflight(request, name)
 
-    async def refuse_write(self, request, name: Optional[str]):
+    async def refuse_write(self, request, name: str | None):
         """``PUT``/``POST``/``DELETE``: a stream is declared in the
         configuration (its table, columns and writers) and written through
         the write API; this endpoint only reads."""
@@ -168,9 +167,9 @@ class DurableRoutes:
                              "/_replicator/v1/streams/{stream}/facts",
                         {b"allow": b"GET, HEAD, OPTIONS"})
 
-    async def get(self, request, name: Optional[str]):
+    async def get(self, request, name: str | None):
         self._headers(request)
-        gone: List[object] = []
+        gone: list[object] = []
         finished = request.notifyFinish()
         finished.addErrback(gone.append)
         reader, stream = self.reads.open_stream(request, name)
@@ -215,7 +214,7 @@ class DurableRoutes:
         self.reads.book.reached(reader.name, stream.name, page.next)
         return self._answer(request, stream, since, page, text == "now", echoed)
 
-    def _timeout(self, text: Optional[str]) -> float:
+    def _timeout(self, text: str | None) -> float:
         if text is None:
             return self.long_poll
         if not _SECONDS.fullmatch(text) or float(text) > MAX_TIMEOUT:
@@ -223,7 +222,7 @@ class DurableRoutes:
                                                  f"to {MAX_TIMEOUT}, got {excerpt(text)}")
         return float(text)
 
-    async def _start(self, stream, text: Optional[str]) -> Tuple[int, bool]:
+    async def _start(self, stream, text: str | None) -> tuple[int, bool]:
         """``(position, from the oldest retained fact)`` of ``offset``;
         400 for a malformed one or one beyond the stream's sequence."""
         if text is None or text == "-1":
@@ -246,13 +245,13 @@ class DurableRoutes:
     def _at(self, stream, position: int) -> Positions:
         return {w: position for w in stream.config.writers}
 
-    def _page(self, stream, since: Positions, host, max_bytes: Optional[int] = None):
+    def _page(self, stream, since: Positions, host, max_bytes: int | None = None):
         tail = self.tail(stream)
         return self.reads.page(stream, since, LIMIT, {w: tail for w in since}, host,
                                max_bytes)
 
     async def _first(self, stream, start: int, oldest: bool, host,
-                     max_bytes: Optional[int] = None) -> Tuple[int, Page]:
+                     max_bytes: int | None = None) -> tuple[int, Page]:
         """``(start, page)``: the first page, the start moved up to the
         trim boundary when reading from the oldest retained fact."""
         since = self._at(stream, start)
@@ -265,7 +264,7 @@ class DurableRoutes:
                 since = {w: max(p, e.boundary) for w, p in since.items()}
 
     def _answer(self, request, stream, start: int, page: Page, now: bool,
-                echoed: Optional[str]):
+                echoed: str | None):
         columns = list(stream.config.column_names)
         body = body_of(columns, page)
         headers = {b"stream-next-offset": offset_text(end_of(page)).encode(),
@@ -287,7 +286,7 @@ class DurableRoutes:
 
     # ---------------------------------------------------------------- SSE
     async def _sse(self, request, reader, stream, start: int, oldest: bool,
-                   echoed: Optional[str], gone: List[object], finished: defer.Deferred,
+                   echoed: str | None, gone: list[object], finished: defer.Deferred,
                    host):
         """``live=sse``: ``event: data`` (a JSON array of messages) and
         ``event: control`` after each, pages read at the client's pace
@@ -300,7 +299,7 @@ class DurableRoutes:
         self.reads.slots.take(host)
         self.reads.book.opened(reader.name, stream.name)
         flow = _Flow()
-        woke: List[defer.Deferred] = []
+        woke: list[defer.Deferred] = []
 
         def wake(_=None) -> None:
             # Only the wait under way: firing it runs the loop on to its
@@ -318,7 +317,7 @@ class DurableRoutes:
             request.setHeader(b"x-accel-buffering", b"no")
             request.registerProducer(flow, True)
             deadline = self._clock.seconds() + self.sse_seconds
-            page: Optional[Page] = first
+            page: Page | None = first
             since = self._at(stream, start)
             while not gone and not flow.stopped:
                 if page is None:
@@ -329,7 +328,7 @@ class DurableRoutes:
                 if gone:
                     break
                 end = end_of(page)
-                control: Dict[str, object] = {
+                control: dict[str, object] = {
                     "streamNextOffset": offset_text(end),
                     "streamCursor": cursor(self._clock.seconds(), echoed)}
                 if not page.full:

@@ -21,7 +21,7 @@ came encoded by the same format's ``fact`` splices them as they are.
 """
 
 import re
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import orjson
 
@@ -46,7 +46,7 @@ class PageFormat:
         (``encoded`` as they are if not None)."""
         raise NotImplementedError
 
-    def body(self, stream_name: str, columns: List[str], page) -> bytes:
+    def body(self, stream_name: str, columns: list[str], page) -> bytes:
         """The whole answer for a :class:`.pages.Page`."""
         raise NotImplementedError
 
@@ -107,7 +107,7 @@ def _ranges(header: str):
             yield m.group(1), m.group(2), q
 
 
-def negotiate(values: Optional[List[bytes]]) -> PageFormat:
+def negotiate(values: list[bytes] | None) -> PageFormat:
     """The format a request's ``Accept`` header(s) ``values`` ask for:
     the highest ``q``, then the most specific match, then the default;
     the default if no header or no well-formed media range; 406 if

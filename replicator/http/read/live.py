@@ -40,7 +40,8 @@ Invariants:
 
 import itertools
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Set
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from twisted.internet import defer, task
@@ -77,8 +78,8 @@ class LiveFeed:
         self._last = -1e9  # when the last read started
         self._timer = None
         self.position: Positions = bounds(stream)
-        self.clients: Set[Any] = set()  # event streams (sse.EventStream) reading live
-        self._moved: List[defer.Deferred] = []  # catch-up clients waiting for a move
+        self.clients: set[Any] = set()  # event streams (sse.EventStream) reading live
+        self._moved: list[defer.Deferred] = []  # catch-up clients waiting for a move
         self._running = False
         self._again = False
         self._retry = None
@@ -86,7 +87,7 @@ class LiveFeed:
         # The log: segment k (``_seq - len(_log) < k <= _seq``) holds the
         # events from boundary k - 1 to boundary k; ``_seq`` is the head's.
         self._seq = 0
-        self._log: Deque[bytes] = deque()
+        self._log: deque[bytes] = deque()
         self._passing = False
         watch.always(stream, self.advanced)
 
@@ -203,10 +204,10 @@ class LiveFeed:
             self._passing = False
             self._trim()
 
-    def _write(self, clients: List[Any]) -> None:
+    def _write(self, clients: list[Any]) -> None:
         """Each of ``clients`` still live the segments it does not have
         (one :class:`.direct.Frames` per place in the log, this turn)."""
-        shared: Dict[int, Frames] = {}
+        shared: dict[int, Frames] = {}
         seq, position = self._seq, self.position
         for client in clients:
             if client not in self.clients or client.seq == seq:

@@ -19,15 +19,17 @@ Invariants:
 * A *full* page (``limit`` facts, or ``max_bytes`` reached) ends at its
   last fact: ``next[W]`` is at most that fact's ID for every writer, so
   the page depends only on the token, ``limit`` and ``max_bytes``.  If
-  that ID is at or below the stream's linear token, every fact the page could hold is final: the page is *final*
+  that ID is at or below the stream's linear token, every fact the page could hold is final: the
+  page is *final*
   (and cacheable forever if also at or below the persisted positions,
   :mod:`.persisted`).  A page that is not full ends at the bounds, which
   move: it is never final.
 """
 
 import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any
 
 import orjson
 from twisted.internet import threads
@@ -39,7 +41,7 @@ from .tokens import Positions, encode
 #: being the fact as the API shows it, encoded (:func:`fact_json`), or None
 #: when it is encoded only when needed.  (When PostgreSQL built the JSON,
 #: ``rows`` holds each row's JSON text, not its values.)
-PageFact = Tuple[int, str, List[list], Optional[bytes]]
+PageFact = tuple[int, str, list[list], bytes | None]
 _first = itemgetter(0)
 
 
@@ -48,7 +50,7 @@ class Page:
 
     __slots__ = ("facts", "next", "full", "final")
 
-    def __init__(self, facts: List[PageFact], next_positions: Positions, full: bool,
+    def __init__(self, facts: list[PageFact], next_positions: Positions, full: bool,
                  final: bool):
         self.facts = facts
         self.next = next_positions
@@ -57,9 +59,9 @@ class Page:
 
 
 async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: int,
-                    final_below: Optional[int] = None,
-                    columns: Optional[Sequence[str]] = None,
-                    max_bytes: Optional[int] = None, form=None) -> Page:
+                    final_below: int | None = None,
+                    columns: Sequence[str] | None = None,
+                    max_bytes: int | None = None, form=None) -> Page:
     """The page of ``stream`` after ``since`` (a position per writer),
     bounded by ``bounds`` (per writer), at most ``limit`` facts.  A full
     page ending at or below ``final_below`` (the linear token) is final.
@@ -68,7 +70,7 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     answer is read from the table in one trip to a pool thread for every
     writer, counted in facts, and those facts come encoded (their JSON
     built by PostgreSQL or in the pool thread); without, one
-    :meth:`fact_page` at a time.  Both give the same page, byte for byte
+    :meth:`.Stream.fact_page` at a time.  Both give the same page, byte for byte
     once encoded (tests/test_read_api_json.py).
 
     With ``max_bytes`` (and ``columns``) every fact of the page comes
@@ -79,10 +81,10 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     ``form`` (a :class:`.formats.PageFormat`, JSON if None) is how facts
     are encoded, and what ``max_bytes`` counts."""
     encode_fact = fact_json if form is None else form.fact
-    found: List[PageFact] = []
-    scanned: Dict[str, int] = {}
-    table: List[Tuple[str, int, int, int]] = []  # (writer, from, to, facts) to read
-    writers_found: Set[str] = set()
+    found: list[PageFact] = []
+    scanned: dict[str, int] = {}
+    table: list[tuple[str, int, int, int]] = []  # (writer, from, to, facts) to read
+    writers_found: set[str] = set()
     for writer in sorted(since):
         start = since[writer]
         bound = bounds.get(writer, start)
@@ -110,12 +112,12 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
         names = list(columns)
         json_rows = stream.json_rows and (form is None or form.row_json)
 
-        def encode_facts(pages: List[Any]) -> List[List[PageFact]]:
+        def encode_facts(pages: list[Any]) -> list[list[PageFact]]:
             """Each writer's facts as a page holds them, encoded (in the
             pool thread); with ``max_bytes``, each writer's page cut after
             the fact that reaches it (the merged page ends there or before:
             it holds at least as many bytes by then)."""
-            out: List[List[PageFact]] = []
+            out: list[list[PageFact]] = []
             for i, ((writer, _, _, _), page) in enumerate(zip(table, pages)):
                 if json_rows:
                     jsons = rows_json_facts(writer, page[0])
@@ -158,7 +160,7 @@ async def read_page(stream, since: Positions, bounds: Mapping[str, int], limit: 
     return Page(found, next_positions, full, final)
 
 
-def bytes_end(jsons: Sequence[bytes], max_bytes: Optional[int]) -> int:
+def bytes_end(jsons: Sequence[bytes], max_bytes: int | None) -> int:
     """How many of ``jsons`` a page holds: up to the one whose bytes bring
     the total to ``max_bytes`` (all with None)."""
     if max_bytes is None:
@@ -176,9 +178,9 @@ def bytes_end(jsons: Sequence[bytes], max_bytes: Optional[int]) -> int:
 THREAD_ENCODE_ROWS = 256
 
 
-async def with_json(columns: List[str], facts: List[PageFact], max_bytes: int,
-                    encode_fact: Optional[Callable[[Sequence[str], PageFact], bytes]] = None,
-                    ) -> Tuple[List[PageFact], bool]:
+async def with_json(columns: list[str], facts: list[PageFact], max_bytes: int,
+                    encode_fact: Callable[[Sequence[str], PageFact], bytes] | None = None,
+                    ) -> tuple[list[PageFact], bool]:
     """``(facts, reached)``: ``facts`` each encoded (by ``encode_fact``,
     by default its JSON, :func:`fact_json`)
     up to the one whose JSON brings them to ``max_bytes`` (none encoded
@@ -186,8 +188,8 @@ async def with_json(columns: List[str], facts: List[PageFact], max_bytes: int,
     encoded in a thread."""
     encode = encode_fact or fact_json
 
-    def encode_all() -> Tuple[List[PageFact], bool]:
-        out: List[PageFact] = []
+    def encode_all() -> tuple[list[PageFact], bool]:
+        out: list[PageFact] = []
         size = 0
         for f in facts:
             j = f[3]
@@ -223,7 +225,7 @@ def fact_json(columns: Sequence[str], fact: PageFact) -> bytes:
     return encoded if encoded is not None else kept(orjson.dumps(fact_object(columns, fact)))
 
 
-def rows_json_facts(writer: str, facts: List[Tuple[int, List[str]]]) -> List[bytes]:
+def rows_json_facts(writer: str, facts: list[tuple[int, list[str]]]) -> list[bytes]:
     """Each fact's JSON (as :func:`fact_json`) from its rows as JSON texts
     (PostgreSQL built them: :func:`replicator.streams.pages.row_json_sql`)."""
     w = orjson.dumps(writer)
@@ -237,7 +239,7 @@ _BODY_FACTS = b',"facts":['
 _BODY_NEXT = b'],"next":'
 
 
-def page_body(stream_name: str, columns: List[str], page: Page) -> bytes:
+def page_body(stream_name: str, columns: list[str], page: Page) -> bytes:
     """A page's JSON answer (one line): exactly ``orjson.dumps({"stream",
     "facts", "next"})``, with each fact's JSON spliced in as
     :func:`fact_json` gives it (so facts encoded in the pool thread are
@@ -258,7 +260,7 @@ def etag(body: bytes) -> bytes:
     return b'"' + hashlib.sha256(body).hexdigest()[:40].encode("ascii") + b'"'
 
 
-def matches(if_none_match: Optional[bytes], tag: bytes) -> bool:
+def matches(if_none_match: bytes | None, tag: bytes) -> bool:
     """Whether an ``If-None-Match`` header names ``tag`` (weak comparison,
     as RFC 9110 asks for If-None-Match)."""
     if not if_none_match:

@@ -2,7 +2,7 @@
 naming it (``{"error": "...", "parameter": "limit"}``)."""
 
 import re
-from typing import Dict, Mapping, Optional
+from collections.abc import Mapping
 
 from ..answers import HttpError, excerpt
 from .tokens import Positions, TokenError, decode
@@ -16,7 +16,7 @@ class ParameterError(HttpError):
     """A 4xx about one parameter (named in the answer's ``parameter``)."""
 
     def __init__(self, code: int, parameter: str, message: str,
-                 headers: Optional[Dict[bytes, bytes]] = None):
+                 headers: dict[bytes, bytes] | None = None):
         super().__init__(code, message, headers)
         self.extra = {"parameter": parameter}
 
@@ -40,7 +40,7 @@ class TrimmedError(ParameterError):
         return TrimmedError(parameter, self.writer, self.since, self.boundary)
 
 
-def one(args: Mapping[bytes, list], name: str) -> Optional[str]:
+def one(args: Mapping[bytes, list], name: str) -> str | None:
     """The value of parameter ``name`` (None if absent); 400 if given twice
     or not UTF-8."""
     values = args.get(name.encode("ascii"))
@@ -82,7 +82,7 @@ def wait_of(args) -> float:
     return float(text)
 
 
-def positions_of(text: Optional[str], stream, now: Positions) -> Positions:
+def positions_of(text: str | None, stream, now: Positions) -> Positions:
     """The positions a ``from`` token names in ``stream`` (absent: 0, the
     beginning, which the routes move up to the trim boundary; ``now``:
     ``now``); 400 for a malformed or foreign token."""

@@ -16,7 +16,7 @@ counts as 0 (nothing is final), and is not logged: the page read next to
 it says what is wrong.
 """
 
-from typing import Any, Dict, Tuple
+from typing import Any
 
 from twisted.internet import defer
 
@@ -29,8 +29,8 @@ class PersistedLinear:
     def __init__(self, clock, max_age: float = 1.0):
         self._clock = clock
         self.max_age = max_age
-        self._known: Dict[str, Tuple[float, int]] = {}  # stream -> (read at, position)
-        self._reading: Dict[str, defer.Deferred] = {}
+        self._known: dict[str, tuple[float, int]] = {}  # stream -> (read at, position)
+        self._reading: dict[str, defer.Deferred] = {}
 
     async def get(self, stream) -> int:
         known = self._known.get(stream.name)

@@ -31,7 +31,8 @@ Invariants:
 """
 
 from collections import OrderedDict
-from typing import Any, Callable, Coroutine, Optional, Tuple
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from twisted.internet import defer
 
@@ -47,7 +48,7 @@ DEPTH = 3
 TTL = 5.0
 
 #: ``(stream, positions, limit, format)``: what a page is built from.
-Key = Tuple[str, Tuple[Tuple[str, int], ...], int, str]
+Key = tuple[str, tuple[tuple[str, int], ...], int, str]
 Build = Callable[[Positions], Coroutine[Any, Any, Page]]
 
 
@@ -69,8 +70,8 @@ class _Ahead:
 
     def __init__(self, born: float, more: int):
         self.born = born
-        self.d: "Optional[defer.Deferred[Optional[Page]]]" = None
-        self.page: Optional[Page] = None
+        self.d: defer.Deferred[Page | None] | None = None
+        self.page: Page | None = None
         self.more = more
 
 
@@ -82,13 +83,13 @@ class ReadAhead:
         self.entries = entries
         self.ttl = ttl
         self.depth = depth
-        self._built: "OrderedDict[Key, _Ahead]" = OrderedDict()
-        self._served: "OrderedDict[Key, float]" = OrderedDict()
+        self._built: OrderedDict[Key, _Ahead] = OrderedDict()
+        self._served: OrderedDict[Key, float] = OrderedDict()
         self._sweep = None  # the call that drops what grew too old, while a page is held
         self.used = 0  # pages handed out from here
         self.wasted = 0  # pages built ahead and never used (or not final and full)
 
-    async def take(self, k: Key) -> Optional[Page]:
+    async def take(self, k: Key) -> Page | None:
         """The page built ahead for ``k`` if there is one still fresh, and
         full and final; else None (the caller builds it)."""
         self._expire()
@@ -153,7 +154,7 @@ class ReadAhead:
                 self._extend(_after(k, page), build, entry.more)
             return page
 
-        d: "defer.Deferred[Optional[Page]]" = defer.ensureDeferred(build(dict(k[1])))
+        d: defer.Deferred[Page | None] = defer.ensureDeferred(build(dict(k[1])))
         d.addCallbacks(built, lambda _: None)
         entry.d = d
 

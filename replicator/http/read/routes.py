@@ -12,7 +12,6 @@ trimmed by retention), then 503 when too many reads are open already
 (long-polls that wait, event streams).
 """
 
-from typing import Dict, List, Optional, Tuple
 
 from twisted.internet import defer, threads
 from twisted.logger import Logger
@@ -63,8 +62,8 @@ class ReadRoutes:
         self.max_page_bytes = max_page_bytes
         self.builds = PageBuilds()  # page reads at once (per address, in all)
         self.readahead = readahead.ReadAhead(clock)  # pages built ahead for walking readers
-        self._live: Dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
-        self._failing: Dict[str, int] = {}  # page reads failed per stream (an outage)
+        self._live: dict[str, LiveFeed] = {}  # stream name -> its live feed (.live)
+        self._failing: dict[str, int] = {}  # page reads failed per stream (an outage)
         from .durable import DurableRoutes
 
         self.durable = DurableRoutes(self, clock)  # the same, as Durable Streams
@@ -90,7 +89,7 @@ class ReadRoutes:
         return out
 
     # ------------------------------------------------------------ common
-    async def preflight(self, request, name: Optional[str]):
+    async def preflight(self, request, name: str | None):
         """``OPTIONS``: a browser's CORS preflight of a cross-origin read
         (one that sends ``Authorization`` or ``Last-Event-ID``)."""
         request.setResponseCode(204)
@@ -103,7 +102,7 @@ class ReadRoutes:
         request.setHeader(b"cache-control", b"no-store")
         request.finish()
 
-    def open_stream(self, request, name: Optional[str]):
+    def open_stream(self, request, name: str | None):
         """``(reader, stream)`` for a request, or the 401/403/404/503."""
         for key, value in CORS.items():
             request.setHeader(key, value)
@@ -128,7 +127,7 @@ class ReadRoutes:
         current = stream.id_gen.get_positions()
         return {w: current.get(w, 0) for w in stream.config.writers}
 
-    async def start_positions(self, stream, text: Optional[str]) -> Positions:
+    async def start_positions(self, stream, text: str | None) -> Positions:
         """Where a read starts (``from``); 400 for a bad token, or one
         beyond what the stream's sequence ever handed out."""
         now = self.bounds(stream)
@@ -145,8 +144,8 @@ class ReadRoutes:
         return since
 
     # ------------------------------------------------------------- pages
-    async def facts(self, request, name: Optional[str]):
-        gone: List[object] = []  # the client went away (heard from the start: see events)
+    async def facts(self, request, name: str | None):
+        gone: list[object] = []  # the client went away (heard from the start: see events)
         finished = request.notifyFinish()
         finished.addErrback(gone.append)
         reader, stream = self.open_stream(request, name)
@@ -173,8 +172,8 @@ class ReadRoutes:
         return await self._page_answer(request, stream, page, form)
 
     async def first_page(self, stream, since: Positions, limit: int, oldest: bool,
-                         host: Optional[str], form: formats.PageFormat = formats.JSON,
-                         ) -> Tuple[Positions, Page]:
+                         host: str | None, form: formats.PageFormat = formats.JSON,
+                         ) -> tuple[Positions, Page]:
         """``(start, page)``: the page after ``since``; with ``oldest`` (no
         token given: from the oldest retained fact) ``since`` moved up to
         the trim boundary first if retention trimmed below it, else 410
@@ -189,8 +188,8 @@ class ReadRoutes:
                 since = {w: max(p, e.boundary) for w, p in since.items()}
 
     async def page(self, stream, since: Positions, limit: int,
-                   bounds: Optional[Positions] = None, host: Optional[str] = None,
-                   max_bytes: Optional[int] = None,
+                   bounds: Positions | None = None, host: str | None = None,
+                   max_bytes: int | None = None,
                    form: formats.PageFormat = formats.JSON) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
         the writers' current tokens), at most ``max_page_bytes`` of facts
@@ -225,10 +224,10 @@ class ReadRoutes:
             page.final = page.facts[-1][0] <= await self.persisted.get(stream)
         return page
 
-    async def _long_poll(self, finished: defer.Deferred, gone: List[object], request,
+    async def _long_poll(self, finished: defer.Deferred, gone: list[object], request,
                          reader: Reader, stream, page: Page, limit: int,
                          wait: float, form: formats.PageFormat = formats.JSON,
-                         again=None) -> Optional[Page]:
+                         again=None) -> Page | None:
         """Wait up to ``wait`` seconds for a fact after ``page.next``; each
         move of the stream reads the page after it again (``again(positions)``,
         by default :meth:`page` in ``form`` up to the writers' current tokens)."""
@@ -238,7 +237,7 @@ class ReadRoutes:
                 return self.page(stream, after, limit, host=host, form=form)
         self.slots.take(host)
         self.book.opened(reader.name, stream.name)
-        woke: Optional[defer.Deferred] = None
+        woke: defer.Deferred | None = None
 
         def wake(_=None) -> None:
             if woke is not None and not woke.called:
@@ -287,12 +286,12 @@ class ReadRoutes:
         return Response(body, form.media_type, headers)
 
     # ------------------------------------------------------------ events
-    async def events(self, request, name: Optional[str]):
+    async def events(self, request, name: str | None):
         """A Server-Sent Events stream of ``stream``'s facts (:mod:`.sse`)
         from ``Last-Event-ID`` if given, else ``from``."""
         # Heard from the start: a client that goes while the start is
         # checked must not leave a stream (and a slot) behind.
-        gone: List[object] = []
+        gone: list[object] = []
         finished = request.notifyFinish()
         finished.addErrback(gone.append)
         reader, stream = self.open_stream(request, name)

@@ -21,7 +21,7 @@ and it asks the table for about as many facts as one write holds
 (:func:`next_limit`), not for many more that the page's cut would drop.
 """
 
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import orjson
 from twisted.internet import defer
@@ -29,6 +29,7 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from ...net.twisted_private import waiting_for_transport
 from ..answers import HttpError
 from .direct import Direct, Frames
 from .live import event
@@ -81,7 +82,7 @@ class SseClient:
 
     def __init__(self, request, stream, feed, position: Positions,
                  read_page: Callable, clock, heartbeat: float,
-                 finished: Optional[defer.Deferred] = None):
+                 finished: defer.Deferred | None = None):
         self.request = request
         self.stream = stream
         self.feed = feed
@@ -94,8 +95,8 @@ class SseClient:
         self.live = False
         self.seq = 0  # its place in the feed's log while live (.live)
         self.switched = 0  # times it left the feed for the table
-        self.ended_by: Optional[HttpError] = None  # why the server ended it, if it did
-        self._resumed: Optional[defer.Deferred] = None
+        self.ended_by: HttpError | None = None  # why the server ended it, if it did
+        self._resumed: defer.Deferred | None = None
         self._ping = None
         self._out = Direct(request)  # (remade once the head is sent: see start)
         self.done: defer.Deferred[None] = defer.Deferred()  # fires when the stream ends
@@ -114,7 +115,7 @@ class SseClient:
         if channel is not None and hasattr(channel, "setTimeout"):
             channel.setTimeout(None)  # heartbeats keep it going, not client bytes
         request.registerProducer(self, True)
-        if getattr(channel, "_waitingForTransport", False):
+        if waiting_for_transport(channel):
             self.paused = True
         self._finished.addBoth(self._gone)
         request.write(RETRY)
@@ -158,7 +159,7 @@ class SseClient:
                         stream=name)
             self.close()
 
-    async def _next_page(self, bounds: Positions, limit: int) -> Tuple[bool, int]:
+    async def _next_page(self, bounds: Positions, limit: int) -> tuple[bool, int]:
         """Read the page after the client's position (at most ``limit``
         facts, up to ``bounds``) and write it: ``(whether it held facts,
         the next page's limit)``.  The page is let go when this returns:

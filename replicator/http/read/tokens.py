@@ -19,11 +19,11 @@ anything but :class:`TokenError`, whatever the text, and reads at most
 
 import base64
 import binascii
-from typing import Dict, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import orjson
 
-Positions = Dict[str, int]
+Positions = dict[str, int]
 
 PREFIX = "v1."
 #: The longest token read (a stream of many writers with long names fits).

@@ -8,7 +8,7 @@ that stream: long-polls re-read their page, the event streams' live
 encoder (:mod:`.live`) reads the new facts once for all its clients.
 """
 
-from typing import Callable, Dict, List, Set
+from collections.abc import Callable
 
 Wake = Callable[[], None]
 
@@ -17,10 +17,10 @@ class StreamWatch:
     """Callbacks waiting for a stream's positions to move (reactor thread)."""
 
     def __init__(self):
-        self._waiting: Dict[str, List[Wake]] = {}
-        self._always: Dict[str, List[Wake]] = {}
-        self._watched: Set[int] = set()  # id() of the generators listened to
-        self._generators: List[object] = []  # kept alive, so their id()s stay theirs
+        self._waiting: dict[str, list[Wake]] = {}
+        self._always: dict[str, list[Wake]] = {}
+        self._watched: set[int] = set()  # id() of the generators listened to
+        self._generators: list[object] = []  # kept alive, so their id()s stay theirs
 
     def _listen(self, stream) -> None:
         gen = stream.id_gen

@@ -19,7 +19,8 @@ stopping.  Otherwise the gap is raised as before and the stream stops
 boundary is gone, and every consumer that needed one of them had accepted.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from twisted.logger import Logger
 
@@ -32,11 +33,11 @@ from .reader import Source, maybe_await
 log = Logger(namespace="replicator.retention")
 
 
-def _behind(consumers: Sequence[Consumer], key: Tuple[str, str], boundary: int
-            ) -> Optional[List[Consumer]]:
+def _behind(consumers: Sequence[Consumer], key: tuple[str, str], boundary: int
+            ) -> list[Consumer] | None:
     """The consumers below ``boundary`` for ``key`` if every one of them
     accepted the gap (and there is one), else None."""
-    behind: List[Consumer] = []
+    behind: list[Consumer] = []
     for consumer in consumers:
         accepted = (cast(Any, consumer).accepted_gap(*key)
                     if IAcceptsTrimmed.providedBy(consumer) else None)

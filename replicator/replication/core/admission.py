@@ -16,7 +16,7 @@ be true.  Readers share the writers' database, so:
   token), on all connections together, hold fewer than ``max_batch_rows``
   rows, at most ``max_batch_bytes`` bytes of lines, and rows that take at
   most ``DECODED_FACTOR * max_batch_bytes`` bytes once decoded
-  (:func:`.fields.decoded_size`, an over-estimate: what a fact costs in
+  (:func:`.parsing.decoded_size`, an over-estimate: what a fact costs in
   memory, not on the wire, when it completes and is parsed).  The rows of
   a partial batch are kept as their lines (see :mod:`.reader`), so what a
   peer makes us hold is about what it sent.
@@ -41,7 +41,8 @@ Invariants:
 """
 
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
@@ -57,7 +58,7 @@ from ..wire.parsing import decoded_size
 
 log = Logger()
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 
 #: Reasons of a refusal (the ``reason`` label of the metric).
 BEYOND_SEQUENCE = "beyond_sequence"
@@ -72,7 +73,7 @@ DECODED_FACTOR = 4
 
 #: ``accept(conn, key, cmd, line)`` / ``refuse(conn, key, reason, text)`` /
 #: ``stale(conn, key)``
-Accept = Callable[[Any, Key, Any, Optional[bytes]], None]
+Accept = Callable[[Any, Key, Any, bytes | None], None]
 Refuse = Callable[[Any, Key, str, str], None]
 Stale = Callable[[Any, Key], None]
 
@@ -84,10 +85,10 @@ class _Gate:
 
     def __init__(self) -> None:
         # Commands waiting behind a claim: (key, stream, cmd, line, needed read).
-        self.held: Deque[Tuple[Any, ...]] = deque()
+        self.held: deque[tuple[Any, ...]] = deque()
         self.waiting = False
         # writer -> (stream, [rows, bytes, decoded]) of its partial batch here
-        self.batches: Dict[str, Tuple[str, List[int]]] = {}
+        self.batches: dict[str, tuple[str, list[int]]] = {}
 
 
 class _Sequence:
@@ -100,7 +101,7 @@ class _Sequence:
         self.started = 0  # reads started so far
         self.finished = 0  # the number of the last read that answered
         self.reading = False
-        self.waiters: List[Any] = []  # connections waiting for a read
+        self.waiters: list[Any] = []  # connections waiting for a read
         self.outage = outage  # reads failing: their backoff and log lines
 
 
@@ -112,9 +113,10 @@ class Admission:
     to ``refuse``, both in each connection's arrival order.
     """
 
-    def __init__(self, registry: StreamRegistry, accept: Accept, refuse: Refuse, clock: IReactorTime,
+    def __init__(self, registry: StreamRegistry, accept: Accept, refuse: Refuse,
+                 clock: IReactorTime,
                  max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 retry_delay: float = 1.0, stale: Optional[Stale] = None) -> None:
+                 retry_delay: float = 1.0, stale: Stale | None = None) -> None:
         self.registry = registry
         self._accept = accept
         self._refuse = refuse
@@ -123,17 +125,17 @@ class Admission:
         self.max_batch_rows = max_batch_rows
         self.max_batch_bytes = max_batch_bytes
         self.retry_delay = retry_delay
-        self._gates: Dict[Any, _Gate] = {}
+        self._gates: dict[Any, _Gate] = {}
         # writer key -> [rows, bytes, decoded] of its partial batches, all connections
-        self._writers: Dict[Key, List[int]] = {}
-        self._sequences: Dict[str, _Sequence] = {}
-        self._checks: Dict[str, WireRowCheck] = {}
-        self._retries: Dict[str, Any] = {}
+        self._writers: dict[Key, list[int]] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self._checks: dict[str, WireRowCheck] = {}
+        self._retries: dict[str, Any] = {}
         self._stopping = False
 
     # ------------------------------------------------------------ lines in
     def offer(self, conn: IReplicationConnection, stream: Stream, key: Key, cmd: Any,
-              line: Optional[bytes]) -> None:
+              line: bytes | None) -> None:
         """An RDATA or POSITION of ``key`` from ``conn`` (``line``: its wire
         bytes, newline included)."""
         gate = self._gates.get(conn)
@@ -145,7 +147,7 @@ class Admission:
         self._admit(conn, gate, key, stream, cmd, line, 0)
 
     def _admit(self, conn: IReplicationConnection, gate: _Gate, key: Key, stream: Stream, cmd: Any,
-               line: Optional[bytes], needed: int) -> bool:
+               line: bytes | None, needed: int) -> bool:
         """Admit, refuse or hold one command; False once the gate waits."""
         rdata = cmd.NAME == "RDATA"
         open_batch = gate.batches.get(key[1])
@@ -193,7 +195,7 @@ class Admission:
         self._call_accept(conn, key, cmd, line)
         return True
 
-    def _add_to_batch(self, gate: _Gate, key: Key, line: Optional[bytes]) -> Optional[str]:
+    def _add_to_batch(self, gate: _Gate, key: Key, line: bytes | None) -> str | None:
         """Count one ``batch`` line of ``key`` on ``gate``'s connection, for
         the connection and for the writer; why the writer's partial batches
         are now too large, or None."""
@@ -235,7 +237,7 @@ class Admission:
                 del self._writers[key]
 
     def _call_accept(self, conn: IReplicationConnection, key: Key, cmd: Any,
-                     line: Optional[bytes]) -> None:
+                     line: bytes | None) -> None:
         try:
             self._accept(conn, key, cmd, line)
         except Exception:

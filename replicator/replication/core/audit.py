@@ -52,7 +52,8 @@ import json
 import random
 from array import array
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import orjson
 from twisted.application.service import Service
@@ -109,7 +110,7 @@ class Mismatch(NamedTuple):
     missing: Sequence[int]
     extra: Sequence[int]
     resized: Sequence[int]
-    counts: Tuple[int, int, int]
+    counts: tuple[int, int, int]
     how: str  # what found it: "audit", or "late fact"
 
     @property
@@ -139,7 +140,7 @@ class Window(NamedTuple):
     hi: int
     ids: "array[int]"
     rows: "array[int]"
-    sample: Dict[int, int]  # id -> rows_digest of what was handed on
+    sample: dict[int, int]  # id -> rows_digest of what was handed on
 
 
 class DeliveredLog:
@@ -151,7 +152,7 @@ class DeliveredLog:
 
     __slots__ = ("lo", "sampled", "_ids", "_rows", "_sample", "_seen")
 
-    def __init__(self, lo: Optional[int], sampled: bool = True) -> None:
+    def __init__(self, lo: int | None, sampled: bool = True) -> None:
         self.lo = lo
         #: Whether contents are sampled (not for Synapse's tables: what a
         #: Synapse writer sends need not be what we read of its row).
@@ -159,9 +160,9 @@ class DeliveredLog:
         self._reset()
 
     def _reset(self) -> None:
-        self._ids: "array[int]" = array("q")
-        self._rows: "array[int]" = array("q")
-        self._sample: Dict[int, int] = {}
+        self._ids: array[int] = array("q")
+        self._rows: array[int] = array("q")
+        self._sample: dict[int, int] = {}
         self._seen = 0
 
     def add(self, token: int, rows: Sequence[Any]) -> None:
@@ -169,7 +170,7 @@ class DeliveredLog:
         self._rows.append(len(rows))
         self._draw(token, rows)
 
-    def add_page(self, facts: Iterable[Tuple[int, Sequence[Any]]]) -> None:
+    def add_page(self, facts: Iterable[tuple[int, Sequence[Any]]]) -> None:
         ids, counts = self._ids, self._rows
         for token, fact_rows in facts:
             ids.append(token)
@@ -193,13 +194,13 @@ class DeliveredLog:
                 del sample[random.choice(list(sample))]
                 sample[token] = digest
 
-    def restart(self, position: Optional[int]) -> None:
+    def restart(self, position: int | None) -> None:
         """Forget the open window; the next starts at ``position`` (a
         rewind, or the reader's first position)."""
         self.lo = position
         self._reset()
 
-    def seal(self, position: Optional[int]) -> Optional[Window]:
+    def seal(self, position: int | None) -> Window | None:
         """Close the open window at ``position`` (the reader's): the
         window, or None if it would be empty of IDs."""
         if position is None:
@@ -218,7 +219,7 @@ class DeliveredLog:
         return len(self._ids)
 
 
-def _digest_or_none(rows: Sequence[Any]) -> Optional[int]:
+def _digest_or_none(rows: Sequence[Any]) -> int | None:
     """:func:`rows_digest`, or None (not sampled) for rows it cannot take:
     the audit never stands in the way of a delivery."""
     try:
@@ -239,8 +240,8 @@ def delivered_tally(window: Window, above: int) -> Tally:
 
 
 def difference(stream: str, writer: str, since: int, upto: int, window: Window,
-               table: Sequence[Tuple[int, int]], how: str = "audit",
-               altered: Sequence[int] = (), keeps_facts: bool = True) -> Optional[Mismatch]:
+               table: Sequence[tuple[int, int]], how: str = "audit",
+               altered: Sequence[int] = (), keeps_facts: bool = True) -> Mismatch | None:
     """The :class:`Mismatch` between the window's facts above ``since``
     and ``table``'s ``(id, rows)`` of ``(since, upto]`` (None: equal);
     ``altered``: facts whose rows the sample found different.  A table
@@ -279,7 +280,7 @@ class Auditor(Service):
     ``found(mismatch)`` is told of each difference (once per (stream,
     writer): the handler stops that stream)."""
 
-    def __init__(self, readers: Callable[[], Dict[Tuple[str, str], Tuple[Any, Any]]],
+    def __init__(self, readers: Callable[[], dict[tuple[str, str], tuple[Any, Any]]],
                  found: Callable[[Mismatch], None], clock: IReactorTime, *,
                  interval: float = INTERVAL, first_check: float = FIRST_CHECK,
                  recheck: float = RECHECK, max_held: int = MAX_HELD) -> None:
@@ -290,11 +291,11 @@ class Auditor(Service):
         self.first_check = first_check
         self.recheck = max(recheck, first_check)
         self.max_held = max_held
-        self._due: Deque[_Due] = deque()  # first checks, in time order
-        self._final: Deque[_Due] = deque()  # second checks, in time order
+        self._due: deque[_Due] = deque()  # first checks, in time order
+        self._final: deque[_Due] = deque()  # second checks, in time order
         self._held = 0  # facts in self._final
-        self._loop: Optional[task.LoopingCall] = None
-        self._running: Optional[defer.Deferred[Any]] = None
+        self._loop: task.LoopingCall | None = None
+        self._running: defer.Deferred[Any] | None = None
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
@@ -316,7 +317,7 @@ class Auditor(Service):
         """Facts held for a check (first or second)."""
         return self._held + sum(len(d.window.ids) for d in self._due)
 
-    def tick(self) -> Optional[defer.Deferred[Any]]:
+    def tick(self) -> defer.Deferred[Any] | None:
         """Seal every reader's log; start the checks that are due (one
         pass at a time)."""
         now = self._clock.seconds()
@@ -374,13 +375,13 @@ class Auditor(Service):
                                                 final=True))
                 self._held += len(due.window.ids)
 
-    def _drop(self, queue: Deque[_Due]) -> None:
+    def _drop(self, queue: deque[_Due]) -> None:
         due = queue.popleft()
         if queue is self._final:
             self._held -= len(due.window.ids)
 
     async def check(self, stream: Any, writer: str, window: Window,
-                    how: str = "audit") -> Optional[Mismatch]:
+                    how: str = "audit") -> Mismatch | None:
         """Compare ``window`` with the table: the :class:`Mismatch`, or None."""
         since = window.lo
         for _ in range(3):
@@ -406,7 +407,7 @@ class Auditor(Service):
         return found
 
     async def _compare_sample(self, stream: Any, writer: str, window: Window,
-                              since: int) -> List[int]:
+                              since: int) -> list[int]:
         """The sampled facts above ``since`` whose rows in the table are not
         the ones handed on (a fact no longer there is the tally's to say).
         The sample is read in one trip (:meth:`.Stream.facts_at`); if
@@ -433,7 +434,7 @@ class Auditor(Service):
 
     @staticmethod
     async def _facts_one_by_one(stream: Any, writer: str,
-                                tokens: List[int]) -> Dict[int, Any]:
+                                tokens: list[int]) -> dict[int, Any]:
         """:meth:`.Stream.facts_at` a fact at a time, skipping those that
         retention took."""
         held = {}

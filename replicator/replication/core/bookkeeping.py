@@ -37,7 +37,8 @@ Everything runs on the reactor thread except :meth:`metric_samples`, which
 only reads snapshots.
 """
 
-from typing import AbstractSet, Any, Dict, List, Optional, Set, Tuple
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -47,7 +48,7 @@ from ..interfaces import IReplicationConnection, metrics_label
 
 log = Logger()
 
-User = Tuple[str, Optional[str]]
+User = tuple[str, str | None]
 
 #: Instance IDs one connection may use in USER_SYNC (Synapse uses one).
 MAX_IDS_PER_CONNECTION = 16
@@ -63,7 +64,8 @@ class Bookkeeping:
     them as an instance ID, and metrics are labelled only by them.
     """
 
-    def __init__(self, clock: IReactorTime, known_names: AbstractSet[str]=frozenset(), max_user_syncs: int = 50_000,
+    def __init__(self, clock: IReactorTime, known_names: AbstractSet[str]=frozenset(),
+                 max_user_syncs: int = 50_000,
                  max_user_ips: int = 20_000, max_federation_acks: int = 1_000,
                  max_age: float = 86_400.0) -> None:
         self._clock = clock
@@ -72,16 +74,16 @@ class Bookkeeping:
         self.max_user_ips = max_user_ips
         self.max_federation_acks = max_federation_acks
         self.max_age = max_age
-        self.user_syncs: Dict[str, Dict[User, int]] = {}
-        self.federation_acks: Dict[str, int] = {}
-        self.user_ips: Dict[User, Dict[Any, Any]] = {}
+        self.user_syncs: dict[str, dict[User, int]] = {}
+        self.federation_acks: dict[str, int] = {}
+        self.user_ips: dict[User, dict[Any, Any]] = {}
         # Update order and time of each table's entries, oldest first.
-        self._sync_order: Dict[Tuple[str, User], None] = {}
-        self._ack_times: Dict[str, float] = {}
-        self._ip_times: Dict[User, float] = {}
-        self._owners: Dict[str, Any] = {}  # instance ID -> owning connection
-        self._owned: Dict[Any, Set[str]] = {}  # connection -> instance IDs it owns
-        self._named: Dict[str, Set[Any]] = {}  # NAME -> live connections of that name
+        self._sync_order: dict[tuple[str, User], None] = {}
+        self._ack_times: dict[str, float] = {}
+        self._ip_times: dict[User, float] = {}
+        self._owners: dict[str, Any] = {}  # instance ID -> owning connection
+        self._owned: dict[Any, set[str]] = {}  # connection -> instance IDs it owns
+        self._named: dict[str, set[Any]] = {}  # NAME -> live connections of that name
 
     # ------------------------------------------------------------ identity
     def named(self, conn: IReplicationConnection, name: str) -> None:
@@ -102,7 +104,7 @@ class Bookkeeping:
                     del self._named[name]
         self.expire()
 
-    def _claim(self, conn: IReplicationConnection, instance: str, command: str) -> Optional[str]:
+    def _claim(self, conn: IReplicationConnection, instance: str, command: str) -> str | None:
         """Why ``conn`` may not change ``instance``'s syncs, or None after
         making sure ``conn`` owns it."""
         name = _name(conn)
@@ -126,7 +128,7 @@ class Bookkeeping:
         return None
 
     # ------------------------------------------------------------ commands
-    def user_sync(self, conn: IReplicationConnection, cmd: Any, track: bool = True) -> Optional[str]:
+    def user_sync(self, conn: IReplicationConnection, cmd: Any, track: bool = True) -> str | None:
         """USER_SYNC; ``track``: ``conn`` is a live connection, whose IDs
         are checked and expire with it.  Returns why it was refused."""
         instance = cmd.instance_id
@@ -151,7 +153,7 @@ class Bookkeeping:
         self._sync_order[key] = None
         return None
 
-    def clear_user_sync(self, conn: IReplicationConnection, cmd: Any) -> Optional[str]:
+    def clear_user_sync(self, conn: IReplicationConnection, cmd: Any) -> str | None:
         if conn.accepted:
             refusal = self._claim(conn, cmd.instance_id, "CLEAR_USER_SYNC")
             if refusal is not None:
@@ -159,7 +161,7 @@ class Bookkeeping:
         self._clear(cmd.instance_id)
         return None
 
-    def federation_ack(self, conn: IReplicationConnection, cmd: Any) -> Optional[str]:
+    def federation_ack(self, conn: IReplicationConnection, cmd: Any) -> str | None:
         instance = cmd.instance_name
         if conn.accepted and instance != _name(conn):
             return NOT_YOURS.format(command="FEDERATION_ACK")
@@ -169,7 +171,7 @@ class Bookkeeping:
         self.expire(now)
         return None
 
-    def user_ip(self, conn: IReplicationConnection, cmd: Any) -> Optional[str]:
+    def user_ip(self, conn: IReplicationConnection, cmd: Any) -> str | None:
         now = self._clock.seconds()
         entry = {"access_token_seen": True, "ip": cmd.ip, "user_agent": cmd.user_agent,
                  "last_seen": cmd.last_seen}
@@ -179,12 +181,12 @@ class Bookkeeping:
         return None
 
     # ------------------------------------------------------------ bounds
-    def expire(self, now: Optional[float] = None) -> None:
+    def expire(self, now: float | None = None) -> None:
         """Drop USER_IP and FEDERATION_ACK entries older than ``max_age``."""
         if now is None:
             now = self._clock.seconds()
         limit = now - self.max_age
-        bounded: Tuple[Tuple[Dict[Any, Any], Dict[Any, float], str], ...] = (
+        bounded: tuple[tuple[dict[Any, Any], dict[Any, float], str], ...] = (
             (self.user_ips, self._ip_times, "user_ips"),
             (self.federation_acks, self._ack_times, "federation_acks"))
         for table, times, name in bounded:
@@ -232,15 +234,15 @@ class Bookkeeping:
             return instance
         return metrics_label(_name(self._owners.get(instance)), self.known_names)
 
-    def metric_samples(self) -> List[metrics.Sample]:
+    def metric_samples(self) -> list[metrics.Sample]:
         """The USER_SYNC / FEDERATION_ACK gauges' samples, one series per
         known name plus ``other`` (syncs summed, the highest ack).  Reads
         snapshots only: it may run in a scrape thread (a metrics source)."""
-        syncs: Dict[str, int] = {}
+        syncs: dict[str, int] = {}
         for instance, users in list(self.user_syncs.items()):
             label = self.label(instance)
             syncs[label] = syncs.get(label, 0) + len(users)
-        acks: Dict[str, int] = {}
+        acks: dict[str, int] = {}
         limit = self._clock.seconds() - self.max_age
         times = dict(self._ack_times)
         for instance, token in list(self.federation_acks.items()):
@@ -248,22 +250,22 @@ class Bookkeeping:
                 continue  # expired, not yet dropped
             label = metrics_label(instance, self.known_names)
             acks[label] = max(acks.get(label, token), token)
-        samples: List[metrics.Sample] = [
+        samples: list[metrics.Sample] = [
             (metrics.USER_SYNCS, (label,), n) for label, n in syncs.items()]
         samples += [(metrics.FEDERATION_ACK_POSITION, (label,), t) for label, t in acks.items()]
         return samples
 
 
-def _name(conn: Optional[IReplicationConnection]) -> Optional[str]:
+def _name(conn: IReplicationConnection | None) -> str | None:
     """The NAME a connection gave itself (None: none, or not a connection
     we accepted)."""
     if conn is None or not conn.accepted:
         return None
-    name: Optional[str] = conn.instance_name
+    name: str | None = conn.instance_name
     return name
 
 
-def _put(table: Dict[Any, Any], times: Dict[Any, float], key: Any, value: Any, now: float,
+def _put(table: dict[Any, Any], times: dict[Any, float], key: Any, value: Any, now: float,
          limit: int, name: str) -> None:
     """Set ``table[key]`` as its newest entry, making room if full."""
     if times.pop(key, None) is None:

@@ -16,7 +16,8 @@ Invariants:
 """
 
 from collections import deque
-from typing import Any, Deque, Dict, ItemsView, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import ItemsView, Iterator, Sequence
+from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -41,7 +42,7 @@ class ConnState:
     def __init__(self, replicating: bool, label: str, since: float = 0.0) -> None:
         self.replicating = replicating  # receives fan-out
         self.label = label  # metrics label: the peer's NAME, "unnamed", "upstream", "redis"
-        self.counters: Dict[Tuple[Any, str], Any] = {}  # (metric, command) -> metric child
+        self.counters: dict[tuple[Any, str], Any] = {}  # (metric, command) -> metric child
         self.since = since  # when the connection was made (clock seconds)
 
 
@@ -64,12 +65,12 @@ class Connections:
 
     def __init__(self, clock: IReactorTime) -> None:
         self._clock = clock
-        self._states: Dict[IReplicationConnection, ConnState] = {}
+        self._states: dict[IReplicationConnection, ConnState] = {}
         #: The last disconnects, newest last: ``(time, peer, address, reason)``.
-        self.recent_disconnects: Deque[Tuple[float, str, Optional[str], str]] = deque(
+        self.recent_disconnects: deque[tuple[float, str, str | None, str]] = deque(
             maxlen=MAX_RECENT_DISCONNECTS)
         #: When the last connection of each named peer closed (newest last).
-        self.last_lost: Dict[str, float] = {}
+        self.last_lost: dict[str, float] = {}
 
     def __contains__(self, conn: IReplicationConnection) -> bool:
         return conn in self._states
@@ -80,18 +81,18 @@ class Connections:
     def __len__(self) -> int:
         return len(self._states)
 
-    def get(self, conn: IReplicationConnection) -> Optional[ConnState]:
+    def get(self, conn: IReplicationConnection) -> ConnState | None:
         return self._states.get(conn)
 
     def items(self) -> ItemsView[IReplicationConnection, ConnState]:
         return self._states.items()
 
-    def seen(self) -> List[ConnectionSeen]:
+    def seen(self) -> list[ConnectionSeen]:
         """The open connections as observers see them, in the order they came."""
         return [ConnectionSeen(conn, peer_name(conn, state.label), state.label, state.since)
                 for conn, state in list(self._states.items())]
 
-    def disconnects(self) -> List[Disconnect]:
+    def disconnects(self) -> list[Disconnect]:
         """The last disconnects, newest last."""
         return [Disconnect(*d) for d in list(self.recent_disconnects)]
 
@@ -101,7 +102,7 @@ class Connections:
         metrics.CONNECTIONS.labels(label).inc()
         return state
 
-    def remove(self, conn: IReplicationConnection, reason: str) -> Optional[ConnState]:
+    def remove(self, conn: IReplicationConnection, reason: str) -> ConnState | None:
         """Stop tracking ``conn``, lost for ``reason``; its state, None if
         it was not tracked."""
         state = self._states.pop(conn, None)
@@ -148,7 +149,7 @@ class Connections:
         return child
 
     def broadcast(self, lines: Sequence[bytes], name: str,
-                  exclude: Optional[IReplicationConnection] = None,
+                  exclude: IReplicationConnection | None = None,
                   replicating_only: bool = True) -> None:
         """Write ``lines`` (of command ``name``) to every connection but
         ``exclude``; only to those receiving fan-out if ``replicating_only``."""

@@ -21,7 +21,8 @@ Invariants:
   below the token it already had (:func:`delivery_for`'s ``floors``).
 """
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
@@ -35,24 +36,24 @@ from .accepted import accepting
 from .audit import Mismatch
 from .reader import Reader, maybe_await
 
-Fact = Tuple[int, List[List[Any]]]
-Deliver = Callable[[int, List[List[Any]]], Optional[defer.Deferred[None]]]
-DeliverMany = Optional[Callable[[List[Fact]], Optional[defer.Deferred[None]]]]
+Fact = tuple[int, list[list[Any]]]
+Deliver = Callable[[int, list[list[Any]]], defer.Deferred[None] | None]
+DeliverMany = Callable[[list[Fact]], defer.Deferred[None] | None] | None
 Reached = Callable[[int], Any]
 
 
-def consumers_for(consumers: Sequence[Consumer], stream_name: str) -> List[Consumer]:
+def consumers_for(consumers: Sequence[Consumer], stream_name: str) -> list[Consumer]:
     """The consumers (of ``consumers``, in order) that take ``stream_name``."""
     return [c for c in consumers if c.streams is None or stream_name in c.streams]
 
 
-def make_reader(stream: Stream, writer: str, position: Optional[int],
+def make_reader(stream: Stream, writer: str, position: int | None,
                 consumers: Sequence[Consumer], *, clock: IReactorTime, fetch_limit: int,
                 retry_delay: float, background: Background,
-                on_gap: Optional[Callable[[FactsTrimmed], None]] = None,
-                on_mismatch: Optional[Callable[[Mismatch], None]] = None,
+                on_gap: Callable[[FactsTrimmed], None] | None = None,
+                on_mismatch: Callable[[Mismatch], None] | None = None,
                 audit: bool = True,
-                current: Optional[Callable[[], Sequence[Consumer]]] = None) -> Reader:
+                current: Callable[[], Sequence[Consumer]] | None = None) -> Reader:
     """The reader of ``writer``'s facts on ``stream`` from ``position``,
     handing them to those of ``consumers`` that take the stream, and moving
     the stream's ID generator along for a writer that is not local.  Its
@@ -77,7 +78,7 @@ def make_reader(stream: Stream, writer: str, position: Optional[int],
 
 
 def delivery_for(name: str, writer: str, consumers: Sequence[Consumer],
-                 floors: Optional[Dict[int, int]] = None) -> Tuple[Deliver, DeliverMany, Reached]:
+                 floors: dict[int, int] | None = None) -> tuple[Deliver, DeliverMany, Reached]:
     """``(deliver, deliver_many, reached)`` of a :class:`.Reader` of ``writer``
     on stream ``name``, to those of ``consumers`` that take the stream
     (``deliver_many`` None unless every one of them takes pages).
@@ -88,13 +89,13 @@ def delivery_for(name: str, writer: str, consumers: Sequence[Consumer],
     fact is above every floor, everyone gets everything again.
     """
     takers = consumers_for(consumers, name)
-    floor_of: Dict[int, int] = {}  # id(consumer) -> token it has
+    floor_of: dict[int, int] = {}  # id(consumer) -> token it has
     if floors:
         floor_of = {id(c): floors[i] for i, c in enumerate(consumers)
                     if i in floors and c in takers}
     top = max(floor_of.values(), default=None)
 
-    def wanting(token: int) -> List[Consumer]:
+    def wanting(token: int) -> list[Consumer]:
         """The takers ``token`` is new to."""
         nonlocal top
         if top is None:
@@ -105,7 +106,7 @@ def delivery_for(name: str, writer: str, consumers: Sequence[Consumer],
             return takers
         return [c for c in takers if floor_of.get(id(c), token - 1) < token]
 
-    def deliver(token: int, rows: List[List[Any]]) -> Optional[defer.Deferred[None]]:
+    def deliver(token: int, rows: list[list[Any]]) -> defer.Deferred[None] | None:
         targets = takers if top is None else wanting(token)
         for i, consumer in enumerate(targets):
             result = consumer.on_facts(name, writer, token, rows)
@@ -118,7 +119,7 @@ def delivery_for(name: str, writer: str, consumers: Sequence[Consumer],
         for consumer in wanting(token):
             await maybe_await(consumer.on_position(name, writer, token))
 
-    def deliver_many(facts: List[Fact]) -> Optional[defer.Deferred[None]]:
+    def deliver_many(facts: list[Fact]) -> defer.Deferred[None] | None:
         if facts and top is not None:
             wanting(facts[0][0])  # past every floor: they are dropped
         if top is None:
@@ -129,14 +130,14 @@ def delivery_for(name: str, writer: str, consumers: Sequence[Consumer],
     return deliver, deliver_many if pages else None, reached
 
 
-def _deliver_page_above(takers: Sequence[Any], floor_of: Dict[int, int], name: str, writer: str,
-                        facts: List[Fact]) -> Optional[defer.Deferred[None]]:
+def _deliver_page_above(takers: Sequence[Any], floor_of: dict[int, int], name: str, writer: str,
+                        facts: list[Fact]) -> defer.Deferred[None] | None:
     """A page to every taker in turn, each only the facts above its floor."""
     return defer.ensureDeferred(_page_above(takers, dict(floor_of), name, writer, facts))
 
 
-async def _page_above(takers: Sequence[Any], floor_of: Dict[int, int], name: str, writer: str,
-                      facts: List[Fact]) -> None:
+async def _page_above(takers: Sequence[Any], floor_of: dict[int, int], name: str, writer: str,
+                      facts: list[Fact]) -> None:
     for consumer in takers:
         floor = floor_of.get(id(consumer))
         mine = facts if floor is None else [f for f in facts if f[0] > floor]
@@ -145,7 +146,7 @@ async def _page_above(takers: Sequence[Any], floor_of: Dict[int, int], name: str
 
 
 def rewire(reader: Reader, consumers: Sequence[Consumer], started: Sequence[Consumer],
-           beginning: int = 0, now: Optional[int] = None) -> None:
+           beginning: int = 0, now: int | None = None) -> None:
     """A paused ``reader`` hands facts to ``consumers`` from now on (a start,
     or a reload changed them).  Each of ``started`` (new) gets what is above
     its own persisted position, the reader rewound for it if that is
@@ -159,9 +160,9 @@ def rewire(reader: Reader, consumers: Sequence[Consumer], started: Sequence[Cons
     name, position = reader.stream_name, reader.position
     key = (name, reader.writer)
     fresh = {id(c) for c in started}
-    floors: Dict[int, int] = {}
-    back: Optional[int] = None
-    heads: List[Tuple[Consumer, Optional[int]]] = []
+    floors: dict[int, int] = {}
+    back: int | None = None
+    heads: list[tuple[Consumer, int | None]] = []
     for i, consumer in enumerate(consumers):
         own = None
         if id(consumer) in fresh and (consumer.streams is None or name in consumer.streams):
@@ -194,7 +195,7 @@ def rewire(reader: Reader, consumers: Sequence[Consumer], started: Sequence[Cons
 
 
 def _deliver_page(consumers: Sequence[Any], name: str, writer: str,
-                  facts: List[Fact]) -> Optional[defer.Deferred[None]]:
+                  facts: list[Fact]) -> defer.Deferred[None] | None:
     """A page of facts to every consumer in turn (each provides
     :class:`~replicator.consumers.IBatchConsumer`); a Deferred if one waits."""
     for i, consumer in enumerate(consumers):
@@ -206,7 +207,7 @@ def _deliver_page(consumers: Sequence[Any], name: str, writer: str,
 
 
 async def _page_rest(result: Any, consumers: Sequence[Any], name: str, writer: str,
-                     facts: List[Fact]) -> None:
+                     facts: list[Fact]) -> None:
     """Wait for a consumer's answer, then hand the page to the ones after it."""
     await maybe_await(result)
     for consumer in consumers:
@@ -214,7 +215,7 @@ async def _page_rest(result: Any, consumers: Sequence[Any], name: str, writer: s
 
 
 async def _facts_rest(result: Any, consumers: Sequence[Consumer], name: str, writer: str,
-                      token: int, rows: List[List[Any]]) -> None:
+                      token: int, rows: list[list[Any]]) -> None:
     """Wait for a consumer's answer, then hand the fact to the ones after it."""
     await maybe_await(result)
     for consumer in consumers:

@@ -3,10 +3,10 @@
 For each (stream, writer) written by this instance, the rows between the
 last token announced and the writer's current token are taken from memory
 as the JSON lines the write path encoded (``encoded_since``: only prefix
-and token are put in front, :func:`.wire.encode_written`), or, when memory
+and token are put in front, :func:`.encoding.encode_written`), or, when memory
 cannot answer (after a restart, facts written behind our back), read with
 ``updates_since`` and encoded; joined once (one bytes object per fan-out,
-see :func:`.wire.joined`), the same bytes are handed to every replicating
+see :func:`.encoding.joined`), the same bytes are handed to every replicating
 connection in one ``transport.write`` each.  Both give the same bytes.
 
 Invariants:
@@ -36,8 +36,9 @@ Invariants:
 
 import time
 from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from operator import itemgetter
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -61,7 +62,7 @@ from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
 
 log = Logger()
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 _token_of = itemgetter(0)
 Broadcast = Callable[[Sequence[bytes], str], None]
 
@@ -78,7 +79,7 @@ class Fanout:
                  max_line_length: int = 0, retry_delay: float = 1.0,
                  fanout_interval: float = 0.003,
                  max_batch_rows: int = MAX_BATCH_ROWS, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 background: Optional[Background] = None) -> None:
+                 background: Background | None = None) -> None:
         self._broadcast = broadcast
         self._background = background if background is not None else Background()
         self._clock = clock
@@ -88,12 +89,12 @@ class Fanout:
         self.fanout_interval = fanout_interval
         self.max_batch_rows = max_batch_rows
         self.max_batch_bytes = max_batch_bytes
-        self.announced: Dict[Key, int] = {}
-        self._running: Set[Key] = set()
-        self._timers: Dict[Key, Any] = {}
-        self._retries: Dict[Key, Any] = {}
-        self._outages: Dict[Key, Outage] = {}
-        self._last: Dict[Key, float] = {}
+        self.announced: dict[Key, int] = {}
+        self._running: set[Key] = set()
+        self._timers: dict[Key, Any] = {}
+        self._retries: dict[Key, Any] = {}
+        self._outages: dict[Key, Outage] = {}
+        self._last: dict[Key, float] = {}
         self._stopping = False
 
     def add_writer(self, stream: Stream, writer: str) -> None:
@@ -204,7 +205,7 @@ class Fanout:
         self.advanced(stream, writer)
 
     def send_updates(self, stream_name: str, writer: str, prev: int,
-                     updates: List[Tuple[int, List[Any]]], upto: int) -> None:
+                     updates: list[tuple[int, list[Any]]], upto: int) -> None:
         """Write rows ``(prev, upto]`` of a local writer to every connection.
 
         ``updates`` are ``(token, row)`` pairs in ascending token order.
@@ -257,7 +258,7 @@ class Fanout:
         else:
             self._announce(stream_name, writer, None, prev, page.upto)
 
-    def _announce(self, stream_name: str, writer: str, lines: Optional[Sequence[bytes]],
+    def _announce(self, stream_name: str, writer: str, lines: Sequence[bytes] | None,
                   last: int, upto: int) -> None:
         """Write ``lines`` (the facts up to ``last``), then ``POSITION last
         upto`` if ``upto`` is past it; ``upto`` is announced."""
@@ -277,7 +278,7 @@ class Fanout:
         return len(data) <= self.max_batch_bytes and not self._too_dear(data, len(data))
 
     def _fact_or_position(self, out: EncodedLines, stream_name: str, writer: str, token: int,
-                          rows: int, lines: Optional[Sequence[bytes]]) -> None:
+                          rows: int, lines: Sequence[bytes] | None) -> None:
         """Append the ``lines`` of fact ``token`` (of ``rows`` rows; None:
         one is too long for a line) to ``out``, or, if it is too big for a
         receiver, ``POSITION t t``."""

@@ -16,7 +16,7 @@ gauge, a finding (kind ``audit``) naming the stream, writer and IDs, and
 the ``replicator rewind --to`` that hands those facts on again.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from twisted.logger import Logger
 
@@ -29,7 +29,7 @@ from .audit import Mismatch
 log = Logger(namespace="replicator.retention")
 audit_log = Logger(namespace="replicator.audit")  # (a mismatch is the audit's finding)
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 
 
 def consumer_label(consumer: Consumer) -> str:
@@ -42,9 +42,9 @@ class TrimGaps:
     """The gaps found on this instance, by (stream, writer): each the
     :class:`FactsTrimmed` its reader met and the text health gives."""
 
-    def __init__(self, config_path: Optional[str] = None) -> None:
-        self._gaps: Dict[Key, Tuple[FactsTrimmed, str]] = {}
-        self._mismatches: Dict[Key, Tuple[Mismatch, str]] = {}
+    def __init__(self, config_path: str | None = None) -> None:
+        self._gaps: dict[Key, tuple[FactsTrimmed, str]] = {}
+        self._mismatches: dict[Key, tuple[Mismatch, str]] = {}
         #: The instance's config file, as the gap's command names it.
         self.config_path = config_path
 
@@ -126,15 +126,15 @@ class TrimGaps:
         """Whether a gap or a mismatch stopped ``stream`` here."""
         return any(s == stream for s, _ in [*self._gaps, *self._mismatches])
 
-    def mismatch(self, stream: str, writer: str) -> Optional[Mismatch]:
+    def mismatch(self, stream: str, writer: str) -> Mismatch | None:
         found = self._mismatches.get((stream, writer))
         return found[0] if found is not None else None
 
-    def gap(self, stream: str, writer: str) -> Optional[FactsTrimmed]:
+    def gap(self, stream: str, writer: str) -> FactsTrimmed | None:
         found = self._gaps.get((stream, writer))
         return found[0] if found is not None else None
 
-    def findings(self) -> List[Finding]:
+    def findings(self) -> list[Finding]:
         """One finding per gap and per mismatch, failing ``/health``, in
         (stream, writer) order."""
         gaps = [Finding("trimmed", key[0], key[1], text,

@@ -27,17 +27,10 @@ protocols call, one short ``on_<NAME>`` per command; every part with
 state of its own is in one of the modules above.)
 """
 
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import (
-    AbstractSet,
     Any,
-    Callable,
-    Dict,
-    Iterable,
-    List,
-    Optional,
-    Sequence,
-    Set,
-    Tuple,
 )
 
 from twisted.internet import defer, task
@@ -89,7 +82,7 @@ from .relay import Relay
 
 log = Logger()
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 
 
 @implementer(IReplicationHandler, IReplicationView)
@@ -108,7 +101,7 @@ class ReplicationHandler:
         consumers: Iterable[Consumer] = (),
         fetch_limit: int = 1000,
         max_line_length: int = MAX_LINE_LENGTH,
-        clock: Optional[IReactorTime]=None,
+        clock: IReactorTime | None=None,
         retry_delay: float = 1.0,
         fanout_interval: float = 0.003,
         max_batch_rows: int = MAX_BATCH_ROWS,
@@ -144,22 +137,22 @@ class ReplicationHandler:
         self.admission = Admission(
             registry, self._admitted, self._inadmissible, clock, max_batch_rows=max_batch_rows,
             max_batch_bytes=max_batch_bytes, retry_delay=retry_delay, stale=self._stale_batch)
-        self._refusals_logged: Dict[Any, Set[str]] = {}  # conns that cannot be closed
+        self._refusals_logged: dict[Any, set[str]] = {}  # conns that cannot be closed
         # Names the configuration knows: metrics are labelled only by these.
         self.known_names = frozenset(known_names) | {instance_name} | {
             writer for stream in registry for writer in stream.config.writers}
         self.bookkeeping = Bookkeeping(
             clock, self.known_names, max_user_syncs=max_user_syncs, max_user_ips=max_user_ips,
             max_federation_acks=max_federation_acks, max_age=bookkeeping_max_age)
-        self._readers: Dict[Key, Reader] = {}
+        self._readers: dict[Key, Reader] = {}
         self.gaps = TrimGaps()  # streams stopped: facts trimmed, or not what the table holds
         #: The delivery audit of every reader (a service: the daemon starts it).
         self.audit = audit
         self.auditor = Auditor(self.audited, self._mismatch, clock, recheck=audit_recheck)
-        self._heard: Dict[Key, float] = {}  # read key -> when its last POSITION/RDATA came
+        self._heard: dict[Key, float] = {}  # read key -> when its last POSITION/RDATA came
         self._started = False
         self._stopping = False
-        self.listeners: List[Any] = []  # objects with optional on_<NAME>(conn, cmd)
+        self.listeners: list[Any] = []  # objects with optional on_<NAME>(conn, cmd)
 
     # ------------------------------------------------------------- startup
     def start(self) -> None:
@@ -271,14 +264,14 @@ class ReplicationHandler:
         self.known_names = self.known_names | frozenset(names)
         self.bookkeeping.known_names = self.known_names
 
-    def _make_reader(self, stream: Stream, writer: str, position: Optional[int]) -> Reader:
+    def _make_reader(self, stream: Stream, writer: str, position: int | None) -> Reader:
         return make_reader(stream, writer, position, self.consumers, clock=self._clock,
                            fetch_limit=self.fetch_limit, retry_delay=self.retry_delay,
                            background=self.background, on_gap=self._trimmed,
                            on_mismatch=self._mismatch, audit=self.audit,
                            current=lambda: self.consumers)
 
-    def audited(self) -> Dict[Key, Tuple[Stream, Reader]]:
+    def audited(self) -> dict[Key, tuple[Stream, Reader]]:
         """Every reader with its stream, by (stream, writer): what the
         audit (:attr:`auditor`) checks."""
         return {key: (self.registry.get(key[0]), reader)
@@ -399,19 +392,19 @@ class ReplicationHandler:
             reader.connection_lost(conn)
 
     # ------------------------------------------------ what observers see
-    def open_connections(self) -> List[ConnectionSeen]:
+    def open_connections(self) -> list[ConnectionSeen]:
         return self.connections.seen()
 
-    def last_lost(self, name: str) -> Optional[float]:
+    def last_lost(self, name: str) -> float | None:
         return self.connections.last_lost.get(name)
 
-    def recent_disconnects(self) -> List[Disconnect]:
+    def recent_disconnects(self) -> list[Disconnect]:
         return self.connections.disconnects()
 
-    def findings(self) -> List[Finding]:
+    def findings(self) -> list[Finding]:
         return self.gaps.findings()
 
-    def bookkeeping_samples(self) -> List[metrics.Sample]:
+    def bookkeeping_samples(self) -> list[metrics.Sample]:
         return self.bookkeeping.metric_samples()
 
     def on_NAME(self, conn: IReplicationConnection, cmd: NameCommand) -> None:
@@ -482,7 +475,7 @@ class ReplicationHandler:
         self.admission.offer(conn, self.registry.get(key[0]), key, cmd, _wire_line(conn, cmd))
 
     def _admitted(self, conn: IReplicationConnection, key: Key, cmd: Any,
-                  line: Optional[bytes]) -> None:
+                  line: bytes | None) -> None:
         """An RDATA/POSITION that :mod:`.admission` let through."""
         if conn not in self.connections:
             return
@@ -559,7 +552,7 @@ class ReplicationHandler:
         # Every peer PINGs every few seconds: old bookkeeping goes meanwhile.
         self.bookkeeping.expire()
 
-    def _refused(self, conn: IReplicationConnection, cmd: Any, why: Optional[str]) -> bool:
+    def _refused(self, conn: IReplicationConnection, cmd: Any, why: str | None) -> bool:
         """If ``why``: the peer may not do ``cmd``; ``ERROR why`` and close
         (one peer's connection; a bus goes on: the command is dropped)."""
         if why is None:
@@ -589,35 +582,35 @@ class ReplicationHandler:
 
     # ---------------------------------------------------------- bookkeeping
     @property
-    def user_syncs(self) -> Dict[str, Dict[Tuple[str, Optional[str]], int]]:
+    def user_syncs(self) -> dict[str, dict[tuple[str, str | None], int]]:
         return self.bookkeeping.user_syncs
 
     @property
-    def federation_acks(self) -> Dict[str, int]:
+    def federation_acks(self) -> dict[str, int]:
         return self.bookkeeping.federation_acks
 
     @property
-    def user_ips(self) -> Dict[Any, Dict[Any, Any]]:
+    def user_ips(self) -> dict[Any, dict[Any, Any]]:
         return self.bookkeeping.user_ips
 
     # -------------------------------------------------------------- state
-    def reader_positions(self) -> Dict[Key, Optional[int]]:
+    def reader_positions(self) -> dict[Key, int | None]:
         return {key: r.position for key, r in self._readers.items()}
 
-    def reader_heard(self) -> Set[Key]:
+    def reader_heard(self) -> set[Key]:
         """The (stream, writer) keys read here that a POSITION or RDATA has
         arrived for since start (from any connection)."""
         return set(self._heard)
 
-    def reader_heard_at(self) -> Dict[Key, float]:
+    def reader_heard_at(self) -> dict[Key, float]:
         """When the last POSITION or RDATA of each read key arrived (clock
         seconds; a key never heard is absent)."""
         return dict(self._heard)
 
-    def reader_lag(self) -> Dict[Key, int]:
+    def reader_lag(self) -> dict[Key, int]:
         return {key: r.lag for key, r in self._readers.items()}
 
-    def announced_positions(self) -> Dict[Key, int]:
+    def announced_positions(self) -> dict[Key, int]:
         return dict(self.fanout.announced)
 
     async def drain(self, timeout: float = 10.0) -> bool:
@@ -655,11 +648,11 @@ class ReplicationHandler:
             conn.stop(reason)
 
 
-def _wire_line(conn: IReplicationConnection, cmd: Command) -> Optional[bytes]:
+def _wire_line(conn: IReplicationConnection, cmd: Command) -> bytes | None:
     """The line as received (newline included): ``conn.current_line`` while
     the command is dispatched.  Without it, the command re-encoded, or None
     if it cannot be encoded as UTF-8 (a lone surrogate)."""
-    line: Optional[bytes] = conn.current_line
+    line: bytes | None = conn.current_line
     if line is not None:
         return line + b"\n"
     try:

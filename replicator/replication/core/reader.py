@@ -17,7 +17,8 @@ Invariants:
 * A ``batch`` row may come as its RDATA line (bytes, parsed once already):
   it is kept so, and decoded (:func:`.commands.rdata_row`) only when its
   fact is handed on, one fact at a time, ``DECODE_SLICE`` rows per reactor
-  turn; a fact at or below the position is dropped without being decoded.  A parsed row can take 20 times the
+  turn; a fact at or below the position is dropped without being decoded.  A parsed row can take 20
+  times the
   memory of its line: what a partial batch holds is about its wire size.
 * Lines of a connection count only once a POSITION of the writer arrived on
   it (before that, what the POSITION covers is fetched from the table).
@@ -57,8 +58,9 @@ Invariants:
 """
 
 from collections import deque
+from collections.abc import Awaitable, Callable
 from operator import itemgetter
-from typing import Any, Awaitable, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any
 
 from twisted.internet import defer, task
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -74,16 +76,16 @@ from .audit import DeliveredLog, Mismatch
 
 log = Logger()
 
-Fact = Tuple[int, List[List[Any]]]
+Fact = tuple[int, list[list[Any]]]
 #: ``batch`` rows of a fact decoded per reactor turn at most.
 DECODE_SLICE = 1000
 #: ``source(writer, from_token, to_token, limit)`` -> ``(facts, upto, limited)``:
 #: ``(token, rows)`` facts, whole, in token order (``Stream.facts_since``)
-Source = Callable[[str, int, int, int], Awaitable[Tuple[List[Fact], int, bool]]]
+Source = Callable[[str, int, int, int], Awaitable[tuple[list[Fact], int, bool]]]
 #: ``probe(writer, from_token, to_token)`` -> the smallest ID of the writer's
 #: facts in the table in ``(from_token, to_token]``, or None
 #: (``Stream.first_fact_in``)
-Probe = Callable[[str, int, int], Awaitable[Optional[int]]]
+Probe = Callable[[str, int, int], Awaitable[int | None]]
 
 #: Ranges passed empty remembered per reader (the newest).
 PASSED_KEPT = 256
@@ -115,31 +117,31 @@ class Reader:
         self,
         stream_name: str,
         writer: str,
-        position: Optional[int],
+        position: int | None,
         source: Source,
-        deliver: Callable[[int, List[List[Any]]], Any],
+        deliver: Callable[[int, list[list[Any]]], Any],
         clock: IReactorTime,
-        deliver_many: Optional[Callable[[List[Tuple[int, List[List[Any]]]]], Any]] = None,
-        reached: Optional[Callable[[int], Any]] = None,
-        advanced: Optional[Callable[[int], None]] = None,
+        deliver_many: Callable[[list[tuple[int, list[list[Any]]]]], Any] | None = None,
+        reached: Callable[[int], Any] | None = None,
+        advanced: Callable[[int], None] | None = None,
         fetch_limit: int = 1000,
         retry_delay: float = 1.0,
-        background: Optional[Background] = None,
-        on_gap: Optional[Callable[[FactsTrimmed], None]] = None,
-        probe: Optional[Probe] = None,
-        known: Optional[Any] = None,
+        background: Background | None = None,
+        on_gap: Callable[[FactsTrimmed], None] | None = None,
+        probe: Probe | None = None,
+        known: Any | None = None,
         audit: bool = False,
         sample: bool = True,
-        on_mismatch: Optional[Callable[[Mismatch], None]] = None,
+        on_mismatch: Callable[[Mismatch], None] | None = None,
     ) -> None:
         self.stream_name = stream_name
         self._probe = probe
         self._known = known  # a streams.known.KnownIds, or None
         #: What was handed on since the audit's last seal (None: no audit).
-        self.delivered: Optional[DeliveredLog] = DeliveredLog(position, sample) if audit else None
+        self.delivered: DeliveredLog | None = DeliveredLog(position, sample) if audit else None
         self._on_mismatch = on_mismatch
-        self._passed: Deque[Tuple[int, int]] = deque(maxlen=PASSED_KEPT)
-        self.gap: Optional[FactsTrimmed] = None  # why it stopped for good, if it did
+        self._passed: deque[tuple[int, int]] = deque(maxlen=PASSED_KEPT)
+        self.gap: FactsTrimmed | None = None  # why it stopped for good, if it did
         self._on_gap = on_gap
         self._background = background if background is not None else Background()
         self.writer = writer
@@ -153,18 +155,18 @@ class Reader:
         self._clock = clock
         self.fetch_limit = fetch_limit
         self.retry_delay = retry_delay
-        self.queue: Deque[Tuple[Any, ...]] = deque()
+        self.queue: deque[tuple[Any, ...]] = deque()
         self.busy = False
-        self._batches: Dict[Any, List[Any]] = {}  # conn -> rows (or lines) of the fact under way
-        self._positioned: Set[Any] = set()  # connections with a POSITION seen
-        self._retry: Optional[IDelayedCall] = None
+        self._batches: dict[Any, list[Any]] = {}  # conn -> rows (or lines) of the fact under way
+        self._positioned: set[Any] = set()  # connections with a POSITION seen
+        self._retry: IDelayedCall | None = None
         self._outage = Outage(f"reader {stream_name}/{writer}", retry_delay)
         self._stopping = False
         self._paused = False
-        self._idle: List[defer.Deferred[Any]] = []  # pause() callers waiting for the hand to empty
+        self._idle: list[defer.Deferred[Any]] = []  # pause() callers waiting for the hand to empty
 
     # ------------------------------------------------------------ lines in
-    def rdata(self, conn: IReplicationConnection, token: Optional[int], row: Any) -> None:
+    def rdata(self, conn: IReplicationConnection, token: int | None, row: Any) -> None:
         """One RDATA row from ``conn``; ``token`` None for a ``batch`` row,
         which may be its line (bytes) rather than the decoded row."""
         if token is None:
@@ -209,7 +211,7 @@ class Reader:
         self._positioned.discard(conn)
 
     # ------------------------------------------------------------ pipeline
-    def _enqueue(self, item: Tuple[Any, ...]) -> None:
+    def _enqueue(self, item: tuple[Any, ...]) -> None:
         if self._stopping:
             return  # stopped (a gap, a writer dropped, shutdown): nothing more runs
         self.queue.append(item)
@@ -260,7 +262,7 @@ class Reader:
             self.busy = True
             self._background.run("reader", self._drain())
 
-    async def _apply(self, item: Tuple[Any, ...]) -> None:
+    async def _apply(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == "rdata":
             _, token, rows = item
@@ -323,10 +325,10 @@ class Reader:
         if self._on_mismatch is not None:
             self._on_mismatch(found)
 
-    async def _decoded(self, rows: List[Any]) -> List[Any]:
+    async def _decoded(self, rows: list[Any]) -> list[Any]:
         """A fact's rows, its ``batch`` lines decoded, ``DECODE_SLICE`` rows
         per reactor turn (the reactor runs between two slices)."""
-        out: List[Any] = []
+        out: list[Any] = []
         for start in range(0, len(rows), DECODE_SLICE):
             if start:
                 await task.deferLater(self._clock, 0, lambda: None)
@@ -349,7 +351,7 @@ class Reader:
         log.info("Catching up {stream}/{writer} from {since} to {until}",
                  stream=self.stream_name, writer=self.writer, since=since, until=until)
         rows_counter = metrics.CATCHUP_ROWS.labels(self.stream_name)
-        pending: Optional[defer.Deferred[Any]] = self._read(since, until)
+        pending: defer.Deferred[Any] | None = self._read(since, until)
         first = True
         try:
             while since < until:
@@ -372,7 +374,7 @@ class Reader:
         return defer.maybeDeferred(self._source, self.writer, since, until, self.fetch_limit
                                    ).addCallback(_resolved)
 
-    async def _hand_on_page(self, facts: List[Fact]) -> None:
+    async def _hand_on_page(self, facts: list[Fact]) -> None:
         if self._deliver_many is not None:
             if self._stopping:
                 raise Stopping()
@@ -398,20 +400,20 @@ class Reader:
             if last is not None and self._advanced is not None:
                 self._advanced(last)
 
-    async def _hand_on(self, token: int, rows: List[List[Any]]) -> None:
+    async def _hand_on(self, token: int, rows: list[list[Any]]) -> None:
         if self._stopping:
             raise Stopping()
         await maybe_await(self._deliver(token, rows))
         self._noted(token, rows)
 
-    def _noted(self, token: int, rows: List[Any]) -> None:
+    def _noted(self, token: int, rows: list[Any]) -> None:
         """A fact every consumer has: in the audit's log and known IDs."""
         if self.delivered is not None:
             self.delivered.add(token, rows)
         if self._known is not None:
             self._known.note((token,))
 
-    def _noted_page(self, facts: List[Fact]) -> None:
+    def _noted_page(self, facts: list[Fact]) -> None:
         if self.delivered is not None:
             self.delivered.add_page(facts)
         if self._known is not None:
@@ -454,9 +456,9 @@ class Reader:
             self.busy = True
             self._background.run("reader", self._drain())
 
-    def set_delivery(self, deliver: Callable[[int, List[List[Any]]], Any],
-                     deliver_many: Optional[Callable[[List[Fact]], Any]],
-                     reached: Optional[Callable[[int], Any]]) -> None:
+    def set_delivery(self, deliver: Callable[[int, list[list[Any]]], Any],
+                     deliver_many: Callable[[list[Fact]], Any] | None,
+                     reached: Callable[[int], Any] | None) -> None:
         """Hand facts on through these from now on (paused: between two
         commands)."""
         assert self._paused and not self.busy, "set_delivery() on a running reader"

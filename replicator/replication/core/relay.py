@@ -18,11 +18,12 @@ Invariants:
   announced the writer's position (what this instance's reader takes).
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from ..interfaces import IReplicationConnection
 
-Key = Tuple[str, str]
+Key = tuple[str, str]
 
 
 class Relay:
@@ -30,10 +31,10 @@ class Relay:
 
     def __init__(self, broadcast: Callable[..., None]) -> None:
         self._broadcast = broadcast
-        self.relayed: Dict[Key, int] = {}
-        self._batches: Dict[Any, Dict[Key, List[bytes]]] = {}  # conn -> key -> lines
+        self.relayed: dict[Key, int] = {}
+        self._batches: dict[Any, dict[Key, list[bytes]]] = {}  # conn -> key -> lines
 
-    def rdata(self, conn: IReplicationConnection, key: Key, token: Optional[int], line: bytes) -> None:
+    def rdata(self, conn: IReplicationConnection, key: Key, token: int | None, line: bytes) -> None:
         """An RDATA line (its wire bytes, newline included) of a writer
         client on ``conn``; ``token`` None for a ``batch`` row."""
         pending = self._batches.setdefault(conn, {}).setdefault(key, [])

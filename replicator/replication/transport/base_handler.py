@@ -9,7 +9,7 @@ commands it takes.  The transports call every method of the interface
 unconditionally, so a handler is always complete.
 """
 
-from typing import Any, FrozenSet
+from typing import Any
 
 from zope.interface import implementer
 
@@ -24,7 +24,7 @@ class BaseHandler:
     registry: Any = ()
 
     def __init__(self, instance_name: str = "replicator",
-                 known_names: FrozenSet[str] = frozenset()) -> None:
+                 known_names: frozenset[str] = frozenset()) -> None:
         self.instance_name = instance_name
         self.known_names = known_names
 

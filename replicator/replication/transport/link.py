@@ -20,7 +20,8 @@ one line naming it.
 """
 
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
@@ -95,7 +96,8 @@ class LineConnection(Protocol):
     def __init__(self, handler: IReplicationHandler, *, clock: IReactorTime,
                  max_line_length: int = MAX_LINE_LENGTH, ping_interval: float = PING_INTERVAL,
                  ping_timeout: float = PING_TIMEOUT, max_queued_lines: int = MAX_QUEUED_LINES,
-                 max_queued_bytes: int = MAX_QUEUED_BYTES, idle_timeout: float = IDLE_TIMEOUT) -> None:
+                 max_queued_bytes: int = MAX_QUEUED_BYTES,
+                 idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.handler = handler
         self._clock = clock
         self.MAX_LENGTH = max_line_length
@@ -107,21 +109,21 @@ class LineConnection(Protocol):
 
         #: The peer's address ("host:port"), once connected.
         self.address = "unconnected"
-        self.close_reason: Optional[str] = None
+        self.close_reason: str | None = None
         self._buffer = b""  # inbound bytes after the last newline
         self._closing = False
         self._connected = False
         self._registered = False  # we are the transport's producer
         self._paused = False
-        self._queue: Deque[bytes] = deque()
+        self._queue: deque[bytes] = deque()
         self._queued_bytes = 0
         self._peer_pinged = False
         self._last_sent = 0.0
         self._last_received = 0.0
         self._last_command = 0.0
-        self._ping_call: Optional[IDelayedCall] = None
-        self._timeout_call: Optional[IDelayedCall] = None
-        self._abort_call: Optional[IDelayedCall] = None
+        self._ping_call: IDelayedCall | None = None
+        self._timeout_call: IDelayedCall | None = None
+        self._abort_call: IDelayedCall | None = None
         #: (On the hot path: bound once; a LineConnection is the connection.)
         self._count_outbound: Callable[..., None] = handler.count_outbound
 
@@ -170,7 +172,7 @@ class LineConnection(Protocol):
         self._ping_call = self._clock.callLater(self._ping_interval, self._ping_due)
         self._timeout_call = self._clock.callLater(self._silence_limit(), self._timeout_due)
 
-    def _timers(self) -> List[Optional[IDelayedCall]]:
+    def _timers(self) -> list[IDelayedCall | None]:
         return [self._ping_call, self._timeout_call, self._abort_call]
 
     def _stop_timers(self) -> None:
@@ -196,8 +198,8 @@ class LineConnection(Protocol):
 
     # ------------------------------------------------------------ closing
 
-    def close(self, reason: str, error_text: Optional[str] = None,
-              log_text: Optional[str] = None) -> None:
+    def close(self, reason: str, error_text: str | None = None,
+              log_text: str | None = None) -> None:
         """Close the connection, first writing ``ERROR <error_text>`` if
         given (straight to the transport, past any queue).
 
@@ -320,9 +322,9 @@ class LineConnection(Protocol):
 
     def send_lines(self, lines: Sequence[bytes], command_name: str = "RDATA") -> bool:
         """Write pre-encoded lines (each ending in ``b"\\n"``, built by
-        :func:`.wire.encode_rdata_lines` / ``encode_position_line`` with
+        :func:`.encoding.encode_rdata_lines` / ``encode_position_line`` with
         this connection's maximum line length) in one ``transport.write`` of
-        their concatenation (see :func:`.wire.joined`; nothing else can
+        their concatenation (see :func:`.encoding.joined`; nothing else can
         come between them); queued while paused, each line counting toward
         the bound.
 
@@ -403,7 +405,7 @@ class LineConnection(Protocol):
         """Seconds from now until the peer counts as gone."""
         return self._deadline()[0] - self._clock.seconds()
 
-    def _deadline(self) -> Tuple[float, str]:
+    def _deadline(self) -> tuple[float, str]:
         """When the peer counts as gone, and the close reason then.
 
         The ping timeout (any bytes count as a sign of life) applies on the

@@ -28,8 +28,10 @@ configuration knows it.
 """
 
 import ipaddress
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AbstractSet, FrozenSet, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ...config import ReplicationConfig
@@ -43,14 +45,14 @@ class PeerPolicy:
     """The checks of the module docstring; the empty policy refuses only
     names in ``reserved`` and renames."""
 
-    reserved: FrozenSet[str] = frozenset()
+    reserved: frozenset[str] = frozenset()
     certificate_names: bool = False  # client_ca is set: NAME must be in the certificate
-    allowed_peers: Optional[FrozenSet[str]] = None
-    allowed_networks: Optional[Tuple[Network, ...]] = None
+    allowed_peers: frozenset[str] | None = None
+    allowed_networks: tuple[Network, ...] | None = None
     #: The remote writers that must prove their NAME: name -> secret.
     writer_secrets: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
 
-    def secret_for(self, name: str) -> Optional[str]:
+    def secret_for(self, name: str) -> str | None:
         """The secret ``name`` must prove it holds, or None (not bound)."""
         return self.writer_secrets.get(name)
 
@@ -59,7 +61,7 @@ class PeerPolicy:
         """Whether a peer must send NAME before any command but PING."""
         return self.allowed_peers is not None
 
-    def check_address(self, host: Optional[str]) -> Optional[str]:
+    def check_address(self, host: str | None) -> str | None:
         """Why a peer at ``host`` (an IP address, None for a non-IP peer)
         may not connect, or None if it may."""
         if self.allowed_networks is None:
@@ -76,8 +78,8 @@ class PeerPolicy:
                 return None
         return "address not allowed"
 
-    def check_name(self, name: str, previous: Optional[str],
-                   cert_names: Optional[AbstractSet[str]]) -> Optional[str]:
+    def check_name(self, name: str, previous: str | None,
+                   cert_names: AbstractSet[str] | None) -> str | None:
         """Why a peer may not call itself ``name`` (it said ``previous``
         before; ``cert_names`` are its certificate's names, None without
         one), or None if it may."""
@@ -107,7 +109,7 @@ def policy_from_config(replication: "ReplicationConfig", reserved: AbstractSet[s
     )
 
 
-def local_names(handler: "IReplicationHandler") -> FrozenSet[str]:
+def local_names(handler: "IReplicationHandler") -> frozenset[str]:
     """The names no peer of ``handler`` may take: its instance's and its
     local writers'."""
     names = {handler.instance_name}

@@ -23,7 +23,8 @@ command the peer may not send (direction, writer, NAME first) is never
 dispatched: ``ERROR`` and close.  (Those of :mod:`.link` hold too.)
 """
 
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.python.failure import Failure
@@ -69,38 +70,38 @@ class ReplicationProtocol(LineConnection):
     (:class:`.interfaces.IPeerConnection`)."""
 
     #: Called with the protocol once the connection is gone.
-    on_lost: Optional[Callable[[Any], None]] = None
+    on_lost: Callable[[Any], None] | None = None
     #: Command names the peer may send.
-    VALID_INBOUND: FrozenSet[str] = frozenset()
+    VALID_INBOUND: frozenset[str] = frozenset()
     #: Commands accepted from a peer that must name itself before anything else.
-    BEFORE_NAME: FrozenSet[str] = frozenset({"PING", "NAME", "ERROR"})
+    BEFORE_NAME: frozenset[str] = frozenset({"PING", "NAME", "ERROR"})
     #: Whether the peer must send NAME before any other command.
     name_required = False
 
     def __init__(self, handler: IReplicationHandler, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         #: The inbound line being dispatched (bytes, no newline).
-        self.current_line: Optional[bytes] = None
-        self._peer_instance: Optional[str] = None
+        self.current_line: bytes | None = None
+        self._peer_instance: str | None = None
         self._remote_error = False
         #: The text of the peer's ``ERROR``, and why the connection ended
         #: (for the reconnect line: :mod:`replicator.net.reconnect`).
-        self.remote_error_text: Optional[str] = None
-        self.lost_failure: Optional[Failure] = None
+        self.remote_error_text: str | None = None
+        self.lost_failure: Failure | None = None
         self._established = False
         names = self.VALID_INBOUND | CLIENT_WRITER_COMMANDS
-        self._dispatch: Dict[str, Optional[Callable[..., Any]]] = {
+        self._dispatch: dict[str, Callable[..., Any] | None] = {
             name: getattr(handler, "on_" + name, None) for name in names
         }
         # The protocol's own handling, run before the handler's.
-        self._own: Dict[str, Callable[[Any], None]] = {
+        self._own: dict[str, Callable[[Any], None]] = {
             name: getattr(self, "_on_" + name) for name in names if hasattr(self, "_on_" + name)
         }
 
     # ------------------------------------------------------------ identity
 
     @property
-    def instance_name(self) -> Optional[str]:
+    def instance_name(self) -> str | None:
         """The peer's one name: the name it gave itself, a client's ``NAME``
         (server side) or the server's ``SERVER`` name (client side); None
         until received.  Checks use it as received; :attr:`name` is its
@@ -159,7 +160,7 @@ class ReplicationProtocol(LineConnection):
         self._start_timers()
         self._call(self.handler.new_connection, self)
 
-    def connectionLost(self, reason: Optional[Failure] = None) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         self._connected = False
         self.lost_failure = reason
         self._closing = True
@@ -187,7 +188,7 @@ class ReplicationProtocol(LineConnection):
             self.on_lost = None
             self._call(on_lost, self)
 
-    def _refusal(self, host: Optional[str]) -> Optional[str]:
+    def _refusal(self, host: str | None) -> str | None:
         """Why a peer at ``host`` may not connect at all (None: it may)."""
         return None
 
@@ -211,7 +212,7 @@ class ReplicationProtocol(LineConnection):
                 text = "failed to parse line: " + _one_line(e)
             else:
                 text = "failed to parse line: " + type(e).__name__
-            self.close(PARSE_ERROR, text, log_text=text + " ({0} bytes)".format(len(line)))
+            self.close(PARSE_ERROR, text, log_text=text + f" ({len(line)} bytes)")
             return
         name = cmd.NAME
         if name not in self.VALID_INBOUND:
@@ -237,7 +238,7 @@ class ReplicationProtocol(LineConnection):
             finally:
                 self.current_line = None
 
-    def _write_refusal(self, cmd: Command) -> Optional[str]:
+    def _write_refusal(self, cmd: Command) -> str | None:
         """Why the peer may not send this otherwise invalid command (the
         ``ERROR`` text), or None if it may (only servers accept
         RDATA/POSITION from writer clients)."""
@@ -288,25 +289,26 @@ class ServerReplicationProtocol(ReplicationProtocol):
     VALID_INBOUND = CLIENT_COMMANDS
     accepted = True
 
-    def __init__(self, handler: IReplicationHandler, server_name: str, policy: Optional[PeerPolicy] = None,
-                 identify: Optional[Callable[[Any, Optional[str]], Optional[str]]] = None,
-                 identify_timeout: Optional[float] = None, **kwargs: Any) -> None:
+    def __init__(self, handler: IReplicationHandler, server_name: str,
+                 policy: PeerPolicy | None = None,
+                 identify: Callable[[Any, str | None], str | None] | None = None,
+                 identify_timeout: float | None = None, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         self.server_name = server_name
         self.policy = policy if policy is not None else PeerPolicy()
         self.name_required = self.policy.name_required
         self._identify = identify
         self._identify_timeout = identify_timeout
-        self._identify_call: Optional[IDelayedCall] = None
+        self._identify_call: IDelayedCall | None = None
         #: Whether the client identified itself (NAME, or REPLICATE first).
         self.identified = False
         #: While a bound NAME waits for its proof: (the nonce sent, the NAME).
-        self._challenge: Optional[Tuple[str, NameCommand]] = None
+        self._challenge: tuple[str, NameCommand] | None = None
         #: Whether the client proved its NAME (:mod:`.proof`).
         self.proven = False
         self._replicate_held = False  # a REPLICATE came before the proof
 
-    def _timers(self) -> List[Optional[IDelayedCall]]:
+    def _timers(self) -> list[IDelayedCall | None]:
         return super()._timers() + [self._identify_call]
 
     def _start_timers(self) -> None:
@@ -326,7 +328,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
             text = f"{what} not received within {self._identify_timeout:g}s"
             self.close(IDENTIFY_TIMEOUT_REASON, text)
 
-    def _identified(self, name: Optional[str]) -> Optional[str]:
+    def _identified(self, name: str | None) -> str | None:
         """The client identified itself as ``name`` (None: anonymous); the
         listener's refusal, if any."""
         self.identified = True
@@ -342,10 +344,10 @@ class ServerReplicationProtocol(ReplicationProtocol):
             self.log.failure("identify failed on {conn}", conn=self)
             return None
 
-    def _refusal(self, host: Optional[str]) -> Optional[str]:
+    def _refusal(self, host: str | None) -> str | None:
         return self.policy.check_address(host)
 
-    def refusal_under(self, policy: PeerPolicy) -> Optional[str]:
+    def refusal_under(self, policy: PeerPolicy) -> str | None:
         """Why ``policy`` would refuse this open connection (its address, or
         the NAME it gave), or None; later checks use ``policy``."""
         self.policy = policy
@@ -434,7 +436,7 @@ class ServerReplicationProtocol(ReplicationProtocol):
             return True
         return False
 
-    def _write_refusal(self, cmd: Command) -> Optional[str]:
+    def _write_refusal(self, cmd: Command) -> str | None:
         """None for RDATA/POSITION of the client's own writer of a stream
         ``client_may_write`` allows; else the reason, naming the stream and
         writer (a worker the config no longer names as a writer of a
@@ -486,14 +488,15 @@ class ClientReplicationProtocol(ReplicationProtocol):
     VALID_INBOUND = SERVER_COMMANDS
     accepted = False
 
-    def __init__(self, handler: IReplicationHandler, client_name: Optional[str], server_name: Optional[str],
-                 on_healthy: Optional[Callable[[], None]] = None, secret: Optional[str] = None,
+    def __init__(self, handler: IReplicationHandler, client_name: str | None,
+                 server_name: str | None,
+                 on_healthy: Callable[[], None] | None = None, secret: str | None = None,
                  **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         self.client_name = client_name
         self.server_name = server_name
         self._on_healthy = on_healthy
-        self._healthy_call: Optional[IDelayedCall] = None
+        self._healthy_call: IDelayedCall | None = None
         self._secret = secret
         #: Whether our own RDATA/POSITION wait to learn if a proof is asked for.
         self.writes_held = secret is not None and bool(client_name)
@@ -502,7 +505,7 @@ class ClientReplicationProtocol(ReplicationProtocol):
             self._own.pop("POSITION", None)
             self._own.pop("RDATA", None)
 
-    def _timers(self) -> List[Optional[IDelayedCall]]:
+    def _timers(self) -> list[IDelayedCall | None]:
         return super()._timers() + [self._healthy_call]
 
     def _connection_ended(self) -> None:

@@ -71,7 +71,8 @@ readiness step and the logical connection the handler sees change
 together; the command wire format itself is in :mod:`.commands`.)
 """
 
-from typing import Any, List, Optional, Sequence, Set, Tuple, cast
+from collections.abc import Sequence
+from typing import Any, cast
 
 import txredisapi
 from twisted.application.service import MultiService
@@ -133,7 +134,7 @@ class _RedisFactory(Factory):
         self.owner = owner
         self.role = role
         #: The protocol built last (ClientService keeps one at a time).
-        self.current: Optional[_Link] = None
+        self.current: _Link | None = None
 
     def buildProtocol(self, addr: Any) -> Any:
         # convertNumbers off: a message that reads as a number is a line of
@@ -167,8 +168,8 @@ class _Link:
 
     last_data = 0.0
     lost = False
-    readying: Optional[defer.Deferred[Any]] = None
-    healthy_call: Optional[IDelayedCall] = None
+    readying: defer.Deferred[Any] | None = None
+    healthy_call: IDelayedCall | None = None
     factory: "_RedisFactory"
     transport: Any  # txredisapi's
 
@@ -233,7 +234,7 @@ class RedisConnection:
         self._owner = owner
         self.closed = False
         #: The message being dispatched (bytes, no newline).
-        self.current_line: Optional[bytes] = None
+        self.current_line: bytes | None = None
 
     def __str__(self) -> str:
         """How log lines name it: ``redis channel <channel>``."""
@@ -270,8 +271,8 @@ class RedisReplication(MultiService):
                  server_name: str, instance_name: str, ping_interval: float = 10.0,
                  ping_timeout: float = 5.0,
                  initial_delay: float = RECONNECT_INITIAL_DELAY,
-                 max_delay: float = RECONNECT_MAX_DELAY, clock: Optional[IReactorTime]=None,
-                 synapse_server_name: Optional[str] = None,
+                 max_delay: float = RECONNECT_MAX_DELAY, clock: IReactorTime | None=None,
+                 synapse_server_name: str | None = None,
                  synapse_probe: float = SYNAPSE_PROBE) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.reactor = reactor
@@ -285,14 +286,14 @@ class RedisReplication(MultiService):
         self.channel = self.layout.channel
         self.user_ip_channel = self.layout.user_ip_channel
         #: Channels the current subscriber is subscribed to (or asked for).
-        self._subscribed_channels: Set[str] = set()
+        self._subscribed_channels: set[str] = set()
         self.instance_name = instance_name
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
-        self.last_error: Optional[str] = None
-        self.subscriber: Optional[_Subscriber] = None
-        self.publisher: Optional[_Publisher] = None
-        self.conn: Optional[RedisConnection] = None
+        self.last_error: str | None = None
+        self.subscriber: _Subscriber | None = None
+        self.publisher: _Publisher | None = None
+        self.conn: RedisConnection | None = None
         self._subscribed = False
         #: Without the section, what tells a Synapse on our channel apart.
         self.watch = (SynapseWatch(self.channel, [s.name for s in handler.registry])
@@ -300,9 +301,9 @@ class RedisReplication(MultiService):
                       else None)
         self.synapse_probe = synapse_probe
         #: While asking before announcing: our lines but REPLICATE, in order.
-        self._held: Optional[List[Sequence[bytes]]] = None
+        self._held: list[Sequence[bytes]] | None = None
         self._held_count = 0
-        self._answer_call: Optional[IDelayedCall] = None
+        self._answer_call: IDelayedCall | None = None
         self._own_prefixes = tuple(
             f"{name} {stream.name} {instance_name} "
             for stream in handler.registry for name in ("RDATA", "POSITION"))
@@ -358,7 +359,7 @@ class RedisReplication(MultiService):
                 protocol.transport.abortConnection()
 
     @property
-    def synapse_seen(self) -> Optional[str]:
+    def synapse_seen(self) -> str | None:
         """Why this instance no longer publishes (a Synapse on its channel,
         see :mod:`.synapse_watch`), for ``/health``; None while it does."""
         return self.watch.evidence if self.watch is not None else None
@@ -575,7 +576,7 @@ class RedisReplication(MultiService):
         if subscriber is not None and subscriber.transport is not None:
             subscriber.transport.resumeProducing()
 
-    def publish_lines(self, lines: Sequence[bytes], channel: Optional[bytes] = None) -> None:
+    def publish_lines(self, lines: Sequence[bytes], channel: bytes | None = None) -> None:
         """PUBLISH each line on our channel (USER_IP on ours for it) unless
         ``channel`` is given, all in one write; more than one line inside
         ``MULTI`` ... ``EXEC``.
@@ -700,8 +701,8 @@ def text_of(message: Any) -> str:
     return message.decode("utf-8", "replace") if isinstance(message, bytes) else message
 
 
-def routed(layout: ChannelLayout, lines: Sequence[bytes], channel: Optional[bytes],
-           signer: Any) -> Tuple[List[bytes], List[bytes]]:
+def routed(layout: ChannelLayout, lines: Sequence[bytes], channel: bytes | None,
+           signer: Any) -> tuple[list[bytes], list[bytes]]:
     """The payloads of ``lines`` (no newline) and the channel of each:
     ``channel`` if given (Synapse's: nothing there is signed), else the
     layout's; signed by ``signer`` (a :class:`.redis_signing.Signer`) if any."""
@@ -715,7 +716,7 @@ def routed(layout: ChannelLayout, lines: Sequence[bytes], channel: Optional[byte
     return payloads, channels
 
 
-def parse_message(message: str, own_prefixes: Tuple[str, ...]) -> Optional[Command]:
+def parse_message(message: str, own_prefixes: tuple[str, ...]) -> Command | None:
     """The command of one message heard on a channel; None for our own
     RDATA/POSITION echoed (not even parsed) and for a line we cannot parse
     (counted, a debug log)."""

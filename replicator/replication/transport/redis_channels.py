@@ -33,7 +33,8 @@ reads.  Instances of one deployment must agree on the layout: one on
 ``single`` and one on ``per_stream`` hear nothing of each other.
 """
 
-from typing import Any, Dict, Iterable, List, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from ...config.model import REDIS_CHANNELS as LAYOUTS
 
@@ -55,7 +56,7 @@ class ChannelLayout:
     every line has exactly one channel.
     """
 
-    def __init__(self, server_name: str, synapse_server_name: Optional[str] = None,
+    def __init__(self, server_name: str, synapse_server_name: str | None = None,
                  layout: str = "single") -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown channel layout {layout!r}")
@@ -74,7 +75,7 @@ class ChannelLayout:
         self._user_ip_channel = self.user_ip_channel.encode("utf-8")
         #: Stream name (bytes) -> its channel (bytes); only streams whose
         #: lines this instance publishes, so bounded by its configuration.
-        self._stream_channels: Dict[bytes, bytes] = {}
+        self._stream_channels: dict[bytes, bytes] = {}
 
     def stream_channel(self, stream_name: str) -> str:
         """The channel of one stream's lines in ``per_stream``."""
@@ -95,7 +96,7 @@ class ChannelLayout:
                 return channel
         return self._channel
 
-    def subscriptions(self, streams: Iterable[Any]) -> List[str]:
+    def subscriptions(self, streams: Iterable[Any]) -> list[str]:
         """The channels to subscribe to for ``streams`` (the registry's
         :class:`~replicator.streams.stream.Stream` objects), in order:
         control, USER_IP, the streams' own channels, Synapse's."""

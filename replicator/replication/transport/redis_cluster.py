@@ -39,7 +39,8 @@ on one channel), TLS to the nodes (the nodes' addresses come from ``CLUSTER
 SLOTS`` as plain TCP).
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import txredisapi
 from twisted.application.service import MultiService
@@ -87,7 +88,7 @@ def key_slot(key: bytes) -> int:
     return _crc16(key) % SLOTS
 
 
-SlotMap = List[Tuple[int, int, str]]  # (first slot, last slot, "host:port")
+SlotMap = list[tuple[int, int, str]]  # (first slot, last slot, "host:port")
 
 
 def parse_slots(reply: Any, seed_host: str) -> SlotMap:
@@ -101,7 +102,7 @@ def parse_slots(reply: Any, seed_host: str) -> SlotMap:
     return sorted(ranges)
 
 
-def owner(slots: SlotMap, slot: int) -> Optional[str]:
+def owner(slots: SlotMap, slot: int) -> str | None:
     for first, last, node in slots:
         if first <= slot <= last:
             return node
@@ -183,7 +184,7 @@ class RedisClusterBus(MultiService):
                  server_name: str, instance_name: str, ping_interval: float = 10.0,
                  ping_timeout: float = 5.0, initial_delay: float = RECONNECT_INITIAL_DELAY,
                  max_delay: float = RECONNECT_MAX_DELAY,
-                 clock: Optional[IReactorTime] = None) -> None:
+                 clock: IReactorTime | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.reactor = reactor
         self.clock = clock if clock is not None else reactor
@@ -192,18 +193,18 @@ class RedisClusterBus(MultiService):
         self.channel = self.layout.channel
         self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
         self.backoff = Backoff(initial_delay, max_delay, name="redis-cluster")
-        self.last_error: Optional[str] = None
-        self.conn: Optional[RedisConnection] = None
+        self.last_error: str | None = None
+        self.conn: RedisConnection | None = None
         self.generation = 0
         #: The current generation's slot map, links and channels.
         self.slots: SlotMap = []
-        self.publishers: Dict[str, Any] = {}
-        self.subscribers: Dict[str, Any] = {}
-        self.channels: Set[str] = set()
+        self.publishers: dict[str, Any] = {}
+        self.subscribers: dict[str, Any] = {}
+        self.channels: set[str] = set()
         self._seed = 0
-        self._next: Optional[IDelayedCall] = None
-        self._healthy: Optional[IDelayedCall] = None
-        self._running: Optional[defer.Deferred[None]] = None
+        self._next: IDelayedCall | None = None
+        self._healthy: IDelayedCall | None = None
+        self._running: defer.Deferred[None] | None = None
         self._own_prefixes = tuple(
             f"{name} {stream.name} {instance_name} "
             for stream in handler.registry for name in ("RDATA", "POSITION"))
@@ -262,7 +263,7 @@ class RedisClusterBus(MultiService):
         if not slots:
             raise RuntimeError("CLUSTER SLOTS: no slot is served")
         channels = self.layout.subscriptions(self.handler.registry)
-        by_node: Dict[str, List[str]] = {}
+        by_node: dict[str, list[str]] = {}
         for channel in channels:
             node = owner(slots, key_slot(channel.encode("utf-8")))
             if node is None:
@@ -382,12 +383,12 @@ class RedisClusterBus(MultiService):
             if subscriber.transport is not None:
                 subscriber.transport.resumeProducing()
 
-    def publish_lines(self, lines: Sequence[bytes], channel: Optional[bytes] = None) -> None:
+    def publish_lines(self, lines: Sequence[bytes], channel: bytes | None = None) -> None:
         """SPUBLISH the lines, each on its channel: one write per master,
         the lines of one channel in one ``MULTI`` ... ``EXEC`` (one slot)."""
         if self.conn is None:
             return
-        per_channel: Dict[bytes, List[bytes]] = {}
+        per_channel: dict[bytes, list[bytes]] = {}
         for payload, to in zip(*routed(self.layout, lines, channel, self.signer)):
             per_channel.setdefault(to, []).append(payload)
         for to, payloads in per_channel.items():
@@ -401,7 +402,7 @@ class RedisClusterBus(MultiService):
                 self._published, publisher, len(payloads)).addErrback(
                 self._publish_failed, publisher, len(payloads))
 
-    def _published(self, results: List[Any], publisher: Any, count: int) -> None:
+    def _published(self, results: list[Any], publisher: Any, count: int) -> None:
         at_rest(publisher)
         errors = [r for r in results if isinstance(r, Exception)]
         last = results[-1]

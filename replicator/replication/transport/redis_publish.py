@@ -14,7 +14,8 @@ Deferred per reply, in order; error replies and a lost connection come as
 values, never as failures).
 """
 
-from typing import Any, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from twisted.internet import defer
 
@@ -29,8 +30,8 @@ def publish_command(verb: bytes, channel: bytes, payload: bytes) -> bytes:
         len(verb), verb, len(channel), channel, len(payload), payload)
 
 
-def write_publishes(publisher: Any, verb: bytes, lines: Sequence[Tuple[bytes, bytes]],
-                    ) -> "List[defer.Deferred[Any]]":
+def write_publishes(publisher: Any, verb: bytes, lines: Sequence[tuple[bytes, bytes]],
+                    ) -> "list[defer.Deferred[Any]]":
     """Write ``verb`` of each ``(channel, payload)`` of ``lines`` to
     ``publisher`` (a connected txredisapi protocol) in one write; more than
     one inside ``MULTI`` ... ``EXEC``.  Returns the Deferreds of their

@@ -30,7 +30,8 @@ Invariant: a link is used only once the node it reached said ``ROLE``
 master; every link not on the master Sentinel names last is dropped.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import txredisapi
 from twisted.internet import defer, endpoints
@@ -48,7 +49,7 @@ from ...net.reconnect import ReconnectingService, failure_reason
 
 log = Logger()
 
-Address = Tuple[str, int]
+Address = tuple[str, int]
 #: The Sentinel channel that announces a promotion.
 SWITCH_MASTER = "+switch-master"
 
@@ -67,7 +68,7 @@ def address_text(address: Address) -> str:
 
 
 def redis_endpoint(reactor: Any, config: RedisConfig, clock: IReactorTime,
-                   timeout: float) -> Tuple[Any, str]:
+                   timeout: float) -> tuple[Any, str]:
     """``(endpoint, where)``: what the Redis links connect through, and how
     their log lines name it."""
     if config.endpoint is not None:
@@ -99,7 +100,7 @@ async def _ask(reactor: Any, address: Address, timeout: float, clock: IReactorTi
     return answer
 
 
-def _master_reply(answer: Any) -> Optional[Address]:
+def _master_reply(answer: Any) -> Address | None:
     """``get-master-addr-by-name``'s reply as an address (None: unknown name)."""
     if answer is None:
         return None
@@ -121,7 +122,7 @@ class SentinelEndpoint:
         self.master_name = master_name
         self.clock = clock
         self.timeout = timeout
-        self.master: Optional[Address] = None
+        self.master: Address | None = None
 
     async def master_address(self) -> Address:
         """The master's address from the first sentinel that knows it
@@ -267,7 +268,7 @@ class SentinelWatch(ReconnectingService):
         """A ``+switch-master`` message: ``name old-ip old-port new-ip new-port``."""
         if isinstance(message, bytes):
             message = message.decode("utf-8", "replace")
-        fields: List[str] = str(message).split()
+        fields: list[str] = str(message).split()
         if len(fields) != 5 or fields[0] != self.endpoint.master_name or not fields[4].isdigit():
             return
         self._master((fields[3], int(fields[4])), "+switch-master")

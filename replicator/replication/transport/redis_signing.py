@@ -48,7 +48,8 @@ Refused lines are never handed on: counted in
 
 import base64
 import binascii
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from twisted.logger import Logger
 
@@ -80,7 +81,7 @@ BAD_SIGNATURE = "bad_signature"
 OUT_OF_ORDER = "out_of_order"
 
 
-def load_keys(keys: RedisKeys, key: str) -> Tuple[Any, Dict[str, Any]]:
+def load_keys(keys: RedisKeys, key: str) -> tuple[Any, dict[str, Any]]:
     """(private key, {instance: public key}) from the files ``keys``
     names; one :class:`ConfigError` naming the key of the first file that
     is missing or not an Ed25519 key in PEM."""
@@ -137,14 +138,14 @@ class Signer:
     def __init__(self, private_key: Any, instance_name: str) -> None:
         self._key = private_key
         self._name = instance_name.encode("utf-8")
-        self._last: Dict[Tuple[bytes, bytes], int] = {}
+        self._last: dict[tuple[bytes, bytes], int] = {}
 
-    def sign(self, payloads: Sequence[bytes], channels: Sequence[bytes]) -> List[bytes]:
+    def sign(self, payloads: Sequence[bytes], channels: Sequence[bytes]) -> list[bytes]:
         """``payloads`` (lines without newline, in publishing order) as they
         go on ``channels`` (one each): REPLICATE as it is, every other line
         wrapped."""
         fact_of = self._fact_tokens(payloads)
-        index: Dict[Tuple[bytes, bytes], int] = {}
+        index: dict[tuple[bytes, bytes], int] = {}
         out = []
         for i, (payload, channel) in enumerate(zip(payloads, channels)):
             if payload == b"REPLICATE" or payload.startswith(b"REPLICATE "):
@@ -172,12 +173,12 @@ class Signer:
         return out
 
     @staticmethod
-    def _fact_tokens(payloads: Sequence[bytes]) -> Dict[int, int]:
+    def _fact_tokens(payloads: Sequence[bytes]) -> dict[int, int]:
         """Index of each RDATA line in ``payloads`` -> the token of its
         fact (a ``batch`` row takes that of the next numbered row of its
         writer: the fan-out writes a fact's rows in one call)."""
-        out: Dict[int, int] = {}
-        following: Dict[Tuple[bytes, bytes], int] = {}
+        out: dict[int, int] = {}
+        following: dict[tuple[bytes, bytes], int] = {}
         for i in range(len(payloads) - 1, -1, -1):
             payload = payloads[i]
             if not payload.startswith(b"RDATA "):
@@ -201,7 +202,7 @@ class Verified:
 
     __slots__ = ("line", "before")
 
-    def __init__(self, line: str, before: Optional[str] = None) -> None:
+    def __init__(self, line: str, before: str | None = None) -> None:
         self.line = line
         self.before = before
 
@@ -217,7 +218,7 @@ class Verifier:
 
     def __init__(self, public_keys: Mapping[str, Any], instance_name: str,
                  accept_unsigned: bool, clock: Any,
-                 reads: Optional[Callable[[str, str], bool]] = None) -> None:
+                 reads: Callable[[str, str], bool] | None = None) -> None:
         #: ``reads(stream, writer)``: whether RDATA/POSITION of that writer
         #: matter here; those that do not are dropped unverified (the
         #: handler would drop them), so that an instance reading one stream
@@ -228,10 +229,10 @@ class Verifier:
         self._own = instance_name.encode("utf-8")
         self.accept_unsigned = accept_unsigned
         self._clock = clock
-        self._last: Dict[Tuple[str, str], int] = {}
-        self._open: Dict[Tuple[str, str], Tuple[int, int]] = {}
-        self._logged_at: Dict[str, float] = {}
-        self._unlogged: Dict[str, int] = {}
+        self._last: dict[tuple[str, str], int] = {}
+        self._open: dict[tuple[str, str], tuple[int, int]] = {}
+        self._logged_at: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
 
     def reset(self) -> None:
         """A new registration: what was open or last heard is forgotten
@@ -239,7 +240,7 @@ class Verifier:
         self._last.clear()
         self._open.clear()
 
-    def check(self, channel: Any, message: Any) -> Optional[Verified]:
+    def check(self, channel: Any, message: Any) -> Verified | None:
         if isinstance(channel, str):
             channel = channel.encode("utf-8")
         raw = message if isinstance(message, bytes) else message.encode("utf-8",
@@ -286,15 +287,15 @@ class Verifier:
             return self._rdata(text, fields, meta, channel, raw)
         return Verified(text)
 
-    def _position(self, text: str, fields: List[bytes]) -> Verified:
+    def _position(self, text: str, fields: list[bytes]) -> Verified:
         key = (fields[1].decode("utf-8", "replace"), fields[2].decode("utf-8", "replace"))
         self._open.pop(key, None)
         if fields[4].isdigit():
             self._last[key] = int(fields[4])
         return Verified(text)
 
-    def _rdata(self, text: str, fields: List[bytes], meta: bytes, channel: bytes,
-               raw: bytes) -> Optional[Verified]:
+    def _rdata(self, text: str, fields: list[bytes], meta: bytes, channel: bytes,
+               raw: bytes) -> Verified | None:
         numbers = meta.split(b":")
         if len(fields) < 5 or len(numbers) != 3 or not all(n.isdigit() for n in numbers):
             return self._refuse(MALFORMED, channel, raw)
@@ -323,7 +324,7 @@ class Verifier:
             log.warn("redis: taking unsigned lines (accept_unsigned), e.g. {line}",
                      line=printable(text, 80))
 
-    def _refuse(self, reason: str, channel: bytes, raw: bytes) -> Optional[Verified]:
+    def _refuse(self, reason: str, channel: bytes, raw: bytes) -> Verified | None:
         metrics.REDIS_REFUSED.labels(reason).inc()
         self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
         if self._burst_over("refused"):
@@ -345,8 +346,8 @@ class Verifier:
 
 
 
-def signing(keys: Optional[RedisKeys], instance_name: str, clock: Any, registry: Any
-            ) -> Tuple[Optional[Signer], Optional[Verifier]]:
+def signing(keys: RedisKeys | None, instance_name: str, clock: Any, registry: Any
+            ) -> tuple[Signer | None, Verifier | None]:
     """The signer and verifier of a Redis bus under ``keys`` (both None
     without keys: lines go bare and every publisher is believed); the
     verifier checks the lines of writers of ``registry``'s streams only."""

@@ -24,7 +24,8 @@ stream, and USER_SYNC/USER_IP/FEDERATION_ACK (read as bookkeeping; Synapse
 always announces positions too).
 """
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from ... import synapse
 
@@ -45,9 +46,9 @@ class SynapseWatch:
         #: Synapse's streams no config of ours defines here.
         self.proving_streams = synapse.STREAM_NAMES - set(own_streams)
         #: What proved a Synapse, as one sentence (None: nothing yet).
-        self.evidence: Optional[str] = None
+        self.evidence: str | None = None
 
-    def observe(self, cmd: Any) -> Optional[str]:
+    def observe(self, cmd: Any) -> str | None:
         """The evidence if ``cmd`` is the first command that proves a
         Synapse on the channel; else None (also for any later one)."""
         if self.evidence is not None or cmd.NAME not in _STREAM_COMMANDS:

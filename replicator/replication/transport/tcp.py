@@ -36,7 +36,7 @@ So at most ``max_unidentified + max_connections`` + the known names are open.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, Optional, Set
+from typing import Any
 
 from twisted.internet import endpoints
 from twisted.internet.interfaces import IReactorTime
@@ -87,7 +87,7 @@ class ConnectionSettings:
     max_queued_bytes: int = MAX_QUEUED_BYTES
     idle_timeout: float = IDLE_TIMEOUT
 
-    def kwargs(self) -> Dict[Any, Any]:
+    def kwargs(self) -> dict[Any, Any]:
         return dict(
             max_line_length=self.max_line_length, ping_interval=self.ping_interval,
             ping_timeout=self.ping_timeout, max_queued_lines=self.max_queued_lines,
@@ -109,8 +109,9 @@ class ReplicationServerFactory(Factory):
     noisy = False
 
     def __init__(self, handler: IReplicationHandler, server_name: str,
-                 settings: Optional[ConnectionSettings] = None, *,
-                 clock: IReactorTime, policy: Optional[PeerPolicy] = None, max_connections: int = MAX_CONNECTIONS,
+                 settings: ConnectionSettings | None = None, *,
+                 clock: IReactorTime, policy: PeerPolicy | None = None,
+                 max_connections: int = MAX_CONNECTIONS,
                  max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
                  max_unidentified: int = MAX_UNIDENTIFIED,
                  identify_timeout: float = IDENTIFY_TIMEOUT) -> None:
@@ -122,16 +123,16 @@ class ReplicationServerFactory(Factory):
         self.max_connections_per_address = max_connections_per_address
         self.max_unidentified = max_unidentified
         self.identify_timeout = identify_timeout
-        self.live: Set[ServerReplicationProtocol] = set()
+        self.live: set[ServerReplicationProtocol] = set()
         self.crowd = Crowd()
-        self.holders: Dict[str, ServerReplicationProtocol] = {}
-        self._warned: Dict[str, float] = {}  # cap -> when last warned about
+        self.holders: dict[str, ServerReplicationProtocol] = {}
+        self._warned: dict[str, float] = {}  # cap -> when last warned about
         if policy is None:
             policy = PeerPolicy(reserved=local_names(handler))
         self.policy = policy
 
     @property
-    def known_names(self) -> FrozenSet[str]:
+    def known_names(self) -> frozenset[str]:
         """The names one live connection at a time may hold: the handler's
         (the configured writers; a reload adds to them) and the policy's
         ``allowed_peers``, less this instance's own names."""
@@ -169,7 +170,7 @@ class ReplicationServerFactory(Factory):
         self.crowd.arrive(p, getattr(addr, "host", None))
         return p
 
-    def _identify(self, conn: ServerReplicationProtocol, name: Optional[str]) -> Optional[str]:
+    def _identify(self, conn: ServerReplicationProtocol, name: str | None) -> str | None:
         """``conn`` gave ``name`` (None: an anonymous reader): the refusal,
         or None once it is counted where it belongs."""
         if conn not in self.crowd:
@@ -222,8 +223,8 @@ class ReplicationClientFactory(Factory):
     noisy = False
 
     def __init__(self, handler: IReplicationHandler, client_name: str, server_name: str,
-                 settings: Optional[ConnectionSettings] = None, *, clock: IReactorTime,
-                 backoff: Optional[Backoff] = None, secret: Optional[str] = None) -> None:
+                 settings: ConnectionSettings | None = None, *, clock: IReactorTime,
+                 backoff: Backoff | None = None, secret: str | None = None) -> None:
         self.handler = handler
         self.secret = secret  # this writer's, to prove its NAME when asked (.proof)
         self.client_name = client_name
@@ -231,11 +232,11 @@ class ReplicationClientFactory(Factory):
         self.settings = settings or ConnectionSettings()
         self.clock = clock
         self.backoff = backoff
-        self.current: Optional[ClientReplicationProtocol] = None
+        self.current: ClientReplicationProtocol | None = None
         self.started_at = clock.seconds()
         #: When the last connection that answered the handshake last heard
         #: its server (None: none answered yet).
-        self.answered_until: Optional[float] = None
+        self.answered_until: float | None = None
 
     def buildProtocol(self, addr: Any) -> "ClientReplicationProtocol":
         on_healthy = self.backoff.reset if self.backoff is not None else None
@@ -251,7 +252,7 @@ class ReplicationClientFactory(Factory):
         if p.answered:
             self.answered_until = p.last_received
 
-    def down_since(self) -> Optional[float]:
+    def down_since(self) -> float | None:
         """Since when the upstream has not been answering (None: it is):
         when it was last heard on a connection that answered the
         handshake, else since this factory was made (the start)."""
@@ -267,7 +268,7 @@ class ReplicationClientFactory(Factory):
         """Whether the upstream named itself and the link is still up."""
         return self.current is not None and self.current.established
 
-    def lost_reason(self) -> Optional[str]:
+    def lost_reason(self) -> str | None:
         """Why the last connection ended, for the retry line: the peer's
         ``ERROR``, our own close's reason, or what the transport said."""
         p = self.current
@@ -299,7 +300,7 @@ class UpstreamService(ReconnectingService):
     def connected(self) -> bool:
         return self.replication_factory.connected
 
-    def down_since(self) -> Optional[float]:
+    def down_since(self) -> float | None:
         """See :meth:`ReplicationClientFactory.down_since`."""
         return self.replication_factory.down_since()
 
@@ -311,10 +312,11 @@ class UpstreamService(ReconnectingService):
 
 
 def upstream_service(reactor: Any, endpoint: str, handler: IReplicationHandler, client_name: str,
-                     server_name: str, settings: Optional[ConnectionSettings] = None,
+                     server_name: str, settings: ConnectionSettings | None = None,
                      initial_delay: float = RECONNECT_INITIAL_DELAY,
-                     max_delay: float = RECONNECT_MAX_DELAY, clock: Optional[IReactorTime]=None, wrap_endpoint: Any=None,
-                     on_retry: Any=None, secret: Optional[str] = None) -> UpstreamService:
+                     max_delay: float = RECONNECT_MAX_DELAY, clock: IReactorTime | None=None,
+                     wrap_endpoint: Any=None,
+                     on_retry: Any=None, secret: str | None = None) -> UpstreamService:
     """A service that keeps one connection to the upstream server, forever.
 
     ``reactor`` makes the connections; ``clock`` (default: the reactor)

@@ -24,7 +24,7 @@ The RDATA fan-out does not go through the classes: it writes the bytes of
 import dataclasses
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+from typing import Any, ClassVar
 
 from ...jsontext import encode_json
 from .parsing import (
@@ -51,7 +51,7 @@ class Command:
     def to_line(self) -> str:
         raise NotImplementedError
 
-    def fields(self) -> Dict[str, Any]:
+    def fields(self) -> dict[str, Any]:
         """The command's arguments by their protocol names (``tail --json``)."""
         return {f.name: getattr(self, f.name)
                 for f in dataclasses.fields(self)}  # type: ignore[arg-type]
@@ -67,7 +67,7 @@ class TextCommand(Command):
     be empty.  Subclasses give ``text`` its meaningful name as a read-only
     alias (``ServerCommand.server_name``...)."""
 
-    WHAT: ClassVar[Optional[str]] = None
+    WHAT: ClassVar[str | None] = None
     text: str
 
     @classmethod
@@ -79,7 +79,7 @@ class TextCommand(Command):
     def to_line(self) -> str:
         return self.NAME + " " + self.text
 
-    def fields(self) -> Dict[str, Any]:
+    def fields(self) -> dict[str, Any]:
         # The subclass's alias is the argument's name (server_name, data...).
         for klass in type(self).__mro__:
             for name, value in vars(klass).items():
@@ -101,7 +101,7 @@ class ServerCommand(TextCommand):
 
     __slots__ = ()
     NAME: ClassVar[str] = "SERVER"
-    WHAT: ClassVar[Optional[str]] = "server name"
+    WHAT: ClassVar[str | None] = "server name"
     server_name = _alias("The deployment's server name.")
 
 
@@ -127,7 +127,7 @@ class NameCommand(TextCommand):
 
     __slots__ = ()
     NAME: ClassVar[str] = "NAME"
-    WHAT: ClassVar[Optional[str]] = "client name"
+    WHAT: ClassVar[str | None] = "client name"
     client_name = _alias("The client's instance name.")
 
 
@@ -136,7 +136,7 @@ class ClearUserSyncCommand(TextCommand):
 
     __slots__ = ()
     NAME: ClassVar[str] = "CLEAR_USER_SYNC"
-    WHAT: ClassVar[Optional[str]] = "instance id"
+    WHAT: ClassVar[str | None] = "instance id"
     instance_id = _alias("The instance whose USER_SYNCs end.")
 
 
@@ -145,7 +145,7 @@ class RemoteServerUpCommand(TextCommand):
 
     __slots__ = ()
     NAME: ClassVar[str] = "REMOTE_SERVER_UP"
-    WHAT: ClassVar[Optional[str]] = "server name"
+    WHAT: ClassVar[str | None] = "server name"
     server_name = _alias("The remote server that came back.")
 
 
@@ -154,7 +154,7 @@ class NewActiveTaskCommand(TextCommand):
 
     __slots__ = ()
     NAME: ClassVar[str] = "NEW_ACTIVE_TASK"
-    WHAT: ClassVar[Optional[str]] = "task id"
+    WHAT: ClassVar[str | None] = "task id"
     task_id = _alias("The task's ID.")
 
 
@@ -163,7 +163,7 @@ class CancelTaskCommand(TextCommand):
 
     __slots__ = ()
     NAME: ClassVar[str] = "CANCEL_TASK"
-    WHAT: ClassVar[Optional[str]] = "task id"
+    WHAT: ClassVar[str | None] = "task id"
     task_id = _alias("The task's ID.")
 
 
@@ -175,7 +175,7 @@ class AuthChallengeCommand(TextCommand):
 
     __slots__ = ()
     NAME: ClassVar[str] = "AUTH_CHALLENGE"
-    WHAT: ClassVar[Optional[str]] = "nonce"
+    WHAT: ClassVar[str | None] = "nonce"
     nonce = _alias("The server's fresh nonce, to be signed with the writer's secret.")
 
 
@@ -185,7 +185,7 @@ class AuthCommand(TextCommand):
 
     __slots__ = ()
     NAME: ClassVar[str] = "AUTH"
-    WHAT: ClassVar[Optional[str]] = "proof"
+    WHAT: ClassVar[str | None] = "proof"
     proof = _alias("The HMAC of the challenge under the writer's secret (hex).")
 
 
@@ -220,8 +220,8 @@ class RdataCommand(Command):
     NAME: ClassVar[str] = "RDATA"
     stream_name: str
     instance_name: str
-    token: Optional[int]
-    row: List[Any]
+    token: int | None
+    row: list[Any]
 
     @classmethod
     def from_line(cls, rest: str) -> "RdataCommand":
@@ -238,7 +238,7 @@ class RdataCommand(Command):
 
     def to_line(self) -> str:
         token = "batch" if self.token is None else str(self.token)
-        return "RDATA %s %s %s %s" % (
+        return "RDATA {} {} {} {}".format(
             self.stream_name,
             self.instance_name,
             token,
@@ -266,15 +266,15 @@ class PositionCommand(Command):
                    parse_int(prev_text, "prev_token"), parse_int(new_text, "new_token"))
 
     def to_line(self) -> str:
-        return "POSITION %s %s %d %d" % (
-            self.stream_name, self.instance_name, self.prev_token, self.new_token)
+        return (f"POSITION {self.stream_name} {self.instance_name} {self.prev_token:d} "
+                f"{self.new_token:d}")
 
 
-def rdata_row(line: bytes) -> List[Any]:
+def rdata_row(line: bytes) -> list[Any]:
     """The row of an RDATA line already parsed once (its wire bytes, with
     or without the newline): a partial batch is kept as its lines and its
     rows decoded only when the fact is handed on."""
-    row: List[Any] = decode_json(line.split(b" ", 4)[4].decode("utf-8", "surrogatepass"), "row")
+    row: list[Any] = decode_json(line.split(b" ", 4)[4].decode("utf-8", "surrogatepass"), "row")
     return row
 
 
@@ -293,7 +293,7 @@ class UserSyncCommand(Command):
     NAME: ClassVar[str] = "USER_SYNC"
     instance_id: str
     user_id: str
-    device_id: Optional[str]
+    device_id: str | None
     is_syncing: bool
     last_sync_ms: int
 
@@ -313,13 +313,10 @@ class UserSyncCommand(Command):
                    parse_int(last_sync, "last_sync_ms"))
 
     def to_line(self) -> str:
-        return "USER_SYNC %s %s %s %s %d" % (
-            self.instance_id,
-            self.user_id,
-            "None" if self.device_id is None else self.device_id,
-            "start" if self.is_syncing else "end",
-            self.last_sync_ms,
-        )
+        device = "None" if self.device_id is None else self.device_id
+        state = "start" if self.is_syncing else "end"
+        return (f"USER_SYNC {self.instance_id} {self.user_id} {device} {state} "
+                f"{self.last_sync_ms:d}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +334,7 @@ class FederationAckCommand(Command):
         return cls(need(instance_name, "instance name"), parse_int(token, "token"))
 
     def to_line(self) -> str:
-        return "FEDERATION_ACK %s %d" % (self.instance_name, self.token)
+        return f"FEDERATION_ACK {self.instance_name} {self.token:d}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +347,7 @@ class UserIpCommand(Command):
     access_token: str
     ip: str
     user_agent: str
-    device_id: Optional[str]
+    device_id: str | None
     last_seen: int
 
     @classmethod
@@ -388,7 +385,8 @@ class LockReleasedCommand(Command):
     def from_line(cls, rest: str) -> "LockReleasedCommand":
         values = decode_json(rest, "LOCK_RELEASED payload")
         if not isinstance(values, list) or len(values) != 3:
-            raise CommandParseError("LOCK_RELEASED payload is not [instance_name, lock_name, lock_key]")
+            raise CommandParseError(
+                "LOCK_RELEASED payload is not [instance_name, lock_name, lock_key]")
         return cls(*(need_str(v, "lock field") for v in values))
 
     def to_line(self) -> str:
@@ -398,14 +396,14 @@ class LockReleasedCommand(Command):
 
 # ---------------------------------------------------------------- registry
 
-ALL_COMMANDS: Tuple[Type[Command], ...] = (
+ALL_COMMANDS: tuple[type[Command], ...] = (
     ServerCommand, RdataCommand, PositionCommand, ErrorCommand, PingCommand, NameCommand,
     ReplicateCommand, UserSyncCommand, ClearUserSyncCommand, FederationAckCommand,
     UserIpCommand, RemoteServerUpCommand, LockReleasedCommand, NewActiveTaskCommand,
     CancelTaskCommand, AuthChallengeCommand, AuthCommand,
 )
 
-COMMANDS_BY_NAME: Dict[str, Type[Command]] = {cls.NAME: cls for cls in ALL_COMMANDS}
+COMMANDS_BY_NAME: dict[str, type[Command]] = {cls.NAME: cls for cls in ALL_COMMANDS}
 
 #: Names the server may send (docs/protocol.md, "from" column: S).
 SERVER_COMMANDS = frozenset({

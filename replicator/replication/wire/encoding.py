@@ -8,9 +8,9 @@ lines are exactly those of ``RdataCommand``/``PositionCommand.to_line()``
 and ``NaN``/``Infinity`` refused (such a row is dropped and counted).
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from operator import itemgetter
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any
 
 import orjson
 
@@ -38,9 +38,9 @@ class EncodedLines(Sequence[bytes]):
     __slots__ = ("dropped", "_lines", "_joined", "_count")
 
     def __init__(self, lines: Iterable[bytes] = ()) -> None:
-        self._lines: Optional[List[bytes]] = list(lines)
+        self._lines: list[bytes] | None = list(lines)
         self._count = len(self._lines)
-        self._joined: Optional[bytes] = None
+        self._joined: bytes | None = None
         self.dropped = 0
 
     @classmethod
@@ -51,7 +51,7 @@ class EncodedLines(Sequence[bytes]):
         self._lines, self._count, self._joined, self.dropped = None, count, data, 0
         return self
 
-    def _list(self) -> List[bytes]:
+    def _list(self) -> list[bytes]:
         lines = self._lines
         if lines is None:
             assert self._joined is not None
@@ -104,7 +104,7 @@ def joined(lines: Sequence[bytes]) -> bytes:
 def encode_rdata_lines(
     stream_name: str,
     instance_name: str,
-    updates: Sequence[Tuple[int, Sequence[Any]]],
+    updates: Sequence[tuple[int, Sequence[Any]]],
     max_line_length: int = MAX_LINE_LENGTH,
 ) -> EncodedLines:
     """Encode ``(token, row)`` pairs as RDATA wire lines, once for all
@@ -178,7 +178,7 @@ def _marks(tokens: Sequence[int], batched: bool) -> Sequence[Any]:
     row but the last of a fact (``batched``: some fact has several rows)."""
     if not batched:
         return tokens
-    marks: List[Any] = list(tokens)
+    marks: list[Any] = list(tokens)
     for i in range(len(tokens) - 1):
         if tokens[i] == tokens[i + 1]:
             marks[i] = _BATCH
@@ -186,7 +186,7 @@ def _marks(tokens: Sequence[int], batched: bool) -> Sequence[Any]:
 
 
 def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
-                    max_line_length: int) -> Optional[bytes]:
+                    max_line_length: int) -> bytes | None:
     """The joined RDATA lines of ``rows`` from ONE orjson call, or None
     where that does not apply (then the caller encodes row by row).
 
@@ -205,7 +205,7 @@ def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
     if b"\r" in prefix or not n:
         return None
     marks = _marks(tokens, len(set(tokens)) < n)
-    items: List[Any] = [None, _SEPARATOR] * (2 * n)
+    items: list[Any] = [None, _SEPARATOR] * (2 * n)
     items[0::4] = marks
     items[2::4] = rows
     del items[-1]
@@ -224,7 +224,7 @@ def _encode_at_once(prefix: bytes, tokens: Sequence[int], rows: Sequence[Any],
     pieces[-1] = pieces[-1][:-1]
     if not _gaps_within(data, room) and max(map(len, pieces[1::2])) > room:
         return None
-    out: List[Any] = [b"\n" + prefix, None, b" ", None] * n
+    out: list[Any] = [b"\n" + prefix, None, b" ", None] * n
     out[0] = prefix
     out[1::2] = pieces
     out.append(b"\n")
@@ -257,7 +257,7 @@ def _gaps_within(data: bytes, bound: int, sep: bytes = _SPLIT) -> bool:
 
 def encode_written(stream_name: str, instance_name: str, tokens: Sequence[int],
                    rows: Sequence[bytes], facts: int,
-                   max_line_length: int = MAX_LINE_LENGTH) -> Optional[EncodedLines]:
+                   max_line_length: int = MAX_LINE_LENGTH) -> EncodedLines | None:
     """The RDATA lines of rows encoded when they were written, joined:
     ``rows[i]`` is a row's JSON line (:func:`.jsontext.encode_json_line`,
     newline included) and ``tokens[i]`` its fact's token, ascending;
@@ -278,7 +278,7 @@ def encode_written(stream_name: str, instance_name: str, tokens: Sequence[int],
         return None  # lines are split at line ends when read one by one
     marks = _marks(tokens, facts < n)
     heads = _dumps(marks)[1:-1].split(b",")
-    out: List[Any] = [prefix, None, b" ", None] * n
+    out: list[Any] = [prefix, None, b" ", None] * n
     out[1::4] = heads
     out[3::4] = rows
     data = b"".join(out)
@@ -297,7 +297,7 @@ def encode_written(stream_name: str, instance_name: str, tokens: Sequence[int],
     return EncodedLines.of_joined(data, n)
 
 
-_prefixes: Dict[Tuple[str, str], bytes] = {}
+_prefixes: dict[tuple[str, str], bytes] = {}
 
 
 def _prefix(stream_name: str, instance_name: str) -> bytes:
@@ -314,7 +314,7 @@ def _prefix(stream_name: str, instance_name: str) -> bytes:
 
 def encode_written_fact(stream_name: str, instance_name: str, token: int,
                         rows: Sequence[bytes],
-                        max_line_length: int = MAX_LINE_LENGTH) -> Optional[List[bytes]]:
+                        max_line_length: int = MAX_LINE_LENGTH) -> list[bytes] | None:
     """The RDATA lines of one fact from its rows' JSON lines (see
     :func:`encode_written`); None if one of them is too long (exactly the
     rows :func:`encode_rdata_lines` would drop)."""
@@ -332,7 +332,7 @@ def encode_written_fact(stream_name: str, instance_name: str, token: int,
 def _encode_rdata_lines_each(
     stream_name: str,
     instance_name: str,
-    updates: Iterable[Tuple[int, Sequence[Any]]],
+    updates: Iterable[tuple[int, Sequence[Any]]],
     max_line_length: int = MAX_LINE_LENGTH,
 ) -> EncodedLines:
     """:func:`encode_rdata_lines` row by row: drops the rows whose line
@@ -345,9 +345,9 @@ def _encode_rdata_lines_each(
     dropped = 0
     # The previous kept row of the current token: written as a batch line if
     # another kept row of the same token follows, else with the token.
-    pending: Optional[bytes] = None
+    pending: bytes | None = None
     token_prefix = b""
-    current: Optional[int] = None
+    current: int | None = None
     room = 0
     for token, row in updates:
         if token != current:
@@ -375,7 +375,8 @@ def _encode_rdata_lines_each(
     return out
 
 
-def encode_position_line(stream_name: str, instance_name: str, prev_token: int, new_token: int) -> bytes:
+def encode_position_line(stream_name: str, instance_name: str, prev_token: int,
+                         new_token: int) -> bytes:
     """The POSITION wire line, ending in ``b"\\n"``."""
     return b"POSITION %s %s %d %d\n" % (
         stream_name.encode(),

@@ -12,7 +12,7 @@ gives a key twice (:func:`replicator.jsontext.unique_object`).
 
 import json
 import math
-from typing import Any, List
+from typing import Any
 
 from ...jsontext import unique_object
 
@@ -99,7 +99,7 @@ def decoded_size(text: bytes) -> int:
             + DECODED_OBJECT * braces)
 
 
-def split_fields(rest: str, count: int, fields: str) -> List[str]:
+def split_fields(rest: str, count: int, fields: str) -> list[str]:
     """Split ``rest`` into exactly ``count`` space-separated fields; the last
     one keeps any further spaces."""
     parts = rest.split(" ", count - 1)
