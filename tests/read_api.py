@@ -26,6 +26,9 @@ ACCOUNT_DATA = {
     "columns": [{"user_id": "text"}, {"room_id": "text?"}, {"data_type": "text"}],
     "writers": ["master"],
 }
+#: A stream of Durable Streams created over HTTP, written by ``master``.
+DS_STREAM = {"name": "ds", "table": "ds_operations", "durable_streams": True,
+             "writers": ["master"]}
 COLUMNS = ("cache_func", "keys", "invalidation_ts")
 STREAMS_PATH = "/_replicator/v1/streams"
 
@@ -34,7 +37,10 @@ class ReadApiDaemon:
     """The daemon; :meth:`start` again after :meth:`kill` is a restart on
     the same ports and database."""
 
-    def __init__(self, test, http_port: int | None = None):
+    def __init__(self, test, http_port: int | None = None, http: dict | None = None,
+                 streams: Iterable[dict] = ()):
+        """``http``: more of the ``http`` section; ``streams``: more
+        streams (e.g. :data:`DS_STREAM`)."""
         self.dsn = PostgresServer.shared().create_database()
         self.port = http_port or free_port()
         self.daemon = Daemon(test, {}, "reader-api")
@@ -46,9 +52,10 @@ class ReadApiDaemon:
             os.chmod(path, 0o600)
             secrets[name] = path
         config = base_config(
-            "master", self.port, [dict(CACHES), ACCOUNT_DATA], database={"postgres": self.dsn},
-            log_level="debug")
+            "master", self.port, [dict(CACHES), ACCOUNT_DATA, *streams],
+            database={"postgres": self.dsn}, log_level="debug")
         config["http"]["heartbeat_interval"] = 0.5  # pings seen within a test
+        config["http"].update(http or {})
         config["http"]["readers"] = [
             {"name": "app", "secret_file": secrets["app"], "streams": ["caches"]},
             {"name": "other", "secret_file": secrets["other"], "streams": ["account_data"]},

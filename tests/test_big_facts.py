@@ -25,7 +25,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from replicator import jsontext
 from replicator.config import parse_database, parse_streams
-from replicator.consumers import jsonl as jsonl_module
+from replicator.consumers import jsonl_lines
 from replicator.consumers import log as log_module
 from replicator.consumers.file_thread import run_inline
 from replicator.consumers.jsonl import JsonlConsumer
@@ -278,7 +278,7 @@ class JsonlEncodeSliceTests(SynchronousTestCase):
         self.consumer = JsonlConsumer(self.path, self.clock, run_io=run_inline)
         self.addCleanup(self.consumer.close)
         self.encoded = []  # rows per encoder call
-        real = jsonl_module._dumps
+        real = jsonl_lines._dumps
 
         def dumps(value, *args):
             if type(value) is list:
@@ -288,7 +288,7 @@ class JsonlEncodeSliceTests(SynchronousTestCase):
             elif type(value) is dict and value.get("rows"):
                 self.encoded.append(len(value["rows"]))
             return real(value, *args)
-        self.patch(jsonl_module, "_dumps", dumps)
+        self.patch(jsonl_lines, "_dumps", dumps)
         self.patch(jsontext, "_dumps", dumps)
 
     def lines(self):
@@ -303,29 +303,29 @@ class JsonlEncodeSliceTests(SynchronousTestCase):
         self.assertTrue(d.called)
 
     def test_a_large_fact_is_encoded_in_slices_with_other_work_between(self):
-        n = 3 * jsonl_module.ENCODE_SLICE + 1
+        n = 3 * jsonl_lines.ENCODE_SLICE + 1
         rows = rows_of(n)
         d = self.consumer.on_facts("caches", "master", 7, rows)
-        self.assertEqual(self.encoded, [jsonl_module.ENCODE_SLICE])
+        self.assertEqual(self.encoded, [jsonl_lines.ENCODE_SLICE])
         self.assertFalse(d.called)
         seen = []
         self.turns(d, seen)
-        self.assertEqual(seen, [2 * jsonl_module.ENCODE_SLICE])
+        self.assertEqual(seen, [2 * jsonl_lines.ENCODE_SLICE])
         self.assertEqual(self.lines(), [encode_json_line(
             {"stream": "caches", "writer": "master", "token": 7, "rows": rows})])
         self.assertEqual(self.consumer.positions(), {("caches", "master"): 7})
 
     def test_a_catch_up_page_with_a_large_fact_gives_the_same_lines(self):
-        big = rows_of(2 * jsonl_module.ENCODE_SLICE + 3)
+        big = rows_of(2 * jsonl_lines.ENCODE_SLICE + 3)
         facts = [(3, rows_of(2)), (5, big), (6, []), (8, [["\ud800", 2 ** 70, None]])]
         d = self.consumer.on_facts_many("caches", "master", facts)
-        self.assertLessEqual(sum(self.encoded), jsonl_module.ENCODE_SLICE + 2)
+        self.assertLessEqual(sum(self.encoded), jsonl_lines.ENCODE_SLICE + 2)
         self.turns(d, [])
         self.assertEqual(self.lines(), [encode_json_line(
             {"stream": "caches", "writer": "master", "token": t, "rows": r}) for t, r in facts])
 
     def test_what_orjson_refuses_in_a_slice_makes_the_whole_line_as_in_one_go(self):
-        rows = rows_of(2 * jsonl_module.ENCODE_SLICE)
+        rows = rows_of(2 * jsonl_lines.ENCODE_SLICE)
         rows[-1] = ["f", [2 ** 70], 1]
         d = self.consumer.on_facts("caches", "master", 9, rows)
         self.turns(d, [])

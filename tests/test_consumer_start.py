@@ -126,7 +126,7 @@ class StartOptionTests(SynchronousTestCase):
         jsonl = ConsumerConfig(type="jsonl", streams=None, options={"path": "a.jsonl"})
         log = ConsumerConfig(type="log", streams=None, options={})
         with self.subTest("jsonl"):
-            from replicator.consumers import jsonl as jsonl_module
-            self.assertEqual(jsonl_module.options_of(jsonl, ".", "c")["start"], "beginning")
+            from replicator.consumers import jsonl_options
+            self.assertEqual(jsonl_options.options_of(jsonl, ".", "c")["start"], "beginning")
         from replicator.consumers import log as log_module
         self.assertEqual(log_module.options_of(log, "c")["start"], "now")

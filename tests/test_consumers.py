@@ -27,7 +27,7 @@ from replicator.consumers import (
     run_inline,
 )
 from replicator.consumers import loading as consumer_loading
-from replicator.consumers.jsonl import fact_lines_at_once
+from replicator.consumers.jsonl_lines import fact_lines_at_once
 from replicator.jsontext import encode_json_line
 from tests.support import temp_dir, until
 

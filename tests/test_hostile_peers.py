@@ -24,7 +24,8 @@ from replicator.config import (
 from replicator.consumers import MemoryConsumer
 from replicator.observe import metrics
 from replicator.replication.core.handler import ReplicationHandler
-from replicator.replication.transport.redis import RedisConnection, RedisReplication
+from replicator.replication.transport.redis import RedisReplication
+from replicator.replication.transport.redis_bus import RedisConnection
 from replicator.replication.transport.tcp import ReplicationServerFactory, upstream_service
 from replicator.replication.wire.commands import parse_line
 from replicator.storage.database import Database

@@ -27,7 +27,8 @@ from replicator.replication.transport.protocol import (
     ClientReplicationProtocol,
     ServerReplicationProtocol,
 )
-from replicator.replication.transport.redis import RedisConnection, RedisReplication
+from replicator.replication.transport.redis import RedisReplication
+from replicator.replication.transport.redis_bus import RedisConnection
 from tests.fakes import FakeBus, FakeConnection, FakeView
 from tests.handlers import CommandRecorder, MasterHandler, RecordingHandler
 

@@ -16,7 +16,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import DatabaseConfig, parse_streams
-from replicator.observe import status, status_page
+from replicator.observe import status, status_html
 from replicator.observe.health import Finding
 from replicator.observe.problem_log import ProblemLog
 from replicator.storage.database import Database
@@ -175,13 +175,13 @@ class ProblemLogTests(SynchronousTestCase):
             (1030.0, None, "replication not connected: upstream down", True, None, 1060.0)])
         snap = {"problems": [p.as_dict() for p in reversed(third.recorder.problems)],
                 "started_at": third.recorder.restored_at}
-        self.assertEqual([status_page.period(p) for p in snap["problems"]], [
+        self.assertEqual([status_html.period(p) for p in snap["problems"]], [
             "1970-01-01 00:17:10 – ongoing at the stop (not recorded, before the restart "
             "at 00:17:40 UTC), end unknown",
             "1970-01-01 00:16:45 – ongoing at the stop (00:17:05 UTC), end unknown"])
-        self.assertIn("ongoing at the stop", status_page.period(snap["problems"][0]))
-        self.assertNotIn("– ongoing<", status_page._problem_rows(snap))
-        self.assertTrue(status_page._problem_rows(snap).startswith(
+        self.assertIn("ongoing at the stop", status_html.period(snap["problems"][0]))
+        self.assertNotIn("– ongoing<", status_html._problem_rows(snap))
+        self.assertTrue(status_html._problem_rows(snap).startswith(
             '<li class="restart">restart at 1970-01-01 00:17:40 UTC'))
 
     def test_the_pending_writes_and_the_table_are_bounded(self):
@@ -300,7 +300,7 @@ class RestartTests(SynchronousTestCase):
         # The page says the same: the restart, and the open one's stop.
         page = get(base + "/")[2].decode()
         self.assertIn("restart at ", page)
-        self.assertIn(status_page.period(open_at_stop), page)
+        self.assertIn(status_html.period(open_at_stop), page)
         self.assertIn("ongoing at the stop (", page)
         self.assertIn("stream caches: writer master never announced anything", page)
         # And so does the page once its script refreshed it.
@@ -311,4 +311,4 @@ class RestartTests(SynchronousTestCase):
         dom.feed(dumped.stdout)
         self.assertIn("data-refreshed", dom.body, dumped.stdout[:3000])
         self.assertIn("restart at ", dom.texts["problems"])
-        self.assertIn(status_page.period(open_at_stop), dom.texts["problems"])
+        self.assertIn(status_html.period(open_at_stop), dom.texts["problems"])

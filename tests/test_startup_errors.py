@@ -55,6 +55,25 @@ class ConfigMistakeTests(SynchronousTestCase):
          "config: server_name: 'hs\\x1b[2J' is not a name without spaces"),
         (base(http={"listen": "tcp:0", "secret": SECRET, "metrics_listen": "127.0.0.1:9\n"}),
          "config: http.metrics_listen: expected host:port, got '127.0.0.1:9\\n'"),
+        # Durable Streams created over HTTP: fixed columns, one writer.
+        (base(streams=[{"name": "ds", "table": "ds_ops", "durable_streams": "yes",
+                        "writers": ["master"]}]),
+         "config: streams[0].durable_streams: expected true or false, got str"),
+        (base(streams=[{"name": "ds", "table": "ds_ops", "durable_streams": True,
+                        "writers": ["master"], "columns": [{"a": "text"}]}]),
+         "config: streams[0].columns: not given for a stream with durable_streams: true "
+         "(its columns are fixed, its retention is the TTL)"),
+        (base(streams=[{"name": "ds", "table": "ds_ops", "durable_streams": True,
+                        "writers": ["master", "w1"]}]),
+         "config: streams[0].writers: a stream with durable_streams: true has one writer: "
+         "the instance that creates and appends"),
+        (base(streams=[{"name": "ds", "table": "ds_ops", "durable_streams": True,
+                        "writers": ["master"], "foreign_writers": True}]),
+         "config: streams[0].foreign_writers: a stream with durable_streams: true is written "
+         "over HTTP only (its writes of a path are checked and ordered there)"),
+        (base(http={"listen": "tcp:0:interface=127.0.0.1", "secret": SECRET,
+                    "ds_long_poll": 31}),
+         "config: http.ds_long_poll: must be a number from 0.1 to 30, got 31"),
         # A key with a newline is still one line.
         (base(**{"bo\ngus": 1}), "config: 'bo\\ngus': unknown key"),
         # Every number has a range; NaN and infinity are not numbers.

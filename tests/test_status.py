@@ -4,7 +4,7 @@ ring, the sparkline, and HTML that escapes whatever a peer calls itself."""
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.observe import status, status_page
+from replicator.observe import status, status_html
 from replicator.observe.health import Finding
 from tests.fakes import FakeView
 
@@ -148,7 +148,7 @@ def sample_snapshot(peer="worker1", reason="ping_timeout"):
 
 class RenderTests(SynchronousTestCase):
     def test_page_shows_every_part(self):
-        page = status_page.render_html(sample_snapshot()).decode()
+        page = status_html.render_html(sample_snapshot()).decode()
         for text in ("caches", "12 (8, 9, 10, 11, 12, 13, 14, 15, 16, 17, …)", "behind by 3",
                      "127.0.0.1:5000", "ping_timeout", "connected since 00:15:00 UTC",
                      "lagging by 3 for 10s", "unhealthy: stream caches: writer w1 has 3",
@@ -161,7 +161,7 @@ class RenderTests(SynchronousTestCase):
         self.assertNotIn("style=", page)
 
     def test_hostile_peer_names_are_escaped(self):
-        page = status_page.render_html(
+        page = status_html.render_html(
             sample_snapshot(peer='<img src=x onerror="alert(1)">',
                             reason="</td><script>x</script>")).decode()
         self.assertNotIn("<img", page)
@@ -169,7 +169,7 @@ class RenderTests(SynchronousTestCase):
         self.assertIn("&lt;img src=x onerror=&quot;alert(1)&quot;&gt;", page)
 
     def test_sparkline_spans_the_window(self):
-        svg = status_page.sparkline([[100.0, 0], [550.0, 5], [1000.0, 10]], 1000.0, 900.0)
+        svg = status_html.sparkline([[100.0, 0], [550.0, 5], [1000.0, 10]], 1000.0, 900.0)
         self.assertIn('points="0.0,23.0 60.0,12.0 120.0,1.0"', svg)
-        flat = status_page.sparkline([[1000.0, 0]], 1000.0, 900.0)
+        flat = status_html.sparkline([[1000.0, 0]], 1000.0, 900.0)
         self.assertIn('points="120.0,23.0"', flat)

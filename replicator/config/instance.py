@@ -82,7 +82,8 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
                           "body_timeout", "max_connections", "max_connections_per_address",
                           "reserved_for_health", "reserved_for_writers",
                           "readers", "max_waiting_reads", "max_waiting_reads_per_address",
-                          "heartbeat_interval", "max_page_bytes", "idempotency_window"),
+                          "heartbeat_interval", "max_page_bytes", "idempotency_window",
+                          "ds_long_poll"),
                key)
     if "secret" in section and "secret_file" in section:
         raise ConfigError(key, "give either secret or secret_file, not both")
@@ -132,6 +133,8 @@ def parse_http(value: Any, key: str = "http") -> HttpConfig:
                                minimum=1024, maximum=1 << 30),
         idempotency_window=get_number(section, "idempotency_window", key, 86_400.0,
                                       minimum=60, maximum=30 * 86_400),
+        ds_long_poll=get_number(section, "ds_long_poll", key, 20.0, minimum=0.1,
+                                maximum=30),
     )
 
 

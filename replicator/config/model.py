@@ -44,6 +44,20 @@ class ColumnConfig:
     json_text: bool = False
 
 
+#: The columns of a stream with ``durable_streams: true``: one row per
+#: fact, the Durable Stream's path, the operation (``create``, ``append``,
+#: ``delete``), the content type it was created with, the body (base64
+#: of the bytes; in JSON mode, the messages as a JSON array), and an
+#: append's ``Stream-Seq``.
+DS_COLUMNS = (
+    ColumnConfig("ds_path", "text"),
+    ColumnConfig("ds_op", "text"),
+    ColumnConfig("content_type", "text", nullable=True),
+    ColumnConfig("body", "text", nullable=True),
+    ColumnConfig("seq", "text", nullable=True),
+)
+
+
 @dataclass(frozen=True)
 class RetentionConfig:
     """What a stream keeps (``retention``, docs/streams.md, "Retention"):
@@ -81,6 +95,9 @@ class StreamConfig:
     positions_name: str | None = None
     # What is trimmed from the table (None: everything is kept).
     retention: RetentionConfig | None = None
+    # Its facts are the operations on Durable Streams created over HTTP
+    # (``durable_streams: true``; its columns are DS_COLUMNS).
+    durable_streams: bool = False
     #: Plain-SQL writers may insert into the table (PostgreSQL): its ID
     #: default takes the fence (:mod:`replicator.streams.fence`), and their
     #: rows are facts of the first writer (``writers[0]``).
@@ -273,6 +290,8 @@ class HttpConfig:
     heartbeat_interval: float = 15.0
     # A page of the read API ends at the fact whose JSON reaches this.
     max_page_bytes: int = 4 * 1024 * 1024
+    # Seconds a Durable Streams long-poll waits by default (its 204 then).
+    ds_long_poll: float = 20.0
     # How long a write's Idempotency-Key is answered with its first
     # fact's ID (replicator.streams.idempotency), in seconds.
     idempotency_window: float = 86_400.0

@@ -25,6 +25,7 @@ from .fields import (
 from .model import (
     AUDIT_TABLE,
     COLUMN_TYPES,
+    DS_COLUMNS,
     IDEMPOTENCY_TABLE,
     POSITIONS_TABLE,
     PROBLEMS_TABLE,
@@ -103,7 +104,8 @@ def parse_column(value: Any, key: str) -> ColumnConfig:
 
 STREAM_KEYS = (
     "name", "table", "id_column", "writer_column", "columns", "sequence",
-    "writers", "timestamp_column", "create", "preset", "retention", "foreign_writers",
+    "writers", "timestamp_column", "create", "preset", "retention", "durable_streams",
+    "foreign_writers",
 )
 RETENTION_KEYS = ("max_age", "max_facts", "interval", "batch")
 #: ``retention.max_age``: a whole number and a unit ("7d", "12h", "90m").
@@ -223,10 +225,24 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     sequence = get_str(section, "sequence", key, f"{table}_seq", IDENTIFIER,
                        "an SQL identifier")
     sql_name(sequence, f"{key}.sequence")
-    columns = tuple(
-        parse_column(c, f"{key}.columns[{i}]")
-        for i, c in enumerate(get_list(section, "columns", key))
-    )
+    durable = get_bool(section, "durable_streams", key, False)
+    if durable:
+        # Streams created over HTTP (docs/read-api.md, "Streams created
+        # over HTTP"): the replicator's table, its columns fixed.
+        for given in ("columns", "preset", "retention", "timestamp_column"):
+            if section.get(given) is not None:
+                raise ConfigError(f"{key}.{given}", "not given for a stream with "
+                                                    "durable_streams: true (its columns "
+                                                    "are fixed, its retention is the TTL)")
+        if "create" in section and section["create"] is not True:
+            raise ConfigError(f"{key}.create", "a stream with durable_streams: true is "
+                                               "in a table the replicator creates")
+        columns: tuple[ColumnConfig, ...] = DS_COLUMNS
+    else:
+        columns = tuple(
+            parse_column(c, f"{key}.columns[{i}]")
+            for i, c in enumerate(get_list(section, "columns", key))
+        )
     if json_text:
         columns = tuple(ColumnConfig(c.name, c.type, c.nullable, c.name in json_text)
                         for c in columns)
@@ -249,6 +265,9 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
     writers = get_names(section, "writers", key, "a stream needs at least one writer")
     if len(set(writers)) != len(writers):
         raise ConfigError(f"{key}.writers", "a writer is listed twice")
+    if durable and len(writers) != 1:
+        raise ConfigError(f"{key}.writers", "a stream with durable_streams: true has one "
+                                            "writer: the instance that creates and appends")
     if writer_column is None and len(writers) != 1:
         if preset is not None:
             raise ConfigError(f"{key}.writers", f"Synapse's {preset!r} table has no writer "
@@ -272,6 +291,10 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         retention = parse_retention(section["retention"], f"{key}.retention",
                                     timestamp_column, columns)
     foreign_writers = get_bool(section, "foreign_writers", key, False)
+    if foreign_writers and durable:
+        raise ConfigError(f"{key}.foreign_writers", "a stream with durable_streams: true is "
+                                                    "written over HTTP only (its writes of a "
+                                                    "path are checked and ordered there)")
     if foreign_writers and preset is not None:
         raise ConfigError(f"{key}.foreign_writers", f"{preset!r} is Synapse's table: its "
                                                     f"writers are Synapse's")
@@ -280,6 +303,7 @@ def parse_stream(value: Any, key: str) -> StreamConfig:
         columns=columns, sequence=sequence, writers=tuple(writers),
         timestamp_column=timestamp_column,
         create=create, preset=preset, positions_name=positions_name, retention=retention,
+        durable_streams=durable,
         foreign_writers=foreign_writers,
     )
 

@@ -29,12 +29,13 @@ The JSON-lines format is described in :mod:`.jsonl` and ``docs/jsonl.md``;
 :mod:`.jsonl_held` holds them at one moment).
 """
 
-from .base import Consumer, IBatchConsumer, IConsumer, Key, MemoryConsumer
+from .base import Consumer, IBatchConsumer, IConsumer, MemoryConsumer
 from .file_thread import FileThread, run_inline
-from .jsonl import JsonlConsumer, JsonlError, parse_line
+from .jsonl import JsonlConsumer, JsonlError
+from .jsonl_lines import parse_line
 from .loading import ENTRY_POINT_GROUP, load_consumers
 from .log import LogConsumer, preview
 
-__all__ = ["Consumer", "IBatchConsumer", "IConsumer", "Key", "MemoryConsumer", "FileThread",
+__all__ = ["Consumer", "IBatchConsumer", "IConsumer", "MemoryConsumer", "FileThread",
            "JsonlConsumer", "JsonlError", "parse_line", "run_inline", "ENTRY_POINT_GROUP",
            "load_consumers", "LogConsumer", "preview"]

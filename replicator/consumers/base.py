@@ -6,7 +6,8 @@ from typing import Any
 
 from zope.interface import Attribute, Interface, implementer
 
-Key = tuple[str, str]  # (stream, writer)
+from ..keys import Key
+
 #: One row of a fact: its columns' values, in the stream's column order.
 Row = list[Any]
 #: What a consumer's method returns: None, or what to wait for before the

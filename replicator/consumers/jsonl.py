@@ -1,39 +1,12 @@
 """The ``jsonl`` consumer: facts appended to a JSON-lines file, resumed
-exactly from its positions, which a state file beside it keeps.  (About 750
-lines, for one job: the format, the crash-safe open, buffering, flushing
-and rotating belong together; the writing thread is :mod:`.file_thread`,
-the state, lock and rotated files :mod:`.jsonl_files`.)
+exactly from its positions, which a state file beside it keeps.  (One job:
+the crash-safe open, buffering, flushing and rotating belong together; the
+lines are :mod:`.jsonl_lines`, the options :mod:`.jsonl_options`, the
+writing thread :mod:`.file_thread`, the state, lock and rotated files
+:mod:`.jsonl_files`.)
 
-The JSON-lines file
--------------------
-
-The operator's reference is ``docs/jsonl.md``.  One compact JSON object per
-line, ``\n``-terminated, UTF-8, in the order facts arrived (ascending token
-per (stream, writer); keys interleave)::
-
-    {"stream":"caches","writer":"master","token":7,"rows":[["f",null,1]]}
-    {"stream":"caches","writer":"master","position":9}
-    {"stream":"caches","writer":"master","rewind":4}
-
-A *fact line* has ``token`` and ``rows`` (a list of rows, each a list in the
-stream's column order; possibly empty).  A *position line* has ``position``
-and no ``rows``: the writer had nothing more up to that token.  It is written
-only when it says something new: at most once after each of the key's facts
-(the latest position the key reached before the next flush, once the key
-advanced past that fact; an idle writer whose position moves with every
-other writer's fact gets no line per move), and once per key at the top of
-every new file (rotation), with the position it had reached.
-A *rewind line* (``replicator rewind``) sets the key back to its token: the
-facts after it follow again.  A *skip line* (``replicator rewind --skip-to``)
-is a position line with a ``skip`` object (``from``, ``facts``,
-``trimmed_through``, ``at``): the facts after ``from`` up to it were
-skipped, ``facts`` of them still in the table then; ``"to": "boundary"``
-in it (``--skip-to boundary``) says the operator accepted whatever
-retention trims before the reader reads: until the key's position moves
-again, a retention gap below it is skipped the same way by the daemon,
-with another such line (:meth:`JsonlConsumer.accepted_gap`).  A reader that only wants facts skips
-lines
-without ``"rows"``.
+The format of its lines is :mod:`.jsonl_lines` (and ``docs/jsonl.md``); its
+options, :mod:`.jsonl_options`.
 
 Lines are buffered and written in batches (one ``write`` + ``fsync`` per
 flush, then the state file's) by a thread of the file's own, never on the
@@ -47,38 +20,31 @@ disk, and a file rotated away (by the consumer or by ``logrotate``) takes no
 position with it.
 """
 
-import json
 import os
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Any, Optional
 
 import orjson
 from twisted.internet import defer
-from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from .. import files
-from ..config import (
-    ConfigError,
-    ConsumerConfig,
-    get_bool,
-    get_int,
-    get_number,
-    get_path,
-    get_str,
-    no_unknown,
-)
-from ..jsontext import NonFiniteError, any_non_finite, encode_json, encode_json_line
+from ..jsontext import encode_json_line
+from ..keys import Key
 from ..net.backoff import Outage
 from . import jsonl_files
-from .base import STARTS, Consumer, IAcceptsTrimmed, IBatchConsumer, Key, Row
+from .base import STARTS, Consumer, IAcceptsTrimmed, IBatchConsumer, Row
 from .file_thread import FileThread, append_at
-from .jsonl_commands import BOUNDARY, iso_time
+from .jsonl_lines import (
+    BOUNDARY,
+    ENCODE_SLICE,
+    fact_lines_at_once,
+    iso_time,
+    parse_line,
+    sliced_fact_line,
+)
 
 log = Logger(namespace="replicator.consumers")
 _dumps = orjson.dumps
@@ -87,39 +53,6 @@ _dumps = orjson.dumps
 class JsonlError(ValueError):
     """The file cannot be used: a complete line that is not a fact or a
     position, or another consumer holds the file."""
-
-
-def parse_line(line: bytes) -> tuple[Key | None, int | None, dict[str, Any] | None]:
-    """``(key, token, obj)`` of one complete line of a JSON-lines file.
-
-    ``token`` is the fact's token or the position; a blank line gives
-    ``(None, None, None)``.  Raises ValueError for anything else.
-    """
-    if not line.strip():
-        return None, None, None
-    try:
-        obj = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        try:
-            obj = json.loads(line)  # what orjson does not read, like "\ud800"
-        except ValueError:
-            raise ValueError(f"not JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise ValueError("not a JSON object")
-    stream, writer = obj.get("stream"), obj.get("writer")
-    if not isinstance(stream, str) or not isinstance(writer, str):
-        raise ValueError("no stream and writer")
-    if "rows" in obj:
-        token = obj.get("token")
-        if not isinstance(obj["rows"], list):
-            raise ValueError("rows is not a list")
-    elif "rewind" in obj:
-        token = obj["rewind"]
-    else:
-        token = obj.get("position")
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise ValueError("no integer token or position")
-    return (stream, writer), token, obj
 
 
 @dataclass
@@ -447,7 +380,7 @@ class JsonlConsumer(Consumer):
         than ``ENCODE_SLICE`` rows: its rows encoded a slice per reactor
         turn (the same bytes as in one go); waits as :meth:`_append` says."""
         stream, writer = key
-        lines = [await _sliced_fact_line(self._clock, stream, writer, token, rows)
+        lines = [await sliced_fact_line(self._clock, stream, writer, token, rows)
                  for token, rows in facts]
         if self._closed:
             log.debug("{path} is closed: facts up to {token} of {stream}/{writer} not written",
@@ -780,168 +713,3 @@ class JsonlConsumer(Consumer):
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             waiter.callback(None)
-
-
-#: Rows of one fact encoded per reactor turn at most: a fact with more
-#: takes several turns, the reactor running in between.
-ENCODE_SLICE = 5000
-
-
-async def _sliced_fact_line(clock: IReactorTime, stream: str, writer: str, token: int,
-                            rows: list[Row]) -> bytes:
-    """``encode_json_line`` of the fact ``token`` (the same bytes), its
-    rows encoded ``ENCODE_SLICE`` per turn of ``clock``.  What orjson
-    refuses in a slice makes the whole line go through ``encode_json_line``
-    at once (the standard library's ASCII output, for the whole line as
-    there); ``NaN`` or an infinity raises as there."""
-    fact = {"stream": stream, "writer": writer, "token": token, "rows": rows}
-    if len(rows) <= ENCODE_SLICE:
-        return encode_json_line(fact)
-    parts = []
-    for start in range(0, len(rows), ENCODE_SLICE):
-        if start:
-            await deferLater(clock, 0, lambda: None)
-        part = rows[start:start + ENCODE_SLICE]
-        try:
-            data = _dumps(part)
-        except TypeError:
-            return encode_json_line(fact)
-        if any_non_finite(part, data):
-            raise NonFiniteError()
-        parts.append(data[1:-1])
-    head = encode_json({"stream": stream, "writer": writer, "token": token, "rows": []})
-    return head[:-2] + b",".join(parts) + b"]}\n"
-
-
-_ARRAYS = frozenset({list, tuple})
-_first, _last = itemgetter(0), itemgetter(-1)
-
-
-def fact_lines_at_once(stream: str, writer: str, facts: Sequence[tuple[int, list[Row]]]
-                       ) -> bytes | None:
-    """The fact lines of ``facts`` (in order, joined) from ONE orjson call, or
-    None where that does not apply (then the caller encodes fact by fact, which
-    also raises what :func:`.jsontext.encode_json` raises).
-
-    orjson writes the facts' row lists as ``[[[r],...],[[r],...],...]``:
-    inside the outer ``[[[`` and ``]]]``, every boundary between two facts
-    is ``]],[[``, so the split there gives each fact's rows without their
-    outer brackets exactly when it yields one part per fact (one more part:
-    a value holds ``]],[[`` itself).  Then one bytes ``%`` formatting writes
-    every line.  None too when a token is not an ``int``, a fact has no rows
-    or its rows, first row or last row is not a list or tuple (those
-    brackets would not be there), orjson refuses a value (an integer beyond
-    64 bits...), or a value holds ``NaN``/``Infinity``.
-    Measured on a catch-up page of 1,000 facts: 0.5 us a fact, against
-    2.4 us for one :func:`.jsontext.encode_json_line` call each."""
-    tokens, fact_rows = zip(*facts)
-    if not (set(map(type, tokens)) == {int} and set(map(type, fact_rows)) <= _ARRAYS
-            and all(fact_rows)
-            and set(map(type, map(_first, fact_rows))) <= _ARRAYS
-            and set(map(type, map(_last, fact_rows))) <= _ARRAYS):
-        return None
-    try:
-        data = _dumps(fact_rows)
-    except TypeError:
-        return None
-    parts = data[3:-3].split(b"]],[[")
-    n = len(facts)
-    if len(parts) != n or any_non_finite(fact_rows, data):
-        return None
-    prefix = encode_json({"stream": stream, "writer": writer})[:-1].replace(b"%", b"%%")
-    args: list[object] = [None] * (2 * n)
-    args[0::2] = tokens
-    args[1::2] = parts
-    return (prefix + b',"token":%d,"rows":[[%s]]}\n') * n % tuple(args)
-
-
-_SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.IGNORECASE)
-_AGE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-_AGE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def _rotate_size(options: Mapping[str, Any], where: str) -> int | None:
-    """``rotate_size``: bytes, as an integer or ``"100M"`` (K, M, G: powers
-    of 1024); at least 1 KiB."""
-    value = options.get("rotate_size")
-    if value is None:
-        return None
-    m = _SIZE.fullmatch(value.strip()) if isinstance(value, str) else None
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif m is not None:
-        size = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-    else:
-        raise ConfigError(f"{where}.rotate_size",
-                          f"{value!r} is not a size (bytes, or e.g. \"100M\", \"1G\")")
-    if not 1024 <= size <= 1 << 50:
-        raise ConfigError(f"{where}.rotate_size", f"must be from 1K to 1P bytes, got {size}")
-    return size
-
-
-def _rotate_age(options: Mapping[str, Any], where: str) -> float | None:
-    """``rotate_age``: seconds, as a number or ``"12h"`` (s, m, h, d); at
-    least one second."""
-    value = options.get("rotate_age")
-    if value is None:
-        return None
-    m = _AGE.fullmatch(value.strip()) if isinstance(value, str) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        age = float(value)
-    elif m is not None:
-        age = float(m.group(1)) * _AGE_UNITS[m.group(2).lower()]
-    else:
-        raise ConfigError(f"{where}.rotate_age",
-                          f"{value!r} is not an age (seconds, or e.g. \"12h\", \"7d\")")
-    if not 1 <= age <= 366 * 86400 * 10:
-        raise ConfigError(f"{where}.rotate_age", f"must be from 1 second to 10 years, "
-                                                 f"got {value!r}")
-    return age
-
-
-def options_of(config: ConsumerConfig, base_dir: str, where: str) -> dict[str, Any]:
-    """The keyword arguments of a :class:`JsonlConsumer` from its config
-    (options ``path``, relative to ``base_dir``; ``fsync``;
-    ``flush_interval``; ``rotate_size``, ``rotate_age``, ``rotate_keep``,
-    ``rotate_names``), the path included; a mistake is a ConfigError naming
-    the key.  Pure: ``replicator check`` runs it without opening anything."""
-    options = config.options
-    no_unknown(options, ("path", "fsync", "flush_interval", "rotate_size", "rotate_age",
-                         "rotate_keep", "rotate_names", "start"), where)
-    path = get_path(options, "path", where)
-    rotate_names = get_str(options, "rotate_names", where, "number")
-    if rotate_names not in jsonl_files.NAMES:
-        raise ConfigError(f"{where}.rotate_names", f"{rotate_names!r} is not one of "
-                                                   f"{', '.join(jsonl_files.NAMES)}")
-    return dict(
-        path=os.path.join(base_dir, path),  # an absolute path stays as it is
-        fsync=get_bool(options, "fsync", where, True),
-        flush_interval=get_number(options, "flush_interval", where, 0.05, minimum=0,
-                                  maximum=60),
-        rotate_size=_rotate_size(options, where),
-        rotate_age=_rotate_age(options, where),
-        rotate_keep=get_int(options, "rotate_keep", where, 7, minimum=1, maximum=100000),
-        rotate_names=rotate_names,
-        start=start_of(options, where))
-
-
-def start_of(options: Mapping[str, Any], where: str) -> str:
-    """A built-in consumer's ``start`` option (default ``beginning``)."""
-    start: str = get_str(options, "start", where, "beginning")
-    if start not in STARTS:
-        raise ConfigError(f"{where}.start", f"{start!r} is not one of {', '.join(STARTS)}")
-    return start
-
-
-def build(config: ConsumerConfig, base_dir: str, where: str, reactor: Any) -> Consumer:
-    """A :class:`JsonlConsumer` from its config (:func:`options_of`)."""
-    kwargs = options_of(config, base_dir, where)
-    path = kwargs.pop("path")
-    try:
-        return JsonlConsumer(path, reactor, streams=config.streams, **kwargs)
-    except JsonlError as e:
-        raise ConfigError(f"{where}.path", str(e)) from None
-    except OSError as e:
-        raise ConfigError(f"{where}.path",
-                          f"cannot open {e.filename or path}: {e.strerror or e}") from None

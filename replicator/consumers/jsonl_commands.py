@@ -59,15 +59,11 @@ from typing import Any, NoReturn
 from twisted.internet import defer, task
 
 from ..config.model import InstanceConfig, StreamConfig
+from ..keys import Key
 from ..storage import schema
 from ..storage.database import Cursor, Database
 from ..streams.trimmed import TrimCheck, boundary_key
-
-Key = tuple[str, str]
-
-
-#: ``--skip-to boundary``: the stream's trim boundary when the skip is made.
-BOUNDARY = "boundary"
+from .jsonl_lines import BOUNDARY, iso_time
 
 
 class Usage(Exception):
@@ -147,13 +143,6 @@ def _boundary(txn: Cursor, stream: StreamConfig, db: Database) -> int:
     if stream.preset is not None:
         return 0  # Synapse's tables are never trimmed
     return TrimCheck(stream.name, boundary_key(stream), db.is_postgres, db.sql).boundary(txn)
-
-
-def iso_time(ms: int) -> str:
-    """``ms`` (since the epoch) as ISO 8601 UTC, as skip lines write it."""
-    when = datetime.fromtimestamp(ms / 1000, UTC)
-    text = when.strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
 
 
 def _check_kept(txn: Cursor, stream: StreamConfig, db: Database, text: str, token: int | None,

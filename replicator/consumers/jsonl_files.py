@@ -53,8 +53,8 @@ import time
 from typing import Any
 
 from .. import files
+from ..keys import Key
 
-Key = tuple[str, str]
 STATE_VERSION = 1
 
 

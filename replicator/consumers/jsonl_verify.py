@@ -59,14 +59,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.model import InstanceConfig, StreamConfig
+from ..keys import Key
 from ..storage.database import Cursor, Database
 from ..streams.pages import FactPage, PageQuery
 from ..streams.trimmed import FactsTrimmed, TrimCheck, boundary_key
 from .base import Row
-from .jsonl import parse_line
 from .jsonl_held import Held, hold
+from .jsonl_lines import parse_line
 
-Key = tuple[str, str]
 END = (1 << 63) - 1
 PAGE_ROWS = 1000
 #: Examples kept (and printed) per kind of difference per key.

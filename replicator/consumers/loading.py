@@ -9,7 +9,7 @@ from typing import Any
 from twisted.logger import Logger
 
 from ..config import ConfigError, ConsumerConfig
-from . import jsonl
+from . import jsonl_options
 from . import log as log_consumer
 from .base import Consumer
 
@@ -19,7 +19,7 @@ log = Logger(namespace="replicator.consumers")
 ENTRY_POINT_GROUP = "replicator.consumers"
 
 BUILTINS: dict[str, Callable[[ConsumerConfig, str, str, Any], Consumer]] = {
-    "jsonl": jsonl.build,
+    "jsonl": jsonl_options.build,
     "log": log_consumer.build,
 }
 CONSUMER_METHODS = ("positions", "on_facts", "on_position", "close")
@@ -106,7 +106,7 @@ def check_consumers(configs: Sequence[ConsumerConfig], key: str = "consumers") -
     for i, config in enumerate(configs):
         where = f"{key}[{i}]"
         if config.type == "jsonl":
-            jsonl.options_of(config, ".", where)
+            jsonl_options.options_of(config, ".", where)
         elif config.type == "log":
             log_consumer.options_of(config, where)
 

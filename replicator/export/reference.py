@@ -63,7 +63,8 @@ PERCENTILES = (("gap_ms_p50", 0.5), ("gap_ms_p95", 0.95), ("gap_ms_p99", 0.99))
 COUNT_METRICS = ("facts", "rows", "multi_row_facts", "max_fact_rows") + tuple(
     b[0] for b in SIZE_BINS) + ("rollbacks",)
 
-Key = tuple[str, str, int]  # (granularity, writer, bucket_ms)
+#: One aggregate bucket: (granularity, writer, bucket_ms).
+BucketKey = tuple[str, str, int]
 #: One bucket's metrics by name (counts, tokens, rates, percentiles, date).
 Metrics = dict[str, int | float | str | None]
 
@@ -120,7 +121,7 @@ class Aggregator:
         self.has_timestamp = has_timestamp
         self.observed = observed
         self.prev_id = prev_id
-        self.buckets: dict[Key, _Bucket] = {}
+        self.buckets: dict[BucketKey, _Bucket] = {}
         # (writer, date) -> row time of that writer's previous fact that day
         self.last_of_day: dict[tuple[str, str], int | None] = {}
         self._id: int | None = None
@@ -194,12 +195,12 @@ class Aggregator:
                 target = b if self.single_writer else self._bucket(granularity, "", start, date)
                 target.counts["rollbacks"] += missing
 
-    def result(self) -> dict[Key, Metrics]:
+    def result(self) -> dict[BucketKey, Metrics]:
         """Every bucket's metrics (see the module docstring), by key."""
         if self._id is not None:
             self._flush()
             self._id = None
-        out: dict[Key, Metrics] = {}
+        out: dict[BucketKey, Metrics] = {}
         for (granularity, writer, start), b in self.buckets.items():
             seconds = GRANULARITIES[granularity] / 1000.0
             row: Metrics = dict(b.counts)

@@ -2,8 +2,8 @@
 
 The routes, their secrets and their status codes are listed in the README
 ("HTTP API"); each group lives in its own module: the stream API
-(:mod:`.streams`), the master's bookkeeping (:mod:`.bookkeeping`), the health
-probe (:mod:`.health`); the status page and ``/metrics`` are here.  Every
+(:mod:`.streams`), the master's bookkeeping (:mod:`.bookkeeping_pages`), the health
+probe (:mod:`.probe`); the status page and ``/metrics`` are here.  Every
 JSON answer is one line followed by ``\\n``; errors are ``{"error": "..."}``.
 Any other path is 404, any other method 405 (with ``Allow``; HEAD goes with
 GET), and an unexpected exception a logged 500 with a generic message.  The
@@ -26,14 +26,15 @@ from ..jsontext import encode_json
 from ..observe.health import Finding
 from ..observe.roles import has_replication_link, role
 from ..observe.status import StatusRecorder, snapshot
-from ..observe.status_page import CSP, SCRIPT, STYLE, render_html
+from ..observe.status_html import CSP, SCRIPT, STYLE, render_html
 from ..observe.writers import writer_watch
 from ..streams.idempotency import IdempotencyKeys
 from .answers import JSON_TYPE, HttpError, Response
-from .bookkeeping import BookkeepingRoutes
+from .bookkeeping_pages import BookkeepingRoutes
 from .channel import error_body
 from .idempotent import IdempotentWrites
 from .probe import DB_TIMEOUT, HealthRoute
+from .read.durable_paths import DurablePaths
 from .redact import Redactor
 from .site import MAX_BODY_SIZE, AccessLog, Site
 from .streams import StreamRoutes
@@ -136,7 +137,11 @@ class HttpApi:
             max_waiting_per_address=config.http.max_waiting_reads_per_address,
             heartbeat=config.http.heartbeat_interval,
             max_page_bytes=config.http.max_page_bytes,
-            feed_interval=config.replication.fanout_interval)
+            feed_interval=config.replication.fanout_interval,
+            ds_long_poll=config.http.ds_long_poll)
+        # Durable Streams created over HTTP (docs/read-api.md).
+        self.ds_paths = DurablePaths(self.reads, self.streams, clock,
+                                     long_poll=config.http.ds_long_poll)
         self._root = _Root(self)
 
     # --------------------------------------------------------------- public
@@ -200,6 +205,17 @@ class HttpApi:
             if rest in simple:
                 return {b"GET": simple[rest]}, ()
             parts = rest.split(b"/")
+            if len(parts) > 2 and parts[0] == b"ds" and parts[1]:
+                name, ds_path = None, None
+                try:
+                    name = unquote(parts[1].decode("ascii"), errors="strict")
+                    ds_path = b"/".join(parts[2:]).decode("ascii")
+                except (UnicodeDecodeError, ValueError):
+                    name = ds_path = None
+                paths = self.ds_paths  # docs/read-api.md, "Streams created over HTTP"
+                return {b"GET": paths.get_path, b"OPTIONS": paths.preflight,
+                        b"PUT": paths.put, b"POST": paths.post,
+                        b"DELETE": paths.delete}, (name, ds_path)
             if len(parts) == 2 and parts[0] == b"ds" and parts[1]:
                 try:
                     name = unquote(parts[1].decode("ascii"), errors="strict")

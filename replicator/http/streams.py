@@ -112,7 +112,9 @@ class StreamRoutes:
         #: Writes failed per stream since its last success (an outage).
         self._failing: dict[str, int] = {}
 
-    async def post_facts(self, request: Any, name: str | None) -> dict[str, Any]:
+    def writable(self, request: Any, name: str | None) -> "Stream":
+        """The stream a request may write here, or the 401, 403, 413, 404,
+        409 (not a writer of it on this instance) or 503 (not loaded)."""
         authorize(request, self._secret)
         if too_large(request, self.max_body_size):
             raise HttpError(413, f"request body larger than {self.max_body_size} bytes")
@@ -127,6 +129,20 @@ class StreamRoutes:
                                  f"({writer})")
         if not stream.loaded:
             raise HttpError(503, f"stream {stream.name} is not loaded yet")
+        return stream
+
+    async def write_rows(self, stream: "Stream", rows: list[Any]) -> int:
+        """Write one fact of ``rows`` (checked by the stream's codec: 400)
+        from this instance; its ID once committed, or 503."""
+        try:
+            prepared = stream.prepare([rows], self.instance_name, self.max_line_length)
+        except RowError as e:
+            raise HttpError(400, str(e)) from None
+        return await self._write(stream, prepared)
+
+    async def post_facts(self, request: Any, name: str | None) -> dict[str, Any]:
+        stream = self.writable(request, name)
+        writer = self.instance_name
         key = idempotency_key(request)
         request.content.seek(0)
         body = request.content.read()

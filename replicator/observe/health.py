@@ -58,6 +58,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python import threadable
 
+from ..keys import Key
 from . import metrics
 
 if TYPE_CHECKING:
@@ -69,7 +70,6 @@ if TYPE_CHECKING:
 
 log = Logger(namespace="replicator.observe.health")
 
-Key = tuple[str, str]  # (stream, writer)
 
 #: Facts counted per (stream, writer) and check at most; more show as "N+".
 COUNT_LIMIT = 10_000

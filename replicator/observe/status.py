@@ -1,4 +1,4 @@
-"""The status page: what an operator on call looks at first.
+"""What the status page shows, an operator on call's first look: its content and lag history.
 
 ``GET /`` on the HTTP listener is a server-rendered HTML page; ``/status.js``
 refreshes it every few seconds from ``GET /status.json``, which returns
@@ -24,8 +24,8 @@ Parts:
 * :class:`Positions` — one look at the core's positions, and the fields of
   one writer's row that ``/positions`` (:mod:`replicator.http.streams`)
   shows too: written once, here.
-* :mod:`.status_page` — the page rendered from it, its stylesheet and its
-  script.
+* :mod:`.status_html` — the page's HTML rendered from it, its stylesheet
+  and its script.
 
 Invariants: memory is bounded (``window / interval`` samples per configured
 key, :data:`MAX_PROBLEMS` problems; the handler keeps its own bounded ring
@@ -47,7 +47,8 @@ from twisted.logger import Logger
 
 from .. import __version__
 from ..addresses import peer_address
-from ..replication.interfaces import IReplicationView, Key
+from ..keys import Key
+from ..replication.interfaces import IReplicationView
 from .health import Finding
 from .writers import WriterWatch, clock_time, duration
 

@@ -29,6 +29,8 @@ from typing import (
 
 from zope.interface import Attribute, Interface
 
+from ..keys import Key
+
 if TYPE_CHECKING:
     from ..observe.health import Finding
     from ..observe.metrics import Sample
@@ -67,8 +69,6 @@ def metrics_label(name: str | None, known: AbstractSet[str]) -> str:
     return name if name is not None and name in known else OTHER
 
 
-#: A read position's key: (stream, writer).
-Key = tuple[str, str]
 
 
 class IReplicationConnection(Interface):

@@ -104,6 +104,9 @@ def table_ddl(stream: StreamConfig, postgres: bool) -> list[str]:
     statements.append(
         f"CREATE INDEX IF NOT EXISTS {stream.table}_id ON {stream.table} ({stream.id_column})"
     )
+    if stream.durable_streams:  # one Durable Stream's operations, in order
+        statements.append(f"CREATE INDEX IF NOT EXISTS {stream.table}_path "
+                          f"ON {stream.table} (ds_path, {stream.id_column})")
     return statements
 
 

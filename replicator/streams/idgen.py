@@ -85,7 +85,7 @@ class UnknownWriter(KeyError):
 
 
 class _WriterState:
-    """In-flight bookkeeping of one local writer.
+    """The IDs in flight of one local writer.
 
     ``position`` is the largest of the writer's own IDs (or its start) below
     which nothing of the writer is unfinished.  ``inflight`` is a min-heap

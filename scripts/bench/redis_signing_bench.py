@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What signing costs on Redis (``replication.redis.keys``), in one
 process and on one core, no server: messages per second through our
-transport's publishing step (:func:`replicator.replication.transport.redis.routed`,
+transport's publishing step (:func:`replicator.replication.transport.redis_bus.routed`,
 a fan-out's block of 20 one-row facts at a time) and its receiving step
 (the verifier, then the line parsed), signed beside unsigned, for one-row
 RDATA lines of about 100 bytes (a cache invalidation) and 1 KB.
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 from twisted.internet import task  # noqa: E402
 
-from replicator.replication.transport.redis import routed  # noqa: E402
+from replicator.replication.transport.redis_bus import routed  # noqa: E402
 from replicator.replication.transport.redis_channels import ChannelLayout  # noqa: E402
 from replicator.replication.transport.redis_signing import Signer, Verifier  # noqa: E402
 from replicator.replication.wire.commands import parse_line  # noqa: E402

@@ -49,7 +49,8 @@ class ReadRoutes:
 
     def __init__(self, *, registry, auth: ReaderAuth, clock, max_waiting: int = 128,
                  max_waiting_per_address: int = 32, heartbeat: float = 15.0,
-                 feed_interval: float = 0.003, max_page_bytes: int = 4 * 1024 * 1024):
+                 feed_interval: float = 0.003, max_page_bytes: int = 4 * 1024 * 1024,
+                 ds_long_poll: float | None = None):
         self.registry = registry
         self.auth = auth
         self._clock = clock
@@ -66,7 +67,9 @@ class ReadRoutes:
         self._failing: dict[str, int] = {}  # page reads failed per stream (an outage)
         from .durable import DurableRoutes
 
-        self.durable = DurableRoutes(self, clock)  # the same, as Durable Streams
+        # The same, as Durable Streams.
+        self.durable = DurableRoutes(self, clock, **(
+            {} if ds_long_poll is None else {"long_poll": ds_long_poll}))
         self.trimmed_streams = 0  # event streams the trim boundary passed (ended)
 
     # ------------------------------------------------------- what it shows
@@ -89,15 +92,16 @@ class ReadRoutes:
         return out
 
     # ------------------------------------------------------------ common
-    async def preflight(self, request, name: str | None):
+    async def preflight(self, request, name: str | None, methods: bytes = b"GET, HEAD",
+                        headers: bytes = b"Authorization, Last-Event-ID, If-None-Match"):
         """``OPTIONS``: a browser's CORS preflight of a cross-origin read
-        (one that sends ``Authorization`` or ``Last-Event-ID``)."""
+        (one that sends ``Authorization`` or ``Last-Event-ID``), or of
+        ``methods`` sending ``headers``."""
         request.setResponseCode(204)
         for key, value in CORS.items():
             request.setHeader(key, value)
-        request.setHeader(b"access-control-allow-methods", b"GET, HEAD")
-        request.setHeader(b"access-control-allow-headers",
-                          b"Authorization, Last-Event-ID, If-None-Match")
+        request.setHeader(b"access-control-allow-methods", methods)
+        request.setHeader(b"access-control-allow-headers", headers)
         request.setHeader(b"access-control-max-age", b"86400")
         request.setHeader(b"cache-control", b"no-store")
         request.finish()
@@ -190,7 +194,7 @@ class ReadRoutes:
     async def page(self, stream, since: Positions, limit: int,
                    bounds: Positions | None = None, host: str | None = None,
                    max_bytes: int | None = None,
-                   form: formats.PageFormat = formats.JSON) -> Page:
+                   form: formats.PageFormat = formats.JSON, read=None) -> Page:
         """A page (:func:`.pages.read_page`) up to ``bounds`` (by default
         the writers' current tokens), at most ``max_page_bytes`` of facts
         (or ``max_bytes`` if smaller) encoded in ``form``
@@ -198,14 +202,21 @@ class ReadRoutes:
         Facts after ``since`` trimmed by retention are 410 naming ``from``
         (no log: the reader's doing).  A failed read is 503; the first of
         an outage is logged with its traceback, the others counted until a
-        read succeeds (one line then)."""
+        read succeeds (one line then).  ``read(since, bounds, limit,
+        final_below, max_bytes)``, if given, reads the page instead of
+        :func:`.pages.read_page` (a Durable Stream created over HTTP,
+        :mod:`.durable_paths`)."""
         linear = stream.id_gen.get_linear_token()
+        most = min(self.max_page_bytes, max_bytes or self.max_page_bytes)
+        upto = bounds if bounds is not None else self.bounds(stream)
         try:
-            page = await self.builds.run(host, lambda: read_page(
-                stream, since, bounds if bounds is not None else self.bounds(stream), limit,
-                final_below=linear, columns=stream.config.column_names,
-                max_bytes=min(self.max_page_bytes, max_bytes or self.max_page_bytes),
-                form=form))
+            if read is not None:
+                page = await self.builds.run(host, lambda: read(since, upto, limit, linear,
+                                                                most))
+            else:
+                page = await self.builds.run(host, lambda: read_page(
+                    stream, since, upto, limit, final_below=linear,
+                    columns=stream.config.column_names, max_bytes=most, form=form))
         except FactsTrimmed as e:
             raise TrimmedError("from", e.writer, e.since, e.boundary) from None
         except Exception:

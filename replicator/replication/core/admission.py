@@ -49,6 +49,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from ...keys import Key
 from ...net.backoff import Outage
 from ...streams.registry import StreamRegistry
 from ...streams.rows import WireRowCheck
@@ -58,7 +59,6 @@ from ..wire.parsing import decoded_size
 
 log = Logger()
 
-Key = tuple[str, str]
 
 #: Reasons of a refusal (the ``reason`` label of the metric).
 BEYOND_SEQUENCE = "beyond_sequence"

@@ -44,6 +44,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from ...background import Background
+from ...keys import Key
 from ...net.backoff import Outage
 from ...observe import metrics
 from ...streams.recent import EncodedPage
@@ -62,7 +63,6 @@ from .admission import DECODED_FACTOR, MAX_BATCH_BYTES, MAX_BATCH_ROWS
 
 log = Logger()
 
-Key = tuple[str, str]
 _token_of = itemgetter(0)
 Broadcast = Callable[[Sequence[bytes], str], None]
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from twisted.logger import Logger
 
 from ...consumers import Consumer
+from ...keys import Key
 from ...observe import metrics
 from ...observe.health import Finding
 from ...streams.trimmed import FactsTrimmed
@@ -29,7 +30,6 @@ from .audit import Mismatch
 log = Logger(namespace="replicator.retention")
 audit_log = Logger(namespace="replicator.audit")  # (a mismatch is the audit's finding)
 
-Key = tuple[str, str]
 
 
 def consumer_label(consumer: Consumer) -> str:

@@ -22,9 +22,12 @@ and one ``on_<NAME>(conn, cmd)`` per command handled); a connection is an
 :class:`.interfaces.IReplicationConnection`.  Relayed lines are the bytes
 received (``conn.current_line``), never a re-encoding.
 
-(A little over 400 lines, for one job: it is the one surface the
-protocols call, one short ``on_<NAME>`` per command; every part with
-state of its own is in one of the modules above.)
+* :mod:`.audit_kept` — the audit's findings kept in the database across
+  a restart.
+
+(One job: it is the one surface the protocols call, one short
+``on_<NAME>`` per command; every part with state of its own is in one of
+the modules above.)
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -40,9 +43,9 @@ from zope.interface import implementer
 
 from ...background import Background
 from ...consumers import Consumer
+from ...keys import Key
 from ...observe import metrics
 from ...observe.health import Finding
-from ...storage import findings
 from ...streams.registry import StreamRegistry
 from ...streams.stream import Stream
 from ...streams.trimmed import FactsTrimmed
@@ -70,6 +73,7 @@ from ..wire.commands import (
     UserSyncCommand,
 )
 from ..wire.encoding import MAX_LINE_LENGTH, encode_position_line
+from . import audit_kept
 from .admission import MAX_BATCH_BYTES, MAX_BATCH_ROWS, Admission
 from .audit import Auditor, Mismatch
 from .bookkeeping import Bookkeeping
@@ -82,7 +86,6 @@ from .relay import Relay
 
 log = Logger()
 
-Key = tuple[str, str]
 
 
 @implementer(IReplicationHandler, IReplicationView)
@@ -289,49 +292,15 @@ class ReplicationHandler:
             if stream == found.stream:
                 reader.stop()
         if not kept:
-            db = self.registry.db
-            self.background.run("audit finding", self._keep(db, found))
-
-    async def _keep(self, db: Any, found: Mismatch) -> None:
-        try:
-            await db.runInteraction(findings.save, db, self.instance_name, found.stream,
-                                    found.writer, found.first, found._asdict(),
-                                    int(self._clock.seconds() * 1000))
-        except Exception as e:
-            log.error("stream {stream}: the audit's finding was not kept in the database "
-                      "({e}): a restart will not know of it", stream=found.stream, e=e)
+            self.background.run("audit finding", audit_kept.keep(
+                self.registry.db, self.instance_name, found, self._clock))
 
     async def load_findings(self) -> None:
         """Before :meth:`start`: the audit's findings kept by an earlier run
-        of this instance stop their streams again, unless every consumer
-        keeping a position for that writer is below the finding's first ID
-        (the operator rewound them: the facts will be handed on again),
-        when the finding is dropped (:mod:`replicator.storage.findings`)."""
-        db = self.registry.db
-        for row in await db.runInteraction(findings.load, db, self.instance_name):
-            key = (row["stream"], row["writer"])
-            stream = self.registry.find(row["stream"])
-            if stream is None or row["writer"] not in stream.config.writers:
-                continue  # no longer read here: kept for when it is again
-            takers = consumers_for(self.consumers, row["stream"])
-            known = [p for p in (c.positions().get(key) for c in takers) if p is not None]
-            if not known:
-                log.error("stream {stream}: the audit found, before this restart, facts of "
-                          "writer {writer} from {first} on that were not delivered; no "
-                          "consumer keeps a position for it, so none can be handed them "
-                          "again: the finding is dropped", stream=key[0], writer=key[1],
-                          first=row["first_id"])
-                await db.runInteraction(findings.delete, db, self.instance_name, *key)
-                continue
-            if all(p < row["first_id"] for p in known):
-                log.info("stream {stream}: the audit's finding about writer {writer} is "
-                         "resolved: every consumer is below {first} and is handed those facts "
-                         "again", stream=key[0], writer=key[1], first=row["first_id"])
-                await db.runInteraction(findings.delete, db, self.instance_name, *key)
-                continue
-            detail = dict(row["detail"])
-            detail["how"] = f"{detail.get('how', 'audit')}, before a restart"
-            self._mismatch(Mismatch(**detail), kept=True)
+        of this instance stop their streams again, or are dropped
+        (:func:`.audit_kept.load`)."""
+        await audit_kept.load(self.registry, self.instance_name, self.consumers,
+                              lambda found: self._mismatch(found, kept=True))
 
     def _trimmed(self, gap: FactsTrimmed) -> None:
         """A reader needs facts retention trimmed: the whole stream stops

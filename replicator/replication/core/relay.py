@@ -21,9 +21,8 @@ Invariants:
 from collections.abc import Callable
 from typing import Any
 
+from ...keys import Key
 from ..interfaces import IReplicationConnection
-
-Key = tuple[str, str]
 
 
 class Relay:

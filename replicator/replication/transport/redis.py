@@ -61,14 +61,15 @@ registration asks first (REPLICATE) and holds our own lines for
 
 With ``replication.redis.keys`` what we publish on our own channels is
 signed and what we hear there is checked before it is parsed
-(:mod:`.redis_signing`: :func:`routed` signs, :meth:`RedisReplication.message_received`
+(:mod:`.redis_signing`: :func:`.redis_bus.routed` signs, :meth:`RedisReplication.message_received`
 verifies); Synapse's channel is neither.  A line that does not verify is
 refused, never acted on; an unsigned one is still shown to the Synapse
 watch.
 
-(A little under 500 lines, for one job: the two Redis links, their
-readiness step and the logical connection the handler sees change
-together; the command wire format itself is in :mod:`.commands`.)
+(One job: the two Redis links and their readiness step change together.
+The logical connection the handler sees, and a message's way in and out,
+are :mod:`.redis_bus`, which :mod:`.redis_cluster` shares; the command
+wire format itself is in :mod:`.commands`.)
 """
 
 from collections.abc import Sequence
@@ -88,8 +89,9 @@ from ...logs.printable import printable
 from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from ...net.reconnect import ReconnectingService, failure_reason
 from ...observe import metrics
-from ..interfaces import IRedisBus, IReplicationConnection, IReplicationHandler
-from ..wire.commands import Command, ReplicateCommand, parse_line
+from ..interfaces import IRedisBus, IReplicationHandler
+from ..wire.commands import ReplicateCommand
+from .redis_bus import RedisConnection, deliver, parse_message, routed, text_of
 from .redis_channels import ChannelLayout
 from .redis_publish import at_rest, write_publishes
 from .redis_sentinel import (
@@ -104,10 +106,6 @@ from .synapse_watch import SynapseWatch
 
 log = Logger()
 
-NAME = "redis"
-OWN_INSTANCE_FIELDS = {"RDATA": "instance_name", "POSITION": "instance_name",
-                       "USER_SYNC": "instance_id", "CLEAR_USER_SYNC": "instance_id",
-                       "FEDERATION_ACK": "instance_name"}
 #: Without the ``synapse:`` section, how long a REPLICATE's answer (and, on
 #: registration, our own announcements) waits for a Synapse to show itself.
 SYNAPSE_PROBE = 1.0
@@ -209,58 +207,6 @@ class _Subscriber(_Link, txredisapi.SubscriberProtocol):  # type: ignore[misc]
 
 class _Publisher(_Link, txredisapi.RedisProtocol):  # type: ignore[misc]
     role = "publisher"
-
-
-@implementer(IReplicationConnection)
-class RedisConnection:
-    """What the handler sees as one connection: a bus, where every instance
-    hears every line.  Not an :class:`.interfaces.IPeerConnection`: there is
-    no one peer to refuse.  Its owner (an :class:`.interfaces.IRedisBus`)
-    has the links."""
-
-    #: Nobody connected to us: no relaying (every instance hears every
-    #: line), our positions announced as it comes, our own writers only.
-    accepted = False
-    name = NAME  # for logs
-    role = NAME  # the metrics label and the status page's role
-    instance_name = None  # no one peer: every instance on the channel
-    #: Lines go to the publisher at once (dropped while it is away).
-    queued = 0
-    queued_bytes = 0
-    #: No one transport: the subscriber and the publisher are the owner's.
-    transport = None
-
-    def __init__(self, owner: IRedisBus) -> None:
-        self._owner = owner
-        self.closed = False
-        #: The message being dispatched (bytes, no newline).
-        self.current_line: bytes | None = None
-
-    def __str__(self) -> str:
-        """How log lines name it: ``redis channel <channel>``."""
-        return f"redis channel {printable(self._owner.channel, 100)}"
-
-    def pause_reading(self) -> None:
-        """Stop reading the subscription (while a claim is checked)."""
-        self._owner.pause_reading()
-
-    def resume_reading(self) -> None:
-        self._owner.resume_reading()
-
-    def send_lines(self, lines: Sequence[bytes], command_name: str = "RDATA") -> bool:
-        if self.closed:
-            return False
-        if self._owner.hold(lines, command_name):
-            return True
-        self._owner.publish_lines(lines)
-        metrics.COMMANDS_OUT.labels(command_name, NAME).inc(len(lines))
-        return True
-
-    def send_command(self, cmd: Command) -> bool:
-        return self.send_lines([(cmd.to_line() + "\n").encode("utf-8")], cmd.NAME)
-
-    def stop(self, reason_text: str = "server stopping") -> None:
-        self.closed = True
 
 
 @implementer(IRedisBus)
@@ -695,58 +641,3 @@ class RedisReplication(MultiService):
                 protocol.transport.abortConnection()
 
         d.addErrback(failed)
-
-
-def text_of(message: Any) -> str:
-    return message.decode("utf-8", "replace") if isinstance(message, bytes) else message
-
-
-def routed(layout: ChannelLayout, lines: Sequence[bytes], channel: bytes | None,
-           signer: Any) -> tuple[list[bytes], list[bytes]]:
-    """The payloads of ``lines`` (no newline) and the channel of each:
-    ``channel`` if given (Synapse's: nothing there is signed), else the
-    layout's; signed by ``signer`` (a :class:`.redis_signing.Signer`) if any."""
-    payloads = [line[:-1] if line.endswith(b"\n") else line for line in lines]
-    if channel is not None:
-        return payloads, [channel] * len(payloads)
-    route = layout.route
-    channels = [route(payload) for payload in payloads]
-    if signer is not None:
-        payloads = signer.sign(payloads, channels)
-    return payloads, channels
-
-
-def parse_message(message: str, own_prefixes: tuple[str, ...]) -> Command | None:
-    """The command of one message heard on a channel; None for our own
-    RDATA/POSITION echoed (not even parsed) and for a line we cannot parse
-    (counted, a debug log)."""
-    if message.startswith(own_prefixes):
-        return None
-    try:
-        return parse_line(message.rstrip("\r\n"))
-    except Exception as e:  # CommandParseError; anything else is a parser bug
-        metrics.COMMANDS_DROPPED.labels("unknown", "unparsable").inc()
-        log.debug("redis: ignoring line {line}: {error}", line=printable(message, 80),
-                  error=printable(str(e) or type(e).__name__))
-        return None
-
-
-def deliver(handler: IReplicationHandler, conn: RedisConnection, cmd: Command, message: str,
-            instance_name: str) -> None:
-    """Hand ``cmd`` (of the line ``message``) to the handler as coming from
-    ``conn``, unless it is our own echo or a command the handler lacks."""
-    field = OWN_INSTANCE_FIELDS.get(cmd.NAME)
-    if field is not None and getattr(cmd, field) == instance_name:
-        return  # our own echo
-    method = getattr(handler, "on_" + cmd.NAME, None)
-    if method is None:
-        metrics.COMMANDS_DROPPED.labels(cmd.NAME, "ignored").inc()
-        return
-    metrics.COMMANDS_IN.labels(cmd.NAME, NAME).inc()
-    conn.current_line = message.rstrip("\r\n").encode("utf-8", "surrogatepass")
-    try:
-        method(conn, cmd)
-    except Exception:
-        log.failure("redis: handling {name} failed", name=cmd.NAME)
-    finally:
-        conn.current_line = None

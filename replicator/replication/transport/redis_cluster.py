@@ -12,7 +12,7 @@ subscriber reads the ``smessage`` and ``sunsubscribe`` pushes itself.
 One *generation* at a time: the slot map read from a seed node (``CLUSTER
 SLOTS``), a publisher to every master and a subscriber to each master
 serving one of our channels (one ``SSUBSCRIBE`` per channel), and, once all
-are ready, one logical :class:`.redis.RedisConnection` registered with the
+are ready, one logical :class:`.redis_bus.RedisConnection` registered with the
 handler (our positions announced, REPLICATE sent).  Anything that says the
 map is stale or a link is gone ends the generation: a lost link, a PING
 unanswered for ``ping_timeout``, a ``MOVED``/``ASK``/refused block on
@@ -57,7 +57,7 @@ from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from ...observe import metrics
 from ..interfaces import IRedisBus, IReplicationHandler
 from ..wire.commands import ReplicateCommand
-from .redis import RedisConnection, deliver, parse_message, routed, text_of
+from .redis_bus import RedisConnection, deliver, parse_message, routed, text_of
 from .redis_channels import ChannelLayout
 from .redis_publish import at_rest, write_publishes
 from .redis_signing import signing, take

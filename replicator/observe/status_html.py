@@ -1,4 +1,4 @@
-"""The status page itself: HTML, stylesheet and script (see :mod:`.status`).
+"""The status page's HTML, stylesheet and script; its content is :mod:`.status`.
 
 :func:`render_html` renders a :func:`replicator.observe.status.snapshot`; every
 value is HTML-escaped (peer names come from the wire).  :data:`SCRIPT` and
