@@ -1,12 +1,20 @@
 """Handlers that tests hand to the transports: each a
 :class:`~replicator.replication.transport.base_handler.BaseHandler` (so a
 whole :class:`~replicator.replication.interfaces.IReplicationHandler`,
-checked in ``tests/test_interfaces.py``) that records what it is told.
-Test modules import them from here, never from one another."""
+checked in ``tests/test_interfaces.py``) that records what it is told;
+and a real handler on a registry of two streams (:func:`handler`) with
+connections to its server side (:class:`Peers`).  Test modules import
+them from here, never from one another."""
 
 from types import SimpleNamespace
 
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+from replicator.replication.core.handler import ReplicationHandler
 from replicator.replication.transport.base_handler import BaseHandler
+from replicator.replication.transport.protocol import ServerReplicationProtocol
+from replicator.replication.transport.tcp import ReplicationServerFactory
 
 
 class RecordingHandler(BaseHandler):
@@ -74,3 +82,56 @@ class CommandRecorder(BaseHandler):
         if name.startswith("on_"):
             return lambda conn, cmd: self.received.append(cmd.to_line())
         raise AttributeError(name)
+
+
+class FakeRegistry:
+    """Two streams: ``caches`` written by master and worker1, ``events`` by
+    master (this instance).  The bookkeeping needs nothing else."""
+
+    def __init__(self):
+        self.streams = [
+            SimpleNamespace(name=name, config=SimpleNamespace(writers=writers),
+                            local_writers=["master"])
+            for name, writers in (("caches", ("master", "worker1")), ("events", ("master",)))
+        ]
+
+    def __iter__(self):
+        return iter(self.streams)
+
+    def find(self, name):
+        return next((s for s in self.streams if s.name == name), None)
+
+
+def handler(**kwargs):
+    """A real handler of ``master`` on a :class:`FakeRegistry`, its clock at
+    1000 s: ``(handler, clock)``."""
+    clock = Clock()
+    clock.advance(1000)
+    return ReplicationHandler(FakeRegistry(), "master", "hs.test", clock=clock, **kwargs), clock
+
+
+class Peers:
+    """Connections to one handler's server side, through its factory."""
+
+    def __init__(self, test, handler):
+        # The factory's default policy: nobody takes the master's name.
+        self.policy = ReplicationServerFactory(handler, "hs.test", clock=Clock()).policy
+        self.handler = handler
+        self.test = test
+
+    def connect(self, name=None):
+        # Each connection on its own clock (keepalive timers): the
+        # bookkeeping's time is the handler's clock.
+        proto = ServerReplicationProtocol(self.handler, "hs.test", policy=self.policy,
+                                          clock=Clock())
+        transport = StringTransport()
+        proto.makeConnection(transport)
+        self.test.addCleanup(self._lose, proto)
+        if name:
+            proto.dataReceived(f"NAME {name}\n".encode())
+        transport.clear()
+        return proto, transport
+
+    def _lose(self, proto):
+        if proto in self.handler.connections:
+            proto.connectionLost(None)

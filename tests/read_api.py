@@ -14,9 +14,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable
 
+from tests.daemon import CACHES, SECRET, Daemon, base_config
 from tests.servers import PostgresServer, free_port
 from tests.support import table_facts
-from tests.test_cli import CACHES, SECRET, Daemon, base_config
 
 #: The reader credentials' secrets (files written next to the config).
 READER_SECRET = "reader-app-secret-0123456789abcdef"

@@ -20,8 +20,8 @@ import tempfile
 import time
 import urllib.request
 
+from tests.operations_doc import doc_block
 from tests.servers import free_port, unavailable, wait_for
-from tests.test_operations import doc_block
 
 #: The addresses, ports and paths of the page's example.
 MASTER_HOST, MASTER_PORT, MASTER_UI = "10.0.0.5", "7077", "8080"

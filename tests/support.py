@@ -1,7 +1,12 @@
 """Helpers shared by the tests: waiting on the real reactor (on the
 events that make a condition true where there are some: :class:`Waits`,
-:class:`WatchedConsumer`, :class:`LogWatch`; else by polling: :func:`until`),
-and reading what the backing tables hold, fact by fact."""
+:class:`WatchedConsumer`, :class:`LogWatch`, :func:`until_handled`,
+:class:`Progress`; else by polling: :func:`until`), reading what the
+backing tables hold, fact by fact, a temporary directory and a model of a
+stream's pages (:func:`updates_since`)."""
+
+import shutil
+import tempfile
 
 import psycopg2
 from twisted.internet import defer, reactor, task
@@ -10,6 +15,10 @@ from twisted.python import threadable
 
 from replicator.consumers import MemoryConsumer
 from replicator.logs.formats import TEXT_TIME
+
+# Clock start: a realistic epoch with an exact millisecond value.
+T0 = 1490197665.5
+T0_MS = b"1490197665500"
 
 
 def sleep(seconds: float):
@@ -88,6 +97,53 @@ class WatchedConsumer(MemoryConsumer):
     def on_position(self, stream, writer, token):
         super().on_position(stream, writer, token)
         self._waits.check()
+
+
+#: The waits on handlers' state (:func:`until_handled`), checked by every
+#: handler and consumer :func:`watch_handler` hooked.
+_HANDLED = Waits()
+
+
+def _after(obj, name: str, hook) -> None:
+    """``obj.name(...)`` calls ``hook()`` after it returned (or raised)."""
+    original = getattr(obj, name)
+
+    def called(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            hook()
+    setattr(obj, name, called)
+
+
+def watch_handler(handler) -> None:
+    """Have ``handler`` wake :func:`until_handled`'s waits: at each of its
+    connections' changes (``new_connection``, ``lost_connection``: a Redis
+    link's ``connected``, the handler's ``connections``) and at each fact
+    and position it hands its consumers (its readers' positions).  The
+    condition is evaluated on the next turn of the reactor, once the reader
+    that handed them on has moved its position.  Hooked once per handler."""
+    if handler.__dict__.get("_watched_by_tests"):
+        return
+    handler._watched_by_tests = True
+
+    def soon() -> None:
+        reactor.callLater(0, _HANDLED.check)
+    _after(handler, "new_connection", soon)
+    _after(handler, "lost_connection", soon)
+    for consumer in getattr(handler, "consumers", ()):
+        for name in ("on_facts", "on_position", "on_facts_many"):
+            if callable(getattr(consumer, name, None)):
+                _after(consumer, name, soon)
+
+
+def until_handled(handlers, predicate, timeout: float = 30.0):
+    """A Deferred that fires once ``predicate()`` holds, a condition on the
+    state of ``handlers`` (replication handlers): woken by their events
+    (:func:`watch_handler`), not by a poll."""
+    for handler in handlers:
+        watch_handler(handler)
+    return _HANDLED.wait(predicate, timeout, "handler condition")
 
 
 class LogWatch:
@@ -174,6 +230,26 @@ def table_facts(dsn: str, tables) -> dict:
         conn.close()
 
 
+def jsonl_facts(path):
+    """``{(stream, writer): [(token, rows), ...]}`` of the complete lines
+    of a ``jsonl`` file (a line being written is left out)."""
+    import json
+    import os
+
+    facts: dict = {}
+    if not os.path.exists(path):
+        return facts
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            entry = json.loads(line)
+            if "rows" in entry:
+                facts.setdefault((entry["stream"], entry["writer"]), []).append(
+                    (entry["token"], entry["rows"]))
+    return facts
+
+
 def as_sets(facts: dict) -> dict:
     """The same facts with each fact's rows in a canonical order: a fact is
     its set of rows (the order within one is the table's physical order on
@@ -184,6 +260,24 @@ def as_sets(facts: dict) -> dict:
         return json.dumps(row, sort_keys=True)
 
     return {k: [(token, sorted(rows, key=key)) for token, rows in v] for k, v in facts.items()}
+
+
+class Progress(dict):
+    """Counts a writing loop keeps (``written["n"]`` of
+    :func:`write_randomly`) that a test can wait on: ``await
+    written.until(lambda: written["n"] > 500)`` is woken by each change of
+    a count, not by a poll."""
+
+    def __init__(self, **counts):
+        super().__init__(**counts)
+        self._waits = Waits()
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._waits.check()
+
+    def until(self, predicate, timeout: float = 60.0):
+        return self._waits.wait(predicate, timeout, "writing progress")
 
 
 async def write_randomly(stream, rng, written: dict, target: int, make_row,
@@ -229,3 +323,27 @@ def without_time(line: str) -> str:
     """A daemon's ``text`` log line without its leading time, if it has one
     (what the fault and fuzz suites match: ``LEVEL system: message``)."""
     return TEXT_TIME.sub("", line, count=1)
+
+
+def temp_dir(case):
+    """A fresh absolute directory, removed after the test (whatever the cwd)."""
+    path = tempfile.mkdtemp(prefix="replicator-test.")
+    case.addCleanup(shutil.rmtree, path, True)
+    return path
+
+
+def updates_since(table, from_token, to_token, limit):
+    """What ``Stream.facts_since`` answers: facts of ``(from, to]`` in token
+    order, at most ``limit`` rows unless one fact alone has more, facts whole."""
+    facts = []
+    count = 0
+    upto = to_token
+    limited = False
+    for token in sorted(t for t in table if from_token < t <= to_token):
+        rows = table[token]
+        if facts and count + len(rows) > limit:
+            upto, limited = facts[-1][0], True
+            break
+        facts.append((token, [list(row) for row in rows]))
+        count += len(rows)
+    return facts, upto, limited

@@ -19,8 +19,9 @@ import urllib.request
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
+from tests.support import jsonl_facts
 
 ROWS = 100_000
 #: One small column: 100,000 rows fit in the write API's 1 MiB body.
@@ -29,23 +30,6 @@ BIG = {"name": "big", "table": "big_stream", "columns": [{"n": "bigint"}],
 SMALL = dict(CACHES, writers=["master", "worker1"])
 #: Links that would notice a stall of a few seconds.
 LINK = {"ping_interval": 1, "ping_timeout": 5}
-
-
-def jsonl_facts(path):
-    """``{(stream, writer): [(token, rows), ...]}`` of the complete lines
-    of a ``jsonl`` file (a line being written is left out)."""
-    facts = {}
-    if not os.path.exists(path):
-        return facts
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
-                break
-            entry = json.loads(line)
-            if "rows" in entry:
-                facts.setdefault((entry["stream"], entry["writer"]), []).append(
-                    (entry["token"], entry["rows"]))
-    return facts
 
 
 class Probe:

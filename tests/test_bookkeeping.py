@@ -3,69 +3,14 @@ hostile peers: only an instance's own connection changes its state, every
 table is bounded in size and age, and metrics are labelled only by names
 the configuration knows.  Protocols on StringTransport, time on a Clock."""
 
-from types import SimpleNamespace
 
 from prometheus_client import REGISTRY
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.observe import metrics
-from replicator.replication.core.handler import ReplicationHandler
-from replicator.replication.transport.protocol import ServerReplicationProtocol
-from replicator.replication.transport.tcp import ReplicationServerFactory
 from tests.fakes import FakeConnection
-
-
-class FakeRegistry:
-    """Two streams: ``caches`` written by master and worker1, ``events`` by
-    master (this instance).  The bookkeeping needs nothing else."""
-
-    def __init__(self):
-        self.streams = [
-            SimpleNamespace(name=name, config=SimpleNamespace(writers=writers),
-                            local_writers=["master"])
-            for name, writers in (("caches", ("master", "worker1")), ("events", ("master",)))
-        ]
-
-    def __iter__(self):
-        return iter(self.streams)
-
-    def find(self, name):
-        return next((s for s in self.streams if s.name == name), None)
-
-
-def handler(**kwargs):
-    clock = Clock()
-    clock.advance(1000)
-    return ReplicationHandler(FakeRegistry(), "master", "hs.test", clock=clock, **kwargs), clock
-
-
-class Peers:
-    """Connections to one handler's server side, through its factory."""
-
-    def __init__(self, test, handler):
-        # The factory's default policy: nobody takes the master's name.
-        self.policy = ReplicationServerFactory(handler, "hs.test", clock=Clock()).policy
-        self.handler = handler
-        self.test = test
-
-    def connect(self, name=None):
-        # Each connection on its own clock (keepalive timers): the
-        # bookkeeping's time is the handler's clock.
-        proto = ServerReplicationProtocol(self.handler, "hs.test", policy=self.policy,
-                                          clock=Clock())
-        transport = StringTransport()
-        proto.makeConnection(transport)
-        self.test.addCleanup(self._lose, proto)
-        if name:
-            proto.dataReceived(f"NAME {name}\n".encode())
-        transport.clear()
-        return proto, transport
-
-    def _lose(self, proto):
-        if proto in self.handler.connections:
-            proto.connectionLost(None)
+from tests.handlers import Peers, handler
 
 
 class OwnershipTests(SynchronousTestCase):

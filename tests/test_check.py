@@ -10,8 +10,8 @@ import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.storage import migrations
+from tests.daemon import CACHES, SECRET, cli
 from tests.servers import PostgresServer, free_port
-from tests.test_cli import CACHES, SECRET, cli
 
 
 class CheckTests(SynchronousTestCase):

@@ -14,7 +14,7 @@ import threading
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.test_cli import tail_of_a_server
+from tests.daemon import tail_of_a_server
 
 PY = sys.executable
 SECRET = "test-secret-0123456789"

@@ -22,9 +22,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import ColumnConfig, ConfigError, parse_streams
 from replicator.storage import schema
+from tests.daemon import cli
 from tests.servers import PostgresServer
-from tests.test_cli import cli
-from tests.test_synapse import SYNAPSE_EXPORT_DDL
+from tests.synapse_side import SYNAPSE_EXPORT_DDL
 
 #: (declared type, the table's type, fits when only read, fits when written).
 POSTGRES_CASES = [

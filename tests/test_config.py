@@ -183,7 +183,7 @@ class CliValidatesTests(SynchronousTestCase):
     def test_a_secret_file_that_is_not_utf8_is_one_line_and_exit_2(self):
         import yaml
 
-        from tests.test_cli import cli
+        from tests.daemon import cli
 
         tmp = tempfile.mkdtemp()
         with open(os.path.join(tmp, "secret"), "wb") as f:
@@ -201,7 +201,7 @@ class CliValidatesTests(SynchronousTestCase):
     def test_a_missing_tls_key_is_one_line_and_exit_2(self):
         import yaml
 
-        from tests.test_cli import cli
+        from tests.daemon import cli
 
         tmp = tempfile.mkdtemp()
         listen = "ssl:0:interface=127.0.0.1:privateKey=missing.key:certKey=missing.crt"
@@ -365,7 +365,7 @@ class TlsDirectoryTests(SynchronousTestCase):
     def test_a_key_without_its_certificate_and_then_with_it(self):
         import shutil
 
-        from tests.test_tls import make_pki
+        from tests.pki import make_pki
 
         pki = make_pki(tempfile.mkdtemp())
         directory = tempfile.mkdtemp()

@@ -28,7 +28,7 @@ from replicator.replication.transport.tcp import (
     upstream_service,
 )
 from tests.harness import Harness
-from tests.support import until
+from tests.support import until, until_handled
 
 
 class PeerProtocol(Protocol):
@@ -381,7 +381,7 @@ class RedisHealthyResetTests(TestCase):
         link.startService()
         self.addCleanup(link.stopService)
         backoffs = (link.sub_backoff, link.pub_backoff)
-        await until(lambda: link.connected, timeout=30)
+        await until_handled([link.handler], lambda: link.connected, timeout=30)
         redis.kill()
         for n in range(1, 5):
             await until(lambda: all(b.failures == n for b in backoffs), timeout=30)
@@ -390,7 +390,7 @@ class RedisHealthyResetTests(TestCase):
         self.assertFalse(link.connected)
         redis.start()
         clock.advance(max(b.last_delay for b in backoffs))
-        await until(lambda: link.connected, timeout=30)
+        await until_handled([link.handler], lambda: link.connected, timeout=30)
         # Connected and subscribed, but not yet proven: no reset.
         self.assertEqual([b.failures for b in backoffs], [4, 4])
         clock.advance(1.0)

@@ -18,9 +18,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.config import ConfigError, ConsumerConfig
 from replicator.consumers.loading import check_consumers
 from tests import test_reload
+from tests.daemon import CACHES, Daemon, base_config, replicator
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, Daemon, base_config
-from tests.test_jsonl_replay import replicator
 
 
 def _lines(path):

@@ -3,7 +3,6 @@
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from replicator.consumers import (
 from replicator.consumers import loading as consumer_loading
 from replicator.consumers.jsonl_lines import fact_lines_at_once
 from replicator.jsontext import encode_json_line
-from tests.support import until
+from tests.support import temp_dir, until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,13 +69,6 @@ class NoStreamsConsumer:
 
     def close(self):
         pass
-
-
-def temp_dir(case):
-    """A fresh absolute directory, removed after the test (whatever the cwd)."""
-    path = tempfile.mkdtemp(prefix="test_consumers.")
-    case.addCleanup(shutil.rmtree, path, True)
-    return path
 
 
 def read_lines(path):

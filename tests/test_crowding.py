@@ -21,6 +21,7 @@ from twisted.web.server import NOT_DONE_YET
 from replicator.http.site import Site
 from replicator.replication.transport.tcp import ReplicationServerFactory
 from tests.handlers import MasterHandler
+from tests.http_api import SiteApi
 from tests.servers import PostgresServer
 from tests.support import recv_until
 
@@ -110,35 +111,13 @@ class _Health(Resource):
         return b'{"healthy": true}\n'
 
 
-class _Api:
-    """What the site asks of the API."""
-
-    header_timeout = 10.0
-    body_timeout = 30.0
-
-    def __init__(self, **limits):
-        self.open_connections = 0
-        self.max_connections = limits.get("max_connections", 256)
-        self.max_connections_per_address = limits.get("max_connections_per_address", 64)
-        self.reserved_for_health = limits.get("reserved_for_health", 0)
-        self.reserved_for_writers = limits.get("reserved_for_writers", 0)
-        self.write_secret = limits.get("write_secret")
-        self.refusals = []
-
-    def log_refusal(self, transport, code, length, message, method, path):
-        self.refusals.append((code, message))
-
-    def log_access(self, request, code=None, note=""):
-        pass
-
-
 class HttpSiteTests(SynchronousTestCase):
     def setUp(self):
         self.clock = Clock()
         self.port = 5000
 
     def site(self, **limits):
-        self.api = _Api(**limits)
+        self.api = SiteApi(**limits)
         self.root = _Health()
         return Site(self.root, self.api, 1 << 20, 60, self.clock)
 

@@ -27,10 +27,10 @@ import zipfile
 from twisted.trial.unittest import SynchronousTestCase
 
 import replicator
+from tests.daemon import SECRET, Daemon, base_config, http
+from tests.operations_doc import doc_block
 from tests.servers import free_port, unavailable
-from tests.test_cli import SECRET, Daemon, base_config, http
-from tests.test_operations import doc_block
-from tests.test_systemd import SERVICES, UNITS, _settings
+from tests.systemd_units import SERVICES, UNITS, settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSION = replicator.__version__
@@ -199,7 +199,7 @@ class InstallTests(SynchronousTestCase):
         # The units run this prefix's console script, and systemd accepts them.
         for name in SERVICES:
             with open(os.path.join(self.units, name), encoding="utf-8") as f:
-                service = _settings(f.read(), "Service")
+                service = settings(f.read(), "Service")
             commands = [v for k, v in service if k in ("ExecStart", "ExecReload")]
             self.assertEqual([c for c in commands if c.startswith("/opt/")], [], name)
             self.assertTrue(any(c.startswith(f"{binary} run -c ") for c in commands), name)

@@ -14,7 +14,6 @@ own and SIGKILLs it in the middle of writing.
 """
 
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -27,26 +26,28 @@ from twisted.trial.unittest import TestCase
 from replicator.config import parse_database, parse_streams
 from replicator.export.reference import GRANULARITIES, Aggregator
 from replicator.export.state import OutputStore, escape_partition_value
+from tests.export_fixtures import (
+    BASE_MS,
+    RUN1_MS,
+    STREAMS,
+    Generator,
+    export,
+    insert_events,
+    run1,
+    set_positions,
+    shared_spark,
+    sqlite_with_positions,
+)
 from tests.servers import PostgresServer, unavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE_MS = 1709337000000  # 2024-03-01T23:50:00Z: the facts cross midnight
-RUN1_MS = 1709380810000  # 2024-03-02T12:00:10Z
 RUN2_MS = RUN1_MS + 20_000  # same minute: the receipts bucket is merged
 
-STREAMS = [
-    {"name": "events", "table": "ev", "writers": ["w1", "w2"],
-     "columns": [{"body": "text"}, {"ts": "bigint?"}], "timestamp_column": "ts"},
-    {"name": "receipts/v2", "table": "rc", "writer_column": None, "writers": ["main"],
-     "columns": [{"data": "json"}]},
-]
 
 METRICS = ("facts", "rows", "multi_row_facts", "max_fact_rows", "size_1", "size_2",
            "size_3_4", "size_5_8", "size_9_16", "size_17_up", "rollbacks", "first_token",
            "last_token", "facts_per_s", "rows_per_s", "gap_ms_p50", "gap_ms_p95",
            "gap_ms_p99", "date")
-
-_spark = None
 
 
 #: Runs the exporter's CLI (arguments after ``-c``), stopping the process with
@@ -74,37 +75,6 @@ def _process_state(pid):
         return None
 
 
-def shared_spark():
-    """The module's SparkSession, with both Debian JDBC drivers on it."""
-    global _spark
-    if _spark is None:
-        try:
-            import pyspark  # noqa: F401
-        except ImportError:
-            unavailable("pyspark is not installed (pip install -e '.[spark]')")
-        from replicator.export.source import SourceError, find_jdbc_jar
-        from replicator.export.spark import spark_session
-
-        try:
-            jars = [find_jdbc_jar("postgres"), find_jdbc_jar("sqlite")]
-        except SourceError as e:
-            unavailable(str(e))
-        _spark = spark_session("local[2]", jars, shuffle_partitions=4)
-        _spark.conf.set("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
-    return _spark
-
-
-def export(db, configs, out, spark=None, **kw):
-    from replicator.export.job import run_export
-    from replicator.export.options import ExportOptions
-
-    kw.setdefault("partitions", 3)
-    kw.setdefault("shuffle_partitions", 4)
-    kw.setdefault("progress_interval", 0)
-    return run_export(db, configs, ExportOptions(output=out, **kw),
-                      spark=spark or shared_spark())
-
-
 def read_export(out):
     """{(stream, granularity, writer, bucket_ms): {metric: value}} of ``current``."""
     from pyspark.sql import functions as F
@@ -124,10 +94,6 @@ def read_export(out):
     return result
 
 
-def run1(_id):
-    return RUN1_MS
-
-
 def run2_after(token):
     """Facts without a row time: timed by run 1 up to ``token``, then run 2."""
     return lambda i: RUN1_MS if i <= token else RUN2_MS
@@ -144,48 +110,11 @@ def reference(cur, stream, upper, observed=run1):
     return {(stream.name,) + key: value for key, value in agg.result().items()}
 
 
-class Generator:
-    """Deterministic stream rows: gaps, multi-row facts, writers, timestamps."""
-
-    SIZES = [1] * 80 + [2] * 6 + [3, 4, 5, 7, 8, 9, 12, 16, 17, 20]
-
-    def __init__(self, seed):
-        self.rng = random.Random(seed)
-        self.t = BASE_MS
-
-    def facts(self, first, last, writers, gap=0.06, null_ts=0.02):
-        """[(id, writer, [ts, ...])] for IDs first..last, some rolled back."""
-        out = []
-        for id_ in range(first, last + 1):
-            if self.rng.random() < gap:
-                continue
-            self.t += self.rng.randint(0, 1400)
-            when = self.t - 7000 if self.rng.random() < 0.03 else self.t
-            n = self.rng.choice(self.SIZES)
-            stamps = [None if self.rng.random() < null_ts else when + k for k in range(n)]
-            out.append((id_, self.rng.choice(writers), stamps))
-        return out
-
-
-def insert_events(cur, facts):
-    from psycopg2.extras import execute_values
-
-    rows = [(i, w, f"body {i}/{k}", ts) for i, w, stamps in facts for k, ts in enumerate(stamps)]
-    execute_values(cur, "INSERT INTO ev (stream_id, instance_name, body, ts) VALUES %s", rows)
-
-
 def insert_receipts(cur, facts):
     from psycopg2.extras import execute_values
 
     rows = [(i, f'{{"k": {k}}}') for i, _w, stamps in facts for k in range(len(stamps))]
     execute_values(cur, "INSERT INTO rc (stream_id, data) VALUES %s", rows)
-
-
-def set_positions(cur, stream, **positions):
-    for writer, pos in positions.items():
-        cur.execute(
-            "INSERT INTO stream_positions VALUES (%s, %s, %s) ON CONFLICT (stream_name, "
-            "instance_name) DO UPDATE SET stream_id = excluded.stream_id", (stream, writer, pos))
 
 
 def tree_inodes(path):
@@ -745,18 +674,6 @@ class CollationTests(ExportTestBase):
         got = read_export(self.out)
         want = {("cw",) + k: v for k, v in Aggregator(4, True, run1).feed(rows).result().items()}
         self.assertMatches(got, want)
-
-
-
-def sqlite_with_positions(path):
-    """A new SQLite database at ``path`` with the ``stream_positions`` table."""
-    import sqlite3
-
-    conn = sqlite3.connect(path)
-    conn.execute("CREATE TABLE stream_positions (stream_name TEXT NOT NULL, instance_name "
-                 "TEXT NOT NULL, stream_id BIGINT NOT NULL, PRIMARY KEY (stream_name, "
-                 "instance_name))")
-    return conn
 
 
 class SqliteExportTests(TestCase):

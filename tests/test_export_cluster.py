@@ -30,9 +30,9 @@ from twisted.trial.unittest import TestCase
 
 from replicator.config import parse_streams
 from replicator.export.reference import Aggregator
+from tests.export_fixtures import STREAMS, Generator, insert_events, set_positions
 from tests.servers import PostgresServer, unavailable
 from tests.spark_cluster import SparkCluster, export_command
-from tests.test_export import STREAMS, Generator, insert_events, set_positions
 
 #: The stream: timestamped facts only (no fact is timed by the run, so two
 #: runs at different times write the same rows).

@@ -17,7 +17,7 @@ from twisted.trial.unittest import TestCase
 from replicator.config import parse_database, parse_streams
 from replicator.export.aggregate import OUTPUT_COLUMNS
 from replicator.export.reference import Aggregator
-from tests.test_export import (
+from tests.export_fixtures import (
     RUN1_MS,
     STREAMS,
     Generator,

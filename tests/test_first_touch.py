@@ -12,8 +12,8 @@ import urllib.error
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.daemon import CACHES, PY, SECRET, Daemon, base_config, cli, http
 from tests.servers import free_port
-from tests.test_cli import CACHES, PY, SECRET, Daemon, base_config, cli, http
 
 
 def read_lines(stream, count, timeout=60.0):

@@ -17,9 +17,9 @@ import os
 import psycopg2
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.daemon import SECRET, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_big_fact_daemon import jsonl_facts
-from tests.test_cli import SECRET, Daemon, base_config, http
+from tests.support import jsonl_facts
 
 ORDERS = {"name": "orders", "table": "orders_stream", "columns": [{"item": "text"}],
           "writers": ["master"], "foreign_writers": True}

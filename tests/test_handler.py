@@ -17,15 +17,9 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.harness import Harness, lines
 from tests.servers import PostgresServer
+from tests.stream_sets import HANDLER_STREAMS as STREAMS
 from tests.support import until
 
-STREAMS = parse_streams([
-    {"name": "caches", "table": "cache_stream",
-     "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"ts": "bigint"}],
-     "writers": ["master", "worker1"]},
-    {"name": "events", "table": "event_stream",
-     "columns": [{"event_id": "text"}], "writers": ["master"]},
-])
 #: ``caches`` written by three instances, as an operator adds a writer.
 WRITERS3 = ["master", "worker1", "worker2"]
 THREE_WRITERS = parse_streams([

@@ -24,15 +24,10 @@ from replicator.observe import metrics
 from replicator.observe.health import HealthMonitor
 from tests.harness import Harness
 from tests.servers import PostgresServer, RedisServer
-from tests.support import until
+from tests.stream_sets import HEALTH_STREAM_DEFS as STREAM_DEFS
+from tests.support import until, until_handled
 
 SECRET = "health-test-secret-0123456789"
-STREAM_DEFS = [
-    {"name": "caches", "table": "cache_stream",
-     "columns": [{"cache_func": "text"}, {"ts": "bigint"}], "writers": ["master"]},
-    {"name": "events", "table": "event_stream",
-     "columns": [{"event_id": "text"}], "writers": ["master", "worker2"]},
-]
 STREAMS = parse_streams(STREAM_DEFS)
 
 
@@ -350,8 +345,9 @@ class HealthEndToEndTests(TestCase):
         worker = await self.instance(
             "worker1", {"redis": {"endpoint": redis.endpoint}}, http=True,
             server_name=server_name)
-        await until(lambda: master.redis.connected and worker.redis.connected,
-                    timeout=30)
+        await until_handled([master.redis.handler, worker.redis.handler],
+                            lambda: master.redis.connected and worker.redis.connected,
+                            timeout=30)
         events = master.registry.get("events")
         await events.write_fact([["seen"]])
         await until(lambda: worker.handler.reader_positions()[("events", "master")] == 1,

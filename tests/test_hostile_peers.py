@@ -33,7 +33,7 @@ from replicator.streams.registry import StreamRegistry
 from tests.fakes import FakeBus
 from tests.harness import Harness
 from tests.servers import PostgresServer, RedisServer
-from tests.support import WatchedConsumer, create_stream_tables, until
+from tests.support import Waits, WatchedConsumer, create_stream_tables, until, until_handled
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -607,15 +607,18 @@ class TcpIntegrationTests(_Base):
         consumer = WatchedConsumer(positions={("caches", "master"): 0,
                                               ("caches", "worker1"): 0})
         locks = []
+        released = Waits()
 
         class Locks:
             def on_LOCK_RELEASED(self, conn, cmd):
                 locks.append(cmd)
+                released.check()
 
         _, worker2 = await self.instance("worker2", [consumer])
         worker2.listeners.append(Locks())
         self.connect(worker2, "worker2", port)
-        await until(lambda: len(master.connections) == 1 and worker2.connections)
+        await until_handled([master, worker2],
+                            lambda: len(master.connections) == 1 and worker2.connections)
         honest_conn = next(iter(worker2.connections))
 
         liar = self.raw_peer(port, "worker1")
@@ -623,7 +626,8 @@ class TcpIntegrationTests(_Base):
         key = "\u20ac" * 4000 + "\\ud800"
         liar2 = self.raw_peer(port, "worker3")
         liar2.sendall((f'LOCK_RELEASED ["w","lock","{key}"]\n').encode())
-        await until(lambda: locks)
+        await released.wait(lambda: locks)
+        self.assertEqual(len(locks), 1)
         self.assertEqual(locks[0].lock_key, "\u20ac" * 4000 + "\ud800")
 
         liar.setblocking(False)
@@ -681,7 +685,7 @@ class RedisPoisoningTests(_Base):
         consumer = WatchedConsumer(positions={("caches", "master"): 0,
                                               ("caches", "worker1"): 0})
         _, reader, r_link = await self.node("worker2", [consumer])
-        await until(lambda: m_link.connected and r_link.connected)
+        await until_handled([master, reader], lambda: m_link.connected and r_link.connected)
         before = refused("caches", "beyond_sequence")
         bad_before = refused("caches", "bad_row")
         self.publish(f"POSITION caches worker1 777 {BIG}")

@@ -15,8 +15,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.http.channel import Channel
 from replicator.observe import metrics
 from replicator.replication.transport.protocol import ServerReplicationProtocol
+from tests.http_api import AUTH, SECRET, HttpTestCase, InMemoryHttpTestCase, RawClient
 from tests.servers import PostgresServer
-from tests.test_http import AUTH, SECRET, HttpTestCase, InMemoryHttpTestCase, RawClient
 
 READ_PATHS = ("/_replicator/v1/positions", "/_replicator/v1/federation_acks",
               "/_replicator/v1/user_syncs", "/_replicator/v1/user_ips")
@@ -483,7 +483,7 @@ class TlsRefusalTests(HttpTestCase):
         import ssl
         import tempfile
 
-        from tests.test_tls import make_pki
+        from tests.pki import make_pki
 
         pki = make_pki(tempfile.mkdtemp())
         listen = (f"ssl:0:interface=127.0.0.1:privateKey={pki['server.key']}"

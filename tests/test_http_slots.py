@@ -26,8 +26,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from replicator.http.site import Site
+from tests.http_api import SiteApi
 from tests.support import recv_until
-from tests.test_crowding import _Api
 
 SECRET = b"write-secret-0123456789"
 GET = b"GET %s HTTP/1.1\r\nHost: x\r\n%s\r\n"
@@ -72,7 +72,7 @@ class SlotTests(SynchronousTestCase):
 
     def site(self, **limits):
         limits.setdefault("write_secret", SECRET)
-        self.api = _Api(**limits)
+        self.api = SiteApi(**limits)
         self.root = _Root()
         return Site(self.root, self.api, 1 << 20, 60, self.clock)
 

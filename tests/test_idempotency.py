@@ -28,16 +28,16 @@ from replicator.streams.idempotency import (
     IdempotencyPruner,
     fingerprint,
 )
-from tests.servers import PostgresServer, free_port, wait_for
-from tests.support import until
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli
-from tests.test_http import (
+from tests.daemon import CACHES, SECRET, Daemon, base_config, cli
+from tests.http_api import (
     AUTH,
     FACTS,
     HttpTestCase,
     InMemoryHttpTestCase,
     RawClient,
 )
+from tests.servers import PostgresServer, free_port, wait_for
+from tests.support import until
 
 KEY = "3f0b6a8e-5f4c-4d1e-9a8f-2b7c1d0e9f11"
 ROWS = {"rows": [["get_user", ["@alice:hs.test"], 1000]]}

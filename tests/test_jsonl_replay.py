@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import psycopg2
 import yaml
@@ -18,20 +17,11 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.config import parse_instance
 from replicator.consumers.jsonl_files import rotated_files
 from replicator.storage.schema import RETENTION_DDL, table_ddl
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http, replicator
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
-from tests.test_consumers import temp_dir
+from tests.support import temp_dir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMED = dict(CACHES, timestamp_column="invalidation_ts")
-
-
-def replicator(*args, cwd):
-    """The real command: ``(exit code, stdout, stderr)``."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, "-m", "replicator.cli", *args], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=120)
-    return result.returncode, result.stdout, result.stderr
 
 
 def fact_line(token, rows):

@@ -278,7 +278,7 @@ class CheckConsumerOptionsTests(SynchronousTestCase):
     def test_check_names_the_key_and_creates_nothing(self):
         import yaml
 
-        from tests.test_cli import CACHES, SECRET, cli
+        from tests.daemon import CACHES, SECRET, cli
 
         directory = temp_dir(self)
         path = os.path.join(directory, "c.yaml")

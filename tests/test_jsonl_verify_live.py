@@ -20,8 +20,8 @@ import threading
 import psycopg2
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESENCE = {"name": "presence", "table": "presence_stream",
@@ -236,7 +236,7 @@ class VerifyOnSqliteTests(SynchronousTestCase):
 
         from replicator.config import parse_instance
         from replicator.storage.schema import table_ddl
-        from tests.test_consumers import temp_dir
+        from tests.support import temp_dir
 
         directory = temp_dir(self)
         config = base_config("master", free_port(), [CACHES],
@@ -283,7 +283,7 @@ class BatchBeingWrittenTests(SynchronousTestCase):
 
         from replicator.config import parse_instance
         from replicator.storage.schema import table_ddl
-        from tests.test_consumers import temp_dir
+        from tests.support import temp_dir
 
         dsn = PostgresServer.shared().create_database()
         directory = temp_dir(self)

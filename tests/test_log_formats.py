@@ -20,9 +20,9 @@ import urllib.request
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.daemon import CACHES, PY, SECRET, Daemon, base_config
 from tests.servers import free_port, wait_for
 from tests.support import recv_until
-from tests.test_cli import CACHES, PY, SECRET, Daemon, base_config
 
 #: What must never appear in a line.
 LEAKS = re.compile(r"<\w*Protocol\b|IPv[46]Address\(|object at 0x|log_legacy|"

@@ -16,10 +16,10 @@ from twisted.web.client import Agent, HTTPConnectionPool, readBody
 from replicator.config import parse_instance
 from replicator.daemon.service import Instance
 from replicator.observe import metrics
+from tests.handlers import Peers, handler
+from tests.http_api import SECRET
 from tests.servers import PostgresServer
-from tests.test_bookkeeping import Peers, handler
-from tests.test_health import STREAM_DEFS
-from tests.test_http import SECRET
+from tests.stream_sets import HEALTH_STREAM_DEFS as STREAM_DEFS
 
 #: Configured instance names, each with a user syncing.
 NAMES = [f"w{i}" for i in range(1000)]

@@ -10,7 +10,6 @@ PostgreSQL migrate once.  In process: a failing step rolls back whole, the
 steps before it stay.
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -28,27 +27,13 @@ from replicator.config import ConfigError, parse_database
 from replicator.config.streams import parse_stream
 from replicator.storage import migrations
 from replicator.storage.database import Database
+from tests.daemon import CACHES, PY, Daemon, base_config, cli
+from tests.release_020 import FIXTURES, RELEASE_FACTS, postgres_copy, release
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, PY, Daemon, base_config, cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = os.path.join(ROOT, "tests", "fixtures", "release-0.2.0")
 
 
-def _release_fixture():
-    spec = importlib.util.spec_from_file_location(
-        "release_fixture", os.path.join(ROOT, "scripts", "release_fixture.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-release = _release_fixture()
-
-#: The facts the fixtures hold, as the tables hold them: (ID, rows).
-RELEASE_FACTS = [(1, [["get_user", ["@alice:hs.test"], 1000]]),
-                 (2, [["get_user", ["@bob:hs.test"], 1001], ["get_rooms", None, 1001]]),
-                 (4, [["get_room", ["!room:hs.test"], 1003]])]
 STEP_2_LINE = "schema: migrating 1 -> 2: record the schema version in replicator_schema"
 #: What migrating a 0.2.0 database logs: one line per step.
 STEP_LINES = [STEP_2_LINE, "schema: migrating 2 -> 3: create stream_retention "
@@ -68,12 +53,6 @@ def sqlite_copy() -> str:
     directory = tempfile.mkdtemp(prefix="replicator-migrate-")
     shutil.copyfile(os.path.join(FIXTURES, "sqlite.db"), os.path.join(directory, "state.db"))
     return directory
-
-
-def postgres_copy() -> str:
-    """A fresh database holding the release's PostgreSQL dump; its DSN."""
-    return release.restore_postgres(PostgresServer.shared(),
-                                    os.path.join(FIXTURES, "postgres.sql"))
 
 
 def write_config(directory: str, config: dict) -> str:

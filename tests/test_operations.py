@@ -40,20 +40,10 @@ import yaml
 from twisted.trial.unittest import TestCase
 
 from replicator.config import parse_streams
+from tests.operations_doc import DOC, ROOT, doc_block
 from tests.servers import PostgresServer, free_port, unavailable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOC = os.path.join(ROOT, "docs", "operations.md")
 DEADLINE = 90.0
-
-
-def doc_block(step: str) -> str:
-    """The fenced block right after ``<!-- step: NAME -->`` in the page."""
-    with open(DOC) as f:
-        text = f.read()
-    match = re.search(rf"<!-- step: {re.escape(step)} -->\n```[a-z]*\n(.*?)```", text, re.S)
-    assert match, f"docs/operations.md has no step {step!r}"
-    return match.group(1)
 
 
 #: Where the page's commands take the repository from.
@@ -563,7 +553,7 @@ class RedisExamplesTests(TestCase):
         return doc
 
     def test_examples_pass_check(self):
-        from tests.test_synapse import SYNAPSE_CACHES_DDL
+        from tests.synapse_side import SYNAPSE_CACHES_DDL
 
         pg = PostgresServer.shared()
         dsns = {"replicator": pg.create_database("redisdoc"),

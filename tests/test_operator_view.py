@@ -25,10 +25,10 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_streams
 from tests.cdp import Browser
+from tests.daemon import CACHES, SECRET, Daemon, base_config, cli, http
 from tests.servers import PostgresServer, RedisServer, free_port, wait_for
+from tests.status_page import get
 from tests.support import create_stream_tables
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli, http
-from tests.test_status_page import get
 
 ACCOUNT_DATA = {
     "name": "account_data", "table": "account_data_stream",

@@ -16,8 +16,8 @@ from replicator import files
 from replicator.config import parse_database
 from replicator.consumers import JsonlConsumer
 from replicator.storage.database import Database
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http
 from tests.servers import free_port
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

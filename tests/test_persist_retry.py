@@ -8,7 +8,7 @@ what the read API serves as immutable, and what a restart resumes from."""
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.harness import Harness
-from tests.test_written import STREAMS
+from tests.stream_sets import WRITTEN_STREAMS as STREAMS
 
 
 class PersistRetryTests(SynchronousTestCase):

@@ -21,12 +21,12 @@ from replicator.observe.health import Finding
 from replicator.observe.problem_log import ProblemLog
 from replicator.storage.database import Database
 from tests.cdp import chromium
+from tests.daemon import CACHES, Daemon, base_config
 from tests.fakes import FakeView
 from tests.harness import SyncPool
-from tests.servers import PostgresServer, free_port
+from tests.servers import PostgresServer, free_port, wait_for
+from tests.status_page import Cells, get, run_chromium
 from tests.support import create_stream_tables
-from tests.test_cli import CACHES, Daemon, base_config, wait_for
-from tests.test_status_page import _Cells, get, run_chromium
 
 
 def link(text="replication not connected: upstream down"):
@@ -307,7 +307,7 @@ class RestartTests(SynchronousTestCase):
         chromium()
         dumped = run_chromium("--virtual-time-budget=10000", "--dump-dom", base + "/")
         self.assertEqual(dumped.returncode, 0, dumped.stderr[-2000:])
-        dom = _Cells()
+        dom = Cells()
         dom.feed(dumped.stdout)
         self.assertIn("data-refreshed", dom.body, dumped.stdout[:3000])
         self.assertIn("restart at ", dom.texts["problems"])

@@ -26,11 +26,7 @@ from replicator.replication.wire.commands import (
 )
 from replicator.replication.wire.encoding import encode_rdata_lines
 from tests.handlers import RecordingHandler
-from tests.support import LogWatch
-
-# Clock start: a realistic epoch with an exact millisecond value.
-T0 = 1490197665.5
-T0_MS = b"1490197665500"
+from tests.support import T0, T0_MS, LogWatch
 
 
 class NoDelayTransport(StringTransport):

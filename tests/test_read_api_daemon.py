@@ -12,8 +12,8 @@ import threading
 import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.daemon import CACHES, SECRET, Daemon, base_config, cli, http
 from tests.servers import free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli, http
 
 READER = "curl-reader-secret-0123456789"
 STREAM = dict(CACHES, create=True)

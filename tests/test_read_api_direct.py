@@ -13,10 +13,10 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.http.read import live, tokens
 from replicator.http.read.sse import SseClient
-from tests.support import until
-from tests.test_http import AUTH
-from tests.test_read_api import EVENTS, ReadTestCase, SseSocket
-from tests.test_read_api_memory import FakeRequest, FakeStream, live_feed, page_reader
+from tests.http_api import AUTH
+from tests.read_api_cases import EVENTS, ReadTestCase, SseSocket
+from tests.read_api_fakes import FakeRequest, FakeStream, live_feed, page_reader
+from tests.support import Waits, until
 
 
 class ChunkedSseSocket(protocol.Protocol):
@@ -30,11 +30,23 @@ class ChunkedSseSocket(protocol.Protocol):
         self.head = None
         self.body = b""
         self.closed = defer.Deferred()
+        self._waits = Waits()
+
+    def until(self, predicate, timeout: float = 30.0):
+        """A Deferred that fires once ``predicate()`` holds, woken by each
+        read of the socket and by its close (not a poll)."""
+        return self._waits.wait(predicate, timeout, "event stream condition")
 
     def connectionMade(self):
         self.transport.write(self.request)
 
     def dataReceived(self, data):
+        try:
+            self._parse(data)
+        finally:
+            self._waits.check()
+
+    def _parse(self, data):
         self.raw += data
         if self.head is None:
             head, sep, rest = self.raw.partition(b"\r\n\r\n")
@@ -55,6 +67,7 @@ class ChunkedSseSocket(protocol.Protocol):
 
     def connectionLost(self, reason):
         self.closed.callback(None)
+        self._waits.check()
 
     def facts(self):
         return [orjson.loads(line[6:])["stream_id"] for line in self.body.split(b"\n")
@@ -79,7 +92,7 @@ class DirectWriteTests(ReadTestCase):
         feed = self.api.reads.feed(self.registry.get("events"))
         await until(lambda: len(feed.clients) == 2)
         # The server has both clients live before the head reaches the client.
-        await until(lambda: new.head is not None)
+        await new.until(lambda: new.head is not None)
         self.assertIn(b"chunked", new.head.lower())
         left_behind = []
         write = feed._write
@@ -93,7 +106,8 @@ class DirectWriteTests(ReadTestCase):
 
         feed._write = written
         ids = await self.write("events", 5)
-        await until(lambda: len(old.facts()) == 5 and len(new.facts()) == 5)
+        await old.until(lambda: len(old.facts()) == 5)
+        await new.until(lambda: len(new.facts()) == 5)
         self.assertEqual([f["stream_id"] for _, f in old.facts()], ids)
         self.assertEqual(new.facts(), ids)
         self.assertTrue(left_behind)

@@ -14,9 +14,9 @@ from replicator.http.read.auth import ReaderAuth
 from replicator.http.read.pages import read_page
 from replicator.http.read.params import ParameterError
 from replicator.http.read.routes import ReadRoutes
-from tests.test_http import AUTH
-from tests.test_read_api import PAGES, ReadTestCase
-from tests.test_read_api_memory import FakeRequest, FakeStream, run
+from tests.http_api import AUTH
+from tests.read_api_cases import PAGES, ReadTestCase
+from tests.read_api_fakes import FakeRequest, FakeStream, run
 
 SECRET = b"s" * 16
 
@@ -237,7 +237,7 @@ class DaemonTests(ReadTestCase):
             query = f"?limit=4&from={head['next']}"
 
     async def test_ndjson_pages_of_a_daemon(self):
-        from tests.test_read_api import until_deferred
+        from tests.read_api_cases import until_deferred
 
         await self.start_reading()
         ids = await self.write("events", 10)

@@ -14,8 +14,8 @@ from twisted.web.http_headers import Headers
 
 from replicator.config import ConfigError, validate
 from replicator.http.read import tokens
-from tests.test_http import SECRET, instance_config
-from tests.test_read_api import EVENTS, ReadTestCase
+from tests.http_api import SECRET, instance_config
+from tests.read_api_cases import EVENTS, ReadTestCase
 
 
 def raw_token(payload: bytes) -> str:

@@ -10,8 +10,8 @@ import orjson
 from twisted.internet import defer
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.test_http import SECRET
-from tests.test_read_api import ReadTestCase
+from tests.http_api import SECRET
+from tests.read_api_cases import ReadTestCase
 
 BOUND = 100_000
 
@@ -98,8 +98,8 @@ class DaemonMemoryTests(SynchronousTestCase):
     def test_concurrent_large_pages_are_bounded(self):
         from concurrent.futures import ThreadPoolExecutor
 
+        from tests.daemon import SECRET as WRITE_SECRET
         from tests.read_api import ReadApiDaemon, get
-        from tests.test_cli import SECRET as WRITE_SECRET
 
         api = ReadApiDaemon(self).start()
         row = "z" * 15_000

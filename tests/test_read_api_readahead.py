@@ -11,8 +11,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.http.read import readahead
 from replicator.http.read.pages import Page
 from replicator.http.read.readahead import ReadAhead
-from tests.test_http import AUTH
-from tests.test_read_api import PAGES, ReadTestCase, until_deferred
+from tests.http_api import AUTH
+from tests.read_api_cases import PAGES, ReadTestCase, until_deferred
 
 
 class WalkTests(ReadTestCase):

@@ -11,9 +11,9 @@ import tracemalloc
 from twisted.internet import abstract, reactor, tcp
 
 from replicator.http.read.sse import WRITE_SIZE
+from tests.http_api import SECRET
+from tests.read_api_cases import ReadTestCase
 from tests.support import until
-from tests.test_http import SECRET
-from tests.test_read_api import ReadTestCase
 
 #: Event streams opened at once, all from the beginning of the stream.
 STREAMS = 32

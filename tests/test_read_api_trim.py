@@ -9,9 +9,9 @@ boundary moved in one transaction)."""
 import orjson
 
 from replicator.http.read import tokens
+from tests.http_api import AUTH
+from tests.read_api_cases import EVENTS, ReadTestCase, SseSocket
 from tests.support import until
-from tests.test_http import AUTH
-from tests.test_read_api import EVENTS, ReadTestCase, SseSocket
 
 
 class TrimmedReadTests(ReadTestCase):
@@ -71,7 +71,7 @@ class TrimmedReadTests(ReadTestCase):
         response, doc = await self.page("events", f"?from={doc['next']}")
         self.assertEqual([f["stream_id"] for f in doc["facts"]], ids[5:])
         client = await self.connect()
-        await until(lambda: len(client.facts()) == 3)
+        await client.until(lambda: len(client.facts()) == 3)
         self.assertEqual([f["stream_id"] for _, f in client.facts()], ids[3:])
         self.assertEqual(self.critical(), [])
 
@@ -141,7 +141,7 @@ class TrimmedReadTests(ReadTestCase):
                                           headers={**AUTH, "Last-Event-ID": below})
             self.assertEqual(response.code, 410)
         client = await self.connect()
-        await until(lambda: len(client.facts()) == 1)
+        await client.until(lambda: len(client.facts()) == 1)
         self.assertEqual(self.api.reads.slots.open, 1)
         response, data = await self.call("GET", "/status.json")
         (row,) = [r for r in orjson.loads(data)["readers"] if r["stream"] == "events"]

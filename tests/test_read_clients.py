@@ -31,9 +31,9 @@ import urllib.parse
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.cdp import Browser
+from tests.daemon import SECRET
 from tests.read_api import OTHER_SECRET, READER_SECRET, ReadApiDaemon, as_table, get, parse_events
 from tests.servers import unavailable, wait_for
-from tests.test_cli import SECRET
 from tests.web_clients import DroppableProxy, NginxCache, node
 
 #: Deadline for anything a client or the daemon must get to (seconds).

@@ -12,9 +12,9 @@ import urllib.request
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.support import table_facts
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
 
 STREAM = dict(CACHES, writers=["master", "worker1"], create=True)
 COLUMNS = ("cache_func", "keys", "invalidation_ts")

@@ -25,6 +25,7 @@ from replicator.replication.core.relay import Relay
 from replicator.replication.wire.commands import parse_line
 from replicator.replication.wire.encoding import encode_position_line, encode_rdata_lines
 from tests.fakes import FakeConnection
+from tests.support import updates_since
 
 STREAM, WRITER = "s", "w"
 RETRY = 1.0
@@ -32,23 +33,6 @@ RETRY = 1.0
 
 class ReadFailed(Exception):
     pass
-
-
-def updates_since(table, from_token, to_token, limit):
-    """What ``Stream.facts_since`` answers: facts of ``(from, to]`` in token
-    order, at most ``limit`` rows unless one fact alone has more, facts whole."""
-    facts = []
-    count = 0
-    upto = to_token
-    limited = False
-    for token in sorted(t for t in table if from_token < t <= to_token):
-        rows = table[token]
-        if facts and count + len(rows) > limit:
-            upto, limited = facts[-1][0], True
-            break
-        facts.append((token, [list(row) for row in rows]))
-        count += len(rows)
-    return facts, upto, limited
 
 
 def Conn(n):

@@ -21,8 +21,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.net.backoff import RECONNECT_MAX_DELAY
 from replicator.net.reconnect import LOUD_RETRIES
+from tests.daemon import CACHES, PY, Daemon, base_config
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, PY, Daemon, base_config
 
 #: How long the master stays down: long enough for today's exponential
 #: backoff to pass any cap meant for a peer on the local network.

@@ -22,9 +22,9 @@ from replicator.config import ConfigError, RedisConfig, parse_instance, parse_st
 from replicator.replication.transport.redis import RedisReplication, _Publisher, _RedisFactory
 from replicator.replication.transport.redis_channels import ChannelLayout
 from tests.handlers import CommandRecorder
+from tests.operations_doc import ROOT, doc_block
 from tests.servers import PostgresServer
 from tests.support import create_stream_tables
-from tests.test_operations import ROOT, doc_block
 
 
 class _Config:

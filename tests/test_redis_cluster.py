@@ -28,7 +28,7 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.redis_cluster_servers import RedisCluster, command
 from tests.servers import PostgresServer
-from tests.support import as_sets, table_facts, until, write_randomly
+from tests.support import Progress, as_sets, table_facts, until, until_handled, write_randomly
 
 NAMES = ["s0", "s1", "s2"]
 STREAMS = parse_streams([
@@ -193,7 +193,8 @@ class ClusterTests(TestCase):
         writer = await Node(self, self.dsn, "w", self.cluster, STREAMS).start()
         consumer = MemoryConsumer(positions={k: 0 for k in keys})
         reader = await Node(self, self.dsn, "r", self.cluster, STREAMS, consumer).start()
-        await until(lambda: writer.link.connected and reader.link.connected, timeout=30)
+        await until_handled([writer.handler, reader.handler],
+                            lambda: writer.link.connected and reader.link.connected, timeout=30)
         channel = reader.link.layout.stream_channel("s0").encode()
         slot = key_slot(channel)
         self.assertEqual(int(command(self.cluster.ports[0], "CLUSTER", "KEYSLOT", channel)),
@@ -205,7 +206,7 @@ class ClusterTests(TestCase):
             numsub = command(int(node.split(":")[1]), "PUBSUB", "SHARDNUMSUB", stream_channel)
             self.assertEqual(numsub.split(), [stream_channel, "2"], name)
 
-        written = {"n": 0}
+        written = Progress(n=0)
         target = 1500
 
         async def writing(name):
@@ -213,7 +214,7 @@ class ClusterTests(TestCase):
                                  lambda n, j: [f"{name}-{n}", j], max_facts=10, pause=True)
 
         async def move():
-            await until(lambda: written["n"] > 500, timeout=60)
+            await written.until(lambda: written["n"] > 500, timeout=60)
             source = self.cluster.owner(slot)
             to = next(p for p in self.cluster.ports if p != source)
             ended = reader.link.generations_ended
@@ -231,7 +232,7 @@ class ClusterTests(TestCase):
             return all(positions[k] == writer.registry.get(k[0]).id_gen.get_current_token("w")
                        for k in keys)
 
-        await until(caught_up, timeout=60)
+        await until_handled([reader.handler], caught_up, timeout=60)
         expected = table_facts(self.dsn, TABLES)
         got = {k: [] for k in keys}
         for stream, who, token, rows in consumer.facts:
@@ -269,9 +270,11 @@ class SignedClusterTests(TestCase):
         consumer = MemoryConsumer(positions={k: 0 for k in keys})
         reader = await Node(self, self.dsn, "r", self.cluster, STREAMS, consumer,
                             keys=keys_for(paths, "r")).start()
-        await until(lambda: writer.link.connected and reader.link.connected, timeout=30)
+        await until_handled([writer.handler, reader.handler],
+                            lambda: writer.link.connected and reader.link.connected, timeout=30)
         first = await writer.registry.get("s0").write_fact([["a", 1]])
-        await until(lambda: reader.handler.reader_positions()[("s0", "w")] == first)
+        await until_handled([reader.handler],
+                            lambda: reader.handler.reader_positions()[("s0", "w")] == first)
         channel = reader.link.layout.stream_channel("s0")
         refusals = refused("unsigned")
         command(self.cluster.owner(key_slot(channel.encode())), "SPUBLISH", channel,
@@ -286,7 +289,7 @@ class SignedClusterTests(TestCase):
             return all(positions[k] == writer.registry.get(k[0]).id_gen.get_current_token("w")
                        for k in keys)
 
-        await until(caught_up, timeout=60)
+        await until_handled([reader.handler], caught_up, timeout=60)
         expected = table_facts(self.dsn, TABLES)
         got = {k: [] for k in keys}
         for stream, who, token, rows in consumer.facts:

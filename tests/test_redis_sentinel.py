@@ -32,12 +32,19 @@ from replicator.replication.transport.redis_sentinel import (
     SentinelWatch,
     check_master,
 )
+from tests.daemon import SECRET
+from tests.operations_doc import doc_block
 from tests.redis_nodes import KEYS, STREAMS, Node
 from tests.sentinel_servers import SentinelSetup
 from tests.servers import PostgresServer, free_port
-from tests.support import LogWatch, WatchedConsumer, create_stream_tables, until, write_randomly
-from tests.test_cli import SECRET
-from tests.test_operations import doc_block
+from tests.support import (
+    LogWatch,
+    Progress,
+    WatchedConsumer,
+    create_stream_tables,
+    until_handled,
+    write_randomly,
+)
 
 PASSWORD = "the-requirepass-of-redis"
 #: The streams of :mod:`tests.test_replication_redis`, as a config file says them.
@@ -204,14 +211,15 @@ class SentinelFailoverTests(TestCase):
         writers = [await SentinelNode(self, self.dsn, name, self.setup.master,
                                       sentinels=self.setup.addresses).start()
                    for name in ("w1", "w2")]
-        await until(lambda: all(w.link.connected for w in writers), timeout=30)
+        await until_handled([w.handler for w in writers],
+                            lambda: all(w.link.connected for w in writers), timeout=30)
         self.assertEqual({w.link.sentinel.master for w in writers}, {old})
 
         await threads.deferToThread(self._poll, self.reader_healthy)
 
         events = LogWatch(self).events
         rng = random.Random(26)
-        written = {"n": 0}
+        written = Progress(n=0)
         target = 3000
         seen = []  # /health answers while the master was away
         outage = {}  # facts written when the master was killed, when all followed
@@ -222,7 +230,7 @@ class SentinelFailoverTests(TestCase):
                                  max_facts=20, pause=True)
 
         async def failover():
-            await until(lambda: written["n"] > target // 4, timeout=60)
+            await written.until(lambda: written["n"] > target // 4, timeout=60)
             self.setup.master.kill()  # SIGKILL, by PID
             outage["killed"] = written["n"]
             # The reader says so while the master is away ...
@@ -232,8 +240,8 @@ class SentinelFailoverTests(TestCase):
                 if status == 503 and "not connected to redis master replicator" in str(body):
                     break
             # ... and every instance follows Sentinel to the promoted replica.
-            await until(lambda: all(w.link.connected and w.link.sentinel.master == new
-                                    for w in writers), timeout=60)
+            await until_handled([w.handler for w in writers], lambda: all(
+                w.link.connected and w.link.sentinel.master == new for w in writers), timeout=60)
             outage["followed"] = written["n"]
 
         await defer.gatherResults([defer.ensureDeferred(writer_loop(w)) for w in writers]
@@ -298,7 +306,8 @@ class SentinelFollowTests(TestCase):
                                     sentinels=self.setup.addresses).start(),
                  await SentinelNode(self, self.dsn, "r", self.setup.master, consumer,
                                     sentinels=self.setup.addresses).start()]
-        await until(lambda: all(n.link.connected for n in nodes), timeout=30)
+        await until_handled([n.handler for n in nodes],
+                            lambda: all(n.link.connected for n in nodes), timeout=30)
         old = ("127.0.0.1", self.setup.master.port)
         new = ("127.0.0.1", self.setup.replica.port)
         # A replica says so: a link that reached it is not used.
@@ -307,8 +316,8 @@ class SentinelFollowTests(TestCase):
         self.assertIn(f"127.0.0.1:{new[1]} is not the master (ROLE slave)", str(e.exception))
         await self._check_role(old)
         self.assertEqual(self.setup.sentinels[0].ask("failover", "replicator"), ["OK"])
-        await until(lambda: all(n.link.connected and n.link.sentinel.master == new
-                                for n in nodes), timeout=60)
+        await until_handled([n.handler for n in nodes], lambda: all(
+            n.link.connected and n.link.sentinel.master == new for n in nodes), timeout=60)
         await nodes[0].registry.get("caches").write_fact([["after the switch", None, 1]])
         await consumer.until(lambda: consumer.facts)
         self.assertEqual(consumer.facts, [("caches", "w1", 1, [["after the switch", None, 1]])])

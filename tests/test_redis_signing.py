@@ -134,7 +134,7 @@ class ReplayTests(TestCase):
 
         from replicator.replication.core.reader import Reader
         from replicator.replication.wire.commands import parse_line
-        from tests.test_reader import updates_since
+        from tests.support import updates_since
 
         paths = write_keys(tempfile.mkdtemp(), "master", "reader")
         private, public = load_keys(keys_for(paths, "master"), "k")
@@ -365,7 +365,7 @@ class ForgedPositionTests(TestCase):
 
         from replicator.consumers import MemoryConsumer
         from tests.redis_nodes import TABLES, Node, publish_raw
-        from tests.support import table_facts, until
+        from tests.support import table_facts, until, until_handled
 
         paths = self.paths
 
@@ -377,11 +377,12 @@ class ForgedPositionTests(TestCase):
         w1 = await SignedNode(self, self.dsn, "w1", self.redis).start()
         consumer = MemoryConsumer(positions={("caches", "w1"): 0})
         reader = await SignedNode(self, self.dsn, "r", self.redis, consumer).start()
-        await until(lambda: w1.link.connected and reader.link.connected)
+        await until_handled([w1.handler, reader.handler],
+                            lambda: w1.link.connected and reader.link.connected)
         stream = w1.registry.get("caches")
         first = await stream.write_fact([["first", None, 1]])
         position = lambda: reader.handler.reader_positions()[("caches", "w1")]  # noqa: E731
-        await until(lambda: position() == first)
+        await until_handled([reader.handler], lambda: position() == first)
 
         # w1's next fact: its ID reserved, its transaction held open (in
         # the database pool) while the forger says w1 is past it.
@@ -406,7 +407,7 @@ class ForgedPositionTests(TestCase):
         release.set()
         second = await writing
         last = await stream.write_fact([["third", None, 3]])
-        await until(lambda: position() >= last)
+        await until_handled([reader.handler], lambda: position() >= last)
         table = table_facts(self.dsn, TABLES)[("caches", "w1")]
         self.assertEqual([t for t, _ in table], [first, second, last])
         self.assertEqual([t for _, _, t, _ in consumer.facts], [first, second, last])

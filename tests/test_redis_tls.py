@@ -15,12 +15,12 @@ from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 
 from replicator.config import ConfigError, parse_replication, validate_replication
+from tests.daemon import cli
+from tests.operations_doc import doc_block
+from tests.pki import make_pki
 from tests.redis_nodes import KEYS, STREAMS, Node
 from tests.servers import PostgresServer, RedisServer, free_port, unavailable
 from tests.support import LogWatch, WatchedConsumer, create_stream_tables
-from tests.test_cli import cli
-from tests.test_operations import doc_block
-from tests.test_tls import make_pki
 
 
 def tls_redis(pki: dict, auth_clients: str = "yes", password: str = None) -> RedisServer:

@@ -12,15 +12,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.config import parse_instance
 from replicator.daemon.reload import plan
+from tests.daemon import CACHES, SECRET, Daemon, base_config, http, metric
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, http
-
-
-def _metric(text, prefix):
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 class ReloadClusterTests(SynchronousTestCase):
@@ -90,7 +83,7 @@ class ReloadClusterTests(SynchronousTestCase):
         self.write(master, "caches", [["m0", None, 0]])
         wait_for(lambda: ("caches", "master") in self.jsonl_writers(worker1, "worker1"), 60,
                  "worker1 has the master's fact")
-        disconnects = _metric(http(metrics_url)[1].decode(), "replicator_disconnects_total")
+        disconnects = metric(http(metrics_url)[1].decode(), "replicator_disconnects_total")
         made = master.output().count("Replication connection")
 
         # (1) A new writer, worker2, of caches, and a new stream the master
@@ -122,7 +115,7 @@ class ReloadClusterTests(SynchronousTestCase):
         # No restart, and the master-worker1 link never dropped.
         self.assertEqual((master.proc.pid, worker1.proc.pid), pids)
         self.assertIsNone(master.proc.poll())
-        self.assertEqual(_metric(http(metrics_url)[1].decode(), "replicator_disconnects_total"),
+        self.assertEqual(metric(http(metrics_url)[1].decode(), "replicator_disconnects_total"),
                          disconnects)
 
         # (4) The log level applied: a successful request is logged at debug now.

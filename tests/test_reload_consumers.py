@@ -17,9 +17,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from replicator.config import parse_instance
 from replicator.daemon.reload import plan
 from tests import test_reload
+from tests.daemon import CACHES, Daemon, base_config, http, metric
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, Daemon, base_config, http
-from tests.test_reload import _metric
 
 
 def _facts(path):
@@ -58,7 +57,7 @@ class ConsumerReloadTests(SynchronousTestCase):
         for name in ("a.jsonl", "c.jsonl"):
             wait_for(lambda: _facts(path(name)) == [("master", t1), ("master", t2)], 60,
                      f"{name} has both facts")
-        disconnects = _metric(http(metrics_url)[1].decode(), "replicator_disconnects_total")
+        disconnects = metric(http(metrics_url)[1].decode(), "replicator_disconnects_total")
         # b.jsonl, new to the worker, was left by an earlier run at t1.
         with open(path("a.jsonl")) as f:
             first = f.readline()
@@ -93,7 +92,7 @@ class ConsumerReloadTests(SynchronousTestCase):
         self.assertEqual(_facts(path("a.jsonl")), [("master", t1), ("master", t2)])
         # No restart, no disconnect.
         self.assertIsNone(worker.proc.poll())
-        self.assertEqual(_metric(http(metrics_url)[1].decode(), "replicator_disconnects_total"),
+        self.assertEqual(metric(http(metrics_url)[1].decode(), "replicator_disconnects_total"),
                          disconnects)
         worker.kill(signal.SIGTERM)
         self.assertEqual(worker.proc.returncode, 0, worker.output()[-2000:])
@@ -147,7 +146,7 @@ class RewireTests(SynchronousTestCase):
 
         from replicator.replication.core.delivery import delivery_for
         from replicator.replication.core.reader import Reader
-        from tests.test_reader import updates_since
+        from tests.support import updates_since
 
         deliver, many, reached = delivery_for("s", "w", consumers)
         return Reader("s", "w", 0, clock=Clock(), fetch_limit=2, deliver=deliver,
@@ -244,7 +243,7 @@ class RewireTests(SynchronousTestCase):
         from replicator.replication.core.delivery import delivery_for, rewire
         from replicator.replication.core.reader import Reader
         from tests.fakes import FakeConnection
-        from tests.test_reader import updates_since
+        from tests.support import updates_since
 
         table = {1: [["r1"]], 2: [["r2"]]}
         down = [True]

@@ -12,8 +12,8 @@ import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator.daemon.pidfile import PidFileError, hold, running
+from tests.daemon import CACHES, SECRET, Daemon, base_config, cli, http
 from tests.servers import PostgresServer, free_port, wait_for
-from tests.test_cli import CACHES, SECRET, Daemon, base_config, cli, http
 
 
 def _facts(path):

@@ -22,7 +22,16 @@ from replicator.replication.transport.redis import RedisReplication
 from tests.handlers import CommandRecorder
 from tests.redis_nodes import KEYS, TABLES, Node
 from tests.servers import PostgresServer, RedisServer
-from tests.support import WatchedConsumer, as_sets, sleep, table_facts, until, write_randomly
+from tests.support import (
+    Progress,
+    WatchedConsumer,
+    as_sets,
+    sleep,
+    table_facts,
+    until,
+    until_handled,
+    write_randomly,
+)
 
 
 class RedisReplicationTests(TestCase):
@@ -40,10 +49,11 @@ class RedisReplicationTests(TestCase):
         log = []
         consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
         reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
-        await until(lambda: all(n.link.connected for n in (w1, w2, reader)))
+        await until_handled([n.handler for n in (w1, w2, reader)],
+                            lambda: all(n.link.connected for n in (w1, w2, reader)))
 
         target = 10_000
-        written = {"n": 0}
+        written = Progress(n=0)
 
         async def writer_loop(node):
             await write_randomly(
@@ -53,12 +63,12 @@ class RedisReplicationTests(TestCase):
 
         async def chaos():
             nonlocal reader, consumer
-            await until(lambda: written["n"] > 2500)
+            await written.until(lambda: written["n"] > 2500)
             self.redis.kill()
-            await until(lambda: not reader.link.connected, timeout=10)
+            await until_handled([reader.handler], lambda: not reader.link.connected, timeout=10)
             await sleep(0.3)  # writes go on without Redis
             self.redis.start()
-            await until(lambda: written["n"] > 6000)
+            await written.until(lambda: written["n"] > 6000)
             # Restart the reader: its consumer resumes from what it handled.
             await reader.stop()
             log.extend(consumer.facts)
@@ -78,7 +88,7 @@ class RedisReplicationTests(TestCase):
                        w.registry.get("caches").id_gen.get_current_token(w.name)
                        for w in (w1, w2))
 
-        await until(caught_up, timeout=120)
+        await until_handled([reader.handler], caught_up, timeout=120)
         log.extend(consumer.facts)
         expected = {k: [] for k in KEYS}
         expected.update(table_facts(self.dsn, TABLES))
@@ -159,7 +169,8 @@ class LateBytesTests(TestCase):
         consumer = MemoryConsumer(positions={k: 0 for k in KEYS})
         reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
         # The writer has announced POSITION caches w1 0 0.
-        await until(lambda: writer.link.connected and reader.link.connected)
+        await until_handled([writer.handler, reader.handler],
+                            lambda: writer.link.connected and reader.link.connected)
         # Past the registration's probe for a Synapse (which keeps our lines
         # in memory for synapse_probe): fact 1 goes out on the wire.
         await until(lambda: not writer.link.holding)
@@ -181,10 +192,12 @@ class LateBytesTests(TestCase):
         # No PING answered: the links are replaced, the new ones pass, and the
         # writer re-announces POSITION caches w1 1 1: the reader reads fact 1
         # from the table.
-        await until(lambda: writer.link.connected and writer.link.publisher is not None
-                    and writer.link.publisher is not old_publisher, timeout=30)
-        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 1,
-                    timeout=30)
+        await until_handled([writer.handler],
+                            lambda: writer.link.connected and writer.link.publisher is not None
+                            and writer.link.publisher is not old_publisher, timeout=30)
+        await until_handled([reader.handler],
+                            lambda: reader.handler.reader_positions()[("caches", "w1")] == 1,
+                            timeout=30)
 
         # Then the old link's first line reaches Redis, and the old link
         # closes: the prefix up to the end of the first PUBLISH of a batch line.
@@ -202,8 +215,9 @@ class LateBytesTests(TestCase):
 
         # Fact 2 = {C}.
         await caches.write_fact([["C", None, 2]])
-        await until(lambda: reader.handler.reader_positions()[("caches", "w1")] == 2,
-                    timeout=30)
+        await until_handled([reader.handler],
+                            lambda: reader.handler.reader_positions()[("caches", "w1")] == 2,
+                            timeout=30)
         self.assertEqual(consumer.facts, [
             ("caches", "w1", 1, [["A", None, 1], ["B", None, 1]]),
             ("caches", "w1", 2, [["C", None, 2]]),
@@ -227,15 +241,16 @@ class RedisFailureModeTests(TestCase):
         consumer = WatchedConsumer(positions={k: 0 for k in KEYS})
         writer = await Node(self, self.dsn, "w1", self.redis).start()
         reader = await Node(self, self.dsn, "r", self.redis, consumer).start()
-        await until(lambda: writer.link.connected and reader.link.connected)
+        await until_handled([writer.handler, reader.handler],
+                            lambda: writer.link.connected and reader.link.connected)
         os.kill(self.redis.proc.pid, sig.SIGSTOP)  # alive but silent
         try:
             # ping every 0.5 s, 0.5 s to answer: noticed within seconds.
-            await until(lambda: not reader.link.connected, timeout=10)
+            await until_handled([reader.handler], lambda: not reader.link.connected, timeout=10)
             await writer.registry.get("caches").write_fact([["while frozen", None, 1]])
         finally:
             os.kill(self.redis.proc.pid, sig.SIGCONT)
-        await until(lambda: reader.link.connected, timeout=20)
+        await until_handled([reader.handler], lambda: reader.link.connected, timeout=20)
         await consumer.until(lambda: consumer.facts, timeout=20)
         self.assertEqual(consumer.facts, [("caches", "w1", 1, [["while frozen", None, 1]])])
 
@@ -428,7 +443,7 @@ class LinkSocketTests(TestCase):
         link.handler.lost_connection = lambda conn, reason: None
         link.startService()
         self.addCleanup(link.stopService)
-        await until(lambda: link.connected)
+        await until_handled([link.handler], lambda: link.connected)
         for protocol in (link.publisher, link.subscriber):
             sock = protocol.transport.getHandle()
             self.assertTrue(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),

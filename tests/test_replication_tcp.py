@@ -20,7 +20,7 @@ from replicator.replication.transport.tcp import (
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.servers import PostgresServer
-from tests.support import as_sets, sleep, table_facts, until, write_randomly
+from tests.support import as_sets, sleep, table_facts, until, until_handled, write_randomly
 
 STREAMS = parse_streams([
     {"name": "caches", "table": "cache_stream",
@@ -114,7 +114,7 @@ class TcpReplicationTests(TestCase):
             w = await Instance(self, self.dsn, name).start(keys)
             w.connect(master.port)
             workers.append(w)
-        await until(lambda: len(master.handler.connections) == 3)
+        await until_handled([master.handler], lambda: len(master.handler.connections) == 3)
 
         target = 10_000
         written = {"n": 0}
@@ -154,7 +154,7 @@ class TcpReplicationTests(TestCase):
                         return False
             return True
 
-        await until(caught_up, timeout=120)
+        await until_handled([i.handler for i in [master] + workers], caught_up, timeout=120)
         expected = {k: [] for k in KEYS}
         expected.update(table_facts(self.dsn, TABLES))
         self.assertGreater(sum(len(v) for v in expected.values()), 5000)
@@ -213,7 +213,7 @@ class TcpReplicationTests(TestCase):
             owner = writer if key[1] == "worker1" else master
             return owner.registry.get(key[0]).id_gen.get_current_token(key[1])
 
-        await until(lambda: all(
+        await until_handled([reader.handler], lambda: all(
             (reader.handler.reader_positions()[k] or 0) >= writer_token(k) for k in KEYS),
             timeout=180)
         expected = {k: [] for k in KEYS}
@@ -232,7 +232,7 @@ class TcpReplicationTests(TestCase):
         await master.listen(settings)
         reader = await Instance(self, self.dsn, "worker2").start(KEYS)
         reader.connect(master.port)
-        await until(lambda: len(master.handler.connections) == 1)
+        await until_handled([master.handler], lambda: len(master.handler.connections) == 1)
 
         sock = socket.create_connection(("127.0.0.1", master.port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -253,7 +253,8 @@ class TcpReplicationTests(TestCase):
         self.assertEqual(sleeper.close_reason, "congestion")
         self.assertLessEqual(peak, 2000)
         # Gone within the congestion grace even though it never read.
-        await until(lambda: sleeper not in master.handler.connections, timeout=1.5)
+        await until_handled([master.handler], lambda: sleeper not in master.handler.connections,
+                            timeout=1.5)
         self.assertEqual(metrics.DISCONNECTS.labels("congestion")._value.get(), before + 1)
         sock.setblocking(False)
         data = b""
@@ -268,8 +269,9 @@ class TcpReplicationTests(TestCase):
         # What it was sent before the ERROR is whole lines of commands.
         self.assertTrue(data.startswith(b"SERVER hs.test\n"))
         # The other client kept receiving everything.
-        await until(lambda: reader.handler.reader_positions()[("events", "master")]
-                    == stream.id_gen.get_current_token("master"))
+        await until_handled([reader.handler],
+                            lambda: reader.handler.reader_positions()[("events", "master")]
+                            == stream.id_gen.get_current_token("master"))
         self.assertEqual(len(consumed(reader)[("events", "master")]), n)
 
     async def test_congested_client_that_reads_late_gets_the_error(self):
@@ -283,7 +285,7 @@ class TcpReplicationTests(TestCase):
         # reopened by the sender's slow persist probes.)
         sock.sendall(b"NAME late\nREPLICATE\n")
         self.addCleanup(sock.close)
-        await until(lambda: len(master.handler.connections) == 1)
+        await until_handled([master.handler], lambda: len(master.handler.connections) == 1)
         late = list(master.handler.connections)[0]
         stream = master.registry.get("events")
         n = 0

@@ -37,10 +37,10 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from replicator.streams.retention import Batch, RetentionService, Trimmer, trimmers_for
 from replicator.streams.trimmed import FactsTrimmed
+from tests.daemon import SECRET, Daemon, base_config, cli, http
 from tests.fakes import FakeConnection, FakeView
 from tests.servers import PostgresServer, free_port, wait_for
 from tests.support import until
-from tests.test_cli import SECRET, Daemon, base_config, cli, http
 
 EVENTS = {
     "name": "events", "table": "events_stream",

@@ -24,10 +24,10 @@ from replicator.config.streams import parse_stream
 from replicator.storage import schema
 from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
+from tests.daemon import CACHES
+from tests.release_020 import FIXTURES, RELEASE_FACTS, postgres_copy
 from tests.servers import PostgresServer
 from tests.support import LogWatch
-from tests.test_cli import CACHES
-from tests.test_migrations import FIXTURES, RELEASE_FACTS, postgres_copy
 
 PLAIN = {"name": "plain", "table": "plain_stream", "writers": ["master"],
          "columns": [{"body": "text"}, {"n": "bigint"}]}

@@ -19,8 +19,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from replicator.config import parse_instance
 from replicator.daemon.service import Instance
 from replicator.daemon.startup import StartupError
+from tests.daemon import CACHES, SECRET, cli
 from tests.servers import free_port
-from tests.test_cli import CACHES, SECRET, cli
 
 
 def base(**change):

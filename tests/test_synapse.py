@@ -9,9 +9,7 @@
 * Presets fill in Synapse's tables; streams held in its memory are refused.
 """
 
-import socket
 
-import psycopg2
 from twisted.internet import reactor
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
@@ -21,25 +19,17 @@ from replicator.storage.database import Database
 from replicator.streams.registry import StreamRegistry
 from tests.redis_nodes import Node
 from tests.servers import PostgresServer, RedisServer
-from tests.support import WatchedConsumer, until
-
-# Synapse's own cache invalidation table, as its schema creates it.
-SYNAPSE_CACHES_DDL = [
-    "CREATE SEQUENCE cache_invalidation_stream_seq",
-    "CREATE TABLE cache_invalidation_stream_by_instance (stream_id BIGINT NOT NULL, "
-    "instance_name TEXT NOT NULL, cache_func TEXT NOT NULL, keys TEXT[], "
-    "invalidation_ts BIGINT)",
-    "CREATE UNIQUE INDEX cache_invalidation_stream_by_instance_id "
-    "ON cache_invalidation_stream_by_instance(stream_id)",
-    "CREATE TABLE stream_positions (stream_name TEXT NOT NULL, instance_name TEXT NOT NULL, "
-    "stream_id BIGINT NOT NULL)",
-    "CREATE UNIQUE INDEX stream_positions_idx ON stream_positions(stream_name, instance_name)",
-]
-
-READER = {"name": "caches", "table": "cache_invalidation_stream_by_instance",
-          "sequence": "cache_invalidation_stream_seq",
-          "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"invalidation_ts": "bigint?"}],
-          "writers": ["master"]}
+from tests.support import WatchedConsumer, until, until_handled
+from tests.synapse_side import (
+    OWN,
+    READER,
+    SYNAPSE_CACHES_DDL,
+    SYNAPSE_EXPORT_DDL,
+    ChannelRecorder,
+    _pg,
+    redis_call,
+    tokens,
+)
 
 
 def instance_doc(**extra):
@@ -163,20 +153,6 @@ class PresetTests(SynchronousTestCase):
                        "streams[0].writers", "one writer")
 
 
-def _pg(dsn, statements=(), query=None):
-    conn = psycopg2.connect(dsn)
-    conn.autocommit = True
-    try:
-        cur = conn.cursor()
-        for s in statements:
-            cur.execute(s)
-        if query is not None:
-            cur.execute(query)
-            return cur.fetchall()
-    finally:
-        conn.close()
-
-
 SNAPSHOT = ("SELECT relname, relkind FROM pg_class c JOIN pg_namespace n "
             "ON n.oid = c.relnamespace WHERE n.nspname = 'public' ORDER BY 1")
 
@@ -272,58 +248,6 @@ class ReadOnlyStreamTests(TestCase):
         self.assertTrue({"app_stream", "app_stream_seq", "stream_positions"} <= names)
 
 
-# ------------------------------------------------------------------ redis
-def redis_call(port, *args):
-    """One command on a plain Redis connection; the raw reply."""
-    def bulk(s):
-        b = s.encode() if isinstance(s, str) else s
-        return b"$%d\r\n%s\r\n" % (len(b), b)
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"*%d\r\n" % len(args) + b"".join(bulk(a) for a in args))
-        return s.recv(65536)
-
-
-class ChannelRecorder:
-    """A plain Redis subscriber on one channel, as Synapse subscribes: keeps
-    every message published there."""
-
-    def __init__(self, port, channels):
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        parts = [b"SUBSCRIBE"] + [c.encode() for c in channels]
-        self.sock.sendall(b"*%d\r\n" % len(parts)
-                          + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts))
-        self.buffer = b""
-        self.sock.setblocking(False)
-
-    def messages(self):
-        try:
-            while True:
-                chunk = self.sock.recv(65536)
-                if not chunk:
-                    break
-                self.buffer += chunk
-        except BlockingIOError:
-            pass
-        # Good enough for tests: messages are "$n\r\n<payload>\r\n" after
-        # "message" and the channel name.
-        out = []
-        for part in self.buffer.split(b"$7\r\nmessage\r\n")[1:]:
-            lines = part.split(b"\r\n")
-            out.append((lines[1].decode(), lines[3].decode()))
-        return out
-
-    def close(self):
-        self.sock.close()
-
-
-OWN = {"name": "app_events", "table": "app_events", "columns": [{"body": "text"}],
-       "writers": ["app1"]}
-
-
-def tokens(consumer, stream, writer):
-    return [t for s, w, t, _ in consumer.facts if (s, w) == (stream, writer)]
-
-
 class SynapseChannelTests(TestCase):
     """Two replicator instances and a stand-in for Synapse's channel traffic."""
 
@@ -338,7 +262,7 @@ class SynapseChannelTests(TestCase):
         node = await Node(self, self.dsn, name, self.redis, consumer,
                           streams=parse_streams([OWN, READER]), server_name="example.org",
                           ping_timeout=2, synapse_server_name="example.org").start()
-        await until(lambda: node.link.connected, timeout=30)
+        await until_handled([node.link.handler], lambda: node.link.connected, timeout=30)
         return node.registry, node.link
 
     async def test_synapse_hears_nothing_from_us_and_we_hear_synapse(self):
@@ -458,27 +382,6 @@ class SynapseRowLayoutTests(TestCase):
                      b'RDATA caches m 1 ["f",["k"],true]\n'):  # bool for an int
             with self.assertRaises(AssertionError):
                 parse_like_synapse(line)
-
-
-# ------------------------------------------------- export of a preset stream
-#: Synapse's tables of four presets and its stream_positions, as its schema
-#: has them; Synapse names its persisted positions after its ID generators
-#: ("presence_stream", "push_rules_stream"), not always after the stream.
-SYNAPSE_EXPORT_DDL = SYNAPSE_CACHES_DDL + [
-    "CREATE SEQUENCE receipts_sequence",
-    "CREATE TABLE receipts_linearized (stream_id BIGINT NOT NULL, room_id TEXT NOT NULL, "
-    "receipt_type TEXT NOT NULL, user_id TEXT NOT NULL, event_id TEXT NOT NULL, "
-    "thread_id TEXT, event_stream_ordering BIGINT, data TEXT NOT NULL, instance_name TEXT)",
-    "CREATE SEQUENCE presence_stream_sequence",
-    "CREATE TABLE presence_stream (stream_id BIGINT, user_id TEXT, state TEXT, "
-    "last_active_ts BIGINT, last_federation_update_ts BIGINT, last_user_sync_ts BIGINT, "
-    "status_msg TEXT, currently_active BOOLEAN, instance_name TEXT)",
-    "CREATE SEQUENCE push_rules_stream_sequence",
-    "CREATE TABLE push_rules_stream (stream_id BIGINT NOT NULL, event_stream_ordering "
-    "BIGINT NOT NULL, user_id TEXT NOT NULL, rule_id TEXT NOT NULL, op TEXT NOT NULL, "
-    "priority_class SMALLINT, priority INTEGER, conditions TEXT, actions TEXT, "
-    "instance_name TEXT)",
-]
 
 
 class PresetExportBoundTests(TestCase):

@@ -24,10 +24,8 @@ from twisted.trial.unittest import TestCase
 
 from replicator.daemon import sdnotify
 from tests.servers import unavailable
+from tests.systemd_units import SERVICES, UNIT_DIR, UNITS, settings
 
-UNIT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "systemd")
-UNITS = ("replicator-master.service", "replicator-worker@.service", "replicator.target")
-SERVICES = UNITS[:2]
 INSTALLED_BINARY = "/opt/replicator/bin/replicator"
 
 # `systemd-analyze security --offline=true` on systemd 252 scores both
@@ -51,24 +49,9 @@ def _read(name: str) -> str:
         return f.read()
 
 
-def _settings(text: str, section: str) -> list:
-    """(key, value) pairs of one section, in order, duplicates kept."""
-    pairs, current = [], None
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line[0] in "#;":
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            current = line[1:-1]
-        elif current == section:
-            key, _, value = line.partition("=")
-            pairs.append((key.strip(), value.strip()))
-    return pairs
-
-
 def _values(text: str, section: str, key: str) -> list:
     """All values of ``key`` in ``section``, space-separated lists flattened."""
-    return [v for k, value in _settings(text, section) if k == key for v in value.split()]
+    return [v for k, value in settings(text, section) if k == key for v in value.split()]
 
 
 class UnitContentTests(TestCase):
@@ -77,7 +60,7 @@ class UnitContentTests(TestCase):
     def test_services(self):
         for name in SERVICES:
             text = _read(name)
-            service = dict(_settings(text, "Service"))
+            service = dict(settings(text, "Service"))
             self.assertEqual(service["Type"], "notify", name)
             self.assertEqual(service["NotifyAccess"], "main", name)
             self.assertNotIn("WatchdogSec", service, name)  # the daemon sends no WATCHDOG=1
@@ -91,7 +74,7 @@ class UnitContentTests(TestCase):
     def test_reload_checks_the_file_then_sends_sighup(self):
         for name, config in zip(SERVICES, ("/etc/replicator/master.yaml",
                                            "/etc/replicator/%i.yaml")):
-            reloads = [v for k, v in _settings(_read(name), "Service") if k == "ExecReload"]
+            reloads = [v for k, v in settings(_read(name), "Service") if k == "ExecReload"]
             self.assertEqual(reloads, [f"{INSTALLED_BINARY} check -c {config}",
                                        "/bin/kill -HUP $MAINPID"], name)
 

@@ -30,8 +30,8 @@ from replicator.replication.wire.commands import parse_line
 from tests.fakes import FakeView
 from tests.redis_nodes import Node
 from tests.servers import PostgresServer, RedisServer
-from tests.support import WatchedConsumer, until
-from tests.test_synapse import (
+from tests.support import WatchedConsumer, until, until_handled
+from tests.synapse_side import (
     OWN,
     READER,
     SYNAPSE_CACHES_DDL,
@@ -178,7 +178,8 @@ class UndeclaredSynapseTests(TestCase):
         c1, c2 = MemoryConsumer(), WatchedConsumer()
         r1, link1 = await self.node("app1", c1)
         _, link2 = await self.node("app2", c2)
-        await until(lambda: link1.connected and link2.connected, timeout=30)
+        await until_handled([link1.handler, link2.handler],
+                            lambda: link1.connected and link2.connected, timeout=30)
         for i in range(3):
             await r1.get("app_events").write_fact([[f"m{i}"]])
         await c2.until(lambda: len(tokens(c2, "app_events", "app1")) == 3)
@@ -220,7 +221,7 @@ class UndeclaredSynapseTests(TestCase):
         before = await self.marker("synapse-up")
         c1 = MemoryConsumer()
         r1, link1 = await self.node("app1", c1)
-        await until(lambda: link1.connected, timeout=30)
+        await until_handled([link1.handler], lambda: link1.connected, timeout=30)
         await until(lambda: heard_synapse(link1), timeout=30)
         await r1.get("app_events").write_fact([["m0"]])
         await self.marker("after")

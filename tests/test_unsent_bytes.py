@@ -18,7 +18,7 @@ from twisted.internet import defer, endpoints, protocol, reactor, task
 from twisted.trial.unittest import TestCase
 
 from replicator.net.twisted_private import unsent_bytes
-from tests.test_tls import make_pki
+from tests.pki import make_pki
 
 #: What the sender writes: far more than two kernel socket buffers hold.
 WRITTEN = 24 * 1024 * 1024

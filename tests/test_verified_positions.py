@@ -465,7 +465,7 @@ class KeptFindingTests(SynchronousTestCase):
         from replicator.consumers import MemoryConsumer
         from replicator.replication.core.audit import Mismatch
         from tests.harness import Harness
-        from tests.test_handler import STREAMS
+        from tests.stream_sets import HANDLER_STREAMS as STREAMS
 
         h = Harness(STREAMS, self.addCleanup)
         key = ("caches", "worker1")

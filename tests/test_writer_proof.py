@@ -27,7 +27,7 @@ from replicator.replication.transport.protocol import ClientReplicationProtocol
 from replicator.replication.transport.tcp import ReplicationServerFactory
 from tests.handlers import MasterHandler, RecordingHandler
 from tests.harness import Harness
-from tests.test_protocol import T0
+from tests.support import T0
 
 SECRET = "worker1-secret-0123456789abcdef"
 POLICY = PeerPolicy(reserved=frozenset({"master"}), writer_secrets={"worker1": SECRET})

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from replicator.config import parse_streams
 from replicator.jsontext import encode_json_line
 from replicator.replication.core.fanout import Fanout
 from replicator.replication.wire.encoding import (
@@ -27,11 +26,7 @@ from replicator.replication.wire.encoding import (
 from replicator.streams.recent import EncodedPage, RecentFacts
 from replicator.streams.rows import RowCodec, RowError
 from tests.harness import Harness, lines
-
-STREAMS = parse_streams([{
-    "name": "caches", "table": "cache_invalidations", "writers": ["master"],
-    "columns": [{"cache_func": "text"}, {"keys": "json?"}, {"invalidation_ts": "bigint"}],
-}])
+from tests.stream_sets import WRITTEN_STREAMS as STREAMS
 
 _scalars = st.one_of(
     st.none(), st.booleans(),

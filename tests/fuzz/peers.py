@@ -259,7 +259,7 @@ def tls_identity(directory, dsn, result) -> None:
     and a certificate of another CA are all refused."""
     import ssl
 
-    from tests.test_tls import make_pki
+    from tests.pki import make_pki
 
     pki_dir = os.path.join(directory, "pki")
     os.makedirs(pki_dir)
