@@ -39,7 +39,7 @@ from zope.interface import implementer
 from ..answers import HttpError, Response, excerpt
 from .auth import ReadGrant
 from .book import client_host
-from .pages import Page, etag, fact_json, matches
+from .pages import Page, etag, fact_json, unless_cached
 from .params import ParameterError, TrimmedError, one
 from .source import Readable
 from .tokens import MAX_POSITION, Positions
@@ -311,15 +311,8 @@ class DurableRoutes(Generic[S]):
             headers[b"stream-up-to-date"] = b"true"
         if now:
             return Response(body, self.content_type(stream), headers)
-        tag = etag(b"%d:%d:" % (start, end_of(page)) + body)
-        headers[b"etag"] = tag
-        if matches(request.getHeader(b"if-none-match"), tag):
-            request.setResponseCode(304)
-            for k, v in headers.items():
-                request.setHeader(k, v)
-            request.finish()
-            return None
-        return Response(body, self.content_type(stream), headers)
+        headers[b"etag"] = etag(b"%d:%d:" % (start, end_of(page)) + body)
+        return unless_cached(request, body, self.content_type(stream), headers)
 
     # ---------------------------------------------------------------- SSE
     async def _sse(self, request: Request, reader: ReadGrant, stream: S, start: int,

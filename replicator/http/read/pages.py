@@ -36,9 +36,12 @@ from twisted.internet import threads
 
 from ...jsontext import kept
 from ...streams.stream import Stream
+from ..answers import Response
 from .tokens import Positions, encode
 
 if TYPE_CHECKING:  # formats encodes with this module's functions
+    from twisted.web.http import Request
+
     from .formats import PageFormat
 
 #: A fact as a page holds it: ``(stream_id, writer, rows, json)``, ``json``
@@ -262,6 +265,19 @@ def unencoded_rows(page: Page) -> int:
 def etag(body: bytes) -> bytes:
     """A strong entity tag of a page's body."""
     return b'"' + hashlib.sha256(body).hexdigest()[:40].encode("ascii") + b'"'
+
+
+def unless_cached(request: "Request", body: bytes, content_type: bytes,
+                  headers: dict[bytes, bytes]) -> Response | None:
+    """``body`` as the answer, or (None) a 304 with ``headers`` written on
+    ``request`` when its ``If-None-Match`` names ``headers``' ETag."""
+    if matches(request.getHeader(b"if-none-match"), headers[b"etag"]):
+        request.setResponseCode(304)
+        for k, v in headers.items():
+            request.setHeader(k, v)
+        request.finish()
+        return None
+    return Response(body, content_type, headers)
 
 
 def matches(if_none_match: bytes | None, tag: bytes) -> bool:

@@ -31,7 +31,7 @@ from .auth import ReaderAuth, ReadGrant
 from .book import ReaderBook, Slots, client_host
 from .builds import PageBuilds
 from .live import LiveFeed
-from .pages import THREAD_ENCODE_ROWS, Page, etag, matches, read_page, unencoded_rows
+from .pages import THREAD_ENCODE_ROWS, Page, etag, read_page, unencoded_rows, unless_cached
 from .params import ParameterError, TrimmedError, limit_of, one, positions_of, wait_of
 from .persisted import PersistedLinear
 from .source import Readable
@@ -304,15 +304,8 @@ class ReadRoutes:
             body = form.body(stream.name, columns, page)
         if not page.final:
             return Response(body, form.media_type, {b"cache-control": NEWEST, **VARY})
-        tag = etag(body)
-        headers = {b"cache-control": IMMUTABLE, b"etag": tag, **VARY}
-        if matches(request.getHeader(b"if-none-match"), tag):
-            request.setResponseCode(304)
-            for k, v in headers.items():
-                request.setHeader(k, v)
-            request.finish()
-            return None
-        return Response(body, form.media_type, headers)
+        headers = {b"cache-control": IMMUTABLE, b"etag": etag(body), **VARY}
+        return unless_cached(request, body, form.media_type, headers)
 
     # ------------------------------------------------------------ events
     async def events(self, request: Request, name: str | None) -> Response | None:
