@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from twisted.logger import globalLogPublisher
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from replicator import cli
@@ -47,7 +47,7 @@ class LoopbackWarningTests(SynchronousTestCase):
         globalLogPublisher.addObserver(events.append)
         self.addCleanup(globalLogPublisher.removeObserver, events.append)
         Instance._warn_exposed(endpoint, "replication")
-        return [e for e in events if "plaintext" in e.get("log_format", "")]
+        return [e for e in events if "plaintext" in formatEvent(e)]
 
     def test_loopback_listeners_are_quiet(self):
         for endpoint in ("tcp:9092:interface=127.0.0.1", r"tcp6:9092:interface=\:\:1",
