@@ -3,7 +3,8 @@
 ``N passed, N failed`` (plus ``, N skipped``).  Exit status is trial's.
 
 Arguments, if any, name test modules/packages (default: ``tests``);
-``--fast`` runs the in-memory tests that ``tests/fast.txt`` lists.
+``--fast`` runs the in-memory tests that ``tests/fast.txt`` lists, one
+trial worker per core (they share no server, port or file).
 """
 import os
 import re
@@ -13,13 +14,15 @@ import sys
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(here)
 targets = sys.argv[1:] or ["tests"]
+jobs: list[str] = []
 if targets == ["--fast"]:
+    jobs = ["-j", str(os.cpu_count() or 1)]
     with open(os.path.join(root, "tests", "fast.txt")) as listed:
         targets = [line.strip() for line in listed
                    if line.strip() and not line.startswith("#")]
 env = dict(os.environ, PYTHONUNBUFFERED="1", SPARK_LOCAL_IP="127.0.0.1")
 proc = subprocess.Popen(
-    [sys.executable, "-m", "twisted.trial", "--temp-directory", "_trial_temp", *targets],
+    [sys.executable, "-m", "twisted.trial", "--temp-directory", "_trial_temp", *jobs, *targets],
     cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
 )
 last = ""
