@@ -30,6 +30,7 @@ from ..net.endpoint_strings import exposure
 from ..observe import metrics
 from ..observe.health import HealthMonitor
 from ..observe.instance_metrics import InstanceMetrics
+from ..observe.reactor_watch import ReactorWatch
 from ..observe.roles import has_replication_link, role
 from ..observe.writers import clock_time, duration, writer_watch
 from ..replication.core.handler import ReplicationHandler
@@ -144,6 +145,8 @@ class Instance:
             max_queued_bytes=rep.max_queued_bytes, idle_timeout=rep.idle_timeout,
         )
         self.services = MultiService()
+        # From the first step of the start to the last of the stop.
+        self.reactor_watch = ReactorWatch(reactor)
         self.listeners: list[ListeningService] = []
         # What must bind for the start to succeed.
         self._binding: list[ListeningService | MetricsThread] = []
@@ -224,6 +227,7 @@ class Instance:
     async def start(self) -> None:
         config = self.config
         started = self.reactor.seconds()
+        self.reactor_watch.startService()
         files.warn_if_exposed(config.http.secret_file, "http.secret_file")
         await self._check_database()
         try:
@@ -550,4 +554,6 @@ class Instance:
         if self.live_metrics is not None:
             metrics.remove_source(self.live_metrics)
         self.db.close()
+        if self.reactor_watch.running:
+            self.reactor_watch.stopService()
         said("instance {name} stopped", name=self.config.instance_name)
