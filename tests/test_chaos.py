@@ -3,6 +3,7 @@ schedules, and a short seeded slice of real runs (the full suite is
 ``make chaos``), including one with a planted defect that must be caught."""
 
 import asyncio
+import os
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -284,6 +285,26 @@ class ProxyTests(SynchronousTestCase):
             writer.close()
         self.run_async(body)
 
+    def test_the_quiescence_check_leaves_the_proxy_forwarding(self):
+        # At a million facts a round of the check is tens of seconds of
+        # CPU; the replication links pass through proxies on the same
+        # event loop, and must go on meanwhile.
+        from tests.chaos.run import wait_quiescent
+
+        gate = os.path.join(self.mktemp())
+
+        async def body(proxy):
+            check = asyncio.ensure_future(wait_quiescent({}, gate, 5, states=states_once_told))
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"ping\n")
+            self.assertEqual(await reader.readline(), b"ping\n")
+            self.assertFalse(check.done())  # (the round is still waiting)
+            with open(gate, "w"):
+                pass
+            self.assertTrue(await check)
+            writer.close()
+        self.run_async(body)
+
     def test_stall_holds_bytes_until_it_ends(self):
         async def body(proxy):
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
@@ -364,3 +385,75 @@ class ProxyTests(SynchronousTestCase):
                 await proxy.close()
                 server.close()
         asyncio.run(main())
+
+
+def states_once_told(gate: str, readers) -> set:
+    """A round of the quiescence check that lasts until ``gate`` exists
+    (in the check's own process), or gives up after 10 s."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            return {"gave up"}
+        time.sleep(0.01)
+    return {"match"}
+
+
+class ObserverSnapshotTests(SynchronousTestCase):
+    """The observer reads, at each poll, only rows committed since its last
+    read of the table, whatever their IDs (real PostgreSQL)."""
+
+    def setUp(self):
+        import psycopg2
+
+        from tests.servers import PostgresServer
+
+        self.dsn = PostgresServer.shared().create_database("observer")
+        conn = psycopg2.connect(self.dsn)
+        conn.autocommit = True
+        cur = conn.cursor()
+        cur.execute("CREATE TABLE stream_positions (stream_name text, instance_name text, "
+                    "stream_id bigint)")
+        cur.execute("CREATE TABLE cache_invalidation_stream (stream_id bigint, "
+                    "instance_name text, cache_func text, keys json, invalidation_ts bigint)")
+        cur.execute("CREATE TABLE account_data_stream (stream_id bigint, user_id text, "
+                    "room_id text, data_type text)")
+        self.conns = [conn]
+        self.addCleanup(lambda: [c.close() for c in self.conns])
+
+    def connection(self, autocommit=True):
+        import psycopg2
+
+        conn = psycopg2.connect(self.dsn)
+        conn.autocommit = autocommit
+        self.conns.append(conn)
+        return conn
+
+    def insert(self, conn, stream_id, writer="master"):
+        conn.cursor().execute(
+            "INSERT INTO cache_invalidation_stream VALUES (%s, %s, 'f', NULL, 0)",
+            (stream_id, writer))
+
+    def test_each_row_once_in_commit_order(self):
+        from tests.chaos.observer import Observer
+
+        observer = Observer(self.dsn, {})
+        self.addCleanup(observer.close)
+        now = self.connection()
+        self.insert(now, 1)
+        self.assertEqual(observer._snapshot()[2], {("caches", "master"): [1]})
+        held = self.connection(autocommit=False)
+        self.insert(held, 2)  # committed later than 3
+        self.insert(now, 3, "worker1")
+        self.insert(now, 4)
+        self.assertEqual(observer._snapshot()[2],
+                         {("caches", "master"): [4], ("caches", "worker1"): [3]})
+        held.commit()
+        self.assertEqual(observer._snapshot()[2], {("caches", "master"): [2]})
+        self.assertEqual(observer._snapshot()[2], {})
+        rolled_back = self.connection(autocommit=False)
+        self.insert(rolled_back, 5)
+        rolled_back.rollback()
+        now.cursor().execute("INSERT INTO account_data_stream VALUES (6, 'u', NULL, 't')")
+        self.assertEqual(observer._snapshot()[2], {("account_data", "worker2"): [6]})

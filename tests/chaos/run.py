@@ -117,6 +117,23 @@ def read_table(dsn: str) -> dict[tuple, dict[int, list]]:
         conn.close()
 
 
+def read_last_facts(dsn: str) -> dict[str, int]:
+    """Each stream's largest fact ID (0 for an empty table)."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn, connect_timeout=5)
+    try:
+        cur = conn.cursor()
+        last = {}
+        for stream in STREAMS:
+            table = TABLES[stream["name"]][0]
+            cur.execute(f"SELECT coalesce(max(stream_id), 0) FROM {table}")
+            last[stream["name"]] = cur.fetchone()[0]
+        return last
+    finally:
+        conn.close()
+
+
 def read_jsonl(path: str) -> list[dict]:
     """Every complete line of a consumer file (a partial last line is ignored)."""
     out = []
@@ -130,11 +147,11 @@ def read_jsonl(path: str) -> list[dict]:
     return out
 
 
-def caught_up(instance: Instance, table) -> str:
+def caught_up(name: str, facts_path: str, streams: list[dict], table) -> str:
     """``"match"``: the consumer file holds exactly the table's facts;
     ``"passed"``: it differs, but its position of every key is at or past
     the table's last fact (what is missing is never coming); else ``""``."""
-    lines = read_jsonl(instance.facts_path)
+    lines = read_jsonl(facts_path)
     delivered = checker.file_facts(lines)
     positions: dict[tuple, int] = {}
     for entry in lines:
@@ -142,7 +159,7 @@ def caught_up(instance: Instance, table) -> str:
         token = entry.get("token", entry.get("position", 0))
         positions[key] = max(positions.get(key, 0), token)
     state = "match"
-    for key in read_keys(instance.name, instance.config["streams"]):
+    for key in read_keys(name, streams):
         want = {t: checker.canonical(rows) for t, rows in table.get(key, {}).items()}
         got = {t: checker.canonical(rows) for t, rows in delivered.get(key, [])}
         if want != got:
@@ -150,6 +167,47 @@ def caught_up(instance: Instance, table) -> str:
                 return ""
             state = "passed"
     return state
+
+
+def quiescence_states(dsn: str, readers: list[tuple[str, str, list[dict]]]) -> set[str]:
+    """:func:`caught_up` of every ``(name, facts path, streams)`` against
+    the tables as they are now.  Run in a process of its own
+    (:func:`wait_quiescent`): at a million facts one round is tens of
+    seconds of CPU, and on the run's event loop it would stop the proxies
+    of every replication link meanwhile (links timed out for silence, and
+    the readers fell behind, because of the check)."""
+    table = read_table(dsn)
+    return {caught_up(name, path, streams, table) for name, path, streams in readers}
+
+
+async def wait_quiescent(instances: dict[str, Instance], dsn: str, timeout: float,
+                         states=quiescence_states) -> bool:
+    """Until every reader's file holds the tables' facts, or every reader
+    is past the end for five rounds in a row (the rest is not coming), or
+    ``timeout``; whether it got there.  Each round runs ``states`` in a
+    process of its own, so the run's event loop (the proxies, the
+    observer) goes on meanwhile."""
+    import concurrent.futures
+    import multiprocessing
+
+    readers = [(i.name, i.facts_path, i.config["streams"]) for i in instances.values()]
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    passed = 0
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        while time.monotonic() - started < timeout:
+            try:
+                found = await loop.run_in_executor(pool, states, dsn, readers)
+            except Exception:
+                found = {""}
+            if found == {"match"}:
+                return True
+            passed = passed + 1 if "" not in found else 0
+            if passed >= 5:
+                return True
+            await asyncio.sleep(1.0)
+    return False
 
 
 def git_commit() -> str:
@@ -200,15 +258,12 @@ async def wait_unfrozen(instances: dict[str, Instance], dsn: str, streams: list[
     while True:
         v = checker.Violations()
         try:
-            table = await asyncio.to_thread(read_table, dsn)
+            last = await asyncio.to_thread(read_last_facts, dsn)
             persisted = await asyncio.to_thread(read_positions, dsn)
         except Exception as e:
-            table, persisted = None, {}
+            last, persisted = None, {}
             v.add("frozen", f"tables not readable: {type(e).__name__}: {e}")
-        if table is not None:
-            last = {}
-            for (stream, _), facts in table.items():
-                last[stream] = max([last.get(stream, 0), *facts])
+        if last is not None:
             linear = {}
             for instance in instances.values():
                 for stream in writers:
@@ -351,22 +406,7 @@ async def run_once(scenario: str, transport: str, seed: int, duration: float = 3
         await asyncio.gather(*writer_tasks)
 
         quiet_started = time.monotonic()
-        quiescent = False
-        passed = 0
-        while time.monotonic() - quiet_started < quiescence_timeout:
-            try:
-                table = await asyncio.to_thread(read_table, dsn)
-                states = {caught_up(i, table) for i in instances.values()}
-            except Exception:
-                states = {""}
-            if states == {"match"}:
-                quiescent = True
-                break
-            passed = passed + 1 if "" not in states else 0
-            if passed >= 5:  # every reader is past the end: the rest is not coming
-                quiescent = True
-                break
-            await asyncio.sleep(1.0)
+        quiescent = await wait_quiescent(instances, dsn, quiescence_timeout)
         quiescence_s = time.monotonic() - quiet_started
         say(f"  quiescent={quiescent} after {quiescence_s:.1f}s")
         frozen = await wait_unfrozen(instances, dsn, streams)
