@@ -126,6 +126,23 @@ class ForeignWriterTests(_Daemons):
             [held_id, held_id + 1] + later))
         wait_for(lambda: not self.held_texts(), 60, "the holder gone from /health")
 
+    def test_only_a_transactions_first_row_calls_the_fence(self):
+        # The default checks the transaction's setting itself: a row after
+        # the first is a nextval, not a PL/pgSQL call.
+        conn = self.connect()
+        cur = conn.cursor()
+        cur.execute("SET LOCAL track_functions = 'pl'")
+        ids = [self.plain_insert(conn, f"row-{i}") for i in range(5)]
+        cur.execute("SELECT calls FROM pg_stat_xact_user_functions "
+                    "WHERE funcname = 'orders_stream_fenced_id'")
+        self.assertEqual(cur.fetchall(), [(1,)])
+        self.assertEqual(ids, list(range(ids[0], ids[0] + 5)))
+        cur.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND pid = pg_backend_pid()")
+        self.assertEqual(cur.fetchone()[0], 3)  # the stream's, and the first ID's two
+        conn.commit()
+        self.assert_delivered_is_table()
+
     def test_a_rolled_back_plain_sql_transaction_stalls_nothing_once_it_ends(self):
         held = self.connect()
         held_id = self.plain_insert(held, "rolled back")

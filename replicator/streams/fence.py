@@ -13,7 +13,9 @@ readers skip it.  The fence makes every such transaction visible at once:
   (``high``: its bits 31 and up, ``low``: its 31 low bits; an advisory
   lock has 64 bits of key, the stream's name and a 63-bit ID do not fit in
   one).  A transaction-local setting skips all of it for the later rows
-  of the same transaction (their IDs are larger: the first is its least);
+  of the same transaction (their IDs are larger: the first is its least):
+  the default (:func:`default_expression`) checks it and calls the
+  sequence itself, so those rows make no function call;
 * the instance that writes the stream reads, every ``POLL`` seconds, the
   sequence's last value ``S`` and *then* the holders of those locks
   (``pg_locks``, which shows a lock the moment it is granted, while the
@@ -129,6 +131,24 @@ END
 $fence$"""
 
 
+def default_expression(config: StreamConfig) -> str:
+    """The ID column's default: the sequence straight away once this
+    transaction holds the fence (its setting says so), else the function.
+    The check is the executor's, per row: a PL/pgSQL call per row cost
+    100-row transactions 14% of their rate."""
+    return (f"CASE WHEN current_setting('{setting_name(config)}', true) = '1' "
+            f"THEN nextval('{config.sequence}'::regclass) ELSE {function_name(config)}() END")
+
+
+def _is_default(expression: str | None, config: StreamConfig) -> bool:
+    """Whether ``expression`` (as PostgreSQL shows a default) is
+    :func:`default_expression`'s (PostgreSQL adds casts and brackets)."""
+    return expression is not None and all(
+        part in expression for part in (
+            f"{function_name(config).lower()}()", f"'{setting_name(config)}'",
+            "current_setting(", f"nextval('{config.sequence.lower()}'"))
+
+
 def install(txn: Any, config: StreamConfig, key: str) -> None:
     """The fence on the stream's table (pool thread, at start of its first
     writer): the function, the ID column's default, and in a table with a
@@ -154,10 +174,9 @@ def install(txn: Any, config: StreamConfig, key: str) -> None:
     # An ALTER TABLE waits for every open transaction on the table (and
     # holds up the ones after it): made only when the default differs.
     defaults = _defaults(txn, config.table)
-    wanted = f"{function_name(config).lower()}()"
-    if defaults.get(config.id_column.lower()) != wanted:
+    if not _is_default(defaults.get(config.id_column.lower()), config):
         txn.execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.id_column} "
-                    f"SET DEFAULT {function_name(config)}()")
+                    f"SET DEFAULT {default_expression(config)}")
     if config.writer_column and defaults.get(config.writer_column.lower()) != \
             f"'{config.writers[0]}'::text":
         txn.execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.writer_column} "
