@@ -115,6 +115,31 @@ class WatchInMemoryTests(unittest.TestCase):
         self.assertIn(" held_here < ", text)
 
 
+class DescribeTests(unittest.TestCase):
+    def test_the_import_machinery_is_one_entry(self):
+        # A module run on first use: its own frame, then the import
+        # machinery's, then the code that imported it.
+        import importlib
+        import os
+        import tempfile
+
+        directory = tempfile.mkdtemp()
+        self.addCleanup(lambda: __import__("shutil").rmtree(directory))
+        with open(os.path.join(directory, "imported_on_the_reactor.py"), "w") as f:
+            f.write("import sys\nfrom replicator.observe.reactor_watch import describe\n"
+                    "TEXT = describe(sys._getframe())\n")
+        sys.path.insert(0, directory)
+        self.addCleanup(sys.path.remove, directory)
+        self.addCleanup(sys.modules.pop, "imported_on_the_reactor", None)
+        text = importlib.import_module("imported_on_the_reactor").TEXT
+        parts = text.split(" < ")
+        self.assertTrue(parts[0].startswith("imported_on_the_reactor.py:3 <module>"), text)
+        self.assertEqual(parts[1], "(import)", text)
+        self.assertEqual(parts[2].split(" ")[1], "import_module", text)
+        self.assertIn("test_the_import_machinery_is_one_entry", parts[3])
+        self.assertNotIn("frozen", text)
+
+
 class WatchOnTheReactorTests(unittest.TestCase):
     """The real thread, the real reactor, a call that holds it."""
 

@@ -162,9 +162,20 @@ BLOCKED_NOW = Gauge(
 
 def describe(frame: FrameType) -> str:
     """A stack as one line, innermost call first: ``file:line function``,
-    paths from the package or library directory they belong to."""
-    entries = traceback.extract_stack(frame)[-FRAMES:]
-    return " < ".join(f"{_short(e.filename)}:{e.lineno} {e.name}" for e in reversed(entries))
+    paths from the package or library directory they belong to.  The
+    import machinery's own frames (a module compiled and run on first
+    use) are one ``(import)``, so the frames that name what was imported,
+    and who asked, are the ones shown."""
+    entries: list[str] = []
+    for e in reversed(traceback.extract_stack(frame)):
+        if e.filename.startswith("<frozen importlib"):
+            if not entries or entries[-1] != "(import)":
+                entries.append("(import)")
+            continue
+        entries.append(f"{_short(e.filename)}:{e.lineno} {e.name}")
+        if len(entries) >= FRAMES:
+            break
+    return " < ".join(entries)
 
 
 def _short(path: str) -> str:
