@@ -47,14 +47,19 @@ class WatchInMemoryTests(unittest.TestCase):
         return [e for e in self.log.events
                 if e.get("log_namespace") == "replicator.observe.reactor_watch"]
 
+    def looks(self, count: int, step: float = 0.25) -> None:
+        """The thread's ``count`` looks, ``step`` seconds apart, with no beat."""
+        for _ in range(count):
+            slept = self.clock.now
+            self.clock.now += step
+            self.watch.look(slept)
+
     def test_interface(self) -> None:
         verifyObject(IService, self.watch)
 
     def test_a_turning_reactor_says_nothing(self) -> None:
         for _ in range(20):
-            slept = self.clock.now
-            self.clock.now += 0.25
-            self.watch.look(slept)
+            self.looks(1)
             self.watch.beat()
         self.assertEqual(self.warnings(), [])
         self.assertEqual(self.watch.blocked_for(), 0.0)
@@ -62,10 +67,7 @@ class WatchInMemoryTests(unittest.TestCase):
     def test_a_held_reactor_is_reported_once_with_where(self) -> None:
         self.watch.beat()
         # The reactor does not beat for 3.5 s; the thread looks every 0.25 s.
-        for _ in range(14):
-            slept = self.clock.now
-            self.clock.now += 0.25
-            self.watch.look(slept)
+        self.looks(14)
         self.assertAlmostEqual(self.watch.blocked_for(), 3.25)
         self.clock.now += 0.01
         self.watch.beat()
@@ -79,32 +81,22 @@ class WatchInMemoryTests(unittest.TestCase):
 
     def test_a_short_hold_is_no_stall(self) -> None:
         self.watch.beat()
-        for _ in range(3):
-            slept = self.clock.now
-            self.clock.now += 0.25
-            self.watch.look(slept)
+        self.looks(3)
         self.watch.beat()
         self.assertEqual(self.warnings(), [])
 
     def test_a_stopped_process_is_no_stall(self) -> None:
         # SIGSTOP for 30 s: the thread's own sleep overran as much.
         self.watch.beat()
-        slept = self.clock.now
-        self.clock.now += 30.0
-        self.watch.look(slept)
-        slept = self.clock.now
-        self.clock.now += 0.25
-        self.watch.look(slept)
+        self.looks(1, step=30.0)
+        self.looks(1)
         self.watch.beat()
         self.assertEqual(self.warnings(), [])
 
     def test_stalls_one_after_another_are_each_reported(self) -> None:
         for _ in range(2):
             self.watch.beat()
-            for _ in range(6):
-                slept = self.clock.now
-                self.clock.now += 0.25
-                self.watch.look(slept)
+            self.looks(6)
             self.watch.beat()
         self.assertEqual(len(self.warnings()), 2)
 
