@@ -14,7 +14,7 @@ fence costs them, and how soon their facts reach a worker.
     The target: a ratio of at least 0.9.
 ``foreign.insert_rows_per_s`` (baseline: the same without the fence)
     The same with ``BATCH`` rows per transaction (the fence is taken once
-    per transaction; each later row costs the function's check of its
+    per transaction; each later row costs the default's check of its
     transaction-local setting).
 ``foreign.delivery.p99_ms`` (no baseline)
     Then two ``replicator run`` processes: a master that writes the stream
@@ -54,14 +54,15 @@ STREAM = {"name": "orders", "table": "orders_stream", "columns": [{"item": "text
 
 
 def _default(dsn, fenced):
-    """The table's ID default: the fence's function, or a plain ``nextval``."""
+    """The table's ID default: the fence's (what the start installs), or a
+    plain ``nextval``."""
     import psycopg2
 
     from replicator.config.streams import parse_stream
-    from replicator.streams.fence import function_name
+    from replicator.streams.fence import default_expression
 
     config = parse_stream(STREAM, "streams[0]")
-    default = f"{function_name(config)}()" if fenced else f"nextval('{config.sequence}')"
+    default = default_expression(config) if fenced else f"nextval('{config.sequence}')"
     conn = psycopg2.connect(dsn)
     conn.autocommit = True
     conn.cursor().execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.id_column} "
