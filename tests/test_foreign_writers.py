@@ -12,7 +12,9 @@ exactly the table's facts, in ID order, each once (no audit finding).
 """
 
 import json
+import io
 import os
+import signal
 
 import psycopg2
 from twisted.trial.unittest import SynchronousTestCase
@@ -67,10 +69,19 @@ class _Daemons(SynchronousTestCase):
         return json.loads(body)["stream_id"]
 
     def table(self):
-        conn = self.connect("check")
-        cur = conn.cursor()
-        cur.execute("SELECT stream_id, item FROM orders_stream ORDER BY stream_id")
-        return [(i, [[item]]) for i, item in cur.fetchall()]
+        conn = psycopg2.connect(self.dsn, application_name="check")
+        try:
+            cur = conn.cursor()
+            cur.execute("SELECT stream_id, item FROM orders_stream ORDER BY stream_id, ctid")
+            facts: list = []
+            for i, item in cur.fetchall():
+                if facts and facts[-1][0] == i:
+                    facts[-1][1].append([item])
+                else:
+                    facts.append((i, [[item]]))
+            return facts
+        finally:
+            conn.close()
 
     def delivered(self):
         return jsonl_facts(self.file).get(("orders", "master"), [])
@@ -142,6 +153,61 @@ class ForeignWriterTests(_Daemons):
         self.assertEqual(cur.fetchone()[0], 3)  # the stream's, and the first ID's two
         conn.commit()
         self.assert_delivered_is_table()
+
+    def refused(self, statement, args=(), before=None):
+        """``statement`` fails at the insert, in a transaction of its own
+        (after ``before``, if given), with the fence's check."""
+        conn = self.connect()
+        cur = conn.cursor()
+        if before:
+            cur.execute(before)
+        with self.assertRaises(psycopg2.errors.CheckViolation) as caught:
+            cur.execute(statement, args)
+        conn.rollback()
+        return str(caught.exception)
+
+    def test_rows_whose_ids_did_not_come_through_the_fence_are_refused(self):
+        # Each of these was a fact the readers skipped in silence: nothing
+        # held its commit back.
+        text = self.refused("INSERT INTO orders_stream (stream_id, item) "
+                            "VALUES (nextval('orders_stream_seq'), 'by hand')")
+        self.assertIn("must take stream_id from the column default", text)
+        self.refused("INSERT INTO orders_stream (stream_id, item) VALUES (999999, 'ahead')")
+        self.refused("INSERT INTO orders_stream (stream_id, item) SELECT "
+                     "nextval('orders_stream_seq'), 'x' FROM generate_series(1, 3)")
+        # In a transaction that took a fenced ID: below it, or beyond it.
+        conn = self.connect()
+        first = self.plain_insert(conn, "first")
+        conn.rollback()
+        text = self.refused("INSERT INTO orders_stream (stream_id, item) VALUES (%s, 'below')",
+                            (first,), before="INSERT INTO orders_stream (item) VALUES ('x')")
+        self.assertIn("the fence did not give it", text)
+        self.refused("INSERT INTO orders_stream (stream_id, item) VALUES "
+                     "(currval('orders_stream_seq') + 5, 'beyond')",
+                     before="INSERT INTO orders_stream (item) VALUES ('x')")
+        # Another writer's name: no fence speaks for it.
+        self.refused("INSERT INTO orders_stream (item, instance_name) VALUES ('x', 'worker1')")
+        # A default changed by hand to a plain nextval.
+        admin = self.connect("admin")
+        admin.autocommit = True
+        admin.cursor().execute("ALTER TABLE orders_stream ALTER COLUMN stream_id "
+                               "SET DEFAULT nextval('orders_stream_seq')")
+        self.refused("INSERT INTO orders_stream (item) VALUES ('plain default')")
+        self.master.kill(signal.SIGTERM)  # its start puts the fence's default back
+        self.master.proc.wait(60)
+        self.master.start()
+        wait_for(lambda: http(self.worker.http_base + "/health")[0] == 200, 60, "relinked")
+        # What a fact of several rows does is allowed: later rows repeat the
+        # ID the transaction's first row took, or take more from the default.
+        conn = self.connect()
+        fact = self.plain_insert(conn, "row-1")
+        cur = conn.cursor()
+        cur.execute("INSERT INTO orders_stream (stream_id, item) VALUES (%s, 'row-2')", (fact,))
+        cur.copy_expert("COPY orders_stream (item) FROM STDIN", io.StringIO("copied\n"))
+        conn.commit()
+        self.assert_delivered_is_table()
+        self.assertEqual([rows for t, rows in self.delivered() if t == fact],
+                         [[["row-1"], ["row-2"]]])
 
     def test_a_rolled_back_plain_sql_transaction_stalls_nothing_once_it_ends(self):
         held = self.connect()

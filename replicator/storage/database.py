@@ -36,10 +36,21 @@ def _sqlite_open(conn: RawConnection) -> None:
     conn.execute("PRAGMA busy_timeout=5000")
 
 
+#: A setting every connection of the pool carries (session-wide): its
+#: inserts are replicator's own, which give their IDs themselves.  The
+#: plain-SQL writers' fence refuses rows whose IDs did not come from it
+#: unless the session says this (:mod:`..streams.fence`).
+OWN_WRITES_SETTING = "replicator.own_writes"
+
+
 def _postgres_open(conn: RawConnection) -> None:
     # Stream writes are short transactions; READ COMMITTED is what the
     # position bookkeeping assumes.
     conn.set_session(isolation_level="READ COMMITTED")
+    cur = conn.cursor()
+    cur.execute(f"SET {OWN_WRITES_SETTING} = 'on'")
+    cur.close()
+    conn.commit()
 
 
 class _PooledConnection(adbapi.Connection):

@@ -62,6 +62,7 @@ from twisted.logger import Logger
 from ..config import StreamConfig
 from ..net.backoff import Outage
 from ..storage import schema
+from ..storage.database import OWN_WRITES_SETTING
 
 log = Logger()
 
@@ -111,7 +112,7 @@ DECLARE
     id bigint;
     flag text;
 BEGIN
-    IF current_setting('{flag}', true) = '1' THEN
+    IF current_setting('{flag}', true) <> '' THEN
         RETURN nextval('{seq}'::regclass);
     END IF;
     -- Expressions, not PERFORM (a query each): a shared lock nobody takes
@@ -125,10 +126,66 @@ BEGIN
         PERFORM pg_advisory_xact_lock_shared({k['high']}, ((id >> {LOW_BITS})::bit(32))::int4),
                 pg_advisory_xact_lock_shared({k['low']}, (id & {LOW_MASK})::int4);
     END IF;
-    flag := set_config('{flag}', '1', true);
+    flag := set_config('{flag}', id::text, true);
     RETURN id;
 END
 $fence$"""
+
+
+def check_name(config: StreamConfig) -> str:
+    return f"{config.table}_fence_check"
+
+
+def check_ddl(config: StreamConfig) -> str:
+    """The function of the statement trigger that refuses, at the insert,
+    the rows of a session that is not replicator's whose IDs did not come
+    through the fence: an ID set by hand or by a ``nextval`` of its own
+    (the transaction took no fenced ID: nothing holds its commit back from
+    the readers), one below the transaction's first fenced ID or beyond
+    what the sequence gave it, and (in a table with a writer column) a row
+    that names another writer than the first (no fence speaks for it).
+    An error at the writer, where a row that passed would be a fact the
+    readers skip in silence."""
+    flag = setting_name(config)
+    seq = config.sequence
+    c = config.id_column
+    other_writer = (f" OR {config.writer_column} IS DISTINCT FROM '{config.writers[0]}'"
+                    if config.writer_column else "")
+    return f"""
+CREATE OR REPLACE FUNCTION {check_name(config)}() RETURNS trigger
+LANGUAGE plpgsql AS $check$
+DECLARE
+    first text := current_setting('{flag}', true);
+BEGIN
+    IF coalesce(first, '') = '' THEN
+        RAISE EXCEPTION '{config.table}: a plain-SQL insert must take {c} from the column default'
+            USING ERRCODE = 'check_violation',
+                  DETAIL = 'This transaction took no {c} through the default, so nothing holds '
+                           'its commit back from the stream''s readers: they would skip it.',
+                  HINT = 'Leave {c} out of the INSERT (no nextval() of your own).';
+    END IF;
+    IF EXISTS (SELECT 1 FROM fenced_rows WHERE {c} < first::bigint
+               OR {c} > currval('{seq}'::regclass){other_writer}) THEN
+        RAISE EXCEPTION USING ERRCODE = 'check_violation',
+                  MESSAGE = '{config.table}: a plain-SQL row has a {c} or writer '
+                            'the fence did not give it',
+                  DETAIL = 'Its {c} must come from the column default (or repeat one this '
+                           'transaction took), and its writer column must be left to its default.',
+                  HINT = 'Leave {c} and the writer column out of the INSERT.';
+    END IF;
+    RETURN NULL;
+END
+$check$"""
+
+
+def trigger_ddl(config: StreamConfig) -> str:
+    """The statement trigger of :func:`check_ddl`: after each INSERT (or
+    COPY), over its rows, skipped for replicator's own sessions (their
+    writes give their IDs; a setting of their connections says so)."""
+    return (f"CREATE TRIGGER {check_name(config)} AFTER INSERT ON {config.table} "
+            f"REFERENCING NEW TABLE AS fenced_rows FOR EACH STATEMENT "
+            f"WHEN (coalesce(current_setting('{OWN_WRITES_SETTING}', true), '') <> 'on') "
+            f"EXECUTE FUNCTION {check_name(config)}()")
 
 
 def default_expression(config: StreamConfig) -> str:
@@ -136,7 +193,7 @@ def default_expression(config: StreamConfig) -> str:
     transaction holds the fence (its setting says so), else the function.
     The check is the executor's, per row: a PL/pgSQL call per row cost
     100-row transactions 14% of their rate."""
-    return (f"CASE WHEN current_setting('{setting_name(config)}', true) = '1' "
+    return (f"CASE WHEN current_setting('{setting_name(config)}', true) <> '' "
             f"THEN nextval('{config.sequence}'::regclass) ELSE {function_name(config)}() END")
 
 
@@ -146,7 +203,7 @@ def _is_default(expression: str | None, config: StreamConfig) -> bool:
     return expression is not None and all(
         part in expression for part in (
             f"{function_name(config).lower()}()", f"'{setting_name(config)}'",
-            "current_setting(", f"nextval('{config.sequence.lower()}'"))
+            "current_setting(", "<> ''", f"nextval('{config.sequence.lower()}'"))
 
 
 def install(txn: Any, config: StreamConfig, key: str) -> None:
@@ -177,6 +234,18 @@ def install(txn: Any, config: StreamConfig, key: str) -> None:
     if not _is_default(defaults.get(config.id_column.lower()), config):
         txn.execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.id_column} "
                     f"SET DEFAULT {default_expression(config)}")
+    check = check_ddl(config)
+    txn.execute("SELECT prosrc FROM pg_proc WHERE proname = %s "
+                "AND pronamespace = current_schema()::regnamespace",
+                (check_name(config).lower(),))
+    row = txn.fetchone()
+    if row is None or row[0] != check.split("$check$")[1]:
+        txn.execute(check)
+    # CREATE TRIGGER waits for the table's open transactions, as ALTER does.
+    txn.execute("SELECT 1 FROM pg_trigger WHERE tgrelid = %s::regclass AND tgname = %s",
+                (config.table, check_name(config).lower()))
+    if txn.fetchone() is None:
+        txn.execute(trigger_ddl(config))
     if config.writer_column and defaults.get(config.writer_column.lower()) != \
             f"'{config.writers[0]}'::text":
         txn.execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.writer_column} "
