@@ -11,8 +11,8 @@ What every test checks at its end: the worker's facts of writer master are
 exactly the table's facts, in ID order, each once (no audit finding).
 """
 
-import json
 import io
+import json
 import os
 import signal
 
