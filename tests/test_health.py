@@ -110,6 +110,28 @@ class HealthMonitorTests(TestCase):
                          "stream events: writer master has 1 committed fact not received "
                          "for 10s")
 
+    def test_a_fact_deleted_from_the_table_is_no_longer_unreceived(self):
+        # An operator deleted a committed row (facts are immutable, but it
+        # happens): the finding went to "0 committed facts not received",
+        # and its age ran on into the next, unrelated fact.
+        self.upstream(self.worker, b"POSITION caches master 0 0\n"
+                                   b"POSITION events master 0 0\n"
+                                   b"POSITION events worker2 0 0\n")
+        [token] = self.write(1)
+        self.check()
+        self.clock.advance(10)
+        self.assertIn("1 committed fact not received", self.monitor.problem(True, "connected"))
+        table = self.master.stream("caches").config.table
+        self.h.run(self.master.db.runOperation(f"DELETE FROM {table} WHERE stream_id = {token}"))
+        self.check()
+        self.assertIsNone(self.monitor.problem(True, "connected"))
+        self.write(1)
+        self.check()
+        self.clock.advance(10)
+        self.assertEqual(self.monitor.problem(True, "connected"),
+                         "stream caches: writer master has 1 committed fact not received "
+                         "for 10s")
+
     def test_facts_received_within_the_grace_are_never_a_problem(self):
         link = self.upstream(self.worker, b"POSITION caches master 0 0\n"
                                           b"POSITION events master 0 0\n"

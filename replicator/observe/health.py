@@ -128,6 +128,13 @@ class _Unreceived:
         if any(stream_id <= position for _, stream_id in self.observations):
             self.observations = deque(o for o in self.observations if o[1] > position)
 
+    def forget_below(self, lowest: int | None) -> None:
+        """Forget sightings of facts below ``lowest``, the least committed
+        fact the last check found above the position (None: none)."""
+        if self.observations and (lowest is None or self.observations[0][1] < lowest):
+            self.observations = deque(o for o in self.observations
+                                      if lowest is not None and o[1] >= lowest)
+
     def observe(self, now: float, lowest: int) -> None:
         if self.observations and self.observations[-1][1] == lowest:
             return  # the same fact still unreceived: keep its first sighting
@@ -255,6 +262,10 @@ class HealthMonitor(TimerService):
             state = self._unreceived.setdefault(key, _Unreceived())
             state.count = count
             state.capped = count > COUNT_LIMIT
+            # What was seen below the lowest unreceived fact now is gone
+            # from the table (received is pruned by the position below):
+            # a row deleted by hand is no fact to wait for.
+            state.forget_below(lowest)
             if lowest is not None:
                 state.observe(started, lowest)
             state.prune(positions.get(key) or 0)
