@@ -544,6 +544,26 @@ class KeepaliveTests(SynchronousTestCase):
         lose(proto)
         self.assertEqual(handler.events[-1], ("lost_connection", "ping_timeout"))
 
+    def test_a_process_stopped_past_the_timeout_reads_before_it_blames(self):
+        # SIGSTOP for 25 s: at the SIGCONT the silence check is long overdue,
+        # while the peer's PINGs wait unread in the socket.  The check looks
+        # again once the reactor has had its turn to read them.
+        proto, transport, clock, handler = make_server(idle_timeout=1000)
+        proto.dataReceived(b"PING 1\n")
+        clock.advance(25)  # (one jump: nothing of this process ran meanwhile)
+        self.assertFalse(transport.disconnecting)
+        proto.dataReceived(b"PING 2\nPING 3\n")  # what waited in the socket
+        clock.advance(0.1)
+        self.assertFalse(transport.disconnecting)
+        # A peer that really went silent is still timed out, once looked at again.
+        proto2, transport2, clock2, _ = make_server(idle_timeout=1000)
+        proto2.dataReceived(b"PING 1\n")
+        clock2.advance(25)
+        self.assertFalse(transport2.disconnecting)
+        clock2.advance(0.1)
+        self.assertTrue(transport2.disconnecting)
+        self.assertEqual(proto2.close_reason, "ping_timeout")
+
     def test_any_line_resets_the_timeout(self):
         proto, transport, clock, handler = make_server()
         proto.dataReceived(b"PING 1\n")
@@ -561,7 +581,9 @@ class KeepaliveTests(SynchronousTestCase):
         proto, transport, clock, handler = make_server()
         clock.advance(1)
         proto.dataReceived(b"PING 1\n")
-        clock.advance(15.9)
+        clock.advance(14.9)
+        self.assertIsNone(proto.close_reason)
+        clock.advance(0.1)  # 15 s after the PING, not the idle timeout's 60
         self.assertEqual(proto.close_reason, "ping_timeout")
 
     def test_configurable_timeout(self):

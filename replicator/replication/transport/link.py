@@ -62,6 +62,9 @@ CONGESTION_GRACE = 1.0
 _DRAIN_CHUNK = 512
 
 _EPSILON = 1e-6
+#: A silence check that runs this much later than it was due looks again
+#: this much later, after the reactor has read what waits in the socket.
+LATE_CHECK = 0.1
 
 
 @implementer(IPushProducer)
@@ -432,11 +435,18 @@ class LineConnection(Protocol):
         return self._idle_timeout
 
     def _timeout_due(self) -> None:
-        self._timeout_call = None
+        call, self._timeout_call = self._timeout_call, None
         if self._closing:
             return
         now = self._clock.seconds()
         due, why = self._deadline()
+        if now + _EPSILON >= due and call is not None and now - call.getTime() > LATE_CHECK:
+            # This process did not run when the check was due (it was
+            # stopped, or its reactor held): what the peer sent meanwhile
+            # may be waiting unread in the socket, and a timer can run
+            # before the reads.  Let the reactor read first.
+            self._timeout_call = self._clock.callLater(LATE_CHECK, self._timeout_due)
+            return
         if now + _EPSILON >= due:
             if why == PING_TIMEOUT_REASON:
                 silent = now - self._last_received
