@@ -103,7 +103,7 @@ class _Db:
     def __init__(self, answers):
         self.answers = answers
 
-    def runInteraction(self, fn, *args):
+    def runInteraction(self, fn, *args, **kwargs):
         from twisted.internet import defer
         answer = self.answers.pop(0)
         if isinstance(answer, Exception):

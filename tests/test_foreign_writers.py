@@ -209,6 +209,23 @@ class ForeignWriterTests(_Daemons):
         self.assertEqual([rows for t, rows in self.delivered() if t == fact],
                          [[["row-1"], ["row-2"]]])
 
+    def test_the_fence_lock_taken_by_hand_is_named_as_such(self):
+        from replicator.config.streams import parse_stream
+        from replicator.streams.fence import lock_classes
+
+        classid = lock_classes(parse_stream(dict(ORDERS), "s"))["stream"]
+        squatter = self.connect("squatter")
+        squatter.autocommit = True
+        squatter.cursor().execute("SELECT pg_advisory_lock(%s, 0)",
+                                  (classid - (1 << 32) if classid >= 1 << 31 else classid,))
+        wait_for(lambda: self.held_texts(), 60, "the holder named on /health")
+        text = self.held_texts()[0]
+        self.assertIn("fence lock has been held without an ID", text)
+        self.assertIn("'squatter'", text)
+        self.assertNotIn("None", text)
+        squatter.cursor().execute("SELECT pg_advisory_unlock_all()")
+        wait_for(lambda: not self.held_texts(), 60, "the holder gone from /health")
+
     def test_a_rolled_back_plain_sql_transaction_stalls_nothing_once_it_ends(self):
         held = self.connect()
         held_id = self.plain_insert(held, "rolled back")

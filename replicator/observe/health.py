@@ -382,14 +382,24 @@ class HealthMonitor(TimerService):
                 continue
             holder, since = hung[0]
             held = self._clock.seconds() - since
+            started = (f", transaction started {holder.xact_start}"
+                       if holder.xact_start is not None else "")
+            state = f", {holder.state}" if holder.state is not None else ""
             who = ("prepared transaction (no session; see pg_prepared_xacts)"
                    if holder.pid is None else
-                   f"session pid {holder.pid} (application_name {holder.application_name!r}, "
-                   f"transaction started {holder.xact_start}, {holder.state})")
+                   f"session pid {holder.pid} (application_name {holder.application_name!r}"
+                   f"{started}{state})")
             more = f" and {len(hung) - 1} more" if len(hung) > 1 else ""
-            text = (f"stream {stream.name}: a plain-SQL transaction has held ID "
-                    f"{holder.first_id} for {held:.0f}s: {who}{more}; facts of writer "
-                    f"{fence.writer} from {holder.first_id} on wait until it ends")
+            if holder.first_id is None:
+                # Not an insert: the fence's lock taken by hand (an advisory
+                # lock of the same key), which every plain-SQL insert waits on.
+                text = (f"stream {stream.name}: the plain-SQL writers' fence lock has been held "
+                        f"without an ID for {held:.0f}s (an advisory lock taken by hand, not "
+                        f"an insert): {who}{more}; plain-SQL inserts wait until it is released")
+            else:
+                text = (f"stream {stream.name}: a plain-SQL transaction has held ID "
+                        f"{holder.first_id} for {held:.0f}s: {who}{more}; facts of writer "
+                        f"{fence.writer} from {holder.first_id} on wait until it ends")
             out.append(Finding("foreign_held", stream.name, fence.writer, text,
                                (f"held by pid {holder.pid}" if holder.pid is not None
                                 else "held by a prepared transaction") + f" for {held:.0f}s",

@@ -73,6 +73,9 @@ POLL = 0.05
 #: and its ID locks (microseconds, normally); then the pass keeps the last
 #: watermark and the next one tries again.
 RETRIES = 20
+#: Polls between two looks at the locks while the sequence stands still
+#: (about one a second): the stream lock taken by hand is named too.
+LOOK_EVERY = 20
 #: The three lock roles (the first int4 of each two-int4 advisory key).
 ROLES = ("stream", "high", "low")
 LOW_BITS = 31
@@ -345,12 +348,14 @@ class Poller:
 
     def poll(self, txn: Any, last: tuple[int, bool] | None, applied: int,
              lower_bound: int, writer: str, upsert: str,
-             sleep: Callable[[float], None] = time.sleep,
+             sleep: Callable[[float], None] = time.sleep, look: bool = False,
              ) -> tuple[int | None, int, list[Holder]]:
         """``(watermark or None, S, holders)``.  ``last`` is the previous
         ``(S, anyone held)``: the same sequence with nobody holding needs
         no look at the locks (a transaction that takes an ID at or below
-        ``S`` held the lock when ``S`` was read before).  A watermark
+        ``S`` held the lock when ``S`` was read before), unless ``look``
+        (now and then: the stream lock taken by hand holds up every insert
+        before it takes an ID, so the sequence stands still).  A watermark
         above ``applied`` (the last one used) is made durable first
         (module docstring): ``upsert`` rewrites the writer's row with
         ``lower_bound``, a position the writer has reached."""
@@ -358,7 +363,7 @@ class Poller:
             s = schema.sequence_value(txn, self.config.sequence)
             if s < applied < (1 << 62):
                 s = self._sequence_back(txn, s, applied)
-            if last is not None and last == (s, False):
+            if last is not None and last == (s, False) and not look:
                 return s, s, []
             holders = self.holders(txn)
             w = watermark(s, holders)
@@ -411,7 +416,7 @@ class Fence:
         d = self.stream.db.runInteraction(
             self._poller.poll, self._last, self._applied, gen.get_current_token(self.writer),
             self.writer,
-            self.stream.upsert_sql)
+            self.stream.upsert_sql, look=self.polls % LOOK_EVERY == 0)
         d.addCallbacks(self._polled, self._failed)
         d.addBoth(self._done)
 
