@@ -128,6 +128,17 @@ class ForeignWriterTests(_Daemons):
         status = json.loads(http(self.master.http_base + "/status.json")[1])
         self.assertIn(text, [f["text"] for f in status["findings"]
                              if f["kind"] == "foreign_held"])
+        # A reader says what holds it back, and stays healthy: no reader
+        # can have these facts before the transaction ends.
+        def worker_held():
+            status, body = self.health(self.worker)
+            held = json.loads(body).get("foreign_held", []) if body else []
+            return (status, held) if held else None
+        wait_for(worker_held, 60, "the holder named on the worker's /health")
+        status, [worker_text] = worker_held()
+        self.assertEqual(status, 200)
+        self.assertIn(f"held back by a plain-SQL transaction holding ID {held_id}", worker_text)
+        self.assertIn("'legacy-app'", worker_text)
         # Everything before it is there; nothing from its ID on went out.
         wait_for(lambda: before in self.delivered_ids(), 60, "the fact before it")
         self.assertEqual([i for i in self.delivered_ids() if i >= held_id], [])

@@ -176,6 +176,10 @@ class HealthMonitor(TimerService):
         self.link_since = link_since
         self._behind_since: dict[Any, float] = {}
         self._unreceived: dict[Key, _Unreceived] = {}
+        #: Per fenced stream read here: who held its fence at the last check.
+        self._held: dict[str, list[Any]] = {}
+        self._pollers: dict[str, Any] = {}
+        self._fenced_writer: dict[str, str] = {}  # (the writer a fence speaks for)
         self._started_at = clock.seconds()
         self._checking: defer.Deferred[None] | None = None
         self._check_failed = False
@@ -228,14 +232,17 @@ class HealthMonitor(TimerService):
                    for stream, writer, position in keys]
         started = self._clock.seconds()
         assert self.db is not None  # (a reader's position: the instance has its database)
-        d: defer.Deferred[None] = self.db.runInteraction(_count_unreceived, queries)
+        d: defer.Deferred[None] = self.db.runInteraction(
+            _count_unreceived, queries, self._fence_pollers())
         self._checking = d
 
-        def done(results: dict[Key, tuple[int | None, int]]) -> None:
+        def done(answer: tuple[dict[Key, tuple[int | None, int]], dict[str, list[Any]]]
+                 ) -> None:
             self._checking = None
             if self._check_failed:
                 log.info("Checking for unreceived facts works again")
                 self._check_failed = False
+            results, self._held = answer
             self._record(started, results)
 
         def failed(f: Any) -> None:
@@ -247,6 +254,24 @@ class HealthMonitor(TimerService):
 
         d.addCallbacks(done, failed)
         return d
+
+    def _fence_pollers(self) -> list[tuple[str, Any]]:
+        """The fenced streams this instance reads but does not poll (a
+        reader of a stream with ``foreign_writers``): the check also asks
+        who holds their fence, to name it."""
+        if self.db is None or not self.db.is_postgres:
+            return []
+        from ..streams.fence import Poller
+
+        out = []
+        for stream in self.registry:
+            if stream.config.foreign_writers and getattr(stream, "fence", None) is None:
+                poller = self._pollers.get(stream.name)
+                if poller is None:
+                    poller = self._pollers[stream.name] = Poller(stream.config)
+                self._fenced_writer[stream.name] = stream.config.writers[0]
+                out.append((stream.name, poller))
+        return out
 
     def _query(self, config: "StreamConfig") -> str:
         where = f"{config.writer_column} = %s AND " if config.writer_column else ""
@@ -299,6 +324,20 @@ class HealthMonitor(TimerService):
                 count = f"{COUNT_LIMIT}+" if state.capped else str(state.count)
                 noun = "fact" if count == "1" else "facts"
                 what = f"{count} committed {noun} not received for {now - oldest:.0f}s"
+                holders = (self._held.get(key[0], [])
+                           if self._fenced_writer.get(key[0]) == key[1] else [])
+                least = min(holders, key=lambda h: h.first_id) if holders else None
+                if least is not None and state.observations[0][1] > least.first_id:
+                    # Every one of them is above an ID a plain-SQL transaction
+                    # holds: no reader gets them before it ends (a warning,
+                    # as on the instance that polls the fence).
+                    text = (f"stream {key[0]}: writer {key[1]} has {what}: held back by a "
+                            f"plain-SQL transaction holding ID {least.first_id}, "
+                            f"{holder_text(least)}; they come when it ends")
+                    out.append(Finding("foreign_held", key[0], key[1], text,
+                                       f"held by ID {least.first_id}", fails_health=False,
+                                       since=oldest))
+                    continue
                 out.append(Finding("unreceived", key[0], key[1],
                                    f"stream {key[0]}: writer {key[1]} has {what}", what))
         return out
@@ -382,13 +421,7 @@ class HealthMonitor(TimerService):
                 continue
             holder, since = hung[0]
             held = self._clock.seconds() - since
-            started = (f", transaction started {holder.xact_start}"
-                       if holder.xact_start is not None else "")
-            state = f", {holder.state}" if holder.state is not None else ""
-            who = ("prepared transaction (no session; see pg_prepared_xacts)"
-                   if holder.pid is None else
-                   f"session pid {holder.pid} (application_name {holder.application_name!r}"
-                   f"{started}{state})")
+            who = holder_text(holder)
             more = f" and {len(hung) - 1} more" if len(hung) > 1 else ""
             if holder.first_id is None:
                 # Not an insert: the fence's lock taken by hand (an advisory
@@ -457,13 +490,28 @@ def _first_text(findings: list[Finding]) -> str | None:
     return None
 
 
+def holder_text(holder: Any) -> str:
+    """Who holds a fenced stream (:class:`..streams.fence.Holder`), in words."""
+    if holder.pid is None:
+        return "prepared transaction (no session; see pg_prepared_xacts)"
+    started = (f", transaction started {holder.xact_start}"
+               if holder.xact_start is not None else "")
+    state = f", {holder.state}" if holder.state is not None else ""
+    return (f"session pid {holder.pid} (application_name {holder.application_name!r}"
+            f"{started}{state})")
+
+
 def _count_unreceived(txn: Any, queries: Sequence[tuple[str, str, str, tuple[Any, ...]]],
-                      ) -> dict[Key, tuple[int | None, int]]:
+                      pollers: Sequence[tuple[str, Any]] = (),
+                      ) -> tuple[dict[Key, tuple[int | None, int]], dict[str, list[Any]]]:
     """Per (stream, writer): the lowest committed stream ID above the
-    reader's position and how many there are (up to ``COUNT_LIMIT + 1``)."""
+    reader's position and how many there are (up to ``COUNT_LIMIT + 1``);
+    and per fenced stream read here (``pollers``), who holds its fence."""
     out: dict[Key, tuple[int | None, int]] = {}
     for stream, writer, sql, params in queries:
         txn.execute(sql, params + (COUNT_LIMIT + 1,))
         lowest, count = txn.fetchone()
         out[(stream, writer)] = (int(lowest) if lowest is not None else None, int(count or 0))
-    return out
+    held = {name: [h for h in poller.holders(txn) if h.first_id is not None]
+            for name, poller in pollers}
+    return out, held
