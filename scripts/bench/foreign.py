@@ -6,8 +6,9 @@ fence costs them, and how soon their facts reach a worker.
     ``WRITERS`` threads, each its own connection, commit one-row
     transactions (``INSERT ... VALUES (...)``, ID and writer from the
     defaults) for ``SECONDS`` s, alternating between the stream's table
-    with the fence (its function as the ID's default) and the same table
-    with a plain ``nextval`` default, ``ROUNDS`` rounds each; the sums per
+    with the fence (its default and its check trigger, as the start makes
+    them) and the same table with a plain ``nextval`` default and no
+    trigger, ``ROUNDS`` rounds each; the sums per
     side.  PostgreSQL (fsync on) alone: no daemon runs, so nothing is
     delivered (an unfenced round beside a running reader is exactly what
     the fence is for: the reader skips rows, its audit stops the stream).
@@ -54,12 +55,12 @@ STREAM = {"name": "orders", "table": "orders_stream", "columns": [{"item": "text
 
 
 def _default(dsn, fenced):
-    """The table's ID default: the fence's (what the start installs), or a
-    plain ``nextval``."""
+    """The table as the start makes it (the fence's default and its check
+    trigger), or a plain ``nextval`` default and no trigger."""
     import psycopg2
 
     from replicator.config.streams import parse_stream
-    from replicator.streams.fence import default_expression
+    from replicator.streams.fence import check_name, default_expression
 
     config = parse_stream(STREAM, "streams[0]")
     default = default_expression(config) if fenced else f"nextval('{config.sequence}')"
@@ -67,6 +68,8 @@ def _default(dsn, fenced):
     conn.autocommit = True
     conn.cursor().execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.id_column} "
                           f"SET DEFAULT {default}")
+    conn.cursor().execute(f"ALTER TABLE {config.table} "
+                          f"{'ENABLE' if fenced else 'DISABLE'} TRIGGER {check_name(config)}")
     conn.close()
 
 
