@@ -140,54 +140,55 @@ def check_name(config: StreamConfig) -> str:
 
 
 def check_ddl(config: StreamConfig) -> str:
-    """The function of the statement trigger that refuses, at the insert,
-    the rows of a session that is not replicator's whose IDs did not come
-    through the fence: an ID set by hand or by a ``nextval`` of its own
-    (the transaction took no fenced ID: nothing holds its commit back from
-    the readers), one below the transaction's first fenced ID or beyond
-    what the sequence gave it, and (in a table with a writer column) a row
-    that names another writer than the first (no fence speaks for it).
-    An error at the writer, where a row that passed would be a fact the
-    readers skip in silence."""
+    """The function of the trigger that refuses, at the insert, the rows
+    of a session that is not replicator's whose IDs did not come through
+    the fence: an ID set by hand or by a ``nextval`` of its own (the
+    transaction took no fenced ID: nothing holds its commit back from the
+    readers), one below the transaction's first fenced ID or beyond what
+    the sequence gave it, and (in a table with a writer column) a row that
+    names another writer than the first (no fence speaks for it).  An
+    error at the writer, where a row that passed would be a fact the
+    readers skip in silence.  It runs only for such rows: the trigger's
+    condition (:func:`trigger_ddl`) finds them."""
     flag = setting_name(config)
-    seq = config.sequence
     c = config.id_column
-    other_writer = (f" OR {config.writer_column} IS DISTINCT FROM '{config.writers[0]}'"
-                    if config.writer_column else "")
     return f"""
 CREATE OR REPLACE FUNCTION {check_name(config)}() RETURNS trigger
 LANGUAGE plpgsql AS $check$
-DECLARE
-    first text := current_setting('{flag}', true);
 BEGIN
-    IF coalesce(first, '') = '' THEN
+    IF coalesce(current_setting('{flag}', true), '') = '' THEN
         RAISE EXCEPTION '{config.table}: a plain-SQL insert must take {c} from the column default'
             USING ERRCODE = 'check_violation',
                   DETAIL = 'This transaction took no {c} through the default, so nothing holds '
                            'its commit back from the stream''s readers: they would skip it.',
                   HINT = 'Leave {c} out of the INSERT (no nextval() of your own).';
     END IF;
-    IF EXISTS (SELECT 1 FROM fenced_rows WHERE {c} < first::bigint
-               OR {c} > currval('{seq}'::regclass){other_writer}) THEN
-        RAISE EXCEPTION USING ERRCODE = 'check_violation',
-                  MESSAGE = '{config.table}: a plain-SQL row has a {c} or writer '
-                            'the fence did not give it',
-                  DETAIL = 'Its {c} must come from the column default (or repeat one this '
-                           'transaction took), and its writer column must be left to its default.',
-                  HINT = 'Leave {c} and the writer column out of the INSERT.';
-    END IF;
-    RETURN NULL;
+    RAISE EXCEPTION USING ERRCODE = 'check_violation',
+          MESSAGE = '{config.table}: a plain-SQL row has a {c} or writer '
+                    'the fence did not give it',
+          DETAIL = 'Its {c} must come from the column default (or repeat one this '
+                   'transaction took), and its writer column must be left to its default.',
+          HINT = 'Leave {c} and the writer column out of the INSERT.';
 END
 $check$"""
 
 
 def trigger_ddl(config: StreamConfig) -> str:
-    """The statement trigger of :func:`check_ddl`: after each INSERT (or
-    COPY), over its rows, skipped for replicator's own sessions (their
-    writes give their IDs; a setting of their connections says so)."""
-    return (f"CREATE TRIGGER {check_name(config)} AFTER INSERT ON {config.table} "
-            f"REFERENCING NEW TABLE AS fenced_rows FOR EACH STATEMENT "
-            f"WHEN (coalesce(current_setting('{OWN_WRITES_SETTING}', true), '') <> 'on') "
+    """The row trigger of :func:`check_ddl`, before each row inserted (or
+    copied).  Its condition is evaluated by the executor, with no call:
+    a session of replicator's (a setting of its connections says so: its
+    writes give their IDs) and a row whose ID the transaction took from
+    the fence pass at the cost of a few setting lookups; only a row to
+    refuse calls the function."""
+    flag = setting_name(config)
+    c = config.id_column
+    other_writer = (f" OR NEW.{config.writer_column} IS DISTINCT FROM '{config.writers[0]}'"
+                    if config.writer_column else "")
+    return (f"CREATE TRIGGER {check_name(config)} BEFORE INSERT ON {config.table} "
+            f"FOR EACH ROW WHEN (coalesce(current_setting('{OWN_WRITES_SETTING}', true), '') "
+            f"<> 'on' AND (coalesce(current_setting('{flag}', true), '') = '' "
+            f"OR NEW.{c} < current_setting('{flag}', true)::bigint "
+            f"OR NEW.{c} > currval('{config.sequence}'::regclass){other_writer})) "
             f"EXECUTE FUNCTION {check_name(config)}()")
 
 
@@ -244,10 +245,15 @@ def install(txn: Any, config: StreamConfig, key: str) -> None:
     row = txn.fetchone()
     if row is None or row[0] != check.split("$check$")[1]:
         txn.execute(check)
-    # CREATE TRIGGER waits for the table's open transactions, as ALTER does.
-    txn.execute("SELECT 1 FROM pg_trigger WHERE tgrelid = %s::regclass AND tgname = %s",
+    # CREATE TRIGGER waits for the table's open transactions, as ALTER does:
+    # made only when it is not there as it should be.
+    txn.execute("SELECT pg_get_triggerdef(oid) FROM pg_trigger "
+                "WHERE tgrelid = %s::regclass AND tgname = %s",
                 (config.table, check_name(config).lower()))
-    if txn.fetchone() is None:
+    row = txn.fetchone()
+    if row is None or "BEFORE INSERT" not in row[0] or "currval(" not in row[0]:
+        if row is not None:
+            txn.execute(f"DROP TRIGGER {check_name(config)} ON {config.table}")
         txn.execute(trigger_ddl(config))
     if config.writer_column and defaults.get(config.writer_column.lower()) != \
             f"'{config.writers[0]}'::text":
