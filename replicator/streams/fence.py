@@ -225,26 +225,14 @@ def install(txn: Any, config: StreamConfig, key: str) -> None:
         raise ConfigError(f"{key}.foreign_writers",
                           f"sequence {config.sequence!r} has CACHE {row[0]}: plain-SQL writers "
                           f"need CACHE 1 (ALTER SEQUENCE {config.sequence} CACHE 1)")
-    ddl = function_ddl(config)
-    txn.execute("SELECT prosrc FROM pg_proc WHERE proname = %s "
-                "AND pronamespace = current_schema()::regnamespace",
-                (function_name(config).lower(),))
-    row = txn.fetchone()
-    if row is None or row[0] != ddl.split("$fence$")[1]:
-        txn.execute(ddl)
+    _function(txn, function_name(config), function_ddl(config), "$fence$")
     # An ALTER TABLE waits for every open transaction on the table (and
     # holds up the ones after it): made only when the default differs.
     defaults = _defaults(txn, config.table)
     if not _is_default(defaults.get(config.id_column.lower()), config):
         txn.execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.id_column} "
                     f"SET DEFAULT {default_expression(config)}")
-    check = check_ddl(config)
-    txn.execute("SELECT prosrc FROM pg_proc WHERE proname = %s "
-                "AND pronamespace = current_schema()::regnamespace",
-                (check_name(config).lower(),))
-    row = txn.fetchone()
-    if row is None or row[0] != check.split("$check$")[1]:
-        txn.execute(check)
+    _function(txn, check_name(config), check_ddl(config), "$check$")
     # CREATE TRIGGER waits for the table's open transactions, as ALTER does:
     # made only when it is not there as it should be.
     txn.execute("SELECT pg_get_triggerdef(oid) FROM pg_trigger "
@@ -259,6 +247,16 @@ def install(txn: Any, config: StreamConfig, key: str) -> None:
             f"'{config.writers[0]}'::text":
         txn.execute(f"ALTER TABLE {config.table} ALTER COLUMN {config.writer_column} "
                     f"SET DEFAULT %s", (config.writers[0],))
+
+
+def _function(txn: Any, name: str, ddl: str, quote: str) -> None:
+    """``ddl`` (a ``CREATE OR REPLACE FUNCTION`` whose body is between two
+    ``quote``) run unless the function ``name`` has that body already."""
+    txn.execute("SELECT prosrc FROM pg_proc WHERE proname = %s "
+                "AND pronamespace = current_schema()::regnamespace", (name.lower(),))
+    row = txn.fetchone()
+    if row is None or row[0] != ddl.split(quote)[1]:
+        txn.execute(ddl)
 
 
 def _defaults(txn: Any, table: str) -> dict[str, str]:
