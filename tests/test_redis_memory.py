@@ -156,6 +156,38 @@ class RedisInMemoryTests(InMemoryRedisCase):
         self.assertEqual([t for _, _, t, _ in consumer.facts], [1, 3])
         self.assertTrue(reader.link.connected)
 
+    def test_a_ping_timed_out_is_judged_after_the_reactor_reads(self):
+        # A process stopped past the ping timeout: at the SIGCONT the timeout
+        # may run before the reactor reads the answer waiting in the socket.
+        from twisted.internet import defer
+
+        from replicator.replication.interfaces import LATE_CHECK
+
+        link = self.link(self.h.instance("w1"))
+
+        class Silent:
+            last_data = self.h.clock.seconds()
+            aborted = 0
+
+            def ping(self):
+                return defer.Deferred()  # (the answer is late)
+
+            @property
+            def transport(self):
+                return self
+
+            def abortConnection(self):
+                Silent.aborted += 1
+
+        answered, dead = Silent(), Silent()
+        link._ping_one(answered)
+        link._ping_one(dead)
+        self.h.clock.advance(link.ping_timeout)
+        self.assertEqual(Silent.aborted, 0)  # not judged yet
+        answered.last_data = self.h.clock.seconds()  # what the reactor then read
+        self.h.clock.advance(LATE_CHECK)
+        self.assertEqual(Silent.aborted, 1)  # the one that stayed silent
+
     def test_auth_failure_never_stops_reconnecting(self):
         node = self.h.instance("w1")
 

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from ..observe.metrics import Sample
     from .wire.commands import Command
 
+#: Seconds a peer's silence is judged again after a timeout that may have
+#: run before the reactor read what waits in the socket (this process was
+#: stopped, or its reactor held): the reactor reads in between.
+LATE_CHECK = 0.1
+
 # Why a connection ended (``close_reason``, ``lost_connection``'s reason,
 # the ``replicator_disconnects_total{reason}`` label).
 CONGESTION = "congestion"

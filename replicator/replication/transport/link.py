@@ -32,6 +32,7 @@ from ...logs.printable import printable
 from ..interfaces import (
     CONGESTION,
     IDLE_TIMEOUT_REASON,
+    LATE_CHECK,
     LINE_TOO_LONG,
     PING_TIMEOUT_REASON,
     SHUTDOWN,
@@ -62,9 +63,6 @@ CONGESTION_GRACE = 1.0
 _DRAIN_CHUNK = 512
 
 _EPSILON = 1e-6
-#: A silence check that runs this much later than it was due looks again
-#: this much later, after the reactor has read what waits in the socket.
-LATE_CHECK = 0.1
 
 
 @implementer(IPushProducer)

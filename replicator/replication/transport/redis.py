@@ -89,7 +89,7 @@ from ...logs.printable import printable
 from ...net.backoff import RECONNECT_INITIAL_DELAY, RECONNECT_MAX_DELAY, Backoff
 from ...net.reconnect import ReconnectingService, failure_reason
 from ...observe import metrics
-from ..interfaces import IRedisBus, IReplicationHandler
+from ..interfaces import LATE_CHECK, IRedisBus, IReplicationHandler
 from ..wire.commands import ReplicateCommand
 from .redis_bus import RedisConnection, deliver, parse_message, routed, text_of
 from .redis_channels import ChannelLayout
@@ -635,8 +635,15 @@ class RedisReplication(MultiService):
         def failed(failure: Failure) -> None:
             if self.clock.seconds() - protocol.last_data < self.ping_timeout:
                 return  # busy, not dead: the answer waits behind data still arriving
-            log.warn("redis: PING failed ({error}); replacing the connection",
-                     error=failure.getErrorMessage())
+            # The timeout may run before the reactor reads what waits in the
+            # socket (this process was stopped, or its reactor held): judge
+            # once it has had a turn to read.
+            self.clock.callLater(LATE_CHECK, judge, failure.getErrorMessage())
+
+        def judge(error: str) -> None:
+            if self.clock.seconds() - protocol.last_data < self.ping_timeout:
+                return
+            log.warn("redis: PING failed ({error}); replacing the connection", error=error)
             if protocol.transport is not None:
                 protocol.transport.abortConnection()
 
