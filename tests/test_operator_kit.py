@@ -272,7 +272,7 @@ class RulesTests(TestCase):
 
     def test_promtool_check_rules(self):
         out = self.run_promtool("check", "rules", RULES)
-        self.assertIn("SUCCESS: 10 rules found", out)
+        self.assertIn("SUCCESS: 11 rules found", out)
 
     def test_promtool_test_rules(self):
         out = self.run_promtool("test", "rules", RULE_TESTS)

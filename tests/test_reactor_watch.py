@@ -14,7 +14,7 @@ from twisted.internet.task import deferLater
 from twisted.trial import unittest
 from zope.interface.verify import verifyObject
 
-from replicator.observe import reactor_watch
+from replicator.observe import metrics
 from replicator.observe.reactor_watch import ReactorWatch, describe
 
 from .support import LogWatch
@@ -41,7 +41,7 @@ class WatchInMemoryTests(unittest.TestCase):
                                   frames=lambda: {self.watch.reactor_thread: self.frame},
                                   beat=0.25, blocked=1.0)
         self.log = LogWatch(self)
-        self.stalls_before = reactor_watch.STALLS._value.get()
+        self.stalls_before = metrics.REACTOR_STALLS._value.get()
 
     def warnings(self) -> list:
         return [e for e in self.log.events
@@ -77,7 +77,7 @@ class WatchInMemoryTests(unittest.TestCase):
         self.assertAlmostEqual(event["late"], 1.0)
         self.assertIn("held_here", event["stack"])
         self.assertIn("test_reactor_watch.py", event["stack"])
-        self.assertEqual(reactor_watch.STALLS._value.get(), self.stalls_before + 1)
+        self.assertEqual(metrics.REACTOR_STALLS._value.get(), self.stalls_before + 1)
 
     def test_a_short_hold_is_no_stall(self) -> None:
         self.watch.beat()

@@ -216,6 +216,24 @@ BOOKKEEPING_EXPIRED = Counter(
 )
 
 
+# ------------------------------------------------------------- reactor
+# (observe.reactor_watch: a second without a turn is a stall.)
+REACTOR_STALLS = Counter(
+    "replicator_reactor_stalls_total",
+    "Times the reactor thread went a second or more without a turn (every connection, "
+    "timer and answer of the instance waited); the log says where it was",
+)
+REACTOR_STALLED_SECONDS = Counter(
+    "replicator_reactor_stalled_seconds_total",
+    "Seconds the reactor thread spent in those stalls",
+)
+REACTOR_BLOCKED = Gauge(
+    "replicator_reactor_blocked_seconds",
+    "Seconds the reactor thread has gone without a turn beyond its beat, now (0 while it "
+    "turns; read by the metrics thread, so it rises while the reactor is held)",
+)
+
+
 # ----------------------------------------------------------- live state
 class LiveGauge:
     """A gauge of live state (a position, a queue, a verdict).  Never set:

@@ -32,10 +32,11 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from prometheus_client import Counter, Gauge
 from twisted.application.service import Service
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+
+from . import metrics
 
 log = Logger(namespace="replicator.observe.reactor_watch")
 
@@ -47,17 +48,6 @@ BLOCKED = 1.0
 
 #: Frames of the held stack that the warning names (innermost first).
 FRAMES = 12
-
-STALLS = Counter(
-    "replicator_reactor_stalls_total",
-    f"Times the reactor thread went {BLOCKED:g}s or more without a turn (every connection, "
-    "timer and answer of the instance waited); the log says where it was",
-)
-STALLED_SECONDS = Counter(
-    "replicator_reactor_stalled_seconds_total",
-    "Seconds the reactor thread spent in those stalls",
-)
-
 
 class ReactorWatch(Service):
     """The beat (on the reactor) and the watching thread, as one service.
@@ -93,8 +83,8 @@ class ReactorWatch(Service):
         if taken is None or taken[0] != last:
             return
         held = now - last
-        STALLS.inc()
-        STALLED_SECONDS.inc(held)
+        metrics.REACTOR_STALLS.inc()
+        metrics.REACTOR_STALLED_SECONDS.inc(held)
         log.warn("The reactor was held for {held:.1f}s (every connection, timer and answer "
                  "waited); {late:.1f}s in, it was in: {stack}", held=held, late=taken[1],
                  stack=taken[2])
@@ -139,7 +129,7 @@ class ReactorWatch(Service):
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="reactor-watch", daemon=True)
         self._thread.start()
-        BLOCKED_NOW.set_function(self.blocked_for)
+        metrics.REACTOR_BLOCKED.set_function(self.blocked_for)
 
     def stopService(self) -> None:
         super().stopService()  # type: ignore[no-untyped-call]
@@ -150,14 +140,7 @@ class ReactorWatch(Service):
         if self._thread is not None:
             self._thread.join(1.0)
             self._thread = None
-        BLOCKED_NOW.set_function(lambda: 0.0)
-
-
-BLOCKED_NOW = Gauge(
-    "replicator_reactor_blocked_seconds",
-    "Seconds the reactor thread has gone without a turn beyond its beat, now (0 while it "
-    "turns; read by the metrics thread, so it rises while the reactor is held)",
-)
+        metrics.REACTOR_BLOCKED.set_function(lambda: 0.0)
 
 
 def describe(frame: FrameType) -> str:

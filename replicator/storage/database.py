@@ -40,7 +40,7 @@ def _sqlite_open(conn: RawConnection) -> None:
 #: inserts are replicator's own, which give their IDs themselves.  The
 #: plain-SQL writers' fence refuses rows whose IDs did not come from it
 #: unless the session says this (:mod:`..streams.fence`).
-OWN_WRITES_SETTING = "replicator.own_writes"
+OWN_WRITES_SETTING = "replicator_session.own_writes"
 
 
 def _postgres_open(conn: RawConnection) -> None:

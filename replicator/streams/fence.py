@@ -100,7 +100,7 @@ def function_name(config: StreamConfig) -> str:
 
 
 def setting_name(config: StreamConfig) -> str:
-    return f"replicator.fenced_{config.table.lower()}"
+    return f"replicator_fenced.{config.table.lower()}"
 
 
 def function_ddl(config: StreamConfig) -> str:
