@@ -189,8 +189,14 @@ class FrozenMasterTests(SynchronousTestCase):
             self.assertEqual(code, 200)
             return json.loads(body)
 
-        wait_for(lambda: len(status()["connections"]) == 1 and status()["healthy"], 60,
-                 "worker1 connected and healthy")
+        def linked():
+            # One snapshot: the link's handshake done, not only answered
+            # (healthy comes a moment before the state says connected).
+            snap = status()
+            return (snap["healthy"] and len(snap["connections"]) == 1
+                    and snap["connections"][0]["state"] == "connected")
+
+        wait_for(linked, 60, "worker1 connected and healthy")
         [before] = status()["connections"]
         self.assertEqual(before["peer"], "hs.test")
         stopped_at = time.time()
